@@ -1,0 +1,9 @@
+"""hyserve: an inference engine for hybrid recurrent/attention LLMs (Qwen3.5 Gated DeltaNet + full attention)."""
+
+from hyserve.llm import LLM
+from hyserve.outputs import CompletionOutput, RequestOutput
+from hyserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

@@ -1,0 +1,271 @@
+"""The step-level engine: admit requests, run scheduled steps, turn sampled tokens into outputs.
+
+``step()`` returns a ``RequestOutput`` for every request that ran or finished in that step, with the cumulative
+token ids and text so far (vLLM's default), so a caller can drive many requests and stream their progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from hyserve.config import EngineConfig, ModelConfig, resolve_dtype
+from hyserve.engine.metrics import EngineMetrics
+from hyserve.engine.model_runner import ModelRunner
+from hyserve.engine.request import Request
+from hyserve.engine.scheduler import Scheduler, ScheduledRow
+from hyserve.layers.sampler import SamplerOutput, SamplingRow
+from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hyserve.sampling_params import SamplingParams
+from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, stop_token_ids
+
+logger = logging.getLogger("hyserve")
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+def _token_seed(seed: int, output_index: int) -> int:
+    """A per-token seed that depends only on the request's seed and the token's index in the output."""
+    x = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        if config.speculative_config:
+            raise ValueError("speculative decoding is not supported yet; remove speculative_config "
+                             "(--speculative-config)")
+        self.config = config
+        self.model_config = ModelConfig.from_model_dir(config.model)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.tokenizer: Tokenizer | None = self._load_tokenizer(config.model)
+        self.eos_token_ids = set(stop_token_ids(config.model, self.model_config))
+        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype)
+        self.max_model_len = self._resolve_max_model_len()
+        self.runner.set_max_model_len(self.max_model_len)
+        self.scheduler = Scheduler(self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
+                                   self.runner.block_pool, self.runner.state_pool)
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        lay = self.runner.layout
+        logger.info("cache: %d KV blocks of %d tokens (%d tokens, %.1f MiB), %d state slots (%.1f MiB); "
+                    "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
+                    lay.num_kv_blocks - 1, config.block_size, (lay.num_kv_blocks - 1) * config.block_size,
+                    lay.num_kv_blocks * lay.kv_bytes_per_block / 2**20, lay.num_state_slots,
+                    (lay.num_state_slots + 1) * lay.state_bytes_per_slot / 2**20, self.max_model_len,
+                    self.runner.max_num_seqs, self.runner.max_num_batched_tokens)
+
+    @staticmethod
+    def _load_tokenizer(model_dir: str) -> Tokenizer | None:
+        try:
+            return Tokenizer.from_model_dir(model_dir)
+        except FileNotFoundError:
+            logger.warning("no tokenizer.json in %s: only token-id prompts are accepted and no text is returned",
+                           model_dir)
+            return None
+
+    def _resolve_max_model_len(self) -> int:
+        capacity = self.runner.block_pool.num_usable_blocks * self.config.block_size
+        limit = self.model_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is None:
+            if capacity < limit:
+                logger.warning("the KV cache holds %d tokens, fewer than the model's %d: max_model_len set to %d",
+                               capacity, limit, capacity)
+            return min(limit, capacity)
+        if asked > capacity:
+            raise ValueError(f"max_model_len={asked} does not fit in the KV cache ({capacity} tokens); lower "
+                             "--max-model-len or give the cache more memory (--gpu-memory-utilization)")
+        return asked
+
+    # ------------------------------------------------------------------ requests
+
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.encode_prompt(str(prompt["prompt"]))
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids' (got keys {sorted(prompt)})")
+        if isinstance(prompt, list):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}; use str or {{'prompt_token_ids': [...]}}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of ints")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return list(ids)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len} "
+                             "allows (the prompt must leave room for at least one output token)")
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        req = Request(request_id, text, ids, params, self._arrivals, detok)
+        self._arrivals += 1
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        self.metrics.on_request_added(len(ids))
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None or req.is_finished:
+                continue
+            req.finish_reason = "abort"
+            self.scheduler.finish(req)
+            self.metrics.on_request_finished("abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.metrics.on_preemptions(len(sched.preempted))
+        if sched.is_empty:
+            return []
+        t0 = time.perf_counter()
+        sampling_rows, sampled = self._sampling_rows(sched.rows)
+        result = self.runner.execute(sched.rows, sampling_rows)
+        outputs: list[RequestOutput] = []
+        for row in sched.rows:
+            row.request.num_computed_tokens = row.end
+        if result is not None:
+            self._apply_samples(sampled, result)
+        for row in sched.rows:
+            req = row.request
+            outputs.append(self._make_output(req))
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+        self.metrics.on_step(sched.num_tokens, len(sampled), time.perf_counter() - t0)
+        return outputs
+
+    def _sampling_rows(self, rows: list[ScheduledRow]) -> tuple[list[SamplingRow], list[Request]]:
+        srows: list[SamplingRow] = []
+        reqs: list[Request] = []
+        for row in rows:
+            if not row.samples:
+                continue
+            req = row.request
+            p = req.sampling_params
+            seed = None if p.seed is None else _token_seed(p.seed, req.num_output_tokens)
+            banned: list[int] = []
+            if req.num_output_tokens < p.min_tokens:
+                banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+            srows.append(SamplingRow(params=p, seed=seed, banned_token_ids=banned))
+            reqs.append(req)
+        return srows, reqs
+
+    def _apply_samples(self, reqs: list[Request], result: SamplerOutput) -> None:
+        errors = set(result.error_rows)
+        for i, req in enumerate(reqs):
+            if i in errors:
+                req.error = "non-finite logits"
+                logger.error("request %s: logits contain NaN/inf at output token %d; finishing it with an error",
+                             req.request_id, req.num_output_tokens)
+                self._finish(req, "error")
+                continue
+            token = int(result.token_ids[i])
+            req.output_token_ids.append(token)
+            if result.logprobs is not None:
+                req.sampled_logprobs.append(float(result.logprobs[i]))
+            if req.sampling_params.logprobs is not None and result.top_logprobs is not None:
+                entry = dict(result.top_logprobs[i])
+                if result.logprobs is not None:
+                    entry.setdefault(token, float(result.logprobs[i]))
+                req.output_logprobs.append(entry)
+            if req.detokenizer is not None:
+                req.detokenizer.append([token])
+                req.output_text = req.detokenizer.text
+            self._check_stop(req, token)
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self._finish(req, "stop")
+                return
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                self._finish(req, "stop")
+                return
+            if p.stop and req.detokenizer is not None:
+                for s in p.stop:
+                    idx = req.output_text.find(s)
+                    if idx >= 0:
+                        req.output_text = req.output_text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                        req.stop_reason = s
+                        self._finish(req, "stop")
+                        return
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        if n_out >= max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+        self.metrics.on_request_finished(reason)
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        p = req.sampling_params
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [{tid: Logprob(lp, None, self._decode_one(tid)) for tid, lp in entry.items()}
+                        for entry in req.output_logprobs]
+        cum = sum(req.sampled_logprobs) if req.sampled_logprobs else None
+        completion = CompletionOutput(
+            index=0, text=req.output_text, token_ids=list(req.output_token_ids), cumulative_logprob=cum,
+            logprobs=logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+        )
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             outputs=[completion], finished=req.is_finished)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def get_metrics(self) -> dict[str, float | list[float]]:
+        return self.metrics.snapshot(self)
+
+    # Used by tests: every block and slot is back in its pool once nothing runs.
+    def assert_no_leaks(self) -> None:
+        pool, states = self.runner.block_pool, self.runner.state_pool
+        if self.has_unfinished_requests():
+            raise AssertionError("requests are still running")
+        if pool.num_free_blocks != pool.num_usable_blocks:
+            raise AssertionError(f"KV blocks leaked: {pool.num_usable_blocks - pool.num_free_blocks}")
+        if states.num_free_slots != states.num_slots:
+            raise AssertionError(f"state slots leaked: {states.num_slots - states.num_free_slots}")

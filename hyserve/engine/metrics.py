@@ -1,0 +1,71 @@
+"""Engine counters, named as the Prometheus metrics the server exports (``hyserve:*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hyserve.engine.llm_engine import LLMEngine
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    scheduled_tokens: int = 0
+    num_steps: int = 0
+    step_time_s: float = 0.0
+    request_success: int = 0
+    request_aborted: int = 0
+    request_errors: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.num_requests += 1
+        self.prompt_tokens += num_prompt_tokens
+
+    def on_request_finished(self, reason: str) -> None:
+        if reason == "abort":
+            self.request_aborted += 1
+        elif reason == "error":
+            self.request_errors += 1
+        else:
+            self.request_success += 1
+
+    def on_preemptions(self, n: int) -> None:
+        self.num_preemptions += n
+
+    def on_step(self, num_tokens: int, num_sampled: int, seconds: float) -> None:
+        self.num_steps += 1
+        self.scheduled_tokens += num_tokens
+        self.generation_tokens += num_sampled
+        self.step_time_s += seconds
+
+    def snapshot(self, engine: LLMEngine) -> dict[str, float | list[float]]:
+        pool = engine.runner.block_pool
+        used = pool.num_usable_blocks - pool.num_free_blocks
+        return {
+            "hyserve:num_requests": self.num_requests,
+            "hyserve:prompt_tokens": self.prompt_tokens,
+            "hyserve:generation_tokens": self.generation_tokens,
+            "hyserve:scheduled_tokens": self.scheduled_tokens,
+            "hyserve:num_steps": self.num_steps,
+            "hyserve:step_time_seconds": self.step_time_s,
+            "hyserve:request_success": self.request_success,
+            "hyserve:request_aborted": self.request_aborted,
+            "hyserve:request_errors": self.request_errors,
+            "hyserve:num_preemptions": self.num_preemptions,
+            "hyserve:num_requests_running": len(engine.scheduler.running),
+            "hyserve:num_requests_waiting": len(engine.scheduler.waiting),
+            "hyserve:kv_cache_usage_perc": used / max(pool.num_usable_blocks, 1),
+            "hyserve:prefix_cache_queries": self.prefix_cache_queries,
+            "hyserve:prefix_cache_hits": self.prefix_cache_hits,
+            "hyserve:spec_decode_num_drafts": 0,
+            "hyserve:spec_decode_num_draft_tokens": 0,
+            "hyserve:spec_decode_num_accepted_tokens": 0,
+            "hyserve:spec_decode_num_accepted_tokens_per_pos": [],
+        }

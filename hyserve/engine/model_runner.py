@@ -1,0 +1,234 @@
+"""Owns the model, its caches and the step's persistent input buffers; runs one scheduled step.
+
+Per-step host work is a fill of preallocated host arrays and one copy per buffer to the device. The device buffers
+(input ids, positions, row offsets, context lengths, state slots, block tables, KV slot mapping) are allocated once at
+their maximum size and a step uses a prefix of each (invariant 7), so a CUDA graph captured over them stays valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hyserve.cache.block_pool import BlockPool, cdiv
+from hyserve.cache.state_pool import StatePool, state_bytes_per_slot
+from hyserve.config import EngineConfig, ModelConfig
+from hyserve.engine.scheduler import ScheduledRow
+from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from hyserve.model.loader import load_weights
+from hyserve.model.metadata import StepMetadata
+from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
+
+logger = logging.getLogger("hyserve")
+
+# Share of the cache budget the recurrent state pool may take before max_num_seqs is lowered to fit.
+MAX_STATE_SHARE = 0.5
+
+
+@dataclass(slots=True)
+class CacheLayout:
+    num_kv_blocks: int
+    num_state_slots: int
+    kv_bytes_per_block: int
+    state_bytes_per_slot: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        t0 = time.perf_counter()
+        self.model = self._build_model()
+        self.mtp_weights = load_weights(self.model, config.model, model_config)
+        logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
+                    model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
+        self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
+        self.max_num_seqs = config.max_num_seqs
+        self.layout = self._plan_caches()
+        self.max_num_seqs = min(self.max_num_seqs, self.layout.num_state_slots)
+        self.block_pool = BlockPool(self.layout.num_kv_blocks, self.block_size)
+        self.state_pool = StatePool(model_config, self.layout.num_state_slots, dtype, device)
+        self.kv_caches = self._allocate_kv(self.layout.num_kv_blocks)
+        self.model.bind_caches(self.kv_caches, self.state_pool.conv_states, self.state_pool.ssm_states)
+        self.max_model_len = 0  # set by set_max_model_len once the engine knows it
+        self.sampler = Sampler(device, seed=config.seed)
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_model(self) -> Qwen3_5ForCausalLM:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = Qwen3_5ForCausalLM(self.model_config)
+        finally:
+            torch.set_default_dtype(prev)
+        return model.eval().requires_grad_(False)
+
+    def _kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * len(cfg.attention_layer_ids) * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def _cache_budget(self) -> int:
+        if self.device.type != "cuda":
+            return int(self.config.cpu_cache_memory_bytes)
+        peak = self._profile_peak_activation()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - used_by_others \
+            - torch.cuda.memory_allocated(self.device) - peak
+        logger.info("memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, cache budget %.2f GiB",
+                    total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30, peak / 2**30, budget / 2**30)
+        if budget <= 0:
+            raise ValueError("no GPU memory left for the KV cache and state pool; raise --gpu-memory-utilization "
+                             "or lower --max-num-batched-tokens")
+        return budget
+
+    def _profile_peak_activation(self) -> int:
+        """Run a full-size prefill on throwaway caches and measure the activation memory it peaks at."""
+        n = self.max_num_batched_tokens
+        pool = StatePool(self.model_config, 1, self.dtype, self.device)
+        kv = self._allocate_kv(cdiv(n, self.block_size) + 1)
+        self.model.bind_caches(kv, pool.conv_states, pool.ssm_states)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        meta = StepMetadata(
+            positions=torch.arange(n, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            state_slots=torch.zeros(1, dtype=torch.long, device=self.device),
+            block_tables=torch.arange(1, cdiv(n, self.block_size) + 1, dtype=torch.int32,
+                                      device=self.device).unsqueeze(0),
+            slot_mapping=torch.arange(self.block_size, self.block_size + n, device=self.device),
+            max_query_len=n, max_seq_len=n,
+        )
+        ids = torch.randint(0, self.model_config.vocab_size, (n,), device=self.device)
+        hidden = self.model(ids, meta)
+        self.model.compute_logits(hidden[-min(n, self.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del pool, kv, meta, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def _plan_caches(self) -> CacheLayout:
+        per_block = self._kv_bytes_per_block()
+        per_slot = state_bytes_per_slot(self.model_config, self.dtype)
+        if self.config.num_kv_blocks is not None and self.config.num_state_slots is not None:
+            return CacheLayout(self.config.num_kv_blocks, self.config.num_state_slots, per_block, per_slot)
+        budget = self._cache_budget()
+        slots = self.config.num_state_slots or self.max_num_seqs
+        if per_slot and (slots + 1) * per_slot > MAX_STATE_SHARE * budget:
+            fit = int(MAX_STATE_SHARE * budget) // per_slot - 1
+            if fit < 1:
+                raise ValueError("the cache budget cannot hold one request's recurrent state; raise "
+                                 "--gpu-memory-utilization (CUDA) or cpu_cache_memory_bytes (CPU)")
+            logger.warning("recurrent state for %d sequences does not fit the budget; max_num_seqs lowered to %d",
+                           slots, fit)
+            slots = fit
+        blocks = self.config.num_kv_blocks
+        if blocks is None:
+            blocks = max(2, (budget - (slots + 1) * per_slot) // max(per_block, 1))
+            if per_block == 0:  # a model without attention layers needs no KV; keep a token pool for bookkeeping
+                blocks = max(2, cdiv(256 * 1024, self.block_size))
+        return CacheLayout(int(blocks), int(slots), per_block, per_slot)
+
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in cfg.attention_layer_ids]
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self._allocate_buffers()
+
+    def _allocate_buffers(self) -> None:
+        t, r = self.max_num_batched_tokens, self.max_num_seqs
+        self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
+        pin = self.device.type == "cuda"
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        def dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        names = {
+            "input_ids": ((t,), torch.long), "positions": ((t,), torch.long), "slot_mapping": ((t,), torch.long),
+            "query_start_loc": ((r + 1,), torch.int32), "seq_lens": ((r,), torch.int32),
+            "state_slots": ((r,), torch.long), "block_tables": ((r, self.max_blocks_per_seq), torch.int32),
+            "logits_indices": ((r,), torch.long),
+        }
+        self.host_bufs = {k: host(s, d) for k, (s, d) in names.items()}
+        self.dev_bufs = {k: dev(s, d) for k, (s, d) in names.items()}
+        self.np_bufs = {k: v.numpy() for k, v in self.host_bufs.items()}
+
+    # ------------------------------------------------------------------ step
+
+    def prepare(self, rows: list[ScheduledRow]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+        """Fill the persistent buffers for ``rows``; returns metadata, input ids and logits row indices (views)."""
+        nb = self.np_bufs
+        bs = self.block_size
+        t = 0
+        n_sample = 0
+        max_q = 0
+        max_s = 0
+        nb["query_start_loc"][0] = 0
+        for i, row in enumerate(rows):
+            req = row.request
+            n, start, end = row.num_new_tokens, row.start, row.end
+            assert req.state_slot is not None
+            nb["input_ids"][t : t + n] = req.token_ids(start, end)
+            pos = np.arange(start, end, dtype=np.int64)
+            nb["positions"][t : t + n] = pos
+            table = np.asarray(req.block_table, dtype=np.int64)
+            nb["slot_mapping"][t : t + n] = table[pos // bs] * bs + pos % bs
+            nb["block_tables"][i, : len(table)] = table
+            nb["block_tables"][i, len(table) :] = BlockPool.NULL_BLOCK
+            nb["seq_lens"][i] = end
+            nb["state_slots"][i] = req.state_slot
+            t += n
+            nb["query_start_loc"][i + 1] = t
+            if row.samples:
+                nb["logits_indices"][n_sample] = t - 1
+                n_sample += 1
+            max_q = max(max_q, n)
+            max_s = max(max_s, end)
+        r = len(rows)
+        sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "query_start_loc": r + 1, "seq_lens": r,
+                 "state_slots": r, "block_tables": r, "logits_indices": n_sample}
+        views = {}
+        for name, size in sizes.items():
+            d = self.dev_bufs[name][:size]
+            d.copy_(self.host_bufs[name][:size], non_blocking=True)
+            views[name] = d
+        nblk = cdiv(max_s, bs)
+        meta = StepMetadata(
+            positions=views["positions"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
+            state_slots=views["state_slots"], block_tables=views["block_tables"][:, :nblk],
+            slot_mapping=views["slot_mapping"], max_query_len=max_q, max_seq_len=max_s,
+        )
+        return meta, views["input_ids"], views["logits_indices"]
+
+    @torch.inference_mode()
+    def execute(self, rows: list[ScheduledRow], sampling_rows: list[SamplingRow]) -> SamplerOutput | None:
+        """Run one step; sample for the rows that reached the end of their known tokens (in row order)."""
+        fresh = [r.request.state_slot for r in rows if r.start == 0]
+        self.state_pool.reset([s for s in fresh if s is not None])
+        meta, input_ids, logits_indices = self.prepare(rows)
+        hidden = self.model(input_ids, meta)
+        if not sampling_rows:
+            return None
+        logits = self.model.compute_logits(hidden[logits_indices])
+        return self.sampler(logits, sampling_rows)

@@ -1,0 +1,72 @@
+"""A request's life in the engine: its tokens, what has been computed, and the memory it owns.
+
+    all_token_ids:  | prompt ................ | output ......... |
+                    |<-- num_computed_tokens -->|<- to compute ->|
+
+``num_computed_tokens`` tokens have their KV in the request's blocks and are folded into its recurrent state slot.
+A request is sampled from when a step brings ``num_computed_tokens`` up to ``num_tokens``. Preemption (by recompute)
+drops the blocks and the slot and sets ``num_computed_tokens`` back to 0; the output so far is kept and recomputed as
+part of the prompt, and sampling seeds depend only on the output index, so the resumed output is unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from hyserve.sampling_params import SamplingParams
+from hyserve.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_index: int
+    detokenizer: IncrementalDetokenizer | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    sampled_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_text: str = ""
+    num_preemptions: int = 0
+    # Characters of output_text already returned (stop strings may hold some back).
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

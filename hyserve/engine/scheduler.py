@@ -1,0 +1,133 @@
+"""Continuous batching with chunked prefill, FCFS admission and preemption by recompute.
+
+Each step spends a token budget (``max_num_batched_tokens``). Running requests come first, in admission order: a
+decoding request takes one token, a request in the middle of its prompt takes the next chunk that fits. Waiting
+requests are then admitted in arrival order while the budget, ``max_num_seqs``, KV blocks and state slots allow; a
+request that does not fit blocks the queue behind it (FCFS). When a running request needs a KV block and none is free,
+the most recently admitted running request is preempted: its blocks and slot are freed at once and it goes back to the
+front of the queue, to be recomputed from its prompt and the output it had produced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hyserve.cache.block_pool import BlockPool
+from hyserve.cache.state_pool import StatePool
+from hyserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRow:
+    request: Request
+    start: int  # num_computed_tokens when scheduled: first position of this chunk
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's known tokens, so the step samples its next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    rows: list[ScheduledRow] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_pool: BlockPool,
+                 state_pool: StatePool) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_pool = block_pool
+        self.state_pool = state_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow_or_preempt(req, n, out):
+                break  # req itself was preempted; it was the last running request
+            out.rows.append(ScheduledRow(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out  # memory is short: admit nobody new this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.block_pool.blocks_needed(n, 0)
+            if self.state_pool.num_free_slots == 0 or need > self.block_pool.num_free_blocks:
+                break
+            self.waiting.popleft()
+            req.state_slot = self.state_pool.allocate()
+            req.block_table = self.block_pool.allocate(need)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.rows.append(ScheduledRow(req, 0, n))
+            budget -= n
+        return out
+
+    def _grow_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Give ``req`` the blocks for ``n`` more tokens, preempting from the back. False if req was preempted."""
+        need = self.block_pool.blocks_needed(req.num_computed_tokens + n, len(req.block_table))
+        while need > self.block_pool.num_free_blocks:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        req.block_table.extend(self.block_pool.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.block_pool.free(req.block_table)
+            req.block_table = []
+        if req.state_slot is not None:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = None
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished request from the running set and free its memory at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED

@@ -1,0 +1,145 @@
+"""``LLM``: the offline entry point, with vLLM's names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from hyserve.config import EngineConfig
+from hyserve.engine.llm_engine import LLMEngine, PromptType
+from hyserve.outputs import RequestOutput
+from hyserve.sampling_params import SamplingParams
+
+
+def _default_model() -> str:
+    raise ValueError("no model given and no default model ships with this version; pass LLM(model='path/to/dir')")
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        speculative_config: dict[str, Any] | None = None,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.9,
+        **kwargs: Any,
+    ) -> None:
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
+        config = EngineConfig(
+            model=model if model is not None else _default_model(),
+            dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization, **kwargs,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        items = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(items))
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(items, params, strict=True):
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("this checkpoint has no tokenizer, so chat() cannot apply a chat template")
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            if not isinstance(conv, list) or not conv:
+                raise ValueError("each conversation must be a non-empty list of {'role': ..., 'content': ...}")
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> dict[str, float | list[float]]:
+        return self.llm_engine.get_metrics()
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # a single prompt given as token ids
+        items = list(prompts)
+        if not items:
+            raise ValueError("no prompts given")
+        return items
+
+    @staticmethod
+    def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        items = list(sp)
+        if len(items) != n:
+            raise ValueError(f"got {len(items)} SamplingParams for {n} prompts; pass one, or one per prompt")
+        return items
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("engine stopped with requests still pending")
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

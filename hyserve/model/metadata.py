@@ -1,0 +1,38 @@
+"""Per-step metadata that the model's layers read.
+
+One step runs R rows (requests) whose new tokens are concatenated into T tokens (the "varlen" layout):
+
+    tokens:   | row 0: n_0 tokens | row 1: n_1 tokens | ... |
+    query_start_loc = [0, n_0, n_0 + n_1, ..., T]
+
+Every tensor here is a view into a persistent device buffer owned by the model runner (invariant 7: a captured graph
+reads these buffers, refilled each step, never a per-step temporary). Recurrent state is addressed through
+``state_slots[r]``, the slot the scheduler assigned to row r's request at admission; nothing infers a slot from a row's
+position (invariant 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    positions: torch.Tensor  # (T,) int64 absolute position of each token
+    query_start_loc: torch.Tensor  # (R+1,) int32 row offsets into the T tokens
+    seq_lens: torch.Tensor  # (R,) int32 context length of each row after this step
+    state_slots: torch.Tensor  # (R,) int64 recurrent-state slot of each row
+    block_tables: torch.Tensor  # (R, max_blocks) int32 KV block ids of each row
+    slot_mapping: torch.Tensor  # (T,) int64 flat KV cache slot of each token (-1: skip)
+    max_query_len: int  # host copies so that kernels need no device->host sync
+    max_seq_len: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.state_slots.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])

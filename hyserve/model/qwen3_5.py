@@ -1,0 +1,181 @@
+"""The Qwen3.5 dense text model: Gated DeltaNet and gated full-attention layers over paged KV and slot-owned state.
+
+Parameter names are exactly those of transformers' ``Qwen3_5ForCausalLM`` so that checkpoints load by name.
+
+The layers keep no per-request state of their own. Attention layers write K/V into the paged cache through
+``slot_mapping`` and read it through ``block_tables``; GDN layers read and write the conv window and the float32 SSM
+state of ``state_slots[r]`` for each row r. The cache tensors are bound once by the model runner (``bind_caches``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hyserve.config import FULL_ATTENTION, ModelConfig
+from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
+from hyserve.layers.norm import GatedRMSNorm, RMSNorm
+from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.model.metadata import StepMetadata
+
+
+class GatedDeltaNet(nn.Module):
+    """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = cfg.linear_key_dim
+        self.value_dim = cfg.linear_value_dim
+        self.conv_dim = cfg.conv_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, bias=False,
+                                groups=self.conv_dim, padding=cfg.linear_conv_kernel_dim - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
+        self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
+        t = x.shape[0]
+        mixed = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), self.conv_state,
+                                     meta.state_slots, meta.query_start_loc)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        z = self.in_proj_z(x)
+        beta = self.in_proj_b(x).float().sigmoid()
+        # float32 before exp/softplus: in half precision A can overflow to inf.
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        out = gdn_forward(
+            q.reshape(t, self.num_k_heads, self.head_k_dim),
+            k.reshape(t, self.num_k_heads, self.head_k_dim),
+            v.reshape(t, self.num_v_heads, self.head_v_dim),
+            g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc, meta.max_query_len,
+        )
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(t, self.value_dim))
+
+
+class Attention(nn.Module):
+    """Gated full attention: q_proj yields [q | gate] per head, q/k RMSNorm per head, partial RoPE."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
+        self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, Hkv, D)
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
+        t = x.shape[0]
+        q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary[0](meta.positions, q, k)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention(q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
+                              meta.seq_lens, self.scale, meta.max_query_len, meta.max_seq_len)
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.mixer: GatedDeltaNet | Attention
+        if self.layer_type == FULL_ATTENTION:
+            self.self_attn = Attention(cfg, rotary)
+            self.mixer = self.self_attn
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+            self.mixer = self.linear_attn
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        x = x + self.mixer(self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, meta)
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Returns post-final-norm hidden states (the MTP head consumes them); ``compute_logits`` applies lm_head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        return self.model(input_ids, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def gdn_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.layer_type != FULL_ATTENTION]
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers if layer.layer_type == FULL_ATTENTION]
+
+    def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor]) -> None:
+        """Give each layer its slice of the runner-owned pools (one entry per attention / GDN layer, in order)."""
+        attn, gdn = self.attention_layers(), self.gdn_layers()
+        if len(attn) != len(kv_caches) or len(gdn) != len(conv_states) or len(gdn) != len(ssm_states):
+            raise ValueError("cache count does not match the model's layer pattern")
+        for layer, (k, v) in zip(attn, kv_caches, strict=True):
+            layer.k_cache, layer.v_cache = k, v
+        for layer, conv, ssm in zip(gdn, conv_states, ssm_states, strict=True):
+            layer.conv_state, layer.ssm_state = conv, ssm
