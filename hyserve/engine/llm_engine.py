@@ -200,12 +200,10 @@ class LLMEngine:
                 continue
             token = int(result.token_ids[i])
             req.output_token_ids.append(token)
-            if result.logprobs is not None:
+            if req.sampling_params.logprobs is not None and result.logprobs is not None:
                 req.sampled_logprobs.append(float(result.logprobs[i]))
-            if req.sampling_params.logprobs is not None and result.top_logprobs is not None:
-                entry = dict(result.top_logprobs[i])
-                if result.logprobs is not None:
-                    entry.setdefault(token, float(result.logprobs[i]))
+                entry = dict(result.top_logprobs[i]) if result.top_logprobs is not None else {}
+                entry.setdefault(token, float(result.logprobs[i]))
                 req.output_logprobs.append(entry)
             if req.detokenizer is not None:
                 req.detokenizer.append([token])
