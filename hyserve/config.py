@@ -123,8 +123,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise ValueError(f"config.json: unsupported rope_type {rope_type!r} (supported: default)")
-        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000000.0)))
-        prf = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        rope_theta = float(rope.get("rope_theta") or text.get("rope_theta") or 10000000.0)
+        prf = float(rope.get("partial_rotary_factor") or text.get("partial_rotary_factor") or 0.25)
         hidden = int(text["hidden_size"])
         n_heads = int(text["num_attention_heads"])
         eos = _first_set(text, raw, keys=("eos_token_id",))

@@ -109,8 +109,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]  # a single prompt given as token ids
-        items = list(prompts)
+            return [list(prompts)]  # a single prompt given as token ids
+        items: list[PromptType] = list(prompts)  # type: ignore[arg-type]
         if not items:
             raise ValueError("no prompts given")
         return items

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from checkpoints import load_reference_model, write_tiny_checkpoint  # noqa: E402
+from hyserve.testing import load_reference_model, write_tiny_checkpoint  # noqa: E402
 
 LAYER_PATTERNS = {
     "gdn3_attn1": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
@@ -38,7 +38,7 @@ class CheckpointCache:
             self._paths[key] = path
         return self._paths[key]
 
-    def reference(self, path: str):  # noqa: ANN201
+    def reference(self, path: str):
         if path not in self._refs:
             self._refs[path] = load_reference_model(path)
         return self._refs[path]

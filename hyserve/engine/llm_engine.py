@@ -16,7 +16,7 @@ from hyserve.config import EngineConfig, ModelConfig, resolve_dtype
 from hyserve.engine.metrics import EngineMetrics
 from hyserve.engine.model_runner import ModelRunner
 from hyserve.engine.request import Request
-from hyserve.engine.scheduler import Scheduler, ScheduledRow
+from hyserve.engine.scheduler import ScheduledRow, Scheduler
 from hyserve.layers.sampler import SamplerOutput, SamplingRow
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hyserve.sampling_params import SamplingParams

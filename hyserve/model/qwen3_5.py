@@ -164,10 +164,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def gdn_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.model.layers if layer.layer_type != FULL_ATTENTION]
+        return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers if layer.layer_type == FULL_ATTENTION]
+        return [m for m in self.modules() if isinstance(m, Attention)]
 
     def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                     conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor]) -> None:
@@ -177,5 +177,5 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError("cache count does not match the model's layer pattern")
         for layer, (k, v) in zip(attn, kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k, v
-        for layer, conv, ssm in zip(gdn, conv_states, ssm_states, strict=True):
-            layer.conv_state, layer.ssm_state = conv, ssm
+        for gdn_layer, conv, ssm in zip(gdn, conv_states, ssm_states, strict=True):
+            gdn_layer.conv_state, gdn_layer.ssm_state = conv, ssm

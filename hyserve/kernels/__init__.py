@@ -1,0 +1,18 @@
+"""hyserve's compute kernels, in the flat varlen layout, with plain-torch references for CPU and for tests.
+
+Layout: a step's tokens from ``R`` rows are concatenated (``T`` tokens); ``query_start_loc`` ``(R + 1,)`` int32 holds
+the cumulative offsets (row ``r`` owns tokens ``[qsl[r], qsl[r + 1])``; rows may be empty). Recurrent state pools are
+indexed by slot (``state_slots[r]``), never by row; slots of non-empty rows are distinct, and empty rows and unnamed
+slots are never written. Host ints (``max_query_len``, ``max_seq_len``) size launches without device->host syncs.
+
+Each entry point dispatches on the device: CUDA tensors go to Triton kernels (and fla-core for GDN prefill), all
+others to the references in :mod:`hyserve.kernels.reference`. Triton and fla are imported lazily, only when needed.
+"""
+
+from __future__ import annotations
+
+from hyserve.kernels.attention import paged_attention, store_kv
+from hyserve.kernels.conv import causal_conv1d_varlen
+from hyserve.kernels.gdn import gdn_forward
+
+__all__ = ["causal_conv1d_varlen", "gdn_forward", "paged_attention", "store_kv"]

@@ -1,0 +1,204 @@
+"""Triton kernels for :mod:`hyserve.kernels.attention`: KV-cache writes and paged causal attention.
+
+Cache layout: ``(num_blocks, block_size, Hkv, D)``; position ``p`` of row ``r`` lives in block
+``block_tables[r, p // block_size]`` at offset ``p % block_size``. Every kernel looks pages up per key position, so any
+``block_size`` works and a key tile may straddle pages.
+
+Softmax is online (flash-attention style) in float32, base 2 (the launcher passes ``qk_scale = scale * log2(e)``; the
+decode partials' running maxima are base-2 too), with a finite running-max floor (``_NEG``), so fully masked tiles
+contribute exactly zero instead of NaN. Products ``q k^T`` and ``p v`` use ``tl.dot`` with float32 accumulation.
+
+* ``_store_kv_kernel``: one program per token; a negative slot skips the token.
+* ``_paged_decode_kernel``: rows of at most one token. One program per (row, kv head, context split) handles the whole
+  GQA group (query heads padded to >= 16 for ``tl.dot``). With one split it writes the normalised output directly;
+  otherwise it writes unnormalised partial sums plus (max, sum) and ``_paged_decode_reduce_kernel`` combines them.
+* ``_paged_prefill_kernel``: any row lengths. One program per (block of ``BLOCK_M`` query tokens, row, query head);
+  keys beyond the block's last query position are never visited.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_paged_decode_kernel", "_paged_decode_reduce_kernel", "_paged_prefill_kernel", "_store_kv_kernel"]
+
+_NEG = tl.constexpr(-1.0e30)  # finite floor of the running max (a global must be a constexpr in @jit code)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    sk_t, sk_h, sv_t, sv_h,
+    skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // BS
+    off = slot % BS
+    oh = tl.arange(0, BLOCK_H)
+    od = tl.arange(0, BLOCK_D)
+    mask = (oh < HKV)[:, None] & (od < D)[None, :] & (slot >= 0)
+    kv = tl.load(k_ptr + t * sk_t + oh[:, None] * sk_h + od[None, :], mask=mask)
+    vv = tl.load(v_ptr + t * sv_t + oh[:, None] * sv_h + od[None, :], mask=mask)
+    tl.store(kc_ptr + blk * skc_b + off * skc_o + oh[:, None] * skc_h + od[None, :],
+             kv.to(kc_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(vc_ptr + blk * svc_b + off * svc_o + oh[:, None] * svc_h + od[None, :],
+             vv.to(vc_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, pos, pmask, allowed, r, hkv, od, dmask,
+    kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
+    BS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step (base 2: ``qk_scale`` includes log2(e)) over the key positions ``pos`` (BLOCK_N,).
+
+    ``pmask`` (BLOCK_N,) marks the positions to load; ``allowed`` (M, BLOCK_N) the (query, key) pairs to keep.
+    """
+    blk = tl.load(bt_ptr + r * sbt_r + pos // BS, mask=pmask, other=0).to(tl.int64)
+    off = (pos % BS).to(tl.int64)
+    lmask = pmask[:, None] & dmask[None, :]
+    kt = tl.load(kc_ptr + blk[:, None] * skc_b + off[:, None] * skc_o + hkv * skc_h + od[None, :], mask=lmask,
+                 other=0.0)  # fmt: skip
+    qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vt = tl.load(vc_ptr + blk[:, None] * svc_b + off[:, None] * svc_o + hkv * svc_h + od[None, :], mask=lmask,
+                 other=0.0)  # fmt: skip
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, po_ptr, pml_ptr,
+    sq_t, sq_h, so_t, so_h, sbt_r,
+    skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
+    spo_r, spo_h, spo_s, spml_r, spml_h, spml_s,
+    qk_scale,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, PART: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (R, Hkv, splits). Row r's token (if any) attends to positions [0, seq_len); split s covers
+    [s * PART, (s + 1) * PART)."""
+    r = tl.program_id(0)
+    hkv = tl.program_id(1)
+    sp = tl.program_id(2)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    seq_len = tl.load(seqlen_ptr + r).to(tl.int64)
+    kv_len = tl.where(n > 0, seq_len, 0)
+    lo = sp.to(tl.int64) * PART
+    hi = tl.minimum(lo + PART, kv_len)
+
+    og = tl.arange(0, G_PAD)
+    od = tl.arange(0, BLOCK_D)
+    gmask = og < GROUP
+    dmask = od < D
+    hq = hkv * GROUP + og
+    qmask = gmask[:, None] & dmask[None, :] & (n > 0)
+    q = tl.load(q_ptr + start * sq_t + hq[:, None] * sq_h + od[None, :], mask=qmask, other=0.0)
+
+    m_i = tl.full((G_PAD,), _NEG, dtype=tl.float32)
+    l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, BLOCK_D), dtype=tl.float32)
+    for s in range(lo, hi, BLOCK_N):
+        pos = s + tl.arange(0, BLOCK_N)
+        pmask = pos < hi
+        allowed = gmask[:, None] & pmask[None, :]
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, pos, pmask, allowed, r, hkv, od, dmask,
+            kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
+            BS, PRECISION,
+        )  # fmt: skip
+
+    if SINGLE:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + start * so_t + hq[:, None] * so_h + od[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=qmask)  # fmt: skip
+    else:
+        pmask = gmask[:, None] & dmask[None, :]
+        tl.store(po_ptr + r * spo_r + hq[:, None] * spo_h + sp * spo_s + od[None, :], acc, mask=pmask)
+        ml = pml_ptr + r * spml_r + hq * spml_h + sp * spml_s
+        tl.store(ml, m_i, mask=gmask)
+        tl.store(ml + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    po_ptr, pml_ptr, qsl_ptr, out_ptr,
+    so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid (R, Hq): combine the splits' partial (unnormalised) outputs of a decode row."""
+    r = tl.program_id(0)
+    hq = tl.program_id(1)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    osp = tl.arange(0, S_PAD)
+    od = tl.arange(0, BLOCK_D)
+    smask = osp < NUM_SPLITS
+    dmask = od < D
+    ml = pml_ptr + r * spml_r + hq * spml_h + osp * spml_s
+    m_s = tl.load(ml, mask=smask, other=_NEG)
+    l_s = tl.load(ml + 1, mask=smask, other=0.0)
+    m = tl.max(m_s, axis=0)
+    w = tl.exp2(m_s - m)
+    denom = tl.sum(l_s * w, axis=0)
+    po = tl.load(po_ptr + r * spo_r + hq * spo_h + osp[:, None] * spo_s + od[None, :],
+                 mask=smask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+    o = tl.sum(po * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + start * so_t + hq * so_h + od, o.to(out_ptr.dtype.element_ty), mask=dmask & (n > 0))
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
+    sq_t, sq_h, so_t, so_h, sbt_r,
+    skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
+    qk_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (query blocks, R, Hq). Query i of row r sits at seq_len - n + i and attends to [0, that position]."""
+    mb = tl.program_id(0)
+    r = tl.program_id(1)
+    hq = tl.program_id(2)
+    hkv = hq // GROUP
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    seq_len = tl.load(seqlen_ptr + r).to(tl.int64)
+    ctx = seq_len - n  # tokens before this step's first query
+
+    om = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    od = tl.arange(0, BLOCK_D)
+    mmask = om < n
+    dmask = od < D
+    qmask = mmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + (start + om)[:, None] * sq_t + hq * sq_h + od[None, :], mask=qmask, other=0.0)
+    qpos = ctx + om
+    # Keys past the block's last valid query position are never needed; an empty block visits none.
+    kv_end = tl.where(mb * BLOCK_M < n, tl.minimum(seq_len, ctx + (mb + 1) * BLOCK_M), 0)
+
+    m_i = tl.full((BLOCK_M,), _NEG, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for s in range(0, kv_end, BLOCK_N):
+        pos = s + tl.arange(0, BLOCK_N)
+        pmask = pos < kv_end
+        allowed = mmask[:, None] & (pos[None, :] <= qpos[:, None]) & pmask[None, :]
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, pos, pmask, allowed, r, hkv, od, dmask,
+            kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
+            BS, PRECISION,
+        )  # fmt: skip
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (start + om)[:, None] * so_t + hq * so_h + od[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=qmask)  # fmt: skip

@@ -1,0 +1,92 @@
+"""Triton kernels for :mod:`hyserve.kernels.conv` (imported lazily: only the CUDA path and interpreter tests need them).
+
+Each program owns one row ``r`` (its tokens ``[qsl[r], qsl[r+1])``, its slot ``state_slots[r]``) and a block of
+channels. The old window of a row is read before any of its entries is overwritten: either by a separate launch
+(``_conv1d_state_kernel`` runs after ``_conv1d_fwd_kernel``) or, when fused, by a block-wide barrier; within
+``_roll_state`` a barrier separates the reads of the old window from the writes of the new one.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_conv1d_fwd_kernel", "_conv1d_state_kernel"]
+
+
+@triton.jit
+def _roll_state(
+    x_ptr, state_ptr, slot, start, n, offs_d, d_mask,
+    sx_t, sx_d, ss_s, ss_d, ss_k,
+    K: tl.constexpr, KM1_PAD: tl.constexpr,
+):  # fmt: skip
+    """New window = last K-1 entries of (old window ++ the row's n tokens); a no-op for an empty row."""
+    p = tl.arange(0, KM1_PAD)
+    rel = n - (K - 1) + p  # position of the new entry p relative to the row's first token
+    from_x = rel >= 0
+    base = (p < K - 1)[None, :] & d_mask[:, None] & (n > 0)
+    xv = tl.load(
+        x_ptr + (start + rel)[None, :] * sx_t + offs_d[:, None] * sx_d,
+        mask=base & from_x[None, :],
+        other=0.0,
+    )
+    srow = state_ptr + slot * ss_s + offs_d[:, None] * ss_d
+    sv = tl.load(srow + (K - 1 + rel)[None, :] * ss_k, mask=base & (~from_x)[None, :], other=0.0)
+    new = tl.where(from_x[None, :], xv.to(sv.dtype), sv)
+    tl.debug_barrier()  # every read of the old window happens before any write of the new one
+    tl.store(srow + p[None, :] * ss_k, new, mask=base)
+
+
+@triton.jit
+def _conv1d_fwd_kernel(
+    x_ptr, w_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
+    D,
+    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t,
+    K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FUSE_STATE: tl.constexpr,
+):  # fmt: skip
+    """Grid (token blocks, R, channel blocks). out = silu(sum_k w[:, k] * window[k]) in fp32."""
+    tb = tl.program_id(0)
+    r = tl.program_id(1)
+    db = tl.program_id(2)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < n
+    m = t_mask[:, None] & d_mask[None, :]
+    srow = state_ptr + slot * ss_s + offs_d[None, :] * ss_d
+
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):
+        rel = offs_t - (K - 1) + k
+        from_x = (rel >= 0)[:, None]
+        xv = tl.load(x_ptr + (start + rel)[:, None] * sx_t + offs_d[None, :] * sx_d, mask=m & from_x, other=0.0)
+        sv = tl.load(srow + (K - 1 + rel)[:, None] * ss_k, mask=m & (~from_x), other=0.0)
+        wk = tl.load(w_ptr + offs_d * sw_d + k * sw_k, mask=d_mask, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wk[None, :]
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+    if FUSE_STATE:
+        _roll_state(x_ptr, state_ptr, slot, start, n, offs_d, d_mask, sx_t, sx_d, ss_s, ss_d, ss_k, K, KM1_PAD)
+
+
+@triton.jit
+def _conv1d_state_kernel(
+    x_ptr, state_ptr, slots_ptr, qsl_ptr,
+    D,
+    sx_t, sx_d, ss_s, ss_d, ss_k,
+    K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid (R, channel blocks): roll each non-empty row's window (after the forward kernel has read it)."""
+    r = tl.program_id(0)
+    db = tl.program_id(1)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    _roll_state(x_ptr, state_ptr, slot, start, n, offs_d, d_mask, sx_t, sx_d, ss_s, ss_d, ss_k, K, KM1_PAD)

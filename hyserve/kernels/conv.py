@@ -1,0 +1,113 @@
+"""Depthwise causal conv1d + SiLU over varlen rows with a slot-indexed rolling state (GDN's short convolution).
+
+Entry point: :func:`causal_conv1d_varlen`. On CUDA it runs the Triton kernels below; elsewhere the plain-torch
+reference (:func:`hyserve.kernels.reference.causal_conv1d_varlen_ref`), which defines the semantics.
+
+Invariants (see ``reference.py`` for the layout):
+
+* ``conv_state[s]`` holds the previous ``K - 1`` inputs of slot ``s``'s request, oldest first (zeros when fresh).
+* After the call the slot of each non-empty row holds the last ``K - 1`` inputs of ``old window ++ row tokens``;
+  empty rows and slots no row names are not touched.
+* Slots of non-empty rows are distinct. Arithmetic is float32; the output has ``x``'s dtype.
+
+Kernel design: ``_conv1d_fwd_kernel`` computes a ``(BLOCK_T, BLOCK_D)`` output tile of one row per program, reading
+older inputs from the old window. When one token block covers every row (decode, short chunks), the same program
+then rolls the window (``FUSE_STATE``; a block-wide barrier separates the reads of the old window from the writes).
+Otherwise ``_conv1d_state_kernel`` rolls the windows in a second launch, after every program has read them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyserve.kernels.reference import causal_conv1d_varlen_ref
+
+__all__ = ["causal_conv1d_varlen", "causal_conv1d_varlen_triton"]
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d (no bias) + SiLU, rolling ``conv_state`` in place; returns ``(T, D)`` in ``x.dtype``.
+
+    Args:
+        x: ``(T, D)``; may be a strided view (the last dim need not be contiguous).
+        weight: ``(D, K)``.
+        conv_state: ``(S, D, K - 1)`` pool, dtype of ``x``, updated in place.
+        state_slots: ``(R,)`` int32/int64 slot per row.
+        query_start_loc: ``(R + 1,)`` int32 cumulative token offsets.
+        max_query_len: optional host int ``>=`` the longest row; on CUDA it sizes the launch grid (``T`` if None).
+    """
+    if x.is_cuda:
+        return causal_conv1d_varlen_triton(x, weight, conv_state, state_slots, query_start_loc, max_query_len)
+    return causal_conv1d_varlen_ref(x, weight, conv_state, state_slots, query_start_loc)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def causal_conv1d_varlen_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`causal_conv1d_varlen` (also runs under ``TRITON_INTERPRET=1`` on CPU).
+
+    ``out`` optionally supplies the contiguous ``(T, D)`` output buffer (e.g. NaN-poisoned in tests)."""
+    from hyserve.kernels._triton_conv import _conv1d_fwd_kernel, _conv1d_state_kernel
+
+    T, D = x.shape
+    K = weight.shape[1]
+    R = state_slots.shape[0]
+    assert conv_state.shape[1] == D and conv_state.shape[2] == K - 1, "conv_state must be (S, D, K-1)"
+    assert K >= 2, "kernel size must be at least 2"
+    if out is None:
+        out = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    assert out.shape == (T, D) and out.stride(1) == 1
+    if R == 0:
+        return out
+    mql = T if max_query_len is None else min(int(max_query_len), T)
+    block_t = min(16, _next_pow2(max(mql, 1)))
+    n_tblocks = max(1, -(-mql // block_t))
+    block_d = 256 if block_t <= 4 else 128
+    block_d = min(block_d, _next_pow2(D))
+    km1_pad = _next_pow2(K - 1)
+    fuse = n_tblocks == 1
+    w = weight
+    qsl = query_start_loc
+    grid = (n_tblocks, R, _cdiv(D, block_d))
+    _conv1d_fwd_kernel[grid](
+        x, w, conv_state, state_slots, qsl, out,
+        D,
+        x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        out.stride(0),
+        K=K, KM1_PAD=km1_pad, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse,
+        num_warps=4,
+    )  # fmt: skip
+    if not fuse:
+        _conv1d_state_kernel[(R, _cdiv(D, block_d))](
+            x, conv_state, state_slots, qsl,
+            D,
+            x.stride(0), x.stride(1),
+            conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+            K=K, KM1_PAD=km1_pad, BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out

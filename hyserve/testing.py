@@ -1,0 +1,409 @@
+"""Tiny Qwen3.5 checkpoints for tests and the demo, written the way real checkpoints are laid out on disk.
+
+``write_tiny_checkpoint`` writes config.json, safetensors weights (single file or sharded + index), tokenizer files
+and generation_config.json into a directory, in either of the two published forms:
+
+* ``causal``: ``model_type: qwen3_5_text``, ``Qwen3_5ForCausalLM``, tensors named ``model.*`` + ``lm_head.weight``;
+* ``conditional``: ``model_type: qwen3_5`` with ``text_config``/``vision_config``, ``Qwen3_5ForConditionalGeneration``,
+  tensors named ``model.language_model.*`` + ``lm_head.weight`` + a few fake ``model.visual.*`` tensors.
+
+Weights are drawn from a seeded local generator (never the global RNG) with scales chosen so activations stay O(1)
+and the logits differ by several units between tokens: transformers' own init (std 0.02, zero norms) gives nearly
+flat logits, under which a broken kernel could still pick the same greedy token. Norm weights, ``A_log`` and
+``dt_bias`` are random too, so mistakes such as using ``w`` instead of ``1 + w`` in the zero-centred RMSNorm show.
+
+``load_reference_model`` loads the written directory with transformers (both forms load through
+``Qwen3_5ForCausalLM.from_pretrained``: transformers 5.17 reads ``text_config`` and strips ``language_model``) and
+``reference_logits`` runs one uncached float32 forward pass over a token list.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+DEFAULT_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# The pre-tokenizer regex of Qwen3.5's tokenizer.json (and transformers' Qwen3_5Tokenizer).
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+_TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. A language model predicts the next token from the tokens before it.
+Hybrid models mix linear attention layers, which keep a fixed-size recurrent state, with full attention layers,
+which keep a key-value cache that grows with the sequence. The engine schedules requests, batches their tokens,
+and streams the generated text back to the user one token at a time. Once upon a time there was a little robot
+who wanted to learn how to write poems about the sea, the stars and the mountains.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? The capital is Paris.
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+for i in range(10):
+    print(i, fibonacci(i))
+
+class Request:
+    def __init__(self, prompt: str, max_tokens: int = 16) -> None:
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+你好，世界！今天天气很好。我们一起学习语言模型。
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828
+"""
+
+_TOKENIZER_BASE_VOCAB = 448  # byte alphabet (256) + merges; the three special tokens come after it
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer_json() -> str:
+    """Train (once per process) the tiny byte-level BPE; returns its tokenizer.json text.
+
+    The pipeline (NFC, Qwen's split regex, byte-level without its own regex, byte-level decoder) is the one Qwen3.5's
+    tokenizer.json uses, so transformers' ``Qwen3_5Tokenizer`` (which rebuilds that pipeline from vocab/merges and
+    ignores the file's pre-tokenizer) and the raw ``tokenizers`` file agree. The special tokens are appended after
+    the trained vocabulary, at the top of the id range, as in the real checkpoints.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TOKENIZER_BASE_VOCAB,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True) * 4, trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok.to_str()
+
+
+def tokenizer_size() -> int:
+    """Number of token ids the tiny tokenizer uses (trained vocabulary + special tokens)."""
+    return Tokenizer.from_str(tokenizer_json()).get_vocab_size(with_added_tokens=True)
+
+
+def special_token_ids() -> dict[str, int]:
+    tok = Tokenizer.from_str(tokenizer_json())
+    return {t: int(tok.token_to_id(t)) for t in SPECIAL_TOKENS}
+
+
+def tiny_text_config(
+    *, layer_types: list[str] | None = None, tie_word_embeddings: bool = False, **overrides: Any
+) -> Qwen3_5TextConfig:
+    """The tiny text config; ``overrides`` replace any field (e.g. ``hidden_size``, ``rope_parameters``)."""
+    types = list(layer_types) if layer_types is not None else list(DEFAULT_LAYER_TYPES)
+    ids = special_token_ids()
+    kwargs: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": len(types),
+        "layer_types": types,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "tie_word_embeddings": tie_word_embeddings,
+        "eos_token_id": ids[ENDOFTEXT],
+        "bos_token_id": None,
+        "pad_token_id": None,
+    }
+    kwargs.update(overrides)
+    # Keep the legacy top-level ``partial_rotary_factor`` equal to the one in ``rope_parameters``: transformers
+    # otherwise serializes its 0.25 default next to the real value.
+    rope = dict(kwargs["rope_parameters"] or {})
+    prf = overrides.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
+    kwargs["rope_parameters"] = {**rope, "partial_rotary_factor": prf}
+    kwargs["partial_rotary_factor"] = prf
+    if kwargs["vocab_size"] < tokenizer_size():
+        raise ValueError(f"vocab_size {kwargs['vocab_size']} is smaller than the tokenizer ({tokenizer_size()})")
+    return Qwen3_5TextConfig(**kwargs)
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A random tensor for parameter ``name``; scales keep activations O(1) and logits well spread."""
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.5, 8.0, generator=gen).log_()
+    if name.endswith("dt_bias"):
+        return torch.randn(shape, generator=gen) * 0.5
+    if name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: plain ``w * x``
+        return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+    if name == "model.norm.weight":  # final norm: gain (1 + w) in [2, 3] spreads the (tied) logits
+        return torch.empty(shape).uniform_(1.0, 2.0, generator=gen)
+    if len(shape) == 1:  # zero-centred RMSNorms: ``(1 + w) * x``
+        return torch.empty(shape).uniform_(-0.5, 0.5, generator=gen)
+    if name.endswith("conv1d.weight"):
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    if name.endswith("embed_tokens.weight"):
+        # Small next to the layers' outputs: with tied embeddings a large one makes every token predict itself.
+        return torch.randn(shape, generator=gen) * 0.1
+    if name == "lm_head.weight":
+        return torch.randn(shape, generator=gen) * (2.0 / math.sqrt(shape[1]))
+    scale = 0.5 if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")) else 1.0
+    return torch.randn(shape, generator=gen) * (scale / math.sqrt(shape[1]))
+
+
+def _text_shapes(config: Qwen3_5TextConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter names/shapes of ``Qwen3_5ForCausalLM`` (built on the meta device: no memory, no RNG use)."""
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if not config.tie_word_embeddings:
+        shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))
+    return shapes
+
+
+def _mtp_shapes(config: Qwen3_5TextConfig) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's multi-token-prediction head: fc over [embedding; hidden] and one full-attention decoder layer."""
+    h, hd = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    f = config.intermediate_size
+    layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (2 * q, h),  # query and output gate
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
+    shapes: dict[str, tuple[int, ...]] = {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        "mtp.norm.weight": (h,),
+    }
+    shapes.update({f"mtp.layers.0.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def _visual_shapes() -> dict[str, tuple[int, ...]]:
+    return {
+        "model.visual.patch_embed.proj.weight": (8, 3, 2, 4, 4),
+        "model.visual.blocks.0.norm1.weight": (8,),
+        "model.visual.merger.linear_fc1.weight": (16, 32),
+    }
+
+
+def _make_tensors(
+    config: Qwen3_5TextConfig, *, form: str, with_mtp: bool, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _text_shapes(config)
+    if with_mtp:
+        shapes.update(_mtp_shapes(config))
+    if form == "conditional":
+        shapes = {_conditional_name(n): s for n, s in shapes.items()}
+        shapes.update(_visual_shapes())
+    return {name: _init_tensor(name, shape, gen).to(dtype).contiguous() for name, shape in shapes.items()}
+
+
+def _conditional_name(name: str) -> str:
+    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+
+
+def _config_json(config: Qwen3_5TextConfig, *, form: str, dtype: torch.dtype, with_mtp: bool) -> dict[str, Any]:
+    """config.json as ``save_pretrained`` writes it (diff form), plus the fields real Qwen3.5 checkpoints carry."""
+    text = config.to_diff_dict()
+    text.pop("transformers_version", None)
+    text["model_type"] = "qwen3_5_text"
+    text["dtype"] = str(dtype).removeprefix("torch.")
+    text["layer_types"] = list(config.layer_types or [])
+    text["tie_word_embeddings"] = bool(config.tie_word_embeddings)
+    if with_mtp:
+        text["mtp_num_hidden_layers"] = 1
+    if form == "causal":
+        return {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    vision = {
+        "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8, "intermediate_size": 16, "num_heads": 2,
+        "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "out_hidden_size": config.hidden_size,
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": bool(config.tie_word_embeddings),
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "dtype": text["dtype"],
+    }
+
+
+def _save_weights(path: str, tensors: dict[str, torch.Tensor], *, sharded: bool) -> None:
+    if not sharded:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(tensors)
+    n_shards = 3
+    weight_map: dict[str, str] = {}
+    for i in range(n_shards):
+        shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::n_shards]}
+        save_file(part, os.path.join(path, shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(os.path.join(path, "model.safetensors.index.json"), index)
+
+
+def _write_tokenizer(path: str) -> None:
+    with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tokenizer_json())
+    ids = special_token_ids()
+    tok_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "errors": "replace",
+        "added_tokens_decoder": {
+            str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                          "single_word": False, "special": True}
+            for t in SPECIAL_TOKENS
+        },
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(os.path.join(path, "tokenizer_config.json"), tok_config)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_tiny_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    form: str = "causal",
+    layer_types: list[str] | None = None,
+    tie_word_embeddings: bool = False,
+    sharded: bool = False,
+    with_mtp: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+) -> str:
+    """Write a tiny random Qwen3.5 checkpoint to ``path`` (created if needed) and return the path as ``str``.
+
+    With ``tie_word_embeddings`` the checkpoint has no ``lm_head.weight`` (as transformers saves tied models).
+    ``config_overrides`` go to ``Qwen3_5TextConfig`` (e.g. ``vocab_size=640``, ``hidden_size=32``).
+    """
+    if form not in ("causal", "conditional"):
+        raise ValueError(f"form must be 'causal' or 'conditional' (got {form!r})")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    config = tiny_text_config(layer_types=layer_types, tie_word_embeddings=tie_word_embeddings, **config_overrides)
+    tensors = _make_tensors(config, form=form, with_mtp=with_mtp, seed=seed, dtype=dtype)
+    _save_weights(path, tensors, sharded=sharded)
+    _write_json(os.path.join(path, "config.json"), _config_json(config, form=form, dtype=dtype, with_mtp=with_mtp))
+    ids = special_token_ids()
+    generation = {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT],
+                  "do_sample": False, "transformers_version": "5.17.0"}
+    _write_json(os.path.join(path, "generation_config.json"), generation)
+    _write_tokenizer(path)
+    return path
+
+
+def read_checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a written checkpoint, by its on-disk name (for tests comparing loaded weights)."""
+    path = os.fspath(path)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return out
+
+
+def load_reference_model(path: str | os.PathLike[str]) -> Qwen3_5ForCausalLM:
+    """transformers' own ``Qwen3_5ForCausalLM`` loaded from the directory, float32, eval mode.
+
+    transformers 5.17 loads both forms this way: for ``model_type: qwen3_5`` it takes ``text_config`` and its
+    conversion mapping strips ``language_model.`` from the tensor names; ``mtp.*`` and ``model.visual.*`` are in
+    the class's ignore-on-load lists.
+    """
+    model = Qwen3_5ForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32, local_files_only=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_logits(ref_model: Qwen3_5ForCausalLM, token_ids: list[int], device: str | torch.device = "cpu"
+                     ) -> torch.Tensor:
+    """Teacher-forced logits of one uncached forward pass, float32 on the CPU, shape ``(len(token_ids), vocab)``."""
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    out = ref_model(input_ids=input_ids, use_cache=False)
+    return out.logits[0].float().cpu()
+
+
+def reference_greedy_check(
+    ref_model: Qwen3_5ForCausalLM, prompt_ids: list[int], output_ids: list[int], *, tol: float = 1e-3
+) -> torch.Tensor:
+    """Check that ``output_ids`` is a greedy continuation of ``prompt_ids``; returns the teacher-forced logits.
+
+    One uncached forward over prompt + output (teacher forcing). Each output token must be the reference argmax or
+    within ``tol`` logit units of the maximum (near-ties may flip under another summation order or dtype: pass a
+    larger ``tol`` for bfloat16). Returns the float32 logits that predicted each output token, shape
+    ``(len(output_ids), vocab_size)``; raises AssertionError naming the first divergence.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    if not output_ids:
+        return torch.empty(0, ref_model.config.vocab_size)
+    logits = reference_logits(ref_model, list(prompt_ids) + list(output_ids)[:-1])
+    step_logits = logits[len(prompt_ids) - 1:]
+    greedy = step_logits.argmax(dim=-1).tolist()
+    for i, (tok, ref) in enumerate(zip(output_ids, greedy, strict=True)):
+        gap = float(step_logits[i, ref] - step_logits[i, tok])
+        if tok != ref and gap > tol:
+            raise AssertionError(
+                f"output token {i} is {tok} but the reference greedy token is {ref} (logit gap {gap:.4g} > {tol})"
+            )
+    return step_logits

@@ -1,0 +1,548 @@
+"""Tests for hyserve.kernels.
+
+* The plain-torch references (the CPU path) are checked against independent implementations: transformers'
+  Qwen3.5 ``causal_conv1d_fn`` / ``causal_conv1d_update`` / ``torch_recurrent_gated_delta_rule`` /
+  ``torch_chunk_gated_delta_rule`` run one row at a time (batch 1), and naive per-token loops for attention.
+* Every Triton kernel is run under the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors against the
+  references, in ONE subprocess (the env var must be set before any kernel is decorated; a subprocess keeps this
+  pytest process untouched). Outputs are NaN-poisoned before the kernels write them.
+* A CUDA-only test compares the CUDA dispatch against the CPU reference in bf16 (skipped without a GPU).
+
+Every problem uses mixed row lengths (including 0 and 1), permuted state slots with gaps, and checks that slots no
+non-empty row names stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
+from hyserve.kernels.reference import (
+    causal_conv1d_varlen_ref,
+    gdn_forward_ref,
+    paged_attention_ref,
+    store_kv_ref,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Problem builders (shared by the in-process tests and the interpreter subprocess)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _qsl(lens: list[int], device: str = "cpu") -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _slots(num_rows: int, pool: int, gen: torch.Generator) -> torch.Tensor:
+    """Distinct, permuted slots drawn from a larger pool (so the pool has untouched gaps)."""
+    return torch.randperm(pool, generator=gen)[:num_rows].to(torch.int64)
+
+
+def _touched(slots: torch.Tensor, lens: list[int]) -> set[int]:
+    return {int(s) for s, n in zip(slots.tolist(), lens, strict=True) if n > 0}
+
+
+def _assert_untouched(before: torch.Tensor, after: torch.Tensor, touched: set[int]) -> None:
+    for s in range(before.shape[0]):
+        if s not in touched:
+            assert torch.equal(before[s], after[s]), f"slot {s} was modified"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float = 0.0) -> tuple[bool, float]:
+    a, b = a.float().cpu(), b.float().cpu()
+    if a.shape != b.shape:
+        return False, float("inf")
+    if a.numel() == 0:
+        return True, 0.0
+    if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+        return False, float("nan")
+    err = (a - b).abs()
+    ok = bool((err <= atol + rtol * b.abs()).all())
+    return ok, float(err.max())
+
+
+def conv_problem(lens: list[int], D: int, K: int, pool: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    wide = torch.randn(T, D + 7, generator=gen).to(dtype)
+    return {
+        "x": wide[:, 3 : 3 + D],  # a strided view, as the model's split of in_proj output is
+        "weight": torch.randn(D, K, generator=gen) * 0.5,
+        "conv_state": torch.randn(pool, D, K - 1, generator=gen).to(dtype),
+        "state_slots": _slots(len(lens), pool, gen),
+        "query_start_loc": _qsl(lens),
+    }
+
+
+def gdn_problem(
+    lens: list[int], Hk: int, Hv: int, Dk: int, Dv: int, pool: int, dtype: torch.dtype, seed: int
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    # q, k, v as views of one projection output, like the model's split of the conv output.
+    mixed = torch.randn(T, 2 * Hk * Dk + Hv * Dv, generator=gen).to(dtype)
+    q, k, v = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    return {
+        "q": q.reshape(T, Hk, Dk),
+        "k": k.reshape(T, Hk, Dk),
+        "v": v.reshape(T, Hv, Dv),
+        "g": -torch.nn.functional.softplus(torch.randn(T, Hv, generator=gen)) * 0.5,
+        "beta": torch.rand(T, Hv, generator=gen),
+        "ssm_state": torch.randn(pool, Hv, Dk, Dv, generator=gen) * 0.3,
+        "state_slots": _slots(len(lens), pool, gen),
+        "query_start_loc": _qsl(lens),
+        "max_query_len": max(lens, default=0),
+    }
+
+
+def attn_problem(
+    lens: list[int],
+    ctxs: list[int],
+    Hq: int,
+    Hkv: int,
+    D: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> dict[str, Any]:
+    """ctxs[r]: tokens already cached before this step; seq_lens = ctxs + lens."""
+    gen = torch.Generator().manual_seed(seed)
+    R = len(lens)
+    T = sum(lens)
+    seq_lens = [c + n for c, n in zip(ctxs, lens, strict=True)]
+    max_blocks = max(1, max(-(-s // block_size) for s in seq_lens)) + 1
+    num_blocks = R * max_blocks + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    return {
+        "q": torch.randn(T, Hq, D, generator=gen).to(dtype),
+        "k_cache": torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype),
+        "v_cache": torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype),
+        "block_tables": perm[: R * max_blocks].view(R, max_blocks).to(torch.int32),
+        "query_start_loc": _qsl(lens),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "scale": D**-0.5,
+        "max_query_len": max(lens, default=0),
+        "max_seq_len": max(seq_lens, default=0),
+    }
+
+
+def _clone(p: dict[str, Any]) -> dict[str, Any]:
+    """Copy of a problem whose in-place operands (state pools, caches) are cloned."""
+    return {k: (v.clone() if k.endswith(("state", "cache")) else v) for k, v in p.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Independent yardsticks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _hf() -> Any:
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return modeling_qwen3_5
+
+
+def conv_yardstick(p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' causal_conv1d_update, one row at a time (float32)."""
+    hf = _hf()
+    x, w, state = p["x"].float(), p["weight"].float(), p["conv_state"].float().clone()
+    qsl = p["query_start_loc"].tolist()
+    outs = []
+    for r, slot in enumerate(p["state_slots"].tolist()):
+        xs = x[qsl[r] : qsl[r + 1]]
+        if xs.shape[0] == 0:
+            continue
+        st = state[slot : slot + 1].clone()
+        outs.append(hf.causal_conv1d_update(xs.t()[None], st, w, None, "silu")[0].t())
+        state[slot] = st[0]
+    return torch.cat(outs) if outs else x.new_zeros((0, x.shape[1])), state
+
+
+def gdn_yardstick(p: dict[str, Any], chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' torch_{chunk,recurrent}_gated_delta_rule, one row at a time, q/k repeat_interleaved."""
+    hf = _hf()
+    fn = hf.torch_chunk_gated_delta_rule if chunked else hf.torch_recurrent_gated_delta_rule
+    q, k, v = p["q"].float(), p["k"].float(), p["v"].float()
+    grp = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(grp, dim=1), k.repeat_interleave(grp, dim=1)
+    state = p["ssm_state"].clone()
+    qsl = p["query_start_loc"].tolist()
+    outs = []
+    for r, slot in enumerate(p["state_slots"].tolist()):
+        a, b = qsl[r], qsl[r + 1]
+        if a == b:
+            continue
+        o, final = fn(
+            q[None, a:b], k[None, a:b], v[None, a:b], g=p["g"][None, a:b].float(), beta=p["beta"][None, a:b].float(),
+            initial_state=state[slot : slot + 1], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        outs.append(o[0])
+        state[slot] = final[0]
+    return torch.cat(outs) if outs else v.new_zeros((0, *v.shape[1:])), state
+
+
+def attn_yardstick(p: dict[str, Any]) -> torch.Tensor:
+    """Naive per-row, per-token attention with python-level page lookups (float32)."""
+    q = p["q"].float()
+    kc, vc, bt = p["k_cache"].float(), p["v_cache"].float(), p["block_tables"]
+    bs = kc.shape[1]
+    grp = q.shape[1] // kc.shape[2]
+    qsl = p["query_start_loc"].tolist()
+    out = torch.zeros_like(q)
+    for r, seq_len in enumerate(p["seq_lens"].tolist()):
+        n = qsl[r + 1] - qsl[r]
+        keys = torch.stack([kc[int(bt[r, j // bs]), j % bs] for j in range(seq_len)]) if seq_len else None
+        vals = torch.stack([vc[int(bt[r, j // bs]), j % bs] for j in range(seq_len)]) if seq_len else None
+        for i in range(n):
+            pos = seq_len - n + i
+            for h in range(q.shape[1]):
+                kk, vv = keys[: pos + 1, h // grp], vals[: pos + 1, h // grp]
+                w = torch.softmax((kk @ q[qsl[r] + i, h]) * p["scale"], dim=0)
+                out[qsl[r] + i, h] = w @ vv
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reference tests (in process, CPU)
+# --------------------------------------------------------------------------------------------------------------------
+
+MIXED_LENS = [3, 0, 1, 9, 2, 1, 0]
+DECODE_LENS = [1, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("lens", [MIXED_LENS, DECODE_LENS, [0, 0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_reference_matches_transformers(lens: list[int], dtype: torch.dtype) -> None:
+    p = conv_problem(lens, D=24, K=4, pool=11, dtype=dtype, seed=1)
+    before = p["conv_state"].clone()
+    want_out, want_state = conv_yardstick(p)
+    out = causal_conv1d_varlen(p["x"], p["weight"], p["conv_state"], p["state_slots"], p["query_start_loc"])
+    assert out.dtype == dtype and out.shape == p["x"].shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(p["conv_state"].float(), want_state, atol=0, rtol=0)
+    _assert_untouched(before, p["conv_state"], _touched(p["state_slots"], lens))
+
+
+def test_conv_reference_chunked_calls_match_one_shot() -> None:
+    """A sequence fed over several calls (interleaved with other rows, fresh zero state) equals one causal_conv1d_fn."""
+    gen = torch.Generator().manual_seed(2)
+    D, K = 16, 4
+    full = torch.randn(13, D, generator=gen)
+    w = torch.randn(D, K, generator=gen)
+    state = torch.zeros(5, D, K - 1)
+    state[1] = torch.randn(D, K - 1, generator=gen)  # another request's slot
+    outs = []
+    for a, b in [(0, 5), (5, 6), (6, 6), (6, 13)]:
+        other = torch.randn(2, D, generator=gen)
+        x = torch.cat([other, full[a:b]])
+        out = causal_conv1d_varlen(x, w, state, torch.tensor([1, 3]), _qsl([2, b - a]))
+        outs.append(out[2:])
+    want = _hf().causal_conv1d_fn(full.t()[None], w, None, activation="silu")[0].t()
+    torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[3], full[-(K - 1) :].t(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("lens", [MIXED_LENS, DECODE_LENS])
+def test_gdn_reference_matches_transformers(chunked: bool, lens: list[int]) -> None:
+    p = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=8, pool=10, dtype=torch.float32, seed=3)
+    before = p["ssm_state"].clone()
+    want_out, want_state = gdn_yardstick(p, chunked)
+    out = gdn_forward(**p)
+    assert out.shape == p["v"].shape and out.dtype == p["v"].dtype
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(p["ssm_state"], want_state, atol=2e-5, rtol=1e-4)
+    _assert_untouched(before, p["ssm_state"], _touched(p["state_slots"], lens))
+
+
+def test_gdn_reference_bf16_inputs() -> None:
+    p = gdn_problem(MIXED_LENS, Hk=1, Hv=2, Dk=16, Dv=16, pool=9, dtype=torch.bfloat16, seed=4)
+    want_out, want_state = gdn_yardstick(p, chunked=False)
+    out = gdn_forward(**p)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(p["ssm_state"], want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_gdn_reference_empty_batch() -> None:
+    p = gdn_problem([0, 0, 0], Hk=1, Hv=1, Dk=8, Dv=8, pool=4, dtype=torch.float32, seed=5)
+    before = p["ssm_state"].clone()
+    out = gdn_forward(**p)
+    assert out.shape == (0, 1, 8)
+    assert torch.equal(before, p["ssm_state"])
+
+
+def test_store_kv_reference() -> None:
+    gen = torch.Generator().manual_seed(6)
+    k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
+    kc, vc = torch.randn(5, 4, 2, 8, generator=gen), torch.randn(5, 4, 2, 8, generator=gen)
+    slot_mapping = torch.tensor([7, -1, 0, 19, -1, 9])
+    want_k, want_v = kc.clone(), vc.clone()
+    for t, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            want_k[s // 4, s % 4], want_v[s // 4, s % 4] = k[t], v[t]
+    store_kv(k, v, kc, vc, slot_mapping)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+ATTN_CASES = [
+    ([3, 0, 1, 7, 2], [5, 0, 10, 3, 0]),  # mixed prefill / decode / empty
+    ([1, 1, 0, 1], [0, 17, 4, 40]),  # decode (first token of a fresh request too)
+    ([12], [0]),  # plain prefill
+]
+
+
+@pytest.mark.parametrize(("lens", "ctxs"), ATTN_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_reference_matches_naive(lens: list[int], ctxs: list[int], dtype: torch.dtype) -> None:
+    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=8, block_size=4, dtype=dtype, seed=7)
+    out = paged_attention(**p)
+    assert out.dtype == dtype and out.shape == p["q"].shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), attn_yardstick(p), atol=tol, rtol=tol)
+
+
+def test_paged_attention_reference_loose_host_bounds() -> None:
+    """Host bounds larger than needed (as a captured graph would pass) change nothing."""
+    p = attn_problem([3, 1, 0], [2, 9, 1], Hq=2, Hkv=1, D=8, block_size=4, dtype=torch.float32, seed=8)
+    want = paged_attention(**p)
+    loose = dict(p, max_query_len=p["max_query_len"] + 5, max_seq_len=p["max_seq_len"] + 7)
+    torch.testing.assert_close(paged_attention(**loose), want, atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (one subprocess)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _patch_triton_interpreter() -> None:
+    """Work around two interpreter bugs seen with triton 3.6 + numpy >= 2.3 (interpreter only; GPU code unaffected):
+
+    * a scalar loaded from memory is a 1-element array, and ``range(lo, hi)`` with it as a bound calls ``int()`` on
+      it, which numpy 2.3+ refuses for 1-d arrays;
+    * ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage.
+    """
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig_patch = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_lang_tensor
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        def up(h: Any) -> Any:
+            if getattr(h.dtype, "scalar", h.dtype) == tl.bfloat16:
+                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+
+        return orig_dot(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+    try:
+        ok, msg = fn()
+    except Exception as e:  # report, don't abort the other checks
+        ok, msg = False, f"{type(e).__name__}: {e}"
+    results[name] = [bool(ok), msg]
+
+
+def _interp_conv(lens: list[int], dtype: torch.dtype, max_query_len: int | None) -> tuple[bool, str]:
+    from hyserve.kernels.conv import causal_conv1d_varlen_triton
+
+    p = conv_problem(lens, D=40, K=4, pool=9, dtype=dtype, seed=11)
+    ref = _clone(p)
+    want = causal_conv1d_varlen_ref(**ref)
+    before = p["conv_state"].clone()
+    out = torch.full(p["x"].shape, float("nan"), dtype=dtype)
+    causal_conv1d_varlen_triton(**p, max_query_len=max_query_len, out=out)
+    tol = 1e-5 if dtype == torch.float32 else 3.2e-2  # bf16: one ulp at |y| ~ 4
+    ok1, e1 = _close(out, want, tol, tol)
+    ok2, e2 = _close(p["conv_state"], ref["conv_state"], 0.0)
+    _assert_untouched(before, p["conv_state"], _touched(p["state_slots"], lens))
+    return ok1 and ok2, f"out err {e1:.3g}, state err {e2:.3g}"
+
+
+def _interp_gdn(lens: list[int], dtype: torch.dtype) -> tuple[bool, str]:
+    from hyserve.kernels.gdn import gdn_recurrent_triton
+
+    p = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=32, pool=9, dtype=dtype, seed=12)
+    ref = _clone(p)
+    want = gdn_forward_ref(**ref)
+    before = p["ssm_state"].clone()
+    out = torch.full(p["v"].shape, float("nan"), dtype=dtype)
+    args = {k: v for k, v in p.items() if k != "max_query_len"}
+    gdn_recurrent_triton(**args, out=out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    ok1, e1 = _close(out, want, tol, tol)
+    ok2, e2 = _close(p["ssm_state"], ref["ssm_state"], 1e-5, 1e-5)
+    _assert_untouched(before, p["ssm_state"], _touched(p["state_slots"], lens))
+    return ok1 and ok2, f"out err {e1:.3g}, state err {e2:.3g}"
+
+
+def _interp_attn(
+    lens: list[int], ctxs: list[int], dtype: torch.dtype, block_size: int, partition: int | None, D: int = 16
+) -> tuple[bool, str]:
+    from hyserve.kernels.attention import paged_attention_triton
+
+    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=D, block_size=block_size, dtype=dtype, seed=13)
+    want = paged_attention_ref(**p)
+    caches = (p["k_cache"].clone(), p["v_cache"].clone())
+    out = torch.full(p["q"].shape, float("nan"), dtype=dtype)
+    paged_attention_triton(**p, decode_partition=partition, out=out)
+    assert torch.equal(caches[0], p["k_cache"]) and torch.equal(caches[1], p["v_cache"])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ok, err = _close(out, want, tol, tol)
+    return ok, f"out err {err:.3g}"
+
+
+def _interp_store_kv(dtype: torch.dtype) -> tuple[bool, str]:
+    from hyserve.kernels.attention import store_kv_triton
+
+    gen = torch.Generator().manual_seed(14)
+    k, v = torch.randn(7, 2, 12, generator=gen).to(dtype), torch.randn(7, 2, 12, generator=gen).to(dtype)
+    kc, vc = torch.randn(6, 4, 2, 12, generator=gen).to(dtype), torch.randn(6, 4, 2, 12, generator=gen).to(dtype)
+    slot_mapping = torch.tensor([5, -1, 0, 23, -1, 9, 10])
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(k, v, want_k, want_v, slot_mapping)
+    store_kv_triton(k, v, kc, vc, slot_mapping)
+    return torch.equal(kc, want_k) and torch.equal(vc, want_v), "bit-exact"
+
+
+def run_interpreter_checks() -> dict[str, list[Any]]:
+    """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    f32, bf16 = torch.float32, torch.bfloat16
+    long_lens = [3, 0, 1, 37, 2, 1]  # 37 > the 16-token block: separate state kernel
+    for dt in (f32, bf16):
+        n = str(dt).split(".")[-1]
+        _check(res, f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
+        _check(res, f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
+        _check(res, f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
+        _check(res, f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
+        _check(res, f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
+        _check(res, f"attn_decode_1split_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 40], dt, 4, None))
+        _check(res, f"attn_decode_splits_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 60], dt, 4, 16))
+        _check(res, f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
+        _check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
+    # Odd shapes: head dim not a power of two, block size 16, a prefill row spanning several query blocks.
+    _check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
+    _check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
+    return res
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+_PER_DTYPE = "conv_mixed conv_fused conv_decode gdn_decode gdn_mixed attn_decode_1split attn_decode_splits attn_prefill"
+INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in (*_PER_DTYPE.split(), "store_kv")]
+INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16"]
+
+
+@pytest.mark.parametrize("name", INTERP_CHECKS)
+def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CUDA dispatch (GPU machines only)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _to(p: dict[str, Any], device: str) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dispatch_matches_reference_bf16() -> None:
+    bf16 = torch.bfloat16
+    lens_mixed = [1, 0, 300, 1, 70, 5, 0, 1]
+    lens_decode = [1] * 37 + [0, 1]
+
+    # conv (fused and two-launch paths)
+    for lens, mql in ((lens_decode, 1), (lens_mixed, max(lens_mixed))):
+        p = conv_problem(lens, D=2 * 16 * 128 + 32 * 128, K=4, pool=64, dtype=bf16, seed=21)
+        ref = _clone(p)
+        want = causal_conv1d_varlen_ref(**ref)
+        g = _to(p, "cuda")
+        out = causal_conv1d_varlen(**g, max_query_len=mql)
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(g["conv_state"].cpu(), ref["conv_state"], atol=0, rtol=0)
+
+    # GDN: decode (own kernel) and mixed (fla), Qwen3.5 shapes (16 key heads, 32 value heads, 128 dims)
+    for lens in (lens_decode, lens_mixed):
+        if max(lens) > 1:
+            pytest.importorskip("fla")
+        p = gdn_problem(lens, Hk=16, Hv=32, Dk=128, Dv=128, pool=64, dtype=bf16, seed=22)
+        ref = _clone(p)
+        want = gdn_forward_ref(**ref)
+        g = _to(p, "cuda")
+        out = gdn_forward(**g)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(g["ssm_state"].cpu(), ref["ssm_state"], atol=2e-2, rtol=2e-2)
+        touched = _touched(p["state_slots"], lens)
+        _assert_untouched(p["ssm_state"], g["ssm_state"].cpu(), touched)
+
+    # attention: store_kv then decode / mixed prefill (head dim 256, GQA 16 -> 2 heads, block size 16)
+    for lens, ctxs in ((lens_decode, [(37 * i) % 2000 for i in range(len(lens_decode))]), (lens_mixed, [0] * 8)):
+        p = attn_problem(lens, ctxs, Hq=16, Hkv=2, D=256, block_size=16, dtype=bf16, seed=23)
+        want = paged_attention_ref(**p)
+        out = paged_attention(**_to(p, "cuda"))
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+
+    gen = torch.Generator().manual_seed(24)
+    k, v = torch.randn(9, 2, 256, generator=gen).to(bf16), torch.randn(9, 2, 256, generator=gen).to(bf16)
+    kc, vc = torch.randn(4, 16, 2, 256, generator=gen).to(bf16), torch.randn(4, 16, 2, 256, generator=gen).to(bf16)
+    sm = torch.tensor([3, -1, 40, 0, -1, 63, 17, 18, 2])
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(k, v, want_k, want_v, sm)
+    kc_g, vc_g = kc.cuda(), vc.cuda()
+    store_kv(k.cuda(), v.cuda(), kc_g, vc_g, sm.cuda())
+    assert torch.equal(kc_g.cpu(), want_k) and torch.equal(vc_g.cpu(), want_v)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--interpreter-checks"]:
+        results = run_interpreter_checks()
+        for name, (ok, msg) in results.items():
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
+        print("RESULTS " + json.dumps(results))
