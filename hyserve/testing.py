@@ -112,7 +112,8 @@ def tokenizer_size() -> int:
 
 def special_token_ids() -> dict[str, int]:
     tok = Tokenizer.from_str(tokenizer_json())
-    return {t: int(tok.token_to_id(t)) for t in SPECIAL_TOKENS}
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    return {t: i for t, i in ids.items() if i is not None}
 
 
 def tiny_text_config(
