@@ -28,9 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hyserve.testing import load_reference_model, reference_logits, write_tiny_checkpoint
-
 from hyserve import LLM, SamplingParams
+from hyserve.testing import load_reference_model, reference_logits, write_tiny_checkpoint
 
 SHAPE_2B: dict[str, Any] = dict(
     vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,

@@ -151,15 +151,22 @@ def _clone(p: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _hf() -> Any:
+def _hf(name: str) -> Any:
+    """The plain-torch function ``name`` of transformers' Qwen3.5 module.
+
+    ``inspect.unwrap`` strips transformers' hub/package dispatch: where fla-core or causal_conv1d is installed (the GPU
+    machine), the decorated names call those packages' CUDA kernels instead of the torch code.
+    """
+    import inspect
+
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    return modeling_qwen3_5
+    return inspect.unwrap(getattr(modeling_qwen3_5, name))
 
 
 def conv_yardstick(p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' causal_conv1d_update, one row at a time (float32)."""
-    hf = _hf()
+    conv_update = _hf("causal_conv1d_update")
     x, w, state = p["x"].float(), p["weight"].float(), p["conv_state"].float().clone()
     qsl = p["query_start_loc"].tolist()
     outs = []
@@ -168,15 +175,14 @@ def conv_yardstick(p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if xs.shape[0] == 0:
             continue
         st = state[slot : slot + 1].clone()
-        outs.append(hf.causal_conv1d_update(xs.t()[None], st, w, None, "silu")[0].t())
+        outs.append(conv_update(xs.t()[None], st, w, None, "silu")[0].t())
         state[slot] = st[0]
     return torch.cat(outs) if outs else x.new_zeros((0, x.shape[1])), state
 
 
 def gdn_yardstick(p: dict[str, Any], chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' torch_{chunk,recurrent}_gated_delta_rule, one row at a time, q/k repeat_interleaved."""
-    hf = _hf()
-    fn = hf.torch_chunk_gated_delta_rule if chunked else hf.torch_recurrent_gated_delta_rule
+    fn = _hf("torch_chunk_gated_delta_rule" if chunked else "torch_recurrent_gated_delta_rule")
     q, k, v = p["q"].float(), p["k"].float(), p["v"].float()
     grp = v.shape[1] // q.shape[1]
     q, k = q.repeat_interleave(grp, dim=1), k.repeat_interleave(grp, dim=1)
@@ -253,7 +259,7 @@ def test_conv_reference_chunked_calls_match_one_shot() -> None:
         x = torch.cat([other, full[a:b]])
         out = causal_conv1d_varlen(x, w, state, torch.tensor([1, 3]), _qsl([2, b - a]))
         outs.append(out[2:])
-    want = _hf().causal_conv1d_fn(full.t()[None], w, None, activation="silu")[0].t()
+    want = _hf("causal_conv1d_fn")(full.t()[None], w, None, activation="silu")[0].t()
     torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state[3], full[-(K - 1) :].t(), atol=0, rtol=0)
 

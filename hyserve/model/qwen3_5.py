@@ -49,7 +49,7 @@ class GatedDeltaNet(nn.Module):
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         t = x.shape[0]
         mixed = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), self.conv_state,
-                                     meta.state_slots, meta.query_start_loc)
+                                     meta.state_slots, meta.query_start_loc, meta.max_query_len)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         z = self.in_proj_z(x)
         beta = self.in_proj_b(x).float().sigmoid()
