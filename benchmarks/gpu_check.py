@@ -113,12 +113,13 @@ def tiny_correctness(results: dict[str, Any]) -> bool:
         for form in ("causal", "conditional"):
             with tempfile.TemporaryDirectory() as d:
                 write_tiny_checkpoint(d, form=form, layer_types=layers, seed=len(results))
-                ref = load_reference_model(d)
+                # On the GPU machine fla is installed, and transformers routes its GDN through fla: keep it on CUDA.
+                ref = load_reference_model(d).to("cuda")
                 llm = LLM(model=d, device="cuda", dtype="float32", max_num_batched_tokens=96, max_num_seqs=8,
                           num_kv_blocks=64, num_state_slots=8)
                 vocab = llm.llm_engine.model_config.vocab_size
                 prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 37, 80, 130, 1, 64)]
-                r = teacher_forced_check(llm, ref, prompts, 24, "cpu", margin=1e-2)
+                r = teacher_forced_check(llm, ref, prompts, 24, "cuda", margin=1e-2)
                 # fla's chunk kernel may use TF32 dots on float32 inputs: allow TF32-level logprob error.
                 r["pass"] = r["tokens_mismatched"] == 0 and r["max_logprob_abs_err"] < 1e-2
                 ok &= r["pass"]
