@@ -105,8 +105,9 @@ def teacher_forced_check(llm: LLM, ref: Any, prompts: list[list[int]], max_token
 def tiny_generate(workdir: str, device: str = "cuda") -> list[dict[str, Any]]:
     """hyserve on CUDA (float32) over tiny checkpoints; the reference is computed later in a process without fla.
 
-    Each case runs twice: with fla's chunked kernel for multi-token GDN work (the default) and with our exact-fp32
-    recurrent Triton kernel for every row, which separates fla's TF32 rounding from any error of the engine.
+    Each case runs twice: with the default GDN dispatch and with our exact-fp32 recurrent Triton kernel forced for
+    every row. (The first H200 run used fla's chunked kernel in the default path and measured its TF32 rounding:
+    logprob errors up to 0.16 against 3.3e-4 for the recurrent kernel; float32 models now take the recurrent kernel.)
     """
     import hyserve.kernels.gdn as gdn
 
@@ -122,7 +123,7 @@ def tiny_generate(workdir: str, device: str = "cuda") -> list[dict[str, Any]]:
         for form in ("causal", "conditional"):
             d = os.path.join(workdir, f"{name}_{form}")
             write_tiny_checkpoint(d, form=form, layer_types=layers, seed=len(cases))
-            for gdn_path, max_q in (("fla", default_max), ("triton_recurrent", 10**9)):
+            for gdn_path, max_q in (("default", default_max), ("triton_recurrent", 10**9)):
                 gdn.GDN_RECURRENT_MAX_QUERY_LEN = max_q
                 llm = LLM(model=d, device=device, dtype="float32", max_num_batched_tokens=96, max_num_seqs=8,
                           num_kv_blocks=64, num_state_slots=8)
@@ -160,7 +161,7 @@ def tiny_reference(cases_file: str) -> dict[str, Any]:
                 if float(top2.values[0] - top2.values[1]) > 1e-3:
                     checked += 1
                     mismatched += int(int(top2.indices[0]) != tok)
-        tol = 1e-2 if case["name"].endswith("fla") else 3e-3
+        tol = 3e-3
         results[case["name"]] = {"tokens_checked": checked, "tokens_mismatched": mismatched,
                                  "max_logprob_abs_err": max_err, "tolerance": tol,
                                  "pass": mismatched == 0 and max_err < tol}

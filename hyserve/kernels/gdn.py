@@ -54,7 +54,9 @@ def gdn_forward(
     assert ssm_state.dtype == torch.float32, "ssm_state must be float32"
     if not q.is_cuda:
         return gdn_forward_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, max_query_len)
-    if max_query_len <= GDN_RECURRENT_MAX_QUERY_LEN:
+    # float32 means float32: fla's chunked kernel rounds its float32 dots to TF32 (on an H200 that moved tiny-model
+    # logprobs by up to 0.16), so float32 models take the exact recurrent kernel for every row.
+    if max_query_len <= GDN_RECURRENT_MAX_QUERY_LEN or q.dtype == torch.float32:
         return gdn_recurrent_triton(q, k, v, g, beta, ssm_state, state_slots, query_start_loc)
     return gdn_forward_fla(q, k, v, g, beta, ssm_state, state_slots, query_start_loc)
 
