@@ -233,6 +233,11 @@ class EngineConfig:
     num_state_slots: int | None = None
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    # Prefix caching: recurrent snapshots every this many tokens (a multiple of block_size), besides the end of each
+    # prompt, the end of each request and branch points; and the share of the cache budget snapshots may use.
+    recurrent_snapshot_interval: int = 512
+    snapshot_memory_fraction: float = 0.2
+    num_snapshot_slots: int | None = None
 
     def validate(self) -> None:
         if self.block_size <= 0 or (self.block_size % 8 != 0 and self.block_size not in (1, 2, 4)):

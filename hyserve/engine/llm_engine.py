@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.config import EngineConfig, ModelConfig, resolve_dtype
 from hyserve.engine.metrics import EngineMetrics
 from hyserve.engine.model_runner import ModelRunner
@@ -51,8 +52,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.device, self.dtype)
         self.max_model_len = self._resolve_max_model_len()
         self.runner.set_max_model_len(self.max_model_len)
+        self.prefix_cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.runner.block_pool, self.runner.state_pool, config.block_size,
+                                            config.recurrent_snapshot_interval,
+                                            has_recurrent_state=bool(self.model_config.linear_layer_ids))
         self.scheduler = Scheduler(self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
-                                   self.runner.block_pool, self.runner.state_pool)
+                                   self.runner.block_pool, self.runner.state_pool, self.prefix_cache)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -63,6 +69,13 @@ class LLMEngine:
                     lay.num_kv_blocks * lay.kv_bytes_per_block / 2**20, lay.num_state_slots,
                     (lay.num_state_slots + 1) * lay.state_bytes_per_slot / 2**20, self.max_model_len,
                     self.runner.max_num_seqs, self.runner.max_num_batched_tokens)
+        if self.prefix_cache is not None:
+            logger.info("prefix cache: KV blocks of %d tokens and up to %d recurrent snapshots (%.1f MiB) share one "
+                        "key space; snapshots at each prompt end, request end, branch point and every %d tokens",
+                        config.block_size, lay.num_snapshots, lay.num_snapshots * lay.state_bytes_per_slot / 2**20,
+                        config.recurrent_snapshot_interval)
+        else:
+            logger.info("prefix caching is off")
 
     @staticmethod
     def _load_tokenizer(model_dir: str) -> Tokenizer | None:
@@ -163,6 +176,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for row in sched.rows:
             row.request.num_computed_tokens = row.end
+        if self.prefix_cache is not None:
+            self._publish(sched.rows)
         if result is not None:
             self._apply_samples(sampled, result)
         for row in sched.rows:
@@ -172,6 +187,22 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         self.metrics.on_step(sched.num_tokens, len(sampled), time.perf_counter() - t0)
         return outputs
+
+    def _publish(self, rows: list[ScheduledRow]) -> None:
+        """After a step: publish computed full blocks, queue snapshot copies, release this step's snapshot pins."""
+        assert self.prefix_cache is not None
+        src: list[int] = []
+        dst: list[int] = []
+        for row in rows:
+            req = row.request
+            self.prefix_cache.publish_blocks(req, row.end)
+            if row.snapshot_at is not None:
+                copy = self.prefix_cache.take_snapshot(req, row.end)
+                if copy is not None:
+                    src.append(copy[0])
+                    dst.append(copy[1])
+            self.prefix_cache.unpin(row.load_snapshot)
+        self.runner.state_pool.copy(src, dst)
 
     def _sampling_rows(self, rows: list[ScheduledRow]) -> tuple[list[SamplingRow], list[Request]]:
         srows: list[SamplingRow] = []

@@ -21,8 +21,6 @@ class EngineMetrics:
     request_aborted: int = 0
     request_errors: int = 0
     num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.num_requests += 1
@@ -47,6 +45,7 @@ class EngineMetrics:
 
     def snapshot(self, engine: LLMEngine) -> dict[str, float | list[float]]:
         pool = engine.runner.block_pool
+        pc = engine.prefix_cache
         used = pool.num_usable_blocks - pool.num_free_blocks
         return {
             "hyserve:num_requests": self.num_requests,
@@ -62,8 +61,16 @@ class EngineMetrics:
             "hyserve:num_requests_running": len(engine.scheduler.running),
             "hyserve:num_requests_waiting": len(engine.scheduler.waiting),
             "hyserve:kv_cache_usage_perc": used / max(pool.num_usable_blocks, 1),
-            "hyserve:prefix_cache_queries": self.prefix_cache_queries,
-            "hyserve:prefix_cache_hits": self.prefix_cache_hits,
+            "hyserve:prefix_cache_queries": engine.scheduler.prefix_cache_queries,
+            "hyserve:prefix_cache_hits": engine.scheduler.prefix_cache_hits,
+            "hyserve:prefix_cache_snapshot_hits": pc.stats.hits if pc else 0,
+            "hyserve:prefix_cache_snapshot_misses": pc.stats.misses if pc else 0,
+            "hyserve:prefix_cache_snapshots_taken": pc.stats.taken if pc else 0,
+            "hyserve:prefix_cache_snapshot_evictions": pc.stats.evictions if pc else 0,
+            "hyserve:prefix_cache_snapshots": pc.num_snapshots if pc else 0,
+            "hyserve:prefix_cache_snapshot_bytes": pc.snapshot_bytes if pc else 0,
+            "hyserve:prefix_cache_kv_blocks": pool.num_cached_blocks,
+            "hyserve:prefix_cache_kv_evictions": pool.num_evictions,
             "hyserve:spec_decode_num_drafts": 0,
             "hyserve:spec_decode_num_draft_tokens": 0,
             "hyserve:spec_decode_num_accepted_tokens": 0,

@@ -35,6 +35,7 @@ class CacheLayout:
     num_state_slots: int
     kv_bytes_per_block: int
     state_bytes_per_slot: int
+    num_snapshots: int = 0
 
 
 class ModelRunner:
@@ -55,7 +56,8 @@ class ModelRunner:
         self.layout = self._plan_caches()
         self.max_num_seqs = min(self.max_num_seqs, self.layout.num_state_slots)
         self.block_pool = BlockPool(self.layout.num_kv_blocks, self.block_size)
-        self.state_pool = StatePool(model_config, self.layout.num_state_slots, dtype, device)
+        self.state_pool = StatePool(model_config, self.layout.num_state_slots, dtype, device,
+                                    num_snapshots=self.layout.num_snapshots)
         self.kv_caches = self._allocate_kv(self.layout.num_kv_blocks)
         self.model.bind_caches(self.kv_caches, self.state_pool.conv_states, self.state_pool.ssm_states)
         self.max_model_len = 0  # set by set_max_model_len once the engine knows it
@@ -124,9 +126,17 @@ class ModelRunner:
     def _plan_caches(self) -> CacheLayout:
         per_block = self._kv_bytes_per_block()
         per_slot = state_bytes_per_slot(self.model_config, self.dtype)
+        caching = self.config.enable_prefix_caching and bool(self.model_config.linear_layer_ids)
         if self.config.num_kv_blocks is not None and self.config.num_state_slots is not None:
-            return CacheLayout(self.config.num_kv_blocks, self.config.num_state_slots, per_block, per_slot)
+            snaps = (self.config.num_snapshot_slots if self.config.num_snapshot_slots is not None else 64) \
+                if caching else 0
+            return CacheLayout(self.config.num_kv_blocks, self.config.num_state_slots, per_block, per_slot, snaps)
         budget = self._cache_budget()
+        snaps = 0
+        if caching:
+            snaps = self.config.num_snapshot_slots if self.config.num_snapshot_slots is not None else \
+                int(budget * self.config.snapshot_memory_fraction) // max(per_slot, 1)
+            budget -= snaps * per_slot
         slots = self.config.num_state_slots or self.max_num_seqs
         if per_slot and (slots + 1) * per_slot > MAX_STATE_SHARE * budget:
             fit = int(MAX_STATE_SHARE * budget) // per_slot - 1
@@ -141,7 +151,7 @@ class ModelRunner:
             blocks = max(2, (budget - (slots + 1) * per_slot) // max(per_block, 1))
             if per_block == 0:  # a model without attention layers needs no KV; keep a token pool for bookkeeping
                 blocks = max(2, cdiv(256 * 1024, self.block_size))
-        return CacheLayout(int(blocks), int(slots), per_block, per_slot)
+        return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps))
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
@@ -224,8 +234,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, rows: list[ScheduledRow], sampling_rows: list[SamplingRow]) -> SamplerOutput | None:
         """Run one step; sample for the rows that reached the end of their known tokens (in row order)."""
-        fresh = [r.request.state_slot for r in rows if r.start == 0]
-        self.state_pool.reset([s for s in fresh if s is not None])
+        # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).
+        self.state_pool.reset([r.request.state_slot for r in rows if r.start == 0 and r.request.state_slot is not None])
+        loads = [(r.load_snapshot, r.request.state_slot) for r in rows if r.load_snapshot is not None]
+        self.state_pool.copy([e for e, _ in loads], [s for _, s in loads if s is not None])
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.model(input_ids, meta)
         if not sampling_rows:

@@ -43,8 +43,15 @@ class Request:
     stop_reason: int | str | None = None
     output_text: str = ""
     num_preemptions: int = 0
-    # Characters of output_text already returned (stop strings may hold some back).
     error: str | None = None
+    # Prefix caching (see cache/prefix_cache.py): keys of the full blocks of known tokens, how many of the request's
+    # blocks are published, the aligned position where this request should leave a snapshot for its siblings, and
+    # its latest decode-boundary snapshot (retired when a newer one is taken).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    branch_point: int | None = None
+    rolling_snapshot_hash: bytes | None = None
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,10 @@ requests are then admitted in arrival order while the budget, ``max_num_seqs``, 
 request that does not fit blocks the queue behind it (FCFS). When a running request needs a KV block and none is free,
 the most recently admitted running request is preempted: its blocks and slot are freed at once and it goes back to the
 front of the queue, to be recomputed from its prompt and the output it had produced.
+
+With prefix caching, admission first looks the request up (``PrefixCache.lookup``): a hit of L tokens gives it the
+cached KV blocks of [0, L) and a snapshot to copy into its slot, and it starts computing at L. Chunks are split so
+that every snapshot point of a request falls on the end of a chunk.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hyserve.cache.block_pool import BlockPool
+from hyserve.cache.prefix_cache import PrefixCache, PrefixHit
 from hyserve.cache.state_pool import StatePool
 from hyserve.engine.request import Request, RequestStatus
 
@@ -23,6 +28,8 @@ class ScheduledRow:
     request: Request
     start: int  # num_computed_tokens when scheduled: first position of this chunk
     num_new_tokens: int
+    load_snapshot: int | None = None  # state-pool entry copied into the slot before the step (prefix hit)
+    snapshot_at: int | None = None  # == end when the step ends on a snapshot point of the request
 
     @property
     def end(self) -> int:
@@ -50,11 +57,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_pool: BlockPool,
-                 state_pool: StatePool) -> None:
+                 state_pool: StatePool, prefix_cache: PrefixCache | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = block_pool
         self.state_pool = state_pool
+        self.prefix_cache = prefix_cache
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -72,28 +82,48 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow_or_preempt(req, n, out):
+            row = self._chunk(req, req.num_computed_tokens, budget)
+            if not self._grow_or_preempt(req, row.num_new_tokens, out):
                 break  # req itself was preempted; it was the last running request
-            out.rows.append(ScheduledRow(req, req.num_computed_tokens, n))
-            budget -= n
+            out.rows.append(row)
+            budget -= row.num_new_tokens
             i += 1
         if out.preempted:
             return out  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.block_pool.blocks_needed(n, 0)
-            if self.state_pool.num_free_slots == 0 or need > self.block_pool.num_free_blocks:
+            if self.state_pool.num_free_slots == 0:
+                break
+            hit = self.prefix_cache.lookup(req) if self.prefix_cache else PrefixHit(0, [], None, None)
+            req.branch_point = hit.branch_point
+            row = self._chunk(req, hit.num_tokens, budget)
+            need = self.block_pool.blocks_needed(row.end, len(hit.blocks))
+            if need > self.block_pool.num_free_blocks:
+                if self.prefix_cache:
+                    self.prefix_cache.release_hit(hit)
                 break
             self.waiting.popleft()
             req.state_slot = self.state_pool.allocate()
-            req.block_table = self.block_pool.allocate(need)
+            req.block_table = hit.blocks + self.block_pool.allocate(need)
+            req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+            req.num_published_blocks = len(hit.blocks)
             req.status = RequestStatus.RUNNING
+            row.load_snapshot = hit.snapshot_entry
+            if self.prefix_cache:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += hit.num_tokens
             self.running.append(req)
-            out.rows.append(ScheduledRow(req, 0, n))
-            budget -= n
+            out.rows.append(row)
+            budget -= row.num_new_tokens
         return out
+
+    def _chunk(self, req: Request, start: int, budget: int) -> ScheduledRow:
+        """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point."""
+        end = start + min(req.num_tokens - start, budget)
+        point = self.prefix_cache.next_snapshot_point(req, start, end) if self.prefix_cache else None
+        if point is not None:
+            end = point
+        return ScheduledRow(req, start, end - start, snapshot_at=point)
 
     def _grow_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Give ``req`` the blocks for ``n`` more tokens, preempting from the back. False if req was preempted."""
@@ -110,6 +140,9 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._release(req)
         req.num_computed_tokens = 0
+        req.num_published_blocks = 0
+        req.branch_point = None
+        req.rolling_snapshot_hash = None  # stays cached as an ordinary snapshot
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1

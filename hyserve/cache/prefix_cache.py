@@ -1,0 +1,232 @@
+"""Prefix caching for hybrid models: attention KV blocks and recurrent-state snapshots in one key space.
+
+Keys. Block ``i`` of a token sequence (tokens ``[i*B, (i+1)*B)``, B = block size) has the key
+``h_i = H(h_{i-1}, tokens of block i)``: the key names the whole prefix ``[0, (i+1)*B)``. The attention KV of that
+block is cached under ``h_i`` (``BlockPool``), and so is a recurrent snapshot, the state of every GDN layer after
+consuming exactly that prefix (invariant 4). The block size stays small (16); where snapshots are taken is a policy:
+
+    prompt:   |=========================== P ===========|xxx|
+    points:   ^interval        ^branch point    ^end of prompt (aligned down)   ^every block boundary while
+                                                                                 decoding (latest one kept)
+
+A hit of length L needs KV for [0, L) *and* a snapshot at exactly L, with L <= num_tokens - 1 (the last known token
+is always computed, so the step produces logits). Lookup takes the deepest such L.
+
+Correctness rests on three rules, each enforced in one place here:
+* A snapshot is copied out of a request's slot only right after the step that brought the slot to the snapshot's
+  position, and is published after that copy is queued, so a later step's copy-in reads finished data; nothing
+  reads a snapshot in the step that writes it (admission lookups happen before the step's publishes).
+* Only computed, verified tokens are published (invariant 3): a block when all its tokens are computed, a snapshot
+  at a position the request has reached. (With speculative decoding, rows publish only up to the accepted length.)
+* Published KV blocks and snapshots are never written again; a hit copies the snapshot into the request's own slot
+  and takes references on the shared blocks, and the request writes only blocks past the hit.
+
+Eviction: KV blocks LRU through ``BlockPool`` (deepest-first); a snapshot whose block is evicted is dropped with it
+(its prefix is gone), and snapshots have their own budget with LRU eviction. Snapshots pinned for a copy-in in the
+current step are not evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyserve.cache.block_pool import BlockPool
+from hyserve.cache.state_pool import StatePool
+from hyserve.engine.request import Request
+
+ROOT_HASH = b"hyserve-prefix-root"
+
+
+def hash_block(parent: bytes, tokens: list[int]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def extend_block_hashes(req: Request, block_size: int, upto_tokens: int) -> None:
+    """Extend ``req.block_hashes`` to cover every full block inside the first ``upto_tokens`` tokens."""
+    n_full = min(upto_tokens, req.num_tokens) // block_size
+    hashes = req.block_hashes
+    while len(hashes) < n_full:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else ROOT_HASH
+        hashes.append(hash_block(parent, req.token_ids(i * block_size, (i + 1) * block_size)))
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    num_tokens: int  # L: tokens whose KV and state come from the cache
+    blocks: list[int]  # KV blocks of [0, L), referenced
+    snapshot_entry: int | None  # state-pool entry to copy into the request's slot (pinned for this step)
+    branch_point: int | None  # aligned position past L up to which cached KV matched, but no snapshot
+
+
+@dataclass(slots=True)
+class SnapshotStats:
+    hits: int = 0
+    misses: int = 0
+    taken: int = 0
+    evictions: int = 0
+    skipped_full: int = 0
+
+
+class PrefixCache:
+    def __init__(self, block_pool: BlockPool, state_pool: StatePool, block_size: int,
+                 snapshot_interval: int, has_recurrent_state: bool = True) -> None:
+        if snapshot_interval <= 0 or snapshot_interval % block_size:
+            raise ValueError(f"recurrent_snapshot_interval must be a positive multiple of block_size={block_size} "
+                             f"(got {snapshot_interval}); set --recurrent-snapshot-interval")
+        self.block_pool = block_pool
+        self.state_pool = state_pool
+        self.block_size = block_size
+        self.interval = snapshot_interval
+        self.has_recurrent_state = has_recurrent_state
+        self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> snapshot index, LRU first
+        self._free_snapshots = list(range(state_pool.num_snapshots - 1, -1, -1))
+        self._pinned: dict[int, int] = {}
+        self.stats = SnapshotStats()
+        block_pool.on_evict = self._on_block_evicted
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, req: Request) -> PrefixHit:
+        """Deepest hit for ``req`` (references its blocks, pins its snapshot); ``release_hit`` undoes it."""
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        extend_block_hashes(req, bs, max_blocks * bs)
+        kv_depth = best = 0
+        for i in range(max_blocks):
+            h = req.block_hashes[i]
+            if self.block_pool.lookup(h) is None:
+                break
+            kv_depth = i + 1
+            if not self.has_recurrent_state or h in self._snapshots:
+                best = i + 1
+        branch = kv_depth * bs if kv_depth > best else None
+        if best == 0:
+            if self.has_recurrent_state and kv_depth:
+                self.stats.misses += 1
+            return PrefixHit(0, [], None, branch)
+        blocks = [self.block_pool.lookup(req.block_hashes[j]) for j in range(best)]
+        assert all(b is not None for b in blocks)
+        kv_blocks = [b for b in blocks if b is not None]
+        self.block_pool.touch(kv_blocks)
+        entry = None
+        if self.has_recurrent_state:
+            h = req.block_hashes[best - 1]
+            idx = self._snapshots[h]
+            self._snapshots.move_to_end(h)
+            self._pinned[idx] = self._pinned.get(idx, 0) + 1
+            entry = self.state_pool.snapshot_entry(idx)
+            self.stats.hits += 1
+        return PrefixHit(best * bs, kv_blocks, entry, branch)
+
+    def release_hit(self, hit: PrefixHit) -> None:
+        """Undo a lookup whose request could not be admitted after all."""
+        if hit.blocks:
+            self.block_pool.free(hit.blocks)
+        self.unpin(hit.snapshot_entry)
+
+    def unpin(self, entry: int | None) -> None:
+        if entry is None:
+            return
+        idx = entry - self.state_pool.snapshot_entry(0)
+        self._pinned[idx] -= 1
+        if self._pinned[idx] == 0:
+            del self._pinned[idx]
+
+    # ------------------------------------------------------------------ policy
+
+    def next_snapshot_point(self, req: Request, start: int, end: int) -> int | None:
+        """The first snapshot position in (start, end] for a chunk of ``req``, or None."""
+        bs = self.block_size
+        points = [(req.num_tokens // bs) * bs, (start // self.interval + 1) * self.interval]
+        if req.branch_point is not None:
+            points.append(req.branch_point)
+        inside = [p for p in points if start < p <= end]
+        return min(inside) if inside else None
+
+    # ------------------------------------------------------------------ publish
+
+    def publish_blocks(self, req: Request, num_computed: int) -> None:
+        """Publish the request's full blocks whose tokens are all computed (and verified)."""
+        bs = self.block_size
+        n_full = num_computed // bs
+        if n_full <= req.num_published_blocks:
+            return
+        extend_block_hashes(req, bs, n_full * bs)
+        for i in range(req.num_published_blocks, n_full):
+            self.block_pool.publish(req.block_table[i], req.block_hashes[i])
+        req.num_published_blocks = n_full
+
+    def take_snapshot(self, req: Request, position: int) -> tuple[int, int] | None:
+        """Reserve a snapshot of ``req``'s slot at ``position`` (== its num_computed_tokens, block-aligned).
+
+        Returns the (slot, entry) copy for the caller to queue after the step's forward, or None when the prefix
+        already has one or no entry can be freed. The snapshot is published at once: nothing reads it before the
+        next step, and the copy is queued ahead of anything that step does.
+        """
+        if not self.has_recurrent_state or position <= 0 or position % self.block_size:
+            return None
+        assert req.state_slot is not None
+        i = position // self.block_size - 1
+        extend_block_hashes(req, self.block_size, position)
+        h = req.block_hashes[i]
+        if h in self._snapshots:
+            self._snapshots.move_to_end(h)
+            return None
+        idx = self._alloc_snapshot()
+        if idx is None:
+            self.stats.skipped_full += 1
+            return None
+        self._snapshots[h] = idx
+        self.stats.taken += 1
+        self._retire_rolling(req, h, position)
+        return req.state_slot, self.state_pool.snapshot_entry(idx)
+
+    def _retire_rolling(self, req: Request, new_hash: bytes, position: int) -> None:
+        """While decoding, keep only the latest boundary snapshot of a request unless a policy point needs it."""
+        is_policy_point = position % self.interval == 0 or position == req.branch_point \
+            or position == (req.num_prompt_tokens // self.block_size) * self.block_size
+        old = req.rolling_snapshot_hash
+        req.rolling_snapshot_hash = None if is_policy_point else new_hash
+        if old is None or old not in self._snapshots:
+            return
+        idx = self._snapshots[old]
+        if idx not in self._pinned:
+            del self._snapshots[old]
+            self._free_snapshots.append(idx)
+
+    def _alloc_snapshot(self) -> int | None:
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        for h, idx in self._snapshots.items():
+            if idx not in self._pinned:
+                del self._snapshots[h]
+                self.stats.evictions += 1
+                return idx
+        return None
+
+    def _on_block_evicted(self, block_hash: bytes) -> None:
+        idx = self._snapshots.get(block_hash)
+        if idx is not None and idx not in self._pinned:
+            del self._snapshots[block_hash]
+            self._free_snapshots.append(idx)
+            self.stats.evictions += 1
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return len(self._snapshots) * self.state_pool.bytes_per_entry
+
+    def has_snapshot(self, block_hash: bytes) -> bool:
+        return block_hash in self._snapshots
