@@ -281,7 +281,7 @@ class LLMEngine:
             logprobs=logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
         )
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=[completion], finished=req.is_finished)
+                             outputs=[completion], finished=req.is_finished, num_cached_tokens=req.num_cached_tokens)
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,325 @@
+"""Prefix caching on hybrid models: outputs identical with caching on and off (and equal to transformers), across
+multi-turn conversations, shared prefixes, branching siblings, eviction, preemption and aborts; a mutation check that
+a corrupted or late snapshot is caught; and the hit rate against an independently counted ideal.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from conftest import CheckpointCache
+from test_engine import SlotRecorder, assert_matches_reference, drive, make_llm
+
+from hyserve import SamplingParams
+from hyserve.engine.llm_engine import LLMEngine
+
+BS = 16
+INTERVAL = 32
+
+
+def cached_llm(path: str, **kw: object):
+    args: dict[str, object] = dict(recurrent_snapshot_interval=INTERVAL, num_snapshot_slots=64,
+                                   max_num_batched_tokens=64, num_kv_blocks=512, max_num_seqs=8, num_state_slots=8)
+    args.update(kw)
+    return make_llm(path, **args)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+
+
+def toks(n: int, seed: int, vocab: int = 440) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def run_conversations(engine: LLMEngine, convs: list[list[list[int]]], out_len: int,
+                      stagger: bool = True) -> dict[str, list[int]]:
+    """Closed loop: turn t of a conversation is submitted when turn t-1 finished (prompt grows by output + message).
+
+    Conversations are interleaved (their turns overlap in time) when ``stagger``; returns outputs by id.
+    """
+    results: dict[str, list[int]] = {}
+    prompts = {c: list(turns[0]) for c, turns in enumerate(convs)}
+    turn = dict.fromkeys(range(len(convs)), 0)
+    step = 0
+    pending = set()
+    start_step = {c: (c * 3 if stagger else 0) for c in range(len(convs))}
+    while True:
+        for c in range(len(convs)):
+            if c not in pending and turn[c] < len(convs[c]) and step >= start_step[c]:
+                engine.add_request(f"c{c}t{turn[c]}", {"prompt_token_ids": prompts[c]}, greedy(out_len))
+                pending.add(c)
+        if not pending:
+            break
+        for out in engine.step():
+            if out.finished:
+                c = int(out.request_id[1:].split("t")[0])
+                results[out.request_id] = out.outputs[0].token_ids
+                pending.discard(c)
+                turn[c] += 1
+                if turn[c] < len(convs[c]):
+                    prompts[c] = prompts[c] + out.outputs[0].token_ids + convs[c][turn[c]]
+        step += 1
+        assert step < 5000
+    return results
+
+
+def make_convs(n_conv: int, n_turns: int, system: list[int], seed: int) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    return [[(system if t == 0 else []) + toks(rng.randrange(5, 40), seed * 100 + c * 10 + t) for t in range(n_turns)]
+            for c in range(n_conv)]
+
+
+# ---------------------------------------------------------------------------------------------- equivalence
+
+
+def test_multi_turn_conversations_same_output_with_and_without_caching(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    ref = ckpts.reference(path)
+    convs = make_convs(4, 3, toks(50, 1), seed=2)
+    on = cached_llm(path)
+    rec = SlotRecorder(on.llm_engine)
+    got = run_conversations(on.llm_engine, convs, out_len=7)
+    off = make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=64)
+    want = run_conversations(off.llm_engine, convs, out_len=7)
+    assert got == want
+    m = on.get_metrics()
+    assert m["hyserve:prefix_cache_hits"] > 0 and m["hyserve:prefix_cache_snapshot_hits"] > 0
+    assert off.get_metrics()["hyserve:prefix_cache_hits"] == 0
+    assert rec.saw_non_identity()
+    # Spot-check the last turn of one conversation against transformers (the prompt carries earlier outputs).
+    prompt = convs[0][0] + got["c0t0"] + convs[0][1] + got["c0t1"] + convs[0][2]
+    out = on.generate({"prompt_token_ids": prompt}, greedy(7), use_tqdm=False)[0]
+    assert out.num_cached_tokens and out.num_cached_tokens > 0
+    assert out.outputs[0].token_ids == got["c0t2"]
+    assert_matches_reference(ref, prompt, out)
+    on.llm_engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("pattern", ["attn_first", "attn_last_gdn_run"])
+def test_shared_system_prompt_siblings_same_step_and_later(ckpts: CheckpointCache, pattern: str) -> None:
+    path = ckpts.get("conditional", pattern)
+    ref = ckpts.reference(path)
+    system = toks(70, 3)
+    # a, b arrive together (neither can hit the other); c arrives later and shares the system prompt and part of
+    # b's text; d arrives after c and diverges at the same point as c, so it should hit c's branch snapshot.
+    b_tail = toks(30, 4)
+    prompts = {"a": system + toks(20, 5), "b": system + b_tail, "c": system + b_tail[:20] + toks(9, 6),
+               "d": system + b_tail[:20] + toks(11, 7)}
+    llm = cached_llm(path)
+    final = drive(llm.llm_engine, {0: [("a", prompts["a"], greedy(6)), ("b", prompts["b"], greedy(6))],
+                                   8: [("c", prompts["c"], greedy(6))], 14: [("d", prompts["d"], greedy(6))]})
+    off = make_llm(path, enable_prefix_caching=False)
+    for k, p in prompts.items():
+        want = off.generate({"prompt_token_ids": p}, greedy(6), use_tqdm=False)[0]
+        assert final[k].outputs[0].token_ids == want.outputs[0].token_ids, k
+        assert_matches_reference(ref, p, final[k])
+    assert final["a"].num_cached_tokens == 0 and final["b"].num_cached_tokens == 0
+    # c: KV matches through block 5 (system 70 + 20 shared = 90 tokens -> 5 full blocks) but snapshots exist only at
+    # interval points (32, 64): hit 64, branch point 80.
+    assert final["c"].num_cached_tokens == 64
+    assert final["d"].num_cached_tokens == 80  # c's branch-point snapshot
+    llm.llm_engine.assert_no_leaks()
+
+
+def test_eviction_under_tiny_budgets(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    convs = make_convs(5, 3, toks(40, 8), seed=9)
+    tight = cached_llm(path, num_kv_blocks=40, num_snapshot_slots=3, max_model_len=320)
+    got = run_conversations(tight.llm_engine, convs, out_len=6)
+    off = make_llm(path, enable_prefix_caching=False)
+    want = run_conversations(off.llm_engine, convs, out_len=6)
+    assert got == want
+    m = tight.get_metrics()
+    assert m["hyserve:prefix_cache_snapshot_evictions"] > 0
+    assert m["hyserve:prefix_cache_kv_evictions"] > 0
+    assert m["hyserve:prefix_cache_snapshots"] <= 3
+    tight.llm_engine.assert_no_leaks()
+
+
+def test_preemption_resumes_from_own_snapshots(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("causal", "attn_both_ends")
+    prompts = [toks(n, 20 + n) for n in (40, 52, 37, 45)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = make_llm(path, enable_prefix_caching=False).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tight = cached_llm(path, block_size=BS, num_kv_blocks=13, max_model_len=192, max_num_batched_tokens=32)
+    got = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    m = tight.get_metrics()
+    assert m["hyserve:num_preemptions"] > 0
+    assert m["hyserve:prefix_cache_hits"] > 0  # resumed requests found their own blocks and snapshots
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    tight.llm_engine.assert_no_leaks()
+
+
+def test_abort_keeps_completed_snapshots_and_publishes_no_partial(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    shared = toks(100, 30)
+    llm = cached_llm(path, max_num_batched_tokens=40)
+    eng = llm.llm_engine
+    eng.add_request("victim", {"prompt_token_ids": shared + toks(20, 31)}, greedy(5))
+    eng.step()  # 32 tokens (chunk cut at the interval point)
+    eng.step()  # 64
+    assert eng.requests["victim"].num_computed_tokens == 64
+    eng.abort_request("victim")
+    later = shared + toks(15, 32)
+    out = llm.generate({"prompt_token_ids": later}, greedy(5), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64  # the completed snapshot survived the abort; nothing past it was published
+    want = make_llm(path, enable_prefix_caching=False).generate({"prompt_token_ids": later}, greedy(5),
+                                                                use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    eng.assert_no_leaks()
+
+
+def test_disabled_caching_takes_no_snapshot_memory(ckpts: CheckpointCache) -> None:
+    llm = make_llm(ckpts.get(), enable_prefix_caching=False)
+    assert llm.llm_engine.prefix_cache is None
+    assert llm.llm_engine.runner.state_pool.num_snapshots == 0
+    with pytest.raises(ValueError, match="recurrent-snapshot-interval"):
+        make_llm(ckpts.get(), recurrent_snapshot_interval=20)
+
+
+# ---------------------------------------------------------------------------------------------- mutation checks
+
+
+def _corrupt_snapshots(engine: LLMEngine) -> None:
+    """Test-only sabotage: every published snapshot gets its SSM state perturbed."""
+    original: Callable = engine._publish
+
+    def publish(rows):
+        original(rows)
+        pool = engine.runner.state_pool
+        for i in range(pool.num_snapshots):
+            for ssm in pool.ssm_states:
+                ssm[pool.snapshot_entry(i)] += 0.05
+
+    engine._publish = publish  # type: ignore[method-assign]
+
+
+def _late_snapshots(engine: LLMEngine) -> None:
+    """Test-only sabotage: snapshots are copied one step late, i.e. over one token too many (the seeds' bug)."""
+    pool = engine.runner.state_pool
+    original_copy = pool.copy
+    pending: list[tuple[list[int], list[int]]] = []
+    original_publish: Callable = engine._publish
+
+    def publish(rows):
+        for src, dst in pending:
+            original_copy(src, dst)
+        pending.clear()
+        pool.copy = lambda src, dst: pending.append((list(src), list(dst)))  # type: ignore[method-assign]
+        try:
+            original_publish(rows)
+        finally:
+            pool.copy = original_copy  # type: ignore[method-assign]
+
+    engine._publish = publish  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("sabotage", [_corrupt_snapshots, _late_snapshots])
+def test_suite_catches_a_bad_snapshot(ckpts: CheckpointCache, sabotage: Callable[[LLMEngine], None]) -> None:
+    """The equivalence check above must fail when a published snapshot is wrong."""
+    path = ckpts.get()
+    convs = make_convs(3, 3, toks(50, 40), seed=41)
+    off = make_llm(path, enable_prefix_caching=False)
+    want = run_conversations(off.llm_engine, convs, out_len=8)
+    bad = cached_llm(path)
+    sabotage(bad.llm_engine)
+    got = run_conversations(bad.llm_engine, convs, out_len=8)
+    assert bad.get_metrics()["hyserve:prefix_cache_snapshot_hits"] > 0
+    assert got != want, "a corrupted snapshot went unnoticed"
+
+
+# ---------------------------------------------------------------------------------------------- hit rate
+
+
+def ideal_hits(requests: list[tuple[list[int], list[int]]], bs: int, interval: int) -> list[int]:
+    """Hit tokens the snapshot policy allows with unlimited memory, counted from the token sequences alone.
+
+    ``requests`` in admission order, each (prompt, output); every earlier request is taken as finished, even one of
+    the same round that in fact ran concurrently, so this ideal is generous (the engine cannot hit work that is
+    still running). Published per request: its end of prompt, its end (last block boundary its computed tokens
+    reach), its interval points and its branch point.
+    """
+    published: set[tuple[int, ...]] = set()
+    computed: list[list[int]] = []
+    hits = []
+    for prompt, output in requests:
+        n = len(prompt)
+        hit = max((L for L in range(bs, n, bs) if tuple(prompt[:L]) in published), default=0)
+        hits.append(hit)
+        lcp = max((_lcp(prompt, c) for c in computed), default=0)
+        full = prompt + output
+        done = len(full) - 1  # the last sampled token is never computed
+        points = {(n // bs) * bs, (done // bs) * bs} | set(range(interval, done + 1, interval))
+        branch = (min(lcp, n - 1) // bs) * bs
+        if branch > hit:
+            points.add(branch)
+        published |= {tuple(full[:p]) for p in points if p > 0}
+        computed.append(full[:done])
+    return hits
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_hit_rate_reaches_ninety_percent_of_the_ideal(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    system = toks(60, 50)
+    convs = make_convs(6, 4, system, seed=51)
+    llm = cached_llm(path, num_snapshot_slots=256, max_num_seqs=6, max_num_batched_tokens=128)
+    eng = llm.llm_engine
+    prompts = {c: list(convs[c][0]) for c in range(len(convs))}
+    order: list[tuple[list[int], list[int]]] = []
+    engine_hits = 0
+    for t in range(4):  # rounds: all conversations' turn t together, after round t-1 finished
+        for c in range(len(convs)):
+            eng.add_request(f"c{c}t{t}", {"prompt_token_ids": prompts[c]}, greedy(6))
+        final: dict[str, object] = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    final[out.request_id] = out
+        for c in range(len(convs)):
+            out = final[f"c{c}t{t}"]
+            order.append((prompts[c], out.outputs[0].token_ids))  # type: ignore[attr-defined]
+            engine_hits += out.num_cached_tokens  # type: ignore[attr-defined]
+            if t + 1 < 4:
+                prompts[c] = prompts[c] + out.outputs[0].token_ids + convs[c][t + 1]  # type: ignore[attr-defined]
+    ideal = sum(ideal_hits(order, BS, INTERVAL))
+    assert ideal > 0
+    print(f"hit rate: engine {engine_hits} tokens, ideal {ideal}")
+    assert engine_hits >= 0.9 * ideal, f"cached {engine_hits} tokens, ideal {ideal}"
+    assert llm.get_metrics()["hyserve:prefix_cache_hits"] == engine_hits
+
+
+def test_snapshot_policy_points_land_on_chunk_ends(ckpts: CheckpointCache) -> None:
+    """Every snapshot taken is at a block-aligned position equal to a chunk end (checked through the scheduler)."""
+    path = ckpts.get()
+    llm = cached_llm(path, max_num_batched_tokens=50)
+    eng = llm.llm_engine
+    seen: list[tuple[int, int | None]] = []
+    original = eng.scheduler.schedule
+
+    def schedule():
+        out = original()
+        seen.extend((r.end, r.snapshot_at) for r in out.rows)
+        return out
+
+    eng.scheduler.schedule = schedule  # type: ignore[method-assign]
+    llm.generate({"prompt_token_ids": toks(150, 60)}, greedy(20), use_tqdm=False)
+    points = [at for end, at in seen if at is not None]
+    assert all(at % BS == 0 for at in points)
+    assert {32, 64, 96, 128, 144} <= set(points)  # intervals, end of prompt (150 -> 144)
+    assert 160 in points  # a block boundary reached while decoding
+    assert all(end == at for end, at in seen if at is not None)
