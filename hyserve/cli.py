@@ -22,7 +22,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory (default: 0.9)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefix caching (default: on)")
+                   help="prefix caching of KV blocks and recurrent snapshots (default: on)")
+    p.add_argument("--recurrent-snapshot-interval", type=int, default=2048,
+                   help="prefix caching: also snapshot recurrent state every N tokens (default: 2048)")
+    p.add_argument("--snapshot-memory-fraction", type=float, default=0.2,
+                   help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
     p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON, e.g. '{\"method\": \"mtp\"}'")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 supported yet)")
@@ -47,6 +51,8 @@ def _make_llm(args: argparse.Namespace, model: str) -> Any:
                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
                seed=args.seed, pipeline_parallel_size=args.pipeline_parallel_size,
+               recurrent_snapshot_interval=args.recurrent_snapshot_interval,
+               snapshot_memory_fraction=args.snapshot_memory_fraction,
                tensor_parallel_size=args.tensor_parallel_size)
 
 
@@ -88,8 +94,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate offline from a local checkpoint directory",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = sub.add_parser("generate", help="generate offline from a local checkpoint directory")
     g.add_argument("model", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")

@@ -235,7 +235,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Prefix caching: recurrent snapshots every this many tokens (a multiple of block_size), besides the end of each
     # prompt, the end of each request and branch points; and the share of the cache budget snapshots may use.
-    recurrent_snapshot_interval: int = 512
+    # 2048: on the Qwen3.5 shapes one snapshot (all GDN layers) takes the memory of ~1.6k tokens of KV, so interval
+    # snapshots cost at most about as much as the KV they index; multi-turn resumes and siblings hit at prompt ends,
+    # request ends and branch points, which do not depend on the interval (benchmarks/results/prefix_cache.md).
+    recurrent_snapshot_interval: int = 2048
     snapshot_memory_fraction: float = 0.2
     num_snapshot_slots: int | None = None
 

@@ -70,10 +70,12 @@ class LLMEngine:
                     (lay.num_state_slots + 1) * lay.state_bytes_per_slot / 2**20, self.max_model_len,
                     self.runner.max_num_seqs, self.runner.max_num_batched_tokens)
         if self.prefix_cache is not None:
-            logger.info("prefix cache: KV blocks of %d tokens and up to %d recurrent snapshots (%.1f MiB) share one "
-                        "key space; snapshots at each prompt end, request end, branch point and every %d tokens",
-                        config.block_size, lay.num_snapshots, lay.num_snapshots * lay.state_bytes_per_slot / 2**20,
-                        config.recurrent_snapshot_interval)
+            per_token = lay.kv_bytes_per_block / config.block_size
+            logger.info("prefix cache: KV blocks of %d tokens and up to %d recurrent snapshots (%.1f MiB; one costs "
+                        "the memory of %.0f KV tokens) share one key space; snapshots at each prompt end, request "
+                        "end, branch point and every %d tokens", config.block_size, lay.num_snapshots,
+                        lay.num_snapshots * lay.state_bytes_per_slot / 2**20,
+                        lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
         else:
             logger.info("prefix caching is off")
 
