@@ -32,13 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hyserve import LLM, SamplingParams
 from hyserve.testing import load_reference_model, reference_logits, write_tiny_checkpoint
 
-SHAPE_2B: dict[str, Any] = dict(
-    vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, partial_rotary_factor=0.25, tie_word_embeddings=True, max_position_embeddings=32768,
-)
-
+sys.path.insert(0, os.path.dirname(__file__))
+from shapes import SHAPE_2B, write_random_checkpoint
 
 OUT_DIR = "benchmarks/results"
 
@@ -169,23 +164,10 @@ def tiny_reference(cases_file: str) -> dict[str, Any]:
 
 
 def shape_2b(results: dict[str, Any], workdir: str) -> None:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
     path = os.path.join(workdir, "qwen35-2b-shape")
-    cfg = Qwen3_5TextConfig(**SHAPE_2B, layer_types=None)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
-    # transformers' init leaves norms at identity and logits nearly flat; spread them so the check has teeth.
-    zero_centred = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(zero_centred):
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    n_params = sum(p.numel() for p in model.parameters())
-    del model
-    torch.cuda.empty_cache()
+    n_params = write_random_checkpoint(path, SHAPE_2B)
     results["2b_params"] = n_params
 
     # Half the card: the float32 transformers reference (8 GB) is loaded beside it.
