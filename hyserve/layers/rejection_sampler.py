@@ -1,0 +1,428 @@
+"""The rejection sampler: the acceptance step of speculative decoding.
+
+A proposer (n-gram lookup, a draft head, an MTP head) guesses ``k_r`` tokens for row ``r``; the target model then
+scores the context followed by those drafts in one forward pass, giving ``k_r + 1`` logits rows: position ``j``
+holds the target's logits for the token after ``context + drafts[:j]``. This module decides how many drafts to
+keep (``a_r``) and emits one more token after them, so each row advances by ``a_r + 1`` tokens per target pass.
+
+**Layout.** ``target_logits`` is ``(sum_r (k_r + 1), V)``; row ``r``'s positions are contiguous and in order.
+``draft_probs`` is, per row, ``None`` (a deterministic proposer: the proposal ``q`` is one-hot on the draft) or a
+``(k_r, V)`` tensor of the distributions the drafts were *sampled* from; a single tensor means
+``(sum_r k_r, V)``, all rows' proposals stacked in row order (the entries of greedy rows are ignored).
+
+**Per position, before anything else** (exactly as the Sampler, for each position separately):
+bans (``banned_token_ids[j]``, e.g. EOS below ``min_tokens``) are set to -inf, and a position whose raw logits
+hold NaN/+inf or have nothing finite left after the bans is *non-finite*.
+
+**Greedy rows** (``params.is_greedy``): draft ``j`` is accepted iff it equals the argmax of position ``j`` (ties to
+the lowest id, as the Sampler), stopping at the first mismatch; the extra token is the argmax of the stopping
+position (a correction, or the bonus token at position ``k_r``). The result is token for token what plain greedy
+decoding would produce. Proposal distributions are irrelevant (and ignored): speculative sampling with a one-hot
+target reduces to exactly this rule whatever ``q`` is.
+
+**Sampled rows**: standard speculative sampling (Leviathan et al. 2023, Chen et al. 2023) on the *processed*
+target distribution ``p_j`` (temperature -> top-k -> top-p -> min-p, exactly the Sampler's processing, see
+``process_logits``): draft ``x_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))`` (``u * q < p``
+with ``u ~ U[0, 1)``); at the first rejection the extra token is drawn from the residual
+``norm(max(0, p_j - q_j))``, and if all ``k_r`` drafts are accepted from ``p_{k_r}`` (the bonus token). Each
+emitted token is then distributed as the target's own processed distribution given the tokens before it. With a
+one-hot ``q`` this is: accept with probability ``p_j(x_j)``; the residual is ``p_j`` with ``x_j`` removed
+(computed exactly, as the processed logits with ``x_j`` masked). Draws are Gumbel-max with exponential noise, as
+the Sampler. If a residual is empty (``p_j <= q_j`` everywhere, which exact arithmetic makes unreachable after a
+rejection) the token is drawn from ``p_j``.
+
+**Randomness.** Every target position of a sampled row consumes ``V`` exponentials (its correction/bonus noise)
+then one uniform (its acceptance test), whether or not the position ends up being used. With
+``seeds[j]`` set, both come from a generator re-seeded with that seed, so a row's result is a function of its own
+logits, params, drafts, proposals and seeds alone (not of the batch); the noise is the very values the Sampler
+draws for that seed, so a row with no drafts emits what the Sampler emits for the same logits and seed. Unseeded
+positions share the sampler's own generator (seeded at construction): reproducible for a fixed sequence of
+batches, not batch-independent. Greedy rows draw nothing.
+
+**Errors.** A row is an error row iff the walk reaches a non-finite position: a non-finite position rejects its
+draft, and the row fails if that stopping position is non-finite. Positions after the first rejection are not
+needed (plain decoding would never have computed them), so garbage there does not fail the row. An error row
+emits nothing (``num_accepted`` 0, ``token_ids`` ``[]``), and nothing about it leaks into other rows.
+
+**Logprobs** (only when some row asks, ``params.logprobs is not None``) are those of the raw ``log_softmax`` of
+the position each emitted token came from (vLLM's ``raw_logprobs``), as the Sampler's.
+
+Cost: one host sync for the results (logprobs add a few when asked). An all-greedy batch costs one ``max`` over
+the logits, a comparison with the drafts and a cumprod over a ``(rows, k_max + 1)`` matrix; no sort, no draws.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hyserve.layers.sampler import Sampler
+from hyserve.sampling_params import SamplingParams
+
+_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch generators take seeds in [0, 2**64)
+
+
+@dataclass(slots=True)
+class SpecRow:
+    """One row's drafts and how to judge them.
+
+    - ``draft_token_ids``: the ``k_r >= 0`` proposed tokens, ids in ``[0, V)``.
+    - ``seeds``: ``None`` (unseeded: the sampler's generator) or ``k_r + 1`` per-position seeds (one per target
+      position, each ``None`` or an int): the engine derives them from (request seed, output index).
+    - ``banned_token_ids``: ``None`` or ``k_r + 1`` lists, the tokens banned at each target position.
+    """
+
+    params: SamplingParams
+    draft_token_ids: list[int]
+    seeds: list[int | None] | None = None
+    banned_token_ids: list[list[int]] | None = None
+
+
+@dataclass(slots=True)
+class SpecOutput:
+    """Per-row results, in the order of the input rows.
+
+    - ``num_accepted[r]``: ``a_r`` in ``0..k_r``, the number of drafts kept (0 for an error row).
+    - ``token_ids[r]``: the ``a_r`` accepted drafts followed by the correction (or the bonus token when
+      ``a_r == k_r``): ``a_r + 1`` tokens; ``[]`` for an error row.
+    - ``logprobs``: ``None`` if no row asked; otherwise, per row, the raw logprob of each emitted token for rows
+      that asked, ``[]`` for the others and for error rows.
+    - ``top_logprobs``: ``None`` if no row asked; otherwise, per row and emitted token, the top
+      ``params.logprobs`` (id, logprob) pairs of that position, by descending logprob (``[]`` for other rows).
+    - ``ranks``: ``None`` if no row asked; otherwise, per row and emitted token, its 1-based rank in the raw
+      distribution of its position (``[]`` for other rows).
+    - ``error_rows``: ascending, the rows whose walk reached non-finite logits; they emit nothing.
+    """
+
+    num_accepted: list[int]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]] | None
+    error_rows: list[int]
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    ranks: list[list[int]] | None = None
+
+
+def process_logits(x: torch.Tensor, row_max: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The Sampler's processing of sampled rows: temperature -> top-k -> top-p -> min-p, in logit space.
+
+    ``x`` (owned; modified in place and possibly returned) holds one row per entry of ``params``, bans already
+    at -inf; ``row_max`` is each row's maximum (finite). Returns the processed logits, masked entries at -inf;
+    ``softmax`` of a row is its processed distribution. This is the body of ``Sampler._sample`` before the draw
+    (the Sampler keeps its own inline copy; it could call this function instead) and reuses its static
+    top-k/top-p helpers, so the two cannot disagree on what a truncation keeps.
+    """
+    vocab = x.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], device=x.device)
+    x.sub_(row_max.unsqueeze(1)).div_(temperature.unsqueeze(1))
+
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(p.top_p < 1.0 for p in params):
+        x = Sampler._apply_top_k_top_p(x, top_k, [p.top_p for p in params])
+    elif any(top_k):
+        Sampler._apply_top_k(x, top_k)
+    if any(p.min_p > 0.0 for p in params):
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], device=x.device)
+        x.masked_fill_(x < log_min_p.unsqueeze(1), -math.inf)
+    return x
+
+
+class RejectionSampler:
+    """Accepts or rejects each row's drafts against the target logits; owns the generator of unseeded rows."""
+
+    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed & _SEED_MASK)
+        # Re-seeded for every seeded position: after manual_seed its stream depends on the seed alone.
+        self._row_generator = torch.Generator(device=self.device)
+
+    def __call__(
+        self,
+        target_logits: torch.Tensor,
+        rows: list[SpecRow],
+        draft_probs: torch.Tensor | list[torch.Tensor | None] | None = None,
+    ) -> SpecOutput:
+        num_rows = len(rows)
+        counts = [len(r.draft_token_ids) for r in rows]
+        num_pos = sum(counts) + num_rows
+        if target_logits.dim() != 2 or target_logits.shape[0] != num_pos:
+            raise ValueError(
+                f"target_logits must have shape (sum of (num drafts + 1) = {num_pos}, V), "
+                f"got {tuple(target_logits.shape)}"
+            )
+        if num_rows == 0:
+            return SpecOutput([], [], None, [])
+        vocab = target_logits.shape[1]
+        logits = target_logits.to(device=self.device, dtype=torch.float32)
+        starts = [0] * num_rows
+        for r in range(1, num_rows):
+            starts[r] = starts[r - 1] + counts[r - 1] + 1
+        self._validate(rows, counts, vocab)
+        proposals = self._split_draft_probs(draft_probs, counts, vocab)
+
+        masked = self._apply_bans(logits, rows, starts)
+        # One pass: the greedy token of every position (first maximum = lowest id) and its maximum. max()
+        # propagates NaN, so a non-finite maximum flags NaN, +inf and "nothing left" alike.
+        best_val, final_tok = masked.max(dim=1)
+        finite = torch.isfinite(best_val)
+        if masked is not logits:  # a NaN on a banned position is still garbage from the model
+            finite &= torch.isfinite(logits.amax(dim=1))
+
+        # accept[i]: the draft at position i is kept (if the walk gets there); bonus positions stay False.
+        # final_tok[i]: the token emitted if the walk stops at position i. Greedy rule first, for every position.
+        accept = torch.zeros(num_pos, dtype=torch.bool, device=self.device)
+        draft_pos = [starts[r] + j for r in range(num_rows) for j in range(counts[r])]
+        if draft_pos:
+            pos_t = torch.tensor(draft_pos, device=self.device)
+            drafts_t = torch.tensor([t for r in rows for t in r.draft_token_ids], device=self.device)
+            accept[pos_t] = final_tok.index_select(0, pos_t) == drafts_t
+
+        sampled = [r for r in range(num_rows) if not rows[r].params.is_greedy]
+        if sampled:
+            self._speculate(masked, best_val, finite, rows, counts, starts, sampled, proposals, accept, final_tok)
+        accept &= finite
+
+        # The walk: a_r = number of leading accepted drafts, via a cumprod over a (rows, k_max + 1) matrix.
+        width = max(counts) + 1
+        if all(c + 1 == width for c in counts):
+            padded = accept.view(num_rows, width)
+        else:
+            pad_idx = torch.tensor([r * width + j for r in range(num_rows) for j in range(counts[r] + 1)])
+            padded = torch.zeros(num_rows * width, dtype=torch.bool, device=self.device)
+            padded[pad_idx.to(self.device)] = accept
+            padded = padded.view(num_rows, width)
+        num_acc = padded.to(torch.int32).cumprod(dim=1).sum(dim=1)
+        stop = torch.tensor(starts, device=self.device) + num_acc
+        summary = torch.stack(
+            [num_acc.long(), final_tok.index_select(0, stop), (~finite.index_select(0, stop)).long()]
+        ).tolist()
+
+        out = SpecOutput([0] * num_rows, [[] for _ in range(num_rows)], None, [])
+        for r, (a, tok, bad) in enumerate(zip(*summary, strict=True)):
+            if bad:
+                out.error_rows.append(r)
+            else:
+                out.num_accepted[r] = a
+                out.token_ids[r] = [*rows[r].draft_token_ids[:a], tok]
+        self._fill_logprobs(out, logits, rows, starts)
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Inputs
+
+    @staticmethod
+    def _validate(rows: list[SpecRow], counts: list[int], vocab: int) -> None:
+        for r, (row, k) in enumerate(zip(rows, counts, strict=True)):
+            if row.draft_token_ids and not (min(row.draft_token_ids) >= 0 and max(row.draft_token_ids) < vocab):
+                raise ValueError(f"row {r}: draft token ids {row.draft_token_ids} outside the vocabulary [0, {vocab})")
+            if row.seeds is not None and len(row.seeds) != k + 1:
+                raise ValueError(f"row {r}: {k} drafts need {k + 1} seeds (one per target position), got {row.seeds}")
+            if row.banned_token_ids is not None and len(row.banned_token_ids) != k + 1:
+                raise ValueError(
+                    f"row {r}: {k} drafts need {k + 1} banned-token lists (one per target position), "
+                    f"got {len(row.banned_token_ids)}"
+                )
+
+    def _split_draft_probs(
+        self, draft_probs: torch.Tensor | list[torch.Tensor | None] | None, counts: list[int], vocab: int
+    ) -> list[torch.Tensor | None]:
+        if draft_probs is None:
+            return [None] * len(counts)
+        if isinstance(draft_probs, torch.Tensor):
+            if draft_probs.shape != (sum(counts), vocab):
+                raise ValueError(
+                    f"draft_probs must have shape (sum of num drafts = {sum(counts)}, {vocab}), "
+                    f"got {tuple(draft_probs.shape)}"
+                )
+            return list(draft_probs.to(device=self.device, dtype=torch.float32).split(counts))
+        if len(draft_probs) != len(counts):
+            raise ValueError(f"draft_probs must have one entry per row ({len(counts)}), got {len(draft_probs)}")
+        out: list[torch.Tensor | None] = []
+        for r, (q, k) in enumerate(zip(draft_probs, counts, strict=True)):
+            if q is not None and q.shape != (k, vocab):
+                raise ValueError(f"row {r}: draft_probs must have shape ({k}, {vocab}), got {tuple(q.shape)}")
+            out.append(None if q is None else q.to(device=self.device, dtype=torch.float32))
+        return out
+
+    def _apply_bans(self, logits: torch.Tensor, rows: list[SpecRow], starts: list[int]) -> torch.Tensor:
+        """Returns ``logits`` itself when nothing is banned, else a copy with the banned entries at -inf."""
+        pos_ids: list[int] = []
+        token_ids: list[int] = []
+        vocab = logits.shape[1]
+        for r, row in enumerate(rows):
+            for j, banned in enumerate(row.banned_token_ids or ()):
+                for t in banned:
+                    if not 0 <= t < vocab:
+                        raise ValueError(f"row {r}: banned token id {t} is outside the vocabulary [0, {vocab})")
+                    pos_ids.append(starts[r] + j)
+                    token_ids.append(t)
+        if not pos_ids:
+            return logits
+        masked = logits.clone()
+        masked[torch.tensor(pos_ids, device=self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+        return masked
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Sampled rows
+
+    def _speculate(
+        self,
+        masked: torch.Tensor,
+        best_val: torch.Tensor,
+        finite: torch.Tensor,
+        rows: list[SpecRow],
+        counts: list[int],
+        starts: list[int],
+        sampled: list[int],
+        proposals: list[torch.Tensor | None],
+        accept: torch.Tensor,
+        final_tok: torch.Tensor,
+    ) -> None:
+        """Overwrites ``accept`` and ``final_tok`` at the positions of the ``sampled`` rows (speculative sampling)."""
+        vocab = masked.shape[1]
+        # Local index = index among the sampled rows' positions, in flat order.
+        flat: list[int] = []
+        params: list[SamplingParams] = []
+        onehot_local: list[int] = []  # draft positions of rows without proposals
+        onehot_tok: list[int] = []
+        q_local: list[int] = []  # draft positions of rows with proposals
+        q_tok: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        seeded: list[tuple[int, int]] = []
+        unseeded: list[int] = []
+        for r in sampled:
+            row, k, base, proposal = rows[r], counts[r], len(flat), proposals[r]
+            flat.extend(range(starts[r], starts[r] + k + 1))
+            params.extend([row.params] * (k + 1))
+            if proposal is None:
+                onehot_local.extend(range(base, base + k))
+                onehot_tok.extend(row.draft_token_ids)
+            elif k:
+                q_local.extend(range(base, base + k))
+                q_tok.extend(row.draft_token_ids)
+                q_rows.append(proposal)
+            for j in range(k + 1):
+                seed = None if row.seeds is None else row.seeds[j]
+                if seed is None:
+                    unseeded.append(base + j)
+                else:
+                    seeded.append((base + j, seed))
+        n = len(flat)
+        dev = self.device
+        pos = torch.tensor(flat, device=dev)
+
+        ok = finite.index_select(0, pos)
+        # Non-finite positions are processed as all-zero logits: their result is discarded (the walk fails there),
+        # and this keeps NaN out of the arithmetic.
+        x = torch.where(ok.unsqueeze(1), masked.index_select(0, pos), 0.0)
+        row_max = torch.where(ok, best_val.index_select(0, pos), 0.0)
+        x = process_logits(x, row_max, params)
+        p = torch.softmax(x, dim=1)
+
+        noise, u = self._draw(n, vocab, unseeded, seeded)
+
+        # Acceptance at draft positions: u * q(x) < p(x), i.e. probability min(1, p/q).
+        draft_local = onehot_local + q_local
+        q = torch.cat(q_rows) if q_rows else None
+        if draft_local:
+            dl = torch.tensor(draft_local, device=dev)
+            dt = torch.tensor(onehot_tok + q_tok, device=dev)
+            p_draft = p[dl, dt]
+            q_draft = torch.ones(len(draft_local), device=dev)
+            if q is not None:
+                q_draft[len(onehot_local) :] = q.gather(1, torch.tensor(q_tok, device=dev).unsqueeze(1)).squeeze(1)
+            accept.index_copy_(0, pos.index_select(0, dl), self._accept(u.index_select(0, dl), p_draft, q_draft))
+
+        res = self._residual_logits(x, p, onehot_local, onehot_tok, q_local, q)
+        tokens = (res - noise).argmax(dim=1)
+        final_tok.index_copy_(0, pos, tokens)
+
+    def _draw(
+        self, n: int, vocab: int, unseeded: list[int], seeded: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position: log of ``V`` exponentials (Gumbel-max noise, clamped) and one uniform in [0, 1)."""
+        dev = self.device
+        noise = torch.empty((n, vocab), device=dev)
+        u = torch.empty(n, device=dev)
+        if len(unseeded) == n:
+            noise.exponential_(generator=self.generator)
+            u.uniform_(generator=self.generator)
+        elif unseeded:
+            idx = torch.tensor(unseeded, device=dev)
+            block = torch.empty((len(unseeded), vocab), device=dev).exponential_(generator=self.generator)
+            noise.index_copy_(0, idx, block)
+            u.index_copy_(0, idx, torch.empty(len(unseeded), device=dev).uniform_(generator=self.generator))
+        for i, seed in seeded:
+            self._row_generator.manual_seed(seed & _SEED_MASK)
+            noise[i].exponential_(generator=self._row_generator)  # the Sampler's draw for this seed, exactly
+            u[i : i + 1].uniform_(generator=self._row_generator)
+        # E == 0 would make -log(E) = +inf and turn a masked -inf into NaN (which argmax picks): clamp it.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny).log_(), u
+
+    @staticmethod
+    def _accept(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+        """Keeps a draft with probability ``min(1, p/q)`` (``u`` in [0, 1); ``p == 0`` never keeps)."""
+        return u * q_draft < p_draft
+
+    @staticmethod
+    def _residual_logits(
+        x: torch.Tensor,
+        p: torch.Tensor,
+        onehot_local: list[int],
+        onehot_tok: list[int],
+        q_local: list[int],
+        q: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Unnormalized log of each position's correction distribution ``max(0, p - q)``; ``x`` at bonus positions.
+
+        One-hot proposals: the processed logits with the draft masked (exact). Others: ``log(max(0, p - q))``. An
+        empty residual (unreachable after a rejection in exact arithmetic) falls back to ``x``, i.e. to ``p``.
+        """
+        res = x.clone()
+        dev = x.device
+        if onehot_local:
+            res[torch.tensor(onehot_local, device=dev), torch.tensor(onehot_tok, device=dev)] = -math.inf
+        if q is not None:
+            ql = torch.tensor(q_local, device=dev)
+            res.index_copy_(0, ql, (p.index_select(0, ql) - q).clamp_min_(0.0).log_())
+            empty = ~torch.isfinite(res.amax(dim=1, keepdim=True))
+            res = torch.where(empty, x, res)
+        return res
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Logprobs
+
+    def _fill_logprobs(self, out: SpecOutput, logits: torch.Tensor, rows: list[SpecRow], starts: list[int]) -> None:
+        errors = set(out.error_rows)
+        asking = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
+        if not asking:
+            return
+        num_rows, vocab = len(rows), logits.shape[1]
+        out.logprobs = [[] for _ in range(num_rows)]
+        out.top_logprobs = [[] for _ in range(num_rows)]
+        out.ranks = [[] for _ in range(num_rows)]
+        asking = [r for r in asking if r not in errors]
+        if not asking:
+            return
+        pos = [starts[r] + j for r in asking for j in range(len(out.token_ids[r]))]
+        toks = [t for r in asking for t in out.token_ids[r]]
+        n_top = [min(rows[r].params.logprobs or 0, vocab) for r in asking for _ in out.token_ids[r]]
+        logprobs = torch.log_softmax(logits.index_select(0, torch.tensor(pos, device=self.device)), dim=1)
+        chosen = logprobs.gather(1, torch.tensor(toks, device=self.device).unsqueeze(1))
+        ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+        chosen_list = chosen.squeeze(1).tolist()
+        top_vals: list[list[float]] = [[] for _ in pos]
+        top_ids: list[list[int]] = [[] for _ in pos]
+        if max(n_top) > 0:
+            top = torch.topk(logprobs, max(n_top), dim=1, sorted=True)
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        i = 0
+        for r in asking:
+            for _ in out.token_ids[r]:
+                out.logprobs[r].append(chosen_list[i])
+                out.ranks[r].append(ranks[i])
+                out.top_logprobs[r].append(list(zip(top_ids[i][: n_top[i]], top_vals[i][: n_top[i]], strict=True)))
+                i += 1
