@@ -163,12 +163,13 @@ class PrefixCache:
             self.block_pool.publish(req.block_table[i], req.block_hashes[i])
         req.num_published_blocks = n_full
 
-    def take_snapshot(self, req: Request, position: int) -> tuple[int, int] | None:
-        """Reserve a snapshot of ``req``'s slot at ``position`` (== its num_computed_tokens, block-aligned).
+    def take_snapshot(self, req: Request, position: int) -> int | None:
+        """Reserve the snapshot of ``req``'s prefix of ``position`` tokens (block-aligned, computed and verified).
 
-        Returns the (slot, entry) copy for the caller to queue after the step's forward, or None when the prefix
-        already has one or no entry can be freed. The snapshot is published at once: nothing reads it before the
-        next step, and the copy is queued ahead of anything that step does.
+        Returns the state-pool entry the caller must fill right after the step's forward (from the request's slot,
+        or from its verified candidate state), or None when the prefix already has one or no entry can be freed.
+        The snapshot is published at once: nothing reads it before the next step, and the copy is queued ahead of
+        anything that step does.
         """
         if not self.has_recurrent_state or position <= 0 or position % self.block_size:
             return None
@@ -186,7 +187,7 @@ class PrefixCache:
         self._snapshots[h] = idx
         self.stats.taken += 1
         self._retire_rolling(req, h, position)
-        return req.state_slot, self.state_pool.snapshot_entry(idx)
+        return self.state_pool.snapshot_entry(idx)
 
     def _retire_rolling(self, req: Request, new_hash: bytes, position: int) -> None:
         """While decoding, keep only the latest boundary snapshot of a request unless a policy point needs it."""

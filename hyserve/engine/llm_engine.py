@@ -18,9 +18,12 @@ from hyserve.engine.metrics import EngineMetrics
 from hyserve.engine.model_runner import ModelRunner
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler import ScheduledRow, Scheduler
+from hyserve.layers.rejection_sampler import RejectionSampler, SpecRow
 from hyserve.layers.sampler import SamplerOutput, SamplingRow
 from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hyserve.sampling_params import SamplingParams
+from hyserve.spec.config import SpeculativeConfig
+from hyserve.spec.proposer import NgramProposer, Proposer
 from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, stop_token_ids
 
 logger = logging.getLogger("hyserve")
@@ -38,18 +41,19 @@ def _token_seed(seed: int, output_index: int) -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        if config.speculative_config:
-            raise ValueError("speculative decoding is not supported yet; remove speculative_config "
-                             "(--speculative-config)")
         self.config = config
         self.model_config = ModelConfig.from_model_dir(config.model)
+        self.spec_config: SpeculativeConfig | None = None
+        if config.speculative_config is not None:
+            self.spec_config = SpeculativeConfig.from_dict(config.speculative_config, self.model_config)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.tokenizer: Tokenizer | None = self._load_tokenizer(config.model)
         self.eos_token_ids = set(stop_token_ids(config.model, self.model_config))
-        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype)
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype, num_speculative_tokens=k)
         self.max_model_len = self._resolve_max_model_len()
         self.runner.set_max_model_len(self.max_model_len)
         self.prefix_cache: PrefixCache | None = None
@@ -58,7 +62,14 @@ class LLMEngine:
                                             config.recurrent_snapshot_interval,
                                             has_recurrent_state=bool(self.model_config.linear_layer_ids))
         self.scheduler = Scheduler(self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
-                                   self.runner.block_pool, self.runner.state_pool, self.prefix_cache)
+                                   self.runner.block_pool, self.runner.state_pool, self.prefix_cache,
+                                   speculative=self.spec_config is not None)
+        self.proposer: Proposer | None = None
+        self.rejection_sampler: RejectionSampler | None = None
+        if self.spec_config is not None:
+            self.proposer = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
+            self.rejection_sampler = RejectionSampler(self.device, seed=config.seed)
+            logger.info("speculative decoding: %s, %d tokens per step", self.spec_config.method, k)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -172,6 +183,8 @@ class LLMEngine:
         self.metrics.on_preemptions(len(sched.preempted))
         if sched.is_empty:
             return []
+        if self.spec_config is not None:
+            return self._step_speculative(sched.rows)
         t0 = time.perf_counter()
         sampling_rows, sampled = self._sampling_rows(sched.rows)
         result = self.runner.execute(sched.rows, sampling_rows)
@@ -190,21 +203,163 @@ class LLMEngine:
         self.metrics.on_step(sched.num_tokens, len(sampled), time.perf_counter() - t0)
         return outputs
 
-    def _publish(self, rows: list[ScheduledRow]) -> None:
-        """After a step: publish computed full blocks, queue snapshot copies, release this step's snapshot pins."""
-        assert self.prefix_cache is not None
-        src: list[int] = []
-        dst: list[int] = []
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _step_speculative(self, rows: list[ScheduledRow]) -> list[RequestOutput]:
+        """One step with verify rows ([last token + drafts]) and prefill chunks together.
+
+        Verify rows compute their GDN candidates into scratch; after acceptance of ``a`` drafts the live slot takes
+        candidate ``a`` (invariant 2), ``num_computed_tokens`` advances by ``a + 1``, and KV blocks that only hold
+        rejected positions are freed. Only verified positions are published to the prefix cache (invariant 3).
+        """
+        assert self.rejection_sampler is not None
+        t0 = time.perf_counter()
+        rows = sorted(rows, key=lambda r: not r.is_verify)  # stable: verify rows first, as the runner needs
+        vrows = [r for r in rows if r.is_verify]
+        srows = [r for r in rows if not r.is_verify and r.samples]
+        logits = self.runner.execute_spec(rows)
+        n_verify = sum(r.num_new_tokens for r in vrows)
+        spec_out = None
+        if vrows:
+            spec_out = self.rejection_sampler(logits[:n_verify], [self._spec_row(r) for r in vrows])
+        sampling_rows, sampled = self._sampling_rows(srows)
+        samp_out = self.runner.sampler(logits[n_verify:], sampling_rows) if sampling_rows else None
+        accepted: list[int] = []
+        if spec_out is not None:
+            errors = set(spec_out.error_rows)
+            accepted = [-1 if i in errors else spec_out.num_accepted[i] for i in range(len(vrows))]
+            self.runner.commit_verified(accepted)
+            self.metrics.on_verify([len(r.draft_token_ids) for r in vrows], accepted)
+        for row in rows:
+            if not row.is_verify:
+                row.request.num_computed_tokens = row.end
+        for row, a in zip(vrows, accepted, strict=True):
+            row.request.num_computed_tokens = row.start + max(a, 0) + 1
+        if self.prefix_cache is not None:
+            self._publish(rows, vrows, accepted)
+        if samp_out is not None:
+            self._apply_samples(sampled, samp_out)
+        if spec_out is not None:
+            self._apply_verified(vrows, spec_out)
+        self._rollback_and_propose(rows)
+        outputs = [self._make_output(r.request) for r in rows]
+        for row in rows:
+            if row.request.is_finished:
+                self.requests.pop(row.request.request_id, None)
+        n_emitted = sum(len(t) for t in spec_out.token_ids) if spec_out is not None else 0
+        self.metrics.on_step(sum(r.num_new_tokens for r in rows), len(sampled) + n_emitted,
+                             time.perf_counter() - t0)
+        return outputs
+
+    def _spec_row(self, row: ScheduledRow) -> SpecRow:
+        req = row.request
+        p = req.sampling_params
+        k = len(row.draft_token_ids)
+        n_out = req.num_output_tokens
+        seeds: list[int | None] | None = None
+        if p.seed is not None:
+            seeds = [_token_seed(p.seed, n_out + j) for j in range(k + 1)]
+        banned = [self._banned(req, n_out + j) for j in range(k + 1)]
+        return SpecRow(params=p, draft_token_ids=list(row.draft_token_ids), seeds=seeds,
+                       banned_token_ids=banned if any(banned) else None)
+
+    def _banned(self, req: Request, output_index: int) -> list[int]:
+        p = req.sampling_params
+        if output_index >= p.min_tokens:
+            return []
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+
+    def _apply_verified(self, vrows: list[ScheduledRow], out: Any) -> None:
+        errors = set(out.error_rows)
+        for i, row in enumerate(vrows):
+            req = row.request
+            if i in errors:
+                req.error = "non-finite logits"
+                logger.error("request %s: logits contain NaN/inf while verifying drafts; finishing it with an error",
+                             req.request_id)
+                self._finish(req, "error")
+                continue
+            lps = out.logprobs[i] if out.logprobs is not None else []
+            tops = out.top_logprobs[i] if out.top_logprobs is not None else []
+            for j, token in enumerate(out.token_ids[i]):
+                req.output_token_ids.append(int(token))
+                if req.sampling_params.logprobs is not None and j < len(lps):
+                    req.sampled_logprobs.append(float(lps[j]))
+                    entry = dict(tops[j]) if j < len(tops) else {}
+                    entry.setdefault(int(token), float(lps[j]))
+                    req.output_logprobs.append(entry)
+                if req.detokenizer is not None:
+                    req.detokenizer.append([int(token)])
+                    req.output_text = req.detokenizer.text
+                self._check_stop(req, int(token))
+                if req.is_finished:
+                    break  # EOS / stop / max_tokens inside the accepted drafts: the rest is dropped
+
+    def _rollback_and_propose(self, rows: list[ScheduledRow]) -> None:
+        """Free KV blocks that hold only rejected positions; propose drafts for requests that decode next."""
+        assert self.proposer is not None and self.spec_config is not None
+        pool = self.runner.block_pool
+        bs = self.config.block_size
+        todo: list[Request] = []
+        ks: list[int] = []
         for row in rows:
             req = row.request
-            self.prefix_cache.publish_blocks(req, row.end)
-            if row.snapshot_at is not None:
-                copy = self.prefix_cache.take_snapshot(req, row.end)
-                if copy is not None:
-                    src.append(copy[0])
-                    dst.append(copy[1])
-            self.prefix_cache.unpin(row.load_snapshot)
+            if req.is_finished:
+                continue
+            keep = max(-(-req.num_tokens // bs), req.num_published_blocks)
+            if len(req.block_table) > keep:
+                pool.free(req.block_table[keep:])
+                del req.block_table[keep:]
+            req.draft_token_ids = []
+            if req.is_decoding:
+                p = req.sampling_params
+                max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+                # At most k + 1 tokens are emitted per verify step; positions stay below max_model_len.
+                k = min(self.spec_config.num_speculative_tokens, max_tokens - req.num_output_tokens - 1,
+                        self.max_model_len - req.num_tokens)
+                if k > 0:
+                    todo.append(req)
+                    ks.append(k)
+        for req, drafts, k in zip(todo, self.proposer.propose(todo, ks), ks, strict=True):
+            req.draft_token_ids = [int(t) for t in drafts[:k]]
+
+    def _publish(self, rows: list[ScheduledRow], vrows: list[ScheduledRow] | None = None,
+                 accepted: list[int] | None = None) -> None:
+        """After a step: publish computed full blocks, fill snapshots, release this step's snapshot pins.
+
+        A verify row publishes only up to its accepted length; a snapshot at a block boundary inside the accepted
+        positions is taken from the verified candidate state of that position.
+        """
+        assert self.prefix_cache is not None
+        pc = self.prefix_cache
+        bs = self.config.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        cand_rows: list[int] = []
+        cand_pos: list[int] = []
+        cand_dst: list[int] = []
+        verify_index = {id(r): i for i, r in enumerate(vrows or [])}
+        for row in rows:
+            req = row.request
+            pc.publish_blocks(req, req.num_computed_tokens)
+            if row.is_verify:
+                i = verify_index[id(row)]
+                a = (accepted or [])[i]
+                point = (req.num_computed_tokens // bs) * bs
+                if a >= 0 and point > row.start:
+                    entry = pc.take_snapshot(req, point)
+                    if entry is not None:
+                        cand_rows.append(i)
+                        cand_pos.append(point - row.start - 1)
+                        cand_dst.append(entry)
+            elif row.snapshot_at is not None:
+                entry = pc.take_snapshot(req, row.end)
+                if entry is not None and req.state_slot is not None:
+                    src.append(req.state_slot)
+                    dst.append(entry)
+            pc.unpin(row.load_snapshot)
         self.runner.state_pool.copy(src, dst)
+        self.runner.snapshot_candidates(cand_rows, cand_pos, cand_dst)
 
     def _sampling_rows(self, rows: list[ScheduledRow]) -> tuple[list[SamplingRow], list[Request]]:
         srows: list[SamplingRow] = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,6 +21,29 @@ class EngineMetrics:
     request_aborted: int = 0
     request_errors: int = 0
     num_preemptions: int = 0
+
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    def on_verify(self, num_drafts: list[int], accepted: list[int]) -> None:
+        """One verify step: draft counts per row and accepted counts (-1 for error rows)."""
+        for k, a in zip(num_drafts, accepted, strict=True):
+            if k == 0 or a < 0:
+                continue
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += k
+            self.spec_num_accepted_tokens += a
+            if len(self.spec_accepted_per_pos) < k:
+                self.spec_accepted_per_pos.extend([0] * (k - len(self.spec_accepted_per_pos)))
+            for j in range(a):
+                self.spec_accepted_per_pos[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step: accepted drafts + the one token every step emits."""
+        return 1.0 + self.spec_num_accepted_tokens / max(self.spec_num_drafts, 1)
 
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.num_requests += 1
@@ -71,8 +94,8 @@ class EngineMetrics:
             "hyserve:prefix_cache_snapshot_bytes": pc.snapshot_bytes if pc else 0,
             "hyserve:prefix_cache_kv_blocks": pool.num_cached_blocks,
             "hyserve:prefix_cache_kv_evictions": pool.num_evictions,
-            "hyserve:spec_decode_num_drafts": 0,
-            "hyserve:spec_decode_num_draft_tokens": 0,
-            "hyserve:spec_decode_num_accepted_tokens": 0,
-            "hyserve:spec_decode_num_accepted_tokens_per_pos": [],
+            "hyserve:spec_decode_num_drafts": self.spec_num_drafts,
+            "hyserve:spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+            "hyserve:spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+            "hyserve:spec_decode_num_accepted_tokens_per_pos": [float(x) for x in self.spec_accepted_per_pos],
         }

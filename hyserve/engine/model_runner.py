@@ -18,9 +18,10 @@ from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.state_pool import StatePool, state_bytes_per_slot
 from hyserve.config import EngineConfig, ModelConfig
 from hyserve.engine.scheduler import ScheduledRow
+from hyserve.kernels.verify import commit_verified
 from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from hyserve.model.loader import load_weights
-from hyserve.model.metadata import StepMetadata
+from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
 
 logger = logging.getLogger("hyserve")
@@ -40,7 +41,7 @@ class CacheLayout:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, num_speculative_tokens: int = 0) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
@@ -53,6 +54,7 @@ class ModelRunner:
                     model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
         self.max_num_seqs = config.max_num_seqs
+        self.num_speculative_tokens = num_speculative_tokens
         self.layout = self._plan_caches()
         self.max_num_seqs = min(self.max_num_seqs, self.layout.num_state_slots)
         self.block_pool = BlockPool(self.layout.num_kv_blocks, self.block_size)
@@ -60,7 +62,10 @@ class ModelRunner:
                                     num_snapshots=self.layout.num_snapshots)
         self.kv_caches = self._allocate_kv(self.layout.num_kv_blocks)
         self.model.bind_caches(self.kv_caches, self.state_pool.conv_states, self.state_pool.ssm_states)
+        if num_speculative_tokens:
+            self._allocate_verify_scratch(num_speculative_tokens + 1)
         self.max_model_len = 0  # set by set_max_model_len once the engine knows it
+        self.last_meta: StepMetadata | None = None
         self.sampler = Sampler(device, seed=config.seed)
 
     # ------------------------------------------------------------------ setup
@@ -132,6 +137,8 @@ class ModelRunner:
                 if caching else 0
             return CacheLayout(self.config.num_kv_blocks, self.config.num_state_slots, per_block, per_slot, snaps)
         budget = self._cache_budget()
+        if self.num_speculative_tokens:  # verify scratch: a candidate state per verify row and position
+            budget -= self.max_num_seqs * (self.num_speculative_tokens + 1) * per_slot
         snaps = 0
         if caching:
             snaps = self.config.num_snapshot_slots if self.config.num_snapshot_slots is not None else \
@@ -159,6 +166,16 @@ class ModelRunner:
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in cfg.attention_layer_ids]
 
+    def _allocate_verify_scratch(self, positions: int) -> None:
+        cfg = self.model_config
+        k = cfg.linear_conv_kernel_dim
+        for layer in self.model.gdn_layers():
+            layer.conv_scratch = torch.zeros(self.max_num_seqs, positions, cfg.conv_dim, k - 1, dtype=self.dtype,
+                                             device=self.device)
+            layer.ssm_scratch = torch.zeros(self.max_num_seqs, positions, cfg.linear_num_value_heads,
+                                            cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                            dtype=torch.float32, device=self.device)
+
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self._allocate_buffers()
@@ -178,7 +195,8 @@ class ModelRunner:
             "input_ids": ((t,), torch.long), "positions": ((t,), torch.long), "slot_mapping": ((t,), torch.long),
             "query_start_loc": ((r + 1,), torch.int32), "seq_lens": ((r,), torch.int32),
             "state_slots": ((r,), torch.long), "block_tables": ((r, self.max_blocks_per_seq), torch.int32),
-            "logits_indices": ((r,), torch.long),
+            "logits_indices": ((t,), torch.long), "rest_query_start_loc": ((r + 1,), torch.int32),
+            "num_accepted": ((r,), torch.long),
         }
         self.host_bufs = {k: host(s, d) for k, (s, d) in names.items()}
         self.dev_bufs = {k: dev(s, d) for k, (s, d) in names.items()}
@@ -187,19 +205,33 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     def prepare(self, rows: list[ScheduledRow]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
-        """Fill the persistent buffers for ``rows``; returns metadata, input ids and logits row indices (views)."""
+        """Fill the persistent buffers for ``rows``; returns metadata, input ids and logits row indices (views).
+
+        Verify rows (speculative decoding) must come first; every one of their positions yields logits.
+        """
         nb = self.np_bufs
         bs = self.block_size
         t = 0
         n_sample = 0
         max_q = 0
         max_s = 0
+        num_verify = num_verify_tokens = max_q_verify = 0
         nb["query_start_loc"][0] = 0
         for i, row in enumerate(rows):
             req = row.request
             n, start, end = row.num_new_tokens, row.start, row.end
             assert req.state_slot is not None
-            nb["input_ids"][t : t + n] = req.token_ids(start, end)
+            if row.is_verify:
+                assert i == num_verify, "verify rows must come first"
+                nb["input_ids"][t] = req.token_ids(start, start + 1)[0]
+                nb["input_ids"][t + 1 : t + n] = row.draft_token_ids
+                nb["logits_indices"][n_sample : n_sample + n] = np.arange(t, t + n)
+                n_sample += n
+                num_verify += 1
+                num_verify_tokens += n
+                max_q_verify = max(max_q_verify, n)
+            else:
+                nb["input_ids"][t : t + n] = req.token_ids(start, end)
             pos = np.arange(start, end, dtype=np.int64)
             nb["positions"][t : t + n] = pos
             table = np.asarray(req.block_table, dtype=np.int64)
@@ -210,14 +242,18 @@ class ModelRunner:
             nb["state_slots"][i] = req.state_slot
             t += n
             nb["query_start_loc"][i + 1] = t
-            if row.samples:
+            if row.samples and not row.is_verify:
                 nb["logits_indices"][n_sample] = t - 1
                 n_sample += 1
             max_q = max(max_q, n)
             max_s = max(max_s, end)
         r = len(rows)
+        rest = r - num_verify
+        if num_verify:
+            nb["rest_query_start_loc"][: rest + 1] = nb["query_start_loc"][num_verify : r + 1] - num_verify_tokens
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "query_start_loc": r + 1, "seq_lens": r,
-                 "state_slots": r, "block_tables": r, "logits_indices": n_sample}
+                 "state_slots": r, "block_tables": r, "logits_indices": n_sample,
+                 "rest_query_start_loc": rest + 1 if num_verify else 0}
         views = {}
         for name, size in sizes.items():
             d = self.dev_bufs[name][:size]
@@ -229,18 +265,70 @@ class ModelRunner:
             state_slots=views["state_slots"], block_tables=views["block_tables"][:, :nblk],
             slot_mapping=views["slot_mapping"], max_query_len=max_q, max_seq_len=max_s,
         )
+        if num_verify:
+            slots = views["state_slots"]
+            rest_max_q = max((row.num_new_tokens for row in rows[num_verify:]), default=0)
+            meta.verify = VerifyMetadata(
+                num_rows=num_verify, num_tokens=num_verify_tokens, max_query_len=max_q_verify,
+                query_start_loc=views["query_start_loc"][: num_verify + 1], state_slots=slots[:num_verify],
+                rest_query_start_loc=views["rest_query_start_loc"], rest_state_slots=slots[num_verify:],
+                rest_max_query_len=rest_max_q,
+            )
+        self.last_meta = meta
         return meta, views["input_ids"], views["logits_indices"]
 
     @torch.inference_mode()
     def execute(self, rows: list[ScheduledRow], sampling_rows: list[SamplingRow]) -> SamplerOutput | None:
         """Run one step; sample for the rows that reached the end of their known tokens (in row order)."""
-        # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).
-        self.state_pool.reset([r.request.state_slot for r in rows if r.start == 0 and r.request.state_slot is not None])
-        loads = [(r.load_snapshot, r.request.state_slot) for r in rows if r.load_snapshot is not None]
-        self.state_pool.copy([e for e, _ in loads], [s for _, s in loads if s is not None])
+        self._load_states(rows)
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.model(input_ids, meta)
         if not sampling_rows:
             return None
         logits = self.model.compute_logits(hidden[logits_indices])
         return self.sampler(logits, sampling_rows)
+
+    def _load_states(self, rows: list[ScheduledRow]) -> None:
+        # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).
+        self.state_pool.reset([r.request.state_slot for r in rows if r.start == 0 and r.request.state_slot is not None])
+        loads = [(r.load_snapshot, r.request.state_slot) for r in rows if r.load_snapshot is not None]
+        self.state_pool.copy([e for e, _ in loads], [s for _, s in loads if s is not None])
+
+    @torch.inference_mode()
+    def execute_spec(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        """Run one step with verify rows first; returns logits for every verify position, then for sampling rows."""
+        self._load_states(rows)
+        meta, input_ids, logits_indices = self.prepare(rows)
+        hidden = self.model(input_ids, meta)
+        return self.model.compute_logits(hidden[logits_indices])
+
+    @torch.inference_mode()
+    def commit_verified(self, num_accepted: list[int]) -> None:
+        """Live slots of the last step's verify rows take candidate ``num_accepted[r]`` (-1: leave untouched)."""
+        vm = self.last_meta.verify if self.last_meta is not None else None
+        if vm is None:
+            return
+        n = len(num_accepted)
+        assert n == vm.num_rows
+        self.host_bufs["num_accepted"][:n] = torch.tensor(num_accepted, dtype=torch.long)
+        acc = self.dev_bufs["num_accepted"][:n]
+        acc.copy_(self.host_bufs["num_accepted"][:n], non_blocking=True)
+        for layer in self.model.gdn_layers():
+            assert layer.conv_state is not None and layer.ssm_state is not None
+            assert layer.conv_scratch is not None and layer.ssm_scratch is not None
+            commit_verified(layer.conv_state, layer.ssm_state, vm.state_slots, layer.conv_scratch,
+                            layer.ssm_scratch, acc)
+
+    @torch.inference_mode()
+    def snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int]) -> None:
+        """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``."""
+        if not rows:
+            return
+        r = torch.tensor(rows, dtype=torch.long, device=self.device)
+        p = torch.tensor(positions, dtype=torch.long, device=self.device)
+        e = torch.tensor(entries, dtype=torch.long, device=self.device)
+        for layer in self.model.gdn_layers():
+            assert layer.conv_state is not None and layer.ssm_state is not None
+            assert layer.conv_scratch is not None and layer.ssm_scratch is not None
+            layer.conv_state.index_copy_(0, e, layer.conv_scratch[r, p])
+            layer.ssm_state.index_copy_(0, e, layer.ssm_scratch[r, p])

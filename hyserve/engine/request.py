@@ -52,6 +52,8 @@ class Request:
     branch_point: int | None = None
     rolling_snapshot_hash: bytes | None = None
     num_cached_tokens: int = 0
+    # Speculative decoding: tokens proposed to follow the known tokens, verified in the next step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +75,11 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every known token but the last is computed: the next step feeds the last token (plus any drafts)."""
+        return self.num_computed_tokens == self.num_tokens - 1 and self.num_output_tokens > 0
 
     @property
     def is_finished(self) -> bool:

@@ -30,6 +30,9 @@ class ScheduledRow:
     num_new_tokens: int
     load_snapshot: int | None = None  # state-pool entry copied into the slot before the step (prefix hit)
     snapshot_at: int | None = None  # == end when the step ends on a snapshot point of the request
+    # Speculative decoding: a verify row feeds [last token + drafts]; its GDN state goes to scratch until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
+    is_verify: bool = False
 
     @property
     def end(self) -> int:
@@ -37,8 +40,8 @@ class ScheduledRow:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the request's known tokens, so the step samples its next token."""
-        return self.end == self.request.num_tokens
+        """The chunk reaches the end of the request's known tokens, so the step samples its next token(s)."""
+        return self.is_verify or self.end == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -57,12 +60,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_pool: BlockPool,
-                 state_pool: StatePool, prefix_cache: PrefixCache | None = None) -> None:
+                 state_pool: StatePool, prefix_cache: PrefixCache | None = None, speculative: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = block_pool
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
+        self.speculative = speculative
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.waiting: deque[Request] = deque()
@@ -118,7 +122,14 @@ class Scheduler:
         return out
 
     def _chunk(self, req: Request, start: int, budget: int) -> ScheduledRow:
-        """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point."""
+        """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point.
+
+        A decoding request under speculative decoding is one verify row: its last token and the drafts that fit the
+        budget; it is never cut (its snapshots come from the verified candidates, see the engine).
+        """
+        if self.speculative and start == req.num_tokens - 1 and req.num_output_tokens > 0:
+            drafts = req.draft_token_ids[: budget - 1]
+            return ScheduledRow(req, start, 1 + len(drafts), draft_token_ids=drafts, is_verify=True)
         end = start + min(req.num_tokens - start, budget)
         point = self.prefix_cache.next_snapshot_point(req, start, end) if self.prefix_cache else None
         if point is not None:
@@ -143,6 +154,7 @@ class Scheduler:
         req.num_published_blocks = 0
         req.branch_point = None
         req.rolling_snapshot_hash = None  # stays cached as an ordinary snapshot
+        req.draft_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1

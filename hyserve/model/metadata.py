@@ -19,6 +19,22 @@ import torch
 
 
 @dataclass(slots=True)
+class VerifyMetadata:
+    """Speculative decoding: the first ``num_rows`` rows (``num_tokens`` tokens) are verify rows, [last token +
+    drafts]. Their GDN layers only read the live state and write per-position candidates into scratch (invariant
+    2); the remaining rows ("rest": prefill chunks) update their slots as usual."""
+
+    num_rows: int
+    num_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # (Rv+1,) int32
+    state_slots: torch.Tensor  # (Rv,)
+    rest_query_start_loc: torch.Tensor  # (R-Rv+1,) int32, offsets relative to token num_tokens
+    rest_state_slots: torch.Tensor  # (R-Rv,)
+    rest_max_query_len: int
+
+
+@dataclass(slots=True)
 class StepMetadata:
     positions: torch.Tensor  # (T,) int64 absolute position of each token
     query_start_loc: torch.Tensor  # (R+1,) int32 row offsets into the T tokens
@@ -28,6 +44,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # (T,) int64 flat KV cache slot of each token (-1: skip)
     max_query_len: int  # host copies so that kernels need no device->host sync
     max_seq_len: int
+    verify: VerifyMetadata | None = None
 
     @property
     def num_rows(self) -> int:

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
+from hyserve.kernels.verify import causal_conv1d_verify, gdn_verify
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.metadata import StepMetadata
@@ -44,23 +45,48 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
+        # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
+        self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
+        self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), float32
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         t = x.shape[0]
-        mixed = causal_conv1d_varlen(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), self.conv_state,
-                                     meta.state_slots, meta.query_start_loc, meta.max_query_len)
+        weight = self.conv1d.weight.squeeze(1)
+        mixed_in = self.in_proj_qkv(x)
+        vm = meta.verify
+        if vm is None:
+            mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
+                                         meta.max_query_len)
+        else:
+            assert self.conv_scratch is not None, "verify scratch not bound"
+            parts = [causal_conv1d_verify(mixed_in[: vm.num_tokens], weight, self.conv_state, vm.state_slots,
+                                          vm.query_start_loc, self.conv_scratch, vm.max_query_len)]
+            if vm.num_tokens < t:
+                parts.append(causal_conv1d_varlen(mixed_in[vm.num_tokens :], weight, self.conv_state,
+                                                  vm.rest_state_slots, vm.rest_query_start_loc,
+                                                  vm.rest_max_query_len))
+            mixed = torch.cat(parts) if len(parts) > 1 else parts[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         z = self.in_proj_z(x)
         beta = self.in_proj_b(x).float().sigmoid()
         # float32 before exp/softplus: in half precision A can overflow to inf.
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        out = gdn_forward(
-            q.reshape(t, self.num_k_heads, self.head_k_dim),
-            k.reshape(t, self.num_k_heads, self.head_k_dim),
-            v.reshape(t, self.num_v_heads, self.head_v_dim),
-            g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc, meta.max_query_len,
-        )
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        if vm is None:
+            out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
+                              meta.max_query_len)
+        else:
+            assert self.ssm_scratch is not None, "verify scratch not bound"
+            tv = vm.num_tokens
+            outs = [gdn_verify(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
+                               vm.query_start_loc, self.ssm_scratch, vm.max_query_len)]
+            if tv < t:
+                outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
+                                        vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len))
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(t, self.value_dim))
 
