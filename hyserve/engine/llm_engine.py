@@ -16,7 +16,7 @@ from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.config import EngineConfig, ModelConfig, resolve_dtype
 from hyserve.engine.metrics import EngineMetrics
 from hyserve.engine.model_runner import ModelRunner
-from hyserve.engine.request import Request
+from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.scheduler import ScheduledRow, Scheduler
 from hyserve.layers.rejection_sampler import RejectionSampler, SpecRow
 from hyserve.layers.sampler import SamplerOutput, SamplingRow
@@ -73,6 +73,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
+        self._deferred_finish: list[Request] | None = None
         lay = self.runner.layout
         logger.info("cache: %d KV blocks of %d tokens (%d tokens, %.1f MiB), %d state slots (%.1f MiB); "
                     "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
@@ -235,12 +236,20 @@ class LLMEngine:
                 row.request.num_computed_tokens = row.end
         for row, a in zip(vrows, accepted, strict=True):
             row.request.num_computed_tokens = row.start + max(a, 0) + 1
-        if self.prefix_cache is not None:
-            self._publish(rows, vrows, accepted)
-        if samp_out is not None:
-            self._apply_samples(sampled, samp_out)
-        if spec_out is not None:
-            self._apply_verified(vrows, spec_out)
+        # Tokens are appended before publishing (block keys need them); requests that finish here release their
+        # memory only after their verified blocks and snapshots are published.
+        self._deferred_finish = []
+        try:
+            if samp_out is not None:
+                self._apply_samples(sampled, samp_out)
+            if spec_out is not None:
+                self._apply_verified(vrows, spec_out)
+            if self.prefix_cache is not None:
+                self._publish(rows, vrows, accepted)
+        finally:
+            finished, self._deferred_finish = self._deferred_finish, None
+            for req in finished:
+                self.scheduler.finish(req)
         self._rollback_and_propose(rows)
         outputs = [self._make_output(r.request) for r in rows]
         for row in rows:
@@ -341,11 +350,13 @@ class LLMEngine:
         verify_index = {id(r): i for i, r in enumerate(vrows or [])}
         for row in rows:
             req = row.request
-            pc.publish_blocks(req, req.num_computed_tokens)
+            # A stop inside accepted drafts drops the tokens after it: publish only tokens the request has.
+            computed = min(req.num_computed_tokens, req.num_tokens)
+            pc.publish_blocks(req, computed)
             if row.is_verify:
                 i = verify_index[id(row)]
                 a = (accepted or [])[i]
-                point = (req.num_computed_tokens // bs) * bs
+                point = (computed // bs) * bs
                 if a >= 0 and point > row.start:
                     entry = pc.take_snapshot(req, point)
                     if entry is not None:
@@ -423,7 +434,11 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
-        self.scheduler.finish(req)
+        if self._deferred_finish is not None:
+            req.status = RequestStatus.FINISHED
+            self._deferred_finish.append(req)
+        else:
+            self.scheduler.finish(req)
         self.metrics.on_request_finished(reason)
 
     def _make_output(self, req: Request) -> RequestOutput:

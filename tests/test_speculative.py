@@ -1,0 +1,221 @@
+"""Speculative decoding: greedy outputs identical with speculation on and off (and equal to transformers), with and
+without prefix caching, chunked prefill, preemption and aborts; every acceptance length 0..k in one batch through a
+test-only proposer; snapshots published from verified candidates; boundaries; refusals at startup.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import CheckpointCache
+from test_engine import SlotRecorder, assert_matches_reference, drive, make_llm
+from test_prefix_cache import make_convs, run_conversations, toks
+
+from hyserve import SamplingParams
+from hyserve.engine.llm_engine import LLMEngine
+from hyserve.engine.request import Request
+from hyserve.spec.proposer import Proposer
+
+K = 4
+
+
+def spec_llm(path: str, k: int = K, **kw: object):
+    args: dict[str, object] = dict(speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                                       "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                                   recurrent_snapshot_interval=32, num_snapshot_slots=64)
+    args.update(kw)
+    return make_llm(path, **args)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+
+
+class OracleProposer(Proposer):
+    """Test-only: proposes the known greedy continuation of each request, with errors planted where asked.
+
+    ``plan[request_id]`` is a list of acceptance lengths to force at successive verify steps (cycled): a value
+    a < k proposes the right tokens up to a and a wrong token at a; a value k proposes all k right.
+    """
+
+    def __init__(self, continuations: dict[str, list[int]], plan: dict[str, list[int]], vocab: int) -> None:
+        self.continuations = continuations
+        self.plan = plan
+        self.vocab = vocab
+        self.calls: dict[str, int] = {}
+        self.forced: list[tuple[str, int, int]] = []  # (request, forced acceptance, proposed k)
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(requests, num_tokens, strict=True):
+            rid = req.request_id
+            cont = self.continuations[rid]
+            done = req.num_output_tokens
+            right = cont[done : done + k]
+            i = self.calls.get(rid, 0)
+            self.calls[rid] = i + 1
+            steps = self.plan.get(rid, [k])
+            a = min(steps[i % len(steps)], len(right))
+            drafts = list(right)
+            if a < len(drafts):
+                drafts[a] = (drafts[a] + 1) % self.vocab  # a wrong token at position a
+            self.forced.append((rid, a, len(drafts)))
+            out.append(drafts)
+        return out
+
+
+def _solo(path: str, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+    off = make_llm(path, enable_prefix_caching=False)
+    return {rid: off.generate({"prompt_token_ids": p}, greedy(n), use_tqdm=False)[0].outputs[0].token_ids
+            for rid, p in prompts.items()}
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_ngram_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching: bool) -> None:
+    path = ckpts.get()
+    ref = ckpts.reference(path)
+    # Repetitive prompts so that prompt lookup finds matches (and misses) often.
+    rng = random.Random(5)
+    base = toks(12, 6)
+    prompts = {f"r{i}": (base * 4)[: 20 + 7 * i] + [rng.randrange(440) for _ in range(3)] for i in range(5)}
+    want = _solo(path, prompts, 24)
+    llm = spec_llm(path, enable_prefix_caching=caching, max_num_batched_tokens=24, max_num_seqs=4)
+    rec = SlotRecorder(llm.llm_engine)
+    final = drive(llm.llm_engine, {2 * i: [(rid, p, greedy(24))] for i, (rid, p) in enumerate(prompts.items())})
+    for rid, p in prompts.items():
+        assert final[rid].outputs[0].token_ids == want[rid], rid
+        assert_matches_reference(ref, p, final[rid])
+    m = llm.get_metrics()
+    assert m["hyserve:spec_decode_num_drafts"] > 0
+    assert rec.saw_non_identity()
+    llm.llm_engine.assert_no_leaks()
+
+
+def test_every_acceptance_length_in_one_batch(ckpts: CheckpointCache) -> None:
+    """A proposer that knows the answer, with errors planted so that rows accept 0..k drafts in the same step."""
+    path = ckpts.get()
+    prompts = {f"r{i}": toks(9 + 5 * i, 70 + i) for i in range(K + 1)}
+    n = 30
+    want = _solo(path, prompts, n)
+    llm = spec_llm(path, max_num_seqs=K + 1, max_num_batched_tokens=256)
+    eng = llm.llm_engine
+    plan = {f"r{i}": [(i + s) % (K + 1) for s in range(K + 1)] for i in range(K + 1)}
+    eng.proposer = OracleProposer(want, plan, vocab=eng.model_config.vocab_size)
+    final = drive(eng, {0: [(rid, p, greedy(n)) for rid, p in prompts.items()]})
+    for rid in prompts:
+        assert final[rid].outputs[0].token_ids == want[rid], rid
+    m = llm.get_metrics()
+    forced = eng.proposer.forced  # type: ignore[attr-defined]
+    full = [(a, k) for _, a, k in forced if k == K]
+    assert {a for a, _ in full} == set(range(K + 1)), "not every acceptance length was exercised"
+    # The engine's accepted counts agree with what the proposer forced.
+    assert m["hyserve:spec_decode_num_accepted_tokens"] == sum(a for _, a, _ in forced)
+    per_pos = m["hyserve:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, list) and per_pos[0] >= per_pos[-1]
+    eng.assert_no_leaks()
+
+
+def test_acceptances_crossing_snapshot_positions_publish_verified_states(ckpts: CheckpointCache) -> None:
+    """Verify steps cross 16-token boundaries; the snapshots taken there come from verified candidates. Later
+    requests extending those outputs hit them and must produce exactly the no-cache output."""
+    path = ckpts.get()
+    prompts = {f"r{i}": toks(21 + 3 * i, 90 + i) for i in range(3)}
+    n = 40
+    want = _solo(path, prompts, n)
+    llm = spec_llm(path, max_num_batched_tokens=128)
+    eng = llm.llm_engine
+    eng.proposer = OracleProposer(want, {rid: [3, 1, 4, 0, 2] for rid in prompts}, vocab=eng.model_config.vocab_size)
+    final = drive(eng, {0: [(rid, p, greedy(n)) for rid, p in prompts.items()]})
+    for rid in prompts:
+        assert final[rid].outputs[0].token_ids == want[rid]
+    # Follow-up turns: prompt + output + a new message; they must hit snapshots inside the decoded region.
+    follow = {f"f{rid}": prompts[rid] + want[rid] + toks(5, 99) for rid in prompts}
+    want_f = _solo(path, follow, 8)
+    eng.proposer = OracleProposer(want_f, {}, vocab=eng.model_config.vocab_size)
+    final_f = drive(eng, {0: [(rid, p, greedy(8)) for rid, p in follow.items()]})
+    for rid, p in follow.items():
+        assert final_f[rid].outputs[0].token_ids == want_f[rid]
+        # the deepest boundary inside prompt + output (the last sampled token is never computed)
+        assert final_f[rid].num_cached_tokens == ((len(p) - 5 - 1) // 16) * 16
+    eng.assert_no_leaks()
+
+
+def test_speculation_with_preemption_and_aborts(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("causal", "attn_both_ends")
+    prompts = {f"r{i}": toks(30 + 4 * i, 110 + i) for i in range(4)}
+    n = 24
+    want = _solo(path, prompts, n)
+    llm = spec_llm(path, block_size=16, num_kv_blocks=13, max_model_len=192, max_num_batched_tokens=32,
+                   max_num_seqs=4)
+    eng = llm.llm_engine
+    eng.proposer = OracleProposer(want, {rid: [2, 4, 0] for rid in prompts}, vocab=eng.model_config.vocab_size)
+    final = drive(eng, {0: [(rid, p, greedy(n)) for rid, p in prompts.items()] + [("gone", toks(40, 120), greedy(n))]},
+                  aborts={3: ["gone"]})
+    assert llm.get_metrics()["hyserve:num_preemptions"] > 0
+    for rid in prompts:
+        assert final[rid].outputs[0].token_ids == want[rid], rid
+    eng.assert_no_leaks()
+
+
+def test_multi_turn_with_caching_and_speculation_matches_plain(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("conditional", "attn_first")
+    convs = make_convs(3, 3, toks(40, 130), seed=131)
+    plain = make_llm(path, enable_prefix_caching=False)
+    want = run_conversations(plain.llm_engine, convs, out_len=10)
+    both = spec_llm(path, max_num_batched_tokens=48)
+    got = run_conversations(both.llm_engine, convs, out_len=10)
+    assert got == want
+    m = both.get_metrics()
+    assert m["hyserve:prefix_cache_hits"] > 0
+    both.llm_engine.assert_no_leaks()
+
+
+def test_boundaries_max_tokens_eos_and_max_model_len(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    prompt = toks(12, 140)
+    want = _solo(path, {"x": prompt}, 16)["x"]
+    llm = spec_llm(path, max_model_len=64)
+    eng: LLMEngine = llm.llm_engine
+    eng.proposer = OracleProposer({"a": want, "b": want, "c": want}, {}, vocab=eng.model_config.vocab_size)
+    # max_tokens not a multiple of k + 1: never overshoots.
+    final = drive(eng, {0: [("a", prompt, greedy(7))]})
+    assert final["a"].outputs[0].token_ids == want[:7]
+    # EOS inside accepted drafts ends the request there.
+    stop = want[5]
+    eng.eos_token_ids = {stop}
+    final = drive(eng, {0: [("b", prompt, SamplingParams(temperature=0.0, max_tokens=16))]})
+    assert final["b"].outputs[0].token_ids == want[: want.index(stop) + 1]
+    assert final["b"].outputs[0].finish_reason == "stop"
+    eng.eos_token_ids = set()
+    # max_model_len: the request stops at the context limit.
+    final = drive(eng, {0: [("c", toks(60, 141), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))]})
+    assert len(final["c"].outputs[0].token_ids) == 4 and final["c"].outputs[0].finish_reason == "length"
+    eng.assert_no_leaks()
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    prompt = {"prompt_token_ids": toks(10, 150) * 2}
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=16, ignore_eos=True)
+    a = spec_llm(path).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    b = spec_llm(path, max_num_batched_tokens=7).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b and len(a) == 16
+
+
+def test_refused_at_startup_with_the_flag(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    with pytest.raises(ValueError, match=r"mtp\.\* weights.*--speculative-config"):
+        make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 99})
+    with pytest.raises(ValueError, match="method"):
+        make_llm(path, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+                                           "prompt_lookup_max": 2})
+    mtp_path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    with pytest.raises(ValueError, match="not supported yet"):
+        make_llm(mtp_path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
