@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import CheckpointCache
 from test_engine import SlotRecorder, assert_matches_reference, drive, make_llm
 from test_prefix_cache import make_convs, run_conversations, toks
@@ -216,6 +217,78 @@ def test_refused_at_startup_with_the_flag(ckpts: CheckpointCache) -> None:
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
                                            "prompt_lookup_max": 2})
-    mtp_path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
-    with pytest.raises(ValueError, match="not supported yet"):
-        make_llm(mtp_path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+# ---------------------------------------------------------------------------------------------- MTP
+
+
+def mtp_llm(path: str, **kw: object):
+    return spec_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching: bool) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    ref = ckpts.reference(path)
+    prompts = {f"r{i}": toks(15 + 9 * i, 160 + i) for i in range(4)}
+    want = _solo(path, prompts, 20)
+    llm = mtp_llm(path, enable_prefix_caching=caching, max_num_batched_tokens=24, max_num_seqs=3)
+    final = drive(llm.llm_engine, {2 * i: [(rid, p, greedy(20))] for i, (rid, p) in enumerate(prompts.items())})
+    for rid, p in prompts.items():
+        assert final[rid].outputs[0].token_ids == want[rid]
+        assert_matches_reference(ref, p, final[rid])
+    m = llm.get_metrics()
+    assert m["hyserve:spec_decode_num_draft_tokens"] > 0
+    llm.llm_engine.assert_no_leaks()
+
+
+def _record_drafts(engine: LLMEngine) -> dict[str, list]:
+    """Record each request's drafts and the MTP layer's output (float) that proposed the first of them."""
+    seen: dict[str, list] = {}
+    original = engine._mtp_propose
+
+    def propose(todo, ks):
+        hidden = {r.request_id: engine._mtp_next[r.request_id][0].clone() for r in todo
+                  if r.request_id in engine._mtp_next}
+        original(todo, ks)
+        for req in todo:
+            seen.setdefault(req.request_id, []).append((list(req.draft_token_ids), hidden.get(req.request_id)))
+
+    engine._mtp_propose = propose  # type: ignore[method-assign]
+    return seen
+
+
+def test_mtp_kv_recomputed_after_a_prefix_hit(ckpts: CheckpointCache) -> None:
+    """Invariant 5: after a hit of length L, the MTP KV entry at L-1 (which depends on token L) is recomputed, so the
+    drafts of the hitting request are exactly those of a run without caching."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    shared = toks(48, 170)
+    a = shared + toks(10, 171)
+    b = shared + toks(12, 172)  # differs from a at position 48: the token after the hit
+    runs = {}
+    for caching in (True, False):
+        llm = mtp_llm(path, enable_prefix_caching=caching, recurrent_snapshot_interval=16)
+        seen = _record_drafts(llm.llm_engine)
+        final = drive(llm.llm_engine, {0: [("a", a, greedy(8))], 12: [("b", b, greedy(8))]})
+        if caching:
+            assert final["b"].num_cached_tokens == 48
+        runs[caching] = (seen["b"], final["b"].outputs[0].token_ids)
+    (cached, out_c), (plain, out_p) = runs[True], runs[False]
+    assert out_c == out_p
+    assert [d for d, _ in cached] == [d for d, _ in plain]
+    for (_, hc), (_, hp) in zip(cached, plain, strict=True):
+        assert hc is not None and hp is not None
+        torch.testing.assert_close(hc, hp, rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_with_preemption_and_caching(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    prompts = {f"r{i}": toks(30 + 4 * i, 180 + i) for i in range(4)}
+    want = _solo(path, prompts, 24)
+    llm = mtp_llm(path, block_size=16, num_kv_blocks=13, max_model_len=192, max_num_batched_tokens=32,
+                  max_num_seqs=4)
+    final = drive(llm.llm_engine, {0: [(rid, p, greedy(24)) for rid, p in prompts.items()]})
+    assert llm.get_metrics()["hyserve:num_preemptions"] > 0
+    for rid in prompts:
+        assert final[rid].outputs[0].token_ids == want[rid]
+    llm.llm_engine.assert_no_leaks()

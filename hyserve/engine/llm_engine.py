@@ -15,7 +15,7 @@ import torch
 from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.config import EngineConfig, ModelConfig, resolve_dtype
 from hyserve.engine.metrics import EngineMetrics
-from hyserve.engine.model_runner import ModelRunner
+from hyserve.engine.model_runner import ModelRunner, MTPRow
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.scheduler import ScheduledRow, Scheduler
 from hyserve.layers.rejection_sampler import RejectionSampler, SpecRow
@@ -53,7 +53,9 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self._load_tokenizer(config.model)
         self.eos_token_ids = set(stop_token_ids(config.model, self.model_config))
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
-        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype, num_speculative_tokens=k)
+        self.use_mtp = self.spec_config is not None and self.spec_config.method == "mtp"
+        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype, num_speculative_tokens=k,
+                                  use_mtp=self.use_mtp)
         self.max_model_len = self._resolve_max_model_len()
         self.runner.set_max_model_len(self.max_model_len)
         self.prefix_cache: PrefixCache | None = None
@@ -63,11 +65,14 @@ class LLMEngine:
                                             has_recurrent_state=bool(self.model_config.linear_layer_ids))
         self.scheduler = Scheduler(self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
                                    self.runner.block_pool, self.runner.state_pool, self.prefix_cache,
-                                   speculative=self.spec_config is not None)
+                                   speculative=self.spec_config is not None,
+                                   copy_last_hit_block=self.use_mtp and self.prefix_cache is not None)
         self.proposer: Proposer | None = None
         self.rejection_sampler: RejectionSampler | None = None
-        if self.spec_config is not None:
+        self._mtp_next: dict[str, tuple[torch.Tensor, int, int]] = {}
+        if self.spec_config is not None and not self.use_mtp:
             self.proposer = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
+        if self.spec_config is not None:
             self.rejection_sampler = RejectionSampler(self.device, seed=config.seed)
             logger.info("speculative decoding: %s, %d tokens per step", self.spec_config.method, k)
         self.metrics = EngineMetrics()
@@ -244,12 +249,17 @@ class LLMEngine:
                 self._apply_samples(sampled, samp_out)
             if spec_out is not None:
                 self._apply_verified(vrows, spec_out)
+            if self.use_mtp:
+                self._mtp_consume(rows, vrows, accepted)
             if self.prefix_cache is not None:
                 self._publish(rows, vrows, accepted)
         finally:
             finished, self._deferred_finish = self._deferred_finish, None
             for req in finished:
                 self.scheduler.finish(req)
+            cow_sources = [r.cow_block[0] for r in rows if r.cow_block is not None]
+            if cow_sources:
+                self.runner.block_pool.free(cow_sources)
         self._rollback_and_propose(rows)
         outputs = [self._make_output(r.request) for r in rows]
         for row in rows:
@@ -304,9 +314,94 @@ class LLMEngine:
                 if req.is_finished:
                     break  # EOS / stop / max_tokens inside the accepted drafts: the rest is dropped
 
+    def _row_offsets(self, rows: list[ScheduledRow]) -> list[int]:
+        offsets, t = [], 0
+        for r in rows:
+            offsets.append(t)
+            t += r.num_new_tokens
+        return offsets
+
+    def _mtp_consume(self, rows: list[ScheduledRow], vrows: list[ScheduledRow], accepted: list[int]) -> None:
+        """Run the MTP layer over every position this step verified whose next token is now known.
+
+        Position p takes (token p+1, the target's hidden state at p); this writes the MTP KV entries of those
+        positions before their blocks can be published, and its output at the last position proposes the first
+        draft. After a prefix hit of length L the entry at L-1 is recomputed too (its next token is the request's
+        own token L), from the hidden state stored with the snapshot, in a private copy of the last hit block.
+        """
+        runner = self.runner
+        assert runner.last_hidden is not None
+        offsets = self._row_offsets(rows)
+        verify_accepted = {id(r): a for r, a in zip(vrows, accepted, strict=True)}
+        mrows: list[MTPRow] = []
+        owners: list[Request] = []
+        extra: list[int] = []
+        n_hidden = runner.last_hidden.shape[0]
+        snap_base = runner.state_pool.snapshot_entry(0)
+        for idx, row in enumerate(rows):
+            req = row.request
+            consumed = verify_accepted[id(row)] + 1 if row.is_verify else row.num_new_tokens
+            end = min(row.start + consumed, req.num_tokens - 1)
+            if consumed <= 0 or end <= row.start:
+                continue
+            start = row.start
+            hidden_index = [offsets[idx] + j for j in range(end - start)]
+            if row.load_snapshot is not None and start > 0:
+                extra.append(row.load_snapshot - snap_base)
+                hidden_index.insert(0, n_hidden + len(extra) - 1)
+                start -= 1
+            mrows.append(MTPRow(start, req.token_ids(start + 1, end + 1), hidden_index, list(req.block_table)))
+            owners.append(req)
+        if not mrows:
+            return
+        hidden = runner.last_hidden
+        if extra:
+            idx_t = torch.tensor(extra, dtype=torch.long, device=hidden.device)
+            hidden = torch.cat([hidden, runner.snapshot_hidden[idx_t]])
+        out = runner.mtp_forward(mrows, hidden)
+        tokens = runner.mtp_greedy_tokens(out)
+        for i, (req, mrow) in enumerate(zip(owners, mrows, strict=True)):
+            self._mtp_next[req.request_id] = (out[i], tokens[i], mrow.start + len(mrow.input_ids))
+
+    def _mtp_propose(self, todo: list[Request], ks: list[int]) -> None:
+        """Greedy MTP drafts: the first from ``_mtp_consume``, the rest by feeding the layer its own output."""
+        runner = self.runner
+        bs = self.config.block_size
+        live = []
+        for req, k in zip(todo, ks, strict=True):
+            entry = self._mtp_next.get(req.request_id)
+            # The consumed positions must end right before the request's last token, or the draft is stale.
+            if entry is None or entry[2] != req.num_tokens - 1:
+                continue
+            req.draft_token_ids = [entry[1]]
+            live.append((req, k, entry[0]))
+        hidden = torch.stack([h for _, _, h in live]) if live else None
+        j = 1
+        while live and hidden is not None:
+            keep = []
+            for i, (req, k, _) in enumerate(live):
+                pos = req.num_tokens - 2 + j
+                if len(req.draft_token_ids) >= k:
+                    continue
+                if pos // bs >= len(req.block_table):
+                    if runner.block_pool.num_free_blocks == 0:
+                        continue
+                    req.block_table.extend(runner.block_pool.allocate(1))
+                keep.append(i)
+            if not keep:
+                break
+            mrows = [MTPRow(live[i][0].num_tokens - 2 + j, [live[i][0].draft_token_ids[-1]], [n],
+                            list(live[i][0].block_table)) for n, i in enumerate(keep)]
+            out = runner.mtp_forward(mrows, hidden[keep])
+            for n, tok in enumerate(runner.mtp_greedy_tokens(out)):
+                live[keep[n]][0].draft_token_ids.append(tok)
+            live = [live[i] for i in keep]
+            hidden = out
+            j += 1
+
     def _rollback_and_propose(self, rows: list[ScheduledRow]) -> None:
         """Free KV blocks that hold only rejected positions; propose drafts for requests that decode next."""
-        assert self.proposer is not None and self.spec_config is not None
+        assert self.spec_config is not None
         pool = self.runner.block_pool
         bs = self.config.block_size
         todo: list[Request] = []
@@ -329,8 +424,12 @@ class LLMEngine:
                 if k > 0:
                     todo.append(req)
                     ks.append(k)
-        for req, drafts, k in zip(todo, self.proposer.propose(todo, ks), ks, strict=True):
-            req.draft_token_ids = [int(t) for t in drafts[:k]]
+        if self.proposer is not None:
+            for req, drafts, k in zip(todo, self.proposer.propose(todo, ks), ks, strict=True):
+                req.draft_token_ids = [int(t) for t in drafts[:k]]
+        elif self.use_mtp:
+            self._mtp_propose(todo, ks)
+        self._mtp_next.clear()
 
     def _publish(self, rows: list[ScheduledRow], vrows: list[ScheduledRow] | None = None,
                  accepted: list[int] | None = None) -> None:
@@ -348,7 +447,11 @@ class LLMEngine:
         cand_pos: list[int] = []
         cand_dst: list[int] = []
         verify_index = {id(r): i for i, r in enumerate(vrows or [])}
-        for row in rows:
+        offsets = self._row_offsets(rows)
+        hidden_src: list[int] = []
+        hidden_dst: list[int] = []
+        snap_base = self.runner.state_pool.snapshot_entry(0)
+        for idx, row in enumerate(rows):
             req = row.request
             # A stop inside accepted drafts drops the tokens after it: publish only tokens the request has.
             computed = min(req.num_computed_tokens, req.num_tokens)
@@ -363,12 +466,20 @@ class LLMEngine:
                         cand_rows.append(i)
                         cand_pos.append(point - row.start - 1)
                         cand_dst.append(entry)
+                        hidden_src.append(offsets[idx] + point - row.start - 1)
+                        hidden_dst.append(entry - snap_base)
             elif row.snapshot_at is not None:
                 entry = pc.take_snapshot(req, row.end)
                 if entry is not None and req.state_slot is not None:
                     src.append(req.state_slot)
                     dst.append(entry)
+                    hidden_src.append(offsets[idx] + row.num_new_tokens - 1)
+                    hidden_dst.append(entry - snap_base)
             pc.unpin(row.load_snapshot)
+        if self.use_mtp and hidden_src and self.runner.last_hidden is not None:
+            dev = self.runner.last_hidden.device
+            self.runner.snapshot_hidden[torch.tensor(hidden_dst, device=dev)] = \
+                self.runner.last_hidden[torch.tensor(hidden_src, device=dev)]
         self.runner.state_pool.copy(src, dst)
         self.runner.snapshot_candidates(cand_rows, cand_pos, cand_dst)
 

@@ -22,12 +22,23 @@ from hyserve.kernels.verify import commit_verified
 from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.model.mtp import MTPHead, load_mtp_weights
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
 
 logger = logging.getLogger("hyserve")
 
 # Share of the cache budget the recurrent state pool may take before max_num_seqs is lowered to fit.
 MAX_STATE_SHARE = 0.5
+
+
+@dataclass(slots=True)
+class MTPRow:
+    """Positions [start, start + len(input_ids)) of one request for the MTP layer (see ``mtp_forward``)."""
+
+    start: int
+    input_ids: list[int]
+    hidden_index: list[int]
+    block_table: list[int]
 
 
 @dataclass(slots=True)
@@ -41,7 +52,7 @@ class CacheLayout:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype, num_speculative_tokens: int = 0) -> None:
+                 dtype: torch.dtype, num_speculative_tokens: int = 0, use_mtp: bool = False) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
@@ -50,6 +61,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = self._build_model()
         self.mtp_weights = load_weights(self.model, config.model, model_config)
+        self.mtp: MTPHead | None = None
+        if use_mtp:
+            self.mtp = self._build_mtp()
         logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
                     model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
@@ -62,10 +76,21 @@ class ModelRunner:
                                     num_snapshots=self.layout.num_snapshots)
         self.kv_caches = self._allocate_kv(self.layout.num_kv_blocks)
         self.model.bind_caches(self.kv_caches, self.state_pool.conv_states, self.state_pool.ssm_states)
+        if self.mtp is not None:
+            (k_cache, v_cache), = self._allocate_kv(self.layout.num_kv_blocks, num_layers=1)
+            self.mtp.attention.k_cache, self.mtp.attention.v_cache = k_cache, v_cache
+            self.kv_caches_all = [*self.kv_caches, (k_cache, v_cache)]
+            # The target's hidden state at the position before each snapshot: a prefix hit recomputes the MTP KV
+            # entry there, whose next token may differ from the one it was computed with (invariant 5).
+            self.snapshot_hidden = torch.zeros(max(self.layout.num_snapshots, 1), model_config.hidden_size,
+                                               dtype=dtype, device=device)
+        else:
+            self.kv_caches_all = list(self.kv_caches)
         if num_speculative_tokens:
             self._allocate_verify_scratch(num_speculative_tokens + 1)
         self.max_model_len = 0  # set by set_max_model_len once the engine knows it
         self.last_meta: StepMetadata | None = None
+        self.last_hidden: torch.Tensor | None = None
         self.sampler = Sampler(device, seed=config.seed)
 
     # ------------------------------------------------------------------ setup
@@ -83,7 +108,19 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
         elem = torch.finfo(self.dtype).bits // 8
-        return 2 * len(cfg.attention_layer_ids) * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        layers = len(cfg.attention_layer_ids) + (1 if self.mtp is not None else 0)
+        return 2 * layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def _build_mtp(self) -> MTPHead:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                head = MTPHead(self.model_config)
+        finally:
+            torch.set_default_dtype(prev)
+        load_mtp_weights(head, self.mtp_weights)
+        return head.eval().requires_grad_(False)
 
     def _cache_budget(self) -> int:
         if self.device.type != "cuda":
@@ -160,11 +197,23 @@ class ModelRunner:
                 blocks = max(2, cdiv(256 * 1024, self.block_size))
         return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps))
 
-    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv(self, num_blocks: int, num_layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        n = len(cfg.attention_layer_ids) if num_layers is None else num_layers
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in cfg.attention_layer_ids]
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(n)]
+
+    @torch.inference_mode()
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole KV blocks (every attention layer and the MTP layer): copy-on-write of a shared block."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches_all:
+            k_cache.index_copy_(0, d, k_cache.index_select(0, s))
+            v_cache.index_copy_(0, d, v_cache.index_select(0, s))
 
     def _allocate_verify_scratch(self, positions: int) -> None:
         cfg = self.model_config
@@ -201,6 +250,15 @@ class ModelRunner:
         self.host_bufs = {k: host(s, d) for k, (s, d) in names.items()}
         self.dev_bufs = {k: dev(s, d) for k, (s, d) in names.items()}
         self.np_bufs = {k: v.numpy() for k, v in self.host_bufs.items()}
+        if self.mtp is not None:  # the MTP pass has its own set, so it never clobbers the step's metadata
+            mt = t + r
+            mtp_names = {"input_ids": (mt,), "positions": (mt,), "slot_mapping": (mt,), "hidden_index": (mt,),
+                         "query_start_loc": (r + 1,), "seq_lens": (r,), "last_index": (r,),
+                         "block_tables": (r, self.max_blocks_per_seq)}
+            dtypes = {"query_start_loc": torch.int32, "seq_lens": torch.int32, "block_tables": torch.int32}
+            self.mtp_host = {k: host(sh, dtypes.get(k, torch.long)) for k, sh in mtp_names.items()}
+            self.mtp_dev = {k: dev(sh, dtypes.get(k, torch.long)) for k, sh in mtp_names.items()}
+            self.mtp_np = {k: v.numpy() for k, v in self.mtp_host.items()}
 
     # ------------------------------------------------------------------ step
 
@@ -289,6 +347,8 @@ class ModelRunner:
         return self.sampler(logits, sampling_rows)
 
     def _load_states(self, rows: list[ScheduledRow]) -> None:
+        cow = [r.cow_block for r in rows if r.cow_block is not None]
+        self.copy_blocks([c[0] for c in cow], [c[1] for c in cow])
         # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).
         self.state_pool.reset([r.request.state_slot for r in rows if r.start == 0 and r.request.state_slot is not None])
         loads = [(r.load_snapshot, r.request.state_slot) for r in rows if r.load_snapshot is not None]
@@ -296,11 +356,62 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_spec(self, rows: list[ScheduledRow]) -> torch.Tensor:
-        """Run one step with verify rows first; returns logits for every verify position, then for sampling rows."""
+        """Run one step with verify rows first; returns logits for every verify position, then for sampling rows.
+
+        The step's hidden states stay in ``last_hidden`` for the MTP pass and snapshot bookkeeping.
+        """
         self._load_states(rows)
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.model(input_ids, meta)
+        self.last_hidden = hidden
         return self.model.compute_logits(hidden[logits_indices])
+
+    @torch.inference_mode()
+    def mtp_forward(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> torch.Tensor:
+        """Run the MTP layer over each row's positions; returns its output at each row's last position (R, h).
+
+        Row i covers positions [start, start + n): input token ``input_ids[j]`` is the token at position
+        start + j + 1 and its hidden state is ``hidden_src[hidden_index[j]]``. The MTP KV entries of those
+        positions are (re)written in the request's blocks.
+        """
+        assert self.mtp is not None
+        nb = self.mtp_np
+        bs = self.block_size
+        t = 0
+        max_q = max_s = 0
+        nb["query_start_loc"][0] = 0
+        for i, row in enumerate(rows):
+            n = len(row.input_ids)
+            nb["input_ids"][t : t + n] = row.input_ids
+            nb["hidden_index"][t : t + n] = row.hidden_index
+            pos = np.arange(row.start, row.start + n, dtype=np.int64)
+            nb["positions"][t : t + n] = pos
+            table = np.asarray(row.block_table, dtype=np.int64)
+            nb["slot_mapping"][t : t + n] = table[pos // bs] * bs + pos % bs
+            nb["block_tables"][i, : len(table)] = table
+            nb["block_tables"][i, len(table) :] = BlockPool.NULL_BLOCK
+            nb["seq_lens"][i] = row.start + n
+            t += n
+            nb["query_start_loc"][i + 1] = t
+            nb["last_index"][i] = t - 1
+            max_q, max_s = max(max_q, n), max(max_s, row.start + n)
+        r = len(rows)
+        sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "hidden_index": t, "query_start_loc": r + 1,
+                 "seq_lens": r, "last_index": r, "block_tables": r}
+        v = {}
+        for name, size in sizes.items():
+            d = self.mtp_dev[name][:size]
+            d.copy_(self.mtp_host[name][:size], non_blocking=True)
+            v[name] = d
+        meta = StepMetadata(positions=v["positions"], query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
+                            state_slots=v["seq_lens"], block_tables=v["block_tables"][:, : cdiv(max_s, bs)],
+                            slot_mapping=v["slot_mapping"], max_query_len=max_q, max_seq_len=max_s)
+        out = self.mtp(v["input_ids"], hidden_src[v["hidden_index"]], meta, self.model.model.embed_tokens)
+        return out[v["last_index"]]
+
+    @torch.inference_mode()
+    def mtp_greedy_tokens(self, mtp_hidden: torch.Tensor) -> list[int]:
+        return self.model.compute_logits(mtp_hidden).argmax(dim=-1).tolist()
 
     @torch.inference_mode()
     def commit_verified(self, num_accepted: list[int]) -> None:

@@ -33,6 +33,9 @@ class ScheduledRow:
     # Speculative decoding: a verify row feeds [last token + drafts]; its GDN state goes to scratch until accepted.
     draft_token_ids: list[int] = field(default_factory=list)
     is_verify: bool = False
+    # MTP + prefix hit: (shared block, private copy) copied before the step, so that the MTP KV entry at the last
+    # hit position can be recomputed without writing a published block (invariant 5).
+    cow_block: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -60,13 +63,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_pool: BlockPool,
-                 state_pool: StatePool, prefix_cache: PrefixCache | None = None, speculative: bool = False) -> None:
+                 state_pool: StatePool, prefix_cache: PrefixCache | None = None, speculative: bool = False,
+                 copy_last_hit_block: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = block_pool
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
         self.speculative = speculative
+        self.copy_last_hit_block = copy_last_hit_block
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.waiting: deque[Request] = deque()
@@ -101,16 +106,23 @@ class Scheduler:
             hit = self.prefix_cache.lookup(req) if self.prefix_cache else PrefixHit(0, [], None, None)
             req.branch_point = hit.branch_point
             row = self._chunk(req, hit.num_tokens, budget)
-            need = self.block_pool.blocks_needed(row.end, len(hit.blocks))
+            cow = bool(self.copy_last_hit_block and hit.blocks)
+            need = self.block_pool.blocks_needed(row.end, len(hit.blocks)) + int(cow)
             if need > self.block_pool.num_free_blocks:
                 if self.prefix_cache:
                     self.prefix_cache.release_hit(hit)
                 break
             self.waiting.popleft()
             req.state_slot = self.state_pool.allocate()
-            req.block_table = hit.blocks + self.block_pool.allocate(need)
+            new_blocks = self.block_pool.allocate(need)
+            if cow:
+                # The shared block keeps its reference until the engine releases it after this step's copy.
+                row.cow_block = (hit.blocks[-1], new_blocks[0])
+                req.block_table = hit.blocks[:-1] + new_blocks
+            else:
+                req.block_table = hit.blocks + new_blocks
             req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
-            req.num_published_blocks = len(hit.blocks)
+            req.num_published_blocks = len(hit.blocks) - int(cow)
             req.status = RequestStatus.RUNNING
             row.load_snapshot = hit.snapshot_entry
             if self.prefix_cache:

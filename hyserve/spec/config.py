@@ -45,11 +45,8 @@ class SpeculativeConfig:
             if lo > hi:
                 raise ValueError(f"speculative_config: prompt_lookup_min={lo} > prompt_lookup_max={hi} "
                                  "(--speculative-config)")
-        if method == "mtp":
-            if model_config.mtp_num_hidden_layers < 1:
-                raise ValueError("speculative_config method 'mtp' needs a checkpoint with mtp.* weights and "
-                                 "mtp_num_hidden_layers >= 1; this one has none: use method 'ngram' or drop "
-                                 "--speculative-config")
-            raise ValueError("speculative_config method 'mtp' is not supported yet; use method 'ngram' "
-                             "(--speculative-config)")
+        if method == "mtp" and model_config.mtp_num_hidden_layers < 1:
+            raise ValueError("speculative_config method 'mtp' needs a checkpoint with mtp.* weights and "
+                             "mtp_num_hidden_layers >= 1; this one has none: use method 'ngram' or drop "
+                             "--speculative-config")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)

@@ -1,0 +1,65 @@
+"""Qwen3.5's multi-token-prediction (MTP) head, used as the draft model of speculative decoding.
+
+    x_i   = fc([pre_fc_norm_embedding(embed(token_{i+1})), pre_fc_norm_hidden(h_i)])   (embedding first)
+    out_i = norm(decoder_layer(x_i))           one full-attention layer with its own paged KV cache
+    draft = argmax(lm_head(out_i))             predicts token_{i+2}; lm_head and embed are the target's
+
+``h_i`` is the target's post-final-norm hidden state at position i. Multi-step drafting reuses the layer, feeding
+its own output as the next step's hidden state. The MTP layer's KV at position i depends on token i+1 (invariant 5):
+the engine recomputes an entry whenever the token after it was not part of what produced it (prefix hits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from hyserve.config import FULL_ATTENTION, ModelConfig
+from hyserve.layers.norm import RMSNorm
+from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.model.metadata import StepMetadata
+from hyserve.model.qwen3_5 import Attention, DecoderLayer
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        layer_cfg = dataclasses.replace(cfg, layer_types=[FULL_ATTENTION], num_hidden_layers=1)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, self.rotary)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    @property
+    def attention(self) -> Attention:
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        return layer.self_attn
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: StepMetadata,
+                embed: nn.Embedding) -> torch.Tensor:
+        x = torch.cat([self.pre_fc_norm_embedding(embed(input_ids)), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        return self.norm(self.layers[0](self.fc(x), meta))
+
+
+def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
+    """Copy the checkpoint's ``mtp.*`` tensors into ``head``; names and shapes must match exactly."""
+    params = dict(head.named_parameters())
+    given = {name.removeprefix("mtp."): t for name, t in weights.items()}
+    missing = sorted(set(params) - set(given))
+    if missing:
+        raise ValueError(f"checkpoint is missing MTP tensors: {', '.join('mtp.' + m for m in missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    unexpected = sorted(set(given) - set(params))
+    if unexpected:
+        raise ValueError(f"unexpected MTP tensor mtp.{unexpected[0]} (this engine supports one MTP layer)")
+    for name, p in params.items():
+        t = given[name]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"shape mismatch for mtp.{name}: checkpoint {tuple(t.shape)}, model {tuple(p.shape)}")
+        p.data.copy_(t.to(dtype=p.dtype, device=p.device))
