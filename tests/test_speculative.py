@@ -103,7 +103,9 @@ def test_every_acceptance_length_in_one_batch(ckpts: CheckpointCache) -> None:
     eng = llm.llm_engine
     plan = {f"r{i}": [(i + s) % (K + 1) for s in range(K + 1)] for i in range(K + 1)}
     eng.proposer = OracleProposer(want, plan, vocab=eng.model_config.vocab_size)
+    rec = SlotRecorder(eng)
     final = drive(eng, {0: [(rid, p, greedy(n)) for rid, p in prompts.items()]})
+    assert rec.saw_non_identity()
     for rid in prompts:
         assert final[rid].outputs[0].token_ids == want[rid], rid
     m = llm.get_metrics()

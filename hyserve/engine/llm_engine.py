@@ -236,6 +236,9 @@ class LLMEngine:
             accepted = [-1 if i in errors else spec_out.num_accepted[i] for i in range(len(vrows))]
             self.runner.commit_verified(accepted)
             self.metrics.on_verify([len(r.draft_token_ids) for r in vrows], accepted)
+            if self.metrics.num_steps % 200 == 0 and self.metrics.spec_num_drafts:
+                logger.info("speculative decoding: mean acceptance length %.2f over %d drafts",
+                            self.metrics.mean_acceptance_length, self.metrics.spec_num_drafts)
         for row in rows:
             if not row.is_verify:
                 row.request.num_computed_tokens = row.end
