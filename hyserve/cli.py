@@ -1,4 +1,5 @@
-"""Command line: ``hyserve generate`` (offline generation) and ``hyserve demo`` (a self-contained first run)."""
+"""Command line: ``hyserve generate`` (offline generation), ``hyserve serve`` (the OpenAI-compatible server) and
+``hyserve demo`` (a self-contained first run)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return cmd_generate(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve MODEL_DIR over the OpenAI-compatible HTTP API until interrupted."""
+    if args.model is None:
+        from hyserve.llm import _default_model
+
+        try:
+            args.model = _default_model()  # the shipped default model, once there is one
+        except ValueError:
+            raise ValueError("serve: the MODEL_DIR argument is required (no default model ships with this version "
+                             "yet); run `hyserve serve path/to/checkpoint`, or `hyserve demo` to try a tiny random "
+                             "one") from None
+    import uvicorn
+
+    from hyserve.server import AsyncEngine, build_app
+
+    engine = _make_llm(args, args.model).llm_engine
+    app = build_app(AsyncEngine(engine, start=False), args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,11 +123,27 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="serve a checkpoint over the OpenAI-compatible HTTP API (/v1/completions, ...)")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); required for now")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients pass and /v1/models lists (default: MODEL_DIR's basename)")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: info)")
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="write a tiny random checkpoint and generate from it (no download)")
     d.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     _engine_args(d)
     _sampling_args(d)
     d.set_defaults(func=cmd_demo)
+    from hyserve.tools import bench, soak
+
+    bench.register(sub)
+    soak.register(sub)
     return parser
 
 

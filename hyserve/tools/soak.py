@@ -1,0 +1,690 @@
+"""``hyserve soak``: run a multi-turn agent workload with prefix caching and speculative decoding on, and check every
+response for the silent corruption other engines show on hybrid models (constant-token loops, ``!!!!``, empty
+output, all with a normal ``finish_reason``).
+
+    hyserve soak                                   # tiny random checkpoint with an MTP head, every feature on
+    hyserve soak MODEL_DIR --conversations 64 --turns 8 --concurrency 32 --prefix-len 1700 --max-tokens 64
+    hyserve soak MODEL_DIR --url http://127.0.0.1:8000     # a running server; replay on a local clean engine
+
+The workload (:mod:`hyserve.tools.workload`): ``--conversations`` conversations of ``--turns`` turns, all sharing a
+``--prefix-len``-token system prefix, each turn's prompt = the previous prompt + the tokens actually generated + a
+new message; ``--concurrency`` conversations in flight, closed loop; greedy (temperature 0), token-id prompts.
+Offline it runs through ``LLMEngine.step()``; with ``--url`` through ``/v1/completions`` (one thread per
+conversation in flight).
+
+Every response gets three checks:
+
+1. **Degenerate output** (:mod:`hyserve.tools.detectors`): a token repeated to the end, a short cycle repeated to
+   the end, a punctuation run, empty output with a normal finish reason.
+2. **Replay**: every request (the same prompt ids) again on a separate engine with prefix caching and speculation
+   off (and the default prefill budget); the first differing output position is reported. A divergence at a
+   near-tie (the soak's token within ``--tol`` logprob of the replay's, per the replay's top-2 logprobs) is
+   excused: another batch shape may flip such a tie without anything being wrong.
+3. **Reference** (``--reference``; on by default for checkpoints under 50M parameters): one uncached float32
+   transformers forward over prompt + output (teacher forcing); every output token must be within ``--tol`` logit
+   units of the reference argmax.
+
+A degenerate finding is *explained* (the model's own greedy behaviour, not corruption) when the replay produced the
+identical output or the output passed the reference check; otherwise it counts. A request is corrupt when it has an
+unexplained finding, an unexcused divergence or a reference failure; a request that errored counts too. The exit
+code is 0 when no request is corrupt, 1 otherwise (2 for usage errors). ``--report PATH`` writes everything as
+JSON: the configuration, the summary (the table's numbers) and one entry per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import logging
+import os
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from hyserve.tools import add_missing_defaults
+from hyserve.tools.client import NO_TOKEN_IDS, Completion, CompletionsClient
+from hyserve.tools.detectors import detect_degenerate, finding_kind, first_divergence
+from hyserve.tools.workload import Conversation, WorkloadSpec, make_conversations
+
+if TYPE_CHECKING:
+    from hyserve.llm import LLM
+
+logger = logging.getLogger("hyserve.soak")
+
+__all__ = ["RequestCheck", "TurnRecord", "build_llm", "check_requests", "format_table", "register", "run", "summarize"]
+
+DEFAULT_MTP = {"method": "mtp", "num_speculative_tokens": 2}
+DEFAULT_NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+REFERENCE_MAX_PARAMS = 50_000_000
+TOL_FLOAT32 = 2e-3  # transformers' own float32 forward differs from float64 by up to 1.3e-3 on the tiny checkpoints
+TOL_LOW_PRECISION = 0.25  # bf16/fp16 engines (or an unknown server dtype): near-ties flip at this scale
+DEFAULT_VOCAB = 448  # the tiny tokenizer's ordinary ids; byte-level tokens in every Qwen vocabulary
+
+
+class _Auto:
+    """The value of a flag left to be decided once the checkpoint is known."""
+
+    def __repr__(self) -> str:
+        return "auto"
+
+
+AUTO: Any = _Auto()
+
+
+# ------------------------------------------------------------------------------------------------------ records
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One request of the soak: a conversation's turn, its prompt ids and what came back."""
+
+    request_id: str
+    conv_id: int
+    turn: int
+    prompt_ids: list[int]
+    completion: Completion
+
+
+@dataclass(slots=True)
+class RequestCheck:
+    """The verdict on one request. ``reasons`` is empty for a clean request; else it names what is wrong:
+    ``loop``, ``cycle``, ``punctuation``, ``empty`` (unexplained findings), ``divergence``, ``reference``,
+    ``error``."""
+
+    record: TurnRecord
+    findings: list[str] = field(default_factory=list)
+    explained: bool = False
+    divergence: int | None = None
+    near_tie: bool = False
+    replay_token_ids: list[int] | None = None
+    reference: dict[str, Any] | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def corrupt(self) -> bool:
+        return bool(self.reasons)
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.record.completion
+        out: dict[str, Any] = {
+            "request_id": self.record.request_id, "conversation": self.record.conv_id, "turn": self.record.turn,
+            "prompt_len": len(self.record.prompt_ids), "output_len": len(c.token_ids or []),
+            "finish_reason": c.finish_reason, "num_cached_tokens": c.num_cached_tokens, "error": c.error,
+            "findings": self.findings, "findings_explained": self.explained, "divergence": self.divergence,
+            "near_tie": self.near_tie, "reference": self.reference, "corrupt": self.corrupt,
+            "reasons": self.reasons, "output_token_ids": c.token_ids, "text": c.text,
+        }
+        if self.divergence is not None:
+            out["replay_token_ids"] = self.replay_token_ids
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+
+
+ReferenceFn = Callable[[list[int], list[int]], dict[str, Any]]
+
+
+def check_requests(
+    records: Sequence[TurnRecord],
+    replays: Sequence[Completion] | None,
+    reference: ReferenceFn | None,
+    *,
+    tol: float,
+    detector_kwargs: dict[str, Any] | None = None,
+) -> list[RequestCheck]:
+    """Check every request: detectors, divergence from its replay (``replays[i]`` for ``records[i]``) and the
+    reference (``reference(prompt_ids, output_ids)`` -> ``{"ok": bool, ...}``). See the module docstring."""
+    if replays is not None and len(replays) != len(records):
+        raise ValueError(f"{len(replays)} replays for {len(records)} requests")
+    checks: list[RequestCheck] = []
+    for i, rec in enumerate(records):
+        c = rec.completion
+        chk = RequestCheck(rec)
+        checks.append(chk)
+        if c.error is not None or c.token_ids is None or c.finish_reason in ("error", "abort"):
+            chk.reasons.append("error")
+            continue
+        chk.findings = detect_degenerate(c.token_ids, c.text, c.finish_reason, **(detector_kwargs or {}))
+        replay_same = False
+        if replays is not None:
+            rp = replays[i]
+            if rp.error is not None or rp.token_ids is None:
+                logger.warning("replay of %s failed (%s): no divergence check", rec.request_id, rp.error)
+            else:
+                chk.replay_token_ids = rp.token_ids
+                chk.divergence = first_divergence(c.token_ids, rp.token_ids)
+                replay_same = chk.divergence is None
+                if chk.divergence is not None:
+                    chk.near_tie = _near_tie(c.token_ids, rp, chk.divergence, tol)
+                    if not chk.near_tie:
+                        chk.reasons.append("divergence")
+        if reference is not None and c.token_ids:
+            chk.reference = reference(rec.prompt_ids, c.token_ids)
+            if not chk.reference["ok"]:
+                chk.reasons.append("reference")
+        reference_ok = chk.reference is not None and bool(chk.reference["ok"])
+        chk.explained = bool(chk.findings) and (replay_same or reference_ok)
+        if chk.findings and not chk.explained:
+            for kind in dict.fromkeys(finding_kind(f) for f in chk.findings):
+                chk.reasons.append(kind)
+    return checks
+
+
+def _near_tie(tokens: list[int], replay: Completion, pos: int, tol: float) -> bool:
+    """Whether the soak's token at the first divergence ``pos`` was within ``tol`` logprob of the replay's token
+    there, per the replay's own top logprobs."""
+    if replay.token_ids is None or pos >= len(tokens) or pos >= len(replay.token_ids):
+        return False  # one output is a strict prefix of the other: not a token choice
+    if replay.top_logprobs is None or pos >= len(replay.top_logprobs):
+        return False
+    lps = replay.top_logprobs[pos]
+    mine, theirs = tokens[pos], replay.token_ids[pos]
+    if mine not in lps or theirs not in lps:
+        return False
+    return lps[theirs] - lps[mine] <= tol
+
+
+def make_reference_check(model_dir: str, tol: float) -> ReferenceFn:
+    """A teacher-forced check against transformers' float32 forward (``hyserve.testing``)."""
+    import torch
+
+    from hyserve.testing import load_reference_model, reference_logits
+
+    ref = load_reference_model(model_dir)
+
+    def check(prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any]:
+        logits = reference_logits(ref, list(prompt_ids) + list(output_ids)[:-1])[len(prompt_ids) - 1:]
+        out = torch.tensor(output_ids, dtype=torch.long)
+        chosen = logits.gather(1, out[:, None])[:, 0]
+        best = logits.max(dim=-1)
+        gaps = best.values - chosen
+        gaps = torch.where(torch.isnan(gaps), torch.full_like(gaps, float("inf")), gaps)
+        bad = (gaps > tol).nonzero().flatten().tolist()
+        result: dict[str, Any] = {"ok": not bad, "max_gap": float(gaps.max()), "tol": tol}
+        if bad:
+            i = int(bad[0])
+            result.update(position=i, token=int(output_ids[i]), reference_token=int(best.indices[i]),
+                          gap=float(gaps[i]))
+        return result
+
+    return check
+
+
+def summarize(checks: Sequence[RequestCheck], metrics: dict[str, float] | None) -> dict[str, Any]:
+    """The table's numbers (counts are of requests)."""
+    def count(reason: str) -> int:
+        return sum(reason in c.reasons for c in checks)
+
+    metrics = metrics or {}
+    hits, queries = metrics.get("hyserve:prefix_cache_hits"), metrics.get("hyserve:prefix_cache_queries")
+    drafts = metrics.get("hyserve:spec_decode_num_drafts")
+    accepted = metrics.get("hyserve:spec_decode_num_accepted_tokens")
+    return {
+        "requests": len(checks),
+        "loops": sum(("loop" in c.reasons) or ("cycle" in c.reasons) for c in checks),
+        "empties": count("empty"),
+        "punctuation_runs": count("punctuation"),
+        "divergences": count("divergence"),
+        "near_ties_excused": sum(c.near_tie for c in checks),
+        "replayed": sum(c.replay_token_ids is not None for c in checks),
+        "reference_failures": count("reference"),
+        "reference_checked": sum(c.reference is not None for c in checks),
+        "errors": count("error"),
+        "explained_degenerate": sum(c.explained for c in checks),
+        "corrupt_requests": sum(c.corrupt for c in checks),
+        "prefix_cache_hits": hits,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hit_rate": (hits / queries) if hits is not None and queries else None,
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_accepted_tokens": accepted,
+        "mean_acceptance_length": (1.0 + accepted / drafts) if drafts and accepted is not None else None,
+        "ok": not any(c.corrupt for c in checks),
+    }
+
+
+def format_table(s: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f} %"
+
+    rows = [
+        ("requests", str(s["requests"])),
+        ("loops (token / short cycle)", str(s["loops"])),
+        ("empty outputs", str(s["empties"])),
+        ("punctuation runs", str(s["punctuation_runs"])),
+        ("divergences from the replay", f"{s['divergences']} of {s['replayed']} replayed"
+                                        f" ({s['near_ties_excused']} near-ties excused)"),
+        ("reference failures", f"{s['reference_failures']} of {s['reference_checked']} checked"),
+        ("errors", str(s["errors"])),
+        ("degenerate but explained (model's own)", str(s["explained_degenerate"])),
+        ("prefix-cache hit rate", pct(s["prefix_cache_hit_rate"])),
+        ("mean acceptance length", "n/a" if s["mean_acceptance_length"] is None
+         else f"{s['mean_acceptance_length']:.2f}"),
+        ("result", "OK: no corruption" if s["ok"] else f"CORRUPTION in {s['corrupt_requests']} requests"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    v = max(len(x) for _, x in rows)
+    lines = [f"| {'check'.ljust(w)} | {'count'.ljust(v)} |", f"| {'-' * w} | {'-' * v} |"]
+    lines += [f"| {k.ljust(w)} | {x.ljust(v)} |" for k, x in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------ drivers
+
+
+_METRIC_KEYS = ("hyserve:prefix_cache_hits", "hyserve:prefix_cache_queries", "hyserve:spec_decode_num_drafts",
+                "hyserve:spec_decode_num_accepted_tokens")
+
+
+def _scalar(m: dict[str, Any], key: str) -> float:
+    v = m.get(key, 0.0)
+    return float(v) if isinstance(v, (int, float)) else 0.0
+
+
+def _metric_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float] | None:
+    if before is None or after is None:
+        return None
+    return {k: _scalar(after, k) - _scalar(before, k) for k in _METRIC_KEYS if k in after}
+
+
+def _completion_from_output(out: Any) -> Completion:
+    c = out.outputs[0]
+    top = None
+    if c.logprobs is not None:
+        top = [{tid: lp.logprob for tid, lp in entry.items()} for entry in c.logprobs]
+    return Completion(list(c.token_ids), c.text, c.finish_reason, top, num_cached_tokens=out.num_cached_tokens)
+
+
+def _request_id(conv: Conversation, turn: int) -> str:
+    return f"soak-c{conv.conv_id}-t{turn}"
+
+
+def run_offline(llm: LLM, convs: Sequence[Conversation], concurrency: int, params: Any,
+                bar: tqdm | None = None) -> list[TurnRecord]:
+    """Drive the conversations closed-loop through ``llm.llm_engine.step()``, ``concurrency`` in flight."""
+    eng = llm.llm_engine
+    todo = deque(convs)
+    live: dict[str, tuple[Conversation, int, list[int]]] = {}
+    records: list[TurnRecord] = []
+
+    def submit(conv: Conversation, turn: int, prompt: list[int]) -> None:
+        rid = _request_id(conv, turn)
+        eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+        live[rid] = (conv, turn, prompt)
+
+    for _ in range(min(concurrency, len(todo))):
+        conv = todo.popleft()
+        submit(conv, 0, conv.first_prompt())
+    while live:
+        if not eng.has_unfinished_requests():
+            raise RuntimeError(f"the engine is idle with {len(live)} soak requests unfinished")
+        for out in eng.step():
+            if not out.finished or out.request_id not in live:
+                continue
+            conv, turn, prompt = live.pop(out.request_id)
+            comp = _completion_from_output(out)
+            records.append(TurnRecord(out.request_id, conv.conv_id, turn, prompt, comp))
+            if bar is not None:
+                bar.update(1)
+            if turn + 1 < conv.num_turns and comp.finish_reason not in ("error", "abort"):
+                submit(conv, turn + 1, conv.next_prompt(turn + 1, prompt, comp.token_ids or []))
+            elif todo:
+                nxt = todo.popleft()
+                submit(nxt, 0, nxt.first_prompt())
+    return records
+
+
+def run_server(client: CompletionsClient, convs: Sequence[Conversation], concurrency: int, *, max_tokens: int,
+               ignore_eos: bool, bar: tqdm | None = None) -> list[TurnRecord]:
+    """Drive the conversations through ``/v1/completions``: one thread per conversation in flight."""
+    lock = threading.Lock()
+    records: list[TurnRecord] = []
+
+    def run_conversation(conv: Conversation) -> None:
+        prompt = conv.first_prompt()
+        for turn in range(conv.num_turns):
+            comp = client.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+            with lock:
+                records.append(TurnRecord(_request_id(conv, turn), conv.conv_id, turn, prompt, comp))
+                if bar is not None:
+                    bar.update(1)
+            if comp.error is not None or comp.token_ids is None or turn + 1 == conv.num_turns:
+                return
+            prompt = conv.next_prompt(turn + 1, prompt, comp.token_ids)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        list(pool.map(run_conversation, convs))
+    return records
+
+
+def replay_offline(llm: LLM, records: Sequence[TurnRecord], params: Any) -> list[Completion]:
+    outs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in records], params, use_tqdm=False)
+    return [_completion_from_output(o) for o in outs]
+
+
+def replay_server(client: CompletionsClient, records: Sequence[TurnRecord], concurrency: int, *, max_tokens: int,
+                  ignore_eos: bool) -> list[Completion]:
+    def one(r: TurnRecord) -> Completion:
+        return client.complete(r.prompt_ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                               logprobs=2)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(one, records))
+
+
+def build_llm(args: argparse.Namespace, model: str, role: str) -> LLM:
+    """The engine for ``role`` ``"main"`` (the soak's flags) or ``"replay"`` (the same flags with prefix caching
+    and speculation off and the default prefill budget). Tests replace this to sabotage the main engine."""
+    if role == "replay":
+        args = copy.copy(args)
+        args.enable_prefix_caching = False
+        args.speculative_config = None
+        args.max_num_batched_tokens = None
+    from hyserve.cli import _make_llm
+
+    return _make_llm(args, model)
+
+
+def _release_memory() -> None:
+    """Collect a dropped engine (its caller deletes its last reference first) so that the next one fits."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # pragma: no cover
+        pass
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoint
+
+
+def checkpoint_tensors(model_dir: str) -> dict[str, list[int]]:
+    """Tensor name -> shape for every safetensors file of a checkpoint, read from the headers only."""
+    shapes: dict[str, list[int]] = {}
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(model_dir, name), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        shapes.update({k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def num_params(model_dir: str) -> int:
+    """Parameters of the text model and MTP head (a vision tower is not counted)."""
+    total = 0
+    for name, shape in checkpoint_tensors(model_dir).items():
+        if ".visual." in name or name.startswith("visual."):
+            continue
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def ordinary_vocab(model_dir: str | None) -> int:
+    """Token ids that are safe in a random prompt: the tokenizer's vocabulary without its added tokens."""
+    if model_dir is None:
+        return DEFAULT_VOCAB
+    from hyserve.config import ModelConfig
+    from hyserve.tokenizer import Tokenizer
+
+    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    try:
+        tok = Tokenizer.from_model_dir(model_dir)
+        return min(vocab, int(tok.hf_tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)))
+    except FileNotFoundError:
+        return min(vocab, DEFAULT_VOCAB)
+
+
+def _has_mtp(model_dir: str) -> bool:
+    from hyserve.config import ModelConfig
+
+    return ModelConfig.from_model_dir(model_dir).mtp_num_hidden_layers >= 1 and any(
+        k.startswith("mtp.") for k in checkpoint_tensors(model_dir))
+
+
+# ------------------------------------------------------------------------------------------------------ command
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``hyserve soak`` to a ``hyserve`` sub-command parser set."""
+    p = subparsers.add_parser(
+        "soak", help="corruption soak: prefix caching + speculation on multi-turn agent traffic, every response "
+                     "checked", description=(__doc__ or "").replace("``", "").replace(":mod:", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (default: write a tiny random checkpoint with an MTP head)")
+    p.add_argument("--url", default=None,
+                   help="soak a running server at this base URL, e.g. http://127.0.0.1:8000 (default: none, the "
+                        "offline engine)")
+    p.add_argument("--served-model-name", default=None,
+                   help="--url: the model name to send (default: the first one /v1/models lists)")
+    p.add_argument("--replay-url", default=None,
+                   help="--url: replay on this server, started with prefix caching and speculation off (default: "
+                        "none: replay on a local engine built from MODEL_DIR with the engine flags)")
+    p.add_argument("--conversations", type=int, default=8, help="agent conversations (default: 8)")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (default: 4)")
+    p.add_argument("--concurrency", type=int, default=4, help="conversations in flight (default: 4)")
+    p.add_argument("--prefix-len", type=int, default=100, help="shared system prefix, in tokens (default: 100)")
+    p.add_argument("--message-len", type=int, default=24,
+                   help="mean new message per turn, in tokens; the first is twice as long (default: 24)")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn (default: 16)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens every turn (default: off)")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload's token ids (default: 0)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="draw prompt ids from [0, N) (default: the tokenizer's ordinary vocabulary; 448 without "
+                        "MODEL_DIR)")
+    p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay every request on a clean engine and compare (default: on)")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                   help="teacher-forced check against transformers (default: on for checkpoints under 50M "
+                        "parameters)")
+    p.add_argument("--tol", type=float, default=None,
+                   help="logit-gap tolerance for the reference check and for excusing a replay divergence at a "
+                        f"near-tie (default: {TOL_FLOAT32} for a float32 engine, {TOL_LOW_PRECISION} otherwise)")
+    p.add_argument("--loop-min-run", type=int, default=8,
+                   help="detector: a loop or cycle covers at least this many tokens (default: 8)")
+    p.add_argument("--loop-min-fraction", type=float, default=0.5,
+                   help="detector: ... and at least this share of the output (default: 0.5)")
+    p.add_argument("--punctuation-min-run", type=int, default=8,
+                   help="detector: a punctuation run has at least this many characters (default: 8)")
+    p.add_argument("--report", default=None, help="write the JSON report here (default: none)")
+    p.add_argument("--timeout", type=float, default=600.0, help="--url: seconds per HTTP request (default: 600)")
+    from hyserve.cli import _engine_args  # here, not at the top: hyserve.cli imports this module
+
+    _engine_args(p)
+    for action in p._actions:
+        if action.dest == "speculative_config":
+            action.default = AUTO
+            action.help = (f"JSON (default: {json.dumps(DEFAULT_MTP)} when the checkpoint has MTP weights, else "
+                           f"n-gram with k=2; 'null' turns speculation off)").replace("%", "%%")
+        elif action.dest == "max_num_batched_tokens":
+            action.default = AUTO
+            action.help = ("token budget per step (default: half the shared prefix, 32 to 2048, so that every "
+                           "prompt is prefilled in chunks)")
+        elif action.dest == "recurrent_snapshot_interval":
+            action.default = AUTO
+            action.help = ("prefix caching: also snapshot recurrent state every N tokens (default: half the shared "
+                           "prefix rounded down to a block, 1 block to 2048, so that snapshots also fall inside "
+                           "outputs and accepted drafts)")
+    add_missing_defaults(p)
+    p.set_defaults(func=run)
+
+
+def _resolve_engine_defaults(args: argparse.Namespace, model: str) -> None:
+    if args.speculative_config is AUTO:
+        args.speculative_config = dict(DEFAULT_MTP) if _has_mtp(model) else dict(DEFAULT_NGRAM)
+    if args.max_num_batched_tokens is AUTO:
+        args.max_num_batched_tokens = max(32, min(2048, args.prefix_len // 2))
+    if args.recurrent_snapshot_interval is AUTO:
+        bs = args.block_size
+        args.recurrent_snapshot_interval = max(bs, min(2048, (args.prefix_len // 2) // bs * bs))
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("conversations", "turns", "concurrency", "prefix_len", "message_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.url is None and args.replay_url is not None:
+        raise ValueError("--replay-url only applies with --url")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hyserve soak``: 0 when no request is corrupt, 1 otherwise."""
+    _validate(args)
+    spec = WorkloadSpec(num_conversations=args.conversations, turns=args.turns, prefix_len=args.prefix_len,
+                        message_len=args.message_len, max_tokens=args.max_tokens)
+    if args.model is None and args.url is None:
+        from hyserve.testing import write_tiny_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="hyserve-soak-") as d:
+            max_pos = max(4096, -(-(spec.max_total_len() + 64) // 256) * 256)
+            path = write_tiny_checkpoint(d, with_mtp=True, seed=args.seed, max_position_embeddings=max_pos)
+            print(f"# wrote a tiny random-weight Qwen3.5 checkpoint with an MTP head to {path}", file=sys.stderr)
+            return _run(args, spec, path)
+    return _run(args, spec, args.model)
+
+
+def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int:
+    from hyserve.sampling_params import SamplingParams
+
+    t_start = time.perf_counter()
+    if model is not None:
+        _resolve_engine_defaults(args, model)
+    vocab = args.vocab_size or ordinary_vocab(model)
+    convs = make_conversations(spec, seed=args.workload_seed, vocab_size=vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=args.ignore_eos)
+    replay_params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=args.ignore_eos,
+                                   logprobs=2)
+    total = spec.num_conversations * spec.turns
+    engine_dtype: str | None = None
+    metrics: dict[str, float] | None
+    config: dict[str, Any] = {"model": model, "url": args.url, "workload": asdict(spec), "vocab_size": vocab,
+                              "concurrency": args.concurrency, "ignore_eos": args.ignore_eos,
+                              "workload_seed": args.workload_seed}
+    bar = tqdm(total=total, desc="soak", unit="req", disable=None)
+    try:
+        if args.url is None:
+            assert model is not None
+            llm = build_llm(args, model, "main")
+            engine_dtype = str(llm.llm_engine.dtype).removeprefix("torch.")
+            limit = llm.llm_engine.max_model_len
+            if spec.max_total_len() > limit:
+                raise ValueError(f"the workload's longest sequence may reach {spec.max_total_len()} tokens, more than "
+                                 f"max_model_len={limit}: lower --prefix-len, --message-len, --turns or --max-tokens")
+            config.update(enable_prefix_caching=args.enable_prefix_caching,
+                          speculative_config=args.speculative_config,
+                          max_num_batched_tokens=llm.llm_engine.runner.max_num_batched_tokens,
+                          recurrent_snapshot_interval=args.recurrent_snapshot_interval, dtype=engine_dtype)
+            before = llm.get_metrics()
+            records = run_offline(llm, convs, args.concurrency, params, bar)
+            metrics = _metric_delta(before, llm.get_metrics())
+            del llm
+            _release_memory()
+        else:
+            client = CompletionsClient(args.url, args.served_model_name, timeout_s=args.timeout,
+                                       max_connections=max(args.concurrency, 8))
+            before_m = client.metrics()
+            records = run_server(client, convs, args.concurrency, max_tokens=spec.max_tokens,
+                                 ignore_eos=args.ignore_eos, bar=bar)
+            metrics = _metric_delta(before_m, client.metrics())
+            config["served_model_name"] = client.model
+            client.close()
+            if any(r.completion.error == NO_TOKEN_IDS for r in records):
+                raise ValueError(f"{args.url}: {NO_TOKEN_IDS}")
+    finally:
+        bar.close()
+    records.sort(key=lambda r: (r.conv_id, r.turn))
+    run_s = time.perf_counter() - t_start
+
+    replays: list[Completion] | None = None
+    if args.replay:
+        if args.replay_url is not None:
+            rc = CompletionsClient(args.replay_url, args.served_model_name, timeout_s=args.timeout,
+                                   max_connections=max(args.concurrency, 8))
+            replays = replay_server(rc, records, args.concurrency, max_tokens=spec.max_tokens,
+                                    ignore_eos=args.ignore_eos)
+            rc.close()
+        elif model is not None:
+            clean = build_llm(args, model, "replay")
+            engine_dtype = engine_dtype or str(clean.llm_engine.dtype).removeprefix("torch.")
+            replays = replay_offline(clean, records, replay_params)
+            del clean
+            _release_memory()
+        else:
+            logger.warning("no MODEL_DIR and no --replay-url: requests are not replayed, so any degenerate output "
+                           "counts as corruption")
+    tol = args.tol if args.tol is not None else (TOL_FLOAT32 if engine_dtype == "float32" else TOL_LOW_PRECISION)
+
+    reference: ReferenceFn | None = None
+    want_ref = args.reference
+    if model is not None and want_ref is None:
+        n = num_params(model)
+        want_ref = n < REFERENCE_MAX_PARAMS
+        config["num_params"] = n
+    if want_ref:
+        if model is None:
+            raise ValueError("--reference needs MODEL_DIR (transformers loads the checkpoint locally)")
+        reference = make_reference_check(model, tol)
+
+    detector_kwargs = {"min_run": args.loop_min_run, "min_fraction": args.loop_min_fraction,
+                       "min_punctuation_run": args.punctuation_min_run}
+    checks = check_requests(records, replays, reference, tol=tol, detector_kwargs=detector_kwargs)
+    summary = summarize(checks, metrics)
+    config.update(tol=tol, reference=bool(reference), replay=replays is not None, detectors=detector_kwargs)
+    summary["run_seconds"] = round(run_s, 3)
+    summary["total_seconds"] = round(time.perf_counter() - t_start, 3)
+
+    _print_result(config, summary, checks, total)
+    if args.report:
+        report = {"config": config, "summary": summary, "requests": [c.to_json() for c in checks]}
+        with open(args.report, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        print(f"# report written to {args.report}")
+    return 0 if summary["ok"] else 1
+
+
+def _print_result(config: dict[str, Any], summary: dict[str, Any], checks: Sequence[RequestCheck], total: int) -> None:
+    where = config["url"] or "offline engine"
+    spec = config.get("speculative_config")
+    features = []
+    if config["url"] is None:
+        features.append(f"prefix caching {'on' if config.get('enable_prefix_caching') else 'off'}")
+        features.append(f"speculation {json.dumps(spec) if spec else 'off'}")
+        features.append(f"max_num_batched_tokens {config.get('max_num_batched_tokens')}")
+        features.append(f"snapshot interval {config.get('recurrent_snapshot_interval')}")
+    print(f"hyserve soak: {summary['requests']} of {total} requests on the {where}"
+          + (f" ({', '.join(features)})" if features else "") + f" in {summary['run_seconds']:.1f} s")
+    print(format_table(summary))
+    bad = [c for c in checks if c.corrupt]
+    for c in bad[:20]:
+        parts = [f"{c.record.request_id}: {', '.join(c.reasons)}"]
+        if c.record.completion.error:
+            parts.append(c.record.completion.error)
+        if c.divergence is not None and "divergence" in c.reasons:
+            parts.append(f"first differs from the replay at output position {c.divergence}")
+        if c.reference is not None and not c.reference["ok"]:
+            r = c.reference
+            parts.append(f"reference: token {r['token']} at {r['position']}, argmax {r['reference_token']}, "
+                         f"gap {r['gap']:.3g}")
+        parts += c.findings[:2]
+        print("  " + "; ".join(parts))
+    if len(bad) > 20:
+        print(f"  ... and {len(bad) - 20} more (see --report)")
