@@ -7,7 +7,6 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -80,16 +79,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Write a tiny random-weight Qwen3.5 checkpoint and generate from it: the engine end to end, no download."""
-    from hyserve.testing import write_tiny_checkpoint
+    """Serve the packaged default model on a free loopback port, ask it over HTTP, print the answers, stop."""
+    import socket
+    import threading
 
-    with tempfile.TemporaryDirectory(prefix="hyserve-demo-") as d:
-        path = write_tiny_checkpoint(d, seed=args.seed)
-        print(f"# wrote a tiny random-weight Qwen3.5 checkpoint to {path} (its words are random: the weights are)")
-        args.model = path
-        args.chat = False
-        args.prompt = args.prompt or ["The quick brown fox", "def main():", "Hybrid models mix"]
-        return cmd_generate(args)
+    import httpx
+    import uvicorn
+
+    from hyserve.llm import _default_model
+    from hyserve.server import AsyncEngine, build_app
+
+    model = args.model or _default_model()
+    engine = _make_llm(args, model).llm_engine
+    app = build_app(AsyncEngine(engine, start=False), None)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=120) as client:
+            for _ in range(600):
+                if server.started:
+                    break
+                time.sleep(0.05)
+            name = client.get("/v1/models").json()["data"][0]["id"]
+            print(f"# serving {model} as {name!r} at {base} (OpenAI API; `hyserve serve` runs it until stopped)")
+            prompts = args.prompt or ["def fibonacci(n):\n", "import os\n\n\ndef main():\n"]
+            for prompt in prompts:
+                body = {"model": name, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0}
+                r = client.post("/v1/completions", json=body).json()
+                print(f"\n$ POST /v1/completions prompt={prompt!r}\n{prompt}{r['choices'][0]['text']}")
+            chat = {"model": name, "max_tokens": args.max_tokens, "temperature": 0.0,
+                    "messages": [{"role": "user", "content": "Write a Python class."}]}
+            r = client.post("/v1/chat/completions", json=chat).json()
+            print(f"\n$ POST /v1/chat/completions\n{r['choices'][0]['message']['content']}")
+            usage = r["usage"]
+            print(f"\n# chat usage: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -98,11 +130,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from hyserve.llm import _default_model
 
         try:
-            args.model = _default_model()  # the shipped default model, once there is one
-        except ValueError:
-            raise ValueError("serve: the MODEL_DIR argument is required (no default model ships with this version "
-                             "yet); run `hyserve serve path/to/checkpoint`, or `hyserve demo` to try a tiny random "
-                             "one") from None
+            args.model = _default_model()  # the small model that ships inside the package
+        except ValueError as e:
+            raise ValueError(f"serve: no MODEL_DIR argument and {e}") from None
     import uvicorn
 
     from hyserve.server import AsyncEngine, build_app
@@ -135,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level (default: info)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
-    d = sub.add_parser("demo", help="write a tiny random checkpoint and generate from it (no download)")
+    d = sub.add_parser("demo", help="serve the packaged default model on loopback and show it answering")
+    d.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the packaged model)")
     d.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     _engine_args(d)
     _sampling_args(d)

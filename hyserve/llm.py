@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,9 +14,15 @@ from hyserve.engine.llm_engine import LLMEngine, PromptType
 from hyserve.outputs import RequestOutput
 from hyserve.sampling_params import SamplingParams
 
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
+
 
 def _default_model() -> str:
-    raise ValueError("no model given and no default model ships with this version; pass LLM(model='path/to/dir')")
+    """The small hybrid model with an MTP head that ships inside the package (see default_model/TRAINING.md)."""
+    if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+        raise ValueError(f"no model given and the packaged default model is missing from {DEFAULT_MODEL_DIR}; "
+                         "pass LLM(model='path/to/dir')")
+    return DEFAULT_MODEL_DIR
 
 
 class LLM:

@@ -428,9 +428,13 @@ def test_chat_metrics_and_step_api(ckpts: CheckpointCache) -> None:
     eng.assert_no_leaks()
 
 
-def test_default_model_is_not_silently_invented() -> None:
-    with pytest.raises(ValueError, match="model"):
-        LLM()
+def test_default_model_loads_with_no_arguments() -> None:
+    from hyserve.llm import DEFAULT_MODEL_DIR
+
+    llm = LLM(device="cpu")
+    assert llm.llm_engine.config.model == DEFAULT_MODEL_DIR
+    out = llm.generate("def main():\n", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) > 0 and out.outputs[0].text
 
 
 def test_missing_model_directory() -> None:
