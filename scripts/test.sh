@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check hyserve tests benchmarks
+.venv/bin/ruff check hyserve tests benchmarks training
 .venv/bin/mypy
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
