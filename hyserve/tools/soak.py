@@ -551,6 +551,13 @@ def run(args: argparse.Namespace) -> int:
     spec = WorkloadSpec(num_conversations=args.conversations, turns=args.turns, prefix_len=args.prefix_len,
                         message_len=args.message_len, max_tokens=args.max_tokens)
     if args.model is None and args.url is None:
+        from hyserve.llm import DEFAULT_MODEL_DIR
+
+        if os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+            # The packaged model has a trained MTP head: drafts are accepted (~2 tokens per step), so the soak
+            # exercises accepted drafts, rejected ones and prefix hits together, as in the field.
+            print(f"# soaking the packaged default model {DEFAULT_MODEL_DIR}", file=sys.stderr)
+            return _run(args, spec, DEFAULT_MODEL_DIR)
         from hyserve.testing import write_tiny_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="hyserve-soak-") as d:
