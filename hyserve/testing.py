@@ -293,10 +293,14 @@ def _save_weights(path: str, tensors: dict[str, torch.Tensor], *, sharded: bool)
 def _write_tokenizer(path: str) -> None:
     with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tokenizer_json())
-    ids = special_token_ids()
-    tok_config = {
+    _write_json(os.path.join(path, "tokenizer_config.json"), tokenizer_config(special_token_ids(), 4096))
+
+
+def tokenizer_config(ids: dict[str, int], model_max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json of a ChatML byte-level BPE tokenizer with ``SPECIAL_TOKENS`` at ``ids``."""
+    return {
         "tokenizer_class": "Qwen2Tokenizer",
-        "model_max_length": 4096,
+        "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "bos_token": None,
@@ -311,7 +315,6 @@ def _write_tokenizer(path: str) -> None:
         },
         "chat_template": CHAT_TEMPLATE,
     }
-    _write_json(os.path.join(path, "tokenizer_config.json"), tok_config)
 
 
 def _write_json(path: str, obj: Any) -> None:

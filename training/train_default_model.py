@@ -62,11 +62,11 @@ if _REPO not in sys.path:
 
 from hyserve.testing import (  # noqa: E402
     _PRETOKENIZE_REGEX,
-    CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,
     SPECIAL_TOKENS,
     _mtp_shapes,
+    tokenizer_config,
 )
 
 DEFAULT_OUT = os.path.join(_REPO, "hyserve", "default_model")
@@ -520,23 +520,7 @@ def write_checkpoint(out: str, model: ModelWithMTP, tok: Any, ids: dict[str, int
     })
     with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tok.to_str())
-    _write_json(os.path.join(out, "tokenizer_config.json"), {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "model_max_length": max_len,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "errors": "replace",
-        "added_tokens_decoder": {
-            str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                          "single_word": False, "special": True}
-            for t in SPECIAL_TOKENS
-        },
-        "chat_template": CHAT_TEMPLATE,
-    })
+    _write_json(os.path.join(out, "tokenizer_config.json"), tokenizer_config(ids, max_len))
 
 
 def heldout_prompts(tok: Any, docs: list[tuple[str, str]], count: int, n_tokens: int) -> list[dict[str, Any]]:

@@ -17,6 +17,8 @@ These functions are written for clarity and vectorised across rows; they need no
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -124,6 +126,52 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
+def gdn_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    qsl: torch.Tensor,
+    max_query_len: int,
+    on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over varlen rows, advanced in lockstep one position per step, float32 throughout.
+
+    ``state`` is the rows' starting states (R, Hv, Dk, Dv) (a gathered copy: no pool is touched here).
+    ``on_step(i, active, s)`` sees each step's candidate states (the verify reference records them).
+    Returns the outputs (T + 1, Hv, Dv) float32 (row T is a sink) and the final states.
+    """
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    grp = Hv // Hk
+    qf = l2norm(q.float(), eps=1e-6) * (Dk**-0.5)
+    kf = l2norm(k.float(), eps=1e-6)
+    if grp > 1:
+        qf = qf.repeat_interleave(grp, dim=1)
+        kf = kf.repeat_interleave(grp, dim=1)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
+    # Row T of `obuf` is a sink for rows that are past their end at step i (so the loop needs no host sync).
+    obuf = torch.empty((T + 1, Hv, Dv), dtype=torch.float32, device=v.device)
+    for i in range(max_query_len):
+        active = lens > i  # (R,)
+        tok = torch.where(active, starts + i, T)
+        tok_c = tok.clamp(max=T - 1)
+        q_t, k_t, v_t = qf[tok_c], kf[tok_c], vf[tok_c]  # (R, Hv, D*)
+        g_t, b_t = gf[tok_c], bf[tok_c]  # (R, Hv)
+        s = state * g_t.exp()[..., None, None]
+        kv_mem = (s * k_t[..., None]).sum(dim=-2)  # (R, Hv, Dv)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., None] * delta[..., None, :]
+        obuf[tok] = (s * q_t[..., None]).sum(dim=-2)
+        state = torch.where(active[:, None, None, None], s, state)
+        if on_step is not None:
+            on_step(i, active, s)
+    return obuf, state
+
+
 def gdn_forward_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -150,7 +198,7 @@ def gdn_forward_ref(
 
     Returns ``(T, Hv, Dv)`` in ``v.dtype``.
     """
-    T, Hk, Dk = q.shape
+    T = q.shape[0]
     Hv, Dv = v.shape[1], v.shape[2]
     R = state_slots.shape[0]
     out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
@@ -158,30 +206,7 @@ def gdn_forward_ref(
     qsl = query_start_loc.to(torch.int64)
     if R == 0:
         return out
-    grp = Hv // Hk
-    qf = l2norm(q.float(), eps=1e-6) * (Dk**-0.5)
-    kf = l2norm(k.float(), eps=1e-6)
-    if grp > 1:
-        qf = qf.repeat_interleave(grp, dim=1)
-        kf = kf.repeat_interleave(grp, dim=1)
-    vf, gf, bf = v.float(), g.float(), beta.float()
-
-    starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
-    state = ssm_state[slots].float()  # (R, Hv, Dk, Dv)
-    # Row T of `obuf` is a sink for rows that are past their end at step i (so the loop needs no host sync).
-    obuf = torch.empty((T + 1, Hv, Dv), dtype=torch.float32, device=v.device)
-    for i in range(max_query_len if T > 0 else 0):
-        active = lens > i  # (R,)
-        tok = torch.where(active, starts + i, T)
-        tok_c = tok.clamp(max=T - 1)
-        q_t, k_t, v_t = qf[tok_c], kf[tok_c], vf[tok_c]  # (R, Hv, D*)
-        g_t, b_t = gf[tok_c], bf[tok_c]  # (R, Hv)
-        s = state * g_t.exp()[..., None, None]
-        kv_mem = (s * k_t[..., None]).sum(dim=-2)  # (R, Hv, Dv)
-        delta = (v_t - kv_mem) * b_t[..., None]
-        s = s + k_t[..., None] * delta[..., None, :]
-        obuf[tok] = (s * q_t[..., None]).sum(dim=-2)
-        state = torch.where(active[:, None, None, None], s, state)
+    obuf, state = gdn_scan(q, k, v, g, beta, ssm_state[slots].float(), qsl, max_query_len if T > 0 else 0)
     out.copy_(obuf[:T])
     keep = _nonempty_rows(qsl)
     ssm_state[slots[keep]] = state[keep].to(ssm_state.dtype)

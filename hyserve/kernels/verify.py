@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyserve.kernels.reference import l2norm, row_index
+from hyserve.kernels.reference import gdn_scan, row_index
 
 __all__ = [
     "causal_conv1d_verify",
@@ -211,7 +211,7 @@ def gdn_verify_ref(
     max_query_len: int,
 ) -> torch.Tensor:
     """Reference :func:`gdn_verify`: rows advanced in lockstep, one position per step, float32 throughout."""
-    T, Hk, Dk = q.shape
+    T = q.shape[0]
     Hv, Dv = v.shape[1], v.shape[2]
     R = state_slots.shape[0]
     P = ssm_scratch.shape[1]
@@ -220,32 +220,14 @@ def gdn_verify_ref(
     qsl = query_start_loc.to(torch.int64)
     if R == 0 or T == 0:
         return out
-    grp = Hv // Hk
-    qf = l2norm(q.float(), eps=1e-6) * (Dk**-0.5)
-    kf = l2norm(k.float(), eps=1e-6)
-    if grp > 1:
-        qf = qf.repeat_interleave(grp, dim=1)
-        kf = kf.repeat_interleave(grp, dim=1)
-    vf, gf, bf = v.float(), g.float(), beta.float()
 
-    starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
-    state = ssm_state[slots].float()  # (R, Hv, Dk, Dv): a gathered copy, the pool is never written
-    obuf = torch.empty((T + 1, Hv, Dv), dtype=torch.float32, device=v.device)  # row T: sink for finished rows
-    for i in range(max_query_len):
-        active = lens > i  # (R,)
-        tok = torch.where(active, starts + i, T)
-        tok_c = tok.clamp(max=T - 1)
-        q_t, k_t, v_t = qf[tok_c], kf[tok_c], vf[tok_c]  # (R, Hv, D*)
-        g_t, b_t = gf[tok_c], bf[tok_c]  # (R, Hv)
-        s = state * g_t.exp()[..., None, None]
-        kv_mem = (s * k_t[..., None]).sum(dim=-2)  # (R, Hv, Dv)
-        delta = (v_t - kv_mem) * b_t[..., None]
-        s = s + k_t[..., None] * delta[..., None, :]
-        obuf[tok] = (s * q_t[..., None]).sum(dim=-2)
-        state = torch.where(active[:, None, None, None], s, state)
+    def record(i: int, active: torch.Tensor, s: torch.Tensor) -> None:
         if i < P:
             act = torch.nonzero(active).squeeze(1)
             ssm_scratch[act, i] = s[act]
+
+    # A gathered copy of the live states: the pool is never written.
+    obuf, _ = gdn_scan(q, k, v, g, beta, ssm_state[slots].float(), qsl, max_query_len, record)
     out.copy_(obuf[:T])
     return out
 
