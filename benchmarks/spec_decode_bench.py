@@ -2,16 +2,20 @@
 
 A test-only proposer knows each request's greedy continuation (from a run without speculation) and proposes it
 with each draft token replaced by a wrong one with probability 1 - rate, so acceptance is controlled (0 %, 50 %,
-90 %) whatever the weights. Decode tokens/s at batch 1 and 32 (only steps in which every row decodes are timed),
-against the same engine without speculation, in the same run; greedy outputs must be identical.
+90 %) whatever the weights. With ``--method mtp`` (the default when the checkpoint has ``mtp.*`` weights) the
+MTP head still drafts every step, so its cost is in the timing, and the controlled tokens replace its drafts.
+Decode tokens/s at batch 1 and 32 (only steps in which every row decodes are timed), against the same engine
+without speculation, in the same run; greedy outputs must be identical.
 
     python benchmarks/spec_decode_bench.py --out benchmarks/results            # tiny model, CPU
-    python benchmarks/spec_decode_bench.py --model DIR --device cuda --dtype bfloat16 --out $OUT   # H200
+    python benchmarks/shapes.py --shape 2b --mtp --out /tmp/m2b                                      # H200
+    python benchmarks/spec_decode_bench.py --model /tmp/m2b --device cuda --dtype bfloat16 --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -40,10 +44,90 @@ class ControlledProposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         out = []
         for req, k in zip(requests, num_tokens, strict=True):
-            cont = self.continuations[req.request_id]
+            cont = self.continuations.get(req.request_id)
+            if cont is None:  # a warm-up request: any k tokens (verify rows of full length compile the kernels)
+                out.append([(req.num_tokens + j) % self.vocab for j in range(k)])
+                continue
             right = cont[req.num_output_tokens : req.num_output_tokens + k]
             out.append([t if self.rng.random() < self.rate else (t + 1) % self.vocab for t in right])
         return out
+
+
+def control(llm: LLM, proposer: ControlledProposer) -> None:
+    """Make ``llm``'s drafts the controlled ones: replace its MTP head's drafts (the head still runs), or its
+    n-gram proposer."""
+    eng = llm.llm_engine
+    if not eng.use_mtp:
+        eng.proposer = proposer
+        return
+    mtp_propose = eng._mtp_propose
+
+    def propose(todo: list[Request], ks: list[int]) -> None:
+        mtp_propose(todo, ks)
+        for req in todo:
+            n = len(req.draft_token_ids)
+            req.draft_token_ids = proposer.propose([req], [n])[0] if n else []
+
+    eng._mtp_propose = propose  # type: ignore[method-assign]
+
+
+def has_mtp(model: str) -> bool:
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    return bool(cfg.get("mtp_num_hidden_layers") or cfg.get("text_config", {}).get("mtp_num_hidden_layers"))
+
+
+def run_all(llm: LLM, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, Any]:
+    eng = llm.llm_engine
+    for rid, p in prompts.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, params)
+    outs: dict[str, Any] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+    return outs
+
+
+def warm_up(llm: LLM, prompts: dict[str, list[int]]) -> None:
+    """Compile every kernel the timed run uses (Triton JIT) outside the timing: the same batch, a few tokens."""
+    run_all(llm, {f"warm-{rid}": p for rid, p in prompts.items()},
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+
+
+def first_divergence(want: list[int], got: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+
+
+def diagnose(common: dict[str, Any], spec: dict[str, Any], prompt: list[int], want: list[int], n: int,
+             rate: float, vocab: int) -> dict[str, Any]:
+    """Where a speculative run's greedy output leaves the plain one: the plain run's top-2 logprob margin there,
+    and both runs' logprobs of both tokens. A margin that is small next to the logprob change says the two
+    (mathematically equal) paths differ by rounding, not by a wrong state."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+    base = LLM(**common)
+    ref = run_all(base, {"d": prompt}, params)["d"]
+    del base
+    release()
+    llm = LLM(**common, speculative_config=spec)
+    control(llm, ControlledProposer({"d": want}, rate, vocab))
+    out = run_all(llm, {"d": prompt}, params)["d"]
+    del llm
+    release()
+    i = first_divergence(ref.token_ids, out.token_ids)
+    if i is None:
+        return {"diverges_at": None}
+    a, b = ref.token_ids[i], out.token_ids[i]
+    lp_ref = {t: v.logprob for t, v in ref.logprobs[i].items()}
+    lp_out = {t: v.logprob for t, v in out.logprobs[i].items()}
+    top = sorted(lp_ref.values(), reverse=True)
+    return {"diverges_at": i, "plain_token": a, "spec_token": b,
+            "plain_top2_margin": top[0] - top[1] if len(top) > 1 else None,
+            "plain_logprobs": {str(t): v for t, v in lp_ref.items()},
+            "spec_logprobs": {str(t): v for t, v in lp_out.items()},
+            "max_logprob_change_before": max((abs(ref.logprobs[j][ref.token_ids[j]].logprob
+                                                  - out.logprobs[j][ref.token_ids[j]].logprob)
+                                              for j in range(i)), default=0.0)}
 
 
 def timed_decode(llm: LLM, prompts: dict[str, list[int]], n: int, sync: bool) -> tuple[float, dict[str, list[int]]]:
@@ -74,6 +158,17 @@ def timed_decode(llm: LLM, prompts: dict[str, list[int]], n: int, sync: bool) ->
     return tokens / max(seconds, 1e-9), outs
 
 
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    m = llm.get_metrics()
+    return tuple(int(m[f"hyserve:spec_decode_num_{k}"]) for k in ("drafts", "draft_tokens", "accepted_tokens"))  # type: ignore[return-value,arg-type]
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -84,39 +179,68 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--method", choices=("auto", "mtp", "ngram"), default="auto",
+                    help="auto: mtp when the checkpoint has mtp.* weights, else ngram")
     args = ap.parse_args()
     torch.set_num_threads(1) if args.device == "cpu" else None
-    model = args.model or write_tiny_checkpoint(tempfile.mkdtemp(), max_position_embeddings=8192)
+    model = args.model or write_tiny_checkpoint(tempfile.mkdtemp(), max_position_embeddings=8192, with_mtp=True)
+    method = args.method if args.method != "auto" else ("mtp" if has_mtp(model) else "ngram")
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
     sync = args.device == "cuda"
     common: dict[str, Any] = dict(model=model, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
                                   max_num_seqs=64, max_model_len=args.prompt_len + args.max_tokens + 64)
+    if args.device == "cuda":
+        common["gpu_memory_utilization"] = 0.5  # the KV these runs need is tiny; leaves room for a late free
+    else:
+        common["cpu_cache_memory_bytes"] = 1 << 30  # 64 sequences' verify scratch on wider models
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         rng = random.Random(batch)
         base = LLM(**common)
         vocab = base.llm_engine.model_config.vocab_size
         prompts = {f"r{i}": [rng.randrange(vocab) for _ in range(args.prompt_len)] for i in range(batch)}
+        warm_up(base, prompts)
         base_tps, want = timed_decode(base, prompts, args.max_tokens, sync)
         del base
+        release()
         for rate in (0.0, 0.5, 0.9):
-            llm = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
-            llm.llm_engine.proposer = ControlledProposer(want, rate, vocab)
+            llm = LLM(**common, speculative_config=spec)
+            control(llm, ControlledProposer(want, rate, vocab))
+            warm_up(llm, prompts)
+            m0 = spec_counts(llm)
             tps, got = timed_decode(llm, prompts, args.max_tokens, sync)
-            m = llm.get_metrics()
-            drafts = max(int(m["hyserve:spec_decode_num_drafts"]), 1)  # type: ignore[arg-type]
+            drafts, draft_tokens, accepted = (b - a for a, b in zip(m0, spec_counts(llm), strict=True))
             rows.append({"batch": batch, "acceptance_target": rate, "k": args.k,
-                         "draft_acceptance": m["hyserve:spec_decode_num_accepted_tokens"]  # type: ignore[operator]
-                         / max(int(m["hyserve:spec_decode_num_draft_tokens"]), 1),  # type: ignore[arg-type]
-                         "mean_tokens_per_step": 1 + int(m["hyserve:spec_decode_num_accepted_tokens"]) / drafts,
+                         "draft_acceptance": accepted / max(draft_tokens, 1),
+                         "mean_tokens_per_step": 1 + accepted / max(drafts, 1),
                          "decode_tok_s": tps, "no_spec_tok_s": base_tps, "speedup": tps / base_tps,
                          "outputs_identical": got == want})
             print(json.dumps(rows[-1]), flush=True)
             del llm
+            release()
+    diagnosis = None
+    bad = next((r for r in rows if not r["outputs_identical"]), None)
+    if bad is not None:
+        rng = random.Random(bad["batch"])
+        base = LLM(**common)
+        vocab = base.llm_engine.model_config.vocab_size
+        del base
+        release()
+        prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+        want = run_all(LLM(**common), {"d": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))["d"].token_ids
+        release()
+        try:
+            diagnosis = diagnose(common, spec, prompt, want, args.max_tokens, bad["acceptance_target"], vocab)
+        except Exception as e:  # the table above is the result; a failed diagnosis must not lose it
+            diagnosis = {"error": repr(e)}
+        print("diagnosis (batch 1):", json.dumps(diagnosis), flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if sync else "cpu (2 cores)", "torch": torch.__version__,
-            "model": model, "dtype": args.dtype, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+            "model": model, "method": method, "dtype": args.dtype, "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens}
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "diagnosis": diagnosis}, f, indent=2)
     lines = ["| batch | draft token correct w.p. | drafts accepted | tokens/step | decode tok/s | no spec tok/s "
              "| speedup | outputs identical |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     lines += [f"| {r['batch']} | {r['acceptance_target']:.0%} | {r['draft_acceptance']:.0%} | "
@@ -124,7 +248,8 @@ def main() -> int:
               f"{r['speedup']:.2f}x | {r['outputs_identical']} |" for r in rows]
     with open(os.path.join(args.out, "spec_decode.md"), "w") as f:
         f.write(f"# Speculative decoding at controlled acceptance\n\nMachine: {meta['device']}, torch "
-                f"{meta['torch']}; k = {args.k}, prompt {args.prompt_len}, {args.max_tokens} greedy tokens.\n\n")
+                f"{meta['torch']}; drafts: {method} (tokens replaced by the controlled ones); k = {args.k}, "
+                f"prompt {args.prompt_len}, {args.max_tokens} greedy tokens.\n\n")
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["outputs_identical"] for r in rows) else 1

@@ -552,3 +552,20 @@ if __name__ == "__main__":
         for name, (ok, msg) in results.items():
             print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
         print("RESULTS " + json.dumps(results))
+
+
+@pytest.mark.parametrize("block_d", [64, 128, 256])
+def test_attention_tiles_fit_shared_memory(block_d: int) -> None:
+    """float32 tiles at D=256 overflowed Hopper's 227 KiB of shared memory (seen on an H200 with the 2B shape):
+    the prefill and decode configurations shrink to fit, and the bf16 ones, tuned on the H200, stay unchanged."""
+    from hyserve.kernels.attention import _PREFILL_CONFIG, _SMEM_BUDGET, _fit_tiles
+
+    bm0, bn0, _, st0 = _PREFILL_CONFIG
+    for elem in (2, 4):
+        for bm, bn, st in (_fit_tiles(bm0, bn0, st0, block_d, elem), _fit_tiles(16, 32, 3, block_d, elem)):
+            assert (bm * block_d + st * 2 * bn * block_d) * elem <= _SMEM_BUDGET
+            assert bm >= 16 and bn >= 16 and st >= 1
+    assert _fit_tiles(bm0, bn0, st0, block_d, 2) == (bm0, bn0, st0)
+    assert _fit_tiles(16, 32, 3, block_d, 2) == (16, 32, 3)
+    if block_d == 256:
+        assert _fit_tiles(bm0, bn0, st0, block_d, 4) != (bm0, bn0, st0)

@@ -5,6 +5,7 @@ test-only proposer; snapshots published from verified candidates; boundaries; re
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -219,6 +220,31 @@ def test_refused_at_startup_with_the_flag(ckpts: CheckpointCache) -> None:
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
                                            "prompt_lookup_max": 2})
+
+
+def test_verify_scratch_is_counted_in_the_cache_budget(ckpts: CheckpointCache,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Each sequence's k + 1 candidate states come out of the cache budget with its slot: a budget too small for
+    the requested max_num_seqs lowers it (with a warning), one too small for a single sequence is refused."""
+    from hyserve.cache.state_pool import state_bytes_per_slot
+    from hyserve.config import ModelConfig
+
+    path = ckpts.get()
+    per_slot = state_bytes_per_slot(ModelConfig.from_model_dir(path), torch.float32)
+    sized = dict(num_kv_blocks=None, num_state_slots=None, enable_prefix_caching=False,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"verify scratch \(4 candidate states\).*num_speculative_tokens"):
+        make_llm(path, max_num_seqs=8, cpu_cache_memory_bytes=8 * per_slot, **sized)
+    with caplog.at_level(logging.WARNING, logger="hyserve"):
+        llm = make_llm(path, max_num_seqs=64, cpu_cache_memory_bytes=200 * per_slot, **sized)
+    runner = llm.llm_engine.runner
+    # Half the budget (100 states) holds the pad slot and 99 // 5 = 19 sequences of one slot + 4 candidates.
+    assert runner.max_num_seqs == 19 and "max_num_seqs lowered to 19" in caplog.text
+    scratch = next(iter(runner.model.gdn_layers())).ssm_scratch
+    assert scratch is not None and tuple(scratch.shape[:2]) == (19, 4)
+    outs = llm.generate([{"prompt_token_ids": toks(20, i)} for i in range(24)],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 24
 
 
 # ---------------------------------------------------------------------------------------------- MTP

@@ -23,10 +23,14 @@ CPU (what ships in the repository until the H200 run; ~7 minutes on one thread, 
 
     python training/train_default_model.py --device cpu --preset cpu --max-minutes 6.5
 
-H200 (the real run; ``pip install -e '.[cuda]'`` first: with fla-core, transformers' Gated DeltaNet runs fla's
-chunked kernel instead of its slow PyTorch reference):
+H200 (the real run):
 
-    python training/train_default_model.py --device cuda --preset h200 --max-minutes 9 --threads 8
+    python training/train_default_model.py --device cuda --preset h200 --max-minutes 7.5 --threads 8 --max-shard-mb 15
+
+Training uses transformers' PyTorch Gated DeltaNet (fla-core is hidden from this process even where it is
+installed): fla-core 0.6.0 refuses the backward of its gated chunk kernel on Hopper GPUs with Triton >= 3.4 and
+< 3.7.1, because that combination computes wrong gradients (fla issue #640). ``--fla`` uses fla's kernels where
+that does not apply (another GPU, or Triton >= 3.7.1).
 """
 
 from __future__ import annotations
@@ -50,10 +54,12 @@ from torch import nn
 from torch.nn import functional as F
 
 EVIDENCE_FLAG = "--evidence-to"
-if EVIDENCE_FLAG in sys.argv:
-    # The evidence subprocess (see run_evidence): transformers binds its Gated DeltaNet functions to fla-core's
-    # Triton kernels when fla is importable, and those cannot run the float32 CPU reference. Hide fla before
-    # transformers is imported, so its reference PyTorch path is used.
+FLA_FLAG = "--fla"
+if EVIDENCE_FLAG in sys.argv or FLA_FLAG not in sys.argv:
+    # transformers binds its Gated DeltaNet functions to fla-core's Triton kernels when fla is importable. Those
+    # cannot run the float32 CPU reference (the evidence subprocess, see run_evidence), and their gated backward is
+    # refused on Hopper with Triton 3.4-3.7.0 (see the module docstring). Hide fla before transformers is imported,
+    # so its PyTorch path is used, unless --fla asks for fla.
     sys.modules["fla"] = None  # type: ignore[assignment]
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,8 +99,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "h200": dict(hidden_size=256, intermediate_size=768, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=64,
                  linear_key_heads=4, linear_value_heads=8, linear_head_dim=64, seq_len=512, batch_size=64,
                  lr=2e-3, warmup_steps=200, eval_every=250, eval_windows=256, vocab_size=4096,
-                 # ~3.4M train tokens at vocab 4096: 60M tokens is ~18 epochs, past which a 10M model overfits.
-                 max_tokens=60_000_000),
+                 # ~2.8-3.4M train tokens at vocab 4096 (by Python version). A first H200 run over 60M tokens
+                 # (~21 epochs) had its lowest held-out loss at 16M tokens and overfit after: 20M ends the schedule
+                 # about there.
+                 max_tokens=20_000_000),
     # One CPU thread for a few minutes: 4 layers [lin, lin, lin, full], hidden 128, vocab 2048 (the logits are most
     # of the cost at this size), short sequences.
     "cpu": dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -112,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16: bf16 autocast over float32 weights; auto: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for torch and tokenizers (default 1)")
+    p.add_argument(FLA_FLAG, action="store_true",
+                   help="train with fla-core's Gated DeltaNet kernels (not on Hopper with Triton < 3.7.1)")
     p.add_argument("--seed", type=int, default=0)
     # corpus and tokenizer
     p.add_argument("--max-corpus-bytes", type=int, default=0, help="cap on corpus bytes (0: the whole stdlib)")
@@ -136,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=9.0,
                    help="time budget of the training loop (evaluations included); 0: none (default 9)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="token budget, 0: none (h200 preset 60M, whichever of time and tokens ends first)")
+                   help="token budget, 0: none (h200 preset 20M, whichever of time and tokens ends first)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="exact number of optimizer steps (0: derived from the budgets). With a time budget the "
                         "step count is calibrated after --calibration-steps steps; pass the reported step count "
@@ -684,17 +694,24 @@ def write_markdown(out: str, report: dict[str, Any]) -> None:
         f"Exactly this run (same steps and lr schedule, no time budget; float32 on the CPU is deterministic, "
         f"bf16 on CUDA need not be): `{r['reproduce_command']}`.",
         "",
-        "The H200 run (bf16 autocast over float32 weights; at most 9 minutes or 60M tokens of training, then "
-        "export and the float32 CPU checks). Install the `cuda` extra first (`pip install -e '.[cuda]'`): with "
-        "fla-core, transformers' Gated DeltaNet uses fla's chunked kernel instead of its PyTorch reference, and "
-        "hyserve needs it for bf16 prefill on CUDA:",
-        "",
-        "```bash",
-        "python training/train_default_model.py --device cuda --preset h200 --max-minutes 9 --threads 8",
-        "python training/measure_acceptance.py --device cuda",
-        "```",
-        "",
-        "`tests/test_default_model.py` then checks the new checkpoint in the CPU suite (`bash scripts/test.sh`; not "
+    ]
+    if t["device"] == "cpu":
+        lines += [
+            "The H200 run (bf16 autocast over float32 weights; at most 7.5 minutes or 20M tokens of training, then "
+            "export and the float32 CPU checks):",
+            "",
+            "```bash",
+            "python training/train_default_model.py --device cuda --preset h200 --max-minutes 7.5 --threads 8 "
+            "--max-shard-mb 15",
+            "python training/measure_acceptance.py",
+            "```",
+            "",
+        ]
+    lines += [
+        "Training runs transformers' PyTorch Gated DeltaNet, with fla-core hidden from the process: fla-core "
+        "0.6.0 refuses its gated chunk backward on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (wrong gradients, "
+        "fla issue #640); `--fla` uses fla's kernels where that does not apply. "
+        "`tests/test_default_model.py` checks the checkpoint in the CPU suite (`bash scripts/test.sh`; not "
         "on a machine with fla-core, whose kernels transformers would use for its CPU reference).",
         "",
         "## Corpus and tokenizer",

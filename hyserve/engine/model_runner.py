@@ -174,22 +174,31 @@ class ModelRunner:
                 if caching else 0
             return CacheLayout(self.config.num_kv_blocks, self.config.num_state_slots, per_block, per_slot, snaps)
         budget = self._cache_budget()
-        if self.num_speculative_tokens:  # verify scratch: a candidate state per verify row and position
-            budget -= self.max_num_seqs * (self.num_speculative_tokens + 1) * per_slot
         snaps = 0
         if caching:
             snaps = self.config.num_snapshot_slots if self.config.num_snapshot_slots is not None else \
                 int(budget * self.config.snapshot_memory_fraction) // max(per_slot, 1)
             budget -= snaps * per_slot
+        # A sequence's recurrent state costs one slot, plus k + 1 candidate states of verify scratch when
+        # speculating; the pad slot is one more. Together they may take MAX_STATE_SHARE of the budget.
+        k = self.num_speculative_tokens
+        scratch_per_seq = (k + 1) * per_slot if k else 0
+
+        def state_bytes(n: int) -> int:
+            return (n + 1) * per_slot + min(n, self.max_num_seqs) * scratch_per_seq
+
         slots = self.config.num_state_slots or self.max_num_seqs
-        if per_slot and (slots + 1) * per_slot > MAX_STATE_SHARE * budget:
-            fit = int(MAX_STATE_SHARE * budget) // per_slot - 1
+        if per_slot and state_bytes(slots) > MAX_STATE_SHARE * budget:
+            fit = (int(MAX_STATE_SHARE * budget) - per_slot) // (per_slot + scratch_per_seq)
+            what = f"recurrent state and verify scratch ({k + 1} candidate states)" if k else "recurrent state"
             if fit < 1:
-                raise ValueError("the cache budget cannot hold one request's recurrent state; raise "
-                                 "--gpu-memory-utilization (CUDA) or cpu_cache_memory_bytes (CPU)")
-            logger.warning("recurrent state for %d sequences does not fit the budget; max_num_seqs lowered to %d",
-                           slots, fit)
+                raise ValueError(f"the cache budget cannot hold one request's {what}; raise --gpu-memory-utilization "
+                                 "(CUDA) or cpu_cache_memory_bytes (CPU)" + (", or lower num_speculative_tokens"
+                                                                             if k else ""))
+            logger.warning("%s for %d sequences does not fit the budget; max_num_seqs lowered to %d", what, slots,
+                           fit)
             slots = fit
+        budget -= state_bytes(slots) - (slots + 1) * per_slot  # the scratch; the slots are counted below
         blocks = self.config.num_kv_blocks
         if blocks is None:
             blocks = max(2, (budget - (slots + 1) * per_slot) // max(per_block, 1))
