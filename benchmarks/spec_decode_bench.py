@@ -169,6 +169,32 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+def plot(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str) -> bool:
+    """Speedup over plain decoding against the drafts actually accepted, one line per (run, batch). False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, rows in runs:
+        for batch in sorted({r["batch"] for r in rows}):
+            pts = sorted((r["draft_acceptance"] * 100, r["speedup"]) for r in rows if r["batch"] == batch)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{label}, batch {batch}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("draft tokens accepted (%)")
+    ax.set_ylabel("decode tokens/s vs no speculation")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -250,8 +276,10 @@ def main() -> int:
         f.write(f"# Speculative decoding at controlled acceptance\n\nMachine: {meta['device']}, torch "
                 f"{meta['torch']}; drafts: {method} (tokens replaced by the controlled ones); k = {args.k}, "
                 f"prompt {args.prompt_len}, {args.max_tokens} greedy tokens.\n\n")
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines) + "\n\n![speedup against accepted drafts](spec_decode.png)\n")
     print("\n".join(lines))
+    plot([(f"{meta['device']}, {args.dtype}", rows)], os.path.join(args.out, "spec_decode.png"),
+         f"MTP k={args.k} with controlled drafts ({meta['device']})")
     return 0 if all(r["outputs_identical"] for r in rows) else 1
 
 
