@@ -1,0 +1,85 @@
+"""The benchmark scripts that GPU sessions run with little device time: the random-shape checkpoint writer and the
+speculative-decoding benchmark, on shrunken shapes on the CPU, so that a broken script shows here and not on the
+GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import shapes
+import spec_decode_bench
+
+from hyserve import LLM, SamplingParams
+
+SMALL = dict(shapes.SHAPE_2B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+             head_dim=16, num_attention_heads=4, num_key_value_heads=2, linear_key_head_dim=16,
+             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+
+
+def greedy(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.logprobs is not None
+    margins = []
+    for lp in c.logprobs:
+        vals = sorted((v.logprob for v in lp.values()), reverse=True)
+        margins.append(vals[0] - vals[1] if len(vals) > 1 else float("inf"))
+    return c.token_ids, margins
+
+
+@pytest.mark.parametrize("init", ["spread", "stable"])
+def test_shapes_writes_a_loadable_checkpoint_with_mtp(tmp_path: Path, init: str) -> None:
+    path = str(tmp_path / init)
+    n = shapes.write_spread_checkpoint(path, SMALL, mtp=True, embed_std=1.0 if init == "stable" else None)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    assert cfg["mtp_num_hidden_layers"] == 1 and cfg["num_hidden_layers"] == 8
+    assert cfg["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert n > 0
+    torch.set_num_threads(1)
+    llm = LLM(model=path, device="cpu", dtype="float32",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompt = list(range(3, 40))
+    toks, margins = greedy(llm, prompt, 12)
+    assert len(toks) == 12
+    if init == "stable":
+        # The dominant tied embedding: every token predicts itself, by a wide margin (what keeps bf16 greedy stable).
+        assert toks == [prompt[-1]] * 12
+        assert min(margins) > 5.0
+
+
+def test_transformers_init_gets_an_mtp_shard(tmp_path: Path) -> None:
+    path = str(tmp_path / "t")
+    shapes.write_random_checkpoint(path, SMALL, device="cpu", mtp=True)
+    with open(os.path.join(path, "model.safetensors.index.json"), encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    assert weight_map["mtp.fc.weight"] == "mtp.safetensors"
+    assert not os.path.exists(os.path.join(path, "model.safetensors"))  # it would shadow the index
+    llm = LLM(model=path, device="cpu", dtype="float32",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert len(greedy(llm, list(range(3, 20)), 4)[0]) == 4
+
+
+def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = str(tmp_path / "m")
+    shapes.write_spread_checkpoint(model, SMALL, mtp=True, embed_std=1.0)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["spec_decode_bench.py", "--model", model, "--device", "cpu", "--batches", "2",
+                                      "--max-tokens", "24", "--prompt-len", "32", "--out", str(out)])
+    assert spec_decode_bench.main() == 0  # non-zero when outputs differ from the plain run
+    rows = json.loads((out / "spec_decode.json").read_text())["rows"]
+    by_rate = {r["acceptance_target"]: r for r in rows}
+    assert by_rate[0.0]["draft_acceptance"] == 0.0
+    # 90 % of draft tokens right: the fraction accepted is (0.9 + 0.81 + 0.73) / 3 = 0.81 in expectation.
+    assert 0.6 < by_rate[0.9]["draft_acceptance"] < 0.98
+    assert all(r["outputs_identical"] for r in rows)
+    assert (out / "spec_decode.md").exists()
