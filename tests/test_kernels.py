@@ -342,7 +342,8 @@ def _patch_triton_interpreter() -> None:
 
     * a scalar loaded from memory is a 1-element array, and ``range(lo, hi)`` with it as a bound calls ``int()`` on
       it, which numpy 2.3+ refuses for 1-d arrays;
-    * ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage.
+    * ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage;
+    * float32 -> bfloat16 casts truncate, where GPUs (and torch) round to nearest even.
     """
     import numpy as np
     import triton.language as tl
@@ -366,6 +367,18 @@ def _patch_triton_interpreter() -> None:
         return orig_dot(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
 
     interp.InterpreterBuilder.create_dot = create_dot
+    orig_cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+            nan = np.isnan(src.data)
+            rounded[nan] = 0x7FC0
+            return interp.TensorHandle(rounded, dst_type.scalar)
+        return orig_cast(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl
 
 
 def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
@@ -438,6 +451,43 @@ def _interp_store_kv(dtype: torch.dtype) -> tuple[bool, str]:
     return torch.equal(kc, want_k) and torch.equal(vc, want_v), "bit-exact"
 
 
+def _interp_norm(dtype: torch.dtype, lead: tuple[int, ...], d: int, gated: bool) -> tuple[bool, str]:
+    """Both norms against their torch references; the input is a strided view (rows wider than D)."""
+    from hyserve.kernels.norm import gated_rms_norm_ref, gated_rms_norm_triton, rms_norm_ref, rms_norm_triton
+
+    gen = torch.Generator().manual_seed(15 + d)
+    wide = (torch.randn(*lead, d + 8, generator=gen) * 3).to(dtype)
+    x = wide[..., 4 : 4 + d]  # last stride 1, row stride d + 8
+    gate = (torch.randn(*lead, d, generator=gen) * 2).to(dtype)
+    w = (torch.randn(d, generator=gen) * 0.5).to(dtype)
+    if gated:
+        got, want = gated_rms_norm_triton(x, gate, w, 1e-6), gated_rms_norm_ref(x, gate, w, 1e-6)
+    else:
+        got, want = rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: a float32 sum in another order moves one rounding
+    return _close(got, want, tol, tol)[0], f"err {_close(got, want, tol, tol)[1]:.3g}"
+
+
+def _interp_gating(dtype: torch.dtype) -> tuple[bool, str]:
+    """GDN gates against the reference, over the softplus regimes (large negative, around 0, past the threshold)."""
+    from hyserve.kernels.gating import gdn_gating_ref, gdn_gating_triton
+
+    gen = torch.Generator().manual_seed(16)
+    t, h = 70, 12
+    a = (torch.randn(t, h, generator=gen) * 12).to(dtype)
+    a[0, :4] = torch.tensor([-40.0, 25.0, 0.0, -90.0]).to(dtype)
+    wide = (torch.randn(t, h + 5, generator=gen) * 4).to(dtype)
+    b = wide[:, 2 : 2 + h]  # strided rows
+    a_log = torch.empty(h).uniform_(0.5, 8.0, generator=gen).log().to(dtype)
+    dt_bias = (torch.randn(h, generator=gen) * 0.5).to(dtype)
+    g, beta = gdn_gating_triton(a, b, a_log, dt_bias)
+    g_ref, beta_ref = gdn_gating_ref(a, b, a_log, dt_bias)
+    ok1, e1 = _close(g, g_ref, 1e-6, 1e-5)
+    ok2, e2 = _close(beta, beta_ref, 1e-6, 1e-6)
+    return ok1 and ok2 and g.dtype == beta.dtype == torch.float32, f"g err {e1:.3g}, beta err {e2:.3g}"
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -456,6 +506,11 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         _check(res, f"attn_decode_splits_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 60], dt, 4, 16))
         _check(res, f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
         _check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
+        _check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
+        for gated in (False, True):
+            g = "gated_" if gated else ""
+            _check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
+            _check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
     # Odd shapes: head dim not a power of two, block size 16, a prefill row spanning several query blocks.
     _check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
     _check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
@@ -480,6 +535,9 @@ def interpreter_results() -> dict[str, list[Any]]:
 _PER_DTYPE = "conv_mixed conv_fused conv_decode gdn_decode gdn_mixed attn_decode_1split attn_decode_splits attn_prefill"
 INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in (*_PER_DTYPE.split(), "store_kv")]
 INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16"]
+INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
+                  for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)
@@ -495,6 +553,33 @@ def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], na
 
 def _to(p: dict[str, Any], device: str) -> dict[str, Any]:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_norms_and_gating_match_reference() -> None:
+    from hyserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
+
+    gen = torch.Generator().manual_seed(25)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
+        for shape in ((1, 2048), (37, 16, 128), (5, 2, 256), (300, 2048), (3, 5120)):
+            x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+            gate = torch.randn(*shape, generator=gen).to(dtype)
+            w = (torch.randn(shape[-1], generator=gen) * 0.5).to(dtype)
+            got = rms_norm(x.cuda(), w.cuda(), 1e-6).cpu()
+            torch.testing.assert_close(got.float(), rms_norm_ref(x, w, 1e-6).float(), atol=tol, rtol=tol)
+            got = gated_rms_norm(x.cuda(), gate.cuda(), w.cuda(), 1e-6).cpu()
+            torch.testing.assert_close(got.float(), gated_rms_norm_ref(x, gate, w, 1e-6).float(), atol=tol, rtol=tol)
+
+    from hyserve.kernels.gating import gdn_gating, gdn_gating_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        a = (torch.randn(300, 32, generator=gen) * 12).to(dtype)
+        b = (torch.randn(300, 32, generator=gen) * 4).to(dtype)
+        a_log = torch.empty(32).uniform_(0.5, 8.0, generator=gen).log().to(dtype)
+        dt_bias = (torch.randn(32, generator=gen) * 0.5).to(dtype)
+        got = gdn_gating(a.cuda(), b.cuda(), a_log.cuda(), dt_bias.cuda())
+        for x, y in zip(got, gdn_gating_ref(a, b, a_log, dt_bias), strict=True):
+            torch.testing.assert_close(x.cpu(), y, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
+from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.verify import causal_conv1d_verify, gdn_verify
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
@@ -69,9 +70,7 @@ class GatedDeltaNet(nn.Module):
             mixed = torch.cat(parts) if len(parts) > 1 else parts[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         z = self.in_proj_z(x)
-        beta = self.in_proj_b(x).float().sigmoid()
-        # float32 before exp/softplus: in half precision A can overflow to inf.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g, beta = gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)

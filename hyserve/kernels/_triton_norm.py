@@ -1,0 +1,52 @@
+"""Triton kernels for :mod:`hyserve.kernels.norm` (imported lazily: only the CUDA path and interpreter tests need them).
+
+One program normalises ``ROWS`` rows of ``D`` elements in float32 and stores them in the output's dtype, repeating
+the roundings of the torch reference so that bf16 results agree with it to within the reduction order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_gated_rms_norm_kernel", "_rms_norm_kernel"]
+
+
+@triton.jit
+def _rows_rstd(x_ptr, N, D, sx, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's rows of ``x`` in float32 and their ``rsqrt(mean(x^2) + eps)``, with the index masks."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < D
+    mask = (rows < N)[:, None] & dmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * sx + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    return rows, offs, dmask, mask, x, rstd
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, N, D, sx, so, eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """``out = x * rsqrt(mean(x^2) + eps) * (1 + w)`` (zero-centred weight), float32 inside."""
+    rows, offs, dmask, mask, x, rstd = _rows_rstd(x_ptr, N, D, sx, eps, ROWS, BLOCK_D)
+    w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
+    y = (x * rstd[:, None]) * (1.0 + w)[None, :]
+    tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, g_ptr, w_ptr, out_ptr, N, D, sx, sg, so, eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """``out = (w * norm(x).to(dtype)).to(dtype) * silu(gate)``, as the reference (and transformers) round."""
+    rows, offs, dmask, mask, x, rstd = _rows_rstd(x_ptr, N, D, sx, eps, ROWS, BLOCK_D)
+    dt = out_ptr.dtype.element_ty
+    n = (x * rstd[:, None]).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
+    o = (w[None, :] * n).to(dt).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * sg + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = o * (g * tl.sigmoid(g))
+    tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(dt), mask=mask)

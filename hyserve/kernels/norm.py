@@ -1,0 +1,91 @@
+"""RMSNorm over the last dimension: the zero-centred form (scale ``1 + w``) and the GDN output's gated form.
+
+Entry points :func:`rms_norm` and :func:`gated_rms_norm`: on CUDA one Triton launch each (the torch formulation
+takes six to twelve launches per call, which a host-bound decode step pays dozens of times per layer); elsewhere
+the plain-torch references below, which define the semantics: normalise in float32 and cast back to the input dtype;
+the gated form rounds to the input dtype before its weight and after it, as transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["gated_rms_norm", "gated_rms_norm_ref", "rms_norm", "rms_norm_ref"]
+
+_MAX_BLOCK_D = 16384
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return (out * F.silu(gate.float())).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32, returned in ``x.dtype``."""
+    if not x.is_cuda:
+        return rms_norm_ref(x, weight, eps)
+    return rms_norm_triton(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * norm(x) * silu(gate)`` over the last dim (weight not zero-centred), returned in ``x.dtype``."""
+    if not x.is_cuda:
+        return gated_rms_norm_ref(x, gate, weight, eps)
+    return gated_rms_norm_triton(x, gate, weight, eps)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``(N, D)`` rows with a unit last stride (a view when possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(d: int) -> tuple[int, int, int]:
+    """(BLOCK_D, ROWS per program, num_warps): several rows per program when rows are short (q/k norms)."""
+    block_d = max(16, 1 << (d - 1).bit_length())
+    if block_d > _MAX_BLOCK_D:
+        raise ValueError(f"rms_norm supports a last dim of at most {_MAX_BLOCK_D} (got {d})")
+    rows = max(1, min(16, 2048 // block_d))
+    warps = 4 if block_d * rows <= 4096 else 8
+    return block_d, rows, warps
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from hyserve.kernels._triton_norm import _rms_norm_kernel
+
+    d = x.shape[-1]
+    assert weight.shape == (d,), "weight must be (D,)"
+    x2 = _rows(x)
+    n = x2.shape[0]
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if n:
+        block_d, rows, warps = _launch(d)
+        _rms_norm_kernel[(-(-n // rows),)](x2, weight, out, n, d, x2.stride(0), out.stride(0), float(eps),
+                                            ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+    return out.view(x.shape)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from hyserve.kernels._triton_norm import _gated_rms_norm_kernel
+
+    d = x.shape[-1]
+    assert weight.shape == (d,) and gate.shape == x.shape, "weight must be (D,) and gate shaped like x"
+    x2, g2 = _rows(x), _rows(gate)
+    n = x2.shape[0]
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if n:
+        block_d, rows, warps = _launch(d)
+        _gated_rms_norm_kernel[(-(-n // rows),)](x2, g2, weight, out, n, d, x2.stride(0), g2.stride(0),
+                                                  out.stride(0), float(eps),
+                                                  ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+    return out.view(x.shape)
