@@ -488,6 +488,23 @@ def _interp_gating(dtype: torch.dtype) -> tuple[bool, str]:
     return ok1 and ok2 and g.dtype == beta.dtype == torch.float32, f"g err {e1:.3g}, beta err {e2:.3g}"
 
 
+def _interp_rope(dtype: torch.dtype, d: int, r2: int) -> tuple[bool, str]:
+    """Partial rotary on a strided (T, H, D) view against the reference; bit-exact (the roundings are replayed)."""
+    from hyserve.kernels.rope import apply_rope_ref, apply_rope_triton
+
+    gen = torch.Generator().manual_seed(17 + d)
+    t, h = 21, 3
+    wide = (torch.randn(t, h, d + 4, generator=gen) * 2).to(dtype)
+    x = wide[..., 2 : 2 + d]
+    pos = torch.randint(0, 30000, (t,), generator=gen).float()
+    freqs = pos[:, None] / (10000.0 ** (torch.arange(0, 2 * r2, 2).float() / (2 * r2)))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    got, want = apply_rope_triton(x, cos, sin), apply_rope_ref(x, cos, sin)
+    tol = 2e-6 if dtype == torch.float32 else 0.0
+    ok, err = _close(got, want, tol, tol)
+    return ok and got.dtype == dtype, f"err {err:.3g}"
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -507,6 +524,8 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         _check(res, f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
         _check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
         _check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
+        _check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
+        _check(res, f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
         for gated in (False, True):
             g = "gated_" if gated else ""
             _check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
@@ -538,6 +557,7 @@ INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16"]
 INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
                   for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
+INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)
@@ -556,7 +576,7 @@ def _to(p: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_norms_and_gating_match_reference() -> None:
+def test_cuda_norms_gating_rope_match_reference() -> None:
     from hyserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
 
     gen = torch.Generator().manual_seed(25)
@@ -569,6 +589,16 @@ def test_cuda_norms_and_gating_match_reference() -> None:
             torch.testing.assert_close(got.float(), rms_norm_ref(x, w, 1e-6).float(), atol=tol, rtol=tol)
             got = gated_rms_norm(x.cuda(), gate.cuda(), w.cuda(), 1e-6).cpu()
             torch.testing.assert_close(got.float(), gated_rms_norm_ref(x, gate, w, 1e-6).float(), atol=tol, rtol=tol)
+
+    from hyserve.kernels.rope import apply_rope, apply_rope_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for t, h, d, r2 in ((1, 8, 256, 32), (300, 2, 256, 32), (37, 16, 128, 64)):
+            x = torch.randn(t, h, d, generator=gen).to(dtype)
+            freqs = torch.randint(0, 32768, (t,), generator=gen).float()[:, None] * torch.rand(r2, generator=gen)
+            cos, sin = freqs.cos(), freqs.sin()
+            got = apply_rope(x.cuda(), cos.cuda(), sin.cuda()).cpu()
+            torch.testing.assert_close(got, apply_rope_ref(x, cos, sin), atol=2e-6, rtol=2e-6)
 
     from hyserve.kernels.gating import gdn_gating, gdn_gating_ref
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyserve.kernels.rope import apply_rope
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, base: float) -> None:
@@ -17,6 +19,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.base = base
         self._inv_freq: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         # A plain attribute, not a buffer: casting the model to bf16 must not touch it.
@@ -25,25 +28,18 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq = 1.0 / (self.base ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
         return self._inv_freq
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, Hq, D), k: (T, Hk, D); positions: (T,). Returns rotated copies.
-
-        cos/sin are computed from the positions each call in float32 (as the reference does), so no table sized by
-        the context length is needed.
-        """
+    def prepare(self, positions: torch.Tensor) -> None:
+        """Compute this forward's ``cos``/``sin`` (float32, ``(T, rotary_dim / 2)``) once for every layer."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq(positions.device).unsqueeze(0)
-        cos = freqs.cos().unsqueeze(1)
-        sin = freqs.sin().unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        self._cos_sin = (freqs.cos(), freqs.sin())
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
-        half = r // 2
-        cos = cos.to(x.dtype)
-        sin = sin.to(x.dtype)
-        x_rot, x_pass = x[..., :r], x[..., r:]
-        x1, x2 = x_rot[..., :half], x_rot[..., half:]
-        c = torch.cat((cos, cos), dim=-1)
-        s = torch.cat((sin, sin), dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return torch.cat((x_rot * c + rotated * s, x_pass), dim=-1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (T, Hq, D), k: (T, Hk, D); positions: (T,) as given to this forward's ``prepare``. Rotated copies.
+
+        cos/sin come from the positions in float32 (as the reference does), so no table sized by the context length
+        is needed; they are computed once per forward (``prepare``), not once per layer.
+        """
+        cos_sin = self._cos_sin
+        assert cos_sin is not None and cos_sin[0].shape[0] == positions.shape[0], "prepare() not called this step"
+        cos, sin = cos_sin
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -44,6 +44,7 @@ class MTPHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: StepMetadata,
                 embed: nn.Embedding) -> torch.Tensor:
         x = torch.cat([self.pre_fc_norm_embedding(embed(input_ids)), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        self.rotary.prepare(meta.positions)
         return self.norm(self.layers[0](self.fc(x), meta))
 
 

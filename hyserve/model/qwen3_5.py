@@ -166,6 +166,7 @@ class TextModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        self.rotary.prepare(meta.positions)
         for layer in self.layers:
             x = layer(x, meta)
         return self.norm(x)
