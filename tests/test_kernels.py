@@ -505,6 +505,24 @@ def _interp_rope(dtype: torch.dtype, d: int, r2: int) -> tuple[bool, str]:
     return ok and got.dtype == dtype, f"err {err:.3g}"
 
 
+def _interp_add_norm_silu(dtype: torch.dtype, d: int) -> tuple[bool, str]:
+    """The residual add + RMSNorm and SwiGLU's silu * up against their references, on strided rows."""
+    from hyserve.kernels.norm import add_rms_norm_ref, add_rms_norm_triton, silu_mul_ref, silu_mul_triton
+
+    gen = torch.Generator().manual_seed(18 + d)
+    wide = (torch.randn(13, d + 6, generator=gen) * 3).to(dtype)
+    x, delta = wide[:, :d], (torch.randn(13, d, generator=gen) * 2).to(dtype)
+    w = (torch.randn(d, generator=gen) * 0.5).to(dtype)
+    (res, out), (res_ref, out_ref) = add_rms_norm_triton(x, delta, w, 1e-6), add_rms_norm_ref(x, delta, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 0.0
+    ok1, e1 = _close(res, res_ref, 0.0)
+    ok2, e2 = _close(out, out_ref, tol, tol)
+    g, u = wide[:, 3 : 3 + d], (torch.randn(13, d, generator=gen) * 2).to(dtype)
+    # bf16: silu's exp may differ from torch's by an ulp in float32, which can move one bf16 rounding
+    ok3, e3 = _close(silu_mul_triton(g, u), silu_mul_ref(g, u), tol or 1e-6, 1e-5 if dtype == torch.float32 else 8e-3)
+    return ok1 and ok2 and ok3, f"res err {e1:.3g}, norm err {e2:.3g}, silu*up err {e3:.3g}"
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -524,6 +542,8 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         _check(res, f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
         _check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
         _check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
+        _check(res, f"add_norm_silu_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 40))
+        _check(res, f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
         _check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
         _check(res, f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
         for gated in (False, True):
@@ -557,6 +577,7 @@ INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16"]
 INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
                   for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
+INTERP_CHECKS += [f"add_norm_silu{w}_{dt}" for w in ("", "_wide") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
 
 
@@ -589,6 +610,19 @@ def test_cuda_norms_gating_rope_match_reference() -> None:
             torch.testing.assert_close(got.float(), rms_norm_ref(x, w, 1e-6).float(), atol=tol, rtol=tol)
             got = gated_rms_norm(x.cuda(), gate.cuda(), w.cuda(), 1e-6).cpu()
             torch.testing.assert_close(got.float(), gated_rms_norm_ref(x, gate, w, 1e-6).float(), atol=tol, rtol=tol)
+
+    from hyserve.kernels.norm import add_rms_norm, add_rms_norm_ref, silu_mul, silu_mul_ref
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
+        x, d = (torch.randn(300, 2048, generator=gen) * 3).to(dtype), torch.randn(300, 2048, generator=gen).to(dtype)
+        w = (torch.randn(2048, generator=gen) * 0.5).to(dtype)
+        res, out = add_rms_norm(x.cuda(), d.cuda(), w.cuda(), 1e-6)
+        res_ref, out_ref = add_rms_norm_ref(x, d, w, 1e-6)
+        torch.testing.assert_close(res.cpu(), res_ref, atol=0, rtol=0)
+        torch.testing.assert_close(out.cpu().float(), out_ref.float(), atol=tol, rtol=tol)
+        g, u = (torch.randn(7, 6144, generator=gen) * 3).to(dtype), torch.randn(7, 6144, generator=gen).to(dtype)
+        torch.testing.assert_close(silu_mul(g.cuda(), u.cuda()).cpu().float(), silu_mul_ref(g, u).float(),
+                                   atol=tol, rtol=tol)
 
     from hyserve.kernels.rope import apply_rope, apply_rope_ref
 

@@ -1,6 +1,7 @@
 """RMSNorm over the last dimension: the zero-centred form (scale ``1 + w``) and the GDN output's gated form.
 
-Entry points :func:`rms_norm` and :func:`gated_rms_norm`: on CUDA one Triton launch each (the torch formulation
+Entry points :func:`rms_norm`, :func:`add_rms_norm` (the residual add fused in) and :func:`gated_rms_norm`, and the
+MLP's :func:`silu_mul`: on CUDA one Triton launch each (the torch formulation
 takes six to twelve launches per call, which a host-bound decode step pays dozens of times per layer); elsewhere
 the plain-torch references below, which define the semantics: normalise in float32 and cast back to the input dtype;
 the gated form rounds to the input dtype before its weight and after it, as transformers does.
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_ref", "rms_norm", "rms_norm_ref"]
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "rms_norm", "rms_norm_ref",
+           "silu_mul", "silu_mul_ref"]
 
 _MAX_BLOCK_D = 16384
 
@@ -28,6 +30,31 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * xf.to(dtype)
     return (out * F.silu(gate.float())).to(dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    res = x + delta
+    return res, rms_norm_ref(res, weight, eps)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rms_norm(x + delta))``: the residual stream and its norm, the add rounded to ``x.dtype``."""
+    if not x.is_cuda:
+        return add_rms_norm_ref(x, delta, weight, eps)
+    return add_rms_norm_triton(x, delta, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (SwiGLU), in ``gate.dtype``."""
+    if not gate.is_cuda:
+        return silu_mul_ref(gate, up)
+    return silu_mul_triton(gate, up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,3 +116,36 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
                                                   out.stride(0), float(eps),
                                                   ROWS=rows, BLOCK_D=block_d, num_warps=warps)
     return out.view(x.shape)
+
+
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from hyserve.kernels._triton_norm import _add_rms_norm_kernel
+
+    d = x.shape[-1]
+    assert weight.shape == (d,) and delta.shape == x.shape, "weight must be (D,) and delta shaped like x"
+    x2, d2 = _rows(x), _rows(delta)
+    n = x2.shape[0]
+    res = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    if n:
+        block_d, rows, warps = _launch(d)
+        _add_rms_norm_kernel[(-(-n // rows),)](x2, d2, weight, res, out, n, d, x2.stride(0), d2.stride(0),
+                                                res.stride(0), out.stride(0), float(eps),
+                                                ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+    return res.view(x.shape), out.view(x.shape)
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from hyserve.kernels._triton_norm import _silu_mul_kernel
+
+    assert gate.shape == up.shape, "gate and up must have one shape"
+    g2, u2 = _rows(gate), _rows(up)
+    n, f = g2.shape
+    out = torch.empty((n, f), dtype=gate.dtype, device=gate.device)
+    if n and f:
+        block_t, block_f = 4, 1024
+        _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g2, u2, out, n, f, g2.stride(0), u2.stride(0),
+                                                                 out.stride(0), BLOCK_T=block_t, BLOCK_F=block_f,
+                                                                 num_warps=4)
+    return out.view(gate.shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyserve.kernels.norm import gated_rms_norm, rms_norm
+from hyserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +22,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add fused in: ``(x + delta, norm(x + delta))``."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

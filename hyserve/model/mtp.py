@@ -45,7 +45,8 @@ class MTPHead(nn.Module):
                 embed: nn.Embedding) -> torch.Tensor:
         x = torch.cat([self.pre_fc_norm_embedding(embed(input_ids)), self.pre_fc_norm_hidden(hidden)], dim=-1)
         self.rotary.prepare(meta.positions)
-        return self.norm(self.layers[0](self.fc(x), meta))
+        residual, pending = self.layers[0](self.fc(x), meta)
+        return self.norm.add(residual, pending)[1]
 
 
 def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:

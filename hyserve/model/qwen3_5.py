@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
 from hyserve.kernels.gating import gdn_gating
+from hyserve.kernels.norm import silu_mul
 from hyserve.kernels.verify import causal_conv1d_verify, gdn_verify
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
@@ -133,7 +133,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -151,9 +151,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        x = x + self.mixer(self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, meta: StepMetadata,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the residual stream; ``pending``: the previous layer's MLP output, not yet added (its add is fused
+        into this layer's first norm). Returns ``(residual, this layer's MLP output)``, the MLP output pending."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add(x, pending)
+        x, h = self.post_attention_layernorm.add(x, self.mixer(h, meta))
+        return x, self.mlp(h)
 
 
 class TextModel(nn.Module):
@@ -167,9 +174,10 @@ class TextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         self.rotary.prepare(meta.positions)
+        pending: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, meta)
-        return self.norm(x)
+            x, pending = layer(x, meta, pending)
+        return self.norm(x) if pending is None else self.norm.add(x, pending)[1]
 
 
 class Qwen3_5ForCausalLM(nn.Module):
