@@ -472,3 +472,28 @@ def test_incremental_detokenizer_flush_and_window(tok: Tokenizer) -> None:
         long.append([t])
         assert len(long._ids) <= IncrementalDetokenizer._TRIM_AT + 8  # bounded: O(window), not O(output)
     assert long.text == tok.decode(ids)
+
+
+def test_merged_projections_take_their_rows(tmp_path: Path) -> None:
+    """hyserve's model runs one GEMM for in_proj_qkv/z/b/a and one for gate/up: each checkpoint tensor lands in
+    its own rows of the merged weight, and the merged output splits back into the separate projections."""
+    from hyserve.model.loader import checkpoint_tensors
+    from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM as HyModel
+
+    d = write_tiny_checkpoint(tmp_path, form="conditional", seed=9)
+    cfg = ModelConfig.from_model_dir(d)
+    model = HyModel(cfg).eval()
+    load_weights(model, d, cfg)
+    on_disk = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
+               for k, v in read_checkpoint_tensors(d).items() if not k.startswith(("model.visual.", "mtp."))}
+    views = checkpoint_tensors(model)
+    assert "model.layers.0.linear_attn.in_proj_z.weight" in views and "model.layers.0.mlp.up_proj.weight" in views
+    assert views.keys() == on_disk.keys()
+    for name, tensor in on_disk.items():
+        assert torch.equal(views[name], tensor), name
+    gdn = model.model.layers[0].linear_attn
+    x = torch.randn(3, cfg.hidden_size)
+    parts = gdn.in_proj.split(gdn.in_proj(x))
+    for (name, _), got in zip(gdn.in_proj.parts, parts, strict=True):
+        want = x @ on_disk[f"model.layers.0.linear_attn.{name}.weight"].T
+        torch.testing.assert_close(got, want)

@@ -7,7 +7,9 @@ Checkpoint names are mapped to model names as follows:
 * ``model.visual.*`` / ``visual.*`` (vision tower) -> skipped, with one warning giving the count;
 * ``mtp.*`` (multi-token-prediction head) -> returned to the caller, not loaded into the model.
 
-Targets are the model's parameters and persistent buffers (its ``state_dict`` entries), one per distinct tensor:
+Targets are the model's parameters and persistent buffers (its ``state_dict`` entries), one per distinct tensor,
+with each merged projection (:class:`hyserve.layers.linear.MergedLinear`: one GEMM for, e.g., ``in_proj_qkv``,
+``in_proj_z``, ``in_proj_b`` and ``in_proj_a``) replaced by its parts' row views under the checkpoint's names:
 a tied ``lm_head.weight`` is the embedding itself and is not a target of its own. With
 ``config.tie_word_embeddings`` a checkpoint may omit ``lm_head.weight``; if it has one anyway it is ignored (as
 transformers does: the embedding is the source of the tie), and a model that did not tie its ``lm_head`` gets a copy
@@ -32,6 +34,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hyserve.config import ModelConfig
+from hyserve.layers.linear import MergedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -122,15 +125,33 @@ def _index_shards(model_dir: str, index_path: str) -> list[str]:
     return [os.path.join(model_dir, s) for s in shards]
 
 
-def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Model name -> tensor for every distinct parameter/persistent buffer (first name of a shared tensor wins)."""
-    state = model.state_dict(keep_vars=True)
-    out: dict[str, torch.Tensor] = {}
+def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and persistent buffers in checkpoint terms: one name per distinct tensor (the first
+    registered: an alias such as ``mixer`` or a tied ``lm_head`` adds none), and a :class:`MergedLinear`'s weight
+    as its parts' row views under the parts' checkpoint names."""
+    distinct: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, tensor in state.items():
+    for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
+            distinct[name] = tensor
+    merged = {id(m.weight): m for m in module.modules() if isinstance(m, MergedLinear)}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in distinct.items():
+        m = merged.get(id(tensor))
+        if m is None:
             out[name] = tensor
+            continue
+        parent = name.rsplit(".", 2)[0] + "." if name.count(".") >= 2 else ""
+        for part, view in m.part_views().items():
+            out[f"{parent}{part}.weight"] = view
+    return out
+
+
+def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Model name -> tensor for every distinct parameter/persistent buffer, merged projections as their parts."""
+    state = model.state_dict(keep_vars=True)
+    out = checkpoint_tensors(model)
     tied_in_model = LM_HEAD in state and LM_HEAD not in out
     if tied_in_model and not config.tie_word_embeddings:
         raise ValueError("the model ties lm_head to the embedding but the config has tie_word_embeddings=False")

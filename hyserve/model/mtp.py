@@ -19,6 +19,7 @@ from torch import nn
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.model.loader import checkpoint_tensors
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Attention, DecoderLayer
 
@@ -51,7 +52,7 @@ class MTPHead(nn.Module):
 
 def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
     """Copy the checkpoint's ``mtp.*`` tensors into ``head``; names and shapes must match exactly."""
-    params = dict(head.named_parameters())
+    params = checkpoint_tensors(head)
     given = {name.removeprefix("mtp."): t for name, t in weights.items()}
     missing = sorted(set(params) - set(given))
     if missing:
@@ -64,4 +65,5 @@ def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
         t = given[name]
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"shape mismatch for mtp.{name}: checkpoint {tuple(t.shape)}, model {tuple(p.shape)}")
-        p.data.copy_(t.to(dtype=p.dtype, device=p.device))
+        with torch.no_grad():
+            p.copy_(t.to(dtype=p.dtype, device=p.device))

@@ -17,6 +17,7 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, 
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.norm import silu_mul
 from hyserve.kernels.verify import causal_conv1d_verify, gdn_verify
+from hyserve.layers.linear import MergedLinear
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.metadata import StepMetadata
@@ -40,10 +41,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        # One GEMM for the checkpoint's four input projections (filled part by part by the loader).
+        self.in_proj = MergedLinear(cfg.hidden_size, [("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
+                                                      ("in_proj_b", self.num_v_heads),
+                                                      ("in_proj_a", self.num_v_heads)])
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
         # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
@@ -54,7 +55,7 @@ class GatedDeltaNet(nn.Module):
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         t = x.shape[0]
         weight = self.conv1d.weight.squeeze(1)
-        mixed_in = self.in_proj_qkv(x)
+        mixed_in, z, b, a = self.in_proj.split(self.in_proj(x))  # strided views of one output
         vm = meta.verify
         if vm is None:
             mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
@@ -69,8 +70,7 @@ class GatedDeltaNet(nn.Module):
                                                   vm.rest_max_query_len))
             mixed = torch.cat(parts) if len(parts) > 1 else parts[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        z = self.in_proj_z(x)
-        g, beta = gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
@@ -128,12 +128,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", intermediate), ("up_proj", intermediate)])
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(*self.gate_up_proj.split(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
