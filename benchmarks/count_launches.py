@@ -1,0 +1,95 @@
+"""Count the kernel launches one decode step makes on CUDA, measured on the CPU.
+
+Every aten op that does work (views and allocations excluded) is one launch, and each of hyserve's kernel entry
+points (conv, GDN, attention, KV store, norms, gates, SwiGLU, RoPE) counts as one launch, its CPU reference's ops
+suppressed. The model is a tiny random checkpoint with the 2B shape's layer pattern (24 layers, GDN:attention 3:1)
+in bf16; the count does not depend on the widths. While decode is host-bound (no CUDA graphs yet) the step time
+follows this count.
+
+    python benchmarks/count_launches.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import tempfile
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hyserve import LLM, SamplingParams
+from hyserve.testing import write_tiny_checkpoint
+
+NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "t", "transpose",
+                "expand", "permute", "split", "split_with_sizes", "chunk", "alias", "detach", "unbind", "reshape",
+                "_reshape_alias", "lift_fresh", "empty", "empty_strided", "empty_like", "resolve_conj",
+                "resolve_neg"}
+ENTRY_POINTS = {
+    "hyserve.model.qwen3_5": ["causal_conv1d_varlen", "gdn_forward", "paged_attention", "store_kv", "gdn_gating",
+                              "silu_mul", "causal_conv1d_verify", "gdn_verify"],
+    "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm"],
+    "hyserve.layers.rotary": ["apply_rope"],
+}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.depth == 0 and func.__name__.split(".")[0] not in NOT_LAUNCHES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_entry_points(counter: _Counter) -> None:
+    for modname, names in ENTRY_POINTS.items():
+        mod = importlib.import_module(modname)
+        for name in names:
+            if not hasattr(mod, name):
+                continue
+            fn = getattr(mod, name)
+
+            @functools.wraps(fn)
+            def wrapped(*a: Any, _fn: Any = fn, **k: Any) -> Any:
+                if counter.depth == 0:
+                    counter.count += 1
+                counter.depth += 1
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    counter.depth -= 1
+
+            setattr(mod, name, wrapped)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    counter = _Counter()
+    _count_entry_points(counter)
+    pattern = (["linear_attention"] * 3 + ["full_attention"]) * 6
+    path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
+                                 tie_word_embeddings=True)
+    llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=False)
+    eng = llm.llm_engine
+    for i in range(args.batch):
+        eng.add_request(f"r{i}", {"prompt_token_ids": list(range(1 + i, 40 + i))},
+                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    eng.step()
+    eng.step()  # every row decodes from here on
+    counter.count = 0
+    with counter:
+        eng.step()
+    print(f"launches in one decode step at batch {args.batch} (24 layers, bf16, sampling included): {counter.count}")
+
+
+if __name__ == "__main__":
+    main()
