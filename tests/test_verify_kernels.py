@@ -425,12 +425,10 @@ def test_triton_verify_interpreter(interpreter_results: dict[str, list[Any]], na
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _to(p: dict[str, Any], device: str) -> dict[str, Any]:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_verify_matches_reference_bf16() -> None:
+    from test_kernels import _to
+
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(21)
     lens = [P_MAX, 0, 1, 3, P_MAX, P_MAX, 2, 0, 1, P_MAX]

@@ -198,10 +198,9 @@ class ModelRunner:
             logger.warning("%s for %d sequences does not fit the budget; max_num_seqs lowered to %d", what, slots,
                            fit)
             slots = fit
-        budget -= state_bytes(slots) - (slots + 1) * per_slot  # the scratch; the slots are counted below
         blocks = self.config.num_kv_blocks
         if blocks is None:
-            blocks = max(2, (budget - (slots + 1) * per_slot) // max(per_block, 1))
+            blocks = max(2, (budget - state_bytes(slots)) // max(per_block, 1))
             if per_block == 0:  # a model without attention layers needs no KV; keep a token pool for bookkeeping
                 blocks = max(2, cdiv(256 * 1024, self.block_size))
         return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps))
