@@ -212,28 +212,44 @@ def shape_2b(results: dict[str, Any], workdir: str) -> None:
     print(f"prefill: {results['prefill_tok_s']:.0f} tok/s", flush=True)
     save(results)
 
-    # Decode throughput: time only the steps in which every row decodes.
+    # Decode throughput (CUDA graphs, the default): time only the steps in which every row decodes.
+    graphs = eng.runner.graphs
+    results["cuda_graph_sizes"] = graphs.sizes if graphs is not None else None
     for batch in (1, 64):
-        ps = [torch.randint(0, SHAPE_2B["vocab_size"], (512,), generator=g).tolist() for _ in range(batch)]
-        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-        for i, p in enumerate(ps):
-            eng.add_request(f"dec{batch}-{i}", {"prompt_token_ids": p}, params)
-        decode_time = 0.0
-        decode_tokens = 0
-        while eng.has_unfinished_requests():
-            all_decode = all(r.num_computed_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
-                             for r in eng.scheduler.running) and not eng.scheduler.waiting
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            outs = eng.step()
-            torch.cuda.synchronize()
-            if all_decode:
-                decode_time += time.perf_counter() - t0
-                decode_tokens += len(outs)
-        results[f"decode_bs{batch}_tok_s"] = decode_tokens / decode_time
+        results[f"decode_bs{batch}_tok_s"] = decode_throughput(eng, batch, g)
         print(f"decode bs{batch}: {results[f'decode_bs{batch}_tok_s']:.1f} tok/s", flush=True)
         save(results)
+    results["decode_graph_replays"] = graphs.num_replays if graphs is not None else 0
     eng.assert_no_leaks()
+    del llm, eng, graphs
+    torch.cuda.empty_cache()
+
+    # The same at batch 1 without graphs, for the ratio.
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=4096,
+              max_num_batched_tokens=8192, gpu_memory_utilization=0.5, enforce_eager=True)
+    results["decode_bs1_eager_tok_s"] = decode_throughput(llm.llm_engine, 1, g)
+    print(f"decode bs1 eager: {results['decode_bs1_eager_tok_s']:.1f} tok/s", flush=True)
+    save(results)
+
+
+def decode_throughput(eng: Any, batch: int, g: torch.Generator) -> float:
+    ps = [torch.randint(0, SHAPE_2B["vocab_size"], (512,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    for i, p in enumerate(ps):
+        eng.add_request(f"dec{batch}-{i}", {"prompt_token_ids": p}, params)
+    decode_time = 0.0
+    decode_tokens = 0
+    while eng.has_unfinished_requests():
+        all_decode = all(r.num_computed_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
+                         for r in eng.scheduler.running) and not eng.scheduler.waiting
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = eng.step()
+        torch.cuda.synchronize()
+        if all_decode:
+            decode_time += time.perf_counter() - t0
+            decode_tokens += len(outs)
+    return decode_tokens / decode_time
 
 
 def main() -> int:

@@ -31,6 +31,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 supported yet)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor shards (only 1 supported yet)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
+    p.add_argument("--cuda-graph-sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="decode batch sizes to capture, comma-separated (default: 1,2,4,8,16,24,32,48,64,...,256 "
+                        "up to --max-num-seqs)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +57,8 @@ def _make_llm(args: argparse.Namespace, model: str) -> Any:
                seed=args.seed, pipeline_parallel_size=args.pipeline_parallel_size,
                recurrent_snapshot_interval=args.recurrent_snapshot_interval,
                snapshot_memory_fraction=args.snapshot_memory_fraction,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+               cuda_graph_sizes=args.cuda_graph_sizes)
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

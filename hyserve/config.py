@@ -241,6 +241,10 @@ class EngineConfig:
     recurrent_snapshot_interval: int = 2048
     snapshot_memory_fraction: float = 0.2
     num_snapshot_slots: int | None = None
+    # CUDA graphs for decode steps (CUDA only): off with enforce_eager; the padded batch sizes to capture
+    # (default: hyserve.engine.cuda_graphs.DEFAULT_CAPTURE_SIZES up to max_num_seqs).
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def validate(self) -> None:
         if self.block_size <= 0 or (self.block_size % 8 != 0 and self.block_size not in (1, 2, 4)):

@@ -20,6 +20,7 @@ flat logits, under which a broken kernel could still pick the same greedy token.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
@@ -374,8 +375,22 @@ def load_reference_model(path: str | os.PathLike[str]) -> Qwen3_5ForCausalLM:
     conversion mapping strips ``language_model.`` from the tensor names; ``mtp.*`` and ``model.visual.*`` are in
     the class's ignore-on-load lists.
     """
+    _pure_torch_gated_delta_rule()
     model = Qwen3_5ForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32, local_files_only=True)
     return model.eval()
+
+
+def _pure_torch_gated_delta_rule() -> None:
+    """Make the reference take transformers' own PyTorch gated delta rule even where fla is installed.
+
+    transformers binds its module-level ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` to
+    fla's kernels at import when fla is importable; those need CUDA tensors (and round differently), while the
+    reference runs in float32 on the CPU. The torch originals are what the wrappers wrap.
+    """
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        setattr(m, name, inspect.unwrap(getattr(m, name)))
 
 
 @torch.no_grad()

@@ -17,6 +17,8 @@ import torch
 from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.state_pool import StatePool, state_bytes_per_slot
 from hyserve.config import EngineConfig, ModelConfig
+from hyserve.engine import cuda_graphs
+from hyserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_memory_estimate
 from hyserve.engine.scheduler import ScheduledRow
 from hyserve.kernels.verify import commit_verified
 from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
@@ -69,6 +71,8 @@ class ModelRunner:
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
         self.max_num_seqs = config.max_num_seqs
         self.num_speculative_tokens = num_speculative_tokens
+        self.graphs: DecodeGraphs | None = None
+        self.use_graphs = self._use_graphs()
         self.layout = self._plan_caches()
         self.max_num_seqs = min(self.max_num_seqs, self.layout.num_state_slots)
         self.block_pool = BlockPool(self.layout.num_kv_blocks, self.block_size)
@@ -94,6 +98,17 @@ class ModelRunner:
         self.sampler = Sampler(device, seed=config.seed)
 
     # ------------------------------------------------------------------ setup
+
+    def _use_graphs(self) -> bool:
+        if self.config.enforce_eager:
+            return False
+        if self.device.type != "cuda" and not cuda_graphs.EMULATE:
+            return False
+        if self.num_speculative_tokens:
+            logger.info("CUDA graphs cover decode steps only: with speculative decoding every step verifies "
+                        "drafts and runs eagerly")
+            return False
+        return True
 
     def _build_model(self) -> Qwen3_5ForCausalLM:
         prev = torch.get_default_dtype()
@@ -128,10 +143,15 @@ class ModelRunner:
         peak = self._profile_peak_activation()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        graphs = 0
+        if self.use_graphs:
+            sizes = capture_sizes(self.max_num_seqs, self.config.cuda_graph_sizes)
+            graphs = graph_memory_estimate(self, sizes[-1]) if sizes else 0
         budget = int(total * self.config.gpu_memory_utilization) - used_by_others \
-            - torch.cuda.memory_allocated(self.device) - peak
-        logger.info("memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, cache budget %.2f GiB",
-                    total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30, peak / 2**30, budget / 2**30)
+            - torch.cuda.memory_allocated(self.device) - peak - graphs
+        logger.info("memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimate) "
+                    "%.2f GiB, cache budget %.2f GiB", total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30,
+                    peak / 2**30, graphs / 2**30, budget / 2**30)
         if budget <= 0:
             raise ValueError("no GPU memory left for the KV cache and state pool; raise --gpu-memory-utilization "
                              "or lower --max-num-batched-tokens")
@@ -236,6 +256,11 @@ class ModelRunner:
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self._allocate_buffers()
+        if self.use_graphs:
+            sizes = capture_sizes(min(self.max_num_seqs, self.max_num_batched_tokens), self.config.cuda_graph_sizes)
+            if sizes:
+                self.graphs = DecodeGraphs(self, sizes, emulate=self.device.type != "cuda")
+                self.graphs.capture()
 
     def _allocate_buffers(self) -> None:
         t, r = self.max_num_batched_tokens, self.max_num_seqs
@@ -270,10 +295,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def prepare(self, rows: list[ScheduledRow]) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+    def prepare(self, rows: list[ScheduledRow],
+                pad_to: int | None = None) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
         """Fill the persistent buffers for ``rows``; returns metadata, input ids and logits row indices (views).
 
-        Verify rows (speculative decoding) must come first; every one of their positions yields logits.
+        Verify rows (speculative decoding) must come first; every one of their positions yields logits. ``pad_to``
+        (a captured graph's batch size) appends one-token pad rows up to that many rows (see ``cuda_graphs``); the
+        returned metadata then describes only the real rows.
         """
         nb = self.np_bufs
         bs = self.block_size
@@ -320,11 +348,26 @@ class ModelRunner:
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "query_start_loc": r + 1, "seq_lens": r,
                  "state_slots": r, "block_tables": r, "logits_indices": n_sample,
                  "rest_query_start_loc": rest + 1 if num_verify else 0}
+        copies = dict(sizes)
+        if pad_to is not None and pad_to > r:
+            assert not num_verify, "verify steps are not padded"
+            n_pad = pad_to - r
+            nb["input_ids"][t : t + n_pad] = 0
+            nb["positions"][t : t + n_pad] = 0
+            nb["slot_mapping"][t : t + n_pad] = -1
+            nb["query_start_loc"][r + 1 : pad_to + 1] = np.arange(t + 1, t + n_pad + 1)
+            nb["seq_lens"][r:pad_to] = 1
+            nb["state_slots"][r:pad_to] = self.state_pool.pad_slot
+            nb["block_tables"][r:pad_to, 0] = BlockPool.NULL_BLOCK
+            for name in ("input_ids", "positions", "slot_mapping"):
+                copies[name] = t + n_pad
+            for name in ("seq_lens", "state_slots", "block_tables"):
+                copies[name] = pad_to
+            copies["query_start_loc"] = pad_to + 1
         views = {}
         for name, size in sizes.items():
-            d = self.dev_bufs[name][:size]
-            d.copy_(self.host_bufs[name][:size], non_blocking=True)
-            views[name] = d
+            self.dev_bufs[name][: copies[name]].copy_(self.host_bufs[name][: copies[name]], non_blocking=True)
+            views[name] = self.dev_bufs[name][:size]
         nblk = cdiv(max_s, bs)
         meta = StepMetadata(
             positions=views["positions"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
@@ -347,12 +390,30 @@ class ModelRunner:
     def execute(self, rows: list[ScheduledRow], sampling_rows: list[SamplingRow]) -> SamplerOutput | None:
         """Run one step; sample for the rows that reached the end of their known tokens (in row order)."""
         self._load_states(rows)
+        size = self._graph_size(rows)
+        if size is not None:
+            assert self.graphs is not None
+            _, _, logits_indices = self.prepare(rows, pad_to=size)
+            logits = self.graphs.run(size)
+            if not sampling_rows:
+                return None
+            # One token per row: row i's logits are row i of the graph's output.
+            logits = logits[: len(rows)] if len(sampling_rows) == len(rows) else logits[logits_indices]
+            return self.sampler(logits, sampling_rows)
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.model(input_ids, meta)
         if not sampling_rows:
             return None
         logits = self.model.compute_logits(hidden[logits_indices])
         return self.sampler(logits, sampling_rows)
+
+    def _graph_size(self, rows: list[ScheduledRow]) -> int | None:
+        """The captured batch size this step replays, or None (eager): every row must feed exactly one token."""
+        if self.graphs is None or not rows:
+            return None
+        if any(row.num_new_tokens != 1 or row.is_verify for row in rows):
+            return None
+        return self.graphs.padded_size(len(rows))
 
     def _load_states(self, rows: list[ScheduledRow]) -> None:
         cow = [r.cow_block for r in rows if r.cow_block is not None]

@@ -1,0 +1,121 @@
+"""Where a decode step's time goes: host (Python, launches) against device (kernels), at a chosen batch.
+
+Runs a model to steady decode, then times ``--steps`` engine steps three ways: wall time per step, the GPU kernel
+time per step (torch profiler, sum of device kernel durations), and the host functions that take the most time
+(cProfile, by own time and by cumulative time). A step whose wall time is far above its kernel time is host-bound.
+
+    python benchmarks/shapes.py --shape 2b --out /tmp/m2b
+    python benchmarks/profile_step.py --model /tmp/m2b --device cuda --dtype bfloat16 --batch 1 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hyserve import LLM, SamplingParams
+from hyserve.testing import write_tiny_checkpoint
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len: int,
+        extra: dict[str, Any]) -> dict[str, Any]:
+    llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, batch), max_model_len=4096,
+              gpu_memory_utilization=0.5, **extra)
+    eng = llm.llm_engine
+    vocab = eng.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=10 * steps + 64, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, vocab, (prompt_len,), generator=g).tolist()},
+                        params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    _sync(device)
+
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync(device)
+    wall = (time.perf_counter() - t0) / steps
+
+    kernel_ms = None
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            _sync(device)
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+        kernel_ms = kernel_us / 1e3 / steps
+        launches = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA") / steps
+        top_kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+    else:
+        launches, top_kernels = None, ""
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        eng.step()
+    _sync(device)
+    pr.disable()
+    s = io.StringIO()
+    st = pstats.Stats(pr, stream=s)
+    st.sort_stats("tottime").print_stats(35)
+    st.sort_stats("cumulative").print_stats(45)
+    eng.abort_request([f"p{i}" for i in range(batch)])
+    return {"batch": batch, "wall_ms_per_step": wall * 1e3, "kernel_ms_per_step": kernel_ms,
+            "kernels_per_step": launches, "top_kernels": top_kernels, "cprofile": s.getvalue()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: a tiny random one)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--extra", default="{}", help="JSON of extra LLM(...) arguments")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
+    model = args.model
+    if model is None:
+        model = tempfile.mkdtemp()
+        write_tiny_checkpoint(model, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    results = []
+    for b in (int(x) for x in args.batch.split(",")):
+        r = run(model, args.device, args.dtype, b, args.steps, args.prompt_len, json.loads(args.extra))
+        print(f"batch {b}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']} ms/step, "
+              f"{r['kernels_per_step']} kernels/step", flush=True)
+        print(r["top_kernels"])
+        print(r["cprofile"][:12000])
+        results.append(r)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
