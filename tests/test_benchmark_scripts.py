@@ -83,3 +83,27 @@ def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: py
     assert 0.6 < by_rate[0.9]["draft_acceptance"] < 0.98
     assert all(r["outputs_identical"] for r in rows)
     assert (out / "spec_decode.md").exists()
+
+
+def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import plot_decode
+    import profile_step
+
+    out = tmp_path / "prof"
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--device", "cpu", "--batch", "1,3", "--steps", "3",
+                                      "--prompt-len", "16", "--out", str(out)])
+    profile_step.main()
+    torch.set_num_threads(1)
+    runs = json.loads((out / "profile_step.json").read_text())
+    assert [r["batch"] for r in runs] == [1, 3]
+    for r in runs:
+        assert r["wall_ms_per_step"] > 0 and r["kernel_ms_per_step"] is None  # no device kernels on the CPU
+        assert "llm_engine.py" in r["cprofile"] and "(step)" in r["cprofile"]
+    results = {"device": "test", "copy_bandwidth_Bps": 4e12, "2b_params": 2e9, "transformers_generate_bs1_tok_s": 10.0,
+               "decode_bs1_tok_s": 400.0}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(results))
+    png = tmp_path / "decode.png"
+    monkeypatch.setattr(sys, "argv", ["plot_decode.py", str(tmp_path / "gpu_check.json"), "--eager",
+                                      str(out / "profile_step.json"), "--out", str(png)])
+    plot_decode.main()
+    assert png.stat().st_size > 1000
