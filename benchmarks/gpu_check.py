@@ -214,7 +214,7 @@ def shape_2b(results: dict[str, Any], workdir: str) -> None:
 
     # Decode throughput (CUDA graphs, the default): time only the steps in which every row decodes.
     graphs = eng.runner.graphs
-    results["cuda_graph_sizes"] = graphs.sizes if graphs is not None else None
+    results["cuda_graph_sizes"] = {n: s.sizes for n, s in graphs.sets.items()} if graphs is not None else None
     for batch in (1, 64):
         results[f"decode_bs{batch}_tok_s"] = decode_throughput(eng, batch, g)
         print(f"decode bs{batch}: {results[f'decode_bs{batch}_tok_s']:.1f} tok/s", flush=True)

@@ -61,7 +61,8 @@ def test_emulated_graphs_match_transformers_with_chunking_caching_aborts(
     # 5 sequences: sizes 1, 2, 4, 5; a 20-token budget chunks the prompts and mixes prefill with decode (eager).
     llm = make_llm(path, max_num_batched_tokens=20, max_num_seqs=5, num_state_slots=7)
     eng = llm.llm_engine
-    assert eng.runner.graphs is not None and eng.runner.graphs.sizes == [1, 2, 4, 5]
+    assert eng.runner.graphs is not None and eng.runner.graphs.sets["decode"].sizes == [1, 2, 4, 5]
+    assert set(eng.runner.graphs.sets) == {"decode"}
     rec = RunRecorder(eng.runner)
     prompts = random_prompts(7, [9, 30, 3, 17, 25, 5, 12], seed=61)
     shared = prompts[1][:24]  # later requests resume a cached prefix (KV blocks and a recurrent snapshot)
@@ -105,43 +106,74 @@ def test_emulated_graphs_equal_eager_under_preemption_and_sampling(ckpts: Checkp
     assert make_llm(path, enforce_eager=True, **kw).llm_engine.runner.graphs is None
 
 
-def test_pad_rows_touch_only_the_pad_slot(ckpts: CheckpointCache, emulate: None) -> None:
-    path = ckpts.get("causal", "gdn3_attn1")
-    llm = make_llm(path, max_num_seqs=4, num_state_slots=6, block_size=4, num_kv_blocks=64)
+@pytest.mark.parametrize("mode", ["decode", "verify", "mtp"])
+def test_pad_rows_touch_no_request_state(ckpts: CheckpointCache, emulate: None, mode: str) -> None:
+    """At every step: recurrent slots change only for the step's own requests (and the pad slot), the null KV block
+    of every cache (target and MTP) never changes, and graph steps with pad rows did happen."""
+    from test_speculative import OracleProposer, _solo
+
+    kw: dict[str, object] = dict(max_num_seqs=4, num_state_slots=6, num_kv_blocks=64, max_num_batched_tokens=64)
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts(3, [6, 11, 8], seed=71))}
+    if mode == "decode":
+        path = ckpts.get("causal", "gdn3_attn1")
+    elif mode == "verify":
+        path = ckpts.get("causal", "gdn3_attn1")
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    else:
+        path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 2}
+    want = _solo(path, prompts, 24)
+    llm = make_llm(path, **kw)
     eng = llm.llm_engine
     runner = eng.runner
-    rec = RunRecorder(runner)
-    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    for i, p in enumerate(random_prompts(3, [6, 11, 8], seed=71)):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    eng.step()  # prefill (eager)
-    eng.step()  # first decode step (graph, 3 rows padded to 4)
+    if mode == "verify":  # full-length drafts with planted errors: every acceptance length, every step a graph
+        eng.proposer = OracleProposer(want, {rid: [0, 2, 1] for rid in prompts}, vocab=eng.model_config.vocab_size)
+    assert runner.graphs is not None
+    padded: list[tuple[str, int, int]] = []
+    for name, graph_set in runner.graphs.sets.items():
+        original = graph_set.run
+
+        def run(size: int, _name: str = name, _run=original):  # type: ignore[no-untyped-def]
+            padded.append((_name, size, len(eng.scheduler.running)))
+            return _run(size)
+
+        graph_set.run = run  # type: ignore[method-assign]
     pool = runner.state_pool
-    slots = sorted(r.state_slot for r in eng.scheduler.running)
-    assert len(slots) == 3 and pool.pad_slot not in slots
-    blocks = {b for r in eng.scheduler.running for b in r.block_table}
-    convs = [c.clone() for c in pool.conv_states]
-    ssms = [s.clone() for s in pool.ssm_states]
-    kvs = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    rec.steps.clear()
-    eng.step()
-    assert rec.steps == [(3, 4)]
-    for before, after in zip(ssms + convs, pool.ssm_states + pool.conv_states, strict=True):
-        # Request slots and the pad slot (snapshot entries after it are filled by copies, not by the forward).
-        changed = {i for i in range(pool.pad_slot + 1) if not torch.equal(before[i], after[i])}
-        assert changed == set(slots) | {pool.pad_slot}, f"slots changed: {changed}, step slots {slots}"
-    for (k0, v0), (k1, v1) in zip(kvs, runner.kv_caches, strict=True):
-        changed = {b for b in range(k0.shape[0]) if not (torch.equal(k0[b], k1[b]) and torch.equal(v0[b], v1[b]))}
-        assert changed and changed <= blocks, f"KV blocks changed outside the step's requests: {changed - blocks}"
-        assert 0 not in changed, "the null block was written"
-    eng.abort_request(["r0", "r1", "r2"])
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for rid, p in prompts.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, greedy)
+    final = {}
+    while eng.has_unfinished_requests():
+        states = [t.clone() for t in pool.conv_states + pool.ssm_states]
+        nulls = [(k[0].clone(), v[0].clone()) for k, v in runner.kv_caches_all]
+        step_slots = {r.state_slot for r in eng.scheduler.running} | {r.state_slot for r in eng.scheduler.waiting}
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        step_slots |= {r.state_slot for r in eng.scheduler.running}
+        for before, after in zip(states, pool.conv_states + pool.ssm_states, strict=True):
+            # Request slots and the pad slot (snapshot entries after it are filled by copies, not by a forward).
+            changed = {i for i in range(pool.pad_slot + 1) if not torch.equal(before[i], after[i])}
+            assert changed <= step_slots | {pool.pad_slot}, f"slots changed: {changed}, step slots {step_slots}"
+        for (k0, v0), (k, v) in zip(nulls, runner.kv_caches_all, strict=True):
+            assert torch.equal(k0, k[0]) and torch.equal(v0, v[0]), "the null block was written"
+    assert final == want, "outputs differ from the plain run"
+    kinds = {"decode": {"decode"}, "verify": {"verify"}, "mtp": {"verify", "mtp"}}[mode]
+    assert {n for n, size, rows in padded if size > rows} >= kinds, f"no padded graph step of each kind: {padded}"
     eng.assert_no_leaks()
 
 
-def test_speculative_decoding_runs_without_graphs(ckpts: CheckpointCache, emulate: None) -> None:
-    llm = make_llm(ckpts.get(), speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                   "prompt_lookup_max": 3})
-    assert llm.llm_engine.runner.graphs is None
+def test_speculative_graph_kinds_and_sizes(ckpts: CheckpointCache, emulate: None) -> None:
+    ngram = make_llm(ckpts.get(), max_num_seqs=5, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                     "prompt_lookup_max": 3})
+    graphs = ngram.llm_engine.runner.graphs
+    assert graphs is not None and set(graphs.sets) == {"verify"} and graphs.sets["verify"].sizes == [1, 2, 4, 5]
+    mtp = make_llm(ckpts.get("conditional", "gdn3_attn1", with_mtp=True), max_num_seqs=8, max_num_batched_tokens=24,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    graphs = mtp.llm_engine.runner.graphs
+    assert graphs is not None and set(graphs.sets) == {"verify", "mtp"}
+    assert graphs.sets["verify"].sizes == [1, 2, 4, 6]  # 24 tokens per step / 4 tokens per verify row
+    assert graphs.sets["mtp"].sizes == [1, 2, 4, 8]
 
 
 def test_cli_graph_flags() -> None:
@@ -152,19 +184,25 @@ def test_cli_graph_flags() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_match_eager_on_gpu(ckpts: CheckpointCache) -> None:
-    path = ckpts.get("causal", "gdn3_attn1")
+@pytest.mark.parametrize("spec", [None, "ngram", "mtp"])
+def test_cuda_graphs_match_eager_on_gpu(ckpts: CheckpointCache, spec: str | None) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     ref = ckpts.reference(path)
     prompts = random_prompts(7, [9, 30, 3, 17, 25, 5, 12], seed=81)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
-    kw = dict(device="cuda", max_num_batched_tokens=20, max_num_seqs=6, num_state_slots=6, num_kv_blocks=128)
+    kw: dict[str, object] = dict(device="cuda", max_num_batched_tokens=32, max_num_seqs=6, num_state_slots=6,
+                                 num_kv_blocks=128)
+    if spec is not None:
+        kw["speculative_config"] = {"method": spec, "num_speculative_tokens": 3, "prompt_lookup_max": 2} \
+            if spec == "ngram" else {"method": spec, "num_speculative_tokens": 3}
     eager = make_llm(path, enforce_eager=True, **kw)
     graphed = make_llm(path, **kw)
-    assert graphed.llm_engine.runner.graphs is not None and graphed.llm_engine.runner.graphs.graphs
+    graphs = graphed.llm_engine.runner.graphs
+    assert graphs is not None and all(s.graphs for s in graphs.sets.values()), "nothing was captured"
     arrivals = {3 * i: [(f"r{i}", p, params)] for i, p in enumerate(prompts)}
     want = drive(eager.llm_engine, arrivals)
     got = drive(graphed.llm_engine, arrivals)
-    assert graphed.llm_engine.runner.graphs.num_replays > 0
+    assert graphs.num_replays > 0
     for i, p in enumerate(prompts):
         assert got[f"r{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
         assert_matches_reference(ref, p, got[f"r{i}"])

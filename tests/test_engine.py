@@ -61,10 +61,10 @@ class SlotRecorder:
         runner = engine.runner
         original: Callable = runner.prepare
 
-        def prepare(rows):
+        def prepare(rows, **kw):
             for i, r in enumerate(rows):
                 self.rows.append((i, int(r.request.state_slot), r.request.request_id))
-            return original(rows)
+            return original(rows, **kw)
 
         runner.prepare = prepare  # type: ignore[method-assign]
 

@@ -15,11 +15,20 @@ from test_engine import SlotRecorder, assert_matches_reference, drive, make_llm
 from test_prefix_cache import make_convs, run_conversations, toks
 
 from hyserve import SamplingParams
+from hyserve.engine import cuda_graphs
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.engine.request import Request
 from hyserve.spec.proposer import Proposer
 
 K = 4
+
+
+@pytest.fixture(autouse=True, params=["eager", "graphs"])
+def graph_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs twice: eagerly, and with the verify and MTP graphs (emulated on the CPU: the padded
+    static forwards of ``hyserve.engine.cuda_graphs``)."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", request.param == "graphs")
+    return str(request.param)
 
 
 def spec_llm(path: str, k: int = K, **kw: object):
@@ -94,7 +103,7 @@ def test_ngram_greedy_identical_to_no_speculation(ckpts: CheckpointCache, cachin
     llm.llm_engine.assert_no_leaks()
 
 
-def test_every_acceptance_length_in_one_batch(ckpts: CheckpointCache) -> None:
+def test_every_acceptance_length_in_one_batch(ckpts: CheckpointCache, graph_mode: str) -> None:
     """A proposer that knows the answer, with errors planted so that rows accept 0..k drafts in the same step."""
     path = ckpts.get()
     prompts = {f"r{i}": toks(9 + 5 * i, 70 + i) for i in range(K + 1)}
@@ -117,6 +126,8 @@ def test_every_acceptance_length_in_one_batch(ckpts: CheckpointCache) -> None:
     assert m["hyserve:spec_decode_num_accepted_tokens"] == sum(a for _, a, _ in forced)
     per_pos = m["hyserve:spec_decode_num_accepted_tokens_per_pos"]
     assert isinstance(per_pos, list) and per_pos[0] >= per_pos[-1]
+    if graph_mode == "graphs":
+        assert eng.runner.graphs is not None and eng.runner.graphs.sets["verify"].num_replays > 0
     eng.assert_no_leaks()
 
 
@@ -255,7 +266,7 @@ def mtp_llm(path: str, **kw: object):
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching: bool) -> None:
+def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching: bool, graph_mode: str) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     ref = ckpts.reference(path)
     prompts = {f"r{i}": toks(15 + 9 * i, 160 + i) for i in range(4)}
@@ -267,6 +278,10 @@ def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching:
         assert_matches_reference(ref, p, final[rid])
     m = llm.get_metrics()
     assert m["hyserve:spec_decode_num_draft_tokens"] > 0
+    if graph_mode == "graphs":
+        graphs = llm.llm_engine.runner.graphs
+        assert graphs is not None
+        assert graphs.sets["verify"].num_replays > 0 and graphs.sets["mtp"].num_replays > 0
     llm.llm_engine.assert_no_leaks()
 
 

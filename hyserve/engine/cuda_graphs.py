@@ -1,80 +1,84 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, replayed over the runner's persistent buffers.
+"""CUDA graphs for the steps whose shape is fixed: decode, verify, and MTP drafting passes.
 
-A step qualifies when every row feeds exactly one token and none verifies drafts (pure decode, or one-token chunks).
-Its R rows are padded to the next captured size B; the graph runs the whole model plus ``lm_head`` for B rows and
-yields ``(B, V)`` float32 logits. Sampling stays outside the graph.
+Three kinds, each captured once per padded row count B (largest first, in one memory pool):
 
-What the graph reads is fixed at capture (invariant 7): views of the runner's device buffers (input ids, positions,
-KV slot mapping, row offsets, context lengths, state slots, block tables at their full width), which ``prepare``
-refills every step; the caches and the state pool, allocated before capture and never reallocated. Host-side
-choices that the kernels take from ints are fixed to values that hold for every step: ``max_query_len = 1`` and
-``max_seq_len = max_model_len`` (the decode attention kernel bounds each row by its own context length, so
-splits past a short context do no work).
+- ``decode``: every row feeds one token (pure decode, or one-token chunks). The whole model plus ``lm_head`` for B
+  rows; B rows of float32 logits.
+- ``verify`` (speculative decoding): every row is a verify row of exactly ``k + 1`` tokens [last token + k drafts].
+  The model with the verify GDN path (candidates into scratch, live state read only) plus ``lm_head`` over all
+  ``B * (k + 1)`` positions; the hidden states too (the MTP head consumes them).
+- ``mtp``: one MTP pass with one token per row (multi-step drafting): the MTP layer, ``lm_head`` and the greedy
+  draft token of every row, on the device.
 
-Padded rows must be harmless and must not touch anybody's state: each is a one-token row at position 0 whose
-recurrent state is the pool's ``pad_slot`` (invariant 3 of ``state_pool``), whose KV write is skipped
+Sampling, acceptance and commit run after the graph. Steps that fit no captured shape (prefill chunks, mixed steps,
+rows with fewer drafts, larger batches) run eagerly.
+
+What a graph reads is fixed at capture (invariant 7): views of the runner's persistent device buffers (input ids,
+positions, KV slot mapping, row offsets, context lengths, state slots, block tables at their full width; for MTP
+its own set and a hidden-state input buffer), which the runner refills every step; the caches, the state pool and
+the verify scratch, allocated before capture and never reallocated. Its outputs are views of persistent buffers too
+(the logits of every kind share one pair of buffers), so no graph holds memory of its own past capture beyond small
+activations. Host-side choices that kernels take from ints are fixed to values that hold for every step:
+``max_query_len`` = 1 or k + 1, ``max_seq_len = max_model_len`` (attention bounds each row by its own context
+length, so work past a short context is skipped).
+
+Padded rows must be harmless and must not touch anybody's state: each is a row at positions 0.. (one token, or
+k + 1 <= block_size tokens) whose recurrent state is the pool's ``pad_slot`` (``state_pool`` invariant 3), whose
+verify candidates go to scratch rows no request owns in that step, whose KV writes are skipped
 (``slot_mapping = -1``) and whose attention reads the null block (block 0, never handed out).
 
-``EMULATE`` (tests on machines without CUDA) runs the same padded static forward eagerly instead of replaying a
-graph, so the CPU suite covers the padding, the pad slot, the full-width block tables and the logits selection;
-only capture and replay themselves need a GPU.
+``EMULATE`` (tests on machines without CUDA) runs the same padded static forwards eagerly instead of replaying, so
+the CPU suite covers the padding, the pad slot, the static metadata and the output selection; only capture and
+replay themselves need a GPU.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 import torch
 
-from hyserve.model.metadata import StepMetadata
-
-if TYPE_CHECKING:
-    from hyserve.engine.model_runner import ModelRunner
-
 logger = logging.getLogger("hyserve")
 
-# Decode batch sizes captured by default (those <= max_num_seqs, plus max_num_seqs itself when it is below the
-# largest). Padding wastes at most a third of a step above 32 rows; larger batches run eagerly.
+# Batch sizes captured by default (those <= the limit, plus the limit itself when it is below the largest).
+# Padding wastes at most a third of a step above 32 rows; larger batches run eagerly.
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Verify graphs: at most this many tokens (rows * (k + 1)) per graph, which bounds the logits buffer.
+MAX_VERIFY_GRAPH_TOKENS = 512
 
-# Tests only: run the padded static forward eagerly where there is no GPU to capture on.
+# Tests only: run the padded static forwards eagerly where there is no GPU to capture on.
 EMULATE = False
 
 
-def capture_sizes(max_num_seqs: int, sizes: list[int] | None) -> list[int]:
+def capture_sizes(limit: int, sizes: list[int] | None) -> list[int]:
+    """The padded batch sizes to capture for at most ``limit`` rows (``sizes``: the user's list, else the default)."""
     if sizes is not None:
         bad = [s for s in sizes if not isinstance(s, int) or s < 1]
         if bad:
             raise ValueError(f"cuda_graph_sizes must be positive ints (got {bad})")
-        return sorted({s for s in sizes if s <= max_num_seqs})
-    out = {s for s in DEFAULT_CAPTURE_SIZES if s <= max_num_seqs}
-    if max_num_seqs < DEFAULT_CAPTURE_SIZES[-1]:
-        out.add(max_num_seqs)
+        return sorted({s for s in sizes if s <= limit})
+    out = {s for s in DEFAULT_CAPTURE_SIZES if s <= limit}
+    if 0 < limit < DEFAULT_CAPTURE_SIZES[-1]:
+        out.add(limit)
     return sorted(out)
 
 
-def graph_memory_estimate(runner: ModelRunner, max_size: int) -> int:
-    """Bytes a graph pool for batches up to ``max_size`` takes: the logits (model dtype, then float32) dominate."""
-    cfg = runner.model_config
-    elem = torch.finfo(runner.dtype).bits // 8
-    width = max(cfg.hidden_size, cfg.intermediate_size, cfg.conv_dim + cfg.linear_value_dim,
-                2 * cfg.num_attention_heads * cfg.head_dim)
-    return max_size * (cfg.vocab_size * (4 + elem) + 16 * width * elem) + 64 * 2**20
+Forward = Callable[[int], tuple[torch.Tensor, ...]]
 
 
-class DecodeGraphs:
-    """Captured decode forwards keyed by padded batch size; see the module docstring."""
+class GraphSet:
+    """One kind of captured forward, keyed by padded row count. ``forward(size)`` must read only persistent buffers
+    and return views of persistent buffers (or tensors it allocates, which then live in the graph pool)."""
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], emulate: bool = False) -> None:
-        self.runner = runner
+    def __init__(self, name: str, sizes: list[int], forward: Forward, emulate: bool) -> None:
+        self.name = name
         self.sizes = sizes
+        self.forward = forward
         self.emulate = emulate
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.metas: dict[int, StepMetadata] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.pool: Any = None  # the graph memory pool handle, shared by every size
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_replays = 0
 
     @property
@@ -87,54 +91,59 @@ class DecodeGraphs:
                 return s
         return None
 
-    def _static_meta(self, size: int) -> StepMetadata:
-        d = self.runner.dev_bufs
-        return StepMetadata(
-            positions=d["positions"][:size], query_start_loc=d["query_start_loc"][: size + 1],
-            seq_lens=d["seq_lens"][:size], state_slots=d["state_slots"][:size],
-            block_tables=d["block_tables"][:size], slot_mapping=d["slot_mapping"][:size],
-            max_query_len=1, max_seq_len=self.runner.max_model_len,
-        )
-
-    def _forward(self, size: int) -> torch.Tensor:
-        model = self.runner.model
-        hidden = model(self.runner.dev_bufs["input_ids"][:size], self.metas[size])
-        return model.compute_logits(hidden)
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Build each size's static metadata and, on CUDA, warm up and capture its graph (largest first, one pool)."""
-        t0 = time.perf_counter()
-        runner = self.runner
-        for size in self.sizes:
-            self.metas[size] = self._static_meta(size)
-        if self.emulate:
-            return
-        device = runner.device
-        before = torch.cuda.memory_allocated(device)
-        runner.prepare([], pad_to=self.max_size)  # every row a pad row
+    def capture(self, device: torch.device, pool: object | None, fill_pads: Callable[[int], object]) -> object | None:
+        """Warm up every size (Triton compiles each specialisation), then capture, largest first; returns the pool."""
+        if self.emulate or not self.sizes:
+            return pool
+        fill_pads(self.max_size)  # every row a pad row: harmless by construction
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):  # compile every kernel specialisation before any capture
-                self._forward(size)
+            for size in reversed(self.sizes):
+                self.forward(size)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size] = self._forward(size)
-            if self.pool is None:
-                self.pool = graph.pool()
+            with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]
+                self.outputs[size] = self.forward(size)
+            if pool is None:
+                pool = graph.pool()
             self.graphs[size] = graph
-        torch.cuda.synchronize(device)
-        logger.info("CUDA graphs: captured decode batch sizes %s in %.1f s (%.0f MiB)", self.sizes,
-                    time.perf_counter() - t0, (torch.cuda.memory_allocated(device) - before) / 2**20)
+        return pool
 
-    def run(self, size: int) -> torch.Tensor:
-        """Run the decode forward for ``size`` padded rows over the buffers ``prepare`` just filled; ``(size, V)``."""
+    def run(self, size: int) -> tuple[torch.Tensor, ...]:
+        """Run the forward for ``size`` padded rows over the buffers the runner just filled."""
         self.num_replays += 1
         if self.emulate:
-            return self._forward(size)
+            return self.forward(size)
         self.graphs[size].replay()
-        return self.logits[size]
+        return self.outputs[size]
+
+
+class StepGraphs:
+    """The runner's graph sets (``decode``, ``verify``, ``mtp``; each may be absent) and their shared pool."""
+
+    def __init__(self, sets: dict[str, GraphSet]) -> None:
+        self.sets = {name: s for name, s in sets.items() if s.sizes}
+        self.pool: object | None = None
+
+    def get(self, name: str) -> GraphSet | None:
+        return self.sets.get(name)
+
+    @property
+    def num_replays(self) -> int:
+        return sum(s.num_replays for s in self.sets.values())
+
+    @torch.inference_mode()
+    def capture(self, device: torch.device, fill_pads: Mapping[str, Callable[[int], object]]) -> None:
+        if not self.sets or all(s.emulate for s in self.sets.values()):
+            return
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated(device)
+        for name, graph_set in self.sets.items():
+            self.pool = graph_set.capture(device, self.pool, fill_pads[name])
+        torch.cuda.synchronize(device)
+        logger.info("CUDA graphs: captured %s in %.1f s (%.0f MiB)",
+                    "; ".join(f"{n} batch sizes {s.sizes}" for n, s in self.sets.items()),
+                    time.perf_counter() - t0, (torch.cuda.memory_allocated(device) - before) / 2**20)

@@ -18,7 +18,7 @@ from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.state_pool import StatePool, state_bytes_per_slot
 from hyserve.config import EngineConfig, ModelConfig
 from hyserve.engine import cuda_graphs
-from hyserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_memory_estimate
+from hyserve.engine.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, GraphSet, StepGraphs, capture_sizes
 from hyserve.engine.scheduler import ScheduledRow
 from hyserve.kernels.verify import commit_verified
 from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
@@ -71,7 +71,7 @@ class ModelRunner:
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
         self.max_num_seqs = config.max_num_seqs
         self.num_speculative_tokens = num_speculative_tokens
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.use_graphs = self._use_graphs()
         self.layout = self._plan_caches()
         self.max_num_seqs = min(self.max_num_seqs, self.layout.num_state_slots)
@@ -102,13 +102,38 @@ class ModelRunner:
     def _use_graphs(self) -> bool:
         if self.config.enforce_eager:
             return False
-        if self.device.type != "cuda" and not cuda_graphs.EMULATE:
-            return False
-        if self.num_speculative_tokens:
-            logger.info("CUDA graphs cover decode steps only: with speculative decoding every step verifies "
-                        "drafts and runs eagerly")
-            return False
-        return True
+        return self.device.type == "cuda" or cuda_graphs.EMULATE
+
+    def _graph_sizes(self) -> dict[str, list[int]]:
+        """Padded row counts to capture per graph kind (see ``cuda_graphs``)."""
+        if not self.use_graphs:
+            return {}
+        user = self.config.cuda_graph_sizes
+        k = self.num_speculative_tokens
+        if not k:
+            return {"decode": capture_sizes(min(self.max_num_seqs, self.max_num_batched_tokens), user)}
+        q = k + 1
+        limit = min(self.max_num_seqs, MAX_VERIFY_GRAPH_TOKENS // q, self.max_num_batched_tokens // q)
+        sizes = {"verify": capture_sizes(limit, user)}
+        if self.mtp is not None:
+            sizes["mtp"] = capture_sizes(self.max_num_seqs, user)
+        return sizes
+
+    def _graph_logit_rows(self, sizes: dict[str, list[int]]) -> int:
+        q = self.num_speculative_tokens + 1
+        return max([s[-1] * (q if name == "verify" else 1) for name, s in sizes.items() if s], default=0)
+
+    def _graph_memory_estimate(self) -> int:
+        """Bytes the graphs take beyond the caches: the shared logits buffers (model dtype and float32) and the
+        pool of their activations."""
+        rows = self._graph_logit_rows(self._graph_sizes())
+        if not rows:
+            return 0
+        cfg = self.model_config
+        elem = torch.finfo(self.dtype).bits // 8
+        width = max(cfg.hidden_size, cfg.intermediate_size, cfg.conv_dim + cfg.linear_value_dim,
+                    2 * cfg.num_attention_heads * cfg.head_dim)
+        return rows * (cfg.vocab_size * (4 + elem) + 16 * width * elem) + 64 * 2**20
 
     def _build_model(self) -> Qwen3_5ForCausalLM:
         prev = torch.get_default_dtype()
@@ -143,10 +168,7 @@ class ModelRunner:
         peak = self._profile_peak_activation()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        graphs = 0
-        if self.use_graphs:
-            sizes = capture_sizes(self.max_num_seqs, self.config.cuda_graph_sizes)
-            graphs = graph_memory_estimate(self, sizes[-1]) if sizes else 0
+        graphs = self._graph_memory_estimate()
         budget = int(total * self.config.gpu_memory_utilization) - used_by_others \
             - torch.cuda.memory_allocated(self.device) - peak - graphs
         logger.info("memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimate) "
@@ -256,11 +278,70 @@ class ModelRunner:
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self._allocate_buffers()
-        if self.use_graphs:
-            sizes = capture_sizes(min(self.max_num_seqs, self.max_num_batched_tokens), self.config.cuda_graph_sizes)
-            if sizes:
-                self.graphs = DecodeGraphs(self, sizes, emulate=self.device.type != "cuda")
-                self.graphs.capture()
+        self._init_graphs()
+
+    def _init_graphs(self) -> None:
+        sizes = self._graph_sizes()
+        rows = self._graph_logit_rows(sizes)
+        if not rows:
+            return
+        cfg = self.model_config
+        # Every graph writes its logits into (a prefix of) these two buffers.
+        self.logits_lowp = torch.empty(rows, cfg.vocab_size, dtype=self.dtype, device=self.device)
+        self.logits_f32 = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        if self.mtp is not None:
+            self.mtp_hidden_in = torch.zeros(self.max_num_seqs, cfg.hidden_size, dtype=self.dtype,
+                                             device=self.device)
+        emulate = self.device.type != "cuda"
+        forwards = {"decode": self._graph_decode, "verify": self._graph_verify, "mtp": self._graph_mtp}
+        q = self.num_speculative_tokens + 1
+        fill_pads = {"decode": lambda n: self.prepare([], pad_to=n),
+                     "verify": lambda n: self.prepare([], pad_to=n, pad_len=q),
+                     "mtp": lambda n: self._fill_mtp([], pad_to=n)}
+        self.graphs = StepGraphs({name: GraphSet(name, s, forwards[name], emulate) for name, s in sizes.items()})
+        self.graphs.capture(self.device, fill_pads)
+
+    # ------------------------------------------------------------------ graph forwards (read persistent buffers only)
+
+    def _static_meta(self, bufs: dict[str, torch.Tensor], rows: int, tokens: int, query_len: int) -> StepMetadata:
+        slots = bufs["state_slots"] if "state_slots" in bufs else bufs["seq_lens"]
+        return StepMetadata(
+            positions=bufs["positions"][:tokens], query_start_loc=bufs["query_start_loc"][: rows + 1],
+            seq_lens=bufs["seq_lens"][:rows], state_slots=slots[:rows], block_tables=bufs["block_tables"][:rows],
+            slot_mapping=bufs["slot_mapping"][:tokens], max_query_len=query_len, max_seq_len=self.max_model_len,
+        )
+
+    def _logits_into_buffers(self, hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        lowp = self.logits_lowp[:n]
+        torch.mm(hidden, self.model.lm_head.weight.t(), out=lowp)
+        out = self.logits_f32[:n]
+        out.copy_(lowp)
+        return out
+
+    def _graph_decode(self, size: int) -> tuple[torch.Tensor, ...]:
+        meta = self._static_meta(self.dev_bufs, size, size, 1)
+        hidden = self.model(self.dev_bufs["input_ids"][:size], meta)
+        return (self._logits_into_buffers(hidden),)
+
+    def _graph_verify(self, size: int) -> tuple[torch.Tensor, ...]:
+        q = self.num_speculative_tokens + 1
+        d = self.dev_bufs
+        meta = self._static_meta(d, size, size * q, q)
+        meta.verify = VerifyMetadata(
+            num_rows=size, num_tokens=size * q, max_query_len=q, query_start_loc=meta.query_start_loc,
+            state_slots=meta.state_slots, rest_query_start_loc=d["rest_query_start_loc"][:1],
+            rest_state_slots=d["state_slots"][size:size], rest_max_query_len=0,
+        )
+        hidden = self.model(d["input_ids"][: size * q], meta)
+        return hidden, self._logits_into_buffers(hidden)
+
+    def _graph_mtp(self, size: int) -> tuple[torch.Tensor, ...]:
+        assert self.mtp is not None
+        meta = self._static_meta(self.mtp_dev, size, size, 1)
+        out = self.mtp(self.mtp_dev["input_ids"][:size], self.mtp_hidden_in[:size], meta,
+                       self.model.model.embed_tokens)
+        return out, self._logits_into_buffers(out).argmax(dim=-1)
 
     def _allocate_buffers(self) -> None:
         t, r = self.max_num_batched_tokens, self.max_num_seqs
@@ -295,13 +376,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def prepare(self, rows: list[ScheduledRow],
-                pad_to: int | None = None) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+    def prepare(self, rows: list[ScheduledRow], pad_to: int | None = None,
+                pad_len: int = 1) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
         """Fill the persistent buffers for ``rows``; returns metadata, input ids and logits row indices (views).
 
         Verify rows (speculative decoding) must come first; every one of their positions yields logits. ``pad_to``
-        (a captured graph's batch size) appends one-token pad rows up to that many rows (see ``cuda_graphs``); the
-        returned metadata then describes only the real rows.
+        (a captured graph's batch size) appends pad rows of ``pad_len`` tokens up to that many rows (see
+        ``cuda_graphs``); the returned metadata then describes only the real rows.
         """
         nb = self.np_bufs
         bs = self.block_size
@@ -350,20 +431,8 @@ class ModelRunner:
                  "rest_query_start_loc": rest + 1 if num_verify else 0}
         copies = dict(sizes)
         if pad_to is not None and pad_to > r:
-            assert not num_verify, "verify steps are not padded"
-            n_pad = pad_to - r
-            nb["input_ids"][t : t + n_pad] = 0
-            nb["positions"][t : t + n_pad] = 0
-            nb["slot_mapping"][t : t + n_pad] = -1
-            nb["query_start_loc"][r + 1 : pad_to + 1] = np.arange(t + 1, t + n_pad + 1)
-            nb["seq_lens"][r:pad_to] = 1
-            nb["state_slots"][r:pad_to] = self.state_pool.pad_slot
-            nb["block_tables"][r:pad_to, 0] = BlockPool.NULL_BLOCK
-            for name in ("input_ids", "positions", "slot_mapping"):
-                copies[name] = t + n_pad
-            for name in ("seq_lens", "state_slots", "block_tables"):
-                copies[name] = pad_to
-            copies["query_start_loc"] = pad_to + 1
+            assert num_verify in (0, r), "a padded step has verify rows only, or none"
+            self._fill_pads(nb, copies, t, r, pad_to, pad_len)
         views = {}
         for name, size in sizes.items():
             self.dev_bufs[name][: copies[name]].copy_(self.host_bufs[name][: copies[name]], non_blocking=True)
@@ -386,15 +455,38 @@ class ModelRunner:
         self.last_meta = meta
         return meta, views["input_ids"], views["logits_indices"]
 
+    def _fill_pads(self, nb: dict[str, np.ndarray], copies: dict[str, int], t: int, r: int, pad_to: int,
+                   q: int) -> None:
+        """Rows ``[r, pad_to)`` become pad rows of ``q`` tokens from token ``t``: positions 0.., KV writes skipped,
+        the null block for attention, the pad slot for recurrent state (``cuda_graphs``); ``copies`` grows to cover
+        them."""
+        n = pad_to - r
+        nb["input_ids"][t : t + n * q] = 0
+        nb["positions"][t : t + n * q] = np.tile(np.arange(q), n)
+        nb["slot_mapping"][t : t + n * q] = -1
+        nb["query_start_loc"][r + 1 : pad_to + 1] = t + q * np.arange(1, n + 1)
+        nb["seq_lens"][r:pad_to] = q
+        if "state_slots" in nb:
+            nb["state_slots"][r:pad_to] = self.state_pool.pad_slot
+        nb["block_tables"][r:pad_to, : cdiv(q, self.block_size)] = BlockPool.NULL_BLOCK
+        for name in ("input_ids", "positions", "slot_mapping"):
+            copies[name] = t + n * q
+        for name in ("seq_lens", "state_slots", "block_tables"):
+            if name in copies:
+                copies[name] = pad_to
+        copies["query_start_loc"] = pad_to + 1
+
     @torch.inference_mode()
     def execute(self, rows: list[ScheduledRow], sampling_rows: list[SamplingRow]) -> SamplerOutput | None:
         """Run one step; sample for the rows that reached the end of their known tokens (in row order)."""
         self._load_states(rows)
-        size = self._graph_size(rows)
-        if size is not None:
-            assert self.graphs is not None
+        decode = self.graphs.get("decode") if self.graphs is not None else None
+        size = None
+        if decode is not None and rows and all(row.num_new_tokens == 1 and not row.is_verify for row in rows):
+            size = decode.padded_size(len(rows))
+        if decode is not None and size is not None:
             _, _, logits_indices = self.prepare(rows, pad_to=size)
-            logits = self.graphs.run(size)
+            logits, = decode.run(size)
             if not sampling_rows:
                 return None
             # One token per row: row i's logits are row i of the graph's output.
@@ -406,14 +498,6 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[logits_indices])
         return self.sampler(logits, sampling_rows)
-
-    def _graph_size(self, rows: list[ScheduledRow]) -> int | None:
-        """The captured batch size this step replays, or None (eager): every row must feed exactly one token."""
-        if self.graphs is None or not rows:
-            return None
-        if any(row.num_new_tokens != 1 or row.is_verify for row in rows):
-            return None
-        return self.graphs.padded_size(len(rows))
 
     def _load_states(self, rows: list[ScheduledRow]) -> None:
         cow = [r.cow_block for r in rows if r.cow_block is not None]
@@ -430,20 +514,24 @@ class ModelRunner:
         The step's hidden states stay in ``last_hidden`` for the MTP pass and snapshot bookkeeping.
         """
         self._load_states(rows)
+        verify = self.graphs.get("verify") if self.graphs is not None else None
+        q = self.num_speculative_tokens + 1
+        size = None
+        if verify is not None and rows and all(row.is_verify and row.num_new_tokens == q for row in rows):
+            size = verify.padded_size(len(rows))
+        if verify is not None and size is not None:
+            self.prepare(rows, pad_to=size, pad_len=q)
+            hidden, logits = verify.run(size)
+            n = len(rows) * q
+            self.last_hidden = hidden[:n]
+            return logits[:n]
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.model(input_ids, meta)
         self.last_hidden = hidden
         return self.model.compute_logits(hidden[logits_indices])
 
-    @torch.inference_mode()
-    def mtp_forward(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> torch.Tensor:
-        """Run the MTP layer over each row's positions; returns its output at each row's last position (R, h).
-
-        Row i covers positions [start, start + n): input token ``input_ids[j]`` is the token at position
-        start + j + 1 and its hidden state is ``hidden_src[hidden_index[j]]``. The MTP KV entries of those
-        positions are (re)written in the request's blocks.
-        """
-        assert self.mtp is not None
+    def _fill_mtp(self, rows: list[MTPRow], pad_to: int | None = None) -> tuple[StepMetadata, dict[str, torch.Tensor]]:
+        """Fill the MTP pass's persistent buffers for ``rows`` (plus pad rows up to ``pad_to``); metadata and views."""
         nb = self.mtp_np
         bs = self.block_size
         t = 0
@@ -467,20 +555,50 @@ class ModelRunner:
         r = len(rows)
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "hidden_index": t, "query_start_loc": r + 1,
                  "seq_lens": r, "last_index": r, "block_tables": r}
+        copies = dict(sizes)
+        if pad_to is not None and pad_to > r:
+            self._fill_pads(nb, copies, t, r, pad_to, 1)
         v = {}
         for name, size in sizes.items():
-            d = self.mtp_dev[name][:size]
-            d.copy_(self.mtp_host[name][:size], non_blocking=True)
-            v[name] = d
+            self.mtp_dev[name][: copies[name]].copy_(self.mtp_host[name][: copies[name]], non_blocking=True)
+            v[name] = self.mtp_dev[name][:size]
         meta = StepMetadata(positions=v["positions"], query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
                             state_slots=v["seq_lens"], block_tables=v["block_tables"][:, : cdiv(max_s, bs)],
                             slot_mapping=v["slot_mapping"], max_query_len=max_q, max_seq_len=max_s)
+        return meta, v
+
+    @torch.inference_mode()
+    def mtp_forward(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> torch.Tensor:
+        """Run the MTP layer over each row's positions; returns its output at each row's last position (R, h).
+
+        Row i covers positions [start, start + n): input token ``input_ids[j]`` is the token at position
+        start + j + 1 and its hidden state is ``hidden_src[hidden_index[j]]``. The MTP KV entries of those
+        positions are (re)written in the request's blocks.
+        """
+        assert self.mtp is not None
+        meta, v = self._fill_mtp(rows)
         out = self.mtp(v["input_ids"], hidden_src[v["hidden_index"]], meta, self.model.model.embed_tokens)
         return out[v["last_index"]]
 
     @torch.inference_mode()
     def mtp_greedy_tokens(self, mtp_hidden: torch.Tensor) -> list[int]:
         return self.model.compute_logits(mtp_hidden).argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def mtp_draft(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """``mtp_forward`` and the greedy draft token of each row; a captured graph when every row has one token."""
+        graphs = self.graphs.get("mtp") if self.graphs is not None else None
+        size = None
+        if graphs is not None and rows and all(len(row.input_ids) == 1 for row in rows):
+            size = graphs.padded_size(len(rows))
+        if graphs is None or size is None:
+            out = self.mtp_forward(rows, hidden_src)
+            return out, self.mtp_greedy_tokens(out)
+        _, v = self._fill_mtp(rows, pad_to=size)
+        torch.index_select(hidden_src, 0, v["hidden_index"], out=self.mtp_hidden_in[: len(rows)])
+        out, tokens = graphs.run(size)
+        # A copy: the next replay overwrites the graph's output, and callers keep rows of it across passes.
+        return out[: len(rows)].clone(), tokens[: len(rows)].tolist()
 
     @torch.inference_mode()
     def commit_verified(self, num_accepted: list[int]) -> None:

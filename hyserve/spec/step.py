@@ -189,8 +189,7 @@ class SpeculativeStepMixin:
         if extra:
             idx_t = torch.tensor(extra, dtype=torch.long, device=hidden.device)
             hidden = torch.cat([hidden, runner.snapshot_hidden[idx_t]])
-        out = runner.mtp_forward(mrows, hidden)
-        tokens = runner.mtp_greedy_tokens(out)
+        out, tokens = runner.mtp_draft(mrows, hidden)
         for i, (req, mrow) in enumerate(zip(owners, mrows, strict=True)):
             self._mtp_next[req.request_id] = (out[i], tokens[i], mrow.start + len(mrow.input_ids))
 
@@ -223,8 +222,8 @@ class SpeculativeStepMixin:
                 break
             mrows = [MTPRow(live[i][0].num_tokens - 2 + j, [live[i][0].draft_token_ids[-1]], [n],
                             list(live[i][0].block_table)) for n, i in enumerate(keep)]
-            out = runner.mtp_forward(mrows, hidden[keep])
-            for n, tok in enumerate(runner.mtp_greedy_tokens(out)):
+            out, tokens = runner.mtp_draft(mrows, hidden[keep])
+            for n, tok in enumerate(tokens):
                 live[keep[n]][0].draft_token_ids.append(tok)
             live = [live[i] for i in keep]
             hidden = out
