@@ -32,6 +32,7 @@ ENTRY_POINTS = {
                               "silu_mul", "causal_conv1d_verify", "gdn_verify"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope"],
+    "hyserve.engine.model_runner": ["commit_verified"],
 }
 
 
@@ -68,27 +69,58 @@ def _count_entry_points(counter: _Counter) -> None:
             setattr(mod, name, wrapped)
 
 
+def _count_graph_replays(counter: _Counter) -> None:
+    """A graph replay is one launch; what runs inside it (emulated on the CPU) is not counted."""
+    from hyserve.engine.cuda_graphs import GraphSet
+
+    run = GraphSet.run
+
+    def wrapped(self: GraphSet, size: int) -> Any:
+        if counter.depth == 0:
+            counter.count += 1
+        counter.depth += 1
+        try:
+            return run(self, size)
+        finally:
+            counter.depth -= 1
+
+    GraphSet.run = wrapped  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--graphs", action="store_true",
+                    help="count with CUDA graphs (emulated on the CPU): a replay is one launch")
+    ap.add_argument("--spec", choices=("mtp",), default=None, help="speculative decoding with the MTP head, k = 3")
+    ap.add_argument("--steps", type=int, default=4, help="steps averaged (speculative steps vary)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     counter = _Counter()
     _count_entry_points(counter)
+    if args.graphs:
+        from hyserve.engine import cuda_graphs
+
+        cuda_graphs.EMULATE = True
+        _count_graph_replays(counter)
     pattern = (["linear_attention"] * 3 + ["full_attention"]) * 6
     path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
-                                 tie_word_embeddings=True)
-    llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=False)
+                                 tie_word_embeddings=True, with_mtp=args.spec == "mtp")
+    spec = {"method": "mtp", "num_speculative_tokens": 3} if args.spec else None
+    llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=False, speculative_config=spec)
     eng = llm.llm_engine
     for i in range(args.batch):
         eng.add_request(f"r{i}", {"prompt_token_ids": list(range(1 + i, 40 + i))},
-                        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+                        SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     eng.step()
     eng.step()  # every row decodes from here on
     counter.count = 0
     with counter:
-        eng.step()
-    print(f"launches in one decode step at batch {args.batch} (24 layers, bf16, sampling included): {counter.count}")
+        for _ in range(args.steps):
+            eng.step()
+    what = "speculative (MTP, k = 3)" if args.spec else "decode"
+    print(f"launches per {what} step at batch {args.batch} (24 layers, bf16, sampling included"
+          f"{', CUDA graphs' if args.graphs else ''}): {counter.count / args.steps:.1f}")
 
 
 if __name__ == "__main__":
