@@ -405,12 +405,18 @@ class ModelRunner:
                 num_verify += 1
                 num_verify_tokens += n
                 max_q_verify = max(max_q_verify, n)
+            elif n == 1:  # decode: scalar writes (per-row numpy temporaries cost more than the row itself)
+                nb["input_ids"][t] = req.token_ids(start, end)[0]
             else:
                 nb["input_ids"][t : t + n] = req.token_ids(start, end)
-            pos = np.arange(start, end, dtype=np.int64)
-            nb["positions"][t : t + n] = pos
-            table = np.asarray(req.block_table, dtype=np.int64)
-            nb["slot_mapping"][t : t + n] = table[pos // bs] * bs + pos % bs
+            table = req.block_table
+            if n == 1:
+                nb["positions"][t] = start
+                nb["slot_mapping"][t] = table[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                nb["positions"][t : t + n] = pos
+                nb["slot_mapping"][t : t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
             nb["block_tables"][i, : len(table)] = table
             nb["block_tables"][i, len(table) :] = BlockPool.NULL_BLOCK
             nb["seq_lens"][i] = end
@@ -539,12 +545,18 @@ class ModelRunner:
         nb["query_start_loc"][0] = 0
         for i, row in enumerate(rows):
             n = len(row.input_ids)
-            nb["input_ids"][t : t + n] = row.input_ids
-            nb["hidden_index"][t : t + n] = row.hidden_index
-            pos = np.arange(row.start, row.start + n, dtype=np.int64)
-            nb["positions"][t : t + n] = pos
-            table = np.asarray(row.block_table, dtype=np.int64)
-            nb["slot_mapping"][t : t + n] = table[pos // bs] * bs + pos % bs
+            table = row.block_table
+            if n == 1:  # drafting passes: scalar writes
+                nb["input_ids"][t] = row.input_ids[0]
+                nb["hidden_index"][t] = row.hidden_index[0]
+                nb["positions"][t] = row.start
+                nb["slot_mapping"][t] = table[row.start // bs] * bs + row.start % bs
+            else:
+                nb["input_ids"][t : t + n] = row.input_ids
+                nb["hidden_index"][t : t + n] = row.hidden_index
+                pos = np.arange(row.start, row.start + n, dtype=np.int64)
+                nb["positions"][t : t + n] = pos
+                nb["slot_mapping"][t : t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
             nb["block_tables"][i, : len(table)] = table
             nb["block_tables"][i, len(table) :] = BlockPool.NULL_BLOCK
             nb["seq_lens"][i] = row.start + n

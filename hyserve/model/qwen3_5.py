@@ -189,6 +189,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._gdn_layers: list[GatedDeltaNet] | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         return self.model(input_ids, meta)
@@ -197,7 +198,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def gdn_layers(self) -> list[GatedDeltaNet]:
-        return [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+        # Walked once: commit and snapshot copies ask every step, and a module walk costs ~1 ms of host time.
+        if self._gdn_layers is None:
+            self._gdn_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+        return self._gdn_layers
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
