@@ -107,3 +107,16 @@ def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.Monkey
                                       str(out / "profile_step.json"), "--out", str(png)])
     plot_decode.main()
     assert png.stat().st_size > 1000
+
+
+def test_host_overhead_measures_each_kind(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import host_overhead
+
+    from hyserve.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", False)  # main() turns it on; monkeypatch restores it after
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--batches", "2", "--steps", "3"])
+    host_overhead.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode") or
+            line.startswith("| speculative")]
+    assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows)
