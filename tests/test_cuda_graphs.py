@@ -163,6 +163,45 @@ def test_pad_rows_touch_no_request_state(ckpts: CheckpointCache, emulate: None, 
     eng.assert_no_leaks()
 
 
+def test_ragged_verify_rows_replay_the_verify_graph(ckpts: CheckpointCache, emulate: None) -> None:
+    """Rows with fewer drafts than k (none, some) share the verify graph with full rows: each is laid out in k + 1
+    tokens with the tail masked. Outputs must equal the plain run's and transformers'."""
+    from test_speculative import OracleProposer, _solo
+
+    class Ragged(OracleProposer):
+        def propose(self, requests, num_tokens):  # type: ignore[no-untyped-def]
+            out = super().propose(requests, num_tokens)
+            return [d[: (len(self.forced) + i) % (len(d) + 1)] for i, d in enumerate(out)]
+
+    path = ckpts.get("causal", "attn_first")
+    ref = ckpts.reference(path)
+    prompts = {f"r{i}": p for i, p in enumerate(random_prompts(5, [7, 19, 4, 12, 26], seed=91))}
+    want = _solo(path, prompts, 20)
+    llm = make_llm(path, max_num_seqs=5, max_num_batched_tokens=64, enable_prefix_caching=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    eng = llm.llm_engine
+    eng.proposer = Ragged(want, {rid: [0, 3, 1, 2] for rid in prompts}, vocab=eng.model_config.vocab_size)
+    verify = eng.runner.graphs.sets["verify"]  # type: ignore[union-attr]
+    lens: list[list[int]] = []  # row lengths of each verify-graph step
+    prepare = eng.runner.prepare
+
+    def record(rows, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("row_len"):
+            lens.append([r.num_new_tokens for r in rows])
+        return prepare(rows, **kw)
+
+    eng.runner.prepare = record  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    final = drive(eng, {2 * i: [(rid, p, params)] for i, (rid, p) in enumerate(prompts.items())})
+    for rid, p in prompts.items():
+        assert final[rid].outputs[0].token_ids == want[rid], rid
+        assert_matches_reference(ref, p, final[rid])
+    assert verify.num_replays == len(lens) > 0
+    ragged = [ls for ls in lens if len(set(ls)) > 1 and min(ls) == 1]
+    assert ragged, f"no graph step mixed rows without drafts and rows with drafts: {lens}"
+    eng.assert_no_leaks()
+
+
 def test_speculative_graph_kinds_and_sizes(ckpts: CheckpointCache, emulate: None) -> None:
     ngram = make_llm(ckpts.get(), max_num_seqs=5, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                      "prompt_lookup_max": 3})

@@ -4,14 +4,15 @@ Three kinds, each captured once per padded row count B (largest first, in one me
 
 - ``decode``: every row feeds one token (pure decode, or one-token chunks). The whole model plus ``lm_head`` for B
   rows; B rows of float32 logits.
-- ``verify`` (speculative decoding): every row is a verify row of exactly ``k + 1`` tokens [last token + k drafts].
-  The model with the verify GDN path (candidates into scratch, live state read only) plus ``lm_head`` over all
-  ``B * (k + 1)`` positions; the hidden states too (the MTP head consumes them).
+- ``verify`` (speculative decoding): every row is a verify row [last token + up to k drafts], laid out in ``k + 1``
+  tokens (a row with fewer drafts is followed by masked tokens: no KV write, outputs never read). The model with
+  the verify GDN path (candidates into scratch, live state read only) plus ``lm_head`` over all ``B * (k + 1)``
+  positions; the hidden states too (the MTP head consumes them).
 - ``mtp``: one MTP pass with one token per row (multi-step drafting): the MTP layer, ``lm_head`` and the greedy
   draft token of every row, on the device.
 
 Sampling, acceptance and commit run after the graph. Steps that fit no captured shape (prefill chunks, mixed steps,
-rows with fewer drafts, larger batches) run eagerly.
+larger batches, rows within k + 1 tokens of ``max_model_len``) run eagerly.
 
 What a graph reads is fixed at capture (invariant 7): views of the runner's persistent device buffers (input ids,
 positions, KV slot mapping, row offsets, context lengths, state slots, block tables at their full width; for MTP

@@ -376,13 +376,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def prepare(self, rows: list[ScheduledRow], pad_to: int | None = None,
-                pad_len: int = 1) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
+    def prepare(self, rows: list[ScheduledRow], pad_to: int | None = None, pad_len: int = 1,
+                row_len: int | None = None) -> tuple[StepMetadata, torch.Tensor, torch.Tensor]:
         """Fill the persistent buffers for ``rows``; returns metadata, input ids and logits row indices (views).
 
-        Verify rows (speculative decoding) must come first; every one of their positions yields logits. ``pad_to``
-        (a captured graph's batch size) appends pad rows of ``pad_len`` tokens up to that many rows (see
-        ``cuda_graphs``); the returned metadata then describes only the real rows.
+        Verify rows (speculative decoding) must come first; every one of their real positions yields logits.
+        ``pad_to`` (a captured graph's batch size) appends pad rows of ``pad_len`` tokens up to that many rows (see
+        ``cuda_graphs``); the returned metadata then describes only the real rows. ``row_len`` (the verify graph's
+        k + 1) lays every verify row out in ``row_len`` tokens: a row with fewer drafts is followed by masked tokens
+        (no KV write, outputs never read; its context length counts them so that its real tokens keep their causal
+        positions), and ``logits_indices`` lists the real tokens.
         """
         nb = self.np_bufs
         bs = self.block_size
@@ -403,8 +406,8 @@ class ModelRunner:
                 nb["logits_indices"][n_sample : n_sample + n] = np.arange(t, t + n)
                 n_sample += n
                 num_verify += 1
-                num_verify_tokens += n
-                max_q_verify = max(max_q_verify, n)
+                num_verify_tokens += n if row_len is None else row_len
+                max_q_verify = max(max_q_verify, n if row_len is None else row_len)
             elif n == 1:  # decode: scalar writes (per-row numpy temporaries cost more than the row itself)
                 nb["input_ids"][t] = req.token_ids(start, end)[0]
             else:
@@ -422,6 +425,14 @@ class ModelRunner:
             nb["seq_lens"][i] = end
             nb["state_slots"][i] = req.state_slot
             t += n
+            if row_len is not None and n < row_len:
+                assert row.is_verify and start + row_len <= self.max_model_len, "row_len is for verify rows"
+                m = row_len - n
+                nb["input_ids"][t : t + m] = 0
+                nb["positions"][t : t + m] = np.arange(end, start + row_len)
+                nb["slot_mapping"][t : t + m] = -1
+                nb["seq_lens"][i] = start + row_len
+                t += m
             nb["query_start_loc"][i + 1] = t
             if row.samples and not row.is_verify:
                 nb["logits_indices"][n_sample] = t - 1
@@ -523,14 +534,18 @@ class ModelRunner:
         verify = self.graphs.get("verify") if self.graphs is not None else None
         q = self.num_speculative_tokens + 1
         size = None
-        if verify is not None and rows and all(row.is_verify and row.num_new_tokens == q for row in rows):
+        # Every row verifies (rows with fewer drafts are laid out in k + 1 tokens, the rest masked; see prepare).
+        if verify is not None and rows and all(row.is_verify and row.start + q <= self.max_model_len for row in rows):
             size = verify.padded_size(len(rows))
         if verify is not None and size is not None:
-            self.prepare(rows, pad_to=size, pad_len=q)
+            _, _, logits_indices = self.prepare(rows, pad_to=size, pad_len=q, row_len=q)
             hidden, logits = verify.run(size)
-            n = len(rows) * q
-            self.last_hidden = hidden[:n]
-            return logits[:n]
+            if all(row.num_new_tokens == q for row in rows):
+                n = len(rows) * q
+                self.last_hidden = hidden[:n]
+                return logits[:n]
+            self.last_hidden = hidden[logits_indices]  # the real tokens, in row order, as the eager path returns
+            return logits[logits_indices]
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.model(input_ids, meta)
         self.last_hidden = hidden
