@@ -48,43 +48,35 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _one_launch(counter: _Counter, fn: Any) -> Any:
+    """``fn`` counted as one launch; the ops it runs inside are not counted."""
+
+    @functools.wraps(fn)
+    def wrapped(*a: Any, **k: Any) -> Any:
+        if counter.depth == 0:
+            counter.count += 1
+        counter.depth += 1
+        try:
+            return fn(*a, **k)
+        finally:
+            counter.depth -= 1
+
+    return wrapped
+
+
 def _count_entry_points(counter: _Counter) -> None:
     for modname, names in ENTRY_POINTS.items():
         mod = importlib.import_module(modname)
         for name in names:
-            if not hasattr(mod, name):
-                continue
-            fn = getattr(mod, name)
-
-            @functools.wraps(fn)
-            def wrapped(*a: Any, _fn: Any = fn, **k: Any) -> Any:
-                if counter.depth == 0:
-                    counter.count += 1
-                counter.depth += 1
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    counter.depth -= 1
-
-            setattr(mod, name, wrapped)
+            if hasattr(mod, name):
+                setattr(mod, name, _one_launch(counter, getattr(mod, name)))
 
 
 def _count_graph_replays(counter: _Counter) -> None:
     """A graph replay is one launch; what runs inside it (emulated on the CPU) is not counted."""
     from hyserve.engine.cuda_graphs import GraphSet
 
-    run = GraphSet.run
-
-    def wrapped(self: GraphSet, size: int) -> Any:
-        if counter.depth == 0:
-            counter.count += 1
-        counter.depth += 1
-        try:
-            return run(self, size)
-        finally:
-            counter.depth -= 1
-
-    GraphSet.run = wrapped  # type: ignore[method-assign]
+    GraphSet.run = _one_launch(counter, GraphSet.run)  # type: ignore[method-assign]
 
 
 def main() -> None:

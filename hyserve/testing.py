@@ -78,9 +78,8 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828
 _TOKENIZER_BASE_VOCAB = 448  # byte alphabet (256) + merges; the three special tokens come after it
 
 
-@functools.lru_cache(maxsize=1)
-def tokenizer_json() -> str:
-    """Train (once per process) the tiny byte-level BPE; returns its tokenizer.json text.
+def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with Qwen3.5's pipeline trained on ``texts``: ``vocab_size`` ids, the special tokens last.
 
     The pipeline (NFC, Qwen's split regex, byte-level without its own regex, byte-level decoder) is the one Qwen3.5's
     tokenizer.json uses, so transformers' ``Qwen3_5Tokenizer`` (which rebuilds that pipeline from vocab/merges and
@@ -96,14 +95,21 @@ def tokenizer_json() -> str:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=_TOKENIZER_BASE_VOCAB,
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True) * 4, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return tok.to_str()
+    return tok
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer_json() -> str:
+    """Train (once per process) the tiny tokenizer of the test checkpoints; returns its tokenizer.json text."""
+    texts = _TRAINING_TEXT.splitlines(keepends=True) * 4
+    return train_bpe(texts, _TOKENIZER_BASE_VOCAB + len(SPECIAL_TOKENS)).to_str()
 
 
 def tokenizer_size() -> int:

@@ -67,12 +67,12 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 from hyserve.testing import (  # noqa: E402
-    _PRETOKENIZE_REGEX,
     ENDOFTEXT,
     IM_END,
     SPECIAL_TOKENS,
     _mtp_shapes,
     tokenizer_config,
+    train_bpe,
 )
 
 DEFAULT_OUT = os.path.join(_REPO, "hyserve", "default_model")
@@ -231,29 +231,6 @@ def collect_corpus(max_bytes: int, heldout_percent: float) -> Corpus:
 
 
 # --------------------------------------------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """Byte-level BPE with Qwen3.5's pipeline (as ``hyserve.testing``); special tokens appended at the top."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return tok
 
 
 def encode_docs(tok: Any, docs: list[tuple[str, str]], eot: int) -> torch.Tensor:
@@ -809,7 +786,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     corpus = collect_corpus(args.max_corpus_bytes, args.heldout_percent)
     log(f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out files, "
         f"{corpus.nbytes('train'):,} / {corpus.nbytes('heldout'):,} bytes")
-    tok = train_tokenizer([t for _, t in corpus.train], args.vocab_size)
+    tok = train_bpe([t for _, t in corpus.train], args.vocab_size)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     n_tok = tok.get_vocab_size(with_added_tokens=True)
     train_stream = encode_docs(tok, corpus.train, ids[ENDOFTEXT])

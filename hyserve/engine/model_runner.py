@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -472,6 +473,14 @@ class ModelRunner:
         self.last_meta = meta
         return meta, views["input_ids"], views["logits_indices"]
 
+    def _graph(self, kind: str, num_rows: int, fits: Callable[[], bool]) -> tuple[GraphSet, int] | None:
+        """The captured graphs of ``kind`` and the padded size for ``num_rows`` rows, if the step ``fits`` them."""
+        graphs = self.graphs.get(kind) if self.graphs is not None else None
+        if graphs is None or not num_rows or not fits():
+            return None
+        size = graphs.padded_size(num_rows)
+        return None if size is None else (graphs, size)
+
     def _fill_pads(self, nb: dict[str, np.ndarray], copies: dict[str, int], t: int, r: int, pad_to: int,
                    q: int) -> None:
         """Rows ``[r, pad_to)`` become pad rows of ``q`` tokens from token ``t``: positions 0.., KV writes skipped,
@@ -497,11 +506,9 @@ class ModelRunner:
     def execute(self, rows: list[ScheduledRow], sampling_rows: list[SamplingRow]) -> SamplerOutput | None:
         """Run one step; sample for the rows that reached the end of their known tokens (in row order)."""
         self._load_states(rows)
-        decode = self.graphs.get("decode") if self.graphs is not None else None
-        size = None
-        if decode is not None and rows and all(row.num_new_tokens == 1 and not row.is_verify for row in rows):
-            size = decode.padded_size(len(rows))
-        if decode is not None and size is not None:
+        graph = self._graph("decode", len(rows), lambda: all(r.num_new_tokens == 1 and not r.is_verify for r in rows))
+        if graph is not None:
+            decode, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size)
             logits, = decode.run(size)
             if not sampling_rows:
@@ -531,13 +538,12 @@ class ModelRunner:
         The step's hidden states stay in ``last_hidden`` for the MTP pass and snapshot bookkeeping.
         """
         self._load_states(rows)
-        verify = self.graphs.get("verify") if self.graphs is not None else None
         q = self.num_speculative_tokens + 1
-        size = None
         # Every row verifies (rows with fewer drafts are laid out in k + 1 tokens, the rest masked; see prepare).
-        if verify is not None and rows and all(row.is_verify and row.start + q <= self.max_model_len for row in rows):
-            size = verify.padded_size(len(rows))
-        if verify is not None and size is not None:
+        graph = self._graph("verify", len(rows),
+                            lambda: all(r.is_verify and r.start + q <= self.max_model_len for r in rows))
+        if graph is not None:
+            verify, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size, pad_len=q, row_len=q)
             hidden, logits = verify.run(size)
             if all(row.num_new_tokens == q for row in rows):
@@ -614,13 +620,11 @@ class ModelRunner:
     @torch.inference_mode()
     def mtp_draft(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """``mtp_forward`` and the greedy draft token of each row; a captured graph when every row has one token."""
-        graphs = self.graphs.get("mtp") if self.graphs is not None else None
-        size = None
-        if graphs is not None and rows and all(len(row.input_ids) == 1 for row in rows):
-            size = graphs.padded_size(len(rows))
-        if graphs is None or size is None:
+        graph = self._graph("mtp", len(rows), lambda: all(len(r.input_ids) == 1 for r in rows))
+        if graph is None:
             out = self.mtp_forward(rows, hidden_src)
             return out, self.mtp_greedy_tokens(out)
+        graphs, size = graph
         _, v = self._fill_mtp(rows, pad_to=size)
         torch.index_select(hidden_src, 0, v["hidden_index"], out=self.mtp_hidden_in[: len(rows)])
         out, tokens = graphs.run(size)
