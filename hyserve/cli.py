@@ -138,13 +138,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.model = _default_model()  # the small model that ships inside the package
         except ValueError as e:
             raise ValueError(f"serve: no MODEL_DIR argument and {e}") from None
-    import uvicorn
+    import os
 
     from hyserve.server import AsyncEngine, build_app
+    from hyserve.server.serving import make_server
 
+    api_key = args.api_key or os.environ.get("HYSERVE_API_KEY") or None
     engine = _make_llm(args, args.model).llm_engine
-    app = build_app(AsyncEngine(engine, start=False), args.served_model_name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    async_engine = AsyncEngine(engine, start=False)
+    app = build_app(async_engine, args.served_model_name, api_key=api_key,
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    body_read_timeout_s=args.request_read_timeout,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    chat_template_timeout_s=args.chat_template_timeout)
+    server = make_server(app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                         shutdown_timeout_s=args.shutdown_timeout, request_read_timeout_s=args.request_read_timeout,
+                         timeout_keep_alive_s=args.timeout_keep_alive,
+                         limit_concurrency=args.limit_concurrency or None)
+    logging.getLogger("hyserve.server").info(
+        "API key: %s", "required on /v1/* (/health, /version and /metrics stay open)" if api_key else
+        "none (--api-key or HYSERVE_API_KEY sets one)")
+    server.run()
     return 0
 
 
@@ -168,6 +182,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: info)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1/* route; /health, /version and /metrics "
+                        "stay open (default: $HYSERVE_API_KEY if set, else no key)")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted (open "
+                        "streams then end with finish_reason 'abort' and [DONE]) (default: 5)")
+    s.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
+                   help="largest request body accepted; larger ones get a 413 (default: 33554432 = 32 MiB)")
+    s.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's headers, and then its body, must arrive within this time, else the "
+                        "connection is closed (headers) or a 408 answered (body) (default: 30)")
+    s.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+                   help="close an idle keep-alive connection after this time (default: 5)")
+    s.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="most connections and requests at once; beyond it requests get a 503; 0 = no limit "
+                        "(default: 1024)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template sent in a request (by default such requests get a 400)")
+    s.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="stop rendering a chat template after this time and answer 400 (default: 10)")
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve the packaged default model on loopback and show it answering")

@@ -32,6 +32,8 @@ from hyserve.cli import build_parser, main
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.server import AsyncEngine, EngineDeadError, RequestAbortedError, build_app
+from hyserve.server.app import APIKeyMiddleware, BodyLimitMiddleware
+from hyserve.server.serving import GracefulServer
 from hyserve.testing import write_tiny_checkpoint
 
 CACHE_BYTES = 64 * 1024 * 1024
@@ -509,7 +511,10 @@ BAD_CHATS: list[tuple[Any, int, str | None, str]] = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400, "max_tokens", "max_model_len"),
     ({"messages": [{"role": "user", "content": "a " * 5000}]}, 400, "messages", "max_model_len is 4096"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n", "n must be 1"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tool_choice",
+     "tool_choice: 'none'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}], "tool_choice": "none"}, 400,
+     "tools[0]", "function"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, 400,
      "chat_template_kwargs", "tokenize"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model", "nope"),
@@ -772,7 +777,9 @@ def test_serve_cli(ctx: Ctx, capsys: pytest.CaptureFixture[str], monkeypatch: py
     out = capsys.readouterr().out
     for flag in ("MODEL_DIR", "--host", "--port", "--served-model-name", "--max-model-len", "--device", "--dtype",
                  "--enable-prefix-caching", "--speculative-config", "--max-num-seqs", "--gpu-memory-utilization",
-                 "--max-num-batched-tokens", "--block-size", "--seed"):
+                 "--max-num-batched-tokens", "--block-size", "--seed", "--api-key", "--shutdown-timeout",
+                 "--max-request-body-bytes", "--request-read-timeout", "--timeout-keep-alive", "--limit-concurrency",
+                 "--trust-request-chat-template", "--chat-template-timeout", "HYSERVE_API_KEY"):
         assert flag in out, flag
     args = build_parser().parse_args(["serve"])
     assert args.model is None and args.host == "127.0.0.1" and args.port == 8000
@@ -786,12 +793,28 @@ def test_serve_cli(ctx: Ctx, capsys: pytest.CaptureFixture[str], monkeypatch: py
 
     # With a model: the engine is built from the flags and the app handed to uvicorn.
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(GracefulServer, "run", lambda self, sockets=None: seen.update(server=self))
     assert main(["serve", ctx.path, "--device", "cpu", "--dtype", "float32", "--port", "8123", "--max-model-len",
                  "64", "--served-model-name", "m1"]) == 0
-    assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
-    assert seen["app"].state.served_model_name == "m1"
-    assert seen["app"].state.engine.max_model_len == 64
+    config = seen["server"].config
+    assert (config.host, config.port) == ("127.0.0.1", 8123)
+    assert config.app.state.served_model_name == "m1"
+    assert config.app.state.engine.max_model_len == 64
+    # The server's bounds, and the API key from the environment.
+    assert (config.timeout_keep_alive, config.limit_concurrency, seen["server"].shutdown_timeout_s) == (5, 1024, 5.0)
+    assert not any(m.cls is APIKeyMiddleware for m in config.app.user_middleware)
+    monkeypatch.setenv("HYSERVE_API_KEY", "from-env")
+    assert main(["serve", ctx.path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+                 "--shutdown-timeout", "1.5", "--limit-concurrency", "7", "--max-request-body-bytes", "999"]) == 0
+    app = seen["server"].config.app
+    keys = [m.kwargs["api_key"] for m in app.user_middleware if m.cls is APIKeyMiddleware]
+    assert keys == ["from-env"]
+    assert [m.kwargs["max_bytes"] for m in app.user_middleware if m.cls is BodyLimitMiddleware] == [999]
+    assert (seen["server"].shutdown_timeout_s, seen["server"].config.limit_concurrency) == (1.5, 7)
+    assert main(["serve", ctx.path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+                 "--api-key", "from-flag"]) == 0
+    app = seen["server"].config.app
+    assert [m.kwargs["api_key"] for m in app.user_middleware if m.cls is APIKeyMiddleware] == ["from-flag"]
 
 
 def test_served_model_name_idle_loop_and_shutdown(ctx: Ctx) -> None:

@@ -18,22 +18,43 @@ Choices worth knowing:
   request finishes, so a stop string cut from the end is never sent: the streamed text equals the non-streamed one.
 - A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its request aborted in the
   engine, which frees its KV blocks and state slot before the next step.
+- ``api_key``: every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (compared in constant time), else a 401
+  with an OpenAI-style body; ``/health``, ``/version`` and ``/metrics`` stay open (as vLLM's do).
+- Bounded work per request, so that one request cannot stall the others: a body over ``max_request_body_bytes`` is
+  a 413 (refused from its Content-Length before it is read, or as soon as the bytes read pass the bound; at most
+  that many bytes are ever held) and must arrive within ``body_read_timeout_s`` (408); text longer than
+  ``4 * max_model_len * (longest token in characters)`` can never fit the context and is refused before it is
+  tokenized; tokenizing runs in a worker thread through the tokenizer's GIL-releasing batch call (neither the
+  event loop nor the engine thread ever tokenizes text: the engine gets token ids); a chat template renders in a
+  worker thread under a deadline (``chat_template_timeout_s``) that the template's own code checks on every line,
+  so a runaway loop stops burning CPU when the deadline passes (single huge operations, such as
+  ``'x' * 10**10``, are not interrupted: only the checkpoint's template and trusted request templates run).
+- A request-supplied ``chat_template`` (or ``chat_template_kwargs.chat_template``) is refused (400) unless the server
+  was started with ``trust_request_chat_template`` (vLLM's ``--trust-request-chat-template``).
+- Server shutdown (``hyserve.server.serving``) ends every open request through ``AsyncEngine.abort_all()``: a stream
+  gets a final chunk with ``finish_reason: "abort"`` and ``data: [DONE]``, a non-streamed answer the text so far with
+  the same finish reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+import sys
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import hyserve
 from hyserve.outputs import RequestOutput, SampleLogprobs
@@ -64,12 +85,23 @@ from hyserve.server.protocol import (
     TopLogprob,
     UsageInfo,
     random_id,
+    sampling_error_param,
+    short_repr,
 )
+from hyserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("hyserve.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 10.0
+MAX_ERROR_MESSAGE_CHARS = 2000
+# Unicode normalization (NFC) can merge up to 4 code points into one character, so a text of more than
+# 4 * max_model_len * (longest token in characters) characters has more than max_model_len tokens.
+_NORMALIZATION_SLACK = 4
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_T = TypeVar("_T")
 
 
 def served_name_for(model_dir: str) -> str:
@@ -79,10 +111,30 @@ def served_name_for(model_dir: str) -> str:
 # ---------------------------------------------------------------------------------------------------- errors
 
 
+def _printable(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters and made UTF-8-encodable (a lone surrogate becomes ``\\ud800``)."""
+    if len(text) > limit:
+        text = text[:limit] + f"... ({len(text) - limit} more characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(status_code: int, message: str, *, param: str | None = None,
                    type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    # Messages and params may quote the client: bounded and encodable, whatever the request held.
+    body = ErrorResponse(error=ErrorInfo(message=_printable(message, MAX_ERROR_MESSAGE_CHARS),
+                                         type=type, param=None if param is None else _printable(param, 200),
+                                         code=code))
     return JSONResponse(body.model_dump(), status_code=status_code)
+
+
+async def _send_error(send: Send, status_code: int, message: str, *, code: str | None = None,
+                      headers: dict[str, str] | None = None) -> None:
+    """An OpenAI-style error answered straight from ASGI middleware."""
+    resp = error_response(status_code, message, code=code)
+    if headers:
+        resp.headers.update(headers)
+    await send({"type": "http.response.start", "status": status_code, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
 
 
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
@@ -99,8 +151,7 @@ def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
 
 
 def _short_repr(x: Any, limit: int = 80) -> str:
-    r = repr(x)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
+    return short_repr(x, limit)
 
 
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
@@ -114,6 +165,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         detail = ctx.get("error", first.get("msg", ""))
         return error_response(400, f"the request body is not valid JSON: {detail}")
     param = _loc_to_param(first.get("loc", ()))
+    name = param if param is None or len(param) <= 100 else param[:100] + "..."  # as quoted in the message
     if param is None:
         if kind == "missing":
             return error_response(400, "the request needs a JSON object body")
@@ -123,9 +175,12 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
                                        f"application/json (got {_short_repr(bytes(got))})")
         return error_response(400, f"the request body must be a JSON object (got {_short_repr(got)})")
     if kind == "missing":
-        message = f"{param} is required"
+        message = f"{name} is required"
+    elif kind == "extra_forbidden":
+        message = (f"{name} is not supported by this server (got {_short_repr(first.get('input'))}): remove it "
+                   "or send null")
     else:
-        message = f"{param}: {first.get('msg', 'invalid value')} (got {_short_repr(first.get('input'))})"
+        message = f"{name}: {first.get('msg', 'invalid value')} (got {_short_repr(first.get('input'))})"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return error_response(400, message, param=param)
@@ -266,16 +321,158 @@ def _sse_error(e: BaseException) -> str:
     return _sse(body.model_dump_json())
 
 
+# ---------------------------------------------------------------------------------------------------- bounded work
+
+
+class TemplateTimeoutError(Exception):
+    """A chat template ran past its deadline (its rendering was stopped)."""
+
+
+def run_with_deadline(fn: Callable[[], _T], timeout_s: float) -> _T:
+    """Run ``fn()`` in this thread; Jinja template code it runs raises ``TemplateTimeoutError`` past the deadline.
+
+    A trace function (this thread only) checks the deadline on every call, and on every line of compiled template
+    code (Jinja compiles templates to Python with the file name ``<template>``), so a template looping for minutes
+    stops within one line's work of the deadline instead of burning CPU after its client gave up. Other frames are
+    not line-traced, which keeps the cost to one check per Python call.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def check() -> None:
+        if time.monotonic() > deadline:
+            raise TemplateTimeoutError(f"the chat template took longer than {timeout_s:g} s to render")
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        check()
+        return local
+
+    def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+        check()
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)
+
+
+def encode_text(tok: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of ``text``, through the batch call: the tokenizers library releases the GIL there (not in its
+    single ``encode``), so tokenizing a long prompt in a worker thread does not stall the event loop."""
+    enc = tok.hf_tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+    return list(enc[0].ids)
+
+
+def max_text_chars(tok: Tokenizer | None, max_model_len: int) -> int | None:
+    """The most characters a text can have and still fit ``max_model_len`` tokens (None without a tokenizer)."""
+    if tok is None:
+        return None
+    vocab = tok.hf_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    longest = max((len(t) for t in vocab), default=1)
+    return _NORMALIZATION_SLACK * max_model_len * max(longest, 1)
+
+
+class APIKeyMiddleware:
+    """``/v1/*`` needs ``Authorization: Bearer <key>``; the key is compared in constant time (``hmac``)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == "/v1" or path.startswith("/v1/"):
+            given = b""
+            for name, value in scope.get("headers", []):
+                if name.lower() == b"authorization":
+                    given = value
+                    break
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                await _send_error(send, 401, "invalid or missing API key: send Authorization: Bearer <key>",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reads a request body up to ``max_bytes`` within ``timeout_s`` and replays it to the app.
+
+    Invariants: at most ``max_bytes`` body bytes are ever read (twice that held while they are joined); a declared
+    Content-Length over the bound is refused before anything is read; a body that passes the bound is a 413, one
+    that does not arrive in time a 408; the app sees the same messages as without this middleware, and after the
+    body the real ``receive`` (so that disconnects are still seen).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = None
+        for name, value in scope.get("headers", []):
+            if name.lower() == b"content-length":
+                declared = value
+        if declared is not None and (not declared.strip().isdigit() or int(declared) > self.max_bytes):
+            await _send_error(send, 413, f"the request body is larger than this server accepts "
+                                         f"({self.max_bytes} bytes; --max-request-body-bytes)", code="body_too_large")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                await _send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                  code="request_timeout")
+                return
+            if message["type"] == "http.disconnect":
+                return  # the client left before its request was complete: nothing to answer
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await _send_error(send, 413, f"the request body is larger than this server accepts "
+                                             f"({self.max_bytes} bytes; --max-request-body-bytes)",
+                                  code="body_too_large")
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
 # ---------------------------------------------------------------------------------------------------- app
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *,
-              shutdown_engine_on_exit: bool = True) -> FastAPI:
-    """The FastAPI app serving ``async_engine`` (started on app startup if it is not yet)."""
+              shutdown_engine_on_exit: bool = True, api_key: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
+              trust_request_chat_template: bool = False,
+              chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app serving ``async_engine`` (started on app startup if it is not yet); see the module docstring
+    for ``api_key``, the bounds and ``trust_request_chat_template``."""
     engine = async_engine.engine
     model_dir = str(engine.config.model)
     model_name = served_model_name or served_name_for(model_dir)
     http_metrics = HTTPMetrics()
+    text_limit = max_text_chars(engine.tokenizer, engine.max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -285,7 +482,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
             yield
         finally:
             if shutdown_engine_on_exit:
-                await asyncio.to_thread(async_engine.shutdown)
+                await asyncio.to_thread(_shutdown_engine, async_engine)
 
     app = FastAPI(title="hyserve", version=hyserve.__version__, lifespan=lifespan)
     app.state.engine = async_engine
@@ -323,18 +520,43 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise APIError(f"the model `{name}` does not exist; this server serves `{model_name}`", param="model",
-                           status_code=404, code="model_not_found")
+            raise APIError(f"the model {short_repr(name)} does not exist; this server serves {model_name!r}",
+                           param="model", status_code=404, code="model_not_found")
 
-    async def encode(prompt: str | list[int] | dict[str, Any], param: str) -> tuple[str | None, list[int]]:
+    def check_text_length(text: str, param: str) -> None:
+        if text_limit is not None and len(text) > text_limit:
+            raise APIError(f"{param} has {len(text)} characters: more than any text of max_model_len="
+                           f"{engine.max_model_len} tokens can have ({text_limit})", param=param)
+
+    async def encode(prompt: str | list[int], param: str, add_special_tokens: bool = True
+                     ) -> tuple[str | None, list[int]]:
+        """Tokenize (a worker thread; see ``encode_text``) and check a prompt; refusals name ``param``."""
+        tok = engine.tokenizer
+        item: dict[str, Any]
+        if isinstance(prompt, str) and tok is not None:
+            check_text_length(prompt, param)
+            ids = await asyncio.to_thread(encode_text, tok, prompt, add_special_tokens)
+            item = {"prompt_token_ids": ids, "prompt": prompt}
+        elif isinstance(prompt, str):
+            item = {"prompt": prompt}  # refused below: no tokenizer
+        else:
+            if len(prompt) >= engine.max_model_len:  # before the per-id checks walk a huge list
+                raise APIError(f"the prompt has {len(prompt)} tokens, but max_model_len is {engine.max_model_len} "
+                               "(the prompt must leave room for at least one output token)", param=param)
+            item = {"prompt_token_ids": prompt}
         try:
-            return await asyncio.to_thread(async_engine.encode_prompt, prompt)
+            return async_engine.encode_prompt(item)  # ids only: O(n) checks, no tokenizing
         except ValueError as e:
             raise APIError(str(e), param=param) from e
 
     def resolve_max_tokens(asked: int | None, name: str, n_prompt: int, default: int | None) -> int | None:
+        """The request's max_tokens (checked against the room the prompt leaves), else the checkpoint's default
+        (generation_config.json's max_new_tokens), else ``default``; defaults are capped by the room."""
         room = engine.max_model_len - n_prompt
         if asked is None:
+            configured = sampling_defaults().get("max_tokens")
+            if configured is not None:
+                default = int(configured)
             return None if default is None else min(default, room)
         if asked > room:
             raise APIError(f"{name}={asked} is too large: the prompt has {n_prompt} tokens and max_model_len is "
@@ -347,19 +569,67 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
             err = async_engine.dead_error
             raise EngineDeadError("the engine loop is not running" + (f": {err!r}" if err else ""))
 
+    def sampling_defaults() -> dict[str, Any]:
+        return dict(getattr(engine, "default_sampling_params", None) or {})
+
+    def open_request(request_id: str, prompt: dict[str, Any], params: SamplingParams,
+                     names: dict[str, str] | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Queue the request now: what the engine refuses is a 400 before any response starts."""
+        check_alive()
+        try:
+            return async_engine.open(request_id, prompt, params)
+        except ValueError as e:
+            raise APIError(str(e), param=sampling_error_param(str(e), names)) from e
+
+    async def render_chat(body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError("this checkpoint has no tokenizer, so chat completions are not available; use "
+                           "/v1/completions with token ids", param="messages")
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        for reserved in ("messages", "conversation", "add_generation_prompt", "tokenize", "tools", "chat_template"):
+            if reserved in template_kwargs:
+                hint = f"; use the request's {reserved} field" if reserved in ("tools", "chat_template") else ""
+                raise APIError(f"chat_template_kwargs must not set {reserved!r}{hint}", param="chat_template_kwargs")
+        if body.chat_template is not None:
+            if not trust_request_chat_template:
+                raise APIError("a request-supplied chat_template is refused: this server runs only its checkpoint's "
+                               "template unless started with --trust-request-chat-template", param="chat_template")
+            template_kwargs["chat_template"] = body.chat_template
+        tools = body.template_tools()
+        if tools is not None:
+            template_kwargs["tools"] = tools
+
+        def render() -> str:
+            return run_with_deadline(lambda: tok.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, **template_kwargs),
+                chat_template_timeout_s)
+
+        try:
+            text = await asyncio.to_thread(render)
+        except TemplateTimeoutError as e:
+            raise APIError(f"{e}; its rendering was stopped", param="chat_template"
+                           if body.chat_template is not None else "messages") from e
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            raise APIError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           param="messages") from e
+        if not isinstance(text, str):
+            raise APIError("the chat template did not render to text", param="messages")
+        return text
+
     # -------------------------------------------------------------- endpoints
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         check_model(body.model)
         prompt = body.parse_prompt()
+        body.check()
         text, ids = await encode(prompt, "prompt")
         max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
-        params = body.to_sampling_params(max_tokens)
-        check_alive()
+        params = body.to_sampling_params(max_tokens, sampling_defaults())
         request_id = random_id("cmpl")
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
-        outputs = async_engine.generate(request_id, engine_prompt, params)
+        outputs = open_request(request_id, engine_prompt, params)
         if body.stream:
             return StreamingResponse(_stream_completion(outputs, request_id, params, body),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -420,32 +690,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         check_model(body.model)
         messages = body.parse_messages()
-        tok = engine.tokenizer
-        if tok is None:
-            raise APIError("this checkpoint has no tokenizer, so chat completions are not available; use "
-                           "/v1/completions with token ids", param="messages")
-        template_kwargs = dict(body.chat_template_kwargs or {})
-        for reserved in ("messages", "conversation", "add_generation_prompt", "tokenize"):
-            if reserved in template_kwargs:
-                raise APIError(f"chat_template_kwargs must not set {reserved!r}", param="chat_template_kwargs")
-
-        def render() -> dict[str, Any]:
-            text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                           **template_kwargs)
-            return {"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text}
-
-        try:
-            prompt = await asyncio.to_thread(render)
-        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
-            raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from e
-        _, ids = await encode(prompt, "messages")
+        body.check()
+        text = await render_chat(body, messages)
+        _, ids = await encode(text, "messages", add_special_tokens=False)
         asked, name = body.requested_max_tokens
         max_tokens = resolve_max_tokens(asked, name, len(ids), None)
-        params = body.to_sampling_params(max_tokens)
-        check_alive()
+        params = body.to_sampling_params(max_tokens, sampling_defaults())
         request_id = random_id("chatcmpl")
         top_n = body.top_logprobs or 0
-        outputs = async_engine.generate(request_id, prompt, params)
+        outputs = open_request(request_id, {"prompt_token_ids": ids, "prompt": text}, params,
+                               {"max_tokens": name, "logprobs": "top_logprobs"})
         if body.stream:
             return StreamingResponse(_stream_chat(outputs, request_id, params, body, top_n),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -508,7 +762,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=model_dir, max_model_len=engine.max_model_len)])
+        # root is the served name, as vLLM's: the checkpoint's path on this machine is not the client's business.
+        return ModelList(data=[ModelCard(id=model_name, root=model_name, max_model_len=engine.max_model_len)])
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
@@ -528,5 +783,23 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     known_paths = frozenset(getattr(r, "path", "") for r in app.routes)
+    # Starlette runs the last added outermost: metrics see every answer (401s and 413s included), the key is
+    # checked before any body byte is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, timeout_s=body_read_timeout_s)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics, known_paths=known_paths)
     return app
+
+
+def _shutdown_engine(async_engine: AsyncEngine) -> None:
+    """Stop the loop thread and say whether every KV block and state slot came back."""
+    open_requests = async_engine.num_open_requests()
+    async_engine.shutdown()
+    try:
+        async_engine.assert_no_leaks()
+    except AssertionError as e:
+        logger.error("after shutdown: %s", e)
+    else:
+        logger.info("engine stopped (%d requests were still open); every KV block and state slot is back in its "
+                    "pool", open_requests)

@@ -16,8 +16,14 @@ How the loop works:
   loses nothing).
 - A consumer that stops early (client disconnect: the handler's task is cancelled or the generator is closed) aborts
   its request from ``generate``'s ``finally``; the loop thread frees its blocks and slot before the next step.
-- An exception from the engine itself is a bug: the loop logs it, fails every open request with ``EngineDeadError``
+- ``add_request`` refuses at the door what the engine would fail on later: besides the prompt, token ids in the
+  sampling params (``stop_token_ids``) must lie in the model's vocabulary, so one request can never take the engine
+  loop down. A request the engine still refuses when the loop adds it (any exception) ends alone with that error;
+  the others go on.
+- An exception from ``engine.step()`` is a bug: the loop logs it, fails every open request with ``EngineDeadError``
   and stops; ``is_alive()`` turns false (``/health`` answers 503). ``shutdown()`` stops and joins the thread.
+- ``abort_all()`` (server shutdown) ends every open request at once: each consumer gets a last output marked
+  finished with ``finish_reason="abort"`` (the text produced so far), so a stream can close with a final chunk.
 
 Anything else that reads the engine from another thread (``get_metrics``, ``assert_no_leaks``) takes the engine
 lock, so it never sees the engine in the middle of a step.
@@ -26,15 +32,17 @@ lock, so it never sees the engine in the middle of a step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from hyserve.engine.llm_engine import LLMEngine, PromptType
-from hyserve.outputs import RequestOutput
+from hyserve.outputs import CompletionOutput, RequestOutput
 from hyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("hyserve.server")
@@ -46,6 +54,20 @@ class EngineDeadError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted before it finished."""
+
+
+class ShutdownAbortError(RequestAbortedError):
+    """The server is shutting down: ``generate`` turns it into a last output with ``finish_reason="abort"``."""
+
+
+def aborted_output(last: RequestOutput | None, request_id: str, prompt: dict[str, Any]) -> RequestOutput:
+    """The final output of a request ended by shutdown: the last output seen (or an empty one), finished."""
+    if last is None:
+        completion = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
+        last = RequestOutput(request_id=request_id, prompt=prompt.get("prompt"),
+                             prompt_token_ids=list(prompt["prompt_token_ids"]), outputs=[completion], finished=False)
+    outputs = [dataclasses.replace(c, finish_reason="abort", stop_reason=None) for c in last.outputs]
+    return dataclasses.replace(last, outputs=outputs, finished=True)
 
 
 @dataclass(slots=True)
@@ -133,14 +155,35 @@ class AsyncEngine:
                              "(the prompt must leave room for at least one output token)")
         return text, ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse sampling params the engine would fail on mid-step; ``ValueError`` names the field.
+
+        Token ids must lie in the model's vocabulary [0, vocab_size): an id outside it reaches the sampler's ban
+        masks (``min_tokens``) and would fail the whole step, i.e. every request in it.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
+        validate = getattr(self.engine, "validate_sampling_params", None)
+        if callable(validate):
+            validate(params)
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}) (vocab_size "
+                             f"{vocab}): {bad[:5]}")
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams
                     ) -> asyncio.Queue[RequestOutput | BaseException]:
         """Queue a request for the loop thread; call on the event loop that will consume its outputs.
 
-        Raises ``ValueError`` for a bad prompt or a duplicate id and ``EngineDeadError`` if the loop is not running.
+        Raises ``ValueError`` for a bad prompt, bad sampling params or a duplicate id and ``EngineDeadError`` if the
+        loop is not running.
         """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
+        return self._add_request(request_id, prompt, params)[0]
+
+    def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams
+                     ) -> tuple[asyncio.Queue[RequestOutput | BaseException], dict[str, Any]]:
+        self.check_params(params)
         text, ids = self.encode_prompt(prompt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -154,7 +197,7 @@ class AsyncEngine:
                 item["prompt"] = text
             self._inbox[request_id] = _NewRequest(request_id, item, params)
             self._cond.notify_all()
-        return queue
+        return queue, item
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams
                        ) -> AsyncGenerator[RequestOutput, None]:
@@ -163,18 +206,37 @@ class AsyncEngine:
         The request is queued at the first iteration. Closing the generator early (``aclose()``, or cancelling the
         task consuming it) aborts the request in the engine.
         """
-        queue = self.add_request(request_id, prompt, params)
+        queue, item = self._add_request(request_id, prompt, params)
+        async for out in self._outputs(request_id, queue, item):
+            yield out
+
+    def open(self, request_id: str, prompt: PromptType, params: SamplingParams
+             ) -> AsyncGenerator[RequestOutput, None]:
+        """``generate``, except that the request is validated and queued now (``ValueError``/``EngineDeadError``
+        raise here, before any response starts), not at the first iteration."""
+        queue, item = self._add_request(request_id, prompt, params)
+        return self._outputs(request_id, queue, item)
+
+    async def _outputs(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException],
+                       prompt: dict[str, Any]) -> AsyncGenerator[RequestOutput, None]:
         finished = False
+        last: RequestOutput | None = None
         try:
             while True:
                 item = await queue.get()
                 while not isinstance(item, BaseException) and not item.finished and not queue.empty():
+                    last = item
                     item = queue.get_nowait()  # cumulative: the latest output subsumes the earlier ones
+                if isinstance(item, ShutdownAbortError):
+                    finished = True  # abort_all has already queued the engine abort
+                    yield aborted_output(last, request_id, prompt)
+                    return
                 if isinstance(item, BaseException):
                     finished = True  # the loop has already dropped the request
                     raise item
                 if item.finished:
                     finished = True
+                last = item
                 yield item
                 if finished:
                     return
@@ -182,10 +244,10 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: RequestAbortedError | None = None) -> None:
         """Abort a request (thread-safe; unknown or finished ids are ignored).
 
-        A consumer still waiting on its outputs gets ``RequestAbortedError``.
+        A consumer still waiting on its outputs gets ``error`` (default ``RequestAbortedError``).
         """
         with self._cond:
             stream = self._streams.pop(request_id, None)
@@ -195,13 +257,32 @@ class AsyncEngine:
                 self._aborts.append(request_id)  # else it never reached the engine
                 self._cond.notify_all()
         # A consumer still waiting (someone else aborted its request) wakes up with an error, never hangs.
-        self._post(stream, RequestAbortedError(f"request {request_id} was aborted"))
+        self._post(stream, error or RequestAbortedError(f"request {request_id} was aborted"))
+
+    def abort_all(self, reason: str = "the server is shutting down") -> int:
+        """End every open request now (thread-safe); their consumers get a last output with ``finish_reason``
+        ``"abort"``. Returns how many were open."""
+        with self._cond:
+            ids = list(self._streams)
+        for request_id in ids:
+            self.abort(request_id, ShutdownAbortError(reason))
+        return len(ids)
+
+    def num_open_requests(self) -> int:
+        with self._cond:
+            return len(self._streams)
 
     # ------------------------------------------------------------------ reads from other threads
 
     def get_metrics(self) -> dict[str, float | list[float]]:
+        """The engine's metrics, with ``hyserve:state_slots_usage_perc`` (request state slots in use, 0..1) beside
+        ``hyserve:kv_cache_usage_perc`` even where the engine does not export it."""
         with self._engine_lock:
-            return self.engine.get_metrics()
+            metrics = self.engine.get_metrics()
+            states = self.engine.runner.state_pool
+            used = states.num_slots - states.num_free_slots
+        metrics.setdefault("hyserve:state_slots_usage_perc", used / max(states.num_slots, 1))
+        return metrics
 
     def num_unfinished_requests(self) -> int:
         with self._cond:
@@ -243,8 +324,10 @@ class AsyncEngine:
                     for req in new:
                         try:
                             engine.add_request(req.request_id, req.prompt, req.params)
-                        except ValueError as e:  # validated before queueing: should not happen
-                            logger.warning("request %s refused by the engine: %s", req.request_id, e)
+                        except Exception as e:  # validated before queueing: only this request fails
+                            logger.warning("request %s refused by the engine: %r", req.request_id, e)
+                            with suppress(Exception):
+                                engine.abort_request(req.request_id)  # in case it got half-way in
                             self._deliver_error(req.request_id, e)
                     if aborts:
                         engine.abort_request(aborts)

@@ -6,8 +6,10 @@ engine's names rather than getting a ``_total`` suffix, so the names in the READ
 are the same. A list-valued metric (``hyserve:spec_decode_num_accepted_tokens_per_pos``) becomes one series per
 position, labelled ``{position="0"}``, ``{position="1"}``, ...
 
-The server's own series: ``hyserve:http_requests_total{method, path, status}`` (``path`` is the route, or
-``other`` for unknown paths, so that scanners cannot blow up the label set) and ``hyserve:http_requests_in_progress``.
+The server's own series: ``hyserve:http_requests_total{method, path, status}`` and
+``hyserve:http_requests_in_progress``. Every label takes a bounded set of values, so that scanners cannot blow up
+the label set: ``path`` is the route template or ``other`` for unknown paths, ``method`` one of ``HTTP_METHODS`` or
+``other``, ``status`` a three-digit code.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ HELP = {
     "hyserve:num_requests_running": "Requests running now.",
     "hyserve:num_requests_waiting": "Requests waiting for admission now.",
     "hyserve:kv_cache_usage_perc": "Share of KV blocks in use (0..1).",
+    "hyserve:state_slots_usage_perc": "Share of recurrent-state slots in use by requests (0..1).",
     "hyserve:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "hyserve:prefix_cache_hits": "Prompt tokens served from the prefix cache.",
     "hyserve:prefix_cache_snapshot_hits": "Recurrent-state snapshots reused.",
@@ -64,6 +67,8 @@ HELP = {
     "hyserve:spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
     "hyserve:spec_decode_num_accepted_tokens_per_pos": "Speculative decoding: drafts accepted at each position.",
 }
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
 _NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _BAD_CHARS = re.compile(r"[^a-zA-Z0-9_:]")
@@ -169,6 +174,8 @@ class HTTPMetricsMiddleware:
             return
         path = scope.get("path", "")
         label = path if path in self.known_paths else "other"
+        method = scope.get("method", "")
+        method = method if method in HTTP_METHODS else "other"
         status = 500
 
         async def send_wrapper(message: Message) -> None:
@@ -181,4 +188,4 @@ class HTTPMetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            self.metrics.finished(scope.get("method", ""), label, status)
+            self.metrics.finished(method, label, status if 100 <= status <= 599 else 500)

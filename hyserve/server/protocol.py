@@ -2,9 +2,23 @@
 
 Requests are validated strictly (``"max_tokens": "16"`` or ``"temperature": true`` are 400s, not coerced); fields that
 accept several shapes (``prompt``, ``messages``, ``stop``) are checked by hand so that the error names the field and
-says what is accepted. Unknown fields are ignored, as vLLM and OpenAI do. Besides OpenAI's fields the requests take
+says what is accepted (their OpenAPI schema still spells the shapes out). Besides OpenAI's fields the requests take
 vLLM's extra sampling fields (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ...), which the
 ``openai`` client sends through ``extra_body``.
+
+Nothing is accepted and silently ignored. A field this server does not implement is a 400 naming it, unless it is
+set to its no-op value: an unknown field (``guided_json``, ``structured_outputs``, ``prompt_logprobs``,
+``reasoning_effort``, ...) is accepted only as ``null``; declared but unimplemented ones (``frequency_penalty``,
+``logit_bias``, ``response_format``, ``stream_options.continuous_usage_stats``, ...) only at their neutral value.
+Tools: there is no tool-call parser, so the server can never answer with structured ``tool_calls``. ``tools`` are
+rendered into the prompt through the chat template (as transformers' ``apply_chat_template(messages, tools=...)``)
+only with ``tool_choice: "none"``, which asks for a text answer; ``tools`` with ``tool_choice`` absent, ``"auto"``,
+``"required"`` or a named function is a 400 (OpenAI's default with tools is ``"auto"``, which promises tool calls).
+``tool_choice`` ``"none"``/``"auto"`` without tools is a no-op, and so is ``parallel_tool_calls`` (no tool call is
+ever produced). An assistant message's ``tool_calls`` (arguments as a JSON string, as OpenAI sends them, are parsed
+to objects as chat templates expect), a tool message's ``tool_call_id`` and ``name`` reach the template. Text with
+lone UTF-16 surrogates (JSON ``"\\ud800"``) is a 400 naming the field; the stop list is bounded
+(``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_STRING_CHARS`` characters).
 
 Every refusal raises ``APIError`` (HTTP status, message, the offending field as ``param``); the app turns it into
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -12,17 +26,34 @@ Every refusal raises ``APIError`` (HTTP status, message, the offending field as 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 
 from hyserve.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Stop strings are matched against the tail of the output after every token and held back while streaming, so
+# their number and length cost on every step: bounded (OpenAI allows 4; these leave room for vLLM-style use).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+ECHO_LIMIT = 80  # characters of a client's value quoted back in an error message
+# Message keys passed to the chat template besides role and content; any other key must be null.
+MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 
 class APIError(Exception):
@@ -42,18 +73,117 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def short_repr(x: Any, limit: int = ECHO_LIMIT) -> str:
+    """``repr(x)`` cut to ``limit`` characters: what an error message may quote of a client's value.
+
+    ``repr`` escapes what JSON cannot carry (lone surrogates) and the cut keeps a 100 MB value out of the answer;
+    huge containers are cut before ``repr`` walks them whole.
+    """
+    if isinstance(x, (list, tuple)) and len(x) > limit:
+        x = type(x)(x[:limit])
+    elif isinstance(x, dict) and len(x) > limit:
+        x = dict(list(x.items())[:limit])
+    elif isinstance(x, str) and len(x) > limit:
+        x = x[:limit]
+    r = repr(x)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def find_bad_text(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string (key or value) holding a lone UTF-16 surrogate.
+
+    JSON ``"\\ud800"`` (and CESU-8 bytes, which ``json.loads`` decodes with ``surrogatepass``) parse into such
+    strings; they are not text, cannot be tokenized or encoded as UTF-8, and are refused at the door.
+    """
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                return where or "body"
+        elif isinstance(v, dict):
+            items = list(v.items())
+            for k, x in reversed(items):
+                key = str(k)
+                if _has_surrogate(key):
+                    return where or "body"
+                stack.append((f"{where}.{key}" if where else key, x))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------- requests
 
 
 class _StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """No coercion; an unknown field is accepted only as ``null`` (its no-op value) and is a 400 otherwise."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_unknowns(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(v is None and k not in cls.model_fields for k, v in data.items()):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
+
+
+class _RequestModel(_StrictModel):
+    """A whole request body: text holding lone surrogates is refused first, naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_bad_text(cls, data: Any) -> Any:
+        where = find_bad_text(data)
+        if where is not None:
+            raise APIError(f"{where} is not valid Unicode text: it holds a lone UTF-16 surrogate (e.g. \\ud800)",
+                           param=None if where == "body" else where)
+        return data
 
 
 class StreamOptions(_StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # accepted only as false: usage comes in one chunk at the end
 
 
-class _SamplingRequest(_StrictModel):
+# OpenAPI schemas of the fields validated by hand (the validation itself stays in the request methods, whose errors
+# name the field and say what is accepted).
+_STOP_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
+                                                "maxItems": MAX_STOP_STRINGS}, {"type": "null"}],
+                "description": "a stop string or a list of them"}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}},
+                             "minItems": 1, "maxItems": 1}],
+                  "description": "a string, a list of token ids, or a list holding one of those"}
+_TEXT_PART_SCHEMA = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                     "required": ["type", "text"]}
+_TOOL_CALL_SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "properties": {"name": {"type": "string"},
+                                                  "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}]}},
+                 "required": ["name"]}}, "required": ["function"]}
+_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+    "role": {"enum": list(CHAT_ROLES)},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}, {"type": "null"}]},
+    "name": {"type": "string"}, "tool_call_id": {"type": "string"}, "reasoning_content": {"type": "string"},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL_SCHEMA}}, "required": ["role", "content"]},
+    "description": "a non-empty list of {'role': ..., 'content': ...}"}
+StopField = Annotated[Any, WithJsonSchema(_STOP_SCHEMA)]
+PromptField = Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+MessagesField = Annotated[Any, WithJsonSchema(_MESSAGES_SCHEMA)]
+
+
+class _SamplingRequest(_RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -63,7 +193,7 @@ class _SamplingRequest(_StrictModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: Any = None  # str | list[str] | None: checked by SamplingParams, whose errors name the field
+    stop: StopField = None  # str | list[str] | None: checked by hand and by SamplingParams, naming the field
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -98,15 +228,44 @@ class _SamplingRequest(_StrictModel):
             raise APIError(f"n must be 1 (got {self.n}): only one completion per request is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError("stream_options.continuous_usage_stats is not supported yet (usage comes in one chunk "
+                           "at the end with include_usage)", param="stream_options.continuous_usage_stats")
+        self._check_stop()
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str]
-                         ) -> SamplingParams:
+    def _check_stop(self) -> None:
+        """Shape and bounds of ``stop`` and ``stop_token_ids`` (their values are checked by ``SamplingParams``)."""
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, list):
+                raise APIError(f"stop must be a string or a list of strings (got {short_repr(stop)})", param="stop")
+            if len(stop) > MAX_STOP_STRINGS:
+                raise APIError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are accepted",
+                               param="stop")
+            for i, x in enumerate(stop):
+                if not isinstance(x, str):
+                    raise APIError(f"stop[{i}] must be a string (got {short_repr(x)})", param="stop")
+        for i, x in enumerate([stop] if isinstance(stop, str) else stop or []):
+            if not x:
+                raise APIError("stop must not contain empty strings", param="stop")
+            if len(x) > MAX_STOP_STRING_CHARS:
+                raise APIError(f"stop[{i}] has {len(x)} characters; at most {MAX_STOP_STRING_CHARS} are accepted",
+                               param="stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are "
+                           "accepted", param="stop_token_ids")
+
+    # Sampling fields a checkpoint's generation_config.json may default (``LLMEngine.default_sampling_params``)
+    # and the value used when neither the request nor the checkpoint sets one (vLLM's defaults).
+    _DEFAULTABLE: ClassVar[dict[str, Any]] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str],
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """``defaults`` (the checkpoint's generation config) fill the sampling fields the request did not set;
+        a field the request set, even to ``null``, keeps the request's choice."""
+        defaults = defaults or {}
         kwargs: dict[str, Any] = {
             "n": self.n,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": 0 if self.top_k is None else self.top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
             "seed": self.seed,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -117,10 +276,18 @@ class _SamplingRequest(_StrictModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
+        for name, fallback in self._DEFAULTABLE.items():
+            value = getattr(self, name)
+            if value is None and name not in self.model_fields_set:
+                value = defaults.get(name)
+            kwargs[name] = fallback if value is None else value
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
-            raise APIError(str(e), param=sampling_error_param(str(e), names)) from e
+            message = str(e)
+            if len(message) > 4 * ECHO_LIMIT:
+                message = message[: 4 * ECHO_LIMIT] + "..."
+            raise APIError(message, param=sampling_error_param(message, names)) from e
 
     @property
     def include_usage(self) -> bool:
@@ -142,7 +309,7 @@ def sampling_error_param(message: str, names: dict[str, str] | None = None) -> s
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16 (OpenAI's default)."""
 
-    prompt: Any = Field(description="a string, a list of token ids, or a list holding one of those")
+    prompt: PromptField = Field(description="a string, a list of token ids, or a list holding one of those")
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -175,7 +342,8 @@ class CompletionRequest(_SamplingRequest):
                 raise APIError("prompt must not be empty", param="prompt")
         raise APIError(f"prompt must be {shapes}", param="prompt")
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def check(self) -> None:
+        """Refuse what this server does not implement (before the prompt is tokenized)."""
         self._check_unsupported()
         if self.echo:
             raise APIError("echo is not supported yet", param="echo")
@@ -183,20 +351,27 @@ class CompletionRequest(_SamplingRequest):
             raise APIError("suffix is not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})", param="logprobs")
-        return self._sampling_params(max_tokens, self.logprobs, {})
+
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        self.check()
+        return self._sampling_params(max_tokens, self.logprobs, {}, defaults)
 
 
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``. ``max_tokens`` (or ``max_completion_tokens``) defaults to the room left in the
     context after the prompt."""
 
-    messages: Any = Field(description="a non-empty list of {'role': ..., 'content': ...}")
+    messages: MessagesField = Field(description="a non-empty list of {'role': ..., 'content': ...}")
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    # Accepted only when the server runs with --trust-request-chat-template (vLLM's rule).
+    chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # no tool call is ever produced, so any value holds
     response_format: dict[str, Any] | None = None
 
     def parse_messages(self) -> list[dict[str, Any]]:
@@ -218,8 +393,53 @@ class ChatCompletionRequest(_SamplingRequest):
                                param=f"{where}.role")
             if "content" not in m:
                 raise APIError(f"{where}.content is missing", param=f"{where}.content")
-            out.append({"role": role, "content": _message_text(m["content"], role, f"{where}.content")})
+            msg: dict[str, Any] = {"role": role, "content": _message_text(m["content"], role, f"{where}.content")}
+            for key, value in m.items():
+                if key in ("role", "content") or value is None:
+                    continue  # null is every optional key's no-op value (clients echo e.g. "refusal": null back)
+                if key not in MESSAGE_KEYS:
+                    raise APIError(f"{where}.{short_repr(key)[1:-1]} is not supported (only role, content, "
+                                   f"{', '.join(MESSAGE_KEYS)} are)", param=f"{where}.{key}")
+                if key == "tool_calls":
+                    if role != "assistant":
+                        raise APIError(f"{where}.tool_calls is only allowed in assistant messages",
+                                       param=f"{where}.tool_calls")
+                    msg[key] = _tool_calls(value, f"{where}.tool_calls")
+                elif not isinstance(value, str):
+                    raise APIError(f"{where}.{key} must be a string (got {short_repr(value)})",
+                                   param=f"{where}.{key}")
+                else:
+                    msg[key] = value
+            out.append(msg)
         return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools to render into the prompt, or None; refuses a tool_choice that promises tool calls.
+
+        There is no tool-call parser, so the answer is always text: tools are rendered only under
+        ``tool_choice: "none"`` (text wanted, the model told which tools exist), and a choice that asks for tool calls
+        (absent with tools, which OpenAI reads as "auto"; "auto"; "required"; a named function) is refused.
+        """
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function (got "
+                           f"{short_repr(choice)})", param="tool_choice")
+        if not self.tools:
+            if choice is None or choice in ("none", "auto"):
+                return None  # nothing to call: a no-op
+            raise APIError("tool_choice asks for a tool call but no tools are given", param="tool_choice")
+        if choice != "none":
+            got = "absent, which means 'auto' with tools" if choice is None else short_repr(choice)
+            raise APIError("this server has no tool-call parser, so it cannot answer with tool_calls: send "
+                           "tool_choice: 'none' to have the tools rendered into the prompt and get a text answer "
+                           f"(tool_choice is {got})", param="tool_choice")
+        for i, tool in enumerate(self.tools):
+            fn = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str):
+                raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}",
+                               param=f"tools[{i}]")
+        return list(self.tools)
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -228,28 +448,58 @@ class ChatCompletionRequest(_SamplingRequest):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def check(self) -> None:
+        """Refuse what this server does not implement (before the messages are rendered)."""
         self._check_unsupported()
-        if self.tools:
-            raise APIError("tools are not supported yet", param="tools")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise APIError("response_format other than {'type': 'text'} is not supported yet",
                            param="response_format")
-        logprobs: int | None = None
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.top_logprobs})",
                                param="top_logprobs")
-        if self.logprobs:
-            logprobs = self.top_logprobs or 0
+
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        self.check()
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         _, max_name = self.requested_max_tokens
-        return self._sampling_params(max_tokens, logprobs, {"max_tokens": max_name, "logprobs": "top_logprobs"})
+        return self._sampling_params(max_tokens, logprobs, {"max_tokens": max_name, "logprobs": "top_logprobs"},
+                                     defaults)
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as chat templates read them: ``function.arguments`` as an object.
+
+    OpenAI sends arguments as a JSON string; transformers' templates expect a dict (as vLLM converts them).
+    """
+    if not isinstance(value, list):
+        raise APIError(f"{where} must be a list of tool calls (got {short_repr(value)})", param=where)
+    out: list[dict[str, Any]] = []
+    for j, call in enumerate(value):
+        here = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or call.get("type") not in (None, "function"):
+            raise APIError(f"{here} must be {{'type': 'function', 'function': {{'name': str, 'arguments': ...}}}}",
+                           param=here)
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise APIError(f"{here}.function.arguments is not valid JSON: {e}", param=f"{here}.function.arguments"
+                               ) from e
+        if not isinstance(args, dict):
+            raise APIError(f"{here}.function.arguments must be a JSON object (got {short_repr(args)})",
+                           param=f"{here}.function.arguments")
+        out.append({**call, "type": "function", "function": {**fn, "arguments": args}})
+    return out
 
 
 def _message_text(content: Any, role: str, where: str) -> str:
