@@ -12,6 +12,16 @@ consuming exactly that prefix (invariant 4). The block size stays small (16); wh
 A hit of length L needs KV for [0, L) *and* a snapshot at exactly L, with L <= num_tokens - 1 (the last known token
 is always computed, so the step produces logits). Lookup takes the deepest such L.
 
+Lookahead (speculative decoding with the MTP head). A block's storage also holds the MTP layer's KV, and the MTP
+entry at position i depends on token i + 1 (invariant 5): the entry at a block's last position depends on the first
+token of the *next* block. So with MTP the key of block ``i`` also covers that one token,
+``h_i = H(h_{i-1}, tokens [i*B, (i+1)*B + 1))``, and every entry a block holds is a function of its key: any chain of
+cached blocks (whoever published each of them, and however the branches they came from split) holds exactly the MTP
+entries a from-scratch computation of the hitting request would, with nothing to recompute and no private copy. The
+price: a block is keyed, published and snapshotted only once the token after it is known and the MTP entry before
+it is written (position ``num_tokens - 1`` is never a snapshot point), and two requests that split exactly at a block
+boundary share one block less.
+
 Correctness rests on three rules, each enforced in one place here:
 * A snapshot is copied out of a request's slot only right after the step that brought the slot to the snapshot's
   position, and is published after that copy is queued, so a later step's copy-in reads finished data; nothing
@@ -47,14 +57,15 @@ def hash_block(parent: bytes, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def extend_block_hashes(req: Request, block_size: int, upto_tokens: int) -> None:
-    """Extend ``req.block_hashes`` to cover every full block inside the first ``upto_tokens`` tokens."""
-    n_full = min(upto_tokens, req.num_tokens) // block_size
+def extend_block_hashes(req: Request, block_size: int, upto_tokens: int, lookahead: int = 0) -> None:
+    """Extend ``req.block_hashes`` to cover every full block inside the first ``upto_tokens`` tokens whose
+    ``lookahead`` following tokens are known too (block ``i``'s key covers tokens [i*B, (i+1)*B + lookahead))."""
+    n_full = min(upto_tokens, req.num_tokens - lookahead) // block_size
     hashes = req.block_hashes
     while len(hashes) < n_full:
         i = len(hashes)
         parent = hashes[-1] if hashes else ROOT_HASH
-        hashes.append(hash_block(parent, req.token_ids(i * block_size, (i + 1) * block_size)))
+        hashes.append(hash_block(parent, req.token_ids(i * block_size, (i + 1) * block_size + lookahead)))
 
 
 @dataclass(slots=True)
@@ -76,7 +87,7 @@ class SnapshotStats:
 
 class PrefixCache:
     def __init__(self, block_pool: BlockPool, state_pool: StatePool, block_size: int,
-                 snapshot_interval: int, has_recurrent_state: bool = True) -> None:
+                 snapshot_interval: int, has_recurrent_state: bool = True, lookahead: int = 0) -> None:
         if snapshot_interval <= 0 or snapshot_interval % block_size:
             raise ValueError(f"recurrent_snapshot_interval must be a positive multiple of block_size={block_size} "
                              f"(got {snapshot_interval}); set --recurrent-snapshot-interval")
@@ -85,6 +96,8 @@ class PrefixCache:
         self.block_size = block_size
         self.interval = snapshot_interval
         self.has_recurrent_state = has_recurrent_state
+        # 1 with an MTP draft layer: a block's key also covers the token after it (see the module docstring).
+        self.lookahead = lookahead
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> snapshot index, LRU first
         self._free_snapshots = list(range(state_pool.num_snapshots - 1, -1, -1))
         self._pinned: dict[int, int] = {}
@@ -96,8 +109,8 @@ class PrefixCache:
     def lookup(self, req: Request) -> PrefixHit:
         """Deepest hit for ``req`` (references its blocks, pins its snapshot); ``release_hit`` undoes it."""
         bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
-        extend_block_hashes(req, bs, max_blocks * bs)
+        max_blocks = (req.num_tokens - 1) // bs  # also keyable: the token after block max_blocks - 1 is known
+        self._extend_hashes(req, max_blocks * bs)
         kv_depth = best = 0
         for i in range(max_blocks):
             h = req.block_hashes[i]
@@ -141,24 +154,38 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ policy
 
+    def keyable_tokens(self, req: Request) -> int:
+        """How many of ``req``'s tokens can be named by a key: all but the lookahead (see the module docstring)."""
+        return req.num_tokens - self.lookahead
+
+    def _extend_hashes(self, req: Request, upto_tokens: int) -> None:
+        extend_block_hashes(req, self.block_size, upto_tokens, self.lookahead)
+
+    def _prompt_end_point(self, req: Request) -> int:
+        return ((req.num_prompt_tokens - self.lookahead) // self.block_size) * self.block_size
+
     def next_snapshot_point(self, req: Request, start: int, end: int) -> int | None:
-        """The first snapshot position in (start, end] for a chunk of ``req``, or None."""
+        """The first snapshot position in (start, end] for a chunk of ``req``, or None (only keyable positions)."""
         bs = self.block_size
-        points = [(req.num_tokens // bs) * bs, (start // self.interval + 1) * self.interval]
+        limit = min(end, self.keyable_tokens(req))
+        points = [(self.keyable_tokens(req) // bs) * bs, (start // self.interval + 1) * self.interval]
         if req.branch_point is not None:
             points.append(req.branch_point)
-        inside = [p for p in points if start < p <= end]
+        inside = [p for p in points if start < p <= limit]
         return min(inside) if inside else None
 
     # ------------------------------------------------------------------ publish
 
     def publish_blocks(self, req: Request, num_computed: int) -> None:
-        """Publish the request's full blocks whose tokens are all computed (and verified)."""
+        """Publish the request's full blocks whose tokens are all computed (and verified) and keyable.
+
+        With lookahead the caller guarantees that the MTP entries of positions [0, num_computed) are written.
+        """
         bs = self.block_size
-        n_full = num_computed // bs
+        n_full = min(num_computed, self.keyable_tokens(req)) // bs
         if n_full <= req.num_published_blocks:
             return
-        extend_block_hashes(req, bs, n_full * bs)
+        self._extend_hashes(req, n_full * bs)
         for i in range(req.num_published_blocks, n_full):
             self.block_pool.publish(req.block_table[i], req.block_hashes[i])
         req.num_published_blocks = n_full
@@ -171,11 +198,12 @@ class PrefixCache:
         The snapshot is published at once: nothing reads it before the next step, and the copy is queued ahead of
         anything that step does.
         """
-        if not self.has_recurrent_state or position <= 0 or position % self.block_size:
+        if not self.has_recurrent_state or position <= 0 or position % self.block_size \
+                or position > self.keyable_tokens(req):
             return None
         assert req.state_slot is not None
         i = position // self.block_size - 1
-        extend_block_hashes(req, self.block_size, position)
+        self._extend_hashes(req, position)
         h = req.block_hashes[i]
         if h in self._snapshots:
             self._snapshots.move_to_end(h)
@@ -192,7 +220,7 @@ class PrefixCache:
     def _retire_rolling(self, req: Request, new_hash: bytes, position: int) -> None:
         """While decoding, keep only the latest boundary snapshot of a request unless a policy point needs it."""
         is_policy_point = position % self.interval == 0 or position == req.branch_point \
-            or position == (req.num_prompt_tokens // self.block_size) * self.block_size
+            or position == self._prompt_end_point(req)
         old = req.rolling_snapshot_hash
         req.rolling_snapshot_hash = None if is_policy_point else new_hash
         if old is None or old not in self._snapshots:

@@ -6,9 +6,11 @@ token ids and text so far (vLLM's default), so a caller can drive many requests 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +32,7 @@ from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, stop_token_ids
 logger = logging.getLogger("hyserve")
 
 PromptType = str | dict[str, Any] | list[int]
+T = TypeVar("T")
 
 
 class LLMEngine(SpeculativeStepMixin):
@@ -56,11 +59,11 @@ class LLMEngine(SpeculativeStepMixin):
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.runner.block_pool, self.runner.state_pool, config.block_size,
                                             config.recurrent_snapshot_interval,
-                                            has_recurrent_state=bool(self.model_config.linear_layer_ids))
+                                            has_recurrent_state=bool(self.model_config.linear_layer_ids),
+                                            lookahead=1 if self.use_mtp else 0)
         self.scheduler = Scheduler(self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
                                    self.runner.block_pool, self.runner.state_pool, self.prefix_cache,
-                                   speculative=self.spec_config is not None,
-                                   copy_last_hit_block=self.use_mtp and self.prefix_cache is not None)
+                                   speculative=self.spec_config is not None)
         self.proposer: Proposer | None = None
         self.rejection_sampler: RejectionSampler | None = None
         self._mtp_next: dict[str, tuple[torch.Tensor, int, int]] = {}
@@ -143,6 +146,7 @@ class LLMEngine(SpeculativeStepMixin):
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
+        self.check_sampling_params(params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
@@ -159,6 +163,15 @@ class LLMEngine(SpeculativeStepMixin):
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         self.metrics.on_request_added(len(ids))
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Refuse (ValueError naming the field) what SamplingParams alone cannot judge: values that depend on the
+        model. The server calls this before queueing a request; add_request calls it too."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}) (vocabulary size "
+                             f"{vocab}): {bad[:5]}")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -181,27 +194,65 @@ class LLMEngine(SpeculativeStepMixin):
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.metrics.on_preemptions(len(sched.preempted))
+        outputs: list[RequestOutput] = []
+        for req, why in sched.failed:  # can never be admitted: an error now rather than a queue blocked forever
+            self._fail(req, why)
+            outputs.append(self._final_output(req))
         if sched.is_empty:
-            return []
+            return outputs
         if self.spec_config is not None:
-            return self._step_speculative(sched.rows)
+            return outputs + self._step_speculative(sched.rows)
         t0 = time.perf_counter()
         sampling_rows, sampled = self._sampling_rows(sched.rows)
-        result = self.runner.execute(sched.rows, sampling_rows)
-        outputs: list[RequestOutput] = []
-        for row in sched.rows:
+        rows = self._drop_failed(sched.rows, outputs)
+        if not rows:
+            return outputs
+        result = self.runner.execute(rows, sampling_rows)
+        for row in rows:
             row.request.num_computed_tokens = row.end
         if self.prefix_cache is not None:
-            self._publish(sched.rows)
+            self._publish(rows)
         if result is not None:
             self._apply_samples(sampled, result)
-        for row in sched.rows:
+        for row in rows:
             req = row.request
             outputs.append(self._make_output(req))
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
-        self.metrics.on_step(sched.num_tokens, len(sampled), time.perf_counter() - t0)
+        self.metrics.on_step(sum(r.num_new_tokens for r in rows), len(sampled), time.perf_counter() - t0)
         return outputs
+
+    def _fail(self, req: Request, why: str) -> None:
+        """Finish ``req`` alone with finish_reason "error" (a log line, the error metric); the others go on."""
+        req.error = why
+        logger.error("request %s: %s; finishing it with an error", req.request_id, why)
+        self._finish(req, "error")
+
+    def _guard(self, req: Request, what: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, or None after failing ``req`` alone if it raises: one request's bad input or a bug on its
+        path (sampling row, detokenization, stop checks) must not kill the step for every other request."""
+        try:
+            return fn()
+        except Exception as e:  # any failure here is this request's alone
+            logger.exception("request %s: %s failed", req.request_id, what)
+            if not req.is_finished:
+                self._fail(req, f"{what} failed: {type(e).__name__}: {e}")
+            return None
+
+    def _final_output(self, req: Request) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        return self._make_output(req)
+
+    def _drop_failed(self, rows: list[ScheduledRow], outputs: list[RequestOutput]) -> list[ScheduledRow]:
+        """Rows whose request failed before the forward leave the step (their memory is already freed; their
+        snapshot pins are released here); their final outputs go to ``outputs``."""
+        kept = [r for r in rows if not r.request.is_finished]
+        for row in rows:
+            if row.request.is_finished:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.unpin(row.load_snapshot)
+                outputs.append(self._final_output(row.request))
+        return kept
 
     def _publish(self, rows: list[ScheduledRow], vrows: list[ScheduledRow] | None = None,
                  accepted: list[int] | None = None) -> None:
@@ -219,14 +270,12 @@ class LLMEngine(SpeculativeStepMixin):
         cand_pos: list[int] = []
         cand_dst: list[int] = []
         verify_index = {id(r): i for i, r in enumerate(vrows or [])}
-        offsets = self._row_offsets(rows)
-        hidden_src: list[int] = []
-        hidden_dst: list[int] = []
-        snap_base = self.runner.state_pool.snapshot_entry(0)
-        for idx, row in enumerate(rows):
+        for row in rows:
             req = row.request
-            # A stop inside accepted drafts drops the tokens after it: publish only tokens the request has.
-            computed = min(req.num_computed_tokens, req.num_tokens)
+            # A stop inside accepted drafts drops the tokens after it: publish only tokens the request has. With
+            # MTP (lookahead) also only positions whose MTP entry is written: the step wrote those before the
+            # request's last known token (see ``_mtp_consume``), exactly the keyable ones.
+            computed = min(req.num_computed_tokens, pc.keyable_tokens(req))
             pc.publish_blocks(req, computed)
             if row.is_verify:
                 i = verify_index[id(row)]
@@ -238,38 +287,34 @@ class LLMEngine(SpeculativeStepMixin):
                         cand_rows.append(i)
                         cand_pos.append(point - row.start - 1)
                         cand_dst.append(entry)
-                        hidden_src.append(offsets[idx] + point - row.start - 1)
-                        hidden_dst.append(entry - snap_base)
             elif row.snapshot_at is not None:
                 entry = pc.take_snapshot(req, row.end)
                 if entry is not None and req.state_slot is not None:
                     src.append(req.state_slot)
                     dst.append(entry)
-                    hidden_src.append(offsets[idx] + row.num_new_tokens - 1)
-                    hidden_dst.append(entry - snap_base)
             pc.unpin(row.load_snapshot)
-        if self.use_mtp and hidden_src and self.runner.last_hidden is not None:
-            dev = self.runner.last_hidden.device
-            self.runner.snapshot_hidden[torch.tensor(hidden_dst, device=dev)] = \
-                self.runner.last_hidden[torch.tensor(hidden_src, device=dev)]
         self.runner.state_pool.copy(src, dst)
         self.runner.snapshot_candidates(cand_rows, cand_pos, cand_dst)
 
     def _sampling_rows(self, rows: list[ScheduledRow]) -> tuple[list[SamplingRow], list[Request]]:
+        """The sampling rows of the rows that sample; a request whose row cannot be built fails alone (before
+        the forward: the caller drops its row, see ``_drop_failed``)."""
         srows: list[SamplingRow] = []
         reqs: list[Request] = []
         for row in rows:
             if not row.samples:
                 continue
             req = row.request
-            p = req.sampling_params
-            seed = None if p.seed is None else token_seed(p.seed, req.num_output_tokens)
-            banned: list[int] = []
-            if req.num_output_tokens < p.min_tokens:
-                banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-            srows.append(SamplingRow(params=p, seed=seed, banned_token_ids=banned))
-            reqs.append(req)
+            srow = self._guard(req, "building its sampling row", functools.partial(self._sampling_row, req))
+            if srow is not None:
+                srows.append(srow)
+                reqs.append(req)
         return srows, reqs
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        p = req.sampling_params
+        seed = None if p.seed is None else token_seed(p.seed, req.num_output_tokens)
+        return SamplingRow(params=p, seed=seed, banned_token_ids=self._banned(req, req.num_output_tokens))
 
     def _apply_samples(self, reqs: list[Request], result: SamplerOutput) -> None:
         errors = set(result.error_rows)
@@ -280,17 +325,21 @@ class LLMEngine(SpeculativeStepMixin):
                              req.request_id, req.num_output_tokens)
                 self._finish(req, "error")
                 continue
-            token = int(result.token_ids[i])
-            req.output_token_ids.append(token)
-            if req.sampling_params.logprobs is not None and result.logprobs is not None:
-                req.sampled_logprobs.append(float(result.logprobs[i]))
-                entry = dict(result.top_logprobs[i]) if result.top_logprobs is not None else {}
-                entry.setdefault(token, float(result.logprobs[i]))
-                req.output_logprobs.append(entry)
-            if req.detokenizer is not None:
-                req.detokenizer.append([token])
-                req.output_text = req.detokenizer.text
-            self._check_stop(req, token)
+            self._guard(req, "taking its sampled token", functools.partial(self._apply_sample, req, i, result))
+
+    def _apply_sample(self, req: Request, i: int, result: SamplerOutput) -> None:
+        """Append row ``i``'s token to ``req``: logprobs, detokenization, stop checks."""
+        token = int(result.token_ids[i])
+        req.output_token_ids.append(token)
+        if req.sampling_params.logprobs is not None and result.logprobs is not None:
+            req.sampled_logprobs.append(float(result.logprobs[i]))
+            entry = dict(result.top_logprobs[i]) if result.top_logprobs is not None else {}
+            entry.setdefault(token, float(result.logprobs[i]))
+            req.output_logprobs.append(entry)
+        if req.detokenizer is not None:
+            req.detokenizer.append([token])
+            req.output_text = req.detokenizer.text
+        self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.sampling_params

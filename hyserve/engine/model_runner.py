@@ -84,13 +84,6 @@ class ModelRunner:
         if self.mtp is not None:
             (k_cache, v_cache), = self._allocate_kv(self.layout.num_kv_blocks, num_layers=1)
             self.mtp.attention.k_cache, self.mtp.attention.v_cache = k_cache, v_cache
-            self.kv_caches_all = [*self.kv_caches, (k_cache, v_cache)]
-            # The target's hidden state at the position before each snapshot: a prefix hit recomputes the MTP KV
-            # entry there, whose next token may differ from the one it was computed with (invariant 5).
-            self.snapshot_hidden = torch.zeros(max(self.layout.num_snapshots, 1), model_config.hidden_size,
-                                               dtype=dtype, device=device)
-        else:
-            self.kv_caches_all = list(self.kv_caches)
         if num_speculative_tokens:
             self._allocate_verify_scratch(num_speculative_tokens + 1)
         self.max_model_len = 0  # set by set_max_model_len once the engine knows it
@@ -254,17 +247,6 @@ class ModelRunner:
         n = len(cfg.attention_layer_ids) if num_layers is None else num_layers
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(n)]
-
-    @torch.inference_mode()
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole KV blocks (every attention layer and the MTP layer): copy-on-write of a shared block."""
-        if not src:
-            return
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches_all:
-            k_cache.index_copy_(0, d, k_cache.index_select(0, s))
-            v_cache.index_copy_(0, d, v_cache.index_select(0, s))
 
     def _allocate_verify_scratch(self, positions: int) -> None:
         cfg = self.model_config
@@ -524,8 +506,6 @@ class ModelRunner:
         return self.sampler(logits, sampling_rows)
 
     def _load_states(self, rows: list[ScheduledRow]) -> None:
-        cow = [r.cow_block for r in rows if r.cow_block is not None]
-        self.copy_blocks([c[0] for c in cow], [c[1] for c in cow])
         # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).
         self.state_pool.reset([r.request.state_slot for r in rows if r.start == 0 and r.request.state_slot is not None])
         loads = [(r.load_snapshot, r.request.state_slot) for r in rows if r.load_snapshot is not None]

@@ -10,6 +10,12 @@ front of the queue, to be recomputed from its prompt and the output it had produ
 With prefix caching, admission first looks the request up (``PrefixCache.lookup``): a hit of L tokens gives it the
 cached KV blocks of [0, L) and a snapshot to copy into its slot, and it starts computing at L. Chunks are split so
 that every snapshot point of a request falls on the end of a chunk.
+
+Liveness: admission never waits for memory that cannot be freed. A request's first chunk needs the blocks of
+[0, end) and nothing else (a hit's blocks are shared as they are, see ``prefix_cache``), and every admitted prompt is
+shorter than max_model_len, which fits the pool; so with nothing running the FCFS head always fits. Should it not
+(a bug, or a pool smaller than its request), the head is failed (``SchedulerOutput.failed``, finished with an error
+that names both numbers) instead of blocking every request behind it forever.
 """
 
 from __future__ import annotations
@@ -33,9 +39,6 @@ class ScheduledRow:
     # Speculative decoding: a verify row feeds [last token + drafts]; its GDN state goes to scratch until accepted.
     draft_token_ids: list[int] = field(default_factory=list)
     is_verify: bool = False
-    # MTP + prefix hit: (shared block, private copy) copied before the step, so that the MTP KV entry at the last
-    # hit position can be recomputed without writing a published block (invariant 5).
-    cow_block: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -51,6 +54,8 @@ class ScheduledRow:
 class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that can never be admitted (with the reason): the engine finishes them with an error.
+    failed: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,15 +68,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_pool: BlockPool,
-                 state_pool: StatePool, prefix_cache: PrefixCache | None = None, speculative: bool = False,
-                 copy_last_hit_block: bool = False) -> None:
+                 state_pool: StatePool, prefix_cache: PrefixCache | None = None, speculative: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = block_pool
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
         self.speculative = speculative
-        self.copy_last_hit_block = copy_last_hit_block
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.waiting: deque[Request] = deque()
@@ -106,23 +109,22 @@ class Scheduler:
             hit = self.prefix_cache.lookup(req) if self.prefix_cache else PrefixHit(0, [], None, None)
             req.branch_point = hit.branch_point
             row = self._chunk(req, hit.num_tokens, budget)
-            cow = bool(self.copy_last_hit_block and hit.blocks)
-            need = self.block_pool.blocks_needed(row.end, len(hit.blocks)) + int(cow)
+            need = self.block_pool.blocks_needed(row.end, len(hit.blocks))
             if need > self.block_pool.num_free_blocks:
                 if self.prefix_cache:
                     self.prefix_cache.release_hit(hit)
+                if not self.running:
+                    # Nothing holds memory that could be freed for it: waiting would hang every request behind it.
+                    self.waiting.popleft()
+                    out.failed.append((req, f"its first chunk needs {need + len(hit.blocks)} KV blocks but the "
+                                            f"cache has {self.block_pool.num_usable_blocks}"))
+                    continue
                 break
             self.waiting.popleft()
             req.state_slot = self.state_pool.allocate()
-            new_blocks = self.block_pool.allocate(need)
-            if cow:
-                # The shared block keeps its reference until the engine releases it after this step's copy.
-                row.cow_block = (hit.blocks[-1], new_blocks[0])
-                req.block_table = hit.blocks[:-1] + new_blocks
-            else:
-                req.block_table = hit.blocks + new_blocks
+            req.block_table = hit.blocks + self.block_pool.allocate(need)
             req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
-            req.num_published_blocks = len(hit.blocks) - int(cow)
+            req.num_published_blocks = len(hit.blocks)
             req.status = RequestStatus.RUNNING
             row.load_snapshot = hit.snapshot_entry
             if self.prefix_cache:

@@ -6,7 +6,8 @@
 
 ``h_i`` is the target's post-final-norm hidden state at position i. Multi-step drafting reuses the layer, feeding
 its own output as the next step's hidden state. The MTP layer's KV at position i depends on token i+1 (invariant 5):
-the engine recomputes an entry whenever the token after it was not part of what produced it (prefix hits).
+with MTP the prefix cache keys each block by its tokens and the one after it, so a cached block's MTP entries are
+always those of the request that hits it (``hyserve/cache/prefix_cache.py``, lookahead).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ step come from the n-gram proposer or the MTP head (``_mtp_consume`` / ``_mtp_pr
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -48,14 +49,20 @@ class SpeculativeStepMixin:
         assert self.rejection_sampler is not None
         t0 = time.perf_counter()
         rows = sorted(rows, key=lambda r: not r.is_verify)  # stable: verify rows first, as the runner needs
+        # Every row's sampling inputs are built before the forward: a request whose inputs fail leaves the step alone.
+        spec_rows = {id(r): self._guard(r.request, "building its verify row", functools.partial(self._spec_row, r))
+                     for r in rows if r.is_verify}
+        sampling_rows, sampled = self._sampling_rows([r for r in rows if not r.is_verify and r.samples])
+        failed_outputs: list[RequestOutput] = []
+        rows = self._drop_failed(rows, failed_outputs)
+        if not rows:
+            return failed_outputs
         vrows = [r for r in rows if r.is_verify]
-        srows = [r for r in rows if not r.is_verify and r.samples]
         logits = self.runner.execute_spec(rows)
         n_verify = sum(r.num_new_tokens for r in vrows)
         spec_out = None
         if vrows:
-            spec_out = self.rejection_sampler(logits[:n_verify], [self._spec_row(r) for r in vrows])
-        sampling_rows, sampled = self._sampling_rows(srows)
+            spec_out = self.rejection_sampler(logits[:n_verify], [spec_rows[id(r)] for r in vrows])
         samp_out = self.runner.sampler(logits[n_verify:], sampling_rows) if sampling_rows else None
         accepted: list[int] = []
         if spec_out is not None:
@@ -88,11 +95,8 @@ class SpeculativeStepMixin:
             self._deferred_finish = None
             for req in deferred:
                 self.scheduler.finish(req)
-            cow_sources = [r.cow_block[0] for r in rows if r.cow_block is not None]
-            if cow_sources:
-                self.runner.block_pool.free(cow_sources)
         self._rollback_and_propose(rows)
-        outputs = [self._make_output(r.request) for r in rows]
+        outputs = failed_outputs + [self._make_output(r.request) for r in rows]
         for row in rows:
             if row.request.is_finished:
                 self.requests.pop(row.request.request_id, None)
@@ -114,10 +118,16 @@ class SpeculativeStepMixin:
                        banned_token_ids=banned if any(banned) else None)
 
     def _banned(self: LLMEngine, req: Request, output_index: int) -> list[int]:
+        """Token ids banned at output ``output_index`` (min_tokens); ValueError for an id outside the vocabulary,
+        which would fail the sampler for every row of the step."""
         p = req.sampling_params
         if output_index >= p.min_tokens:
             return []
-        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        vocab = self.model_config.vocab_size
+        if banned and not (banned[0] >= 0 and banned[-1] < vocab):
+            raise ValueError(f"stop_token_ids / EOS ids {banned[:5]} reach outside the vocabulary [0, {vocab})")
+        return banned
 
     def _apply_verified(self: LLMEngine, vrows: list[ScheduledRow], out: Any) -> None:
         errors = set(out.error_rows)
@@ -129,21 +139,25 @@ class SpeculativeStepMixin:
                              req.request_id)
                 self._finish(req, "error")
                 continue
-            lps = out.logprobs[i] if out.logprobs is not None else []
-            tops = out.top_logprobs[i] if out.top_logprobs is not None else []
-            for j, token in enumerate(out.token_ids[i]):
-                req.output_token_ids.append(int(token))
-                if req.sampling_params.logprobs is not None and j < len(lps):
-                    req.sampled_logprobs.append(float(lps[j]))
-                    entry = dict(tops[j]) if j < len(tops) else {}
-                    entry.setdefault(int(token), float(lps[j]))
-                    req.output_logprobs.append(entry)
-                if req.detokenizer is not None:
-                    req.detokenizer.append([int(token)])
-                    req.output_text = req.detokenizer.text
-                self._check_stop(req, int(token))
-                if req.is_finished:
-                    break  # EOS / stop / max_tokens inside the accepted drafts: the rest is dropped
+            self._guard(req, "taking its verified tokens", functools.partial(self._apply_verified_row, req, i, out))
+
+    def _apply_verified_row(self: LLMEngine, req: Request, i: int, out: Any) -> None:
+        """Append verify row ``i``'s emitted tokens to ``req``: logprobs, detokenization, stop checks."""
+        lps = out.logprobs[i] if out.logprobs is not None else []
+        tops = out.top_logprobs[i] if out.top_logprobs is not None else []
+        for j, token in enumerate(out.token_ids[i]):
+            req.output_token_ids.append(int(token))
+            if req.sampling_params.logprobs is not None and j < len(lps):
+                req.sampled_logprobs.append(float(lps[j]))
+                entry = dict(tops[j]) if j < len(tops) else {}
+                entry.setdefault(int(token), float(lps[j]))
+                req.output_logprobs.append(entry)
+            if req.detokenizer is not None:
+                req.detokenizer.append([int(token)])
+                req.output_text = req.detokenizer.text
+            self._check_stop(req, int(token))
+            if req.is_finished:
+                break  # EOS / stop / max_tokens inside the accepted drafts: the rest is dropped
 
     def _row_offsets(self: LLMEngine, rows: list[ScheduledRow]) -> list[int]:
         offsets, t = [], 0
@@ -157,8 +171,9 @@ class SpeculativeStepMixin:
 
         Position p takes (token p+1, the target's hidden state at p); this writes the MTP KV entries of those
         positions before their blocks can be published, and its output at the last position proposes the first
-        draft. After a prefix hit of length L the entry at L-1 is recomputed too (its next token is the request's
-        own token L), from the hidden state stored with the snapshot, in a private copy of the last hit block.
+        draft. After it, the entries of every position before the request's last known token are written, which is
+        what publishing relies on. A prefix hit needs nothing here: with MTP a cached block's key covers the token
+        after it, so its entries are the hitting request's own (``prefix_cache``, lookahead).
         """
         runner = self.runner
         assert runner.last_hidden is not None
@@ -166,9 +181,6 @@ class SpeculativeStepMixin:
         verify_accepted = {id(r): a for r, a in zip(vrows, accepted, strict=True)}
         mrows: list[MTPRow] = []
         owners: list[Request] = []
-        extra: list[int] = []
-        n_hidden = runner.last_hidden.shape[0]
-        snap_base = runner.state_pool.snapshot_entry(0)
         for idx, row in enumerate(rows):
             req = row.request
             consumed = verify_accepted[id(row)] + 1 if row.is_verify else row.num_new_tokens
@@ -177,19 +189,11 @@ class SpeculativeStepMixin:
                 continue
             start = row.start
             hidden_index = [offsets[idx] + j for j in range(end - start)]
-            if row.load_snapshot is not None and start > 0:
-                extra.append(row.load_snapshot - snap_base)
-                hidden_index.insert(0, n_hidden + len(extra) - 1)
-                start -= 1
             mrows.append(MTPRow(start, req.token_ids(start + 1, end + 1), hidden_index, list(req.block_table)))
             owners.append(req)
         if not mrows:
             return
-        hidden = runner.last_hidden
-        if extra:
-            idx_t = torch.tensor(extra, dtype=torch.long, device=hidden.device)
-            hidden = torch.cat([hidden, runner.snapshot_hidden[idx_t]])
-        out, tokens = runner.mtp_draft(mrows, hidden)
+        out, tokens = runner.mtp_draft(mrows, runner.last_hidden)
         for i, (req, mrow) in enumerate(zip(owners, mrows, strict=True)):
             self._mtp_next[req.request_id] = (out[i], tokens[i], mrow.start + len(mrow.input_ids))
 
