@@ -1,7 +1,8 @@
 """One request cannot take the engine down: model-dependent sampling parameters are refused at add_request (naming
 the field and the vocabulary size), and a failure on one request's path inside a step (its sampling row, its
 detokenization, its stop checks) finishes that request alone with finish_reason "error" while the others go on and
-still match transformers.
+still match transformers. Also: a mixed step (a long prompt chunk beside many decoding rows) costs memory in
+proportion to its tokens, not to rows x prompt.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from conftest import CheckpointCache
 from test_engine import assert_matches_reference, drive, make_llm, random_prompts
 
@@ -83,3 +85,45 @@ def test_one_failing_request_finishes_alone_with_an_error(ckpts: CheckpointCache
     assert drive(engine, {})["after"].outputs[0].token_ids == final["a"].outputs[0].token_ids
     assert engine.get_metrics()["hyserve:request_errors"] >= 1
     engine.assert_no_leaks()
+
+
+# ---------------------------------------------------------------------------------------------- mixed-step memory
+
+
+class LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any op creates while active (bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def _largest_tensor_of_mixed_step(path: str, n_decoding: int, prompt_len: int) -> int:
+    llm = make_llm(path, max_num_seqs=n_decoding + 1, num_state_slots=n_decoding + 1, num_kv_blocks=64,
+                   max_num_batched_tokens=512, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    for i, p in enumerate(random_prompts(n_decoding, [5], seed=2)):
+        engine.add_request(f"d{i}", {"prompt_token_ids": p}, greedy(50))
+    engine.step()
+    engine.step()  # every row decodes now
+    engine.add_request("long", {"prompt_token_ids": random_prompts(1, [prompt_len], seed=3)[0]}, greedy(1))
+    with LargestAllocation() as mode:
+        outs = engine.step()  # the decoding rows and a chunk of the long prompt in one step
+    assert len(outs) == n_decoding + 1
+    return mode.largest
+
+
+def test_a_mixed_step_costs_what_its_tokens_cost(ckpts: CheckpointCache) -> None:
+    """A long prompt chunk beside decoding rows: the largest intermediate must not grow with rows x prompt (the
+    padded attention reference once made (rows, chunk, context) score tensors: 16 rows x 480 tokens here)."""
+    path = ckpts.get()
+    alone = _largest_tensor_of_mixed_step(path, 1, 480)
+    crowded = _largest_tensor_of_mixed_step(path, 16, 480)
+    assert crowded <= 2 * alone, f"largest tensor {crowded} bytes with 16 decoding rows vs {alone} with 1"

@@ -13,10 +13,18 @@ Layout shared by every function here (the "flat varlen" layout):
 
 All arithmetic is float32; outputs come back in the model dtype given by the documented input.
 These functions are written for clarity and vectorised across rows; they need no GPU and no Triton.
+
+Cost follows tokens. A step may mix one long prefill chunk with many one-token decode rows; padding every row to the
+longest (rows x chunk x context attention scores, rows x chunk recurrent steps) made such a step cost, in memory and
+time, rows times what its tokens cost. So the attention and the gated delta rule group rows by query length (a power
+of two bucket: padding within a group at most doubles its work), pad each group only to its own bounds, and tile
+the attention's queries so that a score tensor stays under ``ATTENTION_SCORE_ELEMENTS``. Grouping reads the row
+lengths on the host (free on the CPU, the path these run on in production; a sync on CUDA, where they are yardsticks).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -43,6 +51,32 @@ def row_index(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Ten
     rows = torch.searchsorted(qsl[1:], t, right=True)
     pos = t - qsl[rows]
     return rows, pos
+
+
+# Largest (rows, Hq, query tile, context) score tensor the attention reference builds at once (float32 elements).
+ATTENTION_SCORE_ELEMENTS = 1 << 22
+
+
+def length_groups(query_start_loc: torch.Tensor) -> list[list[int]]:
+    """The non-empty rows grouped by query length (same power-of-two bucket), each group in row order."""
+    qsl = query_start_loc.tolist()
+    groups: defaultdict[int, list[int]] = defaultdict(list)
+    for r in range(len(qsl) - 1):
+        n = qsl[r + 1] - qsl[r]
+        if n > 0:
+            groups[(n - 1).bit_length()].append(r)
+    return [groups[b] for b in sorted(groups)]
+
+
+def _group_tokens(qsl: list[int], rows: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices of ``rows`` (in row order) and their own query_start_loc over those tokens."""
+    idx: list[int] = []
+    sub = [0]
+    for r in rows:
+        idx.extend(range(qsl[r], qsl[r + 1]))
+        sub.append(len(idx))
+    return (torch.tensor(idx, dtype=torch.int64, device=device),
+            torch.tensor(sub, dtype=torch.int64, device=device))
 
 
 def _nonempty_rows(query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -203,13 +237,19 @@ def gdn_forward_ref(
     R = state_slots.shape[0]
     out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     slots = state_slots.to(torch.int64)
-    qsl = query_start_loc.to(torch.int64)
-    if R == 0:
+    if R == 0 or T == 0:
         return out
-    obuf, state = gdn_scan(q, k, v, g, beta, ssm_state[slots].float(), qsl, max_query_len if T > 0 else 0)
-    out.copy_(obuf[:T])
-    keep = _nonempty_rows(qsl)
-    ssm_state[slots[keep]] = state[keep].to(ssm_state.dtype)
+    qsl_host = query_start_loc.tolist()
+    # Rows advance in lockstep, so each length group runs only as many steps as its own longest row (see the
+    # module docstring); empty rows are in no group and keep their state.
+    for rows in length_groups(query_start_loc):
+        tok, sub_qsl = _group_tokens(qsl_host, rows, q.device)
+        n_max = max(qsl_host[r + 1] - qsl_host[r] for r in rows)
+        group_slots = slots[torch.tensor(rows, dtype=torch.int64, device=slots.device)]
+        obuf, state = gdn_scan(q[tok], k[tok], v[tok], g[tok], beta[tok], ssm_state[group_slots].float(), sub_qsl,
+                               n_max)
+        out[tok] = obuf[: tok.shape[0]].to(out.dtype)
+        ssm_state[group_slots] = state.to(ssm_state.dtype)
     return out
 
 
@@ -258,21 +298,44 @@ def paged_attention_ref(
         max_query_len, max_seq_len: host ints bounding ``n_r`` and ``seq_lens``.
 
     The ``i``-th token of row ``r`` sits at ``seq_lens[r] - n_r + i`` and attends to positions ``[0, that]``.
-    Softmax in float32; returns ``(T, Hq, D)`` in ``q.dtype``. Vectorised over rows (padded to the host bounds).
+    Softmax in float32; returns ``(T, Hq, D)`` in ``q.dtype``. Vectorised over the rows of each length group, padded
+    to that group's bounds, queries in tiles (see the module docstring).
     """
+    T = q.shape[0]
+    R = block_tables.shape[0]
+    out = torch.empty_like(q)
+    if T == 0 or R == 0:
+        return out
+    qsl_host = query_start_loc.tolist()
+    sl_host = seq_lens.tolist()
+    for rows in length_groups(query_start_loc):
+        tok, sub_qsl = _group_tokens(qsl_host, rows, q.device)
+        idx = torch.tensor(rows, dtype=torch.int64, device=block_tables.device)
+        Q = max(qsl_host[r + 1] - qsl_host[r] for r in rows)
+        L = min(max(sl_host[r] for r in rows), max(int(max_seq_len), 1))
+        out[tok] = _attend_padded(q[tok], k_cache, v_cache, block_tables[idx], sub_qsl, seq_lens[idx].to(torch.int64),
+                                  scale, Q, max(L, 1))
+    return out
+
+
+def _attend_padded(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    qsl: torch.Tensor,
+    sl: torch.Tensor,
+    scale: float,
+    Q: int,
+    L: int,
+) -> torch.Tensor:
+    """``paged_attention_ref`` for rows padded to ``Q`` queries and ``L`` context positions, queries in tiles."""
     T, Hq, D = q.shape
     nb, bs, Hkv, _ = k_cache.shape
     R = block_tables.shape[0]
     dev = q.device
-    out = torch.empty_like(q)
-    if T == 0 or R == 0:
-        return out
     grp = Hq // Hkv
-    Q = max(int(max_query_len), 1)
-    L = max(int(max_seq_len), 1)
-    qsl = query_start_loc.to(torch.int64)
     lens = qsl[1:] - qsl[:-1]
-    sl = seq_lens.to(torch.int64)
 
     # Gather each row's context through its block table: (R, L, Hkv, D).
     pos = torch.arange(L, device=dev, dtype=torch.int64)
@@ -283,18 +346,21 @@ def paged_attention_ref(
     kctx = k_cache.view(nb * bs, Hkv, D)[flat].float()
     vctx = v_cache.view(nb * bs, Hkv, D)[flat].float()
 
-    # Pad the queries per row: (R, Q, Hq, D); token of (r, i) is qsl[r] + i when i < n_r.
-    qi = torch.arange(Q, device=dev, dtype=torch.int64)
-    tok = (qsl[:-1, None] + qi[None, :]).clamp(max=T - 1)
-    qpad = q[tok].float().view(R, Q, Hkv, grp, D)
-
-    scores = torch.einsum("rqhgd,rlhd->rhgql", qpad, kctx) * scale  # (R, Hkv, grp, Q, L)
-    qpos = (sl - lens)[:, None] + qi[None, :]  # (R, Q) absolute position of each query
-    allowed = (pos[None, None, :] <= qpos[:, :, None]) & (pos[None, None, :] < sl[:, None, None])  # (R, Q, L)
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (padding) query rows -> 0
-    o = torch.einsum("rhgql,rlhd->rqhgd", probs, vctx).reshape(R, Q, Hq, D)
-
+    out = torch.empty_like(q)
     rows, p_in_row = row_index(qsl, T)
-    out.copy_(o[rows, p_in_row].to(q.dtype))
+    tile = max(1, min(Q, ATTENTION_SCORE_ELEMENTS // max(R * Hq * L, 1)))
+    for q0 in range(0, Q, tile):
+        # Pad the queries per row: (R, tile, Hq, D); token of (r, i) is qsl[r] + i when i < n_r.
+        qi = torch.arange(q0, min(q0 + tile, Q), device=dev, dtype=torch.int64)
+        tok = (qsl[:-1, None] + qi[None, :]).clamp(max=T - 1)
+        qpad = q[tok].float().view(R, qi.shape[0], Hkv, grp, D)
+
+        scores = torch.einsum("rqhgd,rlhd->rhgql", qpad, kctx) * scale  # (R, Hkv, grp, tile, L)
+        qpos = (sl - lens)[:, None] + qi[None, :]  # (R, tile) absolute position of each query
+        allowed = (pos[None, None, :] <= qpos[:, :, None]) & (pos[None, None, :] < sl[:, None, None])
+        scores = scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked (padding) query rows -> 0
+        o = torch.einsum("rhgql,rlhd->rqhgd", probs, vctx).reshape(R, qi.shape[0], Hq, D)
+        mine = (p_in_row >= q0) & (p_in_row < q0 + tile)
+        out[mine] = o[rows[mine], p_in_row[mine] - q0].to(q.dtype)
     return out
