@@ -5,10 +5,10 @@ connections; requests still running get ``shutdown_timeout_s`` to finish, then `
 them all, so every open stream gets a final chunk with ``finish_reason: "abort"`` and ``data: [DONE]`` (a
 non-streamed answer: the text so far, same finish reason). A second signal aborts at once instead of cutting the
 streams, and a third forces uvicorn out. The engine loop is stopped by the app's lifespan, which checks that every
-KV block and state slot came back. The signals are not re-raised after a graceful exit (uvicorn does that by
-default, which turns SIGINT into a ``KeyboardInterrupt`` traceback and SIGTERM into exit status 143): the process
-exits 0. Signal handlers only set flags or post to the event loop (``call_soon_threadsafe``): the code they interrupt
-may hold the locks that aborting takes.
+KV block and state slot came back. The signals are not re-raised after a graceful exit (uvicorn re-raises the ones
+its own ``handle_exit`` records, which turns SIGINT into a ``KeyboardInterrupt`` traceback and SIGTERM into exit
+status 143; ``GracefulServer.handle_exit`` records none): the process exits 0. Signal handlers only set flags or
+post to the event loop (``call_soon_threadsafe``): the code they interrupt may hold the locks that aborting takes.
 
 Connections (``ReadTimeoutH11Protocol``): a request's head (request line and headers) must arrive within
 ``request_read_timeout_s`` of the connection opening or of the previous response, else the connection is closed,
@@ -20,19 +20,14 @@ so slow-header clients and idle connections that never send a request do not pil
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 import socket
-import threading
-from collections.abc import Generator
 from types import FrameType
 from typing import Any
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.server import HANDLED_SIGNALS
 
 from hyserve.server.async_engine import AsyncEngine
 
@@ -110,6 +105,7 @@ class GracefulServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: only flags and a post to the loop (the interrupted code may hold the engine's locks).
+        # Not appended to uvicorn's _captured_signals, so that nothing is re-raised after the graceful exit.
         self._signals += 1
         if self._signals == 1:
             self.should_exit = True
@@ -138,19 +134,6 @@ class GracefulServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             timer.cancel()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        """uvicorn's, without re-raising the signals after a graceful exit (the exit status stays 0)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
 
 
 def make_server(app: Any, async_engine: AsyncEngine, *, host: str = "127.0.0.1", port: int = 8000,
