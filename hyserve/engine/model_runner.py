@@ -84,6 +84,9 @@ class ModelRunner:
         if self.mtp is not None:
             (k_cache, v_cache), = self._allocate_kv(self.layout.num_kv_blocks, num_layers=1)
             self.mtp.attention.k_cache, self.mtp.attention.v_cache = k_cache, v_cache
+            self.kv_caches_all = [*self.kv_caches, (k_cache, v_cache)]
+        else:
+            self.kv_caches_all = list(self.kv_caches)
         if num_speculative_tokens:
             self._allocate_verify_scratch(num_speculative_tokens + 1)
         self.max_model_len = 0  # set by set_max_model_len once the engine knows it
