@@ -163,7 +163,7 @@ class AsyncEngine:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
-        validate = getattr(self.engine, "validate_sampling_params", None)
+        validate = getattr(self.engine, "check_sampling_params", None)  # the engine's own check, where it has one
         if callable(validate):
             validate(params)
         vocab = self.engine.model_config.vocab_size
