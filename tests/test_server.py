@@ -794,10 +794,13 @@ def test_serve_cli(ctx: Ctx, capsys: pytest.CaptureFixture[str], monkeypatch: py
     # With a model: the engine is built from the flags and the app handed to uvicorn.
     seen: dict[str, Any] = {}
     monkeypatch.setattr(GracefulServer, "run", lambda self, sockets=None: seen.update(server=self))
-    assert main(["serve", ctx.path, "--device", "cpu", "--dtype", "float32", "--port", "8123", "--max-model-len",
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # free now (serve checks that the port is free before loading the model)
+    assert main(["serve", ctx.path, "--device", "cpu", "--dtype", "float32", "--port", str(port), "--max-model-len",
                  "64", "--served-model-name", "m1"]) == 0
     config = seen["server"].config
-    assert (config.host, config.port) == ("127.0.0.1", 8123)
+    assert (config.host, config.port) == ("127.0.0.1", port)
     assert config.app.state.served_model_name == "m1"
     assert config.app.state.engine.max_model_len == 64
     # The server's bounds, and the API key from the environment.
@@ -805,14 +808,15 @@ def test_serve_cli(ctx: Ctx, capsys: pytest.CaptureFixture[str], monkeypatch: py
     assert not any(m.cls is APIKeyMiddleware for m in config.app.user_middleware)
     monkeypatch.setenv("HYSERVE_API_KEY", "from-env")
     assert main(["serve", ctx.path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
-                 "--shutdown-timeout", "1.5", "--limit-concurrency", "7", "--max-request-body-bytes", "999"]) == 0
+                 "--port", str(port), "--shutdown-timeout", "1.5", "--limit-concurrency", "7",
+                 "--max-request-body-bytes", "999"]) == 0
     app = seen["server"].config.app
     keys = [m.kwargs["api_key"] for m in app.user_middleware if m.cls is APIKeyMiddleware]
     assert keys == ["from-env"]
     assert [m.kwargs["max_bytes"] for m in app.user_middleware if m.cls is BodyLimitMiddleware] == [999]
     assert (seen["server"].shutdown_timeout_s, seen["server"].config.limit_concurrency) == (1.5, 7)
     assert main(["serve", ctx.path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
-                 "--api-key", "from-flag"]) == 0
+                 "--port", str(port), "--api-key", "from-flag"]) == 0
     app = seen["server"].config.app
     assert [m.kwargs["api_key"] for m in app.user_middleware if m.cls is APIKeyMiddleware] == ["from-flag"]
 
