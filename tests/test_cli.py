@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -19,15 +20,20 @@ def test_demo_serves_the_default_model_and_answers(capsys: pytest.CaptureFixture
 
 
 def test_serve_without_model_uses_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyserve.server.serving import GracefulServer
+
     seen: dict[str, Any] = {}
 
-    def fake_run(app: Any, **kw: Any) -> None:
-        seen["app"] = app
-        seen.update(kw)
+    def fake_run(server: GracefulServer, sockets: Any = None) -> None:
+        seen["config"] = server.config
 
-    monkeypatch.setattr("uvicorn.run", fake_run)
-    assert cli.main(["serve", "--device", "cpu", "--port", "8123"]) == 0
-    assert seen["port"] == 8123 and seen["app"] is not None
+    monkeypatch.setattr(GracefulServer, "run", fake_run)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert cli.main(["serve", "--device", "cpu", "--port", str(port)]) == 0
+    assert seen["config"].port == port
+    assert seen["config"].app.state.engine.engine.config.model == DEFAULT_MODEL_DIR
 
 
 def test_generate_reports_bad_model_dir(capsys: pytest.CaptureFixture[str]) -> None:
