@@ -4,23 +4,79 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import socket
 import sys
 import time
 from typing import Any
 
+from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, parse_size
 from hyserve.sampling_params import SamplingParams
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def port_number(value: str) -> int:
+    """argparse type of a TCP port: an int in [0, 65535] (0 = any free port)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}: expected an integer in 0..65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: must be in 0..65535")
+    return port
+
+
+def size_bytes(value: str) -> int:
+    """argparse type of a memory size: bytes or a number with a unit (``256MiB``, ``1GiB``, ``2GB``)."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``ValueError`` naming the address if ``host:port`` cannot be bound: checked before the model loads, so
+    a port in use fails in a second, not after the load. (Another process may still take it in between.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As uvicorn binds: SO_REUSEADDR, so a port left in TIME_WAIT by a previous run counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"cannot listen on {host}:{port}: the address is already in use (another server "
+                                 "running?); pick another --port or stop it") from None
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights and activations; auto = the checkpoint's on CUDA, float32 on the CPU (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, capped by the KV cache")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once (default: 256)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, or fewer if the cache "
+                        "cannot hold their recurrent state)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory (default: 0.9)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of the card this instance may use, weights and activations included "
+                        "(default: 0.9)")
+    p.add_argument("--cpu-cache-memory", type=size_bytes, default=256 * 2**20, metavar="SIZE",
+                   help="CPU: memory for the KV cache, recurrent state and snapshots, in bytes or with a unit "
+                        "(256MiB, 1GiB) (default: 256MiB)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="CPU: torch's intra-op threads (default: OMP_NUM_THREADS if set, else the available CPUs "
+                        "minus one, at least 1)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters: auto = the checkpoint's generation_config.json (temperature, "
+                        "top_p, top_k, min_p, max_new_tokens), vllm = ignore it, or a directory holding one "
+                        "(default: auto)")
+    if serving:
+        p.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic throughput / queue / cache-usage log line (default: logged every 5 s)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching of KV blocks and recurrent snapshots (default: on)")
     p.add_argument("--recurrent-snapshot-interval", type=int, default=2048,
@@ -58,7 +114,9 @@ def _make_llm(args: argparse.Namespace, model: str) -> Any:
                recurrent_snapshot_interval=args.recurrent_snapshot_interval,
                snapshot_memory_fraction=args.snapshot_memory_fraction,
                tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-               cuda_graph_sizes=args.cuda_graph_sizes)
+               cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,
+               cpu_threads=args.cpu_threads, generation_config=args.generation_config,
+               disable_log_stats=getattr(args, "disable_log_stats", True))
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -131,6 +189,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve MODEL_DIR over the OpenAI-compatible HTTP API until interrupted."""
+    check_port_free(args.host, args.port)
     if args.model is None:
         from hyserve.llm import _default_model
 
@@ -166,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate offline from a local checkpoint directory")
-    g.add_argument("model", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("model", help="a local checkpoint directory (config.json, *.safetensors, tokenizer.json; nothing is "
+                                 "downloaded)")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     _engine_args(g)
@@ -174,9 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve a checkpoint over the OpenAI-compatible HTTP API (/v1/completions, ...)")
     s.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
-                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); required for now")
+                   help="a local checkpoint directory (config.json, *.safetensors, tokenizer.json; nothing is "
+                        "downloaded) (default: the packaged default model)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    s.add_argument("--port", type=port_number, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients pass and /v1/models lists (default: MODEL_DIR's basename)")
     s.add_argument("--uvicorn-log-level", default="info",
@@ -202,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept a chat_template sent in a request (by default such requests get a 400)")
     s.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="stop rendering a chat template after this time and answer 400 (default: 10)")
-    _engine_args(s)
+    _engine_args(s, serving=True)
     s.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve the packaged default model on loopback and show it answering")
     d.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the packaged model)")
@@ -210,10 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(d)
     _sampling_args(d)
     d.set_defaults(func=cmd_demo)
-    from hyserve.tools import bench, soak
+    from hyserve.tools import add_missing_defaults, bench, soak
 
     bench.register(sub)
     soak.register(sub)
+    for sp in (g, s, d):  # bench and soak add theirs at registration
+        add_missing_defaults(sp)
     return parser
 
 

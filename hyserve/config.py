@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,7 +164,7 @@ class ModelConfig:
     @classmethod
     def from_model_dir(cls, model_dir: str) -> ModelConfig:
         if not os.path.isdir(model_dir):
-            raise FileNotFoundError(f"model directory not found: {model_dir!r}")
+            raise FileNotFoundError(missing_model_dir_message(model_dir))
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config.json not found in model directory {model_dir!r}")
@@ -173,6 +174,20 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: invalid JSON ({e})") from e
         return cls.from_dict(raw)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def missing_model_dir_message(model_dir: str) -> str:
+    """hyserve loads local directories only: a hub id (``Qwen/Qwen3.5-2B``) is not downloaded, so say so."""
+    msg = f"model directory not found: {model_dir!r}"
+    if _HUB_ID.fullmatch(model_dir):
+        msg += (" (hyserve loads only local checkpoint directories and downloads nothing; if this is a Hugging Face"
+                f" hub id, download it first, e.g. `hf download {model_dir} --local-dir DIR`, and pass DIR)")
+    else:
+        msg += " (hyserve loads only local checkpoint directories and downloads nothing)"
+    return msg
 
 
 def _first_set(*sources: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -185,8 +200,10 @@ def _first_set(*sources: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
+# vLLM's dtype names (``float`` and ``half`` included) and their short forms.
 _DTYPES = {
     "float32": torch.float32,
+    "float": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -194,6 +211,10 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+DTYPE_CHOICES_TEXT = "auto, half, float16, bfloat16, float or float32"
 
 
 def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -207,7 +228,7 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: t
             return torch.float32
         return _DTYPES.get(str(model_config.torch_dtype), torch.bfloat16)
     if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16, float16 or auto")
+        raise ValueError(f"unsupported dtype {dtype!r}; use {DTYPE_CHOICES_TEXT}")
     return _DTYPES[dtype]
 
 
@@ -219,7 +240,9 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     device: str | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    # None: DEFAULT_MAX_NUM_SEQS, lowered quietly (INFO) to what the cache holds; a value the user set is lowered with
+    # a WARNING.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -228,6 +251,14 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CPU has no device memory to profile: the KV cache + state pool get this many bytes.
     cpu_cache_memory_bytes: int = 256 * 1024 * 1024
+    # torch's intra-op threads on the CPU (None: see resolve_cpu_threads).
+    cpu_threads: int | None = None
+    # Default sampling parameters: "auto" = the checkpoint's generation_config.json, "vllm" = none (SamplingParams'
+    # own defaults), or a directory holding a generation_config.json (see hyserve.tokenizer.generation_defaults).
+    generation_config: str = "auto"
+    # Periodic throughput / queue / cache-usage log lines from LLMEngine.step (on for serve, off offline).
+    disable_log_stats: bool = True
+    log_stats_interval_s: float = 5.0
     # Test and expert overrides: fix the pool sizes instead of deriving them from a budget.
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
@@ -249,12 +280,18 @@ class EngineConfig:
     def validate(self) -> None:
         if self.block_size <= 0 or (self.block_size % 8 != 0 and self.block_size not in (1, 2, 4)):
             raise ValueError(f"block_size must be a positive power of two (got {self.block_size})")
-        if self.max_num_seqs <= 0:
+        if self.max_num_seqs is not None and self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive (got {self.max_num_seqs})")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive (got {self.max_model_len})")
+        if self.cpu_cache_memory_bytes <= 0:
+            raise ValueError(f"cpu_cache_memory_bytes must be positive (got {self.cpu_cache_memory_bytes})")
+        if self.cpu_threads is not None and self.cpu_threads <= 0:
+            raise ValueError(f"cpu_threads must be positive (got {self.cpu_threads})")
+        if self.log_stats_interval_s <= 0:
+            raise ValueError(f"log_stats_interval_s must be positive (got {self.log_stats_interval_s})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.pipeline_parallel_size != 1:
@@ -267,3 +304,67 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; "
                 "set --tensor-parallel-size 1"
             )
+
+
+DEFAULT_MAX_NUM_SEQS = 256
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``'268435456'``, ``'256MiB'``, ``'1GiB'``, ``'1.5 GB'`` (binary and decimal units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: use bytes or a number with KiB, MiB, GiB, KB, MB or GB")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"invalid size {text!r}: must be positive")
+    return value
+
+
+# The thread count hyserve itself last gave torch: a later engine must not take its own earlier choice for the user's.
+_threads_set_by_engine: int | None = None
+# torch's thread count when hyserve was imported: a change since then is the user's torch.set_num_threads.
+_threads_at_import = torch.get_num_threads()
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as taskset / cgroup cpusets set it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def resolve_cpu_threads(requested: int | None) -> tuple[int | None, str]:
+    """torch's intra-op thread count for a CPU engine, and why (for the startup log); ``None`` = leave it.
+
+    torch defaults to one thread per core. On a busy machine its OpenMP threads then wait on each other in spin
+    barriers while another process holds a core: decode of the packaged model ran 2.3 tok/s with 2 threads on
+    2 cores beside one busy process, 61 tok/s with 1. So the default is one thread fewer than the CPUs available
+    (one is left to the engine loop, the server and whatever else runs), at least 1. A choice the user made wins:
+    ``cpu_threads``, else ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, else a ``torch.set_num_threads`` call made
+    after hyserve was imported.
+    """
+    if requested is not None:
+        return requested, "cpu_threads / --cpu-threads"
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if os.environ.get(var):
+            return None, f"{var}={os.environ[var]} is set"
+    current = torch.get_num_threads()
+    if current != _threads_at_import and current != _threads_set_by_engine:
+        return None, "torch.set_num_threads was called"
+    cpus = available_cpus()
+    return max(1, cpus - 1), f"{cpus} CPUs available, one left for the engine loop and other work"
+
+
+def apply_cpu_threads(requested: int | None) -> tuple[int, str]:
+    """Set torch's intra-op threads per ``resolve_cpu_threads``; returns the count in effect and the reason."""
+    global _threads_set_by_engine
+    n, why = resolve_cpu_threads(requested)
+    if n is not None:
+        torch.set_num_threads(n)
+        _threads_set_by_engine = n
+    return torch.get_num_threads(), why

@@ -1,4 +1,10 @@
-"""``LLM``: the offline entry point, with vLLM's names."""
+"""``LLM``: the offline entry point, with vLLM's names.
+
+``LLM.generate(prompts)`` without SamplingParams uses ``get_default_sampling_params()``: the checkpoint's
+generation_config.json values (``generation_config="auto"``, vLLM's rule) over SamplingParams' defaults.
+``shutdown()`` (or leaving a ``with LLM(...) as llm:`` block) releases the model, caches and CUDA graphs at once;
+dropping the last reference does the same, as nothing in the engine holds itself in a reference cycle.
+"""
 
 from __future__ import annotations
 
@@ -33,13 +39,14 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | None = None,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         speculative_config: dict[str, Any] | None = None,
         seed: int = 0,
         gpu_memory_utilization: float = 0.9,
+        disable_log_stats: bool = True,
         **kwargs: Any,
     ) -> None:
         known = set(EngineConfig.__dataclass_fields__)
@@ -51,13 +58,29 @@ class LLM:
             dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, **kwargs,
+            gpu_memory_utilization=gpu_memory_utilization, disable_log_stats=disable_log_stats, **kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = 0
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams ``generate`` and ``chat`` use when given none (vLLM's name): SamplingParams' defaults
+        overridden by the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, max_new_tokens as
+        max_tokens) unless ``generation_config="vllm"``."""
+        return self.llm_engine.get_default_sampling_params()
+
+    def shutdown(self) -> None:
+        """Release the model, KV cache, state pool and CUDA graphs now (idempotent); the LLM is unusable after."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,
@@ -67,6 +90,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts."""
+        if self.llm_engine.is_shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
         items = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(items))
         engine = self.llm_engine
@@ -122,10 +147,9 @@ class LLM:
             raise ValueError("no prompts given")
         return items
 
-    @staticmethod
-    def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _as_params_list(self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(sp, SamplingParams):
             return [sp] * n
         items = list(sp)

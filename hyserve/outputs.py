@@ -10,12 +10,15 @@ Invariants:
 - ``logprobs``, when requested, has one dict per entry of ``token_ids``; each dict maps token id -> ``Logprob``
   and contains the sampled token plus the requested top-N.
 - ``RequestOutput.finished`` is true iff every one of its ``outputs`` has finished.
+- ``Logprob.rank`` is the 1-based rank of the token in the whole vocabulary under the distribution its logprob is
+  reported from: 1 + the number of tokens with a strictly larger logprob (so ties share a rank).
+- ``RequestOutput.metrics`` holds the request's timestamps (``time.time()`` seconds, vLLM's ``RequestMetrics``);
+  a time the request has not reached yet is ``None``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(slots=True)
@@ -50,6 +53,23 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """When a request reached each stage, as vLLM's ``RequestMetrics`` (wall-clock ``time.time()`` seconds).
+
+    ``first_scheduled_time`` is the start of the first step that ran it; ``time_in_queue`` is
+    ``first_scheduled_time - arrival_time``; ``first_token_time`` / ``last_token_time`` are when its first / latest
+    output token was produced; ``finished_time`` when it finished (stop, length, abort or error).
+    """
+
+    arrival_time: float
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step (or at the end of ``LLM.generate``)."""
 
@@ -58,6 +78,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: dict[str, Any] | None = None
+    metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int | None = None

@@ -115,6 +115,36 @@ def load_generation_config(model_dir: str) -> dict[str, Any]:
     return data
 
 
+# generation_config.json keys vLLM takes as default sampling parameters, and the SamplingParams field of each.
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# Keys SamplingParams has no field for: a non-neutral value is reported, never silently dropped.
+UNSUPPORTED_GENERATION_KEYS = {"repetition_penalty": 1.0}
+
+
+def generation_defaults(model_dir: str, generation_config: str = "auto") -> tuple[dict[str, Any], str | None]:
+    """Default sampling parameters (SamplingParams field -> value) and the file they came from, as vLLM's
+    ``--generation-config``: ``"vllm"`` = none; ``"auto"`` = ``model_dir``'s generation_config.json (none if it
+    has no file); any other value = a directory that must hold a generation_config.json.
+
+    Only the keys vLLM reads are taken (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+    max_tokens); ``do_sample`` is ignored as vLLM does. Unsupported keys (``UNSUPPORTED_GENERATION_KEYS``) stay in
+    the dict for the caller to report.
+    """
+    if generation_config == "vllm":
+        return {}, None
+    if generation_config == "auto":
+        directory = model_dir
+    else:
+        directory = generation_config
+        if not os.path.isfile(os.path.join(directory, GENERATION_CONFIG_FILE)):
+            raise FileNotFoundError(f"generation_config={generation_config!r}: no {GENERATION_CONFIG_FILE} in that "
+                                    "directory (use 'auto', 'vllm' or a directory holding one)")
+    raw = load_generation_config(directory)
+    out = {field: raw[key] for key, field in _GENERATION_KEYS.items() if raw.get(key) is not None}
+    return out, (os.path.join(directory, GENERATION_CONFIG_FILE) if raw else None)
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []

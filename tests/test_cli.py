@@ -1,13 +1,17 @@
-"""The command line's default paths: `hyserve serve` and `hyserve demo` with no model use the packaged model."""
+"""The command line: default paths (`hyserve serve` and `hyserve demo` with no model use the packaged model), startup
+errors found before the model loads, help texts that show every default, and the engine flags reaching the LLM."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 from typing import Any
 
 import pytest
+import torch
 
 from hyserve import cli
+from hyserve.config import resolve_dtype
 from hyserve.llm import DEFAULT_MODEL_DIR
 
 
@@ -39,3 +43,142 @@ def test_serve_without_model_uses_the_default(monkeypatch: pytest.MonkeyPatch) -
 def test_generate_reports_bad_model_dir(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "/nonexistent/dir", "--device", "cpu"]) == 2
     assert "model directory not found" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- startup errors
+
+
+def _no_model_load(*args: Any, **kw: Any) -> Any:
+    raise AssertionError("the model was loaded before the port was checked")
+
+
+def test_port_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_make_llm", _no_model_load)
+    for bad in ("99999", "-1", "http"):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["serve", "--device", "cpu", "--port", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "invalid port" in err and "0..65535" in err and "Traceback" not in err
+
+
+def test_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_make_llm", _no_model_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli.main(["serve", "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in err
+    cli.check_port_free("127.0.0.1", port)  # free again once the other socket closed
+
+
+def test_cpu_cache_errors_name_the_cpu_flag() -> None:
+    from hyserve.llm import LLM
+
+    with pytest.raises(ValueError, match="cannot hold one request's recurrent state") as info:
+        LLM(device="cpu", cpu_cache_memory_bytes=64 * 1024)
+    assert "--cpu-cache-memory" in str(info.value) and "gpu-memory-utilization" not in str(info.value)
+    with pytest.raises(ValueError, match="does not fit in the KV cache") as info:
+        LLM(device="cpu", cpu_cache_memory_bytes=4 * 2**20, max_model_len=4096)
+    assert "--cpu-cache-memory" in str(info.value) and "gpu-memory-utilization" not in str(info.value)
+
+
+def test_cpu_cache_memory_flag_sizes() -> None:
+    parse = cli.build_parser().parse_args
+    assert parse(["generate", "m", "--cpu-cache-memory", "1GiB"]).cpu_cache_memory == 2**30
+    assert parse(["generate", "m", "--cpu-cache-memory", "256MiB"]).cpu_cache_memory == 256 * 2**20
+    assert parse(["generate", "m", "--cpu-cache-memory", "5000000"]).cpu_cache_memory == 5_000_000
+    assert parse(["generate", "m", "--cpu-cache-memory", "1.5GB"]).cpu_cache_memory == 1_500_000_000
+    assert parse(["generate", "m"]).cpu_cache_memory == 256 * 2**20
+    with pytest.raises(SystemExit):
+        parse(["generate", "m", "--cpu-cache-memory", "lots"])
+
+
+def test_default_start_does_not_warn_about_max_num_seqs(caplog: pytest.LogCaptureFixture) -> None:
+    from hyserve.llm import LLM
+
+    with caplog.at_level("INFO", logger="hyserve"):
+        LLM(device="cpu")
+    lowered = [r for r in caplog.records if "max_num_seqs lowered" in r.getMessage()]
+    assert lowered and all(r.levelname == "INFO" for r in lowered)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hyserve"):
+        LLM(device="cpu", max_num_seqs=256)  # asked for: worth a warning
+    assert [r.levelname for r in caplog.records if "max_num_seqs lowered" in r.getMessage()] == ["WARNING"]
+
+
+# ---------------------------------------------------------------------------------------------- help and flags
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_flag_of_every_subcommand_shows_its_default() -> None:
+    subs = _subparsers()
+    assert {"generate", "serve", "demo", "bench", "soak"} <= set(subs)
+    for name, sub in subs.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            assert action.help and "default" in action.help.lower(), (name, action.option_strings, action.help)
+
+
+def test_help_texts_say_what_the_defaults_are(capsys: pytest.CaptureFixture[str]) -> None:
+    texts = {}
+    for name in ("serve", "soak"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args([name, "--help"])
+        texts[name] = " ".join(capsys.readouterr().out.split())
+    assert "required for now" not in texts["serve"] and "default: the packaged default model" in texts["serve"]
+    assert "nothing is downloaded" in texts["serve"]
+    assert "default: the packaged default model" in texts["soak"]
+    assert "default: write a tiny random checkpoint with an MTP head" not in texts["soak"]
+
+
+def test_vllm_dtype_names() -> None:
+    from hyserve.config import ModelConfig
+
+    parse = cli.build_parser().parse_args
+    cfg = ModelConfig.from_model_dir(DEFAULT_MODEL_DIR)
+    want = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
+            "bfloat16": torch.bfloat16, "auto": torch.float32}
+    for name, dtype in want.items():
+        assert parse(["generate", "m", "--dtype", name]).dtype == name
+        assert resolve_dtype(name, cfg, torch.device("cpu")) == dtype
+    with pytest.raises(SystemExit):
+        parse(["generate", "m", "--dtype", "float64"])
+
+
+def test_hub_id_says_only_local_directories_work(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "Qwen/Qwen3.5-2B", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "model directory not found: 'Qwen/Qwen3.5-2B'" in err
+    assert "only local checkpoint directories" in err and "downloads nothing" in err and "hf download" in err
+
+
+def test_engine_flags_reach_the_llm(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    class FakeLLM:
+        def __init__(self, **kw: Any) -> None:
+            seen.update(kw)
+
+    monkeypatch.setattr("hyserve.llm.LLM", FakeLLM)
+    parse = cli.build_parser().parse_args
+    cli._make_llm(parse(["generate", "m", "--cpu-threads", "3", "--cpu-cache-memory", "64MiB",
+                         "--generation-config", "vllm", "--dtype", "float"]), "m")
+    assert (seen["cpu_threads"], seen["cpu_cache_memory_bytes"], seen["generation_config"], seen["dtype"]) == \
+        (3, 64 * 2**20, "vllm", "float")
+    assert seen["disable_log_stats"] is True and seen["max_num_seqs"] is None  # offline: no periodic stats line
+    cli._make_llm(parse(["serve"]), "m")
+    assert seen["disable_log_stats"] is False and seen["generation_config"] == "auto"  # serve logs stats
+    cli._make_llm(parse(["serve", "--disable-log-stats"]), "m")
+    assert seen["disable_log_stats"] is True

@@ -504,6 +504,8 @@ def write_checkpoint(out: str, model: ModelWithMTP, tok: Any, ids: dict[str, int
     _write_json(os.path.join(out, "config.json"), config_json(model.lm.config))
     _write_json(os.path.join(out, "generation_config.json"), {
         "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": False,
+        # The model rarely ends a turn itself: a default cap keeps a request without max_tokens short.
+        "max_new_tokens": 256,
     })
     with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tok.to_str())

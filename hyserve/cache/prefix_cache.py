@@ -39,6 +39,7 @@ current step are not evicted.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -102,7 +103,16 @@ class PrefixCache:
         self._free_snapshots = list(range(state_pool.num_snapshots - 1, -1, -1))
         self._pinned: dict[int, int] = {}
         self.stats = SnapshotStats()
-        block_pool.on_evict = self._on_block_evicted
+        # Weak: a bound method stored in the pool would close a cycle (pool -> cache -> pool) that keeps the state
+        # pool's tensors alive after the engine is dropped, until a gc pass happens to run.
+        ref = weakref.WeakMethod(self._on_block_evicted)
+
+        def on_evict(block_hash: bytes) -> None:
+            method = ref()
+            if method is not None:
+                method(block_hash)
+
+        block_pool.on_evict = on_evict
 
     # ------------------------------------------------------------------ lookup
 

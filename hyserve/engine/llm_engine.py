@@ -15,19 +15,25 @@ from typing import Any, TypeVar
 import torch
 
 from hyserve.cache.prefix_cache import PrefixCache
-from hyserve.config import EngineConfig, ModelConfig, resolve_dtype
-from hyserve.engine.metrics import EngineMetrics
-from hyserve.engine.model_runner import ModelRunner
+from hyserve.config import EngineConfig, ModelConfig, apply_cpu_threads, resolve_dtype
+from hyserve.engine.metrics import EngineMetrics, StatsLogger
+from hyserve.engine.model_runner import ModelRunner, cache_memory_flag
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.scheduler import ScheduledRow, Scheduler
 from hyserve.layers.rejection_sampler import RejectionSampler
 from hyserve.layers.sampler import SamplerOutput, SamplingRow
-from hyserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hyserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyserve.sampling_params import SamplingParams
 from hyserve.spec.config import SpeculativeConfig
 from hyserve.spec.proposer import NgramProposer, Proposer
 from hyserve.spec.step import SpeculativeStepMixin, token_seed
-from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer, stop_token_ids
+from hyserve.tokenizer import (
+    UNSUPPORTED_GENERATION_KEYS,
+    IncrementalDetokenizer,
+    Tokenizer,
+    generation_defaults,
+    stop_token_ids,
+)
 
 logger = logging.getLogger("hyserve")
 
@@ -47,7 +53,13 @@ class LLMEngine(SpeculativeStepMixin):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        if self.device.type == "cpu":
+            threads, why = apply_cpu_threads(config.cpu_threads)
+            logger.info("CPU: torch uses %d intra-op thread%s (%s; --cpu-threads / cpu_threads sets it)", threads,
+                        "" if threads == 1 else "s", why)
         self.tokenizer: Tokenizer | None = self._load_tokenizer(config.model)
+        # Values for the SamplingParams fields a request leaves unset (vLLM's default_sampling_params).
+        self.default_sampling_params: dict[str, Any] = self._load_default_sampling_params()
         self.eos_token_ids = set(stop_token_ids(config.model, self.model_config))
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.use_mtp = self.spec_config is not None and self.spec_config.method == "mtp"
@@ -73,7 +85,11 @@ class LLMEngine(SpeculativeStepMixin):
             self.rejection_sampler = RejectionSampler(self.device, seed=config.seed)
             logger.info("speculative decoding: %s, %d tokens per step", self.spec_config.method, k)
         self.metrics = EngineMetrics()
+        self.stats_logger: StatsLogger | None = None
+        if not config.disable_log_stats:
+            self.stats_logger = StatsLogger(config.log_stats_interval_s)
         self.requests: dict[str, Request] = {}
+        self.is_shut_down = False
         self._arrivals = 0
         self._deferred_finish: list[Request] | None = None
         lay = self.runner.layout
@@ -92,6 +108,27 @@ class LLMEngine(SpeculativeStepMixin):
                         lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
         else:
             logger.info("prefix caching is off")
+
+    def _load_default_sampling_params(self) -> dict[str, Any]:
+        defaults, source = generation_defaults(self.config.model, self.config.generation_config)
+        for key, neutral in UNSUPPORTED_GENERATION_KEYS.items():
+            value = defaults.pop(key, None)
+            if value is not None and float(value) != neutral:
+                logger.warning("%s sets %s=%s, which hyserve does not support yet: it is NOT applied (pass "
+                               "--generation-config vllm to ignore the file)", source, key, value)
+        if defaults:
+            SamplingParams(**defaults)  # a bad value in the file fails here, at startup, naming the field
+            logger.info("default sampling parameters from %s: %s (a request's own values win; "
+                        "--generation-config vllm ignores the file)", source, defaults)
+        else:
+            logger.info("default sampling parameters: SamplingParams' own (%s)",
+                        "--generation-config vllm" if self.config.generation_config == "vllm"
+                        else "no generation_config.json values")
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's name)."""
+        return SamplingParams(**self.default_sampling_params)
 
     @staticmethod
     def _load_tokenizer(model_dir: str) -> Tokenizer | None:
@@ -113,7 +150,7 @@ class LLMEngine(SpeculativeStepMixin):
             return min(limit, capacity)
         if asked > capacity:
             raise ValueError(f"max_model_len={asked} does not fit in the KV cache ({capacity} tokens); lower "
-                             "--max-model-len or give the cache more memory (--gpu-memory-utilization)")
+                             f"--max-model-len or give the cache more memory ({cache_memory_flag(self.device)})")
         return asked
 
     # ------------------------------------------------------------------ requests
@@ -143,7 +180,9 @@ class LLMEngine(SpeculativeStepMixin):
         return list(ids)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        params = params or SamplingParams()
+        if self.is_shut_down:
+            raise RuntimeError("this engine was shut down")
+        params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
         self.check_sampling_params(params)
@@ -158,7 +197,7 @@ class LLMEngine(SpeculativeStepMixin):
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-        req = Request(request_id, text, ids, params, self._arrivals, detok)
+        req = Request(request_id, text, ids, params, self._arrivals, detok, arrival_time=time.time())
         self._arrivals += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)
@@ -180,6 +219,7 @@ class LLMEngine(SpeculativeStepMixin):
             if req is None or req.is_finished:
                 continue
             req.finish_reason = "abort"
+            req.finished_time = time.time()
             self.scheduler.finish(req)
             self.metrics.on_request_finished("abort")
 
@@ -194,6 +234,7 @@ class LLMEngine(SpeculativeStepMixin):
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.metrics.on_preemptions(len(sched.preempted))
+        self._on_scheduled(sched.rows)
         outputs: list[RequestOutput] = []
         for req, why in sched.failed:  # can never be admitted: an error now rather than a queue blocked forever
             self._fail(req, why)
@@ -253,6 +294,17 @@ class LLMEngine(SpeculativeStepMixin):
                     self.prefix_cache.unpin(row.load_snapshot)
                 outputs.append(self._final_output(row.request))
         return kept
+
+    def _on_scheduled(self, rows: list[ScheduledRow]) -> None:
+        """Per step, before it runs: first-scheduled times, prompt tokens computed, the periodic stats line."""
+        now = time.time()
+        for row in rows:
+            req = row.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.metrics.prompt_tokens_computed += max(0, min(row.end, req.num_prompt_tokens) - row.start)
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(self)
 
     def _publish(self, rows: list[ScheduledRow], vrows: list[ScheduledRow] | None = None,
                  accepted: list[int] | None = None) -> None:
@@ -333,6 +385,7 @@ class LLMEngine(SpeculativeStepMixin):
         req.output_token_ids.append(token)
         if req.sampling_params.logprobs is not None and result.logprobs is not None:
             req.sampled_logprobs.append(float(result.logprobs[i]))
+            req.output_ranks.append(result.ranks[i] if result.ranks is not None else None)
             entry = dict(result.top_logprobs[i]) if result.top_logprobs is not None else {}
             entry.setdefault(token, float(result.logprobs[i]))
             req.output_logprobs.append(entry)
@@ -342,6 +395,10 @@ class LLMEngine(SpeculativeStepMixin):
         self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> None:
+        # Called once for every output token appended (plain and verify steps): the token times live here.
+        req.last_token_time = time.time()
+        if req.first_token_time is None:
+            req.first_token_time = req.last_token_time
         p = req.sampling_params
         n_out = req.num_output_tokens
         if n_out >= p.min_tokens:
@@ -366,6 +423,7 @@ class LLMEngine(SpeculativeStepMixin):
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        req.finished_time = time.time()
         if self._deferred_finish is not None:
             req.status = RequestStatus.FINISHED
             self._deferred_finish.append(req)
@@ -377,21 +435,53 @@ class LLMEngine(SpeculativeStepMixin):
         p = req.sampling_params
         logprobs = None
         if p.logprobs is not None:
-            logprobs = [{tid: Logprob(lp, None, self._decode_one(tid)) for tid, lp in entry.items()}
-                        for entry in req.output_logprobs]
+            logprobs = [self._logprob_entry(entry, req.output_token_ids[j], req.output_ranks[j])
+                        for j, entry in enumerate(req.output_logprobs)]
         cum = sum(req.sampled_logprobs) if req.sampled_logprobs else None
         completion = CompletionOutput(
             index=0, text=req.output_text, token_ids=list(req.output_token_ids), cumulative_logprob=cum,
             logprobs=logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
         )
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time, last_token_time=req.last_token_time,
+            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+            time_in_queue=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
+            finished_time=req.finished_time)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=[completion], finished=req.is_finished, num_cached_tokens=req.num_cached_tokens)
+                             outputs=[completion], finished=req.is_finished, metrics=metrics,
+                             num_cached_tokens=req.num_cached_tokens)
+
+    def _logprob_entry(self, entry: dict[int, float], sampled: int, sampled_rank: int | None) -> dict[int, Logprob]:
+        """Logprobs of one position with their vocabulary ranks. ``entry`` holds the top-N (every token with a
+        larger logprob than a top-N token is itself in the top-N) plus the sampled token, whose rank the sampler
+        counted over the whole vocabulary; a rank is 1 + the number of strictly larger logprobs."""
+        out: dict[int, Logprob] = {}
+        for tid, lp in entry.items():
+            rank = sampled_rank if tid == sampled else 1 + sum(v > lp for v in entry.values())
+            out[tid] = Logprob(lp, rank, self._decode_one(tid))
+        return out
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def get_metrics(self) -> dict[str, float | list[float]]:
         return self.metrics.snapshot(self)
+
+    def shutdown(self) -> None:
+        """Abort every request and drop the model, its caches, CUDA graphs and step buffers (idempotent).
+
+        Nothing in the engine refers back to it in a cycle, so once these references go the memory is freed by
+        reference counting alone; on CUDA torch's cached blocks are then returned to the device.
+        """
+        if self.is_shut_down:
+            return
+        self.abort_request(list(self.requests))
+        self.is_shut_down = True
+        for name in ("runner", "scheduler", "prefix_cache", "proposer", "rejection_sampler"):
+            self.__dict__.pop(name, None)
+        self._mtp_next.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # Used by tests: every block and slot is back in its pool once nothing runs.
     def assert_no_leaks(self) -> None:

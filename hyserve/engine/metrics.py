@@ -1,12 +1,19 @@
-"""Engine counters, named as the Prometheus metrics the server exports (``hyserve:*``)."""
+"""Engine counters, named as the Prometheus metrics the server exports (``hyserve:*``), and the periodic stats log
+line (``StatsLogger``: prompt and generation throughput, running and waiting requests, KV cache and state-slot usage,
+as vLLM's "Avg prompt throughput" line)."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hyserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("hyserve")
 
 
 @dataclass(slots=True)
@@ -21,6 +28,9 @@ class EngineMetrics:
     request_aborted: int = 0
     request_errors: int = 0
     num_preemptions: int = 0
+    # Prompt positions computed (prefill chunks; a preempted request's recompute counts again), vLLM's "prompt
+    # throughput" numerator.
+    prompt_tokens_computed: int = 0
 
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -70,6 +80,7 @@ class EngineMetrics:
         pool = engine.runner.block_pool
         pc = engine.prefix_cache
         used = pool.num_usable_blocks - pool.num_free_blocks
+        states = engine.runner.state_pool
         return {
             "hyserve:num_requests": self.num_requests,
             "hyserve:prompt_tokens": self.prompt_tokens,
@@ -84,6 +95,7 @@ class EngineMetrics:
             "hyserve:num_requests_running": len(engine.scheduler.running),
             "hyserve:num_requests_waiting": len(engine.scheduler.waiting),
             "hyserve:kv_cache_usage_perc": used / max(pool.num_usable_blocks, 1),
+            "hyserve:state_slots_usage_perc": (states.num_slots - states.num_free_slots) / max(states.num_slots, 1),
             "hyserve:prefix_cache_queries": engine.scheduler.prefix_cache_queries,
             "hyserve:prefix_cache_hits": engine.scheduler.prefix_cache_hits,
             "hyserve:prefix_cache_snapshot_hits": pc.stats.hits if pc else 0,
@@ -99,3 +111,45 @@ class EngineMetrics:
             "hyserve:spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
             "hyserve:spec_decode_num_accepted_tokens_per_pos": [float(x) for x in self.spec_accepted_per_pos],
         }
+
+
+class StatsLogger:
+    """Logs one line every ``interval_s`` seconds while the engine has work (vLLM's periodic stats line):
+
+        Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs, Waiting: M reqs,
+        KV cache usage: P%, state slots usage: Q%
+
+    Throughputs are averages over the interval since the previous line. Idle intervals (no tokens, nothing running
+    or waiting) log nothing. ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self.log = log or logger.info
+        self._last_time = clock()
+        self._last_prompt = 0
+        self._last_generation = 0
+
+    def maybe_log(self, engine: LLMEngine) -> str | None:
+        """Log (and return) the stats line if an interval has passed and there was activity; else None."""
+        now = self.clock()
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return None
+        m = engine.metrics
+        prompt = m.prompt_tokens_computed - self._last_prompt
+        generation = m.generation_tokens - self._last_generation
+        self._last_time, self._last_prompt, self._last_generation = now, m.prompt_tokens_computed, m.generation_tokens
+        running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+        if not (prompt or generation or running or waiting):
+            return None
+        pool, states = engine.runner.block_pool, engine.runner.state_pool
+        kv = (pool.num_usable_blocks - pool.num_free_blocks) / max(pool.num_usable_blocks, 1)
+        slots = (states.num_slots - states.num_free_slots) / max(states.num_slots, 1)
+        line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "
+                f"{generation / elapsed:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"KV cache usage: {100 * kv:.1f}%, state slots usage: {100 * slots:.1f}%")
+        self.log(line)
+        return line

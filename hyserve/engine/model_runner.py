@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 
 from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.state_pool import StatePool, state_bytes_per_slot
-from hyserve.config import EngineConfig, ModelConfig
+from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig
 from hyserve.engine import cuda_graphs
 from hyserve.engine.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, GraphSet, StepGraphs, capture_sizes
 from hyserve.engine.scheduler import ScheduledRow
@@ -53,6 +54,44 @@ class CacheLayout:
     num_snapshots: int = 0
 
 
+def cache_memory_flag(device: torch.device) -> str:
+    """The flag that sizes the cache on ``device`` (for error messages)."""
+    return "--gpu-memory-utilization" if device.type == "cuda" else "--cpu-cache-memory (cpu_cache_memory_bytes)"
+
+
+@dataclass(slots=True)
+class DeviceMemory:
+    """One reading of a CUDA device's memory (bytes); ``non_torch`` = used on the device minus torch's reserved."""
+
+    total: int
+    free: int
+    reserved: int
+    allocated: int
+    non_torch: int
+
+
+def _device_memory(device: torch.device) -> DeviceMemory | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return DeviceMemory(total, free, reserved, torch.cuda.memory_allocated(device), total - free - reserved)
+
+
+def _weak_forward(method: Callable[[int], tuple[torch.Tensor, ...]]) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """``method`` called through a weak reference to its object (see ``_init_graphs``)."""
+    ref = weakref.WeakMethod(method)
+
+    def forward(size: int) -> tuple[torch.Tensor, ...]:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the model runner of this graph was released")
+        return bound(size)
+
+    return forward
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, num_speculative_tokens: int = 0, use_mtp: bool = False) -> None:
@@ -61,6 +100,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        # What the device held before this instance allocated anything: the cache budget counts only this
+        # instance's own weights, activations and non-torch memory against gpu_memory_utilization (vLLM's meaning).
+        self._mem_baseline = _device_memory(device)
         t0 = time.perf_counter()
         self.model = self._build_model()
         self.mtp_weights = load_weights(self.model, config.model, model_config)
@@ -70,7 +112,7 @@ class ModelRunner:
         logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
                     model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.num_speculative_tokens = num_speculative_tokens
         self.graphs: StepGraphs | None = None
         self.use_graphs = self._use_graphs()
@@ -160,16 +202,42 @@ class ModelRunner:
         return head.eval().requires_grad_(False)
 
     def _cache_budget(self) -> int:
+        """Bytes for the KV cache, state pool and snapshots.
+
+        CUDA, as vLLM's ``gpu_memory_utilization``: this instance may use ``total * utilization`` of the card; the
+        cache gets that minus what the instance itself already holds (weights, non-torch memory such as cuBLAS
+        workspaces, both measured against the baseline taken before loading), its profiled activation peak and the
+        CUDA graphs' estimate. Other processes and other instances in this process are not subtracted; instead the
+        share asked for must be free, so two instances at 0.45 each fit on one card and a second one at 0.9 is
+        refused with a message that says what holds the memory.
+        """
         if self.device.type != "cuda":
             return int(self.config.cpu_cache_memory_bytes)
+        util = self.config.gpu_memory_utilization
+        base = self._mem_baseline
+        assert base is not None
         peak = self._profile_peak_activation()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        now = _device_memory(self.device)
+        assert now is not None
+        total = now.total
+        weights = max(0, now.allocated - base.allocated)
+        non_torch = max(0, now.non_torch - base.non_torch)
         graphs = self._graph_memory_estimate()
-        budget = int(total * self.config.gpu_memory_utilization) - used_by_others \
-            - torch.cuda.memory_allocated(self.device) - peak - graphs
-        logger.info("memory: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimate) "
-                    "%.2f GiB, cache budget %.2f GiB", total / 2**30, torch.cuda.memory_allocated(self.device) / 2**30,
+        requested = int(total * util)
+        # Free to this instance at the baseline: the device's free memory and what torch's allocator had cached
+        # but not handed out (a shut-down instance's memory is there until empty_cache).
+        free_at_start = base.free + base.reserved - base.allocated
+        if requested > free_at_start:
+            raise ValueError(
+                f"gpu_memory_utilization={util} asks for {requested / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB "
+                f"device, but only {free_at_start / 2**30:.2f} GiB was free when this instance started (other "
+                f"processes or other LLM instances in this process hold {(total - free_at_start) / 2**30:.2f} GiB); "
+                "lower --gpu-memory-utilization, or release the other instance first (LLM.shutdown() or `with "
+                "LLM(...) as llm:`)")
+        budget = requested - weights - non_torch - peak - graphs
+        logger.info("memory: total %.1f GiB, this instance may use %.1f GiB (gpu_memory_utilization %.2f): weights "
+                    "%.2f GiB, non-torch %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimate) %.2f GiB, cache "
+                    "budget %.2f GiB", total / 2**30, requested / 2**30, util, weights / 2**30, non_torch / 2**30,
                     peak / 2**30, graphs / 2**30, budget / 2**30)
         if budget <= 0:
             raise ValueError("no GPU memory left for the KV cache and state pool; raise --gpu-memory-utilization "
@@ -231,11 +299,12 @@ class ModelRunner:
             fit = (int(MAX_STATE_SHARE * budget) - per_slot) // (per_slot + scratch_per_seq)
             what = f"recurrent state and verify scratch ({k + 1} candidate states)" if k else "recurrent state"
             if fit < 1:
-                raise ValueError(f"the cache budget cannot hold one request's {what}; raise --gpu-memory-utilization "
-                                 "(CUDA) or cpu_cache_memory_bytes (CPU)" + (", or lower num_speculative_tokens"
-                                                                             if k else ""))
-            logger.warning("%s for %d sequences does not fit the budget; max_num_seqs lowered to %d", what, slots,
-                           fit)
+                raise ValueError(f"the cache budget cannot hold one request's {what}; raise "
+                                 f"{cache_memory_flag(self.device)}" + (", or lower num_speculative_tokens"
+                                                                        if k else ""))
+            # Only a max_num_seqs the user asked for deserves a warning; the default is sized to what fits.
+            log = logger.warning if self.config.max_num_seqs is not None else logger.info
+            log("%s for %d sequences does not fit the budget; max_num_seqs lowered to %d", what, slots, fit)
             slots = fit
         blocks = self.config.num_kv_blocks
         if blocks is None:
@@ -279,7 +348,10 @@ class ModelRunner:
             self.mtp_hidden_in = torch.zeros(self.max_num_seqs, cfg.hidden_size, dtype=self.dtype,
                                              device=self.device)
         emulate = self.device.type != "cuda"
-        forwards = {"decode": self._graph_decode, "verify": self._graph_verify, "mtp": self._graph_mtp}
+        # Weak: the runner owns its graph sets, and a bound method held there would make a cycle that keeps the
+        # runner (weights, caches, graph pool) alive after its last reference is dropped, until a gc pass.
+        forwards = {"decode": _weak_forward(self._graph_decode), "verify": _weak_forward(self._graph_verify),
+                    "mtp": _weak_forward(self._graph_mtp)}
         q = self.num_speculative_tokens + 1
         fill_pads = {"decode": lambda n: self.prepare([], pad_to=n),
                      "verify": lambda n: self.prepare([], pad_to=n, pad_len=q),

@@ -54,6 +54,14 @@ class Request:
     num_cached_tokens: int = 0
     # Speculative decoding: tokens proposed to follow the known tokens, verified in the next step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Logprobs: the 1-based vocabulary rank of each output token (parallel to output_logprobs).
+    output_ranks: list[int | None] = field(default_factory=list)
+    # Timestamps (time.time()) for RequestOutput.metrics.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -145,10 +145,12 @@ class SpeculativeStepMixin:
         """Append verify row ``i``'s emitted tokens to ``req``: logprobs, detokenization, stop checks."""
         lps = out.logprobs[i] if out.logprobs is not None else []
         tops = out.top_logprobs[i] if out.top_logprobs is not None else []
+        ranks = out.ranks[i] if out.ranks is not None else []
         for j, token in enumerate(out.token_ids[i]):
             req.output_token_ids.append(int(token))
             if req.sampling_params.logprobs is not None and j < len(lps):
                 req.sampled_logprobs.append(float(lps[j]))
+                req.output_ranks.append(ranks[j] if j < len(ranks) else None)
                 entry = dict(tops[j]) if j < len(tops) else {}
                 entry.setdefault(int(token), float(lps[j]))
                 req.output_logprobs.append(entry)

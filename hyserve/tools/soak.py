@@ -2,7 +2,7 @@
 response for the silent corruption other engines show on hybrid models (constant-token loops, ``!!!!``, empty
 output, all with a normal ``finish_reason``).
 
-    hyserve soak                                   # tiny random checkpoint with an MTP head, every feature on
+    hyserve soak                                   # the packaged default model (trained MTP head), every feature on
     hyserve soak MODEL_DIR --conversations 64 --turns 8 --concurrency 32 --prefix-len 1700 --max-tokens 64
     hyserve soak MODEL_DIR --url http://127.0.0.1:8000     # a running server; replay on a local clean engine
 
@@ -469,7 +469,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      "checked", description=(__doc__ or "").replace("``", "").replace(":mod:", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (default: write a tiny random checkpoint with an MTP head)")
+                   help="checkpoint directory (default: the packaged default model, hyserve/default_model; a "
+                        "tiny random checkpoint with an MTP head if the package lacks it)")
     p.add_argument("--url", default=None,
                    help="soak a running server at this base URL, e.g. http://127.0.0.1:8000 (default: none, the "
                         "offline engine)")
