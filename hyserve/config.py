@@ -349,7 +349,7 @@ def resolve_cpu_threads(requested: int | None) -> tuple[int | None, str]:
     after hyserve was imported.
     """
     if requested is not None:
-        return requested, "cpu_threads / --cpu-threads"
+        return requested, "as asked"
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         if os.environ.get(var):
             return None, f"{var}={os.environ[var]} is set"
