@@ -13,11 +13,9 @@ import random
 from conftest import CheckpointCache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import make_llm
+from test_engine import drive, make_llm
 
 from hyserve import SamplingParams
-from hyserve.engine.llm_engine import LLMEngine
-from hyserve.outputs import RequestOutput
 
 SPECS: dict[str, dict[str, object] | None] = {
     "none": None,
@@ -25,24 +23,6 @@ SPECS: dict[str, dict[str, object] | None] = {
     "mtp1": {"method": "mtp", "num_speculative_tokens": 1},
     "mtp2": {"method": "mtp", "num_speculative_tokens": 2},
 }
-
-
-def drain(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
-          aborts: dict[int, list[str]], max_steps: int) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    step = 0
-    last = max(arrivals)
-    while step <= last or engine.has_unfinished_requests():
-        assert step < max_steps, f"not drained after {max_steps} steps: {engine.get_num_unfinished_requests()} left"
-        for rid, prompt, params in arrivals.get(step, []):
-            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-        for rid in aborts.get(step, []):
-            engine.abort_request(rid)
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        step += 1
-    return final
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -75,7 +55,7 @@ def test_random_workloads_under_tiny_budgets_always_drain(ckpts: CheckpointCache
         expect[rid] = (len(prompt), max_tokens)
         if rng.random() < 0.2:
             aborts.setdefault(rng.randrange(0, 20), []).append(rid)
-    final = drain(engine, arrivals, aborts, max_steps=600)
+    final = drive(engine, arrivals, aborts, max_steps=600)
     aborted = {rid for rids in aborts.values() for rid in rids}
     for rid, (n_prompt, max_tokens) in expect.items():
         if rid in aborted and rid not in final:
@@ -96,7 +76,7 @@ def test_mtp_prefix_hit_when_the_first_chunk_needs_every_block(ckpts: Checkpoint
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     outs = []
     for rid in ("first", "second"):
-        outs.append(drain(llm.llm_engine, {0: [(rid, prompt, params)]}, {}, max_steps=50)[rid])
+        outs.append(drive(llm.llm_engine, {0: [(rid, prompt, params)]}, max_steps=50)[rid])
     assert outs[1].num_cached_tokens > 0, "the second request must hit the cache"
     assert outs[1].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert outs[0].outputs[0].finish_reason == outs[1].outputs[0].finish_reason == "length"
