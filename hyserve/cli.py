@@ -103,7 +103,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
 
 
-def _make_llm(args: argparse.Namespace, model: str) -> Any:
+def _make_llm(args: argparse.Namespace, model: str | None) -> Any:
     from hyserve.llm import LLM
 
     return LLM(model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -225,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate offline from a local checkpoint directory")
-    g.add_argument("model", help="a local checkpoint directory (config.json, *.safetensors, tokenizer.json; nothing is "
-                                 "downloaded)")
+    g.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="a local checkpoint directory (config.json, *.safetensors, tokenizer.json; nothing is "
+                        "downloaded); default: the packaged model")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
     _engine_args(g)

@@ -4,6 +4,7 @@ errors found before the model loads, help texts that show every default, and the
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 from typing import Any
 
@@ -38,6 +39,12 @@ def test_serve_without_model_uses_the_default(monkeypatch: pytest.MonkeyPatch) -
     assert cli.main(["serve", "--device", "cpu", "--port", str(port)]) == 0
     assert seen["config"].port == port
     assert seen["config"].app.state.engine.engine.config.model == DEFAULT_MODEL_DIR
+
+
+def test_generate_without_model_uses_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "--device", "cpu", "--max-tokens", "3", "--prompt", "def f(x):"]) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert line["prompt"] == "def f(x):" and len(line["token_ids"]) == 3 and line["finish_reason"] == "length"
 
 
 def test_generate_reports_bad_model_dir(capsys: pytest.CaptureFixture[str]) -> None:

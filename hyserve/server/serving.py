@@ -126,8 +126,8 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         n = self.async_engine.num_open_requests()
         if n:
-            logger.info("shutdown: %d open request%s get %.0f s to finish before they are aborted", n,
-                        "" if n == 1 else "s", self.shutdown_timeout_s)
+            logger.info("shutdown: %d open request%s %.0f s to finish before being aborted", n,
+                        " gets" if n == 1 else "s get", self.shutdown_timeout_s)
         timer = asyncio.get_running_loop().call_later(self.shutdown_timeout_s, self._abort_all,
                                                       f"--shutdown-timeout {self.shutdown_timeout_s:g} s passed")
         try:
