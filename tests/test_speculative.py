@@ -18,7 +18,7 @@ from hyserve import SamplingParams
 from hyserve.engine import cuda_graphs
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.engine.request import Request
-from hyserve.spec.proposer import Proposer
+from hyserve.speculative.proposer import Proposer
 
 K = 4
 

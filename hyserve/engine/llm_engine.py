@@ -24,9 +24,9 @@ from hyserve.layers.rejection_sampler import RejectionSampler
 from hyserve.layers.sampler import SamplerOutput, SamplingRow
 from hyserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyserve.sampling_params import SamplingParams
-from hyserve.spec.config import SpeculativeConfig
-from hyserve.spec.proposer import NgramProposer, Proposer
-from hyserve.spec.step import SpeculativeStepMixin, token_seed
+from hyserve.speculative.config import SpeculativeConfig
+from hyserve.speculative.proposer import NgramProposer, Proposer
+from hyserve.speculative.step import SpeculativeStepMixin, token_seed
 from hyserve.tokenizer import (
     UNSUPPORTED_GENERATION_KEYS,
     IncrementalDetokenizer,
