@@ -6,12 +6,12 @@ vLLM-style scheme with one recurrent-state checkpoint per request on inflated at
 
 What is measured, and why:
 
-1. The workload (``workloads.py``): agent conversations sharing a system prefix, each turn's prompt extending the
-   previous turn's prompt + actual output. It is driven closed-loop through ``LLMEngine.step()``: a conversation's
-   next turn is submitted right after the step that finished its previous turn, with the tokens the engine really
-   produced; ``concurrency`` conversations are in flight. The same workload runs with prefix caching ON and OFF.
-   Greedy decoding with ``ignore_eos``: the outputs must be identical ON and OFF (a prefix hit must not change a
-   single token), which is checked per (conversation, turn) and reported.
+1. The workload (``AgentTraceSpec`` of ``hyserve/tools/workload.py``): agent conversations sharing a system prefix,
+   each turn's prompt extending the previous turn's prompt + actual output. It is driven closed-loop through
+   ``LLMEngine.step()``: a conversation's next turn is submitted right after the step that finished its previous
+   turn, with the tokens the engine really produced; ``concurrency`` conversations are in flight. The same
+   workload runs with prefix caching ON and OFF. Greedy decoding with ``ignore_eos``: the outputs must be identical
+   ON and OFF (a prefix hit must not change a single token), which is checked per (conversation, turn) and reported.
 2. Per request: TTFT = wall time from ``add_request`` to the end of the ``step()`` that returned its first output
    token (it includes queueing behind other requests: that is what a client sees). Totals from ``get_metrics()``:
    ``prefix_cache_hits`` (prompt tokens served from the cache), ``prefix_cache_queries``, and the prefill tokens
@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from workloads import Conversation, WorkloadSpec, make_conversations, workload_spec
+from hyserve.tools.workload import AgentTraceSpec, Conversation, make_conversations, workload_spec
 
 if TYPE_CHECKING:
     from hyserve import LLM
@@ -519,7 +519,7 @@ def _pct(a: float, b: float) -> float:
     return 100.0 * a / b if b else 0.0
 
 
-def build_report(spec: WorkloadSpec, on: RunResult, off: RunResult, *, model: dict[str, Any], machine: dict[str, Any],
+def build_report(spec: AgentTraceSpec, on: RunResult, off: RunResult, *, model: dict[str, Any], machine: dict[str, Any],
                  policy: SnapshotPolicy, vllm_block: int, vllm_block_2b: int, args: dict[str, Any]) -> dict[str, Any]:
     """Everything the JSON holds (no token ids: the full-scale trace has millions)."""
     trace = on.trace
@@ -745,7 +745,7 @@ def plot(rep: dict[str, Any], path: str) -> bool:
 # ----------------------------------------------------------------------------------------------------------- main
 
 
-def _make_llm(args: argparse.Namespace, model_dir: str, spec: WorkloadSpec, caching: bool) -> LLM:
+def _make_llm(args: argparse.Namespace, model_dir: str, spec: AgentTraceSpec, caching: bool) -> LLM:
     from hyserve import LLM
 
     kwargs: dict[str, Any] = {
@@ -789,7 +789,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {k: v for k, v in (("num_conversations", args.num_conversations), ("concurrency", args.concurrency))
                  if v is not None}
     if overrides:
-        spec = WorkloadSpec(**{**{k: getattr(spec, k) for k in spec.__dataclass_fields__}, **overrides})
+        spec = AgentTraceSpec(**{**{k: getattr(spec, k) for k in spec.__dataclass_fields__}, **overrides})
     os.makedirs(args.out, exist_ok=True)
     tmp = None
     model_dir = args.model

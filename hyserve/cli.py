@@ -10,9 +10,8 @@ import logging
 import socket
 import sys
 import time
-from typing import Any
 
-from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, parse_size
+from hyserve.engine_args import engine_args, make_llm
 from hyserve.sampling_params import SamplingParams
 
 
@@ -25,14 +24,6 @@ def port_number(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"invalid port {port}: must be in 0..65535")
     return port
-
-
-def size_bytes(value: str) -> int:
-    """argparse type of a memory size: bytes or a number with a unit (``256MiB``, ``1GiB``, ``2GB``)."""
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -51,48 +42,6 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def _engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="weights and activations; auto = the checkpoint's on CUDA, float32 on the CPU (default: auto)")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, capped by the KV cache")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help=f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, or fewer if the cache "
-                        "cannot hold their recurrent state)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: the share of the card this instance may use, weights and activations included "
-                        "(default: 0.9)")
-    p.add_argument("--cpu-cache-memory", type=size_bytes, default=256 * 2**20, metavar="SIZE",
-                   help="CPU: memory for the KV cache, recurrent state and snapshots, in bytes or with a unit "
-                        "(256MiB, 1GiB) (default: 256MiB)")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="CPU: torch's intra-op threads (default: OMP_NUM_THREADS if set, else the available CPUs "
-                        "minus one, at least 1)")
-    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
-                   help="default sampling parameters: auto = the checkpoint's generation_config.json (temperature, "
-                        "top_p, top_k, min_p, max_new_tokens), vllm = ignore it, or a directory holding one "
-                        "(default: auto)")
-    if serving:
-        p.add_argument("--disable-log-stats", action="store_true",
-                       help="no periodic throughput / queue / cache-usage log line (default: logged every 5 s)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefix caching of KV blocks and recurrent snapshots (default: on)")
-    p.add_argument("--recurrent-snapshot-interval", type=int, default=2048,
-                   help="prefix caching: also snapshot recurrent state every N tokens (default: 2048)")
-    p.add_argument("--snapshot-memory-fraction", type=float, default=0.2,
-                   help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
-    p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON, e.g. '{\"method\": \"mtp\"}'")
-    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 supported yet)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor shards (only 1 supported yet)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
-    p.add_argument("--cuda-graph-sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   help="decode batch sizes to capture, comma-separated (default: 1,2,4,8,16,24,32,48,64,...,256 "
-                        "up to --max-num-seqs)")
-
-
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -103,29 +52,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
 
 
-def _make_llm(args: argparse.Namespace, model: str | None) -> Any:
-    from hyserve.llm import LLM
-
-    return LLM(model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-               enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
-               seed=args.seed, pipeline_parallel_size=args.pipeline_parallel_size,
-               recurrent_snapshot_interval=args.recurrent_snapshot_interval,
-               snapshot_memory_fraction=args.snapshot_memory_fraction,
-               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-               cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,
-               cpu_threads=args.cpu_threads, generation_config=args.generation_config,
-               disable_log_stats=getattr(args, "disable_log_stats", True))
-
-
 def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    llm = _make_llm(args, args.model)
+    llm = make_llm(args, args.model)
     prompts = args.prompt or ["Hello"]
     t0 = time.perf_counter()
     if args.chat:
@@ -153,7 +86,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from hyserve.server import AsyncEngine, build_app
 
     model = args.model or _default_model()
-    engine = _make_llm(args, model).llm_engine
+    engine = make_llm(args, model).llm_engine
     app = build_app(AsyncEngine(engine, start=False), None)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -203,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hyserve.server.serving import make_server
 
     api_key = args.api_key or os.environ.get("HYSERVE_API_KEY") or None
-    engine = _make_llm(args, args.model).llm_engine
+    engine = make_llm(args, args.model).llm_engine
     async_engine = AsyncEngine(engine, start=False)
     app = build_app(async_engine, args.served_model_name, api_key=api_key,
                     max_request_body_bytes=args.max_request_body_bytes,
@@ -230,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "downloaded); default: the packaged model")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
-    _engine_args(g)
+    engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve a checkpoint over the OpenAI-compatible HTTP API (/v1/completions, ...)")
@@ -264,12 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept a chat_template sent in a request (by default such requests get a 400)")
     s.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="stop rendering a chat template after this time and answer 400 (default: 10)")
-    _engine_args(s, serving=True)
+    engine_args(s, serving=True)
     s.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve the packaged default model on loopback and show it answering")
     d.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the packaged model)")
     d.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    _engine_args(d)
+    engine_args(d)
     _sampling_args(d)
     d.set_defaults(func=cmd_demo)
     from hyserve.tools import add_missing_defaults, bench, soak

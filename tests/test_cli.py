@@ -61,7 +61,7 @@ def _no_model_load(*args: Any, **kw: Any) -> Any:
 
 def test_port_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "_make_llm", _no_model_load)
+    monkeypatch.setattr(cli, "make_llm", _no_model_load)
     for bad in ("99999", "-1", "http"):
         with pytest.raises(SystemExit) as info:
             cli.main(["serve", "--device", "cpu", "--port", bad])
@@ -72,7 +72,7 @@ def test_port_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str],
 
 def test_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "_make_llm", _no_model_load)
+    monkeypatch.setattr(cli, "make_llm", _no_model_load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -180,12 +180,12 @@ def test_engine_flags_reach_the_llm(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr("hyserve.llm.LLM", FakeLLM)
     parse = cli.build_parser().parse_args
-    cli._make_llm(parse(["generate", "m", "--cpu-threads", "3", "--cpu-cache-memory", "64MiB",
+    cli.make_llm(parse(["generate", "m", "--cpu-threads", "3", "--cpu-cache-memory", "64MiB",
                          "--generation-config", "vllm", "--dtype", "float"]), "m")
     assert (seen["cpu_threads"], seen["cpu_cache_memory_bytes"], seen["generation_config"], seen["dtype"]) == \
         (3, 64 * 2**20, "vllm", "float")
     assert seen["disable_log_stats"] is True and seen["max_num_seqs"] is None  # offline: no periodic stats line
-    cli._make_llm(parse(["serve"]), "m")
+    cli.make_llm(parse(["serve"]), "m")
     assert seen["disable_log_stats"] is False and seen["generation_config"] == "auto"  # serve logs stats
-    cli._make_llm(parse(["serve", "--disable-log-stats"]), "m")
+    cli.make_llm(parse(["serve", "--disable-log-stats"]), "m")
     assert seen["disable_log_stats"] is True

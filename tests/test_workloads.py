@@ -24,7 +24,8 @@ from prefix_cache_bench import (
     vllm_style_block_size,
     vllm_style_hits,
 )
-from workloads import FULL, SCALES, WorkloadSpec, make_conversations
+
+from hyserve.tools.workload import FULL, SCALES, AgentTraceSpec, make_conversations
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -46,7 +47,7 @@ def test_workload_is_deterministic_and_seeded():
 
 def test_conversation_does_not_depend_on_how_many_there_are():
     spec = SCALES["cpu"]
-    fewer = WorkloadSpec(**{**{k: getattr(spec, k) for k in spec.__dataclass_fields__}, "num_conversations": 3})
+    fewer = AgentTraceSpec(**{**{k: getattr(spec, k) for k in spec.__dataclass_fields__}, "num_conversations": 3})
     assert make_conversations(fewer, 0, 448) == make_conversations(spec, 0, 448)[:3]
 
 

@@ -8,12 +8,72 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from hyserve.engine.llm_engine import LLMEngine
+    from collections.abc import Sized
+
+    from hyserve.cache.prefix_cache import SnapshotStats
 
 logger = logging.getLogger("hyserve")
+
+
+# What the counters read from the engine, as Protocols: ``LLMEngine`` satisfies ``MetricsSource`` and this module does
+# not import the engine (which imports this module).
+class BlockUsage(Protocol):
+    @property
+    def num_usable_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def num_evictions(self) -> int: ...
+
+
+class SlotUsage(Protocol):
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def num_free_slots(self) -> int: ...
+
+
+class RunnerPools(Protocol):
+    @property
+    def block_pool(self) -> BlockUsage: ...
+    @property
+    def state_pool(self) -> SlotUsage: ...
+
+
+class QueueCounts(Protocol):
+    @property
+    def running(self) -> Sized: ...
+    @property
+    def waiting(self) -> Sized: ...
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+
+
+class SnapshotCounts(Protocol):
+    @property
+    def stats(self) -> SnapshotStats: ...
+    @property
+    def num_snapshots(self) -> int: ...
+    @property
+    def snapshot_bytes(self) -> int: ...
+
+
+class MetricsSource(Protocol):
+    @property
+    def metrics(self) -> EngineMetrics: ...
+    @property
+    def scheduler(self) -> QueueCounts: ...
+    @property
+    def runner(self) -> RunnerPools: ...
+    @property
+    def prefix_cache(self) -> SnapshotCounts | None: ...
 
 
 @dataclass(slots=True)
@@ -76,7 +136,7 @@ class EngineMetrics:
         self.generation_tokens += num_sampled
         self.step_time_s += seconds
 
-    def snapshot(self, engine: LLMEngine) -> dict[str, float | list[float]]:
+    def snapshot(self, engine: MetricsSource) -> dict[str, float | list[float]]:
         pool = engine.runner.block_pool
         pc = engine.prefix_cache
         used = pool.num_usable_blocks - pool.num_free_blocks
@@ -132,7 +192,7 @@ class StatsLogger:
         self._last_prompt = 0
         self._last_generation = 0
 
-    def maybe_log(self, engine: LLMEngine) -> str | None:
+    def maybe_log(self, engine: MetricsSource) -> str | None:
         """Log (and return) the stats line if an interval has passed and there was activity; else None."""
         now = self.clock()
         elapsed = now - self._last_time

@@ -2,7 +2,8 @@
 workload, every response checked) and ``hyserve bench`` (throughput and latency), offline or against a server.
 
 - ``detectors``: pure heuristics for degenerate output (token loops, short cycles, punctuation runs, empty output).
-- ``workload``: deterministic multi-turn agent conversations sharing long prefixes.
+- ``workload``: deterministic multi-turn agent conversations sharing long prefixes (also the prefix-caching
+  benchmark's, ``benchmarks/prefix_cache_bench.py``).
 - ``client``: a small client of an OpenAI-compatible server (token-id prompts, streaming, ``/metrics``).
 - ``soak``, ``bench``: the subcommands; each has ``register(subparsers)`` and ``run(args) -> int``.
 """

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from hyserve.engine_args import engine_args, make_llm
 from hyserve.tools import add_missing_defaults
 from hyserve.tools.client import CompletionsClient
 from hyserve.tools.soak import ordinary_vocab
@@ -285,9 +286,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--result-json", default=None, help="write the results here (default: none)")
     p.add_argument("--plot", default=None, help="write a PNG of the latency distributions here (default: none)")
     p.add_argument("--timeout", type=float, default=600.0, help="--url: seconds per HTTP request (default: 600)")
-    from hyserve.cli import _engine_args  # here, not at the top: hyserve.cli imports this module
-
-    _engine_args(p)
+    engine_args(p)
     add_missing_defaults(p)
     p.set_defaults(func=run)
 
@@ -330,10 +329,9 @@ def _run(args: argparse.Namespace, model: str | None) -> int:
     metrics: dict[str, Any] | None = None
     if args.url is None:
         assert model is not None
-        from hyserve.cli import _make_llm
         from hyserve.sampling_params import SamplingParams
 
-        llm = _make_llm(args, model)
+        llm = make_llm(args, model)
         concurrency = args.concurrency or len(prompts)
         if args.warmup:
             llm.generate({"prompt_token_ids": _warmup_prompt(vocab)}, SamplingParams(max_tokens=4, ignore_eos=True),

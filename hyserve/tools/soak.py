@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from hyserve.engine_args import engine_args, make_llm
 from hyserve.tools import add_missing_defaults
 from hyserve.tools.client import NO_TOKEN_IDS, Completion, CompletionsClient
 from hyserve.tools.detectors import detect_degenerate, finding_kind, first_divergence
@@ -391,9 +392,7 @@ def build_llm(args: argparse.Namespace, model: str, role: str) -> LLM:
         args.enable_prefix_caching = False
         args.speculative_config = None
         args.max_num_batched_tokens = None
-    from hyserve.cli import _make_llm
-
-    return _make_llm(args, model)
+    return make_llm(args, model)
 
 
 def _release_memory() -> None:
@@ -507,9 +506,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="detector: a punctuation run has at least this many characters (default: 8)")
     p.add_argument("--report", default=None, help="write the JSON report here (default: none)")
     p.add_argument("--timeout", type=float, default=600.0, help="--url: seconds per HTTP request (default: 600)")
-    from hyserve.cli import _engine_args  # here, not at the top: hyserve.cli imports this module
-
-    _engine_args(p)
+    engine_args(p)
     for action in p._actions:
         if action.dest == "speculative_config":
             action.default = AUTO

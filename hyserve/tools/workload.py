@@ -1,16 +1,26 @@
-"""Deterministic multi-turn agent conversations for ``hyserve soak`` (adapted from ``benchmarks/workloads.py``).
+"""Deterministic multi-turn agent conversations: the workloads of ``hyserve soak`` and of the prefix-caching
+benchmark (``benchmarks/prefix_cache_bench.py``).
 
-The shape follows the reports in which prefix caching + speculative decoding corrupted outputs on hybrid models
-(multi-step agent traces at temperature 0):
+Both follow agent traffic on hybrid models, the shape of the reports in which prefix caching + speculative decoding
+corrupted outputs (multi-step agent traces at temperature 0):
 
 - every conversation starts with the same system prefix (tool definitions, instructions), so requests of different
   conversations share a long prefix;
 - turn ``t``'s prompt is turn ``t-1``'s prompt + the tokens the engine actually generated for turn ``t-1`` + a new
   user/tool message, so every turn extends the previous turn's full sequence and the prefix-cache hit rate climbs
-  through a run; a driver must therefore be closed-loop (the next turn is built from the real output);
-- every ``fork_every``-th conversation repeats the previous conversation's first message (an agent retrying from
-  the same state): its first prompt is identical to another one and the two diverge only later, which places
-  snapshots at branch points and makes full-prompt hits.
+  through a run; a driver must therefore be closed-loop (the next turn is built from the real output).
+
+Two specs, one ``Conversation`` and one ``make_conversations``:
+
+- ``WorkloadSpec`` (``hyserve soak``): a fixed number of turns of about ``message_len`` tokens each; every
+  ``fork_every``-th conversation repeats the previous conversation's first message (an agent retrying from the same
+  state): its first prompt is identical to another one and the two diverge only later, which places snapshots at
+  branch points and makes full-prompt hits.
+- ``AgentTraceSpec`` (the benchmark), at named scales (``SCALES``: ``"full"``, the production shape, ~1.7k-token
+  prefix, prompts growing from 4k to 12k tokens, 32 conversations in flight; ``"cpu"``, the same shrunk ~16x): short
+  outputs (tool calls) of lengths fixed in advance (drivers run with ``ignore_eos`` and ``max_tokens`` = the output
+  length), so prefill dominates, every prompt *length* is known before running (:meth:`Conversation.prompt_len`),
+  and the generator keeps every prompt within the spec's ``max_prompt_len``.
 
 Everything here is a pure function of the spec, the seed and ``vocab_size`` (no torch, no engine).
 """
@@ -21,7 +31,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Conversation", "WorkloadSpec", "make_conversations"]
+__all__ = [
+    "CPU", "FULL", "SCALES", "AgentTraceSpec", "Conversation", "WorkloadSpec", "make_conversations", "workload_spec",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,19 +71,92 @@ class WorkloadSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentTraceSpec:
+    """Sizes of an agent-trace workload (the prefix-caching benchmark's). Ranges are inclusive ``(low, high)`` and
+    drawn uniformly.
+
+    ``first_message_len`` is the first user message, appended right after the shared system prefix (so turn 0's
+    prompt is ``system_prefix_len + first_message_len`` tokens). Each later turn appends the previous output and a
+    ``message_len`` message; turns stop early when the next prompt would exceed ``max_prompt_len``.
+    """
+
+    name: str
+    system_prefix_len: int
+    num_conversations: int
+    concurrency: int
+    turns: tuple[int, int]
+    first_message_len: tuple[int, int]
+    message_len: tuple[int, int]
+    output_len: tuple[int, int]
+    max_prompt_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("turns", "first_message_len", "message_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be a range 1 <= low <= high (got {(lo, hi)})")
+        if self.system_prefix_len < 1 or self.num_conversations < 1 or self.concurrency < 1:
+            raise ValueError("system_prefix_len, num_conversations and concurrency must be positive")
+        first_max = self.system_prefix_len + self.first_message_len[1]
+        if first_max > self.max_prompt_len:
+            raise ValueError(f"the longest first prompt ({first_max}) exceeds max_prompt_len ({self.max_prompt_len})")
+
+
+# Full scale: the production shape (run on a GPU with a 2B-shape checkpoint). Turn 0 is 4.0k-4.7k tokens; each
+# later turn adds 20-100 output tokens and a 300-1500 token tool/user message, up to 12k.
+FULL = AgentTraceSpec(
+    name="full", system_prefix_len=1700, num_conversations=64, concurrency=32, turns=(4, 10),
+    first_message_len=(2300, 3000), message_len=(300, 1500), output_len=(20, 100), max_prompt_len=12288,
+)
+# CPU scale: the same structure shrunk ~16x so that a tiny model runs it in about a minute on two cores. The
+# prefix (110 tokens) is deliberately not a multiple of the 16-token block: sharing it needs a snapshot at 96.
+CPU = AgentTraceSpec(
+    name="cpu", system_prefix_len=110, num_conversations=12, concurrency=8, turns=(3, 6),
+    first_message_len=(140, 220), message_len=(40, 160), output_len=(4, 12), max_prompt_len=750,
+)
+SCALES: dict[str, AgentTraceSpec] = {"full": FULL, "cpu": CPU}
+
+
+def workload_spec(scale: str | AgentTraceSpec) -> AgentTraceSpec:
+    """The spec of a named scale (``"full"`` or ``"cpu"``); a spec passes through unchanged."""
+    if isinstance(scale, AgentTraceSpec):
+        return scale
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
+    return SCALES[scale]
+
+
+@dataclass(frozen=True, slots=True)
 class Conversation:
-    """One agent conversation: ``messages[t]`` is appended before turn ``t`` runs (after the shared prefix for
-    ``t == 0``, after turn ``t-1``'s prompt and actual output otherwise)."""
+    """One agent conversation.
+
+    ``messages[t]`` is appended before turn ``t`` runs (``messages[0]`` is the first user message, after the shared
+    ``system_prefix``); ``output_lens[t]`` is the number of tokens turn ``t`` generates (agent-trace workloads; a
+    soak workload's turns run to their ``max_tokens`` or EOS, and its ``output_lens`` is empty). Turn ``t``'s prompt is
+    ``system_prefix + messages[0] + out[0] + messages[1] + ... + out[t-1] + messages[t]`` where ``out`` are the
+    tokens the engine actually produced.
+    """
 
     conv_id: int
     system_prefix: tuple[int, ...]
     messages: tuple[tuple[int, ...], ...]
+    output_lens: tuple[int, ...] = ()
 
     @property
     def num_turns(self) -> int:
         return len(self.messages)
 
+    def prompt_len(self, turn: int) -> int:
+        """Turn ``turn``'s prompt length (known in advance: outputs have exactly ``output_lens`` tokens)."""
+        if not 0 <= turn < self.num_turns:
+            raise IndexError(f"turn {turn} out of range (conversation has {self.num_turns})")
+        if not self.output_lens:
+            raise ValueError("a conversation without output_lens has no prompt length known in advance")
+        return (len(self.system_prefix) + sum(len(m) for m in self.messages[: turn + 1])
+                + sum(self.output_lens[:turn]))
+
     def first_prompt(self) -> list[int]:
+        """Turn 0's prompt: the shared system prefix and the first user message."""
         return [*self.system_prefix, *self.messages[0]]
 
     def next_prompt(self, turn: int, prev_prompt: Sequence[int], prev_output: Sequence[int]) -> list[int]:
@@ -80,13 +165,28 @@ class Conversation:
             raise IndexError(f"turn {turn} has no previous turn in a {self.num_turns}-turn conversation")
         return [*prev_prompt, *prev_output, *self.messages[turn]]
 
+    def prompt(self, turn: int, outputs: Sequence[Sequence[int]]) -> list[int]:
+        """Turn ``turn``'s prompt given the actual outputs of turns ``0 .. turn-1`` (``outputs[:turn]``)."""
+        if len(outputs) < turn:
+            raise ValueError(f"turn {turn} needs the outputs of {turn} earlier turns (got {len(outputs)})")
+        ids = self.first_prompt()
+        for t in range(1, turn + 1):
+            ids = self.next_prompt(t, ids, outputs[t - 1])
+        return ids
 
-def _tokens(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
+
+def _randrange(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
     return tuple(rng.randrange(vocab_size) for _ in range(n))
 
 
-def make_conversations(spec: WorkloadSpec, seed: int = 0, vocab_size: int = 448) -> list[Conversation]:
-    """The workload's conversations, a pure function of ``(spec, seed, vocab_size)``.
+def _choices(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(rng.choices(range(vocab_size), k=n))
+
+
+def make_conversations(spec: WorkloadSpec | AgentTraceSpec | str, seed: int = 0,
+                       vocab_size: int = 448) -> list[Conversation]:
+    """The workload's conversations, a pure function of ``(spec, seed, vocab_size)``; a string names an
+    ``AgentTraceSpec`` scale (``"full"`` or ``"cpu"``).
 
     Token ids are drawn uniformly from ``[0, vocab_size)``: pass the tokenizer's ordinary vocabulary (the default
     448 is the tiny test tokenizer's, whose special tokens come after it) so that prompts hold no EOS or chat
@@ -95,14 +195,45 @@ def make_conversations(spec: WorkloadSpec, seed: int = 0, vocab_size: int = 448)
     """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be at least 2 (got {vocab_size})")
-    prefix = _tokens(random.Random(f"hyserve-soak/{seed}/prefix"), spec.prefix_len, vocab_size)
+    if isinstance(spec, WorkloadSpec):
+        return _soak_conversations(spec, seed, vocab_size)
+    return _trace_conversations(workload_spec(spec), seed, vocab_size)
+
+
+def _soak_conversations(spec: WorkloadSpec, seed: int, vocab_size: int) -> list[Conversation]:
+    prefix = _randrange(random.Random(f"hyserve-soak/{seed}/prefix"), spec.prefix_len, vocab_size)
     convs: list[Conversation] = []
     for cid in range(spec.num_conversations):
         rng = random.Random(f"hyserve-soak/{seed}/conversation/{cid}")
-        messages = [_tokens(rng, rng.randint(*spec.message_range(True)), vocab_size)]
-        messages += [_tokens(rng, rng.randint(*spec.message_range(False)), vocab_size)
+        messages = [_randrange(rng, rng.randint(*spec.message_range(True)), vocab_size)]
+        messages += [_randrange(rng, rng.randint(*spec.message_range(False)), vocab_size)
                      for _ in range(spec.turns - 1)]
         if spec.fork_every and cid % spec.fork_every == spec.fork_every - 1 and convs:
             messages[0] = convs[-1].messages[0]
         convs.append(Conversation(cid, prefix, tuple(messages)))
+    return convs
+
+
+def _trace_conversations(spec: AgentTraceSpec, seed: int, vocab_size: int) -> list[Conversation]:
+    system_prefix = _choices(random.Random(f"hyserve-workload/{seed}/system"), spec.system_prefix_len, vocab_size)
+    convs: list[Conversation] = []
+    for cid in range(spec.num_conversations):
+        rng = random.Random(f"hyserve-workload/{seed}/conversation/{cid}")
+        n_turns = rng.randint(*spec.turns)
+        messages = [_choices(rng, rng.randint(*spec.first_message_len), vocab_size)]
+        output_lens: list[int] = []
+        length = spec.system_prefix_len + len(messages[0])
+        while True:
+            out_len = rng.randint(*spec.output_len)
+            output_lens.append(out_len)
+            if len(messages) == n_turns:
+                break
+            msg_len = rng.randint(*spec.message_len)
+            if length + out_len + msg_len > spec.max_prompt_len:
+                msg_len = spec.max_prompt_len - length - out_len
+                if msg_len < spec.message_len[0]:  # no room for another turn: this one is the last
+                    break
+            messages.append(_choices(rng, msg_len, vocab_size))
+            length += out_len + msg_len
+        convs.append(Conversation(cid, system_prefix, tuple(messages), tuple(output_lens)))
     return convs

@@ -1,0 +1,81 @@
+"""The engine flag set shared by every subcommand: ``hyserve generate``, ``serve`` and ``demo`` (``hyserve.cli``) and
+``hyserve bench`` and ``soak`` (``hyserve.tools``), and the ``LLM`` those flags build. Its own module so that the
+command line and the tools both import it and neither imports the other."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, parse_size
+
+__all__ = ["engine_args", "make_llm", "size_bytes"]
+
+
+def size_bytes(value: str) -> int:
+    """argparse type of a memory size: bytes or a number with a unit (``256MiB``, ``1GiB``, ``2GB``)."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """Add the engine flags (every subcommand takes them; ``serving`` adds the server-only ones) to ``p``."""
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights and activations; auto = the checkpoint's on CUDA, float32 on the CPU (default: auto)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, capped by the KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, or fewer if the cache "
+                        "cannot hold their recurrent state)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of the card this instance may use, weights and activations included "
+                        "(default: 0.9)")
+    p.add_argument("--cpu-cache-memory", type=size_bytes, default=256 * 2**20, metavar="SIZE",
+                   help="CPU: memory for the KV cache, recurrent state and snapshots, in bytes or with a unit "
+                        "(256MiB, 1GiB) (default: 256MiB)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="CPU: torch's intra-op threads (default: OMP_NUM_THREADS if set, else the available CPUs "
+                        "minus one, at least 1)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters: auto = the checkpoint's generation_config.json (temperature, "
+                        "top_p, top_k, min_p, max_new_tokens), vllm = ignore it, or a directory holding one "
+                        "(default: auto)")
+    if serving:
+        p.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic throughput / queue / cache-usage log line (default: logged every 5 s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefix caching of KV blocks and recurrent snapshots (default: on)")
+    p.add_argument("--recurrent-snapshot-interval", type=int, default=2048,
+                   help="prefix caching: also snapshot recurrent state every N tokens (default: 2048)")
+    p.add_argument("--snapshot-memory-fraction", type=float, default=0.2,
+                   help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
+    p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON, e.g. '{\"method\": \"mtp\"}'")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 supported yet)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor shards (only 1 supported yet)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
+    p.add_argument("--cuda-graph-sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="decode batch sizes to capture, comma-separated (default: 1,2,4,8,16,24,32,48,64,...,256 "
+                        "up to --max-num-seqs)")
+
+
+def make_llm(args: argparse.Namespace, model: str | None) -> Any:
+    """An ``LLM`` built from the flags ``engine_args`` added (``model`` None = the packaged default model)."""
+    from hyserve.llm import LLM
+
+    return LLM(model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+               enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
+               seed=args.seed, pipeline_parallel_size=args.pipeline_parallel_size,
+               recurrent_snapshot_interval=args.recurrent_snapshot_interval,
+               snapshot_memory_fraction=args.snapshot_memory_fraction,
+               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+               cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,
+               cpu_threads=args.cpu_threads, generation_config=args.generation_config,
+               disable_log_stats=getattr(args, "disable_log_stats", True))

@@ -1,0 +1,126 @@
+"""No import cycles among hyserve's modules.
+
+The graph is read from the source with ``ast``, not by importing: an edge ``a -> b`` for every ``import b`` /
+``from b import x`` (and ``from a.b import c`` where ``a.b.c`` is a module) anywhere in ``a``'s file, at the top,
+inside functions, or under ``if TYPE_CHECKING:``. An import of ``a.b.c`` counts as an edge to ``a.b.c`` only, not
+to the packages above it (every module would otherwise reach ``hyserve/__init__.py`` and through it the whole engine).
+
+Two checks: the graph of top-level imports (what runs when a module is imported) has no cycle at all; and in the
+full graph (function-level and type-only imports too) the pairs that once formed circles are in no cycle together:
+the command line and the tools share ``hyserve.engine_args`` instead of importing each other, and the metrics read
+the engine through a Protocol.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "hyserve"
+
+
+def module_files() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def imported_modules(name: str, path: Path, known: set[str], top_level_only: bool) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph(top_level_only: bool) -> dict[str, set[str]]:
+    mods = module_files()
+    known = set(mods)
+    return {name: imported_modules(name, path, known, top_level_only) for name, path in mods.items()}
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The graph's cycles, as its strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component: set[str] = set()
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        component.add(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        components.append(component)
+    return components
+
+
+def test_the_graph_reader_sees_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert strongly_connected(graph) == [{"a", "b", "c"}]
+    assert strongly_connected({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_covers_the_modules_and_their_imports() -> None:
+    graph = import_graph(top_level_only=False)
+    assert "hyserve.cli" in graph and "hyserve.tools.bench" in graph and "hyserve.engine.metrics" in graph
+    assert "hyserve.engine_args" in graph["hyserve.cli"]
+    assert "hyserve.tools.bench" in graph["hyserve.cli"]  # a function-level import, seen
+    assert "hyserve.engine.metrics" in graph["hyserve.engine.llm_engine"]
+
+
+def test_top_level_imports_have_no_cycle() -> None:
+    assert strongly_connected(import_graph(top_level_only=True)) == []
+
+
+@pytest.mark.parametrize("a, b", [
+    ("hyserve.cli", "hyserve.tools.bench"),
+    ("hyserve.cli", "hyserve.tools.soak"),
+    ("hyserve.engine.llm_engine", "hyserve.engine.metrics"),
+])
+def test_no_cycle_through_once_circular_pairs(a: str, b: str) -> None:
+    """Function-level and ``TYPE_CHECKING`` imports included."""
+    for component in strongly_connected(import_graph(top_level_only=False)):
+        assert not {a, b} <= component, f"{a} and {b} import each other (cycle: {sorted(component)})"
