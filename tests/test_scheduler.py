@@ -16,6 +16,7 @@ from hyserve.cache.state_pool import StatePool
 from hyserve.config import ModelConfig
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler import Scheduler
+from hyserve.model.registry import cache_specs_for
 from hyserve.sampling_params import SamplingParams
 
 TINY = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
@@ -57,7 +58,7 @@ def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, 
     max_len = max(p + o for p, o, _ in lengths)
     num_blocks = cdiv(max_len, block_size) + 2  # room for the longest request alone: forces preemption often
     pool = BlockPool(num_blocks, block_size)
-    states = StatePool(TINY, max_seqs, torch.float32, torch.device("cpu"))
+    states = StatePool(cache_specs_for(TINY, torch.float32).recurrent, max_seqs, torch.device("cpu"))
     s = Scheduler(max_seqs, budget, pool, states)
     pending = sorted(lengths, key=lambda x: x[2])
     arrivals: dict[int, list[Request]] = {}

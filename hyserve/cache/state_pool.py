@@ -1,4 +1,4 @@
-"""Recurrent state of the Gated DeltaNet layers, owned by request slots.
+"""Recurrent state of the model's recurrent layers, owned by request slots.
 
 This module is where the state-ownership invariants live (DESIGN.md section 2):
 
@@ -14,45 +14,57 @@ This module is where the state-ownership invariants live (DESIGN.md section 2):
    snapshot is only ever written by one copy from a request slot, right after the step that brought that slot to
    the snapshot's position, and only read by copies into request slots; no kernel addresses it.
 
-Layouts: ``conv_states[i]`` is (num_slots + 1 + num_snapshots, conv_dim, K - 1) in the model dtype, oldest input
-first; ``ssm_states[i]`` is (num_slots + 1 + num_snapshots, Hv, Dk, Dv) in float32, for the i-th GDN layer.
+Layout: per recurrent layer ``i``, one tensor per ``StateTensorSpec`` the layer declared (``hyserve.cache.specs``),
+(num_slots + 1 + num_snapshots, *spec.shape) in the spec's dtype; ``layers[i][name]``. The pool never interprets a
+tensor: copy and reset act on every tensor of every layer alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
-from hyserve.config import ModelConfig
+from hyserve.cache.specs import RecurrentStateSpec, recurrent_bytes
+
+if TYPE_CHECKING:
+    from hyserve.config import ModelConfig
 
 
 def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    n_gdn = len(cfg.linear_layer_ids)
-    conv = cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * torch.finfo(dtype).bits // 8
-    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    return n_gdn * (conv + ssm)
+    """Bytes of one pool entry of the model ``cfg`` describes (the state specs its layers declare)."""
+    from hyserve.model.registry import cache_specs_for  # the model layer sits above the cache
+
+    return recurrent_bytes(cache_specs_for(cfg, dtype).recurrent)
 
 
 class StatePool:
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, specs: Sequence[RecurrentStateSpec], num_slots: int, device: torch.device,
                  num_snapshots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"the recurrent state pool needs at least 1 slot (got {num_slots})")
         self.num_slots = num_slots
         self.pad_slot = num_slots
         self.num_snapshots = num_snapshots
-        self.bytes_per_entry = state_bytes_per_slot(cfg, dtype)
-        n_gdn = len(cfg.linear_layer_ids)
-        k = cfg.linear_conv_kernel_dim
+        self.specs = tuple(specs)
+        self.bytes_per_entry = recurrent_bytes(self.specs)
         total = num_slots + 1 + num_snapshots
-        self.conv_states = [torch.zeros(total, cfg.conv_dim, k - 1, dtype=dtype, device=device)
-                            for _ in range(n_gdn)]
-        self.ssm_states = [
-            torch.zeros(total, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                        dtype=torch.float32, device=device)
-            for _ in range(n_gdn)
-        ]
+        self.layers: list[dict[str, torch.Tensor]] = [spec.allocate((total,), device) for spec in self.specs]
+        self._all = [t for layer in self.layers for t in layer.values()]
         self._free: list[int] = list(range(num_slots))  # popped from the end: highest slot first
         self._in_use: set[int] = set()
+
+    def tensors(self, name: str) -> list[torch.Tensor]:
+        """Tensor ``name`` of every layer that declares one, in layer order."""
+        return [layer[name] for layer in self.layers if name in layer]
+
+    def __getattr__(self, attr: str) -> list[torch.Tensor]:
+        # ``pool.<name>s``: the per-layer list of tensor ``<name>`` (``tensors``), for callers that index by name.
+        layers = self.__dict__.get("layers")
+        if layers is not None and attr.endswith("s") and any(attr[:-1] in layer for layer in layers):
+            return self.tensors(attr[:-1])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
 
     @property
     def num_free_slots(self) -> int:
@@ -76,22 +88,19 @@ class StatePool:
         return self.num_slots + 1 + i
 
     def copy(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole states entry to entry (every GDN layer's conv window and SSM state), in stream order."""
-        if not src:
+        """Copy whole states entry to entry (every tensor of every recurrent layer), in stream order."""
+        if not src or not self._all:
             return
-        device = self.conv_states[0].device if self.conv_states else torch.device("cpu")
+        device = self._all[0].device
         s = torch.tensor(src, dtype=torch.long, device=device)
         d = torch.tensor(dst, dtype=torch.long, device=device)
-        for conv, ssm in zip(self.conv_states, self.ssm_states, strict=True):
-            conv.index_copy_(0, d, conv.index_select(0, s))
-            ssm.index_copy_(0, d, ssm.index_select(0, s))
+        for t in self._all:
+            t.index_copy_(0, d, t.index_select(0, s))
 
     def reset(self, slots: list[int]) -> None:
         """Zero the state of ``slots`` (requests about to consume their first token)."""
-        if not slots:
+        if not slots or not self._all:
             return
-        device = self.conv_states[0].device if self.conv_states else torch.device("cpu")
-        idx = torch.tensor(slots, dtype=torch.long, device=device)
-        for conv, ssm in zip(self.conv_states, self.ssm_states, strict=True):
-            conv.index_fill_(0, idx, 0)
-            ssm.index_fill_(0, idx, 0)
+        idx = torch.tensor(slots, dtype=torch.long, device=self._all[0].device)
+        for t in self._all:
+            t.index_fill_(0, idx, 0)

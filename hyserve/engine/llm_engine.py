@@ -71,7 +71,7 @@ class LLMEngine(SpeculativeStepMixin):
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.runner.block_pool, self.runner.state_pool, config.block_size,
                                             config.recurrent_snapshot_interval,
-                                            has_recurrent_state=bool(self.model_config.linear_layer_ids),
+                                            has_recurrent_state=bool(self.runner.state_pool.layers),
                                             lookahead=1 if self.use_mtp else 0)
         self.scheduler = Scheduler(self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
                                    self.runner.block_pool, self.runner.state_pool, self.prefix_cache,

@@ -2,7 +2,8 @@
 
 Per-step host work is a fill of preallocated host arrays and one copy per buffer to the device. The device buffers
 (input ids, positions, row offsets, context lengths, state slots, block tables, KV slot mapping) are allocated once at
-their maximum size and a step uses a prefix of each (invariant 7), so a CUDA graph captured over them stays valid.
+their maximum size and a step uses a prefix of each (docs/design.md invariant 7), so a CUDA graph captured over
+them stays valid.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ import numpy as np
 import torch
 
 from hyserve.cache.block_pool import BlockPool, cdiv
-from hyserve.cache.state_pool import StatePool, state_bytes_per_slot
+from hyserve.cache.specs import AttentionSpec, CacheSpecs
+from hyserve.cache.state_pool import StatePool
 from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig
 from hyserve.engine import cuda_graphs
 from hyserve.engine.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, GraphSet, StepGraphs, capture_sizes
 from hyserve.engine.scheduler import ScheduledRow
-from hyserve.kernels.verify import commit_verified
 from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from hyserve.model import registry
+from hyserve.model.base import CausalLM
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.model.mtp import MTPHead, load_mtp_weights
-from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
 
 logger = logging.getLogger("hyserve")
 
@@ -109,6 +111,9 @@ class ModelRunner:
         self.mtp: MTPHead | None = None
         if use_mtp:
             self.mtp = self._build_mtp()
+        # Every cache below is sized and shaped from what the layers declare (hyserve.cache.specs).
+        self.cache_specs: CacheSpecs = self.model.cache_specs(dtype)
+        self.mtp_kv_specs: list[AttentionSpec] = [self.mtp.attention.cache_spec(dtype)] if self.mtp else []
         logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
                     model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
@@ -119,13 +124,13 @@ class ModelRunner:
         self.layout = self._plan_caches()
         self.max_num_seqs = min(self.max_num_seqs, self.layout.num_state_slots)
         self.block_pool = BlockPool(self.layout.num_kv_blocks, self.block_size)
-        self.state_pool = StatePool(model_config, self.layout.num_state_slots, dtype, device,
+        self.state_pool = StatePool(self.cache_specs.recurrent, self.layout.num_state_slots, device,
                                     num_snapshots=self.layout.num_snapshots)
         self.kv_caches = self._allocate_kv(self.layout.num_kv_blocks)
-        self.model.bind_caches(self.kv_caches, self.state_pool.conv_states, self.state_pool.ssm_states)
+        self.model.bind_caches(self.kv_caches, self.state_pool.layers)
         if self.mtp is not None:
-            (k_cache, v_cache), = self._allocate_kv(self.layout.num_kv_blocks, num_layers=1)
-            self.mtp.attention.k_cache, self.mtp.attention.v_cache = k_cache, v_cache
+            (k_cache, v_cache), = self._allocate_kv(self.layout.num_kv_blocks, self.mtp_kv_specs)
+            self.mtp.attention.bind_kv(k_cache, v_cache)
             self.kv_caches_all = [*self.kv_caches, (k_cache, v_cache)]
         else:
             self.kv_caches_all = list(self.kv_caches)
@@ -170,25 +175,24 @@ class ModelRunner:
             return 0
         cfg = self.model_config
         elem = torch.finfo(self.dtype).bits // 8
-        width = max(cfg.hidden_size, cfg.intermediate_size, cfg.conv_dim + cfg.linear_value_dim,
-                    2 * cfg.num_attention_heads * cfg.head_dim)
+        width = self.model.activation_width()
         return rows * (cfg.vocab_size * (4 + elem) + 16 * width * elem) + 64 * 2**20
 
-    def _build_model(self) -> Qwen3_5ForCausalLM:
+    def _build_model(self) -> CausalLM:
+        model_class = registry.model_class(self.model_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = Qwen3_5ForCausalLM(self.model_config)
+                model = model_class(self.model_config)
         finally:
             torch.set_default_dtype(prev)
         return model.eval().requires_grad_(False)
 
     def _kv_bytes_per_block(self) -> int:
-        cfg = self.model_config
-        elem = torch.finfo(self.dtype).bits // 8
-        layers = len(cfg.attention_layer_ids) + (1 if self.mtp is not None else 0)
-        return 2 * layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        """K and V of one block in every KV-caching layer, the MTP head's included."""
+        return self.cache_specs.kv_bytes_per_block(self.block_size) + sum(
+            s.bytes_per_block(self.block_size) for s in self.mtp_kv_specs)
 
     def _build_mtp(self) -> MTPHead:
         prev = torch.get_default_dtype()
@@ -247,9 +251,9 @@ class ModelRunner:
     def _profile_peak_activation(self) -> int:
         """Run a full-size prefill on throwaway caches and measure the activation memory it peaks at."""
         n = self.max_num_batched_tokens
-        pool = StatePool(self.model_config, 1, self.dtype, self.device)
+        pool = StatePool(self.cache_specs.recurrent, 1, self.device)
         kv = self._allocate_kv(cdiv(n, self.block_size) + 1)
-        self.model.bind_caches(kv, pool.conv_states, pool.ssm_states)
+        self.model.bind_caches(kv, pool.layers)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -274,8 +278,8 @@ class ModelRunner:
 
     def _plan_caches(self) -> CacheLayout:
         per_block = self._kv_bytes_per_block()
-        per_slot = state_bytes_per_slot(self.model_config, self.dtype)
-        caching = self.config.enable_prefix_caching and bool(self.model_config.linear_layer_ids)
+        per_slot = self.cache_specs.state_bytes_per_slot
+        caching = self.config.enable_prefix_caching and bool(self.cache_specs.recurrent)
         if self.config.num_kv_blocks is not None and self.config.num_state_slots is not None:
             snaps = (self.config.num_snapshot_slots if self.config.num_snapshot_slots is not None else 64) \
                 if caching else 0
@@ -313,22 +317,21 @@ class ModelRunner:
                 blocks = max(2, cdiv(256 * 1024, self.block_size))
         return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps))
 
-    def _allocate_kv(self, num_blocks: int, num_layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        n = len(cfg.attention_layer_ids) if num_layers is None else num_layers
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(n)]
+    def _allocate_kv(self, num_blocks: int, specs: list[AttentionSpec] | None = None
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) of (num_blocks, block_size, num_kv_heads, head_dim) per spec (default: the model's layers)."""
+        specs = list(self.cache_specs.attention) if specs is None else specs
+        out = []
+        for spec in specs:
+            shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            out.append((torch.zeros(shape, dtype=spec.dtype, device=self.device),
+                        torch.zeros(shape, dtype=spec.dtype, device=self.device)))
+        return out
 
     def _allocate_verify_scratch(self, positions: int) -> None:
-        cfg = self.model_config
-        k = cfg.linear_conv_kernel_dim
-        for layer in self.model.gdn_layers():
-            layer.conv_scratch = torch.zeros(self.max_num_seqs, positions, cfg.conv_dim, k - 1, dtype=self.dtype,
-                                             device=self.device)
-            layer.ssm_scratch = torch.zeros(self.max_num_seqs, positions, cfg.linear_num_value_heads,
-                                            cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                            dtype=torch.float32, device=self.device)
+        """Per recurrent layer and declared tensor: (max_num_seqs, positions, *shape), a candidate per position."""
+        for layer, spec in zip(self.model.recurrent_layers(), self.cache_specs.recurrent, strict=True):
+            layer.bind_verify_scratch(spec.allocate((self.max_num_seqs, positions), self.device))
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = max_model_len
@@ -398,7 +401,7 @@ class ModelRunner:
         assert self.mtp is not None
         meta = self._static_meta(self.mtp_dev, size, size, 1)
         out = self.mtp(self.mtp_dev["input_ids"][:size], self.mtp_hidden_in[:size], meta,
-                       self.model.model.embed_tokens)
+                       self.model.input_embeddings())
         return out, self._logits_into_buffers(out).argmax(dim=-1)
 
     def _allocate_buffers(self) -> None:
@@ -665,7 +668,7 @@ class ModelRunner:
         """
         assert self.mtp is not None
         meta, v = self._fill_mtp(rows)
-        out = self.mtp(v["input_ids"], hidden_src[v["hidden_index"]], meta, self.model.model.embed_tokens)
+        out = self.mtp(v["input_ids"], hidden_src[v["hidden_index"]], meta, self.model.input_embeddings())
         return out[v["last_index"]]
 
     @torch.inference_mode()
@@ -697,11 +700,8 @@ class ModelRunner:
         self.host_bufs["num_accepted"][:n] = torch.tensor(num_accepted, dtype=torch.long)
         acc = self.dev_bufs["num_accepted"][:n]
         acc.copy_(self.host_bufs["num_accepted"][:n], non_blocking=True)
-        for layer in self.model.gdn_layers():
-            assert layer.conv_state is not None and layer.ssm_state is not None
-            assert layer.conv_scratch is not None and layer.ssm_scratch is not None
-            commit_verified(layer.conv_state, layer.ssm_state, vm.state_slots, layer.conv_scratch,
-                            layer.ssm_scratch, acc)
+        for layer in self.model.recurrent_layers():
+            layer.commit_verified(vm.state_slots, acc)
 
     @torch.inference_mode()
     def snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int]) -> None:
@@ -711,8 +711,5 @@ class ModelRunner:
         r = torch.tensor(rows, dtype=torch.long, device=self.device)
         p = torch.tensor(positions, dtype=torch.long, device=self.device)
         e = torch.tensor(entries, dtype=torch.long, device=self.device)
-        for layer in self.model.gdn_layers():
-            assert layer.conv_state is not None and layer.ssm_state is not None
-            assert layer.conv_scratch is not None and layer.ssm_scratch is not None
-            layer.conv_state.index_copy_(0, e, layer.conv_scratch[r, p])
-            layer.ssm_state.index_copy_(0, e, layer.ssm_scratch[r, p])
+        for layer in self.model.recurrent_layers():
+            layer.snapshot_candidates(r, p, e)

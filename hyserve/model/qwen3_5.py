@@ -12,18 +12,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyserve.cache.specs import AttentionSpec, RecurrentStateSpec, StateTensorSpec
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.norm import silu_mul
-from hyserve.kernels.verify import causal_conv1d_verify, gdn_verify
+from hyserve.kernels.verify import causal_conv1d_verify, commit_verified, gdn_verify
 from hyserve.layers.linear import MergedLinear
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.model.base import CausalLM, KVCacheLayer, RecurrentLayer
 from hyserve.model.metadata import StepMetadata
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentLayer):
     """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -50,6 +52,30 @@ class GatedDeltaNet(nn.Module):
         # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
         self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), float32
+
+    def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        """The conv window (the last K - 1 inputs of [q | k | v], oldest first) in the model dtype, and the SSM
+        state (Hv, Dk, Dv) in float32 (the delta rule accumulates over the whole sequence)."""
+        k = self.conv1d.kernel_size[0]
+        return RecurrentStateSpec((
+            StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
+            StateTensorSpec("ssm_state", (self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
+        ))
+
+    def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().bind_state(tensors)
+        self.conv_state, self.ssm_state = tensors["conv_state"], tensors["ssm_state"]
+
+    def bind_verify_scratch(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().bind_verify_scratch(tensors)
+        self.conv_scratch, self.ssm_scratch = tensors["conv_state"], tensors["ssm_state"]
+
+    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Both tensors in one fused kernel (``hyserve.kernels.verify.commit_verified``)."""
+        assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
+        assert self.conv_scratch is not None and self.ssm_scratch is not None, "verify scratch not bound"
+        commit_verified(self.conv_state, self.ssm_state, state_slots, self.conv_scratch, self.ssm_scratch,
+                        num_accepted)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
@@ -90,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, self.value_dim))
 
 
-class Attention(nn.Module):
+class Attention(KVCacheLayer):
     """Gated full attention: q_proj yields [q | gate] per head, q/k RMSNorm per head, partial RoPE."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
@@ -109,6 +135,9 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, Hkv, D)
         self.v_cache: torch.Tensor | None = None
+
+    def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
@@ -179,7 +208,7 @@ class TextModel(nn.Module):
         return self.norm(x) if pending is None else self.norm.add(x, pending)[1]
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
     """Returns post-final-norm hidden states (the MTP head consumes them); ``compute_logits`` applies lm_head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -189,30 +218,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._gdn_layers: list[GatedDeltaNet] | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         return self.model(input_ids, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def activation_width(self) -> int:
+        cfg = self.config
+        return max(cfg.hidden_size, cfg.intermediate_size, cfg.conv_dim + cfg.linear_value_dim,
+                   2 * cfg.num_attention_heads * cfg.head_dim)
 
     def gdn_layers(self) -> list[GatedDeltaNet]:
-        # Walked once: commit and snapshot copies ask every step, and a module walk costs ~1 ms of host time.
-        if self._gdn_layers is None:
-            self._gdn_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
-        return self._gdn_layers
-
-    def attention_layers(self) -> list[Attention]:
-        return [m for m in self.modules() if isinstance(m, Attention)]
-
-    def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor]) -> None:
-        """Give each layer its slice of the runner-owned pools (one entry per attention / GDN layer, in order)."""
-        attn, gdn = self.attention_layers(), self.gdn_layers()
-        if len(attn) != len(kv_caches) or len(gdn) != len(conv_states) or len(gdn) != len(ssm_states):
-            raise ValueError("cache count does not match the model's layer pattern")
-        for layer, (k, v) in zip(attn, kv_caches, strict=True):
-            layer.k_cache, layer.v_cache = k, v
-        for gdn_layer, conv, ssm in zip(gdn, conv_states, ssm_states, strict=True):
-            gdn_layer.conv_state, gdn_layer.ssm_state = conv, ssm
+        return [m for m in self.recurrent_layers() if isinstance(m, GatedDeltaNet)]

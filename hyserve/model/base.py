@@ -1,0 +1,113 @@
+"""What the engine needs of a model and of its caching layers, whatever the family.
+
+A layer that keeps per-request cache declares it: ``KVCacheLayer.cache_spec`` (paged K/V) or
+``RecurrentLayer.cache_spec`` (a list of fixed-size tensors per request, ``hyserve.cache.specs``). The runner plans
+memory from the specs, the state pool allocates from them, and each layer is handed its tensors by name
+(``bind_state``, ``bind_verify_scratch``). What a recurrent tensor means, and how candidates of a verify step are
+committed, stays inside the layer (and its kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.cache.specs import AttentionSpec, CacheSpecs, RecurrentStateSpec
+
+
+class KVCacheLayer(nn.Module):
+    """A layer reading and writing the paged KV cache: (num_blocks, block_size, num_kv_heads, head_dim) K and V."""
+
+    k_cache: torch.Tensor | None
+    v_cache: torch.Tensor | None
+
+    def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
+        raise NotImplementedError
+
+    def bind_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+
+class RecurrentLayer(nn.Module):
+    """A layer with fixed-size per-request state, read and written through each row's state slot.
+
+    ``state[name]``: (pool entries, *shape) for each tensor of ``cache_spec``; ``verify_scratch[name]``:
+    (verify rows, k + 1, *shape), the candidate state after each verified position (speculative decoding only).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: dict[str, torch.Tensor] = {}
+        self.verify_scratch: dict[str, torch.Tensor] | None = None
+
+    def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        raise NotImplementedError
+
+    def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.state = tensors
+
+    def bind_verify_scratch(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.verify_scratch = tensors
+
+    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Verify row ``r`` with ``a = num_accepted[r] >= 0`` takes candidate ``a`` into slot ``state_slots[r]``;
+        rows with ``a < 0`` keep their state. Slots of the rows are distinct. No host sync (a select, not a mask
+        gather). Families with a fused kernel override this."""
+        assert self.verify_scratch is not None, "verify scratch not bound"
+        rows = torch.arange(state_slots.shape[0], device=state_slots.device)
+        take = num_accepted.clamp(min=0)
+        for name, live in self.state.items():
+            cand = self.verify_scratch[name][rows, take]
+            keep = (num_accepted >= 0).view(-1, *([1] * (cand.dim() - 1)))
+            live.index_copy_(0, state_slots, torch.where(keep, cand, live.index_select(0, state_slots)))
+
+    def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor) -> None:
+        """Pool ``entries[i]`` takes verify row ``rows[i]``'s candidate after position ``positions[i]``."""
+        assert self.verify_scratch is not None, "verify scratch not bound"
+        for name, live in self.state.items():
+            live.index_copy_(0, entries, self.verify_scratch[name][rows, positions])
+
+
+class CausalLM(nn.Module):
+    """A decoder returning post-final-norm hidden states; ``compute_logits`` applies the LM head."""
+
+    lm_head: nn.Linear
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._recurrent_layers: list[RecurrentLayer] | None = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def input_embeddings(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    def activation_width(self) -> int:
+        """The widest per-token activation of a forward (elements), for estimating graph memory."""
+        raise NotImplementedError
+
+    def attention_layers(self) -> list[KVCacheLayer]:
+        return [m for m in self.modules() if isinstance(m, KVCacheLayer)]
+
+    def recurrent_layers(self) -> list[RecurrentLayer]:
+        # Walked once: commit and snapshot copies ask every step, and a module walk costs ~1 ms of host time.
+        if self._recurrent_layers is None:
+            self._recurrent_layers = [m for m in self.modules() if isinstance(m, RecurrentLayer)]
+        return self._recurrent_layers
+
+    def cache_specs(self, dtype: torch.dtype) -> CacheSpecs:
+        """Each caching layer's spec, in module order (the order of ``bind_caches``' lists)."""
+        return CacheSpecs(attention=tuple(layer.cache_spec(dtype) for layer in self.attention_layers()),
+                          recurrent=tuple(layer.cache_spec(dtype) for layer in self.recurrent_layers()))
+
+    def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    states: list[dict[str, torch.Tensor]]) -> None:
+        """Give each layer its slice of the runner-owned pools (one entry per attention / recurrent layer)."""
+        attn, rec = self.attention_layers(), self.recurrent_layers()
+        if len(attn) != len(kv_caches) or len(rec) != len(states):
+            raise ValueError("cache count does not match the model's layer pattern")
+        for layer, (k, v) in zip(attn, kv_caches, strict=True):
+            layer.bind_kv(k, v)
+        for rec_layer, tensors in zip(rec, states, strict=True):
+            rec_layer.bind_state(tensors)

@@ -1,0 +1,88 @@
+"""Architecture name (config.json ``architectures[0]``) -> model class and config parser.
+
+Adding a family is one ``register_model`` call beside its model module; the runner builds whatever class the
+checkpoint's architecture names, and plans its caches from the specs its layers declare (``hyserve.model.base``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hyserve.cache.specs import CacheSpecs
+from hyserve.config import ModelConfig, parse_qwen3_5_config
+from hyserve.model.base import CausalLM
+from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    architecture: str
+    model_class: Callable[[ModelConfig], CausalLM]
+    parse_config: Callable[[dict[str, Any]], ModelConfig]
+    # config.json ``model_type`` values this architecture is read from; the first is assumed when a config names a
+    # model type but no architecture.
+    model_types: tuple[str, ...]
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+
+
+def register_model(architecture: str, model_class: Callable[[ModelConfig], CausalLM],
+                   parse_config: Callable[[dict[str, Any]], ModelConfig], model_types: tuple[str, ...]) -> None:
+    _REGISTRY[architecture] = ModelEntry(architecture, model_class, parse_config, model_types)
+
+
+def unregister_model(architecture: str) -> None:
+    _REGISTRY.pop(architecture, None)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def unsupported(name: object, model_type: object) -> ValueError:
+    return ValueError(f"unsupported architecture {name!r} (model_type={model_type!r}); "
+                      f"supported: {', '.join(supported_architectures())}")
+
+
+def resolve_architecture(architecture: str | None, model_type: object) -> ModelEntry:
+    """The entry for a config.json's ``architectures[0]`` (or, when it names none, its ``model_type``)."""
+    if architecture is not None:
+        entry = _REGISTRY.get(architecture)
+        if entry is None or model_type not in entry.model_types:
+            raise unsupported(architecture, model_type)
+        return entry
+    for entry in _REGISTRY.values():
+        if entry.model_types and entry.model_types[0] == model_type:
+            return entry
+    raise unsupported(model_type or "<none>", model_type)
+
+
+def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+    architectures = raw.get("architectures") or []
+    return resolve_architecture(architectures[0] if architectures else None, raw.get("model_type")).parse_config(raw)
+
+
+def model_class(cfg: ModelConfig) -> Callable[[ModelConfig], CausalLM]:
+    """The class that builds the model ``cfg`` (as parsed by its architecture's parser) describes."""
+    entry = _REGISTRY.get(cfg.architecture)
+    if entry is None:
+        raise unsupported(cfg.architecture, None)
+    return entry.model_class
+
+
+def cache_specs_for(cfg: ModelConfig, dtype: torch.dtype) -> CacheSpecs:
+    """The cache specs of the model ``cfg`` describes, from its layers built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    return model.cache_specs(dtype)
+
+
+# Both checkpoint forms of Qwen3.5 parse from either model_type (text fields at top level or under text_config).
+_QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text")
+register_model("Qwen3_5ForConditionalGeneration", Qwen3_5ForCausalLM, parse_qwen3_5_config, _QWEN3_5_TYPES)
+register_model("Qwen3_5ForCausalLM", Qwen3_5ForCausalLM, parse_qwen3_5_config, ("qwen3_5_text", "qwen3_5"))
