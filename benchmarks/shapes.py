@@ -96,11 +96,11 @@ def add_random_mtp(path: str, cfg: Any, seed: int) -> int:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from hyserve.testing import _init_tensor, _mtp_shapes
+    from hyserve.testing import init_tensor, mtp_shapes
 
     gen = torch.Generator().manual_seed(seed + 1)
-    tensors = {name: _init_tensor(name, shape, gen).to(torch.bfloat16).contiguous()
-               for name, shape in _mtp_shapes(cfg).items()}
+    tensors = {name: init_tensor(name, shape, gen).to(torch.bfloat16).contiguous()
+               for name, shape in mtp_shapes(cfg).items()}
     save_file(tensors, os.path.join(path, "mtp.safetensors"), metadata={"format": "pt"})
     index_path = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")

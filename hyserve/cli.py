@@ -82,10 +82,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import httpx
     import uvicorn
 
-    from hyserve.llm import _default_model
+    from hyserve.llm import default_model_dir
     from hyserve.server import AsyncEngine, build_app
 
-    model = args.model or _default_model()
+    model = args.model or default_model_dir()
     engine = make_llm(args, model).llm_engine
     app = build_app(AsyncEngine(engine, start=False), None)
     with socket.socket() as sock:
@@ -124,10 +124,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve MODEL_DIR over the OpenAI-compatible HTTP API until interrupted."""
     check_port_free(args.host, args.port)
     if args.model is None:
-        from hyserve.llm import _default_model
+        from hyserve.llm import default_model_dir
 
         try:
-            args.model = _default_model()  # the small model that ships inside the package
+            args.model = default_model_dir()  # the small model that ships inside the package
         except ValueError as e:
             raise ValueError(f"serve: no MODEL_DIR argument and {e}") from None
     import os

@@ -23,7 +23,7 @@ from hyserve.sampling_params import SamplingParams
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
 
 
-def _default_model() -> str:
+def default_model_dir() -> str:
     """The small hybrid model with an MTP head that ships inside the package (see default_model/TRAINING.md)."""
     if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
         raise ValueError(f"no model given and the packaged default model is missing from {DEFAULT_MODEL_DIR}; "
@@ -54,7 +54,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)}")
         config = EngineConfig(
-            model=model if model is not None else _default_model(),
+            model=model if model is not None else default_model_dir(),
             dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config, seed=seed,

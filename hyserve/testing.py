@@ -163,7 +163,7 @@ def tiny_text_config(
     return Qwen3_5TextConfig(**kwargs)
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """A random tensor for parameter ``name``; scales keep activations O(1) and logits well spread."""
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(0.5, 8.0, generator=gen).log_()
@@ -196,7 +196,7 @@ def _text_shapes(config: Qwen3_5TextConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _mtp_shapes(config: Qwen3_5TextConfig) -> dict[str, tuple[int, ...]]:
+def mtp_shapes(config: Qwen3_5TextConfig) -> dict[str, tuple[int, ...]]:
     """Qwen3.5's multi-token-prediction head: fc over [embedding; hidden] and one full-attention decoder layer."""
     h, hd = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
@@ -238,11 +238,11 @@ def _make_tensors(
     gen = torch.Generator().manual_seed(seed)
     shapes = _text_shapes(config)
     if with_mtp:
-        shapes.update(_mtp_shapes(config))
+        shapes.update(mtp_shapes(config))
     if form == "conditional":
         shapes = {_conditional_name(n): s for n, s in shapes.items()}
         shapes.update(_visual_shapes())
-    return {name: _init_tensor(name, shape, gen).to(dtype).contiguous() for name, shape in shapes.items()}
+    return {name: init_tensor(name, shape, gen).to(dtype).contiguous() for name, shape in shapes.items()}
 
 
 def _conditional_name(name: str) -> str:

@@ -110,7 +110,7 @@ def test_emulated_graphs_equal_eager_under_preemption_and_sampling(ckpts: Checkp
 def test_pad_rows_touch_no_request_state(ckpts: CheckpointCache, emulate: None, mode: str) -> None:
     """At every step: recurrent slots change only for the step's own requests (and the pad slot), the null KV block
     of every cache (target and MTP) never changes, and graph steps with pad rows did happen."""
-    from test_speculative import OracleProposer, _solo
+    from test_speculative import OracleProposer, solo_outputs
 
     kw: dict[str, object] = dict(max_num_seqs=4, num_state_slots=6, num_kv_blocks=64, max_num_batched_tokens=64)
     prompts = {f"r{i}": p for i, p in enumerate(random_prompts(3, [6, 11, 8], seed=71))}
@@ -122,7 +122,7 @@ def test_pad_rows_touch_no_request_state(ckpts: CheckpointCache, emulate: None, 
     else:
         path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
         kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 2}
-    want = _solo(path, prompts, 24)
+    want = solo_outputs(path, prompts, 24)
     llm = make_llm(path, **kw)
     eng = llm.llm_engine
     runner = eng.runner
@@ -166,7 +166,7 @@ def test_pad_rows_touch_no_request_state(ckpts: CheckpointCache, emulate: None, 
 def test_ragged_verify_rows_replay_the_verify_graph(ckpts: CheckpointCache, emulate: None) -> None:
     """Rows with fewer drafts than k (none, some) share the verify graph with full rows: each is laid out in k + 1
     tokens with the tail masked. Outputs must equal the plain run's and transformers'."""
-    from test_speculative import OracleProposer, _solo
+    from test_speculative import OracleProposer, solo_outputs
 
     class Ragged(OracleProposer):
         def propose(self, requests, num_tokens):  # type: ignore[no-untyped-def]
@@ -176,7 +176,7 @@ def test_ragged_verify_rows_replay_the_verify_graph(ckpts: CheckpointCache, emul
     path = ckpts.get("causal", "attn_first")
     ref = ckpts.reference(path)
     prompts = {f"r{i}": p for i, p in enumerate(random_prompts(5, [7, 19, 4, 12, 26], seed=91))}
-    want = _solo(path, prompts, 20)
+    want = solo_outputs(path, prompts, 20)
     llm = make_llm(path, max_num_seqs=5, max_num_batched_tokens=64, enable_prefix_caching=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     eng = llm.llm_engine

@@ -12,7 +12,7 @@ import torch
 
 from hyserve import LLM, SamplingParams
 from hyserve.config import ModelConfig
-from hyserve.testing import _mtp_shapes, load_reference_model, read_checkpoint_tensors
+from hyserve.testing import load_reference_model, mtp_shapes, read_checkpoint_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(REPO, "hyserve", "default_model")
@@ -45,7 +45,7 @@ def test_checkpoint_layout() -> None:
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert all(n.startswith(("model.language_model.", "mtp.")) for n in tensors)
     ref_cfg = load_reference_model(MODEL_DIR).config
-    assert {n: tuple(t.shape) for n, t in tensors.items() if n.startswith("mtp.")} == _mtp_shapes(ref_cfg)
+    assert {n: tuple(t.shape) for n, t in tensors.items() if n.startswith("mtp.")} == mtp_shapes(ref_cfg)
     size = sum(os.path.getsize(os.path.join(MODEL_DIR, f)) for f in os.listdir(MODEL_DIR))
     assert size <= MAX_BYTES, f"default model is {size} bytes"
     with open(os.path.join(MODEL_DIR, "generation_config.json"), encoding="utf-8") as f:

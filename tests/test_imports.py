@@ -8,7 +8,8 @@ to the packages above it (every module would otherwise reach ``hyserve/__init__.
 Two checks: the graph of top-level imports (what runs when a module is imported) has no cycle at all; and in the
 full graph (function-level and type-only imports too) the pairs that once formed circles are in no cycle together:
 the command line and the tools share ``hyserve.engine_args`` instead of importing each other, and the metrics read
-the engine through a Protocol.
+the engine through a Protocol. And no module imports another's private (underscore) names: helpers that tests,
+benchmarks and training share are public.
 """
 
 from __future__ import annotations
@@ -124,3 +125,24 @@ def test_no_cycle_through_once_circular_pairs(a: str, b: str) -> None:
     """Function-level and ``TYPE_CHECKING`` imports included."""
     for component in strongly_connected(import_graph(top_level_only=False)):
         assert not {a, b} <= component, f"{a} and {b} import each other (cycle: {sorted(component)})"
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from m import _x`` in ``path`` where ``m`` is another module: a name private to ``m`` used outside it. A
+    kernel module importing from its own Triton module (``hyserve.kernels._triton_x``, private to the package) is
+    the one pattern allowed."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            if (node.module or "").startswith("hyserve.kernels._triton_"):
+                continue
+            found += [f"{path.name}:{node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_names_imported_across_modules() -> None:
+    repo = ROOT.parent
+    files = [p for d in ("hyserve", "tests", "benchmarks", "training") for p in sorted((repo / d).rglob("*.py"))]
+    assert len(files) > 50
+    assert [hit for path in files for hit in private_imports(path)] == []

@@ -337,7 +337,7 @@ def test_paged_attention_reference_loose_host_bounds() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _patch_triton_interpreter() -> None:
+def patch_triton_interpreter() -> None:
     """Work around two interpreter bugs seen with triton 3.6 + numpy >= 2.3 (interpreter only; GPU code unaffected):
 
     * a scalar loaded from memory is a 1-element array, and ``range(lo, hi)`` with it as a bound calls ``int()`` on
@@ -526,7 +526,7 @@ def _interp_add_norm_silu(dtype: torch.dtype, d: int) -> tuple[bool, str]:
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_triton_interpreter()
+    patch_triton_interpreter()
     res: dict[str, list[Any]] = {}
     f32, bf16 = torch.float32, torch.bfloat16
     long_lens = [3, 0, 1, 37, 2, 1]  # 37 > the 16-token block: separate state kernel
@@ -592,7 +592,7 @@ def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], na
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _to(p: dict[str, Any], device: str) -> dict[str, Any]:
+def to_device(p: dict[str, Any], device: str) -> dict[str, Any]:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
 
 
@@ -661,7 +661,7 @@ def test_cuda_dispatch_matches_reference_bf16() -> None:
         p = conv_problem(lens, D=2 * 16 * 128 + 32 * 128, K=4, pool=64, dtype=bf16, seed=21)
         ref = _clone(p)
         want = causal_conv1d_varlen_ref(**ref)
-        g = _to(p, "cuda")
+        g = to_device(p, "cuda")
         out = causal_conv1d_varlen(**g, max_query_len=mql)
         torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(g["conv_state"].cpu(), ref["conv_state"], atol=0, rtol=0)
@@ -673,7 +673,7 @@ def test_cuda_dispatch_matches_reference_bf16() -> None:
         p = gdn_problem(lens, Hk=16, Hv=32, Dk=128, Dv=128, pool=64, dtype=bf16, seed=22)
         ref = _clone(p)
         want = gdn_forward_ref(**ref)
-        g = _to(p, "cuda")
+        g = to_device(p, "cuda")
         out = gdn_forward(**g)
         torch.cuda.synchronize()
         torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
@@ -685,7 +685,7 @@ def test_cuda_dispatch_matches_reference_bf16() -> None:
     for lens, ctxs in ((lens_decode, [(37 * i) % 2000 for i in range(len(lens_decode))]), (lens_mixed, [0] * 8)):
         p = attn_problem(lens, ctxs, Hq=16, Hkv=2, D=256, block_size=16, dtype=bf16, seed=23)
         want = paged_attention_ref(**p)
-        out = paged_attention(**_to(p, "cuda"))
+        out = paged_attention(**to_device(p, "cuda"))
         torch.testing.assert_close(out.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
 
     gen = torch.Generator().manual_seed(24)
@@ -711,14 +711,14 @@ if __name__ == "__main__":
 def test_attention_tiles_fit_shared_memory(block_d: int) -> None:
     """float32 tiles at D=256 overflowed Hopper's 227 KiB of shared memory (seen on an H200 with the 2B shape):
     the prefill and decode configurations shrink to fit, and the bf16 ones, tuned on the H200, stay unchanged."""
-    from hyserve.kernels.attention import _PREFILL_CONFIG, _SMEM_BUDGET, _fit_tiles
+    from hyserve.kernels.attention import PREFILL_CONFIG, SMEM_BUDGET, fit_tiles
 
-    bm0, bn0, _, st0 = _PREFILL_CONFIG
+    bm0, bn0, _, st0 = PREFILL_CONFIG
     for elem in (2, 4):
-        for bm, bn, st in (_fit_tiles(bm0, bn0, st0, block_d, elem), _fit_tiles(16, 32, 3, block_d, elem)):
-            assert (bm * block_d + st * 2 * bn * block_d) * elem <= _SMEM_BUDGET
+        for bm, bn, st in (fit_tiles(bm0, bn0, st0, block_d, elem), fit_tiles(16, 32, 3, block_d, elem)):
+            assert (bm * block_d + st * 2 * bn * block_d) * elem <= SMEM_BUDGET
             assert bm >= 16 and bn >= 16 and st >= 1
-    assert _fit_tiles(bm0, bn0, st0, block_d, 2) == (bm0, bn0, st0)
-    assert _fit_tiles(16, 32, 3, block_d, 2) == (16, 32, 3)
+    assert fit_tiles(bm0, bn0, st0, block_d, 2) == (bm0, bn0, st0)
+    assert fit_tiles(16, 32, 3, block_d, 2) == (16, 32, 3)
     if block_d == 256:
-        assert _fit_tiles(bm0, bn0, st0, block_d, 4) != (bm0, bn0, st0)
+        assert fit_tiles(bm0, bn0, st0, block_d, 4) != (bm0, bn0, st0)

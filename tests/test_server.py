@@ -787,7 +787,7 @@ def test_serve_cli(ctx: Ctx, capsys: pytest.CaptureFixture[str], monkeypatch: py
     def no_default() -> str:
         raise ValueError("no default model")
 
-    monkeypatch.setattr(hyserve.llm, "_default_model", no_default)
+    monkeypatch.setattr(hyserve.llm, "default_model_dir", no_default)
     assert main(["serve"]) == 2
     assert "MODEL_DIR" in capsys.readouterr().err
 

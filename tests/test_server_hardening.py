@@ -617,9 +617,9 @@ def test_readme_examples_run_against_the_packaged_model() -> None:
     body = json.loads(curl.group(2))
     chat_model = re.search(r'chat\.completions\.create\(\s*model="([^"]+)"', section)
     assert chat_model is not None
-    from hyserve.llm import _default_model
+    from hyserve.llm import default_model_dir
 
-    engine = LLMEngine(EngineConfig(model=_default_model(), device="cpu", dtype="float32"))
+    engine = LLMEngine(EngineConfig(model=default_model_dir(), device="cpu", dtype="float32"))
     async_engine = AsyncEngine(engine)
     try:
         app = build_app(async_engine, shutdown_engine_on_exit=False)

@@ -76,7 +76,7 @@ class OracleProposer(Proposer):
         return out
 
 
-def _solo(path: str, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+def solo_outputs(path: str, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
     off = make_llm(path, enable_prefix_caching=False)
     return {rid: off.generate({"prompt_token_ids": p}, greedy(n), use_tqdm=False)[0].outputs[0].token_ids
             for rid, p in prompts.items()}
@@ -90,7 +90,7 @@ def test_ngram_greedy_identical_to_no_speculation(ckpts: CheckpointCache, cachin
     rng = random.Random(5)
     base = toks(12, 6)
     prompts = {f"r{i}": (base * 4)[: 20 + 7 * i] + [rng.randrange(440) for _ in range(3)] for i in range(5)}
-    want = _solo(path, prompts, 24)
+    want = solo_outputs(path, prompts, 24)
     llm = spec_llm(path, enable_prefix_caching=caching, max_num_batched_tokens=24, max_num_seqs=4)
     rec = SlotRecorder(llm.llm_engine)
     final = drive(llm.llm_engine, {2 * i: [(rid, p, greedy(24))] for i, (rid, p) in enumerate(prompts.items())})
@@ -108,7 +108,7 @@ def test_every_acceptance_length_in_one_batch(ckpts: CheckpointCache, graph_mode
     path = ckpts.get()
     prompts = {f"r{i}": toks(9 + 5 * i, 70 + i) for i in range(K + 1)}
     n = 30
-    want = _solo(path, prompts, n)
+    want = solo_outputs(path, prompts, n)
     llm = spec_llm(path, max_num_seqs=K + 1, max_num_batched_tokens=256)
     eng = llm.llm_engine
     plan = {f"r{i}": [(i + s) % (K + 1) for s in range(K + 1)] for i in range(K + 1)}
@@ -137,7 +137,7 @@ def test_acceptances_crossing_snapshot_positions_publish_verified_states(ckpts: 
     path = ckpts.get()
     prompts = {f"r{i}": toks(21 + 3 * i, 90 + i) for i in range(3)}
     n = 40
-    want = _solo(path, prompts, n)
+    want = solo_outputs(path, prompts, n)
     llm = spec_llm(path, max_num_batched_tokens=128)
     eng = llm.llm_engine
     eng.proposer = OracleProposer(want, {rid: [3, 1, 4, 0, 2] for rid in prompts}, vocab=eng.model_config.vocab_size)
@@ -146,7 +146,7 @@ def test_acceptances_crossing_snapshot_positions_publish_verified_states(ckpts: 
         assert final[rid].outputs[0].token_ids == want[rid]
     # Follow-up turns: prompt + output + a new message; they must hit snapshots inside the decoded region.
     follow = {f"f{rid}": prompts[rid] + want[rid] + toks(5, 99) for rid in prompts}
-    want_f = _solo(path, follow, 8)
+    want_f = solo_outputs(path, follow, 8)
     eng.proposer = OracleProposer(want_f, {}, vocab=eng.model_config.vocab_size)
     final_f = drive(eng, {0: [(rid, p, greedy(8)) for rid, p in follow.items()]})
     for rid, p in follow.items():
@@ -160,7 +160,7 @@ def test_speculation_with_preemption_and_aborts(ckpts: CheckpointCache) -> None:
     path = ckpts.get("causal", "attn_both_ends")
     prompts = {f"r{i}": toks(30 + 4 * i, 110 + i) for i in range(4)}
     n = 24
-    want = _solo(path, prompts, n)
+    want = solo_outputs(path, prompts, n)
     llm = spec_llm(path, block_size=16, num_kv_blocks=13, max_model_len=192, max_num_batched_tokens=32,
                    max_num_seqs=4)
     eng = llm.llm_engine
@@ -189,7 +189,7 @@ def test_multi_turn_with_caching_and_speculation_matches_plain(ckpts: Checkpoint
 def test_boundaries_max_tokens_eos_and_max_model_len(ckpts: CheckpointCache) -> None:
     path = ckpts.get()
     prompt = toks(12, 140)
-    want = _solo(path, {"x": prompt}, 16)["x"]
+    want = solo_outputs(path, {"x": prompt}, 16)["x"]
     llm = spec_llm(path, max_model_len=64)
     eng: LLMEngine = llm.llm_engine
     eng.proposer = OracleProposer({"a": want, "b": want, "c": want}, {}, vocab=eng.model_config.vocab_size)
@@ -270,7 +270,7 @@ def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     ref = ckpts.reference(path)
     prompts = {f"r{i}": toks(15 + 9 * i, 160 + i) for i in range(4)}
-    want = _solo(path, prompts, 20)
+    want = solo_outputs(path, prompts, 20)
     llm = mtp_llm(path, enable_prefix_caching=caching, max_num_batched_tokens=24, max_num_seqs=3)
     final = drive(llm.llm_engine, {2 * i: [(rid, p, greedy(20))] for i, (rid, p) in enumerate(prompts.items())})
     for rid, p in prompts.items():
@@ -328,7 +328,7 @@ def test_mtp_kv_recomputed_after_a_prefix_hit(ckpts: CheckpointCache) -> None:
 def test_mtp_with_preemption_and_caching(ckpts: CheckpointCache) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     prompts = {f"r{i}": toks(30 + 4 * i, 180 + i) for i in range(4)}
-    want = _solo(path, prompts, 24)
+    want = solo_outputs(path, prompts, 24)
     llm = mtp_llm(path, block_size=16, num_kv_blocks=13, max_model_len=192, max_num_batched_tokens=32,
                   max_num_seqs=4)
     final = drive(llm.llm_engine, {0: [(rid, p, greedy(24)) for rid, p in prompts.items()]})

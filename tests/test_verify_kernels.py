@@ -1,4 +1,4 @@
-"""Tests for hyserve.kernels.verify (speculative-decoding verify + commit; DESIGN invariant 2).
+"""Tests for hyserve.kernels.verify (speculative-decoding verify + commit; docs/design.md invariant 2).
 
 * CPU path (the references), in process: outputs equal ``causal_conv1d_varlen`` / ``gdn_forward`` run on a copy of the
   pool; the live pools are bit-identical afterwards; candidate ``a`` of each row equals the slot state those functions
@@ -375,9 +375,9 @@ def _interp_commit(dtype: torch.dtype) -> tuple[bool, str]:
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run the verify kernels under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from test_kernels import _patch_triton_interpreter  # the two triton 3.6 interpreter workarounds
+    from test_kernels import patch_triton_interpreter  # the two triton 3.6 interpreter workarounds
 
-    _patch_triton_interpreter()
+    patch_triton_interpreter()
     res: dict[str, list[Any]] = {}
     for dt in (torch.float32, torch.bfloat16):
         n = str(dt).split(".")[-1]
@@ -427,7 +427,7 @@ def test_triton_verify_interpreter(interpreter_results: dict[str, list[Any]], na
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_verify_matches_reference_bf16() -> None:
-    from test_kernels import _to
+    from test_kernels import to_device
 
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(21)
@@ -436,7 +436,7 @@ def test_cuda_verify_matches_reference_bf16() -> None:
     c = conv_problem(lens, D=2 * 16 * 128 + 32 * 128, K=4, dtype=bf16, seed=22)
     c_ref = dict(c, conv_scratch=c["conv_scratch"].clone())
     want_out = causal_conv1d_verify_ref(**{k: v for k, v in c_ref.items() if k != "max_query_len"})
-    cg = _to(c, "cuda")
+    cg = to_device(c, "cuda")
     out = causal_conv1d_verify(**cg)
     torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=3e-2, rtol=2e-2)
     assert torch.equal(cg["conv_state"].cpu(), c["conv_state"])
@@ -448,7 +448,7 @@ def test_cuda_verify_matches_reference_bf16() -> None:
     g["state_slots"] = c["state_slots"]
     g_ref = dict(g, ssm_scratch=g["ssm_scratch"].clone())
     want_out = gdn_verify_ref(**g_ref)
-    gg = _to(g, "cuda")
+    gg = to_device(g, "cuda")
     out = gdn_verify(**gg)
     torch.cuda.synchronize()
     torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=3e-2, rtol=3e-2)

@@ -70,7 +70,7 @@ from hyserve.testing import (  # noqa: E402
     ENDOFTEXT,
     IM_END,
     SPECIAL_TOKENS,
-    _mtp_shapes,
+    mtp_shapes,
     tokenizer_config,
     train_bpe,
 )
@@ -375,10 +375,10 @@ def export_tensors(model: ModelWithMTP, dtype: torch.dtype = torch.bfloat16) -> 
         out["model.language_model." + name[len("model."):]] = t.detach().to("cpu", dtype).contiguous()
     for name, t in model.mtp.state_dict().items():
         out["mtp." + name] = t.detach().to("cpu", dtype).contiguous()
-    expected = _mtp_shapes(model.lm.config)
+    expected = mtp_shapes(model.lm.config)
     got = {k: tuple(v.shape) for k, v in out.items() if k.startswith("mtp.")}
     if got != expected:
-        raise AssertionError(f"MTP tensors differ from hyserve.testing._mtp_shapes: {sorted(set(got) ^ set(expected))}")
+        raise AssertionError(f"MTP tensors differ from hyserve.testing.mtp_shapes: {sorted(set(got) ^ set(expected))}")
     return out
 
 

@@ -28,18 +28,18 @@ _DECODE_PARTITION = 512
 _DECODE_MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 # Prefill kernel (BLOCK_M, BLOCK_N, num_warps, num_stages).
-_PREFILL_CONFIG = (128, 64, 8, 2)  # best of a sweep on H200 at D=256 (n=4096): ~2x SDPA time
+PREFILL_CONFIG = (128, 64, 8, 2)  # best of a sweep on H200 at D=256 (n=4096): ~2x SDPA time
 # Shared memory a kernel's tiles may take (Hopper allows 227 KiB per block): float32 tiles at D=256 take twice
 # what bf16 ones do, so the block sizes shrink for them (the bf16 configurations fit unchanged).
-_SMEM_BUDGET = 200 * 1024
+SMEM_BUDGET = 200 * 1024
 
 
-def _fit_tiles(block_m: int, block_n: int, num_stages: int, block_d: int, elem: int) -> tuple[int, int, int]:
+def fit_tiles(block_m: int, block_n: int, num_stages: int, block_d: int, elem: int) -> tuple[int, int, int]:
     """Shrink (stages, then BLOCK_M, then BLOCK_N) until a Q tile plus ``num_stages`` K and V tiles fit."""
     def smem(bm: int, bn: int, st: int) -> int:
         return (bm * block_d + st * 2 * bn * block_d) * elem
 
-    while smem(block_m, block_n, num_stages) > _SMEM_BUDGET:
+    while smem(block_m, block_n, num_stages) > SMEM_BUDGET:
         if num_stages > 1:
             num_stages -= 1
         elif block_m > 32:
@@ -178,7 +178,7 @@ def paged_attention_triton(
     elem = q.element_size()
     if max_query_len <= 1:
         block_n = 64 if block_d <= 128 else 32
-        _, block_n, decode_stages = _fit_tiles(16, block_n, 3, block_d, elem)
+        _, block_n, decode_stages = fit_tiles(16, block_n, 3, block_d, elem)
         max_seq = max(int(max_seq_len), 1)
         if decode_partition is not None:  # tests: force several splits on short contexts
             block_n = max(16, min(block_n, _next_pow2(decode_partition)))
@@ -217,9 +217,9 @@ def paged_attention_triton(
     if prefill_config is not None:
         block_m, block_n, num_warps, num_stages = prefill_config
     else:
-        block_m, block_n, num_warps, num_stages = _PREFILL_CONFIG
+        block_m, block_n, num_warps, num_stages = PREFILL_CONFIG
     block_m = min(block_m, max(16, _next_pow2(max_query_len)))
-    block_m, block_n, num_stages = _fit_tiles(block_m, block_n, num_stages, block_d, elem)
+    block_m, block_n, num_stages = fit_tiles(block_m, block_n, num_stages, block_d, elem)
     grid = (_cdiv(max_query_len, block_m), R, Hq)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
