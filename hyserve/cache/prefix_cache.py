@@ -3,7 +3,8 @@
 Keys. Block ``i`` of a token sequence (tokens ``[i*B, (i+1)*B)``, B = block size) has the key
 ``h_i = H(h_{i-1}, tokens of block i)``: the key names the whole prefix ``[0, (i+1)*B)``. The attention KV of that
 block is cached under ``h_i`` (``BlockPool``), and so is a recurrent snapshot, the state of every GDN layer after
-consuming exactly that prefix (invariant 4). The block size stays small (16); where snapshots are taken is a policy:
+consuming exactly that prefix (docs/design.md invariant 4). The block size stays small (16); where snapshots are
+taken is a policy:
 
     prompt:   |=========================== P ===========|xxx|
     points:   ^interval        ^branch point    ^end of prompt (aligned down)   ^every block boundary while

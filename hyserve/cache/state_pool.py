@@ -1,18 +1,18 @@
 """Recurrent state of the model's recurrent layers, owned by request slots.
 
-This module is where the state-ownership invariants live (DESIGN.md section 2):
+This module is where four of the state-ownership invariants of docs/design.md live (numbered as there):
 
 1. Slot, not row. A request is given a slot at admission and keeps it until it finishes, is aborted or is preempted.
    Every kernel reads and writes state through the per-row ``state_slots`` of the step's metadata; nothing infers a
    slot from a row's position in the batch. Slots are handed out from the top of the pool down, and freed slots are
    reused last-in first-out, so ``row == slot`` is the exception, never an accident that hides a bug.
-2. A slot's state is exactly the state after the request's ``num_computed_tokens`` tokens: zeroed before the first
-   chunk of a fresh request (``reset``), advanced only by that request's own verified tokens.
-3. Entry ``pad_slot`` (= num_slots) belongs to nobody: padded rows of a captured graph read and write it, and
-   nothing ever reads it back.
-4. Entries after it are prefix-cache snapshots (``snapshot_entry(i)``), owned by ``prefix_cache.PrefixCache``. A
-   snapshot is only ever written by one copy from a request slot, right after the step that brought that slot to
-   the snapshot's position, and only read by copies into request slots; no kernel addresses it.
+10. A slot's state is exactly the state after the request's ``num_computed_tokens`` tokens: zeroed before the first
+    chunk of a fresh request (``reset``), advanced only by that request's own verified tokens.
+11. Entry ``pad_slot`` (= num_slots) belongs to nobody: padded rows of a captured graph read and write it, and
+    nothing ever reads it back.
+12. Entries after it are prefix-cache snapshots (``snapshot_entry(i)``), owned by ``prefix_cache.PrefixCache``. A
+    snapshot is only ever written by one copy from a request slot, right after the step that brought that slot to
+    the snapshot's position, and only read by copies into request slots; no kernel addresses it.
 
 Layout: per recurrent layer ``i``, one tensor per ``StateTensorSpec`` the layer declared (``hyserve.cache.specs``),
 (num_slots + 1 + num_snapshots, *spec.shape) in the spec's dtype; ``layers[i][name]``. The pool never interprets a

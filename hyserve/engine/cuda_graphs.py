@@ -14,17 +14,17 @@ Three kinds, each captured once per padded row count B (largest first, in one me
 Sampling, acceptance and commit run after the graph. Steps that fit no captured shape (prefill chunks, mixed steps,
 larger batches, rows within k + 1 tokens of ``max_model_len``) run eagerly.
 
-What a graph reads is fixed at capture (invariant 7): views of the runner's persistent device buffers (input ids,
-positions, KV slot mapping, row offsets, context lengths, state slots, block tables at their full width; for MTP
-its own set and a hidden-state input buffer), which the runner refills every step; the caches, the state pool and
-the verify scratch, allocated before capture and never reallocated. Its outputs are views of persistent buffers too
-(the logits of every kind share one pair of buffers), so no graph holds memory of its own past capture beyond small
-activations. Host-side choices that kernels take from ints are fixed to values that hold for every step:
-``max_query_len`` = 1 or k + 1, ``max_seq_len = max_model_len`` (attention bounds each row by its own context
-length, so work past a short context is skipped).
+What a graph reads is fixed at capture (docs/design.md invariant 7): views of the runner's persistent device
+buffers (input ids, positions, KV slot mapping, row offsets, context lengths, state slots, block tables at their full
+width; for MTP its own set and a hidden-state input buffer), which the runner refills every step; the caches, the
+state pool and the verify scratch, allocated before capture and never reallocated. Its outputs are views of
+persistent buffers too (the logits of every kind share one pair of buffers), so no graph holds memory of its own past
+capture beyond small activations. Host-side choices that kernels take from ints are fixed to values that hold for
+every step: ``max_query_len`` = 1 or k + 1, ``max_seq_len = max_model_len`` (attention bounds each row by its own
+context length, so work past a short context is skipped).
 
 Padded rows must be harmless and must not touch anybody's state: each is a row at positions 0.. (one token, or
-k + 1 <= block_size tokens) whose recurrent state is the pool's ``pad_slot`` (``state_pool`` invariant 3), whose
+k + 1 <= block_size tokens) whose recurrent state is the pool's ``pad_slot`` (invariant 11), whose
 verify candidates go to scratch rows no request owns in that step, whose KV writes are skipped
 (``slot_mapping = -1``) and whose attention reads the null block (block 0, never handed out).
 

@@ -1,6 +1,6 @@
 """Kernels for speculative decoding: verify draft tokens without touching live recurrent state, then commit.
 
-DESIGN invariant 2: drafts never touch live state. Verifying ``k`` draft tokens of a request is a row of
+docs/design.md invariant 2: drafts never touch live state. Verifying ``k`` draft tokens of a request is a row of
 ``n_r <= k + 1`` tokens; the verify kernels compute the same outputs as :func:`~hyserve.kernels.causal_conv1d_varlen`
 / :func:`~hyserve.kernels.gdn_forward` but only READ the live pools, and write the candidate state after each
 position into scratch. After acceptance, :func:`commit_verified` copies one candidate per row into the row's slot.

@@ -4,9 +4,9 @@ Pipeline for one row (all rows of a kind are processed together, with per-row pa
 
 1. **Bans.** ``banned_token_ids`` are set to -inf before anything else, for greedy rows too.
 2. **Errors.** A row whose raw logits contain NaN or +inf, or that has no finite entry left after the bans, is
-   an error row (DESIGN.md 2.8): it is reported in ``error_rows``, its token is -1, and nothing is drawn for it.
-   A -inf entry on its own is legitimate (a masked vocabulary slot) and is not an error. Rows are independent,
-   so garbage in an error row never leaks into another row's result.
+   an error row (docs/design.md invariant 8): it is reported in ``error_rows``, its token is -1, and nothing is
+   drawn for it. A -inf entry on its own is legitimate (a masked vocabulary slot) and is not an error. Rows are
+   independent, so garbage in an error row never leaks into another row's result.
 3. **Greedy rows** (``params.is_greedy``): argmax; ties go to the lowest token id.
 4. **Sampled rows**, in this order (documented because the order changes the result):
    temperature -> top-k -> top-p -> min-p -> draw.

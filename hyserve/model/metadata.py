@@ -5,10 +5,10 @@ One step runs R rows (requests) whose new tokens are concatenated into T tokens 
     tokens:   | row 0: n_0 tokens | row 1: n_1 tokens | ... |
     query_start_loc = [0, n_0, n_0 + n_1, ..., T]
 
-Every tensor here is a view into a persistent device buffer owned by the model runner (invariant 7: a captured graph
-reads these buffers, refilled each step, never a per-step temporary). Recurrent state is addressed through
-``state_slots[r]``, the slot the scheduler assigned to row r's request at admission; nothing infers a slot from a row's
-position (invariant 1).
+Every tensor here is a view into a persistent device buffer owned by the model runner (docs/design.md invariant 7:
+a captured graph reads these buffers, refilled each step, never a per-step temporary). Recurrent state is addressed
+through ``state_slots[r]``, the slot the scheduler assigned to row r's request at admission; nothing infers a slot from
+a row's position (invariant 1).
 """
 
 from __future__ import annotations

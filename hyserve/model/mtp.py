@@ -5,9 +5,10 @@
     draft = argmax(lm_head(out_i))             predicts token_{i+2}; lm_head and embed are the target's
 
 ``h_i`` is the target's post-final-norm hidden state at position i. Multi-step drafting reuses the layer, feeding
-its own output as the next step's hidden state. The MTP layer's KV at position i depends on token i+1 (invariant 5):
-with MTP the prefix cache keys each block by its tokens and the one after it, so a cached block's MTP entries are
-always those of the request that hits it (``hyserve/cache/prefix_cache.py``, lookahead).
+its own output as the next step's hidden state. The MTP layer's KV at position i depends on token i+1
+(docs/design.md invariant 5): with MTP the prefix cache keys each block by its tokens and the one after it, so a
+cached block's MTP entries are always those of the request that hits it (``hyserve/cache/prefix_cache.py``,
+lookahead).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 
 A decoding request is one verify row [last token + drafts] in an ordinary batch beside prefill chunks. Its GDN
 layers compute per-position candidates into scratch; after acceptance of ``a`` drafts the live slot takes candidate
-``a`` (invariant 2) through the row's slot index, ``num_computed_tokens`` advances by ``a + 1``, KV blocks holding
-only rejected positions are freed, and only verified positions are published (invariant 3). Proposals for the next
-step come from the n-gram proposer or the MTP head (``_mtp_consume`` / ``_mtp_propose``).
+``a`` (docs/design.md invariant 2) through the row's slot index, ``num_computed_tokens`` advances by ``a + 1``, KV
+blocks holding only rejected positions are freed, and only verified positions are published (invariant 3). Proposals
+for the next step come from the n-gram proposer or the MTP head (``_mtp_consume`` / ``_mtp_propose``).
 """
 
 from __future__ import annotations
