@@ -31,6 +31,7 @@ from hyserve.engine import model_runner
 from hyserve.model import registry
 from hyserve.model.base import CausalLM, RecurrentLayer
 from hyserve.model.metadata import StepMetadata
+from hyserve.model.mtp import MTPHead
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
 
 QWEN = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
@@ -301,3 +302,12 @@ def test_toy_family_speculates_with_the_generic_commit(toy_family: str) -> None:
             got = list(out.outputs[0].token_ids)
             assert len(got) == 12 and toy_reference(model, p + got)[len(p) - 1 : -1] == got
     assert llm.get_metrics()["hyserve:spec_decode_num_accepted_tokens"] > 0, "no draft was accepted"
+
+
+def test_draft_head_comes_from_the_family(toy_family: str) -> None:
+    qwen = ModelConfig.from_dict({"model_type": "qwen3_5_text", "vocab_size": 8, "hidden_size": 8,
+                                  "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+                                  "num_key_value_heads": 1})
+    assert registry.draft_head(qwen).build is MTPHead
+    with pytest.raises(ValueError, match=f"{TOY_ARCH!r} has no MTP head"):
+        registry.draft_head(ModelConfig.from_model_dir(toy_family))

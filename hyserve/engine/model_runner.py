@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.specs import AttentionSpec, CacheSpecs
@@ -26,10 +27,9 @@ from hyserve.engine.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, GraphSet, StepGr
 from hyserve.engine.scheduler import ScheduledRow
 from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from hyserve.model import registry
-from hyserve.model.base import CausalLM
+from hyserve.model.base import CausalLM, KVCacheLayer
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
-from hyserve.model.mtp import MTPHead, load_mtp_weights
 
 logger = logging.getLogger("hyserve")
 
@@ -108,12 +108,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = self._build_model()
         self.mtp_weights = load_weights(self.model, config.model, model_config)
-        self.mtp: MTPHead | None = None
+        self.mtp: nn.Module | None = None  # the family's draft head (registry), run over the target's hidden states
         if use_mtp:
             self.mtp = self._build_mtp()
         # Every cache below is sized and shaped from what the layers declare (hyserve.cache.specs).
         self.cache_specs: CacheSpecs = self.model.cache_specs(dtype)
-        self.mtp_kv_specs: list[AttentionSpec] = [self.mtp.attention.cache_spec(dtype)] if self.mtp else []
+        self.mtp_kv_layers = [m for m in self.mtp.modules() if isinstance(m, KVCacheLayer)] if self.mtp else []
+        self.mtp_kv_specs: list[AttentionSpec] = [layer.cache_spec(dtype) for layer in self.mtp_kv_layers]
         logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
                     model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
@@ -129,9 +130,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(self.layout.num_kv_blocks)
         self.model.bind_caches(self.kv_caches, self.state_pool.layers)
         if self.mtp is not None:
-            (k_cache, v_cache), = self._allocate_kv(self.layout.num_kv_blocks, self.mtp_kv_specs)
-            self.mtp.attention.bind_kv(k_cache, v_cache)
-            self.kv_caches_all = [*self.kv_caches, (k_cache, v_cache)]
+            mtp_kv = self._allocate_kv(self.layout.num_kv_blocks, self.mtp_kv_specs)
+            for layer, (k_cache, v_cache) in zip(self.mtp_kv_layers, mtp_kv, strict=True):
+                layer.bind_kv(k_cache, v_cache)
+            self.kv_caches_all = [*self.kv_caches, *mtp_kv]
         else:
             self.kv_caches_all = list(self.kv_caches)
         if num_speculative_tokens:
@@ -194,15 +196,16 @@ class ModelRunner:
         return self.cache_specs.kv_bytes_per_block(self.block_size) + sum(
             s.bytes_per_block(self.block_size) for s in self.mtp_kv_specs)
 
-    def _build_mtp(self) -> MTPHead:
+    def _build_mtp(self) -> nn.Module:
+        draft = registry.draft_head(self.model_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                head = MTPHead(self.model_config)
+                head = draft.build(self.model_config)
         finally:
             torch.set_default_dtype(prev)
-        load_mtp_weights(head, self.mtp_weights)
+        draft.load(head, self.mtp_weights)
         return head.eval().requires_grad_(False)
 
     def _cache_budget(self) -> int:

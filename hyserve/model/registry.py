@@ -11,11 +11,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from hyserve.cache.specs import CacheSpecs
 from hyserve.config import ModelConfig, parse_qwen3_5_config
 from hyserve.model.base import CausalLM
+from hyserve.model.mtp import MTPHead, load_mtp_weights
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class DraftHead:
+    """A family's multi-token-prediction head: ``build(cfg)``, then ``load(head, checkpoint's draft tensors)``.
+    Its KV-caching layers declare their specs like the model's (``hyserve.model.base.KVCacheLayer``)."""
+
+    build: Callable[[ModelConfig], nn.Module]
+    load: Callable[[nn.Module, dict[str, torch.Tensor]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +37,16 @@ class ModelEntry:
     # config.json ``model_type`` values this architecture is read from; the first is assumed when a config names a
     # model type but no architecture.
     model_types: tuple[str, ...]
+    draft_head: DraftHead | None = None
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
 
 
 def register_model(architecture: str, model_class: Callable[[ModelConfig], CausalLM],
-                   parse_config: Callable[[dict[str, Any]], ModelConfig], model_types: tuple[str, ...]) -> None:
-    _REGISTRY[architecture] = ModelEntry(architecture, model_class, parse_config, model_types)
+                   parse_config: Callable[[dict[str, Any]], ModelConfig], model_types: tuple[str, ...],
+                   draft_head: DraftHead | None = None) -> None:
+    _REGISTRY[architecture] = ModelEntry(architecture, model_class, parse_config, model_types, draft_head)
 
 
 def unregister_model(architecture: str) -> None:
@@ -75,6 +88,15 @@ def model_class(cfg: ModelConfig) -> Callable[[ModelConfig], CausalLM]:
     return entry.model_class
 
 
+def draft_head(cfg: ModelConfig) -> DraftHead:
+    """The MTP head of the family ``cfg`` belongs to; refused for families without one."""
+    model_class(cfg)  # unknown architectures: the usual message
+    head = _REGISTRY[cfg.architecture].draft_head
+    if head is None:
+        raise ValueError(f"architecture {cfg.architecture!r} has no MTP head; use another speculative method")
+    return head
+
+
 def cache_specs_for(cfg: ModelConfig, dtype: torch.dtype) -> CacheSpecs:
     """The cache specs of the model ``cfg`` describes, from its layers built on the meta device (no memory)."""
     with torch.device("meta"):
@@ -83,6 +105,14 @@ def cache_specs_for(cfg: ModelConfig, dtype: torch.dtype) -> CacheSpecs:
 
 
 # Both checkpoint forms of Qwen3.5 parse from either model_type (text fields at top level or under text_config).
+def _load_qwen3_5_mtp(head: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    assert isinstance(head, MTPHead)
+    load_mtp_weights(head, weights)
+
+
 _QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text")
-register_model("Qwen3_5ForConditionalGeneration", Qwen3_5ForCausalLM, parse_qwen3_5_config, _QWEN3_5_TYPES)
-register_model("Qwen3_5ForCausalLM", Qwen3_5ForCausalLM, parse_qwen3_5_config, ("qwen3_5_text", "qwen3_5"))
+_QWEN3_5_MTP = DraftHead(MTPHead, _load_qwen3_5_mtp)
+register_model("Qwen3_5ForConditionalGeneration", Qwen3_5ForCausalLM, parse_qwen3_5_config, _QWEN3_5_TYPES,
+               _QWEN3_5_MTP)
+register_model("Qwen3_5ForCausalLM", Qwen3_5ForCausalLM, parse_qwen3_5_config, ("qwen3_5_text", "qwen3_5"),
+               _QWEN3_5_MTP)
