@@ -2,8 +2,8 @@
 
 from hyserve.llm import LLM
 from hyserve.outputs import CompletionOutput, RequestOutput
-from hyserve.sampling_params import SamplingParams
+from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "__version__"]

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine, PromptType
 from hyserve.outputs import RequestOutput
-from hyserve.sampling_params import SamplingParams
+from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
 
@@ -94,6 +94,7 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         items = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(items))
+        self._check_output_kinds(params)
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -156,6 +157,13 @@ class LLM:
         if len(items) != n:
             raise ValueError(f"got {len(items)} SamplingParams for {n} prompts; pass one, or one per prompt")
         return items
+
+    @staticmethod
+    def _check_output_kinds(params: list[SamplingParams]) -> None:
+        # generate() returns each request's final output, which is the whole completion only if it is cumulative.
+        if any(p.output_kind is RequestOutputKind.DELTA for p in params):
+            raise ValueError("output_kind=DELTA is for streaming (LLMEngine.step, AsyncEngine); LLM.generate "
+                             "returns whole completions (CUMULATIVE or FINAL_ONLY)")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -13,6 +13,9 @@ Invariants (established by ``__post_init__``; every constructor path, including 
 - ``logprobs`` is ``None`` (no logprobs) or the number N >= 0 of top logprobs to return per output token (the
   sampled token's own logprob is returned whenever ``logprobs`` is not ``None``, as in vLLM).
 - ``seed`` is ``None`` or an int.
+- ``output_kind`` is a ``RequestOutputKind`` (vLLM's): CUMULATIVE (the default) outputs hold everything generated so
+  far, DELTA outputs only what is new since the request's previous output, FINAL_ONLY gives one cumulative output
+  when the request finishes.
 
 Every violation raises ``ValueError`` whose message names the field and the offending value (wrong types
 included, so an API layer can turn any of them into a 400). The object is mutable like vLLM's, but mutation
@@ -30,6 +33,14 @@ from typing import Any
 
 # vLLM's threshold: a temperature below this is greedy (argmax) decoding.
 _SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's enum)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingType(enum.IntEnum):
@@ -87,6 +98,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -116,6 +128,9 @@ class SamplingParams:
         self.ignore_eos = _as_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _as_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _as_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _wrong_type("output_kind", "a RequestOutputKind", self.output_kind)
 
         if self.max_tokens is not None:
             self.max_tokens = _as_int("max_tokens", self.max_tokens)

@@ -1,7 +1,9 @@
 """The step-level engine: admit requests, run scheduled steps, turn sampled tokens into outputs.
 
-``step()`` returns a ``RequestOutput`` for every request that ran or finished in that step, with the cumulative
-token ids and text so far (vLLM's default), so a caller can drive many requests and stream their progress.
+``step()`` returns a ``RequestOutput`` for every request that ran or finished in that step, shaped by its
+``SamplingParams.output_kind``: the cumulative token ids and text so far (vLLM's default), only what is new (DELTA)
+or nothing until it finishes (FINAL_ONLY). Sampled and verified tokens alike go through the one
+``OutputProcessor`` (detokenization, stop checks, outputs).
 """
 
 from __future__ import annotations
@@ -18,18 +20,18 @@ from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.config import EngineConfig, ModelConfig, apply_cpu_threads, resolve_dtype
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.model_runner import ModelRunner, cache_memory_flag
+from hyserve.engine.output_processor import NewTokens, OutputProcessor
 from hyserve.engine.request import Request, RequestStatus
 from hyserve.engine.scheduler import ScheduledRow, Scheduler
 from hyserve.layers.rejection_sampler import RejectionSampler
 from hyserve.layers.sampler import SamplerOutput, SamplingRow
-from hyserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from hyserve.outputs import RequestOutput
 from hyserve.sampling_params import SamplingParams
 from hyserve.speculative.config import SpeculativeConfig
 from hyserve.speculative.proposer import NgramProposer, Proposer
 from hyserve.speculative.step import SpeculativeStepMixin, token_seed
 from hyserve.tokenizer import (
     UNSUPPORTED_GENERATION_KEYS,
-    IncrementalDetokenizer,
     Tokenizer,
     generation_defaults,
     stop_token_ids,
@@ -60,13 +62,14 @@ class LLMEngine(SpeculativeStepMixin):
         self.tokenizer: Tokenizer | None = self._load_tokenizer(config.model)
         # Values for the SamplingParams fields a request leaves unset (vLLM's default_sampling_params).
         self.default_sampling_params: dict[str, Any] = self._load_default_sampling_params()
-        self.eos_token_ids = set(stop_token_ids(config.model, self.model_config))
+        eos_token_ids = set(stop_token_ids(config.model, self.model_config))
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.use_mtp = self.spec_config is not None and self.spec_config.method == "mtp"
         self.runner = ModelRunner(config, self.model_config, self.device, self.dtype, num_speculative_tokens=k,
                                   use_mtp=self.use_mtp)
         self.max_model_len = self._resolve_max_model_len()
         self.runner.set_max_model_len(self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.runner.block_pool, self.runner.state_pool, config.block_size,
@@ -108,6 +111,15 @@ class LLMEngine(SpeculativeStepMixin):
                         lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
         else:
             logger.info("prefix caching is off")
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a request unless ``ignore_eos``: the output processor's (one copy, which stops)."""
+        return self.output_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.output_processor.eos_token_ids = ids
 
     def _load_default_sampling_params(self) -> dict[str, Any]:
         defaults, source = generation_defaults(self.config.model, self.config.generation_config)
@@ -194,9 +206,7 @@ class LLMEngine(SpeculativeStepMixin):
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len} "
                              "allows (the prompt must leave room for at least one output token)")
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        detok = self.output_processor.detokenizer(ids, params)
         req = Request(request_id, text, ids, params, self._arrivals, detok, arrival_time=time.time())
         self._arrivals += 1
         self.requests[request_id] = req
@@ -238,7 +248,7 @@ class LLMEngine(SpeculativeStepMixin):
         outputs: list[RequestOutput] = []
         for req, why in sched.failed:  # can never be admitted: an error now rather than a queue blocked forever
             self._fail(req, why)
-            outputs.append(self._final_output(req))
+            self._final_output(req, outputs)
         if sched.is_empty:
             return outputs
         if self.spec_config is not None:
@@ -257,7 +267,7 @@ class LLMEngine(SpeculativeStepMixin):
             self._apply_samples(sampled, result)
         for row in rows:
             req = row.request
-            outputs.append(self._make_output(req))
+            self._emit(req, outputs)
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
         self.metrics.on_step(sum(r.num_new_tokens for r in rows), len(sampled), time.perf_counter() - t0)
@@ -280,9 +290,15 @@ class LLMEngine(SpeculativeStepMixin):
                 self._fail(req, f"{what} failed: {type(e).__name__}: {e}")
             return None
 
-    def _final_output(self, req: Request) -> RequestOutput:
+    def _final_output(self, req: Request, outputs: list[RequestOutput]) -> None:
         self.requests.pop(req.request_id, None)
-        return self._make_output(req)
+        self._emit(req, outputs)
+
+    def _emit(self, req: Request, outputs: list[RequestOutput]) -> None:
+        """Append ``req``'s output of this step to ``outputs`` (FINAL_ONLY has none before the end)."""
+        out = self._make_output(req)
+        if out is not None:
+            outputs.append(out)
 
     def _drop_failed(self, rows: list[ScheduledRow], outputs: list[RequestOutput]) -> list[ScheduledRow]:
         """Rows whose request failed before the forward leave the step (their memory is already freed; their
@@ -292,7 +308,7 @@ class LLMEngine(SpeculativeStepMixin):
             if row.request.is_finished:
                 if self.prefix_cache is not None:
                     self.prefix_cache.unpin(row.load_snapshot)
-                outputs.append(self._final_output(row.request))
+                self._final_output(row.request, outputs)
         return kept
 
     def _on_scheduled(self, rows: list[ScheduledRow]) -> None:
@@ -380,46 +396,19 @@ class LLMEngine(SpeculativeStepMixin):
             self._guard(req, "taking its sampled token", functools.partial(self._apply_sample, req, i, result))
 
     def _apply_sample(self, req: Request, i: int, result: SamplerOutput) -> None:
-        """Append row ``i``'s token to ``req``: logprobs, detokenization, stop checks."""
-        token = int(result.token_ids[i])
-        req.output_token_ids.append(token)
-        if req.sampling_params.logprobs is not None and result.logprobs is not None:
-            req.sampled_logprobs.append(float(result.logprobs[i]))
-            req.output_ranks.append(result.ranks[i] if result.ranks is not None else None)
-            entry = dict(result.top_logprobs[i]) if result.top_logprobs is not None else {}
-            entry.setdefault(token, float(result.logprobs[i]))
-            req.output_logprobs.append(entry)
-        if req.detokenizer is not None:
-            req.detokenizer.append([token])
-            req.output_text = req.detokenizer.text
-        self._check_stop(req, token)
+        """Hand row ``i``'s token to the output processor; finish ``req`` if it ends there."""
+        new = NewTokens([int(result.token_ids[i])])
+        if result.logprobs is not None:
+            new.logprobs = [float(result.logprobs[i])]
+            new.ranks = [result.ranks[i]] if result.ranks is not None else None
+            new.top_logprobs = [result.top_logprobs[i]] if result.top_logprobs is not None else None
+        self._append_tokens(req, new)
 
-    def _check_stop(self, req: Request, token: int) -> None:
-        # Called once for every output token appended (plain and verify steps): the token times live here.
-        req.last_token_time = time.time()
-        if req.first_token_time is None:
-            req.first_token_time = req.last_token_time
-        p = req.sampling_params
-        n_out = req.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                self._finish(req, "stop")
-                return
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                self._finish(req, "stop")
-                return
-            if p.stop and req.detokenizer is not None:
-                for s in p.stop:
-                    idx = req.output_text.find(s)
-                    if idx >= 0:
-                        req.output_text = req.output_text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
-                        req.stop_reason = s
-                        self._finish(req, "stop")
-                        return
-        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
-        if n_out >= max_tokens or req.num_tokens >= self.max_model_len:
-            self._finish(req, "length")
+    def _append_tokens(self, req: Request, new: NewTokens) -> None:
+        """The one path of new output tokens (plain and verify steps): the processor appends them up to a stop."""
+        reason = self.output_processor.append(req, new)
+        if reason is not None:
+            self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -431,38 +420,8 @@ class LLMEngine(SpeculativeStepMixin):
             self.scheduler.finish(req)
         self.metrics.on_request_finished(reason)
 
-    def _make_output(self, req: Request) -> RequestOutput:
-        p = req.sampling_params
-        logprobs = None
-        if p.logprobs is not None:
-            logprobs = [self._logprob_entry(entry, req.output_token_ids[j], req.output_ranks[j])
-                        for j, entry in enumerate(req.output_logprobs)]
-        cum = sum(req.sampled_logprobs) if req.sampled_logprobs else None
-        completion = CompletionOutput(
-            index=0, text=req.output_text, token_ids=list(req.output_token_ids), cumulative_logprob=cum,
-            logprobs=logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-        )
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time, last_token_time=req.last_token_time,
-            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
-            time_in_queue=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
-            finished_time=req.finished_time)
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=[completion], finished=req.is_finished, metrics=metrics,
-                             num_cached_tokens=req.num_cached_tokens)
-
-    def _logprob_entry(self, entry: dict[int, float], sampled: int, sampled_rank: int | None) -> dict[int, Logprob]:
-        """Logprobs of one position with their vocabulary ranks. ``entry`` holds the top-N (every token with a
-        larger logprob than a top-N token is itself in the top-N) plus the sampled token, whose rank the sampler
-        counted over the whole vocabulary; a rank is 1 + the number of strictly larger logprobs."""
-        out: dict[int, Logprob] = {}
-        for tid, lp in entry.items():
-            rank = sampled_rank if tid == sampled else 1 + sum(v > lp for v in entry.values())
-            out[tid] = Logprob(lp, rank, self._decode_one(tid))
-        return out
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        return self.output_processor.make_output(req)
 
     def get_metrics(self) -> dict[str, float | list[float]]:
         return self.metrics.snapshot(self)

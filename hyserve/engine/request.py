@@ -18,6 +18,15 @@ from hyserve.sampling_params import SamplingParams
 from hyserve.tokenizer import IncrementalDetokenizer
 
 
+@dataclass(slots=True)
+class OutputCursor:
+    """How much of the output DELTA outputs have sent: token ids, logprob entries, text characters."""
+
+    num_ids: int = 0
+    num_logprobs: int = 0
+    num_chars: int = 0
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -62,6 +71,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # What DELTA outputs have sent so far (the output processor's cursor).
+    sent: OutputCursor = field(default_factory=OutputCursor)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hyserve.engine.model_runner import MTPRow
+from hyserve.engine.output_processor import NewTokens
 from hyserve.engine.request import Request
 from hyserve.engine.scheduler import ScheduledRow
 from hyserve.layers.rejection_sampler import SpecRow
@@ -96,7 +97,9 @@ class SpeculativeStepMixin:
             for req in deferred:
                 self.scheduler.finish(req)
         self._rollback_and_propose(rows)
-        outputs = failed_outputs + [self._make_output(r.request) for r in rows]
+        outputs = failed_outputs
+        for row in rows:
+            self._emit(row.request, outputs)
         for row in rows:
             if row.request.is_finished:
                 self.requests.pop(row.request.request_id, None)
@@ -142,24 +145,13 @@ class SpeculativeStepMixin:
             self._guard(req, "taking its verified tokens", functools.partial(self._apply_verified_row, req, i, out))
 
     def _apply_verified_row(self: LLMEngine, req: Request, i: int, out: Any) -> None:
-        """Append verify row ``i``'s emitted tokens to ``req``: logprobs, detokenization, stop checks."""
-        lps = out.logprobs[i] if out.logprobs is not None else []
-        tops = out.top_logprobs[i] if out.top_logprobs is not None else []
-        ranks = out.ranks[i] if out.ranks is not None else []
-        for j, token in enumerate(out.token_ids[i]):
-            req.output_token_ids.append(int(token))
-            if req.sampling_params.logprobs is not None and j < len(lps):
-                req.sampled_logprobs.append(float(lps[j]))
-                req.output_ranks.append(ranks[j] if j < len(ranks) else None)
-                entry = dict(tops[j]) if j < len(tops) else {}
-                entry.setdefault(int(token), float(lps[j]))
-                req.output_logprobs.append(entry)
-            if req.detokenizer is not None:
-                req.detokenizer.append([int(token)])
-                req.output_text = req.detokenizer.text
-            self._check_stop(req, int(token))
-            if req.is_finished:
-                break  # EOS / stop / max_tokens inside the accepted drafts: the rest is dropped
+        """Hand verify row ``i``'s emitted tokens to the output processor (which drops any after a stop)."""
+        new = NewTokens([int(t) for t in out.token_ids[i]])
+        if out.logprobs is not None:
+            new.logprobs = [float(x) for x in out.logprobs[i]]
+            new.ranks = list(out.ranks[i]) if out.ranks is not None else None
+            new.top_logprobs = list(out.top_logprobs[i]) if out.top_logprobs is not None else None
+        self._append_tokens(req, new)
 
     def _row_offsets(self: LLMEngine, rows: list[ScheduledRow]) -> list[int]:
         offsets, t = [], 0
