@@ -2,9 +2,10 @@
 
 Invariants:
 
-- ``CompletionOutput.token_ids`` and ``text`` are cumulative (everything generated so far), vLLM's default
-  output kind; ``finish_reason`` is ``None`` while the completion is still running and one of ``"stop"``,
-  ``"length"``, ``"abort"`` or ``"error"`` once it has finished.
+- ``CompletionOutput.token_ids``, ``text`` and ``logprobs`` are cumulative (everything generated so far), vLLM's
+  default output kind; with ``SamplingParams.output_kind`` DELTA they hold only what is new since the request's
+  previous output (``cumulative_logprob`` stays cumulative); ``finish_reason`` is ``None`` while the completion
+  is still running and one of ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` once it has finished.
 - ``stop_reason`` is the stop string or stop token id that ended the completion, ``None`` for EOS, length,
   abort or error.
 - ``logprobs``, when requested, has one dict per entry of ``token_ids``; each dict maps token id -> ``Logprob``
@@ -81,3 +82,18 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int | None = None
+
+
+def merge_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive DELTA outputs of one request as one: texts, token ids and logprobs concatenated, the rest
+    (finish state, cumulative logprob, metrics) from ``later``. A consumer that falls behind merges what it missed
+    instead of dropping it, so the deltas it reads still add up to the whole completion."""
+    outputs = []
+    for a, b in zip(earlier.outputs, later.outputs, strict=True):
+        logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+        outputs.append(CompletionOutput(index=b.index, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                                        cumulative_logprob=b.cumulative_logprob, logprobs=logprobs,
+                                        finish_reason=b.finish_reason, stop_reason=b.stop_reason))
+    return RequestOutput(request_id=later.request_id, prompt=later.prompt, prompt_token_ids=later.prompt_token_ids,
+                         outputs=outputs, finished=later.finished, metrics=later.metrics,
+                         prompt_logprobs=later.prompt_logprobs, num_cached_tokens=later.num_cached_tokens)

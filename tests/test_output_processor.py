@@ -1,10 +1,12 @@
 """Outputs as deltas: DELTA outputs add up to the CUMULATIVE ones (text, token ids, logprobs) at every step, for
 the plain and the speculative (n-gram, MTP: several tokens per step) paths, with stop strings cut across steps,
-staggered arrivals and aborts; FINAL_ONLY gives one output; and sabotage (no stop-string holdback) is caught.
+staggered arrivals and aborts; FINAL_ONLY gives one output; a slow async consumer loses nothing; and sabotage
+(no stop-string holdback, a dropped delta) is caught.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -18,6 +20,8 @@ from hyserve.engine.llm_engine import LLMEngine
 from hyserve.engine.request import Request
 from hyserve.outputs import RequestOutput
 from hyserve.sampling_params import RequestOutputKind
+from hyserve.server import async_engine as async_engine_module
+from hyserve.server.async_engine import AsyncEngine
 from hyserve.tokenizer import IncrementalDetokenizer
 
 SPECS: dict[str, dict[str, object] | None] = {
@@ -206,3 +210,42 @@ def test_llm_generate_refuses_delta(ckpts: CheckpointCache) -> None:
         llm.generate([[5, 6, 7]], greedy(4, output_kind=RequestOutputKind.DELTA), use_tqdm=False)
     out = llm.generate([[5, 6, 7]], greedy(4, output_kind=RequestOutputKind.FINAL_ONLY), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def slow_stream(path: str, params: SamplingParams, prompt: list[int]) -> list[RequestOutput]:
+    """The DELTA outputs a consumer reads when it sleeps after each one (the engine steps on meanwhile)."""
+    aengine = AsyncEngine(engine_for(path, "plain"))
+
+    async def consume() -> list[RequestOutput]:
+        got = []
+        async for out in aengine.generate("slow", {"prompt_token_ids": prompt}, params):
+            got.append(out)
+            await asyncio.sleep(0.05)
+        return got
+
+    try:
+        return asyncio.run(consume())
+    finally:
+        aengine.shutdown()
+
+
+def test_a_slow_async_consumer_loses_nothing(ckpts: CheckpointCache) -> None:
+    path = ckpt(ckpts)
+    prompt = random_prompts(1, [12], seed=9)[0]
+    params = greedy(40, stop=["\x00never"])
+    expected = make_llm(path).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    got = slow_stream(path, dataclasses.replace(params, output_kind=RequestOutputKind.DELTA), prompt)
+    assert len(got) < 40, "the consumer never fell behind: nothing was merged"
+    assert "".join(o.outputs[0].text for o in got) == expected.text
+    assert [t for o in got for t in o.outputs[0].token_ids] == expected.token_ids
+    assert [e for o in got for e in o.outputs[0].logprobs or []] == expected.logprobs
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "length"
+
+
+def test_a_dropped_delta_is_caught(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: coalescing DELTA outputs as if cumulative (keep the latest) loses tokens."""
+    path = ckpt(ckpts)
+    prompt = random_prompts(1, [12], seed=9)[0]
+    monkeypatch.setattr(async_engine_module, "merge_delta", lambda earlier, later: later)
+    got = slow_stream(path, greedy(40, output_kind=RequestOutputKind.DELTA), prompt)
+    assert sum(len(o.outputs[0].token_ids) for o in got) < 40

@@ -682,7 +682,9 @@ def test_error_finish_reason_is_reported_and_logged(ctx: Ctx, caplog: pytest.Log
     def step() -> list[Any]:  # the engine ends a request with "error" (as it does on non-finite logits)
         outs = real_step()
         for out in outs:
-            if len(out.outputs[0].token_ids) >= 3 and not out.finished:
+            # The request's own count: a streamed request's outputs are DELTA (only the step's new tokens).
+            req = engine.requests.get(out.request_id)
+            if req is not None and req.num_output_tokens >= 3 and not out.finished:
                 engine.abort_request(out.request_id)
                 out.outputs[0].finish_reason = "error"
                 out.finished = True

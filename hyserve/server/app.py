@@ -12,10 +12,11 @@ Choices worth knowing:
   not), and the server logs it: the tokens produced before it are valid and returned, and a streamed answer has
   already sent its 200 when the error happens, so both paths report it the same way. ``hyserve:request_errors``
   counts these requests.
-- Streaming (``text/event-stream``): ``data: {json}\\n\\n`` chunks with text deltas computed from the engine's
-  cumulative text, a final chunk with ``finish_reason``, an optional usage chunk (``stream_options.include_usage``)
-  and ``data: [DONE]``. With stop strings, the last ``max(len(stop)) - 1`` characters are held back until the
-  request finishes, so a stop string cut from the end is never sent: the streamed text equals the non-streamed one.
+- Streaming (``text/event-stream``): ``data: {json}\\n\\n`` chunks with the engine's DELTA outputs as they come
+  (text, token ids and logprobs new since the last chunk), a final chunk with ``finish_reason``, an optional usage
+  chunk (``stream_options.include_usage``) and ``data: [DONE]``. The engine's output processor holds back the last
+  ``max(len(stop)) - 1`` characters until the request finishes, so a stop string cut from the end is never sent:
+  the streamed text equals the non-streamed one.
 - A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its request aborted in the
   engine, which frees its KV blocks and state slot before the next step.
 - ``api_key``: every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (compared in constant time), else a 401
@@ -39,6 +40,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -58,7 +60,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import hyserve
 from hyserve.outputs import RequestOutput, SampleLogprobs
-from hyserve.sampling_params import SamplingParams
+from hyserve.sampling_params import RequestOutputKind, SamplingParams
 from hyserve.server.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
 from hyserve.server.metrics import CONTENT_TYPE_LATEST, HTTPMetrics, HTTPMetricsMiddleware, render_metrics
 from hyserve.server.protocol import (
@@ -189,9 +191,10 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _usage(out: RequestOutput) -> UsageInfo:
+def _usage(out: RequestOutput, n_out: int | None = None) -> UsageInfo:
+    """Token counts of a finished request; a stream of DELTA outputs passes the ``n_out`` it counted."""
     n_prompt = len(out.prompt_token_ids)
-    n_out = len(out.outputs[0].token_ids)
+    n_out = len(out.outputs[0].token_ids) if n_out is None else n_out
     return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens or 0))
 
@@ -215,17 +218,16 @@ def _ranked(entry: dict[int, Any], as_ids: bool) -> list[tuple[int, float, str]]
     return items
 
 
-def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs | None, start: int, text_offset: int,
+def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs | None, text_offset: int,
                         as_ids: bool = False) -> tuple[CompletionLogprobs | None, int]:
-    """Legacy completions logprobs for positions ``start:`` and the text offset after them.
+    """Legacy completions logprobs of ``token_ids`` (a whole completion or one delta) and the text offset after them.
 
     ``top_logprobs[i]`` holds the requested top-N and the sampled token (as vLLM returns them).
     """
     if logprobs is None:
         return None, text_offset
     res = CompletionLogprobs()
-    for i in range(start, min(len(token_ids), len(logprobs))):
-        tid, entry = token_ids[i], logprobs[i]
+    for tid, entry in zip(token_ids, logprobs, strict=False):
         own = entry.get(tid)
         token = _token_str(tid, own.decoded_token if own is not None else None, as_ids)
         res.tokens.append(token)
@@ -236,13 +238,13 @@ def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs | None, s
     return res, text_offset
 
 
-def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs | None, start: int, top_n: int,
+def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs | None, top_n: int,
                   as_ids: bool = False) -> ChatLogprobs | None:
+    """Chat logprobs of ``token_ids`` (a whole completion or one delta)."""
     if logprobs is None:
         return None
     content: list[ChatLogprobToken] = []
-    for i in range(start, min(len(token_ids), len(logprobs))):
-        tid, entry = token_ids[i], logprobs[i]
+    for tid, entry in zip(token_ids, logprobs, strict=False):
         own = entry.get(tid)
         token = _token_str(tid, own.decoded_token if own is not None else None, as_ids)
         tops = [TopLogprob(token=tok, logprob=lp, bytes=list(tok.encode("utf-8")))
@@ -252,30 +254,9 @@ def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs | None, start: 
     return ChatLogprobs(content=content)
 
 
-def _holdback(params: SamplingParams) -> int:
-    """Characters to hold back while streaming, so that a stop string cut from the end is never sent."""
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1
-
-
-class _TextDelta:
-    """Turns cumulative text into deltas, holding back a possible stop-string prefix until the request ends."""
-
-    def __init__(self, holdback: int) -> None:
-        self.holdback = holdback
-        self.sent = 0
-        self.sent_text = ""
-
-    def __call__(self, text: str, finished: bool) -> str:
-        if not text.startswith(self.sent_text):
-            # Text already sent is never taken back; this only happens if a detokenizer rewrote its past.
-            logger.warning("cumulative text no longer extends the text already streamed")
-        end = len(text) if finished else max(self.sent, len(text) - self.holdback)
-        delta = text[self.sent:end]
-        self.sent = max(self.sent, end)
-        self.sent_text = text[: self.sent]
-        return delta
+def stream_kind(params: SamplingParams, stream: bool | None) -> SamplingParams:
+    """A streamed response reads DELTA outputs (sent as they come); a whole one the cumulative final output."""
+    return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA) if stream else params
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -626,7 +607,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         body.check()
         text, ids = await encode(prompt, "prompt")
         max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
-        params = body.to_sampling_params(max_tokens, sampling_defaults())
+        params = stream_kind(body.to_sampling_params(max_tokens, sampling_defaults()), body.stream)
         request_id = random_id("cmpl")
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
         outputs = open_request(request_id, engine_prompt, params)
@@ -637,7 +618,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         if final is None:
             return Response(status_code=499)
         c = final.outputs[0]
-        logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, 0, 0, body.return_tokens_as_token_ids)
+        logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, 0, body.return_tokens_as_token_ids)
         choice = CompletionChoice(text=c.text, logprobs=logprobs, finish_reason=_finish_reason(final),
                                   stop_reason=c.stop_reason)
         if body.return_token_ids:
@@ -652,18 +633,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         include_usage = body.include_usage
         exclude = None if include_usage else {"usage"}
         first = True
-        delta_of = _TextDelta(_holdback(params))
         n_sent, offset = 0, 0
         final: RequestOutput | None = None
         try:
             async with aclosing(outputs):  # closed (the request aborted) even if this generator is dropped early
-                async for out in outputs:
+                async for out in outputs:  # DELTA outputs: only what is new (stop-string holdback included)
                     c = out.outputs[0]
-                    delta = delta_of(c.text, out.finished)
-                    logprobs, offset = completion_logprobs(c.token_ids, c.logprobs, n_sent, offset,
+                    delta, new_ids = c.text, c.token_ids
+                    logprobs, offset = completion_logprobs(new_ids, c.logprobs, offset,
                                                            body.return_tokens_as_token_ids)
-                    new_ids = c.token_ids[n_sent:]
-                    n_sent = len(c.token_ids)
+                    n_sent += len(new_ids)
                     reason = _finish_reason(out) if out.finished else None
                     if delta or out.finished or (new_ids and (logprobs is not None or body.return_token_ids)):
                         choice = CompletionChoice(text=delta, logprobs=logprobs, finish_reason=reason,
@@ -679,7 +658,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
                         final = out
             if include_usage and final is not None:
                 chunk = CompletionChunk(id=request_id, created=created, model=model_name, choices=[],
-                                        usage=_usage(final))
+                                        usage=_usage(final, n_sent))
                 yield _sse(chunk.model_dump_json())
         except (EngineDeadError, RequestAbortedError) as e:
             logger.warning("request %s: %s", request_id, e)
@@ -695,7 +674,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         _, ids = await encode(text, "messages", add_special_tokens=False)
         asked, name = body.requested_max_tokens
         max_tokens = resolve_max_tokens(asked, name, len(ids), None)
-        params = body.to_sampling_params(max_tokens, sampling_defaults())
+        params = stream_kind(body.to_sampling_params(max_tokens, sampling_defaults()), body.stream)
         request_id = random_id("chatcmpl")
         top_n = body.top_logprobs or 0
         outputs = open_request(request_id, {"prompt_token_ids": ids, "prompt": text}, params,
@@ -708,7 +687,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
             return Response(status_code=499)
         c = final.outputs[0]
         choice = ChatChoice(message=ChatMessage(role="assistant", content=c.text),
-                            logprobs=chat_logprobs(c.token_ids, c.logprobs, 0, top_n, body.return_tokens_as_token_ids),
+                            logprobs=chat_logprobs(c.token_ids, c.logprobs, top_n, body.return_tokens_as_token_ids),
                             finish_reason=_finish_reason(final), stop_reason=c.stop_reason)
         resp = ChatCompletionResponse(id=request_id, model=model_name, choices=[choice], usage=_usage(final))
         if body.return_token_ids:
@@ -727,19 +706,17 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
                                       prompt_token_ids=prompt_token_ids)
             return _sse(msg.model_dump_json(exclude=exclude))
 
-        delta_of = _TextDelta(_holdback(params))
         n_sent = 0
         first = True
         final: RequestOutput | None = None
         try:
             yield chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
             async with aclosing(outputs):  # closed (the request aborted) even if this generator is dropped early
-                async for out in outputs:
+                async for out in outputs:  # DELTA outputs: only what is new (stop-string holdback included)
                     c = out.outputs[0]
-                    delta = delta_of(c.text, out.finished)
-                    logprobs = chat_logprobs(c.token_ids, c.logprobs, n_sent, top_n, body.return_tokens_as_token_ids)
-                    new_ids = c.token_ids[n_sent:]
-                    n_sent = len(c.token_ids)
+                    delta, new_ids = c.text, c.token_ids
+                    logprobs = chat_logprobs(new_ids, c.logprobs, top_n, body.return_tokens_as_token_ids)
+                    n_sent += len(new_ids)
                     if delta or (new_ids and (logprobs is not None or body.return_token_ids)):
                         choice = ChatStreamChoice(delta=DeltaMessage(content=delta), logprobs=logprobs)
                         if body.return_token_ids:
@@ -753,7 +730,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
                                                       stop_reason=c.stop_reason)])
             if include_usage and final is not None:
                 msg = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
-                                          usage=_usage(final))
+                                          usage=_usage(final, n_sent))
                 yield _sse(msg.model_dump_json())
         except (EngineDeadError, RequestAbortedError) as e:
             logger.warning("request %s: %s", request_id, e)

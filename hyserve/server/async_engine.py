@@ -10,10 +10,10 @@ How the loop works:
   Otherwise it takes the whole inbox, then, under the engine lock, adds the new requests, applies the aborts and runs
   one ``engine.step()``. Requests that arrive while a step runs are added before the next one, so concurrent HTTP
   requests are batched by the engine's continuous batching.
-- After each step every ``RequestOutput`` (cumulative token ids and text) goes to its request's queue through
-  ``loop.call_soon_threadsafe``; a finished output unregisters the request. ``generate`` yields the latest output
-  available when the consumer gets to it (outputs are cumulative, so a slow consumer skips intermediate ones and
-  loses nothing).
+- After each step every ``RequestOutput`` goes to its request's queue through ``loop.call_soon_threadsafe``; a
+  finished output unregisters the request. ``generate`` yields what is available when the consumer gets to it: for
+  cumulative outputs the latest (it subsumes the earlier ones), for DELTA outputs (``SamplingParams.output_kind``,
+  what the server streams) all of them merged into one (``merge_delta``), so a slow consumer loses nothing.
 - A consumer that stops early (client disconnect: the handler's task is cancelled or the generator is closed) aborts
   its request from ``generate``'s ``finally``; the loop thread frees its blocks and slot before the next step.
 - ``add_request`` refuses at the door what the engine would fail on later: besides the prompt, token ids in the
@@ -23,7 +23,8 @@ How the loop works:
 - An exception from ``engine.step()`` is a bug: the loop logs it, fails every open request with ``EngineDeadError``
   and stops; ``is_alive()`` turns false (``/health`` answers 503). ``shutdown()`` stops and joins the thread.
 - ``abort_all()`` (server shutdown) ends every open request at once: each consumer gets a last output marked
-  finished with ``finish_reason="abort"`` (the text produced so far), so a stream can close with a final chunk.
+  finished with ``finish_reason="abort"`` (the text produced so far; for DELTA outputs what it has not read yet),
+  so a stream can close with a final chunk.
 
 Anything else that reads the engine from another thread (``get_metrics``, ``assert_no_leaks``) takes the engine
 lock, so it never sees the engine in the middle of a step.
@@ -42,8 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyserve.engine.llm_engine import LLMEngine, PromptType
-from hyserve.outputs import CompletionOutput, RequestOutput
-from hyserve.sampling_params import SamplingParams
+from hyserve.outputs import CompletionOutput, RequestOutput, merge_delta
+from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("hyserve.server")
 
@@ -61,7 +62,8 @@ class ShutdownAbortError(RequestAbortedError):
 
 
 def aborted_output(last: RequestOutput | None, request_id: str, prompt: dict[str, Any]) -> RequestOutput:
-    """The final output of a request ended by shutdown: the last output seen (or an empty one), finished."""
+    """The final output of a request ended by shutdown: ``last`` (or an empty one), finished. ``last`` is the latest
+    output for cumulative outputs, the merged unread ones for DELTA outputs."""
     if last is None:
         completion = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
         last = RequestOutput(request_id=request_id, prompt=prompt.get("prompt"),
@@ -207,7 +209,7 @@ class AsyncEngine:
         task consuming it) aborts the request in the engine.
         """
         queue, item = self._add_request(request_id, prompt, params)
-        async for out in self._outputs(request_id, queue, item):
+        async for out in self._outputs(request_id, queue, item, params):
             yield out
 
     def open(self, request_id: str, prompt: PromptType, params: SamplingParams
@@ -215,18 +217,26 @@ class AsyncEngine:
         """``generate``, except that the request is validated and queued now (``ValueError``/``EngineDeadError``
         raise here, before any response starts), not at the first iteration."""
         queue, item = self._add_request(request_id, prompt, params)
-        return self._outputs(request_id, queue, item)
+        return self._outputs(request_id, queue, item, params)
 
     async def _outputs(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException],
-                       prompt: dict[str, Any]) -> AsyncGenerator[RequestOutput, None]:
+                       prompt: dict[str, Any], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        delta = params.output_kind is RequestOutputKind.DELTA
         finished = False
+        # Cumulative: the latest output taken. DELTA: the outputs taken and not yielded yet (merged), else None.
         last: RequestOutput | None = None
         try:
             while True:
                 item = await queue.get()
                 while not isinstance(item, BaseException) and not item.finished and not queue.empty():
-                    last = item
-                    item = queue.get_nowait()  # cumulative: the latest output subsumes the earlier ones
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        last = item
+                        item = nxt
+                        break
+                    # Cumulative: the latest output subsumes the earlier ones. DELTA: each holds only its own
+                    # tokens, so they are merged, never dropped.
+                    item = merge_delta(item, nxt) if delta else nxt
                 if isinstance(item, ShutdownAbortError):
                     finished = True  # abort_all has already queued the engine abort
                     yield aborted_output(last, request_id, prompt)
@@ -236,7 +246,7 @@ class AsyncEngine:
                     raise item
                 if item.finished:
                     finished = True
-                last = item
+                last = None if delta else item
                 yield item
                 if finished:
                     return
