@@ -15,7 +15,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 import hyserve
@@ -54,16 +55,19 @@ def _engine(path: str, **kw: Any) -> LLMEngine:
 
 
 class ServerThread:
-    """uvicorn on a free port of 127.0.0.1, in a daemon thread."""
+    """uvicorn on a free port of 127.0.0.1, in a daemon thread: a plain ``uvicorn.Server`` over ``build_app``, or
+    the app and server that ``app`` / ``make_server`` give (the CLI's server, say)."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str | None = None) -> None:
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str | None = None, *,
+                 app: FastAPI | None = None, make_server: Callable[[FastAPI], uvicorn.Server] | None = None) -> None:
         self.async_engine = async_engine
-        self.app = build_app(async_engine, served_model_name)
+        self.app = app if app is not None else build_app(async_engine, served_model_name)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.server = make_server(self.app) if make_server is not None else \
+            uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

@@ -25,13 +25,14 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from test_server import ServerThread
 
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.server import AsyncEngine, build_app
 from hyserve.server import app as app_module
 from hyserve.server.app import encode_text, max_text_chars
-from hyserve.server.serving import GracefulServer, make_server
+from hyserve.server.serving import make_server
 from hyserve.testing import write_tiny_checkpoint
 
 CACHE_BYTES = 64 * 1024 * 1024
@@ -635,34 +636,10 @@ def test_readme_examples_run_against_the_packaged_model() -> None:
 # ---------------------------------------------------------------------------------------------------- uvicorn
 
 
-class Served:
+def served(aengine: AsyncEngine, **kw: Any) -> ServerThread:
     """``make_server`` (the CLI's server) on a free loopback port, on a thread."""
-
-    def __init__(self, aengine: AsyncEngine, **kw: Any) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        app = _app(aengine)
-        self.server: GracefulServer = make_server(app, aengine, log_level="warning", **kw)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Served:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive()
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
+    return ServerThread(aengine, app=_app(aengine),
+                        make_server=lambda app: make_server(app, aengine, log_level="warning", **kw))
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -676,7 +653,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 def test_slow_and_idle_connections_are_closed(aengine: AsyncEngine) -> None:
-    with Served(aengine, request_read_timeout_s=0.5) as srv:
+    with served(aengine, request_read_timeout_s=0.5) as srv:
         idle = socket.create_connection(("127.0.0.1", srv.port))
         slow = socket.create_connection(("127.0.0.1", srv.port))
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and the rest never comes
@@ -698,7 +675,7 @@ def _sse(lines: list[str]) -> list[Any]:
 
 
 def test_shutdown_ends_open_requests_with_abort_and_done(aengine: AsyncEngine) -> None:
-    srv = Served(aengine, shutdown_timeout_s=0.5).__enter__()
+    srv = served(aengine, shutdown_timeout_s=0.5).__enter__()
     long = {"model": NAME, "prompt": "hi", "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
     got: dict[str, Any] = {}
 
