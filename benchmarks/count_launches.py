@@ -32,7 +32,7 @@ ENTRY_POINTS = {
                               "silu_mul", "causal_conv1d_verify", "gdn_verify"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope"],
-    "hyserve.engine.model_runner": ["commit_verified"],
+    "hyserve.worker.model_runner": ["_commit_verified"],
 }
 
 
@@ -74,7 +74,7 @@ def _count_entry_points(counter: _Counter) -> None:
 
 def _count_graph_replays(counter: _Counter) -> None:
     """A graph replay is one launch; what runs inside it (emulated on the CPU) is not counted."""
-    from hyserve.engine.cuda_graphs import GraphSet
+    from hyserve.worker.cuda_graphs import GraphSet
 
     GraphSet.run = _one_launch(counter, GraphSet.run)  # type: ignore[method-assign]
 
@@ -91,7 +91,7 @@ def main() -> None:
     counter = _Counter()
     _count_entry_points(counter)
     if args.graphs:
-        from hyserve.engine import cuda_graphs
+        from hyserve.worker import cuda_graphs
 
         cuda_graphs.EMULATE = True
         _count_graph_replays(counter)

@@ -1,6 +1,6 @@
 """Host time of one engine step with the model taken out: what a GPU would wait on between graph replays.
 
-The graphs are emulated on the CPU (``hyserve.engine.cuda_graphs.EMULATE``) and each graph kind's replay returns
+The graphs are emulated on the CPU (``hyserve.worker.cuda_graphs.EMULATE``) and each graph kind's replay returns
 outputs cached from its first run, so a step costs only the host work around the model: scheduling, filling the
 step buffers, sampling or acceptance, commit, MTP bookkeeping, outputs and detokenization. Eager work that is not
 in a graph (the CPU references of the commit kernels, eager MTP passes) still runs. Tiny random checkpoint with the
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from hyserve import LLM, SamplingParams
-from hyserve.engine import cuda_graphs
 from hyserve.testing import write_tiny_checkpoint
+from hyserve.worker import cuda_graphs
 
 
 def _stub_replays(llm: LLM) -> None:

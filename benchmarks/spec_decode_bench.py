@@ -60,15 +60,14 @@ def control(llm: LLM, proposer: ControlledProposer) -> None:
     if not eng.use_mtp:
         eng.proposer = proposer
         return
-    mtp_propose = eng._mtp_propose
+    assert eng.drafts is not None
+    mtp_propose = eng.drafts.propose
 
-    def propose(todo: list[Request], ks: list[int]) -> None:
-        mtp_propose(todo, ks)
-        for req in todo:
-            n = len(req.draft_token_ids)
-            req.draft_token_ids = proposer.propose([req], [n])[0] if n else []
+    def propose(req: Request, proposal: list[int], max_model_len: int) -> list[int]:
+        drafts = mtp_propose(req, proposal, max_model_len)
+        return proposer.propose([req], [len(drafts)])[0] if drafts else []
 
-    eng._mtp_propose = propose  # type: ignore[method-assign]
+    eng.drafts.propose = propose  # type: ignore[method-assign]
 
 
 def has_mtp(model: str) -> bool:

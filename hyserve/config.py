@@ -272,9 +272,12 @@ class EngineConfig:
     snapshot_memory_fraction: float = 0.2
     num_snapshot_slots: int | None = None
     # CUDA graphs for decode steps (CUDA only): off with enforce_eager; the padded batch sizes to capture
-    # (default: hyserve.engine.cuda_graphs.DEFAULT_CAPTURE_SIZES up to max_num_seqs).
+    # (default: hyserve.worker.cuda_graphs.DEFAULT_CAPTURE_SIZES up to max_num_seqs).
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    # Async scheduling: step n + 1 is scheduled and launched before step n's result is read (its sampled ids stay
+    # on the device and feed step n + 1). None = on with CUDA, off on the CPU (where it buys little).
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         if self.block_size <= 0 or (self.block_size % 8 != 0 and self.block_size not in (1, 2, 4)):

@@ -112,7 +112,7 @@ def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_host_overhead_measures_each_kind(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import host_overhead
 
-    from hyserve.engine import cuda_graphs
+    from hyserve.worker import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "EMULATE", False)  # main() turns it on; monkeypatch restores it after
     monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--batches", "2", "--steps", "3"])

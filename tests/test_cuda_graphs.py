@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (``hyserve.engine.cuda_graphs``).
+"""CUDA graphs for decode steps (``hyserve.worker.cuda_graphs``).
 
 On the CPU the graphs are emulated: the same padded static forward (pad rows on the pad slot, full-width block
 tables, ``max_seq_len = max_model_len``, logits for every padded row) runs eagerly in place of a replay, so these
@@ -14,8 +14,8 @@ from test_engine import assert_matches_reference, drive, make_llm, random_prompt
 
 from hyserve import SamplingParams
 from hyserve.cli import build_parser
-from hyserve.engine import cuda_graphs
-from hyserve.engine.cuda_graphs import DEFAULT_CAPTURE_SIZES, capture_sizes
+from hyserve.worker import cuda_graphs
+from hyserve.worker.cuda_graphs import DEFAULT_CAPTURE_SIZES, capture_sizes
 
 
 @pytest.fixture

@@ -63,7 +63,7 @@ class SlotRecorder:
 
         def prepare(rows, **kw):
             for i, r in enumerate(rows):
-                self.rows.append((i, int(r.request.state_slot), r.request.request_id))
+                self.rows.append((i, int(r.state_slot), r.req_id))
             return original(rows, **kw)
 
         runner.prepare = prepare  # type: ignore[method-assign]
@@ -269,7 +269,7 @@ def test_nonfinite_logits_end_the_request_with_error(ckpts: CheckpointCache) -> 
     assert len(outs["bad"].outputs[0].token_ids) == 1  # the token sampled before the corruption, nothing more
     # A new request takes the freed slot: it must start from a clean state.
     final = drive(eng, {0: [("next", prompts[2], greedy)]})
-    assert eng.runner.state_pool.num_free_slots == eng.runner.state_pool.num_slots
+    assert eng.state_slots.num_free_slots == eng.state_slots.num_slots
     assert final["good"].outputs[0].token_ids == solo[1]
     assert final["next"].outputs[0].token_ids == solo[2]
     assert llm.get_metrics()["hyserve:request_errors"] == 1

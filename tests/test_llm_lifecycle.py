@@ -14,7 +14,7 @@ import torch
 from conftest import CheckpointCache
 
 from hyserve import LLM, SamplingParams, config
-from hyserve.engine import cuda_graphs
+from hyserve.worker import cuda_graphs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
@@ -79,11 +79,13 @@ def _refs(llm: LLM) -> list[weakref.ref]:
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2}], ids=["plain", "ngram"])
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2},
+                                  {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "ngram", "mtp"])
 def test_dropping_the_last_reference_frees_everything(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
                                                       graphs: bool, spec: dict | None) -> None:
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
-    llm = LLM(model=ckpts.get(), device="cpu", num_kv_blocks=64, num_state_slots=4, speculative_config=spec)
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True) if spec and spec["method"] == "mtp" else ckpts.get()
+    llm = LLM(model=path, device="cpu", num_kv_blocks=64, num_state_slots=4, speculative_config=spec)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 1, 2]}] * 2, GREEDY, use_tqdm=False)
     refs = _refs(llm)
     gc.collect()

@@ -55,14 +55,13 @@ def force_drafts(engine: LLMEngine, oracle: dict[str, list[int]]) -> None:
     if engine.proposer is not None:
         engine.proposer.propose = lambda todo, ks: [known(r, k) for r, k in zip(todo, ks, strict=True)]  # type: ignore[method-assign]
         return
-    mtp_propose = engine._mtp_propose
+    assert engine.drafts is not None
+    mtp_propose = engine.drafts.propose
 
-    def propose(todo: list[Request], ks: list[int]) -> None:
-        mtp_propose(todo, ks)
-        for req in todo:
-            req.draft_token_ids = known(req, len(req.draft_token_ids))
+    def propose(req: Request, proposal: list[int], max_model_len: int) -> list[int]:
+        return known(req, len(mtp_propose(req, proposal, max_model_len)))
 
-    engine._mtp_propose = propose  # type: ignore[method-assign]
+    engine.drafts.propose = propose  # type: ignore[method-assign]
 
 
 def run(path: str, spec: str, arrivals: Arrivals, aborts: dict[int, list[str]], kind: RequestOutputKind,

@@ -188,36 +188,38 @@ def test_disabled_caching_takes_no_snapshot_memory(ckpts: CheckpointCache) -> No
 
 def _corrupt_snapshots(engine: LLMEngine) -> None:
     """Test-only sabotage: every published snapshot gets its SSM state perturbed."""
-    original: Callable = engine._publish
+    original: Callable = engine.scheduler.update_from_output
 
-    def publish(rows):
-        original(rows)
+    def update(so, ro, sink):  # type: ignore[no-untyped-def]
+        ran = original(so, ro, sink)
         pool = engine.runner.state_pool
         for i in range(pool.num_snapshots):
             for ssm in pool.ssm_states:
                 ssm[pool.snapshot_entry(i)] += 0.05
+        return ran
 
-    engine._publish = publish  # type: ignore[method-assign]
+    engine.scheduler.update_from_output = update  # type: ignore[method-assign]
 
 
 def _late_snapshots(engine: LLMEngine) -> None:
     """Test-only sabotage: snapshots are copied one step late, i.e. over one token too many (the seeds' bug)."""
-    pool = engine.runner.state_pool
+    runner = engine.runner
+    pool = runner.state_pool
     original_copy = pool.copy
     pending: list[tuple[list[int], list[int]]] = []
-    original_publish: Callable = engine._publish
+    original_save: Callable = runner._save_snapshots
 
-    def publish(rows):
+    def save(rows, num_accepted):  # type: ignore[no-untyped-def]
         for src, dst in pending:
             original_copy(src, dst)
         pending.clear()
         pool.copy = lambda src, dst: pending.append((list(src), list(dst)))  # type: ignore[method-assign]
         try:
-            original_publish(rows)
+            original_save(rows, num_accepted)
         finally:
             pool.copy = original_copy  # type: ignore[method-assign]
 
-    engine._publish = publish  # type: ignore[method-assign]
+    runner._save_snapshots = save  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("sabotage", [_corrupt_snapshots, _late_snapshots])
@@ -304,7 +306,8 @@ def test_hit_rate_reaches_ninety_percent_of_the_ideal(ckpts: CheckpointCache) ->
 
 
 def test_snapshot_policy_points_land_on_chunk_ends(ckpts: CheckpointCache) -> None:
-    """Every snapshot taken is at a block-aligned position equal to a chunk end (checked through the scheduler)."""
+    """Every snapshot taken is at a block-aligned position equal to a chunk end (checked through the scheduler's
+    reserved entries: the worker copies a row's slot into its entry right after that row's forward)."""
     path = ckpts.get()
     llm = cached_llm(path, max_num_batched_tokens=50)
     eng = llm.llm_engine
@@ -313,7 +316,7 @@ def test_snapshot_policy_points_land_on_chunk_ends(ckpts: CheckpointCache) -> No
 
     def schedule():
         out = original()
-        seen.extend((r.end, r.snapshot_at) for r in out.rows)
+        seen.extend((r.end, r.end if r.snapshot_entry is not None else None) for r in out.rows)
         return out
 
     eng.scheduler.schedule = schedule  # type: ignore[method-assign]

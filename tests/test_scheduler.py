@@ -1,30 +1,52 @@
 """Property tests of the scheduler and its pools, without a model: random arrivals, lengths, budgets and aborts.
 
-After every step: the token budget and max_num_seqs hold, each scheduled request owns enough KV blocks for the tokens
-it will hold, no block or slot is owned twice, and FCFS holds (nobody is admitted past an earlier waiting request).
-At the end every block and slot is free.
+The scheduler owns both ends of a step: the test only calls ``schedule`` and ``update_from_output`` with a fake
+worker's result (one token per sampling row), with zero or one step in flight (async scheduling: step n + 1 is
+scheduled before step n's result is applied). After every step: the token budget and max_num_seqs hold, each
+scheduled request owns enough KV blocks for the tokens it will hold, no block or slot is owned twice, every row
+starts where its request's computed and in-flight tokens end, and FCFS holds. At the end every block and slot is
+free, and each request got exactly its max_tokens tokens.
 """
 
 from __future__ import annotations
 
-import torch
+import pickle
+from collections import deque
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyserve.cache.block_pool import BlockPool, cdiv
-from hyserve.cache.state_pool import StatePool
-from hyserve.config import ModelConfig
+from hyserve.cache.state_slots import StateSlots
 from hyserve.engine.request import Request
-from hyserve.engine.scheduler import Scheduler
-from hyserve.model.registry import cache_specs_for
 from hyserve.sampling_params import SamplingParams
-
-TINY = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-                   num_key_value_heads=1, head_dim=8, layer_types=["linear_attention"], linear_key_head_dim=4,
-                   linear_value_head_dim=4, linear_num_key_heads=1, linear_num_value_heads=1)
+from hyserve.scheduler.output import PREVIOUS_SAMPLED, RunnerOutput, SchedulerOutput
+from hyserve.scheduler.scheduler import Scheduler
 
 
-def _check_invariants(s: Scheduler, out, budget: int, max_seqs: int, block_size: int) -> None:
+class CountingSink:
+    """Appends each row's token; ends a request at its max_tokens (what the output processor does)."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, str] = {}
+
+    def append_tokens(self, req: Request, ro: RunnerOutput, row: int) -> str | None:
+        req.output_token_ids.extend(ro.token_ids[row])
+        return "length" if req.num_output_tokens >= (req.sampling_params.max_tokens or 0) else None
+
+    def request_finished(self, req: Request, reason: str, error: str | None = None) -> None:
+        assert req.request_id not in self.finished, "finished twice"
+        self.finished[req.request_id] = reason
+
+
+def fake_result(so: SchedulerOutput) -> RunnerOutput:
+    # The sampled token is the row's position: a late result applied to the wrong row shows in the tokens.
+    return RunnerOutput(so.step_id, token_ids=[[r.end % 16] if r.samples else [] for r in so.rows],
+                        num_accepted=[-1] * len(so.rows))
+
+
+def _check_invariants(s: Scheduler, out: SchedulerOutput, budget: int, max_seqs: int, block_size: int) -> None:
     assert out.num_tokens <= budget
     assert len(s.running) <= max_seqs
     owned_blocks: list[int] = []
@@ -37,10 +59,16 @@ def _check_invariants(s: Scheduler, out, budget: int, max_seqs: int, block_size:
     assert len(owned_slots) == len(set(owned_slots)), "a state slot is owned twice"
     assert 0 not in owned_blocks, "the null block was handed out"
     for row in out.rows:
+        req = s.requests[row.req_id]
         assert row.num_new_tokens > 0
-        assert row.request in s.running
-        assert len(row.request.block_table) >= cdiv(row.end, block_size)
-        assert row.start == row.request.num_computed_tokens
+        assert req in s.running
+        assert row.block_table == req.block_table and row.state_slot == req.state_slot
+        assert len(req.block_table) >= cdiv(row.end, block_size)
+        assert row.end == req.num_computed_tokens + req.num_inflight_tokens
+        if row.token_ids[0] == PREVIOUS_SAMPLED:
+            assert req.num_inflight_samples == 2 and row.start == req.num_tokens
+        else:
+            assert row.token_ids == req.token_ids(row.start, row.end)
     for r in s.waiting:
         assert not r.block_table and r.state_slot is None and r.num_computed_tokens == 0
 
@@ -52,43 +80,74 @@ def _check_invariants(s: Scheduler, out, budget: int, max_seqs: int, block_size:
     max_seqs=st.integers(1, 6),
     block_size=st.sampled_from([1, 2, 4, 16]),
     abort_every=st.integers(0, 7),
+    in_flight=st.sampled_from([0, 1]),
 )
 def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, max_seqs: int, block_size: int,
-                              abort_every: int) -> None:
+                              abort_every: int, in_flight: int) -> None:
     max_len = max(p + o for p, o, _ in lengths)
     num_blocks = cdiv(max_len, block_size) + 2  # room for the longest request alone: forces preemption often
     pool = BlockPool(num_blocks, block_size)
-    states = StatePool(cache_specs_for(TINY, torch.float32).recurrent, max_seqs, torch.device("cpu"))
-    s = Scheduler(max_seqs, budget, pool, states)
+    slots = StateSlots(max_seqs)
+    s = Scheduler(max_seqs, budget, pool, slots, max_model_len=max_len + 1)
+    sink = CountingSink()
     pending = sorted(lengths, key=lambda x: x[2])
     arrivals: dict[int, list[Request]] = {}
     for i, (p, o, at) in enumerate(pending):
         req = Request(f"r{i}", None, list(range(p)), SamplingParams(max_tokens=o), i)
         arrivals.setdefault(at, []).append(req)
-    done: set[str] = set()
+    aborted: set[str] = set()
+    queue: deque[SchedulerOutput] = deque()
     step = 0
-    while step <= max(arrivals) or s.has_unfinished_requests():
+    while step <= max(arrivals) or s.has_unfinished_requests() or queue:
         for r in arrivals.get(step, []):
             s.add_request(r)
         if abort_every and step % abort_every == abort_every - 1 and s.running:
             victim = s.running[len(s.running) // 2]
             s.finish(victim)
-            done.add(victim.request_id)
+            aborted.add(victim.request_id)
         waiting_before = list(s.waiting)
-        out = s.schedule()
+        out = pickle.loads(pickle.dumps(s.schedule()))  # plain data
         _check_invariants(s, out, budget, max_seqs, block_size)
-        admitted = [r.request for r in out.rows if r.start == 0 and r.request in waiting_before]
+        admitted = [s.requests[r.req_id] for r in out.rows if s.requests[r.req_id] in waiting_before]
         assert admitted == waiting_before[: len(admitted)], "admission is not first-come first-served"
-        for row in out.rows:
-            req = row.request
-            req.num_computed_tokens = row.end
-            if row.samples:
-                req.output_token_ids.append(0)
-                if req.num_output_tokens >= (req.sampling_params.max_tokens or 0):
-                    s.finish(req)
-                    done.add(req.request_id)
+        if out.rows:
+            queue.append(out)
+        while len(queue) > in_flight or (queue and not out.rows):
+            so = queue.popleft()
+            s.update_from_output(so, fake_result(so), sink)
         step += 1
         assert step < 5000, "scheduler made no progress"
-    assert len(done) == len(lengths)
+    assert set(sink.finished) | aborted == {f"r{i}" for i in range(len(lengths))}
+    for reqs in arrivals.values():
+        for req in reqs:
+            if req.request_id in sink.finished:
+                assert sink.finished[req.request_id] == "length"
+                assert req.num_output_tokens == req.sampling_params.max_tokens, "a step ran past max_tokens"
     assert pool.num_free_blocks == pool.num_usable_blocks
-    assert states.num_free_slots == states.num_slots
+    assert slots.num_free_slots == slots.num_slots
+    assert s.num_steps_in_flight == 0
+
+
+def test_a_late_result_is_applied_through_its_own_rows() -> None:
+    """Two requests, one step in flight: step n's tokens reach the requests of step n, whatever step n + 1 holds
+    (its rows are in another order and hold another request)."""
+    pool = BlockPool(64, 4)
+    s = Scheduler(4, 64, pool, StateSlots(4), max_model_len=64)
+    sink = CountingSink()
+    a = Request("a", None, [1, 2, 3], SamplingParams(max_tokens=3), 0)
+    b = Request("b", None, [4, 5, 6, 7, 8], SamplingParams(max_tokens=3), 1)
+    s.add_request(a)
+    s.add_request(b)
+    so0 = s.schedule()
+    assert [r.req_id for r in so0.rows] == ["a", "b"]
+    c = Request("c", None, [9], SamplingParams(max_tokens=1), 2)
+    s.finish(a)  # a is aborted while step 0 is in flight: its late token is dropped, b's is not
+    s.add_request(c)
+    so1 = s.schedule()
+    assert [r.req_id for r in so1.rows] == ["b", "c"] and so1.rows[0].token_ids == [PREVIOUS_SAMPLED]
+    s.update_from_output(so0, RunnerOutput(0, [[11], [12]], [-1, -1]), sink)
+    assert a.output_token_ids == [] and b.output_token_ids == [12]
+    s.update_from_output(so1, RunnerOutput(1, [[13], [14]], [-1, -1]), sink)
+    assert b.output_token_ids == [12, 13] and c.output_token_ids == [14] and sink.finished == {"c": "length"}
+    with pytest.raises(RuntimeError, match="result of step 0 applied to step 2"):
+        s.update_from_output(s.schedule(), RunnerOutput(0, [[1]], [-1]), sink)

@@ -506,7 +506,7 @@ def test_state_slot_usage_metric(aengine: AsyncEngine) -> None:
     text = call(app, "GET", "/metrics").text
     assert "# TYPE hyserve:state_slots_usage_perc gauge" in text
     assert re.search(r"^hyserve:state_slots_usage_perc 0\.0$", text, re.M)
-    slots = aengine.engine.runner.state_pool.num_slots
+    slots = aengine.engine.state_slots.num_slots
 
     async def during() -> float:
         from hyserve import SamplingParams

@@ -267,32 +267,33 @@ def _bang_loop(llm: Any, victim: str = "soak-c1-t1", start: int = 2) -> None:
     symptom), text included, and the next turn is built from it."""
     eng = llm.llm_engine
     bang = eng.tokenizer.token_to_id("!")
-    original = eng._make_output
+    original = eng.output_processor.make_output
 
     def make_output(req: Any) -> Any:
         out = original(req)
-        if out.request_id == victim:
+        if out is not None and out.request_id == victim:
             c = out.outputs[0]
             c.token_ids = c.token_ids[:start] + [bang] * max(0, len(c.token_ids) - start)
             c.text = eng.tokenizer.decode(c.token_ids)
         return out
 
-    eng._make_output = make_output
+    eng.output_processor.make_output = make_output
 
 
 def _corrupt_snapshots(llm: Any) -> None:
     """Sabotage (as tests/test_prefix_cache.py): every published snapshot gets its SSM state perturbed."""
     eng = llm.llm_engine
-    original = eng._publish
+    original = eng.scheduler.update_from_output
 
-    def publish(*a: Any) -> None:
-        original(*a)
+    def update(*a: Any) -> Any:
+        ran = original(*a)
         pool = eng.runner.state_pool
         if pool.num_snapshots:
             for ssm in pool.ssm_states:
                 ssm[pool.snapshot_entry(0):] += 0.05
+        return ran
 
-    eng._publish = publish
+    eng.scheduler.update_from_output = update
 
 
 def _sabotage_main(monkeypatch: pytest.MonkeyPatch, sabotage: Callable[[Any], None]) -> None:

@@ -15,10 +15,10 @@ from test_engine import SlotRecorder, assert_matches_reference, drive, make_llm
 from test_prefix_cache import make_convs, run_conversations, toks
 
 from hyserve import SamplingParams
-from hyserve.engine import cuda_graphs
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.engine.request import Request
 from hyserve.speculative.proposer import Proposer
+from hyserve.worker import cuda_graphs
 
 K = 4
 
@@ -26,7 +26,7 @@ K = 4
 @pytest.fixture(autouse=True, params=["eager", "graphs"])
 def graph_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here runs twice: eagerly, and with the verify and MTP graphs (emulated on the CPU: the padded
-    static forwards of ``hyserve.engine.cuda_graphs``)."""
+    static forwards of ``hyserve.worker.cuda_graphs``)."""
     monkeypatch.setattr(cuda_graphs, "EMULATE", request.param == "graphs")
     return str(request.param)
 
@@ -288,16 +288,20 @@ def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching:
 def _record_drafts(engine: LLMEngine) -> dict[str, list]:
     """Record each request's drafts and the MTP layer's output (float) that proposed the first of them."""
     seen: dict[str, list] = {}
-    original = engine._mtp_propose
+    proposer = engine.runner.mtp_proposer
+    assert proposer is not None and engine.drafts is not None
+    original = engine.scheduler.update_from_output
 
-    def propose(todo, ks):
-        hidden = {r.request_id: engine._mtp_next[r.request_id][0].clone() for r in todo
-                  if r.request_id in engine._mtp_next}
-        original(todo, ks)
-        for req in todo:
-            seen.setdefault(req.request_id, []).append((list(req.draft_token_ids), hidden.get(req.request_id)))
+    def update(so, ro, sink):  # type: ignore[no-untyped-def]
+        ran = original(so, ro, sink)
+        for req in ran:
+            if not req.is_finished and req.is_decoding and engine.drafts.num_drafts(req, engine.max_model_len) > 0:
+                hidden = proposer.first_hidden.get(req.request_id)
+                seen.setdefault(req.request_id, []).append(
+                    (list(req.draft_token_ids), None if hidden is None else hidden.clone()))
+        return ran
 
-    engine._mtp_propose = propose  # type: ignore[method-assign]
+    engine.scheduler.update_from_output = update  # type: ignore[method-assign]
     return seen
 
 

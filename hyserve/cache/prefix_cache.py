@@ -24,9 +24,10 @@ it is written (position ``num_tokens - 1`` is never a snapshot point), and two r
 boundary share one block less.
 
 Correctness rests on three rules, each enforced in one place here:
-* A snapshot is copied out of a request's slot only right after the step that brought the slot to the snapshot's
-  position, and is published after that copy is queued, so a later step's copy-in reads finished data; nothing
-  reads a snapshot in the step that writes it (admission lookups happen before the step's publishes).
+* A snapshot is copied out of a request's slot (or verified candidate) only right after the forward of the step that
+  brought the state to the snapshot's position, into an entry reserved when that step was scheduled; it is
+  published only when that step's result is in (``commit_snapshot``), so any step that copies it in runs after the
+  copy out; nothing reads a snapshot in the step that writes it.
 * Only computed, verified tokens are published (invariant 3): a block when all its tokens are computed, a snapshot
   at a position the request has reached. (With speculative decoding, rows publish only up to the accepted length.)
 * Published KV blocks and snapshots are never written again; a hit copies the snapshot into the request's own slot
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyserve.cache.block_pool import BlockPool
-from hyserve.cache.state_pool import StatePool
+from hyserve.cache.state_slots import StateSlots
 from hyserve.engine.request import Request
 
 ROOT_HASH = b"hyserve-prefix-root"
@@ -88,20 +89,20 @@ class SnapshotStats:
 
 
 class PrefixCache:
-    def __init__(self, block_pool: BlockPool, state_pool: StatePool, block_size: int,
+    def __init__(self, block_pool: BlockPool, state_slots: StateSlots, block_size: int,
                  snapshot_interval: int, has_recurrent_state: bool = True, lookahead: int = 0) -> None:
         if snapshot_interval <= 0 or snapshot_interval % block_size:
             raise ValueError(f"recurrent_snapshot_interval must be a positive multiple of block_size={block_size} "
                              f"(got {snapshot_interval}); set --recurrent-snapshot-interval")
         self.block_pool = block_pool
-        self.state_pool = state_pool
+        self.state_slots = state_slots
         self.block_size = block_size
         self.interval = snapshot_interval
         self.has_recurrent_state = has_recurrent_state
         # 1 with an MTP draft layer: a block's key also covers the token after it (see the module docstring).
         self.lookahead = lookahead
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> snapshot index, LRU first
-        self._free_snapshots = list(range(state_pool.num_snapshots - 1, -1, -1))
+        self._free_snapshots = list(range(state_slots.num_snapshots - 1, -1, -1))
         self._pinned: dict[int, int] = {}
         self.stats = SnapshotStats()
         # Weak: a bound method stored in the pool would close a cycle (pool -> cache -> pool) that keeps the state
@@ -145,7 +146,7 @@ class PrefixCache:
             idx = self._snapshots[h]
             self._snapshots.move_to_end(h)
             self._pinned[idx] = self._pinned.get(idx, 0) + 1
-            entry = self.state_pool.snapshot_entry(idx)
+            entry = self.state_slots.snapshot_entry(idx)
             self.stats.hits += 1
         return PrefixHit(best * bs, kv_blocks, entry, branch)
 
@@ -158,7 +159,7 @@ class PrefixCache:
     def unpin(self, entry: int | None) -> None:
         if entry is None:
             return
-        idx = entry - self.state_pool.snapshot_entry(0)
+        idx = entry - self.state_slots.snapshot_entry(0)
         self._pinned[idx] -= 1
         if self._pinned[idx] == 0:
             del self._pinned[idx]
@@ -201,32 +202,59 @@ class PrefixCache:
             self.block_pool.publish(req.block_table[i], req.block_hashes[i])
         req.num_published_blocks = n_full
 
-    def take_snapshot(self, req: Request, position: int) -> int | None:
-        """Reserve the snapshot of ``req``'s prefix of ``position`` tokens (block-aligned, computed and verified).
+    def reserve_snapshot(self, req: Request, position: int) -> int | None:
+        """Reserve an entry for the snapshot of ``req``'s prefix of ``position`` tokens, or None (not a keyable
+        block boundary, the prefix already has one, or no entry can be freed).
 
-        Returns the state-pool entry the caller must fill right after the step's forward (from the request's slot,
-        or from its verified candidate state), or None when the prefix already has one or no entry can be freed.
-        The snapshot is published at once: nothing reads it before the next step, and the copy is queued ahead of
-        anything that step does.
+        Called when a step is scheduled whose forward ends exactly at ``position`` (a chunk's end); the worker fills
+        the entry right after that forward, and ``commit_snapshot`` publishes it once the step's result is in, so
+        nothing reads it before it is written (a lookup in between does not see it).
         """
-        if not self.has_recurrent_state or position <= 0 or position % self.block_size \
-                or position > self.keyable_tokens(req):
+        if not self._snapshot_position(req, position):
             return None
-        assert req.state_slot is not None
-        i = position // self.block_size - 1
         self._extend_hashes(req, position)
-        h = req.block_hashes[i]
+        h = req.block_hashes[position // self.block_size - 1]
         if h in self._snapshots:
             self._snapshots.move_to_end(h)
+            return None
+        return self.reserve_entry()
+
+    def reserve_entry(self) -> int | None:
+        """Reserve a snapshot entry whose prefix is not known yet (a verify row: the accepted length decides)."""
+        if not self.has_recurrent_state:
             return None
         idx = self._alloc_snapshot()
         if idx is None:
             self.stats.skipped_full += 1
             return None
-        self._snapshots[h] = idx
+        return self.state_slots.snapshot_entry(idx)
+
+    def release_entry(self, entry: int | None) -> None:
+        """Give back a reserved entry that will not be published."""
+        if entry is not None:
+            self._free_snapshots.append(entry - self.state_slots.snapshot_entry(0))
+
+    def commit_snapshot(self, req: Request, position: int, entry: int) -> bool:
+        """Publish reserved ``entry`` (filled by the worker from ``req``'s state after ``position`` tokens) as the
+        snapshot of that prefix; release it instead if the position is not (or no longer) keyable, or the prefix
+        got a snapshot meanwhile. True if published."""
+        if not self._snapshot_position(req, position):
+            self.release_entry(entry)
+            return False
+        self._extend_hashes(req, position)
+        h = req.block_hashes[position // self.block_size - 1]
+        if h in self._snapshots:
+            self._snapshots.move_to_end(h)
+            self.release_entry(entry)
+            return False
+        self._snapshots[h] = entry - self.state_slots.snapshot_entry(0)
         self.stats.taken += 1
         self._retire_rolling(req, h, position)
-        return self.state_pool.snapshot_entry(idx)
+        return True
+
+    def _snapshot_position(self, req: Request, position: int) -> bool:
+        return self.has_recurrent_state and 0 < position <= self.keyable_tokens(req) \
+            and position % self.block_size == 0
 
     def _retire_rolling(self, req: Request, new_hash: bytes, position: int) -> None:
         """While decoding, keep only the latest boundary snapshot of a request unless a policy point needs it."""
@@ -266,7 +294,7 @@ class PrefixCache:
 
     @property
     def snapshot_bytes(self) -> int:
-        return len(self._snapshots) * self.state_pool.bytes_per_entry
+        return len(self._snapshots) * self.state_slots.bytes_per_entry
 
     def has_snapshot(self, block_hash: bytes) -> bool:
         return block_hash in self._snapshots

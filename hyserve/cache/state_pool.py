@@ -1,11 +1,13 @@
-"""Recurrent state of the model's recurrent layers, owned by request slots.
+"""Recurrent state of the model's recurrent layers: the worker's tensors (the scheduler's entry allocator is
+``state_slots.StateSlots``; the worker only applies the copies and resets it is sent).
 
 This module is where four of the state-ownership invariants of docs/design.md live (numbered as there):
 
 1. Slot, not row. A request is given a slot at admission and keeps it until it finishes, is aborted or is preempted.
    Every kernel reads and writes state through the per-row ``state_slots`` of the step's metadata; nothing infers a
-   slot from a row's position in the batch. Slots are handed out from the top of the pool down, and freed slots are
-   reused last-in first-out, so ``row == slot`` is the exception, never an accident that hides a bug.
+   slot from a row's position in the batch. Slots are handed out by ``state_slots.StateSlots`` from the top of the
+   pool down, and freed slots are reused last-in first-out, so ``row == slot`` is the exception, never an accident
+   that hides a bug.
 10. A slot's state is exactly the state after the request's ``num_computed_tokens`` tokens: zeroed before the first
     chunk of a fresh request (``reset``), advanced only by that request's own verified tokens.
 11. Entry ``pad_slot`` (= num_slots) belongs to nobody: padded rows of a captured graph read and write it, and
@@ -52,8 +54,6 @@ class StatePool:
         total = num_slots + 1 + num_snapshots
         self.layers: list[dict[str, torch.Tensor]] = [spec.allocate((total,), device) for spec in self.specs]
         self._all = [t for layer in self.layers for t in layer.values()]
-        self._free: list[int] = list(range(num_slots))  # popped from the end: highest slot first
-        self._in_use: set[int] = set()
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """Tensor ``name`` of every layer that declares one, in layer order."""
@@ -65,23 +65,6 @@ class StatePool:
         if layers is not None and attr.endswith("s") and any(attr[:-1] in layer for layer in layers):
             return self.tensors(attr[:-1])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("recurrent state pool out of slots")
-        slot = self._free.pop()
-        self._in_use.add(slot)
-        return slot
-
-    def free(self, slot: int) -> None:
-        if slot not in self._in_use:
-            raise RuntimeError(f"double free of state slot {slot}")
-        self._in_use.remove(slot)
-        self._free.append(slot)
 
     def snapshot_entry(self, i: int) -> int:
         """Pool entry of snapshot ``i`` (0 <= i < num_snapshots)."""

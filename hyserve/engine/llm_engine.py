@@ -11,39 +11,51 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections import deque
+from typing import Any
 
 import torch
 
+from hyserve.cache.block_pool import BlockPool
+from hyserve.cache.planner import cache_memory_flag, plan_caches
 from hyserve.cache.prefix_cache import PrefixCache
-from hyserve.config import EngineConfig, ModelConfig, apply_cpu_threads, resolve_dtype
+from hyserve.cache.state_slots import StateSlots
+from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig, apply_cpu_threads, resolve_dtype
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
-from hyserve.engine.model_runner import ModelRunner, cache_memory_flag
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
-from hyserve.engine.request import Request, RequestStatus
-from hyserve.engine.scheduler import ScheduledRow, Scheduler
-from hyserve.layers.rejection_sampler import RejectionSampler
-from hyserve.layers.sampler import SamplerOutput, SamplingRow
+from hyserve.engine.request import Request
+from hyserve.executor.base import Executor, StepHandle
+from hyserve.executor.uniproc import UniProcExecutor
 from hyserve.outputs import RequestOutput
 from hyserve.sampling_params import SamplingParams
+from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
+from hyserve.scheduler.scheduler import Scheduler
 from hyserve.speculative.config import SpeculativeConfig
-from hyserve.speculative.proposer import NgramProposer, Proposer
-from hyserve.speculative.step import SpeculativeStepMixin, token_seed
+from hyserve.speculative.drafts import DraftManager
+from hyserve.speculative.proposer import Proposer
 from hyserve.tokenizer import (
     UNSUPPORTED_GENERATION_KEYS,
     Tokenizer,
     generation_defaults,
     stop_token_ids,
 )
+from hyserve.worker.model_runner import ModelRunner
+from hyserve.worker.worker import Worker
 
 logger = logging.getLogger("hyserve")
 
 PromptType = str | dict[str, Any] | list[int]
-T = TypeVar("T")
 
 
-class LLMEngine(SpeculativeStepMixin):
+def banned_token_ids(output_processor: OutputProcessor, req: Request) -> list[int]:
+    """Token ids banned while ``req``'s output is shorter than min_tokens (stop token ids, and EOS unless
+    ignore_eos); the worker checks them against the vocabulary. A function of the output processor, not a method of
+    the engine: the scheduler keeps it, and a bound method would make an engine <-> scheduler cycle."""
+    p = req.sampling_params
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else output_processor.eos_token_ids))
+
+
+class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
@@ -65,28 +77,33 @@ class LLMEngine(SpeculativeStepMixin):
         eos_token_ids = set(stop_token_ids(config.model, self.model_config))
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.use_mtp = self.spec_config is not None and self.spec_config.method == "mtp"
-        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype, num_speculative_tokens=k,
-                                  use_mtp=self.use_mtp)
+        # The worker side: device, model, cache tensors, step buffers, graphs. The engine keeps ids and ints.
+        self.executor: Executor = UniProcExecutor(Worker(config, self.model_config, self.device, self.dtype,
+                                                         num_speculative_tokens=k, use_mtp=self.use_mtp))
+        info = self.executor.cache_info()
+        self.layout = plan_caches(config, info, config.max_num_seqs or DEFAULT_MAX_NUM_SEQS, k,
+                                  self.executor.determine_available_memory, self.device.type)
+        self.max_num_seqs = self.layout.max_num_seqs
+        self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
+        self.block_pool = BlockPool(self.layout.num_kv_blocks, config.block_size)
+        self.state_slots = StateSlots(self.layout.num_state_slots, self.layout.num_snapshots,
+                                      info.state_bytes_per_slot, has_state=info.has_recurrent_state)
         self.max_model_len = self._resolve_max_model_len()
-        self.runner.set_max_model_len(self.max_model_len)
+        self.executor.initialize_cache(self.layout, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.runner.block_pool, self.runner.state_pool, config.block_size,
+            self.prefix_cache = PrefixCache(self.block_pool, self.state_slots, config.block_size,
                                             config.recurrent_snapshot_interval,
-                                            has_recurrent_state=bool(self.runner.state_pool.layers),
+                                            has_recurrent_state=info.has_recurrent_state,
                                             lookahead=1 if self.use_mtp else 0)
-        self.scheduler = Scheduler(self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
-                                   self.runner.block_pool, self.runner.state_pool, self.prefix_cache,
-                                   speculative=self.spec_config is not None)
-        self.proposer: Proposer | None = None
-        self.rejection_sampler: RejectionSampler | None = None
-        self._mtp_next: dict[str, tuple[torch.Tensor, int, int]] = {}
-        if self.spec_config is not None and not self.use_mtp:
-            self.proposer = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
+        self.drafts: DraftManager | None = None
         if self.spec_config is not None:
-            self.rejection_sampler = RejectionSampler(self.device, seed=config.seed)
+            self.drafts = DraftManager(self.spec_config)
             logger.info("speculative decoding: %s, %d tokens per step", self.spec_config.method, k)
+        self.scheduler = Scheduler(self.max_num_seqs, self.max_num_batched_tokens, self.block_pool,
+                                   self.state_slots, self.max_model_len, self.prefix_cache, self.drafts,
+                                   banned_token_ids=functools.partial(banned_token_ids, self.output_processor))
         self.metrics = EngineMetrics()
         self.stats_logger: StatsLogger | None = None
         if not config.disable_log_stats:
@@ -94,14 +111,20 @@ class LLMEngine(SpeculativeStepMixin):
         self.requests: dict[str, Request] = {}
         self.is_shut_down = False
         self._arrivals = 0
-        self._deferred_finish: list[Request] | None = None
-        lay = self.runner.layout
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
+        # Async scheduling: steps launched whose results are not applied yet (at most one between two step() calls).
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
+        logger.info("async scheduling is %s%s", "on" if self.async_scheduling else "off",
+                    "" if config.async_scheduling is not None else " (the default on this device; "
+                    "--async-scheduling / --no-async-scheduling sets it)")
+        lay = self.layout
         logger.info("cache: %d KV blocks of %d tokens (%d tokens, %.1f MiB), %d state slots (%.1f MiB); "
                     "max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d",
                     lay.num_kv_blocks - 1, config.block_size, (lay.num_kv_blocks - 1) * config.block_size,
                     lay.num_kv_blocks * lay.kv_bytes_per_block / 2**20, lay.num_state_slots,
                     (lay.num_state_slots + 1) * lay.state_bytes_per_slot / 2**20, self.max_model_len,
-                    self.runner.max_num_seqs, self.runner.max_num_batched_tokens)
+                    self.max_num_seqs, self.max_num_batched_tokens)
         if self.prefix_cache is not None:
             per_token = lay.kv_bytes_per_block / config.block_size
             logger.info("prefix cache: KV blocks of %d tokens and up to %d recurrent snapshots (%.1f MiB; one costs "
@@ -111,6 +134,24 @@ class LLMEngine(SpeculativeStepMixin):
                         lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
         else:
             logger.info("prefix caching is off")
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process worker's model runner (tests and tools read its tensors; there is no other worker yet)."""
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise RuntimeError("this engine's worker is not in this process")
+        return worker.runner
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The host-side draft proposer (n-gram; tests plant others); None: the MTP head's drafts, or none."""
+        return self.drafts.proposer if self.drafts is not None else None
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        assert self.drafts is not None, "not speculating"
+        self.drafts.proposer = proposer
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -152,7 +193,7 @@ class LLMEngine(SpeculativeStepMixin):
             return None
 
     def _resolve_max_model_len(self) -> int:
-        capacity = self.runner.block_pool.num_usable_blocks * self.config.block_size
+        capacity = self.block_pool.num_usable_blocks * self.config.block_size
         limit = self.model_config.max_position_embeddings
         asked = self.config.max_model_len
         if asked is None:
@@ -162,7 +203,7 @@ class LLMEngine(SpeculativeStepMixin):
             return min(limit, capacity)
         if asked > capacity:
             raise ValueError(f"max_model_len={asked} does not fit in the KV cache ({capacity} tokens); lower "
-                             f"--max-model-len or give the cache more memory ({cache_memory_flag(self.device)})")
+                             f"--max-model-len or give the cache more memory ({cache_memory_flag(self.device.type)})")
         return asked
 
     # ------------------------------------------------------------------ requests
@@ -234,7 +275,8 @@ class LLMEngine(SpeculativeStepMixin):
             self.metrics.on_request_finished("abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or a step whose result is not applied yet (async scheduling)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -242,53 +284,92 @@ class LLMEngine(SpeculativeStepMixin):
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        self.metrics.on_preemptions(len(sched.preempted))
-        self._on_scheduled(sched.rows)
+        """Schedule a step, run it on the executor, apply its result: the outputs of the requests it touched.
+
+        With async scheduling the step is launched and the previous step's result is applied while it runs (the
+        outputs returned are that step's): the host's work of both overlaps the device's. A request may then run
+        one step past its end (EOS, a stop string): that step's tokens are dropped, never shown.
+        """
+        so = self.scheduler.schedule()
+        outputs = self._on_scheduled(so)
+        if not self.async_scheduling:
+            if so.is_empty:
+                return outputs
+            t0 = time.perf_counter()
+            return outputs + self._on_result(so, self.executor.execute_model(so), t0)
+        if not so.is_empty:
+            self._in_flight.append((so, self.executor.execute_model_async(so), time.perf_counter()))
+        while len(self._in_flight) > 1 or (self._in_flight and so.is_empty):
+            done, handle, t0 = self._in_flight.popleft()
+            outputs += self._on_result(done, handle.result(), t0)
+        return outputs
+
+    def _on_scheduled(self, so: SchedulerOutput) -> list[RequestOutput]:
+        """Per step, before it runs: requests that can never be admitted fail; first-scheduled times, prompt
+        tokens computed, preemptions, the periodic stats line."""
         outputs: list[RequestOutput] = []
-        for req, why in sched.failed:  # can never be admitted: an error now rather than a queue blocked forever
-            self._fail(req, why)
+        for rid, why in so.failed:  # can never be admitted: an error now rather than a queue blocked forever
+            req = self.requests[rid]
+            req.error = why
+            self._finish(req, "error")
             self._final_output(req, outputs)
-        if sched.is_empty:
-            return outputs
-        if self.spec_config is not None:
-            return outputs + self._step_speculative(sched.rows)
-        t0 = time.perf_counter()
-        sampling_rows, sampled = self._sampling_rows(sched.rows)
-        rows = self._drop_failed(sched.rows, outputs)
-        if not rows:
-            return outputs
-        result = self.runner.execute(rows, sampling_rows)
-        for row in rows:
-            row.request.num_computed_tokens = row.end
-        if self.prefix_cache is not None:
-            self._publish(rows)
-        if result is not None:
-            self._apply_samples(sampled, result)
-        for row in rows:
-            req = row.request
+        self.metrics.on_preemptions(len(so.preempted_req_ids))
+        now = time.time()
+        for row in so.rows:
+            req = self.requests[row.req_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.metrics.prompt_tokens_computed += max(0, min(row.end, req.num_prompt_tokens) - row.start)
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(self)
+        return outputs
+
+    def _on_result(self, so: SchedulerOutput, ro: RunnerOutput, t0: float) -> list[RequestOutput]:
+        """Apply step ``so``'s result ``ro`` (the scheduler's update) and build the outputs of its requests."""
+        ran = self.scheduler.update_from_output(so, ro, self)
+        verify = [i for i, row in enumerate(so.rows) if row.is_verify and i not in ro.errors]
+        if verify:
+            self.metrics.on_verify([so.rows[i].num_drafts for i in verify], [ro.num_accepted[i] for i in verify])
+            if self.metrics.num_steps % 200 == 0 and self.metrics.spec_num_drafts:
+                logger.info("speculative decoding: mean acceptance length %.2f over %d drafts",
+                            self.metrics.mean_acceptance_length, self.metrics.spec_num_drafts)
+        outputs: list[RequestOutput] = []
+        for req in ran:
             self._emit(req, outputs)
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
-        self.metrics.on_step(sum(r.num_new_tokens for r in rows), len(sampled), time.perf_counter() - t0)
+        self.metrics.on_step(so.num_tokens, sum(len(t) for t in ro.token_ids), time.perf_counter() - t0)
         return outputs
 
-    def _fail(self, req: Request, why: str) -> None:
-        """Finish ``req`` alone with finish_reason "error" (a log line, the error metric); the others go on."""
-        req.error = why
-        logger.error("request %s: %s; finishing it with an error", req.request_id, why)
-        self._finish(req, "error")
+    # ------------------------------------------------------------------ the scheduler's sink (StepSink)
 
-    def _guard(self, req: Request, what: str, fn: Callable[[], T]) -> T | None:
-        """``fn()``, or None after failing ``req`` alone if it raises: one request's bad input or a bug on its
-        path (sampling row, detokenization, stop checks) must not kill the step for every other request."""
+    def append_tokens(self, req: Request, ro: RunnerOutput, i: int) -> str | None:
+        """Hand row ``i``'s tokens to the output processor (the one path of new output tokens, plain and verify);
+        the finish reason if ``req`` ends there. A failure here (detokenization, stop checks) is this request's
+        alone: it ends with an error and the step goes on for the others."""
         try:
-            return fn()
+            new = NewTokens(list(ro.token_ids[i]))
+            if ro.logprobs is not None and ro.logprobs[i]:
+                new.logprobs = list(ro.logprobs[i])
+                new.ranks = list(ro.ranks[i]) if ro.ranks is not None else None
+                new.top_logprobs = list(ro.top_logprobs[i]) if ro.top_logprobs is not None else None
+            return self.output_processor.append(req, new)
         except Exception as e:  # any failure here is this request's alone
-            logger.exception("request %s: %s failed", req.request_id, what)
-            if not req.is_finished:
-                self._fail(req, f"{what} failed: {type(e).__name__}: {e}")
-            return None
+            logger.exception("request %s: taking its tokens failed", req.request_id)
+            req.error = f"taking its tokens failed: {type(e).__name__}: {e}"
+            return "error"
+
+    def request_finished(self, req: Request, reason: str, error: str | None = None) -> None:
+        """``req`` ends with ``reason``: its finish reason, time and metrics (the scheduler frees its memory)."""
+        if reason == "error":
+            logger.error("request %s: %s; finishing it with an error", req.request_id, error or req.error)
+        req.finish_reason = reason
+        req.finished_time = time.time()
+        self.metrics.on_request_finished(reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.request_finished(req, reason)
+        self.scheduler.finish(req)
 
     def _final_output(self, req: Request, outputs: list[RequestOutput]) -> None:
         self.requests.pop(req.request_id, None)
@@ -296,132 +377,9 @@ class LLMEngine(SpeculativeStepMixin):
 
     def _emit(self, req: Request, outputs: list[RequestOutput]) -> None:
         """Append ``req``'s output of this step to ``outputs`` (FINAL_ONLY has none before the end)."""
-        out = self._make_output(req)
+        out = self.output_processor.make_output(req)
         if out is not None:
             outputs.append(out)
-
-    def _drop_failed(self, rows: list[ScheduledRow], outputs: list[RequestOutput]) -> list[ScheduledRow]:
-        """Rows whose request failed before the forward leave the step (their memory is already freed; their
-        snapshot pins are released here); their final outputs go to ``outputs``."""
-        kept = [r for r in rows if not r.request.is_finished]
-        for row in rows:
-            if row.request.is_finished:
-                if self.prefix_cache is not None:
-                    self.prefix_cache.unpin(row.load_snapshot)
-                self._final_output(row.request, outputs)
-        return kept
-
-    def _on_scheduled(self, rows: list[ScheduledRow]) -> None:
-        """Per step, before it runs: first-scheduled times, prompt tokens computed, the periodic stats line."""
-        now = time.time()
-        for row in rows:
-            req = row.request
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            self.metrics.prompt_tokens_computed += max(0, min(row.end, req.num_prompt_tokens) - row.start)
-        if self.stats_logger is not None:
-            self.stats_logger.maybe_log(self)
-
-    def _publish(self, rows: list[ScheduledRow], vrows: list[ScheduledRow] | None = None,
-                 accepted: list[int] | None = None) -> None:
-        """After a step: publish computed full blocks, fill snapshots, release this step's snapshot pins.
-
-        A verify row publishes only up to its accepted length; a snapshot at a block boundary inside the accepted
-        positions is taken from the verified candidate state of that position.
-        """
-        assert self.prefix_cache is not None
-        pc = self.prefix_cache
-        bs = self.config.block_size
-        src: list[int] = []
-        dst: list[int] = []
-        cand_rows: list[int] = []
-        cand_pos: list[int] = []
-        cand_dst: list[int] = []
-        verify_index = {id(r): i for i, r in enumerate(vrows or [])}
-        for row in rows:
-            req = row.request
-            # A stop inside accepted drafts drops the tokens after it: publish only tokens the request has. With
-            # MTP (lookahead) also only positions whose MTP entry is written: the step wrote those before the
-            # request's last known token (see ``_mtp_consume``), exactly the keyable ones.
-            computed = min(req.num_computed_tokens, pc.keyable_tokens(req))
-            pc.publish_blocks(req, computed)
-            if row.is_verify:
-                i = verify_index[id(row)]
-                a = (accepted or [])[i]
-                point = (computed // bs) * bs
-                if a >= 0 and point > row.start:
-                    entry = pc.take_snapshot(req, point)
-                    if entry is not None:
-                        cand_rows.append(i)
-                        cand_pos.append(point - row.start - 1)
-                        cand_dst.append(entry)
-            elif row.snapshot_at is not None:
-                entry = pc.take_snapshot(req, row.end)
-                if entry is not None and req.state_slot is not None:
-                    src.append(req.state_slot)
-                    dst.append(entry)
-            pc.unpin(row.load_snapshot)
-        self.runner.state_pool.copy(src, dst)
-        self.runner.snapshot_candidates(cand_rows, cand_pos, cand_dst)
-
-    def _sampling_rows(self, rows: list[ScheduledRow]) -> tuple[list[SamplingRow], list[Request]]:
-        """The sampling rows of the rows that sample; a request whose row cannot be built fails alone (before
-        the forward: the caller drops its row, see ``_drop_failed``)."""
-        srows: list[SamplingRow] = []
-        reqs: list[Request] = []
-        for row in rows:
-            if not row.samples:
-                continue
-            req = row.request
-            srow = self._guard(req, "building its sampling row", functools.partial(self._sampling_row, req))
-            if srow is not None:
-                srows.append(srow)
-                reqs.append(req)
-        return srows, reqs
-
-    def _sampling_row(self, req: Request) -> SamplingRow:
-        p = req.sampling_params
-        seed = None if p.seed is None else token_seed(p.seed, req.num_output_tokens)
-        return SamplingRow(params=p, seed=seed, banned_token_ids=self._banned(req, req.num_output_tokens))
-
-    def _apply_samples(self, reqs: list[Request], result: SamplerOutput) -> None:
-        errors = set(result.error_rows)
-        for i, req in enumerate(reqs):
-            if i in errors:
-                req.error = "non-finite logits"
-                logger.error("request %s: logits contain NaN/inf at output token %d; finishing it with an error",
-                             req.request_id, req.num_output_tokens)
-                self._finish(req, "error")
-                continue
-            self._guard(req, "taking its sampled token", functools.partial(self._apply_sample, req, i, result))
-
-    def _apply_sample(self, req: Request, i: int, result: SamplerOutput) -> None:
-        """Hand row ``i``'s token to the output processor; finish ``req`` if it ends there."""
-        new = NewTokens([int(result.token_ids[i])])
-        if result.logprobs is not None:
-            new.logprobs = [float(result.logprobs[i])]
-            new.ranks = [result.ranks[i]] if result.ranks is not None else None
-            new.top_logprobs = [result.top_logprobs[i]] if result.top_logprobs is not None else None
-        self._append_tokens(req, new)
-
-    def _append_tokens(self, req: Request, new: NewTokens) -> None:
-        """The one path of new output tokens (plain and verify steps): the processor appends them up to a stop."""
-        reason = self.output_processor.append(req, new)
-        if reason is not None:
-            self._finish(req, reason)
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.finished_time = time.time()
-        if self._deferred_finish is not None:
-            req.status = RequestStatus.FINISHED
-            self._deferred_finish.append(req)
-        else:
-            self.scheduler.finish(req)
-        self.metrics.on_request_finished(reason)
-
-    def _make_output(self, req: Request) -> RequestOutput | None:
-        return self.output_processor.make_output(req)
 
     def get_metrics(self) -> dict[str, float | list[float]]:
         return self.metrics.snapshot(self)
@@ -436,15 +394,16 @@ class LLMEngine(SpeculativeStepMixin):
             return
         self.abort_request(list(self.requests))
         self.is_shut_down = True
-        for name in ("runner", "scheduler", "prefix_cache", "proposer", "rejection_sampler"):
+        self._in_flight.clear()  # their requests are aborted: nothing reads their results
+        self.executor.shutdown()
+        for name in ("executor", "scheduler", "prefix_cache", "drafts", "block_pool", "state_slots"):
             self.__dict__.pop(name, None)
-        self._mtp_next.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     # Used by tests: every block and slot is back in its pool once nothing runs.
     def assert_no_leaks(self) -> None:
-        pool, states = self.runner.block_pool, self.runner.state_pool
+        pool, states = self.block_pool, self.state_slots
         if self.has_unfinished_requests():
             raise AssertionError("requests are still running")
         if pool.num_free_blocks != pool.num_usable_blocks:

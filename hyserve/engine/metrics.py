@@ -38,13 +38,6 @@ class SlotUsage(Protocol):
     def num_free_slots(self) -> int: ...
 
 
-class RunnerPools(Protocol):
-    @property
-    def block_pool(self) -> BlockUsage: ...
-    @property
-    def state_pool(self) -> SlotUsage: ...
-
-
 class QueueCounts(Protocol):
     @property
     def running(self) -> Sized: ...
@@ -71,7 +64,9 @@ class MetricsSource(Protocol):
     @property
     def scheduler(self) -> QueueCounts: ...
     @property
-    def runner(self) -> RunnerPools: ...
+    def block_pool(self) -> BlockUsage: ...
+    @property
+    def state_slots(self) -> SlotUsage: ...
     @property
     def prefix_cache(self) -> SnapshotCounts | None: ...
 
@@ -137,10 +132,10 @@ class EngineMetrics:
         self.step_time_s += seconds
 
     def snapshot(self, engine: MetricsSource) -> dict[str, float | list[float]]:
-        pool = engine.runner.block_pool
+        pool = engine.block_pool
         pc = engine.prefix_cache
         used = pool.num_usable_blocks - pool.num_free_blocks
-        states = engine.runner.state_pool
+        states = engine.state_slots
         return {
             "hyserve:num_requests": self.num_requests,
             "hyserve:prompt_tokens": self.prompt_tokens,
@@ -205,7 +200,7 @@ class StatsLogger:
         running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
         if not (prompt or generation or running or waiting):
             return None
-        pool, states = engine.runner.block_pool, engine.runner.state_pool
+        pool, states = engine.block_pool, engine.state_slots
         kv = (pool.num_usable_blocks - pool.num_free_blocks) / max(pool.num_usable_blocks, 1)
         slots = (states.num_slots - states.num_free_slots) / max(states.num_slots, 1)
         line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "

@@ -45,6 +45,9 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     sampled_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling: tokens of steps scheduled and not yet reported, and how many of those steps sample.
+    num_inflight_tokens: int = 0
+    num_inflight_samples: int = 0
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
     status: RequestStatus = RequestStatus.WAITING

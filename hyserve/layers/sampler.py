@@ -79,6 +79,15 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
     error_rows: list[int]
     ranks: list[int | None] | None = None
+    # The sampled ids on the sampler's device, a valid id in every row (async scheduling feeds them to the next step).
+    token_ids_device: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    """A per-token seed that depends only on the request's seed and the token's index in the output."""
+    x = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
 
 
 class Sampler:
@@ -92,11 +101,16 @@ class Sampler:
         self._row_generator = torch.Generator(device=self.device)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Enqueue the whole sampling of ``rows`` on the device, and the copies of its results to the host; the
+        host reads them with ``result()`` (which waits for those copies only, not for later work on the device)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must have shape (len(rows)={len(rows)}, V), got {tuple(logits.shape)}")
         num_rows = logits.shape[0]
         if num_rows == 0:
-            return SamplerOutput([], None, None, [])
+            return PendingSample(rows, torch.zeros(0, dtype=torch.long, device=self.device), {}, None, [], [])
         logits = logits.to(device=self.device, dtype=torch.float32)
 
         masked = self._apply_bans(logits, rows)
@@ -115,12 +129,16 @@ class Sampler:
             )
             tokens = tokens.index_copy(0, idx, drawn)
 
-        # ``tokens`` holds a valid id for every row (error rows included): needed to index logprobs safely.
-        token_ids = torch.where(is_error, ERROR_TOKEN_ID, tokens).tolist()
-        error_rows = [i for i, t in enumerate(token_ids) if t == ERROR_TOKEN_ID]
-        out = SamplerOutput(token_ids, None, None, error_rows)
-        self._fill_logprobs(out, logits, tokens, rows)
-        return out
+        # ``tokens`` holds a valid id for every row (error rows included): needed to index logprobs safely, and
+        # what a next step may feed on the device (an error row's request ends, so its token is never used).
+        device_out = {"token_ids": torch.where(is_error, ERROR_TOKEN_ID, tokens)}
+        asking, n_top = self._logprob_tensors(device_out, logits, tokens, rows)
+        host = {name: t.to("cpu", non_blocking=True) for name, t in device_out.items()}
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingSample(rows, tokens, host, event, asking, n_top)
 
     def _apply_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Returns ``logits`` itself when nothing is banned, else a copy with the banned entries at -inf."""
@@ -198,29 +216,66 @@ class Sampler:
         values.masked_fill_(mass_before >= p.unsqueeze(1), -math.inf)
         return x.scatter_(1, order, values)
 
-    def _fill_logprobs(
-        self, out: SamplerOutput, logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
-    ) -> None:
+    def _logprob_tensors(self, out: dict[str, torch.Tensor], logits: torch.Tensor, tokens: torch.Tensor,
+                         rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
+        """Enqueue the logprob results of the rows that ask (into ``out``); those rows and their top-N counts."""
         asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not asking:
-            return
-        num_rows, vocab = logits.shape
+            return [], []
+        vocab = logits.shape[1]
         idx = torch.tensor(asking, device=self.device)
         logprobs = torch.log_softmax(logits.index_select(0, idx), dim=1)
         chosen = logprobs.gather(1, tokens.index_select(0, idx).unsqueeze(1))
-        ranks = (logprobs > chosen).sum(dim=1).add_(1)
+        out["chosen"] = chosen.squeeze(1)
+        out["ranks"] = (logprobs > chosen).sum(dim=1).add_(1)
         n_top = [min(rows[i].params.logprobs or 0, vocab) for i in asking]
-        top_vals: list[list[float]] = [[] for _ in asking]
-        top_ids: list[list[int]] = [[] for _ in asking]
         if max(n_top) > 0:
             top = torch.topk(logprobs, max(n_top), dim=1, sorted=True)
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+            out["top_values"], out["top_ids"] = top.values, top.indices
+        return asking, n_top
 
+
+@dataclass(slots=True)
+class PendingSample:
+    """A sampling enqueued on the device (``Sampler.sample``); ``result()`` reads it on the host."""
+
+    rows: list[SamplingRow]
+    tokens: torch.Tensor  # (R,) on the device, a valid id in every row (error rows: their greedy id)
+    host: dict[str, torch.Tensor]  # the results' copies on the host (being filled until ``event`` completes)
+    event: torch.cuda.Event | None
+    asking: list[int]
+    n_top: list[int]
+    _out: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        if self._out is not None:
+            return self._out
+        if self.event is not None:
+            self.event.synchronize()
+        if not self.host:
+            self._out = SamplerOutput([], None, None, [], token_ids_device=self.tokens)
+            return self._out
+        token_ids = self.host["token_ids"].tolist()
+        error_rows = [i for i, t in enumerate(token_ids) if t == ERROR_TOKEN_ID]
+        out = SamplerOutput(token_ids, None, None, error_rows, token_ids_device=self.tokens)
+        if self.asking:
+            self._fill_logprobs(out)
+        self._out = out
+        return out
+
+    def _fill_logprobs(self, out: SamplerOutput) -> None:
+        num_rows = len(self.rows)
+        asking, n_top = self.asking, self.n_top
+        top_vals: list[list[float]] = [[] for _ in asking]
+        top_ids: list[list[int]] = [[] for _ in asking]
+        if "top_values" in self.host:
+            top_vals, top_ids = self.host["top_values"].tolist(), self.host["top_ids"].tolist()
         errors = set(out.error_rows)
         out.logprobs = [math.nan] * num_rows
         out.top_logprobs = [[] for _ in range(num_rows)]
         out.ranks = [None] * num_rows
-        for j, (i, lp, rank) in enumerate(zip(asking, chosen.squeeze(1).tolist(), ranks.tolist(), strict=True)):
+        chosen, ranks = self.host["chosen"].tolist(), self.host["ranks"].tolist()
+        for j, (i, lp, rank) in enumerate(zip(asking, chosen, ranks, strict=True)):
             if i in errors:
                 continue
             out.logprobs[i] = lp

@@ -289,7 +289,7 @@ class AsyncEngine:
         ``hyserve:kv_cache_usage_perc`` even where the engine does not export it."""
         with self._engine_lock:
             metrics = self.engine.get_metrics()
-            states = self.engine.runner.state_pool
+            states = self.engine.state_slots
             used = states.num_slots - states.num_free_slots
         metrics.setdefault("hyserve:state_slots_usage_perc", used / max(states.num_slots, 1))
         return metrics

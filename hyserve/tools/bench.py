@@ -347,8 +347,8 @@ def _run(args: argparse.Namespace, model: str | None) -> int:
                    if isinstance(v, (int, float)) and isinstance(before.get(k, 0), (int, float))}
         eng = llm.llm_engine
         config["engine"] = {"device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
-                            "max_num_seqs": eng.runner.max_num_seqs,
-                            "max_num_batched_tokens": eng.runner.max_num_batched_tokens,
+                            "max_num_seqs": eng.max_num_seqs,
+                            "max_num_batched_tokens": eng.max_num_batched_tokens,
                             "enable_prefix_caching": args.enable_prefix_caching,
                             "speculative_config": args.speculative_config, "block_size": args.block_size}
     else:

@@ -595,7 +595,7 @@ def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int
                                  f"max_model_len={limit}: lower --prefix-len, --message-len, --turns or --max-tokens")
             config.update(enable_prefix_caching=args.enable_prefix_caching,
                           speculative_config=args.speculative_config,
-                          max_num_batched_tokens=llm.llm_engine.runner.max_num_batched_tokens,
+                          max_num_batched_tokens=llm.llm_engine.max_num_batched_tokens,
                           recurrent_snapshot_interval=args.recurrent_snapshot_interval, dtype=engine_dtype)
             before = llm.get_metrics()
             records = run_offline(llm, convs, args.concurrency, params, bar)

@@ -19,23 +19,26 @@ import torch
 from torch import nn
 
 from hyserve.cache.block_pool import BlockPool, cdiv
+from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.cache.specs import AttentionSpec, CacheSpecs
 from hyserve.cache.state_pool import StatePool
 from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig
-from hyserve.engine import cuda_graphs
-from hyserve.engine.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, GraphSet, StepGraphs, capture_sizes
-from hyserve.engine.scheduler import ScheduledRow
-from hyserve.layers.sampler import Sampler, SamplerOutput, SamplingRow
+from hyserve.layers.rejection_sampler import RejectionSampler, SpecOutput, SpecRow
+from hyserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, token_seed
 from hyserve.model import registry
 from hyserve.model.base import CausalLM, KVCacheLayer
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.sampling_params import SamplingParams
+from hyserve.scheduler.output import PREVIOUS_SAMPLED, RunnerOutput, ScheduledRow, SchedulerOutput
+from hyserve.speculative.mtp_proposer import MTPProposer
+from hyserve.worker import cuda_graphs
+from hyserve.worker.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, GraphSet, StepGraphs, capture_sizes
 
 logger = logging.getLogger("hyserve")
 
-# Share of the cache budget the recurrent state pool may take before max_num_seqs is lowered to fit.
-MAX_STATE_SHARE = 0.5
-
+# Sampled in place of a row whose own sampling inputs failed (its result is dropped).
+_STAND_IN = SamplingParams(temperature=0.0)
 
 @dataclass(slots=True)
 class MTPRow:
@@ -45,20 +48,6 @@ class MTPRow:
     input_ids: list[int]
     hidden_index: list[int]
     block_table: list[int]
-
-
-@dataclass(slots=True)
-class CacheLayout:
-    num_kv_blocks: int
-    num_state_slots: int
-    kv_bytes_per_block: int
-    state_bytes_per_slot: int
-    num_snapshots: int = 0
-
-
-def cache_memory_flag(device: torch.device) -> str:
-    """The flag that sizes the cache on ``device`` (for error messages)."""
-    return "--gpu-memory-utilization" if device.type == "cuda" else "--cpu-cache-memory (cpu_cache_memory_bytes)"
 
 
 @dataclass(slots=True)
@@ -122,26 +111,46 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self.graphs: StepGraphs | None = None
         self.use_graphs = self._use_graphs()
-        self.layout = self._plan_caches()
-        self.max_num_seqs = min(self.max_num_seqs, self.layout.num_state_slots)
-        self.block_pool = BlockPool(self.layout.num_kv_blocks, self.block_size)
-        self.state_pool = StatePool(self.cache_specs.recurrent, self.layout.num_state_slots, device,
-                                    num_snapshots=self.layout.num_snapshots)
-        self.kv_caches = self._allocate_kv(self.layout.num_kv_blocks)
+        self.max_model_len = 0  # set by initialize_cache
+        self.last_meta: StepMetadata | None = None
+        self.last_hidden: torch.Tensor | None = None
+        self.sampler = Sampler(device, seed=config.seed)
+        self.rejection_sampler = RejectionSampler(device, seed=config.seed) if num_speculative_tokens else None
+        self.mtp_proposer = MTPProposer(num_speculative_tokens) if self.mtp is not None else None
+        # Sampling parameters of the requests this worker has been sent (SchedulerOutput.new_requests).
+        self.requests: dict[str, SamplingParams] = {}
+        # The last step's sampled ids on the device, and each sampling request's row among them.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(self._kv_bytes_per_block(), self.cache_specs.state_bytes_per_slot,
+                         bool(self.cache_specs.recurrent))
+
+    def determine_available_memory(self) -> int:
+        """Bytes this worker can give the caches (see ``_cache_budget``)."""
+        return self._cache_budget()
+
+    def initialize_cache(self, layout: CacheLayout, max_model_len: int) -> None:
+        """Allocate what ``layout`` says (KV blocks, state pool, verify scratch), the step buffers and the graphs."""
+        self.layout = layout
+        self.max_num_seqs = layout.max_num_seqs
+        self.state_pool = StatePool(self.cache_specs.recurrent, layout.num_state_slots, self.device,
+                                    num_snapshots=layout.num_snapshots)
+        self.kv_caches = self._allocate_kv(layout.num_kv_blocks)
         self.model.bind_caches(self.kv_caches, self.state_pool.layers)
         if self.mtp is not None:
-            mtp_kv = self._allocate_kv(self.layout.num_kv_blocks, self.mtp_kv_specs)
+            mtp_kv = self._allocate_kv(layout.num_kv_blocks, self.mtp_kv_specs)
             for layer, (k_cache, v_cache) in zip(self.mtp_kv_layers, mtp_kv, strict=True):
                 layer.bind_kv(k_cache, v_cache)
             self.kv_caches_all = [*self.kv_caches, *mtp_kv]
         else:
             self.kv_caches_all = list(self.kv_caches)
-        if num_speculative_tokens:
-            self._allocate_verify_scratch(num_speculative_tokens + 1)
-        self.max_model_len = 0  # set by set_max_model_len once the engine knows it
-        self.last_meta: StepMetadata | None = None
-        self.last_hidden: torch.Tensor | None = None
-        self.sampler = Sampler(device, seed=config.seed)
+        if self.num_speculative_tokens:
+            self._allocate_verify_scratch(self.num_speculative_tokens + 1)
+        self.max_model_len = max_model_len
+        self._allocate_buffers()
+        self._init_graphs()
 
     # ------------------------------------------------------------------ setup
 
@@ -279,47 +288,6 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak)
 
-    def _plan_caches(self) -> CacheLayout:
-        per_block = self._kv_bytes_per_block()
-        per_slot = self.cache_specs.state_bytes_per_slot
-        caching = self.config.enable_prefix_caching and bool(self.cache_specs.recurrent)
-        if self.config.num_kv_blocks is not None and self.config.num_state_slots is not None:
-            snaps = (self.config.num_snapshot_slots if self.config.num_snapshot_slots is not None else 64) \
-                if caching else 0
-            return CacheLayout(self.config.num_kv_blocks, self.config.num_state_slots, per_block, per_slot, snaps)
-        budget = self._cache_budget()
-        snaps = 0
-        if caching:
-            snaps = self.config.num_snapshot_slots if self.config.num_snapshot_slots is not None else \
-                int(budget * self.config.snapshot_memory_fraction) // max(per_slot, 1)
-            budget -= snaps * per_slot
-        # A sequence's recurrent state costs one slot, plus k + 1 candidate states of verify scratch when
-        # speculating; the pad slot is one more. Together they may take MAX_STATE_SHARE of the budget.
-        k = self.num_speculative_tokens
-        scratch_per_seq = (k + 1) * per_slot if k else 0
-
-        def state_bytes(n: int) -> int:
-            return (n + 1) * per_slot + min(n, self.max_num_seqs) * scratch_per_seq
-
-        slots = self.config.num_state_slots or self.max_num_seqs
-        if per_slot and state_bytes(slots) > MAX_STATE_SHARE * budget:
-            fit = (int(MAX_STATE_SHARE * budget) - per_slot) // (per_slot + scratch_per_seq)
-            what = f"recurrent state and verify scratch ({k + 1} candidate states)" if k else "recurrent state"
-            if fit < 1:
-                raise ValueError(f"the cache budget cannot hold one request's {what}; raise "
-                                 f"{cache_memory_flag(self.device)}" + (", or lower num_speculative_tokens"
-                                                                        if k else ""))
-            # Only a max_num_seqs the user asked for deserves a warning; the default is sized to what fits.
-            log = logger.warning if self.config.max_num_seqs is not None else logger.info
-            log("%s for %d sequences does not fit the budget; max_num_seqs lowered to %d", what, slots, fit)
-            slots = fit
-        blocks = self.config.num_kv_blocks
-        if blocks is None:
-            blocks = max(2, (budget - state_bytes(slots)) // max(per_block, 1))
-            if per_block == 0:  # a model without attention layers needs no KV; keep a token pool for bookkeeping
-                blocks = max(2, cdiv(256 * 1024, self.block_size))
-        return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps))
-
     def _allocate_kv(self, num_blocks: int, specs: list[AttentionSpec] | None = None
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) of (num_blocks, block_size, num_kv_heads, head_dim) per spec (default: the model's layers)."""
@@ -335,11 +303,6 @@ class ModelRunner:
         """Per recurrent layer and declared tensor: (max_num_seqs, positions, *shape), a candidate per position."""
         for layer, spec in zip(self.model.recurrent_layers(), self.cache_specs.recurrent, strict=True):
             layer.bind_verify_scratch(spec.allocate((self.max_num_seqs, positions), self.device))
-
-    def set_max_model_len(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
-        self._allocate_buffers()
-        self._init_graphs()
 
     def _init_graphs(self) -> None:
         sizes = self._graph_sizes()
@@ -423,7 +386,7 @@ class ModelRunner:
             "query_start_loc": ((r + 1,), torch.int32), "seq_lens": ((r,), torch.int32),
             "state_slots": ((r,), torch.long), "block_tables": ((r, self.max_blocks_per_seq), torch.int32),
             "logits_indices": ((t,), torch.long), "rest_query_start_loc": ((r + 1,), torch.int32),
-            "num_accepted": ((r,), torch.long),
+            "num_accepted": ((r,), torch.long), "prev_at": ((r,), torch.long), "prev_src": ((r,), torch.long),
         }
         self.host_bufs = {k: host(s, d) for k, (s, d) in names.items()}
         self.dev_bufs = {k: dev(s, d) for k, (s, d) in names.items()}
@@ -459,24 +422,25 @@ class ModelRunner:
         max_s = 0
         num_verify = num_verify_tokens = max_q_verify = 0
         nb["query_start_loc"][0] = 0
+        prev: list[tuple[int, int]] = []  # (token index, row of the previous step) of PREVIOUS_SAMPLED inputs
         for i, row in enumerate(rows):
-            req = row.request
             n, start, end = row.num_new_tokens, row.start, row.end
-            assert req.state_slot is not None
+            ids = row.token_ids
             if row.is_verify:
                 assert i == num_verify, "verify rows must come first"
-                nb["input_ids"][t] = req.token_ids(start, start + 1)[0]
-                nb["input_ids"][t + 1 : t + n] = row.draft_token_ids
+                nb["input_ids"][t : t + n] = ids
                 nb["logits_indices"][n_sample : n_sample + n] = np.arange(t, t + n)
                 n_sample += n
                 num_verify += 1
                 num_verify_tokens += n if row_len is None else row_len
                 max_q_verify = max(max_q_verify, n if row_len is None else row_len)
             elif n == 1:  # decode: scalar writes (per-row numpy temporaries cost more than the row itself)
-                nb["input_ids"][t] = req.token_ids(start, end)[0]
+                nb["input_ids"][t] = ids[0]
+                if ids[0] == PREVIOUS_SAMPLED:
+                    prev.append((t, self._prev_rows[row.req_id]))
             else:
-                nb["input_ids"][t : t + n] = req.token_ids(start, end)
-            table = req.block_table
+                nb["input_ids"][t : t + n] = ids
+            table = row.block_table
             if n == 1:
                 nb["positions"][t] = start
                 nb["slot_mapping"][t] = table[start // bs] * bs + start % bs
@@ -487,7 +451,7 @@ class ModelRunner:
             nb["block_tables"][i, : len(table)] = table
             nb["block_tables"][i, len(table) :] = BlockPool.NULL_BLOCK
             nb["seq_lens"][i] = end
-            nb["state_slots"][i] = req.state_slot
+            nb["state_slots"][i] = row.state_slot
             t += n
             if row_len is not None and n < row_len:
                 assert row.is_verify and start + row_len <= self.max_model_len, "row_len is for verify rows"
@@ -518,6 +482,8 @@ class ModelRunner:
         for name, size in sizes.items():
             self.dev_bufs[name][: copies[name]].copy_(self.host_bufs[name][: copies[name]], non_blocking=True)
             views[name] = self.dev_bufs[name][:size]
+        if prev:
+            self._feed_previous_samples(prev)
         nblk = cdiv(max_s, bs)
         meta = StepMetadata(
             positions=views["positions"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
@@ -565,40 +531,166 @@ class ModelRunner:
                 copies[name] = pad_to
         copies["query_start_loc"] = pad_to + 1
 
+    # ------------------------------------------------------------------ execute_model
+
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run step ``so`` and return its result, one entry per row of ``so``."""
+        return self.execute_model_async(so).result()
+
     @torch.inference_mode()
-    def execute(self, rows: list[ScheduledRow], sampling_rows: list[SamplingRow]) -> SamplerOutput | None:
-        """Run one step; sample for the rows that reached the end of their known tokens (in row order)."""
+    def execute_model_async(self, so: SchedulerOutput) -> StepResult:
+        """Enqueue step ``so`` on the device; ``result()`` of the returned handle is its ``RunnerOutput``.
+
+        In order: forget finished requests and learn new ones; the state operations before the forward (slot resets,
+        snapshot copy-ins); the forward; sampling of plain rows and acceptance of verify rows (the one place either
+        happens); the verified-state commit; the snapshot copy-outs; the MTP head's drafts for the next step. A
+        step without speculation returns before its sampled ids reach the host (they stay on the device, where the
+        next step's ``PREVIOUS_SAMPLED`` inputs take them); a speculative step is complete when it returns (its
+        drafts need the accepted tokens on the host).
+        """
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.new_requests:
+            self.requests[new.req_id] = new.sampling_params
+        rows = so.rows
+        out = RunnerOutput(so.step_id, token_ids=[[] for _ in rows], num_accepted=[-1] * len(rows))
+        if not rows:
+            return StepResult(out)
+        plain = [i for i, r in enumerate(rows) if r.samples and not r.is_verify]
+        verify = [i for i, r in enumerate(rows) if r.is_verify]
+        sampling_rows = [self._sampling_row(rows[i], i, out.errors) for i in plain]
+        spec_rows = [self._spec_row(rows[i], i, out.errors) for i in verify]
         self._load_states(rows)
+        if self.num_speculative_tokens:
+            logits = self._forward_spec(rows)
+        else:
+            logits = self._forward(rows, len(plain))
+        n_verify = sum(rows[i].num_new_tokens for i in verify)
+        samp = self.sampler.sample(logits[n_verify:], sampling_rows) if plain else None
+        if samp is not None:
+            self._remember_samples(rows, plain, samp.tokens)
+        if not self.num_speculative_tokens:
+            self._save_snapshots(rows, out.num_accepted)
+            return StepResult(out, plain, samp)
+        if samp is not None:
+            self._take_samples(out, plain, samp.result())
+        if verify:
+            assert self.rejection_sampler is not None
+            self._take_verified(out, verify, self.rejection_sampler(logits[:n_verify], spec_rows))
+            self._commit_verified([out.num_accepted[i] for i in verify])
+        self._save_snapshots(rows, out.num_accepted)
+        if self.mtp_proposer is not None:
+            out.draft_token_ids = self.mtp_proposer.propose(self, rows, out)
+        return StepResult(out)
+
+    def _sampling_row(self, row: ScheduledRow, i: int, errors: dict[int, str]) -> SamplingRow:
+        """Row ``row``'s sampling inputs; if they cannot be built, the row fails alone (a greedy stand-in is sampled
+        so the batch keeps its shape, and its result is dropped)."""
+        p = self.requests[row.req_id]
+        try:
+            banned = self._bans(row, p, 0)
+            seed = None if p.seed is None else token_seed(p.seed, row.output_index)
+            return SamplingRow(params=p, seed=seed, banned_token_ids=banned)
+        except Exception as e:  # this row's inputs alone
+            logger.exception("request %s: building its sampling row failed", row.req_id)
+            errors[i] = f"building its sampling row failed: {type(e).__name__}: {e}"
+            return SamplingRow(params=_STAND_IN)
+
+    def _spec_row(self, row: ScheduledRow, i: int, errors: dict[int, str]) -> SpecRow:
+        p = self.requests[row.req_id]
+        k = row.num_drafts
+        drafts = list(row.token_ids[1:])
+        try:
+            seeds: list[int | None] | None = None
+            if p.seed is not None:
+                seeds = [token_seed(p.seed, row.output_index + j) for j in range(k + 1)]
+            banned = [self._bans(row, p, j) for j in range(k + 1)]
+            return SpecRow(params=p, draft_token_ids=drafts, seeds=seeds,
+                           banned_token_ids=banned if any(banned) else None)
+        except Exception as e:  # this row's inputs alone
+            logger.exception("request %s: building its verify row failed", row.req_id)
+            errors[i] = f"building its verify row failed: {type(e).__name__}: {e}"
+            return SpecRow(params=_STAND_IN, draft_token_ids=drafts)
+
+    def _bans(self, row: ScheduledRow, p: SamplingParams, j: int) -> list[int]:
+        """Ids banned at the row's output index + ``j`` (min_tokens); ValueError for an id outside the vocabulary,
+        which would fail the sampler for every row of the step."""
+        if row.output_index + j >= p.min_tokens or not row.banned_token_ids:
+            return []
+        banned = row.banned_token_ids
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in banned):
+            raise ValueError(f"stop_token_ids / EOS ids {banned[:5]} reach outside the vocabulary [0, {vocab})")
+        return banned
+
+    @staticmethod
+    def _take_samples(out: RunnerOutput, idx: list[int], samp: SamplerOutput) -> None:
+        errors = set(samp.error_rows)
+        asked = samp.logprobs is not None
+        if asked and out.logprobs is None:
+            out.logprobs, out.ranks, out.top_logprobs = [[] for _ in out.token_ids], [[] for _ in out.token_ids], \
+                [[] for _ in out.token_ids]
+        for j, i in enumerate(idx):
+            if i in out.errors:
+                continue
+            if j in errors:
+                out.errors[i] = "non-finite logits (NaN/inf)"
+                continue
+            out.token_ids[i] = [int(samp.token_ids[j])]
+            if asked:
+                assert out.logprobs is not None and out.ranks is not None and out.top_logprobs is not None
+                out.logprobs[i] = [float(samp.logprobs[j])]  # type: ignore[index]
+                out.ranks[i] = [samp.ranks[j]] if samp.ranks is not None else [None]
+                out.top_logprobs[i] = [samp.top_logprobs[j]] if samp.top_logprobs is not None else [[]]
+
+    @staticmethod
+    def _take_verified(out: RunnerOutput, idx: list[int], spec: SpecOutput) -> None:
+        errors = set(spec.error_rows)
+        asked = spec.logprobs is not None
+        if asked and out.logprobs is None:
+            out.logprobs, out.ranks, out.top_logprobs = [[] for _ in out.token_ids], [[] for _ in out.token_ids], \
+                [[] for _ in out.token_ids]
+        for j, i in enumerate(idx):
+            if j in errors:
+                out.errors.setdefault(i, "non-finite logits (NaN/inf) while verifying drafts")
+                continue  # the live state is left as it was (-1)
+            out.num_accepted[i] = spec.num_accepted[j]
+            if i in out.errors:
+                continue  # its state advances (the batch ran), its tokens are dropped
+            out.token_ids[i] = [int(t) for t in spec.token_ids[j]]
+            if asked:
+                assert out.logprobs is not None and out.ranks is not None and out.top_logprobs is not None
+                out.logprobs[i] = [float(x) for x in spec.logprobs[j]]  # type: ignore[index]
+                out.ranks[i] = list(spec.ranks[j]) if spec.ranks is not None else [None] * len(out.token_ids[i])
+                out.top_logprobs[i] = list(spec.top_logprobs[j]) if spec.top_logprobs is not None \
+                    else [[] for _ in out.token_ids[i]]
+
+    def _forward(self, rows: list[ScheduledRow], num_sampling: int) -> torch.Tensor:
+        """The forward of a step without verify rows; logits of the rows that sample (in row order)."""
         graph = self._graph("decode", len(rows), lambda: all(r.num_new_tokens == 1 and not r.is_verify for r in rows))
         if graph is not None:
             decode, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size)
             logits, = decode.run(size)
-            if not sampling_rows:
-                return None
             # One token per row: row i's logits are row i of the graph's output.
-            logits = logits[: len(rows)] if len(sampling_rows) == len(rows) else logits[logits_indices]
-            return self.sampler(logits, sampling_rows)
+            return logits[: len(rows)] if num_sampling == len(rows) else logits[logits_indices]
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.model(input_ids, meta)
-        if not sampling_rows:
-            return None
-        logits = self.model.compute_logits(hidden[logits_indices])
-        return self.sampler(logits, sampling_rows)
+        if not num_sampling:
+            return hidden[:0]
+        return self.model.compute_logits(hidden[logits_indices])
 
     def _load_states(self, rows: list[ScheduledRow]) -> None:
         # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).
-        self.state_pool.reset([r.request.state_slot for r in rows if r.start == 0 and r.request.state_slot is not None])
-        loads = [(r.load_snapshot, r.request.state_slot) for r in rows if r.load_snapshot is not None]
-        self.state_pool.copy([e for e, _ in loads], [s for _, s in loads if s is not None])
+        self.state_pool.reset([r.state_slot for r in rows if r.reset_state])
+        loads = [(r.load_snapshot, r.state_slot) for r in rows if r.load_snapshot is not None]
+        self.state_pool.copy([e for e, _ in loads], [s for _, s in loads])
 
-    @torch.inference_mode()
-    def execute_spec(self, rows: list[ScheduledRow]) -> torch.Tensor:
-        """Run one step with verify rows first; returns logits for every verify position, then for sampling rows.
+    def _forward_spec(self, rows: list[ScheduledRow]) -> torch.Tensor:
+        """The forward of a step with verify rows first; logits for every verify position, then for sampling rows.
 
-        The step's hidden states stay in ``last_hidden`` for the MTP pass and snapshot bookkeeping.
+        The step's hidden states stay in ``last_hidden`` for the MTP pass.
         """
-        self._load_states(rows)
         q = self.num_speculative_tokens + 1
         # Every row verifies (rows with fewer drafts are laid out in k + 1 tokens, the rest masked; see prepare).
         graph = self._graph("verify", len(rows),
@@ -617,6 +709,46 @@ class ModelRunner:
         hidden = self.model(input_ids, meta)
         self.last_hidden = hidden
         return self.model.compute_logits(hidden[logits_indices])
+
+    def _save_snapshots(self, rows: list[ScheduledRow], num_accepted: list[int]) -> None:
+        """The step's snapshot copy-outs (entries the scheduler reserved): a row's slot after the forward, or a
+        verify row's candidate state at the reserved position if the accepted length reached it."""
+        src, dst = [], []
+        cand_rows, cand_pos, cand_dst = [], [], []
+        for i, row in enumerate(rows):
+            if row.snapshot_entry is not None:
+                src.append(row.state_slot)
+                dst.append(row.snapshot_entry)
+            if row.candidate_snapshot is not None:
+                point, entry = row.candidate_snapshot
+                j = point - row.start - 1
+                if num_accepted[i] >= j:
+                    cand_rows.append(i)  # verify rows come first: row i is verify row i
+                    cand_pos.append(j)
+                    cand_dst.append(entry)
+        self.state_pool.copy(src, dst)
+        self._snapshot_candidates(cand_rows, cand_pos, cand_dst)
+
+    def _remember_samples(self, rows: list[ScheduledRow], idx: list[int], tokens: torch.Tensor) -> None:
+        """Keep this step's sampled ids on the device for the next step's ``PREVIOUS_SAMPLED`` inputs, indexed by
+        request id (the next step's rows are in another order: docs/design.md invariant 13)."""
+        self._prev_rows = {rows[i].req_id: j for j, i in enumerate(idx)}
+        self._prev_sampled = tokens
+
+    def _feed_previous_samples(self, prev: list[tuple[int, int]]) -> None:
+        """Input tokens that the previous step sampled, taken on the device (the host may not know them yet):
+        ``prev`` = (token index in this step, row of the previous step's samples)."""
+        assert self._prev_sampled is not None, "PREVIOUS_SAMPLED without a previous step"
+        n = len(prev)
+        nb = self.np_bufs
+        nb["prev_at"][:n] = [t for t, _ in prev]
+        nb["prev_src"][:n] = [j for _, j in prev]
+        at = self.dev_bufs["prev_at"][:n]
+        src = self.dev_bufs["prev_src"][:n]
+        at.copy_(self.host_bufs["prev_at"][:n], non_blocking=True)
+        src.copy_(self.host_bufs["prev_src"][:n], non_blocking=True)
+        self.dev_bufs["input_ids"].index_copy_(0, at, self._prev_sampled.index_select(0, src))
+
 
     def _fill_mtp(self, rows: list[MTPRow], pad_to: int | None = None) -> tuple[StepMetadata, dict[str, torch.Tensor]]:
         """Fill the MTP pass's persistent buffers for ``rows`` (plus pad rows up to ``pad_to``); metadata and views."""
@@ -692,8 +824,7 @@ class ModelRunner:
         # A copy: the next replay overwrites the graph's output, and callers keep rows of it across passes.
         return out[: len(rows)].clone(), tokens[: len(rows)].tolist()
 
-    @torch.inference_mode()
-    def commit_verified(self, num_accepted: list[int]) -> None:
+    def _commit_verified(self, num_accepted: list[int]) -> None:
         """Live slots of the last step's verify rows take candidate ``num_accepted[r]`` (-1: leave untouched)."""
         vm = self.last_meta.verify if self.last_meta is not None else None
         if vm is None:
@@ -706,8 +837,7 @@ class ModelRunner:
         for layer in self.model.recurrent_layers():
             layer.commit_verified(vm.state_slots, acc)
 
-    @torch.inference_mode()
-    def snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int]) -> None:
+    def _snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int]) -> None:
         """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``."""
         if not rows:
             return
@@ -716,3 +846,18 @@ class ModelRunner:
         e = torch.tensor(entries, dtype=torch.long, device=self.device)
         for layer in self.model.recurrent_layers():
             layer.snapshot_candidates(r, p, e)
+
+
+class StepResult:
+    """A step enqueued on the device (``ModelRunner.execute_model_async``); ``result()`` is its ``RunnerOutput``."""
+
+    def __init__(self, out: RunnerOutput, plain: list[int] | None = None, samp: PendingSample | None = None) -> None:
+        self._out = out
+        self._plain = plain or []
+        self._samp = samp
+
+    def result(self) -> RunnerOutput:
+        if self._samp is not None:
+            ModelRunner._take_samples(self._out, self._plain, self._samp.result())
+            self._samp = None
+        return self._out

@@ -1,0 +1,85 @@
+"""How the cache budget is split: KV blocks, recurrent state slots (+ verify scratch) and prefix-cache snapshots.
+
+Pure arithmetic over what the layers declare (``specs``) and what the worker measured (``determine_available_memory``
+of the executor): the engine plans, the worker allocates what the plan says.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hyserve.cache.block_pool import cdiv
+from hyserve.config import EngineConfig
+
+logger = logging.getLogger("hyserve")
+
+# Share of the cache budget the recurrent state pool may take before max_num_seqs is lowered to fit.
+MAX_STATE_SHARE = 0.5
+
+
+@dataclass(slots=True)
+class CacheLayout:
+    num_kv_blocks: int
+    num_state_slots: int
+    kv_bytes_per_block: int
+    state_bytes_per_slot: int
+    num_snapshots: int = 0
+    max_num_seqs: int = 1
+
+
+@dataclass(slots=True)
+class CacheInfo:
+    """What a worker's model needs per KV block and per state slot (every layer's declared specs)."""
+
+    kv_bytes_per_block: int
+    state_bytes_per_slot: int
+    has_recurrent_state: bool
+
+
+def cache_memory_flag(device_type: str) -> str:
+    """The flag that sizes the cache on a device of ``device_type`` (for error messages)."""
+    return "--gpu-memory-utilization" if device_type == "cuda" else "--cpu-cache-memory (cpu_cache_memory_bytes)"
+
+
+def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_speculative_tokens: int,
+                budget_fn: Callable[[], int], device_type: str) -> CacheLayout:
+    """The layout for ``config``: its explicit sizes, or a split of ``budget_fn()`` bytes (called only if needed)."""
+    per_block, per_slot = info.kv_bytes_per_block, info.state_bytes_per_slot
+    caching = config.enable_prefix_caching and info.has_recurrent_state
+    if config.num_kv_blocks is not None and config.num_state_slots is not None:
+        snaps = (config.num_snapshot_slots if config.num_snapshot_slots is not None else 64) if caching else 0
+        return CacheLayout(config.num_kv_blocks, config.num_state_slots, per_block, per_slot, snaps,
+                           min(max_num_seqs, config.num_state_slots))
+    budget = budget_fn()
+    snaps = 0
+    if caching:
+        snaps = config.num_snapshot_slots if config.num_snapshot_slots is not None else \
+            int(budget * config.snapshot_memory_fraction) // max(per_slot, 1)
+        budget -= snaps * per_slot
+    # A sequence's recurrent state costs one slot, plus k + 1 candidate states of verify scratch when
+    # speculating; the pad slot is one more. Together they may take MAX_STATE_SHARE of the budget.
+    k = num_speculative_tokens
+    scratch_per_seq = (k + 1) * per_slot if k else 0
+
+    def state_bytes(n: int) -> int:
+        return (n + 1) * per_slot + min(n, max_num_seqs) * scratch_per_seq
+
+    slots = config.num_state_slots or max_num_seqs
+    if per_slot and state_bytes(slots) > MAX_STATE_SHARE * budget:
+        fit = (int(MAX_STATE_SHARE * budget) - per_slot) // (per_slot + scratch_per_seq)
+        what = f"recurrent state and verify scratch ({k + 1} candidate states)" if k else "recurrent state"
+        if fit < 1:
+            raise ValueError(f"the cache budget cannot hold one request's {what}; raise "
+                             f"{cache_memory_flag(device_type)}" + (", or lower num_speculative_tokens" if k else ""))
+        # Only a max_num_seqs the user asked for deserves a warning; the default is sized to what fits.
+        log = logger.warning if config.max_num_seqs is not None else logger.info
+        log("%s for %d sequences does not fit the budget; max_num_seqs lowered to %d", what, slots, fit)
+        slots = fit
+    blocks = config.num_kv_blocks
+    if blocks is None:
+        blocks = max(2, (budget - state_bytes(slots)) // max(per_block, 1))
+        if per_block == 0:  # a model without attention layers needs no KV; keep a token pool for bookkeeping
+            blocks = max(2, cdiv(256 * 1024, config.block_size))
+    return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps), min(max_num_seqs, int(slots)))

@@ -1,0 +1,115 @@
+"""What crosses the boundary between the scheduler (ids and ints) and the worker (tensors), in both directions.
+
+``SchedulerOutput`` is one step as plain data: which requests run, the tokens each row feeds, the KV block ids and
+the state slot each row reads and writes, and the state operations (slot resets, snapshot copy-ins and copy-outs)
+as entry numbers. ``RunnerOutput`` is what the worker learned by running it: per row, the sampled or verified
+tokens, how many drafts were accepted, logprobs, errors and the next drafts. Both pickle (nothing here refers to a
+live object), so a step can be sent to another process; ``step_id`` ties a result to the step it belongs to, and the
+scheduler reads a result only through the rows of its own ``SchedulerOutput`` (docs/design.md invariant 13).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyserve.sampling_params import SamplingParams
+
+# A row's input token that the worker takes from its own result of the request's previous step (async scheduling:
+# the host does not know it yet).
+PREVIOUS_SAMPLED = -1
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has not seen (or has forgotten): what sampling needs for all of its steps."""
+
+    req_id: str
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRow:
+    """One request's part of a step: positions [start, start + len(token_ids)).
+
+    - ``token_ids``: the tokens fed; for a verify row its last known token followed by the drafts; an entry
+      ``PREVIOUS_SAMPLED`` is the token the worker sampled for this request in its previous step.
+    - ``block_table``, ``state_slot``: where the row's KV and recurrent state live (the request's own).
+    - ``reset_state``: zero the slot before the forward (the request's first chunk); ``load_snapshot``: copy that
+      snapshot entry into the slot before the forward (a prefix hit).
+    - ``snapshot_entry``: copy the slot into this entry right after the forward (the chunk ends on a snapshot
+      point); ``candidate_snapshot`` (verify rows) = (p, entry): if the accepted length reaches position p, copy
+      the verified candidate state after p tokens into entry.
+    - ``output_index``: the index in the output of the first token this row samples (seeds, min_tokens bans);
+      ``banned_token_ids``: the ids banned while the output is shorter than ``min_tokens``.
+    - ``next_token_id``: the request's token at position ``end`` when the host knows it (the MTP head consumes it).
+    - ``draft_limit``: MTP drafting may propose tokens up to this many tokens in all (max_tokens, max_model_len).
+    """
+
+    req_id: str
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+    state_slot: int
+    samples: bool
+    reset_state: bool = False
+    load_snapshot: int | None = None
+    snapshot_entry: int | None = None
+    is_verify: bool = False
+    candidate_snapshot: tuple[int, int] | None = None
+    output_index: int = 0
+    banned_token_ids: list[int] = field(default_factory=list)
+    next_token_id: int | None = None
+    draft_limit: int = 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.token_ids) - 1 if self.is_verify else 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    rows: list[ScheduledRow] = field(default_factory=list)  # verify rows first
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # the worker forgets them before this step
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests that can never be admitted, with the reason: the engine finishes them with an error.
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """A step's results, one entry per row of its ``SchedulerOutput`` (same order).
+
+    - ``token_ids[i]``: the sampled token (plain rows that sample), the accepted drafts and the correction or bonus
+      token (verify rows), ``[]`` for rows that do not sample and for error rows.
+    - ``num_accepted[i]``: drafts accepted by a verify row (the live state took that candidate), -1 otherwise.
+    - ``logprobs`` / ``ranks`` / ``top_logprobs``: ``None`` if no row asked; else per row, parallel to token_ids.
+    - ``errors``: row index -> why the row produced nothing (non-finite logits, its sampling inputs failed).
+    - ``draft_token_ids[i]``: the MTP head's drafts for the row's next step (``[]``: none).
+    """
+
+    step_id: int
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    logprobs: list[list[float]] | None = None
+    ranks: list[list[int | None]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    errors: dict[int, str] = field(default_factory=dict)
+    draft_token_ids: list[list[int]] = field(default_factory=list)

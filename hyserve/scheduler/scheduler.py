@@ -1,0 +1,391 @@
+"""Continuous batching with chunked prefill, FCFS admission and preemption by recompute; both ends of every step.
+
+``schedule()`` decides a step and returns it as plain data (``SchedulerOutput``); ``update_from_output(so, ro)``
+takes that step's result. Between them the scheduler is the only writer of a request's computed count, block
+table, state slot and drafts (docs/design.md invariant 13): the worker only reads the ids and ints it is sent.
+
+Each step spends a token budget (``max_num_batched_tokens``). Running requests come first, in admission order: a
+decoding request takes one token (or, speculating, one verify row [last token + drafts]), a request in the middle of
+its prompt takes the next chunk that fits. Waiting requests are then admitted in arrival order while the budget,
+``max_num_seqs``, KV blocks and state slots allow; a request that does not fit blocks the queue behind it (FCFS).
+When a running request needs a KV block and none is free, the most recently admitted running request is preempted:
+its blocks and slot are freed at once and it goes back to the front of the queue, to be recomputed from its prompt
+and the output it had produced. KV blocks are allocated here and freed here (finish, preemption, and the rollback
+of blocks that only held rejected drafts), nowhere else.
+
+With prefix caching, admission first looks the request up (``PrefixCache.lookup``): a hit of L tokens gives it the
+cached KV blocks of [0, L) and a snapshot to copy into its slot, and it starts computing at L. Chunks are split so
+that every snapshot point of a request falls on the end of a chunk; the snapshot's entry is reserved when the step
+is scheduled and published when its result is in.
+
+Steps in flight (async scheduling). A step may be scheduled before the previous step's result is in. A request's
+tokens then run ahead of what is computed: ``num_inflight_tokens`` are scheduled and not yet reported, and a plain
+decoding request whose sampled token is not known yet feeds ``PREVIOUS_SAMPLED`` (the worker has that token on the
+device). A speculating request waits for its accepted count before its next verify row (its position depends on
+it). A result is read only through the rows of its own step: each row names its request by id, and a request that
+was preempted or finished after the step was scheduled takes none of the step's effects on memory.
+
+Liveness: admission never waits for memory that cannot be freed. A request's first chunk needs the blocks of
+[0, end) and nothing else (a hit's blocks are shared as they are, see ``prefix_cache``), and every admitted prompt is
+shorter than max_model_len, which fits the pool; so with nothing running the FCFS head always fits. Should it not
+(a bug, or a pool smaller than its request), the head is failed (``SchedulerOutput.failed``, finished with an error
+that names both numbers) instead of blocking every request behind it forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from hyserve.cache.block_pool import BlockPool, cdiv
+from hyserve.cache.prefix_cache import PrefixCache, PrefixHit
+from hyserve.cache.state_slots import StateSlots
+from hyserve.engine.request import Request, RequestStatus
+from hyserve.scheduler.output import (
+    PREVIOUS_SAMPLED,
+    NewRequestData,
+    RunnerOutput,
+    ScheduledRow,
+    SchedulerOutput,
+)
+
+if TYPE_CHECKING:
+    from hyserve.speculative.drafts import DraftManager
+
+
+class StepSink(Protocol):
+    """What the scheduler hands a step's tokens to (the engine: detokenization, stop checks, finish reasons)."""
+
+    def append_tokens(self, req: Request, ro: RunnerOutput, row: int) -> str | None:
+        """Append row ``row``'s tokens to ``req``; the finish reason if the request ends there."""
+
+    def request_finished(self, req: Request, reason: str, error: str | None = None) -> None:
+        """``req`` ends with ``reason`` (its memory is freed by the scheduler right after)."""
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_pool: BlockPool,
+                 state_slots: StateSlots, max_model_len: int, prefix_cache: PrefixCache | None = None,
+                 drafts: DraftManager | None = None,
+                 banned_token_ids: Callable[[Request], list[int]] | None = None) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_pool = block_pool
+        self.state_slots = state_slots
+        self.max_model_len = max_model_len
+        self.prefix_cache = prefix_cache
+        self.drafts = drafts
+        self.banned_token_ids = banned_token_ids or (lambda req: [])
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._next_step_id = 0
+        self._known_to_worker: set[str] = set()
+        self._finished_ids: list[str] = []
+        # step id -> each row's request epoch (its preemption count when the step was scheduled)
+        self._epochs: dict[int, list[int]] = {}
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafts is not None
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._epochs)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._next_step_id)
+        self._next_step_id += 1
+        budget = self.max_num_batched_tokens
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if not self._can_schedule(req):
+                i += 1
+                continue
+            row = self._chunk(req, req.num_computed_tokens + req.num_inflight_tokens, budget)
+            if not self._grow_or_preempt(req, row, preempted):
+                break  # req itself was preempted; it was the last running request
+            out.rows.append(row)
+            budget -= row.num_new_tokens
+            i += 1
+        out.preempted_req_ids = [r.request_id for r in preempted]
+        if not preempted:  # memory is short: admit nobody new this step
+            self._admit(out, budget)
+        for row in out.rows:
+            self._on_scheduled(self.requests[row.req_id], row, out)
+        out.rows.sort(key=lambda r: not r.is_verify)  # stable: verify rows first, as the worker lays them out
+        out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        if out.rows:
+            self._epochs[out.step_id] = [self.requests[r.req_id].num_preemptions for r in out.rows]
+        return out
+
+    def _can_schedule(self, req: Request) -> bool:
+        """Whether ``req`` can take part in the next step while its earlier steps are in flight."""
+        if not req.num_inflight_samples:
+            return True
+        if self.speculative:
+            return False  # the next verify row's position and drafts depend on the accepted count
+        p = req.sampling_params
+        pending = req.num_output_tokens + req.num_inflight_samples
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        # The pending token may end the request at max_tokens / max_model_len: do not run a step past it.
+        return pending < max_tokens and req.num_tokens + req.num_inflight_samples < self.max_model_len
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if self.state_slots.num_free_slots == 0:
+                break
+            hit = self.prefix_cache.lookup(req) if self.prefix_cache else PrefixHit(0, [], None, None)
+            req.branch_point = hit.branch_point
+            row = self._chunk(req, hit.num_tokens, budget)
+            need = self.block_pool.blocks_needed(self._blocks_end(req, row), len(hit.blocks))
+            if need > self.block_pool.num_free_blocks:
+                if self.prefix_cache:
+                    self.prefix_cache.release_hit(hit)
+                if not self.running:
+                    # Nothing holds memory that could be freed for it: waiting would hang every request behind it.
+                    self.waiting.popleft()
+                    out.failed.append((req.request_id, f"its first chunk needs {need + len(hit.blocks)} KV blocks "
+                                                       f"but the cache has {self.block_pool.num_usable_blocks}"))
+                    continue
+                break
+            self.waiting.popleft()
+            req.state_slot = self.state_slots.allocate()
+            req.block_table = hit.blocks + self.block_pool.allocate(need)
+            req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
+            req.num_published_blocks = len(hit.blocks)
+            req.status = RequestStatus.RUNNING
+            row.block_table = req.block_table
+            row.state_slot = req.state_slot
+            row.load_snapshot = hit.snapshot_entry
+            row.reset_state = hit.snapshot_entry is None
+            if self.prefix_cache:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += hit.num_tokens
+            self.running.append(req)
+            out.rows.append(row)
+            budget -= row.num_new_tokens
+
+    def _chunk(self, req: Request, start: int, budget: int) -> ScheduledRow:
+        """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point.
+
+        A decoding request under speculative decoding is one verify row: its last token and the drafts that fit the
+        budget; it is never cut (its snapshot comes from the verified candidate, see ``update_from_output``).
+        """
+        slot = req.state_slot if req.state_slot is not None else -1
+        if req.num_inflight_samples:  # async: the token this row feeds is still on the device
+            assert not self.speculative and start == req.num_tokens + req.num_inflight_samples - 1
+            return ScheduledRow(req.request_id, start, [PREVIOUS_SAMPLED], req.block_table, slot, samples=True)
+        if self.speculative and start == req.num_tokens - 1 and req.num_output_tokens > 0:
+            drafts = req.draft_token_ids[: budget - 1]
+            return ScheduledRow(req.request_id, start, [req.output_token_ids[-1], *drafts], req.block_table, slot,
+                                samples=True, is_verify=True)
+        end = start + min(req.num_tokens - start, budget)
+        point = self.prefix_cache.next_snapshot_point(req, start, end) if self.prefix_cache else None
+        if point is not None:
+            end = point
+        return ScheduledRow(req.request_id, start, req.token_ids(start, end), req.block_table, slot,
+                            samples=end == req.num_tokens)
+
+    def _blocks_end(self, req: Request, row: ScheduledRow) -> int:
+        """Tokens the request's blocks must hold for ``row``: its end, plus the MTP head's drafting positions."""
+        end = row.end
+        if self.drafts is not None and row.samples:
+            end = min(end + self.drafts.lookahead_tokens, self.max_model_len)
+        return end
+
+    def _grow_or_preempt(self, req: Request, row: ScheduledRow, preempted: list[Request]) -> bool:
+        """Give ``req`` the blocks ``row`` needs, preempting from the back. False if req was preempted."""
+        need = self.block_pool.blocks_needed(self._blocks_end(req, row), len(req.block_table))
+        while need > self.block_pool.num_free_blocks:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        req.block_table.extend(self.block_pool.allocate(need))
+        return True
+
+    def _on_scheduled(self, req: Request, row: ScheduledRow, out: SchedulerOutput) -> None:
+        """Fill what the worker needs beyond the tokens: sampling data, snapshot entries, the in-flight count."""
+        row.block_table = list(req.block_table)  # the step's own copy: the request's table changes after it
+        if req.request_id not in self._known_to_worker:
+            self._known_to_worker.add(req.request_id)
+            out.new_requests.append(NewRequestData(req.request_id, req.sampling_params))
+        pc = self.prefix_cache
+        if pc is not None:
+            # Snapshot entries are reserved now and filled by the worker right after this step's forward. A chunk
+            # of known tokens is cut at its snapshot point, so that point is its end; a verify row or a row of a
+            # token still on the device may cross a block boundary whose prefix is known only from the result.
+            if row.is_verify:
+                boundary = (row.end // pc.block_size) * pc.block_size
+                if boundary > row.start:
+                    entry = pc.reserve_entry()
+                    if entry is not None:
+                        row.candidate_snapshot = (boundary, entry)
+            elif row.token_ids[0] == PREVIOUS_SAMPLED:
+                if row.end % pc.block_size == 0:
+                    row.snapshot_entry = pc.reserve_entry()
+            elif pc.next_snapshot_point(req, row.start, row.end) == row.end:
+                row.snapshot_entry = pc.reserve_snapshot(req, row.end)
+        if row.samples:
+            row.output_index = req.num_output_tokens + req.num_inflight_samples
+            if row.output_index < req.sampling_params.min_tokens:
+                row.banned_token_ids = self.banned_token_ids(req)
+            if self.drafts is not None:
+                row.draft_limit = self.drafts.draft_limit(req, self.max_model_len)
+            req.num_inflight_samples += 1
+        elif row.end < req.num_tokens:
+            row.next_token_id = req.token_ids(row.end, row.end + 1)[0]
+        req.num_inflight_tokens += row.num_new_tokens
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_inflight_tokens = 0
+        req.num_inflight_samples = 0
+        req.num_published_blocks = 0
+        req.branch_point = None
+        req.rolling_snapshot_hash = None  # stays cached as an ordinary snapshot
+        req.draft_token_ids = []
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.block_pool.free(req.block_table)
+            req.block_table = []
+        if req.state_slot is not None:
+            self.state_slots.free(req.state_slot)
+            req.state_slot = None
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished (or aborted) request and free its memory at once; the worker forgets it next step.
+
+        A step of it still in flight keeps writing the memory it was given; whoever gets that memory next writes it
+        in a later step, which the device runs after (stream order), and reads only what it wrote itself.
+        """
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        if self.requests.pop(req.request_id, None) is not None and req.request_id in self._known_to_worker:
+            self._known_to_worker.discard(req.request_id)
+            self._finished_ids.append(req.request_id)
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput, sink: StepSink) -> list[Request]:
+        """Apply step ``so``'s result ``ro``: computed counts, tokens (through ``sink``), the prefix cache, the
+        rollback of rejected drafts' blocks and the next drafts. Returns the requests the step ran, in row order.
+
+        Every row is matched to its request by the id in ``so`` and to its result by its index in ``ro``; a request
+        finished or preempted since ``so`` was scheduled takes no effect of the step on memory (its tokens, which
+        are right, are kept if it is only preempted).
+        """
+        if ro.step_id != so.step_id:
+            raise RuntimeError(f"result of step {ro.step_id} applied to step {so.step_id}")
+        epochs = self._epochs.pop(so.step_id, [])
+        pc = self.prefix_cache
+        ran: list[tuple[int, ScheduledRow, Request]] = []
+        ended: list[Request] = []
+        for i, row in enumerate(so.rows):
+            req = self.requests.get(row.req_id)
+            if req is None or req.is_finished:
+                self._release_row(row)
+                continue
+            live = req.status == RequestStatus.RUNNING and req.num_preemptions == epochs[i]
+            if live:
+                req.num_inflight_tokens -= row.num_new_tokens
+                if row.samples:
+                    req.num_inflight_samples -= 1
+                a = ro.num_accepted[i]
+                req.num_computed_tokens = row.start + max(a, 0) + 1 if row.is_verify else row.end
+            reason = None
+            if i in ro.errors:
+                req.error = ro.errors[i]
+                reason = "error"
+            elif ro.token_ids[i]:
+                reason = sink.append_tokens(req, ro, i)
+            if reason is not None:
+                sink.request_finished(req, reason, req.error if reason == "error" else None)
+                req.status = RequestStatus.FINISHED  # freed below, once its verified state is published
+                ended.append(req)
+            if live:
+                ran.append((i, row, req))
+            else:
+                self._release_row(row)
+        for i, row, req in ran:
+            if pc is not None:
+                self._publish(row, req, ro.num_accepted[i])
+            elif row.snapshot_entry is not None or row.candidate_snapshot is not None:
+                raise AssertionError("snapshot entries without a prefix cache")
+        if self.drafts is not None:
+            for i, _row, req in ran:
+                if not req.is_finished and not req.num_inflight_tokens:
+                    self._rollback(req)
+                    req.draft_token_ids = []
+                    if req.is_decoding:
+                        proposal = ro.draft_token_ids[i] if ro.draft_token_ids else []
+                        req.draft_token_ids = self.drafts.propose(req, proposal, self.max_model_len)
+        for req in ended:
+            self.finish(req)
+        return [req for _, _, req in ran] + [r for r in ended if all(r is not q for _, _, q in ran)]
+
+    def _publish(self, row: ScheduledRow, req: Request, accepted: int) -> None:
+        """Publish what the step computed and verified: full blocks, and the snapshot the row's worker filled.
+
+        Only tokens the request has count (a stop inside accepted drafts drops the ones after it); with MTP only
+        positions whose MTP entry is written (``keyable_tokens``), which the step wrote before the request's last
+        known token.
+        """
+        pc = self.prefix_cache
+        assert pc is not None
+        computed = min(req.num_computed_tokens, pc.keyable_tokens(req))
+        pc.publish_blocks(req, computed)
+        if row.snapshot_entry is not None:
+            pc.commit_snapshot(req, row.end, row.snapshot_entry)
+        if row.candidate_snapshot is not None:
+            point, entry = row.candidate_snapshot
+            if accepted >= point - row.start - 1 and point <= computed:
+                pc.commit_snapshot(req, point, entry)
+            else:
+                pc.release_entry(entry)
+        pc.unpin(row.load_snapshot)
+
+    def _release_row(self, row: ScheduledRow) -> None:
+        """A row whose result is not used: give back what it reserved in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.release_entry(row.snapshot_entry)
+        if row.candidate_snapshot is not None:
+            self.prefix_cache.release_entry(row.candidate_snapshot[1])
+        self.prefix_cache.unpin(row.load_snapshot)
+
+    def _rollback(self, req: Request) -> None:
+        """Free KV blocks that hold only rejected drafts or drafting positions (published blocks stay)."""
+        keep = max(cdiv(req.num_tokens, self.block_pool.block_size), req.num_published_blocks)
+        if len(req.block_table) > keep:
+            self.block_pool.free(req.block_table[keep:])
+            del req.block_table[keep:]

@@ -1,0 +1,90 @@
+"""The MTP head as a proposer, on the worker side: it runs over the target's hidden states of the step just taken.
+
+Position p of the MTP layer takes (token p+1, the target's hidden state at p). After a step, every position it
+computed whose next token is now known is consumed: a prefill chunk's positions (the token after the chunk is sent
+as ``next_token_id``, or is the token just sampled), a verify row's accepted positions (their next tokens are the
+accepted drafts and the correction). This writes the MTP KV entries of those positions before their blocks can be
+published (prefix caching relies on it: docs/design.md invariant 5), and the layer's output at the last position
+gives the first draft; further drafts feed the layer its own output, one greedy token per pass. The KV blocks those
+passes write were allocated by the scheduler with the step (its lookahead); the scheduler trims the drafts to what
+each request may still produce.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hyserve.scheduler.output import RunnerOutput, ScheduledRow
+
+if TYPE_CHECKING:
+    from hyserve.worker.model_runner import ModelRunner
+
+
+class MTPProposer:
+    def __init__(self, num_speculative_tokens: int) -> None:
+        # The runner is passed to each call, not kept: it owns this proposer (no reference cycle).
+        self.k = num_speculative_tokens
+        # The layer's output that proposed each request's first draft in the last step (tests compare them).
+        self.first_hidden: dict[str, torch.Tensor] = {}
+
+    def propose(self, runner: ModelRunner, rows: list[ScheduledRow], out: RunnerOutput) -> list[list[int]]:
+        """Consume the step's positions (see the module docstring); drafts for every row that sampled."""
+        from hyserve.worker.model_runner import MTPRow
+
+        assert runner.last_hidden is not None
+        drafts: list[list[int]] = [[] for _ in rows]
+        self.first_hidden = {}
+        mrows: list[MTPRow] = []
+        owners: list[int] = []
+        offset = 0
+        for i, row in enumerate(rows):
+            start, t0 = row.start, offset
+            offset += row.num_new_tokens
+            if i in out.errors:
+                continue
+            if row.is_verify:
+                if out.num_accepted[i] < 0:
+                    continue
+                inputs = out.token_ids[i]  # the accepted drafts and the correction: tokens start+1 .. start+a+1
+            elif row.samples:
+                inputs = [*row.token_ids[1:], out.token_ids[i][0]]
+            else:
+                if row.next_token_id is None:
+                    continue
+                inputs = [*row.token_ids[1:], row.next_token_id]
+            mrows.append(MTPRow(start, inputs, list(range(t0, t0 + len(inputs))), row.block_table))
+            owners.append(i)
+        if not mrows:
+            return drafts
+        hidden, first = runner.mtp_draft(mrows, runner.last_hidden)
+        live: list[tuple[int, int, int, int]] = []  # (row, drafts wanted, index into hidden, last consumed position)
+        for n, (i, mrow) in enumerate(zip(owners, mrows, strict=True)):
+            row = rows[i]
+            if not row.samples:
+                continue
+            num_tokens = mrow.start + len(mrow.input_ids) + 1  # known tokens after the step
+            k = min(self.k, row.draft_limit - num_tokens)
+            if k > 0:
+                drafts[i] = [first[n]]
+                self.first_hidden[row.req_id] = hidden[n]
+                live.append((i, k, n, num_tokens - 2))
+        if not live:
+            return drafts
+        h = hidden[torch.tensor([n for _, _, n, _ in live], dtype=torch.long, device=hidden.device)]
+        j = 1
+        while True:
+            keep = [m for m, (i, k, _, _) in enumerate(live) if len(drafts[i]) < k]
+            if not keep:
+                break
+            passes: list[MTPRow] = []
+            for m in keep:
+                i, _, _, last = live[m]
+                passes.append(MTPRow(last + j, [drafts[i][-1]], [len(passes)], rows[i].block_table))
+            h, tokens = runner.mtp_draft(passes, h[keep] if len(keep) < len(live) else h)
+            for m, tok in zip(keep, tokens, strict=True):
+                drafts[live[m][0]].append(tok)
+            live = [live[m] for m in keep]
+            j += 1
+        return drafts
