@@ -31,7 +31,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 def measure(model: str, variant: str, batches: list[int], steps: int) -> dict[str, Any]:
     import torch
 
+    import hyserve
     from hyserve import LLM, SamplingParams
+
+    print(f"variant {variant}: hyserve from {os.path.dirname(hyserve.__file__)}", file=sys.stderr, flush=True)
 
     blocked = [0.0]
     original_sync = torch.cuda.Event.synchronize
@@ -51,7 +54,7 @@ def measure(model: str, variant: str, batches: list[int], steps: int) -> dict[st
     vocab = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
-    out: dict[str, Any] = {"variant": variant, "rows": []}
+    out: dict[str, Any] = {"variant": variant, "package": os.path.dirname(hyserve.__file__), "rows": []}
     for batch in [batches[0], *batches]:  # the first batch once more as a warm-up
         ids = [f"b{batch}-{i}-{time.perf_counter_ns()}" for i in range(batch)]
         for rid in ids:
@@ -150,10 +153,11 @@ def main() -> int:
     write_random_checkpoint(model, SHAPE_2B)
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(here)
-    variants = [("before", args.before)] if args.before else []
+    variants = [("before", os.path.abspath(args.before))] if args.before else []
     variants += [("sync", repo), ("async", repo)]
     results = []
     for name, tree in variants:
+        assert os.path.isdir(os.path.join(tree, "hyserve")), f"no hyserve package in {tree}"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", model, "--variant", name,
                                "--batches", args.batches, "--steps", str(args.steps)],

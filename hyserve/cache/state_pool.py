@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hyserve.cache.specs import RecurrentStateSpec, recurrent_bytes
+from hyserve.utils import device_tensor
 
 if TYPE_CHECKING:
     from hyserve.config import ModelConfig
@@ -75,8 +76,8 @@ class StatePool:
         if not src or not self._all:
             return
         device = self._all[0].device
-        s = torch.tensor(src, dtype=torch.long, device=device)
-        d = torch.tensor(dst, dtype=torch.long, device=device)
+        s = device_tensor(src, device, torch.long)
+        d = device_tensor(dst, device, torch.long)
         for t in self._all:
             t.index_copy_(0, d, t.index_select(0, s))
 
@@ -84,6 +85,6 @@ class StatePool:
         """Zero the state of ``slots`` (requests about to consume their first token)."""
         if not slots or not self._all:
             return
-        idx = torch.tensor(slots, dtype=torch.long, device=self._all[0].device)
+        idx = device_tensor(slots, self._all[0].device, torch.long)
         for t in self._all:
             t.index_fill_(0, idx, 0)

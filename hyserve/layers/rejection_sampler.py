@@ -61,6 +61,7 @@ import torch
 
 from hyserve.layers.sampler import Sampler
 from hyserve.sampling_params import SamplingParams
+from hyserve.utils import device_tensor
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch generators take seeds in [0, 2**64)
 
@@ -115,7 +116,7 @@ def process_logits(x: torch.Tensor, row_max: torch.Tensor, params: Sequence[Samp
     top-k/top-p helpers, so the two cannot disagree on what a truncation keeps.
     """
     vocab = x.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], device=x.device)
+    temperature = device_tensor([p.temperature for p in params], x.device)
     x.sub_(row_max.unsqueeze(1)).div_(temperature.unsqueeze(1))
 
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -124,7 +125,7 @@ def process_logits(x: torch.Tensor, row_max: torch.Tensor, params: Sequence[Samp
     elif any(top_k):
         Sampler._apply_top_k(x, top_k)
     if any(p.min_p > 0.0 for p in params):
-        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], device=x.device)
+        log_min_p = device_tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], x.device)
         x.masked_fill_(x < log_min_p.unsqueeze(1), -math.inf)
     return x
 
@@ -176,8 +177,8 @@ class RejectionSampler:
         accept = torch.zeros(num_pos, dtype=torch.bool, device=self.device)
         draft_pos = [starts[r] + j for r in range(num_rows) for j in range(counts[r])]
         if draft_pos:
-            pos_t = torch.tensor(draft_pos, device=self.device)
-            drafts_t = torch.tensor([t for r in rows for t in r.draft_token_ids], device=self.device)
+            pos_t = device_tensor(draft_pos, self.device)
+            drafts_t = device_tensor([t for r in rows for t in r.draft_token_ids], self.device)
             accept[pos_t] = final_tok.index_select(0, pos_t) == drafts_t
 
         sampled = [r for r in range(num_rows) if not rows[r].params.is_greedy]
@@ -195,7 +196,7 @@ class RejectionSampler:
             padded[pad_idx.to(self.device)] = accept
             padded = padded.view(num_rows, width)
         num_acc = padded.to(torch.int32).cumprod(dim=1).sum(dim=1)
-        stop = torch.tensor(starts, device=self.device) + num_acc
+        stop = device_tensor(starts, self.device) + num_acc
         summary = torch.stack(
             [num_acc.long(), final_tok.index_select(0, stop), (~finite.index_select(0, stop)).long()]
         ).tolist()
@@ -262,7 +263,7 @@ class RejectionSampler:
         if not pos_ids:
             return logits
         masked = logits.clone()
-        masked[torch.tensor(pos_ids, device=self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+        masked[device_tensor(pos_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
         return masked
 
     # ------------------------------------------------------------------------------------------------------------
@@ -312,7 +313,7 @@ class RejectionSampler:
                     seeded.append((base + j, seed))
         n = len(flat)
         dev = self.device
-        pos = torch.tensor(flat, device=dev)
+        pos = device_tensor(flat, dev)
 
         ok = finite.index_select(0, pos)
         # Non-finite positions are processed as all-zero logits: their result is discarded (the walk fails there),
@@ -328,12 +329,12 @@ class RejectionSampler:
         draft_local = onehot_local + q_local
         q = torch.cat(q_rows) if q_rows else None
         if draft_local:
-            dl = torch.tensor(draft_local, device=dev)
-            dt = torch.tensor(onehot_tok + q_tok, device=dev)
+            dl = device_tensor(draft_local, dev)
+            dt = device_tensor(onehot_tok + q_tok, dev)
             p_draft = p[dl, dt]
             q_draft = torch.ones(len(draft_local), device=dev)
             if q is not None:
-                q_draft[len(onehot_local) :] = q.gather(1, torch.tensor(q_tok, device=dev).unsqueeze(1)).squeeze(1)
+                q_draft[len(onehot_local) :] = q.gather(1, device_tensor(q_tok, dev).unsqueeze(1)).squeeze(1)
             accept.index_copy_(0, pos.index_select(0, dl), self._accept(u.index_select(0, dl), p_draft, q_draft))
 
         res = self._residual_logits(x, p, onehot_local, onehot_tok, q_local, q)
@@ -351,7 +352,7 @@ class RejectionSampler:
             noise.exponential_(generator=self.generator)
             u.uniform_(generator=self.generator)
         elif unseeded:
-            idx = torch.tensor(unseeded, device=dev)
+            idx = device_tensor(unseeded, dev)
             block = torch.empty((len(unseeded), vocab), device=dev).exponential_(generator=self.generator)
             noise.index_copy_(0, idx, block)
             u.index_copy_(0, idx, torch.empty(len(unseeded), device=dev).uniform_(generator=self.generator))
@@ -384,9 +385,9 @@ class RejectionSampler:
         res = x.clone()
         dev = x.device
         if onehot_local:
-            res[torch.tensor(onehot_local, device=dev), torch.tensor(onehot_tok, device=dev)] = -math.inf
+            res[device_tensor(onehot_local, dev), torch.tensor(onehot_tok, device=dev)] = -math.inf
         if q is not None:
-            ql = torch.tensor(q_local, device=dev)
+            ql = device_tensor(q_local, dev)
             res.index_copy_(0, ql, (p.index_select(0, ql) - q).clamp_min_(0.0).log_())
             empty = ~torch.isfinite(res.amax(dim=1, keepdim=True))
             res = torch.where(empty, x, res)
@@ -410,8 +411,8 @@ class RejectionSampler:
         pos = [starts[r] + j for r in asking for j in range(len(out.token_ids[r]))]
         toks = [t for r in asking for t in out.token_ids[r]]
         n_top = [min(rows[r].params.logprobs or 0, vocab) for r in asking for _ in out.token_ids[r]]
-        logprobs = torch.log_softmax(logits.index_select(0, torch.tensor(pos, device=self.device)), dim=1)
-        chosen = logprobs.gather(1, torch.tensor(toks, device=self.device).unsqueeze(1))
+        logprobs = torch.log_softmax(logits.index_select(0, device_tensor(pos, self.device)), dim=1)
+        chosen = logprobs.gather(1, device_tensor(toks, self.device).unsqueeze(1))
         ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
         chosen_list = chosen.squeeze(1).tolist()
         top_vals: list[list[float]] = [[] for _ in pos]

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hyserve.sampling_params import SamplingParams
+from hyserve.utils import device_tensor
 
 ERROR_TOKEN_ID = -1
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch generators take seeds in [0, 2**64)
@@ -123,7 +124,7 @@ class Sampler:
 
         sampled_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled_rows:
-            idx = torch.tensor(sampled_rows, device=self.device)
+            idx = device_tensor(sampled_rows, self.device)
             drawn = self._sample(
                 masked.index_select(0, idx), best_val.index_select(0, idx), [rows[i] for i in sampled_rows]
             )
@@ -154,14 +155,14 @@ class Sampler:
         if not row_ids:
             return logits
         masked = logits.clone()
-        masked[torch.tensor(row_ids, device=self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+        masked[device_tensor(row_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
         return masked
 
     def _sample(self, x: torch.Tensor, row_max: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Draws one token per row of ``x`` (owned, modified in place); ``row_max`` is each row's maximum."""
         num_rows, vocab = x.shape
         params = [r.params for r in rows]
-        temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        temperature = device_tensor([p.temperature for p in params], self.device)
         x.sub_(row_max.unsqueeze(1)).div_(temperature.unsqueeze(1))
 
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -181,7 +182,7 @@ class Sampler:
             noise.exponential_(generator=self.generator)
         elif unseeded:
             block = torch.empty((len(unseeded), vocab), device=self.device).exponential_(generator=self.generator)
-            noise.index_copy_(0, torch.tensor(unseeded, device=self.device), block)
+            noise.index_copy_(0, device_tensor(unseeded, self.device), block)
         for j, r in enumerate(rows):
             if r.seed is not None:
                 self._row_generator.manual_seed(r.seed & _SEED_MASK)
@@ -195,9 +196,9 @@ class Sampler:
         """Keeps, in rows with ``k > 0``, the entries >= the k-th largest (in place; 0 = off)."""
         k_max = max(top_k)
         kth = torch.topk(x, k_max, dim=1).values
-        pos = torch.tensor([max(k, 1) - 1 for k in top_k], device=x.device)
+        pos = device_tensor([max(k, 1) - 1 for k in top_k], x.device)
         threshold = kth.gather(1, pos.unsqueeze(1))
-        off = torch.tensor([k == 0 for k in top_k], device=x.device)
+        off = device_tensor([k == 0 for k in top_k], x.device)
         threshold.masked_fill_(off.unsqueeze(1), -math.inf)
         x.masked_fill_(x < threshold, -math.inf)
 
@@ -207,12 +208,12 @@ class Sampler:
         vocab = x.shape[1]
         values, order = x.sort(dim=1, descending=True, stable=True)
         if any(top_k):
-            pos = torch.tensor([(k if k else vocab) - 1 for k in top_k], device=x.device)
+            pos = device_tensor([(k if k else vocab) - 1 for k in top_k], x.device)
             values.masked_fill_(values < values.gather(1, pos.unsqueeze(1)), -math.inf)
         probs = values.softmax(dim=1)
         mass_before = probs.cumsum(dim=1).sub_(probs)  # exactly 0 at position 0, so the argmax is always kept
         # p == 1 must keep everything, even where float cumsum rounds the tail's mass_before up to 1.
-        p = torch.tensor([v if v < 1.0 else math.inf for v in top_p], device=x.device)
+        p = device_tensor([v if v < 1.0 else math.inf for v in top_p], x.device)
         values.masked_fill_(mass_before >= p.unsqueeze(1), -math.inf)
         return x.scatter_(1, order, values)
 
@@ -223,7 +224,7 @@ class Sampler:
         if not asking:
             return [], []
         vocab = logits.shape[1]
-        idx = torch.tensor(asking, device=self.device)
+        idx = device_tensor(asking, self.device)
         logprobs = torch.log_softmax(logits.index_select(0, idx), dim=1)
         chosen = logprobs.gather(1, tokens.index_select(0, idx).unsqueeze(1))
         out["chosen"] = chosen.squeeze(1)

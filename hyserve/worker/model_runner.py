@@ -32,6 +32,7 @@ from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.sampling_params import SamplingParams
 from hyserve.scheduler.output import PREVIOUS_SAMPLED, RunnerOutput, ScheduledRow, SchedulerOutput
 from hyserve.speculative.mtp_proposer import MTPProposer
+from hyserve.utils import device_tensor
 from hyserve.worker import cuda_graphs
 from hyserve.worker.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, GraphSet, StepGraphs, capture_sizes
 
@@ -841,9 +842,9 @@ class ModelRunner:
         """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``."""
         if not rows:
             return
-        r = torch.tensor(rows, dtype=torch.long, device=self.device)
-        p = torch.tensor(positions, dtype=torch.long, device=self.device)
-        e = torch.tensor(entries, dtype=torch.long, device=self.device)
+        r = device_tensor(rows, self.device, torch.long)
+        p = device_tensor(positions, self.device, torch.long)
+        e = device_tensor(entries, self.device, torch.long)
         for layer in self.model.recurrent_layers():
             layer.snapshot_candidates(r, p, e)
 
