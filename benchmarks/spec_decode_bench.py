@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hyserve import LLM, SamplingParams
-from hyserve.engine.request import Request
+from hyserve.request import Request
 from hyserve.speculative.proposer import Proposer
 from hyserve.testing import write_tiny_checkpoint
 

@@ -441,7 +441,7 @@ class PicklingExecutor:
     Built like ``UniProcExecutor`` (tests substitute it for the engine's executor class).
     """
 
-    FORBIDDEN = (b"torch", b"hyserve.engine.request")
+    FORBIDDEN = (b"torch", b"hyserve.request")
 
     def __init__(self, worker: Any) -> None:
         from hyserve.executor.uniproc import UniProcExecutor

@@ -16,7 +16,7 @@ from test_engine import assert_matches_reference, drive, make_llm, random_prompt
 
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.engine.request import Request
+from hyserve.request import Request
 
 VOCAB = 512  # the tiny checkpoints' vocabulary size
 SPECS: dict[str, dict[str, object] | None] = {

@@ -9,7 +9,8 @@ Two checks: the graph of top-level imports (what runs when a module is imported)
 full graph (function-level and type-only imports too) the pairs that once formed circles are in no cycle together:
 the command line and the tools share ``hyserve.engine_args`` instead of importing each other, and the metrics read
 the engine through a Protocol. And no module imports another's private (underscore) names: helpers that tests,
-benchmarks and training share are public.
+benchmarks and training share are public. The two halves of the engine stay apart: no import path leads from the
+worker side to requests, the scheduler, the prefix cache or the engine, and the cache layer imports nothing above it.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def test_top_level_imports_have_no_cycle() -> None:
     ("hyserve.cli", "hyserve.tools.bench"),
     ("hyserve.cli", "hyserve.tools.soak"),
     ("hyserve.engine.llm_engine", "hyserve.engine.metrics"),
+    ("hyserve.engine.llm_engine", "hyserve.speculative.drafts"),
+    ("hyserve.engine.llm_engine", "hyserve.scheduler.scheduler"),
 ])
 def test_no_cycle_through_once_circular_pairs(a: str, b: str) -> None:
     """Function-level and ``TYPE_CHECKING`` imports included."""
@@ -146,3 +149,43 @@ def test_no_private_names_imported_across_modules() -> None:
     files = [p for d in ("hyserve", "tests", "benchmarks", "training") for p in sorted((repo / d).rglob("*.py"))]
     assert len(files) > 50
     assert [hit for path in files for hit in private_imports(path)] == []
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()]:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+WORKER_SIDE = ["hyserve.worker.worker", "hyserve.worker.model_runner", "hyserve.executor.uniproc",
+               "hyserve.speculative.mtp_proposer"]
+SCHEDULER_SIDE = {"hyserve.request", "hyserve.scheduler.scheduler", "hyserve.cache.prefix_cache",
+                  "hyserve.cache.state_slots", "hyserve.engine.llm_engine", "hyserve.engine.output_processor"}
+
+
+@pytest.mark.parametrize("module", WORKER_SIDE)
+def test_the_worker_side_reaches_no_scheduler_state(module: str) -> None:
+    """What the worker runs on is what the step sends it: no import path from the worker to requests, the scheduler,
+    the prefix cache or the engine (full graph, function-level and type-only imports included)."""
+    graph = import_graph(top_level_only=False)
+    assert graph[module], f"{module} has no imports: the graph reader missed it"
+    assert not reachable(graph, module) & SCHEDULER_SIDE, sorted(reachable(graph, module) & SCHEDULER_SIDE)
+
+
+def test_the_cache_layer_imports_nothing_above_it() -> None:
+    graph = import_graph(top_level_only=True)
+    above = ("hyserve.engine", "hyserve.scheduler", "hyserve.worker", "hyserve.executor", "hyserve.server")
+    bad = {m: sorted(d for d in deps if d.startswith(above)) for m, deps in graph.items()
+           if m.startswith("hyserve.cache.")}
+    assert all(not v for v in bad.values()), bad
+
+
+def test_the_seam_check_sees_a_forbidden_path() -> None:
+    """The check above fails when a worker module reaches a request (sabotage of the graph)."""
+    graph = import_graph(top_level_only=False)
+    graph["hyserve.worker.model_runner"] = graph["hyserve.worker.model_runner"] | {"hyserve.request"}
+    assert reachable(graph, "hyserve.worker.worker") & SCHEDULER_SIDE

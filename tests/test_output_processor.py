@@ -17,8 +17,8 @@ from test_engine import make_llm, random_prompts
 from hyserve import SamplingParams
 from hyserve.engine import output_processor
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.engine.request import Request
 from hyserve.outputs import RequestOutput
+from hyserve.request import Request
 from hyserve.sampling_params import RequestOutputKind
 from hyserve.server import async_engine as async_engine_module
 from hyserve.server.async_engine import AsyncEngine
@@ -248,3 +248,23 @@ def test_a_dropped_delta_is_caught(ckpts: CheckpointCache, monkeypatch: pytest.M
     monkeypatch.setattr(async_engine_module, "merge_delta", lambda earlier, later: later)
     got = slow_stream(path, greedy(40, output_kind=RequestOutputKind.DELTA), prompt)
     assert sum(len(o.outputs[0].token_ids) for o in got) < 40
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_a_character_cut_by_max_tokens_is_flushed_at_the_end(ckpts: CheckpointCache, kind: RequestOutputKind) -> None:
+    """max_tokens ends the output in the middle of a multi-byte character: the final text is the decode of the
+    output ids (the held-back bytes come out as U+FFFD), not the text minus them."""
+    engine = make_llm(ckpts.get()).llm_engine
+    tok = engine.tokenizer
+    assert tok is not None
+    ids = tok.encode("naïve ü")
+    lone = next(i for i in ids if tok.decode([i]).endswith("\ufffd"))  # a token holding part of a character
+    proc = engine.output_processor
+    params = SamplingParams(max_tokens=2, output_kind=kind)
+    req = Request("r", None, [1, 2, 3], params, 0, proc.detokenizer([1, 2, 3], params))
+    assert proc.append(req, output_processor.NewTokens([ids[0]])) is None
+    assert proc.append(req, output_processor.NewTokens([lone])) == "length"
+    req.status = req.status.FINISHED
+    assert req.output_text == tok.decode([ids[0], lone]) and req.output_text.endswith("\ufffd")
+    out = proc.make_output(req)
+    assert out is not None and out.outputs[0].text.endswith("\ufffd")

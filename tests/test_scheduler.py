@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.state_slots import StateSlots
-from hyserve.engine.request import Request
+from hyserve.request import Request
 from hyserve.sampling_params import SamplingParams
 from hyserve.scheduler.output import PREVIOUS_SAMPLED, RunnerOutput, SchedulerOutput
 from hyserve.scheduler.scheduler import Scheduler

@@ -403,6 +403,35 @@ def test_stop_strings_and_stop_token_ids(ctx: Ctx) -> None:
     assert resp.usage is not None and resp.usage.completion_tokens == first + 1
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_stop_string_over_several_tokens_reaches_a_slow_reader_cut(ctx: Ctx, async_scheduling: bool) -> None:
+    """A stop string that takes several tokens (so several steps and SSE chunks) to complete, read by a client that
+    sleeps between chunks while the engine runs ahead (with async scheduling, one step past the stop): the chunks
+    add up to the text before the stop, and no chunk carries any of it."""
+    prompt = PROMPTS[5]
+    ref = ctx.ref(prompt, _greedy(30)).outputs[0]
+    full, ids = ref.text, ref.token_ids
+    ends = [len(ctx.llm.llm_engine.tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]  # type: ignore[union-attr]
+    # From the middle of token a's text to the middle of token a + 3's: it completes three tokens after it starts.
+    spans = [((ends[a] + ends[a + 1]) // 2, (ends[a + 3] + ends[a + 4]) // 2) for a in range(3, len(ids) - 4)]
+    start, stop_end = next((b, e) for b, e in spans if full[b:e].strip() and "\ufffd" not in full[b:e]
+                           and full.find(full[b:e]) == b and e - b >= 4)
+    stop = full[start:stop_end]
+    with ServerThread(AsyncEngine(_engine(ctx.path, async_scheduling=async_scheduling), start=False)) as srv:
+        client = srv.client()
+        chunks: list[str] = []
+        reason = None
+        for chunk in client.completions.create(model=MODEL_NAME, stream=True, prompt=prompt, max_tokens=30,
+                                               temperature=0, stop=[stop], extra_body={"ignore_eos": True}):
+            time.sleep(0.05)  # a slow reader: the engine produces the next tokens meanwhile
+            for c in chunk.choices:
+                chunks.append(c.text)
+                reason = c.finish_reason or reason
+        srv.settle()
+    assert "".join(chunks) == full[:start] and reason == "stop"
+    assert len(chunks) > 2  # the text came in pieces
+
+
 def test_token_id_extras(ctx: Ctx) -> None:
     """vLLM's return_token_ids / return_tokens_as_token_ids, for clients that work in token ids."""
     ids = ctx.llm.get_tokenizer().encode(PROMPTS[3])

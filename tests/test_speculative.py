@@ -16,7 +16,7 @@ from test_prefix_cache import make_convs, run_conversations, toks
 
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.engine.request import Request
+from hyserve.request import Request
 from hyserve.speculative.proposer import Proposer
 from hyserve.worker import cuda_graphs
 

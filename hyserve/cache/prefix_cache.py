@@ -2,7 +2,7 @@
 
 Keys. Block ``i`` of a token sequence (tokens ``[i*B, (i+1)*B)``, B = block size) has the key
 ``h_i = H(h_{i-1}, tokens of block i)``: the key names the whole prefix ``[0, (i+1)*B)``. The attention KV of that
-block is cached under ``h_i`` (``BlockPool``), and so is a recurrent snapshot, the state of every GDN layer after
+block is cached under ``h_i`` (``BlockPool``), and so is a recurrent snapshot, the state of every recurrent layer after
 consuming exactly that prefix (docs/design.md invariant 4). The block size stays small (16); where snapshots are
 taken is a policy:
 
@@ -49,7 +49,7 @@ import numpy as np
 
 from hyserve.cache.block_pool import BlockPool
 from hyserve.cache.state_slots import StateSlots
-from hyserve.engine.request import Request
+from hyserve.request import Request
 
 ROOT_HASH = b"hyserve-prefix-root"
 

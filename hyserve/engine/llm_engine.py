@@ -23,10 +23,10 @@ from hyserve.cache.state_slots import StateSlots
 from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig, apply_cpu_threads, resolve_dtype
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
-from hyserve.engine.request import Request
 from hyserve.executor.base import Executor, StepHandle
 from hyserve.executor.uniproc import UniProcExecutor
 from hyserve.outputs import RequestOutput
+from hyserve.request import Request
 from hyserve.sampling_params import SamplingParams
 from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
 from hyserve.scheduler.scheduler import Scheduler

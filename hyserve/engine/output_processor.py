@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from hyserve.engine.request import Request
 from hyserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from hyserve.request import Request
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
 from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -72,6 +72,11 @@ class OutputProcessor:
                 req.output_text = req.detokenizer.text
             reason = self._check_stop(req, token)
             if reason is not None:
+                if req.detokenizer is not None and not isinstance(req.stop_reason, str):
+                    # The end: text held back for an incomplete character is emitted (as U+FFFD), so the final
+                    # text is the decode of the output ids. (A stop string has already cut the text.)
+                    req.detokenizer.flush()
+                    req.output_text = req.detokenizer.text
                 return reason
         return None
 

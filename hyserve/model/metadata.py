@@ -21,7 +21,7 @@ import torch
 @dataclass(slots=True)
 class VerifyMetadata:
     """Speculative decoding: the first ``num_rows`` rows (``num_tokens`` tokens) are verify rows, [last token +
-    drafts]. Their GDN layers only read the live state and write per-position candidates into scratch (invariant
+    drafts]. Their recurrent layers only read the live state and write per-position candidates into scratch (invariant
     2); the remaining rows ("rest": prefill chunks) update their slots as usual."""
 
     num_rows: int

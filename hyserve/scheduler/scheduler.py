@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.prefix_cache import PrefixCache, PrefixHit
 from hyserve.cache.state_slots import StateSlots
-from hyserve.engine.request import Request, RequestStatus
+from hyserve.request import Request, RequestStatus
 from hyserve.scheduler.output import (
     PREVIOUS_SAMPLED,
     NewRequestData,

@@ -12,7 +12,7 @@ step).
 
 from __future__ import annotations
 
-from hyserve.engine.request import Request
+from hyserve.request import Request
 from hyserve.speculative.config import SpeculativeConfig
 from hyserve.speculative.proposer import NgramProposer, Proposer
 

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from hyserve.engine.request import Request
+from hyserve.request import Request
 
 
 class Proposer(ABC):

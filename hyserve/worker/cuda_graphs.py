@@ -6,8 +6,8 @@ Three kinds, each captured once per padded row count B (largest first, in one me
   rows; B rows of float32 logits.
 - ``verify`` (speculative decoding): every row is a verify row [last token + up to k drafts], laid out in ``k + 1``
   tokens (a row with fewer drafts is followed by masked tokens: no KV write, outputs never read). The model with
-  the verify GDN path (candidates into scratch, live state read only) plus ``lm_head`` over all ``B * (k + 1)``
-  positions; the hidden states too (the MTP head consumes them).
+  the recurrent layers' verify path (candidates into scratch, live state read only) plus ``lm_head`` over all
+  ``B * (k + 1)`` positions; the hidden states too (the MTP head consumes them).
 - ``mtp``: one MTP pass with one token per row (multi-step drafting): the MTP layer, ``lm_head`` and the greedy
   draft token of every row, on the device.
 
