@@ -189,3 +189,49 @@ def test_the_seam_check_sees_a_forbidden_path() -> None:
     graph = import_graph(top_level_only=False)
     graph["hyserve.worker.model_runner"] = graph["hyserve.worker.model_runner"] | {"hyserve.request"}
     assert reachable(graph, "hyserve.worker.worker") & SCHEDULER_SIDE
+
+
+OWNED = ("num_computed_tokens", "block_table", "state_slot", "draft_token_ids", "num_inflight_tokens",
+         "num_inflight_samples")
+
+
+def attribute_writes(source: str) -> list[tuple[int, str]]:
+    """(line, attribute) of every store to ``x.<attr>`` (assignment, augmented assignment, deletion of an item or
+    slice of it, or a mutating call such as ``x.block_table.extend``) for the attributes in OWNED."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "append", "extend", "clear", "pop", "insert", "remove"):
+            targets = [node.func.value]
+        for t in targets:
+            while isinstance(t, ast.Subscript):
+                t = t.value
+            if isinstance(t, ast.Attribute) and t.attr in OWNED:
+                found.append((node.lineno, t.attr))
+    return sorted(found)
+
+
+def test_only_the_scheduler_writes_computed_counts_blocks_slots_and_drafts() -> None:
+    """docs/design.md invariant 13: the scheduler is the only writer of a request's computed count, block table,
+    state slot and drafts (dataclass defaults in ``hyserve/request.py`` aside)."""
+    writers = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).as_posix()
+        if rel in ("hyserve/scheduler/scheduler.py", "hyserve/request.py"):
+            continue
+        hits = attribute_writes(path.read_text())
+        if hits:
+            writers[rel] = hits
+    assert writers == {}
+
+
+def test_the_writer_check_sees_writes() -> None:
+    src = "req.num_computed_tokens = 3\nreq.block_table.extend([1])\ndel req.block_table[2:]\nr.state_slot += 1\n"
+    assert [a for _, a in attribute_writes(src)] == ["num_computed_tokens", "block_table", "block_table",
+                                                    "state_slot"]
+    assert attribute_writes("x = req.block_table[0]\nf(req.state_slot)\n") == []

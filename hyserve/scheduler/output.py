@@ -102,7 +102,7 @@ class RunnerOutput:
     - ``num_accepted[i]``: drafts accepted by a verify row (the live state took that candidate), -1 otherwise.
     - ``logprobs`` / ``ranks`` / ``top_logprobs``: ``None`` if no row asked; else per row, parallel to token_ids.
     - ``errors``: row index -> why the row produced nothing (non-finite logits, its sampling inputs failed).
-    - ``draft_token_ids[i]``: the MTP head's drafts for the row's next step (``[]``: none).
+    - ``next_draft_token_ids[i]``: the MTP head's drafts for the row's next step (``[]``: none).
     """
 
     step_id: int
@@ -112,4 +112,4 @@ class RunnerOutput:
     ranks: list[list[int | None]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     errors: dict[int, str] = field(default_factory=dict)
-    draft_token_ids: list[list[int]] = field(default_factory=list)
+    next_draft_token_ids: list[list[int]] = field(default_factory=list)

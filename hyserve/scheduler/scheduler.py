@@ -347,7 +347,7 @@ class Scheduler:
                     self._rollback(req)
                     req.draft_token_ids = []
                     if req.is_decoding:
-                        proposal = ro.draft_token_ids[i] if ro.draft_token_ids else []
+                        proposal = ro.next_draft_token_ids[i] if ro.next_draft_token_ids else []
                         req.draft_token_ids = self.drafts.propose(req, proposal, self.max_model_len)
         for req in ended:
             self.finish(req)

@@ -5,7 +5,7 @@ recurrent layers compute per-position candidates into scratch; after acceptance 
 candidate ``a`` (docs/design.md invariant 2) through the row's slot index, the scheduler advances
 ``num_computed_tokens`` by ``a + 1``, frees KV blocks that hold only rejected positions, and publishes only verified
 positions (invariant 3). The drafts of the next step come from the n-gram proposer (here, from the request's token
-ids) or from the MTP head (on the worker, returned in ``RunnerOutput.draft_token_ids``); either way this trims them
+ids) or from the MTP head (on the worker, returned in ``RunnerOutput.next_draft_token_ids``); either way this trims them
 so that a request never runs past ``max_tokens`` or ``max_model_len`` (at most k + 1 tokens are emitted per verify
 step).
 """

@@ -581,7 +581,7 @@ class ModelRunner:
             self._commit_verified([out.num_accepted[i] for i in verify])
         self._save_snapshots(rows, out.num_accepted)
         if self.mtp_proposer is not None:
-            out.draft_token_ids = self.mtp_proposer.propose(self, rows, out)
+            out.next_draft_token_ids = self.mtp_proposer.propose(self, rows, out)
         return StepResult(out)
 
     def _sampling_row(self, row: ScheduledRow, i: int, errors: dict[int, str]) -> SamplingRow:
