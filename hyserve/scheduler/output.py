@@ -113,3 +113,11 @@ class RunnerOutput:
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     errors: dict[int, str] = field(default_factory=dict)
     next_draft_token_ids: list[list[int]] = field(default_factory=list)
+
+    def logprob_lists(self) -> tuple[list[list[float]], list[list[int | None]], list[list[list[tuple[int, float]]]]]:
+        """``logprobs``, ``ranks`` and ``top_logprobs``, made (empty for every row) the first time a row asks."""
+        if self.logprobs is None or self.ranks is None or self.top_logprobs is None:
+            n = len(self.token_ids)
+            self.logprobs, self.ranks, self.top_logprobs = [[] for _ in range(n)], [[] for _ in range(n)], \
+                [[] for _ in range(n)]
+        return self.logprobs, self.ranks, self.top_logprobs

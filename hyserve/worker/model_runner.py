@@ -627,10 +627,6 @@ class ModelRunner:
     @staticmethod
     def _take_samples(out: RunnerOutput, idx: list[int], samp: SamplerOutput) -> None:
         errors = set(samp.error_rows)
-        asked = samp.logprobs is not None
-        if asked and out.logprobs is None:
-            out.logprobs, out.ranks, out.top_logprobs = [[] for _ in out.token_ids], [[] for _ in out.token_ids], \
-                [[] for _ in out.token_ids]
         for j, i in enumerate(idx):
             if i in out.errors:
                 continue
@@ -638,19 +634,15 @@ class ModelRunner:
                 out.errors[i] = "non-finite logits (NaN/inf)"
                 continue
             out.token_ids[i] = [int(samp.token_ids[j])]
-            if asked:
-                assert out.logprobs is not None and out.ranks is not None and out.top_logprobs is not None
-                out.logprobs[i] = [float(samp.logprobs[j])]  # type: ignore[index]
-                out.ranks[i] = [samp.ranks[j]] if samp.ranks is not None else [None]
-                out.top_logprobs[i] = [samp.top_logprobs[j]] if samp.top_logprobs is not None else [[]]
+            if samp.logprobs is not None:
+                lps, ranks, tops = out.logprob_lists()
+                lps[i] = [float(samp.logprobs[j])]
+                ranks[i] = [samp.ranks[j]] if samp.ranks is not None else [None]
+                tops[i] = [samp.top_logprobs[j]] if samp.top_logprobs is not None else [[]]
 
     @staticmethod
     def _take_verified(out: RunnerOutput, idx: list[int], spec: SpecOutput) -> None:
         errors = set(spec.error_rows)
-        asked = spec.logprobs is not None
-        if asked and out.logprobs is None:
-            out.logprobs, out.ranks, out.top_logprobs = [[] for _ in out.token_ids], [[] for _ in out.token_ids], \
-                [[] for _ in out.token_ids]
         for j, i in enumerate(idx):
             if j in errors:
                 out.errors.setdefault(i, "non-finite logits (NaN/inf) while verifying drafts")
@@ -658,13 +650,12 @@ class ModelRunner:
             out.num_accepted[i] = spec.num_accepted[j]
             if i in out.errors:
                 continue  # its state advances (the batch ran), its tokens are dropped
-            out.token_ids[i] = [int(t) for t in spec.token_ids[j]]
-            if asked:
-                assert out.logprobs is not None and out.ranks is not None and out.top_logprobs is not None
-                out.logprobs[i] = [float(x) for x in spec.logprobs[j]]  # type: ignore[index]
-                out.ranks[i] = list(spec.ranks[j]) if spec.ranks is not None else [None] * len(out.token_ids[i])
-                out.top_logprobs[i] = list(spec.top_logprobs[j]) if spec.top_logprobs is not None \
-                    else [[] for _ in out.token_ids[i]]
+            tokens = out.token_ids[i] = [int(t) for t in spec.token_ids[j]]
+            if spec.logprobs is not None:
+                lps, ranks, tops = out.logprob_lists()
+                lps[i] = [float(x) for x in spec.logprobs[j]]
+                ranks[i] = list(spec.ranks[j]) if spec.ranks is not None else [None] * len(tokens)
+                tops[i] = list(spec.top_logprobs[j]) if spec.top_logprobs is not None else [[] for _ in tokens]
 
     def _forward(self, rows: list[ScheduledRow], num_sampling: int) -> torch.Tensor:
         """The forward of a step without verify rows; logits of the rows that sample (in row order)."""
