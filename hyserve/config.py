@@ -263,6 +263,8 @@ class EngineConfig:
     num_state_slots: int | None = None
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    # Where the workers run: "uni" (in this process, the default) or "mp" (one process per worker, spawned here).
+    distributed_executor_backend: str | None = None
     # Prefix caching: recurrent snapshots every this many tokens (a multiple of block_size), besides the end of each
     # prompt, the end of each request and branch points; and the share of the cache budget snapshots may use.
     # 2048: on the Qwen3.5 shapes one snapshot (all GDN layers) takes the memory of ~1.6k tokens of KV, so interval
@@ -301,6 +303,10 @@ class EngineConfig:
                 f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; "
                 "set --pipeline-parallel-size 1"
             )
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            hint = " (not supported yet)" if self.distributed_executor_backend == "torchrun" else ""
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}{hint}; use 'uni' "
+                             "or 'mp' (--distributed-executor-backend)")
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; "

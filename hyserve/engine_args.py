@@ -59,6 +59,9 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 supported yet)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor shards (only 1 supported yet)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "torchrun"],
+                   help="where the workers run: uni = in this process (default), mp = one spawned process per "
+                        "worker (torchrun: not supported yet)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step n+1 before step n's result is read (default: on with CUDA, off "
                         "on the CPU)")
@@ -82,4 +85,5 @@ def make_llm(args: argparse.Namespace, model: str | None) -> Any:
                cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,
                cpu_threads=args.cpu_threads, generation_config=args.generation_config,
                async_scheduling=args.async_scheduling,
+               distributed_executor_backend=args.distributed_executor_backend,
                disable_log_stats=getattr(args, "disable_log_stats", True))

@@ -72,7 +72,7 @@ def _with_stops(engine: LLMEngine, arrivals: dict[int, list], want: dict[str, Re
     return out
 
 
-def _engine(path: str, spec: str, **kw: object) -> LLMEngine:
+def scenario_engine(path: str, spec: str, **kw: object) -> LLMEngine:
     llm = make_llm(path, max_num_batched_tokens=24, max_num_seqs=4, num_kv_blocks=10, block_size=16,
                    enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=32,
                    speculative_config=SPECS[spec], **kw)
@@ -81,7 +81,7 @@ def _engine(path: str, spec: str, **kw: object) -> LLMEngine:
 
 def _run(path: str, spec: str, async_scheduling: bool, arrivals: dict[int, list], aborts: dict[int, list[str]],
          sabotage=None) -> tuple[dict[str, RequestOutput], LLMEngine]:  # type: ignore[no-untyped-def]
-    engine = _engine(path, spec, async_scheduling=async_scheduling)
+    engine = scenario_engine(path, spec, async_scheduling=async_scheduling)
     if sabotage is not None:
         sabotage(engine)
     final = drive(engine, arrivals, aborts)
@@ -100,7 +100,7 @@ def _assert_same(got: dict[str, RequestOutput], want: dict[str, RequestOutput]) 
             assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4, f"request {rid}: logprob {i} differs"
 
 
-def _reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],
+def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],
                                                                 dict[str, list[int]], dict[str, RequestOutput]]:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     arrivals, aborts, prompts = _scenario(path)
@@ -115,7 +115,7 @@ def _reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, li
 
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_async_scheduling_matches_sync_and_transformers(ckpts: CheckpointCache, spec: str, graph_mode: str) -> None:
-    path, arrivals, aborts, prompts, want = _reference_run(ckpts, spec)
+    path, arrivals, aborts, prompts, want = reference_run(ckpts, spec)
     events: list[tuple[str, int]] = []
     placeholders = 0
 
@@ -155,7 +155,7 @@ def test_async_scheduling_matches_sync_and_transformers(ckpts: CheckpointCache, 
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_pickled_seam_gives_identical_outputs(ckpts: CheckpointCache, spec: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    path, arrivals, aborts, _, want = _reference_run(ckpts, spec)
+    path, arrivals, aborts, _, want = reference_run(ckpts, spec)
     made: list[PicklingExecutor] = []
 
     def executor(worker):  # type: ignore[no-untyped-def]
@@ -206,7 +206,7 @@ def _feed_by_position(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("spec,sabotage", [("plain", _apply_through_current_rows), ("mtp", _apply_through_current_rows),
                                            ("plain", _feed_by_position)])
 def test_sabotaged_async_engines_are_caught(ckpts: CheckpointCache, spec: str, sabotage) -> None:  # type: ignore[no-untyped-def]
-    path, arrivals, aborts, _, want = _reference_run(ckpts, spec)
+    path, arrivals, aborts, _, want = reference_run(ckpts, spec)
     with pytest.raises((AssertionError, KeyError, IndexError, RuntimeError)):
         got, _ = _run(path, spec, True, arrivals, aborts, sabotage=sabotage)
         _assert_same(got, want)
@@ -232,7 +232,7 @@ def test_async_scheduling_matches_sync_on_gpu(ckpts: CheckpointCache, spec: str)
     arrivals, aborts, _ = _scenario(path)
     runs = []
     for async_scheduling in (False, True):
-        engine = _engine(path, spec, device="cuda", async_scheduling=async_scheduling)
+        engine = scenario_engine(path, spec, device="cuda", async_scheduling=async_scheduling)
         runs.append(drive(engine, arrivals, aborts))
         engine.assert_no_leaks()
     _assert_same(runs[1], runs[0])

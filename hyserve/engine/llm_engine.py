@@ -78,8 +78,7 @@ class LLMEngine:
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.use_mtp = self.spec_config is not None and self.spec_config.method == "mtp"
         # The worker side: device, model, cache tensors, step buffers, graphs. The engine keeps ids and ints.
-        self.executor: Executor = UniProcExecutor(Worker(config, self.model_config, self.device, self.dtype,
-                                                         num_speculative_tokens=k, use_mtp=self.use_mtp))
+        self.executor: Executor = self._make_executor(k)
         info = self.executor.cache_info()
         self.layout = plan_caches(config, info, config.max_num_seqs or DEFAULT_MAX_NUM_SEQS, k,
                                   self.executor.determine_available_memory, self.device.type)
@@ -134,6 +133,16 @@ class LLMEngine:
                         lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
         else:
             logger.info("prefix caching is off")
+
+    def _make_executor(self, num_speculative_tokens: int) -> Executor:
+        kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp}
+        if self.config.distributed_executor_backend == "mp":
+            from hyserve.executor.multiproc import MultiprocExecutor
+
+            logger.info("workers: 1 process (distributed_executor_backend='mp')")
+            return MultiprocExecutor(1, (self.config, self.model_config, self.device, self.dtype),
+                                     {**kw, "cpu_threads": torch.get_num_threads()})
+        return UniProcExecutor(Worker(self.config, self.model_config, self.device, self.dtype, **kw))
 
     @property
     def runner(self) -> ModelRunner:

@@ -1,0 +1,246 @@
+"""The multiprocess executor: each worker in its own process, started by the engine (``distributed_executor_backend
+="mp"``) as ``python -m hyserve.executor.multiproc`` (a fresh interpreter that never re-runs the user's script, so no
+``if __name__ == "__main__"`` guard is needed), holding its end of a pipe.
+
+Only plain data crosses the process boundary: ``SchedulerOutput`` to the workers, ``RunnerOutput`` back, and the
+arguments and answers of ``collective_rpc``, pickled over one pipe per worker (tensors between workers will go
+through torch.distributed collectives). A worker runs the messages it receives in order, so the engine may send
+step n + 1 before it reads step n's result (async scheduling): ``execute_model_async`` returns a handle whose
+``result()`` reads the answer.
+
+Lifetime and failure:
+
+- ``shutdown()`` (also run when the executor is garbage-collected and at interpreter exit) asks each worker to
+  stop, waits a few seconds, then terminates and finally kills it. A worker whose parent dies sees its pipe close
+  and exits; on Linux it also asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG``).
+- A worker that raises answers with the error and its traceback; the engine raises ``WorkerError`` naming the rank.
+  A worker that dies is noticed within ``poll_interval_s`` while the engine waits for it; a worker that answers
+  nothing for ``timeout_s`` is an error too. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from hyserve.executor.base import Executor, StepHandle
+from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
+
+# Seconds a worker may take to answer one message (a step, or an RPC such as loading the model).
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed (raised, died or stopped answering); ``rank`` says which."""
+
+    def __init__(self, rank: int, why: str) -> None:
+        super().__init__(f"worker rank {rank}: {why}")
+        self.rank = rank
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker process builds its ``Worker`` from (all picklable)."""
+
+    rank: int
+    world_size: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass  # the pipe's EOF still ends the worker
+
+
+def worker_main(conn: multiprocessing.connection.Connection) -> None:
+    """A worker process: build the ``Worker`` its first message describes, then answer messages until told to stop
+    or the connection closes."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which stops the workers
+    try:
+        spec: WorkerSpec = conn.recv()
+        import torch
+
+        from hyserve.worker.worker import Worker
+
+        threads = spec.kwargs.pop("cpu_threads", None)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        worker = Worker(*spec.args, **spec.kwargs)
+        conn.send(("ready", os.getpid()))
+    except BaseException as e:  # the engine reports it with the rank
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            return  # the engine is gone
+        if kind == "stop":
+            conn.send(("stopped", None))
+            return
+        try:
+            if kind == "step":
+                answer = worker.execute_model(payload)
+            else:
+                method, args, kwargs = payload
+                answer = getattr(worker, method)(*args, **kwargs)
+            conn.send(("ok", answer))
+        except BaseException as e:  # this message failed: say why, keep serving (the engine decides)
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class _Proc:
+    def __init__(self, rank: int, process: subprocess.Popen[bytes], conn: multiprocessing.connection.Connection
+                 ) -> None:
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+        self.pending: deque[str] = deque()  # kinds of the messages sent and not answered yet, in order
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, world_size: int, worker_args: tuple[Any, ...], worker_kwargs: dict[str, Any] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.5) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._lock = threading.Lock()
+        self._procs: list[_Proc] = []
+        for rank in range(world_size):
+            parent, child = multiprocessing.Pipe(duplex=True)
+            process = subprocess.Popen([sys.executable, "-m", "hyserve.executor.multiproc", str(child.fileno())],
+                                       pass_fds=(child.fileno(),))
+            child.close()
+            self._procs.append(_Proc(rank, process, parent))
+            parent.send(WorkerSpec(rank, world_size, worker_args, dict(worker_kwargs or {})))
+        # Stop the workers however this executor goes: shutdown(), garbage collection, interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_all, list(self._procs))  # also runs at interpreter exit
+        try:
+            for p in self._procs:
+                kind, payload = self._recv(p)
+                if kind != "ready":
+                    raise WorkerError(p.rank, f"failed to start: {payload}")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.pids = [p.process.pid for p in self._procs]
+
+    # ------------------------------------------------------------------ messages
+
+    def _recv(self, p: _Proc) -> tuple[str, Any]:
+        """The next answer of worker ``p``; WorkerError if it dies or says nothing for ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while not p.conn.poll(self.poll_interval_s):
+            if not p.is_alive():
+                raise WorkerError(p.rank, f"the process died (exit code {p.process.returncode})")
+            if time.monotonic() > deadline:
+                raise WorkerError(p.rank, f"no answer within {self.timeout_s:.0f} s")
+        try:
+            return p.conn.recv()
+        except (EOFError, OSError) as e:
+            raise WorkerError(p.rank, f"the process died (exit code {p.process.poll()}): {e}") from e
+
+    def _answer(self, p: _Proc) -> Any:
+        kind, payload = self._recv(p)
+        p.pending.popleft()
+        if kind == "error":
+            raise WorkerError(p.rank, payload)
+        return payload
+
+    def _send(self, p: _Proc, kind: str, payload: Any) -> None:
+        if self._finalizer is None or not self._finalizer.alive:
+            raise RuntimeError("this executor was shut down")
+        try:
+            p.conn.send((kind, payload))
+        except (BrokenPipeError, OSError) as e:
+            raise WorkerError(p.rank, f"the process died (exit code {p.process.poll()}): {e}") from e
+        p.pending.append(kind)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                       ) -> list[Any]:
+        with self._lock:
+            for p in self._procs:
+                self._drain(p)
+                self._send(p, "rpc", (method, args, kwargs or {}))
+            return [self._answer(p) for p in self._procs]
+
+    def _drain(self, p: _Proc) -> None:
+        """Steps sent whose results nobody will read (an RPC cuts in): read and drop them, in order."""
+        while p.pending:
+            self._answer(p)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        with self._lock:
+            for p in self._procs:
+                self._send(p, "step", scheduler_output)
+        return _StepAnswer(self, self._procs[0])
+
+    def shutdown(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+class _StepAnswer:
+    """The driver worker's answer to one step, read when asked; steps are answered in the order they were sent."""
+
+    def __init__(self, executor: MultiprocExecutor, driver: _Proc) -> None:
+        self._executor = executor
+        self._driver = driver
+        self._out: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._out is None:
+            with self._executor._lock:
+                others = [p for p in self._executor._procs if p is not self._driver]
+                self._out = self._executor._answer(self._driver)
+                for p in others:  # their answers are the same step's: read to keep the order
+                    self._executor._answer(p)
+        return self._out
+
+
+def _stop_all(procs: list[_Proc], grace_s: float = 5.0) -> None:
+    for p in procs:
+        with contextlib.suppress(BrokenPipeError, OSError):  # already gone
+            p.conn.send(("stop", None))
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.process.wait(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.process.wait(2.0)
+        if p.is_alive():
+            p.process.kill()
+            p.process.wait(2.0)
+        p.conn.close()
+
+
+if __name__ == "__main__":  # a worker process (MultiprocExecutor starts it with its end of the pipe)
+    worker_main(multiprocessing.connection.Connection(int(sys.argv[1])))
