@@ -100,7 +100,33 @@ def test_no_worker_outlives_its_engine(ckpts: CheckpointCache) -> None:
         assert _gone(worker), f"the worker outlived its parent ({how})"
 
 
+def test_the_server_answers_with_the_worker_in_another_process(ckpts: CheckpointCache) -> None:
+    from test_server import ServerThread
+
+    from hyserve.config import EngineConfig
+    from hyserve.engine.llm_engine import LLMEngine
+    from hyserve.server import AsyncEngine
+
+    path = ckpts.get()
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, num_state_slots=4,
+                                    distributed_executor_backend="mp", async_scheduling=True))
+    want = make_llm(path).generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=6,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+    with ServerThread(AsyncEngine(engine, start=False)) as srv:
+        resp = srv.client().completions.create(model=os.path.basename(path), prompt="The quick brown fox", max_tokens=6,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        srv.settle()
+    assert resp.choices[0].text == want.outputs[0].text
+    pid = engine.executor.pids[0]  # type: ignore[attr-defined]
+    engine.shutdown()
+    assert _gone(pid)
+
+
 def test_unknown_backends_are_refused(ckpts: CheckpointCache) -> None:
+    from hyserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", ckpts.get(), "--distributed-executor-backend", "mp"])
+    assert args.distributed_executor_backend == "mp"
     with pytest.raises(ValueError, match=r"distributed_executor_backend='ray'.*'uni' or 'mp'"):
         make_llm(ckpts.get(), distributed_executor_backend="ray")
     with pytest.raises(ValueError, match=r"torchrun.*not supported yet"):
