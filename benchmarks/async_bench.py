@@ -47,7 +47,9 @@ def measure(model: str, variant: str, batches: list[int], steps: int) -> dict[st
     torch.cuda.Event.synchronize = timed_sync  # type: ignore[method-assign]
     kw: dict[str, Any] = {}
     if variant != "before":
-        kw["async_scheduling"] = variant == "async"
+        kw["async_scheduling"] = variant in ("async", "mp-async")
+    if variant == "mp-async":
+        kw["distributed_executor_backend"] = "mp"
     llm = LLM(model=model, device="cuda", dtype="bfloat16", max_num_seqs=max(batches), max_model_len=4096,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.5, **kw)
     eng = llm.llm_engine
@@ -74,19 +76,23 @@ def measure(model: str, variant: str, batches: list[int], steps: int) -> dict[st
         eng.abort_request(ids)
         while eng.has_unfinished_requests():
             eng.step()
-        graphs = eng.runner.graphs.sets["decode"]
-        size = graphs.padded_size(batch)
-        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graphs.run(size)
-        ev0.record()
-        for _ in range(20):
+        replay_ms = None
+        if variant != "mp-async":  # the graphs live in this process
+            graphs = eng.runner.graphs.sets["decode"]
+            size = graphs.padded_size(batch)
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             graphs.run(size)
-        ev1.record()
-        torch.cuda.synchronize()
-        replay_ms = ev0.elapsed_time(ev1) / 20
+            ev0.record()
+            for _ in range(20):
+                graphs.run(size)
+            ev1.record()
+            torch.cuda.synchronize()
+            replay_ms = ev0.elapsed_time(ev1) / 20
         row = {"batch": batch, "steps": steps, "step_ms": 1e3 * wall / steps, "tok_s": tokens / wall,
-               "graph_replay_ms": replay_ms, "exposed_host_ms": 1e3 * wall / steps - replay_ms,
-               "host_busy_ms": 1e3 * (wall - wait) / steps if variant != "before" else None}
+               "graph_replay_ms": replay_ms,
+               "exposed_host_ms": 1e3 * wall / steps - replay_ms if replay_ms is not None else None,
+               # The engine's own host time (the worker's, in its process, is not seen from here with mp).
+               "host_busy_ms": 1e3 * (wall - wait) / steps if variant in ("sync", "async") else None}
         out["rows"].append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     out["rows"] = out["rows"][1:]
@@ -98,9 +104,11 @@ def table(results: list[dict[str, Any]]) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for res in results:
         for r in res["rows"]:
-            busy = f"{r['host_busy_ms']:.3f}" if r["host_busy_ms"] is not None else "n/a"
+            def f(x: float | None) -> str:
+                return f"{x:.3f}" if x is not None else "n/a"
+
             lines.append(f"| {res['variant']} | {r['batch']} | {r['step_ms']:.3f} | {r['tok_s']:.1f} | "
-                         f"{r['graph_replay_ms']:.3f} | {r['exposed_host_ms']:.3f} | {busy} |")
+                         f"{f(r['graph_replay_ms'])} | {f(r['exposed_host_ms'])} | {f(r['host_busy_ms'])} |")
     return "\n".join(lines)
 
 
@@ -115,8 +123,9 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
         b = [r["batch"] for r in res["rows"]]
         ax[0].plot(b, [r["step_ms"] for r in res["rows"]], marker="o", label=res["variant"])
         ax[1].plot(b, [r["tok_s"] for r in res["rows"]], marker="o", label=res["variant"])
-    b = [r["batch"] for r in results[-1]["rows"]]
-    ax[0].plot(b, [r["graph_replay_ms"] for r in results[-1]["rows"]], ls="--", color="gray", label="graph replay")
+    timed = next(res for res in results if all(r["graph_replay_ms"] is not None for r in res["rows"]))
+    ax[0].plot([r["batch"] for r in timed["rows"]], [r["graph_replay_ms"] for r in timed["rows"]], ls="--",
+               color="gray", label="graph replay")
     for a, title in ((ax[0], "decode step (ms)"), (ax[1], "decode tokens/s")):
         a.set_xscale("log", base=2)
         a.set_xlabel("batch")
@@ -132,8 +141,10 @@ def main() -> int:
     ap.add_argument("--before", default=None, help="directory with an older hyserve package (measured sync)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--name", default="async_scheduling", help="results file name (without extension)")
+    ap.add_argument("--variants", default="sync,async", help="of this tree: sync, async, mp-async (worker process)")
     ap.add_argument("--model", default=None, help="(internal) checkpoint to measure")
-    ap.add_argument("--variant", default=None, help="(internal) before | sync | async")
+    ap.add_argument("--variant", default=None, help="(internal) before | sync | async | mp-async")
     ap.add_argument("--plot", default=None, help="draw the plot of a results JSON written earlier, and exit")
     args = ap.parse_args()
     if args.plot:
@@ -154,7 +165,7 @@ def main() -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     repo = os.path.dirname(here)
     variants = [("before", os.path.abspath(args.before))] if args.before else []
-    variants += [("sync", repo), ("async", repo)]
+    variants += [(v, repo) for v in args.variants.split(",")]
     results = []
     for name, tree in variants:
         assert os.path.isdir(os.path.join(tree, "hyserve")), f"no hyserve package in {tree}"
@@ -171,13 +182,13 @@ def main() -> int:
     meta = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "python": platform.python_version(), "git_commit": commit or None, "date": time.strftime("%Y-%m-%d"),
             "model": "random-weight Qwen3.5-2B shape, bf16", "prompt_tokens": 512, "steps": args.steps}
-    with open(os.path.join(args.out, "async_scheduling.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
-    with open(os.path.join(args.out, "async_scheduling.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("# Decode step: synchronous vs async scheduling\n\n")
         f.write("\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + table(results) + "\n")
     try:
-        plot(results, os.path.join(args.out, "async_scheduling.png"))
+        plot(results, os.path.join(args.out, f"{args.name}.png"))
     except ImportError as e:  # the plot can be drawn later from the JSON (benchmarks/async_bench.py --plot)
         print(f"no plot: {e}", file=sys.stderr)
     print(table(results))

@@ -89,21 +89,44 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
     except BaseException as e:  # the engine reports it with the rank
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    pending: Any = None  # the step launched last: answered when the next message arrives (see below)
+
+    def answer_pending() -> None:
+        nonlocal pending
+        if pending is not None:
+            handle, pending = pending, None
+            try:
+                conn.send(("ok", handle.result()))
+            except BaseException as e:  # this step failed: say why, keep serving (the engine decides)
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+    # A step is launched as soon as it arrives and answered when the next message does (the next step, a "flush",
+    # an RPC or "stop"): step n + 1 is then queued on the device before the worker waits for step n's results, so
+    # the device runs them back to back (async scheduling).
     while True:
         try:
             kind, payload = conn.recv()
         except (EOFError, OSError):
             return  # the engine is gone
+        if kind == "step":
+            try:
+                launched = worker.execute_model_async(payload)
+            except BaseException as e:  # this message failed: say why, keep serving (the engine decides)
+                answer_pending()
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                continue
+            answer_pending()
+            pending = launched
+            continue
+        answer_pending()
+        if kind == "flush":
+            continue
         if kind == "stop":
             conn.send(("stopped", None))
             return
         try:
-            if kind == "step":
-                answer = worker.execute_model(payload)
-            else:
-                method, args, kwargs = payload
-                answer = getattr(worker, method)(*args, **kwargs)
-            conn.send(("ok", answer))
+            method, args, kwargs = payload
+            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
         except BaseException as e:  # this message failed: say why, keep serving (the engine decides)
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
@@ -128,6 +151,7 @@ class MultiprocExecutor(Executor):
         self.poll_interval_s = poll_interval_s
         self._lock = threading.Lock()
         self._procs: list[_Proc] = []
+        self._last_step: _StepAnswer | None = None
         for rank in range(world_size):
             parent, child = multiprocessing.Pipe(duplex=True)
             process = subprocess.Popen([sys.executable, "-m", "hyserve.executor.multiproc", str(child.fileno())],
@@ -182,14 +206,14 @@ class MultiprocExecutor(Executor):
                        ) -> list[Any]:
         with self._lock:
             for p in self._procs:
-                self._drain(p)
                 self._send(p, "rpc", (method, args, kwargs or {}))
-            return [self._answer(p) for p in self._procs]
-
-    def _drain(self, p: _Proc) -> None:
-        """Steps sent whose results nobody will read (an RPC cuts in): read and drop them, in order."""
-        while p.pending:
-            self._answer(p)
+            self._last_step = None  # the RPC makes the workers answer every step before it
+            answers = []
+            for p in self._procs:
+                while len(p.pending) > 1:  # steps whose results nobody reads (an RPC cut in): read in order
+                    self._answer(p)
+                answers.append(self._answer(p))
+            return answers
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.execute_model_async(scheduler_output).result()
@@ -198,7 +222,15 @@ class MultiprocExecutor(Executor):
         with self._lock:
             for p in self._procs:
                 self._send(p, "step", scheduler_output)
-        return _StepAnswer(self, self._procs[0])
+            self._last_step = _StepAnswer(self, self._procs[0])
+        return self._last_step
+
+    def _flush(self) -> None:
+        """Ask the workers to answer the step they launched last (they otherwise answer it with the next message)."""
+        self._last_step = None
+        for p in self._procs:
+            with contextlib.suppress(BrokenPipeError, OSError):  # a dead worker is reported by _recv
+                p.conn.send(("flush", None))
 
     def shutdown(self) -> None:
         if self._finalizer is not None:
@@ -216,6 +248,8 @@ class _StepAnswer:
     def result(self) -> RunnerOutput:
         if self._out is None:
             with self._executor._lock:
+                if self._executor._last_step is self:
+                    self._executor._flush()
                 others = [p for p in self._executor._procs if p is not self._driver]
                 self._out = self._executor._answer(self._driver)
                 for p in others:  # their answers are the same step's: read to keep the order
