@@ -68,6 +68,20 @@ class ModelConfig:
         """Channels of the GDN causal conv: [q | k | v]."""
         return 2 * self.linear_key_dim + self.linear_value_dim
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse (naming both numbers) a tensor-parallel size that does not split the model's heads."""
+        if tp == 1:
+            return
+        counts = {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
+                  "linear_num_value_heads": self.linear_num_value_heads, "intermediate_size": self.intermediate_size}
+        for name, n in counts.items():
+            if n % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={n} of this checkpoint; use a "
+                                 "--tensor-parallel-size that divides it")
+        kv = self.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={kv}: one must divide the other")
+
     def num_parameters(self, include_embeddings: bool = True) -> int:
         h, f = self.hidden_size, self.intermediate_size
         n = 0
@@ -307,11 +321,11 @@ class EngineConfig:
             hint = " (not supported yet)" if self.distributed_executor_backend == "torchrun" else ""
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}{hint}; use 'uni' "
                              "or 'mp' (--distributed-executor-backend)")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; "
-                "set --tensor-parallel-size 1"
-            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive (got {self.tensor_parallel_size})")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs one process per rank: use "
+                             "--distributed-executor-backend mp (the default when tensor_parallel_size > 1)")
 
 
 DEFAULT_MAX_NUM_SEQS = 256

@@ -57,7 +57,8 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON, e.g. '{\"method\": \"mtp\"}'")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 supported yet)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor shards (only 1 supported yet)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks, one worker process each (default: 1)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "torchrun"],
                    help="where the workers run: uni = in this process (default), mp = one spawned process per "

@@ -22,7 +22,7 @@ from hyserve.executor.multiproc import MultiprocExecutor, WorkerError
 from hyserve.scheduler.output import ScheduledRow, SchedulerOutput
 
 
-def _gone(pid: int, within_s: float = 10.0) -> bool:
+def process_gone(pid: int, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
@@ -50,7 +50,7 @@ def test_mp_backend_matches_the_in_process_engine(ckpts: CheckpointCache, spec: 
     assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
     pid = engine.executor.pids[0]
     engine.shutdown()
-    assert _gone(pid), "the worker outlived shutdown()"
+    assert process_gone(pid), "the worker outlived shutdown()"
 
 
 def test_a_failing_or_dead_worker_is_an_error_naming_its_rank(ckpts: CheckpointCache) -> None:
@@ -79,7 +79,7 @@ def test_no_worker_outlives_its_engine(ckpts: CheckpointCache) -> None:
     pid = llm.llm_engine.executor.pids[0]  # type: ignore[attr-defined]
     del llm
     gc.collect()
-    assert _gone(pid), "the worker outlived its engine's last reference"
+    assert process_gone(pid), "the worker outlived its engine's last reference"
     # The interpreter exiting without shutdown(), and the parent killed outright.
     script = textwrap.dedent(f"""
         import os, sys, time
@@ -97,7 +97,7 @@ def test_no_worker_outlives_its_engine(ckpts: CheckpointCache) -> None:
         if how == "hang":
             proc.kill()
         proc.wait(30)
-        assert _gone(worker), f"the worker outlived its parent ({how})"
+        assert process_gone(worker), f"the worker outlived its parent ({how})"
 
 
 def test_the_server_answers_with_the_worker_in_another_process(ckpts: CheckpointCache) -> None:
@@ -119,7 +119,7 @@ def test_the_server_answers_with_the_worker_in_another_process(ckpts: Checkpoint
     assert resp.choices[0].text == want.outputs[0].text
     pid = engine.executor.pids[0]  # type: ignore[attr-defined]
     engine.shutdown()
-    assert _gone(pid)
+    assert process_gone(pid)
 
 
 def test_unknown_backends_are_refused(ckpts: CheckpointCache) -> None:

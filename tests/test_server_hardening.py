@@ -717,7 +717,7 @@ def test_shutdown_ends_open_requests_with_abort_and_done(aengine: AsyncEngine) -
 # ---------------------------------------------------------------------------------------------------- subprocess
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -731,7 +731,7 @@ def _serve(port: int) -> subprocess.Popen[str]:
         cwd=ROOT)
 
 
-def _wait_up(proc: subprocess.Popen[str], url: str) -> None:
+def wait_up(proc: subprocess.Popen[str], url: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1]
@@ -748,11 +748,11 @@ def _wait_up(proc: subprocess.Popen[str], url: str) -> None:
 def test_serve_process_shuts_down_cleanly(signals: list[int]) -> None:
     """A real ``hyserve serve`` signalled during a long stream: the stream ends with a final chunk and [DONE]
     within the bound, the process exits 0 and prints no traceback, and the engine gave every block back."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _serve(port)
     try:
-        _wait_up(proc, url)
+        wait_up(proc, url)
         body = {"model": "default_model", "prompt": "def main():\n", "max_tokens": 4000, "ignore_eos": True,
                 "stream": True}
         lines: list[str] = []

@@ -136,12 +136,16 @@ class LLMEngine:
 
     def _make_executor(self, num_speculative_tokens: int) -> Executor:
         kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp}
-        if self.config.distributed_executor_backend == "mp":
-            from hyserve.executor.multiproc import MultiprocExecutor
+        tp = self.config.tensor_parallel_size
+        self.model_config.check_tensor_parallel(tp)
+        backend = self.config.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        if backend == "mp":
+            from hyserve.executor.multiproc import MultiprocExecutor, free_tcp_address
 
-            logger.info("workers: 1 process (distributed_executor_backend='mp')")
-            return MultiprocExecutor(1, (self.config, self.model_config, self.device, self.dtype),
-                                     {**kw, "cpu_threads": torch.get_num_threads()})
+            logger.info("workers: %d process%s (distributed_executor_backend='mp', tensor_parallel_size=%d)", tp,
+                        "" if tp == 1 else "es", tp)
+            kw.update(cpu_threads=torch.get_num_threads(), dist_init_method=free_tcp_address() if tp > 1 else None)
+            return MultiprocExecutor(tp, (self.config, self.model_config, self.device, self.dtype), kw)
         return UniProcExecutor(Worker(self.config, self.model_config, self.device, self.dtype, **kw))
 
     @property

@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +42,13 @@ from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
 
 # Seconds a worker may take to answer one message (a step, or an RPC such as loading the model).
 DEFAULT_TIMEOUT_S = 600.0
+
+
+def free_tcp_address() -> str:
+    """A ``tcp://127.0.0.1:PORT`` address with a port free now (for the workers' torch.distributed group)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 class WorkerError(RuntimeError):
@@ -84,7 +92,7 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
         threads = spec.kwargs.pop("cpu_threads", None)
         if threads is not None:
             torch.set_num_threads(threads)
-        worker = Worker(*spec.args, **spec.kwargs)
+        worker = Worker(*spec.args, **{**spec.kwargs, "rank": spec.rank, "world_size": spec.world_size})
         conn.send(("ready", os.getpid()))
     except BaseException as e:  # the engine reports it with the rank
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

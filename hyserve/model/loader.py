@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from hyserve.config import ModelConfig
 from hyserve.layers.linear import MergedLinear
+from hyserve.layers.sharding import shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,9 @@ def load_weights(
             if entry.target is None:
                 mtp[entry.ckpt_name] = tensor.to(device=device, dtype=dtype)
             else:
-                targets[entry.target].data.copy_(tensor)
+                target = targets[entry.target]
+                shard = shard_of(target)
+                target.data.copy_(shard.take(tensor) if shard is not None else tensor)
             bar.update(entry.nbytes)
         _fill_untied_lm_head(model, targets, config)
     return mtp
@@ -206,7 +209,8 @@ def _check_one(
 ) -> None:
     if target in loaded:
         raise ValueError(f"checkpoint has two tensors for {target!r}: {loaded[target]!r} and {name!r}")
-    expected = tuple(targets[target].shape)
+    shard = shard_of(targets[target])  # tensor parallel: the checkpoint holds the whole tensor
+    expected = shard.full_shape if shard is not None else tuple(targets[target].shape)
     if shape != expected:
         raise ValueError(
             f"shape mismatch for {name!r}: checkpoint has {list(shape)}, model expects {list(expected)}"

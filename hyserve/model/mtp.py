@@ -21,6 +21,7 @@ from torch import nn
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.layers.sharding import shard_of
 from hyserve.model.loader import checkpoint_tensors
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Attention, DecoderLayer
@@ -65,7 +66,9 @@ def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"unexpected MTP tensor mtp.{unexpected[0]} (this engine supports one MTP layer)")
     for name, p in params.items():
         t = given[name]
-        if tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"shape mismatch for mtp.{name}: checkpoint {tuple(t.shape)}, model {tuple(p.shape)}")
+        shard = shard_of(p)  # tensor parallel: the checkpoint holds the whole tensor
+        expected = shard.full_shape if shard is not None else tuple(p.shape)
+        if tuple(t.shape) != expected:
+            raise ValueError(f"shape mismatch for mtp.{name}: checkpoint {tuple(t.shape)}, model {expected}")
         with torch.no_grad():
-            p.copy_(t.to(dtype=p.dtype, device=p.device))
+            p.copy_((shard.take(t) if shard is not None else t).to(dtype=p.dtype, device=p.device))

@@ -14,13 +14,15 @@ from torch import nn
 
 from hyserve.cache.specs import AttentionSpec, RecurrentStateSpec, StateTensorSpec
 from hyserve.config import FULL_ATTENTION, ModelConfig
+from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.norm import silu_mul
 from hyserve.kernels.verify import causal_conv1d_verify, commit_verified, gdn_verify
-from hyserve.layers.linear import MergedLinear
+from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.base import CausalLM, KVCacheLayer, RecurrentLayer
 from hyserve.model.metadata import StepMetadata
 
@@ -30,23 +32,41 @@ class GatedDeltaNet(RecurrentLayer):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_k_heads = cfg.linear_num_key_heads
-        self.num_v_heads = cfg.linear_num_value_heads
-        self.head_k_dim = cfg.linear_key_head_dim
-        self.head_v_dim = cfg.linear_value_head_dim
-        self.key_dim = cfg.linear_key_dim
-        self.value_dim = cfg.linear_value_dim
-        self.conv_dim = cfg.conv_dim
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, bias=False,
-                                groups=self.conv_dim, padding=cfg.linear_conv_kernel_dim - 1)
+        tp = tp_size()
+        # Tensor parallel: this rank's key heads and value heads, with their channels of [q | k | v], z, b, a,
+        # their conv channels, gates and SSM states.
+        (k0, k1), (v0, v1) = shard_range(cfg.linear_num_key_heads), shard_range(cfg.linear_num_value_heads)
+        self.num_k_heads = k1 - k0
+        self.num_v_heads = v1 - v0
+        self.head_k_dim = dk = cfg.linear_key_head_dim
+        self.head_v_dim = dv = cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * dk
+        self.value_dim = self.num_v_heads * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kernel = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, bias=False, groups=self.conv_dim,
+                                padding=kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(cfg.linear_value_dim, cfg.hidden_size, (v0 * dv, v1 * dv),
+                                          sharded=tp > 1)
+        shards: dict[str, Shard] = {}
+        if tp > 1:
+            fk, h = cfg.linear_key_dim, cfg.hidden_size
+            qkv = ((k0 * dk, k1 * dk), (fk + k0 * dk, fk + k1 * dk), (2 * fk + v0 * dv, 2 * fk + v1 * dv))
+            heads = ((v0, v1),)
+            shards = {"in_proj_qkv": Shard((cfg.conv_dim, h), 0, qkv),
+                      "in_proj_z": Shard((cfg.linear_value_dim, h), 0, ((v0 * dv, v1 * dv),)),
+                      "in_proj_b": Shard((cfg.linear_num_value_heads, h), 0, heads),
+                      "in_proj_a": Shard((cfg.linear_num_value_heads, h), 0, heads)}
+            set_shard(self.conv1d.weight, Shard((cfg.conv_dim, 1, kernel), 0, qkv))
+            set_shard(self.dt_bias, Shard((cfg.linear_num_value_heads,), 0, heads))
+            set_shard(self.A_log, Shard((cfg.linear_num_value_heads,), 0, heads))
         # One GEMM for the checkpoint's four input projections (filled part by part by the loader).
         self.in_proj = MergedLinear(cfg.hidden_size, [("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
                                                       ("in_proj_b", self.num_v_heads),
-                                                      ("in_proj_a", self.num_v_heads)])
+                                                      ("in_proj_a", self.num_v_heads)], shards)
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
         # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
@@ -121,15 +141,34 @@ class Attention(KVCacheLayer):
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        tp, rank = tp_size(), tp_rank()
+        h0, h1 = shard_range(cfg.num_attention_heads)
+        hkv = cfg.num_key_value_heads
+        if hkv % tp == 0:
+            kv0, kv1 = shard_range(hkv)
+        elif tp % hkv == 0:  # more ranks than KV heads: each rank keeps the one its query heads read
+            kv0 = rank // (tp // hkv)
+            kv1 = kv0 + 1
+        else:
+            raise ValueError(f"num_key_value_heads={hkv} and tensor_parallel_size={tp}: neither divides the other")
+        self.num_heads = h1 - h0
+        self.num_kv_heads = kv1 - kv0
+        self.head_dim = d = cfg.head_dim
         self.scale = self.head_dim**-0.5
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, (h0 * d, h1 * d), bias=bias,
+                                        sharded=tp > 1)
+        if tp > 1:  # rows per query head are [q | gate]: a rank's heads are one run of rows
+            hidden = cfg.hidden_size
+            for proj, total, rows in ((self.q_proj, cfg.num_attention_heads * 2 * d, (h0 * 2 * d, h1 * 2 * d)),
+                                      (self.k_proj, hkv * d, (kv0 * d, kv1 * d)),
+                                      (self.v_proj, hkv * d, (kv0 * d, kv1 * d))):
+                set_shard(proj.weight, Shard((total, hidden), 0, (rows,)))
+                if proj.bias is not None:
+                    set_shard(proj.bias, Shard((total,), 0, (rows,)))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
@@ -157,8 +196,12 @@ class Attention(KVCacheLayer):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", intermediate), ("up_proj", intermediate)])
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        i0, i1 = shard_range(intermediate)
+        shards: dict[str, Shard] = {}
+        if tp_size() > 1:
+            shards = {name: Shard((intermediate, hidden), 0, ((i0, i1),)) for name in ("gate_proj", "up_proj")}
+        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", i1 - i0), ("up_proj", i1 - i0)], shards)
+        self.down_proj = RowParallelLinear(intermediate, hidden, (i0, i1), sharded=tp_size() > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(*self.gate_up_proj.split(self.gate_up_proj(x))))

@@ -11,16 +11,25 @@ import torch
 
 from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.config import EngineConfig, ModelConfig
+from hyserve.distributed.parallel_state import init_tensor_parallel
 from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
 from hyserve.worker.model_runner import ModelRunner, StepResult
 
 
 class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 num_speculative_tokens: int = 0, use_mtp: bool = False) -> None:
+                 num_speculative_tokens: int = 0, use_mtp: bool = False, rank: int = 0, world_size: int = 1,
+                 dist_init_method: str | None = None) -> None:
+        if device.type == "cuda" and world_size > 1:
+            device = torch.device("cuda", rank)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         self.device = device
+        self.rank = rank
+        # Tensor parallel: join the group before the model is built (its layers size their shards by it).
+        if world_size > 1:
+            assert dist_init_method is not None, "a tensor-parallel worker needs the group's address"
+        init_tensor_parallel(rank, world_size, dist_init_method or "", device)
         self.runner = ModelRunner(config, model_config, device, dtype, num_speculative_tokens=num_speculative_tokens,
                                   use_mtp=use_mtp)
 

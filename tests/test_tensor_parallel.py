@@ -1,0 +1,151 @@
+"""Tensor parallelism on the CPU: two worker processes in a gloo group (``tensor_parallel_size=2``).
+
+Each rank holds its attention heads (KV heads split, or the one it reads when there are fewer KV heads than
+ranks), its GDN key and value heads with their conv channels, gates and SSM states, and its MLP channels; the row-
+parallel projections sum over the group; embedding, lm_head, norms and the MTP head's fc are whole on every rank,
+so every rank samples the same tokens (the MTP head's decoder layer is split like the model's). Checked against
+the single-process engine (token for token, logprobs) and transformers (teacher-forced), with the async-scheduling
+scenario's features on together (prefix hits, chunked prefill, preemption, an abort, stops, seeded sampling, MTP),
+through ``hyserve serve`` (answers, stops on SIGTERM, leaves no worker), and with a sabotaged loader that gives
+every rank the first rank's shards.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import CheckpointCache
+from test_async_scheduling import reference_run, scenario_engine
+from test_engine import assert_matches_reference, drive, make_llm, random_prompts
+
+from hyserve import SamplingParams
+from hyserve.executor.multiproc import MultiprocExecutor
+
+
+def _tokens(final: dict) -> dict[str, list[int]]:
+    return {rid: out.outputs[0].token_ids for rid, out in final.items()}
+
+
+@pytest.mark.parametrize("spec,async_scheduling", [("plain", False), ("mtp", True)])
+def test_tp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec: str,
+                                                    async_scheduling: bool) -> None:
+    path, arrivals, aborts, prompts, want = reference_run(ckpts, spec)
+    engine = scenario_engine(path, spec, async_scheduling=async_scheduling, tensor_parallel_size=2)
+    assert isinstance(engine.executor, MultiprocExecutor) and len(engine.executor.pids) == 2
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    engine.shutdown()
+    assert _tokens(got) == _tokens(want)
+    for rid, out in got.items():
+        tok = out.outputs[0].token_ids
+        for i, lp in enumerate(out.outputs[0].logprobs or []):
+            assert abs(lp[tok[i]].logprob - want[rid].outputs[0].logprobs[i][tok[i]].logprob) < 1e-4  # type: ignore[index]
+    ref = ckpts.reference(path)
+    for rid, out in got.items():
+        if rid != "d":  # sampled
+            assert_matches_reference(ref, prompts[rid], out)
+
+
+def test_tp2_causal_form_with_replicated_kv_heads(ckpts: CheckpointCache) -> None:
+    """One KV head, two ranks: each rank keeps the KV head its query heads read."""
+    path = ckpts.get("causal", "attn_both_ends", num_key_value_heads=1, tie_word_embeddings=True)
+    prompts = random_prompts(3, [9, 30, 17], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.shutdown()
+    ref = ckpts.reference(path)
+    for p, out in zip(prompts, got, strict=True):
+        assert_matches_reference(ref, p, out)
+
+
+def test_a_rank_holding_the_wrong_shard_is_caught(ckpts: CheckpointCache, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage in the worker processes (through ``sitecustomize``): every rank loads the first rank's rows and
+    columns. The outputs must differ from transformers'."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        from hyserve.distributed import parallel_state
+        from hyserve.layers import sharding
+
+        def take(self, full):
+            r = parallel_state.tp_rank()
+            pieces = [full.narrow(self.dim, a - r * (b - a), b - a) for a, b in self.ranges]
+            return pieces[0] if len(pieces) == 1 else __import__("torch").cat(pieces, dim=self.dim)
+
+        sharding.Shard.take = take
+    """))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    path = ckpts.get()
+    prompts = random_prompts(2, [12, 20], seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    llm = make_llm(path, tensor_parallel_size=2)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.shutdown()
+    ref = ckpts.reference(path)
+    with pytest.raises(AssertionError):
+        for p, out in zip(prompts, got, strict=True):
+            assert_matches_reference(ref, p, out)
+
+
+def test_sizes_that_do_not_split_the_heads_are_refused(ckpts: CheckpointCache) -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        make_llm(ckpts.get(), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"needs one process per rank.*--distributed-executor-backend mp"):
+        make_llm(ckpts.get(), tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be positive"):
+        make_llm(ckpts.get(), tensor_parallel_size=0)
+
+
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the worker processes")
+def test_serve_with_tp2_answers_and_stops_cleanly_on_sigterm(ckpts: CheckpointCache) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+    from test_multiproc import process_gone
+    from test_server_hardening import free_port, wait_up
+
+    path = ckpts.get()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
+                             str(port), "--tensor-parallel-size", "2", "--shutdown-timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_up(proc, url)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        resp = client.completions.create(model=os.path.basename(path), prompt="The quick brown fox", max_tokens=5,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        want = make_llm(path).generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=5,
+                                                                             ignore_eos=True), use_tqdm=False)[0]
+        assert resp.choices[0].text == want.outputs[0].text
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert all(process_gone(w, 10) for w in workers), "a worker outlived hyserve serve"
