@@ -149,3 +149,21 @@ def test_serve_with_tp2_answers_and_stops_cleanly_on_sigterm(ckpts: CheckpointCa
             proc.communicate()
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert all(process_gone(w, 10) for w in workers), "a worker outlived hyserve serve"
+
+
+def test_a_dead_rank_is_reported_by_rank_within_seconds(ckpts: CheckpointCache) -> None:
+    """Rank 1 killed: rank 0 would wait for it in the next all-reduce; the engine reports rank 1 instead."""
+    import signal
+    import time
+
+    from hyserve.executor.multiproc import WorkerError
+
+    llm = make_llm(ckpts.get(), tensor_parallel_size=2)
+    engine = llm.llm_engine
+    os.kill(engine.executor.pids[1], signal.SIGKILL)  # type: ignore[attr-defined]
+    engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker rank 1: the process died"):
+        engine.step()
+    assert time.monotonic() - t0 < 5
+    llm.shutdown()

@@ -8,6 +8,8 @@ models) the group is a group of one, and every collective is the identity.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -15,12 +17,18 @@ _TP_RANK = 0
 _TP_SIZE = 1
 
 
+# A collective that waits longer than this fails instead of hanging (a peer died or stopped answering); the engine
+# notices a dead worker sooner, by its process (hyserve.executor.multiproc).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
     """Join the group of ``world_size`` workers (this one is ``rank``) at ``init_method`` (e.g. tcp://host:port)."""
     global _TP_RANK, _TP_SIZE
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
     _TP_RANK, _TP_SIZE = rank, world_size
 
 

@@ -182,11 +182,13 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------------ messages
 
     def _recv(self, p: _Proc) -> tuple[str, Any]:
-        """The next answer of worker ``p``; WorkerError if it dies or says nothing for ``timeout_s``."""
+        """The next answer of worker ``p``; WorkerError if it or any other worker dies (the others would wait for
+        it in a collective), or if it says nothing for ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         while not p.conn.poll(self.poll_interval_s):
-            if not p.is_alive():
-                raise WorkerError(p.rank, f"the process died (exit code {p.process.returncode})")
+            for q in [p, *self._procs]:
+                if not q.is_alive():
+                    raise WorkerError(q.rank, f"the process died (exit code {q.process.returncode})")
             if time.monotonic() > deadline:
                 raise WorkerError(p.rank, f"no answer within {self.timeout_s:.0f} s")
         try:
@@ -198,6 +200,13 @@ class MultiprocExecutor(Executor):
         kind, payload = self._recv(p)
         p.pending.popleft()
         if kind == "error":
+            # A peer that died makes this worker's collective fail: report the death as the cause.
+            time.sleep(0.05)
+            dead = [q for q in self._procs if q is not p and not q.is_alive()]
+            if dead:
+                first = str(payload).splitlines()[0] if payload else ""
+                raise WorkerError(dead[0].rank, f"the process died (exit code {dead[0].process.returncode}); "
+                                                f"rank {p.rank} then failed: {first}")
             raise WorkerError(p.rank, payload)
         return payload
 
