@@ -73,7 +73,8 @@ class ModelConfig:
         if tp == 1:
             return
         counts = {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
-                  "linear_num_value_heads": self.linear_num_value_heads, "intermediate_size": self.intermediate_size}
+                  "linear_num_value_heads": self.linear_num_value_heads, "intermediate_size": self.intermediate_size,
+                  "vocab_size": self.vocab_size}
         for name, n in counts.items():
             if n % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={n} of this checkpoint; use a "

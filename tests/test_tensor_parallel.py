@@ -2,8 +2,8 @@
 
 Each rank holds its attention heads (KV heads split, or the one it reads when there are fewer KV heads than
 ranks), its GDN key and value heads with their conv channels, gates and SSM states, and its MLP channels; the row-
-parallel projections sum over the group; embedding, lm_head, norms and the MTP head's fc are whole on every rank,
-so every rank samples the same tokens (the MTP head's decoder layer is split like the model's). Checked against
+parallel projections sum over the group; the embedding and lm_head are split by vocabulary (lookup summed, logits
+gathered), so every rank samples the same tokens (the MTP head's decoder layer is split like the model's). Checked against
 the single-process engine (token for token, logprobs) and transformers (teacher-forced), with the async-scheduling
 scenario's features on together (prefix hits, chunked prefill, preemption, an abort, stops, seeded sampling, MTP),
 through ``hyserve serve`` (answers, stops on SIGTERM, leaves no worker), and with a sabotaged loader that gives
@@ -49,14 +49,21 @@ def test_tp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec
             assert_matches_reference(ref, prompts[rid], out)
 
 
-def test_tp2_causal_form_with_replicated_kv_heads(ckpts: CheckpointCache) -> None:
-    """One KV head, two ranks: each rank keeps the KV head its query heads read."""
-    path = ckpts.get("causal", "attn_both_ends", num_key_value_heads=1, tie_word_embeddings=True)
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp"])
+def test_tp2_causal_form_with_replicated_kv_heads_and_graphs(ckpts: CheckpointCache, spec: dict | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """One KV head, two ranks: each rank keeps the KV head its query heads read. The workers run the decode,
+    verify and MTP graphs' static forwards (emulated), whose logits are gathered over the vocabulary shards."""
+    monkeypatch.setenv("HYSERVE_EMULATE_CUDA_GRAPHS", "1")
+    path = ckpts.get("causal", "attn_both_ends", num_key_value_heads=1, tie_word_embeddings=True, with_mtp=True)
     prompts = random_prompts(3, [9, 30, 17], seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
-    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16)
+    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16, speculative_config=spec)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    replays = llm.llm_engine.executor.collective_rpc("graph_replays")
     llm.shutdown()
+    kinds = ("verify", "mtp") if spec else ("decode",)
+    assert len(replays) == 2 and all(r[k] > 0 for r in replays for k in kinds), replays
     ref = ckpts.reference(path)
     for p, out in zip(prompts, got, strict=True):
         assert_matches_reference(ref, p, out)

@@ -47,6 +47,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' ``x`` side by side along the last dimension, in rank order (``x`` itself in a group of one)."""
+    if _TP_SIZE == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
 def shard_range(total: int, rank: int | None = None, size: int | None = None) -> tuple[int, int]:
     """[start, end) of rank's equal share of ``total`` items (heads, channels); ``total`` must divide."""
     rank = _TP_RANK if rank is None else rank

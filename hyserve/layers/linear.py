@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyserve.distributed.parallel_state import all_reduce
+from hyserve.distributed.parallel_state import all_gather_last, all_reduce, shard_range, tp_size
 from hyserve.layers.sharding import Shard, set_shard
 
 
@@ -59,3 +59,38 @@ class RowParallelLinear(nn.Linear):
             return super().forward(x)
         y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [vocab_start, vocab_end) of the embedding; other ids give zeros here, and the sum over the
+    group is the whole lookup."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        v0, v1 = shard_range(num_embeddings)
+        super().__init__(v1 - v0, embedding_dim)
+        self.vocab_start, self.vocab_end = v0, v1
+        self.sharded = tp_size() > 1
+        if self.sharded:
+            set_shard(self.weight, Shard((num_embeddings, embedding_dim), 0, ((v0, v1),)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return super().forward(ids)
+        inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = F.embedding(torch.where(inside, ids - self.vocab_start, 0), self.weight)
+        return all_reduce(local.masked_fill(~inside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Linear):
+    """This rank's vocabulary rows of the LM head; ``gather`` puts the ranks' logits side by side (every rank gets
+    the whole vocabulary, so every rank samples the same token)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        v0, v1 = shard_range(vocab_size)
+        super().__init__(hidden_size, v1 - v0, bias=False)
+        self.sharded = tp_size() > 1
+        if self.sharded:
+            set_shard(self.weight, Shard((vocab_size, hidden_size), 0, ((v0, v1),)))
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return all_gather_last(local) if self.sharded else local

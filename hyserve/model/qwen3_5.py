@@ -19,7 +19,7 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, 
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.norm import silu_mul
 from hyserve.kernels.verify import causal_conv1d_verify, commit_verified, gdn_verify
-from hyserve.layers.linear import MergedLinear, RowParallelLinear
+from hyserve.layers.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.layers.sharding import Shard, set_shard
@@ -238,7 +238,7 @@ class TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -258,12 +258,17 @@ class Qwen3_5ForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         return self.model(input_ids, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head
+        logits = head(hidden)
+        return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -36,6 +36,7 @@ replay themselves need a GPU.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 
@@ -49,8 +50,9 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224,
 # Verify graphs: at most this many tokens (rows * (k + 1)) per graph, which bounds the logits buffer.
 MAX_VERIFY_GRAPH_TOKENS = 512
 
-# Tests only: run the padded static forwards eagerly where there is no GPU to capture on.
-EMULATE = False
+# Tests only: run the padded static forwards eagerly where there is no GPU to capture on (worker processes read it
+# from the environment: a monkeypatch does not reach them).
+EMULATE = os.environ.get("HYSERVE_EMULATE_CUDA_GRAPHS") == "1"
 
 
 def capture_sizes(limit: int, sizes: list[int] | None) -> list[int]:

@@ -23,6 +23,7 @@ from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.cache.specs import AttentionSpec, CacheSpecs
 from hyserve.cache.state_pool import StatePool
 from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig
+from hyserve.layers.linear import ParallelLMHead
 from hyserve.layers.rejection_sampler import RejectionSampler, SpecOutput, SpecRow
 from hyserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, token_seed
 from hyserve.model import registry
@@ -342,7 +343,11 @@ class ModelRunner:
     def _logits_into_buffers(self, hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
         lowp = self.logits_lowp[:n]
-        torch.mm(hidden, self.model.lm_head.weight.t(), out=lowp)
+        head = self.model.lm_head
+        if isinstance(head, ParallelLMHead) and head.sharded:  # TP: this rank's vocabulary, then all ranks'
+            lowp.copy_(head.gather(torch.mm(hidden, head.weight.t())))
+        else:
+            torch.mm(hidden, head.weight.t(), out=lowp)
         out = self.logits_f32[:n]
         out.copy_(lowp)
         return out

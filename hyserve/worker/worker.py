@@ -47,3 +47,8 @@ class Worker:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepResult:
         return self.runner.execute_model_async(scheduler_output)
+
+    def graph_replays(self) -> dict[str, int]:
+        """Replays so far per graph kind (empty without graphs): for tests and tools across the process boundary."""
+        graphs = self.runner.graphs
+        return {} if graphs is None else {name: g.num_replays for name, g in graphs.sets.items()}
