@@ -1,13 +1,13 @@
 """Tensor parallelism on the CPU: two worker processes in a gloo group (``tensor_parallel_size=2``).
 
 Each rank holds its attention heads (KV heads split, or the one it reads when there are fewer KV heads than
-ranks), its GDN key and value heads with their conv channels, gates and SSM states, and its MLP channels; the row-
-parallel projections sum over the group; the embedding and lm_head are split by vocabulary (lookup summed, logits
-gathered), so every rank samples the same tokens (the MTP head's decoder layer is split like the model's). Checked
-against the single-process engine (token for token, logprobs) and transformers (teacher-forced), with the async-scheduling
-scenario's features on together (prefix hits, chunked prefill, preemption, an abort, stops, seeded sampling, MTP),
-through ``hyserve serve`` (answers, stops on SIGTERM, leaves no worker), and with a sabotaged loader that gives
-every rank the first rank's shards.
+ranks), its GDN key and value heads with their conv channels, gates and SSM states, and its MLP channels; the
+row-parallel projections sum over the group; the embedding and lm_head are split by vocabulary (lookup summed,
+logits gathered), so every rank samples the same tokens (the MTP head's decoder layer is split like the model's).
+Checked against the single-process engine (token for token, logprobs) and transformers (teacher-forced), with the
+async-scheduling scenario's features on together (prefix hits, chunked prefill, preemption, an abort, stops,
+seeded sampling, MTP), through the emulated graphs, through ``hyserve serve`` (answers, stops on SIGTERM, leaves
+no worker), with a dead rank, and with a sabotaged loader that gives every rank the first rank's shards.
 """
 
 from __future__ import annotations
