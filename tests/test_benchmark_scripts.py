@@ -120,3 +120,28 @@ def test_host_overhead_measures_each_kind(monkeypatch: pytest.MonkeyPatch, capsy
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode") or
             line.startswith("| speculative")]
     assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows)
+
+
+def test_multi_gpu_check_runs_tp2_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 2-GPU script on the CPU (gloo) with a tiny checkpoint: T=2 agrees with T=1, and every number is there."""
+    import multi_gpu_check
+
+    from hyserve.testing import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "m")
+    monkeypatch.setattr(sys, "argv", ["multi_gpu_check.py", "--device", "cpu", "--dtype", "float32", "--model", model,
+                                      "--batches", "1,4", "--max-tokens", "8", "--prefill-len", "64",
+                                      "--num-prefill", "2", "--out", str(tmp_path)])
+    assert multi_gpu_check.main() == 0
+    res = json.loads((tmp_path / "multi_gpu_check.json").read_text())
+    assert res["correctness"]["pass"] and all(p["agree_tokens"] == 8 for p in res["correctness"]["prompts"])
+    for tp in ("tp1", "tp2"):
+        assert res[tp]["prefill_tok_s"] > 0 and res[tp]["decode_bs1_tok_s"] > 0 and res[tp]["decode_bs4_tok_s"] > 0
+
+
+def test_multi_gpu_check_fails_a_parting_that_is_not_a_near_tie() -> None:
+    import multi_gpu_check
+
+    one = [{"token_ids": [1, 2, 3], "margins": [5.0, 0.1, 5.0]}, {"token_ids": [4, 5], "margins": [5.0, 5.0]}]
+    assert multi_gpu_check.compare(one, [{"token_ids": [1, 2, 9]}, {"token_ids": [4, 5]}], 0.25)["pass"] is False
+    assert multi_gpu_check.compare(one, [{"token_ids": [1, 7, 9]}, {"token_ids": [4, 5]}], 0.25)["pass"] is True
