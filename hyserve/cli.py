@@ -150,7 +150,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("hyserve.server").info(
         "API key: %s", "required on /v1/* (/health, /version and /metrics stay open)" if api_key else
         "none (--api-key or HYSERVE_API_KEY sets one)")
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # workers in other processes or on other ranks stop with the server
     return 0
 
 

@@ -278,7 +278,8 @@ class EngineConfig:
     num_state_slots: int | None = None
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    # Where the workers run: "uni" (in this process, the default) or "mp" (one process per worker, spawned here).
+    # Where the workers run: "uni" (in this process, the default), "mp" (one process per worker, started here) or
+    # "torchrun" (every rank started by torchrun; rank 0 runs the engine).
     distributed_executor_backend: str | None = None
     # Prefix caching: recurrent snapshots every this many tokens (a multiple of block_size), besides the end of each
     # prompt, the end of each request and branch points; and the share of the cache budget snapshots may use.
@@ -318,10 +319,9 @@ class EngineConfig:
                 f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; "
                 "set --pipeline-parallel-size 1"
             )
-        if self.distributed_executor_backend not in (None, "uni", "mp"):
-            hint = " (not supported yet)" if self.distributed_executor_backend == "torchrun" else ""
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}{hint}; use 'uni' "
-                             "or 'mp' (--distributed-executor-backend)")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "torchrun"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use 'uni', 'mp' "
+                             "or 'torchrun' (--distributed-executor-backend)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive (got {self.tensor_parallel_size})")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":

@@ -61,8 +61,8 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="tensor-parallel ranks, one worker process each (default: 1)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "torchrun"],
-                   help="where the workers run: uni = in this process (default), mp = one spawned process per "
-                        "worker (torchrun: not supported yet)")
+                   help="where the workers run: uni = in this process (default with one rank), mp = one process "
+                        "per rank started here (default with more), torchrun = every rank started by torchrun")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step n+1 before step n's result is read (default: on with CUDA, off "
                         "on the CPU)")

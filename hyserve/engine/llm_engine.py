@@ -139,6 +139,14 @@ class LLMEngine:
         tp = self.config.tensor_parallel_size
         self.model_config.check_tensor_parallel(tp)
         backend = self.config.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        if backend == "torchrun":
+            from hyserve.executor.torchrun import TorchrunExecutor, serve_rank, torchrun_rank
+
+            args = (self.config, self.model_config, self.device, self.dtype)
+            if torchrun_rank()[0] != 0:
+                serve_rank(tp, args, kw)  # serves this rank until rank 0 stops, then ends the process
+            logger.info("workers: %d ranks started by torchrun; this is rank 0", tp)
+            return TorchrunExecutor(tp, args, kw)
         if backend == "mp":
             from hyserve.executor.multiproc import MultiprocExecutor, free_tcp_address
 

@@ -19,9 +19,9 @@ from hyserve.worker.model_runner import ModelRunner, StepResult
 class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  num_speculative_tokens: int = 0, use_mtp: bool = False, rank: int = 0, world_size: int = 1,
-                 dist_init_method: str | None = None) -> None:
-        if device.type == "cuda" and world_size > 1:
-            device = torch.device("cuda", rank)
+                 dist_init_method: str | None = None, local_rank: int | None = None) -> None:
+        if device.type == "cuda" and world_size > 1:  # one GPU per rank: its index on this node
+            device = torch.device("cuda", rank if local_rank is None else local_rank)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         self.device = device
