@@ -112,23 +112,24 @@ class Scheduler:
         self._next_step_id += 1
         budget = self.max_num_batched_tokens
         preempted: list[Request] = []
+        chunks: list[tuple[Request, ScheduledRow, int | None]] = []  # (request, row, the snapshot point it ends on)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if not self._can_schedule(req):
                 i += 1
                 continue
-            row = self._chunk(req, req.num_computed_tokens + req.num_inflight_tokens, budget)
+            row, point = self._chunk(req, req.num_computed_tokens + req.num_inflight_tokens, budget)
             if not self._grow_or_preempt(req, row, preempted):
                 break  # req itself was preempted; it was the last running request
-            out.rows.append(row)
+            chunks.append((req, row, point))
             budget -= row.num_new_tokens
             i += 1
         out.preempted_req_ids = [r.request_id for r in preempted]
         if not preempted:  # memory is short: admit nobody new this step
-            self._admit(out, budget)
-        for row in out.rows:
-            self._on_scheduled(self.requests[row.req_id], row, out)
+            self._admit(out, budget, chunks)
+        for req, row, point in chunks:  # after admission: its lookups pin snapshots before any reservation evicts
+            self._on_scheduled(req, row, point, out)
         out.rows.sort(key=lambda r: not r.is_verify)  # stable: verify rows first, as the worker lays them out
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         if out.rows:
@@ -147,14 +148,15 @@ class Scheduler:
         # The pending token may end the request at max_tokens / max_model_len: do not run a step past it.
         return pending < max_tokens and req.num_tokens + req.num_inflight_samples < self.max_model_len
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int,
+               chunks: list[tuple[Request, ScheduledRow, int | None]]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self.state_slots.num_free_slots == 0:
                 break
             hit = self.prefix_cache.lookup(req) if self.prefix_cache else PrefixHit(0, [], None, None)
             req.branch_point = hit.branch_point
-            row = self._chunk(req, hit.num_tokens, budget)
+            row, point = self._chunk(req, hit.num_tokens, budget)
             need = self.block_pool.blocks_needed(self._blocks_end(req, row), len(hit.blocks))
             if need > self.block_pool.num_free_blocks:
                 if self.prefix_cache:
@@ -180,11 +182,12 @@ class Scheduler:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += hit.num_tokens
             self.running.append(req)
-            out.rows.append(row)
+            chunks.append((req, row, point))
             budget -= row.num_new_tokens
 
-    def _chunk(self, req: Request, start: int, budget: int) -> ScheduledRow:
-        """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point.
+    def _chunk(self, req: Request, start: int, budget: int) -> tuple[ScheduledRow, int | None]:
+        """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point
+        (returned too: the chunk's end, or None).
 
         A decoding request under speculative decoding is one verify row: its last token and the drafts that fit the
         budget; it is never cut (its snapshot comes from the verified candidate, see ``update_from_output``).
@@ -192,17 +195,17 @@ class Scheduler:
         slot = req.state_slot if req.state_slot is not None else -1
         if req.num_inflight_samples:  # async: the token this row feeds is still on the device
             assert not self.speculative and start == req.num_tokens + req.num_inflight_samples - 1
-            return ScheduledRow(req.request_id, start, [PREVIOUS_SAMPLED], req.block_table, slot, samples=True)
+            return ScheduledRow(req.request_id, start, [PREVIOUS_SAMPLED], req.block_table, slot, samples=True), None
         if self.speculative and start == req.num_tokens - 1 and req.num_output_tokens > 0:
             drafts = req.draft_token_ids[: budget - 1]
             return ScheduledRow(req.request_id, start, [req.output_token_ids[-1], *drafts], req.block_table, slot,
-                                samples=True, is_verify=True)
+                                samples=True, is_verify=True), None
         end = start + min(req.num_tokens - start, budget)
         point = self.prefix_cache.next_snapshot_point(req, start, end) if self.prefix_cache else None
         if point is not None:
             end = point
         return ScheduledRow(req.request_id, start, req.token_ids(start, end), req.block_table, slot,
-                            samples=end == req.num_tokens)
+                            samples=end == req.num_tokens), point
 
     def _blocks_end(self, req: Request, row: ScheduledRow) -> int:
         """Tokens the request's blocks must hold for ``row``: its end, plus the MTP head's drafting positions."""
@@ -223,8 +226,10 @@ class Scheduler:
         req.block_table.extend(self.block_pool.allocate(need))
         return True
 
-    def _on_scheduled(self, req: Request, row: ScheduledRow, out: SchedulerOutput) -> None:
-        """Fill what the worker needs beyond the tokens: sampling data, snapshot entries, the in-flight count."""
+    def _on_scheduled(self, req: Request, row: ScheduledRow, point: int | None, out: SchedulerOutput) -> None:
+        """Add ``row`` to the step with what the worker needs beyond the tokens: sampling data, snapshot entries
+        (``point``: the snapshot point the chunk ends on), the in-flight count."""
+        out.rows.append(row)
         row.block_table = list(req.block_table)  # the step's own copy: the request's table changes after it
         if req.request_id not in self._known_to_worker:
             self._known_to_worker.add(req.request_id)
@@ -243,8 +248,8 @@ class Scheduler:
             elif row.token_ids[0] == PREVIOUS_SAMPLED:
                 if row.end % pc.block_size == 0:
                     row.snapshot_entry = pc.reserve_entry()
-            elif pc.next_snapshot_point(req, row.start, row.end) == row.end:
-                row.snapshot_entry = pc.reserve_snapshot(req, row.end)
+            elif point is not None:
+                row.snapshot_entry = pc.reserve_snapshot(req, point)
         if row.samples:
             row.output_index = req.num_output_tokens + req.num_inflight_samples
             if row.output_index < req.sampling_params.min_tokens:
@@ -298,7 +303,8 @@ class Scheduler:
 
     def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput, sink: StepSink) -> list[Request]:
         """Apply step ``so``'s result ``ro``: computed counts, tokens (through ``sink``), the prefix cache, the
-        rollback of rejected drafts' blocks and the next drafts. Returns the requests the step ran, in row order.
+        rollback of rejected drafts' blocks and the next drafts. Returns, in row order, the requests the step ran and
+        those it ended.
 
         Every row is matched to its request by the id in ``so`` and to its result by its index in ``ro``; a request
         finished or preempted since ``so`` was scheduled takes no effect of the step on memory (its tokens, which
@@ -310,6 +316,7 @@ class Scheduler:
         pc = self.prefix_cache
         ran: list[tuple[int, ScheduledRow, Request]] = []
         ended: list[Request] = []
+        touched: list[Request] = []
         for i, row in enumerate(so.rows):
             req = self.requests.get(row.req_id)
             if req is None or req.is_finished:
@@ -332,6 +339,8 @@ class Scheduler:
                 sink.request_finished(req, reason, req.error if reason == "error" else None)
                 req.status = RequestStatus.FINISHED  # freed below, once its verified state is published
                 ended.append(req)
+            if live or reason is not None:
+                touched.append(req)
             if live:
                 ran.append((i, row, req))
             else:
@@ -351,7 +360,7 @@ class Scheduler:
                         req.draft_token_ids = self.drafts.propose(req, proposal, self.max_model_len)
         for req in ended:
             self.finish(req)
-        return [req for _, _, req in ran] + [r for r in ended if all(r is not q for _, _, q in ran)]
+        return touched
 
     def _publish(self, row: ScheduledRow, req: Request, accepted: int) -> None:
         """Publish what the step computed and verified: full blocks, and the snapshot the row's worker filled.
