@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def measure(model: str, variant: str, batches: list[int], steps: int) -> dict[str, Any]:
     import torch
+    from decode_window import decode_window
 
     import hyserve
-    from hyserve import LLM, SamplingParams
+    from hyserve import LLM
 
     print(f"variant {variant}: hyserve from {os.path.dirname(hyserve.__file__)}", file=sys.stderr, flush=True)
 
@@ -53,29 +54,11 @@ def measure(model: str, variant: str, batches: list[int], steps: int) -> dict[st
     llm = LLM(model=model, device="cuda", dtype="bfloat16", max_num_seqs=max(batches), max_model_len=4096,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.5, **kw)
     eng = llm.llm_engine
-    vocab = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(1)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     out: dict[str, Any] = {"variant": variant, "package": os.path.dirname(hyserve.__file__), "rows": []}
     for batch in [batches[0], *batches]:  # the first batch once more as a warm-up
-        ids = [f"b{batch}-{i}-{time.perf_counter_ns()}" for i in range(batch)]
-        for rid in ids:
-            eng.add_request(rid, {"prompt_token_ids": torch.randint(0, vocab, (512,), generator=g).tolist()}, params)
-        while eng.scheduler.waiting or any(r.num_output_tokens < 3 for r in eng.scheduler.running):
-            eng.step()
-        before = sum(r.num_output_tokens for r in eng.scheduler.running)
-        torch.cuda.synchronize()
-        blocked[0] = 0.0
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall, tokens = decode_window(eng, batch, steps, g, on_start=lambda: blocked.__setitem__(0, 0.0))
         wait = blocked[0]
-        tokens = sum(r.num_output_tokens for r in eng.scheduler.running) - before
-        eng.abort_request(ids)
-        while eng.has_unfinished_requests():
-            eng.step()
         replay_ms = None
         if variant != "mp-async":  # the graphs live in this process
             graphs = eng.runner.graphs.sets["decode"]

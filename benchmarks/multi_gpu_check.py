@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+from decode_window import decode_window
 
 from hyserve import LLM, SamplingParams
 
@@ -68,26 +69,9 @@ def throughput(llm: LLM, vocab: int, batches: list[int], prefill_len: int, n_pre
     llm.generate([{"prompt_token_ids": p} for p in long], one, use_tqdm=False)
     sync()
     out = {"prefill_tok_s": n_prefill * prefill_len / (time.perf_counter() - t0)}
-    eng = llm.llm_engine
     for batch in batches:
-        steps = 64
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
-        ids = [f"d{batch}-{i}" for i in range(batch)]
-        for rid in ids:
-            eng.add_request(rid, {"prompt_token_ids": torch.randint(0, vocab, (512,), generator=g).tolist()}, params)
-        while eng.scheduler.waiting or any(r.num_output_tokens < 3 for r in eng.scheduler.running):
-            eng.step()
-        before = sum(r.num_output_tokens for r in eng.scheduler.running)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        sync()
-        wall = time.perf_counter() - t0
-        out[f"decode_bs{batch}_tok_s"] = (sum(r.num_output_tokens for r in eng.scheduler.running) - before) / wall
-        eng.abort_request(ids)
-        while eng.has_unfinished_requests():
-            eng.step()
+        wall, tokens = decode_window(llm.llm_engine, batch, 64, g)
+        out[f"decode_bs{batch}_tok_s"] = tokens / wall
     return out
 
 
