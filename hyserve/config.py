@@ -276,7 +276,10 @@ class EngineConfig:
     # Test and expert overrides: fix the pool sizes instead of deriving them from a budget.
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
+    # Pipeline parallelism: stages of consecutive decoder layers, one worker process per stage (x the tensor-
+    # parallel size); pp_layer_partition gives each stage's layer count (default: an even split).
     pipeline_parallel_size: int = 1
+    pp_layer_partition: list[int] | None = None
     tensor_parallel_size: int = 1
     # Where the workers run: "uni" (in this process, the default), "mp" (one process per worker, started here) or
     # "torchrun" (every rank started by torchrun; rank 0 runs the engine).
@@ -314,19 +317,26 @@ class EngineConfig:
             raise ValueError(f"log_stats_interval_s must be positive (got {self.log_stats_interval_s})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported yet; "
-                "set --pipeline-parallel-size 1"
-            )
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be positive (got {self.pipeline_parallel_size})")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1 \
+                and len(self.pp_layer_partition) != 1:
+            raise ValueError(f"pp_layer_partition {self.pp_layer_partition} needs pipeline_parallel_size="
+                             f"{len(self.pp_layer_partition)} (--pipeline-parallel-size)")
         if self.distributed_executor_backend not in (None, "uni", "mp", "torchrun"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; use 'uni', 'mp' "
                              "or 'torchrun' (--distributed-executor-backend)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive (got {self.tensor_parallel_size})")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs one process per rank: use "
-                             "--distributed-executor-backend mp (the default when tensor_parallel_size > 1)")
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size} needs one process per rank: use "
+                             "--distributed-executor-backend mp (the default with more than one rank)")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 DEFAULT_MAX_NUM_SEQS = 256

@@ -21,6 +21,18 @@ def size_bytes(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def layer_counts(value: str) -> list[int]:
+    """argparse type of ``--pp-layer-partition``: comma-separated positive layer counts."""
+    try:
+        counts = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give layer counts separated by commas, e.g. 13,13,13,9"
+                                         ) from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"{value!r}: every stage needs at least one layer")
+    return counts
+
+
 def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     """Add the engine flags (every subcommand takes them; ``serving`` adds the server-only ones) to ``p``."""
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
@@ -56,7 +68,12 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
     p.add_argument("--speculative-config", type=json.loads, default=None, help="JSON, e.g. '{\"method\": \"mtp\"}'")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default: 0)")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (only 1 supported yet)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages of consecutive layers, tensor-parallel-size worker processes each "
+                        "(default: 1)")
+    p.add_argument("--pp-layer-partition", type=layer_counts, default=None, metavar="N,N,...",
+                   help="decoder layers per pipeline stage, e.g. 13,13,13,9 (default: an even split, the remainder "
+                        "on the stages before the last)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks, one worker process each (default: 1)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
@@ -80,6 +97,7 @@ def make_llm(args: argparse.Namespace, model: str | None) -> Any:
                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
                seed=args.seed, pipeline_parallel_size=args.pipeline_parallel_size,
+               pp_layer_partition=args.pp_layer_partition,
                recurrent_snapshot_interval=args.recurrent_snapshot_interval,
                snapshot_memory_fraction=args.snapshot_memory_fraction,
                tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,

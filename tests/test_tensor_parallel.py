@@ -177,13 +177,15 @@ def test_a_dead_rank_is_reported_by_rank_within_seconds(ckpts: CheckpointCache) 
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the rank processes")
-def test_two_nodes_through_torchrun_on_loopback(ckpts: CheckpointCache, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"], ids=["tp2", "pp2"])
+def test_two_nodes_through_torchrun_on_loopback(ckpts: CheckpointCache, tmp_path: Path, parallel: str) -> None:
     """Two torchrun "nodes" of one process each on loopback, ``--distributed-executor-backend torchrun``: rank 0
-    serves the API with rank 1 holding the other half of every layer; stopping rank 0 (SIGTERM) stops rank 1, and
-    both launchers exit 0."""
+    serves the API with rank 1 holding the other half of every layer (TP) or the second stage (PP: rank 1 samples
+    and sends each step's result to rank 0); stopping rank 0 (SIGTERM) stops rank 1, and both launchers exit 0."""
     import signal
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     import openai
     from test_server_hardening import free_port, wait_up
@@ -194,18 +196,25 @@ def test_two_nodes_through_torchrun_on_loopback(ckpts: CheckpointCache, tmp_path
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master),
                                "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port", str(port),
-                               "--tensor-parallel-size", "2", "--distributed-executor-backend", "torchrun",
+                               parallel, "2", "--distributed-executor-backend", "torchrun",
                                "--shutdown-timeout", "2"],
                               stdout=logs[n], stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for n in (0, 1)]
     try:
         wait_up(nodes[0], f"http://127.0.0.1:{port}")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-        resp = client.completions.create(model=os.path.basename(path), prompt="The quick brown fox", max_tokens=5,
-                                         temperature=0, extra_body={"ignore_eos": True})
-        want = make_llm(path).generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=5,
-                                                                             ignore_eos=True), use_tqdm=False)[0]
-        assert resp.choices[0].text == want.outputs[0].text
+        prompts = ["The quick brown fox", "Hello there, how", "One two three four five six"]
+
+        def complete(prompt: str) -> str:
+            resp = client.completions.create(model=os.path.basename(path), prompt=prompt, max_tokens=8,
+                                             temperature=0, extra_body={"ignore_eos": True})
+            return resp.choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: several steps in flight (PP micro-batches)
+            texts = list(pool.map(complete, prompts))
+        want = make_llm(path).generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                       use_tqdm=False)
+        assert texts == [w.outputs[0].text for w in want]
         (rank0,) = _children(nodes[0].pid)
         os.kill(rank0, signal.SIGTERM)
         codes = [node.wait(60) for node in nodes]

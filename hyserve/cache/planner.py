@@ -6,6 +6,7 @@ of the executor): the engine plans, the worker allocates what the plan says.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ class CacheInfo:
     kv_bytes_per_block: int
     state_bytes_per_slot: int
     has_recurrent_state: bool
+    # Sets of verify scratch (k + 1 candidate states per sequence) the worker keeps: more than one on a pipeline
+    # stage that commits a verify step only when its accepted counts come back (hyserve.worker.model_runner).
+    verify_scratch_sets: int = 1
 
 
 def cache_memory_flag(device_type: str) -> str:
@@ -61,7 +65,7 @@ def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_sp
     # A sequence's recurrent state costs one slot, plus k + 1 candidate states of verify scratch when
     # speculating; the pad slot is one more. Together they may take MAX_STATE_SHARE of the budget.
     k = num_speculative_tokens
-    scratch_per_seq = (k + 1) * per_slot if k else 0
+    scratch_per_seq = (k + 1) * per_slot * info.verify_scratch_sets if k else 0
 
     def state_bytes(n: int) -> int:
         return (n + 1) * per_slot + min(n, max_num_seqs) * scratch_per_seq
@@ -83,3 +87,34 @@ def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_sp
         if per_block == 0:  # a model without attention layers needs no KV; keep a token pool for bookkeeping
             blocks = max(2, cdiv(256 * 1024, config.block_size))
     return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps), min(max_num_seqs, int(slots)))
+
+
+def plan_caches_for_ranks(config: EngineConfig, infos: list[CacheInfo], max_num_seqs: int,
+                          num_speculative_tokens: int, budgets_fn: Callable[[], list[int]],
+                          device_type: str) -> CacheLayout:
+    """One layout that every rank can hold: each rank's plan from its own needs (a pipeline stage caches only its
+    layers) and budget, then the smallest count of each kind (block ids, slot ids and snapshot entries are the same
+    on every rank). A rank without recurrent state does not limit the snapshots; the layout's byte sizes are the
+    largest rank's."""
+    budgets: list[int] | None = None
+
+    def budget(rank: int) -> int:
+        nonlocal budgets
+        if budgets is None:
+            budgets = budgets_fn()
+        return budgets[rank]
+
+    if all(info == infos[0] for info in infos):
+        return plan_caches(config, infos[0], max_num_seqs, num_speculative_tokens, lambda: min(budgets_fn()),
+                           device_type)
+    plans = [plan_caches(config, info, max_num_seqs, num_speculative_tokens, functools.partial(budget, r),
+                         device_type) for r, info in enumerate(infos)]
+    with_state = [p for p, info in zip(plans, infos, strict=True) if info.has_recurrent_state] or plans
+    layout = CacheLayout(min(p.num_kv_blocks for p in plans), min(p.num_state_slots for p in plans),
+                         max(p.kv_bytes_per_block for p in plans), max(p.state_bytes_per_slot for p in plans),
+                         min(p.num_snapshots for p in with_state), min(p.max_num_seqs for p in plans))
+    for r, (info, p) in enumerate(zip(infos, plans, strict=True)):
+        logger.info("rank %d: %.1f KiB per KV block, %.1f KiB per state slot: fits %d blocks, %d slots, %d snapshots",
+                    r, info.kv_bytes_per_block / 1024, info.state_bytes_per_slot / 1024, p.num_kv_blocks,
+                    p.num_state_slots, p.num_snapshots)
+    return layout

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from hyserve.cache.block_pool import BlockPool
-from hyserve.cache.planner import cache_memory_flag, plan_caches
+from hyserve.cache.planner import cache_memory_flag, plan_caches_for_ranks
 from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.cache.state_slots import StateSlots
 from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig, apply_cpu_threads, resolve_dtype
+from hyserve.distributed.parallel_state import layer_partition
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
 from hyserve.executor.base import Executor, StepHandle
@@ -77,16 +78,25 @@ class LLMEngine:
         eos_token_ids = set(stop_token_ids(config.model, self.model_config))
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.use_mtp = self.spec_config is not None and self.spec_config.method == "mtp"
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
+        self.pipeline_parallel_size = pp = config.pipeline_parallel_size
+        self.pp_layer_partition = layer_partition(self.model_config.num_hidden_layers, pp, config.pp_layer_partition)
+        # Steps launched whose results are not applied yet, between two step() calls: with P pipeline stages, P - 1
+        # micro-batches keep the stages busy; async scheduling adds one (its host work overlaps the device's).
+        self.max_steps_in_flight = pp - 1 + int(self.async_scheduling)
         # The worker side: device, model, cache tensors, step buffers, graphs. The engine keeps ids and ints.
         self.executor: Executor = self._make_executor(k)
-        info = self.executor.cache_info()
-        self.layout = plan_caches(config, info, config.max_num_seqs or DEFAULT_MAX_NUM_SEQS, k,
-                                  self.executor.determine_available_memory, self.device.type)
+        infos = self.executor.cache_infos()
+        self.layout = plan_caches_for_ranks(config, infos, config.max_num_seqs or DEFAULT_MAX_NUM_SEQS, k,
+                                            functools.partial(self.executor.collective_rpc,
+                                                              "determine_available_memory"), self.device.type)
         self.max_num_seqs = self.layout.max_num_seqs
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
         self.block_pool = BlockPool(self.layout.num_kv_blocks, config.block_size)
+        has_state = any(i.has_recurrent_state for i in infos)
         self.state_slots = StateSlots(self.layout.num_state_slots, self.layout.num_snapshots,
-                                      info.state_bytes_per_slot, has_state=info.has_recurrent_state)
+                                      self.layout.state_bytes_per_slot, has_state=has_state)
         self.max_model_len = self._resolve_max_model_len()
         self.executor.initialize_cache(self.layout, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
@@ -94,7 +104,7 @@ class LLMEngine:
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.block_pool, self.state_slots, config.block_size,
                                             config.recurrent_snapshot_interval,
-                                            has_recurrent_state=info.has_recurrent_state,
+                                            has_recurrent_state=has_state,
                                             lookahead=1 if self.use_mtp else 0)
         self.drafts: DraftManager | None = None
         if self.spec_config is not None:
@@ -102,7 +112,8 @@ class LLMEngine:
             logger.info("speculative decoding: %s, %d tokens per step", self.spec_config.method, k)
         self.scheduler = Scheduler(self.max_num_seqs, self.max_num_batched_tokens, self.block_pool,
                                    self.state_slots, self.max_model_len, self.prefix_cache, self.drafts,
-                                   banned_token_ids=functools.partial(banned_token_ids, self.output_processor))
+                                   banned_token_ids=functools.partial(banned_token_ids, self.output_processor),
+                                   pipeline_parallel_size=pp)
         self.metrics = EngineMetrics()
         self.stats_logger: StatsLogger | None = None
         if not config.disable_log_stats:
@@ -110,9 +121,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.is_shut_down = False
         self._arrivals = 0
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
-            else self.device.type == "cuda"
-        # Async scheduling: steps launched whose results are not applied yet (at most one between two step() calls).
+        # Steps launched whose results are not applied yet (at most max_steps_in_flight between two step() calls).
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         logger.info("async scheduling is %s%s", "on" if self.async_scheduling else "off",
                     "" if config.async_scheduling is not None else " (the default on this device; "
@@ -135,25 +144,32 @@ class LLMEngine:
             logger.info("prefix caching is off")
 
     def _make_executor(self, num_speculative_tokens: int) -> Executor:
-        kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp}
-        tp = self.config.tensor_parallel_size
+        kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp,
+                              "max_steps_in_flight": self.max_steps_in_flight}
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         self.model_config.check_tensor_parallel(tp)
-        backend = self.config.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        world = tp * pp
+        output_rank = (pp - 1) * tp  # the first rank of the last stage samples: its answer is the step's result
+        backend = self.config.distributed_executor_backend or ("mp" if world > 1 else "uni")
+        shape = f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}" + (
+            f", layers per stage {','.join(map(str, self.pp_layer_partition))}" if pp > 1 else "")
         if backend == "torchrun":
             from hyserve.executor.torchrun import TorchrunExecutor, serve_rank, torchrun_rank
 
             args = (self.config, self.model_config, self.device, self.dtype)
             if torchrun_rank()[0] != 0:
-                serve_rank(tp, args, kw)  # serves this rank until rank 0 stops, then ends the process
-            logger.info("workers: %d ranks started by torchrun; this is rank 0", tp)
-            return TorchrunExecutor(tp, args, kw)
+                serve_rank(world, args, kw, output_rank)  # serves this rank until rank 0 stops, then ends the process
+            logger.info("workers: %d ranks started by torchrun (%s); this is rank 0", world, shape)
+            return TorchrunExecutor(world, args, kw, output_rank)
         if backend == "mp":
             from hyserve.executor.multiproc import MultiprocExecutor, free_tcp_address
 
-            logger.info("workers: %d process%s (distributed_executor_backend='mp', tensor_parallel_size=%d)", tp,
-                        "" if tp == 1 else "es", tp)
-            kw.update(cpu_threads=torch.get_num_threads(), dist_init_method=free_tcp_address() if tp > 1 else None)
-            return MultiprocExecutor(tp, (self.config, self.model_config, self.device, self.dtype), kw)
+            logger.info("workers: %d process%s (distributed_executor_backend='mp', %s)", world,
+                        "" if world == 1 else "es", shape)
+            kw.update(cpu_threads=torch.get_num_threads(),
+                      dist_init_method=free_tcp_address() if world > 1 else None)
+            return MultiprocExecutor(world, (self.config, self.model_config, self.device, self.dtype), kw,
+                                     output_rank=output_rank)
         return UniProcExecutor(Worker(self.config, self.model_config, self.device, self.dtype, **kw))
 
     @property
@@ -296,8 +312,9 @@ class LLMEngine:
             self.metrics.on_request_finished("abort")
 
     def has_unfinished_requests(self) -> bool:
-        """Requests waiting or running, or a step whose result is not applied yet (async scheduling)."""
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        """Requests waiting or running, a step whose result is not applied yet (async scheduling, pipeline
+        micro-batches), or verify commits the pipeline stages have not been sent yet."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or self.scheduler.has_pending_commits
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -313,14 +330,14 @@ class LLMEngine:
         """
         so = self.scheduler.schedule()
         outputs = self._on_scheduled(so)
-        if not self.async_scheduling:
+        if not self.max_steps_in_flight:
             if so.is_empty:
                 return outputs
             t0 = time.perf_counter()
             return outputs + self._on_result(so, self.executor.execute_model(so), t0)
         if not so.is_empty:
             self._in_flight.append((so, self.executor.execute_model_async(so), time.perf_counter()))
-        while len(self._in_flight) > 1 or (self._in_flight and so.is_empty):
+        while len(self._in_flight) > self.max_steps_in_flight or (self._in_flight and not so.rows):
             done, handle, t0 = self._in_flight.popleft()
             outputs += self._on_result(done, handle.result(), t0)
         return outputs
@@ -359,7 +376,8 @@ class LLMEngine:
             self._emit(req, outputs)
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
-        self.metrics.on_step(so.num_tokens, sum(len(t) for t in ro.token_ids), time.perf_counter() - t0)
+        if so.rows:  # not a step that only carried verify commits to the pipeline stages
+            self.metrics.on_step(so.num_tokens, sum(len(t) for t in ro.token_ids), time.perf_counter() - t0)
         return outputs
 
     # ------------------------------------------------------------------ the scheduler's sink (StepSink)

@@ -1,9 +1,11 @@
 """The seam between the engine (scheduler, ids and ints) and the workers (device, model, caches, graphs).
 
 An executor runs ``SchedulerOutput``s on its workers and returns ``RunnerOutput``s. Everything that crosses it is
-plain data (``hyserve.scheduler.output``), so a worker can live in another process; the in-process executor
-(``uniproc``) is the only one today. ``determine_available_memory`` is the cache budget of the smallest worker (what
-every worker can hold); ``collective_rpc`` calls a method on every worker and returns their answers in rank order.
+plain data (``hyserve.scheduler.output``), so a worker can live in another process: in this one (``uniproc``), in
+processes the engine starts (``multiproc``) or in processes torchrun started (``torchrun``). ``cache_infos`` and
+``determine_available_memory`` come from every rank, and the engine plans a layout all of them hold
+(``hyserve.cache.planner.plan_caches_for_ranks``); ``collective_rpc`` calls a method on every worker and returns
+their answers in rank order; a step's result is the ``output_rank``'s answer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class StepHandle(Protocol):
 
 
 class Executor(ABC):
+    # The rank whose answer is a step's result: the first rank of the last pipeline stage (it samples).
+    output_rank: int = 0
+
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
                        ) -> list[Any]:
@@ -30,9 +35,9 @@ class Executor(ABC):
     def determine_available_memory(self) -> int:
         return min(self.collective_rpc("determine_available_memory"))
 
-    def cache_info(self) -> CacheInfo:
-        infos = self.collective_rpc("cache_info")
-        return infos[0]
+    def cache_infos(self) -> list[CacheInfo]:
+        """Each rank's cache needs, in rank order (pipeline stages differ: each caches its own layers)."""
+        return list(self.collective_rpc("cache_info"))
 
     def initialize_cache(self, layout: CacheLayout, max_model_len: int) -> None:
         self.collective_rpc("initialize_cache", (layout, max_model_len))

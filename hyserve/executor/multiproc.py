@@ -153,8 +153,9 @@ class _Proc:
 
 class MultiprocExecutor(Executor):
     def __init__(self, world_size: int, worker_args: tuple[Any, ...], worker_kwargs: dict[str, Any] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.5) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.5, output_rank: int = 0) -> None:
         self.world_size = world_size
+        self.output_rank = output_rank
         self.timeout_s = timeout_s
         self.poll_interval_s = poll_interval_s
         self._lock = threading.Lock()
@@ -239,7 +240,7 @@ class MultiprocExecutor(Executor):
         with self._lock:
             for p in self._procs:
                 self._send(p, "step", scheduler_output)
-            self._last_step = _StepAnswer(self, self._procs[0])
+            self._last_step = _StepAnswer(self, self._procs[self.output_rank])
         return self._last_step
 
     def _flush(self) -> None:
@@ -255,7 +256,8 @@ class MultiprocExecutor(Executor):
 
 
 class _StepAnswer:
-    """The driver worker's answer to one step, read when asked; steps are answered in the order they were sent."""
+    """The output rank's answer to one step, read when asked; steps are answered in the order they were sent (the
+    other ranks' answers to it are read too, to keep the order)."""
 
     def __init__(self, executor: MultiprocExecutor, driver: _Proc) -> None:
         self._executor = executor

@@ -80,6 +80,11 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` (model naming) is this model's: a pipeline stage holds only its own
+        layers, and the loader skips the other stages' tensors."""
+        return True
+
     def input_embeddings(self) -> nn.Embedding:
         raise NotImplementedError
 

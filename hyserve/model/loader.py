@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +73,8 @@ def load_weights(
     """
     files = checkpoint_files(model_dir)
     targets = _targets(model, config)
-    entries = _plan(files, targets, config)
+    holds = getattr(model, "holds", None)
+    entries = _plan(files, targets, config, holds if callable(holds) else None)
     device, dtype = _model_device_dtype(model)
     total = sum(e.nbytes for e in entries)
     show = total > PROGRESS_MIN_BYTES if show_progress is None else show_progress
@@ -172,11 +173,13 @@ def _map_name(name: str) -> str | None:
     return name
 
 
-def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfig) -> list[_Entry]:
-    """Check names and shapes from the headers only; returns what to read, in file order."""
+def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfig,
+          holds: Callable[[str], bool] | None = None) -> list[_Entry]:
+    """Check names and shapes from the headers only; returns what to read, in file order. ``holds``: whether a
+    tensor belongs to this pipeline stage (the others' are skipped)."""
     entries: list[_Entry] = []
     loaded: dict[str, str] = {}
-    skipped_visual = 0
+    skipped_visual = skipped_stage = 0
     unexpected: list[str] = []
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -185,7 +188,9 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                 shape = tuple(meta.get_shape())
                 nbytes = _numel(shape) * _DTYPE_BYTES.get(meta.get_dtype(), 4)
                 target = _map_name(name)
-                if name.startswith("mtp."):
+                if holds is not None and not holds(target or name):
+                    skipped_stage += 1
+                elif name.startswith("mtp."):
                     entries.append(_Entry(name, path, shape, nbytes, None))
                 elif target is None:
                     skipped_visual += 1
@@ -200,6 +205,8 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
     if skipped_visual:
         logger.warning("skipped %d vision-tower tensors (model.visual.*): only the text model is served",
                        skipped_visual)
+    if skipped_stage:
+        logger.info("skipped %d tensors that other pipeline stages hold", skipped_stage)
     _check_complete(targets, loaded, unexpected, config)
     return entries
 

@@ -14,7 +14,14 @@ from torch import nn
 
 from hyserve.cache.specs import AttentionSpec, RecurrentStateSpec, StateTensorSpec
 from hyserve.config import FULL_ATTENTION, ModelConfig
-from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
+from hyserve.distributed.parallel_state import (
+    is_first_stage,
+    is_last_stage,
+    shard_range,
+    stage_layers,
+    tp_rank,
+    tp_size,
+)
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.norm import silu_mul
@@ -234,36 +241,78 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h)
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer that another pipeline stage holds (keeps the indices of the checkpoint's names)."""
+
+
+# Between pipeline stages: (residual stream, the last layer's MLP output whose add is fused into the next norm).
+Intermediate = tuple[torch.Tensor, torch.Tensor]
+
+
 class TextModel(nn.Module):
+    """The decoder, or with pipeline parallelism the layers of this process's stage: the first stage embeds, the
+    last applies the final norm (and also holds the embedding when the LM head is tied to it or the MTP head reads
+    it); the others take and return ``Intermediate``."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.start, self.end = stage_layers(cfg.num_hidden_layers)
+        self.is_first, self.is_last = is_first_stage(), is_last_stage()
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.is_first or (self.is_last and (cfg.tie_word_embeddings or cfg.mtp_num_hidden_layers > 0)):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary) if self.start <= i < self.end
+                                     else MissingLayer() for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        pending: torch.Tensor | None
+        if intermediate is None:
+            assert self.embed_tokens is not None and self.is_first, "a later stage needs the previous one's output"
+            x, pending = self.embed_tokens(input_ids), None
+        else:
+            x, pending = intermediate
         self.rotary.prepare(meta.positions)
-        pending: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.layers[self.start : self.end]:
             x, pending = layer(x, meta, pending)
+        if self.norm is None:
+            assert pending is not None
+            return x, pending
         return self.norm(x) if pending is None else self.norm.add(x, pending)[1]
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` (the model's naming) belongs to this stage."""
+        if name.startswith("model.layers."):
+            return self.start <= int(name.split(".")[2]) < self.end
+        if name.startswith("model.embed_tokens."):
+            return self.embed_tokens is not None
+        if name.startswith(("model.norm.", "lm_head.", "mtp.")):
+            return self.is_last
+        return True
 
 
 class Qwen3_5ForCausalLM(CausalLM):
-    """Returns post-final-norm hidden states (the MTP head consumes them); ``compute_logits`` applies lm_head."""
+    """Returns post-final-norm hidden states (the MTP head consumes them); ``compute_logits`` applies lm_head. With
+    pipeline parallelism a stage other than the last returns ``Intermediate`` and has no lm_head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = TextModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.is_last:
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+            if cfg.tie_word_embeddings:
+                assert self.model.embed_tokens is not None
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        return self.model(input_ids, meta)
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, meta, intermediate)
+
+    def holds(self, name: str) -> bool:
+        return self.model.holds(name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
@@ -271,6 +320,7 @@ class Qwen3_5ForCausalLM(CausalLM):
         return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
 
     def input_embeddings(self) -> nn.Embedding:
+        assert self.model.embed_tokens is not None, "this pipeline stage holds no embedding"
         return self.model.embed_tokens
 
     def activation_width(self) -> int:

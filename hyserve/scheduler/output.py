@@ -83,6 +83,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests that can never be admitted, with the reason: the engine finishes them with an error.
     failed: list[tuple[str, str]] = field(default_factory=list)
+    # Pipeline parallelism: (step id, accepted count of each of that step's verify rows) of earlier steps whose
+    # results are in. A stage before the last applies them, through that step's own rows, before this step.
+    verify_commits: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +93,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.rows
+        """Nothing to run: no rows and nothing for the workers to apply."""
+        return not self.rows and not self.verify_commits
 
 
 @dataclass(slots=True)

@@ -68,7 +68,8 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_pool: BlockPool,
                  state_slots: StateSlots, max_model_len: int, prefix_cache: PrefixCache | None = None,
                  drafts: DraftManager | None = None,
-                 banned_token_ids: Callable[[Request], list[int]] | None = None) -> None:
+                 banned_token_ids: Callable[[Request], list[int]] | None = None,
+                 pipeline_parallel_size: int = 1) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = block_pool
@@ -88,6 +89,10 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # step id -> each row's request epoch (its preemption count when the step was scheduled)
         self._epochs: dict[int, list[int]] = {}
+        # Pipeline parallelism: a request's next step waits for its sampled token (the first stage does not have
+        # it), and the stages before the last learn each verify step's accepted counts from a later step.
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self._verify_commits: list[tuple[int, list[int]]] = []
 
     @property
     def speculative(self) -> bool:
@@ -100,6 +105,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def has_pending_commits(self) -> bool:
+        """Verify commits not sent to the pipeline stages yet (the next step carries them)."""
+        return bool(self._verify_commits)
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -134,6 +144,10 @@ class Scheduler:
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         if out.rows:
             self._epochs[out.step_id] = [self.requests[r.req_id].num_preemptions for r in out.rows]
+        # An empty step is not run, so the commits wait for one that is, or for the pipeline to drain (then the step
+        # carries only them, and every stage is up to date while the engine is idle).
+        if out.rows or not self._epochs:
+            out.verify_commits, self._verify_commits = self._verify_commits, []
         return out
 
     def _can_schedule(self, req: Request) -> bool:
@@ -142,6 +156,8 @@ class Scheduler:
             return True
         if self.speculative:
             return False  # the next verify row's position and drafts depend on the accepted count
+        if self.pipeline_parallel_size > 1:
+            return False  # the sampled token is on the last stage; the first stage needs it as input
         p = req.sampling_params
         pending = req.num_output_tokens + req.num_inflight_samples
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
@@ -313,6 +329,10 @@ class Scheduler:
         if ro.step_id != so.step_id:
             raise RuntimeError(f"result of step {ro.step_id} applied to step {so.step_id}")
         epochs = self._epochs.pop(so.step_id, [])
+        if self.pipeline_parallel_size > 1:
+            n_verify = sum(1 for row in so.rows if row.is_verify)
+            if n_verify:  # every verify row's count, as the last stage applied them (-1: left untouched)
+                self._verify_commits.append((so.step_id, list(ro.num_accepted[:n_verify])))
         pc = self.prefix_cache
         ran: list[tuple[int, ScheduledRow, Request]] = []
         ended: list[Request] = []

@@ -23,6 +23,14 @@ from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.cache.specs import AttentionSpec, CacheSpecs
 from hyserve.cache.state_pool import StatePool
 from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig
+from hyserve.distributed.parallel_state import (
+    StageLink,
+    is_first_stage,
+    is_last_stage,
+    pp_rank,
+    pp_size,
+    stage_layers,
+)
 from hyserve.layers.linear import ParallelLMHead
 from hyserve.layers.rejection_sampler import RejectionSampler, SpecOutput, SpecRow
 from hyserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, token_seed
@@ -50,6 +58,18 @@ class MTPRow:
     input_ids: list[int]
     hidden_index: list[int]
     block_table: list[int]
+
+
+@dataclass(slots=True)
+class PendingCommit:
+    """A verify step that a pipeline stage other than the last ran before its accepted counts were known: the
+    step's own verify-row slots and snapshot reservations, and the scratch set holding its candidates. Applied when
+    the counts arrive (``SchedulerOutput.verify_commits``, by step id), whatever steps ran in between."""
+
+    step_id: int
+    scratch_set: int
+    state_slots: torch.Tensor  # (verify rows,) this step's, not the buffer the next step overwrites
+    candidates: list[tuple[int, int, int]]  # (verify row, position, snapshot entry) of candidate_snapshot
 
 
 @dataclass(slots=True)
@@ -87,7 +107,8 @@ def _weak_forward(method: Callable[[int], tuple[torch.Tensor, ...]]) -> Callable
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype, num_speculative_tokens: int = 0, use_mtp: bool = False) -> None:
+                 dtype: torch.dtype, num_speculative_tokens: int = 0, use_mtp: bool = False,
+                 max_steps_in_flight: int = 1) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
@@ -100,17 +121,35 @@ class ModelRunner:
         self.model = self._build_model()
         self.mtp_weights = load_weights(self.model, config.model, model_config)
         self.mtp: nn.Module | None = None  # the family's draft head (registry), run over the target's hidden states
-        if use_mtp:
+        # Pipeline parallelism: this stage's layers only; the last stage samples, verifies and drafts (MTP).
+        self.pp_size = pp_size()
+        self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
+        self.link = StageLink() if self.pp_size > 1 else None
+        if use_mtp and self.is_last_stage:
             self.mtp = self._build_mtp()
         # Every cache below is sized and shaped from what the layers declare (hyserve.cache.specs).
         self.cache_specs: CacheSpecs = self.model.cache_specs(dtype)
         self.mtp_kv_layers = [m for m in self.mtp.modules() if isinstance(m, KVCacheLayer)] if self.mtp else []
         self.mtp_kv_specs: list[AttentionSpec] = [layer.cache_spec(dtype) for layer in self.mtp_kv_layers]
-        logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
-                    model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
+        if self.pp_size > 1:
+            start, end = stage_layers(model_config.num_hidden_layers)
+            logger.info("pipeline stage %d of %d: decoder layers %d-%d (%d attention, %d recurrent)%s%s", pp_rank(),
+                        self.pp_size, start, end - 1, len(self.cache_specs.attention),
+                        len(self.cache_specs.recurrent), ", the embedding" if self.is_first_stage else "",
+                        ", the final norm, LM head" + (" and MTP head" if self.mtp is not None else "")
+                        if self.is_last_stage else "")
+        else:
+            logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
+                        model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
         self.max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.num_speculative_tokens = num_speculative_tokens
+        # A stage before the last commits a verify step when its accepted counts arrive, up to a few steps later:
+        # each uncommitted step keeps its candidates in a scratch set of its own.
+        self.num_scratch_sets = max_steps_in_flight + 1 if num_speculative_tokens and not self.is_last_stage else 1
+        self._free_scratch_sets: list[int] = list(range(self.num_scratch_sets))
+        self._scratch: list[list[dict[str, torch.Tensor]]] = []
+        self._uncommitted: dict[int, PendingCommit] = {}
         self.graphs: StepGraphs | None = None
         self.use_graphs = self._use_graphs()
         self.max_model_len = 0  # set by initialize_cache
@@ -127,7 +166,7 @@ class ModelRunner:
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._kv_bytes_per_block(), self.cache_specs.state_bytes_per_slot,
-                         bool(self.cache_specs.recurrent))
+                         bool(self.cache_specs.recurrent), self.num_scratch_sets)
 
     def determine_available_memory(self) -> int:
         """Bytes this worker can give the caches (see ``_cache_budget``)."""
@@ -157,9 +196,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _use_graphs(self) -> bool:
-        if self.config.enforce_eager:
+        if self.config.enforce_eager or not (self.device.type == "cuda" or cuda_graphs.EMULATE):
             return False
-        return self.device.type == "cuda" or cuda_graphs.EMULATE
+        if self.pp_size > 1:
+            logger.warning("pipeline parallelism: CUDA graphs are not captured for pipeline stages yet; every step "
+                           "runs eagerly")
+            return False
+        return True
 
     def _graph_sizes(self) -> dict[str, list[int]]:
         """Padded row counts to capture per graph kind (see ``cuda_graphs``)."""
@@ -282,8 +325,14 @@ class ModelRunner:
             max_query_len=n, max_seq_len=n,
         )
         ids = torch.randint(0, self.model_config.vocab_size, (n,), device=self.device)
-        hidden = self.model(ids, meta)
-        self.model.compute_logits(hidden[-min(n, self.max_num_seqs):])
+        inter = None
+        if not self.is_first_stage:
+            h = self.model_config.hidden_size
+            inter = (torch.randn(n, h, dtype=self.dtype, device=self.device),
+                     torch.randn(n, h, dtype=self.dtype, device=self.device))
+        hidden = self.model(ids, meta, inter) if inter is not None else self.model(ids, meta)
+        if self.is_last_stage:
+            self.model.compute_logits(hidden[-min(n, self.max_num_seqs):])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del pool, kv, meta, hidden
@@ -302,9 +351,15 @@ class ModelRunner:
         return out
 
     def _allocate_verify_scratch(self, positions: int) -> None:
-        """Per recurrent layer and declared tensor: (max_num_seqs, positions, *shape), a candidate per position."""
-        for layer, spec in zip(self.model.recurrent_layers(), self.cache_specs.recurrent, strict=True):
-            layer.bind_verify_scratch(spec.allocate((self.max_num_seqs, positions), self.device))
+        """Per recurrent layer and declared tensor: (max_num_seqs, positions, *shape), a candidate per position (one
+        such set per ``num_scratch_sets``)."""
+        self._scratch = [[spec.allocate((self.max_num_seqs, positions), self.device)
+                          for spec in self.cache_specs.recurrent] for _ in range(self.num_scratch_sets)]
+        self._bind_scratch(0)
+
+    def _bind_scratch(self, index: int) -> None:
+        for layer, tensors in zip(self.model.recurrent_layers(), self._scratch[index], strict=True):
+            layer.bind_verify_scratch(tensors)
 
     def _init_graphs(self) -> None:
         sizes = self._graph_sizes()
@@ -560,6 +615,8 @@ class ModelRunner:
             self.requests[new.req_id] = new.sampling_params
         rows = so.rows
         out = RunnerOutput(so.step_id, token_ids=[[] for _ in rows], num_accepted=[-1] * len(rows))
+        if not self.is_last_stage:
+            return self._execute_stage(so, out)
         if not rows:
             return StepResult(out)
         plain = [i for i, r in enumerate(rows) if r.samples and not r.is_verify]
@@ -588,6 +645,80 @@ class ModelRunner:
         if self.mtp_proposer is not None:
             out.next_draft_token_ids = self.mtp_proposer.propose(self, rows, out)
         return StepResult(out)
+
+    # ------------------------------------------------------------------ pipeline stages
+
+    def _run_model(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """This stage's forward of a step laid out by ``prepare``: after the previous stage's output arrives, and
+        sent on to the next stage (the last stage returns the hidden states; the others an empty tensor)."""
+        if self.link is None:
+            return self.model(input_ids, meta)
+        inter = None
+        if not self.is_first_stage:
+            inter = self.link.recv(input_ids.shape[0], self.model_config.hidden_size, self.dtype, self.device)
+        out = self.model(input_ids, meta, inter)
+        if self.is_last_stage:
+            return out
+        self.link.send(*out)
+        return input_ids.new_empty((0,))
+
+    def _execute_stage(self, so: SchedulerOutput, out: RunnerOutput) -> StepResult:
+        """Step ``so`` on a pipeline stage before the last: the verify commits that arrived with it (of earlier
+        steps), the state operations, the forward (its output goes to the next stage), the snapshot copy-outs that
+        do not depend on the accepted counts. Nothing is sampled here; the result is empty."""
+        for step_id, num_accepted in so.verify_commits:
+            self._apply_commit(self._pending_commit(step_id), num_accepted)
+        rows = so.rows
+        if not rows:
+            return StepResult(out)
+        verify = [i for i, r in enumerate(rows) if r.is_verify]
+        if verify:
+            if not self._free_scratch_sets:
+                raise RuntimeError(f"step {so.step_id}: every verify scratch set holds an uncommitted step "
+                                   f"({sorted(self._uncommitted)}); more steps are in flight than planned")
+            scratch = self._free_scratch_sets.pop(0)
+            self._bind_scratch(scratch)
+        self._load_states(rows)
+        meta, input_ids, _ = self.prepare(rows)
+        self._run_model(input_ids, meta)
+        if verify:
+            assert meta.verify is not None
+            cands = []
+            for i in verify:
+                if rows[i].candidate_snapshot is not None:
+                    point, entry = rows[i].candidate_snapshot  # type: ignore[misc]
+                    cands.append((i, point - rows[i].start - 1, entry))
+            self._uncommitted[so.step_id] = PendingCommit(so.step_id, scratch, meta.verify.state_slots.clone(), cands)
+        self._save_snapshots(rows, out.num_accepted)  # the accepted counts are unknown (-1): no candidates yet
+        return StepResult(out)
+
+    def _pending_commit(self, step_id: int) -> PendingCommit:
+        """The uncommitted verify step ``step_id`` (its own slots and scratch set, not the latest step's)."""
+        pending = self._uncommitted.pop(step_id, None)
+        if pending is None:
+            raise RuntimeError(f"accepted counts for step {step_id}, which has no uncommitted verify rows here "
+                               f"(uncommitted: {sorted(self._uncommitted)})")
+        return pending
+
+    def _apply_commit(self, pending: PendingCommit, num_accepted: list[int]) -> None:
+        """Live slots of ``pending``'s verify rows take candidate ``num_accepted[r]`` (-1: untouched), and its
+        candidate snapshots whose position the accepted length reached are copied out; then its scratch set is
+        free."""
+        n = len(num_accepted)
+        if n != pending.state_slots.shape[0]:
+            raise RuntimeError(f"step {pending.step_id}: {n} accepted counts for {pending.state_slots.shape[0]} "
+                               "verify rows")
+        self._bind_scratch(pending.scratch_set)
+        acc = device_tensor(num_accepted, self.device, torch.long)
+        for layer in self.model.recurrent_layers():
+            layer.commit_verified(pending.state_slots, acc)
+        cands = [(r, p, e) for r, p, e in pending.candidates if num_accepted[r] >= p]
+        self._snapshot_candidates([r for r, _, _ in cands], [p for _, p, _ in cands], [e for _, _, e in cands])
+        self._free_scratch_sets.append(pending.scratch_set)
+
+    @property
+    def num_uncommitted_steps(self) -> int:
+        return len(self._uncommitted)
 
     def _sampling_row(self, row: ScheduledRow, i: int, errors: dict[int, str]) -> SamplingRow:
         """Row ``row``'s sampling inputs; if they cannot be built, the row fails alone (a greedy stand-in is sampled
@@ -672,7 +803,7 @@ class ModelRunner:
             # One token per row: row i's logits are row i of the graph's output.
             return logits[: len(rows)] if num_sampling == len(rows) else logits[logits_indices]
         meta, input_ids, logits_indices = self.prepare(rows)
-        hidden = self.model(input_ids, meta)
+        hidden = self._run_model(input_ids, meta)
         if not num_sampling:
             return hidden[:0]
         return self.model.compute_logits(hidden[logits_indices])
@@ -703,7 +834,7 @@ class ModelRunner:
             self.last_hidden = hidden[logits_indices]  # the real tokens, in row order, as the eager path returns
             return logits[logits_indices]
         meta, input_ids, logits_indices = self.prepare(rows)
-        hidden = self.model(input_ids, meta)
+        hidden = self._run_model(input_ids, meta)
         self.last_hidden = hidden
         return self.model.compute_logits(hidden[logits_indices])
 

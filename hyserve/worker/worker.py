@@ -11,7 +11,7 @@ import torch
 
 from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.config import EngineConfig, ModelConfig
-from hyserve.distributed.parallel_state import init_tensor_parallel
+from hyserve.distributed.parallel_state import init_distributed, layer_partition
 from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
 from hyserve.worker.model_runner import ModelRunner, StepResult
 
@@ -19,19 +19,26 @@ from hyserve.worker.model_runner import ModelRunner, StepResult
 class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  num_speculative_tokens: int = 0, use_mtp: bool = False, rank: int = 0, world_size: int = 1,
-                 dist_init_method: str | None = None, local_rank: int | None = None) -> None:
+                 dist_init_method: str | None = None, local_rank: int | None = None,
+                 max_steps_in_flight: int = 1) -> None:
         if device.type == "cuda" and world_size > 1:  # one GPU per rank: its index on this node
             device = torch.device("cuda", rank if local_rank is None else local_rank)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         self.device = device
         self.rank = rank
-        # Tensor parallel: join the group before the model is built (its layers size their shards by it).
+        # Join the group before the model is built: its layers size their shards by the tensor-parallel rank, and
+        # it builds only the layers of its pipeline stage.
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if world_size != tp * pp:
+            raise ValueError(f"{world_size} workers for tensor_parallel_size={tp} x pipeline_parallel_size={pp}")
         if world_size > 1:
-            assert dist_init_method is not None, "a tensor-parallel worker needs the group's address"
-        init_tensor_parallel(rank, world_size, dist_init_method or "", device)
+            assert dist_init_method is not None, "a worker of several needs the group's address"
+        partition = layer_partition(model_config.num_hidden_layers, pp, config.pp_layer_partition) if pp > 1 \
+            else None
+        init_distributed(rank, tp, pp, dist_init_method or "", device, partition)
         self.runner = ModelRunner(config, model_config, device, dtype, num_speculative_tokens=num_speculative_tokens,
-                                  use_mtp=use_mtp)
+                                  use_mtp=use_mtp, max_steps_in_flight=max_steps_in_flight)
 
     def cache_info(self) -> CacheInfo:
         return self.runner.cache_info()
@@ -47,6 +54,10 @@ class Worker:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepResult:
         return self.runner.execute_model_async(scheduler_output)
+
+    def num_uncommitted_steps(self) -> int:
+        """Verify steps whose accepted counts this stage has not applied yet (tests: nothing left behind)."""
+        return self.runner.num_uncommitted_steps
 
     def graph_replays(self) -> dict[str, int]:
         """Replays so far per graph kind (empty without graphs): for tests and tools across the process boundary."""
