@@ -1,15 +1,18 @@
-"""Multi-GPU check in one call: tensor parallelism against the single-GPU engine, then throughput at T = 1 and T.
+"""Multi-GPU check in one call: tensor and pipeline parallelism against the single-GPU engine, and throughput.
 
-    python benchmarks/multi_gpu_check.py --tp 2 --out $OUT          # two GPUs (NCCL), the 2B shape in bf16
+    python benchmarks/multi_gpu_check.py --tp 2 --pp 2 --out $OUT   # two GPUs (NCCL), the 2B shape in bf16
 
-1. Correctness: greedy outputs of 4 prompts at T ranks against one GPU, on the same random-weight checkpoint
-   (Qwen3.5-2B shape unless ``--model``). In bf16 the two may part at a near tie: a run passes when every prompt
-   agrees up to its end or up to a position where the single-GPU run's top-2 logprob margin is below ``--margin``.
-2. Throughput at T = 1 and T: prefill tokens/s (8 prompts of 2048 tokens) and decode tokens/s at each batch of
-   ``--batches`` (prompts of 512 tokens, async scheduling as by default).
+Runs one GPU, then T = ``--tp`` (tensor parallel, one stage), then P = ``--pp`` (pipeline parallel, one rank per
+stage); a size of 1 skips that configuration.
 
-Pipeline parallelism is not implemented yet: the P = 2 rows of the issue's table are reported as not run. On the
-CPU (``--device cpu --model DIR``) the same script runs with gloo, which is how CI checks it.
+1. Correctness: greedy outputs of 4 prompts in each configuration against one GPU, on the same random-weight
+   checkpoint (Qwen3.5-2B shape unless ``--model``). In bf16 the two may part at a near tie: a run passes when every
+   prompt agrees up to its end or up to a position where the single-GPU run's top-2 logprob margin is below
+   ``--margin``.
+2. Throughput in each configuration: prefill tokens/s (8 prompts of 2048 tokens) and decode tokens/s at each batch
+   of ``--batches`` (prompts of 512 tokens, async scheduling as by default).
+
+On the CPU (``--device cpu --model DIR``) the same script runs with gloo, which is how CI checks it.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def throughput(llm: LLM, vocab: int, batches: list[int], prefill_len: int, n_pre
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks to check (1: skip)")
+    ap.add_argument("--pp", type=int, default=2, help="pipeline stages to check (1: skip)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", default=None, help="checkpoint (default: a random Qwen3.5-2B shape)")
@@ -99,27 +103,33 @@ def main() -> int:
                               max_model_len=4096, max_num_batched_tokens=8192)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = 0.8
-    results: dict[str, Any] = {"command": " ".join(sys.argv), "tp": args.tp, "python": platform.python_version(),
-                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                               "pipeline_parallel": "not run: pipeline parallelism is not implemented yet"}
+    results: dict[str, Any] = {"command": " ".join(sys.argv), "tp": args.tp, "pp": args.pp,
+                               "python": platform.python_version(), "torch": torch.__version__,
+                               "date": time.strftime("%Y-%m-%d"),
+                               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     g = torch.Generator().manual_seed(0)
-    outputs: dict[int, list[dict[str, Any]]] = {}
-    for tp in (1, args.tp):
-        llm = LLM(tensor_parallel_size=tp, **kw)
+    configs = {"tp1": {}}
+    if args.tp > 1:
+        configs[f"tp{args.tp}"] = {"tensor_parallel_size": args.tp}
+    if args.pp > 1:
+        configs[f"pp{args.pp}"] = {"pipeline_parallel_size": args.pp}
+    outputs: dict[str, list[dict[str, Any]]] = {}
+    for name, parallel in configs.items():
+        llm = LLM(**parallel, **kw)
         vocab = llm.llm_engine.model_config.vocab_size
         prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                    for n in (300, 17, 1000, 64)]
-        outputs[tp] = greedy_outputs(llm, prompts, args.max_tokens)
-        results[f"tp{tp}"] = throughput(llm, vocab, batches, args.prefill_len, args.num_prefill, g)
-        print(f"T={tp}: {results[f'tp{tp}']}", flush=True)
+        outputs[name] = greedy_outputs(llm, prompts, args.max_tokens)
+        results[name] = throughput(llm, vocab, batches, args.prefill_len, args.num_prefill, g)
+        print(f"{name}: {results[name]}", flush=True)
         llm.shutdown()
-    results["correctness"] = compare(outputs[1], outputs[args.tp], args.margin)
+    results["correctness"] = {name: compare(outputs["tp1"], outputs[name], args.margin)
+                              for name in configs if name != "tp1"}
     print(f"correctness: {results['correctness']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "multi_gpu_check.json"), "w") as f:
         json.dump(results, f, indent=2)
-    return 0 if results["correctness"]["pass"] else 1
+    return 0 if all(c["pass"] for c in results["correctness"].values()) else 1
 
 
 if __name__ == "__main__":

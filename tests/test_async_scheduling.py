@@ -40,7 +40,7 @@ def graph_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return str(request.param)
 
 
-def _scenario(path: str) -> tuple[dict[int, list], dict[int, list[str]], dict[str, list[int]]]:
+def scenario(path: str) -> tuple[dict[int, list], dict[int, list[str]], dict[str, list[int]]]:
     """Staggered arrivals sharing prefixes (hits), prompts longer than the token budget (chunks), one abort."""
     shared = random_prompts(1, [37], seed=31)[0]
     tails = random_prompts(6, [3, 20, 9, 14, 5, 26], seed=32)
@@ -58,7 +58,7 @@ def _scenario(path: str) -> tuple[dict[int, list], dict[int, list[str]], dict[st
     return arrivals, {9: ["c"]}, prompts
 
 
-def _with_stops(engine: LLMEngine, arrivals: dict[int, list], want: dict[str, RequestOutput]) -> dict[int, list]:
+def with_stops(engine: LLMEngine, arrivals: dict[int, list], want: dict[str, RequestOutput]) -> dict[int, list]:
     """The same arrivals, but "a" and "f" stop at a token their run without stops produced (EOS-like early ends)."""
     out: dict[int, list] = {}
     for step, reqs in arrivals.items():
@@ -103,9 +103,9 @@ def _assert_same(got: dict[str, RequestOutput], want: dict[str, RequestOutput]) 
 def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],
                                                                 dict[str, list[int]], dict[str, RequestOutput]]:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
-    arrivals, aborts, prompts = _scenario(path)
+    arrivals, aborts, prompts = scenario(path)
     first, engine = _run(path, spec, False, arrivals, aborts)
-    arrivals = _with_stops(engine, arrivals, first)
+    arrivals = with_stops(engine, arrivals, first)
     want, engine = _run(path, spec, False, arrivals, aborts)
     assert engine.get_metrics()["hyserve:num_preemptions"] > 0, "the scenario must preempt"
     assert engine.get_metrics()["hyserve:prefix_cache_hits"] > 0, "the scenario must hit the prefix cache"
@@ -229,7 +229,7 @@ def test_async_scheduling_defaults_and_flag(ckpts: CheckpointCache) -> None:
 def test_async_scheduling_matches_sync_on_gpu(ckpts: CheckpointCache, spec: str) -> None:
     """The same scenario on CUDA with captured graphs: sampled ids really stay on the device between steps."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
-    arrivals, aborts, _ = _scenario(path)
+    arrivals, aborts, _ = scenario(path)
     runs = []
     for async_scheduling in (False, True):
         engine = scenario_engine(path, spec, device="cuda", async_scheduling=async_scheduling)

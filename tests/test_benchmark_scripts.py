@@ -122,8 +122,9 @@ def test_host_overhead_measures_each_kind(monkeypatch: pytest.MonkeyPatch, capsy
     assert len(rows) == 2 and all(float(r.split("|")[3]) > 0 for r in rows)
 
 
-def test_multi_gpu_check_runs_tp2_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 2-GPU script on the CPU (gloo) with a tiny checkpoint: T=2 agrees with T=1, and every number is there."""
+def test_multi_gpu_check_runs_tp2_and_pp2_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 2-GPU script on the CPU (gloo) with a tiny checkpoint: T=2 and P=2 agree with one rank, and every number
+    is there."""
     import multi_gpu_check
 
     from hyserve.testing import write_tiny_checkpoint
@@ -134,8 +135,10 @@ def test_multi_gpu_check_runs_tp2_on_the_cpu(tmp_path: Path, monkeypatch: pytest
                                       "--num-prefill", "2", "--out", str(tmp_path)])
     assert multi_gpu_check.main() == 0
     res = json.loads((tmp_path / "multi_gpu_check.json").read_text())
-    assert res["correctness"]["pass"] and all(p["agree_tokens"] == 8 for p in res["correctness"]["prompts"])
-    for tp in ("tp1", "tp2"):
+    assert set(res["correctness"]) == {"tp2", "pp2"}
+    for check in res["correctness"].values():
+        assert check["pass"] and all(p["agree_tokens"] == 8 for p in check["prompts"])
+    for tp in ("tp1", "tp2", "pp2"):
         assert res[tp]["prefill_tok_s"] > 0 and res[tp]["decode_bs1_tok_s"] > 0 and res[tp]["decode_bs4_tok_s"] > 0
 
 

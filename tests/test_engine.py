@@ -296,8 +296,8 @@ def test_bad_input_raises_value_error_naming_the_value(ckpts: CheckpointCache) -
     eng.abort_request("dup")
     with pytest.raises(ValueError, match="speculative-config"):
         make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="pipeline-parallel-size"):
-        make_llm(path, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pp_layer_partition \[2, 2\] needs pipeline_parallel_size=2"):
+        make_llm(path, pp_layer_partition=[2, 2])
     with pytest.raises(TypeError, match="no_such_flag"):
         make_llm(path, no_such_flag=1)
     with pytest.raises(ValueError, match="dtype"):

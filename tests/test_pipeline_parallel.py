@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CheckpointCache
-from test_async_scheduling import SPECS, _scenario, _with_stops, reference_run, scenario_engine
+from test_async_scheduling import SPECS, reference_run, scenario, scenario_engine, with_stops
 from test_engine import assert_matches_reference, drive, make_llm
 
 from hyserve import SamplingParams
@@ -114,9 +114,9 @@ def test_pp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec
 
 
 def _compare_with_one_process(path: str, spec: str, **kw: object) -> tuple[dict, dict, LLMEngine]:
-    arrivals, aborts, _ = _scenario(path)
+    arrivals, aborts, _ = scenario(path)
     first = drive(scenario_engine(path, spec), arrivals, aborts)
-    arrivals = _with_stops(scenario_engine(path, spec), arrivals, first)
+    arrivals = with_stops(scenario_engine(path, spec), arrivals, first)
     want = drive(scenario_engine(path, spec), arrivals, aborts)
     engine = scenario_engine(path, spec, **kw)
     got = _run_all_ranks_clean(engine, arrivals, aborts)

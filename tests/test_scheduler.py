@@ -80,15 +80,18 @@ def _check_invariants(s: Scheduler, out: SchedulerOutput, budget: int, max_seqs:
     max_seqs=st.integers(1, 6),
     block_size=st.sampled_from([1, 2, 4, 16]),
     abort_every=st.integers(0, 7),
-    in_flight=st.sampled_from([0, 1]),
+    pipeline=st.sampled_from([(0, 1), (1, 1), (3, 4)]),
 )
 def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, max_seqs: int, block_size: int,
-                              abort_every: int, in_flight: int) -> None:
+                              abort_every: int, pipeline: tuple[int, int]) -> None:
+    """``pipeline`` = (steps kept in flight, pipeline stages): 0 or 1 step with one stage (sync / async scheduling),
+    three micro-batches with four stages (a request then waits for its own sampled token)."""
+    in_flight, stages = pipeline
     max_len = max(p + o for p, o, _ in lengths)
     num_blocks = cdiv(max_len, block_size) + 2  # room for the longest request alone: forces preemption often
     pool = BlockPool(num_blocks, block_size)
     slots = StateSlots(max_seqs)
-    s = Scheduler(max_seqs, budget, pool, slots, max_model_len=max_len + 1)
+    s = Scheduler(max_seqs, budget, pool, slots, max_model_len=max_len + 1, pipeline_parallel_size=stages)
     sink = CountingSink()
     pending = sorted(lengths, key=lambda x: x[2])
     arrivals: dict[int, list[Request]] = {}
@@ -108,6 +111,10 @@ def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, 
         waiting_before = list(s.waiting)
         out = pickle.loads(pickle.dumps(s.schedule()))  # plain data
         _check_invariants(s, out, budget, max_seqs, block_size)
+        if stages > 1:  # the first stage has no sampled token to feed: a request is in one step until it samples
+            assert all(r.token_ids[0] != PREVIOUS_SAMPLED for r in out.rows)
+            sampling_in_flight = {r.req_id for q in queue for r in q.rows if r.samples}
+            assert not {r.req_id for r in out.rows} & sampling_in_flight
         admitted = [s.requests[r.req_id] for r in out.rows if s.requests[r.req_id] in waiting_before]
         assert admitted == waiting_before[: len(admitted)], "admission is not first-come first-served"
         if out.rows:

@@ -264,6 +264,7 @@ class TextModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary) if self.start <= i < self.end
                                      else MissingLayer() for i in range(cfg.num_hidden_layers)])
+        self._own_layers = list(self.layers)[self.start : self.end]  # a plain list: no ModuleList slice per step
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
@@ -275,7 +276,7 @@ class TextModel(nn.Module):
         else:
             x, pending = intermediate
         self.rotary.prepare(meta.positions)
-        for layer in self.layers[self.start : self.end]:
+        for layer in self._own_layers:
             x, pending = layer(x, meta, pending)
         if self.norm is None:
             assert pending is not None
