@@ -340,6 +340,14 @@ class EngineConfig:
 
 
 DEFAULT_MAX_NUM_SEQS = 256
+# Token budget per step when max_num_batched_tokens is not given: on a GPU large enough that a 16k-token prefill
+# step runs near the GEMMs' throughput (vLLM's offline default on large cards is the same); on the CPU small steps
+# keep chunked prefill interleaved with decodes.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 16384, "cpu": 2048}
+
+
+def default_max_num_batched_tokens(device_type: str) -> int:
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, 2048)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}

@@ -42,7 +42,8 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"most requests running at once (default: {DEFAULT_MAX_NUM_SEQS}, or fewer if the cache "
                         "cannot hold their recurrent state)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default: 2048)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: 16384 on CUDA, 2048 on the CPU)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: the share of the card this instance may use, weights and activations included "

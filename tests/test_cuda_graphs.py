@@ -210,9 +210,66 @@ def test_speculative_graph_kinds_and_sizes(ckpts: CheckpointCache, emulate: None
     mtp = make_llm(ckpts.get("conditional", "gdn3_attn1", with_mtp=True), max_num_seqs=8, max_num_batched_tokens=24,
                    speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     graphs = mtp.llm_engine.runner.graphs
-    assert graphs is not None and set(graphs.sets) == {"verify", "mtp"}
+    assert graphs is not None and set(graphs.sets) == {"verify", "mtp", "draft"}
     assert graphs.sets["verify"].sizes == [1, 2, 4, 6]  # 24 tokens per step / 4 tokens per verify row
+    assert graphs.sets["draft"].sizes == [1, 2, 4, 6]  # the drafting of a verify step of those rows
     assert graphs.sets["mtp"].sizes == [1, 2, 4, 8]
+
+
+def _sabotage_draft_fill(runner: object, how: str) -> None:
+    """Break the draft graph's inputs after each fill: chained passes one position late, or every row reading the
+    next row's blocks (a row -> request mapping that is off by one)."""
+    original = runner._fill_draft  # type: ignore[attr-defined]
+
+    def fill(rows, pad_to):  # type: ignore[no-untyped-def]
+        index = original(rows, pad_to)
+        d = runner.draft_dev  # type: ignore[attr-defined]
+        n = len(rows)
+        if how == "positions":
+            d["chain_positions"][:, :n] += 1
+        elif n > 1:
+            d["block_tables"][:n] = d["block_tables"][:n].roll(1, dims=0)
+        return index
+
+    runner._fill_draft = fill  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("sabotage", [None, "positions", "rows"])
+def test_draft_graph_drafts_what_the_pass_by_pass_drafting_does(ckpts: CheckpointCache,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                sabotage: str | None) -> None:
+    """A verify step's whole drafting in one ``draft`` graph (first pass over the accepted positions, k - 1 passes
+    chained on the device) against the passes one by one: the same drafts and first-pass outputs at every step of
+    staggered requests, some of which may draft fewer than k tokens (max_tokens). A sabotaged fill must differ."""
+    from test_speculative import record_drafts
+
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    prompts = {f"r{i}": random_prompts(1, [12 + 7 * i], seed=60 + i)[0] for i in range(4)}
+    arrivals = {2 * i: [(rid, p, SamplingParams(temperature=0.0, max_tokens=9 + 4 * i, ignore_eos=True))]
+                for i, (rid, p) in enumerate(prompts.items())}
+    runs = {}
+    for emulate in (False, True):
+        monkeypatch.setattr(cuda_graphs, "EMULATE", emulate)
+        llm = make_llm(path, max_num_seqs=3, max_num_batched_tokens=24,
+                       speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        engine = llm.llm_engine
+        if emulate and sabotage is not None:
+            _sabotage_draft_fill(engine.runner, sabotage)
+        seen = record_drafts(engine)
+        final = drive(engine, arrivals)
+        replays = engine.runner.graphs.sets["draft"].num_replays if emulate else 0  # type: ignore[union-attr]
+        runs[emulate] = (seen, {rid: o.outputs[0].token_ids for rid, o in final.items()}, replays)
+        engine.assert_no_leaks()
+    (eager, out_e, _), (graph, out_g, replays) = runs[False], runs[True]
+    assert replays > 0
+    assert out_g == out_e  # speculation never changes outputs, whatever the drafts
+    same = set(eager) == set(graph) and all(
+        [d for d, _ in eager[rid]] == [d for d, _ in graph[rid]]
+        and all(torch.allclose(he, hg, rtol=1e-5, atol=1e-5) for (_, he), (_, hg) in zip(eager[rid], graph[rid],
+                                                                                          strict=True)
+                if he is not None and hg is not None)
+        for rid in eager)
+    assert same is (sabotage is None)
 
 
 def test_cli_graph_flags() -> None:

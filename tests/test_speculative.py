@@ -282,10 +282,11 @@ def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching:
         graphs = llm.llm_engine.runner.graphs
         assert graphs is not None
         assert graphs.sets["verify"].num_replays > 0 and graphs.sets["mtp"].num_replays > 0
+        assert graphs.sets["draft"].num_replays > 0
     llm.llm_engine.assert_no_leaks()
 
 
-def _record_drafts(engine: LLMEngine) -> dict[str, list]:
+def record_drafts(engine: LLMEngine) -> dict[str, list]:
     """Record each request's drafts and the MTP layer's output (float) that proposed the first of them."""
     seen: dict[str, list] = {}
     proposer = engine.runner.mtp_proposer
@@ -316,7 +317,7 @@ def test_mtp_kv_recomputed_after_a_prefix_hit(ckpts: CheckpointCache) -> None:
     runs = {}
     for caching in (True, False):
         llm = mtp_llm(path, enable_prefix_caching=caching, recurrent_snapshot_interval=16)
-        seen = _record_drafts(llm.llm_engine)
+        seen = record_drafts(llm.llm_engine)
         final = drive(llm.llm_engine, {0: [("a", a, greedy(8))], 12: [("b", b, greedy(8))]})
         if caching:
             assert final["b"].num_cached_tokens == 32

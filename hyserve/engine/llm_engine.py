@@ -8,6 +8,7 @@ or nothing until it finishes (FINAL_ONLY). Sampled and verified tokens alike go 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -20,7 +21,14 @@ from hyserve.cache.block_pool import BlockPool
 from hyserve.cache.planner import cache_memory_flag, plan_caches_for_ranks
 from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.cache.state_slots import StateSlots
-from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig, apply_cpu_threads, resolve_dtype
+from hyserve.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    EngineConfig,
+    ModelConfig,
+    apply_cpu_threads,
+    default_max_num_batched_tokens,
+    resolve_dtype,
+)
 from hyserve.distributed.parallel_state import layer_partition
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
@@ -68,6 +76,9 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        if config.max_num_batched_tokens is None:  # resolved once here, so the workers get the same budget
+            config = self.config = dataclasses.replace(
+                config, max_num_batched_tokens=default_max_num_batched_tokens(self.device.type))
         if self.device.type == "cpu":
             threads, why = apply_cpu_threads(config.cpu_threads)
             logger.info("CPU: torch uses %d intra-op thread%s (%s; --cpu-threads / cpu_threads sets it)", threads,
@@ -92,7 +103,7 @@ class LLMEngine:
                                             functools.partial(self.executor.collective_rpc,
                                                               "determine_available_memory"), self.device.type)
         self.max_num_seqs = self.layout.max_num_seqs
-        self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
+        self.max_num_batched_tokens = int(config.max_num_batched_tokens or 0)
         self.block_pool = BlockPool(self.layout.num_kv_blocks, config.block_size)
         has_state = any(i.has_recurrent_state for i in infos)
         self.state_slots = StateSlots(self.layout.num_state_slots, self.layout.num_snapshots,

@@ -34,8 +34,11 @@ class MTPProposer:
         from hyserve.worker.model_runner import MTPRow
 
         assert runner.last_hidden is not None
-        drafts: list[list[int]] = [[] for _ in rows]
         self.first_hidden = {}
+        chained = self._propose_in_one_graph(runner, rows, out)
+        if chained is not None:
+            return chained
+        drafts: list[list[int]] = [[] for _ in rows]
         mrows: list[MTPRow] = []
         owners: list[int] = []
         offset = 0
@@ -87,4 +90,41 @@ class MTPProposer:
                 drafts[live[m][0]].append(tok)
             live = [live[m] for m in keep]
             j += 1
+        return drafts
+
+    def _propose_in_one_graph(self, runner: ModelRunner, rows: list[ScheduledRow], out: RunnerOutput
+                              ) -> list[list[int]] | None:
+        """A step of verify rows only: the whole drafting in one replay of the ``draft`` graph (first pass over
+        each row's accepted positions, then the chained passes on the device) and one copy of the tokens to the
+        host; None where no graph fits (then the passes run one by one)."""
+        from hyserve.worker.model_runner import ChainRow
+
+        q = self.k + 1
+        if not all(r.is_verify and r.start + q <= runner.max_model_len for r in rows):
+            return None
+        graph = runner.draft_chain_graph(len(rows))
+        if graph is None:
+            return None
+        chain: list[ChainRow] = []
+        owners: list[int] = []
+        offset = 0
+        for i, row in enumerate(rows):
+            t0 = offset
+            offset += row.num_new_tokens
+            if i in out.errors or out.num_accepted[i] < 0:
+                continue
+            inputs = out.token_ids[i]  # the accepted drafts and the correction: tokens start+1 .. start+a+1
+            num_tokens = row.start + len(inputs) + 1  # known tokens after the step
+            chain.append(ChainRow(row.start, inputs, list(range(t0, t0 + len(inputs))), row.block_table,
+                                  max(0, min(self.k, row.draft_limit - num_tokens))))
+            owners.append(i)
+        drafts: list[list[int]] = [[] for _ in rows]
+        if not chain:
+            return drafts
+        assert runner.last_hidden is not None
+        hidden, tokens = runner.mtp_draft_chain(chain, runner.last_hidden, *graph)
+        for n, (i, crow) in enumerate(zip(owners, chain, strict=True)):
+            if crow.num_drafts:
+                drafts[i] = tokens[n]
+                self.first_hidden[rows[i].req_id] = hidden[n]
         return drafts

@@ -22,7 +22,7 @@ from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.cache.specs import AttentionSpec, CacheSpecs
 from hyserve.cache.state_pool import StatePool
-from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig
+from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig, default_max_num_batched_tokens
 from hyserve.distributed.parallel_state import (
     StageLink,
     is_first_stage,
@@ -58,6 +58,19 @@ class MTPRow:
     input_ids: list[int]
     hidden_index: list[int]
     block_table: list[int]
+
+
+@dataclass(slots=True)
+class ChainRow:
+    """One verify row's drafting in the ``draft`` graph (``mtp_draft_chain``): the MTP layer over positions
+    [start, start + len(input_ids)) (the accepted drafts and the correction; hidden states ``hidden_index``), then
+    ``num_drafts`` - 1 more passes at the positions after; 0 drafts: the first pass only (its KV entries)."""
+
+    start: int
+    input_ids: list[int]
+    hidden_index: list[int]
+    block_table: list[int]
+    num_drafts: int
 
 
 @dataclass(slots=True)
@@ -141,7 +154,7 @@ class ModelRunner:
         else:
             logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
                         model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
-        self.max_num_batched_tokens = int(config.max_num_batched_tokens or 2048)
+        self.max_num_batched_tokens = int(config.max_num_batched_tokens or default_max_num_batched_tokens(device.type))
         self.max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.num_speculative_tokens = num_speculative_tokens
         # A stage before the last commits a verify step when its accepted counts arrive, up to a few steps later:
@@ -217,11 +230,14 @@ class ModelRunner:
         sizes = {"verify": capture_sizes(limit, user)}
         if self.mtp is not None:
             sizes["mtp"] = capture_sizes(self.max_num_seqs, user)
+            # The whole drafting of a verify step: the first pass over each row's k + 1 positions, then k - 1
+            # one-token passes fed on the device.
+            sizes["draft"] = capture_sizes(limit, user)
         return sizes
 
     def _graph_logit_rows(self, sizes: dict[str, list[int]]) -> int:
         q = self.num_speculative_tokens + 1
-        return max([s[-1] * (q if name == "verify" else 1) for name, s in sizes.items() if s], default=0)
+        return max([s[-1] * (q if name in ("verify", "draft") else 1) for name, s in sizes.items() if s], default=0)
 
     def _graph_memory_estimate(self) -> int:
         """Bytes the graphs take beyond the caches: the shared logits buffers (model dtype and float32) and the
@@ -377,11 +393,12 @@ class ModelRunner:
         # Weak: the runner owns its graph sets, and a bound method held there would make a cycle that keeps the
         # runner (weights, caches, graph pool) alive after its last reference is dropped, until a gc pass.
         forwards = {"decode": _weak_forward(self._graph_decode), "verify": _weak_forward(self._graph_verify),
-                    "mtp": _weak_forward(self._graph_mtp)}
+                    "mtp": _weak_forward(self._graph_mtp), "draft": _weak_forward(self._graph_draft)}
         q = self.num_speculative_tokens + 1
         fill_pads = {"decode": lambda n: self.prepare([], pad_to=n),
                      "verify": lambda n: self.prepare([], pad_to=n, pad_len=q),
-                     "mtp": lambda n: self._fill_mtp([], pad_to=n)}
+                     "mtp": lambda n: self._fill_mtp([], pad_to=n),
+                     "draft": lambda n: self._fill_draft([], pad_to=n)}
         self.graphs = StepGraphs({name: GraphSet(name, s, forwards[name], emulate) for name, s in sizes.items()})
         self.graphs.capture(self.device, fill_pads)
 
@@ -431,6 +448,36 @@ class ModelRunner:
                        self.model.input_embeddings())
         return out, self._logits_into_buffers(out).argmax(dim=-1)
 
+    def _graph_draft(self, size: int) -> tuple[torch.Tensor, ...]:
+        """``draft`` graph: the MTP layer over ``size`` rows of k + 1 positions (masked tails), each row's output at
+        its last real position, then k - 1 one-token passes, each fed the previous pass's greedy token and output;
+        the k tokens of every row and the first pass's outputs land in persistent buffers."""
+        assert self.mtp is not None
+        k = self.num_speculative_tokens
+        q = k + 1
+        d = self.draft_dev
+        embed = self.model.input_embeddings()
+        meta = StepMetadata(positions=d["positions"][: size * q], query_start_loc=d["query_start_loc"][: size + 1],
+                            seq_lens=d["seq_lens"][:size], state_slots=d["seq_lens"][:size],
+                            block_tables=d["block_tables"][:size], slot_mapping=d["slot_mapping"][: size * q],
+                            max_query_len=q, max_seq_len=self.max_model_len)
+        out = self.mtp(d["input_ids"][: size * q], self.draft_hidden_in[: size * q], meta, embed)
+        h = out.index_select(0, d["last_index"][:size])
+        self.draft_first_hidden[:size].copy_(h)
+        tok = self._logits_into_buffers(h).argmax(dim=-1)
+        self.draft_tokens[:size, 0].copy_(tok)
+        for j in range(1, k):
+            meta = StepMetadata(positions=d["chain_positions"][j - 1, :size],
+                                query_start_loc=d["chain_query_start_loc"][: size + 1],
+                                seq_lens=d["chain_seq_lens"][j - 1, :size], state_slots=d["seq_lens"][:size],
+                                block_tables=d["block_tables"][:size],
+                                slot_mapping=d["chain_slot_mapping"][j - 1, :size], max_query_len=1,
+                                max_seq_len=self.max_model_len)
+            h = self.mtp(tok, h, meta, embed)
+            tok = self._logits_into_buffers(h).argmax(dim=-1)
+            self.draft_tokens[:size, j].copy_(tok)
+        return self.draft_tokens[:size], self.draft_first_hidden[:size]
+
     def _allocate_buffers(self) -> None:
         t, r = self.max_num_batched_tokens, self.max_num_seqs
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
@@ -461,6 +508,27 @@ class ModelRunner:
             self.mtp_host = {k: host(sh, dtypes.get(k, torch.long)) for k, sh in mtp_names.items()}
             self.mtp_dev = {k: dev(sh, dtypes.get(k, torch.long)) for k, sh in mtp_names.items()}
             self.mtp_np = {k: v.numpy() for k, v in self.mtp_host.items()}
+            if self.num_speculative_tokens:  # the draft graph's own set
+                k = self.num_speculative_tokens
+                q, c = k + 1, max(k - 1, 1)
+                draft_names = {"input_ids": (r * q,), "positions": (r * q,), "slot_mapping": (r * q,),
+                               "hidden_index": (r * q,), "query_start_loc": (r + 1,), "seq_lens": (r,),
+                               "last_index": (r,), "block_tables": (r, self.max_blocks_per_seq),
+                               "chain_positions": (c, r), "chain_slot_mapping": (c, r), "chain_seq_lens": (c, r),
+                               "chain_query_start_loc": (r + 1,)}
+                dtypes.update(chain_seq_lens=torch.int32, chain_query_start_loc=torch.int32)
+                self.draft_host = {k: host(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
+                self.draft_dev = {k: dev(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
+                self.draft_np = {k: v.numpy() for k, v in self.draft_host.items()}
+                # Fixed layouts: the first pass k + 1 tokens per row, the chained passes one.
+                self.draft_np["query_start_loc"][:] = np.arange(r + 1) * q
+                self.draft_np["chain_query_start_loc"][:] = np.arange(r + 1)
+                for name in ("query_start_loc", "chain_query_start_loc"):
+                    self.draft_dev[name].copy_(self.draft_host[name])
+                h = self.model_config.hidden_size
+                self.draft_hidden_in = dev((r * q, h), self.dtype)
+                self.draft_first_hidden = dev((r, h), self.dtype)
+                self.draft_tokens = dev((r, k), torch.long)
 
     # ------------------------------------------------------------------ step
 
@@ -951,6 +1019,84 @@ class ModelRunner:
         out, tokens = graphs.run(size)
         # A copy: the next replay overwrites the graph's output, and callers keep rows of it across passes.
         return out[: len(rows)].clone(), tokens[: len(rows)].tolist()
+
+    def draft_chain_graph(self, num_rows: int) -> tuple[GraphSet, int] | None:
+        """The ``draft`` graphs and padded size for a verify step of ``num_rows`` rows, if captured for it."""
+        return self._graph("draft", num_rows, lambda: True)
+
+    def _fill_draft(self, rows: list[ChainRow], pad_to: int) -> torch.Tensor:
+        """Fill the draft graph's buffers for ``rows`` plus pad rows up to ``pad_to``; the hidden-state indices.
+
+        Row i's first pass is laid out in k + 1 tokens from token i * (k + 1) (tail masked: no KV write, its
+        context length counting it, as verify rows are); chained pass j runs at position start + n - 1 + j for a
+        row of n first-pass tokens, masked (no KV write, position 0) where the row wants fewer than j + 1 drafts.
+        Pad rows are masked everywhere and read the null block.
+        """
+        k = self.num_speculative_tokens
+        q = k + 1
+        nb = self.draft_np
+        bs = self.block_size
+        null = BlockPool.NULL_BLOCK
+        for i in range(pad_to):
+            t = i * q
+            row = rows[i] if i < len(rows) else None
+            n = len(row.input_ids) if row is not None else 0
+            if row is None:
+                nb["input_ids"][t : t + q] = 0
+                nb["hidden_index"][t : t + q] = 0
+                nb["positions"][t : t + q] = np.arange(q)
+                nb["slot_mapping"][t : t + q] = -1
+                nb["block_tables"][i, : cdiv(q, bs)] = null
+                nb["seq_lens"][i] = q
+                nb["last_index"][i] = t
+                nb["chain_positions"][:, i] = 0
+                nb["chain_slot_mapping"][:, i] = -1
+                nb["chain_seq_lens"][:, i] = 1
+                continue
+            table = np.asarray(row.block_table, dtype=np.int64)
+            pos = np.arange(row.start, row.start + q, dtype=np.int64)
+            nb["input_ids"][t : t + n] = row.input_ids
+            nb["input_ids"][t + n : t + q] = 0
+            nb["hidden_index"][t : t + n] = row.hidden_index
+            nb["hidden_index"][t + n : t + q] = row.hidden_index[-1]
+            nb["positions"][t : t + q] = pos
+            nb["slot_mapping"][t : t + n] = table[pos[:n] // bs] * bs + pos[:n] % bs
+            nb["slot_mapping"][t + n : t + q] = -1
+            nb["block_tables"][i, : len(table)] = table
+            nb["block_tables"][i, len(table) :] = null
+            nb["seq_lens"][i] = row.start + q
+            nb["last_index"][i] = t + n - 1
+            last = row.start + n - 1
+            for j in range(1, k):
+                p = last + j
+                if j < row.num_drafts:
+                    nb["chain_positions"][j - 1, i] = p
+                    nb["chain_slot_mapping"][j - 1, i] = table[p // bs] * bs + p % bs
+                    nb["chain_seq_lens"][j - 1, i] = p + 1
+                else:
+                    nb["chain_positions"][j - 1, i] = 0
+                    nb["chain_slot_mapping"][j - 1, i] = -1
+                    nb["chain_seq_lens"][j - 1, i] = 1
+        for name in ("input_ids", "hidden_index", "positions", "slot_mapping"):
+            self.draft_dev[name][: pad_to * q].copy_(self.draft_host[name][: pad_to * q], non_blocking=True)
+        for name in ("seq_lens", "last_index", "block_tables"):
+            self.draft_dev[name][:pad_to].copy_(self.draft_host[name][:pad_to], non_blocking=True)
+        for name in ("chain_positions", "chain_slot_mapping", "chain_seq_lens"):
+            self.draft_dev[name][:, :pad_to].copy_(self.draft_host[name][:, :pad_to], non_blocking=True)
+        return self.draft_dev["hidden_index"][: pad_to * q]
+
+    @torch.inference_mode()
+    def mtp_draft_chain(self, rows: list[ChainRow], hidden_src: torch.Tensor, graphs: GraphSet, size: int
+                        ) -> tuple[torch.Tensor, list[list[int]]]:
+        """The drafting of a verify step in one replay of the ``draft`` graph (``size`` padded rows): the first
+        pass's output at each row's last position (R, h) and each row's ``num_drafts`` greedy tokens (one
+        device-to-host copy)."""
+        index = self._fill_draft(rows, size)
+        torch.index_select(hidden_src, 0, index, out=self.draft_hidden_in[: size * (self.num_speculative_tokens + 1)])
+        tokens, first = graphs.run(size)
+        n = len(rows)
+        drafts = tokens[:n].tolist()
+        return first[:n].clone(), [d[: r.num_drafts] for d, r in zip(drafts, rows, strict=True)]
 
     def _commit_verified(self, num_accepted: list[int]) -> None:
         """Live slots of the last step's verify rows take candidate ``num_accepted[r]`` (-1: leave untouched)."""
