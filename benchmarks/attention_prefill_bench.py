@@ -72,9 +72,23 @@ def main() -> int:
     flops = 4 * n * (L * L / 2) * args.hq * args.d
     res["triton_tflops"] = flops / tri_ms / 1e9
     try:
+        import inspect
+
         from torch.nn.attention.varlen import varlen_attn
 
-        ms, out = timed(lambda: varlen_attn(q, k, v, cu, cu, L, L, scale=scale, window_size=(-1, 0), enable_gqa=True))
+        params = inspect.signature(varlen_attn).parameters
+        res["varlen_signature"] = list(params)
+        if "enable_gqa" in params:
+            def fresh() -> torch.Tensor:
+                return varlen_attn(q, k, v, cu, cu, L, L, scale=scale, window_size=(-1, 0), enable_gqa=True)
+        else:  # an older varlen_attn: K/V repeated to the query heads (the copy is timed too)
+            rep = args.hq // args.hkv
+
+            def fresh() -> torch.Tensor:
+                kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+                return varlen_attn(q, kr, vr, cu, cu, L, L, scale=scale, **kw)
+        ms, out = timed(fresh)
         res["varlen_ms"], res["varlen_tflops"] = ms, flops / ms / 1e9
         res["varlen_max_abs_diff"] = float((out.float() - ref.float()).abs().max())
         try:

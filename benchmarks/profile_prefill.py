@@ -55,18 +55,23 @@ def main() -> int:
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()}
-               for _ in range(args.num_prompts)]
+
+    def fresh() -> list[dict[str, list[int]]]:  # new random prompts each time: no prefix-cache hits
+        return [{"prompt_token_ids": torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()}
+                for _ in range(args.num_prompts)]
+
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompts[:2], one, use_tqdm=False)  # warm-up (compiles)
+    llm.generate(fresh(), one, use_tqdm=False)  # warm-up: compiles and autotunes every shape the timed run meets
     torch.cuda.synchronize()
+    prompts = fresh()
     t0 = time.perf_counter()
     llm.generate(prompts, one, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    prompts = fresh()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         llm.generate(prompts, one, use_tqdm=False)
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}

@@ -137,9 +137,9 @@ def timed_decode(llm: LLM, prompts: dict[str, list[int]], n: int, sync: bool) ->
     tokens = 0
     seconds = 0.0
     outs: dict[str, list[int]] = {}
+    shown: dict[str, int] = {}  # output tokens of each request seen so far (a step may return an earlier one's)
     while eng.has_unfinished_requests():
         decoding = not eng.scheduler.waiting and all(r.is_decoding for r in eng.scheduler.running)
-        before = sum(len(r.output_token_ids) for r in eng.scheduler.running)
         if sync:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -150,9 +150,13 @@ def timed_decode(llm: LLM, prompts: dict[str, list[int]], n: int, sync: bool) ->
         for o in step:
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
+        new = 0
+        for o in step:
+            n = len(o.outputs[0].token_ids)
+            new += n - shown.get(o.request_id, 0)
+            shown[o.request_id] = n
         if decoding:
-            after = sum(len(o.outputs[0].token_ids) for o in step)
-            tokens += after - before
+            tokens += new
             seconds += dt
     return tokens / max(seconds, 1e-9), outs
 
@@ -204,6 +208,10 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--rates", default="0,0.5,0.8,0.9", help="planted draft-token correctness rates")
+    ap.add_argument("--sync-steps", action="store_true",
+                    help="synchronize the device around every step (default: time the steps as they run, async "
+                         "scheduling overlapping them, which is what a user sees)")
     ap.add_argument("--method", choices=("auto", "mtp", "ngram"), default="auto",
                     help="auto: mtp when the checkpoint has mtp.* weights, else ngram")
     args = ap.parse_args()
@@ -211,7 +219,7 @@ def main() -> int:
     model = args.model or write_tiny_checkpoint(tempfile.mkdtemp(), max_position_embeddings=8192, with_mtp=True)
     method = args.method if args.method != "auto" else ("mtp" if has_mtp(model) else "ngram")
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
-    sync = args.device == "cuda"
+    sync = args.device == "cuda" and args.sync_steps
     common: dict[str, Any] = dict(model=model, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
                                   max_num_seqs=64, max_model_len=args.prompt_len + args.max_tokens + 64)
     if args.device == "cuda":
@@ -228,7 +236,7 @@ def main() -> int:
         base_tps, want = timed_decode(base, prompts, args.max_tokens, sync)
         del base
         release()
-        for rate in (0.0, 0.5, 0.9):
+        for rate in (float(r) for r in args.rates.split(",")):
             llm = LLM(**common, speculative_config=spec)
             control(llm, ControlledProposer(want, rate, vocab))
             warm_up(llm, prompts)
@@ -254,7 +262,8 @@ def main() -> int:
             diagnosis = {"error": repr(e)}
         print("diagnosis (batch 1):", json.dumps(diagnosis), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name() if sync else "cpu (2 cores)", "torch": torch.__version__,
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (2 cores)",
+            "synchronized_steps": sync, "torch": torch.__version__,
             "model": model, "method": method, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens}
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:

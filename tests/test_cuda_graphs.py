@@ -206,11 +206,12 @@ def test_speculative_graph_kinds_and_sizes(ckpts: CheckpointCache, emulate: None
     ngram = make_llm(ckpts.get(), max_num_seqs=5, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                      "prompt_lookup_max": 3})
     graphs = ngram.llm_engine.runner.graphs
-    assert graphs is not None and set(graphs.sets) == {"verify"} and graphs.sets["verify"].sizes == [1, 2, 4, 5]
+    assert graphs is not None and set(graphs.sets) == {"verify", "commit"}
+    assert graphs.sets["verify"].sizes == graphs.sets["commit"].sizes == [1, 2, 4, 5]
     mtp = make_llm(ckpts.get("conditional", "gdn3_attn1", with_mtp=True), max_num_seqs=8, max_num_batched_tokens=24,
                    speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     graphs = mtp.llm_engine.runner.graphs
-    assert graphs is not None and set(graphs.sets) == {"verify", "mtp", "draft"}
+    assert graphs is not None and set(graphs.sets) == {"verify", "commit", "mtp", "draft"}
     assert graphs.sets["verify"].sizes == [1, 2, 4, 6]  # 24 tokens per step / 4 tokens per verify row
     assert graphs.sets["draft"].sizes == [1, 2, 4, 6]  # the drafting of a verify step of those rows
     assert graphs.sets["mtp"].sizes == [1, 2, 4, 8]
@@ -270,6 +271,34 @@ def test_draft_graph_drafts_what_the_pass_by_pass_drafting_does(ckpts: Checkpoin
                 if he is not None and hg is not None)
         for rid in eager)
     assert same is (sabotage is None)
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_commit_graph_commits_each_row_to_its_own_slot(ckpts: CheckpointCache, emulate: None,
+                                                       monkeypatch: pytest.MonkeyPatch, sabotage: bool) -> None:
+    """The verify rows' commit in one ``commit`` graph: n-gram speculation over staggered requests is token-exact
+    with plain decoding; a commit graph that reads the rows' slots in reverse order must not be."""
+    from hyserve.worker.model_runner import ModelRunner
+
+    if sabotage:
+        def reversed_commit(self, size):  # type: ignore[no-untyped-def]
+            slots, acc = self.dev_bufs["state_slots"][:size].flip(0), self.dev_bufs["num_accepted"][:size]
+            for layer in self.model.recurrent_layers():
+                layer.commit_verified(slots, acc)
+            return ()
+
+        monkeypatch.setattr(ModelRunner, "_graph_commit", reversed_commit)
+    path = ckpts.get()
+    prompts = {f"r{i}": random_prompts(1, [10 + 5 * i], seed=80 + i)[0] * 2 for i in range(3)}  # repeats: n-gram hits
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    arrivals = {i: [(rid, p, params)] for i, (rid, p) in enumerate(prompts.items())}
+    plain = drive(make_llm(path, max_num_seqs=4).llm_engine, arrivals)
+    llm = make_llm(path, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    spec = drive(llm.llm_engine, arrivals)
+    assert llm.llm_engine.runner.graphs.sets["commit"].num_replays > 0  # type: ignore[union-attr]
+    same = all(spec[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids for rid in prompts)
+    assert same is not sabotage
 
 
 def test_cli_graph_flags() -> None:

@@ -523,6 +523,21 @@ def _interp_add_norm_silu(dtype: torch.dtype, d: int) -> tuple[bool, str]:
     return ok1 and ok2 and ok3, f"res err {e1:.3g}, norm err {e2:.3g}, silu*up err {e3:.3g}"
 
 
+def _interp_l2norm(dtype: torch.dtype) -> tuple[bool, str]:
+    """The gated delta rule's q/k l2 norm on a strided (T, H, D) view (a split of [q | k | v]) against the
+    reference; the output is contiguous."""
+    from hyserve.kernels.norm import l2_norm_heads_ref, l2_norm_heads_triton
+
+    gen = torch.Generator().manual_seed(19)
+    t, h, d = 11, 3, 24
+    wide = (torch.randn(t, 2 * h * d + 5, generator=gen) * 3).to(dtype)
+    x = wide[:, h * d : 2 * h * d].view(t, h, d)  # row stride 2hd + 5, head stride d
+    got, want = l2_norm_heads_triton(x, 1e-6), l2_norm_heads_ref(x, 1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    ok, err = _close(got, want, tol, tol)
+    return ok and got.is_contiguous() and got.dtype == dtype, f"err {err:.3g}"
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -546,6 +561,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         _check(res, f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
         _check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
         _check(res, f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
+        _check(res, f"l2_norm_heads_{n}", lambda dt=dt: _interp_l2norm(dt))
         for gated in (False, True):
             g = "gated_" if gated else ""
             _check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
@@ -579,6 +595,7 @@ INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("hea
 INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
 INTERP_CHECKS += [f"add_norm_silu{w}_{dt}" for w in ("", "_wide") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"l2_norm_heads_{dt}" for dt in ("float32", "bfloat16")]
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)

@@ -282,7 +282,7 @@ def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching:
         graphs = llm.llm_engine.runner.graphs
         assert graphs is not None
         assert graphs.sets["verify"].num_replays > 0 and graphs.sets["mtp"].num_replays > 0
-        assert graphs.sets["draft"].num_replays > 0
+        assert graphs.sets["draft"].num_replays > 0 and graphs.sets["commit"].num_replays > 0
     llm.llm_engine.assert_no_leaks()
 
 

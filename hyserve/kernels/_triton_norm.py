@@ -9,7 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_add_rms_norm_kernel", "_gated_rms_norm_kernel", "_rms_norm_kernel", "_silu_mul_kernel"]
+__all__ = ["_add_rms_norm_kernel", "_gated_rms_norm_kernel", "_l2_norm_heads_kernel", "_rms_norm_kernel",
+           "_silu_mul_kernel"]
 
 
 @triton.jit
@@ -85,3 +86,20 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, F, sg, su, so, BLOCK_T: tl.conste
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * so + cols[None, :], (s * u).to(dt), mask=mask)
+
+
+@triton.jit
+def _l2_norm_heads_kernel(
+    x_ptr, out_ptr, N, H, D, st, sh, eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rows (t, h) of a strided ``(T, H, D)`` ``x`` (unit last stride): ``out = x * rsqrt(sum(x^2) + eps)`` into a
+    contiguous ``(T, H, D)`` output, float32 inside."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK_D)
+    mask = (rows < N)[:, None] & (offs < D)[None, :]
+    src = (rows // H).to(tl.int64) * st + (rows % H).to(tl.int64) * sh
+    x = tl.load(x_ptr + src[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
+    y = x * rstd[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -71,6 +71,34 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return gated_rms_norm_triton(x, gate, weight, eps)
 
 
+def l2_norm_heads_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype).contiguous()
+
+
+def l2_norm_heads(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim of a ``(T, H, D)`` tensor (any strides but a unit last one),
+    in float32, returned contiguous in ``x.dtype`` (the q/k norm of the gated delta rule)."""
+    if not x.is_cuda:
+        return l2_norm_heads_ref(x, eps)
+    return l2_norm_heads_triton(x, eps)
+
+
+def l2_norm_heads_triton(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    from hyserve.kernels._triton_norm import _l2_norm_heads_kernel
+
+    t, h, d = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    n = t * h
+    if n:
+        block_d, rows, warps = _launch(d)
+        _l2_norm_heads_kernel[(-(-n // rows),)](x, out, n, h, d, x.stride(0), x.stride(1), float(eps),
+                                                ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+    return out
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``(N, D)`` rows with a unit last stride (a view when possible)."""
     t2 = t.reshape(-1, t.shape[-1])

@@ -32,6 +32,9 @@ class VerifyMetadata:
     rest_query_start_loc: torch.Tensor  # (R-Rv+1,) int32, offsets relative to token num_tokens
     rest_state_slots: torch.Tensor  # (R-Rv,)
     rest_max_query_len: int
+    # The host's copy of rest_query_start_loc (prefill kernels read it instead of waiting for the device); None in
+    # captured graphs.
+    rest_query_start_loc_cpu: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -45,6 +48,9 @@ class StepMetadata:
     max_query_len: int  # host copies so that kernels need no device->host sync
     max_seq_len: int
     verify: VerifyMetadata | None = None
+    # The host's copy of query_start_loc (prefill kernels read it instead of waiting for the device; valid while the
+    # step is being enqueued); None in captured graphs.
+    query_start_loc_cpu: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -129,7 +129,7 @@ class GatedDeltaNet(RecurrentLayer):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         if vm is None:
             out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
-                              meta.max_query_len)
+                              meta.max_query_len, meta.query_start_loc_cpu)
         else:
             assert self.ssm_scratch is not None, "verify scratch not bound"
             tv = vm.num_tokens
@@ -137,7 +137,8 @@ class GatedDeltaNet(RecurrentLayer):
                                vm.query_start_loc, self.ssm_scratch, vm.max_query_len)]
             if tv < t:
                 outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
-                                        vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len))
+                                        vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
+                                        vm.rest_query_start_loc_cpu))
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(t, self.value_dim))

@@ -164,6 +164,7 @@ class ModelRunner:
         self._scratch: list[list[dict[str, torch.Tensor]]] = []
         self._uncommitted: dict[int, PendingCommit] = {}
         self.graphs: StepGraphs | None = None
+        self._verify_graph_size: int | None = None  # the padded size of the last step's verify graph, if it ran
         self.use_graphs = self._use_graphs()
         self.max_model_len = 0  # set by initialize_cache
         self.last_meta: StepMetadata | None = None
@@ -228,6 +229,8 @@ class ModelRunner:
         q = k + 1
         limit = min(self.max_num_seqs, MAX_VERIFY_GRAPH_TOKENS // q, self.max_num_batched_tokens // q)
         sizes = {"verify": capture_sizes(limit, user)}
+        if self.model.recurrent_layers():  # the commit of a verify graph's rows: every recurrent layer in one replay
+            sizes["commit"] = list(sizes["verify"])
         if self.mtp is not None:
             sizes["mtp"] = capture_sizes(self.max_num_seqs, user)
             # The whole drafting of a verify step: the first pass over each row's k + 1 positions, then k - 1
@@ -393,12 +396,14 @@ class ModelRunner:
         # Weak: the runner owns its graph sets, and a bound method held there would make a cycle that keeps the
         # runner (weights, caches, graph pool) alive after its last reference is dropped, until a gc pass.
         forwards = {"decode": _weak_forward(self._graph_decode), "verify": _weak_forward(self._graph_verify),
-                    "mtp": _weak_forward(self._graph_mtp), "draft": _weak_forward(self._graph_draft)}
+                    "mtp": _weak_forward(self._graph_mtp), "draft": _weak_forward(self._graph_draft),
+                    "commit": _weak_forward(self._graph_commit)}
         q = self.num_speculative_tokens + 1
         fill_pads = {"decode": lambda n: self.prepare([], pad_to=n),
                      "verify": lambda n: self.prepare([], pad_to=n, pad_len=q),
                      "mtp": lambda n: self._fill_mtp([], pad_to=n),
-                     "draft": lambda n: self._fill_draft([], pad_to=n)}
+                     "draft": lambda n: self._fill_draft([], pad_to=n),
+                     "commit": lambda n: self._fill_commit([], n)}
         self.graphs = StepGraphs({name: GraphSet(name, s, forwards[name], emulate) for name, s in sizes.items()})
         self.graphs.capture(self.device, fill_pads)
 
@@ -447,6 +452,14 @@ class ModelRunner:
         out = self.mtp(self.mtp_dev["input_ids"][:size], self.mtp_hidden_in[:size], meta,
                        self.model.input_embeddings())
         return out, self._logits_into_buffers(out).argmax(dim=-1)
+
+    def _graph_commit(self, size: int) -> tuple[torch.Tensor, ...]:
+        """``commit`` graph: every recurrent layer's commit of ``size`` verify rows (slots and accepted counts from
+        the persistent buffers; -1 rows, pads included, are left alone)."""
+        slots, acc = self.dev_bufs["state_slots"][:size], self.dev_bufs["num_accepted"][:size]
+        for layer in self.model.recurrent_layers():
+            layer.commit_verified(slots, acc)
+        return ()
 
     def _graph_draft(self, size: int) -> tuple[torch.Tensor, ...]:
         """``draft`` graph: the MTP layer over ``size`` rows of k + 1 positions (masked tails), each row's output at
@@ -618,6 +631,7 @@ class ModelRunner:
             positions=views["positions"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
             state_slots=views["state_slots"], block_tables=views["block_tables"][:, :nblk],
             slot_mapping=views["slot_mapping"], max_query_len=max_q, max_seq_len=max_s,
+            query_start_loc_cpu=self.host_bufs["query_start_loc"][: r + 1] if pad_to is None else None,
         )
         if num_verify:
             slots = views["state_slots"]
@@ -627,6 +641,8 @@ class ModelRunner:
                 query_start_loc=views["query_start_loc"][: num_verify + 1], state_slots=slots[:num_verify],
                 rest_query_start_loc=views["rest_query_start_loc"], rest_state_slots=slots[num_verify:],
                 rest_max_query_len=rest_max_q,
+                rest_query_start_loc_cpu=self.host_bufs["rest_query_start_loc"][: rest + 1] if pad_to is None
+                else None,
             )
         self.last_meta = meta
         return meta, views["input_ids"], views["logits_indices"]
@@ -891,6 +907,7 @@ class ModelRunner:
         # Every row verifies (rows with fewer drafts are laid out in k + 1 tokens, the rest masked; see prepare).
         graph = self._graph("verify", len(rows),
                             lambda: all(r.is_verify and r.start + q <= self.max_model_len for r in rows))
+        self._verify_graph_size = graph[1] if graph is not None else None
         if graph is not None:
             verify, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size, pad_len=q, row_len=q)
@@ -1098,13 +1115,28 @@ class ModelRunner:
         drafts = tokens[:n].tolist()
         return first[:n].clone(), [d[: r.num_drafts] for d, r in zip(drafts, rows, strict=True)]
 
+    def _fill_commit(self, num_accepted: list[int], size: int) -> None:
+        """The accepted counts of the verify rows, then -1 up to ``size`` rows (pad rows commit nothing)."""
+        n = len(num_accepted)
+        host = self.np_bufs["num_accepted"]
+        host[:n] = num_accepted
+        host[n:size] = -1
+        self.dev_bufs["num_accepted"][:size].copy_(self.host_bufs["num_accepted"][:size], non_blocking=True)
+
     def _commit_verified(self, num_accepted: list[int]) -> None:
-        """Live slots of the last step's verify rows take candidate ``num_accepted[r]`` (-1: leave untouched)."""
+        """Live slots of the last step's verify rows take candidate ``num_accepted[r]`` (-1: leave untouched): one
+        replay of the ``commit`` graph when the verify graph ran the step (its pad rows are on the pad slot)."""
         vm = self.last_meta.verify if self.last_meta is not None else None
         if vm is None:
             return
         n = len(num_accepted)
         assert n == vm.num_rows
+        size = self._verify_graph_size
+        graphs = self.graphs.get("commit") if self.graphs is not None and size is not None else None
+        if graphs is not None and size in graphs.sizes:
+            self._fill_commit(num_accepted, size)  # type: ignore[arg-type]
+            graphs.run(size)  # type: ignore[arg-type]
+            return
         self.host_bufs["num_accepted"][:n] = torch.tensor(num_accepted, dtype=torch.long)
         acc = self.dev_bufs["num_accepted"][:n]
         acc.copy_(self.host_bufs["num_accepted"][:n], non_blocking=True)
