@@ -1,6 +1,6 @@
-"""The benchmark scripts that GPU sessions run with little device time: the random-shape checkpoint writer and the
-speculative-decoding benchmark, on shrunken shapes on the CPU, so that a broken script shows here and not on the
-GPU."""
+"""The benchmark scripts that GPU sessions run with little device time: the random-shape checkpoint writer, the
+speculative-decoding benchmark, the multi-GPU check and the side-by-side peer script, on shrunken shapes on the CPU,
+so that a broken script shows here and not on the GPU."""
 
 from __future__ import annotations
 
@@ -148,3 +148,36 @@ def test_multi_gpu_check_fails_a_parting_that_is_not_a_near_tie() -> None:
     one = [{"token_ids": [1, 2, 3], "margins": [5.0, 0.1, 5.0]}, {"token_ids": [4, 5], "margins": [5.0, 5.0]}]
     assert multi_gpu_check.compare(one, [{"token_ids": [1, 2, 9]}, {"token_ids": [4, 5]}], 0.25)["pass"] is False
     assert multi_gpu_check.compare(one, [{"token_ids": [1, 7, 9]}, {"token_ids": [4, 5]}], 0.25)["pass"] is True
+
+
+def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> None:
+    """The side-by-side script's hyserve half on a tiny VLM-form checkpoint it writes (vision tower, MTP layer,
+    processor files), then its report against a stand-in peer file: both figures and the ratio per measure, with
+    lower-is-better measures inverted."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "peer_bench.py")
+    model, out = str(tmp_path / "m"), tmp_path / "hyserve.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, script, "write", "--shape", "tiny", "--out", model, "--device", "cpu"],
+                   check=True, env=env, capture_output=True)
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "mtp.safetensors"):
+        assert (tmp_path / "m" / name).is_file()
+    subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", model, "--device", "cpu",
+                    "--dtype", "float32", "--out", str(out), "--measures", "decode,prefill,agent", "--batches", "1,2",
+                    "--decode-tokens", "6", "--prefill-prompts", "2", "--prefill-len", "48", "--agent-scale", "tiny",
+                    "--max-model-len", "2048"], check=True, env=env, capture_output=True)
+    ours = json.loads(out.read_text())
+    figs = ours["figures"]
+    assert figs["decode_bs1_tok_s"] > 0 and figs["prefill_tok_s"] > 0 and figs["agent_wall_s"] > 0
+    assert 0 < figs["agent_cached_share"] < 1  # the shared prefix and earlier turns hit
+    peer = dict(ours, engine="vllm", version="stand-in",
+                figures={"prefill_tok_s": figs["prefill_tok_s"] / 2, "agent_wall_s": figs["agent_wall_s"] * 4})
+    (tmp_path / "vllm.json").write_text(json.dumps(peer))
+    subprocess.run([sys.executable, script, "report", str(out), str(tmp_path / "vllm.json"), "--out",
+                    str(tmp_path / "rep")], check=True, env=env, capture_output=True)
+    entries = {e["measure"]: e for e in json.loads((tmp_path / "rep" / "peer.json").read_text())["entries"]}
+    assert entries["prefill_tok_s"]["ratio"] == pytest.approx(2.0)
+    assert entries["agent_wall_s"]["ratio"] == pytest.approx(4.0)  # lower is better: vLLM's wall / ours
+    assert entries["decode_bs1_tok_s"]["vllm"] is None and entries["decode_bs1_tok_s"]["ratio"] is None
+    assert "| m | prefill 32 x 2048, tok/s |" in (tmp_path / "rep" / "peer.md").read_text()
