@@ -155,6 +155,44 @@ def test_tp2_x_pp2_with_ngram_and_an_attention_only_first_stage(ckpts: Checkpoin
     _assert_same_logprobs(got, want)
 
 
+@pytest.mark.parametrize("spec,sabotage", [("plain", False), ("mtp", False), ("plain", True)])
+def test_pp2_with_graphs_on_every_stage(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                        spec: str, sabotage: bool) -> None:
+    """The stages' CUDA graphs (emulated in the worker processes): decode graphs on both stages, the second
+    reading the first's output from its persistent input buffer; with MTP the verify, commit and draft graphs on
+    the last stage (a stage before the last runs its verify steps eagerly). Same outputs as one process; a stage
+    that takes the received rows in reverse order must not give them."""
+    monkeypatch.setenv("HYSERVE_EMULATE_CUDA_GRAPHS", "1")
+    if sabotage:
+        (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+            from hyserve.worker.model_runner import ModelRunner
+
+            original = ModelRunner._recv_stage_input
+
+            def reversed_rows(self, num_tokens):
+                original(self, num_tokens)
+                if self.link is not None and not self.is_first_stage:
+                    self.pp_in[:num_tokens] = self.pp_in[:num_tokens].flip(0).clone()
+
+            ModelRunner._recv_stage_input = reversed_rows
+        """))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    path, arrivals, aborts, _, want = reference_run(ckpts, spec)
+    engine = scenario_engine(path, spec, pipeline_parallel_size=2)
+    got = drive(engine, arrivals, aborts) if sabotage else _run_all_ranks_clean(engine, arrivals, aborts)
+    replays = engine.executor.collective_rpc("graph_replays")
+    engine.shutdown()
+    if sabotage:
+        assert _tokens(got) != _tokens(want)
+        return
+    assert _tokens(got) == _tokens(want)
+    _assert_same_logprobs(got, want)
+    if spec == "plain":
+        assert replays[0]["decode"] > 0 and replays[1]["decode"] > 0, replays
+    else:
+        assert replays[0] == {} and all(replays[1][k] > 0 for k in ("verify", "commit", "draft")), replays
+
+
 _SABOTAGES = {
     # The accepted counts of step s applied to the newest uncommitted step (its rows, slots and candidates).
     "late_counts_to_newest_step": """

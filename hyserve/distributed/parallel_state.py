@@ -139,7 +139,7 @@ def shard_range(total: int, rank: int | None = None, size: int | None = None) ->
 class StageLink:
     """A stage's point-to-point link to its neighbours: the previous stage's output in, this stage's out.
 
-    One tensor per step each way, (2, tokens, hidden) = [residual stream, pending MLP output]; steps are sent and
+    One tensor per step each way, (tokens, 2, hidden) = [residual stream, pending MLP output]; steps are sent and
     received in the order every stage runs them, so message n is step n's. Sends are asynchronous (the stage goes
     on with its next step); a send's tensor is kept until the send completes.
     """
@@ -149,17 +149,16 @@ class StageLink:
         self.next = (_PP_RANK + 1) * _TP_SIZE + _TP_RANK if _PP_RANK < _PP_SIZE - 1 else None
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def recv(self, num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def recv_into(self, buf: torch.Tensor) -> None:
+        """The previous stage's output of this step into ``buf`` (tokens, 2, hidden), contiguous."""
         assert self.prev is not None, "the first stage receives nothing"
-        buf = torch.empty(2, num_tokens, hidden, dtype=dtype, device=device)
+        assert buf.is_contiguous()
         dist.recv(buf, src=self.prev)
-        return buf[0], buf[1]
 
     def send(self, residual: torch.Tensor, pending: torch.Tensor) -> None:
         assert self.next is not None, "the last stage sends nothing"
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
-        buf = torch.stack([residual, pending])
+        buf = torch.stack([residual, pending], dim=1)
         work = dist.isend(buf, dst=self.next)
         assert work is not None
         self._sends.append((work, buf))

@@ -212,9 +212,10 @@ class ModelRunner:
     def _use_graphs(self) -> bool:
         if self.config.enforce_eager or not (self.device.type == "cuda" or cuda_graphs.EMULATE):
             return False
-        if self.pp_size > 1:
-            logger.warning("pipeline parallelism: CUDA graphs are not captured for pipeline stages yet; every step "
-                           "runs eagerly")
+        if self.pp_size > 1 and self.num_speculative_tokens and not self.is_last_stage:
+            # Its verify steps keep their candidates in a scratch set per step in flight (PendingCommit), which a
+            # graph would have to capture once per set.
+            logger.info("pipeline stage %d: speculative steps run eagerly on a stage before the last", pp_rank())
             return False
         return True
 
@@ -239,19 +240,23 @@ class ModelRunner:
         return sizes
 
     def _graph_logit_rows(self, sizes: dict[str, list[int]]) -> int:
+        if not self.is_last_stage:  # a stage before the last has no LM head: its graphs end at the stage's output
+            return 0
         q = self.num_speculative_tokens + 1
         return max([s[-1] * (q if name in ("verify", "draft") else 1) for name, s in sizes.items() if s], default=0)
 
     def _graph_memory_estimate(self) -> int:
         """Bytes the graphs take beyond the caches: the shared logits buffers (model dtype and float32) and the
         pool of their activations."""
-        rows = self._graph_logit_rows(self._graph_sizes())
-        if not rows:
+        sizes = self._graph_sizes()
+        if not sizes:
             return 0
         cfg = self.model_config
         elem = torch.finfo(self.dtype).bits // 8
         width = self.model.activation_width()
-        return rows * (cfg.vocab_size * (4 + elem) + 16 * width * elem) + 64 * 2**20
+        tokens = max(s[-1] * (self.num_speculative_tokens + 1) for s in sizes.values() if s)
+        rows = self._graph_logit_rows(sizes)
+        return rows * cfg.vocab_size * (4 + elem) + tokens * 16 * width * elem + 64 * 2**20
 
     def _build_model(self) -> CausalLM:
         model_class = registry.model_class(self.model_config)
@@ -382,11 +387,11 @@ class ModelRunner:
 
     def _init_graphs(self) -> None:
         sizes = self._graph_sizes()
-        rows = self._graph_logit_rows(sizes)
-        if not rows:
+        if not any(sizes.values()):
             return
         cfg = self.model_config
-        # Every graph writes its logits into (a prefix of) these two buffers.
+        # Every graph writes its logits into (a prefix of) these two buffers (the last stage's).
+        rows = self._graph_logit_rows(sizes)
         self.logits_lowp = torch.empty(rows, cfg.vocab_size, dtype=self.dtype, device=self.device)
         self.logits_f32 = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=self.device)
         if self.mtp is not None:
@@ -429,10 +434,20 @@ class ModelRunner:
         out.copy_(lowp)
         return out
 
+    def _stage_forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The model over a graph's static inputs: a later pipeline stage's input is the previous stage's output,
+        received into ``pp_in`` before the replay; a stage before the last returns its (residual, pending)."""
+        if self.is_first_stage:
+            return self.model(input_ids, meta)  # type: ignore[no-any-return]
+        t = input_ids.shape[0]
+        return self.model(input_ids, meta, (self.pp_in[:t, 0], self.pp_in[:t, 1]))  # type: ignore[no-any-return]
+
     def _graph_decode(self, size: int) -> tuple[torch.Tensor, ...]:
         meta = self._static_meta(self.dev_bufs, size, size, 1)
-        hidden = self.model(self.dev_bufs["input_ids"][:size], meta)
-        return (self._logits_into_buffers(hidden),)
+        out = self._stage_forward(self.dev_bufs["input_ids"][:size], meta)
+        if isinstance(out, tuple):  # a stage before the last: what the next stage receives
+            return out
+        return (self._logits_into_buffers(out),)
 
     def _graph_verify(self, size: int) -> tuple[torch.Tensor, ...]:
         q = self.num_speculative_tokens + 1
@@ -443,7 +458,8 @@ class ModelRunner:
             state_slots=meta.state_slots, rest_query_start_loc=d["rest_query_start_loc"][:1],
             rest_state_slots=d["state_slots"][size:size], rest_max_query_len=0,
         )
-        hidden = self.model(d["input_ids"][: size * q], meta)
+        hidden = self._stage_forward(d["input_ids"][: size * q], meta)
+        assert isinstance(hidden, torch.Tensor), "verify graphs run on the last stage only"
         return hidden, self._logits_into_buffers(hidden)
 
     def _graph_mtp(self, size: int) -> tuple[torch.Tensor, ...]:
@@ -509,6 +525,8 @@ class ModelRunner:
             "logits_indices": ((t,), torch.long), "rest_query_start_loc": ((r + 1,), torch.int32),
             "num_accepted": ((r,), torch.long), "prev_at": ((r,), torch.long), "prev_src": ((r,), torch.long),
         }
+        if self.link is not None and not self.is_first_stage:  # the previous stage's (residual, pending) per token
+            self.pp_in = dev((t, 2, self.model_config.hidden_size), self.dtype)
         self.host_bufs = {k: host(s, d) for k, (s, d) in names.items()}
         self.dev_bufs = {k: dev(s, d) for k, (s, d) in names.items()}
         self.np_bufs = {k: v.numpy() for k, v in self.host_bufs.items()}
@@ -739,12 +757,19 @@ class ModelRunner:
             return self.model(input_ids, meta)
         inter = None
         if not self.is_first_stage:
-            inter = self.link.recv(input_ids.shape[0], self.model_config.hidden_size, self.dtype, self.device)
+            t = input_ids.shape[0]
+            self._recv_stage_input(t)
+            inter = (self.pp_in[:t, 0], self.pp_in[:t, 1])
         out = self.model(input_ids, meta, inter)
         if self.is_last_stage:
             return out
         self.link.send(*out)
         return input_ids.new_empty((0,))
+
+    def _recv_stage_input(self, num_tokens: int) -> None:
+        """The previous stage's output of this step's ``num_tokens`` tokens, into ``pp_in`` (graphs read it there)."""
+        if self.link is not None and not self.is_first_stage:
+            self.link.recv_into(self.pp_in[:num_tokens])
 
     def _execute_stage(self, so: SchedulerOutput, out: RunnerOutput) -> StepResult:
         """Step ``so`` on a pipeline stage before the last: the verify commits that arrived with it (of earlier
@@ -763,6 +788,10 @@ class ModelRunner:
             scratch = self._free_scratch_sets.pop(0)
             self._bind_scratch(scratch)
         self._load_states(rows)
+        if not verify:
+            self._forward(rows, 0)  # a decode graph when the step fits one
+            self._save_snapshots(rows, out.num_accepted)
+            return StepResult(out)
         meta, input_ids, _ = self.prepare(rows)
         self._run_model(input_ids, meta)
         if verify:
@@ -883,7 +912,13 @@ class ModelRunner:
         if graph is not None:
             decode, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size)
-            logits, = decode.run(size)
+            self._recv_stage_input(len(rows))
+            outs = decode.run(size)
+            if not self.is_last_stage:
+                assert self.link is not None
+                self.link.send(outs[0][: len(rows)], outs[1][: len(rows)])
+                return outs[0][:0]
+            logits, = outs
             # One token per row: row i's logits are row i of the graph's output.
             return logits[: len(rows)] if num_sampling == len(rows) else logits[logits_indices]
         meta, input_ids, logits_indices = self.prepare(rows)
@@ -905,12 +940,16 @@ class ModelRunner:
         """
         q = self.num_speculative_tokens + 1
         # Every row verifies (rows with fewer drafts are laid out in k + 1 tokens, the rest masked; see prepare).
+        # A later pipeline stage receives the previous stage's tokens as they are: the graph's layout (every row
+        # k + 1 tokens) is theirs only when no row is short.
         graph = self._graph("verify", len(rows),
-                            lambda: all(r.is_verify and r.start + q <= self.max_model_len for r in rows))
+                            lambda: all(r.is_verify and r.start + q <= self.max_model_len
+                                        and (self.is_first_stage or r.num_new_tokens == q) for r in rows))
         self._verify_graph_size = graph[1] if graph is not None else None
         if graph is not None:
             verify, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size, pad_len=q, row_len=q)
+            self._recv_stage_input(len(rows) * q)  # every row has k + 1 tokens here (see the graph's condition)
             hidden, logits = verify.run(size)
             if all(row.num_new_tokens == q for row in rows):
                 n = len(rows) * q
