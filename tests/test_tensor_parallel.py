@@ -122,7 +122,8 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the worker processes")
-def test_serve_with_tp2_answers_and_stops_cleanly_on_sigterm(ckpts: CheckpointCache) -> None:
+@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"], ids=["tp2", "pp2"])
+def test_serve_with_two_ranks_answers_and_stops_cleanly_on_sigterm(ckpts: CheckpointCache, parallel: str) -> None:
     import signal
     import subprocess
     import sys
@@ -135,7 +136,7 @@ def test_serve_with_tp2_answers_and_stops_cleanly_on_sigterm(ckpts: CheckpointCa
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
-                             str(port), "--tensor-parallel-size", "2", "--shutdown-timeout", "2"],
+                             str(port), parallel, "2", "--shutdown-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

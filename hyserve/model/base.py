@@ -80,6 +80,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def drop_unused_embedding(self, draft_head: bool) -> None:
+        """Release the input embedding where this pipeline stage does not read it (``draft_head``: the MTP head
+        runs here and reads it); by default every model keeps it."""
+
     def holds(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` (model naming) is this model's: a pipeline stage holds only its own
         layers, and the loader skips the other stages' tensors."""

@@ -316,6 +316,11 @@ class Qwen3_5ForCausalLM(CausalLM):
     def holds(self, name: str) -> bool:
         return self.model.holds(name)
 
+    def drop_unused_embedding(self, draft_head: bool) -> None:
+        """A last pipeline stage keeps the input embedding only for a tied LM head or the draft head's inputs."""
+        if not self.model.is_first and not self.config.tie_word_embeddings and not draft_head:
+            self.model.embed_tokens = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         logits = head(hidden)

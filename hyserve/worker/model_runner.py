@@ -132,11 +132,13 @@ class ModelRunner:
         self._mem_baseline = _device_memory(device)
         t0 = time.perf_counter()
         self.model = self._build_model()
+        self.pp_size = pp_size()
+        self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
+        if self.pp_size > 1:
+            self.model.drop_unused_embedding(draft_head=use_mtp)
         self.mtp_weights = load_weights(self.model, config.model, model_config)
         self.mtp: nn.Module | None = None  # the family's draft head (registry), run over the target's hidden states
         # Pipeline parallelism: this stage's layers only; the last stage samples, verifies and drafts (MTP).
-        self.pp_size = pp_size()
-        self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
         self.link = StageLink() if self.pp_size > 1 else None
         if use_mtp and self.is_last_stage:
             self.mtp = self._build_mtp()
