@@ -123,9 +123,12 @@ def _compare_with_one_process(path: str, spec: str, **kw: object) -> tuple[dict,
     return got, want, engine
 
 
-def test_three_uneven_stages_with_mtp3_and_an_attention_only_last_stage(ckpts: CheckpointCache) -> None:
+def test_three_uneven_stages_with_mtp3_and_an_attention_only_last_stage(ckpts: CheckpointCache,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Six layers split 3,2,1: the last stage holds only the attention layer (no recurrent state), the others
-    only GDN layers; MTP with three drafts; async scheduling on (three steps in flight)."""
+    only GDN layers; MTP with three drafts; async scheduling on (three steps in flight); graphs emulated in the
+    workers (the middle stage's verify graphs read its received input, one graph per scratch set)."""
+    monkeypatch.setenv("HYSERVE_EMULATE_CUDA_GRAPHS", "1")
     path = ckpts.get("causal", "attn_last_gdn_run", with_mtp=True)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     SPECS["mtp3"] = spec
@@ -136,7 +139,9 @@ def test_three_uneven_stages_with_mtp3_and_an_attention_only_last_stage(ckpts: C
         del SPECS["mtp3"]
     assert engine.max_steps_in_flight == 3
     infos = engine.executor.cache_infos()
+    replays = engine.executor.collective_rpc("graph_replays")
     engine.shutdown()
+    assert sum(replays[1].values()) > 0 and set(replays[1]) == {f"verify{i}" for i in range(4)}, replays
     assert [i.has_recurrent_state for i in infos] == [True, True, False]
     assert [i.verify_scratch_sets for i in infos] == [4, 4, 1]
     assert _tokens(got) == _tokens(want)
@@ -160,8 +165,9 @@ def test_pp2_with_graphs_on_every_stage(ckpts: CheckpointCache, monkeypatch: pyt
                                         spec: str, sabotage: bool) -> None:
     """The stages' CUDA graphs (emulated in the worker processes): decode graphs on both stages, the second
     reading the first's output from its persistent input buffer; with MTP the verify, commit and draft graphs on
-    the last stage (a stage before the last runs its verify steps eagerly). Same outputs as one process; a stage
-    that takes the received rows in reverse order must not give them."""
+    the last stage and, on the stage before it, one verify graph per scratch set (each uncommitted step's
+    candidates in its own set). Same outputs as one process; a stage that takes the received rows in reverse order
+    must not give them."""
     monkeypatch.setenv("HYSERVE_EMULATE_CUDA_GRAPHS", "1")
     if sabotage:
         (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
@@ -190,7 +196,9 @@ def test_pp2_with_graphs_on_every_stage(ckpts: CheckpointCache, monkeypatch: pyt
     if spec == "plain":
         assert replays[0]["decode"] > 0 and replays[1]["decode"] > 0, replays
     else:
-        assert replays[0] == {} and all(replays[1][k] > 0 for k in ("verify", "commit", "draft")), replays
+        # Stage 0's verify graphs, one per scratch set (two steps in flight: two sets in turn).
+        assert sorted(replays[0]) == ["verify0", "verify1"] and all(n > 0 for n in replays[0].values()), replays
+        assert all(replays[1][k] > 0 for k in ("verify", "commit", "draft")), replays
 
 
 _SABOTAGES = {

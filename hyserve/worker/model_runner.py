@@ -105,15 +105,16 @@ def _device_memory(device: torch.device) -> DeviceMemory | None:
     return DeviceMemory(total, free, reserved, torch.cuda.memory_allocated(device), total - free - reserved)
 
 
-def _weak_forward(method: Callable[[int], tuple[torch.Tensor, ...]]) -> Callable[[int], tuple[torch.Tensor, ...]]:
-    """``method`` called through a weak reference to its object (see ``_init_graphs``)."""
+def _weak_forward(method: Callable[..., tuple[torch.Tensor, ...]], *args: int
+                  ) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """``method(*args, size)`` called through a weak reference to its object (see ``_init_graphs``)."""
     ref = weakref.WeakMethod(method)
 
     def forward(size: int) -> tuple[torch.Tensor, ...]:
         bound = ref()
         if bound is None:
             raise RuntimeError("the model runner of this graph was released")
-        return bound(size)
+        return bound(*args, size)
 
     return forward
 
@@ -212,14 +213,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _use_graphs(self) -> bool:
-        if self.config.enforce_eager or not (self.device.type == "cuda" or cuda_graphs.EMULATE):
-            return False
-        if self.pp_size > 1 and self.num_speculative_tokens and not self.is_last_stage:
-            # Its verify steps keep their candidates in a scratch set per step in flight (PendingCommit), which a
-            # graph would have to capture once per set.
-            logger.info("pipeline stage %d: speculative steps run eagerly on a stage before the last", pp_rank())
-            return False
-        return True
+        return not self.config.enforce_eager and (self.device.type == "cuda" or cuda_graphs.EMULATE)
 
     def _graph_sizes(self) -> dict[str, list[int]]:
         """Padded row counts to capture per graph kind (see ``cuda_graphs``)."""
@@ -231,6 +225,10 @@ class ModelRunner:
             return {"decode": capture_sizes(min(self.max_num_seqs, self.max_num_batched_tokens), user)}
         q = k + 1
         limit = min(self.max_num_seqs, MAX_VERIFY_GRAPH_TOKENS // q, self.max_num_batched_tokens // q)
+        if not self.is_last_stage:
+            # A stage before the last keeps each uncommitted verify step's candidates in a scratch set of its own
+            # (PendingCommit): one verify graph per set, each writing its set.
+            return {f"verify{i}": capture_sizes(limit, user) for i in range(self.num_scratch_sets)}
         sizes = {"verify": capture_sizes(limit, user)}
         if self.model.recurrent_layers():  # the commit of a verify graph's rows: every recurrent layer in one replay
             sizes["commit"] = list(sizes["verify"])
@@ -411,6 +409,9 @@ class ModelRunner:
                      "mtp": lambda n: self._fill_mtp([], pad_to=n),
                      "draft": lambda n: self._fill_draft([], pad_to=n),
                      "commit": lambda n: self._fill_commit([], n)}
+        for i in range(self.num_scratch_sets if not self.is_last_stage else 0):
+            forwards[f"verify{i}"] = _weak_forward(self._graph_verify_stage, i)
+            fill_pads[f"verify{i}"] = fill_pads["verify"]
         self.graphs = StepGraphs({name: GraphSet(name, s, forwards[name], emulate) for name, s in sizes.items()})
         self.graphs.capture(self.device, fill_pads)
 
@@ -451,7 +452,7 @@ class ModelRunner:
             return out
         return (self._logits_into_buffers(out),)
 
-    def _graph_verify(self, size: int) -> tuple[torch.Tensor, ...]:
+    def _verify_static_meta(self, size: int) -> StepMetadata:
         q = self.num_speculative_tokens + 1
         d = self.dev_bufs
         meta = self._static_meta(d, size, size * q, q)
@@ -460,7 +461,21 @@ class ModelRunner:
             state_slots=meta.state_slots, rest_query_start_loc=d["rest_query_start_loc"][:1],
             rest_state_slots=d["state_slots"][size:size], rest_max_query_len=0,
         )
-        hidden = self._stage_forward(d["input_ids"][: size * q], meta)
+        return meta
+
+    def _graph_verify_stage(self, scratch_set: int, size: int) -> tuple[torch.Tensor, ...]:
+        """``verify<i>`` graphs (a pipeline stage before the last): the stage's verify forward with its candidates
+        in scratch set ``i``; returns the stage's output for the next stage."""
+        self._bind_scratch(scratch_set)
+        q = self.num_speculative_tokens + 1
+        out = self._stage_forward(self.dev_bufs["input_ids"][: size * q], self._verify_static_meta(size))
+        assert isinstance(out, tuple)
+        return out
+
+    def _graph_verify(self, size: int) -> tuple[torch.Tensor, ...]:
+        q = self.num_speculative_tokens + 1
+        meta = self._verify_static_meta(size)
+        hidden = self._stage_forward(self.dev_bufs["input_ids"][: size * q], meta)
         assert isinstance(hidden, torch.Tensor), "verify graphs run on the last stage only"
         return hidden, self._logits_into_buffers(hidden)
 
@@ -794,8 +809,23 @@ class ModelRunner:
             self._forward(rows, 0)  # a decode graph when the step fits one
             self._save_snapshots(rows, out.num_accepted)
             return StepResult(out)
-        meta, input_ids, _ = self.prepare(rows)
-        self._run_model(input_ids, meta)
+        q = self.num_speculative_tokens + 1
+        graph = self._graph(f"verify{scratch}", len(rows),
+                            lambda: all(r.is_verify and r.start + q <= self.max_model_len
+                                        and (self.is_first_stage or r.num_new_tokens == q) for r in rows))
+        if graph is not None:
+            graphs, size = graph
+            meta, _, real = self.prepare(rows, pad_to=size, pad_len=q, row_len=q)
+            self._recv_stage_input(len(rows) * q)
+            x, pending = graphs.run(size)
+            assert self.link is not None
+            if all(r.num_new_tokens == q for r in rows):
+                self.link.send(x[: len(rows) * q], pending[: len(rows) * q])
+            else:  # the next stage gets the real tokens only, as an eager step sends them
+                self.link.send(x[real], pending[real])
+        else:
+            meta, input_ids, _ = self.prepare(rows)
+            self._run_model(input_ids, meta)
         if verify:
             assert meta.verify is not None
             cands = []
