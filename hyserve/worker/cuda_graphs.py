@@ -1,6 +1,6 @@
-"""CUDA graphs for the steps whose shape is fixed: decode, verify, and MTP drafting passes.
+"""CUDA graphs for the steps whose shape is fixed: decode, verify, commit, and MTP drafting.
 
-Three kinds, each captured once per padded row count B (largest first, in one memory pool):
+Each kind is captured once per padded row count B (largest first, in one memory pool):
 
 - ``decode``: every row feeds one token (pure decode, or one-token chunks). The whole model plus ``lm_head`` for B
   rows; B rows of float32 logits.
@@ -10,8 +10,17 @@ Three kinds, each captured once per padded row count B (largest first, in one me
   ``B * (k + 1)`` positions; the hidden states too (the MTP head consumes them).
 - ``mtp``: one MTP pass with one token per row (multi-step drafting): the MTP layer, ``lm_head`` and the greedy
   draft token of every row, on the device.
+- ``commit`` (speculative decoding): every recurrent layer's commit of the accepted candidates of a verify graph's
+  rows (slots and accepted counts from persistent buffers; -1 rows, pads included, untouched).
+- ``draft`` (MTP): the whole drafting of a verify step: the MTP layer over each row's k + 1 positions (masked
+  tails), then k - 1 one-token passes fed the previous pass's greedy token and output on the device.
+- ``verify<i>`` (a pipeline stage before the last): the stage's verify forward writing scratch set ``i``.
 
-Sampling, acceptance and commit run after the graph. Steps that fit no captured shape (prefill chunks, mixed steps,
+With pipeline parallelism a later stage's graphs read the previous stage's output from a persistent input buffer
+the runner receives into before the replay, and a stage before the last returns its (residual, pending MLP output)
+instead of logits.
+
+Sampling and acceptance run after the graph. Steps that fit no captured shape (prefill chunks, mixed steps,
 larger batches, rows within k + 1 tokens of ``max_model_len``) run eagerly.
 
 What a graph reads is fixed at capture (docs/design.md invariant 7): views of the runner's persistent device
