@@ -162,8 +162,3 @@ class StageLink:
         work = dist.isend(buf, dst=self.next)
         assert work is not None
         self._sends.append((work, buf))
-
-    def wait(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends = []

@@ -798,17 +798,17 @@ class ModelRunner:
         if not rows:
             return StepResult(out)
         verify = [i for i, r in enumerate(rows) if r.is_verify]
-        if verify:
-            if not self._free_scratch_sets:
-                raise RuntimeError(f"step {so.step_id}: every verify scratch set holds an uncommitted step "
-                                   f"({sorted(self._uncommitted)}); more steps are in flight than planned")
-            scratch = self._free_scratch_sets.pop(0)
-            self._bind_scratch(scratch)
-        self._load_states(rows)
         if not verify:
+            self._load_states(rows)
             self._forward(rows, 0)  # a decode graph when the step fits one
             self._save_snapshots(rows, out.num_accepted)
             return StepResult(out)
+        if not self._free_scratch_sets:
+            raise RuntimeError(f"step {so.step_id}: every verify scratch set holds an uncommitted step "
+                               f"({sorted(self._uncommitted)}); more steps are in flight than planned")
+        scratch = self._free_scratch_sets.pop(0)
+        self._bind_scratch(scratch)
+        self._load_states(rows)
         q = self.num_speculative_tokens + 1
         graph = self._graph(f"verify{scratch}", len(rows),
                             lambda: all(r.is_verify and r.start + q <= self.max_model_len
@@ -819,21 +819,17 @@ class ModelRunner:
             self._recv_stage_input(len(rows) * q)
             x, pending = graphs.run(size)
             assert self.link is not None
-            if all(r.num_new_tokens == q for r in rows):
-                self.link.send(x[: len(rows) * q], pending[: len(rows) * q])
-            else:  # the next stage gets the real tokens only, as an eager step sends them
-                self.link.send(x[real], pending[real])
+            self.link.send(x[real], pending[real])  # the real tokens only, as an eager step sends them
         else:
             meta, input_ids, _ = self.prepare(rows)
             self._run_model(input_ids, meta)
-        if verify:
-            assert meta.verify is not None
-            cands = []
-            for i in verify:
-                if rows[i].candidate_snapshot is not None:
-                    point, entry = rows[i].candidate_snapshot  # type: ignore[misc]
-                    cands.append((i, point - rows[i].start - 1, entry))
-            self._uncommitted[so.step_id] = PendingCommit(so.step_id, scratch, meta.verify.state_slots.clone(), cands)
+        assert meta.verify is not None
+        cands = []
+        for i in verify:
+            if rows[i].candidate_snapshot is not None:
+                point, entry = rows[i].candidate_snapshot  # type: ignore[misc]
+                cands.append((i, point - rows[i].start - 1, entry))
+        self._uncommitted[so.step_id] = PendingCommit(so.step_id, scratch, meta.verify.state_slots.clone(), cands)
         self._save_snapshots(rows, out.num_accepted)  # the accepted counts are unknown (-1): no candidates yet
         return StepResult(out)
 
