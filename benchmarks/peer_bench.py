@@ -12,21 +12,24 @@ Three subcommands, so that each engine runs in a process of its own (one after t
 tower, as vLLM wants the VLM form with its preprocessor files) with random bf16 weights and one random MTP layer.
 ``measure`` runs, through the engine's own ``LLM`` and ``SamplingParams``:
 
-- ``start``: seconds to build the ``LLM`` (compile caches warm after the first run on a machine);
+- ``start``: seconds to build the ``LLM`` in a process of its own, run after a first one (compile caches warm;
+  the first process records its own start as ``first_start_s``);
 - ``decode``: tokens/s at each ``--batches`` size, prompts of 512 random ids, greedy, ``ignore_eos``, as
   ``batch * (N - 1) / (t(N) - t(1))`` with fresh prompts for each timing (no prefix-cache hit);
 - ``bound``: the batch-1 weights-bandwidth bound measured in the same process: the device's copy bandwidth
   (read + write) over the bytes of weights a decode step reads (every text-model tensor and the LM head, not the
   input embedding table unless it is the tied LM head);
 - ``prefill``: 32 fresh prompts of 2048 tokens, one output token, after a warm-up of the same shape;
-- ``agent``: a closed-loop agent trace (8 conversations x 4 turns sharing a 1.7k-token prefix, every turn's
-  prompt the previous turn's prompt + its actual output + a new message) with prefix caching on: wall seconds and
-  the share of prompt tokens served from the cache (``RequestOutput.num_cached_tokens``);
+- ``agent``: (``agent_mtp_*`` with ``--speculative-config``) a closed-loop agent trace (8 conversations x 4
+  turns sharing a 1.7k-token prefix, every turn's prompt the previous turn's prompt + its actual output + a new
+  message) with prefix caching on: wall seconds and the share of prompt tokens served from the cache
+  (``RequestOutput.num_cached_tokens``);
 - ``spec``: decode tokens/s with ``--speculative-config`` against the same run without it (a trained head:
   the packaged model), at each ``--spec-batches`` size.
 
-``report`` pairs hyserve's and vLLM's files of the same model and writes one entry per measure with both figures
-and the ratio, the card, versions and the git commit.
+A measure that fails is recorded under ``errors`` (the file keeps the others; the exit status is 1).
+``report`` merges each engine's files of one model, pairs hyserve's and vLLM's and writes one entry per measure
+with both figures and the ratio, the card, versions and the git commit.
 """
 
 from __future__ import annotations
@@ -127,6 +130,16 @@ class Engine:
         lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         params = [self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def spec_stats(self) -> dict[str, float]:
+        """Mean acceptance length (1 + accepted drafts per verify row) over the engine's life, where it reports
+        one offline (hyserve's counters; vLLM's read 0 in offline runs)."""
+        if self.name != "hyserve":
+            return {}
+        m = self.llm.get_metrics()
+        drafts = float(m.get("hyserve:spec_decode_num_drafts", 0) or 0)  # type: ignore[arg-type]
+        accepted = float(m.get("hyserve:spec_decode_num_accepted_tokens", 0) or 0)  # type: ignore[arg-type]
+        return {"spec_mean_acceptance_length": 1 + accepted / drafts} if drafts else {}
 
     def shutdown(self) -> None:
         if self.name == "hyserve":
@@ -249,7 +262,8 @@ def measure_agent(eng: Engine, vocab: int, scale: str) -> dict[str, float]:
     return {"agent_wall_s": time.perf_counter() - t0, "agent_cached_share": cached / max(prompts_total, 1)}
 
 
-def measure(args: argparse.Namespace) -> None:
+def measure(args: argparse.Namespace) -> int:
+    """Run the chosen measures and write their figures; 1 if one of them failed (its error is in the file)."""
     import torch
 
     cuda = args.device == "cuda"
@@ -262,13 +276,25 @@ def measure(args: argparse.Namespace) -> None:
                            "date": time.strftime("%Y-%m-%d"), "hyserve_commit": _git_commit(), "figures": {}}
     fig = res["figures"]
     batches = [int(b) for b in args.batches.split(",")]
-    if {"start", "decode", "bound", "prefill"} & set(measures):
+    errors = res["errors"] = {}
+
+    def attempt(name: str, fn: Callable[[], None]) -> None:
+        """Run measure ``name``; a failure is recorded (the file keeps what the other measures found)."""
+        try:
+            fn()
+        except Exception as e:  # an engine that cannot run a measure: its error is the result
+            import traceback
+
+            errors[name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        _release()
+
+    def main_group() -> None:
         eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=False,
                      max_num_seqs=max([*batches, args.prefill_prompts]), **common)
         res["version"] = eng.version
-        fig["start_s"] = eng.start_s
-        vocab = _vocab(args.model)
-        prompts = Prompts(vocab)
+        fig["first_start_s"] = eng.start_s
+        prompts = Prompts(_vocab(args.model))
         if "decode" in measures:
             fig.update(measure_decode(eng, prompts, batches, args.decode_tokens))
         if "bound" in measures and cuda:
@@ -280,22 +306,27 @@ def measure(args: argparse.Namespace) -> None:
         if "prefill" in measures:
             fig.update(measure_prefill(eng, prompts, args.prefill_prompts, args.prefill_len))
         eng.shutdown()
-        _release()
-        if "start" in measures:  # the second start: compile caches warm
-            eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=False, **common)
-            fig["start_warm_s"] = eng.start_s
-            eng.shutdown()
-            _release()
-    if "agent" in measures:
+
+    def start() -> None:  # its own process, after a first one: compile caches warm
+        eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=False, **common)
+        res.setdefault("version", eng.version)
+        fig["start_warm_s"] = eng.start_s
+        eng.shutdown()
+
+    def agent() -> None:
         kw = dict(common, enable_prefix_caching=True)
+        tag = "agent"
         if args.speculative_config:
             kw["speculative_config"] = json.loads(args.speculative_config)
+            tag = "agent_mtp"
         eng = Engine(args.engine, args.model, args.device, args.dtype, **kw)
         res.setdefault("version", eng.version)
-        fig.update(measure_agent(eng, _vocab(args.model), args.agent_scale))
+        fig.update({k.replace("agent", tag, 1): v
+                    for k, v in measure_agent(eng, _vocab(args.model), args.agent_scale).items()})
+        fig.update({k.replace("spec", tag, 1): v for k, v in eng.spec_stats().items()})
         eng.shutdown()
-        _release()
-    if "spec" in measures and args.speculative_config:
+
+    def spec() -> None:
         spec_batches = [int(b) for b in args.spec_batches.split(",")]
         for label, kw in (("plain", {}), ("spec", {"speculative_config": json.loads(args.speculative_config)})):
             eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=False,
@@ -303,14 +334,26 @@ def measure(args: argparse.Namespace) -> None:
             res.setdefault("version", eng.version)
             for k, v in measure_decode(eng, Prompts(_vocab(args.model), 1), spec_batches, args.decode_tokens).items():
                 fig[f"{label}_{k}"] = v
+            if label == "spec":
+                fig.update(eng.spec_stats())
             eng.shutdown()
             _release()
         for b in spec_batches:
             fig[f"spec_speedup_bs{b}"] = fig[f"spec_decode_bs{b}_tok_s"] / fig[f"plain_decode_bs{b}_tok_s"]
+
+    if {"decode", "bound", "prefill"} & set(measures):
+        attempt("decode,bound,prefill", main_group)
+    if "start" in measures:
+        attempt("start", start)
+    if "agent" in measures:
+        attempt("agent", agent)
+    if "spec" in measures and args.speculative_config:
+        attempt("spec", spec)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))
+    return 1 if errors else 0
 
 
 def _read_json(path: str) -> Any:
@@ -342,17 +385,29 @@ _FIGURES = {
     "decode_bs1_share_of_bound": (True, "batch-1 decode, share of the bandwidth bound"),
     "prefill_tok_s": (True, "prefill 32 x 2048, tok/s"), "agent_wall_s": (False, "agent trace, wall s"),
     "agent_cached_share": (True, "agent trace, prompt tokens from cache"),
+    "agent_mtp_wall_s": (False, "agent trace with MTP, wall s"),
+    "agent_mtp_cached_share": (True, "agent trace with MTP, prompt tokens from cache"),
     "start_warm_s": (False, "engine start (warm caches), s"),
     "spec_speedup_bs1": (True, "speculation vs plain, batch 1"),
     "spec_speedup_bs8": (True, "speculation vs plain, batch 8"),
+    "spec_mean_acceptance_length": (True, "speculation, mean acceptance length"),
+    "bound_bs1_tok_s": (True, "batch-1 weights-bandwidth bound, tok/s"),
 }
 
 
 def report(files: list[str], out: str) -> None:
     runs = [_read_json(p) for p in files]
     by_model: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in runs:
-        by_model.setdefault(os.path.basename(r["model"].rstrip("/")), {})[r["engine"]] = r
+    for r in runs:  # several files of one engine and model (one process per measure group) merge
+        slot = by_model.setdefault(os.path.basename(r["model"].rstrip("/")), {})
+        if r["engine"] in slot:
+            merged = slot[r["engine"]]
+            merged["figures"] = {**merged["figures"], **r["figures"]}
+            merged["errors"] = {**merged.get("errors", {}), **r.get("errors", {})}
+            merged["command"] = f"{merged['command']} ; {r['command']}"
+            merged["version"] = merged.get("version") or r.get("version")
+        else:
+            slot[r["engine"]] = dict(r)
     entries = []
     for model, engines in sorted(by_model.items()):
         ours, peer = engines.get("hyserve", {}).get("figures", {}), engines.get("vllm", {}).get("figures", {})
@@ -364,6 +419,10 @@ def report(files: list[str], out: str) -> None:
             if a is not None and b:
                 ratio = a / b if higher else b / a  # > 1: hyserve is better
             entries.append({"model": model, "measure": key, "label": label, "hyserve": a, "vllm": b, "ratio": ratio})
+        for engine, r in sorted(engines.items()):
+            for name, why in r.get("errors", {}).items():
+                entries.append({"model": model, "measure": name, "label": f"{engine} failed: {why}"[:300],
+                                "hyserve": None, "vllm": None, "ratio": None})
     meta = {"files": files, "hyserve_commit": _git_commit(),
             "engines": {f"{m}/{e}": {k: r.get(k) for k in ("version", "device", "torch", "date", "command")}
                         for m, es in by_model.items() for e, r in es.items()}}
@@ -414,7 +473,8 @@ def main() -> int:
     m.add_argument("--out", required=True)
     m.add_argument("--device", default="cuda")
     m.add_argument("--dtype", default="bfloat16")
-    m.add_argument("--measures", default="start,decode,bound,prefill,agent")
+    m.add_argument("--measures", default="decode,bound,prefill,agent",
+                   help="comma-separated; start (the warm start) belongs in a process of its own, after a first")
     m.add_argument("--batches", default="1,8,32,64")
     m.add_argument("--decode-tokens", type=int, default=128)
     m.add_argument("--prefill-prompts", type=int, default=32)
@@ -431,7 +491,7 @@ def main() -> int:
     if args.cmd == "write":
         write(args.shape, args.out, args.device)
     elif args.cmd == "measure":
-        measure(args)
+        return measure(args)
     else:
         report(args.files, args.out)
     return 0

@@ -118,6 +118,8 @@ def add_random_mtp(path: str, cfg: Any, seed: int) -> int:
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
     config["mtp_num_hidden_layers"] = 1
+    if isinstance(config.get("text_config"), dict):  # the VLM form: engines read the text model's field
+        config["text_config"]["mtp_num_hidden_layers"] = 1
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return sum(t.numel() for t in tensors.values())

@@ -167,6 +167,14 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
                     "--dtype", "float32", "--out", str(out), "--measures", "decode,prefill,agent", "--batches", "1,2",
                     "--decode-tokens", "6", "--prefill-prompts", "2", "--prefill-len", "48", "--agent-scale", "tiny",
                     "--max-model-len", "2048"], check=True, env=env, capture_output=True)
+    mtp_out = tmp_path / "hyserve_mtp.json"  # a second process: the warm start, the agent trace with MTP
+    subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", model, "--device", "cpu",
+                    "--dtype", "float32", "--out", str(mtp_out), "--measures", "start,agent", "--agent-scale", "tiny",
+                    "--max-model-len", "2048", "--speculative-config",
+                    '{"method": "mtp", "num_speculative_tokens": 2}'], check=True, env=env, capture_output=True)
+    mtp_figs = json.loads(mtp_out.read_text())["figures"]
+    assert mtp_figs["start_warm_s"] > 0 and mtp_figs["agent_mtp_wall_s"] > 0 and "agent_wall_s" not in mtp_figs
+    assert 1 <= mtp_figs["agent_mtp_mean_acceptance_length"] <= 3
     ours = json.loads(out.read_text())
     figs = ours["figures"]
     assert figs["decode_bs1_tok_s"] > 0 and figs["prefill_tok_s"] > 0 and figs["agent_wall_s"] > 0
@@ -174,10 +182,16 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
     peer = dict(ours, engine="vllm", version="stand-in",
                 figures={"prefill_tok_s": figs["prefill_tok_s"] / 2, "agent_wall_s": figs["agent_wall_s"] * 4})
     (tmp_path / "vllm.json").write_text(json.dumps(peer))
-    subprocess.run([sys.executable, script, "report", str(out), str(tmp_path / "vllm.json"), "--out",
-                    str(tmp_path / "rep")], check=True, env=env, capture_output=True)
+    failed = dict(peer, figures={}, errors={"agent": "ValueError: not supported"})
+    (tmp_path / "vllm_agent.json").write_text(json.dumps(failed))
+    subprocess.run([sys.executable, script, "report", str(out), str(mtp_out), str(tmp_path / "vllm.json"),
+                    str(tmp_path / "vllm_agent.json"), "--out", str(tmp_path / "rep")],
+                   check=True, env=env, capture_output=True)
     entries = {e["measure"]: e for e in json.loads((tmp_path / "rep" / "peer.json").read_text())["entries"]}
     assert entries["prefill_tok_s"]["ratio"] == pytest.approx(2.0)
     assert entries["agent_wall_s"]["ratio"] == pytest.approx(4.0)  # lower is better: vLLM's wall / ours
     assert entries["decode_bs1_tok_s"]["vllm"] is None and entries["decode_bs1_tok_s"]["ratio"] is None
+    assert entries["agent_mtp_wall_s"]["hyserve"] == mtp_figs["agent_mtp_wall_s"]  # the files of one engine merge
+    assert entries["start_warm_s"]["hyserve"] == mtp_figs["start_warm_s"]
+    assert entries["agent"]["label"] == "vllm failed: ValueError: not supported"  # a failure is a row, not a gap
     assert "| m | prefill 32 x 2048, tok/s |" in (tmp_path / "rep" / "peer.md").read_text()
