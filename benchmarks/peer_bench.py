@@ -391,8 +391,10 @@ _FIGURES = {
     "spec_speedup_bs1": (True, "speculation vs plain, batch 1"),
     "spec_speedup_bs8": (True, "speculation vs plain, batch 8"),
     "spec_mean_acceptance_length": (True, "speculation, mean acceptance length"),
-    "bound_bs1_tok_s": (True, "batch-1 weights-bandwidth bound, tok/s"),
+    "bound_bs1_tok_s": (True, "batch-1 weights-bandwidth bound (measured in each run), tok/s"),
+    "first_start_s": (False, "engine start, first process on the machine, s"),
 }
+_NO_RATIO = {"bound_bs1_tok_s"}  # a property of the card measured in each engine's run, not of the engine
 
 
 def report(files: list[str], out: str) -> None:
@@ -416,7 +418,7 @@ def report(files: list[str], out: str) -> None:
                 continue
             a, b = ours.get(key), peer.get(key)
             ratio = None
-            if a is not None and b:
+            if a is not None and b and key not in _NO_RATIO:
                 ratio = a / b if higher else b / a  # > 1: hyserve is better
             entries.append({"model": model, "measure": key, "label": label, "hyserve": a, "vllm": b, "ratio": ratio})
         for engine, r in sorted(engines.items()):

@@ -2,9 +2,12 @@
 # The side-by-side run of issue 14 on the lent H200, in the device calls that follow vLLM's bring-up
 # (../shared/peer/README.md). One phase per call, back to back (the machine's /tmp lasts while it is warm):
 #
-#   bash benchmarks/peer_session.sh 2b      # hyserve, then vLLM: decode, bound, prefill, agent (+ MTP) on the 2B shape
-#   bash benchmarks/peer_session.sh 9b      # both: decode, bound, prefill, warm start on the 9B shape
+#   bash benchmarks/peer_session.sh 2b      # hyserve: decode, bound, prefill, agent (+ MTP); vLLM: decode, bound, prefill
+#   bash benchmarks/peer_session.sh 2b-vllm-agent   # vLLM: the agent trace, plain and with MTP
+#   bash benchmarks/peer_session.sh 9b      # hyserve: decode, bound, prefill, warm start on the 9B shape
+#   bash benchmarks/peer_session.sh 9b-vllm # vLLM: the same
 #   bash benchmarks/peer_session.sh spec    # hyserve: MTP k = 2 on the packaged model, planted MTP k = 3 on 2B
+#   bash benchmarks/peer_session.sh check   # the GPU tests and gpu_check (2B bf16 against transformers)
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -16,6 +19,18 @@ VLLM_ENV=(env PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0
 MTP3='{"method": "mtp", "num_speculative_tokens": 3}'
 PB=benchmarks/peer_bench.py
 
+# vLLM's JIT and compile caches (FlashInfer's GDN prefill kernel takes about 8 minutes to build on a fresh machine):
+# carried in as .peer/vllm_caches.tgz when an earlier session brought them back, saved to $OUT after each vLLM run.
+if [ -f .peer/vllm_caches.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
+    mkdir -p ~/.cache && tar -C ~/.cache -xzf .peer/vllm_caches.tgz && echo "vLLM caches restored"
+fi
+save_vllm_caches() {
+    (cd ~/.cache && tar -czf "$OUT/vllm_caches.tgz" $(ls -d flashinfer vllm 2>/dev/null)) 2>/dev/null
+    local size
+    size=$(stat -c %s "$OUT/vllm_caches.tgz" 2>/dev/null || echo 0)
+    [ "$size" -lt 60000000 ] || { echo "vLLM caches are $size bytes: not brought back"; rm -f "$OUT/vllm_caches.tgz"; }
+}
+
 measure() {  # measure ENGINE MODEL NAME TIMEOUT ARGS...
     local engine=$1 model=$2 name=$3 limit=$4
     shift 4
@@ -26,28 +41,42 @@ measure() {  # measure ENGINE MODEL NAME TIMEOUT ARGS...
         "$@" > "$OUT/${engine}_$name.log" 2>&1
     echo "   rc $? ($(date +%T))"
     tail -3 "$OUT/${engine}_$name.log"
+    [ "$engine" = vllm ] && save_vllm_caches
+    return 0
 }
+p2b() { [ -d /tmp/p2b ] || python3 $PB write --shape 2b --out /tmp/p2b > "$OUT/write_2b.log" 2>&1; }
+p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1; }
 
 case "${1:?phase}" in
   2b)
-    [ -d /tmp/p2b ] || python3 $PB write --shape 2b --out /tmp/p2b > "$OUT/write_2b.log" 2>&1
+    p2b
     measure hyserve /tmp/p2b 2b 200 --measures decode,bound,prefill
     measure hyserve /tmp/p2b 2b_agent 120 --measures agent
     measure hyserve /tmp/p2b 2b_agent_mtp 120 --measures agent --speculative-config "$MTP3"
-    measure vllm /tmp/p2b 2b 330 --measures decode,bound,prefill
+    measure vllm /tmp/p2b 2b 560 --measures decode,bound,prefill
     ;;
   2b-vllm-agent)
+    p2b
     measure vllm /tmp/p2b 2b_agent 180 --measures agent
     measure vllm /tmp/p2b 2b_agent_mtp 180 --measures agent --speculative-config "$MTP3"
     ;;
   9b)
-    [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1
+    p9b
     measure hyserve /tmp/p9b 9b 200 --measures decode,bound,prefill
     measure hyserve /tmp/p9b 9b_start 120 --measures start
     ;;
   9b-vllm)
+    p9b
     measure vllm /tmp/p9b 9b 330 --measures decode,bound,prefill
     measure vllm /tmp/p9b 9b_start 180 --measures start
+    ;;
+  check)  # the correctness checks every speed change keeps, in the same device session as its figures
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
+        tests/test_async_scheduling.py tests/test_verify_kernels.py tests/test_device_drafts.py -k "cuda or gpu" \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc $?"; tail -2 "$OUT/gpu_tests.log"
+    timeout 400 python3 benchmarks/gpu_check.py --out "$OUT" > "$OUT/gpu_check.log" 2>&1
+    echo "gpu_check rc $?"; grep all_correctness_pass "$OUT/gpu_check.log"
     ;;
   spec)
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \

@@ -551,3 +551,27 @@ def test_outputs_are_well_formed_and_inside_the_support(
             else:  # the processed support (the processing itself is checked against a reference above)
                 assert math.isfinite(float(process_logits(x, x.amax(dim=1), [row.params])[0, t]))
         start += k + 1
+
+
+def test_device_drafts_give_what_host_drafts_give() -> None:
+    """``draft_ids`` (the drafts as a device tensor, the rows' lists placeholders) gives exactly the host-list
+    result: greedy, sampled, seeded and unseeded rows, with and without proposal distributions, logprobs; a
+    tensor of the wrong length is refused."""
+    vocab = 40
+    rng = random.Random(11)
+    accepted = 0
+    for trial in range(20):
+        batch = [_random_row(rng, vocab, seeded=rng.random() < 0.5) for _ in range(rng.randrange(1, 7))]
+        logits = torch.cat([b[1] for b in batch])
+        qs = [b[2] for b in batch]
+        host = RejectionSampler(CPU, seed=trial)(logits, [b[0] for b in batch], qs)
+        ids = torch.tensor([t for b in batch for t in b[0].draft_token_ids], dtype=torch.long)
+        placeholders = [SpecRow(b[0].params, [-2] * len(b[0].draft_token_ids), b[0].seeds) for b in batch]
+        dev = RejectionSampler(CPU, seed=trial)(logits, placeholders, qs, draft_ids=ids)
+        assert dev.num_accepted == host.num_accepted and dev.token_ids == host.token_ids
+        assert dev.error_rows == host.error_rows and dev.logprobs == host.logprobs
+        accepted += sum(host.num_accepted)
+    assert accepted > 20  # drafts were accepted, not only rejected
+    row = SpecRow(GREEDY, [-2, -2])
+    with pytest.raises(ValueError, match="draft_ids must have shape"):
+        RejectionSampler(CPU)(torch.randn(3, vocab), [row], draft_ids=torch.tensor([1]))

@@ -14,7 +14,7 @@ import pickle
 from collections import deque
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hyserve.cache.block_pool import BlockPool, cdiv
@@ -82,6 +82,8 @@ def _check_invariants(s: Scheduler, out: SchedulerOutput, budget: int, max_seqs:
     abort_every=st.integers(0, 7),
     pipeline=st.sampled_from([(0, 1), (1, 1), (3, 4)]),
 )
+@example(lengths=[(1, 1, 1), (1, 1, 2), (1, 1, 2), (2, 2, 0), (1, 1, 0)], budget=3, max_seqs=3, block_size=2,
+         abort_every=2, pipeline=(3, 4))  # readmitted after a preemption while its old sampling step is in flight
 def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, max_seqs: int, block_size: int,
                               abort_every: int, pipeline: tuple[int, int]) -> None:
     """``pipeline`` = (steps kept in flight, pipeline stages): 0 or 1 step with one stage (sync / async scheduling),
@@ -100,6 +102,7 @@ def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, 
         arrivals.setdefault(at, []).append(req)
     aborted: set[str] = set()
     queue: deque[SchedulerOutput] = deque()
+    epochs: dict[int, dict[str, int]] = {}  # step id -> each row's request's preemption count when scheduled
     step = 0
     while step <= max(arrivals) or s.has_unfinished_requests() or queue:
         for r in arrivals.get(step, []):
@@ -113,12 +116,15 @@ def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, 
         _check_invariants(s, out, budget, max_seqs, block_size)
         if stages > 1:  # the first stage has no sampled token to feed: a request is in one step until it samples
             assert all(r.token_ids[0] != PREVIOUS_SAMPLED for r in out.rows)
-            sampling_in_flight = {r.req_id for q in queue for r in q.rows if r.samples}
+            # (a request preempted since may be readmitted meanwhile: its old rows are stale, their tokens dropped)
+            sampling_in_flight = {r.req_id for q in queue for r in q.rows if r.samples and r.req_id in s.requests
+                                  and epochs[q.step_id][r.req_id] == s.requests[r.req_id].num_preemptions}
             assert not {r.req_id for r in out.rows} & sampling_in_flight
         admitted = [s.requests[r.req_id] for r in out.rows if s.requests[r.req_id] in waiting_before]
         assert admitted == waiting_before[: len(admitted)], "admission is not first-come first-served"
         if out.rows:
             queue.append(out)
+            epochs[out.step_id] = {r.req_id: s.requests[r.req_id].num_preemptions for r in out.rows}
         while len(queue) > in_flight or (queue and not out.rows):
             so = queue.popleft()
             s.update_from_output(so, fake_result(so), sink)
@@ -130,6 +136,10 @@ def test_scheduler_invariants(lengths: list[tuple[int, int, int]], budget: int, 
             if req.request_id in sink.finished:
                 assert sink.finished[req.request_id] == "length"
                 assert req.num_output_tokens == req.sampling_params.max_tokens, "a step ran past max_tokens"
+                # The fake worker's token is its position: each output token is the one for its own position (a
+                # late result of a step before a preemption, applied after the readmitted request ran on, is not).
+                n = req.num_prompt_tokens
+                assert req.output_token_ids == [(n + j) % 16 for j in range(req.num_output_tokens)], req.request_id
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert slots.num_free_slots == slots.num_slots
     assert s.num_steps_in_flight == 0
@@ -158,3 +168,29 @@ def test_a_late_result_is_applied_through_its_own_rows() -> None:
     assert b.output_token_ids == [12, 13] and c.output_token_ids == [14] and sink.finished == {"c": "length"}
     with pytest.raises(RuntimeError, match="result of step 0 applied to step 2"):
         s.update_from_output(s.schedule(), RunnerOutput(0, [[1]], [-1]), sink)
+
+
+def test_a_late_token_from_before_a_preemption_is_not_appended_twice() -> None:
+    """Pipeline stages keep steps in flight: a request preempted while its sampling step runs may be readmitted and
+    sample the same position again before that step's result is in. The first of the two results to arrive gives
+    the position its token; the other is dropped, and the next step computes on from there."""
+    pool = BlockPool(16, 2)
+    s = Scheduler(2, 64, pool, StateSlots(2), max_model_len=32, pipeline_parallel_size=4)
+    sink = CountingSink()
+    req = Request("a", None, list(range(4)), SamplingParams(max_tokens=3), 0)
+    s.add_request(req)
+    first = s.schedule()  # the whole prompt; samples position 4
+    assert first.rows[0].samples and first.rows[0].end == 4
+    s.running.remove(req)
+    s._preempt(req)  # as _grow_or_preempt does when another request needs the blocks
+    second = s.schedule()  # readmitted: the prompt again, sampling position 4 again
+    assert second.rows[0].req_id == "a" and second.rows[0].samples and second.rows[0].end == 4
+    s.update_from_output(first, fake_result(first), sink)  # the stale step's token for position 4 is kept
+    assert req.output_token_ids == [4]
+    s.update_from_output(second, fake_result(second), sink)  # a second token for position 4: dropped
+    assert req.output_token_ids == [4] and req.num_computed_tokens == 4
+    while s.has_unfinished_requests():
+        so = s.schedule()
+        s.update_from_output(so, fake_result(so), sink)
+    assert req.output_token_ids == [4, 5, 6] and sink.finished == {"a": "length"}
+    assert pool.num_free_blocks == pool.num_usable_blocks

@@ -17,6 +17,7 @@ from test_prefix_cache import make_convs, run_conversations, toks
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.request import Request
+from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.speculative.proposer import Proposer
 from hyserve.worker import cuda_graphs
 
@@ -286,6 +287,18 @@ def test_mtp_greedy_identical_to_no_speculation(ckpts: CheckpointCache, caching:
     llm.llm_engine.assert_no_leaks()
 
 
+def resolve_drafts(engine: LLMEngine, req: Request) -> list[int]:
+    """``req``'s next drafts as values: those the MTP head left on the device (``PREVIOUS_DRAFT`` placeholders in
+    the scheduler) read from its state slot's row of the worker's ``draft_slots``."""
+    drafts = list(req.draft_token_ids)
+    if PREVIOUS_DRAFT not in drafts:
+        return drafts
+    slots = engine.runner.draft_slots
+    assert slots is not None and req.state_slot is not None
+    row = slots[req.state_slot].tolist()
+    return [row[j] if t == PREVIOUS_DRAFT else t for j, t in enumerate(drafts)]
+
+
 def record_drafts(engine: LLMEngine) -> dict[str, list]:
     """Record each request's drafts and the MTP layer's output (float) that proposed the first of them."""
     seen: dict[str, list] = {}
@@ -299,7 +312,7 @@ def record_drafts(engine: LLMEngine) -> dict[str, list]:
             if not req.is_finished and req.is_decoding and engine.drafts.num_drafts(req, engine.max_model_len) > 0:
                 hidden = proposer.first_hidden.get(req.request_id)
                 seen.setdefault(req.request_id, []).append(
-                    (list(req.draft_token_ids), None if hidden is None else hidden.clone()))
+                    (resolve_drafts(engine, req), None if hidden is None else hidden.clone()))
         return ran
 
     engine.scheduler.update_from_output = update  # type: ignore[method-assign]

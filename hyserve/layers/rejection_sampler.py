@@ -145,7 +145,10 @@ class RejectionSampler:
         target_logits: torch.Tensor,
         rows: list[SpecRow],
         draft_probs: torch.Tensor | list[torch.Tensor | None] | None = None,
+        draft_ids: torch.Tensor | None = None,
     ) -> SpecOutput:
+        """``draft_ids``: the drafts as a ``(sum_r k_r,)`` device tensor in row order, which then stand for the rows'
+        ``draft_token_ids`` (those are placeholders, or the same values): drafts that never went to the host."""
         num_rows = len(rows)
         counts = [len(r.draft_token_ids) for r in rows]
         num_pos = sum(counts) + num_rows
@@ -161,8 +164,15 @@ class RejectionSampler:
         starts = [0] * num_rows
         for r in range(1, num_rows):
             starts[r] = starts[r - 1] + counts[r - 1] + 1
-        self._validate(rows, counts, vocab)
+        self._validate(rows, counts, vocab, host_drafts=draft_ids is None)
+        if draft_ids is not None and tuple(draft_ids.shape) != (sum(counts),):
+            raise ValueError(f"draft_ids must have shape (sum of num drafts = {sum(counts)},), "
+                             f"got {tuple(draft_ids.shape)}")
         proposals = self._split_draft_probs(draft_probs, counts, vocab)
+        if draft_ids is not None:
+            drafts_t = draft_ids.to(self.device, torch.long)
+        else:
+            drafts_t = device_tensor([t for r in rows for t in r.draft_token_ids], self.device, torch.long)
 
         masked = self._apply_bans(logits, rows, starts)
         # One pass: the greedy token of every position (first maximum = lowest id) and its maximum. max()
@@ -178,12 +188,12 @@ class RejectionSampler:
         draft_pos = [starts[r] + j for r in range(num_rows) for j in range(counts[r])]
         if draft_pos:
             pos_t = device_tensor(draft_pos, self.device)
-            drafts_t = device_tensor([t for r in rows for t in r.draft_token_ids], self.device)
             accept[pos_t] = final_tok.index_select(0, pos_t) == drafts_t
 
         sampled = [r for r in range(num_rows) if not rows[r].params.is_greedy]
         if sampled:
-            self._speculate(masked, best_val, finite, rows, counts, starts, sampled, proposals, accept, final_tok)
+            self._speculate(masked, best_val, finite, rows, counts, starts, sampled, proposals, accept, final_tok,
+                            drafts_t)
         accept &= finite
 
         # The walk: a_r = number of leading accepted drafts, via a cumprod over a (rows, k_max + 1) matrix.
@@ -197,9 +207,17 @@ class RejectionSampler:
             padded = padded.view(num_rows, width)
         num_acc = padded.to(torch.int32).cumprod(dim=1).sum(dim=1)
         stop = device_tensor(starts, self.device) + num_acc
-        summary = torch.stack(
-            [num_acc.long(), final_tok.index_select(0, stop), (~finite.index_select(0, stop)).long()]
-        ).tolist()
+        stacked = torch.stack([num_acc.long(), final_tok.index_select(0, stop), (~finite.index_select(0, stop)).long()])
+        if draft_ids is None:
+            summary = stacked.tolist()
+            drafts = [r.draft_token_ids for r in rows]
+        else:  # the device drafts come to the host in the same copy
+            flat = torch.cat([stacked.flatten(), drafts_t]).tolist()
+            summary = [flat[:num_rows], flat[num_rows : 2 * num_rows], flat[2 * num_rows : 3 * num_rows]]
+            drafts, offset = [], 3 * num_rows
+            for c in counts:
+                drafts.append(flat[offset : offset + c])
+                offset += c
 
         out = SpecOutput([0] * num_rows, [[] for _ in range(num_rows)], None, [])
         for r, (a, tok, bad) in enumerate(zip(*summary, strict=True)):
@@ -207,7 +225,7 @@ class RejectionSampler:
                 out.error_rows.append(r)
             else:
                 out.num_accepted[r] = a
-                out.token_ids[r] = [*rows[r].draft_token_ids[:a], tok]
+                out.token_ids[r] = [*drafts[r][:a], tok]
         self._fill_logprobs(out, logits, rows, starts)
         return out
 
@@ -215,9 +233,10 @@ class RejectionSampler:
     # Inputs
 
     @staticmethod
-    def _validate(rows: list[SpecRow], counts: list[int], vocab: int) -> None:
+    def _validate(rows: list[SpecRow], counts: list[int], vocab: int, host_drafts: bool = True) -> None:
         for r, (row, k) in enumerate(zip(rows, counts, strict=True)):
-            if row.draft_token_ids and not (min(row.draft_token_ids) >= 0 and max(row.draft_token_ids) < vocab):
+            ids = row.draft_token_ids
+            if host_drafts and ids and not (min(ids) >= 0 and max(ids) < vocab):
                 raise ValueError(f"row {r}: draft token ids {row.draft_token_ids} outside the vocabulary [0, {vocab})")
             if row.seeds is not None and len(row.seeds) != k + 1:
                 raise ValueError(f"row {r}: {k} drafts need {k + 1} seeds (one per target position), got {row.seeds}")
@@ -281,16 +300,21 @@ class RejectionSampler:
         proposals: list[torch.Tensor | None],
         accept: torch.Tensor,
         final_tok: torch.Tensor,
+        drafts_t: torch.Tensor,
     ) -> None:
-        """Overwrites ``accept`` and ``final_tok`` at the positions of the ``sampled`` rows (speculative sampling)."""
+        """Overwrites ``accept`` and ``final_tok`` at the positions of the ``sampled`` rows (speculative sampling);
+        ``drafts_t``: every row's drafts, flat in row order."""
         vocab = masked.shape[1]
         # Local index = index among the sampled rows' positions, in flat order.
         flat: list[int] = []
         params: list[SamplingParams] = []
         onehot_local: list[int] = []  # draft positions of rows without proposals
-        onehot_tok: list[int] = []
+        onehot_tok: list[int] = []  # their drafts' indices into drafts_t
         q_local: list[int] = []  # draft positions of rows with proposals
-        q_tok: list[int] = []
+        q_tok: list[int] = []  # their drafts' indices into drafts_t
+        first_draft = [0] * len(rows)  # row r's first draft in drafts_t
+        for r in range(1, len(rows)):
+            first_draft[r] = first_draft[r - 1] + counts[r - 1]
         q_rows: list[torch.Tensor] = []
         seeded: list[tuple[int, int]] = []
         unseeded: list[int] = []
@@ -298,12 +322,13 @@ class RejectionSampler:
             row, k, base, proposal = rows[r], counts[r], len(flat), proposals[r]
             flat.extend(range(starts[r], starts[r] + k + 1))
             params.extend([row.params] * (k + 1))
+            drafts = range(first_draft[r], first_draft[r] + k)
             if proposal is None:
                 onehot_local.extend(range(base, base + k))
-                onehot_tok.extend(row.draft_token_ids)
+                onehot_tok.extend(drafts)
             elif k:
                 q_local.extend(range(base, base + k))
-                q_tok.extend(row.draft_token_ids)
+                q_tok.extend(drafts)
                 q_rows.append(proposal)
             for j in range(k + 1):
                 seed = None if row.seeds is None else row.seeds[j]
@@ -328,16 +353,18 @@ class RejectionSampler:
         # Acceptance at draft positions: u * q(x) < p(x), i.e. probability min(1, p/q).
         draft_local = onehot_local + q_local
         q = torch.cat(q_rows) if q_rows else None
+        onehot_ids = drafts_t[device_tensor(onehot_tok, dev)] if onehot_tok else None
+        q_ids = drafts_t[device_tensor(q_tok, dev)] if q_tok else None
         if draft_local:
             dl = device_tensor(draft_local, dev)
-            dt = device_tensor(onehot_tok + q_tok, dev)
+            dt = torch.cat([t for t in (onehot_ids, q_ids) if t is not None])
             p_draft = p[dl, dt]
             q_draft = torch.ones(len(draft_local), device=dev)
-            if q is not None:
-                q_draft[len(onehot_local) :] = q.gather(1, device_tensor(q_tok, dev).unsqueeze(1)).squeeze(1)
+            if q is not None and q_ids is not None:
+                q_draft[len(onehot_local) :] = q.gather(1, q_ids.unsqueeze(1)).squeeze(1)
             accept.index_copy_(0, pos.index_select(0, dl), self._accept(u.index_select(0, dl), p_draft, q_draft))
 
-        res = self._residual_logits(x, p, onehot_local, onehot_tok, q_local, q)
+        res = self._residual_logits(x, p, onehot_local, onehot_ids, q_local, q)
         tokens = (res - noise).argmax(dim=1)
         final_tok.index_copy_(0, pos, tokens)
 
@@ -373,7 +400,7 @@ class RejectionSampler:
         x: torch.Tensor,
         p: torch.Tensor,
         onehot_local: list[int],
-        onehot_tok: list[int],
+        onehot_tok: torch.Tensor | None,
         q_local: list[int],
         q: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -384,8 +411,8 @@ class RejectionSampler:
         """
         res = x.clone()
         dev = x.device
-        if onehot_local:
-            res[device_tensor(onehot_local, dev), torch.tensor(onehot_tok, device=dev)] = -math.inf
+        if onehot_local and onehot_tok is not None:
+            res[device_tensor(onehot_local, dev), onehot_tok] = -math.inf
         if q is not None:
             ql = device_tensor(q_local, dev)
             res.index_copy_(0, ql, (p.index_select(0, ql) - q).clamp_min_(0.0).log_())

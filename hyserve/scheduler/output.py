@@ -17,6 +17,10 @@ from hyserve.sampling_params import SamplingParams
 # A row's input token that the worker takes from its own result of the request's previous step (async scheduling:
 # the host does not know it yet).
 PREVIOUS_SAMPLED = -1
+# A verify row's draft that the worker's MTP head left on the device, in the drafts row of the request's state slot
+# (one graph replay drafts and never copies the drafts to the host; the j-th such entry is the j-th draft). The host
+# learns the accepted ones from the verify result. Only on a single rank: other ranks could not read it.
+PREVIOUS_DRAFT = -2
 
 
 @dataclass(slots=True)
@@ -32,7 +36,8 @@ class ScheduledRow:
     """One request's part of a step: positions [start, start + len(token_ids)).
 
     - ``token_ids``: the tokens fed; for a verify row its last known token followed by the drafts; an entry
-      ``PREVIOUS_SAMPLED`` is the token the worker sampled for this request in its previous step.
+      ``PREVIOUS_SAMPLED`` is the token the worker sampled for this request in its previous step, an entry
+      ``PREVIOUS_DRAFT`` a draft the worker's MTP head left on the device.
     - ``block_table``, ``state_slot``: where the row's KV and recurrent state live (the request's own).
     - ``reset_state``: zero the slot before the forward (the request's first chunk); ``load_snapshot``: copy that
       snapshot entry into the slot before the forward (a prefix hit).
@@ -106,7 +111,8 @@ class RunnerOutput:
     - ``num_accepted[i]``: drafts accepted by a verify row (the live state took that candidate), -1 otherwise.
     - ``logprobs`` / ``ranks`` / ``top_logprobs``: ``None`` if no row asked; else per row, parallel to token_ids.
     - ``errors``: row index -> why the row produced nothing (non-finite logits, its sampling inputs failed).
-    - ``next_draft_token_ids[i]``: the MTP head's drafts for the row's next step (``[]``: none).
+    - ``next_draft_token_ids[i]``: the MTP head's drafts for the row's next step (``[]``: none); entries
+      ``PREVIOUS_DRAFT`` when they stayed on the device (their number is right, their values are the worker's).
     """
 
     step_id: int

@@ -353,7 +353,9 @@ class Scheduler:
             if i in ro.errors:
                 req.error = ro.errors[i]
                 reason = "error"
-            elif ro.token_ids[i]:
+            elif ro.token_ids[i] and (row.start + 1 if row.is_verify else row.end) == req.num_tokens:
+                # Only tokens that continue the request: a step from before a preemption whose result comes in after
+                # the readmitted request ran past it (steps in flight) would put a second token at one position.
                 reason = sink.append_tokens(req, ro, i)
             if reason is not None:
                 sink.request_finished(req, reason, req.error if reason == "error" else None)

@@ -116,7 +116,7 @@ class MTPProposer:
             inputs = out.token_ids[i]  # the accepted drafts and the correction: tokens start+1 .. start+a+1
             num_tokens = row.start + len(inputs) + 1  # known tokens after the step
             chain.append(ChainRow(row.start, inputs, list(range(t0, t0 + len(inputs))), row.block_table,
-                                  max(0, min(self.k, row.draft_limit - num_tokens))))
+                                  max(0, min(self.k, row.draft_limit - num_tokens)), row.state_slot))
             owners.append(i)
         drafts: list[list[int]] = [[] for _ in rows]
         if not chain:

@@ -30,6 +30,7 @@ from hyserve.distributed.parallel_state import (
     pp_rank,
     pp_size,
     stage_layers,
+    tp_size,
 )
 from hyserve.layers.linear import ParallelLMHead
 from hyserve.layers.rejection_sampler import RejectionSampler, SpecOutput, SpecRow
@@ -39,7 +40,7 @@ from hyserve.model.base import CausalLM, KVCacheLayer
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.sampling_params import SamplingParams
-from hyserve.scheduler.output import PREVIOUS_SAMPLED, RunnerOutput, ScheduledRow, SchedulerOutput
+from hyserve.scheduler.output import PREVIOUS_DRAFT, PREVIOUS_SAMPLED, RunnerOutput, ScheduledRow, SchedulerOutput
 from hyserve.speculative.mtp_proposer import MTPProposer
 from hyserve.utils import device_tensor
 from hyserve.worker import cuda_graphs
@@ -71,6 +72,7 @@ class ChainRow:
     hidden_index: list[int]
     block_table: list[int]
     num_drafts: int
+    state_slot: int = -1  # the request's: its drafts row in ``draft_slots``
 
 
 @dataclass(slots=True)
@@ -172,6 +174,9 @@ class ModelRunner:
         self.max_model_len = 0  # set by initialize_cache
         self.last_meta: StepMetadata | None = None
         self.last_hidden: torch.Tensor | None = None
+        self._h2d_fence: torch.cuda.Event | None = None  # recorded after a step's copies out of host_bufs
+        # The last prepared step's verify drafts as fed (on the device), when some were PREVIOUS_DRAFT inputs.
+        self.verify_draft_ids: torch.Tensor | None = None
         self.sampler = Sampler(device, seed=config.seed)
         self.rejection_sampler = RejectionSampler(device, seed=config.seed) if num_speculative_tokens else None
         self.mtp_proposer = MTPProposer(num_speculative_tokens) if self.mtp is not None else None
@@ -206,6 +211,13 @@ class ModelRunner:
             self.kv_caches_all = list(self.kv_caches)
         if self.num_speculative_tokens:
             self._allocate_verify_scratch(self.num_speculative_tokens + 1)
+        # The drafts the MTP head's draft graph leaves on the device: row s holds the drafts of the request in state
+        # slot s (the pad slot's row takes the pad rows'), read by its next verify row's PREVIOUS_DRAFT inputs. On a
+        # single rank only: a pipeline's first stage, or another tensor-parallel rank, could not read this rank's.
+        self.draft_slots: torch.Tensor | None = None
+        if self.mtp is not None and self.pp_size == 1 and tp_size() == 1:
+            self.draft_slots = torch.zeros((layout.num_state_slots + 1, self.num_speculative_tokens),
+                                           dtype=torch.long, device=self.device)
         self.max_model_len = max_model_len
         self._allocate_buffers()
         self._init_graphs()
@@ -591,6 +603,10 @@ class ModelRunner:
         (no KV write, outputs never read; its context length counts them so that its real tokens keep their causal
         positions), and ``logits_indices`` lists the real tokens.
         """
+        if self._h2d_fence is not None:
+            # The pinned host buffers are one set: the previous step's copies out of them must have run before they
+            # are written again (with steps in flight nothing else orders the two; the wait is almost always over).
+            self._h2d_fence.synchronize()
         nb = self.np_bufs
         bs = self.block_size
         t = 0
@@ -600,12 +616,19 @@ class ModelRunner:
         num_verify = num_verify_tokens = max_q_verify = 0
         nb["query_start_loc"][0] = 0
         prev: list[tuple[int, int]] = []  # (token index, row of the previous step) of PREVIOUS_SAMPLED inputs
+        draft_at: list[int] = []  # token index of every verify row's drafts, in row order
+        drafts_fed: list[tuple[int, int]] = []  # (token index, flat index into draft_slots) of PREVIOUS_DRAFT inputs
         for i, row in enumerate(rows):
             n, start, end = row.num_new_tokens, row.start, row.end
             ids = row.token_ids
             if row.is_verify:
                 assert i == num_verify, "verify rows must come first"
                 nb["input_ids"][t : t + n] = ids
+                draft_at.extend(range(t + 1, t + n))
+                if PREVIOUS_DRAFT in ids:
+                    k = self.num_speculative_tokens
+                    drafts_fed.extend((t + j, row.state_slot * k + j - 1) for j in range(1, n)
+                                      if ids[j] == PREVIOUS_DRAFT)
                 nb["logits_indices"][n_sample : n_sample + n] = np.arange(t, t + n)
                 n_sample += n
                 num_verify += 1
@@ -661,6 +684,14 @@ class ModelRunner:
             views[name] = self.dev_bufs[name][:size]
         if prev:
             self._feed_previous_samples(prev)
+        self.verify_draft_ids = None
+        if drafts_fed:
+            self._feed_device_drafts(drafts_fed)
+            # The drafts as the forward reads them: what acceptance compares with (the host has placeholders).
+            self.verify_draft_ids = self.dev_bufs["input_ids"][device_tensor(draft_at, self.device, torch.long)]
+        if self.device.type == "cuda":
+            self._h2d_fence = torch.cuda.Event()
+            self._h2d_fence.record()
         nblk = cdiv(max_s, bs)
         meta = StepMetadata(
             positions=views["positions"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
@@ -758,7 +789,8 @@ class ModelRunner:
             self._take_samples(out, plain, samp.result())
         if verify:
             assert self.rejection_sampler is not None
-            self._take_verified(out, verify, self.rejection_sampler(logits[:n_verify], spec_rows))
+            spec = self.rejection_sampler(logits[:n_verify], spec_rows, draft_ids=self.verify_draft_ids)
+            self._take_verified(out, verify, spec)
             self._commit_verified([out.num_accepted[i] for i in verify])
         self._save_snapshots(rows, out.num_accepted)
         if self.mtp_proposer is not None:
@@ -1030,6 +1062,14 @@ class ModelRunner:
         self.dev_bufs["input_ids"].index_copy_(0, at, self._prev_sampled.index_select(0, src))
 
 
+    def _feed_device_drafts(self, fed: list[tuple[int, int]]) -> None:
+        """Verify-row inputs that the MTP head left on the device (``PREVIOUS_DRAFT``): ``fed`` = (token index in
+        this step, flat index into ``draft_slots``: state slot * k + draft number)."""
+        assert self.draft_slots is not None, "PREVIOUS_DRAFT inputs without device drafts"
+        at = device_tensor([t for t, _ in fed], self.device, torch.long)
+        src = device_tensor([j for _, j in fed], self.device, torch.long)
+        self.dev_bufs["input_ids"].index_copy_(0, at, self.draft_slots.view(-1).index_select(0, src))
+
     def _fill_mtp(self, rows: list[MTPRow], pad_to: int | None = None) -> tuple[StepMetadata, dict[str, torch.Tensor]]:
         """Fill the MTP pass's persistent buffers for ``rows`` (plus pad rows up to ``pad_to``); metadata and views."""
         nb = self.mtp_np
@@ -1179,6 +1219,10 @@ class ModelRunner:
         torch.index_select(hidden_src, 0, index, out=self.draft_hidden_in[: size * (self.num_speculative_tokens + 1)])
         tokens, first = graphs.run(size)
         n = len(rows)
+        if self.draft_slots is not None:  # they stay on the device, in each request's drafts row: no host sync
+            slots = device_tensor([r.state_slot for r in rows], self.device, torch.long)
+            self.draft_slots.index_copy_(0, slots, tokens[:n])
+            return first[:n].clone(), [[PREVIOUS_DRAFT] * r.num_drafts for r in rows]
         drafts = tokens[:n].tolist()
         return first[:n].clone(), [d[: r.num_drafts] for d, r in zip(drafts, rows, strict=True)]
 

@@ -1,0 +1,117 @@
+"""MTP drafts that stay on the device: the draft graph leaves each request's drafts in its state slot's row of
+``draft_slots``, the scheduler sends ``PREVIOUS_DRAFT`` placeholders, and the next verify row reads them there.
+
+The drafts a verify step compares with must be exactly those the host transport (drafts copied to the host and
+sent back as ids) gives, step for step, under staggered arrivals, an abort, preemption, prefix caching and async
+scheduling (the draft graphs emulated on the CPU). Outputs alone could not tell: greedy verification keeps outputs
+right whatever the drafts are, so a draft read from another request's row only lowers acceptance. The sabotaged
+variant shows it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import CheckpointCache
+from test_engine import drive, make_llm
+from test_prefix_cache import toks
+
+from hyserve import SamplingParams
+from hyserve.scheduler.output import PREVIOUS_DRAFT
+from hyserve.worker import cuda_graphs
+from hyserve.worker.model_runner import ModelRunner
+
+K = 3
+SHARED = toks(40, 300)
+PROMPTS = {"a": SHARED + toks(9, 301), "b": toks(37, 302), "gone": toks(30, 303), "c": SHARED + toks(5, 304),
+           "d": toks(21, 305), "e": SHARED + toks(12, 306)}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "cpu") -> dict[str, Any]:
+    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
+                   num_kv_blocks=14, max_model_len=192, max_num_batched_tokens=32, max_num_seqs=4,
+                   enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=64,
+                   async_scheduling=async_scheduling, device=device)
+    eng = llm.llm_engine
+    runner = eng.runner
+    assert runner.graphs is not None and runner.draft_slots is not None
+    if not device_drafts:
+        runner.draft_slots = None  # the host transport: the draft graph's tokens are copied to the host
+    fed: list[list[int]] = []  # per verify step, the drafts acceptance compared with, in row order
+    from_device: list[bool] = []
+    placeholders = 0
+    sampler = runner.rejection_sampler
+    assert sampler is not None
+
+    def record(logits: torch.Tensor, rows: list[Any], draft_probs: Any = None,
+               draft_ids: torch.Tensor | None = None) -> Any:
+        nonlocal placeholders
+        from_device.append(draft_ids is not None)
+        placeholders += sum(t == PREVIOUS_DRAFT for r in rows for t in r.draft_token_ids)
+        fed.append(draft_ids.tolist() if draft_ids is not None else [t for r in rows for t in r.draft_token_ids])
+        return sampler(logits, rows, draft_probs, draft_ids=draft_ids)
+
+    runner.rejection_sampler = record  # type: ignore[assignment]
+    arrivals = {0: [("a", PROMPTS["a"], greedy(22)), ("b", PROMPTS["b"], greedy(18))],
+                3: [("gone", PROMPTS["gone"], greedy(30))],
+                6: [("c", PROMPTS["c"], greedy(20)), ("d", PROMPTS["d"], greedy(25))],
+                15: [("e", PROMPTS["e"], greedy(16))]}
+    final = drive(eng, arrivals, aborts={9: ["gone"]})
+    m = llm.get_metrics()
+    eng.assert_no_leaks()
+    return {"outputs": {rid: o.outputs[0].token_ids for rid, o in final.items() if rid != "gone"}, "fed": fed,
+            "from_device": from_device, "placeholders": placeholders,
+            "preemptions": m["hyserve:num_preemptions"], "hits": sum(o.num_cached_tokens for o in final.values()),
+            "draft_replays": runner.graphs.sets["draft"].num_replays}
+
+
+@pytest.fixture()
+def emulated_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_device_drafts_are_the_drafts_the_host_transport_gives(ckpts: CheckpointCache, emulated_graphs: None,
+                                                               async_scheduling: bool, device: str) -> None:
+    """On the CPU with emulated graphs; on CUDA with captured ones (float32)."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    dev = run(path, device_drafts=True, async_scheduling=async_scheduling, device=device)
+    host = run(path, device_drafts=False, async_scheduling=async_scheduling, device=device)
+    assert dev["outputs"] == host["outputs"] and len(dev["outputs"]) == 5
+    plain = make_llm(path, enable_prefix_caching=False, device=device)  # speculation emits what plain decoding does
+    for rid, out in dev["outputs"].items():
+        ref = plain.generate([{"prompt_token_ids": PROMPTS[rid]}], greedy(len(out)), use_tqdm=False)[0]
+        assert ref.outputs[0].token_ids == out, rid
+    assert dev["preemptions"] > 0 and dev["hits"] > 0 and dev["draft_replays"] > 0
+    assert any(dev["from_device"]) and dev["placeholders"] > 0  # the device path ran ...
+    assert not any(host["from_device"]) and host["placeholders"] == 0  # ... and the host one did not
+    assert dev["fed"] == host["fed"]  # the same drafts, step for step
+
+
+def test_a_draft_read_from_the_wrong_row_is_caught(ckpts: CheckpointCache, emulated_graphs: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the next verify row reads the drafts row of the next state slot. Outputs stay right (greedy
+    verification), the drafts compared differ from the host transport's."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    host = run(path, device_drafts=False, async_scheduling=True)
+    feed = ModelRunner._feed_device_drafts
+
+    def wrong_row(self: ModelRunner, fed: list[tuple[int, int]]) -> None:
+        assert self.draft_slots is not None
+        size = self.draft_slots.numel()
+        feed(self, [(t, (j + K) % size) for t, j in fed])
+
+    monkeypatch.setattr(ModelRunner, "_feed_device_drafts", wrong_row)
+    dev = run(path, device_drafts=True, async_scheduling=True)
+    assert dev["outputs"] == host["outputs"]
+    assert dev["fed"] != host["fed"]
