@@ -220,19 +220,21 @@ def test_speculative_graph_kinds_and_sizes(ckpts: CheckpointCache, emulate: None
 def _sabotage_draft_fill(runner: object, how: str) -> None:
     """Break the draft graph's inputs after each fill: chained passes one position late, or every row reading the
     next row's blocks (a row -> request mapping that is off by one)."""
-    original = runner._fill_draft  # type: ignore[attr-defined]
+    def broken(original):  # type: ignore[no-untyped-def]
+        def fill(rows, *args):  # type: ignore[no-untyped-def]
+            index = original(rows, *args)
+            d = runner.draft_dev  # type: ignore[attr-defined]
+            n = len(rows)
+            if how == "positions":
+                d["chain_positions"][:, :n] += 1
+            elif n > 1:
+                d["block_tables"][:n] = d["block_tables"][:n].roll(1, dims=0)
+            return index
+        return fill
 
-    def fill(rows, pad_to):  # type: ignore[no-untyped-def]
-        index = original(rows, pad_to)
-        d = runner.draft_dev  # type: ignore[attr-defined]
-        n = len(rows)
-        if how == "positions":
-            d["chain_positions"][:, :n] += 1
-        elif n > 1:
-            d["block_tables"][:n] = d["block_tables"][:n].roll(1, dims=0)
-        return index
-
-    runner._fill_draft = fill  # type: ignore[attr-defined]
+    # Both fills: the host's (steps whose drafting waits for the host) and the one reading counts on the device.
+    runner._fill_draft = broken(runner._fill_draft)  # type: ignore[attr-defined]
+    runner._fill_draft_on_device = broken(runner._fill_draft_on_device)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("sabotage", [None, "positions", "rows"])

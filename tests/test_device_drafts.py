@@ -24,6 +24,9 @@ from hyserve.worker import cuda_graphs
 from hyserve.worker.model_runner import ModelRunner
 
 K = 3
+# A request asking for logprobs: its steps draft through the graph without the device chain (logits are read late).
+LOGPROBS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+FOLLOW = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 SHARED = toks(40, 300)
 PROMPTS = {"a": SHARED + toks(9, 301), "b": toks(37, 302), "gone": toks(30, 303), "c": SHARED + toks(5, 304),
            "d": toks(21, 305), "e": SHARED + toks(12, 306)}
@@ -48,6 +51,7 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
     placeholders = 0
     sampler = runner.rejection_sampler
     assert sampler is not None
+    launch = sampler.launch  # every acceptance goes through it (a call, or the device chain's launch)
 
     def record(logits: torch.Tensor, rows: list[Any], draft_probs: Any = None,
                draft_ids: torch.Tensor | None = None) -> Any:
@@ -55,17 +59,27 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
         from_device.append(draft_ids is not None)
         placeholders += sum(t == PREVIOUS_DRAFT for r in rows for t in r.draft_token_ids)
         fed.append(draft_ids.tolist() if draft_ids is not None else [t for r in rows for t in r.draft_token_ids])
-        return sampler(logits, rows, draft_probs, draft_ids=draft_ids)
+        return launch(logits, rows, draft_probs, draft_ids=draft_ids)
 
-    runner.rejection_sampler = record  # type: ignore[assignment]
+    sampler.launch = record  # type: ignore[method-assign]
+    chained = 0
+    chain = runner._verify_and_draft_on_device
+
+    def count_chain(*args: Any) -> Any:
+        nonlocal chained
+        chained += 1
+        return chain(*args)
+
+    runner._verify_and_draft_on_device = count_chain  # type: ignore[method-assign]
     arrivals = {0: [("a", PROMPTS["a"], greedy(22)), ("b", PROMPTS["b"], greedy(18))],
                 3: [("gone", PROMPTS["gone"], greedy(30))],
-                6: [("c", PROMPTS["c"], greedy(20)), ("d", PROMPTS["d"], greedy(25))],
+                6: [("c", PROMPTS["c"], LOGPROBS), ("d", PROMPTS["d"], greedy(25))],
                 15: [("e", PROMPTS["e"], greedy(16))]}
     final = drive(eng, arrivals, aborts={9: ["gone"]})
     m = llm.get_metrics()
     eng.assert_no_leaks()
     return {"outputs": {rid: o.outputs[0].token_ids for rid, o in final.items() if rid != "gone"}, "fed": fed,
+            "chained": chained, "logprobs": final["c"].outputs[0].logprobs,
             "from_device": from_device, "placeholders": placeholders,
             "preemptions": m["hyserve:num_preemptions"], "hits": sum(o.num_cached_tokens for o in final.values()),
             "draft_replays": runner.graphs.sets["draft"].num_replays}
@@ -94,6 +108,8 @@ def test_device_drafts_are_the_drafts_the_host_transport_gives(ckpts: Checkpoint
         assert ref.outputs[0].token_ids == out, rid
     assert dev["preemptions"] > 0 and dev["hits"] > 0 and dev["draft_replays"] > 0
     assert any(dev["from_device"]) and dev["placeholders"] > 0  # the device path ran ...
+    assert dev["chained"] > 0 and host["chained"] == 0  # ... the whole verify step enqueued at once too
+    assert [list(p) for p in dev["logprobs"]] == [list(p) for p in host["logprobs"]]
     assert not any(host["from_device"]) and host["placeholders"] == 0  # ... and the host one did not
     assert dev["fed"] == host["fed"]  # the same drafts, step for step
 
@@ -115,3 +131,87 @@ def test_a_draft_read_from_the_wrong_row_is_caught(ckpts: CheckpointCache, emula
     dev = run(path, device_drafts=True, async_scheduling=True)
     assert dev["outputs"] == host["outputs"]
     assert dev["fed"] != host["fed"]
+
+
+def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabotage: str | None,
+                monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Requests a and b, then f = a's prompt + a's output + more (a prefix hit through a's decode region, whose
+    snapshots come from verified candidates). After every step the drafts rows of running requests are overwritten
+    with their true greedy continuation, so most drafts are accepted: the commit and the candidate snapshots of the
+    device chain run with counts above zero."""
+    if sabotage == "commit":  # every row takes candidate 0 whatever was accepted
+        commit = ModelRunner._commit_on_device
+        monkeypatch.setattr(ModelRunner, "_commit_on_device", lambda self, acc: commit(self, acc.clamp(max=0)))
+    elif sabotage == "snapshots":  # candidate snapshots taken one position early
+        snaps = ModelRunner._snapshots_on_device
+
+        def early(self: ModelRunner, rows: list[Any], acc: torch.Tensor) -> None:
+            layers = self.model.recurrent_layers()
+            originals = [layer.snapshot_candidates for layer in layers]
+            for layer, orig in zip(layers, originals, strict=True):
+                layer.snapshot_candidates = (  # type: ignore[method-assign]
+                    lambda r, p, e, orig=orig: orig(r, (p - 1).clamp(min=0), e))
+            try:
+                snaps(self, rows, acc)
+            finally:
+                for layer, orig in zip(layers, originals, strict=True):
+                    layer.snapshot_candidates = orig  # type: ignore[method-assign]
+
+        monkeypatch.setattr(ModelRunner, "_snapshots_on_device", early)
+    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
+                   max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=True,
+                   recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True)
+    eng = llm.llm_engine
+    runner = eng.runner
+    update = eng.scheduler.update_from_output
+    prompts = {"a": PROMPTS["a"], "b": PROMPTS["b"], "f": follow}
+
+    def plant(so: Any, ro: Any, sink: Any) -> Any:
+        ran = update(so, ro, sink)
+        assert runner.draft_slots is not None
+        for req in eng.scheduler.running:
+            if PREVIOUS_DRAFT in req.draft_token_ids:
+                cont = want[req.request_id][req.num_output_tokens:][:K]
+                runner.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
+        return ran
+
+    eng.scheduler.update_from_output = plant  # type: ignore[method-assign]
+    final = drive(eng, {0: [("a", prompts["a"], greedy(24)), ("b", prompts["b"], greedy(24))],
+                        40: [("f", prompts["f"], FOLLOW)]})
+    m = llm.get_metrics()
+    eng.assert_no_leaks()
+    return {"outputs": {rid: o.outputs[0].token_ids for rid, o in final.items()},
+            "accepted": m["hyserve:spec_decode_num_accepted_tokens"]
+            / max(m["hyserve:spec_decode_num_draft_tokens"], 1),
+            "hit": final["f"].num_cached_tokens, "f_logprobs": chosen_logprobs(final["f"])}
+
+
+def chosen_logprobs(out: Any) -> list[float]:
+    o = out.outputs[0]
+    return [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
+
+
+@pytest.mark.parametrize("sabotage", [None, "commit", "snapshots"])
+def test_device_chain_commits_and_snapshots_what_was_accepted(ckpts: CheckpointCache, emulated_graphs: None,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              sabotage: str | None) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    plain = make_llm(path, enable_prefix_caching=False)
+
+    def solo(prompt: list[int], n: int) -> list[int]:
+        return list(plain.generate([{"prompt_token_ids": prompt}], greedy(n), use_tqdm=False)[0].outputs[0].token_ids)
+
+    want = {"a": solo(PROMPTS["a"], 24), "b": solo(PROMPTS["b"], 24)}
+    follow = PROMPTS["a"] + want["a"] + toks(7, 320)
+    ref_f = plain.generate([{"prompt_token_ids": follow}], FOLLOW, use_tqdm=False)[0]
+    want["f"] = list(ref_f.outputs[0].token_ids)
+    got = planted_run(path, want, follow, sabotage, monkeypatch)
+    # f's logprobs from its hit against a plain prefill of its whole prompt (float32; paths differ by rounding).
+    drift = max(abs(x - y) for x, y in zip(got["f_logprobs"], chosen_logprobs(ref_f), strict=False))
+    right = got["outputs"] == want and drift < 1e-4
+    if sabotage is None:
+        # The hit reaches past a's prompt, into its decode region: that snapshot is a verified candidate's.
+        assert got["accepted"] > 0.5 and got["hit"] > len(PROMPTS["a"])
+        assert right, (got["outputs"] == want, drift)
+    else:
+        assert not right, drift

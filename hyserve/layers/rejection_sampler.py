@@ -56,6 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -149,6 +150,18 @@ class RejectionSampler:
     ) -> SpecOutput:
         """``draft_ids``: the drafts as a ``(sum_r k_r,)`` device tensor in row order, which then stand for the rows'
         ``draft_token_ids`` (those are placeholders, or the same values): drafts that never went to the host."""
+        return self.launch(target_logits, rows, draft_probs, draft_ids).result()
+
+    def launch(
+        self,
+        target_logits: torch.Tensor,
+        rows: list[SpecRow],
+        draft_probs: torch.Tensor | list[torch.Tensor | None] | None = None,
+        draft_ids: torch.Tensor | None = None,
+    ) -> PendingSpec:
+        """Enqueue the acceptance on the device; its ``PendingSpec`` has the results on the device at once
+        (``accepted``, ``emitted``) and on the host at ``result()``, one copy. Rows that ask for logprobs read
+        ``target_logits`` in ``result()``: nothing may overwrite them before."""
         num_rows = len(rows)
         counts = [len(r.draft_token_ids) for r in rows]
         num_pos = sum(counts) + num_rows
@@ -158,7 +171,7 @@ class RejectionSampler:
                 f"got {tuple(target_logits.shape)}"
             )
         if num_rows == 0:
-            return SpecOutput([], [], None, [])
+            return PendingSpec.empty(self.device)
         vocab = target_logits.shape[1]
         logits = target_logits.to(device=self.device, dtype=torch.float32)
         starts = [0] * num_rows
@@ -205,29 +218,29 @@ class RejectionSampler:
             padded = torch.zeros(num_rows * width, dtype=torch.bool, device=self.device)
             padded[pad_idx.to(self.device)] = accept
             padded = padded.view(num_rows, width)
-        num_acc = padded.to(torch.int32).cumprod(dim=1).sum(dim=1)
+        num_acc = padded.to(torch.int32).cumprod(dim=1).sum(dim=1).long()
         stop = device_tensor(starts, self.device) + num_acc
-        stacked = torch.stack([num_acc.long(), final_tok.index_select(0, stop), (~finite.index_select(0, stop)).long()])
-        if draft_ids is None:
-            summary = stacked.tolist()
-            drafts = [r.draft_token_ids for r in rows]
-        else:  # the device drafts come to the host in the same copy
-            flat = torch.cat([stacked.flatten(), drafts_t]).tolist()
-            summary = [flat[:num_rows], flat[num_rows : 2 * num_rows], flat[2 * num_rows : 3 * num_rows]]
-            drafts, offset = [], 3 * num_rows
-            for c in counts:
-                drafts.append(flat[offset : offset + c])
-                offset += c
-
-        out = SpecOutput([0] * num_rows, [[] for _ in range(num_rows)], None, [])
-        for r, (a, tok, bad) in enumerate(zip(*summary, strict=True)):
-            if bad:
-                out.error_rows.append(r)
-            else:
-                out.num_accepted[r] = a
-                out.token_ids[r] = [*drafts[r][:a], tok]
-        self._fill_logprobs(out, logits, rows, starts)
-        return out
+        bad = ~finite.index_select(0, stop)
+        last = final_tok.index_select(0, stop)
+        # Each row's emitted tokens on the device, (rows, k_max + 1): the drafts, then the last token at column a.
+        if all(c + 1 == width for c in counts):
+            emitted = torch.cat([drafts_t.view(num_rows, width - 1), last.unsqueeze(1)], dim=1)
+        else:
+            emitted = torch.zeros(num_rows * width, dtype=torch.long, device=self.device)
+            if draft_pos:
+                at = [r * width + j for r in range(num_rows) for j in range(counts[r])]
+                emitted[device_tensor(at, self.device, torch.long)] = drafts_t
+            emitted = emitted.view(num_rows, width)
+        emitted.scatter_(1, num_acc.unsqueeze(1), last.unsqueeze(1))
+        accepted = torch.where(bad, -1, num_acc)
+        # One copy to the host: (accepted, emitted) per row.
+        summary = torch.cat([accepted.unsqueeze(1), emitted], dim=1)
+        host = summary.to("cpu", non_blocking=True) if self.device.type == "cuda" else summary
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingSpec(accepted, emitted, host, event, (self, logits, rows, starts))
 
     # ------------------------------------------------------------------------------------------------------------
     # Inputs
@@ -454,3 +467,40 @@ class RejectionSampler:
                 out.ranks[r].append(ranks[i])
                 out.top_logprobs[r].append(list(zip(top_ids[i][: n_top[i]], top_vals[i][: n_top[i]], strict=True)))
                 i += 1
+
+
+class PendingSpec:
+    """An acceptance enqueued on the device (``RejectionSampler.launch``): ``accepted`` ``(rows,)`` (-1: an error
+    row) and ``emitted`` ``(rows, k_max + 1)`` on the device now; ``result()`` is the ``SpecOutput``."""
+
+    def __init__(self, accepted: torch.Tensor, emitted: torch.Tensor, host: torch.Tensor,
+                 event: torch.cuda.Event | None, logprob_inputs: tuple[Any, ...] | None) -> None:
+        self.accepted = accepted
+        self.emitted = emitted
+        self._host = host
+        self._event = event
+        self._logprob_inputs = logprob_inputs
+        self._out: SpecOutput | None = None
+
+    @staticmethod
+    def empty(device: torch.device) -> PendingSpec:
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return PendingSpec(none, none.view(0, 1), torch.zeros(0, 1, dtype=torch.long), None, None)
+
+    def result(self) -> SpecOutput:
+        if self._out is not None:
+            return self._out
+        if self._event is not None:
+            self._event.synchronize()
+        out = SpecOutput([0] * self._host.shape[0], [[] for _ in range(self._host.shape[0])], None, [])
+        for r, (a, *tokens) in enumerate(self._host.tolist()):
+            if a < 0:
+                out.error_rows.append(r)
+            else:
+                out.num_accepted[r] = a
+                out.token_ids[r] = tokens[: a + 1]
+        if self._logprob_inputs is not None:
+            sampler, logits, rows, starts = self._logprob_inputs
+            sampler._fill_logprobs(out, logits, rows, starts)
+        self._out = out
+        return out

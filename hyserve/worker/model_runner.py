@@ -175,6 +175,7 @@ class ModelRunner:
         self.last_meta: StepMetadata | None = None
         self.last_hidden: torch.Tensor | None = None
         self._h2d_fence: torch.cuda.Event | None = None  # recorded after a step's copies out of host_bufs
+        self._draft_fence: torch.cuda.Event | None = None  # the same for draft_host (_fill_draft_on_device)
         # The last prepared step's verify drafts as fed (on the device), when some were PREVIOUS_DRAFT inputs.
         self.verify_draft_ids: torch.Tensor | None = None
         self.sampler = Sampler(device, seed=config.seed)
@@ -575,7 +576,10 @@ class ModelRunner:
                                "hidden_index": (r * q,), "query_start_loc": (r + 1,), "seq_lens": (r,),
                                "last_index": (r,), "block_tables": (r, self.max_blocks_per_seq),
                                "chain_positions": (c, r), "chain_slot_mapping": (c, r), "chain_seq_lens": (c, r),
-                               "chain_query_start_loc": (r + 1,)}
+                               "chain_query_start_loc": (r + 1,),
+                               # the count-independent inputs of _fill_draft_on_device
+                               "slot_table": (r, 2 * k), "row_start": (r,), "row_first": (r,), "row_limit": (r,),
+                               "row_slot": (r,)}
                 dtypes.update(chain_seq_lens=torch.int32, chain_query_start_loc=torch.int32)
                 self.draft_host = {k: host(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
                 self.draft_dev = {k: dev(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
@@ -589,6 +593,7 @@ class ModelRunner:
                 self.draft_hidden_in = dev((r * q, h), self.dtype)
                 self.draft_first_hidden = dev((r, h), self.dtype)
                 self.draft_tokens = dev((r, k), torch.long)
+                self.draft_slots_index = dev((r,), torch.long)
 
     # ------------------------------------------------------------------ step
 
@@ -787,6 +792,9 @@ class ModelRunner:
             return StepResult(out, plain, samp)
         if samp is not None:
             self._take_samples(out, plain, samp.result())
+        chain = self._device_chain(rows, spec_rows) if samp is None else None
+        if chain is not None:
+            return self._verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], out, *chain)
         if verify:
             assert self.rejection_sampler is not None
             spec = self.rejection_sampler(logits[:n_verify], spec_rows, draft_ids=self.verify_draft_ids)
@@ -796,6 +804,185 @@ class ModelRunner:
         if self.mtp_proposer is not None:
             out.next_draft_token_ids = self.mtp_proposer.propose(self, rows, out)
         return StepResult(out)
+
+    # ------------------------------------------------------------------ a verify step on the device
+
+    def _device_chain(self, rows: list[ScheduledRow], spec_rows: list[SpecRow]) -> tuple[GraphSet, int] | None:
+        """The ``draft`` graphs and size if this step's acceptance, commit, snapshots and drafting can all be
+        enqueued before its result comes to the host: one rank (drafts kept in ``draft_slots``), every row a verify
+        row the draft graph takes, no row asking for logprobs (those read logits the draft graph overwrites)."""
+        if self.draft_slots is None or self.mtp_proposer is None or not rows:
+            return None
+        q = self.num_speculative_tokens + 1
+        if not all(r.is_verify and r.start + q <= self.max_model_len for r in rows):
+            return None
+        if any(s.params.logprobs is not None for s in spec_rows):
+            return None
+        return self.draft_chain_graph(len(rows))
+
+    def _verify_and_draft_on_device(self, rows: list[ScheduledRow], spec_rows: list[SpecRow], logits: torch.Tensor,
+                                    out: RunnerOutput, graphs: GraphSet, size: int) -> StepResult:
+        """Acceptance, commit of the accepted candidates, candidate snapshots and the whole drafting, enqueued on
+        the device in that order, each reading the accepted counts there; then one wait, for the acceptance's copy
+        to the host (the commit and drafting run on while the host applies the result and schedules on)."""
+        assert self.rejection_sampler is not None and self.mtp_proposer is not None
+        pending = self.rejection_sampler.launch(logits, spec_rows, draft_ids=self.verify_draft_ids)
+        accepted = pending.accepted
+        if out.errors:  # rows whose sampling inputs failed: their state advances, their drafting is skipped
+            failed = device_tensor([i in out.errors for i in range(len(rows))], self.device, torch.bool)
+        else:
+            failed = None
+        self._commit_on_device(accepted)
+        self._snapshots_on_device(rows, accepted)
+        index = self._fill_draft_on_device(rows, accepted, pending.emitted, failed, size)
+        q = self.num_speculative_tokens + 1
+        assert self.last_hidden is not None
+        torch.index_select(self.last_hidden, 0, index, out=self.draft_hidden_in[: size * q])
+        tokens, first = graphs.run(size)
+        n = len(rows)
+        assert self.draft_slots is not None
+        slots = self.draft_slots_index[:n]
+        self.draft_slots.index_copy_(0, slots, tokens[:n])
+        self._take_verified(out, list(range(n)), pending.result())
+        proposer = self.mtp_proposer
+        proposer.first_hidden = {}
+        drafts: list[list[int]] = [[] for _ in rows]
+        k = self.num_speculative_tokens
+        for i, row in enumerate(rows):
+            if i in out.errors or out.num_accepted[i] < 0:
+                continue
+            num = max(0, min(k, row.draft_limit - (row.start + out.num_accepted[i] + 2)))
+            if num:
+                drafts[i] = [PREVIOUS_DRAFT] * num
+                proposer.first_hidden[row.req_id] = first[i]
+        out.next_draft_token_ids = drafts
+        return StepResult(out)
+
+    def _commit_on_device(self, accepted: torch.Tensor) -> None:
+        """``_commit_verified`` with the counts on the device (-1: the row keeps its state)."""
+        vm = self.last_meta.verify if self.last_meta is not None else None
+        if vm is None:
+            return
+        n = vm.num_rows
+        size = self._verify_graph_size
+        graphs = self.graphs.get("commit") if self.graphs is not None and size is not None else None
+        buf = self.dev_bufs["num_accepted"]
+        buf[:n].copy_(accepted)
+        if graphs is not None and size in graphs.sizes:
+            buf[n:size].fill_(-1)  # pad rows commit nothing
+            graphs.run(size)  # type: ignore[arg-type]
+            return
+        for layer in self.model.recurrent_layers():
+            layer.commit_verified(vm.state_slots, buf[:n])
+
+    def _snapshots_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor) -> None:
+        """``_save_snapshots`` with the counts on the device: a candidate snapshot whose position the accepted length
+        did not reach goes to the pad slot (nobody's) instead of its entry, which the scheduler then releases."""
+        src, dst = [], []
+        cand_rows, cand_pos, cand_dst = [], [], []
+        for i, row in enumerate(rows):
+            if row.snapshot_entry is not None:
+                src.append(row.state_slot)
+                dst.append(row.snapshot_entry)
+            if row.candidate_snapshot is not None:
+                point, entry = row.candidate_snapshot
+                cand_rows.append(i)
+                cand_pos.append(point - row.start - 1)
+                cand_dst.append(entry)
+        self.state_pool.copy(src, dst)
+        if not cand_rows:
+            return
+        r = device_tensor(cand_rows, self.device, torch.long)
+        p = device_tensor(cand_pos, self.device, torch.long)
+        e = device_tensor(cand_dst, self.device, torch.long)
+        e = torch.where(accepted.index_select(0, r) >= p, e, self.state_pool.pad_slot)
+        for layer in self.model.recurrent_layers():
+            layer.snapshot_candidates(r, p, e)
+
+    def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
+                              failed: torch.Tensor | None, pad_to: int) -> torch.Tensor:
+        """``_fill_draft`` for the verify rows of this step with their accepted counts on the device: what does not
+        depend on the counts is filled on the host (positions, block tables, context lengths, each row's slots of
+        its next 2k positions), the rest on the device. Row i stays row i; a row that drafts nothing (an error) is
+        masked like a pad row. Also fills ``draft_slots_index`` (each row's drafts row; the pad slot's for those
+        masked). Returns the hidden-state indices."""
+        k = self.num_speculative_tokens
+        q = k + 1
+        n = len(rows)
+        if self._draft_fence is not None:
+            # The last fill's copies out of these pinned buffers were enqueued after a wait the host no longer makes:
+            # they must have run before the buffers are written again.
+            self._draft_fence.synchronize()
+        nb = self.draft_np
+        bs = self.block_size
+        null = BlockPool.NULL_BLOCK
+        span = np.arange(2 * k, dtype=np.int64)
+        first = 0
+        for i, row in enumerate(rows):
+            table = np.asarray(row.block_table, dtype=np.int64)
+            pos = row.start + span
+            blk = pos // bs
+            inside = blk < len(table)
+            nb["slot_table"][i] = np.where(inside, table[np.minimum(blk, len(table) - 1)] * bs + pos % bs, -1)
+            nb["positions"][i * q : i * q + q] = pos[:q]
+            nb["block_tables"][i, : len(table)] = table
+            nb["block_tables"][i, len(table) :] = null
+            nb["seq_lens"][i] = row.start + q
+            nb["row_start"][i] = row.start
+            nb["row_first"][i] = first  # the row's first token in the step's hidden states
+            nb["row_limit"][i] = row.draft_limit - row.start - 1
+            nb["row_slot"][i] = row.state_slot
+            first += row.num_new_tokens
+        for i in range(n, pad_to):  # pad rows, as _fill_draft lays them out
+            t = i * q
+            nb["positions"][t : t + q] = np.arange(q)
+            nb["block_tables"][i, : cdiv(q, bs)] = null
+            nb["seq_lens"][i] = q
+        for name in ("positions",):
+            self.draft_dev[name][: pad_to * q].copy_(self.draft_host[name][: pad_to * q], non_blocking=True)
+        for name in ("seq_lens", "block_tables"):
+            self.draft_dev[name][:pad_to].copy_(self.draft_host[name][:pad_to], non_blocking=True)
+        for name in ("slot_table", "row_start", "row_first", "row_limit", "row_slot"):
+            self.draft_dev[name][:n].copy_(self.draft_host[name][:n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._draft_fence = torch.cuda.Event()
+            self._draft_fence.record()
+        d = self.draft_dev
+        valid = accepted >= 0
+        if failed is not None:
+            valid &= ~failed
+        m = torch.where(valid, accepted + 1, 0)  # first-pass tokens per row: the accepted drafts and the last token
+        last = (m - 1).clamp(min=0)
+        o = torch.arange(q, device=self.device)
+        real = o.unsqueeze(0) < m.unsqueeze(1)
+        width = emitted.shape[1]
+        if width < q:  # rows of fewer drafts: the columns past their tokens are masked anyway
+            emitted = torch.cat([emitted, emitted.new_zeros(n, q - width)], dim=1)
+        slot_table = d["slot_table"][:n]
+        d["input_ids"][: n * q].copy_(torch.where(real, emitted, 0).view(-1))
+        d["hidden_index"][: n * q].copy_(torch.where(valid.unsqueeze(1), d["row_first"][:n].unsqueeze(1)
+                                                     + torch.minimum(o.unsqueeze(0), last.unsqueeze(1)), 0).view(-1))
+        d["slot_mapping"][: n * q].copy_(torch.where(real, slot_table[:, :q], -1).view(-1))
+        d["last_index"][:n].copy_(torch.arange(n, device=self.device) * q + last)
+        num_drafts = torch.where(valid, (d["row_limit"][:n] - m).clamp(0, k), 0)
+        if k > 1:
+            j = torch.arange(1, k, device=self.device).unsqueeze(1)  # (k - 1, 1)
+            p = d["row_start"][:n].unsqueeze(0) + last.unsqueeze(0) + j  # (k - 1, n)
+            active = j < num_drafts.unsqueeze(0)
+            chain_slots = slot_table.gather(1, (last.unsqueeze(0) + j).clamp(max=2 * k - 1).t()).t()
+            d["chain_positions"][:, :n].copy_(torch.where(active, p, 0))
+            d["chain_slot_mapping"][:, :n].copy_(torch.where(active, chain_slots, -1))
+            d["chain_seq_lens"][:, :n].copy_(torch.where(active, p + 1, 1).to(d["chain_seq_lens"].dtype))
+        if pad_to > n:  # pad rows: masked everywhere, reading the null block
+            d["input_ids"][n * q : pad_to * q].zero_()
+            d["hidden_index"][n * q : pad_to * q].zero_()
+            d["slot_mapping"][n * q : pad_to * q].fill_(-1)
+            d["last_index"][n:pad_to].copy_(torch.arange(n, pad_to, device=self.device) * q)
+            d["chain_positions"][:, n:pad_to].zero_()
+            d["chain_slot_mapping"][:, n:pad_to].fill_(-1)
+            d["chain_seq_lens"][:, n:pad_to].fill_(1)
+        self.draft_slots_index[:n].copy_(torch.where(valid, d["row_slot"][:n], self.state_pool.pad_slot))
+        return d["hidden_index"][: pad_to * q]
 
     # ------------------------------------------------------------------ pipeline stages
 
@@ -1158,6 +1345,8 @@ class ModelRunner:
         """
         k = self.num_speculative_tokens
         q = k + 1
+        if self._draft_fence is not None:  # see _fill_draft_on_device
+            self._draft_fence.synchronize()
         nb = self.draft_np
         bs = self.block_size
         null = BlockPool.NULL_BLOCK
@@ -1207,6 +1396,9 @@ class ModelRunner:
             self.draft_dev[name][:pad_to].copy_(self.draft_host[name][:pad_to], non_blocking=True)
         for name in ("chain_positions", "chain_slot_mapping", "chain_seq_lens"):
             self.draft_dev[name][:, :pad_to].copy_(self.draft_host[name][:, :pad_to], non_blocking=True)
+        if self.device.type == "cuda":
+            self._draft_fence = torch.cuda.Event()
+            self._draft_fence.record()
         return self.draft_dev["hidden_index"][: pad_to * q]
 
     @torch.inference_mode()
