@@ -877,28 +877,8 @@ class ModelRunner:
             layer.commit_verified(vm.state_slots, buf[:n])
 
     def _snapshots_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor) -> None:
-        """``_save_snapshots`` with the counts on the device: a candidate snapshot whose position the accepted length
-        did not reach goes to the pad slot (nobody's) instead of its entry, which the scheduler then releases."""
-        src, dst = [], []
-        cand_rows, cand_pos, cand_dst = [], [], []
-        for i, row in enumerate(rows):
-            if row.snapshot_entry is not None:
-                src.append(row.state_slot)
-                dst.append(row.snapshot_entry)
-            if row.candidate_snapshot is not None:
-                point, entry = row.candidate_snapshot
-                cand_rows.append(i)
-                cand_pos.append(point - row.start - 1)
-                cand_dst.append(entry)
-        self.state_pool.copy(src, dst)
-        if not cand_rows:
-            return
-        r = device_tensor(cand_rows, self.device, torch.long)
-        p = device_tensor(cand_pos, self.device, torch.long)
-        e = device_tensor(cand_dst, self.device, torch.long)
-        e = torch.where(accepted.index_select(0, r) >= p, e, self.state_pool.pad_slot)
-        for layer in self.model.recurrent_layers():
-            layer.snapshot_candidates(r, p, e)
+        """``_save_snapshots`` with the counts on the device (see there)."""
+        self._save_snapshots(rows, accepted)
 
     def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
                               failed: torch.Tensor | None, pad_to: int) -> torch.Tensor:
@@ -1210,9 +1190,13 @@ class ModelRunner:
         self.last_hidden = hidden
         return self.model.compute_logits(hidden[logits_indices])
 
-    def _save_snapshots(self, rows: list[ScheduledRow], num_accepted: list[int]) -> None:
+    def _save_snapshots(self, rows: list[ScheduledRow], num_accepted: list[int] | torch.Tensor) -> None:
         """The step's snapshot copy-outs (entries the scheduler reserved): a row's slot after the forward, or a
-        verify row's candidate state at the reserved position if the accepted length reached it."""
+        verify row's candidate state at the reserved position if the accepted length reached it. With the counts
+        on the device (the device chain) every candidate is copied, an unreached one into the pad slot (nobody's)
+        instead of its entry, which the scheduler then releases."""
+        device_counts = num_accepted if isinstance(num_accepted, torch.Tensor) else None
+        on_device = device_counts is not None
         src, dst = [], []
         cand_rows, cand_pos, cand_dst = [], [], []
         for i, row in enumerate(rows):
@@ -1222,12 +1206,12 @@ class ModelRunner:
             if row.candidate_snapshot is not None:
                 point, entry = row.candidate_snapshot
                 j = point - row.start - 1
-                if num_accepted[i] >= j:
+                if on_device or num_accepted[i] >= j:
                     cand_rows.append(i)  # verify rows come first: row i is verify row i
                     cand_pos.append(j)
                     cand_dst.append(entry)
         self.state_pool.copy(src, dst)
-        self._snapshot_candidates(cand_rows, cand_pos, cand_dst)
+        self._snapshot_candidates(cand_rows, cand_pos, cand_dst, device_counts)
 
     def _remember_samples(self, rows: list[ScheduledRow], idx: list[int], tokens: torch.Tensor) -> None:
         """Keep this step's sampled ids on the device for the next step's ``PREVIOUS_SAMPLED`` inputs, indexed by
@@ -1248,7 +1232,6 @@ class ModelRunner:
         at.copy_(self.host_bufs["prev_at"][:n], non_blocking=True)
         src.copy_(self.host_bufs["prev_src"][:n], non_blocking=True)
         self.dev_bufs["input_ids"].index_copy_(0, at, self._prev_sampled.index_select(0, src))
-
 
     def _feed_device_drafts(self, fed: list[tuple[int, int]]) -> None:
         """Verify-row inputs that the MTP head left on the device (``PREVIOUS_DRAFT``): ``fed`` = (token index in
@@ -1447,13 +1430,18 @@ class ModelRunner:
         for layer in self.model.recurrent_layers():
             layer.commit_verified(vm.state_slots, acc)
 
-    def _snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int]) -> None:
-        """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``."""
+    def _snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int],
+                             accepted: torch.Tensor | None = None) -> None:
+        """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``;
+        with ``accepted`` (counts on the device), only where it reached that position, the others into the pad
+        slot."""
         if not rows:
             return
         r = device_tensor(rows, self.device, torch.long)
         p = device_tensor(positions, self.device, torch.long)
         e = device_tensor(entries, self.device, torch.long)
+        if accepted is not None:
+            e = torch.where(accepted.index_select(0, r) >= p, e, self.state_pool.pad_slot)
         for layer in self.model.recurrent_layers():
             layer.snapshot_candidates(r, p, e)
 
