@@ -212,6 +212,9 @@ def main() -> int:
     ap.add_argument("--sync-steps", action="store_true",
                     help="synchronize the device around every step (default: time the steps as they run, async "
                          "scheduling overlapping them, which is what a user sees)")
+    ap.add_argument("--no-device-chain", action="store_true",
+                    help="MTP: wait for the accepted counts on the host before the commit and the drafting (the path "
+                         "before verify steps were enqueued whole), to compare the two")
     ap.add_argument("--method", choices=("auto", "mtp", "ngram"), default="auto",
                     help="auto: mtp when the checkpoint has mtp.* weights, else ngram")
     args = ap.parse_args()
@@ -238,6 +241,7 @@ def main() -> int:
         release()
         for rate in (float(r) for r in args.rates.split(",")):
             llm = LLM(**common, speculative_config=spec)
+            llm.llm_engine.runner.use_device_chain = not args.no_device_chain
             control(llm, ControlledProposer(want, rate, vocab))
             warm_up(llm, prompts)
             m0 = spec_counts(llm)
@@ -263,7 +267,7 @@ def main() -> int:
         print("diagnosis (batch 1):", json.dumps(diagnosis), flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (2 cores)",
-            "synchronized_steps": sync, "torch": torch.__version__,
+            "synchronized_steps": sync, "device_chain": not args.no_device_chain, "torch": torch.__version__,
             "model": model, "method": method, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens}
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:

@@ -176,6 +176,9 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self._h2d_fence: torch.cuda.Event | None = None  # recorded after a step's copies out of host_bufs
         self._draft_fence: torch.cuda.Event | None = None  # the same for draft_host (_fill_draft_on_device)
+        # Whether verify steps are enqueued whole (``_device_chain``): about 45 more launches per step, all while
+        # the verify forward runs, against a host wait and a device idle gap; benchmarks compare both.
+        self.use_device_chain = True
         # The last prepared step's verify drafts as fed (on the device), when some were PREVIOUS_DRAFT inputs.
         self.verify_draft_ids: torch.Tensor | None = None
         self.sampler = Sampler(device, seed=config.seed)
@@ -811,7 +814,7 @@ class ModelRunner:
         """The ``draft`` graphs and size if this step's acceptance, commit, snapshots and drafting can all be
         enqueued before its result comes to the host: one rank (drafts kept in ``draft_slots``), every row a verify
         row the draft graph takes, no row asking for logprobs (those read logits the draft graph overwrites)."""
-        if self.draft_slots is None or self.mtp_proposer is None or not rows:
+        if not self.use_device_chain or self.draft_slots is None or self.mtp_proposer is None or not rows:
             return None
         q = self.num_speculative_tokens + 1
         if not all(r.is_verify and r.start + q <= self.max_model_len for r in rows):
