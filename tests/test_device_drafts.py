@@ -140,10 +140,14 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
     with their true greedy continuation, so most drafts are accepted: the commit and the candidate snapshots of the
     device chain run with counts above zero."""
     if sabotage == "commit":  # every row takes candidate 0 whatever was accepted
-        commit = ModelRunner._commit_on_device
-        monkeypatch.setattr(ModelRunner, "_commit_on_device", lambda self, acc: commit(self, acc.clamp(max=0)))
+        commit = ModelRunner._commit_verified
+
+        def candidate_zero(self: ModelRunner, acc: Any) -> None:  # the device chain's counts
+            commit(self, acc.clamp(max=0) if isinstance(acc, torch.Tensor) else acc)
+
+        monkeypatch.setattr(ModelRunner, "_commit_verified", candidate_zero)
     elif sabotage == "snapshots":  # candidate snapshots taken one position early
-        snaps = ModelRunner._snapshots_on_device
+        snaps = ModelRunner._save_snapshots
 
         def early(self: ModelRunner, rows: list[Any], acc: torch.Tensor) -> None:
             layers = self.model.recurrent_layers()
@@ -157,7 +161,7 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
                 for layer, orig in zip(layers, originals, strict=True):
                     layer.snapshot_candidates = orig  # type: ignore[method-assign]
 
-        monkeypatch.setattr(ModelRunner, "_snapshots_on_device", early)
+        monkeypatch.setattr(ModelRunner, "_save_snapshots", early)
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
                    max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=True,
                    recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True)

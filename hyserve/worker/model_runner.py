@@ -835,8 +835,8 @@ class ModelRunner:
             failed = device_tensor([i in out.errors for i in range(len(rows))], self.device, torch.bool)
         else:
             failed = None
-        self._commit_on_device(accepted)
-        self._snapshots_on_device(rows, accepted)
+        self._commit_verified(accepted)
+        self._save_snapshots(rows, accepted)
         index = self._fill_draft_on_device(rows, accepted, pending.emitted, failed, size)
         q = self.num_speculative_tokens + 1
         assert self.last_hidden is not None
@@ -861,27 +861,6 @@ class ModelRunner:
                 proposer.first_hidden[row.req_id] = first[i]
         out.next_draft_token_ids = drafts
         return StepResult(out)
-
-    def _commit_on_device(self, accepted: torch.Tensor) -> None:
-        """``_commit_verified`` with the counts on the device (-1: the row keeps its state)."""
-        vm = self.last_meta.verify if self.last_meta is not None else None
-        if vm is None:
-            return
-        n = vm.num_rows
-        size = self._verify_graph_size
-        graphs = self.graphs.get("commit") if self.graphs is not None and size is not None else None
-        buf = self.dev_bufs["num_accepted"]
-        buf[:n].copy_(accepted)
-        if graphs is not None and size in graphs.sizes:
-            buf[n:size].fill_(-1)  # pad rows commit nothing
-            graphs.run(size)  # type: ignore[arg-type]
-            return
-        for layer in self.model.recurrent_layers():
-            layer.commit_verified(vm.state_slots, buf[:n])
-
-    def _snapshots_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor) -> None:
-        """``_save_snapshots`` with the counts on the device (see there)."""
-        self._save_snapshots(rows, accepted)
 
     def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
                               failed: torch.Tensor | None, pad_to: int) -> torch.Tensor:
@@ -1413,9 +1392,10 @@ class ModelRunner:
         host[n:size] = -1
         self.dev_bufs["num_accepted"][:size].copy_(self.host_bufs["num_accepted"][:size], non_blocking=True)
 
-    def _commit_verified(self, num_accepted: list[int]) -> None:
+    def _commit_verified(self, num_accepted: list[int] | torch.Tensor) -> None:
         """Live slots of the last step's verify rows take candidate ``num_accepted[r]`` (-1: leave untouched): one
-        replay of the ``commit`` graph when the verify graph ran the step (its pad rows are on the pad slot)."""
+        replay of the ``commit`` graph when the verify graph ran the step (its pad rows are on the pad slot). The
+        counts come from the host, or are already on the device (the device chain)."""
         vm = self.last_meta.verify if self.last_meta is not None else None
         if vm is None:
             return
@@ -1423,15 +1403,22 @@ class ModelRunner:
         assert n == vm.num_rows
         size = self._verify_graph_size
         graphs = self.graphs.get("commit") if self.graphs is not None and size is not None else None
-        if graphs is not None and size in graphs.sizes:
+        use_graph = graphs is not None and size in graphs.sizes
+        buf = self.dev_bufs["num_accepted"]
+        if isinstance(num_accepted, torch.Tensor):
+            buf[:n].copy_(num_accepted)
+            if use_graph:
+                buf[n:size].fill_(-1)  # pad rows commit nothing
+        elif use_graph:
             self._fill_commit(num_accepted, size)  # type: ignore[arg-type]
-            graphs.run(size)  # type: ignore[arg-type]
+        else:
+            self.np_bufs["num_accepted"][:n] = num_accepted
+            buf[:n].copy_(self.host_bufs["num_accepted"][:n], non_blocking=True)
+        if use_graph:
+            graphs.run(size)  # type: ignore[union-attr,arg-type]
             return
-        self.host_bufs["num_accepted"][:n] = torch.tensor(num_accepted, dtype=torch.long)
-        acc = self.dev_bufs["num_accepted"][:n]
-        acc.copy_(self.host_bufs["num_accepted"][:n], non_blocking=True)
         for layer in self.model.recurrent_layers():
-            layer.commit_verified(vm.state_slots, acc)
+            layer.commit_verified(vm.state_slots, buf[:n])
 
     def _snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int],
                              accepted: torch.Tensor | None = None) -> None:
