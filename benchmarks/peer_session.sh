@@ -20,16 +20,25 @@ MTP3='{"method": "mtp", "num_speculative_tokens": 3}'
 PB=benchmarks/peer_bench.py
 
 # vLLM's JIT and compile caches (FlashInfer's GDN prefill kernel takes about 8 minutes to build on a fresh machine):
-# carried in as .peer/vllm_caches.tgz when an earlier session brought them back, saved to $OUT after each vLLM run.
-if [ -f .peer/vllm_caches.tgz ] && [ ! -d ~/.cache/flashinfer ]; then
-    mkdir -p ~/.cache && tar -C ~/.cache -xzf .peer/vllm_caches.tgz && echo "vLLM caches restored"
+# brought back as $OUT/vllm_caches.tgz.NN (15 MB parts: a file from $OUT comes back only under 16 MiB) and carried
+# in as .peer/vllm_caches.tgz.NN by a later session.
+if ls .peer/vllm_caches.tgz.* > /dev/null 2>&1 && [ ! -d ~/.cache/flashinfer ]; then
+    mkdir -p ~/.cache && cat .peer/vllm_caches.tgz.* | tar -C ~/.cache -xzf - && echo "vLLM caches restored"
 fi
 save_vllm_caches() {
-    (cd ~/.cache && tar -czf "$OUT/vllm_caches.tgz" $(ls -d flashinfer vllm 2>/dev/null)) 2>/dev/null
+    rm -f "$OUT"/vllm_caches.tgz.*
+    (cd ~/.cache && tar -czf - $(ls -d flashinfer vllm 2>/dev/null)) 2>/dev/null | split -b 15000000 -d - "$OUT/vllm_caches.tgz."
     local size
-    size=$(stat -c %s "$OUT/vllm_caches.tgz" 2>/dev/null || echo 0)
-    [ "$size" -lt 60000000 ] || { echo "vLLM caches are $size bytes: not brought back"; rm -f "$OUT/vllm_caches.tgz"; }
+    size=$(cat "$OUT"/vllm_caches.tgz.* 2>/dev/null | wc -c)
+    echo "   vLLM caches: $size bytes ($(du -sh ~/.cache/flashinfer 2>/dev/null | cut -f1) flashinfer)"
+    [ "$size" -lt 45000000 ] || { echo "   too large to bring back"; rm -f "$OUT"/vllm_caches.tgz.*; }
 }
+# At most 8 files come back from $OUT: the JSON and logs travel as one archive, beside the cache parts.
+pack_out() {
+    (cd "$OUT" && tar -czf /tmp/results.tgz --exclude='vllm_caches.tgz.*' . && \
+        find . -mindepth 1 -maxdepth 1 ! -name 'vllm_caches.tgz.*' -exec rm -rf {} + && mv /tmp/results.tgz .)
+}
+trap pack_out EXIT
 
 measure() {  # measure ENGINE MODEL NAME TIMEOUT ARGS...
     local engine=$1 model=$2 name=$3 limit=$4
@@ -47,6 +56,15 @@ measure() {  # measure ENGINE MODEL NAME TIMEOUT ARGS...
 p2b() { [ -d /tmp/p2b ] || python3 $PB write --shape 2b --out /tmp/p2b > "$OUT/write_2b.log" 2>&1; }
 p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1; }
 
+check() {  # the correctness checks every speed change keeps, in the same device session as its figures
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
+        tests/test_async_scheduling.py tests/test_verify_kernels.py tests/test_device_drafts.py -k "cuda or gpu" \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc $?"; tail -2 "$OUT/gpu_tests.log"
+    timeout 400 python3 benchmarks/gpu_check.py --out "$OUT" > "$OUT/gpu_check.log" 2>&1
+    echo "gpu_check rc $?"; grep all_correctness_pass "$OUT/gpu_check.log"
+}
+
 case "${1:?phase}" in
   2b)
     p2b
@@ -55,9 +73,20 @@ case "${1:?phase}" in
     measure hyserve /tmp/p2b 2b_agent_mtp 120 --measures agent --speculative-config "$MTP3"
     measure vllm /tmp/p2b 2b 560 --measures decode,bound,prefill
     ;;
+  vllm-first)  # vLLM's first process on the machine compiles for minutes on the CPU: the GPU checks run meanwhile
+    p2b
+    check > "$OUT/check_summary.log" 2>&1 &
+    measure vllm /tmp/p2b 2b_agent 570 --measures agent
+    wait; cat "$OUT/check_summary.log"
+    ;;
+  vllm-rest)
+    p2b
+    measure vllm /tmp/p2b 2b_agent_mtp 180 --measures agent --speculative-config "$MTP3"
+    measure vllm /tmp/p2b 2b_start 150 --measures start
+    ;;
   2b-vllm-agent)
     p2b
-    measure vllm /tmp/p2b 2b_agent 180 --measures agent
+    measure vllm /tmp/p2b 2b_agent 570 --measures agent
     measure vllm /tmp/p2b 2b_agent_mtp 180 --measures agent --speculative-config "$MTP3"
     ;;
   9b)
@@ -70,14 +99,7 @@ case "${1:?phase}" in
     measure vllm /tmp/p9b 9b 330 --measures decode,bound,prefill
     measure vllm /tmp/p9b 9b_start 180 --measures start
     ;;
-  check)  # the correctness checks every speed change keeps, in the same device session as its figures
-    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
-        tests/test_async_scheduling.py tests/test_verify_kernels.py tests/test_device_drafts.py -k "cuda or gpu" \
-        > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests rc $?"; tail -2 "$OUT/gpu_tests.log"
-    timeout 400 python3 benchmarks/gpu_check.py --out "$OUT" > "$OUT/gpu_check.log" 2>&1
-    echo "gpu_check rc $?"; grep all_correctness_pass "$OUT/gpu_check.log"
-    ;;
+  check) check ;;
   spec)
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
