@@ -400,6 +400,15 @@ _NO_RATIO = {"bound_bs1_tok_s"}  # a property of the card measured in each engin
 def report(files: list[str], out: str) -> None:
     runs = [_read_json(p) for p in files]
     by_model: dict[str, dict[str, dict[str, Any]]] = {}
+    # Where each figure comes from: the file and engine version of the run that measured it (a later file's figure
+    # replaces an earlier one's; files from several device sessions can be merged, and each row says which).
+    source: dict[tuple[str, str, str], str] = {}
+    for path, r in zip(files, runs, strict=True):
+        model = os.path.basename(r["model"].rstrip("/"))
+        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        run = f"{folder}/{os.path.basename(path)} ({r.get('version')})"
+        for key in r["figures"]:
+            source[(model, r["engine"], key)] = run
     for r in runs:  # several files of one engine and model (one process per measure group) merge
         slot = by_model.setdefault(os.path.basename(r["model"].rstrip("/")), {})
         if r["engine"] in slot:
@@ -407,7 +416,7 @@ def report(files: list[str], out: str) -> None:
             merged["figures"] = {**merged["figures"], **r["figures"]}
             merged["errors"] = {**merged.get("errors", {}), **r.get("errors", {})}
             merged["command"] = f"{merged['command']} ; {r['command']}"
-            merged["version"] = merged.get("version") or r.get("version")
+            merged["version"] = r.get("version") or merged.get("version")  # the latest run's
         else:
             slot[r["engine"]] = dict(r)
     entries = []
@@ -420,7 +429,9 @@ def report(files: list[str], out: str) -> None:
             ratio = None
             if a is not None and b and key not in _NO_RATIO:
                 ratio = a / b if higher else b / a  # > 1: hyserve is better
-            entries.append({"model": model, "measure": key, "label": label, "hyserve": a, "vllm": b, "ratio": ratio})
+            entries.append({"model": model, "measure": key, "label": label, "hyserve": a, "vllm": b, "ratio": ratio,
+                            "hyserve_run": source.get((model, "hyserve", key)),
+                            "vllm_run": source.get((model, "vllm", key))})
         for engine, r in sorted(engines.items()):
             for name, why in r.get("errors", {}).items():
                 entries.append({"model": model, "measure": name, "label": f"{engine} failed: {why}"[:300],
@@ -434,14 +445,17 @@ def report(files: list[str], out: str) -> None:
     lines = ["# hyserve against vLLM, same machine, checkpoint and prompts", "",
              f"hyserve commit {meta['hyserve_commit']}; " + "; ".join(
                  f"{k}: {v.get('version')} on {v.get('device')} ({v.get('date')})" for k, v in meta["engines"].items()),
-             "", "| model | measure | hyserve | vLLM | hyserve better by |", "| --- | --- | ---: | ---: | ---: |"]
+             "", "| model | measure | hyserve | vLLM | hyserve better by | runs (hyserve; vLLM) |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
 
     def fmt(x: Any) -> str:
         return "-" if x is None else (f"{x:,.3f}" if abs(x) < 10 else f"{x:,.0f}")
 
     for e in entries:
         ratio = "-" if e["ratio"] is None else f"{e['ratio']:.2f}x"
-        lines.append(f"| {e['model']} | {e['label']} | {fmt(e['hyserve'])} | {fmt(e['vllm'])} | {ratio} |")
+        runs_cell = "; ".join(x for x in (e.get("hyserve_run"), e.get("vllm_run")) if x) or "-"
+        lines.append(f"| {e['model']} | {e['label']} | {fmt(e['hyserve'])} | {fmt(e['vllm'])} | {ratio} | "
+                     f"{runs_cell} |")
     with open(os.path.join(out, "peer.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     try:

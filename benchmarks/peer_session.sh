@@ -79,6 +79,14 @@ case "${1:?phase}" in
     measure vllm /tmp/p2b 2b_agent 570 --measures agent
     wait; cat "$OUT/check_summary.log"
     ;;
+  vllm-agent)  # vLLM's agent trace alone (its first process on a machine compiles for about 8 minutes)
+    p2b
+    measure vllm /tmp/p2b 2b_agent 585 --measures agent
+    ;;
+  vllm-start)  # vLLM's start with its compile caches warm
+    p2b
+    measure vllm /tmp/p2b 2b_start 150 --measures start
+    ;;
   vllm-rest)
     p2b
     measure vllm /tmp/p2b 2b_agent_mtp 180 --measures agent --speculative-config "$MTP3"

@@ -57,11 +57,12 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     # Prefix caching (see cache/prefix_cache.py): keys of the full blocks of known tokens, how many of the request's
-    # blocks are published, the aligned position where this request should leave a snapshot for its siblings, and
-    # its latest decode-boundary snapshot (retired when a newer one is taken).
+    # blocks are published, the aligned positions where this request should leave a snapshot for its siblings (where
+    # its prefix leaves a cached one's, and where a waiting request shares its prefix), and its latest
+    # decode-boundary snapshot (retired when a newer one is taken).
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
-    branch_point: int | None = None
+    share_points: list[int] = field(default_factory=list)
     rolling_snapshot_hash: bytes | None = None
     num_cached_tokens: int = 0
     # Speculative decoding: tokens proposed to follow the known tokens, verified in the next step.

@@ -326,3 +326,108 @@ def test_snapshot_policy_points_land_on_chunk_ends(ckpts: CheckpointCache) -> No
     assert {32, 64, 96, 128, 144} <= set(points)  # intervals, end of prompt (150 -> 144)
     assert 160 in points  # a block boundary reached while decoding
     assert all(end == at for end, at in seen if at is not None)
+
+
+# ---------------------------------------------------------------------------------------------- prefix sharing
+
+SYSTEM_LEN = 300  # past SHARE_MIN_TOKENS: requests arriving together wait for the one computing the shared prefix
+SHARED_POINT = (SYSTEM_LEN // BS) * BS
+
+
+def sharing_prompts(n: int, seed: int) -> dict[str, list[int]]:
+    system = toks(SYSTEM_LEN, seed)
+    return {f"s{i}": system + toks(20 + 7 * i, seed + 1 + i) for i in range(n)}
+
+
+def _cut_nothing(row: object, p: int) -> int:
+    """Test-only sabotage: the sharer's chunk in the step is not cut at the sharing point."""
+    return 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp_async"])
+def test_requests_arriving_together_share_the_prefix_being_computed(ckpts: CheckpointCache, mode: str) -> None:
+    """Four requests with a 300-token system prompt arrive in one step with room for all of them: one computes the
+    prompt and leaves a snapshot where the prompts part, the others wait for it and hit there (staggered arrivals,
+    a fifth request arriving while the first is mid-way, and MTP with async scheduling in the second mode)."""
+    spec = mode == "mtp_async"
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=spec)
+    ref = ckpts.reference(path)
+    prompts = sharing_prompts(5, 70)
+    kw: dict[str, object] = dict(max_num_batched_tokens=256, num_kv_blocks=512, recurrent_snapshot_interval=1024)
+    if spec:
+        kw.update(speculative_config={"method": "mtp", "num_speculative_tokens": 2}, async_scheduling=True)
+    llm = cached_llm(path, **kw)
+    ids = list(prompts)
+    final = drive(llm.llm_engine, {0: [(r, prompts[r], greedy(8)) for r in ids[:4]], 1: [(ids[4], prompts[ids[4]],
+                                                                                             greedy(8))]})
+    off = make_llm(path, enable_prefix_caching=False)
+    for rid, p in prompts.items():
+        want = off.generate({"prompt_token_ids": p}, greedy(8), use_tqdm=False)[0]
+        assert final[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid
+        assert_matches_reference(ref, p, final[rid])
+    # Without the wait, the four that arrive together compute the system prompt four times (interval 1024: no
+    # snapshot inside it) and the fifth hits nothing either.
+    assert final["s0"].num_cached_tokens == 0
+    assert [final[r].num_cached_tokens for r in ids[1:]] == [SHARED_POINT] * 4
+    llm.llm_engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_sharing_check_catches_a_sharer_chunk_left_uncut(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
+                                                         sabotage: bool) -> None:
+    """The sharer's chunk in the step crosses the sharing point (budget 512): it must be cut there. Left uncut, the
+    snapshot goes where the chunk really ends (the prefix cache publishes a snapshot at its row's end, never at a
+    position the state did not stop at), so the waiters hit nothing: the hit check sees it, the outputs stay right."""
+    from hyserve.scheduler.scheduler import Scheduler
+
+    path = ckpts.get("conditional", "gdn3_attn1")
+    prompts = sharing_prompts(3, 80)
+    off = make_llm(path, enable_prefix_caching=False)
+    want = {r: off.generate({"prompt_token_ids": p}, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+            for r, p in prompts.items()}
+    if sabotage:
+        monkeypatch.setattr(Scheduler, "_cut_chunk", staticmethod(_cut_nothing))
+    llm = cached_llm(path, max_num_batched_tokens=512, recurrent_snapshot_interval=1024)
+    final = drive(llm.llm_engine, {0: [(r, p, greedy(8)) for r, p in prompts.items()]})
+    assert all(final[r].outputs[0].token_ids == want[r] for r in prompts)
+    hits = [final[r].num_cached_tokens for r in ("s1", "s2")]
+    # sabotaged, s1 hits nothing; s2 may still hit at s1's own branch point (where s1's prompt leaves s0's KV)
+    assert (hits == [SHARED_POINT] * 2) != sabotage, hits
+    llm.llm_engine.assert_no_leaks()
+
+
+@pytest.mark.parametrize("event", ["abort", "preempt"])
+def test_waiters_go_on_when_the_sharer_is_aborted_or_preempted(ckpts: CheckpointCache, event: str) -> None:
+    """The sharer is aborted (or preempted for memory) before it reaches the sharing point: the waiting requests
+    are admitted anyway, and their outputs are those of a run without caching."""
+    path = ckpts.get("causal", "attn_both_ends")
+    prompts = sharing_prompts(3, 90)
+    kw: dict[str, object] = dict(max_num_batched_tokens=64, recurrent_snapshot_interval=1024)
+    aborts: dict[int, list[str]] = {}
+    if event == "abort":
+        aborts = {2: ["s0"]}  # after two chunks of 64: mid-way through the system prompt
+    else:
+        kw.update(num_kv_blocks=34, max_model_len=400)  # 34 blocks: the three together outgrow it while decoding
+    llm = cached_llm(path, **kw)
+    eng = llm.llm_engine
+    steps: list[set[str]] = []
+    original = eng.scheduler.schedule
+
+    def schedule():  # type: ignore[no-untyped-def]
+        out = original()
+        steps.append({r.req_id for r in out.rows})
+        return out
+
+    eng.scheduler.schedule = schedule  # type: ignore[method-assign]
+    final = drive(eng, {0: [(r, p, greedy(24)) for r, p in prompts.items()]}, aborts=aborts)
+    assert steps[0] == {"s0"} and steps[1] == {"s0"}  # s1 and s2 waited for s0's system prompt
+    off = make_llm(path, enable_prefix_caching=False)
+    for rid, p in prompts.items():
+        if rid in aborts.get(2, []):
+            assert rid not in final or not final[rid].outputs[0].token_ids
+            continue
+        want = off.generate({"prompt_token_ids": p}, greedy(24), use_tqdm=False)[0]
+        assert final[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid
+    if event == "preempt":
+        assert llm.get_metrics()["hyserve:num_preemptions"] > 0
+    eng.assert_no_leaks()

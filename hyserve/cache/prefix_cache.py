@@ -10,6 +10,10 @@ taken is a policy:
     points:   ^interval        ^branch point    ^end of prompt (aligned down)   ^every block boundary while
                                                                                  decoding (latest one kept)
 
+A branch point is where a request's prefix leaves the cached KV of another (the sibling that comes next will hit
+there), or where a waiting request shares the prefix that this one is computing (the scheduler's prefix sharing);
+both are the request's ``share_points``.
+
 A hit of length L needs KV for [0, L) *and* a snapshot at exactly L, with L <= num_tokens - 1 (the last known token
 is always computed, so the step produces logits). Lookup takes the deepest such L.
 
@@ -181,8 +185,7 @@ class PrefixCache:
         bs = self.block_size
         limit = min(end, self.keyable_tokens(req))
         points = [(self.keyable_tokens(req) // bs) * bs, (start // self.interval + 1) * self.interval]
-        if req.branch_point is not None:
-            points.append(req.branch_point)
+        points.extend(req.share_points)
         inside = [p for p in points if start < p <= limit]
         return min(inside) if inside else None
 
@@ -258,7 +261,7 @@ class PrefixCache:
 
     def _retire_rolling(self, req: Request, new_hash: bytes, position: int) -> None:
         """While decoding, keep only the latest boundary snapshot of a request unless a policy point needs it."""
-        is_policy_point = position % self.interval == 0 or position == req.branch_point \
+        is_policy_point = position % self.interval == 0 or position in req.share_points \
             or position == self._prompt_end_point(req)
         old = req.rolling_snapshot_hash
         req.rolling_snapshot_hash = None if is_policy_point else new_hash

@@ -18,6 +18,12 @@ cached KV blocks of [0, L) and a snapshot to copy into its slot, and it starts c
 that every snapshot point of a request falls on the end of a chunk; the snapshot's entry is reserved when the step
 is scheduled and published when its result is in.
 
+Prefix sharing among requests that arrive together. A waiting request whose prefix a running request is still
+computing (the first turns of conversations that share one system prompt) is not admitted alongside it to compute
+the same tokens again: it waits while the running one computes the shared part and leaves a snapshot at its end,
+and is admitted with a hit there (``_wait_for_sharer``). The requests behind it are admitted as usual meanwhile, and
+the wait ends when the sharer passes that point, finishes or is preempted, whatever the snapshot pool did.
+
 Steps in flight (async scheduling). A step may be scheduled before the previous step's result is in. A request's
 tokens then run ahead of what is computed: ``num_inflight_tokens`` are scheduled and not yet reported, and a plain
 decoding request whose sampled token is not known yet feeds ``PREVIOUS_SAMPLED`` (the worker has that token on the
@@ -39,7 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from hyserve.cache.block_pool import BlockPool, cdiv
-from hyserve.cache.prefix_cache import PrefixCache, PrefixHit
+from hyserve.cache.prefix_cache import PrefixCache, PrefixHit, extend_block_hashes
 from hyserve.cache.state_slots import StateSlots
 from hyserve.request import Request, RequestStatus
 from hyserve.scheduler.output import (
@@ -52,6 +58,10 @@ from hyserve.scheduler.output import (
 
 if TYPE_CHECKING:
     from hyserve.speculative.drafts import DraftManager
+
+# A waiting request waits for a running one that computes its prefix (see _wait_for_sharer) only when that saves it
+# at least this many tokens: the wait costs it at least a step, which a few blocks of prefill do not repay.
+SHARE_MIN_TOKENS = 256
 
 
 class StepSink(Protocol):
@@ -166,12 +176,30 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int,
                chunks: list[tuple[Request, ScheduledRow, int | None]]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        """Admit waiting requests in arrival order while the budget, the slots and the memory last.
+
+        A request whose prefix a running request is about to compute waits for it (``_wait_for_sharer``): it is
+        skipped, and the requests behind it are considered as usual.
+        """
+        pc = self.prefix_cache
+        sharers = _Sharers(pc) if pc is not None else None
+        if sharers is not None:
+            for req, _, _ in chunks:
+                sharers.add(req)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if self.state_slots.num_free_slots == 0:
                 break
-            hit = self.prefix_cache.lookup(req) if self.prefix_cache else PrefixHit(0, [], None, None)
-            req.branch_point = hit.branch_point
+            hit = pc.lookup(req) if pc is not None else PrefixHit(0, [], None, None)
+            if pc is not None and sharers is not None:
+                back = self._wait_for_sharer(req, hit.num_tokens, sharers, chunks)
+                if back is not None:
+                    pc.release_hit(hit)
+                    budget += back
+                    i += 1
+                    continue
+            req.share_points = [hit.branch_point] if hit.branch_point is not None else []
             row, point = self._chunk(req, hit.num_tokens, budget)
             need = self.block_pool.blocks_needed(self._blocks_end(req, row), len(hit.blocks))
             if need > self.block_pool.num_free_blocks:
@@ -179,12 +207,12 @@ class Scheduler:
                     self.prefix_cache.release_hit(hit)
                 if not self.running:
                     # Nothing holds memory that could be freed for it: waiting would hang every request behind it.
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     out.failed.append((req.request_id, f"its first chunk needs {need + len(hit.blocks)} KV blocks "
                                                        f"but the cache has {self.block_pool.num_usable_blocks}"))
                     continue
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.state_slot = self.state_slots.allocate()
             req.block_table = hit.blocks + self.block_pool.allocate(need)
             req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
@@ -199,7 +227,51 @@ class Scheduler:
                 self.prefix_cache_hits += hit.num_tokens
             self.running.append(req)
             chunks.append((req, row, point))
+            if sharers is not None:
+                sharers.add(req)
             budget -= row.num_new_tokens
+
+    def _wait_for_sharer(self, req: Request, cached: int, sharers: _Sharers,
+                         chunks: list[tuple[Request, ScheduledRow, int | None]]) -> int | None:
+        """Whether waiting ``req`` should wait for a running request that computes more of its prefix.
+
+        ``req`` shares the prefix ``[0, p)`` with a running request (the sharer) that has not computed it yet, and
+        the cache holds only ``cached`` tokens of it: admitted now, ``req`` would compute ``p - cached`` tokens the
+        sharer is computing too (the first turns of conversations that start with one system prompt, arriving
+        together). If that is at least ``SHARE_MIN_TOKENS`` and the sharer can leave a snapshot at ``p`` (nothing it
+        has in flight crosses ``p``), the sharer gets ``p`` as a snapshot point, its chunk in this step is cut there
+        if it crosses it, and ``req`` waits: the lookup of a later step hits at ``p``. Returns the budget tokens the
+        cut gave back (0 without a cut), or None when ``req`` should not wait.
+        """
+        found = sharers.deepest(req, cached)
+        if found is None:
+            return None
+        sharer, p = found
+        if p - cached < SHARE_MIN_TOKENS or sharer.num_computed_tokens >= p:
+            return None
+        if p in sharer.share_points:
+            return 0
+        if sharer.num_computed_tokens + sharer.num_inflight_tokens >= p:
+            return None  # a step in flight reaches p without a snapshot point there
+        back = 0
+        for k, (r, row, point) in enumerate(chunks):
+            if r is sharer:
+                if row.end > p:
+                    back = self._cut_chunk(row, p)
+                    point = p
+                chunks[k] = (r, row, point)
+                break
+        sharer.share_points.append(p)
+        return back
+
+    @staticmethod
+    def _cut_chunk(row: ScheduledRow, p: int) -> int:
+        """End ``row`` (a chunk of prompt tokens: its request has not computed its prefix) at position ``p``, which
+        becomes its snapshot point; returns the tokens taken off."""
+        back = row.end - p
+        row.token_ids = row.token_ids[: p - row.start]
+        row.samples = False
+        return back
 
     def _chunk(self, req: Request, start: int, budget: int) -> tuple[ScheduledRow, int | None]:
         """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point
@@ -283,7 +355,7 @@ class Scheduler:
         req.num_inflight_tokens = 0
         req.num_inflight_samples = 0
         req.num_published_blocks = 0
-        req.branch_point = None
+        req.share_points = []
         req.rolling_snapshot_hash = None  # stays cached as an ordinary snapshot
         req.draft_token_ids = []
         req.num_preemptions += 1
@@ -420,3 +492,35 @@ class Scheduler:
         if len(req.block_table) > keep:
             self.block_pool.free(req.block_table[keep:])
             del req.block_table[keep:]
+
+
+class _Sharers:
+    """The running requests still computing their prompts, by the keys of their prompts' blocks: for a waiting
+    request, which of them computes (or has computed) the deepest part of its prefix."""
+
+    def __init__(self, prefix_cache: PrefixCache) -> None:
+        self.prefix_cache = prefix_cache
+        self.by_key: dict[bytes, tuple[Request, int]] = {}
+
+    def add(self, req: Request) -> None:
+        pc = self.prefix_cache
+        bs = pc.block_size
+        end = min(req.num_prompt_tokens, pc.keyable_tokens(req)) // bs
+        if req.num_computed_tokens >= end * bs:
+            return
+        extend_block_hashes(req, bs, end * bs, pc.lookahead)
+        for i in range(end):
+            self.by_key.setdefault(req.block_hashes[i], (req, (i + 1) * bs))
+
+    def deepest(self, req: Request, cached: int) -> tuple[Request, int] | None:
+        """The sharer and the end ``p`` of the deepest block past ``cached`` that ``req`` shares with it."""
+        pc = self.prefix_cache
+        bs = pc.block_size
+        extend_block_hashes(req, bs, ((req.num_tokens - 1) // bs) * bs, pc.lookahead)
+        found = None
+        for i in range(cached // bs, len(req.block_hashes)):
+            hit = self.by_key.get(req.block_hashes[i])
+            if hit is None:
+                break
+            found = hit
+        return found
