@@ -8,6 +8,8 @@
 #   bash benchmarks/peer_session.sh 9b-vllm # vLLM: the same
 #   bash benchmarks/peer_session.sh spec    # hyserve: MTP k = 2 on the packaged model, planted MTP k = 3 on 2B
 #   bash benchmarks/peer_session.sh check   # the GPU tests and gpu_check (2B bf16 against transformers)
+#   bash benchmarks/peer_session.sh stash-caches   # carrying .peer/vllm_caches.tgz.NN: vLLM's compile caches
+#   bash benchmarks/peer_session.sh vllm-first | vllm-agent | vllm-start | vllm-rest   # vLLM alone (see below)
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -21,9 +23,13 @@ PB=benchmarks/peer_bench.py
 
 # vLLM's JIT and compile caches (FlashInfer's GDN prefill kernel takes about 8 minutes to build on a fresh machine):
 # brought back as $OUT/vllm_caches.tgz.NN (15 MB parts: a file from $OUT comes back only under 16 MiB) and carried
-# in as .peer/vllm_caches.tgz.NN by a later session.
-if ls .peer/vllm_caches.tgz.* > /dev/null 2>&1 && [ ! -d ~/.cache/flashinfer ]; then
-    mkdir -p ~/.cache && cat .peer/vllm_caches.tgz.* | tar -C ~/.cache -xzf - && echo "vLLM caches restored"
+# in as .peer/vllm_caches.tgz.NN by a later session: with the tree they are too large for one call, so a call or
+# two before (phase stash-caches, carrying some of the parts each) puts them in /tmp/vllm_caches.
+if [ "${1:-}" = stash-caches ]; then
+    mkdir -p /tmp/vllm_caches && cp .peer/vllm_caches.tgz.* /tmp/vllm_caches/ && ls -l /tmp/vllm_caches; exit 0
+fi
+if ls /tmp/vllm_caches/vllm_caches.tgz.* > /dev/null 2>&1 && [ ! -d ~/.cache/flashinfer ]; then
+    mkdir -p ~/.cache && cat /tmp/vllm_caches/vllm_caches.tgz.* | tar -C ~/.cache -xzf - && echo "vLLM caches restored"
 fi
 save_vllm_caches() {
     rm -f "$OUT"/vllm_caches.tgz.*
