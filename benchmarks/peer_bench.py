@@ -319,6 +319,9 @@ def measure(args: argparse.Namespace) -> int:
         if args.speculative_config:
             kw["speculative_config"] = json.loads(args.speculative_config)
             tag = "agent_mtp"
+        if args.kv_cache_dtype != "auto":  # the seed's --kv-cache-dtype fp8 question: does the hit rate hold?
+            kw["kv_cache_dtype"] = args.kv_cache_dtype
+            tag += "_kvfp8"
         eng = Engine(args.engine, args.model, args.device, args.dtype, **kw)
         res.setdefault("version", eng.version)
         fig.update({k.replace("agent", tag, 1): v
@@ -387,6 +390,8 @@ _FIGURES = {
     "agent_cached_share": (True, "agent trace, prompt tokens from cache"),
     "agent_mtp_wall_s": (False, "agent trace with MTP, wall s"),
     "agent_mtp_cached_share": (True, "agent trace with MTP, prompt tokens from cache"),
+    "agent_kvfp8_wall_s": (False, "agent trace, FP8 KV cache, wall s"),
+    "agent_kvfp8_cached_share": (True, "agent trace, FP8 KV cache, prompt tokens from cache"),
     "start_warm_s": (False, "engine start (warm caches), s"),
     "spec_speedup_bs1": (True, "speculation vs plain, batch 1"),
     "spec_speedup_bs8": (True, "speculation vs plain, batch 8"),
@@ -498,6 +503,8 @@ def main() -> int:
     m.add_argument("--agent-scale", choices=["full", "tiny"], default="full")
     m.add_argument("--speculative-config", default=None, help="JSON; the agent trace and the spec measure use it")
     m.add_argument("--spec-batches", default="1,8")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the agent trace's KV cache (both engines take the same name)")
     m.add_argument("--max-model-len", type=int, default=8192)
     m.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     r = sub.add_parser("report")

@@ -10,6 +10,7 @@
 #   bash benchmarks/peer_session.sh check   # the GPU tests and gpu_check (2B bf16 against transformers)
 #   bash benchmarks/peer_session.sh stash-caches   # carrying .peer/vllm_caches.tgz.NN: vLLM's compile caches
 #   bash benchmarks/peer_session.sh vllm-first | vllm-agent | vllm-start | vllm-rest   # vLLM alone (see below)
+#   bash benchmarks/peer_session.sh kvfp8   # both engines: the agent trace with --kv-cache-dtype fp8
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -88,6 +89,11 @@ case "${1:?phase}" in
   vllm-agent)  # vLLM's agent trace alone (its first process on a machine compiles for about 8 minutes)
     p2b
     measure vllm /tmp/p2b 2b_agent 585 --measures agent
+    ;;
+  kvfp8)  # the agent trace with the FP8 KV cache, both engines (vLLM doubles its attention block; hyserve's stays 16)
+    p2b
+    measure hyserve /tmp/p2b 2b_agent_kvfp8 150 --measures agent --kv-cache-dtype fp8
+    measure vllm /tmp/p2b 2b_agent_kvfp8 300 --measures agent --kv-cache-dtype fp8
     ;;
   vllm-start)  # vLLM's start with its compile caches warm
     p2b

@@ -6,9 +6,12 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from hyserve.layers.quantization import QuantizationConfig
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -42,6 +45,9 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     architecture: str = "Qwen3_5ForCausalLM"
     torch_dtype: str | None = None
+    # How the linear layers' weights are kept (the checkpoint's quantization_config, or online FP8); None: in the
+    # model dtype (hyserve.layers.quantization).
+    quantization: QuantizationConfig | None = None
 
     @property
     def attention_layer_ids(self) -> list[int]:
@@ -102,15 +108,19 @@ class ModelConfig:
         return n
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], quantization: str | None = None) -> ModelConfig:
         """Parse a config.json with its architecture's registered parser; unknown architectures are refused with
-        the supported list (``hyserve.model.registry``)."""
+        the supported list (``hyserve.model.registry``). Its ``quantization_config``, with the ``quantization``
+        engine argument applied, becomes ``quantization`` (unsupported schemes are refused here, naming them)."""
+        from hyserve.layers.quantization import parse_quantization_config
         from hyserve.model.registry import parse_model_config  # the registry imports the model classes
 
-        return parse_model_config(raw)
+        cfg = parse_model_config(raw)
+        cfg.quantization = parse_quantization_config(raw, cfg.architecture, quantization)
+        return cfg
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> ModelConfig:
+    def from_model_dir(cls, model_dir: str, quantization: str | None = None) -> ModelConfig:
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(missing_model_dir_message(model_dir))
         path = os.path.join(model_dir, "config.json")
@@ -121,7 +131,7 @@ class ModelConfig:
                 raw = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: invalid JSON ({e})") from e
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, quantization)
 
 
 def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
@@ -246,6 +256,24 @@ def resolve_dtype(dtype: str | torch.dtype, model_config: ModelConfig, device: t
     return _DTYPES[dtype]
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's torch dtype; FP8 needs a CUDA GPU of compute capability 8.9 or newer (or the CPU, where the
+    reference kernels emulate it)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        if cc < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs FP8 support (compute capability 8.9 or newer); "
+                             f"{torch.cuda.get_device_name(device)} has {cc[0]}.{cc[1]}")
+    return torch.float8_e4m3fn
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine knobs; names follow vLLM's engine arguments."""
@@ -299,8 +327,18 @@ class EngineConfig:
     # Async scheduling: step n + 1 is scheduled and launched before step n's result is read (its sampled ids stay
     # on the device and feed step n + 1). None = on with CUDA, off on the CPU (where it buys little).
     async_scheduling: bool | None = None
+    # "fp8": quantize an unquantized checkpoint's linear layers to FP8 as they load (vLLM's online FP8). FP8
+    # checkpoints need no flag: their quantization_config says how they are quantized.
+    quantization: str | None = None
+    # The attention KV cache's element type: "auto" = the model's dtype; "fp8" (= "fp8_e4m3") stores K and V in
+    # float8_e4m3fn, each divided by its layer's per-tensor scale (1.0: vLLM's default without checkpoint scales).
+    # The block size and the recurrent state (float32) do not change.
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+                             f"{', '.join(KV_CACHE_DTYPES)} (--kv-cache-dtype)")
         if self.block_size <= 0 or (self.block_size % 8 != 0 and self.block_size not in (1, 2, 4)):
             raise ValueError(f"block_size must be a positive power of two (got {self.block_size})")
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:

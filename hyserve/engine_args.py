@@ -8,7 +8,8 @@ import argparse
 import json
 from typing import Any
 
-from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, parse_size
+from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, KV_CACHE_DTYPES, parse_size
+from hyserve.layers.quantization import QUANTIZATION_CHOICES
 
 __all__ = ["engine_args", "make_llm", "size_bytes"]
 
@@ -45,6 +46,9 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: 16384 on CUDA, 2048 on the CPU)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="attention KV cache element type: auto (the model's dtype) or fp8 (= fp8_e4m3; the block "
+                        "size stays the same)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: the share of the card this instance may use, weights and activations included "
                         "(default: 0.9)")
@@ -84,6 +88,10 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step n+1 before step n's result is read (default: on with CUDA, off "
                         "on the CPU)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="fp8: quantize a bf16 checkpoint's linear layers to FP8 as it loads (per channel; activations "
+                        "per token). FP8 checkpoints (compressed-tensors, Qwen's block FP8) need no flag "
+                        "(default: none)")
     p.add_argument("--cuda-graph-sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="decode batch sizes to capture, comma-separated (default: 1,2,4,8,16,24,32,48,64,...,256 "
                         "up to --max-num-seqs)")
@@ -104,6 +112,7 @@ def make_llm(args: argparse.Namespace, model: str | None) -> Any:
                tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,
                cpu_threads=args.cpu_threads, generation_config=args.generation_config,
-               async_scheduling=args.async_scheduling,
+               async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+               quantization=args.quantization,
                distributed_executor_backend=args.distributed_executor_backend,
                disable_log_stats=getattr(args, "disable_log_stats", True))

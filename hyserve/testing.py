@@ -381,12 +381,12 @@ def load_reference_model(path: str | os.PathLike[str]) -> Qwen3_5ForCausalLM:
     conversion mapping strips ``language_model.`` from the tensor names; ``mtp.*`` and ``model.visual.*`` are in
     the class's ignore-on-load lists.
     """
-    _pure_torch_gated_delta_rule()
+    use_torch_gated_delta_rule()
     model = Qwen3_5ForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32, local_files_only=True)
     return model.eval()
 
 
-def _pure_torch_gated_delta_rule() -> None:
+def use_torch_gated_delta_rule() -> None:
     """Make the reference take transformers' own PyTorch gated delta rule even where fla is installed.
 
     transformers binds its module-level ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` to

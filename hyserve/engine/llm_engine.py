@@ -68,7 +68,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
-        self.model_config = ModelConfig.from_model_dir(config.model)
+        self.model_config = ModelConfig.from_model_dir(config.model, quantization=config.quantization)
         self.spec_config: SpeculativeConfig | None = None
         if config.speculative_config is not None:
             self.spec_config = SpeculativeConfig.from_dict(config.speculative_config, self.model_config)

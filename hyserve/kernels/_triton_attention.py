@@ -9,6 +9,8 @@ decode partials' running maxima are base-2 too), with a finite running-max floor
 contribute exactly zero instead of NaN. Products ``q k^T`` and ``p v`` use ``tl.dot`` with float32 accumulation.
 
 * ``_store_kv_kernel``: one program per token; a negative slot skips the token.
+* FP8 caches (``FP8``): entries are value / scale (per kv head, float32), clamped to +-448; the attention kernels
+  widen tiles to the query's dtype and fold K's scale into the logits' scale, V's into the accumulator.
 * ``_paged_decode_kernel``: rows of at most one token. One program per (row, kv head, context split) handles the whole
   GQA group (query heads padded to >= 16 for ``tl.dot``). With one split it writes the normalised output directly;
   otherwise it writes unnormalised partial sums plus (max, sum) and ``_paged_decode_reduce_kernel`` combines them.
@@ -28,10 +30,11 @@ _NEG = tl.constexpr(-1.0e30)  # finite floor of the running max (a global must b
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     sk_t, sk_h, sv_t, sv_h,
     skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -42,6 +45,11 @@ def _store_kv_kernel(
     mask = (oh < HKV)[:, None] & (od < D)[None, :] & (slot >= 0)
     kv = tl.load(k_ptr + t * sk_t + oh[:, None] * sk_h + od[None, :], mask=mask)
     vv = tl.load(v_ptr + t * sv_t + oh[:, None] * sv_h + od[None, :], mask=mask)
+    if FP8:  # entries are value / scale, rounded to nearest, clamped to the finite range
+        ks = tl.load(ks_ptr + oh, mask=oh < HKV, other=1.0)
+        vs = tl.load(vs_ptr + oh, mask=oh < HKV, other=1.0)
+        kv = tl.clamp(kv.to(tl.float32) / ks[:, None], -FP8_MAX, FP8_MAX)
+        vv = tl.clamp(vv.to(tl.float32) / vs[:, None], -FP8_MAX, FP8_MAX)
     tl.store(kc_ptr + blk * skc_b + off * skc_o + oh[:, None] * skc_h + od[None, :],
              kv.to(kc_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     tl.store(vc_ptr + blk * svc_b + off * svc_o + oh[:, None] * svc_h + od[None, :],
@@ -52,17 +60,21 @@ def _store_kv_kernel(
 def _attend_tile(
     q, m_i, l_i, acc, pos, pmask, allowed, r, hkv, od, dmask,
     kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
-    BS: tl.constexpr, PRECISION: tl.constexpr,
+    BS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step (base 2: ``qk_scale`` includes log2(e)) over the key positions ``pos`` (BLOCK_N,).
 
     ``pmask`` (BLOCK_N,) marks the positions to load; ``allowed`` (M, BLOCK_N) the (query, key) pairs to keep.
+    FP8 tiles are widened to the query's dtype (exactly); their scales are applied by the caller: K's in
+    ``qk_scale``, V's to the accumulator.
     """
     blk = tl.load(bt_ptr + r * sbt_r + pos // BS, mask=pmask, other=0).to(tl.int64)
     off = (pos % BS).to(tl.int64)
     lmask = pmask[:, None] & dmask[None, :]
     kt = tl.load(kc_ptr + blk[:, None] * skc_b + off[:, None] * skc_o + hkv * skc_h + od[None, :], mask=lmask,
                  other=0.0)  # fmt: skip
+    if FP8:
+        kt = kt.to(q.dtype)
     qk = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale
     qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -71,19 +83,21 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     vt = tl.load(vc_ptr + blk[:, None] * svc_b + off[:, None] * svc_o + hkv * svc_h + od[None, :], mask=lmask,
                  other=0.0)  # fmt: skip
+    if FP8:
+        vt = vt.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, po_ptr, pml_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, po_ptr, pml_ptr, ks_ptr, vs_ptr,
     sq_t, sq_h, so_t, so_h, sbt_r,
     skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
     spo_r, spo_h, spo_s, spml_r, spml_h, spml_s,
     qk_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, PART: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PART: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid (R, Hkv, splits). Row r's token (if any) attends to positions [0, seq_len); split s covers
     [s * PART, (s + 1) * PART)."""
@@ -105,6 +119,8 @@ def _paged_decode_kernel(
     qmask = gmask[:, None] & dmask[None, :] & (n > 0)
     q = tl.load(q_ptr + start * sq_t + hq[:, None] * sq_h + od[None, :], mask=qmask, other=0.0)
 
+    if FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr + hkv)
     m_i = tl.full((G_PAD,), _NEG, dtype=tl.float32)
     l_i = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), dtype=tl.float32)
@@ -115,8 +131,10 @@ def _paged_decode_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, pos, pmask, allowed, r, hkv, od, dmask,
             kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
-            BS, PRECISION,
+            BS, PRECISION, FP8,
         )  # fmt: skip
+    if FP8:  # the partial sums combine linearly, so scaling each split's is scaling the result
+        acc = acc * tl.load(vs_ptr + hkv)
 
     if SINGLE:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -159,12 +177,12 @@ def _paged_decode_reduce_kernel(
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, ks_ptr, vs_ptr,
     sq_t, sq_h, so_t, so_h, sbt_r,
     skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
     qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid (query blocks, R, Hq). Query i of row r sits at seq_len - n + i and attends to [0, that position]."""
     mb = tl.program_id(0)
@@ -186,6 +204,8 @@ def _paged_prefill_kernel(
     # Keys past the block's last valid query position are never needed; an empty block visits none.
     kv_end = tl.where(mb * BLOCK_M < n, tl.minimum(seq_len, ctx + (mb + 1) * BLOCK_M), 0)
 
+    if FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr + hkv)
     m_i = tl.full((BLOCK_M,), _NEG, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -196,8 +216,10 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, pos, pmask, allowed, r, hkv, od, dmask,
             kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
-            BS, PRECISION,
+            BS, PRECISION, FP8,
         )  # fmt: skip
+    if FP8:
+        acc = acc * tl.load(vs_ptr + hkv)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (start + om)[:, None] * so_t + hq * so_h + od[None, :], o.to(out_ptr.dtype.element_ty),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hyserve.kernels.reference import paged_attention_ref, store_kv_ref
+from hyserve.kernels.reference import FP8_KV_DTYPES, paged_attention_ref, store_kv_ref
 
 __all__ = ["paged_attention", "paged_attention_triton", "store_kv", "store_kv_triton"]
 
@@ -27,6 +27,7 @@ __all__ = ["paged_attention", "paged_attention_triton", "store_kv", "store_kv_tr
 _DECODE_PARTITION = 512
 _DECODE_MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
+_FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: FP8 cache entries are clamped to it
 # Prefill kernel (BLOCK_M, BLOCK_N, num_warps, num_stages).
 PREFILL_CONFIG = (128, 64, 8, 2)  # best of a sweep on H200 at D=256 (n=4096): ~2x SDPA time
 # Shared memory a kernel's tiles may take (Hopper allows 227 KiB per block): float32 tiles at D=256 take twice
@@ -65,12 +66,15 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write ``k``, ``v`` ``(T, Hkv, D)`` into the paged caches at ``slot_mapping`` ``(T,)`` (``-1`` = skip)."""
+    """Write ``k``, ``v`` ``(T, Hkv, D)`` into the paged caches at ``slot_mapping`` ``(T,)`` (``-1`` = skip); an FP8
+    cache stores them divided by ``k_scale`` / ``v_scale`` (``(Hkv,)`` float32, None = 1)."""
     if k.is_cuda:
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def store_kv_triton(
@@ -79,6 +83,8 @@ def store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton :func:`store_kv`: one program per token, no host sync."""
     from hyserve.kernels._triton_attention import _store_kv_kernel
@@ -88,14 +94,32 @@ def store_kv_triton(
         return
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches must be contiguous in the head dim"
+    fp8 = k_cache.dtype in FP8_KV_DTYPES
+    ks, vs = _kv_scales(k_cache, k_scale, v_scale, Hkv)
     _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HKV=Hkv, D=D, BLOCK_H=_next_pow2(Hkv), BLOCK_D=_next_pow2(D), BS=k_cache.shape[1],
+        FP8=fp8, FP8_MAX=_FP8_MAX if fp8 else 0.0,
         num_warps=4,
     )  # fmt: skip
+
+
+def _kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+               num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' per-kv-head scale vectors: the given ones, or ones (an unscaled FP8 cache); the cache itself as
+    a never-read placeholder for a cache in the model's dtype."""
+    if k_cache.dtype not in FP8_KV_DTYPES:
+        return k_cache, k_cache
+    ones = None
+    if k_scale is None or v_scale is None:
+        ones = torch.ones(num_kv_heads, dtype=torch.float32, device=k_cache.device)
+    ks = k_scale if k_scale is not None else ones
+    vs = v_scale if v_scale is not None else ones
+    assert ks is not None and vs is not None
+    return ks, vs
 
 
 def paged_attention(
@@ -108,6 +132,8 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the varlen queries ``q`` ``(T, Hq, D)`` over the paged caches; returns ``(T, Hq, D)``.
 
@@ -118,13 +144,16 @@ def paged_attention(
         query_start_loc: ``(R + 1,)`` int32; seq_lens: ``(R,)`` int32 (context including this step's tokens).
         scale: softmax scale (usually ``D ** -0.5``).
         max_query_len, max_seq_len: host ints bounding the row lengths and ``seq_lens``.
+        k_scale, v_scale: an FP8 cache's per-kv-head scales ``(Hkv,)`` float32 (None = 1): entries read times them.
     """
     if q.is_cuda:
         return paged_attention_triton(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, max_seq_len
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, max_seq_len,
+            k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, max_seq_len
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, max_seq_len,
+        k_scale, v_scale,
     )
 
 
@@ -142,6 +171,8 @@ def paged_attention_triton(
     decode_partition: int | None = None,
     prefill_config: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton :func:`paged_attention`: the split-context decode kernel when ``max_query_len <= 1``, the varlen
     prefill kernel otherwise. ``decode_partition`` (tests) overrides the context positions per decode split;
@@ -166,6 +197,8 @@ def paged_attention_triton(
     if T == 0 or R == 0:
         return out
     group = Hq // Hkv
+    fp8 = k_cache.dtype in FP8_KV_DTYPES
+    ks, vs = _kv_scales(k_cache, k_scale, v_scale, Hkv)
     block_d = max(16, _next_pow2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * _LOG2E
@@ -197,12 +230,12 @@ def paged_attention_triton(
             po_strides = (po.stride(0), po.stride(1), po.stride(2))
             pml_strides = (pml.stride(0), pml.stride(1), pml.stride(2))
         _paged_decode_kernel[(R, Hkv, splits)](
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, po, pml,
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, po, pml, ks, vs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *common, *po_strides, *pml_strides,
             qk_scale,
             GROUP=group, G_PAD=max(16, _next_pow2(group)), D=D, BLOCK_D=block_d, BS=bs,
-            BLOCK_N=block_n, PART=part, SINGLE=single, PRECISION=precision,
+            BLOCK_N=block_n, PART=part, SINGLE=single, PRECISION=precision, FP8=fp8,
             num_warps=4, num_stages=decode_stages,
         )  # fmt: skip
         if not single:
@@ -222,11 +255,11 @@ def paged_attention_triton(
     block_m, block_n, num_stages = fit_tiles(block_m, block_n, num_stages, block_d, elem)
     grid = (_cdiv(max_query_len, block_m), R, Hq)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, ks, vs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *common,
         qk_scale,
-        GROUP=group, D=D, BLOCK_D=block_d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
+        GROUP=group, D=D, BLOCK_D=block_d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -31,10 +31,13 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "FP8_KV_DTYPES",
     "causal_conv1d_varlen_ref",
+    "dequantize_kv",
     "gdn_forward_ref",
     "l2norm",
     "paged_attention_ref",
+    "quantize_kv",
     "row_index",
     "store_kv_ref",
 ]
@@ -55,6 +58,8 @@ def row_index(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Ten
 
 # Largest (rows, Hq, query tile, context) score tensor the attention reference builds at once (float32 elements).
 ATTENTION_SCORE_ELEMENTS = 1 << 22
+# KV cache element types stored scaled (kv_cache_dtype="fp8").
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 
 def length_groups(query_start_loc: torch.Tensor) -> list[list[int]]:
@@ -264,16 +269,39 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` ``(T, Hkv, D)`` into the paged caches ``(num_blocks, block_size, Hkv, D)`` in place.
 
-    ``slot_mapping[t] = block_id * block_size + offset``; ``-1`` skips token ``t``.
+    ``slot_mapping[t] = block_id * block_size + offset``; ``-1`` skips token ``t``. FP8 caches store the values
+    divided by ``k_scale`` / ``v_scale`` (``quantize_kv``).
     """
     nb, bs, hkv, d = k_cache.shape
     keep = slot_mapping >= 0
     idx = slot_mapping[keep].to(torch.int64)
-    k_cache.view(nb * bs, hkv, d)[idx] = k[keep].to(k_cache.dtype)
-    v_cache.view(nb * bs, hkv, d)[idx] = v[keep].to(v_cache.dtype)
+    k_cache.view(nb * bs, hkv, d)[idx] = quantize_kv(k[keep], k_cache.dtype, k_scale)
+    v_cache.view(nb * bs, hkv, d)[idx] = quantize_kv(v[keep], v_cache.dtype, v_scale)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``(T, Hkv, D)`` as the cache stores it: an FP8 cache holds ``x / scale`` (``scale`` per kv head, ``(Hkv,)``
+    float32, None = 1) rounded to nearest and clamped to the format's finite range; other caches hold ``x`` cast."""
+    if dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    y = x.float()
+    if scale is not None:
+        y = y / scale.float()[None, :, None]
+    fmax = torch.finfo(dtype).max
+    return y.clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Float32 values of cache entries ``x`` ``(..., Hkv, D)`` (FP8 entries times their kv head's scale)."""
+    y = x.float()
+    if x.dtype in FP8_KV_DTYPES and scale is not None:
+        y = y * scale.float()[:, None]
+    return y
 
 
 def paged_attention_ref(
@@ -286,8 +314,12 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of varlen queries over a paged KV cache (already holding this step's keys/values).
+
+    FP8 caches are read as their entries times ``k_scale`` / ``v_scale`` (``dequantize_kv``).
 
     Args:
         q: ``(T, Hq, D)``; caches: ``(num_blocks, block_size, Hkv, D)``; ``Hq % Hkv == 0``, query head ``h`` uses
@@ -314,7 +346,7 @@ def paged_attention_ref(
         Q = max(qsl_host[r + 1] - qsl_host[r] for r in rows)
         L = min(max(sl_host[r] for r in rows), max(int(max_seq_len), 1))
         out[tok] = _attend_padded(q[tok], k_cache, v_cache, block_tables[idx], sub_qsl, seq_lens[idx].to(torch.int64),
-                                  scale, Q, max(L, 1))
+                                  scale, Q, max(L, 1), k_scale, v_scale)
     return out
 
 
@@ -328,6 +360,8 @@ def _attend_padded(
     scale: float,
     Q: int,
     L: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention_ref`` for rows padded to ``Q`` queries and ``L`` context positions, queries in tiles."""
     T, Hq, D = q.shape
@@ -343,8 +377,8 @@ def _attend_padded(
     bt = block_tables[:, :nblk].to(torch.int64)
     blk_idx = (pos // bs).clamp(max=nblk - 1)
     flat = (bt[:, blk_idx] * bs + (pos % bs)[None, :]).clamp(0, nb * bs - 1)  # (R, L)
-    kctx = k_cache.view(nb * bs, Hkv, D)[flat].float()
-    vctx = v_cache.view(nb * bs, Hkv, D)[flat].float()
+    kctx = dequantize_kv(k_cache.view(nb * bs, Hkv, D)[flat], k_scale)
+    vctx = dequantize_kv(v_cache.view(nb * bs, Hkv, D)[flat], v_scale)
 
     out = torch.empty_like(q)
     rows, p_in_row = row_index(qsl, T)

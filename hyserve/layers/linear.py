@@ -1,63 +1,155 @@
 """Linear layers: one GEMM for several projections of the same input (checkpoints store them as separate tensors),
-and the tensor-parallel forms (``hyserve.distributed.parallel_state``).
+the tensor-parallel forms (``hyserve.distributed.parallel_state``), and a quant method in each GEMM
+(``hyserve.layers.quantization``).
 
 Column-parallel projections need no class of their own: a rank's output rows are a ``Shard`` of the checkpoint
 tensor (``hyserve.layers.sharding``) and the layer's output is that rank's heads or channels. A row-parallel
 projection takes the rank's input columns and sums its output over the group.
+
+Each GEMM (``LinearBase``) takes its method from the model's ``QuantizationConfig`` by its checkpoint name; the
+method creates the parameters (``weight`` and, quantized, its scales) with what the loader needs (shards of scales
+included). A merged projection whose parts get different methods (a checkpoint that keeps ``in_proj_a``/``in_proj_b``
+in bf16 beside FP8 ``in_proj_qkv``/``in_proj_z``) runs one GEMM per run of consecutive parts with equal methods.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_gather_last, all_reduce, shard_range, tp_size
+from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, LinearPart, QuantizationConfig
 from hyserve.layers.sharding import Shard, set_shard
 
 
-class MergedLinear(nn.Linear):
-    """``parts``: each projection's checkpoint name relative to the parent module (e.g. ``in_proj_z``) and its
-    output size (this rank's), in output order. The loader fills each part's rows (:meth:`part_views`, each view
-    carrying the part's ``Shard`` when tensor-parallel); :meth:`split` cuts the output into the parts (views)."""
+def linear_method(quant: QuantizationConfig | None, name: str) -> LinearMethod:
+    """The method of linear layer ``name`` (model-side name) under ``quant`` (``None``: unquantized)."""
+    return UNQUANTIZED if quant is None else quant.linear_method(name)
 
-    def __init__(self, in_features: int, parts: list[tuple[str, int]],
-                 shards: dict[str, Shard] | None = None) -> None:
-        super().__init__(in_features, sum(n for _, n in parts), bias=False)
+
+class LinearBase(nn.Module):
+    """One GEMM ``x W^T`` over this rank's rows and columns; ``parts`` are the checkpoint projections of its output
+    rows, in order. ``prefix`` names the layer (a merged projection's parent, whose children the parts' names are)."""
+
+    weight: torch.Tensor
+
+    def __init__(self, in_features: int, parts: Sequence[LinearPart], method: LinearMethod, *, prefix: str,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = tuple(parts)
+        self.out_features = sum(p.size for p in self.parts)
+        self.prefix = prefix
+        self.method = method
+        method.create_weights(self)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            assert len(self.parts) == 1, "a merged projection has no bias"
+            self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
+            shard = self.parts[0].shard
+            if shard is not None and shard.dim == 0:
+                set_shard(self.bias, Shard((shard.full_shape[0],), 0, shard.ranges))
+
+    def part_name(self, part: LinearPart) -> str:
+        """The model-side module name of ``part``."""
+        if part.name is None:
+            return self.prefix
+        return f"{self.prefix}.{part.name}" if self.prefix else part.name
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def part_tensors(self) -> dict[str, torch.Tensor]:
+        """``{part.param: view}``: each named part's checkpoint tensors (``in_proj_z.weight``, ...), views of this
+        GEMM's parameters."""
+        out: dict[str, torch.Tensor] = {}
+        off = 0
+        for i, part in enumerate(self.parts):
+            assert part.name is not None
+            for param, view in self.method.part_tensors(self, i, off).items():
+                out[f"{part.name}.{param}"] = view
+            off += part.size
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.method.describe()}")
+
+
+class Linear(LinearBase):
+    """A replicated projection, or a column-parallel one: ``shard`` is this rank's rows of the checkpoint tensor."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 quant: QuantizationConfig | None = None, prefix: str = "", shard: Shard | None = None) -> None:
+        super().__init__(in_features, [LinearPart(None, out_features, shard)], linear_method(quant, prefix),
+                         prefix=prefix, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gemm(x)
+        return y if self.bias is None else y + self.bias
+
+
+class MergedLinear(nn.Module):
+    """``parts``: each projection's checkpoint name relative to ``prefix`` (the parent module, e.g. ``in_proj_z``
+    of ``model.layers.0.linear_attn``) and its output size (this rank's), in output order; ``shards`` their rows
+    of the checkpoint tensors when tensor-parallel. The loader fills each part's rows (``checkpoint_tensors``);
+    :meth:`split` cuts the output into the parts (views)."""
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], shards: dict[str, Shard] | None = None, *,
+                 quant: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
         self.parts = list(parts)
         self.sizes = [n for _, n in parts]
-        self.shards = dict(shards or {})
+        shards = dict(shards or {})
+        methods = [linear_method(quant, f"{prefix}.{name}" if prefix else name) for name, _ in parts]
+        # Consecutive parts with equal methods share a GEMM, unless the earlier one's rows end inside a scale block.
+        groups: list[list[int]] = []
+        for i, method in enumerate(methods):
+            last = groups[-1][-1] if groups else -1
+            if last >= 0 and methods[last] == method and self.sizes[last] % method.row_alignment == 0:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        self.gemms = nn.ModuleList([
+            LinearBase(in_features, [LinearPart(parts[i][0], parts[i][1], shards.get(parts[i][0])) for i in g],
+                       methods[g[0]], prefix=prefix) for g in groups])
+        self._gemms: list[LinearBase] = list(self.gemms)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self._gemms) == 1:
+            return self._gemms[0].gemm(x)
+        return torch.cat([g.gemm(x) for g in self._gemms], dim=-1)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(self.sizes, dim=-1))
 
-    def part_views(self) -> dict[str, torch.Tensor]:
-        """``{part name: rows of the weight}``, views of the one weight."""
-        out, off = {}, 0
-        for name, n in self.parts:
-            view = self.weight[off : off + n]
-            if name in self.shards:
-                set_shard(view, self.shards[name])
-            out[name] = view
-            off += n
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """``{part.param: tensor}`` over every part (``in_proj_qkv.weight``, ``in_proj_qkv.weight_scale``, ...):
+        views of the GEMMs' parameters, each carrying its part's shard."""
+        out: dict[str, torch.Tensor] = {}
+        for g in self._gemms:
+            out.update(g.part_tensors())
         return out
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(LinearBase):
     """``in_range`` of the full ``in_features_full`` inputs on this rank; the outputs are summed over the group,
     then the (whole) bias is added once."""
 
     def __init__(self, in_features_full: int, out_features: int, in_range: tuple[int, int], bias: bool = False,
-                 sharded: bool = True) -> None:
-        super().__init__(in_range[1] - in_range[0], out_features, bias=bias)
+                 sharded: bool = True, *, quant: QuantizationConfig | None = None, prefix: str = "") -> None:
+        shard = Shard((out_features, in_features_full), 1, (in_range,)) if sharded else None
+        super().__init__(in_range[1] - in_range[0], [LinearPart(None, out_features, shard)],
+                         linear_method(quant, prefix), prefix=prefix, bias=bias)
         self.sharded = sharded
-        if sharded:
-            set_shard(self.weight, Shard((out_features, in_features_full), 1, (in_range,)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sharded:
-            return super().forward(x)
-        y = all_reduce(F.linear(x, self.weight))
+        y = self.gemm(x)
+        if self.sharded:
+            y = all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

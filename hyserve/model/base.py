@@ -16,16 +16,43 @@ from hyserve.cache.specs import AttentionSpec, CacheSpecs, RecurrentStateSpec
 
 
 class KVCacheLayer(nn.Module):
-    """A layer reading and writing the paged KV cache: (num_blocks, block_size, num_kv_heads, head_dim) K and V."""
+    """A layer reading and writing the paged KV cache: (num_blocks, block_size, num_kv_heads, head_dim) K and V.
+
+    An FP8 cache (``kv_cache_dtype="fp8"``) holds K / ``k_scale`` and V / ``v_scale``, per kv head (float32,
+    ``(num_kv_heads,)``); the scales are 1 unless a checkpoint gives them (``set_kv_scales``).
+    """
 
     k_cache: torch.Tensor | None
     v_cache: torch.Tensor | None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
         raise NotImplementedError
 
     def bind_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        if k_cache.dtype == torch.float8_e4m3fn and self.k_scale is None:
+            ones = torch.ones(k_cache.shape[2], dtype=torch.float32, device=k_cache.device)
+            self.set_kv_scales(ones, ones.clone())
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Per-kv-head (or per-tensor: one value) scales of an FP8 cache; copied into the tensors the layer already
+        holds (captured CUDA graphs read those)."""
+        n = self.k_cache.shape[2] if self.k_cache is not None else None
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            t = t.detach().float().reshape(-1)
+            if n is not None and t.numel() == 1:
+                t = t.expand(n).clone()
+            if n is not None and t.numel() != n:
+                raise ValueError(f"{name} has {t.numel()} values; the layer has {n} kv heads (one value, or one each)")
+            if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} must be positive and finite (got {t.tolist()})")
+            held = getattr(self, name)
+            if held is not None and held.shape == t.shape:
+                held.copy_(t)
+            else:
+                setattr(self, name, t.to(self.k_cache.device if self.k_cache is not None else t.device))
 
 
 class RecurrentLayer(nn.Module):

@@ -7,6 +7,13 @@ Checkpoint names are mapped to model names as follows:
 * ``model.visual.*`` / ``visual.*`` (vision tower) -> skipped, with one warning giving the count;
 * ``mtp.*`` (multi-token-prediction head) -> returned to the caller, not loaded into the model.
 
+Quantized layers (``hyserve.layers.quantization``): a layer the model's quantization config quantizes has FP8
+``weight`` and scale targets (``weight_scale``, ``weight_scale_inv``, ``input_scale``), so the header pass checks
+each scale's presence and shape like any tensor's; dtypes are checked too: an FP8 checkpoint tensor is never loaded
+into a layer that is not quantized (its bytes are not bf16 values), and a quantized layer's weight must be FP8
+(online FP8 excepted: it quantizes an unquantized weight as it loads). Targets may carry a ``LoadSpec``
+(``hyserve.layers.sharding``): the checkpoint shapes and dtypes it accepts and how it is copied in.
+
 Targets are the model's parameters and persistent buffers (its ``state_dict`` entries), one per distinct tensor,
 with each merged projection (:class:`hyserve.layers.linear.MergedLinear`: one GEMM for, e.g., ``in_proj_qkv``,
 ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``) replaced by its parts' row views under the checkpoint's names:
@@ -34,8 +41,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hyserve.config import ModelConfig
-from hyserve.layers.linear import MergedLinear
-from hyserve.layers.sharding import shard_of
+from hyserve.kernels.fp8 import FP8_DTYPE
+from hyserve.layers.linear import LinearBase, MergedLinear
+from hyserve.layers.sharding import load_spec_of, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +56,14 @@ _MAX_LISTED = 5
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1}
+FP8_CHECKPOINT_DTYPE = "F8_E4M3"
+# Safetensors' names of torch dtypes (for tensors already read: the MTP head's).
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+# Tensors of quantized layers other than the weight (kept in their stored dtype when returned for the MTP head).
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+_VLM_TEXT = "model.language_model."
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,10 +82,11 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     """Copy the checkpoint in ``model_dir`` into ``model`` (already on its device and dtype).
 
-    Returns the ``mtp.*`` tensors (checkpoint name -> tensor on the model's device, in the model's dtype) for
-    speculative decoding; empty if the checkpoint has none. ``show_progress`` None shows a tqdm bar only for
-    checkpoints over 200 MB. Raises FileNotFoundError for a missing directory, weight file or shard, and
-    ValueError for missing/unexpected/duplicate tensors and shape mismatches.
+    Returns the ``mtp.*`` tensors (checkpoint name -> tensor on the model's device, in the model's dtype except FP8
+    weights and quantization scales, which keep theirs) for speculative decoding; empty if the checkpoint has none.
+    ``show_progress`` None shows a tqdm bar only for checkpoints over 200 MB. Raises FileNotFoundError for a missing
+    directory, weight file or shard, and ValueError for missing/unexpected/duplicate tensors, shape mismatches and
+    dtypes that do not fit (FP8 tensors into unquantized layers, unquantized ones into FP8 layers).
     """
     files = checkpoint_files(model_dir)
     targets = _targets(model, config)
@@ -83,14 +100,38 @@ def load_weights(
                                desc="Loading weights", disable=not show) as bar:
         for entry, tensor in _read(entries):
             if entry.target is None:
-                mtp[entry.ckpt_name] = tensor.to(device=device, dtype=dtype)
+                keep = tensor.dtype == FP8_DTYPE or entry.ckpt_name.endswith(SCALE_SUFFIXES)
+                mtp[entry.ckpt_name] = tensor.to(device=device, dtype=None if keep else dtype)
             else:
-                target = targets[entry.target]
-                shard = shard_of(target)
-                target.data.copy_(shard.take(tensor) if shard is not None else tensor)
+                copy_into(targets[entry.target], tensor)
             bar.update(entry.nbytes)
         _fill_untied_lm_head(model, targets, config)
+        finish_loading(model)
     return mtp
+
+
+def safetensors_dtype(tensor: torch.Tensor) -> str:
+    """The safetensors name of ``tensor``'s dtype (``F32``, ``BF16``, ``F8_E4M3``, ...)."""
+    return _ST_DTYPES[tensor.dtype]
+
+
+def copy_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy checkpoint ``tensor`` (the whole checkpoint tensor) into ``target``: its ``LoadSpec``'s load, else this
+    rank's ``Shard`` of it, converted to the target's dtype and device."""
+    spec = load_spec_of(target)
+    if spec is not None and spec.load is not None:
+        spec.load(target.data, tensor)
+        return
+    shard = shard_of(target)
+    part = shard.take(tensor) if shard is not None else tensor
+    target.data.copy_(part.reshape(target.shape))
+
+
+def finish_loading(module: torch.nn.Module) -> None:
+    """Once every tensor is in: what quantized layers derive from theirs (``process_weights_after_loading``)."""
+    for m in module.modules():
+        if isinstance(m, LinearBase):
+            m.method.process_weights_after_loading(m)
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -131,24 +172,33 @@ def _index_shards(model_dir: str, index_path: str) -> list[str]:
 
 def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s parameters and persistent buffers in checkpoint terms: one name per distinct tensor (the first
-    registered: an alias such as ``mixer`` or a tied ``lm_head`` adds none), and a :class:`MergedLinear`'s weight
-    as its parts' row views under the parts' checkpoint names."""
+    registered: an alias such as ``mixer`` or a tied ``lm_head`` adds none), and a :class:`MergedLinear`'s tensors
+    (weights, and scales when quantized) as its parts' row views under the parts' checkpoint names."""
     distinct: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
             distinct[name] = tensor
-    merged = {id(m.weight): m for m in module.modules() if isinstance(m, MergedLinear)}
+    merged: dict[int, tuple[str, MergedLinear]] = {}  # a merged projection's tensors -> (its parent's name, it)
+    for name, m in module.named_modules():
+        if isinstance(m, MergedLinear):
+            for tensor in m.state_dict(keep_vars=True).values():
+                merged[id(tensor)] = (name.rpartition(".")[0], m)
     out: dict[str, torch.Tensor] = {}
+    expanded: set[int] = set()
     for name, tensor in distinct.items():
-        m = merged.get(id(tensor))
-        if m is None:
+        owner = merged.get(id(tensor))
+        if owner is None:
             out[name] = tensor
             continue
-        parent = name.rsplit(".", 2)[0] + "." if name.count(".") >= 2 else ""
-        for part, view in m.part_views().items():
-            out[f"{parent}{part}.weight"] = view
+        parent, m = owner
+        if id(m) in expanded:
+            continue
+        expanded.add(id(m))
+        prefix = f"{parent}." if parent else ""
+        for part_name, view in m.checkpoint_tensors().items():
+            out[prefix + part_name] = view
     return out
 
 
@@ -168,8 +218,8 @@ def _map_name(name: str) -> str | None:
     """Checkpoint name -> model name; None for tensors that are not the text model's (vision, mtp)."""
     if name.startswith(("model.visual.", "visual.", "mtp.")):
         return None
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
+    if name.startswith(_VLM_TEXT):
+        return "model." + name[len(_VLM_TEXT):]
     return name
 
 
@@ -186,7 +236,8 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 meta = f.get_slice(name)
                 shape = tuple(meta.get_shape())
-                nbytes = _numel(shape) * _DTYPE_BYTES.get(meta.get_dtype(), 4)
+                st_dtype = meta.get_dtype()
+                nbytes = _numel(shape) * _DTYPE_BYTES.get(st_dtype, 4)
                 target = _map_name(name)
                 if holds is not None and not holds(target or name):
                     skipped_stage += 1
@@ -199,7 +250,9 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                 elif target not in targets:
                     unexpected.append(name)
                 else:
-                    _check_one(name, target, shape, targets, loaded)
+                    if target in loaded:
+                        raise ValueError(f"checkpoint has two tensors for {target!r}: {loaded[target]!r} and {name!r}")
+                    check_tensor(name, targets[target], shape, st_dtype, config)
                     loaded[target] = name
                     entries.append(_Entry(name, path, shape, nbytes, target))
     if skipped_visual:
@@ -211,31 +264,63 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
     return entries
 
 
-def _check_one(
-    name: str, target: str, shape: tuple[int, ...], targets: dict[str, torch.Tensor], loaded: dict[str, str]
-) -> None:
-    if target in loaded:
-        raise ValueError(f"checkpoint has two tensors for {target!r}: {loaded[target]!r} and {name!r}")
-    shard = shard_of(targets[target])  # tensor parallel: the checkpoint holds the whole tensor
-    expected = shard.full_shape if shard is not None else tuple(targets[target].shape)
-    if shape != expected:
-        raise ValueError(
-            f"shape mismatch for {name!r}: checkpoint has {list(shape)}, model expects {list(expected)}"
-        )
+def check_tensor(name: str, target: torch.Tensor, shape: tuple[int, ...], st_dtype: str, config: ModelConfig) -> None:
+    """Refuse checkpoint tensor ``name`` (``shape``, safetensors dtype ``st_dtype``) for ``target`` unless its shape
+    is the target's (the whole tensor when sharded, or a shape its ``LoadSpec`` accepts) and its dtype fits: FP8 only
+    into FP8 targets, FP8 targets only from FP8 (or what their ``LoadSpec`` accepts)."""
+    spec = load_spec_of(target)
+    shard = shard_of(target)  # tensor parallel: the checkpoint holds the whole tensor
+    full = shard.full_shape if shard is not None else tuple(target.shape)
+    accepted = spec.shapes if spec is not None and spec.shapes is not None else (full,)
+    if shape not in accepted:
+        want = " or ".join(str(list(a)) for a in accepted)
+        raise ValueError(f"shape mismatch for {name!r}: checkpoint has {list(shape)}, model expects {want}")
+    quant = config.quantization
+    scheme = quant.describe() if quant is not None else "unquantized"
+    if spec is not None:
+        if st_dtype not in spec.dtypes:
+            raise ValueError(f"{name} is {st_dtype} in the checkpoint; this layer ({scheme}) expects "
+                             f"{' or '.join(spec.dtypes)}")
+    elif target.dtype == FP8_DTYPE:
+        if st_dtype != FP8_CHECKPOINT_DTYPE:
+            raise ValueError(f"{name} is {st_dtype} in the checkpoint, but its quantization_config ({scheme}) "
+                             f"quantizes this layer: expected {FP8_CHECKPOINT_DTYPE} (a layer the checkpoint keeps "
+                             "unquantized belongs in the config's ignore / modules_to_not_convert)")
+    elif st_dtype.startswith("F8"):
+        why = "config.json has no quantization_config" if quant is None else \
+            f"its quantization_config ({scheme}) leaves this layer unquantized (or it is not a linear projection: " \
+            "the embedding, LM head, norms and convs stay unquantized)"
+        raise ValueError(f"{name} is FP8 ({st_dtype}) in the checkpoint, but {why}; FP8 bytes are not loaded as "
+                         "unquantized values")
 
 
 def _check_complete(
     targets: dict[str, torch.Tensor], loaded: dict[str, str], unexpected: list[str], config: ModelConfig
 ) -> None:
+    quant = config.quantization
     if unexpected:
+        scales = [n for n in unexpected if n.endswith(SCALE_SUFFIXES)]
+        hint = ""
+        if scales:
+            why = "config.json has no quantization_config" if quant is None else \
+                f"its quantization_config ({quant.describe()}) leaves that layer unquantized or scales it otherwise"
+            hint = f"; {scales[0]} is a quantization scale, but {why}"
         raise ValueError(
             f"unexpected tensor(s) in checkpoint (no such parameter in the {config.architecture} text model): "
-            f"{_listing(unexpected)}"
+            f"{_listing(unexpected)}{hint}"
         )
     missing = [t for t in targets if t not in loaded]
     if missing:
+        # Named as the checkpoint names them (a VLM-form checkpoint's text model is model.language_model.*).
+        vlm = any(c.startswith(_VLM_TEXT) for c in loaded.values())
+        shown = [_VLM_TEXT + t[len("model."):] if vlm and t.startswith("model.") else t for t in missing]
+        scales = [n for n in shown if n.endswith(SCALE_SUFFIXES)]
+        if scales and quant is not None:
+            more = f" ({len(scales)} scale tensors are missing in all)" if len(scales) > 1 else ""
+            raise ValueError(f"{scales[0]} is missing: the checkpoint's quantization_config ({quant.describe()}) "
+                             f"quantizes {scales[0].rsplit('.', 1)[0]}{more}")
         hint = " (the config has tie_word_embeddings=False)" if missing == [LM_HEAD] else ""
-        raise ValueError(f"missing tensor(s) in checkpoint: {_listing(missing)}{hint}")
+        raise ValueError(f"missing tensor(s) in checkpoint: {_listing(shown)}{hint}")
 
 
 def _listing(names: list[str]) -> str:

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from hyserve.config import FULL_ATTENTION, ModelConfig
+from hyserve.layers.linear import Linear
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
-from hyserve.layers.sharding import shard_of
-from hyserve.model.loader import checkpoint_tensors
+from hyserve.model.loader import check_tensor, checkpoint_tensors, copy_into, finish_loading, safetensors_dtype
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Attention, DecoderLayer
 
@@ -30,13 +30,14 @@ from hyserve.model.qwen3_5 import Attention, DecoderLayer
 class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.config = cfg
         h = cfg.hidden_size
         layer_cfg = dataclasses.replace(cfg, layer_types=[FULL_ATTENTION], num_hidden_layers=1)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, quant=cfg.quantization, prefix="mtp.fc")
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, self.rotary)])
+        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, self.rotary, "mtp.layers.0")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
     @property
@@ -54,7 +55,8 @@ class MTPHead(nn.Module):
 
 
 def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
-    """Copy the checkpoint's ``mtp.*`` tensors into ``head``; names and shapes must match exactly."""
+    """Copy the checkpoint's ``mtp.*`` tensors into ``head``; names, shapes and dtypes must match exactly (FP8
+    weights and their scales into the layers the head quantizes, as the loader checks the model's)."""
     params = checkpoint_tensors(head)
     given = {name.removeprefix("mtp."): t for name, t in weights.items()}
     missing = sorted(set(params) - set(given))
@@ -64,11 +66,9 @@ def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
     unexpected = sorted(set(given) - set(params))
     if unexpected:
         raise ValueError(f"unexpected MTP tensor mtp.{unexpected[0]} (this engine supports one MTP layer)")
-    for name, p in params.items():
-        t = given[name]
-        shard = shard_of(p)  # tensor parallel: the checkpoint holds the whole tensor
-        expected = shard.full_shape if shard is not None else tuple(p.shape)
-        if tuple(t.shape) != expected:
-            raise ValueError(f"shape mismatch for mtp.{name}: checkpoint {tuple(t.shape)}, model {expected}")
-        with torch.no_grad():
-            p.copy_((shard.take(t) if shard is not None else t).to(dtype=p.dtype, device=p.device))
+    with torch.no_grad():
+        for name, p in params.items():
+            t = given[name]
+            check_tensor(f"mtp.{name}", p, tuple(t.shape), safetensors_dtype(t), head.config)
+            copy_into(p, t)
+        finish_loading(head)

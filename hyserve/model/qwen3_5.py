@@ -26,8 +26,9 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, 
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.norm import silu_mul
 from hyserve.kernels.verify import causal_conv1d_verify, commit_verified, gdn_verify
-from hyserve.layers.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from hyserve.layers.linear import Linear, MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
+from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.base import CausalLM, KVCacheLayer, RecurrentLayer
@@ -35,9 +36,10 @@ from hyserve.model.metadata import StepMetadata
 
 
 class GatedDeltaNet(RecurrentLayer):
-    """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm."""
+    """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm.
+    ``prefix``: the module's name (``model.layers.0.linear_attn``), which names its projections for quantization."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, prefix: str) -> None:
         super().__init__()
         tp = tp_size()
         # Tensor parallel: this rank's key heads and value heads, with their channels of [q | k | v], z, b, a,
@@ -57,7 +59,7 @@ class GatedDeltaNet(RecurrentLayer):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(cfg.linear_value_dim, cfg.hidden_size, (v0 * dv, v1 * dv),
-                                          sharded=tp > 1)
+                                          sharded=tp > 1, quant=cfg.quantization, prefix=f"{prefix}.out_proj")
         shards: dict[str, Shard] = {}
         if tp > 1:
             fk, h = cfg.linear_key_dim, cfg.hidden_size
@@ -73,7 +75,8 @@ class GatedDeltaNet(RecurrentLayer):
         # One GEMM for the checkpoint's four input projections (filled part by part by the loader).
         self.in_proj = MergedLinear(cfg.hidden_size, [("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
                                                       ("in_proj_b", self.num_v_heads),
-                                                      ("in_proj_a", self.num_v_heads)], shards)
+                                                      ("in_proj_a", self.num_v_heads)], shards,
+                                   quant=cfg.quantization, prefix=prefix)
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
         # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
@@ -145,9 +148,10 @@ class GatedDeltaNet(RecurrentLayer):
 
 
 class Attention(KVCacheLayer):
-    """Gated full attention: q_proj yields [q | gate] per head, q/k RMSNorm per head, partial RoPE."""
+    """Gated full attention: q_proj yields [q | gate] per head, q/k RMSNorm per head, partial RoPE. ``prefix``: the
+    module's name (``model.layers.3.self_attn``)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         tp, rank = tp_size(), tp_rank()
         h0, h1 = shard_range(cfg.num_attention_heads)
@@ -163,20 +167,19 @@ class Attention(KVCacheLayer):
         self.num_kv_heads = kv1 - kv0
         self.head_dim = d = cfg.head_dim
         self.scale = self.head_dim**-0.5
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, (h0 * d, h1 * d), bias=bias,
-                                        sharded=tp > 1)
-        if tp > 1:  # rows per query head are [q | gate]: a rank's heads are one run of rows
-            hidden = cfg.hidden_size
-            for proj, total, rows in ((self.q_proj, cfg.num_attention_heads * 2 * d, (h0 * 2 * d, h1 * 2 * d)),
-                                      (self.k_proj, hkv * d, (kv0 * d, kv1 * d)),
-                                      (self.v_proj, hkv * d, (kv0 * d, kv1 * d))):
-                set_shard(proj.weight, Shard((total, hidden), 0, (rows,)))
-                if proj.bias is not None:
-                    set_shard(proj.bias, Shard((total,), 0, (rows,)))
+        bias, quant, hidden = cfg.attention_bias, cfg.quantization, cfg.hidden_size
+        # Tensor parallel: rows per query head are [q | gate], so a rank's heads are one run of rows.
+        q_rows, kv_rows = (h0 * 2 * d, h1 * 2 * d), (kv0 * d, kv1 * d)
+        q_shard = Shard((cfg.num_attention_heads * 2 * d, hidden), 0, (q_rows,)) if tp > 1 else None
+        kv_shard = Shard((hkv * d, hidden), 0, (kv_rows,)) if tp > 1 else None
+        self.q_proj = Linear(hidden, self.num_heads * d * 2, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
+                             shard=q_shard)
+        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.k_proj",
+                             shard=kv_shard)
+        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.v_proj",
+                             shard=kv_shard)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, hidden, (h0 * d, h1 * d), bias=bias,
+                                        sharded=tp > 1, quant=quant, prefix=f"{prefix}.o_proj")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
@@ -194,39 +197,44 @@ class Attention(KVCacheLayer):
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary[0](meta.positions, q, k)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, self.scale, meta.max_query_len, meta.max_seq_len)
+                              meta.seq_lens, self.scale, meta.max_query_len, meta.max_seq_len, self.k_scale,
+                              self.v_scale)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         i0, i1 = shard_range(intermediate)
         shards: dict[str, Shard] = {}
         if tp_size() > 1:
             shards = {name: Shard((intermediate, hidden), 0, ((i0, i1),)) for name in ("gate_proj", "up_proj")}
-        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", i1 - i0), ("up_proj", i1 - i0)], shards)
-        self.down_proj = RowParallelLinear(intermediate, hidden, (i0, i1), sharded=tp_size() > 1)
+        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", i1 - i0), ("up_proj", i1 - i0)], shards,
+                                         quant=quant, prefix=prefix)
+        self.down_proj = RowParallelLinear(intermediate, hidden, (i0, i1), sharded=tp_size() > 1, quant=quant,
+                                           prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(*self.gate_up_proj.split(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    """``prefix``: the layer's name in the text model's naming (``model.layers.3``, ``mtp.layers.0``)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         self.layer_type = cfg.layer_types[layer_idx]
         self.mixer: GatedDeltaNet | Attention
         if self.layer_type == FULL_ATTENTION:
-            self.self_attn = Attention(cfg, rotary)
+            self.self_attn = Attention(cfg, rotary, f"{prefix}.self_attn")
             self.mixer = self.self_attn
         else:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, f"{prefix}.linear_attn")
             self.mixer = self.linear_attn
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -263,8 +271,9 @@ class TextModel(nn.Module):
         self.embed_tokens: VocabParallelEmbedding | None = None
         if self.is_first or (self.is_last and (cfg.tie_word_embeddings or cfg.mtp_num_hidden_layers > 0)):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary) if self.start <= i < self.end
-                                     else MissingLayer() for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary, f"model.layers.{i}")
+                                     if self.start <= i < self.end else MissingLayer()
+                                     for i in range(cfg.num_hidden_layers)])
         self._own_layers = list(self.layers)[self.start : self.end]  # a plain list: no ModuleList slice per step
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 

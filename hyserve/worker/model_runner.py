@@ -8,6 +8,7 @@ them stays valid.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -22,7 +23,13 @@ from hyserve.cache.block_pool import BlockPool, cdiv
 from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.cache.specs import AttentionSpec, CacheSpecs
 from hyserve.cache.state_pool import StatePool
-from hyserve.config import DEFAULT_MAX_NUM_SEQS, EngineConfig, ModelConfig, default_max_num_batched_tokens
+from hyserve.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    EngineConfig,
+    ModelConfig,
+    default_max_num_batched_tokens,
+    resolve_kv_cache_dtype,
+)
 from hyserve.distributed.parallel_state import (
     StageLink,
     is_first_stage,
@@ -32,7 +39,9 @@ from hyserve.distributed.parallel_state import (
     stage_layers,
     tp_size,
 )
+from hyserve.kernels.fp8 import check_fp8_device
 from hyserve.layers.linear import ParallelLMHead
+from hyserve.layers.quantization import draft_head_quantization, quantization_summary
 from hyserve.layers.rejection_sampler import RejectionSampler, SpecOutput, SpecRow
 from hyserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, token_seed
 from hyserve.model import registry
@@ -146,9 +155,17 @@ class ModelRunner:
         if use_mtp and self.is_last_stage:
             self.mtp = self._build_mtp()
         # Every cache below is sized and shaped from what the layers declare (hyserve.cache.specs).
-        self.cache_specs: CacheSpecs = self.model.cache_specs(dtype)
+        # The attention KV may be kept in FP8 (kv_cache_dtype); the recurrent state keeps its own dtypes.
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
+        if self.kv_dtype != dtype:
+            logger.info("KV cache in %s (a float32 scale per kv head: 1 unless the checkpoint gives them); the "
+                        "recurrent state keeps its dtype", self.kv_dtype)
+        specs = self.model.cache_specs(dtype)
+        self.cache_specs: CacheSpecs = dataclasses.replace(
+            specs, attention=tuple(dataclasses.replace(a, dtype=self.kv_dtype) for a in specs.attention))
         self.mtp_kv_layers = [m for m in self.mtp.modules() if isinstance(m, KVCacheLayer)] if self.mtp else []
-        self.mtp_kv_specs: list[AttentionSpec] = [layer.cache_spec(dtype) for layer in self.mtp_kv_layers]
+        self.mtp_kv_specs: list[AttentionSpec] = [dataclasses.replace(layer.cache_spec(dtype), dtype=self.kv_dtype)
+                                                  for layer in self.mtp_kv_layers]
         if self.pp_size > 1:
             start, end = stage_layers(model_config.num_hidden_layers)
             logger.info("pipeline stage %d of %d: decoder layers %d-%d (%d attention, %d recurrent)%s%s", pp_rank(),
@@ -159,6 +176,9 @@ class ModelRunner:
         else:
             logger.info("loaded %s (%.1fM parameters, %s) in %.1f s", config.model,
                         model_config.num_parameters() / 1e6, dtype, time.perf_counter() - t0)
+        summary = quantization_summary(self.model, model_config.quantization, dtype)
+        if summary is not None:
+            logger.info(summary)
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or default_max_num_batched_tokens(device.type))
         self.max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.num_speculative_tokens = num_speculative_tokens
@@ -275,6 +295,8 @@ class ModelRunner:
         return rows * cfg.vocab_size * (4 + elem) + tokens * 16 * width * elem + 64 * 2**20
 
     def _build_model(self) -> CausalLM:
+        if self.model_config.quantization is not None:
+            check_fp8_device(self.device)
         model_class = registry.model_class(self.model_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -292,11 +314,14 @@ class ModelRunner:
 
     def _build_mtp(self) -> nn.Module:
         draft = registry.draft_head(self.model_config)
+        # The head's layers are quantized as its checkpoint tensors are (hyserve.layers.quantization).
+        cfg = dataclasses.replace(self.model_config, quantization=draft_head_quantization(
+            self.model_config.quantization, self.mtp_weights))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                head = draft.build(self.model_config)
+                head = draft.build(cfg)
         finally:
             torch.set_default_dtype(prev)
         draft.load(head, self.mtp_weights)

@@ -1,0 +1,224 @@
+"""The FP8 linear method: float8_e4m3fn weights with float32 scales, activations quantized as the scheme says.
+
+What a layer keeps (whatever the checkpoint format):
+
+* ``weight``: ``(out, in)`` float8_e4m3fn, this rank's rows and columns;
+* per-channel scales ``weight_scale`` ``(out, 1)`` float32: a checkpoint's per-channel scales as they are, a
+  per-tensor scale expanded to its tensor's rows. This is how merged projections whose parts have different
+  per-tensor scales keep each part's own scale exactly (no requantization to a common scale; each part's rows of
+  the one GEMM are scaled by their own value);
+* or block scales ``(ceil(out / bn), ceil(in / bk))`` float32 under the checkpoint's name (``weight_scale`` in
+  compressed-tensors, ``weight_scale_inv`` in Qwen's releases); in a merged projection every part but the last of a
+  GEMM has a multiple of ``bn`` rows, so each part's scales are whole rows of blocks;
+* static activations: the parts' ``input_scale`` (one each) and their maximum, the one scale of the GEMM (as vLLM
+  does; calibration gives parts that read the same input the same scale).
+
+Tensor parallelism: per-channel scales shard with their rows; block scales with their blocks, and a shard boundary
+not on a block boundary is refused when the layer is built; per-tensor and input scales are whole on every rank. A
+row-parallel layer's rank quantizes its slice of the input per token on its own, as vLLM does (no collective for a
+common amax; the result is as close to the checkpoint's per-token scheme as a finer grouping is); activation groups
+of block weights do not change, a rank's slice being whole groups.
+
+Online FP8 (``Fp8Scheme.online``): the checkpoint holds the weight in bf16/fp32, quantized per output channel as it
+loads (over the whole checkpoint row, so every tensor-parallel layout quantizes alike); the scale is not a
+checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from hyserve.kernels.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, fp8_block_linear, fp8_linear, quantize_fp8
+from hyserve.layers.quantization.base import LinearMethod
+from hyserve.layers.sharding import LoadSpec, Shard, set_load_spec, set_shard
+
+if TYPE_CHECKING:
+    from hyserve.layers.linear import LinearBase
+
+# Safetensors dtypes a scale may be stored in (compressed-tensors stores the observed weight's dtype, docs/fp8_facts.md
+# section 4) and those an online-quantized weight may come in.
+SCALE_DTYPES = ("F32", "BF16", "F16")
+UNQUANTIZED_DTYPES = ("F32", "BF16", "F16")
+SCALAR_SHAPES = ((1,), ())
+
+WEIGHT_STRATEGIES = ("channel", "tensor", "block")
+ACTIVATION_STRATEGIES = ("token", "tensor", "group")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """One layer's FP8 scheme: what the checkpoint stores for the weight (``channel``: ``(out, 1)`` scales;
+    ``tensor``: one scale; ``block``: ``block = (bn, bk)`` tiles) under ``scale_name``, and how activations are
+    quantized (``token``: dynamic per token; ``tensor``: static, ``input_scale``; ``group``: dynamic per token and
+    ``bk``-wide group). ``online``: the checkpoint weight is unquantized (per channel at load)."""
+
+    weight: str
+    activation: str
+    block: tuple[int, int] | None = None
+    scale_name: str = "weight_scale"
+    online: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.weight in WEIGHT_STRATEGIES and self.activation in ACTIVATION_STRATEGIES, self
+        assert (self.weight == "block") == (self.block is not None), self
+        assert self.activation != "group" or self.weight == "block", self
+
+    def describe(self) -> str:
+        if self.online:
+            weights = "bf16 weights quantized per channel at load"
+        elif self.block is not None:
+            weights = f"weights in {self.block[0]}x{self.block[1]} blocks"
+        else:
+            weights = f"weights per {self.weight}"
+        acts = {"token": "activations dynamic per token", "tensor": "activations static per tensor",
+                "group": f"activations dynamic per token and {self.block[1] if self.block else 0}-group"}
+        return f"{weights}, {acts[self.activation]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8LinearMethod(LinearMethod):
+    scheme: Fp8Scheme
+
+    quantized = True
+
+    @property
+    def row_alignment(self) -> int:  # type: ignore[override]
+        return self.scheme.block[0] if self.scheme.block is not None else 1
+
+    def describe(self) -> str:
+        return f"FP8 ({self.scheme.describe()})"
+
+    # ------------------------------------------------------------------ weights
+
+    def create_weights(self, layer: LinearBase) -> None:
+        s = self.scheme
+        n, k = layer.out_features, layer.in_features
+        if s.block is not None:
+            self._check_block_shards(layer)
+        layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)
+        if s.block is not None:
+            bn, bk = s.block
+            layer.register_parameter(s.scale_name, nn.Parameter(
+                torch.empty(_cdiv(n, bn), _cdiv(k, bk), dtype=torch.float32), requires_grad=False))
+        elif s.online:  # computed at load, not a checkpoint tensor: outside the state dict
+            layer.register_buffer("weight_scale", torch.empty(n, 1, dtype=torch.float32), persistent=False)
+        else:
+            layer.weight_scale = nn.Parameter(torch.empty(n, 1, dtype=torch.float32), requires_grad=False)
+        if s.activation == "tensor":
+            layer.input_scale = nn.Parameter(torch.empty(len(layer.parts), dtype=torch.float32), requires_grad=False)
+            layer.register_buffer("input_scale_max", torch.empty(1, dtype=torch.float32), persistent=False)
+        if layer.parts[0].name is None:
+            self._describe_part(layer, 0, 0, whole=True)
+
+    def part_tensors(self, layer: LinearBase, index: int, row_offset: int) -> dict[str, torch.Tensor]:
+        return self._describe_part(layer, index, row_offset, whole=False)
+
+    def _describe_part(self, layer: LinearBase, index: int, row_offset: int, whole: bool) -> dict[str, torch.Tensor]:
+        """Part ``index``'s checkpoint tensors (the parameters themselves when ``whole``, else views of its rows)
+        with their shards and load specs attached."""
+        s = self.scheme
+        part = layer.parts[index]
+        rows = slice(row_offset, row_offset + part.size)
+        shard = part.shard
+        by_rows = shard is not None and shard.dim == 0
+        weight = layer.weight if whole else layer.weight[rows]
+        out: dict[str, torch.Tensor] = {"weight": weight}
+        if shard is not None:
+            set_shard(weight, shard)
+        if s.block is not None:
+            bn, bk = s.block
+            full = _tensor(layer, s.scale_name)
+            scale = full if whole else full[row_offset // bn : row_offset // bn + _cdiv(part.size, bn)]
+            if shard is not None:
+                n_full, k_full = shard.full_shape
+                step = bn if by_rows else bk
+                blocks = tuple((a // step, _cdiv(b, step)) for a, b in shard.ranges)
+                set_shard(scale, Shard((_cdiv(n_full, bn), _cdiv(k_full, bk)), shard.dim, blocks))
+            set_load_spec(scale, LoadSpec(SCALE_DTYPES))
+            out[s.scale_name] = scale
+        else:
+            channel = _tensor(layer, "weight_scale")
+            scale = channel if whole else channel[rows]
+            if s.online:
+                set_load_spec(weight, LoadSpec(UNQUANTIZED_DTYPES, load=_quantize_into(scale, shard)))
+            else:
+                if s.weight == "tensor":
+                    set_load_spec(scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=_fill_rows))
+                else:
+                    if by_rows:
+                        assert shard is not None
+                        set_shard(scale, Shard((shard.full_shape[0], 1), 0, shard.ranges))
+                    set_load_spec(scale, LoadSpec(SCALE_DTYPES))
+                out["weight_scale"] = scale
+        if s.activation == "tensor":
+            input_scale = _tensor(layer, "input_scale")[index : index + 1]
+            set_load_spec(input_scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES))
+            out["input_scale"] = input_scale
+        return out
+
+    def _check_block_shards(self, layer: LinearBase) -> None:
+        """Tensor parallelism: every range of a shard starts on a block and ends on one (or at the tensor's end)."""
+        assert self.scheme.block is not None
+        bn, bk = self.scheme.block
+        for part in layer.parts:
+            if part.shard is None:
+                continue
+            step = bn if part.shard.dim == 0 else bk
+            what = "rows" if part.shard.dim == 0 else "columns"
+            end = part.shard.full_shape[part.shard.dim]
+            for a, b in part.shard.ranges:
+                if a % step or (b % step and b != end):
+                    name = layer.part_name(part)
+                    raise ValueError(
+                        f"{name}: this tensor-parallel rank's {what} [{a}, {b}) of {end} do not start and end on "
+                        f"the checkpoint's {bn}x{bk} FP8 blocks; use a --tensor-parallel-size that splits this "
+                        f"layer on {step}-{what[:-1]} boundaries")
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if self.scheme.activation == "tensor":
+            _tensor(layer, "input_scale_max").copy_(_tensor(layer, "input_scale").max().reshape(1))
+
+    # ------------------------------------------------------------------ forward
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        s = self.scheme
+        if s.block is not None:
+            group = s.block[1] if s.activation == "group" else None
+            return fp8_block_linear(x, layer.weight, _tensor(layer, s.scale_name), s.block, group)
+        input_scale = _tensor(layer, "input_scale_max") if s.activation == "tensor" else None
+        return fp8_linear(x, layer.weight, _tensor(layer, "weight_scale"), input_scale)
+
+
+def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """A parameter or buffer the method registered on ``layer`` (typed: ``nn.Module``'s lookup is not)."""
+    return cast(torch.Tensor, getattr(layer, name))
+
+
+def _fill_rows(target: torch.Tensor, scale: torch.Tensor) -> None:
+    """A per-tensor scale into its tensor's rows of a per-channel scale."""
+    target.copy_(scale.reshape(1, 1).expand(target.shape))
+
+
+def _quantize_into(scale: torch.Tensor, shard: Shard | None) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The load of an online-quantized weight: per-channel FP8 of the whole checkpoint rows, then this rank's part;
+    the scales go into ``scale`` (this part's rows)."""
+
+    def load(target: torch.Tensor, full: torch.Tensor) -> None:
+        w = full.to(device=target.device, dtype=torch.float32)
+        if shard is not None and shard.dim == 0:
+            w = shard.take(w)
+        s = w.abs().amax(dim=1, keepdim=True).clamp_(min=AMAX_EPS) / FP8_MAX
+        q = quantize_fp8(w, s)
+        target.copy_(shard.take(q) if shard is not None and shard.dim == 1 else q)
+        scale.copy_(s)
+
+    return load
