@@ -100,6 +100,19 @@ def write(shape_name: str, out: str, device: str, seed: int = 0) -> None:
     print(f"wrote {shape_name} shape (VLM form, MTP layer) to {out}")
 
 
+def quantize(src: str, out: str, fmt: str) -> None:
+    """``src`` copied to ``out`` with its linear layers in FP8 (``hyserve.testing_fp8.quantize_checkpoint``: what the
+    FP8 releases keep in bf16 stays so, the MTP head is quantized like the text model); both engines load
+    the result without a flag."""
+    import shutil
+
+    from hyserve.testing_fp8 import quantize_checkpoint
+
+    shutil.copytree(src, out)
+    quantize_checkpoint(out, fmt)
+    print(f"quantized {src} to {out} ({fmt})")
+
+
 # ---------------------------------------------------------------------------------------------------------- measure
 
 
@@ -507,12 +520,19 @@ def main() -> int:
                    help="the agent trace's KV cache (both engines take the same name)")
     m.add_argument("--max-model-len", type=int, default=8192)
     m.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    q = sub.add_parser("quantize", help="copy a written checkpoint and quantize its linear layers to FP8")
+    q.add_argument("--src", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--format", choices=["ct_dynamic", "block"], default="ct_dynamic",
+                   help="compressed-tensors FP8_DYNAMIC (channel weights, per-token activations) or Qwen's block FP8")
     r = sub.add_parser("report")
     r.add_argument("files", nargs="+")
     r.add_argument("--out", default="benchmarks/results/h200")
     args = ap.parse_args()
     if args.cmd == "write":
         write(args.shape, args.out, args.device)
+    elif args.cmd == "quantize":
+        quantize(args.src, args.out, args.format)
     elif args.cmd == "measure":
         return measure(args)
     else:

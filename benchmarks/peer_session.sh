@@ -11,6 +11,7 @@
 #   bash benchmarks/peer_session.sh stash-caches   # carrying .peer/vllm_caches.tgz.NN: vLLM's compile caches
 #   bash benchmarks/peer_session.sh vllm-first | vllm-agent | vllm-start | vllm-rest   # vLLM alone (see below)
 #   bash benchmarks/peer_session.sh kvfp8   # both engines: the agent trace with --kv-cache-dtype fp8
+#   bash benchmarks/peer_session.sh fp8 ; fp8-vllm   # FP8 checkpoints of the 2B shape: check, then both engines
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -65,7 +66,8 @@ p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/w
 
 check() {  # the correctness checks every speed change keeps, in the same device session as its figures
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
-        tests/test_async_scheduling.py tests/test_verify_kernels.py tests/test_device_drafts.py -k "cuda or gpu" \
+        tests/test_async_scheduling.py tests/test_verify_kernels.py tests/test_device_drafts.py tests/test_fp8.py \
+        tests/test_fp8_kv.py -k "cuda or gpu" \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc $?"; tail -2 "$OUT/gpu_tests.log"
     timeout 400 python3 benchmarks/gpu_check.py --out "$OUT" > "$OUT/gpu_check.log" 2>&1
@@ -89,6 +91,20 @@ case "${1:?phase}" in
   vllm-agent)  # vLLM's agent trace alone (its first process on a machine compiles for about 8 minutes)
     p2b
     measure vllm /tmp/p2b 2b_agent 585 --measures agent
+    ;;
+  fp8)  # FP8 checkpoints of the 2B shape (compressed-tensors channel, Qwen block), FP8 against bf16 where bf16 is sure
+    p2b
+    [ -d /tmp/p2b_ct ] || python3 $PB quantize --src /tmp/p2b --out /tmp/p2b_ct --format ct_dynamic > "$OUT/quantize.log" 2>&1
+    [ -d /tmp/p2b_blk ] || python3 $PB quantize --src /tmp/p2b --out /tmp/p2b_blk --format block >> "$OUT/quantize.log" 2>&1
+    timeout 300 python3 benchmarks/fp8_check.py --bf16 /tmp/p2b --variant ct=/tmp/p2b_ct --variant block=/tmp/p2b_blk \
+        --variant kv=/tmp/p2b:fp8 --out "$OUT/fp8_check.json" > "$OUT/fp8_check.log" 2>&1
+    echo "fp8_check rc $?"; tail -4 "$OUT/fp8_check.log"
+    measure hyserve /tmp/p2b 2b 200 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_ct 2b_ct 200 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_blk 2b_blk 200 --measures decode,bound,prefill
+    ;;
+  fp8-vllm)  # vLLM on the same compressed-tensors FP8 checkpoint (after the fp8 phase, same machine)
+    measure vllm /tmp/p2b_ct 2b_ct 400 --measures decode,bound,prefill
     ;;
   kvfp8)  # the agent trace with the FP8 KV cache, both engines (vLLM doubles its attention block; hyserve's stays 16)
     p2b

@@ -137,6 +137,17 @@ def write_fp8_checkpoint(
         raise ValueError(f"fmt must be one of {FORMATS} (got {fmt!r})")
     path = write_tiny_checkpoint(path, form=form, with_mtp=with_mtp, seed=seed, layer_types=layer_types,
                                  dtype=dtype, **config_overrides)
+    return quantize_checkpoint(path, fmt, quantize_mtp=quantize_mtp, ignore=ignore, scale_dtype=scale_dtype)
+
+
+def quantize_checkpoint(path: str | os.PathLike[str], fmt: str, *, quantize_mtp: bool = True,
+                        ignore: list[str] | None = None, scale_dtype: torch.dtype = torch.float32) -> str:
+    """Quantize the Qwen3.5 checkpoint in ``path`` in place into ``fmt`` (the arguments as ``write_fp8_checkpoint``'s);
+    the benchmarks turn their bf16 checkpoints of the real shapes into FP8 ones with it (``ct_static`` calibrates on
+    a transformers model of the checkpoint: tiny ones only)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS} (got {fmt!r})")
+    path = os.fspath(path)
     tensors = read_checkpoint_tensors(path)
     entries = default_ignore(fmt, tensors) if ignore is None else list(ignore)
     regex = fmt.startswith("ct_")

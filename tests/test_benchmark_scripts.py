@@ -195,3 +195,52 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
     assert entries["start_warm_s"]["hyserve"] == mtp_figs["start_warm_s"]
     assert entries["agent"]["label"] == "vllm failed: ValueError: not supported"  # a failure is a row, not a gap
     assert "| m | prefill 32 x 2048, tok/s |" in (tmp_path / "rep" / "peer.md").read_text()
+
+
+def test_peer_bench_quantizes_and_measures_fp8_on_the_cpu(tmp_path: Path) -> None:
+    """The FP8 half of the side-by-side script: a written checkpoint quantized (compressed-tensors FP8_DYNAMIC), the
+    quantized copy measured with the FP8 KV cache on the agent trace; the report labels the FP8 KV rows."""
+    import subprocess
+
+    from safetensors import safe_open
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "peer_bench.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    src, fp8 = str(tmp_path / "m"), str(tmp_path / "m_fp8")
+    subprocess.run([sys.executable, script, "write", "--shape", "tiny", "--out", src, "--device", "cpu"],
+                   check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, script, "quantize", "--src", src, "--out", fp8, "--format", "ct_dynamic"],
+                   check=True, env=env, capture_output=True)
+    config = json.loads((tmp_path / "m_fp8" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    with safe_open(str(tmp_path / "m_fp8" / "model.safetensors"), framework="pt") as f:
+        dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+    assert dtypes["model.language_model.layers.0.mlp.down_proj.weight"] == "F8_E4M3"
+    assert "model.language_model.layers.0.mlp.down_proj.weight_scale" in dtypes
+    out = tmp_path / "fp8.json"
+    subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", fp8, "--device", "cpu",
+                    "--dtype", "float32", "--out", str(out), "--measures", "decode,agent", "--batches", "1",
+                    "--decode-tokens", "4", "--agent-scale", "tiny", "--max-model-len", "2048",
+                    "--kv-cache-dtype", "fp8"], check=True, env=env, capture_output=True)
+    figs = json.loads(out.read_text())["figures"]
+    assert figs["decode_bs1_tok_s"] > 0 and 0 < figs["agent_kvfp8_cached_share"] < 1
+    subprocess.run([sys.executable, script, "report", str(out), "--out", str(tmp_path / "rep")], check=True, env=env,
+                   capture_output=True)
+    report = (tmp_path / "rep" / "peer.md").read_text()
+    assert "| m_fp8 | agent trace, FP8 KV cache, prompt tokens from cache |" in report
+
+
+def test_fp8_check_fails_only_a_parting_where_bf16_was_sure() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from fp8_check import compare
+
+    base = [([1, 2, 3], [{1: -0.1, 9: -3.0}, {2: -0.7, 8: -0.8}, {3: -0.1, 7: -4.0}]),
+            ([4, 5], [{4: -0.2, 6: -2.5}, {5: -0.1, 6: -3.0}])]
+    near_tie = [([1, 8, 3], [{1: -0.12}, {8: -0.6}, {3: -0.1}]), ([4, 5], [{4: -0.2}, {5: -0.15}])]
+    res = compare(base, near_tie, clear_margin=0.5)
+    assert res["pass"] and res["near_tie_partings"] == 1 and res["clear_margin_partings"] == 0
+    assert res["tokens_agreed_before_parting"] == 3 / 5
+    assert abs(res["chosen_logprob_max_abs_diff"] - 0.05) < 1e-9
+    sure = [([1, 2, 3], [{1: -0.1}, {2: -0.7}, {3: -0.1}]), ([6, 5], [{6: -0.2}, {5: -0.1}])]
+    res = compare(base, sure, clear_margin=0.5)
+    assert not res["pass"] and res["clear_margin_partings"] == 1
