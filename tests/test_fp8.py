@@ -358,7 +358,8 @@ def _group(**weights: Any) -> dict[str, Any]:
      r"strategy 'group' is not supported for weights; supported: channel, tensor, block"),
     ({"config_groups": _group(symmetric=False)}, r"asymmetric"),
     ({"format": "pack-quantized"}, r"format 'pack-quantized' is not supported; supported: 'float-quantized'"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, r"kv_cache_scheme"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}},
+     r"kv_cache_scheme strategy='token' is not supported; supported: FP8.*tensor or attn_head"),
     ({"offload": True}, r"unsupported field\(s\) 'offload'"),
 ])
 def test_unsupported_compressed_tensors_configs_name_themselves(fp8_ckpts: Checkpoints, tmp_path: Path,

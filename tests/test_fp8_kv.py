@@ -15,12 +15,14 @@ planning at one byte per element; clear errors.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import CheckpointCache
+from conftest import LAYER_PATTERNS, CheckpointCache
 from test_engine import GREEDY_TOL, LOGPROB_TOL, drive, make_llm
 
 from hyserve import SamplingParams
@@ -32,18 +34,23 @@ from hyserve.testing import reference_logits
 FP8 = torch.float8_e4m3fn
 
 
+def _round(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return ((x / scale).clamp(-448, 448).to(FP8).to(x.dtype)) * scale
+
+
 @contextlib.contextmanager
-def fp8_kv_emulated(ref: torch.nn.Module) -> Iterator[None]:
-    """Within: ``ref`` (transformers Qwen3.5) computes attention from keys and values rounded to FP8, scale 1."""
+def fp8_kv_emulated(ref: torch.nn.Module, k_scale: float = 1.0, v_scale: float = 1.0) -> Iterator[None]:
+    """Within: ``ref`` (transformers Qwen3.5) computes attention from keys and values rounded to FP8 as the cache
+    stores them (value / scale, one scale for every layer here)."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
     original = modeling.apply_rotary_pos_emb
 
     def rope(q, k, *args, **kwargs):  # type: ignore[no-untyped-def]
         q, k = original(q, k, *args, **kwargs)
-        return q, k.to(FP8).to(k.dtype)
+        return q, _round(k, k_scale)
 
-    hooks = [m.register_forward_hook(lambda mod, inp, out: out.to(FP8).to(out.dtype))
+    hooks = [m.register_forward_hook(lambda mod, inp, out: _round(out, v_scale))
              for name, m in ref.named_modules() if name.endswith("self_attn.v_proj")]
     modeling.apply_rotary_pos_emb = rope
     try:
@@ -54,11 +61,12 @@ def fp8_kv_emulated(ref: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
-def deviation(ref: torch.nn.Module, prompt: list[int], out: RequestOutput) -> tuple[float, float]:
+def deviation(ref: torch.nn.Module, prompt: list[int], out: RequestOutput, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> tuple[float, float]:
     """(largest logit gap between a chosen token and the emulated reference's argmax, largest logprob error)."""
     toks = out.outputs[0].token_ids
     assert toks, "no tokens generated"
-    with fp8_kv_emulated(ref):
+    with fp8_kv_emulated(ref, k_scale, v_scale):
         logits = reference_logits(ref, prompt + toks).double()  # type: ignore[arg-type]
     logp = torch.log_softmax(logits, dim=-1)
     gap = err = 0.0
@@ -127,6 +135,58 @@ def test_the_check_fails_for_an_engine_that_ignores_fp8_kv(ckpts: CheckpointCach
     out = llm.generate({"prompt_token_ids": B}, greedy(10), use_tqdm=False)[0]
     gap, err = deviation(ref, B, out)
     assert gap > GREEDY_TOL or err > LOGPROB_TOL, "an unquantized cache passed the FP8 check"
+
+
+def test_checkpoint_kv_scales_are_read_and_used(tmp_path: Path) -> None:
+    """A checkpoint carrying FP8 KV-cache scales (``self_attn.k_scale`` per tensor, the deprecated shared
+    ``kv_scale`` form for the MTP layer, ``v_scale`` as a scalar): the layers hold them, and the outputs match the
+    reference emulating those scales, not the unscaled one."""
+    from safetensors.torch import load_file, save_file
+
+    from hyserve.testing import load_reference_model, write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "ckpt", form="conditional", layer_types=LAYER_PATTERNS["attn_both_ends"],
+                                 with_mtp=True)
+    k_scale, v_scale = 0.37, 1.7  # not powers of two: the rounding grid moves
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    extra: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name in load_file(os.path.join(path, f)):
+            if name.endswith("self_attn.k_proj.weight") and not name.startswith("mtp."):
+                module = name.removesuffix(".k_proj.weight")
+                extra[f"{module}.k_scale"] = torch.tensor([k_scale])
+                extra[f"{module}.v_scale"] = torch.tensor(v_scale)
+    assert len(extra) == 4
+    extra["mtp.layers.0.self_attn.kv_scale"] = torch.tensor([0.5])
+    save_file(extra, os.path.join(path, "kv_scales.safetensors"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        import json
+
+        with open(index) as fh:
+            meta = json.load(fh)
+        meta["weight_map"].update(dict.fromkeys(extra, "kv_scales.safetensors"))
+        with open(index, "w") as fh:
+            json.dump(meta, fh)
+    else:  # one file: merge the scales into it
+        main = os.path.join(path, "model.safetensors")
+        save_file({**load_file(main), **extra}, main)
+        os.remove(os.path.join(path, "kv_scales.safetensors"))
+    ref = load_reference_model(path)
+    llm = fp8_llm(path)
+    runner = llm.llm_engine.runner
+    layers = runner.model.attention_layers()
+    assert all(torch.allclose(layer.k_scale.cpu(), torch.full((layer.num_kv_heads,), k_scale)) for layer in layers)
+    assert all(torch.allclose(layer.v_scale.cpu(), torch.full((layer.num_kv_heads,), v_scale)) for layer in layers)
+    mtp_layer = runner.mtp_kv_layers[0]
+    assert float(mtp_layer.k_scale[0]) == 0.5 and float(mtp_layer.v_scale[0]) == 0.5
+    out = llm.generate({"prompt_token_ids": B}, greedy(12), use_tqdm=False)[0]
+    gap, err = deviation(ref, B, out, k_scale, v_scale)
+    assert gap <= GREEDY_TOL and err <= LOGPROB_TOL, (gap, err)
+    gap1, err1 = deviation(ref, B, out)
+    assert gap1 > GREEDY_TOL or err1 > LOGPROB_TOL, "the unscaled emulation matched too: the scales were not used"
+    plain = make_llm(path)  # a cache in the model's dtype reads past the scales
+    assert plain.llm_engine.runner.kv_caches[0][0].dtype == torch.float32
 
 
 @pytest.mark.parametrize("sabotage", [False, True])

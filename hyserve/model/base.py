@@ -26,15 +26,35 @@ class KVCacheLayer(nn.Module):
     v_cache: torch.Tensor | None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # This rank's kv heads [first, last) of the model's (tensor parallelism), for per-head checkpoint scales.
+    kv_head_range: tuple[int, int] = (0, 0)
+    num_kv_heads_total: int = 0
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
         raise NotImplementedError
 
+    def set_checkpoint_kv_scale(self, which: str, value: torch.Tensor, name: str) -> None:
+        """Keep a checkpoint's ``k`` or ``v`` scale (checkpoint tensor ``name``: one value, or one per kv head of the
+        model, this rank's taken) for an FP8 cache bound later."""
+        t = value.detach().float().reshape(-1).cpu()
+        if t.numel() == self.num_kv_heads_total and t.numel() > 1:
+            t = t[self.kv_head_range[0]:self.kv_head_range[1]]
+        elif t.numel() != 1:
+            raise ValueError(f"{name} has {t.numel()} values; expected one (per tensor) or {self.num_kv_heads_total} "
+                             "(per kv head)")
+        if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} must be positive and finite (got {t.tolist()})")
+        scales = self.__dict__.setdefault("_checkpoint_kv_scales", {})
+        if which in scales:
+            raise ValueError(f"checkpoint has two {which} scales for {name.rsplit('.', 1)[0]}")
+        scales[which] = t
+
     def bind_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        given = self.__dict__.get("_checkpoint_kv_scales", {})
         if k_cache.dtype == torch.float8_e4m3fn and self.k_scale is None:
-            ones = torch.ones(k_cache.shape[2], dtype=torch.float32, device=k_cache.device)
-            self.set_kv_scales(ones, ones.clone())
+            ones = torch.ones(1)
+            self.set_kv_scales(given.get("k", ones), given.get("v", ones))
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Per-kv-head (or per-tensor: one value) scales of an FP8 cache; copied into the tensors the layer already
@@ -52,7 +72,7 @@ class KVCacheLayer(nn.Module):
             if held is not None and held.shape == t.shape:
                 held.copy_(t)
             else:
-                setattr(self, name, t.to(self.k_cache.device if self.k_cache is not None else t.device))
+                setattr(self, name, t.to(self.k_cache.device if self.k_cache is not None else t.device).contiguous())
 
 
 class RecurrentLayer(nn.Module):

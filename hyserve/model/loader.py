@@ -44,6 +44,7 @@ from hyserve.config import ModelConfig
 from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.layers.linear import LinearBase, MergedLinear
 from hyserve.layers.sharding import load_spec_of, shard_of
+from hyserve.model.base import KVCacheLayer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,33 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 _VLM_TEXT = "model.language_model."
 
 
+# An FP8 KV cache's scales as checkpoints name them, under the attention module: the current compressed-tensors
+# names, the older output scales of k_proj / v_proj, and the deprecated kv_scale shared by K and V
+# (docs/fp8_facts.md section 8). Convention: value = stored FP8 x scale.
+_KV_SCALE_SUFFIXES = {"k_scale": ("k",), "v_scale": ("v",), "kv_scale": ("k", "v"), "k_proj.output_scale": ("k",),
+                      "v_proj.output_scale": ("v",)}
+
+
+def split_kv_scale(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(attention module name, "k" and/or "v")`` if ``name`` is an FP8 KV-cache scale, else None."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        if name.endswith("." + suffix):
+            return name[: -len(suffix) - 1], which
+    return None
+
+
+def apply_kv_scale(model: torch.nn.Module, module_name: str, which: tuple[str, ...], tensor: torch.Tensor,
+                   ckpt_name: str) -> None:
+    layer = model.get_submodule(module_name)
+    assert isinstance(layer, KVCacheLayer)
+    for w in which:
+        layer.set_checkpoint_kv_scale(w, tensor, ckpt_name)
+
+
+def kv_layer_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
+
+
 @dataclass(slots=True, frozen=True)
 class _Entry:
     """One checkpoint tensor: where it is, what it becomes."""
@@ -75,6 +103,7 @@ class _Entry:
     shape: tuple[int, ...]
     nbytes: int
     target: str | None  # model name to copy into; None for an mtp tensor (returned, not loaded)
+    kv_scale: bool = False  # ``target`` is an FP8 KV-cache scale of an attention layer (``split_kv_scale``)
 
 
 def load_weights(
@@ -91,7 +120,7 @@ def load_weights(
     files = checkpoint_files(model_dir)
     targets = _targets(model, config)
     holds = getattr(model, "holds", None)
-    entries = _plan(files, targets, config, holds if callable(holds) else None)
+    entries = _plan(files, targets, config, holds if callable(holds) else None, kv_layer_names(model))
     device, dtype = _model_device_dtype(model)
     total = sum(e.nbytes for e in entries)
     show = total > PROGRESS_MIN_BYTES if show_progress is None else show_progress
@@ -100,8 +129,12 @@ def load_weights(
                                desc="Loading weights", disable=not show) as bar:
         for entry, tensor in _read(entries):
             if entry.target is None:
-                keep = tensor.dtype == FP8_DTYPE or entry.ckpt_name.endswith(SCALE_SUFFIXES)
+                keep = tensor.dtype == FP8_DTYPE or entry.ckpt_name.endswith(SCALE_SUFFIXES) \
+                    or split_kv_scale(entry.ckpt_name) is not None
                 mtp[entry.ckpt_name] = tensor.to(device=device, dtype=None if keep else dtype)
+            elif entry.kv_scale:
+                module, which = split_kv_scale(entry.target) or ("", ())
+                apply_kv_scale(model, module, which, tensor, entry.ckpt_name)
             else:
                 copy_into(targets[entry.target], tensor)
             bar.update(entry.nbytes)
@@ -224,11 +257,13 @@ def _map_name(name: str) -> str | None:
 
 
 def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfig,
-          holds: Callable[[str], bool] | None = None) -> list[_Entry]:
+          holds: Callable[[str], bool] | None = None, kv_layers: set[str] | None = None) -> list[_Entry]:
     """Check names and shapes from the headers only; returns what to read, in file order. ``holds``: whether a
-    tensor belongs to this pipeline stage (the others' are skipped)."""
+    tensor belongs to this pipeline stage (the others' are skipped); ``kv_layers``: the attention modules, whose
+    FP8 KV-cache scales a checkpoint may carry."""
     entries: list[_Entry] = []
     loaded: dict[str, str] = {}
+    kv_scales = 0
     skipped_visual = skipped_stage = 0
     unexpected: list[str] = []
     for path in files:
@@ -247,6 +282,11 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                     skipped_visual += 1
                 elif target == LM_HEAD and config.tie_word_embeddings:
                     logger.info("ignoring %s: tie_word_embeddings=True, the embedding is the output projection", name)
+                elif target not in targets and (split_kv_scale(target) or ("", ()))[0] in (kv_layers or set()):
+                    if _numel(shape) == 0:
+                        raise ValueError(f"{name} is empty")
+                    kv_scales += 1
+                    entries.append(_Entry(name, path, shape, nbytes, target, kv_scale=True))
                 elif target not in targets:
                     unexpected.append(name)
                 else:
@@ -260,6 +300,8 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                        skipped_visual)
     if skipped_stage:
         logger.info("skipped %d tensors that other pipeline stages hold", skipped_stage)
+    if kv_scales:
+        logger.info("read %d KV-cache scales (an FP8 KV cache uses them: --kv-cache-dtype fp8)", kv_scales)
     _check_complete(targets, loaded, unexpected, config)
     return entries
 

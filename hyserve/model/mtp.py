@@ -22,7 +22,16 @@ from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.layers.linear import Linear
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
-from hyserve.model.loader import check_tensor, checkpoint_tensors, copy_into, finish_loading, safetensors_dtype
+from hyserve.model.loader import (
+    apply_kv_scale,
+    check_tensor,
+    checkpoint_tensors,
+    copy_into,
+    finish_loading,
+    kv_layer_names,
+    safetensors_dtype,
+    split_kv_scale,
+)
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Attention, DecoderLayer
 
@@ -59,6 +68,10 @@ def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
     weights and their scales into the layers the head quantizes, as the loader checks the model's)."""
     params = checkpoint_tensors(head)
     given = {name.removeprefix("mtp."): t for name, t in weights.items()}
+    for name in list(given):  # an FP8 KV cache's scales for the head's attention layer
+        kv = split_kv_scale(name)
+        if kv is not None and kv[0] in kv_layer_names(head):
+            apply_kv_scale(head, kv[0], kv[1], given.pop(name), f"mtp.{name}")
     missing = sorted(set(params) - set(given))
     if missing:
         raise ValueError(f"checkpoint is missing MTP tensors: {', '.join('mtp.' + m for m in missing[:5])}"

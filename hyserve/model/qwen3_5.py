@@ -165,6 +165,7 @@ class Attention(KVCacheLayer):
             raise ValueError(f"num_key_value_heads={hkv} and tensor_parallel_size={tp}: neither divides the other")
         self.num_heads = h1 - h0
         self.num_kv_heads = kv1 - kv0
+        self.kv_head_range, self.num_kv_heads_total = (kv0, kv1), hkv
         self.head_dim = d = cfg.head_dim
         self.scale = self.head_dim**-0.5
         bias, quant, hidden = cfg.attention_bias, cfg.quantization, cfg.hidden_size

@@ -96,9 +96,7 @@ def parse_compressed_tensors(qc: dict[str, Any], names: CheckpointNames) -> Comp
     if status not in (None, "compressed"):
         raise ValueError(f"compressed-tensors quantization_status {status!r} is not supported; supported: "
                          "'compressed' (weights saved quantized)")
-    if qc.get("kv_cache_scheme") is not None:
-        raise ValueError("compressed-tensors kv_cache_scheme (FP8 KV-cache scales in the checkpoint) is not supported "
-                         "by the weight loader; supported: kv_cache_scheme null")
+    _check_kv_cache_scheme(qc.get("kv_cache_scheme"))
     for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise ValueError(f"compressed-tensors {key} is not supported (got {qc[key]!r}); supported: empty")
@@ -220,3 +218,25 @@ def _check_keys(obj: dict[str, Any], allowed: tuple[str, ...], where: str) -> No
     if unknown:
         raise ValueError(f"{where}: unsupported field(s) {', '.join(map(repr, unknown))} (supported fields: "
                          f"{', '.join(allowed)})")
+
+
+_KV_SCHEME_SUPPORTED = ("FP8 (num_bits 8, type float), symmetric, static, strategy tensor or attn_head: the "
+                        "checkpoint's k_scale / v_scale, used by --kv-cache-dtype fp8")
+
+
+def _check_kv_cache_scheme(scheme: Any) -> None:
+    """A ``kv_cache_scheme`` describes the FP8 KV-cache scales the checkpoint carries on its attention modules
+    (``self_attn.k_scale`` / ``v_scale``, read by the loader); refuse the schemes whose scales mean something else."""
+    if scheme is None:
+        return
+    if not isinstance(scheme, dict):
+        raise ValueError(f"compressed-tensors kv_cache_scheme must be an object (got {scheme!r})")
+    unknown = sorted(set(scheme) - set(_ARGS_KEYS))
+    if unknown:
+        raise ValueError(f"compressed-tensors kv_cache_scheme: unsupported field(s) {', '.join(map(repr, unknown))}")
+    wanted = {"num_bits": (8,), "type": ("float",), "strategy": ("tensor", "attn_head"), "symmetric": (True, None),
+              "dynamic": (False, None), "group_size": (None,), "block_structure": (None,), "actorder": (None,)}
+    for key, allowed in wanted.items():
+        if scheme.get(key) not in allowed:
+            raise ValueError(f"compressed-tensors kv_cache_scheme {key}={scheme.get(key)!r} is not supported; "
+                             f"supported: {_KV_SCHEME_SUPPORTED}")
