@@ -6,6 +6,7 @@
 #   bash benchmarks/peer_session.sh 2b-vllm-agent   # vLLM: the agent trace, plain and with MTP
 #   bash benchmarks/peer_session.sh 9b      # hyserve: decode, bound, prefill, warm start on the 9B shape
 #   bash benchmarks/peer_session.sh 9b-vllm # vLLM: the same
+#   bash benchmarks/peer_session.sh 9b-profile   # hyserve: a batch-1 decode step of the 9B shape, profiled
 #   bash benchmarks/peer_session.sh spec    # hyserve: MTP k = 2 on the packaged model, planted MTP k = 3 on 2B
 #   bash benchmarks/peer_session.sh check   # the GPU tests and gpu_check (2B bf16 against transformers)
 #   bash benchmarks/peer_session.sh stash-caches   # carrying .peer/vllm_caches.tgz.NN: vLLM's compile caches
@@ -129,6 +130,12 @@ case "${1:?phase}" in
     p9b
     measure hyserve /tmp/p9b 9b 200 --measures decode,bound,prefill
     measure hyserve /tmp/p9b 9b_start 120 --measures start
+    ;;
+  9b-profile)  # where a 9B batch-1 decode step goes (kernels by name, host time), for the bound goal
+    p9b
+    timeout 300 python3 benchmarks/profile_step.py --model /tmp/p9b --device cuda --dtype bfloat16 --batch 1 \
+        --out "$OUT/profile_9b" > "$OUT/profile_9b.log" 2>&1
+    echo "profile rc $?"; tail -5 "$OUT/profile_9b.log"
     ;;
   9b-vllm)
     p9b
