@@ -42,8 +42,7 @@ class KVCacheLayer(nn.Module):
         elif t.numel() != 1:
             raise ValueError(f"{name} has {t.numel()} values; expected one (per tensor) or {self.num_kv_heads_total} "
                              "(per kv head)")
-        if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} must be positive and finite (got {t.tolist()})")
+        _check_positive(name, t)
         scales = self.__dict__.setdefault("_checkpoint_kv_scales", {})
         if which in scales:
             raise ValueError(f"checkpoint has two {which} scales for {name.rsplit('.', 1)[0]}")
@@ -66,13 +65,17 @@ class KVCacheLayer(nn.Module):
                 t = t.expand(n).clone()
             if n is not None and t.numel() != n:
                 raise ValueError(f"{name} has {t.numel()} values; the layer has {n} kv heads (one value, or one each)")
-            if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{name} must be positive and finite (got {t.tolist()})")
+            _check_positive(name, t)
             held = getattr(self, name)
             if held is not None and held.shape == t.shape:
                 held.copy_(t)
             else:
                 setattr(self, name, t.to(self.k_cache.device if self.k_cache is not None else t.device).contiguous())
+
+
+def _check_positive(name: str, scale: torch.Tensor) -> None:
+    if not bool((scale > 0).all()) or not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"{name} must be positive and finite (got {scale.tolist()})")
 
 
 class RecurrentLayer(nn.Module):

@@ -90,6 +90,11 @@ def apply_kv_scale(model: torch.nn.Module, module_name: str, which: tuple[str, .
         layer.set_checkpoint_kv_scale(w, tensor, ckpt_name)
 
 
+def _is_kv_scale_of(name: str, kv_layers: set[str]) -> bool:
+    kv = split_kv_scale(name)
+    return kv is not None and kv[0] in kv_layers
+
+
 def kv_layer_names(model: torch.nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
 
@@ -282,7 +287,7 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                     skipped_visual += 1
                 elif target == LM_HEAD and config.tie_word_embeddings:
                     logger.info("ignoring %s: tie_word_embeddings=True, the embedding is the output projection", name)
-                elif target not in targets and (split_kv_scale(target) or ("", ()))[0] in (kv_layers or set()):
+                elif target not in targets and _is_kv_scale_of(target, kv_layers or set()):
                     if _numel(shape) == 0:
                         raise ValueError(f"{name} is empty")
                     kv_scales += 1

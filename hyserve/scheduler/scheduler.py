@@ -181,6 +181,8 @@ class Scheduler:
         A request whose prefix a running request is about to compute waits for it (``_wait_for_sharer``): it is
         skipped, and the requests behind it are considered as usual.
         """
+        if not self.waiting:
+            return
         pc = self.prefix_cache
         sharers = _Sharers(pc) if pc is not None else None
         if sharers is not None:
@@ -513,12 +515,10 @@ class _Sharers:
             self.by_key.setdefault(req.block_hashes[i], (req, (i + 1) * bs))
 
     def deepest(self, req: Request, cached: int) -> tuple[Request, int] | None:
-        """The sharer and the end ``p`` of the deepest block past ``cached`` that ``req`` shares with it."""
-        pc = self.prefix_cache
-        bs = pc.block_size
-        extend_block_hashes(req, bs, ((req.num_tokens - 1) // bs) * bs, pc.lookahead)
+        """The sharer and the end ``p`` of the deepest block past ``cached`` that ``req`` shares with it (``req``'s
+        block keys are those its lookup extended)."""
         found = None
-        for i in range(cached // bs, len(req.block_hashes)):
+        for i in range(cached // self.prefix_cache.block_size, len(req.block_hashes)):
             hit = self.by_key.get(req.block_hashes[i])
             if hit is None:
                 break
