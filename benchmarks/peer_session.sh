@@ -12,7 +12,9 @@
 #   bash benchmarks/peer_session.sh stash-caches   # carrying .peer/vllm_caches.tgz.NN: vLLM's compile caches
 #   bash benchmarks/peer_session.sh vllm-first | vllm-agent | vllm-start | vllm-rest   # vLLM alone (see below)
 #   bash benchmarks/peer_session.sh kvfp8   # both engines: the agent trace with --kv-cache-dtype fp8
-#   bash benchmarks/peer_session.sh fp8 ; fp8-vllm   # FP8 checkpoints of the 2B shape: check, then both engines
+#   bash benchmarks/peer_session.sh fp8 ; fp8-vllm   # FP8 checkpoints of the 2B shape: kernels and hyserve, then vLLM
+#   bash benchmarks/peer_session.sh first   # vLLM's first (compiling) process with the checks beside it
+#   bash benchmarks/peer_session.sh 9b-all  # hyserve's 9B figures and profile
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -75,6 +77,17 @@ check() {  # the correctness checks every speed change keeps, in the same device
     echo "gpu_check rc $?"; grep all_correctness_pass "$OUT/gpu_check.log"
 }
 
+fp8_ckpts() {  # compressed-tensors FP8 (channel weights, dynamic tokens) and Qwen's block FP8 of the 2B shape
+    [ -d /tmp/p2b_ct ] || python3 $PB quantize --src /tmp/p2b --out /tmp/p2b_ct --format ct_dynamic >> "$OUT/quantize.log" 2>&1
+    [ -d /tmp/p2b_blk ] || python3 $PB quantize --src /tmp/p2b --out /tmp/p2b_blk --format block >> "$OUT/quantize.log" 2>&1
+}
+fp8_correctness() {
+    fp8_ckpts
+    timeout 300 python3 benchmarks/fp8_check.py --bf16 /tmp/p2b --variant ct=/tmp/p2b_ct --variant block=/tmp/p2b_blk \
+        --variant kv=/tmp/p2b:fp8 --out "$OUT/fp8_check.json" > "$OUT/fp8_check.log" 2>&1
+    echo "fp8_check rc $?"; tail -4 "$OUT/fp8_check.log"
+}
+
 case "${1:?phase}" in
   2b)
     p2b
@@ -93,19 +106,28 @@ case "${1:?phase}" in
     p2b
     measure vllm /tmp/p2b 2b_agent 585 --measures agent
     ;;
-  fp8)  # FP8 checkpoints of the 2B shape (compressed-tensors channel, Qwen block), FP8 against bf16 where bf16 is sure
+  first)  # vLLM's first process (compiling on the CPU for minutes) on the agent trace; meanwhile, the GPU checks,
+           # FP8 against bf16 where bf16 is sure, and hyserve's agent-trace hit rates (their walls not comparable)
     p2b
-    [ -d /tmp/p2b_ct ] || python3 $PB quantize --src /tmp/p2b --out /tmp/p2b_ct --format ct_dynamic > "$OUT/quantize.log" 2>&1
-    [ -d /tmp/p2b_blk ] || python3 $PB quantize --src /tmp/p2b --out /tmp/p2b_blk --format block >> "$OUT/quantize.log" 2>&1
-    timeout 300 python3 benchmarks/fp8_check.py --bf16 /tmp/p2b --variant ct=/tmp/p2b_ct --variant block=/tmp/p2b_blk \
-        --variant kv=/tmp/p2b:fp8 --out "$OUT/fp8_check.json" > "$OUT/fp8_check.log" 2>&1
-    echo "fp8_check rc $?"; tail -4 "$OUT/fp8_check.log"
-    measure hyserve /tmp/p2b 2b 200 --measures decode,bound,prefill
-    measure hyserve /tmp/p2b_ct 2b_ct 200 --measures decode,bound,prefill
-    measure hyserve /tmp/p2b_blk 2b_blk 200 --measures decode,bound,prefill
+    ( check; fp8_correctness; measure hyserve /tmp/p2b 2b_agent_bg 120 --measures agent
+      measure hyserve /tmp/p2b 2b_agent_kvfp8_bg 120 --measures agent --kv-cache-dtype fp8 ) > "$OUT/check_summary.log" 2>&1 &
+    measure vllm /tmp/p2b 2b_agent 575 --measures agent
+    wait; cat "$OUT/check_summary.log"
     ;;
-  fp8-vllm)  # vLLM on the same compressed-tensors FP8 checkpoint (after the fp8 phase, same machine)
-    measure vllm /tmp/p2b_ct 2b_ct 400 --measures decode,bound,prefill
+  fp8)  # FP8 GEMM kernels at the layers' shapes; hyserve decode and prefill, bf16 against the FP8 checkpoints
+    p2b; fp8_ckpts
+    timeout 200 python3 benchmarks/fp8_gemm_bench.py --out "$OUT/fp8_gemm.json" --budget-s 150 > "$OUT/fp8_gemm.log" 2>&1
+    echo "fp8_gemm rc $?"; tail -2 "$OUT/fp8_gemm.log"
+    measure hyserve /tmp/p2b 2b 100 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_ct 2b_ct 100 --measures decode,bound,prefill
+    HYSERVE_FP8_GEMM=triton measure hyserve /tmp/p2b_ct 2b_ct_triton 100 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_blk 2b_blk 100 --measures decode,bound,prefill
+    ;;
+  fp8-check) p2b; fp8_correctness ;;
+  fp8-vllm)  # vLLM on the same compressed-tensors FP8 checkpoint, and the agent trace with its FP8 KV cache
+    p2b; fp8_ckpts
+    measure vllm /tmp/p2b_ct 2b_ct 300 --measures decode,bound,prefill
+    measure vllm /tmp/p2b 2b_agent_kvfp8 250 --measures agent --kv-cache-dtype fp8
     ;;
   kvfp8)  # the agent trace with the FP8 KV cache, both engines (vLLM doubles its attention block; hyserve's stays 16)
     p2b
@@ -139,8 +161,14 @@ case "${1:?phase}" in
     ;;
   9b-vllm)
     p9b
-    measure vllm /tmp/p9b 9b 330 --measures decode,bound,prefill
-    measure vllm /tmp/p9b 9b_start 180 --measures start
+    measure vllm /tmp/p9b 9b 400 --measures decode,bound,prefill
+    ;;
+  9b-all)  # hyserve's 9B figures and where its batch-1 step goes
+    p9b
+    measure hyserve /tmp/p9b 9b 200 --measures decode,bound,prefill
+    timeout 200 python3 benchmarks/profile_step.py --model /tmp/p9b --device cuda --dtype bfloat16 --batch 1 \
+        --out "$OUT/profile_9b" > "$OUT/profile_9b.log" 2>&1
+    echo "profile rc $?"; tail -5 "$OUT/profile_9b.log"
     ;;
   check) check ;;
   spec)

@@ -517,10 +517,12 @@ def test_block_shards_off_the_block_grid_are_refused(fp8_ckpts: Checkpoints) -> 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_scaled_mm_matches_the_reference() -> None:
-    """``torch._scaled_mm`` (rowwise scales) and the block path against the CPU reference on the same FP8 weights;
-    bf16 activations. The activation quantization is the same arithmetic on both devices; what differs is the
-    GEMM's summation order and its bf16 output (2^-8 relative)."""
+@pytest.mark.parametrize("backend", fp8_kernels.GEMM_BACKENDS)
+def test_cuda_scaled_mm_matches_the_reference(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """``torch._scaled_mm`` (rowwise scales) or the Triton GEMM, and the block path (Triton), against the CPU
+    reference on the same FP8 weights; bf16 activations. The activation quantization is the same arithmetic on both
+    devices; what differs is the GEMM's summation order and its bf16 output (2^-8 relative)."""
+    monkeypatch.setenv("HYSERVE_FP8_GEMM", backend)
     fp8_kernels.check_fp8_device(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     for m, k, n in ((1, 256, 512), (7, 64, 128), (33, 512, 256), (300, 1024, 768)):

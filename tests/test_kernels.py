@@ -343,7 +343,8 @@ def patch_triton_interpreter() -> None:
     * a scalar loaded from memory is a 1-element array, and ``range(lo, hi)`` with it as a bound calls ``int()`` on
       it, which numpy 2.3+ refuses for 1-d arrays;
     * ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage;
-    * float32 -> bfloat16 casts truncate, where GPUs (and torch) round to nearest even.
+    * float32 -> bfloat16 casts truncate, where GPUs (and torch) round to nearest even;
+    * float32 -> float8_e4m3 casts lose the carry of a mantissa rounded up into the exponent (124.3 gives 64).
     """
     import numpy as np
     import triton.language as tl
@@ -379,6 +380,15 @@ def patch_triton_interpreter() -> None:
         return orig_cast(self, src, dst_type)
 
     interp.InterpreterBuilder.cast_impl = cast_impl
+    orig_fp_to_fp = interp.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:  # round to nearest even, as torch
+            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            return interp.TensorHandle(data.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), dst_type.scalar)
+        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
 def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
@@ -538,6 +548,55 @@ def _interp_l2norm(dtype: torch.dtype) -> tuple[bool, str]:
     return ok and got.is_contiguous() and got.dtype == dtype, f"err {err:.3g}"
 
 
+def _interp_fp8_quant(dtype: torch.dtype, mode: str) -> tuple[bool, str]:
+    """One-launch activation quantization (per token over several column blocks, per 128-group with a partial last
+    group, static) against the torch reference: the same FP8 bytes and scales, bit for bit."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(23)
+    x = (torch.randn(6, 2100, generator=gen) * 5).to(dtype)
+    x[2] = 0  # an all-zero token takes the eps scale
+    x[3, 7] = 900.0  # beyond e4m3's range once scaled by a static scale
+    if mode == "token":
+        (q, s), (qr, sr) = fp8.quantize_rows(x), fp8.quantize_per_token(x)
+    elif mode == "group":
+        (q, s), (qr, sr) = fp8.quantize_rows(x, group=128), fp8.quantize_per_token_group(x, 128)
+    else:
+        static = torch.tensor([0.5])
+        (q, s), sr = fp8.quantize_rows(x, static_scale=static), static.reshape(1, 1)
+        qr = fp8.quantize_fp8(x, sr)
+    same = torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    return same, f"bytes differing {int((q.view(torch.uint8) != qr.view(torch.uint8)).sum())}"
+
+
+def _interp_fp8_gemm(m: int, n: int, k: int, block: bool, group: bool, split: int | None,
+                     sabotage: bool = False) -> tuple[bool, str]:
+    """The FP8 GEMM (channel or 128x128 block scales; token or token-group activation scales; split K) against the
+    dequantize-and-matmul reference. ``sabotage``: the group scales replaced by each token's first one, which the
+    comparison must catch (the check passes when it does)."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(29 + m + n)
+    x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 8, k)  # group amaxes differ across K
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    ws = w.abs().amax(1, keepdim=True) / 448
+    wq = (w / ws).clamp(-448, 448).to(fp8.FP8_DTYPE)
+    if block:
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen) / 448 + 1e-3
+        q, qs = fp8.quantize_per_token_group(x, 128) if group else fp8.quantize_per_token(x)
+        want = fp8.fp8_block_linear_ref(x, wq, scale, (128, 128), 128 if group else None)
+    else:
+        scale = ws
+        q, qs = fp8.quantize_per_token(x)
+        want = fp8.fp8_linear_ref(x, wq, scale)
+    if sabotage:
+        qs = qs[:, :1].expand(m, qs.shape[1]).contiguous()
+    cfg = None if split is None else fp8.GemmConfig(16, 32, 128, split, 2, 4, 2)
+    got = fp8.triton_fp8_gemm(q, qs, wq, scale, (128, 128) if block else None, torch.float32, cfg)
+    ok, err = _close(got, want, 1e-4, 1e-4)
+    return ok != sabotage, f"err {err:.3g}"
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -566,6 +625,18 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
             g = "gated_" if gated else ""
             _check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
             _check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
+    for dt in (f32, bf16):
+        for mode in ("token", "group", "static"):
+            name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"
+            _check(res, name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
+    # M = 1 / 5 (decode tiles, split K) and 70 (prefill tiles); K and N not multiples of the tiles.
+    _check(res, "fp8_gemm_channel_decode", lambda: _interp_fp8_gemm(5, 200, 300, False, False, None))
+    _check(res, "fp8_gemm_channel_split3", lambda: _interp_fp8_gemm(1, 72, 520, False, False, 3))
+    _check(res, "fp8_gemm_channel_prefill", lambda: _interp_fp8_gemm(70, 136, 264, False, False, None))
+    _check(res, "fp8_gemm_block_groups", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None))
+    _check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
+    _check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
+    _check(res, "fp8_gemm_block_sabotaged_groups_caught", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
     # Odd shapes: head dim not a power of two, block size 16, a prefill row spanning several query blocks.
     _check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
     _check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
@@ -596,6 +667,9 @@ INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
 INTERP_CHECKS += [f"add_norm_silu{w}_{dt}" for w in ("", "_wide") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"l2_norm_heads_{dt}" for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"fp8_quant_{m}_{dt}" for m in ("token", "group", "static") for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"fp8_gemm_{c}" for c in ("channel_decode", "channel_split3", "channel_prefill", "block_groups",
+                                            "block_groups_split2", "block_tokens", "block_sabotaged_groups_caught")]
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)

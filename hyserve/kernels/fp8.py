@@ -20,12 +20,16 @@ activation quantization emulated exactly, one float32 matmul.
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import torch
 from torch.nn import functional as F
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "check_fp8_device", "dequantize_block_weight", "fp8_block_linear",
-           "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref", "quantize_fp8", "quantize_per_token",
-           "quantize_per_token_group"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "check_fp8_device", "dequantize_block_weight",
+           "fp8_block_linear", "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref",
+           "gemm_backend", "gemm_config", "quantize_fp8", "quantize_per_token", "quantize_per_token_group",
+           "quantize_rows", "triton_fp8_gemm"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -108,6 +112,106 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return torch.matmul(_quantize_dequantize(x, group), w.t()).to(x.dtype)
 
 
+# The CUDA GEMM for channel-scaled weights: ``scaled_mm`` (cuBLASLt through torch._scaled_mm) or ``triton``
+# (_triton_fp8); block-scaled weights always take the Triton kernel. HYSERVE_FP8_GEMM picks one for benchmarks
+# (benchmarks/fp8_gemm_bench.py measures both at the decode and prefill shapes).
+GEMM_BACKENDS = ("scaled_mm", "triton")
+_QUANT_BLOCK = 1024  # columns a per-token quantization program reads at a time
+
+
+def gemm_backend() -> str:
+    """The channel-scaled CUDA GEMM in use (``HYSERVE_FP8_GEMM``, default ``scaled_mm``); a bad value is refused."""
+    name = os.environ.get("HYSERVE_FP8_GEMM", "scaled_mm")
+    if name not in GEMM_BACKENDS:
+        raise ValueError(f"HYSERVE_FP8_GEMM={name!r}: the FP8 GEMMs are {', '.join(GEMM_BACKENDS)}")
+    return name
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None,
+                  static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of a contiguous ``(M, K)`` CUDA activation in one Triton launch: per token (``(M, 1)``
+    scales), per token and ``group`` (``(M, ceil(K / group))``), or with the one ``static_scale`` (returned as
+    given). The arithmetic of :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8`."""
+    from hyserve.kernels._triton_fp8 import _quant_rows_kernel
+
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1)
+        grid, g, block = (m, 1), 0, _QUANT_BLOCK
+    elif group is not None:
+        scale = torch.empty(m, -(-k // group), dtype=torch.float32, device=x.device)
+        grid, g, block = (m, scale.shape[1]), group, _next_power_of_2(group)
+    else:
+        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+        grid, g, block = (m, 1), 0, min(_QUANT_BLOCK, _next_power_of_2(k))
+    if m:
+        _quant_rows_kernel[grid](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0) if scale.dim() > 1 else 0,
+                                 FP8_MAX, AMAX_EPS, GROUP=g, STATIC=static_scale is not None, BLOCK=block)
+    return q, (static_scale.float().reshape(1, 1) if static_scale is not None else scale)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(m: int, n: int, k: int, block_k: int | None = None, num_sms: int = 132) -> GemmConfig:
+    """Tile sizes for ``(M, N, K)``; ``block_k`` fixed for block-scaled weights (the scale block). Decode shapes
+    (few rows) split K until the card has about two programs per SM; prefill shapes take large tiles."""
+    bk = block_k or 128
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn = 64
+        tiles = -(-m // bm) * -(-n // bn)
+        k_tiles = -(-k // bk)
+        split = max(1, min(k_tiles // 2, -(-2 * num_sms // tiles)))
+        return GemmConfig(bm, bn, bk, split, 1, 4, 4)
+    bm = 64 if m <= 128 else 128
+    return GemmConfig(bm, 128, bk, 1, 8, 8 if bm == 128 else 4, 3)
+
+
+def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    block: tuple[int, int] | None, out_dtype: torch.dtype,
+                    config: GemmConfig | None = None) -> torch.Tensor:
+    """``(q * q_scale) (weight * weight_scale)^T`` with the Triton kernel: ``q (M, K)`` FP8 with ``(M, 1)`` or
+    ``(M, ceil(K / block_k))`` scales, ``weight (N, K)`` FP8 with ``(N, 1)`` scales (``block`` None) or block
+    scales."""
+    from hyserve.kernels._triton_fp8 import _fp8_gemm_kernel
+
+    m, k = q.shape
+    n = weight.shape[0]
+    cfg = config or gemm_config(m, n, k, block[1] if block else None,
+                                torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132)
+    if block is not None:
+        assert cfg.block_k == block[1], (cfg, block)
+    split = cfg.split_k
+    out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32 if split > 1 else out_dtype,
+                                                      device=q.device)
+    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
+    per_k = q_scale.shape[1] > 1
+    per_m = q_scale.shape[0] > 1  # a static scale is one element for every row
+    _fp8_gemm_kernel[grid](
+        q, q_scale, weight, weight_scale, out, m, n, k,
+        q.stride(0), weight.stride(0), out.stride(0), q_scale.stride(0) if per_m else 0,
+        q_scale.stride(1) if per_k else 0,
+        weight_scale.stride(0), weight_scale.stride(1) if block is not None else 0,
+        BLOCKWISE=block is not None, SCALE_N=block[0] if block is not None else 1, UPCAST=not q.is_cuda,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out.to(out_dtype) if split > 1 else out
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T`` over the last dimension of ``x`` (any leading shape) for a per-channel FP8 weight (see
@@ -115,31 +219,44 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     n, k = weight.shape
-    if not x.is_cuda or k % 16 or n % 16 or x2.shape[0] == 0:
+    if not x.is_cuda or x2.shape[0] == 0:
         return fp8_linear_ref(x2, weight, weight_scale, input_scale).view(*lead, n)
-    if input_scale is None:
-        q, s = quantize_per_token(x2)
+    q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if gemm_backend() == "triton" or k % 16 or n % 16:
+        y = triton_fp8_gemm(q, s, weight, weight_scale.view(n, 1), None, out_dtype)
     else:
-        s = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
-        q = quantize_fp8(x2, s)
-    # cuBLASLt takes the second operand column-major: the contiguous (N, K) weight's transpose is; rowwise scaling
-    # is a (M, 1) scale for the tokens and a (1, N) one for the channels, and gives a bf16 output.
-    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, n), out_dtype=torch.bfloat16)
+        # cuBLASLt takes the second operand column-major: the contiguous (N, K) weight's transpose is; rowwise
+        # scaling is a (M, 1) scale for the tokens and a (1, N) one for the channels.
+        if s.shape[0] != q.shape[0]:
+            s = s.expand(q.shape[0], 1).contiguous()
+        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, n), out_dtype=out_dtype)
     return y.to(x.dtype).view(*lead, n)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
                      group: int | None) -> torch.Tensor:
     """``x W^T`` over the last dimension of ``x`` for a block-scaled FP8 weight (see :func:`fp8_block_linear_ref`);
-    output in ``x.dtype``."""
+    output in ``x.dtype``. On CUDA: the activations quantized in one launch, then the block-scaled Triton GEMM (the
+    scales applied per 128-wide slice of K inside its loop)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     n = weight.shape[0]
-    if not x.is_cuda:
+    if not x.is_cuda or x2.shape[0] == 0:
         return fp8_block_linear_ref(x2, weight, weight_scale, block, group).view(*lead, n)
-    # The simplest correct CUDA path, dequantize-then-bf16-GEMM: the activations' quantization emulated (quantized,
-    # then dequantized to x.dtype) and the weight dequantized on every call, so the GEMM reads three times the bytes
-    # of the FP8 weight. A fused block-scaled kernel (Triton, or _scaled_mm's 1x128 / 128x128 recipe) is faster.
+    if group is not None and group != block[1]:
+        raise ValueError(f"block FP8: activation groups of {group} with {block[0]}x{block[1]} weight blocks; the "
+                         "kernel takes groups as wide as the blocks")
+    q, s = quantize_rows(x2.contiguous(), group=group)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    return triton_fp8_gemm(q, s, weight, weight_scale, block, out_dtype).to(x.dtype).view(*lead, n)
+
+
+def fp8_block_linear_dequant(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                             block: tuple[int, int], group: int | None) -> torch.Tensor:
+    """The block path before the Triton kernel, kept as the benchmark's baseline: the activations' quantization
+    emulated, the weight dequantized on every call, a bf16 GEMM (three times the bytes of the FP8 weight)."""
+    x2 = x.reshape(-1, x.shape[-1])
     xd = _quantize_dequantize(x2, group).to(x.dtype)
     w = dequantize_block_weight(weight, weight_scale, block).to(x.dtype)
-    return F.linear(xd, w).view(*lead, n)
+    return F.linear(xd, w).view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,117 @@
+"""Triton kernels for :mod:`hyserve.kernels.fp8` (imported lazily: only the CUDA path and interpreter tests need them).
+
+* ``_quant_rows_kernel``: one pass over a ``(M, K)`` activation writing its float8_e4m3fn values and float32 scales,
+  per token (``GROUP == 0``), per token and ``GROUP``-wide slice of K, or with one static scale; the arithmetic of
+  :func:`hyserve.kernels.fp8.quantize_per_token` (``max(amax, eps) / 448``, a correctly rounded division, round to
+  nearest even on the cast), in one launch where torch takes six.
+* ``_fp8_gemm_kernel``: ``C = A B^T`` for FP8 ``A (M, K)`` and ``B (N, K)`` with float32 accumulation. Channel
+  scaling (``BLOCKWISE`` false) multiplies the accumulator once by the token's and the channel's scales; block
+  scaling takes one ``BLOCK_K = SCALE_K``-wide slice of K per iteration and scales each partial product by the
+  token's group scale and the weight block's scale, as DeepSeek-V3's recipe does. ``SPLIT_K`` programs share one
+  output tile over K slices and add into a float32 output (decode shapes have too few output tiles to fill the card).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_fp8_gemm_kernel", "_quant_rows_kernel"]
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr, K, sx, sq, ss, fp8_max, eps,
+    GROUP: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program ``(row, j)`` quantizes group ``j`` of ``row`` (``GROUP > 0``), or the whole row (``GROUP == 0``:
+    ``j`` is 0 and the row is read twice, for its amax and then for the values). ``STATIC``: ``s_ptr`` holds the one
+    scale and nothing is written to it."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * sx
+    q_row = q_ptr + row.to(tl.int64) * sq
+    if GROUP > 0:
+        lo = tl.program_id(1) * GROUP
+        offs = lo + tl.arange(0, BLOCK)
+        mask = (offs < K) & (offs < lo + GROUP)
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / fp8_max
+        q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row * ss + tl.program_id(1), scale)
+    else:
+        if STATIC:
+            scale = tl.load(s_ptr)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for lo in range(0, K, BLOCK):
+                offs = lo + tl.arange(0, BLOCK)
+                x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, axis=0), eps) / fp8_max
+            tl.store(s_ptr + row * ss, scale)
+        for lo in range(0, K, BLOCK):
+            offs = lo + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
+            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+    sa, sb, sc, sas_m, sas_k, sbs_n, sbs_k,
+    BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_M x BLOCK_N`` tile of ``C`` over K slice ``program_id(1)`` of ``SPLIT_K``. ``as``: the tokens'
+    scales, ``(M,)`` (``sas_k`` 0) or one per ``BLOCK_K``-group of K; ``bs``: the channels' scales ``(N,)``
+    (channel) or one per ``SCALE_N x BLOCK_K`` block (``BLOCKWISE``). ``UPCAST``: the dot in bf16 (the Triton
+    interpreter has no FP8 dot; exact, FP8 values being bf16 values)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped tile order: GROUP_M row tiles share the B tiles they read while those are in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = tl.program_id(1) * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * sa
+    b_rows = b_ptr + offs_n.to(tl.int64)[None, :] * sb
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        ks = kt * BLOCK_K + offs_k
+        kmask = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=mask_m[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_rows + ks[:, None], mask=kmask[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.bfloat16)
+            b = b.to(tl.bfloat16)
+        part = tl.dot(a, b)
+        if BLOCKWISE:
+            a_s = tl.load(as_ptr + offs_m * sas_m + kt * sas_k, mask=mask_m, other=0.0)
+            b_s = tl.load(bs_ptr + (offs_n // SCALE_N) * sbs_n + kt * sbs_k, mask=mask_n, other=0.0)
+            acc += part * (a_s[:, None] * b_s[None, :])
+        else:
+            acc += part
+    if not BLOCKWISE:
+        a_s = tl.load(as_ptr + offs_m * sas_m, mask=mask_m, other=0.0)
+        b_s = tl.load(bs_ptr + offs_n * sbs_n, mask=mask_n, other=0.0)
+        acc = acc * (a_s[:, None] * b_s[None, :])
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * sc + offs_n[None, :]
+    cmask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(c, acc, mask=cmask, sem="relaxed")
+    else:
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=cmask)
