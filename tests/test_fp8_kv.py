@@ -271,9 +271,9 @@ def test_triton_fp8_kernels_match_the_reference_cuda(dtype: torch.dtype) -> None
     from hyserve.kernels.attention import paged_attention_triton, store_kv_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    hkv, group, d, bs, nb = 2, 4, 128, 16, 64
-    lens = [700, 33, 1]
-    slots = torch.randperm(nb, generator=g, device="cuda")[:48].view(3, 16).to(torch.int32)
+    hkv, group, d, bs, nb = 2, 4, 128, 16, 160
+    lens = [700, 33, 1]  # 44, 3 and 1 blocks of a 44-wide block table
+    slots = torch.randperm(nb, generator=g, device="cuda")[:132].view(3, 44).to(torch.int32)
     k_scale = torch.tensor([0.5, 2.0], device="cuda")
     v_scale = torch.tensor([3.0, 0.75], device="cuda")
     caches = [torch.zeros(nb, bs, hkv, d, dtype=FP8, device="cuda") for _ in range(4)]

@@ -35,7 +35,7 @@ def _quant_rows_kernel(
         offs = lo + tl.arange(0, BLOCK)
         mask = (offs < K) & (offs < lo + GROUP)
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / fp8_max
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), fp8_max)
         q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * ss + tl.program_id(1), scale)
@@ -48,7 +48,7 @@ def _quant_rows_kernel(
                 offs = lo + tl.arange(0, BLOCK)
                 x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.max(amax, axis=0), eps) / fp8_max
+            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), fp8_max)
             tl.store(s_ptr + row * ss, scale)
         for lo in range(0, K, BLOCK):
             offs = lo + tl.arange(0, BLOCK)
