@@ -214,7 +214,7 @@ def summarize(rows: list[dict[str, Any]], bw: float) -> dict[str, Any]:
         s = out.setdefault(r["shape"], {}).setdefault(str(r["m"]), {k: 0.0 for k in (*keys, "fp8_bound_us")})
         for k in keys:
             s[k] += r.get(k, r.get(k.replace("_best", ""), 0.0)) * r["layers"]
-        s["fp8_bound_us"] += r["n"] * r["k"] / (bw / 2) * 1e6 * r["layers"]
+        s["fp8_bound_us"] += r["n"] * r["k"] / bw * 1e6 * r["layers"]
     return out
 
 

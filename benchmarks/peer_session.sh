@@ -124,6 +124,12 @@ case "${1:?phase}" in
     measure hyserve /tmp/p2b_blk 2b_blk 100 --measures decode,bound,prefill
     ;;
   fp8-check) p2b; fp8_correctness ;;
+  fp8-measure)  # hyserve decode and prefill: bf16 against both FP8 checkpoints (the FP8 GEMM choice at its default)
+    p2b; fp8_ckpts
+    measure hyserve /tmp/p2b 2b 110 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_ct 2b_ct 130 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_blk 2b_blk 130 --measures decode,bound,prefill
+    ;;
   fp8-vllm)  # vLLM on the same compressed-tensors FP8 checkpoint, and the agent trace with its FP8 KV cache
     p2b; fp8_ckpts
     measure vllm /tmp/p2b_ct 2b_ct 300 --measures decode,bound,prefill

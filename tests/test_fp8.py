@@ -562,7 +562,7 @@ def test_cuda_layers_match_the_cpu_reference(fp8_ckpts: Checkpoints, case: str) 
     gen = torch.Generator().manual_seed(2)
     pairs = [(c, g) for c, g in zip(cpu.modules(), gpu.modules(), strict=True)
              if isinstance(c, LinearBase) and c.method.quantized]
-    assert len(pairs) >= 18  # the tiny model's quantized projections (those the quantizer did not leave in bf16)
+    assert len(pairs) >= 16  # the tiny model's quantized projections (those the quantizer did not leave in bf16)
     with torch.no_grad():
         for c, g in pairs:
             x = torch.randn(9, c.in_features, generator=gen).bfloat16()

@@ -115,13 +115,16 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 # The CUDA GEMM for channel-scaled weights: ``scaled_mm`` (cuBLASLt through torch._scaled_mm) or ``triton``
 # (_triton_fp8); block-scaled weights always take the Triton kernel. HYSERVE_FP8_GEMM picks one for benchmarks
 # (benchmarks/fp8_gemm_bench.py measures both at the decode and prefill shapes).
-GEMM_BACKENDS = ("scaled_mm", "triton")
+GEMM_BACKENDS = ("auto", "scaled_mm", "triton")
+# auto: the Triton GEMM up to this many rows (decode: it reads the weights at the copy bandwidth, cuBLASLt at ~70 %
+# of it), cuBLASLt above (prefill: 1.5x the Triton kernel); benchmarks/results/h200/fp8_gemm.md.
+AUTO_TRITON_MAX_ROWS = 64
 _QUANT_BLOCK = 1024  # columns a per-token quantization program reads at a time
 
 
 def gemm_backend() -> str:
-    """The channel-scaled CUDA GEMM in use (``HYSERVE_FP8_GEMM``, default ``scaled_mm``); a bad value is refused."""
-    name = os.environ.get("HYSERVE_FP8_GEMM", "scaled_mm")
+    """The channel-scaled CUDA GEMM in use (``HYSERVE_FP8_GEMM``, default ``auto``); a bad value is refused."""
+    name = os.environ.get("HYSERVE_FP8_GEMM", "auto")
     if name not in GEMM_BACKENDS:
         raise ValueError(f"HYSERVE_FP8_GEMM={name!r}: the FP8 GEMMs are {', '.join(GEMM_BACKENDS)}")
     return name
@@ -223,7 +226,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_linear_ref(x2, weight, weight_scale, input_scale).view(*lead, n)
     q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if gemm_backend() == "triton" or k % 16 or n % 16:
+    backend = gemm_backend()
+    if backend == "auto":
+        backend = "triton" if x2.shape[0] <= AUTO_TRITON_MAX_ROWS else "scaled_mm"
+    if backend == "triton" or k % 16 or n % 16:
         y = triton_fp8_gemm(q, s, weight, weight_scale.view(n, 1), None, out_dtype)
     else:
         # cuBLASLt takes the second operand column-major: the contiguous (N, K) weight's transpose is; rowwise
