@@ -161,11 +161,17 @@ class Engine:
 
 
 def _git_commit() -> str:
+    """The checkout's commit, with ``+changes`` when tracked files differ from it (the device machine's copy of a
+    working tree can carry an older HEAD than the files it runs)."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                              check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=here, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head}+changes" if changed else head
 
 
 def _sync() -> None:
