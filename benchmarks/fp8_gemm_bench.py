@@ -10,7 +10,9 @@ gate, merged gate/up, the two output projections) and every row count M of decod
 * ``scaled_mm_torchq``: the same GEMM after torch's six-op quantization (the path before the Triton quantization);
 * ``triton``: hyserve's Triton FP8 GEMM with channel scales at the shipped tile choice, and the best of a sweep;
 * ``triton_block``: the same kernel with 128x128 block scales and per-128-group activations (Qwen's block FP8),
-  shipped choice and best of the sweep; ``dequant_block``: the block path before it (dequantize, bf16 GEMM).
+  shipped choice and best of the sweep; ``dequant_block``: the block path before it (dequantize, bf16 GEMM);
+* ``triton_fused`` / ``triton_block_fused`` (decode row counts): the GEMM quantizing the bf16 activation itself,
+  no separate quantization launch (``quant_us`` is not added to these).
 
 Each time is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``) over enough copies of the weights that they
 do not fit the L2 cache, as in a decode step where every layer's weights are read once. The weights' bandwidth
@@ -167,6 +169,11 @@ def main() -> None:
                                          copies)
                 row["triton_block_us"] = bench(lambda i: fp8.triton_fp8_gemm(qg, qgs, wq[i], bs[i], (128, 128),
                                                                              torch.bfloat16), copies)
+                if m <= 64:  # the GEMM quantizing the activation itself (what decode runs)
+                    row["triton_fused_us"] = bench(lambda i: fp8.triton_fp8_gemm(
+                        x, None, wq[i], ws[i], None, torch.bfloat16, quantize="token"), copies)
+                    row["triton_block_fused_us"] = bench(lambda i: fp8.triton_fp8_gemm(
+                        x, None, wq[i], bs[i], (128, 128), torch.bfloat16, quantize="group"), copies)
                 row["dequant_block_us"] = bench(lambda i: fp8.fp8_block_linear_dequant(x, wq[i], bs[i], (128, 128),
                                                                                       128), min(copies, 4))
                 row["config"] = list(fp8.gemm_config(m, n, k))
@@ -209,7 +216,8 @@ def summarize(rows: list[dict[str, Any]], bw: float) -> dict[str, Any]:
     and the FP8 weights' read time at the copy bandwidth (half of it: a copy reads and writes)."""
     out: dict[str, Any] = {}
     keys = ("bf16_us", "scaled_mm_us", "scaled_mm_torchq_us", "triton_us", "triton_best_us", "triton_block_us",
-            "triton_block_best_us", "dequant_block_us", "quant_us", "quant_torch_us")
+            "triton_block_best_us", "triton_fused_us", "triton_block_fused_us", "dequant_block_us", "quant_us",
+            "quant_torch_us")
     for r in rows:
         s = out.setdefault(r["shape"], {}).setdefault(str(r["m"]), {k: 0.0 for k in (*keys, "fp8_bound_us")})
         for k in keys:

@@ -16,6 +16,7 @@ KERNELS = {  # label: (time keys summed per projection)
     "FP8 channel, Triton GEMM": ("quant_us", "triton_us"),
     "FP8 channel, cuBLASLt": ("quant_us", "scaled_mm_us"),
     "FP8 128x128 block, Triton GEMM": ("quant_group_us", "triton_block_us"),
+    "FP8 channel, Triton GEMM quantizing in its loop": ("triton_fused_us",),  # decode row counts only
 }
 
 
@@ -27,7 +28,8 @@ def totals(rows: list[dict[str, Any]], shape: str, bandwidth: float) -> dict[str
             continue
         m, layers = r["m"], r["layers"]
         for label, keys in KERNELS.items():
-            out[label][m] = out[label].get(m, 0.0) + sum(r[k] for k in keys) * layers
+            if all(k in r for k in keys):
+                out[label][m] = out[label].get(m, 0.0) + sum(r[k] for k in keys) * layers
         read = r["n"] * r["k"] * layers / bandwidth * 1e6
         out["FP8 bound"][m] = out["FP8 bound"].get(m, 0.0) + read
         out["bf16 bound"][m] = out["bf16 bound"].get(m, 0.0) + 2 * read
@@ -54,7 +56,9 @@ def main() -> None:
         ms = sorted(t["bf16 (cuBLAS)"])
         base = [t["bf16 (cuBLAS)"][m] for m in ms]
         for label in KERNELS:
-            ax.plot(range(len(ms)), [t[label][m] / b for m, b in zip(ms, base, strict=True)], "-o", label=label)
+            points = [(i, t[label][m] / base[i]) for i, m in enumerate(ms) if m in t[label]]
+            if points:
+                ax.plot(*zip(*points, strict=True), "-o", label=label)
         decode = [i for i, m in enumerate(ms) if m <= 64]  # the weights' read bounds decode only; prefill computes
         ax.plot(decode, [t["FP8 bound"][ms[i]] / base[i] for i in decode], "--", label="FP8 weights' read time")
         ax.axhline(1.0, color="grey", lw=0.8)

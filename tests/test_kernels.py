@@ -597,6 +597,34 @@ def _interp_fp8_gemm(m: int, n: int, k: int, block: bool, group: bool, split: in
     return ok != sabotage, f"err {err:.3g}"
 
 
+def _interp_fp8_gemm_fused(m: int, n: int, k: int, block: bool, mode: str, split: int | None,
+                           reference_mode: str | None = None) -> tuple[bool, str]:
+    """The GEMM quantizing its unquantized bf16 activation itself (``mode``: token, group or static) against the
+    reference of ``reference_mode`` (default: the same). A different reference mode must be told apart (the check
+    passes when the comparison fails), so a GEMM quantizing at the wrong granularity is caught."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(31 + m + k)
+    x = (torch.randn(m, k, generator=gen) * torch.linspace(0.1, 8, k)).bfloat16()
+    x[0, 3] = 600.0  # past the static scale's range: clamped
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    ws = w.abs().amax(1, keepdim=True) / 448
+    wq = (w / ws).clamp(-448, 448).to(fp8.FP8_DTYPE)
+    static = torch.tensor([0.05])
+    ref_mode = reference_mode or mode
+    if block:
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen) / 448 + 1e-3
+        want = fp8.fp8_block_linear_ref(x.float(), wq, scale, (128, 128), 128 if ref_mode == "group" else None)
+    else:  # the reference on the same values in float32, so that its output is not rounded to bf16
+        scale = ws
+        want = fp8.fp8_linear_ref(x.float(), wq, scale, static if ref_mode == "static" else None)
+    cfg = None if split is None else fp8.GemmConfig(16, 32, 128, split, 2, 4, 2)
+    got = fp8.triton_fp8_gemm(x, static if mode == "static" else None, wq, scale, (128, 128) if block else None,
+                              torch.float32, cfg, quantize=mode)
+    ok, err = _close(got, want.float(), 1e-4, 1e-4)
+    return ok == (ref_mode == mode), f"err {err:.3g}"
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -637,6 +665,14 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     _check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
     _check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
     _check(res, "fp8_gemm_block_sabotaged_groups_caught", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
+    # The GEMM quantizing its activation: per token over several K tiles (split too), static, per group.
+    _check(res, "fp8_fused_token", lambda: _interp_fp8_gemm_fused(5, 200, 300, False, "token", None))
+    _check(res, "fp8_fused_token_split3", lambda: _interp_fp8_gemm_fused(3, 72, 520, False, "token", 3))
+    _check(res, "fp8_fused_static", lambda: _interp_fp8_gemm_fused(4, 136, 264, False, "static", None))
+    _check(res, "fp8_fused_block_group", lambda: _interp_fp8_gemm_fused(5, 300, 400, True, "group", 2))
+    _check(res, "fp8_fused_block_token", lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "token", None))
+    _check(res, "fp8_fused_group_for_token_caught",
+           lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "group", None, reference_mode="token"))
     # Odd shapes: head dim not a power of two, block size 16, a prefill row spanning several query blocks.
     _check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
     _check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
@@ -670,6 +706,8 @@ INTERP_CHECKS += [f"l2_norm_heads_{dt}" for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"fp8_quant_{m}_{dt}" for m in ("token", "group", "static") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"fp8_gemm_{c}" for c in ("channel_decode", "channel_split3", "channel_prefill", "block_groups",
                                             "block_groups_split2", "block_tokens", "block_sabotaged_groups_caught")]
+INTERP_CHECKS += [f"fp8_fused_{c}" for c in ("token", "token_split3", "static", "block_group", "block_token",
+                                             "group_for_token_caught")]
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)

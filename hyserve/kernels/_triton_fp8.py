@@ -9,6 +9,8 @@
   scaling takes one ``BLOCK_K = SCALE_K``-wide slice of K per iteration and scales each partial product by the
   token's group scale and the weight block's scale, as DeepSeek-V3's recipe does. ``SPLIT_K`` programs share one
   output tile over K slices and add into a float32 output (decode shapes have too few output tiles to fill the card).
+  The GEMM can also quantize the activation itself (``A_MODE``), which saves the quantization's launch where a
+  decode step's GEMMs are a few microseconds each.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_fp8_gemm_kernel", "_quant_rows_kernel"]
+__all__ = ["A_DYNAMIC_GROUP", "A_DYNAMIC_TOKEN", "A_PRECOMPUTED", "A_STATIC", "_fp8_gemm_kernel",
+           "_quant_rows_kernel"]
 
 
 @triton.jit
@@ -57,18 +60,30 @@ def _quant_rows_kernel(
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 
+# How the GEMM gets A's FP8 values and scales (``A_MODE``): A is FP8 with its scales in ``as`` (precomputed), or A is
+# the unquantized activation, quantized inside the GEMM: per token (each program first reads its rows' amax over the
+# whole of K), per token and BLOCK_K-group (each K tile is one group: its amax is the tile's), or with the one
+# static scale ``as[0]``. The quantized values are those of the torch reference, bit for bit.
+A_PRECOMPUTED, A_DYNAMIC_TOKEN, A_DYNAMIC_GROUP, A_STATIC = 0, 1, 2, 3
+
+
+@triton.jit
+def _quantize_tile(a, scale, fp8_max, DT: tl.constexpr):
+    return tl.clamp(tl.math.div_rn(a.to(tl.float32), scale), -fp8_max, fp8_max).to(DT)
+
+
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
-    sa, sb, sc, sas_m, sas_k, sbs_n, sbs_k,
-    BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr, UPCAST: tl.constexpr,
+    sa, sb, sc, sas_m, sas_k, sbs_n, sbs_k, fp8_max, eps,
+    BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr, UPCAST: tl.constexpr, A_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_M x BLOCK_N`` tile of ``C`` over K slice ``program_id(1)`` of ``SPLIT_K``. ``as``: the tokens'
-    scales, ``(M,)`` (``sas_k`` 0) or one per ``BLOCK_K``-group of K; ``bs``: the channels' scales ``(N,)``
-    (channel) or one per ``SCALE_N x BLOCK_K`` block (``BLOCKWISE``). ``UPCAST``: the dot in bf16 (the Triton
-    interpreter has no FP8 dot; exact, FP8 values being bf16 values)."""
+    scales, ``(M,)`` (``sas_k`` 0) or one per ``BLOCK_K``-group of K (``A_MODE`` precomputed), or the static scale;
+    ``bs``: the channels' scales ``(N,)`` (channel) or one per ``SCALE_N x BLOCK_K`` block (``BLOCKWISE``).
+    ``UPCAST``: the dot in bf16 (the Triton interpreter has no FP8 dot; exact, FP8 values being bf16 values)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -89,26 +104,46 @@ def _fp8_gemm_kernel(
     kt1 = tl.minimum(kt0 + per_split, k_tiles)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * sa
     b_rows = b_ptr + offs_n.to(tl.int64)[None, :] * sb
+    fp8 = b_ptr.dtype.element_ty
+    # The tokens' scale where one holds for the whole row (all modes but the per-group one).
+    row_s = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if A_MODE == 1:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            ks = kt * BLOCK_K + offs_k
+            a = tl.load(a_rows + ks[None, :], mask=mask_m[:, None] & (ks < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+        row_s = tl.math.div_rn(tl.maximum(amax, eps), fp8_max)
+    elif A_MODE == 3:
+        row_s = row_s * tl.load(as_ptr)
+    elif A_MODE == 0 and not BLOCKWISE:
+        row_s = tl.load(as_ptr + offs_m * sas_m, mask=mask_m, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kt in range(kt0, kt1):
         ks = kt * BLOCK_K + offs_k
         kmask = ks < K
         a = tl.load(a_rows + ks[None, :], mask=mask_m[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_rows + ks[:, None], mask=kmask[:, None] & mask_n[None, :], other=0.0)
+        a_s = row_s
+        if A_MODE == 2:
+            a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a.to(tl.float32)), axis=1), eps), fp8_max)
+            a = _quantize_tile(a, a_s[:, None], fp8_max, fp8)
+        elif A_MODE != 0:
+            a = _quantize_tile(a, row_s[:, None], fp8_max, fp8)
+        elif BLOCKWISE:
+            a_s = tl.load(as_ptr + offs_m * sas_m + kt * sas_k, mask=mask_m, other=0.0)
         if UPCAST:
             a = a.to(tl.bfloat16)
             b = b.to(tl.bfloat16)
         part = tl.dot(a, b)
         if BLOCKWISE:
-            a_s = tl.load(as_ptr + offs_m * sas_m + kt * sas_k, mask=mask_m, other=0.0)
             b_s = tl.load(bs_ptr + (offs_n // SCALE_N) * sbs_n + kt * sbs_k, mask=mask_n, other=0.0)
             acc += part * (a_s[:, None] * b_s[None, :])
         else:
             acc += part
     if not BLOCKWISE:
-        a_s = tl.load(as_ptr + offs_m * sas_m, mask=mask_m, other=0.0)
         b_s = tl.load(bs_ptr + offs_n * sbs_n, mask=mask_n, other=0.0)
-        acc = acc * (a_s[:, None] * b_s[None, :])
+        acc = acc * (row_s[:, None] * b_s[None, :])
     c = c_ptr + offs_m.to(tl.int64)[:, None] * sc + offs_n[None, :]
     cmask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:

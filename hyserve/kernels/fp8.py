@@ -183,13 +183,17 @@ def gemm_config(m: int, n: int, k: int, block_k: int | None = None, num_sms: int
     return GemmConfig(bm, 128, bk, 1, 8, 8 if bm == 128 else 4, 3)
 
 
-def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    block: tuple[int, int] | None, out_dtype: torch.dtype,
-                    config: GemmConfig | None = None) -> torch.Tensor:
-    """``(q * q_scale) (weight * weight_scale)^T`` with the Triton kernel: ``q (M, K)`` FP8 with ``(M, 1)`` or
-    ``(M, ceil(K / block_k))`` scales, ``weight (N, K)`` FP8 with ``(N, 1)`` scales (``block`` None) or block
-    scales."""
-    from hyserve.kernels._triton_fp8 import _fp8_gemm_kernel
+def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    block: tuple[int, int] | None, out_dtype: torch.dtype, config: GemmConfig | None = None,
+                    quantize: str | None = None) -> torch.Tensor:
+    """``(q * q_scale) (weight * weight_scale)^T`` with the Triton kernel; ``weight (N, K)`` FP8 with ``(N, 1)``
+    scales (``block`` None) or block scales.
+
+    ``quantize`` None: ``q (M, K)`` is FP8 with ``(M, 1)`` or ``(M, ceil(K / block_k))`` scales ``q_scale``. Else
+    ``q`` is the unquantized activation and the GEMM quantizes it as it reads it: ``"token"``, ``"group"``
+    (``block_k``-wide, block weights only) or ``"static"`` (``q_scale``: the one scale), the values of
+    :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8` exactly."""
+    from hyserve.kernels import _triton_fp8 as kernels
 
     m, k = q.shape
     n = weight.shape[0]
@@ -197,20 +201,24 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor
                                 torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132)
     if block is not None:
         assert cfg.block_k == block[1], (cfg, block)
+    mode = {None: kernels.A_PRECOMPUTED, "token": kernels.A_DYNAMIC_TOKEN, "group": kernels.A_DYNAMIC_GROUP,
+            "static": kernels.A_STATIC}[quantize]
+    assert mode != kernels.A_DYNAMIC_GROUP or block is not None, "group quantization goes with block weights"
+    scale = q_scale if q_scale is not None else weight_scale  # unread by the dynamic modes
+    per_k = mode == kernels.A_PRECOMPUTED and scale.shape[1] > 1
+    per_m = mode == kernels.A_PRECOMPUTED and scale.shape[0] > 1  # a static scale is one element for every row
     split = cfg.split_k
     out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32 if split > 1 else out_dtype,
                                                       device=q.device)
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
-    per_k = q_scale.shape[1] > 1
-    per_m = q_scale.shape[0] > 1  # a static scale is one element for every row
-    _fp8_gemm_kernel[grid](
-        q, q_scale, weight, weight_scale, out, m, n, k,
-        q.stride(0), weight.stride(0), out.stride(0), q_scale.stride(0) if per_m else 0,
-        q_scale.stride(1) if per_k else 0,
-        weight_scale.stride(0), weight_scale.stride(1) if block is not None else 0,
+    kernels._fp8_gemm_kernel[grid](
+        q, scale, weight, weight_scale, out, m, n, k,
+        q.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if per_m else 0,
+        scale.stride(1) if per_k else 0,
+        weight_scale.stride(0), weight_scale.stride(1) if block is not None else 0, FP8_MAX, AMAX_EPS,
         BLOCKWISE=block is not None, SCALE_N=block[0] if block is not None else 1, UPCAST=not q.is_cuda,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        A_MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out.to(out_dtype) if split > 1 else out
 
@@ -224,14 +232,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     n, k = weight.shape
     if not x.is_cuda or x2.shape[0] == 0:
         return fp8_linear_ref(x2, weight, weight_scale, input_scale).view(*lead, n)
-    q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     backend = gemm_backend()
     if backend == "auto":
         backend = "triton" if x2.shape[0] <= AUTO_TRITON_MAX_ROWS else "scaled_mm"
     if backend == "triton" or k % 16 or n % 16:
-        y = triton_fp8_gemm(q, s, weight, weight_scale.view(n, 1), None, out_dtype)
+        if input_scale is not None or x2.shape[0] <= AUTO_TRITON_MAX_ROWS:
+            # The activation quantized inside the GEMM: one launch per projection.
+            y = triton_fp8_gemm(x2.contiguous(), input_scale, weight, weight_scale.view(n, 1), None, out_dtype,
+                                quantize="token" if input_scale is None else "static")
+        else:  # many rows: each program would read its rows' amax again for every tile of N; quantized once
+            q, s = quantize_rows(x2.contiguous())
+            y = triton_fp8_gemm(q, s, weight, weight_scale.view(n, 1), None, out_dtype)
     else:
+        q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
         # cuBLASLt takes the second operand column-major: the contiguous (N, K) weight's transpose is; rowwise
         # scaling is a (M, 1) scale for the tokens and a (1, N) one for the channels.
         if s.shape[0] != q.shape[0]:
@@ -253,9 +267,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if group is not None and group != block[1]:
         raise ValueError(f"block FP8: activation groups of {group} with {block[0]}x{block[1]} weight blocks; the "
                          "kernel takes groups as wide as the blocks")
-    q, s = quantize_rows(x2.contiguous(), group=group)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    return triton_fp8_gemm(q, s, weight, weight_scale, block, out_dtype).to(x.dtype).view(*lead, n)
+    quantize = "group" if group is not None else "token"
+    if x2.shape[0] <= AUTO_TRITON_MAX_ROWS:  # decode: the GEMM quantizes the activation as it reads it
+        y = triton_fp8_gemm(x2.contiguous(), None, weight, weight_scale, block, out_dtype, quantize=quantize)
+    else:  # prefill: each program would quantize its rows again for every tile of N; once, beforehand
+        q, s = quantize_rows(x2.contiguous(), group=group)
+        y = triton_fp8_gemm(q, s, weight, weight_scale, block, out_dtype)
+    return y.to(x.dtype).view(*lead, n)
 
 
 def fp8_block_linear_dequant(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
