@@ -15,6 +15,7 @@
 #   bash benchmarks/peer_session.sh fp8 ; fp8-vllm   # FP8 checkpoints of the 2B shape: kernels and hyserve, then vLLM
 #   bash benchmarks/peer_session.sh first   # vLLM's first (compiling) process with the checks beside it
 #   bash benchmarks/peer_session.sh 9b-all  # hyserve's 9B figures and profile
+#   bash benchmarks/peer_session.sh fp8-measure ; fp8-9b   # hyserve: bf16 against FP8 on the 2B shape; the 9B in FP8
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -124,6 +125,14 @@ case "${1:?phase}" in
     measure hyserve /tmp/p2b_blk 2b_blk 100 --measures decode,bound,prefill
     ;;
   fp8-check) p2b; fp8_correctness ;;
+  fp8-9b)  # the 9B shape in compressed-tensors FP8: against its bf16 self where bf16 is sure, then decode and prefill
+    p9b
+    [ -d /tmp/p9b_ct ] || python3 $PB quantize --src /tmp/p9b --out /tmp/p9b_ct --format ct_dynamic >> "$OUT/quantize.log" 2>&1
+    timeout 240 python3 benchmarks/fp8_check.py --bf16 /tmp/p9b --variant ct=/tmp/p9b_ct --out "$OUT/fp8_check_9b.json" \
+        > "$OUT/fp8_check_9b.log" 2>&1
+    echo "fp8_check rc $?"; tail -2 "$OUT/fp8_check_9b.log"
+    measure hyserve /tmp/p9b_ct 9b_ct 200 --measures decode,bound,prefill
+    ;;
   fp8-measure)  # hyserve decode and prefill: bf16 against both FP8 checkpoints (the FP8 GEMM choice at its default)
     p2b; fp8_ckpts
     measure hyserve /tmp/p2b 2b 110 --measures decode,bound,prefill
