@@ -193,7 +193,13 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch
     ``q`` is the unquantized activation and the GEMM quantizes it as it reads it: ``"token"``, ``"group"``
     (``block_k``-wide, block weights only) or ``"static"`` (``q_scale``: the one scale), the values of
     :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8` exactly."""
-    from hyserve.kernels import _triton_fp8 as kernels
+    from hyserve.kernels._triton_fp8 import (
+        A_DYNAMIC_GROUP,
+        A_DYNAMIC_TOKEN,
+        A_PRECOMPUTED,
+        A_STATIC,
+        _fp8_gemm_kernel,
+    )
 
     m, k = q.shape
     n = weight.shape[0]
@@ -201,17 +207,16 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch
                                 torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132)
     if block is not None:
         assert cfg.block_k == block[1], (cfg, block)
-    mode = {None: kernels.A_PRECOMPUTED, "token": kernels.A_DYNAMIC_TOKEN, "group": kernels.A_DYNAMIC_GROUP,
-            "static": kernels.A_STATIC}[quantize]
-    assert mode != kernels.A_DYNAMIC_GROUP or block is not None, "group quantization goes with block weights"
+    mode = {None: A_PRECOMPUTED, "token": A_DYNAMIC_TOKEN, "group": A_DYNAMIC_GROUP, "static": A_STATIC}[quantize]
+    assert mode != A_DYNAMIC_GROUP or block is not None, "group quantization goes with block weights"
     scale = q_scale if q_scale is not None else weight_scale  # unread by the dynamic modes
-    per_k = mode == kernels.A_PRECOMPUTED and scale.shape[1] > 1
-    per_m = mode == kernels.A_PRECOMPUTED and scale.shape[0] > 1  # a static scale is one element for every row
+    per_k = mode == A_PRECOMPUTED and scale.shape[1] > 1
+    per_m = mode == A_PRECOMPUTED and scale.shape[0] > 1  # a static scale is one element for every row
     split = cfg.split_k
     out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32 if split > 1 else out_dtype,
                                                       device=q.device)
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
-    kernels._fp8_gemm_kernel[grid](
+    _fp8_gemm_kernel[grid](
         q, scale, weight, weight_scale, out, m, n, k,
         q.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if per_m else 0,
         scale.stride(1) if per_k else 0,
