@@ -12,10 +12,12 @@ Semantics (the plain-torch references below define them; the CPU runs them, and 
   ``q = fp8(clamp(x / s, -448, 448))`` (round to nearest even), ``x ~ q * s``. A static scale is used as given.
 
 Entry points: :func:`fp8_linear` (channel-scaled weights) and :func:`fp8_block_linear` (block-scaled weights). On
-CUDA the channel path runs ``torch._scaled_mm`` (cuBLASLt; rowwise scales: the token's times the channel's); the
-block path dequantizes the weight and runs a bf16 GEMM on the emulated activations. Everywhere else, and on CUDA for
-shapes ``_scaled_mm`` refuses (K or N not a multiple of 16), the references run: the weight dequantized, the
-activation quantization emulated exactly, one float32 matmul.
+CUDA, up to ``AUTO_TRITON_MAX_ROWS`` rows (decode), the Triton GEMM (``_triton_fp8``) quantizes the activation as it
+reads it; above, the activation is quantized in one Triton launch, then channel weights take ``torch._scaled_mm``
+(cuBLASLt; rowwise scales: the token's times the channel's) and block weights the Triton GEMM, which applies the
+scales per ``bk``-wide slice of K (measured choices: benchmarks/results/h200/fp8_2026-12-01/README.md). Channel
+shapes ``_scaled_mm`` refuses (K or N not a multiple of 16) take the Triton GEMM. On the CPU the references run: the
+weight dequantized, the activation quantization emulated exactly, one float32 matmul.
 """
 
 from __future__ import annotations
