@@ -27,6 +27,17 @@ class OutputCursor:
     num_chars: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """An image's placeholder tokens in the prompt, ``[offset, offset + length)``, and the image's content hash.
+    Its placeholder ids are the same for every image, so the prefix cache keys any block that overlaps the span by
+    the hash too (``cache/prefix_cache.py``)."""
+
+    offset: int
+    length: int
+    content_hash: str
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -61,6 +72,7 @@ class Request:
     # its prefix leaves a cached one's, and where a waiting request shares its prefix), and its latest
     # decode-boundary snapshot (retired when a newer one is taken).
     block_hashes: list[bytes] = field(default_factory=list)
+    image_spans: tuple[ImageSpan, ...] = ()
     num_published_blocks: int = 0
     share_points: list[int] = field(default_factory=list)
     rolling_snapshot_hash: bytes | None = None

@@ -13,7 +13,9 @@ from conftest import CheckpointCache
 from test_engine import SlotRecorder, assert_matches_reference, drive, make_llm
 
 from hyserve import SamplingParams
+from hyserve.cache import prefix_cache
 from hyserve.engine.llm_engine import LLMEngine
+from hyserve.request import ImageSpan
 
 BS = 16
 INTERVAL = 32
@@ -431,3 +433,36 @@ def test_waiters_go_on_when_the_sharer_is_aborted_or_preempted(ckpts: Checkpoint
     if event == "preempt":
         assert llm.get_metrics()["hyserve:num_preemptions"] > 0
     eng.assert_no_leaks()
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_equal_placeholders_with_different_images_share_only_the_blocks_before_them(
+        ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch, sabotage: bool) -> None:
+    """Three requests with the same token ids, an image's 16 placeholder ids at [40, 56): "b"'s image differs from
+    "a"'s, "c"'s is "a"'s. "b" may reuse only what lies before the image (the snapshot at 32; the block [32, 48)
+    overlaps it), "c" reuses past it. The sabotaged keys leave the images out, and "b" then hits past its image."""
+    if sabotage:
+        monkeypatch.setattr(prefix_cache, "image_keys", lambda req, start, end: b"")
+    path = ckpts.get("conditional", "attn_first")
+    prompt = toks(40, 8) + [7] * 16 + toks(44, 9)
+    span = {"a": "img-a", "b": "img-b", "c": "img-a"}
+    llm = cached_llm(path)
+    engine = llm.llm_engine
+    final = {}
+    for rid in ("a", "b", "c"):  # one after the other: each finds the earlier ones' blocks published
+        engine.add_request(rid, {"prompt_token_ids": prompt}, greedy(4))
+        engine.requests[rid].image_spans = (ImageSpan(40, 16, span[rid]),)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+    assert final["a"].num_cached_tokens == 0
+    assert final["c"].num_cached_tokens >= 64
+    if sabotage:
+        assert final["b"].num_cached_tokens == final["c"].num_cached_tokens
+    else:
+        assert final["b"].num_cached_tokens == INTERVAL
+    want = make_llm(path, enable_prefix_caching=False).generate({"prompt_token_ids": prompt}, greedy(4),
+                                                                 use_tqdm=False)[0]
+    assert all(final[k].outputs[0].token_ids == want.outputs[0].token_ids for k in final)
+    engine.assert_no_leaks()

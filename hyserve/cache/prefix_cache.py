@@ -58,10 +58,22 @@ from hyserve.request import Request
 ROOT_HASH = b"hyserve-prefix-root"
 
 
-def hash_block(parent: bytes, tokens: list[int]) -> bytes:
+def hash_block(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    h.update(extra)
     return h.digest()
+
+
+def image_keys(req: Request, start: int, end: int) -> bytes:
+    """What a block covering tokens ``[start, end)`` adds to its key for the images whose placeholders it overlaps:
+    each one's content hash and offset from ``start``. Equal placeholder ids with different images then never share
+    a block, nor anything after it (keys chain), while blocks before the first image still do."""
+    out = b""
+    for span in req.image_spans:
+        if span.offset < end and span.offset + span.length > start:
+            out += span.content_hash.encode() + (span.offset - start).to_bytes(8, "little", signed=True)
+    return out
 
 
 def extend_block_hashes(req: Request, block_size: int, upto_tokens: int, lookahead: int = 0) -> None:
@@ -72,7 +84,8 @@ def extend_block_hashes(req: Request, block_size: int, upto_tokens: int, lookahe
     while len(hashes) < n_full:
         i = len(hashes)
         parent = hashes[-1] if hashes else ROOT_HASH
-        hashes.append(hash_block(parent, req.token_ids(i * block_size, (i + 1) * block_size + lookahead)))
+        lo, hi = i * block_size, (i + 1) * block_size + lookahead
+        hashes.append(hash_block(parent, req.token_ids(lo, hi), image_keys(req, lo, hi)))
 
 
 @dataclass(slots=True)
