@@ -17,6 +17,20 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
 
+@dataclass(frozen=True, slots=True)
+class MultimodalConfig:
+    """What a ``Qwen3_5ForConditionalGeneration`` checkpoint says about image input: the special token ids, the text
+    rotary's M-RoPE layout (``hyserve.model.mrope``) and the vision tower's config (``hyserve.model.vision``).
+    Defaults are transformers' ``Qwen3_5Config``'s."""
+
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    vision_config: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """The text model's shape. Field names follow transformers' ``Qwen3_5TextConfig``."""
@@ -48,6 +62,8 @@ class ModelConfig:
     # How the linear layers' weights are kept (the checkpoint's quantization_config, or online FP8); None: in the
     # model dtype (hyserve.layers.quantization).
     quantization: QuantizationConfig | None = None
+    # Image input: the checkpoint's vision tower and M-RoPE layout (None: a text-only checkpoint).
+    multimodal: MultimodalConfig | None = None
 
     @property
     def attention_layer_ids(self) -> list[int]:
@@ -161,7 +177,7 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
-        raise ValueError(f"config.json: unsupported rope_type {rope_type!r} (supported: default)")
+        raise ValueError(f"config.json: unsupported rope_type {rope_type!r} (supported: default, mrope)")
     rope_theta = float(rope.get("rope_theta") or text.get("rope_theta") or 10000000.0)
     prf = float(rope.get("partial_rotary_factor") or text.get("partial_rotary_factor") or 0.25)
     hidden = int(text["hidden_size"])
@@ -197,7 +213,22 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
         architecture=arch
         or ("Qwen3_5ForConditionalGeneration" if model_type == "qwen3_5" else "Qwen3_5ForCausalLM"),
         torch_dtype=_first_set(text, raw, keys=("dtype", "torch_dtype")),
+        multimodal=_multimodal_config(raw, rope) if model_type == "qwen3_5" and raw.get("vision_config") else None,
     )
+
+
+def _multimodal_config(raw: dict[str, Any], rope: dict[str, Any]) -> MultimodalConfig:
+    """The image-input fields of a ``qwen3_5`` config.json (top level, and the text config's rope parameters)."""
+    d = MultimodalConfig()
+    ids = {k: int(raw.get(k, getattr(d, k))) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                         "vision_end_token_id")}
+    section = tuple(int(x) for x in rope.get("mrope_section", d.mrope_section))
+    if len(section) != 3 or min(section) < 0:
+        raise ValueError(f"config.json: mrope_section must be three non-negative sizes, got {list(section)}")
+    vision = raw["vision_config"]
+    if not isinstance(vision, dict):
+        raise ValueError("config.json: vision_config must be an object")
+    return MultimodalConfig(mrope_section=section, vision_config=dict(vision), **ids)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

@@ -96,6 +96,31 @@ def test_config_parses_both_forms(tmp_path: Path, form: str) -> None:
     assert cfg.eos_token_id == [special_token_ids()[ENDOFTEXT]]
     assert cfg.torch_dtype == "bfloat16"
     assert cfg.vocab_size >= tokenizer_size()
+    if form == "causal":
+        assert cfg.multimodal is None
+    else:
+        mm = cfg.multimodal
+        assert mm is not None and (mm.image_token_id, mm.vision_start_token_id, mm.vision_end_token_id) == (
+            248056, 248053, 248054)
+        assert mm.vision_config["depth"] == 1 and mm.vision_config["patch_size"] == 4
+        assert mm.mrope_section == (11, 11, 10)  # the tiny config names none: transformers' default
+
+
+def test_mrope_section_is_read_and_a_bad_one_named(tmp_path: Path) -> None:
+    d = write_tiny_checkpoint(tmp_path, form="conditional")
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    raw["text_config"]["rope_parameters"] = {"rope_type": "mrope", "mrope_section": [6, 5, 5]}
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    mm = ModelConfig.from_model_dir(d).multimodal
+    assert mm is not None and mm.mrope_section == (6, 5, 5)
+    raw["text_config"]["rope_parameters"]["mrope_section"] = [8, 8]
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError, match="mrope_section must be three"):
+        ModelConfig.from_model_dir(d)
 
 
 def test_reference_model_logits_are_spread(tmp_path: Path) -> None:
