@@ -15,3 +15,8 @@ def device_tensor(values: Sequence[int] | Sequence[float] | Sequence[bool], devi
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): Triton block sizes."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

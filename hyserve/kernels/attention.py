@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from hyserve.kernels.reference import FP8_KV_DTYPES, paged_attention_ref, store_kv_ref
+from hyserve.utils import next_pow2
 
 __all__ = ["paged_attention", "paged_attention_triton", "store_kv", "store_kv_triton"]
 
@@ -50,10 +51,6 @@ def fit_tiles(block_m: int, block_n: int, num_stages: int, block_d: int, elem: i
         else:
             break
     return block_m, block_n, num_stages
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -101,7 +98,7 @@ def store_kv_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HKV=Hkv, D=D, BLOCK_H=_next_pow2(Hkv), BLOCK_D=_next_pow2(D), BS=k_cache.shape[1],
+        HKV=Hkv, D=D, BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D), BS=k_cache.shape[1],
         FP8=fp8, FP8_MAX=_FP8_MAX if fp8 else 0.0,
         num_warps=4,
     )  # fmt: skip
@@ -199,7 +196,7 @@ def paged_attention_triton(
     group = Hq // Hkv
     fp8 = k_cache.dtype in FP8_KV_DTYPES
     ks, vs = _kv_scales(k_cache, k_scale, v_scale, Hkv)
-    block_d = max(16, _next_pow2(D))
+    block_d = max(16, next_pow2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * _LOG2E
     common = (
@@ -214,7 +211,7 @@ def paged_attention_triton(
         _, block_n, decode_stages = fit_tiles(16, block_n, 3, block_d, elem)
         max_seq = max(int(max_seq_len), 1)
         if decode_partition is not None:  # tests: force several splits on short contexts
-            block_n = max(16, min(block_n, _next_pow2(decode_partition)))
+            block_n = max(16, min(block_n, next_pow2(decode_partition)))
             part = block_n * _cdiv(decode_partition, block_n)
         else:
             part = max(_DECODE_PARTITION, _cdiv(max_seq, _DECODE_MAX_SPLITS))
@@ -234,7 +231,7 @@ def paged_attention_triton(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *common, *po_strides, *pml_strides,
             qk_scale,
-            GROUP=group, G_PAD=max(16, _next_pow2(group)), D=D, BLOCK_D=block_d, BS=bs,
+            GROUP=group, G_PAD=max(16, next_pow2(group)), D=D, BLOCK_D=block_d, BS=bs,
             BLOCK_N=block_n, PART=part, SINGLE=single, PRECISION=precision, FP8=fp8,
             num_warps=4, num_stages=decode_stages,
         )  # fmt: skip
@@ -242,7 +239,7 @@ def paged_attention_triton(
             _paged_decode_reduce_kernel[(R, Hq)](
                 po, pml, query_start_loc, out,
                 out.stride(0), out.stride(1), *po_strides, *pml_strides,
-                NUM_SPLITS=splits, S_PAD=_next_pow2(splits), D=D, BLOCK_D=block_d,
+                NUM_SPLITS=splits, S_PAD=next_pow2(splits), D=D, BLOCK_D=block_d,
                 num_warps=4,
             )  # fmt: skip
         return out
@@ -251,7 +248,7 @@ def paged_attention_triton(
         block_m, block_n, num_warps, num_stages = prefill_config
     else:
         block_m, block_n, num_warps, num_stages = PREFILL_CONFIG
-    block_m = min(block_m, max(16, _next_pow2(max_query_len)))
+    block_m = min(block_m, max(16, next_pow2(max_query_len)))
     block_m, block_n, num_stages = fit_tiles(block_m, block_n, num_stages, block_d, elem)
     grid = (_cdiv(max_query_len, block_m), R, Hq)
     _paged_prefill_kernel[grid](

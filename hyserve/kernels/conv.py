@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from hyserve.kernels.reference import causal_conv1d_varlen_ref
+from hyserve.utils import next_pow2
 
 __all__ = ["causal_conv1d_varlen", "causal_conv1d_varlen_triton"]
 
@@ -52,10 +53,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def causal_conv1d_varlen_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -82,11 +79,11 @@ def causal_conv1d_varlen_triton(
     if R == 0:
         return out
     mql = T if max_query_len is None else min(int(max_query_len), T)
-    block_t = min(16, _next_pow2(max(mql, 1)))
+    block_t = min(16, next_pow2(max(mql, 1)))
     n_tblocks = max(1, -(-mql // block_t))
     block_d = 256 if block_t <= 4 else 128
-    block_d = min(block_d, _next_pow2(D))
-    km1_pad = _next_pow2(K - 1)
+    block_d = min(block_d, next_pow2(D))
+    km1_pad = next_pow2(K - 1)
     fuse = n_tblocks == 1
     w = weight
     qsl = query_start_loc

@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from hyserve.utils import next_pow2
+
 __all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "check_fp8_device", "dequantize_block_weight",
            "fp8_block_linear", "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref",
            "gemm_backend", "gemm_config", "quantize_fp8", "quantize_per_token", "quantize_per_token_group",
@@ -146,18 +148,14 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
         grid, g, block = (m, 1), 0, _QUANT_BLOCK
     elif group is not None:
         scale = torch.empty(m, -(-k // group), dtype=torch.float32, device=x.device)
-        grid, g, block = (m, scale.shape[1]), group, _next_power_of_2(group)
+        grid, g, block = (m, scale.shape[1]), group, next_pow2(group)
     else:
         scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-        grid, g, block = (m, 1), 0, min(_QUANT_BLOCK, _next_power_of_2(k))
+        grid, g, block = (m, 1), 0, min(_QUANT_BLOCK, next_pow2(k))
     if m:
         _quant_rows_kernel[grid](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0) if scale.dim() > 1 else 0,
                                  FP8_MAX, AMAX_EPS, GROUP=g, STATIC=static_scale is not None, BLOCK=block)
     return q, (static_scale.float().reshape(1, 1) if static_scale is not None else scale)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class GemmConfig(NamedTuple):
@@ -230,6 +228,11 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch
     return out.to(out_dtype) if split > 1 else out
 
 
+def _gemm_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The GEMMs write bf16 or fp16 (a float32 model's output is cast back after)."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T`` over the last dimension of ``x`` (any leading shape) for a per-channel FP8 weight (see
@@ -239,7 +242,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     n, k = weight.shape
     if not x.is_cuda or x2.shape[0] == 0:
         return fp8_linear_ref(x2, weight, weight_scale, input_scale).view(*lead, n)
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    out_dtype = _gemm_out_dtype(x)
     backend = gemm_backend()
     if backend == "auto":
         backend = "triton" if x2.shape[0] <= AUTO_TRITON_MAX_ROWS else "scaled_mm"
@@ -274,7 +277,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if group is not None and group != block[1]:
         raise ValueError(f"block FP8: activation groups of {group} with {block[0]}x{block[1]} weight blocks; the "
                          "kernel takes groups as wide as the blocks")
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    out_dtype = _gemm_out_dtype(x)
     quantize = "group" if group is not None else "token"
     if x2.shape[0] <= AUTO_TRITON_MAX_ROWS:  # decode: the GEMM quantizes the activation as it reads it
         y = triton_fp8_gemm(x2.contiguous(), None, weight, weight_scale, block, out_dtype, quantize=quantize)

@@ -26,6 +26,7 @@ import torch
 
 from hyserve.kernels.norm import l2_norm_heads
 from hyserve.kernels.reference import gdn_forward_ref
+from hyserve.utils import next_pow2
 
 __all__ = ["GDN_RECURRENT_MAX_QUERY_LEN", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton"]
 
@@ -66,10 +67,6 @@ def gdn_forward(
     return gdn_forward_fla(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, query_start_loc_cpu)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def gdn_recurrent_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -100,8 +97,8 @@ def gdn_recurrent_triton(
     assert out.shape == (T, Hv, Dv) and out.stride(2) == 1
     if R == 0 or T == 0:
         return out
-    bk = _next_pow2(Dk)
-    bv = min(_next_pow2(Dv), max(16, 4096 // bk))  # keep the fp32 state tile at <= 4096 elements (>= 16 wide)
+    bk = next_pow2(Dk)
+    bv = min(next_pow2(Dv), max(16, 4096 // bk))  # keep the fp32 state tile at <= 4096 elements (>= 16 wide)
     grid = (R, Hv, -(-Dv // bv))
     _gdn_recurrent_kernel[grid](
         q, k, v, g, beta, ssm_state, state_slots, query_start_loc, out,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hyserve.kernels.reference import gdn_scan, row_index
+from hyserve.utils import next_pow2
 
 __all__ = [
     "causal_conv1d_verify",
@@ -42,10 +43,6 @@ __all__ = [
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _check_conv_scratch(x: torch.Tensor, conv_state: torch.Tensor, rows: int, conv_scratch: torch.Tensor) -> None:
@@ -280,9 +277,9 @@ def causal_conv1d_verify_triton(
     if R == 0 or T == 0:
         return out
     mql = T if max_query_len is None else min(int(max_query_len), T)
-    block_t = min(16, _next_pow2(max(mql, 1)))
+    block_t = min(16, next_pow2(max(mql, 1)))
     n_tblocks = max(1, _cdiv(mql, block_t))
-    block_d = min(256 if block_t <= 4 else 128, _next_pow2(D))
+    block_d = min(256 if block_t <= 4 else 128, next_pow2(D))
     w, cs = weight, conv_scratch
     grid = (n_tblocks, R, _cdiv(D, block_d))
     _conv1d_verify_kernel[grid](
@@ -329,8 +326,8 @@ def gdn_verify_triton(
     assert out.shape == (T, Hv, Dv) and out.stride(2) == 1
     if R == 0 or T == 0:
         return out
-    bk = _next_pow2(Dk)
-    bv = min(_next_pow2(Dv), max(16, 4096 // bk))  # fp32 state tile of <= 4096 elements (>= 16 wide), as in gdn.py
+    bk = next_pow2(Dk)
+    bv = min(next_pow2(Dv), max(16, 4096 // bk))  # fp32 state tile of <= 4096 elements (>= 16 wide), as in gdn.py
     ss, sc = ssm_state, ssm_scratch
     grid = (R, Hv, _cdiv(Dv, bv))
     _gdn_verify_kernel[grid](
