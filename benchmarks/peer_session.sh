@@ -16,6 +16,7 @@
 #   bash benchmarks/peer_session.sh first   # vLLM's first (compiling) process with the checks beside it
 #   bash benchmarks/peer_session.sh 9b-all  # hyserve's 9B figures and profile
 #   bash benchmarks/peer_session.sh fp8-measure ; fp8-9b   # hyserve: bf16 against FP8 on the 2B shape; the 9B in FP8
+#   bash benchmarks/peer_session.sh 9b-both ; profile-fp8   # 9B both engines in one call; 9B profile + the FP8 2B figures
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -184,6 +185,20 @@ case "${1:?phase}" in
     timeout 200 python3 benchmarks/profile_step.py --model /tmp/p9b --device cuda --dtype bfloat16 --batch 1 \
         --out "$OUT/profile_9b" > "$OUT/profile_9b.log" 2>&1
     echo "profile rc $?"; tail -5 "$OUT/profile_9b.log"
+    ;;
+  9b-both)  # vLLM's 9B figures, then hyserve's, in one call (vLLM's compile caches warm from an earlier call)
+    p9b
+    measure vllm /tmp/p9b 9b 370 --measures decode,bound,prefill
+    measure hyserve /tmp/p9b 9b 200 --measures decode,bound,prefill
+    ;;
+  profile-fp8)  # where hyserve's 9B batch-1 step goes; then bf16 against both FP8 checkpoints of the 2B shape
+    p9b; p2b; fp8_ckpts
+    timeout 150 python3 benchmarks/profile_step.py --model /tmp/p9b --device cuda --dtype bfloat16 --batch 1 \
+        --out "$OUT/profile_9b" > "$OUT/profile_9b.log" 2>&1
+    echo "profile rc $?"; tail -5 "$OUT/profile_9b.log"
+    measure hyserve /tmp/p2b 2b 110 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_ct 2b_ct 120 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_blk 2b_blk 120 --measures decode,bound,prefill
     ;;
   check) check ;;
   spec)
