@@ -200,6 +200,13 @@ case "${1:?phase}" in
     measure hyserve /tmp/p2b_ct 2b_ct 120 --measures decode,bound,prefill
     measure hyserve /tmp/p2b_blk 2b_blk 120 --measures decode,bound,prefill
     ;;
+  fp8-ct)  # hyserve on the compressed-tensors FP8 checkpoints of both shapes (bf16's figures from an earlier phase)
+    p2b; p9b
+    [ -d /tmp/p2b_ct ] || python3 $PB quantize --src /tmp/p2b --out /tmp/p2b_ct --format ct_dynamic >> "$OUT/quantize.log" 2>&1
+    measure hyserve /tmp/p2b_ct 2b_ct 100 --measures decode,bound,prefill
+    [ -d /tmp/p9b_ct ] || python3 $PB quantize --src /tmp/p9b --out /tmp/p9b_ct --format ct_dynamic >> "$OUT/quantize.log" 2>&1
+    measure hyserve /tmp/p9b_ct 9b_ct 100 --measures decode,bound,prefill
+    ;;
   check) check ;;
   spec)
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \

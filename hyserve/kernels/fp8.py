@@ -119,9 +119,12 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 # The CUDA GEMM for channel-scaled weights: ``scaled_mm`` (cuBLASLt through torch._scaled_mm) or ``triton``
 # (_triton_fp8); block-scaled weights always take the Triton kernel. HYSERVE_FP8_GEMM picks one for benchmarks
 # (benchmarks/fp8_gemm_bench.py measures both at the decode and prefill shapes).
-GEMM_BACKENDS = ("auto", "scaled_mm", "triton")
+GEMM_BACKENDS = ("auto", "scaled_mm", "triton", "triton-fused")
 # auto: the Triton GEMM up to this many rows (decode: it reads the weights at the copy bandwidth, cuBLASLt at ~70 %
-# of it), cuBLASLt above (prefill: 1.5x the Triton kernel); benchmarks/results/h200/fp8_gemm.md.
+# of it), cuBLASLt above (prefill: 1.5x the Triton kernel); benchmarks/results/h200/fp8_gemm.md. The activation is
+# quantized by its own launch first: ``triton-fused`` (the Triton GEMM quantizing it inside its loop, one launch per
+# projection) measured 0.48x the separate launch end to end at batch-1 decode (fp8_2026-12-02), and is kept to
+# measure.
 AUTO_TRITON_MAX_ROWS = 64
 _QUANT_BLOCK = 1024  # columns a per-token quantization program reads at a time
 
@@ -246,14 +249,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     backend = gemm_backend()
     if backend == "auto":
         backend = "triton" if x2.shape[0] <= AUTO_TRITON_MAX_ROWS else "scaled_mm"
-    if backend == "triton" or k % 16 or n % 16:
-        if input_scale is not None or x2.shape[0] <= AUTO_TRITON_MAX_ROWS:
-            # The activation quantized inside the GEMM: one launch per projection.
-            y = triton_fp8_gemm(x2.contiguous(), input_scale, weight, weight_scale.view(n, 1), None, out_dtype,
-                                quantize="token" if input_scale is None else "static")
-        else:  # many rows: each program would read its rows' amax again for every tile of N; quantized once
-            q, s = quantize_rows(x2.contiguous())
-            y = triton_fp8_gemm(q, s, weight, weight_scale.view(n, 1), None, out_dtype)
+    if backend == "triton-fused":  # the activation quantized inside the GEMM: one launch per projection
+        y = triton_fp8_gemm(x2.contiguous(), input_scale, weight, weight_scale.view(n, 1), None, out_dtype,
+                            quantize="token" if input_scale is None else "static")
+    elif backend == "triton" or k % 16 or n % 16:
+        q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
+        y = triton_fp8_gemm(q, s, weight, weight_scale.view(n, 1), None, out_dtype)
     else:
         q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
         # cuBLASLt takes the second operand column-major: the contiguous (N, K) weight's transpose is; rowwise
@@ -278,10 +279,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         raise ValueError(f"block FP8: activation groups of {group} with {block[0]}x{block[1]} weight blocks; the "
                          "kernel takes groups as wide as the blocks")
     out_dtype = _gemm_out_dtype(x)
-    quantize = "group" if group is not None else "token"
-    if x2.shape[0] <= AUTO_TRITON_MAX_ROWS:  # decode: the GEMM quantizes the activation as it reads it
-        y = triton_fp8_gemm(x2.contiguous(), None, weight, weight_scale, block, out_dtype, quantize=quantize)
-    else:  # prefill: each program would quantize its rows again for every tile of N; once, beforehand
+    if gemm_backend() == "triton-fused":  # the GEMM quantizes the activation as it reads it
+        y = triton_fp8_gemm(x2.contiguous(), None, weight, weight_scale, block, out_dtype,
+                            quantize="group" if group is not None else "token")
+    else:
         q, s = quantize_rows(x2.contiguous(), group=group)
         y = triton_fp8_gemm(q, s, weight, weight_scale, block, out_dtype)
     return y.to(x.dtype).view(*lead, n)
