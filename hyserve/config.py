@@ -365,8 +365,25 @@ class EngineConfig:
     # float8_e4m3fn, each divided by its layer's per-tensor scale (1.0: vLLM's default without checkpoint scales).
     # The block size and the recurrent state (float32) do not change.
     kv_cache_dtype: str = "auto"
+    # Image input (vLLM's names): the most images one prompt may carry (None: MM_DEFAULT_LIMIT per modality; only
+    # "image" is served); the hosts http(s) image URLs may be fetched from (exact names; none: no remote fetch);
+    # the directory file:// image URLs may read under (None: no local files).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_media_domains: list[str] | None = None
+    allowed_local_media_path: str | None = None
+
+    @property
+    def image_limit(self) -> int:
+        """The most images one prompt may carry (``limit_mm_per_prompt["image"]``, default MM_DEFAULT_LIMIT)."""
+        return (self.limit_mm_per_prompt or {}).get("image", MM_DEFAULT_LIMIT)
 
     def validate(self) -> None:
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            if modality not in MM_MODALITIES:
+                raise ValueError(f"limit_mm_per_prompt: modality {modality!r} is not served; the modalities are "
+                                 f"{', '.join(MM_MODALITIES)} (--limit-mm-per-prompt)")
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer (got {limit!r})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
                              f"{', '.join(KV_CACHE_DTYPES)} (--kv-cache-dtype)")
@@ -409,6 +426,9 @@ class EngineConfig:
 
 
 DEFAULT_MAX_NUM_SEQS = 256
+# --limit-mm-per-prompt: vLLM's default for a modality the flag does not name; the modalities served.
+MM_DEFAULT_LIMIT = 999
+MM_MODALITIES = ("image",)
 # Token budget per step when max_num_batched_tokens is not given: on a GPU large enough that a 16k-token prefill
 # step runs near the GEMMs' throughput (vLLM's offline default on large cards is the same); on the CPU small steps
 # keep chunked prefill interleaved with decodes.
