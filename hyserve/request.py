@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from hyserve.multimodal.spans import ImageSpan
 from hyserve.sampling_params import SamplingParams
 from hyserve.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from hyserve.multimodal.inputs import MultimodalPrompt
 
 
 @dataclass(slots=True)
@@ -25,17 +30,6 @@ class OutputCursor:
     num_ids: int = 0
     num_logprobs: int = 0
     num_chars: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ImageSpan:
-    """An image's placeholder tokens in the prompt, ``[offset, offset + length)``, and the image's content hash.
-    Its placeholder ids are the same for every image, so the prefix cache keys any block that overlaps the span by
-    the hash too (``cache/prefix_cache.py``)."""
-
-    offset: int
-    length: int
-    content_hash: str
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +67,8 @@ class Request:
     # decode-boundary snapshot (retired when a newer one is taken).
     block_hashes: list[bytes] = field(default_factory=list)
     image_spans: tuple[ImageSpan, ...] = ()
+    # Image input: the images' pixels and spans, the prompt's M-RoPE positions (hyserve.multimodal.inputs).
+    mm: MultimodalPrompt | None = None
     num_published_blocks: int = 0
     share_points: list[int] = field(default_factory=list)
     rolling_snapshot_hash: bytes | None = None

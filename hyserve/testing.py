@@ -238,12 +238,19 @@ def mtp_shapes(config: Qwen3_5TextConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _visual_shapes() -> dict[str, tuple[int, ...]]:
-    return {
-        "model.visual.patch_embed.proj.weight": (8, 3, 2, 4, 4),
-        "model.visual.blocks.0.norm1.weight": (8,),
-        "model.visual.merger.linear_fc1.weight": (16, 32),
-    }
+# The conditional form's vision tower (out_hidden_size: the text model's hidden size).
+_TINY_VISION = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8, "intermediate_size": 16, "num_heads": 2,
+                "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                "num_position_embeddings": 64}
+
+
+def _visual_shapes(out_hidden_size: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the conditional form's vision tower: the checkpoint holds a complete one."""
+    from hyserve.model.vision import VisionModel
+
+    with torch.device("meta"):
+        tower = VisionModel.from_config_dict({**_TINY_VISION, "out_hidden_size": out_hidden_size})
+    return {f"model.visual.{n}": tuple(t.shape) for n, t in tower.state_dict().items()}
 
 
 def _make_tensors(
@@ -255,7 +262,7 @@ def _make_tensors(
         shapes.update(mtp_shapes(config))
     if form == "conditional":
         shapes = {_conditional_name(n): s for n, s in shapes.items()}
-        shapes.update(_visual_shapes())
+        shapes.update(_visual_shapes(config.hidden_size))
     return {name: init_tensor(name, shape, gen).to(dtype).contiguous() for name, shape in shapes.items()}
 
 
@@ -275,11 +282,7 @@ def _config_json(config: Qwen3_5TextConfig, *, form: str, dtype: torch.dtype, wi
         text["mtp_num_hidden_layers"] = 1
     if form == "causal":
         return {"architectures": ["Qwen3_5ForCausalLM"], **text}
-    vision = {
-        "model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8, "intermediate_size": 16, "num_heads": 2,
-        "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "out_hidden_size": config.hidden_size,
-    }
+    vision = {**_TINY_VISION, "out_hidden_size": config.hidden_size}
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",

@@ -194,8 +194,28 @@ def test_visual_tensors_skipped_with_one_warning(tmp_path: Path, caplog: pytest.
     with caplog.at_level(logging.WARNING, logger="hyserve.model.loader"):
         _load(d)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1
-    assert "3 vision-tower tensors" in warnings[0].getMessage()
+    assert len(warnings) == 1  # a model without a vision tower: the 21 tensors of the tiny tower are skipped
+    assert "21 vision-tower tensors" in warnings[0].getMessage()
+
+
+def test_vision_tower_loads_into_a_model_that_holds_one(tmp_path: Path) -> None:
+    """hyserve's model of a checkpoint with a vision_config holds the tower: model.visual.X loads into visual.X, and
+    the tower is complete (a checkpoint lacking one of its tensors is refused, naming it)."""
+    from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM as HyModel
+
+    d = write_tiny_checkpoint(tmp_path / "ok", form="conditional")
+    cfg = ModelConfig.from_model_dir(d)
+    model = HyModel(cfg).eval()
+    load_weights(model, d, cfg)
+    on_disk = read_checkpoint_tensors(d)
+    assert model.visual is not None
+    for name, param in model.visual.state_dict().items():
+        assert torch.equal(param, on_disk[f"model.visual.{name}"]), name
+    tensors = dict(on_disk)
+    del tensors["model.visual.merger.linear_fc2.weight"]
+    _rewrite_weights(d, tensors)
+    with pytest.raises(ValueError, match=r"visual\.merger\.linear_fc2\.weight"):
+        load_weights(HyModel(cfg).eval(), d, cfg)
 
 
 def test_causal_form_loads_without_warnings(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -511,7 +531,7 @@ def test_merged_projections_take_their_rows(tmp_path: Path) -> None:
     load_weights(model, d, cfg)
     on_disk = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
                for k, v in read_checkpoint_tensors(d).items() if not k.startswith(("model.visual.", "mtp."))}
-    views = checkpoint_tensors(model)
+    views = {k: v for k, v in checkpoint_tensors(model).items() if not k.startswith("visual.")}
     assert "model.layers.0.linear_attn.in_proj_z.weight" in views and "model.layers.0.mlp.up_proj.weight" in views
     assert views.keys() == on_disk.keys()
     for name, tensor in on_disk.items():

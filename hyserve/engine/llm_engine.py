@@ -23,6 +23,7 @@ from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.cache.state_slots import StateSlots
 from hyserve.config import (
     DEFAULT_MAX_NUM_SEQS,
+    MM_MODALITIES,
     EngineConfig,
     ModelConfig,
     apply_cpu_threads,
@@ -34,6 +35,8 @@ from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
 from hyserve.executor.base import Executor, StepHandle
 from hyserve.executor.uniproc import UniProcExecutor
+from hyserve.multimodal.image import load_image
+from hyserve.multimodal.inputs import MultimodalPrompt, build_multimodal_prompt
 from hyserve.outputs import RequestOutput
 from hyserve.request import Request
 from hyserve.sampling_params import SamplingParams
@@ -69,6 +72,10 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.model_config = ModelConfig.from_model_dir(config.model, quantization=config.quantization)
+        if self.model_config.multimodal is not None and config.image_limit == 0:
+            # vLLM's text-only mode: no vision tower is built or loaded, and image requests are refused.
+            logger.info("--limit-mm-per-prompt image=0: image input is off; the vision tower is not loaded")
+            self.model_config = dataclasses.replace(self.model_config, multimodal=None)
         self.spec_config: SpeculativeConfig | None = None
         if config.speculative_config is not None:
             self.spec_config = SpeculativeConfig.from_dict(config.speculative_config, self.model_config)
@@ -271,6 +278,39 @@ class LLMEngine:
             return None, self._check_ids(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}; use str or {{'prompt_token_ids': [...]}}")
 
+    def _multimodal_prompt(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], MultimodalPrompt | None]:
+        """A prompt dict's ``multi_modal_data`` (``{"image": image or [images]}``; PIL images, encoded bytes or
+        data URLs): the ids with each image placeholder widened to its image's tokens, and the images' inputs."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return ids, None
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': [...]}} (got {type(data).__name__})")
+        unknown = sorted(set(data) - set(MM_MODALITIES))
+        if unknown:
+            raise ValueError(f"multi_modal_data: modality {unknown[0]!r} is not served; the modalities are "
+                             f"{', '.join(MM_MODALITIES)}")
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, list | tuple) else [images]
+        if not images:
+            return ids, None
+        mm_config = self.model_config.multimodal
+        if mm_config is None:
+            why = ("image input is off (--limit-mm-per-prompt image=0)" if self.config.image_limit == 0 else
+                   "this checkpoint has no vision tower (its config.json has no vision_config): image input needs a "
+                   "Qwen3_5ForConditionalGeneration checkpoint")
+            raise ValueError(why)
+        limit = self.config.image_limit
+        if len(images) > limit:
+            raise ValueError(f"the prompt has {len(images)} images; at most {limit} per prompt are allowed "
+                             "(--limit-mm-per-prompt)")
+        if self.spec_config is not None:
+            raise ValueError("image input with speculative decoding is not supported yet: serve image requests "
+                             "without --speculative-config")
+        loaded = [load_image(img, allowed_domains=self.config.allowed_media_domains or (),
+                             allowed_local_path=self.config.allowed_local_media_path) for img in images]
+        return build_multimodal_prompt(ids, loaded, self.config.model, mm_config)
+
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt_token_ids must be a list of ints")
@@ -292,11 +332,14 @@ class LLMEngine:
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
+        ids, mm = self._multimodal_prompt(prompt, ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len} "
                              "allows (the prompt must leave room for at least one output token)")
         detok = self.output_processor.detokenizer(ids, params)
         req = Request(request_id, text, ids, params, self._arrivals, detok, arrival_time=time.time())
+        if mm is not None:
+            req.mm, req.image_spans = mm, tuple(im.span for im in mm.images)
         self._arrivals += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)

@@ -4,7 +4,8 @@ Checkpoint names are mapped to model names as follows:
 
 * ``model.language_model.X`` (``Qwen3_5ForConditionalGeneration`` checkpoints) -> ``model.X``;
 * ``model.X`` (``Qwen3_5ForCausalLM`` checkpoints) and ``lm_head.weight`` -> unchanged;
-* ``model.visual.*`` / ``visual.*`` (vision tower) -> skipped, with one warning giving the count;
+* ``model.visual.X`` / ``visual.X`` (vision tower) -> ``visual.X`` where the model holds the tower; skipped, with one
+  warning giving the count, where it does not (image input off, or a text-only model);
 * ``mtp.*`` (multi-token-prediction head) -> returned to the caller, not loaded into the model.
 
 Quantized layers (``hyserve.layers.quantization``): a layer the model's quantization config quantizes has FP8
@@ -254,7 +255,9 @@ def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Ten
 
 def _map_name(name: str) -> str | None:
     """Checkpoint name -> model name; None for tensors that are not the text model's (vision, mtp)."""
-    if name.startswith(("model.visual.", "visual.", "mtp.")):
+    if name.startswith(("model.visual.", "visual.")):
+        return "visual." + name.split("visual.", 1)[1]
+    if name.startswith("mtp."):
         return None
     if name.startswith(_VLM_TEXT):
         return "model." + name[len(_VLM_TEXT):]
@@ -271,6 +274,7 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
     kv_scales = 0
     skipped_visual = skipped_stage = 0
     unexpected: list[str] = []
+    has_tower = any(t.startswith("visual.") for t in targets)
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -283,7 +287,7 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                     skipped_stage += 1
                 elif name.startswith("mtp."):
                     entries.append(_Entry(name, path, shape, nbytes, None))
-                elif target is None:
+                elif target is None or (target.startswith("visual.") and not has_tower):
                     skipped_visual += 1
                 elif target == LM_HEAD and config.tie_word_embeddings:
                     logger.info("ignoring %s: tie_word_embeddings=True, the embedding is the output projection", name)
@@ -301,8 +305,8 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                     loaded[target] = name
                     entries.append(_Entry(name, path, shape, nbytes, target))
     if skipped_visual:
-        logger.warning("skipped %d vision-tower tensors (model.visual.*): only the text model is served",
-                       skipped_visual)
+        logger.warning("skipped %d vision-tower tensors (model.visual.*): image input is off, only the text model "
+                       "is served", skipped_visual)
     if skipped_stage:
         logger.info("skipped %d tensors that other pipeline stages hold", skipped_stage)
     if kv_scales:

@@ -51,6 +51,11 @@ class StepMetadata:
     # The host's copy of query_start_loc (prefill kernels read it instead of waiting for the device; valid while the
     # step is being enqueued); None in captured graphs.
     query_start_loc_cpu: torch.Tensor | None = None
+    # Image input (eager steps only): the (3, T) M-RoPE positions of a step with a chunk before a prompt's last
+    # image ends (the rotary reads them instead of ``positions``), and (token indices, embeddings) of the image
+    # placeholder tokens this step feeds (they replace the placeholders' token embeddings).
+    mrope_positions: torch.Tensor | None = None
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:

@@ -11,8 +11,12 @@ scheduler reads a result only through the rows of its own ``SchedulerOutput`` (d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hyserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hyserve.multimodal.inputs import MultimodalPrompt
 
 # A row's input token that the worker takes from its own result of the request's previous step (async scheduling:
 # the host does not know it yet).
@@ -29,6 +33,8 @@ class NewRequestData:
 
     req_id: str
     sampling_params: SamplingParams
+    # A prompt with images: their pixels and spans, and its M-RoPE positions (hyserve.multimodal.inputs).
+    mm: MultimodalPrompt | None = None
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from hyserve.model import registry
 from hyserve.model.base import CausalLM, KVCacheLayer
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.multimodal.inputs import ImageInput, MultimodalPrompt
 from hyserve.sampling_params import SamplingParams
 from hyserve.scheduler.output import PREVIOUS_DRAFT, PREVIOUS_SAMPLED, RunnerOutput, ScheduledRow, SchedulerOutput
 from hyserve.speculative.mtp_proposer import MTPProposer
@@ -105,6 +107,10 @@ class DeviceMemory:
     reserved: int
     allocated: int
     non_torch: int
+
+
+# The encoder cache holds this many steps' token budget of image embeddings.
+ENCODER_CACHE_STEPS = 4
 
 
 def _device_memory(device: torch.device) -> DeviceMemory | None:
@@ -209,6 +215,13 @@ class ModelRunner:
         # The last step's sampled ids on the device, and each sampling request's row among them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        # Image input: each request's images and M-RoPE positions (from new_requests), and the vision tower's
+        # outputs by image content hash, least recently used first, up to ENCODER_CACHE_STEPS steps' worth of
+        # tokens: a screenshot repeated in later turns' prompts is encoded once.
+        self.mm_prompts: dict[str, MultimodalPrompt] = {}
+        self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoder_cache_tokens = ENCODER_CACHE_STEPS * self.max_num_batched_tokens
+        self.num_images_encoded = 0
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._kv_bytes_per_block(), self.cache_specs.state_bytes_per_slot,
@@ -651,8 +664,17 @@ class ModelRunner:
         prev: list[tuple[int, int]] = []  # (token index, row of the previous step) of PREVIOUS_SAMPLED inputs
         draft_at: list[int] = []  # token index of every verify row's drafts, in row order
         drafts_fed: list[tuple[int, int]] = []  # (token index, flat index into draft_slots) of PREVIOUS_DRAFT inputs
+        mm_rows: list[tuple[int, ScheduledRow, MultimodalPrompt]] = []  # (first token index, row, prompt) with images
         for i, row in enumerate(rows):
             n, start, end = row.num_new_tokens, row.start, row.end
+            mm = self.mm_prompts.get(row.req_id) if self.mm_prompts else None
+            # A prompt with images: a 1-D position past its last image is the index + rope_delta (the KV slot stays
+            # the index); a chunk before that end takes three-axis positions (below).
+            shift = 0
+            if mm is not None:
+                shift = mm.position_shift(start)
+                if mm.needs_axes(start):
+                    mm_rows.append((t, row, mm))
             ids = row.token_ids
             if row.is_verify:
                 assert i == num_verify, "verify rows must come first"
@@ -675,11 +697,11 @@ class ModelRunner:
                 nb["input_ids"][t : t + n] = ids
             table = row.block_table
             if n == 1:
-                nb["positions"][t] = start
+                nb["positions"][t] = start + shift
                 nb["slot_mapping"][t] = table[start // bs] * bs + start % bs
             else:
                 pos = np.arange(start, end, dtype=np.int64)
-                nb["positions"][t : t + n] = pos
+                nb["positions"][t : t + n] = pos + shift
                 nb["slot_mapping"][t : t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
             nb["block_tables"][i, : len(table)] = table
             nb["block_tables"][i, len(table) :] = BlockPool.NULL_BLOCK
@@ -690,7 +712,7 @@ class ModelRunner:
                 assert row.is_verify and start + row_len <= self.max_model_len, "row_len is for verify rows"
                 m = row_len - n
                 nb["input_ids"][t : t + m] = 0
-                nb["positions"][t : t + m] = np.arange(end, start + row_len)
+                nb["positions"][t : t + m] = np.arange(end, start + row_len) + shift
                 nb["slot_mapping"][t : t + m] = -1
                 nb["seq_lens"][i] = start + row_len
                 t += m
@@ -743,8 +765,61 @@ class ModelRunner:
                 rest_query_start_loc_cpu=self.host_bufs["rest_query_start_loc"][: rest + 1] if pad_to is None
                 else None,
             )
+        if mm_rows:
+            assert pad_to is None, "a step reaching an image runs eagerly"
+            meta.mrope_positions, meta.image_embeds = self._image_inputs(mm_rows, t)
         self.last_meta = meta
         return meta, views["input_ids"], views["logits_indices"]
+
+    # ------------------------------------------------------------------ image input
+
+    def _image_inputs(self, mm_rows: list[tuple[int, ScheduledRow, MultimodalPrompt]], num_tokens: int
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The step's (3, T) positions (the rows in ``mm_rows`` take their prompt's three axes, every other token
+        its 1-D position on each axis), and on the first stage the encoder rows of the image placeholders the step
+        feeds, with their token indices. A chunk that cuts an image's span takes the rows of its part."""
+        positions = self.host_bufs["positions"][:num_tokens].clone().expand(3, -1).contiguous()
+        index: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        for t0, row, mm in mm_rows:
+            start, end = row.start, row.end
+            positions[:, t0 : t0 + end - start] = mm.axes(start, end)
+            if getattr(self.model, "visual", None) is None:  # a later pipeline stage: the first embedded them
+                continue
+            for im in mm.overlapping(start, end):
+                a, b = max(start, im.span.offset), min(end, im.end)
+                embeds.append(self._span_rows(im, a, b))
+                index.append(torch.arange(t0 + a - start, t0 + b - start))
+        mrope = positions.to(self.device, non_blocking=True)
+        if not embeds:
+            return mrope, None
+        return mrope, (torch.cat(index).to(self.device), torch.cat(embeds))
+
+    def _span_rows(self, im: ImageInput, a: int, b: int) -> torch.Tensor:
+        """The encoder rows of ``im``'s placeholder tokens [a, b) (sequence indices inside its span)."""
+        return self._image_embeddings(im)[a - im.span.offset : b - im.span.offset]
+
+    def _image_embeddings(self, im: ImageInput) -> torch.Tensor:
+        """The vision tower's (placeholder count, hidden) output for ``im``, from the encoder cache or encoded now."""
+        key = im.span.content_hash
+        cached = self.encoder_cache.get(key)
+        if cached is not None:
+            self.encoder_cache.move_to_end(key)
+            return cached
+        tower = getattr(self.model, "visual", None)
+        assert isinstance(tower, nn.Module), "images reach only the first pipeline stage of a model with a tower"
+        grid = torch.tensor([im.grid_thw], dtype=torch.long)
+        rows = tower(torch.from_numpy(im.pixel_values).to(self.device, self.dtype), grid)
+        if rows.shape[0] != im.span.length:
+            raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {im.span.length} "
+                               "placeholder tokens")
+        self.num_images_encoded += 1
+        self.encoder_cache[key] = rows
+        held = sum(r.shape[0] for r in self.encoder_cache.values())
+        while held > self.encoder_cache_tokens and len(self.encoder_cache) > 1:
+            _, old = self.encoder_cache.popitem(last=False)
+            held -= old.shape[0]
+        return rows
 
     def _graph(self, kind: str, num_rows: int, fits: Callable[[], bool]) -> tuple[GraphSet, int] | None:
         """The captured graphs of ``kind`` and the padded size for ``num_rows`` rows, if the step ``fits`` them."""
@@ -794,8 +869,11 @@ class ModelRunner:
         """
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.mm_prompts.pop(rid, None)
         for new in so.new_requests:
             self.requests[new.req_id] = new.sampling_params
+            if new.mm is not None:
+                self.mm_prompts[new.req_id] = new.mm
         rows = so.rows
         out = RunnerOutput(so.step_id, token_ids=[[] for _ in rows], num_accepted=[-1] * len(rows))
         if not self.is_last_stage:
@@ -1143,7 +1221,8 @@ class ModelRunner:
 
     def _forward(self, rows: list[ScheduledRow], num_sampling: int) -> torch.Tensor:
         """The forward of a step without verify rows; logits of the rows that sample (in row order)."""
-        graph = self._graph("decode", len(rows), lambda: all(r.num_new_tokens == 1 and not r.is_verify for r in rows))
+        graph = self._graph("decode", len(rows), lambda: all(r.num_new_tokens == 1 and not r.is_verify
+                                                             and not self._reaches_image(r) for r in rows))
         if graph is not None:
             decode, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size)
@@ -1161,6 +1240,11 @@ class ModelRunner:
         if not num_sampling:
             return hidden[:0]
         return self.model.compute_logits(hidden[logits_indices])
+
+    def _reaches_image(self, row: ScheduledRow) -> bool:
+        """Whether ``row`` starts before its prompt's last image ends (three-axis positions, image embeddings)."""
+        mm = self.mm_prompts.get(row.req_id) if self.mm_prompts else None
+        return mm is not None and mm.needs_axes(row.start)
 
     def _load_states(self, rows: list[ScheduledRow]) -> None:
         # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).

@@ -1,0 +1,246 @@
+"""Image input end to end on the CPU: hyserve's greedy outputs against transformers' Qwen3_5ForConditionalGeneration
+(float32, full uncached forwards with ``pixel_values`` / ``image_grid_thw``) on the tiny VLM checkpoint.
+
+The reference's inputs are built independently of the code under test: the prompt's ids by the ``tokenizers``
+library, each placeholder widened by the grid transformers' own image processor gives, its pixels from that
+processor. The engine must return those same expanded ids as ``prompt_token_ids``.
+
+Cases: one image; several images of different sizes; an image in an earlier turn (a prefix-cache hit resumes after
+it); chunked prefill cutting inside the images' spans; staggered arrivals and an abort; equal text with different
+images. Sabotaged variants (the decode delta dropped; the encoder rows of a cut chunk taken from the image's start)
+are caught.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from tokenizers import Tokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from hyserve import LLM, SamplingParams
+from hyserve.multimodal.inputs import MultimodalPrompt
+from hyserve.testing import (
+    IM_END,
+    IM_START,
+    reference_vlm_greedy,
+    reference_vlm_logits,
+    reference_vlm_model,
+    tiny_png,
+    vlm_special_token_ids,
+    write_tiny_vlm_checkpoint,
+)
+from hyserve.worker.model_runner import ModelRunner
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
+    path = write_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), seed=3)
+    return path, reference_vlm_model(path)
+
+
+def image(w: int, h: int, seed: int) -> Image.Image:
+    return Image.open(io.BytesIO(tiny_png(w, h, seed))).convert("RGB")
+
+
+def user_turn(text: str) -> str:
+    return f"{IM_START}user\n{text}{IM_END}\n{IM_START}assistant\n"
+
+
+def reference_inputs(path: str, text: str, images: list[Image.Image]
+                     ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """Expanded ids, pixel values and grids, from tokenizers and transformers' image processor alone."""
+    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    ids = tok.encode(text, add_special_tokens=False).ids
+    pad = vlm_special_token_ids()["<|image_pad|>"]
+    if not images:
+        return ids, None, None
+    proc = Qwen2VLImageProcessorPil.from_pretrained(path)(images=images, return_tensors="pt")
+    grid = proc["image_grid_thw"]
+    counts = [int(t * h * w) // 4 for t, h, w in grid.tolist()]  # merge size 2
+    out: list[int] = []
+    n = 0
+    for t in ids:
+        if t == pad:
+            out += [pad] * counts[n]
+            n += 1
+        else:
+            out.append(t)
+    assert n == len(images)
+    return out, proc["pixel_values"], grid
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def make_llm(path: str, **kw: object) -> LLM:
+    args: dict[str, object] = dict(device="cpu", dtype="float32", max_num_batched_tokens=2048, max_num_seqs=8,
+                                   num_kv_blocks=256, num_state_slots=8)
+    args.update(kw)
+    return LLM(model=path, **args)  # type: ignore[arg-type]
+
+
+# float32 on both sides: transformers' own float32 and float64 forwards differ by ~1e-3 on a logit of these models,
+# so a chosen token's logprob within 3e-3 is agreement; a wrong position or embedding moves it by far more.
+LOGPROB_TOL = 3e-3
+
+
+def assert_matches(vlm: tuple[str, object], text: str, imgs: list[Image.Image], out: object) -> None:
+    """``out``'s prompt ids, greedy tokens and their logprobs equal the reference's."""
+    path, ref = vlm
+    ids, pixels, grid = reference_inputs(path, text, imgs)
+    got = out.outputs[0]  # type: ignore[attr-defined]
+    assert out.prompt_token_ids == ids  # type: ignore[attr-defined]
+    want = reference_vlm_greedy(ref, ids, pixels, grid, MAX_TOKENS)  # type: ignore[arg-type]
+    assert got.token_ids == want, text
+    logits = reference_vlm_logits(ref, ids + want, pixels, grid)  # type: ignore[arg-type]
+    ref_lp = torch.log_softmax(logits[len(ids) - 1 : -1].double(), dim=-1)
+    for j, tok in enumerate(want):
+        assert abs(got.logprobs[j][tok].logprob - float(ref_lp[j, tok])) < LOGPROB_TOL, (text, j)
+
+
+def check(vlm: tuple[str, object], llm: LLM, cases: list[tuple[str, list[Image.Image]]]) -> list[object]:
+    """Run ``cases`` as one batch; each output matches the reference (``assert_matches``)."""
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text for text, imgs in cases]
+    outs = llm.generate(prompts, greedy())
+    for (text, imgs), out in zip(cases, outs):
+        assert_matches(vlm, text, imgs, out)
+    return outs
+
+
+def test_one_and_several_images_match_transformers(vlm: tuple[str, object]) -> None:
+    llm = make_llm(vlm[0])
+    check(vlm, llm, [
+        (user_turn(f"{IMAGE}What is shown?"), [image(40, 32, 1)]),
+        (user_turn(f"Compare {IMAGE} with {IMAGE} and {IMAGE}."), [image(48, 48, 2), image(16, 40, 3),
+                                                                  image(32, 24, 4)]),
+        (user_turn("No image here, only text."), []),
+    ])
+
+
+def test_equal_text_with_different_images_differs_and_each_matches(vlm: tuple[str, object]) -> None:
+    """Prefix caching on: the second request's text equals the first's, its image does not; it must not reuse the
+    first's KV or state past the image (it would then answer as for the first image)."""
+    llm = make_llm(vlm[0], enable_prefix_caching=True)
+    text = user_turn(f"Look: {IMAGE} and answer in a word, please, the question about the picture.")
+    a = check(vlm, llm, [(text, [image(48, 40, 5)])])[0]
+    b = check(vlm, llm, [(text, [image(48, 40, 6)])])[0]
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids  # type: ignore[attr-defined]
+    c = check(vlm, llm, [(text, [image(48, 40, 5)])])[0]  # the first image again: a hit past it
+    assert (c.num_cached_tokens or 0) >= 32  # type: ignore[attr-defined]
+
+
+SYSTEM = f"{IM_START}system\nYou operate a computer. Each turn shows the latest screens; give one action.{IM_END}\n"
+
+
+def test_multi_turn_sliding_screenshots_with_chunks_cutting_the_spans(vlm: tuple[str, object]) -> None:
+    """The seed's agent episodes: each turn sends the conversation so far with the last two turns' screenshots (older
+    ones replaced by text). Chunked prefill of 16 tokens cuts inside every image's span; prefix caching resumes
+    each turn after what the previous turn's prompt shares with it; a screenshot still in the window is encoded
+    once (the encoder cache)."""
+    llm = make_llm(vlm[0], enable_prefix_caching=True, max_num_batched_tokens=16, recurrent_snapshot_interval=16,
+                   num_snapshot_slots=16)
+    shots = [image(48, 40, 10 + i) for i in range(4)]
+    runner = _runner(llm)
+    for turn in range(4):
+        text = SYSTEM
+        for j in range(turn + 1):
+            shown = IMAGE if j >= turn - 1 else "[an earlier screen]"
+            text += user_turn(f"Step {j}: {shown} what next?")
+            if j < turn:
+                text += f"I click {j}.{IM_END}\n"
+        window = shots[max(0, turn - 1) : turn + 1]
+        out = check(vlm, llm, [(text, window)])[0]
+        if turn:
+            assert (out.num_cached_tokens or 0) >= 16  # type: ignore[attr-defined]
+    assert runner.num_images_encoded == 4  # each screenshot once, though each is in two turns' prompts
+
+
+def test_staggered_arrivals_and_an_abort_with_images(vlm: tuple[str, object]) -> None:
+    path = vlm[0]
+    llm = make_llm(path, max_num_batched_tokens=24)
+    engine = llm.llm_engine
+    cases = {f"r{i}": (user_turn(f"Picture {i}: {IMAGE} describe it briefly."), [image(40, 40, 20 + i)])
+             for i in range(4)}
+    done: dict[str, object] = {}
+    pending = list(cases)
+    engine.add_request(pending.pop(0), {"prompt": cases["r0"][0], "multi_modal_data": {"image": cases["r0"][1]}},
+                       greedy())
+    steps = 0
+    while engine.has_unfinished_requests() or pending:
+        if pending and steps % 2 == 1:
+            rid = pending.pop(0)
+            engine.add_request(rid, {"prompt": cases[rid][0], "multi_modal_data": {"image": cases[rid][1]}},
+                               greedy())
+            if rid == "r2":
+                engine.abort_request("r1")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+    assert "r1" not in done and not engine.has_unfinished_requests()
+    for rid in ("r0", "r2", "r3"):
+        assert_matches(vlm, *cases[rid], done[rid])
+
+
+def _runner(llm: LLM) -> ModelRunner:
+    return llm.llm_engine.executor.worker.runner  # type: ignore[attr-defined,no-any-return]
+
+
+# ------------------------------------------------------------------------------------------------ sabotage
+
+
+def test_dropping_the_decode_delta_is_caught(vlm: tuple[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode positions without rope_delta (index instead of index + delta): the check above must fail."""
+    monkeypatch.setattr(MultimodalPrompt, "position_shift", lambda self, start: 0)
+    with pytest.raises(AssertionError):
+        check(vlm, make_llm(vlm[0]), [(user_turn(f"{IMAGE}{IMAGE}What is shown?"), [image(48, 48, 30),
+                                                                                       image(48, 48, 31)])])
+
+
+def test_misaligned_encoder_rows_are_caught(vlm: tuple[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk cutting an image's span that takes the image's first rows instead of its own part's."""
+    monkeypatch.setattr(ModelRunner, "_span_rows",
+                        lambda self, im, a, b: self._image_embeddings(im)[: b - a])
+    with pytest.raises(AssertionError):
+        check(vlm, make_llm(vlm[0], max_num_batched_tokens=16),
+              [(user_turn(f"Here: {IMAGE} what is it?"), [image(48, 48, 40)])])
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_bad_image_requests_are_refused(vlm: tuple[str, object], tmp_path: Path) -> None:
+    path = vlm[0]
+    llm = make_llm(path, limit_mm_per_prompt={"image": 1})
+    engine = llm.llm_engine
+    two = {"prompt": user_turn(f"{IMAGE}{IMAGE}"), "multi_modal_data": {"image": [image(16, 16, 1)] * 2}}
+    with pytest.raises(ValueError, match=r"2 images; at most 1 per prompt .*--limit-mm-per-prompt"):
+        engine.add_request("a", two, greedy())
+    with pytest.raises(ValueError, match="1 image placeholders but 2 images"):
+        make_llm(path).llm_engine.add_request(
+            "b", {"prompt": user_turn(IMAGE), "multi_modal_data": {"image": [image(16, 16, 1)] * 2}}, greedy())
+    with pytest.raises(ValueError, match="modality 'video' is not served"):
+        engine.add_request("c", {"prompt": "x", "multi_modal_data": {"video": []}}, greedy())
+    with pytest.raises(ValueError, match="not an image"):
+        engine.add_request("d", {"prompt": user_turn(IMAGE), "multi_modal_data": {"image": b"not a png"}}, greedy())
+    off = make_llm(path, limit_mm_per_prompt={"image": 0})
+    assert _runner(off).model.visual is None  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="image input is off"):
+        off.llm_engine.add_request("e", {"prompt": user_turn(IMAGE), "multi_modal_data": {"image": image(16, 16, 1)}},
+                                   greedy())
+    text_only = str(tmp_path / "text")
+    from hyserve.testing import write_tiny_checkpoint
+
+    write_tiny_checkpoint(text_only)
+    with pytest.raises(ValueError, match="no vision tower"):
+        make_llm(text_only).llm_engine.add_request(
+            "f", {"prompt": "hi", "multi_modal_data": {"image": image(16, 16, 1)}}, greedy())
