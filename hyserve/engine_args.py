@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
-from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, KV_CACHE_DTYPES, parse_size
+from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, KV_CACHE_DTYPES, MM_DEFAULT_LIMIT, parse_size
 from hyserve.layers.quantization import QUANTIZATION_CHOICES
 
-__all__ = ["engine_args", "make_llm", "size_bytes"]
+__all__ = ["engine_args", "local_media_dir", "make_llm", "mm_limits", "normalize_mm_limits", "size_bytes"]
 
 
 def size_bytes(value: str) -> int:
@@ -32,6 +34,44 @@ def layer_counts(value: str) -> list[int]:
     if any(n < 1 for n in counts):
         raise argparse.ArgumentTypeError(f"{value!r}: every stage needs at least one layer")
     return counts
+
+
+def normalize_mm_limits(value: Any) -> dict[str, int]:
+    """``limit_mm_per_prompt`` as EngineConfig takes it: ``{"image": 2}``, or vLLM's ``{"image": {"count": 2}}``
+    (its ``width``/``height`` only size vLLM's memory-profiling dummies, which hyserve does not run, so they are
+    dropped). Raises ValueError naming the entry; modalities are checked by ``EngineConfig.validate``."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 2}} (got {value!r})")
+    out: dict[str, int] = {}
+    for modality, limit in value.items():
+        if isinstance(limit, Mapping):
+            extra = sorted(set(limit) - {"count", "width", "height"})
+            if extra or "count" not in limit:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}]: give a count, e.g. {{\"{modality}\": 2}} or "
+                                 f"{{\"{modality}\": {{\"count\": 2}}}} (got {json.dumps(limit)})")
+            limit = limit["count"]
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer (got {limit!r})")
+        out[str(modality)] = limit
+    return out
+
+
+def mm_limits(value: str) -> dict[str, int]:
+    """argparse type of ``--limit-mm-per-prompt``: JSON, ``{"image": 2}`` or ``{"image": {"count": 2}}``."""
+    try:
+        return normalize_mm_limits(json.loads(value))
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON ({e}); e.g. '{{\"image\": 2}}'") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def local_media_dir(value: str) -> str:
+    """argparse type of ``--allowed-local-media-path``: an existing directory (returned absolute)."""
+    if not os.path.isdir(value):
+        what = "is not a directory" if os.path.exists(value) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{value!r} {what}: give the directory file:// image URLs may read under")
+    return os.path.abspath(value)
 
 
 def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
@@ -92,6 +132,16 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="fp8: quantize a bf16 checkpoint's linear layers to FP8 as it loads (per channel; activations "
                         "per token). FP8 checkpoints (compressed-tensors, Qwen's block FP8) need no flag "
                         "(default: none)")
+    p.add_argument("--limit-mm-per-prompt", type=mm_limits, default=None, metavar="JSON",
+                   help="most images one prompt may carry, e.g. '{\"image\": 2}' (vLLM's "
+                        "'{\"image\": {\"count\": 2}}' too); image=0 turns image input off "
+                        f"(default: {MM_DEFAULT_LIMIT} images)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="hosts whose http(s) image URLs may be fetched, exact names (default: none: remote image "
+                        "URLs are refused; data: URLs always work)")
+    p.add_argument("--allowed-local-media-path", type=local_media_dir, default=None, metavar="DIR",
+                   help="a directory file:// image URLs may read under, symlinks resolved (default: none: file:// "
+                        "URLs are refused)")
     p.add_argument("--cuda-graph-sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="decode batch sizes to capture, comma-separated (default: 1,2,4,8,16,24,32,48,64,...,256 "
                         "up to --max-num-seqs)")
@@ -115,4 +165,6 @@ def make_llm(args: argparse.Namespace, model: str | None) -> Any:
                async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
                quantization=args.quantization,
                distributed_executor_backend=args.distributed_executor_backend,
+               limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_media_domains=args.allowed_media_domains,
+               allowed_local_media_path=args.allowed_local_media_path,
                disable_log_stats=getattr(args, "disable_log_stats", True))

@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine, PromptType
+from hyserve.engine_args import normalize_mm_limits
+from hyserve.multimodal.chat import chat_inputs
 from hyserve.outputs import RequestOutput
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -49,6 +51,8 @@ class LLM:
         disable_log_stats: bool = True,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("limit_mm_per_prompt") is not None:  # vLLM's {"image": {"count": n}} form too
+            kwargs["limit_mm_per_prompt"] = normalize_mm_limits(kwargs["limit_mm_per_prompt"])
         known = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -117,19 +121,36 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template and generate; outputs in order.
+
+        ``content`` is a string or a list of OpenAI-style parts: ``text``, ``image_url`` (a data URL, or an
+        ``http(s)``/``file://`` URL the engine config allows), ``image_pil`` and ``image`` (PIL image, bytes or URL).
+        A conversation with images goes to the engine as ``{"prompt", "prompt_token_ids", "multi_modal_data"}``.
+        Refusals (``ValueError``, ``MediaError`` for an image) name the part: ``messages[0].content[1]: ...``.
+        """
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("this checkpoint has no tokenizer, so chat() cannot apply a chat template")
         if not messages:
             raise ValueError("messages is empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        engine = self.llm_engine
+        config = engine.config
         prompts: list[PromptType] = []
-        for conv in conversations:
+        for c, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv:
                 raise ValueError("each conversation must be a non-empty list of {'role': ..., 'content': ...}")
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
-            prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text})
+            # Every conversation's images are counted before any is read (hyserve.multimodal.chat).
+            template_messages, images = chat_inputs(
+                conv, limit=config.image_limit, accepts_images=engine.model_config.multimodal is not None,
+                allowed_domains=config.allowed_media_domains, allowed_local_path=config.allowed_local_media_path,
+                where="messages" if len(conversations) == 1 else f"messages[{c}]")
+            text = tok.apply_chat_template(template_messages if images else conv,
+                                           add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            prompt: dict[str, Any] = {"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_metrics(self) -> dict[str, float | list[float]]:

@@ -30,6 +30,14 @@ Choices worth knowing:
   worker thread under a deadline (``chat_template_timeout_s``) that the template's own code checks on every line,
   so a runaway loop stops burning CPU when the deadline passes (single huge operations, such as
   ``'x' * 10**10``, are not interrupted: only the checkpoint's template and trusted request templates run).
+- Images (``image_url`` content parts in chat messages; ``hyserve.multimodal.chat``): counted against
+  ``--limit-mm-per-prompt`` and refused for a text-only checkpoint before any is read, then fetched and decoded in
+  a worker thread under ``load_image``'s rules (data URLs; http(s) only on ``--allowed-media-domains`` hosts;
+  file:// only under ``--allowed-local-media-path``). The rendered prompt must hold one image placeholder per image,
+  and its length with each image's tokens (sized from the image's dimensions, as the processor resizes) is checked
+  against ``max_model_len`` and the room for ``max_tokens``. Every refusal is a 400 whose ``param`` names the part
+  (``messages[1].content[2]``). The engine processes the pixels when its loop adds the request; should it still
+  refuse the request there, the answer is a 400 (streamed: an error event and ``data: [DONE]``).
 - A request-supplied ``chat_template`` (or ``chat_template_kwargs.chat_template``) is refused (400) unless the server
   was started with ``trust_request_chat_template`` (vLLM's ``--trust-request-chat-template``).
 - Server shutdown (``hyserve.server.serving``) ends every open request through ``AsyncEngine.abort_all()``: a stream
@@ -55,10 +63,13 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import hyserve
+from hyserve.multimodal.chat import ContentPartError, ParsedChat, check_images, image_token_counts, load_images
+from hyserve.multimodal.image import ImageProcessorSettings
 from hyserve.outputs import RequestOutput, SampleLogprobs
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
 from hyserve.server.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
@@ -297,6 +308,11 @@ def _sse(payload: str) -> str:
 
 
 def _sse_error(e: BaseException) -> str:
+    """An error event for a stream whose 200 is already sent; a ValueError is a request the engine refused (400)."""
+    if isinstance(e, ValueError):
+        body = ErrorResponse(error=ErrorInfo(message=f"the request was refused: {e}", type="invalid_request_error",
+                                             code="400"))
+        return _sse(body.model_dump_json())
     status = 503 if isinstance(e, EngineDeadError) else 500
     body = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code=str(status)))
     return _sse(body.model_dump_json())
@@ -454,6 +470,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     model_name = served_model_name or served_name_for(model_dir)
     http_metrics = HTTPMetrics()
     text_limit = max_text_chars(engine.tokenizer, engine.max_model_len)
+    # Image input: None when the checkpoint has no vision tower (or --limit-mm-per-prompt image=0 turned it off).
+    mm_config = engine.model_config.multimodal
+    image_settings: ImageProcessorSettings | None = None
+    if mm_config is not None:
+        try:
+            image_settings = ImageProcessorSettings.from_checkpoint(model_dir)
+        except (ValueError, OSError) as e:
+            logger.warning("image requests cannot be sized before they are queued: %s", e)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -665,24 +689,73 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
             yield _sse_error(e)
         yield _sse("[DONE]")
 
+    def check_chat_images(parsed: ParsedChat) -> None:
+        """Refuse images for a text-only model and over ``--limit-mm-per-prompt``, before any is read."""
+        try:
+            check_images(parsed.images, limit=engine.config.image_limit, accepts_images=mm_config is not None)
+        except ContentPartError as e:
+            raise APIError(str(e), param=e.param) from e
+
+    async def load_chat_images(parsed: ParsedChat) -> list[Image.Image]:
+        """Fetch and decode the (already counted) images in a worker thread; a refusal names the part."""
+        if not parsed.images:
+            return []
+        try:
+            return await asyncio.to_thread(load_images, parsed.images,
+                                           allowed_domains=engine.config.allowed_media_domains,
+                                           allowed_local_path=engine.config.allowed_local_media_path)
+        except ContentPartError as e:
+            raise APIError(str(e), param=e.param) from e
+
+    def expanded_length(ids: list[int], parsed: ParsedChat, images: list[Image.Image]) -> int:
+        """The prompt's length once each image placeholder is widened to its image's tokens (as the engine will);
+        refuses a rendering whose placeholders do not match the images."""
+        assert mm_config is not None
+        placeholders = ids.count(mm_config.image_token_id)
+        if placeholders != len(images):
+            raise APIError(f"the chat template rendered {placeholders} image placeholders for {len(images)} images "
+                           "(one <|vision_start|><|image_pad|><|vision_end|> per image is needed; text may not "
+                           "contain <|image_pad|>)", param="messages")
+        if image_settings is None:
+            return len(ids)  # no preprocessor_config.json: the engine refuses the images when it adds the request
+        try:
+            counts = image_token_counts(images, parsed.images, image_settings)
+        except ContentPartError as e:
+            raise APIError(str(e), param=e.param) from e
+        n = len(ids) - len(images) + sum(counts)
+        if n >= engine.max_model_len:
+            raise APIError(f"the prompt has {n} tokens ({sum(counts)} of them for {len(images)} images), but "
+                           f"max_model_len is {engine.max_model_len} (the prompt must leave room for at least one "
+                           "output token)", param="messages")
+        return n
+
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         check_model(body.model)
-        messages = body.parse_messages()
+        parsed = body.parse_chat()
         body.check()
-        text = await render_chat(body, messages)
+        check_chat_images(parsed)
+        text = await render_chat(body, parsed.messages)
         _, ids = await encode(text, "messages", add_special_tokens=False)
+        images = await load_chat_images(parsed)  # after the cheap refusals: a refused request fetches nothing
+        engine_prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
+        n_prompt = len(ids)
+        if images:
+            n_prompt = expanded_length(ids, parsed, images)
+            engine_prompt["multi_modal_data"] = {"image": images}
         asked, name = body.requested_max_tokens
-        max_tokens = resolve_max_tokens(asked, name, len(ids), None)
+        max_tokens = resolve_max_tokens(asked, name, n_prompt, None)
         params = stream_kind(body.to_sampling_params(max_tokens, sampling_defaults()), body.stream)
         request_id = random_id("chatcmpl")
         top_n = body.top_logprobs or 0
-        outputs = open_request(request_id, {"prompt_token_ids": ids, "prompt": text}, params,
-                               {"max_tokens": name, "logprobs": "top_logprobs"})
+        outputs = open_request(request_id, engine_prompt, params, {"max_tokens": name, "logprobs": "top_logprobs"})
         if body.stream:
             return StreamingResponse(_stream_chat(outputs, request_id, params, body, top_n),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
-        final = await _final_output(outputs, raw_request)
+        try:
+            final = await _final_output(outputs, raw_request)
+        except ValueError as e:  # refused by the engine when its loop added the request (an image it cannot use)
+            raise APIError(f"the request was refused: {e}", param="messages") from e
         if final is None:
             return Response(status_code=499)
         c = final.outputs[0]
@@ -732,7 +805,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
                 msg = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
                                           usage=_usage(final, n_sent))
                 yield _sse(msg.model_dump_json())
-        except (EngineDeadError, RequestAbortedError) as e:
+        except (EngineDeadError, RequestAbortedError, ValueError) as e:  # ValueError: the engine refused it
             logger.warning("request %s: %s", request_id, e)
             yield _sse_error(e)
         yield _sse("[DONE]")

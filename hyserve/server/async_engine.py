@@ -16,6 +16,9 @@ How the loop works:
   what the server streams) all of them merged into one (``merge_delta``), so a slow consumer loses nothing.
 - A consumer that stops early (client disconnect: the handler's task is cancelled or the generator is closed) aborts
   its request from ``generate``'s ``finally``; the loop thread frees its blocks and slot before the next step.
+- A prompt with ``multi_modal_data`` (images) has its ids checked at the door and its images handed to the engine
+  as they are: the engine processes them and widens the placeholders when the loop adds the request, and a refusal
+  there (a ``ValueError``) ends that request alone.
 - ``add_request`` refuses at the door what the engine would fail on later: besides the prompt, token ids in the
   sampling params (``stop_token_ids``) must lie in the model's vocabulary, so one request can never take the engine
   loop down. A request the engine still refuses when the loop adds it (any exception) ends alone with that error;
@@ -186,6 +189,11 @@ class AsyncEngine:
     def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams
                      ) -> tuple[asyncio.Queue[RequestOutput | BaseException], dict[str, Any]]:
         self.check_params(params)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data is not None and isinstance(prompt, dict):
+            # Images are processed (and the prompt widened) by the engine when its loop adds the request: here only
+            # the ids are checked, so no pixel work runs on the event loop.
+            prompt = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
         text, ids = self.encode_prompt(prompt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -197,6 +205,8 @@ class AsyncEngine:
             item: dict[str, Any] = {"prompt_token_ids": ids}
             if text is not None:
                 item["prompt"] = text
+            if mm_data is not None:
+                item["multi_modal_data"] = mm_data
             self._inbox[request_id] = _NewRequest(request_id, item, params)
             self._cond.notify_all()
         return queue, item

@@ -20,6 +20,9 @@ to objects as chat templates expect), a tool message's ``tool_call_id`` and ``na
 lone UTF-16 surrogates (JSON ``"\\ud800"``) is a 400 naming the field; the stop list is bounded
 (``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_STRING_CHARS`` characters).
 
+Chat content is a string or a list of ``text`` and ``image_url`` parts (``hyserve.multimodal.chat``: the shapes are
+checked here, no image is read); any other part type is a 400 naming the part and the supported types.
+
 Every refusal raises ``APIError`` (HTTP status, message, the offending field as ``param``); the app turns it into
 ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -42,6 +45,7 @@ from pydantic import (
     model_validator,
 )
 
+from hyserve.multimodal.chat import SERVER_PART_TYPES, ContentPartError, ImageRef, ParsedChat, parse_content
 from hyserve.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -167,6 +171,12 @@ _PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"typ
                   "description": "a string, a list of token ids, or a list holding one of those"}
 _TEXT_PART_SCHEMA = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
                      "required": ["type", "text"]}
+_IMAGE_PART_SCHEMA = {"type": "object", "properties": {
+    "type": {"const": "image_url"},
+    "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "properties": {
+        "url": {"type": "string", "description": "data:image/{png,jpeg,webp};base64,..., or an http(s):// or "
+                                                 "file:// URL the server allows"},
+        "detail": {"const": "auto"}}, "required": ["url"]}]}}, "required": ["type", "image_url"]}
 _TOOL_CALL_SCHEMA = {"type": "object", "properties": {
     "id": {"type": "string"}, "type": {"const": "function"},
     "function": {"type": "object", "properties": {"name": {"type": "string"},
@@ -174,7 +184,9 @@ _TOOL_CALL_SCHEMA = {"type": "object", "properties": {
                  "required": ["name"]}}, "required": ["function"]}
 _MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
     "role": {"enum": list(CHAT_ROLES)},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}, {"type": "null"}]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART_SCHEMA,
+                                                                                  _IMAGE_PART_SCHEMA]}},
+                          {"type": "null"}]},
     "name": {"type": "string"}, "tool_call_id": {"type": "string"}, "reasoning_content": {"type": "string"},
     "tool_calls": {"type": "array", "items": _TOOL_CALL_SCHEMA}}, "required": ["role", "content"]},
     "description": "a non-empty list of {'role': ..., 'content': ...}"}
@@ -375,6 +387,15 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
 
     def parse_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (see ``parse_chat``)."""
+        return self.parse_chat().messages
+
+    def parse_chat(self) -> ParsedChat:
+        """The messages for the chat template and their image parts, in order (none is read here).
+
+        Text-only content renders as before (text parts joined with ``"\\n"``); a message with ``image_url`` parts
+        keeps its parts, each image as ``{"type": "image"}`` (``hyserve.multimodal.chat``).
+        """
         raw = self.messages
         if not isinstance(raw, list):
             raise APIError(f"messages must be a list of {{'role': ..., 'content': ...}} objects "
@@ -382,6 +403,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if not raw:
             raise APIError("messages must not be empty", param="messages")
         out: list[dict[str, Any]] = []
+        images: list[ImageRef] = []
         for i, m in enumerate(raw):
             where = f"messages[{i}]"
             if not isinstance(m, dict):
@@ -393,7 +415,9 @@ class ChatCompletionRequest(_SamplingRequest):
                                param=f"{where}.role")
             if "content" not in m:
                 raise APIError(f"{where}.content is missing", param=f"{where}.content")
-            msg: dict[str, Any] = {"role": role, "content": _message_text(m["content"], role, f"{where}.content")}
+            content, found = _message_content(m["content"], role, f"{where}.content")
+            images += found
+            msg: dict[str, Any] = {"role": role, "content": content}
             for key, value in m.items():
                 if key in ("role", "content") or value is None:
                     continue  # null is every optional key's no-op value (clients echo e.g. "refusal": null back)
@@ -411,7 +435,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 else:
                     msg[key] = value
             out.append(msg)
-        return out
+        return ParsedChat(out, images)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools to render into the prompt, or None; refuses a tool_choice that promises tool calls.
@@ -502,22 +526,20 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _message_text(content: Any, role: str, where: str) -> str:
+def _message_content(content: Any, role: str, where: str) -> tuple[str | list[Any], list[ImageRef]]:
+    """A message's content for the template, and its image parts (text and ``image_url`` parts are accepted)."""
     if isinstance(content, str):
-        return content
+        return content, []
     if content is None:
         if role == "assistant":
-            return ""
+            return "", []
         raise APIError(f"{where} must not be null for role {role!r}", param=where)
     if isinstance(content, list):
-        parts: list[str] = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"{where}[{j}] must be {{'type': 'text', 'text': str}} (only text content is "
-                               "supported)", param=f"{where}[{j}]")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise APIError(f"{where} must be a string or a list of text parts (got {type(content).__name__})", param=where)
+        try:
+            return parse_content(content, where, part_types=SERVER_PART_TYPES, join_text=True)
+        except ContentPartError as e:
+            raise APIError(str(e), param=e.param) from e
+    raise APIError(f"{where} must be a string or a list of content parts (got {type(content).__name__})", param=where)
 
 
 # ---------------------------------------------------------------------------------------------------- responses
