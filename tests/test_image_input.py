@@ -244,3 +244,58 @@ def test_bad_image_requests_are_refused(vlm: tuple[str, object], tmp_path: Path)
     with pytest.raises(ValueError, match="no vision tower"):
         make_llm(text_only).llm_engine.add_request(
             "f", {"prompt": "hi", "multi_modal_data": {"image": image(16, 16, 1)}}, greedy())
+
+
+@pytest.fixture(scope="module")
+def vlm_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
+    path = write_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm_mtp"), seed=3, with_mtp=True)
+    return path, reference_vlm_model(path)
+
+
+def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: tuple[str, object]) -> None:
+    """The seed's configuration: MTP k = 2, prefix caching, 16-token chunks cutting every image span, async
+    scheduling, over the sliding two-screenshot episodes, two conversations interleaved. Verified outputs equal
+    transformers' greedy tokens; the MTP passes over image positions take the image rows, one token shifted."""
+    llm = make_llm(vlm_mtp[0], enable_prefix_caching=True, max_num_batched_tokens=16, recurrent_snapshot_interval=16,
+                   num_snapshot_slots=32, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                   async_scheduling=True)
+    runner = _runner(llm)
+    seen: list[object] = []
+    real = ModelRunner._mtp_image_inputs
+
+    def spy(self: ModelRunner, mm_rows: list, num_tokens: int):  # type: ignore[no-untyped-def,type-arg]
+        out = real(self, mm_rows, num_tokens)
+        seen.append(out[1])
+        return out
+    ModelRunner._mtp_image_inputs = spy  # type: ignore[method-assign]
+    try:
+        shots = {c: [image(48, 40, 50 + 10 * c + i) for i in range(3)] for c in range(2)}
+        for turn in range(3):
+            cases = []
+            for c in range(2):
+                text = SYSTEM
+                for j in range(turn + 1):
+                    shown = IMAGE if j >= turn - 1 else "[an earlier screen]"
+                    text += user_turn(f"Task {c}, step {j}: {shown} what next?")
+                    if j < turn:
+                        text += f"I click {c}{j}.{IM_END}\n"
+                cases.append((text, shots[c][max(0, turn - 1) : turn + 1]))
+            outs = check(vlm_mtp, llm, cases)
+            if turn:
+                assert all((o.num_cached_tokens or 0) >= 16 for o in outs)  # type: ignore[attr-defined]
+    finally:
+        ModelRunner._mtp_image_inputs = real  # type: ignore[method-assign]
+    assert any(s is not None for s in seen)  # MTP passes consumed image rows
+    assert runner.num_images_encoded == 6
+
+
+def test_an_evicted_image_is_encoded_again_and_outputs_stay_right(vlm: tuple[str, object]) -> None:
+    """An encoder cache of one image's rows: two alternating screenshots are encoded again each time, and the
+    outputs are unchanged."""
+    llm = make_llm(vlm[0], max_num_batched_tokens=16, enable_prefix_caching=False)
+    runner = _runner(llm)
+    runner.encoder_cache_tokens = 1
+    a, b = image(48, 40, 70), image(48, 40, 71)
+    for imgs in ([a], [b], [a]):
+        check(vlm, llm, [(user_turn(f"Screen {IMAGE} now?"), imgs)])
+    assert runner.num_images_encoded == 3 and len(runner.encoder_cache) == 1

@@ -304,9 +304,6 @@ class LLMEngine:
         if len(images) > limit:
             raise ValueError(f"the prompt has {len(images)} images; at most {limit} per prompt are allowed "
                              "(--limit-mm-per-prompt)")
-        if self.spec_config is not None:
-            raise ValueError("image input with speculative decoding is not supported yet: serve image requests "
-                             "without --speculative-config")
         loaded = [load_image(img, allowed_domains=self.config.allowed_media_domains or (),
                              allowed_local_path=self.config.allowed_local_media_path) for img in images]
         return build_multimodal_prompt(ids, loaded, self.config.model, mm_config)

@@ -33,6 +33,7 @@ from hyserve.model.loader import (
     split_kv_scale,
 )
 from hyserve.model.metadata import StepMetadata
+from hyserve.model.mrope import MRotaryEmbedding
 from hyserve.model.qwen3_5 import Attention, DecoderLayer
 
 
@@ -42,7 +43,9 @@ class MTPHead(nn.Module):
         self.config = cfg
         h = cfg.hidden_size
         layer_cfg = dataclasses.replace(cfg, layer_types=[FULL_ATTENTION], num_hidden_layers=1)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        mm = cfg.multimodal
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if mm is None \
+            else MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, mm.mrope_section)
         self.fc = Linear(2 * h, h, quant=cfg.quantization, prefix="mtp.fc")
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
@@ -57,8 +60,12 @@ class MTPHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: StepMetadata,
                 embed: nn.Embedding) -> torch.Tensor:
-        x = torch.cat([self.pre_fc_norm_embedding(embed(input_ids)), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        self.rotary.prepare(meta.positions)
+        tokens = embed(input_ids)
+        if meta.image_embeds is not None:  # position p's input is token p + 1: an image row where that is one
+            index, rows = meta.image_embeds
+            tokens = tokens.index_copy(0, index, rows.to(tokens.dtype))
+        x = torch.cat([self.pre_fc_norm_embedding(tokens), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        self.rotary.prepare(meta.mrope_positions if meta.mrope_positions is not None else meta.positions)
         residual, pending = self.layers[0](self.fc(x), meta)
         return self.norm.add(residual, pending)[1]
 

@@ -57,7 +57,7 @@ class MTPProposer:
                 if row.next_token_id is None:
                     continue
                 inputs = [*row.token_ids[1:], row.next_token_id]
-            mrows.append(MTPRow(start, inputs, list(range(t0, t0 + len(inputs))), row.block_table))
+            mrows.append(MTPRow(start, inputs, list(range(t0, t0 + len(inputs))), row.block_table, row.req_id))
             owners.append(i)
         if not mrows:
             return drafts
@@ -84,7 +84,7 @@ class MTPProposer:
             passes: list[MTPRow] = []
             for m in keep:
                 i, _, _, last = live[m]
-                passes.append(MTPRow(last + j, [drafts[i][-1]], [len(passes)], rows[i].block_table))
+                passes.append(MTPRow(last + j, [drafts[i][-1]], [len(passes)], rows[i].block_table, rows[i].req_id))
             h, tokens = runner.mtp_draft(passes, h[keep] if len(keep) < len(live) else h)
             for m, tok in zip(keep, tokens, strict=True):
                 drafts[live[m][0]].append(tok)
@@ -116,7 +116,8 @@ class MTPProposer:
             inputs = out.token_ids[i]  # the accepted drafts and the correction: tokens start+1 .. start+a+1
             num_tokens = row.start + len(inputs) + 1  # known tokens after the step
             chain.append(ChainRow(row.start, inputs, list(range(t0, t0 + len(inputs))), row.block_table,
-                                  max(0, min(self.k, row.draft_limit - num_tokens)), row.state_slot))
+                                  max(0, min(self.k, row.draft_limit - num_tokens)), row.state_slot,
+                                  runner.position_shift(row.req_id, row.start)))
             owners.append(i)
         drafts: list[list[int]] = [[] for _ in rows]
         if not chain:

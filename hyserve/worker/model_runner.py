@@ -70,6 +70,7 @@ class MTPRow:
     input_ids: list[int]
     hidden_index: list[int]
     block_table: list[int]
+    req_id: str | None = None  # a prompt with images: its positions and image rows (``mm_prompts``)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,7 @@ class ChainRow:
     block_table: list[int]
     num_drafts: int
     state_slot: int = -1  # the request's: its drafts row in ``draft_slots``
+    shift: int = 0  # what the rotary position adds to the index (a prompt's rope_delta past its last image)
 
 
 @dataclass(slots=True)
@@ -109,8 +111,10 @@ class DeviceMemory:
     non_torch: int
 
 
-# The encoder cache holds this many steps' token budget of image embeddings.
+# The encoder cache holds this many steps' token budget of image embeddings, and at least ENCODER_CACHE_MIN_TOKENS
+# (8192 rows of a 27B model's 5120-wide bf16 embeddings: 84 MB; not counted in the memory plan yet).
 ENCODER_CACHE_STEPS = 4
+ENCODER_CACHE_MIN_TOKENS = 8192
 
 
 def _device_memory(device: torch.device) -> DeviceMemory | None:
@@ -216,11 +220,11 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         # Image input: each request's images and M-RoPE positions (from new_requests), and the vision tower's
-        # outputs by image content hash, least recently used first, up to ENCODER_CACHE_STEPS steps' worth of
-        # tokens: a screenshot repeated in later turns' prompts is encoded once.
+        # outputs by image content hash, least recently used first, up to encoder_cache_tokens rows: a screenshot
+        # repeated in later turns' prompts is encoded once.
         self.mm_prompts: dict[str, MultimodalPrompt] = {}
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.encoder_cache_tokens = ENCODER_CACHE_STEPS * self.max_num_batched_tokens
+        self.encoder_cache_tokens = max(ENCODER_CACHE_STEPS * self.max_num_batched_tokens, ENCODER_CACHE_MIN_TOKENS)
         self.num_images_encoded = 0
 
     def cache_info(self) -> CacheInfo:
@@ -620,7 +624,7 @@ class ModelRunner:
                                "chain_query_start_loc": (r + 1,),
                                # the count-independent inputs of _fill_draft_on_device
                                "slot_table": (r, 2 * k), "row_start": (r,), "row_first": (r,), "row_limit": (r,),
-                               "row_slot": (r,)}
+                               "row_slot": (r,), "row_shift": (r,)}
                 dtypes.update(chain_seq_lens=torch.int32, chain_query_start_loc=torch.int32)
                 self.draft_host = {k: host(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
                 self.draft_dev = {k: dev(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
@@ -990,7 +994,9 @@ class ModelRunner:
             blk = pos // bs
             inside = blk < len(table)
             nb["slot_table"][i] = np.where(inside, table[np.minimum(blk, len(table) - 1)] * bs + pos % bs, -1)
-            nb["positions"][i * q : i * q + q] = pos[:q]
+            shift = self.position_shift(row.req_id, row.start)
+            nb["positions"][i * q : i * q + q] = pos[:q] + shift
+            nb["row_shift"][i] = shift
             nb["block_tables"][i, : len(table)] = table
             nb["block_tables"][i, len(table) :] = null
             nb["seq_lens"][i] = row.start + q
@@ -1008,7 +1014,7 @@ class ModelRunner:
             self.draft_dev[name][: pad_to * q].copy_(self.draft_host[name][: pad_to * q], non_blocking=True)
         for name in ("seq_lens", "block_tables"):
             self.draft_dev[name][:pad_to].copy_(self.draft_host[name][:pad_to], non_blocking=True)
-        for name in ("slot_table", "row_start", "row_first", "row_limit", "row_slot"):
+        for name in ("slot_table", "row_start", "row_first", "row_limit", "row_slot", "row_shift"):
             self.draft_dev[name][:n].copy_(self.draft_host[name][:n], non_blocking=True)
         if self.device.type == "cuda":
             self._draft_fence = torch.cuda.Event()
@@ -1036,7 +1042,7 @@ class ModelRunner:
             p = d["row_start"][:n].unsqueeze(0) + last.unsqueeze(0) + j  # (k - 1, n)
             active = j < num_drafts.unsqueeze(0)
             chain_slots = slot_table.gather(1, (last.unsqueeze(0) + j).clamp(max=2 * k - 1).t()).t()
-            d["chain_positions"][:, :n].copy_(torch.where(active, p, 0))
+            d["chain_positions"][:, :n].copy_(torch.where(active, p + d["row_shift"][:n].unsqueeze(0), 0))
             d["chain_slot_mapping"][:, :n].copy_(torch.where(active, chain_slots, -1))
             d["chain_seq_lens"][:, :n].copy_(torch.where(active, p + 1, 1).to(d["chain_seq_lens"].dtype))
         if pad_to > n:  # pad rows: masked everywhere, reading the null block
@@ -1241,6 +1247,18 @@ class ModelRunner:
             return hidden[:0]
         return self.model.compute_logits(hidden[logits_indices])
 
+    def position_shift(self, req_id: str, start: int) -> int:
+        """What request ``req_id``'s 1-D rotary positions add to the index from ``start`` on (its rope_delta past
+        its prompt's last image; 0 for a text prompt)."""
+        mm = self.mm_prompts.get(req_id) if self.mm_prompts else None
+        return mm.position_shift(start) if mm is not None else 0
+
+    def _mtp_reaches_image(self, row: MTPRow) -> bool:
+        """Whether an MTP pass row needs three-axis positions or an image row as its input."""
+        mm = self.mm_prompts.get(row.req_id) if row.req_id is not None and self.mm_prompts else None
+        n = len(row.input_ids)
+        return mm is not None and (mm.needs_axes(row.start) or bool(mm.overlapping(row.start + 1, row.start + n + 1)))
+
     def _reaches_image(self, row: ScheduledRow) -> bool:
         """Whether ``row`` starts before its prompt's last image ends (three-axis positions, image embeddings)."""
         mm = self.mm_prompts.get(row.req_id) if self.mm_prompts else None
@@ -1339,19 +1357,26 @@ class ModelRunner:
         t = 0
         max_q = max_s = 0
         nb["query_start_loc"][0] = 0
+        mm_rows: list[tuple[int, MTPRow, MultimodalPrompt]] = []
         for i, row in enumerate(rows):
             n = len(row.input_ids)
             table = row.block_table
+            mm = self.mm_prompts.get(row.req_id) if row.req_id is not None and self.mm_prompts else None
+            shift = 0
+            if mm is not None:
+                shift = mm.position_shift(row.start)
+                if mm.needs_axes(row.start) or mm.overlapping(row.start + 1, row.start + n + 1):
+                    mm_rows.append((t, row, mm))
             if n == 1:  # drafting passes: scalar writes
                 nb["input_ids"][t] = row.input_ids[0]
                 nb["hidden_index"][t] = row.hidden_index[0]
-                nb["positions"][t] = row.start
+                nb["positions"][t] = row.start + shift
                 nb["slot_mapping"][t] = table[row.start // bs] * bs + row.start % bs
             else:
                 nb["input_ids"][t : t + n] = row.input_ids
                 nb["hidden_index"][t : t + n] = row.hidden_index
                 pos = np.arange(row.start, row.start + n, dtype=np.int64)
-                nb["positions"][t : t + n] = pos
+                nb["positions"][t : t + n] = pos + shift
                 nb["slot_mapping"][t : t + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
             nb["block_tables"][i, : len(table)] = table
             nb["block_tables"][i, len(table) :] = BlockPool.NULL_BLOCK
@@ -1373,7 +1398,31 @@ class ModelRunner:
         meta = StepMetadata(positions=v["positions"], query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
                             state_slots=v["seq_lens"], block_tables=v["block_tables"][:, : cdiv(max_s, bs)],
                             slot_mapping=v["slot_mapping"], max_query_len=max_q, max_seq_len=max_s)
+        if mm_rows:
+            assert pad_to is None, "an MTP pass reaching an image runs eagerly"
+            meta.mrope_positions, meta.image_embeds = self._mtp_image_inputs(mm_rows, t)
         return meta, v
+
+    def _mtp_image_inputs(self, mm_rows: list[tuple[int, MTPRow, MultimodalPrompt]], num_tokens: int
+                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The MTP pass's (3, T) positions (the target's at the same positions) and its image rows: position p
+        consumes token p + 1, so where that token is an image placeholder its input is the image's encoder row
+        there (what the target's input embedding was), one token shifted."""
+        positions = self.mtp_host["positions"][:num_tokens].clone().expand(3, -1).contiguous()
+        index: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        for t0, row, mm in mm_rows:
+            start, n = row.start, len(row.input_ids)
+            if mm.needs_axes(start):
+                positions[:, t0 : t0 + n] = mm.axes(start, start + n)
+            for im in mm.overlapping(start + 1, start + n + 1):
+                a, b = max(start + 1, im.span.offset), min(start + n + 1, im.end)
+                embeds.append(self._span_rows(im, a, b))
+                index.append(torch.arange(t0 + a - 1 - start, t0 + b - 1 - start))
+        mrope = positions.to(self.device, non_blocking=True)
+        if not embeds:
+            return mrope, None
+        return mrope, (torch.cat(index).to(self.device), torch.cat(embeds))
 
     @torch.inference_mode()
     def mtp_forward(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> torch.Tensor:
@@ -1395,7 +1444,8 @@ class ModelRunner:
     @torch.inference_mode()
     def mtp_draft(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """``mtp_forward`` and the greedy draft token of each row; a captured graph when every row has one token."""
-        graph = self._graph("mtp", len(rows), lambda: all(len(r.input_ids) == 1 for r in rows))
+        graph = self._graph("mtp", len(rows), lambda: all(len(r.input_ids) == 1 and not self._mtp_reaches_image(r)
+                                                          for r in rows))
         if graph is None:
             out = self.mtp_forward(rows, hidden_src)
             return out, self.mtp_greedy_tokens(out)
@@ -1447,7 +1497,7 @@ class ModelRunner:
             nb["input_ids"][t + n : t + q] = 0
             nb["hidden_index"][t : t + n] = row.hidden_index
             nb["hidden_index"][t + n : t + q] = row.hidden_index[-1]
-            nb["positions"][t : t + q] = pos
+            nb["positions"][t : t + q] = pos + row.shift
             nb["slot_mapping"][t : t + n] = table[pos[:n] // bs] * bs + pos[:n] % bs
             nb["slot_mapping"][t + n : t + q] = -1
             nb["block_tables"][i, : len(table)] = table
@@ -1458,7 +1508,7 @@ class ModelRunner:
             for j in range(1, k):
                 p = last + j
                 if j < row.num_drafts:
-                    nb["chain_positions"][j - 1, i] = p
+                    nb["chain_positions"][j - 1, i] = p + row.shift
                     nb["chain_slot_mapping"][j - 1, i] = table[p // bs] * bs + p % bs
                     nb["chain_seq_lens"][j - 1, i] = p + 1
                 else:
