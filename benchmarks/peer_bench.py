@@ -384,8 +384,12 @@ def _read_json(path: str) -> Any:
 
 
 def _vocab(model: str) -> int:
+    """Random prompt ids are drawn below this: the vocabulary, cut below the vision tokens' ids (both engines
+    refuse image placeholders that come without images)."""
     cfg = _read_json(os.path.join(model, "config.json"))
-    return int(cfg.get("text_config", cfg).get("vocab_size"))
+    vision = [int(cfg[k]) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                     "video_token_id") if k in cfg]
+    return min([int(cfg.get("text_config", cfg).get("vocab_size")), *vision])
 
 
 def _release() -> None:

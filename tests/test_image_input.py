@@ -232,6 +232,8 @@ def test_bad_image_requests_are_refused(vlm: tuple[str, object], tmp_path: Path)
         engine.add_request("c", {"prompt": "x", "multi_modal_data": {"video": []}}, greedy())
     with pytest.raises(ValueError, match="not an image"):
         engine.add_request("d", {"prompt": user_turn(IMAGE), "multi_modal_data": {"image": b"not a png"}}, greedy())
+    with pytest.raises(ValueError, match=r"holds 1 image placeholder tokens \(id \d+\) but no images"):
+        engine.add_request("g", user_turn(f"spelled out: {IMAGE}"), greedy())
     off = make_llm(path, limit_mm_per_prompt={"image": 0})
     assert _runner(off).model.visual is None  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="image input is off"):

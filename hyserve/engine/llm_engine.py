@@ -283,6 +283,7 @@ class LLMEngine:
         data URLs): the ids with each image placeholder widened to its image's tokens, and the images' inputs."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if data is None:
+            self._check_no_placeholders(ids)
             return ids, None
         if not isinstance(data, dict):
             raise ValueError(f"multi_modal_data must be a dict such as {{'image': [...]}} (got {type(data).__name__})")
@@ -293,6 +294,7 @@ class LLMEngine:
         images = data.get("image")
         images = [] if images is None else list(images) if isinstance(images, list | tuple) else [images]
         if not images:
+            self._check_no_placeholders(ids)
             return ids, None
         mm_config = self.model_config.multimodal
         if mm_config is None:
@@ -307,6 +309,14 @@ class LLMEngine:
         loaded = [load_image(img, allowed_domains=self.config.allowed_media_domains or (),
                              allowed_local_path=self.config.allowed_local_media_path) for img in images]
         return build_multimodal_prompt(ids, loaded, self.config.model, mm_config)
+
+    def _check_no_placeholders(self, ids: list[int]) -> None:
+        """A prompt without images may not hold image placeholder tokens: the model would read them as an image
+        that is not there (a user's text can spell the token)."""
+        mm = self.model_config.multimodal
+        if mm is not None and mm.image_token_id in ids:
+            raise ValueError(f"the prompt holds {ids.count(mm.image_token_id)} image placeholder tokens "
+                             f"(id {mm.image_token_id}) but no images")
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
