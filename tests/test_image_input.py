@@ -141,6 +141,18 @@ def test_equal_text_with_different_images_differs_and_each_matches(vlm: tuple[st
 SYSTEM = f"{IM_START}system\nYou operate a computer. Each turn shows the latest screens; give one action.{IM_END}\n"
 
 
+def episode_prompt(turn: int, label: str) -> str:
+    """Turn ``turn`` of an agent episode: the system text, every step so far with its reply, the screenshot
+    placeholders of the last two steps only (older ones replaced by text)."""
+    text = SYSTEM
+    for j in range(turn + 1):
+        shown = IMAGE if j >= turn - 1 else "[an earlier screen]"
+        text += user_turn(f"{label} {j}: {shown} what next?")
+        if j < turn:
+            text += f"I click {label} {j}.{IM_END}\n"
+    return text
+
+
 def test_multi_turn_sliding_screenshots_with_chunks_cutting_the_spans(vlm: tuple[str, object]) -> None:
     """The seed's agent episodes: each turn sends the conversation so far with the last two turns' screenshots (older
     ones replaced by text). Chunked prefill of 16 tokens cuts inside every image's span; prefix caching resumes
@@ -151,14 +163,8 @@ def test_multi_turn_sliding_screenshots_with_chunks_cutting_the_spans(vlm: tuple
     shots = [image(48, 40, 10 + i) for i in range(4)]
     runner = _runner(llm)
     for turn in range(4):
-        text = SYSTEM
-        for j in range(turn + 1):
-            shown = IMAGE if j >= turn - 1 else "[an earlier screen]"
-            text += user_turn(f"Step {j}: {shown} what next?")
-            if j < turn:
-                text += f"I click {j}.{IM_END}\n"
         window = shots[max(0, turn - 1) : turn + 1]
-        out = check(vlm, llm, [(text, window)])[0]
+        out = check(vlm, llm, [(episode_prompt(turn, "Step"), window)])[0]
         if turn:
             assert (out.num_cached_tokens or 0) >= 16  # type: ignore[attr-defined]
     assert runner.num_images_encoded == 4  # each screenshot once, though each is in two turns' prompts
@@ -275,13 +281,7 @@ def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: t
         for turn in range(3):
             cases = []
             for c in range(2):
-                text = SYSTEM
-                for j in range(turn + 1):
-                    shown = IMAGE if j >= turn - 1 else "[an earlier screen]"
-                    text += user_turn(f"Task {c}, step {j}: {shown} what next?")
-                    if j < turn:
-                        text += f"I click {c}{j}.{IM_END}\n"
-                cases.append((text, shots[c][max(0, turn - 1) : turn + 1]))
+                cases.append((episode_prompt(turn, f"Task {c}, step"), shots[c][max(0, turn - 1) : turn + 1]))
             outs = check(vlm_mtp, llm, cases)
             if turn:
                 assert all((o.num_cached_tokens or 0) >= 16 for o in outs)  # type: ignore[attr-defined]
