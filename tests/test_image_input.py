@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -301,3 +302,42 @@ def test_an_evicted_image_is_encoded_again_and_outputs_stay_right(vlm: tuple[str
     for imgs in ([a], [b], [a]):
         check(vlm, llm, [(user_turn(f"Screen {IMAGE} now?"), imgs)])
     assert runner.num_images_encoded == 3 and len(runner.encoder_cache) == 1
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],
+                         ids=["pp2", "tp2"])
+def test_images_across_pipeline_stages_and_tensor_ranks(vlm_mtp: tuple[str, object], layout: dict) -> None:  # type: ignore[type-arg]
+    """Worker processes (what the scheduler sends them pickled): with two pipeline stages the first holds the
+    vision tower and embeds the images, both read the three-axis positions; with two tensor-parallel ranks each
+    holds the whole tower. MTP k = 2, prefix caching and 16-token chunks on; outputs equal transformers'."""
+    llm = make_llm(vlm_mtp[0], enable_prefix_caching=True, max_num_batched_tokens=16, recurrent_snapshot_interval=16,
+                   num_snapshot_slots=32, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                   distributed_executor_backend="mp", **layout)
+    try:
+        shots = [image(48, 40, 80 + i) for i in range(3)]
+        for turn in range(3):
+            check(vlm_mtp, llm, [(episode_prompt(turn, "Step"), shots[max(0, turn - 1) : turn + 1]),
+                                 (user_turn(f"Other {IMAGE} screen."), [image(40, 32, 90 + turn)])])
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, object],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """MTP position p consumes token p + 1: with an image's placeholders at [5, 9), a pass over positions [3, 7)
+    (tokens 4-7) takes the image's rows 0, 1, 2 at its tokens 1, 2, 3; a pass over [7, 9) (tokens 8, 9) takes row 3
+    at its token 0."""
+    from hyserve.multimodal.inputs import ImageInput
+    from hyserve.multimodal.spans import ImageSpan
+    from hyserve.worker.model_runner import MTPRow
+
+    runner = _runner(make_llm(vlm_mtp[0], speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    im = ImageInput(ImageSpan(5, 4, "h"), np.zeros((16, 1), dtype=np.float32), (1, 4, 4))
+    mm = MultimodalPrompt((im,), np.tile(np.arange(20), (3, 1)), 0)
+    rows = torch.arange(4.0).unsqueeze(1) + 100  # row r of the image is 100 + r
+    monkeypatch.setattr(ModelRunner, "_image_embeddings", lambda self, image: rows)
+    runner.mm_prompts["x"] = mm
+    runner.mtp_np["positions"][:6] = 0
+    _, (index, embeds) = runner._mtp_image_inputs(
+        [(0, MTPRow(3, [0] * 4, [0] * 4, [0], "x"), mm), (4, MTPRow(7, [0] * 2, [0] * 2, [0], "x"), mm)], 6)
+    assert index.tolist() == [1, 2, 3, 4] and embeds.flatten().tolist() == [100.0, 101.0, 102.0, 103.0]

@@ -324,9 +324,12 @@ class Qwen3_5ForCausalLM(CausalLM):
         super().__init__()
         self.config = cfg
         self.model = TextModel(cfg)
-        # The vision tower (first pipeline stage; every tensor-parallel rank holds it whole).
+        # The vision tower: every tensor-parallel rank holds it whole, on the first pipeline stage (the images'
+        # embeddings) and on the last when the MTP head may read image rows (dropped by drop_unused_embedding
+        # without a draft head).
         self.visual: VisionModel | None = None
-        if cfg.multimodal is not None and self.model.is_first:
+        if cfg.multimodal is not None and (self.model.is_first or
+                                           (self.model.is_last and cfg.mtp_num_hidden_layers > 0)):
             self.visual = VisionModel.from_config_dict(cfg.multimodal.vision_config)
         if self.model.is_last:
             self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
@@ -339,12 +342,16 @@ class Qwen3_5ForCausalLM(CausalLM):
         return self.model(input_ids, meta, intermediate)
 
     def holds(self, name: str) -> bool:
+        if name.startswith("visual."):
+            return self.visual is not None or self.model.is_first
         return self.model.holds(name)
 
     def drop_unused_embedding(self, draft_head: bool) -> None:
         """A last pipeline stage keeps the input embedding only for a tied LM head or the draft head's inputs."""
         if not self.model.is_first and not self.config.tie_word_embeddings and not draft_head:
             self.model.embed_tokens = None
+        if not self.model.is_first and not draft_head:
+            self.visual = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head

@@ -788,7 +788,7 @@ class ModelRunner:
         for t0, row, mm in mm_rows:
             start, end = row.start, row.end
             positions[:, t0 : t0 + end - start] = mm.axes(start, end)
-            if getattr(self.model, "visual", None) is None:  # a later pipeline stage: the first embedded them
+            if not self.is_first_stage:  # the first stage embedded the images
                 continue
             for im in mm.overlapping(start, end):
                 a, b = max(start, im.span.offset), min(end, im.end)
@@ -811,7 +811,7 @@ class ModelRunner:
             self.encoder_cache.move_to_end(key)
             return cached
         tower = getattr(self.model, "visual", None)
-        assert isinstance(tower, nn.Module), "images reach only the first pipeline stage of a model with a tower"
+        assert isinstance(tower, nn.Module), "a stage without the vision tower needs no image rows"
         grid = torch.tensor([im.grid_thw], dtype=torch.long)
         rows = tower(torch.from_numpy(im.pixel_values).to(self.device, self.dtype), grid)
         if rows.shape[0] != im.span.length:
