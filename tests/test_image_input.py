@@ -341,3 +341,14 @@ def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, obje
     _, (index, embeds) = runner._mtp_image_inputs(
         [(0, MTPRow(3, [0] * 4, [0] * 4, [0], "x"), mm), (4, MTPRow(7, [0] * 2, [0] * 2, [0], "x"), mm)], 6)
     assert index.tolist() == [1, 2, 3, 4] and embeds.flatten().tolist() == [100.0, 101.0, 102.0, 103.0]
+
+
+def test_the_memory_profile_encodes_the_largest_image(vlm: tuple[str, object]) -> None:
+    """The CUDA memory profile runs the tower on the largest square image the processor makes (max_pixels 48 x 48,
+    patches of 4, merged by 2: 12 x 12 patches) and counts the full encoder cache."""
+    from hyserve.worker.model_runner import largest_image_inputs
+
+    tower = _runner(make_llm(vlm[0])).model.visual  # type: ignore[attr-defined]
+    pixels, grid = largest_image_inputs(vlm[0], tower.cfg)
+    assert grid.tolist() == [[1, 12, 12]] and pixels.shape == (144, tower.cfg.patch_dim)
+    assert tower(pixels, grid).shape == (36, tower.cfg.out_hidden_size)

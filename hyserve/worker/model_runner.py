@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import weakref
 from collections import OrderedDict
@@ -49,6 +50,8 @@ from hyserve.model import registry
 from hyserve.model.base import CausalLM, KVCacheLayer
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.model.vision import VisionConfig
+from hyserve.multimodal.image import ImageProcessorSettings
 from hyserve.multimodal.inputs import ImageInput, MultimodalPrompt
 from hyserve.sampling_params import SamplingParams
 from hyserve.scheduler.output import PREVIOUS_DRAFT, PREVIOUS_SAMPLED, RunnerOutput, ScheduledRow, SchedulerOutput
@@ -109,6 +112,16 @@ class DeviceMemory:
     reserved: int
     allocated: int
     non_torch: int
+
+
+def largest_image_inputs(model_dir: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero pixels and the grid of the largest square image the checkpoint's processor makes (its max_pixels):
+    what the memory profile encodes."""
+    settings = ImageProcessorSettings.from_checkpoint(model_dir)
+    unit = settings.patch_size * settings.merge_size
+    side = max(1, int(math.isqrt(settings.max_pixels) // unit)) * settings.merge_size  # patches per side
+    grid = torch.tensor([[1, side, side]], dtype=torch.long)
+    return torch.zeros(side * side, cfg.patch_dim), grid
 
 
 # The encoder cache holds this many steps' token budget of image embeddings, and at least ENCODER_CACHE_MIN_TOKENS
@@ -415,10 +428,16 @@ class ModelRunner:
         hidden = self.model(ids, meta, inter) if inter is not None else self.model(ids, meta)
         if self.is_last_stage:
             self.model.compute_logits(hidden[-min(n, self.max_num_seqs):])
+        tower = getattr(self.model, "visual", None)
+        if tower is not None:  # the largest image the processor makes, encoded beside the step's activations
+            pixels, grid = largest_image_inputs(self.config.model, tower.cfg)
+            tower(pixels.to(self.device, self.dtype), grid)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del pool, kv, meta, hidden
         torch.cuda.empty_cache()
+        if tower is not None:  # the encoder cache when full
+            peak += self.encoder_cache_tokens * tower.cfg.out_hidden_size * self.dtype.itemsize
         return int(peak)
 
     def _allocate_kv(self, num_blocks: int, specs: list[AttentionSpec] | None = None
