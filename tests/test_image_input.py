@@ -117,6 +117,17 @@ def check(vlm: tuple[str, object], llm: LLM, cases: list[tuple[str, list[Image.I
     return outs
 
 
+def test_prepared_inputs_give_the_same_outputs(vlm: tuple[str, object]) -> None:
+    """``prepare_images`` (what the server runs off the engine's thread) then ``multi_modal_inputs``: the same
+    request as ``multi_modal_data``."""
+    llm = make_llm(vlm[0])
+    engine = llm.llm_engine
+    text, imgs = user_turn(f"Two: {IMAGE} and {IMAGE}?"), [image(40, 32, 5), image(24, 40, 6)]
+    ids, inputs = engine.prepare_images(engine.encode_prompt(text)[1], imgs)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_inputs": inputs}], greedy())[0]
+    assert_matches(vlm, text, imgs, out)
+
+
 def test_one_and_several_images_match_transformers(vlm: tuple[str, object]) -> None:
     llm = make_llm(vlm[0])
     check(vlm, llm, [
@@ -241,6 +252,11 @@ def test_bad_image_requests_are_refused(vlm: tuple[str, object], tmp_path: Path)
         engine.add_request("d", {"prompt": user_turn(IMAGE), "multi_modal_data": {"image": b"not a png"}}, greedy())
     with pytest.raises(ValueError, match=r"holds 1 image placeholder tokens \(id \d+\) but no images"):
         engine.add_request("g", user_turn(f"spelled out: {IMAGE}"), greedy())
+    ids, inputs = engine.prepare_images(engine.encode_prompt(user_turn(f"Prepared {IMAGE}."))[1], [image(24, 24, 2)])
+    with pytest.raises(ValueError, match="multi_modal_inputs do not match prompt_token_ids"):
+        engine.add_request("h", {"prompt_token_ids": ids[1:], "multi_modal_inputs": inputs}, greedy())
+    with pytest.raises(ValueError, match="multi_modal_inputs must come from prepare_images"):
+        engine.add_request("i", {"prompt_token_ids": ids, "multi_modal_inputs": {"image": 1}}, greedy())
     off = make_llm(path, limit_mm_per_prompt={"image": 0})
     assert _runner(off).model.visual is None  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="image input is off"):

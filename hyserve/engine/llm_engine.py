@@ -281,6 +281,9 @@ class LLMEngine:
     def _multimodal_prompt(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], MultimodalPrompt | None]:
         """A prompt dict's ``multi_modal_data`` (``{"image": image or [images]}``; PIL images, encoded bytes or
         data URLs): the ids with each image placeholder widened to its image's tokens, and the images' inputs."""
+        prepared = prompt.get("multi_modal_inputs") if isinstance(prompt, dict) else None
+        if prepared is not None:
+            return ids, self._check_prepared(ids, prepared)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if data is None:
             self._check_no_placeholders(ids)
@@ -302,6 +305,17 @@ class LLMEngine:
                    "this checkpoint has no vision tower (its config.json has no vision_config): image input needs a "
                    "Qwen3_5ForConditionalGeneration checkpoint")
             raise ValueError(why)
+        return self.prepare_images(ids, images)
+
+    def prepare_images(self, ids: list[int], images: list[Any]) -> tuple[list[int], MultimodalPrompt]:
+        """The ids with each image placeholder widened and the images' inputs (pixels, spans, M-RoPE positions).
+        Reads the engine's configuration only, so a server runs it off the engine's thread and passes the result
+        as ``{"prompt_token_ids": ids, "multi_modal_inputs": inputs}``."""
+        mm_config = self.model_config.multimodal
+        if mm_config is None:
+            raise ValueError("image input is off (--limit-mm-per-prompt image=0)" if self.config.image_limit == 0
+                             else "this checkpoint has no vision tower: image input needs a "
+                                  "Qwen3_5ForConditionalGeneration checkpoint")
         limit = self.config.image_limit
         if len(images) > limit:
             raise ValueError(f"the prompt has {len(images)} images; at most {limit} per prompt are allowed "
@@ -309,6 +323,18 @@ class LLMEngine:
         loaded = [load_image(img, allowed_domains=self.config.allowed_media_domains or (),
                              allowed_local_path=self.config.allowed_local_media_path) for img in images]
         return build_multimodal_prompt(ids, loaded, self.config.model, mm_config)
+
+    def _check_prepared(self, ids: list[int], prepared: Any) -> MultimodalPrompt:
+        """``multi_modal_inputs`` from ``prepare_images``: its spans must be runs of image tokens of these ids."""
+        mm_config = self.model_config.multimodal
+        if not isinstance(prepared, MultimodalPrompt) or mm_config is None:
+            raise ValueError("multi_modal_inputs must come from prepare_images on an engine with image input")
+        token = mm_config.image_token_id
+        spans = [(im.span.offset, im.end) for im in prepared.images]
+        if prepared.positions.shape != (3, len(ids)) or ids.count(token) != sum(b - a for a, b in spans) \
+                or any(ids[a:b] != [token] * (b - a) for a, b in spans):
+            raise ValueError("multi_modal_inputs do not match prompt_token_ids: pass the ids prepare_images returned")
+        return prepared
 
     def _check_no_placeholders(self, ids: list[int]) -> None:
         """A prompt without images may not hold image placeholder tokens: the model would read them as an image

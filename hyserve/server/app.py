@@ -742,7 +742,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         n_prompt = len(ids)
         if images:
             n_prompt = expanded_length(ids, parsed, images)
-            engine_prompt["multi_modal_data"] = {"image": images}
+            try:  # the pixel work in a worker thread, not on the engine's
+                ids, inputs = await asyncio.to_thread(engine.prepare_images, ids, images)
+            except ValueError as e:
+                raise APIError(str(e), param="messages") from e
+            engine_prompt = {"prompt_token_ids": ids, "prompt": text, "multi_modal_inputs": inputs}
+            n_prompt = len(ids)
         asked, name = body.requested_max_tokens
         max_tokens = resolve_max_tokens(asked, name, n_prompt, None)
         params = stream_kind(body.to_sampling_params(max_tokens, sampling_defaults()), body.stream)

@@ -207,6 +207,8 @@ class AsyncEngine:
                 item["prompt"] = text
             if mm_data is not None:
                 item["multi_modal_data"] = mm_data
+            if isinstance(prompt, dict) and "multi_modal_inputs" in prompt:  # processed already (prepare_images)
+                item["multi_modal_inputs"] = prompt["multi_modal_inputs"]
             self._inbox[request_id] = _NewRequest(request_id, item, params)
             self._cond.notify_all()
         return queue, item
