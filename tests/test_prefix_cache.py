@@ -15,7 +15,7 @@ from test_engine import SlotRecorder, assert_matches_reference, drive, make_llm
 from hyserve import SamplingParams
 from hyserve.cache import prefix_cache
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.request import ImageSpan
+from hyserve.request import ImageSpan, Request
 
 BS = 16
 INTERVAL = 32
@@ -466,3 +466,16 @@ def test_equal_placeholders_with_different_images_share_only_the_blocks_before_t
                                                                  use_tqdm=False)[0]
     assert all(final[k].outputs[0].token_ids == want.outputs[0].token_ids for k in final)
     engine.assert_no_leaks()
+
+
+def test_a_block_keys_the_image_of_its_lookahead_token() -> None:
+    """With MTP (lookahead 1) block [0, 16)'s MTP entry at position 15 reads token 16: an image starting there is
+    in that block's key, so equal text followed by different images does not share it; without lookahead it is not."""
+    def keys(content_hash: str, lookahead: int) -> list[bytes]:
+        req = Request("r", None, toks(16, 1) + [7] * 8 + toks(8, 2), SamplingParams(), 0)
+        req.image_spans = (ImageSpan(16, 8, content_hash),)
+        prefix_cache.extend_block_hashes(req, 16, 32, lookahead)
+        return req.block_hashes
+
+    assert keys("a", 1)[0] != keys("b", 1)[0]
+    assert keys("a", 0)[0] == keys("b", 0)[0] and keys("a", 0)[1] != keys("b", 0)[1]
