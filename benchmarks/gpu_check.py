@@ -12,6 +12,12 @@ Run on a CUDA machine (one H200 here):
 3. Throughput on the 2B shape (bf16): prefill tokens/s; decode tokens/s at batch 1 and 64, against the
    weights-bandwidth bound (weights bytes read per step / measured copy bandwidth) and against transformers'
    ``generate`` on the same model at batch 1.
+4. Images (``image_check``, CUDA only here): the tiny VLM (``write_tiny_vlm_checkpoint`` with an MTP layer) served in
+   float32 on CUDA with CUDA graphs, prefix caching, 16-token chunks (cutting inside every image span) and MTP k = 2:
+   one image, two images, and a three-turn episode of sliding two-screenshot prompts whose later turns hit the
+   prefix cache; every greedy token must equal transformers' (``reference_vlm_greedy``, float32 on the CPU, in a
+   process without CUDA) and every prompt's expanded ids the ones the tokenizer and transformers' image processor
+   give. Joins ``all_correctness_pass``. ``--images-only`` runs this alone (gpu_check_images.json).
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from shapes import SHAPE_2B, write_random_checkpoint
 
 OUT_DIR = "benchmarks/results"
+OUT_NAME = "gpu_check.json"
 
 
 def save(results: dict[str, Any]) -> None:
     """Write what is measured so far: a run stopped by a time limit still leaves its numbers."""
-    with open(os.path.join(OUT_DIR, "gpu_check.json"), "w") as f:
+    with open(os.path.join(OUT_DIR, OUT_NAME), "w") as f:
         json.dump(results, f, indent=2)
 
 
@@ -252,19 +259,152 @@ def decode_throughput(eng: Any, batch: int, g: torch.Generator) -> float:
     return decode_tokens / decode_time
 
 
+# ---------------------------------------------------------------------------------------------------------- images
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE_MAX_TOKENS = 8
+
+
+def _user(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def image_batches() -> list[list[tuple[str, list[tuple[int, int, int]]]]]:
+    """The image cases, in batches run one after another: (prompt text, images as (width, height, seed)).
+
+    One image; two images of different sizes; then the seed's agent episode, three turns, each with the last two
+    screenshots (the older one's placeholder replaced by text), so turns 1 and 2 resume from the prefix cache."""
+    batches = [[(_user(f"{IMAGE}What is shown?"), [(40, 32, 1)]),
+                (_user(f"Compare {IMAGE} with {IMAGE}, briefly."), [(48, 48, 2), (16, 40, 3)])]]
+    system = ("<|im_start|>system\nYou operate a computer. Each turn shows the latest screens; give one action."
+              "<|im_end|>\n")
+    shots = [(48, 40, 10 + i) for i in range(3)]
+    for turn in range(3):
+        text = system
+        for j in range(turn + 1):
+            text += _user(f"Step {j}: {IMAGE if j >= turn - 1 else '[an earlier screen]'} what next?")
+            if j < turn:
+                text += f"I click step {j}.<|im_end|>\n"
+        batches.append([(text, shots[max(0, turn - 1) : turn + 1])])
+    return batches
+
+
+def _pil(spec: list[int] | tuple[int, int, int]) -> Any:
+    import io
+
+    from PIL import Image
+
+    from hyserve.testing import tiny_png
+
+    return Image.open(io.BytesIO(tiny_png(*spec))).convert("RGB")
+
+
+def image_generate(workdir: str, device: str) -> dict[str, Any]:
+    """hyserve over ``image_batches`` on ``device`` (float32; CUDA graphs where there are any): the prompts, the
+    engine's expanded prompt ids, greedy outputs and cached token counts, for ``image_reference`` to score."""
+    from hyserve.testing import write_tiny_vlm_checkpoint
+
+    path = write_tiny_vlm_checkpoint(os.path.join(workdir, "tiny_vlm_mtp"), seed=3, with_mtp=True)
+    llm = LLM(model=path, device=device, dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=16,
+              max_num_seqs=8, num_kv_blocks=256, num_state_slots=8, recurrent_snapshot_interval=16,
+              num_snapshot_slots=32, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0.0, max_tokens=IMAGE_MAX_TOKENS, ignore_eos=True)
+    cases = []
+    for b, batch in enumerate(image_batches()):
+        prompts = [{"prompt": text, "multi_modal_data": {"image": [_pil(s) for s in imgs]}} for text, imgs in batch]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for (text, imgs), o in zip(batch, outs, strict=True):
+            cases.append({"batch": b, "text": text, "images": [list(s) for s in imgs],
+                          "prompt_token_ids": list(o.prompt_token_ids), "output": list(o.outputs[0].token_ids),
+                          "num_cached_tokens": int(o.num_cached_tokens or 0)})
+    graphs = getattr(llm.llm_engine.runner, "graphs", None)
+    replays = int(graphs.num_replays) if graphs is not None else 0
+    drafts = float(llm.get_metrics().get("hyserve:spec_decode_num_drafts", 0) or 0)  # type: ignore[arg-type]
+    llm.shutdown()
+    return {"path": path, "device": device, "cases": cases, "cuda_graph_replays": replays, "mtp_drafts": drafts}
+
+
+def image_reference(cases_file: str) -> dict[str, Any]:
+    """Score ``image_generate``'s record against transformers on the CPU: each prompt's expanded ids (the tokenizer's
+    ids, each image placeholder widened by the grid of transformers' image processor) and its greedy tokens
+    (``reference_vlm_greedy``, uncached float32 forwards with the pixels) must equal the engine's; the episode's
+    later turns (batches 2 and 3) must have hit the prefix cache."""
+    from tokenizers import Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from hyserve.testing import reference_vlm_greedy, reference_vlm_model, vlm_special_token_ids
+
+    with open(cases_file) as f:
+        record = json.load(f)
+    path = record["path"]
+    ref = reference_vlm_model(path)
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    merge = int(processor.merge_size)
+    pad = vlm_special_token_ids()["<|image_pad|>"]
+    rows = []
+    for case in record["cases"]:
+        images = [_pil(s) for s in case["images"]]
+        proc = processor(images=images, return_tensors="pt")
+        counts = iter(int(t * h * w) // merge**2 for t, h, w in proc["image_grid_thw"].tolist())
+        ids: list[int] = []
+        for t in tok.encode(case["text"], add_special_tokens=False).ids:
+            ids += [pad] * next(counts) if t == pad else [t]
+        want = reference_vlm_greedy(ref, ids, proc["pixel_values"], proc["image_grid_thw"], len(case["output"]))
+        rows.append({"batch": case["batch"], "images": len(images), "prompt_ids_match": ids == case["prompt_token_ids"],
+                     "token_exact": want == case["output"], "num_cached_tokens": case["num_cached_tokens"]})
+    resumed = [r["num_cached_tokens"] for r in rows if r["batch"] >= 2]
+    ok = all(r["prompt_ids_match"] and r["token_exact"] for r in rows) and bool(resumed) and min(resumed) > 0
+    return {"cases": rows, "num_cases": len(rows), "num_token_exact": sum(r["token_exact"] for r in rows),
+            "max_images_per_prompt": max(r["images"] for r in rows), "resumed_cached_tokens": resumed,
+            "cuda_graph_replays": record.get("cuda_graph_replays"), "mtp_drafts": record.get("mtp_drafts"),
+            "device": record.get("device"), "pass": ok}
+
+
+def image_check(workdir: str, device: str = "cuda", isolate_reference: bool = True) -> dict[str, Any]:
+    """``image_generate`` on ``device``, then ``image_reference``: in a process without CUDA where
+    ``isolate_reference`` (fla, if installed, is then out of transformers' way), else in this one."""
+    cases_file = os.path.join(workdir, "image_cases.json")
+    with open(cases_file, "w") as f:
+        json.dump(image_generate(workdir, device), f)
+    if not isolate_reference:
+        return image_reference(cases_file)
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, __file__, "--image-reference", cases_file], env=env, capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], flush=True)
+        raise RuntimeError("image reference process failed")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--skip-2b", action="store_true")
+    ap.add_argument("--skip-images", action="store_true")
+    ap.add_argument("--images-only", action="store_true", help="only the image check (gpu_check_images.json)")
     ap.add_argument("--tiny-reference", help="(internal) score recorded tiny cases on the CPU, print JSON")
+    ap.add_argument("--image-reference", help="(internal) score recorded image cases on the CPU, print JSON")
     args = ap.parse_args()
     if args.tiny_reference:
         print(json.dumps(tiny_reference(args.tiny_reference)))
         return 0
-    global OUT_DIR
+    if args.image_reference:
+        print(json.dumps(image_reference(args.image_reference)))
+        return 0
+    global OUT_DIR, OUT_NAME
     OUT_DIR = args.out
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.images_only:
+        OUT_NAME = "gpu_check_images.json"
+        results["image_tiny_vlm"] = image_check(tempfile.mkdtemp(), "cuda")
+        results["all_correctness_pass"] = bool(results["image_tiny_vlm"]["pass"])
+        save(results)
+        print(json.dumps(results, indent=2))
+        return 0 if results["all_correctness_pass"] else 1
     try:
         import transformers
         import triton
@@ -306,6 +446,12 @@ def main() -> int:
         results["decode_bs1_fraction_of_bound"] = results["decode_bs1_tok_s"] / bound_bs1
         results["decode_bs1_vs_transformers"] = results["decode_bs1_tok_s"] / results["transformers_generate_bs1_tok_s"]
         ok &= bool(results["2b_bf16_vs_fp32_reference"]["pass"])
+    if not args.skip_images:  # after the 2B figures: a run cut by its time limit keeps those
+        img = results["image_tiny_vlm"] = image_check(workdir, "cuda")
+        print(f"tiny VLM on CUDA against transformers: {img['num_token_exact']}/{img['num_cases']} token-exact, "
+              f"resumed turns cached {img['resumed_cached_tokens']}, pass {img['pass']}", flush=True)
+        ok &= bool(img["pass"])
+        save(results)
     results["all_correctness_pass"] = ok
     save(results)
     print(json.dumps(results, indent=2))

@@ -3,6 +3,7 @@
 Three subcommands, so that each engine runs in a process of its own (one after the other on one GPU):
 
     python benchmarks/peer_bench.py write --shape 2b --out /tmp/p2b            # VLM form, real head dims, MTP layer
+    python benchmarks/peer_bench.py write --shape 2b --vision real --out /tmp/p2bv   # + a real-size vision tower
     python benchmarks/peer_bench.py measure --engine hyserve --model /tmp/p2b --out $OUT/hyserve_2b.json
     PYTHONPATH=/tmp/vsite python benchmarks/peer_bench.py measure --engine vllm --model /tmp/p2b \\
         --out $OUT/vllm_2b.json                                                 # ../shared/peer/README.md
@@ -10,6 +11,11 @@ Three subcommands, so that each engine runs in a process of its own (one after t
 
 ``write`` builds transformers' ``Qwen3_5ForConditionalGeneration`` (text model of the shape, a one-block vision
 tower, as vLLM wants the VLM form with its preprocessor files) with random bf16 weights and one random MTP layer.
+``--vision real`` gives it a real-size Qwen3.5 vision tower (``VISIONS["real"]``) and what image input needs beside
+it: a preprocessor_config.json matching the tower (Qwen3.5's pixel bounds), a video_preprocessor_config.json, and a
+tokenizer (tokenizer.json, tokenizer_config.json with a ChatML chat template that renders image parts) whose special
+tokens sit at the ids config.json names (Qwen3.5's: ``<|endoftext|>`` 248044 ... ``<|image_pad|>`` 248056): vLLM's
+Qwen3-VL processor finds the image placeholder through the tokenizer, so image requests need one.
 ``measure`` runs, through the engine's own ``LLM`` and ``SamplingParams``:
 
 - ``start``: seconds to build the ``LLM`` in a process of its own, run after a first one (compile caches warm;
@@ -24,6 +30,16 @@ tower, as vLLM wants the VLM form with its preprocessor files) with random bf16 
   turns sharing a 1.7k-token prefix, every turn's prompt the previous turn's prompt + its actual output + a new
   message) with prefix caching on: wall seconds and the share of prompt tokens served from the cache
   (``RequestOutput.num_cached_tokens``);
+- ``agent_images``: the seed's GUI-agent trace with screenshots (``SCREENSHOT_TRACES``; a ``--vision real``
+  checkpoint, or any with a tokenizer holding the vision tokens): ``--agent-concurrency`` conversations (8, or 32)
+  x 4 turns, all in flight, sharing a 1.7k-token system prefix; each turn's prompt is the conversation so far (the
+  earlier messages and the actual outputs) + a new user message of random ids + its screenshot, rendered with the
+  checkpoint's chat template, and carries the last 2 screenshots (1280x720 random-noise PNGs, one per conversation
+  and step; the older ones' placeholders replaced by a short text), prefix caching on. Figures: wall seconds of the
+  generate calls, share of prompt tokens (placeholders expanded) from the cache overall and per turn, output
+  tokens/s, and TTFT mean / p50 / p90 from each turn's submission, read from ``RequestOutput.metrics`` (hyserve:
+  ``first_token_time``; vLLM: ``arrival_time + first_token_latency``, kept only with ``disable_log_stats=False``,
+  which this measure passes); ``notes`` names the source;
 - ``spec``: decode tokens/s with ``--speculative-config`` against the same run without it (a trained head:
   the packaged model), at each ``--spec-batches`` size.
 
@@ -35,12 +51,16 @@ with both figures and the ratio, the card, versions and the git commit.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import random
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -72,16 +92,58 @@ def _shape(name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------- write
 
 
-def write(shape_name: str, out: str, device: str, seed: int = 0) -> None:
+# The vision towers ``write`` can give the checkpoint (``out_hidden_size`` is always the text hidden size, as in every
+# published Qwen3.5 config).
+# - toy: one block, what vLLM needs to load the VLM form for text-only runs.
+# - real: a real-size Qwen3.5 tower. Qwen3.5-2B's own vision_config is not confirmed (docs/vlm_facts.md section 4,
+#   "Not confirmed: vision_config of the small releases"), so depth 24, hidden 1024, intermediate 4096 and 16 heads
+#   are the sizes issue 16's task gives (331M parameters; not checked against a published checkpoint; the 27B class
+#   has depth 27, hidden 1152, intermediate 4304). patch 16, temporal patch 2, spatial merge 2,
+#   num_position_embeddings 2304, in_channels 3, gelu_pytorch_tanh and no deepstack are the published Qwen3.6-27B
+#   vision_config (vlm_facts section 4, same qwen3_5 model type); transformers 5.17's Qwen3_5VisionConfig defaults
+#   give the same values for every one of these.
+VISIONS: dict[str, dict[str, Any]] = {
+    "toy": dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2),
+    "real": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16, temporal_patch_size=2,
+                 spatial_merge_size=2, num_position_embeddings=2304, in_channels=3, hidden_act="gelu_pytorch_tanh"),
+}
+# Pixel-area bounds of the real tower's preprocessor_config.json: Qwen/Qwen3.5-2B-Base's, verbatim in
+# docs/vlm_facts.md section 4 (``size``: shortest_edge 65536 = 256^2, longest_edge 16777216 = 4096^2; areas, not
+# edges), and those of its video_preprocessor_config.json (the Qwen3.6-27B report there).
+QWEN35_IMAGE_PIXELS = (65536, 16777216)
+QWEN35_VIDEO_PIXELS = (4096, 25165824)
+# Qwen3.5's special tokens from <|endoftext|> on, in id order: 248044-248046 and the vision tokens 248053-248057 as
+# docs/vlm_facts.md section 4 lists them (equal to Qwen3_5Config's defaults); the six between in Qwen2/Qwen3's order.
+QWEN35_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+QWEN35_FIRST_SPECIAL = 248044
+VISION_TOKEN_KEYS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                     "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+
+
+def special_token_ids(vocab_size: int) -> dict[str, int]:
+    """Where the written tokenizer puts ``QWEN35_SPECIALS``: Qwen3.5's ids where the vocabulary holds them, else the
+    vocabulary's top ids (a shrunken test shape)."""
+    n = len(QWEN35_SPECIALS)
+    first = QWEN35_FIRST_SPECIAL if vocab_size >= QWEN35_FIRST_SPECIAL + n else vocab_size - n
+    return {t: first + i for i, t in enumerate(QWEN35_SPECIALS)}
+
+
+def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "toy") -> None:
     import torch
     from shapes import add_random_mtp
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
     shape = _shape(shape_name)
     text = Qwen3_5TextConfig(**shape, layer_types=None)
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=shape["hidden_size"])
-    cfg = Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
-                        tie_word_embeddings=shape["tie_word_embeddings"])
+    tower = dict(VISIONS[vision], out_hidden_size=shape["hidden_size"])
+    extra: dict[str, int] = {}
+    if vision != "toy":  # the vision token ids of the tokenizer written below (the toy form keeps the defaults)
+        ids = special_token_ids(shape["vocab_size"])
+        extra = {key: ids[token] for key, token in VISION_TOKEN_KEYS.items()}
+    cfg = Qwen3_5Config(text_config=text.to_dict(), vision_config=tower,
+                        tie_word_embeddings=shape["tie_word_embeddings"], **extra)
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16)
@@ -92,12 +154,76 @@ def write(shape_name: str, out: str, device: str, seed: int = 0) -> None:
     model.save_pretrained(out)
     del model
     add_random_mtp(out, text, seed)
-    from transformers import Qwen2VLImageProcessor
+    if vision == "toy":
+        from transformers import Qwen2VLImageProcessor
 
-    Qwen2VLImageProcessor().save_pretrained(out)  # vLLM's VLM front end reads the processor files
-    with open(os.path.join(out, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
-        json.dump(_read_json(os.path.join(out, "preprocessor_config.json")), f, indent=2)
-    print(f"wrote {shape_name} shape (VLM form, MTP layer) to {out}")
+        Qwen2VLImageProcessor().save_pretrained(out)  # vLLM's VLM front end reads the processor files
+        with open(os.path.join(out, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
+            json.dump(_read_json(os.path.join(out, "preprocessor_config.json")), f, indent=2)
+    else:
+        write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))
+    print(f"wrote {shape_name} shape (VLM form, {vision} vision tower, MTP layer) to {out}")
+
+
+def write_image_files(out: str, tower: dict[str, Any], vocab_size: int, model_max_length: int) -> None:
+    """What image input needs beside the weights: preprocessor_config.json and video_preprocessor_config.json laid
+    out as Qwen3.5's (``tower``'s patch, temporal patch and merge sizes; ``QWEN35_*_PIXELS``), and the tokenizer.
+
+    The tokenizer is ``hyserve.testing``'s tiny byte-level BPE (448 ids; the approach of ``vlm_tokenizer_json``)
+    with filler entries up to ``special_token_ids(vocab_size)``, where ``QWEN35_SPECIALS`` follow as special tokens:
+    every id the random prompts use decodes, and the vision tokens have the ids config.json names (checked here).
+    tokenizer_config.json carries ``hyserve.testing.VLM_CHAT_TEMPLATE`` (ChatML; an image part renders as
+    ``<|vision_start|><|image_pad|><|vision_end|>``).
+    """
+    from tokenizers import Tokenizer
+
+    from hyserve.testing import VLM_CHAT_TEMPLATE, tokenizer_config, tokenizer_json
+
+    image = {"processor_class": "Qwen3VLProcessor", "do_resize": True, "do_rescale": True, "do_normalize": True,
+             "do_convert_rgb": True, "resample": 3, "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5],
+             "image_std": [0.5, 0.5, 0.5], "patch_size": int(tower["patch_size"]),
+             "temporal_patch_size": int(tower["temporal_patch_size"]), "merge_size": int(tower["spatial_merge_size"])}
+    _write_json(os.path.join(out, "preprocessor_config.json"), {
+        "image_processor_type": "Qwen2VLImageProcessorFast", **image,  # Qwen3.5-2B-Base's file names this class
+        "size": {"shortest_edge": QWEN35_IMAGE_PIXELS[0], "longest_edge": QWEN35_IMAGE_PIXELS[1]}})
+    _write_json(os.path.join(out, "video_preprocessor_config.json"), {
+        "video_processor_type": "Qwen3VLVideoProcessor", **image, "fps": 2, "min_frames": 4, "max_frames": 768,
+        "do_sample_frames": True,
+        "size": {"shortest_edge": QWEN35_VIDEO_PIXELS[0], "longest_edge": QWEN35_VIDEO_PIXELS[1]}})
+
+    ids = special_token_ids(vocab_size)
+    first = min(ids.values())
+    tok = json.loads(tokenizer_json())
+    vocab = tok["model"]["vocab"]
+    base = max(vocab.values()) + 1
+    if first < base:
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for the special tokens after {base} BPE ids")
+    vocab.update({f"<|filler_{i}|>": i for i in range(base, first)})  # never produced: no merge builds them
+    tok["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True} for t, i in ids.items()]
+    text = json.dumps(tok, ensure_ascii=False)
+    loaded = Tokenizer.from_str(text)
+    wrong = {t: loaded.token_to_id(t) for t, i in ids.items() if loaded.token_to_id(t) != i}
+    if wrong:
+        raise AssertionError(f"the written tokenizer puts special tokens at other ids: {wrong}")
+    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(text)
+    config = tokenizer_config(ids, model_max_length)
+    for t, i in ids.items():
+        config["added_tokens_decoder"][str(i)] = {"content": t, "lstrip": False, "normalized": False,
+                                                  "rstrip": False, "single_word": False, "special": True}
+    config["chat_template"] = VLM_CHAT_TEMPLATE
+    _write_json(os.path.join(out, "tokenizer_config.json"), config)
+    model_cfg = _read_json(os.path.join(out, "config.json"))
+    for key, token in VISION_TOKEN_KEYS.items():
+        if model_cfg.get(key) != ids[token]:
+            raise AssertionError(f"config.json {key} is {model_cfg.get(key)}, the tokenizer's {token} is {ids[token]}")
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 def quantize(src: str, out: str, fmt: str) -> None:
@@ -122,9 +248,15 @@ class Engine:
     def __init__(self, name: str, model: str, device: str, dtype: str, **kw: Any) -> None:
         self.name = name
         t0 = time.perf_counter()
+        # ``limit_mm_per_prompt``: images per prompt, for a measure that sends images (vLLM's is 0 otherwise);
+        # ``disable_log_stats`` is vLLM's (False keeps RequestOutput.metrics; hyserve always fills it).
+        images = kw.pop("limit_mm_per_prompt", None)
+        log_stats_off = kw.pop("disable_log_stats", None)
         if name == "hyserve":
             from hyserve import LLM, SamplingParams
 
+            if images is not None:
+                kw["limit_mm_per_prompt"] = images
             self.llm = LLM(model=model, device=device, dtype=dtype, **kw)
             self.version = _git_commit()
         else:
@@ -134,15 +266,21 @@ class Engine:
             if kw.get("enable_prefix_caching"):
                 kw.setdefault("mamba_cache_mode", "align")  # vLLM's prefix caching on hybrids
             kw.pop("cpu_cache_memory_bytes", None)
-            self.llm = LLM(model=model, dtype=dtype, limit_mm_per_prompt={"image": 0, "video": 0}, **kw)
+            if log_stats_off is not None:
+                kw["disable_log_stats"] = log_stats_off
+            self.llm = LLM(model=model, dtype=dtype, limit_mm_per_prompt={"image": 0, "video": 0, **(images or {})},
+                           **kw)
             self.version = vllm.__version__
         self.start_s = time.perf_counter() - t0
         self.SamplingParams = SamplingParams
 
-    def generate(self, prompts: list[list[int]], max_tokens: int | list[int]) -> list[Any]:
+    def generate(self, prompts: list[list[int]] | list[dict[str, Any]], max_tokens: int | list[int]) -> list[Any]:
+        """Greedy, ``ignore_eos``; a prompt is token ids or a prompt dict (``prompt_token_ids`` with
+        ``multi_modal_data``), which both engines take alike."""
         lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         params = [self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
-        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        items = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
+        return self.llm.generate(items, params, use_tqdm=False)
 
     def spec_stats(self) -> dict[str, float]:
         """Mean acceptance length (1 + accepted drafts per verify row) over the engine's life, where it reports
@@ -281,6 +419,268 @@ def measure_agent(eng: Engine, vocab: int, scale: str) -> dict[str, float]:
     return {"agent_wall_s": time.perf_counter() - t0, "agent_cached_share": cached / max(prompts_total, 1)}
 
 
+# ---------------------------------------------------------------------------------------------------------- images
+
+
+@dataclass(frozen=True)
+class ScreenshotTrace:
+    """Sizes of the seed's GUI-agent trace with screenshots (``measure_agent_images``). Ranges are inclusive and
+    drawn uniformly; lengths are token ids. ``concurrency`` conversations are all in flight: a turn's requests go to
+    the engine in one ``generate``, and the next turn is built from their actual outputs. Every request shows the
+    last ``window`` screenshots: message 0 carries screenshots ``0 .. window-1``, message ``j >= 1`` screenshot
+    ``j + window - 1``, and at turn ``t`` screenshots ``t .. t + window - 1`` are images, the older ones
+    ``earlier_len`` ids of text."""
+
+    prefix_len: int
+    first_message_len: tuple[int, int]
+    message_len: tuple[int, int]
+    output_len: tuple[int, int]
+    turns: int
+    screen: tuple[int, int]  # width, height of every screenshot
+    concurrency: int
+    window: int = 2
+    earlier_len: int = 8
+
+
+SCREENSHOT_TRACES = {
+    # The seed's: 1.7k shared prefix, 1280x720 screenshots (880 placeholder tokens each at patch 16, merge 2),
+    # 20-100-token outputs in the seed (the agent measure's 32-64 here); prompts of about 4.3k-5.8k tokens.
+    "full": ScreenshotTrace(prefix_len=1700, first_message_len=(600, 900), message_len=(200, 400),
+                            output_len=(32, 64), turns=4, screen=(1280, 720), concurrency=8),
+    "tiny": ScreenshotTrace(prefix_len=110, first_message_len=(20, 30), message_len=(10, 20), output_len=(4, 8),
+                            turns=4, screen=(64, 48), concurrency=4),
+}
+
+
+def screenshot(seed: int, conv_id: int, index: int, size: tuple[int, int]) -> Any:
+    """Screenshot ``index`` of conversation ``conv_id``: ``size`` (width, height) uniform RGB noise drawn from
+    ``(seed, conv_id, index)``, encoded as a PNG and decoded back (a PIL RGB image)."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = size
+    pixels = np.random.default_rng([seed, conv_id, index]).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, format="PNG", compress_level=1)
+    img = Image.open(io.BytesIO(buf.getvalue()))
+    return img.convert("RGB")
+
+
+class ScreenshotConversation:
+    """One conversation of a ``ScreenshotTrace``: its random messages (ids below ``vocab``), output lengths and the
+    texts that stand in for screenshots out of the window, a pure function of ``(trace, conv_id, seed)``."""
+
+    def __init__(self, trace: ScreenshotTrace, conv_id: int, prefix: list[int], vocab: int, seed: int = 0) -> None:
+        rng = random.Random(f"peer-screenshots/{seed}/{conv_id}")
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(n)]
+
+        self.trace, self.conv_id, self.prefix = trace, conv_id, prefix
+        self.messages = [ids(rng.randint(*trace.first_message_len))]
+        self.messages += [ids(rng.randint(*trace.message_len)) for _ in range(trace.turns - 1)]
+        self.output_lens = [rng.randint(*trace.output_len) for _ in range(trace.turns)]
+        self.earlier = [ids(trace.earlier_len) for _ in range(self.num_screens)]
+
+    @property
+    def num_screens(self) -> int:
+        return self.trace.turns + self.trace.window - 1
+
+    def screens_of_message(self, j: int) -> list[int]:
+        w = self.trace.window
+        return list(range(w)) if j == 0 else [j + w - 1]
+
+    def visible(self, turn: int) -> list[int]:
+        """The screenshots turn ``turn`` shows as images, oldest first: the last ``window`` taken so far."""
+        return list(range(turn, turn + self.trace.window))
+
+    def chat(self, turn: int, outputs: list[list[int]]) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
+        """Turn ``turn``'s messages for a chat template, each random text a sentinel string, and the sentinels' ids.
+
+        system (the shared prefix), then per step ``j <= turn`` a user message (its text, then its screenshots:
+        image parts if visible, else their stand-in text) and, before ``turn``, the assistant's actual output."""
+        pieces: dict[str, list[int]] = {}
+
+        def text(ids: list[int]) -> str:
+            key = f"\x00{len(pieces)}\x00"
+            pieces[key] = list(ids)
+            return key
+
+        shown = set(self.visible(turn))
+        messages: list[dict[str, Any]] = [{"role": "system", "content": text(self.prefix)}]
+        for j in range(turn + 1):
+            parts: list[dict[str, Any]] = [{"type": "text", "text": text(self.messages[j])}]
+            for k in self.screens_of_message(j):
+                parts.append({"type": "image"} if k in shown else {"type": "text", "text": text(self.earlier[k])})
+            messages.append({"role": "user", "content": parts})
+            if j < turn:
+                messages.append({"role": "assistant", "content": text(outputs[j])})
+        return messages, pieces
+
+
+_SENTINEL = re.compile("(\x00[0-9]+\x00)")
+_CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.text }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+
+
+class PromptBuilder:
+    """Token ids of a ``ScreenshotConversation.chat`` turn, the same for both engines.
+
+    With the checkpoint's tokenizer and chat template: the template's text, its literal pieces encoded by the
+    tokenizer (special tokens, the vision tokens among them, as their ids), each sentinel replaced by its random ids.
+    Without a chat template: the fixed ChatML layout (``<|im_start|>role\\n ... <|im_end|>\\n``, an image as
+    ``<|vision_start|><|image_pad|><|vision_end|>``), encoded the same way. Without a tokenizer: that layout's
+    vision tokens spelled with config.json's ids, the rest of its markup left out (hyserve serves that; vLLM needs
+    a tokenizer to find the placeholders)."""
+
+    def __init__(self, model: str) -> None:
+        cfg = _read_json(os.path.join(model, "config.json"))
+        self.vision = {token: int(cfg[key]) for key, token in VISION_TOKEN_KEYS.items()}
+        self.image_token_id = self.vision["<|image_pad|>"]
+        self.tokenizer: Any = None
+        self.template = False
+        if os.path.isfile(os.path.join(model, "tokenizer.json")):
+            from hyserve.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer.from_model_dir(model)
+            self.template = bool(self.tokenizer.chat_template)
+            for token, i in self.vision.items():
+                if self.tokenizer.token_to_id(token) != i:
+                    raise ValueError(f"{model}: the tokenizer's {token} is {self.tokenizer.token_to_id(token)}, "
+                                     f"config.json says {i}")
+        self.layout = "chat template" if self.template else "ChatML" if self.tokenizer else "bare (no tokenizer)"
+        self._encoded: dict[str, list[int]] = {}
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        if self.template:
+            return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        import jinja2
+
+        image = "<|vision_start|><|image_pad|><|vision_end|>"
+        flat = [{"role": m["role"], "text": m["content"] if isinstance(m["content"], str) else "".join(
+            image if p.get("type") == "image" else p["text"] for p in m["content"])} for m in messages]
+        return jinja2.Template(_CHATML, keep_trailing_newline=True).render(messages=flat)
+
+    def _literal(self, text: str) -> list[int]:
+        if text not in self._encoded:
+            if self.tokenizer is not None:
+                self._encoded[text] = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                names = "|".join(re.escape(t) for t in self.vision)
+                self._encoded[text] = [self.vision[t] for t in re.findall(names, text)]
+        return self._encoded[text]
+
+    def ids(self, messages: list[dict[str, Any]], pieces: dict[str, list[int]]) -> list[int]:
+        out: list[int] = []
+        for part in _SENTINEL.split(self.render(messages)):
+            out += pieces[part] if part in pieces else self._literal(part)
+        images = sum(1 for m in messages if not isinstance(m["content"], str)
+                     for p in m["content"] if p.get("type") == "image")
+        if out.count(self.image_token_id) != images:
+            raise AssertionError(f"{out.count(self.image_token_id)} image placeholders for {images} images")
+        return out
+
+
+def _text_vocab(model: str) -> int:
+    """Random text ids for the image trace are drawn below this: ``_vocab`` (below the vision tokens), and below
+    the tokenizer's first added token if it has one (no chat markers or eos in the random text)."""
+    limit = _vocab(model)
+    path = os.path.join(model, "tokenizer.json")
+    if os.path.isfile(path):
+        added = [int(t["id"]) for t in _read_json(path).get("added_tokens", [])]
+        limit = min([limit, *added])
+    return limit
+
+
+def _first_token_wall(out: Any) -> tuple[float | None, str]:
+    """When ``out``'s first token came (``time.time()`` seconds) and where that was read."""
+    m = getattr(out, "metrics", None)
+    if m is None:
+        return None, "none: RequestOutput.metrics is None"
+    t = getattr(m, "first_token_time", None)  # hyserve's RequestMetrics (vLLM's V0 one had it too)
+    if t:
+        return float(t), "RequestOutput.metrics.first_token_time"
+    lat, arrival = getattr(m, "first_token_latency", None), getattr(m, "arrival_time", None)
+    if lat and arrival:  # vLLM V1's RequestStateStats: arrival (time.time()) + latency to the first token's step
+        return float(arrival) + float(lat), "RequestOutput.metrics.arrival_time + first_token_latency"
+    return None, f"none: {type(m).__name__} has no first-token time"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int | None = None, seed: int = 0
+                         ) -> tuple[dict[str, float], dict[str, Any]]:
+    """The screenshot trace (``SCREENSHOT_TRACES[scale]``, ``concurrency`` conversations) through ``eng``: its
+    figures (``agent_images_*``) and notes (the trace, the prompt layout, where TTFT was read).
+
+    Screenshots and prompt ids are made outside the timed part; the wall is the sum of the turns' ``generate``
+    calls. TTFT is each request's first token time less its turn's submission (the whole turn submitted at once:
+    it includes waiting behind the turn's other requests, as a client sending them together sees it)."""
+    trace = SCREENSHOT_TRACES[scale]
+    n = concurrency or trace.concurrency
+    vocab = _text_vocab(model)
+    prefix_rng = random.Random(f"peer-screenshots/{seed}/prefix")
+    prefix = [prefix_rng.randrange(vocab) for _ in range(trace.prefix_len)]
+    convs = [ScreenshotConversation(trace, c, prefix, vocab, seed) for c in range(n)]
+    shots = {(c.conv_id, k): screenshot(seed, c.conv_id, k, trace.screen) for c in convs for k in range(c.num_screens)}
+    builder = PromptBuilder(model)
+    outputs: dict[int, list[list[int]]] = {c.conv_id: [] for c in convs}
+    wall = 0.0
+    prompt_tokens = cached = out_tokens = image_tokens = 0
+    per_turn: list[tuple[int, int]] = []
+    ttft: list[float] = []
+    sources: set[str] = set()
+    for turn in range(trace.turns):
+        batch = []
+        for c in convs:
+            messages, pieces = c.chat(turn, outputs[c.conv_id])
+            batch.append({"prompt_token_ids": builder.ids(messages, pieces),
+                          "multi_modal_data": {"image": [shots[c.conv_id, k] for k in c.visible(turn)]}})
+        _sync()
+        submitted, t0 = time.time(), time.perf_counter()
+        outs = eng.generate(batch, [c.output_lens[turn] for c in convs])
+        _sync()
+        wall += time.perf_counter() - t0
+        turn_prompt = turn_cached = 0
+        for c, o in zip(convs, outs, strict=True):
+            toks = list(o.outputs[0].token_ids)
+            outputs[c.conv_id].append(toks)
+            out_tokens += len(toks)
+            ids = list(o.prompt_token_ids)
+            turn_prompt += len(ids)
+            turn_cached += int(getattr(o, "num_cached_tokens", 0) or 0)
+            image_tokens += ids.count(builder.image_token_id)
+            first, source = _first_token_wall(o)
+            sources.add(source)
+            if first is not None:
+                ttft.append(first - submitted)
+        per_turn.append((turn_cached, turn_prompt))
+        prompt_tokens += turn_prompt
+        cached += turn_cached
+    requests = n * trace.turns
+    fig: dict[str, float] = {
+        "agent_images_wall_s": wall, "agent_images_cached_share": cached / max(prompt_tokens, 1),
+        "agent_images_out_tok_s": out_tokens / max(wall, 1e-9), "agent_images_requests": requests,
+        "agent_images_prompt_tokens_mean": prompt_tokens / requests,
+        "agent_images_image_tokens_per_request": image_tokens / requests,
+    }
+    for t, (c_t, p_t) in enumerate(per_turn):
+        fig[f"agent_images_cached_share_turn{t}"] = c_t / max(p_t, 1)
+    if len(ttft) == requests:
+        fig.update(agent_images_ttft_mean_s=sum(ttft) / len(ttft), agent_images_ttft_p50_s=_percentile(ttft, 0.5),
+                   agent_images_ttft_p90_s=_percentile(ttft, 0.9))
+    notes = {"trace": {**asdict(trace), "conversations": n, "scale": scale}, "prompt_layout": builder.layout,
+             "text_ids_below": vocab, "ttft_source": sorted(sources),
+             "ttft": "first token time - the turn's submission (time.time()), every request of a turn submitted "
+                     "together" if len(ttft) == requests else "not available from this engine's outputs"}
+    return fig, notes
+
+
 def measure(args: argparse.Namespace) -> int:
     """Run the chosen measures and write their figures; 1 if one of them failed (its error is in the file)."""
     import torch
@@ -348,6 +748,28 @@ def measure(args: argparse.Namespace) -> int:
         fig.update({k.replace("spec", tag, 1): v for k, v in eng.spec_stats().items()})
         eng.shutdown()
 
+    def agent_images() -> None:
+        trace = SCREENSHOT_TRACES[args.agent_scale]
+        n = args.agent_concurrency or trace.concurrency
+        kw = dict(common, enable_prefix_caching=True, limit_mm_per_prompt={"image": trace.window},
+                  disable_log_stats=False)
+        tag = "agent_images"
+        if args.speculative_config:
+            kw["speculative_config"] = json.loads(args.speculative_config)
+            tag += "_mtp"
+        if args.kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = args.kv_cache_dtype
+            tag += "_kvfp8"
+        if n != trace.concurrency:
+            tag += f"_c{n}"
+        eng = Engine(args.engine, args.model, args.device, args.dtype, **kw)
+        res.setdefault("version", eng.version)
+        figures, notes = measure_agent_images(eng, args.model, args.agent_scale, n)
+        fig.update({k.replace("agent_images", tag, 1): v for k, v in figures.items()})
+        fig.update({k.replace("spec", tag, 1): v for k, v in eng.spec_stats().items()})
+        res.setdefault("notes", {})[tag] = notes
+        eng.shutdown()
+
     def spec() -> None:
         spec_batches = [int(b) for b in args.spec_batches.split(",")]
         for label, kw in (("plain", {}), ("spec", {"speculative_config": json.loads(args.speculative_config)})):
@@ -369,6 +791,8 @@ def measure(args: argparse.Namespace) -> int:
         attempt("start", start)
     if "agent" in measures:
         attempt("agent", agent)
+    if "agent_images" in measures:
+        attempt("agent_images", agent_images)
     if "spec" in measures and args.speculative_config:
         attempt("spec", spec)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -422,7 +846,22 @@ _FIGURES = {
     "bound_bs1_tok_s": (True, "batch-1 weights-bandwidth bound (measured in each run), tok/s"),
     "first_start_s": (False, "engine start, first process on the machine, s"),
 }
+for _tag, _what in (("agent_images", "screenshot agent trace (8 x 4 turns, 2 x 1280x720)"),
+                    ("agent_images_c32", "screenshot agent trace, 32 conversations"),
+                    ("agent_images_mtp", "screenshot agent trace with MTP")):
+    _FIGURES.update({
+        f"{_tag}_wall_s": (False, f"{_what}, wall s"),
+        f"{_tag}_cached_share": (True, f"{_what}, prompt tokens from cache"),
+        f"{_tag}_ttft_mean_s": (False, f"{_what}, mean TTFT s"),
+        f"{_tag}_ttft_p50_s": (False, f"{_what}, p50 TTFT s"),
+        f"{_tag}_ttft_p90_s": (False, f"{_what}, p90 TTFT s"),
+        f"{_tag}_out_tok_s": (True, f"{_what}, output tok/s"),
+        f"{_tag}_image_tokens_per_request": (True, f"{_what}, image placeholder tokens per request"),
+        f"{_tag}_prompt_tokens_mean": (True, f"{_what}, prompt tokens per request"),
+    })
 _NO_RATIO = {"bound_bs1_tok_s"}  # a property of the card measured in each engine's run, not of the engine
+# Equal for both engines when they expand the image placeholders alike: a check on the trace, not a speed.
+_NO_RATIO |= {k for k in _FIGURES if k.endswith(("_image_tokens_per_request", "_prompt_tokens_mean"))}
 
 
 def report(files: list[str], out: str) -> None:
@@ -466,7 +905,9 @@ def report(files: list[str], out: str) -> None:
                                 "hyserve": None, "vllm": None, "ratio": None})
     meta = {"files": files, "hyserve_commit": _git_commit(),
             "engines": {f"{m}/{e}": {k: r.get(k) for k in ("version", "device", "torch", "date", "command")}
-                        for m, es in by_model.items() for e, r in es.items()}}
+                        for m, es in by_model.items() for e, r in es.items()},
+            "notes": {f"{os.path.basename(r['model'].rstrip('/'))}/{r['engine']}/{tag}": note
+                      for r in runs for tag, note in r.get("notes", {}).items()}}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "peer.json"), "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "entries": entries}, f, indent=2)
@@ -511,6 +952,9 @@ def main() -> int:
     w.add_argument("--shape", choices=["tiny", "2b", "9b"], default="2b")
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cuda")
+    w.add_argument("--vision", choices=sorted(VISIONS), default="toy",
+                   help="toy: a one-block tower (text-only runs); real: a real-size Qwen3.5 tower, its processor "
+                        "files and a tokenizer with the vision tokens (image runs)")
     m = sub.add_parser("measure")
     m.add_argument("--engine", choices=["hyserve", "vllm"], required=True)
     m.add_argument("--model", required=True)
@@ -518,12 +962,15 @@ def main() -> int:
     m.add_argument("--device", default="cuda")
     m.add_argument("--dtype", default="bfloat16")
     m.add_argument("--measures", default="decode,bound,prefill,agent",
-                   help="comma-separated; start (the warm start) belongs in a process of its own, after a first")
+                   help="comma-separated; start (the warm start) belongs in a process of its own, after a first; "
+                        "agent_images (a --vision real checkpoint) is not in the default")
     m.add_argument("--batches", default="1,8,32,64")
     m.add_argument("--decode-tokens", type=int, default=128)
     m.add_argument("--prefill-prompts", type=int, default=32)
     m.add_argument("--prefill-len", type=int, default=2048)
     m.add_argument("--agent-scale", choices=["full", "tiny"], default="full")
+    m.add_argument("--agent-concurrency", type=int, default=None,
+                   help="agent_images: conversations, all in flight (default: the scale's, 8 at full scale)")
     m.add_argument("--speculative-config", default=None, help="JSON; the agent trace and the spec measure use it")
     m.add_argument("--spec-batches", default="1,8")
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
@@ -540,7 +987,7 @@ def main() -> int:
     r.add_argument("--out", default="benchmarks/results/h200")
     args = ap.parse_args()
     if args.cmd == "write":
-        write(args.shape, args.out, args.device)
+        write(args.shape, args.out, args.device, vision=args.vision)
     elif args.cmd == "quantize":
         quantize(args.src, args.out, args.format)
     elif args.cmd == "measure":

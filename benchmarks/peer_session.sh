@@ -17,6 +17,9 @@
 #   bash benchmarks/peer_session.sh 9b-all  # hyserve's 9B figures and profile
 #   bash benchmarks/peer_session.sh fp8-measure ; fp8-9b   # hyserve: bf16 against FP8 on the 2B shape; the 9B in FP8
 #   bash benchmarks/peer_session.sh 9b-both ; profile-fp8   # 9B both engines in one call; 9B profile + the FP8 2B figures
+#   bash benchmarks/peer_session.sh images  # real-tower 2B: hyserve's screenshot agent trace at 8 and 32, then vLLM's at 8
+#   bash benchmarks/peer_session.sh images-vllm ; images-vllm32   # vLLM's screenshot trace at 8 then 32; at 32 alone
+#   bash benchmarks/peer_session.sh images-check   # gpu_check.py --images-only: the tiny VLM on CUDA against transformers
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -67,6 +70,24 @@ measure() {  # measure ENGINE MODEL NAME TIMEOUT ARGS...
     return 0
 }
 p2b() { [ -d /tmp/p2b ] || python3 $PB write --shape 2b --out /tmp/p2b > "$OUT/write_2b.log" 2>&1; }
+p2bv() {  # the 2B shape with a real-size vision tower, its processor files and a tokenizer (image runs)
+    [ -f /tmp/p2bv/tokenizer_config.json ] && return 0
+    rm -rf /tmp/p2bv
+    echo "== write 2b --vision real ($(date +%T))"
+    python3 $PB write --shape 2b --vision real --out /tmp/p2bv > "$OUT/write_2b_vision.log" 2>&1
+    echo "   rc $? ($(date +%T))"
+}
+left() {  # seconds left of this call (600 s, less a margin for packing the results), less $1; at least 30
+    local n=$(( 585 - SECONDS - ${1:-0} ))
+    [ "$n" -gt 30 ] && echo "$n" || echo 30
+}
+vllm_warm() {  # vLLM's JIT caches are here (restored by stash-caches, or left by an earlier vLLM process)
+    [ -d ~/.cache/flashinfer ]
+}
+images_check() {
+    timeout "$(left 10)" python3 benchmarks/gpu_check.py --images-only --out "$OUT" > "$OUT/gpu_check_images.log" 2>&1
+    echo "gpu_check images rc $?"; grep all_correctness_pass "$OUT/gpu_check_images.log"
+}
 p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1; }
 
 check() {  # the correctness checks every speed change keeps, in the same device session as its figures
@@ -208,6 +229,35 @@ case "${1:?phase}" in
     [ -d /tmp/p9b_ct ] || python3 $PB quantize --src /tmp/p9b --out /tmp/p9b_ct --format ct_dynamic >> "$OUT/quantize.log" 2>&1
     measure hyserve /tmp/p9b_ct 9b_ct 100 --measures decode,bound,prefill
     ;;
+  images)  # the seed's screenshot agent trace (2 x 1280x720 per request, 880 placeholders each) on the real-tower 2B
+           # shape: hyserve at 8 and 32 conversations, then vLLM at 8 with the time left. vLLM's first process on a
+           # fresh machine compiles for about 8 minutes (FlashInfer's GDN prefill JIT: 463 s on 2026-12-01, more than
+           # 575 s on 2026-12-02), more than this call has left after the write: with its caches cold (no
+           # ~/.cache/flashinfer: not restored by stash-caches, no earlier vLLM process) vLLM waits for images-vllm,
+           # which gives that first process a call of its own (as the first phase does for the text trace).
+    p2bv
+    measure hyserve /tmp/p2bv 2b_agent_images 150 --measures agent_images
+    measure hyserve /tmp/p2bv 2b_agent_images_c32 240 --measures agent_images --agent-concurrency 32
+    if vllm_warm; then
+        measure vllm /tmp/p2bv 2b_agent_images "$(left 5)" --measures agent_images
+    else
+        echo "vLLM's compile caches are cold: its first process needs a call of its own (images-vllm)"
+    fi
+    ;;
+  images-vllm)  # vLLM on the screenshot trace: 8 conversations (its first process, compiling if cold), then 32
+    p2bv
+    measure vllm /tmp/p2bv 2b_agent_images "$(left 5)" --measures agent_images
+    if [ "$(left)" -gt 150 ]; then
+        measure vllm /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32
+    else
+        echo "no time left for 32 conversations: images-vllm32"
+    fi
+    ;;
+  images-vllm32)  # vLLM at 32 conversations alone (when images-vllm's first process took the call)
+    p2bv
+    measure vllm /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32
+    ;;
+  images-check) images_check ;;
   check) check ;;
   spec)
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \
