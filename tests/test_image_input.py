@@ -368,3 +368,29 @@ def test_the_memory_profile_encodes_the_largest_image(vlm: tuple[str, object]) -
     pixels, grid = largest_image_inputs(vlm[0], tower.cfg)
     assert grid.tolist() == [[1, 12, 12]] and pixels.shape == (144, tower.cfg.patch_dim)
     assert tower(pixels, grid).shape == (36, tower.cfg.out_hidden_size)
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_a_prompt_dropping_a_screenshot_resumes_before_it(vlm: tuple[str, object], monkeypatch: pytest.MonkeyPatch,
+                                                          sabotage: bool) -> None:
+    """The sliding window: turn 1 keeps turn 0's text and replaces its oldest screenshot by text. The recurrent
+    state before that screenshot was kept (a snapshot point before each image), so turn 1 hits up to the block
+    boundary before it; without those points (the interval is far away) it hits nothing."""
+    import hyserve.cache.prefix_cache as pc
+
+    if sabotage:
+        monkeypatch.setattr(pc, "image_points", lambda req, block_size: [])
+    # Snapshots every 2048 tokens: none inside these prompts.
+    llm = make_llm(vlm[0], enable_prefix_caching=True, num_snapshot_slots=16)
+    head = SYSTEM + user_turn("Step 0: the task is to open the settings and change the language.") + \
+        f"{IM_START}user\nScreens: "
+    first = head + f"{IMAGE} then {IMAGE}{IM_END}\n{IM_START}assistant\n"
+    second = head + f"[an earlier screen] then {IMAGE} and {IMAGE}{IM_END}\n{IM_START}assistant\n"
+    a, b, c = image(48, 40, 60), image(48, 40, 61), image(48, 40, 62)
+    check(vlm, llm, [(first, [a, b])])
+    out = check(vlm, llm, [(second, [b, c])])[0]
+    before = len(reference_inputs(vlm[0], head, [])[0])  # tokens before the dropped screenshot
+    if sabotage:
+        assert (out.num_cached_tokens or 0) == 0  # type: ignore[attr-defined]
+    else:
+        assert (out.num_cached_tokens or 0) == (before // 16) * 16 > 0  # type: ignore[attr-defined]

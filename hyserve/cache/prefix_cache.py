@@ -12,7 +12,8 @@ taken is a policy:
 
 A branch point is where a request's prefix leaves the cached KV of another (the sibling that comes next will hit
 there), or where a waiting request shares the prefix that this one is computing (the scheduler's prefix sharing);
-both are the request's ``share_points``.
+both are the request's ``share_points``. A prompt with images also has a point before each image (``image_points``):
+a GUI agent's next prompt replaces the oldest screenshot of its sliding window by text, and resumes there.
 
 A hit of length L needs KV for [0, L) *and* a snapshot at exactly L, with L <= num_tokens - 1 (the last known token
 is always computed, so the step produces logits). Lookup takes the deepest such L.
@@ -74,6 +75,12 @@ def image_keys(req: Request, start: int, end: int) -> bytes:
         if span.offset < end and span.offset + span.length > start:
             out += span.content_hash.encode() + (span.offset - start).to_bytes(8, "little", signed=True)
     return out
+
+
+def image_points(req: Request, block_size: int) -> list[int]:
+    """Snapshot points before each image (its span's start, aligned down to a block): an agent's next prompt that
+    drops this screenshot from its sliding window, keeping the text before it, resumes there."""
+    return [(span.offset // block_size) * block_size for span in req.image_spans]
 
 
 def extend_block_hashes(req: Request, block_size: int, upto_tokens: int, lookahead: int = 0) -> None:
@@ -199,6 +206,7 @@ class PrefixCache:
         limit = min(end, self.keyable_tokens(req))
         points = [(self.keyable_tokens(req) // bs) * bs, (start // self.interval + 1) * self.interval]
         points.extend(req.share_points)
+        points.extend(image_points(req, bs))
         inside = [p for p in points if start < p <= limit]
         return min(inside) if inside else None
 
@@ -275,7 +283,7 @@ class PrefixCache:
     def _retire_rolling(self, req: Request, new_hash: bytes, position: int) -> None:
         """While decoding, keep only the latest boundary snapshot of a request unless a policy point needs it."""
         is_policy_point = position % self.interval == 0 or position in req.share_points \
-            or position == self._prompt_end_point(req)
+            or position == self._prompt_end_point(req) or position in image_points(req, self.block_size)
         old = req.rolling_snapshot_hash
         req.rolling_snapshot_hash = None if is_policy_point else new_hash
         if old is None or old not in self._snapshots:
