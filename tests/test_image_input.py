@@ -277,10 +277,17 @@ def vlm_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
     return path, reference_vlm_model(path)
 
 
-def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: tuple[str, object]) -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: tuple[str, object],
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      graphs: bool) -> None:
     """The seed's configuration: MTP k = 2, prefix caching, 16-token chunks cutting every image span, async
-    scheduling, over the sliding two-screenshot episodes, two conversations interleaved. Verified outputs equal
-    transformers' greedy tokens; the MTP passes over image positions take the image rows, one token shifted."""
+    scheduling, over the sliding two-screenshot episodes, two conversations interleaved; with CUDA graphs emulated
+    too (decode, verify and drafting steps replay graphs; steps reaching an image run eagerly). Verified outputs
+    equal transformers' greedy tokens; the MTP passes over image positions take the image rows, one token shifted."""
+    from hyserve.worker import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
     llm = make_llm(vlm_mtp[0], enable_prefix_caching=True, max_num_batched_tokens=16, recurrent_snapshot_interval=16,
                    num_snapshot_slots=32, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                    async_scheduling=True)
@@ -306,6 +313,7 @@ def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: t
         ModelRunner._mtp_image_inputs = real  # type: ignore[method-assign]
     assert any(s is not None for s in seen)  # MTP passes consumed image rows
     assert runner.num_images_encoded == 6
+    assert (runner.graphs is not None) == graphs
 
 
 def test_an_evicted_image_is_encoded_again_and_outputs_stay_right(vlm: tuple[str, object]) -> None:
