@@ -18,6 +18,15 @@ Run on a CUDA machine (one H200 here):
    prefix cache; every greedy token must equal transformers' (``reference_vlm_greedy``, float32 on the CPU, in a
    process without CUDA) and every prompt's expanded ids the ones the tokenizer and transformers' image processor
    give. Joins ``all_correctness_pass``. ``--images-only`` runs this alone (gpu_check_images.json).
+5. The 2B-shape VLM (``--vlm-2b DIR``: a checkpoint of ``peer_bench.py write --shape 2b --vision real``, its
+   real-size tower, processor files and tokenizer; ``vlm_check``): four ChatML prompts with one or two noise images
+   (640x360, 320x320), the third resuming from the first's cached prefix, served in bf16 on CUDA (CUDA graphs,
+   prefix caching, default chunking), greedy for 16 tokens; transformers' ``Qwen3_5ForConditionalGeneration`` in
+   float32 on CUDA, teacher-forced on hyserve's tokens, must agree on clear-margin positions by the 2B text check's
+   rule (``BF16_RULE``), and every prompt's expanded ids must be the ones built from transformers' processor grids.
+   Also reported, not gated: the same outputs against the reference given other images (``control_other_images``).
+   Result ``vlm_2b_vs_fp32_reference``; joins ``all_correctness_pass``. ``--vlm-2b DIR --vlm-2b-only`` runs it
+   alone (gpu_check_vlm_2b.json).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,6 +89,46 @@ def measure_ceilings() -> dict[str, float]:
     return {"copy_bandwidth_Bps": bw, "bf16_matmul_flops": flops}
 
 
+class ClearMarginRule(NamedTuple):
+    """How a teacher-forced comparison is judged. A position is clear where the reference's top-1 logprob beats its
+    top-2 by more than ``margin``; on clear positions the engine's greedy token must be the reference's argmax,
+    except for at most max(1, clear // ``mismatches_per``) of them (``None``: none), and every scored token's logprob
+    must be within ``logprob_tol`` of the reference's. A prompt is scored up to its first clear divergence (later
+    positions are conditioned on a different prefix)."""
+
+    margin: float
+    logprob_tol: float
+    mismatches_per: int | None
+
+    def passes(self, r: dict[str, Any]) -> bool:
+        allowed = 0 if self.mismatches_per is None else max(1, r["tokens_checked"] // self.mismatches_per)
+        return bool(r["tokens_mismatched"] <= allowed and r["max_logprob_abs_err"] < self.logprob_tol)
+
+
+BF16_RULE = ClearMarginRule(margin=0.25, logprob_tol=0.3, mismatches_per=50)  # bf16 engine, float32 reference
+FP32_RULE = ClearMarginRule(margin=1e-3, logprob_tol=3e-3, mismatches_per=None)  # float32 both (tiny_reference's)
+
+
+def score_positions(logits: torch.Tensor, toks: list[int], lps: list[float], margin: float) -> dict[str, Any]:
+    """One prompt's greedy output ``toks`` (the engine's logprobs ``lps``) against the reference's ``logits``, row i
+    predicting ``toks[i]`` (the rows from the prompt's last position on), by ``ClearMarginRule``'s definitions."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    checked = mismatched = scored = 0
+    max_lp_err = 0.0
+    for i, tok in enumerate(toks):
+        row = logp[i]
+        top2 = torch.topk(row, 2)
+        scored += 1
+        max_lp_err = max(max_lp_err, abs(lps[i] - float(row[tok])))
+        if float(top2.values[0] - top2.values[1]) > margin:
+            checked += 1
+            mismatched += int(int(top2.indices[0]) != tok)
+        if int(top2.indices[0]) != tok and float(top2.values[0] - row[tok]) > margin:
+            break  # diverged: later positions are conditioned on a different prefix anyway
+    return {"tokens_checked": checked, "tokens_mismatched": mismatched, "max_logprob_abs_err": max_lp_err,
+            "tokens_scored": scored}
+
+
 def teacher_forced_check(llm: LLM, ref: Any, prompts: list[list[int]], max_tokens: int, ref_device: str,
                          margin: float) -> dict[str, float]:
     """Greedy-generate with hyserve, then score prompt+output with the reference in one uncached forward."""
@@ -89,18 +138,12 @@ def teacher_forced_check(llm: LLM, ref: Any, prompts: list[list[int]], max_token
     max_lp_err = 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         toks = out.outputs[0].token_ids
+        lps = [out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(toks)]  # type: ignore[index]
         logits = reference_logits(ref, prompt + toks, device=ref_device)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        for i, tok in enumerate(toks):
-            row = logp[len(prompt) - 1 + i]
-            top2 = torch.topk(row, 2)
-            lp = out.outputs[0].logprobs[i][tok].logprob  # type: ignore[index]
-            max_lp_err = max(max_lp_err, abs(lp - float(row[tok])))
-            if float(top2.values[0] - top2.values[1]) > margin:
-                checked += 1
-                mismatched += int(int(top2.indices[0]) != tok)
-            if int(top2.indices[0]) != tok and float(top2.values[0] - row[tok]) > margin:
-                break  # diverged: later positions are conditioned on a different prefix anyway
+        s = score_positions(logits[len(prompt) - 1 :], toks, lps, margin)
+        checked += s["tokens_checked"]
+        mismatched += s["tokens_mismatched"]
+        max_lp_err = max(max_lp_err, s["max_logprob_abs_err"])
     return {"tokens_checked": checked, "tokens_mismatched": mismatched, "max_logprob_abs_err": max_lp_err}
 
 
@@ -187,8 +230,8 @@ def shape_2b(results: dict[str, Any], workdir: str) -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, SHAPE_2B["vocab_size"], (n,), generator=g).tolist() for n in (300, 17, 1000, 64)]
     ref = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
-    r = teacher_forced_check(llm, ref, prompts, 32, "cuda", margin=0.25)
-    r["pass"] = r["tokens_mismatched"] <= max(1, r["tokens_checked"] // 50) and r["max_logprob_abs_err"] < 0.3
+    r = teacher_forced_check(llm, ref, prompts, 32, "cuda", margin=BF16_RULE.margin)
+    r["pass"] = BF16_RULE.passes(r)
     results["2b_bf16_vs_fp32_reference"] = r
     print(f"2B shape bf16 vs transformers fp32: {r}", flush=True)
     save(results)
@@ -379,12 +422,164 @@ def image_check(workdir: str, device: str = "cuda", isolate_reference: bool = Tr
     return result
 
 
+# ------------------------------------------------------------------------------------------- the 2B-shape VLM
+
+VLM_2B_MAX_TOKENS = 16
+VLM_2B_LLM_KWARGS: dict[str, Any] = {"max_model_len": 4096, "gpu_memory_utilization": 0.5}
+_SYSTEM = ("<|im_start|>system\nYou operate a computer for the user. Each turn shows the latest screens; read them, "
+           "then answer with exactly one action: click, type, scroll or wait, and the element it applies to."
+           "<|im_end|>\n")
+
+
+def vlm_2b_batches() -> list[list[tuple[str, list[tuple[int, int, int]]]]]:
+    """The 2B VLM's cases, two batches run one after another: (ChatML prompt text, images as (width, height, seed)).
+
+    One 640x360 screen; a 640x360 and a 320x320 image in one message; then the first case's conversation one turn
+    on (same system text and screen, the assistant's answer, a new 320x320 screen: it resumes from the first case's
+    cached prefix), and a user turn with one 320x320 image."""
+    first = f"{_SYSTEM}<|im_start|>user\nScreen: {IMAGE} Which element should I click?<|im_end|>\n"
+    return [[(first + "<|im_start|>assistant\n", [(640, 360, 101)]),
+             (_user(f"Compare {IMAGE} with {IMAGE} and list what differs."), [(640, 360, 102), (320, 320, 103)])],
+            [(first + "<|im_start|>assistant\nI click the search box.<|im_end|>\n"
+              + _user(f"Now the screen is {IMAGE}. What next?"), [(640, 360, 101), (320, 320, 104)]),
+             (_user(f"{IMAGE}Describe this image in one sentence."), [(320, 320, 105)])]]
+
+
+def vlm_generate(path: str, device: str, dtype: str, batches: list[list[tuple[str, list[tuple[int, int, int]]]]],
+                 max_tokens: int = VLM_2B_MAX_TOKENS, llm_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """hyserve on ``device`` in ``dtype`` (CUDA graphs on CUDA, prefix caching, default chunking) over ``batches``
+    (text prompts with ``multi_modal_data`` images, encoded by hyserve's tokenizer), greedy for ``max_tokens``: each
+    prompt's expanded ids, outputs, chosen-token logprobs and cached token count, for ``vlm_reference``."""
+    llm = LLM(model=path, device=device, dtype=dtype, enable_prefix_caching=True, **(llm_kwargs or {}))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    cases = []
+    for b, batch in enumerate(batches):
+        prompts = [{"prompt": text, "multi_modal_data": {"image": [_pil(s) for s in imgs]}} for text, imgs in batch]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for (text, imgs), o in zip(batch, outs, strict=True):
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            cases.append({"batch": b, "text": text, "images": [list(s) for s in imgs],
+                          "prompt_token_ids": list(o.prompt_token_ids), "output": toks,
+                          "logprobs": [c.logprobs[i][t].logprob for i, t in enumerate(toks)],  # type: ignore[index]
+                          "num_cached_tokens": int(o.num_cached_tokens or 0)})
+    graphs = getattr(llm.llm_engine.runner, "graphs", None)
+    replays = int(graphs.num_replays) if graphs is not None else 0
+    llm.shutdown()
+    del llm, graphs
+    return {"path": path, "device": device, "dtype": dtype, "cases": cases, "cuda_graph_replays": replays}
+
+
+@torch.no_grad()
+def _vlm_logits(ref: Any, token_ids: list[int], pixel_values: torch.Tensor, grid_thw: torch.Tensor, device: str,
+                start: int) -> torch.Tensor:
+    """``reference_vlm_logits`` with the inputs on ``device``: rows ``start:`` of one uncached float32 forward."""
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    mm_token_type_ids = (input_ids == ref.config.image_token_id).int()
+    ref.model.rope_deltas = None
+    out = ref(input_ids=input_ids, use_cache=False, pixel_values=pixel_values.float().to(device),
+              image_grid_thw=grid_thw.to(device), mm_token_type_ids=mm_token_type_ids)
+    return out.logits[0, start:].float().cpu()
+
+
+def vlm_reference(record: dict[str, Any], rule: ClearMarginRule, reference_image: Any = None,
+                  control: bool = False) -> dict[str, Any]:
+    """Score ``vlm_generate``'s record against transformers' ``Qwen3_5ForConditionalGeneration`` in float32 on the
+    record's device (``reference_vlm_model``: torch's gated delta rule), teacher-forced: one forward over each prompt
+    and the engine's output, pixel values from transformers' ``Qwen2VLImageProcessorPil.from_pretrained``, the prompt
+    ids from the checkpoint's tokenizer (``tokenizers``) with each placeholder widened by the processor's grid; those
+    ids must equal the engine's expanded ones, and the outputs pass ``rule`` (``score_positions``).
+
+    ``reference_image`` (a test's sabotage) maps each image's (width, height, seed) to the one the reference sees.
+    ``control``: also score the same outputs against the reference given other noise images of the same sizes, and
+    report whether ``rule`` would pass that too (if it would, the comparison does not see the images; not gated)."""
+    from tokenizers import Tokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from hyserve.testing import reference_vlm_model
+
+    path, device = record["path"], record["device"]
+    ref = reference_vlm_model(path).to(device)
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    merge = int(processor.merge_size)
+    pad = int(ref.config.image_token_id)
+
+    def score(model: Any, case: dict[str, Any], specs: list[tuple[int, int, int]]) -> tuple[list[int], dict[str, Any]]:
+        proc = processor(images=[_pil(s) for s in specs], return_tensors="pt")
+        counts = iter(int(t * h * w) // merge**2 for t, h, w in proc["image_grid_thw"].tolist())
+        ids: list[int] = []
+        for t in tok.encode(case["text"], add_special_tokens=False).ids:
+            ids += [pad] * next(counts) if t == pad else [t]
+        logits = _vlm_logits(model, ids + case["output"], proc["pixel_values"], proc["image_grid_thw"], device,
+                             len(ids) - 1)
+        return ids, score_positions(logits, case["output"], case["logprobs"], rule.margin)
+
+    def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {k: sum(r[k] for r in rows) for k in ("tokens_checked", "tokens_mismatched",
+                                                                     "tokens_scored", "tokens")}
+        out["max_logprob_abs_err"] = max(r["max_logprob_abs_err"] for r in rows)
+        return out
+
+    rows, others = [], []
+    for case in record["cases"]:
+        specs = [(int(w), int(h), int(seed)) for w, h, seed in case["images"]]
+        if reference_image is not None:
+            specs = [reference_image(*spec) for spec in specs]
+        ids, s = score(ref, case, specs)
+        rows.append({"batch": case["batch"], "images": case["images"], "prompt_len": len(ids),
+                     "image_tokens": ids.count(pad), "prompt_ids_match": ids == case["prompt_token_ids"],
+                     "num_cached_tokens": case["num_cached_tokens"], "tokens": len(case["output"]), **s})
+        if control:
+            other = [(w, h, seed + 1000) for w, h, seed in specs]
+            others.append({"tokens": len(case["output"]), **score(ref, case, other)[1]})
+    del ref
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    total = totals(rows)
+    ids_ok = all(r["prompt_ids_match"] for r in rows)
+    result = {"path": path, "device": device, "dtype": record["dtype"], "reference_dtype": "float32",
+              "rule": rule._asdict(), "num_cases": len(rows),
+              "max_images_per_prompt": max(len(r["images"]) for r in rows), **total, "prompt_ids_match": ids_ok,
+              "cuda_graph_replays": record["cuda_graph_replays"], "cases": rows,
+              "pass": ids_ok and total["tokens_checked"] > 0 and rule.passes(total)}
+    if control:
+        c = totals(others)
+        result["control_other_images"] = {**c, "rule_would_pass": rule.passes(c)}
+    return result
+
+
+def vlm_check(path: str, device: str = "cuda", dtype: str = "bfloat16",
+              batches: list[list[tuple[str, list[tuple[int, int, int]]]]] | None = None,
+              max_tokens: int | None = None, llm_kwargs: dict[str, Any] | None = None,
+              rule: ClearMarginRule | None = None) -> dict[str, Any]:
+    """``vlm_generate`` then ``vlm_reference``: by default the 2B-shape VLM's check (``vlm_2b_batches``, bf16 on
+    CUDA against float32, ``BF16_RULE``, the 2B text check's); ``rule`` defaults to ``FP32_RULE`` for float32."""
+    record = vlm_generate(path, device, dtype, batches if batches is not None else vlm_2b_batches(),
+                          VLM_2B_MAX_TOKENS if max_tokens is None else max_tokens,
+                          VLM_2B_LLM_KWARGS if llm_kwargs is None else llm_kwargs)
+    return vlm_reference(record, rule or (FP32_RULE if dtype == "float32" else BF16_RULE), control=True)
+
+
+def _vlm_summary(r: dict[str, Any]) -> str:
+    return (f"2B VLM {r['dtype']} vs transformers fp32: {r['tokens_mismatched']}/{r['tokens_checked']} clear positions "
+            f"mismatched ({r['tokens_scored']}/{r['tokens']} scored), max logprob err {r['max_logprob_abs_err']:.3g}, "
+            f"prompt ids match {r['prompt_ids_match']}, cached {[c['num_cached_tokens'] for c in r['cases']]}, "
+            f"pass {r['pass']}; against other images: {r.get('control_other_images')}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--skip-2b", action="store_true")
     ap.add_argument("--skip-images", action="store_true")
     ap.add_argument("--images-only", action="store_true", help="only the image check (gpu_check_images.json)")
+    ap.add_argument("--vlm-2b", metavar="DIR",
+                    help="also check the 2B-shape VLM written by peer_bench.py write --shape 2b --vision real to DIR "
+                         "(bf16 against transformers fp32 with images; after the other sections)")
+    ap.add_argument("--vlm-2b-only", action="store_true", help="only the --vlm-2b check (gpu_check_vlm_2b.json)")
+    ap.add_argument("--device", default="cuda", help="the --vlm-2b-only check's device (cpu: a test's)")
+    ap.add_argument("--vlm-dtype", default="bfloat16", help="hyserve's dtype in the --vlm-2b check")
     ap.add_argument("--tiny-reference", help="(internal) score recorded tiny cases on the CPU, print JSON")
     ap.add_argument("--image-reference", help="(internal) score recorded image cases on the CPU, print JSON")
     args = ap.parse_args()
@@ -397,7 +592,18 @@ def main() -> int:
     global OUT_DIR, OUT_NAME
     OUT_DIR = args.out
     os.makedirs(args.out, exist_ok=True)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.vlm_2b_only and not args.vlm_2b:
+        ap.error("--vlm-2b-only needs --vlm-2b DIR")
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    results: dict[str, Any] = {"device": device_name, "torch": torch.__version__}
+    if args.vlm_2b_only:
+        OUT_NAME = "gpu_check_vlm_2b.json"
+        r = results["vlm_2b_vs_fp32_reference"] = vlm_check(args.vlm_2b, args.device, args.vlm_dtype)
+        print(_vlm_summary(r), flush=True)
+        results["all_correctness_pass"] = bool(r["pass"])
+        save(results)
+        print(json.dumps(results, indent=2))
+        return 0 if results["all_correctness_pass"] else 1
     if args.images_only:
         OUT_NAME = "gpu_check_images.json"
         results["image_tiny_vlm"] = image_check(tempfile.mkdtemp(), "cuda")
@@ -451,6 +657,11 @@ def main() -> int:
         print(f"tiny VLM on CUDA against transformers: {img['num_token_exact']}/{img['num_cases']} token-exact, "
               f"resumed turns cached {img['resumed_cached_tokens']}, pass {img['pass']}", flush=True)
         ok &= bool(img["pass"])
+        save(results)
+    if args.vlm_2b:
+        r = results["vlm_2b_vs_fp32_reference"] = vlm_check(args.vlm_2b, "cuda", args.vlm_dtype)
+        print(_vlm_summary(r), flush=True)
+        ok &= bool(r["pass"])
         save(results)
     results["all_correctness_pass"] = ok
     save(results)

@@ -20,6 +20,7 @@
 #   bash benchmarks/peer_session.sh images  # real-tower 2B: hyserve's screenshot agent trace at 8 and 32, then vLLM's at 8
 #   bash benchmarks/peer_session.sh images-vllm ; images-vllm32   # vLLM's screenshot trace at 8 then 32; at 32 alone
 #   bash benchmarks/peer_session.sh images-check   # gpu_check.py --images-only: the tiny VLM on CUDA against transformers
+#   bash benchmarks/peer_session.sh vlm-2b-check   # gpu_check.py --vlm-2b: the real-tower 2B VLM in bf16 against transformers fp32
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -87,6 +88,12 @@ vllm_warm() {  # vLLM's JIT caches are here (restored by stash-caches, or left b
 images_check() {
     timeout "$(left 10)" python3 benchmarks/gpu_check.py --images-only --out "$OUT" > "$OUT/gpu_check_images.log" 2>&1
     echo "gpu_check images rc $?"; grep all_correctness_pass "$OUT/gpu_check_images.log"
+}
+vlm_2b_check() {  # the real-tower 2B (written first if missing) in bf16 with images against transformers in fp32
+    p2bv
+    timeout "$(left 10)" python3 benchmarks/gpu_check.py --vlm-2b /tmp/p2bv --vlm-2b-only --out "$OUT" \
+        > "$OUT/gpu_check_vlm_2b.log" 2>&1
+    echo "gpu_check vlm-2b rc $? ($(date +%T))"; grep -E "^2B VLM|all_correctness_pass" "$OUT/gpu_check_vlm_2b.log"
 }
 p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1; }
 
@@ -258,6 +265,7 @@ case "${1:?phase}" in
     measure vllm /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32
     ;;
   images-check) images_check ;;
+  vlm-2b-check) vlm_2b_check ;;
   check) check ;;
   spec)
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \
