@@ -151,6 +151,8 @@ def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "
         for name, p in model.named_parameters():
             if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "language_model.norm.weight")):
                 p.normal_(0.0, 0.1)
+            elif vision != "toy" and name.startswith("model.visual."):
+                _spread_vision(name, p)
     model.save_pretrained(out)
     del model
     add_random_mtp(out, text, seed)
@@ -163,6 +165,19 @@ def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "
     else:
         write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))
     print(f"wrote {shape_name} shape (VLM form, {vision} vision tower, MTP layer) to {out}")
+
+
+def _spread_vision(name: str, p: Any) -> None:
+    """A vision-tower tensor moved off transformers' init (std 0.02, zero biases, unit LayerNorms) to unit gain, with
+    small random biases and LayerNorm affines: images then move the text model's logits by O(1), as a trained
+    tower's do, so a check comparing outputs with other images can tell them apart."""
+    if name.endswith("pos_embed.weight"):
+        p.normal_(0.0, 0.5)
+    elif p.dim() == 1:
+        base = 1.0 if name.split(".")[-2].startswith("norm") and name.endswith("weight") else 0.0
+        p.normal_(base, 0.1)
+    else:
+        p.normal_(0.0, 1.0 / p[0].numel() ** 0.5)
 
 
 def write_image_files(out: str, tower: dict[str, Any], vocab_size: int, model_max_length: int) -> None:
