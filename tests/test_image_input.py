@@ -402,3 +402,14 @@ def test_a_prompt_dropping_a_screenshot_resumes_before_it(vlm: tuple[str, object
         assert (out.num_cached_tokens or 0) == 0  # type: ignore[attr-defined]
     else:
         assert (out.num_cached_tokens or 0) == (before // 16) * 16 > 0  # type: ignore[attr-defined]
+
+
+def test_preempted_image_requests_recompute_right(vlm: tuple[str, object]) -> None:
+    """A KV cache too small for the batch: requests with images are preempted and recomputed from their prompts
+    (the worker keeps their images and positions); outputs equal transformers' and the pools end empty."""
+    llm = make_llm(vlm[0], num_kv_blocks=20, max_num_batched_tokens=32, enable_prefix_caching=False)
+    cases = [(user_turn(f"Case {i}: {IMAGE} and {IMAGE} describe."), [image(48, 40, 100 + i), image(40, 48, 110 + i)])
+             for i in range(4)]
+    check(vlm, llm, cases)
+    assert llm.get_metrics()["hyserve:num_preemptions"] > 0
+    llm.llm_engine.assert_no_leaks()
