@@ -412,12 +412,18 @@ def image_check(workdir: str, device: str = "cuda", isolate_reference: bool = Tr
         json.dump(image_generate(workdir, device), f)
     if not isolate_reference:
         return image_reference(cases_file)
+    return reference_in_subprocess("--image-reference", cases_file)
+
+
+def reference_in_subprocess(flag: str, cases_file: str) -> dict[str, Any]:
+    """Run this script's reference ``flag`` on ``cases_file`` in a process without CUDA, where fla is not
+    importable and transformers takes its pure-torch path; its last stdout line is the result."""
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, __file__, "--image-reference", cases_file], env=env, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run([sys.executable, __file__, flag, cases_file], env=env, capture_output=True, text=True,
+                          check=False)
     if proc.returncode != 0:
         print(proc.stderr[-3000:], flush=True)
-        raise RuntimeError("image reference process failed")
+        raise RuntimeError(f"reference process ({flag}) failed")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
@@ -630,14 +636,7 @@ def main() -> int:
     cases_file = os.path.join(workdir, "cases.json")
     with open(cases_file, "w") as f:
         json.dump(tiny_generate(workdir), f)
-    # The reference runs where fla is not importable, so transformers takes its pure-torch path.
-    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, __file__, "--tiny-reference", cases_file], env=env, capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], flush=True)
-        raise RuntimeError("tiny reference process failed")
-    tiny = json.loads(proc.stdout.strip().splitlines()[-1])
+    tiny = reference_in_subprocess("--tiny-reference", cases_file)
     for name, r in tiny.items():
         print(f"{name:45s} {r}", flush=True)
     results.update(tiny)
