@@ -293,13 +293,14 @@ def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: t
                    async_scheduling=True)
     runner = _runner(llm)
     seen: list[object] = []
-    real = ModelRunner._mtp_image_inputs
+    real = ModelRunner._image_inputs
 
-    def spy(self: ModelRunner, mm_rows: list, num_tokens: int):  # type: ignore[no-untyped-def,type-arg]
-        out = real(self, mm_rows, num_tokens)
-        seen.append(out[1])
+    def spy(self: ModelRunner, positions, mm_rows, lookahead=0, embed=True):  # type: ignore[no-untyped-def]
+        out = real(self, positions, mm_rows, lookahead, embed)
+        if lookahead == 1:  # an MTP pass
+            seen.append(out[1])
         return out
-    ModelRunner._mtp_image_inputs = spy  # type: ignore[method-assign]
+    ModelRunner._image_inputs = spy  # type: ignore[method-assign]
     try:
         shots = {c: [image(48, 40, 50 + 10 * c + i) for i in range(3)] for c in range(2)}
         for turn in range(3):
@@ -310,7 +311,7 @@ def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: t
             if turn:
                 assert all((o.num_cached_tokens or 0) >= 16 for o in outs)  # type: ignore[attr-defined]
     finally:
-        ModelRunner._mtp_image_inputs = real  # type: ignore[method-assign]
+        ModelRunner._image_inputs = real  # type: ignore[method-assign]
     assert any(s is not None for s in seen)  # MTP passes consumed image rows
     assert runner.num_images_encoded == 6
     assert (runner.graphs is not None) == graphs
@@ -353,7 +354,6 @@ def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, obje
     at its token 0."""
     from hyserve.multimodal.inputs import ImageInput
     from hyserve.multimodal.spans import ImageSpan
-    from hyserve.worker.model_runner import MTPRow
 
     runner = _runner(make_llm(vlm_mtp[0], speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
     im = ImageInput(ImageSpan(5, 4, "h"), np.zeros((16, 1), dtype=np.float32), (1, 4, 4))
@@ -361,9 +361,8 @@ def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, obje
     rows = torch.arange(4.0).unsqueeze(1) + 100  # row r of the image is 100 + r
     monkeypatch.setattr(ModelRunner, "_image_embeddings", lambda self, image: rows)
     runner.mm_prompts["x"] = mm
-    runner.mtp_np["positions"][:6] = 0
-    _, (index, embeds) = runner._mtp_image_inputs(
-        [(0, MTPRow(3, [0] * 4, [0] * 4, [0], "x"), mm), (4, MTPRow(7, [0] * 2, [0] * 2, [0], "x"), mm)], 6)
+    _, (index, embeds) = runner._image_inputs(torch.zeros(6, dtype=torch.long), [(0, 3, 4, mm), (4, 7, 2, mm)],
+                                              lookahead=1)
     assert index.tolist() == [1, 2, 3, 4] and embeds.flatten().tolist() == [100.0, 101.0, 102.0, 103.0]
 
 

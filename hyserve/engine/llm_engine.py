@@ -299,12 +299,6 @@ class LLMEngine:
         if not images:
             self._check_no_placeholders(ids)
             return ids, None
-        mm_config = self.model_config.multimodal
-        if mm_config is None:
-            why = ("image input is off (--limit-mm-per-prompt image=0)" if self.config.image_limit == 0 else
-                   "this checkpoint has no vision tower (its config.json has no vision_config): image input needs a "
-                   "Qwen3_5ForConditionalGeneration checkpoint")
-            raise ValueError(why)
         return self.prepare_images(ids, images)
 
     def prepare_images(self, ids: list[int], images: list[Any]) -> tuple[list[int], MultimodalPrompt]:
@@ -314,8 +308,8 @@ class LLMEngine:
         mm_config = self.model_config.multimodal
         if mm_config is None:
             raise ValueError("image input is off (--limit-mm-per-prompt image=0)" if self.config.image_limit == 0
-                             else "this checkpoint has no vision tower: image input needs a "
-                                  "Qwen3_5ForConditionalGeneration checkpoint")
+                             else "this checkpoint has no vision tower (its config.json has no vision_config): "
+                                  "image input needs a Qwen3_5ForConditionalGeneration checkpoint")
         limit = self.config.image_limit
         if len(images) > limit:
             raise ValueError(f"the prompt has {len(images)} images; at most {limit} per prompt are allowed "

@@ -58,6 +58,11 @@ class StepMetadata:
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
+    def rotary_positions(self) -> torch.Tensor:
+        """What the rotary embedding reads: the (3, T) M-RoPE positions where the step has them, else ``positions``."""
+        return self.mrope_positions if self.mrope_positions is not None else self.positions
+
+    @property
     def num_rows(self) -> int:
         return int(self.state_slots.shape[0])
 

@@ -21,11 +21,16 @@ a chunk ``[a, b)`` of it -- a chunked-prefill step, or the uncached suffix after
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyserve.layers.rotary import RotaryEmbedding, apply_rope
 from hyserve.model.vision import vision_token_count
+
+if TYPE_CHECKING:
+    from hyserve.config import MultimodalConfig
+    from hyserve.model.metadata import StepMetadata
 
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 
@@ -112,6 +117,22 @@ def frequency_axes(num_freqs: int, mrope_section: Sequence[int]) -> torch.Tensor
     axes[(i % 3 == 1) & (i < 3 * mrope_section[1])] = 1
     axes[(i % 3 == 2) & (i < 3 * mrope_section[2])] = 2
     return axes
+
+
+def text_rotary(rotary_dim: int, base: float, multimodal: MultimodalConfig | None) -> RotaryEmbedding:
+    """The text model's rotary (and the MTP head's): M-RoPE for a checkpoint with a vision tower, which is exactly
+    the plain rotary for (T,) positions."""
+    if multimodal is None:
+        return RotaryEmbedding(rotary_dim, base)
+    return MRotaryEmbedding(rotary_dim, base, multimodal.mrope_section)
+
+
+def with_image_rows(x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    """Token embeddings ``x`` (T, hidden) with the step's image rows (``meta.image_embeds``) at their tokens."""
+    if meta.image_embeds is None:
+        return x
+    index, rows = meta.image_embeds
+    return x.index_copy(0, index, rows.to(x.dtype))
 
 
 class MRotaryEmbedding(RotaryEmbedding):

@@ -21,7 +21,6 @@ from torch import nn
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.layers.linear import Linear
 from hyserve.layers.norm import RMSNorm
-from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.loader import (
     apply_kv_scale,
     check_tensor,
@@ -33,7 +32,7 @@ from hyserve.model.loader import (
     split_kv_scale,
 )
 from hyserve.model.metadata import StepMetadata
-from hyserve.model.mrope import MRotaryEmbedding
+from hyserve.model.mrope import text_rotary, with_image_rows
 from hyserve.model.qwen3_5 import Attention, DecoderLayer
 
 
@@ -43,9 +42,7 @@ class MTPHead(nn.Module):
         self.config = cfg
         h = cfg.hidden_size
         layer_cfg = dataclasses.replace(cfg, layer_types=[FULL_ATTENTION], num_hidden_layers=1)
-        mm = cfg.multimodal
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if mm is None \
-            else MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, mm.mrope_section)
+        self.rotary = text_rotary(cfg.rotary_dim, cfg.rope_theta, cfg.multimodal)
         self.fc = Linear(2 * h, h, quant=cfg.quantization, prefix="mtp.fc")
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
@@ -60,12 +57,9 @@ class MTPHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: StepMetadata,
                 embed: nn.Embedding) -> torch.Tensor:
-        tokens = embed(input_ids)
-        if meta.image_embeds is not None:  # position p's input is token p + 1: an image row where that is one
-            index, rows = meta.image_embeds
-            tokens = tokens.index_copy(0, index, rows.to(tokens.dtype))
+        tokens = with_image_rows(embed(input_ids), meta)  # position p's input is token p + 1, an image row or not
         x = torch.cat([self.pre_fc_norm_embedding(tokens), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        self.rotary.prepare(meta.mrope_positions if meta.mrope_positions is not None else meta.positions)
+        self.rotary.prepare(meta.rotary_positions)
         residual, pending = self.layers[0](self.fc(x), meta)
         return self.norm.add(residual, pending)[1]
 

@@ -33,7 +33,7 @@ from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.base import CausalLM, KVCacheLayer, RecurrentLayer
 from hyserve.model.metadata import StepMetadata
-from hyserve.model.mrope import MRotaryEmbedding
+from hyserve.model.mrope import text_rotary, with_image_rows
 from hyserve.model.vision import VisionModel
 
 
@@ -270,11 +270,7 @@ class TextModel(nn.Module):
         super().__init__()
         self.start, self.end = stage_layers(cfg.num_hidden_layers)
         self.is_first, self.is_last = is_first_stage(), is_last_stage()
-        mm = cfg.multimodal
-        # M-RoPE for a checkpoint with a vision tower: (3, T) positions where a step reaches an image; with (T,)
-        # positions it is exactly the plain rotary.
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if mm is None \
-            else MRotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, mm.mrope_section)
+        self.rotary = text_rotary(cfg.rotary_dim, cfg.rope_theta, cfg.multimodal)
         self.embed_tokens: VocabParallelEmbedding | None = None
         if self.is_first or (self.is_last and (cfg.tie_word_embeddings or cfg.mtp_num_hidden_layers > 0)):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -289,13 +285,10 @@ class TextModel(nn.Module):
         pending: torch.Tensor | None
         if intermediate is None:
             assert self.embed_tokens is not None and self.is_first, "a later stage needs the previous one's output"
-            x, pending = self.embed_tokens(input_ids), None
-            if meta.image_embeds is not None:
-                index, embeds = meta.image_embeds
-                x = x.index_copy(0, index, embeds.to(x.dtype))
+            x, pending = with_image_rows(self.embed_tokens(input_ids), meta), None
         else:
             x, pending = intermediate
-        self.rotary.prepare(meta.mrope_positions if meta.mrope_positions is not None else meta.positions)
+        self.rotary.prepare(meta.rotary_positions)
         for layer in self._own_layers:
             x, pending = layer(x, meta, pending)
         if self.norm is None:
@@ -311,8 +304,6 @@ class TextModel(nn.Module):
             return self.embed_tokens is not None
         if name.startswith(("model.norm.", "lm_head.", "mtp.")):
             return self.is_last
-        if name.startswith("visual."):
-            return self.is_first
         return True
 
 

@@ -66,6 +66,11 @@ class MultimodalPrompt:
         """(3, end - start) positions of tokens [start, end)."""
         return mrope_slice(torch.from_numpy(self.positions), self.rope_delta, start, end)
 
+    def reaches(self, start: int, n: int, lookahead: int = 0) -> bool:
+        """Whether a pass over positions [start, start + n) that reads the tokens ``lookahead`` later (the MTP head:
+        1) needs three-axis positions or image rows."""
+        return self.needs_axes(start) or bool(self.overlapping(start + lookahead, start + n + lookahead))
+
     def overlapping(self, start: int, end: int) -> list[ImageInput]:
         """The images whose placeholders intersect tokens [start, end)."""
         return [im for im in self.images if im.span.offset < end and im.end > start]

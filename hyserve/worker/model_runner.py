@@ -687,17 +687,17 @@ class ModelRunner:
         prev: list[tuple[int, int]] = []  # (token index, row of the previous step) of PREVIOUS_SAMPLED inputs
         draft_at: list[int] = []  # token index of every verify row's drafts, in row order
         drafts_fed: list[tuple[int, int]] = []  # (token index, flat index into draft_slots) of PREVIOUS_DRAFT inputs
-        mm_rows: list[tuple[int, ScheduledRow, MultimodalPrompt]] = []  # (first token index, row, prompt) with images
+        mm_rows: list[tuple[int, int, int, MultimodalPrompt]] = []  # (first token index, start, length, prompt)
         for i, row in enumerate(rows):
             n, start, end = row.num_new_tokens, row.start, row.end
-            mm = self.mm_prompts.get(row.req_id) if self.mm_prompts else None
+            mm = self._mm(row.req_id)
             # A prompt with images: a 1-D position past its last image is the index + rope_delta (the KV slot stays
             # the index); a chunk before that end takes three-axis positions (below).
             shift = 0
             if mm is not None:
                 shift = mm.position_shift(start)
                 if mm.needs_axes(start):
-                    mm_rows.append((t, row, mm))
+                    mm_rows.append((t, start, n, mm))
             ids = row.token_ids
             if row.is_verify:
                 assert i == num_verify, "verify rows must come first"
@@ -790,29 +790,36 @@ class ModelRunner:
             )
         if mm_rows:
             assert pad_to is None, "a step reaching an image runs eagerly"
-            meta.mrope_positions, meta.image_embeds = self._image_inputs(mm_rows, t)
+            # On a later pipeline stage the first one embedded the images.
+            meta.mrope_positions, meta.image_embeds = self._image_inputs(
+                self.host_bufs["positions"][:t], mm_rows, embed=self.is_first_stage)
         self.last_meta = meta
         return meta, views["input_ids"], views["logits_indices"]
 
     # ------------------------------------------------------------------ image input
 
-    def _image_inputs(self, mm_rows: list[tuple[int, ScheduledRow, MultimodalPrompt]], num_tokens: int
+    def _image_inputs(self, host_positions: torch.Tensor, mm_rows: list[tuple[int, int, int, MultimodalPrompt]],
+                      lookahead: int = 0, embed: bool = True
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The step's (3, T) positions (the rows in ``mm_rows`` take their prompt's three axes, every other token
-        its 1-D position on each axis), and on the first stage the encoder rows of the image placeholders the step
-        feeds, with their token indices. A chunk that cuts an image's span takes the rows of its part."""
-        positions = self.host_bufs["positions"][:num_tokens].clone().expand(3, -1).contiguous()
+        """A step's (3, T) positions and its image rows, for ``mm_rows`` = (first token index, start, length, prompt).
+
+        Each listed row starting before its prompt's last image takes the prompt's three axes, every other token its
+        1-D position (``host_positions``) on each axis. With ``embed``, the token at position p reads the encoder row
+        of sequence index p + ``lookahead`` where that is an image placeholder (the target: 0; the MTP head, which
+        consumes the next token: 1); a row that cuts an image's span takes the rows of its part."""
+        positions = host_positions.clone().expand(3, -1).contiguous()
         index: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
-        for t0, row, mm in mm_rows:
-            start, end = row.start, row.end
-            positions[:, t0 : t0 + end - start] = mm.axes(start, end)
-            if not self.is_first_stage:  # the first stage embedded the images
+        for t0, start, n, mm in mm_rows:
+            if mm.needs_axes(start):
+                positions[:, t0 : t0 + n] = mm.axes(start, start + n)
+            if not embed:
                 continue
-            for im in mm.overlapping(start, end):
-                a, b = max(start, im.span.offset), min(end, im.end)
+            lo, hi = start + lookahead, start + n + lookahead
+            for im in mm.overlapping(lo, hi):
+                a, b = max(lo, im.span.offset), min(hi, im.end)
                 embeds.append(self._span_rows(im, a, b))
-                index.append(torch.arange(t0 + a - start, t0 + b - start))
+                index.append(torch.arange(t0 + a - lo, t0 + b - lo))
         mrope = positions.to(self.device, non_blocking=True)
         if not embeds:
             return mrope, None
@@ -1266,21 +1273,24 @@ class ModelRunner:
             return hidden[:0]
         return self.model.compute_logits(hidden[logits_indices])
 
+    def _mm(self, req_id: str | None) -> MultimodalPrompt | None:
+        """Request ``req_id``'s images and positions, if its prompt has images."""
+        return self.mm_prompts.get(req_id) if req_id is not None and self.mm_prompts else None
+
     def position_shift(self, req_id: str, start: int) -> int:
         """What request ``req_id``'s 1-D rotary positions add to the index from ``start`` on (its rope_delta past
         its prompt's last image; 0 for a text prompt)."""
-        mm = self.mm_prompts.get(req_id) if self.mm_prompts else None
+        mm = self._mm(req_id)
         return mm.position_shift(start) if mm is not None else 0
 
     def _mtp_reaches_image(self, row: MTPRow) -> bool:
         """Whether an MTP pass row needs three-axis positions or an image row as its input."""
-        mm = self.mm_prompts.get(row.req_id) if row.req_id is not None and self.mm_prompts else None
-        n = len(row.input_ids)
-        return mm is not None and (mm.needs_axes(row.start) or bool(mm.overlapping(row.start + 1, row.start + n + 1)))
+        mm = self._mm(row.req_id)
+        return mm is not None and mm.reaches(row.start, len(row.input_ids), lookahead=1)
 
     def _reaches_image(self, row: ScheduledRow) -> bool:
         """Whether ``row`` starts before its prompt's last image ends (three-axis positions, image embeddings)."""
-        mm = self.mm_prompts.get(row.req_id) if self.mm_prompts else None
+        mm = self._mm(row.req_id)
         return mm is not None and mm.needs_axes(row.start)
 
     def _load_states(self, rows: list[ScheduledRow]) -> None:
@@ -1376,16 +1386,16 @@ class ModelRunner:
         t = 0
         max_q = max_s = 0
         nb["query_start_loc"][0] = 0
-        mm_rows: list[tuple[int, MTPRow, MultimodalPrompt]] = []
+        mm_rows: list[tuple[int, int, int, MultimodalPrompt]] = []
         for i, row in enumerate(rows):
             n = len(row.input_ids)
             table = row.block_table
-            mm = self.mm_prompts.get(row.req_id) if row.req_id is not None and self.mm_prompts else None
+            mm = self._mm(row.req_id)
             shift = 0
             if mm is not None:
                 shift = mm.position_shift(row.start)
-                if mm.needs_axes(row.start) or mm.overlapping(row.start + 1, row.start + n + 1):
-                    mm_rows.append((t, row, mm))
+                if mm.reaches(row.start, n, lookahead=1):
+                    mm_rows.append((t, row.start, n, mm))
             if n == 1:  # drafting passes: scalar writes
                 nb["input_ids"][t] = row.input_ids[0]
                 nb["hidden_index"][t] = row.hidden_index[0]
@@ -1419,29 +1429,9 @@ class ModelRunner:
                             slot_mapping=v["slot_mapping"], max_query_len=max_q, max_seq_len=max_s)
         if mm_rows:
             assert pad_to is None, "an MTP pass reaching an image runs eagerly"
-            meta.mrope_positions, meta.image_embeds = self._mtp_image_inputs(mm_rows, t)
+            meta.mrope_positions, meta.image_embeds = self._image_inputs(self.mtp_host["positions"][:t], mm_rows,
+                                                                         lookahead=1)
         return meta, v
-
-    def _mtp_image_inputs(self, mm_rows: list[tuple[int, MTPRow, MultimodalPrompt]], num_tokens: int
-                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The MTP pass's (3, T) positions (the target's at the same positions) and its image rows: position p
-        consumes token p + 1, so where that token is an image placeholder its input is the image's encoder row
-        there (what the target's input embedding was), one token shifted."""
-        positions = self.mtp_host["positions"][:num_tokens].clone().expand(3, -1).contiguous()
-        index: list[torch.Tensor] = []
-        embeds: list[torch.Tensor] = []
-        for t0, row, mm in mm_rows:
-            start, n = row.start, len(row.input_ids)
-            if mm.needs_axes(start):
-                positions[:, t0 : t0 + n] = mm.axes(start, start + n)
-            for im in mm.overlapping(start + 1, start + n + 1):
-                a, b = max(start + 1, im.span.offset), min(start + n + 1, im.end)
-                embeds.append(self._span_rows(im, a, b))
-                index.append(torch.arange(t0 + a - 1 - start, t0 + b - 1 - start))
-        mrope = positions.to(self.device, non_blocking=True)
-        if not embeds:
-            return mrope, None
-        return mrope, (torch.cat(index).to(self.device), torch.cat(embeds))
 
     @torch.inference_mode()
     def mtp_forward(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> torch.Tensor:
