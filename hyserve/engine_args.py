@@ -37,15 +37,23 @@ def layer_counts(value: str) -> list[int]:
 
 
 def normalize_mm_limits(value: Any) -> dict[str, int]:
-    """``limit_mm_per_prompt`` as EngineConfig takes it: ``{"image": 2}``, or vLLM's ``{"image": {"count": 2}}``
-    (its ``width``/``height`` only size vLLM's memory-profiling dummies, which hyserve does not run, so they are
-    dropped). Raises ValueError naming the entry; modalities are checked by ``EngineConfig.validate``."""
+    """``limit_mm_per_prompt`` as EngineConfig takes it: ``{"image": 2}``, or vLLM's ``{"image": {"count": 2}}``.
+    vLLM's ``width``/``height`` (the size of its memory-profiling images) are refused: hyserve's profile encodes
+    the processor's largest image, so they would be accepted and ignored. Raises ValueError naming the entry;
+    modalities are checked by ``EngineConfig.validate``."""
     if not isinstance(value, Mapping):
         raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 2}} (got {value!r})")
     out: dict[str, int] = {}
     for modality, limit in value.items():
         if isinstance(limit, Mapping):
-            extra = sorted(set(limit) - {"count", "width", "height"})
+            sized = [k for k in ("width", "height") if k in limit]
+            if sized:
+                verb = "is" if len(sized) == 1 else "are"
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}]: {' and '.join(sized)} {verb} not used (the "
+                                 "memory profile encodes the largest image the checkpoint's processor makes); give "
+                                 "only the "
+                                 f"count, e.g. {{\"{modality}\": {{\"count\": {limit.get('count', 2)}}}}}")
+            extra = sorted(set(limit) - {"count"})
             if extra or "count" not in limit:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}]: give a count, e.g. {{\"{modality}\": 2}} or "
                                  f"{{\"{modality}\": {{\"count\": 2}}}} (got {json.dumps(limit)})")

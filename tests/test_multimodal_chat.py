@@ -263,7 +263,8 @@ def test_image_token_count_matches_the_processor(size: tuple[int, int]) -> None:
 def test_limit_mm_per_prompt_flag_forms() -> None:
     assert mm_limits('{"image": 2}') == {"image": 2}
     assert mm_limits('{"image": {"count": 3}}') == {"image": 3}
-    assert mm_limits('{"image": {"count": 1, "width": 512, "height": 512}}') == {"image": 1}
+    with pytest.raises(argparse.ArgumentTypeError, match="width and height are not used"):
+        mm_limits('{"image": {"count": 1, "width": 512, "height": 512}}')
     assert mm_limits('{"image": 0}') == {"image": 0}
     for bad, needle in [("{image: 2}", "not valid JSON"), ("[2]", "JSON object"), ('{"image": -1}', "non-negative"),
                         ('{"image": "2"}', "non-negative"), ('{"image": true}', "non-negative"),
