@@ -26,20 +26,25 @@ def port_number(value: str) -> int:
     return port
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise ``ValueError`` naming the address if ``host:port`` cannot be bound: checked before the model loads, so
-    a port in use fails in a second, not after the load. (Another process may still take it in between.)"""
+def bind_port(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` now and return the socket, which the server later listens on. Bound before the model
+    loads, so a port in use fails in a second, not after the load; and held from then on, so nothing started
+    during the load (worker processes, a distributed store, their ephemeral ports) can take it. Not listening
+    yet: until the engine is up, a client is refused at once rather than left waiting. Raises ``ValueError``
+    naming the address when it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # As uvicorn binds: SO_REUSEADDR, so a port left in TIME_WAIT by a previous run counts as free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ValueError(f"cannot listen on {host}:{port}: the address is already in use (another server "
-                                 "running?); pick another --port or stop it") from None
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # As uvicorn binds: SO_REUSEADDR, so a port left in TIME_WAIT by a previous run counts as free.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"cannot listen on {host}:{port}: the address is already in use (another server "
+                             "running?); pick another --port or stop it") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +81,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Serve the packaged default model on a free loopback port, ask it over HTTP, print the answers, stop."""
-    import socket
     import threading
 
     import httpx
@@ -88,11 +92,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model = args.model or default_model_dir()
     engine = make_llm(args, model).llm_engine
     app = build_app(AsyncEngine(engine, start=False), None)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    sock = bind_port("127.0.0.1", 0)  # held until the server listens on it
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
@@ -117,12 +120,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        sock.close()
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve MODEL_DIR over the OpenAI-compatible HTTP API until interrupted."""
-    check_port_free(args.host, args.port)
+    sock = bind_port(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     if args.model is None:
         from hyserve.llm import default_model_dir
 
@@ -151,7 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "API key: %s", "required on /v1/* (/health, /version and /metrics stay open)" if api_key else
         "none (--api-key or HYSERVE_API_KEY sets one)")
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()  # workers in other processes or on other ranks stop with the server
     return 0

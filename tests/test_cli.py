@@ -4,6 +4,7 @@ errors found before the model loads, help texts that show every default, and the
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import socket
 from typing import Any
@@ -80,7 +81,34 @@ def test_port_in_use_fails_before_the_model_loads(capsys: pytest.CaptureFixture[
         assert cli.main(["serve", "--device", "cpu", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}: the address is already in use" in err
-    cli.check_port_free("127.0.0.1", port)  # free again once the other socket closed
+    cli.bind_port("127.0.0.1", port).close()  # free again once the other socket closed
+
+
+def test_port_is_held_while_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bound from the check until the server listens: nothing started during the load (worker processes, a
+    distributed store) can take it; and refused, not queued, until then."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seen: dict[str, Any] = {}
+
+    def load(*args: Any, **kw: Any) -> Any:
+        with socket.socket() as other:
+            try:
+                other.bind(("127.0.0.1", port))
+                seen["bind"] = "free"
+            except OSError as e:
+                seen["bind"] = e.errno
+        with socket.socket() as client:
+            seen["connect"] = client.connect_ex(("127.0.0.1", port))
+        raise RuntimeError("stop after the check")
+
+    monkeypatch.setattr(cli, "make_llm", load)
+    with pytest.raises(RuntimeError, match="stop after the check"):
+        cli.cmd_serve(cli.build_parser().parse_args(["serve", "--device", "cpu", "--port", str(port)]))
+    assert seen["bind"] == errno.EADDRINUSE
+    assert seen["connect"] == errno.ECONNREFUSED
+    cli.bind_port("127.0.0.1", port).close()  # released when serve ends
 
 
 def test_cpu_cache_errors_name_the_cpu_flag() -> None:
