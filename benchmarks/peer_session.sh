@@ -271,8 +271,10 @@ case "${1:?phase}" in
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
     [ -d /tmp/mtp2b ] || python3 benchmarks/shapes.py --shape 2b --mtp --init stable --out /tmp/mtp2b > /dev/null 2>&1
-    for variant in "" --no-device-chain; do  # verify steps enqueued whole, and the host-wait path before it
-        name=spec_mtp2b${variant:+_no_chain}
+    # rows behind rows in flight; verify rows waiting for their counts (whole steps enqueued); the host-wait path
+    for variant in "" --no-rows-behind "--no-rows-behind --no-device-chain"; do
+        case "$variant" in "") name=spec_mtp2b ;; --no-rows-behind) name=spec_mtp2b_no_behind ;;
+                           *) name=spec_mtp2b_no_chain ;; esac
         timeout 200 python3 benchmarks/spec_decode_bench.py --model /tmp/mtp2b --device cuda --dtype bfloat16 \
             --out "$OUT/$name" --max-tokens 64 --rates 0.8 --batches 1,32 $variant > "$OUT/$name.log" 2>&1
         echo "$name rc $?"; tail -4 "$OUT/$name.log"

@@ -70,6 +70,44 @@ def control(llm: LLM, proposer: ControlledProposer) -> None:
     eng.drafts.propose = propose  # type: ignore[method-assign]
 
 
+def control_on_device(llm: LLM, proposer: ControlledProposer, prompt_lens: dict[str, int]) -> None:
+    """The controlled drafts for verify rows scheduled behind one in flight too, which read their drafts on the
+    device (``draft_slots``) without the host seeing them: after each step is enqueued, each of its rows' drafts
+    row is overwritten on the device from a table of the controlled continuation (each token replaced by a wrong
+    one with probability 1 - rate, drawn once), at the position its acceptance left there. No host wait."""
+    eng = llm.llm_engine
+    runner = eng.runner
+    if runner.draft_slots is None or not eng.scheduler.async_verify:
+        return
+    k = runner.num_speculative_tokens
+    ids = sorted(proposer.continuations)
+    width = max(len(c) for c in proposer.continuations.values()) + 2 * k + 2
+    table = torch.zeros((len(ids) + 1, width), dtype=torch.long)  # the last row: requests not controlled
+    for n, rid in enumerate(ids):
+        cont = proposer.continuations[rid]
+        table[n, : len(cont)] = torch.tensor([t if proposer.rng.random() < proposer.rate else (t + 1) % proposer.vocab
+                                              for t in cont])
+    table = table.to(runner.device)
+    index = {rid: n for n, rid in enumerate(ids)}
+    execute = runner.execute_model_async
+    j = torch.arange(k, device=runner.device)
+
+    def execute_and_plant(so: Any) -> Any:
+        handle = execute(so)
+        rows = [r for r in so.rows if r.samples and r.req_id in index]
+        if rows and runner.verify_next_start is not None:
+            slots = torch.tensor([r.state_slot for r in rows], dtype=torch.long).to(runner.device, non_blocking=True)
+            meta = torch.tensor([[index[r.req_id], prompt_lens[r.req_id], int(r.is_verify), r.end]
+                                 for r in rows], dtype=torch.long).to(runner.device, non_blocking=True)
+            # The next row's first position: where the acceptance put it (verify rows), else the row's end.
+            start = torch.where(meta[:, 2] == 1, runner.verify_next_start.index_select(0, slots), meta[:, 3])
+            col = (start + 1 - meta[:, 1]).unsqueeze(1) + j  # the drafts' output indices
+            runner.draft_slots.index_copy_(0, slots, table[meta[:, 0].unsqueeze(1), col.clamp(0, width - 1)])
+        return handle
+
+    runner.execute_model_async = execute_and_plant  # type: ignore[method-assign]
+
+
 def has_mtp(model: str) -> bool:
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
@@ -215,6 +253,11 @@ def main() -> int:
     ap.add_argument("--no-device-chain", action="store_true",
                     help="MTP: wait for the accepted counts on the host before the commit and the drafting (the path "
                          "before verify steps were enqueued whole), to compare the two")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="async scheduling on the CPU too (on CUDA it is on by default)")
+    ap.add_argument("--no-rows-behind", action="store_true",
+                    help="MTP under async scheduling: a verify row waits for the accepted count of its request's "
+                         "row in flight (the path before rows were scheduled behind rows in flight)")
     ap.add_argument("--method", choices=("auto", "mtp", "ngram"), default="auto",
                     help="auto: mtp when the checkpoint has mtp.* weights, else ngram")
     args = ap.parse_args()
@@ -225,6 +268,8 @@ def main() -> int:
     sync = args.device == "cuda" and args.sync_steps
     common: dict[str, Any] = dict(model=model, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
                                   max_num_seqs=64, max_model_len=args.prompt_len + args.max_tokens + 64)
+    if args.async_scheduling:
+        common["async_scheduling"] = True
     if args.device == "cuda":
         common["gpu_memory_utilization"] = 0.5  # the KV these runs need is tiny; leaves room for a late free
     else:
@@ -242,7 +287,10 @@ def main() -> int:
         for rate in (float(r) for r in args.rates.split(",")):
             llm = LLM(**common, speculative_config=spec)
             llm.llm_engine.runner.use_device_chain = not args.no_device_chain
-            control(llm, ControlledProposer(want, rate, vocab))
+            llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
+            proposer = ControlledProposer(want, rate, vocab)
+            control(llm, proposer)
+            control_on_device(llm, proposer, {rid: len(p) for rid, p in prompts.items()})
             warm_up(llm, prompts)
             m0 = spec_counts(llm)
             tps, got = timed_decode(llm, prompts, args.max_tokens, sync)
@@ -267,7 +315,8 @@ def main() -> int:
         print("diagnosis (batch 1):", json.dumps(diagnosis), flush=True)
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (2 cores)",
-            "synchronized_steps": sync, "device_chain": not args.no_device_chain, "torch": torch.__version__,
+            "synchronized_steps": sync, "device_chain": not args.no_device_chain,
+            "rows_behind": not args.no_rows_behind, "torch": torch.__version__,
             "model": model, "method": method, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens}
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:

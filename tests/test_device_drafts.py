@@ -36,7 +36,10 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "cpu") -> dict[str, Any]:
+def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "cpu",
+        behind: bool = False) -> dict[str, Any]:
+    """``behind``: verify rows may go behind their request's row in flight (async scheduling); off, both transports
+    schedule the same steps, which the step-for-step comparison needs (tests/test_async_verify.py has them on)."""
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
                    num_kv_blocks=14, max_model_len=192, max_num_batched_tokens=32, max_num_seqs=4,
                    enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=64,
@@ -46,6 +49,7 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
     assert runner.graphs is not None and runner.draft_slots is not None
     if not device_drafts:
         runner.draft_slots = None  # the host transport: the draft graph's tokens are copied to the host
+    eng.scheduler.async_verify = behind and device_drafts  # rows behind rows in flight read drafts on the device
     fed: list[list[int]] = []  # per verify step, the drafts acceptance compared with, in row order
     from_device: list[bool] = []
     placeholders = 0
@@ -133,6 +137,40 @@ def test_a_draft_read_from_the_wrong_row_is_caught(ckpts: CheckpointCache, emula
     assert dev["fed"] != host["fed"]
 
 
+def snapshots_one_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: every candidate snapshot taken one position early."""
+    snaps = ModelRunner._save_snapshots
+
+    def early(self: ModelRunner, rows: list[Any], acc: torch.Tensor) -> None:
+        layers = self.model.recurrent_layers()
+        originals = [layer.snapshot_candidates for layer in layers]
+        for layer, orig in zip(layers, originals, strict=True):
+            layer.snapshot_candidates = (  # type: ignore[method-assign]
+                lambda r, p, e, orig=orig: orig(r, (p - 1).clamp(min=0), e))
+        try:
+            snaps(self, rows, acc)
+        finally:
+            for layer, orig in zip(layers, originals, strict=True):
+                layer.snapshot_candidates = orig  # type: ignore[method-assign]
+
+    monkeypatch.setattr(ModelRunner, "_save_snapshots", early)
+
+
+def planted_targets(path: str, n: int, cut: int, seed: int) -> tuple[dict[str, list[int]], list[int], Any]:
+    """a's and b's plain greedy outputs of ``n`` tokens; f = a's prompt + the first ``cut`` of a's output + 7 more
+    tokens; f's plain output (FOLLOW: with logprobs)."""
+    plain = make_llm(path, enable_prefix_caching=False)
+
+    def solo(prompt: list[int]) -> list[int]:
+        return list(plain.generate([{"prompt_token_ids": prompt}], greedy(n), use_tqdm=False)[0].outputs[0].token_ids)
+
+    want = {"a": solo(PROMPTS["a"]), "b": solo(PROMPTS["b"])}
+    follow = PROMPTS["a"] + want["a"][:cut] + toks(7, seed)
+    ref_f = plain.generate([{"prompt_token_ids": follow}], FOLLOW, use_tqdm=False)[0]
+    want["f"] = list(ref_f.outputs[0].token_ids)
+    return want, follow, ref_f
+
+
 def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabotage: str | None,
                 monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Requests a and b, then f = a's prompt + a's output + more (a prefix hit through a's decode region, whose
@@ -146,27 +184,16 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
             commit(self, acc.clamp(max=0) if isinstance(acc, torch.Tensor) else acc)
 
         monkeypatch.setattr(ModelRunner, "_commit_verified", candidate_zero)
-    elif sabotage == "snapshots":  # candidate snapshots taken one position early
-        snaps = ModelRunner._save_snapshots
-
-        def early(self: ModelRunner, rows: list[Any], acc: torch.Tensor) -> None:
-            layers = self.model.recurrent_layers()
-            originals = [layer.snapshot_candidates for layer in layers]
-            for layer, orig in zip(layers, originals, strict=True):
-                layer.snapshot_candidates = (  # type: ignore[method-assign]
-                    lambda r, p, e, orig=orig: orig(r, (p - 1).clamp(min=0), e))
-            try:
-                snaps(self, rows, acc)
-            finally:
-                for layer, orig in zip(layers, originals, strict=True):
-                    layer.snapshot_candidates = orig  # type: ignore[method-assign]
-
-        monkeypatch.setattr(ModelRunner, "_save_snapshots", early)
+    elif sabotage == "snapshots":
+        snapshots_one_early(monkeypatch)
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
                    max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=True,
                    recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True)
     eng = llm.llm_engine
     runner = eng.runner
+    # Planted after each result: a row behind one in flight would be enqueued before (tests/test_async_verify.py
+    # plants on the worker instead).
+    eng.scheduler.async_verify = False
     update = eng.scheduler.update_from_output
     prompts = {"a": PROMPTS["a"], "b": PROMPTS["b"], "f": follow}
 
@@ -200,15 +227,7 @@ def test_device_chain_commits_and_snapshots_what_was_accepted(ckpts: CheckpointC
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               sabotage: str | None) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
-    plain = make_llm(path, enable_prefix_caching=False)
-
-    def solo(prompt: list[int], n: int) -> list[int]:
-        return list(plain.generate([{"prompt_token_ids": prompt}], greedy(n), use_tqdm=False)[0].outputs[0].token_ids)
-
-    want = {"a": solo(PROMPTS["a"], 24), "b": solo(PROMPTS["b"], 24)}
-    follow = PROMPTS["a"] + want["a"] + toks(7, 320)
-    ref_f = plain.generate([{"prompt_token_ids": follow}], FOLLOW, use_tqdm=False)[0]
-    want["f"] = list(ref_f.outputs[0].token_ids)
+    want, follow, ref_f = planted_targets(path, 24, 24, 320)
     got = planted_run(path, want, follow, sabotage, monkeypatch)
     # f's logprobs from its hit against a plain prefill of its whole prompt (float32; paths differ by rounding).
     drift = max(abs(x - y) for x, y in zip(got["f_logprobs"], chosen_logprobs(ref_f), strict=False))

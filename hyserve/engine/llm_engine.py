@@ -131,7 +131,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.max_num_seqs, self.max_num_batched_tokens, self.block_pool,
                                    self.state_slots, self.max_model_len, self.prefix_cache, self.drafts,
                                    banned_token_ids=functools.partial(banned_token_ids, self.output_processor),
-                                   pipeline_parallel_size=pp)
+                                   pipeline_parallel_size=pp,
+                                   # One rank keeps each request's last token and drafts on the device, where a
+                                   # verify row scheduled behind another reads them.
+                                   async_verify=self.async_scheduling and self.use_mtp
+                                   and config.tensor_parallel_size * pp == 1)
         self.metrics = EngineMetrics()
         self.stats_logger: StatsLogger | None = None
         if not config.disable_log_stats:

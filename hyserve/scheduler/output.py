@@ -54,6 +54,12 @@ class ScheduledRow:
       ``banned_token_ids``: the ids banned while the output is shorter than ``min_tokens``.
     - ``next_token_id``: the request's token at position ``end`` when the host knows it (the MTP head consumes it).
     - ``draft_limit``: MTP drafting may propose tokens up to this many tokens in all (max_tokens, max_model_len).
+    - ``start_on_device``: a verify row scheduled behind its request's verify row still in flight (async
+      scheduling): its position depends on that row's accepted count, which the host learns later. ``start`` is
+      then a lower bound and ``max_start`` the upper one until the scheduler learns the count (it sets ``start``
+      then); the worker takes the start, the last token (``PREVIOUS_SAMPLED``) and the drafts (``PREVIOUS_DRAFT``)
+      from what the earlier row's acceptance left on the device. ``candidate_snapshot`` is then ``(-1, entry)``:
+      the point is the last block boundary the row reaches, known with its start.
     """
 
     req_id: str
@@ -71,6 +77,8 @@ class ScheduledRow:
     banned_token_ids: list[int] = field(default_factory=list)
     next_token_id: int | None = None
     draft_limit: int = 0
+    start_on_device: bool = False
+    max_start: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -79,6 +87,11 @@ class ScheduledRow:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def latest_start(self) -> int:
+        """The start, or for a row whose start is on the device the latest it can be."""
+        return self.max_start if self.start_on_device else self.start
 
     @property
     def num_drafts(self) -> int:

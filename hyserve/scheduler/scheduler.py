@@ -27,8 +27,11 @@ the wait ends when the sharer passes that point, finishes or is preempted, whate
 Steps in flight (async scheduling). A step may be scheduled before the previous step's result is in. A request's
 tokens then run ahead of what is computed: ``num_inflight_tokens`` are scheduled and not yet reported, and a plain
 decoding request whose sampled token is not known yet feeds ``PREVIOUS_SAMPLED`` (the worker has that token on the
-device). A speculating request waits for its accepted count before its next verify row (its position depends on
-it). A result is read only through the rows of its own step: each row names its request by id, and a request that
+device). A speculating request's next verify row is scheduled behind the one in flight where nothing in it but its
+position depends on that row's accepted count (``_can_verify_behind``): it feeds the last token and the drafts that
+row's acceptance and drafting leave on the device, its blocks are reserved for the latest start it can have, and
+its start is set when the count comes in (``_place``; ScheduledRow.start_on_device). Otherwise it waits for the
+count. A result is read only through the rows of its own step: each row names its request by id, and a request that
 was preempted or finished after the step was scheduled takes none of the step's effects on memory.
 
 Liveness: admission never waits for memory that cannot be freed. A request's first chunk needs the blocks of
@@ -49,6 +52,7 @@ from hyserve.cache.prefix_cache import PrefixCache, PrefixHit, extend_block_hash
 from hyserve.cache.state_slots import StateSlots
 from hyserve.request import Request, RequestStatus
 from hyserve.scheduler.output import (
+    PREVIOUS_DRAFT,
     PREVIOUS_SAMPLED,
     NewRequestData,
     RunnerOutput,
@@ -79,7 +83,7 @@ class Scheduler:
                  state_slots: StateSlots, max_model_len: int, prefix_cache: PrefixCache | None = None,
                  drafts: DraftManager | None = None,
                  banned_token_ids: Callable[[Request], list[int]] | None = None,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, async_verify: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = block_pool
@@ -103,6 +107,12 @@ class Scheduler:
         # it), and the stages before the last learn each verify step's accepted counts from a later step.
         self.pipeline_parallel_size = pipeline_parallel_size
         self._verify_commits: list[tuple[int, list[int]]] = []
+        # Verify rows behind verify rows in flight (async scheduling, one rank, MTP drafts on the device): each
+        # request's newest verify row in flight, and its row whose start waits for that row's accepted count.
+        self.async_verify = async_verify
+        self._verify_in_flight: dict[str, ScheduledRow] = {}
+        self._behind: dict[str, ScheduledRow] = {}
+        self.num_rows_behind = 0  # verify rows scheduled behind one in flight, in all
 
     @property
     def speculative(self) -> bool:
@@ -136,7 +146,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if not self._can_schedule(req):
+            if not self._can_schedule(req, budget):
                 i += 1
                 continue
             row, point = self._chunk(req, req.num_computed_tokens + req.num_inflight_tokens, budget)
@@ -160,12 +170,12 @@ class Scheduler:
             out.verify_commits, self._verify_commits = self._verify_commits, []
         return out
 
-    def _can_schedule(self, req: Request) -> bool:
+    def _can_schedule(self, req: Request, budget: int) -> bool:
         """Whether ``req`` can take part in the next step while its earlier steps are in flight."""
         if not req.num_inflight_samples:
             return True
         if self.speculative:
-            return False  # the next verify row's position and drafts depend on the accepted count
+            return self._can_verify_behind(req, budget)
         if self.pipeline_parallel_size > 1:
             return False  # the sampled token is on the last stage; the first stage needs it as input
         p = req.sampling_params
@@ -173,6 +183,28 @@ class Scheduler:
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
         # The pending token may end the request at max_tokens / max_model_len: do not run a step past it.
         return pending < max_tokens and req.num_tokens + req.num_inflight_samples < self.max_model_len
+
+    def _can_verify_behind(self, req: Request, budget: int) -> bool:
+        """Whether ``req``'s next verify row can go behind its verify row in flight: only where nothing in it but
+        its start depends on that row's accepted count. Both rows take all k drafts whatever the count (the request
+        is far enough from max_tokens and max_model_len), no token position has a seed or a min_tokens ban, no
+        logprobs are asked (they are read from logits the drafting overwrites), the prompt has no images (their
+        positions are the host's), and the row in flight is not behind one itself with its start unknown."""
+        if not self.async_verify or req.num_inflight_samples != 1 or req.request_id in self._behind:
+            return False
+        prev = self._verify_in_flight.get(req.request_id)
+        if prev is None:
+            return False
+        assert self.drafts is not None
+        k = self.drafts.k
+        p = req.sampling_params
+        if budget < k + 1 or p.seed is not None or p.logprobs is not None or req.mm is not None:
+            return False
+        if req.num_output_tokens + 1 < p.min_tokens:  # the row's first output index is at least that
+            return False
+        latest = prev.start + prev.num_new_tokens  # the start if every draft in flight is accepted
+        return latest + 1 + k <= self.drafts.draft_limit(req, self.max_model_len) and \
+            latest + k + 1 <= self.max_model_len
 
     def _admit(self, out: SchedulerOutput, budget: int,
                chunks: list[tuple[Request, ScheduledRow, int | None]]) -> None:
@@ -283,8 +315,14 @@ class Scheduler:
         budget; it is never cut (its snapshot comes from the verified candidate, see ``update_from_output``).
         """
         slot = req.state_slot if req.state_slot is not None else -1
+        if req.num_inflight_samples and self.speculative:  # behind the verify row in flight (_can_verify_behind)
+            assert self.drafts is not None
+            prev = self._verify_in_flight[req.request_id]
+            return ScheduledRow(req.request_id, prev.start + 1, [PREVIOUS_SAMPLED] + [PREVIOUS_DRAFT] * self.drafts.k,
+                                req.block_table, slot, samples=True, is_verify=True, start_on_device=True,
+                                max_start=prev.start + prev.num_new_tokens), None
         if req.num_inflight_samples:  # async: the token this row feeds is still on the device
-            assert not self.speculative and start == req.num_tokens + req.num_inflight_samples - 1
+            assert start == req.num_tokens + req.num_inflight_samples - 1
             return ScheduledRow(req.request_id, start, [PREVIOUS_SAMPLED], req.block_table, slot, samples=True), None
         if self.speculative and start == req.num_tokens - 1 and req.num_output_tokens > 0:
             drafts = req.draft_token_ids[: budget - 1]
@@ -298,8 +336,9 @@ class Scheduler:
                             samples=end == req.num_tokens), point
 
     def _blocks_end(self, req: Request, row: ScheduledRow) -> int:
-        """Tokens the request's blocks must hold for ``row``: its end, plus the MTP head's drafting positions."""
-        end = row.end
+        """Tokens the request's blocks must hold for ``row``: its end (at its latest start), plus the MTP head's
+        drafting positions."""
+        end = row.latest_start + row.num_new_tokens
         if self.drafts is not None and row.samples:
             end = min(end + self.drafts.lookahead_tokens, self.max_model_len)
         return end
@@ -329,7 +368,13 @@ class Scheduler:
             # Snapshot entries are reserved now and filled by the worker right after this step's forward. A chunk
             # of known tokens is cut at its snapshot point, so that point is its end; a verify row or a row of a
             # token still on the device may cross a block boundary whose prefix is known only from the result.
-            if row.is_verify:
+            if row.is_verify and row.start_on_device:
+                # The boundary is known with the start: an entry if the latest start's end crosses one.
+                if ((row.latest_start + row.num_new_tokens) // pc.block_size) * pc.block_size > row.start:
+                    entry = pc.reserve_entry()
+                    if entry is not None:
+                        row.candidate_snapshot = (-1, entry)
+            elif row.is_verify:
                 boundary = (row.end // pc.block_size) * pc.block_size
                 if boundary > row.start:
                     entry = pc.reserve_entry()
@@ -347,12 +392,18 @@ class Scheduler:
             if self.drafts is not None:
                 row.draft_limit = self.drafts.draft_limit(req, self.max_model_len)
             req.num_inflight_samples += 1
+            if row.is_verify:
+                self._verify_in_flight[req.request_id] = row
+                if row.start_on_device:
+                    self._behind[req.request_id] = row
+                    self.num_rows_behind += 1
         elif row.end < req.num_tokens:
             row.next_token_id = req.token_ids(row.end, row.end + 1)[0]
         req.num_inflight_tokens += row.num_new_tokens
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
+        self._forget_in_flight(req)
         req.num_computed_tokens = 0
         req.num_inflight_tokens = 0
         req.num_inflight_samples = 0
@@ -364,6 +415,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _forget_in_flight(self, req: Request) -> None:
+        """Its rows in flight are no longer its (their results are discarded by the epochs)."""
+        self._verify_in_flight.pop(req.request_id, None)
+        self._behind.pop(req.request_id, None)
 
     def _release(self, req: Request) -> None:
         if req.block_table:
@@ -384,6 +440,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
+        self._forget_in_flight(req)
         req.status = RequestStatus.FINISHED
         if self.requests.pop(req.request_id, None) is not None and req.request_id in self._known_to_worker:
             self._known_to_worker.discard(req.request_id)
@@ -422,6 +479,8 @@ class Scheduler:
                 if row.samples:
                     req.num_inflight_samples -= 1
                 a = ro.num_accepted[i]
+                if row.is_verify:
+                    self._verified(req, row, a)
                 req.num_computed_tokens = row.start + max(a, 0) + 1 if row.is_verify else row.end
             reason = None
             if i in ro.errors:
@@ -457,6 +516,34 @@ class Scheduler:
         for req in ended:
             self.finish(req)
         return touched
+
+    def _verified(self, req: Request, row: ScheduledRow, accepted: int) -> None:
+        """Verify row ``row`` of ``req`` is in with ``accepted`` drafts: the row behind it, if any, starts after
+        them."""
+        rid = req.request_id
+        if self._verify_in_flight.get(rid) is row:
+            del self._verify_in_flight[rid]
+        nxt = self._behind.pop(rid, None)
+        if nxt is not None:
+            assert nxt is not row, "a row behind another had its result first"
+            self._place(nxt, row.start + max(accepted, 0) + 1)
+
+    def _place(self, row: ScheduledRow, start: int) -> None:
+        """Set the start of ``row``, scheduled behind a verify row whose count is now known, as the worker found it
+        on the device; and its candidate snapshot's point, the last block boundary it reaches, as the worker
+        computed it (where it reaches none, the worker copied into the pad slot and the entry goes back)."""
+        assert row.start <= start <= row.max_start, (row.start, start, row.max_start)
+        row.start = row.max_start = start
+        if row.candidate_snapshot is not None:
+            pc = self.prefix_cache
+            assert pc is not None
+            entry = row.candidate_snapshot[1]
+            point = (row.end // pc.block_size) * pc.block_size
+            if point > start:
+                row.candidate_snapshot = (point, entry)
+            else:
+                pc.release_entry(entry)
+                row.candidate_snapshot = None
 
     def _publish(self, row: ScheduledRow, req: Request, accepted: int) -> None:
         """Publish what the step computed and verified: full blocks, and the snapshot the row's worker filled.

@@ -269,9 +269,16 @@ class ModelRunner:
         # slot s (the pad slot's row takes the pad rows'), read by its next verify row's PREVIOUS_DRAFT inputs. On a
         # single rank only: a pipeline's first stage, or another tensor-parallel rank, could not read this rank's.
         self.draft_slots: torch.Tensor | None = None
+        # Beside them, per slot, what its last verify row's acceptance found: the next start (start + accepted + 1)
+        # and the last token (the correction or the bonus). A verify row scheduled behind that row while it was in
+        # flight (ScheduledRow.start_on_device) starts from these.
+        self.verify_next_start: torch.Tensor | None = None
+        self.verify_next_token: torch.Tensor | None = None
         if self.mtp is not None and self.pp_size == 1 and tp_size() == 1:
             self.draft_slots = torch.zeros((layout.num_state_slots + 1, self.num_speculative_tokens),
                                            dtype=torch.long, device=self.device)
+            self.verify_next_start = torch.zeros(layout.num_state_slots + 1, dtype=torch.long, device=self.device)
+            self.verify_next_token = torch.zeros(layout.num_state_slots + 1, dtype=torch.long, device=self.device)
         self.max_model_len = max_model_len
         self._allocate_buffers()
         self._init_graphs()
@@ -618,6 +625,7 @@ class ModelRunner:
             "state_slots": ((r,), torch.long), "block_tables": ((r, self.max_blocks_per_seq), torch.int32),
             "logits_indices": ((t,), torch.long), "rest_query_start_loc": ((r + 1,), torch.int32),
             "num_accepted": ((r,), torch.long), "prev_at": ((r,), torch.long), "prev_src": ((r,), torch.long),
+            "verify_starts": ((r,), torch.long),  # each verify row's start (behind rows': set on the device)
         }
         if self.link is not None and not self.is_first_stage:  # the previous stage's (residual, pending) per token
             self.pp_in = dev((t, 2, self.model_config.hidden_size), self.dtype)
@@ -688,6 +696,7 @@ class ModelRunner:
         draft_at: list[int] = []  # token index of every verify row's drafts, in row order
         drafts_fed: list[tuple[int, int]] = []  # (token index, flat index into draft_slots) of PREVIOUS_DRAFT inputs
         mm_rows: list[tuple[int, int, int, MultimodalPrompt]] = []  # (first token index, start, length, prompt)
+        behind: list[tuple[int, int, int]] = []  # (row, first token index, state slot) of rows with the start on device
         for i, row in enumerate(rows):
             n, start, end = row.num_new_tokens, row.start, row.end
             mm = self._mm(row.req_id)
@@ -701,6 +710,10 @@ class ModelRunner:
             ids = row.token_ids
             if row.is_verify:
                 assert i == num_verify, "verify rows must come first"
+                nb["verify_starts"][i] = start
+                if row.start_on_device:  # laid out at its earliest start here, moved on the device below
+                    assert mm is None and n == self.num_speculative_tokens + 1, "a row behind one has all k drafts"
+                    behind.append((i, t, row.state_slot))
                 nb["input_ids"][t : t + n] = ids
                 draft_at.extend(range(t + 1, t + n))
                 if PREVIOUS_DRAFT in ids:
@@ -744,14 +757,14 @@ class ModelRunner:
                 nb["logits_indices"][n_sample] = t - 1
                 n_sample += 1
             max_q = max(max_q, n)
-            max_s = max(max_s, end)
+            max_s = max(max_s, row.latest_start + n)
         r = len(rows)
         rest = r - num_verify
         if num_verify:
             nb["rest_query_start_loc"][: rest + 1] = nb["query_start_loc"][num_verify : r + 1] - num_verify_tokens
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "query_start_loc": r + 1, "seq_lens": r,
                  "state_slots": r, "block_tables": r, "logits_indices": n_sample,
-                 "rest_query_start_loc": rest + 1 if num_verify else 0}
+                 "rest_query_start_loc": rest + 1 if num_verify else 0, "verify_starts": num_verify}
         copies = dict(sizes)
         if pad_to is not None and pad_to > r:
             assert num_verify in (0, r), "a padded step has verify rows only, or none"
@@ -762,6 +775,8 @@ class ModelRunner:
             views[name] = self.dev_bufs[name][:size]
         if prev:
             self._feed_previous_samples(prev)
+        if behind:
+            self._start_behind(behind)
         self.verify_draft_ids = None
         if drafts_fed:
             self._feed_device_drafts(drafts_fed)
@@ -914,6 +929,8 @@ class ModelRunner:
         verify = [i for i, r in enumerate(rows) if r.is_verify]
         sampling_rows = [self._sampling_row(rows[i], i, out.errors) for i in plain]
         spec_rows = [self._spec_row(rows[i], i, out.errors) for i in verify]
+        if any(r.start_on_device for r in rows) and self._device_chain(rows, spec_rows) is None:
+            rows = self._resolve_starts(rows)
         self._load_states(rows)
         if self.num_speculative_tokens:
             logits = self._forward_spec(rows)
@@ -933,12 +950,14 @@ class ModelRunner:
             return self._verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], out, *chain)
         if verify:
             assert self.rejection_sampler is not None
-            spec = self.rejection_sampler(logits[:n_verify], spec_rows, draft_ids=self.verify_draft_ids)
-            self._take_verified(out, verify, spec)
+            pending = self.rejection_sampler.launch(logits[:n_verify], spec_rows, draft_ids=self.verify_draft_ids)
+            self._advance_verified(pending.accepted, pending.emitted)
+            self._take_verified(out, verify, pending.result())
             self._commit_verified([out.num_accepted[i] for i in verify])
         self._save_snapshots(rows, out.num_accepted)
         if self.mtp_proposer is not None:
             out.next_draft_token_ids = self.mtp_proposer.propose(self, rows, out)
+            self._keep_drafts(rows, out.next_draft_token_ids)
         return StepResult(out)
 
     # ------------------------------------------------------------------ a verify step on the device
@@ -950,7 +969,7 @@ class ModelRunner:
         if not self.use_device_chain or self.draft_slots is None or self.mtp_proposer is None or not rows:
             return None
         q = self.num_speculative_tokens + 1
-        if not all(r.is_verify and r.start + q <= self.max_model_len for r in rows):
+        if not all(r.is_verify and r.latest_start + q <= self.max_model_len for r in rows):
             return None
         if any(s.params.logprobs is not None for s in spec_rows):
             return None
@@ -959,11 +978,13 @@ class ModelRunner:
     def _verify_and_draft_on_device(self, rows: list[ScheduledRow], spec_rows: list[SpecRow], logits: torch.Tensor,
                                     out: RunnerOutput, graphs: GraphSet, size: int) -> StepResult:
         """Acceptance, commit of the accepted candidates, candidate snapshots and the whole drafting, enqueued on
-        the device in that order, each reading the accepted counts there; then one wait, for the acceptance's copy
-        to the host (the commit and drafting run on while the host applies the result and schedules on)."""
+        the device in that order, each reading the accepted counts there. The result waits for the acceptance's
+        copy to the host: the commit and drafting run on, and the next step can be enqueued behind them, while
+        the host applies this one."""
         assert self.rejection_sampler is not None and self.mtp_proposer is not None
         pending = self.rejection_sampler.launch(logits, spec_rows, draft_ids=self.verify_draft_ids)
         accepted = pending.accepted
+        self._advance_verified(accepted, pending.emitted)
         if out.errors:  # rows whose sampling inputs failed: their state advances, their drafting is skipped
             failed = device_tensor([i in out.errors for i in range(len(rows))], self.device, torch.bool)
         else:
@@ -980,20 +1001,30 @@ class ModelRunner:
         slots = self.draft_slots_index[:n]
         self.draft_slots.index_copy_(0, slots, tokens[:n])
         first = first[:n].clone()  # the next replay overwrites the graph's output; tests read it after
-        self._take_verified(out, list(range(n)), pending.result())
         proposer = self.mtp_proposer
-        proposer.first_hidden = {}
-        drafts: list[list[int]] = [[] for _ in rows]
         k = self.num_speculative_tokens
-        for i, row in enumerate(rows):
-            if i in out.errors or out.num_accepted[i] < 0:
-                continue
-            num = max(0, min(k, row.draft_limit - (row.start + out.num_accepted[i] + 2)))
-            if num:
-                drafts[i] = [PREVIOUS_DRAFT] * num
-                proposer.first_hidden[row.req_id] = first[i]
-        out.next_draft_token_ids = drafts
-        return StepResult(out)
+        # What the host learns, once the acceptance's copy is in (StepResult.result). A row behind another has
+        # its start on the device: it is reported with k drafts, which the scheduler trims as the device did
+        # (DraftManager.num_drafts is the device's count).
+        starts = [None if r.start_on_device else r.start for r in rows]
+        limits = [r.draft_limit for r in rows]
+        ids = [r.req_id for r in rows]
+
+        def finish() -> None:
+            self._take_verified(out, list(range(n)), pending.result())
+            proposer.first_hidden = {}
+            drafts: list[list[int]] = [[] for _ in range(n)]
+            for i in range(n):
+                if i in out.errors or out.num_accepted[i] < 0:
+                    continue
+                start = starts[i]
+                num = k if start is None else max(0, min(k, limits[i] - (start + out.num_accepted[i] + 2)))
+                if num:
+                    drafts[i] = [PREVIOUS_DRAFT] * num
+                    proposer.first_hidden[ids[i]] = first[i]
+            out.next_draft_token_ids = drafts
+
+        return StepResult(out, finish=finish)
 
     def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
                               failed: torch.Tensor | None, pad_to: int) -> torch.Tensor:
@@ -1045,6 +1076,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._draft_fence = torch.cuda.Event()
             self._draft_fence.record()
+        behind = [i for i, r in enumerate(rows) if r.start_on_device]
+        if behind:
+            self._draft_start_behind(behind)
         d = self.draft_dev
         valid = accepted >= 0
         if failed is not None:
@@ -1081,6 +1115,27 @@ class ModelRunner:
             d["chain_seq_lens"][:, n:pad_to].fill_(1)
         self.draft_slots_index[:n].copy_(torch.where(valid, d["row_slot"][:n], self.state_pool.pad_slot))
         return d["hidden_index"][: pad_to * q]
+
+    def _draft_start_behind(self, behind: list[int]) -> None:
+        """``_fill_draft_on_device``'s start-dependent inputs of the rows behind a verify row in flight (``behind``:
+        their indices), filled by the host at their earliest start, moved to the start on the device."""
+        k = self.num_speculative_tokens
+        q, bs = k + 1, self.block_size
+        d = self.draft_dev
+        b = device_tensor(behind, self.device, torch.long)
+        start = self.dev_bufs["verify_starts"].index_select(0, b)  # verify rows first: row i is verify row i
+        delta = start - d["row_start"].index_select(0, b)
+        d["row_start"].index_copy_(0, b, start)
+        d["row_limit"].index_copy_(0, b, d["row_limit"].index_select(0, b) - delta)
+        d["seq_lens"].index_copy_(0, b, (start + q).to(d["seq_lens"].dtype))
+        o = torch.arange(q, device=self.device)
+        d["positions"].index_copy_(0, (b.unsqueeze(1) * q + o).view(-1), (start.unsqueeze(1) + o).view(-1))
+        pos = start.unsqueeze(1) + torch.arange(2 * k, device=self.device)  # (rows, 2k), as slot_table spans
+        tables = d["block_tables"].index_select(0, b).long()
+        col = pos // bs
+        blk = tables.gather(1, col.clamp(max=tables.shape[1] - 1))
+        inside = (col < tables.shape[1]) & (blk != BlockPool.NULL_BLOCK)  # past the table: the host's -1
+        d["slot_table"].index_copy_(0, b, torch.where(inside, blk * bs + pos % bs, -1))
 
     # ------------------------------------------------------------------ pipeline stages
 
@@ -1309,7 +1364,7 @@ class ModelRunner:
         # A later pipeline stage receives the previous stage's tokens as they are: the graph's layout (every row
         # k + 1 tokens) is theirs only when no row is short.
         graph = self._graph("verify", len(rows),
-                            lambda: all(r.is_verify and r.start + q <= self.max_model_len
+                            lambda: all(r.is_verify and r.latest_start + q <= self.max_model_len
                                         and (self.is_first_stage or r.num_new_tokens == q) for r in rows))
         self._verify_graph_size = graph[1] if graph is not None else None
         if graph is not None:
@@ -1337,11 +1392,16 @@ class ModelRunner:
         on_device = device_counts is not None
         src, dst = [], []
         cand_rows, cand_pos, cand_dst = [], [], []
+        behind_rows, behind_dst = [], []
         for i, row in enumerate(rows):
             if row.snapshot_entry is not None:
                 src.append(row.state_slot)
                 dst.append(row.snapshot_entry)
-            if row.candidate_snapshot is not None:
+            if row.candidate_snapshot is not None and row.start_on_device:
+                assert on_device, "a row behind another with its start on the host"
+                behind_rows.append(i)
+                behind_dst.append(row.candidate_snapshot[1])
+            elif row.candidate_snapshot is not None:
                 point, entry = row.candidate_snapshot
                 j = point - row.start - 1
                 if on_device or num_accepted[i] >= j:
@@ -1349,7 +1409,7 @@ class ModelRunner:
                     cand_pos.append(j)
                     cand_dst.append(entry)
         self.state_pool.copy(src, dst)
-        self._snapshot_candidates(cand_rows, cand_pos, cand_dst, device_counts)
+        self._snapshot_candidates(cand_rows, cand_pos, cand_dst, device_counts, behind_rows, behind_dst)
 
     def _remember_samples(self, rows: list[ScheduledRow], idx: list[int], tokens: torch.Tensor) -> None:
         """Keep this step's sampled ids on the device for the next step's ``PREVIOUS_SAMPLED`` inputs, indexed by
@@ -1378,6 +1438,71 @@ class ModelRunner:
         at = device_tensor([t for t, _ in fed], self.device, torch.long)
         src = device_tensor([j for _, j in fed], self.device, torch.long)
         self.dev_bufs["input_ids"].index_copy_(0, at, self.draft_slots.view(-1).index_select(0, src))
+
+    def _start_behind(self, behind: list[tuple[int, int, int]]) -> None:
+        """Verify rows scheduled behind their request's verify row in flight (``behind``: row, first token index,
+        state slot): their start and first token are what that row's acceptance left in the slot's entries; their
+        positions, KV slots and context lengths follow from the start, through their block tables on the device."""
+        assert self.verify_next_start is not None and self.verify_next_token is not None
+        q = self.num_speculative_tokens + 1
+        bs = self.block_size
+        d = self.dev_bufs
+        row, at, slot = device_tensor([x for b in behind for x in b], self.device, torch.long).view(-1, 3).unbind(1)
+        start = self.verify_next_start.index_select(0, slot)
+        d["verify_starts"].index_copy_(0, row, start)  # verify rows come first: row i is verify row i
+        d["input_ids"].index_copy_(0, at, self.verify_next_token.index_select(0, slot))
+        o = torch.arange(q, device=self.device)
+        pos = start.unsqueeze(1) + o  # (rows, q)
+        tok = (at.unsqueeze(1) + o).view(-1)
+        d["positions"].index_copy_(0, tok, pos.view(-1))
+        tables = d["block_tables"].index_select(0, row).long()
+        d["slot_mapping"].index_copy_(0, tok, (tables.gather(1, pos // bs) * bs + pos % bs).view(-1))
+        d["seq_lens"].index_copy_(0, row, (start + q).to(d["seq_lens"].dtype))
+
+    def _resolve_starts(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """``rows`` with each row behind a verify row in flight replaced by a copy that has its start and first
+        token, read from the device (a wait for the step before): for a step whose drafting comes to the host,
+        which then needs the starts (rows that are not verify rows, no draft graph of its size). The step then
+        runs as if they had been scheduled with them."""
+        assert self.verify_next_start is not None and self.verify_next_token is not None
+        behind = [i for i, r in enumerate(rows) if r.start_on_device]
+        slots = device_tensor([rows[i].state_slot for i in behind], self.device, torch.long)
+        starts = self.verify_next_start.index_select(0, slots).tolist()
+        tokens = self.verify_next_token.index_select(0, slots).tolist()
+        out = list(rows)
+        bs = self.block_size
+        for i, start, token in zip(behind, starts, tokens, strict=True):
+            row = rows[i]
+            cand = row.candidate_snapshot
+            if cand is not None:  # as the scheduler will place it (Scheduler._place)
+                point = ((start + row.num_new_tokens) // bs) * bs
+                cand = (point, cand[1]) if point > start else None
+            out[i] = dataclasses.replace(row, start=start, max_start=start, start_on_device=False,
+                                         token_ids=[token, *row.token_ids[1:]], candidate_snapshot=cand)
+        return out
+
+    def _advance_verified(self, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
+        """Each verify row's next start and last token into its slot's entries, from the accepted counts on the
+        device (``emitted``: each row's tokens, the last one at column accepted): what a row behind it reads."""
+        if self.verify_next_start is None or self.verify_next_token is None or not accepted.numel():
+            return
+        n = accepted.shape[0]
+        slots = self.dev_bufs["state_slots"][:n]
+        a = accepted.clamp(min=0)  # an error row's request ends: what it leaves is never read
+        self.verify_next_start.index_copy_(0, slots, self.dev_bufs["verify_starts"][:n] + a + 1)
+        self.verify_next_token.index_copy_(0, slots, emitted.gather(1, a.unsqueeze(1)).squeeze(1))
+
+    def _keep_drafts(self, rows: list[ScheduledRow], drafts: list[list[int]]) -> None:
+        """Drafts that came to the host (the drafting passes ran one by one) also go to their rows of
+        ``draft_slots``, where a verify row scheduled behind this step reads them."""
+        if self.draft_slots is None:
+            return
+        k = self.num_speculative_tokens
+        fill = [(r.state_slot, d) for r, d in zip(rows, drafts, strict=True) if d and PREVIOUS_DRAFT not in d]
+        if fill:
+            slots = device_tensor([s for s, _ in fill], self.device, torch.long)
+            values = [t for _, d in fill for t in (*d, *[0] * (k - len(d)))]
+            self.draft_slots.index_copy_(0, slots, device_tensor(values, self.device, torch.long).view(-1, k))
 
     def _fill_mtp(self, rows: list[MTPRow], pad_to: int | None = None) -> tuple[StepMetadata, dict[str, torch.Tensor]]:
         """Fill the MTP pass's persistent buffers for ``rows`` (plus pad rows up to ``pad_to``); metadata and views."""
@@ -1589,15 +1714,25 @@ class ModelRunner:
             layer.commit_verified(vm.state_slots, buf[:n])
 
     def _snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int],
-                             accepted: torch.Tensor | None = None) -> None:
+                             accepted: torch.Tensor | None = None, behind_rows: list[int] | None = None,
+                             behind_entries: list[int] | None = None) -> None:
         """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``;
         with ``accepted`` (counts on the device), only where it reached that position, the others into the pad
-        slot."""
-        if not rows:
+        slot. ``behind_rows`` (rows whose start is on the device) take the last block boundary they reach as their
+        point, as the scheduler will (``Scheduler._place``); one that reaches none copies into the pad slot."""
+        if not rows and not behind_rows:
             return
         r = device_tensor(rows, self.device, torch.long)
         p = device_tensor(positions, self.device, torch.long)
         e = device_tensor(entries, self.device, torch.long)
+        if behind_rows:
+            assert accepted is not None and behind_entries is not None
+            b = device_tensor(behind_rows, self.device, torch.long)
+            start = self.dev_bufs["verify_starts"].index_select(0, b)
+            q = self.num_speculative_tokens + 1
+            j = ((start + q) // self.block_size) * self.block_size - start - 1  # -1: no boundary reached
+            eb = torch.where(j >= 0, device_tensor(behind_entries, self.device, torch.long), self.state_pool.pad_slot)
+            r, p, e = torch.cat([r, b]), torch.cat([p, j.clamp(min=0)]), torch.cat([e, eb])
         if accepted is not None:
             e = torch.where(accepted.index_select(0, r) >= p, e, self.state_pool.pad_slot)
         for layer in self.model.recurrent_layers():
@@ -1607,13 +1742,18 @@ class ModelRunner:
 class StepResult:
     """A step enqueued on the device (``ModelRunner.execute_model_async``); ``result()`` is its ``RunnerOutput``."""
 
-    def __init__(self, out: RunnerOutput, plain: list[int] | None = None, samp: PendingSample | None = None) -> None:
+    def __init__(self, out: RunnerOutput, plain: list[int] | None = None, samp: PendingSample | None = None,
+                 finish: Callable[[], None] | None = None) -> None:
         self._out = out
         self._plain = plain or []
         self._samp = samp
+        self._finish = finish  # what fills the rest of ``out`` once the device's results are on the host
 
     def result(self) -> RunnerOutput:
         if self._samp is not None:
             ModelRunner._take_samples(self._out, self._plain, self._samp.result())
             self._samp = None
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
         return self._out

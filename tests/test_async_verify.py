@@ -1,0 +1,220 @@
+"""Verify rows behind verify rows in flight (async scheduling + MTP on one rank): a speculating request's next verify
+row is scheduled and enqueued before the accepted count of its row in flight reaches the host. It starts where that
+count puts it, from the last token and the drafts that row's acceptance and drafting left on the device
+(``ScheduledRow.start_on_device``); the scheduler sets its start when the count comes in.
+
+What could go wrong, and where it shows: a row behind starting at a stale or off-by-one position, or feeding the
+wrong last token (the outputs, against plain decoding); another slot's drafts (the drafts compared, keyed by request
+and position, against the runs without rows behind); a candidate snapshot at the wrong point (a later request's
+prefix hit through the decode region, its logprobs against a plain prefill); blocks or snapshot entries lost when
+a request ends with a row behind in flight (``assert_no_leaks``). Each sabotaged variant below is caught.
+
+On the CPU the draft graphs are emulated (the whole verify step enqueued at once, as on CUDA) or absent (the
+drafting passes run one by one: a row behind then reads its start from the device before the step, one wait).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import CheckpointCache
+from test_device_drafts import FOLLOW, PROMPTS, K, chosen_logprobs, greedy, planted_targets, snapshots_one_early
+from test_engine import drive, make_llm
+
+from hyserve import SamplingParams
+from hyserve.scheduler.scheduler import Scheduler
+from hyserve.worker import cuda_graphs
+from hyserve.worker.model_runner import ModelRunner
+
+LOGPROBS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1)  # never behind
+SPEC = {"method": "mtp", "num_speculative_tokens": K}
+
+
+def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, SamplingParams]) -> dict[str, list[int]]:
+    plain = make_llm(path, enable_prefix_caching=False)
+    return {rid: list(plain.generate([{"prompt_token_ids": p}], params[rid], use_tqdm=False)[0].outputs[0].token_ids)
+            for rid, p in prompts.items()}
+
+
+def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
+    """Break one piece of the mechanism (None: nothing)."""
+    if kind in ("start", "stale", "token"):
+        advance = ModelRunner._advance_verified
+
+        def broken(self: ModelRunner, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
+            assert self.verify_next_start is not None and self.verify_next_token is not None
+            slots = self.dev_bufs["state_slots"][: accepted.shape[0]]
+            before = self.verify_next_start.index_select(0, slots)
+            advance(self, accepted, emitted)
+            if kind == "start":  # the next start one short: start + accepted
+                self.verify_next_start.index_add_(0, slots, torch.full_like(before, -1))
+            elif kind == "stale":  # the start left by the row before: the commit's count not read
+                self.verify_next_start.index_copy_(0, slots, before)
+            else:  # the last token from the column before the accepted count's
+                a = accepted.clamp(min=0)
+                vocab = self.model_config.vocab_size
+                wrong = emitted.gather(1, (a - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+                self.verify_next_token.index_copy_(0, slots, torch.where(a == 0, (wrong + 1) % vocab, wrong))
+        monkeypatch.setattr(ModelRunner, "_advance_verified", broken)
+    elif kind == "place":  # the scheduler places a row behind one position early
+        place = Scheduler._place
+        monkeypatch.setattr(Scheduler, "_place", lambda self, row, start: place(self, row, start - 1))
+    elif kind == "snapshots":
+        snapshots_one_early(monkeypatch)
+    else:
+        assert kind is None
+
+
+def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPatch,
+             stop: dict[str, int] | None = None) -> dict[str, Any]:
+    """Staggered arrivals, an abort, preemption (14 KV blocks), prefix hits, a request asking for logprobs (never
+    behind) and one ending on a stop token, under async scheduling. Records, per (request, start), the drafts each
+    verify row was compared with."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
+    llm = make_llm(path, speculative_config=SPEC, block_size=16, num_kv_blocks=14, max_model_len=192,
+                   max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=True,
+                   recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True)
+    eng = llm.llm_engine
+    runner = eng.runner
+    assert (runner.graphs is not None) == graphs and eng.scheduler.async_verify
+    eng.scheduler.async_verify = behind
+    sampler = runner.rejection_sampler
+    assert sampler is not None
+    launch = sampler.launch
+    fed: dict[int, list[int]] = {}  # step id -> the drafts its acceptance compared with, in row order
+    current: list[int] = []
+    execute = runner.execute_model_async
+
+    def execute_recorded(so: Any) -> Any:
+        current[:] = [so.step_id]
+        return execute(so)
+
+    def record(logits: torch.Tensor, rows: list[Any], draft_probs: Any = None,
+               draft_ids: torch.Tensor | None = None) -> Any:
+        fed[current[0]] = draft_ids.tolist() if draft_ids is not None else [t for r in rows for t in r.draft_token_ids]
+        return launch(logits, rows, draft_probs, draft_ids=draft_ids)
+
+    runner.execute_model_async = execute_recorded  # type: ignore[method-assign]
+    sampler.launch = record  # type: ignore[method-assign]
+    drafts: dict[tuple[str, int], list[int]] = {}
+    update = eng.scheduler.update_from_output
+
+    def keyed(so: Any, ro: Any, sink: Any) -> Any:
+        ran = update(so, ro, sink)  # rows behind have their start from here on
+        flat, at = fed.get(so.step_id, []), 0
+        for row in so.rows:
+            if row.is_verify:
+                drafts.setdefault((row.req_id, row.start), flat[at : at + row.num_drafts])
+                at += row.num_drafts
+        return ran
+
+    eng.scheduler.update_from_output = keyed  # type: ignore[method-assign]
+    stop = stop or {}
+    params = {"a": greedy(26), "b": greedy(22), "gone": greedy(30), "c": LOGPROBS, "d": greedy(29),
+              "e": SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop["e"]] if "e" in stop else None)}
+    arrivals = {0: [("a", PROMPTS["a"], params["a"]), ("b", PROMPTS["b"], params["b"])],
+                3: [("gone", PROMPTS["gone"], params["gone"])],
+                6: [("c", PROMPTS["c"], params["c"]), ("d", PROMPTS["d"], params["d"])],
+                15: [("e", PROMPTS["e"], params["e"])]}
+    final = drive(eng, arrivals, aborts={9: ["gone"]})
+    m = llm.get_metrics()
+    eng.assert_no_leaks()
+    return {"outputs": {rid: list(o.outputs[0].token_ids) for rid, o in final.items() if rid != "gone"},
+            "finish": {rid: o.outputs[0].finish_reason for rid, o in final.items()}, "params": params,
+            "drafts": drafts, "behind": eng.scheduler.num_rows_behind, "preemptions": m["hyserve:num_preemptions"],
+            "hits": sum(o.num_cached_tokens for o in final.values())}
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["draft-graph", "eager-drafting"])
+def test_rows_behind_emit_what_plain_decoding_does(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
+                                                   graphs: bool) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    free = plain_outputs(path, {"e": PROMPTS["e"]}, {"e": greedy(40)})["e"]
+    stop = {"e": free[9]}  # e ends on a stop token inside its output (a verify row in flight ends it)
+    got = workload(path, True, graphs, monkeypatch, stop)
+    want = plain_outputs(path, {rid: PROMPTS[rid] for rid in got["outputs"]}, got["params"])
+    assert got["outputs"] == want
+    assert got["finish"]["e"] == "stop" and len(want["e"]) <= 10
+    assert got["behind"] > 20 and got["preemptions"] > 0 and got["hits"] > 0
+    # The drafts rows behind read are those the same request was given at the same position without them.
+    sync = workload(path, False, graphs, monkeypatch, stop)
+    assert sync["outputs"] == want and sync["behind"] == 0
+    common = sorted(set(got["drafts"]) & set(sync["drafts"]))
+    assert len(common) > 0.6 * len(sync["drafts"])
+    assert [got["drafts"][key] for key in common] == [sync["drafts"][key] for key in common]
+
+
+@pytest.mark.parametrize("kind", ["start", "stale", "token", "place"])
+def test_a_row_behind_in_the_wrong_place_is_caught(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
+                                                   kind: str) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    sabotage(monkeypatch, kind)
+    if kind == "place":  # the scheduler's own check sees a start before the earliest one
+        with pytest.raises(AssertionError, match=r"^\(\d+, \d+, \d+\)$"):  # (earliest, placed, latest)
+            workload(path, True, True, monkeypatch)
+        return
+    got = workload(path, True, True, monkeypatch)
+    assert got["behind"] > 20
+    want = plain_outputs(path, {rid: PROMPTS[rid] for rid in got["outputs"]}, got["params"])
+    assert got["outputs"] != want
+
+
+def planted(path: str, want: dict[str, list[int]], follow: list[int], monkeypatch: pytest.MonkeyPatch
+            ) -> dict[str, Any]:
+    """a and b decode with their true greedy continuation planted as drafts (most are accepted: rows behind start
+    up to k positions past their earliest), then f = a's prompt + a's output + more hits a's decode region, whose
+    snapshots come from verified candidates of rows behind."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    llm = make_llm(path, speculative_config=SPEC, block_size=16, max_model_len=256, max_num_batched_tokens=64,
+                   max_num_seqs=4, enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=64,
+                   async_scheduling=True)
+    eng = llm.llm_engine
+    runner = eng.runner
+    prompts = {"a": PROMPTS["a"], "b": PROMPTS["b"], "f": follow}
+    execute = runner.execute_model_async
+
+    def plant(so: Any) -> Any:  # on the CPU the step has run when this returns: its device values are there
+        handle = execute(so)
+        assert runner.draft_slots is not None and runner.verify_next_start is not None
+        for row in so.rows:
+            if row.is_verify:
+                known = int(runner.verify_next_start[row.state_slot]) + 1
+            elif row.samples:
+                known = row.end + 1
+            else:
+                continue
+            cont = want[row.req_id][known - len(prompts[row.req_id]):][:K]
+            runner.draft_slots[row.state_slot, : len(cont)] = torch.tensor(cont, dtype=torch.long)
+        return handle
+
+    runner.execute_model_async = plant  # type: ignore[method-assign]
+    final = drive(eng, {0: [("a", prompts["a"], greedy(40)), ("b", prompts["b"], greedy(40))],
+                        60: [("f", prompts["f"], FOLLOW)]})
+    m = llm.get_metrics()
+    eng.assert_no_leaks()
+    return {"outputs": {rid: list(o.outputs[0].token_ids) for rid, o in final.items()},
+            "accepted": m["hyserve:spec_decode_num_accepted_tokens"]
+            / max(m["hyserve:spec_decode_num_draft_tokens"], 1),
+            "hit": final["f"].num_cached_tokens, "f_logprobs": chosen_logprobs(final["f"]),
+            "behind": eng.scheduler.num_rows_behind}
+
+
+@pytest.mark.parametrize("kind", [None, "snapshots", "start", "token"])
+def test_rows_behind_accept_commit_and_snapshot_what_was_verified(ckpts: CheckpointCache,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  kind: str | None) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    want, follow, ref_f = planted_targets(path, 40, 33, 321)
+    sabotage(monkeypatch, kind)
+    got = planted(path, want, follow, monkeypatch)
+    drift = max(abs(x - y) for x, y in zip(got["f_logprobs"], chosen_logprobs(ref_f), strict=False))
+    right = got["outputs"] == want and drift < 1e-4
+    if kind is None:
+        # Planted drafts are accepted, so rows behind start past their earliest start; the hit reaches into a's
+        # decode region (a block boundary that a row behind crossed), and f continues from it exactly.
+        assert got["accepted"] > 0.5 and got["behind"] > 10 and got["hit"] > len(PROMPTS["a"]) + 16
+        assert right, (got["outputs"] == want, drift)
+    else:
+        assert not right, drift
