@@ -218,3 +218,24 @@ def test_rows_behind_accept_commit_and_snapshot_what_was_verified(ckpts: Checkpo
         assert right, (got["outputs"] == want, drift)
     else:
         assert not right, drift
+
+
+def test_rows_behind_with_the_worker_in_another_process(ckpts: CheckpointCache) -> None:
+    """The worker gets pickled copies of the rows: it takes the starts from its own device values, and the engine
+    places its copies from the counts; the outputs are plain decoding's."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    llm = make_llm(path, speculative_config=SPEC, block_size=16, num_kv_blocks=14, max_model_len=192,
+                   max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=True,
+                   recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True,
+                   distributed_executor_backend="mp")
+    eng = llm.llm_engine
+    params = {"a": greedy(26), "b": greedy(22), "d": greedy(29), "e": greedy(18)}
+    try:
+        final = drive(eng, {0: [("a", PROMPTS["a"], params["a"]), ("b", PROMPTS["b"], params["b"])],
+                            4: [("d", PROMPTS["d"], params["d"]), ("e", PROMPTS["e"], params["e"])]})
+        eng.assert_no_leaks()
+        assert eng.scheduler.num_rows_behind > 10
+    finally:
+        eng.shutdown()
+    want = plain_outputs(path, {rid: PROMPTS[rid] for rid in params}, params)
+    assert {rid: list(o.outputs[0].token_ids) for rid, o in final.items()} == want

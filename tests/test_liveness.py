@@ -28,14 +28,16 @@ SPECS: dict[str, dict[str, object] | None] = {
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.sampled_from(list(SPECS)), caching=st.booleans(), num_kv_blocks=st.integers(3, 9),
        slots=st.integers(1, 3), budget=st.sampled_from([7, 16, 40]), seed=st.integers(0, 2**16),
-       n_requests=st.integers(1, 6))
+       n_requests=st.integers(1, 6), async_scheduling=st.booleans())
 def test_random_workloads_under_tiny_budgets_always_drain(ckpts: CheckpointCache, spec: str, caching: bool,
                                                           num_kv_blocks: int, slots: int, budget: int, seed: int,
-                                                          n_requests: int) -> None:
+                                                          n_requests: int, async_scheduling: bool) -> None:
+    """Under async scheduling with MTP, verify rows go behind rows in flight (unseeded requests far enough from
+    their end), with their blocks reserved for the latest start."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     llm = make_llm(path, enable_prefix_caching=caching, speculative_config=SPECS[spec], num_kv_blocks=num_kv_blocks,
                    num_state_slots=slots, max_num_seqs=slots, max_num_batched_tokens=budget,
-                   recurrent_snapshot_interval=16, num_snapshot_slots=8)
+                   recurrent_snapshot_interval=16, num_snapshot_slots=8, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     max_len = engine.max_model_len  # (num_kv_blocks - 1) * 16: every request fits the pool alone, barely
     rng = random.Random(seed)
@@ -51,7 +53,8 @@ def test_random_workloads_under_tiny_budgets_always_drain(ckpts: CheckpointCache
         max_tokens = rng.choice([1, 3, max_len])  # max_len: runs into max_model_len
         rid = f"r{i}"
         arrivals.setdefault(rng.randrange(0, 12), []).append((rid, prompt, SamplingParams(
-            temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(100), max_tokens=max_tokens, ignore_eos=True)))
+            temperature=rng.choice([0.0, 0.8]), seed=rng.choice([None, rng.randrange(100)]), max_tokens=max_tokens,
+            ignore_eos=True)))
         expect[rid] = (len(prompt), max_tokens)
         if rng.random() < 0.2:
             aborts.setdefault(rng.randrange(0, 20), []).append(rid)
