@@ -29,6 +29,11 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The lent multi-GPU machines must never use NVLink multicast (it can put the host's shared GPUs out of service):
+# off in NCCL, PyTorch's symmetric memory and NVSHMEM, here and in every worker process (they inherit this
+# environment), whatever the caller's environment says.
+os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
 import torch
 from decode_window import decode_window
 

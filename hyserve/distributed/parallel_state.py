@@ -65,8 +65,11 @@ def init_distributed(rank: int, tp: int, pp: int, init_method: str, device: torc
     world = tp * pp
     if world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        # NCCL with device_id: the communicator is formed here, on this rank's GPU (an error shows at startup, not
+        # at the first collective, which may be inside a CUDA graph capture), and the stages' tensor-parallel
+        # groups are split from it (ncclCommSplit) rather than built anew.
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=COLLECTIVE_TIMEOUT)
+                                timeout=COLLECTIVE_TIMEOUT, device_id=device if backend == "nccl" else None)
     _TP_RANK, _PP_RANK = rank % tp, rank // tp
     _TP_SIZE, _PP_SIZE = tp, pp
     _TP_GROUP = None
@@ -79,6 +82,15 @@ def init_distributed(rank: int, tp: int, pp: int, init_method: str, device: torc
     if pp > 1:
         assert partition is not None and len(partition) == pp, "a pipeline stage needs the layer partition"
         _STAGE_LAYERS = stage_range(partition, _PP_RANK)
+
+
+def shutdown_distributed() -> None:
+    """Leave the group (a worker's last act when told to stop): NCCL's communicators are freed before the process
+    exits rather than at interpreter teardown, and the rank forgets its place."""
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _STAGE_LAYERS
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _STAGE_LAYERS = 0, 1, 0, 1, None, None
 
 
 def tp_rank() -> int:

@@ -130,7 +130,10 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
         if kind == "flush":
             continue
         if kind == "stop":
-            conn.send(("stopped", None))
+            try:
+                worker.shutdown()  # every rank is told to stop: each leaves the group on its own
+            finally:
+                conn.send(("stopped", None))
             return
         try:
             method, args, kwargs = payload

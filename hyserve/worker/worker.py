@@ -11,7 +11,7 @@ import torch
 
 from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.config import EngineConfig, ModelConfig
-from hyserve.distributed.parallel_state import init_distributed, layer_partition
+from hyserve.distributed.parallel_state import init_distributed, layer_partition, shutdown_distributed
 from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
 from hyserve.worker.model_runner import ModelRunner, StepResult
 
@@ -58,6 +58,10 @@ class Worker:
     def num_uncommitted_steps(self) -> int:
         """Verify steps whose accepted counts this stage has not applied yet (tests: nothing left behind)."""
         return self.runner.num_uncommitted_steps
+
+    def shutdown(self) -> None:
+        """Leave the workers' group (torch.distributed), once the engine has stopped sending steps."""
+        shutdown_distributed()
 
     def graph_replays(self) -> dict[str, int]:
         """Replays so far per graph kind (empty without graphs): for tests and tools across the process boundary."""
