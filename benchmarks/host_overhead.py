@@ -39,8 +39,10 @@ def _stub_replays(llm: LLM) -> None:
         graph_set.run = stub  # type: ignore[method-assign]
 
 
-def host_ms_per_step(path: str, batch: int, steps: int, spec: dict[str, Any] | None) -> float:
-    llm = LLM(model=path, device="cpu", dtype="bfloat16", max_num_seqs=max(batch, 8), speculative_config=spec)
+def host_ms_per_step(path: str, batch: int, steps: int, spec: dict[str, Any] | None,
+                     async_scheduling: bool = False) -> float:
+    llm = LLM(model=path, device="cpu", dtype="bfloat16", max_num_seqs=max(batch, 8), speculative_config=spec,
+              async_scheduling=async_scheduling)
     eng = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 64, ignore_eos=True)
     for i in range(batch):
@@ -69,9 +71,12 @@ def main() -> None:
     path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
                                  tie_word_embeddings=True, with_mtp=True)
     print("| step | batch | host ms per step (median) |\n| --- | ---: | ---: |")
-    for name, spec in (("decode", None), ("speculative, MTP k = 3", {"method": "mtp", "num_speculative_tokens": 3})):
+    mtp = {"method": "mtp", "num_speculative_tokens": 3}
+    for name, spec, behind in (("decode", None, False), ("speculative, MTP k = 3", mtp, False),
+                               ("speculative, MTP k = 3, async (rows behind)", mtp, True)):
         for batch in (int(b) for b in args.batches.split(",")):
-            print(f"| {name} | {batch} | {host_ms_per_step(path, batch, args.steps, spec):.2f} |", flush=True)
+            ms = host_ms_per_step(path, batch, args.steps, spec, async_scheduling=behind)
+            print(f"| {name} | {batch} | {ms:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1028,11 +1028,13 @@ class ModelRunner:
 
     def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
                               failed: torch.Tensor | None, pad_to: int) -> torch.Tensor:
-        """``_fill_draft`` for the verify rows of this step with their accepted counts on the device: what does not
-        depend on the counts is filled on the host (positions, block tables, context lengths, each row's slots of
-        its next 2k positions), the rest on the device. Row i stays row i; a row that drafts nothing (an error) is
-        masked like a pad row. Also fills ``draft_slots_index`` (each row's drafts row; the pad slot's for those
-        masked). Returns the hidden-state indices."""
+        """``_fill_draft`` for the verify rows of this step with their accepted counts on the device: what depends
+        on neither the counts nor the starts is filled on the host (block tables, each row's first hidden state, its
+        drafts row, position shift and draft limit); from the rows' starts on the device (``verify_starts``: the
+        host's, or for a row behind another the one its acceptance left) come each row's positions, context length
+        and the KV slots of its next 2k positions; the rest from the counts. Row i stays row i; a row that drafts
+        nothing (an error) is masked like a pad row. Also fills ``draft_slots_index`` (each row's drafts row; the
+        pad slot's for those masked). Returns the hidden-state indices."""
         k = self.num_speculative_tokens
         q = k + 1
         n = len(rows)
@@ -1043,23 +1045,14 @@ class ModelRunner:
         nb = self.draft_np
         bs = self.block_size
         null = BlockPool.NULL_BLOCK
-        span = np.arange(2 * k, dtype=np.int64)
         first = 0
         for i, row in enumerate(rows):
-            table = np.asarray(row.block_table, dtype=np.int64)
-            pos = row.start + span
-            blk = pos // bs
-            inside = blk < len(table)
-            nb["slot_table"][i] = np.where(inside, table[np.minimum(blk, len(table) - 1)] * bs + pos % bs, -1)
-            shift = self.position_shift(row.req_id, row.start)
-            nb["positions"][i * q : i * q + q] = pos[:q] + shift
-            nb["row_shift"][i] = shift
+            table = row.block_table
+            nb["row_shift"][i] = self.position_shift(row.req_id, row.start)  # 0 for a row behind: text only
             nb["block_tables"][i, : len(table)] = table
             nb["block_tables"][i, len(table) :] = null
-            nb["seq_lens"][i] = row.start + q
-            nb["row_start"][i] = row.start
             nb["row_first"][i] = first  # the row's first token in the step's hidden states
-            nb["row_limit"][i] = row.draft_limit - row.start - 1
+            nb["row_limit"][i] = row.draft_limit - 1  # less the start, on the device
             nb["row_slot"][i] = row.state_slot
             first += row.num_new_tokens
         for i in range(n, pad_to):  # pad rows, as _fill_draft lays them out
@@ -1067,19 +1060,27 @@ class ModelRunner:
             nb["positions"][t : t + q] = np.arange(q)
             nb["block_tables"][i, : cdiv(q, bs)] = null
             nb["seq_lens"][i] = q
-        for name in ("positions",):
-            self.draft_dev[name][: pad_to * q].copy_(self.draft_host[name][: pad_to * q], non_blocking=True)
-        for name in ("seq_lens", "block_tables"):
-            self.draft_dev[name][:pad_to].copy_(self.draft_host[name][:pad_to], non_blocking=True)
-        for name in ("slot_table", "row_start", "row_first", "row_limit", "row_slot", "row_shift"):
-            self.draft_dev[name][:n].copy_(self.draft_host[name][:n], non_blocking=True)
+        d = self.draft_dev
+        d["positions"][n * q : pad_to * q].copy_(self.draft_host["positions"][n * q : pad_to * q], non_blocking=True)
+        d["seq_lens"][n:pad_to].copy_(self.draft_host["seq_lens"][n:pad_to], non_blocking=True)
+        d["block_tables"][:pad_to].copy_(self.draft_host["block_tables"][:pad_to], non_blocking=True)
+        for name in ("row_first", "row_limit", "row_slot", "row_shift"):
+            d[name][:n].copy_(self.draft_host[name][:n], non_blocking=True)
         if self.device.type == "cuda":
             self._draft_fence = torch.cuda.Event()
             self._draft_fence.record()
-        behind = [i for i, r in enumerate(rows) if r.start_on_device]
-        if behind:
-            self._draft_start_behind(behind)
-        d = self.draft_dev
+        start = self.dev_bufs["verify_starts"][:n]  # verify rows come first: row i is verify row i
+        d["row_start"][:n].copy_(start)
+        d["row_limit"][:n].sub_(start)
+        d["seq_lens"][:n].copy_(start + q)
+        o = torch.arange(2 * k, device=self.device)
+        pos = start.unsqueeze(1) + o  # (rows, 2k): the positions slot_table spans
+        d["positions"][: n * q].copy_((pos[:, :q] + d["row_shift"][:n].unsqueeze(1)).view(-1))
+        tables = d["block_tables"][:n].long()
+        col = pos // bs
+        blk = tables.gather(1, col.clamp(max=tables.shape[1] - 1))
+        inside = (col < tables.shape[1]) & (blk != null)  # past the request's blocks: no slot (-1)
+        d["slot_table"][:n].copy_(torch.where(inside, blk * bs + pos % bs, -1))
         valid = accepted >= 0
         if failed is not None:
             valid &= ~failed
@@ -1115,27 +1116,6 @@ class ModelRunner:
             d["chain_seq_lens"][:, n:pad_to].fill_(1)
         self.draft_slots_index[:n].copy_(torch.where(valid, d["row_slot"][:n], self.state_pool.pad_slot))
         return d["hidden_index"][: pad_to * q]
-
-    def _draft_start_behind(self, behind: list[int]) -> None:
-        """``_fill_draft_on_device``'s start-dependent inputs of the rows behind a verify row in flight (``behind``:
-        their indices), filled by the host at their earliest start, moved to the start on the device."""
-        k = self.num_speculative_tokens
-        q, bs = k + 1, self.block_size
-        d = self.draft_dev
-        b = device_tensor(behind, self.device, torch.long)
-        start = self.dev_bufs["verify_starts"].index_select(0, b)  # verify rows first: row i is verify row i
-        delta = start - d["row_start"].index_select(0, b)
-        d["row_start"].index_copy_(0, b, start)
-        d["row_limit"].index_copy_(0, b, d["row_limit"].index_select(0, b) - delta)
-        d["seq_lens"].index_copy_(0, b, (start + q).to(d["seq_lens"].dtype))
-        o = torch.arange(q, device=self.device)
-        d["positions"].index_copy_(0, (b.unsqueeze(1) * q + o).view(-1), (start.unsqueeze(1) + o).view(-1))
-        pos = start.unsqueeze(1) + torch.arange(2 * k, device=self.device)  # (rows, 2k), as slot_table spans
-        tables = d["block_tables"].index_select(0, b).long()
-        col = pos // bs
-        blk = tables.gather(1, col.clamp(max=tables.shape[1] - 1))
-        inside = (col < tables.shape[1]) & (blk != BlockPool.NULL_BLOCK)  # past the table: the host's -1
-        d["slot_table"].index_copy_(0, b, torch.where(inside, blk * bs + pos % bs, -1))
 
     # ------------------------------------------------------------------ pipeline stages
 
