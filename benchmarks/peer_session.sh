@@ -100,7 +100,7 @@ p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/w
 check() {  # the correctness checks every speed change keeps, in the same device session as its figures
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
         tests/test_async_scheduling.py tests/test_verify_kernels.py tests/test_device_drafts.py tests/test_fp8.py \
-        tests/test_fp8_kv.py -k "cuda or gpu" \
+        tests/test_fp8_kv.py tests/test_async_verify.py -k "cuda or gpu" \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc $?"; tail -2 "$OUT/gpu_tests.log"
     timeout 400 python3 benchmarks/gpu_check.py --out "$OUT" > "$OUT/gpu_check.log" 2>&1
@@ -271,10 +271,9 @@ case "${1:?phase}" in
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
     [ -d /tmp/mtp2b ] || python3 benchmarks/shapes.py --shape 2b --mtp --init stable --out /tmp/mtp2b > /dev/null 2>&1
-    # rows behind rows in flight; verify rows waiting for their counts (whole steps enqueued); the host-wait path
-    for variant in "" --no-rows-behind "--no-rows-behind --no-device-chain"; do
-        case "$variant" in "") name=spec_mtp2b ;; --no-rows-behind) name=spec_mtp2b_no_behind ;;
-                           *) name=spec_mtp2b_no_chain ;; esac
+    # rows behind rows in flight, and verify rows that wait for their counts (whole steps enqueued), same call
+    for variant in "" --no-rows-behind; do
+        name=spec_mtp2b${variant:+_no_behind}
         timeout 200 python3 benchmarks/spec_decode_bench.py --model /tmp/mtp2b --device cuda --dtype bfloat16 \
             --out "$OUT/$name" --max-tokens 64 --rates 0.8 --batches 1,32 $variant > "$OUT/$name.log" 2>&1
         echo "$name rc $?"; tail -4 "$OUT/$name.log"

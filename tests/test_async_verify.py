@@ -32,8 +32,9 @@ LOGPROBS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logpr
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
 
 
-def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, SamplingParams]) -> dict[str, list[int]]:
-    plain = make_llm(path, enable_prefix_caching=False)
+def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, SamplingParams],
+                  device: str = "cpu") -> dict[str, list[int]]:
+    plain = make_llm(path, enable_prefix_caching=False, device=device)
     return {rid: list(plain.generate([{"prompt_token_ids": p}], params[rid], use_tqdm=False)[0].outputs[0].token_ids)
             for rid, p in prompts.items()}
 
@@ -68,14 +69,15 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
 
 
 def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPatch,
-             stop: dict[str, int] | None = None) -> dict[str, Any]:
+             stop: dict[str, int] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Staggered arrivals, an abort, preemption (14 KV blocks), prefix hits, a request asking for logprobs (never
     behind) and one ending on a stop token, under async scheduling. Records, per (request, start), the drafts each
     verify row was compared with."""
-    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs and device == "cpu")  # on CUDA: captured graphs
     llm = make_llm(path, speculative_config=SPEC, block_size=16, num_kv_blocks=14, max_model_len=192,
                    max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=True,
-                   recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True)
+                   recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True, device=device,
+                   enforce_eager=not graphs)
     eng = llm.llm_engine
     runner = eng.runner
     assert (runner.graphs is not None) == graphs and eng.scheduler.async_verify
@@ -127,19 +129,25 @@ def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPa
             "hits": sum(o.num_cached_tokens for o in final.values())}
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("graphs", [True, False], ids=["draft-graph", "eager-drafting"])
 def test_rows_behind_emit_what_plain_decoding_does(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
-                                                   graphs: bool) -> None:
+                                                   graphs: bool, device: str) -> None:
+    """On the CPU with emulated graphs or none; on CUDA with captured ones or none (float32), where the host
+    really runs ahead of the device."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
-    free = plain_outputs(path, {"e": PROMPTS["e"]}, {"e": greedy(40)})["e"]
+    free = plain_outputs(path, {"e": PROMPTS["e"]}, {"e": greedy(40)}, device)["e"]
     stop = {"e": free[9]}  # e ends on a stop token inside its output (a verify row in flight ends it)
-    got = workload(path, True, graphs, monkeypatch, stop)
-    want = plain_outputs(path, {rid: PROMPTS[rid] for rid in got["outputs"]}, got["params"])
+    got = workload(path, True, graphs, monkeypatch, stop, device)
+    want = plain_outputs(path, {rid: PROMPTS[rid] for rid in got["outputs"]}, got["params"], device)
     assert got["outputs"] == want
     assert got["finish"]["e"] == "stop" and len(want["e"]) <= 10
     assert got["behind"] > 20 and got["preemptions"] > 0 and got["hits"] > 0
     # The drafts rows behind read are those the same request was given at the same position without them.
-    sync = workload(path, False, graphs, monkeypatch, stop)
+    sync = workload(path, False, graphs, monkeypatch, stop, device)
     assert sync["outputs"] == want and sync["behind"] == 0
     common = sorted(set(got["drafts"]) & set(sync["drafts"]))
     assert len(common) > 0.6 * len(sync["drafts"])
