@@ -12,6 +12,7 @@ follows this count.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import importlib
 import tempfile
@@ -41,10 +42,12 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.depth = 0
         self.count = 0
+        self.by_op: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.depth == 0 and func.__name__.split(".")[0] not in NOT_LAUNCHES:
             self.count += 1
+            self.by_op[func.__name__.split(".")[0]] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -55,6 +58,7 @@ def _one_launch(counter: _Counter, fn: Any) -> Any:
     def wrapped(*a: Any, **k: Any) -> Any:
         if counter.depth == 0:
             counter.count += 1
+            counter.by_op[fn.__name__] += 1
         counter.depth += 1
         try:
             return fn(*a, **k)
@@ -86,6 +90,11 @@ def main() -> None:
                     help="count with CUDA graphs (emulated on the CPU): a replay is one launch")
     ap.add_argument("--spec", choices=("mtp",), default=None, help="speculative decoding with the MTP head, k = 3")
     ap.add_argument("--steps", type=int, default=4, help="steps averaged (speculative steps vary)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="async scheduling (with MTP: verify rows behind rows in flight)")
+    ap.add_argument("--by-op", action="store_true", help="also list the launches per step by op")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="prefix caching on (speculative steps then copy candidate snapshots at block boundaries)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     counter = _Counter()
@@ -99,20 +108,27 @@ def main() -> None:
     path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
                                  tie_word_embeddings=True, with_mtp=args.spec == "mtp")
     spec = {"method": "mtp", "num_speculative_tokens": 3} if args.spec else None
-    llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=False, speculative_config=spec)
+    llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=args.prefix_caching,
+              speculative_config=spec,
+              async_scheduling=args.async_scheduling)
     eng = llm.llm_engine
     for i in range(args.batch):
         eng.add_request(f"r{i}", {"prompt_token_ids": list(range(1 + i, 40 + i))},
                         SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
-    eng.step()
-    eng.step()  # every row decodes from here on
+    for _ in range(4):  # prefill, the first decode (drafts from the prefill) and the first verify steps
+        eng.step()  # every row decodes, with full verify rows, from here on
     counter.count = 0
+    counter.by_op.clear()
     with counter:
         for _ in range(args.steps):
             eng.step()
     what = "speculative (MTP, k = 3)" if args.spec else "decode"
     print(f"launches per {what} step at batch {args.batch} (24 layers, bf16, sampling included"
-          f"{', CUDA graphs' if args.graphs else ''}): {counter.count / args.steps:.1f}")
+          f"{', CUDA graphs' if args.graphs else ''}{', async' if args.async_scheduling else ''}): "
+          f"{counter.count / args.steps:.1f}")
+    if args.by_op:
+        for op, n in counter.by_op.most_common():
+            print(f"  {op}: {n / args.steps:.1f}")
 
 
 if __name__ == "__main__":

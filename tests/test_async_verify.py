@@ -59,11 +59,27 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
                 wrong = emitted.gather(1, (a - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
                 self.verify_next_token.index_copy_(0, slots, torch.where(a == 0, (wrong + 1) % vocab, wrong))
         monkeypatch.setattr(ModelRunner, "_advance_verified", broken)
+    elif kind == "behind-graph":  # the behind graph leaves the KV slots at the earliest start (seen once accepted)
+        behind = ModelRunner._graph_behind
+
+        def kv_stays(self: ModelRunner, size: int) -> tuple[torch.Tensor, ...]:
+            mapping = self.dev_bufs["slot_mapping"].clone()
+            out = behind(self, size)
+            self.dev_bufs["slot_mapping"].copy_(mapping)
+            return out
+        monkeypatch.setattr(ModelRunner, "_graph_behind", kv_stays)
     elif kind == "place":  # the scheduler places a row behind one position early
         place = Scheduler._place
         monkeypatch.setattr(Scheduler, "_place", lambda self, row, start: place(self, row, start - 1))
     elif kind == "snapshots":
         snapshots_one_early(monkeypatch)
+    elif kind == "snapshot-graph":  # the snapshot graph reads each candidate's position one early
+        def early(self: ModelRunner, size: int) -> tuple[torch.Tensor, ...]:
+            r, p, e = self.dev_bufs["snap"][:size].unbind(1)
+            for layer in self.model.recurrent_layers():
+                layer.snapshot_candidates(r, (p - 1).clamp(min=0), e)
+            return ()
+        monkeypatch.setattr(ModelRunner, "_graph_snapshot", early)
     else:
         assert kind is None
 
@@ -206,10 +222,10 @@ def planted(path: str, want: dict[str, list[int]], follow: list[int], monkeypatc
             "accepted": m["hyserve:spec_decode_num_accepted_tokens"]
             / max(m["hyserve:spec_decode_num_draft_tokens"], 1),
             "hit": final["f"].num_cached_tokens, "f_logprobs": chosen_logprobs(final["f"]),
-            "behind": eng.scheduler.num_rows_behind}
+            "behind": eng.scheduler.num_rows_behind, "snapshot_replays": runner.graphs.sets["snapshot"].num_replays}
 
 
-@pytest.mark.parametrize("kind", [None, "snapshots", "start", "token"])
+@pytest.mark.parametrize("kind", [None, "snapshots", "snapshot-graph", "behind-graph", "start", "token"])
 def test_rows_behind_accept_commit_and_snapshot_what_was_verified(ckpts: CheckpointCache,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   kind: str | None) -> None:
@@ -223,6 +239,7 @@ def test_rows_behind_accept_commit_and_snapshot_what_was_verified(ckpts: Checkpo
         # Planted drafts are accepted, so rows behind start past their earliest start; the hit reaches into a's
         # decode region (a block boundary that a row behind crossed), and f continues from it exactly.
         assert got["accepted"] > 0.5 and got["behind"] > 10 and got["hit"] > len(PROMPTS["a"]) + 16
+        assert got["snapshot_replays"] > 0
         assert right, (got["outputs"] == want, drift)
     else:
         assert not right, drift

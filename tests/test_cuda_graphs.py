@@ -206,12 +206,13 @@ def test_speculative_graph_kinds_and_sizes(ckpts: CheckpointCache, emulate: None
     ngram = make_llm(ckpts.get(), max_num_seqs=5, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                      "prompt_lookup_max": 3})
     graphs = ngram.llm_engine.runner.graphs
-    assert graphs is not None and set(graphs.sets) == {"verify", "commit"}
-    assert graphs.sets["verify"].sizes == graphs.sets["commit"].sizes == [1, 2, 4, 5]
+    assert graphs is not None and set(graphs.sets) == {"verify", "commit", "snapshot"}
+    assert graphs.sets["verify"].sizes == graphs.sets["commit"].sizes == graphs.sets["snapshot"].sizes == [1, 2, 4, 5]
     mtp = make_llm(ckpts.get("conditional", "gdn3_attn1", with_mtp=True), max_num_seqs=8, max_num_batched_tokens=24,
                    speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     graphs = mtp.llm_engine.runner.graphs
-    assert graphs is not None and set(graphs.sets) == {"verify", "commit", "mtp", "draft"}
+    assert graphs is not None and set(graphs.sets) == {"verify", "commit", "snapshot", "mtp", "draft", "draft_fill",
+                                                        "behind"}
     assert graphs.sets["verify"].sizes == [1, 2, 4, 6]  # 24 tokens per step / 4 tokens per verify row
     assert graphs.sets["draft"].sizes == [1, 2, 4, 6]  # the drafting of a verify step of those rows
     assert graphs.sets["mtp"].sizes == [1, 2, 4, 8]

@@ -214,7 +214,8 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
     return {"outputs": {rid: o.outputs[0].token_ids for rid, o in final.items()},
             "accepted": m["hyserve:spec_decode_num_accepted_tokens"]
             / max(m["hyserve:spec_decode_num_draft_tokens"], 1),
-            "hit": final["f"].num_cached_tokens, "f_logprobs": chosen_logprobs(final["f"])}
+            "hit": final["f"].num_cached_tokens, "f_logprobs": chosen_logprobs(final["f"]),
+            "snapshot_replays": runner.graphs.sets["snapshot"].num_replays}
 
 
 def chosen_logprobs(out: Any) -> list[float]:
@@ -235,6 +236,7 @@ def test_device_chain_commits_and_snapshots_what_was_accepted(ckpts: CheckpointC
     if sabotage is None:
         # The hit reaches past a's prompt, into its decode region: that snapshot is a verified candidate's.
         assert got["accepted"] > 0.5 and got["hit"] > len(PROMPTS["a"])
+        assert got["snapshot_replays"] > 0  # the candidates were copied by the snapshot graph
         assert right, (got["outputs"] == want, drift)
     else:
         assert not right, drift

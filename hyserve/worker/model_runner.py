@@ -305,11 +305,17 @@ class ModelRunner:
         sizes = {"verify": capture_sizes(limit, user)}
         if self.model.recurrent_layers():  # the commit of a verify graph's rows: every recurrent layer in one replay
             sizes["commit"] = list(sizes["verify"])
+            # A step's candidate snapshots (prefix caching): every recurrent layer's copies in one replay.
+            sizes["snapshot"] = list(sizes["verify"])
         if self.mtp is not None:
             sizes["mtp"] = capture_sizes(self.max_num_seqs, user)
             # The whole drafting of a verify step: the first pass over each row's k + 1 positions, then k - 1
             # one-token passes fed on the device.
             sizes["draft"] = capture_sizes(limit, user)
+            # The draft graph's inputs from the accepted counts on the device (the whole verify step enqueued).
+            sizes["draft_fill"] = list(sizes["draft"])
+            if self.pp_size == 1 and tp_size() == 1:  # rows behind rows in flight: their starts from the device
+                sizes["behind"] = list(sizes["verify"])
         return sizes
 
     def _graph_logit_rows(self, sizes: dict[str, list[int]]) -> int:
@@ -486,13 +492,17 @@ class ModelRunner:
         # runner (weights, caches, graph pool) alive after its last reference is dropped, until a gc pass.
         forwards = {"decode": _weak_forward(self._graph_decode), "verify": _weak_forward(self._graph_verify),
                     "mtp": _weak_forward(self._graph_mtp), "draft": _weak_forward(self._graph_draft),
-                    "commit": _weak_forward(self._graph_commit)}
+                    "commit": _weak_forward(self._graph_commit), "snapshot": _weak_forward(self._graph_snapshot),
+                    "draft_fill": _weak_forward(self._graph_draft_fill), "behind": _weak_forward(self._graph_behind)}
         q = self.num_speculative_tokens + 1
         fill_pads = {"decode": lambda n: self.prepare([], pad_to=n),
                      "verify": lambda n: self.prepare([], pad_to=n, pad_len=q),
                      "mtp": lambda n: self._fill_mtp([], pad_to=n),
                      "draft": lambda n: self._fill_draft([], pad_to=n),
-                     "commit": lambda n: self._fill_commit([], n)}
+                     "commit": lambda n: self._fill_commit([], n),
+                     "snapshot": lambda n: self._snapshot_pads(n),
+                     "draft_fill": lambda n: self._draft_fill_pads(n),
+                     "behind": lambda n: self.prepare([], pad_to=n, pad_len=q)}
         for i in range(self.num_scratch_sets if not self.is_last_stage else 0):
             forwards[f"verify{i}"] = _weak_forward(self._graph_verify_stage, i)
             fill_pads[f"verify{i}"] = fill_pads["verify"]
@@ -626,6 +636,8 @@ class ModelRunner:
             "logits_indices": ((t,), torch.long), "rest_query_start_loc": ((r + 1,), torch.int32),
             "num_accepted": ((r,), torch.long), "prev_at": ((r,), torch.long), "prev_src": ((r,), torch.long),
             "verify_starts": ((r,), torch.long),  # each verify row's start (behind rows': set on the device)
+            "snap": ((r, 3), torch.long),  # the snapshot graph's (verify row, candidate position, entry) triples
+            "behind": ((r,), torch.long),  # 1: the verify row's start is on the device (the behind graph's input)
         }
         if self.link is not None and not self.is_first_stage:  # the previous stage's (residual, pending) per token
             self.pp_in = dev((t, 2, self.model_config.hidden_size), self.dtype)
@@ -651,7 +663,9 @@ class ModelRunner:
                                "chain_query_start_loc": (r + 1,),
                                # the count-independent inputs of _fill_draft_on_device
                                "slot_table": (r, 2 * k), "row_start": (r,), "row_first": (r,), "row_limit": (r,),
-                               "row_slot": (r,), "row_shift": (r,)}
+                               "row_slot": (r,), "row_shift": (r,),
+                               # the draft_fill graph's inputs from the device: counts, emitted tokens
+                               "acc": (r,), "emitted": (r, q)}
                 dtypes.update(chain_seq_lens=torch.int32, chain_query_start_loc=torch.int32)
                 self.draft_host = {k: host(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
                 self.draft_dev = {k: dev(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
@@ -663,6 +677,7 @@ class ModelRunner:
                     self.draft_dev[name].copy_(self.draft_host[name])
                 h = self.model_config.hidden_size
                 self.draft_hidden_in = dev((r * q, h), self.dtype)
+                self.draft_last_hidden = dev((r * q, h), self.dtype)  # the verify step's hidden states, copied
                 self.draft_first_hidden = dev((r, h), self.dtype)
                 self.draft_tokens = dev((r, k), torch.long)
                 self.draft_slots_index = dev((r,), torch.long)
@@ -711,6 +726,7 @@ class ModelRunner:
             if row.is_verify:
                 assert i == num_verify, "verify rows must come first"
                 nb["verify_starts"][i] = start
+                nb["behind"][i] = row.start_on_device
                 if row.start_on_device:  # laid out at its earliest start here, moved on the device below
                     assert mm is None and n == self.num_speculative_tokens + 1, "a row behind one has all k drafts"
                     behind.append((i, t, row.state_slot))
@@ -764,11 +780,15 @@ class ModelRunner:
             nb["rest_query_start_loc"][: rest + 1] = nb["query_start_loc"][num_verify : r + 1] - num_verify_tokens
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "query_start_loc": r + 1, "seq_lens": r,
                  "state_slots": r, "block_tables": r, "logits_indices": n_sample,
-                 "rest_query_start_loc": rest + 1 if num_verify else 0, "verify_starts": num_verify}
+                 "rest_query_start_loc": rest + 1 if num_verify else 0, "verify_starts": num_verify,
+                 "behind": num_verify}
         copies = dict(sizes)
         if pad_to is not None and pad_to > r:
             assert num_verify in (0, r), "a padded step has verify rows only, or none"
             self._fill_pads(nb, copies, t, r, pad_to, pad_len)
+            if num_verify:
+                nb["behind"][r:pad_to] = 0
+                copies["behind"] = pad_to
         views = {}
         for name, size in sizes.items():
             self.dev_bufs[name][: copies[name]].copy_(self.host_bufs[name][: copies[name]], non_blocking=True)
@@ -776,7 +796,11 @@ class ModelRunner:
         if prev:
             self._feed_previous_samples(prev)
         if behind:
-            self._start_behind(behind)
+            graphs = self.graphs.get("behind") if self.graphs is not None and row_len is not None else None
+            if graphs is not None and pad_to in graphs.sizes:  # the verify graph's layout: row i at i * row_len
+                graphs.run(pad_to)
+            else:
+                self._start_behind(behind)
         self.verify_draft_ids = None
         if drafts_fed:
             self._feed_device_drafts(drafts_fed)
@@ -991,10 +1015,7 @@ class ModelRunner:
             failed = None
         self._commit_verified(accepted)
         self._save_snapshots(rows, accepted)
-        index = self._fill_draft_on_device(rows, accepted, pending.emitted, failed, size)
-        q = self.num_speculative_tokens + 1
-        assert self.last_hidden is not None
-        torch.index_select(self.last_hidden, 0, index, out=self.draft_hidden_in[: size * q])
+        self._fill_draft_on_device(rows, accepted, pending.emitted, failed, size)
         tokens, first = graphs.run(size)
         n = len(rows)
         assert self.draft_slots is not None
@@ -1027,23 +1048,18 @@ class ModelRunner:
         return StepResult(out, finish=finish)
 
     def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
-                              failed: torch.Tensor | None, pad_to: int) -> torch.Tensor:
-        """``_fill_draft`` for the verify rows of this step with their accepted counts on the device: what depends
-        on neither the counts nor the starts is filled on the host (block tables, each row's first hidden state, its
-        drafts row, position shift and draft limit); from the rows' starts on the device (``verify_starts``: the
-        host's, or for a row behind another the one its acceptance left) come each row's positions, context length
-        and the KV slots of its next 2k positions; the rest from the counts. Row i stays row i; a row that drafts
-        nothing (an error) is masked like a pad row. Also fills ``draft_slots_index`` (each row's drafts row; the
-        pad slot's for those masked). Returns the hidden-state indices."""
-        k = self.num_speculative_tokens
-        q = k + 1
+                              failed: torch.Tensor | None, pad_to: int) -> None:
+        """The ``draft`` graph's inputs for the verify rows of this step, with their accepted counts on the device.
+        The host fills what depends on neither the counts nor the starts (block tables, each row's first hidden
+        state, drafts row, position shift and draft limit); the counts, the emitted tokens and the step's hidden
+        states are copied into the ``draft_fill`` graph's inputs, whose one replay lays out the rest
+        (``_graph_draft_fill``). A row that drafts nothing (an error) is masked like a pad row."""
         n = len(rows)
         if self._draft_fence is not None:
             # The last fill's copies out of these pinned buffers were enqueued after a wait the host no longer makes:
             # they must have run before the buffers are written again.
             self._draft_fence.synchronize()
         nb = self.draft_np
-        bs = self.block_size
         null = BlockPool.NULL_BLOCK
         first = 0
         for i, row in enumerate(rows):
@@ -1055,67 +1071,87 @@ class ModelRunner:
             nb["row_limit"][i] = row.draft_limit - 1  # less the start, on the device
             nb["row_slot"][i] = row.state_slot
             first += row.num_new_tokens
-        for i in range(n, pad_to):  # pad rows, as _fill_draft lays them out
-            t = i * q
-            nb["positions"][t : t + q] = np.arange(q)
-            nb["block_tables"][i, : cdiv(q, bs)] = null
-            nb["seq_lens"][i] = q
+        self._draft_pad_rows(n, pad_to)
         d = self.draft_dev
-        d["positions"][n * q : pad_to * q].copy_(self.draft_host["positions"][n * q : pad_to * q], non_blocking=True)
-        d["seq_lens"][n:pad_to].copy_(self.draft_host["seq_lens"][n:pad_to], non_blocking=True)
-        d["block_tables"][:pad_to].copy_(self.draft_host["block_tables"][:pad_to], non_blocking=True)
-        for name in ("row_first", "row_limit", "row_slot", "row_shift"):
-            d[name][:n].copy_(self.draft_host[name][:n], non_blocking=True)
+        for name in ("block_tables", "row_first", "row_limit", "row_slot", "row_shift"):
+            d[name][:pad_to].copy_(self.draft_host[name][:pad_to], non_blocking=True)
         if self.device.type == "cuda":
             self._draft_fence = torch.cuda.Event()
             self._draft_fence.record()
-        start = self.dev_bufs["verify_starts"][:n]  # verify rows come first: row i is verify row i
-        d["row_start"][:n].copy_(start)
-        d["row_limit"][:n].sub_(start)
-        d["seq_lens"][:n].copy_(start + q)
-        o = torch.arange(2 * k, device=self.device)
-        pos = start.unsqueeze(1) + o  # (rows, 2k): the positions slot_table spans
-        d["positions"][: n * q].copy_((pos[:, :q] + d["row_shift"][:n].unsqueeze(1)).view(-1))
-        tables = d["block_tables"][:n].long()
+        acc = accepted if failed is None else torch.where(failed, -1, accepted)
+        d["acc"][:n].copy_(acc)
+        d["acc"][n:pad_to].fill_(-1)  # pad rows draft nothing
+        d["emitted"][:n, : emitted.shape[1]].copy_(emitted)  # columns past a row's tokens are masked anyway
+        assert self.last_hidden is not None
+        self.draft_last_hidden[: self.last_hidden.shape[0]].copy_(self.last_hidden)
+        graphs = self.graphs.get("draft_fill") if self.graphs is not None else None
+        if graphs is not None and pad_to in graphs.sizes:
+            graphs.run(pad_to)
+        else:
+            self._graph_draft_fill(pad_to)
+
+    def _draft_fill_pads(self, size: int) -> None:
+        """The draft_fill graph's inputs as pad rows only (capture)."""
+        self._draft_pad_rows(0, size)
+        for name in ("block_tables", "row_first", "row_limit", "row_slot", "row_shift"):
+            self.draft_dev[name][:size].copy_(self.draft_host[name][:size])
+        self.draft_dev["acc"][:size].fill_(-1)
+
+    def _draft_pad_rows(self, n: int, pad_to: int) -> None:
+        """Rows ``[n, pad_to)`` of the draft fill's host inputs as pad rows: the null block, no shift."""
+        nb = self.draft_np
+        nb["block_tables"][n:pad_to, : cdiv(self.num_speculative_tokens + 1, self.block_size)] = BlockPool.NULL_BLOCK
+        nb["row_shift"][n:pad_to] = 0
+        nb["row_first"][n:pad_to] = 0
+        nb["row_limit"][n:pad_to] = 0
+        nb["row_slot"][n:pad_to] = self.state_pool.pad_slot
+
+    def _graph_draft_fill(self, size: int) -> tuple[torch.Tensor, ...]:
+        """``draft_fill`` graph: the ``draft`` graph's inputs for ``size`` rows from the persistent buffers: the
+        accepted counts (``acc``, -1 for rows that draft nothing, pads included), the emitted tokens, the starts
+        (``verify_starts``), the host's per-row inputs and the step's hidden states. A row that drafts nothing
+        starts at 0 with no KV writes; every one of them is laid out like a pad row."""
+        k = self.num_speculative_tokens
+        q, bs = k + 1, self.block_size
+        d = self.draft_dev
+        acc = d["acc"][:size]
+        valid = acc >= 0
+        start = torch.where(valid, self.dev_bufs["verify_starts"][:size], 0)
+        d["row_start"][:size].copy_(start)
+        d["row_limit"][:size].sub_(start)
+        d["seq_lens"][:size].copy_(start + q)
+        span = torch.arange(2 * k, device=self.device)
+        pos = start.unsqueeze(1) + span  # (rows, 2k): the row's next 2k positions
+        d["positions"][: size * q].copy_((pos[:, :q] + d["row_shift"][:size].unsqueeze(1)).view(-1))
+        tables = d["block_tables"][:size].long()
         col = pos // bs
         blk = tables.gather(1, col.clamp(max=tables.shape[1] - 1))
-        inside = (col < tables.shape[1]) & (blk != null)  # past the request's blocks: no slot (-1)
-        d["slot_table"][:n].copy_(torch.where(inside, blk * bs + pos % bs, -1))
-        valid = accepted >= 0
-        if failed is not None:
-            valid &= ~failed
-        m = torch.where(valid, accepted + 1, 0)  # first-pass tokens per row: the accepted drafts and the last token
+        inside = (col < tables.shape[1]) & (blk != BlockPool.NULL_BLOCK)  # past the request's blocks: no slot
+        slot_table = torch.where(inside, blk * bs + pos % bs, -1)
+        d["slot_table"][:size].copy_(slot_table)
+        m = torch.where(valid, acc + 1, 0)  # first-pass tokens per row: the accepted drafts and the last token
         last = (m - 1).clamp(min=0)
         o = torch.arange(q, device=self.device)
         real = o.unsqueeze(0) < m.unsqueeze(1)
-        width = emitted.shape[1]
-        if width < q:  # rows of fewer drafts: the columns past their tokens are masked anyway
-            emitted = torch.cat([emitted, emitted.new_zeros(n, q - width)], dim=1)
-        slot_table = d["slot_table"][:n]
-        d["input_ids"][: n * q].copy_(torch.where(real, emitted, 0).view(-1))
-        d["hidden_index"][: n * q].copy_(torch.where(valid.unsqueeze(1), d["row_first"][:n].unsqueeze(1)
-                                                     + torch.minimum(o.unsqueeze(0), last.unsqueeze(1)), 0).view(-1))
-        d["slot_mapping"][: n * q].copy_(torch.where(real, slot_table[:, :q], -1).view(-1))
-        d["last_index"][:n].copy_(torch.arange(n, device=self.device) * q + last)
-        num_drafts = torch.where(valid, (d["row_limit"][:n] - m).clamp(0, k), 0)
+        d["input_ids"][: size * q].copy_(torch.where(real, d["emitted"][:size], 0).view(-1))
+        index = torch.where(valid.unsqueeze(1), d["row_first"][:size].unsqueeze(1)
+                            + torch.minimum(o.unsqueeze(0), last.unsqueeze(1)), 0).view(-1)
+        d["hidden_index"][: size * q].copy_(index)
+        d["slot_mapping"][: size * q].copy_(torch.where(real, slot_table[:, :q], -1).view(-1))
+        d["last_index"][:size].copy_(torch.arange(size, device=self.device) * q + last)
+        num_drafts = torch.where(valid, (d["row_limit"][:size] - m).clamp(0, k), 0)
         if k > 1:
             j = torch.arange(1, k, device=self.device).unsqueeze(1)  # (k - 1, 1)
-            p = d["row_start"][:n].unsqueeze(0) + last.unsqueeze(0) + j  # (k - 1, n)
+            p = d["row_start"][:size].unsqueeze(0) + last.unsqueeze(0) + j  # (k - 1, rows)
             active = j < num_drafts.unsqueeze(0)
             chain_slots = slot_table.gather(1, (last.unsqueeze(0) + j).clamp(max=2 * k - 1).t()).t()
-            d["chain_positions"][:, :n].copy_(torch.where(active, p + d["row_shift"][:n].unsqueeze(0), 0))
-            d["chain_slot_mapping"][:, :n].copy_(torch.where(active, chain_slots, -1))
-            d["chain_seq_lens"][:, :n].copy_(torch.where(active, p + 1, 1).to(d["chain_seq_lens"].dtype))
-        if pad_to > n:  # pad rows: masked everywhere, reading the null block
-            d["input_ids"][n * q : pad_to * q].zero_()
-            d["hidden_index"][n * q : pad_to * q].zero_()
-            d["slot_mapping"][n * q : pad_to * q].fill_(-1)
-            d["last_index"][n:pad_to].copy_(torch.arange(n, pad_to, device=self.device) * q)
-            d["chain_positions"][:, n:pad_to].zero_()
-            d["chain_slot_mapping"][:, n:pad_to].fill_(-1)
-            d["chain_seq_lens"][:, n:pad_to].fill_(1)
-        self.draft_slots_index[:n].copy_(torch.where(valid, d["row_slot"][:n], self.state_pool.pad_slot))
-        return d["hidden_index"][: pad_to * q]
+            d["chain_positions"][:, :size].copy_(torch.where(active, p + d["row_shift"][:size].unsqueeze(0), 0))
+            d["chain_slot_mapping"][:, :size].copy_(torch.where(active, chain_slots, -1))
+            d["chain_seq_lens"][:, :size].copy_(torch.where(active, p + 1, 1).to(d["chain_seq_lens"].dtype))
+        self.draft_slots_index[:size].copy_(torch.where(valid, d["row_slot"][:size], self.state_pool.pad_slot))
+        torch.index_select(self.draft_last_hidden, 0, d["hidden_index"][: size * q],
+                           out=self.draft_hidden_in[: size * q])
+        return ()
 
     # ------------------------------------------------------------------ pipeline stages
 
@@ -1439,6 +1475,31 @@ class ModelRunner:
         d["slot_mapping"].index_copy_(0, tok, (tables.gather(1, pos // bs) * bs + pos % bs).view(-1))
         d["seq_lens"].index_copy_(0, row, (start + q).to(d["seq_lens"].dtype))
 
+    def _graph_behind(self, size: int) -> tuple[torch.Tensor, ...]:
+        """``behind`` graph: ``_start_behind`` for a verify graph's ``size`` rows (row i's tokens at i * (k + 1)),
+        the rows behind flagged in the persistent ``behind`` buffer; the others, pads included, are left as the
+        host laid them out."""
+        assert self.verify_next_start is not None and self.verify_next_token is not None
+        q, bs = self.num_speculative_tokens + 1, self.block_size
+        d = self.dev_bufs
+        flag = d["behind"][:size] > 0
+        slots = d["state_slots"][:size]
+        start = torch.where(flag, self.verify_next_start.index_select(0, slots), d["verify_starts"][:size])
+        d["verify_starts"][:size].copy_(start)
+        pos = start.unsqueeze(1) + torch.arange(q, device=self.device)  # (rows, q)
+        moved = flag.unsqueeze(1)
+        positions = d["positions"][: size * q].view(size, q)
+        positions.copy_(torch.where(moved, pos, positions))
+        tables = d["block_tables"][:size].long()
+        slots_kv = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)) * bs + pos % bs
+        mapping = d["slot_mapping"][: size * q].view(size, q)
+        mapping.copy_(torch.where(moved, slots_kv, mapping))
+        seq_lens = d["seq_lens"][:size]
+        seq_lens.copy_(torch.where(flag, start + q, seq_lens.long()).to(seq_lens.dtype))
+        first = d["input_ids"][: size * q].view(size, q)[:, 0]
+        first.copy_(torch.where(flag, self.verify_next_token.index_select(0, slots), first))
+        return ()
+
     def _resolve_starts(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
         """``rows`` with each row behind a verify row in flight replaced by a copy that has its start and first
         token, read from the device (a wait for the step before): for a step whose drafting comes to the host,
@@ -1700,23 +1761,50 @@ class ModelRunner:
         with ``accepted`` (counts on the device), only where it reached that position, the others into the pad
         slot. ``behind_rows`` (rows whose start is on the device) take the last block boundary they reach as their
         point, as the scheduler will (``Scheduler._place``); one that reaches none copies into the pad slot."""
-        if not rows and not behind_rows:
+        behind_rows, behind_entries = behind_rows or [], behind_entries or []
+        n = len(rows) + len(behind_rows)
+        if not n:
             return
-        r = device_tensor(rows, self.device, torch.long)
-        p = device_tensor(positions, self.device, torch.long)
-        e = device_tensor(entries, self.device, torch.long)
+        graphs = self.graphs.get("snapshot") if self.graphs is not None else None
+        size = graphs.padded_size(n) if graphs is not None else None
+        pad = self.state_pool.pad_slot
+        # (row, position, entry) per candidate, one copy; pads (with a graph) copy row 0's candidate into the pad
+        # slot. A row behind's position is set on the device below.
+        flat = [x for c in zip(rows, positions, entries, strict=True) for x in c]
+        flat += [x for c in zip(behind_rows, [0] * len(behind_rows), behind_entries, strict=True) for x in c]
+        flat += [0, 0, pad] * ((size or n) - n)
+        snap = device_tensor(flat, self.device, torch.long).view(-1, 3)
+        if size is not None:
+            self.dev_bufs["snap"][:size].copy_(snap)
+            snap = self.dev_bufs["snap"][:size]
+        r, p, e = snap[:n].unbind(1)
         if behind_rows:
-            assert accepted is not None and behind_entries is not None
-            b = device_tensor(behind_rows, self.device, torch.long)
+            assert accepted is not None
+            b = r[len(rows) :]
             start = self.dev_bufs["verify_starts"].index_select(0, b)
             q = self.num_speculative_tokens + 1
             j = ((start + q) // self.block_size) * self.block_size - start - 1  # -1: no boundary reached
-            eb = torch.where(j >= 0, device_tensor(behind_entries, self.device, torch.long), self.state_pool.pad_slot)
-            r, p, e = torch.cat([r, b]), torch.cat([p, j.clamp(min=0)]), torch.cat([e, eb])
+            p[len(rows) :].copy_(j.clamp(min=0))
+            e[len(rows) :].copy_(torch.where(j >= 0, e[len(rows) :], pad))
         if accepted is not None:
-            e = torch.where(accepted.index_select(0, r) >= p, e, self.state_pool.pad_slot)
+            e.copy_(torch.where(accepted.index_select(0, r) >= p, e, pad))
+        if graphs is not None and size is not None:
+            graphs.run(size)  # every recurrent layer's copies in one replay
+            return
         for layer in self.model.recurrent_layers():
             layer.snapshot_candidates(r, p, e)
+
+    def _snapshot_pads(self, size: int) -> None:
+        """The snapshot graph's inputs as pads only (capture): row 0's candidate 0 into the pad slot."""
+        self.dev_bufs["snap"][:size].copy_(torch.tensor([0, 0, self.state_pool.pad_slot]))
+
+    def _graph_snapshot(self, size: int) -> tuple[torch.Tensor, ...]:
+        """``snapshot`` graph: every recurrent layer's candidate snapshots of ``size`` (row, position, entry)
+        triples from the persistent ``snap`` buffer (pads: into the pad slot)."""
+        r, p, e = self.dev_bufs["snap"][:size].unbind(1)
+        for layer in self.model.recurrent_layers():
+            layer.snapshot_candidates(r, p, e)
+        return ()
 
 
 class StepResult:
