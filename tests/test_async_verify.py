@@ -20,7 +20,16 @@ from typing import Any
 import pytest
 import torch
 from conftest import CheckpointCache
-from test_device_drafts import FOLLOW, PROMPTS, K, chosen_logprobs, greedy, planted_targets, snapshots_one_early
+from test_device_drafts import (
+    FOLLOW,
+    PROMPTS,
+    K,
+    chosen_logprobs,
+    greedy,
+    planted_targets,
+    record_fed,
+    snapshots_one_early,
+)
 from test_engine import drive, make_llm
 
 from hyserve import SamplingParams
@@ -41,14 +50,12 @@ def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, Sa
 
 def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
     """Break one piece of the mechanism (None: nothing)."""
-    if kind in ("start", "stale", "token"):
-        advance = ModelRunner._advance_verified
+    if kind in ("start", "stale", "token"):  # both places that advance: the accept graph, and after the sampler
+        advance, accept = ModelRunner._advance_verified, ModelRunner._graph_accept
 
-        def broken(self: ModelRunner, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
+        def spoil(self: ModelRunner, slots: torch.Tensor, before: torch.Tensor, accepted: torch.Tensor,
+                  emitted: torch.Tensor) -> None:
             assert self.verify_next_start is not None and self.verify_next_token is not None
-            slots = self.dev_bufs["state_slots"][: accepted.shape[0]]
-            before = self.verify_next_start.index_select(0, slots)
-            advance(self, accepted, emitted)
             if kind == "start":  # the next start one short: start + accepted
                 self.verify_next_start.index_add_(0, slots, torch.full_like(before, -1))
             elif kind == "stale":  # the start left by the row before: the commit's count not read
@@ -58,7 +65,24 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
                 vocab = self.model_config.vocab_size
                 wrong = emitted.gather(1, (a - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
                 self.verify_next_token.index_copy_(0, slots, torch.where(a == 0, (wrong + 1) % vocab, wrong))
+
+        def broken(self: ModelRunner, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
+            assert self.verify_next_start is not None
+            slots = self.dev_bufs["state_slots"][: accepted.shape[0]]
+            before = self.verify_next_start.index_select(0, slots)
+            advance(self, accepted, emitted)
+            spoil(self, slots, before, accepted, emitted)
+
+        def broken_graph(self: ModelRunner, size: int) -> tuple[torch.Tensor, ...]:
+            assert self.verify_next_start is not None
+            slots = self.dev_bufs["state_slots"][:size]
+            before = self.verify_next_start.index_select(0, slots)
+            out = accept(self, size)
+            summary = self.accept_summary[:size]
+            spoil(self, slots, before, summary[:, 0], summary[:, 1:])
+            return out
         monkeypatch.setattr(ModelRunner, "_advance_verified", broken)
+        monkeypatch.setattr(ModelRunner, "_graph_accept", broken_graph)
     elif kind == "behind-graph":  # the behind graph leaves the KV slots at the earliest start (seen once accepted)
         behind = ModelRunner._graph_behind
 
@@ -116,6 +140,17 @@ def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPa
 
     runner.execute_model_async = execute_recorded  # type: ignore[method-assign]
     sampler.launch = record  # type: ignore[method-assign]
+    in_graph = runner._accept_in_graph
+
+    def record_graph(rows: list[Any], spec_rows: list[Any], size: int) -> Any:
+        pending = in_graph(rows, spec_rows, size)
+        if pending is not None:
+            steps: list[list[int]] = []
+            record_fed(runner, spec_rows, steps, [])
+            fed[current[0]] = steps[0]
+        return pending
+
+    runner._accept_in_graph = record_graph  # type: ignore[method-assign]
     drafts: dict[tuple[str, int], list[int]] = {}
     update = eng.scheduler.update_from_output
 
@@ -264,3 +299,58 @@ def test_rows_behind_with_the_worker_in_another_process(ckpts: CheckpointCache) 
         eng.shutdown()
     want = plain_outputs(path, {rid: PROMPTS[rid] for rid in params}, params)
     assert {rid: list(o.outputs[0].token_ids) for rid, o in final.items()} == want
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_the_accept_graph_decides_as_the_rejection_sampler(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
+                                                           device: str) -> None:
+    """The accept graph's greedy acceptance against ``RejectionSampler.launch`` on the same logits and drafts:
+    rows with k, fewer (their masked tail's 0 matching the argmax) and no drafts, drafts mostly right (runs of
+    acceptance), ties (first maximum), a row whose logits turn non-finite at its stopping position (an error row)
+    and one non-finite only past its stop (not an error); and the next starts and last tokens it leaves per slot.
+    On CUDA the captured graph replays."""
+    from hyserve.layers.rejection_sampler import SpecRow
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", device == "cpu")
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    runner = make_llm(path, speculative_config=SPEC, max_num_seqs=8, max_num_batched_tokens=64,
+                      device=device).llm_engine.runner
+    q, size = K + 1, 8
+    vocab = runner.logits_f32.shape[1]
+    gen = torch.Generator().manual_seed(5)
+    counts = [K, K, K - 1, 0, K, 1, K, K]
+    logits = torch.randn(size * q, vocab, generator=gen)
+    logits[5 * q, 7] = logits[5 * q, 3] = logits[5 * q].max() + 1.0  # a tie: the lower id wins
+    logits[2 * q + 2, 0] = logits[2 * q + 2].max() + 2.0  # row 2's masked tail feeds 0: no phantom draft
+    best = logits.argmax(dim=1).view(size, q)
+    drafts = torch.randint(0, vocab, (size, K), generator=gen)
+    for r, right in enumerate([3, 1, 2, 0, 2, 1, 3, 0]):  # the first `right` drafts are the argmax
+        drafts[r, :right] = best[r, :right]
+    logits[4 * q + 2] = float("nan")  # row 4 accepts 2: its stop position is not finite -> error row
+    logits[1 * q + 3] = float("inf")  # row 1 stops at 1: a non-finite position past its stop does not count
+    ids = torch.zeros(size, q, dtype=torch.long)
+    ids[:, 1:] = drafts
+    for r, c in enumerate(counts):
+        ids[r, 1 + c :] = 0  # the verify graph's masked tail
+    starts = torch.tensor([10, 20, 30, 40, 50, 60, 70, 80])
+    slots = torch.tensor([3, 0, 5, 1, 7, 2, 6, 4])  # not the identity
+    d = runner.dev_bufs
+    runner.logits_f32[: size * q].copy_(logits)
+    d["input_ids"][: size * q].copy_(ids.view(-1))
+    d["draft_count"][:size].copy_(torch.tensor(counts))
+    d["verify_starts"][:size].copy_(starts)
+    d["state_slots"][:size].copy_(slots)
+    assert runner.graphs is not None
+    runner.graphs.sets["accept"].run(size)
+    got = runner.accept_summary[:size].cpu()
+    real = torch.cat([torch.arange(r * q, r * q + c + 1) for r, c in enumerate(counts)])
+    rows = [SpecRow(params=greedy(10), draft_token_ids=drafts[r, :c].tolist()) for r, c in enumerate(counts)]
+    assert runner.rejection_sampler is not None
+    want = runner.rejection_sampler.launch(logits[real].to(device), rows)
+    assert got[:, 0].tolist() == want.accepted.tolist()
+    assert want.accepted.tolist()[4] == -1 and want.accepted.tolist()[1] == 1
+    for r, a in enumerate(want.accepted.tolist()):
+        if a >= 0:
+            assert got[r, 1 : a + 2].tolist() == want.emitted[r, : a + 1].tolist(), r
+            assert int(runner.verify_next_start[int(slots[r])]) == starts[r] + a + 1
+            assert int(runner.verify_next_token[int(slots[r])]) == int(want.emitted[r, a])

@@ -212,7 +212,7 @@ def test_speculative_graph_kinds_and_sizes(ckpts: CheckpointCache, emulate: None
                    speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     graphs = mtp.llm_engine.runner.graphs
     assert graphs is not None and set(graphs.sets) == {"verify", "commit", "snapshot", "mtp", "draft", "draft_fill",
-                                                        "behind"}
+                                                        "behind", "accept"}
     assert graphs.sets["verify"].sizes == [1, 2, 4, 6]  # 24 tokens per step / 4 tokens per verify row
     assert graphs.sets["draft"].sizes == [1, 2, 4, 6]  # the drafting of a verify step of those rows
     assert graphs.sets["mtp"].sizes == [1, 2, 4, 8]

@@ -32,6 +32,14 @@ PROMPTS = {"a": SHARED + toks(9, 301), "b": toks(37, 302), "gone": toks(30, 303)
            "d": toks(21, 305), "e": SHARED + toks(12, 306)}
 
 
+def record_fed(runner: ModelRunner, spec_rows: list[Any], fed: list[list[int]], from_device: list[bool]) -> None:
+    """The drafts the accept graph compared with, as the rejection sampler is given them: from the device where
+    some were PREVIOUS_DRAFT inputs, else the rows' own."""
+    ids = runner.verify_draft_ids
+    from_device.append(ids is not None)
+    fed.append(ids.tolist() if ids is not None else [t for r in spec_rows for t in r.draft_token_ids])
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
@@ -50,22 +58,37 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
     if not device_drafts:
         runner.draft_slots = None  # the host transport: the draft graph's tokens are copied to the host
     eng.scheduler.async_verify = behind and device_drafts  # rows behind rows in flight read drafts on the device
+    placeholders = 0
+    count_rows = runner._spec_row
+
+    def counted(row: Any, i: int, errors: dict[int, str]) -> Any:
+        nonlocal placeholders
+        placeholders += sum(t == PREVIOUS_DRAFT for t in row.token_ids[1:])
+        return count_rows(row, i, errors)
+
+    runner._spec_row = counted  # type: ignore[method-assign]
     fed: list[list[int]] = []  # per verify step, the drafts acceptance compared with, in row order
     from_device: list[bool] = []
-    placeholders = 0
     sampler = runner.rejection_sampler
     assert sampler is not None
     launch = sampler.launch  # every acceptance goes through it (a call, or the device chain's launch)
 
     def record(logits: torch.Tensor, rows: list[Any], draft_probs: Any = None,
                draft_ids: torch.Tensor | None = None) -> Any:
-        nonlocal placeholders
         from_device.append(draft_ids is not None)
-        placeholders += sum(t == PREVIOUS_DRAFT for r in rows for t in r.draft_token_ids)
         fed.append(draft_ids.tolist() if draft_ids is not None else [t for r in rows for t in r.draft_token_ids])
         return launch(logits, rows, draft_probs, draft_ids=draft_ids)
 
     sampler.launch = record  # type: ignore[method-assign]
+    in_graph = runner._accept_in_graph  # a greedy verify graph's acceptance: the accept graph
+
+    def record_graph(rows: list[Any], spec_rows: list[Any], size: int) -> Any:
+        pending = in_graph(rows, spec_rows, size)
+        if pending is not None:
+            record_fed(runner, spec_rows, fed, from_device)
+        return pending
+
+    runner._accept_in_graph = record_graph  # type: ignore[method-assign]
     chained = 0
     chain = runner._verify_and_draft_on_device
 

@@ -44,7 +44,7 @@ from hyserve.distributed.parallel_state import (
 from hyserve.kernels.fp8 import check_fp8_device
 from hyserve.layers.linear import ParallelLMHead
 from hyserve.layers.quantization import draft_head_quantization, quantization_summary
-from hyserve.layers.rejection_sampler import RejectionSampler, SpecOutput, SpecRow
+from hyserve.layers.rejection_sampler import PendingSpec, RejectionSampler, SpecOutput, SpecRow
 from hyserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow, token_seed
 from hyserve.model import registry
 from hyserve.model.base import CausalLM, KVCacheLayer
@@ -316,6 +316,8 @@ class ModelRunner:
             sizes["draft_fill"] = list(sizes["draft"])
             if self.pp_size == 1 and tp_size() == 1:  # rows behind rows in flight: their starts from the device
                 sizes["behind"] = list(sizes["verify"])
+                # The greedy acceptance of a whole verify step enqueued at once, with the next starts.
+                sizes["accept"] = list(sizes["verify"])
         return sizes
 
     def _graph_logit_rows(self, sizes: dict[str, list[int]]) -> int:
@@ -493,7 +495,8 @@ class ModelRunner:
         forwards = {"decode": _weak_forward(self._graph_decode), "verify": _weak_forward(self._graph_verify),
                     "mtp": _weak_forward(self._graph_mtp), "draft": _weak_forward(self._graph_draft),
                     "commit": _weak_forward(self._graph_commit), "snapshot": _weak_forward(self._graph_snapshot),
-                    "draft_fill": _weak_forward(self._graph_draft_fill), "behind": _weak_forward(self._graph_behind)}
+                    "draft_fill": _weak_forward(self._graph_draft_fill), "behind": _weak_forward(self._graph_behind),
+                    "accept": _weak_forward(self._graph_accept)}
         q = self.num_speculative_tokens + 1
         fill_pads = {"decode": lambda n: self.prepare([], pad_to=n),
                      "verify": lambda n: self.prepare([], pad_to=n, pad_len=q),
@@ -502,7 +505,8 @@ class ModelRunner:
                      "commit": lambda n: self._fill_commit([], n),
                      "snapshot": lambda n: self._snapshot_pads(n),
                      "draft_fill": lambda n: self._draft_fill_pads(n),
-                     "behind": lambda n: self.prepare([], pad_to=n, pad_len=q)}
+                     "behind": lambda n: self.prepare([], pad_to=n, pad_len=q),
+                     "accept": lambda n: self.prepare([], pad_to=n, pad_len=q)}
         for i in range(self.num_scratch_sets if not self.is_last_stage else 0):
             forwards[f"verify{i}"] = _weak_forward(self._graph_verify_stage, i)
             fill_pads[f"verify{i}"] = fill_pads["verify"]
@@ -638,6 +642,7 @@ class ModelRunner:
             "verify_starts": ((r,), torch.long),  # each verify row's start (behind rows': set on the device)
             "snap": ((r, 3), torch.long),  # the snapshot graph's (verify row, candidate position, entry) triples
             "behind": ((r,), torch.long),  # 1: the verify row's start is on the device (the behind graph's input)
+            "draft_count": ((r,), torch.long),  # the accept graph's input: each verify row's number of drafts
         }
         if self.link is not None and not self.is_first_stage:  # the previous stage's (residual, pending) per token
             self.pp_in = dev((t, 2, self.model_config.hidden_size), self.dtype)
@@ -681,6 +686,7 @@ class ModelRunner:
                 self.draft_first_hidden = dev((r, h), self.dtype)
                 self.draft_tokens = dev((r, k), torch.long)
                 self.draft_slots_index = dev((r,), torch.long)
+                self.accept_summary = dev((r, q + 1), torch.long)  # the accept graph's (count, emitted) per row
 
     # ------------------------------------------------------------------ step
 
@@ -727,6 +733,7 @@ class ModelRunner:
                 assert i == num_verify, "verify rows must come first"
                 nb["verify_starts"][i] = start
                 nb["behind"][i] = row.start_on_device
+                nb["draft_count"][i] = n - 1
                 if row.start_on_device:  # laid out at its earliest start here, moved on the device below
                     assert mm is None and n == self.num_speculative_tokens + 1, "a row behind one has all k drafts"
                     behind.append((i, t, row.state_slot))
@@ -781,14 +788,15 @@ class ModelRunner:
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "query_start_loc": r + 1, "seq_lens": r,
                  "state_slots": r, "block_tables": r, "logits_indices": n_sample,
                  "rest_query_start_loc": rest + 1 if num_verify else 0, "verify_starts": num_verify,
-                 "behind": num_verify}
+                 "behind": num_verify, "draft_count": num_verify}
         copies = dict(sizes)
         if pad_to is not None and pad_to > r:
             assert num_verify in (0, r), "a padded step has verify rows only, or none"
             self._fill_pads(nb, copies, t, r, pad_to, pad_len)
             if num_verify:
                 nb["behind"][r:pad_to] = 0
-                copies["behind"] = pad_to
+                nb["draft_count"][r:pad_to] = 0
+                copies["behind"] = copies["draft_count"] = pad_to
         views = {}
         for name, size in sizes.items():
             self.dev_bufs[name][: copies[name]].copy_(self.host_bufs[name][: copies[name]], non_blocking=True)
@@ -1006,9 +1014,11 @@ class ModelRunner:
         copy to the host: the commit and drafting run on, and the next step can be enqueued behind them, while
         the host applies this one."""
         assert self.rejection_sampler is not None and self.mtp_proposer is not None
-        pending = self.rejection_sampler.launch(logits, spec_rows, draft_ids=self.verify_draft_ids)
+        pending = self._accept_in_graph(rows, spec_rows, size)
+        if pending is None:
+            pending = self.rejection_sampler.launch(logits, spec_rows, draft_ids=self.verify_draft_ids)
+            self._advance_verified(pending.accepted, pending.emitted)
         accepted = pending.accepted
-        self._advance_verified(accepted, pending.emitted)
         if out.errors:  # rows whose sampling inputs failed: their state advances, their drafting is skipped
             failed = device_tensor([i in out.errors for i in range(len(rows))], self.device, torch.bool)
         else:
@@ -1046,6 +1056,56 @@ class ModelRunner:
             out.next_draft_token_ids = drafts
 
         return StepResult(out, finish=finish)
+
+    def _accept_in_graph(self, rows: list[ScheduledRow], spec_rows: list[SpecRow], size: int) -> PendingSpec | None:
+        """The greedy acceptance of a verify graph's step and ``_advance_verified`` in one replay of the ``accept``
+        graph (``_graph_accept``), with one copy of the counts and tokens to the host; None where it does not
+        apply (a row that samples or has banned tokens, or the verify graph did not run at ``size``): then the
+        rejection sampler decides, as it does everywhere else."""
+        graphs = self.graphs.get("accept") if self.graphs is not None else None
+        if graphs is None or self._verify_graph_size != size or size not in graphs.sizes:
+            return None
+        if not all(r.params.is_greedy and r.banned_token_ids is None for r in spec_rows):
+            return None
+        n = len(rows)
+        graphs.run(size)  # each row's number of drafts: from prepare
+        summary = self.accept_summary[:n]
+        host = summary.to("cpu", non_blocking=True) if self.device.type == "cuda" else summary.clone()
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingSpec(summary[:, 0], summary[:, 1:], host, event, None)
+
+    def _graph_accept(self, size: int) -> tuple[torch.Tensor, ...]:
+        """``accept`` graph: greedy acceptance of ``size`` verify rows of k + 1 positions from the verify graph's
+        logits and fed tokens, as ``RejectionSampler.launch`` decides it for greedy rows without bans (first
+        maximum; a row whose logits at its stopping position are not finite is an error row, -1), into
+        ``accept_summary`` (per row: the count, then the emitted tokens, the last one at column count); then each
+        row's next start and last token into its slot's entries (``_advance_verified``)."""
+        assert self.verify_next_start is not None and self.verify_next_token is not None
+        k = self.num_speculative_tokens
+        q = k + 1
+        best, tok = self.logits_f32[: size * q].max(dim=1)
+        finite = torch.isfinite(best).view(size, q)
+        tok = tok.view(size, q)
+        drafts = self.dev_bufs["input_ids"][: size * q].view(size, q)[:, 1:]
+        count = self.dev_bufs["draft_count"][:size]
+        j = torch.arange(k, device=self.device)
+        accept = (tok[:, :k] == drafts) & (j.unsqueeze(0) < count.unsqueeze(1)) & finite[:, :k]
+        num_acc = accept.to(torch.int32).cumprod(dim=1).sum(dim=1).long().unsqueeze(1)
+        bad = ~finite.gather(1, num_acc).squeeze(1)
+        out = self.accept_summary[:size]
+        emitted = out[:, 1:]
+        emitted[:, :k].copy_(drafts)
+        emitted.scatter_(1, num_acc, tok.gather(1, num_acc))
+        accepted = torch.where(bad, -1, num_acc.squeeze(1))
+        out[:, 0].copy_(accepted)
+        slots = self.dev_bufs["state_slots"][:size]
+        a = accepted.clamp(min=0)
+        self.verify_next_start.index_copy_(0, slots, self.dev_bufs["verify_starts"][:size] + a + 1)
+        self.verify_next_token.index_copy_(0, slots, emitted.gather(1, a.unsqueeze(1)).squeeze(1))
+        return ()
 
     def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
                               failed: torch.Tensor | None, pad_to: int) -> None:
