@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from test_engine import drive, make_llm
 
 from hyserve import SamplingParams
+from hyserve.worker import cuda_graphs
 
 SPECS: dict[str, dict[str, object] | None] = {
     "none": None,
@@ -28,13 +29,25 @@ SPECS: dict[str, dict[str, object] | None] = {
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.sampled_from(list(SPECS)), caching=st.booleans(), num_kv_blocks=st.integers(3, 9),
        slots=st.integers(1, 3), budget=st.sampled_from([7, 16, 40]), seed=st.integers(0, 2**16),
-       n_requests=st.integers(1, 6), async_scheduling=st.booleans())
+       n_requests=st.integers(1, 6), async_scheduling=st.booleans(), graphs=st.booleans())
 def test_random_workloads_under_tiny_budgets_always_drain(ckpts: CheckpointCache, spec: str, caching: bool,
                                                           num_kv_blocks: int, slots: int, budget: int, seed: int,
-                                                          n_requests: int, async_scheduling: bool) -> None:
+                                                          n_requests: int, async_scheduling: bool,
+                                                          graphs: bool) -> None:
     """Under async scheduling with MTP, verify rows go behind rows in flight (unseeded requests far enough from
-    their end), with their blocks reserved for the latest start."""
+    their end), with their blocks reserved for the latest start. ``graphs``: the CUDA graphs emulated (the whole
+    verify step enqueued at once: acceptance, moves of rows behind, snapshots and drafting in graphs)."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    emulate = cuda_graphs.EMULATE
+    cuda_graphs.EMULATE = graphs
+    try:
+        _drain_random_workload(path, spec, caching, num_kv_blocks, slots, budget, seed, n_requests, async_scheduling)
+    finally:
+        cuda_graphs.EMULATE = emulate
+
+
+def _drain_random_workload(path: str, spec: str, caching: bool, num_kv_blocks: int, slots: int, budget: int,
+                           seed: int, n_requests: int, async_scheduling: bool) -> None:
     llm = make_llm(path, enable_prefix_caching=caching, speculative_config=SPECS[spec], num_kv_blocks=num_kv_blocks,
                    num_state_slots=slots, max_num_seqs=slots, max_num_batched_tokens=budget,
                    recurrent_snapshot_interval=16, num_snapshot_slots=8, async_scheduling=async_scheduling)
