@@ -674,6 +674,11 @@ class ModelRunner:
                 dtypes.update(chain_seq_lens=torch.int32, chain_query_start_loc=torch.int32)
                 self.draft_host = {k: host(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
                 self.draft_dev = {k: dev(sh, dtypes.get(k, torch.long)) for k, sh in draft_names.items()}
+                # The draft fill's per-row inputs, as rows of one tensor each side: one copy per step.
+                self.draft_rows_host = host((len(DRAFT_ROW_INPUTS), r), torch.long)
+                self.draft_rows_dev = dev((len(DRAFT_ROW_INPUTS), r), torch.long)
+                for j, name in enumerate(DRAFT_ROW_INPUTS):
+                    self.draft_host[name], self.draft_dev[name] = self.draft_rows_host[j], self.draft_rows_dev[j]
                 self.draft_np = {k: v.numpy() for k, v in self.draft_host.items()}
                 # Fixed layouts: the first pass k + 1 tokens per row, the chained passes one.
                 self.draft_np["query_start_loc"][:] = np.arange(r + 1) * q
@@ -799,7 +804,8 @@ class ModelRunner:
                 copies["behind"] = copies["draft_count"] = pad_to
         views = {}
         for name, size in sizes.items():
-            self.dev_bufs[name][: copies[name]].copy_(self.host_bufs[name][: copies[name]], non_blocking=True)
+            if copies[name]:  # (an empty copy launches nothing on CUDA either)
+                self.dev_bufs[name][: copies[name]].copy_(self.host_bufs[name][: copies[name]], non_blocking=True)
             views[name] = self.dev_bufs[name][:size]
         if prev:
             self._feed_previous_samples(prev)
@@ -1133,8 +1139,8 @@ class ModelRunner:
             first += row.num_new_tokens
         self._draft_pad_rows(n, pad_to)
         d = self.draft_dev
-        for name in ("block_tables", "row_first", "row_limit", "row_slot", "row_shift"):
-            d[name][:pad_to].copy_(self.draft_host[name][:pad_to], non_blocking=True)
+        d["block_tables"][:pad_to].copy_(self.draft_host["block_tables"][:pad_to], non_blocking=True)
+        self.draft_rows_dev.copy_(self.draft_rows_host, non_blocking=True)  # all rows: one contiguous copy
         if self.device.type == "cuda":
             self._draft_fence = torch.cuda.Event()
             self._draft_fence.record()
@@ -1153,8 +1159,8 @@ class ModelRunner:
     def _draft_fill_pads(self, size: int) -> None:
         """The draft_fill graph's inputs as pad rows only (capture)."""
         self._draft_pad_rows(0, size)
-        for name in ("block_tables", "row_first", "row_limit", "row_slot", "row_shift"):
-            self.draft_dev[name][:size].copy_(self.draft_host[name][:size])
+        self.draft_dev["block_tables"][:size].copy_(self.draft_host["block_tables"][:size])
+        self.draft_rows_dev.copy_(self.draft_rows_host)
         self.draft_dev["acc"][:size].fill_(-1)
 
     def _draft_pad_rows(self, n: int, pad_to: int) -> None:
@@ -1865,6 +1871,10 @@ class ModelRunner:
         for layer in self.model.recurrent_layers():
             layer.snapshot_candidates(r, p, e)
         return ()
+
+
+# The draft fill's per-row host inputs (ModelRunner._fill_draft_on_device), packed as the rows of one tensor.
+DRAFT_ROW_INPUTS = ("row_first", "row_limit", "row_slot", "row_shift")
 
 
 class StepResult:
