@@ -739,7 +739,7 @@ class ModelRunner:
                 nb["verify_starts"][i] = start
                 nb["behind"][i] = row.start_on_device
                 nb["draft_count"][i] = n - 1
-                if row.start_on_device:  # laid out at its earliest start here, moved on the device below
+                if row.start_on_device:  # its start-dependent inputs are set on the device below
                     assert mm is None and n == self.num_speculative_tokens + 1, "a row behind one has all k drafts"
                     behind.append((i, t, row.state_slot))
                 nb["input_ids"][t : t + n] = ids
@@ -760,7 +760,9 @@ class ModelRunner:
             else:
                 nb["input_ids"][t : t + n] = ids
             table = row.block_table
-            if n == 1:
+            if row.start_on_device:
+                pass  # positions, KV slots and context length: set from the start on the device (below)
+            elif n == 1:
                 nb["positions"][t] = start + shift
                 nb["slot_mapping"][t] = table[start // bs] * bs + start % bs
             else:
