@@ -50,12 +50,14 @@ def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, Sa
 
 def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
     """Break one piece of the mechanism (None: nothing)."""
-    if kind in ("start", "stale", "token"):  # both places that advance: the accept graph, and after the sampler
-        advance, accept = ModelRunner._advance_verified, ModelRunner._graph_accept
+    if kind in ("start", "stale", "token"):  # every acceptance advances through it (the accept graph too)
+        advance = ModelRunner._advance_verified
 
-        def spoil(self: ModelRunner, slots: torch.Tensor, before: torch.Tensor, accepted: torch.Tensor,
-                  emitted: torch.Tensor) -> None:
+        def broken(self: ModelRunner, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
             assert self.verify_next_start is not None and self.verify_next_token is not None
+            slots = self.dev_bufs["state_slots"][: accepted.shape[0]]
+            before = self.verify_next_start.index_select(0, slots)
+            advance(self, accepted, emitted)
             if kind == "start":  # the next start one short: start + accepted
                 self.verify_next_start.index_add_(0, slots, torch.full_like(before, -1))
             elif kind == "stale":  # the start left by the row before: the commit's count not read
@@ -65,24 +67,7 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
                 vocab = self.model_config.vocab_size
                 wrong = emitted.gather(1, (a - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
                 self.verify_next_token.index_copy_(0, slots, torch.where(a == 0, (wrong + 1) % vocab, wrong))
-
-        def broken(self: ModelRunner, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
-            assert self.verify_next_start is not None
-            slots = self.dev_bufs["state_slots"][: accepted.shape[0]]
-            before = self.verify_next_start.index_select(0, slots)
-            advance(self, accepted, emitted)
-            spoil(self, slots, before, accepted, emitted)
-
-        def broken_graph(self: ModelRunner, size: int) -> tuple[torch.Tensor, ...]:
-            assert self.verify_next_start is not None
-            slots = self.dev_bufs["state_slots"][:size]
-            before = self.verify_next_start.index_select(0, slots)
-            out = accept(self, size)
-            summary = self.accept_summary[:size]
-            spoil(self, slots, before, summary[:, 0], summary[:, 1:])
-            return out
         monkeypatch.setattr(ModelRunner, "_advance_verified", broken)
-        monkeypatch.setattr(ModelRunner, "_graph_accept", broken_graph)
     elif kind == "behind-graph":  # the behind graph leaves the KV slots at the earliest start (seen once accepted)
         behind = ModelRunner._graph_behind
 

@@ -27,6 +27,13 @@ PREVIOUS_SAMPLED = -1
 PREVIOUS_DRAFT = -2
 
 
+def candidate_point(start: int, num_tokens: int, block_size: int) -> int | None:
+    """The snapshot point of a verify row of ``num_tokens`` tokens from ``start``: the last block boundary it
+    reaches, or None where it reaches none (the worker derives the same on the device for a row behind another)."""
+    point = ((start + num_tokens) // block_size) * block_size
+    return point if point > start else None
+
+
 @dataclass(slots=True)
 class NewRequestData:
     """A request the worker has not seen (or has forgotten): what sampling needs for all of its steps."""

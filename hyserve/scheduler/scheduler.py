@@ -58,6 +58,7 @@ from hyserve.scheduler.output import (
     RunnerOutput,
     ScheduledRow,
     SchedulerOutput,
+    candidate_point,
 )
 
 if TYPE_CHECKING:
@@ -203,8 +204,8 @@ class Scheduler:
         if req.num_output_tokens + 1 < p.min_tokens:  # the row's first output index is at least that
             return False
         latest = prev.start + prev.num_new_tokens  # the start if every draft in flight is accepted
-        return latest + 1 + k <= self.drafts.draft_limit(req, self.max_model_len) and \
-            latest + k + 1 <= self.max_model_len
+        # (The draft limit is at most max_model_len, so this row fits the model's length too.)
+        return latest + 1 + k <= self.drafts.draft_limit(req, self.max_model_len)
 
     def _admit(self, out: SchedulerOutput, budget: int,
                chunks: list[tuple[Request, ScheduledRow, int | None]]) -> None:
@@ -369,14 +370,15 @@ class Scheduler:
             # of known tokens is cut at its snapshot point, so that point is its end; a verify row or a row of a
             # token still on the device may cross a block boundary whose prefix is known only from the result.
             if row.is_verify and row.start_on_device:
-                # The boundary is known with the start: an entry if the latest start's end crosses one.
-                if ((row.latest_start + row.num_new_tokens) // pc.block_size) * pc.block_size > row.start:
+                # The point is known with the start: an entry if the latest start's row reaches a boundary.
+                reach = row.latest_start + row.num_new_tokens
+                if candidate_point(row.start, reach - row.start, pc.block_size) is not None:
                     entry = pc.reserve_entry()
                     if entry is not None:
                         row.candidate_snapshot = (-1, entry)
             elif row.is_verify:
-                boundary = (row.end // pc.block_size) * pc.block_size
-                if boundary > row.start:
+                boundary = candidate_point(row.start, row.num_new_tokens, pc.block_size)
+                if boundary is not None:
                     entry = pc.reserve_entry()
                     if entry is not None:
                         row.candidate_snapshot = (boundary, entry)
@@ -538,8 +540,8 @@ class Scheduler:
             pc = self.prefix_cache
             assert pc is not None
             entry = row.candidate_snapshot[1]
-            point = (row.end // pc.block_size) * pc.block_size
-            if point > start:
+            point = candidate_point(start, row.num_new_tokens, pc.block_size)
+            if point is not None:
                 row.candidate_snapshot = (point, entry)
             else:
                 pc.release_entry(entry)

@@ -54,7 +54,14 @@ from hyserve.model.vision import VisionConfig
 from hyserve.multimodal.image import ImageProcessorSettings
 from hyserve.multimodal.inputs import ImageInput, MultimodalPrompt
 from hyserve.sampling_params import SamplingParams
-from hyserve.scheduler.output import PREVIOUS_DRAFT, PREVIOUS_SAMPLED, RunnerOutput, ScheduledRow, SchedulerOutput
+from hyserve.scheduler.output import (
+    PREVIOUS_DRAFT,
+    PREVIOUS_SAMPLED,
+    RunnerOutput,
+    ScheduledRow,
+    SchedulerOutput,
+    candidate_point,
+)
 from hyserve.speculative.mtp_proposer import MTPProposer
 from hyserve.utils import device_tensor
 from hyserve.worker import cuda_graphs
@@ -969,7 +976,10 @@ class ModelRunner:
         verify = [i for i, r in enumerate(rows) if r.is_verify]
         sampling_rows = [self._sampling_row(rows[i], i, out.errors) for i in plain]
         spec_rows = [self._spec_row(rows[i], i, out.errors) for i in verify]
-        if any(r.start_on_device for r in rows) and self._device_chain(rows, spec_rows) is None:
+        # Whether the whole verify step is enqueued at once; a row behind another otherwise needs its start first
+        # (resolving it changes nothing the check reads: the scheduler sends a row behind only where it fits).
+        chain = self._device_chain(rows, spec_rows)
+        if chain is None and any(r.start_on_device for r in rows):
             rows = self._resolve_starts(rows)
         self._load_states(rows)
         if self.num_speculative_tokens:
@@ -985,7 +995,6 @@ class ModelRunner:
             return StepResult(out, plain, samp)
         if samp is not None:
             self._take_samples(out, plain, samp.result())
-        chain = self._device_chain(rows, spec_rows) if samp is None else None
         if chain is not None:
             return self._verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], out, *chain)
         if verify:
@@ -1109,10 +1118,7 @@ class ModelRunner:
         emitted.scatter_(1, num_acc, tok.gather(1, num_acc))
         accepted = torch.where(bad, -1, num_acc.squeeze(1))
         out[:, 0].copy_(accepted)
-        slots = self.dev_bufs["state_slots"][:size]
-        a = accepted.clamp(min=0)
-        self.verify_next_start.index_copy_(0, slots, self.dev_bufs["verify_starts"][:size] + a + 1)
-        self.verify_next_token.index_copy_(0, slots, emitted.gather(1, a.unsqueeze(1)).squeeze(1))
+        self._advance_verified(accepted, emitted)
         return ()
 
     def _fill_draft_on_device(self, rows: list[ScheduledRow], accepted: torch.Tensor, emitted: torch.Tensor,
@@ -1579,13 +1585,12 @@ class ModelRunner:
         starts = self.verify_next_start.index_select(0, slots).tolist()
         tokens = self.verify_next_token.index_select(0, slots).tolist()
         out = list(rows)
-        bs = self.block_size
         for i, start, token in zip(behind, starts, tokens, strict=True):
             row = rows[i]
             cand = row.candidate_snapshot
             if cand is not None:  # as the scheduler will place it (Scheduler._place)
-                point = ((start + row.num_new_tokens) // bs) * bs
-                cand = (point, cand[1]) if point > start else None
+                point = candidate_point(start, row.num_new_tokens, self.block_size)
+                cand = (point, cand[1]) if point is not None else None
             out[i] = dataclasses.replace(row, start=start, max_start=start, start_on_device=False,
                                          token_ids=[token, *row.token_ids[1:]], candidate_snapshot=cand)
         return out
