@@ -704,10 +704,16 @@ def measure(args: argparse.Namespace) -> int:
     common: dict[str, Any] = {"max_model_len": args.max_model_len}
     if cuda:
         common["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.engine == "vllm" and args.vllm_gdn_prefill_backend:
+        # vLLM's GDN prefill kernel: FlashInfer's (its default on Hopper, JIT-built for 8-10 minutes on a fresh
+        # machine) or its Triton/FLA one (no JIT); a decode step takes neither
+        common["gdn_prefill_backend"] = args.vllm_gdn_prefill_backend
     measures = args.measures.split(",")
     res: dict[str, Any] = {"engine": args.engine, "model": args.model, "command": " ".join(sys.argv),
                            "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                            "date": time.strftime("%Y-%m-%d"), "hyserve_commit": _git_commit(), "figures": {}}
+    if args.engine == "vllm":
+        res["vllm_gdn_prefill_backend"] = args.vllm_gdn_prefill_backend or "auto (FlashInfer on Hopper)"
     fig = res["figures"]
     batches = [int(b) for b in args.batches.split(",")]
     errors = res["errors"] = {}
@@ -992,6 +998,8 @@ def main() -> int:
                    help="the agent trace's KV cache (both engines take the same name)")
     m.add_argument("--max-model-len", type=int, default=8192)
     m.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    m.add_argument("--vllm-gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
+                   help="vLLM's --gdn-prefill-backend (default: its own choice, FlashInfer on Hopper)")
     q = sub.add_parser("quantize", help="copy a written checkpoint and quantize its linear layers to FP8")
     q.add_argument("--src", required=True)
     q.add_argument("--out", required=True)

@@ -279,5 +279,35 @@ case "${1:?phase}" in
         echo "$name rc $?"; tail -4 "$OUT/$name.log"
     done
     ;;
+  # Issue 15's last H200 figures in three calls after the bring-up, vLLM with its Triton/FLA GDN prefill kernel
+  # (--vllm-gdn-prefill-backend triton: no 8-10 minute FlashInfer JIT; decode steps take neither kernel).
+  fp8-a)  # the FP8 CUDA tests; hyserve bf16 / compressed-tensors / block FP8 on the 2B shape; vLLM on the same FP8
+    p2b; fp8_ckpts
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kv.py tests/test_kernels.py \
+        -k "cuda or gpu" > "$OUT/gpu_tests_fp8.log" 2>&1
+    echo "gpu fp8 tests rc $? ($(date +%T))"; tail -2 "$OUT/gpu_tests_fp8.log"
+    measure hyserve /tmp/p2b 2b 110 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_ct 2b_ct 110 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b_blk 2b_blk 110 --measures decode,bound,prefill
+    measure vllm /tmp/p2b_ct 2b_ct "$(left 5)" --measures decode,bound,prefill --vllm-gdn-prefill-backend triton
+    ;;
+  fp8-b)  # the agent trace with the FP8 KV cache, both engines; FP8 against bf16 where bf16 is sure; vLLM bf16
+    p2b; fp8_ckpts
+    measure vllm /tmp/p2b 2b_agent_kvfp8 200 --measures agent --kv-cache-dtype fp8 --vllm-gdn-prefill-backend triton
+    measure hyserve /tmp/p2b 2b_agent_kvfp8 90 --measures agent --kv-cache-dtype fp8
+    measure hyserve /tmp/p2b 2b_agent 90 --measures agent
+    fp8_correctness
+    measure vllm /tmp/p2b 2b "$(left 5)" --measures decode,bound,prefill --vllm-gdn-prefill-backend triton
+    ;;
+  fp8-9b2)  # the 9B shape: compressed-tensors FP8 against its bf16 self where bf16 is sure, then both decoding
+    p9b
+    [ -d /tmp/p9b_ct ] || python3 $PB quantize --src /tmp/p9b --out /tmp/p9b_ct --format ct_dynamic >> "$OUT/quantize.log" 2>&1
+    echo "9B written and quantized ($(date +%T))"
+    measure hyserve /tmp/p9b_ct 9b_ct 110 --measures decode,bound,prefill
+    measure hyserve /tmp/p9b 9b 110 --measures decode,bound,prefill
+    timeout "$(left 5)" python3 benchmarks/fp8_check.py --bf16 /tmp/p9b --variant ct=/tmp/p9b_ct \
+        --out "$OUT/fp8_check_9b.json" > "$OUT/fp8_check_9b.log" 2>&1
+    echo "fp8_check 9b rc $?"; tail -2 "$OUT/fp8_check_9b.log"
+    ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

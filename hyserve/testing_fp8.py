@@ -53,10 +53,12 @@ _CT_ARGS: dict[str, Any] = {
 
 def default_ignore(fmt: str, tensors: dict[str, torch.Tensor]) -> list[str]:
     """What real checkpoints keep in bf16 among the linear layers: ``lm_head`` and the GDN ``in_proj_a`` /
-    ``in_proj_b`` (Qwen's own FP8 releases, docs/fp8_facts.md section 7); compressed-tensors as a ``re:`` entry,
+    ``in_proj_b`` (Qwen's own FP8 releases, docs/fp8_facts.md section 7); compressed-tensors as ``re:`` entries,
+    with the vision tower's (``re:.*visual.*``, as the llm-compressor recipes and the published Qwen3.5
+    FP8-dynamic checkpoints write it: an engine that builds the tower with the checkpoint's quantization needs it),
     block FP8 as the exact per-layer names ``modules_to_not_convert`` holds."""
     if fmt.startswith("ct_"):
-        return ["lm_head", r"re:.*linear_attn\.in_proj_[ab]$"]
+        return ["lm_head", r"re:.*linear_attn\.in_proj_[ab]$", "re:.*visual.*"]
     names = sorted(n.removesuffix(".weight") for n in tensors if re.search(r"linear_attn\.in_proj_[ab]\.weight$", n))
     return ["lm_head", *names]
 

@@ -543,6 +543,58 @@ def test_cuda_scaled_mm_matches_the_reference(monkeypatch: pytest.MonkeyPatch, b
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_cuda_split_k_gemm_is_exact_between_runs_and_under_graph_replay(monkeypatch: pytest.MonkeyPatch,
+                                                                         block: tuple[int, int] | None) -> None:
+    """Decode shapes split K over many programs; the last of a tile's programs adds the partials in split order.
+    So two launches on the same input agree bit for bit, a captured graph replayed on new inputs gives the eager
+    launch's bits, the locks are zero after every launch, and the result is the reference's within bf16."""
+    monkeypatch.setenv("HYSERVE_FP8_GEMM", "triton")
+    fp8_kernels.check_fp8_device(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(5)
+    m, k, n = 1, 4096, 1024
+    assert fp8_kernels.gemm_config(m, n, k).split_k > 4
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    if block is None:
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        wq = (w / scale).clamp(-448, 448).to(FP8)
+    else:
+        scale = torch.rand(n // 128, k // 128, generator=gen) / 448 + 1e-3
+        wq = (w / scale.repeat_interleave(128, 0).repeat_interleave(128, 1)).clamp(-448, 448).to(FP8)
+    wq_d, scale_d = wq.cuda(), scale.cuda()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if block is None:
+            return fp8_kernels.fp8_linear(x, wq_d, scale_d)
+        return fp8_kernels.fp8_block_linear(x, wq_d, scale_d, block, 128)
+
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        if block is None:
+            return fp8_kernels.fp8_linear_ref(x, wq, scale)
+        return fp8_kernels.fp8_block_linear_ref(x, wq, scale, block, 128)
+
+    xs = [torch.randn(m, k, generator=gen).bfloat16() for _ in range(3)]
+    locks = fp8_kernels.split_locks(torch.device("cuda"))
+    first = run(xs[0].cuda())
+    assert torch.equal(first, run(xs[0].cuda()))
+    assert int(locks.count_nonzero()) == 0
+    torch.testing.assert_close(first.float().cpu(), ref(xs[0]).float(), rtol=1e-2,
+                               atol=1e-2 * float(ref(xs[0]).float().abs().max()))
+    static = xs[0].cuda()
+    run(static)  # warm: compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(static)
+    for x in xs[1:] + xs[:1]:
+        static.copy_(x.cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(x.cuda()))
+        assert int(locks.count_nonzero()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_layers_match_the_cpu_reference(fp8_ckpts: Checkpoints, case: str) -> None:
     """The checkpoint loaded onto CUDA (bf16 model: the _scaled_mm path where K and N are multiples of 16, the

@@ -597,6 +597,34 @@ def _interp_fp8_gemm(m: int, n: int, k: int, block: bool, group: bool, split: in
     return ok != sabotage, f"err {err:.3g}"
 
 
+def _interp_fp8_split_locks(stale: bool) -> tuple[bool, str]:
+    """Split K reduced by the last program of each tile: two launches in a row (the locks back at zero after each),
+    four splits of five K tiles (one split empty), against the reference. ``stale``: the locks left at 1 before the
+    launch (a reset that did not happen): a tile is written one partial short, which the comparison must catch."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(31)
+    m, n, k = 2, 72, 520
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    ws = w.abs().amax(1, keepdim=True) / 448
+    wq = (w / ws).clamp(-448, 448).to(fp8.FP8_DTYPE)
+    q, qs = fp8.quantize_per_token(x)
+    want = fp8.fp8_linear_ref(x, wq, ws)
+    locks = fp8.split_locks(x.device)
+    if stale:
+        locks.fill_(1)
+    cfg = fp8.GemmConfig(16, 32, 128, 4, 2, 4, 2)
+    errs = []
+    for _ in range(2):
+        got = fp8.triton_fp8_gemm(q, qs, wq, ws, None, torch.float32, cfg)
+        errs.append(_close(got, want, 1e-4, 1e-4))
+    zeroed = int(locks.count_nonzero()) == 0
+    locks.zero_()
+    ok = all(e[0] for e in errs) and zeroed
+    return ok != stale, f"errs {[round(e[1], 4) for e in errs]}, locks zero after: {zeroed}"
+
+
 def _interp_fp8_gemm_fused(m: int, n: int, k: int, block: bool, mode: str, split: int | None,
                            reference_mode: str | None = None) -> tuple[bool, str]:
     """The GEMM quantizing its unquantized bf16 activation itself (``mode``: token, group or static) against the
@@ -665,6 +693,8 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     _check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
     _check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
     _check(res, "fp8_gemm_block_sabotaged_groups_caught", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
+    _check(res, "fp8_split_locks", lambda: _interp_fp8_split_locks(False))
+    _check(res, "fp8_split_stale_locks_caught", lambda: _interp_fp8_split_locks(True))
     # The GEMM quantizing its activation: per token over several K tiles (split too), static, per group.
     _check(res, "fp8_fused_token", lambda: _interp_fp8_gemm_fused(5, 200, 300, False, "token", None))
     _check(res, "fp8_fused_token_split3", lambda: _interp_fp8_gemm_fused(3, 72, 520, False, "token", 3))
@@ -708,6 +738,7 @@ INTERP_CHECKS += [f"fp8_gemm_{c}" for c in ("channel_decode", "channel_split3", 
                                             "block_groups_split2", "block_tokens", "block_sabotaged_groups_caught")]
 INTERP_CHECKS += [f"fp8_fused_{c}" for c in ("token", "token_split3", "static", "block_group", "block_token",
                                              "group_for_token_caught")]
+INTERP_CHECKS += ["fp8_split_locks", "fp8_split_stale_locks_caught"]
 
 
 @pytest.mark.parametrize("name", INTERP_CHECKS)

@@ -8,7 +8,10 @@
   scaling (``BLOCKWISE`` false) multiplies the accumulator once by the token's and the channel's scales; block
   scaling takes one ``BLOCK_K = SCALE_K``-wide slice of K per iteration and scales each partial product by the
   token's group scale and the weight block's scale, as DeepSeek-V3's recipe does. ``SPLIT_K`` programs share one
-  output tile over K slices and add into a float32 output (decode shapes have too few output tiles to fill the card).
+  output tile over K slices (decode shapes have too few output tiles to fill the card): each writes its float32
+  partial to a workspace and counts itself in on the tile's lock; the last to arrive adds the partials in split
+  order, scales, casts and writes the tile, then sets the lock back to 0. One launch, no zeroed output, no cast
+  launch after, and the same sum whichever program comes last (a float atomic add would not be).
   The GEMM can also quantize the activation itself (``A_MODE``), which saves the quantization's launch where a
   decode step's GEMMs are a few microseconds each.
 """
@@ -74,7 +77,7 @@ def _quantize_tile(a, scale, fp8_max, DT: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr, lock_ptr, M, N, K,
     sa, sb, sc, sas_m, sas_k, sbs_n, sbs_k, fp8_max, eps,
     BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr, UPCAST: tl.constexpr, A_MODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -83,7 +86,8 @@ def _fp8_gemm_kernel(
     """One ``BLOCK_M x BLOCK_N`` tile of ``C`` over K slice ``program_id(1)`` of ``SPLIT_K``. ``as``: the tokens'
     scales, ``(M,)`` (``sas_k`` 0) or one per ``BLOCK_K``-group of K (``A_MODE`` precomputed), or the static scale;
     ``bs``: the channels' scales ``(N,)`` (channel) or one per ``SCALE_N x BLOCK_K`` block (``BLOCKWISE``).
-    ``UPCAST``: the dot in bf16 (the Triton interpreter has no FP8 dot; exact, FP8 values being bf16 values)."""
+    ``UPCAST``: the dot in bf16 (the Triton interpreter has no FP8 dot; exact, FP8 values being bf16 values).
+    ``SPLIT_K > 1``: ``ws`` is a float32 ``(SPLIT_K, M, N)`` workspace, ``lock`` one zeroed int32 per output tile."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -141,12 +145,28 @@ def _fp8_gemm_kernel(
             acc += part * (a_s[:, None] * b_s[None, :])
         else:
             acc += part
+    cmask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + tile, acc, mask=cmask)
+        tl.debug_barrier()  # every thread's partial is written before the count says so (release below)
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of the tile's programs: the others' partials are visible (acquire)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                acc += tl.load(ws_ptr + s * M * N + tile, mask=cmask, other=0.0, cache_modifier=".cg")
+            _store_tile(acc, row_s, bs_ptr, offs_n, mask_n, sbs_n, c_ptr, offs_m, sc, cmask, BLOCKWISE)
+            tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed")  # the lock is zero again for the next launch
+    else:
+        _store_tile(acc, row_s, bs_ptr, offs_n, mask_n, sbs_n, c_ptr, offs_m, sc, cmask, BLOCKWISE)
+
+
+@triton.jit
+def _store_tile(acc, row_s, bs_ptr, offs_n, mask_n, sbs_n, c_ptr, offs_m, sc, cmask, BLOCKWISE: tl.constexpr):
+    """Write a finished float32 tile: channel scaling applies the tokens' and channels' scales here (block scaling
+    applied them per K slice), then the cast to ``C``'s dtype."""
     if not BLOCKWISE:
         b_s = tl.load(bs_ptr + offs_n * sbs_n, mask=mask_n, other=0.0)
         acc = acc * (row_s[:, None] * b_s[None, :])
     c = c_ptr + offs_m.to(tl.int64)[:, None] * sc + offs_n[None, :]
-    cmask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K > 1:
-        tl.atomic_add(c, acc, mask=cmask, sem="relaxed")
-    else:
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=cmask)

@@ -12,12 +12,13 @@ Semantics (the plain-torch references below define them; the CPU runs them, and 
   ``q = fp8(clamp(x / s, -448, 448))`` (round to nearest even), ``x ~ q * s``. A static scale is used as given.
 
 Entry points: :func:`fp8_linear` (channel-scaled weights) and :func:`fp8_block_linear` (block-scaled weights). On
-CUDA, up to ``AUTO_TRITON_MAX_ROWS`` rows (decode), the Triton GEMM (``_triton_fp8``) quantizes the activation as it
-reads it; above, the activation is quantized in one Triton launch, then channel weights take ``torch._scaled_mm``
-(cuBLASLt; rowwise scales: the token's times the channel's) and block weights the Triton GEMM, which applies the
-scales per ``bk``-wide slice of K (measured choices: benchmarks/results/h200/fp8_2026-12-01/README.md). Channel
-shapes ``_scaled_mm`` refuses (K or N not a multiple of 16) take the Triton GEMM. On the CPU the references run: the
-weight dequantized, the activation quantization emulated exactly, one float32 matmul.
+CUDA the activation is quantized in one Triton launch; then, up to ``AUTO_TRITON_MAX_ROWS`` rows (decode), channel
+weights take the Triton GEMM (``_triton_fp8``: split K, the partials added by the last program of each tile, one
+launch), above, ``torch._scaled_mm`` (cuBLASLt; rowwise scales: the token's times the channel's). Block weights
+always take the Triton GEMM, which applies the scales per ``bk``-wide slice of K (measured choices:
+benchmarks/results/h200/fp8_2026-12-01/README.md, fp8_2026-12-02/README.md). Channel shapes ``_scaled_mm`` refuses
+(K or N not a multiple of 16) take the Triton GEMM. On the CPU the references run: the weight dequantized, the
+activation quantization emulated exactly, one float32 matmul.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from hyserve.utils import next_pow2
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "check_fp8_device", "dequantize_block_weight",
            "fp8_block_linear", "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref",
-           "gemm_backend", "gemm_config", "quantize_fp8", "quantize_per_token", "quantize_per_token_group",
-           "quantize_rows", "triton_fp8_gemm"]
+           "gemm_backend", "gemm_config", "prepare_device", "quantize_fp8", "quantize_per_token",
+           "quantize_per_token_group", "quantize_rows", "split_locks", "triton_fp8_gemm"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -161,6 +162,32 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
     return q, (static_scale.float().reshape(1, 1) if static_scale is not None else scale)
 
 
+# Output tiles a split-K launch can have (one int32 lock each); a launch with more tiles fills the card unsplit.
+SPLIT_LOCKS = 1 << 16
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def split_locks(device: torch.device) -> torch.Tensor:
+    """The device's zeroed split-K locks, made on first use. Not inside a CUDA graph capture: the zeros would be
+    written only when the graph replays (the FP8 layers make them at load, :func:`prepare_device`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    locks = _locks.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the FP8 GEMM's split-K locks on {device} are made before a CUDA graph is captured "
+                               "(fp8.prepare_device)")
+        locks = _locks[device] = torch.zeros(SPLIT_LOCKS, dtype=torch.int32, device=device)
+    return locks
+
+
+def prepare_device(device: torch.device) -> None:
+    """Make what the FP8 GEMMs keep on ``device`` (the split-K locks) before any graph capture."""
+    if torch.device(device).type == "cuda":
+        split_locks(device)
+
+
 class GemmConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -216,11 +243,17 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch
     per_k = mode == A_PRECOMPUTED and scale.shape[1] > 1
     per_m = mode == A_PRECOMPUTED and scale.shape[0] > 1  # a static scale is one element for every row
     split = cfg.split_k
-    out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32 if split > 1 else out_dtype,
-                                                      device=q.device)
-    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), split)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    if split > 1 and tiles > SPLIT_LOCKS:
+        split = 1
+    out = torch.empty(m, n, dtype=out_dtype, device=q.device)
+    # split K: the programs' float32 partials, and the tiles' locks (zero between launches; the last program of a
+    # tile sets its lock back)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=q.device) if split > 1 else out
+    locks = split_locks(q.device) if split > 1 else out
+    grid = (tiles, split)
     _fp8_gemm_kernel[grid](
-        q, scale, weight, weight_scale, out, m, n, k,
+        q, scale, weight, weight_scale, out, ws, locks, m, n, k,
         q.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if per_m else 0,
         scale.stride(1) if per_k else 0,
         weight_scale.stride(0), weight_scale.stride(1) if block is not None else 0, FP8_MAX, AMAX_EPS,
@@ -228,7 +261,7 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch
         A_MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out.to(out_dtype) if split > 1 else out
+    return out
 
 
 def _gemm_out_dtype(x: torch.Tensor) -> torch.dtype:

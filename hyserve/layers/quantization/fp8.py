@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from hyserve.kernels.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, fp8_block_linear, fp8_linear, quantize_fp8
+from hyserve.kernels.fp8 import (
+    AMAX_EPS,
+    FP8_DTYPE,
+    FP8_MAX,
+    fp8_block_linear,
+    fp8_linear,
+    prepare_device,
+    quantize_fp8,
+)
 from hyserve.layers.quantization.base import LinearMethod
 from hyserve.layers.sharding import LoadSpec, Shard, set_load_spec, set_shard
 
@@ -184,6 +192,7 @@ class Fp8LinearMethod(LinearMethod):
                         f"layer on {step}-{what[:-1]} boundaries")
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        prepare_device(layer.weight.device)  # the GEMM's split-K locks exist before any graph capture
         if self.scheme.activation == "tensor":
             _tensor(layer, "input_scale_max").copy_(_tensor(layer, "input_scale").max().reshape(1))
 
