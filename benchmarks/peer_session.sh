@@ -291,6 +291,14 @@ case "${1:?phase}" in
     measure hyserve /tmp/p2b_blk 2b_blk 110 --measures decode,bound,prefill
     measure vllm /tmp/p2b_ct 2b_ct "$(left 5)" --measures decode,bound,prefill --vllm-gdn-prefill-backend triton
     ;;
+  fp8-c)  # the first calls' hyserve figures again (a CUDA fix), and the agent trace with the FP8 KV cache, both engines
+    p2b; fp8_ckpts
+    measure hyserve /tmp/p2b_ct 2b_ct 100 --measures decode,bound,prefill
+    measure hyserve /tmp/p2b 2b 100 --measures decode,bound,prefill
+    measure vllm /tmp/p2b 2b_agent_kvfp8 "$(left 160)" --measures agent --kv-cache-dtype fp8 --vllm-gdn-prefill-backend triton
+    measure hyserve /tmp/p2b 2b_agent_kvfp8 70 --measures agent --kv-cache-dtype fp8
+    [ "$(left)" -gt 80 ] && measure hyserve /tmp/p2b_blk 2b_blk "$(left 5)" --measures decode,bound,prefill
+    ;;
   fp8-b)  # the agent trace with the FP8 KV cache, both engines; FP8 against bf16 where bf16 is sure; vLLM bf16
     p2b; fp8_ckpts
     measure vllm /tmp/p2b 2b_agent_kvfp8 200 --measures agent --kv-cache-dtype fp8 --vllm-gdn-prefill-backend triton
