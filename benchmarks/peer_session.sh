@@ -17,7 +17,7 @@
 #   bash benchmarks/peer_session.sh 9b-all  # hyserve's 9B figures and profile
 #   bash benchmarks/peer_session.sh fp8-measure ; fp8-9b   # hyserve: bf16 against FP8 on the 2B shape; the 9B in FP8
 #   bash benchmarks/peer_session.sh 9b-both ; profile-fp8   # 9B both engines in one call; 9B profile + the FP8 2B figures
-#   bash benchmarks/peer_session.sh images  # real-tower 2B: hyserve's screenshot agent trace at 8 and 32, then vLLM's at 8
+#   bash benchmarks/peer_session.sh images  # real-tower 2B: hyserve's screenshot agent trace at 8 and 32, then vlm-2b-check
 #   bash benchmarks/peer_session.sh images-vllm ; images-vllm32   # vLLM's screenshot trace at 8 then 32; at 32 alone
 #   bash benchmarks/peer_session.sh images-check   # gpu_check.py --images-only: the tiny VLM on CUDA against transformers
 #   bash benchmarks/peer_session.sh vlm-2b-check   # gpu_check.py --vlm-2b: the real-tower 2B VLM in bf16 against transformers fp32
@@ -237,32 +237,28 @@ case "${1:?phase}" in
     measure hyserve /tmp/p9b_ct 9b_ct 100 --measures decode,bound,prefill
     ;;
   images)  # the seed's screenshot agent trace (2 x 1280x720 per request, 880 placeholders each) on the real-tower 2B
-           # shape: hyserve at 8 and 32 conversations, then vLLM at 8 with the time left. vLLM's first process on a
-           # fresh machine compiles for about 8 minutes (FlashInfer's GDN prefill JIT: 463 s on 2026-12-01, more than
-           # 575 s on 2026-12-02), more than this call has left after the write: with its caches cold (no
-           # ~/.cache/flashinfer: not restored by stash-caches, no earlier vLLM process) vLLM waits for images-vllm,
-           # which gives that first process a call of its own (as the first phase does for the text trace).
+           # shape: hyserve at 8 and 32 conversations, then the real-tower 2B VLM against transformers with the time
+           # left. No vLLM here: the vLLM side is images-vllm, in a call of its own after the bring-up.
     p2bv
     measure hyserve /tmp/p2bv 2b_agent_images 150 --measures agent_images
     measure hyserve /tmp/p2bv 2b_agent_images_c32 240 --measures agent_images --agent-concurrency 32
-    if vllm_warm; then
-        measure vllm /tmp/p2bv 2b_agent_images "$(left 5)" --measures agent_images
-    else
-        echo "vLLM's compile caches are cold: its first process needs a call of its own (images-vllm)"
-    fi
+    vlm_2b_check
     ;;
-  images-vllm)  # vLLM on the screenshot trace: 8 conversations (its first process, compiling if cold), then 32
+  images-vllm)  # vLLM on the screenshot trace (its Triton/FLA GDN prefill kernel: no FlashInfer JIT): 8
+                # conversations, then 32 in a second process with its compile caches warm
     p2bv
-    measure vllm /tmp/p2bv 2b_agent_images "$(left 5)" --measures agent_images
+    measure vllm /tmp/p2bv 2b_agent_images "$(left 200)" --measures agent_images --vllm-gdn-prefill-backend triton
     if [ "$(left)" -gt 150 ]; then
-        measure vllm /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32
+        measure vllm /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32 \
+            --vllm-gdn-prefill-backend triton
     else
         echo "no time left for 32 conversations: images-vllm32"
     fi
     ;;
   images-vllm32)  # vLLM at 32 conversations alone (when images-vllm's first process took the call)
     p2bv
-    measure vllm /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32
+    measure vllm /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32 \
+        --vllm-gdn-prefill-backend triton
     ;;
   images-check) images_check ;;
   vlm-2b-check) vlm_2b_check ;;
