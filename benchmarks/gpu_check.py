@@ -21,10 +21,12 @@ Run on a CUDA machine (one H200 here):
 5. The 2B-shape VLM (``--vlm-2b DIR``: a checkpoint of ``peer_bench.py write --shape 2b --vision real``, its
    real-size tower, processor files and tokenizer; ``vlm_check``): four ChatML prompts with one or two noise images
    (640x360, 320x320), the third resuming from the first's cached prefix, served in bf16 on CUDA (CUDA graphs,
-   prefix caching, default chunking), greedy for 16 tokens; transformers' ``Qwen3_5ForConditionalGeneration`` in
+   prefix caching, default chunking), greedy for 32 tokens; transformers' ``Qwen3_5ForConditionalGeneration`` in
    float32 on CUDA, teacher-forced on hyserve's tokens, must agree on clear-margin positions by the 2B text check's
    rule (``BF16_RULE``), and every prompt's expanded ids must be the ones built from transformers' processor grids.
-   Also reported, not gated: the same outputs against the reference given other images (``control_other_images``).
+   The same outputs against the reference given other images (``control_other_images``) must show that the
+   comparison sees the images: the rule fails there, or the mean logprob error is at least ``IMAGES_SEEN_RATIO``
+   times larger.
    Result ``vlm_2b_vs_fp32_reference``; joins ``all_correctness_pass``. ``--vlm-2b DIR --vlm-2b-only`` runs it
    alone (gpu_check_vlm_2b.json).
 """
@@ -114,19 +116,20 @@ def score_positions(logits: torch.Tensor, toks: list[int], lps: list[float], mar
     predicting ``toks[i]`` (the rows from the prompt's last position on), by ``ClearMarginRule``'s definitions."""
     logp = torch.log_softmax(logits.double(), dim=-1)
     checked = mismatched = scored = 0
-    max_lp_err = 0.0
+    max_lp_err = sum_lp_err = 0.0
     for i, tok in enumerate(toks):
         row = logp[i]
         top2 = torch.topk(row, 2)
         scored += 1
-        max_lp_err = max(max_lp_err, abs(lps[i] - float(row[tok])))
+        err = abs(lps[i] - float(row[tok]))
+        max_lp_err, sum_lp_err = max(max_lp_err, err), sum_lp_err + err
         if float(top2.values[0] - top2.values[1]) > margin:
             checked += 1
             mismatched += int(int(top2.indices[0]) != tok)
         if int(top2.indices[0]) != tok and float(top2.values[0] - row[tok]) > margin:
             break  # diverged: later positions are conditioned on a different prefix anyway
     return {"tokens_checked": checked, "tokens_mismatched": mismatched, "max_logprob_abs_err": max_lp_err,
-            "tokens_scored": scored}
+            "sum_logprob_abs_err": sum_lp_err, "tokens_scored": scored}
 
 
 def teacher_forced_check(llm: LLM, ref: Any, prompts: list[list[int]], max_tokens: int, ref_device: str,
@@ -430,7 +433,10 @@ def reference_in_subprocess(flag: str, cases_file: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------- the 2B-shape VLM
 
-VLM_2B_MAX_TOKENS = 16
+VLM_2B_MAX_TOKENS = 32
+# The control of ``vlm_reference``: the same outputs scored against the reference given other images must fail the
+# rule, or be at least this many times further off on average, else the comparison cannot see the images.
+IMAGES_SEEN_RATIO = 2.0
 VLM_2B_LLM_KWARGS: dict[str, Any] = {"max_model_len": 4096, "gpu_memory_utilization": 0.5}
 _SYSTEM = ("<|im_start|>system\nYou operate a computer for the user. Each turn shows the latest screens; read them, "
            "then answer with exactly one action: click, type, scroll or wait, and the element it applies to."
@@ -489,7 +495,7 @@ def _vlm_logits(ref: Any, token_ids: list[int], pixel_values: torch.Tensor, grid
 
 
 def vlm_reference(record: dict[str, Any], rule: ClearMarginRule, reference_image: Any = None,
-                  control: bool = False) -> dict[str, Any]:
+                  control: bool = False, control_image: Any = None) -> dict[str, Any]:
     """Score ``vlm_generate``'s record against transformers' ``Qwen3_5ForConditionalGeneration`` in float32 on the
     record's device (``reference_vlm_model``: torch's gated delta rule), teacher-forced: one forward over each prompt
     and the engine's output, pixel values from transformers' ``Qwen2VLImageProcessorPil.from_pretrained``, the prompt
@@ -497,8 +503,11 @@ def vlm_reference(record: dict[str, Any], rule: ClearMarginRule, reference_image
     ids must equal the engine's expanded ones, and the outputs pass ``rule`` (``score_positions``).
 
     ``reference_image`` (a test's sabotage) maps each image's (width, height, seed) to the one the reference sees.
-    ``control``: also score the same outputs against the reference given other noise images of the same sizes, and
-    report whether ``rule`` would pass that too (if it would, the comparison does not see the images; not gated)."""
+    ``control``: also score the same outputs against the reference given other noise images of the same sizes
+    (``control_image`` maps each spec to its stand-in, by default the seed + 1000; a test's sabotage gives the same
+    image). The images are seen where the control fails ``rule``, or where its mean logprob error is at least
+    ``IMAGES_SEEN_RATIO`` times the real comparison's (random bf16 weights leave few clear positions, and a tower
+    that barely moves the logits would pass with any image); with ``control``, ``pass`` needs that too."""
     from tokenizers import Tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -525,6 +534,7 @@ def vlm_reference(record: dict[str, Any], rule: ClearMarginRule, reference_image
         out: dict[str, Any] = {k: sum(r[k] for r in rows) for k in ("tokens_checked", "tokens_mismatched",
                                                                      "tokens_scored", "tokens")}
         out["max_logprob_abs_err"] = max(r["max_logprob_abs_err"] for r in rows)
+        out["mean_logprob_abs_err"] = sum(r["sum_logprob_abs_err"] for r in rows) / max(out["tokens_scored"], 1)
         return out
 
     rows, others = [], []
@@ -537,7 +547,7 @@ def vlm_reference(record: dict[str, Any], rule: ClearMarginRule, reference_image
                      "image_tokens": ids.count(pad), "prompt_ids_match": ids == case["prompt_token_ids"],
                      "num_cached_tokens": case["num_cached_tokens"], "tokens": len(case["output"]), **s})
         if control:
-            other = [(w, h, seed + 1000) for w, h, seed in specs]
+            other = [control_image(*spec) if control_image else (spec[0], spec[1], spec[2] + 1000) for spec in specs]
             others.append({"tokens": len(case["output"]), **score(ref, case, other)[1]})
     del ref
     if device == "cuda":
@@ -551,7 +561,9 @@ def vlm_reference(record: dict[str, Any], rule: ClearMarginRule, reference_image
               "pass": ids_ok and total["tokens_checked"] > 0 and rule.passes(total)}
     if control:
         c = totals(others)
-        result["control_other_images"] = {**c, "rule_would_pass": rule.passes(c)}
+        seen = not rule.passes(c) or c["mean_logprob_abs_err"] >= IMAGES_SEEN_RATIO * total["mean_logprob_abs_err"]
+        result["control_other_images"] = {**c, "rule_would_pass": rule.passes(c), "images_seen": seen}
+        result["pass"] = result["pass"] and seen
     return result
 
 
@@ -569,7 +581,8 @@ def vlm_check(path: str, device: str = "cuda", dtype: str = "bfloat16",
 
 def _vlm_summary(r: dict[str, Any]) -> str:
     return (f"2B VLM {r['dtype']} vs transformers fp32: {r['tokens_mismatched']}/{r['tokens_checked']} clear positions "
-            f"mismatched ({r['tokens_scored']}/{r['tokens']} scored), max logprob err {r['max_logprob_abs_err']:.3g}, "
+            f"mismatched ({r['tokens_scored']}/{r['tokens']} scored), logprob err max {r['max_logprob_abs_err']:.3g} "
+            f"mean {r['mean_logprob_abs_err']:.3g}, "
             f"prompt ids match {r['prompt_ids_match']}, cached {[c['num_cached_tokens'] for c in r['cases']]}, "
             f"pass {r['pass']}; against other images: {r.get('control_other_images')}")
 

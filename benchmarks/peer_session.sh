@@ -21,6 +21,7 @@
 #   bash benchmarks/peer_session.sh images-vllm ; images-vllm32   # vLLM's screenshot trace at 8 then 32; at 32 alone
 #   bash benchmarks/peer_session.sh images-check   # gpu_check.py --images-only: the tiny VLM on CUDA against transformers
 #   bash benchmarks/peer_session.sh vlm-2b-check   # gpu_check.py --vlm-2b: the real-tower 2B VLM in bf16 against transformers fp32
+#   bash benchmarks/peer_session.sh image-checks   # images-check, then vlm-2b-check
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
@@ -262,6 +263,7 @@ case "${1:?phase}" in
     ;;
   images-check) images_check ;;
   vlm-2b-check) vlm_2b_check ;;
+  image-checks) images_check; vlm_2b_check ;;  # both image checks, one call
   check) check ;;
   spec)
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \

@@ -48,6 +48,29 @@ def test_float32_agrees_on_every_position_and_the_ids_match(record: dict[str, An
     assert [len(c["images"]) for c in cases] == [1, 2, 2, 1] and all(c["image_tokens"] > 0 for c in cases)
     assert cases[2]["num_cached_tokens"] > 0  # the third prompt resumes from the first's prefix
     assert res["control_other_images"]["rule_would_pass"] is False  # the images matter to the comparison
+    assert res["control_other_images"]["images_seen"] is True
+
+
+def test_a_control_given_the_same_images_fails_the_check(record: dict[str, Any]) -> None:
+    """Sabotage: a control that shows the reference the same images cannot tell them apart, so the check fails
+    although every token agrees (a tower that barely moves the logits looks the same)."""
+    res = gpu_check.vlm_reference(record, gpu_check.FP32_RULE, control=True, control_image=lambda w, h, s: (w, h, s))
+    c = res["control_other_images"]
+    assert res["tokens_mismatched"] == 0 and c["rule_would_pass"] and not c["images_seen"]
+    assert not res["pass"]
+
+
+def test_images_seen_by_the_mean_error_where_the_rule_passes(record: dict[str, Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on random weights: the control may pass the rule (few clear positions); then the images count as seen
+    only where the control's mean logprob error is IMAGES_SEEN_RATIO times the real one's."""
+    loose = gpu_check.ClearMarginRule(margin=1e9, logprob_tol=1e9, mismatches_per=None)  # nothing checked, all pass
+    res = gpu_check.vlm_reference(record, loose, control=True)
+    c = res["control_other_images"]
+    assert c["rule_would_pass"] and c["mean_logprob_abs_err"] > 10 * res["mean_logprob_abs_err"]
+    assert c["images_seen"]
+    monkeypatch.setattr(gpu_check, "IMAGES_SEEN_RATIO", 1e12)
+    assert not gpu_check.vlm_reference(record, loose, control=True)["control_other_images"]["images_seen"]
 
 
 def test_a_reference_given_other_images_fails(record: dict[str, Any]) -> None:
