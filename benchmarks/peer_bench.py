@@ -130,7 +130,10 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
     return {t: first + i for i, t in enumerate(QWEN35_SPECIALS)}
 
 
-def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "toy") -> None:
+def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "toy", weights: bool = True) -> None:
+    """The checkpoint of ``shape_name`` with ``vision``'s tower and an MTP layer; ``weights=False``: its files
+    without weights (config.json, and the processor files and tokenizer of a non-toy tower), enough for
+    ``cache-bound``."""
     import torch
     from shapes import add_random_mtp
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
@@ -144,6 +147,12 @@ def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "
         extra = {key: ids[token] for key, token in VISION_TOKEN_KEYS.items()}
     cfg = Qwen3_5Config(text_config=text.to_dict(), vision_config=tower,
                         tie_word_embeddings=shape["tie_word_embeddings"], **extra)
+    if not weights:
+        cfg.save_pretrained(out)
+        if vision != "toy":
+            write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))
+        print(f"wrote {shape_name} shape's files without weights ({vision} vision tower) to {out}")
+        return
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16)
@@ -628,6 +637,99 @@ def _percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+class CacheBound:
+    """The most prompt tokens any prefix cache could serve on a trace: each request's longest common prefix with
+    what was computed before it (earlier turns' prompts and outputs, and the prompts of its own turn's requests
+    sent before it: of requests sharing a prefix, one computes it), at most its prompt less one token (the last
+    position must run to give logits). Sequences are expanded ids with every image placeholder keyed by the image
+    (``keys``), so two different images never match; no block or snapshot granularity: an upper bound."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self._np = np
+        self.done: list[Any] = []  # computed sequences: earlier turns' prompt + output
+        self.turn: list[Any] = []  # this turn's prompts so far
+        self.tokens = 0
+
+    @staticmethod
+    def keys(expanded: list[int], pad: int, image_ids: list[int]) -> list[int]:
+        """``expanded`` (placeholders widened) with the placeholder rows of image ``i`` replaced by keys below zero
+        unique to (``image_ids[i]``, row): equal only where the same image's same row is."""
+        spans = sum(1 for i, t in enumerate(expanded) if t == pad and (i == 0 or expanded[i - 1] != pad))
+        if spans != len(image_ids):
+            raise ValueError(f"{spans} placeholder spans for {len(image_ids)} images")
+        out, image, row, prev = [], -1, 0, False
+        for t in expanded:
+            if t == pad:
+                if not prev:
+                    image, row = image + 1, 0
+                out.append(-1 - (image_ids[image] * 1_000_000 + row))
+                row += 1
+            else:
+                out.append(t)
+            prev = t == pad
+        return out
+
+    def add(self, prompt: list[int]) -> int:
+        """Count ``prompt``'s cacheable tokens; it joins this turn's prompts."""
+        a = self._np.asarray(prompt, dtype=self._np.int64)
+        best = 0
+        for b in (*self.done, *self.turn):
+            m = min(len(a), len(b))
+            eq = a[:m] == b[:m]
+            best = max(best, m if bool(eq.all()) else int(eq.argmin()))
+        self.turn.append(a)
+        n = min(best, len(prompt) - 1)
+        self.tokens += n
+        return n
+
+    def end_turn(self, computed: list[list[int]]) -> None:
+        """The turn's requests ended: their prompts and outputs (``computed``, in ``add`` order) are cached."""
+        self.done += [self._np.asarray(c, dtype=self._np.int64) for c in computed]
+        self.turn = []
+
+
+class PromptsOnly:
+    """An ``Engine`` stand-in for ``cache-bound``: no model; ``generate`` returns each prompt's expanded ids (one
+    placeholder per image widened as hyserve's processor settings say) and ``max_tokens`` copies of token 0."""
+
+    def __init__(self, model: str) -> None:
+        from hyserve.multimodal.image import ImageProcessorSettings
+
+        self.settings = ImageProcessorSettings.from_checkpoint(model)
+        self.pad = PromptBuilder(model).image_token_id
+
+    def generate(self, prompts: list[dict[str, Any]], max_tokens: list[int]) -> list[Any]:
+        from types import SimpleNamespace
+
+        from hyserve.multimodal.chat import image_token_count
+        from hyserve.multimodal.image import expand_image_placeholders
+
+        outs = []
+        for p, n in zip(prompts, max_tokens, strict=True):
+            counts = [image_token_count(img.size, self.settings) for img in p["multi_modal_data"]["image"]]
+            ids = expand_image_placeholders(list(p["prompt_token_ids"]), counts, self.pad)
+            outs.append(SimpleNamespace(prompt_token_ids=ids, outputs=[SimpleNamespace(token_ids=[0] * n)],
+                                        num_cached_tokens=0, metrics=None))
+        return outs
+
+
+def cache_bound(model: str, scale: str, concurrency: int | None, out: str | None) -> dict[str, Any]:
+    """``measure_agent_images``'s trace without an engine: its prompt tokens and the bound (``CacheBound``), which
+    depend on the trace and the checkpoint's tokenizer and processor files alone (every prompt diverges from the
+    ones before it ahead of any output)."""
+    fig, notes = measure_agent_images(PromptsOnly(model), model, scale, concurrency)  # type: ignore[arg-type]
+    keep = ("agent_images_cacheable_share", "agent_images_prompt_tokens_mean", "agent_images_requests",
+            "agent_images_image_tokens_per_request")
+    res = {"model": model, "command": " ".join(sys.argv), "hyserve_commit": _git_commit(),
+           "figures": {k: fig[k] for k in keep}, "notes": {"trace": notes["trace"], "layout": notes["prompt_layout"]}}
+    if out:
+        _write_json(out, res)
+    print(json.dumps(res, indent=2))
+    return res
+
+
 def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int | None = None, seed: int = 0
                          ) -> tuple[dict[str, float], dict[str, Any]]:
     """The screenshot trace (``SCREENSHOT_TRACES[scale]``, ``concurrency`` conversations) through ``eng``: its
@@ -643,6 +745,8 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
     prefix = [prefix_rng.randrange(vocab) for _ in range(trace.prefix_len)]
     convs = [ScreenshotConversation(trace, c, prefix, vocab, seed) for c in range(n)]
     shots = {(c.conv_id, k): screenshot(seed, c.conv_id, k, trace.screen) for c in convs for k in range(c.num_screens)}
+    image_uid = {key: i for i, key in enumerate(shots)}
+    bound = CacheBound()
     builder = PromptBuilder(model)
     outputs: dict[int, list[list[int]]] = {c.conv_id: [] for c in convs}
     wall = 0.0
@@ -662,11 +766,15 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
         _sync()
         wall += time.perf_counter() - t0
         turn_prompt = turn_cached = 0
+        computed = []
         for c, o in zip(convs, outs, strict=True):
             toks = list(o.outputs[0].token_ids)
             outputs[c.conv_id].append(toks)
             out_tokens += len(toks)
             ids = list(o.prompt_token_ids)
+            keyed = CacheBound.keys(ids, builder.image_token_id, [image_uid[c.conv_id, k] for k in c.visible(turn)])
+            bound.add(keyed)
+            computed.append(keyed + toks)
             turn_prompt += len(ids)
             turn_cached += int(getattr(o, "num_cached_tokens", 0) or 0)
             image_tokens += ids.count(builder.image_token_id)
@@ -674,12 +782,15 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
             sources.add(source)
             if first is not None:
                 ttft.append(first - submitted)
+        bound.end_turn(computed)
         per_turn.append((turn_cached, turn_prompt))
         prompt_tokens += turn_prompt
         cached += turn_cached
     requests = n * trace.turns
     fig: dict[str, float] = {
         "agent_images_wall_s": wall, "agent_images_cached_share": cached / max(prompt_tokens, 1),
+        "agent_images_cacheable_share": bound.tokens / max(prompt_tokens, 1),
+        "agent_images_cached_of_cacheable": cached / max(bound.tokens, 1),
         "agent_images_out_tok_s": out_tokens / max(wall, 1e-9), "agent_images_requests": requests,
         "agent_images_prompt_tokens_mean": prompt_tokens / requests,
         "agent_images_image_tokens_per_request": image_tokens / requests,
@@ -873,6 +984,8 @@ for _tag, _what in (("agent_images", "screenshot agent trace (8 x 4 turns, 2 x 1
     _FIGURES.update({
         f"{_tag}_wall_s": (False, f"{_what}, wall s"),
         f"{_tag}_cached_share": (True, f"{_what}, prompt tokens from cache"),
+        f"{_tag}_cacheable_share": (True, f"{_what}, prompt tokens any prefix cache could serve (bound)"),
+        f"{_tag}_cached_of_cacheable": (True, f"{_what}, tokens from cache / the bound"),
         f"{_tag}_ttft_mean_s": (False, f"{_what}, mean TTFT s"),
         f"{_tag}_ttft_p50_s": (False, f"{_what}, p50 TTFT s"),
         f"{_tag}_ttft_p90_s": (False, f"{_what}, p90 TTFT s"),
@@ -882,7 +995,8 @@ for _tag, _what in (("agent_images", "screenshot agent trace (8 x 4 turns, 2 x 1
     })
 _NO_RATIO = {"bound_bs1_tok_s"}  # a property of the card measured in each engine's run, not of the engine
 # Equal for both engines when they expand the image placeholders alike: a check on the trace, not a speed.
-_NO_RATIO |= {k for k in _FIGURES if k.endswith(("_image_tokens_per_request", "_prompt_tokens_mean"))}
+_NO_RATIO |= {k for k in _FIGURES if k.endswith(("_image_tokens_per_request", "_prompt_tokens_mean",
+                                                  "_cacheable_share"))}
 
 
 def report(files: list[str], out: str) -> None:
@@ -973,6 +1087,7 @@ def main() -> int:
     w.add_argument("--shape", choices=["tiny", "2b", "9b"], default="2b")
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cuda")
+    w.add_argument("--no-weights", action="store_true", help="config, tokenizer and processor files only")
     w.add_argument("--vision", choices=sorted(VISIONS), default="toy",
                    help="toy: a one-block tower (text-only runs); real: a real-size Qwen3.5 tower, its processor "
                         "files and a tokenizer with the vision tokens (image runs)")
@@ -1005,16 +1120,23 @@ def main() -> int:
     q.add_argument("--out", required=True)
     q.add_argument("--format", choices=["ct_dynamic", "block"], default="ct_dynamic",
                    help="compressed-tensors FP8_DYNAMIC (channel weights, per-token activations) or Qwen's block FP8")
+    b = sub.add_parser("cache-bound", help="the screenshot trace's prompt tokens any prefix cache could serve")
+    b.add_argument("--model", required=True, help="a --vision real checkpoint (write --no-weights is enough)")
+    b.add_argument("--agent-scale", choices=["full", "tiny"], default="full")
+    b.add_argument("--agent-concurrency", type=int, default=None)
+    b.add_argument("--out", default=None)
     r = sub.add_parser("report")
     r.add_argument("files", nargs="+")
     r.add_argument("--out", default="benchmarks/results/h200")
     args = ap.parse_args()
     if args.cmd == "write":
-        write(args.shape, args.out, args.device, vision=args.vision)
+        write(args.shape, args.out, args.device, vision=args.vision, weights=not args.no_weights)
     elif args.cmd == "quantize":
         quantize(args.src, args.out, args.format)
     elif args.cmd == "measure":
         return measure(args)
+    elif args.cmd == "cache-bound":
+        cache_bound(args.model, args.agent_scale, args.agent_concurrency, args.out)
     else:
         report(args.files, args.out)
     return 0

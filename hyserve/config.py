@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -305,6 +306,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
     return torch.float8_e4m3fn
 
 
+# --mm-processor-cache-gb: vLLM's default (GiB).
+DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine knobs; names follow vLLM's engine arguments."""
@@ -371,6 +376,9 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_media_domains: list[str] | None = None
     allowed_local_media_path: str | None = None
+    # GiB of processed images (pixel rows) kept by content hash, so an image sent again is not processed again
+    # (vLLM's mm_processor_cache_gb and its default; 0 keeps none). hyserve.multimodal.processor_cache.
+    mm_processor_cache_gb: float = DEFAULT_MM_PROCESSOR_CACHE_GB
 
     @property
     def image_limit(self) -> int:
@@ -384,6 +392,10 @@ class EngineConfig:
                                  f"{', '.join(MM_MODALITIES)} (--limit-mm-per-prompt)")
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer (got {limit!r})")
+        if not (isinstance(self.mm_processor_cache_gb, int | float) and not isinstance(self.mm_processor_cache_gb, bool)
+                and math.isfinite(self.mm_processor_cache_gb) and self.mm_processor_cache_gb >= 0):
+            raise ValueError(f"mm_processor_cache_gb must be a finite number >= 0 (got {self.mm_processor_cache_gb!r}) "
+                             "(--mm-processor-cache-gb)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
                              f"{', '.join(KV_CACHE_DTYPES)} (--kv-cache-dtype)")

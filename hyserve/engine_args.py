@@ -10,7 +10,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hyserve.config import DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES, KV_CACHE_DTYPES, MM_DEFAULT_LIMIT, parse_size
+from hyserve.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MM_PROCESSOR_CACHE_GB,
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
+    MM_DEFAULT_LIMIT,
+    parse_size,
+)
 from hyserve.layers.quantization import QUANTIZATION_CHOICES
 
 __all__ = ["engine_args", "local_media_dir", "make_llm", "mm_limits", "normalize_mm_limits", "size_bytes"]
@@ -150,6 +157,10 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--allowed-local-media-path", type=local_media_dir, default=None, metavar="DIR",
                    help="a directory file:// image URLs may read under, symlinks resolved (default: none: file:// "
                         "URLs are refused)")
+    p.add_argument("--mm-processor-cache-gb", type=float, default=DEFAULT_MM_PROCESSOR_CACHE_GB, metavar="GIB",
+                   help="GiB of processed images kept by content hash, so an image sent again (an agent's earlier "
+                        "screenshot) is not resized and normalised again; 0 keeps none "
+                        f"(default: {DEFAULT_MM_PROCESSOR_CACHE_GB:g}, as vLLM)")
     p.add_argument("--cuda-graph-sizes", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="decode batch sizes to capture, comma-separated (default: 1,2,4,8,16,24,32,48,64,...,256 "
                         "up to --max-num-seqs)")
@@ -175,4 +186,5 @@ def make_llm(args: argparse.Namespace, model: str | None) -> Any:
                distributed_executor_backend=args.distributed_executor_backend,
                limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_media_domains=args.allowed_media_domains,
                allowed_local_media_path=args.allowed_local_media_path,
+               mm_processor_cache_gb=args.mm_processor_cache_gb,
                disable_log_stats=getattr(args, "disable_log_stats", True))

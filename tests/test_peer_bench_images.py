@@ -111,6 +111,60 @@ def test_agent_images_runs_end_to_end_on_a_tiny_vlm(vlm: str) -> None:
     assert figs["agent_images_ttft_mean_s"] > 0
     assert notes["ttft_source"] == ["RequestOutput.metrics.first_token_time"]
     assert notes["prompt_layout"] == "chat template" and notes["text_ids_below"] == 448
+    # Served from cache: never more than the bound (past it, KV or state would be shared across different images)
+    cached = figs["agent_images_cached_share"]
+    assert 0 < cached <= figs["agent_images_cacheable_share"] < 1
+    assert figs["agent_images_cached_of_cacheable"] == pytest.approx(cached / figs["agent_images_cacheable_share"])
+
+
+def test_cache_bound_counts_common_prefixes_and_keys_each_image() -> None:
+    """``CacheBound``: a request's cacheable tokens are its longest common prefix with an earlier turn's prompt and
+    output or an earlier prompt of its own turn, at most its length less one; placeholder rows of different images
+    never match, though their ids are equal."""
+    pad = 9
+    keys = pb.CacheBound.keys
+    one, other = keys([1, 2, pad, pad, pad, 3], pad, [0]), keys([1, 2, pad, pad, pad, 3], pad, [1])
+    assert one[:2] == [1, 2] and one[-1] == 3 and len(set(one[2:5])) == 3 and not set(one[2:5]) & set(other[2:5])
+    assert keys([pad, pad, 4, pad], pad, [5, 6])[:2] == keys([pad, pad], pad, [5])
+    with pytest.raises(ValueError, match="2 placeholder spans for 1 images"):
+        keys([pad, 4, pad], pad, [0])
+    b = pb.CacheBound()
+    assert b.add(one) == 0  # nothing before it
+    assert b.add(other) == 2  # same turn: the text before the image, not the other image's rows
+    assert b.add(one) == 5  # the same prompt again: all but its last token
+    b.end_turn([[*one, 7, 8], [*other, 7]])
+    assert b.add([*one, 7, 8, 10, 11]) == 8  # the first request's prompt and output, then new text
+    assert b.add([1, 2, 3]) == 2
+    assert b.tokens == 0 + 2 + 5 + 8 + 2
+    # Sabotage: with the placeholder ids as they come (images not keyed), the other image would count as cached.
+    raw = pb.CacheBound()
+    raw.add([1, 2, pad, pad, pad, 3])
+    assert raw.add([1, 2, pad, pad, pad, 3]) == 5
+
+
+def test_cache_bound_command_without_weights_matches_the_measured_trace(vlm: str, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write --no-weights`` gives the files ``cache-bound`` needs, and ``cache-bound`` the same trace as a
+    measure on that checkpoint with its weights (prompt tokens, image tokens) and the same bound."""
+    monkeypatch.setitem(pb.VISIONS, "real", dict(pb.VISIONS["real"], depth=1, hidden_size=32, intermediate_size=64,
+                                                 num_heads=2))
+    bare, full = str(tmp_path / "bare"), str(tmp_path / "full")
+    monkeypatch.setattr(sys, "argv", ["peer_bench.py", "write", "--shape", "tiny", "--vision", "real", "--device",
+                                      "cpu", "--no-weights", "--out", bare])
+    assert pb.main() == 0
+    assert not [f for f in os.listdir(bare) if f.endswith(".safetensors")]
+    out = tmp_path / "bound.json"
+    monkeypatch.setattr(sys, "argv", ["peer_bench.py", "cache-bound", "--model", bare, "--agent-scale", "tiny",
+                                      "--agent-concurrency", "2", "--out", str(out)])
+    assert pb.main() == 0
+    bound = json.loads(out.read_text())["figures"]
+    pb.write("tiny", full, "cpu", vision="real")
+    eng = _engine(full)
+    figs, _ = pb.measure_agent_images(eng, full, "tiny", concurrency=2)
+    eng.shutdown()
+    for k in ("cacheable_share", "prompt_tokens_mean", "requests", "image_tokens_per_request"):
+        assert bound[f"agent_images_{k}"] == pytest.approx(figs[f"agent_images_{k}"]), k
+    assert 0 < figs["agent_images_cached_share"] <= bound["agent_images_cacheable_share"]
 
 
 def test_agent_images_from_the_command_line_and_in_the_report(vlm: str, tmp_path: Path,

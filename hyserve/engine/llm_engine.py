@@ -35,8 +35,9 @@ from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
 from hyserve.executor.base import Executor, StepHandle
 from hyserve.executor.uniproc import UniProcExecutor
-from hyserve.multimodal.image import load_image
+from hyserve.multimodal.image import ImageProcessorSettings, load_image
 from hyserve.multimodal.inputs import MultimodalPrompt, build_multimodal_prompt
+from hyserve.multimodal.processor_cache import GIB, ProcessorCache
 from hyserve.outputs import RequestOutput
 from hyserve.request import Request
 from hyserve.sampling_params import SamplingParams
@@ -91,6 +92,10 @@ class LLMEngine:
             logger.info("CPU: torch uses %d intra-op thread%s (%s; --cpu-threads / cpu_threads sets it)", threads,
                         "" if threads == 1 else "s", why)
         self.tokenizer: Tokenizer | None = self._load_tokenizer(config.model)
+        self.processor_cache: ProcessorCache | None = None
+        if self.model_config.multimodal is not None:
+            self.processor_cache = ProcessorCache(ImageProcessorSettings.from_checkpoint(config.model),
+                                                  int(config.mm_processor_cache_gb * GIB))
         # Values for the SamplingParams fields a request leaves unset (vLLM's default_sampling_params).
         self.default_sampling_params: dict[str, Any] = self._load_default_sampling_params()
         eos_token_ids = set(stop_token_ids(config.model, self.model_config))
@@ -320,7 +325,7 @@ class LLMEngine:
                              "(--limit-mm-per-prompt)")
         loaded = [load_image(img, allowed_domains=self.config.allowed_media_domains or (),
                              allowed_local_path=self.config.allowed_local_media_path) for img in images]
-        return build_multimodal_prompt(ids, loaded, self.config.model, mm_config)
+        return build_multimodal_prompt(ids, loaded, self.config.model, mm_config, self.processor_cache)
 
     def _check_prepared(self, ids: list[int], prepared: Any) -> MultimodalPrompt:
         """``multi_modal_inputs`` from ``prepare_images``: its spans must be runs of image tokens of these ids."""

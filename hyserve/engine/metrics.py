@@ -58,6 +58,13 @@ class SnapshotCounts(Protocol):
     def snapshot_bytes(self) -> int: ...
 
 
+class ItemCacheCounts(Protocol):
+    @property
+    def queries(self) -> int: ...
+    @property
+    def hits(self) -> int: ...
+
+
 class MetricsSource(Protocol):
     @property
     def metrics(self) -> EngineMetrics: ...
@@ -69,6 +76,8 @@ class MetricsSource(Protocol):
     def state_slots(self) -> SlotUsage: ...
     @property
     def prefix_cache(self) -> SnapshotCounts | None: ...
+    @property
+    def processor_cache(self) -> ItemCacheCounts | None: ...
 
 
 @dataclass(slots=True)
@@ -136,6 +145,7 @@ class EngineMetrics:
         pc = engine.prefix_cache
         used = pool.num_usable_blocks - pool.num_free_blocks
         states = engine.state_slots
+        mm = engine.processor_cache
         return {
             "hyserve:num_requests": self.num_requests,
             "hyserve:prompt_tokens": self.prompt_tokens,
@@ -161,6 +171,8 @@ class EngineMetrics:
             "hyserve:prefix_cache_snapshot_bytes": pc.snapshot_bytes if pc else 0,
             "hyserve:prefix_cache_kv_blocks": pool.num_cached_blocks,
             "hyserve:prefix_cache_kv_evictions": pool.num_evictions,
+            "hyserve:mm_cache_queries": mm.queries if mm else 0,
+            "hyserve:mm_cache_hits": mm.hits if mm else 0,
             "hyserve:spec_decode_num_drafts": self.spec_num_drafts,
             "hyserve:spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
             "hyserve:spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,

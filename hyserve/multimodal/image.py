@@ -328,13 +328,15 @@ def image_hash(img: Image.Image) -> str:
     return h.hexdigest()
 
 
-def process_images(images: Sequence[Image.Image], checkpoint_dir: str | os.PathLike[str], *,
+def process_images(images: Sequence[Image.Image], checkpoint_dir: str | os.PathLike[str] | None = None, *,
                    settings: ImageProcessorSettings | None = None) -> ProcessedImages:
     """Pixel values, grids, placeholder counts and content hashes of ``images`` for ``checkpoint_dir``'s model.
 
     ``settings`` (if given) replaces reading the checkpoint's preprocessor_config.json.
     """
-    s = settings if settings is not None else ImageProcessorSettings.from_checkpoint(checkpoint_dir)
+    if settings is None and checkpoint_dir is None:
+        raise TypeError("process_images needs checkpoint_dir or settings")
+    s = settings if settings is not None else ImageProcessorSettings.from_checkpoint(checkpoint_dir)  # type: ignore[arg-type]
     rgb = [_to_rgb(img) for img in images]
     if not rgb:
         patch_dim = 3 * s.temporal_patch_size * s.patch_size**2

@@ -1,8 +1,8 @@
 """A prompt's images as the engine carries them: placeholder spans, pixels for the vision tower, M-RoPE positions.
 
-``build_multimodal_prompt`` runs at ``add_request``: it processes the images (``process_images``), widens each
-placeholder to its image's token count, and computes the whole prompt's (3, P) positions and ``rope_delta`` once
-(``hyserve.model.mrope``). The worker reads, per step:
+``build_multimodal_prompt`` runs at ``add_request``: it processes the images (through the engine's ``ProcessorCache``),
+widens each placeholder to its image's token count, and computes the whole prompt's (3, P) positions and
+``rope_delta`` once (``hyserve.model.mrope``). The worker reads, per step:
 
 * positions: a chunk ``[a, b)`` with ``a < last_image_end`` takes ``mrope_slice(positions, delta, a, b)`` (three
   axes); every token after the last image has equal axes ``index + rope_delta``, so later chunks, decode, verify and
@@ -22,7 +22,8 @@ from PIL import Image
 
 from hyserve.config import MultimodalConfig
 from hyserve.model.mrope import mrope_positions, mrope_slice
-from hyserve.multimodal.image import expand_image_placeholders, process_images
+from hyserve.multimodal.image import ImageProcessorSettings, expand_image_placeholders
+from hyserve.multimodal.processor_cache import ProcessorCache
 from hyserve.multimodal.spans import ImageSpan
 
 
@@ -77,20 +78,19 @@ class MultimodalPrompt:
 
 
 def build_multimodal_prompt(token_ids: list[int], images: Sequence[Image.Image], model_dir: str | os.PathLike[str],
-                            config: MultimodalConfig) -> tuple[list[int], MultimodalPrompt]:
+                            config: MultimodalConfig, cache: ProcessorCache | None = None
+                            ) -> tuple[list[int], MultimodalPrompt]:
     """The expanded token ids and the ``MultimodalPrompt`` of a rendered prompt holding one image placeholder per
-    image. Raises ValueError (``MediaError`` for an image the processor refuses) naming the problem."""
-    processed = process_images(list(images), model_dir)
-    ids = expand_image_placeholders(token_ids, processed.token_counts, config.image_token_id)
-    grids = [(int(t), int(h), int(w)) for t, h, w in processed.grid_thw.tolist()]
+    image, each image processed through ``cache`` (the engine's processor cache; None: model_dir's settings, nothing
+    kept). Raises ValueError (``MediaError`` for an image the processor refuses) naming the problem."""
+    if cache is None:
+        cache = ProcessorCache(ImageProcessorSettings.from_checkpoint(model_dir), 0)
+    processed = cache.process(list(images))
+    ids = expand_image_placeholders(token_ids, [p.token_count for p in processed], config.image_token_id)
+    grids = [p.grid_thw for p in processed]
     merge = int(config.vision_config.get("spatial_merge_size", 2))
     positions, delta = mrope_positions(ids, grids, config.image_token_id, merge)
     starts = [i for i, t in enumerate(ids) if t == config.image_token_id and (i == 0 or ids[i - 1] != t)]
-    inputs = []
-    row = 0
-    for start, grid, count, digest in zip(starts, grids, processed.token_counts, processed.hashes):
-        patches = grid[0] * grid[1] * grid[2]
-        pixels = processed.pixel_values[row : row + patches].float().numpy()
-        row += patches
-        inputs.append(ImageInput(ImageSpan(start, count, digest), pixels, grid))
+    inputs = [ImageInput(ImageSpan(start, p.token_count, p.digest), p.pixel_values, p.grid_thw)
+              for start, p in zip(starts, processed, strict=True)]
     return ids, MultimodalPrompt(tuple(inputs), positions.numpy(), delta)

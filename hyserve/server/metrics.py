@@ -33,7 +33,8 @@ COUNTERS = frozenset({
     "hyserve:request_errors", "hyserve:num_preemptions", "hyserve:prefix_cache_queries",
     "hyserve:prefix_cache_hits", "hyserve:prefix_cache_snapshot_hits", "hyserve:prefix_cache_snapshot_misses",
     "hyserve:prefix_cache_snapshots_taken", "hyserve:prefix_cache_snapshot_evictions",
-    "hyserve:prefix_cache_kv_evictions", "hyserve:spec_decode_num_drafts", "hyserve:spec_decode_num_draft_tokens",
+    "hyserve:prefix_cache_kv_evictions", "hyserve:mm_cache_queries", "hyserve:mm_cache_hits",
+    "hyserve:spec_decode_num_drafts", "hyserve:spec_decode_num_draft_tokens",
     "hyserve:spec_decode_num_accepted_tokens", "hyserve:spec_decode_num_accepted_tokens_per_pos",
 })
 
@@ -62,6 +63,8 @@ HELP = {
     "hyserve:prefix_cache_snapshot_bytes": "Bytes held by recurrent-state snapshots now.",
     "hyserve:prefix_cache_kv_blocks": "KV blocks held by the prefix cache now.",
     "hyserve:prefix_cache_kv_evictions": "Cached KV blocks evicted.",
+    "hyserve:mm_cache_queries": "Images looked up in the multimodal processor cache.",
+    "hyserve:mm_cache_hits": "Images found in the multimodal processor cache (not processed again).",
     "hyserve:spec_decode_num_drafts": "Speculative decoding: verify rows with at least one draft token.",
     "hyserve:spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
     "hyserve:spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",

@@ -1,0 +1,218 @@
+"""The multimodal processor cache (``--mm-processor-cache-gb``): processed images kept by content hash.
+
+Unit: pixels equal transformers' image processor's on each image alone; a repeat is a hit and is not processed
+again; least recently used entries go first, within the byte capacity; 0 keeps nothing; concurrent callers keep the
+accounting whole. End to end on the tiny VLM: requests whose images repeat (a sliding window) and an image of the
+same size as an earlier one with other content give transformers' greedy tokens, with each distinct image processed
+once and the hits counted in the metrics; a cache keyed by size alone (a sabotage) is caught.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from tokenizers import Tokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import hyserve.multimodal.processor_cache as pc
+from hyserve import LLM, SamplingParams
+from hyserve.config import EngineConfig
+from hyserve.engine_args import engine_args
+from hyserve.multimodal.image import ImageProcessorSettings
+from hyserve.multimodal.processor_cache import ProcessorCache
+from hyserve.testing import (
+    IM_END,
+    IM_START,
+    reference_vlm_greedy,
+    reference_vlm_model,
+    tiny_png,
+    vlm_special_token_ids,
+    write_tiny_vlm_checkpoint,
+)
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
+    path = write_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), seed=5)
+    return path, reference_vlm_model(path)
+
+
+def image(w: int, h: int, seed: int) -> Image.Image:
+    return Image.open(io.BytesIO(tiny_png(w, h, seed))).convert("RGB")
+
+
+def transformers_pixels(path: str, img: Image.Image) -> tuple[np.ndarray, tuple[int, ...]]:
+    out = Qwen2VLImageProcessorPil.from_pretrained(path)(images=[img], return_tensors="pt")
+    return out["pixel_values"].float().numpy(), tuple(out["image_grid_thw"][0].tolist())
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many images the cache sent to the pixel pipeline, one entry per call."""
+    seen: list[int] = []
+    real = pc.process_images
+
+    def spy(images, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(len(images))
+        return real(images, *args, **kwargs)
+
+    monkeypatch.setattr(pc, "process_images", spy)
+    return seen
+
+
+def test_hits_return_the_processed_pixels_without_processing_again(vlm: tuple[str, object],
+                                                                   calls: list[int]) -> None:
+    path = vlm[0]
+    cache = ProcessorCache(ImageProcessorSettings.from_checkpoint(path), pc.GIB)
+    a, b = image(40, 24, 1), image(28, 28, 2)
+    first = cache.process([a, b, a])  # a repeated inside one request: processed once
+    assert calls == [1, 1] and len(cache) == 2 and (cache.queries, cache.hits) == (3, 0)
+    assert first[0] is first[2]
+    for img, item in zip((a, b), first[:2]):
+        pixels, grid = transformers_pixels(path, img)
+        assert item.grid_thw == grid and np.array_equal(item.pixel_values, pixels)
+        assert item.token_count == math.prod(grid) // 4
+    again = cache.process([b, image(40, 24, 1)])  # equal content, another PIL object: a hit
+    assert calls == [1, 1] and (cache.queries, cache.hits) == (5, 2)
+    assert again[0] is first[1] and again[1] is first[0]
+    assert cache.num_bytes == sum(x.pixel_values.nbytes for x in first[:2])
+
+
+def test_least_recently_used_goes_first_within_the_capacity(vlm: tuple[str, object], calls: list[int]) -> None:
+    settings = ImageProcessorSettings.from_checkpoint(vlm[0])
+    a, b, c = image(28, 28, 1), image(28, 28, 2), image(28, 28, 3)
+    size = ProcessorCache(settings, pc.GIB).process([a])[0].pixel_values.nbytes
+    calls.clear()
+    cache = ProcessorCache(settings, 2 * size)
+    cache.process([a])
+    cache.process([b])
+    cache.process([a])  # a is now the most recent
+    cache.process([c])  # evicts b
+    assert calls == [1, 1, 1] and cache.evictions == 1 and cache.num_bytes == 2 * size
+    cache.process([a, c])
+    assert calls == [1, 1, 1] and cache.hits == 3
+    cache.process([b])
+    assert calls == [1, 1, 1, 1]
+    small = ProcessorCache(settings, size - 1)  # larger than the whole capacity: processed, not kept
+    small.process([a])
+    small.process([a])
+    assert len(small) == 0 and small.num_bytes == 0 and small.hits == 0 and calls[-2:] == [1, 1]
+    off = ProcessorCache(settings, 0)
+    off.process([a, a])
+    off.process([a])
+    assert len(off) == 0 and (off.queries, off.hits) == (3, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        ProcessorCache(settings, -1)
+
+
+def test_concurrent_callers_keep_the_accounting_whole(vlm: tuple[str, object]) -> None:
+    settings = ImageProcessorSettings.from_checkpoint(vlm[0])
+    imgs = [image(28, 20 + 4 * i, i) for i in range(6)]
+    cache = ProcessorCache(settings, pc.GIB)
+    results: list[list[pc.ProcessedImage]] = []
+    lock = threading.Lock()
+
+    def work(k: int) -> None:
+        out = cache.process([imgs[(k + j) % 6] for j in range(3)])
+        with lock:
+            results.append(out)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(cache) == 6 and cache.queries == 36
+    assert cache.num_bytes == sum(cache._entries[d].pixel_values.nbytes for d in cache._entries)
+    for out in results:  # every caller got the pixels of the images it asked for
+        for item in out:
+            assert np.array_equal(item.pixel_values, cache._entries[item.digest].pixel_values)
+
+
+def test_the_flag_and_its_validation() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    engine_args(p)
+    assert p.parse_args([]).mm_processor_cache_gb == 4.0 == EngineConfig(model="x").mm_processor_cache_gb
+    assert p.parse_args(["--mm-processor-cache-gb", "0"]).mm_processor_cache_gb == 0.0
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="--mm-processor-cache-gb"):
+            EngineConfig(model="x", mm_processor_cache_gb=bad).validate()  # type: ignore[arg-type]
+
+
+def expected(vlm: tuple[str, object], text: str, imgs: list[Image.Image]) -> list[int]:
+    """transformers' greedy tokens, its inputs built from tokenizers and its image processor alone."""
+    path, ref = vlm
+    ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    proc = Qwen2VLImageProcessorPil.from_pretrained(path)(images=imgs, return_tensors="pt")
+    counts = iter(int(t * h * w) // 4 for t, h, w in proc["image_grid_thw"].tolist())
+    pad = vlm_special_token_ids()["<|image_pad|>"]
+    full: list[int] = []
+    for t in ids:
+        full += [pad] * next(counts) if t == pad else [t]
+    return reference_vlm_greedy(ref, full, proc["pixel_values"], proc["image_grid_thw"], MAX_TOKENS)  # type: ignore[arg-type]
+
+
+# A sliding two-image window, then an image the size of an earlier one with other content.
+A, B, C, D = (40, 24, 11), (28, 28, 12), (40, 24, 13), (28, 28, 14)
+TURNS = [[A, B], [B, C], [C, D], [D]]
+
+
+def run_turns(path: str, **kw: object) -> tuple[list[list[int]], dict[str, float | list[float]]]:
+    llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=2048, max_num_seqs=4,
+              enable_prefix_caching=False, **kw)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = []
+    for specs in TURNS:
+        prompt = {"prompt": turn_text(specs), "multi_modal_data": {"image": [image(*s) for s in specs]}}
+        out = llm.generate(prompt, params)[0]
+        outs.append(list(out.outputs[0].token_ids))
+    metrics = llm.get_metrics()
+    llm.shutdown()
+    return outs, metrics
+
+
+def turn_text(specs: list[tuple[int, int, int]]) -> str:
+    return f"{IM_START}user\nLook: " + " then ".join(IMAGE for _ in specs) + f"{IM_END}\n{IM_START}assistant\n"
+
+
+def test_repeated_images_are_processed_once_and_outputs_match_transformers(vlm: tuple[str, object],
+                                                                           calls: list[int]) -> None:
+    outs, metrics = run_turns(vlm[0])
+    assert len(calls) == 4  # A, B, C, D once each
+    assert (metrics["hyserve:mm_cache_queries"], metrics["hyserve:mm_cache_hits"]) == (7, 3)
+    for specs, got in zip(TURNS, outs):
+        assert got == expected(vlm, turn_text(specs), [image(*s) for s in specs]), specs
+    calls.clear()
+    off, metrics = run_turns(vlm[0], mm_processor_cache_gb=0)
+    assert off == outs and len(calls) == 7 and metrics["hyserve:mm_cache_hits"] == 0
+
+
+def test_a_cache_keyed_by_size_alone_is_caught(vlm: tuple[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: C (A's size, other pixels) served A's pixels. The outputs of the turns holding C or D part from
+    transformers' (the tiny tower moves the logits enough for the seeds used here)."""
+    monkeypatch.setattr(pc, "image_hash", lambda img: f"{img.size[0]}x{img.size[1]}")
+    monkeypatch.setattr(pc, "_processed", lambda img, digest, settings: pc.ProcessedImage(
+        *_plain(img, settings), digest))
+    outs, _ = run_turns(vlm[0])
+    wrong = [specs for specs, got in zip(TURNS, outs)
+             if got != expected(vlm, turn_text(specs), [image(*s) for s in specs])]
+    assert wrong, "a size-keyed cache went unnoticed"
+
+
+def _plain(img: Image.Image, settings: ImageProcessorSettings) -> tuple[np.ndarray, tuple[int, int, int], int]:
+    from hyserve.multimodal.image import process_images
+
+    out = process_images([img], settings=settings)
+    t, h, w = out.grid_thw[0].tolist()
+    return out.pixel_values.float().numpy(), (int(t), int(h), int(w)), out.token_counts[0]
