@@ -245,6 +245,11 @@ case "${1:?phase}" in
     measure hyserve /tmp/p2bv 2b_agent_images_c32 240 --measures agent_images --agent-concurrency 32
     vlm_2b_check
     ;;
+  images-hyserve)  # images without the 2B VLM check: hyserve's screenshot trace at 8 and 32 conversations
+    p2bv
+    measure hyserve /tmp/p2bv 2b_agent_images 150 --measures agent_images
+    measure hyserve /tmp/p2bv 2b_agent_images_c32 "$(left 5)" --measures agent_images --agent-concurrency 32
+    ;;
   images-vllm)  # vLLM on the screenshot trace (its Triton/FLA GDN prefill kernel: no FlashInfer JIT): 8
                 # conversations, then 32 in a second process with its compile caches warm
     p2bv
