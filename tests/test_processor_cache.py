@@ -216,3 +216,19 @@ def _plain(img: Image.Image, settings: ImageProcessorSettings) -> tuple[np.ndarr
     out = process_images([img], settings=settings)
     t, h, w = out.grid_thw[0].tolist()
     return out.pixel_values.float().numpy(), (int(t), int(h), int(w)), out.token_counts[0]
+
+
+def test_a_checkpoint_without_processor_files_serves_text(vlm: tuple[str, object], tmp_path: Path) -> None:
+    """The processor settings are read at the first image: a VLM-form checkpoint without preprocessor_config.json
+    (a text-only deployment) starts and serves text; an image request is refused naming the file."""
+    import shutil
+
+    path = str(tmp_path / "no_processor")
+    shutil.copytree(vlm[0], path)
+    Path(path, "preprocessor_config.json").unlink()
+    llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert len(llm.generate("hello", params)[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="preprocessor_config.json"):
+        llm.generate({"prompt": turn_text([A]), "multi_modal_data": {"image": [image(*A)]}}, params)
+    llm.shutdown()

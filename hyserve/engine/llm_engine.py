@@ -94,8 +94,9 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self._load_tokenizer(config.model)
         self.processor_cache: ProcessorCache | None = None
         if self.model_config.multimodal is not None:
-            self.processor_cache = ProcessorCache(ImageProcessorSettings.from_checkpoint(config.model),
-                                                  int(config.mm_processor_cache_gb * GIB))
+            self.processor_cache = ProcessorCache(
+                functools.partial(ImageProcessorSettings.from_checkpoint, config.model),
+                int(config.mm_processor_cache_gb * GIB))
         # Values for the SamplingParams fields a request leaves unset (vLLM's default_sampling_params).
         self.default_sampling_params: dict[str, Any] = self._load_default_sampling_params()
         eos_token_ids = set(stop_token_ids(config.model, self.model_config))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,10 +48,13 @@ class ProcessorCache:
     ``queries`` and ``hits`` count images looked up and images found (vLLM's ``mm_cache_queries`` /
     ``mm_cache_hits``, in items)."""
 
-    def __init__(self, settings: ImageProcessorSettings, capacity_bytes: int) -> None:
+    def __init__(self, settings: ImageProcessorSettings | Callable[[], ImageProcessorSettings],
+                 capacity_bytes: int) -> None:
+        """``settings``, or a function giving them at the first image (a checkpoint's preprocessor_config.json is
+        read only when an image comes: a text-only run of a VLM checkpoint needs none)."""
         if capacity_bytes < 0:
             raise ValueError(f"processor cache capacity must be >= 0 bytes (got {capacity_bytes})")
-        self.settings = settings
+        self._settings = settings
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[str, ProcessedImage] = OrderedDict()
         self._bytes = 0
@@ -59,6 +62,14 @@ class ProcessorCache:
         self.queries = 0
         self.hits = 0
         self.evictions = 0
+
+    @property
+    def settings(self) -> ImageProcessorSettings:
+        if not isinstance(self._settings, ImageProcessorSettings):
+            with self._lock:
+                if not isinstance(self._settings, ImageProcessorSettings):
+                    self._settings = self._settings()
+        return self._settings
 
     @property
     def num_bytes(self) -> int:
@@ -74,6 +85,7 @@ class ProcessorCache:
         """Each image's ``ProcessedImage``, in order: from the cache where its hash is there, else processed (an
         image repeated in ``images`` once) and kept. Raises ``MediaError`` for an image the processor refuses, as
         ``process_images`` does."""
+        settings = self.settings
         digests = [image_hash(img) for img in images]
         found: dict[str, ProcessedImage] = {}
         with self._lock:
@@ -86,7 +98,7 @@ class ProcessorCache:
                     self.hits += 1
         missing = {d: img for d, img in zip(digests, images, strict=True) if d not in found}
         for d, img in missing.items():  # one at a time: each entry owns its pixel array (no view of a batch's)
-            item = _processed(img, d, self.settings)
+            item = _processed(img, d, settings)
             with self._lock:
                 found[d] = self._insert(item)
         return [found[d] for d in digests]
