@@ -229,6 +229,6 @@ def test_a_checkpoint_without_processor_files_serves_text(vlm: tuple[str, object
     llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=2)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     assert len(llm.generate("hello", params)[0].outputs[0].token_ids) == 3
-    with pytest.raises(ValueError, match="preprocessor_config.json"):
+    with pytest.raises(ValueError, match=r"preprocessor_config\.json"):
         llm.generate({"prompt": turn_text([A]), "multi_modal_data": {"image": [image(*A)]}}, params)
     llm.shutdown()
