@@ -35,7 +35,7 @@ for ax, title in ((hit, "prompt tokens from cache, %"), (wall, "wall s (4 turns)
                   (ttft, "TTFT s: p50 (solid), p90 (light)")):
     ax.set_xticks(range(len(RUNS)), [r[0] for r in RUNS])
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower center")
 fig.suptitle("Screenshot agent trace, 2B shape with a real-size vision tower, one H200, 2026-12-02", fontsize=10)
 fig.tight_layout()
 fig.savefig(f"{D}/agent_images.png", dpi=110)
