@@ -1,4 +1,5 @@
-"""Host time of the screenshot agent trace's image processing, with the processor cache and without.
+"""Host time of the screenshot agent trace's image processing: without the processor cache, with it, and with it on
+several threads (as ``LLM.generate`` prepares a call's image prompts).
 
 The front end's part of every image request: hash, resize, normalise and cut into patches
 (``build_multimodal_prompt``), for every request of ``peer_bench.py``'s screenshot trace, in the order the engine gets
@@ -18,6 +19,7 @@ import platform
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -53,7 +55,8 @@ def trace_requests(model: str, scale: str, n: int, seed: int = 0) -> list[list[t
     return turns
 
 
-def run(model: str, turns: list[list[tuple[list[int], list[Any]]]], gib: float) -> dict[str, float]:
+def run(model: str, turns: list[list[tuple[list[int], list[Any]]]], gib: float, threads: int = 1
+        ) -> dict[str, float]:
     mm = ModelConfig.from_model_dir(model).multimodal
     assert mm is not None, f"{model} has no vision_config"
     cache = ProcessorCache(ImageProcessorSettings.from_checkpoint(model), int(gib * GIB))
@@ -62,7 +65,11 @@ def run(model: str, turns: list[list[tuple[list[int], list[Any]]]], gib: float) 
     for batch in turns:
         t0 = time.perf_counter()
         # A turn's prompts live together, as its requests do in the engine (their pixels until encoded)
-        held = [build_multimodal_prompt(ids, images, model, mm, cache) for ids, images in batch]
+        if threads > 1:  # as LLM.generate prepares a call's image prompts (LLM._prepare_images)
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                held = list(pool.map(lambda r: build_multimodal_prompt(r[0], r[1], model, mm, cache), batch))
+        else:
+            held = [build_multimodal_prompt(ids, images, model, mm, cache) for ids, images in batch]
         per_turn.append(time.perf_counter() - t0)
         pixel_bytes += sum(im.pixel_values.nbytes for _, prompt in held for im in prompt.images)
         del held
@@ -95,6 +102,8 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="a --vision real checkpoint (write --no-weights is enough)")
     ap.add_argument("--scale", choices=sorted(pb.SCREENSHOT_TRACES), default="full")
     ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0))),
+                    help="threads for the threaded run (LLM.generate uses one per CPU; default: this machine's)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of each; the median is reported")
     ap.add_argument("--out", default=None, help="writes OUT.json and OUT.md")
     args = ap.parse_args()
@@ -116,17 +125,21 @@ def main() -> int:
         run(args.model, turns[:1], 0.0)  # warm: imports, the processor's construction
         # Alternating rounds, the median of each: the first touch of fresh memory is costly on a VM, and which run
         # gets it depends on what ran before (seen here: 2.7-4.4 s for the same run at 8 conversations)
-        rounds: dict[str, list[dict[str, Any]]] = {"no_cache": [], "cache": []}
+        rounds: dict[str, list[dict[str, Any]]] = {"no_cache": [], "cache": [], "cache_threads": []}
         for _ in range(args.rounds):
             rounds["no_cache"].append(run(args.model, turns, 0.0))
             rounds["cache"].append(run(args.model, turns, DEFAULT_MM_PROCESSOR_CACHE_GB))
-        plain, cached = (sorted(rounds[k], key=lambda r: r["seconds"])[len(rounds[k]) // 2]
-                         for k in ("no_cache", "cache"))
+            rounds["cache_threads"].append(run(args.model, turns, DEFAULT_MM_PROCESSOR_CACHE_GB, args.threads))
+        plain, cached, threaded = (sorted(rounds[k], key=lambda r: r["seconds"])[len(rounds[k]) // 2]
+                                   for k in ("no_cache", "cache", "cache_threads"))
         res["runs"][n] = {"cache": cached, "no_cache": plain, "speedup": plain["seconds"] / cached["seconds"],
+                          "cache_threads": threaded, "threads": args.threads,
+                          "speedup_threads": plain["seconds"] / threaded["seconds"],
                           "seconds_all_rounds": {k: [r["seconds"] for r in v] for k, v in rounds.items()}}
         print(f"{n} conversations: {plain['seconds']:.2f} s without the cache ({plain['images_processed']} images "
               f"processed), {cached['seconds']:.2f} s with it ({cached['images_processed']} processed, "
-              f"{cached['hits']} hits): {res['runs'][n]['speedup']:.2f}x", flush=True)
+              f"{cached['hits']} hits): {res['runs'][n]['speedup']:.2f}x; on {args.threads} threads "
+              f"{threaded['seconds']:.2f} s: {res['runs'][n]['speedup_threads']:.2f}x", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".json", "w", encoding="utf-8") as f:
@@ -134,13 +147,15 @@ def main() -> int:
         lines = ["# Image processing of the screenshot agent trace, with and without the processor cache", "",
                  f"Command: `{res['command']}`; commit {res['commit']}; {res['machine']}; {res['date']}.", "",
                  "Seconds: the median of alternating rounds (all rounds in the JSON).", "",
-                 "| conversations | requests | images | processed, no cache | s | processed, cache | s | speedup |",
-                 "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                 "| conversations | requests | images | processed, no cache | s | processed, cache | s | speedup | "
+                 "cache, threads | s | speedup |",
+                 "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for n, r in res["runs"].items():
             c, p = r["cache"], r["no_cache"]
             lines.append(f"| {n} | {n * pb.SCREENSHOT_TRACES[args.scale].turns} | {c['images']} | "
                          f"{p['images_processed']} | {p['seconds']:.2f} | {c['images_processed']} | "
-                         f"{c['seconds']:.2f} | {r['speedup']:.2f}x |")
+                         f"{c['seconds']:.2f} | {r['speedup']:.2f}x | {r['threads']} | "
+                         f"{r['cache_threads']['seconds']:.2f} | {r['speedup_threads']:.2f}x |")
         m = res["memory"]
         lines += ["", f"One image's pixel rows are {res['pixel_bytes_per_image'] / 2**20:.1f} MiB (float32). Filling "
                       f"that much fresh memory took {m['fill_ms_kept']:.1f} ms here, reused memory "

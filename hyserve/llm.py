@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from hyserve.config import EngineConfig
+from hyserve.config import EngineConfig, available_cpus
 from hyserve.engine.llm_engine import LLMEngine, PromptType
 from hyserve.engine_args import normalize_mm_limits
 from hyserve.multimodal.chat import chat_inputs
@@ -31,6 +32,13 @@ def default_model_dir() -> str:
         raise ValueError(f"no model given and the packaged default model is missing from {DEFAULT_MODEL_DIR}; "
                          "pass LLM(model='path/to/dir')")
     return DEFAULT_MODEL_DIR
+
+
+class _Refused:
+    """A prompt whose preparation raised ``error`` (``LLM._prepare_images``)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 class LLM:
@@ -100,9 +108,12 @@ class LLM:
         params = self._as_params_list(sampling_params, len(items))
         self._check_output_kinds(params)
         engine = self.llm_engine
+        prepared = self._prepare_images(items)
         ids: list[str] = []
         try:
-            for prompt, p in zip(items, params, strict=True):
+            for prompt, p in zip(prepared, params, strict=True):
+                if isinstance(prompt, _Refused):  # its preparation failed: raised where adding it would have
+                    raise prompt.error
                 rid = f"llm-{self._counter}"
                 self._counter += 1
                 engine.add_request(rid, prompt, p)
@@ -111,6 +122,28 @@ class LLM:
         except BaseException:
             engine.abort_request(ids)
             raise
+
+    def _prepare_images(self, items: list[PromptType]) -> list[PromptType | _Refused]:
+        """The prompts with images processed on up to one thread per CPU (``LLMEngine.prepare_prompt``) before any
+        is added, in order. A prompt whose preparation fails becomes ``_Refused``: ``generate`` raises its error
+        where adding it would have, so the error is the one adding them one by one gives."""
+        todo = [i for i, p in enumerate(items) if isinstance(p, dict) and p.get("multi_modal_data") is not None]
+        out: list[PromptType | _Refused] = list(items)
+        if len(todo) < 2 or available_cpus() < 2:
+            return out
+        engine = self.llm_engine
+
+        def prepare(prompt: PromptType) -> PromptType | _Refused:
+            try:
+                return engine.prepare_prompt(prompt)
+            except Exception as e:
+                return _Refused(e)
+
+        with ThreadPoolExecutor(max_workers=min(len(todo), available_cpus()),
+                                thread_name_prefix="hyserve-images") as pool:
+            for i, p in zip(todo, pool.map(prepare, [items[i] for i in todo]), strict=True):
+                out[i] = p
+        return out
 
     def chat(
         self,

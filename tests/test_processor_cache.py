@@ -232,3 +232,77 @@ def test_a_checkpoint_without_processor_files_serves_text(vlm: tuple[str, object
     with pytest.raises(ValueError, match=r"preprocessor_config\.json"):
         llm.generate({"prompt": turn_text([A]), "multi_modal_data": {"image": [image(*A)]}}, params)
     llm.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LLM.generate prepares image prompts on several threads (LLMEngine.prepare_prompt), then adds them in order.
+
+EPISODE = [[A, B], [B, C], [C, D], [D, A]]
+
+
+def generate_episode(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt": turn_text(s), "multi_modal_data": {"image": [image(*x) for x in s]}} for s in EPISODE]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture
+def four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hyserve.llm
+
+    monkeypatch.setattr(hyserve.llm, "available_cpus", lambda: 4)
+
+
+def test_generate_prepares_image_prompts_concurrently_and_in_order(vlm: tuple[str, object], four_cpus: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four image prompts in one generate: their processing overlaps (a barrier only four threads at once pass) and
+    each output is transformers' for its own images."""
+    barrier = threading.Barrier(4, timeout=20)
+    threads: set[str] = set()
+    real = ProcessorCache.process
+
+    def meeting(self, images):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        barrier.wait()
+        return real(self, images)
+
+    monkeypatch.setattr(ProcessorCache, "process", meeting)
+    llm = LLM(model=vlm[0], device="cpu", dtype="float32", max_num_batched_tokens=2048, max_num_seqs=4,
+              enable_prefix_caching=False)
+    outs = generate_episode(llm)
+    llm.shutdown()
+    assert len(threads) == 4 and all(t.startswith("hyserve-images") for t in threads)
+    for specs, got in zip(EPISODE, outs):
+        assert got == expected(vlm, turn_text(specs), [image(*s) for s in specs]), specs
+
+
+def test_prepared_prompts_put_back_in_another_order_are_caught(vlm: tuple[str, object], four_cpus: None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the prepared prompts returned reversed (as if in the order the threads finished)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    real = ThreadPoolExecutor.map
+    monkeypatch.setattr(ThreadPoolExecutor, "map", lambda self, fn, items: reversed(list(real(self, fn, items))))
+    llm = LLM(model=vlm[0], device="cpu", dtype="float32", max_num_batched_tokens=2048, max_num_seqs=4,
+              enable_prefix_caching=False)
+    outs = generate_episode(llm)
+    llm.shutdown()
+    assert any(got != expected(vlm, turn_text(s), [image(*x) for x in s]) for s, got in zip(EPISODE, outs))
+
+
+def test_a_refusal_is_the_one_adding_the_prompts_in_order_gives(vlm: tuple[str, object], four_cpus: None) -> None:
+    """An image that is no image, behind a prompt refused for its token ids: generate raises the earlier prompt's
+    error, as adding them one by one does, and leaves no request behind. Alone, the bad image is named."""
+    llm = LLM(model=vlm[0], device="cpu", dtype="float32", max_num_batched_tokens=2048, max_num_seqs=4)
+    params = SamplingParams(max_tokens=2)
+    good = {"prompt": turn_text([A]), "multi_modal_data": {"image": [image(*A)]}}
+    not_an_image = {"prompt": turn_text([B]), "multi_modal_data": {"image": [b"not an image"]}}
+    bad_ids = {"prompt_token_ids": [10**9]}
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([good, bad_ids, not_an_image, good], params)
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="not an image"):
+        llm.generate([good, not_an_image, good], params)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate([good, good], params)) == 2  # and the engine goes on
+    llm.shutdown()
