@@ -730,6 +730,19 @@ def cache_bound(model: str, scale: str, concurrency: int | None, out: str | None
     return res
 
 
+def screenshot_conversations(model: str, scale: str, concurrency: int | None = None, seed: int = 0
+                             ) -> tuple[ScreenshotTrace, list[ScreenshotConversation], dict[tuple[int, int], Any]]:
+    """The screenshot trace ``SCREENSHOT_TRACES[scale]`` for ``model``: its ``concurrency`` conversations (the
+    scale's by default), sharing one random prefix, and every screenshot by (conversation, index)."""
+    trace = SCREENSHOT_TRACES[scale]
+    vocab = _text_vocab(model)
+    prefix_rng = random.Random(f"peer-screenshots/{seed}/prefix")
+    prefix = [prefix_rng.randrange(vocab) for _ in range(trace.prefix_len)]
+    convs = [ScreenshotConversation(trace, c, prefix, vocab, seed) for c in range(concurrency or trace.concurrency)]
+    shots = {(c.conv_id, k): screenshot(seed, c.conv_id, k, trace.screen) for c in convs for k in range(c.num_screens)}
+    return trace, convs, shots
+
+
 def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int | None = None, seed: int = 0
                          ) -> tuple[dict[str, float], dict[str, Any]]:
     """The screenshot trace (``SCREENSHOT_TRACES[scale]``, ``concurrency`` conversations) through ``eng``: its
@@ -738,13 +751,9 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
     Screenshots and prompt ids are made outside the timed part; the wall is the sum of the turns' ``generate``
     calls. TTFT is each request's first token time less its turn's submission (the whole turn submitted at once:
     it includes waiting behind the turn's other requests, as a client sending them together sees it)."""
-    trace = SCREENSHOT_TRACES[scale]
-    n = concurrency or trace.concurrency
+    trace, convs, shots = screenshot_conversations(model, scale, concurrency, seed)
+    n = len(convs)
     vocab = _text_vocab(model)
-    prefix_rng = random.Random(f"peer-screenshots/{seed}/prefix")
-    prefix = [prefix_rng.randrange(vocab) for _ in range(trace.prefix_len)]
-    convs = [ScreenshotConversation(trace, c, prefix, vocab, seed) for c in range(n)]
-    shots = {(c.conv_id, k): screenshot(seed, c.conv_id, k, trace.screen) for c in convs for k in range(c.num_screens)}
     image_uid = {key: i for i, key in enumerate(shots)}
     bound = CacheBound()
     builder = PromptBuilder(model)

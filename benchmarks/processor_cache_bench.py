@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,13 +35,7 @@ from hyserve.multimodal.processor_cache import GIB, ProcessorCache
 def trace_requests(model: str, scale: str, n: int, seed: int = 0) -> list[list[tuple[list[int], list[Any]]]]:
     """Per turn, each request's prompt ids (one placeholder per image) and images, as ``measure_agent_images``
     builds them, with ``output_len`` stand-in tokens as each earlier turn's output."""
-    trace = pb.SCREENSHOT_TRACES[scale]
-    vocab = pb._text_vocab(model)
-    prefix_rng = random.Random(f"peer-screenshots/{seed}/prefix")
-    prefix = [prefix_rng.randrange(vocab) for _ in range(trace.prefix_len)]
-    convs = [pb.ScreenshotConversation(trace, c, prefix, vocab, seed) for c in range(n)]
-    shots = {(c.conv_id, k): pb.screenshot(seed, c.conv_id, k, trace.screen) for c in convs
-             for k in range(c.num_screens)}
+    trace, convs, shots = pb.screenshot_conversations(model, scale, n, seed)
     builder = pb.PromptBuilder(model)
     turns = []
     for turn in range(trace.turns):

@@ -713,6 +713,34 @@ def reference_vlm_greedy(model: Qwen3_5ForConditionalGeneration, token_ids: list
     return out
 
 
+def reference_vlm_inputs(path: str | os.PathLike[str], text: str, images: list[Any]
+                         ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """A ChatML ``text`` with one image placeholder per image as a reference sees it, built from the ``tokenizers``
+    library and transformers' image processor alone (no engine code): the ids with each placeholder widened by its
+    image's grid, the pixel values and the grids (None, None without images)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ids = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    if not images:
+        return ids, None, None
+    processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    proc = processor(images=images, return_tensors="pt")
+    grid = proc["image_grid_thw"]
+    counts = [int(t * h * w) // int(processor.merge_size) ** 2 for t, h, w in grid.tolist()]
+    pad = vlm_special_token_ids()["<|image_pad|>"]
+    if ids.count(pad) != len(images):
+        raise ValueError(f"{ids.count(pad)} image placeholders for {len(images)} images")
+    out: list[int] = []
+    n = 0
+    for t in ids:
+        if t == pad:
+            out += [pad] * counts[n]
+            n += 1
+        else:
+            out.append(t)
+    return out, proc["pixel_values"], grid
+
+
 def tiny_png(width: int, height: int, seed: int) -> bytes:
     """A ``width`` x ``height`` PNG of uniform random RGB pixels drawn from ``seed``."""
     import numpy as np

@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tokenizers import Tokenizer
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from hyserve import LLM, SamplingParams
 from hyserve.multimodal.inputs import MultimodalPrompt
@@ -29,10 +27,10 @@ from hyserve.testing import (
     IM_END,
     IM_START,
     reference_vlm_greedy,
+    reference_vlm_inputs,
     reference_vlm_logits,
     reference_vlm_model,
     tiny_png,
-    vlm_special_token_ids,
     write_tiny_vlm_checkpoint,
 )
 from hyserve.worker.model_runner import ModelRunner
@@ -58,24 +56,7 @@ def user_turn(text: str) -> str:
 def reference_inputs(path: str, text: str, images: list[Image.Image]
                      ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
     """Expanded ids, pixel values and grids, from tokenizers and transformers' image processor alone."""
-    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    ids = tok.encode(text, add_special_tokens=False).ids
-    pad = vlm_special_token_ids()["<|image_pad|>"]
-    if not images:
-        return ids, None, None
-    proc = Qwen2VLImageProcessorPil.from_pretrained(path)(images=images, return_tensors="pt")
-    grid = proc["image_grid_thw"]
-    counts = [int(t * h * w) // 4 for t, h, w in grid.tolist()]  # merge size 2
-    out: list[int] = []
-    n = 0
-    for t in ids:
-        if t == pad:
-            out += [pad] * counts[n]
-            n += 1
-        else:
-            out.append(t)
-    assert n == len(images)
-    return out, proc["pixel_values"], grid
+    return reference_vlm_inputs(path, text, images)
 
 
 def greedy() -> SamplingParams:

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from tokenizers import Tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import hyserve.multimodal.processor_cache as pc
@@ -30,9 +29,9 @@ from hyserve.testing import (
     IM_END,
     IM_START,
     reference_vlm_greedy,
+    reference_vlm_inputs,
     reference_vlm_model,
     tiny_png,
-    vlm_special_token_ids,
     write_tiny_vlm_checkpoint,
 )
 
@@ -152,15 +151,8 @@ def test_the_flag_and_its_validation() -> None:
 
 def expected(vlm: tuple[str, object], text: str, imgs: list[Image.Image]) -> list[int]:
     """transformers' greedy tokens, its inputs built from tokenizers and its image processor alone."""
-    path, ref = vlm
-    ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-    proc = Qwen2VLImageProcessorPil.from_pretrained(path)(images=imgs, return_tensors="pt")
-    counts = iter(int(t * h * w) // 4 for t, h, w in proc["image_grid_thw"].tolist())
-    pad = vlm_special_token_ids()["<|image_pad|>"]
-    full: list[int] = []
-    for t in ids:
-        full += [pad] * next(counts) if t == pad else [t]
-    return reference_vlm_greedy(ref, full, proc["pixel_values"], proc["image_grid_thw"], MAX_TOKENS)  # type: ignore[arg-type]
+    ids, pixels, grid = reference_vlm_inputs(vlm[0], text, imgs)
+    return reference_vlm_greedy(vlm[1], ids, pixels, grid, MAX_TOKENS)  # type: ignore[arg-type]
 
 
 # A sliding two-image window, then an image the size of an earlier one with other content.

@@ -329,13 +329,17 @@ def image_hash(img: Image.Image) -> str:
 
 
 def process_images(images: Sequence[Image.Image], checkpoint_dir: str | os.PathLike[str] | None = None, *,
-                   settings: ImageProcessorSettings | None = None) -> ProcessedImages:
+                   settings: ImageProcessorSettings | None = None,
+                   hashes: Sequence[str] | None = None) -> ProcessedImages:
     """Pixel values, grids, placeholder counts and content hashes of ``images`` for ``checkpoint_dir``'s model.
 
-    ``settings`` (if given) replaces reading the checkpoint's preprocessor_config.json.
+    ``settings`` (if given) replaces reading the checkpoint's preprocessor_config.json; ``hashes`` (if given) are
+    the images' ``image_hash`` values, computed already.
     """
     if settings is None and checkpoint_dir is None:
         raise TypeError("process_images needs checkpoint_dir or settings")
+    if hashes is not None and len(hashes) != len(images):
+        raise ValueError(f"{len(hashes)} hashes for {len(images)} images")
     s = settings if settings is not None else ImageProcessorSettings.from_checkpoint(checkpoint_dir)  # type: ignore[arg-type]
     rgb = [_to_rgb(img) for img in images]
     if not rgb:
@@ -351,7 +355,7 @@ def process_images(images: Sequence[Image.Image], checkpoint_dir: str | os.PathL
         pixel_values=out["pixel_values"],
         grid_thw=grid_thw,
         token_counts=vision_token_count(grid_thw, s.merge_size),
-        hashes=[image_hash(img) for img in rgb],
+        hashes=list(hashes) if hashes is not None else [image_hash(img) for img in rgb],
     )
 
 
