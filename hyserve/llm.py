@@ -233,6 +233,10 @@ class LLM:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
                         bar.update(1)
+            # Nothing else waits or runs: finish the steps still in flight and tell the workers which requests
+            # ended, so that an idle engine holds nothing of them (invariant 15).
+            while engine.has_unfinished_requests() and not engine.scheduler.has_unfinished_requests():
+                engine.step()
         finally:
             bar.close()
         return [done[i] for i in ids]

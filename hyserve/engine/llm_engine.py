@@ -424,8 +424,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, a step whose result is not applied yet (async scheduling, pipeline
-        micro-batches), or verify commits the pipeline stages have not been sent yet."""
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight) or self.scheduler.has_pending_commits
+        micro-batches), or what the workers have not been sent yet: verify commits for the pipeline stages, finished
+        requests to forget."""
+        sched = self.scheduler
+        return sched.has_unfinished_requests() or bool(self._in_flight) or sched.has_pending_commits \
+            or sched.has_pending_finished
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -560,3 +563,6 @@ class LLMEngine:
             raise AssertionError(f"KV blocks leaked: {pool.num_usable_blocks - pool.num_free_blocks}")
         if states.num_free_slots != states.num_slots:
             raise AssertionError(f"state slots leaked: {states.num_slots - states.num_free_slots}")
+        held = self.executor.collective_rpc("held_requests")
+        if any(held):
+            raise AssertionError(f"workers hold finished requests (per rank): {held}")

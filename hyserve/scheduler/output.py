@@ -124,8 +124,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to run: no rows and nothing for the workers to apply."""
-        return not self.rows and not self.verify_commits
+        """Nothing for the workers: no rows, no verify commits to apply, no finished requests to forget (a step that
+        carries only those still goes to them, or the workers would keep those requests forever)."""
+        return not self.rows and not self.verify_commits and not self.finished_req_ids
 
 
 @dataclass(slots=True)

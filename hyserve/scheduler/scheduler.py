@@ -133,6 +133,11 @@ class Scheduler:
         return bool(self._verify_commits)
 
     @property
+    def has_pending_finished(self) -> bool:
+        """Finished requests the workers have not been told of yet (the next step carries them, even an empty one)."""
+        return bool(self._finished_ids)
+
+    @property
     def num_steps_in_flight(self) -> int:
         return len(self._epochs)
 
@@ -435,7 +440,9 @@ class Scheduler:
         """Remove a finished (or aborted) request and free its memory at once; the worker forgets it next step.
 
         A step of it still in flight keeps writing the memory it was given; whoever gets that memory next writes it
-        in a later step, which the device runs after (stream order), and reads only what it wrote itself.
+        in a later step, which every stage runs after (stream order), and reads only what it wrote itself. The one
+        late write, a verify step's commit on the stages before the last, is cancelled for its rows when the result
+        comes in (``_queue_verify_commits``, invariant 14).
         """
         if req in self.running:
             self.running.remove(req)
@@ -463,9 +470,7 @@ class Scheduler:
             raise RuntimeError(f"result of step {ro.step_id} applied to step {so.step_id}")
         epochs = self._epochs.pop(so.step_id, [])
         if self.pipeline_parallel_size > 1:
-            n_verify = sum(1 for row in so.rows if row.is_verify)
-            if n_verify:  # every verify row's count, as the last stage applied them (-1: left untouched)
-                self._verify_commits.append((so.step_id, list(ro.num_accepted[:n_verify])))
+            self._queue_verify_commits(so, ro, epochs)
         pc = self.prefix_cache
         ran: list[tuple[int, ScheduledRow, Request]] = []
         ended: list[Request] = []
@@ -518,6 +523,25 @@ class Scheduler:
         for req in ended:
             self.finish(req)
         return touched
+
+    def _queue_verify_commits(self, so: SchedulerOutput, ro: RunnerOutput, epochs: list[int]) -> None:
+        """The accepted counts the stages before the last apply to step ``so``'s verify rows (invariant 14).
+
+        A row whose request finished, was aborted or was preempted since ``so`` was scheduled gets -1 (its slot is
+        left untouched, its candidate snapshot not copied): its slot and snapshot entry went back to the pools when
+        it ended, and a step scheduled since may have given them to another request, whose state the late commit
+        would overwrite on those stages. A row still live keeps its count: its slot is its own until this result is
+        in, and the commit reaches the stages with the next step, before any step that could reuse the slot."""
+        counts: list[int] = []
+        for i, row in enumerate(so.rows):
+            if not row.is_verify:
+                break  # verify rows come first
+            req = self.requests.get(row.req_id)
+            live = req is not None and not req.is_finished and req.status == RequestStatus.RUNNING \
+                and req.num_preemptions == epochs[i]
+            counts.append(ro.num_accepted[i] if live else -1)
+        if counts:
+            self._verify_commits.append((so.step_id, counts))
 
     def _verified(self, req: Request, row: ScheduledRow, accepted: int) -> None:
         """Verify row ``row`` of ``req`` is in with ``accepted`` drafts: the row behind it, if any, starts after

@@ -1319,6 +1319,11 @@ class ModelRunner:
         self._snapshot_candidates([r for r, _, _ in cands], [p for _, p, _ in cands], [e for _, _, e in cands])
         self._free_scratch_sets.append(pending.scratch_set)
 
+    def held_requests(self) -> list[str]:
+        """The ids of the requests this runner keeps anything of: sampling parameters, images (the scheduler's
+        ``finished_req_ids`` take them out)."""
+        return sorted(set(self.requests) | set(self.mm_prompts))
+
     @property
     def num_uncommitted_steps(self) -> int:
         return len(self._uncommitted)

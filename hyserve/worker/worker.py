@@ -55,6 +55,10 @@ class Worker:
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepResult:
         return self.runner.execute_model_async(scheduler_output)
 
+    def held_requests(self) -> list[str]:
+        """The ids of the requests this worker keeps anything of (sampling parameters, images), sorted."""
+        return self.runner.held_requests()
+
     def num_uncommitted_steps(self) -> int:
         """Verify steps whose accepted counts this stage has not applied yet (tests: nothing left behind)."""
         return self.runner.num_uncommitted_steps
