@@ -554,11 +554,13 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # Used by tests: every block and slot is back in its pool once nothing runs.
+    # Used by tests: every block and slot is back in its pool, and no rank holds a request, once nothing runs.
     def assert_no_leaks(self) -> None:
         pool, states = self.block_pool, self.state_slots
-        if self.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests():
             raise AssertionError("requests are still running")
+        while self.has_unfinished_requests():  # steps in flight, what the workers have not been sent yet
+            self.step()
         if pool.num_free_blocks != pool.num_usable_blocks:
             raise AssertionError(f"KV blocks leaked: {pool.num_usable_blocks - pool.num_free_blocks}")
         if states.num_free_slots != states.num_slots:
