@@ -31,9 +31,11 @@ def bind_port(host: str, port: int) -> socket.socket:
     loads, so a port in use fails in a second, not after the load; and held from then on, so nothing started
     during the load (worker processes, a distributed store, their ephemeral ports) can take it. Not listening
     yet: until the engine is up, a client is refused at once rather than left waiting. Raises ``ValueError``
-    naming the address when it cannot be bound."""
+    naming the address when it cannot be bound. Created as a TCP socket (``IPPROTO_TCP``, not protocol 0), so
+    that asyncio turns Nagle's algorithm off (TCP_NODELAY) on every connection it accepts; without it a kept-alive
+    connection waits about 40 ms per response for the client's delayed ACK."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # As uvicorn binds: SO_REUSEADDR, so a port left in TIME_WAIT by a previous run counts as free.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -144,8 +146,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import os
 
     from hyserve.server import AsyncEngine, build_app
-    from hyserve.server.serving import make_server
+    from hyserve.server.serving import make_server, raise_open_files_limit
 
+    raise_open_files_limit()  # every connection takes a file descriptor
     api_key = args.api_key or os.environ.get("HYSERVE_API_KEY") or None
     engine = make_llm(args, args.model).llm_engine
     async_engine = AsyncEngine(engine, start=False)
@@ -157,14 +160,25 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     server = make_server(app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                          shutdown_timeout_s=args.shutdown_timeout, request_read_timeout_s=args.request_read_timeout,
                          timeout_keep_alive_s=args.timeout_keep_alive,
-                         limit_concurrency=args.limit_concurrency or None)
+                         limit_concurrency=args.limit_concurrency or None,
+                         limit_connections=args.limit_connections or None)
     logging.getLogger("hyserve.server").info(
         "API key: %s", "required on /v1/* (/health, /version and /metrics stay open)" if api_key else
         "none (--api-key or HYSERVE_API_KEY sets one)")
+    # A failed engine loop (a dead worker, a bug) has failed every open request by the time this runs: stop
+    # serving and exit non-zero, so that whatever supervises the server restarts it (/health says 503 meanwhile).
+    def on_engine_failure(error: BaseException) -> None:
+        server.should_exit = True
+
+    async_engine.add_dead_callback(on_engine_failure)
     try:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()  # workers in other processes or on other ranks stop with the server
+    if async_engine.dead_error is not None:
+        logging.getLogger("hyserve.server").error("exiting with status 1: the engine failed: %r",
+                                                  async_engine.dead_error)
+        return 1
     return 0
 
 
@@ -205,8 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
                    help="close an idle keep-alive connection after this time (default: 5)")
     s.add_argument("--limit-concurrency", type=int, default=1024,
-                   help="most connections and requests at once; beyond it requests get a 503; 0 = no limit "
-                        "(default: 1024)")
+                   help="most requests in flight at once; beyond it requests get a 503 (idle connections do not "
+                        "count, /health is always answered); 0 = no limit (default: 1024)")
+    s.add_argument("--limit-connections", type=int, default=4096,
+                   help="most open connections; a new one beyond it closes the connection idle longest (only "
+                        "when every connection has a request in flight is the new one refused); keep it above "
+                        "--limit-concurrency; lowered to fit the open-files limit; 0 = no limit (default: 4096)")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template sent in a request (by default such requests get a 400)")
     s.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
