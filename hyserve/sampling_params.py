@@ -12,7 +12,10 @@ Invariants (established by ``__post_init__``; every constructor path, including 
 - ``max_tokens`` is ``None`` (bounded only by the model length) or >= 1; ``0 <= min_tokens <= max_tokens``.
 - ``logprobs`` is ``None`` (no logprobs) or the number N >= 0 of top logprobs to return per output token (the
   sampled token's own logprob is returned whenever ``logprobs`` is not ``None``, as in vLLM).
-- ``seed`` is ``None`` or an int.
+- ``seed`` is ``None`` or an int in [0, 2**63 - 1] (``MAX_SEED``): every seed in that range gives its own stream of
+  draws. Beyond it, seeds would alias others (the sampler's per-token seeds are computed modulo 2**64, and a CPU
+  generator keeps only the low 32 bits of them, which makes ``s`` and ``s + 2**63`` draw alike), and a negative
+  seed such as -1 (a "random seed" to some clients) would be one more fixed seed; both are refused.
 - ``output_kind`` is a ``RequestOutputKind`` (vLLM's): CUMULATIVE (the default) outputs hold everything generated so
   far, DELTA outputs only what is new since the request's previous output, FINAL_ONLY gives one cumulative output
   when the request finishes.
@@ -33,6 +36,8 @@ from typing import Any
 
 # vLLM's threshold: a temperature below this is greedy (argmax) decoding.
 _SAMPLING_EPS = 1e-5
+# The largest request seed: seeds are non-negative 64-bit signed ints (see the module docstring).
+MAX_SEED = 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -122,6 +127,8 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, {MAX_SEED}] (0 to 2**63 - 1), got {self.seed}")
 
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)

@@ -15,7 +15,10 @@ Lifetime and failure:
   and exits; on Linux it also asks the kernel to kill it when its parent dies (``PR_SET_PDEATHSIG``).
 - A worker that raises answers with the error and its traceback; the engine raises ``WorkerError`` naming the rank.
   A worker that dies is noticed within ``poll_interval_s`` while the engine waits for it; a worker that answers
-  nothing for ``timeout_s`` is an error too. Nothing waits forever.
+  nothing for ``timeout_s`` is an error too. Nothing waits forever. ``check_health()`` raises the same
+  ``WorkerError`` at once when a worker has died, without sending anything (an idle server polls it).
+- A worker that died broke the group: the others may be blocked in a collective that can never complete, so
+  ``shutdown()`` then gives them no grace period: they are terminated (then killed) at once.
 """
 
 from __future__ import annotations
@@ -253,6 +256,15 @@ class MultiprocExecutor(Executor):
             with contextlib.suppress(BrokenPipeError, OSError):  # a dead worker is reported by _recv
                 p.conn.send(("flush", None))
 
+    def check_health(self) -> None:
+        """Raise ``WorkerError`` naming the first worker that has died (non-blocking; sends nothing). After
+        ``shutdown()`` the workers are gone on purpose: nothing is raised."""
+        if self._finalizer is None or not self._finalizer.alive:
+            return
+        for p in self._procs:
+            if not p.is_alive():
+                raise WorkerError(p.rank, f"the process died (exit code {p.process.returncode})")
+
     def shutdown(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
@@ -280,6 +292,8 @@ class _StepAnswer:
 
 
 def _stop_all(procs: list[_Proc], grace_s: float = 5.0) -> None:
+    if any(not p.is_alive() for p in procs):
+        grace_s = 0.0  # a worker died: the group is broken and the others may never answer "stop"
     for p in procs:
         with contextlib.suppress(BrokenPipeError, OSError):  # already gone
             p.conn.send(("stop", None))

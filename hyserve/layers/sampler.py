@@ -24,8 +24,11 @@ Pipeline for one row (all rows of a kind are processed together, with per-row pa
 **Seeded rows are batch-independent.** A row with a seed draws its noise from a generator re-seeded with that
 seed, for exactly ``V`` values, so its token is a function of (its logits row, its params, its seed) alone:
 not of the batch size, its position in the batch, or the other rows. The engine derives one seed per output
-token from (request seed, output index). Unseeded rows share the sampler's own generator (seeded at
-construction), so a whole run is reproducible for a fixed sequence of batches, but not batch-independent.
+token from (request seed, output index) with ``token_seed``, which computes modulo 2**64 and keeps 63 bits, and a
+CPU generator reads only the low 32 bits of the seed it is given: request seeds ``s`` and ``s + 2**63`` (or
+``-1`` and ``2**63 - 1``) would draw alike, so ``SamplingParams`` takes request seeds in [0, 2**63 - 1] only.
+Unseeded rows share the sampler's own generator (seeded at construction), so a whole run is reproducible for a
+fixed sequence of batches, but not batch-independent.
 
 **Logprobs** are those of the raw (unprocessed: no bans, temperature or truncation) ``log_softmax``, vLLM's
 default ``raw_logprobs`` mode, and are computed only for the rows that ask (``params.logprobs is not None``).
@@ -85,7 +88,8 @@ class SamplerOutput:
 
 
 def token_seed(seed: int, output_index: int) -> int:
-    """A per-token seed that depends only on the request's seed and the token's index in the output."""
+    """A per-token seed in [0, 2**63) that depends only on the request's seed (in [0, 2**63): see the module
+    docstring) and the token's index in the output."""
     x = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & 0xFFFFFFFFFFFFFFFF
     x ^= x >> 31
     return x & 0x7FFFFFFFFFFFFFFF

@@ -33,13 +33,17 @@ Choices worth knowing:
 - Images (``image_url`` content parts in chat messages; ``hyserve.multimodal.chat``): counted against
   ``--limit-mm-per-prompt`` and refused for a text-only checkpoint before any is read, then fetched and decoded in
   a worker thread under ``load_image``'s rules (data URLs; http(s) only on ``--allowed-media-domains`` hosts;
-  file:// only under ``--allowed-local-media-path``). The rendered prompt must hold one image placeholder per image,
-  and its length with each image's tokens (sized from the image's dimensions, as the processor resizes) is checked
-  against ``max_model_len`` and the room for ``max_tokens``. Every refusal is a 400 whose ``param`` names the part
+  file:// only under ``--allowed-local-media-path``). Text is tokenized with special tokens recognised, so it can
+  spell the image placeholder: a prompt without images that holds one is a 400 (completions too), and the rendered
+  prompt of one with images must hold one image placeholder per image, and its length with each image's tokens
+  (sized from the image's dimensions, as the processor resizes) is checked against ``max_model_len`` and the room
+  for ``max_tokens``. Every refusal is a 400 whose ``param`` names the part
   (``messages[1].content[2]``). The engine processes the pixels when its loop adds the request; should it still
   refuse the request there, the answer is a 400 (streamed: an error event and ``data: [DONE]``).
 - A request-supplied ``chat_template`` (or ``chat_template_kwargs.chat_template``) is refused (400) unless the server
   was started with ``trust_request_chat_template`` (vLLM's ``--trust-request-chat-template``).
+- The OpenAPI schema declares the refusals as they are answered (400, other 4xx and 503 with the error body, never
+  a 422), ``/metrics`` as ``text/plain; version=0.0.4``; the request models' schemas are in ``protocol``.
 - Server shutdown (``hyserve.server.serving``) ends every open request through ``AsyncEngine.abort_all()``: a stream
   gets a final chunk with ``finish_reason: "abort"`` and ``data: [DONE]``, a non-streamed answer the text so far with
   the same finish reason.
@@ -62,7 +66,7 @@ from typing import Any, TypeVar
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,7 +77,7 @@ from hyserve.multimodal.image import ImageProcessorSettings
 from hyserve.outputs import RequestOutput, SampleLogprobs
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
 from hyserve.server.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
-from hyserve.server.metrics import CONTENT_TYPE_LATEST, HTTPMetrics, HTTPMetricsMiddleware, render_metrics
+from hyserve.server.metrics import HTTPMetrics, HTTPMetricsMiddleware, render_metrics
 from hyserve.server.protocol import (
     APIError,
     ChatChoice,
@@ -114,6 +118,19 @@ MAX_ERROR_MESSAGE_CHARS = 2000
 # 4 * max_model_len * (longest token in characters) characters has more than max_model_len tokens.
 _NORMALIZATION_SLACK = 4
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The error answers the POST routes declare in the OpenAPI schema: every one is an ``ErrorResponse``, and a refused
+# body is a 400 (the framework's default declaration, a 422 with its own error model, is not what this server
+# answers).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "The request is refused; error.param names the field"},
+    "4XX": {"model": ErrorResponse, "description": "401 without the API key, 404 for an unknown model, 408 or 413 "
+                                                   "for a body that is too slow or too large"},
+    503: {"model": ErrorResponse, "description": "The engine is not running"},
+}
+_SSE_SCHEMA = {"text/event-stream": {"schema": {"type": "string", "description": "with stream: true, data: "
+                                                                        "{chunk JSON} events, then data: [DONE]"}}}
+# /metrics is the text exposition format 0.0.4 (hyserve.server.metrics writes it).
+METRICS_MEDIA_TYPE = "text/plain; version=0.0.4"
 _T = TypeVar("_T")
 
 
@@ -197,6 +214,12 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return error_response(400, message, param=param)
+
+
+class MetricsResponse(PlainTextResponse):
+    """``/metrics``' answer: ``text/plain; version=0.0.4; charset=utf-8``, also so declared in the OpenAPI schema."""
+
+    media_type = METRICS_MEDIA_TYPE
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -624,12 +647,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
 
     # -------------------------------------------------------------- endpoints
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses={
+        200: {"model": CompletionResponse, "content": _SSE_SCHEMA}, **ERROR_RESPONSES})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
         check_model(body.model)
         prompt = body.parse_prompt()
         body.check()
         text, ids = await encode(prompt, "prompt")
+        check_no_placeholders(ids, "prompt")
         max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
         params = stream_kind(body.to_sampling_params(max_tokens, sampling_defaults()), body.stream)
         request_id = random_id("cmpl")
@@ -638,7 +663,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         if body.stream:
             return StreamingResponse(_stream_completion(outputs, request_id, params, body),
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
-        final = await _final_output(outputs, raw_request)
+        try:
+            final = await _final_output(outputs, raw_request)
+        except ValueError as e:  # refused by the engine when its loop added the request
+            raise APIError(f"the request was refused: {e}", param="prompt") from e
         if final is None:
             return Response(status_code=499)
         c = final.outputs[0]
@@ -684,10 +712,20 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
                 chunk = CompletionChunk(id=request_id, created=created, model=model_name, choices=[],
                                         usage=_usage(final, n_sent))
                 yield _sse(chunk.model_dump_json())
-        except (EngineDeadError, RequestAbortedError) as e:
+        except (EngineDeadError, RequestAbortedError, ValueError) as e:  # ValueError: the engine refused it
             logger.warning("request %s: %s", request_id, e)
             yield _sse_error(e)
         yield _sse("[DONE]")
+
+    def check_no_placeholders(ids: list[int], param: str) -> None:
+        """A prompt without images may not hold the image placeholder token: text can spell it (it is a special
+        token, and text is tokenized with special tokens recognised), and the engine would take it for an image
+        slot with no image. Refused here, before any response starts; the engine refuses it too."""
+        if mm_config is None or mm_config.image_token_id not in ids:
+            return
+        raise APIError(f"{param} holds {ids.count(mm_config.image_token_id)} image placeholder tokens (id "
+                       f"{mm_config.image_token_id}, <|image_pad|>) but no image: text may not contain the image "
+                       "placeholder; send images as image_url parts of a chat message", param=param)
 
     def check_chat_images(parsed: ParsedChat) -> None:
         """Refuse images for a text-only model and over ``--limit-mm-per-prompt``, before any is read."""
@@ -729,7 +767,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
                            "output token)", param="messages")
         return n
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses={
+        200: {"model": ChatCompletionResponse, "content": _SSE_SCHEMA}, **ERROR_RESPONSES})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
         check_model(body.model)
         parsed = body.parse_chat()
@@ -737,6 +776,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
         check_chat_images(parsed)
         text = await render_chat(body, parsed.messages)
         _, ids = await encode(text, "messages", add_special_tokens=False)
+        if not parsed.images:
+            check_no_placeholders(ids, "messages")  # with images: expanded_length counts them once they are loaded
         images = await load_chat_images(parsed)  # after the cheap refusals: a refused request fetches nothing
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
         n_prompt = len(ids)
@@ -832,10 +873,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     async def version() -> dict[str, str]:
         return {"version": hyserve.__version__}
 
-    @app.get("/metrics", response_model=None)
+    @app.get("/metrics", response_model=None, response_class=MetricsResponse)
     def metrics() -> Response:  # sync: FastAPI runs it in a worker thread, so waiting for a step blocks no one
-        text = render_metrics(async_engine.get_metrics(), http_metrics)
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
+        return MetricsResponse(render_metrics(async_engine.get_metrics(), http_metrics))
 
     known_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     # Starlette runs the last added outermost: metrics see every answer (401s and 413s included), the key is
@@ -851,6 +891,9 @@ def _shutdown_engine(async_engine: AsyncEngine) -> None:
     """Stop the loop thread and say whether every KV block and state slot came back."""
     open_requests = async_engine.num_open_requests()
     async_engine.shutdown()
+    if async_engine.dead_error is not None:  # its requests were failed; the workers may be gone: nothing to check
+        logger.info("engine stopped after its loop failed (its open requests were failed); no leak check")
+        return
     try:
         async_engine.assert_no_leaks()
     except AssertionError as e:

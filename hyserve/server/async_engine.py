@@ -18,13 +18,19 @@ How the loop works:
   its request from ``generate``'s ``finally``; the loop thread frees its blocks and slot before the next step.
 - A prompt with ``multi_modal_data`` (images) has its ids checked at the door and its images handed to the engine
   as they are: the engine processes them and widens the placeholders when the loop adds the request, and a refusal
-  there (a ``ValueError``) ends that request alone.
+  there (a ``ValueError``) ends that request alone. A prompt without images whose ids hold the image placeholder
+  token (text can spell it) is refused at the door, as the engine would refuse it.
 - ``add_request`` refuses at the door what the engine would fail on later: besides the prompt, token ids in the
   sampling params (``stop_token_ids``) must lie in the model's vocabulary, so one request can never take the engine
   loop down. A request the engine still refuses when the loop adds it (any exception) ends alone with that error;
   the others go on.
-- An exception from ``engine.step()`` is a bug: the loop logs it, fails every open request with ``EngineDeadError``
-  and stops; ``is_alive()`` turns false (``/health`` answers 503). ``shutdown()`` stops and joins the thread.
+- An exception from ``engine.step()`` is a bug or a dead worker: the loop logs it, fails every open request with
+  ``EngineDeadError`` and stops; ``is_alive()`` turns false (``/health`` answers 503), and then the callbacks given to
+  ``add_dead_callback`` run (``hyserve serve`` exits non-zero from one). ``shutdown()`` stops and joins the thread
+  (no callback runs then).
+- While idle the loop wakes every ``health_check_interval_s`` to ask the executor whether its workers are alive
+  (``check_health()``, where the executor has one: workers in other processes), so a worker that dies between
+  requests fails the loop the same way, not only when the next request reaches it.
 - ``abort_all()`` (server shutdown) ends every open request at once: each consumer gets a last output marked
   finished with ``finish_reason="abort"`` (the text produced so far; for DELTA outputs what it has not read yet),
   so a stream can close with a final chunk.
@@ -40,7 +46,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +56,8 @@ from hyserve.outputs import CompletionOutput, RequestOutput, merge_delta
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("hyserve.server")
+
+DEFAULT_HEALTH_CHECK_INTERVAL_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -91,8 +99,12 @@ class _NewRequest:
 class AsyncEngine:
     """Runs ``engine.step()`` on a background thread and streams outputs to asyncio consumers."""
 
-    def __init__(self, engine: LLMEngine, *, start: bool = True) -> None:
+    def __init__(self, engine: LLMEngine, *, start: bool = True,
+                 health_check_interval_s: float = DEFAULT_HEALTH_CHECK_INTERVAL_S) -> None:
         self.engine = engine
+        self.health_check_interval_s = health_check_interval_s
+        # None once the loop has failed and run them: a callback added then is called at once.
+        self._dead_callbacks: list[Callable[[BaseException], None]] | None = []
         self._engine_lock = threading.Lock()
         self._cond = threading.Condition()  # guards everything below
         self._streams: dict[str, _Stream] = {}
@@ -136,6 +148,17 @@ class AsyncEngine:
     def dead_error(self) -> BaseException | None:
         return self._dead
 
+    def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` once the loop has failed and every open request has been failed (on the loop
+        thread; at once if it has failed already). Not called by ``shutdown()``."""
+        with self._cond:
+            dead = self._dead
+            if self._dead_callbacks is not None:
+                self._dead_callbacks.append(callback)
+                return
+        assert dead is not None
+        callback(dead)
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}") from self._dead
@@ -159,6 +182,12 @@ class AsyncEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.engine.max_model_len} "
                              "(the prompt must leave room for at least one output token)")
         return text, ids
+
+    def _check_no_placeholders(self, ids: list[int]) -> None:
+        mm = self.engine.model_config.multimodal
+        if mm is not None and mm.image_token_id in ids:
+            raise ValueError(f"the prompt holds {ids.count(mm.image_token_id)} image placeholder tokens (id "
+                             f"{mm.image_token_id}) but no images")
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse sampling params the engine would fail on mid-step; ``ValueError`` names the field.
@@ -195,6 +224,8 @@ class AsyncEngine:
             # the ids are checked, so no pixel work runs on the event loop.
             prompt = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
         text, ids = self.encode_prompt(prompt)
+        if mm_data is None and not (isinstance(prompt, dict) and "multi_modal_inputs" in prompt):
+            self._check_no_placeholders(ids)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._cond:
@@ -331,11 +362,14 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         idle_steps = 0
+        check_health = getattr(getattr(engine, "executor", None), "check_health", None)
+        idle_wait = self.health_check_interval_s if callable(check_health) else None
         try:
             while True:
                 with self._cond:
                     while not (self._stopping or self._inbox or self._aborts or self._busy):
-                        self._cond.wait()
+                        if not self._cond.wait(idle_wait) and check_health is not None:
+                            check_health()  # idle: a worker that died raises here (WorkerError)
                     if self._stopping:
                         return
                     new = list(self._inbox.values())
@@ -372,6 +406,13 @@ class AsyncEngine:
             err = EngineDeadError(f"the engine loop failed: {e!r}")
             with self._engine_lock:
                 self._fail_all(err)
+            with self._cond:
+                callbacks, self._dead_callbacks = self._dead_callbacks or [], None
+            for callback in callbacks:
+                try:
+                    callback(e)
+                except Exception:
+                    logger.exception("a callback on the engine loop's failure failed")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         lost: list[str] = []

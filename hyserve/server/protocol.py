@@ -25,6 +25,13 @@ checked here, no image is read); any other part type is a 400 naming the part an
 
 Every refusal raises ``APIError`` (HTTP status, message, the offending field as ``param``); the app turns it into
 ``{"error": {"message", "type", "param", "code"}}``.
+
+The OpenAPI schema of the requests forbids what the checks refuse field by field (an empty prompt, a seed outside
+[0, 2**63 - 1], ``n`` other than 1, a null ``content`` outside assistant messages, an unsupported field set to
+anything but its neutral value, ...); the runtime checks stay in the request methods and ``SamplingParams`` (their
+messages name the field). Rules across fields (``min_tokens <= max_tokens``, ``stream_options`` only with
+``stream``, ``top_logprobs`` only with ``logprobs``, ``tools`` with ``tool_choice``) and the checkpoint's limits
+(vocabulary size, ``max_model_len``) are not in the schema.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from pydantic import (
 )
 
 from hyserve.multimodal.chat import SERVER_PART_TYPES, ContentPartError, ImageRef, ParsedChat, parse_content
-from hyserve.sampling_params import SamplingParams
+from hyserve.sampling_params import MAX_SEED, SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -131,7 +138,8 @@ def find_bad_text(value: Any, path: str = "") -> str | None:
 class _StrictModel(BaseModel):
     """No coercion; an unknown field is accepted only as ``null`` (its no-op value) and is a 400 otherwise."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # The schema says what _drop_null_unknowns does: any other key only as null.
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"additionalProperties": {"type": "null"}})
 
     @model_validator(mode="before")
     @classmethod
@@ -156,19 +164,22 @@ class _RequestModel(_StrictModel):
 
 class StreamOptions(_StrictModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted only as false: usage comes in one chunk at the end
+    # Accepted only as false: usage comes in one chunk at the end.
+    continuous_usage_stats: Annotated[bool, WithJsonSchema({"const": False})] = False
 
 
 # OpenAPI schemas of the fields validated by hand (the validation itself stays in the request methods, whose errors
 # name the field and say what is accepted).
-_STOP_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
-                                                "maxItems": MAX_STOP_STRINGS}, {"type": "null"}],
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+_STOP_SCHEMA = {"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS},
+                          {"type": "null"}],
                 "description": "a stop string or a list of them"}
-_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
-                            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-                            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}},
-                             "minItems": 1, "maxItems": 1}],
-                  "description": "a string, a list of token ids, or a list holding one of those"}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,
+                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                             "maxItems": 1},
+                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}],
+                  "description": "a non-empty string, a non-empty list of token ids, or a list holding one of those"}
 _TEXT_PART_SCHEMA = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
                      "required": ["type", "text"]}
 _IMAGE_PART_SCHEMA = {"type": "object", "properties": {
@@ -182,44 +193,61 @@ _TOOL_CALL_SCHEMA = {"type": "object", "properties": {
     "function": {"type": "object", "properties": {"name": {"type": "string"},
                                                   "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}]}},
                  "required": ["name"]}}, "required": ["function"]}
-_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
-    "role": {"enum": list(CHAT_ROLES)},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART_SCHEMA,
-                                                                                  _IMAGE_PART_SCHEMA]}},
-                          {"type": "null"}]},
-    "name": {"type": "string"}, "tool_call_id": {"type": "string"}, "reasoning_content": {"type": "string"},
-    "tool_calls": {"type": "array", "items": _TOOL_CALL_SCHEMA}}, "required": ["role", "content"]},
-    "description": "a non-empty list of {'role': ..., 'content': ...}"}
+_CONTENT = [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART_SCHEMA, _IMAGE_PART_SCHEMA]}}]
+_NULL = {"type": "null"}
+_OPTIONAL_STRING = {"anyOf": [{"type": "string"}, _NULL]}
+# Only an assistant message may have a null content (a tool call's turn) or tool_calls; any key besides these is
+# accepted only as null.
+_MESSAGE_SCHEMAS = [
+    {"type": "object", "properties": {
+        "role": {"enum": [r for r in CHAT_ROLES if r != "assistant"]}, "content": {"anyOf": _CONTENT},
+        **{key: _OPTIONAL_STRING for key in MESSAGE_KEYS if key != "tool_calls"}, "tool_calls": _NULL},
+     "required": ["role", "content"], "additionalProperties": _NULL},
+    {"type": "object", "properties": {
+        "role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT, _NULL]},
+        **{key: _OPTIONAL_STRING for key in MESSAGE_KEYS if key != "tool_calls"},
+        "tool_calls": {"anyOf": [{"type": "array", "items": _TOOL_CALL_SCHEMA}, _NULL]}},
+     "required": ["role", "content"], "additionalProperties": _NULL},
+]
+_MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {"anyOf": _MESSAGE_SCHEMAS},
+                    "description": "a non-empty list of {'role': ..., 'content': ...}"}
 StopField = Annotated[Any, WithJsonSchema(_STOP_SCHEMA)]
 PromptField = Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
 MessagesField = Annotated[Any, WithJsonSchema(_MESSAGES_SCHEMA)]
+
+
+def _schema(nullable: bool = True, **schema: Any) -> WithJsonSchema:
+    """The OpenAPI schema of a field checked by hand or by ``SamplingParams``: what those checks accept."""
+    return WithJsonSchema({"anyOf": [schema, _NULL]} if nullable else schema)
 
 
 class _SamplingRequest(_RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    max_tokens: Annotated[int | None, _schema(type="integer", minimum=1)] = None
+    temperature: Annotated[float | None, _schema(type="number", minimum=0)] = None
+    top_p: Annotated[float | None, _schema(type="number", exclusiveMinimum=0, maximum=1)] = None
+    top_k: Annotated[int | None, _schema(type="integer", minimum=-1)] = None
+    min_p: Annotated[float | None, _schema(type="number", minimum=0, maximum=1)] = None
+    # exclusiveMaximum: the OpenAPI document holds bounds as floats, and 2**63 - 1 is no float (2**63 is).
+    seed: Annotated[int | None, _schema(type="integer", minimum=0, exclusiveMaximum=MAX_SEED + 1)] = None
     stop: StopField = None  # str | list[str] | None: checked by hand and by SamplingParams, naming the field
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int] | None, _schema(type="array", items={"type": "integer", "minimum": 0},
+                                                        maxItems=MAX_STOP_TOKEN_IDS)] = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, _schema(False, type="integer", minimum=0)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    n: int = 1
+    n: Annotated[int, _schema(False, const=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted at their neutral values only (anything else is a 400 naming the field).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    frequency_penalty: Annotated[float | None, _schema(const=0)] = None
+    presence_penalty: Annotated[float | None, _schema(const=0)] = None
+    repetition_penalty: Annotated[float | None, _schema(const=1)] = None
+    logit_bias: Annotated[dict[str, float] | None, _schema(type="object", maxProperties=0)] = None
+    best_of: Annotated[int | None, _schema(const=1)] = None
     user: str | None = None
     # vLLM's extras for clients that work in token ids: the output (and prompt) token ids in every choice, and
     # logprob tokens written as "token_id:N" instead of their text.
@@ -321,10 +349,11 @@ def sampling_error_param(message: str, names: dict[str, str] | None = None) -> s
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16 (OpenAI's default)."""
 
-    prompt: PromptField = Field(description="a string, a list of token ids, or a list holding one of those")
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    prompt: PromptField = Field(description="a non-empty string, a non-empty list of token ids, or a list holding "
+                                            "one of those")
+    logprobs: Annotated[int | None, _schema(type="integer", minimum=0, maximum=MAX_LOGPROBS)] = None
+    echo: Annotated[bool, _schema(False, const=False)] = False
+    suffix: Annotated[str | None, _schema(type="string", maxLength=0)] = None
 
     def parse_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -374,17 +403,19 @@ class ChatCompletionRequest(_SamplingRequest):
     context after the prompt."""
 
     messages: MessagesField = Field(description="a non-empty list of {'role': ..., 'content': ...}")
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int | None, _schema(type="integer", minimum=1)] = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int | None, _schema(type="integer", minimum=0, maximum=MAX_LOGPROBS)] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     # Accepted only when the server runs with --trust-request-chat-template (vLLM's rule).
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Annotated[str | dict[str, Any] | None,
+                           _schema(anyOf=[{"enum": ["none", "auto", "required"]}, {"type": "object"}])] = None
     parallel_tool_calls: bool | None = None  # no tool call is ever produced, so any value holds
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any] | None,
+                               _schema(type="object", properties={"type": {"const": "text"}})] = None
 
     def parse_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (see ``parse_chat``)."""
