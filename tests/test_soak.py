@@ -2,7 +2,10 @@
 English, Python and random token sequences; the verdict logic (explained findings, near-ties, errors); an end-to-end
 soak on a tiny checkpoint with prefix caching + MTP speculation + chunked prefill that must report no corruption;
 two sabotaged engines (one request's output turned into ``!!!!``, corrupted recurrent snapshots) that must be
-reported with a non-zero exit; and the ``--url`` path against an in-process fake server."""
+reported with a non-zero exit; and the ``--url`` path against an in-process fake server. ``--abort-fraction``: the
+plan (the requested share, every abort point), an offline soak that aborts at each point with steps in flight and
+checks every other request, a sabotaged engine whose aborts corrupt another request (reported), and the client
+that hangs up."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from hyserve.tools.detectors import (
     trailing_cycle,
     trailing_run,
 )
-from hyserve.tools.workload import WorkloadSpec, make_conversations
+from hyserve.tools.workload import ABORT_PHASES, WorkloadSpec, make_abort_plan, make_conversations
 
 ENGLISH = """\
 The committee met on Tuesday to review the budget for the coming year. After a long discussion, members agreed to
@@ -414,3 +417,132 @@ def test_soak_against_a_server(ckpts: CheckpointCache, tmp_path, monkeypatch) ->
     assert s["requests"] == 6 and s["replayed"] == 6 and s["reference_checked"] == 6 and server.num_completions == 6
     assert rep["config"]["served_model_name"] == "tiny"
     assert s["prefix_cache_queries"] and s["prefix_cache_hit_rate"] is not None
+
+
+# ---------------------------------------------------------------------------------------------------- --abort-fraction
+
+
+def test_abort_plan_picks_the_fraction_at_every_point() -> None:
+    spec = WorkloadSpec(num_conversations=10, turns=4, max_tokens=8, abort_fraction=0.3)
+    plan = make_abort_plan(spec, seed=2)
+    assert len(plan) == 12 and plan == make_abort_plan(spec, seed=2) and plan != make_abort_plan(spec, seed=3)
+    assert all(0 <= c < 10 and 0 <= t < 4 for c, t in plan)
+    assert {p.phase for p in plan.values()} == set(ABORT_PHASES)
+    assert len({t for _, t in plan}) > 1 and len({c for c, _ in plan}) > 3  # spread over turns and conversations
+    for p in plan.values():
+        assert 0.05 <= p.prompt_fraction <= 0.95 and 1 <= p.num_tokens <= 7 and 0 <= p.delay_s <= 0.5
+        assert 0 <= p.lag_steps <= 2
+    assert make_abort_plan(WorkloadSpec(num_conversations=10, turns=4), seed=2) == {}  # the default: none
+    assert len(make_abort_plan(WorkloadSpec(num_conversations=10, turns=4, abort_fraction=1.0))) == 40
+    one = make_abort_plan(WorkloadSpec(num_conversations=10, turns=4, max_tokens=1, abort_fraction=0.5))
+    assert {p.phase for p in one.values()} <= {"queued", "prefill"}  # no token to abort before
+    with pytest.raises(ValueError, match="abort_fraction"):
+        WorkloadSpec(abort_fraction=1.5)
+
+
+ABORTS = ["--conversations", "6", "--turns", "3", "--concurrency", "4", "--prefix-len", "64", "--message-len", "16",
+          "--max-tokens", "12", "--ignore-eos", "--async-scheduling", "--abort-fraction", "0.5"]
+
+
+def test_soak_aborts_at_every_point_and_checks_the_others(ckpts: CheckpointCache, tmp_path, capsys) -> None:
+    """Async scheduling (a step in flight between two step() calls), MTP, prefix caching, chunked prefill: half the
+    requests are aborted, before scheduling, mid-prefill and mid-decode, some with their own step in flight; they
+    are reported and not checked, their conversations go on, and every other request is checked clean."""
+    path = ckpts.get("causal", "gdn3_attn1", with_mtp=True)
+    rc, rep = run_soak([path, *ABORTS, "--report", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    s = rep["summary"]
+    assert rc == 0, out
+    assert "aborted mid-flight (not checked)" in out and "OK: no corruption" in out
+    assert rep["config"]["workload"]["abort_fraction"] == 0.5
+    assert s["requests"] == 18 and s["aborts_planned"] == 9 and s["aborted"] == 9 and s["engine_aborts"] == 9
+    assert all(n >= 1 for n in s["aborted_by_phase"].values()), s["aborted_by_phase"]
+    assert s["aborted_with_own_step_in_flight"] >= 1
+    assert s["checked"] == 9 and s["replayed"] == 9 and s["reference_checked"] == 9 and s["corrupt_requests"] == 0
+    aborted = [r for r in rep["requests"] if r.get("aborted")]
+    assert len(aborted) == 9
+    for r in aborted:
+        a = r["abort"]
+        assert r["finish_reason"] == "abort" and not r["corrupt"] and r["reasons"] == []
+        assert r["divergence"] is None and r["reference"] is None and "replay_token_ids" not in r
+        assert r["output_len"] == a["output_tokens"] < 12  # partial: the tokens received
+        assert (a["phase"] == "decode") == (a["output_tokens"] > 0)
+        assert (a["phase"] == "queued") == (a["prompt_scheduled"] == 0)
+    # conversations go on after an abort: every turn ran, and a turn's prompt holds what its predecessor received
+    by_turn = {(r["conversation"], r["turn"]): r for r in rep["requests"]}
+    assert len(by_turn) == 18
+    for (c, t), r in by_turn.items():
+        if t:
+            prev = by_turn[(c, t - 1)]
+            assert r["prompt_len"] > prev["prompt_len"] + prev["output_len"]
+
+
+def _aborts_corrupt_another(victims: list[str]) -> Callable[[Any], None]:
+    """Sabotage (the failure class of an abort landing on another request's memory): every abort also scrambles the
+    recurrent state of another running request that has computed tokens (its name goes to ``victims``)."""
+
+    def sabotage(llm: Any) -> None:
+        eng = llm.llm_engine
+        original = eng.abort_request
+
+        def abort_request(request_id: Any) -> None:
+            others = [r for r in eng.scheduler.running if r.request_id != request_id and r.state_slot is not None
+                      and r.num_computed_tokens > 0]
+            if others:
+                victim = others[0]
+                victims.append(victim.request_id)
+                pool = eng.runner.state_pool
+                for t in pool.ssm_states:
+                    t[victim.state_slot] += 0.5
+            original(request_id)
+
+        eng.abort_request = abort_request
+
+    return sabotage
+
+
+def test_soak_reports_aborts_that_corrupt_another_request(ckpts: CheckpointCache, tmp_path, monkeypatch,
+                                                          capsys) -> None:
+    path = ckpts.get("causal", "gdn3_attn1", with_mtp=True)
+    victims: list[str] = []
+    _sabotage_main(monkeypatch, _aborts_corrupt_another(victims))
+    rc, rep = run_soak([path, *ABORTS, "--report", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    s = rep["summary"]
+    assert rc == 1, out
+    assert victims and s["aborted"] == 9 and s["corrupt_requests"] >= 1 and s["divergences"] >= 1
+    corrupt = [r for r in rep["requests"] if r["corrupt"]]
+    assert all(not r.get("aborted") and r["request_id"] in victims for r in corrupt), (corrupt, victims)
+    assert f"CORRUPTION in {s['corrupt_requests']} requests" in out
+    # the same broken engine without aborts is never triggered: the abort mode is what exposes it
+    victims.clear()
+    rc, rep = run_soak([path, *ABORTS[:-2], "--report", str(tmp_path / "r0.json")])
+    assert rc == 0 and not victims and rep["summary"]["aborted"] == 0 and "aborted" not in rep["requests"][0]
+
+
+def test_client_abandons_requests() -> None:
+    """``CompletionsClient.abandon`` against a mock server streaming one token per chunk: a stream closed after N
+    tokens, before its first chunk, one that finished first, and a plain request given up on before the answer."""
+    httpx = pytest.importorskip("httpx")
+    from hyserve.tools.client import CompletionsClient
+
+    def handler(request: Any) -> Any:
+        body = json.loads(request.content)
+        if not body.get("stream"):
+            raise httpx.ReadTimeout("no answer yet", request=request)
+        ids = list(range(100, 100 + body["max_tokens"]))
+        chunks = [{"choices": [{"text": "t", "token_ids": [t], "finish_reason": None}]} for t in ids]
+        chunks[-1]["choices"][0]["finish_reason"] = "length"
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    client = CompletionsClient("http://fake", "tiny", transport=httpx.MockTransport(handler))
+    comp, abandoned = client.abandon([1, 2], max_tokens=8, after_tokens=3)
+    assert abandoned and comp.token_ids == [100, 101, 102] and comp.finish_reason == "abort"
+    comp, abandoned = client.abandon([1, 2], max_tokens=8, after_tokens=0)
+    assert abandoned and comp.token_ids == [] and comp.finish_reason == "abort"
+    comp, abandoned = client.abandon([1, 2], max_tokens=2, after_tokens=5)  # finished first: a whole answer
+    assert not abandoned and comp.token_ids == [100, 101] and comp.finish_reason == "length" and comp.error is None
+    comp, abandoned = client.abandon([1, 2], max_tokens=8, stream=False, delay_s=0.01)
+    assert abandoned and comp.token_ids == [] and comp.finish_reason == "abort"
+    client.close()

@@ -5,6 +5,10 @@ Token ids of the output are needed (a soak turn's next prompt is built from them
 ``return_token_ids`` request field (the response's ``choices[i].token_ids``, also per chunk when streaming) and,
 as a fallback, read from ``logprobs.tokens`` written as ``"token_id:N"`` (vLLM's ``return_tokens_as_token_ids``).
 The client is shared by the driver's threads: ``httpx.Client`` is thread-safe and pools connections.
+
+``CompletionsClient.abandon`` plays a client that gives up mid-flight (``hyserve soak --abort-fraction``): it closes
+its connection before the response or after some streamed chunks, which a server must turn into an abort of the
+request in its engine.
 """
 
 from __future__ import annotations
@@ -127,6 +131,7 @@ class CompletionsClient:
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ValueError("talking to a server (--url) needs httpx: pip install httpx") from e
         self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         # ``transport``: an ``httpx`` transport to use instead of the network (tests pass ``httpx.MockTransport``).
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, limits=limits, transport=transport)
@@ -165,17 +170,91 @@ class CompletionsClient:
                                 json=self._body(prompt_ids, max_tokens, temperature, ignore_eos, logprobs))
             if r.status_code != 200:
                 return Completion(None, None, None, error=f"HTTP {r.status_code}: {r.text[:300]}")
-            choice = r.json()["choices"][0]
+            return self._completion(r.json())
         except Exception as e:  # network errors, bad JSON: reported per request
             return Completion(None, None, None, error=f"{type(e).__name__}: {e}")
+
+    @staticmethod
+    def _completion(data: dict[str, Any]) -> Completion:
+        """A non-streamed ``/v1/completions`` body's first choice."""
+        choice = data["choices"][0]
         ids = _choice_token_ids(choice)
         if ids is None:
             return Completion(None, choice.get("text"), choice.get("finish_reason"), error=NO_TOKEN_IDS)
-        usage = r.json().get("usage") or {}
+        usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         return Completion(ids, choice.get("text"), choice.get("finish_reason"), _choice_top_logprobs(choice),
                           num_cached_tokens=int(cached) if isinstance(cached, int) else None)
+
+    def abandon(self, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
+                ignore_eos: bool = False, stream: bool = True, after_tokens: int = 0,
+                delay_s: float = 0.0) -> tuple[Completion, bool]:
+        """A completion whose client hangs up before it ends, closing its connection (the server must abort it):
+
+        - ``stream=False``: a plain request whose client stops waiting ``delay_s`` seconds after sending it;
+        - ``stream=True``, ``after_tokens`` = 0: a stream closed ``delay_s`` seconds after its response headers,
+          before any chunk is read;
+        - ``stream=True``, ``after_tokens`` >= 1: a stream closed as soon as ``after_tokens`` output tokens arrived.
+
+        Returns the completion and whether it was abandoned. An abandoned one holds what the client received
+        (``finish_reason="abort"``); one that finished first is whole, as :meth:`complete` would return it; HTTP
+        and protocol failures come back as ``Completion.error`` (not abandoned).
+        """
+        import httpx
+
+        body = self._body(prompt_ids, max_tokens, temperature, ignore_eos, None)
+        if not stream:
+            try:
+                r = self._http.post("/v1/completions", json=body,
+                                    timeout=httpx.Timeout(self.timeout_s, read=max(delay_s, 1e-3)))
+                if r.status_code != 200:
+                    return Completion(None, None, None, error=f"HTTP {r.status_code}: {r.text[:300]}"), False
+                return self._completion(r.json()), False
+            except httpx.TimeoutException:
+                return Completion([], "", "abort"), True  # httpx drops the connection it gave up on
+            except Exception as e:
+                return Completion(None, None, None, error=f"{type(e).__name__}: {e}"), False
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        ids: list[int] = []
+        text: list[str] = []
+        finish: str | None = None
+        cached: int | None = None
+        try:
+            with self._http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return Completion(None, None, None, error=f"HTTP {r.status_code}: {r.text[:300]}"), False
+                if after_tokens <= 0:
+                    time.sleep(delay_s)
+                    return Completion([], "", "abort"), True  # leaving unread closes the connection
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[len("data:"):].strip()
+                    if payload == "[DONE]":
+                        break
+                    chunk = json.loads(payload)
+                    details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+                    if isinstance(details.get("cached_tokens"), int):
+                        cached = int(details["cached_tokens"])
+                    if chunk.get("error"):
+                        return Completion(None, None, None, error=f"stream error: {chunk['error']}"), False
+                    for choice in chunk.get("choices") or []:
+                        new = choice.get("token_ids")
+                        if choice.get("text") and not isinstance(new, list):
+                            return Completion(None, "".join(text), None, error=NO_TOKEN_IDS), False
+                        ids += [int(t) for t in new or []]
+                        text.append(choice.get("text") or "")
+                        finish = choice.get("finish_reason") or finish
+                    if finish is None and len(ids) >= after_tokens:
+                        return Completion(ids, "".join(text), "abort"), True
+        except Exception as e:  # network errors, bad JSON: reported per request
+            return Completion(None, None, None, error=f"{type(e).__name__}: {e}"), False
+        if finish is None:
+            return Completion(ids, "".join(text), None, error="the stream ended without a finish reason"), False
+        return Completion(ids, "".join(text), finish, num_cached_tokens=cached), False
 
     def stream(self, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                ignore_eos: bool = True, on_first_token: Callable[[], None] | None = None) -> StreamTiming:

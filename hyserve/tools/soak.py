@@ -5,6 +5,7 @@ output, all with a normal ``finish_reason``).
     hyserve soak                                   # the packaged default model (trained MTP head), every feature on
     hyserve soak MODEL_DIR --conversations 64 --turns 8 --concurrency 32 --prefix-len 1700 --max-tokens 64
     hyserve soak MODEL_DIR --url http://127.0.0.1:8000     # a running server; replay on a local clean engine
+    hyserve soak --pipeline-parallel-size 2 --async-scheduling --concurrency 16 --abort-fraction 0.3
 
 The workload (:mod:`hyserve.tools.workload`): ``--conversations`` conversations of ``--turns`` turns, all sharing a
 ``--prefix-len``-token system prefix, each turn's prompt = the previous prompt + the tokens actually generated + a
@@ -12,13 +13,28 @@ new message; ``--concurrency`` conversations in flight, closed loop; greedy (tem
 Offline it runs through ``LLMEngine.step()``; with ``--url`` through ``/v1/completions`` (one thread per
 conversation in flight).
 
+``--abort-fraction F`` (default 0: no aborts) has clients abandon a seeded random share F of the requests mid-flight
+(:func:`hyserve.tools.workload.make_abort_plan`), each at one of three points drawn at random: before the engine
+schedules any of it, mid-prefill (once part of its prompt is scheduled; before its first token) or mid-decode (once
+the client holds some output tokens). Offline the driver calls ``LLMEngine.abort_request`` between two ``step()``
+calls, 0 to 2 steps after the point is reached (as a client reacts after a while: by then a decoding request's next
+step is scheduled): with async scheduling or pipeline parallelism the steps launched before are still in flight
+then, some of them naming the aborted request, while the other ``--concurrency - 1`` conversations keep running and
+the next turn takes the freed memory. With ``--url`` the client closes its connection (a plain request given up on
+before the response, a stream closed before its first chunk or after some of them), so the server must abort the
+request. An aborted request is counted and reported (by the point it reached, and how many the engine itself
+aborted: a request given up on before it reached the engine, or that had finished there, is not one) and not
+checked, its output being partial; its conversation goes on, the next turn's prompt built from the tokens received
+(none before the first token). Every other request is checked as below, so that corruption of the others by the
+aborts is found. A request that finishes before its abort point is reached is an ordinary one, checked.
+
 Every response gets three checks:
 
 1. **Degenerate output** (:mod:`hyserve.tools.detectors`): a token repeated to the end, a short cycle repeated to
    the end, a punctuation run, empty output with a normal finish reason.
-2. **Replay**: every request (the same prompt ids) again on a separate engine with prefix caching and speculation
-   off (and the default prefill budget); the first differing output position is reported. A divergence at a
-   near-tie (the soak's token within ``--tol`` logprob of the replay's, per the replay's top-2 logprobs) is
+2. **Replay**: every request not aborted (the same prompt ids) again on a separate engine with prefix caching and
+   speculation off (and the default prefill budget); the first differing output position is reported. A divergence
+   at a near-tie (the soak's token within ``--tol`` logprob of the replay's, per the replay's top-2 logprobs) is
    excused: another batch shape may flip such a tie without anything being wrong.
 3. **Reference** (``--reference``; on by default for checkpoints under 50M parameters): one uncached float32
    transformers forward over prompt + output (teacher forcing); every output token must be within ``--tol`` logit
@@ -28,7 +44,8 @@ A degenerate finding is *explained* (the model's own greedy behaviour, not corru
 identical output or the output passed the reference check; otherwise it counts. A request is corrupt when it has an
 unexplained finding, an unexcused divergence or a reference failure; a request that errored counts too. The exit
 code is 0 when no request is corrupt, 1 otherwise (2 for usage errors). ``--report PATH`` writes everything as
-JSON: the configuration, the summary (the table's numbers) and one entry per request.
+JSON: the configuration, the summary (the table's numbers) and one entry per request (an aborted one with where it
+was aborted: ``abort``).
 """
 
 from __future__ import annotations
@@ -45,7 +62,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,7 +73,14 @@ from hyserve.engine_args import engine_args, make_llm
 from hyserve.tools import add_missing_defaults
 from hyserve.tools.client import NO_TOKEN_IDS, Completion, CompletionsClient
 from hyserve.tools.detectors import detect_degenerate, finding_kind, first_divergence
-from hyserve.tools.workload import Conversation, WorkloadSpec, make_conversations
+from hyserve.tools.workload import (
+    ABORT_PHASES,
+    AbortPoint,
+    Conversation,
+    WorkloadSpec,
+    make_abort_plan,
+    make_conversations,
+)
 
 if TYPE_CHECKING:
     from hyserve.llm import LLM
@@ -88,13 +112,18 @@ AUTO: Any = _Auto()
 
 @dataclass(slots=True)
 class TurnRecord:
-    """One request of the soak: a conversation's turn, its prompt ids and what came back."""
+    """One request of the soak: a conversation's turn, its prompt ids and what came back. ``planned_abort``: where
+    the plan had its client abandon it; ``abort``: where that happened (``phase`` reached, ``output_tokens``
+    received and, offline, ``prompt_scheduled`` tokens and the ``steps_in_flight`` at the abort, of which
+    ``steps_naming_it`` had a row of it), None when the request ran to its end."""
 
     request_id: str
     conv_id: int
     turn: int
     prompt_ids: list[int]
     completion: Completion
+    planned_abort: AbortPoint | None = None
+    abort: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +145,11 @@ class RequestCheck:
     def corrupt(self) -> bool:
         return bool(self.reasons)
 
+    @property
+    def aborted(self) -> bool:
+        """Abandoned by its client mid-flight: partial output, not checked."""
+        return self.record.abort is not None
+
     def to_json(self) -> dict[str, Any]:
         c = self.record.completion
         out: dict[str, Any] = {
@@ -126,6 +160,10 @@ class RequestCheck:
             "near_tie": self.near_tie, "reference": self.reference, "corrupt": self.corrupt,
             "reasons": self.reasons, "output_token_ids": c.token_ids, "text": c.text,
         }
+        if self.record.planned_abort is not None:
+            out["aborted"] = self.aborted
+            out["planned_abort"] = asdict(self.record.planned_abort)
+            out["abort"] = self.record.abort
         if self.divergence is not None:
             out["replay_token_ids"] = self.replay_token_ids
         return out
@@ -139,14 +177,15 @@ ReferenceFn = Callable[[list[int], list[int]], dict[str, Any]]
 
 def check_requests(
     records: Sequence[TurnRecord],
-    replays: Sequence[Completion] | None,
+    replays: Sequence[Completion | None] | None,
     reference: ReferenceFn | None,
     *,
     tol: float,
     detector_kwargs: dict[str, Any] | None = None,
 ) -> list[RequestCheck]:
-    """Check every request: detectors, divergence from its replay (``replays[i]`` for ``records[i]``) and the
-    reference (``reference(prompt_ids, output_ids)`` -> ``{"ok": bool, ...}``). See the module docstring."""
+    """Check every request: detectors, divergence from its replay (``replays[i]`` for ``records[i]``; None for an
+    aborted one) and the reference (``reference(prompt_ids, output_ids)`` -> ``{"ok": bool, ...}``). An aborted
+    request is not checked. See the module docstring."""
     if replays is not None and len(replays) != len(records):
         raise ValueError(f"{len(replays)} replays for {len(records)} requests")
     checks: list[RequestCheck] = []
@@ -154,6 +193,8 @@ def check_requests(
         c = rec.completion
         chk = RequestCheck(rec)
         checks.append(chk)
+        if chk.aborted:
+            continue  # partial output, by the client's choice: nothing to check
         if c.error is not None or c.token_ids is None or c.finish_reason in ("error", "abort"):
             chk.reasons.append("error")
             continue
@@ -161,8 +202,9 @@ def check_requests(
         replay_same = False
         if replays is not None:
             rp = replays[i]
-            if rp.error is not None or rp.token_ids is None:
-                logger.warning("replay of %s failed (%s): no divergence check", rec.request_id, rp.error)
+            if rp is None or rp.error is not None or rp.token_ids is None:
+                logger.warning("replay of %s failed (%s): no divergence check", rec.request_id,
+                               "not replayed" if rp is None else rp.error)
             else:
                 chk.replay_token_ids = rp.token_ids
                 chk.divergence = first_divergence(c.token_ids, rp.token_ids)
@@ -232,8 +274,15 @@ def summarize(checks: Sequence[RequestCheck], metrics: dict[str, float] | None) 
     hits, queries = metrics.get("hyserve:prefix_cache_hits"), metrics.get("hyserve:prefix_cache_queries")
     drafts = metrics.get("hyserve:spec_decode_num_drafts")
     accepted = metrics.get("hyserve:spec_decode_num_accepted_tokens")
+    aborted = [c.record.abort for c in checks if c.record.abort is not None]
     return {
         "requests": len(checks),
+        "aborts_planned": sum(c.record.planned_abort is not None for c in checks),
+        "aborted": len(aborted),
+        "aborted_by_phase": {p: sum(a["phase"] == p for a in aborted) for p in ABORT_PHASES},
+        "aborted_with_own_step_in_flight": sum(bool(a.get("steps_naming_it")) for a in aborted),
+        "engine_aborts": metrics.get("hyserve:request_aborted"),
+        "checked": len(checks) - len(aborted),
         "loops": sum(("loop" in c.reasons) or ("cycle" in c.reasons) for c in checks),
         "empties": count("empty"),
         "punctuation_runs": count("punctuation"),
@@ -259,8 +308,17 @@ def format_table(s: dict[str, Any]) -> str:
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{100 * x:.1f} %"
 
-    rows = [
-        ("requests", str(s["requests"])),
+    rows = [("requests", str(s["requests"]))]
+    if s.get("aborts_planned"):
+        by = s["aborted_by_phase"]
+        rows.append(("aborted mid-flight (not checked)",
+                     f"{s['aborted']} of {s['aborts_planned']} planned ({by['queued']} queued, {by['prefill']} "
+                     f"mid-prefill, {by['decode']} mid-decode)"
+                     + ("" if s.get("engine_aborts") is None else f"; engine aborts {s['engine_aborts']:.0f}")))
+        if s.get("aborted_with_own_step_in_flight"):
+            rows.append(("aborted with a step of theirs in flight", str(s["aborted_with_own_step_in_flight"])))
+        rows.append(("checked", str(s["checked"])))
+    rows += [
         ("loops (token / short cycle)", str(s["loops"])),
         ("empty outputs", str(s["empties"])),
         ("punctuation runs", str(s["punctuation_runs"])),
@@ -285,7 +343,7 @@ def format_table(s: dict[str, Any]) -> str:
 
 
 _METRIC_KEYS = ("hyserve:prefix_cache_hits", "hyserve:prefix_cache_queries", "hyserve:spec_decode_num_drafts",
-                "hyserve:spec_decode_num_accepted_tokens")
+                "hyserve:spec_decode_num_accepted_tokens", "hyserve:request_aborted")
 
 
 def _scalar(m: dict[str, Any], key: str) -> float:
@@ -311,53 +369,146 @@ def _request_id(conv: Conversation, turn: int) -> str:
     return f"soak-c{conv.conv_id}-t{turn}"
 
 
+@dataclass(slots=True)
+class _Live:
+    """A soak request in the offline engine: its turn, prompt, abort point (if any) and the latest output."""
+
+    conv: Conversation
+    turn: int
+    prompt: list[int]
+    abort_at: AbortPoint | None
+    latest: Completion | None = None
+    reached_at: int | None = None  # the engine step count when its abort point was reached
+
+
 def run_offline(llm: LLM, convs: Sequence[Conversation], concurrency: int, params: Any,
-                bar: tqdm | None = None) -> list[TurnRecord]:
-    """Drive the conversations closed-loop through ``llm.llm_engine.step()``, ``concurrency`` in flight."""
+                bar: tqdm | None = None, aborts: Mapping[tuple[int, int], AbortPoint] | None = None
+                ) -> list[TurnRecord]:
+    """Drive the conversations closed-loop through ``llm.llm_engine.step()``, ``concurrency`` in flight; the requests
+    named in ``aborts`` (``(conversation id, turn)`` -> point) are aborted between two steps when their point is
+    reached, and their conversation goes on from the tokens received (see the module docstring)."""
     eng = llm.llm_engine
+    aborts = aborts or {}
     todo = deque(convs)
-    live: dict[str, tuple[Conversation, int, list[int]]] = {}
+    live: dict[str, _Live] = {}
     records: list[TurnRecord] = []
+    steps = 0
 
     def submit(conv: Conversation, turn: int, prompt: list[int]) -> None:
         rid = _request_id(conv, turn)
         eng.add_request(rid, {"prompt_token_ids": prompt}, params)
-        live[rid] = (conv, turn, prompt)
+        live[rid] = _Live(conv, turn, prompt, aborts.get((conv.conv_id, turn)))
+
+    def done(rid: str, comp: Completion, abort: dict[str, Any] | None) -> None:
+        r = live.pop(rid)
+        records.append(TurnRecord(rid, r.conv.conv_id, r.turn, r.prompt, comp, r.abort_at, abort))
+        if bar is not None:
+            bar.update(1)
+        if r.turn + 1 < r.conv.num_turns and comp.finish_reason != "error" and comp.token_ids is not None:
+            submit(r.conv, r.turn + 1, r.conv.next_prompt(r.turn + 1, r.prompt, comp.token_ids))
+        elif todo:
+            nxt = todo.popleft()
+            submit(nxt, 0, nxt.first_prompt())
+
+    def abort_due() -> None:
+        """Abort every live request whose point is reached (a new turn submitted here may be due at once)."""
+        while True:
+            for rid, r in live.items():
+                if r.abort_at is not None and r.reached_at is None and _abort_reached(eng, rid, r):
+                    r.reached_at = steps
+            due = [(rid, r) for rid, r in live.items() if r.abort_at is not None and r.reached_at is not None
+                   and (r.abort_at.phase == "queued" or steps - r.reached_at >= r.abort_at.lag_steps)]
+            if not due:
+                return
+            for rid, r in due:
+                abort = _abort_state(eng, rid, r)
+                eng.abort_request(rid)
+                got = r.latest or Completion([], "", None)
+                done(rid, Completion(list(got.token_ids or []), got.text or "", "abort",
+                                     num_cached_tokens=got.num_cached_tokens), abort)
 
     for _ in range(min(concurrency, len(todo))):
         conv = todo.popleft()
         submit(conv, 0, conv.first_prompt())
+    abort_due()
     while live:
         if not eng.has_unfinished_requests():
             raise RuntimeError(f"the engine is idle with {len(live)} soak requests unfinished")
-        for out in eng.step():
-            if not out.finished or out.request_id not in live:
+        outs = eng.step()
+        steps += 1
+        for out in outs:
+            r = live.get(out.request_id)
+            if r is None or not (out.finished or r.abort_at is not None):
                 continue
-            conv, turn, prompt = live.pop(out.request_id)
             comp = _completion_from_output(out)
-            records.append(TurnRecord(out.request_id, conv.conv_id, turn, prompt, comp))
-            if bar is not None:
-                bar.update(1)
-            if turn + 1 < conv.num_turns and comp.finish_reason not in ("error", "abort"):
-                submit(conv, turn + 1, conv.next_prompt(turn + 1, prompt, comp.token_ids or []))
-            elif todo:
-                nxt = todo.popleft()
-                submit(nxt, 0, nxt.first_prompt())
+            if out.finished:
+                done(out.request_id, comp, None)
+            elif r.abort_at is not None:
+                r.latest = comp
+        abort_due()
+    for _ in range(64):  # the steps of aborted requests still in flight: let them land (bounded: never hang here)
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
     return records
 
 
+def _abort_reached(eng: Any, rid: str, r: _Live) -> bool:
+    point = r.abort_at
+    assert point is not None
+    if point.phase == "queued":
+        return True
+    received = len(r.latest.token_ids or []) if r.latest is not None else 0
+    if point.phase == "decode":
+        return received >= point.num_tokens
+    # prefill: once that share of the prompt is scheduled (a prefix-cache hit counts), or past it already
+    return received > 0 or _scheduled(eng, rid) >= max(1, int(point.prompt_fraction * len(r.prompt)))
+
+
+def _scheduled(eng: Any, rid: str) -> int:
+    """Tokens of ``rid`` computed or scheduled (in flight)."""
+    req = eng.requests.get(rid)
+    return 0 if req is None else int(req.num_computed_tokens + req.num_inflight_tokens)
+
+
+def _abort_state(eng: Any, rid: str, r: _Live) -> dict[str, Any]:
+    """Where ``rid`` stands as it is aborted: the point reached, and the engine's steps in flight."""
+    received = len(r.latest.token_ids or []) if r.latest is not None else 0
+    scheduled = _scheduled(eng, rid)
+    in_flight = [step[0] for step in getattr(eng, "_in_flight", ())]
+    return {"phase": "decode" if received else "prefill" if scheduled else "queued", "output_tokens": received,
+            "prompt_scheduled": min(scheduled, len(r.prompt)), "steps_in_flight": len(in_flight),
+            "steps_naming_it": sum(any(row.req_id == rid for row in getattr(so, "rows", ())) for so in in_flight)}
+
+
 def run_server(client: CompletionsClient, convs: Sequence[Conversation], concurrency: int, *, max_tokens: int,
-               ignore_eos: bool, bar: tqdm | None = None) -> list[TurnRecord]:
-    """Drive the conversations through ``/v1/completions``: one thread per conversation in flight."""
+               ignore_eos: bool, bar: tqdm | None = None, aborts: Mapping[tuple[int, int], AbortPoint] | None = None
+               ) -> list[TurnRecord]:
+    """Drive the conversations through ``/v1/completions``: one thread per conversation in flight. The requests
+    named in ``aborts`` are abandoned by their client (``CompletionsClient.abandon``): a ``"queued"`` point is a plain
+    request given up on before the response, a ``"prefill"`` one a stream closed before its first chunk, a
+    ``"decode"`` one a stream closed after ``num_tokens`` tokens."""
+    aborts = aborts or {}
     lock = threading.Lock()
     records: list[TurnRecord] = []
 
     def run_conversation(conv: Conversation) -> None:
         prompt = conv.first_prompt()
         for turn in range(conv.num_turns):
-            comp = client.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+            point = aborts.get((conv.conv_id, turn))
+            abort: dict[str, Any] | None = None
+            if point is None:
+                comp = client.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+            else:
+                comp, abandoned = client.abandon(
+                    prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                    stream=point.phase != "queued", after_tokens=point.num_tokens if point.phase == "decode" else 0,
+                    delay_s=point.delay_s)
+                if abandoned:
+                    n = len(comp.token_ids or [])
+                    abort = {"phase": "decode" if n else point.phase, "output_tokens": n}
             with lock:
-                records.append(TurnRecord(_request_id(conv, turn), conv.conv_id, turn, prompt, comp))
+                records.append(TurnRecord(_request_id(conv, turn), conv.conv_id, turn, prompt, comp, point, abort))
                 if bar is not None:
                     bar.update(1)
             if comp.error is not None or comp.token_ids is None or turn + 1 == conv.num_turns:
@@ -485,6 +636,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--message-len", type=int, default=24,
                    help="mean new message per turn, in tokens; the first is twice as long (default: 24)")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn (default: 16)")
+    p.add_argument("--abort-fraction", type=float, default=0.0, metavar="F",
+                   help="share of the requests their client abandons mid-flight (offline: LLMEngine.abort_request; "
+                        "--url: the connection closed), before scheduling, mid-prefill or mid-decode at random; "
+                        "seeded by --workload-seed; aborted requests are counted, not checked (default: 0)")
     p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens every turn (default: off)")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload's token ids (default: 0)")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -541,13 +696,16 @@ def _validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
     if args.url is None and args.replay_url is not None:
         raise ValueError("--replay-url only applies with --url")
+    if not 0.0 <= args.abort_fraction <= 1.0:
+        raise ValueError(f"--abort-fraction must be in [0, 1] (got {args.abort_fraction})")
 
 
 def run(args: argparse.Namespace) -> int:
     """``hyserve soak``: 0 when no request is corrupt, 1 otherwise."""
     _validate(args)
     spec = WorkloadSpec(num_conversations=args.conversations, turns=args.turns, prefix_len=args.prefix_len,
-                        message_len=args.message_len, max_tokens=args.max_tokens)
+                        message_len=args.message_len, max_tokens=args.max_tokens,
+                        abort_fraction=args.abort_fraction)
     if args.model is None and args.url is None:
         from hyserve.llm import DEFAULT_MODEL_DIR
 
@@ -574,6 +732,7 @@ def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int
         _resolve_engine_defaults(args, model)
     vocab = args.vocab_size or ordinary_vocab(model)
     convs = make_conversations(spec, seed=args.workload_seed, vocab_size=vocab)
+    aborts = make_abort_plan(spec, seed=args.workload_seed)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=args.ignore_eos)
     replay_params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=args.ignore_eos,
                                    logprobs=2)
@@ -598,7 +757,7 @@ def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int
                           max_num_batched_tokens=llm.llm_engine.max_num_batched_tokens,
                           recurrent_snapshot_interval=args.recurrent_snapshot_interval, dtype=engine_dtype)
             before = llm.get_metrics()
-            records = run_offline(llm, convs, args.concurrency, params, bar)
+            records = run_offline(llm, convs, args.concurrency, params, bar, aborts)
             metrics = _metric_delta(before, llm.get_metrics())
             del llm
             _release_memory()
@@ -607,7 +766,7 @@ def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int
                                        max_connections=max(args.concurrency, 8))
             before_m = client.metrics()
             records = run_server(client, convs, args.concurrency, max_tokens=spec.max_tokens,
-                                 ignore_eos=args.ignore_eos, bar=bar)
+                                 ignore_eos=args.ignore_eos, bar=bar, aborts=aborts)
             metrics = _metric_delta(before_m, client.metrics())
             config["served_model_name"] = client.model
             client.close()
@@ -618,23 +777,28 @@ def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int
     records.sort(key=lambda r: (r.conv_id, r.turn))
     run_s = time.perf_counter() - t_start
 
-    replays: list[Completion] | None = None
+    replays: list[Completion | None] | None = None
+    finished = [r for r in records if r.abort is None]  # aborted requests are not replayed: not checked
     if args.replay:
+        done: list[Completion] | None = None
         if args.replay_url is not None:
             rc = CompletionsClient(args.replay_url, args.served_model_name, timeout_s=args.timeout,
                                    max_connections=max(args.concurrency, 8))
-            replays = replay_server(rc, records, args.concurrency, max_tokens=spec.max_tokens,
-                                    ignore_eos=args.ignore_eos)
+            done = replay_server(rc, finished, args.concurrency, max_tokens=spec.max_tokens,
+                                 ignore_eos=args.ignore_eos)
             rc.close()
         elif model is not None:
             clean = build_llm(args, model, "replay")
             engine_dtype = engine_dtype or str(clean.llm_engine.dtype).removeprefix("torch.")
-            replays = replay_offline(clean, records, replay_params)
+            done = replay_offline(clean, finished, replay_params) if finished else []
             del clean
             _release_memory()
         else:
             logger.warning("no MODEL_DIR and no --replay-url: requests are not replayed, so any degenerate output "
                            "counts as corruption")
+        if done is not None:
+            it = iter(done)
+            replays = [None if r.abort is not None else next(it) for r in records]
     tol = args.tol if args.tol is not None else (TOL_FLOAT32 if engine_dtype == "float32" else TOL_LOW_PRECISION)
 
     reference: ReferenceFn | None = None

@@ -15,7 +15,8 @@ Two specs, one ``Conversation`` and one ``make_conversations``:
 - ``WorkloadSpec`` (``hyserve soak``): a fixed number of turns of about ``message_len`` tokens each; every
   ``fork_every``-th conversation repeats the previous conversation's first message (an agent retrying from the same
   state): its first prompt is identical to another one and the two diverge only later, which places snapshots at
-  branch points and makes full-prompt hits.
+  branch points and makes full-prompt hits. With ``abort_fraction`` > 0, :func:`make_abort_plan` picks that share
+  of its requests for the client to abandon mid-flight, each at an ``AbortPoint``.
 - ``AgentTraceSpec`` (the benchmark), at named scales (``SCALES``: ``"full"``, the production shape, ~1.7k-token
   prefix, prompts growing from 4k to 12k tokens, 32 conversations in flight; ``"cpu"``, the same shrunk ~16x): short
   outputs (tool calls) of lengths fixed in advance (drivers run with ``ignore_eos`` and ``max_tokens`` = the output
@@ -32,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "CPU", "FULL", "SCALES", "AgentTraceSpec", "Conversation", "WorkloadSpec", "make_conversations", "workload_spec",
+    "ABORT_PHASES", "CPU", "FULL", "SCALES", "AbortPoint", "AgentTraceSpec", "Conversation", "WorkloadSpec",
+    "make_abort_plan", "make_conversations", "workload_spec",
 ]
 
 
@@ -43,6 +45,7 @@ class WorkloadSpec:
     Messages are drawn uniformly in ``[message_len // 2, message_len + message_len // 2]`` tokens; the first message
     is twice as long (an agent's first observation). Turn ``t``'s prompt is therefore about ``prefix_len +
     (t + 2) * message_len + t * max_tokens`` tokens long; :meth:`max_total_len` bounds every sequence.
+    ``abort_fraction`` of the requests are abandoned by their client mid-flight (:func:`make_abort_plan`).
     """
 
     num_conversations: int = 8
@@ -51,6 +54,7 @@ class WorkloadSpec:
     message_len: int = 24
     max_tokens: int = 16
     fork_every: int = 3
+    abort_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_conversations", "turns", "prefix_len", "message_len", "max_tokens"):
@@ -58,6 +62,8 @@ class WorkloadSpec:
                 raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
         if self.fork_every < 0:
             raise ValueError(f"fork_every must be >= 0 (0 = never; got {self.fork_every})")
+        if not 0.0 <= self.abort_fraction <= 1.0:
+            raise ValueError(f"abort_fraction must be in [0, 1] (got {self.abort_fraction})")
 
     def message_range(self, first: bool) -> tuple[int, int]:
         m = 2 * self.message_len if first else self.message_len
@@ -68,6 +74,58 @@ class WorkloadSpec:
         first_hi = self.message_range(True)[1]
         later_hi = self.message_range(False)[1]
         return self.prefix_len + first_hi + (self.turns - 1) * later_hi + self.turns * self.max_tokens
+
+
+ABORT_PHASES = ("queued", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class AbortPoint:
+    """Where a soak client abandons one request (``phase``, one of ``ABORT_PHASES``):
+
+    - ``"queued"``: before the engine has scheduled any of it (offline: aborted right after it is added, before the
+      next step; a server: a non-streamed request whose client hangs up ``delay_s`` seconds after sending it, before
+      the response);
+    - ``"prefill"``: after its prefill started (offline: ``lag_steps`` engine steps after ``prompt_fraction`` of the
+      prompt is scheduled, computed or still in flight; a server: a stream closed ``delay_s`` seconds after its
+      response headers, before any chunk is read);
+    - ``"decode"``: once the client holds ``num_tokens`` output tokens (offline: ``lag_steps`` engine steps after the
+      step output that brought them, as a client reacts after a while, by which time the request's next step is
+      scheduled; a server: right after the chunks carrying them).
+
+    A request that finishes before its point is reached is not aborted (the client got its answer).
+    """
+
+    phase: str
+    prompt_fraction: float = 0.0
+    num_tokens: int = 0
+    delay_s: float = 0.0
+    lag_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.phase not in ABORT_PHASES:
+            raise ValueError(f"phase must be one of {ABORT_PHASES} (got {self.phase!r})")
+
+
+def make_abort_plan(spec: WorkloadSpec, seed: int = 0) -> dict[tuple[int, int], AbortPoint]:
+    """The requests to abandon, ``(conversation id, turn) -> AbortPoint``: ``round(abort_fraction * requests)`` of
+    them, drawn without replacement (seeded, a pure function of the spec and the seed), each at a phase drawn
+    uniformly from ``ABORT_PHASES`` (``"decode"`` only when ``max_tokens >= 2``, so that a token is left to abort
+    before), then a point within the phase: a prompt fraction in [0.05, 0.95], an output count in
+    [1, max_tokens - 1], a delay in [0, 0.5] s, a lag of 0 to 2 steps."""
+    keys = [(c, t) for c in range(spec.num_conversations) for t in range(spec.turns)]
+    n = round(spec.abort_fraction * len(keys))
+    if not n:
+        return {}
+    rng = random.Random(f"hyserve-soak/{seed}/aborts")
+    phases = ABORT_PHASES if spec.max_tokens >= 2 else ABORT_PHASES[:2]
+    plan: dict[tuple[int, int], AbortPoint] = {}
+    for key in sorted(rng.sample(keys, n)):
+        phase = rng.choice(phases)
+        plan[key] = AbortPoint(phase, prompt_fraction=round(rng.uniform(0.05, 0.95), 3),
+                               num_tokens=rng.randint(1, max(1, spec.max_tokens - 1)),
+                               delay_s=round(rng.uniform(0.0, 0.5), 3), lag_steps=rng.randint(0, 2))
+    return plan
 
 
 @dataclass(frozen=True, slots=True)
