@@ -77,7 +77,8 @@ def control_on_device(llm: LLM, proposer: ControlledProposer, prompt_lens: dict[
     one with probability 1 - rate, drawn once), at the position its acceptance left there. No host wait."""
     eng = llm.llm_engine
     runner = eng.runner
-    if runner.draft_slots is None or not eng.scheduler.async_verify:
+    verifier = runner.verifier
+    if verifier is None or verifier.draft_slots is None or not eng.scheduler.async_verify:
         return
     k = runner.num_speculative_tokens
     ids = sorted(proposer.continuations)
@@ -95,14 +96,14 @@ def control_on_device(llm: LLM, proposer: ControlledProposer, prompt_lens: dict[
     def execute_and_plant(so: Any) -> Any:
         handle = execute(so)
         rows = [r for r in so.rows if r.samples and r.req_id in index]
-        if rows and runner.verify_next_start is not None:
+        if rows and verifier.verify_next_start is not None:
             slots = torch.tensor([r.state_slot for r in rows], dtype=torch.long).to(runner.device, non_blocking=True)
             meta = torch.tensor([[index[r.req_id], prompt_lens[r.req_id], int(r.is_verify), r.end]
                                  for r in rows], dtype=torch.long).to(runner.device, non_blocking=True)
             # The next row's first position: where the acceptance put it (verify rows), else the row's end.
-            start = torch.where(meta[:, 2] == 1, runner.verify_next_start.index_select(0, slots), meta[:, 3])
+            start = torch.where(meta[:, 2] == 1, verifier.verify_next_start.index_select(0, slots), meta[:, 3])
             col = (start + 1 - meta[:, 1]).unsqueeze(1) + j  # the drafts' output indices
-            runner.draft_slots.index_copy_(0, slots, table[meta[:, 0].unsqueeze(1), col.clamp(0, width - 1)])
+            verifier.draft_slots.index_copy_(0, slots, table[meta[:, 0].unsqueeze(1), col.clamp(0, width - 1)])
         return handle
 
     runner.execute_model_async = execute_and_plant  # type: ignore[method-assign]
@@ -286,7 +287,7 @@ def main() -> int:
         release()
         for rate in (float(r) for r in args.rates.split(",")):
             llm = LLM(**common, speculative_config=spec)
-            llm.llm_engine.runner.use_device_chain = not args.no_device_chain
+            llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
             llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
             proposer = ControlledProposer(want, rate, vocab)
             control(llm, proposer)

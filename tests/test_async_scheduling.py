@@ -197,7 +197,7 @@ def _feed_by_position(engine: LLMEngine) -> None:
     original = runner.execute_model_async
 
     def execute(so):  # type: ignore[no-untyped-def]
-        runner._prev_rows = {r.req_id: i for i, r in enumerate(so.rows)}
+        runner.input_batch.prev_rows = {r.req_id: i for i, r in enumerate(so.rows)}
         return original(so)
 
     runner.execute_model_async = execute  # type: ignore[method-assign]

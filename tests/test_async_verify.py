@@ -35,7 +35,8 @@ from test_engine import drive, make_llm
 from hyserve import SamplingParams
 from hyserve.scheduler.scheduler import Scheduler
 from hyserve.worker import cuda_graphs
-from hyserve.worker.model_runner import ModelRunner
+from hyserve.worker.spec_decode.verifier import Verifier
+from hyserve.worker.state_ops import StateOps
 
 LOGPROBS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1)  # never behind
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
@@ -51,11 +52,11 @@ def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, Sa
 def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
     """Break one piece of the mechanism (None: nothing)."""
     if kind in ("start", "stale", "token"):  # every acceptance advances through it (the accept graph too)
-        advance = ModelRunner._advance_verified
+        advance = Verifier.advance_verified
 
-        def broken(self: ModelRunner, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
+        def broken(self: Verifier, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
             assert self.verify_next_start is not None and self.verify_next_token is not None
-            slots = self.dev_bufs["state_slots"][: accepted.shape[0]]
+            slots = self.batch.dev_bufs["state_slots"][: accepted.shape[0]]
             before = self.verify_next_start.index_select(0, slots)
             advance(self, accepted, emitted)
             if kind == "start":  # the next start one short: start + accepted
@@ -64,31 +65,31 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
                 self.verify_next_start.index_copy_(0, slots, before)
             else:  # the last token from the column before the accepted count's
                 a = accepted.clamp(min=0)
-                vocab = self.model_config.vocab_size
+                vocab = self.state_ops.model.config.vocab_size
                 wrong = emitted.gather(1, (a - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
                 self.verify_next_token.index_copy_(0, slots, torch.where(a == 0, (wrong + 1) % vocab, wrong))
-        monkeypatch.setattr(ModelRunner, "_advance_verified", broken)
+        monkeypatch.setattr(Verifier, "advance_verified", broken)
     elif kind == "behind-graph":  # the behind graph leaves the KV slots at the earliest start (seen once accepted)
-        behind = ModelRunner._graph_behind
+        behind = Verifier._graph_behind
 
-        def kv_stays(self: ModelRunner, size: int) -> tuple[torch.Tensor, ...]:
-            mapping = self.dev_bufs["slot_mapping"].clone()
+        def kv_stays(self: Verifier, size: int) -> tuple[torch.Tensor, ...]:
+            mapping = self.batch.dev_bufs["slot_mapping"].clone()
             out = behind(self, size)
-            self.dev_bufs["slot_mapping"].copy_(mapping)
+            self.batch.dev_bufs["slot_mapping"].copy_(mapping)
             return out
-        monkeypatch.setattr(ModelRunner, "_graph_behind", kv_stays)
+        monkeypatch.setattr(Verifier, "_graph_behind", kv_stays)
     elif kind == "place":  # the scheduler places a row behind one position early
         place = Scheduler._place
         monkeypatch.setattr(Scheduler, "_place", lambda self, row, start: place(self, row, start - 1))
     elif kind == "snapshots":
         snapshots_one_early(monkeypatch)
     elif kind == "snapshot-graph":  # the snapshot graph reads each candidate's position one early
-        def early(self: ModelRunner, size: int) -> tuple[torch.Tensor, ...]:
-            r, p, e = self.dev_bufs["snap"][:size].unbind(1)
+        def early(self: StateOps, size: int) -> tuple[torch.Tensor, ...]:
+            r, p, e = self.batch.dev_bufs["snap"][:size].unbind(1)
             for layer in self.model.recurrent_layers():
                 layer.snapshot_candidates(r, (p - 1).clamp(min=0), e)
             return ()
-        monkeypatch.setattr(ModelRunner, "_graph_snapshot", early)
+        monkeypatch.setattr(StateOps, "_graph_snapshot", early)
     else:
         assert kind is None
 
@@ -107,7 +108,7 @@ def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPa
     runner = eng.runner
     assert (runner.graphs is not None) == graphs and eng.scheduler.async_verify
     eng.scheduler.async_verify = behind
-    sampler = runner.rejection_sampler
+    sampler = runner.verifier.rejection_sampler
     assert sampler is not None
     launch = sampler.launch
     fed: dict[int, list[int]] = {}  # step id -> the drafts its acceptance compared with, in row order
@@ -125,7 +126,7 @@ def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPa
 
     runner.execute_model_async = execute_recorded  # type: ignore[method-assign]
     sampler.launch = record  # type: ignore[method-assign]
-    in_graph = runner._accept_in_graph
+    in_graph = runner.verifier.accept_in_graph
 
     def record_graph(rows: list[Any], spec_rows: list[Any], size: int) -> Any:
         pending = in_graph(rows, spec_rows, size)
@@ -135,7 +136,7 @@ def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPa
             fed[current[0]] = steps[0]
         return pending
 
-    runner._accept_in_graph = record_graph  # type: ignore[method-assign]
+    runner.verifier.accept_in_graph = record_graph  # type: ignore[method-assign]
     drafts: dict[tuple[str, int], list[int]] = {}
     update = eng.scheduler.update_from_output
 
@@ -221,16 +222,16 @@ def planted(path: str, want: dict[str, list[int]], follow: list[int], monkeypatc
 
     def plant(so: Any) -> Any:  # on the CPU the step has run when this returns: its device values are there
         handle = execute(so)
-        assert runner.draft_slots is not None and runner.verify_next_start is not None
+        assert runner.verifier.draft_slots is not None and runner.verifier.verify_next_start is not None
         for row in so.rows:
             if row.is_verify:
-                known = int(runner.verify_next_start[row.state_slot]) + 1
+                known = int(runner.verifier.verify_next_start[row.state_slot]) + 1
             elif row.samples:
                 known = row.end + 1
             else:
                 continue
             cont = want[row.req_id][known - len(prompts[row.req_id]):][:K]
-            runner.draft_slots[row.state_slot, : len(cont)] = torch.tensor(cont, dtype=torch.long)
+            runner.verifier.draft_slots[row.state_slot, : len(cont)] = torch.tensor(cont, dtype=torch.long)
         return handle
 
     runner.execute_model_async = plant  # type: ignore[method-assign]
@@ -294,14 +295,14 @@ def test_the_accept_graph_decides_as_the_rejection_sampler(ckpts: CheckpointCach
     acceptance), ties (first maximum), a row whose logits turn non-finite at its stopping position (an error row)
     and one non-finite only past its stop (not an error); and the next starts and last tokens it leaves per slot.
     On CUDA the captured graph replays."""
-    from hyserve.layers.rejection_sampler import SpecRow
+    from hyserve.worker.spec_decode.rejection_sampler import SpecRow
 
     monkeypatch.setattr(cuda_graphs, "EMULATE", device == "cpu")
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     runner = make_llm(path, speculative_config=SPEC, max_num_seqs=8, max_num_batched_tokens=64,
                       device=device).llm_engine.runner
     q, size = K + 1, 8
-    vocab = runner.logits_f32.shape[1]
+    vocab = runner.graph_logits.f32.shape[1]
     gen = torch.Generator().manual_seed(5)
     counts = [K, K, K - 1, 0, K, 1, K, K]
     logits = torch.randn(size * q, vocab, generator=gen)
@@ -319,23 +320,23 @@ def test_the_accept_graph_decides_as_the_rejection_sampler(ckpts: CheckpointCach
         ids[r, 1 + c :] = 0  # the verify graph's masked tail
     starts = torch.tensor([10, 20, 30, 40, 50, 60, 70, 80])
     slots = torch.tensor([3, 0, 5, 1, 7, 2, 6, 4])  # not the identity
-    d = runner.dev_bufs
-    runner.logits_f32[: size * q].copy_(logits)
+    d = runner.input_batch.dev_bufs
+    runner.graph_logits.f32[: size * q].copy_(logits)
     d["input_ids"][: size * q].copy_(ids.view(-1))
     d["draft_count"][:size].copy_(torch.tensor(counts))
     d["verify_starts"][:size].copy_(starts)
     d["state_slots"][:size].copy_(slots)
     assert runner.graphs is not None
     runner.graphs.sets["accept"].run(size)
-    got = runner.accept_summary[:size].cpu()
+    got = runner.verifier.accept_summary[:size].cpu()
     real = torch.cat([torch.arange(r * q, r * q + c + 1) for r, c in enumerate(counts)])
     rows = [SpecRow(params=greedy(10), draft_token_ids=drafts[r, :c].tolist()) for r, c in enumerate(counts)]
-    assert runner.rejection_sampler is not None
-    want = runner.rejection_sampler.launch(logits[real].to(device), rows)
+    assert runner.verifier is not None
+    want = runner.verifier.rejection_sampler.launch(logits[real].to(device), rows)
     assert got[:, 0].tolist() == want.accepted.tolist()
     assert want.accepted.tolist()[4] == -1 and want.accepted.tolist()[1] == 1
     for r, a in enumerate(want.accepted.tolist()):
         if a >= 0:
             assert got[r, 1 : a + 2].tolist() == want.emitted[r, : a + 1].tolist(), r
-            assert int(runner.verify_next_start[int(slots[r])]) == starts[r] + a + 1
-            assert int(runner.verify_next_token[int(slots[r])]) == int(want.emitted[r, a])
+            assert int(runner.verifier.verify_next_start[int(slots[r])]) == starts[r] + a + 1
+            assert int(runner.verifier.verify_next_token[int(slots[r])]) == int(want.emitted[r, a])

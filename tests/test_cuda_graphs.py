@@ -224,7 +224,7 @@ def _sabotage_draft_fill(runner: object, how: str) -> None:
     def broken(original):  # type: ignore[no-untyped-def]
         def fill(rows, *args):  # type: ignore[no-untyped-def]
             index = original(rows, *args)
-            d = runner.draft_dev  # type: ignore[attr-defined]
+            d = runner.drafter.draft_dev  # type: ignore[attr-defined]
             n = len(rows)
             if how == "positions":
                 d["chain_positions"][:, :n] += 1
@@ -234,8 +234,9 @@ def _sabotage_draft_fill(runner: object, how: str) -> None:
         return fill
 
     # Both fills: the host's (steps whose drafting waits for the host) and the one reading counts on the device.
-    runner._fill_draft = broken(runner._fill_draft)  # type: ignore[attr-defined]
-    runner._fill_draft_on_device = broken(runner._fill_draft_on_device)  # type: ignore[attr-defined]
+    drafter = runner.drafter  # type: ignore[attr-defined]
+    drafter._fill_draft = broken(drafter._fill_draft)
+    drafter.fill_draft_on_device = broken(drafter.fill_draft_on_device)
 
 
 @pytest.mark.parametrize("sabotage", [None, "positions", "rows"])
@@ -281,16 +282,17 @@ def test_commit_graph_commits_each_row_to_its_own_slot(ckpts: CheckpointCache, e
                                                        monkeypatch: pytest.MonkeyPatch, sabotage: bool) -> None:
     """The verify rows' commit in one ``commit`` graph: n-gram speculation over staggered requests is token-exact
     with plain decoding; a commit graph that reads the rows' slots in reverse order must not be."""
-    from hyserve.worker.model_runner import ModelRunner
+    from hyserve.worker.state_ops import StateOps
 
     if sabotage:
         def reversed_commit(self, size):  # type: ignore[no-untyped-def]
-            slots, acc = self.dev_bufs["state_slots"][:size].flip(0), self.dev_bufs["num_accepted"][:size]
+            bufs = self.batch.dev_bufs
+            slots, acc = bufs["state_slots"][:size].flip(0), bufs["num_accepted"][:size]
             for layer in self.model.recurrent_layers():
                 layer.commit_verified(slots, acc)
             return ()
 
-        monkeypatch.setattr(ModelRunner, "_graph_commit", reversed_commit)
+        monkeypatch.setattr(StateOps, "_graph_commit", reversed_commit)
     path = ckpts.get()
     prompts = {f"r{i}": random_prompts(1, [10 + 5 * i], seed=80 + i)[0] * 2 for i in range(3)}  # repeats: n-gram hits
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

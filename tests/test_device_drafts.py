@@ -22,6 +22,8 @@ from hyserve import SamplingParams
 from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.worker import cuda_graphs
 from hyserve.worker.model_runner import ModelRunner
+from hyserve.worker.spec_decode.verifier import Verifier
+from hyserve.worker.state_ops import StateOps
 
 K = 3
 # A request asking for logprobs: its steps draft through the graph without the device chain (logits are read late).
@@ -35,7 +37,7 @@ PROMPTS = {"a": SHARED + toks(9, 301), "b": toks(37, 302), "gone": toks(30, 303)
 def record_fed(runner: ModelRunner, spec_rows: list[Any], fed: list[list[int]], from_device: list[bool]) -> None:
     """The drafts the accept graph compared with, as the rejection sampler is given them: from the device where
     some were PREVIOUS_DRAFT inputs, else the rows' own."""
-    ids = runner.verify_draft_ids
+    ids = runner.verifier.verify_draft_ids
     from_device.append(ids is not None)
     fed.append(ids.tolist() if ids is not None else [t for r in spec_rows for t in r.draft_token_ids])
 
@@ -54,9 +56,9 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
                    async_scheduling=async_scheduling, device=device)
     eng = llm.llm_engine
     runner = eng.runner
-    assert runner.graphs is not None and runner.draft_slots is not None
+    assert runner.graphs is not None and runner.verifier.draft_slots is not None
     if not device_drafts:
-        runner.draft_slots = None  # the host transport: the draft graph's tokens are copied to the host
+        runner.verifier.draft_slots = None  # the host transport: the draft graph's tokens are copied to the host
     eng.scheduler.async_verify = behind and device_drafts  # rows behind rows in flight read drafts on the device
     placeholders = 0
     count_rows = runner._spec_row
@@ -69,7 +71,7 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
     runner._spec_row = counted  # type: ignore[method-assign]
     fed: list[list[int]] = []  # per verify step, the drafts acceptance compared with, in row order
     from_device: list[bool] = []
-    sampler = runner.rejection_sampler
+    sampler = runner.verifier.rejection_sampler
     assert sampler is not None
     launch = sampler.launch  # every acceptance goes through it (a call, or the device chain's launch)
 
@@ -80,7 +82,7 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
         return launch(logits, rows, draft_probs, draft_ids=draft_ids)
 
     sampler.launch = record  # type: ignore[method-assign]
-    in_graph = runner._accept_in_graph  # a greedy verify graph's acceptance: the accept graph
+    in_graph = runner.verifier.accept_in_graph  # a greedy verify graph's acceptance: the accept graph
 
     def record_graph(rows: list[Any], spec_rows: list[Any], size: int) -> Any:
         pending = in_graph(rows, spec_rows, size)
@@ -88,16 +90,16 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
             record_fed(runner, spec_rows, fed, from_device)
         return pending
 
-    runner._accept_in_graph = record_graph  # type: ignore[method-assign]
+    runner.verifier.accept_in_graph = record_graph  # type: ignore[method-assign]
     chained = 0
-    chain = runner._verify_and_draft_on_device
+    chain = runner.verifier.verify_and_draft_on_device
 
     def count_chain(*args: Any) -> Any:
         nonlocal chained
         chained += 1
         return chain(*args)
 
-    runner._verify_and_draft_on_device = count_chain  # type: ignore[method-assign]
+    runner.verifier.verify_and_draft_on_device = count_chain  # type: ignore[method-assign]
     arrivals = {0: [("a", PROMPTS["a"], greedy(22)), ("b", PROMPTS["b"], greedy(18))],
                 3: [("gone", PROMPTS["gone"], greedy(30))],
                 6: [("c", PROMPTS["c"], LOGPROBS), ("d", PROMPTS["d"], greedy(25))],
@@ -147,14 +149,14 @@ def test_a_draft_read_from_the_wrong_row_is_caught(ckpts: CheckpointCache, emula
     verification), the drafts compared differ from the host transport's."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     host = run(path, device_drafts=False, async_scheduling=True)
-    feed = ModelRunner._feed_device_drafts
+    feed = Verifier.feed_device_drafts
 
-    def wrong_row(self: ModelRunner, fed: list[tuple[int, int]]) -> None:
+    def wrong_row(self: Verifier, fed: list[tuple[int, int]]) -> None:
         assert self.draft_slots is not None
         size = self.draft_slots.numel()
         feed(self, [(t, (j + K) % size) for t, j in fed])
 
-    monkeypatch.setattr(ModelRunner, "_feed_device_drafts", wrong_row)
+    monkeypatch.setattr(Verifier, "feed_device_drafts", wrong_row)
     dev = run(path, device_drafts=True, async_scheduling=True)
     assert dev["outputs"] == host["outputs"]
     assert dev["fed"] != host["fed"]
@@ -162,9 +164,9 @@ def test_a_draft_read_from_the_wrong_row_is_caught(ckpts: CheckpointCache, emula
 
 def snapshots_one_early(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: every candidate snapshot taken one position early."""
-    snaps = ModelRunner._save_snapshots
+    snaps = StateOps.save_snapshots
 
-    def early(self: ModelRunner, rows: list[Any], acc: torch.Tensor) -> None:
+    def early(self: StateOps, rows: list[Any], acc: torch.Tensor) -> None:
         layers = self.model.recurrent_layers()
         originals = [layer.snapshot_candidates for layer in layers]
         for layer, orig in zip(layers, originals, strict=True):
@@ -176,7 +178,7 @@ def snapshots_one_early(monkeypatch: pytest.MonkeyPatch) -> None:
             for layer, orig in zip(layers, originals, strict=True):
                 layer.snapshot_candidates = orig  # type: ignore[method-assign]
 
-    monkeypatch.setattr(ModelRunner, "_save_snapshots", early)
+    monkeypatch.setattr(StateOps, "save_snapshots", early)
 
 
 def planted_targets(path: str, n: int, cut: int, seed: int) -> tuple[dict[str, list[int]], list[int], Any]:
@@ -201,12 +203,12 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
     with their true greedy continuation, so most drafts are accepted: the commit and the candidate snapshots of the
     device chain run with counts above zero."""
     if sabotage == "commit":  # every row takes candidate 0 whatever was accepted
-        commit = ModelRunner._commit_verified
+        commit = StateOps.commit_verified
 
-        def candidate_zero(self: ModelRunner, acc: Any) -> None:  # the device chain's counts
+        def candidate_zero(self: StateOps, acc: Any) -> None:  # the device chain's counts
             commit(self, acc.clamp(max=0) if isinstance(acc, torch.Tensor) else acc)
 
-        monkeypatch.setattr(ModelRunner, "_commit_verified", candidate_zero)
+        monkeypatch.setattr(StateOps, "commit_verified", candidate_zero)
     elif sabotage == "snapshots":
         snapshots_one_early(monkeypatch)
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
@@ -222,11 +224,11 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
 
     def plant(so: Any, ro: Any, sink: Any) -> Any:
         ran = update(so, ro, sink)
-        assert runner.draft_slots is not None
+        assert runner.verifier.draft_slots is not None
         for req in eng.scheduler.running:
             if PREVIOUS_DRAFT in req.draft_token_ids:
                 cont = want[req.request_id][req.num_output_tokens:][:K]
-                runner.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
+                runner.verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
         return ran
 
     eng.scheduler.update_from_output = plant  # type: ignore[method-assign]

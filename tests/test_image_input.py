@@ -33,6 +33,7 @@ from hyserve.testing import (
     tiny_png,
     write_tiny_vlm_checkpoint,
 )
+from hyserve.worker.mm_inputs import MMInputs
 from hyserve.worker.model_runner import ModelRunner
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -160,7 +161,7 @@ def test_multi_turn_sliding_screenshots_with_chunks_cutting_the_spans(vlm: tuple
         out = check(vlm, llm, [(episode_prompt(turn, "Step"), window)])[0]
         if turn:
             assert (out.num_cached_tokens or 0) >= 16  # type: ignore[attr-defined]
-    assert runner.num_images_encoded == 4  # each screenshot once, though each is in two turns' prompts
+    assert runner.mm.num_images_encoded == 4  # each screenshot once, though each is in two turns' prompts
 
 
 def test_staggered_arrivals_and_an_abort_with_images(vlm: tuple[str, object]) -> None:
@@ -207,8 +208,7 @@ def test_dropping_the_decode_delta_is_caught(vlm: tuple[str, object], monkeypatc
 
 def test_misaligned_encoder_rows_are_caught(vlm: tuple[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk cutting an image's span that takes the image's first rows instead of its own part's."""
-    monkeypatch.setattr(ModelRunner, "_span_rows",
-                        lambda self, im, a, b: self._image_embeddings(im)[: b - a])
+    monkeypatch.setattr(MMInputs, "span_rows", lambda self, im, a, b: self.image_embeddings(im)[: b - a])
     with pytest.raises(AssertionError):
         check(vlm, make_llm(vlm[0], max_num_batched_tokens=16),
               [(user_turn(f"Here: {IMAGE} what is it?"), [image(48, 48, 40)])])
@@ -274,14 +274,14 @@ def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: t
                    async_scheduling=True)
     runner = _runner(llm)
     seen: list[object] = []
-    real = ModelRunner._image_inputs
+    real = MMInputs.image_inputs
 
-    def spy(self: ModelRunner, positions, mm_rows, lookahead=0, embed=True):  # type: ignore[no-untyped-def]
+    def spy(self: MMInputs, positions, mm_rows, lookahead=0, embed=True):  # type: ignore[no-untyped-def]
         out = real(self, positions, mm_rows, lookahead, embed)
         if lookahead == 1:  # an MTP pass
             seen.append(out[1])
         return out
-    ModelRunner._image_inputs = spy  # type: ignore[method-assign]
+    MMInputs.image_inputs = spy  # type: ignore[method-assign]
     try:
         shots = {c: [image(48, 40, 50 + 10 * c + i) for i in range(3)] for c in range(2)}
         for turn in range(3):
@@ -292,9 +292,9 @@ def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: t
             if turn:
                 assert all((o.num_cached_tokens or 0) >= 16 for o in outs)  # type: ignore[attr-defined]
     finally:
-        ModelRunner._image_inputs = real  # type: ignore[method-assign]
+        MMInputs.image_inputs = real  # type: ignore[method-assign]
     assert any(s is not None for s in seen)  # MTP passes consumed image rows
-    assert runner.num_images_encoded == 6
+    assert runner.mm.num_images_encoded == 6
     assert (runner.graphs is not None) == graphs
 
 
@@ -303,11 +303,11 @@ def test_an_evicted_image_is_encoded_again_and_outputs_stay_right(vlm: tuple[str
     outputs are unchanged."""
     llm = make_llm(vlm[0], max_num_batched_tokens=16, enable_prefix_caching=False)
     runner = _runner(llm)
-    runner.encoder_cache_tokens = 1
+    runner.mm.encoder_cache_tokens = 1
     a, b = image(48, 40, 70), image(48, 40, 71)
     for imgs in ([a], [b], [a]):
         check(vlm, llm, [(user_turn(f"Screen {IMAGE} now?"), imgs)])
-    assert runner.num_images_encoded == 3 and len(runner.encoder_cache) == 1
+    assert runner.mm.num_images_encoded == 3 and len(runner.mm.encoder_cache) == 1
 
 
 @pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],
@@ -340,9 +340,9 @@ def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, obje
     im = ImageInput(ImageSpan(5, 4, "h"), np.zeros((16, 1), dtype=np.float32), (1, 4, 4))
     mm = MultimodalPrompt((im,), np.tile(np.arange(20), (3, 1)), 0)
     rows = torch.arange(4.0).unsqueeze(1) + 100  # row r of the image is 100 + r
-    monkeypatch.setattr(ModelRunner, "_image_embeddings", lambda self, image: rows)
-    runner.mm_prompts["x"] = mm
-    _, (index, embeds) = runner._image_inputs(torch.zeros(6, dtype=torch.long), [(0, 3, 4, mm), (4, 7, 2, mm)],
+    monkeypatch.setattr(MMInputs, "image_embeddings", lambda self, image: rows)
+    runner.mm.prompts["x"] = mm
+    _, (index, embeds) = runner.mm.image_inputs(torch.zeros(6, dtype=torch.long), [(0, 3, 4, mm), (4, 7, 2, mm)],
                                               lookahead=1)
     assert index.tolist() == [1, 2, 3, 4] and embeds.flatten().tolist() == [100.0, 101.0, 102.0, 103.0]
 
@@ -350,7 +350,7 @@ def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, obje
 def test_the_memory_profile_encodes_the_largest_image(vlm: tuple[str, object]) -> None:
     """The CUDA memory profile runs the tower on the largest square image the processor makes (max_pixels 48 x 48,
     patches of 4, merged by 2: 12 x 12 patches) and counts the full encoder cache."""
-    from hyserve.worker.model_runner import largest_image_inputs
+    from hyserve.worker.mm_inputs import largest_image_inputs
 
     tower = _runner(make_llm(vlm[0])).model.visual  # type: ignore[attr-defined]
     pixels, grid = largest_image_inputs(vlm[0], tower.cfg)

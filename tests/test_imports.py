@@ -162,7 +162,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 WORKER_SIDE = ["hyserve.worker.worker", "hyserve.worker.model_runner", "hyserve.executor.uniproc",
-               "hyserve.speculative.mtp_proposer"]
+               "hyserve.worker.spec_decode.mtp_proposer"]
 SCHEDULER_SIDE = {"hyserve.request", "hyserve.scheduler.scheduler", "hyserve.cache.prefix_cache",
                   "hyserve.cache.state_slots", "hyserve.engine.llm_engine", "hyserve.engine.output_processor"}
 

@@ -171,16 +171,16 @@ def test_pp2_with_graphs_on_every_stage(ckpts: CheckpointCache, monkeypatch: pyt
     monkeypatch.setenv("HYSERVE_EMULATE_CUDA_GRAPHS", "1")
     if sabotage:
         (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
-            from hyserve.worker.model_runner import ModelRunner
+            from hyserve.worker.pipeline_stage import StageIO
 
-            original = ModelRunner._recv_stage_input
+            original = StageIO.recv_stage_input
 
             def reversed_rows(self, num_tokens):
                 original(self, num_tokens)
                 if self.link is not None and not self.is_first_stage:
                     self.pp_in[:num_tokens] = self.pp_in[:num_tokens].flip(0).clone()
 
-            ModelRunner._recv_stage_input = reversed_rows
+            StageIO.recv_stage_input = reversed_rows
         """))
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     path, arrivals, aborts, _, want = reference_run(ckpts, spec)
@@ -204,16 +204,17 @@ def test_pp2_with_graphs_on_every_stage(ckpts: CheckpointCache, monkeypatch: pyt
 _SABOTAGES = {
     # The accepted counts of step s applied to the newest uncommitted step (its rows, slots and candidates).
     "late_counts_to_newest_step": """
-        def _pending_commit(self, step_id):
+        def pending_commit(self, step_id):
             newest = max(self._uncommitted)
             return self._uncommitted.pop(newest)
     """,
     # Step s's candidates and counts, but written through the slots of the step the stage ran last (the seed
     # report's stale row mapping).
     "current_step_mapping": """
-        def _pending_commit(self, step_id):
+        def pending_commit(self, step_id):
             pending = self._uncommitted.pop(step_id)
-            vm = self.last_meta.verify if self.last_meta is not None else None
+            last_meta = self.state_ops.batch.last_meta
+            vm = last_meta.verify if last_meta is not None else None
             if vm is not None and vm.state_slots.shape == pending.state_slots.shape:
                 pending.state_slots = vm.state_slots.clone()
             return pending
@@ -227,8 +228,8 @@ def test_a_stage_applying_counts_through_other_rows_is_caught(ckpts: CheckpointC
     """Sabotage in the worker processes (through ``sitecustomize``): the outputs must differ from the single-process
     engine's."""
     (tmp_path / "sitecustomize.py").write_text(
-        "from hyserve.worker.model_runner import ModelRunner\n" + textwrap.dedent(_SABOTAGES[sabotage])
-        + "\nModelRunner._pending_commit = _pending_commit\n")
+        "from hyserve.worker.pipeline_stage import StageCommits\n" + textwrap.dedent(_SABOTAGES[sabotage])
+        + "\nStageCommits.pending_commit = pending_commit\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     path, arrivals, aborts, _, want = reference_run(ckpts, "mtp")
     engine = scenario_engine(path, "mtp", pipeline_parallel_size=2)

@@ -209,7 +209,7 @@ def _late_snapshots(engine: LLMEngine) -> None:
     pool = runner.state_pool
     original_copy = pool.copy
     pending: list[tuple[list[int], list[int]]] = []
-    original_save: Callable = runner._save_snapshots
+    original_save: Callable = runner.state_ops.save_snapshots
 
     def save(rows, num_accepted):  # type: ignore[no-untyped-def]
         for src, dst in pending:
@@ -221,7 +221,7 @@ def _late_snapshots(engine: LLMEngine) -> None:
         finally:
             pool.copy = original_copy  # type: ignore[method-assign]
 
-    runner._save_snapshots = save  # type: ignore[method-assign]
+    runner.state_ops.save_snapshots = save  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("sabotage", [_corrupt_snapshots, _late_snapshots])

@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyserve.layers.rejection_sampler import RejectionSampler, SpecOutput, SpecRow, process_logits
 from hyserve.layers.sampler import Sampler, SamplingRow
 from hyserve.sampling_params import SamplingParams
+from hyserve.worker.spec_decode.rejection_sampler import RejectionSampler, SpecOutput, SpecRow, process_logits
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)

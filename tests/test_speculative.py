@@ -293,7 +293,7 @@ def resolve_drafts(engine: LLMEngine, req: Request) -> list[int]:
     drafts = list(req.draft_token_ids)
     if PREVIOUS_DRAFT not in drafts:
         return drafts
-    slots = engine.runner.draft_slots
+    slots = engine.runner.verifier.draft_slots
     assert slots is not None and req.state_slot is not None
     row = slots[req.state_slot].tolist()
     return [row[j] if t == PREVIOUS_DRAFT else t for j, t in enumerate(drafts)]

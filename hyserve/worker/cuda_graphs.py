@@ -15,6 +15,13 @@ Each kind is captured once per padded row count B (largest first, in one memory 
 - ``draft`` (MTP): the whole drafting of a verify step: the MTP layer over each row's k + 1 positions (masked
   tails), then k - 1 one-token passes fed the previous pass's greedy token and output on the device.
 - ``verify<i>`` (a pipeline stage before the last): the stage's verify forward writing scratch set ``i``.
+- ``snapshot``, ``draft_fill``, ``behind``, ``accept``: a verify step's candidate snapshots, the draft graph's inputs
+  from the accepted counts on the device, the starts of rows behind rows in flight, greedy acceptance.
+
+This module captures and replays; it knows no kind's body. The room that owns a kind registers its body
+(``GraphBody``: the forward, and how to lay out pad rows for capture): the runner ``decode`` and ``verify``,
+``StateOps`` ``commit`` and ``snapshot``, ``MTPDrafter`` ``mtp``, ``draft`` and ``draft_fill``, ``Verifier``
+``behind`` and ``accept`` (docs/worker.md).
 
 With pipeline parallelism a later stage's graphs read the previous stage's output from a persistent input buffer
 the runner receives into before the replay, and a stage before the last returns its (residual, pending MLP output)
@@ -47,9 +54,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
+
+from hyserve.layers.linear import ParallelLMHead
+from hyserve.model.base import CausalLM
 
 logger = logging.getLogger("hyserve")
 
@@ -78,6 +90,31 @@ def capture_sizes(limit: int, sizes: list[int] | None) -> list[int]:
 
 
 Forward = Callable[[int], tuple[torch.Tensor, ...]]
+
+
+def weak_forward(method: Callable[..., tuple[torch.Tensor, ...]], *args: int) -> Forward:
+    """``method(*args, size)`` called through a weak reference to its object: the graph sets are owned, through the
+    runner, by the objects whose bodies they run, and a bound method held there would make a cycle that keeps the
+    runner (weights, caches, graph pool) alive after its last reference is dropped, until a gc pass."""
+    ref = weakref.WeakMethod(method)
+
+    def forward(size: int) -> tuple[torch.Tensor, ...]:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the owner of this graph was released")
+        return bound(*args, size)
+
+    return forward
+
+
+@dataclass(slots=True)
+class GraphBody:
+    """What a feature registers for one graph kind: its ``forward`` (reading persistent buffers only; made with
+    ``weak_forward``) and ``fill_pads(size)``, which lays out ``size`` pad rows before capture (None: the step's
+    own buffers as pad rows of the kind's layout, which the runner fills)."""
+
+    forward: Forward
+    fill_pads: Callable[[int], object] | None = None
 
 
 class GraphSet:
@@ -134,14 +171,26 @@ class GraphSet:
 
 
 class StepGraphs:
-    """The runner's graph sets (``decode``, ``verify``, ``mtp``; each may be absent) and their shared pool."""
+    """The runner's graph sets (``decode``, ``verify``, ``mtp``, ...; each may be absent) and their shared pool."""
 
-    def __init__(self, sets: dict[str, GraphSet]) -> None:
-        self.sets = {name: s for name, s in sets.items() if s.sizes}
+    def __init__(self, sets: dict[str, GraphSet] | None = None) -> None:
+        self.sets = {name: s for name, s in (sets or {}).items() if s.sizes}
         self.pool: object | None = None
+
+    def add(self, graph_set: GraphSet) -> None:
+        if graph_set.sizes:
+            self.sets[graph_set.name] = graph_set
 
     def get(self, name: str) -> GraphSet | None:
         return self.sets.get(name)
+
+    def fitting(self, kind: str, num_rows: int, fits: Callable[[], bool]) -> tuple[GraphSet, int] | None:
+        """The captured graphs of ``kind`` and the padded size for ``num_rows`` rows, if the step ``fits`` them."""
+        graphs = self.sets.get(kind)
+        if graphs is None or not num_rows or not fits():
+            return None
+        size = graphs.padded_size(num_rows)
+        return None if size is None else (graphs, size)
 
     @property
     def num_replays(self) -> int:
@@ -159,3 +208,27 @@ class StepGraphs:
         logger.info("CUDA graphs: captured %s in %.1f s (%.0f MiB)",
                     "; ".join(f"{n} batch sizes {s.sizes}" for n, s in self.sets.items()),
                     time.perf_counter() - t0, (torch.cuda.memory_allocated(device) - before) / 2**20)
+
+
+class GraphLogits:
+    """The two buffers every graph writes its logits into (a prefix of each): the LM head's output in the model
+    dtype, then in float32, which sampling and acceptance read."""
+
+    def __init__(self, model: CausalLM, rows: int, vocab_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.lowp = torch.empty(rows, vocab_size, dtype=dtype, device=device)
+        self.f32 = torch.empty(rows, vocab_size, dtype=torch.float32, device=device)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of ``hidden``'s rows, into the buffers; returns the float32 view."""
+        n = hidden.shape[0]
+        lowp = self.lowp[:n]
+        head = self.model.lm_head
+        if isinstance(head, ParallelLMHead) and head.sharded:  # TP: this rank's vocabulary, then all ranks'
+            lowp.copy_(head.gather(torch.mm(hidden, head.weight.t())))
+        else:
+            torch.mm(hidden, head.weight.t(), out=lowp)
+        out = self.f32[:n]
+        out.copy_(lowp)
+        return out

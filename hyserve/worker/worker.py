@@ -13,7 +13,8 @@ from hyserve.cache.planner import CacheInfo, CacheLayout
 from hyserve.config import EngineConfig, ModelConfig
 from hyserve.distributed.parallel_state import init_distributed, layer_partition, shutdown_distributed
 from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
-from hyserve.worker.model_runner import ModelRunner, StepResult
+from hyserve.worker.model_runner import ModelRunner
+from hyserve.worker.step_result import StepResult
 
 
 class Worker:

@@ -12,30 +12,25 @@ each request may still produce.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from hyserve.scheduler.output import RunnerOutput, ScheduledRow
-
-if TYPE_CHECKING:
-    from hyserve.worker.model_runner import ModelRunner
+from hyserve.worker.spec_decode.mtp_drafter import ChainRow, MTPDrafter, MTPRow
 
 
 class MTPProposer:
-    def __init__(self, num_speculative_tokens: int) -> None:
-        # The runner is passed to each call, not kept: it owns this proposer (no reference cycle).
+    def __init__(self, num_speculative_tokens: int, drafter: MTPDrafter) -> None:
         self.k = num_speculative_tokens
+        self.drafter = drafter
         # The layer's output that proposed each request's first draft in the last step (tests compare them).
         self.first_hidden: dict[str, torch.Tensor] = {}
 
-    def propose(self, runner: ModelRunner, rows: list[ScheduledRow], out: RunnerOutput) -> list[list[int]]:
-        """Consume the step's positions (see the module docstring); drafts for every row that sampled."""
-        from hyserve.worker.model_runner import MTPRow
-
-        assert runner.last_hidden is not None
+    def propose(self, rows: list[ScheduledRow], out: RunnerOutput, last_hidden: torch.Tensor,
+                draft_slots: torch.Tensor | None) -> list[list[int]]:
+        """Consume the step's positions (see the module docstring; ``last_hidden``: the target's hidden states of
+        the step); drafts for every row that sampled (placeholders for those left in ``draft_slots``)."""
         self.first_hidden = {}
-        chained = self._propose_in_one_graph(runner, rows, out)
+        chained = self._propose_in_one_graph(rows, out, last_hidden, draft_slots)
         if chained is not None:
             return chained
         drafts: list[list[int]] = [[] for _ in rows]
@@ -61,7 +56,7 @@ class MTPProposer:
             owners.append(i)
         if not mrows:
             return drafts
-        hidden, first = runner.mtp_draft(mrows, runner.last_hidden)
+        hidden, first = self.drafter.mtp_draft(mrows, last_hidden)
         live: list[tuple[int, int, int, int]] = []  # (row, drafts wanted, index into hidden, last consumed position)
         for n, (i, mrow) in enumerate(zip(owners, mrows, strict=True)):
             row = rows[i]
@@ -85,24 +80,22 @@ class MTPProposer:
             for m in keep:
                 i, _, _, last = live[m]
                 passes.append(MTPRow(last + j, [drafts[i][-1]], [len(passes)], rows[i].block_table, rows[i].req_id))
-            h, tokens = runner.mtp_draft(passes, h[keep] if len(keep) < len(live) else h)
+            h, tokens = self.drafter.mtp_draft(passes, h[keep] if len(keep) < len(live) else h)
             for m, tok in zip(keep, tokens, strict=True):
                 drafts[live[m][0]].append(tok)
             live = [live[m] for m in keep]
             j += 1
         return drafts
 
-    def _propose_in_one_graph(self, runner: ModelRunner, rows: list[ScheduledRow], out: RunnerOutput
-                              ) -> list[list[int]] | None:
+    def _propose_in_one_graph(self, rows: list[ScheduledRow], out: RunnerOutput, last_hidden: torch.Tensor,
+                              draft_slots: torch.Tensor | None) -> list[list[int]] | None:
         """A step of verify rows only: the whole drafting in one replay of the ``draft`` graph (first pass over
         each row's accepted positions, then the chained passes on the device) and one copy of the tokens to the
         host; None where no graph fits (then the passes run one by one)."""
-        from hyserve.worker.model_runner import ChainRow
-
         q = self.k + 1
-        if not all(r.is_verify and r.start + q <= runner.max_model_len for r in rows):
+        if not all(r.is_verify and r.start + q <= self.drafter.max_model_len for r in rows):
             return None
-        graph = runner.draft_chain_graph(len(rows))
+        graph = self.drafter.draft_chain_graph(len(rows))
         if graph is None:
             return None
         chain: list[ChainRow] = []
@@ -117,13 +110,12 @@ class MTPProposer:
             num_tokens = row.start + len(inputs) + 1  # known tokens after the step
             chain.append(ChainRow(row.start, inputs, list(range(t0, t0 + len(inputs))), row.block_table,
                                   max(0, min(self.k, row.draft_limit - num_tokens)), row.state_slot,
-                                  runner.position_shift(row.req_id, row.start)))
+                                  self.drafter.mm.position_shift(row.req_id, row.start)))
             owners.append(i)
         drafts: list[list[int]] = [[] for _ in rows]
         if not chain:
             return drafts
-        assert runner.last_hidden is not None
-        hidden, tokens = runner.mtp_draft_chain(chain, runner.last_hidden, *graph)
+        hidden, tokens = self.drafter.mtp_draft_chain(chain, last_hidden, *graph, draft_slots)
         for n, (i, crow) in enumerate(zip(owners, chain, strict=True)):
             if crow.num_drafts:
                 drafts[i] = tokens[n]

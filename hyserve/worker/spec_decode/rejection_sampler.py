@@ -218,7 +218,7 @@ class RejectionSampler:
             padded = torch.zeros(num_rows * width, dtype=torch.bool, device=self.device)
             padded[pad_idx.to(self.device)] = accept
             padded = padded.view(num_rows, width)
-        num_acc = padded.to(torch.int32).cumprod(dim=1).sum(dim=1).long()
+        num_acc = _leading_accepted(padded)
         stop = device_tensor(starts, self.device) + num_acc
         bad = ~finite.index_select(0, stop)
         last = final_tok.index_select(0, stop)
@@ -241,6 +241,30 @@ class RejectionSampler:
             event = torch.cuda.Event()
             event.record()
         return PendingSpec(accepted, emitted, host, event, (self, logits, rows, starts))
+
+    @staticmethod
+    def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, out: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``launch``'s decision for greedy rows without bans, over the fixed layout of a verify graph (the
+        ``accept`` graph captures it): ``logits`` float32 ``(rows * (k + 1), V)``, ``drafts`` ``(rows, k)`` (columns
+        past a row's ``num_drafts`` are never accepted), into ``out`` ``(rows, k + 2)``: the count (-1: an error
+        row), then the emitted tokens, the last one at column count. Draws nothing and reads only its arguments;
+        returns (accepted, emitted) of ``out``."""
+        size, k = drafts.shape
+        q = k + 1
+        best, tok = logits.max(dim=1)  # first maximum, as in launch
+        finite = torch.isfinite(best).view(size, q)
+        tok = tok.view(size, q)
+        j = torch.arange(k, device=logits.device)
+        accept = (tok[:, :k] == drafts) & (j.unsqueeze(0) < num_drafts.unsqueeze(1)) & finite[:, :k]
+        num_acc = _leading_accepted(accept).unsqueeze(1)
+        bad = ~finite.gather(1, num_acc).squeeze(1)
+        emitted = out[:, 1:]
+        emitted[:, :k].copy_(drafts)
+        emitted.scatter_(1, num_acc, tok.gather(1, num_acc))
+        accepted = torch.where(bad, -1, num_acc.squeeze(1))
+        out[:, 0].copy_(accepted)
+        return accepted, emitted
 
     # ------------------------------------------------------------------------------------------------------------
     # Inputs
@@ -467,6 +491,11 @@ class RejectionSampler:
                 out.ranks[r].append(ranks[i])
                 out.top_logprobs[r].append(list(zip(top_ids[i][: n_top[i]], top_vals[i][: n_top[i]], strict=True)))
                 i += 1
+
+
+def _leading_accepted(accept: torch.Tensor) -> torch.Tensor:
+    """The walk: per row of ``accept`` ``(rows, width)``, the number of leading accepted positions."""
+    return accept.to(torch.int32).cumprod(dim=1).sum(dim=1).long()
 
 
 class PendingSpec:

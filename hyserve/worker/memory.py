@@ -1,0 +1,151 @@
+"""The worker's memory: what the device holds, the activation peak of a full-size step, the cache budget that is
+left (vLLM's ``gpu_memory_utilization``), and the KV cache tensors themselves."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hyserve.cache.block_pool import cdiv
+from hyserve.cache.specs import AttentionSpec, CacheSpecs
+from hyserve.cache.state_pool import StatePool
+from hyserve.config import ModelConfig
+from hyserve.model.base import CausalLM
+from hyserve.model.metadata import StepMetadata
+from hyserve.worker.mm_inputs import largest_image_inputs
+
+logger = logging.getLogger("hyserve")
+
+
+@dataclass(slots=True)
+class DeviceMemory:
+    """One reading of a CUDA device's memory (bytes); ``non_torch`` = used on the device minus torch's reserved."""
+
+    total: int
+    free: int
+    reserved: int
+    allocated: int
+    non_torch: int
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return DeviceMemory(total, free, reserved, torch.cuda.memory_allocated(device), total - free - reserved)
+
+
+def allocate_kv(specs: list[AttentionSpec], num_blocks: int, block_size: int, device: torch.device
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K, V) of (num_blocks, block_size, num_kv_heads, head_dim) per spec."""
+    out = []
+    for spec in specs:
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        out.append((torch.zeros(shape, dtype=spec.dtype, device=device),
+                    torch.zeros(shape, dtype=spec.dtype, device=device)))
+    return out
+
+
+@dataclass(slots=True)
+class ProfileShape:
+    """What the activation profile runs: a prefill of ``num_tokens`` tokens on this pipeline stage."""
+
+    num_tokens: int
+    max_num_seqs: int
+    block_size: int
+    is_first_stage: bool
+    is_last_stage: bool
+    model_dir: str  # the checkpoint's image processor sizes the largest image
+    encoder_cache_tokens: int
+
+
+def profile_peak_activation(model: CausalLM, model_config: ModelConfig, specs: CacheSpecs, shape: ProfileShape,
+                            device: torch.device, dtype: torch.dtype) -> int:
+    """Run a full-size prefill on throwaway caches and measure the activation memory it peaks at."""
+    n, bs = shape.num_tokens, shape.block_size
+    pool = StatePool(specs.recurrent, 1, device)
+    kv = allocate_kv(list(specs.attention), cdiv(n, bs) + 1, bs, device)
+    model.bind_caches(kv, pool.layers)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    meta = StepMetadata(
+        positions=torch.arange(n, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        state_slots=torch.zeros(1, dtype=torch.long, device=device),
+        block_tables=torch.arange(1, cdiv(n, bs) + 1, dtype=torch.int32, device=device).unsqueeze(0),
+        slot_mapping=torch.arange(bs, bs + n, device=device),
+        max_query_len=n, max_seq_len=n,
+    )
+    ids = torch.randint(0, model_config.vocab_size, (n,), device=device)
+    inter = None
+    if not shape.is_first_stage:
+        h = model_config.hidden_size
+        inter = (torch.randn(n, h, dtype=dtype, device=device), torch.randn(n, h, dtype=dtype, device=device))
+    hidden = model(ids, meta, inter) if inter is not None else model(ids, meta)
+    if shape.is_last_stage:
+        model.compute_logits(hidden[-min(n, shape.max_num_seqs):])
+    tower = getattr(model, "visual", None)
+    if tower is not None:  # the largest image the processor makes, encoded beside the step's activations
+        pixels, grid = largest_image_inputs(shape.model_dir, tower.cfg)
+        tower(pixels.to(device, dtype), grid)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del pool, kv, meta, hidden
+    torch.cuda.empty_cache()
+    if tower is not None:  # the encoder cache when full
+        peak += shape.encoder_cache_tokens * tower.cfg.out_hidden_size * dtype.itemsize
+    return int(peak)
+
+
+def cache_budget(device: torch.device, util: float, base: DeviceMemory, peak: int, graphs: int) -> int:
+    """Bytes for the KV cache, state pool and snapshots on a CUDA device.
+
+    As vLLM's ``gpu_memory_utilization``: this instance may use ``total * utilization`` of the card; the cache gets
+    that minus what the instance itself already holds (weights, non-torch memory such as cuBLAS workspaces, both
+    measured against the baseline ``base`` taken before loading), its profiled activation ``peak`` and the CUDA
+    graphs' estimate ``graphs``. Other processes and other instances in this process are not subtracted; instead the
+    share asked for must be free, so two instances at 0.45 each fit on one card and a second one at 0.9 is refused
+    with a message that says what holds the memory.
+    """
+    now = device_memory(device)
+    assert now is not None
+    total = now.total
+    weights = max(0, now.allocated - base.allocated)
+    non_torch = max(0, now.non_torch - base.non_torch)
+    requested = int(total * util)
+    # Free to this instance at the baseline: the device's free memory and what torch's allocator had cached
+    # but not handed out (a shut-down instance's memory is there until empty_cache).
+    free_at_start = base.free + base.reserved - base.allocated
+    if requested > free_at_start:
+        raise ValueError(
+            f"gpu_memory_utilization={util} asks for {requested / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB "
+            f"device, but only {free_at_start / 2**30:.2f} GiB was free when this instance started (other "
+            f"processes or other LLM instances in this process hold {(total - free_at_start) / 2**30:.2f} GiB); "
+            "lower --gpu-memory-utilization, or release the other instance first (LLM.shutdown() or `with "
+            "LLM(...) as llm:`)")
+    budget = requested - weights - non_torch - peak - graphs
+    logger.info("memory: total %.1f GiB, this instance may use %.1f GiB (gpu_memory_utilization %.2f): weights "
+                "%.2f GiB, non-torch %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimate) %.2f GiB, cache "
+                "budget %.2f GiB", total / 2**30, requested / 2**30, util, weights / 2**30, non_torch / 2**30,
+                peak / 2**30, graphs / 2**30, budget / 2**30)
+    if budget <= 0:
+        raise ValueError("no GPU memory left for the KV cache and state pool; raise --gpu-memory-utilization "
+                         "or lower --max-num-batched-tokens")
+    return budget
+
+
+def graph_memory_estimate(sizes: dict[str, list[int]], logit_rows: int, num_speculative_tokens: int,
+                          vocab_size: int, activation_width: int, dtype: torch.dtype) -> int:
+    """Bytes the graphs take beyond the caches: the shared logits buffers (model dtype and float32) and the pool of
+    their activations."""
+    if not sizes:
+        return 0
+    elem = torch.finfo(dtype).bits // 8
+    tokens = max(s[-1] * (num_speculative_tokens + 1) for s in sizes.values() if s)
+    return logit_rows * vocab_size * (4 + elem) + tokens * 16 * activation_width * elem + 64 * 2**20

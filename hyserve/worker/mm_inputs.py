@@ -1,0 +1,123 @@
+"""Image input on the worker: each request's images and M-RoPE positions, and the vision tower's outputs.
+
+A request's images arrive once, with the step that brings the request (``NewRequest.mm``), and are kept until its
+id comes back in ``finished_req_ids``. The tower's outputs are kept by image content hash, least recently used
+first, up to ``encoder_cache_tokens`` rows: a screenshot repeated in later turns' prompts is encoded once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from hyserve.model.vision import VisionConfig
+from hyserve.multimodal.image import ImageProcessorSettings
+from hyserve.multimodal.inputs import ImageInput, MultimodalPrompt
+from hyserve.scheduler.output import ScheduledRow
+
+# The encoder cache holds this many steps' token budget of image embeddings, and at least ENCODER_CACHE_MIN_TOKENS
+# (8192 rows of a 27B model's 5120-wide bf16 embeddings: 84 MB; not counted in the memory plan yet).
+ENCODER_CACHE_STEPS = 4
+ENCODER_CACHE_MIN_TOKENS = 8192
+
+# (first token index in the step, start, length, prompt) of each row that needs three-axis positions or image rows.
+ImageRow = tuple[int, int, int, MultimodalPrompt]
+
+
+def largest_image_inputs(model_dir: str, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero pixels and the grid of the largest square image the checkpoint's processor makes (its max_pixels):
+    what the memory profile encodes."""
+    settings = ImageProcessorSettings.from_checkpoint(model_dir)
+    unit = settings.patch_size * settings.merge_size
+    side = max(1, int(math.isqrt(settings.max_pixels) // unit)) * settings.merge_size  # patches per side
+    grid = torch.tensor([[1, side, side]], dtype=torch.long)
+    return torch.zeros(side * side, cfg.patch_dim), grid
+
+
+class MMInputs:
+    """The images of the requests this worker holds, and the encoder cache of the vision tower's outputs."""
+
+    def __init__(self, tower: nn.Module | None, device: torch.device, dtype: torch.dtype,
+                 max_num_batched_tokens: int) -> None:
+        self.tower = tower  # None on a model without one, or a pipeline stage after the first
+        self.device = device
+        self.dtype = dtype
+        self.prompts: dict[str, MultimodalPrompt] = {}
+        self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoder_cache_tokens = max(ENCODER_CACHE_STEPS * max_num_batched_tokens, ENCODER_CACHE_MIN_TOKENS)
+        self.num_images_encoded = 0
+
+    def get(self, req_id: str | None) -> MultimodalPrompt | None:
+        """Request ``req_id``'s images and positions, if its prompt has images."""
+        return self.prompts.get(req_id) if req_id is not None and self.prompts else None
+
+    def position_shift(self, req_id: str, start: int) -> int:
+        """What request ``req_id``'s 1-D rotary positions add to the index from ``start`` on (its rope_delta past
+        its prompt's last image; 0 for a text prompt)."""
+        mm = self.get(req_id)
+        return mm.position_shift(start) if mm is not None else 0
+
+    def reaches_image(self, row: ScheduledRow) -> bool:
+        """Whether ``row`` starts before its prompt's last image ends (three-axis positions, image embeddings)."""
+        mm = self.get(row.req_id)
+        return mm is not None and mm.needs_axes(row.start)
+
+    def mtp_reaches_image(self, req_id: str | None, start: int, num_tokens: int) -> bool:
+        """Whether an MTP pass row needs three-axis positions or an image row as its input."""
+        mm = self.get(req_id)
+        return mm is not None and mm.reaches(start, num_tokens, lookahead=1)
+
+    def image_inputs(self, host_positions: torch.Tensor, mm_rows: list[ImageRow], lookahead: int = 0,
+                     embed: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A step's (3, T) positions and its image rows, for ``mm_rows`` = (first token index, start, length, prompt).
+
+        Each listed row starting before its prompt's last image takes the prompt's three axes, every other token its
+        1-D position (``host_positions``) on each axis. With ``embed``, the token at position p reads the encoder row
+        of sequence index p + ``lookahead`` where that is an image placeholder (the target: 0; the MTP head, which
+        consumes the next token: 1); a row that cuts an image's span takes the rows of its part."""
+        positions = host_positions.clone().expand(3, -1).contiguous()
+        index: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        for t0, start, n, mm in mm_rows:
+            if mm.needs_axes(start):
+                positions[:, t0 : t0 + n] = mm.axes(start, start + n)
+            if not embed:
+                continue
+            lo, hi = start + lookahead, start + n + lookahead
+            for im in mm.overlapping(lo, hi):
+                a, b = max(lo, im.span.offset), min(hi, im.end)
+                embeds.append(self.span_rows(im, a, b))
+                index.append(torch.arange(t0 + a - lo, t0 + b - lo))
+        mrope = positions.to(self.device, non_blocking=True)
+        if not embeds:
+            return mrope, None
+        return mrope, (torch.cat(index).to(self.device), torch.cat(embeds))
+
+    def span_rows(self, im: ImageInput, a: int, b: int) -> torch.Tensor:
+        """The encoder rows of ``im``'s placeholder tokens [a, b) (sequence indices inside its span)."""
+        return self.image_embeddings(im)[a - im.span.offset : b - im.span.offset]
+
+    def image_embeddings(self, im: ImageInput) -> torch.Tensor:
+        """The vision tower's (placeholder count, hidden) output for ``im``, from the encoder cache or encoded now."""
+        key = im.span.content_hash
+        cached = self.encoder_cache.get(key)
+        if cached is not None:
+            self.encoder_cache.move_to_end(key)
+            return cached
+        tower = self.tower
+        assert isinstance(tower, nn.Module), "a stage without the vision tower needs no image rows"
+        grid = torch.tensor([im.grid_thw], dtype=torch.long)
+        rows = tower(torch.from_numpy(im.pixel_values).to(self.device, self.dtype), grid)
+        if rows.shape[0] != im.span.length:
+            raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {im.span.length} "
+                               "placeholder tokens")
+        self.num_images_encoded += 1
+        self.encoder_cache[key] = rows
+        held = sum(r.shape[0] for r in self.encoder_cache.values())
+        while held > self.encoder_cache_tokens and len(self.encoder_cache) > 1:
+            _, old = self.encoder_cache.popitem(last=False)
+            held -= old.shape[0]
+        return rows

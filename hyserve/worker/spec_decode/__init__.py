@@ -1,0 +1,1 @@
+"""Speculative decoding on the worker: acceptance (rejection sampler), verify rows, the MTP drafter and proposer."""
