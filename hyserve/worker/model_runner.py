@@ -67,9 +67,9 @@ from hyserve.worker.pipeline_stage import StageCommits, StageIO
 from hyserve.worker.spec_decode.mtp_drafter import MTPDrafter
 from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
 from hyserve.worker.spec_decode.rejection_sampler import SpecRow
-from hyserve.worker.spec_decode.verifier import Verifier
+from hyserve.worker.spec_decode.verifier import Verifier, take_verified
 from hyserve.worker.state_ops import StateOps
-from hyserve.worker.step_result import StepResult, take_samples, take_verified
+from hyserve.worker.step_result import StepResult, take_samples
 
 logger = logging.getLogger("hyserve")
 

@@ -234,7 +234,7 @@ class MTPDrafter:
         """
         k = self.num_speculative_tokens
         q = k + 1
-        if self._draft_fence is not None:  # see _fill_draft_on_device
+        if self._draft_fence is not None:  # see fill_draft_on_device
             self._draft_fence.synchronize()
         nb = self.draft_np
         bs = self.block_size

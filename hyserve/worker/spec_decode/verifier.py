@@ -21,9 +21,27 @@ from hyserve.worker.cuda_graphs import GraphBody, GraphLogits, GraphSet, StepGra
 from hyserve.worker.input_batch import FilledStep, InputBatch
 from hyserve.worker.spec_decode.mtp_drafter import MTPDrafter
 from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
-from hyserve.worker.spec_decode.rejection_sampler import PendingSpec, RejectionSampler, SpecRow
+from hyserve.worker.spec_decode.rejection_sampler import PendingSpec, RejectionSampler, SpecOutput, SpecRow
 from hyserve.worker.state_ops import StateOps
-from hyserve.worker.step_result import StepResult, take_verified
+from hyserve.worker.step_result import StepResult
+
+
+def take_verified(out: RunnerOutput, idx: list[int], spec: SpecOutput) -> None:
+    """Verify rows ``idx`` of the step take their accepted count and emitted tokens."""
+    errors = set(spec.error_rows)
+    for j, i in enumerate(idx):
+        if j in errors:
+            out.errors.setdefault(i, "non-finite logits (NaN/inf) while verifying drafts")
+            continue  # the live state is left as it was (-1)
+        out.num_accepted[i] = spec.num_accepted[j]
+        if i in out.errors:
+            continue  # its state advances (the batch ran), its tokens are dropped
+        tokens = out.token_ids[i] = [int(t) for t in spec.token_ids[j]]
+        if spec.logprobs is not None:
+            lps, ranks, tops = out.logprob_lists()
+            lps[i] = [float(x) for x in spec.logprobs[j]]
+            ranks[i] = list(spec.ranks[j]) if spec.ranks is not None else [None] * len(tokens)
+            tops[i] = list(spec.top_logprobs[j]) if spec.top_logprobs is not None else [[] for _ in tokens]
 
 
 class Verifier:
