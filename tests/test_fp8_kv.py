@@ -26,8 +26,8 @@ from conftest import LAYER_PATTERNS, CheckpointCache
 from test_engine import GREEDY_TOL, LOGPROB_TOL, drive, make_llm
 
 from hyserve import SamplingParams
-from hyserve.kernels import reference
-from hyserve.kernels.reference import paged_attention_ref, store_kv_ref
+from hyserve.kernels.attention import reference
+from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
 from hyserve.outputs import RequestOutput
 from hyserve.testing import reference_logits
 

@@ -26,12 +26,9 @@ import pytest
 import torch
 
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
-from hyserve.kernels.reference import (
-    causal_conv1d_varlen_ref,
-    gdn_forward_ref,
-    paged_attention_ref,
-    store_kv_ref,
-)
+from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
+from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
+from hyserve.kernels.gdn.reference import gdn_forward_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""Tests for hyserve.kernels.verify (speculative-decoding verify + commit; docs/design.md invariant 2).
+"""Tests for the verify variants and the commit (hyserve.kernels.{conv,gdn}.verify, hyserve.kernels.commit: speculative
+decoding; docs/design.md invariant 2).
 
 * CPU path (the references), in process: outputs equal ``causal_conv1d_varlen`` / ``gdn_forward`` run on a copy of the
   pool; the live pools are bit-identical afterwards; candidate ``a`` of each row equals the slot state those functions
@@ -27,14 +28,12 @@ import pytest
 import torch
 
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward
-from hyserve.kernels.verify import (
-    causal_conv1d_verify,
-    causal_conv1d_verify_ref,
-    commit_verified,
-    commit_verified_ref,
-    gdn_verify,
-    gdn_verify_ref,
-)
+from hyserve.kernels.commit import commit_verified
+from hyserve.kernels.commit.reference import commit_verified_ref
+from hyserve.kernels.conv.reference import causal_conv1d_verify_ref
+from hyserve.kernels.conv.verify import causal_conv1d_verify
+from hyserve.kernels.gdn.reference import gdn_verify_ref
+from hyserve.kernels.gdn.verify import gdn_verify
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -312,7 +311,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _interp_conv(
     lens: list[int], dtype: torch.dtype, max_query_len: int | None, p_cap: int | None = None
 ) -> tuple[bool, str]:
-    from hyserve.kernels.verify import causal_conv1d_verify_triton
+    from hyserve.kernels.conv.verify import causal_conv1d_verify_triton
 
     p = conv_problem(lens, D=40, K=4, dtype=dtype, seed=11)
     if p_cap is not None:  # scratch shorter than the longest row
@@ -332,7 +331,7 @@ def _interp_conv(
 
 
 def _interp_gdn(lens: list[int], dtype: torch.dtype, p_cap: int | None = None) -> tuple[bool, str]:
-    from hyserve.kernels.verify import gdn_verify_triton
+    from hyserve.kernels.gdn.verify import gdn_verify_triton
 
     p = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=32, dtype=dtype, seed=12)
     if p_cap is not None:  # scratch shorter than the longest row
@@ -352,7 +351,7 @@ def _interp_gdn(lens: list[int], dtype: torch.dtype, p_cap: int | None = None) -
 
 
 def _interp_commit(dtype: torch.dtype) -> tuple[bool, str]:
-    from hyserve.kernels.verify import commit_verified_triton
+    from hyserve.kernels.commit import commit_verified_triton
 
     gen = torch.Generator().manual_seed(13)
     lens = VERIFY_LENS

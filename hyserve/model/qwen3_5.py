@@ -23,9 +23,11 @@ from hyserve.distributed.parallel_state import (
     tp_size,
 )
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
+from hyserve.kernels.commit import commit_verified
+from hyserve.kernels.conv import causal_conv1d_verify
 from hyserve.kernels.gating import gdn_gating
+from hyserve.kernels.gdn import gdn_verify
 from hyserve.kernels.norm import silu_mul
-from hyserve.kernels.verify import causal_conv1d_verify, commit_verified, gdn_verify
 from hyserve.layers.linear import Linear, MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from hyserve.layers.norm import GatedRMSNorm, RMSNorm
 from hyserve.layers.quantization import QuantizationConfig
@@ -103,7 +105,7 @@ class GatedDeltaNet(RecurrentLayer):
         self.conv_scratch, self.ssm_scratch = tensors["conv_state"], tensors["ssm_state"]
 
     def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Both tensors in one fused kernel (``hyserve.kernels.verify.commit_verified``)."""
+        """Both tensors in one fused kernel (``hyserve.kernels.commit.commit_verified``)."""
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         assert self.conv_scratch is not None and self.ssm_scratch is not None, "verify scratch not bound"
         commit_verified(self.conv_state, self.ssm_state, state_slots, self.conv_scratch, self.ssm_scratch,

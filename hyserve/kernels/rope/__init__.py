@@ -1,29 +1,18 @@
 """Partial NeoX rotary embedding applied to ``(T, H, D)`` queries or keys with per-token float32 ``cos``/``sin``.
 
-Entry point :func:`apply_rope`: on CUDA one Triton launch per tensor (the torch formulation takes about ten); elsewhere
-the plain-torch reference below, which defines the semantics: ``cos``/``sin`` are cast to the tensor's dtype and
-``x_rot * [cos, cos] + rotate_half(x_rot) * [sin, sin]`` is computed in that dtype (as transformers does); channels
-past ``2 * R2`` pass through.
+Entry point :func:`apply_rope`: on CUDA one Triton launch per tensor (``_triton.py``; the torch formulation takes
+about ten); elsewhere the plain-torch reference of ``reference.py``, which defines the semantics: ``cos``/``sin`` are
+cast to the tensor's dtype and ``x_rot * [cos, cos] + rotate_half(x_rot) * [sin, sin]`` is computed in that dtype (as
+transformers does); channels past ``2 * R2`` pass through.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hyserve.kernels.rope.reference import apply_rope_ref
+
 __all__ = ["apply_rope", "apply_rope_ref"]
-
-
-def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(T, H, D)``; ``cos``, ``sin`` ``(T, R2)`` float32 with ``2 * R2 <= D``."""
-    r = 2 * cos.shape[-1]
-    c = cos.unsqueeze(1).to(x.dtype)
-    s = sin.unsqueeze(1).to(x.dtype)
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
-    c2 = torch.cat((c, c), dim=-1)
-    s2 = torch.cat((s, s), dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return torch.cat((x_rot * c2 + rotated * s2, x_pass), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,7 +22,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from hyserve.kernels._triton_rope import _rope_kernel
+    from hyserve.kernels.rope._triton import _rope_kernel
 
     t, h, d = x.shape
     r2 = cos.shape[-1]

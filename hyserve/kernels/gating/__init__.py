@@ -2,22 +2,16 @@
 
 ``g = -exp(A_log) * softplus(a + dt_bias)`` (the log-decay, ``<= 0``) and ``beta = sigmoid(b)``, both float32
 ``(T, Hv)`` (in half precision ``A`` can overflow to inf). On CUDA one Triton launch (the torch formulation takes
-about ten); elsewhere the plain-torch reference below, which defines the semantics.
+about ten: ``_triton.py``); elsewhere the plain-torch reference of ``reference.py``, which defines the semantics.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
+
+from hyserve.kernels.gating.reference import gdn_gating_ref
 
 __all__ = ["gdn_gating", "gdn_gating_ref"]
-
-
-def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    beta = b.float().sigmoid()
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, beta
 
 
 def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
@@ -30,7 +24,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 
 def gdn_gating_triton(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                       dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from hyserve.kernels._triton_gating import _gdn_gating_kernel
+    from hyserve.kernels.gating._triton import _gdn_gating_kernel
 
     t, h = a.shape
     assert b.shape == (t, h) and a_log.shape == (h,) and dt_bias.shape == (h,), "a, b (T, H); A_log, dt_bias (H,)"

@@ -1,9 +1,11 @@
 """Depthwise causal conv1d + SiLU over varlen rows with a slot-indexed rolling state (GDN's short convolution).
 
-Entry point: :func:`causal_conv1d_varlen`. On CUDA it runs the Triton kernels below; elsewhere the plain-torch
-reference (:func:`hyserve.kernels.reference.causal_conv1d_varlen_ref`), which defines the semantics.
+Entry points: :func:`causal_conv1d_varlen`, and its speculative-decoding variant
+:func:`~hyserve.kernels.conv.verify.causal_conv1d_verify` (reads the live windows, records the window after every
+token in scratch). On CUDA they run the Triton kernels of ``_triton.py``; elsewhere the plain-torch references of
+``reference.py`` (:func:`~hyserve.kernels.conv.reference.causal_conv1d_varlen_ref` defines the semantics).
 
-Invariants (see ``reference.py`` for the layout):
+Invariants (see :mod:`hyserve.kernels.varlen` for the layout):
 
 * ``conv_state[s]`` holds the previous ``K - 1`` inputs of slot ``s``'s request, oldest first (zeros when fresh).
 * After the call the slot of each non-empty row holds the last ``K - 1`` inputs of ``old window ++ row tokens``;
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from hyserve.kernels.reference import causal_conv1d_varlen_ref
+from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
+from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.utils import next_pow2
 
-__all__ = ["causal_conv1d_varlen", "causal_conv1d_varlen_triton"]
+__all__ = ["causal_conv1d_varlen", "causal_conv1d_varlen_triton", "causal_conv1d_verify"]
 
 
 def causal_conv1d_varlen(
@@ -66,7 +69,7 @@ def causal_conv1d_varlen_triton(
     """Triton implementation of :func:`causal_conv1d_varlen` (also runs under ``TRITON_INTERPRET=1`` on CPU).
 
     ``out`` optionally supplies the contiguous ``(T, D)`` output buffer (e.g. NaN-poisoned in tests)."""
-    from hyserve.kernels._triton_conv import _conv1d_fwd_kernel, _conv1d_state_kernel
+    from hyserve.kernels.conv._triton import _conv1d_fwd_kernel, _conv1d_state_kernel
 
     T, D = x.shape
     K = weight.shape[1]

@@ -1,8 +1,12 @@
 """Gated DeltaNet (gated delta rule) over varlen rows with a slot-indexed float32 state pool.
 
-Entry point: :func:`gdn_forward`. Semantics are those of transformers' ``torch_recurrent_gated_delta_rule`` /
-``torch_chunk_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=True`` (see
-:func:`hyserve.kernels.reference.gdn_forward_ref`, the CPU path and the yardstick).
+Entry points: :func:`gdn_forward`, and its speculative-decoding variant :func:`~hyserve.kernels.gdn.verify.gdn_verify`
+(reads the live state, records the state after every token in scratch). Semantics are those of transformers'
+``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=True`` (see
+:func:`hyserve.kernels.gdn.reference.gdn_forward_ref`, the CPU path and the yardstick).
+
+The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent and verify kernels, which share
+one delta-rule step), ``verify.py`` (the verify variant) and ``reference.py`` (the plain-torch references).
 
 Dispatch:
 
@@ -24,11 +28,12 @@ from typing import Any
 
 import torch
 
+from hyserve.kernels.gdn.reference import gdn_forward_ref
+from hyserve.kernels.gdn.verify import gdn_verify
 from hyserve.kernels.norm import l2_norm_heads
-from hyserve.kernels.reference import gdn_forward_ref
 from hyserve.utils import next_pow2
 
-__all__ = ["GDN_RECURRENT_MAX_QUERY_LEN", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton"]
+__all__ = ["GDN_RECURRENT_MAX_QUERY_LEN", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton", "gdn_verify"]
 
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches go to fla's chunked kernel.
 GDN_RECURRENT_MAX_QUERY_LEN = 1
@@ -84,7 +89,7 @@ def gdn_recurrent_triton(
     Each ``(row, value head, BV block)`` program reads its state tile once and writes it once. Runs under
     ``TRITON_INTERPRET=1`` on CPU tensors too. ``out`` optionally supplies the ``(T, Hv, Dv)`` output buffer.
     """
-    from hyserve.kernels._triton_gdn import _gdn_recurrent_kernel
+    from hyserve.kernels.gdn._triton import _gdn_recurrent_kernel
 
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]

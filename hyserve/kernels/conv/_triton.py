@@ -4,6 +4,11 @@ Each program owns one row ``r`` (its tokens ``[qsl[r], qsl[r+1])``, its slot ``s
 channels. The old window of a row is read before any of its entries is overwritten: either by a separate launch
 (``_conv1d_state_kernel`` runs after ``_conv1d_fwd_kernel``) or, when fused, by a block-wide barrier; within
 ``_roll_state`` a barrier separates the reads of the old window from the writes of the new one.
+
+``_conv1d_verify_kernel`` (:mod:`hyserve.kernels.conv.verify`) mirrors ``_conv1d_fwd_kernel`` but never writes
+``conv_state``: the window after token ``t`` is inputs ``t - K + 2 .. t``, i.e. exactly the taps ``1 .. K - 1`` the
+output at ``t`` already loads, so each tap's tile is stored to the row-indexed scratch (``scratch[r, t]``, for
+``t < min(n_r, P)``) as it is read.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_conv1d_fwd_kernel", "_conv1d_state_kernel"]
+__all__ = ["_conv1d_fwd_kernel", "_conv1d_state_kernel", "_conv1d_verify_kernel"]
 
 
 @triton.jit
@@ -90,3 +95,43 @@ def _conv1d_state_kernel(
     offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     _roll_state(x_ptr, state_ptr, slot, start, n, offs_d, d_mask, sx_t, sx_d, ss_s, ss_d, ss_k, K, KM1_PAD)
+
+
+@triton.jit
+def _conv1d_verify_kernel(
+    x_ptr, w_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
+    D, P,
+    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t,
+    sc_r, sc_p, sc_d, sc_k,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid (token blocks, R, channel blocks). out = silu(sum_k w[:, k] * window[k]) in fp32; scratch[r, t] = window
+    after token t (taps 1..K-1), for t < min(n, P)."""
+    tb = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    db = tl.program_id(2)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < n
+    m = t_mask[:, None] & d_mask[None, :]
+    cm = m & (offs_t < P)[:, None]
+    srow = state_ptr + slot * ss_s + offs_d[None, :] * ss_d
+    crow = scr_ptr + r * sc_r + offs_t[:, None] * sc_p + offs_d[None, :] * sc_d
+
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):
+        rel = offs_t - (K - 1) + k
+        from_x = (rel >= 0)[:, None]
+        xv = tl.load(x_ptr + (start + rel)[:, None] * sx_t + offs_d[None, :] * sx_d, mask=m & from_x, other=0.0)
+        sv = tl.load(srow + (K - 1 + rel)[:, None] * ss_k, mask=m & (~from_x), other=0.0)
+        wk = tl.load(w_ptr + offs_d * sw_d + k * sw_k, mask=d_mask, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wk[None, :]
+        if k > 0:
+            win = tl.where(from_x, xv.to(sv.dtype), sv)
+            tl.store(crow + (k - 1) * sc_k, win.to(scr_ptr.dtype.element_ty), mask=cm)
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)

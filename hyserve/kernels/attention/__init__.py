@@ -1,7 +1,7 @@
 """Paged KV cache writes and causal paged attention for the full-attention layers.
 
-Entry points: :func:`store_kv` and :func:`paged_attention`. On CUDA they run the Triton kernels of
-``_triton_attention.py``; elsewhere the plain-torch references of ``reference.py``, which define the semantics.
+Entry points: :func:`store_kv` and :func:`paged_attention`. On CUDA they run the Triton kernels of ``_triton.py``;
+elsewhere the plain-torch references of ``reference.py``, which define the semantics.
 
 Invariants:
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hyserve.kernels.reference import FP8_KV_DTYPES, paged_attention_ref, store_kv_ref
+from hyserve.kernels.attention.reference import FP8_KV_DTYPES, paged_attention_ref, store_kv_ref
 from hyserve.utils import next_pow2
 
 __all__ = ["paged_attention", "paged_attention_triton", "store_kv", "store_kv_triton"]
@@ -84,7 +84,7 @@ def store_kv_triton(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton :func:`store_kv`: one program per token, no host sync."""
-    from hyserve.kernels._triton_attention import _store_kv_kernel
+    from hyserve.kernels.attention._triton import _store_kv_kernel
 
     T, Hkv, D = k.shape
     if T == 0:
@@ -175,7 +175,7 @@ def paged_attention_triton(
     prefill kernel otherwise. ``decode_partition`` (tests) overrides the context positions per decode split;
     ``prefill_config`` (tuning) overrides the prefill kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
     ``out`` optionally supplies the ``(T, Hq, D)`` output buffer."""
-    from hyserve.kernels._triton_attention import (
+    from hyserve.kernels.attention._triton import (
         _paged_decode_kernel,
         _paged_decode_reduce_kernel,
         _paged_prefill_kernel,

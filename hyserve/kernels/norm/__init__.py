@@ -3,43 +3,27 @@
 Entry points :func:`rms_norm`, :func:`add_rms_norm` (the residual add fused in) and :func:`gated_rms_norm`, and the
 MLP's :func:`silu_mul`: on CUDA one Triton launch each (the torch formulation
 takes six to twelve launches per call, which a host-bound decode step pays dozens of times per layer); elsewhere
-the plain-torch references below, which define the semantics: normalise in float32 and cast back to the input dtype;
-the gated form rounds to the input dtype before its weight and after it, as transformers does.
+the plain-torch references of ``reference.py``, which define the semantics: normalise in float32 and cast back to the
+input dtype; the gated form rounds to the input dtype before its weight and after it, as transformers does. The Triton
+kernels are in ``_triton.py``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
+
+from hyserve.kernels.norm.reference import (
+    add_rms_norm_ref,
+    gated_rms_norm_ref,
+    l2_norm_heads_ref,
+    rms_norm_ref,
+    silu_mul_ref,
+)
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "rms_norm", "rms_norm_ref",
            "silu_mul", "silu_mul_ref"]
 
 _MAX_BLOCK_D = 16384
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
-
-
-def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * xf.to(dtype)
-    return (out * F.silu(gate.float())).to(dtype)
-
-
-def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    res = x + delta
-    return res, rms_norm_ref(res, weight, eps)
-
-
-def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -71,11 +55,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return gated_rms_norm_triton(x, gate, weight, eps)
 
 
-def l2_norm_heads_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype).contiguous()
-
-
 def l2_norm_heads(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + eps)`` over the last dim of a ``(T, H, D)`` tensor (any strides but a unit last one),
     in float32, returned contiguous in ``x.dtype`` (the q/k norm of the gated delta rule)."""
@@ -85,7 +64,7 @@ def l2_norm_heads(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def l2_norm_heads_triton(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    from hyserve.kernels._triton_norm import _l2_norm_heads_kernel
+    from hyserve.kernels.norm._triton import _l2_norm_heads_kernel
 
     t, h, d = x.shape
     if x.stride(2) != 1:
@@ -116,7 +95,7 @@ def _launch(d: int) -> tuple[int, int, int]:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from hyserve.kernels._triton_norm import _rms_norm_kernel
+    from hyserve.kernels.norm._triton import _rms_norm_kernel
 
     d = x.shape[-1]
     assert weight.shape == (d,), "weight must be (D,)"
@@ -131,7 +110,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from hyserve.kernels._triton_norm import _gated_rms_norm_kernel
+    from hyserve.kernels.norm._triton import _gated_rms_norm_kernel
 
     d = x.shape[-1]
     assert weight.shape == (d,) and gate.shape == x.shape, "weight must be (D,) and gate shaped like x"
@@ -148,7 +127,7 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
 def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from hyserve.kernels._triton_norm import _add_rms_norm_kernel
+    from hyserve.kernels.norm._triton import _add_rms_norm_kernel
 
     d = x.shape[-1]
     assert weight.shape == (d,) and delta.shape == x.shape, "weight must be (D,) and delta shaped like x"
@@ -165,7 +144,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from hyserve.kernels._triton_norm import _silu_mul_kernel
+    from hyserve.kernels.norm._triton import _silu_mul_kernel
 
     assert gate.shape == up.shape, "gate and up must have one shape"
     g2, u2 = _rows(gate), _rows(up)

@@ -1,6 +1,7 @@
 """FP8 (e4m3) linear layers: activation quantization and ``x W^T`` with float8 weights and float32 scales.
 
-Semantics (the plain-torch references below define them; the CPU runs them, and tests hold the CUDA paths to them):
+Semantics (the plain-torch references of ``reference.py`` define them; the CPU runs them, and tests hold the CUDA
+paths to them):
 
 * A scale multiplies on dequantization: ``w = w_fp8 * scale`` (compressed-tensors' ``weight_scale`` and Qwen's
   ``weight_scale_inv`` alike, docs/fp8_facts.md sections 4 and 6).
@@ -13,7 +14,7 @@ Semantics (the plain-torch references below define them; the CPU runs them, and 
 
 Entry points: :func:`fp8_linear` (channel-scaled weights) and :func:`fp8_block_linear` (block-scaled weights). On
 CUDA the activation is quantized in one Triton launch; then, up to ``AUTO_TRITON_MAX_ROWS`` rows (decode), channel
-weights take the Triton GEMM (``_triton_fp8``: split K, the partials added by the last program of each tile, one
+weights take the Triton GEMM (``_triton.py``: split K, the partials added by the last program of each tile, one
 launch), above, ``torch._scaled_mm`` (cuBLASLt; rowwise scales: the token's times the channel's). Block weights
 always take the Triton GEMM, which applies the scales per ``bk``-wide slice of K (measured choices:
 benchmarks/results/h200/fp8_2026-12-01/README.md, fp8_2026-12-02/README.md). Channel shapes ``_scaled_mm`` refuses
@@ -27,8 +28,19 @@ import os
 from typing import NamedTuple
 
 import torch
-from torch.nn import functional as F
 
+from hyserve.kernels.fp8.reference import (
+    AMAX_EPS,
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_block_weight,
+    fp8_block_linear_dequant,
+    fp8_block_linear_ref,
+    fp8_linear_ref,
+    quantize_fp8,
+    quantize_per_token,
+    quantize_per_token_group,
+)
 from hyserve.utils import next_pow2
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "check_fp8_device", "dequantize_block_weight",
@@ -36,10 +48,6 @@ __all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "check_fp8_dev
            "gemm_backend", "gemm_config", "prepare_device", "quantize_fp8", "quantize_per_token",
            "quantize_per_token_group", "quantize_rows", "split_locks", "triton_fp8_gemm"]
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# The smallest amax a scale is taken from: an all-zero token quantizes to zeros instead of dividing by zero.
-AMAX_EPS = 1e-10
 # The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0), which ``torch._scaled_mm`` needs.
 MIN_FP8_CAPABILITY = (8, 9)
 
@@ -56,69 +64,8 @@ def check_fp8_device(device: torch.device) -> None:
                          "use device='cpu' (which emulates FP8)")
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``fp8(clamp(x / scale))``; ``scale`` broadcasts against ``x`` (float32)."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` of a ``(M, K)`` activation: one float32 scale per token, ``(M, 1)``."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=AMAX_EPS) / FP8_MAX
-    return quantize_fp8(x, scale), scale
-
-
-def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` with one float32 scale per token and ``group``-wide slice of K, ``(M, ceil(K / group))``; a
-    last partial group takes its own amax."""
-    m, k = x.shape
-    g = -(-k // group)
-    padded = F.pad(x.float(), (0, g * group - k)).view(m, g, group)
-    scale = padded.abs().amax(dim=-1).clamp_(min=AMAX_EPS) / FP8_MAX
-    q = quantize_fp8(padded, scale.unsqueeze(-1)).view(m, g * group)[:, :k]
-    return q, scale
-
-
-def dequantize_block_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """The float32 ``(N, K)`` weight of a block-scaled FP8 weight (``scale``: ``(ceil(N / bn), ceil(K / bk))``)."""
-    n, k = weight.shape
-    bn, bk = block
-    full = scale.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
-    return weight.float() * full
-
-
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T`` for ``(M, K)`` activations and a ``(N, K)`` FP8 weight with ``(N, 1)`` scales; activations per
-    token, or with the static ``input_scale`` (one element). Float32 math, output in ``x.dtype``."""
-    if input_scale is None:
-        q, s = quantize_per_token(x)
-    else:
-        s = input_scale.float().reshape(1, 1)
-        q = quantize_fp8(x, s)
-    w = weight.float() * weight_scale.float()
-    return torch.matmul(q.float() * s, w.t()).to(x.dtype)
-
-
-def _quantize_dequantize(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """The float32 activations as the GEMM sees them: quantized per token (``group`` None) or per token and
-    ``group``-wide slice of K, then dequantized."""
-    if group is None:
-        q, s = quantize_per_token(x)
-        return q.float() * s
-    q, s = quantize_per_token_group(x, group)
-    return q.float() * s.repeat_interleave(group, dim=1)[:, : q.shape[1]]
-
-
-def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
-                         group: int | None) -> torch.Tensor:
-    """``x W^T`` for a block-scaled FP8 weight; activations per token and ``group``-wide slice of K (``None``: per
-    token). Float32 math, output in ``x.dtype``."""
-    w = dequantize_block_weight(weight, weight_scale, block)
-    return torch.matmul(_quantize_dequantize(x, group), w.t()).to(x.dtype)
-
-
 # The CUDA GEMM for channel-scaled weights: ``scaled_mm`` (cuBLASLt through torch._scaled_mm) or ``triton``
-# (_triton_fp8); block-scaled weights always take the Triton kernel. HYSERVE_FP8_GEMM picks one for benchmarks
+# (_triton.py); block-scaled weights always take the Triton kernel. HYSERVE_FP8_GEMM picks one for benchmarks
 # (benchmarks/fp8_gemm_bench.py measures both at the decode and prefill shapes).
 GEMM_BACKENDS = ("auto", "scaled_mm", "triton", "triton-fused")
 # auto: the Triton GEMM up to this many rows (decode: it reads the weights at the copy bandwidth, cuBLASLt at ~70 %
@@ -143,7 +90,7 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
     """``(q, scale)`` of a contiguous ``(M, K)`` CUDA activation in one Triton launch: per token (``(M, 1)``
     scales), per token and ``group`` (``(M, ceil(K / group))``), or with the one ``static_scale`` (returned as
     given). The arithmetic of :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8`."""
-    from hyserve.kernels._triton_fp8 import _quant_rows_kernel
+    from hyserve.kernels.fp8._triton import _quant_rows_kernel
 
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
@@ -223,7 +170,7 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch
     ``q`` is the unquantized activation and the GEMM quantizes it as it reads it: ``"token"``, ``"group"``
     (``block_k``-wide, block weights only) or ``"static"`` (``q_scale``: the one scale), the values of
     :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8` exactly."""
-    from hyserve.kernels._triton_fp8 import (
+    from hyserve.kernels.fp8._triton import (
         A_DYNAMIC_GROUP,
         A_DYNAMIC_TOKEN,
         A_PRECOMPUTED,
@@ -320,12 +267,3 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         y = triton_fp8_gemm(q, s, weight, weight_scale, block, out_dtype)
     return y.to(x.dtype).view(*lead, n)
 
-
-def fp8_block_linear_dequant(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                             block: tuple[int, int], group: int | None) -> torch.Tensor:
-    """The block path before the Triton kernel, kept as the benchmark's baseline: the activations' quantization
-    emulated, the weight dequantized on every call, a bf16 GEMM (three times the bytes of the FP8 weight)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xd = _quantize_dequantize(x2, group).to(x.dtype)
-    w = dequantize_block_weight(weight, weight_scale, block).to(x.dtype)
-    return F.linear(xd, w).view(*x.shape[:-1], weight.shape[0])

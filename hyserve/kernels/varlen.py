@@ -1,0 +1,66 @@
+"""The flat varlen layout every kernel of :mod:`hyserve.kernels` takes, and the row helpers its references share.
+
+* A step's tokens from ``R`` rows (requests) are concatenated: ``T`` tokens in all.
+* ``query_start_loc`` (``qsl``) is an int tensor of shape ``(R + 1,)``, non-decreasing, ``qsl[0] == 0`` and
+  ``qsl[R] == T``: row ``r`` owns tokens ``[qsl[r], qsl[r + 1])``. A row may be empty (padding).
+* Recurrent state lives in pools indexed by *slot*, never by row: ``state_slots[r]`` is the slot that row ``r``
+  reads and writes. Slots of non-empty rows must be distinct. Empty rows never write their slot (whatever it is),
+  and pool entries whose slot no non-empty row names are left bit-identical.
+* ``max_query_len`` / ``max_seq_len`` are host ints supplied by the caller (upper bounds, so that no device-to-host
+  synchronisation is needed to size loops or padded tensors).
+
+The plain-torch references (each op's ``reference.py``: the CPU path and the yardstick for the fast paths) do all
+arithmetic in float32 and return outputs in the model dtype given by the documented input. They are written for
+clarity and vectorised across rows; they need no GPU and no Triton.
+
+Cost follows tokens. A step may mix one long prefill chunk with many one-token decode rows; padding every row to the
+longest (rows x chunk x context attention scores, rows x chunk recurrent steps) made such a step cost, in memory and
+time, rows times what its tokens cost. So the attention and the gated delta rule references group rows by query
+length (:func:`length_groups`: a power of two bucket, so padding within a group at most doubles its work), pad each
+group only to its own bounds, and the attention tiles its queries so that a score tensor stays under
+``ATTENTION_SCORE_ELEMENTS``. Grouping reads the row lengths on the host (free on the CPU, the path these run on in
+production; a sync on CUDA, where they are yardsticks).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+__all__ = ["group_tokens", "length_groups", "row_index"]
+
+
+def row_index(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token row id and position within its row, computed on device without a host sync.
+
+    Returns ``(rows, pos)`` (both int64, shape ``(num_tokens,)``) with ``qsl[rows[t]] <= t < qsl[rows[t] + 1]`` and
+    ``pos[t] = t - qsl[rows[t]]``. Empty rows own no token, so they never appear in ``rows``.
+    """
+    qsl = query_start_loc.to(torch.int64)
+    t = torch.arange(num_tokens, device=qsl.device, dtype=torch.int64)
+    rows = torch.searchsorted(qsl[1:], t, right=True)
+    pos = t - qsl[rows]
+    return rows, pos
+
+
+def length_groups(query_start_loc: torch.Tensor) -> list[list[int]]:
+    """The non-empty rows grouped by query length (same power-of-two bucket), each group in row order."""
+    qsl = query_start_loc.tolist()
+    groups: defaultdict[int, list[int]] = defaultdict(list)
+    for r in range(len(qsl) - 1):
+        n = qsl[r + 1] - qsl[r]
+        if n > 0:
+            groups[(n - 1).bit_length()].append(r)
+    return [groups[b] for b in sorted(groups)]
+
+
+def group_tokens(qsl: list[int], rows: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices of ``rows`` (in row order) and their own query_start_loc over those tokens."""
+    idx: list[int] = []
+    sub = [0]
+    for r in rows:
+        idx.extend(range(qsl[r], qsl[r + 1]))
+        sub.append(len(idx))
+    return (torch.tensor(idx, dtype=torch.int64, device=device),
+            torch.tensor(sub, dtype=torch.int64, device=device))
