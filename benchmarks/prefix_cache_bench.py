@@ -782,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # tiny models on few cores: the thread pool only adds overhead
-    from hyserve.config import ModelConfig
+    from hyserve.model.registry import load_model_config
     from hyserve.testing import write_tiny_checkpoint
 
     spec = workload_spec(args.scale)
@@ -796,7 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="hyserve-bench-")
         model_dir = write_tiny_checkpoint(tmp.name, max_position_embeddings=16384)
-    cfg = ModelConfig.from_model_dir(model_dir)
+    cfg = load_model_config(model_dir)
     conversations = make_conversations(spec, args.seed, cfg.vocab_size)
 
     runs: dict[bool, RunResult] = {}

@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import peer_bench as pb
 
-from hyserve.config import DEFAULT_MM_PROCESSOR_CACHE_GB, ModelConfig
+from hyserve.config import DEFAULT_MM_PROCESSOR_CACHE_GB
+from hyserve.model.registry import load_model_config
 from hyserve.multimodal.image import ImageProcessorSettings
 from hyserve.multimodal.inputs import build_multimodal_prompt
 from hyserve.multimodal.processor_cache import GIB, ProcessorCache
@@ -50,7 +51,7 @@ def trace_requests(model: str, scale: str, n: int, seed: int = 0) -> list[list[t
 
 def run(model: str, turns: list[list[tuple[list[int], list[Any]]]], gib: float, threads: int = 1
         ) -> dict[str, float]:
-    mm = ModelConfig.from_model_dir(model).multimodal
+    mm = load_model_config(model).multimodal
     assert mm is not None, f"{model} has no vision_config"
     cache = ProcessorCache(ImageProcessorSettings.from_checkpoint(model), int(gib * GIB))
     per_turn = []

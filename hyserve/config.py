@@ -1,4 +1,5 @@
-"""Configuration: the model's shape (parsed from a checkpoint's config.json) and the engine's knobs."""
+"""Configuration: the model's shape (parsed from a checkpoint's config.json by its family's parser; which parser
+reads a checkpoint is ``hyserve.model.registry``'s, ``load_model_config``) and the engine's knobs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -124,32 +126,6 @@ class ModelConfig:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], quantization: str | None = None) -> ModelConfig:
-        """Parse a config.json with its architecture's registered parser; unknown architectures are refused with
-        the supported list (``hyserve.model.registry``). Its ``quantization_config``, with the ``quantization``
-        engine argument applied, becomes ``quantization`` (unsupported schemes are refused here, naming them)."""
-        from hyserve.layers.quantization import parse_quantization_config
-        from hyserve.model.registry import parse_model_config  # the registry imports the model classes
-
-        cfg = parse_model_config(raw)
-        cfg.quantization = parse_quantization_config(raw, cfg.architecture, quantization)
-        return cfg
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str, quantization: str | None = None) -> ModelConfig:
-        if not os.path.isdir(model_dir):
-            raise FileNotFoundError(missing_model_dir_message(model_dir))
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config.json not found in model directory {model_dir!r}")
-        with open(path, encoding="utf-8") as f:
-            try:
-                raw = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: invalid JSON ({e})") from e
-        return cls.from_dict(raw, quantization)
-
 
 def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
     """Either Qwen3.5 checkpoint form: ``qwen3_5`` (text fields under ``text_config``) or ``qwen3_5_text``."""
@@ -230,20 +206,6 @@ def _multimodal_config(raw: dict[str, Any], rope: dict[str, Any]) -> MultimodalC
     if not isinstance(vision, dict):
         raise ValueError("config.json: vision_config must be an object")
     return MultimodalConfig(mrope_section=section, vision_config=dict(vision), **ids)
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def missing_model_dir_message(model_dir: str) -> str:
-    """hyserve loads local directories only: a hub id (``Qwen/Qwen3.5-2B``) is not downloaded, so say so."""
-    msg = f"model directory not found: {model_dir!r}"
-    if _HUB_ID.fullmatch(model_dir):
-        msg += (" (hyserve loads only local checkpoint directories and downloads nothing; if this is a Hugging Face"
-                f" hub id, download it first, e.g. `hf download {model_dir} --local-dir DIR`, and pass DIR)")
-    else:
-        msg += " (hyserve loads only local checkpoint directories and downloads nothing)"
-    return msg
 
 
 def _first_set(*sources: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -449,6 +411,35 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 16384, "cpu": 2048}
 
 def default_max_num_batched_tokens(device_type: str) -> int:
     return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, 2048)
+
+
+def normalize_mm_limits(value: Any) -> dict[str, int]:
+    """``limit_mm_per_prompt`` as EngineConfig takes it: ``{"image": 2}``, or vLLM's ``{"image": {"count": 2}}``.
+    vLLM's ``width``/``height`` (the size of its memory-profiling images) are refused: hyserve's profile encodes
+    the processor's largest image, so they would be accepted and ignored. Raises ValueError naming the entry;
+    modalities are checked by ``EngineConfig.validate``."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 2}} (got {value!r})")
+    out: dict[str, int] = {}
+    for modality, limit in value.items():
+        if isinstance(limit, Mapping):
+            sized = [k for k in ("width", "height") if k in limit]
+            if sized:
+                verb = "is" if len(sized) == 1 else "are"
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}]: {' and '.join(sized)} {verb} not used (the "
+                                 "memory profile encodes the largest image the checkpoint's processor makes); give "
+                                 "only the "
+                                 f"count, e.g. {{\"{modality}\": {{\"count\": {limit.get('count', 2)}}}}}")
+            extra = sorted(set(limit) - {"count"})
+            if extra or "count" not in limit:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}]: give a count, e.g. {{\"{modality}\": 2}} or "
+                                 f"{{\"{modality}\": {{\"count\": 2}}}} (got {json.dumps(limit)})")
+            limit = limit["count"]
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer (got {limit!r})")
+        out[str(modality)] = limit
+    return out
+
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}

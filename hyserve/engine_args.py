@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from hyserve.config import (
@@ -16,11 +15,12 @@ from hyserve.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
     MM_DEFAULT_LIMIT,
+    normalize_mm_limits,
     parse_size,
 )
 from hyserve.layers.quantization import QUANTIZATION_CHOICES
 
-__all__ = ["engine_args", "local_media_dir", "make_llm", "mm_limits", "normalize_mm_limits", "size_bytes"]
+__all__ = ["engine_args", "local_media_dir", "make_llm", "mm_limits", "size_bytes"]
 
 
 def size_bytes(value: str) -> int:
@@ -41,34 +41,6 @@ def layer_counts(value: str) -> list[int]:
     if any(n < 1 for n in counts):
         raise argparse.ArgumentTypeError(f"{value!r}: every stage needs at least one layer")
     return counts
-
-
-def normalize_mm_limits(value: Any) -> dict[str, int]:
-    """``limit_mm_per_prompt`` as EngineConfig takes it: ``{"image": 2}``, or vLLM's ``{"image": {"count": 2}}``.
-    vLLM's ``width``/``height`` (the size of its memory-profiling images) are refused: hyserve's profile encodes
-    the processor's largest image, so they would be accepted and ignored. Raises ValueError naming the entry;
-    modalities are checked by ``EngineConfig.validate``."""
-    if not isinstance(value, Mapping):
-        raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 2}} (got {value!r})")
-    out: dict[str, int] = {}
-    for modality, limit in value.items():
-        if isinstance(limit, Mapping):
-            sized = [k for k in ("width", "height") if k in limit]
-            if sized:
-                verb = "is" if len(sized) == 1 else "are"
-                raise ValueError(f"limit_mm_per_prompt[{modality!r}]: {' and '.join(sized)} {verb} not used (the "
-                                 "memory profile encodes the largest image the checkpoint's processor makes); give "
-                                 "only the "
-                                 f"count, e.g. {{\"{modality}\": {{\"count\": {limit.get('count', 2)}}}}}")
-            extra = sorted(set(limit) - {"count"})
-            if extra or "count" not in limit:
-                raise ValueError(f"limit_mm_per_prompt[{modality!r}]: give a count, e.g. {{\"{modality}\": 2}} or "
-                                 f"{{\"{modality}\": {{\"count\": 2}}}} (got {json.dumps(limit)})")
-            limit = limit["count"]
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer (got {limit!r})")
-        out[str(modality)] = limit
-    return out
 
 
 def mm_limits(value: str) -> dict[str, int]:

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from hyserve.config import EngineConfig, available_cpus
+from hyserve.config import EngineConfig, available_cpus, normalize_mm_limits
 from hyserve.engine.llm_engine import LLMEngine, PromptType
-from hyserve.engine_args import normalize_mm_limits
 from hyserve.multimodal.chat import chat_inputs
 from hyserve.outputs import RequestOutput
 from hyserve.sampling_params import RequestOutputKind, SamplingParams

@@ -179,10 +179,10 @@ def test_help_texts_say_what_the_defaults_are(capsys: pytest.CaptureFixture[str]
 
 
 def test_vllm_dtype_names() -> None:
-    from hyserve.config import ModelConfig
+    from hyserve.model.registry import load_model_config
 
     parse = cli.build_parser().parse_args
-    cfg = ModelConfig.from_model_dir(DEFAULT_MODEL_DIR)
+    cfg = load_model_config(DEFAULT_MODEL_DIR)
     want = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
             "bfloat16": torch.bfloat16, "auto": torch.float32}
     for name, dtype in want.items():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hyserve import LLM, SamplingParams
-from hyserve.config import ModelConfig
+from hyserve.model.registry import parse_model_config
 from hyserve.testing import load_reference_model, mtp_shapes, read_checkpoint_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ def test_checkpoint_layout() -> None:
     with open(os.path.join(MODEL_DIR, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
     assert raw["architectures"] == ["Qwen3_5ForConditionalGeneration"] and raw["model_type"] == "qwen3_5"
-    cfg = ModelConfig.from_dict(raw)
+    cfg = parse_model_config(raw)
     assert cfg.mtp_num_hidden_layers == 1 and cfg.tie_word_embeddings and cfg.partial_rotary_factor == 0.25
     assert "linear_attention" in cfg.layer_types and "full_attention" in cfg.layer_types
     tensors = read_checkpoint_tensors(MODEL_DIR)

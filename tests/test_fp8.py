@@ -34,7 +34,6 @@ from test_engine import make_llm, random_prompts
 from torch.nn import functional as F
 
 from hyserve import SamplingParams
-from hyserve.config import ModelConfig
 from hyserve.distributed import parallel_state
 from hyserve.engine_args import engine_args
 from hyserve.engine_args import make_llm as make_llm_from_flags
@@ -45,6 +44,7 @@ from hyserve.layers.quantization import parse_quantization_config
 from hyserve.layers.sharding import Shard
 from hyserve.model.loader import load_weights
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM as HyModel
+from hyserve.model.registry import load_model_config
 from hyserve.outputs import RequestOutput
 from hyserve.testing import read_checkpoint_tensors, reference_logits, write_tiny_checkpoint
 from hyserve.testing_fp8 import (
@@ -220,7 +220,7 @@ def test_tensor_parallel_fp8_matches_the_reference(fp8_ckpts: Checkpoints, case:
 
 
 def _load(path: str) -> HyModel:
-    cfg = ModelConfig.from_model_dir(path)
+    cfg = load_model_config(path)
     model = HyModel(cfg).eval()
     load_weights(model, path, cfg)
     return model
@@ -367,7 +367,7 @@ def test_unsupported_compressed_tensors_configs_name_themselves(fp8_ckpts: Check
     path = _copy(fp8_ckpts.get("ct_dynamic"), tmp_path / "c")
     _edit_quant(path, **fields)
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_model_dir(path)
+        load_model_config(path)
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -381,7 +381,7 @@ def test_unsupported_block_fp8_configs_name_themselves(fp8_ckpts: Checkpoints, t
     path = _copy(fp8_ckpts.get("block"), tmp_path / "b")
     _edit_quant(path, **fields)
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_model_dir(path)
+        load_model_config(path)
 
 
 @pytest.mark.parametrize("case,edit,match", [
@@ -436,12 +436,12 @@ def test_fp8_bytes_never_load_as_unquantized_values(fp8_ckpts: Checkpoints, tmp_
 def test_quantization_flag_errors(fp8_ckpts: Checkpoints, tmp_path: Path) -> None:
     plain = write_tiny_checkpoint(tmp_path / "plain")
     with pytest.raises(ValueError, match=r"quantization='int8' is not supported; supported: fp8"):
-        ModelConfig.from_model_dir(plain, quantization="int8")
+        load_model_config(plain, quantization="int8")
     with pytest.raises(ValueError, match=r"quantization='fp8' does not match the checkpoint, which is quantized with "
                                          r"compressed-tensors"):
         make_llm(fp8_ckpts.get("ct_dynamic"), quantization="fp8")
     # A block-FP8 checkpoint is FP8 already: the flag agrees with it.
-    cfg = ModelConfig.from_model_dir(fp8_ckpts.get("block"), quantization="fp8")
+    cfg = load_model_config(fp8_ckpts.get("block"), quantization="fp8")
     assert cfg.quantization is not None and cfg.quantization.method_name == "fp8"
     assert not cfg.quantization.quantizes_at_load
 
@@ -506,7 +506,7 @@ def test_each_rank_holds_its_slice_of_the_dequantized_weights(fp8_ckpts: Checkpo
 
 
 def test_block_shards_off_the_block_grid_are_refused(fp8_ckpts: Checkpoints) -> None:
-    quant = ModelConfig.from_model_dir(fp8_ckpts.get("block")).quantization
+    quant = load_model_config(fp8_ckpts.get("block")).quantization
     with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.q_proj: this tensor-parallel rank's rows "
                                          r"\[64, 128\) of 128 do not start and end on the checkpoint's 128x128 FP8 "
                                          r"blocks"):
@@ -601,7 +601,7 @@ def test_cuda_layers_match_the_cpu_reference(fp8_ckpts: Checkpoints, case: str) 
     block path otherwise) against the same checkpoint on the CPU (the float32 reference path), layer by layer on the
     same bf16 inputs (so both quantize the same values): only the GEMM's summation order and bf16 output differ."""
     path = fp8_ckpts.get(case)
-    cfg = ModelConfig.from_model_dir(path)
+    cfg = load_model_config(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

@@ -132,12 +132,12 @@ def test_no_cycle_through_once_circular_pairs(a: str, b: str) -> None:
 
 def private_imports(path: Path) -> list[str]:
     """``from m import _x`` in ``path`` where ``m`` is another module: a name private to ``m`` used outside it. A
-    kernel module importing from its own Triton module (``hyserve.kernels._triton_x``, private to the package) is
-    the one pattern allowed."""
+    kernel module importing from its own op's Triton module (``hyserve.kernels.<op>._triton``, private to the op's
+    package) is the one pattern allowed."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom) and node.module != "__future__":
-            if (node.module or "").startswith("hyserve.kernels._triton_"):
+            if node.module == f"hyserve.kernels.{path.parent.name}._triton":
                 continue
             found += [f"{path.name}:{node.lineno}: from {node.module} import {a.name}"
                       for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]

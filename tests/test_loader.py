@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from hyserve.config import ModelConfig
 from hyserve.model.loader import load_weights
+from hyserve.model.registry import load_model_config
 from hyserve.testing import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
@@ -45,7 +45,7 @@ def _fresh_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Qwen3_5F
 
 def _load(model_dir: str, dtype: torch.dtype = torch.float32) -> tuple[Qwen3_5ForCausalLM, dict[str, torch.Tensor]]:
     model = _fresh_model(model_dir, dtype)
-    mtp = load_weights(model, model_dir, ModelConfig.from_model_dir(model_dir))
+    mtp = load_weights(model, model_dir, load_model_config(model_dir))
     return model, mtp
 
 
@@ -87,7 +87,7 @@ def test_checkpoint_writing_is_fast_and_deterministic(tmp_path: Path) -> None:
 @pytest.mark.parametrize("form", ["causal", "conditional"])
 def test_config_parses_both_forms(tmp_path: Path, form: str) -> None:
     d = write_tiny_checkpoint(tmp_path, form=form, tie_word_embeddings=True, with_mtp=True, dtype=torch.bfloat16)
-    cfg = ModelConfig.from_model_dir(d)
+    cfg = load_model_config(d)
     assert cfg.architecture == ("Qwen3_5ForCausalLM" if form == "causal" else "Qwen3_5ForConditionalGeneration")
     assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert (cfg.hidden_size, cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta) == (64, 16, 0.5, 10000.0)
@@ -114,13 +114,13 @@ def test_mrope_section_is_read_and_a_bad_one_named(tmp_path: Path) -> None:
     raw["text_config"]["rope_parameters"] = {"rope_type": "mrope", "mrope_section": [6, 5, 5]}
     with open(path, "w") as f:
         json.dump(raw, f)
-    mm = ModelConfig.from_model_dir(d).multimodal
+    mm = load_model_config(d).multimodal
     assert mm is not None and mm.mrope_section == (6, 5, 5)
     raw["text_config"]["rope_parameters"]["mrope_section"] = [8, 8]
     with open(path, "w") as f:
         json.dump(raw, f)
     with pytest.raises(ValueError, match="mrope_section must be three"):
-        ModelConfig.from_model_dir(d)
+        load_model_config(d)
 
 
 def test_reference_model_logits_are_spread(tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ def test_submodule_aliases_load_once(tmp_path: Path) -> None:
     model = _fresh_model(d)
     for layer in model.model.layers:
         layer.mixer = layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
-    load_weights(model, d, ModelConfig.from_model_dir(d))
+    load_weights(model, d, load_model_config(d))
     on_disk = read_checkpoint_tensors(d)
     for name, param in model.named_parameters():
         assert torch.equal(param, on_disk[name]), name
@@ -204,7 +204,7 @@ def test_vision_tower_loads_into_a_model_that_holds_one(tmp_path: Path) -> None:
     from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM as HyModel
 
     d = write_tiny_checkpoint(tmp_path / "ok", form="conditional")
-    cfg = ModelConfig.from_model_dir(d)
+    cfg = load_model_config(d)
     model = HyModel(cfg).eval()
     load_weights(model, d, cfg)
     on_disk = read_checkpoint_tensors(d)
@@ -276,13 +276,13 @@ def test_tied_config_fills_a_separate_lm_head(tmp_path: Path) -> None:
     d = write_tiny_checkpoint(tmp_path, tie_word_embeddings=True)
     untied_model = Qwen3_5ForCausalLM(Qwen3_5TextConfig.from_pretrained(d, tie_word_embeddings=False))
     assert untied_model.lm_head.weight is not untied_model.model.embed_tokens.weight
-    load_weights(untied_model, d, ModelConfig.from_model_dir(d))
+    load_weights(untied_model, d, load_model_config(d))
     assert torch.equal(untied_model.lm_head.weight, read_checkpoint_tensors(d)["model.embed_tokens.weight"])
 
 
 def test_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     d = write_tiny_checkpoint(tmp_path)
-    cfg = ModelConfig.from_model_dir(d)
+    cfg = load_model_config(d)
     load_weights(_fresh_model(d), d, cfg)  # small checkpoint: no bar by default
     assert "Loading weights" not in capsys.readouterr().err
     load_weights(_fresh_model(d), d, cfg, show_progress=True)
@@ -295,30 +295,30 @@ def test_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def test_missing_directory(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="model directory not found"):
-        ModelConfig.from_model_dir(missing)
+        load_model_config(missing)
     d = write_tiny_checkpoint(tmp_path / "ok")
     with pytest.raises(FileNotFoundError, match="model directory not found"):
-        load_weights(_fresh_model(d), missing, ModelConfig.from_model_dir(d))
+        load_weights(_fresh_model(d), missing, load_model_config(d))
 
 
 def test_missing_config_json(tmp_path: Path) -> None:
     d = write_tiny_checkpoint(tmp_path)
     os.remove(os.path.join(d, "config.json"))
     with pytest.raises(FileNotFoundError, match=r"config\.json\ not\ found"):
-        ModelConfig.from_model_dir(d)
+        load_model_config(d)
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     d = write_tiny_checkpoint(tmp_path)
     _edit_json(os.path.join(d, "config.json"), architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="LlamaForCausalLM") as err:
-        ModelConfig.from_model_dir(d)
+        load_model_config(d)
     assert "Qwen3_5ForCausalLM" in str(err.value) and "Qwen3_5ForConditionalGeneration" in str(err.value)
 
 
 def test_no_safetensors_files(tmp_path: Path) -> None:
     d = write_tiny_checkpoint(tmp_path)
-    model, cfg = _fresh_model(d), ModelConfig.from_model_dir(d)
+    model, cfg = _fresh_model(d), load_model_config(d)
     os.remove(os.path.join(d, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="no safetensors weights"):
         load_weights(model, d, cfg)
@@ -329,7 +329,7 @@ def test_no_safetensors_files(tmp_path: Path) -> None:
 
 def test_index_references_missing_shard(tmp_path: Path) -> None:
     d = write_tiny_checkpoint(tmp_path, sharded=True)
-    model, cfg = _fresh_model(d), ModelConfig.from_model_dir(d)
+    model, cfg = _fresh_model(d), load_model_config(d)
     os.remove(os.path.join(d, "model-00002-of-00003.safetensors"))
     with pytest.raises(FileNotFoundError, match=r"model\-00002\-of\-00003\.safetensors"):
         load_weights(model, d, cfg)
@@ -374,7 +374,7 @@ def test_shape_mismatch_names_both_shapes_and_loads_nothing(tmp_path: Path) -> N
     model = _fresh_model(d)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"shape mismatch for 'model\.layers\.0\.linear_attn\.conv1d\.weight'") as err:
-        load_weights(model, d, ModelConfig.from_model_dir(d))
+        load_weights(model, d, load_model_config(d))
     assert "[128, 4]" in str(err.value) and "[128, 1, 4]" in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # checked before copying
 
@@ -392,7 +392,7 @@ def test_model_tied_but_config_untied(tmp_path: Path) -> None:
     d = write_tiny_checkpoint(tmp_path)
     tied = Qwen3_5ForCausalLM(Qwen3_5TextConfig.from_pretrained(d, tie_word_embeddings=True))
     with pytest.raises(ValueError, match="tie_word_embeddings=False"):
-        load_weights(tied, d, ModelConfig.from_model_dir(d))
+        load_weights(tied, d, load_model_config(d))
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -462,7 +462,7 @@ def test_missing_tokenizer_json(tmp_path: Path) -> None:
 def test_stop_token_ids_union(tmp_path: Path) -> None:
     ids = special_token_ids()
     d = write_tiny_checkpoint(tmp_path)
-    cfg = ModelConfig.from_model_dir(d)
+    cfg = load_model_config(d)
     assert load_generation_config(d)["eos_token_id"] == [ids[IM_END], ids[ENDOFTEXT]]
     assert stop_token_ids(d, cfg) == [ids[IM_END], ids[ENDOFTEXT]]
     _edit_json(os.path.join(d, "generation_config.json"), eos_token_id=7)
@@ -526,7 +526,7 @@ def test_merged_projections_take_their_rows(tmp_path: Path) -> None:
     from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM as HyModel
 
     d = write_tiny_checkpoint(tmp_path, form="conditional", seed=9)
-    cfg = ModelConfig.from_model_dir(d)
+    cfg = load_model_config(d)
     model = HyModel(cfg).eval()
     load_weights(model, d, cfg)
     on_disk = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v

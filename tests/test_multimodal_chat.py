@@ -24,9 +24,9 @@ from test_server import ServerThread
 import hyserve.llm
 from hyserve import LLM
 from hyserve.cli import build_parser
-from hyserve.config import EngineConfig, MultimodalConfig
+from hyserve.config import EngineConfig, MultimodalConfig, normalize_mm_limits
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.engine_args import make_llm, mm_limits, normalize_mm_limits
+from hyserve.engine_args import make_llm, mm_limits
 from hyserve.multimodal import chat
 from hyserve.multimodal.chat import (
     OFFLINE_PART_TYPES,

@@ -32,6 +32,7 @@ from hyserve.model.base import CausalLM, RecurrentLayer
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.mtp import MTPHead
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
+from hyserve.model.registry import load_model_config, parse_model_config
 from hyserve.worker import model_runner
 
 QWEN = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
@@ -64,7 +65,7 @@ def _expected(path: str, dtype: torch.dtype, extra_attention: int = 0) -> dict[s
 @pytest.mark.parametrize("form", ["causal", "conditional"])
 def test_registry_maps_both_qwen3_5_architectures(ckpts: CheckpointCache, form: str) -> None:
     assert set(QWEN) <= set(registry.supported_architectures())
-    cfg = ModelConfig.from_model_dir(ckpts.get(form=form))
+    cfg = load_model_config(ckpts.get(form=form))
     assert cfg.architecture == ("Qwen3_5ForCausalLM" if form == "causal" else "Qwen3_5ForConditionalGeneration")
     assert registry.model_class(cfg) is Qwen3_5ForCausalLM
     for arch in QWEN:
@@ -74,10 +75,10 @@ def test_registry_maps_both_qwen3_5_architectures(ckpts: CheckpointCache, form: 
 
 def test_registry_refuses_unknown_architecture_naming_the_supported_ones() -> None:
     with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'") as err:
-        ModelConfig.from_dict({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
+        parse_model_config({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
     assert all(a in str(err.value) for a in QWEN)
     with pytest.raises(ValueError, match=r"unsupported architecture 'mamba'.*Qwen3_5ForCausalLM"):
-        ModelConfig.from_dict({"model_type": "mamba"})
+        parse_model_config({"model_type": "mamba"})
     cfg = parse_qwen3_5_config({"model_type": "qwen3_5_text", "vocab_size": 8, "hidden_size": 8,
                                 "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
                                 "num_key_value_heads": 1})
@@ -93,7 +94,7 @@ def test_registry_refuses_unknown_architecture_naming_the_supported_ones() -> No
 def test_specs_from_the_model_match_config_json(ckpts: CheckpointCache, pattern: str, dtype: torch.dtype) -> None:
     path = ckpts.get(pattern=pattern)
     want = _expected(path, dtype)
-    cfg = ModelConfig.from_model_dir(path)
+    cfg = load_model_config(path)
     with torch.device("meta"):
         model = registry.model_class(cfg)(cfg)
     specs = model.cache_specs(dtype)
@@ -305,9 +306,9 @@ def test_toy_family_speculates_with_the_generic_commit(toy_family: str) -> None:
 
 
 def test_draft_head_comes_from_the_family(toy_family: str) -> None:
-    qwen = ModelConfig.from_dict({"model_type": "qwen3_5_text", "vocab_size": 8, "hidden_size": 8,
+    qwen = parse_model_config({"model_type": "qwen3_5_text", "vocab_size": 8, "hidden_size": 8,
                                   "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
                                   "num_key_value_heads": 1})
     assert registry.draft_head(qwen).build is MTPHead
     with pytest.raises(ValueError, match=f"{TOY_ARCH!r} has no MTP head"):
-        registry.draft_head(ModelConfig.from_model_dir(toy_family))
+        registry.draft_head(load_model_config(toy_family))

@@ -33,7 +33,7 @@ from hyserve.cli import build_parser, main
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.server import AsyncEngine, EngineDeadError, RequestAbortedError, build_app
-from hyserve.server.app import APIKeyMiddleware, BodyLimitMiddleware
+from hyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from hyserve.server.serving import GracefulServer
 from hyserve.testing import write_tiny_checkpoint
 

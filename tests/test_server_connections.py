@@ -21,7 +21,7 @@ import httpx
 import pytest
 from conftest import CheckpointCache
 from test_server import ServerThread
-from test_server_hardening import CACHE_BYTES, _app, served, settle
+from test_server_hardening import CACHE_BYTES, hardened_app, served, settle
 
 from hyserve.cli import bind_port
 from hyserve.config import EngineConfig
@@ -117,7 +117,7 @@ def test_reused_connection_is_as_fast_as_a_fresh_one(aengine: AsyncEngine) -> No
 def test_bind_port_socket_is_tcp_so_asyncio_sets_nodelay(aengine: AsyncEngine) -> None:
     """``hyserve demo`` runs a plain uvicorn server on ``bind_port``'s socket: created as a TCP socket, every
     connection asyncio accepts from it gets TCP_NODELAY."""
-    srv = ServerThread(aengine, app=_app(aengine))
+    srv = ServerThread(aengine, app=hardened_app(aengine))
     srv.sock.close()
     srv.sock = bind_port("127.0.0.1", 0)
     srv.port = srv.sock.getsockname()[1]

@@ -29,9 +29,8 @@ from test_server import ServerThread
 
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.server import AsyncEngine, build_app
-from hyserve.server import app as app_module
-from hyserve.server.app import encode_text, max_text_chars
+from hyserve.server import AsyncEngine, build_app, context, middleware
+from hyserve.server.context import encode_text, max_text_chars
 from hyserve.server.serving import make_server
 from hyserve.testing import write_tiny_checkpoint
 
@@ -53,7 +52,7 @@ def aengine(path: str) -> Iterator[AsyncEngine]:
     async_engine.shutdown()
 
 
-def _app(aengine: AsyncEngine, **kw: Any) -> FastAPI:
+def hardened_app(aengine: AsyncEngine, **kw: Any) -> FastAPI:
     return build_app(aengine, shutdown_engine_on_exit=False, **kw)
 
 
@@ -89,15 +88,15 @@ CHAT = [{"role": "user", "content": "Hello there"}]
 
 
 def test_api_key_guards_v1_only(aengine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    app = _app(aengine, api_key="s3cret")
+    app = hardened_app(aengine, api_key="s3cret")
     seen: list[tuple[bytes, bytes]] = []
-    real = app_module.hmac.compare_digest
+    real = middleware.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         seen.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(middleware.hmac, "compare_digest", spy)
     body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
                     {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s3cret2"}):
@@ -119,7 +118,7 @@ def test_api_key_guards_v1_only(aengine: AsyncEngine, monkeypatch: pytest.Monkey
 
 
 def test_no_api_key_means_open(aengine: AsyncEngine) -> None:
-    assert call(_app(aengine), "GET", "/v1/models").status_code == 200
+    assert call(hardened_app(aengine), "GET", "/v1/models").status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------------- refused fields
@@ -166,7 +165,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
                          ids=[f"{r[0]}-{r[2]}-{i}" for i, r in enumerate(REFUSED)])
 def test_unimplemented_fields_are_refused(aengine: AsyncEngine, route: str, extra: dict[str, Any], param: str,
                                           needle: str) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     if route == "completions":
         body: dict[str, Any] = {"model": NAME, "prompt": "hi", "max_tokens": 2, **extra}
         r = call(app, "POST", "/v1/completions", json=body)
@@ -178,7 +177,7 @@ def test_unimplemented_fields_are_refused(aengine: AsyncEngine, route: str, extr
 
 def test_no_op_values_are_accepted(aengine: AsyncEngine) -> None:
     """Fields set to their no-op value change nothing: the answer equals the plain request's."""
-    app = _app(aengine)
+    app = hardened_app(aengine)
     base = {"model": NAME, "messages": CHAT, "max_tokens": 4, "temperature": 0}
     plain = call(app, "POST", "/v1/chat/completions", json=base).json()["choices"][0]["message"]["content"]
     for extra in ({"guided_json": None, "reasoning_effort": None, "prompt_logprobs": None},
@@ -207,7 +206,7 @@ TOOL_TEMPLATE = (
 
 
 def test_tools_and_tool_calls_reach_the_template(aengine: AsyncEngine) -> None:
-    app = _app(aengine, trust_request_chat_template=True)
+    app = hardened_app(aengine, trust_request_chat_template=True)
     tok = aengine.engine.tokenizer
     assert tok is not None
     messages: list[dict[str, Any]] = [
@@ -237,7 +236,7 @@ def test_tools_and_tool_calls_reach_the_template(aengine: AsyncEngine) -> None:
 
 
 def test_request_chat_template_needs_trust(aengine: AsyncEngine) -> None:
-    untrusted = _app(aengine)
+    untrusted = hardened_app(aengine)
     body = {"model": NAME, "messages": CHAT, "max_tokens": 2, "chat_template": "{{ messages[0].content }}"}
     check_error(call(untrusted, "POST", "/v1/chat/completions", json=body), 400, "chat_template",
                 "--trust-request-chat-template")
@@ -245,7 +244,7 @@ def test_request_chat_template_needs_trust(aengine: AsyncEngine) -> None:
                   "chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}
     check_error(call(untrusted, "POST", "/v1/chat/completions", json=via_kwargs), 400, "chat_template_kwargs",
                 "chat_template")
-    r = call(_app(aengine, trust_request_chat_template=True), "POST", "/v1/chat/completions",
+    r = call(hardened_app(aengine, trust_request_chat_template=True), "POST", "/v1/chat/completions",
              json={**body, "return_token_ids": True})
     assert r.status_code == 200, r.text
     tok = aengine.engine.tokenizer
@@ -262,7 +261,7 @@ def _cpu_seconds_over(interval: float) -> float:
 
 def test_runaway_template_is_stopped(aengine: AsyncEngine) -> None:
     """A 10,000 x 10,000 loop is cut at the deadline, and the CPU burn stops with it (not only the waiting)."""
-    app = _app(aengine, trust_request_chat_template=True, chat_template_timeout_s=0.5)
+    app = hardened_app(aengine, trust_request_chat_template=True, chat_template_timeout_s=0.5)
     template = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x"
     t0 = time.monotonic()
     r = call(app, "POST", "/v1/chat/completions", json={"model": NAME, "messages": CHAT, "chat_template": template})
@@ -302,12 +301,12 @@ SURROGATES: list[tuple[str, bytes, str]] = [
 @pytest.mark.parametrize(("url", "payload", "param"), SURROGATES, ids=[s[2] for s in SURROGATES])
 def test_lone_surrogates_are_a_400_naming_the_field(aengine: AsyncEngine, url: str, payload: bytes,
                                                     param: str) -> None:
-    r = _raw(_app(aengine), url, payload)
+    r = _raw(hardened_app(aengine), url, payload)
     check_error(r, 400, param, "surrogate")
 
 
 def test_echoes_are_bounded(aengine: AsyncEngine) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     err = check_error(call(app, "POST", "/v1/completions", json={"prompt": "hi", "model": "m" * 100_000}), 404,
                       "model", "does not exist")
     assert len(err["message"]) < 300
@@ -329,7 +328,7 @@ def test_echoes_are_bounded(aengine: AsyncEngine) -> None:
 
 
 def test_stop_lists_are_bounded(aengine: AsyncEngine) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     url = "/v1/completions"
     check_error(call(app, "POST", url, json={"prompt": "hi", "stop": ["a"] * 65}), 400, "stop", "at most 64")
     check_error(call(app, "POST", url, json={"prompt": "hi", "stop": "z" * 1025}), 400, "stop", "at most 1024")
@@ -344,7 +343,7 @@ def test_stop_lists_are_bounded(aengine: AsyncEngine) -> None:
 
 
 def test_request_body_is_bounded(aengine: AsyncEngine) -> None:
-    app = _app(aengine, max_request_body_bytes=1000)
+    app = hardened_app(aengine, max_request_body_bytes=1000)
     small = {"model": NAME, "prompt": "hi", "max_tokens": 2}
     assert call(app, "POST", "/v1/completions", json=small).status_code == 200
     big = {**small, "prompt": "a" * 2000}
@@ -376,7 +375,7 @@ def test_request_body_is_bounded(aengine: AsyncEngine) -> None:
 
 
 def test_body_must_arrive_in_time(aengine: AsyncEngine) -> None:
-    app = _app(aengine, body_read_timeout_s=0.3)
+    app = hardened_app(aengine, body_read_timeout_s=0.3)
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -395,7 +394,7 @@ def test_body_must_arrive_in_time(aengine: AsyncEngine) -> None:
 
 
 def test_overlong_text_is_refused_before_tokenizing(aengine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     tok = aengine.engine.tokenizer
     assert tok is not None
     limit = max_text_chars(tok, aengine.engine.max_model_len)
@@ -406,7 +405,7 @@ def test_overlong_text_is_refused_before_tokenizing(aengine: AsyncEngine, monkey
         calls.append(len(text))
         return encode_text(tok_, text, add_special_tokens)
 
-    monkeypatch.setattr(app_module, "encode_text", spy)
+    monkeypatch.setattr(context, "encode_text", spy)
     check_error(call(app, "POST", "/v1/completions", json={"prompt": "a" * (limit + 1)}), 400, "prompt",
                 "characters")
     check_error(call(app, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" *
@@ -427,7 +426,7 @@ def test_tokenizing_runs_in_a_worker_without_the_gil(aengine: AsyncEngine, monke
     tok = aengine.engine.tokenizer
     assert tok is not None
     threads: list[tuple[str, bool]] = []
-    real = app_module.encode_text
+    real = context.encode_text
 
     def spy(tok_: Any, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -442,9 +441,9 @@ def test_tokenizing_runs_in_a_worker_without_the_gil(aengine: AsyncEngine, monke
         threads.append((threading.current_thread().name, True))  # nobody may use the engine's encode here
         return []
 
-    monkeypatch.setattr(app_module, "encode_text", spy)
+    monkeypatch.setattr(context, "encode_text", spy)
     monkeypatch.setattr(tok, "encode", engine_encode)
-    app = _app(aengine)
+    app = hardened_app(aengine)
     assert call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2}
                 ).status_code == 200
     assert call(app, "POST", "/v1/chat/completions", json={"model": NAME, "messages": CHAT, "max_tokens": 2}
@@ -477,7 +476,7 @@ def test_tokenizing_runs_in_a_worker_without_the_gil(aengine: AsyncEngine, monke
 
 
 def test_http_metric_labels_are_bounded(aengine: AsyncEngine) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     rng = random.Random(0)
 
     def series() -> set[str]:
@@ -502,7 +501,7 @@ def test_http_metric_labels_are_bounded(aengine: AsyncEngine) -> None:
 
 
 def test_state_slot_usage_metric(aengine: AsyncEngine) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     text = call(app, "GET", "/metrics").text
     assert "# TYPE hyserve:state_slots_usage_perc gauge" in text
     assert re.search(r"^hyserve:state_slots_usage_perc 0\.0$", text, re.M)
@@ -528,7 +527,7 @@ def test_state_slot_usage_metric(aengine: AsyncEngine) -> None:
 
 
 def test_openapi_types_prompt_messages_stop(aengine: AsyncEngine) -> None:
-    schema = call(_app(aengine), "GET", "/openapi.json").json()["components"]["schemas"]
+    schema = call(hardened_app(aengine), "GET", "/openapi.json").json()["components"]["schemas"]
     prompt = schema["CompletionRequest"]["properties"]["prompt"]
     assert {"type": "string", "minLength": 1} in prompt["anyOf"]
     assert {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1} in prompt["anyOf"]
@@ -544,7 +543,7 @@ def test_openapi_types_prompt_messages_stop(aengine: AsyncEngine) -> None:
 
 
 def test_models_root_is_the_served_name(aengine: AsyncEngine, path: str) -> None:
-    card = call(_app(aengine), "GET", "/v1/models").json()["data"][0]
+    card = call(hardened_app(aengine), "GET", "/v1/models").json()["data"][0]
     assert card["id"] == card["root"] == NAME
     assert path not in json.dumps(card)
 
@@ -554,7 +553,7 @@ def test_models_root_is_the_served_name(aengine: AsyncEngine, path: str) -> None
 
 @pytest.mark.parametrize("bad", [512, 4096, 10**9, 2**63])
 def test_token_ids_outside_the_vocabulary_are_a_400(aengine: AsyncEngine, bad: int) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     vocab = aengine.engine.model_config.vocab_size
     assert vocab <= bad
     for url, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
@@ -569,7 +568,7 @@ def test_token_ids_outside_the_vocabulary_are_a_400(aengine: AsyncEngine, bad: i
 
 def test_engine_loop_survives_a_request_the_engine_refuses(aengine: AsyncEngine,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     engine = aengine.engine
     real = engine.add_request
 
@@ -593,7 +592,7 @@ def test_engine_loop_survives_a_request_the_engine_refuses(aengine: AsyncEngine,
 
 def test_checkpoint_sampling_defaults_fill_unset_fields(aengine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
-    app = _app(aengine)
+    app = hardened_app(aengine)
     engine = aengine.engine
     monkeypatch.setattr(engine, "default_sampling_params", {"temperature": 0.0, "max_tokens": 5}, raising=False)
     base = {"model": NAME, "prompt": "Once upon a time", "ignore_eos": True}
@@ -641,7 +640,7 @@ def test_readme_examples_run_against_the_packaged_model() -> None:
 
 def served(aengine: AsyncEngine, **kw: Any) -> ServerThread:
     """``make_server`` (the CLI's server) on a free loopback port, on a thread."""
-    return ServerThread(aengine, app=_app(aengine),
+    return ServerThread(aengine, app=hardened_app(aengine),
                         make_server=lambda app: make_server(app, aengine, log_level="warning", **kw))
 
 

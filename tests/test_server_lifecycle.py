@@ -18,7 +18,7 @@ import pytest
 from conftest import CheckpointCache
 from test_multiproc import process_gone
 from test_server_hardening import free_port, wait_up
-from test_tensor_parallel import _children
+from test_tensor_parallel import child_pids
 
 from hyserve.config import EngineConfig
 from hyserve.engine.llm_engine import LLMEngine
@@ -38,7 +38,7 @@ def test_a_killed_worker_fails_the_streams_then_serve_exits_nonzero(ckpts: Check
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
             wait_up(proc, url)
-            workers = sorted(_children(proc.pid))  # started in rank order
+            workers = sorted(child_pids(proc.pid))  # started in rank order
             assert len(workers) == 2, workers
             body = {"model": os.path.basename(path), "prompt": "The quick brown fox", "max_tokens": 3000,
                     "temperature": 0, "ignore_eos": True, "stream": True}

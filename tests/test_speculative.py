@@ -239,10 +239,10 @@ def test_verify_scratch_is_counted_in_the_cache_budget(ckpts: CheckpointCache,
     """Each sequence's k + 1 candidate states come out of the cache budget with its slot: a budget too small for
     the requested max_num_seqs lowers it (with a warning), one too small for a single sequence is refused."""
     from hyserve.cache.state_pool import state_bytes_per_slot
-    from hyserve.config import ModelConfig
+    from hyserve.model.registry import load_model_config
 
     path = ckpts.get()
-    per_slot = state_bytes_per_slot(ModelConfig.from_model_dir(path), torch.float32)
+    per_slot = state_bytes_per_slot(load_model_config(path), torch.float32)
     sized = dict(num_kv_blocks=None, num_state_slots=None, enable_prefix_caching=False,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match=r"verify scratch \(4 candidate states\).*num_speculative_tokens"):

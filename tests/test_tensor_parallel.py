@@ -108,7 +108,7 @@ def test_sizes_that_do_not_split_the_heads_are_refused(ckpts: CheckpointCache) -
 
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -141,7 +141,7 @@ def test_serve_with_two_ranks_answers_and_stops_cleanly_on_sigterm(ckpts: Checkp
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_up(proc, url)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
         assert len(workers) == 2, workers
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         resp = client.completions.create(model=os.path.basename(path), prompt="The quick brown fox", max_tokens=5,
@@ -216,7 +216,7 @@ def test_two_nodes_through_torchrun_on_loopback(ckpts: CheckpointCache, tmp_path
         want = make_llm(path).generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                                        use_tqdm=False)
         assert texts == [w.outputs[0].text for w in want]
-        (rank0,) = _children(nodes[0].pid)
+        (rank0,) = child_pids(nodes[0].pid)
         os.kill(rank0, signal.SIGTERM)
         codes = [node.wait(60) for node in nodes]
     finally:

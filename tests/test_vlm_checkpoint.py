@@ -16,7 +16,7 @@ from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.auto.image_processing_auto import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from hyserve.config import ModelConfig
+from hyserve.model.registry import load_model_config
 from hyserve.model.vision import VisionConfig
 from hyserve.multimodal.image import ImageProcessorSettings, expand_image_placeholders, load_image, process_images
 from hyserve.testing import (
@@ -162,7 +162,7 @@ def test_process_images_matches_transformers(checkpoint: str) -> None:
 
 
 def test_model_config_reads_multimodal(checkpoint: str) -> None:
-    cfg = ModelConfig.from_model_dir(checkpoint)
+    cfg = load_model_config(checkpoint)
     ids = vlm_special_token_ids()
     assert cfg.architecture == "Qwen3_5ForConditionalGeneration" and cfg.mtp_num_hidden_layers == 1
     mm = cfg.multimodal

@@ -38,7 +38,7 @@ class CacheInfo:
     state_bytes_per_slot: int
     has_recurrent_state: bool
     # Sets of verify scratch (k + 1 candidate states per sequence) the worker keeps: more than one on a pipeline
-    # stage that commits a verify step only when its accepted counts come back (hyserve.worker.model_runner).
+    # stage that commits a verify step only when its accepted counts come back (hyserve.worker.pipeline_stage).
     verify_scratch_sets: int = 1
 
 

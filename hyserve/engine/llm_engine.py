@@ -25,7 +25,6 @@ from hyserve.config import (
     DEFAULT_MAX_NUM_SEQS,
     MM_MODALITIES,
     EngineConfig,
-    ModelConfig,
     apply_cpu_threads,
     default_max_num_batched_tokens,
     resolve_dtype,
@@ -35,6 +34,7 @@ from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
 from hyserve.executor.base import Executor, StepHandle
 from hyserve.executor.uniproc import UniProcExecutor
+from hyserve.model.registry import load_model_config
 from hyserve.multimodal.image import ImageProcessorSettings, load_image
 from hyserve.multimodal.inputs import MultimodalPrompt, build_multimodal_prompt
 from hyserve.multimodal.processor_cache import GIB, ProcessorCache
@@ -72,7 +72,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
-        self.model_config = ModelConfig.from_model_dir(config.model, quantization=config.quantization)
+        self.model_config = load_model_config(config.model, quantization=config.quantization)
         if self.model_config.multimodal is not None and config.image_limit == 0:
             # vLLM's text-only mode: no vision tower is built or loaded, and image requests are refused.
             logger.info("--limit-mm-per-prompt image=0: image input is off; the vision tower is not loaded")

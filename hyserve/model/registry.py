@@ -2,10 +2,15 @@
 
 Adding a family is one ``register_model`` call beside its model module; the runner builds whatever class the
 checkpoint's architecture names, and plans its caches from the specs its layers declare (``hyserve.model.base``).
+A checkpoint's ``ModelConfig`` is read here too (``load_model_config``), since only the registry knows which
+family's parser reads its config.json.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +20,7 @@ from torch import nn
 
 from hyserve.cache.specs import CacheSpecs
 from hyserve.config import ModelConfig, parse_qwen3_5_config
+from hyserve.layers.quantization import parse_quantization_config
 from hyserve.model.base import CausalLM
 from hyserve.model.mtp import MTPHead, load_mtp_weights
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -75,9 +81,44 @@ def resolve_architecture(architecture: str | None, model_type: object) -> ModelE
     raise unsupported(model_type or "<none>", model_type)
 
 
-def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+def parse_model_config(raw: dict[str, Any], quantization: str | None = None) -> ModelConfig:
+    """Parse a config.json with its architecture's registered parser; unknown architectures are refused with
+    the supported list. Its ``quantization_config``, with the ``quantization`` engine argument applied, becomes
+    ``quantization`` (unsupported schemes are refused here, naming them)."""
     architectures = raw.get("architectures") or []
-    return resolve_architecture(architectures[0] if architectures else None, raw.get("model_type")).parse_config(raw)
+    entry = resolve_architecture(architectures[0] if architectures else None, raw.get("model_type"))
+    cfg = entry.parse_config(raw)
+    cfg.quantization = parse_quantization_config(raw, cfg.architecture, quantization)
+    return cfg
+
+
+def load_model_config(model_dir: str, quantization: str | None = None) -> ModelConfig:
+    """The ``ModelConfig`` of the checkpoint in ``model_dir`` (its config.json, ``parse_model_config``)."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(missing_model_dir_message(model_dir))
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config.json not found in model directory {model_dir!r}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e})") from e
+    return parse_model_config(raw, quantization)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def missing_model_dir_message(model_dir: str) -> str:
+    """hyserve loads local directories only: a hub id (``Qwen/Qwen3.5-2B``) is not downloaded, so say so."""
+    msg = f"model directory not found: {model_dir!r}"
+    if _HUB_ID.fullmatch(model_dir):
+        msg += (" (hyserve loads only local checkpoint directories and downloads nothing; if this is a Hugging Face"
+                f" hub id, download it first, e.g. `hf download {model_dir} --local-dir DIR`, and pass DIR)")
+    else:
+        msg += " (hyserve loads only local checkpoint directories and downloads nothing)"
+    return msg
 
 
 def model_class(cfg: ModelConfig) -> Callable[[ModelConfig], CausalLM]:

@@ -46,8 +46,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hyserve.server.app import error_response
 from hyserve.server.async_engine import AsyncEngine
+from hyserve.server.errors import error_response
 
 logger = logging.getLogger("hyserve.server")
 

@@ -591,10 +591,10 @@ def ordinary_vocab(model_dir: str | None) -> int:
     """Token ids that are safe in a random prompt: the tokenizer's vocabulary without its added tokens."""
     if model_dir is None:
         return DEFAULT_VOCAB
-    from hyserve.config import ModelConfig
+    from hyserve.model.registry import load_model_config
     from hyserve.tokenizer import Tokenizer
 
-    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    vocab = load_model_config(model_dir).vocab_size
     try:
         tok = Tokenizer.from_model_dir(model_dir)
         return min(vocab, int(tok.hf_tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)))
@@ -603,9 +603,9 @@ def ordinary_vocab(model_dir: str | None) -> int:
 
 
 def _has_mtp(model_dir: str) -> bool:
-    from hyserve.config import ModelConfig
+    from hyserve.model.registry import load_model_config
 
-    return ModelConfig.from_model_dir(model_dir).mtp_num_hidden_layers >= 1 and any(
+    return load_model_config(model_dir).mtp_num_hidden_layers >= 1 and any(
         k.startswith("mtp.") for k in checkpoint_tensors(model_dir))
 
 

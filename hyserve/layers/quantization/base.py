@@ -3,25 +3,23 @@ or the ``quantization`` flag) says which ``LinearMethod`` each linear layer gets
 creates the layer's parameters (with what the loader needs to fill them: shards, accepted checkpoint forms) and
 computes ``x W^T``.
 
-A layer here is one GEMM (``hyserve.layers.linear.LinearBase``): its output rows are one or more checkpoint
-projections (``LinearPart``s), each with this rank's rows of the checkpoint tensor. Methods compare equal when they
-compute the same way, so a merged projection puts consecutive parts with equal methods into one GEMM.
+A layer here is one GEMM: its output rows are one or more checkpoint projections (``LinearPart``s), each with this
+rank's rows of the checkpoint tensor. A method sees its layer as a ``GemmLayer``, what it needs of one (the layers of
+``hyserve.layers.linear`` are such modules), so that the methods know nothing of the layer classes. Methods compare
+equal when they compute the same way, so a merged projection puts consecutive parts with equal methods into one GEMM.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from hyserve.layers.sharding import Shard, set_shard
-
-if TYPE_CHECKING:
-    from hyserve.layers.linear import LinearBase
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +34,24 @@ class LinearPart:
     shard: Shard | None = None
 
 
+class GemmLayer(Protocol):
+    """What a ``LinearMethod`` uses of its layer: an ``nn.Module`` computing ``x W^T`` for ``parts`` (its output rows,
+    ``out_features`` in all) over ``in_features`` input columns, on which the method registers its parameters."""
+
+    in_features: int
+    out_features: int
+    parts: tuple[LinearPart, ...]
+    weight: torch.Tensor
+
+    def part_name(self, part: LinearPart) -> str:
+        """The model-side module name of ``part``."""
+        ...
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
+
+
 class LinearMethod(ABC):
     """How a GEMM keeps its weight and computes ``x W^T`` (the bias, and a row-parallel layer's sum over ranks, are
     the layer's). Subclasses are frozen dataclasses: equal methods compute the same way."""
@@ -46,20 +62,20 @@ class LinearMethod(ABC):
     quantized: bool = False
 
     @abstractmethod
-    def create_weights(self, layer: LinearBase) -> None:
+    def create_weights(self, layer: GemmLayer) -> None:
         """Register the layer's parameters (``weight`` and what else the method keeps), on the current default
         device; a layer whose single part has no name gets the loader's attributes on the parameters themselves."""
 
     @abstractmethod
-    def part_tensors(self, layer: LinearBase, index: int, row_offset: int) -> dict[str, torch.Tensor]:
+    def part_tensors(self, layer: GemmLayer, index: int, row_offset: int) -> dict[str, torch.Tensor]:
         """Part ``index`` (rows ``[row_offset, row_offset + size)``) of a merged layer: its checkpoint tensors by
         parameter name (``weight``, ...), views of the layer's parameters carrying the loader's attributes."""
 
     @abstractmethod
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: GemmLayer, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` over the last dimension of ``x``, in ``x.dtype``."""
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:  # noqa: B027 (most methods need nothing)
+    def process_weights_after_loading(self, layer: GemmLayer) -> None:  # noqa: B027 (most methods need nothing)
         """Derive what the forward reads from the loaded tensors (called once, after every tensor is in)."""
 
     def describe(self) -> str:
@@ -70,20 +86,20 @@ class LinearMethod(ABC):
 class UnquantizedLinearMethod(LinearMethod):
     """The weight in the model dtype; ``F.linear``."""
 
-    def create_weights(self, layer: LinearBase) -> None:
+    def create_weights(self, layer: GemmLayer) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features), requires_grad=False)
         part = layer.parts[0]
         if part.name is None and part.shard is not None:
             set_shard(layer.weight, part.shard)
 
-    def part_tensors(self, layer: LinearBase, index: int, row_offset: int) -> dict[str, torch.Tensor]:
+    def part_tensors(self, layer: GemmLayer, index: int, row_offset: int) -> dict[str, torch.Tensor]:
         part = layer.parts[index]
         view = layer.weight[row_offset : row_offset + part.size]
         if part.shard is not None:
             set_shard(view, part.shard)
         return {"weight": view}
 
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: GemmLayer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -42,11 +42,8 @@ from hyserve.kernels.fp8 import (
     prepare_device,
     quantize_fp8,
 )
-from hyserve.layers.quantization.base import LinearMethod
+from hyserve.layers.quantization.base import GemmLayer, LinearMethod
 from hyserve.layers.sharding import LoadSpec, Shard, set_load_spec, set_shard
-
-if TYPE_CHECKING:
-    from hyserve.layers.linear import LinearBase
 
 # Safetensors dtypes a scale may be stored in (compressed-tensors stores the observed weight's dtype, docs/fp8_facts.md
 # section 4) and those an online-quantized weight may come in.
@@ -107,7 +104,7 @@ class Fp8LinearMethod(LinearMethod):
 
     # ------------------------------------------------------------------ weights
 
-    def create_weights(self, layer: LinearBase) -> None:
+    def create_weights(self, layer: GemmLayer) -> None:
         s = self.scheme
         n, k = layer.out_features, layer.in_features
         if s.block is not None:
@@ -120,17 +117,19 @@ class Fp8LinearMethod(LinearMethod):
         elif s.online:  # computed at load, not a checkpoint tensor: outside the state dict
             layer.register_buffer("weight_scale", torch.empty(n, 1, dtype=torch.float32), persistent=False)
         else:
-            layer.weight_scale = nn.Parameter(torch.empty(n, 1, dtype=torch.float32), requires_grad=False)
+            layer.register_parameter("weight_scale", nn.Parameter(torch.empty(n, 1, dtype=torch.float32),
+                                                                  requires_grad=False))
         if s.activation == "tensor":
-            layer.input_scale = nn.Parameter(torch.empty(len(layer.parts), dtype=torch.float32), requires_grad=False)
+            layer.register_parameter("input_scale", nn.Parameter(torch.empty(len(layer.parts), dtype=torch.float32),
+                                                                 requires_grad=False))
             layer.register_buffer("input_scale_max", torch.empty(1, dtype=torch.float32), persistent=False)
         if layer.parts[0].name is None:
             self._describe_part(layer, 0, 0, whole=True)
 
-    def part_tensors(self, layer: LinearBase, index: int, row_offset: int) -> dict[str, torch.Tensor]:
+    def part_tensors(self, layer: GemmLayer, index: int, row_offset: int) -> dict[str, torch.Tensor]:
         return self._describe_part(layer, index, row_offset, whole=False)
 
-    def _describe_part(self, layer: LinearBase, index: int, row_offset: int, whole: bool) -> dict[str, torch.Tensor]:
+    def _describe_part(self, layer: GemmLayer, index: int, row_offset: int, whole: bool) -> dict[str, torch.Tensor]:
         """Part ``index``'s checkpoint tensors (the parameters themselves when ``whole``, else views of its rows)
         with their shards and load specs attached."""
         s = self.scheme
@@ -173,7 +172,7 @@ class Fp8LinearMethod(LinearMethod):
             out["input_scale"] = input_scale
         return out
 
-    def _check_block_shards(self, layer: LinearBase) -> None:
+    def _check_block_shards(self, layer: GemmLayer) -> None:
         """Tensor parallelism: every range of a shard starts on a block and ends on one (or at the tensor's end)."""
         assert self.scheme.block is not None
         bn, bk = self.scheme.block
@@ -191,14 +190,14 @@ class Fp8LinearMethod(LinearMethod):
                         f"the checkpoint's {bn}x{bk} FP8 blocks; use a --tensor-parallel-size that splits this "
                         f"layer on {step}-{what[:-1]} boundaries")
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: GemmLayer) -> None:
         prepare_device(layer.weight.device)  # the GEMM's split-K locks exist before any graph capture
         if self.scheme.activation == "tensor":
             _tensor(layer, "input_scale_max").copy_(_tensor(layer, "input_scale").max().reshape(1))
 
     # ------------------------------------------------------------------ forward
 
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: GemmLayer, x: torch.Tensor) -> torch.Tensor:
         s = self.scheme
         if s.block is not None:
             group = s.block[1] if s.activation == "group" else None
@@ -207,7 +206,7 @@ class Fp8LinearMethod(LinearMethod):
         return fp8_linear(x, layer.weight, _tensor(layer, "weight_scale"), input_scale)
 
 
-def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
+def _tensor(layer: GemmLayer, name: str) -> torch.Tensor:
     """A parameter or buffer the method registered on ``layer`` (typed: ``nn.Module``'s lookup is not)."""
     return cast(torch.Tensor, getattr(layer, name))
 
