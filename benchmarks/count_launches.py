@@ -29,8 +29,9 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsque
                 "_reshape_alias", "lift_fresh", "empty", "empty_strided", "empty_like", "resolve_conj",
                 "resolve_neg"}
 ENTRY_POINTS = {
-    "hyserve.model.qwen3_5": ["causal_conv1d_varlen", "gdn_forward", "paged_attention", "store_kv", "gdn_gating",
-                              "silu_mul", "causal_conv1d_verify", "gdn_verify"],
+    "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify"],
+    "hyserve.layers.attention": ["paged_attention", "store_kv"],
+    "hyserve.layers.mlp": ["silu_mul"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope"],
     "hyserve.worker.model_runner": ["_commit_verified"],

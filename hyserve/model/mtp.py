@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hyserve.config import FULL_ATTENTION, ModelConfig
+from hyserve.layers.attention import Attention
 from hyserve.layers.linear import Linear
 from hyserve.layers.norm import RMSNorm
 from hyserve.model.loader import (
@@ -33,7 +34,7 @@ from hyserve.model.loader import (
 )
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.mrope import text_rotary, with_image_rows
-from hyserve.model.qwen3_5 import Attention, DecoderLayer
+from hyserve.model.qwen3_5 import DecoderLayer
 
 
 class MTPHead(nn.Module):

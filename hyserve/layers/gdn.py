@@ -1,0 +1,135 @@
+"""The Gated DeltaNet mixer: a causal conv over [q | k | v], then the gated delta rule over the float32 SSM state of
+the request's slot, then a gated RMSNorm. It keeps no per-request state of its own: ``state_slots[r]`` names row r's
+conv window and SSM state in the tensors the model runner binds (``bind_state``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
+from hyserve.config import ModelConfig
+from hyserve.distributed.parallel_state import shard_range, tp_size
+from hyserve.kernels import causal_conv1d_varlen, gdn_forward
+from hyserve.kernels.commit import commit_verified
+from hyserve.kernels.conv import causal_conv1d_verify
+from hyserve.kernels.gating import gdn_gating
+from hyserve.kernels.gdn import gdn_verify
+from hyserve.layers.linear import MergedLinear, RowParallelLinear
+from hyserve.layers.norm import GatedRMSNorm
+from hyserve.layers.sharding import Shard, set_shard
+from hyserve.model.base import RecurrentLayer
+from hyserve.model.metadata import StepMetadata
+
+
+class GatedDeltaNet(RecurrentLayer):
+    """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm.
+    ``prefix``: the module's name (``model.layers.0.linear_attn``), which names its projections for quantization."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str) -> None:
+        super().__init__()
+        tp = tp_size()
+        # Tensor parallel: this rank's key heads and value heads, with their channels of [q | k | v], z, b, a,
+        # their conv channels, gates and SSM states.
+        (k0, k1), (v0, v1) = shard_range(cfg.linear_num_key_heads), shard_range(cfg.linear_num_value_heads)
+        self.num_k_heads = k1 - k0
+        self.num_v_heads = v1 - v0
+        self.head_k_dim = dk = cfg.linear_key_head_dim
+        self.head_v_dim = dv = cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * dk
+        self.value_dim = self.num_v_heads * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kernel = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, bias=False, groups=self.conv_dim,
+                                padding=kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(cfg.linear_value_dim, cfg.hidden_size, (v0 * dv, v1 * dv),
+                                          sharded=tp > 1, quant=cfg.quantization, prefix=f"{prefix}.out_proj")
+        shards: dict[str, Shard] = {}
+        if tp > 1:
+            fk, h = cfg.linear_key_dim, cfg.hidden_size
+            qkv = ((k0 * dk, k1 * dk), (fk + k0 * dk, fk + k1 * dk), (2 * fk + v0 * dv, 2 * fk + v1 * dv))
+            heads = ((v0, v1),)
+            shards = {"in_proj_qkv": Shard((cfg.conv_dim, h), 0, qkv),
+                      "in_proj_z": Shard((cfg.linear_value_dim, h), 0, ((v0 * dv, v1 * dv),)),
+                      "in_proj_b": Shard((cfg.linear_num_value_heads, h), 0, heads),
+                      "in_proj_a": Shard((cfg.linear_num_value_heads, h), 0, heads)}
+            set_shard(self.conv1d.weight, Shard((cfg.conv_dim, 1, kernel), 0, qkv))
+            set_shard(self.dt_bias, Shard((cfg.linear_num_value_heads,), 0, heads))
+            set_shard(self.A_log, Shard((cfg.linear_num_value_heads,), 0, heads))
+        # One GEMM for the checkpoint's four input projections (filled part by part by the loader).
+        self.in_proj = MergedLinear(cfg.hidden_size, [("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
+                                                      ("in_proj_b", self.num_v_heads),
+                                                      ("in_proj_a", self.num_v_heads)], shards,
+                                   quant=cfg.quantization, prefix=prefix)
+        self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
+        self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
+        # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
+        self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
+        self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), float32
+
+    def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        """The conv window (the last K - 1 inputs of [q | k | v], oldest first) in the model dtype, and the SSM
+        state (Hv, Dk, Dv) in float32 (the delta rule accumulates over the whole sequence)."""
+        k = self.conv1d.kernel_size[0]
+        return RecurrentStateSpec((
+            StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
+            StateTensorSpec("ssm_state", (self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
+        ))
+
+    def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().bind_state(tensors)
+        self.conv_state, self.ssm_state = tensors["conv_state"], tensors["ssm_state"]
+
+    def bind_verify_scratch(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().bind_verify_scratch(tensors)
+        self.conv_scratch, self.ssm_scratch = tensors["conv_state"], tensors["ssm_state"]
+
+    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Both tensors in one fused kernel (``hyserve.kernels.commit.commit_verified``)."""
+        assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
+        assert self.conv_scratch is not None and self.ssm_scratch is not None, "verify scratch not bound"
+        commit_verified(self.conv_state, self.ssm_state, state_slots, self.conv_scratch, self.ssm_scratch,
+                        num_accepted)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
+        t = x.shape[0]
+        weight = self.conv1d.weight.squeeze(1)
+        mixed_in, z, b, a = self.in_proj.split(self.in_proj(x))  # strided views of one output
+        vm = meta.verify
+        if vm is None:
+            mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
+                                         meta.max_query_len)
+        else:
+            assert self.conv_scratch is not None, "verify scratch not bound"
+            parts = [causal_conv1d_verify(mixed_in[: vm.num_tokens], weight, self.conv_state, vm.state_slots,
+                                          vm.query_start_loc, self.conv_scratch, vm.max_query_len)]
+            if vm.num_tokens < t:
+                parts.append(causal_conv1d_varlen(mixed_in[vm.num_tokens :], weight, self.conv_state,
+                                                  vm.rest_state_slots, vm.rest_query_start_loc,
+                                                  vm.rest_max_query_len))
+            mixed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        if vm is None:
+            out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
+                              meta.max_query_len, meta.query_start_loc_cpu)
+        else:
+            assert self.ssm_scratch is not None, "verify scratch not bound"
+            tv = vm.num_tokens
+            outs = [gdn_verify(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
+                               vm.query_start_loc, self.ssm_scratch, vm.max_query_len)]
+            if tv < t:
+                outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
+                                        vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
+                                        vm.rest_query_start_loc_cpu))
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(t, self.value_dim))

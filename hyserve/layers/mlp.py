@@ -1,0 +1,30 @@
+"""Feed-forward blocks a family's decoder layer composes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.distributed.parallel_state import shard_range, tp_size
+from hyserve.kernels.norm import silu_mul
+from hyserve.layers.linear import MergedLinear, RowParallelLinear
+from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.sharding import Shard
+
+
+class MLP(nn.Module):
+    """The gated SiLU MLP: ``down(silu(gate(x)) * up(x))``, gate and up in one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        i0, i1 = shard_range(intermediate)
+        shards: dict[str, Shard] = {}
+        if tp_size() > 1:
+            shards = {name: Shard((intermediate, hidden), 0, ((i0, i1),)) for name in ("gate_proj", "up_proj")}
+        self.gate_up_proj = MergedLinear(hidden, [("gate_proj", i1 - i0), ("up_proj", i1 - i0)], shards,
+                                         quant=quant, prefix=prefix)
+        self.down_proj = RowParallelLinear(intermediate, hidden, (i0, i1), sharded=tp_size() > 1, quant=quant,
+                                           prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(*self.gate_up_proj.split(self.gate_up_proj(x))))
