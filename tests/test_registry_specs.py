@@ -26,12 +26,13 @@ from torch import nn
 from hyserve import SamplingParams
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.cache.state_pool import state_bytes_per_slot
-from hyserve.config import ModelConfig, parse_qwen3_5_config
+from hyserve.config import ModelConfig
 from hyserve.model import registry
 from hyserve.model.base import CausalLM, RecurrentLayer
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.mtp import MTPHead
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
+from hyserve.model.qwen3_5_config import parse_qwen3_5_config
 from hyserve.model.registry import load_model_config, parse_model_config
 from hyserve.worker import model_runner
 

@@ -1,13 +1,15 @@
-"""Architecture name (config.json ``architectures[0]``) -> model class and config parser.
+"""Architecture name (config.json ``architectures[0]``) -> where its family lives: the model class, the parser of
+its config.json and its draft head, each named as ``(module, name)`` and imported on first use.
 
-Adding a family is one ``register_model`` call beside its model module; the runner builds whatever class the
-checkpoint's architecture names, and plans its caches from the specs its layers declare (``hyserve.model.base``).
-A checkpoint's ``ModelConfig`` is read here too (``load_model_config``), since only the registry knows which
-family's parser reads its config.json.
+Adding a family is one ``FamilyEntry`` line in ``_FAMILIES`` (docs/adding_a_model.md); the runner builds whatever
+class the checkpoint's architecture names, and plans its caches from the specs its layers declare
+(``hyserve.model.base``). A checkpoint's ``ModelConfig`` is read here too (``load_model_config``), since only the
+registry knows which family's parser reads its config.json.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -19,11 +21,9 @@ import torch
 from torch import nn
 
 from hyserve.cache.specs import CacheSpecs
-from hyserve.config import ModelConfig, parse_qwen3_5_config
+from hyserve.config import ModelConfig
 from hyserve.layers.quantization import parse_quantization_config
 from hyserve.model.base import CausalLM
-from hyserve.model.mtp import MTPHead, load_mtp_weights
-from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,24 +35,71 @@ class DraftHead:
     load: Callable[[nn.Module, dict[str, torch.Tensor]], None]
 
 
+# (module, name): an object of a module, imported when first asked for.
+Ref = tuple[str, str]
+
+
+def _resolve(ref: Ref) -> Any:
+    module, name = ref
+    return getattr(importlib.import_module(module), name)
+
+
+def _ref(obj: Any) -> Ref:
+    return obj.__module__, obj.__qualname__
+
+
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
+    """One architecture: its model class and config parser (and draft head, if the family has one) by reference,
+    so that the registry imports no family before a checkpoint names it."""
+
     architecture: str
-    model_class: Callable[[ModelConfig], CausalLM]
-    parse_config: Callable[[dict[str, Any]], ModelConfig]
+    model: Ref
+    parser: Ref
     # config.json ``model_type`` values this architecture is read from; the first is assumed when a config names a
     # model type but no architecture.
     model_types: tuple[str, ...]
-    draft_head: DraftHead | None = None
+    # The draft head's (module, head class, loader function), all three in one module.
+    draft: tuple[str, str, str] | None = None
+
+    @property
+    def model_class(self) -> Callable[[ModelConfig], CausalLM]:
+        return _resolve(self.model)  # type: ignore[no-any-return]
+
+    @property
+    def parse_config(self) -> Callable[[dict[str, Any]], ModelConfig]:
+        return _resolve(self.parser)  # type: ignore[no-any-return]
+
+    @property
+    def draft_head(self) -> DraftHead | None:
+        if self.draft is None:
+            return None
+        module, build, load = self.draft
+        return DraftHead(_resolve((module, build)), _resolve((module, load)))
 
 
-_REGISTRY: dict[str, ModelEntry] = {}
+_QWEN3_5 = ("hyserve.model.qwen3_5", "Qwen3_5ForCausalLM")
+_QWEN3_5_PARSER = ("hyserve.model.qwen3_5_config", "parse_qwen3_5_config")
+_QWEN3_5_MTP = ("hyserve.model.mtp", "MTPHead", "load_mtp_weights")
+# Both checkpoint forms of Qwen3.5 parse from either model_type (text fields at top level or under text_config).
+_FAMILIES = (
+    ModelEntry("Qwen3_5ForConditionalGeneration", _QWEN3_5, _QWEN3_5_PARSER, ("qwen3_5", "qwen3_5_text"), _QWEN3_5_MTP),
+    ModelEntry("Qwen3_5ForCausalLM", _QWEN3_5, _QWEN3_5_PARSER, ("qwen3_5_text", "qwen3_5"), _QWEN3_5_MTP),
+)
+_REGISTRY: dict[str, ModelEntry] = {e.architecture: e for e in _FAMILIES}
 
 
 def register_model(architecture: str, model_class: Callable[[ModelConfig], CausalLM],
                    parse_config: Callable[[dict[str, Any]], ModelConfig], model_types: tuple[str, ...],
                    draft_head: DraftHead | None = None) -> None:
-    _REGISTRY[architecture] = ModelEntry(architecture, model_class, parse_config, model_types, draft_head)
+    """Register a family at run time (tests), from objects already imported."""
+    draft = None
+    if draft_head is not None:
+        (module, build), (load_module, load) = _ref(draft_head.build), _ref(draft_head.load)
+        if load_module != module:
+            raise ValueError("a draft head's class and its loader must live in one module")
+        draft = (module, build, load)
+    _REGISTRY[architecture] = ModelEntry(architecture, _ref(model_class), _ref(parse_config), model_types, draft)
 
 
 def unregister_model(architecture: str) -> None:
@@ -143,17 +190,3 @@ def cache_specs_for(cfg: ModelConfig, dtype: torch.dtype) -> CacheSpecs:
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     return model.cache_specs(dtype)
-
-
-# Both checkpoint forms of Qwen3.5 parse from either model_type (text fields at top level or under text_config).
-def _load_qwen3_5_mtp(head: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    assert isinstance(head, MTPHead)
-    load_mtp_weights(head, weights)
-
-
-_QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text")
-_QWEN3_5_MTP = DraftHead(MTPHead, _load_qwen3_5_mtp)
-register_model("Qwen3_5ForConditionalGeneration", Qwen3_5ForCausalLM, parse_qwen3_5_config, _QWEN3_5_TYPES,
-               _QWEN3_5_MTP)
-register_model("Qwen3_5ForCausalLM", Qwen3_5ForCausalLM, parse_qwen3_5_config, ("qwen3_5_text", "qwen3_5"),
-               _QWEN3_5_MTP)
