@@ -37,31 +37,23 @@ class MultimodalConfig:
 
 @dataclass(slots=True)
 class ModelConfig:
-    """The text model's shape. Field names follow transformers' ``Qwen3_5TextConfig``."""
+    """What the engine reads of a checkpoint's model, whatever its family: the layer kinds, the attention heads, the
+    vocabulary, the context length, the dtype and the quantization. A family's parser (beside its model file, named
+    by ``hyserve.model.registry``) returns a subclass that adds what only its layers read (``Qwen3_5Config``); the
+    caches are planned from the specs the built layers declare, not from fields here."""
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     layer_types: list[str]
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000000.0
-    partial_rotary_factor: float = 0.25
     max_position_embeddings: int = 32768
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    hidden_act: str = "silu"
-    attention_bias: bool = False
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
     eos_token_id: list[int] = field(default_factory=list)
-    architecture: str = "Qwen3_5ForCausalLM"
+    architecture: str = ""
     torch_dtype: str | None = None
     # How the linear layers' weights are kept (the checkpoint's quantization_config, or online FP8); None: in the
     # model dtype (hyserve.layers.quantization).
@@ -77,31 +69,15 @@ class ModelConfig:
     def linear_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
 
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def linear_key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def linear_value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the GDN causal conv: [q | k | v]."""
-        return 2 * self.linear_key_dim + self.linear_value_dim
+    def tensor_parallel_counts(self) -> dict[str, int]:
+        """The sizes a tensor-parallel size must divide, by config name (a family adds those its layers shard)."""
+        return {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Refuse (naming both numbers) a tensor-parallel size that does not split the model's heads."""
         if tp == 1:
             return
-        counts = {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
-                  "linear_num_value_heads": self.linear_num_value_heads, "intermediate_size": self.intermediate_size,
-                  "vocab_size": self.vocab_size}
-        for name, n in counts.items():
+        for name, n in self.tensor_parallel_counts().items():
             if n % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={n} of this checkpoint; use a "
                                  "--tensor-parallel-size that divides it")
@@ -110,22 +86,8 @@ class ModelConfig:
             raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={kv}: one must divide the other")
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
-        h, f = self.hidden_size, self.intermediate_size
-        n = 0
-        for t in self.layer_types:
-            n += 3 * h * f + 2 * h
-            if t == FULL_ATTENTION:
-                qd = self.num_attention_heads * self.head_dim
-                kvd = self.num_key_value_heads * self.head_dim
-                n += h * 2 * qd + 2 * h * kvd + qd * h + 2 * self.head_dim
-            else:
-                n += h * self.conv_dim + h * self.linear_value_dim + 2 * h * self.linear_num_value_heads
-                n += self.conv_dim * self.linear_conv_kernel_dim + 2 * self.linear_num_value_heads
-                n += self.linear_value_head_dim + self.linear_value_dim * h
-        n += h
-        if include_embeddings:
-            n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return n
+        """The model's parameter count, as the family's config computes it from its shapes."""
+        raise NotImplementedError(f"{type(self).__name__} does not count its parameters")
 
 
 # vLLM's dtype names (``float`` and ``half`` included) and their short forms.

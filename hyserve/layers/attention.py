@@ -3,25 +3,39 @@ through ``block_tables`` (the cache tensors bound once by the model runner)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from hyserve.cache.specs import AttentionSpec
-from hyserve.config import ModelConfig
 from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import paged_attention, store_kv
 from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.norm import RMSNorm
+from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.layers.sharding import Shard
 from hyserve.model.base import KVCacheLayer
 from hyserve.model.metadata import StepMetadata
 
 
+class AttentionConfig(Protocol):
+    """What the layer reads of a family's config."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    rms_norm_eps: float
+    quantization: QuantizationConfig | None
+
+
 class Attention(KVCacheLayer):
     """Gated full attention: q_proj yields [q | gate] per head, q/k RMSNorm per head, partial RoPE. ``prefix``: the
     module's name (``model.layers.3.self_attn``)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, prefix: str) -> None:
+    def __init__(self, cfg: AttentionConfig, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         tp, rank = tp_size(), tp_rank()
         h0, h1 = shard_range(cfg.num_attention_heads)

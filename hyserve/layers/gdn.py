@@ -5,11 +5,12 @@ conv window and SSM state in the tensors the model runner binds (``bind_state``)
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
-from hyserve.config import ModelConfig
 from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward
 from hyserve.kernels.commit import commit_verified
@@ -18,16 +19,30 @@ from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_verify
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm
+from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.base import RecurrentLayer
 from hyserve.model.metadata import StepMetadata
+
+
+class GDNConfig(Protocol):
+    """What the layer reads of a family's config (field names of transformers' ``Qwen3_5TextConfig``)."""
+
+    hidden_size: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    quantization: QuantizationConfig | None
 
 
 class GatedDeltaNet(RecurrentLayer):
     """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm.
     ``prefix``: the module's name (``model.layers.0.linear_attn``), which names its projections for quantization."""
 
-    def __init__(self, cfg: ModelConfig, prefix: str) -> None:
+    def __init__(self, cfg: GDNConfig, prefix: str) -> None:
         super().__init__()
         tp = tp_size()
         # Tensor parallel: this rank's key heads and value heads, with their channels of [q | k | v], z, b, a,
@@ -41,23 +56,26 @@ class GatedDeltaNet(RecurrentLayer):
         self.value_dim = self.num_v_heads * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         kernel = cfg.linear_conv_kernel_dim
+        # The checkpoint's (all ranks') widths.
+        full_k, full_v = cfg.linear_num_key_heads * dk, cfg.linear_num_value_heads * dv
+        full_conv = 2 * full_k + full_v
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, bias=False, groups=self.conv_dim,
                                 padding=kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = RowParallelLinear(cfg.linear_value_dim, cfg.hidden_size, (v0 * dv, v1 * dv),
+        self.out_proj = RowParallelLinear(full_v, cfg.hidden_size, (v0 * dv, v1 * dv),
                                           sharded=tp > 1, quant=cfg.quantization, prefix=f"{prefix}.out_proj")
         shards: dict[str, Shard] = {}
         if tp > 1:
-            fk, h = cfg.linear_key_dim, cfg.hidden_size
+            fk, h = full_k, cfg.hidden_size
             qkv = ((k0 * dk, k1 * dk), (fk + k0 * dk, fk + k1 * dk), (2 * fk + v0 * dv, 2 * fk + v1 * dv))
             heads = ((v0, v1),)
-            shards = {"in_proj_qkv": Shard((cfg.conv_dim, h), 0, qkv),
-                      "in_proj_z": Shard((cfg.linear_value_dim, h), 0, ((v0 * dv, v1 * dv),)),
+            shards = {"in_proj_qkv": Shard((full_conv, h), 0, qkv),
+                      "in_proj_z": Shard((full_v, h), 0, ((v0 * dv, v1 * dv),)),
                       "in_proj_b": Shard((cfg.linear_num_value_heads, h), 0, heads),
                       "in_proj_a": Shard((cfg.linear_num_value_heads, h), 0, heads)}
-            set_shard(self.conv1d.weight, Shard((cfg.conv_dim, 1, kernel), 0, qkv))
+            set_shard(self.conv1d.weight, Shard((full_conv, 1, kernel), 0, qkv))
             set_shard(self.dt_bias, Shard((cfg.linear_num_value_heads,), 0, heads))
             set_shard(self.A_log, Shard((cfg.linear_num_value_heads,), 0, heads))
         # One GEMM for the checkpoint's four input projections (filled part by part by the loader).

@@ -35,12 +35,13 @@ from hyserve.model.loader import (
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.mrope import text_rotary, with_image_rows
 from hyserve.model.qwen3_5 import DecoderLayer
+from hyserve.model.qwen3_5_config import qwen3_5_config
 
 
 class MTPHead(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config = cfg
+        self.config = cfg = qwen3_5_config(config)
         h = cfg.hidden_size
         layer_cfg = dataclasses.replace(cfg, layer_types=[FULL_ATTENTION], num_hidden_layers=1)
         self.rotary = text_rotary(cfg.rotary_dim, cfg.rope_theta, cfg.multimodal)

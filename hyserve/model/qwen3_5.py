@@ -24,13 +24,14 @@ from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.mrope import text_rotary, with_image_rows
+from hyserve.model.qwen3_5_config import Qwen3_5Config, qwen3_5_config
 from hyserve.model.vision import VisionModel
 
 
 class DecoderLayer(nn.Module):
     """``prefix``: the layer's name in the text model's naming (``model.layers.3``, ``mtp.layers.0``)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, prefix: str) -> None:
+    def __init__(self, cfg: Qwen3_5Config, layer_idx: int, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         self.layer_type = cfg.layer_types[layer_idx]
         self.mixer: GatedDeltaNet | Attention
@@ -69,7 +70,7 @@ class TextModel(nn.Module):
     last applies the final norm (and also holds the embedding when the LM head is tied to it or the MTP head reads
     it); the others take and return ``Intermediate``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: Qwen3_5Config) -> None:
         super().__init__()
         self.start, self.end = stage_layers(cfg.num_hidden_layers)
         self.is_first, self.is_last = is_first_stage(), is_last_stage()
@@ -114,9 +115,9 @@ class Qwen3_5ForCausalLM(CausalLM):
     """Returns post-final-norm hidden states (the MTP head consumes them); ``compute_logits`` applies lm_head. With
     pipeline parallelism a stage other than the last returns ``Intermediate`` and has no lm_head."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config = cfg
+        self.config = cfg = qwen3_5_config(config)
         self.model = TextModel(cfg)
         # The vision tower: every tensor-parallel rank holds it whole, on the first pipeline stage (the images'
         # embeddings) and on the last when the MTP head may read image rows (dropped by drop_unused_embedding

@@ -1,14 +1,80 @@
-"""Qwen3.5's config.json, in either checkpoint form, read into the engine's ``ModelConfig`` (the registry's parser
-for both Qwen3.5 architectures; the model itself is ``hyserve.model.qwen3_5``)."""
+"""Qwen3.5's config.json, in either checkpoint form, read into ``Qwen3_5Config``: the engine's ``ModelConfig`` and
+what only Qwen3.5's layers read (the registry's parser for both Qwen3.5 architectures; the model itself is
+``hyserve.model.qwen3_5``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from hyserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, MultimodalConfig
 
 
-def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
+@dataclass(slots=True, kw_only=True)
+class Qwen3_5Config(ModelConfig):
+    """Qwen3.5's text model. Field names follow transformers' ``Qwen3_5TextConfig``."""
+
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000000.0
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: [q | k | v]."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def tensor_parallel_counts(self) -> dict[str, int]:
+        return {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
+                "linear_num_value_heads": self.linear_num_value_heads, "intermediate_size": self.intermediate_size,
+                "vocab_size": self.vocab_size}
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        h, f = self.hidden_size, self.intermediate_size
+        n = 0
+        for t in self.layer_types:
+            n += 3 * h * f + 2 * h
+            if t == FULL_ATTENTION:
+                qd = self.num_attention_heads * self.head_dim
+                kvd = self.num_key_value_heads * self.head_dim
+                n += h * 2 * qd + 2 * h * kvd + qd * h + 2 * self.head_dim
+            else:
+                n += h * self.conv_dim + h * self.linear_value_dim + 2 * h * self.linear_num_value_heads
+                n += self.conv_dim * self.linear_conv_kernel_dim + 2 * self.linear_num_value_heads
+                n += self.linear_value_head_dim + self.linear_value_dim * h
+        n += h
+        if include_embeddings:
+            n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return n
+
+
+def qwen3_5_config(cfg: ModelConfig) -> Qwen3_5Config:
+    """``cfg`` as Qwen3.5's config (what ``parse_qwen3_5_config`` returned), for the family's modules."""
+    if not isinstance(cfg, Qwen3_5Config):
+        raise TypeError(f"a Qwen3.5 model needs the config parse_qwen3_5_config returns, not {type(cfg).__name__}")
+    return cfg
+
+
+def parse_qwen3_5_config(raw: dict[str, Any]) -> Qwen3_5Config:
     """Either Qwen3.5 checkpoint form: ``qwen3_5`` (text fields under ``text_config``) or ``qwen3_5_text``."""
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
@@ -45,7 +111,7 @@ def parse_qwen3_5_config(raw: dict[str, Any]) -> ModelConfig:
     tie = bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     if "tie_word_embeddings" in text:
         tie = bool(text["tie_word_embeddings"])
-    return ModelConfig(
+    return Qwen3_5Config(
         vocab_size=int(text["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(text["intermediate_size"]),
