@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -68,6 +68,13 @@ class ModelConfig:
     @property
     def linear_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+
+    # Checkpoint tensors under this prefix are the draft head's: the loader returns them instead of loading them.
+    draft_prefix: ClassVar[str | None] = None
+
+    def checkpoint_name(self, name: str) -> str:
+        """The model's name for checkpoint tensor ``name`` (the loader's name map; by default the same name)."""
+        return name
 
     def tensor_parallel_counts(self) -> dict[str, int]:
         """The sizes a tensor-parallel size must divide, by config name (a family adds those its layers shard)."""

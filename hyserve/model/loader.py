@@ -1,12 +1,12 @@
-"""Load a Qwen3.5 safetensors checkpoint into a model whose parameter names are transformers' ``Qwen3_5ForCausalLM``.
+"""Load a safetensors checkpoint into a model whose parameter names are the checkpoint's.
 
-Checkpoint names are mapped to model names as follows:
-
-* ``model.language_model.X`` (``Qwen3_5ForConditionalGeneration`` checkpoints) -> ``model.X``;
-* ``model.X`` (``Qwen3_5ForCausalLM`` checkpoints) and ``lm_head.weight`` -> unchanged;
-* ``model.visual.X`` / ``visual.X`` (vision tower) -> ``visual.X`` where the model holds the tower; skipped, with one
-  warning giving the count, where it does not (image input off, or a text-only model);
-* ``mtp.*`` (multi-token-prediction head) -> returned to the caller, not loaded into the model.
+The family's config maps the names (``ModelConfig.checkpoint_name``; Qwen3.5's strips ``model.language_model.`` and
+moves the vision tower's to ``visual.``), and names the prefix of its draft head's tensors
+(``ModelConfig.draft_prefix``, Qwen3.5's ``mtp.``): those are returned to the caller, not loaded into the model.
+``visual.X`` tensors are skipped, with one warning giving the count, where the model holds no vision tower (image
+input off, or a text-only model). A module that owns stacked tensors loads them itself: a ``MergedLinear``
+(one GEMM for several checkpoint tensors) offers its parts' row views under the checkpoint's names, and a target
+carrying a ``LoadSpec`` is copied by its own ``load``.
 
 Quantized layers (``hyserve.layers.quantization``): a layer the model's quantization config quantizes has FP8
 ``weight`` and scale targets (``weight_scale``, ``weight_scale_inv``, ``input_scale``), so the header pass checks
@@ -65,7 +65,7 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 # Tensors of quantized layers other than the weight (kept in their stored dtype when returned for the MTP head).
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
-_VLM_TEXT = "model.language_model."
+_VLM_TEXT = "model.language_model."  # only to name missing tensors as a VLM-form checkpoint would
 
 
 # An FP8 KV cache's scales as checkpoints name them, under the attention module: the current compressed-tensors
@@ -108,7 +108,7 @@ class _Entry:
     file: str
     shape: tuple[int, ...]
     nbytes: int
-    target: str | None  # model name to copy into; None for an mtp tensor (returned, not loaded)
+    target: str | None  # model name to copy into; None for a draft head's tensor (returned, not loaded)
     kv_scale: bool = False  # ``target`` is an FP8 KV-cache scale of an attention layer (``split_kv_scale``)
 
 
@@ -253,22 +253,12 @@ def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Ten
     return out
 
 
-def _map_name(name: str) -> str | None:
-    """Checkpoint name -> model name; None for tensors that are not the text model's (vision, mtp)."""
-    if name.startswith(("model.visual.", "visual.")):
-        return "visual." + name.split("visual.", 1)[1]
-    if name.startswith("mtp."):
-        return None
-    if name.startswith(_VLM_TEXT):
-        return "model." + name[len(_VLM_TEXT):]
-    return name
-
-
 def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfig,
           holds: Callable[[str], bool] | None = None, kv_layers: set[str] | None = None) -> list[_Entry]:
-    """Check names and shapes from the headers only; returns what to read, in file order. ``holds``: whether a
-    tensor belongs to this pipeline stage (the others' are skipped); ``kv_layers``: the attention modules, whose
-    FP8 KV-cache scales a checkpoint may carry."""
+    """Check names and shapes from the headers only; returns what to read, in file order. Names map by the
+    config's ``checkpoint_name``; ``holds``: whether a tensor belongs to this pipeline stage (the others' are
+    skipped); ``kv_layers``: the attention modules, whose FP8 KV-cache scales a checkpoint may carry."""
+    draft = config.draft_prefix
     entries: list[_Entry] = []
     loaded: dict[str, str] = {}
     kv_scales = 0
@@ -282,12 +272,12 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                 shape = tuple(meta.get_shape())
                 st_dtype = meta.get_dtype()
                 nbytes = _numel(shape) * _DTYPE_BYTES.get(st_dtype, 4)
-                target = _map_name(name)
-                if holds is not None and not holds(target or name):
+                target = config.checkpoint_name(name)
+                if holds is not None and not holds(target):
                     skipped_stage += 1
-                elif name.startswith("mtp."):
+                elif draft is not None and name.startswith(draft):
                     entries.append(_Entry(name, path, shape, nbytes, None))
-                elif target is None or (target.startswith("visual.") and not has_tower):
+                elif target.startswith("visual.") and not has_tower:
                     skipped_visual += 1
                 elif target == LM_HEAD and config.tie_word_embeddings:
                     logger.info("ignoring %s: tie_word_embeddings=True, the embedding is the output projection", name)

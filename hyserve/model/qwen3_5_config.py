@@ -5,9 +5,12 @@ what only Qwen3.5's layers read (the registry's parser for both Qwen3.5 architec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from hyserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, MultimodalConfig
+
+# Where a ``Qwen3_5ForConditionalGeneration`` checkpoint keeps the text model's tensors.
+VLM_TEXT_PREFIX = "model.language_model."
 
 
 @dataclass(slots=True, kw_only=True)
@@ -42,6 +45,17 @@ class Qwen3_5Config(ModelConfig):
     def conv_dim(self) -> int:
         """Channels of the GDN causal conv: [q | k | v]."""
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+    draft_prefix: ClassVar[str | None] = "mtp."
+
+    def checkpoint_name(self, name: str) -> str:
+        """``model.language_model.X`` (``Qwen3_5ForConditionalGeneration`` checkpoints) -> ``model.X``;
+        ``model.visual.X`` / ``visual.X`` (the vision tower) -> ``visual.X``; others unchanged."""
+        if name.startswith(("model.visual.", "visual.")):
+            return "visual." + name.split("visual.", 1)[1]
+        if name.startswith(VLM_TEXT_PREFIX):
+            return "model." + name[len(VLM_TEXT_PREFIX):]
+        return name
 
     def tensor_parallel_counts(self) -> dict[str, int]:
         return {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
