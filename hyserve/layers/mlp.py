@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels.norm import silu_mul
-from hyserve.layers.linear import MergedLinear, RowParallelLinear
+from hyserve.layers.linear import Linear, MergedLinear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.sharding import Shard
 
@@ -28,3 +29,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(*self.gate_up_proj.split(self.gate_up_proj(x))))
+
+
+class GeluMLP(nn.Module):
+    """The non-gated GELU MLP: ``down(gelu(up(x)))`` (exact GELU)."""
+
+    def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        i0, i1 = shard_range(intermediate)
+        shard = Shard((intermediate, hidden), 0, ((i0, i1),)) if tp_size() > 1 else None
+        self.up_proj = Linear(hidden, i1 - i0, quant=quant, prefix=f"{prefix}.up_proj", shard=shard)
+        self.down_proj = RowParallelLinear(intermediate, hidden, (i0, i1), sharded=tp_size() > 1, quant=quant,
+                                           prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x)))

@@ -10,6 +10,8 @@ state of ``state_slots[r]`` for each row r. The cache tensors are bound once by 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -41,9 +43,13 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(cfg, f"{prefix}.linear_attn")
             self.mixer = self.linear_attn
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(cfg, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg: Qwen3_5Config, prefix: str) -> nn.Module:
+        """The feed-forward block after the mixer (a variant family overrides this one method)."""
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization, prefix)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +76,7 @@ class TextModel(nn.Module):
     last applies the final norm (and also holds the embedding when the LM head is tied to it or the MTP head reads
     it); the others take and return ``Intermediate``."""
 
-    def __init__(self, cfg: Qwen3_5Config) -> None:
+    def __init__(self, cfg: Qwen3_5Config, decoder_layer: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.start, self.end = stage_layers(cfg.num_hidden_layers)
         self.is_first, self.is_last = is_first_stage(), is_last_stage()
@@ -78,7 +84,7 @@ class TextModel(nn.Module):
         self.embed_tokens: VocabParallelEmbedding | None = None
         if self.is_first or (self.is_last and (cfg.tie_word_embeddings or cfg.mtp_num_hidden_layers > 0)):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.rotary, f"model.layers.{i}")
+        self.layers = nn.ModuleList([decoder_layer(cfg, i, self.rotary, f"model.layers.{i}")
                                      if self.start <= i < self.end else MissingLayer()
                                      for i in range(cfg.num_hidden_layers)])
         self._own_layers = list(self.layers)[self.start : self.end]  # a plain list: no ModuleList slice per step
@@ -113,12 +119,15 @@ class TextModel(nn.Module):
 
 class Qwen3_5ForCausalLM(CausalLM):
     """Returns post-final-norm hidden states (the MTP head consumes them); ``compute_logits`` applies lm_head. With
-    pipeline parallelism a stage other than the last returns ``Intermediate`` and has no lm_head."""
+    pipeline parallelism a stage other than the last returns ``Intermediate`` and has no lm_head. A variant family
+    subclasses it with its own ``decoder_layer`` (docs/adding_a_model.md)."""
+
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = qwen3_5_config(config)
-        self.model = TextModel(cfg)
+        self.model = TextModel(cfg, self.decoder_layer)
         # The vision tower: every tensor-parallel rank holds it whole, on the first pipeline stage (the images'
         # embeddings) and on the last when the MTP head may read image rows (dropped by drop_unused_embedding
         # without a draft head).
