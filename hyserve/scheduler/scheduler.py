@@ -480,7 +480,7 @@ class Scheduler:
             if req is None or req.is_finished:
                 self._release_row(row)
                 continue
-            live = req.status == RequestStatus.RUNNING and req.num_preemptions == epochs[i]
+            live = self._holds_row(req, epochs[i])
             if live:
                 req.num_inflight_tokens -= row.num_new_tokens
                 if row.samples:
@@ -524,6 +524,12 @@ class Scheduler:
             self.finish(req)
         return touched
 
+    @staticmethod
+    def _holds_row(req: Request, epoch: int) -> bool:
+        """Whether ``req`` still holds what its row of a step scheduled in ``epoch`` (its preemption count then)
+        was given: it is running and has not been preempted since."""
+        return req.status == RequestStatus.RUNNING and req.num_preemptions == epoch
+
     def _queue_verify_commits(self, so: SchedulerOutput, ro: RunnerOutput, epochs: list[int]) -> None:
         """The accepted counts the stages before the last apply to step ``so``'s verify rows (invariant 14).
 
@@ -537,8 +543,7 @@ class Scheduler:
             if not row.is_verify:
                 break  # verify rows come first
             req = self.requests.get(row.req_id)
-            live = req is not None and not req.is_finished and req.status == RequestStatus.RUNNING \
-                and req.num_preemptions == epochs[i]
+            live = req is not None and not req.is_finished and self._holds_row(req, epochs[i])
             counts.append(ro.num_accepted[i] if live else -1)
         if counts:
             self._verify_commits.append((so.step_id, counts))

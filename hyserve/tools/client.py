@@ -17,7 +17,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,17 @@ __all__ = ["NO_TOKEN_IDS", "Completion", "CompletionsClient", "StreamTiming", "p
 NO_TOKEN_IDS = ("the server returned no output token ids: it must support vLLM's return_token_ids request field "
                 "(choices[].token_ids) or return_tokens_as_token_ids with logprobs ('token_id:N' tokens)")
 
+
+
+def _sse_chunks(response: Any) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a server-sent event stream, up to its ``[DONE]``."""
+    for line in response.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
 
 @dataclass(slots=True)
 class Completion:
@@ -229,13 +240,7 @@ class CompletionsClient:
                 if after_tokens <= 0:
                     time.sleep(delay_s)
                     return Completion([], "", "abort"), True  # leaving unread closes the connection
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[len("data:"):].strip()
-                    if payload == "[DONE]":
-                        break
-                    chunk = json.loads(payload)
+                for chunk in _sse_chunks(r):
                     details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
                     if isinstance(details.get("cached_tokens"), int):
                         cached = int(details["cached_tokens"])
@@ -271,13 +276,7 @@ class CompletionsClient:
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in _sse_chunks(r):
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
