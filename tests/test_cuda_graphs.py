@@ -326,7 +326,8 @@ def test_cuda_graphs_match_eager_on_gpu(ckpts: CheckpointCache, spec: str | None
         kw["speculative_config"] = {"method": spec, "num_speculative_tokens": 3, "prompt_lookup_max": 2} \
             if spec == "ngram" else {"method": spec, "num_speculative_tokens": 3}
     eager = make_llm(path, enforce_eager=True, **kw)
-    graphed = make_llm(path, **kw)
+    # MTP under async scheduling: verify rows behind rows in flight replay the draft_fill, behind and accept graphs.
+    graphed = make_llm(path, async_scheduling=spec == "mtp", **kw)
     graphs = graphed.llm_engine.runner.graphs
     assert graphs is not None and all(s.graphs for s in graphs.sets.values()), "nothing was captured"
     arrivals = {3 * i: [(f"r{i}", p, params)] for i, p in enumerate(prompts)}
@@ -337,6 +338,11 @@ def test_cuda_graphs_match_eager_on_gpu(ckpts: CheckpointCache, spec: str | None
         conts = {rid: o.outputs[0].token_ids for rid, o in want.items()}
         graphed.llm_engine.proposer = OracleProposer(conts, {rid: [0, 3, 1, 2] for rid in conts}, vocab=440)
     got = drive(graphed.llm_engine, arrivals)
+    if spec == "mtp":  # rows asking for logprobs never go behind: the same prompts again without them
+        plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        behind = drive(graphed.llm_engine, {3 * i: [(f"b{i}", p, plain)] for i, p in enumerate(prompts)})
+        for i in range(len(prompts)):
+            assert behind[f"b{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
     assert all(s.num_replays > 0 for s in graphs.sets.values()), {n: s.num_replays for n, s in graphs.sets.items()}
     for i, p in enumerate(prompts):
         assert got[f"r{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
