@@ -251,12 +251,12 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def quantize(src: str, out: str, fmt: str) -> None:
-    """``src`` copied to ``out`` with its linear layers in FP8 (``hyserve.testing_fp8.quantize_checkpoint``: what the
+    """``src`` copied to ``out`` with its linear layers in FP8 (``hyserve.testing.fp8.quantize_checkpoint``: what the
     FP8 releases keep in bf16 stays so, the MTP head is quantized like the text model); both engines load
     the result without a flag."""
     import shutil
 
-    from hyserve.testing_fp8 import quantize_checkpoint
+    from hyserve.testing.fp8 import quantize_checkpoint
 
     shutil.copytree(src, out)
     quantize_checkpoint(out, fmt)

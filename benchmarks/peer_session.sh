@@ -99,9 +99,9 @@ vlm_2b_check() {  # the real-tower 2B (written first if missing) in bf16 with im
 p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1; }
 
 check() {  # the correctness checks every speed change keeps, in the same device session as its figures
-    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
-        tests/test_async_scheduling.py tests/test_verify_kernels.py tests/test_device_drafts.py tests/test_fp8.py \
-        tests/test_fp8_kv.py tests/test_async_verify.py -k "cuda or gpu" \
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/worker/test_cuda_graphs.py \
+        tests/engine/test_async_scheduling.py tests/kernels/test_verify_kernels.py tests/worker/test_device_drafts.py tests/model/test_fp8.py \
+        tests/worker/test_fp8_kv.py tests/worker/test_async_verify.py -k "cuda or gpu" \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc $?"; tail -2 "$OUT/gpu_tests.log"
     timeout 400 python3 benchmarks/gpu_check.py --out "$OUT" > "$OUT/gpu_check.log" 2>&1
@@ -286,7 +286,7 @@ case "${1:?phase}" in
   # (--vllm-gdn-prefill-backend triton: no 8-10 minute FlashInfer JIT; decode steps take neither kernel).
   fp8-a)  # the FP8 CUDA tests; hyserve bf16 / compressed-tensors / block FP8 on the 2B shape; vLLM on the same FP8
     p2b; fp8_ckpts
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kv.py tests/test_kernels.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/model/test_fp8.py tests/worker/test_fp8_kv.py tests/kernels/test_kernels.py \
         -k "cuda or gpu" > "$OUT/gpu_tests_fp8.log" 2>&1
     echo "gpu fp8 tests rc $? ($(date +%T))"; tail -2 "$OUT/gpu_tests_fp8.log"
     measure hyserve /tmp/p2b 2b 110 --measures decode,bound,prefill

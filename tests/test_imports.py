@@ -151,6 +151,33 @@ def test_no_private_names_imported_across_modules() -> None:
     assert [hit for path in files for hit in private_imports(path)] == []
 
 
+def test_modules_from_another_folder(tmp_path: Path) -> None:
+    """The check below sees a test module importing another folder's test module (sabotage of the layout)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "test_one.py").write_text("X = 1\n")
+    (tmp_path / "b" / "test_two.py").write_text("from test_one import X\n")
+    assert cross_folder_test_imports(tmp_path) == ["b/test_two.py:1: from test_one"]
+
+
+def cross_folder_test_imports(tests: Path) -> list[str]:
+    """``from test_x import ...`` where test_x.py is not in the importing module's own folder."""
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0].startswith(("test_", "conftest")) \
+                    and not (path.parent / f"{node.module.split('.')[0]}.py").exists():
+                found.append(f"{path.relative_to(tests).as_posix()}:{node.lineno}: from {node.module}")
+    return found
+
+
+def test_tests_share_helpers_through_hyserve_testing() -> None:
+    """Tests mirror the package, one folder per room; what several folders share is public in hyserve.testing, so
+    no test module imports a test module of another folder."""
+    assert cross_folder_test_imports(ROOT.parent / "tests") == []
+
+
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:

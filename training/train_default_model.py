@@ -690,7 +690,7 @@ def write_markdown(out: str, report: dict[str, Any]) -> None:
         "Training runs transformers' PyTorch Gated DeltaNet, with fla-core hidden from the process: fla-core "
         "0.6.0 refuses its gated chunk backward on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (wrong gradients, "
         "fla issue #640); `--fla` uses fla's kernels where that does not apply. "
-        "`tests/test_default_model.py` checks the checkpoint in the CPU suite (`bash scripts/test.sh`; not "
+        "`tests/model/test_default_model.py` checks the checkpoint in the CPU suite (`bash scripts/test.sh`; not "
         "on a machine with fla-core, whose kernels transformers would use for its CPU reference).",
         "",
         "## Corpus and tokenizer",
@@ -928,7 +928,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = heldout_prompts(tok, corpus.heldout, args.num_prompts, args.prompt_tokens)
     _write_json(os.path.join(out, PROMPTS_JSON), {
         "note": "prompts cut from held-out stdlib files (never trained on); used by training/measure_acceptance.py "
-                "and tests/test_default_model.py",
+                "and tests/model/test_default_model.py",
         "prompts": prompts,
     })
     log(f"wrote {out}")

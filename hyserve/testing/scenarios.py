@@ -1,0 +1,93 @@
+"""One scenario every scheduling mode must run identically: staggered arrivals sharing prefixes (prefix-cache hits),
+prompts longer than the token budget (chunked prefill), one abort, preemption (10 KV blocks), a seeded sampled
+request, and early stops. ``reference_run`` runs it synchronously (the reference for async, pipeline-parallel,
+tensor-parallel and multiprocess runs) and checks that it does preempt and hit."""
+
+from __future__ import annotations
+
+from hyserve import SamplingParams
+from hyserve.engine.llm_engine import LLMEngine
+from hyserve.outputs import RequestOutput
+from hyserve.testing.engine import drive, make_llm, random_prompts
+from hyserve.testing.families import CheckpointCache
+
+SPECS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 2},
+}
+
+
+def scenario(path: str) -> tuple[dict[int, list], dict[int, list[str]], dict[str, list[int]]]:
+    """Staggered arrivals sharing prefixes (hits), prompts longer than the token budget (chunks), one abort."""
+    shared = random_prompts(1, [37], seed=31)[0]
+    tails = random_prompts(6, [3, 20, 9, 14, 5, 26], seed=32)
+    prompts = {"a": shared + tails[0], "b": shared + tails[1], "c": random_prompts(1, [61], seed=33)[0],
+               "d": tails[2], "e": shared + tails[3], "f": shared + tails[4], "g": shared + tails[1][:9] + tails[5]}
+    greedy = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (5, 9, 14, 20)}
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, logprobs=1)
+    arrivals: dict[int, list] = {
+        0: [("a", prompts["a"], greedy[14]), ("b", prompts["b"], greedy[9])],
+        1: [("c", prompts["c"], greedy[20])],
+        3: [("d", prompts["d"], seeded)],
+        6: [("e", prompts["e"], greedy[5]), ("f", prompts["f"], greedy[20])],
+        11: [("g", prompts["g"], greedy[14])],
+    }
+    return arrivals, {9: ["c"]}, prompts
+
+
+def with_stops(engine: LLMEngine, arrivals: dict[int, list], want: dict[str, RequestOutput]) -> dict[int, list]:
+    """The same arrivals, but "a" and "f" stop at a token their run without stops produced (EOS-like early ends)."""
+    out: dict[int, list] = {}
+    for step, reqs in arrivals.items():
+        out[step] = []
+        for rid, prompt, params in reqs:
+            if rid in ("a", "f"):
+                stop = want[rid].outputs[0].token_ids[3]
+                params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                                        logprobs=1, stop_token_ids=[stop])
+            out[step].append((rid, prompt, params))
+    return out
+
+
+def scenario_engine(path: str, spec: str, **kw: object) -> LLMEngine:
+    llm = make_llm(path, max_num_batched_tokens=24, max_num_seqs=4, num_kv_blocks=10, block_size=16,
+                   enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=32,
+                   speculative_config=SPECS[spec], **kw)
+    return llm.llm_engine
+
+
+def run_scenario(path: str, spec: str, async_scheduling: bool, arrivals: dict[int, list], aborts: dict[int, list[str]],
+         sabotage=None) -> tuple[dict[str, RequestOutput], LLMEngine]:  # type: ignore[no-untyped-def]
+    engine = scenario_engine(path, spec, async_scheduling=async_scheduling)
+    if sabotage is not None:
+        sabotage(engine)
+    final = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    return final, engine
+
+
+def assert_same_outputs(got: dict[str, RequestOutput], want: dict[str, RequestOutput]) -> None:
+    assert set(got) == set(want)
+    for rid, w in want.items():
+        g = got[rid]
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, f"request {rid}: tokens differ"
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason, f"request {rid}: finish reason differs"
+        for i, (lg, lw) in enumerate(zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or [], strict=True)):
+            tok = g.outputs[0].token_ids[i]
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4, f"request {rid}: logprob {i} differs"
+
+
+def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],
+                                                                dict[str, list[int]], dict[str, RequestOutput]]:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    arrivals, aborts, prompts = scenario(path)
+    first, engine = run_scenario(path, spec, False, arrivals, aborts)
+    arrivals = with_stops(engine, arrivals, first)
+    want, engine = run_scenario(path, spec, False, arrivals, aborts)
+    metrics = engine.get_metrics()
+    preemptions, hits = metrics["hyserve:num_preemptions"], metrics["hyserve:prefix_cache_hits"]
+    assert isinstance(preemptions, float | int) and preemptions > 0, "the scenario must preempt"
+    assert isinstance(hits, float | int) and hits > 0, "the scenario must hit the prefix cache"
+    assert want["a"].outputs[0].finish_reason == "stop" and "c" not in want  # c is aborted before its end
+    return path, arrivals, aborts, prompts, want

@@ -1,0 +1,119 @@
+"""The multiprocess executor (``distributed_executor_backend="mp"``): the worker in its own process, only plain data
+across the boundary; identical outputs; no worker outlives its engine however the engine ends; a failing or dead
+worker is an error that names its rank, within seconds."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hyserve import SamplingParams
+from hyserve.executor.multiproc import MultiprocExecutor, WorkerError
+from hyserve.scheduler.output import ScheduledRow, SchedulerOutput
+from hyserve.testing.engine import drive, make_llm
+from hyserve.testing.families import CheckpointCache
+from hyserve.testing.scenarios import reference_run, scenario_engine
+from hyserve.testing.server import process_gone
+
+
+@pytest.mark.parametrize("spec,async_scheduling", [("plain", False), ("mtp", True)])
+def test_mp_backend_matches_the_in_process_engine(ckpts: CheckpointCache, spec: str, async_scheduling: bool) -> None:
+    """The async-scheduling scenario (prefix hits, chunks, preemption, an abort, stops, seeded sampling) with the
+    worker in another process gives the in-process engine's outputs."""
+    path, arrivals, aborts, _, want = reference_run(ckpts, spec)
+    engine = scenario_engine(path, spec, async_scheduling=async_scheduling, distributed_executor_backend="mp")
+    assert isinstance(engine.executor, MultiprocExecutor) and engine.executor.pids[0] != os.getpid()
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
+    pid = engine.executor.pids[0]
+    engine.shutdown()
+    assert process_gone(pid), "the worker outlived shutdown()"
+
+
+def test_a_failing_or_dead_worker_is_an_error_naming_its_rank(ckpts: CheckpointCache) -> None:
+    llm = make_llm(ckpts.get(), distributed_executor_backend="mp")
+    engine = llm.llm_engine
+    bogus = SchedulerOutput(step_id=0, rows=[ScheduledRow("nobody", 0, [1], [1], 0, samples=True)])
+    with pytest.raises(WorkerError, match=r"worker rank 0: KeyError: 'nobody'"):
+        engine.executor.execute_model(bogus)
+    # The worker survives its failed message and serves the next one.
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert len(llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    pid = engine.executor.pids[0]
+    os.kill(pid, signal.SIGKILL)
+    engine.add_request("after", {"prompt_token_ids": [4, 5, 6]}, params)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker rank 0: the process died"):
+        engine.step()
+    assert time.monotonic() - t0 < 5
+    llm.shutdown()
+
+
+def test_no_worker_outlives_its_engine(ckpts: CheckpointCache) -> None:
+    path = ckpts.get()
+    # The last reference going away.
+    llm = make_llm(path, distributed_executor_backend="mp")
+    pid = llm.llm_engine.executor.pids[0]  # type: ignore[attr-defined]
+    del llm
+    gc.collect()
+    assert process_gone(pid), "the worker outlived its engine's last reference"
+    # The interpreter exiting without shutdown(), and the parent killed outright.
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from hyserve import LLM
+        llm = LLM(model={path!r}, device="cpu", num_kv_blocks=64, num_state_slots=4,
+                  distributed_executor_backend="mp")
+        print(llm.llm_engine.executor.pids[0], flush=True)
+        if sys.argv[1] == "hang":
+            time.sleep(60)
+    """)
+    for how in ("exit", "hang"):
+        proc = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        worker = int(proc.stdout.readline())
+        if how == "hang":
+            proc.kill()
+        proc.wait(30)
+        assert process_gone(worker), f"the worker outlived its parent ({how})"
+
+
+def test_the_server_answers_with_the_worker_in_another_process(ckpts: CheckpointCache) -> None:
+    from hyserve.config import EngineConfig
+    from hyserve.engine.llm_engine import LLMEngine
+    from hyserve.server import AsyncEngine
+    from hyserve.testing.server import ServerThread
+
+    path = ckpts.get()
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, num_state_slots=4,
+                                    distributed_executor_backend="mp", async_scheduling=True))
+    want = make_llm(path).generate("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=6,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+    with ServerThread(AsyncEngine(engine, start=False)) as srv:
+        resp = srv.client().completions.create(model=os.path.basename(path), prompt="The quick brown fox", max_tokens=6,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        srv.settle()
+    assert resp.choices[0].text == want.outputs[0].text
+    pid = engine.executor.pids[0]  # type: ignore[attr-defined]
+    engine.shutdown()
+    assert process_gone(pid)
+
+
+def test_unknown_backends_are_refused(ckpts: CheckpointCache) -> None:
+    from hyserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", ckpts.get(), "--distributed-executor-backend", "mp"])
+    assert args.distributed_executor_backend == "mp"
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='ray'.*'uni', 'mp' or 'torchrun'"):
+        make_llm(ckpts.get(), distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=r"needs the process to be started by torchrun \(RANK is not set\)"):
+        make_llm(ckpts.get(), distributed_executor_backend="torchrun")
+
+

@@ -1,0 +1,881 @@
+"""Tests for hyserve.kernels.
+
+* The plain-torch references (the CPU path) are checked against independent implementations: transformers'
+  Qwen3.5 ``causal_conv1d_fn`` / ``causal_conv1d_update`` / ``torch_recurrent_gated_delta_rule`` /
+  ``torch_chunk_gated_delta_rule`` run one row at a time (batch 1), and naive per-token loops for attention.
+* Every Triton kernel is run under the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors against the
+  references, in ONE subprocess (the env var must be set before any kernel is decorated; a subprocess keeps this
+  pytest process untouched). Outputs are NaN-poisoned before the kernels write them.
+* A CUDA-only test compares the CUDA dispatch against the CPU reference in bf16 (skipped without a GPU).
+
+Every problem uses mixed row lengths (including 0 and 1), permuted state slots with gaps, and checks that slots no
+non-empty row names stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
+from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
+from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
+from hyserve.kernels.gdn.reference import gdn_forward_ref
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Problem builders (shared by the in-process tests and the interpreter subprocess)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _qsl(lens: list[int], device: str = "cpu") -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _slots(num_rows: int, pool: int, gen: torch.Generator) -> torch.Tensor:
+    """Distinct, permuted slots drawn from a larger pool (so the pool has untouched gaps)."""
+    return torch.randperm(pool, generator=gen)[:num_rows].to(torch.int64)
+
+
+def _touched(slots: torch.Tensor, lens: list[int]) -> set[int]:
+    return {int(s) for s, n in zip(slots.tolist(), lens, strict=True) if n > 0}
+
+
+def _assert_untouched(before: torch.Tensor, after: torch.Tensor, touched: set[int]) -> None:
+    for s in range(before.shape[0]):
+        if s not in touched:
+            assert torch.equal(before[s], after[s]), f"slot {s} was modified"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float = 0.0) -> tuple[bool, float]:
+    a, b = a.float().cpu(), b.float().cpu()
+    if a.shape != b.shape:
+        return False, float("inf")
+    if a.numel() == 0:
+        return True, 0.0
+    if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+        return False, float("nan")
+    err = (a - b).abs()
+    ok = bool((err <= atol + rtol * b.abs()).all())
+    return ok, float(err.max())
+
+
+def conv_problem(lens: list[int], D: int, K: int, pool: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    wide = torch.randn(T, D + 7, generator=gen).to(dtype)
+    return {
+        "x": wide[:, 3 : 3 + D],  # a strided view, as the model's split of in_proj output is
+        "weight": torch.randn(D, K, generator=gen) * 0.5,
+        "conv_state": torch.randn(pool, D, K - 1, generator=gen).to(dtype),
+        "state_slots": _slots(len(lens), pool, gen),
+        "query_start_loc": _qsl(lens),
+    }
+
+
+def gdn_problem(
+    lens: list[int], Hk: int, Hv: int, Dk: int, Dv: int, pool: int, dtype: torch.dtype, seed: int
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    # q, k, v as views of one projection output, like the model's split of the conv output.
+    mixed = torch.randn(T, 2 * Hk * Dk + Hv * Dv, generator=gen).to(dtype)
+    q, k, v = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    return {
+        "q": q.reshape(T, Hk, Dk),
+        "k": k.reshape(T, Hk, Dk),
+        "v": v.reshape(T, Hv, Dv),
+        "g": -torch.nn.functional.softplus(torch.randn(T, Hv, generator=gen)) * 0.5,
+        "beta": torch.rand(T, Hv, generator=gen),
+        "ssm_state": torch.randn(pool, Hv, Dk, Dv, generator=gen) * 0.3,
+        "state_slots": _slots(len(lens), pool, gen),
+        "query_start_loc": _qsl(lens),
+        "max_query_len": max(lens, default=0),
+    }
+
+
+def attn_problem(
+    lens: list[int],
+    ctxs: list[int],
+    Hq: int,
+    Hkv: int,
+    D: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> dict[str, Any]:
+    """ctxs[r]: tokens already cached before this step; seq_lens = ctxs + lens."""
+    gen = torch.Generator().manual_seed(seed)
+    R = len(lens)
+    T = sum(lens)
+    seq_lens = [c + n for c, n in zip(ctxs, lens, strict=True)]
+    max_blocks = max(1, max(-(-s // block_size) for s in seq_lens)) + 1
+    num_blocks = R * max_blocks + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    return {
+        "q": torch.randn(T, Hq, D, generator=gen).to(dtype),
+        "k_cache": torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype),
+        "v_cache": torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype),
+        "block_tables": perm[: R * max_blocks].view(R, max_blocks).to(torch.int32),
+        "query_start_loc": _qsl(lens),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "scale": D**-0.5,
+        "max_query_len": max(lens, default=0),
+        "max_seq_len": max(seq_lens, default=0),
+    }
+
+
+def _clone(p: dict[str, Any]) -> dict[str, Any]:
+    """Copy of a problem whose in-place operands (state pools, caches) are cloned."""
+    return {k: (v.clone() if k.endswith(("state", "cache")) else v) for k, v in p.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Independent yardsticks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _hf(name: str) -> Any:
+    """The plain-torch function ``name`` of transformers' Qwen3.5 module.
+
+    ``inspect.unwrap`` strips transformers' hub/package dispatch: where fla-core or causal_conv1d is installed (the GPU
+    machine), the decorated names call those packages' CUDA kernels instead of the torch code.
+    """
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(getattr(modeling_qwen3_5, name))
+
+
+def conv_yardstick(p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' causal_conv1d_update, one row at a time (float32)."""
+    conv_update = _hf("causal_conv1d_update")
+    x, w, state = p["x"].float(), p["weight"].float(), p["conv_state"].float().clone()
+    qsl = p["query_start_loc"].tolist()
+    outs = []
+    for r, slot in enumerate(p["state_slots"].tolist()):
+        xs = x[qsl[r] : qsl[r + 1]]
+        if xs.shape[0] == 0:
+            continue
+        st = state[slot : slot + 1].clone()
+        outs.append(conv_update(xs.t()[None], st, w, None, "silu")[0].t())
+        state[slot] = st[0]
+    return torch.cat(outs) if outs else x.new_zeros((0, x.shape[1])), state
+
+
+def gdn_yardstick(p: dict[str, Any], chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' torch_{chunk,recurrent}_gated_delta_rule, one row at a time, q/k repeat_interleaved."""
+    fn = _hf("torch_chunk_gated_delta_rule" if chunked else "torch_recurrent_gated_delta_rule")
+    q, k, v = p["q"].float(), p["k"].float(), p["v"].float()
+    grp = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(grp, dim=1), k.repeat_interleave(grp, dim=1)
+    state = p["ssm_state"].clone()
+    qsl = p["query_start_loc"].tolist()
+    outs = []
+    for r, slot in enumerate(p["state_slots"].tolist()):
+        a, b = qsl[r], qsl[r + 1]
+        if a == b:
+            continue
+        o, final = fn(
+            q[None, a:b], k[None, a:b], v[None, a:b], g=p["g"][None, a:b].float(), beta=p["beta"][None, a:b].float(),
+            initial_state=state[slot : slot + 1], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        outs.append(o[0])
+        state[slot] = final[0]
+    return torch.cat(outs) if outs else v.new_zeros((0, *v.shape[1:])), state
+
+
+def attn_yardstick(p: dict[str, Any]) -> torch.Tensor:
+    """Naive per-row, per-token attention with python-level page lookups (float32)."""
+    q = p["q"].float()
+    kc, vc, bt = p["k_cache"].float(), p["v_cache"].float(), p["block_tables"]
+    bs = kc.shape[1]
+    grp = q.shape[1] // kc.shape[2]
+    qsl = p["query_start_loc"].tolist()
+    out = torch.zeros_like(q)
+    for r, seq_len in enumerate(p["seq_lens"].tolist()):
+        n = qsl[r + 1] - qsl[r]
+        keys = torch.stack([kc[int(bt[r, j // bs]), j % bs] for j in range(seq_len)]) if seq_len else None
+        vals = torch.stack([vc[int(bt[r, j // bs]), j % bs] for j in range(seq_len)]) if seq_len else None
+        for i in range(n):
+            pos = seq_len - n + i
+            for h in range(q.shape[1]):
+                kk, vv = keys[: pos + 1, h // grp], vals[: pos + 1, h // grp]
+                w = torch.softmax((kk @ q[qsl[r] + i, h]) * p["scale"], dim=0)
+                out[qsl[r] + i, h] = w @ vv
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reference tests (in process, CPU)
+# --------------------------------------------------------------------------------------------------------------------
+
+MIXED_LENS = [3, 0, 1, 9, 2, 1, 0]
+DECODE_LENS = [1, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("lens", [MIXED_LENS, DECODE_LENS, [0, 0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_reference_matches_transformers(lens: list[int], dtype: torch.dtype) -> None:
+    p = conv_problem(lens, D=24, K=4, pool=11, dtype=dtype, seed=1)
+    before = p["conv_state"].clone()
+    want_out, want_state = conv_yardstick(p)
+    out = causal_conv1d_varlen(p["x"], p["weight"], p["conv_state"], p["state_slots"], p["query_start_loc"])
+    assert out.dtype == dtype and out.shape == p["x"].shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(p["conv_state"].float(), want_state, atol=0, rtol=0)
+    _assert_untouched(before, p["conv_state"], _touched(p["state_slots"], lens))
+
+
+def test_conv_reference_chunked_calls_match_one_shot() -> None:
+    """A sequence fed over several calls (interleaved with other rows, fresh zero state) equals one causal_conv1d_fn."""
+    gen = torch.Generator().manual_seed(2)
+    D, K = 16, 4
+    full = torch.randn(13, D, generator=gen)
+    w = torch.randn(D, K, generator=gen)
+    state = torch.zeros(5, D, K - 1)
+    state[1] = torch.randn(D, K - 1, generator=gen)  # another request's slot
+    outs = []
+    for a, b in [(0, 5), (5, 6), (6, 6), (6, 13)]:
+        other = torch.randn(2, D, generator=gen)
+        x = torch.cat([other, full[a:b]])
+        out = causal_conv1d_varlen(x, w, state, torch.tensor([1, 3]), _qsl([2, b - a]))
+        outs.append(out[2:])
+    want = _hf("causal_conv1d_fn")(full.t()[None], w, None, activation="silu")[0].t()
+    torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[3], full[-(K - 1) :].t(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("lens", [MIXED_LENS, DECODE_LENS])
+def test_gdn_reference_matches_transformers(chunked: bool, lens: list[int]) -> None:
+    p = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=8, pool=10, dtype=torch.float32, seed=3)
+    before = p["ssm_state"].clone()
+    want_out, want_state = gdn_yardstick(p, chunked)
+    out = gdn_forward(**p)
+    assert out.shape == p["v"].shape and out.dtype == p["v"].dtype
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(p["ssm_state"], want_state, atol=2e-5, rtol=1e-4)
+    _assert_untouched(before, p["ssm_state"], _touched(p["state_slots"], lens))
+
+
+def test_gdn_reference_bf16_inputs() -> None:
+    p = gdn_problem(MIXED_LENS, Hk=1, Hv=2, Dk=16, Dv=16, pool=9, dtype=torch.bfloat16, seed=4)
+    want_out, want_state = gdn_yardstick(p, chunked=False)
+    out = gdn_forward(**p)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(p["ssm_state"], want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_gdn_reference_empty_batch() -> None:
+    p = gdn_problem([0, 0, 0], Hk=1, Hv=1, Dk=8, Dv=8, pool=4, dtype=torch.float32, seed=5)
+    before = p["ssm_state"].clone()
+    out = gdn_forward(**p)
+    assert out.shape == (0, 1, 8)
+    assert torch.equal(before, p["ssm_state"])
+
+
+def test_store_kv_reference() -> None:
+    gen = torch.Generator().manual_seed(6)
+    k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
+    kc, vc = torch.randn(5, 4, 2, 8, generator=gen), torch.randn(5, 4, 2, 8, generator=gen)
+    slot_mapping = torch.tensor([7, -1, 0, 19, -1, 9])
+    want_k, want_v = kc.clone(), vc.clone()
+    for t, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            want_k[s // 4, s % 4], want_v[s // 4, s % 4] = k[t], v[t]
+    store_kv(k, v, kc, vc, slot_mapping)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+ATTN_CASES = [
+    ([3, 0, 1, 7, 2], [5, 0, 10, 3, 0]),  # mixed prefill / decode / empty
+    ([1, 1, 0, 1], [0, 17, 4, 40]),  # decode (first token of a fresh request too)
+    ([12], [0]),  # plain prefill
+]
+
+
+@pytest.mark.parametrize(("lens", "ctxs"), ATTN_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_reference_matches_naive(lens: list[int], ctxs: list[int], dtype: torch.dtype) -> None:
+    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=8, block_size=4, dtype=dtype, seed=7)
+    out = paged_attention(**p)
+    assert out.dtype == dtype and out.shape == p["q"].shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), attn_yardstick(p), atol=tol, rtol=tol)
+
+
+def test_paged_attention_reference_loose_host_bounds() -> None:
+    """Host bounds larger than needed (as a captured graph would pass) change nothing."""
+    p = attn_problem([3, 1, 0], [2, 9, 1], Hq=2, Hkv=1, D=8, block_size=4, dtype=torch.float32, seed=8)
+    want = paged_attention(**p)
+    loose = dict(p, max_query_len=p["max_query_len"] + 5, max_seq_len=p["max_seq_len"] + 7)
+    torch.testing.assert_close(paged_attention(**loose), want, atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (one subprocess)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def patch_triton_interpreter() -> None:
+    """Work around two interpreter bugs seen with triton 3.6 + numpy >= 2.3 (interpreter only; GPU code unaffected):
+
+    * a scalar loaded from memory is a 1-element array, and ``range(lo, hi)`` with it as a bound calls ``int()`` on
+      it, which numpy 2.3+ refuses for 1-d arrays;
+    * ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage;
+    * float32 -> bfloat16 casts truncate, where GPUs (and torch) round to nearest even;
+    * float32 -> float8_e4m3 casts lose the carry of a mantissa rounded up into the exponent (124.3 gives 64).
+    """
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig_patch = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_lang_tensor
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        def up(h: Any) -> Any:
+            if getattr(h.dtype, "scalar", h.dtype) == tl.bfloat16:
+                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+
+        return orig_dot(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    orig_cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+            nan = np.isnan(src.data)
+            rounded[nan] = 0x7FC0
+            return interp.TensorHandle(rounded, dst_type.scalar)
+        return orig_cast(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl
+    orig_fp_to_fp = interp.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:  # round to nearest even, as torch
+            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            return interp.TensorHandle(data.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), dst_type.scalar)
+        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+    try:
+        ok, msg = fn()
+    except Exception as e:  # report, don't abort the other checks
+        ok, msg = False, f"{type(e).__name__}: {e}"
+    results[name] = [bool(ok), msg]
+
+
+def _interp_conv(lens: list[int], dtype: torch.dtype, max_query_len: int | None) -> tuple[bool, str]:
+    from hyserve.kernels.conv import causal_conv1d_varlen_triton
+
+    p = conv_problem(lens, D=40, K=4, pool=9, dtype=dtype, seed=11)
+    ref = _clone(p)
+    want = causal_conv1d_varlen_ref(**ref)
+    before = p["conv_state"].clone()
+    out = torch.full(p["x"].shape, float("nan"), dtype=dtype)
+    causal_conv1d_varlen_triton(**p, max_query_len=max_query_len, out=out)
+    tol = 1e-5 if dtype == torch.float32 else 3.2e-2  # bf16: one ulp at |y| ~ 4
+    ok1, e1 = _close(out, want, tol, tol)
+    ok2, e2 = _close(p["conv_state"], ref["conv_state"], 0.0)
+    _assert_untouched(before, p["conv_state"], _touched(p["state_slots"], lens))
+    return ok1 and ok2, f"out err {e1:.3g}, state err {e2:.3g}"
+
+
+def _interp_gdn(lens: list[int], dtype: torch.dtype) -> tuple[bool, str]:
+    from hyserve.kernels.gdn import gdn_recurrent_triton
+
+    p = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=32, pool=9, dtype=dtype, seed=12)
+    ref = _clone(p)
+    want = gdn_forward_ref(**ref)
+    before = p["ssm_state"].clone()
+    out = torch.full(p["v"].shape, float("nan"), dtype=dtype)
+    args = {k: v for k, v in p.items() if k != "max_query_len"}
+    gdn_recurrent_triton(**args, out=out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    ok1, e1 = _close(out, want, tol, tol)
+    ok2, e2 = _close(p["ssm_state"], ref["ssm_state"], 1e-5, 1e-5)
+    _assert_untouched(before, p["ssm_state"], _touched(p["state_slots"], lens))
+    return ok1 and ok2, f"out err {e1:.3g}, state err {e2:.3g}"
+
+
+def _interp_attn(
+    lens: list[int], ctxs: list[int], dtype: torch.dtype, block_size: int, partition: int | None, D: int = 16
+) -> tuple[bool, str]:
+    from hyserve.kernels.attention import paged_attention_triton
+
+    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=D, block_size=block_size, dtype=dtype, seed=13)
+    want = paged_attention_ref(**p)
+    caches = (p["k_cache"].clone(), p["v_cache"].clone())
+    out = torch.full(p["q"].shape, float("nan"), dtype=dtype)
+    paged_attention_triton(**p, decode_partition=partition, out=out)
+    assert torch.equal(caches[0], p["k_cache"]) and torch.equal(caches[1], p["v_cache"])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ok, err = _close(out, want, tol, tol)
+    return ok, f"out err {err:.3g}"
+
+
+def _interp_store_kv(dtype: torch.dtype) -> tuple[bool, str]:
+    from hyserve.kernels.attention import store_kv_triton
+
+    gen = torch.Generator().manual_seed(14)
+    k, v = torch.randn(7, 2, 12, generator=gen).to(dtype), torch.randn(7, 2, 12, generator=gen).to(dtype)
+    kc, vc = torch.randn(6, 4, 2, 12, generator=gen).to(dtype), torch.randn(6, 4, 2, 12, generator=gen).to(dtype)
+    slot_mapping = torch.tensor([5, -1, 0, 23, -1, 9, 10])
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(k, v, want_k, want_v, slot_mapping)
+    store_kv_triton(k, v, kc, vc, slot_mapping)
+    return torch.equal(kc, want_k) and torch.equal(vc, want_v), "bit-exact"
+
+
+def _interp_norm(dtype: torch.dtype, lead: tuple[int, ...], d: int, gated: bool) -> tuple[bool, str]:
+    """Both norms against their torch references; the input is a strided view (rows wider than D)."""
+    from hyserve.kernels.norm import gated_rms_norm_ref, gated_rms_norm_triton, rms_norm_ref, rms_norm_triton
+
+    gen = torch.Generator().manual_seed(15 + d)
+    wide = (torch.randn(*lead, d + 8, generator=gen) * 3).to(dtype)
+    x = wide[..., 4 : 4 + d]  # last stride 1, row stride d + 8
+    gate = (torch.randn(*lead, d, generator=gen) * 2).to(dtype)
+    w = (torch.randn(d, generator=gen) * 0.5).to(dtype)
+    if gated:
+        got, want = gated_rms_norm_triton(x, gate, w, 1e-6), gated_rms_norm_ref(x, gate, w, 1e-6)
+    else:
+        got, want = rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: a float32 sum in another order moves one rounding
+    return _close(got, want, tol, tol)[0], f"err {_close(got, want, tol, tol)[1]:.3g}"
+
+
+def _interp_gating(dtype: torch.dtype) -> tuple[bool, str]:
+    """GDN gates against the reference, over the softplus regimes (large negative, around 0, past the threshold)."""
+    from hyserve.kernels.gating import gdn_gating_ref, gdn_gating_triton
+
+    gen = torch.Generator().manual_seed(16)
+    t, h = 70, 12
+    a = (torch.randn(t, h, generator=gen) * 12).to(dtype)
+    a[0, :4] = torch.tensor([-40.0, 25.0, 0.0, -90.0]).to(dtype)
+    wide = (torch.randn(t, h + 5, generator=gen) * 4).to(dtype)
+    b = wide[:, 2 : 2 + h]  # strided rows
+    a_log = torch.empty(h).uniform_(0.5, 8.0, generator=gen).log().to(dtype)
+    dt_bias = (torch.randn(h, generator=gen) * 0.5).to(dtype)
+    g, beta = gdn_gating_triton(a, b, a_log, dt_bias)
+    g_ref, beta_ref = gdn_gating_ref(a, b, a_log, dt_bias)
+    ok1, e1 = _close(g, g_ref, 1e-6, 1e-5)
+    ok2, e2 = _close(beta, beta_ref, 1e-6, 1e-6)
+    return ok1 and ok2 and g.dtype == beta.dtype == torch.float32, f"g err {e1:.3g}, beta err {e2:.3g}"
+
+
+def _interp_rope(dtype: torch.dtype, d: int, r2: int) -> tuple[bool, str]:
+    """Partial rotary on a strided (T, H, D) view against the reference; bit-exact (the roundings are replayed)."""
+    from hyserve.kernels.rope import apply_rope_ref, apply_rope_triton
+
+    gen = torch.Generator().manual_seed(17 + d)
+    t, h = 21, 3
+    wide = (torch.randn(t, h, d + 4, generator=gen) * 2).to(dtype)
+    x = wide[..., 2 : 2 + d]
+    pos = torch.randint(0, 30000, (t,), generator=gen).float()
+    freqs = pos[:, None] / (10000.0 ** (torch.arange(0, 2 * r2, 2).float() / (2 * r2)))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    got, want = apply_rope_triton(x, cos, sin), apply_rope_ref(x, cos, sin)
+    tol = 2e-6 if dtype == torch.float32 else 0.0
+    ok, err = _close(got, want, tol, tol)
+    return ok and got.dtype == dtype, f"err {err:.3g}"
+
+
+def _interp_add_norm_silu(dtype: torch.dtype, d: int) -> tuple[bool, str]:
+    """The residual add + RMSNorm and SwiGLU's silu * up against their references, on strided rows."""
+    from hyserve.kernels.norm import add_rms_norm_ref, add_rms_norm_triton, silu_mul_ref, silu_mul_triton
+
+    gen = torch.Generator().manual_seed(18 + d)
+    wide = (torch.randn(13, d + 6, generator=gen) * 3).to(dtype)
+    x, delta = wide[:, :d], (torch.randn(13, d, generator=gen) * 2).to(dtype)
+    w = (torch.randn(d, generator=gen) * 0.5).to(dtype)
+    (res, out), (res_ref, out_ref) = add_rms_norm_triton(x, delta, w, 1e-6), add_rms_norm_ref(x, delta, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 0.0
+    ok1, e1 = _close(res, res_ref, 0.0)
+    ok2, e2 = _close(out, out_ref, tol, tol)
+    g, u = wide[:, 3 : 3 + d], (torch.randn(13, d, generator=gen) * 2).to(dtype)
+    # bf16: silu's exp may differ from torch's by an ulp in float32, which can move one bf16 rounding
+    ok3, e3 = _close(silu_mul_triton(g, u), silu_mul_ref(g, u), tol or 1e-6, 1e-5 if dtype == torch.float32 else 8e-3)
+    return ok1 and ok2 and ok3, f"res err {e1:.3g}, norm err {e2:.3g}, silu*up err {e3:.3g}"
+
+
+def _interp_l2norm(dtype: torch.dtype) -> tuple[bool, str]:
+    """The gated delta rule's q/k l2 norm on a strided (T, H, D) view (a split of [q | k | v]) against the
+    reference; the output is contiguous."""
+    from hyserve.kernels.norm import l2_norm_heads_ref, l2_norm_heads_triton
+
+    gen = torch.Generator().manual_seed(19)
+    t, h, d = 11, 3, 24
+    wide = (torch.randn(t, 2 * h * d + 5, generator=gen) * 3).to(dtype)
+    x = wide[:, h * d : 2 * h * d].view(t, h, d)  # row stride 2hd + 5, head stride d
+    got, want = l2_norm_heads_triton(x, 1e-6), l2_norm_heads_ref(x, 1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    ok, err = _close(got, want, tol, tol)
+    return ok and got.is_contiguous() and got.dtype == dtype, f"err {err:.3g}"
+
+
+def _interp_fp8_quant(dtype: torch.dtype, mode: str) -> tuple[bool, str]:
+    """One-launch activation quantization (per token over several column blocks, per 128-group with a partial last
+    group, static) against the torch reference: the same FP8 bytes and scales, bit for bit."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(23)
+    x = (torch.randn(6, 2100, generator=gen) * 5).to(dtype)
+    x[2] = 0  # an all-zero token takes the eps scale
+    x[3, 7] = 900.0  # beyond e4m3's range once scaled by a static scale
+    if mode == "token":
+        (q, s), (qr, sr) = fp8.quantize_rows(x), fp8.quantize_per_token(x)
+    elif mode == "group":
+        (q, s), (qr, sr) = fp8.quantize_rows(x, group=128), fp8.quantize_per_token_group(x, 128)
+    else:
+        static = torch.tensor([0.5])
+        (q, s), sr = fp8.quantize_rows(x, static_scale=static), static.reshape(1, 1)
+        qr = fp8.quantize_fp8(x, sr)
+    same = torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    return same, f"bytes differing {int((q.view(torch.uint8) != qr.view(torch.uint8)).sum())}"
+
+
+def _interp_fp8_gemm(m: int, n: int, k: int, block: bool, group: bool, split: int | None,
+                     sabotage: bool = False) -> tuple[bool, str]:
+    """The FP8 GEMM (channel or 128x128 block scales; token or token-group activation scales; split K) against the
+    dequantize-and-matmul reference. ``sabotage``: the group scales replaced by each token's first one, which the
+    comparison must catch (the check passes when it does)."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(29 + m + n)
+    x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 8, k)  # group amaxes differ across K
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    ws = w.abs().amax(1, keepdim=True) / 448
+    wq = (w / ws).clamp(-448, 448).to(fp8.FP8_DTYPE)
+    if block:
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen) / 448 + 1e-3
+        q, qs = fp8.quantize_per_token_group(x, 128) if group else fp8.quantize_per_token(x)
+        want = fp8.fp8_block_linear_ref(x, wq, scale, (128, 128), 128 if group else None)
+    else:
+        scale = ws
+        q, qs = fp8.quantize_per_token(x)
+        want = fp8.fp8_linear_ref(x, wq, scale)
+    if sabotage:
+        qs = qs[:, :1].expand(m, qs.shape[1]).contiguous()
+    cfg = None if split is None else fp8.GemmConfig(16, 32, 128, split, 2, 4, 2)
+    got = fp8.triton_fp8_gemm(q, qs, wq, scale, (128, 128) if block else None, torch.float32, cfg)
+    ok, err = _close(got, want, 1e-4, 1e-4)
+    return ok != sabotage, f"err {err:.3g}"
+
+
+def _interp_fp8_split_locks(stale: bool) -> tuple[bool, str]:
+    """Split K reduced by the last program of each tile: two launches in a row (the locks back at zero after each),
+    four splits of five K tiles (one split empty), against the reference. ``stale``: the locks left at 1 before the
+    launch (a reset that did not happen): a tile is written one partial short, which the comparison must catch."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(31)
+    m, n, k = 2, 72, 520
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    ws = w.abs().amax(1, keepdim=True) / 448
+    wq = (w / ws).clamp(-448, 448).to(fp8.FP8_DTYPE)
+    q, qs = fp8.quantize_per_token(x)
+    want = fp8.fp8_linear_ref(x, wq, ws)
+    locks = fp8.split_locks(x.device)
+    if stale:
+        locks.fill_(1)
+    cfg = fp8.GemmConfig(16, 32, 128, 4, 2, 4, 2)
+    errs = []
+    for _ in range(2):
+        got = fp8.triton_fp8_gemm(q, qs, wq, ws, None, torch.float32, cfg)
+        errs.append(_close(got, want, 1e-4, 1e-4))
+    zeroed = int(locks.count_nonzero()) == 0
+    locks.zero_()
+    ok = all(e[0] for e in errs) and zeroed
+    return ok != stale, f"errs {[round(e[1], 4) for e in errs]}, locks zero after: {zeroed}"
+
+
+def _interp_fp8_gemm_fused(m: int, n: int, k: int, block: bool, mode: str, split: int | None,
+                           reference_mode: str | None = None) -> tuple[bool, str]:
+    """The GEMM quantizing its unquantized bf16 activation itself (``mode``: token, group or static) against the
+    reference of ``reference_mode`` (default: the same). A different reference mode must be told apart (the check
+    passes when the comparison fails), so a GEMM quantizing at the wrong granularity is caught."""
+    from hyserve.kernels import fp8
+
+    gen = torch.Generator().manual_seed(31 + m + k)
+    x = (torch.randn(m, k, generator=gen) * torch.linspace(0.1, 8, k)).bfloat16()
+    x[0, 3] = 600.0  # past the static scale's range: clamped
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    ws = w.abs().amax(1, keepdim=True) / 448
+    wq = (w / ws).clamp(-448, 448).to(fp8.FP8_DTYPE)
+    static = torch.tensor([0.05])
+    ref_mode = reference_mode or mode
+    if block:
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen) / 448 + 1e-3
+        want = fp8.fp8_block_linear_ref(x.float(), wq, scale, (128, 128), 128 if ref_mode == "group" else None)
+    else:  # the reference on the same values in float32, so that its output is not rounded to bf16
+        scale = ws
+        want = fp8.fp8_linear_ref(x.float(), wq, scale, static if ref_mode == "static" else None)
+    cfg = None if split is None else fp8.GemmConfig(16, 32, 128, split, 2, 4, 2)
+    got = fp8.triton_fp8_gemm(x, static if mode == "static" else None, wq, scale, (128, 128) if block else None,
+                              torch.float32, cfg, quantize=mode)
+    ok, err = _close(got, want.float(), 1e-4, 1e-4)
+    return ok == (ref_mode == mode), f"err {err:.3g}"
+
+
+def run_interpreter_checks() -> dict[str, list[Any]]:
+    """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    f32, bf16 = torch.float32, torch.bfloat16
+    long_lens = [3, 0, 1, 37, 2, 1]  # 37 > the 16-token block: separate state kernel
+    for dt in (f32, bf16):
+        n = str(dt).split(".")[-1]
+        _check(res, f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
+        _check(res, f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
+        _check(res, f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
+        _check(res, f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
+        _check(res, f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
+        _check(res, f"attn_decode_1split_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 40], dt, 4, None))
+        _check(res, f"attn_decode_splits_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 60], dt, 4, 16))
+        _check(res, f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
+        _check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
+        _check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
+        _check(res, f"add_norm_silu_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 40))
+        _check(res, f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
+        _check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
+        _check(res, f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
+        _check(res, f"l2_norm_heads_{n}", lambda dt=dt: _interp_l2norm(dt))
+        for gated in (False, True):
+            g = "gated_" if gated else ""
+            _check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
+            _check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
+    for dt in (f32, bf16):
+        for mode in ("token", "group", "static"):
+            name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"
+            _check(res, name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
+    # M = 1 / 5 (decode tiles, split K) and 70 (prefill tiles); K and N not multiples of the tiles.
+    _check(res, "fp8_gemm_channel_decode", lambda: _interp_fp8_gemm(5, 200, 300, False, False, None))
+    _check(res, "fp8_gemm_channel_split3", lambda: _interp_fp8_gemm(1, 72, 520, False, False, 3))
+    _check(res, "fp8_gemm_channel_prefill", lambda: _interp_fp8_gemm(70, 136, 264, False, False, None))
+    _check(res, "fp8_gemm_block_groups", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None))
+    _check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
+    _check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
+    _check(res, "fp8_gemm_block_sabotaged_groups_caught", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
+    _check(res, "fp8_split_locks", lambda: _interp_fp8_split_locks(False))
+    _check(res, "fp8_split_stale_locks_caught", lambda: _interp_fp8_split_locks(True))
+    # The GEMM quantizing its activation: per token over several K tiles (split too), static, per group.
+    _check(res, "fp8_fused_token", lambda: _interp_fp8_gemm_fused(5, 200, 300, False, "token", None))
+    _check(res, "fp8_fused_token_split3", lambda: _interp_fp8_gemm_fused(3, 72, 520, False, "token", 3))
+    _check(res, "fp8_fused_static", lambda: _interp_fp8_gemm_fused(4, 136, 264, False, "static", None))
+    _check(res, "fp8_fused_block_group", lambda: _interp_fp8_gemm_fused(5, 300, 400, True, "group", 2))
+    _check(res, "fp8_fused_block_token", lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "token", None))
+    _check(res, "fp8_fused_group_for_token_caught",
+           lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "group", None, reference_mode="token"))
+    # Odd shapes: head dim not a power of two, block size 16, a prefill row spanning several query blocks.
+    _check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
+    _check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
+    return res
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+_PER_DTYPE = "conv_mixed conv_fused conv_decode gdn_decode gdn_mixed attn_decode_1split attn_decode_splits attn_prefill"
+INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in (*_PER_DTYPE.split(), "store_kv")]
+INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16"]
+INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
+                  for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
+INTERP_CHECKS += [f"add_norm_silu{w}_{dt}" for w in ("", "_wide") for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"l2_norm_heads_{dt}" for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"fp8_quant_{m}_{dt}" for m in ("token", "group", "static") for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"fp8_gemm_{c}" for c in ("channel_decode", "channel_split3", "channel_prefill", "block_groups",
+                                            "block_groups_split2", "block_tokens", "block_sabotaged_groups_caught")]
+INTERP_CHECKS += [f"fp8_fused_{c}" for c in ("token", "token_split3", "static", "block_group", "block_token",
+                                             "group_for_token_caught")]
+INTERP_CHECKS += ["fp8_split_locks", "fp8_split_stale_locks_caught"]
+
+
+@pytest.mark.parametrize("name", INTERP_CHECKS)
+def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CUDA dispatch (GPU machines only)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def to_device(p: dict[str, Any], device: str) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_norms_gating_rope_match_reference() -> None:
+    from hyserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref
+
+    gen = torch.Generator().manual_seed(25)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
+        for shape in ((1, 2048), (37, 16, 128), (5, 2, 256), (300, 2048), (3, 5120)):
+            x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+            gate = torch.randn(*shape, generator=gen).to(dtype)
+            w = (torch.randn(shape[-1], generator=gen) * 0.5).to(dtype)
+            got = rms_norm(x.cuda(), w.cuda(), 1e-6).cpu()
+            torch.testing.assert_close(got.float(), rms_norm_ref(x, w, 1e-6).float(), atol=tol, rtol=tol)
+            got = gated_rms_norm(x.cuda(), gate.cuda(), w.cuda(), 1e-6).cpu()
+            torch.testing.assert_close(got.float(), gated_rms_norm_ref(x, gate, w, 1e-6).float(), atol=tol, rtol=tol)
+
+    from hyserve.kernels.norm import add_rms_norm, add_rms_norm_ref, silu_mul, silu_mul_ref
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
+        x, d = (torch.randn(300, 2048, generator=gen) * 3).to(dtype), torch.randn(300, 2048, generator=gen).to(dtype)
+        w = (torch.randn(2048, generator=gen) * 0.5).to(dtype)
+        res, out = add_rms_norm(x.cuda(), d.cuda(), w.cuda(), 1e-6)
+        res_ref, out_ref = add_rms_norm_ref(x, d, w, 1e-6)
+        torch.testing.assert_close(res.cpu(), res_ref, atol=0, rtol=0)
+        torch.testing.assert_close(out.cpu().float(), out_ref.float(), atol=tol, rtol=tol)
+        g, u = (torch.randn(7, 6144, generator=gen) * 3).to(dtype), torch.randn(7, 6144, generator=gen).to(dtype)
+        torch.testing.assert_close(silu_mul(g.cuda(), u.cuda()).cpu().float(), silu_mul_ref(g, u).float(),
+                                   atol=tol, rtol=tol)
+
+    from hyserve.kernels.rope import apply_rope, apply_rope_ref
+
+    # bf16: the GPU compiler may keep a product in float32 where the reference rounds it to bf16 first (one bf16 ulp
+    # of the inputs' magnitude, seen on the H200); a wrong pairing or sign would be off by O(1).
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 3.2e-2)):
+        for t, h, d, r2 in ((1, 8, 256, 32), (300, 2, 256, 32), (37, 16, 128, 64)):
+            x = torch.randn(t, h, d, generator=gen).to(dtype)
+            freqs = torch.randint(0, 32768, (t,), generator=gen).float()[:, None] * torch.rand(r2, generator=gen)
+            cos, sin = freqs.cos(), freqs.sin()
+            got = apply_rope(x.cuda(), cos.cuda(), sin.cuda()).cpu()
+            want = apply_rope_ref(x, cos, sin)
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            assert torch.equal(got[..., 2 * r2:], x[..., 2 * r2:]), "channels past the rotary part are copied"
+
+    from hyserve.kernels.gating import gdn_gating, gdn_gating_ref
+
+    for dtype in (torch.float32, torch.bfloat16):
+        a = (torch.randn(300, 32, generator=gen) * 12).to(dtype)
+        b = (torch.randn(300, 32, generator=gen) * 4).to(dtype)
+        a_log = torch.empty(32).uniform_(0.5, 8.0, generator=gen).log().to(dtype)
+        dt_bias = (torch.randn(32, generator=gen) * 0.5).to(dtype)
+        got = gdn_gating(a.cuda(), b.cuda(), a_log.cuda(), dt_bias.cuda())
+        for x, y in zip(got, gdn_gating_ref(a, b, a_log, dt_bias), strict=True):
+            torch.testing.assert_close(x.cpu(), y, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dispatch_matches_reference_bf16() -> None:
+    bf16 = torch.bfloat16
+    lens_mixed = [1, 0, 300, 1, 70, 5, 0, 1]
+    lens_decode = [1] * 37 + [0, 1]
+
+    # conv (fused and two-launch paths)
+    for lens, mql in ((lens_decode, 1), (lens_mixed, max(lens_mixed))):
+        p = conv_problem(lens, D=2 * 16 * 128 + 32 * 128, K=4, pool=64, dtype=bf16, seed=21)
+        ref = _clone(p)
+        want = causal_conv1d_varlen_ref(**ref)
+        g = to_device(p, "cuda")
+        out = causal_conv1d_varlen(**g, max_query_len=mql)
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(g["conv_state"].cpu(), ref["conv_state"], atol=0, rtol=0)
+
+    # GDN: decode (own kernel) and mixed (fla), Qwen3.5 shapes (16 key heads, 32 value heads, 128 dims)
+    for lens in (lens_decode, lens_mixed):
+        if max(lens) > 1:
+            pytest.importorskip("fla")
+        p = gdn_problem(lens, Hk=16, Hv=32, Dk=128, Dv=128, pool=64, dtype=bf16, seed=22)
+        ref = _clone(p)
+        want = gdn_forward_ref(**ref)
+        g = to_device(p, "cuda")
+        out = gdn_forward(**g)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(g["ssm_state"].cpu(), ref["ssm_state"], atol=2e-2, rtol=2e-2)
+        touched = _touched(p["state_slots"], lens)
+        _assert_untouched(p["ssm_state"], g["ssm_state"].cpu(), touched)
+
+    # attention: store_kv then decode / mixed prefill (head dim 256, GQA 16 -> 2 heads, block size 16)
+    for lens, ctxs in ((lens_decode, [(37 * i) % 2000 for i in range(len(lens_decode))]), (lens_mixed, [0] * 8)):
+        p = attn_problem(lens, ctxs, Hq=16, Hkv=2, D=256, block_size=16, dtype=bf16, seed=23)
+        want = paged_attention_ref(**p)
+        out = paged_attention(**to_device(p, "cuda"))
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+
+    gen = torch.Generator().manual_seed(24)
+    k, v = torch.randn(9, 2, 256, generator=gen).to(bf16), torch.randn(9, 2, 256, generator=gen).to(bf16)
+    kc, vc = torch.randn(4, 16, 2, 256, generator=gen).to(bf16), torch.randn(4, 16, 2, 256, generator=gen).to(bf16)
+    sm = torch.tensor([3, -1, 40, 0, -1, 63, 17, 18, 2])
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(k, v, want_k, want_v, sm)
+    kc_g, vc_g = kc.cuda(), vc.cuda()
+    store_kv(k.cuda(), v.cuda(), kc_g, vc_g, sm.cuda())
+    assert torch.equal(kc_g.cpu(), want_k) and torch.equal(vc_g.cpu(), want_v)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--interpreter-checks"]:
+        results = run_interpreter_checks()
+        for name, (ok, msg) in results.items():
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
+        print("RESULTS " + json.dumps(results))
+
+
+@pytest.mark.parametrize("block_d", [64, 128, 256])
+def test_attention_tiles_fit_shared_memory(block_d: int) -> None:
+    """float32 tiles at D=256 overflowed Hopper's 227 KiB of shared memory (seen on an H200 with the 2B shape):
+    the prefill and decode configurations shrink to fit, and the bf16 ones, tuned on the H200, stay unchanged."""
+    from hyserve.kernels.attention import PREFILL_CONFIG, SMEM_BUDGET, fit_tiles
+
+    bm0, bn0, _, st0 = PREFILL_CONFIG
+    for elem in (2, 4):
+        for bm, bn, st in (fit_tiles(bm0, bn0, st0, block_d, elem), fit_tiles(16, 32, 3, block_d, elem)):
+            assert (bm * block_d + st * 2 * bn * block_d) * elem <= SMEM_BUDGET
+            assert bm >= 16 and bn >= 16 and st >= 1
+    assert fit_tiles(bm0, bn0, st0, block_d, 2) == (bm0, bn0, st0)
+    assert fit_tiles(16, 32, 3, block_d, 2) == (16, 32, 3)
+    if block_d == 256:
+        assert fit_tiles(bm0, bn0, st0, block_d, 4) != (bm0, bn0, st0)

@@ -1,0 +1,473 @@
+"""Tests for the verify variants and the commit (hyserve.kernels.{conv,gdn}.verify, hyserve.kernels.commit: speculative
+decoding; docs/design.md invariant 2).
+
+* CPU path (the references), in process: outputs equal ``causal_conv1d_varlen`` / ``gdn_forward`` run on a copy of the
+  pool; the live pools are bit-identical afterwards; candidate ``a`` of each row equals the slot state those functions
+  leave after consuming only the row's first ``a + 1`` tokens; scratch entries past a row's end stay NaN (unwritten);
+  ``commit_verified`` with a per-row mix of accepted counts (incl. -1) updates exactly those slots.
+* Triton kernels under the interpreter (``TRITON_INTERPRET=1``) in one subprocess, against the references, with
+  NaN-poisoned outputs and scratch (every written element is checked, every other one must still be NaN).
+* A CUDA test (skipped without a GPU) at Qwen3.5 shapes in bf16.
+
+Problems use mixed row lengths (0, 1, 3, k + 1), permuted slots with gaps, and spare scratch rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyserve.kernels import causal_conv1d_varlen, gdn_forward
+from hyserve.kernels.commit import commit_verified
+from hyserve.kernels.commit.reference import commit_verified_ref
+from hyserve.kernels.conv.reference import causal_conv1d_verify_ref
+from hyserve.kernels.conv.verify import causal_conv1d_verify
+from hyserve.kernels.gdn.reference import gdn_verify_ref
+from hyserve.kernels.gdn.verify import gdn_verify
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+K_DRAFT = 4
+P_MAX = K_DRAFT + 1
+VERIFY_LENS = [3, 0, P_MAX, 1, P_MAX, 0, 1, 3]  # rows of a verify batch: 0, 1, 3 and k + 1 tokens
+DECODE_LENS = [1, 1, 0, 1]  # k = 0 (plain decode through the verify path)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Problem builders
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _qsl(lens: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _slots(num_rows: int, pool: int, gen: torch.Generator) -> torch.Tensor:
+    """Distinct, permuted slots drawn from a larger pool (so the pool has untouched gaps)."""
+    return torch.randperm(pool, generator=gen)[:num_rows].to(torch.int64)
+
+
+def conv_problem(lens: list[int], D: int, K: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    T, R = sum(lens), len(lens)
+    wide = torch.randn(T, D + 7, generator=gen).to(dtype)
+    return {
+        "x": wide[:, 3 : 3 + D],  # a strided view, as the model's split of in_proj output is
+        "weight": torch.randn(D, K, generator=gen) * 0.5,
+        "conv_state": torch.randn(2 * R + 3, D, K - 1, generator=gen).to(dtype),
+        "state_slots": _slots(R, 2 * R + 3, gen),
+        "query_start_loc": _qsl(lens),
+        "conv_scratch": torch.full((R + 2, max(max(lens, default=0), 1), D, K - 1), float("nan"), dtype=dtype),
+        "max_query_len": max(lens, default=0),
+    }
+
+
+def gdn_problem(lens: list[int], Hk: int, Hv: int, Dk: int, Dv: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    T, R = sum(lens), len(lens)
+    mixed = torch.randn(T, 2 * Hk * Dk + Hv * Dv, generator=gen).to(dtype)
+    q, k, v = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    P = max(max(lens, default=0), 1)
+    return {
+        "q": q.reshape(T, Hk, Dk),
+        "k": k.reshape(T, Hk, Dk),
+        "v": v.reshape(T, Hv, Dv),
+        "g": -torch.nn.functional.softplus(torch.randn(T, Hv, generator=gen)) * 0.5,
+        "beta": torch.rand(T, Hv, generator=gen),
+        "ssm_state": torch.randn(2 * R + 3, Hv, Dk, Dv, generator=gen) * 0.3,
+        "state_slots": _slots(R, 2 * R + 3, gen),
+        "query_start_loc": _qsl(lens),
+        "ssm_scratch": torch.full((R + 2, P, Hv, Dk, Dv), float("nan")),
+        "max_query_len": max(lens, default=0),
+    }
+
+
+def _lens(p: dict[str, Any]) -> list[int]:
+    qsl = p["query_start_loc"].tolist()
+    return [b - a for a, b in itertools.pairwise(qsl)]
+
+
+def _truncate(p: dict[str, Any], m: list[int], token_keys: tuple[str, ...]) -> dict[str, Any]:
+    """The problem with row r cut to its first m[r] tokens (and a cloned pool)."""
+    qsl = p["query_start_loc"].tolist()
+    idx = torch.tensor([t for r, n in enumerate(m) for t in range(qsl[r], qsl[r] + n)], dtype=torch.int64)
+    out = {key: p[key][idx] for key in token_keys}
+    out["query_start_loc"] = _qsl(m)
+    out["max_query_len"] = max(m, default=0)
+    return out
+
+
+def _conv_forward_args(p: dict[str, Any]) -> dict[str, Any]:
+    keys = ("x", "weight", "conv_state", "state_slots", "query_start_loc", "max_query_len")
+    return {k: (p[k].clone() if k == "conv_state" else p[k]) for k in keys}
+
+
+def _gdn_forward_args(p: dict[str, Any]) -> dict[str, Any]:
+    keys = ("q", "k", "v", "g", "beta", "ssm_state", "state_slots", "query_start_loc", "max_query_len")
+    return {k: (p[k].clone() if k == "ssm_state" else p[k]) for k in keys}
+
+
+def conv_candidates_expected(p: dict[str, Any]) -> dict[tuple[int, int], torch.Tensor]:
+    """{(row, a): slot state after causal_conv1d_varlen consumes only the row's first a + 1 tokens}."""
+    lens, slots = _lens(p), p["state_slots"].tolist()
+    want = {}
+    for a in range(max(lens, default=0)):
+        m = [min(n, a + 1) for n in lens]
+        args = _conv_forward_args(p) | _truncate(p, m, ("x",))
+        causal_conv1d_varlen(**args)
+        for r, n in enumerate(lens):
+            if n > a:
+                want[(r, a)] = args["conv_state"][slots[r]]
+    return want
+
+
+def gdn_candidates_expected(p: dict[str, Any]) -> dict[tuple[int, int], torch.Tensor]:
+    """{(row, a): slot state after gdn_forward consumes only the row's first a + 1 tokens}."""
+    lens, slots = _lens(p), p["state_slots"].tolist()
+    want = {}
+    for a in range(max(lens, default=0)):
+        m = [min(n, a + 1) for n in lens]
+        args = _gdn_forward_args(p) | _truncate(p, m, ("q", "k", "v", "g", "beta"))
+        gdn_forward(**args)
+        for r, n in enumerate(lens):
+            if n > a:
+                want[(r, a)] = args["ssm_state"][slots[r]]
+    return want
+
+
+def check_scratch(
+    scratch: torch.Tensor, lens: list[int], want: dict[tuple[int, int], torch.Tensor], atol: float
+) -> tuple[bool, str]:
+    """Every (r, j < n_r) entry matches ``want``; every other entry of the NaN-poisoned scratch is still all NaN."""
+    worst = 0.0
+    for r in range(scratch.shape[0]):
+        for j in range(scratch.shape[1]):
+            got = scratch[r, j]
+            if r < len(lens) and j < lens[r]:
+                if not torch.isfinite(got).all():
+                    return False, f"scratch[{r}, {j}] not (fully) written"
+                err = float((got.float() - want[(r, j)].float()).abs().max())
+                worst = max(worst, err)
+                if err > atol:
+                    return False, f"scratch[{r}, {j}] err {err:.3g}"
+            elif not torch.isnan(got).all():
+                return False, f"scratch[{r}, {j}] written but no such position"
+    return True, f"scratch err {worst:.3g}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CPU path (references), in process
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lens", [VERIFY_LENS, DECODE_LENS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_verify_reference(lens: list[int], dtype: torch.dtype) -> None:
+    p = conv_problem(lens, D=24, K=4, dtype=dtype, seed=1)
+    live = p["conv_state"].clone()
+    fwd = _conv_forward_args(p)
+    want_out = causal_conv1d_varlen(**fwd)
+    out = causal_conv1d_verify(**p)
+    # (a) same output, (b) live pool untouched
+    assert out.dtype == dtype and torch.equal(out, want_out)
+    assert torch.equal(p["conv_state"], live)
+    # (c) candidate a == state after the first a + 1 tokens (window copies: bit-exact); nothing else written
+    want = conv_candidates_expected(p)
+    ok, msg = check_scratch(p["conv_scratch"], lens, want, atol=0.0)
+    assert ok, msg
+    # the last candidate of each row is exactly what causal_conv1d_varlen leaves in the slot
+    for r, (s, n) in enumerate(zip(p["state_slots"].tolist(), lens)):
+        if n:
+            assert torch.equal(p["conv_scratch"][r, n - 1], fwd["conv_state"][s])
+
+
+@pytest.mark.parametrize("lens", [VERIFY_LENS, DECODE_LENS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_verify_reference(lens: list[int], dtype: torch.dtype) -> None:
+    p = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=8, dtype=dtype, seed=2)
+    live = p["ssm_state"].clone()
+    fwd = _gdn_forward_args(p)
+    want_out = gdn_forward(**fwd)
+    out = gdn_verify(**p)
+    assert out.dtype == dtype and out.shape == p["v"].shape
+    assert torch.equal(out, want_out)  # the same float32 arithmetic, op for op
+    assert torch.equal(p["ssm_state"], live)
+    want = gdn_candidates_expected(p)
+    ok, msg = check_scratch(p["ssm_scratch"], lens, want, atol=1e-6)
+    assert ok, msg
+    for r, (s, n) in enumerate(zip(p["state_slots"].tolist(), lens)):
+        if n:
+            torch.testing.assert_close(p["ssm_scratch"][r, n - 1], fwd["ssm_state"][s], atol=1e-6, rtol=0)
+
+
+def test_verify_reference_empty_batches() -> None:
+    for lens in ([0, 0, 0], []):
+        c = conv_problem(lens, D=8, K=4, dtype=torch.float32, seed=3)
+        g = gdn_problem(lens, Hk=1, Hv=2, Dk=8, Dv=8, dtype=torch.float32, seed=3)
+        cs, ss = c["conv_state"].clone(), g["ssm_state"].clone()
+        assert causal_conv1d_verify(**c).shape == (0, 8)
+        assert gdn_verify(**g).shape == (0, 2, 8)
+        assert torch.equal(cs, c["conv_state"]) and torch.equal(ss, g["ssm_state"])
+        assert torch.isnan(c["conv_scratch"]).all() and torch.isnan(g["ssm_scratch"]).all()
+
+
+def test_verify_reference_rows_longer_than_scratch() -> None:
+    """A row longer than P_max still gets the full outputs; only its first P_max positions are recorded."""
+    lens = [7, 2, 0]
+    c = conv_problem(lens, D=8, K=4, dtype=torch.float32, seed=4)
+    g = gdn_problem(lens, Hk=1, Hv=2, Dk=8, Dv=8, dtype=torch.float32, seed=4)
+    c["conv_scratch"] = c["conv_scratch"][:, :3].clone()
+    g["ssm_scratch"] = g["ssm_scratch"][:, :3].clone()
+    assert torch.equal(causal_conv1d_verify(**c), causal_conv1d_varlen(**_conv_forward_args(c)))
+    assert torch.equal(gdn_verify(**g), gdn_forward(**_gdn_forward_args(g)))
+    capped = [min(n, 3) for n in lens]
+    for ok, msg in (
+        check_scratch(c["conv_scratch"], capped, conv_candidates_expected(c), 0.0),
+        check_scratch(g["ssm_scratch"], capped, gdn_candidates_expected(g), 1e-6),
+    ):
+        assert ok, msg
+
+
+def _accepted(lens: list[int], gen: torch.Generator) -> torch.Tensor:
+    """A per-row mix: -1 for empty rows and some non-empty ones, else a random candidate in [0, n_r)."""
+    acc = []
+    for r, n in enumerate(lens):
+        acc.append(-1 if n == 0 or r % 4 == 3 else int(torch.randint(0, n, (1,), generator=gen)))
+    return torch.tensor(acc, dtype=torch.int32)
+
+
+def commit_expected(pool: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    want = pool.clone()
+    for r, (s, a) in enumerate(zip(slots.tolist(), acc.tolist())):
+        if a >= 0:
+            want[s] = scratch[r, a]
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_commit_verified_reference(dtype: torch.dtype) -> None:
+    """(d) commit updates exactly the slots of rows with a >= 0, with candidate a; and verify + commit equals the plain
+    forward over the accepted prefixes (a + 1 tokens; none for a = -1)."""
+    gen = torch.Generator().manual_seed(5)
+    lens = VERIFY_LENS
+    c = conv_problem(lens, D=24, K=4, dtype=dtype, seed=6)
+    g = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=8, dtype=dtype, seed=6)
+    g["state_slots"] = c["state_slots"]  # one slot per request across both pools
+    causal_conv1d_verify(**c)
+    gdn_verify(**g)
+    acc = _accepted(lens, gen)
+    assert (acc == -1).any() and (acc >= 0).sum() >= 4
+    conv_want = commit_expected(c["conv_state"], c["state_slots"], c["conv_scratch"], acc)
+    ssm_want = commit_expected(g["ssm_state"], g["state_slots"], g["ssm_scratch"], acc)
+    prefix = [a + 1 for a in acc.tolist()]
+    conv_fwd = _conv_forward_args(c) | _truncate(c, prefix, ("x",))
+    ssm_fwd = _gdn_forward_args(g) | _truncate(g, prefix, ("q", "k", "v", "g", "beta"))
+    causal_conv1d_varlen(**conv_fwd)
+    gdn_forward(**ssm_fwd)
+
+    commit_verified(c["conv_state"], g["ssm_state"], c["state_slots"], c["conv_scratch"], g["ssm_scratch"], acc)
+    assert torch.equal(c["conv_state"], conv_want)
+    assert torch.equal(g["ssm_state"], ssm_want)
+    assert torch.equal(c["conv_state"], conv_fwd["conv_state"])
+    torch.testing.assert_close(g["ssm_state"], ssm_fwd["ssm_state"], atol=1e-6, rtol=0)
+
+    # all rows rejected: nothing changes
+    before_c, before_s = c["conv_state"].clone(), g["ssm_state"].clone()
+    none = torch.full_like(acc, -1)
+    commit_verified(c["conv_state"], g["ssm_state"], c["state_slots"], c["conv_scratch"], g["ssm_scratch"], none)
+    assert torch.equal(before_c, c["conv_state"]) and torch.equal(before_s, g["ssm_state"])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (one subprocess)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+    try:
+        ok, msg = fn()
+    except Exception as e:  # report, don't abort the other checks
+        ok, msg = False, f"{type(e).__name__}: {e}"
+    results[name] = [bool(ok), msg]
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def _interp_conv(
+    lens: list[int], dtype: torch.dtype, max_query_len: int | None, p_cap: int | None = None
+) -> tuple[bool, str]:
+    from hyserve.kernels.conv.verify import causal_conv1d_verify_triton
+
+    p = conv_problem(lens, D=40, K=4, dtype=dtype, seed=11)
+    if p_cap is not None:  # scratch shorter than the longest row
+        p["conv_scratch"] = p["conv_scratch"][:, :p_cap].clone()
+        lens = [min(n, p_cap) for n in lens]
+    ref = dict(p, conv_scratch=p["conv_scratch"].clone())
+    want_out = causal_conv1d_verify_ref(**{k: v for k, v in ref.items() if k != "max_query_len"})
+    live = p["conv_state"].clone()
+    out = torch.full(p["x"].shape, float("nan"), dtype=dtype)
+    causal_conv1d_verify_triton(**dict(p, max_query_len=max_query_len), out=out)
+    tol = 1e-5 if dtype == torch.float32 else 3.2e-2  # bf16: one ulp at |y| ~ 4
+    ok_out = bool(torch.isfinite(out).all()) and torch.allclose(out.float(), want_out.float(), atol=tol, rtol=tol)
+    want = {(r, j): ref["conv_scratch"][r, j] for r, n in enumerate(lens) for j in range(n)}
+    ok_s, msg = check_scratch(p["conv_scratch"], lens, want, atol=0.0)  # copies: bit-exact
+    ok_live = torch.equal(live, p["conv_state"])
+    return ok_out and ok_s and ok_live, f"out err {_max_err(out, want_out):.3g}, {msg}, live untouched {ok_live}"
+
+
+def _interp_gdn(lens: list[int], dtype: torch.dtype, p_cap: int | None = None) -> tuple[bool, str]:
+    from hyserve.kernels.gdn.verify import gdn_verify_triton
+
+    p = gdn_problem(lens, Hk=2, Hv=4, Dk=16, Dv=32, dtype=dtype, seed=12)
+    if p_cap is not None:  # scratch shorter than the longest row
+        p["ssm_scratch"] = p["ssm_scratch"][:, :p_cap].clone()
+        lens = [min(n, p_cap) for n in lens]
+    ref = dict(p, ssm_scratch=p["ssm_scratch"].clone())
+    want_out = gdn_verify_ref(**ref)
+    live = p["ssm_state"].clone()
+    out = torch.full(p["v"].shape, float("nan"), dtype=dtype)
+    gdn_verify_triton(**{k: v for k, v in p.items() if k != "max_query_len"}, out=out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    ok_out = bool(torch.isfinite(out).all()) and torch.allclose(out.float(), want_out.float(), atol=tol, rtol=tol)
+    want = {(r, j): ref["ssm_scratch"][r, j] for r, n in enumerate(lens) for j in range(n)}
+    ok_s, msg = check_scratch(p["ssm_scratch"], lens, want, atol=1e-5)
+    ok_live = torch.equal(live, p["ssm_state"])
+    return ok_out and ok_s and ok_live, f"out err {_max_err(out, want_out):.3g}, {msg}, live untouched {ok_live}"
+
+
+def _interp_commit(dtype: torch.dtype) -> tuple[bool, str]:
+    from hyserve.kernels.commit import commit_verified_triton
+
+    gen = torch.Generator().manual_seed(13)
+    lens = VERIFY_LENS
+    R, S = len(lens), 2 * len(lens) + 3
+    conv = torch.randn(S, 40, 3, generator=gen).to(dtype)
+    ssm = torch.randn(S, 4, 16, 32, generator=gen)
+    slots = _slots(R, S, gen)
+    conv_scr = torch.randn(R + 2, P_MAX, 40, 3, generator=gen).to(dtype)
+    ssm_scr = torch.randn(R + 2, P_MAX, 4, 16, 32, generator=gen)
+    acc = _accepted(lens, gen)
+    conv_want = commit_expected(conv, slots, conv_scr, acc)
+    ssm_want = commit_expected(ssm, slots, ssm_scr, acc)
+    conv_ref, ssm_ref = conv.clone(), ssm.clone()
+    commit_verified_ref(conv_ref, ssm_ref, slots, conv_scr, ssm_scr, acc)
+    commit_verified_triton(conv, ssm, slots, conv_scr, ssm_scr, acc)
+    ok = all(torch.equal(a, b) for a, b in ((conv, conv_want), (ssm, ssm_want), (conv_ref, conv), (ssm_ref, ssm)))
+    return ok, "bit-exact" if ok else "mismatch"
+
+
+def run_interpreter_checks() -> dict[str, list[Any]]:
+    """Run the verify kernels under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from test_kernels import patch_triton_interpreter  # the two triton 3.6 interpreter workarounds
+
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    for dt in (torch.float32, torch.bfloat16):
+        n = str(dt).split(".")[-1]
+        _check(res, f"conv_verify_{n}", partial(_interp_conv, VERIFY_LENS, dt, P_MAX))
+        _check(res, f"conv_verify_decode_{n}", partial(_interp_conv, DECODE_LENS, dt, 1))
+        _check(res, f"gdn_verify_{n}", partial(_interp_gdn, VERIFY_LENS, dt))
+        _check(res, f"gdn_verify_decode_{n}", partial(_interp_gdn, DECODE_LENS, dt))
+        _check(res, f"commit_{n}", partial(_interp_commit, dt))
+    # token blocks of 2 (loose host bound -> several programs per row along t)
+    _check(res, "conv_verify_tblocks", lambda: _interp_conv([2, 0, 1, 2], torch.float32, 2))
+    # rows longer than P_max: full outputs, only the first P_max positions recorded
+    _check(res, "conv_verify_long_rows", lambda: _interp_conv([7, 2, 0, 3], torch.float32, None, p_cap=3))
+    _check(res, "gdn_verify_long_rows", lambda: _interp_gdn([7, 2, 0, 3], torch.float32, p_cap=3))
+    return res
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+_PER_DTYPE = ["conv_verify", "conv_verify_decode", "gdn_verify", "gdn_verify_decode", "commit"]
+INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in _PER_DTYPE]
+INTERP_CHECKS += ["conv_verify_tblocks", "conv_verify_long_rows", "gdn_verify_long_rows"]
+
+
+@pytest.mark.parametrize("name", INTERP_CHECKS)
+def test_triton_verify_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CUDA dispatch (GPU machines only)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_verify_matches_reference_bf16() -> None:
+    from test_kernels import to_device
+
+    bf16 = torch.bfloat16
+    gen = torch.Generator().manual_seed(21)
+    lens = [P_MAX, 0, 1, 3, P_MAX, P_MAX, 2, 0, 1, P_MAX]
+
+    c = conv_problem(lens, D=2 * 16 * 128 + 32 * 128, K=4, dtype=bf16, seed=22)
+    c_ref = dict(c, conv_scratch=c["conv_scratch"].clone())
+    want_out = causal_conv1d_verify_ref(**{k: v for k, v in c_ref.items() if k != "max_query_len"})
+    cg = to_device(c, "cuda")
+    out = causal_conv1d_verify(**cg)
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=3e-2, rtol=2e-2)
+    assert torch.equal(cg["conv_state"].cpu(), c["conv_state"])
+    want = {(r, j): c_ref["conv_scratch"][r, j] for r, n in enumerate(lens) for j in range(n)}
+    ok, msg = check_scratch(cg["conv_scratch"].cpu(), lens, want, atol=0.0)
+    assert ok, msg
+
+    g = gdn_problem(lens, Hk=16, Hv=32, Dk=128, Dv=128, dtype=bf16, seed=23)
+    g["state_slots"] = c["state_slots"]
+    g_ref = dict(g, ssm_scratch=g["ssm_scratch"].clone())
+    want_out = gdn_verify_ref(**g_ref)
+    gg = to_device(g, "cuda")
+    out = gdn_verify(**gg)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(gg["ssm_state"].cpu(), g["ssm_state"])
+    want = {(r, j): g_ref["ssm_scratch"][r, j] for r, n in enumerate(lens) for j in range(n)}
+    ok, msg = check_scratch(gg["ssm_scratch"].cpu(), lens, want, atol=1e-4)
+    assert ok, msg
+
+    acc = _accepted(lens, gen)
+    conv_want = commit_expected(cg["conv_state"].cpu(), c["state_slots"], cg["conv_scratch"].cpu(), acc)
+    ssm_want = commit_expected(gg["ssm_state"].cpu(), g["state_slots"], gg["ssm_scratch"].cpu(), acc)
+    commit_verified(cg["conv_state"], gg["ssm_state"], cg["state_slots"], cg["conv_scratch"], gg["ssm_scratch"],
+                    acc.cuda())  # fmt: skip
+    assert torch.equal(cg["conv_state"].cpu(), conv_want) and torch.equal(gg["ssm_state"].cpu(), ssm_want)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--interpreter-checks"]:
+        torch.set_num_threads(1)
+        results = run_interpreter_checks()
+        for name, (ok, msg) in results.items():
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
+        print("RESULTS " + json.dumps(results))

@@ -1,0 +1,246 @@
+"""The benchmark scripts that GPU sessions run with little device time: the random-shape checkpoint writer, the
+speculative-decoding benchmark, the multi-GPU check and the side-by-side peer script, on shrunken shapes on the CPU,
+so that a broken script shows here and not on the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import shapes
+import spec_decode_bench
+
+from hyserve import LLM, SamplingParams
+
+SMALL = dict(shapes.SHAPE_2B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+             head_dim=16, num_attention_heads=4, num_key_value_heads=2, linear_key_head_dim=16,
+             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+
+
+def greedy(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.logprobs is not None
+    margins = []
+    for lp in c.logprobs:
+        vals = sorted((v.logprob for v in lp.values()), reverse=True)
+        margins.append(vals[0] - vals[1] if len(vals) > 1 else float("inf"))
+    return c.token_ids, margins
+
+
+@pytest.mark.parametrize("init", ["spread", "stable"])
+def test_shapes_writes_a_loadable_checkpoint_with_mtp(tmp_path: Path, init: str) -> None:
+    path = str(tmp_path / init)
+    n = shapes.write_spread_checkpoint(path, SMALL, mtp=True, embed_std=1.0 if init == "stable" else None)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    assert cfg["mtp_num_hidden_layers"] == 1 and cfg["num_hidden_layers"] == 8
+    assert cfg["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert n > 0
+    torch.set_num_threads(1)
+    llm = LLM(model=path, device="cpu", dtype="float32",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    prompt = list(range(3, 40))
+    toks, margins = greedy(llm, prompt, 12)
+    assert len(toks) == 12
+    if init == "stable":
+        # The dominant tied embedding: every token predicts itself, by a wide margin (what keeps bf16 greedy stable).
+        assert toks == [prompt[-1]] * 12
+        assert min(margins) > 5.0
+
+
+def test_transformers_init_gets_an_mtp_shard(tmp_path: Path) -> None:
+    path = str(tmp_path / "t")
+    shapes.write_random_checkpoint(path, SMALL, device="cpu", mtp=True)
+    with open(os.path.join(path, "model.safetensors.index.json"), encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    assert weight_map["mtp.fc.weight"] == "mtp.safetensors"
+    assert not os.path.exists(os.path.join(path, "model.safetensors"))  # it would shadow the index
+    llm = LLM(model=path, device="cpu", dtype="float32",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert len(greedy(llm, list(range(3, 20)), 4)[0]) == 4
+
+
+def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = str(tmp_path / "m")
+    shapes.write_spread_checkpoint(model, SMALL, mtp=True, embed_std=1.0)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["spec_decode_bench.py", "--model", model, "--device", "cpu", "--batches", "2",
+                                      "--max-tokens", "24", "--prompt-len", "32", "--out", str(out)])
+    assert spec_decode_bench.main() == 0  # non-zero when outputs differ from the plain run
+    rows = json.loads((out / "spec_decode.json").read_text())["rows"]
+    by_rate = {r["acceptance_target"]: r for r in rows}
+    assert by_rate[0.0]["draft_acceptance"] == 0.0
+    # 90 % of draft tokens right: the fraction accepted is (0.9 + 0.81 + 0.73) / 3 = 0.81 in expectation.
+    assert 0.6 < by_rate[0.9]["draft_acceptance"] < 0.98
+    assert all(r["outputs_identical"] for r in rows)
+    assert (out / "spec_decode.md").exists()
+
+
+def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import plot_decode
+    import profile_step
+
+    out = tmp_path / "prof"
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--device", "cpu", "--batch", "1,3", "--steps", "3",
+                                      "--prompt-len", "16", "--out", str(out)])
+    profile_step.main()
+    torch.set_num_threads(1)
+    runs = json.loads((out / "profile_step.json").read_text())
+    assert [r["batch"] for r in runs] == [1, 3]
+    for r in runs:
+        assert r["wall_ms_per_step"] > 0 and r["kernel_ms_per_step"] is None  # no device kernels on the CPU
+        assert "llm_engine.py" in r["cprofile"] and "(step)" in r["cprofile"]
+    results = {"device": "test", "copy_bandwidth_Bps": 4e12, "2b_params": 2e9, "transformers_generate_bs1_tok_s": 10.0,
+               "decode_bs1_tok_s": 400.0}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(results))
+    png = tmp_path / "decode.png"
+    monkeypatch.setattr(sys, "argv", ["plot_decode.py", str(tmp_path / "gpu_check.json"), "--eager",
+                                      str(out / "profile_step.json"), "--out", str(png)])
+    plot_decode.main()
+    assert png.stat().st_size > 1000
+
+
+def test_host_overhead_measures_each_kind(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import host_overhead
+
+    from hyserve.worker import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", False)  # main() turns it on; monkeypatch restores it after
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", "--batches", "2", "--steps", "3"])
+    host_overhead.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode") or
+            line.startswith("| speculative")]
+    assert len(rows) == 3 and all(float(r.split("|")[3]) > 0 for r in rows)  # decode, MTP, MTP with rows behind
+
+
+def test_multi_gpu_check_runs_tp2_and_pp2_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 2-GPU script on the CPU (gloo) with a tiny checkpoint: T=2 and P=2 agree with one rank, and every number
+    is there."""
+    import multi_gpu_check
+
+    from hyserve.testing import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "m")
+    monkeypatch.setattr(sys, "argv", ["multi_gpu_check.py", "--device", "cpu", "--dtype", "float32", "--model", model,
+                                      "--batches", "1,4", "--max-tokens", "8", "--prefill-len", "64",
+                                      "--num-prefill", "2", "--out", str(tmp_path)])
+    assert multi_gpu_check.main() == 0
+    res = json.loads((tmp_path / "multi_gpu_check.json").read_text())
+    assert set(res["correctness"]) == {"tp2", "pp2"}
+    for check in res["correctness"].values():
+        assert check["pass"] and all(p["agree_tokens"] == 8 for p in check["prompts"])
+    for tp in ("tp1", "tp2", "pp2"):
+        assert res[tp]["prefill_tok_s"] > 0 and res[tp]["decode_bs1_tok_s"] > 0 and res[tp]["decode_bs4_tok_s"] > 0
+
+
+def test_multi_gpu_check_fails_a_parting_that_is_not_a_near_tie() -> None:
+    import multi_gpu_check
+
+    one = [{"token_ids": [1, 2, 3], "margins": [5.0, 0.1, 5.0]}, {"token_ids": [4, 5], "margins": [5.0, 5.0]}]
+    assert multi_gpu_check.compare(one, [{"token_ids": [1, 2, 9]}, {"token_ids": [4, 5]}], 0.25)["pass"] is False
+    assert multi_gpu_check.compare(one, [{"token_ids": [1, 7, 9]}, {"token_ids": [4, 5]}], 0.25)["pass"] is True
+
+
+def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> None:
+    """The side-by-side script's hyserve half on a tiny VLM-form checkpoint it writes (vision tower, MTP layer,
+    processor files), then its report against a stand-in peer file: both figures and the ratio per measure, with
+    lower-is-better measures inverted."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "peer_bench.py")
+    model, out = str(tmp_path / "m"), tmp_path / "hyserve.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, script, "write", "--shape", "tiny", "--out", model, "--device", "cpu"],
+                   check=True, env=env, capture_output=True)
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "mtp.safetensors"):
+        assert (tmp_path / "m" / name).is_file()
+    subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", model, "--device", "cpu",
+                    "--dtype", "float32", "--out", str(out), "--measures", "decode,prefill,agent", "--batches", "1,2",
+                    "--decode-tokens", "6", "--prefill-prompts", "2", "--prefill-len", "48", "--agent-scale", "tiny",
+                    "--max-model-len", "2048"], check=True, env=env, capture_output=True)
+    mtp_out = tmp_path / "hyserve_mtp.json"  # a second process: the warm start, the agent trace with MTP
+    subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", model, "--device", "cpu",
+                    "--dtype", "float32", "--out", str(mtp_out), "--measures", "start,agent", "--agent-scale", "tiny",
+                    "--max-model-len", "2048", "--speculative-config",
+                    '{"method": "mtp", "num_speculative_tokens": 2}'], check=True, env=env, capture_output=True)
+    mtp_figs = json.loads(mtp_out.read_text())["figures"]
+    assert mtp_figs["start_warm_s"] > 0 and mtp_figs["agent_mtp_wall_s"] > 0 and "agent_wall_s" not in mtp_figs
+    assert 1 <= mtp_figs["agent_mtp_mean_acceptance_length"] <= 3
+    ours = json.loads(out.read_text())
+    figs = ours["figures"]
+    assert figs["decode_bs1_tok_s"] > 0 and figs["prefill_tok_s"] > 0 and figs["agent_wall_s"] > 0
+    assert 0 < figs["agent_cached_share"] < 1  # the shared prefix and earlier turns hit
+    peer = dict(ours, engine="vllm", version="stand-in",
+                figures={"prefill_tok_s": figs["prefill_tok_s"] / 2, "agent_wall_s": figs["agent_wall_s"] * 4})
+    (tmp_path / "vllm.json").write_text(json.dumps(peer))
+    failed = dict(peer, figures={}, errors={"agent": "ValueError: not supported"})
+    (tmp_path / "vllm_agent.json").write_text(json.dumps(failed))
+    subprocess.run([sys.executable, script, "report", str(out), str(mtp_out), str(tmp_path / "vllm.json"),
+                    str(tmp_path / "vllm_agent.json"), "--out", str(tmp_path / "rep")],
+                   check=True, env=env, capture_output=True)
+    entries = {e["measure"]: e for e in json.loads((tmp_path / "rep" / "peer.json").read_text())["entries"]}
+    assert entries["prefill_tok_s"]["ratio"] == pytest.approx(2.0)
+    assert entries["agent_wall_s"]["ratio"] == pytest.approx(4.0)  # lower is better: vLLM's wall / ours
+    assert entries["decode_bs1_tok_s"]["vllm"] is None and entries["decode_bs1_tok_s"]["ratio"] is None
+    assert entries["agent_mtp_wall_s"]["hyserve"] == mtp_figs["agent_mtp_wall_s"]  # the files of one engine merge
+    assert entries["start_warm_s"]["hyserve"] == mtp_figs["start_warm_s"]
+    assert entries["agent"]["label"] == "vllm failed: ValueError: not supported"  # a failure is a row, not a gap
+    assert "| m | prefill 32 x 2048, tok/s |" in (tmp_path / "rep" / "peer.md").read_text()
+
+
+def test_peer_bench_quantizes_and_measures_fp8_on_the_cpu(tmp_path: Path) -> None:
+    """The FP8 half of the side-by-side script: a written checkpoint quantized (compressed-tensors FP8_DYNAMIC), the
+    quantized copy measured with the FP8 KV cache on the agent trace; the report labels the FP8 KV rows."""
+    import subprocess
+
+    from safetensors import safe_open
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "peer_bench.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    src, fp8 = str(tmp_path / "m"), str(tmp_path / "m_fp8")
+    subprocess.run([sys.executable, script, "write", "--shape", "tiny", "--out", src, "--device", "cpu"],
+                   check=True, env=env, capture_output=True)
+    subprocess.run([sys.executable, script, "quantize", "--src", src, "--out", fp8, "--format", "ct_dynamic"],
+                   check=True, env=env, capture_output=True)
+    config = json.loads((tmp_path / "m_fp8" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    with safe_open(str(tmp_path / "m_fp8" / "model.safetensors"), framework="pt") as f:
+        dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+    assert dtypes["model.language_model.layers.0.mlp.down_proj.weight"] == "F8_E4M3"
+    assert "model.language_model.layers.0.mlp.down_proj.weight_scale" in dtypes
+    out = tmp_path / "fp8.json"
+    subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", fp8, "--device", "cpu",
+                    "--dtype", "float32", "--out", str(out), "--measures", "decode,agent", "--batches", "1",
+                    "--decode-tokens", "4", "--agent-scale", "tiny", "--max-model-len", "2048",
+                    "--kv-cache-dtype", "fp8"], check=True, env=env, capture_output=True)
+    figs = json.loads(out.read_text())["figures"]
+    assert figs["decode_bs1_tok_s"] > 0 and 0 < figs["agent_kvfp8_cached_share"] < 1
+    subprocess.run([sys.executable, script, "report", str(out), "--out", str(tmp_path / "rep")], check=True, env=env,
+                   capture_output=True)
+    report = (tmp_path / "rep" / "peer.md").read_text()
+    assert "| m_fp8 | agent trace, FP8 KV cache, prompt tokens from cache |" in report
+
+
+def test_fp8_check_fails_only_a_parting_where_bf16_was_sure() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from fp8_check import compare
+
+    base = [([1, 2, 3], [{1: -0.1, 9: -3.0}, {2: -0.7, 8: -0.8}, {3: -0.1, 7: -4.0}]),
+            ([4, 5], [{4: -0.2, 6: -2.5}, {5: -0.1, 6: -3.0}])]
+    near_tie = [([1, 8, 3], [{1: -0.12}, {8: -0.6}, {3: -0.1}]), ([4, 5], [{4: -0.2}, {5: -0.15}])]
+    res = compare(base, near_tie, clear_margin=0.5)
+    assert res["pass"] and res["near_tie_partings"] == 1 and res["clear_margin_partings"] == 0
+    assert res["tokens_agreed_before_parting"] == 3 / 5
+    assert abs(res["chosen_logprob_max_abs_diff"] - 0.05) < 1e-9
+    sure = [([1, 2, 3], [{1: -0.1}, {2: -0.7}, {3: -0.1}]), ([6, 5], [{6: -0.2}, {5: -0.1}])]
+    res = compare(base, sure, clear_margin=0.5)
+    assert not res["pass"] and res["clear_margin_partings"] == 1
