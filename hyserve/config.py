@@ -76,6 +76,11 @@ class ModelConfig:
         """The model's name for checkpoint tensor ``name`` (the loader's name map; by default the same name)."""
         return name
 
+    def disk_name(self, name: str, names_on_disk: list[str]) -> str:
+        """How a checkpoint holding ``names_on_disk`` would name the model's tensor ``name`` (the inverse of
+        ``checkpoint_name``, for messages about missing tensors; by default the same name)."""
+        return name
+
     def tensor_parallel_counts(self) -> dict[str, int]:
         """The sizes a tensor-parallel size must divide, by config name (a family adds those its layers shard)."""
         return {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}

@@ -65,7 +65,6 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 # Tensors of quantized layers other than the weight (kept in their stored dtype when returned for the MTP head).
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
-_VLM_TEXT = "model.language_model."  # only to name missing tensors as a VLM-form checkpoint would
 
 
 # An FP8 KV cache's scales as checkpoints name them, under the attention module: the current compressed-tensors
@@ -352,9 +351,9 @@ def _check_complete(
         )
     missing = [t for t in targets if t not in loaded]
     if missing:
-        # Named as the checkpoint names them (a VLM-form checkpoint's text model is model.language_model.*).
-        vlm = any(c.startswith(_VLM_TEXT) for c in loaded.values())
-        shown = [_VLM_TEXT + t[len("model."):] if vlm and t.startswith("model.") else t for t in missing]
+        # Named as the checkpoint would name them (the family's config knows its layouts on disk).
+        on_disk = list(loaded.values())
+        shown = [config.disk_name(t, on_disk) for t in missing]
         scales = [n for n in shown if n.endswith(SCALE_SUFFIXES)]
         if scales and quant is not None:
             more = f" ({len(scales)} scale tensors are missing in all)" if len(scales) > 1 else ""

@@ -57,6 +57,12 @@ class Qwen3_5Config(ModelConfig):
             return "model." + name[len(VLM_TEXT_PREFIX):]
         return name
 
+    def disk_name(self, name: str, names_on_disk: list[str]) -> str:
+        """``model.X`` -> ``model.language_model.X`` when the checkpoint is in the conditional (VLM) form."""
+        if name.startswith("model.") and any(n.startswith(VLM_TEXT_PREFIX) for n in names_on_disk):
+            return VLM_TEXT_PREFIX + name[len("model."):]
+        return name
+
     def tensor_parallel_counts(self) -> dict[str, int]:
         return {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
                 "linear_num_value_heads": self.linear_num_value_heads, "intermediate_size": self.intermediate_size,

@@ -335,10 +335,14 @@ def test_index_references_missing_shard(tmp_path: Path) -> None:
         load_weights(model, d, cfg)
 
 
-def test_missing_tensors_listed(tmp_path: Path) -> None:
-    d = write_tiny_checkpoint(tmp_path)
+@pytest.mark.parametrize("form", ["causal", "conditional"])
+def test_missing_tensors_listed(tmp_path: Path, form: str) -> None:
+    """Named as the checkpoint names its tensors (the conditional form's text model is model.language_model.*)."""
+    d = write_tiny_checkpoint(tmp_path, form=form)
     tensors = read_checkpoint_tensors(d)
-    dropped = sorted(k for k in tensors if k.startswith("model.layers.1."))[:7]
+    prefix = "model.layers.1." if form == "causal" else "model.language_model.layers.1."
+    dropped = sorted(k for k in tensors if k.startswith(prefix))[:7]
+    assert len(dropped) == 7
     _rewrite_weights(d, {k: v for k, v in tensors.items() if k not in dropped})
     with pytest.raises(ValueError, match="missing tensor") as err:
         _load(d)

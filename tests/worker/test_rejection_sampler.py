@@ -575,3 +575,75 @@ def test_device_drafts_give_what_host_drafts_give() -> None:
     row = SpecRow(GREEDY, [-2, -2])
     with pytest.raises(ValueError, match="draft_ids must have shape"):
         RejectionSampler(CPU)(torch.randn(3, vocab), [row], draft_ids=torch.tensor([1]))
+
+
+# ------------------------------------------------------------------------------------------ one greedy decision
+
+
+def python_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, list[int]]:
+    """The greedy acceptance written out by hand, position by position: (count or -1, emitted tokens)."""
+    out: list[int] = []
+    for j in range(len(drafts) + 1):
+        row = logits[j]
+        if not bool(torch.isfinite(row.max())):
+            return -1, out + [0]
+        best = int(row.argmax())
+        if j == len(drafts) or best != drafts[j]:
+            return j, out + [best]
+        out.append(best)
+    raise AssertionError("unreachable")
+
+
+def both_paths(logits_rows: list[torch.Tensor], drafts: list[list[int]], k: int) -> tuple[list, list]:
+    """The acceptance of the same greedy rows by ``launch`` (ragged rows) and by ``accept_greedy`` (the verify
+    graph's fixed layout, k drafts a row with the unused columns past ``num_drafts``)."""
+    sampler = RejectionSampler(CPU)
+    pending = sampler.launch(torch.cat(logits_rows), [SpecRow(GREEDY, d) for d in drafts])
+    res = pending.result()
+    launched = [(-1, []) if r in res.error_rows else (a, list(toks))
+                for r, (a, toks) in enumerate(zip(res.num_accepted, res.token_ids, strict=True))]
+    vocab = logits_rows[0].shape[1]
+    fixed = torch.cat([torch.cat([lg, torch.zeros(k + 1 - lg.shape[0], vocab)]) for lg in logits_rows])
+    padded = torch.tensor([d + [7] * (k - len(d)) for d in drafts], dtype=torch.long)
+    out = torch.zeros(len(drafts), k + 2, dtype=torch.long)
+    accepted, emitted = RejectionSampler.accept_greedy(fixed, padded, torch.tensor([len(d) for d in drafts]), out)
+    graphed = [(int(a), emitted[r, : int(a) + 1].tolist()) for r, a in enumerate(accepted.tolist())]
+    return launched, graphed
+
+
+@given(st.data())
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+def test_launch_and_the_graphed_acceptance_decide_alike(data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, 4))
+    n = data.draw(st.integers(1, 5))
+    vocab = 6
+    logits_rows, drafts = [], []
+    for _ in range(n):
+        c = data.draw(st.integers(0, k))
+        lg = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.0]), min_size=vocab,
+                                                      max_size=vocab), min_size=c + 1, max_size=c + 1)))
+        if data.draw(st.booleans()) and data.draw(st.booleans()):
+            lg[data.draw(st.integers(0, c)), 0] = float("nan")
+        # Drafts mostly right (each the argmax with probability 3/4), so that rows accept every length.
+        d = [int(lg[j].argmax()) if data.draw(st.integers(0, 3)) else data.draw(st.integers(0, vocab - 1))
+             for j in range(c)]
+        logits_rows.append(lg)
+        drafts.append(d)
+    launched, graphed = both_paths(logits_rows, drafts, k)
+    want = [python_greedy(lg, d) for lg, d in zip(logits_rows, drafts, strict=True)]
+    for r, (w, got_l, got_g) in enumerate(zip(want, launched, graphed, strict=True)):
+        assert got_l[0] == w[0] and got_g[0] == w[0], (r, w, got_l, got_g)
+        if w[0] >= 0:
+            assert list(got_l[1]) == w[1] == got_g[1], (r, w, got_l, got_g)
+
+
+def test_the_greedy_rule_has_one_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage of the one greedy rule (``greedy_accepts``) moves both paths away from the hand-written one."""
+    from hyserve.worker.spec_decode import rejection_sampler
+
+    logits = [torch.eye(6)[[1, 2, 3]] * 5, torch.eye(6)[[4, 0]] * 5]
+    drafts = [[1, 2], [4]]
+    assert both_paths(logits, drafts, 2) == ([(2, [1, 2, 3]), (1, [4, 0])], [(2, [1, 2, 3]), (1, [4, 0])])
+    monkeypatch.setattr(rejection_sampler, "greedy_accepts", lambda t, d: t != d)
+    launched, graphed = both_paths(logits, drafts, 2)
+    assert launched[0][0] == graphed[0][0] == 0 and launched[1][0] == graphed[1][0] == 0

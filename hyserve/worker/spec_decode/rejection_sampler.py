@@ -201,38 +201,28 @@ class RejectionSampler:
         draft_pos = [starts[r] + j for r in range(num_rows) for j in range(counts[r])]
         if draft_pos:
             pos_t = device_tensor(draft_pos, self.device)
-            accept[pos_t] = final_tok.index_select(0, pos_t) == drafts_t
+            accept[pos_t] = greedy_accepts(final_tok.index_select(0, pos_t), drafts_t)
 
         sampled = [r for r in range(num_rows) if not rows[r].params.is_greedy]
         if sampled:
             self._speculate(masked, best_val, finite, rows, counts, starts, sampled, proposals, accept, final_tok,
                             drafts_t)
-        accept &= finite
 
-        # The walk: a_r = number of leading accepted drafts, via a cumprod over a (rows, k_max + 1) matrix.
+        # The walk over a (rows, k_max + 1) layout: ragged rows padded at their end, where nothing is accepted, so
+        # no row's walk reaches past its own drafts.
         width = max(counts) + 1
         if all(c + 1 == width for c in counts):
-            padded = accept.view(num_rows, width)
+            def pad(flat: torch.Tensor, cols: int = width) -> torch.Tensor:
+                return flat.view(num_rows, cols)
         else:
-            pad_idx = torch.tensor([r * width + j for r in range(num_rows) for j in range(counts[r] + 1)])
-            padded = torch.zeros(num_rows * width, dtype=torch.bool, device=self.device)
-            padded[pad_idx.to(self.device)] = accept
-            padded = padded.view(num_rows, width)
-        num_acc = _leading_accepted(padded)
-        stop = device_tensor(starts, self.device) + num_acc
-        bad = ~finite.index_select(0, stop)
-        last = final_tok.index_select(0, stop)
-        # Each row's emitted tokens on the device, (rows, k_max + 1): the drafts, then the last token at column a.
-        if all(c + 1 == width for c in counts):
-            emitted = torch.cat([drafts_t.view(num_rows, width - 1), last.unsqueeze(1)], dim=1)
-        else:
-            emitted = torch.zeros(num_rows * width, dtype=torch.long, device=self.device)
-            if draft_pos:
-                at = [r * width + j for r in range(num_rows) for j in range(counts[r])]
-                emitted[device_tensor(at, self.device, torch.long)] = drafts_t
-            emitted = emitted.view(num_rows, width)
-        emitted.scatter_(1, num_acc.unsqueeze(1), last.unsqueeze(1))
-        accepted = torch.where(bad, -1, num_acc)
+            def pad(flat: torch.Tensor, cols: int = width) -> torch.Tensor:
+                at = [r * cols + j for r in range(num_rows) for j in range(counts[r] + cols - width + 1)]
+                out = torch.zeros(num_rows * cols, dtype=flat.dtype, device=self.device)
+                out[device_tensor(at, self.device, torch.long)] = flat
+                return out.view(num_rows, cols)
+        emitted = torch.empty(num_rows, width, dtype=torch.long, device=self.device)
+        accepted, _ = walk(pad(accept)[:, : width - 1], pad(final_tok), pad(finite), pad(drafts_t, width - 1),
+                           emitted)
         # One copy to the host: (accepted, emitted) per row.
         summary = torch.cat([accepted.unsqueeze(1), emitted], dim=1)
         host = summary.to("cpu", non_blocking=True) if self.device.type == "cuda" else summary
@@ -251,18 +241,12 @@ class RejectionSampler:
         row), then the emitted tokens, the last one at column count. Draws nothing and reads only its arguments;
         returns (accepted, emitted) of ``out``."""
         size, k = drafts.shape
-        q = k + 1
         best, tok = logits.max(dim=1)  # first maximum, as in launch
-        finite = torch.isfinite(best).view(size, q)
-        tok = tok.view(size, q)
+        finite = torch.isfinite(best).view(size, k + 1)
+        tok = tok.view(size, k + 1)
         j = torch.arange(k, device=logits.device)
-        accept = (tok[:, :k] == drafts) & (j.unsqueeze(0) < num_drafts.unsqueeze(1)) & finite[:, :k]
-        num_acc = _leading_accepted(accept).unsqueeze(1)
-        bad = ~finite.gather(1, num_acc).squeeze(1)
-        emitted = out[:, 1:]
-        emitted[:, :k].copy_(drafts)
-        emitted.scatter_(1, num_acc, tok.gather(1, num_acc))
-        accepted = torch.where(bad, -1, num_acc.squeeze(1))
+        accept = greedy_accepts(tok[:, :k], drafts) & (j.unsqueeze(0) < num_drafts.unsqueeze(1))
+        accepted, emitted = walk(accept, tok, finite, drafts, out[:, 1:])
         out[:, 0].copy_(accepted)
         return accepted, emitted
 
@@ -493,9 +477,26 @@ class RejectionSampler:
                 i += 1
 
 
-def _leading_accepted(accept: torch.Tensor) -> torch.Tensor:
-    """The walk: per row of ``accept`` ``(rows, width)``, the number of leading accepted positions."""
-    return accept.to(torch.int32).cumprod(dim=1).sum(dim=1).long()
+def greedy_accepts(target_tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The greedy rule, the one place it is written: a draft is kept iff it is the target's greedy token at its
+    position (the first maximum: ties to the lowest id, as the Sampler)."""
+    return target_tokens == drafts
+
+
+def walk(accept: torch.Tensor, final_tok: torch.Tensor, finite: torch.Tensor, drafts: torch.Tensor,
+         emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance decided from the per-position verdicts, for every row at once (``launch`` and the graphed
+    ``accept_greedy`` both end here). ``accept`` ``(rows, k)``: draft j is kept if the walk gets there (already
+    False past a row's drafts); ``final_tok`` / ``finite`` ``(rows, k + 1)``: the token emitted if the walk stops at
+    position j, and whether that position's logits were usable; ``drafts`` ``(rows, k)``. The count is the number
+    of leading accepted drafts (a position with unusable logits accepts nothing), or -1 where the stopping position's
+    logits were unusable (an error row). Into ``emitted`` ``(rows, k + 1)``: the drafts, then the stopping token at
+    column count. Returns (accepted, emitted)."""
+    num_acc = (accept & finite[:, : accept.shape[1]]).to(torch.int32).cumprod(dim=1).sum(dim=1, keepdim=True).long()
+    bad = ~finite.gather(1, num_acc).squeeze(1)
+    emitted[:, : drafts.shape[1]].copy_(drafts)
+    emitted.scatter_(1, num_acc, final_tok.gather(1, num_acc))
+    return torch.where(bad, -1, num_acc.squeeze(1)), emitted
 
 
 class PendingSpec:
