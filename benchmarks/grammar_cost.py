@@ -50,8 +50,9 @@ def synthetic_tokenizer_json(vocab: int, seed: int = 0) -> tuple[str, int]:
         tokens.setdefault("".join(byte_map[b] for b in word.encode()), len(tokens))
     eos = len(tokens)
     model = {"type": "BPE", "vocab": tokens, "merges": []}
-    doc = {"version": "1.0", "added_tokens": [{"id": eos, "content": "<|im_end|>", "special": True, "single_word": False,
-                                               "lstrip": False, "rstrip": False, "normalized": False}],
+    added = {"id": eos, "content": "<|im_end|>", "special": True, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False}
+    doc = {"version": "1.0", "added_tokens": [added],
            "normalizer": None, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                                                  "use_regex": True},
            "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
