@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
