@@ -2,8 +2,9 @@
 
 from hyserve.llm import LLM
 from hyserve.outputs import CompletionOutput, RequestOutput
-from hyserve.sampling_params import RequestOutputKind, SamplingParams
+from hyserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]

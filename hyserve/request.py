@@ -21,6 +21,7 @@ from hyserve.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from hyserve.multimodal.inputs import MultimodalPrompt
+    from hyserve.structured_output.matcher import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -85,6 +86,8 @@ class Request:
     finished_time: float | None = None
     # What DELTA outputs have sent so far (the output processor's cursor).
     sent: OutputCursor = field(default_factory=OutputCursor)
+    # Structured output: the grammar's state after the accepted output tokens (hyserve.structured_output).
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

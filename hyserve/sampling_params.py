@@ -34,6 +34,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyserve.structured_output.params import StructuredOutputsParams
+
 # vLLM's threshold: a temperature below this is greedy (argmax) decoding.
 _SAMPLING_EPS = 1e-5
 # The largest request seed: seeds are non-negative 64-bit signed ints (see the module docstring).
@@ -104,6 +106,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # What the output must match (a JSON schema, regex, choice, grammar, any JSON object); a dict of its fields is
+    # accepted too. Applied as an allowed-token mask at every sampled position (hyserve.structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -153,6 +158,12 @@ class SamplingParams:
             self.logprobs = _as_int("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise _wrong_type("structured_outputs", "a StructuredOutputsParams or a dict", self.structured_outputs)
 
         if self.temperature < _SAMPLING_EPS:
             # Greedy: truncation cannot change an argmax; reset so that downstream code sees "off".

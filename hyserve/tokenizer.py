@@ -68,6 +68,10 @@ class Tokenizer:
         """
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (its added tokens included)."""
+        return str(self._backend.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -46,6 +46,7 @@ from hyserve.scheduler.scheduler import Scheduler
 from hyserve.speculative.config import SpeculativeConfig
 from hyserve.speculative.drafts import DraftManager
 from hyserve.speculative.proposer import Proposer
+from hyserve.structured_output.manager import StructuredOutputs
 from hyserve.tokenizer import (
     UNSUPPORTED_GENERATION_KEYS,
     Tokenizer,
@@ -124,6 +125,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.executor.initialize_cache(self.layout, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
+        self.structured_output = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                                   sorted(eos_token_ids))
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.block_pool, self.state_slots, config.block_size,
@@ -394,7 +397,9 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len} "
                              "allows (the prompt must leave room for at least one output token)")
         detok = self.output_processor.detokenizer(ids, params)
+        grammar = self.structured_output.matcher(params.structured_outputs) if params.structured_outputs else None
         req = Request(request_id, text, ids, params, self._arrivals, detok, arrival_time=time.time())
+        req.grammar = grammar
         if mm is not None:
             req.mm, req.image_spans = mm, tuple(im.span for im in mm.images)
         self._arrivals += 1
@@ -406,6 +411,8 @@ class LLMEngine:
         """Refuse (ValueError naming the field) what SamplingParams alone cannot judge: values that depend on the
         model. The server calls this before queueing a request; add_request calls it too."""
         vocab = self.model_config.vocab_size
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)  # ValueError naming what is wrong
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}) (vocabulary size "

@@ -61,6 +61,8 @@ class OutputProcessor:
         want_logprobs = req.sampling_params.logprobs is not None
         for j, token in enumerate(new.token_ids):
             req.output_token_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.consume([token])
             if want_logprobs and lps is not None and j < len(lps):
                 req.sampled_logprobs.append(float(lps[j]))
                 req.output_ranks.append(ranks[j] if ranks is not None and j < len(ranks) else None)

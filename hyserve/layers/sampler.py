@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hyserve.sampling_params import SamplingParams
+from hyserve.structured_output import bitmask
 from hyserve.utils import device_tensor
 
 ERROR_TOKEN_ID = -1
@@ -56,12 +57,15 @@ class SamplingRow:
     """One row of logits to sample from.
 
     ``seed`` is the per-token seed derived by the engine (``None`` = unseeded: the sampler's own generator);
-    ``banned_token_ids`` are token ids in ``[0, V)`` that must not be produced (e.g. EOS below ``min_tokens``).
+    ``banned_token_ids`` are token ids in ``[0, V)`` that must not be produced (e.g. EOS below ``min_tokens``);
+    ``grammar_mask`` the tokens structured output allows (one position's packed bitmask,
+    ``hyserve.structured_output.bitmask``), None: all.
     """
 
     params: SamplingParams
     seed: int | None = None
     banned_token_ids: list[int] = field(default_factory=list)
+    grammar_mask: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -156,10 +160,14 @@ class Sampler:
                     raise ValueError(f"row {i}: banned token id {t} is outside the vocabulary [0, {vocab})")
                 row_ids.append(i)
                 token_ids.append(t)
-        if not row_ids:
+        constrained = [i for i, r in enumerate(rows) if r.grammar_mask is not None]
+        if not row_ids and not constrained:
             return logits
         masked = logits.clone()
-        masked[device_tensor(row_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+        if row_ids:
+            masked[device_tensor(row_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+        if constrained:
+            apply_grammar_masks(masked, constrained, [rows[i].grammar_mask for i in constrained], self.device)
         return masked
 
     def _sample(self, x: torch.Tensor, row_max: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -286,3 +294,25 @@ class PendingSample:
             out.logprobs[i] = lp
             out.ranks[i] = rank
             out.top_logprobs[i] = list(zip(top_ids[j][: n_top[j]], top_vals[j][: n_top[j]], strict=True))
+
+
+def apply_grammar_masks(logits: torch.Tensor, positions: list[int], packed: list[bytes | None],
+                        device: torch.device) -> None:
+    """Structured output: at each of ``positions`` (rows of ``logits``, in place), the tokens its packed bitmask
+    (``hyserve.structured_output.bitmask``) does not allow become -inf. ``packed[i]`` holds the masks of
+    consecutive positions from ``positions[i]`` on (a verify row's k + 1)."""
+    vocab = logits.shape[1]
+    index: list[int] = []
+    words = []
+    for start, mask in zip(positions, packed, strict=True):
+        if mask is None:
+            continue
+        rows = bitmask.unpack(mask, vocab)
+        index.extend(range(start, start + rows.shape[0]))
+        words.append(rows)
+    if not index:
+        return
+    idx = device_tensor(index, device)
+    sub = logits.index_select(0, idx)
+    bitmask.apply_bitmask(sub, torch.cat(words).to(device, non_blocking=True))
+    logits.index_copy_(0, idx, sub)

@@ -59,6 +59,8 @@ class ScheduledRow:
       the verified candidate state after p tokens into entry.
     - ``output_index``: the index in the output of the first token this row samples (seeds, min_tokens bans);
       ``banned_token_ids``: the ids banned while the output is shorter than ``min_tokens``.
+    - ``grammar_bitmask``: structured output: the allowed tokens of each position the row samples (one, or a
+      verify row's k + 1), packed as ``hyserve.structured_output.bitmask`` describes; None: no constraint.
     - ``next_token_id``: the request's token at position ``end`` when the host knows it (the MTP head consumes it).
     - ``draft_limit``: MTP drafting may propose tokens up to this many tokens in all (max_tokens, max_model_len).
     - ``start_on_device``: a verify row scheduled behind its request's verify row still in flight (async
@@ -82,6 +84,7 @@ class ScheduledRow:
     candidate_snapshot: tuple[int, int] | None = None
     output_index: int = 0
     banned_token_ids: list[int] = field(default_factory=list)
+    grammar_bitmask: bytes | None = None
     next_token_id: int | None = None
     draft_limit: int = 0
     start_on_device: bool = False

@@ -180,6 +180,8 @@ class Scheduler:
         """Whether ``req`` can take part in the next step while its earlier steps are in flight."""
         if not req.num_inflight_samples:
             return True
+        if req.grammar is not None:  # its next position's mask needs the token in flight, on the host
+            return False
         if self.speculative:
             return self._can_verify_behind(req, budget)
         if self.pipeline_parallel_size > 1:
@@ -332,6 +334,8 @@ class Scheduler:
             return ScheduledRow(req.request_id, start, [PREVIOUS_SAMPLED], req.block_table, slot, samples=True), None
         if self.speculative and start == req.num_tokens - 1 and req.num_output_tokens > 0:
             drafts = req.draft_token_ids[: budget - 1]
+            if req.grammar is not None and PREVIOUS_DRAFT in drafts:
+                drafts = []  # the masks of a verify row's positions need its drafts on the host
             return ScheduledRow(req.request_id, start, [req.output_token_ids[-1], *drafts], req.block_table, slot,
                                 samples=True, is_verify=True), None
         end = start + min(req.num_tokens - start, budget)
@@ -396,6 +400,8 @@ class Scheduler:
             row.output_index = req.num_output_tokens + req.num_inflight_samples
             if row.output_index < req.sampling_params.min_tokens:
                 row.banned_token_ids = self.banned_token_ids(req)
+            if req.grammar is not None:
+                row.grammar_bitmask = req.grammar.masks(row.token_ids[1:] if row.is_verify else [])
             if self.drafts is not None:
                 row.draft_limit = self.drafts.draft_limit(req, self.max_model_len)
             req.num_inflight_samples += 1

@@ -54,6 +54,7 @@ from pydantic import (
 
 from hyserve.multimodal.chat import SERVER_PART_TYPES, ContentPartError, ImageRef, ParsedChat, parse_content
 from hyserve.sampling_params import MAX_SEED, SamplingParams
+from hyserve.server.structured import StructuredOutputError, StructuredOutputFields
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -221,7 +222,7 @@ def _schema(nullable: bool = True, **schema: Any) -> WithJsonSchema:
     return WithJsonSchema({"anyOf": [schema, _NULL]} if nullable else schema)
 
 
-class _SamplingRequest(_RequestModel):
+class _SamplingRequest(_RequestModel, StructuredOutputFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -316,6 +317,10 @@ class _SamplingRequest(_RequestModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
+        try:
+            kwargs["structured_outputs"] = self.structured_outputs_params()
+        except StructuredOutputError as e:
+            raise APIError(str(e), param=e.param) from e
         for name, fallback in self._DEFAULTABLE.items():
             value = getattr(self, name)
             if value is None and name not in self.model_fields_set:
@@ -414,8 +419,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Annotated[str | dict[str, Any] | None,
                            _schema(anyOf=[{"enum": ["none", "auto", "required"]}, {"type": "object"}])] = None
     parallel_tool_calls: bool | None = None  # no tool call is ever produced, so any value holds
-    response_format: Annotated[dict[str, Any] | None,
-                               _schema(type="object", properties={"type": {"const": "text"}})] = None
 
     def parse_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (see ``parse_chat``)."""
@@ -506,9 +509,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def check(self) -> None:
         """Refuse what this server does not implement (before the messages are rendered)."""
         self._check_unsupported()
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError("response_format other than {'type': 'text'} is not supported yet",
-                           param="response_format")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")

@@ -426,7 +426,11 @@ class ModelRunner:
         self.state_ops.save_snapshots(rows, out.num_accepted)
         if self.mtp_proposer is not None:
             assert self.last_hidden is not None
-            out.next_draft_token_ids = self.mtp_proposer.propose(rows, out, self.last_hidden, verifier.draft_slots)
+            # Structured output computes a request's masks from its drafts on the host: a step with such a row
+            # brings its drafts to the host (they are kept on the device too).
+            on_host = any(r.grammar_bitmask is not None for r in rows)
+            out.next_draft_token_ids = self.mtp_proposer.propose(rows, out, self.last_hidden,
+                                                                 None if on_host else verifier.draft_slots)
             verifier.keep_drafts(rows, out.next_draft_token_ids)
         return StepResult(out)
 
@@ -481,7 +485,7 @@ class ModelRunner:
         try:
             banned = self._bans(row, p, 0)
             seed = None if p.seed is None else token_seed(p.seed, row.output_index)
-            return SamplingRow(params=p, seed=seed, banned_token_ids=banned)
+            return SamplingRow(params=p, seed=seed, banned_token_ids=banned, grammar_mask=row.grammar_bitmask)
         except Exception as e:  # this row's inputs alone
             logger.exception("request %s: building its sampling row failed", row.req_id)
             errors[i] = f"building its sampling row failed: {type(e).__name__}: {e}"
@@ -497,7 +501,7 @@ class ModelRunner:
                 seeds = [token_seed(p.seed, row.output_index + j) for j in range(k + 1)]
             banned = [self._bans(row, p, j) for j in range(k + 1)]
             return SpecRow(params=p, draft_token_ids=drafts, seeds=seeds,
-                           banned_token_ids=banned if any(banned) else None)
+                           banned_token_ids=banned if any(banned) else None, grammar_masks=row.grammar_bitmask)
         except Exception as e:  # this row's inputs alone
             logger.exception("request %s: building its verify row failed", row.req_id)
             errors[i] = f"building its verify row failed: {type(e).__name__}: {e}"

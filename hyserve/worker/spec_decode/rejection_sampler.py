@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from hyserve.layers.sampler import Sampler
+from hyserve.layers.sampler import Sampler, apply_grammar_masks
 from hyserve.sampling_params import SamplingParams
 from hyserve.utils import device_tensor
 
@@ -75,12 +75,15 @@ class SpecRow:
     - ``seeds``: ``None`` (unseeded: the sampler's generator) or ``k_r + 1`` per-position seeds (one per target
       position, each ``None`` or an int): the engine derives them from (request seed, output index).
     - ``banned_token_ids``: ``None`` or ``k_r + 1`` lists, the tokens banned at each target position.
+    - ``grammar_masks``: structured output: ``None`` or the packed bitmasks of the ``k_r + 1`` target positions
+      (``hyserve.structured_output.bitmask``), each position's allowed tokens given the drafts before it.
     """
 
     params: SamplingParams
     draft_token_ids: list[int]
     seeds: list[int | None] | None = None
     banned_token_ids: list[list[int]] | None = None
+    grammar_masks: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -266,6 +269,8 @@ class RejectionSampler:
                     f"row {r}: {k} drafts need {k + 1} banned-token lists (one per target position), "
                     f"got {len(row.banned_token_ids)}"
                 )
+            if row.grammar_masks is not None and len(row.grammar_masks) != (k + 1) * 4 * ((vocab + 31) // 32):
+                raise ValueError(f"row {r}: {k} drafts need {k + 1} grammar masks of {(vocab + 31) // 32} words")
 
     def _split_draft_probs(
         self, draft_probs: torch.Tensor | list[torch.Tensor | None] | None, counts: list[int], vocab: int
@@ -300,10 +305,15 @@ class RejectionSampler:
                         raise ValueError(f"row {r}: banned token id {t} is outside the vocabulary [0, {vocab})")
                     pos_ids.append(starts[r] + j)
                     token_ids.append(t)
-        if not pos_ids:
+        constrained = [r for r, row in enumerate(rows) if row.grammar_masks is not None]
+        if not pos_ids and not constrained:
             return logits
         masked = logits.clone()
-        masked[device_tensor(pos_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+        if pos_ids:
+            masked[device_tensor(pos_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+        if constrained:
+            apply_grammar_masks(masked, [starts[r] for r in constrained], [rows[r].grammar_masks for r in constrained],
+                                self.device)
         return masked
 
     # ------------------------------------------------------------------------------------------------------------

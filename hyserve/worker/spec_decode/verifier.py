@@ -115,13 +115,16 @@ class Verifier:
     def device_chain(self, rows: list[ScheduledRow], spec_rows: list[SpecRow]) -> tuple[GraphSet, int] | None:
         """The ``draft`` graphs and size if this step's acceptance, commit, snapshots and drafting can all be
         enqueued before its result comes to the host: one rank (drafts kept in ``draft_slots``), every row a verify
-        row the draft graph takes, no row asking for logprobs (those read logits the draft graph overwrites)."""
+        row the draft graph takes, no row asking for logprobs (those read logits the draft graph overwrites), no row
+        under structured output (the host computes its next masks from its drafts)."""
         if not self.use_device_chain or self.draft_slots is None or self.drafter is None or not rows:
             return None
         q = self.num_speculative_tokens + 1
         if not all(r.is_verify and r.latest_start + q <= self.max_model_len for r in rows):
             return None
         if any(s.params.logprobs is not None for s in spec_rows):
+            return None
+        if any(r.grammar_bitmask is not None for r in rows):  # its next masks need its drafts on the host
             return None
         return self.drafter.draft_chain_graph(len(rows))
 
@@ -183,7 +186,7 @@ class Verifier:
         graphs = self.graphs.get("accept")
         if graphs is None or self.batch.verify_graph_size != size or size not in graphs.sizes:
             return None
-        if not all(r.params.is_greedy and r.banned_token_ids is None for r in spec_rows):
+        if not all(r.params.is_greedy and r.banned_token_ids is None and r.grammar_masks is None for r in spec_rows):
             return None
         n = len(rows)
         graphs.run(size)  # each row's number of drafts: from prepare
