@@ -8,7 +8,7 @@ import argparse
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from hyserve.config import (
@@ -35,6 +35,12 @@ PP_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
 MAMBA_CACHE_MODES = ("none", "all", "align")
+# vLLM's environment variables whose purpose hyserve serves by construction, and why (one INFO line each when set).
+VLLM_ENV_BY_CONSTRUCTION = {
+    "VLLM_NO_USAGE_STATS": "no usage statistics are ever collected or sent",
+    "VLLM_DO_NOT_TRACK": "no usage statistics are ever collected or sent",
+    "VLLM_USE_FLASHINFER_SAMPLER": "sampling always runs hyserve's own torch sampler",
+}
 # The server's logprobs limit (hyserve.server.protocol.MAX_LOGPROBS, vLLM's default --max-logprobs), fixed.
 FIXED_MAX_LOGPROBS = 20
 
@@ -371,6 +377,18 @@ def pp_partition(flag: list[int] | None, pp: int, model: str | None) -> list[int
     return counts
 
 
+def check_vllm_env(environ: Mapping[str, str]) -> None:
+    """vLLM's environment variables: ``VLLM_PP_LAYER_PARTITION`` is read (``pp_partition``); those served by
+    construction log one INFO line each; any other logs a WARNING that it is not read (an environment may carry
+    variables meant for other programs, so they are named, not refused)."""
+    for name in sorted(k for k in environ if k.startswith("VLLM_") and k != PP_PARTITION_ENV):
+        if name in VLLM_ENV_BY_CONSTRUCTION:
+            logger.info("%s=%s: nothing to change: %s", name, environ[name], VLLM_ENV_BY_CONSTRUCTION[name])
+        else:
+            logger.warning("%s is set but not read: no environment variable of that name changes hyserve "
+                           "(docs/vllm_flags.md)", name)
+
+
 def check_vllm_flags(args: argparse.Namespace, model: str | None, prefix_caching: bool) -> None:
     """vLLM's flags whose purpose hyserve serves by construction: each given one logs one INFO line saying why it
     changes nothing; a value that would mean something hyserve does not do is refused (ValueError naming it)."""
@@ -443,6 +461,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
     if getattr(args, "compilation_config", None):
         kw.update(compilation_effects(args.compilation_config, args.enforce_eager, args.cuda_graph_sizes))
     check_vllm_flags(args, model, args.enable_prefix_caching)
+    check_vllm_env(os.environ)
     return kw
 
 

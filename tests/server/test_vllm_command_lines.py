@@ -7,6 +7,7 @@ building only: no model runs."""
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 from pathlib import Path
 
@@ -43,8 +44,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(autouse=True)
-def no_partition_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PP_PARTITION_ENV, raising=False)
+def no_vllm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [k for k in os.environ if k.startswith("VLLM_")]:
+        monkeypatch.delenv(name)
 
 
 def config_of(line: str, model: str) -> EngineConfig:
@@ -101,6 +103,27 @@ def test_report_1_line_means_the_same(model: str, monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv(PP_PARTITION_ENV)
     assert config_of(SEED_1, model).pp_layer_partition is None
     assert layer_partition(48, 4) == [12, 12, 12, 12]
+
+
+def test_report_2_environment(model: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Report 2 exports VLLM_NO_USAGE_STATS=1 and VLLM_USE_FLASHINFER_SAMPLER=0: one INFO line each, saying why
+    they change nothing; a VLLM_* variable hyserve does not know is named in a WARNING, never passed over."""
+    monkeypatch.setenv("VLLM_NO_USAGE_STATS", "1")
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASHINFER")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        config = config_of(f"serve {model}", model)
+    monkeypatch.delenv("VLLM_NO_USAGE_STATS")
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND")
+    assert config == config_of(f"serve {model}", model)
+    lines = info_lines(caplog)
+    assert len(lines) == 2 and all("nothing to change" in m for m in lines), lines
+    assert sum(m.startswith("VLLM_NO_USAGE_STATS=1") for m in lines) == 1
+    assert sum(m.startswith("VLLM_USE_FLASHINFER_SAMPLER=0") for m in lines) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["VLLM_ATTENTION_BACKEND is set but not read: no environment variable of that name changes "
+                        "hyserve (docs/vllm_flags.md)"]
 
 
 @pytest.mark.parametrize("value, says", [
