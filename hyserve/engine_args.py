@@ -465,6 +465,26 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
     return kw
 
 
+def template_parser() -> Any:
+    """A Jinja environment that parses what the tokenizer renders chat templates with: ``{% break %}`` /
+    ``{% continue %}`` (loop controls) and ``{% generation %}...{% endgeneration %}`` (the tag transformers adds
+    to mark assistant tokens), so that a template the tokenizer renders is never refused here."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance variable)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
+
+
 def load_chat_template(value: str) -> str:
     """``--chat-template``'s template: the file ``value`` names, or ``value`` itself when it is a template (it has
     Jinja's braces or a newline) rather than a path; checked to compile. A missing file, an empty or invalid
@@ -481,10 +501,9 @@ def load_chat_template(value: str) -> str:
     if not text.strip():
         raise ValueError(f"--chat-template {where} is empty")
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        ImmutableSandboxedEnvironment().parse(text)
+        template_parser().parse(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template {where} is not a valid Jinja template (line {e.lineno}: {e.message})"
                          ) from None

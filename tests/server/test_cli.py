@@ -277,8 +277,25 @@ def test_chat_template_text_reaches_the_server(monkeypatch: pytest.MonkeyPatch) 
     assert rendered == "[user:hi]>"
 
 
+def test_chat_template_check_takes_what_the_tokenizer_renders() -> None:
+    """Loop controls and the generation tag (Qwen-style templates use them) pass the startup check and render."""
+    from hyserve.engine_args import load_chat_template
+    from hyserve.llm import LLM
+
+    text = ("{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+            "{% generation %}<{{ m['content'] }}>{% endgeneration %}{% if loop.index > 2 %}{% break %}{% endif %}"
+            "{% endfor %}")
+    assert load_chat_template(text) == text
+    tok = LLM(device="cpu").get_tokenizer()
+    tok.hf_tokenizer.chat_template = text
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<a><b>"
+
+
 @pytest.mark.parametrize("value, says", [
     ("{% for m in messages %}", "is not a valid Jinja template (line 1"),
+    ("{% for m in messages %}{% tool %}{% endfor %}", "is not a valid Jinja template (line 1"),
     ("/no/such/dir/t.jinja", "no such file"),
     ("", "no such file"),
 ])
