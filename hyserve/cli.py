@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 
-from hyserve.engine_args import engine_args, make_llm
+from hyserve.engine_args import EngineArgumentParser, engine_args, make_llm
 from hyserve.sampling_params import SamplingParams
 
 
@@ -183,7 +183,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyserve", description=__doc__)
+    parser: argparse.ArgumentParser = EngineArgumentParser(prog="hyserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate offline from a local checkpoint directory")
     g.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",

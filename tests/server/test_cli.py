@@ -217,3 +217,95 @@ def test_engine_flags_reach_the_llm(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["disable_log_stats"] is False and seen["generation_config"] == "auto"  # serve logs stats
     cli.make_llm(parse(["serve", "--disable-log-stats"]), "m")
     assert seen["disable_log_stats"] is True
+
+
+# ---------------------------------------------------------------------------------------- no abbreviated flags
+
+
+def test_no_parser_takes_abbreviated_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """A prefix of a longer flag is refused, never read as that flag: ``--max-num-seq`` is not ``--max-num-seqs``."""
+    parser = cli.build_parser()
+    assert parser.allow_abbrev is False
+    assert all(sub.allow_abbrev is False for sub in _subparsers().values())
+    for argv in (["serve", "m", "--max-num-seq", "8"], ["serve", "m", "--chat-template-t", "5"],
+                 ["generate", "m", "--max-tok", "3"], ["bench", "--max-num-seq", "8"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err, argv
+
+
+def test_chat_template_is_not_read_as_the_timeout(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--chat-template t.jinja`` once failed as an invalid --chat-template-timeout, and ``--chat-template 5`` set
+    the timeout: both now are the template flag, and a missing file is a startup error naming it."""
+    monkeypatch.setattr("hyserve.llm.LLM", _no_model_load)
+    parse = cli.build_parser().parse_args
+    for value in ("t.jinja", "5"):
+        args = parse(["serve", "m", "--chat-template", value])
+        assert args.chat_template == value and args.chat_template_timeout == 10.0
+        assert cli.main(["serve", "m", "--port", "0", "--chat-template", value]) == 2
+        err = capsys.readouterr().err
+        assert f"hyserve: error: --chat-template {value!r}: no such file" in err and "timeout" not in err
+
+
+# ---------------------------------------------------------------------------------------------- --chat-template
+
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+            "{% if add_generation_prompt %}>{% endif %}")
+
+
+def test_chat_template_file_replaces_the_checkpoints(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert cli.main(["generate", "--device", "cpu", "--chat", "--max-tokens", "1", "--prompt", "hi",
+                     "--chat-template", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["prompt"] == "[user:hi]>"
+
+
+def test_chat_template_text_reaches_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyserve.server.serving import GracefulServer
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(server: GracefulServer, sockets: Any = None) -> None:
+        seen["tokenizer"] = server.config.app.state.engine.engine.tokenizer
+
+    monkeypatch.setattr(GracefulServer, "run", fake_run)
+    assert cli.main(["serve", "--device", "cpu", "--port", "0", "--chat-template", TEMPLATE]) == 0
+    rendered = seen["tokenizer"].apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "[user:hi]>"
+
+
+def test_chat_template_check_takes_what_the_tokenizer_renders() -> None:
+    """Loop controls and the generation tag (Qwen-style templates use them) pass the startup check and render."""
+    from hyserve.engine_args import load_chat_template
+    from hyserve.llm import LLM
+
+    text = ("{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+            "{% generation %}<{{ m['content'] }}>{% endgeneration %}{% if loop.index > 2 %}{% break %}{% endif %}"
+            "{% endfor %}")
+    assert load_chat_template(text) == text
+    tok = LLM(device="cpu").get_tokenizer()
+    tok.hf_tokenizer.chat_template = text
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<a><b>"
+
+
+@pytest.mark.parametrize("value, says", [
+    ("{% for m in messages %}", "is not a valid Jinja template (line 1"),
+    ("{% for m in messages %}{% tool %}{% endfor %}", "is not a valid Jinja template (line 1"),
+    ("/no/such/dir/t.jinja", "no such file"),
+    ("", "no such file"),
+])
+def test_bad_chat_template_is_a_startup_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                              tmp_path: Any, value: str, says: str) -> None:
+    monkeypatch.setattr("hyserve.llm.LLM", _no_model_load)
+    assert cli.main(["generate", "m", "--chat-template", value or str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "hyserve: error: --chat-template" in err and says in err
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("  \n")
+    assert cli.main(["generate", "m", "--chat-template", str(empty)]) == 2
+    assert "is empty" in capsys.readouterr().err
