@@ -91,7 +91,7 @@ def add_not_found_handler(app: FastAPI) -> None:
         if detail != "Not Found":
             return error_response(404, str(detail))
         routes = ", ".join(route_list(app))
-        return error_response(404, f"no such route on this server; the routes it serves: {routes}; asked for: "
-                                   f"{request.method} {request.url.path}", code="route_not_found")
+        return error_response(404, f"Not Found: no such route on this server; the routes it serves: {routes}; "
+                                   f"asked for: {request.method} {request.url.path}", code="route_not_found")
 
     app.add_exception_handler(404, not_found)
