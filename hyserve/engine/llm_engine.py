@@ -32,6 +32,7 @@ from hyserve.config import (
 from hyserve.distributed.parallel_state import layer_partition
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
+from hyserve.engine.request_metrics import RequestMetrics
 from hyserve.executor.base import Executor, StepHandle
 from hyserve.executor.uniproc import UniProcExecutor
 from hyserve.model.registry import load_model_config
@@ -145,7 +146,7 @@ class LLMEngine:
                                    # verify row scheduled behind another reads them.
                                    async_verify=self.async_scheduling and self.use_mtp
                                    and config.tensor_parallel_size * pp == 1)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(requests=RequestMetrics(self.max_model_len))
         self.stats_logger: StatsLogger | None = None
         if not config.disable_log_stats:
             self.stats_logger = StatsLogger(config.log_stats_interval_s)
@@ -427,7 +428,7 @@ class LLMEngine:
             req.finish_reason = "abort"
             req.finished_time = time.time()
             self.scheduler.finish(req)
-            self.metrics.on_request_finished("abort")
+            self.metrics.on_request_finished("abort", req)
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, a step whose result is not applied yet (async scheduling, pipeline
@@ -513,7 +514,10 @@ class LLMEngine:
                 new.logprobs = list(ro.logprobs[i])
                 new.ranks = list(ro.ranks[i]) if ro.ranks is not None else None
                 new.top_logprobs = list(ro.top_logprobs[i]) if ro.top_logprobs is not None else None
-            return self.output_processor.append(req, new)
+            previous_token_time = req.last_token_time
+            reason = self.output_processor.append(req, new)
+            self.metrics.requests.on_output_step(previous_token_time, req)
+            return reason
         except Exception as e:  # any failure here is this request's alone
             logger.exception("request %s: taking its tokens failed", req.request_id)
             req.error = f"taking its tokens failed: {type(e).__name__}: {e}"
@@ -525,7 +529,7 @@ class LLMEngine:
             logger.error("request %s: %s; finishing it with an error", req.request_id, error or req.error)
         req.finish_reason = reason
         req.finished_time = time.time()
-        self.metrics.on_request_finished(reason)
+        self.metrics.on_request_finished(reason, req)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.request_finished(req, reason)

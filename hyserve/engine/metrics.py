@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from hyserve.engine.request_metrics import RequestMetrics, TimedRequest
+
 if TYPE_CHECKING:
     from collections.abc import Sized
 
@@ -100,6 +102,8 @@ class EngineMetrics:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # Per-request latencies and lengths (histograms) and finish reasons: hyserve.engine.request_metrics.
+    requests: RequestMetrics = field(default_factory=RequestMetrics)
 
     def on_verify(self, num_drafts: list[int], accepted: list[int]) -> None:
         """One verify step: draft counts per row and accepted counts (-1 for error rows)."""
@@ -123,7 +127,9 @@ class EngineMetrics:
         self.num_requests += 1
         self.prompt_tokens += num_prompt_tokens
 
-    def on_request_finished(self, reason: str) -> None:
+    def on_request_finished(self, reason: str, req: TimedRequest | None = None) -> None:
+        if req is not None:
+            self.requests.on_finished(req, reason)
         if reason == "abort":
             self.request_aborted += 1
         elif reason == "error":

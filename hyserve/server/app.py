@@ -18,7 +18,8 @@ Choices worth knowing:
   counts these requests.
 - Streaming (``text/event-stream``): ``data: {json}\\n\\n`` chunks with the engine's DELTA outputs as they come
   (text, token ids and logprobs new since the last chunk), a final chunk with ``finish_reason``, an optional usage
-  chunk (``stream_options.include_usage``) and ``data: [DONE]``. The engine's output processor holds back the last
+  chunk (``stream_options.include_usage``; ``continuous_usage_stats`` puts the usage so far on every chunk) and
+  ``data: [DONE]``. The engine's output processor holds back the last
   ``max(len(stop)) - 1`` characters until the request finishes, so a stop string cut from the end is never sent:
   the streamed text equals the non-streamed one.
 - A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its request aborted in the
@@ -46,8 +47,10 @@ Choices worth knowing:
   refuse the request there, the answer is a 400 (streamed: an error event and ``data: [DONE]``).
 - A request-supplied ``chat_template`` (or ``chat_template_kwargs.chat_template``) is refused (400) unless the server
   was started with ``trust_request_chat_template`` (vLLM's ``--trust-request-chat-template``).
-- The OpenAPI schema declares the refusals as they are answered (400, other 4xx and 503 with the error body, never
-  a 422), ``/metrics`` as ``text/plain; version=0.0.4``; the request models' schemas are in ``protocol``.
+- The OpenAPI schema declares, route by route, the statuses as they are answered (400, 401, 404, 408, 413 and 503
+  with the error body, never a 422), ``/metrics`` as ``text/plain; version=0.0.4``; the request models' schemas are
+  in ``protocol``. ``/docs`` and ``/redoc`` load their assets from this server (``routes.docs``), and a path with no
+  route is a 404 that lists the routes.
 - Server shutdown (``hyserve.server.serving``) ends every open request through ``AsyncEngine.abort_all()``: a stream
   gets a final chunk with ``finish_reason: "abort"`` and ``data: [DONE]``, a non-streamed answer the text so far with
   the same finish reason.
@@ -70,6 +73,7 @@ from hyserve.server.errors import add_error_handlers
 from hyserve.server.metrics import HTTPMetricsMiddleware
 from hyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from hyserve.server.routes import chat, completions, info
+from hyserve.server.routes.docs import add_docs_routes, add_not_found_handler
 
 logger = logging.getLogger("hyserve.server")
 
@@ -88,16 +92,19 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     for ``api_key``, the bounds and ``trust_request_chat_template``."""
     context = ServerContext(async_engine, served_model_name, trust_request_chat_template=trust_request_chat_template,
                             chat_template_timeout_s=chat_template_timeout_s)
-    app = FastAPI(title="hyserve", version=hyserve.__version__,
+    # docs_url / redoc_url: FastAPI's pages load their assets from a CDN; add_docs_routes serves them locally.
+    app = FastAPI(title="hyserve", version=hyserve.__version__, docs_url=None, redoc_url=None,
                   lifespan=functools.partial(_lifespan, shutdown_engine_on_exit=shutdown_engine_on_exit))
     app.state.context = context
     app.state.engine = async_engine
     app.state.served_model_name = context.model_name
     app.state.http_metrics = context.http_metrics
     add_error_handlers(app)
+    add_not_found_handler(app)
     routers = (completions.router, chat.router, info.router)
     for router in routers:
         app.include_router(router)
+    add_docs_routes(app)
 
     # Every path the app serves (its own documentation routes and the routers'), for the metrics' path label.
     routes = [*app.routes, *(route for router in routers for route in router.routes)]

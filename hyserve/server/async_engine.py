@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyserve.engine.llm_engine import LLMEngine, PromptType
+from hyserve.engine.request_metrics import RequestMetrics
 from hyserve.outputs import CompletionOutput, RequestOutput, merge_delta
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -336,6 +337,11 @@ class AsyncEngine:
             used = states.num_slots - states.num_free_slots
         metrics.setdefault("hyserve:state_slots_usage_perc", used / max(states.num_slots, 1))
         return metrics
+
+    def get_request_metrics(self) -> RequestMetrics:
+        """A copy of the engine's per-request histograms and finish-reason counts."""
+        with self._engine_lock:
+            return self.engine.metrics.requests.copy()
 
     def num_unfinished_requests(self) -> int:
         with self._cond:

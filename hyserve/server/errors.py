@@ -22,11 +22,19 @@ MAX_ERROR_MESSAGE_CHARS = 2000
 # The error answers the POST routes declare in the OpenAPI schema: every one is an ``ErrorResponse``, and a refused
 # body is a 400 (the framework's default declaration, a 422 with its own error model, is not what this server
 # answers).
+# 401 is answered only with an API key set (and then on every /v1/* route: AUTH_RESPONSES).
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse, "description": "Without the API key (with --api-key)"},
+}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "The request is refused; error.param names the field"},
-    "4XX": {"model": ErrorResponse, "description": "401 without the API key, 404 for an unknown model, 408 or 413 "
-                                                   "for a body that is too slow or too large"},
+    **AUTH_RESPONSES,
+    404: {"model": ErrorResponse, "description": "The model is not the one served"},
+    408: {"model": ErrorResponse, "description": "The body did not arrive within --request-read-timeout"},
+    413: {"model": ErrorResponse, "description": "The body is larger than --max-request-body-bytes"},
     503: {"model": ErrorResponse, "description": "The engine is not running"},
+    # Also what keeps the framework from declaring a 422 this server never answers.
+    "default": {"model": ErrorResponse, "description": "Any other failure (a 500 is a bug, logged)"},
 }
 
 

@@ -10,6 +10,9 @@ The server's own series: ``hyserve:http_requests_total{method, path, status}`` a
 ``hyserve:http_requests_in_progress``. Every label takes a bounded set of values, so that scanners cannot blow up
 the label set: ``path`` is the route template or ``other`` for unknown paths, ``method`` one of ``HTTP_METHODS`` or
 ``other``, ``status`` a three-digit code.
+
+vLLM's names for the same numbers (``vllm:*``, with its latency histograms) follow them on ``/metrics``:
+``hyserve.server.metrics_vllm``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ vLLM's extra sampling fields (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore
 Nothing is accepted and silently ignored. A field this server does not implement is a 400 naming it, unless it is
 set to its no-op value: an unknown field (``guided_json``, ``structured_outputs``, ``prompt_logprobs``,
 ``reasoning_effort``, ...) is accepted only as ``null``; declared but unimplemented ones (``frequency_penalty``,
-``logit_bias``, ``response_format``, ``stream_options.continuous_usage_stats``, ...) only at their neutral value.
+``logit_bias``, ``response_format``, ...) only at their neutral value.
 Tools: there is no tool-call parser, so the server can never answer with structured ``tool_calls``. ``tools`` are
 rendered into the prompt through the chat template (as transformers' ``apply_chat_template(messages, tools=...)``)
 only with ``tool_choice: "none"``, which asks for a text answer; ``tools`` with ``tool_choice`` absent, ``"auto"``,
@@ -165,8 +165,8 @@ class _RequestModel(_StrictModel):
 
 class StreamOptions(_StrictModel):
     include_usage: bool = False
-    # Accepted only as false: usage comes in one chunk at the end.
-    continuous_usage_stats: Annotated[bool, WithJsonSchema({"const": False})] = False
+    # Every chunk carries the usage so far (hyserve.server.responses.StreamUsage).
+    continuous_usage_stats: bool = False
 
 
 # OpenAPI schemas of the fields validated by hand (the validation itself stays in the request methods, whose errors
@@ -269,9 +269,6 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
             raise APIError(f"n must be 1 (got {self.n}): only one completion per request is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise APIError("stream_options.continuous_usage_stats is not supported yet (usage comes in one chunk "
-                           "at the end with include_usage)", param="stream_options.continuous_usage_stats")
         self._check_stop()
 
     def _check_stop(self) -> None:

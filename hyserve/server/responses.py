@@ -23,6 +23,7 @@ from hyserve.server.protocol import (
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
+    StreamOptions,
     TopLogprob,
     UsageInfo,
 )
@@ -41,6 +42,44 @@ def usage(out: RequestOutput, n_out: int | None = None) -> UsageInfo:
     n_out = len(out.outputs[0].token_ids) if n_out is None else n_out
     return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens or 0))
+
+
+@dataclasses.dataclass(slots=True)
+class StreamUsage:
+    """Usage in a stream (``stream_options``): with ``include_usage`` a last chunk carries the totals; with
+    ``continuous_usage_stats`` every chunk carries the counts so far (prompt tokens, completion tokens sent up to and
+    including that chunk's, their total), as vLLM sends them. Otherwise chunks leave ``usage`` out."""
+
+    include_usage: bool
+    continuous: bool
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, stream_options: StreamOptions | None, num_prompt_tokens: int) -> StreamUsage:
+        opts = stream_options or StreamOptions()
+        return cls(opts.include_usage, opts.continuous_usage_stats, num_prompt_tokens)
+
+    def add(self, out: RequestOutput) -> None:
+        """Count a DELTA output's new tokens (and its prompt, as the engine counts it)."""
+        self.prompt_tokens = len(out.prompt_token_ids)
+        self.completion_tokens += len(out.outputs[0].token_ids)
+        self.cached_tokens = out.num_cached_tokens or 0
+
+    def total(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+
+    def so_far(self) -> UsageInfo | None:
+        """What a content chunk carries: the counts so far with ``continuous_usage_stats``, else None."""
+        return self.total() if self.continuous else None
+
+    @property
+    def exclude(self) -> set[str] | None:
+        """Fields a content chunk leaves out: ``usage`` unless usage was asked for (then it is null or counts)."""
+        return None if self.include_usage or self.continuous else {"usage"}
 
 
 def finish_reason(out: RequestOutput) -> str | None:

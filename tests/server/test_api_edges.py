@@ -148,7 +148,7 @@ def test_the_openapi_schema_says_what_the_server_does(server: ServerThread) -> N
     assert "422" not in str(doc) and "HTTPValidationError" not in doc["components"]["schemas"]
     for route in ("/v1/completions", "/v1/chat/completions"):
         responses = doc["paths"][route]["post"]["responses"]
-        for status in ("400", "4XX", "503"):
+        for status in ("400", "401", "404", "408", "413", "503"):
             assert responses[status]["content"]["application/json"]["schema"] == {
                 "$ref": "#/components/schemas/ErrorResponse"}, (route, status)
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}

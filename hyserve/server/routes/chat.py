@@ -42,6 +42,7 @@ from hyserve.server.protocol import (
 from hyserve.server.responses import (
     SSE_HEADERS,
     SSE_SCHEMA,
+    StreamUsage,
     chat_logprobs,
     final_output,
     finish_reason,
@@ -86,7 +87,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     top_n = body.top_logprobs or 0
     outputs = ctx.open_request(request_id, engine_prompt, params, {"max_tokens": name, "logprobs": "top_logprobs"})
     if body.stream:
-        return StreamingResponse(_stream_chat(outputs, request_id, ctx.model_name, body, top_n),
+        stream_usage = StreamUsage.of(body.stream_options, n_prompt)
+        return StreamingResponse(_stream_chat(outputs, request_id, ctx.model_name, body, top_n, stream_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         final = await final_output(outputs, raw_request)
@@ -106,17 +108,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
 
 
 async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id: str, model_name: str,
-                       body: ChatCompletionRequest, top_n: int) -> AsyncIterator[str]:
+                       body: ChatCompletionRequest, top_n: int, stream_usage: StreamUsage) -> AsyncIterator[str]:
     created = ChatCompletionResponse(id=request_id, model=model_name, choices=[]).created
-    include_usage = body.include_usage
-    exclude = None if include_usage else {"usage"}
 
     def chunk(choices: list[ChatStreamChoice], prompt_token_ids: list[int] | None = None) -> str:
         msg = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
-                                  prompt_token_ids=prompt_token_ids)
-        return sse(msg.model_dump_json(exclude=exclude))
+                                  prompt_token_ids=prompt_token_ids, usage=stream_usage.so_far())
+        return sse(msg.model_dump_json(exclude=stream_usage.exclude))
 
-    n_sent = 0
     first = True
     final: RequestOutput | None = None
     try:
@@ -126,7 +125,7 @@ async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id:
                 c = out.outputs[0]
                 delta, new_ids = c.text, c.token_ids
                 logprobs = chat_logprobs(new_ids, c.logprobs, top_n, body.return_tokens_as_token_ids)
-                n_sent += len(new_ids)
+                stream_usage.add(out)
                 if delta or (new_ids and (logprobs is not None or body.return_token_ids)):
                     choice = ChatStreamChoice(delta=DeltaMessage(content=delta), logprobs=logprobs)
                     if body.return_token_ids:
@@ -138,9 +137,9 @@ async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id:
                     final = out
                     yield chunk([ChatStreamChoice(delta=DeltaMessage(), finish_reason=finish_reason(out),
                                                   stop_reason=c.stop_reason)])
-        if include_usage and final is not None:
+        if stream_usage.include_usage and final is not None:
             msg = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
-                                      usage=usage(final, n_sent))
+                                      usage=stream_usage.total())
             yield sse(msg.model_dump_json())
     except (EngineDeadError, RequestAbortedError, ValueError) as e:  # ValueError: the engine refused it
         logger.warning("request %s: %s", request_id, e)

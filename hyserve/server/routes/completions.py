@@ -25,6 +25,7 @@ from hyserve.server.protocol import (
 from hyserve.server.responses import (
     SSE_HEADERS,
     SSE_SCHEMA,
+    StreamUsage,
     completion_logprobs,
     final_output,
     finish_reason,
@@ -55,7 +56,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     engine_prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
     outputs = ctx.open_request(request_id, engine_prompt, params)
     if body.stream:
-        return StreamingResponse(_stream_completion(outputs, request_id, ctx.model_name, body),
+        stream_usage = StreamUsage.of(body.stream_options, len(ids))
+        return StreamingResponse(_stream_completion(outputs, request_id, ctx.model_name, body, stream_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         final = await final_output(outputs, raw_request)
@@ -75,12 +77,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
 
 
 async def _stream_completion(outputs: AsyncGenerator[RequestOutput, None], request_id: str, model_name: str,
-                             body: CompletionRequest) -> AsyncIterator[str]:
+                             body: CompletionRequest, stream_usage: StreamUsage) -> AsyncIterator[str]:
     created = CompletionResponse(id=request_id, model=model_name, choices=[]).created
-    include_usage = body.include_usage
-    exclude = None if include_usage else {"usage"}
     first = True
-    n_sent, offset = 0, 0
+    offset = 0
     final: RequestOutput | None = None
     try:
         async with aclosing(outputs):  # closed (the request aborted) even if this generator is dropped early
@@ -88,7 +88,7 @@ async def _stream_completion(outputs: AsyncGenerator[RequestOutput, None], reque
                 c = out.outputs[0]
                 delta, new_ids = c.text, c.token_ids
                 logprobs, offset = completion_logprobs(new_ids, c.logprobs, offset, body.return_tokens_as_token_ids)
-                n_sent += len(new_ids)
+                stream_usage.add(out)
                 reason = finish_reason(out) if out.finished else None
                 if delta or out.finished or (new_ids and (logprobs is not None or body.return_token_ids)):
                     choice = CompletionChoice(text=delta, logprobs=logprobs, finish_reason=reason,
@@ -98,13 +98,14 @@ async def _stream_completion(outputs: AsyncGenerator[RequestOutput, None], reque
                         if first:
                             choice.prompt_token_ids = list(out.prompt_token_ids)
                     first = False
-                    chunk = CompletionChunk(id=request_id, created=created, model=model_name, choices=[choice])
-                    yield sse(chunk.model_dump_json(exclude=exclude))
+                    chunk = CompletionChunk(id=request_id, created=created, model=model_name, choices=[choice],
+                                            usage=stream_usage.so_far())
+                    yield sse(chunk.model_dump_json(exclude=stream_usage.exclude))
                 if out.finished:
                     final = out
-        if include_usage and final is not None:
+        if stream_usage.include_usage and final is not None:
             chunk = CompletionChunk(id=request_id, created=created, model=model_name, choices=[],
-                                    usage=usage(final, n_sent))
+                                    usage=stream_usage.total())
             yield sse(chunk.model_dump_json())
     except (EngineDeadError, RequestAbortedError, ValueError) as e:  # ValueError: the engine refused it
         logger.warning("request %s: %s", request_id, e)
