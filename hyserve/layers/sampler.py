@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyserve.kernels.bitmask import apply_token_bitmask
 from hyserve.sampling_params import SamplingParams
 from hyserve.structured_output import bitmask
 from hyserve.utils import device_tensor
@@ -300,7 +301,8 @@ def apply_grammar_masks(logits: torch.Tensor, positions: list[int], packed: list
                         device: torch.device) -> None:
     """Structured output: at each of ``positions`` (rows of ``logits``, in place), the tokens its packed bitmask
     (``hyserve.structured_output.bitmask``) does not allow become -inf. ``packed[i]`` holds the masks of
-    consecutive positions from ``positions[i]`` on (a verify row's k + 1)."""
+    consecutive positions from ``positions[i]`` on (a verify row's k + 1). One host-to-device copy of the words and
+    one launch on CUDA (``hyserve.kernels.bitmask``)."""
     vocab = logits.shape[1]
     index: list[int] = []
     words = []
@@ -312,7 +314,7 @@ def apply_grammar_masks(logits: torch.Tensor, positions: list[int], packed: list
         words.append(rows)
     if not index:
         return
-    idx = device_tensor(index, device)
-    sub = logits.index_select(0, idx)
-    bitmask.apply_bitmask(sub, torch.cat(words).to(device, non_blocking=True))
-    logits.index_copy_(0, idx, sub)
+    host = torch.cat(words)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    apply_token_bitmask(logits, device_tensor(index, device), host.to(device, non_blocking=True))

@@ -495,6 +495,28 @@ def _interp_gating(dtype: torch.dtype) -> tuple[bool, str]:
     return ok1 and ok2 and g.dtype == beta.dtype == torch.float32, f"g err {e1:.3g}, beta err {e2:.3g}"
 
 
+def _interp_bitmask(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool, str]:
+    """Structured output's token masks on non-identity rows (a verify row's positions and single rows), a vocabulary
+    that is not a multiple of 32 nor of the block: bit-exact against the reference, the other rows untouched. With
+    ``sabotage`` the reference reads the words one bit off, and must disagree."""
+    from hyserve.kernels.bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
+
+    gen = torch.Generator().manual_seed(31)
+    n_rows, vocab = 9, 1300
+    logits = torch.randn(n_rows, vocab, generator=gen).to(dtype)
+    rows = torch.tensor([6, 2, 3, 4, 0], dtype=torch.long)
+    words = torch.randint(-(2**31), 2**31 - 1, (5, (vocab + 31) // 32), generator=gen, dtype=torch.int64)
+    words = words.to(torch.int32)
+    words[1] = -1  # everything allowed
+    words[2] = 0  # nothing allowed
+    got, want = logits.clone(), logits.clone()
+    apply_token_bitmask_triton(got, rows, words)
+    apply_token_bitmask_ref(want, rows, (words << 1) if sabotage else words)
+    same = torch.equal(got, want)
+    masked = int(torch.isinf(got).sum())
+    return same != sabotage and 0 < masked < 5 * vocab, f"equal {same}, {masked} entries masked"
+
+
 def _interp_rope(dtype: torch.dtype, d: int, r2: int) -> tuple[bool, str]:
     """Partial rotary on a strided (T, H, D) view against the reference; bit-exact (the roundings are replayed)."""
     from hyserve.kernels.rope import apply_rope_ref, apply_rope_triton
@@ -669,6 +691,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         _check(res, f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
         _check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
         _check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
+        _check(res, f"token_bitmask_{n}", lambda dt=dt: _interp_bitmask(dt))
         _check(res, f"add_norm_silu_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 40))
         _check(res, f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
         _check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
@@ -690,6 +713,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     _check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
     _check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
     _check(res, "fp8_gemm_block_sabotaged_groups_caught", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
+    _check(res, "token_bitmask_shifted_caught", lambda: _interp_bitmask(f32, sabotage=True))
     _check(res, "fp8_split_locks", lambda: _interp_fp8_split_locks(False))
     _check(res, "fp8_split_stale_locks_caught", lambda: _interp_fp8_split_locks(True))
     # The GEMM quantizing its activation: per token over several K tiles (split too), static, per group.
@@ -727,6 +751,7 @@ INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16"]
 INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
                   for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
+INTERP_CHECKS += ["token_bitmask_float32", "token_bitmask_bfloat16", "token_bitmask_shifted_caught"]
 INTERP_CHECKS += [f"add_norm_silu{w}_{dt}" for w in ("", "_wide") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"l2_norm_heads_{dt}" for dt in ("float32", "bfloat16")]
