@@ -39,44 +39,60 @@ def prompt_ends_reasoning(prompt: str) -> bool:
 
 
 class Qwen3ReasoningParser:
+    """One instance reads one answer: successive ``split`` calls see the same text, grown; what is settled (where
+    the reasoning starts and ends, how far no end tag starts) is remembered, so a stream scans only what is new."""
+
     name = "qwen3"
 
     def __init__(self, thinking: bool = True) -> None:
         self.thinking = thinking
+        self.begin: int | None = None  # where the reasoning starts (after a leading <think>), once known
+        self.end: tuple[int, int] | None = None  # (where the reasoning ends, where the content starts), once known
+        self.scanned = 0  # no end of the reasoning starts before this (nor an undecided <tool_call>)
 
     def split(self, text: str, final: bool = True) -> ReasoningSplit:
         if not self.thinking:
             return ReasoningSplit("", text)
-        stripped = text.lstrip()
-        if stripped.startswith(THINK):
-            text = stripped[len(THINK):]
-        elif not final and THINK.startswith(stripped):
-            return ReasoningSplit("", "")  # may still become <think>
-        end = text.find(THINK_END)
-        limit = end if end >= 0 else len(text)
-        call, undecided = self._tool_call(text, limit, final)
-        if call is not None:
-            return ReasoningSplit(text[:call], text[call:])
-        if end >= 0:
-            return ReasoningSplit(text[:end], text[end + len(THINK_END):])
+        if self.begin is None:
+            stripped = text.lstrip()
+            if stripped.startswith(THINK):
+                self.begin = len(text) - len(stripped) + len(THINK)
+            elif not final and THINK.startswith(stripped):
+                return ReasoningSplit("", "")  # may still become <think>
+            else:
+                self.begin = 0
+        begin = self.begin
+        undecided = None
+        if self.end is None:
+            undecided = self._scan(text, final)
+        if self.end is not None:
+            return ReasoningSplit(text[begin:self.end[0]], text[self.end[1]:])
         if final:
-            return ReasoningSplit(text, "")
+            return ReasoningSplit(text[begin:], "")
         hold = undecided if undecided is not None else len(text) - _partial_tag(text, (THINK_END, TOOL_CALL))
-        return ReasoningSplit(text[:hold], "")
+        return ReasoningSplit(text[begin:max(hold, begin)], "")
 
-    @staticmethod
-    def _tool_call(text: str, limit: int, final: bool) -> tuple[int | None, int | None]:
-        """(where a tool call that ends the reasoning starts, where an undecided ``<tool_call>`` starts), before
-        ``limit``."""
-        pos = 0
+    def _scan(self, text: str, final: bool) -> int | None:
+        """Look for the end of the reasoning from ``scanned`` on (the earlier of ``</think>`` and a tool call);
+        sets ``end`` when found; returns where an undecided ``<tool_call>`` starts, if one does."""
+        assert self.begin is not None
+        pos = max(self.scanned, self.begin)
+        end = text.find(THINK_END, pos)
+        limit = end if end >= 0 else len(text)
         while (at := text.find(TOOL_CALL, pos, limit)) >= 0:
-            after = text[at + len(TOOL_CALL):].lstrip()
+            after = text[at + len(TOOL_CALL):at + len(TOOL_CALL) + 64].lstrip()
             if _FUNCTION_RE.match(after):
-                return at, None
-            if not final and (FUNCTION_OPEN.startswith(after) or after == FUNCTION_OPEN):
-                return None, at
+                self.end = (at, at)
+                return None
+            if not final and FUNCTION_OPEN.startswith(after):
+                self.scanned = at
+                return at
             pos = at + 1
-        return None, None
+        if end >= 0:
+            self.end = (end, end + len(THINK_END))
+            return None
+        self.scanned = max(self.scanned, len(text) - max(len(THINK_END), len(TOOL_CALL)) + 1)
+        return None
 
 
 def _partial_tag(text: str, tags: tuple[str, ...]) -> int:

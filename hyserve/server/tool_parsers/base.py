@@ -83,38 +83,65 @@ def held_back(text: str, tags: tuple[str, ...]) -> int:
     return best
 
 
+def blank(text: str) -> bool:
+    """Empty or whitespace only (without copying the text, as ``strip`` would)."""
+    return not text or text.isspace()
+
+
+@dataclass
+class ScanState:
+    """Where a parse of a growing text may resume: everything before ``pos`` is settled (its content pieces and
+    calls), and no opening tag starts in ``[pos, search_from)``."""
+
+    pos: int = 0
+    search_from: int = 0
+    segments: list[str] = field(default_factory=list)
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
 class ToolParser:
-    """Finds the calls in a model's text. Subclasses name their opening tags and parse one call from its tag."""
+    """Finds the calls in a model's text. Subclasses name their opening tags and parse one call from its tag.
+
+    One instance reads one answer: successive ``parse`` calls see the same text, grown. A parse of a text that may
+    still grow remembers how far the text is settled, so that a stream's next parse scans only what is new (plus
+    the call still open).
+    """
 
     name = ""
     openers: tuple[str, ...] = ()
 
     def __init__(self, tools: list[dict[str, Any]] | None) -> None:
         self.tools = tool_names(tools)
+        self.resume = ScanState()
 
     def parse_call(self, text: str, start: int, opener: str, final: bool) -> CallResult:
         raise NotImplementedError
 
     def parse(self, text: str, final: bool = True) -> ToolParse:
         """Content and calls of ``text``; ``final=False``: the text may still grow (see the module docstring)."""
-        segments: list[str] = []  # content pieces, in order
-        calls: list[ParsedCall] = []
-        pos = 0
+        state = self.resume
+        segments, calls, pos = list(state.segments), list(state.calls), state.pos  # content pieces, in order
+        search_from = state.search_from
+        longest = max(len(tag) for tag in self.openers)
         while True:
-            found = [(i, tag) for tag in self.openers if (i := text.find(tag, pos)) >= 0]
+            found = [(i, tag) for tag in self.openers if (i := text.find(tag, search_from)) >= 0]
             if not found:
+                if not final:  # no tag starts before the last (longest - 1) characters
+                    self.resume = ScanState(pos, max(pos, len(text) - longest + 1), list(segments), list(calls))
                 tail = text[pos:]
                 if not final:
                     tail = tail[: len(tail) - held_back(tail, self.openers)]
                 # Whitespace only: dropped after a call; held while the text may grow (a call may follow).
-                if tail.strip() or not (calls or not final):
+                if not blank(tail) or not (calls or not final):
                     segments.append(tail)
                 break
             start, opener = min(found)
             piece = text[pos:start]
             result = self.parse_call(text, start, opener, final)
+            if result.end is None and not final:  # undecided: the next parse starts over from its tag
+                self.resume = ScanState(pos, start, list(segments), list(calls))
             # Whitespace only: dropped next to a call; held while the call is undecided.
-            if piece.strip() or (result.call is None and result.end is not None and not calls):
+            if not blank(piece) or (result.call is None and result.end is not None and not calls):
                 segments.append(piece)
             if result.call is not None:
                 calls.append(result.call)
@@ -122,5 +149,7 @@ class ToolParser:
                 segments.append(text[start:result.end])
             if result.end is None:  # undecided: hold it and everything after it
                 break
-            pos = result.end
+            pos = search_from = result.end
+            if not final:
+                self.resume = ScanState(pos, pos, list(segments), list(calls))
         return ToolParse("".join(segments), calls)
