@@ -14,8 +14,8 @@ ends before its closing tag (the output was cut short: the call is closed with w
 be one (an unknown function, JSON that does not parse, a header that never completes) is content, as written.
 Text that is only whitespace next to a call is dropped (the newlines around and between calls).
 
-Reparsing the whole text after every chunk costs O(n) per chunk; tool-call answers are short next to the work of
-generating them.
+A parser resumes where the text is settled (``ScanState``: after the last closed call, past the text no tag can
+start in), so a stream's parse after each chunk scans only what is new and the call still open.
 """
 
 from __future__ import annotations
