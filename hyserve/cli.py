@@ -150,13 +150,17 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
     raise_open_files_limit()  # every connection takes a file descriptor
     api_key = args.api_key or os.environ.get("HYSERVE_API_KEY") or None
+    from hyserve.server.tools import check_parser_flags
+    check_parser_flags(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)  # before loading
     engine = make_llm(args, args.model).llm_engine
     async_engine = AsyncEngine(engine, start=False)
     app = build_app(async_engine, args.served_model_name, api_key=api_key,
                     max_request_body_bytes=args.max_request_body_bytes,
                     body_read_timeout_s=args.request_read_timeout,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    chat_template_timeout_s=args.chat_template_timeout)
+                    chat_template_timeout_s=args.chat_template_timeout,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     server = make_server(app, async_engine, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                          shutdown_timeout_s=args.shutdown_timeout, request_read_timeout_s=args.request_read_timeout,
                          timeout_keep_alive_s=args.timeout_keep_alive,
@@ -229,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept a chat_template sent in a request (by default such requests get a 400)")
     s.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="stop rendering a chat template after this time and answer 400 (default: 10)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the tool calls of answers to requests with tools (tool_choice 'auto'; needs "
+                        "--tool-call-parser)")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls: hermes, qwen3_coder or qwen3_xml (docs/server.md)")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split <think>...</think> into reasoning_content: qwen3 (docs/server.md)")
     engine_args(s, serving=True)
     s.set_defaults(func=cmd_serve)
     d = sub.add_parser("demo", help="serve the packaged default model on loopback and show it answering")

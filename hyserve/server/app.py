@@ -74,6 +74,7 @@ from hyserve.server.metrics import HTTPMetricsMiddleware
 from hyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from hyserve.server.routes import chat, completions, info
 from hyserve.server.routes.docs import add_docs_routes, add_not_found_handler
+from hyserve.server.tools import ToolSettings
 
 logger = logging.getLogger("hyserve.server")
 
@@ -87,11 +88,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
               trust_request_chat_template: bool = False,
-              chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S) -> FastAPI:
+              chat_template_timeout_s: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (started on app startup if it is not yet); see the module docstring
-    for ``api_key``, the bounds and ``trust_request_chat_template``."""
+    for ``api_key``, the bounds and ``trust_request_chat_template``; ``hyserve.server.tools`` and
+    ``hyserve.server.reasoning`` for the tool-call and reasoning parsers (an unknown name is a ``ValueError``)."""
     context = ServerContext(async_engine, served_model_name, trust_request_chat_template=trust_request_chat_template,
-                            chat_template_timeout_s=chat_template_timeout_s)
+                            chat_template_timeout_s=chat_template_timeout_s,
+                            tool_settings=ToolSettings(enable_auto_tool_choice, tool_call_parser),
+                            reasoning_parser=reasoning_parser)
     # docs_url / redoc_url: FastAPI's pages load their assets from a CDN; add_docs_routes serves them locally.
     app = FastAPI(title="hyserve", version=hyserve.__version__, docs_url=None, redoc_url=None,
                   lifespan=functools.partial(_lifespan, shutdown_engine_on_exit=shutdown_engine_on_exit))

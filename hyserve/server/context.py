@@ -25,6 +25,8 @@ from hyserve.sampling_params import SamplingParams
 from hyserve.server.async_engine import AsyncEngine, EngineDeadError
 from hyserve.server.metrics import HTTPMetrics
 from hyserve.server.protocol import APIError, sampling_error_param, short_repr
+from hyserve.server.reasoning import reasoning_parser_class
+from hyserve.server.tools import ToolSettings
 from hyserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("hyserve.server")
@@ -59,7 +61,8 @@ class ServerContext:
     (a 400 naming the field, unless said otherwise) for what they refuse."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_name: str | None = None, *,
-                 trust_request_chat_template: bool = False, chat_template_timeout_s: float) -> None:
+                 trust_request_chat_template: bool = False, chat_template_timeout_s: float,
+                 tool_settings: ToolSettings | None = None, reasoning_parser: str | None = None) -> None:
         self.async_engine = async_engine
         self.engine = engine = async_engine.engine
         self.model_dir = str(engine.config.model)
@@ -68,6 +71,10 @@ class ServerContext:
         self.text_limit = max_text_chars(engine.tokenizer, engine.max_model_len)
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template_timeout_s = chat_template_timeout_s
+        self.tool_settings = tool_settings or ToolSettings()
+        if reasoning_parser is not None:
+            reasoning_parser_class(reasoning_parser)  # an unknown name fails at startup, listing the known ones
+        self.reasoning_parser = reasoning_parser
         # Image input: None when the checkpoint has no vision tower (or --limit-mm-per-prompt image=0 turned it off).
         self.mm_config = engine.model_config.multimodal
         self.image_settings: ImageProcessorSettings | None = None

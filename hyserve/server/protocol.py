@@ -7,15 +7,13 @@ vLLM's extra sampling fields (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore
 ``openai`` client sends through ``extra_body``.
 
 Nothing is accepted and silently ignored. A field this server does not implement is a 400 naming it, unless it is
-set to its no-op value: an unknown field (``guided_json``, ``structured_outputs``, ``prompt_logprobs``,
+set to its no-op value: an unknown field (``prompt_logprobs``, ``guided_decoding_backend``,
 ``reasoning_effort``, ...) is accepted only as ``null``; declared but unimplemented ones (``frequency_penalty``,
-``logit_bias``, ``response_format``, ...) only at their neutral value.
-Tools: there is no tool-call parser, so the server can never answer with structured ``tool_calls``. ``tools`` are
-rendered into the prompt through the chat template (as transformers' ``apply_chat_template(messages, tools=...)``)
-only with ``tool_choice: "none"``, which asks for a text answer; ``tools`` with ``tool_choice`` absent, ``"auto"``,
-``"required"`` or a named function is a 400 (OpenAI's default with tools is ``"auto"``, which promises tool calls).
-``tool_choice`` ``"none"``/``"auto"`` without tools is a no-op, and so is ``parallel_tool_calls`` (no tool call is
-ever produced). An assistant message's ``tool_calls`` (arguments as a JSON string, as OpenAI sends them, are parsed
+``logit_bias``, ...) only at their neutral value. Structured output (``response_format``, ``structured_outputs``,
+``guided_*``) is read by ``hyserve.server.structured``.
+Tools (``hyserve.server.tools``): ``tools`` reach the chat template; ``tool_choice`` (``"auto"`` when absent with
+tools) says whether the answer's calls are parsed (with the server's ``--tool-call-parser``), and without tools is a
+400. An assistant message's ``tool_calls`` (arguments as a JSON string, as OpenAI sends them, are parsed
 to objects as chat templates expect), a tool message's ``tool_call_id`` and ``name`` reach the template. Text with
 lone UTF-16 surrogates (JSON ``"\\ud800"``) is a 400 naming the field; the stop list is bounded
 (``MAX_STOP_STRINGS`` strings of at most ``MAX_STOP_STRING_CHARS`` characters).
@@ -415,7 +413,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Annotated[str | dict[str, Any] | None,
                            _schema(anyOf=[{"enum": ["none", "auto", "required"]}, {"type": "object"}])] = None
-    parallel_tool_calls: bool | None = None  # no tool call is ever produced, so any value holds
+    parallel_tool_calls: bool | None = None  # false: at most the first call is returned
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
 
     def parse_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (see ``parse_chat``)."""
@@ -467,34 +466,6 @@ class ChatCompletionRequest(_SamplingRequest):
                     msg[key] = value
             out.append(msg)
         return ParsedChat(out, images)
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools to render into the prompt, or None; refuses a tool_choice that promises tool calls.
-
-        There is no tool-call parser, so the answer is always text: tools are rendered only under
-        ``tool_choice: "none"`` (text wanted, the model told which tools exist), and a choice that asks for tool calls
-        (absent with tools, which OpenAI reads as "auto"; "auto"; "required"; a named function) is refused.
-        """
-        choice = self.tool_choice
-        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-            raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function (got "
-                           f"{short_repr(choice)})", param="tool_choice")
-        if not self.tools:
-            if choice is None or choice in ("none", "auto"):
-                return None  # nothing to call: a no-op
-            raise APIError("tool_choice asks for a tool call but no tools are given", param="tool_choice")
-        if choice != "none":
-            got = "absent, which means 'auto' with tools" if choice is None else short_repr(choice)
-            raise APIError("this server has no tool-call parser, so it cannot answer with tool_calls: send "
-                           "tool_choice: 'none' to have the tools rendered into the prompt and get a text answer "
-                           f"(tool_choice is {got})", param="tool_choice")
-        for i, tool in enumerate(self.tools):
-            fn = tool.get("function")
-            if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                    or not isinstance(fn.get("name"), str):
-                raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}",
-                               param=f"tools[{i}]")
-        return list(self.tools)
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -648,9 +619,42 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_OmitNone):
+    _omit_if_none = frozenset({"name", "arguments"})
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    """A streamed call's piece: the first has its id, type and name; later ones append to ``arguments``."""
+
+    _omit_if_none = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class ChatMessage(_OmitNone):
+    _omit_if_none = frozenset({"reasoning_content", "tool_calls"})
+
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_OmitNone):
@@ -678,10 +682,12 @@ class ChatCompletionResponse(_OmitNone):
 
 class DeltaMessage(_OmitNone):
     # A delta carries only what changed: ``{"content": "x"}``, not ``{"role": null, "content": "x"}``.
-    _omit_if_none = frozenset({"role", "content"})
+    _omit_if_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_OmitNone):

@@ -8,6 +8,7 @@ Family-neutral:
 - ``scenarios``: the arrivals / aborts / preemption / prefix-hit scenario every scheduling mode must run identically.
 - ``speculative``: an oracle proposer with planted errors, drafts recorded per verify step.
 - ``server``: uvicorn in a thread, ports, processes.
+- ``scripted``: a model that answers what a test plants (the server's answer parsers), a tool-aware chat template.
 - ``executors``: ``PicklingExecutor`` (every message crosses the scheduler/worker seam as bytes).
 - ``images``: random PNGs and data URLs.
 

@@ -139,7 +139,8 @@ EDGE_BODIES: list[tuple[str, dict[str, Any]]] = [
     *[("chat/completions", {"messages": CHAT, **kw}) for kw in (
         {"max_completion_tokens": 0}, {"logprobs": True, "top_logprobs": 20}, {"logprobs": True, "top_logprobs": 21},
         {"response_format": {"type": "text"}}, {"response_format": {"type": "json_object"}},
-        {"tool_choice": "none"}, {"tool_choice": "sometimes"})],
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+        {"tool_choice": "sometimes"})],
 ]
 
 

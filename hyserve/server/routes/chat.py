@@ -26,6 +26,7 @@ from PIL import Image
 from hyserve.multimodal.chat import ContentPartError, ParsedChat, check_images, image_token_counts, load_images
 from hyserve.outputs import RequestOutput
 from hyserve.server.async_engine import EngineDeadError, RequestAbortedError
+from hyserve.server.chat_output import ChatDeltaStream, ChatOutputParser
 from hyserve.server.context import Context, ServerContext
 from hyserve.server.errors import ERROR_RESPONSES
 from hyserve.server.protocol import (
@@ -39,6 +40,7 @@ from hyserve.server.protocol import (
     DeltaMessage,
     random_id,
 )
+from hyserve.server.reasoning import prompt_ends_reasoning, reasoning_parser_class
 from hyserve.server.responses import (
     SSE_HEADERS,
     SSE_SCHEMA,
@@ -51,6 +53,7 @@ from hyserve.server.responses import (
     stream_kind,
     usage,
 )
+from hyserve.server.tools import ToolPlan, check_template_kwargs, plan_tools
 
 logger = logging.getLogger("hyserve.server")
 _T = TypeVar("_T")
@@ -64,8 +67,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     ctx.check_model(body.model)
     parsed = body.parse_chat()
     body.check()
+    plan = plan_tools(body, ctx.tool_settings)
+    check_template_kwargs(body.chat_template_kwargs)
     check_chat_images(ctx, parsed)
-    text = await render_chat(ctx, body, parsed.messages)
+    text = await render_chat(ctx, body, parsed.messages, plan.template_tools)
+    output_parser = answer_parser(ctx, body, plan, text)
     _, ids = await ctx.encode(text, "messages", add_special_tokens=False)
     if not parsed.images:
         ctx.check_no_placeholders(ids, "messages")  # with images: expanded_length counts them once they are loaded
@@ -88,7 +94,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     outputs = ctx.open_request(request_id, engine_prompt, params, {"max_tokens": name, "logprobs": "top_logprobs"})
     if body.stream:
         stream_usage = StreamUsage.of(body.stream_options, n_prompt)
-        return StreamingResponse(_stream_chat(outputs, request_id, ctx.model_name, body, top_n, stream_usage),
+        return StreamingResponse(_stream_chat(outputs, request_id, ctx.model_name, body, top_n, stream_usage,
+                                              output_parser),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         final = await final_output(outputs, raw_request)
@@ -97,9 +104,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     if final is None:
         return Response(status_code=499)
     c = final.outputs[0]
-    choice = ChatChoice(message=ChatMessage(role="assistant", content=c.text),
+    message = whole_message(c.text, output_parser)
+    choice = ChatChoice(message=message,
                         logprobs=chat_logprobs(c.token_ids, c.logprobs, top_n, body.return_tokens_as_token_ids),
-                        finish_reason=finish_reason(final), stop_reason=c.stop_reason)
+                        finish_reason=answer_finish_reason(finish_reason(final), bool(message.tool_calls)),
+                        stop_reason=c.stop_reason)
     resp = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=[choice], usage=usage(final))
     if body.return_token_ids:
         choice.token_ids = list(c.token_ids)
@@ -107,8 +116,38 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     return JSONResponse(resp.model_dump())
 
 
+def answer_parser(ctx: ServerContext, body: ChatCompletionRequest, plan: ToolPlan, prompt: str
+                  ) -> ChatOutputParser | None:
+    """The parser of this request's answer, or None when the answer is plain text (no reasoning parser, no tool
+    calls to parse)."""
+    reasoning = None
+    if ctx.reasoning_parser is not None:
+        thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False \
+            and not prompt_ends_reasoning(prompt)
+        reasoning = reasoning_parser_class(ctx.reasoning_parser)(thinking)
+    if reasoning is None and plan.parser is None:
+        return None
+    return ChatOutputParser(reasoning, plan.parser, parallel=plan.parallel, include_reasoning=body.include_reasoning)
+
+
+def whole_message(text: str, parser: ChatOutputParser | None) -> ChatMessage:
+    if parser is None:
+        return ChatMessage(role="assistant", content=text)
+    parsed = parser.parse(text)
+    calls = parser.tool_calls(parsed.calls)
+    plain = not (parsed.reasoning or calls)
+    return ChatMessage(role="assistant", content=parsed.content if plain or parsed.content else None,
+                       reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+
+
+def answer_finish_reason(reason: str | None, called: bool) -> str | None:
+    """``tool_calls`` for an answer that ended normally with calls (a cut-short one keeps ``length``)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id: str, model_name: str,
-                       body: ChatCompletionRequest, top_n: int, stream_usage: StreamUsage) -> AsyncIterator[str]:
+                       body: ChatCompletionRequest, top_n: int, stream_usage: StreamUsage,
+                       output_parser: ChatOutputParser | None = None) -> AsyncIterator[str]:
     created = ChatCompletionResponse(id=request_id, model=model_name, choices=[]).created
 
     def chunk(choices: list[ChatStreamChoice], prompt_token_ids: list[int] | None = None) -> str:
@@ -118,6 +157,7 @@ async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id:
 
     first = True
     final: RequestOutput | None = None
+    parsed = ChatDeltaStream(output_parser) if output_parser is not None else None
     try:
         yield chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
         async with aclosing(outputs):  # closed (the request aborted) even if this generator is dropped early
@@ -126,8 +166,12 @@ async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id:
                 delta, new_ids = c.text, c.token_ids
                 logprobs = chat_logprobs(new_ids, c.logprobs, top_n, body.return_tokens_as_token_ids)
                 stream_usage.add(out)
-                if delta or (new_ids and (logprobs is not None or body.return_token_ids)):
-                    choice = ChatStreamChoice(delta=DeltaMessage(content=delta), logprobs=logprobs)
+                if parsed is None:
+                    message = DeltaMessage(content=delta) if delta else None
+                else:  # reasoning and tool calls split out of the text so far
+                    message = parsed.feed(delta, out.finished)
+                if message is not None or (new_ids and (logprobs is not None or body.return_token_ids)):
+                    choice = ChatStreamChoice(delta=message or DeltaMessage(), logprobs=logprobs)
                     if body.return_token_ids:
                         choice.token_ids = list(new_ids)
                     prompt_ids = list(out.prompt_token_ids) if body.return_token_ids and first else None
@@ -135,7 +179,8 @@ async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id:
                     yield chunk([choice], prompt_ids)
                 if out.finished:
                     final = out
-                    yield chunk([ChatStreamChoice(delta=DeltaMessage(), finish_reason=finish_reason(out),
+                    reason = answer_finish_reason(finish_reason(out), parsed is not None and parsed.called)
+                    yield chunk([ChatStreamChoice(delta=DeltaMessage(), finish_reason=reason,
                                                   stop_reason=c.stop_reason)])
         if stream_usage.include_usage and final is not None:
             msg = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
@@ -184,7 +229,8 @@ def run_with_deadline(fn: Callable[[], _T], timeout_s: float) -> _T:
         sys.settrace(previous)
 
 
-async def render_chat(ctx: ServerContext, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+async def render_chat(ctx: ServerContext, body: ChatCompletionRequest, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None = None) -> str:
     tok = ctx.engine.tokenizer
     if tok is None:
         raise APIError("this checkpoint has no tokenizer, so chat completions are not available; use "
@@ -199,7 +245,6 @@ async def render_chat(ctx: ServerContext, body: ChatCompletionRequest, messages:
             raise APIError("a request-supplied chat_template is refused: this server runs only its checkpoint's "
                            "template unless started with --trust-request-chat-template", param="chat_template")
         template_kwargs["chat_template"] = body.chat_template
-    tools = body.template_tools()
     if tools is not None:
         template_kwargs["tools"] = tools
     timeout_s = ctx.chat_template_timeout_s
