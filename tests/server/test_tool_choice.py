@@ -21,6 +21,7 @@ from hyserve.server import tools as tools_module
 from hyserve.server.chat_output import ChatDeltaStream, ChatOutputParser
 from hyserve.server.protocol import APIError, ChatCompletionRequest, DeltaMessage
 from hyserve.server.tool_choice import NamedCallParser, RequiredCallsParser, named_schema, required_schema
+from hyserve.server.tool_parsers import ParsedCall, ToolParse
 from hyserve.server.tools import ToolSettings, plan_tools
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.server import ServerThread
@@ -167,6 +168,42 @@ def test_named_answers_stream_to_their_whole_parse(text: str) -> None:
     for chunks in chunkings(text, random.Random(0)):
         assert streamed(ChatOutputParser(None, NamedCallParser(TOOLS, "get_weather")), chunks) == \
             ("", [("get_weather", text.strip())]), chunks
+
+
+class NoHoldBack(NamedCallParser):
+    """Sabotage: trailing whitespace is sent while the text may grow (the whole parse strips it)."""
+
+    def parse(self, text: str, final: bool = True) -> ToolParse:
+        out = super().parse(text, final)
+        if not final:
+            out.calls[0].arguments = text.lstrip()
+        return out
+
+
+class EarlyName(RequiredCallsParser):
+    """Sabotage: an open item is sent as soon as its name starts, so a stream may send half a name."""
+
+    def item(self, text: str, start: int, end: int | None) -> ParsedCall | None:
+        call = super().item(text, start, end)
+        if call is None and end is None and text.startswith('{"name":"', start):
+            return ParsedCall(text[start + 9:].split('"')[0], "", complete=False)
+        return call
+
+
+def check_stream(make: Any, text: str) -> None:
+    whole = ChatOutputParser(None, make()).parse(text)
+    for chunks in chunkings(text, random.Random(0)):
+        assert streamed(ChatOutputParser(None, make()), chunks) == \
+            (whole.content, [(c.name, c.arguments) for c in whole.calls]), chunks
+
+
+def test_the_stream_checks_catch_sabotaged_parsers() -> None:
+    check_stream(lambda: NamedCallParser(TOOLS, "get_weather"), ' {"unit": "c"} \n')
+    with pytest.raises(AssertionError):
+        check_stream(lambda: NoHoldBack(TOOLS, "get_weather"), ' {"unit": "c"} \n')
+    check_stream(lambda: RequiredCallsParser(TOOLS), REQUIRED[1][0])
+    with pytest.raises(AssertionError):
+        check_stream(lambda: EarlyName(TOOLS), REQUIRED[1][0])
 
 
 def test_parallel_false_keeps_one_call() -> None:
