@@ -12,7 +12,8 @@ set to its no-op value: an unknown field (``prompt_logprobs``, ``guided_decoding
 ``logit_bias``, ...) only at their neutral value. Structured output (``response_format``, ``structured_outputs``,
 ``guided_*``) is read by ``hyserve.server.structured``.
 Tools (``hyserve.server.tools``): ``tools`` reach the chat template; ``tool_choice`` (``"auto"`` when absent with
-tools) says whether the answer's calls are parsed (with the server's ``--tool-call-parser``), and without tools is a
+tools) says whether the answer's calls are parsed (with the server's ``--tool-call-parser``) or, for ``"required"``
+and a named function, constrained by the grammar engine (``hyserve.server.tool_choice``), and without tools is a
 400. An assistant message's ``tool_calls`` (arguments as a JSON string, as OpenAI sends them, are parsed
 to objects as chat templates expect), a tool message's ``tool_call_id`` and ``name`` reach the template. Text with
 lone UTF-16 surrogates (JSON ``"\\ud800"``) is a 400 naming the field; the stop list is bounded

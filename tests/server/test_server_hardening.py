@@ -137,10 +137,12 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "tool-call parser"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice",
      "tool-call parser"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-     "tool_choice", "structured output"),
+    # "required" and a named function constrain the answer: another constraint beside them is refused, naming both.
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "response_format", "tool_choice 'required'"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
-              "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "structured output"),
+              "tool_choice": {"type": "function", "function": {"name": "f"}}, "guided_regex": "a+"}, "guided_regex",
+     "tool_choice a named function"),
     ("chat", {"tool_choice": "required"}, "tool_choice", "no tools"),
     ("chat", {"tool_choice": "none"}, "tool_choice", "no tools"),  # OpenAI's answer too
     ("chat", {"tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
