@@ -586,10 +586,10 @@ def python_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, list[in
     for j in range(len(drafts) + 1):
         row = logits[j]
         if not bool(torch.isfinite(row.max())):
-            return -1, out + [0]
+            return -1, [*out, 0]
         best = int(row.argmax())
         if j == len(drafts) or best != drafts[j]:
-            return j, out + [best]
+            return j, [*out, best]
         out.append(best)
     raise AssertionError("unreachable")
 
