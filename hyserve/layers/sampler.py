@@ -107,8 +107,9 @@ class Sampler:
         # Re-seeded for every seeded row: after manual_seed its stream depends on the seed alone.
         self._row_generator = torch.Generator(device=self.device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).result()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], adjusted: torch.Tensor | None = None
+                 ) -> SamplerOutput:
+        return self.sample(logits, rows, adjusted).result()
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], adjusted: torch.Tensor | None = None
                ) -> PendingSample:

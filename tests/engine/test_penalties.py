@@ -10,7 +10,6 @@ the penalties) fail these checks.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 
@@ -20,38 +19,17 @@ import torch
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.layers import logits_processors
+from hyserve.request import Request
 from hyserve.scheduler.output import PREVIOUS_DRAFT
+from hyserve.speculative.proposer import Proposer
 from hyserve.testing.engine import GREEDY_TOL, LOGPROB_TOL, SlotRecorder, drive, make_llm, toks
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.qwen3_5 import reference_logits
+from hyserve.testing.sampling import reference_adjust
 from hyserve.worker import cuda_graphs, sampling_state
 from hyserve.worker.sampling_state import SamplingState
 
 N_OUT = 14
-
-
-def reference_adjust(raw: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams,
-                     eos: set[int]) -> torch.Tensor:
-    """The logits vLLM's sampler draws from, written out token by token (float64)."""
-    x = raw.double().clone()
-    if p.allowed_token_ids is not None:
-        keep = torch.zeros_like(x, dtype=torch.bool)
-        keep[p.allowed_token_ids] = True
-        x[~keep] = -math.inf
-    for word in p.bad_words_token_ids or []:
-        prefix = word[:-1]
-        if len(prefix) <= len(out) and out[len(out) - len(prefix):] == prefix:
-            x[word[-1]] = -math.inf
-    if len(out) < p.min_tokens:
-        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else eos):
-            x[t] = -math.inf
-    for t, b in (p.logit_bias or {}).items():
-        x[t] += b
-    for t in set(prompt) | set(out):
-        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-    for t, c in collections.Counter(out).items():
-        x[t] -= p.frequency_penalty * c + p.presence_penalty
-    return x
 
 
 def check_reference(ref: object, prompt: list[int], tokens: list[int], p: SamplingParams, eos: set[int],
@@ -264,10 +242,8 @@ def test_speculation_with_preemption_gives_the_plain_tokens(ckpts: CheckpointCac
     llm.llm_engine.assert_no_leaks()
 
 
-def test_verify_positions_not_seeing_their_drafts_is_caught(ckpts: CheckpointCache,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
-    want = plain_adjusted(path)
+def drafts_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: verify rows write only their first token into the history, not their drafts."""
     real = SamplingState.record_inputs
 
     def first_tokens_only(self, rows, input_ids, query_start_loc, verify_starts):  # type: ignore[no-untyped-def]
@@ -275,9 +251,69 @@ def test_verify_positions_not_seeing_their_drafts_is_caught(ckpts: CheckpointCac
         real(self, rows, input_ids, query_start_loc, verify_starts)
 
     monkeypatch.setattr(SamplingState, "record_inputs", first_tokens_only)
+
+
+def test_verify_positions_not_seeing_their_drafts_is_caught(ckpts: CheckpointCache,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    want = plain_adjusted(path)
+    drafts_unseen(monkeypatch)
     llm = make_llm(path, enable_prefix_caching=False, **spec_kwargs("mtp"))
     plant_drafts(llm.llm_engine, want)
     assert run(llm.llm_engine, request_mix(unadjusted(path))) != want
+
+
+class RepeatProposer(Proposer):
+    """Drafts the request's last tokens again (the output's last token twice first): tokens the penalties count."""
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        return [[r.output_token_ids[-1], *r.output_token_ids[::-1]][:k] if r.output_token_ids else []
+                for r, k in zip(requests, num_tokens, strict=True)]
+
+
+@pytest.mark.parametrize("sabotage", [False, True], ids=["sound", "drafts_unseen"])
+def test_sampled_rows_judge_drafts_by_the_penalties_of_the_tokens_before_them(
+        ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch, sabotage: bool) -> None:
+    """Seeded sampled rows with drafts: the target logits the rejection sampler judges each verify position by are
+    the engine's raw logits adjusted for the known tokens and the drafts before that position (the rejection
+    sampler's own tests show it then samples that distribution). Not writing the drafts into the history fails."""
+    if sabotage:
+        drafts_unseen(monkeypatch)
+    path = ckpts.get()
+    llm = make_llm(path, enable_prefix_caching=True, **spec_kwargs("ngram"))
+    engine = llm.llm_engine
+    runner = engine.runner
+    adjust = runner._adjust_logits
+    seen: list[tuple[str, list[int], list[int], torch.Tensor, torch.Tensor]] = []
+
+    def capture(rows, verify, plain, logits, n_verify):  # type: ignore[no-untyped-def]
+        adjusted_v, adjusted = adjust(rows, verify, plain, logits, n_verify)
+        at = 0
+        for i in verify:
+            r, n = rows[i], rows[i].num_new_tokens
+            req = engine.requests[r.req_id]
+            known = req.prompt_token_ids + req.output_token_ids
+            assert r.start == len(known) - 1
+            if adjusted_v is not None and req.sampling_params.adjusts_logits and n > 1:
+                seen.append((r.req_id, known, list(r.token_ids[1:]), logits[at : at + n].clone(),
+                             adjusted_v[at : at + n].clone()))
+            at += n
+        return adjusted_v, adjusted
+
+    monkeypatch.setattr(runner, "_adjust_logits", capture)
+    engine.proposer = RepeatProposer()
+    mix = {rid: SamplingParams(temperature=0.8, seed=i, max_tokens=N_OUT, ignore_eos=True, frequency_penalty=1.2,
+                               presence_penalty=-0.5, repetition_penalty=1.3, logit_bias={5: 2.0})
+           for i, rid in enumerate(prompts())}
+    run(engine, mix)
+    assert len(seen) >= 20, "test design: verify rows of sampled requests"
+    bad = 0
+    for rid, known, drafts, raw, adjusted in seen:
+        prompt = prompts()[rid]
+        for j in range(len(drafts) + 1):
+            want = reference_adjust(raw[j], prompt, known[len(prompt):] + drafts[:j], mix[rid], set())
+            bad += not torch.allclose(adjusted[j].double(), want, rtol=1e-5, atol=1e-4)
+    assert (bad > 0) == sabotage, bad
 
 
 def test_sampling_params_validation() -> None:
