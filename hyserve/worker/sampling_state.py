@@ -6,7 +6,7 @@ its adjustments applied to its logits rows before the Sampler or the rejection s
 logprobs (vLLM's default ``raw_logprobs``).
 
 **Histories.** A request with penalties or bad words (``needs_history``) holds one row of ``history``: its token at
-every position, on the device. The prompt is written when the request is learned (``NewRequestData.
+every position (int32, ``max_model_len`` of them), on the device, and a row of ``prompt_mask`` (``V`` bools). The prompt is written when the request is learned (``NewRequestData.
 prompt_token_ids``: a prefix-cache hit never feeds those tokens), and every step writes each such row's input
 tokens as the forward read them (``record_inputs``), so tokens the host has not seen yet (async scheduling's
 ``PREVIOUS_SAMPLED``, drafts left on the device, the starts of rows behind rows in flight) are there without a
@@ -15,8 +15,8 @@ host round trip. The logits row of position ``p`` then sees tokens ``[0, p]``: t
 exactly what plain decoding would have generated before that token. Positions past the request's true length may
 hold rejected drafts or a discarded step's inputs: they are never read before a later step writes them again.
 
-**Cost**, only in steps with such rows: one scatter of their input ids; per adjusted logits row a ``V``-wide
-float32 copy, and with penalties a ``(rows, V)`` count matrix from a gather of the output so far (vLLM builds the
+**Cost**, only in steps with such rows: one scatter of their input ids; a float32 copy of the logits of the step's
+rows of that kind (plain or verify), and with penalties a ``(rows, V)`` count matrix from a gather of the output so far (vLLM builds the
 same each step); a greedy verify step with such rows runs the rejection sampler instead of the ``accept`` graph.
 """
 
@@ -47,7 +47,7 @@ class SamplingState:
         self.slot: dict[str, int] = {}  # a history row, for requests that need one
         self.prompt_len: dict[str, int] = {}
         self.free: list[int] = []
-        self.history = torch.zeros((0, max_model_len), dtype=torch.long, device=device)
+        self.history = torch.zeros((0, max_model_len), dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
         # Per request: bad words as (prefixes (W, M) right-aligned, which prefix columns are used, last tokens (W,)).
         self.bad_words: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -64,7 +64,7 @@ class SamplingState:
         self.slot[req_id] = slot
         self.prompt_len[req_id] = len(prompt_token_ids)
         ids = device_tensor(prompt_token_ids, self.device, torch.long)
-        self.history[slot, : len(prompt_token_ids)] = ids
+        self.history[slot, : len(prompt_token_ids)] = ids.to(torch.int32)
         self.prompt_mask[slot] = False
         self.prompt_mask[slot, ids] = True
         words = params.bad_words_token_ids
@@ -127,7 +127,7 @@ class SamplingState:
             return
         dest_t = self._with_verify_starts(np.concatenate(dest), np.concatenate(vrow), verify_starts)
         src_t = self._to_device(np.concatenate(src))
-        self.history.view(-1).index_copy_(0, dest_t, input_ids.index_select(0, src_t))
+        self.history.view(-1).index_copy_(0, dest_t, input_ids.index_select(0, src_t).to(torch.int32))
 
     def _with_verify_starts(self, host: np.ndarray, vrow: np.ndarray, verify_starts: torch.Tensor | None
                             ) -> torch.Tensor:
@@ -145,6 +145,8 @@ class SamplingState:
         the step's first rows, in order; other rows: one), or None when none of their requests adjusts."""
         if not any(r.req_id in self.params for r in rows):
             return None
+        if logits.shape[1] != self.vocab:
+            raise ValueError(f"logits have {logits.shape[1]} columns, the vocabulary {self.vocab}")
         req: list[str] = []
         pos: list[int] = []  # a plain row's last position; a verify row's offset from its start
         vrow: list[int] = []
@@ -201,7 +203,7 @@ class SamplingState:
             m = prefixes.shape[1]
             idx = positions.index_select(0, rows).unsqueeze(1) - m + 1 + torch.arange(m, device=dev)
             valid = idx >= plen.index_select(0, rows).unsqueeze(1)
-            tail = self.history[slots.index_select(0, rows).unsqueeze(1), idx.clamp(0, self.max_len - 1)]
+            tail = self.history[slots.index_select(0, rows).unsqueeze(1), idx.clamp(0, self.max_len - 1)].long()
             hits = bad_word_hits(tail, valid, prefixes, used)
             ban = torch.zeros((rows.numel(), self.vocab), dtype=torch.long, device=dev)
             ban.scatter_add_(1, last.unsqueeze(0).expand(rows.numel(), -1), hits.long())
@@ -214,7 +216,7 @@ class SamplingState:
         width = max(1, max(u + 1 - p for u, p in zip(upper, plen_host, strict=True)))
         idx = plen.unsqueeze(1) + torch.arange(width, device=dev)
         valid = idx <= positions.unsqueeze(1)
-        tokens = self.history[slots.unsqueeze(1), idx.clamp(max=self.max_len - 1)]
+        tokens = self.history[slots.unsqueeze(1), idx.clamp(max=self.max_len - 1)].long()
         tokens = torch.where(valid, tokens, self.vocab)
         counts = torch.zeros((len(req), self.vocab + 1), dtype=torch.float32, device=dev)
         counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))

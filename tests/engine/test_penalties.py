@@ -347,3 +347,26 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
     p = SamplingParams(bad_words=["hello", " big cat", "ab"]).with_bad_words_token_ids(lambda s: vocab[s])
     # " ab" is another number of tokens than "ab": vLLM keeps only the plain form.
     assert p.bad_words_token_ids == [[10], [11], [20, 21], [22, 21], [30, 31]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_mtp_with_graphs_and_async_scheduling(ckpts: CheckpointCache) -> None:
+    """On CUDA: MTP under async scheduling with captured graphs (rows behind rows in flight, whole verify steps on
+    the device, pinned copies) gives the eager engine's tokens, and both are the adjusted reference's."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    ref = ckpts.reference(path)
+    mix = {rid: dataclasses.replace(p, logprobs=None) for rid, p in request_mix(unadjusted(path)).items()}
+    kw: dict[str, object] = dict(device="cuda", max_num_batched_tokens=40, max_num_seqs=4, num_state_slots=6,
+                                 num_kv_blocks=128, enable_prefix_caching=True, **spec_kwargs("mtp"))
+    eager = make_llm(path, enforce_eager=True, **kw)
+    want = run(eager.llm_engine, mix)
+    graphed = make_llm(path, async_scheduling=True, **kw)
+    plant_drafts(graphed.llm_engine, want)
+    got = run(graphed.llm_engine, mix)
+    assert got == want
+    assert graphed.llm_engine.scheduler.num_rows_behind > 0
+    assert graphed.get_metrics()["hyserve:spec_decode_num_accepted_tokens"] > 0
+    eos = graphed.llm_engine.output_processor.eos_token_ids
+    for rid, prompt in prompts().items():
+        check_reference(ref, prompt, got[rid], mix[rid], eos)
+    graphed.llm_engine.assert_no_leaks()
