@@ -6,18 +6,20 @@ its adjustments applied to its logits rows before the Sampler or the rejection s
 logprobs (vLLM's default ``raw_logprobs``).
 
 **Histories.** A request with penalties or bad words (``needs_history``) holds one row of ``history``: its token at
-every position (int32, ``max_model_len`` of them), on the device, and a row of ``prompt_mask`` (``V`` bools). The prompt is written when the request is learned (``NewRequestData.
-prompt_token_ids``: a prefix-cache hit never feeds those tokens), and every step writes each such row's input
-tokens as the forward read them (``record_inputs``), so tokens the host has not seen yet (async scheduling's
-``PREVIOUS_SAMPLED``, drafts left on the device, the starts of rows behind rows in flight) are there without a
-host round trip. The logits row of position ``p`` then sees tokens ``[0, p]``: the output tokens are
-``[prompt_len, p]``. A verify row's position ``j`` thereby sees its accepted prefix and its drafts before ``j``,
-exactly what plain decoding would have generated before that token. Positions past the request's true length may
-hold rejected drafts or a discarded step's inputs: they are never read before a later step writes them again.
+every position (int32, ``max_model_len`` of them), on the device, and a row of ``prompt_mask`` (``V`` bools). The
+prompt is written when the request is learned (``NewRequestData.prompt_token_ids``: a prefix-cache hit never feeds
+those tokens), and every step writes each such row's input tokens as the forward read them (``record_inputs``), so
+tokens the host has not seen yet (async scheduling's ``PREVIOUS_SAMPLED``, drafts left on the device, the starts
+of rows behind rows in flight) are there without a host round trip. The logits row of position ``p`` then sees
+tokens ``[0, p]``: the output tokens are ``[prompt_len, p]``. A verify row's position ``j`` thereby sees its
+accepted prefix and its drafts before ``j``, exactly what plain decoding would have generated before that token.
+Positions past the request's true length may hold rejected drafts or a discarded step's inputs: they are never read
+before a later step writes them again.
 
 **Cost**, only in steps with such rows: one scatter of their input ids; a float32 copy of the logits of the step's
-rows of that kind (plain or verify), and with penalties a ``(rows, V)`` count matrix from a gather of the output so far (vLLM builds the
-same each step); a greedy verify step with such rows runs the rejection sampler instead of the ``accept`` graph.
+rows of that kind (plain or verify), and with penalties a ``(rows, V)`` count matrix from a gather of the output so
+far (vLLM builds the same each step); a greedy verify step with such rows runs the rejection sampler instead of the
+``accept`` graph.
 """
 
 from __future__ import annotations
