@@ -123,6 +123,25 @@ def test_every_field_matches_the_adjusted_reference(ckpts: CheckpointCache) -> N
     llm.llm_engine.assert_no_leaks()
 
 
+def test_bad_words_as_text_follow_the_reference(ckpts: CheckpointCache) -> None:
+    """``bad_words`` strings go through the tokenizer (as written and after a space) and then mask as their ids."""
+    path = ckpts.get()
+    llm = make_llm(path, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    prompt = prompts()["r2"]
+    base = unadjusted(path)["r2"]
+    words = [tok.decode(base[1:3]), tok.decode(base[4:5]).strip() or "x"]
+    p = greedy(bad_words=words)
+    resolved = engine.with_bad_words_token_ids(p)
+    assert resolved.bad_words_token_ids and len(resolved.bad_words_token_ids) >= len(words)
+    out = llm.generate([{"prompt_token_ids": prompt}], p)[0].outputs[0]
+    check_reference(ckpts.reference(path), prompt, out.token_ids, resolved, set(), out.logprobs)
+    assert out.token_ids != base
+    for word in resolved.bad_words_token_ids:
+        assert all(out.token_ids[i : i + len(word)] != word for i in range(len(out.token_ids)))
+
+
 def test_frequency_counting_the_prompt_is_caught(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch) -> None:
     path = ckpts.get()
     real = logits_processors.apply_penalties
