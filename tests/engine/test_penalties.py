@@ -272,6 +272,20 @@ def drafts_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SamplingState, "record_inputs", first_tokens_only)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2_ngram"])
+def test_parallel_ranks_give_the_plain_tokens(ckpts: CheckpointCache, layout: str) -> None:
+    """Every tensor-parallel rank adjusts alike; on a pipeline only the last stage does (worker processes, gloo)."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    want = plain_adjusted(path)
+    kw: dict[str, object] = {"tensor_parallel_size": 2} if layout == "tp2" else \
+        {"pipeline_parallel_size": 2, **spec_kwargs("ngram")}
+    llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=40, max_num_seqs=4, **kw)
+    try:
+        assert run(llm.llm_engine, request_mix(unadjusted(path))) == want
+    finally:
+        llm.shutdown()
+
+
 def test_verify_positions_not_seeing_their_drafts_is_caught(ckpts: CheckpointCache,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
