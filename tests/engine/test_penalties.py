@@ -3,7 +3,8 @@
 Outputs are checked against transformers' logits with the same adjustments written here independently (plain
 Python over the reference's teacher-forced logits: counts from the token history, bias, masks, vLLM's order), and
 the same requests run with MTP and n-gram speculation, prefix caching, staggered arrivals, preemption, async
-scheduling and CUDA graphs (emulated) must give exactly the plain engine's tokens. Sabotaged variants of the
+scheduling, CUDA graphs (emulated; real ones on a GPU), tensor and pipeline parallelism must give exactly the plain
+engine's tokens. Sabotaged variants of the
 implementation (frequency counting prompt tokens, verify positions not seeing the drafts before them, the bias after
 the penalties) fail these checks.
 """
