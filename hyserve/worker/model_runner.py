@@ -391,7 +391,8 @@ class ModelRunner:
             self.sampling_state.remove_request(rid)
         for new in so.new_requests:
             self.requests[new.req_id] = new.sampling_params
-            self.sampling_state.add_request(new.req_id, new.sampling_params, new.prompt_token_ids)
+            if self.is_last_stage:  # the stage that samples
+                self.sampling_state.add_request(new.req_id, new.sampling_params, new.prompt_token_ids)
             if new.mm is not None:
                 self.mm.prompts[new.req_id] = new.mm
         rows = so.rows
