@@ -39,7 +39,7 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One completion of a request (hyserve supports ``n == 1``, so ``index`` is 0)."""
+    """One completion of a request: ``index`` is its place among the request's ``n`` completions (0 to n - 1)."""
 
     index: int
     text: str
@@ -85,15 +85,21 @@ class RequestOutput:
 
 
 def merge_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive DELTA outputs of one request as one: texts, token ids and logprobs concatenated, the rest
+    """Two consecutive DELTA outputs of one request as one: texts, token ids and logprobs of each completion (by
+    ``index``: with ``n`` > 1 each output holds the completions that had something new) concatenated, the rest
     (finish state, cumulative logprob, metrics) from ``later``. A consumer that falls behind merges what it missed
     instead of dropping it, so the deltas it reads still add up to the whole completion."""
-    outputs = []
-    for a, b in zip(earlier.outputs, later.outputs, strict=True):
+    merged = {c.index: c for c in earlier.outputs}
+    for b in later.outputs:
+        a = merged.get(b.index)
+        if a is None:
+            merged[b.index] = b
+            continue
         logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-        outputs.append(CompletionOutput(index=b.index, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                                        cumulative_logprob=b.cumulative_logprob, logprobs=logprobs,
-                                        finish_reason=b.finish_reason, stop_reason=b.stop_reason))
+        merged[b.index] = CompletionOutput(index=b.index, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                                           cumulative_logprob=b.cumulative_logprob, logprobs=logprobs,
+                                           finish_reason=b.finish_reason, stop_reason=b.stop_reason)
     return RequestOutput(request_id=later.request_id, prompt=later.prompt, prompt_token_ids=later.prompt_token_ids,
-                         outputs=outputs, finished=later.finished, metrics=later.metrics,
-                         prompt_logprobs=later.prompt_logprobs, num_cached_tokens=later.num_cached_tokens)
+                         outputs=[merged[i] for i in sorted(merged)], finished=later.finished, metrics=later.metrics,
+                         prompt_logprobs=earlier.prompt_logprobs if later.prompt_logprobs is None
+                         else later.prompt_logprobs, num_cached_tokens=later.num_cached_tokens)

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, suppress
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -149,10 +149,14 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def final_output(outputs: AsyncGenerator[RequestOutput, None], request: Request) -> RequestOutput | None:
-    """The finished output, or None if the client disconnected first (then the request is aborted)."""
+T = TypeVar("T")
 
-    async def consume() -> RequestOutput | None:
+
+async def final_output(outputs: AsyncGenerator[T, None], request: Request) -> T | None:
+    """The finished output (the last one), or None if the client disconnected first (then the request is
+    aborted)."""
+
+    async def consume() -> T | None:
         last = None
         async with aclosing(outputs):
             async for out in outputs:

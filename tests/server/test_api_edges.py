@@ -119,8 +119,8 @@ EDGE_BODIES: list[tuple[str, dict[str, Any]]] = [
     *[("completions", {"prompt": "hi", **kw}) for kw in (
         {"seed": 0}, {"seed": MAX_SEED}, {"seed": -1}, {"seed": 2**63}, {"seed": 2**64},
         {"max_tokens": 0}, {"temperature": 0}, {"temperature": -0.5}, {"top_p": 1}, {"top_p": 0}, {"top_p": 1.5},
-        {"top_k": -1}, {"top_k": -2}, {"min_p": 1}, {"min_p": 2}, {"n": 1}, {"n": 2}, {"best_of": 1},
-        {"best_of": 3}, {"frequency_penalty": 0}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.0},
+        {"top_k": -1}, {"top_k": -2}, {"min_p": 1}, {"min_p": 2}, {"n": 1}, {"n": 2}, {"n": 0}, {"best_of": 1},
+        {"best_of": 0}, {"best_of": 2, "n": 2}, {"frequency_penalty": 0}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.0},
         {"repetition_penalty": 1.2}, {"logit_bias": {}}, {"logit_bias": {"5": 1.0}}, {"logprobs": 20},
         {"logprobs": 21}, {"min_tokens": -1}, {"echo": False}, {"echo": True}, {"suffix": ""}, {"suffix": "x"},
         {"stop": ["x"]}, {"stop": [""]}, {"stop_token_ids": [1]}, {"stop_token_ids": [-1]},

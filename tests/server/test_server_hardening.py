@@ -127,7 +127,7 @@ def test_no_api_key_means_open(aengine: AsyncEngine) -> None:
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("completions", {"guided_json": {"type": "object"}}, "guided_json", "not supported"),
     ("completions", {"structured_outputs": {"json": {}}}, "structured_outputs", "not supported"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
     ("completions", {"made_up_field": 1}, "made_up_field", "not supported"),
     ("completions", {"tool_choice": "none"}, "tool_choice", "not supported"),  # chat only
     ("chat", {"guided_regex": "a+"}, "guided_regex", "not supported"),
