@@ -37,9 +37,10 @@ SSE_SCHEMA = {"text/event-stream": {"schema": {"type": "string", "description": 
 
 
 def usage(out: RequestOutput, n_out: int | None = None) -> UsageInfo:
-    """Token counts of a finished request; a stream of DELTA outputs passes the ``n_out`` it counted."""
+    """Token counts of a finished request (every completion's, with ``n`` > 1); a stream of DELTA outputs passes
+    the ``n_out`` it counted."""
     n_prompt = len(out.prompt_token_ids)
-    n_out = len(out.outputs[0].token_ids) if n_out is None else n_out
+    n_out = sum(len(c.token_ids) for c in out.outputs) if n_out is None else n_out
     return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens or 0))
 
@@ -64,7 +65,7 @@ class StreamUsage:
     def add(self, out: RequestOutput) -> None:
         """Count a DELTA output's new tokens (and its prompt, as the engine counts it)."""
         self.prompt_tokens = len(out.prompt_token_ids)
-        self.completion_tokens += len(out.outputs[0].token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.cached_tokens = out.num_cached_tokens or 0
 
     def total(self) -> UsageInfo:
