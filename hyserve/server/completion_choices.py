@@ -86,9 +86,12 @@ def prompt_logprobs_part(prompt_ids: list[int], prompt_logprobs: PromptLogprobs,
         token = _token_text(tid, own.decoded_token if own is not None else decode(tid), as_ids)
         res.tokens.append(token)
         res.token_logprobs.append(own.logprob if own is not None else None)
-        res.top_logprobs.append(None if entry is None else {
-            _token_text(t, lp.decoded_token, as_ids): lp.logprob
-            for t, lp in sorted(entry.items(), key=lambda x: -x[1].logprob)})
+        top: dict[str, float] | None = None
+        if entry is not None:
+            top = {}
+            for t, lp in sorted(entry.items(), key=lambda x: -x[1].logprob):
+                top.setdefault(_token_text(t, lp.decoded_token, as_ids), lp.logprob)  # two ids may read alike
+        res.top_logprobs.append(top)
         res.text_offset.append(offset)
         offset += len(token)
     return res, offset
@@ -104,10 +107,11 @@ class Echo:
 
 
 def make_echo(body: CompletionRequest, out: RequestOutput, prompt_text: str | None,
-              decode: Callable[[int], str | None]) -> Echo | None:
+              decode: Callable[[int], str | None], decode_all: Callable[[list[int]], str]) -> Echo | None:
+    """The echo of ``out``'s prompt (a prompt given as token ids is echoed as their text)."""
     if not body.echo:
         return None
-    echo = Echo(prompt_text if prompt_text is not None else "")
+    echo = Echo(prompt_text if prompt_text is not None else decode_all(out.prompt_token_ids))
     if body.logprobs is not None and out.prompt_logprobs is not None:
         echo.logprobs, echo.offset = prompt_logprobs_part(out.prompt_token_ids, out.prompt_logprobs, decode,
                                                           body.return_tokens_as_token_ids)

@@ -4,7 +4,7 @@ streamed; ``echo`` and ``prompt_logprobs`` (``hyserve.server.completion_choices`
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,7 +93,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     choices: list[CompletionChoice] = []
     n_out = 0
     for k, final in enumerate(finals):
-        echo = make_echo(body, final, prompts[k].text, _decoder(ctx))
+        echo = make_echo(body, final, prompts[k].text, *_decoders(ctx))
         for c in final.outputs:
             piece = choice_piece(body, c, 0, echo)
             n_out += piece.counted
@@ -113,9 +113,17 @@ async def create_completion(body: CompletionRequest, raw_request: Request, ctx: 
     return JSONResponse(resp.model_dump())
 
 
-def _decoder(ctx: ServerContext) -> Any:
+def _decoders(ctx: ServerContext) -> tuple[Callable[[int], str | None], Callable[[list[int]], str]]:
+    """One token's text (None without a tokenizer), and a prompt's (empty without one)."""
     tok = ctx.engine.tokenizer
-    return lambda tid: None if tok is None else tok.decode([tid], skip_special_tokens=False)
+
+    def one(tid: int) -> str | None:
+        return None if tok is None else tok.decode([tid], skip_special_tokens=False)
+
+    def whole(ids: list[int]) -> str:
+        return "" if tok is None else tok.decode(ids, skip_special_tokens=False)
+
+    return one, whole
 
 
 @dataclass(slots=True)
@@ -140,13 +148,16 @@ async def _stream_completion(streams: list[AsyncGenerator[RequestOutput, None]],
     model_name = ctx.model_name
     created = CompletionResponse(id=request_id, model=model_name, choices=[]).created
     states = [_PromptState() for _ in prompts]
-    decode = _decoder(ctx)
+    decoders = _decoders(ctx)
     try:
         async with aclosing(merge_outputs(streams)) as merged:
             async for k, out in merged:  # DELTA outputs: only what is new (stop-string holdback included)
                 st = states[k]
-                if st.echo is None:
-                    st.echo = make_echo(body, out, prompts[k].text, decode)
+                if body.echo and st.echo is None:
+                    # The prompt's logprobs come with its first sampled token (the whole prompt computed).
+                    if body.logprobs is not None and out.prompt_logprobs is None and not out.finished:
+                        continue
+                    st.echo = make_echo(body, out, prompts[k].text, *decoders)
                 stream_usage.cached_tokens = out.num_cached_tokens or 0
                 for c in out.outputs:
                     cs = st.choices.setdefault(c.index, _ChoiceState())
