@@ -10,7 +10,10 @@ Invariants:
   abort or error.
 - ``logprobs``, when requested, has one dict per entry of ``token_ids``; each dict maps token id -> ``Logprob``
   and contains the sampled token plus the requested top-N.
-- ``RequestOutput.finished`` is true iff every one of its ``outputs`` has finished.
+- ``RequestOutput.finished`` is true iff every one of the request's ``n`` completions has finished; ``outputs`` holds
+  them by ``index`` (a DELTA output with ``n`` > 1: those with something new).
+- ``RequestOutput.prompt_logprobs`` (``SamplingParams.prompt_logprobs``) has one entry per prompt token, the first
+  ``None``; a DELTA output carries it once.
 - ``Logprob.rank`` is the 1-based rank of the token in the whole vocabulary under the distribution its logprob is
   reported from: 1 + the number of tokens with a strictly larger logprob (so ties share a rank).
 - ``RequestOutput.metrics`` holds the request's timestamps (``time.time()`` seconds, vLLM's ``RequestMetrics``);

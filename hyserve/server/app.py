@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/version`` and ``/metrics``, in front of an ``AsyncEngine``.
+"""The OpenAI-compatible HTTP server: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``,
+``/detokenize``, ``/health``, ``/version`` and ``/metrics``, in front of an ``AsyncEngine``.
 
 ``build_app`` assembles it: the routes (``hyserve.server.routes``: one router per API) reach what they share through
 ``app.state.context`` (``hyserve.server.context.ServerContext``); the error answers are ``hyserve.server.errors``'s,
