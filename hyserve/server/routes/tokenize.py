@@ -24,6 +24,8 @@ from hyserve.server.protocol import APIError, ChatCompletionRequest, MessagesFie
 from hyserve.server.routes.chat import render_chat
 
 router = APIRouter()
+# Outside /v1/ (no API key, as vLLM's) and never waiting on the engine (no 503).
+_RESPONSES = {status: answer for status, answer in ERROR_RESPONSES.items() if status not in (401, 503)}
 
 
 class _Strict(BaseModel):
@@ -68,7 +70,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_RESPONSES)
 async def tokenize(body: TokenizeRequest, ctx: Context) -> JSONResponse:
     ctx.check_model(body.model)
     tok = ctx.engine.tokenizer
@@ -92,7 +94,7 @@ async def tokenize(body: TokenizeRequest, ctx: Context) -> JSONResponse:
     return JSONResponse(resp.model_dump(exclude_none=True))
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_RESPONSES)
 async def detokenize(body: DetokenizeRequest, ctx: Context) -> JSONResponse:
     ctx.check_model(body.model)
     tok = ctx.engine.tokenizer
