@@ -20,6 +20,14 @@ Invariants (established by ``__post_init__``; every constructor path, including 
   draws. Beyond it, seeds would alias others (the sampler's per-token seeds are computed modulo 2**64, and a CPU
   generator keeps only the low 32 bits of them, which makes ``s`` and ``s + 2**63`` draw alike), and a negative
   seed such as -1 (a "random seed" to some clients) would be one more fixed seed; both are refused.
+- Penalties (vLLM's ranges): ``presence_penalty`` and ``frequency_penalty`` are floats in [-2, 2] (0 = off),
+  ``repetition_penalty`` a float > 0 (1 = off).
+- ``logit_bias`` is ``None`` or a fresh dict token id (int >= 0) -> bias, each bias clamped to [-100, 100] (as
+  vLLM does for the OpenAI API; string keys such as JSON's ``"42"`` are read as ints); an empty dict is ``None``.
+- ``allowed_token_ids`` is ``None`` or a non-empty list of ints >= 0; ``bad_words`` is ``None`` or a list of
+  non-empty strings; ``bad_words_token_ids`` is what the engine makes of ``bad_words`` with the model's tokenizer
+  (``with_bad_words_token_ids``): per word, its ids without and with a leading space (vLLM's rule), each a
+  non-empty list of ints >= 0. Whether ids are inside the vocabulary is the engine's check (it knows the model).
 - ``output_kind`` is a ``RequestOutputKind`` (vLLM's): CUMULATIVE (the default) outputs hold everything generated so
   far, DELTA outputs only what is new since the request's previous output, FINAL_ONLY gives one cumulative output
   when the request finishes.
@@ -35,6 +43,7 @@ import dataclasses
 import enum
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +92,19 @@ def _as_float(name: str, value: Any) -> float:
     return out
 
 
+def _token_id(name: str, value: Any) -> int:
+    """A token id >= 0; a string of digits (a JSON object key) is read as one."""
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"{name} keys must be token ids (integers), got {value!r}") from None
+    token = _as_int(f"{name} token id", value)
+    if token < 0:
+        raise ValueError(f"{name} token ids must be >= 0, got {token}")
+    return token
+
+
 def _as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise _wrong_type(name, "a bool", value)
@@ -111,6 +133,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     # What the output must match (a JSON schema, regex, choice, grammar, any JSON object); a dict of its fields is
     # accepted too. Applied as an allowed-token mask at every sampled position (hyserve.structured_output).
     structured_outputs: StructuredOutputsParams | None = None
@@ -168,6 +197,8 @@ class SamplingParams:
             if self.prompt_logprobs < 0:
                 raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
 
+        self._check_logits_processing()
+
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
@@ -179,6 +210,78 @@ class SamplingParams:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
+
+    def _check_logits_processing(self) -> None:
+        """Penalties, logit_bias, allowed_token_ids and bad words (vLLM's ranges and messages)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _wrong_type("logit_bias", "a dict of token id -> bias", self.logit_bias)
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                token = _token_id("logit_bias", key)
+                bias[token] = min(100.0, max(-100.0, _as_float(f"logit_bias[{key!r}]", value)))
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)):
+                raise _wrong_type("allowed_token_ids", "a list of ints", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (null allows every token)")
+            self.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            items = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(items, (list, tuple)) or not all(isinstance(w, str) and w for w in items):
+                raise _wrong_type("bad_words", "a list of non-empty strings", self.bad_words)
+            self.bad_words = list(items)
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, (list, tuple)) and w for w in words):
+                raise _wrong_type("bad_words_token_ids", "a list of non-empty lists of ints", words)
+            self.bad_words_token_ids = [[_token_id("bad_words_token_ids", t) for t in w] for w in words]
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens so far: penalties or bad words."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.bad_words_token_ids))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling: penalties, logit_bias, allowed_token_ids, bad words."""
+        return self.needs_history or self.logit_bias is not None or self.allowed_token_ids is not None
+
+    def out_of_vocab(self, vocab_size: int) -> str | None:
+        """A message naming the field whose token ids reach outside ``[0, vocab_size)``, or None."""
+        fields = (("logit_bias", list(self.logit_bias or ())), ("allowed_token_ids", self.allowed_token_ids or []),
+                  ("bad_words", [t for w in self.bad_words_token_ids or [] for t in w]))
+        for name, ids in fields:
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                return f"{name} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        return None
+
+    def with_bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """A copy with ``bad_words_token_ids`` from ``bad_words`` (``encode``: text -> ids without special tokens),
+        vLLM's rule: each word (leading spaces stripped) as it is and after a space; the spaced form only where it
+        is as many tokens as the plain one and starts with another token (a separate word token)."""
+        if not self.bad_words:
+            return self
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            if plain:
+                out.append(plain)
+            spaced = encode(" " + word.lstrip())
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return dataclasses.replace(self, bad_words_token_ids=out or None)
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:

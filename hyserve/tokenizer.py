@@ -123,7 +123,7 @@ def load_generation_config(model_dir: str) -> dict[str, Any]:
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # Keys SamplingParams has no field for: a non-neutral value is reported, never silently dropped.
-UNSUPPORTED_GENERATION_KEYS = {"repetition_penalty": 1.0}
+UNSUPPORTED_GENERATION_KEYS: dict[str, float] = {}
 
 
 def generation_defaults(model_dir: str, generation_config: str = "auto") -> tuple[dict[str, Any], str | None]:

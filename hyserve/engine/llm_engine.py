@@ -390,6 +390,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
         self.check_sampling_params(params)
+        params = self.with_bad_words_token_ids(params)
         if request_id in self.requests or request_id in self.parents.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > 1:
@@ -440,6 +441,18 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary [0, {vocab}) (vocabulary size "
                              f"{vocab}): {bad[:5]}")
+        message = self.with_bad_words_token_ids(params).out_of_vocab(vocab)
+        if message is not None:
+            raise ValueError(message)
+
+    def with_bad_words_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its bad words tokenized by the model's tokenizer (vLLM's rule, see SamplingParams)."""
+        if not params.bad_words:
+            return params
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer, and this checkpoint has none")
+        return params.with_bad_words_token_ids(lambda text: tokenizer.encode(text, add_special_tokens=False))
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

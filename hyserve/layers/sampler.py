@@ -2,6 +2,8 @@
 
 Pipeline for one row (all rows of a kind are processed together, with per-row parameters as tensors):
 
+0. **Adjustments** (``adjusted``, made by the caller): allowed_token_ids, bad words, logit_bias, penalties, in
+   vLLM's order (``hyserve.layers.logits_processors``); the raw logits stay the ones errors and logprobs read.
 1. **Bans.** ``banned_token_ids`` are set to -inf before anything else, for greedy rows too.
 2. **Errors.** A row whose raw logits contain NaN or +inf, or that has no finite entry left after the bans, is
    an error row (docs/design.md invariant 8): it is reported in ``error_rows``, its token is -1, and nothing is
@@ -110,12 +112,18 @@ class Sampler:
         # Re-seeded for every seeded row: after manual_seed its stream depends on the seed alone.
         self._row_generator = torch.Generator(device=self.device)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).result()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], adjusted: torch.Tensor | None = None
+                 ) -> SamplerOutput:
+        return self.sample(logits, rows, adjusted).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], adjusted: torch.Tensor | None = None
+               ) -> PendingSample:
         """Enqueue the whole sampling of ``rows`` on the device, and the copies of its results to the host; the
-        host reads them with ``result()`` (which waits for those copies only, not for later work on the device)."""
+        host reads them with ``result()`` (which waits for those copies only, not for later work on the device).
+
+        ``adjusted`` (float32, the shape of ``logits``): the logits after penalties, bias and masks
+        (``hyserve.layers.logits_processors``), which the tokens are drawn from; errors and logprobs still read
+        the raw ``logits`` (vLLM's ``raw_logprobs``)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must have shape (len(rows)={len(rows)}, V), got {tuple(logits.shape)}")
         num_rows = logits.shape[0]
@@ -123,7 +131,7 @@ class Sampler:
             return PendingSample(rows, torch.zeros(0, dtype=torch.long, device=self.device), {}, None, [], [])
         logits = logits.to(device=self.device, dtype=torch.float32)
 
-        masked = self._apply_bans(logits, rows)
+        masked = self._apply_bans(logits if adjusted is None else adjusted, rows)
         # One pass gives both the greedy tokens (first maximum = lowest id) and the per-row maximum. max()
         # propagates NaN, so a non-finite maximum flags NaN, +inf and "nothing left" alike.
         best_val, tokens = masked.max(dim=1)

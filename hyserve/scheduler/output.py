@@ -44,6 +44,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     # A prompt with images: their pixels and spans, and its M-RoPE positions (hyserve.multimodal.inputs).
     mm: MultimodalPrompt | None = None
+    # The prompt's token ids, for requests whose sampling reads them (repetition penalty, bad words: the worker
+    # keeps the request's tokens on the device; a prefix-cache hit never feeds the prompt's cached part).
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

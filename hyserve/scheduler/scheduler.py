@@ -374,7 +374,8 @@ class Scheduler:
         row.block_table = list(req.block_table)  # the step's own copy: the request's table changes after it
         if req.request_id not in self._known_to_worker:
             self._known_to_worker.add(req.request_id)
-            out.new_requests.append(NewRequestData(req.request_id, req.sampling_params, req.mm))
+            prompt = list(req.prompt_token_ids) if req.sampling_params.needs_history else None
+            out.new_requests.append(NewRequestData(req.request_id, req.sampling_params, req.mm, prompt))
         pc = self.prefix_cache
         if pc is not None:
             # Snapshot entries are reserved now and filled by the worker right after this step's forward. A chunk

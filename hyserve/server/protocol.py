@@ -3,16 +3,18 @@
 Requests are validated strictly (``"max_tokens": "16"`` or ``"temperature": true`` are 400s, not coerced); fields that
 accept several shapes (``prompt``, ``messages``, ``stop``) are checked by hand so that the error names the field and
 says what is accepted (their OpenAPI schema still spells the shapes out). Besides OpenAI's fields the requests take
-vLLM's extra sampling fields (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ...), which the
+vLLM's extra sampling fields (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+``repetition_penalty``, ``bad_words``, ``allowed_token_ids``, ...), which the
 ``openai`` client sends through ``extra_body``.
 
 Nothing is accepted and silently ignored. A field this server does not implement is a 400 naming it, unless it is
 set to its no-op value: an unknown field (``guided_decoding_backend``,
-``reasoning_effort``, ...) is accepted only as ``null``; declared but unimplemented ones (``frequency_penalty``,
-``logit_bias``, ...) only at their neutral value. Structured output (``response_format``, ``structured_outputs``,
-``guided_*``) is read by ``hyserve.server.structured``.
+``reasoning_effort``, ...) is accepted only as ``null``; declared but unimplemented ones only at their neutral
+value. Structured output (``response_format``, ``structured_outputs``, ``guided_*``) is read by
+``hyserve.server.structured``.
 Tools (``hyserve.server.tools``): ``tools`` reach the chat template; ``tool_choice`` (``"auto"`` when absent with
-tools) says whether the answer's calls are parsed (with the server's ``--tool-call-parser``), and without tools is a
+tools) says whether the answer's calls are parsed (with the server's ``--tool-call-parser``) or, for ``"required"``
+and a named function, constrained by the grammar engine (``hyserve.server.tool_choice``), and without tools is a
 400. An assistant message's ``tool_calls`` (arguments as a JSON string, as OpenAI sends them, are parsed
 to objects as chat templates expect), a tool message's ``tool_call_id`` and ``name`` reach the template. Text with
 lone UTF-16 surrogates (JSON ``"\\ud800"``) is a 400 naming the field; the stop list is bounded
@@ -244,11 +246,15 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
     n: Annotated[int, _schema(False, type="integer", minimum=1, maximum=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted at their neutral values only (anything else is a 400 naming the field).
-    frequency_penalty: Annotated[float | None, _schema(const=0)] = None
-    presence_penalty: Annotated[float | None, _schema(const=0)] = None
-    repetition_penalty: Annotated[float | None, _schema(const=1)] = None
-    logit_bias: Annotated[dict[str, float] | None, _schema(type="object", maxProperties=0)] = None
+    # Penalties and logit masks (vLLM's ranges; token ids outside the vocabulary are the engine's 400).
+    frequency_penalty: Annotated[float | None, _schema(type="number", minimum=-2, maximum=2)] = None
+    presence_penalty: Annotated[float | None, _schema(type="number", minimum=-2, maximum=2)] = None
+    repetition_penalty: Annotated[float | None, _schema(type="number", exclusiveMinimum=0)] = None
+    logit_bias: Annotated[dict[str, float] | None, _schema(type="object", additionalProperties={"type": "number"},
+                                                           propertyNames={"pattern": "^[0-9]+$"})] = None
+    allowed_token_ids: Annotated[list[int] | None, _schema(type="array", minItems=1,
+                                                           items={"type": "integer", "minimum": 0})] = None
+    bad_words: Annotated[list[str] | None, _schema(type="array", items={"type": "string", "minLength": 1})] = None
     best_of: Annotated[int | None, _schema(type="integer", minimum=1, maximum=MAX_N)] = None
     user: str | None = None
     # vLLM's extras for clients that work in token ids: the output (and prompt) token ids in every choice, and
@@ -257,12 +263,6 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
     return_tokens_as_token_ids: bool = False
 
     def _check_unsupported(self) -> None:
-        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise APIError(f"{name} is not supported yet (got {value}; only {neutral} is accepted)", param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported yet", param="logit_bias")
         if not 1 <= self.n <= MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}] (got {self.n})", param="n")
         if self.best_of is not None and self.best_of != self.n:
@@ -297,7 +297,8 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
 
     # Sampling fields a checkpoint's generation_config.json may default (``LLMEngine.default_sampling_params``)
     # and the value used when neither the request nor the checkpoint sets one (vLLM's defaults).
-    _DEFAULTABLE: ClassVar[dict[str, Any]] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    _DEFAULTABLE: ClassVar[dict[str, Any]] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                              "repetition_penalty": 1.0}
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, names: dict[str, str],
                          defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -315,6 +316,11 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
         try:
             kwargs["structured_outputs"] = self.structured_outputs_params()

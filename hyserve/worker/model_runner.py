@@ -65,6 +65,7 @@ from hyserve.worker.memory import (
 from hyserve.worker.mm_inputs import MMInputs
 from hyserve.worker.pipeline_stage import StageCommits, StageIO
 from hyserve.worker.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
+from hyserve.worker.sampling_state import SamplingState
 from hyserve.worker.spec_decode.mtp_drafter import MTPDrafter
 from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
 from hyserve.worker.spec_decode.rejection_sampler import SpecRow
@@ -128,6 +129,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed=config.seed)
         # Sampling parameters of the requests this worker has been sent (SchedulerOutput.new_requests).
         self.requests: dict[str, SamplingParams] = {}
+        # Penalties, logit_bias, allowed_token_ids, bad words: histories and adjustments on the device.
+        self.sampling_state = SamplingState(device, model_config.vocab_size, 0)  # sized by initialize_cache
         # Image input: each request's images and M-RoPE positions, and the encoder cache.
         self.mm = MMInputs(getattr(self.model, "visual", None), device, dtype, self.max_num_batched_tokens)
         # The rooms over the caches and the step buffers (initialize_cache).
@@ -175,6 +178,7 @@ class ModelRunner:
         self.layout = layout
         self.max_num_seqs = layout.max_num_seqs
         self.max_model_len = max_model_len
+        self.sampling_state = SamplingState(self.device, self.model_config.vocab_size, max_model_len)
         k = self.num_speculative_tokens
         self.state_pool = StatePool(self.cache_specs.recurrent, layout.num_state_slots, self.device,
                                     num_snapshots=layout.num_snapshots)
@@ -387,8 +391,11 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.mm.prompts.pop(rid, None)
+            self.sampling_state.remove_request(rid)
         for new in so.new_requests:
             self.requests[new.req_id] = new.sampling_params
+            if self.is_last_stage:  # the stage that samples
+                self.sampling_state.add_request(new.req_id, new.sampling_params, new.prompt_token_ids)
             if new.mm is not None:
                 self.mm.prompts[new.req_id] = new.mm
         rows = so.rows
@@ -411,7 +418,8 @@ class ModelRunner:
         logits = self._forward_spec(rows) if self.num_speculative_tokens else self._forward(rows, len(plain))
         n_verify = sum(rows[i].num_new_tokens for i in verify)
         out.prompt_logprobs, self.step_prompt_logprobs = self.step_prompt_logprobs, {}
-        samp = self.sampler.sample(logits[n_verify:], sampling_rows) if plain else None
+        adjusted_v, adjusted = self._adjust_logits(rows, verify, plain, logits, n_verify)
+        samp = self.sampler.sample(logits[n_verify:], sampling_rows, adjusted=adjusted) if plain else None
         if samp is not None:
             self.input_batch.remember_samples(rows, plain, samp.tokens)
         if verifier is None:
@@ -422,9 +430,9 @@ class ModelRunner:
         if chain is not None:
             assert self.last_hidden is not None
             return verifier.verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], self.last_hidden, out,
-                                                       *chain)
+                                                       *chain, adjusted=adjusted_v)
         if verify:
-            pending = verifier.accept(logits[:n_verify], spec_rows)
+            pending = verifier.accept(logits[:n_verify], spec_rows, adjusted=adjusted_v)
             take_verified(out, verify, pending.result())
             self.state_ops.commit_verified([out.num_accepted[i] for i in verify])
         self.state_ops.save_snapshots(rows, out.num_accepted)
@@ -437,6 +445,20 @@ class ModelRunner:
                                                                  None if on_host else verifier.draft_slots)
             verifier.keep_drafts(rows, out.next_draft_token_ids)
         return StepResult(out)
+
+    def _adjust_logits(self, rows: list[ScheduledRow], verify: list[int], plain: list[int], logits: torch.Tensor,
+                       n_verify: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's inputs into the request histories, then the adjusted logits of its verify rows and of its
+        plain rows (None where no row adjusts): ``SamplingState``."""
+        state = self.sampling_state
+        if not state.params:
+            return None, None
+        batch = self.input_batch
+        starts = batch.dev_bufs["verify_starts"]
+        state.record_inputs(rows, batch.dev_bufs["input_ids"], batch.np_bufs["query_start_loc"], starts)
+        adjusted_v = state.adjust(logits[:n_verify], [rows[i] for i in verify], starts) if verify else None
+        adjusted = state.adjust(logits[n_verify:], [rows[i] for i in plain]) if plain else None
+        return adjusted_v, adjusted
 
     def _execute_stage(self, so: SchedulerOutput, out: RunnerOutput) -> StepResult:
         """Step ``so`` on a pipeline stage before the last: the verify commits that arrived with it (of earlier

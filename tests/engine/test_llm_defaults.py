@@ -44,7 +44,7 @@ def test_auto_applies_the_checkpoint_file(ckpts: CheckpointCache, tmp_path: obje
         "repetition_penalty": 1.0})
     with caplog.at_level(logging.INFO, logger="hyserve"):
         llm = LLM(model=path, device="cpu", **POOLS)
-    want = {"temperature": 0.0, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_tokens": 5}
+    want = {"temperature": 0.0, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_tokens": 5, "repetition_penalty": 1.0}
     assert llm.llm_engine.default_sampling_params == want
     assert any("default sampling parameters from" in r.getMessage() and "'max_tokens': 5" in r.getMessage()
                for r in caplog.records)
@@ -72,14 +72,11 @@ def test_vllm_ignores_the_file_and_a_directory_replaces_it(ckpts: CheckpointCach
         LLM(model=path, device="cpu", generation_config=str(tmp_path), **POOLS)
 
 
-def test_unsupported_repetition_penalty_is_reported_not_dropped_silently(
-        ckpts: CheckpointCache, tmp_path: object, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_file_s_repetition_penalty_is_applied(ckpts: CheckpointCache, tmp_path: object) -> None:
     path = _with_generation_config(ckpts.get(), os.path.join(str(tmp_path), "m"), {"repetition_penalty": 1.3})
-    with caplog.at_level(logging.INFO, logger="hyserve"):
-        llm = LLM(model=path, device="cpu", **POOLS)
-    assert "repetition_penalty" not in llm.llm_engine.default_sampling_params
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "repetition_penalty=1.3" in r.getMessage()]
-    assert warned and "NOT applied" in warned[0].getMessage()
+    llm = LLM(model=path, device="cpu", **POOLS)
+    assert llm.llm_engine.default_sampling_params == {"repetition_penalty": 1.3}
+    assert llm.get_default_sampling_params().repetition_penalty == 1.3
 
 
 def test_bad_value_in_the_file_fails_at_startup(ckpts: CheckpointCache, tmp_path: object) -> None:

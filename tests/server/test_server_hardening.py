@@ -125,26 +125,29 @@ def test_no_api_key_means_open(aengine: AsyncEngine) -> None:
 
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
-    ("completions", {"guided_json": {"type": "object"}}, "guided_json", "not supported"),
-    ("completions", {"structured_outputs": {"json": {}}}, "structured_outputs", "not supported"),
+    ("completions", {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "not supported"),
+    ("completions", {"structured_outputs": {"json": {}, "structural_tag": "x"}}, "structured_outputs.structural_tag",
+     "not supported"),
     ("completions", {"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
     ("completions", {"made_up_field": 1}, "made_up_field", "not supported"),
     ("completions", {"tool_choice": "none"}, "tool_choice", "not supported"),  # chat only
-    ("chat", {"guided_regex": "a+"}, "guided_regex", "not supported"),
+    ("chat", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
     ("chat", {"prompt_logprobs": 0}, "prompt_logprobs", "not supported"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "tool-call parser"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice",
      "tool-call parser"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-     "tool_choice", "structured output"),
+    # "required" and a named function constrain the answer: another constraint beside them is refused, naming both.
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "response_format", "tool_choice 'required'"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
-              "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "structured output"),
+              "tool_choice": {"type": "function", "function": {"name": "f"}}, "guided_regex": "a+"}, "guided_regex",
+     "tool_choice a named function"),
     ("chat", {"tool_choice": "required"}, "tool_choice", "no tools"),
     ("chat", {"tool_choice": "none"}, "tool_choice", "no tools"),  # OpenAI's answer too
     ("chat", {"tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
     ("chat", {"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools[0]", "function"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ("chat", {"response_format": {"type": "structural_tag"}}, "response_format.type", "not supported"),
     ("chat", {"messages": [{"role": "user", "content": "hi", "audio": {"id": "x"}}]}, "messages[0].audio",
      "not supported"),
     ("chat", {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages[0].tool_calls",

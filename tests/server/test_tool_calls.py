@@ -295,8 +295,11 @@ def test_tool_choice_rules() -> None:
         refused(on, "only allowed when tools are given", tool_choice=choice)
     refused(off, "--enable-auto-tool-choice --tool-call-parser", tools=TOOLS)
     refused(off, "--enable-auto-tool-choice --tool-call-parser", tools=TOOLS, tool_choice="auto")
-    refused(on, "structured output", tools=TOOLS, tool_choice="required")
-    refused(on, "structured output", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    # Constrained by the grammar, with or without the tool-call flags (tests/server/test_tool_choice.py).
+    for settings in (on, off):
+        assert plan(settings, tools=TOOLS, tool_choice="required").constraint is not None
+        assert plan(settings, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}
+                    ).constraint is not None
     refused(on, "not in tools", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     refused(on, "tool_choice must be", tools=TOOLS, tool_choice="sometimes")
     refused(on, "tools\\[0\\] must be", tools=[{"type": "retrieval"}], tool_choice="none")
@@ -419,7 +422,7 @@ def test_refusals_over_http(served: Served) -> None:
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
 
     for body, needle in (({"tool_choice": "auto"}, "only allowed when tools"),
-                         ({"tools": TOOLS, "tool_choice": "required"}, "structured output"),
+                         ({"tools": TOOLS, "tool_choice": "required"}, "enable_thinking"),  # the grammar: no room
                          ({"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": "no"}}, "must be a bool")):
         for stream in (False, True):
             r = post(stream=stream, **body)

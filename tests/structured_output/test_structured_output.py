@@ -235,3 +235,28 @@ def test_constrained_speculation_with_captured_graphs_on_gpu(ckpts: CheckpointCa
     got, graphed = run(ckpts, spec, True, device="cuda")
     assert graphed.runner.graphs is not None and graphed.runner.graphs.sets["verify"].num_replays > 0
     assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
+
+
+@pytest.mark.parametrize("spec", ["oracle", "mtp"])
+def test_constraints_compose_with_penalties_and_bias(ckpts: CheckpointCache, spec: str) -> None:
+    """A grammar with repetition / frequency / presence penalties and a logit bias on the same requests: the tokens of
+    speculative async runs equal plain decoding's, and every finished text is a word of its language."""
+    arrivals, aborts, reqs = workload(11)
+    for step in arrivals.values():
+        for i, (rid, prompt, p) in enumerate(step):
+            step[i] = (rid, prompt, SamplingParams(
+                temperature=0.0, max_tokens=12, structured_outputs=p.structured_outputs, repetition_penalty=1.4,
+                frequency_penalty=0.7, presence_penalty=0.3, logit_bias={5: 3.0, 17: -2.0}))
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    kw: dict[str, Any] = dict(enable_prefix_caching=True, block_size=16, max_num_batched_tokens=24, max_num_seqs=4)
+    want = drive(make_llm(path, **kw).llm_engine, arrivals, aborts)
+    engine = make_llm(path, speculative_config=SPECS[spec], async_scheduling=True, **kw).llm_engine
+    if spec == "oracle":
+        conts = {rid: o.outputs[0].token_ids for rid, o in want.items()}
+        engine.proposer = OracleProposer({**conts, "r2": []}, {rid: [3, 0, 2, 1] for rid in conts}, vocab=440)
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
+    for rid, out in got.items():
+        if out.outputs[0].finish_reason == "stop":
+            assert LANGUAGES[reqs[rid][1]][1](out.outputs[0].text)[1], (rid, out.outputs[0].text)

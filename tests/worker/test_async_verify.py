@@ -120,9 +120,9 @@ def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPa
         return execute(so)
 
     def record(logits: torch.Tensor, rows: list[Any], draft_probs: Any = None,
-               draft_ids: torch.Tensor | None = None) -> Any:
+               draft_ids: torch.Tensor | None = None, **kw: Any) -> Any:
         fed[current[0]] = draft_ids.tolist() if draft_ids is not None else [t for r in rows for t in r.draft_token_ids]
-        return launch(logits, rows, draft_probs, draft_ids=draft_ids)
+        return launch(logits, rows, draft_probs, draft_ids=draft_ids, **kw)
 
     runner.execute_model_async = execute_recorded  # type: ignore[method-assign]
     sampler.launch = record  # type: ignore[method-assign]

@@ -75,10 +75,10 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
     launch = sampler.launch  # every acceptance goes through it (a call, or the device chain's launch)
 
     def record(logits: torch.Tensor, rows: list[Any], draft_probs: Any = None,
-               draft_ids: torch.Tensor | None = None) -> Any:
+               draft_ids: torch.Tensor | None = None, **kw: Any) -> Any:
         from_device.append(draft_ids is not None)
         fed.append(draft_ids.tolist() if draft_ids is not None else [t for r in rows for t in r.draft_token_ids])
-        return launch(logits, rows, draft_probs, draft_ids=draft_ids)
+        return launch(logits, rows, draft_probs, draft_ids=draft_ids, **kw)
 
     sampler.launch = record  # type: ignore[method-assign]
     in_graph = runner.verifier.accept_in_graph  # a greedy verify graph's acceptance: the accept graph
@@ -93,10 +93,10 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
     chained = 0
     chain = runner.verifier.verify_and_draft_on_device
 
-    def count_chain(*args: Any) -> Any:
+    def count_chain(*args: Any, **kw: Any) -> Any:
         nonlocal chained
         chained += 1
-        return chain(*args)
+        return chain(*args, **kw)
 
     runner.verifier.verify_and_draft_on_device = count_chain  # type: ignore[method-assign]
     arrivals = {0: [("a", PROMPTS["a"], greedy(22)), ("b", PROMPTS["b"], greedy(18))],

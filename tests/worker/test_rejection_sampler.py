@@ -320,6 +320,77 @@ def test_broken_variants_fail_the_check(broken: Callable[..., RejectionSampler],
         scenario.check(scenario.run(broken(CPU, seed=1), 30000, proposal=proposal, seeded=False))
 
 
+def _penalized(logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+    """Frequency 0.9, presence 0.4 and repetition 1.7 over ``history`` (all output tokens here), float64."""
+    x = logits.astype(np.float64).copy()
+    for t in set(history):
+        x[t] = x[t] / 1.7 if x[t] > 0 else x[t] * 1.7
+        x[t] -= 0.9 * list(history).count(t) + 0.4
+    return x
+
+
+class _PenalizedScenario(_Scenario):
+    """``_Scenario`` with penalties over the output so far: position j's target is penalized by the tokens before
+    it (an earlier output token, then the drafts before j), as plain decoding would have penalized them."""
+
+    HISTORY: tuple[int, ...] = (2,)
+
+    def p0(self) -> np.ndarray:
+        return _ref_probs(_penalized(self.l0, self.HISTORY), self.params, self.banned0)
+
+    def p1(self, t0: int) -> np.ndarray:
+        return _ref_probs(_penalized(self.l1[t0], [*self.HISTORY, t0]), self.params)
+
+    def run(self, sampler: RejectionSampler, n: int, *, proposal: bool, seeded: bool, rng_seed: int = 0,
+            ignore_adjusted: bool = False) -> SpecOutput:
+        launch = sampler.launch
+
+        def with_adjusted(target: torch.Tensor, rows: list[SpecRow], draft_probs: Any = None,
+                          draft_ids: Any = None, adjusted: Any = None) -> Any:
+            raw = target.view(len(rows), 3, V).double().numpy()
+            adj = np.stack([np.stack([_penalized(raw[i, 0], self.HISTORY),
+                                      _penalized(raw[i, 1], [*self.HISTORY, r.draft_token_ids[0]]),
+                                      _penalized(raw[i, 2], [*self.HISTORY, *r.draft_token_ids])])
+                            for i, r in enumerate(rows)])
+            adjusted = None if ignore_adjusted else torch.from_numpy(adj).float().view(3 * len(rows), V)
+            return launch(target, rows, draft_probs, draft_ids, adjusted=adjusted)
+
+        sampler.launch = with_adjusted  # type: ignore[method-assign]
+        return super().run(sampler, n, proposal=proposal, seeded=seeded, rng_seed=rng_seed)
+
+
+@pytest.mark.parametrize("proposal", [True, False], ids=["sampled_draft", "deterministic_draft"])
+def test_penalized_rows_follow_the_penalized_distribution(proposal: bool) -> None:
+    """Seeded rows whose target is adjusted (penalties over the tokens before each position): the emitted tokens
+    follow the adjusted distribution, and judging by the raw logits instead fails the same check."""
+    scenario = _PenalizedScenario(seed=5, params=SamplingParams(temperature=0.9))
+    assert np.abs(scenario.p0() - _ref_probs(scenario.l0, scenario.params)).max() > 0.05, "test design"
+    scenario.check(scenario.run(RejectionSampler(CPU), 20000, proposal=proposal, seeded=True, rng_seed=4))
+    with pytest.raises(AssertionError, match="chi2"):
+        scenario.check(scenario.run(RejectionSampler(CPU), 20000, proposal=proposal, seeded=True, rng_seed=4,
+                                    ignore_adjusted=True))
+
+
+def test_adjusted_logits_leave_errors_and_logprobs_raw() -> None:
+    """An adjusted row masks a NaN of the raw logits: the row is still an error; logprobs are the raw ones."""
+    raw = torch.randn(3, V)
+    raw[0, 3] = math.nan
+    adjusted = raw.clone()
+    adjusted[:, 3] = -math.inf
+    adjusted[1:, 0] += 50.0
+    rows = [SpecRow(GREEDY, []), SpecRow(SamplingParams(temperature=0.0, logprobs=1), [0])]
+    out = RejectionSampler(CPU).launch(raw, rows, adjusted=adjusted).result()
+    assert out.error_rows == [0] and out.token_ids[1] == [0, 0]
+    assert out.logprobs is not None
+    assert out.logprobs[1][0] == pytest.approx(float(torch.log_softmax(raw[1], 0)[0]), abs=1e-6)
+    # The Sampler alike.
+    plain = Sampler(CPU)(raw[:2], [SamplingRow(GREEDY), SamplingRow(SamplingParams(temperature=0.0, logprobs=1))],
+                         adjusted=adjusted[:2].clone())
+    assert plain.error_rows == [0] and plain.token_ids[1] == 0
+    assert plain.logprobs is not None
+    assert plain.logprobs[1] == pytest.approx(float(torch.log_softmax(raw[1], 0)[0]), abs=1e-6)
+
+
 def test_draft_outside_the_truncated_support_is_always_rejected() -> None:
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     params = SamplingParams(top_k=2)

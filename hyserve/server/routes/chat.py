@@ -10,6 +10,7 @@ image's tokens is checked before the request is queued.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -53,7 +54,7 @@ from hyserve.server.responses import (
     stream_kind,
     usage,
 )
-from hyserve.server.tools import ToolPlan, check_template_kwargs, plan_tools
+from hyserve.server.tools import ToolPlan, check_forced_reasoning, check_template_kwargs, plan_tools
 
 logger = logging.getLogger("hyserve.server")
 _T = TypeVar("_T")
@@ -89,6 +90,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     asked, name = body.requested_max_tokens
     max_tokens = ctx.resolve_max_tokens(asked, name, n_prompt, None)
     params = stream_kind(body.to_sampling_params(max_tokens, ctx.sampling_defaults()), body.stream)
+    if plan.constraint is not None:  # tool_choice "required" or a named function (no other constraint: refused)
+        params = dataclasses.replace(params, structured_outputs=plan.constraint)
     request_id = random_id("chatcmpl")
     top_n = body.top_logprobs or 0
     outputs = ctx.open_request(request_id, engine_prompt, params, {"max_tokens": name, "logprobs": "top_logprobs"})
@@ -109,7 +112,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         message = whole_message(c.text, output_parser)
         choice = ChatChoice(index=c.index, message=message,
                             logprobs=chat_logprobs(c.token_ids, c.logprobs, top_n, body.return_tokens_as_token_ids),
-                            finish_reason=answer_finish_reason(c.finish_reason, bool(message.tool_calls)),
+                            finish_reason=answer_finish_reason(c.finish_reason, bool(message.tool_calls),
+                                                               output_parser),
                             stop_reason=c.stop_reason)
         if body.return_token_ids:
             choice.token_ids = list(c.token_ids)
@@ -128,6 +132,7 @@ def answer_parser(ctx: ServerContext, body: ChatCompletionRequest, plan: ToolPla
     if ctx.reasoning_parser is not None:
         thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False \
             and not prompt_ends_reasoning(prompt)
+        check_forced_reasoning(plan, thinking)
         reasoning = reasoning_parser_class(ctx.reasoning_parser)(thinking)
     if reasoning is None and plan.parser is None:
         return None
@@ -144,8 +149,11 @@ def whole_message(text: str, parser: ChatOutputParser | None) -> ChatMessage:
                        reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
 
 
-def answer_finish_reason(reason: str | None, called: bool) -> str | None:
-    """``tool_calls`` for an answer that ended normally with calls (a cut-short one keeps ``length``)."""
+def answer_finish_reason(reason: str | None, called: bool, parser: ChatOutputParser | None = None) -> str | None:
+    """``tool_calls`` for an answer that ended normally with calls (a cut-short one keeps ``length``; a named
+    function's call keeps ``stop``, as OpenAI answers)."""
+    if parser is not None and parser.tools is not None and not parser.tools.finish_on_calls:
+        return reason
     return "tool_calls" if called and reason == "stop" else reason
 
 
@@ -188,7 +196,8 @@ async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id:
                     if done:
                         if c.finish_reason == "error":
                             finish_reason(out)  # logs it
-                        reason = answer_finish_reason(c.finish_reason, parsed is not None and parsed.called)
+                        reason = answer_finish_reason(c.finish_reason, parsed is not None and parsed.called,
+                                                      output_parser)
                         yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
                                                       stop_reason=c.stop_reason)])
                 if out.finished:

@@ -109,6 +109,7 @@ class ToolParser:
 
     name = ""
     openers: tuple[str, ...] = ()
+    finish_on_calls = True  # an answer with calls ends with finish_reason "tool_calls" (a named function's: "stop")
 
     def __init__(self, tools: list[dict[str, Any]] | None) -> None:
         self.tools = tool_names(tools)

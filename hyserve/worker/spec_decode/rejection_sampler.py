@@ -10,6 +10,9 @@ keep (``a_r``) and emits one more token after them, so each row advances by ``a_
 ``(k_r, V)`` tensor of the distributions the drafts were *sampled* from; a single tensor means
 ``(sum_r k_r, V)``, all rows' proposals stacked in row order (the entries of greedy rows are ignored).
 
+**Adjusted logits** (``adjusted``: penalties, bias and masks, made by the caller from the tokens before each
+position, drafts included) replace the target's logits in everything below but errors and logprobs.
+
 **Per position, before anything else** (exactly as the Sampler, for each position separately):
 bans (``banned_token_ids[j]``, e.g. EOS below ``min_tokens``) are set to -inf, and a position whose raw logits
 hold NaN/+inf or have nothing finite left after the bans is *non-finite*.
@@ -161,10 +164,13 @@ class RejectionSampler:
         rows: list[SpecRow],
         draft_probs: torch.Tensor | list[torch.Tensor | None] | None = None,
         draft_ids: torch.Tensor | None = None,
+        adjusted: torch.Tensor | None = None,
     ) -> PendingSpec:
         """Enqueue the acceptance on the device; its ``PendingSpec`` has the results on the device at once
         (``accepted``, ``emitted``) and on the host at ``result()``, one copy. Rows that ask for logprobs read
-        ``target_logits`` in ``result()``: nothing may overwrite them before."""
+        ``target_logits`` in ``result()``: nothing may overwrite them before. ``adjusted`` (float32, the shape of
+        ``target_logits``): each position's logits after penalties, bias and masks, which acceptance judges by
+        (the target distribution); errors and logprobs read the raw ``target_logits``."""
         num_rows = len(rows)
         counts = [len(r.draft_token_ids) for r in rows]
         num_pos = sum(counts) + num_rows
@@ -190,7 +196,10 @@ class RejectionSampler:
         else:
             drafts_t = device_tensor([t for r in rows for t in r.draft_token_ids], self.device, torch.long)
 
-        masked = self._apply_bans(logits, rows, starts)
+        if adjusted is not None and adjusted.shape != logits.shape:
+            raise ValueError(f"adjusted must have the shape of target_logits {tuple(logits.shape)}, "
+                             f"got {tuple(adjusted.shape)}")
+        masked = self._apply_bans(logits if adjusted is None else adjusted, rows, starts)
         # One pass: the greedy token of every position (first maximum = lowest id) and its maximum. max()
         # propagates NaN, so a non-finite maximum flags NaN, +inf and "nothing left" alike.
         best_val, final_tok = masked.max(dim=1)

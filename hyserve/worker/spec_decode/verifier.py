@@ -106,9 +106,12 @@ class Verifier:
             self.verify_draft_ids = self.batch.dev_bufs["input_ids"][device_tensor(step.draft_at, self.device,
                                                                                    torch.long)]
 
-    def accept(self, logits: torch.Tensor, spec_rows: list[SpecRow]) -> PendingSpec:
-        """The acceptance of a step's verify rows (``logits``: theirs), with each slot's next start and token."""
-        pending = self.rejection_sampler.launch(logits, spec_rows, draft_ids=self.verify_draft_ids)
+    def accept(self, logits: torch.Tensor, spec_rows: list[SpecRow], adjusted: torch.Tensor | None = None
+               ) -> PendingSpec:
+        """The acceptance of a step's verify rows (``logits``: theirs; ``adjusted``: after penalties, bias and
+        masks, see ``SamplingState``), with each slot's next start and token."""
+        pending = self.rejection_sampler.launch(logits, spec_rows, draft_ids=self.verify_draft_ids,
+                                                adjusted=adjusted)
         self.advance_verified(pending.accepted, pending.emitted)
         return pending
 
@@ -130,15 +133,15 @@ class Verifier:
 
     def verify_and_draft_on_device(self, rows: list[ScheduledRow], spec_rows: list[SpecRow], logits: torch.Tensor,
                                    last_hidden: torch.Tensor, out: RunnerOutput, graphs: GraphSet,
-                                   size: int) -> StepResult:
+                                   size: int, adjusted: torch.Tensor | None = None) -> StepResult:
         """Acceptance, commit of the accepted candidates, candidate snapshots and the whole drafting, enqueued on
         the device in that order, each reading the accepted counts there. The result waits for the acceptance's
         copy to the host: the commit and drafting run on, and the next step can be enqueued behind them, while
         the host applies this one."""
         assert self.proposer is not None and self.drafter is not None
-        pending = self.accept_in_graph(rows, spec_rows, size)
+        pending = self.accept_in_graph(rows, spec_rows, size) if adjusted is None else None
         if pending is None:
-            pending = self.accept(logits, spec_rows)
+            pending = self.accept(logits, spec_rows, adjusted)
         accepted = pending.accepted
         if out.errors:  # rows whose sampling inputs failed: their state advances, their drafting is skipped
             failed = device_tensor([i in out.errors for i in range(len(rows))], self.device, torch.bool)
@@ -186,7 +189,8 @@ class Verifier:
         graphs = self.graphs.get("accept")
         if graphs is None or self.batch.verify_graph_size != size or size not in graphs.sizes:
             return None
-        if not all(r.params.is_greedy and r.banned_token_ids is None and r.grammar_masks is None for r in spec_rows):
+        if not all(r.params.is_greedy and r.banned_token_ids is None and r.grammar_masks is None
+                   and not r.params.adjusts_logits for r in spec_rows):
             return None
         n = len(rows)
         graphs.run(size)  # each row's number of drafts: from prepare
