@@ -10,7 +10,10 @@ Invariants:
   abort or error.
 - ``logprobs``, when requested, has one dict per entry of ``token_ids``; each dict maps token id -> ``Logprob``
   and contains the sampled token plus the requested top-N.
-- ``RequestOutput.finished`` is true iff every one of its ``outputs`` has finished.
+- ``RequestOutput.finished`` is true iff every one of the request's ``n`` completions has finished; ``outputs`` holds
+  them by ``index`` (a DELTA output with ``n`` > 1: those with something new).
+- ``RequestOutput.prompt_logprobs`` (``SamplingParams.prompt_logprobs``) has one entry per prompt token, the first
+  ``None``; a DELTA output carries it once.
 - ``Logprob.rank`` is the 1-based rank of the token in the whole vocabulary under the distribution its logprob is
   reported from: 1 + the number of tokens with a strictly larger logprob (so ties share a rank).
 - ``RequestOutput.metrics`` holds the request's timestamps (``time.time()`` seconds, vLLM's ``RequestMetrics``);
@@ -39,7 +42,7 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One completion of a request (hyserve supports ``n == 1``, so ``index`` is 0)."""
+    """One completion of a request: ``index`` is its place among the request's ``n`` completions (0 to n - 1)."""
 
     index: int
     text: str
@@ -85,15 +88,21 @@ class RequestOutput:
 
 
 def merge_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive DELTA outputs of one request as one: texts, token ids and logprobs concatenated, the rest
+    """Two consecutive DELTA outputs of one request as one: texts, token ids and logprobs of each completion (by
+    ``index``: with ``n`` > 1 each output holds the completions that had something new) concatenated, the rest
     (finish state, cumulative logprob, metrics) from ``later``. A consumer that falls behind merges what it missed
     instead of dropping it, so the deltas it reads still add up to the whole completion."""
-    outputs = []
-    for a, b in zip(earlier.outputs, later.outputs, strict=True):
+    merged = {c.index: c for c in earlier.outputs}
+    for b in later.outputs:
+        a = merged.get(b.index)
+        if a is None:
+            merged[b.index] = b
+            continue
         logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-        outputs.append(CompletionOutput(index=b.index, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                                        cumulative_logprob=b.cumulative_logprob, logprobs=logprobs,
-                                        finish_reason=b.finish_reason, stop_reason=b.stop_reason))
+        merged[b.index] = CompletionOutput(index=b.index, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                                           cumulative_logprob=b.cumulative_logprob, logprobs=logprobs,
+                                           finish_reason=b.finish_reason, stop_reason=b.stop_reason)
     return RequestOutput(request_id=later.request_id, prompt=later.prompt, prompt_token_ids=later.prompt_token_ids,
-                         outputs=outputs, finished=later.finished, metrics=later.metrics,
-                         prompt_logprobs=later.prompt_logprobs, num_cached_tokens=later.num_cached_tokens)
+                         outputs=[merged[i] for i in sorted(merged)], finished=later.finished, metrics=later.metrics,
+                         prompt_logprobs=earlier.prompt_logprobs if later.prompt_logprobs is None
+                         else later.prompt_logprobs, num_cached_tokens=later.num_cached_tokens)

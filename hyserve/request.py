@@ -31,6 +31,7 @@ class OutputCursor:
     num_ids: int = 0
     num_logprobs: int = 0
     num_chars: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 class RequestStatus(enum.Enum):
@@ -88,6 +89,9 @@ class Request:
     sent: OutputCursor = field(default_factory=OutputCursor)
     # Structured output: the grammar's state after the accepted output tokens (hyserve.structured_output).
     grammar: GrammarMatcher | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): entry p is (logprob, rank, top-N pairs) of prompt token
+    # p + 1 given the tokens before it; None until the step computing position p reports it.
+    prompt_logprob_rows: list[tuple[float, int, list[tuple[int, float]]] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

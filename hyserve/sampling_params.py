@@ -2,7 +2,8 @@
 
 Invariants (established by ``__post_init__``; every constructor path, including ``clone()``, goes through it):
 
-- ``n == 1`` (the only supported value).
+- ``n`` is an int >= 1: the number of completions of the prompt (each is a child request of its own, the engine's
+  ``hyserve.engine.parallel_sampling``; with a seed, child i draws with ``seed + i``).
 - ``temperature`` is a finite float >= 0; ``top_p`` a float in (0, 1]; ``top_k`` an int >= 0, where 0 means off
   (vLLM's ``-1`` is accepted and normalized to 0); ``min_p`` a float in [0, 1].
 - Greedy requests (``temperature < _SAMPLING_EPS``, as vLLM) have ``top_p == 1``, ``top_k == 0`` and
@@ -12,6 +13,9 @@ Invariants (established by ``__post_init__``; every constructor path, including 
 - ``max_tokens`` is ``None`` (bounded only by the model length) or >= 1; ``0 <= min_tokens <= max_tokens``.
 - ``logprobs`` is ``None`` (no logprobs) or the number N >= 0 of top logprobs to return per output token (the
   sampled token's own logprob is returned whenever ``logprobs`` is not ``None``, as in vLLM).
+- ``prompt_logprobs`` is ``None`` or the number N >= 0 of top logprobs to return per prompt position besides the
+  prompt token's own (vLLM's; ``RequestOutput.prompt_logprobs``). Such a request takes no prefix-cache hit: the
+  positions it needs logits for are computed again.
 - ``seed`` is ``None`` or an int in [0, 2**63 - 1] (``MAX_SEED``): every seed in that range gives its own stream of
   draws. Beyond it, seeds would alias others (the sampler's per-token seeds are computed modulo 2**64, and a CPU
   generator keeps only the low 32 bits of them, which makes ``s`` and ``s + 2**63`` draw alike), and a negative
@@ -125,6 +129,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -141,8 +146,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (only one completion per request is supported), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
 
         self.temperature = _as_float("temperature", self.temperature)
         if self.temperature < 0.0:
@@ -187,6 +192,10 @@ class SamplingParams:
             self.logprobs = _as_int("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
+            if self.prompt_logprobs < 0:
+                raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
 
         self._check_logits_processing()
 

@@ -32,6 +32,7 @@ from hyserve.config import (
 from hyserve.distributed.parallel_state import layer_partition
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
 from hyserve.engine.output_processor import NewTokens, OutputProcessor
+from hyserve.engine.parallel_sampling import ParentRequest, ParentRequests, child_params
 from hyserve.engine.request_metrics import RequestMetrics
 from hyserve.executor.base import Executor, StepHandle
 from hyserve.executor.uniproc import UniProcExecutor
@@ -151,6 +152,7 @@ class LLMEngine:
         if not config.disable_log_stats:
             self.stats_logger = StatsLogger(config.log_stats_interval_s)
         self.requests: dict[str, Request] = {}
+        self.parents = ParentRequests()  # requests with n > 1: their child requests (hyserve.engine.parallel_sampling)
         self.is_shut_down = False
         self._arrivals = 0
         # Steps launched whose results are not applied yet (at most max_steps_in_flight between two step() calls).
@@ -389,8 +391,11 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
         self.check_sampling_params(params)
         params = self.with_bad_words_token_ids(params)
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.parents.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > 1:
+            self._add_parent(request_id, prompt, params)
+            return
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
@@ -404,10 +409,27 @@ class LLMEngine:
         req.grammar = grammar
         if mm is not None:
             req.mm, req.image_spans = mm, tuple(im.span for im in mm.images)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprob_rows = [None] * (len(ids) - 1)
         self._arrivals += 1
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         self.metrics.on_request_added(len(ids))
+
+    def _add_parent(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """``n`` > 1: the n child requests (all or none), each with its own seed (``child_params``)."""
+        parent = ParentRequest(request_id, params)
+        if any(cid in self.requests for cid in parent.child_ids):
+            raise ValueError(f"request id {request_id!r}: its child ids are already in use")
+        added: list[str] = []
+        try:
+            for i, cid in enumerate(parent.child_ids):
+                self.add_request(cid, prompt, child_params(params, i))
+                added.append(cid)
+        except BaseException:
+            self.abort_request(added)
+            raise
+        self.parents.add(parent)
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Refuse (ValueError naming the field) what SamplingParams alone cannot judge: values that depend on the
@@ -434,6 +456,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids += [cid for rid in list(ids) for cid in self.parents.remove(rid)]  # a parent's abort aborts its children
         for rid in ids:
             req = self.requests.pop(rid, None)
             if req is None or req.is_finished:
@@ -457,12 +480,16 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule a step, run it on the executor, apply its result: the outputs of the requests it touched.
+        """Schedule a step, run it on the executor, apply its result: the outputs of the requests it touched (a
+        request with ``n`` > 1 as one output of its children's completions: ``hyserve.engine.parallel_sampling``).
 
         With async scheduling the step is launched and the previous step's result is applied while it runs (the
         outputs returned are that step's): the host's work of both overlaps the device's. A request may then run
         one step past its end (EOS, a stop string): that step's tokens are dropped, never shown.
         """
+        return self.parents.outputs(self._step())
+
+    def _step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         outputs = self._on_scheduled(so)
         if not self.max_steps_in_flight:
@@ -499,6 +526,7 @@ class LLMEngine:
 
     def _on_result(self, so: SchedulerOutput, ro: RunnerOutput, t0: float) -> list[RequestOutput]:
         """Apply step ``so``'s result ``ro`` (the scheduler's update) and build the outputs of its requests."""
+        self._take_prompt_logprobs(so, ro)
         ran = self.scheduler.update_from_output(so, ro, self)
         verify = [i for i, row in enumerate(so.rows) if row.is_verify and i not in ro.errors]
         if verify:
@@ -514,6 +542,17 @@ class LLMEngine:
         if so.rows:  # not a step that only carried verify commits to the pipeline stages
             self.metrics.on_step(so.num_tokens, sum(len(t) for t in ro.token_ids), time.perf_counter() - t0)
         return outputs
+
+    def _take_prompt_logprobs(self, so: SchedulerOutput, ro: RunnerOutput) -> None:
+        """Each row's prompt logprobs into its request, by position (a chunk computed again after a preemption
+        writes the same values again)."""
+        for i, (lps, ranks, tops) in ro.prompt_logprobs.items():
+            row = so.rows[i]
+            req = self.requests.get(row.req_id)
+            if req is None or req.prompt_logprob_rows is None:
+                continue
+            for j, entry in enumerate(zip(lps, ranks, tops, strict=True)):
+                req.prompt_logprob_rows[row.start + j] = entry
 
     # ------------------------------------------------------------------ the scheduler's sink (StepSink)
 

@@ -18,7 +18,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from hyserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from hyserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from hyserve.request import Request
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
 from hyserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -146,7 +153,28 @@ class OutputProcessor:
             finished_time=req.finished_time)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                              outputs=[completion], finished=req.is_finished, metrics=metrics,
-                             num_cached_tokens=req.num_cached_tokens)
+                             prompt_logprobs=self._prompt_logprobs(req), num_cached_tokens=req.num_cached_tokens)
+
+    def _prompt_logprobs(self, req: Request) -> PromptLogprobs | None:
+        """vLLM's ``PromptLogprobs`` once every prompt position is in: ``None`` for the first token, then per token
+        its own logprob and the top-N. A DELTA output carries them once, in its first output that has them."""
+        rows = req.prompt_logprob_rows
+        if rows is None or any(r is None for r in rows):
+            return None
+        if req.sampling_params.output_kind is RequestOutputKind.DELTA:
+            if req.sent.prompt_logprobs_sent:
+                return None
+            req.sent.prompt_logprobs_sent = True
+        out: PromptLogprobs = [None]
+        for p, row in enumerate(rows):
+            assert row is not None
+            lp, rank, top = row
+            entry = {req.prompt_token_ids[p + 1]: Logprob(lp, rank, self._decode_one(req.prompt_token_ids[p + 1]))}
+            for k, (tid, tlp) in enumerate(top):
+                if tid not in entry:
+                    entry[tid] = Logprob(tlp, k + 1, self._decode_one(tid))
+            out.append(entry)
+        return out
 
     def _logprob_entry(self, entry: dict[int, float], sampled: int, sampled_rank: int | None) -> dict[int, Logprob]:
         """Logprobs of one position with their vocabulary ranks. ``entry`` holds the top-N (every token with a

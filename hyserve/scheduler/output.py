@@ -25,6 +25,8 @@ PREVIOUS_SAMPLED = -1
 # (one graph replay drafts and never copies the drafts to the host; the j-th such entry is the j-th draft). The host
 # learns the accepted ones from the verify result. Only on a single rank: other ranks could not read it.
 PREVIOUS_DRAFT = -2
+# A row's prompt logprobs: per target position its logprob, its 1-based vocabulary rank and the top-N (id, logprob).
+PromptLogprobRows = tuple[list[float], list[int], list[list[tuple[int, float]]]]
 
 
 def candidate_point(start: int, num_tokens: int, block_size: int) -> int | None:
@@ -66,6 +68,9 @@ class ScheduledRow:
       verify row's k + 1), packed as ``hyserve.structured_output.bitmask`` describes; None: no constraint.
     - ``next_token_id``: the request's token at position ``end`` when the host knows it (the MTP head consumes it).
     - ``draft_limit``: MTP drafting may propose tokens up to this many tokens in all (max_tokens, max_model_len).
+    - ``prompt_logprob_targets``: prompt logprobs (``SamplingParams.prompt_logprobs``): the prompt tokens at
+      positions start + 1, start + 2, ...: the row's first ``len`` positions each return the logprob of its target
+      and the top-N (``RunnerOutput.prompt_logprobs``); empty: none.
     - ``start_on_device``: a verify row scheduled behind its request's verify row still in flight (async
       scheduling): its position depends on that row's accepted count, which the host learns later. ``start`` is
       then a lower bound and ``max_start`` the upper one until the scheduler learns the count (it sets ``start``
@@ -92,6 +97,7 @@ class ScheduledRow:
     draft_limit: int = 0
     start_on_device: bool = False
     max_start: int = 0
+    prompt_logprob_targets: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -143,6 +149,8 @@ class RunnerOutput:
       token (verify rows), ``[]`` for rows that do not sample and for error rows.
     - ``num_accepted[i]``: drafts accepted by a verify row (the live state took that candidate), -1 otherwise.
     - ``logprobs`` / ``ranks`` / ``top_logprobs``: ``None`` if no row asked; else per row, parallel to token_ids.
+    - ``prompt_logprobs``: row index -> (logprobs, ranks, top-N lists) of the targets of the row's
+      ``prompt_logprob_targets``, one entry per target (the row's positions start, start + 1, ...).
     - ``errors``: row index -> why the row produced nothing (non-finite logits, its sampling inputs failed).
     - ``next_draft_token_ids[i]``: the MTP head's drafts for the row's next step (``[]``: none); entries
       ``PREVIOUS_DRAFT`` when they stayed on the device (their number is right, their values are the worker's).
@@ -155,6 +163,7 @@ class RunnerOutput:
     ranks: list[list[int | None]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     errors: dict[int, str] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptLogprobRows] = field(default_factory=dict)
     next_draft_token_ids: list[list[int]] = field(default_factory=list)
 
     def logprob_lists(self) -> tuple[list[list[float]], list[list[int | None]], list[list[list[tuple[int, float]]]]]:

@@ -233,8 +233,10 @@ class Scheduler:
             req = self.waiting[i]
             if self.state_slots.num_free_slots == 0:
                 break
-            hit = pc.lookup(req) if pc is not None else PrefixHit(0, [], None, None)
-            if pc is not None and sharers is not None:
+            # A request asking prompt logprobs needs logits at every prompt position: no hit, all computed.
+            cached = pc is not None and req.sampling_params.prompt_logprobs is None
+            hit = pc.lookup(req) if pc is not None and cached else PrefixHit(0, [], None, None)
+            if pc is not None and sharers is not None and cached:
                 back = self._wait_for_sharer(req, hit.num_tokens, sharers, chunks)
                 if back is not None:
                     pc.release_hit(hit)
@@ -413,6 +415,9 @@ class Scheduler:
                     self.num_rows_behind += 1
         elif row.end < req.num_tokens:
             row.next_token_id = req.token_ids(row.end, row.end + 1)[0]
+        if req.sampling_params.prompt_logprobs is not None and not row.is_verify \
+                and row.start < req.num_prompt_tokens - 1 and row.token_ids[0] != PREVIOUS_SAMPLED:
+            row.prompt_logprob_targets = req.token_ids(row.start + 1, min(row.end, req.num_prompt_tokens - 1) + 1)
         req.num_inflight_tokens += row.num_new_tokens
 
     def _preempt(self, req: Request) -> None:

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/version`` and ``/metrics``, in front of an ``AsyncEngine``.
+"""The OpenAI-compatible HTTP server: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``,
+``/detokenize``, ``/health``, ``/version`` and ``/metrics``, in front of an ``AsyncEngine``.
 
 ``build_app`` assembles it: the routes (``hyserve.server.routes``: one router per API) reach what they share through
 ``app.state.context`` (``hyserve.server.context.ServerContext``); the error answers are ``hyserve.server.errors``'s,
@@ -72,7 +72,7 @@ from hyserve.server.context import ServerContext
 from hyserve.server.errors import add_error_handlers
 from hyserve.server.metrics import HTTPMetricsMiddleware
 from hyserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from hyserve.server.routes import chat, completions, info
+from hyserve.server.routes import chat, completions, info, tokenize
 from hyserve.server.routes.docs import add_docs_routes, add_not_found_handler
 from hyserve.server.tools import ToolSettings
 
@@ -107,7 +107,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str | None = None, *
     app.state.http_metrics = context.http_metrics
     add_error_handlers(app)
     add_not_found_handler(app)
-    routers = (completions.router, chat.router, info.router)
+    routers = (completions.router, chat.router, info.router, tokenize.router)
     for router in routers:
         app.include_router(router)
     add_docs_routes(app)

@@ -73,14 +73,17 @@ class ShutdownAbortError(RequestAbortedError):
     """The server is shutting down: ``generate`` turns it into a last output with ``finish_reason="abort"``."""
 
 
-def aborted_output(last: RequestOutput | None, request_id: str, prompt: dict[str, Any]) -> RequestOutput:
+def aborted_output(last: RequestOutput | None, request_id: str, prompt: dict[str, Any], n: int = 1) -> RequestOutput:
     """The final output of a request ended by shutdown: ``last`` (or an empty one), finished. ``last`` is the latest
-    output for cumulative outputs, the merged unread ones for DELTA outputs."""
+    output for cumulative outputs, the merged unread ones for DELTA outputs; each of the ``n`` completions it lacks
+    is an empty one."""
     if last is None:
-        completion = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
         last = RequestOutput(request_id=request_id, prompt=prompt.get("prompt"),
-                             prompt_token_ids=list(prompt["prompt_token_ids"]), outputs=[completion], finished=False)
-    outputs = [dataclasses.replace(c, finish_reason="abort", stop_reason=None) for c in last.outputs]
+                             prompt_token_ids=list(prompt["prompt_token_ids"]), outputs=[], finished=False)
+    have = {c.index: c for c in last.outputs}
+    outputs = [dataclasses.replace(have[i], finish_reason="abort", stop_reason=None) if i in have else
+               CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                finish_reason="abort") for i in range(max(n, len(have)))]
     return dataclasses.replace(last, outputs=outputs, finished=True)
 
 
@@ -283,7 +286,7 @@ class AsyncEngine:
                     item = merge_delta(item, nxt) if delta else nxt
                 if isinstance(item, ShutdownAbortError):
                     finished = True  # abort_all has already queued the engine abort
-                    yield aborted_output(last, request_id, prompt)
+                    yield aborted_output(last, request_id, prompt, params.n)
                     return
                 if isinstance(item, BaseException):
                     finished = True  # the loop has already dropped the request

@@ -8,7 +8,7 @@ vLLM's extra sampling fields (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore
 ``openai`` client sends through ``extra_body``.
 
 Nothing is accepted and silently ignored. A field this server does not implement is a 400 naming it, unless it is
-set to its no-op value: an unknown field (``prompt_logprobs``, ``guided_decoding_backend``,
+set to its no-op value: an unknown field (``guided_decoding_backend``,
 ``reasoning_effort``, ...) is accepted only as ``null``; declared but unimplemented ones only at their neutral
 value. Structured output (``response_format``, ``structured_outputs``, ``guided_*``) is read by
 ``hyserve.server.structured``.
@@ -27,15 +27,17 @@ Every refusal raises ``APIError`` (HTTP status, message, the offending field as 
 ``{"error": {"message", "type", "param", "code"}}``.
 
 The OpenAPI schema of the requests forbids what the checks refuse field by field (an empty prompt, a seed outside
-[0, 2**63 - 1], ``n`` other than 1, a null ``content`` outside assistant messages, an unsupported field set to
+[0, 2**63 - 1], ``n`` outside [1, ``MAX_N``], a null ``content`` outside assistant messages, an unsupported field set to
 anything but its neutral value, ...); the runtime checks stay in the request methods and ``SamplingParams`` (their
 messages name the field). Rules across fields (``min_tokens <= max_tokens``, ``stream_options`` only with
-``stream``, ``top_logprobs`` only with ``logprobs``, ``tools`` with ``tool_choice``) and the checkpoint's limits
+``stream``, ``top_logprobs`` only with ``logprobs``, ``tools`` with ``tool_choice``, ``best_of`` equal to ``n``,
+``max_tokens`` 0 only with ``echo``) and the checkpoint's limits
 (vocabulary size, ``max_model_len``) are not in the schema.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -57,6 +59,7 @@ from hyserve.sampling_params import MAX_SEED, SamplingParams
 from hyserve.server.structured import StructuredOutputError, StructuredOutputFields
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 128  # completions per prompt (n): each is a request of its own
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Stop strings are matched against the tail of the output after every token and held back while streaming, so
 # their number and length cost on every step: bounded (OpenAI allows 4; these leave room for vLLM-style use).
@@ -177,10 +180,10 @@ _STOP_SCHEMA = {"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING,
                 "description": "a stop string or a list of them"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,
-                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-                             "maxItems": 1},
-                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}],
-                  "description": "a non-empty string, a non-empty list of token ids, or a list holding one of those"}
+                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1}],
+                  "description": "a non-empty string, a non-empty list of token ids, or a list of those (one "
+                                 "completion per prompt and n)"}
 _TEXT_PART_SCHEMA = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
                      "required": ["type", "text"]}
 _IMAGE_PART_SCHEMA = {"type": "object", "properties": {
@@ -240,7 +243,7 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
     min_tokens: Annotated[int, _schema(False, type="integer", minimum=0)] = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    n: Annotated[int, _schema(False, const=1)] = 1
+    n: Annotated[int, _schema(False, type="integer", minimum=1, maximum=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Penalties and logit masks (vLLM's ranges; token ids outside the vocabulary are the engine's 400).
@@ -252,7 +255,7 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
     allowed_token_ids: Annotated[list[int] | None, _schema(type="array", minItems=1,
                                                            items={"type": "integer", "minimum": 0})] = None
     bad_words: Annotated[list[str] | None, _schema(type="array", items={"type": "string", "minLength": 1})] = None
-    best_of: Annotated[int | None, _schema(const=1)] = None
+    best_of: Annotated[int | None, _schema(type="integer", minimum=1, maximum=MAX_N)] = None
     user: str | None = None
     # vLLM's extras for clients that work in token ids: the output (and prompt) token ids in every choice, and
     # logprob tokens written as "token_id:N" instead of their text.
@@ -260,11 +263,12 @@ class _SamplingRequest(_RequestModel, StructuredOutputFields):
     return_tokens_as_token_ids: bool = False
 
     def _check_unsupported(self) -> None:
-        if self.best_of is not None and self.best_of != 1:
-            raise APIError(f"best_of must be 1 (got {self.best_of}): only one completion per request is supported",
-                           param="best_of")
-        if self.n != 1:
-            raise APIError(f"n must be 1 (got {self.n}): only one completion per request is supported", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(f"n must be in [1, {MAX_N}] (got {self.n})", param="n")
+        if self.best_of is not None and self.best_of != self.n:
+            # vLLM's engine dropped best_of > n (sampling more completions than it returns) too.
+            raise APIError(f"best_of={self.best_of} is not supported: only best_of equal to n ({self.n}) is accepted, "
+                           "every completion sampled is returned", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         self._check_stop()
@@ -355,53 +359,64 @@ def sampling_error_param(message: str, names: dict[str, str] | None = None) -> s
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16 (OpenAI's default)."""
 
-    prompt: PromptField = Field(description="a non-empty string, a non-empty list of token ids, or a list holding "
-                                            "one of those")
+    prompt: PromptField = Field(description="a non-empty string, a non-empty list of token ids, or a list of "
+                                            "those")
     logprobs: Annotated[int | None, _schema(type="integer", minimum=0, maximum=MAX_LOGPROBS)] = None
-    echo: Annotated[bool, _schema(False, const=False)] = False
+    echo: bool = False  # the prompt before the completion (and its logprobs with logprobs)
+    # vLLM's: the top-N logprobs of every prompt token (the request then computes its whole prompt: no prefix hit).
+    prompt_logprobs: Annotated[int | None, _schema(type="integer", minimum=0, maximum=MAX_LOGPROBS)] = None
     suffix: Annotated[str | None, _schema(type="string", maxLength=0)] = None
 
-    def parse_prompt(self) -> str | list[int]:
+    def parse_prompts(self) -> list[str | list[int]]:
+        """The prompts: one (a string or a list of token ids) or a list of them (strings or token-id lists)."""
         p = self.prompt
-        shapes = "a string, a list of token ids, or a list holding one string or one list of token ids"
+        shapes = "a string, a list of token ids, or a list of strings or of token-id lists"
         if isinstance(p, str):
             if not p:
                 raise APIError("prompt must not be empty", param="prompt")
-            return p
+            return [p]
         if not isinstance(p, list):
             raise APIError(f"prompt must be {shapes} (got {type(p).__name__})", param="prompt")
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
         if all(_is_int(t) for t in p):
-            return list(p)
-        if all(isinstance(x, (str, list)) for x in p):
-            if len(p) != 1:
-                raise APIError(f"a list of {len(p)} prompts is not supported: send one prompt per request",
-                               param="prompt")
-            inner = p[0]
-            if isinstance(inner, str):
-                if not inner:
-                    raise APIError("prompt must not be empty", param="prompt")
-                return inner
-            if inner and all(_is_int(t) for t in inner):
-                return list(inner)
+            return [list(p)]
+        out: list[str | list[int]] = []
+        for i, inner in enumerate(p):
+            where = "prompt" if len(p) == 1 else f"prompt[{i}]"
+            if not isinstance(inner, (str, list)) or (isinstance(inner, list) and not all(_is_int(t) for t in inner)):
+                raise APIError(f"prompt must be {shapes}", param="prompt")
             if not inner:
-                raise APIError("prompt must not be empty", param="prompt")
-        raise APIError(f"prompt must be {shapes}", param="prompt")
+                raise APIError(f"{where} must not be empty", param=where)
+            out.append(inner if isinstance(inner, str) else list(inner))
+        if len({type(x) for x in out}) > 1:
+            raise APIError("prompt mixes strings and token-id lists: send a list of one kind", param="prompt")
+        return out
 
     def check(self) -> None:
         """Refuse what this server does not implement (before the prompt is tokenized)."""
         self._check_unsupported()
-        if self.echo:
-            raise APIError("echo is not supported yet", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})", param="logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (got {self.prompt_logprobs})",
+                           param="prompt_logprobs")
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0`` (vLLM's echo without generation: lm-eval's loglikelihood): the prompt
+        alone is returned (one token is generated and dropped)."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
         self.check()
-        return self._sampling_params(max_tokens, self.logprobs, {}, defaults)
+        params = self._sampling_params(max_tokens, self.logprobs, {}, defaults)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs  # echo with logprobs: the prompt's tokens get them too
+        return dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
 
 
 class ChatCompletionRequest(_SamplingRequest):

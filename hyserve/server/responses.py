@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, suppress
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -37,9 +37,10 @@ SSE_SCHEMA = {"text/event-stream": {"schema": {"type": "string", "description": 
 
 
 def usage(out: RequestOutput, n_out: int | None = None) -> UsageInfo:
-    """Token counts of a finished request; a stream of DELTA outputs passes the ``n_out`` it counted."""
+    """Token counts of a finished request (every completion's, with ``n`` > 1); a stream of DELTA outputs passes
+    the ``n_out`` it counted."""
     n_prompt = len(out.prompt_token_ids)
-    n_out = len(out.outputs[0].token_ids) if n_out is None else n_out
+    n_out = sum(len(c.token_ids) for c in out.outputs) if n_out is None else n_out
     return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens or 0))
 
@@ -64,7 +65,7 @@ class StreamUsage:
     def add(self, out: RequestOutput) -> None:
         """Count a DELTA output's new tokens (and its prompt, as the engine counts it)."""
         self.prompt_tokens = len(out.prompt_token_ids)
-        self.completion_tokens += len(out.outputs[0].token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.cached_tokens = out.num_cached_tokens or 0
 
     def total(self) -> UsageInfo:
@@ -149,10 +150,14 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def final_output(outputs: AsyncGenerator[RequestOutput, None], request: Request) -> RequestOutput | None:
-    """The finished output, or None if the client disconnected first (then the request is aborted)."""
+T = TypeVar("T")
 
-    async def consume() -> RequestOutput | None:
+
+async def final_output(outputs: AsyncGenerator[T, None], request: Request) -> T | None:
+    """The finished output (the last one), or None if the client disconnected first (then the request is
+    aborted)."""
+
+    async def consume() -> T | None:
         last = None
         async with aclosing(outputs):
             async for out in outputs:

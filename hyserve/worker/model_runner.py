@@ -42,7 +42,7 @@ from hyserve.model.base import CausalLM, KVCacheLayer
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata
 from hyserve.sampling_params import SamplingParams
-from hyserve.scheduler.output import RunnerOutput, ScheduledRow, SchedulerOutput
+from hyserve.scheduler.output import PromptLogprobRows, RunnerOutput, ScheduledRow, SchedulerOutput
 from hyserve.worker import cuda_graphs
 from hyserve.worker.cuda_graphs import (
     MAX_VERIFY_GRAPH_TOKENS,
@@ -64,6 +64,7 @@ from hyserve.worker.memory import (
 )
 from hyserve.worker.mm_inputs import MMInputs
 from hyserve.worker.pipeline_stage import StageCommits, StageIO
+from hyserve.worker.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from hyserve.worker.sampling_state import SamplingState
 from hyserve.worker.spec_decode.mtp_drafter import MTPDrafter
 from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
@@ -136,6 +137,8 @@ class ModelRunner:
         self.drafter: MTPDrafter | None = None
         self.mtp_proposer: MTPProposer | None = None
         self.verifier: Verifier | None = None
+        # The step's prompt logprobs (rows asking SamplingParams.prompt_logprobs), taken by its RunnerOutput.
+        self.step_prompt_logprobs: dict[int, PromptLogprobRows] = {}
 
     def _log_loaded(self, seconds: float) -> None:
         if self.pp_size > 1:
@@ -414,6 +417,7 @@ class ModelRunner:
         self.state_ops.load_states(rows)
         logits = self._forward_spec(rows) if self.num_speculative_tokens else self._forward(rows, len(plain))
         n_verify = sum(rows[i].num_new_tokens for i in verify)
+        out.prompt_logprobs, self.step_prompt_logprobs = self.step_prompt_logprobs, {}
         adjusted_v, adjusted = self._adjust_logits(rows, verify, plain, logits, n_verify)
         samp = self.sampler.sample(logits[n_verify:], sampling_rows, adjusted=adjusted) if plain else None
         if samp is not None:
@@ -543,7 +547,8 @@ class ModelRunner:
     def _forward(self, rows: list[ScheduledRow], num_sampling: int) -> torch.Tensor:
         """The forward of a step without verify rows; logits of the rows that sample (in row order)."""
         graph = self._graph("decode", len(rows), lambda: all(r.num_new_tokens == 1 and not r.is_verify
-                                                             and not self.mm.reaches_image(r) for r in rows))
+                                                             and not self.mm.reaches_image(r)
+                                                             and not r.prompt_logprob_targets for r in rows))
         if graph is not None:
             decode, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size)
@@ -557,6 +562,7 @@ class ModelRunner:
             return logits[: len(rows)] if num_sampling == len(rows) else logits[logits_indices]
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.stage.run_model(self.model, input_ids, meta)
+        self._take_prompt_logprobs(rows, hidden)
         if not num_sampling:
             return hidden[:0]
         return self.model.compute_logits(hidden[logits_indices])
@@ -587,5 +593,11 @@ class ModelRunner:
             return logits[logits_indices]
         meta, input_ids, logits_indices = self.prepare(rows)
         hidden = self.stage.run_model(self.model, input_ids, meta)
+        self._take_prompt_logprobs(rows, hidden)
         self.last_hidden = hidden
         return self.model.compute_logits(hidden[logits_indices])
+
+    def _take_prompt_logprobs(self, rows: list[ScheduledRow], hidden: torch.Tensor) -> None:
+        """The prompt logprobs of the rows that ask (an eager forward: ``hidden`` holds every position)."""
+        if self.is_last_stage and wants_prompt_logprobs(rows):
+            self.step_prompt_logprobs = prompt_logprobs(self.model.compute_logits, hidden, rows, self.requests)

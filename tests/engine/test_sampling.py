@@ -40,7 +40,6 @@ def test_defaults_follow_vllm() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field", "shown"),
     [
-        ({"n": 2}, "n", "2"),
         ({"n": 0}, "n", "0"),
         ({"n": "1"}, "n", "'1'"),
         ({"temperature": -0.1}, "temperature", "-0.1"),

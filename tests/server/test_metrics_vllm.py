@@ -359,6 +359,11 @@ def test_openapi_documents_the_statuses_the_server_answers(path: str) -> None:
                 record("post", route, httpx.post(url, json={"model": MODEL, **body}, headers=headers,
                                                  timeout=30).status_code)
             record("post", route, _slow_body_status(srv, route))
+        for route, good in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+            for body in (good, {**good, "seed": -1}, {**good, "model": "other"}, {**good, "pad": "x" * 5000}):
+                r = httpx.post(srv.url + route, json={"model": MODEL, **body}, timeout=30)
+                record("post", route, r.status_code)
+            record("post", route, _slow_body_status(srv, route))
         for route in ("/v1/models", "/health", "/version", "/metrics"):
             record("get", route, httpx.get(srv.url + route, headers=auth).status_code)
         record("get", "/v1/models", httpx.get(srv.url + "/v1/models").status_code)

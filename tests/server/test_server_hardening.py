@@ -128,7 +128,7 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("completions", {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "not supported"),
     ("completions", {"structured_outputs": {"json": {}, "structural_tag": "x"}}, "structured_outputs.structural_tag",
      "not supported"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
     ("completions", {"made_up_field": 1}, "made_up_field", "not supported"),
     ("completions", {"tool_choice": "none"}, "tool_choice", "not supported"),  # chat only
     ("chat", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),

@@ -106,16 +106,20 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         raise APIError(f"the request was refused: {e}", param="messages") from e
     if final is None:
         return Response(status_code=499)
-    c = final.outputs[0]
-    message = whole_message(c.text, output_parser)
-    choice = ChatChoice(message=message,
-                        logprobs=chat_logprobs(c.token_ids, c.logprobs, top_n, body.return_tokens_as_token_ids),
-                        finish_reason=answer_finish_reason(finish_reason(final), bool(message.tool_calls),
-                                                           output_parser),
-                        stop_reason=c.stop_reason)
-    resp = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=[choice], usage=usage(final))
+    finish_reason(final)  # logs an error finish
+    choices: list[ChatChoice] = []
+    for c in final.outputs:  # n completions, by index
+        message = whole_message(c.text, output_parser)
+        choice = ChatChoice(index=c.index, message=message,
+                            logprobs=chat_logprobs(c.token_ids, c.logprobs, top_n, body.return_tokens_as_token_ids),
+                            finish_reason=answer_finish_reason(c.finish_reason, bool(message.tool_calls),
+                                                               output_parser),
+                            stop_reason=c.stop_reason)
+        if body.return_token_ids:
+            choice.token_ids = list(c.token_ids)
+        choices.append(choice)
+    resp = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage(final))
     if body.return_token_ids:
-        choice.token_ids = list(c.token_ids)
         resp.prompt_token_ids = list(final.prompt_token_ids)
     return JSONResponse(resp.model_dump())
 
@@ -165,32 +169,39 @@ async def _stream_chat(outputs: AsyncGenerator[RequestOutput, None], request_id:
 
     first = True
     final: RequestOutput | None = None
-    parsed = ChatDeltaStream(output_parser) if output_parser is not None else None
+    # One parse per choice (n > 1: each completion its own, by index).
+    parses = [ChatDeltaStream(output_parser) if output_parser is not None else None for _ in range(body.n)]
     try:
-        yield chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+        for i in range(body.n):
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async with aclosing(outputs):  # closed (the request aborted) even if this generator is dropped early
             async for out in outputs:  # DELTA outputs: only what is new (stop-string holdback included)
-                c = out.outputs[0]
-                delta, new_ids = c.text, c.token_ids
-                logprobs = chat_logprobs(new_ids, c.logprobs, top_n, body.return_tokens_as_token_ids)
                 stream_usage.add(out)
-                if parsed is None:
-                    message = DeltaMessage(content=delta) if delta else None
-                else:  # reasoning and tool calls split out of the text so far
-                    message = parsed.feed(delta, out.finished)
-                if message is not None or (new_ids and (logprobs is not None or body.return_token_ids)):
-                    choice = ChatStreamChoice(delta=message or DeltaMessage(), logprobs=logprobs)
-                    if body.return_token_ids:
-                        choice.token_ids = list(new_ids)
-                    prompt_ids = list(out.prompt_token_ids) if body.return_token_ids and first else None
-                    first = False
-                    yield chunk([choice], prompt_ids)
+                for c in out.outputs:
+                    parsed = parses[c.index]
+                    done = c.finish_reason is not None
+                    delta, new_ids = c.text, c.token_ids
+                    logprobs = chat_logprobs(new_ids, c.logprobs, top_n, body.return_tokens_as_token_ids)
+                    if parsed is None:
+                        message = DeltaMessage(content=delta) if delta else None
+                    else:  # reasoning and tool calls split out of the text so far
+                        message = parsed.feed(delta, done)
+                    if message is not None or (new_ids and (logprobs is not None or body.return_token_ids)):
+                        choice = ChatStreamChoice(index=c.index, delta=message or DeltaMessage(), logprobs=logprobs)
+                        if body.return_token_ids:
+                            choice.token_ids = list(new_ids)
+                        prompt_ids = list(out.prompt_token_ids) if body.return_token_ids and first else None
+                        first = False
+                        yield chunk([choice], prompt_ids)
+                    if done:
+                        if c.finish_reason == "error":
+                            finish_reason(out)  # logs it
+                        reason = answer_finish_reason(c.finish_reason, parsed is not None and parsed.called,
+                                                      output_parser)
+                        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason,
+                                                      stop_reason=c.stop_reason)])
                 if out.finished:
                     final = out
-                    reason = answer_finish_reason(finish_reason(out), parsed is not None and parsed.called,
-                                                  output_parser)
-                    yield chunk([ChatStreamChoice(delta=DeltaMessage(), finish_reason=reason,
-                                                  stop_reason=c.stop_reason)])
         if stream_usage.include_usage and final is not None:
             msg = ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=[],
                                       usage=stream_usage.total())
