@@ -116,7 +116,10 @@ def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs | None, t
         token = _token_str(tid, own.decoded_token if own is not None else None, as_ids)
         res.tokens.append(token)
         res.token_logprobs.append(own.logprob if own is not None else None)
-        res.top_logprobs.append({tok: lp for _, lp, tok in _ranked(entry, as_ids)})
+        top: dict[str, float] = {}
+        for _, lp, tok in _ranked(entry, as_ids):  # two ids of one text: the likelier one's (the list is sorted)
+            top.setdefault(tok, lp)
+        res.top_logprobs.append(top)
         res.text_offset.append(text_offset)
         text_offset += len(token)
     return res, text_offset

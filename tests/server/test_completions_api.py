@@ -143,3 +143,14 @@ def test_tokenize_detokenize_round_trip(server: tuple[ServerThread, Any]) -> Non
     assert "hi" in text and chat["count"] > 2
     assert post(srv, "/detokenize", {"tokens": [10**9]}).status_code == 400
     assert post(srv, "/tokenize", {}).status_code == 400
+
+
+def test_two_ids_of_one_text_keep_the_likelier_logprob() -> None:
+    """Legacy completions logprobs key the top-N by text: where two token ids decode alike, the likelier one's
+    logprob stands (a dict built in descending order would keep the lower)."""
+    from hyserve.outputs import Logprob
+    from hyserve.server.responses import completion_logprobs
+
+    entry = {7: Logprob(-0.3, 1, "ab"), 9: Logprob(-0.9, 2, "a"), 4: Logprob(-2.5, 3, "a")}
+    res, _ = completion_logprobs([7], [entry], 0)
+    assert res is not None and res.top_logprobs == [{"ab": -0.3, "a": -0.9}]
