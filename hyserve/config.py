@@ -180,6 +180,9 @@ class EngineConfig:
     # Default sampling parameters: "auto" = the checkpoint's generation_config.json, "vllm" = none (SamplingParams'
     # own defaults), or a directory holding a generation_config.json (see hyserve.tokenizer.generation_defaults).
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: generation_config.json keys set over (or, with "vllm", instead of) the
+    # file's (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens).
+    override_generation_config: dict[str, Any] | None = None
     # Periodic throughput / queue / cache-usage log lines from LLMEngine.step (on for serve, off offline).
     disable_log_stats: bool = True
     log_stats_interval_s: float = 5.0

@@ -28,7 +28,7 @@ __all__ = ["EngineArgumentParser", "engine_args", "expand_dotted", "llm_kwargs",
 logger = logging.getLogger(__name__)
 
 # Flags whose value is a JSON object; each also takes vLLM's dotted form (``--limit-mm-per-prompt.image 10``).
-DICT_FLAGS = ("--limit-mm-per-prompt", "--speculative-config", "--compilation-config")
+DICT_FLAGS = ("--limit-mm-per-prompt", "--speculative-config", "--compilation-config", "--override-generation-config")
 # vLLM's environment variable for an uneven pipeline split: layer counts per stage, comma-separated.
 PP_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 # --compilation-config's cudagraph_mode values and the keys hyserve reads.
@@ -124,6 +124,10 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="default sampling parameters: auto = the checkpoint's generation_config.json (temperature, "
                         "top_p, top_k, min_p, max_new_tokens), vllm = ignore it, or a directory holding one "
                         "(default: auto)")
+    p.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help="generation_config.json keys set over the --generation-config ones, e.g. "
+                        "'{\"temperature\": 0.5}' or --override-generation-config.temperature 0.5 (keys: temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens; default: none)")
     if serving:
         p.add_argument("--disable-log-stats", action="store_true",
                        help="no periodic throughput / queue / cache-usage log line (default: logged every 5 s)")
@@ -451,6 +455,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,
         cpu_threads=args.cpu_threads, generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         distributed_executor_backend=args.distributed_executor_backend,

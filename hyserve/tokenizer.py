@@ -126,17 +126,25 @@ _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
 UNSUPPORTED_GENERATION_KEYS: dict[str, float] = {}
 
 
-def generation_defaults(model_dir: str, generation_config: str = "auto") -> tuple[dict[str, Any], str | None]:
+def generation_defaults(model_dir: str, generation_config: str = "auto", override: dict[str, Any] | None = None
+                        ) -> tuple[dict[str, Any], str | None]:
     """Default sampling parameters (SamplingParams field -> value) and the file they came from, as vLLM's
     ``--generation-config``: ``"vllm"`` = none; ``"auto"`` = ``model_dir``'s generation_config.json (none if it
     has no file); any other value = a directory that must hold a generation_config.json.
 
     Only the keys vLLM reads are taken (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
     max_tokens); ``do_sample`` is ignored as vLLM does. Unsupported keys (``UNSUPPORTED_GENERATION_KEYS``) stay in
-    the dict for the caller to report.
+    the dict for the caller to report. ``override`` (``--override-generation-config``): keys of the same file
+    format set over the file's (with ``"vllm"``, alone); a key hyserve does not read is a ``ValueError`` naming it.
     """
+    extra = {}
+    for key, value in (override or {}).items():
+        if key not in _GENERATION_KEYS:
+            raise ValueError(f"--override-generation-config: {key!r} is not a key hyserve reads (it reads "
+                             f"{', '.join(_GENERATION_KEYS)})")
+        extra[_GENERATION_KEYS[key]] = value
     if generation_config == "vllm":
-        return {}, None
+        return extra, ("--override-generation-config" if extra else None)
     if generation_config == "auto":
         directory = model_dir
     else:
@@ -146,7 +154,10 @@ def generation_defaults(model_dir: str, generation_config: str = "auto") -> tupl
                                     "directory (use 'auto', 'vllm' or a directory holding one)")
     raw = load_generation_config(directory)
     out = {field: raw[key] for key, field in _GENERATION_KEYS.items() if raw.get(key) is not None}
-    return out, (os.path.join(directory, GENERATION_CONFIG_FILE) if raw else None)
+    source = os.path.join(directory, GENERATION_CONFIG_FILE) if raw else None
+    if extra:
+        source = f"{source} and --override-generation-config" if source else "--override-generation-config"
+    return {**out, **extra}, source
 
 
 def _as_id_list(value: Any) -> list[int]:

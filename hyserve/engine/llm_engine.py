@@ -234,7 +234,8 @@ class LLMEngine:
         self.output_processor.eos_token_ids = ids
 
     def _load_default_sampling_params(self) -> dict[str, Any]:
-        defaults, source = generation_defaults(self.config.model, self.config.generation_config)
+        defaults, source = generation_defaults(self.config.model, self.config.generation_config,
+                                               self.config.override_generation_config)
         for key, neutral in UNSUPPORTED_GENERATION_KEYS.items():
             value = defaults.pop(key, None)
             if value is not None and float(value) != neutral:

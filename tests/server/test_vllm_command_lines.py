@@ -6,9 +6,11 @@ building only: no model runs."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -299,3 +301,29 @@ def test_docs_table_lists_every_vllm_flag_accepted(model: str) -> None:
                  "--tokenizer", "--limit-mm-per-prompt", "--speculative-config", PP_PARTITION_ENV,
                  "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"):
         assert f"`{flag}" in text, flag
+
+
+@pytest.mark.parametrize("form", ["--override-generation-config '{\"temperature\": 0.25, \"max_new_tokens\": 7}'",
+                                  "--override-generation-config.temperature 0.25 "
+                                  "--override-generation-config.max_new_tokens 7"])
+def test_override_generation_config(model: str, tmp_path: Path, form: str) -> None:
+    """vLLM's --override-generation-config, JSON or dotted: its keys over the checkpoint's generation_config.json
+    (here top_p from the file survives beside them), and alone under --generation-config vllm."""
+    from hyserve import LLM
+
+    with open(os.path.join(model, "generation_config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(model, path)
+    with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({**raw, "top_p": 0.8, "temperature": 0.9}, f)
+    config = config_of(f"serve MODEL {form}", path)
+    assert config.override_generation_config == {"temperature": 0.25, "max_new_tokens": 7}
+    llm = LLM(model=path, device="cpu", dtype="float32", override_generation_config=config.override_generation_config)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.max_tokens) == (0.25, 0.8, 7)
+    alone = LLM(model=path, device="cpu", dtype="float32", generation_config="vllm",
+                override_generation_config={"temperature": 0.25}).get_default_sampling_params()
+    assert (alone.temperature, alone.top_p) == (0.25, 1.0)
+    with pytest.raises(ValueError, match="'do_sample' is not a key hyserve reads"):
+        LLM(model=path, device="cpu", dtype="float32", override_generation_config={"do_sample": True})
