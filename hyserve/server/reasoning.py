@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from hyserve.server.tool_parsers.base import held_back
+
 THINK = "<think>"
 THINK_END = "</think>"
 TOOL_CALL = "<tool_call>"
@@ -69,7 +71,7 @@ class Qwen3ReasoningParser:
             return ReasoningSplit(text[begin:self.end[0]], text[self.end[1]:])
         if final:
             return ReasoningSplit(text[begin:], "")
-        hold = undecided if undecided is not None else len(text) - _partial_tag(text, (THINK_END, TOOL_CALL))
+        hold = undecided if undecided is not None else len(text) - held_back(text, (THINK_END, TOOL_CALL))
         return ReasoningSplit(text[begin:max(hold, begin)], "")
 
     def _scan(self, text: str, final: bool) -> int | None:
@@ -93,17 +95,6 @@ class Qwen3ReasoningParser:
             return None
         self.scanned = max(self.scanned, len(text) - max(len(THINK_END), len(TOOL_CALL)) + 1)
         return None
-
-
-def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` may begin one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 REASONING_PARSERS: dict[str, type[Qwen3ReasoningParser]] = {Qwen3ReasoningParser.name: Qwen3ReasoningParser}

@@ -9,11 +9,15 @@ arguments as objects), tool results, and the ``<think>`` that Qwen3.5 puts in th
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from hyserve.engine.llm_engine import LLMEngine
+from hyserve.testing.server import ServerThread
 
 # transformers renders with trim_blocks: a newline right after a block tag is dropped (written as {{ '\\n' }}).
 TOOL_CHAT_TEMPLATE = (
@@ -71,3 +75,20 @@ class ScriptedModel:
         assert self.tokenizer.decode(self.ids) == text, "the tiny tokenizer cannot spell this text"
         self.next = 0
         return self.ids
+
+
+@contextlib.contextmanager
+def scripted_server(root: str, name: str, **app_kw: Any) -> Iterator[tuple[ServerThread, ScriptedModel]]:
+    """A tiny checkpoint under ``root`` with the tool-calling chat template, served in a thread as ``name`` by an
+    engine whose model says what a test plants (``ScriptedModel``); ``app_kw`` go to ``build_app`` (parsers)."""
+    from hyserve.config import EngineConfig
+    from hyserve.server import AsyncEngine, build_app
+    from hyserve.testing.qwen3_5 import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(os.path.join(root, name))
+    write_chat_template(path)
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", cpu_cache_memory_bytes=64 * 2**20))
+    model = ScriptedModel(engine)
+    async_engine = AsyncEngine(engine, start=False)
+    with ServerThread(async_engine, app=build_app(async_engine, name, **app_kw)) as server:
+        yield server, model

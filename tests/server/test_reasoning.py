@@ -15,14 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from hyserve.config import EngineConfig
-from hyserve.engine.llm_engine import LLMEngine
-from hyserve.server import AsyncEngine, build_app
 from hyserve.server.chat_output import ChatDeltaStream, ChatOutputParser
 from hyserve.server.reasoning import Qwen3ReasoningParser, ReasoningSplit, prompt_ends_reasoning
 from hyserve.server.tool_parsers import tool_parser_class
-from hyserve.testing import write_tiny_checkpoint
-from hyserve.testing.scripted import ScriptedModel, write_chat_template
+from hyserve.testing.scripted import ScriptedModel, scripted_server
 from hyserve.testing.server import ServerThread
 
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
@@ -138,14 +134,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    path = write_tiny_checkpoint(str(tmp_path_factory.mktemp("reasoning") / "tiny-think"))
-    write_chat_template(path)
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", cpu_cache_memory_bytes=64 * 2**20))
-    model = ScriptedModel(engine)
-    async_engine = AsyncEngine(engine, start=False)
-    app = build_app(async_engine, "tiny-think", enable_auto_tool_choice=True, tool_call_parser="qwen3_coder",
-                    reasoning_parser="qwen3")
-    with ServerThread(async_engine, app=app) as server:
+    with scripted_server(str(tmp_path_factory.mktemp("reasoning")), "tiny-think", enable_auto_tool_choice=True,
+                         tool_call_parser="qwen3_coder", reasoning_parser="qwen3") as (server, model):
         yield Served(server, model)
 
 

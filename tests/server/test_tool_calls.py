@@ -19,16 +19,12 @@ import httpx
 import pytest
 
 from hyserve import cli
-from hyserve.config import EngineConfig
-from hyserve.engine.llm_engine import LLMEngine
-from hyserve.server import AsyncEngine, build_app
 from hyserve.server.chat_output import ChatDeltaStream, ChatOutputParser
 from hyserve.server.protocol import APIError, ChatCompletionRequest, DeltaMessage
 from hyserve.server.tool_parsers import TOOL_PARSERS, ToolParse, ToolParser, tool_parser_class
 from hyserve.server.tool_parsers.qwen3_coder import convert_value
 from hyserve.server.tools import ToolSettings, check_parser_flags, plan_tools
-from hyserve.testing import write_tiny_checkpoint
-from hyserve.testing.scripted import ScriptedModel, write_chat_template
+from hyserve.testing.scripted import ScriptedModel, scripted_server
 from hyserve.testing.server import ServerThread
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": {
@@ -316,14 +312,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    path = write_tiny_checkpoint(str(tmp_path_factory.mktemp("tools") / "tiny-tools"))
-    write_chat_template(path)
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", cpu_cache_memory_bytes=64 * 2**20))
-    model = ScriptedModel(engine)
-    async_engine = AsyncEngine(engine, start=False)
-    app = build_app(async_engine, "tiny-tools", enable_auto_tool_choice=True, tool_call_parser="qwen3_coder",
-                    reasoning_parser="qwen3")
-    with ServerThread(async_engine, app=app) as server:
+    with scripted_server(str(tmp_path_factory.mktemp("tools")), "tiny-tools", enable_auto_tool_choice=True,
+                         tool_call_parser="qwen3_coder", reasoning_parser="qwen3") as (server, model):
         yield Served(server, model)
 
 
