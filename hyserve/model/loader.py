@@ -5,8 +5,10 @@ moves the vision tower's to ``visual.``), and names the prefix of its draft head
 (``ModelConfig.draft_prefix``, Qwen3.5's ``mtp.``): those are returned to the caller, not loaded into the model.
 ``visual.X`` tensors are skipped, with one warning giving the count, where the model holds no vision tower (image
 input off, or a text-only model). A module that owns stacked tensors loads them itself: a ``MergedLinear``
-(one GEMM for several checkpoint tensors) offers its parts' row views under the checkpoint's names, and a target
-carrying a ``LoadSpec`` is copied by its own ``load``.
+(one GEMM for several checkpoint tensors) offers its parts' row views under the checkpoint's names, a module with
+stacked tensors that checkpoints may also store in pieces offers the pieces' views (``checkpoint_parts``: a
+checkpoint holds either the stacked tensor or all of its pieces, e.g. a mixture-of-experts layer's experts fused or
+one by one), and a target carrying a ``LoadSpec`` is copied by its own ``load``.
 
 Quantized layers (``hyserve.layers.quantization``): a layer the model's quantization config quantizes has FP8
 ``weight`` and scale targets (``weight_scale``, ``weight_scale_inv``, ``input_scale``), so the header pass checks
@@ -125,7 +127,9 @@ def load_weights(
     files = checkpoint_files(model_dir)
     targets = _targets(model, config)
     holds = getattr(model, "holds", None)
-    entries = _plan(files, targets, config, holds if callable(holds) else None, kv_layer_names(model))
+    parts = checkpoint_parts(model)
+    entries = _plan(files, targets, config, holds if callable(holds) else None, kv_layer_names(model), parts)
+    dest = {**targets, **{name: view for name, (_, view) in parts.items()}}
     device, dtype = _model_device_dtype(model)
     total = sum(e.nbytes for e in entries)
     show = total > PROGRESS_MIN_BYTES if show_progress is None else show_progress
@@ -141,7 +145,7 @@ def load_weights(
                 module, which = split_kv_scale(entry.target) or ("", ())
                 apply_kv_scale(model, module, which, tensor, entry.ckpt_name)
             else:
-                copy_into(targets[entry.target], tensor)
+                copy_into(dest[entry.target], tensor)
             bar.update(entry.nbytes)
         _fill_untied_lm_head(model, targets, config)
         finish_loading(model)
@@ -240,6 +244,40 @@ def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def checkpoint_parts(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """The pieces under which a checkpoint may store ``module``'s stacked tensors instead: piece name -> (the
+    stacked tensor's name, the piece's view of it), from every submodule with a ``checkpoint_parts()`` method."""
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, m in module.named_modules():
+        offer = getattr(m, "checkpoint_parts", None)
+        if callable(offer):
+            prefix = f"{name}." if name else ""
+            for part, (whole, view) in offer().items():
+                out[prefix + part] = (prefix + whole, view)
+    return out
+
+
+def parts_given(parts: dict[str, tuple[str, torch.Tensor]], given: set[str]) -> dict[str, tuple[str, torch.Tensor]]:
+    """The pieces (of ``parts``) among the checkpoint's names ``given``: each stacked tensor must come whole or in
+    all of its pieces, never both."""
+    by_whole: dict[str, list[str]] = {}
+    for part, (whole, _) in parts.items():
+        by_whole.setdefault(whole, []).append(part)
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for whole, pieces in by_whole.items():
+        got = [p for p in pieces if p in given]
+        if not got:
+            continue
+        if whole in given:
+            raise ValueError(f"checkpoint has both {whole!r} and its pieces ({got[0]!r}, ...)")
+        if len(got) < len(pieces):
+            missing = [p for p in pieces if p not in given]
+            raise ValueError(f"missing tensor(s) in checkpoint: {_listing(missing)} (pieces of {whole!r}, of which "
+                             f"{len(got)} are there)")
+        out.update({p: parts[p] for p in got})
+    return out
+
+
 def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Model name -> tensor for every distinct parameter/persistent buffer, merged projections as their parts."""
     state = model.state_dict(keep_vars=True)
@@ -253,10 +291,14 @@ def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Ten
 
 
 def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfig,
-          holds: Callable[[str], bool] | None = None, kv_layers: set[str] | None = None) -> list[_Entry]:
+          holds: Callable[[str], bool] | None = None, kv_layers: set[str] | None = None,
+          parts: dict[str, tuple[str, torch.Tensor]] | None = None) -> list[_Entry]:
     """Check names and shapes from the headers only; returns what to read, in file order. Names map by the
     config's ``checkpoint_name``; ``holds``: whether a tensor belongs to this pipeline stage (the others' are
-    skipped); ``kv_layers``: the attention modules, whose FP8 KV-cache scales a checkpoint may carry."""
+    skipped); ``kv_layers``: the attention modules, whose FP8 KV-cache scales a checkpoint may carry; ``parts``:
+    the pieces a checkpoint may store stacked tensors as (``checkpoint_parts``)."""
+    parts = parts or {}
+    pieces: dict[str, str] = {}
     draft = config.draft_prefix
     entries: list[_Entry] = []
     loaded: dict[str, str] = {}
@@ -285,6 +327,10 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                         raise ValueError(f"{name} is empty")
                     kv_scales += 1
                     entries.append(_Entry(name, path, shape, nbytes, target, kv_scale=True))
+                elif target not in targets and target in parts:
+                    check_tensor(name, parts[target][1], shape, st_dtype, config)
+                    pieces[target] = name
+                    entries.append(_Entry(name, path, shape, nbytes, target))
                 elif target not in targets:
                     unexpected.append(name)
                 else:
@@ -300,6 +346,8 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
         logger.info("skipped %d tensors that other pipeline stages hold", skipped_stage)
     if kv_scales:
         logger.info("read %d KV-cache scales (an FP8 KV cache uses them: --kv-cache-dtype fp8)", kv_scales)
+    for whole, _ in parts_given(parts, set(pieces) | set(loaded)).values():
+        loaded.setdefault(whole, "its pieces")
     _check_complete(targets, loaded, unexpected, config)
     return entries
 

@@ -14,6 +14,7 @@ lookahead).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -25,10 +26,12 @@ from hyserve.layers.norm import RMSNorm
 from hyserve.model.loader import (
     apply_kv_scale,
     check_tensor,
+    checkpoint_parts,
     checkpoint_tensors,
     copy_into,
     finish_loading,
     kv_layer_names,
+    parts_given,
     safetensors_dtype,
     split_kv_scale,
 )
@@ -39,6 +42,10 @@ from hyserve.model.qwen3_5_config import qwen3_5_config
 
 
 class MTPHead(nn.Module):
+    """A variant family's head subclasses it with its own ``decoder_layer`` (the MoE family's)."""
+
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = qwen3_5_config(config)
@@ -48,7 +55,7 @@ class MTPHead(nn.Module):
         self.fc = Linear(2 * h, h, quant=cfg.quantization, prefix="mtp.fc")
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, self.rotary, "mtp.layers.0")])
+        self.layers = nn.ModuleList([self.decoder_layer(layer_cfg, 0, self.rotary, "mtp.layers.0")])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
     @property
@@ -71,6 +78,12 @@ def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
     weights and their scales into the layers the head quantizes, as the loader checks the model's)."""
     params = checkpoint_tensors(head)
     given = {name.removeprefix("mtp."): t for name, t in weights.items()}
+    for name, (whole, view) in parts_given(checkpoint_parts(head), set(given)).items():
+        t = given.pop(name)
+        check_tensor(f"mtp.{name}", view, tuple(t.shape), safetensors_dtype(t), head.config)
+        with torch.no_grad():
+            copy_into(view, t)
+        params.pop(whole, None)
     for name in list(given):  # an FP8 KV cache's scales for the head's attention layer
         kv = split_kv_scale(name)
         if kv is not None and kv[0] in kv_layer_names(head):

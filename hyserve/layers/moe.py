@@ -1,0 +1,134 @@
+"""The sparse mixture-of-experts block (Qwen3.5-MoE's feed-forward block), in plain torch: the CPU path, and the
+yardstick of fused kernels.
+
+    probs   = softmax(x @ router^T)                    float32, over all experts
+    w, idx  = top_k(probs)                             w / sum(w) when norm_topk_prob
+    y       = sum_j w_j * expert_{idx_j}(x)            expert(x) = down(silu(gate(x)) * up(x))
+            + sigmoid(x @ shared_expert_gate^T) * shared_expert(x)
+
+The experts' weights are stacked: ``experts.gate_up_proj`` [E, 2I, H] (gate rows then up rows) and
+``experts.down_proj`` [E, H, I], the layout of the fused checkpoints. A checkpoint that stores each expert apart
+(``experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj`` [H, I]) loads into views of the same tensors
+(``Experts.checkpoint_parts``, read by ``hyserve.model.loader``). Tensor parallel: each rank holds its slice of
+every expert's intermediate dimension; the partial outputs are summed over the group.
+
+The routed computation is batched by expert: the (token, choice) pairs are sorted by expert and each expert that
+received tokens runs one GEMM over all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_size
+from hyserve.layers.linear import Linear
+from hyserve.layers.mlp import MLP
+from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.sharding import Shard, set_shard
+
+
+class MoEConfig(Protocol):
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    quantization: QuantizationConfig | None
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, experts)``, each [tokens, top_k]: softmax over the experts in float32, the top k, divided by
+    their sum when ``renormalize``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked weights (this rank's slice of the intermediate dimension) and their batched
+    computation."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden = num_experts, hidden
+        self.intermediate_full = intermediate
+        i0, i1 = shard_range(intermediate)
+        self.i_range = (i0, i1)
+        n = i1 - i0
+        self.intermediate = n
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
+        if tp_size() > 1:
+            set_shard(self.gate_up_proj, Shard((num_experts, 2 * intermediate, hidden), 1,
+                                               ((i0, i1), (intermediate + i0, intermediate + i1))))
+            set_shard(self.down_proj, Shard((num_experts, hidden, intermediate), 2, ((i0, i1),)))
+
+    def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """The per-expert layout: ``{e}.gate_proj.weight`` (and ``up_proj``, ``down_proj``) -> (the stacked
+        tensor it is a part of, its view there, carrying this rank's shard of the expert's tensor)."""
+        n, (i0, i1), full, h = self.intermediate, self.i_range, self.intermediate_full, self.hidden
+        sharded = tp_size() > 1
+        out: dict[str, tuple[str, torch.Tensor]] = {}
+        for e in range(self.num_experts):
+            views = {"gate_proj": ("gate_up_proj", self.gate_up_proj.data[e, :n], Shard((full, h), 0, ((i0, i1),))),
+                     "up_proj": ("gate_up_proj", self.gate_up_proj.data[e, n:], Shard((full, h), 0, ((i0, i1),))),
+                     "down_proj": ("down_proj", self.down_proj.data[e], Shard((h, full), 1, ((i0, i1),)))}
+            for name, (whole, view, shard) in views.items():
+                if sharded:
+                    set_shard(view, shard)
+                out[f"{e}.{name}.weight"] = (whole, view)
+        return out
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, H]; ``weights`` (float32) and ``experts`` [T, k]: the routed sum over each token's k choices
+        (this rank's partial sum when tensor-parallel)."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // k
+        xs = x[token]
+        out = torch.empty_like(xs)
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            seg = slice(start, start + c)
+            gate, up = F.linear(xs[seg], self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+            out[seg] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            start += c
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class SparseMoeBlock(nn.Module):
+    """``gate`` (the router), ``experts``, ``shared_expert`` and ``shared_expert_gate``: the checkpoint's names."""
+
+    def __init__(self, cfg: MoEConfig, prefix: str) -> None:
+        super().__init__()
+        if cfg.quantization is not None:
+            raise ValueError(f"quantized mixture-of-experts layers are not supported yet ({prefix})")
+        h = cfg.hidden_size
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(h, cfg.num_experts, prefix=f"{prefix}.gate")
+        self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size)
+        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, None, f"{prefix}.shared_expert")
+        self.shared_expert_gate = Linear(h, 1, prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, experts = route(logits, self.top_k, self.renormalize)
+        routed = self.experts(x, weights, experts)
+        if tp_size() > 1:
+            routed = all_reduce(routed)
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return (routed + shared).reshape(shape)

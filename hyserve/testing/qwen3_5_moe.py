@@ -1,0 +1,206 @@
+"""The Qwen3.5-MoE family's tiny checkpoints for tests, laid out as the real releases are, and their reference.
+
+``write_tiny_moe_checkpoint`` writes config.json, safetensors weights, tokenizer files and generation_config.json in
+either published form (``causal``: ``Qwen3_5MoeForCausalLM``, ``qwen3_5_moe_text``, tensors ``model.*``;
+``conditional``: ``Qwen3_5MoeForConditionalGeneration``, ``qwen3_5_moe`` with ``text_config`` and a vision tower,
+tensors ``model.language_model.*`` and ``model.visual.*``), with the experts in either layout (``fused``:
+``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], transformers' parameters;
+``per_expert``: ``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``), optionally with an MTP head
+(``mtp.*``, its one decoder layer with its own MoE block). Parameter names and shapes come from transformers'
+``Qwen3_5MoeForCausalLM`` built on the meta device.
+
+``load_moe_reference_model``: transformers' ``Qwen3_5MoeForCausalLM`` with the checkpoint's tensors, float32, CPU.
+The fused layout loads with ``from_pretrained``; transformers 5.17 does not convert the per-expert layout for this
+family (its conversion mapping only strips ``language_model.``), so a per-expert checkpoint's tensors are stacked
+into the fused parameters here and loaded strictly. transformers' router always renormalizes the top-k weights;
+for a config with ``norm_topk_prob: false`` the reference's routers are given the unrenormalized routing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import types
+from typing import Any
+
+import torch
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+from hyserve.testing.families import LAYER_PATTERNS, FamilyCheckpoints, register_family
+from hyserve.testing.files import read_checkpoint_tensors, save_weights, write_json
+from hyserve.testing.qwen3_5 import (
+    conditional_name,
+    config_json,
+    init_tensor,
+    mtp_shapes,
+    tiny_text_config,
+    use_torch_gated_delta_rule,
+    visual_shapes,
+)
+from hyserve.testing.tokenizer import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
+
+MOE_DEFAULTS: dict[str, Any] = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48}
+LAYOUTS = ("fused", "per_expert")
+
+
+def tiny_moe_config(layer_types: list[str], **overrides: Any) -> Qwen3_5MoeTextConfig:
+    """Qwen3.5's tiny text config (``hyserve.testing.qwen3_5.tiny_text_config``'s fields) with a small MoE."""
+    dense = tiny_text_config(layer_types=layer_types).to_dict()
+    kwargs = {k: dense[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types",
+                                    "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                                    "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+                                    "linear_conv_kernel_dim", "rms_norm_eps", "max_position_embeddings",
+                                    "rope_parameters", "eos_token_id", "tie_word_embeddings")}
+    kwargs.update({**MOE_DEFAULTS, "bos_token_id": None, "pad_token_id": None})
+    kwargs.update(overrides)
+    return Qwen3_5MoeTextConfig(**kwargs)
+
+
+def moe_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Scales for the MoE block's tensors (stacked experts read over their last dim); the rest as Qwen3.5's."""
+    if name.endswith("experts.gate_up_proj"):
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    if name.endswith("experts.down_proj"):
+        return torch.randn(shape, generator=gen) * (0.5 / math.sqrt(shape[-1]))
+    if name.endswith("mlp.gate.weight"):  # router: spread logits, so the top k are clear
+        return torch.randn(shape, generator=gen) * (2.0 / math.sqrt(shape[-1]))
+    return init_tensor(name, shape, gen)
+
+
+def moe_shapes(config: Qwen3_5MoeTextConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
+    """transformers' ``Qwen3_5MoeForCausalLM`` parameters (meta device), and the MTP head's (Qwen3.5's head with
+    the decoder layer's MLP replaced by an MoE block of the same names as the model's layers')."""
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if not config.tie_word_embeddings:
+        shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))
+    if with_mtp:
+        dense = types.SimpleNamespace(**{k: getattr(config, k) for k in (
+            "hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads")}, intermediate_size=1)
+        mtp = {n: s for n, s in mtp_shapes(dense).items() if ".mlp." not in n}  # type: ignore[arg-type]
+        block = {n.removeprefix("model.layers.0."): s for n, s in shapes.items() if n.startswith("model.layers.0.mlp.")}
+        mtp.update({f"mtp.layers.0.{n}": s for n, s in block.items()})
+        shapes.update(mtp)
+    return shapes
+
+
+def split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fused experts' tensors as one tensor per expert and projection (the per-expert layout)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, i = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :i].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = t[e, i:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``split_experts``."""
+    out: dict[str, torch.Tensor] = {}
+    per: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit():
+            base = ".".join(parts[:-3]) + "."
+            per.setdefault(base, {}).setdefault(int(parts[-3]), {})[parts[-2]] = t
+        else:
+            out[name] = t
+    for base, experts in per.items():
+        order = [experts[e] for e in sorted(experts)]
+        out[base + "gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in order])
+        out[base + "down_proj"] = torch.stack([p["down_proj"] for p in order])
+    return out
+
+
+def write_tiny_moe_checkpoint(
+    path: str | os.PathLike[str], *, form: str = "causal", layer_types: list[str] | None = None,
+    layout: str = "fused", with_mtp: bool = False, seed: int = 0, sharded: bool = False,
+    dtype: torch.dtype = torch.float32, **overrides: Any,
+) -> str:
+    """Write a tiny random Qwen3.5-MoE checkpoint; ``overrides`` go to ``Qwen3_5MoeTextConfig``
+    (``num_experts_per_tok=3``, ``norm_topk_prob=False``, ...)."""
+    if form not in ("causal", "conditional") or layout not in LAYOUTS:
+        raise ValueError(f"form must be causal or conditional, layout one of {LAYOUTS} (got {form!r}, {layout!r})")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    norm_topk = overrides.pop("norm_topk_prob", None)
+    config = tiny_moe_config(list(layer_types or LAYER_PATTERNS["gdn3_attn1"]), **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = moe_shapes(config, with_mtp)
+    tensors = {n: moe_init(n, s, gen).to(dtype).contiguous() for n, s in shapes.items()}
+    if layout == "per_expert":
+        tensors = split_experts(tensors)
+    if form == "conditional":
+        tensors = {conditional_name(n): t for n, t in tensors.items()}
+        tensors.update({n: init_tensor(n, s, gen).to(dtype) for n, s in visual_shapes(config.hidden_size).items()})
+    save_weights(path, tensors, sharded=sharded)
+    raw = config_json(config, form=form, dtype=dtype, with_mtp=with_mtp)  # type: ignore[arg-type]
+    text = raw if form == "causal" else raw["text_config"]
+    text["model_type"] = "qwen3_5_moe_text"
+    if norm_topk is not None:
+        text["norm_topk_prob"] = bool(norm_topk)
+    if form == "causal":
+        raw["architectures"] = ["Qwen3_5MoeForCausalLM"]
+    else:
+        raw.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
+        raw["vision_config"]["model_type"] = "qwen3_5_moe_vision"
+    write_json(os.path.join(path, "config.json"), raw)
+    ids = special_token_ids()
+    write_json(os.path.join(path, "generation_config.json"),
+               {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": False,
+                "transformers_version": "5.17.0"})
+    write_tokenizer(path)
+    return path
+
+
+def _unnormalized_router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """transformers' ``Qwen3_5MoeTopKRouter.forward`` without the renormalization (``norm_topk_prob: false``)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    top, idx = torch.topk(probs, self.top_k, dim=-1)
+    return logits, top.to(logits.dtype), idx
+
+
+def load_moe_reference_model(path: str | os.PathLike[str]) -> Qwen3_5MoeForCausalLM:
+    """transformers' ``Qwen3_5MoeForCausalLM`` holding the checkpoint in ``path``, float32, eval mode."""
+    use_torch_gated_delta_rule()
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        setattr(modeling_qwen3_5_moe, name, inspect.unwrap(getattr(modeling_qwen3_5_moe, name)))
+    path = os.fspath(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    text = raw.get("text_config", raw)
+    tensors = read_checkpoint_tensors(path)
+    if any(".experts.0." in n for n in tensors):
+        fields = {k: v for k, v in text.items() if k not in ("architectures", "model_type")}
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**fields))
+        state = {("model." + n.removeprefix("model.language_model.")) if n.startswith("model.language_model.")
+                 else n: t for n, t in stack_experts(tensors).items()
+                 if not n.startswith(("mtp.", "model.visual."))}
+        model.load_state_dict(state, strict=True)
+        model = model.float()
+    else:
+        model = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    if not text.get("norm_topk_prob", True):
+        for m in model.modules():
+            if isinstance(m, modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter):
+                m.forward = types.MethodType(_unnormalized_router_forward, m)  # type: ignore[method-assign]
+    return model.eval()
+
+
+QWEN3_5_MOE = register_family(FamilyCheckpoints("qwen3_5_moe", write_tiny_moe_checkpoint, load_moe_reference_model,
+                                                LAYER_PATTERNS))
