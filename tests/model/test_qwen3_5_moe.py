@@ -1,0 +1,172 @@
+"""Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``, ``Qwen3_5MoeForConditionalGeneration``) on the CPU, against
+transformers' ``Qwen3_5MoeForCausalLM`` (float32, teacher-forced), on tiny checkpoints with 6 experts, top-k 2 and 3,
+``norm_topk_prob`` both ways, a shared expert, GDN and attention layers in several orders:
+
+* greedy tokens and log-probabilities match the reference in both forms and both expert layouts (fused
+  ``experts.gate_up_proj`` / ``down_proj``, and one tensor per expert and projection);
+* the scheduling scenario (staggered arrivals, prefix-cache hits, chunked prefill, an abort, preemption) gives the
+  reference's greedy tokens, and async scheduling, n-gram and MTP (k = 2, the MTP layer's own MoE) speculation and
+  the emulated CUDA graphs give the plain synchronous run's outputs;
+* tensor parallel 2 on gloo (each expert's intermediate dimension split) matches the reference, both layouts;
+* a sabotaged MoE (top-k weights not renormalized, routing in bfloat16) fails the reference check;
+* the loader refuses a checkpoint with both layouts of one layer, or an expert missing; the config counts the expert
+  weights exactly as transformers' model holds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3_5MoeForCausalLM as Reference
+from transformers import Qwen3_5MoeTextConfig
+
+from hyserve import SamplingParams
+from hyserve.layers import moe
+from hyserve.layers.moe import SparseMoeBlock
+from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeMTPHead
+from hyserve.model.registry import load_model_config
+from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
+from hyserve.testing.families import CheckpointCache
+from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE
+from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
+from hyserve.worker import cuda_graphs
+
+FAMILY = QWEN3_5_MOE.name
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+def _check(llm, ref, prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_reference(ref, prompt, out)
+
+
+@pytest.mark.parametrize("form,layout,pattern,top_k,norm", [
+    ("causal", "fused", "gdn3_attn1", 2, True),
+    ("causal", "per_expert", "attn_first", 3, False),
+    ("conditional", "fused", "attn_both_ends", 3, True),
+    ("conditional", "per_expert", "gdn3_attn1", 2, False),
+])
+def test_matches_transformers(ckpts: CheckpointCache, form: str, layout: str, pattern: str, top_k: int,
+                              norm: bool) -> None:
+    path = ckpts.get(form, pattern, family=FAMILY, layout=layout, num_experts_per_tok=top_k, norm_topk_prob=norm)
+    llm = make_llm(path, max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    assert type(model) is Qwen3_5MoeForCausalLM
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == 4 and all(b.top_k == top_k and b.renormalize == norm for b in blocks)
+    _check(llm, ckpts.reference(path), random_prompts(4, [1, 7, 23, 40], seed=3))
+
+
+def _scenario_path(ckpts: CheckpointCache) -> str:
+    return ckpts.get("conditional", "gdn3_attn1", family=FAMILY, with_mtp=True, num_experts_per_tok=3)
+
+
+@pytest.fixture(scope="module")
+def plain_run(ckpts: CheckpointCache) -> dict:
+    """The scenario run synchronously without speculation: it preempts and hits, and matches the reference."""
+    path = _scenario_path(ckpts)
+    arrivals, aborts, prompts = scenario(path)
+    engine = scenario_engine(path, "plain")
+    want = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    metrics = engine.get_metrics()
+    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
+    assert "c" not in want  # aborted
+    ref = ckpts.reference(path)
+    for rid, out in want.items():
+        if rid != "d":  # sampled
+            assert_matches_reference(ref, prompts[rid], out)
+    return want
+
+
+@pytest.mark.parametrize("spec,async_scheduling,graphs", [
+    ("plain", False, False), ("plain", True, True), ("ngram", True, False), ("mtp", False, True), ("mtp", True, False),
+])
+def test_features_compose_with_moe(ckpts: CheckpointCache, plain_run: dict, monkeypatch: pytest.MonkeyPatch,
+                                   spec: str, async_scheduling: bool, graphs: bool) -> None:
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
+    path = _scenario_path(ckpts)
+    arrivals, aborts, _ = scenario(path)
+    engine = scenario_engine(path, spec, async_scheduling=async_scheduling)
+    assert (engine.runner.graphs is not None) == graphs
+    if spec == "mtp":
+        assert isinstance(engine.runner.mtp, Qwen3_5MoeMTPHead)  # type: ignore[attr-defined]
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert_same_outputs(got, plain_run)
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_tensor_parallel_2_splits_the_experts(ckpts: CheckpointCache, layout: str) -> None:
+    path = ckpts.get("causal", "attn_first", family=FAMILY, layout=layout, num_experts_per_tok=3)
+    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16)
+    _check(llm, ckpts.reference(path), random_prompts(3, [9, 30, 17], seed=5))
+    llm.llm_engine.shutdown()
+
+
+def _unnormalized(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return ROUTE(logits, top_k, False)
+
+
+def _bf16(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits.to(torch.bfloat16), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.float(), experts
+
+
+ROUTE = moe.route
+
+
+@pytest.mark.parametrize("sabotage", [_unnormalized, _bf16], ids=["no_renormalization", "bf16_routing"])
+def test_a_sabotaged_moe_is_caught(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch, sabotage: object) -> None:
+    path = ckpts.get("causal", "gdn3_attn1", family=FAMILY, layout="fused", num_experts_per_tok=2,
+                     norm_topk_prob=True)
+    monkeypatch.setattr(moe, "route", sabotage)
+    llm = make_llm(path, max_num_batched_tokens=16)
+    with pytest.raises(AssertionError, match="logprob|reference argmax"):
+        _check(llm, ckpts.reference(path), random_prompts(4, [1, 7, 23, 40], seed=3))
+
+
+def _copy(ckpts: CheckpointCache, tmp_path: Path, layout: str) -> tuple[str, dict[str, torch.Tensor]]:
+    src = ckpts.get("causal", "gdn3_attn1", family=FAMILY, layout=layout)
+    dst = str(tmp_path / layout)
+    shutil.copytree(src, dst)
+    return dst, load_file(os.path.join(dst, "model.safetensors"))
+
+
+def test_both_layouts_of_one_layer_or_a_missing_expert_are_refused(ckpts: CheckpointCache, tmp_path: Path) -> None:
+    path, tensors = _copy(ckpts, tmp_path, "per_expert")
+    _, fused = _copy(ckpts, tmp_path, "fused")
+    both = {**tensors, "model.layers.1.mlp.experts.down_proj": fused["model.layers.1.mlp.experts.down_proj"]}
+    save_file(both, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"both 'model\.layers\.1\.mlp\.experts\.down_proj' and its pieces"):
+        make_llm(path)
+    save_file({n: t for n, t in tensors.items() if n != "model.layers.2.mlp.experts.4.up_proj.weight"},
+              os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor.*model\.layers\.2\.mlp\.experts\.4\.up_proj\.weight"):
+        make_llm(path)
+
+
+def test_the_config_counts_the_expert_weights(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("causal", "attn_first", family=FAMILY, layout="per_expert", num_experts_per_tok=3)
+    cfg = load_model_config(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    with torch.device("meta"):
+        ref = Reference(Qwen3_5MoeTextConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+        ours = Qwen3_5MoeForCausalLM(cfg)
+    assert cfg.num_parameters() == sum(p.numel() for p in ref.parameters())
+    assert cfg.num_parameters() == sum(p.numel() for p in ours.parameters())
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
+
+        parse_qwen3_5_moe_config({**raw, "mlp_only_layers": [0]})
