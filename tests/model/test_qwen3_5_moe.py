@@ -132,7 +132,7 @@ def test_a_sabotaged_moe_is_caught(ckpts: CheckpointCache, monkeypatch: pytest.M
                      norm_topk_prob=True)
     monkeypatch.setattr(moe, "route", sabotage)
     llm = make_llm(path, max_num_batched_tokens=16)
-    with pytest.raises(AssertionError, match="logprob|reference argmax"):
+    with pytest.raises(AssertionError, match=r"logprob|reference argmax"):
         _check(llm, ckpts.reference(path), random_prompts(4, [1, 7, 23, 40], seed=3))
 
 
