@@ -175,11 +175,17 @@ def _unnormalized_router_forward(self: Any, hidden_states: torch.Tensor) -> tupl
     return logits, top.to(logits.dtype), idx
 
 
-def load_moe_reference_model(path: str | os.PathLike[str]) -> Qwen3_5MoeForCausalLM:
-    """transformers' ``Qwen3_5MoeForCausalLM`` holding the checkpoint in ``path``, float32, eval mode."""
+def use_torch_gated_delta_rules() -> None:
+    """transformers' own PyTorch gated delta rule in its Qwen3.5 and Qwen3.5-MoE modeling files (see
+    ``hyserve.testing.qwen3_5.use_torch_gated_delta_rule``)."""
     use_torch_gated_delta_rule()
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         setattr(modeling_qwen3_5_moe, name, inspect.unwrap(getattr(modeling_qwen3_5_moe, name)))
+
+
+def load_moe_reference_model(path: str | os.PathLike[str]) -> Qwen3_5MoeForCausalLM:
+    """transformers' ``Qwen3_5MoeForCausalLM`` holding the checkpoint in ``path``, float32, eval mode."""
+    use_torch_gated_delta_rules()
     path = os.fspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
@@ -204,3 +210,46 @@ def load_moe_reference_model(path: str | os.PathLike[str]) -> Qwen3_5MoeForCausa
 
 QWEN3_5_MOE = register_family(FamilyCheckpoints("qwen3_5_moe", write_tiny_moe_checkpoint, load_moe_reference_model,
                                                 LAYER_PATTERNS))
+
+
+def write_tiny_moe_vlm_checkpoint(path: str | os.PathLike[str], *, layout: str = "fused", with_mtp: bool = False,
+                                  seed: int = 0, layer_types: list[str] | None = None, **overrides: Any) -> str:
+    """A tiny ``Qwen3_5MoeForConditionalGeneration`` whose image path works end to end: the dense VLM checkpoint of
+    ``write_tiny_vlm_checkpoint`` (tokenizer with the vision tokens, complete vision tower, M-RoPE, preprocessor
+    config, image chat template) with its text model replaced by an MoE one (``overrides`` to
+    ``Qwen3_5MoeTextConfig``)."""
+    from hyserve.testing.qwen3_5_vlm import write_tiny_vlm_checkpoint
+
+    path = write_tiny_vlm_checkpoint(path, with_mtp=with_mtp, seed=seed,
+                                     layer_types=list(layer_types or LAYER_PATTERNS["gdn3_attn1"]))
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    text = {k: v for k, v in raw["text_config"].items() if k not in ("intermediate_size", "model_type", "dtype")}
+    norm_topk = overrides.pop("norm_topk_prob", None)
+    config = Qwen3_5MoeTextConfig(**{**text, **MOE_DEFAULTS, **overrides})
+    gen = torch.Generator().manual_seed(seed + 7)
+    moe = {n: moe_init(n, s, gen).contiguous() for n, s in moe_shapes(config, with_mtp).items()}
+    if layout == "per_expert":
+        moe = split_experts(moe)
+    tensors = {n: t for n, t in read_checkpoint_tensors(path).items() if n.startswith("model.visual.")}
+    tensors.update({conditional_name(n): t for n, t in moe.items()})
+    os.remove(os.path.join(path, "model.safetensors"))
+    save_weights(path, tensors, sharded=False)
+    text_config = {**raw["text_config"], **MOE_DEFAULTS, **overrides, "model_type": "qwen3_5_moe_text"}
+    text_config.pop("intermediate_size", None)
+    if norm_topk is not None:
+        text_config["norm_topk_prob"] = bool(norm_topk)
+    raw.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", text_config=text_config)
+    raw["vision_config"]["model_type"] = "qwen3_5_moe_vision"
+    write_json(os.path.join(path, "config.json"), raw)
+    return path
+
+
+def load_moe_vlm_reference_model(path: str | os.PathLike[str]) -> Any:
+    """transformers' ``Qwen3_5MoeForConditionalGeneration`` from the directory (fused layout), float32, eval."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    use_torch_gated_delta_rules()
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(os.fspath(path), dtype=torch.float32,
+                                                               local_files_only=True)
+    return model.eval()

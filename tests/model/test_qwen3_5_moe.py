@@ -15,6 +15,7 @@ transformers' ``Qwen3_5MoeForCausalLM`` (float32, teacher-forced), on tiny check
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeForCausalLM as Reference
 from transformers import Qwen3_5MoeTextConfig
@@ -35,7 +37,9 @@ from hyserve.model.registry import load_model_config
 from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
-from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE
+from hyserve.testing.images import tiny_png
+from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, load_moe_vlm_reference_model, write_tiny_moe_vlm_checkpoint
+from hyserve.testing.qwen3_5_vlm import reference_vlm_greedy, reference_vlm_inputs, reference_vlm_logits
 from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
 from hyserve.worker import cuda_graphs
 
@@ -208,3 +212,38 @@ def test_the_config_counts_the_expert_weights(ckpts: CheckpointCache) -> None:
         from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
 
         parse_qwen3_5_moe_config({**raw, "mlp_only_layers": [0]})
+
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _user(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _image(w: int, h: int, seed: int) -> Image.Image:
+    return Image.open(io.BytesIO(tiny_png(w, h, seed))).convert("RGB")
+
+
+def test_images_in_the_conditional_form_match_transformers(tmp_path: Path) -> None:
+    """The MoE VLM with images (one, several, none) and prefix caching, against transformers'
+    ``Qwen3_5MoeForConditionalGeneration`` given the same pixels and grids."""
+    path = write_tiny_moe_vlm_checkpoint(tmp_path / "vlm", seed=3, num_experts_per_tok=3)
+    ref = load_moe_vlm_reference_model(path)
+    llm = make_llm(path, enable_prefix_caching=True, max_num_batched_tokens=32)
+    cases = [(_user(f"{IMAGE}What is shown?"), [_image(40, 32, 1)]),
+             (_user(f"Compare {IMAGE} with {IMAGE}."), [_image(48, 48, 2), _image(16, 40, 3)]),
+             (_user("No image here, only text."), []),
+             (_user(f"{IMAGE}What is shown?"), [_image(40, 32, 1)])]  # a prefix-cache hit past the image
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases]
+    outs = llm.generate(prompts[:3], params, use_tqdm=False) + llm.generate(prompts[3:], params, use_tqdm=False)
+    assert (outs[3].num_cached_tokens or 0) >= 16
+    for (text, imgs), out in zip(cases, outs, strict=True):
+        ids, pixels, grid = reference_vlm_inputs(path, text, imgs)
+        assert out.prompt_token_ids == ids
+        want = reference_vlm_greedy(ref, ids, pixels, grid, 5)
+        assert out.outputs[0].token_ids == want, text
+        logp = torch.log_softmax(reference_vlm_logits(ref, ids + want, pixels, grid)[len(ids) - 1 : -1].double(), -1)
+        for j, tok in enumerate(want):
+            assert abs(out.outputs[0].logprobs[j][tok].logprob - float(logp[j, tok])) < 3e-3  # type: ignore[index]
