@@ -147,9 +147,14 @@ def plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
 def test_tensor_parallel_2_splits_the_experts(ckpts: CheckpointCache, layout: str) -> None:
-    path = ckpts.get("causal", "attn_first", family=FAMILY, layout=layout, num_experts_per_tok=3)
-    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16)
+    """Each rank holds its half of every expert's (and the shared expert's) intermediate dimension, the MTP head's
+    MoE block too (per-expert layout: MTP speculation on)."""
+    path = ckpts.get("causal", "attn_first", family=FAMILY, layout=layout, num_experts_per_tok=3, with_mtp=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2} if layout == "per_expert" else None
+    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16, speculative_config=spec)
     _check(llm, ckpts.reference(path), random_prompts(3, [9, 30, 17], seed=5))
+    if spec is not None:
+        assert llm.get_metrics()["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
     llm.llm_engine.shutdown()
 
 
