@@ -88,7 +88,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` (float32) and ``experts`` [T, k]: the routed sum over each token's k choices
-        (this rank's partial sum when tensor-parallel)."""
+        (this rank's partial sum when tensor-parallel). While a CUDA graph is being captured (no host sync allowed)
+        every expert runs over every token instead, weighted by zero where not chosen (``forward_static``)."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward_static(x, weights, experts)
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -106,6 +109,16 @@ class Experts(nn.Module):
             start += c
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def forward_static(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The same sum with shapes that do not depend on the routing (capturable; E times the work)."""
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
+        dense.scatter_(1, experts, weights.float())
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate, up = F.linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+            out += F.linear(F.silu(gate) * up, self.down_proj[e]) * dense[:, e : e + 1].to(x.dtype)
+        return out
 
 
 class SparseMoeBlock(nn.Module):

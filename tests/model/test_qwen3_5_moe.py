@@ -319,3 +319,16 @@ def test_the_mtp_heads_moe_drafts_match_a_transformers_built_head(ckpts: Checkpo
         assert sabotage or float(row.max() - row[drafts[0]]) <= 2e-3, f"draft {n}: {drafts[0]} vs {int(row.argmax())}"
         errors.append(float((got.float() - hidden[len(prompt) + n - 2]).abs().max()))
     assert (max(errors) > 1e-3) == sabotage, errors
+
+
+def test_the_static_expert_path_equals_the_sorted_one() -> None:
+    """The capturable path (every expert over every token) and the batched-by-expert one agree, k = 1..3."""
+    torch.manual_seed(0)
+    experts = moe.Experts(6, 16, 8)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+    x = torch.randn(11, 16)
+    for k in (1, 2, 3):
+        weights, chosen = moe.route(torch.randn(11, 6), k, True)
+        torch.testing.assert_close(experts.forward_static(x, weights, chosen), experts(x, weights, chosen))
