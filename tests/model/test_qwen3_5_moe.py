@@ -11,6 +11,7 @@ transformers' ``Qwen3_5MoeForCausalLM`` (float32, teacher-forced), on tiny check
   (``reference_mtp``), both layouts, and a head routing to one expert instead of three is caught;
 * the conditional form with images (one, several, none; a prefix-cache hit past an image) matches transformers'
   ``Qwen3_5MoeForConditionalGeneration``;
+* pipeline parallel over three uneven stages with MTP and async scheduling matches the reference;
 * tensor parallel 2 on gloo (each expert's intermediate dimension split, the MTP head's too) matches the reference,
   both layouts;
 * a sabotaged MoE (top-k weights not renormalized, routing in bfloat16) fails the reference check;
@@ -160,6 +161,17 @@ def test_tensor_parallel_2_splits_the_experts(ckpts: CheckpointCache, layout: st
     _check(llm, ckpts.reference(path), random_prompts(3, [9, 30, 17], seed=5))
     if spec is not None:
         assert llm.get_metrics()["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
+    llm.llm_engine.shutdown()
+
+
+def test_three_uneven_pipeline_stages_with_mtp(ckpts: CheckpointCache) -> None:
+    """Stages of 3, 2 and 1 layers (per-expert checkpoint: each stage loads only its layers' experts), the last
+    stage running the MTP head's MoE block, async scheduling."""
+    path = ckpts.get("causal", "attn_last_gdn_run", family=FAMILY, layout="per_expert", num_experts_per_tok=3,
+                     with_mtp=True)
+    llm = make_llm(path, pipeline_parallel_size=3, pp_layer_partition=[3, 2, 1], max_num_batched_tokens=16,
+                   async_scheduling=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    _check(llm, ckpts.reference(path), random_prompts(3, [9, 30, 17], seed=5))
     llm.llm_engine.shutdown()
 
 
