@@ -344,3 +344,25 @@ def test_the_static_expert_path_equals_the_sorted_one() -> None:
     for k in (1, 2, 3):
         weights, chosen = moe.route(torch.randn(11, 6), k, True)
         torch.testing.assert_close(experts.forward_static(x, weights, chosen), experts(x, weights, chosen))
+
+
+@pytest.mark.parametrize("form", ["causal", "conditional"])
+def test_the_registry_builds_the_family_whose_cache_specs_are_qwen3_5s(ckpts: CheckpointCache, form: str) -> None:
+    """Both architectures resolve to the MoE family; the experts add no cache: the specs equal those of the dense
+    Qwen3.5 model with the same mixers."""
+    import dataclasses
+
+    from hyserve.model import registry
+    from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM
+    from hyserve.model.qwen3_5_config import Qwen3_5Config
+
+    cfg = load_model_config(ckpts.get(form, "attn_both_ends", family=FAMILY, with_mtp=True))
+    assert cfg.architecture == ("Qwen3_5MoeForCausalLM" if form == "causal" else "Qwen3_5MoeForConditionalGeneration")
+    assert registry.model_class(cfg) is Qwen3_5MoeForCausalLM
+    assert registry.draft_head(cfg).build is Qwen3_5MoeMTPHead
+    dense = Qwen3_5Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Qwen3_5Config)})
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.device("meta"):
+            specs = Qwen3_5MoeForCausalLM(cfg).cache_specs(dtype)
+            want = Qwen3_5ForCausalLM(dense).cache_specs(dtype)
+        assert specs == want
