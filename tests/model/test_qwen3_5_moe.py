@@ -39,6 +39,7 @@ from hyserve.engine.llm_engine import LLMEngine
 from hyserve.layers import moe
 from hyserve.layers.moe import SparseMoeBlock
 from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeMTPHead
+from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
 from hyserve.model.registry import load_model_config
 from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
@@ -230,9 +231,13 @@ def test_the_config_counts_the_expert_weights(ckpts: CheckpointCache) -> None:
         ours = Qwen3_5MoeForCausalLM(cfg)
     assert cfg.num_parameters() == sum(p.numel() for p in ref.parameters())
     assert cfg.num_parameters() == sum(p.numel() for p in ours.parameters())
+    # The Qwen3.5-35B-A3B text shape (transformers' defaults): 34.66e9 parameters, as transformers builds it.
+    real = {k: v for k, v in Qwen3_5MoeTextConfig().to_dict().items() if k not in ("architectures",)}
+    real_cfg = parse_qwen3_5_moe_config({**real, "model_type": "qwen3_5_moe_text"})
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Reference(Qwen3_5MoeTextConfig()).parameters())
+    assert real_cfg.num_parameters() == n and 34e9 < n < 35e9
     with pytest.raises(ValueError, match="mlp_only_layers"):
-        from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
-
         parse_qwen3_5_moe_config({**raw, "mlp_only_layers": [0]})
 
 
