@@ -10,7 +10,7 @@ transformers' ``Qwen3_5MoeForCausalLM`` (float32, teacher-forced), on tiny check
 * the MTP head's drafts and output (its own MoE block) match a head built from transformers' modules
   (``reference_mtp``), both layouts, and a head routing to one expert instead of three is caught;
 * the conditional form with images (one, several, none; a prefix-cache hit past an image) matches transformers'
-  ``Qwen3_5MoeForConditionalGeneration``;
+  ``Qwen3_5MoeForConditionalGeneration``, and served (images, MTP, prefix caching) to the openai client as offline;
 * pipeline parallel over three uneven stages with MTP and async scheduling matches the reference;
 * tensor parallel 2 on gloo (each expert's intermediate dimension split, the MTP head's too) matches the reference,
   both layouts;
@@ -371,3 +371,33 @@ def test_the_registry_builds_the_family_whose_cache_specs_are_qwen3_5s(ckpts: Ch
             specs = Qwen3_5MoeForCausalLM(cfg).cache_specs(dtype)
             want = Qwen3_5ForCausalLM(dense).cache_specs(dtype)
         assert specs == want
+
+
+def test_served_with_images_mtp_and_prefix_caching(tmp_path: Path) -> None:
+    """``hyserve``'s server on the MoE VLM with MTP and prefix caching answers the official openai client's image
+    chat as the offline engine does (whose image outputs match transformers above), the second ask hitting the
+    cache past the image."""
+    from hyserve import LLM
+    from hyserve.config import EngineConfig
+    from hyserve.server import AsyncEngine, build_app
+    from hyserve.testing import png_data_url
+    from hyserve.testing.server import ServerThread
+
+    path = write_tiny_moe_vlm_checkpoint(tmp_path / "served", seed=5, with_mtp=True)
+    kw: dict = dict(device="cpu", dtype="float32", cpu_cache_memory_bytes=64 * 1024 * 1024)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    async_engine = AsyncEngine(LLMEngine(EngineConfig(model=path, enable_prefix_caching=True,
+                                                      speculative_config=spec, **kw)), start=False)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(
+        tiny_png(32, 48, seed=1))}}, {"type": "text", "text": "What is in this picture?"}]}]
+    with ServerThread(async_engine, app=build_app(async_engine, "moe")) as server:
+        client = server.client()
+        answers = [client.chat.completions.create(model="moe", messages=messages,  # type: ignore[arg-type]
+                                                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+                   for _ in range(2)]
+        metrics = server.metrics()
+        server.settle()
+    assert metrics["hyserve:prefix_cache_hits"] > 0 and metrics["hyserve:spec_decode_num_drafts"] > 0
+    want = LLM(model=path, **kw).chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                      use_tqdm=False)[0].outputs[0].text
+    assert [a.choices[0].message.content for a in answers] == [want, want]
