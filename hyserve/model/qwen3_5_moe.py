@@ -9,6 +9,7 @@ apart load too (``hyserve.layers.moe.Experts.checkpoint_parts``).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hyserve.layers.moe import SparseMoeBlock
@@ -39,6 +40,6 @@ class Qwen3_5MoeMTPHead(MTPHead):
     decoder_layer = MoeDecoderLayer
 
 
-def load_moe_mtp_weights(head: Qwen3_5MoeMTPHead, weights: dict) -> None:  # type: ignore[type-arg]
+def load_moe_mtp_weights(head: Qwen3_5MoeMTPHead, weights: dict[str, torch.Tensor]) -> None:
     """Qwen3.5's MTP loader (``hyserve.model.mtp.load_mtp_weights``), named in this module for the registry."""
     load_mtp_weights(head, weights)

@@ -349,6 +349,8 @@ def test_the_static_expert_path_equals_the_sorted_one() -> None:
     for k in (1, 2, 3):
         weights, chosen = moe.route(torch.randn(11, 6), k, True)
         torch.testing.assert_close(experts.forward_static(x, weights, chosen), experts(x, weights, chosen))
+    weights, chosen = moe.route(torch.randn(0, 6), 2, True)  # an empty step
+    assert experts(x[:0], weights, chosen).shape == (0, 16)
 
 
 @pytest.mark.parametrize("form", ["causal", "conditional"])
