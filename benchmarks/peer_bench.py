@@ -147,7 +147,8 @@ def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "
         extra = {key: ids[token] for key, token in VISION_TOKEN_KEYS.items()}
     cfg = Qwen3_5Config(text_config=text.to_dict(), vision_config=tower,
                         tie_word_embeddings=shape["tie_word_embeddings"], **extra)
-    if not weights:
+    if not weights:  # the MTP layer the weighted form carries (``--load-format dummy`` makes its weights too)
+        cfg.text_config.mtp_num_hidden_layers = 1
         cfg.save_pretrained(out)
         if vision != "toy":
             write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))
@@ -822,6 +823,8 @@ def measure(args: argparse.Namespace) -> int:
 
     cuda = args.device == "cuda"
     common: dict[str, Any] = {"max_model_len": args.max_model_len}
+    if args.load_format != "auto":  # both engines take vLLM's load_format ("dummy": a write --no-weights model)
+        common["load_format"] = args.load_format
     if cuda:
         common["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.engine == "vllm" and args.vllm_gdn_prefill_backend:
@@ -1096,7 +1099,8 @@ def main() -> int:
     w.add_argument("--shape", choices=["tiny", "2b", "9b"], default="2b")
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cuda")
-    w.add_argument("--no-weights", action="store_true", help="config, tokenizer and processor files only")
+    w.add_argument("--no-weights", action="store_true",
+                   help="config, tokenizer and processor files only (measure it with --load-format dummy)")
     w.add_argument("--vision", choices=sorted(VISIONS), default="toy",
                    help="toy: a one-block tower (text-only runs); real: a real-size Qwen3.5 tower, its processor "
                         "files and a tokenizer with the vision tokens (image runs)")
@@ -1121,6 +1125,9 @@ def main() -> int:
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the agent trace's KV cache (both engines take the same name)")
     m.add_argument("--max-model-len", type=int, default=8192)
+    m.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                   help="dummy: random weights from config.json alone (a `write --no-weights` model; the "
+                        "weights-bandwidth bound still holds, outputs are not meaningful)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     m.add_argument("--vllm-gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
                    help="vLLM's --gdn-prefill-backend (default: its own choice, FlashInfer on Hopper)")
