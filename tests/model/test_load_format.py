@@ -5,9 +5,10 @@ A directory holding only config.json (a tiny checkpoint with its safetensors and
 finite in float32 and bf16; every floating tensor of the model, its MTP head and its vision tower holds values of the
 dummy ranges and is not constant (a constructor's zeros or ones, or ``torch.empty`` garbage, are caught: a loader
 that skips one tensor fails ``test_a_skipped_tensor_is_caught``); the caches are planned as with the real weights;
-FP8 configs get FP8 weights and scales; ``auto`` on such a directory fails with the missing-file error and a load
-format not served is refused naming the flag (by ``LLM`` and by the command line's flag, whose ``dummy`` reaches
-the engine: ``hyserve bench`` runs such a directory).
+FP8 configs get FP8 weights and scales (online FP8 quantizes the draw); two tensor-parallel ranks or pipeline
+stages serve the single-process model's outputs; ``auto`` on such a directory fails with the missing-file error
+and a load format not served is refused naming the flag (by ``LLM`` and by the command line's flag, whose
+``dummy`` reaches the engine: ``hyserve bench`` runs such a directory).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,8 +70,9 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return got
 
 
-def bad_tensors(module: nn.Module) -> list[str]:
-    """Names of ``module``'s floating tensors that are not finite, are constant, or lie outside their dummy range."""
+def bad_tensors(module: nn.Module, fp8_max: float = 1.0) -> list[str]:
+    """Names of ``module``'s floating tensors that are not finite, are constant, or lie outside their dummy range
+    (``fp8_max``: of the FP8 weights; online FP8 scales each row to the format's range)."""
     low, high = dummy_weights.DUMMY_LOW, dummy_weights.DUMMY_HIGH
     plain = {f"{n}.weight" for n, m in module.named_modules(remove_duplicate=False)
              if isinstance(m, GatedRMSNorm | nn.LayerNorm)}
@@ -82,7 +85,7 @@ def bad_tensors(module: nn.Module) -> list[str]:
                           "v_scale")):
             ok = bool(torch.isfinite(x).all() and (x > 0).all())
         elif t.dtype == FP8_DTYPE:
-            ok = bool(x.abs().max() <= 1.0 and x.std() > 0)
+            ok = bool(x.abs().max() <= fp8_max and x.std() > 0)
         elif name.endswith("A_log"):
             ok = bool((x >= 0).all() and (x <= math.log(16.0)).all() and x.std() > 0)
         elif name.endswith("dt_bias") or name in plain:
@@ -181,14 +184,19 @@ def test_vision_tower_and_mtp_head_of_a_conditional_checkpoint(tmp_path: Path) -
         assert len(run(llm)[0][0]) == GREEDY.max_tokens
 
 
-@pytest.mark.parametrize("fmt", ["ct_dynamic", "block"])
+@pytest.mark.parametrize("fmt", ["ct_dynamic", "block", "online"])
 def test_fp8_configs_get_fp8_weights_and_scales(tmp_path: Path, fmt: str) -> None:
-    src = write_fp8_checkpoint(tmp_path / "fp8", fmt, hidden_size=128, intermediate_size=256)
+    """An FP8 quantization_config: FP8 weights and scales drawn as stored; online FP8 (``quantization="fp8"``):
+    the unquantized draw quantized as it loads."""
+    kw: dict[str, Any] = dict(hidden_size=128, intermediate_size=256)
+    src = write_tiny_checkpoint(tmp_path / "fp8", **kw) if fmt == "online" else \
+        write_fp8_checkpoint(tmp_path / "fp8", fmt, **kw)
     bare = config_only(src, tmp_path / "bare")
-    with make_llm(bare, load_format="dummy", dtype="bfloat16") as llm:
+    online: dict[str, Any] = {"quantization": "fp8"} if fmt == "online" else {}
+    with make_llm(bare, load_format="dummy", dtype="bfloat16", **online) as llm:
         model = llm.llm_engine.runner.model
         assert any(t.dtype == FP8_DTYPE for t in model.state_dict().values())
-        assert bad_tensors(model) == []
+        assert bad_tensors(model, fp8_max=448.0 if online else 1.0) == []
         assert all(math.isfinite(v) for _, values in run(llm) for v in values)
 
 
@@ -216,3 +224,11 @@ def test_hyserve_bench_runs_a_config_only_directory(bare: str, tmp_path: Path) -
                      "--input-len", "8", "--output-len", "4", "--no-warmup", "--result-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 0, 8)
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_ranks_and_stages_draw_one_same_model(bare: str, seed0: tuple[LLM, list], parallel: dict[str, int]) -> None:
+    """Each tensor is drawn whole from its name's seed and sharded as a checkpoint's: two tensor-parallel ranks or
+    two pipeline stages (worker processes, gloo) serve the single-process model's greedy outputs."""
+    with make_llm(bare, load_format="dummy", seed=0, **parallel) as llm:
+        assert [t for t, _ in run(llm)] == [t for t, _ in seed0[1]]
