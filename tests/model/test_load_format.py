@@ -13,10 +13,12 @@ and a load format not served is refused naming the flag (by ``LLM`` and by the c
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -232,3 +234,14 @@ def test_ranks_and_stages_draw_one_same_model(bare: str, seed0: tuple[LLM, list]
     two pipeline stages (worker processes, gloo) serve the single-process model's greedy outputs."""
     with make_llm(bare, load_format="dummy", seed=0, **parallel) as llm:
         assert [t for t, _ in run(llm)] == [t for t, _ in seed0[1]]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_peer_bench_counts_a_config_only_model_as_its_checkpoint(tmp_path: Path, tied: bool) -> None:
+    """``peer_bench.py measure --load-format dummy``: the weights-bandwidth bound's bytes, counted from config.json,
+    are those of the checkpoint it describes."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    pb = importlib.import_module("peer_bench")
+    src = write_tiny_checkpoint(tmp_path / "ck", dtype=torch.bfloat16, tie_word_embeddings=tied)
+    bare = config_only(src, tmp_path / "bare")
+    assert pb.weight_bytes_per_step(bare, "dummy") == pb.weight_bytes_per_step(src) > 0
