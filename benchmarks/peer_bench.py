@@ -24,7 +24,8 @@ Qwen3-VL processor finds the image placeholder through the tokenizer, so image r
   ``batch * (N - 1) / (t(N) - t(1))`` with fresh prompts for each timing (no prefix-cache hit);
 - ``bound``: the batch-1 weights-bandwidth bound measured in the same process: the device's copy bandwidth
   (read + write) over the bytes of weights a decode step reads (every text-model tensor and the LM head, not the
-  input embedding table unless it is the tied LM head);
+  input embedding table unless it is the tied LM head; with ``--load-format dummy``, on a ``write --no-weights``
+  model whose weights both engines make at load, counted from config.json);
 - ``prefill``: 32 fresh prompts of 2048 tokens, one output token, after a warm-up of the same shape;
 - ``agent``: (``agent_mtp_*`` with ``--speculative-config``) a closed-loop agent trace (8 conversations x 4
   turns sharing a 1.7k-token prefix, every turn's prompt the previous turn's prompt + its actual output + a new
@@ -147,7 +148,8 @@ def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "
         extra = {key: ids[token] for key, token in VISION_TOKEN_KEYS.items()}
     cfg = Qwen3_5Config(text_config=text.to_dict(), vision_config=tower,
                         tie_word_embeddings=shape["tie_word_embeddings"], **extra)
-    if not weights:
+    if not weights:  # the MTP layer the weighted form carries (``--load-format dummy`` makes its weights too)
+        cfg.text_config.mtp_num_hidden_layers = 1
         cfg.save_pretrained(out)
         if vision != "toy":
             write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))
@@ -374,13 +376,16 @@ def measure_decode(eng: Engine, prompts: Prompts, batches: list[int], n: int, pr
     return out
 
 
-def weight_bytes_per_step(model: str) -> int:
+def weight_bytes_per_step(model: str, load_format: str = "auto") -> int:
     """Bytes of the tensors a decode step reads: the text model and the LM head, not the input embedding (unless
-    it is the tied LM head), not the vision tower or the MTP layer."""
+    it is the tied LM head), not the vision tower or the MTP layer. ``load_format`` dummy: counted from config.json
+    (``_config_weight_bytes``)."""
     from safetensors import safe_open
 
     from hyserve.model.loader import checkpoint_files
 
+    if load_format == "dummy":
+        return _config_weight_bytes(model)
     sizes = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
     cfg = _read_json(os.path.join(model, "config.json"))
     tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
@@ -398,6 +403,27 @@ def weight_bytes_per_step(model: str) -> int:
                     numel *= d
                 total += numel * sizes.get(s.get_dtype(), 2)
     return total
+
+
+def _config_weight_bytes(model: str) -> int:
+    """``weight_bytes_per_step`` of a checkpoint that config.json describes (none on disk): hyserve's text model built
+    on the meta device in bf16 (FP8 where its quantization_config quantizes), the same tensors counted."""
+    import torch
+
+    from hyserve.model import registry
+    from hyserve.model.loader import checkpoint_tensors
+
+    cfg = registry.load_model_config(model)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            text = registry.model_class(cfg)(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return sum(t.numel() * t.element_size() for name, t in checkpoint_tensors(text).items()
+               if not name.startswith("visual.")
+               and not (name.endswith("embed_tokens.weight") and not cfg.tie_word_embeddings))
 
 
 def copy_bandwidth() -> float:
@@ -822,6 +848,8 @@ def measure(args: argparse.Namespace) -> int:
 
     cuda = args.device == "cuda"
     common: dict[str, Any] = {"max_model_len": args.max_model_len}
+    if args.load_format != "auto":  # both engines take vLLM's load_format ("dummy": a write --no-weights model)
+        common["load_format"] = args.load_format
     if cuda:
         common["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.engine == "vllm" and args.vllm_gdn_prefill_backend:
@@ -858,7 +886,7 @@ def measure(args: argparse.Namespace) -> int:
         if "decode" in measures:
             fig.update(measure_decode(eng, prompts, batches, args.decode_tokens))
         if "bound" in measures and cuda:
-            wb = weight_bytes_per_step(args.model)
+            wb = weight_bytes_per_step(args.model, args.load_format)
             bw = copy_bandwidth()
             fig.update(weight_bytes=wb, copy_bandwidth_bytes_s=bw, bound_bs1_tok_s=bw / wb)
             if "decode_bs1_tok_s" in fig:
@@ -1096,7 +1124,8 @@ def main() -> int:
     w.add_argument("--shape", choices=["tiny", "2b", "9b"], default="2b")
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cuda")
-    w.add_argument("--no-weights", action="store_true", help="config, tokenizer and processor files only")
+    w.add_argument("--no-weights", action="store_true",
+                   help="config, tokenizer and processor files only (measure it with --load-format dummy)")
     w.add_argument("--vision", choices=sorted(VISIONS), default="toy",
                    help="toy: a one-block tower (text-only runs); real: a real-size Qwen3.5 tower, its processor "
                         "files and a tokenizer with the vision tokens (image runs)")
@@ -1121,6 +1150,9 @@ def main() -> int:
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the agent trace's KV cache (both engines take the same name)")
     m.add_argument("--max-model-len", type=int, default=8192)
+    m.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                   help="dummy: random weights from config.json alone (a `write --no-weights` model; the "
+                        "weights-bandwidth bound still holds, outputs are not meaningful)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     m.add_argument("--vllm-gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
                    help="vLLM's --gdn-prefill-backend (default: its own choice, FlashInfer on Hopper)")

@@ -3,7 +3,8 @@
     python benchmarks/shapes.py --shape 2b --out /tmp/qwen35-2b-shape [--device cuda] [--mtp] [--init spread|stable]
 
 ``--mtp`` adds one random multi-token-prediction layer (``mtp.*`` in a shard of its own, listed in the index;
-``mtp_num_hidden_layers`` in config.json), as Qwen3.5 checkpoints carry it.
+``mtp_num_hidden_layers`` in config.json), as Qwen3.5 checkpoints carry it. ``--config-only`` writes config.json
+alone, for ``--load-format dummy`` (random weights made at load: shapes whose checkpoints do not fit on disk).
 """
 
 from __future__ import annotations
@@ -125,6 +126,17 @@ def add_random_mtp(path: str, cfg: Any, seed: int) -> int:
     return sum(t.numel() for t in tensors.values())
 
 
+def write_config_only(path: str, shape: dict[str, Any], mtp: bool = False) -> None:
+    """config.json of ``shape`` (Qwen3_5ForCausalLM, bf16), with one MTP layer declared when ``mtp``."""
+    from transformers import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(**shape, layer_types=None, dtype="bfloat16")
+    if mtp:
+        cfg.mtp_num_hidden_layers = 1
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.save_pretrained(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="2b")
@@ -135,8 +147,14 @@ def main() -> None:
                     help="transformers: its own init (near-flat logits); spread: the test checkpoints' init (wide "
                          "logits); stable: spread with a dominant embedding (greedy output stable under bf16 "
                          "rounding, for benchmarks that replay a greedy continuation)")
+    ap.add_argument("--config-only", action="store_true",
+                    help="config.json alone, for hyserve's --load-format dummy (no weights written)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.config_only:
+        write_config_only(args.out, SHAPES[args.shape], mtp=args.mtp)
+        print(f"wrote the {args.shape} shape's config.json to {args.out} (load it with --load-format dummy)")
+        return
     if args.init in ("spread", "stable"):
         n = write_spread_checkpoint(args.out, SHAPES[args.shape], mtp=args.mtp,
                                     embed_std=1.0 if args.init == "stable" else None)

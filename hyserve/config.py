@@ -228,6 +228,9 @@ class EngineConfig:
     # GiB of processed images (pixel rows) kept by content hash, so an image sent again is not processed again
     # (vLLM's mm_processor_cache_gb and its default; 0 keeps none). hyserve.multimodal.processor_cache.
     mm_processor_cache_gb: float = DEFAULT_MM_PROCESSOR_CACHE_GB
+    # Where the weights come from (vLLM's load_format): "auto" / "safetensors" = the checkpoint's safetensors files;
+    # "dummy" = small random values from config.json alone (hyserve.model.dummy_weights), seeded by ``seed``.
+    load_format: str = "auto"
 
     @property
     def image_limit(self) -> int:
@@ -235,6 +238,7 @@ class EngineConfig:
         return (self.limit_mm_per_prompt or {}).get("image", MM_DEFAULT_LIMIT)
 
     def validate(self) -> None:
+        check_load_format(self.load_format)
         for modality, limit in (self.limit_mm_per_prompt or {}).items():
             if modality not in MM_MODALITIES:
                 raise ValueError(f"limit_mm_per_prompt: modality {modality!r} is not served; the modalities are "
@@ -287,6 +291,19 @@ class EngineConfig:
 
 
 DEFAULT_MAX_NUM_SEQS = 256
+# vLLM's --load-format values: the ones served, and vLLM's others (refused, naming the flag).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+OTHER_VLLM_LOAD_FORMATS = ("pt", "npcache", "tensorizer", "sharded_state", "gguf", "bitsandbytes", "mistral",
+                           "runai_streamer", "runai_streamer_sharded", "fastsafetensors")
+
+
+def check_load_format(load_format: object) -> None:
+    """Refuse a ``load_format`` hyserve does not serve, naming the flag."""
+    if load_format in LOAD_FORMATS:
+        return
+    what = "vLLM's load format" if load_format in OTHER_VLLM_LOAD_FORMATS else "load format"
+    raise ValueError(f"{what} {load_format!r} is not supported (--load-format): use 'auto' or 'safetensors' (the "
+                     "checkpoint's safetensors files) or 'dummy' (random weights from config.json alone)")
 # --limit-mm-per-prompt: vLLM's default for a modality the flag does not name; the modalities served.
 MM_DEFAULT_LIMIT = 999
 MM_MODALITIES = ("image",)

@@ -17,6 +17,7 @@ from hyserve.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
     MM_DEFAULT_LIMIT,
+    check_load_format,
     normalize_mm_limits,
     parse_size,
 )
@@ -160,6 +161,9 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="fp8: quantize a bf16 checkpoint's linear layers to FP8 as it loads (per channel; activations "
                         "per token). FP8 checkpoints (compressed-tensors, Qwen's block FP8) need no flag "
                         "(default: none)")
+    p.add_argument("--load-format", default="auto", metavar="FORMAT",
+                   help="auto / safetensors: the checkpoint's safetensors files; dummy: small random weights from "
+                        "config.json alone, seeded by --seed (benchmarks of shapes not on disk) (default: auto)")
     p.add_argument("--limit-mm-per-prompt", type=mm_limits, default=None, metavar="JSON",
                    help="most images one prompt may carry, e.g. '{\"image\": 2}' (vLLM's "
                         "'{\"image\": {\"count\": 2}}' too), or dotted: --limit-mm-per-prompt.image 2; image=0 turns "
@@ -457,7 +461,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
         cpu_threads=args.cpu_threads, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
+        quantization=args.quantization, load_format=args.load_format,
         distributed_executor_backend=args.distributed_executor_backend,
         limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_media_domains=args.allowed_media_domains,
         allowed_local_media_path=args.allowed_local_media_path,
@@ -466,6 +470,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
     if getattr(args, "compilation_config", None):
         kw.update(compilation_effects(args.compilation_config, args.enforce_eager, args.cuda_graph_sizes))
     check_vllm_flags(args, model, args.enable_prefix_caching)
+    check_load_format(args.load_format)
     check_vllm_env(os.environ)
     return kw
 

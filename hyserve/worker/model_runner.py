@@ -39,6 +39,7 @@ from hyserve.layers.quantization import draft_head_quantization, quantization_su
 from hyserve.layers.sampler import Sampler, SamplingRow, token_seed
 from hyserve.model import registry
 from hyserve.model.base import CausalLM, KVCacheLayer
+from hyserve.model.dummy_weights import load_dummy_weights
 from hyserve.model.loader import load_weights
 from hyserve.model.metadata import StepMetadata
 from hyserve.sampling_params import SamplingParams
@@ -97,7 +98,10 @@ class ModelRunner:
         self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
         if self.pp_size > 1:
             self.model.drop_unused_embedding(draft_head=use_mtp)
-        self.mtp_weights = load_weights(self.model, config.model, model_config)
+        if config.load_format == "dummy":
+            self.mtp_weights = load_dummy_weights(self.model, model_config, config.seed, with_draft_head=use_mtp)
+        else:
+            self.mtp_weights = load_weights(self.model, config.model, model_config)
         self.mtp: nn.Module | None = None  # the family's draft head (registry), run over the target's hidden states
         # Pipeline parallelism: this stage's layers only; the last stage samples, verifies and drafts (MTP).
         self.stage = StageIO(StageLink() if self.pp_size > 1 else None, self.is_first_stage, self.is_last_stage)

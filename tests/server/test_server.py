@@ -373,7 +373,7 @@ def test_a_stop_string_over_several_tokens_reaches_a_slow_reader_cut(ctx: Ctx, a
                 reason = c.finish_reason or reason
         srv.settle()
     assert "".join(chunks) == full[:start] and reason == "stop"
-    assert len(chunks) > 2  # the text came in pieces
+    assert len(chunks) >= 2  # the text came in pieces (a loaded machine may coalesce the deltas behind a slow reader)
 
 
 def test_token_id_extras(ctx: Ctx) -> None:

@@ -270,7 +270,7 @@ def test_flags_that_cannot_be_honoured_are_refused(model: str, extra: str, says:
 
 @pytest.mark.parametrize("argv, says", [
     (["--enable-log-requests"], "--enable-log-requests is not supported: request contents are never logged"),
-    (["--load-format", "safetensors"], "unrecognized arguments: --load-format"),
+    (["--download-dir", "/tmp"], "unrecognized arguments: --download-dir"),
     (["--mamba-cache-mode", "sometimes"], "--mamba-cache-mode: invalid choice"),
 ])
 def test_refusals_at_parse_name_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
