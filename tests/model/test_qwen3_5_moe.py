@@ -15,6 +15,7 @@ transformers' ``Qwen3_5MoeForCausalLM`` (float32, teacher-forced), on tiny check
 * tensor parallel 2 on gloo (each expert's intermediate dimension split, the MTP head's too) matches the reference,
   both layouts;
 * a sabotaged MoE (top-k weights not renormalized, routing in bfloat16) fails the reference check;
+* ``load_format="dummy"`` draws the experts from config.json alone, the same for one and two ranks;
 * the loader refuses a checkpoint with both layouts of one layer, or an expert missing; the config counts the expert
   weights exactly as transformers' model holds them.
 """
@@ -403,3 +404,27 @@ def test_served_with_images_mtp_and_prefix_caching(tmp_path: Path) -> None:
     want = LLM(model=path, **kw).chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                       use_tqdm=False)[0].outputs[0].text
     assert [a.choices[0].message.content for a in answers] == [want, want]
+
+
+def test_dummy_weights_from_config_json_alone_with_tp_and_mtp(ckpts: CheckpointCache, tmp_path: Path) -> None:
+    """``load_format="dummy"`` on a directory holding only the MoE config.json: every expert tensor drawn (none
+    left as allocated), and two tensor-parallel ranks serve the single-process model (each takes its shard of one
+    drawn tensor), MTP on."""
+    src = ckpts.get("causal", "gdn3_attn1", family=FAMILY, with_mtp=True, num_experts_per_tok=3)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), bare / "config.json")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    outs = []
+    for tp in (1, 2):
+        llm = make_llm(str(bare), load_format="dummy", seed=0, tensor_parallel_size=tp, speculative_config=spec)
+        if tp == 1:
+            experts = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, moe.Experts)]
+            assert len(experts) == 4
+            for t in [e.gate_up_proj for e in experts] + [e.down_proj for e in experts]:
+                assert float(t.abs().max()) <= 1e-3 and float(t.std()) > 0  # drawn as the dummy format draws
+        got = llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, [5, 12], seed=2)], GREEDY,
+                           use_tqdm=False)
+        outs.append([o.outputs[0].token_ids for o in got])
+        llm.llm_engine.shutdown()
+    assert outs[0] == outs[1]
