@@ -81,15 +81,17 @@ class ModelConfig:
         ``checkpoint_name``, for messages about missing tensors; by default the same name)."""
         return name
 
-    def tensor_parallel_counts(self) -> dict[str, int]:
-        """The sizes a tensor-parallel size must divide, by config name (a family adds those its layers shard)."""
+    def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes a tensor-parallel size must divide, by config name (a family adds those its layers shard;
+        ``expert_parallel``: its MoE layers place whole experts on ranks)."""
         return {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}
 
-    def check_tensor_parallel(self, tp: int) -> None:
-        """Refuse (naming both numbers) a tensor-parallel size that does not split the model's heads."""
+    def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
+        """Refuse (naming both numbers) a tensor-parallel size that does not split the model's heads (and experts,
+        with ``expert_parallel``)."""
         if tp == 1:
             return
-        for name, n in self.tensor_parallel_counts().items():
+        for name, n in self.tensor_parallel_counts(expert_parallel).items():
             if n % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={n} of this checkpoint; use a "
                                  "--tensor-parallel-size that divides it")
@@ -194,6 +196,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pp_layer_partition: list[int] | None = None
     tensor_parallel_size: int = 1
+    # MoE models with tensor_parallel_size > 1: each rank holds whole experts (E / T of them, contiguous) instead of
+    # a slice of every expert; attention, the recurrent mixers and the shared expert stay tensor-parallel.
+    enable_expert_parallel: bool = False
     # Where the workers run: "uni" (in this process, the default), "mp" (one process per worker, started here) or
     # "torchrun" (every rank started by torchrun; rank 0 runs the engine).
     distributed_executor_backend: str | None = None

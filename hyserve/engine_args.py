@@ -150,6 +150,9 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "on the stages before the last)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks, one worker process each (default: 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models with --tensor-parallel-size T > 1: each rank holds E/T whole experts instead of "
+                        "a slice of every expert (the expert-parallel size is T: there is no data parallelism)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "torchrun"],
                    help="where the workers run: uni = in this process (default with one rank), mp = one process "
@@ -457,6 +460,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
         recurrent_snapshot_interval=args.recurrent_snapshot_interval,
         snapshot_memory_fraction=args.snapshot_memory_fraction,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        enable_expert_parallel=args.enable_expert_parallel,
         cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,
         cpu_threads=args.cpu_threads, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,

@@ -24,6 +24,7 @@ _PP_RANK = 0
 _PP_SIZE = 1
 _TP_GROUP: dist.ProcessGroup | None = None  # None: the default group (one stage), or no group (one rank)
 _STAGE_LAYERS: tuple[int, int] | None = None  # [start, end) of this stage's decoder layers; None: all of them
+_EXPERT_PARALLEL = False  # routed experts placed whole on the tensor-parallel ranks (--enable-expert-parallel)
 
 # A collective that waits longer than this fails instead of hanging (a peer died or stopped answering); the engine
 # notices a dead worker sooner, by its process (hyserve.executor.multiproc).
@@ -58,10 +59,11 @@ def stage_range(partition: list[int], stage: int) -> tuple[int, int]:
 
 
 def init_distributed(rank: int, tp: int, pp: int, init_method: str, device: torch.device,
-                     partition: list[int] | None = None) -> None:
+                     partition: list[int] | None = None, expert_parallel: bool = False) -> None:
     """Join the group of ``tp x pp`` workers (this one is global ``rank``) at ``init_method`` (tcp://host:port or
-    env://); ``partition``: the decoder layers of each stage (``layer_partition``)."""
-    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _STAGE_LAYERS
+    env://); ``partition``: the decoder layers of each stage (``layer_partition``); ``expert_parallel``: MoE
+    layers place whole experts on the tensor-parallel ranks instead of slicing each (``expert_parallel()``)."""
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _STAGE_LAYERS, _EXPERT_PARALLEL
     world = tp * pp
     if world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -72,6 +74,7 @@ def init_distributed(rank: int, tp: int, pp: int, init_method: str, device: torc
                                 timeout=COLLECTIVE_TIMEOUT, device_id=device if backend == "nccl" else None)
     _TP_RANK, _PP_RANK = rank % tp, rank // tp
     _TP_SIZE, _PP_SIZE = tp, pp
+    _EXPERT_PARALLEL = expert_parallel
     _TP_GROUP = None
     if pp > 1 and tp > 1:  # every rank creates every stage's group, in the same order
         for stage in range(pp):
@@ -87,10 +90,11 @@ def init_distributed(rank: int, tp: int, pp: int, init_method: str, device: torc
 def shutdown_distributed() -> None:
     """Leave the group (a worker's last act when told to stop): NCCL's communicators are freed before the process
     exits rather than at interpreter teardown, and the rank forgets its place."""
-    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _STAGE_LAYERS
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _STAGE_LAYERS, _EXPERT_PARALLEL
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _STAGE_LAYERS = 0, 1, 0, 1, None, None
+    _EXPERT_PARALLEL = False
 
 
 def tp_rank() -> int:
@@ -99,6 +103,11 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _TP_SIZE
+
+
+def expert_parallel() -> bool:
+    """Whether MoE layers place whole experts on the tensor-parallel ranks (asked for, and more than one rank)."""
+    return _EXPERT_PARALLEL and _TP_SIZE > 1
 
 
 def pp_rank() -> int:

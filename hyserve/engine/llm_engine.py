@@ -181,7 +181,9 @@ class LLMEngine:
         kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp,
                               "max_steps_in_flight": self.max_steps_in_flight}
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
-        self.model_config.check_tensor_parallel(tp)
+        self.model_config.check_tensor_parallel(tp, self.config.enable_expert_parallel)
+        if self.config.enable_expert_parallel:
+            log_expert_parallel(tp, getattr(self.model_config, "num_experts", 0))
         world = tp * pp
         output_rank = (pp - 1) * tp  # the first rank of the last stage samples: its answer is the step's result
         backend = self.config.distributed_executor_backend or ("mp" if world > 1 else "uni")
@@ -632,3 +634,17 @@ class LLMEngine:
         held = self.executor.collective_rpc("held_requests")
         if any(held):
             raise AssertionError(f"workers hold finished requests (per rank): {held}")
+
+
+def log_expert_parallel(tp: int, num_experts: int) -> None:
+    """One INFO line on what ``enable_expert_parallel`` does here. The expert-parallel size is the tensor-parallel
+    size (there is no data parallelism to multiply it by)."""
+    if tp == 1:
+        logger.info("enable_expert_parallel: nothing to change with tensor_parallel_size=1 (the expert-parallel "
+                    "size is tensor_parallel_size; there is no data parallelism): one rank holds every expert")
+    elif num_experts == 0:
+        logger.info("enable_expert_parallel: nothing to change: the model has no routed experts")
+    else:
+        logger.info("enable_expert_parallel: each of the %d tensor-parallel ranks holds %d whole experts of %d "
+                    "(expert-parallel size = tensor_parallel_size; there is no data parallelism)", tp,
+                    num_experts // tp, num_experts)

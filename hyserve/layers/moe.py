@@ -10,7 +10,10 @@ The experts' weights are stacked: ``experts.gate_up_proj`` [E, 2I, H] (gate rows
 ``experts.down_proj`` [E, H, I], the layout of the fused checkpoints. A checkpoint that stores each expert apart
 (``experts.{e}.gate_proj.weight`` [I, H], ``up_proj``, ``down_proj`` [H, I]) loads into views of the same tensors
 (``Experts.checkpoint_parts``, read by ``hyserve.model.loader``). Tensor parallel: each rank holds its slice of
-every expert's intermediate dimension; the partial outputs are summed over the group.
+every expert's intermediate dimension; the partial outputs are summed over the group. Expert parallel
+(``--enable-expert-parallel``, tensor-parallel size T > 1): rank r holds experts [r E/T, (r+1) E/T) whole
+(``expert_range``), computes the (token, choice) pairs routed to them and the same sum over the group adds the
+ranks' outputs; the router is replicated and the shared expert stays sliced over the ranks, as in the dense MLP.
 
 The routed computation is batched by expert: the (token, choice) pairs are sorted by expert and each expert that
 received tokens runs one GEMM over all of them.
@@ -24,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_size
+from hyserve.distributed.parallel_state import all_reduce, expert_parallel, shard_range, tp_size
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import MLP
 from hyserve.layers.quantization import QuantizationConfig
@@ -51,51 +54,86 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, experts
 
 
+def expert_range(num_experts: int) -> tuple[int, int]:
+    """[start, end) of the experts this rank holds: all of them, or under expert parallelism its contiguous share
+    (``num_experts`` / T each, in rank order), which must be whole."""
+    if not expert_parallel():
+        return 0, num_experts
+    t = tp_size()
+    if num_experts % t:
+        raise ValueError(f"expert parallel places whole experts on ranks: num_experts={num_experts} does not split "
+                         f"over tensor_parallel_size={t}")
+    return shard_range(num_experts)
+
+
 class Experts(nn.Module):
-    """The routed experts' stacked weights (this rank's slice of the intermediate dimension) and their batched
-    computation."""
+    """The routed experts' stacked weights (this rank's experts, whole under expert parallelism, else each one's
+    slice of the intermediate dimension) and their batched computation."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.num_experts, self.hidden = num_experts, hidden
         self.intermediate_full = intermediate
-        i0, i1 = shard_range(intermediate)
+        self.ep = expert_parallel()
+        e0, e1 = self.e_range = expert_range(num_experts)
+        self.num_local = local = e1 - e0
+        i0, i1 = (0, intermediate) if self.ep else shard_range(intermediate)
         self.i_range = (i0, i1)
         n = i1 - i0
         self.intermediate = n
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
-        if tp_size() > 1:
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * n, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(local, hidden, n), requires_grad=False)
+        if self.ep:
+            set_shard(self.gate_up_proj, Shard((num_experts, 2 * intermediate, hidden), 0, ((e0, e1),)))
+            set_shard(self.down_proj, Shard((num_experts, hidden, intermediate), 0, ((e0, e1),)))
+        elif tp_size() > 1:
             set_shard(self.gate_up_proj, Shard((num_experts, 2 * intermediate, hidden), 1,
                                                ((i0, i1), (intermediate + i0, intermediate + i1))))
             set_shard(self.down_proj, Shard((num_experts, hidden, intermediate), 2, ((i0, i1),)))
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
         """The per-expert layout: ``{e}.gate_proj.weight`` (and ``up_proj``, ``down_proj``) -> (the stacked
-        tensor it is a part of, its view there, carrying this rank's shard of the expert's tensor)."""
+        tensor it is a part of, its view there, carrying this rank's shard of the expert's tensor); this rank's
+        experts only (the others': ``foreign_parts``)."""
         n, (i0, i1), full, h = self.intermediate, self.i_range, self.intermediate_full, self.hidden
-        sharded = tp_size() > 1
+        sharded = tp_size() > 1 and not self.ep
+        e0, e1 = self.e_range
         out: dict[str, tuple[str, torch.Tensor]] = {}
-        for e in range(self.num_experts):
-            views = {"gate_proj": ("gate_up_proj", self.gate_up_proj.data[e, :n], Shard((full, h), 0, ((i0, i1),))),
-                     "up_proj": ("gate_up_proj", self.gate_up_proj.data[e, n:], Shard((full, h), 0, ((i0, i1),))),
-                     "down_proj": ("down_proj", self.down_proj.data[e], Shard((h, full), 1, ((i0, i1),)))}
+        for e in range(e0, e1):
+            j = e - e0
+            views = {"gate_proj": ("gate_up_proj", self.gate_up_proj.data[j, :n], Shard((full, h), 0, ((i0, i1),))),
+                     "up_proj": ("gate_up_proj", self.gate_up_proj.data[j, n:], Shard((full, h), 0, ((i0, i1),))),
+                     "down_proj": ("down_proj", self.down_proj.data[j], Shard((h, full), 1, ((i0, i1),)))}
             for name, (whole, view, shard) in views.items():
                 if sharded:
                     set_shard(view, shard)
                 out[f"{e}.{name}.weight"] = (whole, view)
         return out
 
+    def foreign_parts(self) -> set[str]:
+        """The per-expert pieces of the experts other ranks hold (expert parallel): the loader skips them."""
+        e0, e1 = self.e_range
+        return {f"{e}.{name}.weight" for e in range(self.num_experts) if not e0 <= e < e1
+                for name in ("gate_proj", "up_proj", "down_proj")}
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` (float32) and ``experts`` [T, k]: the routed sum over each token's k choices
-        (this rank's partial sum when tensor-parallel). While a CUDA graph is being captured (no host sync allowed)
+        (this rank's partial sum when tensor-parallel: under expert parallelism the choices of its experts alone,
+        ``experts`` holding global expert ids). While a CUDA graph is being captured (no host sync allowed)
         every expert runs over every token instead, weighted by zero where not chosen (``forward_static``)."""
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.forward_static(x, weights, experts)
         k = experts.shape[1]
         flat = experts.reshape(-1)
+        mine = None
+        if self.ep:  # the (token, choice) pairs routed to this rank's experts, as local ids
+            flat = flat - self.e_range[0]
+            mine = ((flat >= 0) & (flat < self.num_local)).nonzero().squeeze(1)
+            flat = flat[mine]
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_local).tolist()
+        if mine is not None:
+            order = mine[order]
         token = order // k
         xs = x[token]
         out = torch.empty_like(xs)
@@ -114,8 +152,9 @@ class Experts(nn.Module):
         """The same sum with shapes that do not depend on the routing (capturable; E times the work)."""
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
         dense.scatter_(1, experts, weights.float())
+        dense = dense[:, self.e_range[0] : self.e_range[1]]
         out = torch.zeros_like(x)
-        for e in range(self.num_experts):
+        for e in range(self.num_local):
             gate, up = F.linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
             out += F.linear(F.silu(gate) * up, self.down_proj[e]) * dense[:, e : e + 1].to(x.dtype)
         return out

@@ -128,7 +128,8 @@ def load_weights(
     targets = _targets(model, config)
     holds = getattr(model, "holds", None)
     parts = checkpoint_parts(model)
-    entries = _plan(files, targets, config, holds if callable(holds) else None, kv_layer_names(model), parts)
+    entries = _plan(files, targets, config, holds if callable(holds) else None, kv_layer_names(model), parts,
+                    foreign_parts(model))
     dest = {**targets, **{name: view for name, (_, view) in parts.items()}}
     device, dtype = _model_device_dtype(model)
     total = sum(e.nbytes for e in entries)
@@ -257,6 +258,18 @@ def checkpoint_parts(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tens
     return out
 
 
+def foreign_parts(module: torch.nn.Module) -> set[str]:
+    """The checkpoint pieces other ranks hold (an expert-parallel rank's MoE layers hold only their experts), from
+    every submodule with a ``foreign_parts()`` method: the loader skips them."""
+    out: set[str] = set()
+    for name, m in module.named_modules():
+        offer = getattr(m, "foreign_parts", None)
+        if callable(offer):
+            prefix = f"{name}." if name else ""
+            out.update(prefix + part for part in offer())
+    return out
+
+
 def parts_given(parts: dict[str, tuple[str, torch.Tensor]], given: set[str]) -> dict[str, tuple[str, torch.Tensor]]:
     """The pieces (of ``parts``) among the checkpoint's names ``given``: each stacked tensor must come whole or in
     all of its pieces, never both."""
@@ -292,18 +305,21 @@ def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Ten
 
 def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfig,
           holds: Callable[[str], bool] | None = None, kv_layers: set[str] | None = None,
-          parts: dict[str, tuple[str, torch.Tensor]] | None = None) -> list[_Entry]:
+          parts: dict[str, tuple[str, torch.Tensor]] | None = None, foreign: set[str] | None = None
+          ) -> list[_Entry]:
     """Check names and shapes from the headers only; returns what to read, in file order. Names map by the
     config's ``checkpoint_name``; ``holds``: whether a tensor belongs to this pipeline stage (the others' are
     skipped); ``kv_layers``: the attention modules, whose FP8 KV-cache scales a checkpoint may carry; ``parts``:
-    the pieces a checkpoint may store stacked tensors as (``checkpoint_parts``)."""
+    the pieces a checkpoint may store stacked tensors as (``checkpoint_parts``); ``foreign``: pieces other ranks
+    hold (``foreign_parts``), skipped."""
     parts = parts or {}
+    foreign = foreign or set()
     pieces: dict[str, str] = {}
     draft = config.draft_prefix
     entries: list[_Entry] = []
     loaded: dict[str, str] = {}
     kv_scales = 0
-    skipped_visual = skipped_stage = 0
+    skipped_visual = skipped_stage = skipped_foreign = 0
     unexpected: list[str] = []
     has_tower = any(t.startswith("visual.") for t in targets)
     for path in files:
@@ -316,6 +332,8 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                 target = config.checkpoint_name(name)
                 if holds is not None and not holds(target):
                     skipped_stage += 1
+                elif target in foreign:
+                    skipped_foreign += 1
                 elif draft is not None and name.startswith(draft):
                     entries.append(_Entry(name, path, shape, nbytes, None))
                 elif target.startswith("visual.") and not has_tower:
@@ -344,6 +362,8 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                        "is served", skipped_visual)
     if skipped_stage:
         logger.info("skipped %d tensors that other pipeline stages hold", skipped_stage)
+    if skipped_foreign:
+        logger.info("skipped %d expert tensors that other expert-parallel ranks hold", skipped_foreign)
     if kv_scales:
         logger.info("read %d KV-cache scales (an FP8 KV cache uses them: --kv-cache-dtype fp8)", kv_scales)
     for whole, _ in parts_given(parts, set(pieces) | set(loaded)).values():

@@ -30,6 +30,7 @@ from hyserve.model.loader import (
     checkpoint_tensors,
     copy_into,
     finish_loading,
+    foreign_parts,
     kv_layer_names,
     parts_given,
     safetensors_dtype,
@@ -77,7 +78,8 @@ def load_mtp_weights(head: MTPHead, weights: dict[str, torch.Tensor]) -> None:
     """Copy the checkpoint's ``mtp.*`` tensors into ``head``; names, shapes and dtypes must match exactly (FP8
     weights and their scales into the layers the head quantizes, as the loader checks the model's)."""
     params = checkpoint_tensors(head)
-    given = {name.removeprefix("mtp."): t for name, t in weights.items()}
+    foreign = foreign_parts(head)  # other expert-parallel ranks' experts
+    given = {n: t for n, t in ((name.removeprefix("mtp."), t) for name, t in weights.items()) if n not in foreign}
     for name, (whole, view) in parts_given(checkpoint_parts(head), set(given)).items():
         t = given.pop(name)
         check_tensor(f"mtp.{name}", view, tuple(t.shape), safetensors_dtype(t), head.config)

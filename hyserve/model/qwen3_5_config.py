@@ -63,7 +63,7 @@ class Qwen3_5Config(ModelConfig):
             return VLM_TEXT_PREFIX + name[len("model."):]
         return name
 
-    def tensor_parallel_counts(self) -> dict[str, int]:
+    def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
         return {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
                 "linear_num_value_heads": self.linear_num_value_heads, "intermediate_size": self.intermediate_size,
                 "vocab_size": self.vocab_size}

@@ -31,10 +31,12 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
     shared_expert_intermediate_size: int
     norm_topk_prob: bool = True
 
-    def tensor_parallel_counts(self) -> dict[str, int]:
+    def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
+        """Expert parallel: the ranks split the experts (whole), not each expert's intermediate dimension."""
         counts = {k: v for k, v in Qwen3_5Config.tensor_parallel_counts(self).items() if k != "intermediate_size"}
-        return {**counts, "moe_intermediate_size": self.moe_intermediate_size,
-                "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+        experts = {"num_experts": self.num_experts} if expert_parallel else \
+            {"moe_intermediate_size": self.moe_intermediate_size}
+        return {**counts, **experts, "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
 
     def moe_block_parameters(self) -> int:
         """One sparse MoE block: router, experts (gate, up, down each), shared expert and its gate."""

@@ -37,7 +37,8 @@ class Worker:
             assert dist_init_method is not None, "a worker of several needs the group's address"
         partition = layer_partition(model_config.num_hidden_layers, pp, config.pp_layer_partition) if pp > 1 \
             else None
-        init_distributed(rank, tp, pp, dist_init_method or "", device, partition)
+        init_distributed(rank, tp, pp, dist_init_method or "", device, partition,
+                         expert_parallel=config.enable_expert_parallel)
         self.runner = ModelRunner(config, model_config, device, dtype, num_speculative_tokens=num_speculative_tokens,
                                   use_mtp=use_mtp, max_steps_in_flight=max_steps_in_flight)
 

@@ -14,6 +14,9 @@ transformers' ``Qwen3_5MoeForCausalLM`` (float32, teacher-forced), on tiny check
 * pipeline parallel over three uneven stages with MTP and async scheduling matches the reference;
 * tensor parallel 2 on gloo (each expert's intermediate dimension split, the MTP head's too) matches the reference,
   both layouts;
+* expert parallel on tensor parallel 2 (each rank holds half the experts whole, the MTP head's too) gives the greedy
+  tokens of one process and of plain tensor parallel 2, both layouts; a rank holding the other's experts is caught;
+  experts that do not split over the ranks are refused, and with one rank the flag changes nothing;
 * a sabotaged MoE (top-k weights not renormalized, routing in bfloat16) fails the reference check;
 * ``load_format="dummy"`` draws the experts from config.json alone, the same for one and two ranks;
 * the loader refuses a checkpoint with both layouts of one layer, or an expert missing; the config counts the expert
@@ -164,6 +167,73 @@ def test_tensor_parallel_2_splits_the_experts(ckpts: CheckpointCache, layout: st
     if spec is not None:
         assert llm.get_metrics()["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
     llm.llm_engine.shutdown()
+
+
+def _tokens(llm, prompts: list[list[int]]) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# Loaded first by the worker processes (PYTHONPATH): rank 1 builds rank 0's experts instead of its own.
+WRONG_PLACEMENT = """
+from hyserve.distributed import parallel_state
+from hyserve.layers import moe
+
+right = moe.expert_range
+
+
+def wrong(num_experts):
+    start, end = right(num_experts)
+    return (0, end - start) if parallel_state.tp_rank() == 1 else (start, end)
+
+
+moe.expert_range = wrong
+"""
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_expert_parallel_on_tensor_parallel_2(ckpts: CheckpointCache, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                              layout: str) -> None:
+    """Each of the two gloo ranks holds 3 of the 6 experts whole (the MTP head's MoE block too, MTP speculation on):
+    the greedy tokens are one process's and plain tensor parallel 2's. Fused layout: a rank 1 that holds rank 0's
+    experts (rank 0's tensors loaded, its experts' tokens computed twice) changes the tokens. Per-expert layout:
+    with one rank the flag changes nothing (one INFO line)."""
+    import logging
+
+    path = ckpts.get("causal", "attn_first", family=FAMILY, layout=layout, num_experts_per_tok=3, with_mtp=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    prompts = random_prompts(3, [9, 30, 17], seed=5)
+    runs = {}
+    for name, kw in {"one": {}, "tp2": {"tensor_parallel_size": 2},
+                     "ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True}}.items():
+        with caplog.at_level(logging.INFO, logger="hyserve"):
+            llm = make_llm(path, max_num_batched_tokens=16, speculative_config=spec, **kw)
+        runs[name] = _tokens(llm, prompts)
+        llm.llm_engine.shutdown()
+    assert runs["ep2"] == runs["one"] == runs["tp2"]
+    assert sum("each of the 2 tensor-parallel ranks holds 3 whole experts of 6" in r.message
+               for r in caplog.records) == 1
+    if layout == "per_expert":
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hyserve"):
+            llm = make_llm(path, max_num_batched_tokens=16, enable_expert_parallel=True)
+        assert sum("nothing to change with tensor_parallel_size=1" in r.message for r in caplog.records) == 1
+        assert _tokens(llm, prompts) == runs["one"]
+        return
+    (tmp_path / "sitecustomize.py").write_text(WRONG_PLACEMENT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    llm = make_llm(path, max_num_batched_tokens=16, speculative_config=spec, tensor_parallel_size=2,
+                   enable_expert_parallel=True)
+    assert _tokens(llm, prompts) != runs["one"]
+    llm.llm_engine.shutdown()
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_refused(ckpts: CheckpointCache) -> None:
+    """5 experts over 2 ranks: refused before any worker starts, naming both numbers."""
+    path = ckpts.get("causal", "attn_first", family=FAMILY, layout="fused", num_experts=5)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_experts=5"):
+        make_llm(path, tensor_parallel_size=2, enable_expert_parallel=True)
 
 
 def test_three_uneven_pipeline_stages_with_mtp(ckpts: CheckpointCache) -> None:
@@ -409,15 +479,16 @@ def test_served_with_images_mtp_and_prefix_caching(tmp_path: Path) -> None:
 def test_dummy_weights_from_config_json_alone_with_tp_and_mtp(ckpts: CheckpointCache, tmp_path: Path) -> None:
     """``load_format="dummy"`` on a directory holding only the MoE config.json: every expert tensor drawn (none
     left as allocated), and two tensor-parallel ranks serve the single-process model (each takes its shard of one
-    drawn tensor), MTP on."""
+    drawn tensor; expert parallel: its experts of the drawn stack), MTP on."""
     src = ckpts.get("causal", "gdn3_attn1", family=FAMILY, with_mtp=True, num_experts_per_tok=3)
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(os.path.join(src, "config.json"), bare / "config.json")
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     outs = []
-    for tp in (1, 2):
-        llm = make_llm(str(bare), load_format="dummy", seed=0, tensor_parallel_size=tp, speculative_config=spec)
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        llm = make_llm(str(bare), load_format="dummy", seed=0, tensor_parallel_size=tp, speculative_config=spec,
+                       enable_expert_parallel=ep)
         if tp == 1:
             experts = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, moe.Experts)]
             assert len(experts) == 4
@@ -427,4 +498,4 @@ def test_dummy_weights_from_config_json_alone_with_tp_and_mtp(ckpts: CheckpointC
                            use_tqdm=False)
         outs.append([o.outputs[0].token_ids for o in got])
         llm.llm_engine.shutdown()
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]

@@ -327,3 +327,11 @@ def test_override_generation_config(model: str, tmp_path: Path, form: str) -> No
     assert (alone.temperature, alone.top_p) == (0.25, 1.0)
     with pytest.raises(ValueError, match="'do_sample' is not a key hyserve reads"):
         LLM(model=path, device="cpu", dtype="float32", override_generation_config={"do_sample": True})
+
+
+def test_enable_expert_parallel_reaches_the_config(model: str) -> None:
+    """``--enable-expert-parallel`` sets ``EngineConfig.enable_expert_parallel`` (off without it); what it does is
+    tested on the MoE family (tests/model/test_qwen3_5_moe.py)."""
+    assert config_of(f"serve {model} --tensor-parallel-size 2 --enable-expert-parallel",
+                     model).enable_expert_parallel is True
+    assert config_of(f"serve {model}", model).enable_expert_parallel is False
