@@ -310,7 +310,7 @@ def apply_grammar_masks(logits: torch.Tensor, positions: list[int], packed: list
     """Structured output: at each of ``positions`` (rows of ``logits``, in place), the tokens its packed bitmask
     (``hyserve.structured_output.bitmask``) does not allow become -inf. ``packed[i]`` holds the masks of
     consecutive positions from ``positions[i]`` on (a verify row's k + 1). One host-to-device copy of the words and
-    one launch on CUDA (``hyserve.kernels.bitmask``)."""
+    one launch on CUDA (``hyserve.kernels.bitmask``); no pinned buffer is allocated per step."""
     vocab = logits.shape[1]
     index: list[int] = []
     words = []
@@ -322,7 +322,4 @@ def apply_grammar_masks(logits: torch.Tensor, positions: list[int], packed: list
         words.append(rows)
     if not index:
         return
-    host = torch.cat(words)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    apply_token_bitmask(logits, device_tensor(index, device), host.to(device, non_blocking=True))
+    apply_token_bitmask(logits, device_tensor(index, device), torch.cat(words).to(device))

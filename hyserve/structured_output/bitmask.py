@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from hyserve.kernels.bitmask.reference import token_mask
+
 
 def num_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -22,6 +24,4 @@ def unpack(packed: bytes, vocab_size: int) -> torch.Tensor:
 
 def allowed(mask_words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool ``(n, vocab_size)``: token t allowed at each position (on the device of ``mask_words``)."""
-    bits = torch.arange(32, device=mask_words.device, dtype=torch.int32)
-    out = (mask_words.unsqueeze(-1) >> bits) & 1
-    return out.view(mask_words.shape[0], -1)[:, :vocab_size].bool()
+    return token_mask(mask_words, vocab_size)

@@ -10,9 +10,14 @@ def apply_token_bitmask_ref(logits: torch.Tensor, rows: torch.Tensor, words: tor
     ``words[i, t // 32]`` is set (``words`` int32 ``(len(rows), ceil(V / 32))``)."""
     if rows.numel() == 0:
         return
-    vocab = logits.shape[1]
-    bits = torch.arange(32, device=words.device, dtype=torch.int32)
-    keep = ((words.unsqueeze(-1) >> bits) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+    keep = token_mask(words, logits.shape[1])
     sub = logits.index_select(0, rows)
     sub.masked_fill_(~keep, float("-inf"))
     logits.index_copy_(0, rows, sub)
+
+
+def token_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bool ``(n, vocab)`` from int32 words ``(n, ceil(vocab / 32))``: token ``t`` allowed where bit ``t % 32`` of
+    word ``t // 32`` is set (on the device of ``words``)."""
+    bits = torch.arange(32, device=words.device, dtype=torch.int32)
+    return ((words.unsqueeze(-1) >> bits) & 1).view(words.shape[0], -1)[:, :vocab].bool()
