@@ -1,0 +1,128 @@
+"""Triton kernels for :mod:`hyserve.kernels.moe` (imported lazily: only the CUDA path and interpreter tests need them).
+
+Both GEMMs walk the (token, choice) pairs sorted by expert and padded so that each ``BLOCK_M`` rows belong to one
+expert (``sorted_pairs``, ``block_expert``: -1 for the blocks past the last expert's pairs, which return at once).
+A program computes one ``BLOCK_M x BLOCK_N`` output tile of one expert, so a block's weights are read once for all of
+its rows: at batch-1 decode each chosen expert's weights are read once.
+
+* ``_moe_gate_up_kernel``: ``act = silu(x W_gate^T) * (x W_up^T)``: the gate and up tiles of the same columns in two
+  accumulators, the activation applied in float32, one [P, I] store; row ``p`` of ``act`` is padded position ``p``.
+* ``_moe_down_kernel``: ``out[pair] = w_pair * (act W2^T)`` for each padded position's pair.
+
+FP8 (``QUANT``): 1, channel-scaled weights and per-token activation scales, applied to the accumulator once;
+2, block-scaled weights (``GROUP_N x GROUP_K`` blocks) and per-token, ``GROUP_K``-wide activation groups, applied to
+each ``BLOCK_K`` slice's partial product (``BLOCK_K`` divides ``GROUP_K``). ``UPCAST``: the interpreter multiplies
+float32 copies of the FP8 tiles (it has no FP8 dot).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_moe_down_kernel", "_moe_gate_up_kernel"]
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, top_k, H, INTER,
+    sxm, swe, swn, swk, sam, sxsm, sxsk, swse, swsn, swsk,
+    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < num_pairs
+    tok = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * sxm + offs_k[None, :]
+    w_e = w_ptr + e * swe
+    g_ptrs = w_e + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] * swk
+    u_ptrs = g_ptrs + INTER * swn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        if QUANT == 2:
+            kb = k0 // GROUP_K
+            a_s = tl.load(xs_ptr + tok * sxsm + kb * sxsk, mask=row_ok, other=0.0)
+            g_s = tl.load(ws_ptr + e * swse + (offs_n // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
+            u_s = tl.load(ws_ptr + e * swse + ((offs_n + INTER) // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
+            acc_g += tl.dot(a, bg) * a_s[:, None] * g_s[None, :]
+            acc_u += tl.dot(a, bu) * a_s[:, None] * u_s[None, :]
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * swk
+        u_ptrs += BLOCK_K * swk
+    if QUANT == 1:
+        a_s = tl.load(xs_ptr + tok * sxsm, mask=row_ok, other=0.0)
+        g_s = tl.load(ws_ptr + e * swse + offs_n * swsn, mask=n_ok, other=0.0)
+        u_s = tl.load(ws_ptr + e * swse + (offs_n + INTER) * swsn, mask=n_ok, other=0.0)
+        acc_g = acc_g * a_s[:, None] * g_s[None, :]
+        acc_u = acc_u * a_s[:, None] * u_s[None, :]
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * sam + offs_n[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
+    num_pairs, N, K,
+    sam, swe, swn, swk, som, sasm, sask, swse, swsn, swsk,
+    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    row_ok = pair < num_pairs
+    rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * sam + offs_k[None, :]
+    b_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] * swk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if QUANT == 2:
+            kb = k0 // GROUP_K
+            a_s = tl.load(as_ptr + rows * sasm + kb * sask, mask=row_ok, other=0.0)
+            b_s = tl.load(ws_ptr + e * swse + (offs_n // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * swk
+    if QUANT == 1:
+        a_s = tl.load(as_ptr + rows * sasm, mask=row_ok, other=0.0)
+        b_s = tl.load(ws_ptr + e * swse + offs_n * swsn, mask=n_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
+    acc = acc * w[:, None]
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
