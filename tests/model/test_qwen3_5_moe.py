@@ -409,21 +409,6 @@ def test_the_mtp_heads_moe_drafts_match_a_transformers_built_head(ckpts: Checkpo
     assert (max(errors) > 1e-3) == sabotage, errors
 
 
-def test_the_static_expert_path_equals_the_sorted_one() -> None:
-    """The capturable path (every expert over every token) and the batched-by-expert one agree, k = 1..3."""
-    torch.manual_seed(0)
-    experts = moe.Experts(6, 16, 8)
-    with torch.no_grad():
-        experts.gate_up_proj.normal_()
-        experts.down_proj.normal_()
-    x = torch.randn(11, 16)
-    for k in (1, 2, 3):
-        weights, chosen = moe.route(torch.randn(11, 6), k, True)
-        torch.testing.assert_close(experts.forward_static(x, weights, chosen), experts(x, weights, chosen))
-    weights, chosen = moe.route(torch.randn(0, 6), 2, True)  # an empty step
-    assert experts(x[:0], weights, chosen).shape == (0, 16)
-
-
 @pytest.mark.parametrize("form", ["causal", "conditional"])
 def test_the_registry_builds_the_family_whose_cache_specs_are_qwen3_5s(ckpts: CheckpointCache, form: str) -> None:
     """Both architectures resolve to the MoE family; the experts add no cache: the specs equal those of the dense
