@@ -167,6 +167,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     sorted_pairs, block_expert = align_pairs(topk_ids, num_local, expert_start, bm)
     rows = sorted_pairs.shape[0]
     upcast = not x.is_cuda
+    precision = "ieee" if x.dtype == torch.float32 and quant == 0 else "tf32"
     xa, xs = _gemm_input(x.contiguous(), scales)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     s13 = scales.w13 if scales is not None else w13  # unread without FP8
@@ -177,7 +178,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         xa.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         xs_.stride(0), xs_.stride(1) if xs is not None and xs.dim() > 1 else 0,
         s13.stride(0), s13.stride(1), s13.stride(2) if quant == 2 else 0,
-        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision,
+        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     aa, as_ = _gemm_input(act, scales)
@@ -193,7 +195,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         aa.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), pair_out.stride(0),
         as_.stride(0), as_.stride(1) if quant == 2 else 0,
         s2.stride(0), s2.stride(1), s2.stride(2) if quant == 2 else 0,
-        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision,
+        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     return pair_out.view(t, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

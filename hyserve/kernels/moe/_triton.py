@@ -11,8 +11,9 @@ its rows: at batch-1 decode each chosen expert's weights are read once.
 
 FP8 (``QUANT``): 1, channel-scaled weights and per-token activation scales, applied to the accumulator once;
 2, block-scaled weights (``GROUP_N x GROUP_K`` blocks) and per-token, ``GROUP_K``-wide activation groups, applied to
-each ``BLOCK_K`` slice's partial product (``BLOCK_K`` divides ``GROUP_K``). ``UPCAST``: the interpreter multiplies
-float32 copies of the FP8 tiles (it has no FP8 dot).
+each ``BLOCK_K`` slice's partial product (``BLOCK_K`` divides ``GROUP_K``). ``PRECISION``: ``"ieee"`` for float32
+experts (no TF32 rounding: a float32 model on CUDA matches its CPU reference), else the default. ``UPCAST``: the
+interpreter multiplies float32 copies of the FP8 tiles (it has no FP8 dot).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _moe_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, top_k, H, INTER,
     sxm, swe, swn, swk, sam, sxsm, sxsk, swse, swsn, swsk,
-    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -64,8 +65,8 @@ def _moe_gate_up_kernel(
             acc_g += tl.dot(a, bg) * a_s[:, None] * g_s[None, :]
             acc_u += tl.dot(a, bu) * a_s[:, None] * u_s[None, :]
         else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * swk
         u_ptrs += BLOCK_K * swk
@@ -85,7 +86,7 @@ def _moe_down_kernel(
     a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
     num_pairs, N, K,
     sam, swe, swn, swk, som, sasm, sask, swse, swsn, swsk,
-    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -115,7 +116,7 @@ def _moe_down_kernel(
             b_s = tl.load(ws_ptr + e * swse + (offs_n // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * swk
     if QUANT == 1:
