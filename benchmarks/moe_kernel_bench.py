@@ -133,10 +133,10 @@ def bench(args: argparse.Namespace) -> None:
 
 def candidates(tokens: int, block_k_max: int) -> tuple[list[int], list[tuple[int, int, int, int]]]:
     """(block_m choices, (block_n, block_k, warps, stages) choices) swept at ``tokens``."""
-    bks = [b for b in (64, 128, 256) if b <= block_k_max]
     if tokens <= 64:
-        return [16], [(bn, bk, w, s) for bn, bk, w, s in itertools.product((32, 64, 128), bks, (4,), (3, 4, 5))]
-    return [32, 64, 128], [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128), bks, (4, 8), (3, 4))]
+        bks = [b for b in (128, 256) if b <= block_k_max]
+        return [16], [(bn, bk, w, s) for bn, bk, w, s in itertools.product((32, 64, 128), bks, (4,), (3, 4))]
+    return [32, 64, 128], [(bn, bk, w, s) for bn, bk, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
 
 
 def tune(args: argparse.Namespace) -> None:
