@@ -5,8 +5,9 @@
 * ``align_pairs`` as properties over random routings: each block holds one expert's pairs, every local pair appears
   once, foreign pairs (expert parallel) none; at decode each chosen expert gets exactly one block (its weights are
   read once).
-* The Triton kernels under the interpreter (``TRITON_INTERPRET=1``) in one subprocess against the reference, with
-  a sabotaged alignment (runs not padded to whole blocks) that the comparison must catch.
+* The Triton kernels under the interpreter (``TRITON_INTERPRET=1``) in one subprocess against the reference, both
+  orders (sorted by expert; one pair per program up to ``DIRECT_MAX_TOKENS`` tokens), with a sabotaged alignment
+  (runs not padded to whole blocks) that the comparison must catch.
 * On CUDA: the kernels against the reference in bf16 and FP8, and replayed from a CUDA graph with new routings.
 """
 
@@ -164,6 +165,9 @@ INTERP_CASES: dict[str, dict[str, Any]] = {
     "prefill_bf16": dict(t=37, k=3, num_experts=8, hidden=200, inter=48, dtype=torch.bfloat16),
     "expert_parallel_f32": dict(t=20, k=2, num_experts=8, hidden=64, inter=32, dtype=torch.float32, expert_start=2,
                                 num_local=3),
+    "expert_parallel_direct_f32": dict(t=4, k=3, num_experts=8, hidden=64, inter=32, dtype=torch.float32,
+                                       expert_start=2, num_local=3),
+    "fp8_block_direct": dict(t=3, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
     "fp8_channel": dict(t=5, k=2, num_experts=4, hidden=256, inter=128, dtype=torch.bfloat16, fp8="channel"),
     "fp8_block": dict(t=70, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
 }

@@ -508,7 +508,8 @@ def test_cuda_graphs_with_the_fused_experts_match_eager_and_transformers(ckpts: 
     arrivals = {3 * i: [(f"r{i}", p, params)] for i, p in enumerate(prompts)}
     want = drive(eager.llm_engine, arrivals)
     got = drive(graphed.llm_engine, arrivals)
-    assert all(s.num_replays > 0 for s in graphs.sets.values()), {n: s.num_replays for n, s in graphs.sets.items()}
+    replayed = {n: s.num_replays for n, s in graphs.sets.items()}
+    assert all(replayed[n] > 0 for n in (("verify", "mtp") if spec else ("decode",))), replayed
     for i, p in enumerate(prompts):
         assert got[f"r{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
         assert_matches_reference(ref, p, got[f"r{i}"])

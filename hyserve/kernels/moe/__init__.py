@@ -9,6 +9,9 @@ On CUDA, three steps and no host synchronization (so a CUDA graph can capture th
 3. ``_moe_down_kernel`` multiplies by ``W2``, scales each pair by its routing weight and writes it to the pair's row;
    the ``k`` rows of a token are then summed (float32).
 
+Up to ``DIRECT_MAX_TOKENS`` tokens (decode) step 1 is skipped: each pair gets its own programs, which read its expert
+from the routing.
+
 bf16/fp16 experts and FP8 W8A8 experts (``ExpertScales``: channel scales with per-token activations, or block scales
 with per-token groups as wide as a block; the activations quantized by :func:`hyserve.kernels.fp8.quantize_rows`).
 Tile sizes come from a tuned table per (experts, widths, dtype, card) stored beside this file (``configs/``,
@@ -31,6 +34,9 @@ __all__ = ["ExpertScales", "MoeConfig", "align_pairs", "config_path", "default_c
            "fused_experts", "fused_experts_ref", "load_configs", "quantize_dequantize", "select_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
+# (no sorting launches; a token's k experts are distinct, so at one token each is read once); above, the sorted order.
+DIRECT_MAX_TOKENS = 8
 
 
 class MoeConfig(NamedTuple):
@@ -164,8 +170,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         raise ValueError(f"the two GEMMs walk the same padded order: block_m {plan.gate_up.block_m} != "
                          f"{plan.down.block_m}")
     bm = plan.gate_up.block_m
-    sorted_pairs, block_expert = align_pairs(topk_ids, num_local, expert_start, bm)
-    rows = sorted_pairs.shape[0]
+    ids = topk_ids.contiguous()
+    direct = t <= DIRECT_MAX_TOKENS
+    if direct:  # one pair per program: nothing to sort
+        sorted_pairs = block_expert = ids
+        rows, grid_m = t * k, t * k
+    else:
+        sorted_pairs, block_expert = align_pairs(ids, num_local, expert_start, bm)
+        rows = sorted_pairs.shape[0]
+        grid_m = rows // bm
     upcast = not x.is_cuda
     precision = "ieee" if x.dtype == torch.float32 and quant == 0 else "tf32"
     xa, xs = _gemm_input(x.contiguous(), scales)
@@ -173,12 +186,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     s13 = scales.w13 if scales is not None else w13  # unread without FP8
     xs_ = xs if xs is not None else x
     c = plan.gate_up
-    _moe_gate_up_kernel[(rows // bm, -(-inter // c.block_n))](
-        xa, w13, act, xs_, s13, sorted_pairs, block_expert, t * k, k, hidden, inter,
+    _moe_gate_up_kernel[(grid_m, -(-inter // c.block_n))](
+        xa, w13, act, xs_, s13, sorted_pairs, block_expert, ids, t * k, k, hidden, inter, expert_start, num_local,
         xa.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         xs_.stride(0), xs_.stride(1) if xs is not None and xs.dim() > 1 else 0,
         s13.stride(0), s13.stride(1), s13.stride(2) if quant == 2 else 0,
-        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision,
+        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision, DIRECT=direct,
         BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
@@ -189,13 +202,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     pair_out = alloc(t * k, hidden, dtype=x.dtype, device=x.device)
     s2 = scales.w2 if scales is not None else w2
     c = plan.down
-    _moe_down_kernel[(rows // bm, -(-hidden // c.block_n))](
-        aa, w2, pair_out, as_, s2, sorted_pairs, block_expert, topk_weights.reshape(-1).float().contiguous(),
-        t * k, hidden, inter,
+    _moe_down_kernel[(grid_m, -(-hidden // c.block_n))](
+        aa, w2, pair_out, as_, s2, sorted_pairs, block_expert, ids, topk_weights.reshape(-1).float().contiguous(),
+        t * k, hidden, inter, expert_start, num_local,
         aa.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), pair_out.stride(0),
         as_.stride(0), as_.stride(1) if quant == 2 else 0,
         s2.stride(0), s2.stride(1), s2.stride(2) if quant == 2 else 0,
-        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision,
+        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision, DIRECT=direct,
         BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip

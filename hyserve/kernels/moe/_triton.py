@@ -3,7 +3,8 @@
 Both GEMMs walk the (token, choice) pairs sorted by expert and padded so that each ``BLOCK_M`` rows belong to one
 expert (``sorted_pairs``, ``block_expert``: -1 for the blocks past the last expert's pairs, which return at once).
 A program computes one ``BLOCK_M x BLOCK_N`` output tile of one expert, so a block's weights are read once for all of
-its rows: at batch-1 decode each chosen expert's weights are read once.
+its rows. ``DIRECT`` (a few tokens, decode): no sorted order; program ``m`` computes pair ``m`` alone, its expert read
+from ``topk_ids``: at batch-1 decode each chosen expert's weights are read once, and nothing is launched to sort.
 
 * ``_moe_gate_up_kernel``: ``act = silu(x W_gate^T) * (x W_up^T)``: the gate and up tiles of the same columns in two
   accumulators, the activation applied in float32, one [P, I] store; row ``p`` of ``act`` is padded position ``p``.
@@ -26,20 +27,29 @@ __all__ = ["_moe_down_kernel", "_moe_gate_up_kernel"]
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr,
-    num_pairs, top_k, H, INTER,
+    x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr,
+    num_pairs, top_k, H, INTER, expert_start, num_local,
     sxm, swe, swn, swk, sam, sxsm, sxsk, swse, swsn, swsk,
     QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    row_ok = pair < num_pairs
+    if DIRECT:  # program pid_m computes pair pid_m alone (row 0 of its tile); act row = pair
+        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
+        if (e < 0) | (e >= num_local):
+            return
+        offs_m = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        pair = offs_m
+        row_ok = tl.arange(0, BLOCK_M) == 0
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < num_pairs
     tok = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
@@ -83,20 +93,29 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
-    num_pairs, N, K,
+    a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, topk_w_ptr,
+    num_pairs, N, K, expert_start, num_local,
     sam, swe, swn, swk, som, sasm, sask, swse, swsn, swsk,
     QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    row_ok = pair < num_pairs
+    if DIRECT:
+        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
+        if (e < 0) | (e >= num_local):
+            return
+        offs_m = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        pair = offs_m
+        row_ok = tl.arange(0, BLOCK_M) == 0
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < num_pairs
     rows = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
