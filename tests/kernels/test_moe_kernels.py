@@ -2,9 +2,9 @@
 
 * The reference (the CPU path) against a token-by-token loop written here: bf16, float32, expert parallel (a slice
   of the experts), FP8 channel- and block-scaled experts.
-* ``align_pairs`` as properties over random routings: each block holds one expert's pairs, every local pair appears
-  once, foreign pairs (expert parallel) none; at decode each chosen expert gets exactly one block (its weights are
-  read once).
+* ``align_pairs`` (the torch formulation; the Triton one under the interpreter) as properties over random
+  routings: each block holds one expert's pairs, every local pair appears once, foreign pairs (expert parallel)
+  none; at decode each chosen expert gets exactly one block (its weights are read once).
 * The Triton kernels under the interpreter (``TRITON_INTERPRET=1``) in one subprocess against the reference, both
   orders (sorted by expert; one pair per program up to ``DIRECT_MAX_TOKENS`` tokens), with a sabotaged alignment
   (runs not padded to whole blocks) that the comparison must catch.
@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from hyserve.kernels import moe
 from hyserve.kernels.fp8.reference import FP8_DTYPE, FP8_MAX, quantize_per_token, quantize_per_token_group
-from hyserve.kernels.moe import ExpertScales, MoeConfig, MoePlan, align_pairs, fused_experts, fused_experts_ref
+from hyserve.kernels.moe import ExpertScales, MoeConfig, MoePlan, fused_experts, fused_experts_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,33 +126,53 @@ def test_an_empty_step_and_no_local_choice() -> None:
     assert torch.equal(fused_experts_ref(x, w13, w2, weights, ids, 6), torch.zeros_like(x))
 
 
+def alignment_errors(ids: torch.Tensor, start: int, num_local: int, block_m: int, sorted_pairs: torch.Tensor,
+                     block_expert: torch.Tensor) -> list[str]:
+    """What is wrong with an alignment: each block holds one expert's pairs (or none, past the runs), every local
+    pair appears once and no foreign one, the runs in expert order; at one token, one block per chosen expert."""
+    t, k = ids.shape
+    errors = []
+    if sorted_pairs.numel() != block_expert.numel() * block_m:
+        errors.append(f"{sorted_pairs.numel()} rows for {block_expert.numel()} blocks of {block_m}")
+    flat = ids.reshape(-1) - start
+    local = sorted(p for p in range(t * k) if 0 <= int(flat[p]) < num_local)
+    seen = sorted(int(p) for p in sorted_pairs if int(p) != t * k)
+    if seen != local:
+        errors.append(f"pairs placed {seen}, local pairs {local}")
+    used = 0
+    for b, e in enumerate(block_expert.tolist()):
+        pairs = [int(p) for p in sorted_pairs[b * block_m : (b + 1) * block_m] if int(p) != t * k]
+        if e < 0:
+            if pairs:
+                errors.append(f"block {b} past the runs holds {pairs}")
+            continue
+        used += 1
+        if not pairs or any(int(flat[p]) != e for p in pairs):
+            errors.append(f"block {b} of expert {e} holds {pairs}")
+    if block_expert.tolist() != sorted(block_expert.tolist(), key=lambda e: (e < 0, e)):
+        errors.append(f"runs out of order: {block_expert.tolist()}")
+    if t == 1 and block_m >= k and used != len(local):
+        errors.append(f"{used} blocks for {len(local)} chosen experts at one token")
+    return errors
+
+
+def random_routing(t: int, k: int, num_experts: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(t)])
+
+
 @settings(max_examples=40, deadline=None)
 @given(t=st.integers(1, 40), k=st.integers(1, 4), num_experts=st.integers(4, 24), block_m=st.sampled_from([1, 4, 16]),
        split=st.booleans(), seed=st.integers(0, 2**16))
 def test_align_pairs_makes_whole_blocks_of_one_expert(t: int, k: int, num_experts: int, block_m: int, split: bool,
                                                       seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(t)]) if k <= num_experts else None
-    if ids is None:
-        return
+    ids = random_routing(t, k, num_experts, seed)
     start, num_local = (num_experts // 3, num_experts // 2) if split else (0, num_experts)
-    sorted_pairs, block_expert = align_pairs(ids, num_local, start, block_m)
-    assert sorted_pairs.numel() == block_expert.numel() * block_m
-    flat = ids.reshape(-1) - start
-    local = {p for p in range(t * k) if 0 <= int(flat[p]) < num_local}
-    seen = [int(p) for p in sorted_pairs if int(p) != t * k]
-    assert sorted(seen) == sorted(local)  # each local pair once, no foreign pair
-    used = 0
-    for b, e in enumerate(block_expert.tolist()):
-        pairs = [int(p) for p in sorted_pairs[b * block_m : (b + 1) * block_m] if int(p) != t * k]
-        if e < 0:
-            assert not pairs
-            continue
-        used += 1
-        assert pairs and all(int(flat[p]) == e for p in pairs), (b, e, pairs)
-    assert block_expert.tolist() == sorted(block_expert.tolist(), key=lambda e: (e < 0, e))  # runs, then the rest
-    if t == 1 and block_m >= k:  # decode: one block per chosen expert (each one's weights read once)
-        assert used == len(local)
+    assert not alignment_errors(ids, start, num_local, block_m, *moe.align_pairs_ref(ids, num_local, start, block_m))
+
+
+ALIGN_CASES = {"decode": (1, 8, 64, 0, 64, 16), "mixed": (37, 3, 10, 0, 10, 16), "split": (40, 4, 24, 8, 12, 4),
+               "one_local": (9, 2, 8, 5, 1, 16), "many_chunks": (300, 4, 48, 0, 48, 64)}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -199,6 +219,10 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
                 res[f"{name}/{pname}"] = list(_interp_case(case, plan))
             except Exception as exc:  # reported, not raised
                 res[f"{name}/{pname}"] = [False, repr(exc)]
+    for name, (t, k, ne, start, nl, bm) in ALIGN_CASES.items():
+        ids = random_routing(t, k, ne, 5)
+        errors = alignment_errors(ids, start, nl, bm, *moe.align_pairs(ids, nl, start, bm))
+        res[f"align/{name}"] = [not errors, "; ".join(errors)[:500]]
     # Sabotage: runs not padded to whole blocks (a block then mixes experts) must be caught.
     real = moe.align_pairs
     moe.align_pairs = lambda ids, nl, start, bm: _unpadded(real, ids, nl, start, bm)
@@ -236,6 +260,7 @@ def interpreter_results() -> dict[str, list[Any]]:
 
 
 INTERP_NAMES = [f"{c}/{p}" for c in INTERP_CASES for p in ("default", *PLANS)] + ["unpadded_runs_caught"]
+INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES]
 
 
 @pytest.mark.parametrize("name", INTERP_NAMES)

@@ -4,7 +4,7 @@ choices, ``expert(x) = down(silu(gate(x)) * up(x))`` (semantics: :mod:`hyserve.k
 On CUDA, three steps and no host synchronization (so a CUDA graph can capture them):
 
 1. :func:`align_pairs` sorts the ``T k`` (token, choice) pairs by expert and pads each expert's run to a multiple of
-   ``BLOCK_M``, so that every block of rows belongs to one expert (torch ops with shapes fixed by ``T``);
+   ``BLOCK_M``, so that every block of rows belongs to one expert (two launches, shapes fixed by ``T``);
 2. ``_moe_gate_up_kernel`` computes ``silu(x W_gate^T) * (x W_up^T)`` for each block's rows (one launch);
 3. ``_moe_down_kernel`` multiplies by ``W2``, scales each pair by its routing weight and writes it to the pair's row;
    the ``k`` rows of a token are then summed (float32).
@@ -29,9 +29,11 @@ from typing import NamedTuple
 import torch
 
 from hyserve.kernels.moe.reference import ExpertScales, dequantize_experts, fused_experts_ref, quantize_dequantize
+from hyserve.utils import next_pow2
 
-__all__ = ["ExpertScales", "MoeConfig", "align_pairs", "config_path", "default_config", "dequantize_experts",
-           "fused_experts", "fused_experts_ref", "load_configs", "quantize_dequantize", "select_config"]
+__all__ = ["ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "config_path", "default_config",
+           "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs", "quantize_dequantize",
+           "select_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
@@ -108,6 +110,29 @@ def max_padded_pairs(num_pairs: int, num_local: int, block_m: int) -> int:
 
 def align_pairs(topk_ids: torch.Tensor, num_local: int, expert_start: int,
                 block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_pairs, block_expert)`` (see :func:`align_pairs_ref`): on CUDA (and under the interpreter) two
+    Triton launches, the runs' lengths and blocks in one program, the pairs placed by the next; else the torch
+    formulation. Within a run the pairs' order may differ between the two (no output depends on it)."""
+    if not topk_ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return align_pairs_ref(topk_ids, num_local, expert_start, block_m)
+    from hyserve.kernels.moe._triton import _moe_align_kernel, _moe_scatter_kernel
+
+    num_pairs = topk_ids.numel()
+    rows = max_padded_pairs(num_pairs, num_local, block_m)
+    ids = topk_ids.reshape(-1)
+    e_pad = next_pow2(max(num_local, 2))
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+    _moe_align_kernel[(1,)](ids, cursor, sorted_pairs, block_expert, num_pairs, rows, expert_start, num_local,
+                            BLOCK_M=block_m, E_PAD=e_pad, BLOCK=1024, BLOCK_B=max(1, 16384 // e_pad))
+    _moe_scatter_kernel[(-(-num_pairs // 1024),)](ids, cursor, sorted_pairs, num_pairs, expert_start, num_local,
+                                                  BLOCK=1024)
+    return sorted_pairs, block_expert
+
+
+def align_pairs_ref(topk_ids: torch.Tensor, num_local: int, expert_start: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sorted_pairs, block_expert)``: the pairs (``token * k + choice``) in expert order, each expert's run
     padded with ``T k`` (no pair) to a multiple of ``block_m``; and each block's local expert id (-1: past the
     last run). Pairs of experts outside ``[expert_start, expert_start + num_local)`` are left out (expert

@@ -146,3 +146,48 @@ def _moe_down_kernel(
     acc = acc * w[:, None]
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_pairs, rows, expert_start, num_local,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """One program: each local expert's pair count (foreign and out-of-range lanes are counted into bin 0, then taken
+    out), its run padded to whole ``BLOCK_M`` blocks, the runs' starts into ``cursor`` (where ``_moe_scatter_kernel``
+    places the pairs), the padded order filled with ``num_pairs`` (no pair), and each block's expert (-1 past the
+    last run)."""
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    stray = 0
+    for lo in range(0, num_pairs, BLOCK):
+        offs = lo + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32) - expert_start
+        ok = (offs < num_pairs) & (e >= 0) & (e < num_local)
+        counts += tl.histogram(tl.where(ok, e, 0), E_PAD)
+        stray += tl.sum((~ok).to(tl.int32), axis=0)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.where(experts == 0, counts - stray, counts)
+    padded = tl.where(experts < num_local, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    run_end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + experts, run_end - padded)
+    total = tl.sum(padded, axis=0)
+    for lo in range(0, rows, BLOCK):
+        offs = lo + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + offs, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=offs < rows)
+    for lo in range(0, rows // BLOCK_M, BLOCK_B):
+        b = lo + tl.arange(0, BLOCK_B)
+        start = b * BLOCK_M
+        ended = (run_end[None, :] <= start[:, None]) & (experts[None, :] < num_local)
+        e = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(start < total, e, -1), mask=b < rows // BLOCK_M)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, expert_start, num_local, BLOCK: tl.constexpr):
+    """Each local pair takes the next place of its expert's run (an atomic on the run's cursor: the order within a
+    run is arbitrary, which no output depends on: each row of a tile is computed on its own)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32) - expert_start
+    ok = (offs < num_pairs) & (e >= 0) & (e < num_local)
+    slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)
