@@ -45,13 +45,13 @@ from hyserve.layers.moe import SparseMoeBlock
 from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeMTPHead
 from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
 from hyserve.model.registry import load_model_config
-from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.images import tiny_png
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, load_moe_vlm_reference_model, write_tiny_moe_vlm_checkpoint
 from hyserve.testing.qwen3_5_vlm import reference_vlm_greedy, reference_vlm_inputs, reference_vlm_logits
 from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
+from hyserve.testing.speculative import plant_drafts
 from hyserve.worker import cuda_graphs
 
 FAMILY = QWEN3_5_MOE.name
@@ -129,31 +129,6 @@ def test_features_compose_with_moe(ckpts: CheckpointCache, plain_run: dict, monk
         assert metrics["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
     if spec == "mtp":
         assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0  # type: ignore[operator]
-
-
-def plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
-    """After every step each running request's MTP drafts become its known continuation, the last one made wrong
-    (the tiny heads are random and would never be accepted): drafts are accepted and rejected. Drafts kept on the
-    device (``PREVIOUS_DRAFT``, async scheduling) are planted in the verifier's ``draft_slots``."""
-    update = engine.scheduler.update_from_output
-    verifier = engine.runner.verifier
-
-    def plant(so, ro, sink):  # type: ignore[no-untyped-def]
-        ran = update(so, ro, sink)
-        for req in engine.scheduler.running:
-            drafts = req.draft_token_ids
-            if not drafts or req.request_id not in want:
-                continue
-            cont = want[req.request_id][req.num_output_tokens:][: len(drafts)]
-            cont = [*cont[:-1], (cont[-1] + 1) % 50] if len(cont) == len(drafts) and len(cont) > 1 else cont
-            if PREVIOUS_DRAFT in drafts:
-                assert verifier is not None and verifier.draft_slots is not None
-                verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
-            elif cont:
-                req.draft_token_ids = cont
-        return ran
-
-    engine.scheduler.update_from_output = plant  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
