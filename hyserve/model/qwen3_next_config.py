@@ -87,7 +87,7 @@ def parse_qwen3_next_config(raw: dict[str, Any]) -> Qwen3NextConfig:
     if nv % nk:
         raise ValueError(f"config.json: linear_num_value_heads={nv} is not a multiple of linear_num_key_heads={nk} "
                          "(in_proj_qkvz groups whole value heads per key head)")
-    step = int(text.get("decoder_sparse_step") or 1)
+    step = int(1 if text.get("decoder_sparse_step") is None else text["decoder_sparse_step"])
     if step < 1:
         raise ValueError(f"config.json: decoder_sparse_step={step} must be at least 1")
     only = tuple(sorted({int(i) for i in text.get("mlp_only_layers") or ()}))
