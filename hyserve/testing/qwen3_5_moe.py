@@ -253,3 +253,57 @@ def load_moe_vlm_reference_model(path: str | os.PathLike[str]) -> Any:
     model = Qwen3_5MoeForConditionalGeneration.from_pretrained(os.fspath(path), dtype=torch.float32,
                                                                local_files_only=True)
     return model.eval()
+
+
+@torch.no_grad()
+def reference_mtp(path: str, ref: Any, tokens: list[int], text_model: type, norm: type
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP head's output (post-norm) and logits at every position i < len - 1 (predicting token i + 2),
+    built from transformers' own modules of the family (``text_model``: its text model class, e.g.
+    ``Qwen3_5MoeTextModel``; ``norm``: its RMSNorm): ``fc([pre_fc_norm_embedding(embed(t[i+1])),
+    pre_fc_norm_hidden(h_i)])`` (``h``: the target's post-final-norm hidden states), then a one-layer text model
+    (full attention, layer 0's feed-forward block) holding ``mtp.layers.0.*`` with ``mtp.norm`` as its final norm,
+    then lm_head."""
+    tensors = {n.removeprefix("mtp."): t for n, t in read_checkpoint_tensors(path).items() if n.startswith("mtp.")}
+    if any(".experts.0." in n for n in tensors):
+        tensors = stack_experts(tensors)
+    cfg = type(ref.config)(**{**ref.config.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    mtp = text_model(cfg).float().eval()
+    state = {n: t for n, t in tensors.items() if n.startswith(("layers.", "norm."))}
+    state["embed_tokens.weight"] = ref.model.embed_tokens.weight
+    mtp.load_state_dict(state, strict=True)
+    h = cfg.hidden_size
+    norm_e, norm_h = norm(h, cfg.rms_norm_eps), norm(h, cfg.rms_norm_eps)
+    norm_e.weight.copy_(tensors["pre_fc_norm_embedding.weight"])
+    norm_h.weight.copy_(tensors["pre_fc_norm_hidden.weight"])
+    ids = torch.tensor([tokens])
+    hidden = ref.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+    emb = ref.model.embed_tokens(ids[0, 1:])
+    x = torch.nn.functional.linear(torch.cat([norm_e(emb), norm_h(hidden)], dim=-1), tensors["fc.weight"])
+    out = mtp(inputs_embeds=x[None], use_cache=False).last_hidden_state[0]
+    return out, ref.lm_head(out).float()
+
+
+def check_mtp_drafts(llm: Any, path: str, ref: Any, text_model: type, norm: type, sabotaged: bool) -> None:
+    """One request through ``llm`` (MTP k = 1): every draft is the argmax of ``reference_mtp``'s logits at its
+    position and the head's output its output, unless ``sabotaged`` (then the outputs must differ)."""
+    from hyserve import SamplingParams
+    from hyserve.testing.engine import drive, random_prompts
+    from hyserve.testing.speculative import record_drafts
+
+    seen = record_drafts(llm.llm_engine)
+    prompt = random_prompts(1, [19], seed=11)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = drive(llm.llm_engine, {0: [("r", prompt, params)]})["r"].outputs[0].token_ids
+    hidden, logits = reference_mtp(path, ref, prompt + out, text_model, norm)
+    assert llm.get_metrics()["hyserve:spec_decode_num_accepted_tokens"] == 0  # a random head: one token a step
+    # The n-th recorded draft came after the n-th step, when the request had n outputs: it predicts output n from
+    # position len(prompt) + n - 2. A draft after every step but the last two (one token left, then done).
+    assert len(seen["r"]) == len(out) - 2
+    errors = []
+    for n, (drafts, got) in enumerate(seen["r"], start=1):
+        row = logits[len(prompt) + n - 2]
+        assert sabotaged or float(row.max() - row[drafts[0]]) <= 2e-3, \
+            f"draft {n}: {drafts[0]} vs {int(row.argmax())}"
+        errors.append(float((got.float() - hidden[len(prompt) + n - 2]).abs().max()))
+    assert (max(errors) > 1e-3) == sabotaged, errors

@@ -12,6 +12,8 @@ attention layers in several orders:
   run's outputs, which match the reference;
 * tensor parallel 2 on gloo (a key-head group per rank) and expert parallel on it, MTP on, and two uneven
   pipeline stages with MTP and async scheduling match the reference;
+* the MTP head's drafts and output (its layer's MoE block, or the dense MLP where the config makes layer 0 dense)
+  match a head built from transformers' modules, and a head routing to one expert instead of three is caught;
 * ``load_format="dummy"`` serves from config.json alone, the same on one and two ranks;
 * the config: transformers' defaults, refusals, and the weights counted as transformers' model holds them.
 """
@@ -44,6 +46,7 @@ from hyserve.model.qwen3_next_config import parse_qwen3_next_config
 from hyserve.model.registry import load_model_config
 from hyserve.testing.engine import SlotRecorder, assert_matches_reference, drive, make_llm, random_prompts
 from hyserve.testing.families import LAYER_PATTERNS, CheckpointCache
+from hyserve.testing.qwen3_5_moe import check_mtp_drafts
 from hyserve.testing.qwen3_next import QWEN3_NEXT, tiny_next_config
 from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
 from hyserve.testing.speculative import plant_drafts
@@ -193,6 +196,26 @@ def test_dummy_weights_from_config_json_alone(ckpts: CheckpointCache, tmp_path: 
         outs.append([o.outputs[0].token_ids for o in got])
         llm.llm_engine.shutdown()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("mlp_only_layers,sabotage", [((1,), False), ((0,), False), ((1,), True)],
+                         ids=["moe_head", "dense_head", "moe_head_top1"])
+def test_the_mtp_heads_drafts_match_a_transformers_built_head(ckpts: CheckpointCache, mlp_only_layers: tuple[int],
+                                                              sabotage: bool) -> None:
+    """MTP k = 1, one request: every draft is the argmax of a head built from transformers' Qwen3-Next modules,
+    its layer's feed-forward block the MoE block or (layer 0 in ``mlp_only_layers``) the dense MLP; with the MoE
+    block routing each token to its first choice only (sabotage) the drafts are not."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextModel, Qwen3NextRMSNorm
+
+    path = ckpts.get("causal", "attn_first", family=FAMILY, num_experts_per_tok=3, with_mtp=True,
+                     mlp_only_layers=mlp_only_layers)
+    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    block = llm.llm_engine.runner.mtp.layers[0].mlp  # type: ignore[union-attr]
+    assert isinstance(block, MLP if 0 in mlp_only_layers else SparseMoeBlock)
+    if sabotage:
+        assert isinstance(block, SparseMoeBlock)
+        block.top_k = 1
+    check_mtp_drafts(llm, path, ckpts.reference(path), Qwen3NextModel, Qwen3NextRMSNorm, sabotage)
 
 
 def _raw(ckpts: CheckpointCache, **kw: Any) -> dict[str, Any]:
