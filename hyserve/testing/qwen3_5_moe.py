@@ -39,25 +39,29 @@ from hyserve.testing.qwen3_5 import (
     tiny_text_config,
     use_torch_gated_delta_rule,
     visual_shapes,
+    write_generation_config_and_tokenizer,
 )
-from hyserve.testing.tokenizer import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
 
 MOE_DEFAULTS: dict[str, Any] = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "shared_expert_intermediate_size": 48}
 LAYOUTS = ("fused", "per_expert")
 
 
-def tiny_moe_config(layer_types: list[str], **overrides: Any) -> Qwen3_5MoeTextConfig:
-    """Qwen3.5's tiny text config (``hyserve.testing.qwen3_5.tiny_text_config``'s fields) with a small MoE."""
+def tiny_moe_fields(layer_types: list[str]) -> dict[str, Any]:
+    """Qwen3.5's tiny text config's fields (``hyserve.testing.qwen3_5.tiny_text_config``) with a small MoE, for
+    the MoE families' configs."""
     dense = tiny_text_config(layer_types=layer_types).to_dict()
     kwargs = {k: dense[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types",
                                     "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                                     "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
                                     "linear_conv_kernel_dim", "rms_norm_eps", "max_position_embeddings",
                                     "rope_parameters", "eos_token_id", "tie_word_embeddings")}
-    kwargs.update({**MOE_DEFAULTS, "bos_token_id": None, "pad_token_id": None})
-    kwargs.update(overrides)
-    return Qwen3_5MoeTextConfig(**kwargs)
+    return {**kwargs, **MOE_DEFAULTS, "bos_token_id": None, "pad_token_id": None}
+
+
+def tiny_moe_config(layer_types: list[str], **overrides: Any) -> Qwen3_5MoeTextConfig:
+    """``tiny_moe_fields`` as a Qwen3.5-MoE text config; ``overrides`` replace any field."""
+    return Qwen3_5MoeTextConfig(**{**tiny_moe_fields(layer_types), **overrides})
 
 
 def moe_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -158,11 +162,7 @@ def write_tiny_moe_checkpoint(
         raw.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
         raw["vision_config"]["model_type"] = "qwen3_5_moe_vision"
     write_json(os.path.join(path, "config.json"), raw)
-    ids = special_token_ids()
-    write_json(os.path.join(path, "generation_config.json"),
-               {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": False,
-                "transformers_version": "5.17.0"})
-    write_tokenizer(path)
+    write_generation_config_and_tokenizer(path)
     return path
 
 

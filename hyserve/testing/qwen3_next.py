@@ -25,26 +25,17 @@ from transformers.models.qwen3_next import modeling_qwen3_next
 
 from hyserve.testing.families import LAYER_PATTERNS, FamilyCheckpoints, register_family
 from hyserve.testing.files import read_checkpoint_tensors, save_weights, write_json
-from hyserve.testing.qwen3_5 import mtp_shapes, tiny_text_config
-from hyserve.testing.qwen3_5_moe import MOE_DEFAULTS, moe_init
-from hyserve.testing.tokenizer import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
+from hyserve.testing.qwen3_5 import mtp_shapes, write_generation_config_and_tokenizer
+from hyserve.testing.qwen3_5_moe import moe_init, tiny_moe_fields
 
 # Dense layers' MLP width (unlike Qwen3.5-MoE, Qwen3-Next's intermediate_size is its own).
 DENSE_INTERMEDIATE = 96
 
 
 def tiny_next_config(layer_types: list[str], **overrides: Any) -> Qwen3NextConfig:
-    """Qwen3.5's tiny text config's shapes (``hyserve.testing.qwen3_5.tiny_text_config``) with a small MoE;
+    """The MoE families' tiny fields (``hyserve.testing.qwen3_5_moe.tiny_moe_fields``) and a dense MLP width;
     ``overrides`` go to ``Qwen3NextConfig`` (``decoder_sparse_step``, ``mlp_only_layers``, ...)."""
-    dense = tiny_text_config(layer_types=layer_types).to_dict()
-    kwargs = {k: dense[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types",
-                                    "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
-                                    "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
-                                    "linear_conv_kernel_dim", "rms_norm_eps", "max_position_embeddings",
-                                    "rope_parameters", "eos_token_id", "tie_word_embeddings")}
-    kwargs.update({**MOE_DEFAULTS, "intermediate_size": DENSE_INTERMEDIATE, "bos_token_id": None,
-                   "pad_token_id": None})
-    kwargs.update(overrides)
+    kwargs = {**tiny_moe_fields(layer_types), "intermediate_size": DENSE_INTERMEDIATE, **overrides}
     if kwargs.get("mlp_only_layers") is not None:  # a tuple in the checkpoint cache's keys
         kwargs["mlp_only_layers"] = list(kwargs["mlp_only_layers"])
     return Qwen3NextConfig(**kwargs)
@@ -84,11 +75,7 @@ def write_tiny_next_checkpoint(
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
         write_json(os.path.join(path, "config.json"), {**raw, "num_nextn_predict_layers": 1})
-    ids = special_token_ids()
-    write_json(os.path.join(path, "generation_config.json"),
-               {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": False,
-                "transformers_version": "5.17.0"})
-    write_tokenizer(path)
+    write_generation_config_and_tokenizer(path)
     return path
 
 

@@ -21,12 +21,12 @@ from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.layers import logits_processors
 from hyserve.request import Request
-from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.speculative.proposer import Proposer
 from hyserve.testing.engine import GREEDY_TOL, LOGPROB_TOL, SlotRecorder, drive, make_llm, toks
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.qwen3_5 import reference_logits
 from hyserve.testing.sampling import reference_adjust
+from hyserve.testing.speculative import plant_drafts
 from hyserve.worker import cuda_graphs, sampling_state
 from hyserve.worker.sampling_state import SamplingState
 
@@ -198,31 +198,6 @@ def spec_kwargs(method: str) -> dict[str, object]:
         return {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
     return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                    "prompt_lookup_max": 3}}
-
-
-def plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
-    """After every step, each running request's drafts become its true continuation but for the last one (MTP
-    heads of the tiny checkpoints are random): drafts are accepted and rejected, and accepted drafts are seen by
-    the verify positions after them. Drafts on the device (``PREVIOUS_DRAFT``) are planted in ``draft_slots``."""
-    update = engine.scheduler.update_from_output
-    verifier = engine.runner.verifier
-
-    def plant(so, ro, sink):  # type: ignore[no-untyped-def]
-        ran = update(so, ro, sink)
-        for req in engine.scheduler.running:
-            drafts = req.draft_token_ids
-            if not drafts:
-                continue
-            cont = want[req.request_id][req.num_output_tokens:][: len(drafts)]
-            cont = [*cont[:-1], (cont[-1] + 1) % 50] if len(cont) == len(drafts) and len(cont) > 1 else cont
-            if PREVIOUS_DRAFT in drafts:
-                assert verifier is not None and verifier.draft_slots is not None
-                verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
-            elif cont:
-                req.draft_token_ids = cont
-        return ran
-
-    engine.scheduler.update_from_output = plant  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("mode", ["eager", "async_graphs"])

@@ -56,7 +56,7 @@ from hyserve.testing.qwen3_5_moe import (
     write_tiny_moe_vlm_checkpoint,
 )
 from hyserve.testing.qwen3_5_vlm import reference_vlm_greedy, reference_vlm_inputs, reference_vlm_logits
-from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
+from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
 from hyserve.testing.speculative import plant_drafts
 from hyserve.worker import cuda_graphs
 
@@ -94,19 +94,7 @@ def _scenario_path(ckpts: CheckpointCache) -> str:
 @pytest.fixture(scope="module")
 def plain_run(ckpts: CheckpointCache) -> dict:
     """The scenario run synchronously without speculation: it preempts and hits, and matches the reference."""
-    path = _scenario_path(ckpts)
-    arrivals, aborts, prompts = scenario(path)
-    engine = scenario_engine(path, "plain")
-    want = drive(engine, arrivals, aborts)
-    engine.assert_no_leaks()
-    metrics = engine.get_metrics()
-    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
-    assert "c" not in want  # aborted
-    ref = ckpts.reference(path)
-    for rid, out in want.items():
-        if rid != "d":  # sampled
-            assert_matches_reference(ref, prompts[rid], out)
-    return want
+    return plain_scenario_run(ckpts, _scenario_path(ckpts))
 
 
 @pytest.mark.parametrize("spec,async_scheduling,graphs", [

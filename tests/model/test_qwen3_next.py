@@ -48,7 +48,7 @@ from hyserve.testing.engine import SlotRecorder, assert_matches_reference, drive
 from hyserve.testing.families import LAYER_PATTERNS, CheckpointCache
 from hyserve.testing.qwen3_5_moe import check_mtp_drafts
 from hyserve.testing.qwen3_next import QWEN3_NEXT, tiny_next_config
-from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
+from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
 from hyserve.testing.speculative import plant_drafts
 
 FAMILY = QWEN3_NEXT.name
@@ -130,19 +130,7 @@ def _scenario_path(ckpts: CheckpointCache) -> str:
 @pytest.fixture(scope="module")
 def plain_run(ckpts: CheckpointCache) -> dict:
     """The scenario run synchronously without speculation: it preempts and hits, and matches the reference."""
-    path = _scenario_path(ckpts)
-    arrivals, aborts, prompts = scenario(path)
-    engine = scenario_engine(path, "plain")
-    want = drive(engine, arrivals, aborts)
-    engine.assert_no_leaks()
-    metrics = engine.get_metrics()
-    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
-    assert "c" not in want  # aborted
-    ref = ckpts.reference(path)
-    for rid, out in want.items():
-        if rid != "d":  # sampled
-            assert_matches_reference(ref, prompts[rid], out)
-    return want
+    return plain_scenario_run(ckpts, _scenario_path(ckpts))
 
 
 def test_features_compose(ckpts: CheckpointCache, plain_run: dict) -> None:
