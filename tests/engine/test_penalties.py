@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,7 +27,6 @@ from hyserve.testing.engine import GREEDY_TOL, LOGPROB_TOL, SlotRecorder, drive,
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.qwen3_5 import reference_logits
 from hyserve.testing.sampling import reference_adjust
-from hyserve.testing.speculative import plant_drafts
 from hyserve.worker import cuda_graphs, sampling_state
 from hyserve.worker.sampling_state import SamplingState
 
@@ -202,8 +202,8 @@ def spec_kwargs(method: str) -> dict[str, object]:
 
 @pytest.mark.parametrize("mode", ["eager", "async_graphs"])
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
-def test_speculation_gives_the_plain_tokens(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch, method: str,
-                                            mode: str) -> None:
+def test_speculation_gives_the_plain_tokens(plant_drafts: Callable, ckpts: CheckpointCache,
+                                            monkeypatch: pytest.MonkeyPatch, method: str, mode: str) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     want = plain_adjusted(path)
     monkeypatch.setattr(cuda_graphs, "EMULATE", mode == "async_graphs")
@@ -225,7 +225,7 @@ def test_speculation_gives_the_plain_tokens(ckpts: CheckpointCache, monkeypatch:
     llm.llm_engine.assert_no_leaks()
 
 
-def test_speculation_with_preemption_gives_the_plain_tokens(ckpts: CheckpointCache) -> None:
+def test_speculation_with_preemption_gives_the_plain_tokens(plant_drafts: Callable, ckpts: CheckpointCache) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     want = plain_adjusted(path)
     llm = make_llm(path, block_size=16, num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32,
@@ -262,7 +262,7 @@ def test_parallel_ranks_give_the_plain_tokens(ckpts: CheckpointCache, layout: st
         llm.shutdown()
 
 
-def test_verify_positions_not_seeing_their_drafts_is_caught(ckpts: CheckpointCache,
+def test_verify_positions_not_seeing_their_drafts_is_caught(plant_drafts: Callable, ckpts: CheckpointCache,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     want = plain_adjusted(path)
@@ -359,7 +359,7 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_mtp_with_graphs_and_async_scheduling(ckpts: CheckpointCache) -> None:
+def test_gpu_mtp_with_graphs_and_async_scheduling(plant_drafts: Callable, ckpts: CheckpointCache) -> None:
     """On CUDA: MTP under async scheduling with captured graphs (rows behind rows in flight, whole verify steps on
     the device, pinned copies) gives the eager engine's tokens, and both are the adjusted reference's."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,6 @@ from hyserve.testing.families import LAYER_PATTERNS, CheckpointCache
 from hyserve.testing.qwen3_5_moe import check_mtp_drafts
 from hyserve.testing.qwen3_next import QWEN3_NEXT, tiny_next_config
 from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
-from hyserve.testing.speculative import plant_drafts
 
 FAMILY = QWEN3_NEXT.name
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -133,7 +133,7 @@ def plain_run(ckpts: CheckpointCache) -> dict:
     return plain_scenario_run(ckpts, _scenario_path(ckpts))
 
 
-def test_features_compose(ckpts: CheckpointCache, plain_run: dict) -> None:
+def test_features_compose(ckpts: CheckpointCache, plain_run: dict, plant_drafts: Callable) -> None:
     """Prefix caching, chunked prefill, async scheduling and MTP (the head's own MoE block; planted drafts,
     accepted and rejected) together give the plain run's outputs, rows mapped to slots other than their own."""
     path = _scenario_path(ckpts)
