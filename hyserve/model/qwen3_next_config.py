@@ -5,8 +5,10 @@ chosen per layer (the registry's parser for ``Qwen3NextForCausalLM``; the model 
 
 As transformers' ``Qwen3NextDecoderLayer``: layer i's feed-forward block is the sparse MoE block unless i is in
 ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``, in which case it is the dense gated MLP of width
-``intermediate_size``. The MTP head (announced by ``num_nextn_predict_layers``) applies the same rule to its one
-layer, index 0, as vLLM's ``qwen3_next_mtp`` does. Rope is plain (no M-RoPE), partial (``partial_rotary_factor``).
+``intermediate_size``. The MTP head (``num_nextn_predict_layers`` of them; the released config.json files do not
+have the field while their checkpoints hold one MTP layer, so an absent field means 1, as vLLM's ``qwen3_next_mtp``
+reads it) applies the same rule to its one layer, index 0, as vLLM does. Rope is plain (no M-RoPE), partial
+(``partial_rotary_factor``).
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def parse_qwen3_next_config(raw: dict[str, Any]) -> Qwen3NextConfig:
         raise ValueError(f"config.json: unsupported rope_type {rope_type!r} for Qwen3-Next (supported: default)")
     if text.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: unsupported hidden_act {text['hidden_act']!r} (supported: silu)")
-    if "mtp_num_hidden_layers" not in text:
-        text["mtp_num_hidden_layers"] = int(text.get("num_nextn_predict_layers") or 0)
+    if "mtp_num_hidden_layers" not in text:  # the releases carry the MTP layer but not the field: 1, as vLLM reads it
+        text["mtp_num_hidden_layers"] = int(text.get("num_nextn_predict_layers", 1) or 0)
     moe = parse_moe_fields(text)
     base = parse_qwen3_5_config({**text, "model_type": "qwen3_5_text"})
     nk, nv = base.linear_num_key_heads, base.linear_num_value_heads

@@ -7,9 +7,9 @@ attention layers in several orders:
 * the fused projections' re-order is transformers' ``fix_query_key_value_ordering``, for all key heads and for
   each tensor-parallel rank's group; read as Qwen3.5's ungrouped layout instead, the outputs are caught;
 * greedy tokens and log-probabilities match the reference, two layer patterns, both ways of making dense layers;
-* prefix caching, chunked prefill, async scheduling and MTP (k = 2, planted drafts accepted) together, with
-  staggered arrivals, an abort and preemption over non-identity row-to-slot mappings, give the plain synchronous
-  run's outputs, which match the reference;
+* prefix caching, chunked prefill, MTP (k = 2, planted drafts accepted) and async scheduling or the emulated CUDA
+  graphs together, with staggered arrivals, an abort and preemption over non-identity row-to-slot mappings, give
+  the plain synchronous run's outputs, which match the reference;
 * tensor parallel 2 on gloo (a key-head group per rank) and expert parallel on it, MTP on, and two uneven
   pipeline stages with MTP and async scheduling match the reference;
 * the MTP head's drafts and output (its layer's MoE block, or the dense MLP where the config makes layer 0 dense)
@@ -50,6 +50,7 @@ from hyserve.testing.families import LAYER_PATTERNS, CheckpointCache
 from hyserve.testing.qwen3_5_moe import check_mtp_drafts
 from hyserve.testing.qwen3_next import QWEN3_NEXT, tiny_next_config
 from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
+from hyserve.worker import cuda_graphs
 
 FAMILY = QWEN3_NEXT.name
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -133,12 +134,17 @@ def plain_run(ckpts: CheckpointCache) -> dict:
     return plain_scenario_run(ckpts, _scenario_path(ckpts))
 
 
-def test_features_compose(ckpts: CheckpointCache, plain_run: dict, plant_drafts: Callable) -> None:
-    """Prefix caching, chunked prefill, async scheduling and MTP (the head's own MoE block; planted drafts,
-    accepted and rejected) together give the plain run's outputs, rows mapped to slots other than their own."""
+@pytest.mark.parametrize("async_scheduling,graphs", [(True, False), (False, True)], ids=["async", "graphs"])
+def test_features_compose(ckpts: CheckpointCache, plain_run: dict, plant_drafts: Callable,
+                          monkeypatch: pytest.MonkeyPatch, async_scheduling: bool, graphs: bool) -> None:
+    """Prefix caching, chunked prefill, MTP (the head's own MoE block; planted drafts, accepted and rejected) and
+    async scheduling or the emulated CUDA graphs together give the plain run's outputs, rows mapped to slots other
+    than their own."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
     path = _scenario_path(ckpts)
     arrivals, aborts, _ = scenario(path)
-    engine = scenario_engine(path, "mtp", async_scheduling=True)
+    engine = scenario_engine(path, "mtp", async_scheduling=async_scheduling)
+    assert (engine.runner.graphs is not None) == graphs
     assert isinstance(engine.runner.mtp, Qwen3NextMTPHead)
     assert isinstance(engine.runner.mtp.layers[0].mlp, SparseMoeBlock)
     slots = SlotRecorder(engine)
@@ -214,8 +220,8 @@ def _raw(ckpts: CheckpointCache, **kw: Any) -> dict[str, Any]:
 
 def test_the_config(ckpts: CheckpointCache) -> None:
     """The registry's entry and draft head; transformers' layer pattern when ``layer_types`` is absent; the MTP
-    layer announced by ``num_nextn_predict_layers``; the weights counted as transformers' model holds them, for
-    the tiny mixed model and the 80B-A3B shape; unsupported values refused by name."""
+    layers of ``num_nextn_predict_layers`` (absent as in the releases: 1); the weights counted as transformers'
+    model holds them, for the tiny mixed model and the 80B-A3B shape; unsupported values refused by name."""
     raw = _raw(ckpts, mlp_only_layers=(0, 2), with_mtp=True)
     cfg = parse_qwen3_next_config(raw)
     assert isinstance(cfg, Config) and registry.model_class(load_model_config(
@@ -234,7 +240,8 @@ def test_the_config(ckpts: CheckpointCache) -> None:
     real_cfg = parse_qwen3_next_config({**real, "model_type": "qwen3_next", "full_attention_interval": 4})
     assert real_cfg.layer_types == Qwen3NextConfig().layer_types
     assert real_cfg.layer_types[:4] == [LINEAR_ATTENTION] * 3 + [FULL_ATTENTION]
-    assert "intermediate_size" not in real_cfg.tensor_parallel_counts() and real_cfg.mtp_num_hidden_layers == 0
+    assert "intermediate_size" not in real_cfg.tensor_parallel_counts() and real_cfg.mtp_num_hidden_layers == 1
+    assert parse_qwen3_next_config({**raw, "num_nextn_predict_layers": 0}).mtp_num_hidden_layers == 0
     with torch.device("meta"):
         n = sum(p.numel() for p in Reference(Qwen3NextConfig()).parameters())
     assert real_cfg.num_parameters() == n and 79e9 < n < 82e9
