@@ -15,6 +15,7 @@ attention layers in several orders:
 * the MTP head's drafts and output (its layer's MoE block, or the dense MLP where the config makes layer 0 dense)
   match a head built from transformers' modules, and a head routing to one expert instead of three is caught;
 * ``load_format="dummy"`` serves from config.json alone, the same on one and two ranks;
+* a fused projection of the wrong shape, or Qwen3.5's split projections in its place, are refused by name;
 * the config: transformers' defaults, refusals, and the weights counted as transformers' model holds them.
 """
 
@@ -210,6 +211,29 @@ def test_the_mtp_heads_drafts_match_a_transformers_built_head(ckpts: CheckpointC
         assert isinstance(block, SparseMoeBlock)
         block.top_k = 1
     check_mtp_drafts(llm, path, ckpts.reference(path), Qwen3NextModel, Qwen3NextRMSNorm, sabotage)
+
+
+def test_a_fused_projection_of_the_wrong_shape_or_qwen3_5s_split_ones_are_refused(ckpts: CheckpointCache,
+                                                                                  tmp_path: Path) -> None:
+    """``in_proj_qkvz`` one key-head group short, or the four projections of Qwen3.5 instead of the two fused ones:
+    refused by name before anything loads."""
+    from safetensors.torch import load_file, save_file
+
+    src = ckpts.get("causal", "gdn3_attn1", family=FAMILY, decoder_sparse_step=2, num_experts_per_tok=2)
+    path = tmp_path / "bad"
+    shutil.copytree(src, path)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.linear_attn.in_proj_qkvz.weight"
+    short = {**tensors, name: tensors[name][: tensors[name].shape[0] // 2].contiguous()}
+    save_file(short, path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"shape mismatch for '{name}'"):
+        make_llm(str(path))
+    split = {n: t for n, t in tensors.items() if not n.startswith("model.layers.1.linear_attn.in_proj_")}
+    split.update({f"model.layers.1.linear_attn.in_proj_{p}.weight": t for p, t in zip(
+        ("qkv", "z"), tensors[name].split([128, 64]), strict=True)})
+    save_file(split, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"unexpected tensor.*in_proj_qkv\.weight"):
+        make_llm(str(path))
 
 
 def _raw(ckpts: CheckpointCache, **kw: Any) -> dict[str, Any]:
