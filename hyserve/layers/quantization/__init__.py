@@ -28,6 +28,7 @@ from torch import nn
 from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantizationConfig
 from hyserve.layers.quantization.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
+from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMethod
 from hyserve.layers.quantization.compressed_tensors import parse_compressed_tensors
 from hyserve.layers.quantization.fine_grained_fp8 import QUANT_METHOD as FINE_GRAINED_FP8
 from hyserve.layers.quantization.fine_grained_fp8 import parse_fine_grained_fp8
@@ -35,7 +36,7 @@ from hyserve.layers.quantization.matching import TEXT_PREFIX, VLM_TEXT_PREFIX, C
 from hyserve.layers.quantization.online_fp8 import FLAG as ONLINE_FP8
 from hyserve.layers.quantization.online_fp8 import OnlineFp8Config
 
-__all__ = ["QUANTIZATION_CHOICES", "LinearMethod", "QuantizationConfig", "draft_head_quantization",
+__all__ = ["QUANTIZATION_CHOICES", "ExpertsMethod", "LinearMethod", "QuantizationConfig", "draft_head_quantization",
            "parse_quantization_config", "quantization_summary"]
 
 # Values of the ``quantization`` engine argument (``--quantization``).
@@ -95,6 +96,18 @@ class DraftHeadQuantization(QuantizationConfig):
                              "modules_to_not_convert / targets)")
         return method
 
+    def experts_method(self, prefix: str, num_experts: int) -> ExpertsMethod:
+        method = self.base.experts_method(prefix, num_experts)
+        if self.base.quantizes_at_load:
+            return method
+        if f"{prefix}.gate_up_proj" not in self.fp8_modules and f"{prefix}.0.gate_proj" not in self.fp8_modules:
+            return UNQUANTIZED_EXPERTS
+        if not method.quantized:
+            raise ValueError(f"{prefix} are FP8 in the checkpoint, but its quantization_config "
+                             f"({self.base.method_name}) leaves them unquantized (ignore / modules_to_not_convert / "
+                             "targets)")
+        return method
+
     def describe(self) -> str:
         return self.base.describe()
 
@@ -105,11 +118,11 @@ class DraftHeadQuantization(QuantizationConfig):
 
 def draft_head_quantization(quant: QuantizationConfig | None,
                             weights: dict[str, torch.Tensor]) -> QuantizationConfig | None:
-    """The quantization of the draft head whose checkpoint tensors are ``weights`` (names as stored: ``mtp.*``)."""
+    """The quantization of the draft head whose checkpoint tensors are ``weights`` (names as stored: ``mtp.*``;
+    FP8 modules by name, and fused experts' FP8 tensors such as ``mtp.layers.0.mlp.experts.gate_up_proj``)."""
     if quant is None:
         return None
-    fp8 = frozenset(n.removesuffix(".weight") for n, t in weights.items() if n.endswith(".weight")
-                    and t.dtype == FP8_DTYPE)
+    fp8 = frozenset(n.removesuffix(".weight") for n, t in weights.items() if t.dtype == FP8_DTYPE)
     return DraftHeadQuantization(quant, fp8)
 
 
