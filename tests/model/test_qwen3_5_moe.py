@@ -45,13 +45,13 @@ from hyserve.layers.moe import SparseMoeBlock
 from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeMTPHead
 from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
 from hyserve.model.registry import load_model_config
-from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.images import tiny_png
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, load_moe_vlm_reference_model, write_tiny_moe_vlm_checkpoint
 from hyserve.testing.qwen3_5_vlm import reference_vlm_greedy, reference_vlm_inputs, reference_vlm_logits
 from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
+from hyserve.testing.speculative import plant_drafts
 from hyserve.worker import cuda_graphs
 
 FAMILY = QWEN3_5_MOE.name
@@ -129,31 +129,6 @@ def test_features_compose_with_moe(ckpts: CheckpointCache, plain_run: dict, monk
         assert metrics["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
     if spec == "mtp":
         assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0  # type: ignore[operator]
-
-
-def plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
-    """After every step each running request's MTP drafts become its known continuation, the last one made wrong
-    (the tiny heads are random and would never be accepted): drafts are accepted and rejected. Drafts kept on the
-    device (``PREVIOUS_DRAFT``, async scheduling) are planted in the verifier's ``draft_slots``."""
-    update = engine.scheduler.update_from_output
-    verifier = engine.runner.verifier
-
-    def plant(so, ro, sink):  # type: ignore[no-untyped-def]
-        ran = update(so, ro, sink)
-        for req in engine.scheduler.running:
-            drafts = req.draft_token_ids
-            if not drafts or req.request_id not in want:
-                continue
-            cont = want[req.request_id][req.num_output_tokens:][: len(drafts)]
-            cont = [*cont[:-1], (cont[-1] + 1) % 50] if len(cont) == len(drafts) and len(cont) > 1 else cont
-            if PREVIOUS_DRAFT in drafts:
-                assert verifier is not None and verifier.draft_slots is not None
-                verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
-            elif cont:
-                req.draft_token_ids = cont
-        return ran
-
-    engine.scheduler.update_from_output = plant  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
@@ -409,8 +384,9 @@ def test_the_mtp_heads_moe_drafts_match_a_transformers_built_head(ckpts: Checkpo
     assert (max(errors) > 1e-3) == sabotage, errors
 
 
-def test_the_static_expert_path_equals_the_sorted_one() -> None:
-    """The capturable path (every expert over every token) and the batched-by-expert one agree, k = 1..3."""
+def test_the_batched_expert_path_equals_a_token_loop() -> None:
+    """The experts' batched-by-expert computation equals each token's k choices summed one by one, k = 1..3, and an
+    empty step gives an empty output."""
     torch.manual_seed(0)
     experts = moe.Experts(6, 16, 8)
     with torch.no_grad():
@@ -419,7 +395,12 @@ def test_the_static_expert_path_equals_the_sorted_one() -> None:
     x = torch.randn(11, 16)
     for k in (1, 2, 3):
         weights, chosen = moe.route(torch.randn(11, 6), k, True)
-        torch.testing.assert_close(experts.forward_static(x, weights, chosen), experts(x, weights, chosen))
+        want = torch.zeros(11, 16)
+        for t in range(11):
+            for w, e in zip(weights[t].tolist(), chosen[t].tolist(), strict=True):
+                gate, up = (experts.gate_up_proj[e] @ x[t]).split(8)
+                want[t] += w * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+        torch.testing.assert_close(experts(x, weights, chosen), want, rtol=1e-4, atol=1e-4)
     weights, chosen = moe.route(torch.randn(0, 6), 2, True)  # an empty step
     assert experts(x[:0], weights, chosen).shape == (0, 16)
 

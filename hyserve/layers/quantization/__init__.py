@@ -28,8 +28,8 @@ from torch import nn
 from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantizationConfig
 from hyserve.layers.quantization.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
-from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMethod
 from hyserve.layers.quantization.compressed_tensors import parse_compressed_tensors
+from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMethod
 from hyserve.layers.quantization.fine_grained_fp8 import QUANT_METHOD as FINE_GRAINED_FP8
 from hyserve.layers.quantization.fine_grained_fp8 import parse_fine_grained_fp8
 from hyserve.layers.quantization.matching import TEXT_PREFIX, VLM_TEXT_PREFIX, CheckpointNames
