@@ -117,8 +117,8 @@ def quantize_moe_checkpoint(path: str, fmt: str, *, tensor_scale_layers: str | N
         qc = config["quantization_config"]
         group = qc["config_groups"]["group_0"]
         qc["config_groups"] = {
-            "group_0": {**group, "targets": [f"re:(?!{tensor_scale_layers})"]},
-            "group_1": {**group, "targets": [f"re:{tensor_scale_layers}"],
+            "group_0": {**group, "targets": [f"re:(?!.*{tensor_scale_layers})"]},
+            "group_1": {**group, "targets": [f"re:.*{tensor_scale_layers}"],
                         "weights": {**group["weights"], "strategy": "tensor"}}}
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
