@@ -317,9 +317,10 @@ def test_a_per_tensor_scale_not_expanded_to_its_rows_is_caught(moe_ckpts: Checkp
 def test_block_slices_off_the_block_grid_are_refused(moe_ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     quant = load_model_config(moe_ckpts.get("block_fused")).quantization
     monkeypatch.setattr(parallel_state, "_TP_SIZE", 2)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: this tensor-parallel rank's slice "
-                                         r"\[0, 64\) of experts' intermediate size 128 is not whole 128x128 FP8 "
-                                         r"blocks.*--enable-expert-parallel"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: block FP8 experts need each rank's "
+                                         r"slice of the intermediate size 128 to be whole 128x128 blocks.*this "
+                                         r"rank's slice is \[0, 64\); use a --tensor-parallel-size.*"
+                                         r"--enable-expert-parallel"):
         Experts(6, 64, 128, quant, "model.layers.0.mlp.experts")
     monkeypatch.setattr(parallel_state, "_EXPERT_PARALLEL", True)  # whole experts: fine
     assert Experts(6, 64, 128, quant, "model.layers.0.mlp.experts").gate_up_proj.shape == (3, 256, 64)

@@ -210,6 +210,7 @@ class Fp8ExpertsMethod(ExpertsMethod):
         local, n, h = layer.e_range[1] - layer.e_range[0], layer.intermediate, layer.hidden
         e, full = layer.num_experts, layer.intermediate_full
         names = self.scale_names
+        shapes: tuple[tuple[int, ...], tuple[int, ...]]
         if s.block is not None:
             bn, bk = s.block
             shapes = ((local, _cdiv(2 * n, bn), _cdiv(h, bk)), (local, _cdiv(h, bn), _cdiv(n, bk)))
@@ -242,12 +243,12 @@ class Fp8ExpertsMethod(ExpertsMethod):
         bn, bk = self.scheme.block
         n, (i0, _) = layer.intermediate, layer.i_range
         if n % bn or (layer.tp_sharded and i0 % bk):
-            where = f"this tensor-parallel rank's slice [{i0}, {i0 + n}) of" if layer.tp_sharded else "the"
+            hint = (f"; use a --tensor-parallel-size that splits moe_intermediate_size on {bn}-row boundaries, or "
+                    "--enable-expert-parallel (whole experts)") if layer.tp_sharded else ""
             raise ValueError(
-                f"{layer.prefix}: {where} experts' intermediate size {layer.intermediate_full} is not whole "
-                f"{bn}x{bk} FP8 blocks (the slice's width must be a multiple of {bn} and start on a multiple of "
-                f"{bk}); use a --tensor-parallel-size that splits moe_intermediate_size on {bn}-row boundaries, or "
-                "--enable-expert-parallel")
+                f"{layer.prefix}: block FP8 experts need each rank's slice of the intermediate size "
+                f"{layer.intermediate_full} to be whole {bn}x{bk} blocks (each expert's gate and up rows own their "
+                f"blocks); this rank's slice is [{i0}, {i0 + n}){hint}")
 
     # ------------------------------------------------------------------ per-expert layout
 
