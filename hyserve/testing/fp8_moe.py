@@ -38,16 +38,16 @@ from hyserve.testing.fp8 import (
     BLOCK,
     FP8,
     FP8_MAX,
-    _block_scale,
-    _emulate,
-    _expand_block,
-    _per_row_scale,
-    _quantize,
+    block_scale,
     default_ignore,
     dequantize,
+    emulate,
+    expand_block,
     fake_quantize,
     is_linear_weight,
+    per_row_scale,
     quantize_checkpoint,
+    quantize_weight,
 )
 from hyserve.testing.qwen3_5_moe import stack_experts, use_torch_gated_delta_rules, write_tiny_moe_checkpoint
 
@@ -79,11 +79,11 @@ def _quantize_stacked(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Te
     qs, scales = [], []
     for we in w:
         if fmt == "block":
-            s = _block_scale(we, torch.float32)
-            qs.append(_quantize(we, _expand_block(s, we.shape)))
+            s = block_scale(we, torch.float32)
+            qs.append(quantize_weight(we, expand_block(s, we.shape)))
         else:
-            s = _per_row_scale(we, torch.float32)
-            qs.append(_quantize(we, s))
+            s = per_row_scale(we, torch.float32)
+            qs.append(quantize_weight(we, s))
             s = s.squeeze(-1)
         scales.append(s)
     return torch.stack(qs), torch.stack(scales)
@@ -93,7 +93,7 @@ def dequantize_stacked(tensors: dict[str, torch.Tensor], name: str) -> torch.Ten
     """The float32 stacked experts ``name`` (``...experts.gate_up_proj``) from their FP8 weights and scales."""
     w = tensors[name]
     if f"{name}_scale_inv" in tensors:
-        return torch.stack([we.float() * _expand_block(s, we.shape)
+        return torch.stack([we.float() * expand_block(s, we.shape)
                             for we, s in zip(w, tensors[f"{name}_scale_inv"], strict=True)])
     scale = tensors[f"{name}_scale"].float()
     return w.float() * (scale.reshape(-1, 1, 1) if scale.dim() == 1 else scale.unsqueeze(-1))
@@ -134,11 +134,11 @@ def _per_tensor_scales(tensors: dict[str, torch.Tensor], pattern: str) -> None:
         module = name.removesuffix(".weight_scale")
         w = dequantize(tensors, module)
         s = (w.abs().amax().clamp(min=1e-10) / FP8_MAX).reshape(1)
-        tensors[f"{module}.weight"], tensors[name] = _quantize(w, s), s
+        tensors[f"{module}.weight"], tensors[name] = quantize_weight(w, s), s
     for name in [n for n in tensors if n.endswith(FUSED) and re.match(pattern, n)]:
         w = dequantize_stacked(tensors, name)
         s = w.abs().amax(dim=(1, 2)).clamp(min=1e-10) / FP8_MAX
-        tensors[name], tensors[f"{name}_scale"] = _quantize(w, s.reshape(-1, 1, 1)), s
+        tensors[name], tensors[f"{name}_scale"] = quantize_weight(w, s.reshape(-1, 1, 1)), s
 
 
 def _online_quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -149,8 +149,8 @@ def _online_quantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         if name.startswith("mtp."):
             continue
         if is_linear_weight(name, t) and not re.search(rf"{_KEPT}\.weight$", name):
-            scale = _per_row_scale(t, torch.float32)
-            out[name], out[name.removesuffix(".weight") + ".weight_scale"] = _quantize(t, scale), scale
+            scale = per_row_scale(t, torch.float32)
+            out[name], out[name.removesuffix(".weight") + ".weight_scale"] = quantize_weight(t, scale), scale
         elif name.endswith(FUSED):
             out[name], out[f"{name}_scale"] = _quantize_stacked(t, "ct_dynamic")
     return out
@@ -202,7 +202,7 @@ def _experts_forward(mode: str, down_mode: str, down_group: int) -> Any:
 def load_fp8_moe_reference(path: str | os.PathLike[str], tensor_parallel_size: int = 1, online: bool = False,
                            expert_parallel: bool = False) -> Qwen3_5MoeForCausalLM:
     """The reference of FP8 MoE checkpoint ``path`` (or of bf16 ``path`` under online FP8). With tensor
-    parallelism a rank quantizes its slice of a row-parallel input per token (``hyserve.testing.fp8._emulate``),
+    parallelism a rank quantizes its slice of a row-parallel input per token (``hyserve.testing.fp8.emulate``),
     the experts' ``down`` input included: per ``I / tensor_parallel_size`` group (block groups are unchanged; with
     ``expert_parallel`` a rank holds whole experts: per token)."""
     path = os.fspath(path)
@@ -232,4 +232,4 @@ def load_fp8_moe_reference(path: str | os.PathLike[str], tensor_parallel_size: i
             if not block and tensor_parallel_size > 1 and not expert_parallel:
                 down_mode, group = "group", m.intermediate_dim // tensor_parallel_size
             m.forward = types.MethodType(_experts_forward(mode, down_mode, group), m)  # type: ignore[method-assign]
-    return _emulate(model, modes, tensor_parallel_size)  # type: ignore[arg-type,return-value]
+    return emulate(model, modes, tensor_parallel_size)  # type: ignore[arg-type,return-value]

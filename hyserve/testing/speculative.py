@@ -1,10 +1,7 @@
 """Speculative decoding in tests: a proposer that plants errors at chosen positions of the known continuation, the
-outputs of each prompt run alone without speculation, a recorder of the drafts every verify step compared, and
-``plant_drafts``, which makes a real draft head's drafts the known continuation."""
+outputs of each prompt run alone without speculation, and a recorder of the drafts every verify step compared."""
 
 from __future__ import annotations
-
-import torch
 
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.request import Request
@@ -85,28 +82,3 @@ def record_drafts(engine: LLMEngine) -> dict[str, list]:
 
     engine.scheduler.update_from_output = update  # type: ignore[method-assign]
     return seen
-
-
-def plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
-    """After every step each running request's MTP drafts become its known continuation, the last one made wrong
-    (the tiny heads are random and would never be accepted): drafts are accepted and rejected. Drafts kept on the
-    device (``PREVIOUS_DRAFT``, async scheduling) are planted in the verifier's ``draft_slots``."""
-    update = engine.scheduler.update_from_output
-    verifier = engine.runner.verifier
-
-    def plant(so, ro, sink):  # type: ignore[no-untyped-def]
-        ran = update(so, ro, sink)
-        for req in engine.scheduler.running:
-            drafts = req.draft_token_ids
-            if not drafts or req.request_id not in want:
-                continue
-            cont = want[req.request_id][req.num_output_tokens:][: len(drafts)]
-            cont = [*cont[:-1], (cont[-1] + 1) % 50] if len(cont) == len(drafts) and len(cont) > 1 else cont
-            if PREVIOUS_DRAFT in drafts:
-                assert verifier is not None and verifier.draft_slots is not None
-                verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
-            elif cont:
-                req.draft_token_ids = cont
-        return ran
-
-    engine.scheduler.update_from_output = plant  # type: ignore[method-assign]

@@ -46,7 +46,6 @@ from hyserve.testing.families import CheckpointCache
 from hyserve.testing.fp8 import FP8, dequantize, quantization_config
 from hyserve.testing.fp8_moe import dequantize_stacked, load_fp8_moe_reference, write_fp8_moe_checkpoint
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, stack_experts
-from hyserve.testing.speculative import plant_drafts
 
 PER_TENSOR_LAYERS = r"model\.layers\.[23]\."
 CASES: dict[str, dict[str, Any]] = {
@@ -189,7 +188,7 @@ def fp8_kv_emulated(ref: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
-def test_fp8_kv_prefix_caching_mtp_and_async_compose(moe_ckpts: Checkpoints) -> None:
+def test_fp8_kv_prefix_caching_mtp_and_async_compose(moe_ckpts: Checkpoints, plant_drafts: Any) -> None:
     """FP8 experts with an FP8 KV cache: the plain run matches the reference with both quantizations emulated; with
     prefix caching, MTP (planted drafts, some accepted) and async scheduling the tokens are the plain run's."""
     path = moe_ckpts.get("block_fused")
@@ -305,7 +304,7 @@ def test_a_per_tensor_scale_not_expanded_to_its_rows_is_caught(moe_ckpts: Checkp
         target.zero_()
         target[:1].copy_(scale.reshape(1, 1))
 
-    monkeypatch.setattr(experts_method, "_fill_rows", first_row_only)
+    monkeypatch.setattr(experts_method, "fill_rows", first_row_only)
     llm = make_llm(moe_ckpts.get("ct_per_expert"), max_num_batched_tokens=16)
     with pytest.raises(AssertionError, match=r"logprob|reference argmax"):
         _check(llm, moe_ckpts.reference("ct_per_expert"))
@@ -354,10 +353,17 @@ def test_a_missing_expert_scale_is_named(moe_ckpts: Checkpoints, tmp_path: Path)
         make_llm(path)
 
 
-def test_linear_layers_of_the_moe_model_are_fp8(moe_ckpts: Checkpoints) -> None:
+def test_linear_layers_of_the_moe_model_are_fp8(moe_ckpts: Checkpoints, caplog: pytest.LogCaptureFixture) -> None:
     """The dense projections (attention, GDN, shared expert) are FP8 as in the dense model; the ignore list's
-    GDN in_proj_a / in_proj_b stay float32."""
-    llm = make_llm(moe_ckpts.get("block_fused"))
+    GDN in_proj_a / in_proj_b, the routers and shared-expert gates stay float32; the startup log counts the FP8
+    experts' layers and bytes."""
+    with caplog.at_level("INFO", logger="hyserve"):
+        llm = make_llm(moe_ckpts.get("block_fused"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("quantization:"))
+    tensors = {k: v for k, v in read_checkpoint_tensors(moe_ckpts.get("block_fused")).items() if k.startswith("model.")}
+    fp8_bytes = sum(t.numel() for t in tensors.values() if t.dtype == FP8)
+    assert "25 linear layers in FP8, 14 kept in float32" in line and "the experts of 4 MoE layers in FP8" in line
+    assert f"FP8 weights {fp8_bytes / 2**20:.2f} MiB" in line
     layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, LinearBase)]
     fp8 = {m.part_name(p): m.weight.dtype == FP8 for m in layers for p in m.parts}
     assert all(v != n.endswith(("in_proj_a", "in_proj_b", "mlp.gate", "shared_expert_gate")) for n, v in fp8.items())

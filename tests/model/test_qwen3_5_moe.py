@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,6 @@ from hyserve.testing.images import tiny_png
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, load_moe_vlm_reference_model, write_tiny_moe_vlm_checkpoint
 from hyserve.testing.qwen3_5_vlm import reference_vlm_greedy, reference_vlm_inputs, reference_vlm_logits
 from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
-from hyserve.testing.speculative import plant_drafts
 from hyserve.worker import cuda_graphs
 
 FAMILY = QWEN3_5_MOE.name
@@ -107,7 +107,7 @@ def plain_run(ckpts: CheckpointCache) -> dict:
     ("plain", False, False), ("plain", True, True), ("ngram", True, False), ("mtp", False, True), ("mtp", True, False),
 ])
 def test_features_compose_with_moe(ckpts: CheckpointCache, plain_run: dict, monkeypatch: pytest.MonkeyPatch,
-                                   spec: str, async_scheduling: bool, graphs: bool) -> None:
+                                   plant_drafts: Any, spec: str, async_scheduling: bool, graphs: bool) -> None:
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
     path = _scenario_path(ckpts)
     arrivals, aborts, _ = scenario(path)

@@ -128,26 +128,32 @@ def draft_head_quantization(quant: QuantizationConfig | None,
 
 def quantization_summary(model: nn.Module, quant: QuantizationConfig | None, dtype: torch.dtype) -> str | None:
     """One line for the startup log: the scheme, how many linear layers (checkpoint projections) are FP8 and how
-    many stayed in ``dtype``, and the bytes of the FP8 weights and their scales. ``None`` when nothing is quantized."""
+    many stayed in ``dtype``, how many MoE layers' experts are FP8, and the bytes of the FP8 weights and their
+    scales. ``None`` when nothing is quantized."""
     from hyserve.layers.linear import LinearBase
 
     if quant is None:
         return None
-    fp8 = kept = 0
+    fp8 = kept = experts = 0
     fp8_bytes = scale_bytes = 0
     for m in model.modules():
-        if not isinstance(m, LinearBase):
+        experts_method = getattr(m, "method", None)
+        if isinstance(m, LinearBase):
+            if not m.method.quantized:
+                kept += len(m.parts)
+                continue
+            fp8 += len(m.parts)
+        elif isinstance(experts_method, ExpertsMethod) and experts_method.quantized:
+            experts += 1
+        else:
             continue
-        if not m.method.quantized:
-            kept += len(m.parts)
-            continue
-        fp8 += len(m.parts)
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
             if t.dtype == FP8_DTYPE:
                 fp8_bytes += t.numel()
             elif name != "bias":
                 scale_bytes += t.numel() * t.element_size()
     dtype_name = str(dtype).removeprefix("torch.")
+    moe = f", the experts of {experts} MoE layers in FP8" if experts else ""
     return (f"quantization: {quant.describe()}: {fp8} linear layers in FP8, {kept} kept in {dtype_name} (and the "
-            f"embedding, LM head and norms); FP8 weights {fp8_bytes / 2**20:.2f} MiB + scales "
+            f"embedding, LM head and norms){moe}; FP8 weights {fp8_bytes / 2**20:.2f} MiB + scales "
             f"{scale_bytes / 2**20:.2f} MiB")

@@ -34,7 +34,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from hyserve.kernels.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, quantize_fp8
+from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.kernels.moe import ExpertScales
 from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod
 from hyserve.layers.quantization.fp8 import (
@@ -43,7 +43,8 @@ from hyserve.layers.quantization.fp8 import (
     UNQUANTIZED_DTYPES,
     Fp8LinearMethod,
     Fp8Scheme,
-    _fill_rows,
+    fill_rows,
+    quantize_rows_into,
 )
 from hyserve.layers.sharding import LoadSpec, Shard, set_load_spec, set_shard, shard_of
 
@@ -281,7 +282,7 @@ class Fp8ExpertsMethod(ExpertsMethod):
             return {s.scale_name: (stacked, view)}
         view = (s2[j] if name == "down_proj" else s13[j, :n] if name == "gate_proj" else s13[j, n:]).unsqueeze(-1)
         if s.weight == "tensor":
-            set_load_spec(view, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=_fill_rows))
+            set_load_spec(view, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=fill_rows))
         else:
             if sharded and name != "down_proj":
                 set_shard(view, Shard((shard.full_shape[0], 1), 0, shard.ranges))
@@ -295,37 +296,6 @@ def _expert_scalars(e_range: tuple[int, int]) -> Callable[[torch.Tensor, torch.T
     def load(target: torch.Tensor, full: torch.Tensor) -> None:
         mine = full.reshape(-1)[e_range[0] : e_range[1]].to(device=target.device, dtype=target.dtype)
         target.copy_(mine.unsqueeze(-1).expand(target.shape))
-
-    return load
-
-
-def _quantize_rows(target: torch.Tensor, scale: torch.Tensor, full: torch.Tensor, shard: Shard | None) -> None:
-    w = full.to(device=target.device, dtype=torch.float32)
-    s = w.abs().amax(dim=-1, keepdim=True).clamp_(min=AMAX_EPS) / FP8_MAX
-    q = quantize_fp8(w, s)
-    if shard is not None:
-        q = shard.take(q)
-        if shard.dim != w.dim() - 1:
-            s = shard.take(s)
-    target.copy_(q)
-    scale.copy_(s.reshape(scale.shape))
-
-
-def quantize_rows_into(scale: torch.Tensor, shard: Shard | None) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """The load of an online-quantized weight: per-channel FP8 over the whole checkpoint rows (the last dimension),
-    then this rank's part; the scales go into ``scale``. A stacked [E, N, K] tensor is quantized one expert at a
-    time (this rank's experts under expert parallelism), bounding the float32 copy to one expert."""
-
-    def load(target: torch.Tensor, full: torch.Tensor) -> None:
-        if full.dim() < 3:
-            _quantize_rows(target, scale, full, shard)
-            return
-        by_expert = shard is not None and shard.dim == 0
-        e0, e1 = shard.ranges[0] if shard is not None and by_expert else (0, full.shape[0])
-        inner = Shard(shard.full_shape[1:], shard.dim - 1, shard.ranges) if shard is not None and not by_expert \
-            else None
-        for j, e in enumerate(range(e0, e1)):
-            _quantize_rows(target[j], scale[j], full[e], inner)
 
     return load
 
