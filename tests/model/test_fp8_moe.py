@@ -367,3 +367,39 @@ def test_linear_layers_of_the_moe_model_are_fp8(moe_ckpts: Checkpoints, caplog: 
     layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, LinearBase)]
     fp8 = {m.part_name(p): m.weight.dtype == FP8 for m in layers for p in m.parts}
     assert all(v != n.endswith(("in_proj_a", "in_proj_b", "mlp.gate", "shared_expert_gate")) for n, v in fp8.items())
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["block_fused", "ct_per_expert"])
+def test_cuda_experts_match_the_cpu_path(moe_ckpts: Checkpoints, case: str) -> None:
+    """The checkpoint loaded onto CUDA (bf16 model: the fused Triton W8A8 kernels) against the same checkpoint on
+    the CPU (the float32 reference path), expert layer by layer on the same bf16 inputs and routing: only the
+    GEMMs' summation order and the bf16 rounding of ``silu(gate) * up`` and of the output differ."""
+    from hyserve.layers.moe import route
+    from hyserve.model.loader import load_weights
+    from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    path = moe_ckpts.get(case)
+    cfg = load_model_config(path)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            gpu = Qwen3_5MoeForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    load_weights(gpu, path, cfg)
+    cpu = Qwen3_5MoeForCausalLM(cfg).eval()
+    load_weights(cpu, path, cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for c, g in zip(_experts(cpu), _experts(gpu), strict=True):
+            for tokens in (1, 7, 300):
+                x = torch.randn(tokens, 64, generator=gen).bfloat16()
+                weights, ids = route(torch.randn(tokens, 6, generator=gen), 2, True)
+                want = c(x.float(), weights, ids)
+                got = g(x.cuda(), weights.cuda(), ids.cuda()).float().cpu()
+                torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
