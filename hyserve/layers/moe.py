@@ -17,6 +17,7 @@ ranks' outputs; the router is replicated and the shared expert stays sliced over
 
 The routed computation is :func:`hyserve.kernels.moe.fused_experts`: on CUDA two Triton GEMMs over the (token,
 choice) pairs sorted by expert (no host sync, so CUDA graphs capture it); elsewhere its reference, batched by expert.
+FP8 experts (block or per-channel scales, ``hyserve.layers.quantization.experts``) pass their scales to it.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ rows) fails the check.
 
 Also: FP8 KV cache with prefix caching, MTP speculation (planted drafts, accepted) and async scheduling together;
 tensor parallel 2 and expert parallel on gloo; each rank's block-FP8 experts are exactly its slice of the
-checkpoint's (in process); ``load_format="dummy"`` with an FP8 config; refusals (block slices off the grid, static
-input scales, experts quantized unalike, a missing expert scale).
+checkpoint's (in process); the fused Triton kernels (interpreter) read the loaded scales as the reference does;
+``load_format="dummy"`` with an FP8 config; refusals (block slices off the grid, static input scales, experts
+quantized unalike, a missing expert scale); on CUDA, the experts against the CPU path.
 """
 
 from __future__ import annotations
@@ -367,6 +368,55 @@ def test_linear_layers_of_the_moe_model_are_fp8(moe_ckpts: Checkpoints, caplog: 
     layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, LinearBase)]
     fp8 = {m.part_name(p): m.weight.dtype == FP8 for m in layers for p in m.parts}
     assert all(v != n.endswith(("in_proj_a", "in_proj_b", "mlp.gate", "shared_expert_gate")) for n, v in fp8.items())
+
+
+# ------------------------------------------------------------------------------------------------ Triton path
+
+# Run under TRITON_INTERPRET=1 in a subprocess: each loaded checkpoint's FP8 experts (their scales as the loader
+# leaves them: stacked views, channel or block) through the fused Triton kernels and through the reference.
+INTERPRETER_CHECK = """
+import json, sys
+import torch
+from tests.kernels.test_kernels import patch_triton_interpreter
+patch_triton_interpreter()
+from hyserve.kernels.moe import fused_experts_ref
+from hyserve.layers.moe import Experts, route
+from hyserve.model.loader import load_weights
+from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from hyserve.model.registry import load_model_config
+out = []
+for path in sys.argv[1:]:
+    cfg = load_model_config(path)
+    model = Qwen3_5MoeForCausalLM(cfg).eval()
+    load_weights(model, path, cfg)
+    gen = torch.Generator().manual_seed(0)
+    for ex in [m for m in model.modules() if isinstance(m, Experts)][:2]:
+        x = torch.randn(9, 64, generator=gen)
+        w, ids = route(torch.randn(9, 6, generator=gen), 2, True)
+        with torch.no_grad():
+            got = ex(x, w, ids)
+            want = fused_experts_ref(x, ex.gate_up_proj, ex.down_proj, w, ids, 0, ex.method.scales(ex))
+        out.append([float((got - want).abs().max()), float(want.abs().max())])
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_kernels_read_the_loaded_scales(moe_ckpts: Checkpoints) -> None:
+    """The fused kernels (Triton interpreter) on the experts as loaded, block and per-channel/per-tensor, give the
+    reference's routed sums: the scales' layout is the one the kernels read."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH",
+                                                                                                       "")]))
+    paths = [moe_ckpts.get("block_fused"), moe_ckpts.get("ct_per_expert")]
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK, *paths], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 4 and all(err <= 1e-5 * top for err, top in results), results
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
