@@ -55,6 +55,8 @@ CASES: dict[str, dict[str, Any]] = {
     "block_per_expert": dict(fmt="block", layout="per_expert", moe_intermediate_size=128, num_experts_per_tok=3),
     # Per channel; layers 2 and 3 (their experts too: one scale per expert and projection) per tensor.
     "ct_per_expert": dict(fmt="ct_dynamic", layout="per_expert", tensor_scale_layers=PER_TENSOR_LAYERS),
+    # Fused: experts.gate_up_proj_scale [E, 2I] per channel, [E] per tensor in layers 2 and 3.
+    "ct_fused": dict(fmt="ct_dynamic", layout="fused", tensor_scale_layers=PER_TENSOR_LAYERS, num_experts_per_tok=3),
     # 256 = two ranks' slices of two blocks each (the in-process slice check).
     "block_tp": dict(fmt="block", layout="per_expert", moe_intermediate_size=256),
     "block_tp_fused": dict(fmt="block", layout="fused", moe_intermediate_size=256),
@@ -128,7 +130,7 @@ def _experts(module: torch.nn.Module) -> list[Experts]:
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.parametrize("case", ["block_fused", "block_per_expert", "ct_per_expert"])
+@pytest.mark.parametrize("case", ["block_fused", "block_per_expert", "ct_per_expert", "ct_fused"])
 def test_greedy_matches_the_fp8_reference(moe_ckpts: Checkpoints, case: str) -> None:
     llm = make_llm(moe_ckpts.get(case), max_num_batched_tokens=16, speculative_config=MTP)
     _check(llm, moe_ckpts.reference(case))
@@ -144,6 +146,10 @@ def test_greedy_matches_the_fp8_reference(moe_ckpts: Checkpoints, case: str) -> 
         tensors = read_checkpoint_tensors(moe_ckpts.get(case))
         s13 = scales[2].w13
         for e in range(6):
+            if case == "ct_fused":  # one scale per expert for gate and up together
+                one = tensors["model.layers.2.mlp.experts.gate_up_proj_scale"][e]
+                assert torch.equal(s13[e], one.expand(64))
+                continue
             gate = tensors[f"model.layers.2.mlp.experts.{e}.gate_proj.weight_scale"]
             up = tensors[f"model.layers.2.mlp.experts.{e}.up_proj.weight_scale"]
             assert gate.shape == (1,) and torch.equal(s13[e], torch.cat([gate.expand(32), up.expand(32)]))
@@ -154,15 +160,16 @@ def test_greedy_matches_the_fp8_reference(moe_ckpts: Checkpoints, case: str) -> 
     assert llm.get_metrics()["hyserve:spec_decode_num_draft_tokens"] > 0
 
 
-def test_online_fp8_quantizes_the_experts_per_channel(ckpts: CheckpointCache) -> None:
-    """``quantization="fp8"`` on a bf16 MoE checkpoint: experts (both layouts' loaders share the load) and linear
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_online_fp8_quantizes_the_experts_per_channel(ckpts: CheckpointCache, layout: str) -> None:
+    """``quantization="fp8"`` on a bf16 MoE checkpoint: experts (either layout, one expert at a time) and linear
     layers per output channel, router and shared-expert gate kept."""
-    path = ckpts.get("causal", "gdn3_attn1", family=QWEN3_5_MOE.name, layout="fused", dtype=torch.bfloat16)
+    path = ckpts.get("causal", "gdn3_attn1", family=QWEN3_5_MOE.name, layout=layout, dtype=torch.bfloat16)
     llm = make_llm(path, max_num_batched_tokens=16, quantization="fp8")
     _check(llm, load_fp8_moe_reference(path, online=True))
     experts = _experts(llm.llm_engine.runner.model)
     assert all(e.gate_up_proj.dtype == FP8 and e.method.scheme.online for e in experts)
-    w = read_checkpoint_tensors(path)["model.layers.0.mlp.experts.down_proj"].float()
+    w = stack_experts(read_checkpoint_tensors(path))["model.layers.0.mlp.experts.down_proj"].float()
     torch.testing.assert_close(experts[0].down_proj_scale, w.abs().amax(dim=-1) / 448)
 
 
