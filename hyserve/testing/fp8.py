@@ -229,6 +229,54 @@ def _calibrated_input_scales(path: str, tensors: dict[str, torch.Tensor], quanti
 # ------------------------------------------------------------------------------------------------ references
 
 
+def assert_close_to_fp8_reference(ref: Any, runs: list[tuple[list[int], Any]], mean_tol: float, max_tol: float,
+                                  margin: float, min_clear: int = 0) -> None:
+    """Engine outputs ``runs`` ((prompt, request output) pairs, log-probs returned) against FP8 reference ``ref``:
+    every returned log-prob within ``max_tol`` and on average ``mean_tol``; the chosen token the reference's argmax
+    wherever its top two logits are more than ``margin`` apart (at least ``min_clear`` such positions)."""
+    from hyserve.testing import reference_logits
+
+    diffs: list[float] = []
+    clear = 0
+    for prompt, out in runs:
+        toks = out.outputs[0].token_ids
+        logits = reference_logits(ref, prompt + toks)
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        for i, tok in enumerate(toks):
+            row = logits[len(prompt) - 1 + i]
+            top = row.topk(2).values
+            if float(top[0] - top[1]) > margin:
+                clear += 1
+                assert tok == int(row.argmax()), f"token {i}: {tok}, reference argmax {int(row.argmax())} " \
+                                                 f"(margin {float(top[0] - top[1]):.2f})"
+            lps = out.outputs[0].logprobs
+            assert lps is not None
+            diffs += [abs(lp.logprob - float(logp[len(prompt) - 1 + i, t])) for t, lp in lps[i].items()]
+    d = torch.tensor(diffs)
+    assert clear >= min_clear, f"only {clear} clear-margin positions: the comparison would see little"
+    assert float(d.mean()) <= mean_tol and float(d.max()) <= max_tol, \
+        f"log-prob differences: mean {float(d.mean()):.2e} (<= {mean_tol}), max {float(d.max()):.2e} (<= {max_tol})"
+
+
+def load_engine_model(model_cls: Callable[..., torch.nn.Module], path: str, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """hyserve's ``model_cls`` of checkpoint ``path`` built on ``device`` in ``dtype`` (FP8 layers keep theirs),
+    loaded, eval mode: for layer-by-layer comparisons of devices."""
+    from hyserve.model.loader import load_weights
+    from hyserve.model.registry import load_model_config
+
+    cfg = load_model_config(path)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    load_weights(model, path, cfg)
+    return model
+
+
 def checkpoint_module(path: str, model_name: str) -> str:
     """transformers' (``Qwen3_5ForCausalLM``) module name -> the checkpoint's in ``path``'s form."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:

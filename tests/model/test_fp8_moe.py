@@ -41,10 +41,10 @@ from hyserve.layers.quantization import experts as experts_method
 from hyserve.layers.quantization import parse_quantization_config
 from hyserve.model.loader import copy_into
 from hyserve.model.registry import load_model_config
-from hyserve.testing import read_checkpoint_tensors, reference_logits
+from hyserve.testing import read_checkpoint_tensors
 from hyserve.testing.engine import drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
-from hyserve.testing.fp8 import FP8, dequantize, quantization_config
+from hyserve.testing.fp8 import FP8, assert_close_to_fp8_reference, dequantize, load_engine_model, quantization_config
 from hyserve.testing.fp8_moe import dequantize_stacked, load_fp8_moe_reference, write_fp8_moe_checkpoint
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, stack_experts
 
@@ -92,30 +92,8 @@ def moe_ckpts(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("fp8_moe"))
 
 
-def _deviations(ref: Any, runs: list[tuple[list[int], Any]]) -> tuple[list[float], list[str]]:
-    """|log-prob difference| of every chosen token against ``ref``, and the chosen tokens that are not the
-    reference's argmax where its top two logits are more than ``MARGIN`` apart."""
-    diffs: list[float] = []
-    wrong: list[str] = []
-    for prompt, out in runs:
-        toks = out.outputs[0].token_ids
-        logits = reference_logits(ref, prompt + toks)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        for i, tok in enumerate(toks):
-            row = logits[len(prompt) - 1 + i]
-            top = row.topk(2).values
-            if float(top[0] - top[1]) > MARGIN and tok != int(row.argmax()):
-                wrong.append(f"token {i}: {tok}, reference argmax {int(row.argmax())}")
-            diffs.append(abs(out.outputs[0].logprobs[i][tok].logprob - float(logp[len(prompt) - 1 + i, tok])))
-    return diffs, wrong
-
-
 def assert_close_to_reference(ref: Any, runs: list[tuple[list[int], Any]]) -> None:
-    diffs, wrong = _deviations(ref, runs)
-    assert not wrong, f"reference argmax: {wrong}"
-    mean, top = sum(diffs) / len(diffs), max(diffs)
-    assert mean <= MEAN_TOL and top <= MAX_TOL, f"log-prob differences: mean {mean:.2e} (<= {MEAN_TOL}), max " \
-                                                 f"{top:.2e} (<= {MAX_TOL})"
+    assert_close_to_fp8_reference(ref, runs, MEAN_TOL, MAX_TOL, MARGIN)
 
 
 def _check(llm: Any, ref: Any, prompts: list[list[int]] = PROMPTS) -> None:
@@ -436,21 +414,11 @@ def test_cuda_experts_match_the_cpu_path(moe_ckpts: Checkpoints, case: str) -> N
     the CPU (the float32 reference path), expert layer by layer on the same bf16 inputs and routing: only the
     GEMMs' summation order and the bf16 rounding of ``silu(gate) * up`` and of the output differ."""
     from hyserve.layers.moe import route
-    from hyserve.model.loader import load_weights
     from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
     path = moe_ckpts.get(case)
-    cfg = load_model_config(path)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            gpu = Qwen3_5MoeForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(prev)
-    load_weights(gpu, path, cfg)
-    cpu = Qwen3_5MoeForCausalLM(cfg).eval()
-    load_weights(cpu, path, cfg)
+    gpu = load_engine_model(Qwen3_5MoeForCausalLM, path, "cuda", torch.bfloat16)
+    cpu = load_engine_model(Qwen3_5MoeForCausalLM, path)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for c, g in zip(_experts(cpu), _experts(gpu), strict=True):
