@@ -17,6 +17,7 @@ ranks' outputs; the router is replicated and the shared expert stays sliced over
 
 The routed computation is :func:`hyserve.kernels.moe.fused_experts`: on CUDA two Triton GEMMs over the (token,
 choice) pairs sorted by expert (no host sync, so CUDA graphs capture it); elsewhere its reference, batched by expert.
+FP8 experts (block or per-channel scales, ``hyserve.layers.quantization.experts``) pass their scales to it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from hyserve.kernels.moe import fused_experts
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import MLP
 from hyserve.layers.quantization import QuantizationConfig
-from hyserve.layers.sharding import Shard, set_shard
+from hyserve.layers.quantization.experts import PROJECTIONS, UNQUANTIZED_EXPERTS
 
 
 class MoEConfig(Protocol):
@@ -69,75 +70,61 @@ def expert_range(num_experts: int) -> tuple[int, int]:
 
 class Experts(nn.Module):
     """The routed experts' stacked weights (this rank's experts, whole under expert parallelism, else each one's
-    slice of the intermediate dimension) and their batched computation."""
+    slice of the intermediate dimension) and their batched computation. How the weights are kept (model dtype or
+    FP8 with scales) is the quantization config's ``experts_method`` (``hyserve.layers.quantization.experts``)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, quant: QuantizationConfig | None = None,
+                 prefix: str = "experts") -> None:
         super().__init__()
+        self.prefix = prefix
         self.num_experts, self.hidden = num_experts, hidden
         self.intermediate_full = intermediate
         self.ep = expert_parallel()
+        self.tp_sharded = tp_size() > 1 and not self.ep
         e0, e1 = self.e_range = expert_range(num_experts)
-        self.num_local = local = e1 - e0
-        i0, i1 = (0, intermediate) if self.ep else shard_range(intermediate)
-        self.i_range = (i0, i1)
-        n = i1 - i0
-        self.intermediate = n
-        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * n, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(local, hidden, n), requires_grad=False)
-        if self.ep:
-            set_shard(self.gate_up_proj, Shard((num_experts, 2 * intermediate, hidden), 0, ((e0, e1),)))
-            set_shard(self.down_proj, Shard((num_experts, hidden, intermediate), 0, ((e0, e1),)))
-        elif tp_size() > 1:
-            set_shard(self.gate_up_proj, Shard((num_experts, 2 * intermediate, hidden), 1,
-                                               ((i0, i1), (intermediate + i0, intermediate + i1))))
-            set_shard(self.down_proj, Shard((num_experts, hidden, intermediate), 2, ((i0, i1),)))
+        self.num_local = e1 - e0
+        self.i_range = (0, intermediate) if self.ep else shard_range(intermediate)
+        self.intermediate = self.i_range[1] - self.i_range[0]
+        self.method = quant.experts_method(prefix, num_experts) if quant is not None else UNQUANTIZED_EXPERTS
+        self.gate_up_proj: torch.Tensor
+        self.down_proj: torch.Tensor
+        self.method.create_weights(self)
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """The per-expert layout: ``{e}.gate_proj.weight`` (and ``up_proj``, ``down_proj``) -> (the stacked
-        tensor it is a part of, its view there, carrying this rank's shard of the expert's tensor); this rank's
-        experts only (the others': ``foreign_parts``)."""
-        n, (i0, i1), full, h = self.intermediate, self.i_range, self.intermediate_full, self.hidden
-        sharded = tp_size() > 1 and not self.ep
-        e0, e1 = self.e_range
-        out: dict[str, tuple[str, torch.Tensor]] = {}
-        for e in range(e0, e1):
-            j = e - e0
-            views = {"gate_proj": ("gate_up_proj", self.gate_up_proj.data[j, :n], Shard((full, h), 0, ((i0, i1),))),
-                     "up_proj": ("gate_up_proj", self.gate_up_proj.data[j, n:], Shard((full, h), 0, ((i0, i1),))),
-                     "down_proj": ("down_proj", self.down_proj.data[j], Shard((h, full), 1, ((i0, i1),)))}
-            for name, (whole, view, shard) in views.items():
-                if sharded:
-                    set_shard(view, shard)
-                out[f"{e}.{name}.weight"] = (whole, view)
-        return out
+        """The per-expert layout: ``{e}.gate_proj.weight`` (and ``up_proj``, ``down_proj``, and their scales when
+        quantized) -> (the stacked tensor it is a part of, its view there, carrying this rank's shard of the
+        expert's tensor); this rank's experts only (the others': ``foreign_parts``)."""
+        return self.method.checkpoint_parts(self)
 
     def foreign_parts(self) -> set[str]:
         """The per-expert pieces of the experts other ranks hold (expert parallel): the loader skips them."""
         e0, e1 = self.e_range
-        return {f"{e}.{name}.weight" for e in range(self.num_experts) if not e0 <= e < e1
-                for name in ("gate_proj", "up_proj", "down_proj")}
+        return {f"{e}.{name}.{suffix}" for e in range(self.num_experts) if not e0 <= e < e1
+                for name in PROJECTIONS for suffix in self.method.piece_suffixes()}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` (float32) and ``experts`` [T, k]: the routed sum over each token's k choices
         (this rank's partial sum when tensor-parallel: under expert parallelism the choices of its experts alone,
         ``experts`` holding global expert ids). :func:`hyserve.kernels.moe.fused_experts`: the fused Triton kernels
-        on CUDA (capturable in a CUDA graph), the batched-by-expert reference elsewhere."""
+        on CUDA (capturable in a CUDA graph), the batched-by-expert reference elsewhere; FP8 experts pass their
+        scales."""
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, self.e_range[0],
-                             num_experts=self.num_experts)
+                             scales=self.method.scales(self), num_experts=self.num_experts)
 
 
 class SparseMoeBlock(nn.Module):
-    """``gate`` (the router), ``experts``, ``shared_expert`` and ``shared_expert_gate``: the checkpoint's names."""
+    """``gate`` (the router), ``experts``, ``shared_expert`` and ``shared_expert_gate``: the checkpoint's names.
+    Quantized: the experts take the config's experts method, the shared expert (a plain MLP) its linear methods;
+    the router and the shared expert's gate stay in the model dtype, as FP8 releases keep them (an FP8 tensor for
+    either is refused by the loader)."""
 
     def __init__(self, cfg: MoEConfig, prefix: str) -> None:
         super().__init__()
-        if cfg.quantization is not None:
-            raise ValueError(f"quantized mixture-of-experts layers are not supported yet ({prefix})")
-        h = cfg.hidden_size
+        h, quant = cfg.hidden_size, cfg.quantization
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Linear(h, cfg.num_experts, prefix=f"{prefix}.gate")
-        self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size)
-        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, None, f"{prefix}.shared_expert")
+        self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, quant, f"{prefix}.experts")
+        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, quant, f"{prefix}.shared_expert")
         self.shared_expert_gate = Linear(h, 1, prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ meaning needs another range for the model to compute something finite and O(1) (
 * the norms that scale by ``w`` (the GDN output norm, the vision tower's LayerNorms): ``U[0.9, 1.1]``; the
   zero-centred RMSNorms (scale ``1 + w``) take the common range, a gain of about 1;
 * FP8 weights (an FP8 ``quantization_config``): the FP8 values ``U[-1, 1]`` and their scales ``1e-3``, so a
-  quantized layer computes with weights of the same size as an unquantized one; static activation scales ``1``.
+  quantized layer computes with weights of the same size as an unquantized one (FP8 MoE experts too: their stacked
+  ``gate_up_proj`` / ``down_proj`` and their scales); static activation scales ``1``.
 
 The tensors are made as a checkpoint would hold them (whole tensors in the checkpoint's shape and dtype) and copied
 in by the loader's ``copy_into``: tensor-parallel ranks take their shard of one same tensor, online FP8 quantizes as
@@ -51,7 +52,8 @@ FP8_DUMMY_SCALE = 1e-3
 DT_BIAS_RANGE = (0.5, 1.5)
 PLAIN_GAIN_RANGE = (0.9, 1.1)
 _ST_TO_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, FP8_CHECKPOINT_DTYPE: FP8_DTYPE}
-_SCALES = (".weight_scale", ".weight_scale_inv")
+_SCALES = (".weight_scale", ".weight_scale_inv", "_proj_scale", "_proj_scale_inv")  # linear layers', stacked experts'
+
 
 
 def tensor_seed(seed: int, name: str) -> int:

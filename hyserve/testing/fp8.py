@@ -80,15 +80,15 @@ def _ignored(module: str, entries: list[str], regex: bool) -> bool:
     return False
 
 
-def _per_row_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def per_row_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (w.float().abs().amax(dim=1, keepdim=True).clamp(min=EPS) / FP8_MAX).to(dtype)
 
 
-def _quantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quantize_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def _block_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def block_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n, k = w.shape
     bn, bk = BLOCK
     gn, gk = -(-n // bn), -(-k // bk)
@@ -98,7 +98,7 @@ def _block_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (amax.clamp(min=EPS) / FP8_MAX).to(dtype)
 
 
-def _expand_block(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def expand_block(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     n, k = shape
     return scale.float().repeat_interleave(BLOCK[0], 0)[:n].repeat_interleave(BLOCK[1], 1)[:, :k]
 
@@ -107,7 +107,7 @@ def dequantize(tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     """The float32 weight of quantized ``module`` (checkpoint name) from its FP8 weight and stored scales."""
     w = tensors[f"{module}.weight"]
     if f"{module}.weight_scale_inv" in tensors:
-        return w.float() * _expand_block(tensors[f"{module}.weight_scale_inv"], w.shape)
+        return w.float() * expand_block(tensors[f"{module}.weight_scale_inv"], w.shape)
     scale = tensors[f"{module}.weight_scale"].float()
     return w.float() * (scale.reshape(1, 1) if scale.numel() == 1 else scale)
 
@@ -160,13 +160,13 @@ def quantize_checkpoint(path: str | os.PathLike[str], fmt: str, *, quantize_mtp:
     for module in quantized:
         w = tensors[f"{module}.weight"]
         if fmt == "block":
-            scale = _block_scale(w, scale_dtype)
-            tensors[f"{module}.weight"] = _quantize(w, _expand_block(scale, w.shape))
+            scale = block_scale(w, scale_dtype)
+            tensors[f"{module}.weight"] = quantize_weight(w, expand_block(scale, w.shape))
             tensors[f"{module}.weight_scale_inv"] = scale
         else:
-            scale = _per_row_scale(w, scale_dtype) if fmt == "ct_dynamic" else \
+            scale = per_row_scale(w, scale_dtype) if fmt == "ct_dynamic" else \
                 (w.float().abs().amax().clamp(min=EPS) / FP8_MAX).reshape(1).to(scale_dtype)
-            tensors[f"{module}.weight"] = _quantize(w, scale)
+            tensors[f"{module}.weight"] = quantize_weight(w, scale)
             tensors[f"{module}.weight_scale"] = scale
     if fmt == "ct_static":
         tensors.update(_calibrated_input_scales(path, tensors, quantized, scale_dtype))
@@ -229,6 +229,54 @@ def _calibrated_input_scales(path: str, tensors: dict[str, torch.Tensor], quanti
 # ------------------------------------------------------------------------------------------------ references
 
 
+def assert_close_to_fp8_reference(ref: Any, runs: list[tuple[list[int], Any]], mean_tol: float, max_tol: float,
+                                  margin: float, min_clear: int = 0) -> None:
+    """Engine outputs ``runs`` ((prompt, request output) pairs, log-probs returned) against FP8 reference ``ref``:
+    every returned log-prob within ``max_tol`` and on average ``mean_tol``; the chosen token the reference's argmax
+    wherever its top two logits are more than ``margin`` apart (at least ``min_clear`` such positions)."""
+    from hyserve.testing import reference_logits
+
+    diffs: list[float] = []
+    clear = 0
+    for prompt, out in runs:
+        toks = out.outputs[0].token_ids
+        logits = reference_logits(ref, prompt + toks)
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        for i, tok in enumerate(toks):
+            row = logits[len(prompt) - 1 + i]
+            top = row.topk(2).values
+            if float(top[0] - top[1]) > margin:
+                clear += 1
+                assert tok == int(row.argmax()), f"token {i}: {tok}, reference argmax {int(row.argmax())} " \
+                                                 f"(margin {float(top[0] - top[1]):.2f})"
+            lps = out.outputs[0].logprobs
+            assert lps is not None
+            diffs += [abs(lp.logprob - float(logp[len(prompt) - 1 + i, t])) for t, lp in lps[i].items()]
+    d = torch.tensor(diffs)
+    assert clear >= min_clear, f"only {clear} clear-margin positions: the comparison would see little"
+    assert float(d.mean()) <= mean_tol and float(d.max()) <= max_tol, \
+        f"log-prob differences: mean {float(d.mean()):.2e} (<= {mean_tol}), max {float(d.max()):.2e} (<= {max_tol})"
+
+
+def load_engine_model(model_cls: Callable[..., torch.nn.Module], path: str, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """hyserve's ``model_cls`` of checkpoint ``path`` built on ``device`` in ``dtype`` (FP8 layers keep theirs),
+    loaded, eval mode: for layer-by-layer comparisons of devices."""
+    from hyserve.model.loader import load_weights
+    from hyserve.model.registry import load_model_config
+
+    cfg = load_model_config(path)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    load_weights(model, path, cfg)
+    return model
+
+
 def checkpoint_module(path: str, model_name: str) -> str:
     """transformers' (``Qwen3_5ForCausalLM``) module name -> the checkpoint's in ``path``'s form."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -281,7 +329,7 @@ def fake_quantize(x: torch.Tensor, mode: str, input_scale: float | None = None, 
 ROW_PARALLEL = ("o_proj", "out_proj", "down_proj")
 
 
-def _emulate(model: Qwen3_5ForCausalLM, modes: dict[str, tuple[str, float | None]],
+def emulate(model: Qwen3_5ForCausalLM, modes: dict[str, tuple[str, float | None]],
              tensor_parallel_size: int) -> Qwen3_5ForCausalLM:
     """Forward pre-hooks quantizing the input of each ``nn.Linear`` named in ``modes`` (model-side names). With
     tensor parallelism a row-parallel layer's ranks each hold a slice of the input and quantize it per token on their
@@ -304,7 +352,7 @@ def _emulate(model: Qwen3_5ForCausalLM, modes: dict[str, tuple[str, float | None
 
 def load_fp8_reference(path: str | os.PathLike[str], tensor_parallel_size: int = 1) -> Qwen3_5ForCausalLM:
     """The reference for FP8 checkpoint ``path``: dequantized weights, activations quantized as its format says
-    on every layer whose checkpoint weight is FP8 (for ``tensor_parallel_size`` ranks: see ``_emulate``)."""
+    on every layer whose checkpoint weight is FP8 (for ``tensor_parallel_size`` ranks: see ``emulate``)."""
     path = os.fspath(path)
     tensors = read_checkpoint_tensors(path)
     model = _dequantized_model(path, tensors)
@@ -319,7 +367,7 @@ def load_fp8_reference(path: str | os.PathLike[str], tensor_parallel_size: int =
             modes[name] = ("static", float(tensors[f"{module}.input_scale"].float()))
         else:
             modes[name] = ("token", None)
-    return _emulate(model, modes, tensor_parallel_size)
+    return emulate(model, modes, tensor_parallel_size)
 
 
 def load_online_fp8_reference(path: str | os.PathLike[str], tensor_parallel_size: int = 1) -> Qwen3_5ForCausalLM:
@@ -329,11 +377,11 @@ def load_online_fp8_reference(path: str | os.PathLike[str], tensor_parallel_size
     tensors = read_checkpoint_tensors(path)
     for name, t in list(tensors.items()):
         if is_linear_weight(name, t) and not name.startswith("mtp."):
-            scale = _per_row_scale(t, torch.float32)
-            tensors[name] = _quantize(t, scale)
+            scale = per_row_scale(t, torch.float32)
+            tensors[name] = quantize_weight(t, scale)
             tensors[name.removesuffix(".weight") + ".weight_scale"] = scale
     model = _dequantized_model(path, tensors)
     modes: dict[str, tuple[str, float | None]] = {
         name: ("token", None) for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and name != "lm_head"}
-    return _emulate(model, modes, tensor_parallel_size)
+    return emulate(model, modes, tensor_parallel_size)

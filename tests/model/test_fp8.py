@@ -45,11 +45,13 @@ from hyserve.model.loader import load_weights
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM as HyModel
 from hyserve.model.registry import load_model_config
 from hyserve.outputs import RequestOutput
-from hyserve.testing import read_checkpoint_tensors, reference_logits, write_tiny_checkpoint
+from hyserve.testing import read_checkpoint_tensors, write_tiny_checkpoint
 from hyserve.testing.engine import make_llm, random_prompts
 from hyserve.testing.fp8 import (
     FP8,
+    assert_close_to_fp8_reference,
     dequantize,
+    load_engine_model,
     load_fp8_reference,
     load_online_fp8_reference,
     quantization_config,
@@ -126,26 +128,7 @@ def run_shared_prefix(path: str, **kw: Any) -> tuple[Any, list[tuple[list[int], 
 
 def assert_matches_fp8_reference(ref: Any, runs: list[tuple[list[int], RequestOutput]]) -> None:
     """The tolerances of the module docstring."""
-    diffs: list[float] = []
-    clear = 0
-    for prompt, out in runs:
-        toks = out.outputs[0].token_ids
-        logits = reference_logits(ref, prompt + toks)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        for i, tok in enumerate(toks):
-            row = logits[len(prompt) - 1 + i]
-            top = row.topk(2).values
-            if float(top[0] - top[1]) > MARGIN:
-                clear += 1
-                assert tok == int(row.argmax()), f"token {i}: {tok}, reference argmax {int(row.argmax())} " \
-                                                 f"(margin {float(top[0] - top[1]):.2f})"
-            lps = out.outputs[0].logprobs
-            assert lps is not None
-            diffs += [abs(lp.logprob - float(logp[len(prompt) - 1 + i, t])) for t, lp in lps[i].items()]
-    d = torch.tensor(diffs)
-    assert clear >= 10, f"only {clear} clear-margin positions: the comparison would see little"
-    assert float(d.mean()) <= MEAN_TOL and float(d.max()) <= MAX_TOL, \
-        f"log-prob differences: mean {float(d.mean()):.4f} (<= {MEAN_TOL}), max {float(d.max()):.4f} (<= {MAX_TOL})"
+    assert_close_to_fp8_reference(ref, runs, MEAN_TOL, MAX_TOL, MARGIN, min_clear=10)
 
 
 def fp8_modules(model: torch.nn.Module) -> dict[str, bool]:
@@ -601,15 +584,7 @@ def test_cuda_layers_match_the_cpu_reference(fp8_ckpts: Checkpoints, case: str) 
     block path otherwise) against the same checkpoint on the CPU (the float32 reference path), layer by layer on the
     same bf16 inputs (so both quantize the same values): only the GEMM's summation order and bf16 output differ."""
     path = fp8_ckpts.get(case)
-    cfg = load_model_config(path)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            gpu = HyModel(cfg).eval()
-    finally:
-        torch.set_default_dtype(prev)
-    load_weights(gpu, path, cfg)
+    gpu = load_engine_model(HyModel, path, "cuda", torch.bfloat16)
     cpu = _load(path)
     gen = torch.Generator().manual_seed(2)
     pairs = [(c, g) for c, g in zip(cpu.modules(), gpu.modules(), strict=True)

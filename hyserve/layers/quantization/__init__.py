@@ -29,13 +29,14 @@ from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantizationConfig
 from hyserve.layers.quantization.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
 from hyserve.layers.quantization.compressed_tensors import parse_compressed_tensors
+from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMethod
 from hyserve.layers.quantization.fine_grained_fp8 import QUANT_METHOD as FINE_GRAINED_FP8
 from hyserve.layers.quantization.fine_grained_fp8 import parse_fine_grained_fp8
 from hyserve.layers.quantization.matching import TEXT_PREFIX, VLM_TEXT_PREFIX, CheckpointNames
 from hyserve.layers.quantization.online_fp8 import FLAG as ONLINE_FP8
 from hyserve.layers.quantization.online_fp8 import OnlineFp8Config
 
-__all__ = ["QUANTIZATION_CHOICES", "LinearMethod", "QuantizationConfig", "draft_head_quantization",
+__all__ = ["QUANTIZATION_CHOICES", "ExpertsMethod", "LinearMethod", "QuantizationConfig", "draft_head_quantization",
            "parse_quantization_config", "quantization_summary"]
 
 # Values of the ``quantization`` engine argument (``--quantization``).
@@ -95,6 +96,18 @@ class DraftHeadQuantization(QuantizationConfig):
                              "modules_to_not_convert / targets)")
         return method
 
+    def experts_method(self, prefix: str, num_experts: int) -> ExpertsMethod:
+        method = self.base.experts_method(prefix, num_experts)
+        if self.base.quantizes_at_load:
+            return method
+        if f"{prefix}.gate_up_proj" not in self.fp8_modules and f"{prefix}.0.gate_proj" not in self.fp8_modules:
+            return UNQUANTIZED_EXPERTS
+        if not method.quantized:
+            raise ValueError(f"{prefix} are FP8 in the checkpoint, but its quantization_config "
+                             f"({self.base.method_name}) leaves them unquantized (ignore / modules_to_not_convert / "
+                             "targets)")
+        return method
+
     def describe(self) -> str:
         return self.base.describe()
 
@@ -105,36 +118,42 @@ class DraftHeadQuantization(QuantizationConfig):
 
 def draft_head_quantization(quant: QuantizationConfig | None,
                             weights: dict[str, torch.Tensor]) -> QuantizationConfig | None:
-    """The quantization of the draft head whose checkpoint tensors are ``weights`` (names as stored: ``mtp.*``)."""
+    """The quantization of the draft head whose checkpoint tensors are ``weights`` (names as stored: ``mtp.*``;
+    FP8 modules by name, and fused experts' FP8 tensors such as ``mtp.layers.0.mlp.experts.gate_up_proj``)."""
     if quant is None:
         return None
-    fp8 = frozenset(n.removesuffix(".weight") for n, t in weights.items() if n.endswith(".weight")
-                    and t.dtype == FP8_DTYPE)
+    fp8 = frozenset(n.removesuffix(".weight") for n, t in weights.items() if t.dtype == FP8_DTYPE)
     return DraftHeadQuantization(quant, fp8)
 
 
 def quantization_summary(model: nn.Module, quant: QuantizationConfig | None, dtype: torch.dtype) -> str | None:
     """One line for the startup log: the scheme, how many linear layers (checkpoint projections) are FP8 and how
-    many stayed in ``dtype``, and the bytes of the FP8 weights and their scales. ``None`` when nothing is quantized."""
+    many stayed in ``dtype``, how many MoE layers' experts are FP8, and the bytes of the FP8 weights and their
+    scales. ``None`` when nothing is quantized."""
     from hyserve.layers.linear import LinearBase
 
     if quant is None:
         return None
-    fp8 = kept = 0
+    fp8 = kept = experts = 0
     fp8_bytes = scale_bytes = 0
     for m in model.modules():
-        if not isinstance(m, LinearBase):
+        experts_method = getattr(m, "method", None)
+        if isinstance(m, LinearBase):
+            if not m.method.quantized:
+                kept += len(m.parts)
+                continue
+            fp8 += len(m.parts)
+        elif isinstance(experts_method, ExpertsMethod) and experts_method.quantized:
+            experts += 1
+        else:
             continue
-        if not m.method.quantized:
-            kept += len(m.parts)
-            continue
-        fp8 += len(m.parts)
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
             if t.dtype == FP8_DTYPE:
                 fp8_bytes += t.numel()
             elif name != "bias":
                 scale_bytes += t.numel() * t.element_size()
     dtype_name = str(dtype).removeprefix("torch.")
+    moe = f", the experts of {experts} MoE layers in FP8" if experts else ""
     return (f"quantization: {quant.describe()}: {fp8} linear layers in FP8, {kept} kept in {dtype_name} (and the "
-            f"embedding, LM head and norms); FP8 weights {fp8_bytes / 2**20:.2f} MiB + scales "
+            f"embedding, LM head and norms){moe}; FP8 weights {fp8_bytes / 2**20:.2f} MiB + scales "
             f"{scale_bytes / 2**20:.2f} MiB")

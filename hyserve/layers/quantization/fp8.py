@@ -156,10 +156,10 @@ class Fp8LinearMethod(LinearMethod):
             channel = _tensor(layer, "weight_scale")
             scale = channel if whole else channel[rows]
             if s.online:
-                set_load_spec(weight, LoadSpec(UNQUANTIZED_DTYPES, load=_quantize_into(scale, shard)))
+                set_load_spec(weight, LoadSpec(UNQUANTIZED_DTYPES, load=quantize_rows_into(scale, shard)))
             else:
                 if s.weight == "tensor":
-                    set_load_spec(scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=_fill_rows))
+                    set_load_spec(scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=fill_rows))
                 else:
                     if by_rows:
                         assert shard is not None
@@ -211,22 +211,37 @@ def _tensor(layer: GemmLayer, name: str) -> torch.Tensor:
     return cast(torch.Tensor, getattr(layer, name))
 
 
-def _fill_rows(target: torch.Tensor, scale: torch.Tensor) -> None:
+def fill_rows(target: torch.Tensor, scale: torch.Tensor) -> None:
     """A per-tensor scale into its tensor's rows of a per-channel scale."""
     target.copy_(scale.reshape(1, 1).expand(target.shape))
 
 
-def _quantize_into(scale: torch.Tensor, shard: Shard | None) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """The load of an online-quantized weight: per-channel FP8 of the whole checkpoint rows, then this rank's part;
-    the scales go into ``scale`` (this part's rows)."""
+def _quantize_rows(target: torch.Tensor, scale: torch.Tensor, full: torch.Tensor, shard: Shard | None) -> None:
+    w = full.to(device=target.device, dtype=torch.float32)
+    s = w.abs().amax(dim=-1, keepdim=True).clamp_(min=AMAX_EPS) / FP8_MAX
+    q = quantize_fp8(w, s)
+    if shard is not None:
+        q = shard.take(q)
+        if shard.dim != w.dim() - 1:
+            s = shard.take(s)
+    target.copy_(q)
+    scale.copy_(s.reshape(scale.shape))
+
+
+def quantize_rows_into(scale: torch.Tensor, shard: Shard | None) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The load of an online-quantized weight: per-channel FP8 over the whole checkpoint rows (the last dimension),
+    then this rank's part; the scales go into ``scale``. A stacked [E, N, K] tensor is quantized one expert at a
+    time (this rank's experts under expert parallelism), bounding the float32 copy to one expert."""
 
     def load(target: torch.Tensor, full: torch.Tensor) -> None:
-        w = full.to(device=target.device, dtype=torch.float32)
-        if shard is not None and shard.dim == 0:
-            w = shard.take(w)
-        s = w.abs().amax(dim=1, keepdim=True).clamp_(min=AMAX_EPS) / FP8_MAX
-        q = quantize_fp8(w, s)
-        target.copy_(shard.take(q) if shard is not None and shard.dim == 1 else q)
-        scale.copy_(s)
+        if full.dim() < 3:
+            _quantize_rows(target, scale, full, shard)
+            return
+        by_expert = shard is not None and shard.dim == 0
+        e0, e1 = shard.ranges[0] if shard is not None and by_expert else (0, full.shape[0])
+        inner = Shard(shard.full_shape[1:], shard.dim - 1, shard.ranges) if shard is not None and not by_expert \
+            else None
+        for j, e in enumerate(range(e0, e1)):
+            _quantize_rows(target[j], scale[j], full[e], inner)
 
     return load
