@@ -145,10 +145,12 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_range[1] - in_range[0], [LinearPart(None, out_features, shard)],
                          linear_method(quant, prefix), prefix=prefix, bias=bias)
         self.sharded = sharded
+        # False: the caller sums this partial output over the group itself (with others, in one all-reduce).
+        self.reduce_results = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.gemm(x)
-        if self.sharded:
+        if self.sharded and self.reduce_results:
             y = all_reduce(y)
         return y if self.bias is None else y + self.bias
 

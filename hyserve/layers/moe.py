@@ -26,7 +26,6 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, expert_parallel, shard_range, tp_size
 from hyserve.kernels.moe import fused_experts
@@ -125,15 +124,14 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(h, cfg.num_experts, prefix=f"{prefix}.gate")
         self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, quant, f"{prefix}.experts")
         self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, quant, f"{prefix}.shared_expert")
+        self.shared_expert.down_proj.reduce_results = False  # summed with the routed experts' partial sum
         self.shared_expert_gate = Linear(h, 1, prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = F.linear(x.float(), self.gate.weight.float())
-        weights, experts = route(logits, self.top_k, self.renormalize)
-        routed = self.experts(x, weights, experts)
-        if tp_size() > 1:
-            routed = all_reduce(routed)
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
-        return (routed + shared).reshape(shape)
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # logits in the model dtype
+        out = self.experts(x, weights, experts) + self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        if tp_size() > 1:  # both partial sums (the shared expert's down projection does not reduce): one all-reduce
+            out = all_reduce(out)
+        return out.reshape(shape)
