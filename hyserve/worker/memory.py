@@ -139,7 +139,8 @@ _PARTS = (("experts", "experts"), ("self_attn", "attention"), ("linear_attn", "G
 @dataclass(slots=True)
 class WeightBytes:
     """The bytes of one rank's weights (parameters and buffers, each distinct tensor once), by part: ``experts``
-    (the routed experts), ``MLP`` (a dense MLP, or a MoE block's router and shared expert), ``attention``, ``GDN``,
+    (the routed experts), ``MLP`` (dense; a MoE block's router and shared expert are ``router and shared expert``),
+    ``attention``, ``GDN``,
     ``embedding``, ``LM head``, ``vision tower``, ``MTP head`` and ``other`` (norms, rotary tables)."""
 
     parts: dict[str, int]
@@ -185,6 +186,8 @@ def weight_bytes(model: nn.Module, draft_head: nn.Module | None = None) -> Weigh
             seen.add(id(t))
             part = "MTP head" if prefix else _part_of(name)
             parts[part] = parts.get(part, 0) + t.numel() * t.element_size()
+    if "experts" in parts and "MLP" in parts:  # a MoE block's other tensors
+        parts["router and shared expert"] = parts.pop("MLP")
     return WeightBytes(parts)
 
 
@@ -241,10 +244,10 @@ def check_weights_fit(need: WeightBytes, base: DeviceMemory, util: float, parall
     whole = need.total * world
     gpus = -(-whole // max(requested, 1))
     experts = need.parts.get("experts", 0)
-    remedies = [f"split them over more GPUs (--tensor-parallel-size, --pipeline-parallel-size: about {gpus} at "
-                f"this utilization{', each holding 1/N' if world == 1 else ''})"]
-    if experts and not parallel.expert_parallel:
-        remedies.append("with --enable-expert-parallel each tensor-parallel rank holds E/N whole experts")
+    moe = " (add --enable-expert-parallel to place E/N whole experts on each rank)" \
+        if experts and not parallel.expert_parallel else ""
+    remedies = [f"split them over more GPUs with --tensor-parallel-size N{moe} or --pipeline-parallel-size N (at "
+                f"least {gpus} GPUs at this utilization)"]
     if not parallel.quantized:
         remedies.append("load an FP8 checkpoint or quantize as it loads (--quantization fp8: the linear weights "
                         "in about half the bytes)")

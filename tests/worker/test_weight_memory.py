@@ -13,6 +13,8 @@ counts its weights from the model (and draft head) built on the meta device, and
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,9 @@ from hyserve.testing.fp8 import write_fp8_checkpoint
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE
 from hyserve.worker import model_runner
 from hyserve.worker.memory import DeviceMemory, Parallelism, WeightBytes, check_weights_fit, format_bytes
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import shapes  # noqa: E402
 
 MOE = QWEN3_5_MOE.name
 GIB = 2**30
@@ -136,12 +141,11 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_loading(ckpts: Checkpoin
 
 def _meta_plan(tmp_path: Path, shape: str, fp8: bool = False, tp: int = 1) -> WeightBytes:
     """A benchmark shape's weights (config.json only) counted on the meta device, as one rank of ``tp``."""
-    from benchmarks.shapes import write
     from hyserve.distributed import parallel_state
     from hyserve.worker.memory import weight_bytes
 
     d = tmp_path / shape
-    write(shape, str(d), fp8=fp8, config_only=True)
+    shapes.write_moe_config(str(d), shape, fp8=fp8)
     cfg = load_model_config(str(d))
     monkey = pytest.MonkeyPatch()
     monkey.setattr(parallel_state, "_TP_SIZE", tp)
@@ -182,3 +186,17 @@ def test_a_share_that_is_not_free_is_refused_before_loading() -> None:
     need = WeightBytes({"experts": GIB})
     with pytest.raises(ValueError, match=r"only 50.00 GiB was free"):
         check_weights_fit(need, _fake_device(100 * GIB, free=50 * GIB), 0.9, Parallelism())
+
+
+def test_the_cache_budget_keeps_room_for_the_moe_block(ckpts: CheckpointCache) -> None:
+    """After loading, the budget subtracts the MoE block's activations: the CUDA-graph estimate takes the block's
+    width (k expert rows per token), and the profiled peak a reserve for routing that sends every token of a step to
+    one expert (the profile's random tokens spread over them); a dense model reserves nothing."""
+    path = ckpts.get("causal", "gdn3_attn1", family=MOE, layout="fused", num_experts_per_tok=3)
+    model = make_llm(path).llm_engine.runner.model
+    cfg = model.config
+    dense_width = max(cfg.hidden_size, cfg.conv_dim + cfg.linear_value_dim, 2 * cfg.num_attention_heads * cfg.head_dim)
+    assert model.activation_width() == max(dense_width, 3 * 2 * cfg.moe_intermediate_size, 3 * cfg.hidden_size)
+    assert model.routing_reserve(100, torch.bfloat16) == 100 * (3 * cfg.moe_intermediate_size + cfg.hidden_size) * 2
+    dense = make_llm(ckpts.get("causal", "gdn3_attn1")).llm_engine.runner.model
+    assert dense.routing_reserve(100, torch.bfloat16) == 0
