@@ -30,7 +30,7 @@ from hyserve.worker import model_runner
 from hyserve.worker.memory import DeviceMemory, Parallelism, WeightBytes, check_weights_fit, format_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import shapes  # noqa: E402
+import shapes
 
 MOE = QWEN3_5_MOE.name
 GIB = 2**30
