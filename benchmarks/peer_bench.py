@@ -923,6 +923,8 @@ def measure(args: argparse.Namespace) -> int:
                            "date": time.strftime("%Y-%m-%d"), "hyserve_commit": _git_commit(), "figures": {}}
     if args.engine == "vllm":
         res["vllm_gdn_prefill_backend"] = args.vllm_gdn_prefill_backend or "auto (FlashInfer on Hopper)"
+        res["vllm_mode"] = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" \
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
     fig = res["figures"]
     batches = [int(b) for b in args.batches.split(",")]
     errors = res["errors"] = {}
