@@ -476,7 +476,7 @@ def _quantized_bytes(text: Any, quant: Any) -> list[tuple[str, int]]:
     out = []
     for name, t in checkpoint_tensors(text).items():
         module = name.rsplit(".", 1)[0]
-        is_weight = name.endswith(".weight") and module in linear or EXPERTS in name
+        is_weight = (name.endswith(".weight") and module in linear) or EXPERTS in name
         if not (is_weight and quant.linear_method(module).quantized):
             out.append((name, t.numel() * t.element_size()))
             continue

@@ -105,8 +105,8 @@ def write_moe_config(path: str, name: str, fp8: bool = False) -> dict[str, Any]:
     # (peer_bench.py's special_token_ids): random prompt ids are drawn below them.
     vocab = int(shape["vocab_size"])
     first = 248044 if vocab >= 248058 else vocab - 14
-    ids = {"vision_start_token_id": first + 9, "vision_end_token_id": first + 10, "image_token_id": first + 12,
-           "video_token_id": first + 13}
+    ids: dict[str, Any] = {"vision_start_token_id": first + 9, "vision_end_token_id": first + 10,
+                           "image_token_id": first + 12, "video_token_id": first + 13}
     cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=shape["tie_word_embeddings"],
                            **ids)
     cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]

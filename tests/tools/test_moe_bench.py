@@ -56,7 +56,7 @@ def test_the_moe_shapes_parse_with_hyserves_parsers(tmp_path: Path, name: str, f
     if quant is None:
         return
     qc = raw["quantization_config"]
-    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128] and qc["activation_scheme"] == "dynamic"
+    assert (qc["quant_method"], qc["weight_block_size"], qc["activation_scheme"]) == ("fp8", [128, 128], "dynamic")
     kept = ["lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
             "model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b", "mtp.layers.0.mlp.gate",
             "mtp.layers.0.mlp.shared_expert_gate"]

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from hyserve.model.qwen3_5_moe_config import qwen3_5_moe_config
 from hyserve.model.registry import load_model_config
 from hyserve.testing.engine import make_llm
 from hyserve.testing.families import CheckpointCache
@@ -65,7 +66,7 @@ def test_planned_bytes_are_what_the_loaded_model_holds(ckpts: CheckpointCache, f
     assert got["planned"] == got["held"] == _independent_held(llm)
     assert (llm.llm_engine.runner.mtp is not None) == mtp and ("MTP head" in got["parts"]) == mtp
     if family == MOE:
-        cfg = load_model_config(path)
+        cfg = qwen3_5_moe_config(load_model_config(path))
         # The config's parameter count (every layer's router, experts, shared expert) at float32, MTP aside.
         text = sum(b for part, b in got["parts"].items() if part not in ("MTP head",))
         assert got["parts"]["experts"] == cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size \
@@ -193,8 +194,8 @@ def test_the_cache_budget_keeps_room_for_the_moe_block(ckpts: CheckpointCache) -
     width (k expert rows per token), and the profiled peak a reserve for routing that sends every token of a step to
     one expert (the profile's random tokens spread over them); a dense model reserves nothing."""
     path = ckpts.get("causal", "gdn3_attn1", family=MOE, layout="fused", num_experts_per_tok=3)
-    model = make_llm(path).llm_engine.runner.model
-    cfg = model.config
+    runner = make_llm(path).llm_engine.runner
+    model, cfg = runner.model, qwen3_5_moe_config(runner.model_config)
     dense_width = max(cfg.hidden_size, cfg.conv_dim + cfg.linear_value_dim, 2 * cfg.num_attention_heads * cfg.head_dim)
     assert model.activation_width() == max(dense_width, 3 * 2 * cfg.moe_intermediate_size, 3 * cfg.hidden_size)
     assert model.routing_reserve(100, torch.bfloat16) == 100 * (3 * cfg.moe_intermediate_size + cfg.hidden_size) * 2
