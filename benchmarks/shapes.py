@@ -61,8 +61,10 @@ FP8_BLOCK = [128, 128]
 
 def fp8_modules_to_not_convert(text: dict[str, Any], vision_depth: int, mtp: bool = True) -> list[str]:
     """What Qwen's FP8 releases leave in bf16: ``lm_head``, the embedding, every norm, each MoE block's router
-    (``mlp.gate``) and ``shared_expert_gate``, the GDN's ``in_proj_a`` / ``in_proj_b``, ``conv1d``, ``A_log`` and
-    ``dt_bias``, and the vision tower; the MTP layer's router and gates too."""
+    (``mlp.gate``) and ``shared_expert_gate``, the GDN's ``in_proj_a`` / ``in_proj_b`` (``in_proj_ba``), ``conv1d``,
+    ``A_log`` and ``dt_bias``, and the vision tower; the MTP layer's router and gates too. Which of these the
+    releases list is not confirmed (docs/fp8_facts.md, open questions): the linear layers among them are what the
+    FP8 engines keep in bf16, the rest name no linear layer and change nothing."""
     lm = "model.language_model"
     out = ["lm_head", f"{lm}.embed_tokens", f"{lm}.norm"]
     n = int(text["num_hidden_layers"])
@@ -74,8 +76,9 @@ def fp8_modules_to_not_convert(text: dict[str, Any], vision_depth: int, mtp: boo
         if (i + 1) % interval == 0:
             out += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
         else:
-            out += [f"{layer}.linear_attn.{m}" for m in ("in_proj_a", "in_proj_b", "conv1d", "A_log", "dt_bias",
-                                                          "norm")]
+            # in_proj_ba too: vLLM registers Qwen3.5's in_proj_b under that name (docs/fp8_facts.md section 7)
+            out += [f"{layer}.linear_attn.{m}" for m in ("in_proj_a", "in_proj_b", "in_proj_ba", "conv1d", "A_log",
+                                                          "dt_bias", "norm")]
     if mtp:
         out += ["mtp.norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden",
                 "mtp.layers.0.input_layernorm", "mtp.layers.0.post_attention_layernorm", "mtp.layers.0.mlp.gate",
