@@ -2,7 +2,8 @@
 Qwen3-Next-80B-A3B's shape, bf16 and Qwen's block FP8, in the VLM form vLLM needs) parse with hyserve's own parsers
 and give the published sizes, and ``peer_bench.py``'s batch-1 bound counts the weights a token reads (attention,
 GDN, router, shared expert, its top-k experts, the LM head) by hand on tiny configs, from config.json and from
-checkpoints in both expert layouts."""
+checkpoints in both expert layouts; ``peer_bench.py measure`` runs hyserve on a config-only MoE shape (dummy
+weights) as the session's moe phase does, and the session script has its MoE phases."""
 
 from __future__ import annotations
 
@@ -141,3 +142,22 @@ def test_the_session_has_the_moe_phases() -> None:
     import subprocess
 
     subprocess.run(["bash", "-n", str(SESSION)], check=True)
+
+
+def test_peer_bench_measures_a_config_only_moe_shape_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """The moe phase's command on a tiny MoE shape written as the real ones are (config only, VLM form): hyserve makes
+    the weights at load and measures decode and prefill."""
+    import subprocess
+
+    monkeypatch.setitem(shapes.MOE_SHAPES, "tiny-moe", TINY)
+    model, out = tmp_path / "m", tmp_path / "hyserve.json"
+    shapes.write_moe_config(str(model), "tiny-moe")
+    script = Path(__file__).parents[2] / "benchmarks" / "peer_bench.py"
+    subprocess.run([sys.executable, str(script), "measure", "--engine", "hyserve", "--model", str(model), "--device",
+                    "cpu", "--dtype", "float32", "--out", str(out), "--measures", "decode,bound,prefill",
+                    "--load-format", "dummy", "--batches", "1,2", "--decode-tokens", "4", "--prefill-prompts", "2",
+                    "--prefill-len", "64", "--max-model-len", "1024"], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    res = json.loads(out.read_text())
+    assert not res["errors"] and res["figures"]["decode_bs1_tok_s"] > 0 and res["figures"]["prefill_tok_s"] > 0
