@@ -1,11 +1,17 @@
 """Shared test setup: one CPU thread (tiny matmuls run fastest so, and a 2-core CI machine is not oversubscribed),
-and the session's tiny checkpoints, each written once (``hyserve.testing.families.CheckpointCache``)."""
+the session's tiny checkpoints, each written once (``hyserve.testing.families.CheckpointCache``), and the planting
+of known MTP drafts (``plant_drafts``: it writes requests' drafts, which only the scheduler and tests may do, so it
+lives here rather than in ``hyserve.testing``; docs/design.md invariant 13)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from hyserve.engine.llm_engine import LLMEngine
+from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.families import CheckpointCache
 
 torch.set_num_threads(1)
@@ -14,3 +20,35 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> CheckpointCache:
     return CheckpointCache(str(tmp_path_factory.mktemp("ckpts")))
+
+
+def _plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
+    """After every step each running request's MTP drafts become its known continuation, the last one made wrong
+    (the tiny heads are random and would never be accepted): drafts are accepted and rejected, and accepted drafts
+    are seen by the verify positions after them. Drafts kept on the device (``PREVIOUS_DRAFT``, async scheduling)
+    are planted in the verifier's ``draft_slots``. Requests not in ``want`` keep their drafts."""
+    update = engine.scheduler.update_from_output
+    verifier = engine.runner.verifier
+
+    def plant(so, ro, sink):  # type: ignore[no-untyped-def]
+        ran = update(so, ro, sink)
+        for req in engine.scheduler.running:
+            drafts = req.draft_token_ids
+            if not drafts or req.request_id not in want:
+                continue
+            cont = want[req.request_id][req.num_output_tokens:][: len(drafts)]
+            cont = [*cont[:-1], (cont[-1] + 1) % 50] if len(cont) == len(drafts) and len(cont) > 1 else cont
+            if PREVIOUS_DRAFT in drafts:
+                assert verifier is not None and verifier.draft_slots is not None
+                verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
+            elif cont:
+                req.draft_token_ids = cont
+        return ran
+
+    engine.scheduler.update_from_output = plant  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session")
+def plant_drafts() -> Callable[[LLMEngine, dict[str, list[int]]], None]:
+    """``plant_drafts(engine, {request id: its known outputs})`` (``_plant_drafts``)."""
+    return _plant_drafts

@@ -66,28 +66,44 @@ class GatedDeltaNet(RecurrentLayer):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(full_v, cfg.hidden_size, (v0 * dv, v1 * dv),
                                           sharded=tp > 1, quant=cfg.quantization, prefix=f"{prefix}.out_proj")
-        shards: dict[str, Shard] = {}
+        self.k_range, self.v_range = (k0, k1), (v0, v1)
         if tp > 1:
-            fk, h = full_k, cfg.hidden_size
-            qkv = ((k0 * dk, k1 * dk), (fk + k0 * dk, fk + k1 * dk), (2 * fk + v0 * dv, 2 * fk + v1 * dv))
             heads = ((v0, v1),)
-            shards = {"in_proj_qkv": Shard((full_conv, h), 0, qkv),
-                      "in_proj_z": Shard((full_v, h), 0, ((v0 * dv, v1 * dv),)),
-                      "in_proj_b": Shard((cfg.linear_num_value_heads, h), 0, heads),
-                      "in_proj_a": Shard((cfg.linear_num_value_heads, h), 0, heads)}
-            set_shard(self.conv1d.weight, Shard((full_conv, 1, kernel), 0, qkv))
+            set_shard(self.conv1d.weight, Shard((full_conv, 1, kernel), 0, self.conv_rows(cfg)))
             set_shard(self.dt_bias, Shard((cfg.linear_num_value_heads,), 0, heads))
             set_shard(self.A_log, Shard((cfg.linear_num_value_heads,), 0, heads))
-        # One GEMM for the checkpoint's four input projections (filled part by part by the loader).
-        self.in_proj = MergedLinear(cfg.hidden_size, [("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
-                                                      ("in_proj_b", self.num_v_heads),
-                                                      ("in_proj_a", self.num_v_heads)], shards,
-                                   quant=cfg.quantization, prefix=prefix)
+        # One GEMM for the checkpoint's input projections, whose output is [q | k | v | z | b | a] of this rank's
+        # heads (filled part by part by the loader).
+        self.in_proj = self.make_in_proj(cfg, prefix)
+        self.in_proj_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
         # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
         self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), float32
+
+    def conv_rows(self, cfg: GDNConfig) -> tuple[tuple[int, int], ...]:
+        """This rank's rows of [q | k | v] (the conv channels, ``in_proj_qkv``): its key heads' of q and of k,
+        its value heads' of v."""
+        (k0, k1), (v0, v1) = self.k_range, self.v_range
+        dk, dv, fk = self.head_k_dim, self.head_v_dim, cfg.linear_num_key_heads * self.head_k_dim
+        return (k0 * dk, k1 * dk), (fk + k0 * dk, fk + k1 * dk), (2 * fk + v0 * dv, 2 * fk + v1 * dv)
+
+    def make_in_proj(self, cfg: GDNConfig, prefix: str) -> MergedLinear:
+        """Qwen3.5's four checkpoint projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``
+        (a family whose checkpoint fuses them otherwise overrides this, keeping the output's order)."""
+        shards: dict[str, Shard] = {}
+        if tp_size() > 1:
+            dv, h, nv = self.head_v_dim, cfg.hidden_size, cfg.linear_num_value_heads
+            full_conv = 2 * cfg.linear_num_key_heads * self.head_k_dim + nv * dv
+            v0, v1 = self.v_range
+            shards = {"in_proj_qkv": Shard((full_conv, h), 0, self.conv_rows(cfg)),
+                      "in_proj_z": Shard((nv * dv, h), 0, ((v0 * dv, v1 * dv),)),
+                      "in_proj_b": Shard((nv, h), 0, ((v0, v1),)),
+                      "in_proj_a": Shard((nv, h), 0, ((v0, v1),))}
+        return MergedLinear(cfg.hidden_size, [("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
+                                              ("in_proj_b", self.num_v_heads), ("in_proj_a", self.num_v_heads)],
+                            shards, quant=cfg.quantization, prefix=prefix)
 
     def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         """The conv window (the last K - 1 inputs of [q | k | v], oldest first) in the model dtype, and the SSM
@@ -117,7 +133,7 @@ class GatedDeltaNet(RecurrentLayer):
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         t = x.shape[0]
         weight = self.conv1d.weight.squeeze(1)
-        mixed_in, z, b, a = self.in_proj.split(self.in_proj(x))  # strided views of one output
+        mixed_in, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # strided views of one output
         vm = meta.verify
         if vm is None:
             mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,

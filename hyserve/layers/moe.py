@@ -15,8 +15,8 @@ every expert's intermediate dimension; the partial outputs are summed over the g
 (``expert_range``), computes the (token, choice) pairs routed to them and the same sum over the group adds the
 ranks' outputs; the router is replicated and the shared expert stays sliced over the ranks, as in the dense MLP.
 
-The routed computation is batched by expert: the (token, choice) pairs are sorted by expert and each expert that
-received tokens runs one GEMM over all of them.
+The routed computation is :func:`hyserve.kernels.moe.fused_experts`: on CUDA two Triton GEMMs over the (token,
+choice) pairs sorted by expert (no host sync, so CUDA graphs capture it); elsewhere its reference, batched by expert.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, expert_parallel, shard_range, tp_size
+from hyserve.kernels.moe import fused_experts
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import MLP
 from hyserve.layers.quantization import QuantizationConfig
@@ -119,45 +120,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` (float32) and ``experts`` [T, k]: the routed sum over each token's k choices
         (this rank's partial sum when tensor-parallel: under expert parallelism the choices of its experts alone,
-        ``experts`` holding global expert ids). While a CUDA graph is being captured (no host sync allowed)
-        every expert runs over every token instead, weighted by zero where not chosen (``forward_static``)."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.forward_static(x, weights, experts)
-        k = experts.shape[1]
-        flat = experts.reshape(-1)
-        mine = None
-        if self.ep:  # the (token, choice) pairs routed to this rank's experts, as local ids
-            flat = flat - self.e_range[0]
-            mine = ((flat >= 0) & (flat < self.num_local)).nonzero().squeeze(1)
-            flat = flat[mine]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_local).tolist()
-        if mine is not None:
-            order = mine[order]
-        token = order // k
-        xs = x[token]
-        out = torch.empty_like(xs)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            seg = slice(start, start + c)
-            gate, up = F.linear(xs[seg], self.gate_up_proj[e]).split(self.intermediate, dim=-1)
-            out[seg] = F.linear(F.silu(gate) * up, self.down_proj[e])
-            start += c
-        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out)
-
-    def forward_static(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The same sum with shapes that do not depend on the routing (capturable; E times the work)."""
-        dense = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
-        dense.scatter_(1, experts, weights.float())
-        dense = dense[:, self.e_range[0] : self.e_range[1]]
-        out = torch.zeros_like(x)
-        for e in range(self.num_local):
-            gate, up = F.linear(x, self.gate_up_proj[e]).split(self.intermediate, dim=-1)
-            out += F.linear(F.silu(gate) * up, self.down_proj[e]) * dense[:, e : e + 1].to(x.dtype)
-        return out
+        ``experts`` holding global expert ids). :func:`hyserve.kernels.moe.fused_experts`: the fused Triton kernels
+        on CUDA (capturable in a CUDA graph), the batched-by-expert reference elsewhere."""
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, self.e_range[0],
+                             num_experts=self.num_experts)
 
 
 class SparseMoeBlock(nn.Module):

@@ -31,24 +31,29 @@ from hyserve.model.vision import VisionModel
 
 
 class DecoderLayer(nn.Module):
-    """``prefix``: the layer's name in the text model's naming (``model.layers.3``, ``mtp.layers.0``)."""
+    """``prefix``: the layer's name in the text model's naming (``model.layers.3``, ``mtp.layers.0``). A variant
+    family sets ``linear_attention`` (its GDN layer class) or overrides ``make_mlp``."""
+
+    linear_attention: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet
 
     def __init__(self, cfg: Qwen3_5Config, layer_idx: int, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.layer_type = cfg.layer_types[layer_idx]
         self.mixer: GatedDeltaNet | Attention
         if self.layer_type == FULL_ATTENTION:
             self.self_attn = Attention(cfg, rotary, f"{prefix}.self_attn")
             self.mixer = self.self_attn
         else:
-            self.linear_attn = GatedDeltaNet(cfg, f"{prefix}.linear_attn")
+            self.linear_attn = self.linear_attention(cfg, f"{prefix}.linear_attn")
             self.mixer = self.linear_attn
         self.mlp = self.make_mlp(cfg, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def make_mlp(self, cfg: Qwen3_5Config, prefix: str) -> nn.Module:
-        """The feed-forward block after the mixer (a variant family overrides this one method)."""
+        """The feed-forward block after the mixer (a variant family overrides this one method; ``self.layer_idx``
+        is the layer's index)."""
         return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization, prefix)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata,

@@ -9,6 +9,8 @@ apart load too (``hyserve.layers.moe.Experts.checkpoint_parts``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -25,7 +27,7 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    decoder_layer = MoeDecoderLayer
+    decoder_layer: ClassVar[type[DecoderLayer]] = MoeDecoderLayer
 
     def activation_width(self) -> int:
         """Besides the dense widths: a token's k expert rows (gate and up) and the router's logits."""

@@ -68,17 +68,11 @@ def parse_qwen3_5_moe_config(raw: dict[str, Any]) -> Qwen3_5MoeConfig:
     text = dict(raw.get("text_config") or {}) if model_type == "qwen3_5_moe" else dict(raw)
     if model_type == "qwen3_5_moe" and not text:
         raise ValueError("config.json has model_type 'qwen3_5_moe' but no 'text_config'")
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        if key not in text:
-            raise ValueError(f"config.json is missing required field {key!r}")
     if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
         raise ValueError("config.json: layers without experts (mlp_only_layers, decoder_sparse_step) are not "
                          "supported for Qwen3.5-MoE")
-    n_experts, top_k = int(text["num_experts"]), int(text["num_experts_per_tok"])
-    if not 0 < top_k <= n_experts:
-        raise ValueError(f"config.json: num_experts_per_tok={top_k} must be in 1..num_experts={n_experts}")
-    shared = int(text["shared_expert_intermediate_size"])
-    text["intermediate_size"] = shared
+    moe = parse_moe_fields(text)
+    text["intermediate_size"] = moe["shared_expert_intermediate_size"]
     dense_raw = {**raw, "model_type": _DENSE_MODEL_TYPE[model_type]}
     if model_type == "qwen3_5_moe":
         dense_raw["text_config"] = text
@@ -89,12 +83,18 @@ def parse_qwen3_5_moe_config(raw: dict[str, Any]) -> Qwen3_5MoeConfig:
     arch = architectures[0] if architectures else (
         "Qwen3_5MoeForConditionalGeneration" if model_type == "qwen3_5_moe" else "Qwen3_5MoeForCausalLM")
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return Qwen3_5MoeConfig(
-        **{**fields, "architecture": arch},
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=int(text["moe_intermediate_size"]),
-        shared_expert_intermediate_size=shared,
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-    )
+    return Qwen3_5MoeConfig(**{**fields, "architecture": arch}, **moe)
 
+
+def parse_moe_fields(text: dict[str, Any]) -> dict[str, Any]:
+    """The sparse MoE block's fields (``Qwen3_5MoeConfig``'s own) of a config.json's text fields, checked."""
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if key not in text:
+            raise ValueError(f"config.json is missing required field {key!r}")
+    n_experts, top_k = int(text["num_experts"]), int(text["num_experts_per_tok"])
+    if not 0 < top_k <= n_experts:
+        raise ValueError(f"config.json: num_experts_per_tok={top_k} must be in 1..num_experts={n_experts}")
+    return {"num_experts": n_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(text["moe_intermediate_size"]),
+            "shared_expert_intermediate_size": int(text["shared_expert_intermediate_size"]),
+            "norm_topk_prob": bool(text.get("norm_topk_prob", True))}

@@ -84,6 +84,9 @@ _QWEN3_5_MTP = ("hyserve.model.mtp", "MTPHead", "load_mtp_weights")
 _QWEN3_5_MOE = ("hyserve.model.qwen3_5_moe", "Qwen3_5MoeForCausalLM")
 _QWEN3_5_MOE_PARSER = ("hyserve.model.qwen3_5_moe_config", "parse_qwen3_5_moe_config")
 _QWEN3_5_MOE_MTP = ("hyserve.model.qwen3_5_moe", "Qwen3_5MoeMTPHead", "load_moe_mtp_weights")
+_QWEN3_NEXT = ("hyserve.model.qwen3_next", "Qwen3NextForCausalLM")
+_QWEN3_NEXT_PARSER = ("hyserve.model.qwen3_next_config", "parse_qwen3_next_config")
+_QWEN3_NEXT_MTP = ("hyserve.model.qwen3_next", "Qwen3NextMTPHead", "load_mtp_weights")
 # Both checkpoint forms of each family parse from either model_type (text fields at top level or under text_config).
 _FAMILIES = (
     ModelEntry("Qwen3_5ForConditionalGeneration", _QWEN3_5, _QWEN3_5_PARSER, ("qwen3_5", "qwen3_5_text"), _QWEN3_5_MTP),
@@ -92,6 +95,7 @@ _FAMILIES = (
                ("qwen3_5_moe", "qwen3_5_moe_text"), _QWEN3_5_MOE_MTP),
     ModelEntry("Qwen3_5MoeForCausalLM", _QWEN3_5_MOE, _QWEN3_5_MOE_PARSER, ("qwen3_5_moe_text", "qwen3_5_moe"),
                _QWEN3_5_MOE_MTP),
+    ModelEntry("Qwen3NextForCausalLM", _QWEN3_NEXT, _QWEN3_NEXT_PARSER, ("qwen3_next",), _QWEN3_NEXT_MTP),
 )
 _REGISTRY: dict[str, ModelEntry] = {e.architecture: e for e in _FAMILIES}
 

@@ -221,12 +221,17 @@ def write_tiny_checkpoint(
     tensors = make_tensors(config, form=form, with_mtp=with_mtp, seed=seed, dtype=dtype)
     save_weights(path, tensors, sharded=sharded)
     write_json(os.path.join(path, "config.json"), config_json(config, form=form, dtype=dtype, with_mtp=with_mtp))
+    write_generation_config_and_tokenizer(path)
+    return path
+
+
+def write_generation_config_and_tokenizer(path: str) -> None:
+    """generation_config.json (greedy, the chat template's two end tokens) and the tiny tokenizer's files."""
     ids = special_token_ids()
     generation = {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT],
                   "do_sample": False, "transformers_version": "5.17.0"}
     write_json(os.path.join(path, "generation_config.json"), generation)
     write_tokenizer(path)
-    return path
 
 
 def load_reference_model(path: str | os.PathLike[str]) -> Qwen3_5ForCausalLM:

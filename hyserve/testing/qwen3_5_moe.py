@@ -39,25 +39,29 @@ from hyserve.testing.qwen3_5 import (
     tiny_text_config,
     use_torch_gated_delta_rule,
     visual_shapes,
+    write_generation_config_and_tokenizer,
 )
-from hyserve.testing.tokenizer import ENDOFTEXT, IM_END, special_token_ids, write_tokenizer
 
 MOE_DEFAULTS: dict[str, Any] = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "shared_expert_intermediate_size": 48}
 LAYOUTS = ("fused", "per_expert")
 
 
-def tiny_moe_config(layer_types: list[str], **overrides: Any) -> Qwen3_5MoeTextConfig:
-    """Qwen3.5's tiny text config (``hyserve.testing.qwen3_5.tiny_text_config``'s fields) with a small MoE."""
+def tiny_moe_fields(layer_types: list[str]) -> dict[str, Any]:
+    """Qwen3.5's tiny text config's fields (``hyserve.testing.qwen3_5.tiny_text_config``) with a small MoE, for
+    the MoE families' configs."""
     dense = tiny_text_config(layer_types=layer_types).to_dict()
     kwargs = {k: dense[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types",
                                     "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                                     "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
                                     "linear_conv_kernel_dim", "rms_norm_eps", "max_position_embeddings",
                                     "rope_parameters", "eos_token_id", "tie_word_embeddings")}
-    kwargs.update({**MOE_DEFAULTS, "bos_token_id": None, "pad_token_id": None})
-    kwargs.update(overrides)
-    return Qwen3_5MoeTextConfig(**kwargs)
+    return {**kwargs, **MOE_DEFAULTS, "bos_token_id": None, "pad_token_id": None}
+
+
+def tiny_moe_config(layer_types: list[str], **overrides: Any) -> Qwen3_5MoeTextConfig:
+    """``tiny_moe_fields`` as a Qwen3.5-MoE text config; ``overrides`` replace any field."""
+    return Qwen3_5MoeTextConfig(**{**tiny_moe_fields(layer_types), **overrides})
 
 
 def moe_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -158,11 +162,7 @@ def write_tiny_moe_checkpoint(
         raw.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
         raw["vision_config"]["model_type"] = "qwen3_5_moe_vision"
     write_json(os.path.join(path, "config.json"), raw)
-    ids = special_token_ids()
-    write_json(os.path.join(path, "generation_config.json"),
-               {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT], "do_sample": False,
-                "transformers_version": "5.17.0"})
-    write_tokenizer(path)
+    write_generation_config_and_tokenizer(path)
     return path
 
 
@@ -253,3 +253,57 @@ def load_moe_vlm_reference_model(path: str | os.PathLike[str]) -> Any:
     model = Qwen3_5MoeForConditionalGeneration.from_pretrained(os.fspath(path), dtype=torch.float32,
                                                                local_files_only=True)
     return model.eval()
+
+
+@torch.no_grad()
+def reference_mtp(path: str, ref: Any, tokens: list[int], text_model: type, norm: type
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP head's output (post-norm) and logits at every position i < len - 1 (predicting token i + 2),
+    built from transformers' own modules of the family (``text_model``: its text model class, e.g.
+    ``Qwen3_5MoeTextModel``; ``norm``: its RMSNorm): ``fc([pre_fc_norm_embedding(embed(t[i+1])),
+    pre_fc_norm_hidden(h_i)])`` (``h``: the target's post-final-norm hidden states), then a one-layer text model
+    (full attention, layer 0's feed-forward block) holding ``mtp.layers.0.*`` with ``mtp.norm`` as its final norm,
+    then lm_head."""
+    tensors = {n.removeprefix("mtp."): t for n, t in read_checkpoint_tensors(path).items() if n.startswith("mtp.")}
+    if any(".experts.0." in n for n in tensors):
+        tensors = stack_experts(tensors)
+    cfg = type(ref.config)(**{**ref.config.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    mtp = text_model(cfg).float().eval()
+    state = {n: t for n, t in tensors.items() if n.startswith(("layers.", "norm."))}
+    state["embed_tokens.weight"] = ref.model.embed_tokens.weight
+    mtp.load_state_dict(state, strict=True)
+    h = cfg.hidden_size
+    norm_e, norm_h = norm(h, cfg.rms_norm_eps), norm(h, cfg.rms_norm_eps)
+    norm_e.weight.copy_(tensors["pre_fc_norm_embedding.weight"])
+    norm_h.weight.copy_(tensors["pre_fc_norm_hidden.weight"])
+    ids = torch.tensor([tokens])
+    hidden = ref.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+    emb = ref.model.embed_tokens(ids[0, 1:])
+    x = torch.nn.functional.linear(torch.cat([norm_e(emb), norm_h(hidden)], dim=-1), tensors["fc.weight"])
+    out = mtp(inputs_embeds=x[None], use_cache=False).last_hidden_state[0]
+    return out, ref.lm_head(out).float()
+
+
+def check_mtp_drafts(llm: Any, path: str, ref: Any, text_model: type, norm: type, sabotaged: bool) -> None:
+    """One request through ``llm`` (MTP k = 1): every draft is the argmax of ``reference_mtp``'s logits at its
+    position and the head's output its output, unless ``sabotaged`` (then the outputs must differ)."""
+    from hyserve import SamplingParams
+    from hyserve.testing.engine import drive, random_prompts
+    from hyserve.testing.speculative import record_drafts
+
+    seen = record_drafts(llm.llm_engine)
+    prompt = random_prompts(1, [19], seed=11)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = drive(llm.llm_engine, {0: [("r", prompt, params)]})["r"].outputs[0].token_ids
+    hidden, logits = reference_mtp(path, ref, prompt + out, text_model, norm)
+    assert llm.get_metrics()["hyserve:spec_decode_num_accepted_tokens"] == 0  # a random head: one token a step
+    # The n-th recorded draft came after the n-th step, when the request had n outputs: it predicts output n from
+    # position len(prompt) + n - 2. A draft after every step but the last two (one token left, then done).
+    assert len(seen["r"]) == len(out) - 2
+    errors = []
+    for n, (drafts, got) in enumerate(seen["r"], start=1):
+        row = logits[len(prompt) + n - 2]
+        assert sabotaged or float(row.max() - row[drafts[0]]) <= 2e-3, \
+            f"draft {n}: {drafts[0]} vs {int(row.argmax())}"
+        errors.append(float((got.float() - hidden[len(prompt) + n - 2]).abs().max()))
+    assert (max(errors) > 1e-3) == sabotaged, errors

@@ -91,3 +91,22 @@ def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, lis
     assert isinstance(hits, float | int) and hits > 0, "the scenario must hit the prefix cache"
     assert want["a"].outputs[0].finish_reason == "stop" and "c" not in want  # c is aborted before its end
     return path, arrivals, aborts, prompts, want
+
+
+def plain_scenario_run(ckpts: CheckpointCache, path: str) -> dict[str, RequestOutput]:
+    """The scenario on ``path`` run synchronously without speculation: it must preempt, hit the prefix cache,
+    abort "c", and give the reference's greedy tokens (all but the sampled "d")."""
+    from hyserve.testing.engine import assert_matches_reference
+
+    arrivals, aborts, prompts = scenario(path)
+    engine = scenario_engine(path, "plain")
+    want = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    metrics = engine.get_metrics()
+    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
+    assert "c" not in want  # aborted
+    ref = ckpts.reference(path)
+    for rid, out in want.items():
+        if rid != "d":  # sampled
+            assert_matches_reference(ref, prompts[rid], out)
+    return want

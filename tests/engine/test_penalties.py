@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,7 +22,6 @@ from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.layers import logits_processors
 from hyserve.request import Request
-from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.speculative.proposer import Proposer
 from hyserve.testing.engine import GREEDY_TOL, LOGPROB_TOL, SlotRecorder, drive, make_llm, toks
 from hyserve.testing.families import CheckpointCache
@@ -200,35 +200,10 @@ def spec_kwargs(method: str) -> dict[str, object]:
                                    "prompt_lookup_max": 3}}
 
 
-def plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
-    """After every step, each running request's drafts become its true continuation but for the last one (MTP
-    heads of the tiny checkpoints are random): drafts are accepted and rejected, and accepted drafts are seen by
-    the verify positions after them. Drafts on the device (``PREVIOUS_DRAFT``) are planted in ``draft_slots``."""
-    update = engine.scheduler.update_from_output
-    verifier = engine.runner.verifier
-
-    def plant(so, ro, sink):  # type: ignore[no-untyped-def]
-        ran = update(so, ro, sink)
-        for req in engine.scheduler.running:
-            drafts = req.draft_token_ids
-            if not drafts:
-                continue
-            cont = want[req.request_id][req.num_output_tokens:][: len(drafts)]
-            cont = [*cont[:-1], (cont[-1] + 1) % 50] if len(cont) == len(drafts) and len(cont) > 1 else cont
-            if PREVIOUS_DRAFT in drafts:
-                assert verifier is not None and verifier.draft_slots is not None
-                verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
-            elif cont:
-                req.draft_token_ids = cont
-        return ran
-
-    engine.scheduler.update_from_output = plant  # type: ignore[method-assign]
-
-
 @pytest.mark.parametrize("mode", ["eager", "async_graphs"])
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
-def test_speculation_gives_the_plain_tokens(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch, method: str,
-                                            mode: str) -> None:
+def test_speculation_gives_the_plain_tokens(plant_drafts: Callable, ckpts: CheckpointCache,
+                                            monkeypatch: pytest.MonkeyPatch, method: str, mode: str) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     want = plain_adjusted(path)
     monkeypatch.setattr(cuda_graphs, "EMULATE", mode == "async_graphs")
@@ -250,7 +225,7 @@ def test_speculation_gives_the_plain_tokens(ckpts: CheckpointCache, monkeypatch:
     llm.llm_engine.assert_no_leaks()
 
 
-def test_speculation_with_preemption_gives_the_plain_tokens(ckpts: CheckpointCache) -> None:
+def test_speculation_with_preemption_gives_the_plain_tokens(plant_drafts: Callable, ckpts: CheckpointCache) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     want = plain_adjusted(path)
     llm = make_llm(path, block_size=16, num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32,
@@ -287,7 +262,7 @@ def test_parallel_ranks_give_the_plain_tokens(ckpts: CheckpointCache, layout: st
         llm.shutdown()
 
 
-def test_verify_positions_not_seeing_their_drafts_is_caught(ckpts: CheckpointCache,
+def test_verify_positions_not_seeing_their_drafts_is_caught(plant_drafts: Callable, ckpts: CheckpointCache,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     want = plain_adjusted(path)
@@ -384,7 +359,7 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_mtp_with_graphs_and_async_scheduling(ckpts: CheckpointCache) -> None:
+def test_gpu_mtp_with_graphs_and_async_scheduling(plant_drafts: Callable, ckpts: CheckpointCache) -> None:
     """On CUDA: MTP under async scheduling with captured graphs (rows behind rows in flight, whole verify steps on
     the device, pinned copies) gives the eager engine's tokens, and both are the adjusted reference's."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)

@@ -8,7 +8,8 @@ transformers' ``Qwen3_5MoeForCausalLM`` (float32, teacher-forced), on tiny check
   reference's greedy tokens, and async scheduling, n-gram and MTP (k = 2, the MTP layer's own MoE) speculation and
   the emulated CUDA graphs give the plain synchronous run's outputs (planted MTP drafts are accepted);
 * the MTP head's drafts and output (its own MoE block) match a head built from transformers' modules
-  (``reference_mtp``), both layouts, and a head routing to one expert instead of three is caught;
+  (``hyserve.testing.qwen3_5_moe.reference_mtp``), both layouts, and a head routing to one expert instead of three
+  is caught;
 * the conditional form with images (one, several, none; a prefix-cache hit past an image) matches transformers'
   ``Qwen3_5MoeForConditionalGeneration``, and served (images, MTP, prefix caching) to the openai client as offline;
 * pipeline parallel over three uneven stages with MTP and async scheduling matches the reference;
@@ -29,6 +30,7 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,13 +47,17 @@ from hyserve.layers.moe import SparseMoeBlock
 from hyserve.model.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeMTPHead
 from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
 from hyserve.model.registry import load_model_config
-from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.images import tiny_png
-from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, load_moe_vlm_reference_model, write_tiny_moe_vlm_checkpoint
+from hyserve.testing.qwen3_5_moe import (
+    QWEN3_5_MOE,
+    check_mtp_drafts,
+    load_moe_vlm_reference_model,
+    write_tiny_moe_vlm_checkpoint,
+)
 from hyserve.testing.qwen3_5_vlm import reference_vlm_greedy, reference_vlm_inputs, reference_vlm_logits
-from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
+from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
 from hyserve.worker import cuda_graphs
 
 FAMILY = QWEN3_5_MOE.name
@@ -88,26 +94,14 @@ def _scenario_path(ckpts: CheckpointCache) -> str:
 @pytest.fixture(scope="module")
 def plain_run(ckpts: CheckpointCache) -> dict:
     """The scenario run synchronously without speculation: it preempts and hits, and matches the reference."""
-    path = _scenario_path(ckpts)
-    arrivals, aborts, prompts = scenario(path)
-    engine = scenario_engine(path, "plain")
-    want = drive(engine, arrivals, aborts)
-    engine.assert_no_leaks()
-    metrics = engine.get_metrics()
-    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
-    assert "c" not in want  # aborted
-    ref = ckpts.reference(path)
-    for rid, out in want.items():
-        if rid != "d":  # sampled
-            assert_matches_reference(ref, prompts[rid], out)
-    return want
+    return plain_scenario_run(ckpts, _scenario_path(ckpts))
 
 
 @pytest.mark.parametrize("spec,async_scheduling,graphs", [
     ("plain", False, False), ("plain", True, True), ("ngram", True, False), ("mtp", False, True), ("mtp", True, False),
 ])
 def test_features_compose_with_moe(ckpts: CheckpointCache, plain_run: dict, monkeypatch: pytest.MonkeyPatch,
-                                   spec: str, async_scheduling: bool, graphs: bool) -> None:
+                                   plant_drafts: Callable, spec: str, async_scheduling: bool, graphs: bool) -> None:
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
     path = _scenario_path(ckpts)
     arrivals, aborts, _ = scenario(path)
@@ -129,31 +123,6 @@ def test_features_compose_with_moe(ckpts: CheckpointCache, plain_run: dict, monk
         assert metrics["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
     if spec == "mtp":
         assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0  # type: ignore[operator]
-
-
-def plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
-    """After every step each running request's MTP drafts become its known continuation, the last one made wrong
-    (the tiny heads are random and would never be accepted): drafts are accepted and rejected. Drafts kept on the
-    device (``PREVIOUS_DRAFT``, async scheduling) are planted in the verifier's ``draft_slots``."""
-    update = engine.scheduler.update_from_output
-    verifier = engine.runner.verifier
-
-    def plant(so, ro, sink):  # type: ignore[no-untyped-def]
-        ran = update(so, ro, sink)
-        for req in engine.scheduler.running:
-            drafts = req.draft_token_ids
-            if not drafts or req.request_id not in want:
-                continue
-            cont = want[req.request_id][req.num_output_tokens:][: len(drafts)]
-            cont = [*cont[:-1], (cont[-1] + 1) % 50] if len(cont) == len(drafts) and len(cont) > 1 else cont
-            if PREVIOUS_DRAFT in drafts:
-                assert verifier is not None and verifier.draft_slots is not None
-                verifier.draft_slots[req.state_slot, : len(cont)] = torch.tensor(cont)
-            elif cont:
-                req.draft_token_ids = cont
-        return ran
-
-    engine.scheduler.update_from_output = plant  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
@@ -347,81 +316,20 @@ def test_images_in_the_conditional_form_match_transformers(tmp_path: Path) -> No
             assert abs(out.outputs[0].logprobs[j][tok].logprob - float(logp[j, tok])) < 3e-3  # type: ignore[index]
 
 
-@torch.no_grad()
-def reference_mtp(path: str, ref: Reference, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MTP head's output (post-norm) and logits at every position i < len - 1 (predicting token i + 2),
-    built from transformers' own modules: ``fc([pre_fc_norm_embedding(embed(t[i+1])), pre_fc_norm_hidden(h_i)])``
-    (``h``: the target's post-final-norm hidden states), then a one-layer ``Qwen3_5MoeTextModel`` (full
-    attention, the MoE block) holding ``mtp.layers.0.*`` with ``mtp.norm`` as its final norm, then lm_head."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm, Qwen3_5MoeTextModel
-
-    tensors = {n.removeprefix("mtp."): t for n, t in load_file(os.path.join(path, "model.safetensors")).items()
-               if n.startswith("mtp.")}
-    if any(".experts.0." in n for n in tensors):
-        from hyserve.testing.qwen3_5_moe import stack_experts
-
-        tensors = stack_experts(tensors)
-    cfg = Qwen3_5MoeTextConfig(**{**ref.config.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
-    mtp = Qwen3_5MoeTextModel(cfg).float().eval()
-    state = {n: t for n, t in tensors.items() if n.startswith(("layers.", "norm."))}
-    state["embed_tokens.weight"] = ref.model.embed_tokens.weight
-    mtp.load_state_dict(state, strict=True)
-    h = cfg.hidden_size
-    norm_e, norm_h = Qwen3_5MoeRMSNorm(h, cfg.rms_norm_eps), Qwen3_5MoeRMSNorm(h, cfg.rms_norm_eps)
-    norm_e.weight.copy_(tensors["pre_fc_norm_embedding.weight"])
-    norm_h.weight.copy_(tensors["pre_fc_norm_hidden.weight"])
-    ids = torch.tensor([tokens])
-    hidden = ref.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-    emb = ref.model.embed_tokens(ids[0, 1:])
-    x = torch.nn.functional.linear(torch.cat([norm_e(emb), norm_h(hidden)], dim=-1), tensors["fc.weight"])
-    out = mtp(inputs_embeds=x[None], use_cache=False).last_hidden_state[0]
-    return out, ref.lm_head(out).float()
-
-
 @pytest.mark.parametrize("layout,sabotage", [("fused", False), ("per_expert", False), ("fused", True)])
 def test_the_mtp_heads_moe_drafts_match_a_transformers_built_head(ckpts: CheckpointCache, layout: str,
                                                                   sabotage: bool) -> None:
     """MTP k = 1, one request: every draft is the argmax of the reference head's logits at its position; with the
     head's MoE block routing each token to its first choice only (sabotage) the drafts are not."""
-    from hyserve.testing.speculative import record_drafts
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm, Qwen3_5MoeTextModel
 
     path = ckpts.get("causal", "attn_first", family=FAMILY, layout=layout, num_experts_per_tok=3, with_mtp=True)
-    ref = ckpts.reference(path)
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     if sabotage:
         block = llm.llm_engine.runner.mtp.layers[0].mlp  # type: ignore[union-attr]
         assert isinstance(block, SparseMoeBlock) and block.renormalize
         block.top_k = 1
-    seen = record_drafts(llm.llm_engine)
-    prompt = random_prompts(1, [19], seed=11)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    out = drive(llm.llm_engine, {0: [("r", prompt, params)]})["r"].outputs[0].token_ids
-    hidden, logits = reference_mtp(path, ref, prompt + out)
-    assert llm.get_metrics()["hyserve:spec_decode_num_accepted_tokens"] == 0  # a random head: one token a step
-    # The n-th recorded draft came after the n-th step, when the request had n outputs: it predicts output n from
-    # position len(prompt) + n - 2. A draft after every step but the last two (one token left, then done).
-    assert len(seen["r"]) == len(out) - 2
-    errors = []
-    for n, (drafts, got) in enumerate(seen["r"], start=1):
-        row = logits[len(prompt) + n - 2]
-        assert sabotage or float(row.max() - row[drafts[0]]) <= 2e-3, f"draft {n}: {drafts[0]} vs {int(row.argmax())}"
-        errors.append(float((got.float() - hidden[len(prompt) + n - 2]).abs().max()))
-    assert (max(errors) > 1e-3) == sabotage, errors
-
-
-def test_the_static_expert_path_equals_the_sorted_one() -> None:
-    """The capturable path (every expert over every token) and the batched-by-expert one agree, k = 1..3."""
-    torch.manual_seed(0)
-    experts = moe.Experts(6, 16, 8)
-    with torch.no_grad():
-        experts.gate_up_proj.normal_()
-        experts.down_proj.normal_()
-    x = torch.randn(11, 16)
-    for k in (1, 2, 3):
-        weights, chosen = moe.route(torch.randn(11, 6), k, True)
-        torch.testing.assert_close(experts.forward_static(x, weights, chosen), experts(x, weights, chosen))
-    weights, chosen = moe.route(torch.randn(0, 6), 2, True)  # an empty step
-    assert experts(x[:0], weights, chosen).shape == (0, 16)
+    check_mtp_drafts(llm, path, ckpts.reference(path), Qwen3_5MoeTextModel, Qwen3_5MoeRMSNorm, sabotage)
 
 
 @pytest.mark.parametrize("form", ["causal", "conditional"])
@@ -499,3 +407,33 @@ def test_dummy_weights_from_config_json_alone_with_tp_and_mtp(ckpts: CheckpointC
         outs.append([o.outputs[0].token_ids for o in got])
         llm.llm_engine.shutdown()
     assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", [None, "mtp"])
+def test_cuda_graphs_with_the_fused_experts_match_eager_and_transformers(ckpts: CheckpointCache,
+                                                                          spec: str | None) -> None:
+    """On the GPU (float32): the fused expert kernels inside captured CUDA graphs, with prefix caching, chunked
+    prefill, staggered arrivals, and MTP under async scheduling, equal the eager run and the reference."""
+    path = _scenario_path(ckpts)
+    ref = ckpts.reference(path)
+    prompts = random_prompts(7, [9, 30, 3, 17, 25, 5, 12], seed=81)
+    prompts[3] = prompts[1][:20] + prompts[3]  # a shared prefix
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    kw: dict[str, object] = dict(device="cuda", max_num_batched_tokens=32, max_num_seqs=6, num_state_slots=6,
+                                 num_kv_blocks=128, enable_prefix_caching=True)
+    if spec is not None:
+        kw["speculative_config"] = {"method": spec, "num_speculative_tokens": 3}
+    eager = make_llm(path, enforce_eager=True, **kw)
+    graphed = make_llm(path, async_scheduling=spec == "mtp", **kw)
+    graphs = graphed.llm_engine.runner.graphs
+    assert graphs is not None and all(s.graphs for s in graphs.sets.values()), "nothing was captured"
+    arrivals = {3 * i: [(f"r{i}", p, params)] for i, p in enumerate(prompts)}
+    want = drive(eager.llm_engine, arrivals)
+    got = drive(graphed.llm_engine, arrivals)
+    replayed = {n: s.num_replays for n, s in graphs.sets.items()}
+    assert all(replayed[n] > 0 for n in (("verify", "mtp") if spec else ("decode",))), replayed
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
+        assert_matches_reference(ref, p, got[f"r{i}"])
+    graphed.llm_engine.assert_no_leaks()

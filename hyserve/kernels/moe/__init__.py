@@ -1,0 +1,240 @@
+"""The routed experts' sum of a mixture-of-experts block: ``y = sum_j w_j expert_{e_j}(x)`` over each token's ``k``
+choices, ``expert(x) = down(silu(gate(x)) * up(x))`` (semantics: :mod:`hyserve.kernels.moe.reference`).
+
+On CUDA, three steps and no host synchronization (so a CUDA graph can capture them):
+
+1. :func:`align_pairs` sorts the ``T k`` (token, choice) pairs by expert and pads each expert's run to a multiple of
+   ``BLOCK_M``, so that every block of rows belongs to one expert (two launches, shapes fixed by ``T``);
+2. ``_moe_gate_up_kernel`` computes ``silu(x W_gate^T) * (x W_up^T)`` for each block's rows (one launch);
+3. ``_moe_down_kernel`` multiplies by ``W2``, scales each pair by its routing weight and writes it to the pair's row;
+   the ``k`` rows of a token are then summed (float32).
+
+Up to ``DIRECT_MAX_TOKENS`` tokens (decode) step 1 is skipped: each pair gets its own programs, which read its expert
+from the routing.
+
+bf16/fp16 experts and FP8 W8A8 experts (``ExpertScales``: channel scales with per-token activations, or block scales
+with per-token groups as wide as a block; the activations quantized by :func:`hyserve.kernels.fp8.quantize_rows`).
+Tile sizes come from a tuned table per (experts, widths, dtype, card) stored beside this file (``configs/``,
+written by ``benchmarks/moe_tune.py``), else from :func:`default_config`. Elsewhere the reference runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from hyserve.kernels.moe.reference import ExpertScales, dequantize_experts, fused_experts_ref, quantize_dequantize
+from hyserve.utils import next_pow2
+
+__all__ = ["ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "config_path", "default_config",
+           "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs", "quantize_dequantize",
+           "select_config"]
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
+# (no sorting launches; a token's k experts are distinct, so at one token each is read once); above, the sorted order.
+DIRECT_MAX_TOKENS = 8
+
+
+class MoeConfig(NamedTuple):
+    """One GEMM's tiles: rows (pairs) per block, output columns and K per program, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class MoePlan(NamedTuple):
+    gate_up: MoeConfig
+    down: MoeConfig
+
+
+def default_config(num_tokens: int, block_k: int | None = None) -> MoePlan:
+    """Tiles when no tuned table covers the shape: 16-row blocks while most experts see a few pairs (decode), 64 for
+    prefill. ``block_k`` fixed for block-scaled weights (it must divide the scale block)."""
+    bk = min(block_k or 128, 128)
+    if num_tokens <= 64:
+        cfg = MoeConfig(16, 64, bk, 4, 4)
+        return MoePlan(cfg, cfg)
+    return MoePlan(MoeConfig(64, 64, min(bk, 64), 4, 3), MoeConfig(64, 128, min(bk, 64), 8, 3))
+
+
+def config_path(num_experts: int, hidden: int, intermediate: int, dtype: str, device_name: str) -> Path:
+    """The tuned table's file for one expert shape (this rank's experts and intermediate width) on one card."""
+    card = device_name.replace(" ", "_")
+    return CONFIG_DIR / f"E={num_experts},H={hidden},I={intermediate},dtype={dtype},device={card}.json"
+
+
+@functools.cache
+def load_configs(path: Path) -> dict[int, MoePlan]:
+    """``{tokens: plan}`` from a tuned table (``{"16": {"gate_up": [bm, bn, bk, warps, stages], "down": [...]}}``);
+    empty when there is none."""
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    return {int(m): MoePlan(MoeConfig(*v["gate_up"]), MoeConfig(*v["down"])) for m, v in raw["configs"].items()}
+
+
+def _dtype_name(w: torch.Tensor, scales: ExpertScales | None) -> str:
+    if scales is None:
+        return str(w.dtype).removeprefix("torch.")
+    return "fp8_channel" if scales.block is None else f"fp8_block{scales.block[0]}x{scales.block[1]}"
+
+
+def select_config(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> MoePlan:
+    """The tuned plan of the nearest tuned token count (at or above ``num_tokens`` if any), else the default."""
+    block_k = scales.block[1] if scales is not None and scales.block is not None else None
+    if w13.is_cuda:
+        path = config_path(w13.shape[0], w13.shape[2], w2.shape[2], _dtype_name(w13, scales),
+                           torch.cuda.get_device_name(w13.device))
+        table = load_configs(path)
+        if table:
+            above = [m for m in table if m >= num_tokens]
+            return table[min(above) if above else max(table)]
+    return default_config(num_tokens, block_k)
+
+
+def max_padded_pairs(num_pairs: int, num_local: int, block_m: int) -> int:
+    """Rows the padded order may need: each of at most ``min(E, T k)`` experts with pairs pads fewer than
+    ``block_m`` rows; rounded up to whole blocks."""
+    rows = num_pairs + min(num_local, num_pairs) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def align_pairs(topk_ids: torch.Tensor, num_local: int, expert_start: int,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_pairs, block_expert)`` (see :func:`align_pairs_ref`): on CUDA (and under the interpreter) two
+    Triton launches, the runs' lengths and blocks in one program, the pairs placed by the next; else the torch
+    formulation. Within a run the pairs' order may differ between the two (no output depends on it)."""
+    if not topk_ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return align_pairs_ref(topk_ids, num_local, expert_start, block_m)
+    from hyserve.kernels.moe._triton import _moe_align_kernel, _moe_scatter_kernel
+
+    num_pairs = topk_ids.numel()
+    rows = max_padded_pairs(num_pairs, num_local, block_m)
+    ids = topk_ids.reshape(-1)
+    e_pad = next_pow2(max(num_local, 2))
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+    _moe_align_kernel[(1,)](ids, cursor, sorted_pairs, block_expert, num_pairs, rows, expert_start, num_local,
+                            BLOCK_M=block_m, E_PAD=e_pad, BLOCK=1024, BLOCK_B=max(1, 16384 // e_pad))
+    _moe_scatter_kernel[(-(-num_pairs // 1024),)](ids, cursor, sorted_pairs, num_pairs, expert_start, num_local,
+                                                  BLOCK=1024)
+    return sorted_pairs, block_expert
+
+
+def align_pairs_ref(topk_ids: torch.Tensor, num_local: int, expert_start: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_pairs, block_expert)``: the pairs (``token * k + choice``) in expert order, each expert's run
+    padded with ``T k`` (no pair) to a multiple of ``block_m``; and each block's local expert id (-1: past the
+    last run). Pairs of experts outside ``[expert_start, expert_start + num_local)`` are left out (expert
+    parallelism). Shapes depend on ``T`` alone, and no value goes to the host."""
+    num_pairs = topk_ids.numel()
+    dev = topk_ids.device
+    rows = max_padded_pairs(num_pairs, num_local, block_m)
+    local = topk_ids.reshape(-1).long() - expert_start
+    bucket = torch.where((local >= 0) & (local < num_local), local, num_local)  # foreign pairs: one last bucket
+    counts = torch.zeros(num_local + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
+    run_end = torch.cumsum(padded, 0)
+    run_start = torch.cat([run_end.new_zeros(1), run_end[:-1], run_end.new_full((1,), rows)])  # foreign: dump row
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    first = torch.cumsum(counts, 0) - counts  # each bucket's first index in ``order``
+    rank = torch.arange(num_pairs, device=dev) - first[sorted_bucket]
+    pos = torch.where(sorted_bucket < num_local, run_start[sorted_bucket] + rank, rows)
+    sorted_pairs = torch.full((rows + 1,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, pos, order.to(torch.int32))
+    block_start = torch.arange(0, rows, block_m, device=dev)
+    block_expert = torch.searchsorted(run_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_local, block_expert, -1).to(torch.int32)
+    return sorted_pairs[:rows], block_expert
+
+
+def _gemm_input(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The activation a GEMM reads: as is, or FP8 with its per-token (group) scales."""
+    if scales is None:
+        return x, None
+    from hyserve.kernels.fp8 import quantize_rows
+
+    return quantize_rows(x, group=None if scales.block is None else scales.block[1])
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, expert_start: int = 0, scales: ExpertScales | None = None,
+                  plan: MoePlan | None = None, num_experts: int | None = None) -> torch.Tensor:
+    """The routed sum [T, H] in ``x.dtype`` (see the module docstring and :func:`fused_experts_ref`): ``x`` [T, H];
+    ``w13`` [E_local, 2I, H]; ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids`` [T, k] with global
+    expert ids; ``scales`` for FP8 experts; ``num_experts`` the global count when the weights hold a part of them
+    (expert parallel). CPU tensors take the reference unless the Triton interpreter is on."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, scales)
+    from hyserve.kernels.moe._triton import _moe_down_kernel, _moe_gate_up_kernel
+
+    t, k = topk_ids.shape
+    num_local, hidden, inter = w13.shape[0], w13.shape[2], w2.shape[2]
+    if t == 0:
+        return torch.zeros_like(x)
+    plan = plan or select_config(t, w13, w2, scales)
+    block = scales.block if scales is not None else None
+    quant = 0 if scales is None else (1 if block is None else 2)
+    gn, gk = block if block is not None else (1, 1)
+    for cfg in plan:
+        if quant == 2 and gk % cfg.block_k:
+            raise ValueError(f"block FP8 experts: BLOCK_K {cfg.block_k} must divide the scale block {gk}")
+    if plan.gate_up.block_m != plan.down.block_m:
+        raise ValueError(f"the two GEMMs walk the same padded order: block_m {plan.gate_up.block_m} != "
+                         f"{plan.down.block_m}")
+    bm = plan.gate_up.block_m
+    ids = topk_ids.contiguous()
+    direct = t <= DIRECT_MAX_TOKENS
+    if direct:  # one pair per program: nothing to sort
+        sorted_pairs = block_expert = ids
+        rows, grid_m = t * k, t * k
+    else:
+        sorted_pairs, block_expert = align_pairs(ids, num_local, expert_start, bm)
+        rows = sorted_pairs.shape[0]
+        grid_m = rows // bm
+    upcast = not x.is_cuda
+    precision = "ieee" if x.dtype == torch.float32 and quant == 0 else "tf32"
+    xa, xs = _gemm_input(x.contiguous(), scales)
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    s13 = scales.w13 if scales is not None else w13  # unread without FP8
+    xs_ = xs if xs is not None else x
+    c = plan.gate_up
+    _moe_gate_up_kernel[(grid_m, -(-inter // c.block_n))](
+        xa, w13, act, xs_, s13, sorted_pairs, block_expert, ids, t * k, k, hidden, inter, expert_start, num_local,
+        xa.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        xs_.stride(0), xs_.stride(1) if xs is not None and xs.dim() > 1 else 0,
+        s13.stride(0), s13.stride(1), s13.stride(2) if quant == 2 else 0,
+        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision, DIRECT=direct,
+        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    aa, as_ = _gemm_input(act, scales)
+    as_ = as_ if as_ is not None else act
+    # Pairs routed to another rank's experts are never written (expert parallel): zeros for them.
+    alloc = torch.empty if num_experts in (None, num_local) else torch.zeros
+    pair_out = alloc(t * k, hidden, dtype=x.dtype, device=x.device)
+    s2 = scales.w2 if scales is not None else w2
+    c = plan.down
+    _moe_down_kernel[(grid_m, -(-hidden // c.block_n))](
+        aa, w2, pair_out, as_, s2, sorted_pairs, block_expert, ids, topk_weights.reshape(-1).float().contiguous(),
+        t * k, hidden, inter, expert_start, num_local,
+        aa.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), pair_out.stride(0),
+        as_.stride(0), as_.stride(1) if quant == 2 else 0,
+        s2.stride(0), s2.stride(1), s2.stride(2) if quant == 2 else 0,
+        QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision, DIRECT=direct,
+        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return pair_out.view(t, k, hidden).sum(dim=1)  # one launch: bf16 sums accumulate in float32

@@ -1,0 +1,193 @@
+"""Triton kernels for :mod:`hyserve.kernels.moe` (imported lazily: only the CUDA path and interpreter tests need them).
+
+Both GEMMs walk the (token, choice) pairs sorted by expert and padded so that each ``BLOCK_M`` rows belong to one
+expert (``sorted_pairs``, ``block_expert``: -1 for the blocks past the last expert's pairs, which return at once).
+A program computes one ``BLOCK_M x BLOCK_N`` output tile of one expert, so a block's weights are read once for all of
+its rows. ``DIRECT`` (a few tokens, decode): no sorted order; program ``m`` computes pair ``m`` alone, its expert read
+from ``topk_ids``: at batch-1 decode each chosen expert's weights are read once, and nothing is launched to sort.
+
+* ``_moe_gate_up_kernel``: ``act = silu(x W_gate^T) * (x W_up^T)``: the gate and up tiles of the same columns in two
+  accumulators, the activation applied in float32, one [P, I] store; row ``p`` of ``act`` is padded position ``p``.
+* ``_moe_down_kernel``: ``out[pair] = w_pair * (act W2^T)`` for each padded position's pair.
+
+FP8 (``QUANT``): 1, channel-scaled weights and per-token activation scales, applied to the accumulator once;
+2, block-scaled weights (``GROUP_N x GROUP_K`` blocks) and per-token, ``GROUP_K``-wide activation groups, applied to
+each ``BLOCK_K`` slice's partial product (``BLOCK_K`` divides ``GROUP_K``). ``PRECISION``: ``"ieee"`` for float32
+experts (no TF32 rounding: a float32 model on CUDA matches its CPU reference), else the default. ``UPCAST``: the
+interpreter multiplies float32 copies of the FP8 tiles (it has no FP8 dot).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_moe_down_kernel", "_moe_gate_up_kernel"]
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr,
+    num_pairs, top_k, H, INTER, expert_start, num_local,
+    sxm, swe, swn, swk, sam, sxsm, sxsk, swse, swsn, swsk,
+    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if DIRECT:  # program pid_m computes pair pid_m alone (row 0 of its tile); act row = pair
+        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
+        if (e < 0) | (e >= num_local):
+            return
+        offs_m = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        pair = offs_m
+        row_ok = tl.arange(0, BLOCK_M) == 0
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < num_pairs
+    tok = (pair // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * sxm + offs_k[None, :]
+    w_e = w_ptr + e * swe
+    g_ptrs = w_e + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] * swk
+    u_ptrs = g_ptrs + INTER * swn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        if QUANT == 2:
+            kb = k0 // GROUP_K
+            a_s = tl.load(xs_ptr + tok * sxsm + kb * sxsk, mask=row_ok, other=0.0)
+            g_s = tl.load(ws_ptr + e * swse + (offs_n // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
+            u_s = tl.load(ws_ptr + e * swse + ((offs_n + INTER) // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
+            acc_g += tl.dot(a, bg) * a_s[:, None] * g_s[None, :]
+            acc_u += tl.dot(a, bu) * a_s[:, None] * u_s[None, :]
+        else:
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * swk
+        u_ptrs += BLOCK_K * swk
+    if QUANT == 1:
+        a_s = tl.load(xs_ptr + tok * sxsm, mask=row_ok, other=0.0)
+        g_s = tl.load(ws_ptr + e * swse + offs_n * swsn, mask=n_ok, other=0.0)
+        u_s = tl.load(ws_ptr + e * swse + (offs_n + INTER) * swsn, mask=n_ok, other=0.0)
+        acc_g = acc_g * a_s[:, None] * g_s[None, :]
+        acc_u = acc_u * a_s[:, None] * u_s[None, :]
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * sam + offs_n[None, :]
+    tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, topk_w_ptr,
+    num_pairs, N, K, expert_start, num_local,
+    sam, swe, swn, swk, som, sasm, sask, swse, swsn, swsk,
+    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if DIRECT:
+        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
+        if (e < 0) | (e >= num_local):
+            return
+        offs_m = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        pair = offs_m
+        row_ok = tl.arange(0, BLOCK_M) == 0
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < num_pairs
+    rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * sam + offs_k[None, :]
+    b_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] * swk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if QUANT == 2:
+            kb = k0 // GROUP_K
+            a_s = tl.load(as_ptr + rows * sasm + kb * sask, mask=row_ok, other=0.0)
+            b_s = tl.load(ws_ptr + e * swse + (offs_n // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * swk
+    if QUANT == 1:
+        a_s = tl.load(as_ptr + rows * sasm, mask=row_ok, other=0.0)
+        b_s = tl.load(ws_ptr + e * swse + offs_n * swsn, mask=n_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
+    acc = acc * w[:, None]
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_pairs, rows, expert_start, num_local,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """One program: each local expert's pair count (foreign and out-of-range lanes are counted into bin 0, then taken
+    out), its run padded to whole ``BLOCK_M`` blocks, the runs' starts into ``cursor`` (where ``_moe_scatter_kernel``
+    places the pairs), the padded order filled with ``num_pairs`` (no pair), and each block's expert (-1 past the
+    last run)."""
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    stray = 0
+    for lo in range(0, num_pairs, BLOCK):
+        offs = lo + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32) - expert_start
+        ok = (offs < num_pairs) & (e >= 0) & (e < num_local)
+        counts += tl.histogram(tl.where(ok, e, 0), E_PAD)
+        stray += tl.sum((~ok).to(tl.int32), axis=0)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.where(experts == 0, counts - stray, counts)
+    padded = tl.where(experts < num_local, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    run_end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + experts, run_end - padded)
+    total = tl.sum(padded, axis=0)
+    for lo in range(0, rows, BLOCK):
+        offs = lo + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + offs, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=offs < rows)
+    for lo in range(0, rows // BLOCK_M, BLOCK_B):
+        b = lo + tl.arange(0, BLOCK_B)
+        start = b * BLOCK_M
+        ended = (run_end[None, :] <= start[:, None]) & (experts[None, :] < num_local)
+        e = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(start < total, e, -1), mask=b < rows // BLOCK_M)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, expert_start, num_local, BLOCK: tl.constexpr):
+    """Each local pair takes the next place of its expert's run (an atomic on the run's cursor: the order within a
+    run is arbitrary, which no output depends on: each row of a tile is computed on its own)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32) - expert_start
+    ok = (offs < num_pairs) & (e >= 0) & (e < num_local)
+    slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)

@@ -1,0 +1,86 @@
+"""Plain-torch references of :mod:`hyserve.kernels.moe` (the CPU path and the yardstick of the Triton kernels).
+
+They define the semantics of the routed experts' sum for one token ``x`` and its ``k`` choices ``(w_j, e_j)``::
+
+    a_j = silu(x W13_gate[e_j]^T) * (x W13_up[e_j]^T)      float32 accumulation, stored in x.dtype
+    y   = sum_j w_j * (a_j W2[e_j]^T)                       each term rounded to x.dtype, the sum in float32
+
+With FP8 experts (``ExpertScales``) the weights are dequantized (``w = w_fp8 * scale``, per output channel or per
+block) and the activations quantized the way :mod:`hyserve.kernels.fp8` does it: per token for channel-scaled
+weights, per token and ``bk``-wide group of K for block-scaled ones; ``x`` before the first GEMM, ``a_j`` before the
+second. Expert parallelism: only the choices of experts ``[expert_start, expert_start + E_local)`` count (the
+others are another rank's), and the weights hold those experts alone.
+
+The computation is batched by expert: the (token, choice) pairs are sorted by expert and each expert that received
+pairs runs one GEMM over all of them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F
+
+from hyserve.kernels.fp8.reference import dequantize_block_weight, quantize_per_token, quantize_per_token_group
+
+__all__ = ["ExpertScales", "dequantize_experts", "fused_experts_ref", "quantize_dequantize"]
+
+
+class ExpertScales(NamedTuple):
+    """FP8 experts' scales: ``w13`` [E, 2I] and ``w2`` [E, H] per output channel (``block`` None), or per
+    ``block = (bn, bk)`` block, [E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int] | None = None
+
+
+def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 [E, N, K] weights of FP8 experts."""
+    if block is None:
+        return weight.float() * scale.float().unsqueeze(-1)
+    return torch.stack([dequantize_block_weight(w, s, block) for w, s in zip(weight, scale, strict=True)])
+
+
+def quantize_dequantize(x: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 activations as the FP8 GEMM sees them: per token, or per token and ``bk``-wide group."""
+    if block is None:
+        q, s = quantize_per_token(x)
+        return q.float() * s
+    q, s = quantize_per_token_group(x, block[1])
+    return q.float() * s.repeat_interleave(block[1], dim=1)[:, : x.shape[1]]
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, expert_start: int = 0,
+                      scales: ExpertScales | None = None) -> torch.Tensor:
+    """``x`` [T, H]; ``w13`` [E_local, 2I, H]; ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids``
+    (global expert ids) [T, k]. Returns the routed sum [T, H] in ``x.dtype``."""
+    t, k = topk_ids.shape
+    num_local, inter = w13.shape[0], w2.shape[2]
+    local = topk_ids.reshape(-1).long() - expert_start
+    mine = ((local >= 0) & (local < num_local)).nonzero().squeeze(1)
+    order = mine[torch.argsort(local[mine], stable=True)]
+    counts = torch.bincount(local[order], minlength=num_local).tolist()
+    token = order // k
+    xs = x[token].float()
+    if scales is not None:
+        xs = quantize_dequantize(xs, scales.block)
+    pair_out = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        seg = slice(start, start + c)
+        start += c
+        up_w, down_w = (w13[e].float(), w2[e].float()) if scales is None else (
+            dequantize_experts(w13[e : e + 1], scales.w13[e : e + 1], scales.block)[0],
+            dequantize_experts(w2[e : e + 1], scales.w2[e : e + 1], scales.block)[0])
+        gate, up = F.linear(xs[seg], up_w).split(inter, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype).float()
+        if scales is not None:
+            act = quantize_dequantize(act, scales.block)
+        pairs = order[seg]
+        pair_out[pairs] = (F.linear(act, down_w) * topk_weights.reshape(-1)[pairs].float().unsqueeze(-1)).to(x.dtype)
+    return pair_out.view(t, k, x.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)

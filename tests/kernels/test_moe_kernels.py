@@ -1,0 +1,312 @@
+"""Tests for hyserve.kernels.moe (the routed experts' sum).
+
+* The reference (the CPU path) against a token-by-token loop written here: bf16, float32, expert parallel (a slice
+  of the experts), FP8 channel- and block-scaled experts.
+* ``align_pairs`` (the torch formulation; the Triton one under the interpreter) as properties over random
+  routings: each block holds one expert's pairs, every local pair appears once, foreign pairs (expert parallel)
+  none; at decode each chosen expert gets exactly one block (its weights are read once).
+* The Triton kernels under the interpreter (``TRITON_INTERPRET=1``) in one subprocess against the reference, both
+  orders (sorted by expert; one pair per program up to ``DIRECT_MAX_TOKENS`` tokens), with a sabotaged alignment
+  (runs not padded to whole blocks) that the comparison must catch.
+* On CUDA: the kernels against the reference in bf16 and FP8, and replayed from a CUDA graph with new routings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from hyserve.kernels import moe
+from hyserve.kernels.fp8.reference import FP8_DTYPE, FP8_MAX, quantize_per_token, quantize_per_token_group
+from hyserve.kernels.moe import ExpertScales, MoeConfig, MoePlan, fused_experts, fused_experts_ref
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_problem(t: int, k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int,
+                 expert_start: int = 0, num_local: int | None = None, fp8: str | None = None,
+                 device: str = "cpu") -> tuple[Any, ...]:
+    """``(x, w13, w2, weights, ids, scales)``: a routing over all ``num_experts`` and the weights of
+    ``[expert_start, expert_start + num_local)``."""
+    g = torch.Generator().manual_seed(seed)
+    nl = num_local or num_experts
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    w13 = torch.randn(nl, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(nl, hidden, inter, generator=g) / inter**0.5
+    scales = None
+    if fp8 == "channel":
+        s13, s2 = w13.abs().amax(-1) / FP8_MAX, w2.abs().amax(-1) / FP8_MAX
+        w13, w2 = (w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE)
+        scales = ExpertScales(s13, s2, None)
+    elif fp8 == "block":
+        s13 = torch.rand(nl, -(-2 * inter // 128), -(-hidden // 128), generator=g).add(0.5) / 100 / hidden**0.5
+        s2 = torch.rand(nl, -(-hidden // 128), -(-inter // 128), generator=g).add(0.5) / 100 / inter**0.5
+        w13 = (torch.randn(w13.shape, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
+        w2 = (torch.randn(w2.shape, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
+        scales = ExpertScales(s13, s2, (128, 128))
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    weights, ids = torch.softmax(torch.randn(t, num_experts, generator=g), -1).topk(k, -1)
+    if device != "cpu":
+        scales = None if scales is None else ExpertScales(scales.w13.to(device), scales.w2.to(device), scales.block)
+    return (x.to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device), scales)
+
+
+def _dequant(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """One expert's float32 weight, block scales expanded element by element."""
+    if block is None:
+        return w.float() * s.float()[:, None]
+    rows = torch.arange(w.shape[0]) // block[0]
+    cols = torch.arange(w.shape[1]) // block[1]
+    return w.float() * s.float()[rows[:, None], cols[None, :]]
+
+
+def _as_gemm_sees(v: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    if block is None:
+        q, s = quantize_per_token(v[None])
+        return (q.float() * s)[0]
+    q, s = quantize_per_token_group(v[None], block[1])
+    return (q.float() * s.repeat_interleave(block[1], 1)[:, : v.numel()])[0]
+
+
+def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               expert_start: int, scales: ExpertScales | None) -> torch.Tensor:
+    """The routed sum one token and one choice at a time."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - expert_start
+            if not 0 <= e < w13.shape[0]:
+                continue
+            xt = x[t].float()
+            up_w, down_w = w13[e].float(), w2[e].float()
+            if scales is not None:
+                xt = _as_gemm_sees(xt, scales.block)
+                up_w = _dequant(w13[e], scales.w13[e], scales.block)
+                down_w = _dequant(w2[e], scales.w2[e], scales.block)
+            h = up_w @ xt
+            a = (F.silu(h[:inter]) * h[inter:]).to(x.dtype).float()
+            if scales is not None:
+                a = _as_gemm_sees(a, scales.block)
+            out[t] += ((down_w @ a) * weights[t, j]).to(x.dtype).float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("case", [
+    dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.float32),
+    dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.bfloat16),
+    dict(t=7, k=2, num_experts=8, hidden=32, inter=16, dtype=torch.float32, expert_start=3, num_local=3),
+    dict(t=5, k=2, num_experts=4, hidden=64, inter=48, dtype=torch.bfloat16, fp8="channel"),
+    dict(t=5, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
+])  # fmt: skip
+def test_reference_equals_a_token_by_token_loop(case: dict) -> None:
+    x, w13, w2, weights, ids, scales = make_problem(seed=1, **case)
+    got = fused_experts_ref(x, w13, w2, weights, ids, case.get("expert_start", 0), scales)
+    want = token_loop(x, w13, w2, weights, ids, case.get("expert_start", 0), scales)
+    tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert got.abs().max() > 0.05
+
+
+def test_an_empty_step_and_no_local_choice() -> None:
+    x, w13, w2, weights, ids, _ = make_problem(4, 2, 8, 16, 8, torch.float32, 0, expert_start=6, num_local=2)
+    assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0], 6).shape == (0, 16)
+    ids = ids % 6  # every choice another rank's
+    assert torch.equal(fused_experts_ref(x, w13, w2, weights, ids, 6), torch.zeros_like(x))
+
+
+def alignment_errors(ids: torch.Tensor, start: int, num_local: int, block_m: int, sorted_pairs: torch.Tensor,
+                     block_expert: torch.Tensor) -> list[str]:
+    """What is wrong with an alignment: each block holds one expert's pairs (or none, past the runs), every local
+    pair appears once and no foreign one, the runs in expert order; at one token, one block per chosen expert."""
+    t, k = ids.shape
+    errors = []
+    if sorted_pairs.numel() != block_expert.numel() * block_m:
+        errors.append(f"{sorted_pairs.numel()} rows for {block_expert.numel()} blocks of {block_m}")
+    flat = ids.reshape(-1) - start
+    local = sorted(p for p in range(t * k) if 0 <= int(flat[p]) < num_local)
+    seen = sorted(int(p) for p in sorted_pairs if int(p) != t * k)
+    if seen != local:
+        errors.append(f"pairs placed {seen}, local pairs {local}")
+    used = 0
+    for b, e in enumerate(block_expert.tolist()):
+        pairs = [int(p) for p in sorted_pairs[b * block_m : (b + 1) * block_m] if int(p) != t * k]
+        if e < 0:
+            if pairs:
+                errors.append(f"block {b} past the runs holds {pairs}")
+            continue
+        used += 1
+        if not pairs or any(int(flat[p]) != e for p in pairs):
+            errors.append(f"block {b} of expert {e} holds {pairs}")
+    if block_expert.tolist() != sorted(block_expert.tolist(), key=lambda e: (e < 0, e)):
+        errors.append(f"runs out of order: {block_expert.tolist()}")
+    if t == 1 and block_m >= k and used != len(local):
+        errors.append(f"{used} blocks for {len(local)} chosen experts at one token")
+    return errors
+
+
+def random_routing(t: int, k: int, num_experts: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(t)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(1, 40), k=st.integers(1, 4), num_experts=st.integers(4, 24), block_m=st.sampled_from([1, 4, 16]),
+       split=st.booleans(), seed=st.integers(0, 2**16))
+def test_align_pairs_makes_whole_blocks_of_one_expert(t: int, k: int, num_experts: int, block_m: int, split: bool,
+                                                      seed: int) -> None:
+    ids = random_routing(t, k, num_experts, seed)
+    start, num_local = (num_experts // 3, num_experts // 2) if split else (0, num_experts)
+    assert not alignment_errors(ids, start, num_local, block_m, *moe.align_pairs_ref(ids, num_local, start, block_m))
+
+
+ALIGN_CASES = {"decode": (1, 8, 64, 0, 64, 16), "mixed": (37, 3, 10, 0, 10, 16), "split": (40, 4, 24, 8, 12, 4),
+               "one_local": (9, 2, 8, 5, 1, 16), "many_chunks": (300, 4, 48, 0, 48, 64)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The Triton kernels under the interpreter
+# --------------------------------------------------------------------------------------------------------------------
+
+INTERP_CASES: dict[str, dict[str, Any]] = {
+    "decode_f32": dict(t=1, k=4, num_experts=8, hidden=64, inter=32, dtype=torch.float32),
+    "prefill_odd_widths_f32": dict(t=37, k=3, num_experts=8, hidden=200, inter=48, dtype=torch.float32),
+    "prefill_bf16": dict(t=37, k=3, num_experts=8, hidden=200, inter=48, dtype=torch.bfloat16),
+    "expert_parallel_f32": dict(t=20, k=2, num_experts=8, hidden=64, inter=32, dtype=torch.float32, expert_start=2,
+                                num_local=3),
+    "expert_parallel_direct_f32": dict(t=4, k=3, num_experts=8, hidden=64, inter=32, dtype=torch.float32,
+                                       expert_start=2, num_local=3),
+    "fp8_block_direct": dict(t=3, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
+    "fp8_channel": dict(t=5, k=2, num_experts=4, hidden=256, inter=128, dtype=torch.bfloat16, fp8="channel"),
+    "fp8_block": dict(t=70, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
+}
+PLANS = {"decode": MoePlan(MoeConfig(16, 32, 32, 4, 2), MoeConfig(16, 32, 32, 4, 2)),
+         "prefill": MoePlan(MoeConfig(32, 64, 64, 4, 2), MoeConfig(32, 64, 32, 4, 2))}
+
+
+def _interp_case(case: dict[str, Any], plan: MoePlan | None) -> tuple[bool, str]:
+    x, w13, w2, weights, ids, scales = make_problem(seed=2, **case)
+    start = case.get("expert_start", 0)
+    got = fused_experts(x, w13, w2, weights, ids, start, scales, plan, num_experts=case["num_experts"])
+    want = fused_experts_ref(x, w13, w2, weights, ids, start, scales)
+    tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
+    err = float((got.float() - want.float()).abs().max())
+    return bool(err <= tol * max(1.0, float(want.float().abs().max()))), f"err {err:.3g}"
+
+
+def run_interpreter_checks() -> dict[str, list[Any]]:
+    from tests.kernels.test_kernels import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    for name, case in INTERP_CASES.items():
+        for pname, plan in [("default", None), *PLANS.items()]:
+            if case.get("fp8") == "block" and pname == "prefill":
+                plan = PLANS["decode"]  # BLOCK_K divides the scale block
+            try:
+                res[f"{name}/{pname}"] = list(_interp_case(case, plan))
+            except Exception as exc:  # reported, not raised
+                res[f"{name}/{pname}"] = [False, repr(exc)]
+    for name, (t, k, ne, start, nl, bm) in ALIGN_CASES.items():
+        ids = random_routing(t, k, ne, 5)
+        errors = alignment_errors(ids, start, nl, bm, *moe.align_pairs(ids, nl, start, bm))
+        res[f"align/{name}"] = [not errors, "; ".join(errors)[:500]]
+    # Sabotage: runs not padded to whole blocks (a block then mixes experts) must be caught.
+    real = moe.align_pairs
+    moe.align_pairs = lambda ids, nl, start, bm: _unpadded(real, ids, nl, start, bm)
+    ok, msg = _interp_case(INTERP_CASES["prefill_odd_widths_f32"], PLANS["prefill"])
+    moe.align_pairs = real
+    res["unpadded_runs_caught"] = [not ok, msg]
+    return res
+
+
+def _unpadded(real: Any, ids: torch.Tensor, nl: int, start: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs in expert order without padding, each block labelled with its first pair's expert."""
+    pairs, _ = real(ids, nl, start, 1)
+    pairs = pairs[pairs < ids.numel()]
+    rows = -(-ids.numel() // bm) * bm + nl * (bm - 1)
+    rows = -(-rows // bm) * bm
+    out = torch.full((rows,), ids.numel(), dtype=torch.int32)
+    out[: pairs.numel()] = pairs
+    first = (ids.reshape(-1)[pairs[::bm].long()] - start).to(torch.int32)
+    experts = torch.full((rows // bm,), -1, dtype=torch.int32)
+    experts[: first.numel()] = first
+    return out, experts
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+INTERP_NAMES = [f"{c}/{p}" for c in INTERP_CASES for p in ("default", *PLANS)] + ["unpadded_runs_caught"]
+INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES]
+
+
+@pytest.mark.parametrize("name", INTERP_NAMES)
+def test_triton_kernels_under_the_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CUDA
+# --------------------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("fp8", [None, "channel", "block"])
+@pytest.mark.parametrize("t", [1, 8, 64, 300])
+def test_cuda_kernels_match_the_reference(fp8: str | None, t: int) -> None:
+    case = dict(t=t, k=8, num_experts=64, hidden=512, inter=256, dtype=torch.bfloat16, fp8=fp8)
+    x, w13, w2, weights, ids, scales = make_problem(seed=3, device="cuda", **case)
+    got = fused_experts(x, w13, w2, weights, ids, 0, scales)
+    cpu = [v.cpu() if isinstance(v, torch.Tensor) else v for v in (x, w13, w2, weights, ids)]
+    cs = None if scales is None else ExpertScales(scales.w13.cpu(), scales.w2.cpu(), scales.block)
+    want = fused_experts_ref(*cpu, 0, cs)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@cuda
+def test_cuda_graph_replays_new_routings() -> None:
+    x, w13, w2, weights, ids, _ = make_problem(16, 8, 64, 512, 256, torch.bfloat16, 4, device="cuda")
+    fused_experts(x, w13, w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = fused_experts(x, w13, w2, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(3):
+        _, _, _, w_new, ids_new, _ = make_problem(16, 8, 64, 512, 256, torch.bfloat16, 10 + seed, device="cuda")
+        weights.copy_(w_new)
+        ids.copy_(ids_new)
+        graph.replay()
+        want = fused_experts_ref(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+        torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
+    print("RESULTS " + json.dumps(run_interpreter_checks()))
