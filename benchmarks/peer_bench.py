@@ -297,8 +297,11 @@ class Engine:
             kw.pop("cpu_cache_memory_bytes", None)
             if log_stats_off is not None:
                 kw["disable_log_stats"] = log_stats_off
-            self.llm = LLM(model=model, dtype=dtype, limit_mm_per_prompt={"image": 0, "video": 0, **(images or {})},
-                           **kw)
+            # Images per prompt (none unless a measure sends some): a VLM-form checkpoint's; vLLM refuses the field
+            # for a text-only model (Qwen3-Next)
+            if "vision_config" in _read_json(os.path.join(model, "config.json")):
+                kw["limit_mm_per_prompt"] = {"image": 0, "video": 0, **(images or {})}
+            self.llm = LLM(model=model, dtype=dtype, **kw)
             self.version = vllm.__version__
         self.start_s = time.perf_counter() - t0
         self.SamplingParams = SamplingParams

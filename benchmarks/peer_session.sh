@@ -105,8 +105,8 @@ vlm_2b_check() {  # the real-tower 2B (written first if missing) in bf16 with im
 }
 p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1; }
 
-# Issue 31's MoE shapes: config.json alone in the VLM form (toy vision tower, processor files), weights made at load
-# by both engines (--load-format dummy); decode at batch 1/8/32/64 after prompts of 512, prefill 32 x 2048, and the
+# Issue 31's MoE shapes: config.json alone (35B-A3B in the VLM form with a toy vision tower and the processor files,
+# Next-80B as Qwen3NextForCausalLM, text only), weights made at load by both engines (--load-format dummy); decode at batch 1/8/32/64 after prompts of 512, prefill 32 x 2048, and the
 # batch-1 bound over the weights a token reads (its top-k experts). Each phase keeps under 560 s of wall time: a run
 # gets what is left of it, and one that finished leaves a mark in /tmp/moe_done (the machine's /tmp lasts while it
 # is warm), so calling the phase again goes on with the runs not done yet. Names after the phase run those alone
@@ -386,7 +386,7 @@ case "${1:?phase}" in
     moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8 200
     moe_run hyserve /tmp/m80_fp8 next80b_fp8 300
     ;;
-  moe-vllm)  # vLLM in its default mode on the same directories (load_format dummy, the VLM form, no images); its
+  moe-vllm)  # vLLM in its default mode on the same directories (load_format dummy, no images); its
              # first process compiles for minutes, so this phase may take two or three calls
     moe_shapes
     VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")

@@ -146,11 +146,6 @@ class CausalLM(nn.Module):
         """The widest per-token activation of a forward (elements), for estimating graph memory."""
         raise NotImplementedError
 
-    def routing_reserve(self, num_tokens: int, dtype: torch.dtype) -> int:
-        """Activation bytes a step of ``num_tokens`` tokens may take beyond what the profile measured because they
-        depend on the data (a mixture-of-experts layer's routing); 0 for a model whose steps do not."""
-        return 0
-
     def attention_layers(self) -> list[KVCacheLayer]:
         return [m for m in self.modules() if isinstance(m, KVCacheLayer)]
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hyserve.layers.moe import Experts, SparseMoeBlock
+from hyserve.layers.moe import SparseMoeBlock
 from hyserve.model.mtp import MTPHead, load_mtp_weights
 from hyserve.model.qwen3_5 import DecoderLayer, Qwen3_5ForCausalLM
 from hyserve.model.qwen3_5_config import Qwen3_5Config
@@ -34,15 +34,6 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         cfg = qwen3_5_moe_config(self.config)
         moe = cfg.num_experts_per_tok * max(2 * cfg.moe_intermediate_size, cfg.hidden_size)
         return max(super().activation_width(), moe, cfg.num_experts, 2 * cfg.shared_expert_intermediate_size)
-
-    def routing_reserve(self, num_tokens: int, dtype: torch.dtype) -> int:
-        """The profiled step routes random tokens, spread over the experts; a real one may send all of them to one
-        expert, whose temporaries (gate and up rows, their product, the down rows: ``3 I + H`` per token, ``I`` this
-        rank's share of its width) then take up to this much more."""
-        experts = next((m for m in self.modules() if isinstance(m, Experts)), None)
-        if experts is None:  # a pipeline stage without decoder layers
-            return 0
-        return num_tokens * (3 * experts.intermediate + experts.hidden) * dtype.itemsize
 
 
 class Qwen3_5MoeMTPHead(MTPHead):

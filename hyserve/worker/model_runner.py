@@ -191,7 +191,7 @@ class ModelRunner:
         shape = ProfileShape(self.max_num_batched_tokens, self.max_num_seqs, self.block_size, self.is_first_stage,
                              self.is_last_stage, self.config.model, self.mm.encoder_cache_tokens)
         peak = profile_peak_activation(self.model, self.model_config, self.cache_specs, shape, self.device,
-                                       self.dtype) + self.model.routing_reserve(self.max_num_batched_tokens, self.dtype)
+                                       self.dtype)
         sizes = self._graph_sizes()
         graphs = graph_memory_estimate(sizes, self._graph_logit_rows(sizes), self.num_speculative_tokens,
                                        self.model_config.vocab_size, self.model.activation_width(), self.dtype)

@@ -1,5 +1,5 @@
-"""Issue 31's benchmark preparation on the CPU: the MoE shapes ``shapes.py`` writes config-only (Qwen3.5-35B-A3B and
-Qwen3-Next-80B-A3B's shape, bf16 and Qwen's block FP8, in the VLM form vLLM needs) parse with hyserve's own parsers
+"""Issue 31's benchmark preparation on the CPU: the MoE shapes ``shapes.py`` writes config-only (Qwen3.5-35B-A3B in the
+VLM form vLLM needs, Qwen3-Next-80B-A3B as its own config; bf16 and Qwen's block FP8) parse with hyserve's own parsers
 and give the published sizes, and ``peer_bench.py``'s batch-1 bound counts the weights a token reads (attention,
 GDN, router, shared expert, its top-k experts, the LM head) by hand on tiny configs, from config.json and from
 checkpoints in both expert layouts; ``peer_bench.py measure`` runs hyserve on a config-only MoE shape (dummy
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from hyserve.layers.quantization import parse_quantization_config
-from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config
+from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config, qwen3_5_moe_config
+from hyserve.model.qwen3_next_config import parse_qwen3_next_config
 from hyserve.model.registry import load_model_config
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE
@@ -33,24 +34,33 @@ SESSION = Path(__file__).parents[2] / "benchmarks" / "peer_session.sh"
 
 @pytest.mark.parametrize("name,fp8", [("35b-a3b", False), ("35b-a3b", True), ("next-80b", False), ("next-80b", True)])
 def test_the_moe_shapes_parse_with_hyserves_parsers(tmp_path: Path, name: str, fp8: bool) -> None:
+    """35B-A3B in the VLM form (Qwen3.5-MoE, its processor files beside it), Next-80B as Qwen3-Next's own text-only
+    config; both the published sizes, and in FP8 the bf16 layers of Qwen's releases named in the checkpoint's form."""
     shapes.write_moe_config(str(tmp_path), name, fp8=fp8)
     raw = json.loads((tmp_path / "config.json").read_text())
-    for f in ("config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
-        assert (tmp_path / f).is_file()
-    assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "vision_config" in raw
+    next_ = name == "next-80b"
     cfg = load_model_config(str(tmp_path))  # the registry's parser, and the quantization_config's
-    assert dataclasses.replace(cfg, quantization=None) == parse_qwen3_5_moe_config(raw)
     assert cfg.quantization == parse_quantization_config(raw, cfg.architecture)
+    if next_:
+        assert raw["architectures"] == ["Qwen3NextForCausalLM"] and "vision_config" not in raw
+        assert dataclasses.replace(cfg, quantization=None) == parse_qwen3_next_config(raw)
+        assert cfg.multimodal is None
+    else:
+        for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
+            assert (tmp_path / f).is_file()
+        assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "vision_config" in raw
+        assert dataclasses.replace(cfg, quantization=None) == parse_qwen3_5_moe_config(raw)
+        assert cfg.multimodal is not None and cfg.multimodal.image_token_id < cfg.vocab_size
+    moe = qwen3_5_moe_config(cfg)
     want = shapes.MOE_SHAPES[name]
     for key in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                 "vocab_size"):
-        assert getattr(cfg, key) == want[key], key
+        assert getattr(moe, key) == want[key], key
     assert cfg.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * (cfg.num_hidden_layers // 4)
-    assert cfg.mtp_num_hidden_layers == 1 and not cfg.tie_word_embeddings and cfg.multimodal is not None
-    assert cfg.multimodal.image_token_id < cfg.vocab_size
-    billions = cfg.num_parameters() / 1e9
+    assert cfg.mtp_num_hidden_layers == 1 and not cfg.tie_word_embeddings
+    billions = moe.num_parameters() / 1e9
     assert 34 < billions < 36 if name == "35b-a3b" else 79 < billions < 81
     quant = cfg.quantization
     assert (quant is not None) == fp8
@@ -58,17 +68,18 @@ def test_the_moe_shapes_parse_with_hyserves_parsers(tmp_path: Path, name: str, f
         return
     qc = raw["quantization_config"]
     assert (qc["quant_method"], qc["weight_block_size"], qc["activation_scheme"]) == ("fp8", [128, 128], "dynamic")
-    kept = ["lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
-            "model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b", "mtp.layers.0.mlp.gate",
-            "mtp.layers.0.mlp.shared_expert_gate"]
-    converted = ["model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.out_proj",
-                 "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.o_proj",
-                 "model.layers.5.mlp.shared_expert.down_proj", "model.layers.5.mlp.experts", "mtp.fc"]
+    gdn_kept = ["in_proj_ba"] if next_ else ["in_proj_a", "in_proj_b"]
+    kept = ["lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate", "mtp.layers.0.mlp.gate",
+            "mtp.layers.0.mlp.shared_expert_gate", *(f"model.layers.0.linear_attn.{m}" for m in gdn_kept)]
+    gdn_converted = ["in_proj_qkvz"] if next_ else ["in_proj_qkv", "in_proj_z"]
+    converted = ["model.layers.0.linear_attn.out_proj", "model.layers.3.self_attn.q_proj",
+                 "model.layers.3.self_attn.o_proj", "model.layers.5.mlp.shared_expert.down_proj",
+                 "model.layers.5.mlp.experts", "mtp.fc", *(f"model.layers.0.linear_attn.{m}" for m in gdn_converted)]
     assert not any(quant.linear_method(n).quantized for n in kept)
     assert all(quant.linear_method(n).quantized for n in converted)
-    # The vision tower, named as the checkpoint names it (vLLM builds it with the checkpoint's quantization; hyserve
-    # keeps it unquantized whatever the config says).
-    assert {"model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2"} <= set(qc["modules_to_not_convert"])
+    if not next_:  # the vision tower, named as the checkpoint names it (vLLM builds it with the checkpoint's
+        # quantization; hyserve keeps it unquantized whatever the config says)
+        assert {"model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2"} <= set(qc["modules_to_not_convert"])
 
 
 def hand_step_bytes(c: dict[str, Any], elem: int = 2, fp8: bool = False) -> int:
