@@ -22,7 +22,8 @@
 #   bash benchmarks/peer_session.sh images-check   # gpu_check.py --images-only: the tiny VLM on CUDA against transformers
 #   bash benchmarks/peer_session.sh vlm-2b-check   # gpu_check.py --vlm-2b: the real-tower 2B VLM in bf16 against transformers fp32
 #   bash benchmarks/peer_session.sh image-checks   # images-check, then vlm-2b-check
-#   bash benchmarks/peer_session.sh moe-check   # issue 31: the MoE kernel tests and moe_kernel_bench.py (where present)
+#   bash benchmarks/peer_session.sh moe-check [tune]   # issue 31: the MoE kernel tests and moe_kernel_bench.py bench
+#                                                      # (and tune, with the time left)
 #   bash benchmarks/peer_session.sh moe         # hyserve: 35B-A3B bf16 and FP8, Next-80B FP8 (dummy weights)
 #   bash benchmarks/peer_session.sh moe-vllm    # vLLM (default mode): the same; call again to go on where it stopped
 #   bash benchmarks/peer_session.sh moe-vllm 35b_a3b_fp8 next80b_fp8   # those runs alone (also for moe)
@@ -371,11 +372,16 @@ case "${1:?phase}" in
     else
         echo "tests/kernels/test_moe_kernels.py is not in this tree"
     fi
-    if [ -f benchmarks/moe_kernel_bench.py ]; then
-        args=()
-        python3 benchmarks/moe_kernel_bench.py --help 2>/dev/null | grep -q -- '--out' && args=(--out "$OUT/moe_kernel_bench.json")
-        timeout "$(within 540 10)" python3 benchmarks/moe_kernel_bench.py "${args[@]}" > "$OUT/moe_kernel_bench.log" 2>&1
+    if [ -f benchmarks/moe_kernel_bench.py ]; then  # one layer's routed experts at both shapes, every dtype
+        timeout "$(within 400 10)" python3 benchmarks/moe_kernel_bench.py bench --shapes 35b-a3b next-80b \
+            --out "$OUT/moe_kernels.json" > "$OUT/moe_kernel_bench.log" 2>&1
         echo "moe_kernel_bench rc $? ($(date +%T))"; tail -15 "$OUT/moe_kernel_bench.log"
+        if [[ " $MOE_ONLY " == *" tune "* ]] && [ "$(within 600 10)" -gt 120 ]; then  # `moe-check tune`: the tile
+            # tables too, with the time left (copy them into the repository)
+            timeout "$(within 600 10)" python3 benchmarks/moe_kernel_bench.py tune --out "$OUT/moe_configs" \
+                > "$OUT/moe_kernel_tune.log" 2>&1
+            echo "moe_kernel_bench tune rc $? ($(date +%T))"; tail -3 "$OUT/moe_kernel_tune.log"
+        fi
     else
         echo "benchmarks/moe_kernel_bench.py is not in this tree"
     fi
