@@ -24,7 +24,9 @@ Qwen3-VL processor finds the image placeholder through the tokenizer, so image r
   ``batch * (N - 1) / (t(N) - t(1))`` with fresh prompts for each timing (no prefix-cache hit);
 - ``bound``: the batch-1 weights-bandwidth bound measured in the same process: the device's copy bandwidth
   (read + write) over the bytes of weights a decode step reads (every text-model tensor and the LM head, not the
-  input embedding table unless it is the tied LM head; with ``--load-format dummy``, on a ``write --no-weights``
+  input embedding table unless it is the tied LM head; of a MoE layer's routed experts only the top-k a token
+  reads, ``step_bytes``: attention, GDN, router, shared expert and k experts per layer; with ``--load-format
+  dummy``, on a ``write --no-weights`` or ``shapes.py --config-only``
   model whose weights both engines make at load, counted from config.json);
 - ``prefill``: 32 fresh prompts of 2048 tokens, one output token, after a warm-up of the same shape;
 - ``agent``: (``agent_mtp_*`` with ``--speculative-config``) a closed-loop agent trace (8 conversations x 4
@@ -52,6 +54,7 @@ with both figures and the ratio, the card, versions and the git commit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -294,8 +297,11 @@ class Engine:
             kw.pop("cpu_cache_memory_bytes", None)
             if log_stats_off is not None:
                 kw["disable_log_stats"] = log_stats_off
-            self.llm = LLM(model=model, dtype=dtype, limit_mm_per_prompt={"image": 0, "video": 0, **(images or {})},
-                           **kw)
+            # Images per prompt (none unless a measure sends some): a VLM-form checkpoint's; vLLM refuses the field
+            # for a text-only model (Qwen3-Next)
+            if "vision_config" in _read_json(os.path.join(model, "config.json")):
+                kw["limit_mm_per_prompt"] = {"image": 0, "video": 0, **(images or {})}
+            self.llm = LLM(model=model, dtype=dtype, **kw)
             self.version = vllm.__version__
         self.start_s = time.perf_counter() - t0
         self.SamplingParams = SamplingParams
@@ -376,10 +382,38 @@ def measure_decode(eng: Engine, prompts: Prompts, batches: list[int], n: int, pr
     return out
 
 
+# A mixture-of-experts layer's routed experts (fused ``mlp.experts.gate_up_proj``, or ``mlp.experts.{e}.*``): a token
+# reads num_experts_per_tok of num_experts of them.
+EXPERTS = ".mlp.experts."
+
+
+def moe_active_share(model: str) -> float:
+    """``num_experts_per_tok / num_experts`` of a MoE checkpoint's config.json (the share of each layer's routed
+    experts one token reads), 1.0 for a dense one."""
+    cfg = _read_json(os.path.join(model, "config.json"))
+    text = cfg.get("text_config") or cfg
+    experts, top_k = text.get("num_experts"), text.get("num_experts_per_tok")
+    return int(top_k) / int(experts) if experts and top_k else 1.0
+
+
+def step_bytes(tensors: list[tuple[str, int]], tied: bool, share: float) -> int:
+    """Bytes one batch-1 decode step reads of ``tensors`` (name, bytes): every text-model tensor and the LM head, the
+    input embedding only as the tied LM head, not the vision tower or the MTP layer, and of the routed experts the
+    ``share`` a token routes to (``moe_active_share``: a layer's experts are equal in size, so top-k of E reads k / E
+    of their bytes; the router, the shared expert and its gate are read whole)."""
+    total = 0.0
+    for name, nbytes in tensors:
+        if "visual" in name or name.startswith("mtp."):
+            continue
+        if name.endswith("embed_tokens.weight") and not tied:
+            continue
+        total += nbytes * share if EXPERTS in name else nbytes
+    return round(total)
+
+
 def weight_bytes_per_step(model: str, load_format: str = "auto") -> int:
-    """Bytes of the tensors a decode step reads: the text model and the LM head, not the input embedding (unless
-    it is the tied LM head), not the vision tower or the MTP layer. ``load_format`` dummy: counted from config.json
-    (``_config_weight_bytes``)."""
+    """Bytes of the tensors a batch-1 decode step reads (``step_bytes``: of a MoE layer's routed experts, the top-k).
+    ``load_format`` dummy: counted from config.json (``_config_weight_bytes``)."""
     from safetensors import safe_open
 
     from hyserve.model.loader import checkpoint_files
@@ -389,41 +423,71 @@ def weight_bytes_per_step(model: str, load_format: str = "auto") -> int:
     sizes = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
     cfg = _read_json(os.path.join(model, "config.json"))
     tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
-    total = 0
+    tensors: list[tuple[str, int]] = []
     for path in checkpoint_files(model):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if "visual" in name or name.startswith("mtp."):
-                    continue
-                if name.endswith("embed_tokens.weight") and not tied:
-                    continue
                 s = f.get_slice(name)
                 numel = 1
                 for d in s.get_shape():
                     numel *= d
-                total += numel * sizes.get(s.get_dtype(), 2)
-    return total
+                tensors.append((name, numel * sizes.get(s.get_dtype(), 2)))
+    return step_bytes(tensors, tied, moe_active_share(model))
 
 
 def _config_weight_bytes(model: str) -> int:
     """``weight_bytes_per_step`` of a checkpoint that config.json describes (none on disk): hyserve's text model built
-    on the meta device in bf16 (FP8 where its quantization_config quantizes), the same tensors counted."""
+    on the meta device in bf16 (FP8 where its quantization_config quantizes), the same tensors counted; a
+    quantized model hyserve cannot build yet (FP8 experts) is counted from its bf16 build (``_quantized_bytes``)."""
     import torch
 
     from hyserve.model import registry
     from hyserve.model.loader import checkpoint_tensors
 
     cfg = registry.load_model_config(model)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+
+    def build(c: Any) -> Any:
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("meta"):
+                return registry.model_class(c)(c)
+        finally:
+            torch.set_default_dtype(prev)
+
     try:
-        with torch.device("meta"):
-            text = registry.model_class(cfg)(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    return sum(t.numel() * t.element_size() for name, t in checkpoint_tensors(text).items()
-               if not name.startswith("visual.")
-               and not (name.endswith("embed_tokens.weight") and not cfg.tie_word_embeddings))
+        text = build(cfg)
+        tensors = [(name, t.numel() * t.element_size()) for name, t in checkpoint_tensors(text).items()]
+    except ValueError:
+        if cfg.quantization is None:
+            raise
+        tensors = _quantized_bytes(build(dataclasses.replace(cfg, quantization=None)), cfg.quantization)
+    return step_bytes(tensors, cfg.tie_word_embeddings, moe_active_share(model))
+
+
+def _quantized_bytes(text: Any, quant: Any) -> list[tuple[str, int]]:
+    """The checkpoint tensors of ``text`` (built unquantized) with the bytes ``quant`` gives them: each linear
+    projection it quantizes, and each layer's routed experts unless it leaves ``mlp.experts`` out, in FP8 (one
+    byte a weight) with float32 scales (one per ``weight_block_size`` block of each matrix, else one per row)."""
+    import math
+
+    from hyserve.layers.linear import LinearBase
+    from hyserve.model.loader import checkpoint_tensors
+
+    linear = {m.part_name(p) for m in text.modules() if isinstance(m, LinearBase) for p in m.parts}
+    block = getattr(getattr(quant, "scheme", None), "block", None)
+    out = []
+    for name, t in checkpoint_tensors(text).items():
+        module = name.rsplit(".", 1)[0]
+        is_weight = (name.endswith(".weight") and module in linear) or EXPERTS in name
+        if not (is_weight and quant.linear_method(module).quantized):
+            out.append((name, t.numel() * t.element_size()))
+            continue
+        *stack, rows, cols = t.shape
+        mats = math.prod(stack)
+        scales = math.ceil(rows / block[0]) * math.ceil(cols / block[1]) if block else rows
+        out.append((name, t.numel() + mats * scales * 4))
+    return out
 
 
 def copy_bandwidth() -> float:
@@ -862,6 +926,8 @@ def measure(args: argparse.Namespace) -> int:
                            "date": time.strftime("%Y-%m-%d"), "hyserve_commit": _git_commit(), "figures": {}}
     if args.engine == "vllm":
         res["vllm_gdn_prefill_backend"] = args.vllm_gdn_prefill_backend or "auto (FlashInfer on Hopper)"
+        res["vllm_mode"] = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" \
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
     fig = res["figures"]
     batches = [int(b) for b in args.batches.split(",")]
     errors = res["errors"] = {}
@@ -889,6 +955,8 @@ def measure(args: argparse.Namespace) -> int:
             wb = weight_bytes_per_step(args.model, args.load_format)
             bw = copy_bandwidth()
             fig.update(weight_bytes=wb, copy_bandwidth_bytes_s=bw, bound_bs1_tok_s=bw / wb)
+            if moe_active_share(args.model) < 1:  # the bound counts a token's top-k experts, not all of them
+                fig["moe_active_expert_share"] = moe_active_share(args.model)
             if "decode_bs1_tok_s" in fig:
                 fig["decode_bs1_share_of_bound"] = fig["decode_bs1_tok_s"] / fig["bound_bs1_tok_s"]
         if "prefill" in measures:

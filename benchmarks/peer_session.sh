@@ -22,14 +22,22 @@
 #   bash benchmarks/peer_session.sh images-check   # gpu_check.py --images-only: the tiny VLM on CUDA against transformers
 #   bash benchmarks/peer_session.sh vlm-2b-check   # gpu_check.py --vlm-2b: the real-tower 2B VLM in bf16 against transformers fp32
 #   bash benchmarks/peer_session.sh image-checks   # images-check, then vlm-2b-check
+#   bash benchmarks/peer_session.sh moe-check [tune]   # issue 31: the MoE kernel tests and moe_kernel_bench.py bench
+#                                                      # (and tune, with the time left)
+#   bash benchmarks/peer_session.sh moe         # hyserve: 35B-A3B bf16 and FP8, Next-80B FP8 (dummy weights)
+#   bash benchmarks/peer_session.sh moe-vllm    # vLLM (default mode): the same; call again to go on where it stopped
+#   bash benchmarks/peer_session.sh moe-vllm 35b_a3b_fp8 next80b_fp8   # those runs alone (also for moe)
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
 set -u
 OUT=${OUT:?}
+MOE_ONLY="${*:2}"  # moe / moe-vllm: the runs to make (all when empty)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 VLLM_ENV=(env PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0)
+# vLLM as its users run it (../shared/peer/README.md): the engine core in its own process (the variable unset)
+VLLM_DEFAULT_ENV=(env PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0)
 MTP3='{"method": "mtp", "num_speculative_tokens": 3}'
 PB=benchmarks/peer_bench.py
 
@@ -97,6 +105,42 @@ vlm_2b_check() {  # the real-tower 2B (written first if missing) in bf16 with im
     echo "gpu_check vlm-2b rc $? ($(date +%T))"; grep -E "^2B VLM|all_correctness_pass" "$OUT/gpu_check_vlm_2b.log"
 }
 p9b() { [ -d /tmp/p9b ] || python3 $PB write --shape 9b --out /tmp/p9b > "$OUT/write_9b.log" 2>&1; }
+
+# Issue 31's MoE shapes: config.json alone (35B-A3B in the VLM form with a toy vision tower and the processor files,
+# Next-80B as Qwen3NextForCausalLM, text only), weights made at load by both engines (--load-format dummy); decode at batch 1/8/32/64 after prompts of 512, prefill 32 x 2048, and the
+# batch-1 bound over the weights a token reads (its top-k experts). Each phase keeps under 560 s of wall time: a run
+# gets what is left of it, and one that finished leaves a mark in /tmp/moe_done (the machine's /tmp lasts while it
+# is warm), so calling the phase again goes on with the runs not done yet. Names after the phase run those alone
+# (`moe-vllm 35b_a3b_fp8 next80b_fp8` on a fresh machine).
+MOE_ARGS=(--measures decode,bound,prefill --load-format dummy --batches 1,8,32,64 --prefill-prompts 32 --prefill-len 2048)
+moe_shapes() {
+    local spec name dir flag
+    for spec in 35b-a3b:/tmp/m35 35b-a3b:/tmp/m35_fp8:--fp8 next-80b:/tmp/m80_fp8:--fp8; do
+        IFS=: read -r name dir flag <<< "$spec"
+        [ -f "$dir/config.json" ] || python3 benchmarks/shapes.py --shape "$name" --config-only --out "$dir" $flag \
+            >> "$OUT/write_moe.log" 2>&1 || { echo "writing $dir failed"; tail -3 "$OUT/write_moe.log"; }
+    done
+}
+within() {  # seconds for the next run: at most $1, and what is left of the phase's 555 s less $2 (0: no time)
+    local n=$(( 555 - SECONDS - ${2:-0} ))
+    [ "$n" -gt "$1" ] && n=$1
+    [ "$n" -gt 60 ] && echo "$n" || echo 0
+}
+moe_run() {  # moe_run ENGINE DIR NAME CAP: one MoE measure, once per warm machine, within the phase's time
+    local engine=$1 dir=$2 name=$3 cap=$4 limit
+    mkdir -p /tmp/moe_done
+    if [ -n "${MOE_ONLY:-}" ] && [[ " $MOE_ONLY " != *" $name "* ]]; then return 0; fi
+    if [ -f "/tmp/moe_done/${engine}_$name" ]; then echo "== $engine $name: done in an earlier call"; return 0; fi
+    limit=$(within "$cap" 5)
+    if [ "$limit" = 0 ]; then echo "== $engine $name: no time left in this call; run the phase again"; return 0; fi
+    local extra=()
+    # vLLM's GDN prefill: FlashInfer's where its JIT cache is here, else its Triton kernel (no 8-10 minute JIT;
+    # the results file says which)
+    [ "$engine" = vllm ] && ! vllm_warm && extra=(--vllm-gdn-prefill-backend triton)
+    measure "$engine" "$dir" "$name" "$limit" "${MOE_ARGS[@]}" "${extra[@]}"
+    grep -q '"decode_bs1_tok_s"' "$OUT/${engine}_$name.json" 2>/dev/null && touch "/tmp/moe_done/${engine}_$name"
+    return 0
+}
 
 check() {  # the correctness checks every speed change keeps, in the same device session as its figures
     python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/worker/test_cuda_graphs.py \
@@ -319,6 +363,42 @@ case "${1:?phase}" in
     timeout "$(left 5)" python3 benchmarks/fp8_check.py --bf16 /tmp/p9b --variant ct=/tmp/p9b_ct \
         --out "$OUT/fp8_check_9b.json" > "$OUT/fp8_check_9b.log" 2>&1
     echo "fp8_check 9b rc $?"; tail -2 "$OUT/fp8_check_9b.log"
+    ;;
+  moe-check)  # the MoE kernels on CUDA: their tests, then their benchmark (both where this tree has them)
+    if [ -f tests/kernels/test_moe_kernels.py ]; then
+        timeout "$(within 300)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernels.py \
+            > "$OUT/moe_kernel_tests.log" 2>&1
+        echo "moe kernel tests rc $? ($(date +%T))"; tail -3 "$OUT/moe_kernel_tests.log"
+    else
+        echo "tests/kernels/test_moe_kernels.py is not in this tree"
+    fi
+    if [ -f benchmarks/moe_kernel_bench.py ]; then  # one layer's routed experts at both shapes, every dtype
+        timeout "$(within 400 10)" python3 benchmarks/moe_kernel_bench.py bench --shapes 35b-a3b next-80b \
+            --out "$OUT/moe_kernels.json" > "$OUT/moe_kernel_bench.log" 2>&1
+        echo "moe_kernel_bench rc $? ($(date +%T))"; tail -15 "$OUT/moe_kernel_bench.log"
+        if [[ " $MOE_ONLY " == *" tune "* ]] && [ "$(within 600 10)" -gt 120 ]; then  # `moe-check tune`: the tile
+            # tables too, with the time left (copy them into the repository)
+            timeout "$(within 600 10)" python3 benchmarks/moe_kernel_bench.py tune --out "$OUT/moe_configs" \
+                > "$OUT/moe_kernel_tune.log" 2>&1
+            echo "moe_kernel_bench tune rc $? ($(date +%T))"; tail -3 "$OUT/moe_kernel_tune.log"
+        fi
+    else
+        echo "benchmarks/moe_kernel_bench.py is not in this tree"
+    fi
+    ;;
+  moe)  # hyserve on the MoE shapes: 35B-A3B in bf16 (64.6 GiB of weights) and block FP8, Next-80B's shape in FP8
+    moe_shapes
+    moe_run hyserve /tmp/m35 35b_a3b 240
+    moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8 200
+    moe_run hyserve /tmp/m80_fp8 next80b_fp8 300
+    ;;
+  moe-vllm)  # vLLM in its default mode on the same directories (load_format dummy, no images); its
+             # first process compiles for minutes, so this phase may take two or three calls
+    moe_shapes
+    VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
+    moe_run vllm /tmp/m35 35b_a3b 550
+    moe_run vllm /tmp/m35_fp8 35b_a3b_fp8 550
+    moe_run vllm /tmp/m80_fp8 next80b_fp8 550
     ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

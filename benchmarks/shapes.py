@@ -2,6 +2,8 @@
 
     python benchmarks/shapes.py --shape 2b --out /tmp/qwen35-2b-shape [--device cuda] [--mtp] [--init spread|stable]
 
+    python benchmarks/shapes.py --shape 35b-a3b --config-only [--fp8] --out /tmp/m35   # MoE: config only, VLM form
+
 ``--mtp`` adds one random multi-token-prediction layer (``mtp.*`` in a shard of its own, listed in the index;
 ``mtp_num_hidden_layers`` in config.json), as Qwen3.5 checkpoints carry it. ``--config-only`` writes config.json
 alone, for ``--load-format dummy`` (random weights made at load: shapes whose checkpoints do not fit on disk).
@@ -26,6 +28,135 @@ SHAPE_2B: dict[str, Any] = dict(
     linear_conv_kernel_dim=4, partial_rotary_factor=0.25, tie_word_embeddings=True, max_position_embeddings=32768,
 )
 SHAPES = {"2b": SHAPE_2B}
+
+# The mixture-of-experts shapes of issue 31, written config-only (``write_moe_config``) and served with
+# ``--load-format dummy``: Qwen3.5-35B-A3B as a Qwen3.5-MoE text config (``Qwen3_5MoeTextConfig``'s fields) in the VLM
+# form vLLM needs, Qwen3-Next-80B-A3B as its own text-only config.
+_QWEN35_ROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+# Qwen/Qwen3.5-35B-A3B's text model: 40 layers (3 Gated DeltaNet : 1 gated attention), 256 experts of 512, top 8, a
+# shared expert of 512, one MTP layer (config values as the release publishes them; docs/vlm_facts.md for the form).
+SHAPE_35B_A3B: dict[str, Any] = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, full_attention_interval=4,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    max_position_embeddings=262144, rope_parameters=_QWEN35_ROPE, mtp_num_hidden_layers=1,
+)
+# Qwen/Qwen3-Next-80B-A3B's config (Qwen3NextForCausalLM, text only: vLLM serves it without the VLM form): 48 layers
+# (3 GDN with fused in_proj_qkvz / in_proj_ba : 1 gated attention), 512 experts of 512, top 10, a shared expert of
+# 512 in every layer (decoder_sparse_step 1; intermediate_size, the dense MLP's width, unused), one MTP layer.
+SHAPE_NEXT_80B: dict[str, Any] = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+    vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, full_attention_interval=4,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=262144, rope_theta=10_000_000,
+    partial_rotary_factor=0.25, hidden_act="silu", attention_bias=False, num_nextn_predict_layers=1,
+    bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+)
+MOE_SHAPES = {"35b-a3b": SHAPE_35B_A3B, "next-80b": SHAPE_NEXT_80B}
+# The one-block vision tower the VLM form carries for text-only runs (peer_bench.py's ``toy``).
+TOY_VISION: dict[str, Any] = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2)
+# Block FP8 as Qwen's -FP8 releases write it (docs/fp8_facts.md sections 6-7): 128 x 128 weight blocks, dynamic
+# activations, and the modules kept in bf16 named one by one in the checkpoint's (VLM) names.
+FP8_BLOCK = [128, 128]
+
+
+def fp8_modules_to_not_convert(text: dict[str, Any], vision_depth: int, mtp: bool = True,
+                               prefix: str = "model.language_model") -> list[str]:
+    """What Qwen's FP8 releases leave in bf16: ``lm_head``, the embedding, every norm, each MoE block's router
+    (``mlp.gate``) and ``shared_expert_gate``, the GDN's ``in_proj_a`` / ``in_proj_b`` (``in_proj_ba``), ``conv1d``,
+    ``A_log`` and ``dt_bias``, and the vision tower; the MTP layer's router and gates too. Which of these the
+    releases list is not confirmed (docs/fp8_facts.md, open questions): the linear layers among them are what the
+    FP8 engines keep in bf16, the rest name no linear layer and change nothing."""
+    lm = prefix  # the text model's name in the checkpoint: "model" for a text-only one (Qwen3-Next)
+    out = ["lm_head", f"{lm}.embed_tokens", f"{lm}.norm"]
+    n = int(text["num_hidden_layers"])
+    interval = int(text.get("full_attention_interval", 4))
+    for i in range(n):
+        layer = f"{lm}.layers.{i}"
+        out += [f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", f"{layer}.mlp.gate",
+                f"{layer}.mlp.shared_expert_gate"]
+        if (i + 1) % interval == 0:
+            out += [f"{layer}.self_attn.q_norm", f"{layer}.self_attn.k_norm"]
+        else:
+            # in_proj_ba too: vLLM registers Qwen3.5's in_proj_b under that name (docs/fp8_facts.md section 7)
+            out += [f"{layer}.linear_attn.{m}" for m in ("in_proj_a", "in_proj_b", "in_proj_ba", "conv1d", "A_log",
+                                                          "dt_bias", "norm")]  # Qwen3-Next: in_proj_ba alone
+    if mtp:
+        out += ["mtp.norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden",
+                "mtp.layers.0.input_layernorm", "mtp.layers.0.post_attention_layernorm", "mtp.layers.0.mlp.gate",
+                "mtp.layers.0.mlp.shared_expert_gate", "mtp.layers.0.self_attn.q_norm",
+                "mtp.layers.0.self_attn.k_norm"]
+    if not vision_depth:
+        return out
+    out += ["model.visual.patch_embed.proj", "model.visual.pos_embed", "model.visual.merger.norm",
+            "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"]
+    for b in range(vision_depth):
+        out += [f"model.visual.blocks.{b}.{m}" for m in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1",
+                                                         "mlp.linear_fc2")]
+    return out
+
+
+def _fp8_config(modules: list[str]) -> dict[str, Any]:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": FP8_BLOCK,
+            "modules_to_not_convert": modules}
+
+
+def _write_next_config(path: str, shape: dict[str, Any], fp8: bool) -> dict[str, Any]:
+    """Qwen3-Next's config.json as the release has it (text only), with Qwen's block FP8 when ``fp8``."""
+    raw = dict(shape)
+    if fp8:
+        raw["quantization_config"] = _fp8_config(fp8_modules_to_not_convert(
+            shape, 0, mtp=int(shape["num_nextn_predict_layers"]) > 0, prefix="model"))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=2)
+    return raw
+
+
+def write_moe_config(path: str, name: str, fp8: bool = False) -> dict[str, Any]:
+    """config.json of MoE shape ``name``: Qwen3.5-MoE's in the VLM form (``Qwen3_5MoeForConditionalGeneration``:
+    ``text_config``, a one-block ``vision_config``, the vision token ids) with the processor files vLLM's front end
+    reads (preprocessor_config.json, video_preprocessor_config.json), Qwen3-Next's as its release (text only);
+    ``fp8``: Qwen's block FP8 ``quantization_config``. No weights: both engines make them at load
+    (``--load-format dummy``). Returns the config written."""
+    shape = dict(MOE_SHAPES[name])
+    if shape.get("model_type") == "qwen3_next":
+        return _write_next_config(path, shape, fp8)
+    from transformers import Qwen2VLImageProcessor, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
+
+    mtp = int(shape.pop("mtp_num_hidden_layers"))
+    text = Qwen3_5MoeTextConfig(**shape, layer_types=None, dtype="bfloat16").to_dict()
+    text["mtp_num_hidden_layers"] = mtp  # read by both engines (transformers' class has no such field)
+    vision = dict(TOY_VISION, out_hidden_size=shape["hidden_size"])
+    # The vision token ids: Qwen3.5's (248053...), or the top of a smaller vocabulary in the same order
+    # (peer_bench.py's special_token_ids): random prompt ids are drawn below them.
+    vocab = int(shape["vocab_size"])
+    first = 248044 if vocab >= 248058 else vocab - 14
+    ids: dict[str, Any] = {"vision_start_token_id": first + 9, "vision_end_token_id": first + 10,
+                           "image_token_id": first + 12, "video_token_id": first + 13}
+    cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=shape["tie_word_embeddings"],
+                           **ids)
+    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    raw = cfg.to_dict()
+    raw["dtype"] = "bfloat16"
+    raw["text_config"]["mtp_num_hidden_layers"] = mtp
+    if fp8:
+        raw["quantization_config"] = _fp8_config(fp8_modules_to_not_convert(shape, int(vision["depth"]), mtp=mtp > 0))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=2)
+    Qwen2VLImageProcessor().save_pretrained(path)  # vLLM's VLM front end reads the processor files
+    with open(os.path.join(path, "preprocessor_config.json"), encoding="utf-8") as f:
+        processor = json.load(f)
+    with open(os.path.join(path, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
+        json.dump(processor, f, indent=2)
+    return raw
 
 
 def write_random_checkpoint(path: str, shape: dict[str, Any], device: str = "cuda", seed: int = 0,
@@ -139,7 +270,8 @@ def write_config_only(path: str, shape: dict[str, Any], mtp: bool = False) -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="2b")
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]), default="2b",
+                    help="MoE shapes (35b-a3b in the VLM form, next-80b: Qwen3-Next) are written --config-only")
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mtp", action="store_true", help="add one random MTP layer (mtp.* tensors)")
@@ -149,8 +281,21 @@ def main() -> None:
                          "rounding, for benchmarks that replay a greedy continuation)")
     ap.add_argument("--config-only", action="store_true",
                     help="config.json alone, for hyserve's --load-format dummy (no weights written)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="MoE shapes: Qwen's block FP8 quantization_config (weights made FP8 at a dummy load)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.shape in MOE_SHAPES:
+        if not args.config_only:
+            ap.error(f"--shape {args.shape} is written --config-only (serve it with --load-format dummy)")
+        raw = write_moe_config(args.out, args.shape, fp8=args.fp8)
+        what = f"{raw['architectures'][0]}{', block FP8' if args.fp8 else ''}"
+        files = " and processor files" if "vision_config" in raw else ""
+        print(f"wrote the {args.shape} shape's config.json ({what}){files} to {args.out} (load it with "
+              "--load-format dummy)")
+        return
+    if args.fp8:
+        ap.error("--fp8 is for the MoE shapes; quantize a dense checkpoint with peer_bench.py quantize")
     if args.config_only:
         write_config_only(args.out, SHAPES[args.shape], mtp=args.mtp)
         print(f"wrote the {args.shape} shape's config.json to {args.out} (load it with --load-format dummy)")

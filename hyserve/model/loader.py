@@ -114,12 +114,14 @@ class _Entry:
 
 
 def load_weights(
-    model: torch.nn.Module, model_dir: str, config: ModelConfig, *, show_progress: bool | None = None
+    model: torch.nn.Module, model_dir: str, config: ModelConfig, *, show_progress: bool | None = None,
+    with_draft_head: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Copy the checkpoint in ``model_dir`` into ``model`` (already on its device and dtype).
 
     Returns the ``mtp.*`` tensors (checkpoint name -> tensor on the model's device, in the model's dtype except FP8
-    weights and quantization scales, which keep theirs) for speculative decoding; empty if the checkpoint has none.
+    weights and quantization scales, which keep theirs) for speculative decoding; empty if the checkpoint has none,
+    or without ``with_draft_head`` (then they are not read).
     ``show_progress`` None shows a tqdm bar only for checkpoints over 200 MB. Raises FileNotFoundError for a missing
     directory, weight file or shard, and ValueError for missing/unexpected/duplicate tensors, shape mismatches and
     dtypes that do not fit (FP8 tensors into unquantized layers, unquantized ones into FP8 layers).
@@ -130,6 +132,8 @@ def load_weights(
     parts = checkpoint_parts(model)
     entries = _plan(files, targets, config, holds if callable(holds) else None, kv_layer_names(model), parts,
                     foreign_parts(model))
+    if not with_draft_head:
+        entries = [e for e in entries if e.target is not None]
     dest = {**targets, **{name: view for name, (_, view) in parts.items()}}
     device, dtype = _model_device_dtype(model)
     total = sum(e.nbytes for e in entries)
@@ -175,6 +179,22 @@ def finish_loading(module: torch.nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, LinearBase):
             m.method.process_weights_after_loading(m)
+
+
+def draft_tensor_dtypes(model_dir: str, config: ModelConfig) -> dict[str, torch.dtype]:
+    """The draft head's checkpoint tensors (names under ``config.draft_prefix``) and their dtypes, from the headers
+    alone (what ``load_weights`` would return, without reading it)."""
+    prefix = config.draft_prefix
+    if prefix is None:
+        return {}
+    by_name = {v: k for k, v in _ST_DTYPES.items()}
+    out: dict[str, torch.dtype] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.startswith(prefix):
+                    out[name] = by_name.get(f.get_slice(name).get_dtype(), torch.float32)
+    return out
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

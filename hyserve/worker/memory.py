@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hyserve.cache.block_pool import cdiv
 from hyserve.cache.specs import AttentionSpec, CacheSpecs
@@ -118,17 +119,7 @@ def cache_budget(device: torch.device, util: float, base: DeviceMemory, peak: in
     total = now.total
     weights = max(0, now.allocated - base.allocated)
     non_torch = max(0, now.non_torch - base.non_torch)
-    requested = int(total * util)
-    # Free to this instance at the baseline: the device's free memory and what torch's allocator had cached
-    # but not handed out (a shut-down instance's memory is there until empty_cache).
-    free_at_start = base.free + base.reserved - base.allocated
-    if requested > free_at_start:
-        raise ValueError(
-            f"gpu_memory_utilization={util} asks for {requested / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB "
-            f"device, but only {free_at_start / 2**30:.2f} GiB was free when this instance started (other "
-            f"processes or other LLM instances in this process hold {(total - free_at_start) / 2**30:.2f} GiB); "
-            "lower --gpu-memory-utilization, or release the other instance first (LLM.shutdown() or `with "
-            "LLM(...) as llm:`)")
+    requested = check_requested_is_free(util, base)
     budget = requested - weights - non_torch - peak - graphs
     logger.info("memory: total %.1f GiB, this instance may use %.1f GiB (gpu_memory_utilization %.2f): weights "
                 "%.2f GiB, non-torch %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimate) %.2f GiB, cache "
@@ -138,6 +129,134 @@ def cache_budget(device: torch.device, util: float, base: DeviceMemory, peak: in
         raise ValueError("no GPU memory left for the KV cache and state pool; raise --gpu-memory-utilization "
                          "or lower --max-num-batched-tokens")
     return budget
+
+
+# The parts of a model's weights that the error names, by the first module name segment that marks them.
+_PARTS = (("experts", "experts"), ("self_attn", "attention"), ("linear_attn", "GDN"), ("mlp", "MLP"),
+          ("embed_tokens", "embedding"), ("lm_head", "LM head"), ("visual", "vision tower"))
+
+
+@dataclass(slots=True)
+class WeightBytes:
+    """The bytes of one rank's weights (parameters and buffers, each distinct tensor once), by part: ``experts``
+    (the routed experts), ``MLP`` (dense; a MoE block's router and shared expert are ``router and shared expert``),
+    ``attention``, ``GDN``,
+    ``embedding``, ``LM head``, ``vision tower``, ``MTP head`` and ``other`` (norms, rotary tables)."""
+
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        shown = sorted(((n, b) for n, b in self.parts.items() if b), key=lambda nb: -nb[1])
+        return ", ".join(f"{name} {format_bytes(b)}" for name, b in shown)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in GiB with one decimal, or in MiB / KiB below one GiB / MiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _part_of(name: str) -> str:
+    segments = name.split(".")
+    for key, part in _PARTS:
+        if key in segments:
+            return part
+    return "other"
+
+
+def weight_bytes(model: nn.Module, draft_head: nn.Module | None = None) -> WeightBytes:
+    """The bytes ``model`` (and ``draft_head``) hold in parameters and buffers, from their shapes and dtypes alone
+    (a model built on the meta device counts as the loaded one): each tensor once (a tied LM head is the
+    embedding), FP8 weights at one byte and their float32 scales at four."""
+    parts: dict[str, int] = {}
+    seen: set[int] = set()
+    for module, prefix in ((model, ""), (draft_head, "mtp.")):
+        if module is None:
+            continue
+        named = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+        for name, t in named:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            part = "MTP head" if prefix else _part_of(name)
+            parts[part] = parts.get(part, 0) + t.numel() * t.element_size()
+    if "experts" in parts and "MLP" in parts:  # a MoE block's other tensors
+        parts["router and shared expert"] = parts.pop("MLP")
+    return WeightBytes(parts)
+
+
+def held_bytes(*modules: nn.Module | None) -> int:
+    """The bytes of the distinct storages under ``modules``' parameters and buffers (what a loaded model holds)."""
+    storages: dict[int, int] = {}
+    for module in modules:
+        if module is None:
+            continue
+        for t in [*module.parameters(), *module.buffers()]:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+@dataclass(slots=True, frozen=True)
+class Parallelism:
+    """How the weights are split (for the remedies an error names)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel: bool = False
+    quantized: bool = False
+
+
+def free_at_start(base: DeviceMemory) -> int:
+    """Free to this instance at the baseline: the device's free memory and what torch's allocator had cached but
+    not handed out (a shut-down instance's memory is there until empty_cache)."""
+    return base.free + base.reserved - base.allocated
+
+
+def check_requested_is_free(util: float, base: DeviceMemory) -> int:
+    """``total * util`` (bytes this instance may use), refused when more than that was not free at the baseline."""
+    total, free = base.total, free_at_start(base)
+    requested = int(total * util)
+    if requested > free:
+        raise ValueError(
+            f"gpu_memory_utilization={util} asks for {requested / 2**30:.2f} GiB of the {total / 2**30:.2f} GiB "
+            f"device, but only {free / 2**30:.2f} GiB was free when this instance started (other "
+            f"processes or other LLM instances in this process hold {(total - free) / 2**30:.2f} GiB); "
+            "lower --gpu-memory-utilization, or release the other instance first (LLM.shutdown() or `with "
+            "LLM(...) as llm:`)")
+    return requested
+
+
+def check_weights_fit(need: WeightBytes, base: DeviceMemory, util: float, parallel: Parallelism) -> None:
+    """Before loading: refuse weights that do not fit in this instance's share of the device (``total * util``),
+    with their bytes by part and the remedies."""
+    requested = check_requested_is_free(util, base)
+    if need.total <= requested:
+        return
+    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    rank = " on this rank" if world > 1 else ""
+    whole = need.total * world
+    gpus = -(-whole // max(requested, 1))
+    experts = need.parts.get("experts", 0)
+    moe = " (add --enable-expert-parallel to place E/N whole experts on each rank)" \
+        if experts and not parallel.expert_parallel else ""
+    remedies = [f"split them over more GPUs with --tensor-parallel-size N{moe} or --pipeline-parallel-size N (at "
+                f"least {gpus} GPUs at this utilization)"]
+    if not parallel.quantized:
+        remedies.append("load an FP8 checkpoint or quantize as it loads (--quantization fp8: the linear weights "
+                        "in about half the bytes)")
+    if util < 0.95:
+        remedies.append("raise --gpu-memory-utilization")
+    raise ValueError(
+        f"the model's weights need {format_bytes(need.total)}{rank} ({need.describe()}) but "
+        f"gpu_memory_utilization={util} of {format_bytes(base.total)} leaves {format_bytes(requested)}, before "
+        f"the KV cache, recurrent state and activations; " + "; ".join(remedies))
 
 
 def graph_memory_estimate(sizes: dict[str, list[int]], logit_rows: int, num_speculative_tokens: int,

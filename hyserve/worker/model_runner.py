@@ -40,7 +40,7 @@ from hyserve.layers.sampler import Sampler, SamplingRow, token_seed
 from hyserve.model import registry
 from hyserve.model.base import CausalLM, KVCacheLayer
 from hyserve.model.dummy_weights import load_dummy_weights
-from hyserve.model.loader import load_weights
+from hyserve.model.loader import draft_tensor_dtypes, load_weights
 from hyserve.model.metadata import StepMetadata
 from hyserve.sampling_params import SamplingParams
 from hyserve.scheduler.output import PromptLogprobRows, RunnerOutput, ScheduledRow, SchedulerOutput
@@ -56,12 +56,17 @@ from hyserve.worker.cuda_graphs import (
 )
 from hyserve.worker.input_batch import InputBatch
 from hyserve.worker.memory import (
+    Parallelism,
     ProfileShape,
+    WeightBytes,
     allocate_kv,
     cache_budget,
+    check_weights_fit,
     device_memory,
     graph_memory_estimate,
+    held_bytes,
     profile_peak_activation,
+    weight_bytes,
 )
 from hyserve.worker.mm_inputs import MMInputs
 from hyserve.worker.pipeline_stage import StageCommits, StageIO
@@ -93,20 +98,29 @@ class ModelRunner:
         # instance's own weights, activations and non-torch memory against gpu_memory_utilization (vLLM's meaning).
         self._mem_baseline = device_memory(device)
         t0 = time.perf_counter()
-        self.model = self._build_model()
         self.pp_size = pp_size()
         self.is_first_stage, self.is_last_stage = is_first_stage(), is_last_stage()
+        use_mtp = use_mtp and self.is_last_stage
+        # This rank's weights counted from the model and draft head built on the meta device: a checkpoint that
+        # cannot fit is refused before anything is allocated, saying how much it needs.
+        self.planned_weights = self._plan_weights(use_mtp)
+        if self._mem_baseline is not None:
+            check_weights_fit(self.planned_weights, self._mem_baseline, config.gpu_memory_utilization,
+                              Parallelism(config.tensor_parallel_size, config.pipeline_parallel_size,
+                                          config.enable_expert_parallel, model_config.quantization is not None))
+        self.model = self._build_model()
         if self.pp_size > 1:
             self.model.drop_unused_embedding(draft_head=use_mtp)
         if config.load_format == "dummy":
             self.mtp_weights = load_dummy_weights(self.model, model_config, config.seed, with_draft_head=use_mtp)
         else:
-            self.mtp_weights = load_weights(self.model, config.model, model_config)
+            self.mtp_weights = load_weights(self.model, config.model, model_config, with_draft_head=use_mtp)
         self.mtp: nn.Module | None = None  # the family's draft head (registry), run over the target's hidden states
         # Pipeline parallelism: this stage's layers only; the last stage samples, verifies and drafts (MTP).
         self.stage = StageIO(StageLink() if self.pp_size > 1 else None, self.is_first_stage, self.is_last_stage)
-        if use_mtp and self.is_last_stage:
+        if use_mtp:
             self.mtp = self._build_mtp()
+        self.mtp_weights = {}  # copied into the head: the checkpoint's tensors are not kept beside it
         # Every cache below is sized and shaped from what the layers declare (hyserve.cache.specs).
         # The attention KV may be kept in FP8 (kv_cache_dtype); the recurrent state keeps its own dtypes.
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
@@ -158,6 +172,12 @@ class ModelRunner:
         summary = quantization_summary(self.model, self.model_config.quantization, self.dtype)
         if summary is not None:
             logger.info(summary)
+
+    def weight_bytes(self) -> dict[str, object]:
+        """The planned bytes of this rank's weights (total and by part) and what the loaded model and draft head hold
+        (their distinct storages)."""
+        return {"planned": self.planned_weights.total, "parts": dict(self.planned_weights.parts),
+                "held": held_bytes(self.model, self.mtp)}
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._kv_bytes_per_block(), self.cache_specs.state_bytes_per_slot,
@@ -257,25 +277,44 @@ class ModelRunner:
         q = self.num_speculative_tokens + 1
         return max([s[-1] * (q if name in ("verify", "draft") else 1) for name, s in sizes.items() if s], default=0)
 
-    def _build_model(self) -> CausalLM:
-        if self.model_config.quantization is not None:
-            check_fp8_device(self.device)
+    def _build_model(self, device: torch.device | None = None) -> CausalLM:
+        """The model on ``device`` (the runner's by default; ``meta`` to count its weights)."""
+        device = device or self.device
+        if self.model_config.quantization is not None and device.type != "meta":
+            check_fp8_device(device)
         model_class = registry.model_class(self.model_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(device):
                 model = model_class(self.model_config)
         finally:
             torch.set_default_dtype(prev)
         return model.eval().requires_grad_(False)
+
+    def _plan_weights(self, use_mtp: bool) -> WeightBytes:
+        """The bytes this rank's weights will take (``hyserve.worker.memory.weight_bytes``): the model and the draft
+        head as they will be built, on the meta device; the head's layers quantized as its checkpoint tensors are
+        (the dummy format's are unquantized)."""
+        meta = torch.device("meta")
+        model = self._build_model(meta)
+        if self.pp_size > 1:
+            model.drop_unused_embedding(draft_head=use_mtp)
+        head = None
+        if use_mtp:
+            dtypes = {} if self.config.load_format == "dummy" else \
+                draft_tensor_dtypes(self.config.model, self.model_config)
+            self.mtp_weights = {name: torch.empty(0, dtype=d, device=meta) for name, d in dtypes.items()}
+            head = self._build_mtp(meta, load=False)
+        self.mtp_weights = {}
+        return weight_bytes(model, head)
 
     def _kv_bytes_per_block(self) -> int:
         """K and V of one block in every KV-caching layer, the MTP head's included."""
         return self.cache_specs.kv_bytes_per_block(self.block_size) + sum(
             s.bytes_per_block(self.block_size) for s in self.mtp_kv_specs)
 
-    def _build_mtp(self) -> nn.Module:
+    def _build_mtp(self, device: torch.device | None = None, load: bool = True) -> nn.Module:
         draft = registry.draft_head(self.model_config)
         # The head's layers are quantized as its checkpoint tensors are (hyserve.layers.quantization).
         cfg = dataclasses.replace(self.model_config, quantization=draft_head_quantization(
@@ -283,11 +322,12 @@ class ModelRunner:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(device or self.device):
                 head = draft.build(cfg)
         finally:
             torch.set_default_dtype(prev)
-        draft.load(head, self.mtp_weights)
+        if load:
+            draft.load(head, self.mtp_weights)
         return head.eval().requires_grad_(False)
 
     def _init_graphs(self, graphs: StepGraphs) -> None:

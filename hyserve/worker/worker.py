@@ -69,6 +69,10 @@ class Worker:
         """Leave the workers' group (torch.distributed), once the engine has stopped sending steps."""
         shutdown_distributed()
 
+    def weight_bytes(self) -> dict[str, object]:
+        """This rank's weights: planned before loading, and held (``ModelRunner.weight_bytes``)."""
+        return self.runner.weight_bytes()
+
     def graph_replays(self) -> dict[str, int]:
         """Replays so far per graph kind (empty without graphs): for tests and tools across the process boundary."""
         graphs = self.runner.graphs

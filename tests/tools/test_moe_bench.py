@@ -1,0 +1,174 @@
+"""Issue 31's benchmark preparation on the CPU: the MoE shapes ``shapes.py`` writes config-only (Qwen3.5-35B-A3B in the
+VLM form vLLM needs, Qwen3-Next-80B-A3B as its own config; bf16 and Qwen's block FP8) parse with hyserve's own parsers
+and give the published sizes, and ``peer_bench.py``'s batch-1 bound counts the weights a token reads (attention,
+GDN, router, shared expert, its top-k experts, the LM head) by hand on tiny configs, from config.json and from
+checkpoints in both expert layouts; ``peer_bench.py measure`` runs hyserve on a config-only MoE shape (dummy
+weights) as the session's moe phase does, and the session script has its MoE phases."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hyserve.layers.quantization import parse_quantization_config
+from hyserve.model.qwen3_5_moe_config import parse_qwen3_5_moe_config, qwen3_5_moe_config
+from hyserve.model.qwen3_next_config import parse_qwen3_next_config
+from hyserve.model.registry import load_model_config
+from hyserve.testing.families import CheckpointCache
+from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import peer_bench
+import shapes
+
+SESSION = Path(__file__).parents[2] / "benchmarks" / "peer_session.sh"
+
+
+@pytest.mark.parametrize("name,fp8", [("35b-a3b", False), ("35b-a3b", True), ("next-80b", False), ("next-80b", True)])
+def test_the_moe_shapes_parse_with_hyserves_parsers(tmp_path: Path, name: str, fp8: bool) -> None:
+    """35B-A3B in the VLM form (Qwen3.5-MoE, its processor files beside it), Next-80B as Qwen3-Next's own text-only
+    config; both the published sizes, and in FP8 the bf16 layers of Qwen's releases named in the checkpoint's form."""
+    shapes.write_moe_config(str(tmp_path), name, fp8=fp8)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    next_ = name == "next-80b"
+    cfg = load_model_config(str(tmp_path))  # the registry's parser, and the quantization_config's
+    assert cfg.quantization == parse_quantization_config(raw, cfg.architecture)
+    if next_:
+        assert raw["architectures"] == ["Qwen3NextForCausalLM"] and "vision_config" not in raw
+        assert dataclasses.replace(cfg, quantization=None) == parse_qwen3_next_config(raw)
+        assert cfg.multimodal is None
+    else:
+        for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
+            assert (tmp_path / f).is_file()
+        assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "vision_config" in raw
+        assert dataclasses.replace(cfg, quantization=None) == parse_qwen3_5_moe_config(raw)
+        assert cfg.multimodal is not None and cfg.multimodal.image_token_id < cfg.vocab_size
+    moe = qwen3_5_moe_config(cfg)
+    want = shapes.MOE_SHAPES[name]
+    for key in ("num_hidden_layers", "hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "vocab_size"):
+        assert getattr(moe, key) == want[key], key
+    assert cfg.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * (cfg.num_hidden_layers // 4)
+    assert cfg.mtp_num_hidden_layers == 1 and not cfg.tie_word_embeddings
+    billions = moe.num_parameters() / 1e9
+    assert 34 < billions < 36 if name == "35b-a3b" else 79 < billions < 81
+    quant = cfg.quantization
+    assert (quant is not None) == fp8
+    if quant is None:
+        return
+    qc = raw["quantization_config"]
+    assert (qc["quant_method"], qc["weight_block_size"], qc["activation_scheme"]) == ("fp8", [128, 128], "dynamic")
+    gdn_kept = ["in_proj_ba"] if next_ else ["in_proj_a", "in_proj_b"]
+    kept = ["lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate", "mtp.layers.0.mlp.gate",
+            "mtp.layers.0.mlp.shared_expert_gate", *(f"model.layers.0.linear_attn.{m}" for m in gdn_kept)]
+    gdn_converted = ["in_proj_qkvz"] if next_ else ["in_proj_qkv", "in_proj_z"]
+    converted = ["model.layers.0.linear_attn.out_proj", "model.layers.3.self_attn.q_proj",
+                 "model.layers.3.self_attn.o_proj", "model.layers.5.mlp.shared_expert.down_proj",
+                 "model.layers.5.mlp.experts", "mtp.fc", *(f"model.layers.0.linear_attn.{m}" for m in gdn_converted)]
+    assert not any(quant.linear_method(n).quantized for n in kept)
+    assert all(quant.linear_method(n).quantized for n in converted)
+    if not next_:  # the vision tower, named as the checkpoint names it (vLLM builds it with the checkpoint's
+        # quantization; hyserve keeps it unquantized whatever the config says)
+        assert {"model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2"} <= set(qc["modules_to_not_convert"])
+
+
+def hand_step_bytes(c: dict[str, Any], elem: int = 2, fp8: bool = False) -> int:
+    """One batch-1 decode step's weight bytes of a Qwen3.5-MoE text config, by hand: attention and GDN layers, two
+    norms a layer, the router, top-k of the experts, the shared expert and its gate, the final norm and the LM head
+    (the input embedding not read). ``fp8``: the projections, shared expert and experts in block FP8 (a byte a
+    weight, float32 scales per 128 x 128 block); the router, gates, GDN a / b, norms and LM head in bf16."""
+    h, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    nk, nv, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
+                      c["linear_value_head_dim"])
+    e, k, i, s, vocab = (c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"],
+                         c["shared_expert_intermediate_size"], c["vocab_size"])
+    conv = 2 * nk * dk + nv * dv
+
+    def mat(rows: int, cols: int) -> float:
+        if not fp8:
+            return rows * cols * elem
+        return rows * cols + math.ceil(rows / 128) * math.ceil(cols / 128) * 4
+
+    attention = mat(2 * nh * hd, h) + 2 * mat(nkv * hd, h) + mat(h, nh * hd) + 2 * hd * elem
+    gdn = (mat(conv, h) + mat(nv * dv, h) + 2 * nv * h * elem + conv * c["linear_conv_kernel_dim"] * elem
+           + 2 * nv * elem + dv * elem + mat(h, nv * dv))  # dt_bias, A_log, the output norm
+    moe = e * h * elem + k * (2 * mat(i, h) + mat(h, i)) + 2 * mat(s, h) + mat(h, s) + h * elem
+    n = c["num_hidden_layers"]
+    n_attn = n // c.get("full_attention_interval", 4)
+    total = n_attn * attention + (n - n_attn) * gdn + n * (moe + 2 * h * elem) + h * elem + vocab * h * elem
+    return round(total)
+
+
+TINY: dict[str, Any] = dict(
+    shapes.SHAPE_35B_A3B, vocab_size=1024, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+    linear_value_head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+    shared_expert_intermediate_size=256)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_bound_counts_the_active_weights_from_config_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               fp8: bool) -> None:
+    """A tiny Qwen3.5-MoE config (16 experts, top 4) as ``write_moe_config`` writes it: the dummy-load bound's bytes
+    are the hand count, FP8 too (counted from the bf16 build while hyserve builds no FP8 experts)."""
+    monkeypatch.setitem(shapes.MOE_SHAPES, "tiny-moe", TINY)
+    shapes.write_moe_config(str(tmp_path), "tiny-moe", fp8=fp8)
+    assert peer_bench.moe_active_share(str(tmp_path)) == 4 / 16
+    got = peer_bench.weight_bytes_per_step(str(tmp_path), "dummy")
+    assert got == hand_step_bytes(TINY, fp8=fp8)
+    all_experts = hand_step_bytes(dict(TINY, num_experts_per_tok=16), fp8=fp8)
+    assert all_experts - got == pytest.approx(12 * 8 * 3 * 128 * 256 * (1 if fp8 else 2), rel=0.02)
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_the_bound_counts_the_active_weights_of_a_checkpoint(ckpts: CheckpointCache, layout: str) -> None:
+    """A tiny checkpoint (float32, 6 experts, top 3, an MTP layer that a step does not read) in either expert
+    layout: the same hand count, at four bytes a weight."""
+    path = ckpts.get("causal", "gdn3_attn1", family=QWEN3_5_MOE.name, layout=layout, num_experts_per_tok=3,
+                     with_mtp=True)
+    raw = json.loads((Path(path) / "config.json").read_text())
+    got = peer_bench.weight_bytes_per_step(path)
+    assert peer_bench.moe_active_share(path) == 3 / raw["num_experts"]
+    layer_types = raw["layer_types"]
+    n_attn = layer_types.count("full_attention")
+    assert n_attn * 4 == len(layer_types)  # the hand count's 3 : 1 pattern
+    assert got == hand_step_bytes(dict(raw, full_attention_interval=4), elem=4)
+
+
+def test_the_session_has_the_moe_phases() -> None:
+    text = SESSION.read_text()
+    for phase in ("moe)", "moe-vllm)", "moe-check)"):
+        assert f"\n  {phase}" in text, phase
+    assert "tests/kernels/test_moe_kernels.py" in text and "moe_kernel_bench.py" in text
+    import subprocess
+
+    subprocess.run(["bash", "-n", str(SESSION)], check=True)
+
+
+def test_peer_bench_measures_a_config_only_moe_shape_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """The moe phase's command on a tiny MoE shape written as the real ones are (config only, VLM form): hyserve makes
+    the weights at load and measures decode and prefill."""
+    import subprocess
+
+    monkeypatch.setitem(shapes.MOE_SHAPES, "tiny-moe", TINY)
+    model, out = tmp_path / "m", tmp_path / "hyserve.json"
+    shapes.write_moe_config(str(model), "tiny-moe")
+    script = Path(__file__).parents[2] / "benchmarks" / "peer_bench.py"
+    subprocess.run([sys.executable, str(script), "measure", "--engine", "hyserve", "--model", str(model), "--device",
+                    "cpu", "--dtype", "float32", "--out", str(out), "--measures", "decode,bound,prefill",
+                    "--load-format", "dummy", "--batches", "1,2", "--decode-tokens", "4", "--prefill-prompts", "2",
+                    "--prefill-len", "64", "--max-model-len", "1024"], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    res = json.loads(out.read_text())
+    assert not res["errors"] and res["figures"]["decode_bs1_tok_s"] > 0 and res["figures"]["prefill_tok_s"] > 0
