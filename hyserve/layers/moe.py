@@ -26,9 +26,10 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, expert_parallel, shard_range, tp_size
-from hyserve.kernels.moe import fused_experts
+from hyserve.kernels.moe import fused_experts, route_experts, route_ref
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import MLP
 from hyserve.layers.quantization import QuantizationConfig
@@ -47,12 +48,8 @@ class MoEConfig(Protocol):
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, experts)``, each [tokens, top_k]: softmax over the experts in float32, the top k, divided by
-    their sum when ``renormalize``."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+    their sum when ``renormalize`` (:func:`hyserve.kernels.moe.route_ref`; the CPU path's routing)."""
+    return route_ref(router_logits, top_k, renormalize)
 
 
 def expert_range(num_experts: int) -> tuple[int, int]:
@@ -101,14 +98,16 @@ class Experts(nn.Module):
         return {f"{e}.{name}.{suffix}" for e in range(self.num_experts) if not e0 <= e < e1
                 for name in PROJECTIONS for suffix in self.method.piece_suffixes()}
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [T, H]; ``weights`` (float32) and ``experts`` [T, k]: the routed sum over each token's k choices
         (this rank's partial sum when tensor-parallel: under expert parallelism the choices of its experts alone,
-        ``experts`` holding global expert ids). :func:`hyserve.kernels.moe.fused_experts`: the fused Triton kernels
-        on CUDA (capturable in a CUDA graph), the batched-by-expert reference elsewhere; FP8 experts pass their
-        scales."""
+        ``experts`` holding global expert ids), plus ``shared_gate * shared`` when given.
+        :func:`hyserve.kernels.moe.fused_experts`: the fused Triton kernels on CUDA (capturable in a CUDA graph),
+        the batched-by-expert reference elsewhere; FP8 experts pass their scales."""
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, self.e_range[0],
-                             scales=self.method.scales(self), num_experts=self.num_experts)
+                             scales=self.method.scales(self), num_experts=self.num_experts, shared=shared,
+                             shared_gate=shared_gate)
 
 
 class SparseMoeBlock(nn.Module):
@@ -121,17 +120,30 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         h, quant = cfg.hidden_size, cfg.quantization
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.num_experts = cfg.num_experts
         self.gate = Linear(h, cfg.num_experts, prefix=f"{prefix}.gate")
         self.experts = Experts(cfg.num_experts, h, cfg.moe_intermediate_size, quant, f"{prefix}.experts")
         self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, quant, f"{prefix}.shared_expert")
         self.shared_expert.down_proj.reduce_results = False  # summed with the routed experts' partial sum
         self.shared_expert_gate = Linear(h, 1, prefix=f"{prefix}.shared_expert_gate")
+        # The router's rows and the shared expert's gate row are views of one [E + 1, H] tensor, so that one GEMM
+        # gives both (the loader fills the views in place; a plain attribute, not a parameter or buffer, so that
+        # nothing counts it twice).
+        w = self.gate.weight
+        self.router_weight = torch.empty(cfg.num_experts + 1, h, dtype=w.dtype, device=w.device)
+        self.gate.weight.data = self.router_weight[: cfg.num_experts]
+        self.shared_expert_gate.weight.data = self.router_weight[cfg.num_experts :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # logits in the model dtype
-        out = self.experts(x, weights, experts) + self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        logits = F.linear(x, self.router_weight)  # [T, E + 1] in the model dtype, as the reference computes them
+        if x.is_cuda:  # softmax, top k and the shared gate's sigmoid in one launch
+            weights, experts, gate = route_experts(logits, self.top_k, self.renormalize, self.num_experts)
+        else:
+            weights, experts = route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+            gate = torch.sigmoid(logits[:, self.num_experts].float())
+        out = self.experts(x, weights, experts, shared=self.shared_expert(x), shared_gate=gate)
         if tp_size() > 1:  # both partial sums (the shared expert's down projection does not reduce): one all-reduce
             out = all_reduce(out)
         return out.reshape(shape)

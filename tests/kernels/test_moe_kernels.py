@@ -8,6 +8,8 @@
 * The Triton kernels under the interpreter (``TRITON_INTERPRET=1``) in one subprocess against the reference, both
   orders (sorted by expert; one pair per program up to ``DIRECT_MAX_TOKENS`` tokens), with a sabotaged alignment
   (runs not padded to whole blocks) that the comparison must catch.
+* The fused routing (softmax, top k, renormalization, the shared expert's gate) against the reference, under the
+  interpreter and on CUDA; the shared expert's gated output added in the kernels' final sum.
 * On CUDA: the kernels against the reference in bf16 and FP8, and replayed from a CUDA graph with new routings.
 """
 
@@ -180,9 +182,9 @@ ALIGN_CASES = {"decode": (1, 8, 64, 0, 64, 16), "mixed": (37, 3, 10, 0, 10, 16),
 # --------------------------------------------------------------------------------------------------------------------
 
 INTERP_CASES: dict[str, dict[str, Any]] = {
-    "decode_f32": dict(t=1, k=4, num_experts=8, hidden=64, inter=32, dtype=torch.float32),
+    "decode_f32": dict(t=1, k=4, num_experts=8, hidden=64, inter=32, dtype=torch.float32, shared=True),
     "prefill_odd_widths_f32": dict(t=37, k=3, num_experts=8, hidden=200, inter=48, dtype=torch.float32),
-    "prefill_bf16": dict(t=37, k=3, num_experts=8, hidden=200, inter=48, dtype=torch.bfloat16),
+    "prefill_bf16": dict(t=37, k=3, num_experts=8, hidden=200, inter=48, dtype=torch.bfloat16, shared=True),
     "expert_parallel_f32": dict(t=20, k=2, num_experts=8, hidden=64, inter=32, dtype=torch.float32, expert_start=2,
                                 num_local=3),
     "expert_parallel_direct_f32": dict(t=4, k=3, num_experts=8, hidden=64, inter=32, dtype=torch.float32,
@@ -197,10 +199,17 @@ PLANS = {"decode": MoePlan(MoeConfig(16, 32, 32, 4, 2), MoeConfig(16, 32, 32, 4,
 
 
 def _interp_case(case: dict[str, Any], plan: MoePlan | None) -> tuple[bool, str]:
+    case = dict(case)
+    with_shared = case.pop("shared", False)
     x, w13, w2, weights, ids, scales = make_problem(seed=2, **case)
     start = case.get("expert_start", 0)
-    got = fused_experts(x, w13, w2, weights, ids, start, scales, plan, num_experts=case["num_experts"])
-    want = fused_experts_ref(x, w13, w2, weights, ids, start, scales)
+    shared = gate = None
+    if with_shared:  # a shared expert's output and gate, added in the same sum
+        g = torch.Generator().manual_seed(9)
+        shared, gate = torch.randn(x.shape, generator=g).to(x.dtype), torch.rand(x.shape[0], generator=g)
+    got = fused_experts(x, w13, w2, weights, ids, start, scales, plan, num_experts=case["num_experts"],
+                        shared=shared, shared_gate=gate)
+    want = fused_experts_ref(x, w13, w2, weights, ids, start, scales, shared, gate)
     tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
     err = float((got.float() - want.float()).abs().max())
     return bool(err <= tol * max(1.0, float(want.float().abs().max()))), f"err {err:.3g}"
@@ -226,6 +235,8 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         ids = random_routing(t, k, ne, 5)
         errors = alignment_errors(ids, start, nl, bm, *moe.align_pairs(ids, nl, start, bm))
         res[f"align/{name}"] = [not errors, "; ".join(errors)[:500]]
+    for name, (t, e, k, renorm, gate) in ROUTE_CASES.items():
+        res[f"route/{name}"] = list(_route_case(t, e, k, renorm, gate))
     # Sabotage: runs not padded to whole blocks (a block then mixes experts) must be caught.
     real = moe.align_pairs
     moe.align_pairs = lambda ids, nl, start, bm: _unpadded(real, ids, nl, start, bm)
@@ -249,6 +260,24 @@ def _unpadded(real: Any, ids: torch.Tensor, nl: int, start: int, bm: int) -> tup
     return out, experts
 
 
+ROUTE_CASES = {"renorm_gate": (9, 10, 3, True, True), "plain": (5, 7, 2, False, False),
+               "top1_wide": (3, 40, 1, True, True), "decode_k8": (1, 64, 8, True, True)}
+
+
+def _route_case(t: int, e: int, k: int, renorm: bool, gate: bool, device: str = "cpu") -> tuple[bool, str]:
+    """The fused routing (softmax, top k, renormalization, the shared gate's sigmoid) against the reference."""
+    logits = torch.randn(t, e + gate, generator=torch.Generator().manual_seed(t * e + k)).to(device)
+    w, ids, g = moe.route_experts(logits, k, renorm, e)
+    w_ref, ids_ref = moe.route_ref(logits[:, :e], k, renorm)
+    ok = torch.equal(ids.long().cpu(), ids_ref.cpu()) and torch.allclose(w.cpu(), w_ref.cpu(), atol=1e-6)
+    if gate:
+        assert g is not None
+        ok = ok and torch.allclose(g.cpu(), torch.sigmoid(logits[:, e].float()).cpu(), atol=1e-6)
+    else:
+        ok = ok and g is None
+    return bool(ok), f"ids {ids.tolist()} vs {ids_ref.tolist()}"
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
@@ -264,7 +293,7 @@ def interpreter_results() -> dict[str, list[Any]]:
 
 INTERP_NAMES = [f"{c}/{p}" for c in INTERP_CASES for p in ("default", *PLANS) if p == "default" or c in SWEPT]
 INTERP_NAMES += ["unpadded_runs_caught"]
-INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES]
+INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES] + [f"route/{name}" for name in ROUTE_CASES]
 
 
 @pytest.mark.parametrize("name", INTERP_NAMES)
@@ -291,6 +320,13 @@ def test_cuda_kernels_match_the_reference(fp8: str | None, t: int) -> None:
     cs = None if scales is None else ExpertScales(scales.w13.cpu(), scales.w2.cpu(), scales.block)
     want = fused_experts_ref(*cpu, 0, cs)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(ROUTE_CASES))
+def test_cuda_routing_matches_the_reference(name: str) -> None:
+    ok, msg = _route_case(*ROUTE_CASES[name], device="cuda")
+    assert ok, msg
 
 
 @cuda

@@ -28,12 +28,18 @@ from typing import NamedTuple
 
 import torch
 
-from hyserve.kernels.moe.reference import ExpertScales, dequantize_experts, fused_experts_ref, quantize_dequantize
+from hyserve.kernels.moe.reference import (
+    ExpertScales,
+    dequantize_experts,
+    fused_experts_ref,
+    quantize_dequantize,
+    route_ref,
+)
 from hyserve.utils import next_pow2
 
 __all__ = ["ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "config_path", "default_config",
            "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs", "quantize_dequantize",
-           "select_config"]
+           "route_experts", "route_ref", "select_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
@@ -160,6 +166,47 @@ def align_pairs_ref(topk_ids: torch.Tensor, num_local: int, expert_start: int,
     return sorted_pairs[:rows], block_expert
 
 
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def route_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(weights, experts, shared_gate)``: :func:`route_ref` over the first ``num_experts`` logits of each token
+    (float32 weights, int32 ids on CUDA); a further column is the shared expert's gate logit, returned as its float32
+    sigmoid [T] (else None). On CUDA one launch."""
+    t, width = router_logits.shape
+    has_gate = width > num_experts
+    if not _use_triton(router_logits):
+        weights, experts = route_ref(router_logits[:, :num_experts], top_k, renormalize)
+        gate = torch.sigmoid(router_logits[:, num_experts].float()) if has_gate else None
+        return weights, experts, gate
+    from hyserve.kernels.moe._triton import _moe_route_kernel
+
+    dev = router_logits.device
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    experts = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    gate = torch.empty(t, dtype=torch.float32, device=dev) if has_gate else weights
+    if t:
+        _moe_route_kernel[(t,)](router_logits, weights, experts, gate, num_experts, router_logits.stride(0),
+                                TOP_K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, SHARED_GATE=has_gate,
+                                E_PAD=next_pow2(num_experts))
+    return weights, experts, gate if has_gate else None
+
+
+def _combine(pair_out: torch.Tensor, t: int, k: int, shared: torch.Tensor | None,
+             shared_gate: torch.Tensor | None) -> torch.Tensor:
+    """Each token's k rows summed, plus its gated shared-expert output: one launch."""
+    from hyserve.kernels.moe._triton import _moe_combine_kernel
+
+    hidden = pair_out.shape[1]
+    out = torch.empty(t, hidden, dtype=pair_out.dtype, device=pair_out.device)
+    sh = shared.contiguous() if shared is not None else pair_out
+    _moe_combine_kernel[(t, -(-hidden // 1024))](pair_out, sh, shared_gate if shared_gate is not None else pair_out,
+                                                 out, hidden, TOP_K=k, SHARED=shared is not None, BLOCK=1024)
+    return out
+
+
 def _gemm_input(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The activation a GEMM reads: as is, or FP8 with its per-token (group) scales."""
     if scales is None:
@@ -171,19 +218,21 @@ def _gemm_input(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Ten
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0, scales: ExpertScales | None = None,
-                  plan: MoePlan | None = None, num_experts: int | None = None) -> torch.Tensor:
+                  plan: MoePlan | None = None, num_experts: int | None = None, shared: torch.Tensor | None = None,
+                  shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """The routed sum [T, H] in ``x.dtype`` (see the module docstring and :func:`fused_experts_ref`): ``x`` [T, H];
     ``w13`` [E_local, 2I, H]; ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids`` [T, k] with global
     expert ids; ``scales`` for FP8 experts; ``num_experts`` the global count when the weights hold a part of them
-    (expert parallel). CPU tensors take the reference unless the Triton interpreter is on."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, scales)
+    (expert parallel); ``shared`` [T, H] and ``shared_gate`` [T] (float32) a shared expert's output and gate, added
+    to the sum. CPU tensors take the reference unless the Triton interpreter is on."""
+    if not _use_triton(x):
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, scales, shared, shared_gate)
     from hyserve.kernels.moe._triton import _moe_down_kernel, _moe_gate_up_kernel
 
     t, k = topk_ids.shape
     num_local, hidden, inter = w13.shape[0], w13.shape[2], w2.shape[2]
     if t == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if shared is None else shared.clone()
     plan = plan or select_config(t, w13, w2, scales)
     block = scales.block if scales is not None else None
     quant = 0 if scales is None else (1 if block is None else 2)
@@ -237,4 +286,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
-    return pair_out.view(t, k, hidden).sum(dim=1)  # one launch: bf16 sums accumulate in float32
+    return _combine(pair_out, t, k, shared, shared_gate)

@@ -191,3 +191,49 @@ def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, expert_start
     ok = (offs < num_pairs) & (e >= 0) & (e < num_local)
     slot = tl.atomic_add(cursor_ptr + tl.where(ok, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=ok)
     tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr, w_ptr, ids_ptr, gate_ptr, E, sl,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED_GATE: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
+    """One program per token: softmax over its ``E`` router logits in float32, the ``TOP_K`` largest in descending
+    order (the lower index on a tie), divided by their sum when ``RENORM``; with ``SHARED_GATE`` the logit after the
+    experts' is the shared expert's gate, written as its sigmoid."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + t * sl + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    ks = tl.arange(0, K_PAD)
+    vals = tl.zeros((K_PAD,), dtype=tl.float32)
+    idx = tl.zeros((K_PAD,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        at = tl.argmax(p, axis=0)
+        vals = tl.where(ks == j, best, vals)
+        idx = tl.where(ks == j, at, idx)
+        p = tl.where(offs == at, -1.0, p)
+    if RENORM:
+        vals = vals / tl.sum(vals, axis=0)
+    tl.store(w_ptr + t * TOP_K + ks, vals, mask=ks < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + ks, idx, mask=ks < TOP_K)
+    if SHARED_GATE:
+        g = tl.load(logits_ptr + t * sl + E).to(tl.float32)
+        tl.store(gate_ptr + t, 1.0 / (1.0 + tl.exp(-g)))
+
+
+@triton.jit
+def _moe_combine_kernel(pair_ptr, shared_ptr, gate_ptr, out_ptr, H, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """``out[t] = sum_j pair_out[t k + j] + gate[t] * shared[t]`` in float32, one store in the output dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pair_ptr + (t * TOP_K + j) * H + offs, mask=ok, other=0.0).to(tl.float32)
+    if SHARED:
+        acc += tl.load(shared_ptr + t * H + offs, mask=ok, other=0.0).to(tl.float32) * tl.load(gate_ptr + t)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)

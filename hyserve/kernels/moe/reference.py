@@ -4,6 +4,10 @@ They define the semantics of the routed experts' sum for one token ``x`` and its
 
     a_j = silu(x W13_gate[e_j]^T) * (x W13_up[e_j]^T)      float32 accumulation, stored in x.dtype
     y   = sum_j w_j * (a_j W2[e_j]^T)                       each term rounded to x.dtype, the sum in float32
+        (+ g * shared, a shared expert's output and its gate, in the same float32 sum)
+
+The routing (``route_ref``): softmax over the router logits in float32, the top k (descending), divided by their sum
+when renormalizing.
 
 With FP8 experts (``ExpertScales``) the weights are dequantized (``w = w_fp8 * scale``, per output channel or per
 block) and the activations quantized the way :mod:`hyserve.kernels.fp8` does it: per token for channel-scaled
@@ -24,7 +28,7 @@ from torch.nn import functional as F
 
 from hyserve.kernels.fp8.reference import dequantize_block_weight, quantize_per_token, quantize_per_token_group
 
-__all__ = ["ExpertScales", "dequantize_experts", "fused_experts_ref", "quantize_dequantize"]
+__all__ = ["ExpertScales", "dequantize_experts", "fused_experts_ref", "quantize_dequantize", "route_ref"]
 
 
 class ExpertScales(NamedTuple):
@@ -52,11 +56,22 @@ def quantize_dequantize(x: torch.Tensor, block: tuple[int, int] | None) -> torch
     return q.float() * s.repeat_interleave(block[1], dim=1)[:, : x.shape[1]]
 
 
+def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, experts)``, each [tokens, top_k]: softmax over the experts in float32, the top k, divided by
+    their sum when ``renormalize``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, expert_start: int = 0,
-                      scales: ExpertScales | None = None) -> torch.Tensor:
+                      topk_ids: torch.Tensor, expert_start: int = 0, scales: ExpertScales | None = None,
+                      shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [T, H]; ``w13`` [E_local, 2I, H]; ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids``
-    (global expert ids) [T, k]. Returns the routed sum [T, H] in ``x.dtype``."""
+    (global expert ids) [T, k]. Returns the routed sum [T, H] in ``x.dtype``, plus ``shared_gate * shared`` (the
+    shared expert's output [T, H] and its float32 gate [T]) when given, added in float32."""
     t, k = topk_ids.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     local = topk_ids.reshape(-1).long() - expert_start
@@ -83,4 +98,8 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
             act = quantize_dequantize(act, scales.block)
         pairs = order[seg]
         pair_out[pairs] = (F.linear(act, down_w) * topk_weights.reshape(-1)[pairs].float().unsqueeze(-1)).to(x.dtype)
-    return pair_out.view(t, k, x.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = pair_out.view(t, k, x.shape[1]).sum(dim=1, dtype=torch.float32)
+    if shared is not None:
+        assert shared_gate is not None
+        out += shared.float() * shared_gate.float().view(t, 1)
+    return out.to(x.dtype)
