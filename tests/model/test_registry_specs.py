@@ -236,7 +236,7 @@ def toy_family(ckpts: CheckpointCache, tmp_path: Any, monkeypatch: pytest.Monkey
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump({**raw, "architectures": [TOY_ARCH], "model_type": "toy"}, f)
     registry.register_model(TOY_ARCH, ToyModel, parse_toy, ("toy",))
-    monkeypatch.setattr(model_runner, "load_weights", lambda model, model_dir, cfg: {})
+    monkeypatch.setattr(model_runner, "load_weights", lambda model, model_dir, cfg, **kw: {})
     try:
         yield path
     finally:
