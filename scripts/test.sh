@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check hyserve tests benchmarks training
 .venv/bin/mypy
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two workers (the CI machine's two cores; each test process keeps one thread), a test file's tests on one worker so
+# that its module fixtures are built once.
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
