@@ -13,11 +13,12 @@ regex get one scale per tensor (per expert and projection) instead of per channe
 
 ``load_fp8_moe_reference``: transformers' ``Qwen3_5MoeForCausalLM`` (for a Qwen3-Next checkpoint,
 ``model_type: qwen3_next``, its ``Qwen3NextForCausalLM``; block FP8 in the checkpoint's ``weight_block_size``) holding
-the dequantized weights, with the activation quantization emulated: forward pre-hooks on the quantized ``nn.Linear`` layers (``hyserve.testing.fp8``)
-and, for the experts (which transformers computes with its own loop over ``gate_up_proj`` / ``down_proj``), a
-forward that quantizes each expert's input per token (or 128-group) before ``gate_up`` and its ``silu(gate) * up``
-before ``down``. ``online=True``: the reference of a bf16 checkpoint under ``quantization="fp8"`` (every linear
-layer but the LM head, the router and the shared expert's gate, and the experts, per output channel).
+the dequantized weights, with the activation quantization emulated: forward pre-hooks on the quantized
+``nn.Linear`` layers (``hyserve.testing.fp8``) and, for the experts (which transformers computes with its own loop
+over ``gate_up_proj`` / ``down_proj``), a forward that quantizes each expert's input per token (or 128-group) before
+``gate_up`` and its ``silu(gate) * up`` before ``down``. ``online=True``: the reference of a bf16 checkpoint under
+``quantization="fp8"`` (every linear layer but the LM head, the router and the shared expert's gate, and the
+experts, per output channel).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def write_fp8_next_checkpoint(path: str | os.PathLike[str], fmt: str, *, layout:
     from hyserve.testing.qwen3_next import write_tiny_next_checkpoint
 
     path = write_tiny_next_checkpoint(path, with_mtp=with_mtp, seed=seed, **overrides)
-    tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in read_checkpoint_tensors(path).items()}
+    tensors = {n: t.to(torch.bfloat16) if t.is_floating_point() else t
+               for n, t in read_checkpoint_tensors(path).items()}
     if layout == "fused":
         tensors = stack_experts(tensors)
     elif layout != "per_expert":

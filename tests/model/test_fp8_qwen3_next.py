@@ -47,7 +47,7 @@ from hyserve.testing.qwen3_next import QWEN3_NEXT
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
-import shapes  # noqa: E402
+import shapes
 
 BLOCK = (16, 16)
 CASES: dict[str, dict[str, Any]] = {
