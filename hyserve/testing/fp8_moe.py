@@ -36,6 +36,7 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextC
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next
 
+from hyserve.testing.engine import drive, make_llm, random_prompts
 from hyserve.testing.files import read_checkpoint_tensors
 from hyserve.testing.fp8 import (
     BLOCK,
@@ -75,6 +76,33 @@ def write_fp8_moe_checkpoint(path: str | os.PathLike[str], fmt: str, *, layout: 
     path = write_tiny_moe_checkpoint(path, layout=layout, with_mtp=with_mtp, seed=seed, layer_types=layer_types,
                                      dtype=torch.bfloat16, **overrides)
     return quantize_moe_checkpoint(path, fmt, tensor_scale_layers=tensor_scale_layers)
+
+
+# An FP8 KV cache, and chunks small enough that the shared prefix spans several.
+FP8_KV: dict[str, Any] = dict(kv_cache_dtype="fp8", max_num_batched_tokens=32)
+
+
+def prefix_sharing_arrivals(params: Any) -> dict[int, list[tuple[str, list[int], Any]]]:
+    """``drive``'s arrivals: a request of 53 tokens, and at step 3 one extending it by 12 (its prefix cached)."""
+    a = random_prompts(1, [53], seed=1)[0]
+    return {0: [("a", a, params)], 3: [("b", a + random_prompts(1, [12], seed=2)[0], params)]}
+
+
+def assert_fp8_kv_features_compose(path: str, arrivals: dict[int, list[tuple[str, list[int], Any]]],
+                                   plain: dict[str, Any], plant_drafts: Any, speculative_config: dict[str, Any]
+                                   ) -> None:
+    """With an FP8 KV cache (``FP8_KV``), prefix caching, MTP (``plant_drafts``, the tests' fixture, planting
+    ``plain``'s outputs as drafts) and async scheduling, ``path`` gives the tokens of ``plain`` (the same arrivals
+    driven with ``FP8_KV`` alone), accepting drafts and hitting the prefix cache, and leaks nothing."""
+    llm = make_llm(path, enable_prefix_caching=True, speculative_config=speculative_config, async_scheduling=True,
+                   recurrent_snapshot_interval=16, num_snapshot_slots=32, **FP8_KV)
+    assert all(k.dtype == FP8 for k, _ in llm.llm_engine.runner.kv_caches_all)
+    plant_drafts(llm.llm_engine, {rid: list(out.outputs[0].token_ids) for rid, out in plain.items()})
+    got = drive(llm.llm_engine, arrivals)
+    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
+    metrics = llm.get_metrics()
+    assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0
+    llm.llm_engine.assert_no_leaks()
 
 
 def write_fp8_next_checkpoint(path: str | os.PathLike[str], fmt: str, *, layout: str = "per_expert",

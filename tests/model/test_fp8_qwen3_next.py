@@ -42,7 +42,13 @@ from hyserve.testing import read_checkpoint_tensors
 from hyserve.testing.engine import drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.fp8 import FP8, assert_close_to_fp8_reference, dequantize, expand_block, load_engine_model
-from hyserve.testing.fp8_moe import load_fp8_moe_reference, write_fp8_next_checkpoint
+from hyserve.testing.fp8_moe import (
+    FP8_KV,
+    assert_fp8_kv_features_compose,
+    load_fp8_moe_reference,
+    prefix_sharing_arrivals,
+    write_fp8_next_checkpoint,
+)
 from hyserve.testing.qwen3_next import QWEN3_NEXT
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -177,19 +183,9 @@ def test_fp8_kv_prefix_caching_mtp_and_async_compose(next_ckpts: Checkpoints, pl
     """Block-FP8 weights with an FP8 KV cache: with prefix caching, MTP (planted drafts, some accepted) and async
     scheduling the tokens are the plain run's."""
     path = next_ckpts.get("block_per_expert")
-    a = random_prompts(1, [53], seed=1)[0]
-    arrivals = {0: [("a", a, GREEDY)], 3: [("b", a + random_prompts(1, [12], seed=2)[0], GREEDY)]}
-    kw: dict[str, Any] = dict(kv_cache_dtype="fp8", max_num_batched_tokens=32)
-    plain = drive(make_llm(path, **kw).llm_engine, arrivals)
-    llm = make_llm(path, enable_prefix_caching=True, speculative_config=MTP, async_scheduling=True,
-                   recurrent_snapshot_interval=16, num_snapshot_slots=32, **kw)
-    assert all(k.dtype == FP8 for k, _ in llm.llm_engine.runner.kv_caches_all)
-    plant_drafts(llm.llm_engine, {rid: list(out.outputs[0].token_ids) for rid, out in plain.items()})
-    got = drive(llm.llm_engine, arrivals)
-    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
-    metrics = llm.get_metrics()
-    assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0
-    llm.llm_engine.assert_no_leaks()
+    arrivals = prefix_sharing_arrivals(GREEDY)
+    plain = drive(make_llm(path, **FP8_KV).llm_engine, arrivals)
+    assert_fp8_kv_features_compose(path, arrivals, plain, plant_drafts, MTP)
 
 
 # ------------------------------------------------------------------------------------------------ sabotage
