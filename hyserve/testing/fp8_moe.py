@@ -108,12 +108,12 @@ def assert_fp8_kv_features_compose(path: str, arrivals: dict[int, list[tuple[str
 
 def write_fp8_next_checkpoint(path: str | os.PathLike[str], fmt: str, *, layout: str = "per_expert",
                               with_mtp: bool = True, seed: int = 0, block: tuple[int, int] = BLOCK,
-                              **overrides: Any) -> str:
+                              ba_in_fp8: bool = False, **overrides: Any) -> str:
     """A tiny FP8 Qwen3-Next checkpoint (``hyserve.testing.qwen3_next``: transformers' ``save_pretrained``, fused
     ``in_proj_qkvz`` / ``in_proj_ba``, one tensor per expert; ``layout="fused"`` stacks the experts as
     transformers holds them) quantized as ``quantize_moe_checkpoint`` does, ``in_proj_ba`` kept in bf16 as the
-    release keeps it. Block FP8 in ``block`` tiles: the tiny heads (16 rows) need 16-row blocks for the scales to
-    follow the key-head groups' re-order."""
+    release keeps it (``ba_in_fp8``: quantized too). Block FP8 in ``block`` tiles: the tiny heads (16 rows) need
+    16-row blocks for the scales to follow the key-head groups' re-order."""
     from hyserve.testing.qwen3_next import write_tiny_next_checkpoint
 
     path = write_tiny_next_checkpoint(path, with_mtp=with_mtp, seed=seed, **overrides)
@@ -128,7 +128,7 @@ def write_fp8_next_checkpoint(path: str | os.PathLike[str], fmt: str, *, layout:
             os.remove(os.path.join(path, name))
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
-    return quantize_moe_checkpoint(path, fmt, block=block)
+    return quantize_moe_checkpoint(path, fmt, block=block, quantize="in_proj_ba" if ba_in_fp8 else None)
 
 
 def _quantize_stacked(w: torch.Tensor, fmt: str, block: tuple[int, int] = BLOCK
@@ -158,11 +158,13 @@ def dequantize_stacked(tensors: dict[str, torch.Tensor], name: str, block: tuple
 
 
 def quantize_moe_checkpoint(path: str, fmt: str, *, tensor_scale_layers: str | None = None,
-                            block: tuple[int, int] = BLOCK) -> str:
-    """Quantize the MoE checkpoint in ``path`` in place (see the module docstring; ``block``: block FP8's size)."""
+                            block: tuple[int, int] = BLOCK, quantize: str | None = None) -> str:
+    """Quantize the MoE checkpoint in ``path`` in place (see the module docstring; ``block``: block FP8's size;
+    ``quantize``: a name the ignore list's entries containing it are dropped for, e.g. ``in_proj_ba``)."""
     if fmt not in ("ct_dynamic", "block"):
         raise ValueError(f"MoE FP8 test checkpoints: fmt ct_dynamic or block (got {fmt!r})")
-    quantize_checkpoint(path, fmt, ignore=moe_ignore(fmt, read_checkpoint_tensors(path)), block=block)
+    ignore = [e for e in moe_ignore(fmt, read_checkpoint_tensors(path)) if quantize is None or quantize not in e]
+    quantize_checkpoint(path, fmt, ignore=ignore, block=block)
     tensors = read_checkpoint_tensors(path)
     suffix = "_scale_inv" if fmt == "block" else "_scale"
     for name in [n for n in tensors if n.endswith(FUSED)]:

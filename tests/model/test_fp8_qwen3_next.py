@@ -18,7 +18,8 @@ so the block checkpoints use 16 x 16 blocks (the CPU path computes any block siz
   tokens;
 * ``load_format="dummy"`` from benchmarks/shapes.py's block-FP8 config (the real next-80b built on the meta device;
   a shrunk one with the real head dims served on one rank and on two);
-* pieces that are not whole blocks (a block larger than the heads, ``in_proj_ba`` quantized in blocks) refused.
+* ``in_proj_ba`` in block FP8 too (a tensor of one row of blocks: every row takes its scales, whatever the order);
+* pieces that are not whole blocks refused (a block larger than the heads; ``in_proj_ba`` over two rows of blocks).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ CASES: dict[str, dict[str, Any]] = {
     "block_per_expert": dict(fmt="block", layout="per_expert"),
     "block_fused": dict(fmt="block", layout="fused", num_experts_per_tok=3),
     "ct_per_expert": dict(fmt="ct_dynamic", layout="per_expert"),
+    # in_proj_ba in blocks too: its 8 rows are one row of blocks, shared by every row, whatever their order.
+    "block_ba": dict(fmt="block", layout="per_expert", ba_in_fp8=True),
     # A shared expert of 64: two ranks' slices of 32, whole 16-row blocks.
     "block_tp": dict(fmt="block", layout="per_expert", shared_expert_intermediate_size=64),
 }
@@ -118,15 +121,19 @@ def scales_in_checkpoint_order(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.parametrize("case", ["block_per_expert", "block_fused", "ct_per_expert"])
+@pytest.mark.parametrize("case", ["block_per_expert", "block_fused", "ct_per_expert", "block_ba"])
 def test_greedy_matches_the_fp8_reference(next_ckpts: Checkpoints, case: str) -> None:
     llm = make_llm(next_ckpts.get(case), max_num_batched_tokens=16, speculative_config=MTP)
     _check(llm, next_ckpts.reference(case))
     model = llm.llm_engine.runner.model
     gdn = [m for m in model.modules() if hasattr(m, "in_proj") and hasattr(m.in_proj, "gemms")]
     assert len(gdn) == 3
-    for m in gdn:  # [q | k | v | z] in FP8, [b | a] in bf16: two GEMMs
-        qkvz, ba = m.in_proj.gemms
+    for m in gdn:
+        if case == "block_ba":  # [q | k | v | z | b | a] in one FP8 GEMM: 192 + 8 rows, 13 rows of 16-row blocks
+            (gemm,) = m.in_proj.gemms
+            assert gemm.weight.dtype == FP8 and gemm.weight_scale_inv.shape == (13, 4)
+            continue
+        qkvz, ba = m.in_proj.gemms  # [q | k | v | z] in FP8, [b | a] in bf16: two GEMMs
         assert qkvz.weight.dtype == FP8 and ba.weight.dtype == torch.float32 and not ba.method.quantized
     for block in (m for m in model.modules() if hasattr(m, "shared_expert_gate")):
         assert block.gate.weight.dtype == torch.float32 and block.shared_expert_gate.weight.dtype == torch.float32
@@ -255,7 +262,8 @@ def test_dummy_weights_from_the_benchmarks_fp8_config(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("change,match", [
     ("block32", r"in_proj_qkvz: block FP8 with 32-row blocks, but each key-head group's q and k pieces are 16 rows"),
-    ("ba_in_blocks", r"in_proj_ba: block FP8 with 16-row blocks, but each key-head group's b and a pieces are 2 rows"),
+    ("ba_in_blocks", r"in_proj_ba: block FP8 with 4-row blocks, but each key-head group's b and a pieces are 2 rows "
+                     r"and the tensor 8"),
 ])
 def test_pieces_that_are_not_whole_blocks_are_refused(next_ckpts: Checkpoints, tmp_path: Path, change: str,
                                                       match: str) -> None:
@@ -263,7 +271,8 @@ def test_pieces_that_are_not_whole_blocks_are_refused(next_ckpts: Checkpoints, t
     qc = raw["quantization_config"]
     if change == "block32":
         qc["weight_block_size"] = [32, 32]
-    else:
+    else:  # 4-row blocks: q, k, v, z whole blocks; in_proj_ba's 8 rows two rows of blocks, b and a 2 rows each
+        qc["weight_block_size"] = [4, 4]
         qc["modules_to_not_convert"] = [m for m in qc["modules_to_not_convert"] if not m.endswith("in_proj_ba")]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=match):
