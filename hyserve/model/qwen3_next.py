@@ -19,8 +19,8 @@ FP8 (docs/fp8_facts.md): the row re-order is a ``Shard`` of many row ranges, and
 same ranges of theirs (``Fp8LinearMethod``): per-channel scales row for row, block scales (Qwen's block FP8,
 ``weight_scale_inv``) by whole rows of blocks, which holds when every piece of a group (q_j and k_j of dk rows, the
 v and z of r dv rows; b and a of r rows) is a multiple of the block's rows: 128 in the release (dk = dv = 128), or
-when the whole tensor is one row of blocks (``in_proj_ba``'s 2 nv = 64 rows in the release, which keeps it in bf16
-as vLLM's "ba_proj doesn't support blockwise fp8" suggests: block-quantized, all its rows share the scales). Other
+when the whole tensor is one row of blocks (``in_proj_ba``'s 2 nv = 64 rows in the release: all its rows share the
+scales; the release is taken to keep it in bf16, as vLLM's "ba_proj doesn't support blockwise fp8" suggests). Other
 pieces are refused when the layer is built.
 """
 
