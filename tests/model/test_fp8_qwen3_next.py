@@ -10,7 +10,11 @@ so the block checkpoints use 16 x 16 blocks (the CPU path computes any block siz
 
 * greedy tokens and log-probs match transformers' ``Qwen3NextForCausalLM`` holding the dequantized weights with the
   activation quantization emulated (``hyserve.testing.fp8_moe.load_fp8_moe_reference``; the tolerances of
-  tests/model/test_fp8_moe.py), MTP on with its FP8 head;
+  tests/model/test_fp8_moe.py), MTP on with its FP8 head. CHAOS: these tiny random models are chaotic on the longer
+  prompts, the reference itself moving by up to 0.2 in a log-prob under a 1e-6 relative change of its embedding
+  (measured; an engine float32 difference of 1e-7 straddling an e4m3 rounding boundary does the same), so the
+  seeds are ones whose models are not (the engine then agrees to about 1e-5 at most positions), and the exact
+  in_proj checks are the sharp ones;
 * the loaded in_proj dequantized is exactly the re-ordered rows of the checkpoint's, on one rank and on each of two;
   a load whose block scales keep the checkpoint's row order (the sabotage) fails both that and the reference check;
 * tensor parallel 2 on gloo (a key-head group and its scale rows per rank);
@@ -62,7 +66,8 @@ CASES: dict[str, dict[str, Any]] = {
     "block_fused": dict(fmt="block", layout="fused", num_experts_per_tok=3),
     "ct_per_expert": dict(fmt="ct_dynamic", layout="per_expert"),
     # in_proj_ba in blocks too: its 8 rows are one row of blocks, shared by every row, whatever their order.
-    "block_ba": dict(fmt="block", layout="per_expert", ba_in_fp8=True),
+    # (Seed 5: see CHAOS.)
+    "block_ba": dict(fmt="block", layout="per_expert", ba_in_fp8=True, shared_expert_intermediate_size=64, seed=5),
     # A shared expert of 64: two ranks' slices of 32, whole 16-row blocks.
     "block_tp": dict(fmt="block", layout="per_expert", shared_expert_intermediate_size=64),
 }
@@ -81,8 +86,8 @@ class Checkpoints:
 
     def get(self, case: str) -> str:
         if case not in self.paths:
-            kw = dict(CASES[case])
-            self.paths[case] = write_fp8_next_checkpoint(self.root / case, kw.pop("fmt"), block=BLOCK, seed=3, **kw)
+            kw = {"seed": 3, **CASES[case]}
+            self.paths[case] = write_fp8_next_checkpoint(self.root / case, kw.pop("fmt"), block=BLOCK, **kw)
         return self.paths[case]
 
     def reference(self, case: str, tp: int = 1) -> Any:
@@ -156,25 +161,29 @@ def test_online_fp8(ckpts: CheckpointCache) -> None:
 
 def _in_proj_check(path: str, tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank's loaded in_proj ([q | k | v | z], FP8 and its block scales, dequantized) is exactly its key-head
-    groups' rows of the checkpoint's dequantized ``in_proj_qkvz``, re-ordered."""
+    groups' rows of the checkpoint's dequantized ``in_proj_qkvz``, re-ordered (and [b | a] of ``in_proj_ba`` after
+    them where that is block FP8 too, one GEMM)."""
     tensors = read_checkpoint_tensors(path)
     monkeypatch.setattr(parallel_state, "_TP_SIZE", tp)
     for rank in range(tp):
         monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
         model = load_engine_model(Qwen3NextForCausalLM, path)
         k_range = (rank * NK // tp, (rank + 1) * NK // tp)
-        rows, _ = fused_in_proj_rows(NK, NV, DK, DV, k_range)
+        rows = dict(zip(("in_proj_qkvz", "in_proj_ba"), fused_in_proj_rows(NK, NV, DK, DV, k_range), strict=True))
         for i in (0, 1, 2):
-            gemm = model.model.layers[i].mixer.in_proj.gemms[0]
-            got = gemm.weight.float() * expand_block(gemm.weight_scale_inv, gemm.weight.shape, BLOCK)
-            full = dequantize(tensors, f"model.layers.{i}.linear_attn.in_proj_qkvz", BLOCK)
-            assert torch.equal(got, Shard(tuple(full.shape), 0, rows).take(full)), (rank, i)
+            gemms = model.model.layers[i].mixer.in_proj.gemms
+            got = gemms[0].weight.float() * expand_block(gemms[0].weight_scale_inv, gemms[0].weight.shape, BLOCK)
+            want = []
+            for name in ("in_proj_qkvz", "in_proj_ba")[: 3 - len(gemms)]:
+                full = dequantize(tensors, f"model.layers.{i}.linear_attn.{name}", BLOCK)
+                want.append(Shard(tuple(full.shape), 0, rows[name]).take(full))
+            assert torch.equal(got, torch.cat(want)), (rank, i)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_each_ranks_in_proj_is_its_groups_rows_with_their_scales(next_ckpts: Checkpoints, tp: int,
+@pytest.mark.parametrize("case,tp", [("block_tp", 1), ("block_tp", 2), ("block_ba", 1), ("block_ba", 2)])
+def test_each_ranks_in_proj_is_its_groups_rows_with_their_scales(next_ckpts: Checkpoints, case: str, tp: int,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    _in_proj_check(next_ckpts.get("block_tp"), tp, monkeypatch)
+    _in_proj_check(next_ckpts.get(case), tp, monkeypatch)
 
 
 def test_tensor_parallel_2_matches_the_reference(next_ckpts: Checkpoints) -> None:
