@@ -14,6 +14,14 @@ grouped by key head (transformers' ``fix_query_key_value_ordering``), with r = v
 They load, re-ordered by their ``Shard``'s row ranges (``fused_in_proj_rows``), into the same GEMM as Qwen3.5's,
 whose output is [q | k | v | z | b | a] of this rank's heads: the forward path is Qwen3.5's. Tensor parallel:
 a rank holds whole key-head groups (its key heads, and the r value heads of each).
+
+FP8 (docs/fp8_facts.md): the row re-order is a ``Shard`` of many row ranges, and a quantized part's scales take the
+same ranges of theirs (``Fp8LinearMethod``): per-channel scales row for row, block scales (Qwen's block FP8,
+``weight_scale_inv``) by whole rows of blocks, which holds when every piece of a group (q_j and k_j of dk rows, the
+v and z of r dv rows; b and a of r rows) is a multiple of the block's rows: 128 in the release (dk = dv = 128), or
+when the whole tensor is one row of blocks (``in_proj_ba``'s 2 nv = 64 rows in the release: all its rows share the
+scales; the release is taken to keep it in bf16, as vLLM's "ba_proj doesn't support blockwise fp8" suggests). Other
+pieces are refused when the layer is built.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 from torch import nn
 
 from hyserve.layers.gdn import GatedDeltaNet, GDNConfig
-from hyserve.layers.linear import MergedLinear
+from hyserve.layers.linear import MergedLinear, linear_method
 from hyserve.layers.moe import SparseMoeBlock
 from hyserve.layers.sharding import Shard
 from hyserve.model.mtp import MTPHead, load_mtp_weights
@@ -54,18 +62,28 @@ class FusedGatedDeltaNet(GatedDeltaNet):
     """Qwen3.5's GDN layer whose input projections load from the fused ``in_proj_qkvz`` / ``in_proj_ba``."""
 
     def make_in_proj(self, cfg: GDNConfig, prefix: str) -> MergedLinear:
-        if cfg.quantization is not None:
-            raise ValueError(f"quantized fused GDN input projections (in_proj_qkvz, in_proj_ba) are not supported "
-                             f"yet ({prefix})")
         nk, nv, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.hidden_size
         (k0, k1), r = self.k_range, nv // nk
+        full_qkvz = nk * (2 * self.head_k_dim + 2 * r * self.head_v_dim)
+        pieces = {"in_proj_qkvz": (full_qkvz, {"q and k": self.head_k_dim, "v and z": r * self.head_v_dim}),
+                  "in_proj_ba": (2 * nv, {"b and a": r})}
+        for name, (full, sizes) in pieces.items():
+            # A block-quantized part's scales re-order by whole rows of blocks (see the module docstring).
+            rows = linear_method(cfg.quantization, f"{prefix}.{name}").row_alignment
+            for what, n in sizes.items():
+                if n % rows and full > rows:
+                    raise ValueError(
+                        f"{prefix}.{name}: block FP8 with {rows}-row blocks, but each key-head group's {what} "
+                        f"pieces are {n} rows and the tensor {full}: the scales cannot follow the grouped rows' "
+                        f"re-order (supported: pieces of whole blocks, as the release's 128-row heads are, or a "
+                        f"tensor of at most one row of blocks; else {name} kept in bf16, in modules_to_not_convert)")
         # The value heads this rank holds are those of its key heads' groups.
         assert self.v_range == (k0 * r, k1 * r), (self.k_range, self.v_range)
         qkvz, ba = fused_in_proj_rows(nk, nv, self.head_k_dim, self.head_v_dim, self.k_range)
-        full_qkvz = nk * (2 * self.head_k_dim + 2 * r * self.head_v_dim)
         shards = {"in_proj_qkvz": Shard((full_qkvz, h), 0, qkvz), "in_proj_ba": Shard((2 * nv, h), 0, ba)}
         return MergedLinear(h, [("in_proj_qkvz", self.conv_dim + self.value_dim),
-                                ("in_proj_ba", 2 * self.num_v_heads)], shards, prefix=prefix)
+                                ("in_proj_ba", 2 * self.num_v_heads)], shards, quant=cfg.quantization,
+                           prefix=prefix)
 
 
 class NextDecoderLayer(DecoderLayer):

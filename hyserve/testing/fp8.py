@@ -10,7 +10,8 @@ form, optionally with an MTP head) and quantizes its linear layers' weights in o
   different ones), a static ``input_scale`` per layer from a calibration pass (layers reading the same input get
   the same scale, as calibration gives them);
 * ``block``: Qwen's block FP8 (``quant_method: "fp8"``): ``weight_scale_inv`` per 128x128 block, ceil-shaped for
-  dimensions 128 does not divide, activations dynamic per token and 128-group.
+  dimensions 128 does not divide, activations dynamic per token and 128-group (``block``: other block sizes, for
+  tiny models whose heads must be whole blocks; the reference reads ``weight_block_size`` back).
 
 Quantized are the linear projections (attention, GDN, MLP, MTP head); never the embedding, ``lm_head``, norms,
 conv, gates or the vision tower; and not the layers in the ignore list (compressed-tensors ``ignore``, exact names
@@ -54,13 +55,17 @@ _CT_ARGS: dict[str, Any] = {
 
 def default_ignore(fmt: str, tensors: dict[str, torch.Tensor]) -> list[str]:
     """What real checkpoints keep in bf16 among the linear layers: ``lm_head`` and the GDN ``in_proj_a`` /
-    ``in_proj_b`` (Qwen's own FP8 releases, docs/fp8_facts.md section 7); compressed-tensors as ``re:`` entries,
+    ``in_proj_b`` (Qwen3-Next's fused ``in_proj_ba``; Qwen's own FP8 releases, docs/fp8_facts.md section 7);
+    compressed-tensors as ``re:`` entries,
     with the vision tower's (``re:.*visual.*``, as the llm-compressor recipes and the published Qwen3.5
     FP8-dynamic checkpoints write it: an engine that builds the tower with the checkpoint's quantization needs it),
     block FP8 as the exact per-layer names ``modules_to_not_convert`` holds."""
     if fmt.startswith("ct_"):
-        return ["lm_head", r"re:.*linear_attn\.in_proj_[ab]$", "re:.*visual.*"]
-    names = sorted(n.removesuffix(".weight") for n in tensors if re.search(r"linear_attn\.in_proj_[ab]\.weight$", n))
+        ab = r"re:.*linear_attn\.in_proj_(a|b|ba)$" if any(".in_proj_ba." in n for n in tensors) \
+            else r"re:.*linear_attn\.in_proj_[ab]$"
+        return ["lm_head", ab, "re:.*visual.*"]
+    names = sorted(n.removesuffix(".weight") for n in tensors
+                   if re.search(r"linear_attn\.in_proj_(a|b|ba)\.weight$", n))
     return ["lm_head", *names]
 
 
@@ -88,9 +93,9 @@ def quantize_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def block_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def block_scale(w: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] = BLOCK) -> torch.Tensor:
     n, k = w.shape
-    bn, bk = BLOCK
+    bn, bk = block
     gn, gk = -(-n // bn), -(-k // bk)
     padded = torch.zeros(gn * bn, gk * bk)
     padded[:n, :k] = w.float().abs()
@@ -98,16 +103,16 @@ def block_scale(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (amax.clamp(min=EPS) / FP8_MAX).to(dtype)
 
 
-def expand_block(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def expand_block(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] = BLOCK) -> torch.Tensor:
     n, k = shape
-    return scale.float().repeat_interleave(BLOCK[0], 0)[:n].repeat_interleave(BLOCK[1], 1)[:, :k]
+    return scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
 
 
-def dequantize(tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+def dequantize(tensors: dict[str, torch.Tensor], module: str, block: tuple[int, int] = BLOCK) -> torch.Tensor:
     """The float32 weight of quantized ``module`` (checkpoint name) from its FP8 weight and stored scales."""
     w = tensors[f"{module}.weight"]
     if f"{module}.weight_scale_inv" in tensors:
-        return w.float() * expand_block(tensors[f"{module}.weight_scale_inv"], w.shape)
+        return w.float() * expand_block(tensors[f"{module}.weight_scale_inv"], w.shape, block)
     scale = tensors[f"{module}.weight_scale"].float()
     return w.float() * (scale.reshape(1, 1) if scale.numel() == 1 else scale)
 
@@ -144,7 +149,8 @@ def write_fp8_checkpoint(
 
 
 def quantize_checkpoint(path: str | os.PathLike[str], fmt: str, *, quantize_mtp: bool = True,
-                        ignore: list[str] | None = None, scale_dtype: torch.dtype = torch.float32) -> str:
+                        ignore: list[str] | None = None, scale_dtype: torch.dtype = torch.float32,
+                        block: tuple[int, int] = BLOCK) -> str:
     """Quantize the Qwen3.5 checkpoint in ``path`` in place into ``fmt`` (the arguments as ``write_fp8_checkpoint``'s);
     the benchmarks turn their bf16 checkpoints of the real shapes into FP8 ones with it (``ct_static`` calibrates on
     a transformers model of the checkpoint: tiny ones only)."""
@@ -160,8 +166,8 @@ def quantize_checkpoint(path: str | os.PathLike[str], fmt: str, *, quantize_mtp:
     for module in quantized:
         w = tensors[f"{module}.weight"]
         if fmt == "block":
-            scale = block_scale(w, scale_dtype)
-            tensors[f"{module}.weight"] = quantize_weight(w, expand_block(scale, w.shape))
+            scale = block_scale(w, scale_dtype, block)
+            tensors[f"{module}.weight"] = quantize_weight(w, expand_block(scale, w.shape, block))
             tensors[f"{module}.weight_scale_inv"] = scale
         else:
             scale = per_row_scale(w, scale_dtype) if fmt == "ct_dynamic" else \
@@ -178,18 +184,18 @@ def quantize_checkpoint(path: str | os.PathLike[str], fmt: str, *, quantize_mtp:
     config_path = os.path.join(path, "config.json")
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
-    config["quantization_config"] = quantization_config(fmt, entries)
+    config["quantization_config"] = quantization_config(fmt, entries, block)
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
     return path
 
 
-def quantization_config(fmt: str, ignore: list[str]) -> dict[str, Any]:
+def quantization_config(fmt: str, ignore: list[str], block: tuple[int, int] = BLOCK) -> dict[str, Any]:
     """The ``quantization_config`` of a checkpoint in ``fmt``, with the fields its producers write."""
     if fmt == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(BLOCK), "modules_to_not_convert": list(ignore)}
+                "weight_block_size": list(block), "modules_to_not_convert": list(ignore)}
     static = fmt == "ct_static"
     weights = {**_CT_ARGS, "strategy": "tensor" if static else "channel"}
     acts = {**_CT_ARGS, "strategy": "tensor" if static else "token", "dynamic": not static,
@@ -330,11 +336,11 @@ ROW_PARALLEL = ("o_proj", "out_proj", "down_proj")
 
 
 def emulate(model: Qwen3_5ForCausalLM, modes: dict[str, tuple[str, float | None]],
-             tensor_parallel_size: int) -> Qwen3_5ForCausalLM:
+             tensor_parallel_size: int, block_k: int = BLOCK[1]) -> Qwen3_5ForCausalLM:
     """Forward pre-hooks quantizing the input of each ``nn.Linear`` named in ``modes`` (model-side names). With
     tensor parallelism a row-parallel layer's ranks each hold a slice of the input and quantize it per token on their
-    own (as vLLM does): per token and ``in / tensor_parallel_size`` group here. Block groups (128) are unchanged:
-    shards are whole groups."""
+    own (as vLLM does): per token and ``in / tensor_parallel_size`` group here. Block groups (``block_k``, 128) are
+    unchanged: shards are whole groups."""
     def hook_for(mode: str, scale: float | None, group: int) -> Callable[..., tuple[torch.Tensor, ...]]:
         def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             return (fake_quantize(args[0], mode, scale, group), *args[1:])
@@ -343,7 +349,7 @@ def emulate(model: Qwen3_5ForCausalLM, modes: dict[str, tuple[str, float | None]
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name in modes:
             mode, scale = modes[name]
-            group = BLOCK[1]
+            group = block_k
             if mode == "token" and tensor_parallel_size > 1 and name.rsplit(".", 1)[-1] in ROW_PARALLEL:
                 mode, group = "group", m.in_features // tensor_parallel_size
             m.register_forward_pre_hook(hook_for(mode, scale, group))

@@ -40,7 +40,7 @@ from hyserve.kernels import fp8 as fp8_kernels
 from hyserve.layers.linear import Linear, LinearBase
 from hyserve.layers.quantization import fp8 as fp8_method
 from hyserve.layers.quantization import parse_quantization_config
-from hyserve.layers.sharding import Shard
+from hyserve.layers.sharding import Shard, shard_of
 from hyserve.model.loader import load_weights
 from hyserve.model.qwen3_5 import Qwen3_5ForCausalLM as HyModel
 from hyserve.model.registry import load_model_config
@@ -489,11 +489,16 @@ def test_each_rank_holds_its_slice_of_the_dequantized_weights(fp8_ckpts: Checkpo
 
 
 def test_block_shards_off_the_block_grid_are_refused(fp8_ckpts: Checkpoints) -> None:
+    """A rank's rows off the block grid of a tensor of two rows of blocks are refused; in a tensor of one row of
+    blocks any rows are fine (they all take its scales)."""
     quant = load_model_config(fp8_ckpts.get("block")).quantization
     with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.q_proj: this tensor-parallel rank's rows "
-                                         r"\[64, 128\) of 128 do not start and end on the checkpoint's 128x128 FP8 "
+                                         r"\[64, 192\) of 256 do not start and end on the checkpoint's 128x128 FP8 "
                                          r"blocks"):
-        Linear(64, 64, quant=quant, prefix="model.layers.3.self_attn.q_proj", shard=Shard((128, 64), 0, ((64, 128),)))
+        Linear(64, 128, quant=quant, prefix="model.layers.3.self_attn.q_proj", shard=Shard((256, 64), 0, ((64, 192),)))
+    one_row = Linear(64, 64, quant=quant, prefix="model.layers.3.self_attn.q_proj",
+                     shard=Shard((128, 64), 0, ((64, 128),)))
+    assert shard_of(one_row.weight_scale_inv) == Shard((1, 1), 0, ((0, 1),))
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

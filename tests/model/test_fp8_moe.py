@@ -45,7 +45,14 @@ from hyserve.testing import read_checkpoint_tensors
 from hyserve.testing.engine import drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.fp8 import FP8, assert_close_to_fp8_reference, dequantize, load_engine_model, quantization_config
-from hyserve.testing.fp8_moe import dequantize_stacked, load_fp8_moe_reference, write_fp8_moe_checkpoint
+from hyserve.testing.fp8_moe import (
+    FP8_KV,
+    assert_fp8_kv_features_compose,
+    dequantize_stacked,
+    load_fp8_moe_reference,
+    prefix_sharing_arrivals,
+    write_fp8_moe_checkpoint,
+)
 from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE, stack_experts
 
 PER_TENSOR_LAYERS = r"model\.layers\.[23]\."
@@ -179,22 +186,12 @@ def test_fp8_kv_prefix_caching_mtp_and_async_compose(moe_ckpts: Checkpoints, pla
     prefix caching, MTP (planted drafts, some accepted) and async scheduling the tokens are the plain run's."""
     path = moe_ckpts.get("block_fused")
     ref = moe_ckpts.reference("block_fused")
-    a = random_prompts(1, [53], seed=1)[0]
-    arrivals = {0: [("a", a, GREEDY)], 3: [("b", a + random_prompts(1, [12], seed=2)[0], GREEDY)]}
-    kw: dict[str, Any] = dict(kv_cache_dtype="fp8", max_num_batched_tokens=32)
-    plain = drive(make_llm(path, **kw).llm_engine, arrivals)
+    arrivals = prefix_sharing_arrivals(GREEDY)
+    plain = drive(make_llm(path, **FP8_KV).llm_engine, arrivals)
     prompts = {rid: prompt for batch in arrivals.values() for rid, prompt, _ in batch}
     with fp8_kv_emulated(ref):
         assert_close_to_reference(ref, [(prompts[rid], out) for rid, out in plain.items()])
-    llm = make_llm(path, enable_prefix_caching=True, speculative_config=MTP, async_scheduling=True,
-                   recurrent_snapshot_interval=16, num_snapshot_slots=32, **kw)
-    assert all(k.dtype == FP8 for k, _ in llm.llm_engine.runner.kv_caches_all)
-    plant_drafts(llm.llm_engine, {rid: list(out.outputs[0].token_ids) for rid, out in plain.items()})
-    got = drive(llm.llm_engine, arrivals)
-    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
-    metrics = llm.get_metrics()
-    assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0
-    llm.llm_engine.assert_no_leaks()
+    assert_fp8_kv_features_compose(path, arrivals, plain, plant_drafts, MTP)
 
 
 def test_the_kv_check_sees_an_unquantized_cache(moe_ckpts: Checkpoints) -> None:

@@ -13,11 +13,14 @@ What a layer keeps (whatever the checkpoint format):
 * static activations: the parts' ``input_scale`` (one each) and their maximum, the one scale of the GEMM (as vLLM
   does; calibration gives parts that read the same input the same scale).
 
-Tensor parallelism: per-channel scales shard with their rows; block scales with their blocks, and a shard boundary
-not on a block boundary is refused when the layer is built; per-tensor and input scales are whole on every rank. A
-row-parallel layer's rank quantizes its slice of the input per token on its own, as vLLM does (no collective for a
-common amax; the result is as close to the checkpoint's per-token scheme as a finer grouping is); activation groups
-of block weights do not change, a rank's slice being whole groups.
+Tensor parallelism (and any row re-order, ``Shard`` ranges in any order): per-channel scales shard with their rows;
+block scales with their blocks, and a shard boundary not on a block boundary is refused when the layer is built,
+unless the checkpoint tensor is one row of blocks (at most ``bn`` rows, as Qwen3.5's ``in_proj_b`` and Qwen3-Next's
+``in_proj_ba``): every row, whichever a rank keeps and in whatever order, takes that one row of scales.
+Per-tensor and input scales are whole on every rank. A row-parallel layer's rank quantizes its slice of the input
+per token on its own, as vLLM does (no collective for a common amax; the result is as close to the checkpoint's
+per-token scheme as a finer grouping is); activation groups of block weights do not change, a rank's slice being
+whole groups.
 
 Online FP8 (``Fp8Scheme.online``): the checkpoint holds the weight in bf16/fp32, quantized per output channel as it
 loads (over the whole checkpoint row, so every tensor-parallel layout quantizes alike); the scale is not a
@@ -148,7 +151,10 @@ class Fp8LinearMethod(LinearMethod):
             if shard is not None:
                 n_full, k_full = shard.full_shape
                 step = bn if by_rows else bk
-                blocks = tuple((a // step, _cdiv(b, step)) for a, b in shard.ranges)
+                if by_rows and n_full <= bn:  # one row of blocks: the scales of every row
+                    blocks: tuple[tuple[int, int], ...] = ((0, 1),)
+                else:
+                    blocks = tuple((a // step, _cdiv(b, step)) for a, b in shard.ranges)
                 set_shard(scale, Shard((_cdiv(n_full, bn), _cdiv(k_full, bk)), shard.dim, blocks))
             set_load_spec(scale, LoadSpec(SCALE_DTYPES))
             out[s.scale_name] = scale
@@ -182,6 +188,8 @@ class Fp8LinearMethod(LinearMethod):
             step = bn if part.shard.dim == 0 else bk
             what = "rows" if part.shard.dim == 0 else "columns"
             end = part.shard.full_shape[part.shard.dim]
+            if part.shard.dim == 0 and end <= bn:  # one row of blocks, whatever rows this rank keeps
+                continue
             for a, b in part.shard.ranges:
                 if a % step or (b % step and b != end):
                     name = layer.part_name(part)
