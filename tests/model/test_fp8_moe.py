@@ -424,4 +424,8 @@ def test_cuda_experts_match_the_cpu_path(moe_ckpts: Checkpoints, case: str) -> N
                 weights, ids = route(torch.randn(tokens, 6, generator=gen), 2, True)
                 want = c(x.float(), weights, ids)
                 got = g(x.cuda(), weights.cuda(), ids.cuda()).float().cpu()
-                torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+                # An activation whose bf16 rounding differs lands on the next FP8 value (6 % apart): a few outputs
+                # move by up to that much of one term; the rest agree to the bf16 roundings.
+                err, top = (got - want).abs(), float(want.abs().max())
+                assert float(err.max()) <= 0.1 * top, (tokens, float(err.max()), top)
+                assert float((err > 3e-2 * top).float().mean()) <= 1e-3, (tokens, int((err > 3e-2 * top).sum()))

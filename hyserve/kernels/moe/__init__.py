@@ -95,15 +95,15 @@ def _dtype_name(w: torch.Tensor, scales: ExpertScales | None) -> str:
 
 
 def select_config(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> MoePlan:
-    """The tuned plan of the nearest tuned token count (at or above ``num_tokens`` if any), else the default."""
+    """The tuned plan of the nearest tuned token count at or above ``num_tokens``, else the default."""
     block_k = scales.block[1] if scales is not None and scales.block is not None else None
     if w13.is_cuda:
         path = config_path(w13.shape[0], w13.shape[2], w2.shape[2], _dtype_name(w13, scales),
                            torch.cuda.get_device_name(w13.device))
         table = load_configs(path)
-        if table:
-            above = [m for m in table if m >= num_tokens]
-            return table[min(above) if above else max(table)]
+        above = [m for m in table if m >= num_tokens]
+        if above:  # a count past the table's largest takes the defaults, not a decode tile
+            return table[min(above)]
     return default_config(num_tokens, block_k)
 
 
