@@ -33,7 +33,7 @@ from hyserve.kernels.moe import fused_experts, route_experts, route_ref
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import MLP
 from hyserve.layers.quantization import QuantizationConfig
-from hyserve.layers.quantization.experts import PROJECTIONS, UNQUANTIZED_EXPERTS
+from hyserve.layers.quantization.experts import PROJECTIONS, experts_method_for
 
 
 class MoEConfig(Protocol):
@@ -67,7 +67,7 @@ def expert_range(num_experts: int) -> tuple[int, int]:
 class Experts(nn.Module):
     """The routed experts' stacked weights (this rank's experts, whole under expert parallelism, else each one's
     slice of the intermediate dimension) and their batched computation. How the weights are kept (model dtype or
-    FP8 with scales) is the quantization config's ``experts_method`` (``hyserve.layers.quantization.experts``)."""
+    FP8 with scales) is the quantization config's (``hyserve.layers.quantization.experts.experts_method_for``)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, quant: QuantizationConfig | None = None,
                  prefix: str = "experts") -> None:
@@ -81,7 +81,7 @@ class Experts(nn.Module):
         self.num_local = e1 - e0
         self.i_range = (0, intermediate) if self.ep else shard_range(intermediate)
         self.intermediate = self.i_range[1] - self.i_range[0]
-        self.method = quant.experts_method(prefix, num_experts) if quant is not None else UNQUANTIZED_EXPERTS
+        self.method = experts_method_for(quant, prefix, num_experts)
         self.gate_up_proj: torch.Tensor
         self.down_proj: torch.Tensor
         self.method.create_weights(self)

@@ -314,13 +314,13 @@ def test_static_input_scales_and_unalike_experts_are_refused() -> None:
     assert static is not None
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: FP8 experts with static per-tensor input "
                                          r"scales .* are not supported"):
-        static.experts_method("model.layers.0.mlp.experts", 6)
+        experts_method.experts_method_for(static, "model.layers.0.mlp.experts", 6)
     unalike = parse_quantization_config({"quantization_config": quantization_config(
         "ct_dynamic", ["model.layers.0.mlp.experts.3.down_proj"])}, "Qwen3_5MoeForCausalLM")
     assert unalike is not None
     with pytest.raises(ValueError, match=r"experts' projections are quantized differently"):
-        unalike.experts_method("model.layers.0.mlp.experts", 6)
-    assert unalike.experts_method("model.layers.1.mlp.experts", 6).quantized
+        experts_method.experts_method_for(unalike, "model.layers.0.mlp.experts", 6)
+    assert experts_method.experts_method_for(unalike, "model.layers.1.mlp.experts", 6).quantized
 
 
 def test_a_missing_expert_scale_is_named(moe_ckpts: Checkpoints, tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantizationConfig
 from hyserve.layers.quantization.compressed_tensors import QUANT_METHOD as COMPRESSED_TENSORS
 from hyserve.layers.quantization.compressed_tensors import parse_compressed_tensors
-from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMethod
+from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMethod, experts_method_for
 from hyserve.layers.quantization.fine_grained_fp8 import QUANT_METHOD as FINE_GRAINED_FP8
 from hyserve.layers.quantization.fine_grained_fp8 import parse_fine_grained_fp8
 from hyserve.layers.quantization.matching import TEXT_PREFIX, VLM_TEXT_PREFIX, CheckpointNames
@@ -97,7 +97,7 @@ class DraftHeadQuantization(QuantizationConfig):
         return method
 
     def experts_method(self, prefix: str, num_experts: int) -> ExpertsMethod:
-        method = self.base.experts_method(prefix, num_experts)
+        method = experts_method_for(self.base, prefix, num_experts)
         if self.base.quantizes_at_load:
             return method
         if f"{prefix}.gate_up_proj" not in self.fp8_modules and f"{prefix}.0.gate_proj" not in self.fp8_modules:

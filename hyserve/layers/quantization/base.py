@@ -13,16 +13,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from hyserve.layers.sharding import Shard, set_shard
-
-if TYPE_CHECKING:
-    from hyserve.layers.quantization.experts import ExpertsMethod
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +107,10 @@ UNQUANTIZED = UnquantizedLinearMethod()
 
 
 class QuantizationConfig(ABC):
-    """Which method each linear layer gets. ``name`` is a model-side module name (``model.layers.0.mlp.down_proj``,
-    ``mtp.fc``); configs match it against the checkpoint's own names (``hyserve.layers.quantization.matching``)."""
+    """Which method each linear layer gets (and, by the names of their projections, the stacked experts of a MoE
+    block: ``hyserve.layers.quantization.experts.experts_method_for``). ``name`` is a model-side module name
+    (``model.layers.0.mlp.down_proj``, ``mtp.fc``); configs match it against the checkpoint's own names
+    (``hyserve.layers.quantization.matching``)."""
 
     #: The ``quant_method`` (or flag) this config comes from, for messages.
     method_name: str = ""
@@ -119,15 +118,6 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def linear_method(self, name: str) -> LinearMethod:
         """The method of linear layer ``name`` (``UNQUANTIZED`` for a layer the config leaves in the model dtype)."""
-
-    def experts_method(self, prefix: str, num_experts: int) -> ExpertsMethod:
-        """The method of the stacked experts ``prefix`` (``model.layers.0.mlp.experts``): the one their projections
-        (``{prefix}.{e}.gate_proj``, ``up_proj``, ``down_proj``, as the per-expert layout names them) get, which
-        must be the same for all of them."""
-        from hyserve.layers.quantization.experts import PROJECTIONS, uniform_experts_method
-
-        names = [f"{prefix}.{e}.{p}" for e in range(num_experts) for p in PROJECTIONS]
-        return uniform_experts_method({n: self.linear_method(n) for n in names}, prefix)
 
     @abstractmethod
     def describe(self) -> str:

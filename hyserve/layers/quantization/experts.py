@@ -36,7 +36,7 @@ from torch import nn
 
 from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.kernels.moe import ExpertScales
-from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod
+from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, QuantizationConfig
 from hyserve.layers.quantization.fp8 import (
     SCALAR_SHAPES,
     SCALE_DTYPES,
@@ -325,3 +325,17 @@ def uniform_experts_method(methods: dict[str, LinearMethod], prefix: str) -> Exp
                          f"{b}: {mb.describe()}); supported: every expert and projection of a layer alike (list the "
                          "whole layer's experts in the ignore list, or none)")
     return experts_method_of(next(iter(distinct)), prefix)
+
+
+def experts_method_for(quant: QuantizationConfig | None, prefix: str, num_experts: int) -> ExpertsMethod:
+    """The method of the stacked experts ``prefix`` (``model.layers.0.mlp.experts``): the one their projections
+    (``{prefix}.{e}.gate_proj``, ``up_proj``, ``down_proj``, as the per-expert layout names them) get from
+    ``quant``, which must be the same for all of them. A config with a rule of its own for experts (the checkpoint
+    check of ``hyserve.layers.quantization``) has an ``experts_method(prefix, num_experts)``."""
+    if quant is None:
+        return UNQUANTIZED_EXPERTS
+    own = getattr(quant, "experts_method", None)
+    if own is not None:
+        return cast(ExpertsMethod, own(prefix, num_experts))
+    names = [f"{prefix}.{e}.{p}" for e in range(num_experts) for p in PROJECTIONS]
+    return uniform_experts_method({n: quant.linear_method(n) for n in names}, prefix)
