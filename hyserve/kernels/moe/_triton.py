@@ -26,6 +26,26 @@ __all__ = ["_moe_down_kernel", "_moe_gate_up_kernel"]
 
 
 @triton.jit
+def _block_rows(ids_ptr, sorted_ptr, block_expert_ptr, pid_m, num_pairs, expert_start, num_local,
+                DIRECT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block ``pid_m``'s local expert (-1: nothing to do), its rows (positions in the padded order), their pairs
+    and which rows hold one. ``DIRECT``: block ``pid_m`` is pair ``pid_m`` alone (row 0), its expert read from
+    ``topk_ids`` (-1 when another rank holds it)."""
+    if DIRECT:
+        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
+        e = tl.where((e < 0) | (e >= num_local), -1, e)
+        offs_m = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
+        pair = offs_m
+        row_ok = tl.arange(0, BLOCK_M) == 0
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < num_pairs
+    return e, offs_m, pair, row_ok
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr,
     num_pairs, top_k, H, INTER, expert_start, num_local,
@@ -36,20 +56,10 @@ def _moe_gate_up_kernel(
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if DIRECT:  # program pid_m computes pair pid_m alone (row 0 of its tile); act row = pair
-        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
-        if (e < 0) | (e >= num_local):
-            return
-        offs_m = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
-        pair = offs_m
-        row_ok = tl.arange(0, BLOCK_M) == 0
-    else:
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        if e < 0:
-            return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_m)
-        row_ok = pair < num_pairs
+    e, offs_m, pair, row_ok = _block_rows(ids_ptr, sorted_ptr, block_expert_ptr, pid_m, num_pairs, expert_start,
+                                          num_local, DIRECT, BLOCK_M)
+    if e < 0:
+        return
     tok = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
@@ -102,20 +112,10 @@ def _moe_down_kernel(
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if DIRECT:
-        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
-        if (e < 0) | (e >= num_local):
-            return
-        offs_m = pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)
-        pair = offs_m
-        row_ok = tl.arange(0, BLOCK_M) == 0
-    else:
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        if e < 0:
-            return
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_m)
-        row_ok = pair < num_pairs
+    e, offs_m, pair, row_ok = _block_rows(ids_ptr, sorted_ptr, block_expert_ptr, pid_m, num_pairs, expert_start,
+                                          num_local, DIRECT, BLOCK_M)
+    if e < 0:
+        return
     rows = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
