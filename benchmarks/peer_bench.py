@@ -48,7 +48,10 @@ Qwen3-VL processor finds the image placeholder through the tokenizer, so image r
 
 A measure that fails is recorded under ``errors`` (the file keeps the others; the exit status is 1).
 ``report`` merges each engine's files of one model, pairs hyserve's and vLLM's and writes one entry per measure
-with both figures and the ratio, the card, versions and the git commit.
+with both figures and the ratio, the card, versions and the git commit. ``moe-report`` does the same for issue 31's
+MoE shapes in one table (``MOE_FIGURES``), taking hyserve's planted MTP runs from ``spec_decode_bench.py``'s
+``spec_decode.json`` beside the measure files; ``synthetic-mtp`` prints vLLM's speculative config that accepts MTP
+drafts at the rate ``spec_decode_bench.py`` plants (``synthetic_mtp_config``).
 """
 
 from __future__ import annotations

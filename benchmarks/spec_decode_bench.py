@@ -269,6 +269,7 @@ def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: d
         warm_up(base, prompts[batch])
         base_tps[batch], outs = timed_decode(base, prompts[batch], args.max_tokens, sync)
         want.update(outs)
+    base.shutdown()  # a 35B shape's weights take most of the card: freed before the next engine is built
     del base
     release()
     lens = {rid: len(p) for ps in prompts.values() for rid, p in ps.items()}
@@ -288,6 +289,7 @@ def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: d
             rows.append(row(batch, rate, args.k, counts, tps, base_tps[batch],  # type: ignore[arg-type]
                             got == {rid: want[rid] for rid in prompts[batch]}))
             print(json.dumps(rows[-1]), flush=True)
+        llm.shutdown()
         del llm
         release()
     return rows, vocab

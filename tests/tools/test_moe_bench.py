@@ -3,7 +3,10 @@ VLM form vLLM needs, Qwen3-Next-80B-A3B as its own config; bf16 and Qwen's block
 and give the published sizes, and ``peer_bench.py``'s batch-1 bound counts the weights a token reads (attention,
 GDN, router, shared expert, its top-k experts, the LM head) by hand on tiny configs, from config.json and from
 checkpoints in both expert layouts; ``peer_bench.py measure`` runs hyserve on a config-only MoE shape (dummy
-weights) as the session's moe phase does, and the session script has its MoE phases."""
+weights) as the session's moe phase does, and the session script has its MoE phases. The moe-agent and moe-spec
+phases run with ``python3`` a recorder: their commands parse with the scripts' own parsers (both engines, vLLM in
+its default mode, the same planted acceptance); ``spec_decode_bench.py --shared-engines`` plants drafts on a tiny
+dummy-weight MoE shape; ``peer_bench.py moe-report`` makes one table of synthetic files of every phase."""
 
 from __future__ import annotations
 
