@@ -48,7 +48,10 @@ Qwen3-VL processor finds the image placeholder through the tokenizer, so image r
 
 A measure that fails is recorded under ``errors`` (the file keeps the others; the exit status is 1).
 ``report`` merges each engine's files of one model, pairs hyserve's and vLLM's and writes one entry per measure
-with both figures and the ratio, the card, versions and the git commit.
+with both figures and the ratio, the card, versions and the git commit. ``moe-report`` does the same for issue 31's
+MoE shapes in one table (``MOE_FIGURES``), taking hyserve's planted MTP runs from ``spec_decode_bench.py``'s
+``spec_decode.json`` beside the measure files; ``synthetic-mtp`` prints vLLM's speculative config that accepts MTP
+drafts at the rate ``spec_decode_bench.py`` plants (``synthetic_mtp_config``).
 """
 
 from __future__ import annotations
@@ -1017,6 +1020,7 @@ def measure(args: argparse.Namespace) -> int:
                 fig[f"{label}_{k}"] = v
             if label == "spec":
                 fig.update(eng.spec_stats())
+                fig.update(planted_acceptance(kw["speculative_config"]))
             eng.shutdown()
             _release()
         for b in spec_batches:
@@ -1037,6 +1041,26 @@ def measure(args: argparse.Namespace) -> int:
         json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))
     return 1 if errors else 0
+
+
+def synthetic_mtp_config(k: int, rate: float) -> dict[str, Any]:
+    """vLLM's speculative config for MTP ``k`` whose drafts are accepted as the drafts ``spec_decode_bench.py``
+    plants at ``rate`` (each draft token right with probability ``rate``, acceptance ending at the first wrong
+    one): its synthetic rejection sampling (``rejection_sample_method="synthetic"``) with the per-position
+    probabilities that the first ``i + 1`` drafts are all accepted, ``rate ** (i + 1)``. The MTP head still
+    drafts every step (its cost is in the timing); the sampler accepts by these draws, not by the tokens."""
+    return {"method": "mtp", "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [round(rate ** (i + 1), 6) for i in range(k)]}
+
+
+def planted_acceptance(spec: dict[str, Any]) -> dict[str, float]:
+    """The mean acceptance length a synthetic (planted) speculative config asks for: 1 + the sum of its
+    per-position rates, or its ``synthetic_acceptance_length``; nothing for a config that accepts by the tokens."""
+    if spec.get("rejection_sample_method") != "synthetic":
+        return {}
+    if spec.get("synthetic_acceptance_length") is not None:
+        return {"spec_planted_acceptance_length": float(spec["synthetic_acceptance_length"])}
+    return {"spec_planted_acceptance_length": 1 + sum(float(r) for r in spec.get("synthetic_acceptance_rates") or [])}
 
 
 def _read_json(path: str) -> Any:
@@ -1185,7 +1209,106 @@ def report(files: list[str], out: str) -> None:
         plt.close(fig)
 
 
-def main() -> int:
+# Issue 31's MoE shapes: the config-only directories peer_session.sh writes, and the table's figures (key, higher
+# is better, label, ratio). The MTP rows: hyserve's from spec_decode_bench.py (drafts planted from the plain run at
+# the rate, the acceptance reached measured), vLLM's from ``measure --measures spec`` with its synthetic rejection
+# sampling at the same per-position rates (``synthetic_mtp_config``; the acceptance asked, not measured).
+MOE_MODELS = {"m35": "35B-A3B bf16", "m35_fp8": "35B-A3B FP8", "m80_fp8": "Next-80B FP8"}
+MOE_FIGURES: list[tuple[str, bool, str, bool]] = [
+    *((f"decode_bs{b}_tok_s", True, f"decode batch {b}, tok/s", True) for b in (1, 8, 32, 64)),
+    ("bound_bs1_tok_s", True, "batch-1 weights-bandwidth bound, tok/s", False),
+    ("decode_bs1_share_of_bound", True, "batch-1 decode, share of the bound", True),
+    ("prefill_tok_s", True, "prefill 32 x 2048, tok/s", True),
+    ("agent_wall_s", False, "agent trace (8 x 4 turns, 1.7k shared prefix, prefix caching), wall s", True),
+    ("agent_cached_share", True, "agent trace, prompt tokens from cache", True),
+    *(item for b in (1, 32) for item in (
+        (f"plain_decode_bs{b}_tok_s", True, f"MTP run's plain decode, batch {b}, tok/s", True),
+        (f"spec_decode_bs{b}_tok_s", True, f"MTP k = 3 planted at 80 %, batch {b}, tok/s", True),
+        (f"spec_speedup_bs{b}", True, f"MTP k = 3 planted at 80 %, batch {b}, speedup over plain", True),
+        (f"spec_acceptance_length_bs{b}", True,
+         f"MTP, batch {b}, mean acceptance length (hyserve reached; vLLM asked)", False))),
+]
+
+
+def spec_decode_figures(run: dict[str, Any], rate: float) -> dict[str, Any]:
+    """A ``spec_decode_bench.py`` result (``spec_decode.json``) as ``measure``'s figures, from its rows at planted
+    ``rate``: per batch the plain and speculative decode tok/s, the speedup, the mean tokens a step (the acceptance
+    length reached) and whether the outputs were the plain run's."""
+    fig: dict[str, Any] = {}
+    for r in run["rows"]:
+        if abs(float(r["acceptance_target"]) - rate) > 1e-9:
+            continue
+        b = r["batch"]
+        fig.update({f"plain_decode_bs{b}_tok_s": r["no_spec_tok_s"], f"spec_decode_bs{b}_tok_s": r["decode_tok_s"],
+                    f"spec_speedup_bs{b}": r["speedup"], f"spec_acceptance_length_bs{b}": r["mean_tokens_per_step"],
+                    f"spec_draft_acceptance_bs{b}": r["draft_acceptance"],
+                    f"spec_outputs_identical_bs{b}": r["outputs_identical"]})
+    return fig
+
+
+def moe_report(files: list[str], out: str, rate: float = 0.8) -> list[dict[str, Any]]:
+    """One table of the MoE shapes' figures of both engines (``MOE_FIGURES``) with hyserve's ratio over vLLM (> 1:
+    hyserve better), from ``measure`` files and ``spec_decode.json`` files (hyserve's planted MTP runs); a later
+    file's figure replaces an earlier one's. Writes ``moe_peer.md`` and ``moe_peer.json`` under ``out``."""
+    figs: dict[tuple[str, str], dict[str, Any]] = {}
+    info: dict[tuple[str, str], dict[str, Any]] = {}
+    errors: list[str] = []
+    for path in files:
+        r = _read_json(path)
+        if "rows" in r and "meta" in r:  # spec_decode_bench.py's
+            engine, model, fig = "hyserve", r["meta"]["model"], spec_decode_figures(r, rate)
+            meta = {"source": "spec_decode_bench.py", **{k: r["meta"].get(k) for k in ("device", "date", "torch")}}
+        else:
+            engine, model, fig = r["engine"], r["model"], dict(r.get("figures", {}))
+            meta = {k: r.get(k) for k in ("version", "device", "date", "vllm_mode", "vllm_gdn_prefill_backend")}
+            if "spec_planted_acceptance_length" in fig:  # vLLM's synthetic acceptance: the same at every batch
+                for key in list(fig):
+                    if key.startswith("spec_speedup_bs"):
+                        fig[f"spec_acceptance_length_bs{key[len('spec_speedup_bs'):]}"] = \
+                            fig["spec_planted_acceptance_length"]
+            errors += [f"{os.path.basename(model.rstrip('/'))} {engine} {name}: {why}"[:300]
+                       for name, why in r.get("errors", {}).items()]
+        name = os.path.basename(model.rstrip("/"))
+        figs.setdefault((name, engine), {}).update(fig)
+        info.setdefault((name, engine), {}).update({k: v for k, v in meta.items() if v is not None})
+    order = [m for m in MOE_MODELS if any(k[0] == m for k in figs)] + sorted({k[0] for k in figs} - set(MOE_MODELS))
+    entries = []
+    for model in order:
+        ours, peer = figs.get((model, "hyserve"), {}), figs.get((model, "vllm"), {})
+        for key, higher, label, rated in MOE_FIGURES:
+            a, b = ours.get(key), peer.get(key)
+            if a is None and b is None:
+                continue
+            ratio = (a / b if higher else b / a) if rated and a and b else None
+            entries.append({"model": model, "shape": MOE_MODELS.get(model, model), "measure": key, "label": label,
+                            "hyserve": a, "vllm": b, "ratio": ratio})
+    engines = {f"{m}/{e}": v for (m, e), v in sorted(info.items())}
+    os.makedirs(out, exist_ok=True)
+    _write_json(os.path.join(out, "moe_peer.json"), {"files": files, "hyserve_commit": _git_commit(),
+                                                       "engines": engines, "entries": entries, "errors": errors})
+
+    def fmt(x: Any) -> str:
+        return "-" if x is None else (f"{x:,.3f}" if abs(x) < 10 else f"{x:,.0f}")
+
+    lines = ["# Issue 31: hyserve against vLLM on the MoE shapes (dummy weights, one H200)", "",
+             *(f"- {k}: " + ", ".join(f"{a} {v}" for a, v in e.items()) for k, e in engines.items()), "",
+             "The MTP rows: hyserve's drafts planted from its plain run (spec_decode_bench.py, step times of the "
+             "steps where every row decodes), vLLM's synthetic rejection sampling at the same per-position rates "
+             "(peer_bench.py measure --measures spec, batch x (N - 1) / (t(N) - t(1))): compare the speedups over "
+             "each engine's own plain decode; the absolute tok/s come from two timing methods.", "",
+             "| shape | measure | hyserve | vLLM | hyserve better by |", "| --- | --- | ---: | ---: | ---: |"]
+    for e in entries:
+        ratio = "-" if e["ratio"] is None else f"{e['ratio']:.2f}x"
+        lines.append(f"| {e['shape']} | {e['label']} | {fmt(e['hyserve'])} | {fmt(e['vllm'])} | {ratio} |")
+    if errors:
+        lines += ["", "Failed measures:", "", *(f"- {x}" for x in errors)]
+    with open(os.path.join(out, "moe_peer.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return entries
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
@@ -1237,7 +1360,19 @@ def main() -> int:
     r = sub.add_parser("report")
     r.add_argument("files", nargs="+")
     r.add_argument("--out", default="benchmarks/results/h200")
-    args = ap.parse_args()
+    mr = sub.add_parser("moe-report", help="issue 31: one table of the MoE shapes' figures of both engines, with "
+                                           "ratios (measure files and spec_decode_bench.py's spec_decode.json)")
+    mr.add_argument("files", nargs="+")
+    mr.add_argument("--out", required=True)
+    mr.add_argument("--rate", type=float, default=0.8, help="the planted rate of the MTP rows taken")
+    s = sub.add_parser("synthetic-mtp", help="print vLLM's synthetic MTP speculative config (synthetic_mtp_config)")
+    s.add_argument("--k", type=int, default=3)
+    s.add_argument("--rate", type=float, default=0.8)
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.cmd == "write":
         write(args.shape, args.out, args.device, vision=args.vision, weights=not args.no_weights)
     elif args.cmd == "quantize":
@@ -1246,6 +1381,10 @@ def main() -> int:
         return measure(args)
     elif args.cmd == "cache-bound":
         cache_bound(args.model, args.agent_scale, args.agent_concurrency, args.out)
+    elif args.cmd == "moe-report":
+        moe_report(args.files, args.out, args.rate)
+    elif args.cmd == "synthetic-mtp":
+        print(json.dumps(synthetic_mtp_config(args.k, args.rate)))
     else:
         report(args.files, args.out)
     return 0

@@ -27,12 +27,17 @@
 #   bash benchmarks/peer_session.sh moe         # hyserve: 35B-A3B bf16 and FP8, Next-80B FP8 (dummy weights)
 #   bash benchmarks/peer_session.sh moe-vllm    # vLLM (default mode): the same; call again to go on where it stopped
 #   bash benchmarks/peer_session.sh moe-vllm 35b_a3b_fp8 next80b_fp8   # those runs alone (also for moe)
+#   bash benchmarks/peer_session.sh moe-agent   # both engines: the agent trace with prefix caching on 35B-A3B bf16
+#   bash benchmarks/peer_session.sh moe-spec    # both engines: MTP k = 3 planted at 80 %, batch 1 and 32, 35B-A3B bf16
+#   bash benchmarks/peer_session.sh moe-spec vllm   # one engine's run alone (moe-agent too); call again to go on
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
-# process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>.
+# process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>; for the
+# MoE phases, python benchmarks/peer_bench.py moe-report <their JSON files> --out DIR (one table, both engines).
 set -u
 OUT=${OUT:?}
 MOE_ONLY="${*:2}"  # moe / moe-vllm: the runs to make (all when empty)
+MOE_DONE=${MOE_DONE:-/tmp/moe_done}  # the MoE runs done on this warm machine (its /tmp lasts while it is warm)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 VLLM_ENV=(env PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0)
@@ -128,9 +133,9 @@ within() {  # seconds for the next run: at most $1, and what is left of the phas
 }
 moe_run() {  # moe_run ENGINE DIR NAME CAP: one MoE measure, once per warm machine, within the phase's time
     local engine=$1 dir=$2 name=$3 cap=$4 limit
-    mkdir -p /tmp/moe_done
+    mkdir -p "$MOE_DONE"
     if [ -n "${MOE_ONLY:-}" ] && [[ " $MOE_ONLY " != *" $name "* ]]; then return 0; fi
-    if [ -f "/tmp/moe_done/${engine}_$name" ]; then echo "== $engine $name: done in an earlier call"; return 0; fi
+    if [ -f "$MOE_DONE/${engine}_$name" ]; then echo "== $engine $name: done in an earlier call"; return 0; fi
     limit=$(within "$cap" 5)
     if [ "$limit" = 0 ]; then echo "== $engine $name: no time left in this call; run the phase again"; return 0; fi
     local extra=()
@@ -138,8 +143,41 @@ moe_run() {  # moe_run ENGINE DIR NAME CAP: one MoE measure, once per warm machi
     # the results file says which)
     [ "$engine" = vllm ] && ! vllm_warm && extra=(--vllm-gdn-prefill-backend triton)
     measure "$engine" "$dir" "$name" "$limit" "${MOE_ARGS[@]}" "${extra[@]}"
-    grep -q '"decode_bs1_tok_s"' "$OUT/${engine}_$name.json" 2>/dev/null && touch "/tmp/moe_done/${engine}_$name"
+    grep -q '"decode_bs1_tok_s"' "$OUT/${engine}_$name.json" 2>/dev/null && touch "$MOE_DONE/${engine}_$name"
     return 0
+}
+
+# Issue 31's agent trace and MTP on the 35B-A3B bf16 shape (/tmp/m35, dummy weights), hyserve then vLLM in its
+# default mode, each once per warm machine (marks in /tmp/moe_done; `moe-agent vllm` / `moe-spec hyserve`: one engine).
+# What the MTP figure measures: the dummy weights carry no trained head, so each engine's drafts are planted.
+# hyserve: spec_decode_bench.py as the dense spec phase runs it: a plain engine's greedy continuations (same seeded
+# dummy weights and MTP head in both engines), then the MTP engine whose head still drafts every step, its drafts
+# replaced by the continuation with each token wrong w.p. 0.2 (host drafts and rows behind rows in flight alike);
+# the acceptance reached is measured (random weights leave near-ties: where the MTP run parts from the plain one,
+# the planted drafts stop matching and the acceptance falls below the planted one; the JSON says how far).
+# vLLM: its synthetic rejection sampling (peer_bench.py synthetic_mtp_config) at the same per-position rates
+# 0.8 / 0.64 / 0.512 (acceptance length 2.952): its MTP head drafts, the sampler accepts by the draws. Both at
+# prompts of 512 and 128 greedy tokens; compare the speedups over each engine's own plain decode.
+MTP3_SYNTH='{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.8, 0.64, 0.512]}'
+SPEC_MOE_ARGS=(--load-format dummy --device cuda --dtype bfloat16 --gpu-memory-utilization 0.85 --shared-engines
+               --no-diagnosis --k 3 --rates 0.8 --batches 1,32 --prompt-len 512 --max-tokens 128)
+moe_todo() {  # moe_todo ENGINE NAME CAP: the seconds for this run (echo), or nothing when it is not to run now
+    local engine=$1 name=$2 limit
+    mkdir -p "$MOE_DONE"
+    if [ -n "${MOE_ONLY:-}" ] && [[ " $MOE_ONLY " != *" $engine "* ]] && [[ " $MOE_ONLY " != *" $name "* ]]; then
+        return 0
+    fi
+    if [ -f "$MOE_DONE/${engine}_$name" ]; then echo "== $engine $name: done in an earlier call" >&2; return 0; fi
+    limit=$(within "$3" 5)
+    if [ "$limit" = 0 ]; then echo "== $engine $name: no time left in this call; run the phase again" >&2; return 0; fi
+    echo "$limit"
+}
+moe_done() {  # moe_done ENGINE NAME FILE KEY: mark the run done when FILE holds KEY
+    grep -q "\"$4\"" "$3" 2>/dev/null && touch "$MOE_DONE/$1_$2"
+    return 0
+}
+moe_vllm_extra() {  # vLLM's GDN prefill: FlashInfer's where its JIT cache is here, else its Triton kernel
+    vllm_warm || echo --vllm-gdn-prefill-backend triton
 }
 
 check() {  # the correctness checks every speed change keeps, in the same device session as its figures
@@ -399,6 +437,43 @@ case "${1:?phase}" in
     moe_run vllm /tmp/m35 35b_a3b 550
     moe_run vllm /tmp/m35_fp8 35b_a3b_fp8 550
     moe_run vllm /tmp/m80_fp8 next80b_fp8 550
+    ;;
+  moe-agent)  # the agent trace (8 conversations x 4 turns, 1.7k shared prefix, prefix caching) on 35B-A3B bf16:
+              # hyserve (dummy load ~80 s, then seconds), then vLLM in its default mode with the time left
+    moe_shapes
+    VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
+    limit=$(moe_todo hyserve 35b_a3b_agent 200)
+    if [ -n "$limit" ]; then
+        measure hyserve /tmp/m35 35b_a3b_agent "$limit" --measures agent --load-format dummy
+        moe_done hyserve 35b_a3b_agent "$OUT/hyserve_35b_a3b_agent.json" agent_wall_s
+    fi
+    limit=$(moe_todo vllm 35b_a3b_agent 550)
+    if [ -n "$limit" ]; then
+        # shellcheck disable=SC2046
+        measure vllm /tmp/m35 35b_a3b_agent "$limit" --measures agent --load-format dummy $(moe_vllm_extra)
+        moe_done vllm 35b_a3b_agent "$OUT/vllm_35b_a3b_agent.json" agent_wall_s
+    fi
+    ;;
+  moe-spec)  # MTP k = 3 planted at 80 % at batch 1 and 32 on 35B-A3B bf16 (see MTP3_SYNTH above): hyserve
+             # (two engine starts of ~80 s), then vLLM (a plain and an MTP engine) with the time left
+    moe_shapes
+    VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
+    limit=$(moe_todo hyserve 35b_a3b_spec 320)
+    if [ -n "$limit" ]; then
+        echo "== hyserve 35b_a3b_spec ($(date +%T))"
+        timeout "$limit" python3 benchmarks/spec_decode_bench.py --model /tmp/m35 "${SPEC_MOE_ARGS[@]}" \
+            --out "$OUT/hyserve_35b_a3b_spec" > "$OUT/hyserve_35b_a3b_spec.log" 2>&1
+        echo "   rc $? ($(date +%T)) (1: outputs parted from the plain run's; the rows say where the acceptance went)"
+        tail -4 "$OUT/hyserve_35b_a3b_spec.log"
+        moe_done hyserve 35b_a3b_spec "$OUT/hyserve_35b_a3b_spec/spec_decode.json" rows
+    fi
+    limit=$(moe_todo vllm 35b_a3b_spec 550)
+    if [ -n "$limit" ]; then
+        # shellcheck disable=SC2046
+        measure vllm /tmp/m35 35b_a3b_spec "$limit" --measures spec --load-format dummy --spec-batches 1,32 \
+            --speculative-config "$MTP3_SYNTH" $(moe_vllm_extra)
+        moe_done vllm 35b_a3b_spec "$OUT/vllm_35b_a3b_spec.json" spec_speedup_bs32
+    fi
     ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -10,6 +10,13 @@ without speculation, in the same run; greedy outputs must be identical.
     python benchmarks/spec_decode_bench.py --out benchmarks/results            # tiny model, CPU
     python benchmarks/shapes.py --shape 2b --mtp --out /tmp/m2b                                      # H200
     python benchmarks/spec_decode_bench.py --model /tmp/m2b --device cuda --dtype bfloat16 --out $OUT
+
+A shape written config-only (``shapes.py --shape 35b-a3b --config-only``) runs with ``--load-format dummy``: both
+engines of a run (plain and speculative) make the same seeded random weights and MTP head at load, so the plain
+run's greedy continuation is what the speculative run's target computes, up to rounding (random weights leave
+near-ties; where the two runs part, the drafts planted from the plain run stop matching and the acceptance reached
+falls below the planted rate: ``draft_acceptance`` and ``outputs_identical`` say so). ``--shared-engines`` builds one
+plain engine for every batch and one speculative engine per rate (a large shape's start is a minute or more).
 """
 
 from __future__ import annotations
@@ -237,7 +244,58 @@ def plot(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str) ->
     return True
 
 
-def main() -> int:
+def row(batch: int, rate: float, k: int, counts: tuple[int, int, int], tps: float, base_tps: float,
+        identical: bool) -> dict[str, Any]:
+    drafts, draft_tokens, accepted = counts
+    return {"batch": batch, "acceptance_target": rate, "k": k, "draft_acceptance": accepted / max(draft_tokens, 1),
+            "mean_tokens_per_step": 1 + accepted / max(drafts, 1), "decode_tok_s": tps, "no_spec_tok_s": base_tps,
+            "speedup": tps / base_tps, "outputs_identical": identical}
+
+
+def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: dict[str, Any], sync: bool,
+                       batches: list[int], rates: list[float]) -> tuple[list[dict[str, Any]], int]:
+    """``--shared-engines``: one plain engine times every batch (its greedy continuations kept under request ids
+    ``b{batch}-r{i}``), then one speculative engine per rate times every batch with the drafts planted from them."""
+    base = LLM(**common)
+    vocab = base.llm_engine.model_config.vocab_size
+    prompts: dict[int, dict[str, list[int]]] = {}
+    for batch in batches:
+        rng = random.Random(batch)  # the prompts of the per-batch engines (``r0`` is the diagnosis prompt)
+        prompts[batch] = {f"b{batch}-r{i}": [rng.randrange(vocab) for _ in range(args.prompt_len)]
+                          for i in range(batch)}
+    base_tps: dict[int, float] = {}
+    want: dict[str, list[int]] = {}
+    for batch in batches:
+        warm_up(base, prompts[batch])
+        base_tps[batch], outs = timed_decode(base, prompts[batch], args.max_tokens, sync)
+        want.update(outs)
+    base.shutdown()  # a 35B shape's weights take most of the card: freed before the next engine is built
+    del base
+    release()
+    lens = {rid: len(p) for ps in prompts.values() for rid, p in ps.items()}
+    rows = []
+    for rate in rates:
+        llm = LLM(**common, speculative_config=spec)
+        llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
+        llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
+        proposer = ControlledProposer(want, rate, vocab)
+        control(llm, proposer)
+        control_on_device(llm, proposer, lens)
+        for batch in batches:
+            warm_up(llm, prompts[batch])
+            m0 = spec_counts(llm)
+            tps, got = timed_decode(llm, prompts[batch], args.max_tokens, sync)
+            counts = tuple(b - a for a, b in zip(m0, spec_counts(llm), strict=True))
+            rows.append(row(batch, rate, args.k, counts, tps, base_tps[batch],  # type: ignore[arg-type]
+                            got == {rid: want[rid] for rid in prompts[batch]}))
+            print(json.dumps(rows[-1]), flush=True)
+        llm.shutdown()
+        del llm
+        release()
+    return rows, vocab
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -261,7 +319,21 @@ def main() -> int:
                          "row in flight (the path before rows were scheduled behind rows in flight)")
     ap.add_argument("--method", choices=("auto", "mtp", "ngram"), default="auto",
                     help="auto: mtp when the checkpoint has mtp.* weights, else ngram")
-    args = ap.parse_args()
+    ap.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default="auto",
+                    help="dummy: seeded random weights (and MTP head) from config.json alone, the same in every "
+                         "engine of the run (a shapes.py --config-only model)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                    help="CUDA: the engines' memory share (0.5 leaves room for a late free; a 35B shape needs more)")
+    ap.add_argument("--shared-engines", action="store_true",
+                    help="one plain engine for all batches, one speculative engine per rate (request ids carry the "
+                         "batch), instead of fresh engines for each batch")
+    ap.add_argument("--no-diagnosis", action="store_true",
+                    help="where outputs differ, skip the batch-1 diagnosis (two more engine starts)")
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     torch.set_num_threads(1) if args.device == "cpu" else None
     model = args.model or write_tiny_checkpoint(tempfile.mkdtemp(), max_position_embeddings=8192, with_mtp=True)
     method = args.method if args.method != "auto" else ("mtp" if has_mtp(model) else "ngram")
@@ -271,12 +343,19 @@ def main() -> int:
                                   max_num_seqs=64, max_model_len=args.prompt_len + args.max_tokens + 64)
     if args.async_scheduling:
         common["async_scheduling"] = True
+    if args.load_format != "auto":
+        common["load_format"] = args.load_format
     if args.device == "cuda":
-        common["gpu_memory_utilization"] = 0.5  # the KV these runs need is tiny; leaves room for a late free
+        common["gpu_memory_utilization"] = args.gpu_memory_utilization  # the KV these runs need is tiny
     else:
         common["cpu_cache_memory_bytes"] = 1 << 30  # 64 sequences' verify scratch on wider models
-    rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
+    batches = [int(b) for b in args.batches.split(",")]
+    rates = [float(r) for r in args.rates.split(",")]
+    if args.shared_engines:
+        rows, vocab = shared_engine_rows(args, common, spec, sync, batches, rates)
+    else:
+        rows, vocab = [], 0
+    for batch in [] if args.shared_engines else batches:
         rng = random.Random(batch)
         base = LLM(**common)
         vocab = base.llm_engine.model_config.vocab_size
@@ -285,7 +364,7 @@ def main() -> int:
         base_tps, want = timed_decode(base, prompts, args.max_tokens, sync)
         del base
         release()
-        for rate in (float(r) for r in args.rates.split(",")):
+        for rate in rates:
             llm = LLM(**common, speculative_config=spec)
             llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
             llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
@@ -306,7 +385,7 @@ def main() -> int:
             release()
     diagnosis = None
     bad = next((r for r in rows if not r["outputs_identical"]), None)
-    if bad is not None:
+    if bad is not None and not args.no_diagnosis:
         rng = random.Random(bad["batch"])
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
         try:
@@ -319,7 +398,8 @@ def main() -> int:
             "synchronized_steps": sync, "device_chain": not args.no_device_chain,
             "rows_behind": not args.no_rows_behind, "torch": torch.__version__,
             "model": model, "method": method, "dtype": args.dtype, "prompt_len": args.prompt_len,
-            "max_tokens": args.max_tokens}
+            "max_tokens": args.max_tokens, "load_format": args.load_format, "shared_engines": args.shared_engines,
+            "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "diagnosis": diagnosis}, f, indent=2)
     lines = ["| batch | draft token correct w.p. | drafts accepted | tokens/step | decode tok/s | no spec tok/s "

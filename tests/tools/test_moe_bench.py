@@ -3,7 +3,10 @@ VLM form vLLM needs, Qwen3-Next-80B-A3B as its own config; bf16 and Qwen's block
 and give the published sizes, and ``peer_bench.py``'s batch-1 bound counts the weights a token reads (attention,
 GDN, router, shared expert, its top-k experts, the LM head) by hand on tiny configs, from config.json and from
 checkpoints in both expert layouts; ``peer_bench.py measure`` runs hyserve on a config-only MoE shape (dummy
-weights) as the session's moe phase does, and the session script has its MoE phases."""
+weights) as the session's moe phase does, and the session script has its MoE phases. The moe-agent and moe-spec
+phases run with ``python3`` a recorder: their commands parse with the scripts' own parsers (both engines, vLLM in
+its default mode, the same planted acceptance); ``spec_decode_bench.py --shared-engines`` plants drafts on a tiny
+dummy-weight MoE shape; ``peer_bench.py moe-report`` makes one table of synthetic files of every phase."""
 
 from __future__ import annotations
 
@@ -147,7 +150,7 @@ def test_the_bound_counts_the_active_weights_of_a_checkpoint(ckpts: CheckpointCa
 
 def test_the_session_has_the_moe_phases() -> None:
     text = SESSION.read_text()
-    for phase in ("moe)", "moe-vllm)", "moe-check)"):
+    for phase in ("moe)", "moe-vllm)", "moe-check)", "moe-agent)", "moe-spec)"):
         assert f"\n  {phase}" in text, phase
     assert "tests/kernels/test_moe_kernels.py" in text and "moe_kernel_bench.py" in text
     import subprocess
@@ -172,3 +175,161 @@ def test_peer_bench_measures_a_config_only_moe_shape_on_the_cpu(tmp_path: Path, 
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
     res = json.loads(out.read_text())
     assert not res["errors"] and res["figures"]["decode_bs1_tok_s"] > 0 and res["figures"]["prefill_tok_s"] > 0
+
+
+# ------------------------------------------------------------------------------ the agent trace and MTP phases
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# records each call: the engine-core mode variable, then the arguments, NUL-separated, one call a line
+printf '%s' "VLLM_MP=${VLLM_ENABLE_V1_MULTIPROCESSING-unset}" >> "$CALLS"
+for a in "$@"; do printf '\\0%s' "$a" >> "$CALLS"; done
+printf '\\n' >> "$CALLS"
+"""
+
+
+def run_phase(tmp_path: Path, *phase: str) -> list[tuple[str, list[str]]]:
+    """``peer_session.sh PHASE...`` with ``python3`` a recorder: each python call's mode variable and arguments."""
+    import subprocess
+
+    bin_dir, out, calls = tmp_path / "bin", tmp_path / "out", tmp_path / "calls"
+    bin_dir.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    calls.write_bytes(b"")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "CALLS": str(calls),
+           "HOME": str(tmp_path), "MOE_DONE": str(tmp_path / "done")}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    subprocess.run(["bash", str(SESSION), *phase], check=True, env=env, cwd=SESSION.parents[1], capture_output=True)
+    recorded = []
+    for line in calls.read_bytes().decode().splitlines():
+        mode, *argv = line.split("\0")
+        recorded.append((mode, argv))
+    return [(m, a) for m, a in recorded if a and a[0].endswith(("peer_bench.py", "spec_decode_bench.py"))]
+
+
+def test_the_moe_agent_phase_runs_both_engines_on_the_35b_shape(tmp_path: Path) -> None:
+    """moe-agent: hyserve's then vLLM's agent trace (prefix caching) on the config-only 35B-A3B bf16 directory with
+    dummy weights, vLLM in its default mode (the engine core in its own process), each command parsed by
+    peer_bench.py's own parser."""
+    calls = run_phase(tmp_path, "moe-agent")
+    assert [a[0] for _, a in calls] == ["benchmarks/peer_bench.py"] * 2
+    parsed = [peer_bench.build_parser().parse_args(a[1:]) for _, a in calls]
+    assert [p.engine for p in parsed] == ["hyserve", "vllm"]
+    for p in parsed:
+        assert (p.cmd, p.model, p.measures, p.load_format) == ("measure", "/tmp/m35", "agent", "dummy")
+        assert p.out.endswith(f"{p.engine}_35b_a3b_agent.json")
+    assert parsed[1].vllm_gdn_prefill_backend == "triton"  # no FlashInfer JIT cache here
+    assert [m for m, _ in calls] == ["VLLM_MP=unset"] * 2
+
+
+def test_the_moe_spec_phase_plants_the_same_acceptance_in_both_engines(tmp_path: Path) -> None:
+    """moe-spec: hyserve's spec_decode_bench.py (drafts planted at 80 % from the plain run, dummy weights, batch 1
+    and 32, k = 3), then vLLM's spec measure with its synthetic rejection sampling at the same per-position rates;
+    a run marked done is not made again, and `moe-spec vllm` makes vLLM's alone."""
+    import spec_decode_bench
+
+    calls = run_phase(tmp_path, "moe-spec")
+    assert [a[0] for _, a in calls] == ["benchmarks/spec_decode_bench.py", "benchmarks/peer_bench.py"]
+    ours = spec_decode_bench.build_parser().parse_args(calls[0][1][1:])
+    assert (ours.model, ours.load_format, ours.device, ours.dtype) == ("/tmp/m35", "dummy", "cuda", "bfloat16")
+    assert (ours.k, ours.rates, ours.batches, ours.prompt_len, ours.max_tokens) == (3, "0.8", "1,32", 512, 128)
+    assert ours.shared_engines and ours.no_diagnosis and ours.gpu_memory_utilization == 0.85
+    assert not ours.no_rows_behind and not ours.no_device_chain  # hyserve's default path
+    peer = peer_bench.build_parser().parse_args(calls[1][1][1:])
+    assert (peer.engine, peer.model, peer.measures, peer.load_format) == ("vllm", "/tmp/m35", "spec", "dummy")
+    assert (peer.spec_batches, peer.decode_tokens) == ("1,32", ours.max_tokens)
+    spec = json.loads(peer.speculative_config)
+    assert spec == peer_bench.synthetic_mtp_config(3, float(ours.rates))
+    assert peer_bench.planted_acceptance(spec)["spec_planted_acceptance_length"] == pytest.approx(2.952)
+    assert calls[1][0] == "VLLM_MP=unset"
+    (tmp_path / "done").mkdir(exist_ok=True)
+    (tmp_path / "done" / "hyserve_35b_a3b_spec").touch()  # done in an earlier call on this machine
+    assert [a[0] for _, a in run_phase(tmp_path, "moe-spec")] == ["benchmarks/peer_bench.py"]
+    (tmp_path / "done" / "hyserve_35b_a3b_spec").unlink()
+    assert [a[0] for _, a in run_phase(tmp_path, "moe-spec", "vllm")] == ["benchmarks/peer_bench.py"]
+
+
+def test_spec_decode_bench_plants_on_a_dummy_moe_shape_with_shared_engines(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moe-spec phase's hyserve command on a tiny config-only MoE shape (dummy weights and MTP head, the same in
+    the plain and the speculative engine): one engine of each for both batches, rows for each, drafts accepted."""
+    import subprocess
+
+    monkeypatch.setitem(shapes.MOE_SHAPES, "tiny-moe", TINY)
+    model, out = tmp_path / "m", tmp_path / "spec"
+    shapes.write_moe_config(str(model), "tiny-moe")
+    script = Path(__file__).parents[2] / "benchmarks" / "spec_decode_bench.py"
+    subprocess.run([sys.executable, str(script), "--model", str(model), "--load-format", "dummy", "--device", "cpu",
+                    "--dtype", "float32", "--shared-engines", "--no-diagnosis", "--k", "3", "--rates", "0.8",
+                    "--batches", "1,2", "--prompt-len", "24", "--max-tokens", "12", "--out", str(out)],
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)  # 1 where outputs parted
+    res = json.loads((out / "spec_decode.json").read_text())
+    assert res["meta"]["method"] == "mtp" and res["meta"]["load_format"] == "dummy" and res["meta"]["shared_engines"]
+    assert [(r["batch"], r["acceptance_target"]) for r in res["rows"]] == [(1, 0.8), (2, 0.8)]
+    assert all(r["decode_tok_s"] > 0 and r["no_spec_tok_s"] > 0 for r in res["rows"])
+    assert max(r["draft_acceptance"] for r in res["rows"]) > 0.2  # planted drafts accepted
+
+
+def test_moe_report_makes_one_table_of_both_engines(tmp_path: Path) -> None:
+    """peer_bench.py moe-report on synthetic files of every phase: measure files of both engines (decode, bound,
+    prefill; agent; vLLM's spec with its synthetic acceptance), hyserve's spec_decode.json, and a failed vLLM
+    measure: one row per shape and measure, ratios > 1 where hyserve is better (lower wall inverted), no ratio
+    for the bound and the acceptance lengths, the failure listed."""
+    import subprocess
+
+    def measure(engine: str, model: str, figures: dict[str, float], **extra: Any) -> dict[str, Any]:
+        return {"engine": engine, "model": model, "figures": figures, "errors": {}, "version": f"{engine}-v",
+                "device": "NVIDIA H200", "date": "2026-12-04", **extra}
+
+    vllm_meta = {"vllm_mode": "default (engine core in its own process)", "vllm_gdn_prefill_backend": "triton"}
+    files = {
+        "hyserve_35b_a3b.json": measure("hyserve", "/tmp/m35", {"decode_bs1_tok_s": 240.0, "decode_bs32_tok_s": 2100.0,
+                                                                "bound_bs1_tok_s": 700.0, "prefill_tok_s": 34000.0}),
+        "vllm_35b_a3b.json": measure("vllm", "/tmp/m35", {"decode_bs1_tok_s": 200.0, "decode_bs32_tok_s": 4200.0,
+                                                          "bound_bs1_tok_s": 710.0, "prefill_tok_s": 17000.0},
+                                     **vllm_meta),
+        "hyserve_35b_a3b_fp8.json": measure("hyserve", "/tmp/m35_fp8", {"decode_bs1_tok_s": 250.0}),
+        "hyserve_35b_a3b_agent.json": measure("hyserve", "/tmp/m35", {"agent_wall_s": 3.0, "agent_cached_share": 0.8}),
+        "vllm_35b_a3b_agent.json": measure("vllm", "/tmp/m35", {"agent_wall_s": 6.0, "agent_cached_share": 0.7},
+                                           **vllm_meta),
+        "vllm_35b_a3b_spec.json": measure("vllm", "/tmp/m35", {
+            "plain_decode_bs1_tok_s": 200.0, "spec_decode_bs1_tok_s": 400.0, "spec_speedup_bs1": 2.0,
+            "plain_decode_bs32_tok_s": 4000.0, "spec_decode_bs32_tok_s": 6000.0, "spec_speedup_bs32": 1.5,
+            **peer_bench.planted_acceptance(peer_bench.synthetic_mtp_config(3, 0.8))}, **vllm_meta),
+        "vllm_next80b_fp8.json": dict(measure("vllm", "/tmp/m80_fp8", {}), errors={"decode,bound,prefill": "OOM"}),
+    }
+    spec_rows = [{"batch": b, "acceptance_target": rate, "k": 3, "draft_acceptance": 0.65,
+                  "mean_tokens_per_step": 2.9 if rate == 0.8 else 1.0, "decode_tok_s": tps, "no_spec_tok_s": base,
+                  "speedup": tps / base, "outputs_identical": True}
+                 for b, base, tps in ((1, 240.0, 600.0), (32, 2000.0, 3600.0)) for rate in (0.0, 0.8)]
+    (tmp_path / "hyserve_35b_a3b_spec").mkdir()
+    (tmp_path / "hyserve_35b_a3b_spec" / "spec_decode.json").write_text(json.dumps(
+        {"meta": {"model": "/tmp/m35", "device": "NVIDIA H200", "date": "2026-12-04"}, "rows": spec_rows}))
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    paths = [str(tmp_path / n) for n in files] + [str(tmp_path / "hyserve_35b_a3b_spec" / "spec_decode.json")]
+    script = Path(__file__).parents[2] / "benchmarks" / "peer_bench.py"
+    subprocess.run([sys.executable, str(script), "moe-report", *paths, "--out", str(tmp_path / "rep")], check=True,
+                   capture_output=True)
+    rep = json.loads((tmp_path / "rep" / "moe_peer.json").read_text())
+    got = {(e["model"], e["measure"]): e for e in rep["entries"]}
+    assert got["m35", "decode_bs1_tok_s"]["ratio"] == pytest.approx(1.2)
+    assert got["m35", "decode_bs32_tok_s"]["ratio"] == pytest.approx(0.5)
+    assert got["m35", "prefill_tok_s"]["ratio"] == pytest.approx(2.0)
+    assert got["m35", "bound_bs1_tok_s"]["ratio"] is None
+    assert got["m35", "agent_wall_s"]["ratio"] == pytest.approx(2.0)  # lower is better: vLLM's wall / ours
+    assert got["m35", "spec_speedup_bs1"]["hyserve"] == pytest.approx(2.5)  # the 0.8 rows, not the 0.0 ones
+    assert got["m35", "spec_speedup_bs1"]["ratio"] == pytest.approx(1.25)
+    assert got["m35", "spec_speedup_bs32"]["ratio"] == pytest.approx(1.2)
+    assert got["m35", "plain_decode_bs32_tok_s"]["vllm"] == 4000.0
+    length = got["m35", "spec_acceptance_length_bs32"]
+    assert (length["hyserve"], length["vllm"], length["ratio"]) == (2.9, pytest.approx(2.952), None)
+    assert got["m35_fp8", "decode_bs1_tok_s"]["vllm"] is None and got["m35_fp8", "decode_bs1_tok_s"]["ratio"] is None
+    assert rep["entries"][0]["model"] == "m35"  # the shapes in MOE_MODELS' order
+    assert rep["errors"] == ["m80_fp8 vllm decode,bound,prefill: OOM"]
+    md = (tmp_path / "rep" / "moe_peer.md").read_text()
+    assert "| 35B-A3B bf16 | decode batch 1, tok/s | 240 | 200 | 1.20x |" in md
+    assert "| 35B-A3B bf16 | MTP k = 3 planted at 80 %, batch 32, speedup over plain | 1.800 | 1.500 | 1.20x |" in md
+    assert "vllm_mode default (engine core in its own process)" in md
+    assert "- m80_fp8 vllm decode,bound,prefill: OOM" in md
