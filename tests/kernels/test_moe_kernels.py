@@ -173,6 +173,22 @@ def test_align_pairs_makes_whole_blocks_of_one_expert(t: int, k: int, num_expert
     assert not alignment_errors(ids, start, num_local, block_m, *moe.align_pairs_ref(ids, num_local, start, block_m))
 
 
+def test_the_alignment_check_catches_a_misplaced_pair_a_lost_pair_and_a_mislabelled_block() -> None:
+    """The property check the interpreter runs on the Triton alignment can fail: three corruptions of a correct one."""
+    ids = random_routing(12, 2, 6, 3)
+    pairs, experts = moe.align_pairs_ref(ids, 6, 0, 4)
+    assert not alignment_errors(ids, 0, 6, 4, pairs, experts)
+    last = int((pairs < ids.numel()).nonzero().max())  # a pair of the last run: another expert than the first's
+    swapped = pairs.clone()
+    swapped[0], swapped[last] = pairs[last], pairs[0]
+    lost = pairs.clone()
+    lost[0] = ids.numel()
+    relabelled = experts.clone()
+    relabelled[0] = (int(experts[0]) + 1) % 6
+    for bad_pairs, bad_experts in ((swapped, experts), (lost, experts), (pairs, relabelled)):
+        assert alignment_errors(ids, 0, 6, 4, bad_pairs, bad_experts)
+
+
 ALIGN_CASES = {"decode": (1, 8, 64, 0, 64, 16), "mixed": (37, 3, 10, 0, 10, 16), "split": (40, 4, 24, 8, 12, 4),
                "one_local": (9, 2, 8, 5, 1, 16), "many_chunks": (300, 4, 48, 0, 48, 64)}
 

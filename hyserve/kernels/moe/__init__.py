@@ -174,7 +174,8 @@ def route_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                   num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(weights, experts, shared_gate)``: :func:`route_ref` over the first ``num_experts`` logits of each token
     (float32 weights, int32 ids on CUDA); a further column is the shared expert's gate logit, returned as its float32
-    sigmoid [T] (else None). On CUDA one launch."""
+    sigmoid [T] (else None). On CUDA one launch, one warp a token up to 512 experts (its 2k reductions stay within
+    the warp: no shared-memory round trips on the decode path; not measured yet)."""
     t, width = router_logits.shape
     has_gate = width > num_experts
     if not _use_triton(router_logits):
@@ -190,7 +191,7 @@ def route_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if t:
         _moe_route_kernel[(t,)](router_logits, weights, experts, gate, num_experts, router_logits.stride(0),
                                 TOP_K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, SHARED_GATE=has_gate,
-                                E_PAD=next_pow2(num_experts))
+                                E_PAD=next_pow2(num_experts), num_warps=1 if num_experts <= 512 else 4)
     return weights, experts, gate if has_gate else None
 
 
