@@ -37,9 +37,9 @@ from hyserve.kernels.moe.reference import (
 )
 from hyserve.utils import next_pow2
 
-__all__ = ["ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "config_path", "default_config",
-           "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs", "quantize_dequantize",
-           "route_experts", "route_ref", "select_config"]
+__all__ = ["ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "compile_variants", "config_path",
+           "default_config", "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs",
+           "quantize_dequantize", "route_experts", "route_ref", "select_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
@@ -288,3 +288,52 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     return _combine(pair_out, t, k, shared, shared_gate)
+
+
+def compile_variants(capability: tuple[int, int] = (9, 0), direct: bool = True, quant: int = 0,
+                     with_small: bool = True) -> int:
+    """Compile the GEMM kernels of one variant (``direct`` order or sorted; ``quant`` 0 bf16, 1 FP8 channel, 2 FP8
+    block) and, ``with_small``, the routing, alignment and combine kernels, for a CUDA ``capability``, with no GPU
+    (Triton's own ptxas): what the interpreter cannot show (types, constexpr branches, helpers' returns). Returns
+    how many kernels compiled; a kernel that does not compile raises."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hyserve.kernels.moe._triton import (
+        _moe_align_kernel,
+        _moe_combine_kernel,
+        _moe_down_kernel,
+        _moe_gate_up_kernel,
+        _moe_route_kernel,
+        _moe_scatter_kernel,
+    )
+
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+
+    def build(fn: object, types: dict[str, str], consts: dict[str, object], warps: int = 4) -> None:
+        names = fn.arg_names  # type: ignore[attr-defined]
+        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+        constexprs = {(names.index(c),): v for c, v in consts.items()}
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
+                       options={"num_warps": warps})
+
+    gemm = dict(QUANT=quant, GROUP_N=128, GROUP_K=128, UPCAST=False, PRECISION="tf32", DIRECT=direct, BLOCK_M=16,
+                BLOCK_N=32, BLOCK_K=128)
+    data = "*fp8e4nv" if quant else "*bf16"
+    common = {"ws_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i64"}
+    build(_moe_gate_up_kernel, {**common, "x_ptr": data, "w_ptr": data, "act_ptr": "*bf16", "xs_ptr": "*fp32"},
+          gemm)
+    build(_moe_down_kernel, {**common, "a_ptr": data, "w_ptr": data, "out_ptr": "*bf16", "as_ptr": "*fp32",
+                               "topk_w_ptr": "*fp32"}, gemm)
+    if not with_small:
+        return 2
+    build(_moe_route_kernel, {"logits_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i32", "gate_ptr": "*fp32"},
+          dict(TOP_K=8, K_PAD=8, RENORM=True, SHARED_GATE=True, E_PAD=256), warps=1)
+    build(_moe_align_kernel, {"ids_ptr": "*i64", "cursor_ptr": "*i32", "sorted_ptr": "*i32",
+                                "block_expert_ptr": "*i32"}, dict(BLOCK_M=16, E_PAD=256, BLOCK=1024, BLOCK_B=64))
+    build(_moe_scatter_kernel, {"ids_ptr": "*i64", "cursor_ptr": "*i32", "sorted_ptr": "*i32"}, dict(BLOCK=1024))
+    build(_moe_combine_kernel, {"pair_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*fp32",
+                                  "out_ptr": "*bf16"}, dict(TOP_K=8, SHARED=True, BLOCK=1024))
+    return 6
+
