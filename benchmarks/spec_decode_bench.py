@@ -244,6 +244,20 @@ def plot(runs: list[tuple[str, list[dict[str, Any]]]], path: str, title: str) ->
     return True
 
 
+def controlled_engine(args: argparse.Namespace, common: dict[str, Any], spec: dict[str, Any],
+                      want: dict[str, list[int]], rate: float, vocab: int,
+                      prompt_lens: dict[str, int]) -> LLM:
+    """A speculative engine whose drafts are the known outputs ``want``, each token wrong with probability
+    ``1 - rate`` (host and device drafts alike), with the command line's verify-path switches."""
+    llm = LLM(**common, speculative_config=spec)
+    llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
+    llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
+    proposer = ControlledProposer(want, rate, vocab)
+    control(llm, proposer)
+    control_on_device(llm, proposer, prompt_lens)
+    return llm
+
+
 def row(batch: int, rate: float, k: int, counts: tuple[int, int, int], tps: float, base_tps: float,
         identical: bool) -> dict[str, Any]:
     drafts, draft_tokens, accepted = counts
@@ -275,12 +289,7 @@ def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: d
     lens = {rid: len(p) for ps in prompts.values() for rid, p in ps.items()}
     rows = []
     for rate in rates:
-        llm = LLM(**common, speculative_config=spec)
-        llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
-        llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
-        proposer = ControlledProposer(want, rate, vocab)
-        control(llm, proposer)
-        control_on_device(llm, proposer, lens)
+        llm = controlled_engine(args, common, spec, want, rate, vocab, lens)
         for batch in batches:
             warm_up(llm, prompts[batch])
             m0 = spec_counts(llm)
@@ -365,12 +374,8 @@ def main() -> int:
         del base
         release()
         for rate in rates:
-            llm = LLM(**common, speculative_config=spec)
-            llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
-            llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
-            proposer = ControlledProposer(want, rate, vocab)
-            control(llm, proposer)
-            control_on_device(llm, proposer, {rid: len(p) for rid, p in prompts.items()})
+            llm = controlled_engine(args, common, spec, want, rate, vocab,
+                                  {rid: len(p) for rid, p in prompts.items()})
             warm_up(llm, prompts)
             m0 = spec_counts(llm)
             tps, got = timed_decode(llm, prompts, args.max_tokens, sync)

@@ -94,12 +94,18 @@ def _dtype_name(w: torch.Tensor, scales: ExpertScales | None) -> str:
     return "fp8_channel" if scales.block is None else f"fp8_block{scales.block[0]}x{scales.block[1]}"
 
 
+@functools.cache
+def _card_name(index: int | None) -> str:
+    """The CUDA device's name, asked once (every MoE layer of every eager step looks up its tiles)."""
+    return torch.cuda.get_device_name(index)
+
+
 def select_config(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> MoePlan:
     """The tuned plan of the nearest tuned token count at or above ``num_tokens``, else the default."""
     block_k = scales.block[1] if scales is not None and scales.block is not None else None
     if w13.is_cuda:
         path = config_path(w13.shape[0], w13.shape[2], w2.shape[2], _dtype_name(w13, scales),
-                           torch.cuda.get_device_name(w13.device))
+                           _card_name(w13.device.index))
         table = load_configs(path)
         above = [m for m in table if m >= num_tokens]
         if above:  # a count past the table's largest takes the defaults, not a decode tile
