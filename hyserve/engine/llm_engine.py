@@ -59,6 +59,8 @@ from hyserve.worker.model_runner import ModelRunner
 from hyserve.worker.worker import Worker
 
 logger = logging.getLogger("hyserve")
+# Tries at starting the worker processes when their group's port is taken in between (another process on the host).
+PORT_ATTEMPTS = 3
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -198,14 +200,22 @@ class LLMEngine:
             logger.info("workers: %d ranks started by torchrun (%s); this is rank 0", world, shape)
             return TorchrunExecutor(world, args, kw, output_rank)
         if backend == "mp":
-            from hyserve.executor.multiproc import MultiprocExecutor, free_tcp_address
+            from hyserve.executor.multiproc import MultiprocExecutor, WorkerError, free_tcp_address
 
             logger.info("workers: %d process%s (distributed_executor_backend='mp', %s)", world,
                         "" if world == 1 else "es", shape)
-            kw.update(cpu_threads=torch.get_num_threads(),
-                      dist_init_method=free_tcp_address() if world > 1 else None)
-            return MultiprocExecutor(world, (self.config, self.model_config, self.device, self.dtype), kw,
-                                     output_rank=output_rank)
+            kw.update(cpu_threads=torch.get_num_threads())
+            for attempt in range(PORT_ATTEMPTS):
+                # The group's port is free when chosen, but another process on the host may bind it before rank 0
+                # does: the workers are stopped and started again on a fresh port.
+                kw["dist_init_method"] = free_tcp_address() if world > 1 else None
+                try:
+                    return MultiprocExecutor(world, (self.config, self.model_config, self.device, self.dtype), kw,
+                                             output_rank=output_rank)
+                except WorkerError as exc:
+                    if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                        raise
+                    logger.warning("workers: the group's port was taken before rank 0 bound it; again on another")
         return UniProcExecutor(Worker(self.config, self.model_config, self.device, self.dtype, **kw))
 
     @property

@@ -117,3 +117,35 @@ def test_unknown_backends_are_refused(ckpts: CheckpointCache) -> None:
         make_llm(ckpts.get(), distributed_executor_backend="torchrun")
 
 
+
+
+def test_a_group_port_taken_before_rank_0_binds_it_is_chosen_again(ckpts: CheckpointCache,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process binds the group's port between its choice and rank 0's bind (two engines, or two test
+    workers, starting on one host): the workers start again on another port, and only that error is retried."""
+    addresses: list[str] = []
+    real_init = MultiprocExecutor.__init__
+
+    def taken_once(self: MultiprocExecutor, world: int, args: tuple, kw: dict, **more: object) -> None:
+        addresses.append(kw["dist_init_method"])
+        if len(addresses) == 1:
+            raise WorkerError(0, "failed to start: DistNetworkError: ... EADDRINUSE, message: address already in use")
+        real_init(self, world, args, kw, **more)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MultiprocExecutor, "__init__", taken_once)
+    llm = make_llm(ckpts.get(), tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
+        assert len(addresses) == 2 and addresses[0] != addresses[1]
+    finally:
+        llm.shutdown()
+
+    def always_other_error(self: MultiprocExecutor, world: int, args: tuple, kw: dict, **more: object) -> None:
+        addresses.append(kw["dist_init_method"])
+        raise WorkerError(0, "failed to start: ValueError: a bad checkpoint")
+
+    monkeypatch.setattr(MultiprocExecutor, "__init__", always_other_error)
+    with pytest.raises(WorkerError, match="bad checkpoint"):
+        make_llm(ckpts.get(), tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert len(addresses) == 3  # not retried
