@@ -17,26 +17,21 @@ import matplotlib.pyplot as plt
 
 
 def main(folder: Path) -> None:
-    kernels = json.loads((folder / "moe_kernels.json").read_text())["rows"]
-    runs = {name: json.loads((folder / f"hyserve_{name}.json").read_text())["figures"]
-            for name in ("35b_a3b", "35b_a3b_fp8") if (folder / f"hyserve_{name}.json").exists()}
+    """Left: the kernels' bandwidth where ``moe_kernels.json`` is there, else prefill and the agent trace beside
+    vLLM's; right: decode by batch for every engine and shape with a JSON in the folder."""
+    runs = {f"{engine} {name}": json.loads(path.read_text())["figures"]
+            for engine in ("hyserve", "vllm") for name in ("35b_a3b", "35b_a3b_fp8")
+            if (path := folder / f"{engine}_{name}.json").exists()}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for shape in sorted({r["shape"] for r in kernels}):
-        for dtype in sorted({r["dtype"] for r in kernels}):
-            rows = [r for r in kernels if r["shape"] == shape and r["dtype"] == dtype]
-            if rows:
-                ax1.plot([r["tokens"] for r in rows], [r["bandwidth_gb_s"] for r in rows], marker="o",
-                         label=f"{shape} {dtype}")
-    ax1.set_xscale("log")
-    ax1.set_xlabel("tokens in the step")
-    ax1.set_ylabel("chosen experts' weight bytes / time, GB/s")
-    ax1.set_title("one MoE layer's routed experts (CUDA graph replay)")
-    ax1.legend(fontsize=8)
+    if (folder / "moe_kernels.json").exists():
+        _kernels(ax1, json.loads((folder / "moe_kernels.json").read_text())["rows"])
+    else:
+        _prefill_and_agent(ax1, folder, runs)
     batches = [1, 8, 32, 64]
-    width = 0.38
+    width = 0.8 / max(len(runs), 1)
     for i, (name, f) in enumerate(runs.items()):
-        xs = [j + (i - 0.5) * width for j in range(len(batches))]
-        ax2.bar(xs, [f[f"decode_bs{b}_tok_s"] for b in batches], width, label=f"hyserve {name}")
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(batches))]
+        ax2.bar(xs, [f[f"decode_bs{b}_tok_s"] for b in batches], width, label=name)
         ax2.hlines(f["bound_bs1_tok_s"], xs[0] - width / 2, xs[0] + width / 2, colors="k", linestyles="--")
     ax2.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax2.set_ylabel("decode tok/s (prompt 512)")
@@ -44,6 +39,42 @@ def main(folder: Path) -> None:
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "moe.png", dpi=110)
+
+
+def _kernels(ax: plt.Axes, kernels: list[dict]) -> None:
+    for shape in sorted({r["shape"] for r in kernels}):
+        for dtype in sorted({r["dtype"] for r in kernels}):
+            rows = [r for r in kernels if r["shape"] == shape and r["dtype"] == dtype]
+            if rows:
+                ax.plot([r["tokens"] for r in rows], [r["bandwidth_gb_s"] for r in rows], marker="o",
+                        label=f"{shape} {dtype}")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens in the step")
+    ax.set_ylabel("chosen experts' weight bytes / time, GB/s")
+    ax.set_title("one MoE layer's routed experts (CUDA graph replay)")
+    ax.legend(fontsize=8)
+
+
+def _prefill_and_agent(ax: plt.Axes, folder: Path, runs: dict[str, dict]) -> None:
+    """Prefill tok/s and the agent trace's tokens per wall second (prompt tokens / wall is not known here, so the
+    bars are 1 / wall, normalized to hyserve's), each engine beside the other."""
+    agent = {engine: json.loads(path.read_text())["figures"]["agent_wall_s"]
+             for engine in ("hyserve", "vllm") if (path := folder / f"{engine}_35b_a3b_agent.json").exists()}
+    names = [n for n in runs if n.endswith("35b_a3b")]
+    base = runs[names[0]]["prefill_tok_s"] if names else 1.0
+    labels, values = [], []
+    for n in names:
+        labels.append(f"prefill\n{n.split()[0]}")
+        values.append(runs[n]["prefill_tok_s"] / base)
+    if agent:
+        first = next(iter(agent.values()))
+        for engine, wall in agent.items():
+            labels.append(f"agent trace\n{engine}")
+            values.append(first / wall)
+    ax.bar(range(len(values)), values, color=["C0", "C1"] * (len(values) // 2 + 1))
+    ax.set_xticks(range(len(values)), labels, fontsize=8)
+    ax.set_ylabel("speed relative to hyserve (higher is faster)")
+    ax.set_title("35B-A3B bf16: prefill 32 x 2048, agent trace (1 / wall)")
 
 
 if __name__ == "__main__":

@@ -425,7 +425,9 @@ def test_cuda_experts_match_the_cpu_path(moe_ckpts: Checkpoints, case: str) -> N
                 want = c(x.float(), weights, ids)
                 got = g(x.cuda(), weights.cuda(), ids.cuda()).float().cpu()
                 # An activation whose bf16 rounding differs lands on the next FP8 value (6 % apart): a few outputs
-                # move by up to that much of one term; the rest agree to the bf16 roundings.
+                # move by up to that much of one term; the rest agree to the bf16 roundings. "A few": two, or one in
+                # a thousand on the larger batches (on the H200 one output in 448 moved at 7 tokens).
                 err, top = (got - want).abs(), float(want.abs().max())
                 assert float(err.max()) <= 0.1 * top, (tokens, float(err.max()), top)
-                assert float((err > 3e-2 * top).float().mean()) <= 1e-3, (tokens, int((err > 3e-2 * top).sum()))
+                outliers = int((err > 3e-2 * top).sum())
+                assert outliers <= max(2, err.numel() // 1000), (tokens, outliers, err.numel())
