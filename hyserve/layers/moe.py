@@ -17,7 +17,9 @@ ranks' outputs; the router is replicated and the shared expert stays sliced over
 
 The routed computation is :func:`hyserve.kernels.moe.fused_experts`: on CUDA two Triton GEMMs over the (token,
 choice) pairs sorted by expert (no host sync, so CUDA graphs capture it); elsewhere its reference, batched by expert.
-FP8 experts (block or per-channel scales, ``hyserve.layers.quantization.experts``) pass their scales to it.
+FP8 experts (block or per-channel scales, ``hyserve.layers.quantization.experts``) pass their scales to it. Where
+the shared expert can be stacked after the experts (``Experts.can_stack``), decode-sized steps run it in the same
+kernels as one more choice of every token (``Experts.attach_shared``, docs/moe.md).
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, expert_parallel, shard_range, tp_size
-from hyserve.kernels.moe import fused_experts, route_experts, route_ref
+from hyserve.kernels.moe import fused_experts, route_experts, route_ref, uses_triton
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import MLP
 from hyserve.layers.quantization import QuantizationConfig
-from hyserve.layers.quantization.experts import PROJECTIONS, experts_method_for
+from hyserve.layers.quantization.base import UNQUANTIZED
+from hyserve.layers.quantization.experts import PROJECTIONS, UNQUANTIZED_EXPERTS, experts_method_for
+
+# Up to this many tokens a stacked shared expert runs in the experts' kernels (decode: its own four launches cost
+# more than its weights); above, its dense GEMMs (a prefill's [T, H] x [H, 2I] is cuBLAS's ground, where the experts'
+# tiles are tuned for a few rows per expert). Its parameters are views of the stacked slot, so both paths read the
+# same weights.
+STACKED_MAX_TOKENS = 64
 
 
 class MoEConfig(Protocol):
@@ -85,6 +94,37 @@ class Experts(nn.Module):
         self.gate_up_proj: torch.Tensor
         self.down_proj: torch.Tensor
         self.method.create_weights(self)
+        # With a shared expert stacked after them (``attach_shared``): [L + 1, 2n, H] and [L + 1, H, n], whose
+        # first L are ``gate_up_proj`` / ``down_proj`` and last the shared expert's weights (plain attributes: the
+        # parameters are views of them, so nothing counts them twice).
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def can_stack(self, mlp: MLP) -> bool:
+        """Whether ``mlp`` (a shared expert) can be stacked after these experts: whole experts of the same widths
+        on this rank (not expert parallel: there each rank holds other experts but the shared expert's slice), the
+        weights in the model dtype on both sides, gate and up in one GEMM, no bias."""
+        gemms = mlp.gate_up_proj.gemms
+        g, d = gemms[0], mlp.down_proj
+        return (not self.ep and self.method == UNQUANTIZED_EXPERTS and len(gemms) == 1
+                and g.method == UNQUANTIZED and d.method == UNQUANTIZED and g.bias is None and d.bias is None
+                and tuple(g.weight.shape) == tuple(self.gate_up_proj.shape[1:])
+                and tuple(d.weight.shape) == tuple(self.down_proj.shape[1:])
+                and g.weight.dtype == d.weight.dtype == self.gate_up_proj.dtype)
+
+    def attach_shared(self, mlp: MLP) -> None:
+        """Stack ``mlp`` after the experts (``can_stack``): one storage each for the gate/up and the down weights,
+        the experts' parameters and the shared expert's views of it, so that the fused kernels run the shared
+        expert as expert L, which every token chooses with its gate's sigmoid as the weight
+        (``route_experts(..., shared_slot=L)``): at decode its four launches (gate/up GEMM, SiLU x up, down GEMM,
+        and the gated add) become one more pair in the experts' kernels. The loader fills the views in place."""
+        local = self.num_local
+        w13, w2 = self.gate_up_proj, self.down_proj
+        g, d = mlp.gate_up_proj.gemms[0], mlp.down_proj
+        big13 = torch.empty((local + 1, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
+        big2 = torch.empty((local + 1, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
+        w13.data, g.weight.data = big13[:local], big13[local]
+        w2.data, d.weight.data = big2[:local], big2[local]
+        self.stacked = (big13, big2)
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
         """The per-expert layout: ``{e}.gate_proj.weight`` (and ``up_proj``, ``down_proj``, and their scales when
@@ -108,6 +148,13 @@ class Experts(nn.Module):
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, experts, self.e_range[0],
                              scales=self.method.scales(self), num_experts=self.num_experts, shared=shared,
                              shared_gate=shared_gate)
+
+    def forward_stacked(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed sum with the stacked shared expert (``attach_shared``): ``weights`` and ``experts``
+        [T, k + 1], the last column the shared expert's (its gate's sigmoid, expert id L)."""
+        assert self.stacked is not None
+        big13, big2 = self.stacked
+        return fused_experts(x, big13, big2, weights, experts, 0, routed_experts=self.num_local)
 
 
 class SparseMoeBlock(nn.Module):
@@ -133,17 +180,27 @@ class SparseMoeBlock(nn.Module):
         self.router_weight = torch.empty(cfg.num_experts + 1, h, dtype=w.dtype, device=w.device)
         self.gate.weight.data = self.router_weight[: cfg.num_experts]
         self.shared_expert_gate.weight.data = self.router_weight[cfg.num_experts :]
+        # The shared expert stacked after the experts where it can be (the fused kernels' path: CUDA, and the
+        # Triton interpreter in tests); elsewhere it runs apart, as the reference computes it.
+        if self.experts.can_stack(self.shared_expert):
+            self.experts.attach_shared(self.shared_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = F.linear(x, self.router_weight)  # [T, E + 1] in the model dtype, as the reference computes them
-        if x.is_cuda:  # softmax, top k and the shared gate's sigmoid in one launch
-            weights, experts, gate = route_experts(logits, self.top_k, self.renormalize, self.num_experts)
+        if uses_triton(x) and self.experts.stacked is not None and x.shape[0] <= STACKED_MAX_TOKENS:
+            # the shared expert as expert E: one more choice of every token
+            weights, experts, _ = route_experts(logits, self.top_k, self.renormalize, self.num_experts,
+                                                shared_slot=self.num_experts)
+            out = self.experts.forward_stacked(x, weights, experts)
         else:
-            weights, experts = route(logits[:, : self.num_experts], self.top_k, self.renormalize)
-            gate = torch.sigmoid(logits[:, self.num_experts].float())
-        out = self.experts(x, weights, experts, shared=self.shared_expert(x), shared_gate=gate)
+            if uses_triton(x):  # softmax, top k and the shared gate's sigmoid in one launch
+                weights, experts, gate = route_experts(logits, self.top_k, self.renormalize, self.num_experts)
+            else:
+                weights, experts = route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+                gate = torch.sigmoid(logits[:, self.num_experts].float())
+            out = self.experts(x, weights, experts, shared=self.shared_expert(x), shared_gate=gate)
         if tp_size() > 1:  # both partial sums (the shared expert's down projection does not reduce): one all-reduce
             out = all_reduce(out)
         return out.reshape(shape)

@@ -253,6 +253,24 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         res[f"align/{name}"] = [not errors, "; ".join(errors)[:500]]
     for name, (t, e, k, renorm, gate) in ROUTE_CASES.items():
         res[f"route/{name}"] = list(_route_case(t, e, k, renorm, gate))
+    res["route/shared_slot"] = list(_route_slot_case())
+    for t in STACKED_TOKENS:
+        res[f"stacked_shared/{t}"] = list(_stacked_shared_case(t))
+    # Sabotage: the stacked shared expert's output added ungated (weight 1, not its gate's sigmoid) must be caught.
+    import hyserve.layers.moe as layer_moe
+
+    real_route = layer_moe.route_experts
+
+    def ungated(*args: Any, **kw: Any) -> tuple[torch.Tensor, torch.Tensor, None]:
+        weights, ids, _ = real_route(*args, **kw)
+        if kw.get("shared_slot") is not None:
+            weights[:, -1] = 1.0
+        return weights, ids, None
+
+    layer_moe.route_experts = ungated  # type: ignore[assignment]
+    ok, msg = _stacked_shared_case(STACKED_TOKENS[0])
+    layer_moe.route_experts = real_route
+    res["ungated_shared_caught"] = [not ok, msg]
     # Sabotage: runs not padded to whole blocks (a block then mixes experts) must be caught.
     real = moe.align_pairs
     moe.align_pairs = lambda ids, nl, start, bm: _unpadded(real, ids, nl, start, bm)
@@ -276,6 +294,50 @@ def _unpadded(real: Any, ids: torch.Tensor, nl: int, start: int, bm: int) -> tup
     return out, experts
 
 
+STACKED_TOKENS = (3, 20)  # one pair per program, and the sorted order (both within STACKED_MAX_TOKENS)
+
+
+def moe_block(shared_inter: int = 32, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """A small ``SparseMoeBlock`` (8 experts of width 32, top 2, hidden 64, a shared expert) with random weights,
+    built where it runs (as the engine builds models: the stacked experts' views do not survive a ``.to()``)."""
+    from types import SimpleNamespace
+
+    from hyserve.layers.moe import SparseMoeBlock
+
+    cfg = SimpleNamespace(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=shared_inter, norm_topk_prob=True, quantization=None)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            block = SparseMoeBlock(cfg, "model.layers.0.mlp")
+    finally:
+        torch.set_default_dtype(default)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+        block.router_weight.copy_(torch.randn(block.router_weight.shape, generator=g))
+    return block
+
+
+def _stacked_shared_case(t: int) -> tuple[bool, str]:
+    """The block with its shared expert stacked after the experts (the kernels' path) against the block's
+    reference path (the shared expert apart, gated by its sigmoid), on the same weights."""
+    block = moe_block()
+    assert block.experts.stacked is not None
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t))
+    with torch.no_grad():
+        got = block(x)
+        os.environ["TRITON_INTERPRET"] = "0"  # the reference path of the same block
+        try:
+            want = block(x)
+        finally:
+            os.environ["TRITON_INTERPRET"] = "1"
+    err = float((got - want).abs().max())
+    return bool(err <= 1e-5 * max(1.0, float(want.abs().max()))), f"err {err:.3g}"
+
+
 ROUTE_CASES = {"renorm_gate": (9, 10, 3, True, True), "plain": (5, 7, 2, False, False),
                "top1_wide": (3, 40, 1, True, True), "decode_k8": (1, 64, 8, True, True)}
 
@@ -294,6 +356,36 @@ def _route_case(t: int, e: int, k: int, renorm: bool, gate: bool, device: str = 
     return bool(ok), f"ids {ids.tolist()} vs {ids_ref.tolist()}"
 
 
+def _route_slot_case(device: str = "cpu") -> tuple[bool, str]:
+    """The routing with the shared expert as one more choice: the top k, then (sigmoid(gate), the slot)."""
+    t, e, k = 6, 12, 3
+    logits = torch.randn(t, e + 1, generator=torch.Generator().manual_seed(4)).to(device)
+    w, ids, g = moe.route_experts(logits, k, True, e, shared_slot=e)
+    w_ref, ids_ref = moe.route_ref(logits[:, :e], k, True)
+    gate = torch.sigmoid(logits[:, e].float())
+    ok = (g is None and tuple(w.shape) == tuple(ids.shape) == (t, k + 1)
+          and torch.equal(ids[:, :k].long().cpu(), ids_ref.cpu()) and bool((ids[:, k] == e).all())
+          and torch.allclose(w[:, :k].cpu(), w_ref.cpu(), atol=1e-6) and torch.allclose(w[:, k].cpu(), gate.cpu(),
+                                                                                          atol=1e-6))
+    return bool(ok), f"ids {ids.tolist()} weights {w.tolist()}"
+
+
+def test_the_shared_expert_is_stacked_where_the_kernels_can_run_it() -> None:
+    """The stacked layout shares storage with the shared expert's and the experts' parameters (what the loader
+    fills), and is kept apart where it cannot be stacked (another width); the routing's CPU formulation of the
+    extra column agrees with the kernel's contract."""
+    block = moe_block()
+    big13, big2 = block.experts.stacked
+    mlp = block.shared_expert
+    assert big13.shape[0] == big2.shape[0] == 9
+    assert mlp.gate_up_proj.gemms[0].weight.data_ptr() == big13[8].data_ptr()
+    assert mlp.down_proj.weight.data_ptr() == big2[8].data_ptr()
+    assert block.experts.gate_up_proj.data_ptr() == big13.data_ptr()
+    assert moe_block(shared_inter=48).experts.stacked is None
+    ok, msg = _route_slot_case()
+    assert ok, msg
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
@@ -308,7 +400,8 @@ def interpreter_results() -> dict[str, list[Any]]:
 
 
 INTERP_NAMES = [f"{c}/{p}" for c in INTERP_CASES for p in ("default", *PLANS) if p == "default" or c in SWEPT]
-INTERP_NAMES += ["unpadded_runs_caught"]
+INTERP_NAMES += ["unpadded_runs_caught", "ungated_shared_caught"]
+INTERP_NAMES += [f"stacked_shared/{t}" for t in STACKED_TOKENS] + ["route/shared_slot"]
 INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES] + [f"route/{name}" for name in ROUTE_CASES]
 
 
@@ -356,6 +449,29 @@ def test_cuda_kernels_match_the_reference(fp8: str | None, t: int) -> None:
 def test_cuda_routing_matches_the_reference(name: str) -> None:
     ok, msg = _route_case(*ROUTE_CASES[name], device="cuda")
     assert ok, msg
+
+
+@cuda
+def test_cuda_routing_with_the_shared_slot() -> None:
+    ok, msg = _route_slot_case("cuda")
+    assert ok, msg
+
+
+@cuda
+@pytest.mark.parametrize("t", [1, 3, 20, 64])
+def test_cuda_stacked_shared_expert_matches_the_block_apart(t: int) -> None:
+    """On CUDA in bf16, the block with its shared expert stacked (the kernels' path) against the same block with the
+    shared expert run apart (``stacked`` cleared: its own GEMMs, gated in the combine)."""
+    block = moe_block(device="cuda", dtype=torch.bfloat16)
+    assert block.experts.stacked is not None
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t)).cuda().bfloat16()
+    with torch.no_grad():
+        got = block(x).float()
+        stacked, block.experts.stacked = block.experts.stacked, None
+        want = block(x).float()
+        block.experts.stacked = stacked
+    err, top = float((got - want).abs().max()), float(want.abs().max())
+    assert err <= 2e-2 * max(1.0, top), (t, err, top)
 
 
 @cuda

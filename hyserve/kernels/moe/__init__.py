@@ -39,7 +39,7 @@ from hyserve.utils import next_pow2
 
 __all__ = ["ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "compile_variants", "config_path",
            "default_config", "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs",
-           "quantize_dequantize", "route_experts", "route_ref", "select_config"]
+           "quantize_dequantize", "route_experts", "route_ref", "select_config", "uses_triton"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
@@ -100,11 +100,13 @@ def _card_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def select_config(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> MoePlan:
-    """The tuned plan of the nearest tuned token count at or above ``num_tokens``, else the default."""
+def select_config(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
+                  routed_experts: int | None = None) -> MoePlan:
+    """The tuned plan of the nearest tuned token count at or above ``num_tokens``, else the default; the table of
+    ``routed_experts`` experts when ``w13`` holds a shared expert after them (default: all of ``w13``'s)."""
     block_k = scales.block[1] if scales is not None and scales.block is not None else None
     if w13.is_cuda:
-        path = config_path(w13.shape[0], w13.shape[2], w2.shape[2], _dtype_name(w13, scales),
+        path = config_path(routed_experts or w13.shape[0], w13.shape[2], w2.shape[2], _dtype_name(w13, scales),
                            _card_name(w13.device.index))
         table = load_configs(path)
         above = [m for m in table if m >= num_tokens]
@@ -172,33 +174,45 @@ def align_pairs_ref(topk_ids: torch.Tensor, num_local: int, expert_start: int,
     return sorted_pairs[:rows], block_expert
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether the fused kernels run for ``t``: on CUDA, and anywhere under the Triton interpreter (tests)."""
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def route_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def route_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int,
+                  shared_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(weights, experts, shared_gate)``: :func:`route_ref` over the first ``num_experts`` logits of each token
     (float32 weights, int32 ids on CUDA); a further column is the shared expert's gate logit, returned as its float32
-    sigmoid [T] (else None). On CUDA one launch, one warp a token up to 512 experts (its 2k reductions stay within
-    the warp: no shared-memory round trips on the decode path; not measured yet)."""
+    sigmoid [T] (else None). With ``shared_slot`` (the shared expert stacked with the experts as expert
+    ``shared_slot``) the gate is instead one more choice of every token: weights and ids [T, top_k + 1], the last
+    column ``(sigmoid(gate), shared_slot)``, and ``shared_gate`` None. On CUDA one launch, one warp a token up to 512
+    experts (its 2k reductions stay within the warp: no shared-memory round trips on the decode path)."""
     t, width = router_logits.shape
     has_gate = width > num_experts
-    if not _use_triton(router_logits):
+    if shared_slot is not None and not has_gate:
+        raise ValueError("route_experts: a shared slot needs the shared expert's gate logit after the experts'")
+    if not uses_triton(router_logits):
         weights, experts = route_ref(router_logits[:, :num_experts], top_k, renormalize)
         gate = torch.sigmoid(router_logits[:, num_experts].float()) if has_gate else None
+        if shared_slot is not None:
+            assert gate is not None
+            slot = torch.full((t, 1), shared_slot, dtype=experts.dtype, device=experts.device)
+            return torch.cat([weights, gate[:, None]], 1), torch.cat([experts, slot], 1), None
         return weights, experts, gate
     from hyserve.kernels.moe._triton import _moe_route_kernel
 
     dev = router_logits.device
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
-    experts = torch.empty(t, top_k, dtype=torch.int32, device=dev)
-    gate = torch.empty(t, dtype=torch.float32, device=dev) if has_gate else weights
+    fold = shared_slot is not None
+    width = top_k + 1 if fold else top_k
+    weights = torch.empty(t, width, dtype=torch.float32, device=dev)
+    experts = torch.empty(t, width, dtype=torch.int32, device=dev)
+    gate = torch.empty(t, dtype=torch.float32, device=dev) if has_gate and not fold else weights
     if t:
         _moe_route_kernel[(t,)](router_logits, weights, experts, gate, num_experts, router_logits.stride(0),
-                                TOP_K=top_k, K_PAD=next_pow2(top_k), RENORM=renormalize, SHARED_GATE=has_gate,
-                                E_PAD=next_pow2(num_experts), num_warps=1 if num_experts <= 512 else 4)
-    return weights, experts, gate if has_gate else None
+                                shared_slot if fold else 0, TOP_K=top_k, K_PAD=next_pow2(top_k),
+                                RENORM=renormalize, SHARED_GATE=has_gate, E_PAD=next_pow2(num_experts),
+                                SHARED_SLOT=fold, num_warps=1 if num_experts <= 512 else 4)
+    return weights, experts, gate if has_gate and not fold else None
 
 
 def _combine(pair_out: torch.Tensor, t: int, k: int, shared: torch.Tensor | None,
@@ -226,13 +240,15 @@ def _gemm_input(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Ten
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0, scales: ExpertScales | None = None,
                   plan: MoePlan | None = None, num_experts: int | None = None, shared: torch.Tensor | None = None,
-                  shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+                  shared_gate: torch.Tensor | None = None, routed_experts: int | None = None) -> torch.Tensor:
     """The routed sum [T, H] in ``x.dtype`` (see the module docstring and :func:`fused_experts_ref`): ``x`` [T, H];
     ``w13`` [E_local, 2I, H]; ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids`` [T, k] with global
     expert ids; ``scales`` for FP8 experts; ``num_experts`` the global count when the weights hold a part of them
     (expert parallel); ``shared`` [T, H] and ``shared_gate`` [T] (float32) a shared expert's output and gate, added
-    to the sum. CPU tensors take the reference unless the Triton interpreter is on."""
-    if not _use_triton(x):
+    to the sum. ``w13``/``w2`` may also hold the shared expert as their last expert, chosen by every token as one
+    more column of the routing (``route_experts(..., shared_slot=)``): ``routed_experts`` then names the routed
+    count, for the tile table. CPU tensors take the reference unless the Triton interpreter is on."""
+    if not uses_triton(x):
         return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, scales, shared, shared_gate)
     from hyserve.kernels.moe._triton import _moe_down_kernel, _moe_gate_up_kernel
 
@@ -240,7 +256,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     num_local, hidden, inter = w13.shape[0], w13.shape[2], w2.shape[2]
     if t == 0:
         return torch.zeros_like(x) if shared is None else shared.clone()
-    plan = plan or select_config(t, w13, w2, scales)
+    plan = plan or select_config(t, w13, w2, scales, routed_experts)
     block = scales.block if scales is not None else None
     quant = 0 if scales is None else (1 if block is None else 2)
     gn, gk = block if block is not None else (1, 1)
@@ -334,12 +350,13 @@ def compile_variants(capability: tuple[int, int] = (9, 0), direct: bool = True, 
                                "topk_w_ptr": "*fp32"}, gemm)
     if not with_small:
         return 2
-    build(_moe_route_kernel, {"logits_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i32", "gate_ptr": "*fp32"},
-          dict(TOP_K=8, K_PAD=8, RENORM=True, SHARED_GATE=True, E_PAD=256), warps=1)
+    for slot in (False, True):
+        build(_moe_route_kernel, {"logits_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i32", "gate_ptr": "*fp32"},
+              dict(TOP_K=8, K_PAD=8, RENORM=True, SHARED_GATE=True, E_PAD=256, SHARED_SLOT=slot), warps=1)
     build(_moe_align_kernel, {"ids_ptr": "*i64", "cursor_ptr": "*i32", "sorted_ptr": "*i32",
                                 "block_expert_ptr": "*i32"}, dict(BLOCK_M=16, E_PAD=256, BLOCK=1024, BLOCK_B=64))
     build(_moe_scatter_kernel, {"ids_ptr": "*i64", "cursor_ptr": "*i32", "sorted_ptr": "*i32"}, dict(BLOCK=1024))
     build(_moe_combine_kernel, {"pair_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*fp32",
                                   "out_ptr": "*bf16"}, dict(TOP_K=8, SHARED=True, BLOCK=1024))
-    return 6
+    return 7
 

@@ -195,12 +195,14 @@ def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, expert_start
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr, w_ptr, ids_ptr, gate_ptr, E, sl,
+    logits_ptr, w_ptr, ids_ptr, gate_ptr, E, sl, slot,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED_GATE: tl.constexpr, E_PAD: tl.constexpr,
+    SHARED_SLOT: tl.constexpr,
 ):  # fmt: skip
     """One program per token: softmax over its ``E`` router logits in float32, the ``TOP_K`` largest in descending
     order (the lower index on a tie), divided by their sum when ``RENORM``; with ``SHARED_GATE`` the logit after the
-    experts' is the shared expert's gate, written as its sigmoid."""
+    experts' is the shared expert's gate, written as its sigmoid: to ``gate_ptr``, or with ``SHARED_SLOT`` as one
+    more choice of the token (rows of ``TOP_K + 1``: expert ``slot``, the sigmoid its weight)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + t * sl + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -217,11 +219,17 @@ def _moe_route_kernel(
         p = tl.where(offs == at, -1.0, p)
     if RENORM:
         vals = vals / tl.sum(vals, axis=0)
-    tl.store(w_ptr + t * TOP_K + ks, vals, mask=ks < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + ks, idx, mask=ks < TOP_K)
+    width: tl.constexpr = TOP_K + 1 if SHARED_SLOT else TOP_K
+    tl.store(w_ptr + t * width + ks, vals, mask=ks < TOP_K)
+    tl.store(ids_ptr + t * width + ks, idx, mask=ks < TOP_K)
     if SHARED_GATE:
         g = tl.load(logits_ptr + t * sl + E).to(tl.float32)
-        tl.store(gate_ptr + t, 1.0 / (1.0 + tl.exp(-g)))
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        if SHARED_SLOT:
+            tl.store(w_ptr + t * width + TOP_K, sig)
+            tl.store(ids_ptr + t * width + TOP_K, slot.to(tl.int32))
+        else:
+            tl.store(gate_ptr + t, sig)
 
 
 @triton.jit
