@@ -31,12 +31,18 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, expert_parallel, shard_range, tp_size
-from hyserve.kernels.moe import fused_experts, route_experts, route_ref, uses_triton
+from hyserve.kernels.moe import ExpertScales, fused_experts, route_experts, route_ref, uses_triton
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import MLP
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.quantization.base import UNQUANTIZED
-from hyserve.layers.quantization.experts import PROJECTIONS, UNQUANTIZED_EXPERTS, experts_method_for
+from hyserve.layers.quantization.experts import (
+    PROJECTIONS,
+    UNQUANTIZED_EXPERTS,
+    Fp8ExpertsMethod,
+    experts_method_for,
+)
+from hyserve.layers.quantization.fp8 import Fp8LinearMethod
 
 # Up to this many tokens a stacked shared expert runs in the experts' kernels (decode: its own four launches cost
 # more than its weights); above, its dense GEMMs (a prefill's [T, H] x [H, 2I] is cuBLAS's ground, where the experts'
@@ -98,33 +104,51 @@ class Experts(nn.Module):
         # first L are ``gate_up_proj`` / ``down_proj`` and last the shared expert's weights (plain attributes: the
         # parameters are views of them, so nothing counts them twice).
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stacked_scales: ExpertScales | None = None
 
     def can_stack(self, mlp: MLP) -> bool:
         """Whether ``mlp`` (a shared expert) can be stacked after these experts: whole experts of the same widths
-        on this rank (not expert parallel: there each rank holds other experts but the shared expert's slice), the
-        weights in the model dtype on both sides, gate and up in one GEMM, no bias."""
+        on this rank (not expert parallel: there each rank holds other experts but the shared expert's slice), gate
+        and up in one GEMM, no bias, and the same numbers on both paths: the weights in the model dtype on both
+        sides, or FP8 of one checkpoint scheme whose activations the experts' kernels quantize as the dense layers
+        do (per token with channel or tensor scales, per token and group with block scales; not online FP8)."""
         gemms = mlp.gate_up_proj.gemms
         g, d = gemms[0], mlp.down_proj
-        return (not self.ep and self.method == UNQUANTIZED_EXPERTS and len(gemms) == 1
-                and g.method == UNQUANTIZED and d.method == UNQUANTIZED and g.bias is None and d.bias is None
-                and tuple(g.weight.shape) == tuple(self.gate_up_proj.shape[1:])
-                and tuple(d.weight.shape) == tuple(self.down_proj.shape[1:])
-                and g.weight.dtype == d.weight.dtype == self.gate_up_proj.dtype)
+        if self.ep or len(gemms) != 1 or g.bias is not None or d.bias is not None:
+            return False
+        if (tuple(g.weight.shape) != tuple(self.gate_up_proj.shape[1:])
+                or tuple(d.weight.shape) != tuple(self.down_proj.shape[1:])
+                or not g.weight.dtype == d.weight.dtype == self.gate_up_proj.dtype):
+            return False
+        if self.method == UNQUANTIZED_EXPERTS:
+            return g.method == UNQUANTIZED and d.method == UNQUANTIZED
+        if not isinstance(self.method, Fp8ExpertsMethod):
+            return False
+        s = self.method.scheme
+        if s.online or s.activation != ("group" if s.block is not None else "token"):
+            return False
+        if not g.method == d.method == Fp8LinearMethod(s):
+            return False
+        scales = self.method.scales(self)  # a slot's scales: the dense layer's, as [...] or [..., 1]
+        return all(_attr(dense, s.scale_name).shape[0] == stacked.shape[1]
+                   and _attr(dense, s.scale_name).numel() == stacked[0].numel()
+                   for stacked, dense in ((scales.w13, g), (scales.w2, d)))
 
     def attach_shared(self, mlp: MLP) -> None:
-        """Stack ``mlp`` after the experts (``can_stack``): one storage each for the gate/up and the down weights,
-        the experts' parameters and the shared expert's views of it, so that the fused kernels run the shared
-        expert as expert L, which every token chooses with its gate's sigmoid as the weight
+        """Stack ``mlp`` after the experts (``can_stack``): one storage each for the gate/up and the down weights
+        (and their FP8 scales), the experts' parameters and the shared expert's views of it, so that the fused
+        kernels run the shared expert as expert L, which every token chooses with its gate's sigmoid as the weight
         (``route_experts(..., shared_slot=L)``): at decode its four launches (gate/up GEMM, SiLU x up, down GEMM,
         and the gated add) become one more pair in the experts' kernels. The loader fills the views in place."""
-        local = self.num_local
-        w13, w2 = self.gate_up_proj, self.down_proj
         g, d = mlp.gate_up_proj.gemms[0], mlp.down_proj
-        big13 = torch.empty((local + 1, *w13.shape[1:]), dtype=w13.dtype, device=w13.device)
-        big2 = torch.empty((local + 1, *w2.shape[1:]), dtype=w2.dtype, device=w2.device)
-        w13.data, g.weight.data = big13[:local], big13[local]
-        w2.data, d.weight.data = big2[:local], big2[local]
+        big13, big2 = _stack(self.gate_up_proj, _attr(g, "weight")), _stack(self.down_proj, _attr(d, "weight"))
         self.stacked = (big13, big2)
+        if isinstance(self.method, Fp8ExpertsMethod):
+            s = self.method.scheme
+            names = self.method.scale_names
+            s13 = _stack(_attr(self, names[0]), _attr(g, s.scale_name))
+            s2 = _stack(_attr(self, names[1]), _attr(d, s.scale_name))
+            self.stacked_scales = ExpertScales(s13, s2, s.block)
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
         """The per-expert layout: ``{e}.gate_proj.weight`` (and ``up_proj``, ``down_proj``, and their scales when
@@ -154,7 +178,24 @@ class Experts(nn.Module):
         [T, k + 1], the last column the shared expert's (its gate's sigmoid, expert id L)."""
         assert self.stacked is not None
         big13, big2 = self.stacked
-        return fused_experts(x, big13, big2, weights, experts, 0, routed_experts=self.num_local)
+        return fused_experts(x, big13, big2, weights, experts, 0, scales=self.stacked_scales,
+                             routed_experts=self.num_local)
+
+
+def _attr(module: nn.Module, name: str) -> torch.Tensor:
+    """A parameter or buffer of ``module`` (typed)."""
+    t = getattr(module, name)
+    assert isinstance(t, torch.Tensor), name
+    return t
+
+
+def _stack(experts: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """One tensor [L + 1, ...] whose first L are ``experts`` [L, ...] and last ``shared`` (the same elements, as
+    ``[...]`` or ``[..., 1]``): both become views of it (their values are not kept: called before loading)."""
+    local = experts.shape[0]
+    big = torch.empty((local + 1, *experts.shape[1:]), dtype=experts.dtype, device=experts.device)
+    experts.data, shared.data = big[:local], big[local].reshape(shared.shape)
+    return big
 
 
 class SparseMoeBlock(nn.Module):
