@@ -26,6 +26,7 @@
 #                                                      # (and tune, with the time left)
 #   bash benchmarks/peer_session.sh moe         # hyserve: 35B-A3B bf16 and FP8, Next-80B FP8 (dummy weights)
 #   bash benchmarks/peer_session.sh moe-vllm    # vLLM (default mode): the same; call again to go on where it stopped
+#   bash benchmarks/peer_session.sh moe-profile # hyserve: a 35B-A3B batch-1 decode step profiled, bf16 and FP8
 #   bash benchmarks/peer_session.sh moe-vllm 35b_a3b_fp8 next80b_fp8   # those runs alone (also for moe)
 #   bash benchmarks/peer_session.sh moe-agent   # both engines: the agent trace with prefix caching on 35B-A3B bf16
 #   bash benchmarks/peer_session.sh moe-spec    # both engines: MTP k = 3 planted at 80 %, batch 1 and 32, 35B-A3B bf16
@@ -404,11 +405,12 @@ case "${1:?phase}" in
         --out "$OUT/fp8_check_9b.json" > "$OUT/fp8_check_9b.log" 2>&1
     echo "fp8_check 9b rc $?"; tail -2 "$OUT/fp8_check_9b.log"
     ;;
-  moe-check)  # the MoE kernels on CUDA: their tests, then their benchmark (both where this tree has them)
+  moe-check)  # the MoE kernels and families on CUDA: their tests, then the kernels' benchmark
     if [ -f tests/kernels/test_moe_kernels.py ]; then
         timeout "$(within 300)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernels.py \
-            > "$OUT/moe_kernel_tests.log" 2>&1
-        echo "moe kernel tests rc $? ($(date +%T))"; tail -3 "$OUT/moe_kernel_tests.log"
+            tests/model/test_qwen3_5_moe.py tests/model/test_fp8_moe.py tests/model/test_qwen3_next.py \
+            tests/model/test_fp8_qwen3_next.py -k cuda > "$OUT/moe_kernel_tests.log" 2>&1
+        echo "moe CUDA tests rc $? ($(date +%T))"; tail -3 "$OUT/moe_kernel_tests.log"
     else
         echo "tests/kernels/test_moe_kernels.py is not in this tree"
     fi
@@ -431,6 +433,16 @@ case "${1:?phase}" in
     moe_run hyserve /tmp/m35 35b_a3b 240
     moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8 200
     moe_run hyserve /tmp/m80_fp8 next80b_fp8 300
+    ;;
+  moe-profile)  # where a 35B-A3B batch-1 decode step goes (bf16, then block FP8): kernels by name, launches
+    moe_shapes
+    for spec in 35b_a3b:/tmp/m35 35b_a3b_fp8:/tmp/m35_fp8; do
+        IFS=: read -r name dir <<< "$spec"
+        timeout "$(within 250 5)" python3 benchmarks/profile_step.py --model "$dir" --device cuda --dtype bfloat16 \
+            --batch 1 --extra '{"load_format": "dummy"}' --out "$OUT/profile_${name}_bs1" \
+            > "$OUT/profile_${name}_bs1.log" 2>&1
+        echo "profile $name rc $? ($(date +%T))"; grep -m1 "ms/step" "$OUT/profile_${name}_bs1.log"
+    done
     ;;
   moe-vllm)  # vLLM in its default mode on the same directories (load_format dummy, no images); its
              # first process compiles for minutes, so this phase may take two or three calls
