@@ -1,0 +1,173 @@
+"""Issue 31's check on the card: a 2B-active Qwen3.5-MoE shape served in bf16 on CUDA against transformers' own
+``Qwen3_5MoeForCausalLM`` in float32, teacher-forced on hyserve's greedy tokens, on clear-margin positions (the rule
+of the dense 2B check, ``gpu_check.BF16_RULE``).
+
+    python benchmarks/moe_check.py --out DIR                      # on the H200 (about 40 GB of GPU memory)
+    python benchmarks/moe_check.py --out DIR --shape tiny --device cpu --dtype float32   # the test's form
+
+The shape (``SHAPE_MOE_2B``) is the 35B-A3B text model's (hidden 2048, 3 GDN : 1 gated attention, experts of 512,
+top 8, a shared expert of 512, routing in float32 with renormalized top-k) at 24 layers and 64 experts: about 2.5B
+parameters read per token, 5.6B in all, so its bf16 checkpoint (11 GB) and transformers' float32 copy (22 GB) fit
+beside hyserve on one card and on the machine's disk. transformers' random init, with the zero-centred norms spread
+(as ``shapes.write_random_checkpoint``) and the routers' rows drawn wider (``ROUTER_STD``): at transformers' 0.02
+the router logits are near-uniform, every top-k choice is a near-tie, and bf16 rounding would pick other experts
+at most positions; with wider rows most choices are clear, as a trained router's are.
+
+Twelve prompts of 5 to 1,000 tokens decode together for 32 tokens: prefill chunks past 64 tokens (the shared
+expert apart, its dense GEMMs), decode at 12 rows (the shared expert stacked in the experts' kernels, the sorted
+order) and, as rows finish, fewer. CUDA graphs and prefix caching on (the engine's defaults).
+
+The control: the same outputs scored against the reference with its shared experts' down projections zeroed must
+fail the rule, or show a mean logprob error at least ``CONTROL_RATIO`` times larger: the comparison sees the shared
+expert (the part this issue's kernels changed last). Result ``moe_2b_vs_fp32_reference`` in ``moe_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpu_check import BF16_RULE, FP32_RULE, ClearMarginRule, score_positions
+from shapes import SHAPE_35B_A3B
+
+from hyserve import LLM, SamplingParams
+from hyserve.testing import reference_logits
+
+SHAPE_MOE_2B: dict[str, Any] = {
+    **{k: v for k, v in SHAPE_35B_A3B.items() if k not in ("mtp_num_hidden_layers", "rope_parameters")},
+    "num_hidden_layers": 24, "num_experts": 64, "max_position_embeddings": 32768,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+}
+TINY_MOE: dict[str, Any] = {
+    **SHAPE_MOE_2B, "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_position_embeddings": 4096,
+}
+MOE_SHAPES = {"2b-active": SHAPE_MOE_2B, "tiny": TINY_MOE}
+ROUTER_STD = 0.06  # router logits' spread about 45 x this at hidden 2048 (RMS-normed inputs)
+PROMPT_LENS = (300, 17, 1000, 64, 5, 130, 9, 700, 33, 1, 250, 80)
+MAX_TOKENS = 32
+CONTROL_RATIO = 3.0
+
+
+def write_moe_checkpoint(path: str, shape: dict[str, Any], device: str, seed: int = 0) -> dict[str, int]:
+    """transformers' ``Qwen3_5MoeForCausalLM`` with random bf16 weights (norms spread, routers wider), saved to
+    ``path``; returns its parameter count and the count a token reads (its top-k experts of each layer)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    cfg = Qwen3_5MoeTextConfig(**shape, layer_types=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3_5MoeForCausalLM(cfg).to(torch.bfloat16)
+    zero_centred = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
+    total = active = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(zero_centred):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, ROUTER_STD)
+            total += p.numel()
+            experts = ".mlp.experts." in name
+            active += p.numel() * shape["num_experts_per_tok"] // shape["num_experts"] if experts else p.numel()
+    model.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"params": total, "active_params": active}
+
+
+def generate(path: str, device: str, dtype: str, seed: int = 1, prompt_lens: tuple[int, ...] = PROMPT_LENS,
+             max_tokens: int | tuple[int, ...] = MAX_TOKENS) -> tuple[list[list[int]], list[Any]]:
+    """hyserve's greedy outputs (tokens, their logprobs) on prompts of ``prompt_lens``, each ``max_tokens`` long
+    (or its own length: rows then finish at different steps and the decode batch shrinks)."""
+    llm = LLM(model=path, device=device, dtype=dtype, max_num_seqs=16, max_model_len=4096,
+              max_num_batched_tokens=2048, gpu_memory_utilization=0.4 if device == "cuda" else 0.9)
+    vocab = llm.llm_engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+    lens = max_tokens if isinstance(max_tokens, tuple) else (max_tokens,) * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    rows = [(o.outputs[0].token_ids, [o.outputs[0].logprobs[i][t].logprob  # type: ignore[index]
+                                      for i, t in enumerate(o.outputs[0].token_ids)]) for o in outs]
+    llm.llm_engine.assert_no_leaks()
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return prompts, rows
+
+
+def score(ref: Any, prompts: list[list[int]], rows: list[Any], rule: ClearMarginRule, device: str) -> dict[str, Any]:
+    """The rule's totals over every prompt (``score_positions`` each), and whether they pass."""
+    tot = {"tokens_checked": 0, "tokens_mismatched": 0, "tokens_scored": 0, "max_logprob_abs_err": 0.0,
+           "sum_logprob_abs_err": 0.0}
+    with torch.no_grad():
+        for prompt, (toks, lps) in zip(prompts, rows, strict=True):
+            logits = reference_logits(ref, prompt + list(toks), device=device)
+            s = score_positions(logits[len(prompt) - 1 :], list(toks), lps, rule.margin)
+            for k in ("tokens_checked", "tokens_mismatched", "tokens_scored", "sum_logprob_abs_err"):
+                tot[k] += s[k]
+            tot["max_logprob_abs_err"] = max(tot["max_logprob_abs_err"], s["max_logprob_abs_err"])
+    tot["mean_logprob_abs_err"] = tot["sum_logprob_abs_err"] / max(tot["tokens_scored"], 1)
+    tot["pass"] = rule.passes(tot)
+    return tot
+
+
+def moe_check(path: str, device: str = "cuda", dtype: str = "bfloat16", **generate_kw: Any) -> dict[str, Any]:
+    """``generate`` on ``path``, scored against transformers' float32 model (``BF16_RULE``; ``FP32_RULE`` for a
+    float32 engine), then the control without shared experts; ``pass``: the first passes and the control does not."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    rule = FP32_RULE if dtype == "float32" else BF16_RULE
+    prompts, rows = generate(path, device, dtype, **generate_kw)
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    r = score(ref, prompts, rows, rule, device)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.mlp.shared_expert.down_proj.weight.zero_()
+    control = score(ref, prompts, rows, rule, device)
+    sees = (not control["pass"]
+            or control["mean_logprob_abs_err"] >= CONTROL_RATIO * max(r["mean_logprob_abs_err"], 1e-12))
+    return {**r, "dtype": dtype, "rule": rule._asdict(), "control_without_shared_experts": control,
+            "control_sees_the_shared_expert": sees, "pass": bool(r["pass"] and sees)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", choices=sorted(MOE_SHAPES), default="2b-active")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", help="an existing checkpoint of the shape (else one is written to a temporary dir)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+                               "torch": torch.__version__, "shape": args.shape,
+                               "shape_fields": MOE_SHAPES[args.shape]}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or os.path.join(tmp, "moe")
+        if not args.model:
+            results.update(write_moe_checkpoint(path, MOE_SHAPES[args.shape], args.device))
+        r = results["moe_2b_vs_fp32_reference"] = moe_check(path, args.device, args.dtype)
+    print(f"MoE {args.shape} {args.dtype} vs transformers fp32: {r['tokens_mismatched']}/{r['tokens_checked']} clear "
+          f"positions mismatched, logprob err max {r['max_logprob_abs_err']:.3g} mean {r['mean_logprob_abs_err']:.3g}; "
+          f"control without shared experts: mean {r['control_without_shared_experts']['mean_logprob_abs_err']:.3g}, "
+          f"pass {r['control_without_shared_experts']['pass']}; pass {r['pass']}", flush=True)
+    with open(os.path.join(args.out, "moe_check.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    return 0 if r["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

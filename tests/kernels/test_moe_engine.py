@@ -1,0 +1,97 @@
+"""The whole engine with the fused MoE kernels, on the CPU: under ``TRITON_INTERPRET=1`` the MoE layers (and only
+they) take the Triton kernels on CPU tensors, so ``benchmarks/moe_check.py``'s check runs a tiny Qwen3.5-MoE
+checkpoint through them (float32) against transformers' ``Qwen3_5MoeForCausalLM``, teacher-forced on the engine's
+greedy tokens (``FP32_RULE``: every clear position's argmax, logprobs within 3e-3).
+
+What runs: one prefill step of 192 tokens (the sorted order, the shared expert apart on its dense GEMMs), decode at
+10 rows (the sorted order with the shared expert stacked as expert E), then fewer than 8 as rows finish (one pair per
+program, stacked). The check's control (the reference without its shared experts) must fail, and a sabotaged engine
+(the stacked shared expert added ungated: weight 1, not its gate's sigmoid) must fail the check itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPT_LENS = (70, 17, 5, 9, 33, 1, 12, 3, 40, 2)
+MAX_TOKENS = (6, 3, 6, 2, 6, 4, 6, 3, 6, 2)
+
+
+def run_checks() -> dict[str, Any]:
+    """In the interpreter subprocess: the check, then the same with the ungated sabotage."""
+    from tests.kernels.test_kernels import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import moe_check
+
+    import hyserve.layers.moe as layer_moe
+
+    out: dict[str, Any] = {}
+    calls = {"stacked": 0, "apart": 0}
+    real_route = layer_moe.route_experts
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls["stacked" if kw.get("shared_slot") is not None else "apart"] += 1
+        return real_route(*args, **kw)
+
+    def ungated(*args: Any, **kw: Any) -> Any:
+        weights, ids, gate = real_route(*args, **kw)
+        if kw.get("shared_slot") is not None:
+            weights[:, -1] = 1.0
+        return weights, ids, gate
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "moe")
+        moe_check.write_moe_checkpoint(path, moe_check.TINY_MOE, "cpu")
+        layer_moe.route_experts = counting  # type: ignore[assignment]
+        out["check"] = moe_check.moe_check(path, "cpu", "float32", prompt_lens=PROMPT_LENS, max_tokens=MAX_TOKENS)
+        out["routes"] = dict(calls)
+        layer_moe.route_experts = ungated  # type: ignore[assignment]
+        out["ungated"] = moe_check.moe_check(path, "cpu", "float32", prompt_lens=PROMPT_LENS, max_tokens=MAX_TOKENS)
+        layer_moe.route_experts = real_route
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run"], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+def test_the_engine_with_the_moe_kernels_matches_transformers(results: dict[str, Any]) -> None:
+    r = results["check"]
+    assert r["tokens_checked"] >= 40, r
+    assert r["pass"], r
+    # both shared-expert paths ran: stacked (decode) and apart (the prefill step)
+    assert results["routes"]["stacked"] > 0 and results["routes"]["apart"] > 0, results["routes"]
+
+
+def test_the_check_sees_the_shared_expert(results: dict[str, Any]) -> None:
+    """The control (the reference without shared experts) fails: the comparison would see a lost shared expert."""
+    assert results["check"]["control_sees_the_shared_expert"], results["check"]["control_without_shared_experts"]
+
+
+def test_an_ungated_stacked_shared_expert_is_caught(results: dict[str, Any]) -> None:
+    r = results["ungated"]
+    assert not r["pass"] and r["tokens_mismatched"] + (r["max_logprob_abs_err"] >= 3e-3) > 0, r
+
+
+if __name__ == "__main__" and "--run" in sys.argv:
+    print("RESULTS " + json.dumps(run_checks()))
