@@ -14,6 +14,17 @@ from hyserve.engine.llm_engine import LLMEngine
 from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.families import CheckpointCache
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``TRITON_INTERPRET=1`` (a subprocess that runs a family's tests on the fused MoE kernels,
+    ``tests/kernels/test_moe_engine.py``) the interpreter computes as the GPU does."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+        patch_triton_interpreter()
+
 torch.set_num_threads(1)
 
 

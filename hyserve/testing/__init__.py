@@ -11,6 +11,7 @@ Family-neutral:
 - ``scripted``: a model that answers what a test plants (the server's answer parsers), a tool-aware chat template.
 - ``executors``: ``PicklingExecutor`` (every message crosses the scheduler/worker seam as bytes).
 - ``images``: random PNGs and data URLs.
+- ``triton_interpreter``: the Triton interpreter made to compute as the GPU does (kernels on CPU tensors).
 
 One module per family (``qwen3_5``, ``qwen3_5_vlm``, ``fp8`` for its FP8 checkpoints); a new family adds its own and
 registers it in ``families``. The Qwen3.5 family's writer and reference are re-exported here.

@@ -29,6 +29,7 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, 
 from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.gdn.reference import gdn_forward_ref
+from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -332,60 +333,6 @@ def test_paged_attention_reference_loose_host_bounds() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Triton kernels under the interpreter (one subprocess)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def patch_triton_interpreter() -> None:
-    """Work around two interpreter bugs seen with triton 3.6 + numpy >= 2.3 (interpreter only; GPU code unaffected):
-
-    * a scalar loaded from memory is a 1-element array, and ``range(lo, hi)`` with it as a bound calls ``int()`` on
-      it, which numpy 2.3+ refuses for 1-d arrays;
-    * ``tl.dot`` on bfloat16 operands multiplies their raw uint16 storage;
-    * float32 -> bfloat16 casts truncate, where GPUs (and torch) round to nearest even;
-    * float32 -> float8_e4m3 casts lose the carry of a mantissa rounded up into the exponent (124.3 gives 64).
-    """
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    orig_patch = interp._patch_lang_tensor
-
-    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patch_lang_tensor
-    orig_dot = interp.InterpreterBuilder.create_dot
-
-    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
-        def up(h: Any) -> Any:
-            if getattr(h.dtype, "scalar", h.dtype) == tl.bfloat16:
-                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-            return h
-
-        return orig_dot(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
-
-    interp.InterpreterBuilder.create_dot = create_dot
-    orig_cast = interp.InterpreterBuilder.cast_impl
-
-    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
-            nan = np.isnan(src.data)
-            rounded[nan] = 0x7FC0
-            return interp.TensorHandle(rounded, dst_type.scalar)
-        return orig_cast(self, src, dst_type)
-
-    interp.InterpreterBuilder.cast_impl = cast_impl
-    orig_fp_to_fp = interp.InterpreterBuilder.create_fp_to_fp
-
-    def create_fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:  # round to nearest even, as torch
-            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            return interp.TensorHandle(data.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), dst_type.scalar)
-        return orig_fp_to_fp(self, src, dst_type, rounding_mode)
-
-    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
 def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:

@@ -28,7 +28,7 @@ MAX_TOKENS = (6, 3, 6, 2, 6, 4, 6, 3, 6, 2)
 
 def run_checks() -> dict[str, Any]:
     """In the interpreter subprocess: the check, then the same with the ungated sabotage."""
-    from tests.kernels.test_kernels import patch_triton_interpreter
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_triton_interpreter()
@@ -91,6 +91,27 @@ def test_the_check_sees_the_shared_expert(results: dict[str, Any]) -> None:
 def test_an_ungated_stacked_shared_expert_is_caught(results: dict[str, Any]) -> None:
     r = results["ungated"]
     assert not r["pass"] and r["tokens_mismatched"] + (r["max_logprob_abs_err"] >= 3e-3) > 0, r
+
+
+# Some of the family's own tests (against transformers; every feature with MTP drafts accepted, async scheduling,
+# preemption, prefix hits and aborts), run on the kernels: about 90 s under the interpreter (all of them: 280 s).
+FAMILY_TESTS = [
+    "tests/model/test_qwen3_5_moe.py::test_matches_transformers[causal-fused-gdn3_attn1-2-True]",
+    "tests/model/test_qwen3_5_moe.py::test_matches_transformers[conditional-per_expert-gdn3_attn1-2-False]",
+    "tests/model/test_qwen3_5_moe.py::test_features_compose_with_moe[mtp-True-False]",
+]
+
+
+def test_the_familys_tests_pass_on_the_moe_kernels() -> None:
+    """The Qwen3.5-MoE tests above with ``TRITON_INTERPRET=1``: their MoE layers run the fused kernels (decode and
+    verify steps with the stacked shared expert) instead of the reference (``tests/conftest.py`` patches the
+    interpreter in that process)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAMILY_TESTS], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and f"{len(FAMILY_TESTS)} passed" in proc.stdout, proc.stdout[-3000:]
 
 
 if __name__ == "__main__" and "--run" in sys.argv:

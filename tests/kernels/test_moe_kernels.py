@@ -232,7 +232,7 @@ def _interp_case(case: dict[str, Any], plan: MoePlan | None) -> tuple[bool, str]
 
 
 def run_interpreter_checks() -> dict[str, list[Any]]:
-    from tests.kernels.test_kernels import patch_triton_interpreter
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_triton_interpreter()

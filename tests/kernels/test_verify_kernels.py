@@ -374,7 +374,7 @@ def _interp_commit(dtype: torch.dtype) -> tuple[bool, str]:
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Run the verify kernels under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from test_kernels import patch_triton_interpreter  # the two triton 3.6 interpreter workarounds
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter  # triton 3.6 interpreter workarounds
 
     patch_triton_interpreter()
     res: dict[str, list[Any]] = {}

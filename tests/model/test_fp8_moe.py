@@ -359,7 +359,7 @@ def test_linear_layers_of_the_moe_model_are_fp8(moe_ckpts: Checkpoints, caplog: 
 INTERPRETER_CHECK = """
 import json, sys
 import torch
-from tests.kernels.test_kernels import patch_triton_interpreter
+from hyserve.testing.triton_interpreter import patch_triton_interpreter
 patch_triton_interpreter()
 from hyserve.kernels.moe import fused_experts_ref
 from hyserve.layers.moe import Experts, route
