@@ -15,6 +15,10 @@ FP8 (``QUANT``): 1, channel-scaled weights and per-token activation scales, appl
 each ``BLOCK_K`` slice's partial product (``BLOCK_K`` divides ``GROUP_K``). ``PRECISION``: ``"ieee"`` for float32
 experts (no TF32 rounding: a float32 model on CUDA matches its CPU reference), else the default. ``UPCAST``: the
 interpreter multiplies float32 copies of the FP8 tiles (it has no FP8 dot).
+
+The pair and row counts change with every step's token count and are not specialized on (``do_not_specialize``):
+Triton would otherwise compile a kernel again for each class of them (equal to 1, a multiple of 16, neither), at the
+first prefill chunk of each class; they only bound masks.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def _block_rows(ids_ptr, sorted_ptr, block_expert_ptr, pid_m, num_pairs, expert_
     return e, offs_m, pair, row_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr,
     num_pairs, top_k, H, INTER, expert_start, num_local,
@@ -101,7 +105,7 @@ def _moe_gate_up_kernel(
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     a_ptr, w_ptr, out_ptr, as_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, topk_w_ptr,
     num_pairs, N, K, expert_start, num_local,
@@ -148,7 +152,7 @@ def _moe_down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "rows"])
 def _moe_align_kernel(
     ids_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, num_pairs, rows, expert_start, num_local,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -182,7 +186,7 @@ def _moe_align_kernel(
         tl.store(block_expert_ptr + b, tl.where(start < total, e, -1), mask=b < rows // BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, expert_start, num_local, BLOCK: tl.constexpr):
     """Each local pair takes the next place of its expert's run (an atomic on the run's cursor: the order within a
     run is arbitrary, which no output depends on: each row of a tile is computed on its own)."""
