@@ -15,6 +15,10 @@ repository after a run. Run on the GPU machine:
 
     python benchmarks/moe_kernel_bench.py bench --out $OUT/moe_kernels.json
     python benchmarks/moe_kernel_bench.py tune --out $OUT/moe_configs
+    python benchmarks/moe_kernel_bench.py shared --tokens 1 8 32 64 --out $OUT/moe_shared.json
+
+``shared``: one whole MoE block at decode sizes with its shared expert stacked in the experts' kernels, against the
+same block with the shared expert apart (``moe_blocks``, ``shared``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ SHAPES = {"35b-a3b": dict(num_experts=256, top_k=8, hidden=2048, inter=512),
           "next-80b": dict(num_experts=512, top_k=10, hidden=2048, inter=512)}
 TOKENS = (1, 8, 32, 64, 256, 1024, 4096)
 DTYPES = ("bf16", "fp8_channel", "fp8_block")
+BLOCKS = 8  # ``shared``: distinct blocks a replay walks (8 x 0.8 GB of 35B-A3B experts: no L2 reuse)
 
 
 def make_experts(shape: dict[str, int], dtype: str) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
@@ -138,6 +143,67 @@ def bench(args: argparse.Namespace) -> None:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
+def moe_blocks(shape: dict[str, int], n: int) -> list[Any]:
+    """``n`` bf16 ``SparseMoeBlock``s of the shape on the card (a shared expert as wide as an expert: stacked),
+    random weights: distinct blocks, so that a replay over them reads every block's weights from HBM, as the layers
+    of a decode step do."""
+    from types import SimpleNamespace
+
+    from hyserve.layers.moe import SparseMoeBlock
+
+    cfg = SimpleNamespace(hidden_size=shape["hidden"], num_experts=shape["num_experts"],
+                          num_experts_per_tok=shape["top_k"], moe_intermediate_size=shape["inter"],
+                          shared_expert_intermediate_size=shape["inter"], norm_topk_prob=True, quantization=None)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            blocks = [SparseMoeBlock(cfg, f"layers.{i}.mlp") for i in range(n)]
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for b in blocks:
+            for p in b.parameters():
+                p.normal_(0.0, 0.02)
+            b.router_weight.normal_(0.0, 0.05)
+    return blocks
+
+
+def shared(args: argparse.Namespace) -> None:
+    """One MoE block (router GEMM, routing, routed and shared experts) at decode sizes, the shared expert stacked in
+    the experts' kernels against the same block with it apart (its own GEMMs, gated in the combine): microseconds
+    per block, replayed from a CUDA graph over ``BLOCKS`` distinct blocks."""
+    import triton
+
+    rows: list[dict[str, Any]] = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        blocks = moe_blocks(shape, BLOCKS)
+        for t in [t for t in args.tokens if t <= 64]:
+            pairs = [(b, torch.randn(t, shape["hidden"], device="cuda", dtype=torch.bfloat16)) for b in blocks]
+
+            def step(pairs: list[tuple[Any, torch.Tensor]] = pairs) -> None:
+                for b, x in pairs:
+                    b(x)
+
+            row: dict[str, Any] = dict(shape=name, tokens=t)
+            stacked = [b.experts.stacked for b in blocks]
+            for mode in ("stacked", "apart"):
+                for b, st in zip(blocks, stacked, strict=True):
+                    b.experts.stacked = st if mode == "stacked" else None
+                with torch.no_grad():
+                    step()
+                    row[f"{mode}_us"] = round(triton.testing.do_bench_cudagraph(step, rep=40) * 1e3 / len(blocks), 2)
+            for b, st in zip(blocks, stacked, strict=True):
+                b.experts.stacked = st
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        blocks.clear()
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(dict(card=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
 def candidates(tokens: int, block_k_max: int) -> tuple[list[int], list[tuple[int, int, int, int]]]:
     """(block_m choices, (block_n, block_k, warps, stages) choices) swept at ``tokens``."""
     if tokens <= 64:
@@ -197,14 +263,14 @@ def tune(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for cmd in ("bench", "tune"):
+    for cmd in ("bench", "tune", "shared"):
         p = sub.add_parser(cmd)
         p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["35b-a3b"])
         p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
         p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
         p.add_argument("--out", required=True)
     args = ap.parse_args()
-    (bench if args.cmd == "bench" else tune)(args)
+    {"bench": bench, "tune": tune, "shared": shared}[args.cmd](args)
 
 
 if __name__ == "__main__":

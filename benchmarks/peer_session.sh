@@ -419,6 +419,9 @@ case "${1:?phase}" in
         timeout "$(within 400 10)" python3 benchmarks/moe_kernel_bench.py bench --shapes 35b-a3b next-80b \
             --out "$OUT/moe_kernels.json" > "$OUT/moe_kernel_bench.log" 2>&1
         echo "moe_kernel_bench rc $? ($(date +%T))"; tail -15 "$OUT/moe_kernel_bench.log"
+        timeout "$(within 120 10)" python3 benchmarks/moe_kernel_bench.py shared --tokens 1 8 32 64 \
+            --out "$OUT/moe_shared.json" > "$OUT/moe_shared.log" 2>&1
+        echo "moe_kernel_bench shared rc $? ($(date +%T))"; tail -4 "$OUT/moe_shared.log"
         if [[ " $MOE_ONLY " == *" tune "* ]] && [ "$(within 600 10)" -gt 120 ]; then  # `moe-check tune`: the tile
             # tables too, with the time left (copy them into the repository)
             timeout "$(within 600 10)" python3 benchmarks/moe_kernel_bench.py tune --out "$OUT/moe_configs" \
