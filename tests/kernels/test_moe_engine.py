@@ -99,6 +99,7 @@ def test_an_ungated_stacked_shared_expert_is_caught(results: dict[str, Any]) -> 
 FAMILY_TESTS = ["tests/model/test_qwen3_5_moe.py::test_features_compose_with_moe[mtp-True-False]"]
 
 
+@pytest.mark.slow  # about 100 s on one worker: the suite's budget (scripts/test.sh -m slow)
 def test_the_familys_tests_pass_on_the_moe_kernels() -> None:
     """The Qwen3.5-MoE tests above with ``TRITON_INTERPRET=1``: their MoE layers run the fused kernels (decode and
     verify steps with the stacked shared expert) instead of the reference (``tests/conftest.py`` patches the
