@@ -147,20 +147,10 @@ def moe_blocks(shape: dict[str, int], n: int) -> list[Any]:
     """``n`` bf16 ``SparseMoeBlock``s of the shape on the card (a shared expert as wide as an expert: stacked),
     random weights: distinct blocks, so that a replay over them reads every block's weights from HBM, as the layers
     of a decode step do."""
-    from types import SimpleNamespace
+    from hyserve.testing.qwen3_5_moe import build_moe_block
 
-    from hyserve.layers.moe import SparseMoeBlock
-
-    cfg = SimpleNamespace(hidden_size=shape["hidden"], num_experts=shape["num_experts"],
-                          num_experts_per_tok=shape["top_k"], moe_intermediate_size=shape["inter"],
-                          shared_expert_intermediate_size=shape["inter"], norm_topk_prob=True, quantization=None)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            blocks = [SparseMoeBlock(cfg, f"layers.{i}.mlp") for i in range(n)]
-    finally:
-        torch.set_default_dtype(default)
+    blocks = [build_moe_block(shape["hidden"], shape["num_experts"], shape["top_k"], shape["inter"], shape["inter"],
+                              device="cuda", dtype=torch.bfloat16, prefix=f"layers.{i}.mlp") for i in range(n)]
     with torch.no_grad():
         for b in blocks:
             for p in b.parameters():

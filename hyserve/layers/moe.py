@@ -230,13 +230,14 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = F.linear(x, self.router_weight)  # [T, E + 1] in the model dtype, as the reference computes them
-        if uses_triton(x) and self.experts.stacked is not None and x.shape[0] <= STACKED_MAX_TOKENS:
+        kernels = uses_triton(x)
+        if kernels and self.experts.stacked is not None and x.shape[0] <= STACKED_MAX_TOKENS:
             # the shared expert as expert E: one more choice of every token
             weights, experts, _ = route_experts(logits, self.top_k, self.renormalize, self.num_experts,
                                                 shared_slot=self.num_experts)
             out = self.experts.forward_stacked(x, weights, experts)
         else:
-            if uses_triton(x):  # softmax, top k and the shared gate's sigmoid in one launch
+            if kernels:  # softmax, top k and the shared gate's sigmoid in one launch
                 weights, experts, gate = route_experts(logits, self.top_k, self.renormalize, self.num_experts)
             else:
                 weights, experts = route(logits[:, : self.num_experts], self.top_k, self.renormalize)

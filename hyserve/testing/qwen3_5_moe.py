@@ -64,6 +64,26 @@ def tiny_moe_config(layer_types: list[str], **overrides: Any) -> Qwen3_5MoeTextC
     return Qwen3_5MoeTextConfig(**{**tiny_moe_fields(layer_types), **overrides})
 
 
+def build_moe_block(hidden: int, num_experts: int, top_k: int, inter: int, shared_inter: int, *,
+                    device: str = "cpu", dtype: torch.dtype = torch.float32, quant: Any = None,
+                    prefix: str = "model.layers.0.mlp") -> Any:
+    """One ``hyserve.layers.moe.SparseMoeBlock`` (renormalized top-k) built where it runs, its parameters in
+    ``dtype`` (FP8 where ``quant`` says) and uninitialized: as the engine builds models, since the stacked shared
+    expert's views of the experts' storage do not survive a later ``.to()``."""
+    from hyserve.layers.moe import SparseMoeBlock
+
+    cfg = types.SimpleNamespace(hidden_size=hidden, num_experts=num_experts, num_experts_per_tok=top_k,
+                                moe_intermediate_size=inter, shared_expert_intermediate_size=shared_inter,
+                                norm_topk_prob=True, quantization=quant)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return SparseMoeBlock(cfg, prefix)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def moe_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Scales for the MoE block's tensors (stacked experts read over their last dim); the rest as Qwen3.5's."""
     if name.endswith("experts.gate_up_proj"):

@@ -305,25 +305,15 @@ def moe_block(shared_inter: int = 32, seed: int = 0, device: str = "cpu", dtype:
     """A small ``SparseMoeBlock`` (8 experts of width 32, top 2, hidden 64, a shared expert) with random weights,
     built where it runs (as the engine builds models: the stacked experts' views do not survive a ``.to()``);
     ``fp8``: a checkpoint format of ``hyserve.testing.fp8`` (``block`` in 32 x 32 blocks, ``ct_dynamic``)."""
-    from types import SimpleNamespace
-
-    from hyserve.layers.moe import SparseMoeBlock
     from hyserve.layers.quantization import parse_quantization_config
     from hyserve.testing.fp8 import quantization_config
+    from hyserve.testing.qwen3_5_moe import build_moe_block
 
     quant = None
     if fp8 is not None:
         quant = parse_quantization_config({"quantization_config": quantization_config(fp8, [], (32, 32))},
                                           "Qwen3_5MoeForCausalLM")
-    cfg = SimpleNamespace(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=shared_inter, norm_topk_prob=True, quantization=quant)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            block = SparseMoeBlock(cfg, "model.layers.0.mlp")
-    finally:
-        torch.set_default_dtype(default)
+    block = build_moe_block(64, 8, 2, 32, shared_inter, device=device, dtype=dtype, quant=quant)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in block.named_parameters():
