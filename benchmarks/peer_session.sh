@@ -130,8 +130,8 @@ moe_shapes() {
             >> "$OUT/write_moe.log" 2>&1 || { echo "writing $dir failed"; tail -3 "$OUT/write_moe.log"; }
     done
 }
-within() {  # seconds for the next run: at most $1, and what is left of the phase's 555 s less $2 (0: no time)
-    local n=$(( 555 - SECONDS - ${2:-0} ))
+within() {  # seconds for the next run: at most $1, and what is left of the phase's 555 s (PHASE_S) less $2 (0: no time)
+    local n=$(( ${PHASE_S:-555} - SECONDS - ${2:-0} ))
     [ "$n" -gt "$1" ] && n=$1
     [ "$n" -gt 60 ] && echo "$n" || echo 0
 }
