@@ -27,7 +27,7 @@
 #   bash benchmarks/peer_session.sh moe         # hyserve: 35B-A3B bf16 and FP8, Next-80B FP8 (dummy weights)
 #   bash benchmarks/peer_session.sh moe-vllm    # vLLM (default mode): the same; call again to go on where it stopped
 #   bash benchmarks/peer_session.sh moe-profile # hyserve: a 35B-A3B batch-1 decode step profiled, bf16 and FP8
-#   bash benchmarks/peer_session.sh moe-2b-check  # moe_check.py: a 2B-active MoE shape, bf16 against transformers fp32
+#   bash benchmarks/peer_session.sh moe-2b-check  # moe_check.py: a 2B-active MoE shape, float32 then bf16, against transformers fp32
 #   bash benchmarks/peer_session.sh moe-vllm 35b_a3b_fp8 next80b_fp8   # those runs alone (also for moe)
 #   bash benchmarks/peer_session.sh moe-agent   # both engines: the agent trace with prefix caching on 35B-A3B bf16
 #   bash benchmarks/peer_session.sh moe-spec    # both engines: MTP k = 3 planted at 80 %, batch 1 and 32, 35B-A3B bf16
@@ -438,9 +438,14 @@ case "${1:?phase}" in
     moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8 200
     moe_run hyserve /tmp/m80_fp8 next80b_fp8 300
     ;;
-  moe-2b-check)  # issue 31's check on the card: a 2B-active MoE shape in bf16 against transformers float32
-    timeout "$(within 400 5)" python3 benchmarks/moe_check.py --out "$OUT" > "$OUT/moe_check.log" 2>&1
-    echo "moe_check rc $? ($(date +%T))"; grep "vs transformers" "$OUT/moe_check.log"
+  moe-2b-check)  # issue 31's check on the card: a 2B-active MoE shape against transformers float32, the engine in
+    # float32 (IEEE dots: the kernels' arithmetic), then in bf16 (beside transformers' own bf16 model)
+    for dt in float32 bfloat16; do
+        mkdir -p "$OUT/moe_check_$dt"
+        timeout "$(within 300 5)" python3 benchmarks/moe_check.py --dtype $dt --out "$OUT/moe_check_$dt" \
+            > "$OUT/moe_check_$dt/moe_check.log" 2>&1
+        echo "moe_check $dt rc $? ($(date +%T))"; grep "vs transformers" "$OUT/moe_check_$dt/moe_check.log"
+    done
     ;;
   moe-profile)  # where a 35B-A3B batch-1 decode step goes (bf16, then block FP8): kernels by name, launches
     moe_shapes

@@ -29,6 +29,7 @@ from hyserve.testing.qwen3_5_moe import QWEN3_5_MOE
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
+import moe_check
 import peer_bench
 import shapes
 
@@ -333,3 +334,65 @@ def test_moe_report_makes_one_table_of_both_engines(tmp_path: Path) -> None:
     assert "| 35B-A3B bf16 | MTP k = 3 planted at 80 %, batch 32, speedup over plain | 1.800 | 1.500 | 1.20x |" in md
     assert "vllm_mode default (engine core in its own process)" in md
     assert "- m80_fp8 vllm decode,bound,prefill: OOM" in md
+
+
+class _ClockedEngine:
+    """An engine whose ``generate`` advances a fake clock: a one-token run takes ``slow_first`` seconds the first
+    time (a shape compiled on first use), 0.01 s after; an N-token run 0.01 + 0.002 (N - 1) s."""
+
+    def __init__(self, clock: list[float], slow_first: float) -> None:
+        self.clock, self.slow_first, self.one_token_runs = clock, slow_first, 0
+
+    def generate(self, prompts: list[list[int]], n: int) -> None:
+        if n == 1:
+            self.one_token_runs += 1
+        first_one = n == 1 and self.one_token_runs == 1
+        self.clock[0] += self.slow_first if first_one else 0.01 + 0.002 * (n - 1)
+
+
+@pytest.mark.parametrize("slow_first", [0.01, 1.0, 99.0])
+def test_decode_rate_retakes_a_timing_a_slow_one_token_run_spoiled(monkeypatch: pytest.MonkeyPatch,
+                                                                    slow_first: float) -> None:
+    """A one-token run slower than the N-token run after it (vLLM's FP8 batch 8 on 2026-12-03 read 1e12 tok/s) does
+    not make the rate: the fastest of two timings each does; a difference never positive is an error, not a
+    figure."""
+    clock = [0.0]
+    monkeypatch.setattr(peer_bench, "_timed", lambda fn: (lambda t0: (fn(), clock[0] - t0)[1])(clock[0]))
+    eng = _ClockedEngine(clock, slow_first)
+    errors: dict[str, str] = {}
+    out = peer_bench.measure_decode(eng, peer_bench.Prompts(100), [8], 65, prompt_len=4,  # type: ignore[arg-type]
+                                    errors=errors)
+    assert out == pytest.approx({"decode_bs8_tok_s": 8 * 64 / (0.002 * 64)}) and not errors
+    never = _ClockedEngine(clock, 0.0)
+    never.generate = lambda prompts, n: clock.__setitem__(0, clock[0] + (1.0 if n == 1 else 0.5))  # type: ignore
+    out = peer_bench.measure_decode(never, peer_bench.Prompts(100), [8], 65, prompt_len=4,  # type: ignore[arg-type]
+                                    errors=errors)
+    assert out == {} and "not positive in 3 tries" in errors["decode_bs8"]
+
+
+def _positions(lps: list[float], argmax: list[int], margin: list[float]) -> dict[str, Any]:
+    import torch
+
+    return {"lp": torch.tensor(lps, dtype=torch.float64), "argmax": torch.tensor(argmax),
+            "margin": torch.tensor(margin, dtype=torch.float64)}
+
+
+def test_the_bf16_peer_rule_measures_the_engine_by_the_references_own_bf16() -> None:
+    """``moe_check.BF16_PEER_RULE``: an engine as far from the float32 reference as transformers' bf16 model passes;
+    one 2x further, or parting from the float32 argmax at a clear position where the bf16 model does not, fails; a
+    control (an altered float32 reference) is judged by the intact reference's yardstick, so it cannot pass on the
+    bf16 model's distance to the altered one."""
+    rule = moe_check.BF16_PEER_RULE
+    ref32 = [_positions([-1.0, -2.0, -0.5, -3.0], [5, 6, 7, 8], [1.0, 0.1, 1.0, 1.0])]
+    ref16 = [_positions([-1.1, -2.1, -0.4, -3.1], [5, 9, 7, 8], [1.0, 0.1, 1.0, 1.0])]  # parts at an unclear one
+    rows = [([5, 6, 7, 8], None)]
+    near = [[-1.1, -1.9, -0.6, -2.9]]
+    assert rule.score(near, rows, ref32, ref16)["pass"]
+    assert not rule.score([[-1.2, -1.8, -0.7, -2.8]], rows, ref32, ref16)["pass"]  # twice the bf16 model's error
+    parted = [([5, 6, 9, 9], None)]  # two clear positions parted (one allowed beyond the bf16 model's none)
+    r = rule.score(near, parted, ref32, ref16)
+    assert (r["tokens_checked"], r["tokens_mismatched"], r["mismatches_allowed"], r["pass"]) == (3, 2, 1, False)
+    assert rule.score(near, [([5, 6, 9, 8], None)], ref32, ref16)["pass"]
+    altered = [_positions([-3.0, -4.0, -2.5, -5.0], [9, 9, 9, 9], [1.0, 1.0, 1.0, 1.0])]
+    assert rule.score(near, rows, altered, ref16, yardstick32=ref32)["pass"] is False
+    assert rule.score(near, rows, altered, ref16)["pass"]  # why: the bf16 model is as far from the altered one
