@@ -153,18 +153,17 @@ moe_run() {  # moe_run ENGINE DIR NAME CAP: one MoE measure, once per warm machi
 
 # Issue 31's agent trace and MTP on the 35B-A3B bf16 shape (/tmp/m35, dummy weights), hyserve then vLLM in its
 # default mode, each once per warm machine (marks in /tmp/moe_done; `moe-agent vllm` / `moe-spec hyserve`: one engine).
-# What the MTP figure measures: the dummy weights carry no trained head, so each engine's drafts are planted.
-# hyserve: spec_decode_bench.py as the dense spec phase runs it: a plain engine's greedy continuations (same seeded
-# dummy weights and MTP head in both engines), then the MTP engine whose head still drafts every step, its drafts
-# replaced by the continuation with each token wrong w.p. 0.2 (host drafts and rows behind rows in flight alike);
-# the acceptance reached is measured (random weights leave near-ties: where the MTP run parts from the plain one,
-# the planted drafts stop matching and the acceptance falls below the planted one; the JSON says how far).
+# What the MTP figure measures: the dummy weights carry no trained head, so each engine's acceptance is drawn.
+# hyserve: spec_decode_bench.py --synthetic: a plain engine's decode, then the MTP engine whose head drafts every
+# step and whose verify draws each draft token's verdict, true w.p. 0.8 (inside its verify graphs; drafts planted
+# from the plain run's outputs stopped matching on 2026-12-03: in bf16 a random MoE model's MTP run parts from the
+# plain one within a few tokens, router choices near ties flipping, and only 6 % were accepted).
 # vLLM: its synthetic rejection sampling (peer_bench.py synthetic_mtp_config) at the same per-position rates
 # 0.8 / 0.64 / 0.512 (acceptance length 2.952): its MTP head drafts, the sampler accepts by the draws. Both at
 # prompts of 512 and 128 greedy tokens; compare the speedups over each engine's own plain decode.
 MTP3_SYNTH='{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.8, 0.64, 0.512]}'
 SPEC_MOE_ARGS=(--load-format dummy --device cuda --dtype bfloat16 --gpu-memory-utilization 0.85 --shared-engines
-               --no-diagnosis --k 3 --rates 0.8 --batches 1,32 --prompt-len 512 --max-tokens 128)
+               --synthetic --no-diagnosis --k 3 --rates 0.8 --batches 1,32 --prompt-len 512 --max-tokens 128)
 moe_todo() {  # moe_todo ENGINE NAME CAP: the seconds for this run (echo), or nothing when it is not to run now
     local engine=$1 name=$2 limit
     mkdir -p "$MOE_DONE"
@@ -481,7 +480,7 @@ case "${1:?phase}" in
         moe_done vllm 35b_a3b_agent "$OUT/vllm_35b_a3b_agent.json" agent_wall_s
     fi
     ;;
-  moe-spec)  # MTP k = 3 planted at 80 % at batch 1 and 32 on 35B-A3B bf16 (see MTP3_SYNTH above): hyserve
+  moe-spec)  # MTP k = 3 drawn at 80 % at batch 1 and 32 on 35B-A3B bf16 (see MTP3_SYNTH above): hyserve
              # (two engine starts of ~80 s), then vLLM (a plain and an MTP engine) with the time left
     moe_shapes
     VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
@@ -490,7 +489,7 @@ case "${1:?phase}" in
         echo "== hyserve 35b_a3b_spec ($(date +%T))"
         timeout "$limit" python3 benchmarks/spec_decode_bench.py --model /tmp/m35 "${SPEC_MOE_ARGS[@]}" \
             --out "$OUT/hyserve_35b_a3b_spec" > "$OUT/hyserve_35b_a3b_spec.log" 2>&1
-        echo "   rc $? ($(date +%T)) (1: outputs parted from the plain run's; the rows say where the acceptance went)"
+        echo "   rc $? ($(date +%T))"
         tail -4 "$OUT/hyserve_35b_a3b_spec.log"
         moe_done hyserve 35b_a3b_spec "$OUT/hyserve_35b_a3b_spec/spec_decode.json" rows
     fi

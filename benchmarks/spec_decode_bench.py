@@ -39,6 +39,7 @@ from hyserve import LLM, SamplingParams
 from hyserve.request import Request
 from hyserve.speculative.proposer import Proposer
 from hyserve.testing import write_tiny_checkpoint
+from hyserve.worker.spec_decode.rejection_sampler import greedy_accepts as _GREEDY_ACCEPTS
 
 
 class ControlledProposer(Proposer):
@@ -249,17 +250,40 @@ def controlled_engine(args: argparse.Namespace, common: dict[str, Any], spec: di
                       prompt_lens: dict[str, int]) -> LLM:
     """A speculative engine whose drafts are the known outputs ``want``, each token wrong with probability
     ``1 - rate`` (host and device drafts alike), with the command line's verify-path switches."""
+    if args.synthetic:  # before the engine is built: its verify graphs capture the rule
+        synthetic_acceptance(rate)
     llm = LLM(**common, speculative_config=spec)
     llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
     llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
+    if args.synthetic:
+        return llm
     proposer = ControlledProposer(want, rate, vocab)
     control(llm, proposer)
     control_on_device(llm, proposer, prompt_lens)
     return llm
 
 
+def synthetic_acceptance(rate: float | None) -> None:
+    """``--synthetic``: the verify's verdict on each draft token drawn, true with probability ``rate`` (on the device,
+    inside the verify graphs), in place of the greedy rule (``rejection_sampler.greedy_accepts``, the one place it
+    is written); ``None`` puts the rule back. The drafts are the MTP head's own, accepted or not by the draw, so the
+    outputs are not the model's greedy ones; the timing is the engine's at that acceptance, as vLLM's
+    ``rejection_sample_method="synthetic"`` measures its own."""
+    from hyserve.worker.spec_decode import rejection_sampler as rs
+
+    if rate is None:
+        rs.greedy_accepts = _GREEDY_ACCEPTS
+        return
+
+    def accepts(target_tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        return torch.rand(drafts.shape, device=drafts.device) < rate
+
+    rs.greedy_accepts = accepts
+
+
 def row(batch: int, rate: float, k: int, counts: tuple[int, int, int], tps: float, base_tps: float,
-        identical: bool) -> dict[str, Any]:
+        identical: bool | None) -> dict[str, Any]:
+    """One table row; ``identical`` None where outputs are not comparable (``--synthetic``)."""
     drafts, draft_tokens, accepted = counts
     return {"batch": batch, "acceptance_target": rate, "k": k, "draft_acceptance": accepted / max(draft_tokens, 1),
             "mean_tokens_per_step": 1 + accepted / max(drafts, 1), "decode_tok_s": tps, "no_spec_tok_s": base_tps,
@@ -295,9 +319,10 @@ def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: d
             m0 = spec_counts(llm)
             tps, got = timed_decode(llm, prompts[batch], args.max_tokens, sync)
             counts = tuple(b - a for a, b in zip(m0, spec_counts(llm), strict=True))
-            rows.append(row(batch, rate, args.k, counts, tps, base_tps[batch],  # type: ignore[arg-type]
-                            got == {rid: want[rid] for rid in prompts[batch]}))
+            same = None if args.synthetic else got == {rid: want[rid] for rid in prompts[batch]}
+            rows.append(row(batch, rate, args.k, counts, tps, base_tps[batch], same))  # type: ignore[arg-type]
             print(json.dumps(rows[-1]), flush=True)
+        synthetic_acceptance(None)
         llm.shutdown()
         del llm
         release()
@@ -336,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shared-engines", action="store_true",
                     help="one plain engine for all batches, one speculative engine per rate (request ids carry the "
                          "batch), instead of fresh engines for each batch")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="draw each draft token's verdict (accepted w.p. the rate) instead of planting drafts: for "
+                         "random weights, where the speculative run's greedy output parts from the plain one and "
+                         "planted drafts stop matching (the outputs are then not compared)")
     ap.add_argument("--no-diagnosis", action="store_true",
                     help="where outputs differ, skip the batch-1 diagnosis (two more engine starts)")
     return ap
@@ -384,12 +413,13 @@ def main() -> int:
                          "draft_acceptance": accepted / max(draft_tokens, 1),
                          "mean_tokens_per_step": 1 + accepted / max(drafts, 1),
                          "decode_tok_s": tps, "no_spec_tok_s": base_tps, "speedup": tps / base_tps,
-                         "outputs_identical": got == want})
+                         "outputs_identical": None if args.synthetic else got == want})
             print(json.dumps(rows[-1]), flush=True)
+            synthetic_acceptance(None)
             del llm
             release()
     diagnosis = None
-    bad = next((r for r in rows if not r["outputs_identical"]), None)
+    bad = next((r for r in rows if r["outputs_identical"] is False), None)
     if bad is not None and not args.no_diagnosis:
         rng = random.Random(bad["batch"])
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
@@ -402,6 +432,7 @@ def main() -> int:
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (2 cores)",
             "synchronized_steps": sync, "device_chain": not args.no_device_chain,
             "rows_behind": not args.no_rows_behind, "torch": torch.__version__,
+            "acceptance": "synthetic (drawn verdicts)" if args.synthetic else "planted drafts",
             "model": model, "method": method, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "load_format": args.load_format, "shared_engines": args.shared_engines,
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
@@ -414,13 +445,15 @@ def main() -> int:
               f"{r['speedup']:.2f}x | {r['outputs_identical']} |" for r in rows]
     with open(os.path.join(args.out, "spec_decode.md"), "w") as f:
         f.write(f"# Speculative decoding at controlled acceptance\n\nMachine: {meta['device']}, torch "
-                f"{meta['torch']}; drafts: {method} (tokens replaced by the controlled ones); k = {args.k}, "
+                f"{meta['torch']}; drafts: {method} ("
+                f"{'verdicts drawn at the rate' if args.synthetic else 'tokens replaced by the controlled ones'}); "
+                f"k = {args.k}, "
                 f"prompt {args.prompt_len}, {args.max_tokens} greedy tokens.\n\n")
         f.write("\n".join(lines) + "\n\n![speedup against accepted drafts](spec_decode.png)\n")
     print("\n".join(lines))
     plot([(f"{meta['device']}, {args.dtype}", rows)], os.path.join(args.out, "spec_decode.png"),
          f"MTP k={args.k} with controlled drafts ({meta['device']})")
-    return 0 if all(r["outputs_identical"] for r in rows) else 1
+    return 0 if all(r["outputs_identical"] is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

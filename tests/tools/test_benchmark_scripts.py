@@ -244,3 +244,28 @@ def test_fp8_check_fails_only_a_parting_where_bf16_was_sure() -> None:
     sure = [([1, 2, 3], [{1: -0.1}, {2: -0.7}, {3: -0.1}]), ([6, 5], [{6: -0.2}, {5: -0.1}])]
     res = compare(base, sure, clear_margin=0.5)
     assert not res["pass"] and res["clear_margin_partings"] == 1
+
+
+def test_spec_decode_bench_draws_the_acceptance_with_synthetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """``--synthetic``: each draft token's verdict drawn at the rate, whatever the drafts (the random MTP head's own
+    here): at 1 every draft is accepted, at 0 none, in between about the rate's walk; the greedy rule is back after
+    each engine (the plain engines' rows, and a verify afterwards, are unchanged)."""
+    from hyserve.worker.spec_decode import rejection_sampler
+
+    rule = rejection_sampler.greedy_accepts
+    model = str(tmp_path / "m")
+    shapes.write_random_checkpoint(model, SMALL, device="cpu", mtp=True)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["spec_decode_bench.py", "--model", model, "--device", "cpu", "--batches", "2",
+                                      "--max-tokens", "40", "--prompt-len", "16", "--rates", "0,0.7,1",
+                                      "--synthetic", "--shared-engines", "--out", str(out)])
+    assert spec_decode_bench.main() == 0
+    rows = {r["acceptance_target"]: r for r in json.loads((out / "spec_decode.json").read_text())["rows"]}
+    assert rows[0.0]["draft_acceptance"] == 0.0 and rows[1.0]["draft_acceptance"] == 1.0
+    k = spec_decode_bench.build_parser().get_default("k")  # k + 1 a step, less where a request's end cuts drafts
+    assert k + 0.5 < rows[1.0]["mean_tokens_per_step"] <= k + 1
+    # at 0.7 a draft is kept if it and those before it are drawn: (0.7 + 0.49 + 0.343) / 3 = 0.51 in expectation
+    assert 0.3 < rows[0.7]["draft_acceptance"] < 0.75
+    assert all(r["outputs_identical"] is None for r in rows.values())
+    assert rejection_sampler.greedy_accepts is rule

@@ -225,7 +225,7 @@ def test_the_moe_agent_phase_runs_both_engines_on_the_35b_shape(tmp_path: Path) 
 
 
 def test_the_moe_spec_phase_plants_the_same_acceptance_in_both_engines(tmp_path: Path) -> None:
-    """moe-spec: hyserve's spec_decode_bench.py (drafts planted at 80 % from the plain run, dummy weights, batch 1
+    """moe-spec: hyserve's spec_decode_bench.py (each draft token's verdict drawn at 80 %, dummy weights, batch 1
     and 32, k = 3), then vLLM's spec measure with its synthetic rejection sampling at the same per-position rates;
     a run marked done is not made again, and `moe-spec vllm` makes vLLM's alone."""
     import spec_decode_bench
@@ -235,7 +235,7 @@ def test_the_moe_spec_phase_plants_the_same_acceptance_in_both_engines(tmp_path:
     ours = spec_decode_bench.build_parser().parse_args(calls[0][1][1:])
     assert (ours.model, ours.load_format, ours.device, ours.dtype) == ("/tmp/m35", "dummy", "cuda", "bfloat16")
     assert (ours.k, ours.rates, ours.batches, ours.prompt_len, ours.max_tokens) == (3, "0.8", "1,32", 512, 128)
-    assert ours.shared_engines and ours.no_diagnosis and ours.gpu_memory_utilization == 0.85
+    assert ours.shared_engines and ours.synthetic and ours.no_diagnosis and ours.gpu_memory_utilization == 0.85
     assert not ours.no_rows_behind and not ours.no_device_chain  # hyserve's default path
     peer = peer_bench.build_parser().parse_args(calls[1][1][1:])
     assert (peer.engine, peer.model, peer.measures, peer.load_format) == ("vllm", "/tmp/m35", "spec", "dummy")
