@@ -1308,8 +1308,8 @@ def moe_report(files: list[str], out: str, rate: float = 0.8) -> list[dict[str, 
 
     lines = ["# Issue 31: hyserve against vLLM on the MoE shapes (dummy weights, one H200)", "",
              *(f"- {k}: " + ", ".join(f"{a} {v}" for a, v in e.items()) for k, e in engines.items()), "",
-             "The MTP rows: hyserve's drafts planted from its plain run (spec_decode_bench.py, step times of the "
-             "steps where every row decodes), vLLM's synthetic rejection sampling at the same per-position rates "
+             "The MTP rows: hyserve's verdicts drawn per draft token (spec_decode_bench.py --synthetic, step times of "
+             "the steps where every row decodes), vLLM's synthetic rejection sampling at the same per-position rates "
              "(peer_bench.py measure --measures spec, batch x (N - 1) / (t(N) - t(1))): compare the speedups over "
              "each engine's own plain decode; the absolute tok/s come from two timing methods.", "",
              "| shape | measure | hyserve | vLLM | hyserve better by |", "| --- | --- | ---: | ---: | ---: |"]

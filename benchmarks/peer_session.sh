@@ -423,7 +423,8 @@ case "${1:?phase}" in
         echo "moe_kernel_bench shared rc $? ($(date +%T))"; tail -4 "$OUT/moe_shared.log"
         if [[ " $MOE_ONLY " == *" tune "* ]] && [ "$(within 600 10)" -gt 120 ]; then  # `moe-check tune`: the tile
             # tables too, with the time left (copy them into the repository)
-            timeout "$(within 600 10)" python3 benchmarks/moe_kernel_bench.py tune --out "$OUT/moe_configs" \
+            timeout "$(within 600 10)" python3 benchmarks/moe_kernel_bench.py tune --dtypes fp8_block bf16 \
+                --out "$OUT/moe_configs" \
                 > "$OUT/moe_kernel_tune.log" 2>&1
             echo "moe_kernel_bench tune rc $? ($(date +%T))"; tail -3 "$OUT/moe_kernel_tune.log"
         fi

@@ -16,12 +16,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def main(folder: Path) -> None:
+def main(folder: Path, others: list[Path] | None = None) -> None:
     """Left: the kernels' bandwidth where ``moe_kernels.json`` is there, else prefill and the agent trace beside
-    vLLM's; right: decode by batch for every engine and shape with a JSON in the folder."""
+    vLLM's; right: decode by batch for every engine and shape with a JSON in the folder, and for ``others`` (runs of
+    another session, labelled so). A figure a run lacks (a failed measure) is left out of its bars."""
     runs = {f"{engine} {name}": json.loads(path.read_text())["figures"]
             for engine in ("hyserve", "vllm") for name in ("35b_a3b", "35b_a3b_fp8")
             if (path := folder / f"{engine}_{name}.json").exists()}
+    for path in others or []:
+        res = json.loads(path.read_text())
+        runs[f"{path.stem.replace('_', ' ', 1)} ({res.get('date', '?')}, {path.parent.name})"] = res["figures"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     if (folder / "moe_kernels.json").exists():
         _kernels(ax1, json.loads((folder / "moe_kernels.json").read_text())["rows"])
@@ -31,7 +35,7 @@ def main(folder: Path) -> None:
     width = 0.8 / max(len(runs), 1)
     for i, (name, f) in enumerate(runs.items()):
         xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(batches))]
-        ax2.bar(xs, [f[f"decode_bs{b}_tok_s"] for b in batches], width, label=name)
+        ax2.bar(xs, [f.get(f"decode_bs{b}_tok_s", float("nan")) for b in batches], width, label=name)
         ax2.hlines(f["bound_bs1_tok_s"], xs[0] - width / 2, xs[0] + width / 2, colors="k", linestyles="--")
     ax2.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax2.set_ylabel("decode tok/s (prompt 512)")
@@ -77,5 +81,5 @@ def _prefill_and_agent(ax: plt.Axes, folder: Path, runs: dict[str, dict]) -> Non
     ax.set_title("35B-A3B bf16: prefill 32 x 2048, agent trace (1 / wall)")
 
 
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+if __name__ == "__main__":  # plot_moe.py FOLDER [JSON of another session ...]
+    main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
