@@ -11,6 +11,8 @@ gate, merged gate/up, the two output projections) and every row count M of decod
 * ``triton``: hyserve's Triton FP8 GEMM with channel scales at the shipped tile choice, and the best of a sweep;
 * ``triton_block``: the same kernel with 128x128 block scales and per-128-group activations (Qwen's block FP8),
   shipped choice and best of the sweep; ``dequant_block``: the block path before it (dequantize, bf16 GEMM);
+  ``scaled_mm_block``: cuBLASLt's block-scaled GEMM (``fp8.blockwise_scaled_mm``, its quantization included), where
+  it takes the shape;
 * ``triton_fused`` / ``triton_block_fused`` (decode row counts): the GEMM quantizing the bf16 activation itself,
   no separate quantization launch (``quant_us`` is not added to these).
 
@@ -169,6 +171,12 @@ def main() -> None:
                                          copies)
                 row["triton_block_us"] = bench(lambda i: fp8.triton_fp8_gemm(qg, qgs, wq[i], bs[i], (128, 128),
                                                                              torch.bfloat16), copies)
+                if dev.type == "cuda" and fp8.blockwise_scaled_mm_fits(wq[0], bs[0], (128, 128)):
+                    # cuBLASLt's block-scaled GEMM, its quantization (token-major scales) included
+                    gotc = fp8.blockwise_scaled_mm(x, wq[0], bs[0], torch.bfloat16).float()
+                    row["scaled_mm_block_rel_err"] = float((gotc - refb).abs().max() / refb.abs().max())
+                    row["scaled_mm_block_us"] = bench(lambda i: fp8.blockwise_scaled_mm(x, wq[i], bs[i],
+                                                                                        torch.bfloat16), copies)
                 if m <= 64:  # the GEMM quantizing the activation itself (what decode runs)
                     row["triton_fused_us"] = bench(lambda i: fp8.triton_fp8_gemm(
                         x, None, wq[i], ws[i], None, torch.bfloat16, quantize="token"), copies)
@@ -216,8 +224,8 @@ def summarize(rows: list[dict[str, Any]], bw: float) -> dict[str, Any]:
     and the FP8 weights' read time at the copy bandwidth (half of it: a copy reads and writes)."""
     out: dict[str, Any] = {}
     keys = ("bf16_us", "scaled_mm_us", "scaled_mm_torchq_us", "triton_us", "triton_best_us", "triton_block_us",
-            "triton_block_best_us", "triton_fused_us", "triton_block_fused_us", "dequant_block_us", "quant_us",
-            "quant_torch_us")
+            "triton_block_best_us", "scaled_mm_block_us", "triton_fused_us", "triton_block_fused_us",
+            "dequant_block_us", "quant_us", "quant_torch_us")
     for r in rows:
         s = out.setdefault(r["shape"], {}).setdefault(str(r["m"]), {k: 0.0 for k in (*keys, "fp8_bound_us")})
         for k in keys:

@@ -414,6 +414,14 @@ case "${1:?phase}" in
     else
         echo "tests/kernels/test_moe_kernels.py is not in this tree"
     fi
+    # cuBLASLt's block-scaled FP8 GEMM (HYSERVE_FP8_GEMM=scaled_mm on block weights): its tests, then its speed
+    # beside the Triton kernel at the 2B layers' shapes (the 35B-A3B's attention and GDN projections)
+    timeout "$(within 90 300)" python3 -m pytest -q -p no:cacheprovider tests/model/test_fp8.py \
+        -k "blockwise or cuda_scaled_mm" > "$OUT/fp8_blockwise_tests.log" 2>&1
+    echo "fp8 blockwise tests rc $?"; tail -1 "$OUT/fp8_blockwise_tests.log"
+    timeout "$(within 120 300)" python3 benchmarks/fp8_gemm_bench.py --shapes 2b --no-sweep \
+        --out "$OUT/fp8_gemm_block.json" > "$OUT/fp8_gemm_block.log" 2>&1
+    echo "fp8_gemm_bench rc $?"; tail -2 "$OUT/fp8_gemm_block.log"
     if [ -f benchmarks/moe_kernel_bench.py ]; then  # one layer's routed experts at both shapes, every dtype
         timeout "$(within 400 10)" python3 benchmarks/moe_kernel_bench.py bench --shapes 35b-a3b next-80b \
             --out "$OUT/moe_kernels.json" > "$OUT/moe_kernel_bench.log" 2>&1
@@ -436,6 +444,9 @@ case "${1:?phase}" in
     moe_shapes
     moe_run hyserve /tmp/m35 35b_a3b 240
     moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8 200
+    if [[ " $MOE_ONLY " == *" 35b_a3b_fp8_scaled_mm "* ]]; then  # named only: cuBLASLt for every FP8 GEMM
+        (export HYSERVE_FP8_GEMM=scaled_mm; moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8_scaled_mm 200)
+    fi
     moe_run hyserve /tmp/m80_fp8 next80b_fp8 300
     ;;
   moe-2b-check)  # issue 31's check on the card: a 2B-active MoE shape against transformers float32, the engine in

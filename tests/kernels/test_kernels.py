@@ -527,6 +527,11 @@ def _interp_fp8_quant(dtype: torch.dtype, mode: str) -> tuple[bool, str]:
         (q, s), (qr, sr) = fp8.quantize_rows(x), fp8.quantize_per_token(x)
     elif mode == "group":
         (q, s), (qr, sr) = fp8.quantize_rows(x, group=128), fp8.quantize_per_token_group(x, 128)
+    elif mode == "group_token_major":  # cuBLASLt's layout: tokens fastest, each group's column padded to 8 rows
+        (q, s) = fp8.quantize_rows(x, group=128, token_major_scales=True)
+        qr, sr = fp8.quantize_per_token_group(x, 128)
+        if s.stride() != (1, 8) or s.shape != sr.shape:
+            return False, f"scales {tuple(s.shape)} strides {s.stride()}"
     else:
         static = torch.tensor([0.5])
         (q, s), sr = fp8.quantize_rows(x, static_scale=static), static.reshape(1, 1)
@@ -649,7 +654,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
             _check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
             _check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
     for dt in (f32, bf16):
-        for mode in ("token", "group", "static"):
+        for mode in ("token", "group", "group_token_major", "static"):
             name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"
             _check(res, name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
     # M = 1 / 5 (decode tiles, split K) and 70 (prefill tiles); K and N not multiples of the tiles.
@@ -702,7 +707,8 @@ INTERP_CHECKS += ["token_bitmask_float32", "token_bitmask_bfloat16", "token_bitm
 INTERP_CHECKS += [f"add_norm_silu{w}_{dt}" for w in ("", "_wide") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"l2_norm_heads_{dt}" for dt in ("float32", "bfloat16")]
-INTERP_CHECKS += [f"fp8_quant_{m}_{dt}" for m in ("token", "group", "static") for dt in ("float32", "bfloat16")]
+INTERP_CHECKS += [f"fp8_quant_{m}_{dt}" for m in ("token", "group", "group_token_major", "static")
+                  for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"fp8_gemm_{c}" for c in ("channel_decode", "channel_split3", "channel_prefill", "block_groups",
                                             "block_groups_split2", "block_tokens", "block_sabotaged_groups_caught")]
 INTERP_CHECKS += [f"fp8_fused_{c}" for c in ("token", "token_split3", "static", "block_group", "block_token",

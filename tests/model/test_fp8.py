@@ -531,6 +531,25 @@ def test_cuda_scaled_mm_matches_the_reference(monkeypatch: pytest.MonkeyPatch, b
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 33, 300, 2049])
+def test_cuda_blockwise_scaled_mm_matches_the_reference(m: int) -> None:
+    """cuBLASLt's block-scaled GEMM (``HYSERVE_FP8_GEMM=scaled_mm`` with 128x128 weights), called directly so that
+    no shape falls back to the Triton kernel: token counts not multiples of 4 (the scales' padded columns), K of
+    several groups of four blocks, N not a multiple of 128 (a partial last weight block); and one shape it refuses."""
+    gen = torch.Generator().manual_seed(m)
+    k, n = 1024, 704
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    bscale = torch.rand(-(-n // 128), k // 128, generator=gen) / 448 + 1e-3
+    wq = (w / bscale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).clamp(-448, 448).to(FP8)
+    assert fp8_kernels.blockwise_scaled_mm_fits(wq, bscale, (128, 128))
+    assert not fp8_kernels.blockwise_scaled_mm_fits(wq[:, :256], bscale[:, :2], (128, 128))  # 2 K blocks
+    want = fp8_kernels.fp8_block_linear_ref(x, wq, bscale, (128, 128), 128).float()
+    got = fp8_kernels.blockwise_scaled_mm(x.cuda(), wq.cuda(), bscale.cuda(), torch.bfloat16).cpu().float()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_cuda_split_k_gemm_is_exact_between_runs_and_under_graph_replay(monkeypatch: pytest.MonkeyPatch,
                                                                          block: tuple[int, int] | None) -> None:

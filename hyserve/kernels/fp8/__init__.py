@@ -43,7 +43,8 @@ from hyserve.kernels.fp8.reference import (
 )
 from hyserve.utils import next_pow2
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "check_fp8_device", "dequantize_block_weight",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "blockwise_scaled_mm", "blockwise_scaled_mm_fits",
+           "check_fp8_device", "dequantize_block_weight",
            "fp8_block_linear", "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref",
            "gemm_backend", "gemm_config", "prepare_device", "quantize_fp8", "quantize_per_token",
            "quantize_per_token_group", "quantize_rows", "split_locks", "triton_fp8_gemm"]
@@ -65,7 +66,9 @@ def check_fp8_device(device: torch.device) -> None:
 
 
 # The CUDA GEMM for channel-scaled weights: ``scaled_mm`` (cuBLASLt through torch._scaled_mm) or ``triton``
-# (_triton.py); block-scaled weights always take the Triton kernel. HYSERVE_FP8_GEMM picks one for benchmarks
+# (_triton.py); block-scaled weights take the Triton kernel, and with ``scaled_mm`` cuBLASLt's block-scaled GEMM
+# where it takes the shape (:func:`blockwise_scaled_mm_fits`; not measured yet, so not in ``auto``).
+# HYSERVE_FP8_GEMM picks one for benchmarks
 # (benchmarks/fp8_gemm_bench.py measures both at the decode and prefill shapes).
 GEMM_BACKENDS = ("auto", "scaled_mm", "triton", "triton-fused")
 # auto: the Triton GEMM up to this many rows (decode: it reads the weights at the copy bandwidth, cuBLASLt at ~70 %
@@ -85,11 +88,13 @@ def gemm_backend() -> str:
     return name
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None,
-                  static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
+                  token_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of a contiguous ``(M, K)`` CUDA activation in one Triton launch: per token (``(M, 1)``
     scales), per token and ``group`` (``(M, ceil(K / group))``), or with the one ``static_scale`` (returned as
-    given). The arithmetic of :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8`."""
+    given). The arithmetic of :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8`.
+    ``token_major_scales`` (groups): the ``(M, G)`` scales laid out token-fastest, each group's column of M padded
+    to a multiple of 4 (strides ``(1, M_pad)``), as cuBLASLt's 1x128 block scaling reads them."""
     from hyserve.kernels.fp8._triton import _quant_rows_kernel
 
     m, k = x.shape
@@ -98,14 +103,20 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
         scale = static_scale.float().reshape(1)
         grid, g, block = (m, 1), 0, _QUANT_BLOCK
     elif group is not None:
-        scale = torch.empty(m, -(-k // group), dtype=torch.float32, device=x.device)
-        grid, g, block = (m, scale.shape[1]), group, next_pow2(group)
+        groups = -(-k // group)
+        if token_major_scales:
+            scale = torch.empty(groups, -(-m // 4) * 4, dtype=torch.float32, device=x.device)[:, :m].t()
+        else:
+            scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        grid, g, block = (m, groups), group, next_pow2(group)
     else:
         scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
         grid, g, block = (m, 1), 0, min(_QUANT_BLOCK, next_pow2(k))
     if m:
-        _quant_rows_kernel[grid](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0) if scale.dim() > 1 else 0,
-                                 FP8_MAX, AMAX_EPS, GROUP=g, STATIC=static_scale is not None, BLOCK=block)
+        two_d = scale.dim() > 1
+        _quant_rows_kernel[grid](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0) if two_d else 0,
+                                 scale.stride(1) if two_d else 0, FP8_MAX, AMAX_EPS, GROUP=g,
+                                 STATIC=static_scale is not None, BLOCK=block)
     return q, (static_scale.float().reshape(1, 1) if static_scale is not None else scale)
 
 
@@ -245,6 +256,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return y.to(x.dtype).view(*lead, n)
 
 
+def blockwise_scaled_mm_fits(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM (``torch._scaled_mm`` with 1x128 activation and 128x128 weight
+    scales) takes this weight: 128 x 128 blocks, K and N multiples of 16, and whole groups of four K blocks (its
+    scales' rows 16-byte aligned)."""
+    n, k = weight.shape
+    return tuple(block) == (128, 128) and k % 16 == 0 and n % 16 == 0 and weight_scale.shape[1] % 4 == 0
+
+
+def blockwise_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """``x2 W^T`` through cuBLASLt's block-scaled FP8 GEMM: ``x2`` quantized per token and 128-wide group in one
+    launch, its scales laid token-fastest as cuBLASLt reads them; the weight's transpose is column-major and its
+    ``(N / 128, K / 128)`` scales' transpose ``(K / 128, N / 128)``. For ``HYSERVE_FP8_GEMM=scaled_mm`` (measured
+    against the Triton kernel by ``benchmarks/fp8_gemm_bench.py``)."""
+    q, s = quantize_rows(x2, group=128, token_major_scales=True)
+    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.t(), out_dtype=out_dtype)
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
                      group: int | None) -> torch.Tensor:
     """``x W^T`` over the last dimension of ``x`` for a block-scaled FP8 weight (see :func:`fp8_block_linear_ref`);
@@ -259,9 +288,12 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         raise ValueError(f"block FP8: activation groups of {group} with {block[0]}x{block[1]} weight blocks; the "
                          "kernel takes groups as wide as the blocks")
     out_dtype = _gemm_out_dtype(x)
-    if gemm_backend() == "triton-fused":  # the GEMM quantizes the activation as it reads it
+    backend = gemm_backend()
+    if backend == "triton-fused":  # the GEMM quantizes the activation as it reads it
         y = triton_fp8_gemm(x2.contiguous(), None, weight, weight_scale, block, out_dtype,
                             quantize="group" if group is not None else "token")
+    elif backend == "scaled_mm" and group is not None and blockwise_scaled_mm_fits(weight, weight_scale, block):
+        y = blockwise_scaled_mm(x2.contiguous(), weight, weight_scale, out_dtype)
     else:
         q, s = quantize_rows(x2.contiguous(), group=group)
         y = triton_fp8_gemm(q, s, weight, weight_scale, block, out_dtype)

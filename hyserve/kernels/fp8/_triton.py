@@ -27,12 +27,12 @@ __all__ = ["A_DYNAMIC_GROUP", "A_DYNAMIC_TOKEN", "A_PRECOMPUTED", "A_STATIC", "_
 
 @triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, K, sx, sq, ss, fp8_max, eps,
+    x_ptr, q_ptr, s_ptr, K, sx, sq, ss, ssg, fp8_max, eps,
     GROUP: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program ``(row, j)`` quantizes group ``j`` of ``row`` (``GROUP > 0``), or the whole row (``GROUP == 0``:
     ``j`` is 0 and the row is read twice, for its amax and then for the values). ``STATIC``: ``s_ptr`` holds the one
-    scale and nothing is written to it."""
+    scale and nothing is written to it. Group ``j``'s scale of ``row`` goes to ``s_ptr + row * ss + j * ssg``."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * sx
     q_row = q_ptr + row.to(tl.int64) * sq
@@ -44,7 +44,7 @@ def _quant_rows_kernel(
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), fp8_max)
         q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * ss + tl.program_id(1), scale)
+        tl.store(s_ptr + row * ss + tl.program_id(1) * ssg, scale)
     else:
         if STATIC:
             scale = tl.load(s_ptr)
