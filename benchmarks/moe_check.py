@@ -2,9 +2,10 @@
 ``Qwen3_5MoeForCausalLM`` in float32, teacher-forced on hyserve's greedy tokens.
 
 * float32 (``--dtype float32``): ``FP32_RULE``, as the tiny float32 checks (every clear position's argmax, logprobs
-  within 3e-3). Triton's dots on float32 operands default to TF32, fla's GDN kernels among them (hyserve's own pass
-  ``input_precision``): the script sets ``TRITON_F32_DEFAULT=ieee`` so that the engine computes in float32 as the
-  reference does. This is the check of the kernels' arithmetic at the real shape.
+  within 3e-3). Triton's dots on float32 operands default to TF32, and with fla installed transformers' reference
+  runs its GDN layers through fla's chunked kernel, which leaves them there (hyserve's kernels pass
+  ``input_precision``): the script sets ``TRITON_F32_DEFAULT=ieee`` so that the reference computes in float32 as the
+  engine does. This is the check of the kernels' arithmetic at the real shape.
 * bf16 (the default): ``BF16_PEER_RULE``, beside transformers' own bf16 model scored on the same tokens. The dense
   checks' fixed tolerance (``gpu_check.BF16_RULE``) does not fit a random MoE model: bf16 rounding flips router
   choices near ties and transformers' own bf16 model fails it (see ``Bf16PeerRule``).
@@ -240,7 +241,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", help="an existing checkpoint of the shape (else one is written to a temporary dir)")
     args = ap.parse_args()
-    if args.dtype == "float32":  # Triton's dots on float32 operands default to TF32 (fla's GDN kernels among them)
+    if args.dtype == "float32":  # Triton's dots on float32 operands default to TF32 (the reference's fla kernels)
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
