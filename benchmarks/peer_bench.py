@@ -939,6 +939,8 @@ def measure(args: argparse.Namespace) -> int:
         # vLLM's GDN prefill kernel: FlashInfer's (its default on Hopper, JIT-built for 8-10 minutes on a fresh
         # machine) or its Triton/FLA one (no JIT); a decode step takes neither
         common["gdn_prefill_backend"] = args.vllm_gdn_prefill_backend
+    if args.mamba_ssm_cache_dtype:  # the GDN state's stored dtype, both engines' name (vLLM's default: the model's)
+        common["mamba_ssm_cache_dtype"] = args.mamba_ssm_cache_dtype
     measures = args.measures.split(",")
     res: dict[str, Any] = {"engine": args.engine, "model": args.model, "command": " ".join(sys.argv),
                            "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
@@ -947,6 +949,8 @@ def measure(args: argparse.Namespace) -> int:
         res["vllm_gdn_prefill_backend"] = args.vllm_gdn_prefill_backend or "auto (FlashInfer on Hopper)"
         res["vllm_mode"] = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" \
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
+    res["ssm_state_dtype"] = args.mamba_ssm_cache_dtype or (
+        "float32 (hyserve's default)" if args.engine == "hyserve" else "auto: the model's dtype (vLLM's default)")
     fig = res["figures"]
     batches = [int(b) for b in args.batches.split(",")]
     errors = res["errors"] = {}
@@ -1276,7 +1280,8 @@ def moe_report(files: list[str], out: str, rate: float = 0.8) -> list[dict[str, 
             meta = {"source": "spec_decode_bench.py", **{k: r["meta"].get(k) for k in ("device", "date", "torch")}}
         else:
             engine, model, fig = r["engine"], r["model"], dict(r.get("figures", {}))
-            meta = {k: r.get(k) for k in ("version", "device", "date", "vllm_mode", "vllm_gdn_prefill_backend")}
+            meta = {k: r.get(k) for k in ("version", "device", "date", "vllm_mode", "vllm_gdn_prefill_backend",
+                                             "ssm_state_dtype")}
             if "spec_planted_acceptance_length" in fig:  # vLLM's synthetic acceptance: the same at every batch
                 for key in list(fig):
                     if key.startswith("spec_speedup_bs"):
@@ -1354,6 +1359,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="agent_images: conversations, all in flight (default: the scale's, 8 at full scale)")
     m.add_argument("--speculative-config", default=None, help="JSON; the agent trace and the spec measure use it")
     m.add_argument("--spec-batches", default="1,8")
+    m.add_argument("--mamba-ssm-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the GDN SSM state's stored dtype, passed to either engine (default: each engine's own: "
+                        "float32 for hyserve, the model's dtype for vLLM)")
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the agent trace's KV cache (both engines take the same name)")
     m.add_argument("--max-model-len", type=int, default=8192)

@@ -135,8 +135,9 @@ within() {  # seconds for the next run: at most $1, and what is left of the phas
     [ "$n" -gt "$1" ] && n=$1
     [ "$n" -gt 60 ] && echo "$n" || echo 0
 }
-moe_run() {  # moe_run ENGINE DIR NAME CAP: one MoE measure, once per warm machine, within the phase's time
+moe_run() {  # moe_run ENGINE DIR NAME CAP [ARGS...]: one MoE measure, once per warm machine, within the phase's time
     local engine=$1 dir=$2 name=$3 cap=$4 limit
+    shift 4
     mkdir -p "$MOE_DONE"
     if [ -n "${MOE_ONLY:-}" ] && [[ " $MOE_ONLY " != *" $name "* ]]; then return 0; fi
     if [ -f "$MOE_DONE/${engine}_$name" ]; then echo "== $engine $name: done in an earlier call"; return 0; fi
@@ -146,7 +147,7 @@ moe_run() {  # moe_run ENGINE DIR NAME CAP: one MoE measure, once per warm machi
     # vLLM's GDN prefill: FlashInfer's where its JIT cache is here, else its Triton kernel (no 8-10 minute JIT;
     # the results file says which)
     [ "$engine" = vllm ] && ! vllm_warm && extra=(--vllm-gdn-prefill-backend triton)
-    measure "$engine" "$dir" "$name" "$limit" "${MOE_ARGS[@]}" "${extra[@]}"
+    measure "$engine" "$dir" "$name" "$limit" "${MOE_ARGS[@]}" "${extra[@]}" "$@"
     grep -q '"decode_bs1_tok_s"' "$OUT/${engine}_$name.json" 2>/dev/null && touch "$MOE_DONE/${engine}_$name"
     return 0
 }
@@ -444,6 +445,9 @@ case "${1:?phase}" in
     moe_shapes
     moe_run hyserve /tmp/m35 35b_a3b 240
     moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8 200
+    if [[ " $MOE_ONLY " == *" 35b_a3b_bf16state "* ]]; then  # named only: the GDN state in bf16, as vLLM keeps it
+        moe_run hyserve /tmp/m35 35b_a3b_bf16state 240 --mamba-ssm-cache-dtype bfloat16
+    fi
     if [[ " $MOE_ONLY " == *" 35b_a3b_fp8_scaled_mm "* ]]; then  # named only: cuBLASLt for every FP8 GEMM
         (export HYSERVE_FP8_GEMM=scaled_mm; moe_run hyserve /tmp/m35_fp8 35b_a3b_fp8_scaled_mm 200)
     fi
@@ -475,6 +479,9 @@ case "${1:?phase}" in
     moe_run vllm /tmp/m35 35b_a3b 550
     moe_run vllm /tmp/m35_fp8 35b_a3b_fp8 550
     moe_run vllm /tmp/m80_fp8 next80b_fp8 550
+    if [[ " $MOE_ONLY " == *" 35b_a3b_fp32state "* ]]; then  # named only: vLLM with hyserve's float32 GDN state
+        moe_run vllm /tmp/m35 35b_a3b_fp32state 550 --mamba-ssm-cache-dtype float32
+    fi
     ;;
   moe-agent)  # the agent trace (8 conversations x 4 turns, 1.7k shared prefix, prefix caching) on 35B-A3B bf16:
               # hyserve (dummy load ~80 s, then seconds), then vLLM in its default mode with the time left

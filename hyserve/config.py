@@ -60,6 +60,9 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     # Image input: the checkpoint's vision tower and M-RoPE layout (None: a text-only checkpoint).
     multimodal: MultimodalConfig | None = None
+    # The recurrent layers' temporal (SSM) state's element type, a torch dtype name: float32 unless the engine was
+    # told otherwise (EngineConfig.mamba_ssm_cache_dtype, resolved by resolve_ssm_state_dtype).
+    ssm_state_dtype: str = "float32"
 
     @property
     def attention_layer_ids(self) -> list[int]:
@@ -154,6 +157,25 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
     return torch.float8_e4m3fn
 
 
+# --mamba-ssm-cache-dtype (vLLM's name and values): "auto" is the model's dtype, as vLLM reads it.
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_ssm_state_dtype(mamba_ssm_cache_dtype: str | None, model_dtype: torch.dtype) -> str:
+    """The recurrent state's element type (a torch dtype name) for ``--mamba-ssm-cache-dtype``: None (not given)
+    keeps it in float32, hyserve's default (the delta rule accumulates over the whole sequence); "auto" takes the
+    model's dtype, as vLLM's default does; a dtype name takes that dtype. The state is computed in float32 in every
+    case and rounded to this dtype where it is stored."""
+    if mamba_ssm_cache_dtype is None:
+        return "float32"
+    if mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+        raise ValueError(f"mamba_ssm_cache_dtype={mamba_ssm_cache_dtype!r} is not supported; use one of "
+                         f"{', '.join(MAMBA_SSM_CACHE_DTYPES)} (--mamba-ssm-cache-dtype)")
+    if mamba_ssm_cache_dtype == "auto":
+        return str(model_dtype).removeprefix("torch.")
+    return mamba_ssm_cache_dtype
+
+
 # --mm-processor-cache-gb: vLLM's default (GiB).
 DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
 
@@ -224,6 +246,9 @@ class EngineConfig:
     # float8_e4m3fn, each divided by its layer's per-tensor scale (1.0: vLLM's default without checkpoint scales).
     # The block size and the recurrent state (float32) do not change.
     kv_cache_dtype: str = "auto"
+    # The recurrent layers' SSM state's element type (vLLM's mamba_ssm_cache_dtype): None keeps float32; "auto" is
+    # the model's dtype (vLLM's default); "float32" / "bfloat16" / "float16". The conv window keeps the model dtype.
+    mamba_ssm_cache_dtype: str | None = None
     # Image input (vLLM's names): the most images one prompt may carry (None: MM_DEFAULT_LIMIT per modality; only
     # "image" is served); the hosts http(s) image URLs may be fetched from (exact names; none: no remote fetch);
     # the directory file:// image URLs may read under (None: no local files).
@@ -257,6 +282,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
                              f"{', '.join(KV_CACHE_DTYPES)} (--kv-cache-dtype)")
+        if self.mamba_ssm_cache_dtype is not None:
+            resolve_ssm_state_dtype(self.mamba_ssm_cache_dtype, torch.float32)
         if self.block_size <= 0 or (self.block_size % 8 != 0 and self.block_size not in (1, 2, 4)):
             raise ValueError(f"block_size must be a positive power of two (got {self.block_size})")
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:

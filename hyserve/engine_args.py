@@ -16,6 +16,7 @@ from hyserve.config import (
     DEFAULT_MM_PROCESSOR_CACHE_GB,
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
+    MAMBA_SSM_CACHE_DTYPES,
     MM_DEFAULT_LIMIT,
     check_load_format,
     normalize_mm_limits,
@@ -112,6 +113,10 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="attention KV cache element type: auto (the model's dtype) or fp8 (= fp8_e4m3; the block "
                         "size stays the same)")
+    p.add_argument("--mamba-ssm-cache-dtype", default=None, choices=MAMBA_SSM_CACHE_DTYPES,
+                   help="the recurrent (GDN) SSM state's stored element type: float32 when not given; auto (the "
+                        "model's dtype, vLLM's default), bfloat16 or float16 halve the state's bytes (computed in "
+                        "float32, rounded where stored)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: the share of the card this instance may use, weights and activations included "
                         "(default: 0.9)")
@@ -465,6 +470,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
         cpu_threads=args.cpu_threads, generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         quantization=args.quantization, load_format=args.load_format,
         distributed_executor_backend=args.distributed_executor_backend,
         limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_media_domains=args.allowed_media_domains,

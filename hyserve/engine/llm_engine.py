@@ -28,6 +28,7 @@ from hyserve.config import (
     apply_cpu_threads,
     default_max_num_batched_tokens,
     resolve_dtype,
+    resolve_ssm_state_dtype,
 )
 from hyserve.distributed.parallel_state import layer_partition
 from hyserve.engine.metrics import EngineMetrics, StatsLogger
@@ -89,6 +90,11 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        ssm_dtype = resolve_ssm_state_dtype(config.mamba_ssm_cache_dtype, self.dtype)
+        if ssm_dtype != self.model_config.ssm_state_dtype:
+            logger.info("recurrent SSM state in %s (--mamba-ssm-cache-dtype %s): computed in float32, stored in %s",
+                        ssm_dtype, config.mamba_ssm_cache_dtype, ssm_dtype)
+            self.model_config = dataclasses.replace(self.model_config, ssm_state_dtype=ssm_dtype)
         if config.max_num_batched_tokens is None:  # resolved once here, so the workers get the same budget
             config = self.config = dataclasses.replace(
                 config, max_num_batched_tokens=default_max_num_batched_tokens(self.device.type))

@@ -1,7 +1,7 @@
-"""The Gated DeltaNet mixer: a causal conv over [q | k | v], then the gated delta rule over the float32 SSM state of
-the request's slot, then a gated RMSNorm. It keeps no per-request state of its own: ``state_slots[r]`` names row r's
-conv window and SSM state in the tensors the model runner binds (``bind_state``).
-"""
+"""The Gated DeltaNet mixer: a causal conv over [q | k | v], then the gated delta rule over the SSM state of the
+request's slot (stored in float32 unless --mamba-ssm-cache-dtype), then a gated RMSNorm. It keeps no per-request
+state of its own: ``state_slots[r]`` names row r's conv window and SSM state in the tensors the model runner binds
+(``bind_state``)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class GDNConfig(Protocol):
     linear_conv_kernel_dim: int
     rms_norm_eps: float
     quantization: QuantizationConfig | None
+    ssm_state_dtype: str  # the SSM state's stored element type (ModelConfig; float32 by default)
 
 
 class GatedDeltaNet(RecurrentLayer):
@@ -76,11 +77,13 @@ class GatedDeltaNet(RecurrentLayer):
         # heads (filled part by part by the loader).
         self.in_proj = self.make_in_proj(cfg, prefix)
         self.in_proj_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        # The SSM state is computed in float32 and stored in ssm_dtype (float32 unless --mamba-ssm-cache-dtype).
+        self.ssm_dtype: torch.dtype = getattr(torch, cfg.ssm_state_dtype)
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
-        self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), float32
+        self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), ssm_dtype
         # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
-        self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), float32
+        self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), ssm_dtype
 
     def conv_rows(self, cfg: GDNConfig) -> tuple[tuple[int, int], ...]:
         """This rank's rows of [q | k | v] (the conv channels, ``in_proj_qkv``): its key heads' of q and of k,
@@ -107,11 +110,12 @@ class GatedDeltaNet(RecurrentLayer):
 
     def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         """The conv window (the last K - 1 inputs of [q | k | v], oldest first) in the model dtype, and the SSM
-        state (Hv, Dk, Dv) in float32 (the delta rule accumulates over the whole sequence)."""
+        state (Hv, Dk, Dv) in ``ssm_dtype``: float32 by default (the delta rule accumulates over the whole
+        sequence), bf16 / fp16 with ``--mamba-ssm-cache-dtype`` (half the bytes each decode step reads and writes)."""
         k = self.conv1d.kernel_size[0]
         return RecurrentStateSpec((
             StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
-            StateTensorSpec("ssm_state", (self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
+            StateTensorSpec("ssm_state", (self.num_v_heads, self.head_k_dim, self.head_v_dim), self.ssm_dtype),
         ))
 
     def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -396,3 +396,21 @@ def test_the_bf16_peer_rule_measures_the_engine_by_the_references_own_bf16() -> 
     altered = [_positions([-3.0, -4.0, -2.5, -5.0], [9, 9, 9, 9], [1.0, 1.0, 1.0, 1.0])]
     assert rule.score(near, rows, altered, ref16, yardstick32=ref32)["pass"] is False
     assert rule.score(near, rows, altered, ref16)["pass"]  # why: the bf16 model is as far from the altered one
+
+
+def test_the_state_dtype_runs_are_named_only_and_pass_the_flag(tmp_path: Path) -> None:
+    """`moe 35b_a3b_bf16state` (hyserve with vLLM's default state dtype) and `moe-vllm 35b_a3b_fp32state` (vLLM
+    with hyserve's): each one measure passing --mamba-ssm-cache-dtype, parsed by peer_bench.py's own parser; a phase
+    without the name runs neither."""
+    for phase, engine, dtype in (("moe", "hyserve", "bfloat16"), ("moe-vllm", "vllm", "float32")):
+        name = f"35b_a3b_{'bf16' if dtype == 'bfloat16' else 'fp32'}state"
+        calls = run_phase(tmp_path, phase, name)
+        assert len(calls) == 1
+        p = peer_bench.build_parser().parse_args(calls[0][1][1:])
+        assert (p.engine, p.model, p.mamba_ssm_cache_dtype) == (engine, "/tmp/m35", dtype)
+        assert p.out.endswith(f"{engine}_{name}.json")
+        (tmp_path / "done").mkdir(exist_ok=True)
+        for f in (tmp_path / "done").iterdir():
+            f.unlink()
+    assert not any(p.mamba_ssm_cache_dtype for p in (peer_bench.build_parser().parse_args(a[1:])
+                                                     for _, a in run_phase(tmp_path, "moe", "35b_a3b")))

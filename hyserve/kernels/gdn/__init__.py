@@ -1,4 +1,4 @@
-"""Gated DeltaNet (gated delta rule) over varlen rows with a slot-indexed float32 state pool.
+"""Gated DeltaNet (gated delta rule) over varlen rows with a slot-indexed state pool (float32, or bf16 / fp16 stored).
 
 Entry points: :func:`gdn_forward`, and its speculative-decoding variant :func:`~hyserve.kernels.gdn.verify.gdn_verify`
 (reads the live state, records the state after every token in scratch). Semantics are those of transformers'
@@ -18,7 +18,8 @@ Dispatch:
   states scattered back). Given the host's copy of the row offsets it does not synchronise with the host; without
   it, it does.
 
-Invariants: ``ssm_state`` is ``(S, Hv, Dk, Dv)`` float32; slots of non-empty rows are distinct; empty rows and slots
+Invariants: ``ssm_state`` is ``(S, Hv, Dk, Dv)``, float32 or a 16-bit float (every path computes in float32 and
+rounds the state where it stores it); slots of non-empty rows are distinct; empty rows and slots
 that no row names are left untouched; value head ``h`` uses key head ``h // (Hv // Hk)``.
 """
 
@@ -33,8 +34,10 @@ from hyserve.kernels.gdn.verify import gdn_verify
 from hyserve.kernels.norm import l2_norm_heads
 from hyserve.utils import next_pow2
 
-__all__ = ["GDN_RECURRENT_MAX_QUERY_LEN", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton", "gdn_verify"]
+__all__ = ["GDN_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton",
+           "gdn_verify"]
 
+SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches go to fla's chunked kernel.
 GDN_RECURRENT_MAX_QUERY_LEN = 1
 
@@ -56,13 +59,14 @@ def gdn_forward(
     Args:
         q, k: ``(T, Hk, Dk)``; v: ``(T, Hv, Dv)`` in the model dtype (the last dim of each must be contiguous).
         g: ``(T, Hv)`` float32 log-decay (``<= 0``); beta: ``(T, Hv)`` float32 or model dtype.
-        ssm_state: ``(S, Hv, Dk, Dv)`` float32 pool, updated in place through ``state_slots`` ``(R,)``.
+        ssm_state: ``(S, Hv, Dk, Dv)`` pool (float32, bfloat16 or float16), updated in place through
+            ``state_slots`` ``(R,)``.
         query_start_loc: ``(R + 1,)`` int32 cumulative token offsets.
         max_query_len: host int ``>=`` the longest row (chooses the path without a device->host sync).
         query_start_loc_cpu: the host's copy of ``query_start_loc`` if it has one (the chunked path then needs no
             device->host sync).
     """
-    assert ssm_state.dtype == torch.float32, "ssm_state must be float32"
+    assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
     if not q.is_cuda:
         return gdn_forward_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, max_query_len)
     # float32 means float32: fla's chunked kernel rounds its float32 dots to TF32 (on an H200 that moved tiny-model
@@ -183,11 +187,11 @@ def gdn_forward_fla(
         g.float().unsqueeze(0).contiguous(),
         beta.unsqueeze(0).contiguous(),
         scale=Dk**-0.5,
-        initial_state=ssm_state[slots],
+        initial_state=ssm_state[slots].float(),
         output_final_state=True,
         use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=qsl_cpu,
     )
-    ssm_state[slots] = final.float()
+    ssm_state[slots] = final.to(ssm_state.dtype)
     return o[0].to(dt)

@@ -78,7 +78,7 @@ def _gdn_recurrent_kernel(
             scale,
         )  # fmt: skip
 
-    tl.store(s_ptrs, S, mask=smask)
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
 
 
 @triton.jit
@@ -116,4 +116,4 @@ def _gdn_verify_kernel(
             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h,
             scale,
         )  # fmt: skip
-        tl.store(c_ptrs + i * sc_p, S, mask=tile & (i < P))
+        tl.store(c_ptrs + i * sc_p, S.to(scr_ptr.dtype.element_ty), mask=tile & (i < P))

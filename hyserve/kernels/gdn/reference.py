@@ -143,7 +143,7 @@ def gdn_verify_ref(
     def record(i: int, active: torch.Tensor, s: torch.Tensor) -> None:
         if i < P:
             act = torch.nonzero(active).squeeze(1)
-            ssm_scratch[act, i] = s[act]
+            ssm_scratch[act, i] = s[act].to(ssm_scratch.dtype)
 
     # A gathered copy of the live states: the pool is never written.
     obuf, _ = gdn_scan(q, k, v, g, beta, ssm_state[slots].float(), qsl, max_query_len, record)

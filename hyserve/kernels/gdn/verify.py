@@ -5,11 +5,11 @@ docs/design.md invariant 2: drafts never touch live state. Verifying ``k`` draft
 only READS ``ssm_state``, and writes the candidate state after each position into scratch. After acceptance,
 :func:`~hyserve.kernels.commit.commit_verified` copies one candidate per row into the row's slot.
 
-Scratch (indexed by ROW ``r``, not by slot; allocate once for the largest verify batch):
-``ssm_scratch`` ``(R_max, P_max, Hv, Dk, Dv)`` float32; ``ssm_scratch[r, j]`` is the state after row ``r``'s token
-``j``. Only entries ``(r, j)`` with ``j < n_r`` (and ``j < P_max``) are written; every other scratch entry, the live
-pool and all slots are left bit-identical. An empty row writes nothing. Rows must satisfy ``R <= R_max`` and should
-have ``n_r <= P_max``: a longer row still gets correct outputs, but its positions ``>= P_max`` are not recorded.
+Scratch (indexed by ROW ``r``, not by slot; allocate once for the largest verify batch): ``ssm_scratch`` ``(R_max,
+P_max, Hv, Dk, Dv)`` in the pool's dtype; ``ssm_scratch[r, j]`` is the state after row ``r``'s token ``j``. Only entries
+``(r, j)`` with ``j < n_r`` (and ``j < P_max``) are written; every other scratch entry, the live pool and all slots are
+left bit-identical. An empty row writes nothing. Rows must satisfy ``R <= R_max`` and should have ``n_r <= P_max``: a
+longer row still gets correct outputs, but its positions ``>= P_max`` are not recorded.
 
 Dispatch: CUDA tensors run ``_gdn_verify_kernel`` (``_triton.py``: the recurrent kernel's delta-rule step, no host
 sync, fixed-shape launches: safe to capture in a CUDA graph); everything else runs
@@ -32,7 +32,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _check_ssm_scratch(v: torch.Tensor, ssm_state: torch.Tensor, rows: int, ssm_scratch: torch.Tensor) -> None:
-    assert ssm_state.dtype == torch.float32 and ssm_scratch.dtype == torch.float32, "SSM states must be float32"
+    assert ssm_state.dtype == ssm_scratch.dtype, "the verify scratch holds states in the pool's dtype"
     assert ssm_scratch.dim() == 5, "ssm_scratch must be (R_max, P_max, Hv, Dk, Dv)"
     assert ssm_scratch.shape[2:] == ssm_state.shape[1:], "ssm_scratch must be (R_max, P_max, Hv, Dk, Dv)"
     assert ssm_scratch.shape[0] >= rows, "ssm_scratch has fewer rows than the batch"
@@ -55,9 +55,9 @@ def gdn_verify(
 
     Args:
         q, k: ``(T, Hk, Dk)``; v: ``(T, Hv, Dv)`` in the model dtype; g: ``(T, Hv)`` log-decay; beta: ``(T, Hv)``.
-        ssm_state: ``(S, Hv, Dk, Dv)`` float32 live pool (read only).
-        ssm_scratch: ``(R_max, P_max, Hv, Dk, Dv)`` float32; ``ssm_scratch[r, j]`` receives the state after row
-            ``r``'s token ``j`` (``j < n_r``).
+        ssm_state: ``(S, Hv, Dk, Dv)`` live pool (read only; float32 or a 16-bit float).
+        ssm_scratch: ``(R_max, P_max, Hv, Dk, Dv)`` in the pool's dtype; ``ssm_scratch[r, j]`` receives the state
+            after row ``r``'s token ``j`` (``j < n_r``).
         max_query_len: host int ``>=`` the longest row.
 
     Returns ``(T, Hv, Dv)`` in ``v.dtype``. On CUDA this is always the exact token-by-token recurrence (the recurrent
