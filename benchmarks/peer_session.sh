@@ -410,7 +410,8 @@ case "${1:?phase}" in
     if [ -f tests/kernels/test_moe_kernels.py ]; then
         timeout "$(within 300)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernels.py \
             tests/model/test_qwen3_5_moe.py tests/model/test_fp8_moe.py tests/model/test_qwen3_next.py \
-            tests/model/test_fp8_qwen3_next.py -k cuda > "$OUT/moe_kernel_tests.log" 2>&1
+            tests/model/test_fp8_qwen3_next.py tests/model/test_ssm_state_dtype.py -k cuda \
+            > "$OUT/moe_kernel_tests.log" 2>&1
         echo "moe CUDA tests rc $? ($(date +%T))"; tail -3 "$OUT/moe_kernel_tests.log"
     else
         echo "tests/kernels/test_moe_kernels.py is not in this tree"

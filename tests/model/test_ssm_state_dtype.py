@@ -90,3 +90,30 @@ def test_features_compose_with_a_bf16_state(tiny: tuple[str, Any], plant_drafts:
     metrics = llm.get_metrics()
     assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0
     llm.llm_engine.assert_no_leaks()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_cuda_a_bf16_state_under_graphs_stays_close(tiny: tuple[str, Any], model_dtype: str) -> None:
+    """On CUDA with graphs: the recurrent kernel (decode), the verify kernel (MTP) and, in a bf16 model, fla's
+    chunked prefill (prompts of 41 and 70 tokens) with a bf16 pool; within the bf16 rule of the reference
+    (float32 model) or of the same engine with a float32 state (bf16 model)."""
+    path, ref = tiny
+    kw: dict[str, Any] = dict(device="cuda", dtype=model_dtype, speculative_config=MTP, max_num_batched_tokens=64)
+    llm = make_llm(path, mamba_ssm_cache_dtype="bfloat16", **kw)
+    assert all(s[0] == torch.bfloat16 for s in _gdn_states(llm))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    mean_tol, max_tol, margin = TOLS["bfloat16"]
+    if model_dtype == "float32":
+        assert_close_to_fp8_reference(ref, list(zip(PROMPTS, outs, strict=True)), mean_tol, max_tol, margin,
+                                      min_clear=8)
+        return
+    base = make_llm(path, **kw).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    diffs = []
+    for a, b in zip(outs, base, strict=True):  # each request up to where the two part (same prefix before it)
+        for i, (t, u) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids, strict=True)):
+            diffs.append(abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)  # type: ignore[index]
+                         if t == u else max_tol)
+            if t != u:
+                break
+    assert diffs and sum(diffs) / len(diffs) <= mean_tol and max(diffs) <= max_tol
