@@ -27,6 +27,7 @@
 #   bash benchmarks/peer_session.sh moe         # hyserve: 35B-A3B bf16 and FP8, Next-80B FP8 (dummy weights)
 #   bash benchmarks/peer_session.sh moe-vllm    # vLLM (default mode): the same; call again to go on where it stopped
 #   bash benchmarks/peer_session.sh moe-profile # hyserve: a 35B-A3B batch-1 decode step profiled, bf16 and FP8
+#                                               # (PROFILE_BATCHES=1,32: those batches)
 #   bash benchmarks/peer_session.sh moe-2b-check  # moe_check.py: a 2B-active MoE shape, float32 then bf16, against transformers fp32
 #   bash benchmarks/peer_session.sh moe-vllm 35b_a3b_fp8 next80b_fp8   # those runs alone (also for moe)
 #   bash benchmarks/peer_session.sh moe-agent   # both engines: the agent trace with prefix caching on 35B-A3B bf16
@@ -463,14 +464,16 @@ case "${1:?phase}" in
         echo "moe_check $dt rc $? ($(date +%T))"; grep "vs transformers" "$OUT/moe_check_$dt/moe_check.log"
     done
     ;;
-  moe-profile)  # where a 35B-A3B batch-1 decode step goes (bf16, then block FP8): kernels by name, launches
+  moe-profile)  # where a 35B-A3B decode step goes (bf16, then block FP8): kernels by name, launches; at batch 1,
+    # or at the batches of PROFILE_BATCHES (PROFILE_BATCHES=1,32: where vLLM leads at 32 too)
     moe_shapes
+    pb=${PROFILE_BATCHES:-1}
     for spec in 35b_a3b:/tmp/m35 35b_a3b_fp8:/tmp/m35_fp8; do
         IFS=: read -r name dir <<< "$spec"
         timeout "$(within 250 5)" python3 benchmarks/profile_step.py --model "$dir" --device cuda --dtype bfloat16 \
-            --batch 1 --extra '{"load_format": "dummy"}' --out "$OUT/profile_${name}_bs1" \
-            > "$OUT/profile_${name}_bs1.log" 2>&1
-        echo "profile $name rc $? ($(date +%T))"; grep -m1 "ms/step" "$OUT/profile_${name}_bs1.log"
+            --batch "$pb" --extra '{"load_format": "dummy"}' --out "$OUT/profile_${name}_bs${pb//,/_}" \
+            > "$OUT/profile_${name}_bs${pb//,/_}.log" 2>&1
+        echo "profile $name rc $? ($(date +%T))"; grep "ms/step" "$OUT/profile_${name}_bs${pb//,/_}.log"
     done
     ;;
   moe-vllm)  # vLLM in its default mode on the same directories (load_format dummy, no images); its
