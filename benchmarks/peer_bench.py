@@ -973,7 +973,7 @@ def measure(args: argparse.Namespace) -> int:
         fig["first_start_s"] = eng.start_s
         prompts = Prompts(_vocab(args.model))
         if "decode" in measures:
-            fig.update(measure_decode(eng, prompts, batches, args.decode_tokens, errors=errors))
+            fig.update(measure_decode(eng, prompts, batches, args.decode_tokens, args.decode_prompt_len, errors=errors))
         if "bound" in measures and cuda:
             wb = weight_bytes_per_step(args.model, args.load_format)
             bw = copy_bandwidth()
@@ -1352,6 +1352,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "agent_images (a --vision real checkpoint) is not in the default")
     m.add_argument("--batches", default="1,8,32,64")
     m.add_argument("--decode-tokens", type=int, default=128)
+    m.add_argument("--decode-prompt-len", type=int, default=512,
+                   help="the decode measure's prompt length (the figures' 512; the CPU tests take a few tokens, so "
+                        "that the decode steps, not the prefill's noise, make t(N) - t(1))")
     m.add_argument("--prefill-prompts", type=int, default=32)
     m.add_argument("--prefill-len", type=int, default=2048)
     m.add_argument("--agent-scale", choices=["full", "tiny"], default="full")

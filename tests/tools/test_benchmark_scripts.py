@@ -165,8 +165,9 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
         assert (tmp_path / "m" / name).is_file()
     subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", model, "--device", "cpu",
                     "--dtype", "float32", "--out", str(out), "--measures", "decode,prefill,agent", "--batches", "1,2",
-                    "--decode-tokens", "6", "--prefill-prompts", "2", "--prefill-len", "48", "--agent-scale", "tiny",
-                    "--max-model-len", "2048"], check=True, env=env, capture_output=True)
+                    "--decode-tokens", "12", "--decode-prompt-len", "16", "--prefill-prompts", "2",
+                    "--prefill-len", "48", "--agent-scale", "tiny", "--max-model-len", "2048"],
+                   check=True, env=env, capture_output=True)
     mtp_out = tmp_path / "hyserve_mtp.json"  # a second process: the warm start, the agent trace with MTP
     subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", model, "--device", "cpu",
                     "--dtype", "float32", "--out", str(mtp_out), "--measures", "start,agent", "--agent-scale", "tiny",
@@ -220,8 +221,8 @@ def test_peer_bench_quantizes_and_measures_fp8_on_the_cpu(tmp_path: Path) -> Non
     out = tmp_path / "fp8.json"
     subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", fp8, "--device", "cpu",
                     "--dtype", "float32", "--out", str(out), "--measures", "decode,agent", "--batches", "1",
-                    "--decode-tokens", "4", "--agent-scale", "tiny", "--max-model-len", "2048",
-                    "--kv-cache-dtype", "fp8"], check=True, env=env, capture_output=True)
+                    "--decode-tokens", "12", "--decode-prompt-len", "16", "--agent-scale", "tiny",
+                    "--max-model-len", "2048", "--kv-cache-dtype", "fp8"], check=True, env=env, capture_output=True)
     figs = json.loads(out.read_text())["figures"]
     assert figs["decode_bs1_tok_s"] > 0 and 0 < figs["agent_kvfp8_cached_share"] < 1
     subprocess.run([sys.executable, script, "report", str(out), "--out", str(tmp_path / "rep")], check=True, env=env,

@@ -171,7 +171,8 @@ def test_peer_bench_measures_a_config_only_moe_shape_on_the_cpu(tmp_path: Path, 
     script = Path(__file__).parents[2] / "benchmarks" / "peer_bench.py"
     subprocess.run([sys.executable, str(script), "measure", "--engine", "hyserve", "--model", str(model), "--device",
                     "cpu", "--dtype", "float32", "--out", str(out), "--measures", "decode,bound,prefill",
-                    "--load-format", "dummy", "--batches", "1,2", "--decode-tokens", "4", "--prefill-prompts", "2",
+                    "--load-format", "dummy", "--batches", "1,2", "--decode-tokens", "12", "--decode-prompt-len", "16",
+                    "--prefill-prompts", "2",
                     "--prefill-len", "64", "--max-model-len", "1024"], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
     res = json.loads(out.read_text())
