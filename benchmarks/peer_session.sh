@@ -99,10 +99,11 @@ left() {  # seconds left of this call (600 s, less a margin for packing the resu
     local n=$(( 585 - SECONDS - ${1:-0} ))
     [ "$n" -gt 30 ] && echo "$n" || echo 30
 }
-vllm_warm() {  # vLLM's JIT caches are here (restored by stash-caches, or left by an earlier vLLM process): a built
-    # FlashInfer module, not the directory alone (a run on the Triton GDN backend leaves a 16 KB one, and taking
-    # that for warm sent the next run into FlashInfer's 8-minute JIT on 2026-12-03)
-    find ~/.cache/flashinfer -name '*.so' 2>/dev/null | grep -q .
+vllm_warm() {  # FlashInfer's GDN prefill module is built here (restored by stash-caches, or left by an earlier
+    # vLLM process): that module itself, not the directory or another module (a Triton-backend run leaves a 16 KB
+    # directory, and taking that for warm sent the next run into FlashInfer's 8-minute JIT on 2026-12-03; an FP8
+    # run leaves fp8_blockscale_gemm_90.so, which is not the GDN kernel)
+    find ~/.cache/flashinfer -name 'gdn_prefill*.so' 2>/dev/null | grep -q .
 }
 images_check() {
     timeout "$(left 10)" python3 benchmarks/gpu_check.py --images-only --out "$OUT" > "$OUT/gpu_check_images.log" 2>&1

@@ -415,3 +415,20 @@ def test_the_state_dtype_runs_are_named_only_and_pass_the_flag(tmp_path: Path) -
             f.unlink()
     assert not any(p.mamba_ssm_cache_dtype for p in (peer_bench.build_parser().parse_args(a[1:])
                                                      for _, a in run_phase(tmp_path, "moe", "35b_a3b")))
+
+
+def test_only_a_built_gdn_prefill_module_makes_vllm_take_flashinfer(tmp_path: Path) -> None:
+    """moe-vllm keeps vLLM on its Triton GDN prefill unless FlashInfer's GDN prefill module is built here: another
+    built module (the FP8 block GEMM an FP8 run leaves, in the caches stash-caches restores) is not that (it would
+    send vLLM into an 8-minute JIT inside a timed call)."""
+    ops = tmp_path / ".cache" / "flashinfer" / "0.6.12" / "90a" / "cached_ops"
+    (ops / "fp8_blockscale_gemm_90").mkdir(parents=True)
+    (ops / "fp8_blockscale_gemm_90" / "fp8_blockscale_gemm_90.so").write_bytes(b"\0")
+    calls = run_phase(tmp_path, "moe-vllm", "35b_a3b")
+    assert peer_bench.build_parser().parse_args(calls[0][1][1:]).vllm_gdn_prefill_backend == "triton"
+    (ops / "gdn_prefill_sm90").mkdir()
+    (ops / "gdn_prefill_sm90" / "gdn_prefill_sm90.so").write_bytes(b"\0")
+    for f in (tmp_path / "done").iterdir():
+        f.unlink()
+    calls = run_phase(tmp_path, "moe-vllm", "35b_a3b")
+    assert peer_bench.build_parser().parse_args(calls[0][1][1:]).vllm_gdn_prefill_backend is None
