@@ -90,8 +90,7 @@ def write_moe_checkpoint(path: str, shape: dict[str, Any], device: str, seed: in
             active += p.numel() * shape["num_experts_per_tok"] // shape["num_experts"] if experts else p.numel()
     model.save_pretrained(path)
     del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     return {"params": total, "active_params": active}
 
 
@@ -111,8 +110,7 @@ def generate(path: str, device: str, dtype: str, seed: int = 1, prompt_lens: tup
                                       for i, t in enumerate(o.outputs[0].token_ids)]) for o in outs]
     llm.llm_engine.assert_no_leaks()
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     return prompts, rows
 
 
