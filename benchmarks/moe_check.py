@@ -2,10 +2,13 @@
 ``Qwen3_5MoeForCausalLM`` in float32, teacher-forced on hyserve's greedy tokens.
 
 * float32 (``--dtype float32``): ``FP32_RULE``, as the tiny float32 checks (every clear position's argmax, logprobs
-  within 3e-3). Triton's dots on float32 operands default to TF32, and with fla installed transformers' reference
-  runs its GDN layers through fla's chunked kernel, which leaves them there (hyserve's kernels pass
-  ``input_precision``): the script sets ``TRITON_F32_DEFAULT=ieee`` so that the reference computes in float32 as the
-  engine does. This is the check of the kernels' arithmetic at the real shape.
+  within 3e-3). Triton's dots on float32 operands default to TF32: the script sets ``TRITON_F32_DEFAULT=ieee`` for
+  fla's chunked kernel, which hyserve's prefill calls (hyserve's own kernels pass ``input_precision``). This is the
+  check of the kernels' arithmetic at the real shape.
+* Either way the reference runs its GDN layers through transformers' own PyTorch functions
+  (``torch_gdn_reference``), not fla's kernel (which transformers takes when fla is installed, as here: hyserve's
+  prefill calls the same kernel, and a reference sharing it could not see its faults; on 2026-12-03 its float32
+  form with IEEE dots also ran past five minutes inside the reference).
 * bf16 (the default): ``BF16_PEER_RULE``, beside transformers' own bf16 model scored on the same tokens. The dense
   checks' fixed tolerance (``gpu_check.BF16_RULE``) does not fit a random MoE model: bf16 rounding flips router
   choices near ties and transformers' own bf16 model fails it (see ``Bf16PeerRule``).
@@ -33,10 +36,14 @@ expert (the part this issue's kernels changed last). Result ``moe_2b_vs_fp32_ref
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import os
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -194,9 +201,16 @@ def moe_check(path: str, device: str = "cuda", dtype: str = "bfloat16", **genera
     without its shared experts) that must fail. A float32 engine: ``FP32_RULE`` (every clear position's argmax,
     logprobs within 3e-3). A bf16 engine: ``BF16_PEER_RULE``, beside transformers' own bf16 model on the same
     tokens. ``pass``: the first passes and the control does not."""
+    prompts, rows = generate(path, device, dtype, **generate_kw)
+    print(f"engine done ({time.strftime('%T')}); the reference in float32", flush=True)
+    with torch_gdn_reference():
+        return _score_against_reference(path, prompts, rows, device, dtype)
+
+
+def _score_against_reference(path: str, prompts: list[list[int]], rows: list[Any], device: str,
+                             dtype: str) -> dict[str, Any]:
     from transformers import Qwen3_5MoeForCausalLM
 
-    prompts, rows = generate(path, device, dtype, **generate_kw)
     ref = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     if dtype == "float32":
         r = {**score(ref, prompts, rows, FP32_RULE, device), "rule": FP32_RULE._asdict()}
@@ -208,6 +222,7 @@ def moe_check(path: str, device: str = "cuda", dtype: str = "bfloat16", **genera
         ref32_control = teacher_forced_logprobs(ref, prompts, rows, device)
         del ref
         _free(device)
+        print(f"float32 reference done ({time.strftime('%T')}); transformers' bf16", flush=True)
         ref16_model = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
         ref16 = teacher_forced_logprobs(ref16_model, prompts, rows, device)
         del ref16_model
@@ -224,6 +239,24 @@ def zero_shared_experts(ref: Any) -> None:
     with torch.no_grad():
         for layer in ref.model.layers:
             layer.mlp.shared_expert.down_proj.weight.zero_()
+
+
+@contextlib.contextmanager
+def torch_gdn_reference() -> Iterator[None]:
+    """transformers' Qwen3.5-MoE modeling on its own PyTorch GDN functions while the block runs: with fla installed
+    its module-level ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` call fla's kernels (the
+    choice is made at import); their undecorated PyTorch bodies are put back in their place."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as mod
+
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    saved = {n: getattr(mod, n) for n in names}
+    try:
+        for n, f in saved.items():
+            setattr(mod, n, inspect.unwrap(f))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
 
 
 def _free(device: str) -> None:

@@ -457,12 +457,13 @@ case "${1:?phase}" in
     moe_run hyserve /tmp/m80_fp8 next80b_fp8 300
     ;;
   moe-2b-check)  # issue 31's check on the card: a 2B-active MoE shape against transformers float32, the engine in
-    # float32 (IEEE dots: the kernels' arithmetic), then in bf16 (beside transformers' own bf16 model)
-    for dt in float32 bfloat16; do
+    # bf16 (beside transformers' own bf16 model), then float32 (IEEE dots: the kernels' arithmetic); MOE_CHECK_DTYPES
+    # picks (the reference's GDN on transformers' PyTorch functions either way)
+    for dt in ${MOE_CHECK_DTYPES:-bfloat16 float32}; do
         mkdir -p "$OUT/moe_check_$dt"
         timeout "$(within 300 5)" python3 benchmarks/moe_check.py --dtype $dt --out "$OUT/moe_check_$dt" \
             > "$OUT/moe_check_$dt/moe_check.log" 2>&1
-        echo "moe_check $dt rc $? ($(date +%T))"; grep "vs transformers" "$OUT/moe_check_$dt/moe_check.log"
+        echo "moe_check $dt rc $? ($(date +%T))"; grep -E "done \(|vs transformers" "$OUT/moe_check_$dt/moe_check.log"
     done
     ;;
   moe-profile)  # where a 35B-A3B decode step goes (bf16, then block FP8): kernels by name, launches; at batch 1,
