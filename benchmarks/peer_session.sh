@@ -467,13 +467,18 @@ case "${1:?phase}" in
     done
     ;;
   moe-profile)  # where a 35B-A3B decode step goes (bf16, then block FP8): kernels by name, launches; at batch 1,
-    # or at the batches of PROFILE_BATCHES (PROFILE_BATCHES=1,32: where vLLM leads at 32 too)
+    # or at the batches of PROFILE_BATCHES (PROFILE_BATCHES=1,32: where vLLM leads at 32 too); PROFILE_SHAPES picks
+    # (35b_a3b, 35b_a3b_fp8), PROFILE_EXTRA adds engine arguments ('"mamba_ssm_cache_dtype": "bfloat16"'),
+    # PROFILE_PROMPT_LEN the prompts (128; the decode figures' 512)
     moe_shapes
     pb=${PROFILE_BATCHES:-1}
     for spec in 35b_a3b:/tmp/m35 35b_a3b_fp8:/tmp/m35_fp8; do
         IFS=: read -r name dir <<< "$spec"
+        [[ " ${PROFILE_SHAPES:-35b_a3b 35b_a3b_fp8} " == *" $name "* ]] || continue
         timeout "$(within 250 5)" python3 benchmarks/profile_step.py --model "$dir" --device cuda --dtype bfloat16 \
-            --batch "$pb" --extra '{"load_format": "dummy"}' --out "$OUT/profile_${name}_bs${pb//,/_}" \
+            --batch "$pb" --prompt-len "${PROFILE_PROMPT_LEN:-128}" \
+            --extra "{\"load_format\": \"dummy\"${PROFILE_EXTRA:+, $PROFILE_EXTRA}}" \
+            --out "$OUT/profile_${name}_bs${pb//,/_}" \
             > "$OUT/profile_${name}_bs${pb//,/_}.log" 2>&1
         echo "profile $name rc $? ($(date +%T))"; grep "ms/step" "$OUT/profile_${name}_bs${pb//,/_}.log"
     done
