@@ -210,7 +210,7 @@ def tune(args: argparse.Namespace) -> None:
             w13, w2, scales = make_experts(shape, dtype)
             bk_max = 128 if dtype == "fp8_block" else 256
             table: dict[str, dict[str, list[int]]] = {}
-            for t in args.tokens:
+            for t in sorted(args.tokens):
                 routes = routings(shape, t, 8 if t <= 64 else 2)
                 x = torch.randn(t, shape["hidden"], device="cuda", dtype=torch.bfloat16)
                 bms, rest = candidates(t, bk_max)
@@ -240,12 +240,14 @@ def tune(args: argparse.Namespace) -> None:
                 print(json.dumps(dict(shape=name, dtype=dtype, tokens=t, best_us=round(best[0], 2),
                                       default_us=round(default_us, 2), plan=[list(c) for c in best[1]])), flush=True)
                 table[str(t)] = {"gate_up": list(best[1].gate_up), "down": list(best[1].down)}
-            dt = {"bf16": "bfloat16", "fp8_channel": "fp8_channel", "fp8_block": "fp8_block128x128"}[dtype]
-            path = moe.config_path(shape["num_experts"], shape["hidden"], shape["inter"], dt,
-                                   torch.cuda.get_device_name())
-            with open(os.path.join(args.out, path.name), "w") as f:
-                json.dump({"tuned_by": "benchmarks/moe_kernel_bench.py tune", "torch": torch.__version__,
-                           "configs": table}, f, indent=1)
+                # written after every token count (ascending): a run cut short leaves a table that covers the
+                # counts up to there (select_config takes the defaults past a table's largest count)
+                dt = {"bf16": "bfloat16", "fp8_channel": "fp8_channel", "fp8_block": "fp8_block128x128"}[dtype]
+                path = moe.config_path(shape["num_experts"], shape["hidden"], shape["inter"], dt,
+                                       torch.cuda.get_device_name())
+                with open(os.path.join(args.out, path.name), "w") as f:
+                    json.dump({"tuned_by": "benchmarks/moe_kernel_bench.py tune", "torch": torch.__version__,
+                               "configs": table}, f, indent=1)
             del w13, w2, scales
             torch.cuda.empty_cache()
 
