@@ -477,17 +477,20 @@ case "${1:?phase}" in
     # or at the batches of PROFILE_BATCHES (PROFILE_BATCHES=1,32: where vLLM leads at 32 too); PROFILE_SHAPES picks
     # (35b_a3b, 35b_a3b_fp8), PROFILE_EXTRA adds engine arguments ('"mamba_ssm_cache_dtype": "bfloat16"'),
     # PROFILE_PROMPT_LEN the prompts (128; the decode figures' 512)
+    # PROFILE_PREFILL=32 (with PROFILE_PROMPT_LEN=2048): a prefill of that many prompts instead of decode steps
     moe_shapes
     pb=${PROFILE_BATCHES:-1}
+    tag=bs${pb//,/_}
+    pre=()
+    if [ -n "${PROFILE_PREFILL:-}" ]; then tag=prefill${PROFILE_PREFILL}x${PROFILE_PROMPT_LEN:-128}; pre=(--prefill-prompts "$PROFILE_PREFILL"); fi
     for spec in 35b_a3b:/tmp/m35 35b_a3b_fp8:/tmp/m35_fp8; do
         IFS=: read -r name dir <<< "$spec"
         [[ " ${PROFILE_SHAPES:-35b_a3b 35b_a3b_fp8} " == *" $name "* ]] || continue
         timeout "$(within 250 5)" python3 benchmarks/profile_step.py --model "$dir" --device cuda --dtype bfloat16 \
-            --batch "$pb" --prompt-len "${PROFILE_PROMPT_LEN:-128}" \
+            --batch "$pb" --prompt-len "${PROFILE_PROMPT_LEN:-128}" "${pre[@]}" \
             --extra "{\"load_format\": \"dummy\"${PROFILE_EXTRA:+, $PROFILE_EXTRA}}" \
-            --out "$OUT/profile_${name}_bs${pb//,/_}" \
-            > "$OUT/profile_${name}_bs${pb//,/_}.log" 2>&1
-        echo "profile $name rc $? ($(date +%T))"; grep "ms/step" "$OUT/profile_${name}_bs${pb//,/_}.log"
+            --out "$OUT/profile_${name}_$tag" > "$OUT/profile_${name}_$tag.log" 2>&1
+        echo "profile $name rc $? ($(date +%T))"; grep -E "ms/step|^prefill" "$OUT/profile_${name}_$tag.log"
     done
     ;;
   moe-vllm)  # vLLM in its default mode on the same directories (load_format dummy, no images); its

@@ -1,4 +1,6 @@
-"""Where a decode step's time goes: host (Python, launches) against device (kernels), at a chosen batch.
+"""Where a decode step's time goes: host (Python, launches) against device (kernels), at a chosen batch; with
+``--prefill-prompts P`` where a prefill of P prompts of ``--prompt-len`` tokens goes instead (its steps' kernels
+summed, after the same prefill once untimed: compiles, autotuning).
 
 Runs a model to steady decode, then times ``--steps`` engine steps three ways: wall time per step, the GPU kernel
 time per step (torch profiler, sum of device kernel durations), and the host functions that take the most time
@@ -6,6 +8,8 @@ time per step (torch profiler, sum of device kernel durations), and the host fun
 
     python benchmarks/shapes.py --shape 2b --out /tmp/m2b
     python benchmarks/profile_step.py --model /tmp/m2b --device cuda --dtype bfloat16 --batch 1 --out $OUT
+    python benchmarks/profile_step.py --model /tmp/m2b --device cuda --dtype bfloat16 --prefill-prompts 32 \
+        --prompt-len 2048 --out $OUT
 """
 
 from __future__ import annotations
@@ -87,6 +91,48 @@ def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len:
             "kernels_per_step": launches, "top_kernels": top_kernels, "cprofile": s.getvalue()}
 
 
+def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: int,
+                extra: dict[str, Any]) -> dict[str, Any]:
+    """``prompts`` prompts of ``prompt_len`` random tokens to their first token, twice (fresh prompts each time: no
+    prefix hits); the second under the profiler: wall and kernel time in all, launches, the top kernels."""
+    llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, prompts),
+              max_model_len=max(4096, prompt_len + 64), gpu_memory_utilization=0.5, **extra)
+    eng = llm.llm_engine
+    vocab = eng.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prefill(tag: str) -> int:
+        for i in range(prompts):
+            ids = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+            eng.add_request(f"{tag}{i}", {"prompt_token_ids": ids}, params)
+        steps = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+        _sync(device)
+        return steps
+
+    prefill("warm")
+    t0 = time.perf_counter()
+    steps = prefill("timed")
+    wall = time.perf_counter() - t0
+    kernel_ms = launches = None
+    top_kernels = ""
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            prefill("prof")
+        cuda = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        kernel_ms = sum(e.self_device_time_total for e in cuda) / 1e3
+        launches = sum(e.count for e in cuda)
+        top_kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    return {"prefill_prompts": prompts, "prompt_len": prompt_len, "steps": steps, "wall_ms": wall * 1e3,
+            "tok_s": prompts * prompt_len / wall, "kernel_ms": kernel_ms, "kernels": launches,
+            "top_kernels": top_kernels}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a tiny random one)")
@@ -97,6 +143,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--extra", default="{}", help="JSON of extra LLM(...) arguments")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prefill-prompts", type=int, default=0,
+                    help="profile a prefill of this many prompts of --prompt-len tokens instead of decode steps")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     model = args.model
@@ -104,7 +152,13 @@ def main() -> None:
         model = tempfile.mkdtemp()
         write_tiny_checkpoint(model, layer_types=["linear_attention"] * 3 + ["full_attention"])
     results = []
-    for b in (int(x) for x in args.batch.split(",")):
+    if args.prefill_prompts:
+        r = run_prefill(model, args.device, args.dtype, args.prefill_prompts, args.prompt_len, json.loads(args.extra))
+        print(f"prefill {args.prefill_prompts} x {args.prompt_len}: {r['steps']} steps, wall {r['wall_ms']:.1f} ms "
+              f"({r['tok_s']:.0f} tok/s), kernels {r['kernel_ms']} ms, {r['kernels']} launches", flush=True)
+        print(r["top_kernels"])
+        results.append(r)
+    for b in [] if args.prefill_prompts else (int(x) for x in args.batch.split(",")):
         r = run(model, args.device, args.dtype, b, args.steps, args.prompt_len, json.loads(args.extra))
         print(f"batch {b}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']} ms/step, "
               f"{r['kernels_per_step']} kernels/step", flush=True)
