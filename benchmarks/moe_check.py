@@ -137,6 +137,51 @@ def score(ref: Any, prompts: list[list[int]], rows: list[Any], rule: ClearMargin
     return tot
 
 
+def router_gaps(ref: Any, token_ids: list[int], device: str) -> torch.Tensor:
+    """Per position of one uncached reference pass, the smallest gap over the layers between the router's k-th and
+    (k + 1)-th logits (float64 from the router's float32 input): where it is about float32's rounding of a logit, a
+    summation order other than the reference's may pick another expert. ``(len(token_ids),)``."""
+    gaps: list[torch.Tensor] = []
+
+    def hook(mod: Any, args: tuple[Any, ...], _out: Any) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).double()
+        top = torch.topk(x @ mod.weight.double().T, mod.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]).cpu())
+
+    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in ref.model.layers
+               if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            reference_logits(ref, token_ids, device=device)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(gaps).min(dim=0).values
+
+
+def router_tie_report(ref: Any, prompts: list[list[int]], rows: list[Any], margin: float,
+                      device: str) -> dict[str, Any]:
+    """Where the float32 engine parts from the reference at a clear position, the smallest router gap over every
+    token up to it (a flipped expert choice anywhere before reaches it through attention and the GDN state), beside
+    the same figure at the positions that agree: the diagnostic for a float32 parting."""
+    parted, agreed = [], []
+    with torch.no_grad():
+        for prompt, (toks, _) in zip(prompts, rows, strict=True):
+            ids = prompt + list(toks)
+            logp = torch.log_softmax(reference_logits(ref, ids, device=device)[len(prompt) - 1:].double(), -1)
+            upto = torch.cummin(router_gaps(ref, ids, device), dim=0).values[len(prompt) - 1:]
+            for i, tok in enumerate(toks):
+                top2 = torch.topk(logp[i], 2)
+                if float(top2.values[0] - top2.values[1]) <= margin:
+                    continue
+                (agreed if int(top2.indices[0]) == tok else parted).append(float(upto[i]))
+                if int(top2.indices[0]) != tok:
+                    break
+    q = torch.tensor(agreed or [float("nan")], dtype=torch.float64)
+    return {"parted_min_router_gap_so_far": parted,
+            "agreed_min_router_gap_so_far_quantiles": {str(p): float(torch.quantile(q, p)) for p in (0.1, 0.5, 0.9)}}
+
+
 def teacher_forced_logprobs(ref: Any, prompts: list[list[int]], rows: list[Any], device: str) -> list[dict[str, Any]]:
     """Per output position of each row, under ``ref`` teacher-forced on the row's tokens: the logprob of the engine's
     token, the reference's argmax and its top-1 over top-2 margin (every position: the reference sees the engine's
@@ -214,6 +259,9 @@ def _score_against_reference(path: str, prompts: list[list[int]], rows: list[Any
     ref = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     if dtype == "float32":
         r = {**score(ref, prompts, rows, FP32_RULE, device), "rule": FP32_RULE._asdict()}
+        if r["tokens_mismatched"]:
+            r["router_ties"] = router_tie_report(ref, prompts, rows, FP32_RULE.margin, device)
+            print(f"router ties: {r['router_ties']}", flush=True)
         zero_shared_experts(ref)
         control = score(ref, prompts, rows, FP32_RULE, device)
     else:
