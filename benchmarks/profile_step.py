@@ -41,8 +41,11 @@ def _sync(device: str) -> None:
 def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len: int,
         extra: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, batch), max_model_len=4096,
-              gpu_memory_utilization=0.5, **extra)
+              **{"gpu_memory_utilization": 0.9, **extra})
     eng = llm.llm_engine
+    if eng.max_num_seqs < batch:  # the planner lowers it where the caches do not fit: the profile would be of fewer
+        raise SystemExit(f"batch {batch}: only {eng.max_num_seqs} sequences fit the cache budget (raise "
+                         "gpu_memory_utilization through --extra, or lower the batch)")
     vocab = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=10 * steps + 64, ignore_eos=True)
@@ -96,7 +99,7 @@ def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: i
     """``prompts`` prompts of ``prompt_len`` random tokens to their first token, twice (fresh prompts each time: no
     prefix hits); the second under the profiler: wall and kernel time in all, launches, the top kernels."""
     llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, prompts),
-              max_model_len=max(4096, prompt_len + 64), gpu_memory_utilization=0.5, **extra)
+              max_model_len=max(4096, prompt_len + 64), **{"gpu_memory_utilization": 0.9, **extra})
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
