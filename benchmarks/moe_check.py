@@ -3,8 +3,9 @@
 
 * float32 (``--dtype float32``): ``FP32_RULE``, as the tiny float32 checks (every clear position's argmax, logprobs
   within 3e-3). Triton's dots on float32 operands default to TF32: the script sets ``TRITON_F32_DEFAULT=ieee`` for
-  fla's chunked kernel, which hyserve's prefill calls (hyserve's own kernels pass ``input_precision``). This is the
-  check of the kernels' arithmetic at the real shape.
+  any dot that leaves its precision to the default (hyserve's own kernels pass ``input_precision``, and a float32
+  engine takes its recurrent GDN kernel for every row, not fla's). This is the check of the kernels' arithmetic at
+  the real shape.
 * Either way the reference runs its GDN layers through transformers' own PyTorch functions
   (``torch_gdn_reference``), not fla's kernel (which transformers takes when fla is installed, as here: hyserve's
   prefill calls the same kernel, and a reference sharing it could not see its faults; on 2026-12-03 its float32
@@ -137,10 +138,11 @@ def score(ref: Any, prompts: list[list[int]], rows: list[Any], rule: ClearMargin
     return tot
 
 
-def router_gaps(ref: Any, token_ids: list[int], device: str) -> torch.Tensor:
-    """Per position of one uncached reference pass, the smallest gap over the layers between the router's k-th and
-    (k + 1)-th logits (float64 from the router's float32 input): where it is about float32's rounding of a logit, a
-    summation order other than the reference's may pick another expert. ``(len(token_ids),)``."""
+def router_gaps(ref: Any, token_ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One uncached reference pass: its logits (``reference_logits``) and, per position, the smallest gap over the
+    layers between the router's k-th and (k + 1)-th logits (float64 from the router's float32 input): where it is
+    about float32's rounding of a logit, a summation order other than the reference's may pick another expert.
+    ``(len(token_ids), vocab)``, ``(len(token_ids),)``."""
     gaps: list[torch.Tensor] = []
 
     def hook(mod: Any, args: tuple[Any, ...], _out: Any) -> None:
@@ -152,11 +154,11 @@ def router_gaps(ref: Any, token_ids: list[int], device: str) -> torch.Tensor:
                if hasattr(layer.mlp, "gate")]
     try:
         with torch.no_grad():
-            reference_logits(ref, token_ids, device=device)
+            logits = reference_logits(ref, token_ids, device=device)
     finally:
         for h in handles:
             h.remove()
-    return torch.stack(gaps).min(dim=0).values
+    return logits, torch.stack(gaps).min(dim=0).values
 
 
 def router_tie_report(ref: Any, prompts: list[list[int]], rows: list[Any], margin: float,
@@ -167,15 +169,17 @@ def router_tie_report(ref: Any, prompts: list[list[int]], rows: list[Any], margi
     parted, agreed = [], []
     with torch.no_grad():
         for prompt, (toks, _) in zip(prompts, rows, strict=True):
-            ids = prompt + list(toks)
-            logp = torch.log_softmax(reference_logits(ref, ids, device=device)[len(prompt) - 1:].double(), -1)
-            upto = torch.cummin(router_gaps(ref, ids, device), dim=0).values[len(prompt) - 1:]
+            logits, gaps = router_gaps(ref, prompt + list(toks), device)
+            logp = torch.log_softmax(logits[len(prompt) - 1:].double(), -1)
+            upto = torch.cummin(gaps, dim=0).values[len(prompt) - 1:]
             for i, tok in enumerate(toks):
                 top2 = torch.topk(logp[i], 2)
                 if float(top2.values[0] - top2.values[1]) <= margin:
                     continue
-                (agreed if int(top2.indices[0]) == tok else parted).append(float(upto[i]))
-                if int(top2.indices[0]) != tok:
+                if int(top2.indices[0]) == tok:
+                    agreed.append(float(upto[i]))
+                else:
+                    parted.append(float(upto[i]))
                     break
     q = torch.tensor(agreed or [float("nan")], dtype=torch.float64)
     return {"parted_min_router_gap_so_far": parted,

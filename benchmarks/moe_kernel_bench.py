@@ -210,6 +210,9 @@ def tune(args: argparse.Namespace) -> None:
             w13, w2, scales = make_experts(shape, dtype)
             bk_max = 128 if dtype == "fp8_block" else 256
             table: dict[str, dict[str, list[int]]] = {}
+            dt = {"bf16": "bfloat16", "fp8_channel": "fp8_channel", "fp8_block": "fp8_block128x128"}[dtype]
+            path = os.path.join(args.out, moe.config_path(shape["num_experts"], shape["hidden"], shape["inter"], dt,
+                                                          torch.cuda.get_device_name()).name)
             for t in sorted(args.tokens):
                 routes = routings(shape, t, 8 if t <= 64 else 2)
                 x = torch.randn(t, shape["hidden"], device="cuda", dtype=torch.bfloat16)
@@ -242,10 +245,7 @@ def tune(args: argparse.Namespace) -> None:
                 table[str(t)] = {"gate_up": list(best[1].gate_up), "down": list(best[1].down)}
                 # written after every token count (ascending): a run cut short leaves a table that covers the
                 # counts up to there (select_config takes the defaults past a table's largest count)
-                dt = {"bf16": "bfloat16", "fp8_channel": "fp8_channel", "fp8_block": "fp8_block128x128"}[dtype]
-                path = moe.config_path(shape["num_experts"], shape["hidden"], shape["inter"], dt,
-                                       torch.cuda.get_device_name())
-                with open(os.path.join(args.out, path.name), "w") as f:
+                with open(path, "w") as f:
                     json.dump({"tuned_by": "benchmarks/moe_kernel_bench.py tune", "torch": torch.__version__,
                                "configs": table}, f, indent=1)
             del w13, w2, scales

@@ -38,11 +38,23 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _engine(model: str, device: str, dtype: str, rows: int, max_model_len: int, extra: dict[str, Any]) -> Any:
+    """An engine for ``rows`` sequences at once, on 0.9 of the card unless ``extra`` says otherwise."""
+    llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, rows), max_model_len=max_model_len,
+              **{"gpu_memory_utilization": 0.9, **extra})
+    return llm.llm_engine
+
+
+def _kernels(prof: Any) -> tuple[float, int, str]:
+    """The profiler's device kernels: their time in all (ms), their launches, the table of the costliest."""
+    cuda = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return (sum(e.self_device_time_total for e in cuda) / 1e3, sum(e.count for e in cuda),
+            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+
+
 def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len: int,
         extra: dict[str, Any]) -> dict[str, Any]:
-    llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, batch), max_model_len=4096,
-              **{"gpu_memory_utilization": 0.9, **extra})
-    eng = llm.llm_engine
+    eng = _engine(model, device, dtype, batch, 4096, extra)
     if eng.max_num_seqs < batch:  # the planner lowers it where the caches do not fit: the profile would be of fewer
         raise SystemExit(f"batch {batch}: only {eng.max_num_seqs} sequences fit the cache budget (raise "
                          "gpu_memory_utilization through --extra, or lower the batch)")
@@ -72,10 +84,8 @@ def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len:
             for _ in range(steps):
                 eng.step()
             _sync(device)
-        kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-        kernel_ms = kernel_us / 1e3 / steps
-        launches = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA") / steps
-        top_kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
+        total_ms, total_launches, top_kernels = _kernels(prof)
+        kernel_ms, launches = total_ms / steps, total_launches / steps
     else:
         launches, top_kernels = None, ""
 
@@ -98,9 +108,7 @@ def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: i
                 extra: dict[str, Any]) -> dict[str, Any]:
     """``prompts`` prompts of ``prompt_len`` random tokens to their first token, twice (fresh prompts each time: no
     prefix hits); the second under the profiler: wall and kernel time in all, launches, the top kernels."""
-    llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, prompts),
-              max_model_len=max(4096, prompt_len + 64), **{"gpu_memory_utilization": 0.9, **extra})
-    eng = llm.llm_engine
+    eng = _engine(model, device, dtype, prompts, max(4096, prompt_len + 64), extra)
     vocab = eng.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -120,17 +128,15 @@ def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: i
     t0 = time.perf_counter()
     steps = prefill("timed")
     wall = time.perf_counter() - t0
-    kernel_ms = launches = None
+    kernel_ms: float | None = None
+    launches: int | None = None
     top_kernels = ""
     if device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             prefill("prof")
-        cuda = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-        kernel_ms = sum(e.self_device_time_total for e in cuda) / 1e3
-        launches = sum(e.count for e in cuda)
-        top_kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+        kernel_ms, launches, top_kernels = _kernels(prof)
     return {"prefill_prompts": prompts, "prompt_len": prompt_len, "steps": steps, "wall_ms": wall * 1e3,
             "tok_s": prompts * prompt_len / wall, "kernel_ms": kernel_ms, "kernels": launches,
             "top_kernels": top_kernels}
