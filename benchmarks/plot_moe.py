@@ -7,6 +7,7 @@ shape's decode throughput beside its batch-1 bound.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,14 +22,16 @@ def main(folder: Path, others: list[Path] | None = None) -> None:
     vLLM's; right: decode by batch for every engine and shape with a JSON in the folder, and for ``others`` (runs of
     another session, labelled so). A figure a run lacks (a failed measure) is left out of its bars."""
     runs = {f"{engine} {name}": json.loads(path.read_text())["figures"]
-            for engine in ("hyserve", "vllm") for name in ("35b_a3b", "35b_a3b_fp8")
+            for engine in ("hyserve", "vllm") for name in ("35b_a3b", "35b_a3b_fp8", "next80b_fp8")
             if (path := folder / f"{engine}_{name}.json").exists()}
     for path in others or []:
         res = json.loads(path.read_text())
         runs[f"{path.stem.replace('_', ' ', 1)} ({res.get('date', '?')}, {path.parent.name})"] = res["figures"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
     if (folder / "moe_kernels.json").exists():
         _kernels(ax1, json.loads((folder / "moe_kernels.json").read_text())["rows"])
+    elif (folder / "moe_peer.json").exists():
+        _ratios(ax1, json.loads((folder / "moe_peer.json").read_text())["entries"])
     else:
         _prefill_and_agent(ax1, folder, runs)
     batches = [1, 8, 32, 64]
@@ -39,7 +42,7 @@ def main(folder: Path, others: list[Path] | None = None) -> None:
         ax2.hlines(f["bound_bs1_tok_s"], xs[0] - width / 2, xs[0] + width / 2, colors="k", linestyles="--")
     ax2.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax2.set_ylabel("decode tok/s (prompt 512)")
-    ax2.set_title("35B-A3B shape, dummy weights (dashes: batch-1 bound)")
+    ax2.set_title("MoE shapes, dummy weights (dashes: batch-1 bound)")
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "moe.png", dpi=110)
@@ -57,6 +60,22 @@ def _kernels(ax: plt.Axes, kernels: list[dict]) -> None:
     ax.set_ylabel("chosen experts' weight bytes / time, GB/s")
     ax.set_title("one MoE layer's routed experts (CUDA graph replay)")
     ax.legend(fontsize=8)
+
+
+def _ratios(ax: plt.Axes, entries: list[dict]) -> None:
+    """hyserve / vLLM for every point of ``peer_bench.py moe-report`` with both figures (the agent trace's wall
+    inverted there already: above 1 is hyserve faster), with the parity line and the issue's 1.1x goal."""
+    rows = [e for e in entries if e.get("ratio") is not None and "share" not in e["measure"]
+            and "acceptance" not in e["label"] and "cache" not in e["label"]]
+    ys = range(len(rows))
+    ax.barh(ys, [e["ratio"] for e in rows], color=["C0" if e["ratio"] >= 1 else "C3" for e in rows])
+    labels = [re.sub(r"\s*\(.*?\)|, tok/s|, wall s", "", e["label"]) for e in rows]
+    ax.set_yticks(ys, [f"{e['shape']}: {label}" for e, label in zip(rows, labels)], fontsize=6)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", linewidth=0.8)
+    ax.axvline(1.1, color="k", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("hyserve / vLLM 0.24 default mode (dashes: the 1.1x goal)")
+    ax.set_title("every measured point, beside vLLM")
 
 
 def _prefill_and_agent(ax: plt.Axes, folder: Path, runs: dict[str, dict]) -> None:

@@ -1,7 +1,8 @@
 """The whole engine with the fused MoE kernels, on the CPU: under ``TRITON_INTERPRET=1`` the MoE layers (and only
 they) take the Triton kernels on CPU tensors, so ``benchmarks/moe_check.py``'s check runs a tiny Qwen3.5-MoE
 checkpoint through them (float32) against transformers' ``Qwen3_5MoeForCausalLM``, teacher-forced on the engine's
-greedy tokens (``FP32_RULE``: every clear position's argmax, logprobs within 3e-3).
+greedy tokens (``FP32_RULE``: every clear position's argmax, logprobs within 3e-3; here every prompt passes it as it
+is, errors about 4e-7, none left to the check's search for router flips at near-ties).
 
 What runs: one prefill step of 192 tokens (the sorted order, the shared expert apart on its dense GEMMs), decode at
 10 rows (the sorted order with the shared expert stacked as expert E), then fewer than 8 as rows finish (one pair per
@@ -78,7 +79,7 @@ def results() -> dict[str, Any]:
 def test_the_engine_with_the_moe_kernels_matches_transformers(results: dict[str, Any]) -> None:
     r = results["check"]
     assert r["tokens_checked"] >= 40, r
-    assert r["pass"], r
+    assert r["pass"] and r["pass_unflipped"] and r["prompts_failing"] == 0, r
     # both shared-expert paths ran: stacked (decode) and apart (the prefill step)
     assert results["routes"]["stacked"] > 0 and results["routes"]["apart"] > 0, results["routes"]
 
@@ -91,6 +92,7 @@ def test_the_check_sees_the_shared_expert(results: dict[str, Any]) -> None:
 def test_an_ungated_stacked_shared_expert_is_caught(results: dict[str, Any]) -> None:
     r = results["ungated"]
     assert not r["pass"] and r["tokens_mismatched"] + (r["max_logprob_abs_err"] >= 3e-3) > 0, r
+    assert r["prompts_explained_by_router_flips"] < r["prompts_failing"], r
 
 
 # The family's scheduling scenario (its plain run against transformers, then MTP drafts accepted with async

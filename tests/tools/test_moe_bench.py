@@ -6,7 +6,9 @@ checkpoints in both expert layouts; ``peer_bench.py measure`` runs hyserve on a 
 weights) as the session's moe phase does, and the session script has its MoE phases. The moe-agent and moe-spec
 phases run with ``python3`` a recorder: their commands parse with the scripts' own parsers (both engines, vLLM in
 its default mode, the same planted acceptance); ``spec_decode_bench.py --shared-engines`` plants drafts on a tiny
-dummy-weight MoE shape; ``peer_bench.py moe-report`` makes one table of synthetic files of every phase."""
+dummy-weight MoE shape; ``peer_bench.py moe-report`` makes one table of synthetic files of every phase.
+``moe_check.py``'s float32 rule, on a tiny checkpoint's own greedy rows: router flips planted at near-ties are found
+and explain the rows (one, or two combined; none above the gap threshold), rows from perturbed weights are not."""
 
 from __future__ import annotations
 
@@ -397,6 +399,188 @@ def test_the_bf16_peer_rule_measures_the_engine_by_the_references_own_bf16() -> 
     altered = [_positions([-3.0, -4.0, -2.5, -5.0], [9, 9, 9, 9], [1.0, 1.0, 1.0, 1.0])]
     assert rule.score(near, rows, altered, ref16, yardstick32=ref32)["pass"] is False
     assert rule.score(near, rows, altered, ref16)["pass"]  # why: the bf16 model is as far from the altered one
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_ref(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """transformers' float32 model of ``moe_check.TINY_MOE`` (``write_moe_checkpoint`` on the CPU), its GDN layers
+    on transformers' own PyTorch functions as the check runs them."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM
+
+    path = str(tmp_path_factory.mktemp("moe") / "moe")
+    moe_check.write_moe_checkpoint(path, moe_check.TINY_MOE, "cpu")
+    with moe_check.torch_gdn_reference():
+        yield Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+FLIP_PROMPT_LEN, FLIP_TOKENS = 24, 16
+
+
+def _flip_prompt() -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, moe_check.TINY_MOE["vocab_size"], (FLIP_PROMPT_LEN,), generator=g).tolist()
+
+
+def _greedy(ref: Any, prompt: list[int], flips: Any = ()) -> tuple[list[int], list[float]]:
+    """An engine row made by the reference itself with ``flips``: its greedy tokens and their logprobs."""
+    import torch
+
+    ids = list(prompt)
+    for _ in range(FLIP_TOKENS):
+        ids.append(int(moe_check.router_gaps(ref, ids, "cpu", flips)[0][-1].argmax()))
+    logp = torch.log_softmax(moe_check.router_gaps(ref, ids, "cpu", flips)[0][len(prompt) - 1 : -1].double(), -1)
+    toks = ids[len(prompt) :]
+    return toks, [float(logp[i, t]) for i, t in enumerate(toks)]
+
+
+# A planted flip must move a logprob by this much or part at a clear position: other flips move the tiny model's
+# logprobs by about 1e-3 and could otherwise take an error just past FP32_RULE's 3e-3 back under it.
+PLANTED_RULE = moe_check.ClearMarginRule(margin=moe_check.FP32_RULE.margin, logprob_tol=1e-2, mismatches_per=None)
+
+
+def _fails(ref: Any, prompt: list[int], row: tuple[list[int], list[float]], flips: Any = (),
+           rule: Any = moe_check.FP32_RULE) -> bool:
+    logits = moe_check.router_gaps(ref, prompt + row[0], "cpu", flips)[0][len(prompt) - 1 :]
+    return not rule.passes(moe_check.score_positions(logits, row[0], row[1], rule.margin))
+
+
+def _plant(ref: Any, prompt: list[int], kept: Any = (), tokens: range | None = None
+           ) -> tuple[Any, tuple[list[int], list[float]]]:
+    """The smallest-gap (token, layer) pair, its token in ``tokens`` (default: any), whose flip (beside ``kept``)
+    makes the reference's own greedy row fail ``PLANTED_RULE`` against the reference with ``kept`` only; and that
+    row."""
+    import torch
+
+    toks, _ = _greedy(ref, prompt, kept)
+    gaps = moe_check.router_gaps(ref, prompt + toks, "cpu", kept)[1][:, : len(prompt) - 1 + FLIP_TOKENS]
+    for j in torch.argsort(gaps.flatten()).tolist():
+        layer, token = divmod(j, gaps.shape[1])
+        if tokens is None or token in tokens:
+            flip = moe_check.Flip(token, layer, float(gaps[layer, token]))
+            row = _greedy(ref, prompt, [*kept, flip])
+            if _fails(ref, prompt, row, kept, PLANTED_RULE):
+                return flip, row
+    raise AssertionError("no flip matters")
+
+
+@pytest.fixture(scope="module")
+def planted(tiny_moe_ref: Any) -> tuple[list[int], Any, tuple[list[int], list[float]]]:
+    prompt = _flip_prompt()
+    return (prompt, *_plant(tiny_moe_ref, prompt))
+
+
+def _flips(r: dict[str, Any]) -> list[tuple[int, int]]:
+    return [(f["token"], f["layer"]) for p in r["router_flips"] for f in p["flips"]]
+
+
+def test_a_flip_takes_the_next_expert_at_its_row_only(tiny_moe_ref: Any) -> None:
+    """What the experts receive with a flip at (token 5, layer 2): at row 5 the router's top k - 1 and its (k + 1)-th
+    expert (by its float32 softmax), the k weights renormalized; the other rows of layers 0 to 2 and the rows before
+    5 of every layer as without the flip; the reported gap is the k-th minus the (k + 1)-th logit."""
+    import torch
+
+    layers, k = tiny_moe_ref.model.layers, moe_check.TINY_MOE["num_experts_per_tok"]
+    seen: list[tuple[torch.Tensor, ...]] = []
+    handles = [layer.mlp.experts.register_forward_pre_hook(lambda _m, a: seen.append(tuple(a))) for layer in layers]
+    try:
+        ids = _flip_prompt()[:12]
+        _, gaps = moe_check.router_gaps(tiny_moe_ref, ids, "cpu")
+        moe_check.router_gaps(tiny_moe_ref, ids, "cpu", [moe_check.Flip(5, 2, 0.0)])
+    finally:
+        for h in handles:
+            h.remove()
+    plain, flipped = seen[: len(layers)], seen[len(layers) :]
+    for n, ((x, idx, w), (_, fidx, fw)) in enumerate(zip(plain, flipped, strict=True)):
+        rows = [r for r in range(len(ids)) if r < 5 or n < 2 or (n == 2 and r != 5)]  # what it cannot reach
+        assert torch.equal(idx[rows], fidx[rows]) and torch.equal(w[rows], fw[rows]), n
+        if n == 2:
+            weight = layers[2].mlp.gate.weight.detach()
+            logits = x[5] @ weight.T
+            order = torch.argsort(torch.softmax(logits, -1), descending=True)
+            chosen = torch.cat([order[: k - 1], order[k : k + 1]])
+            assert not torch.equal(idx[5], fidx[5]) and torch.equal(fidx[5], chosen)
+            probs = torch.softmax(logits, -1)[chosen]
+            assert torch.allclose(fw[5], probs / probs.sum(), rtol=0, atol=1e-7)
+            exact = x[5].double() @ weight.double().T
+            assert float(gaps[2, 5]) == pytest.approx(float(exact[order[k - 1]] - exact[order[k]]), abs=1e-12)
+
+
+def test_a_router_flip_at_a_near_tie_explains_a_float32_parting(tiny_moe_ref: Any, planted: Any) -> None:
+    """An engine row that took one router choice the other way (the reference's own greedy row with the flip) fails
+    ``FP32_RULE`` against the reference; ``score_with_router_flips`` finds that flip among the near-ties (the gap
+    threshold just above its gap) and passes the prompt, with the totals still the unflipped reference's."""
+    prompt, flip, row = planted
+    rows = [row, _greedy(tiny_moe_ref, prompt[:9])]  # a second prompt that passes as it is
+    r = moe_check.score_with_router_flips(tiny_moe_ref, [prompt, prompt[:9]], rows, "cpu",
+                                          tie_gap=flip.gap * 1.01, max_tries=40)
+    assert not r["pass_unflipped"] and r["tokens_checked"] > 0, r
+    assert (r["prompts_failing"], r["prompts_explained_by_router_flips"], r["pass"]) == (1, 1, True), r
+    assert r["router_flips"][0]["prompt"] == 0 and (flip.token, flip.layer) in _flips(r), (flip, r)
+    got = next(f for f in r["router_flips"][0]["flips"] if (f["token"], f["layer"]) == (flip.token, flip.layer))
+    assert got["gap"] == pytest.approx(flip.gap, rel=1e-9)
+    assert 1 <= r["flip_passes"] <= 40 and "router_ties" in r
+
+
+def test_a_flip_above_the_tie_gap_is_not_tried(tiny_moe_ref: Any, planted: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same row with the threshold just below the planted flip's gap: every flip tried has a gap below the
+    threshold, the planted one is not among them, and the prompt stays unexplained."""
+    prompt, flip, row = planted
+    passes: list[list[Any]] = []
+    real = moe_check.router_gaps
+
+    def recording(ref: Any, ids: list[int], device: str, flips: Any = ()) -> Any:
+        if flips:
+            passes.append(list(flips))
+        return real(ref, ids, device, flips)
+
+    monkeypatch.setattr(moe_check, "router_gaps", recording)
+    r = moe_check.score_with_router_flips(tiny_moe_ref, [prompt], [row], "cpu", tie_gap=flip.gap * 0.99,
+                                          max_tries=40)
+    assert (r["prompts_failing"], r["prompts_explained_by_router_flips"], r["pass"]) == (1, 0, False), r
+    tried = {(f.token, f.layer, f.gap) for p in passes for f in p}
+    assert len(passes) == r["flip_passes"] and all(g < flip.gap * 0.99 for _, _, g in tried), tried
+    assert (flip.token, flip.layer) not in {(t, layer) for t, layer, _ in tried}, tried
+
+
+def test_two_flips_combine_greedily(tiny_moe_ref: Any, planted: Any) -> None:
+    """An engine row with two flips, the second after the first's failure: the first flip alone moves the first
+    failure later and is kept, the second then explains the prompt; with one flip allowed it stays unexplained."""
+    prompt = planted[0]
+    first, row1 = _plant(tiny_moe_ref, prompt, tokens=range(len(prompt) + 4))
+    logits = moe_check.router_gaps(tiny_moe_ref, prompt + row1[0], "cpu")[0][len(prompt) - 1 :]
+    fail = moe_check.first_failure(logits, row1[0], row1[1], moe_check.FP32_RULE)
+    assert fail is not None and fail < FLIP_TOKENS - 4, (first, fail)
+    second, row = _plant(tiny_moe_ref, prompt, [first], tokens=range(len(prompt) + fail, len(prompt) + FLIP_TOKENS))
+    gap = max(first.gap, second.gap) * 1.01
+    r = moe_check.score_with_router_flips(tiny_moe_ref, [prompt], [row], "cpu", tie_gap=gap, max_tries=60)
+    assert r["pass"] and _flips(r) == [(first.token, first.layer), (second.token, second.layer)], (first, second, r)
+    r1 = moe_check.score_with_router_flips(tiny_moe_ref, [prompt], [row], "cpu", tie_gap=gap, max_tries=60,
+                                           max_flips=1)
+    assert not r1["pass"] and r1["prompts_failing"] == 1, r1
+
+
+def test_router_flips_do_not_explain_perturbed_weights(tiny_moe_ref: Any) -> None:
+    """Rows from the reference with every layer's shared-expert gate shifted by 0.05 (its weights' spread: 0.02)
+    fail ``FP32_RULE`` by about as much as a flip moves a logprob (errors up to 4e-3 and 8e-3); no flip explains
+    them, whatever the threshold (every pair a candidate, every try spent)."""
+    import copy
+
+    import torch
+
+    sabotaged = copy.deepcopy(tiny_moe_ref)
+    with torch.no_grad():
+        for layer in sabotaged.model.layers:
+            layer.mlp.shared_expert_gate.weight += 0.05
+    prompts = [_flip_prompt(), _flip_prompt()[:9]]
+    rows = [_greedy(sabotaged, p) for p in prompts]
+    r = moe_check.score_with_router_flips(tiny_moe_ref, prompts, rows, "cpu", tie_gap=1.0, max_tries=8)
+    assert not r["pass_unflipped"] and r["prompts_failing"] == 2 and r["max_logprob_abs_err"] < 0.02, r
+    assert r["prompts_explained_by_router_flips"] == 0 and not r["pass"], r
+    assert r["flip_passes"] == 8 * r["prompts_failing"], r
 
 
 def test_the_state_dtype_runs_are_named_only_and_pass_the_flag(tmp_path: Path) -> None:
