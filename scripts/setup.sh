@@ -7,6 +7,7 @@
 # too). Only a torch build that pins no triton (a CPU build) gets triton pinned to the GPU machine's release
 # (scripts/constraints-triton.txt), so that the Triton interpreter tests run the Triton the GPU runs; a torch that
 # pins its own triton keeps it. Set HYSERVE_PIP_QUIET=1 for less output.
+# transformers 5.24 (no deps) in .venv/reference/transformers-5.24: Qwen4-Exp's test reference, run in a subprocess.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quiet=()
@@ -37,4 +38,12 @@ else
 fi
 step "hyserve and its test tools (pip install -e '.[test]')"
 "${pip[@]}" "${constraints[@]}" -e '.[test]'
+reference=.venv/reference/transformers-5.24
+if [ -d "$reference/transformers-5.24.0.dist-info" ]; then
+  step "transformers 5.24.0 (the Qwen4-Exp reference) already in $reference"
+else
+  step "transformers 5.24.0 (the Qwen4-Exp reference) into $reference, without dependencies (the venv's serve it)"
+  rm -rf "$reference"
+  "${pip[@]}" --no-deps --target "$reference" transformers==5.24.0
+fi
 step "done: $(du -sh .venv | cut -f1) in .venv"

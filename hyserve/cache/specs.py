@@ -5,7 +5,8 @@ none of them knows which layer family a tensor belongs to or what it means. A fa
 recurrent mixer, another window) declares other tensors and gets them allocated, copied, reset and snapshotted
 without any change here.
 
-* ``AttentionSpec``: one paged K and one paged V cache of (num_blocks, block_size, num_kv_heads, head_dim).
+* ``AttentionSpec``: one paged K and one paged V cache of (num_blocks, block_size, num_kv_heads, head_dim), and
+  for an indexed-attention layer a paged index-key cache of (num_blocks, block_size, index_dim) beside them.
 * ``RecurrentStateSpec``: the fixed-size tensors one request's state consists of, each (name, shape, dtype) without
   the leading entry axis. The pool stores tensor ``t`` of layer ``i`` as (entries, *t.shape); the verify scratch as
   (rows, positions, *t.shape). Names are unique within a spec and mean something only to the layer that declared it.
@@ -25,13 +26,29 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True, slots=True)
 class AttentionSpec:
+    """Paged K and V of ``(num_blocks, block_size, num_kv_heads, head_dim)`` in ``dtype`` (the KV cache dtype: FP8
+    where ``kv_cache_dtype`` says so). ``index_dim > 0``: the layer also keeps one ``index_dim``-wide key per token
+    in ``index_dtype`` (an indexed-attention layer's raw indexer keys, in the model dtype whatever the KV dtype), in a
+    ``(num_blocks, block_size, index_dim)`` cache of the same blocks and slots as the KV."""
+
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    index_dim: int = 0
+    index_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.index_dim < 0:
+            raise ValueError(f"index_dim must be >= 0, got {self.index_dim}")
+        if self.index_dim and self.index_dtype is None:
+            raise ValueError("an AttentionSpec with index_dim > 0 needs its index_dtype")
 
     def bytes_per_block(self, block_size: int) -> int:
-        """K and V of ``block_size`` tokens."""
-        return 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        """K and V of ``block_size`` tokens, and their index keys where the layer keeps them."""
+        kv = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        if self.index_dim and self.index_dtype is not None:
+            kv += block_size * self.index_dim * dtype_bytes(self.index_dtype)
+        return kv
 
 
 @dataclass(frozen=True, slots=True)

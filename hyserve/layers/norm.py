@@ -38,3 +38,20 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GroupedRMSNorm(nn.Module):
+    """Zero-centred RMSNorm over each ``group``-wide chunk of the last dimension, with one weight as wide as the whole
+    (Qwen4-Exp's hyper-connection and PLE norms over the ``hc_count`` residual streams): float32 inside, cast back."""
+
+    def __init__(self, dim: int, group: int, eps: float) -> None:
+        super().__init__()
+        if dim % group:
+            raise ValueError(f"GroupedRMSNorm: width {dim} is not a multiple of its group {group}")
+        self.eps, self.group = eps, group
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().unflatten(-1, (-1, self.group))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf.flatten(-2) * (1.0 + self.weight.float())).to(x.dtype)

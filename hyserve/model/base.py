@@ -24,6 +24,9 @@ class KVCacheLayer(nn.Module):
 
     k_cache: torch.Tensor | None
     v_cache: torch.Tensor | None
+    # (num_blocks, block_size, index_dim): per-token index keys in the KV's blocks and slots, for a layer whose
+    # cache_spec has index_dim > 0 (indexed attention); None otherwise.
+    index_cache: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     # This rank's kv heads [first, last) of the model's (tensor parallelism), for per-head checkpoint scales.
@@ -54,6 +57,9 @@ class KVCacheLayer(nn.Module):
         if k_cache.dtype == torch.float8_e4m3fn and self.k_scale is None:
             ones = torch.ones(1)
             self.set_kv_scales(given.get("k", ones), given.get("v", ones))
+
+    def bind_index_cache(self, index_cache: torch.Tensor) -> None:
+        self.index_cache = index_cache
 
     def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Per-kv-head (or per-tensor: one value) scales of an FP8 cache; copied into the tensors the layer already
@@ -161,12 +167,19 @@ class CausalLM(nn.Module):
                           recurrent=tuple(layer.cache_spec(dtype) for layer in self.recurrent_layers()))
 
     def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    states: list[dict[str, torch.Tensor]]) -> None:
-        """Give each layer its slice of the runner-owned pools (one entry per attention / recurrent layer)."""
+                    states: list[dict[str, torch.Tensor]],
+                    index_caches: list[torch.Tensor | None] | None = None) -> None:
+        """Give each layer its slice of the runner-owned pools (one entry per attention / recurrent layer);
+        ``index_caches``: one entry per attention layer (None where its spec has no index keys), or None for none."""
         attn, rec = self.attention_layers(), self.recurrent_layers()
         if len(attn) != len(kv_caches) or len(rec) != len(states):
             raise ValueError("cache count does not match the model's layer pattern")
+        if index_caches is not None and len(index_caches) != len(attn):
+            raise ValueError("index cache count does not match the model's attention layers")
         for layer, (k, v) in zip(attn, kv_caches, strict=True):
             layer.bind_kv(k, v)
+        for layer, index in zip(attn, index_caches or (), strict=False):
+            if index is not None:
+                layer.bind_index_cache(index)
         for rec_layer, tensors in zip(rec, states, strict=True):
             rec_layer.bind_state(tensors)

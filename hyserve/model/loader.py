@@ -8,7 +8,9 @@ input off, or a text-only model). A module that owns stacked tensors loads them 
 (one GEMM for several checkpoint tensors) offers its parts' row views under the checkpoint's names, a module with
 stacked tensors that checkpoints may also store in pieces offers the pieces' views (``checkpoint_parts``: a
 checkpoint holds either the stacked tensor or all of its pieces, e.g. a mixture-of-experts layer's experts fused or
-one by one), and a target carrying a ``LoadSpec`` is copied by its own ``load``.
+one by one), and a target carrying a ``LoadSpec`` is copied by its own ``load``. A module that computes tensors from
+the config that checkpoints may also store (``checkpoint_derived``: Qwen4-Exp's n-gram hash constants) has them
+checked against its own values where a checkpoint holds them, never loaded.
 
 Quantized layers (``hyserve.layers.quantization``): a layer the model's quantization config quantizes has FP8
 ``weight`` and scale targets (``weight_scale``, ``weight_scale_inv``, ``input_scale``), so the header pass checks
@@ -111,6 +113,7 @@ class _Entry:
     nbytes: int
     target: str | None  # model name to copy into; None for a draft head's tensor (returned, not loaded)
     kv_scale: bool = False  # ``target`` is an FP8 KV-cache scale of an attention layer (``split_kv_scale``)
+    derived: bool = False  # ``target`` is a value the model computes from its config (``checkpoint_derived``)
 
 
 def load_weights(
@@ -130,8 +133,9 @@ def load_weights(
     targets = _targets(model, config)
     holds = getattr(model, "holds", None)
     parts = checkpoint_parts(model)
+    derived = checkpoint_derived(model)
     entries = _plan(files, targets, config, holds if callable(holds) else None, kv_layer_names(model), parts,
-                    foreign_parts(model))
+                    foreign_parts(model), derived)
     if not with_draft_head:
         entries = [e for e in entries if e.target is not None]
     dest = {**targets, **{name: view for name, (_, view) in parts.items()}}
@@ -149,6 +153,11 @@ def load_weights(
             elif entry.kv_scale:
                 module, which = split_kv_scale(entry.target) or ("", ())
                 apply_kv_scale(model, module, which, tensor, entry.ckpt_name)
+            elif entry.derived:
+                want = derived[entry.target]
+                if not torch.equal(tensor.to(want.device, want.dtype), want):
+                    raise ValueError(f"{entry.ckpt_name} in the checkpoint ({_short(tensor)}) is not what its "
+                                     f"config.json gives ({_short(want)}): a config of another model?")
             else:
                 copy_into(dest[entry.target], tensor)
             bar.update(entry.nbytes)
@@ -265,6 +274,23 @@ def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def checkpoint_derived(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors ``module`` computes from its config that a checkpoint may also hold (name -> the model's value),
+    from every submodule with a ``checkpoint_derived()`` method (names relative to it)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, m in module.named_modules():
+        offer = getattr(m, "checkpoint_derived", None)
+        if callable(offer):
+            for name, value in offer().items():
+                out[f"{prefix}.{name}" if prefix else name] = value
+    return out
+
+
+def _short(t: torch.Tensor) -> str:
+    values = t.reshape(-1)[:4].tolist()
+    return f"{list(t.shape)} starting {values}"
+
+
 def checkpoint_parts(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     """The pieces under which a checkpoint may store ``module``'s stacked tensors instead: piece name -> (the
     stacked tensor's name, the piece's view of it), from every submodule with a ``checkpoint_parts()`` method."""
@@ -325,15 +351,17 @@ def _targets(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Ten
 
 def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfig,
           holds: Callable[[str], bool] | None = None, kv_layers: set[str] | None = None,
-          parts: dict[str, tuple[str, torch.Tensor]] | None = None, foreign: set[str] | None = None
-          ) -> list[_Entry]:
+          parts: dict[str, tuple[str, torch.Tensor]] | None = None, foreign: set[str] | None = None,
+          derived: dict[str, torch.Tensor] | None = None) -> list[_Entry]:
     """Check names and shapes from the headers only; returns what to read, in file order. Names map by the
     config's ``checkpoint_name``; ``holds``: whether a tensor belongs to this pipeline stage (the others' are
     skipped); ``kv_layers``: the attention modules, whose FP8 KV-cache scales a checkpoint may carry; ``parts``:
     the pieces a checkpoint may store stacked tensors as (``checkpoint_parts``); ``foreign``: pieces other ranks
-    hold (``foreign_parts``), skipped."""
+    hold (``foreign_parts``), skipped; ``derived``: values the model computes that a checkpoint may hold
+    (``checkpoint_derived``), checked when read."""
     parts = parts or {}
     foreign = foreign or set()
+    derived = derived or {}
     pieces: dict[str, str] = {}
     draft = config.draft_prefix
     entries: list[_Entry] = []
@@ -365,6 +393,11 @@ def _plan(files: list[str], targets: dict[str, torch.Tensor], config: ModelConfi
                         raise ValueError(f"{name} is empty")
                     kv_scales += 1
                     entries.append(_Entry(name, path, shape, nbytes, target, kv_scale=True))
+                elif target not in targets and target in derived:
+                    if shape != tuple(derived[target].shape):
+                        raise ValueError(f"{name}: shape {list(shape)} in the checkpoint, but its config.json gives "
+                                         f"{list(derived[target].shape)}")
+                    entries.append(_Entry(name, path, shape, nbytes, target, derived=True))
                 elif target not in targets and target in parts:
                     check_tensor(name, parts[target][1], shape, st_dtype, config)
                     pieces[target] = name

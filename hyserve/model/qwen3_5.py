@@ -128,11 +128,12 @@ class Qwen3_5ForCausalLM(CausalLM):
     subclasses it with its own ``decoder_layer`` (docs/adding_a_model.md)."""
 
     decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
+    text_model: ClassVar[type[TextModel]] = TextModel
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = qwen3_5_config(config)
-        self.model = TextModel(cfg, self.decoder_layer)
+        self.model = self.text_model(cfg, self.decoder_layer)
         # The vision tower: every tensor-parallel rank holds it whole, on the first pipeline stage (the images'
         # embeddings) and on the last when the MTP head may read image rows (dropped by drop_unused_embedding
         # without a draft head).

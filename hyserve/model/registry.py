@@ -87,6 +87,8 @@ _QWEN3_5_MOE_MTP = ("hyserve.model.qwen3_5_moe", "Qwen3_5MoeMTPHead", "load_moe_
 _QWEN3_NEXT = ("hyserve.model.qwen3_next", "Qwen3NextForCausalLM")
 _QWEN3_NEXT_PARSER = ("hyserve.model.qwen3_next_config", "parse_qwen3_next_config")
 _QWEN3_NEXT_MTP = ("hyserve.model.qwen3_next", "Qwen3NextMTPHead", "load_mtp_weights")
+_QWEN4_EXP = ("hyserve.model.qwen4_exp", "Qwen4ExpForCausalLM")
+_QWEN4_EXP_PARSER = ("hyserve.model.qwen4_exp_config", "parse_qwen4_exp_config")
 # Both checkpoint forms of each family parse from either model_type (text fields at top level or under text_config).
 _FAMILIES = (
     ModelEntry("Qwen3_5ForConditionalGeneration", _QWEN3_5, _QWEN3_5_PARSER, ("qwen3_5", "qwen3_5_text"), _QWEN3_5_MTP),
@@ -96,6 +98,9 @@ _FAMILIES = (
     ModelEntry("Qwen3_5MoeForCausalLM", _QWEN3_5_MOE, _QWEN3_5_MOE_PARSER, ("qwen3_5_moe_text", "qwen3_5_moe"),
                _QWEN3_5_MOE_MTP),
     ModelEntry("Qwen3NextForCausalLM", _QWEN3_NEXT, _QWEN3_NEXT_PARSER, ("qwen3_next",), _QWEN3_NEXT_MTP),
+    # Qwen4-Exp's MTP head (31 mtp.* tensors on the wide residual) is not built yet: no draft head.
+    ModelEntry("Qwen4ExpForConditionalGeneration", _QWEN4_EXP, _QWEN4_EXP_PARSER, ("qwen4_exp", "qwen4_exp_text")),
+    ModelEntry("Qwen4ExpForCausalLM", _QWEN4_EXP, _QWEN4_EXP_PARSER, ("qwen4_exp_text", "qwen4_exp")),
 )
 _REGISTRY: dict[str, ModelEntry] = {e.architecture: e for e in _FAMILIES}
 

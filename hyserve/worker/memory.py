@@ -51,6 +51,19 @@ def allocate_kv(specs: list[AttentionSpec], num_blocks: int, block_size: int, de
     return out
 
 
+def allocate_index_caches(specs: list[AttentionSpec], num_blocks: int, block_size: int, device: torch.device
+                          ) -> list[torch.Tensor | None]:
+    """Per spec: the (num_blocks, block_size, index_dim) index-key cache in its ``index_dtype`` where the spec keeps
+    index keys (``index_dim > 0``), else None. Same blocks and slots as the spec's K and V."""
+    out: list[torch.Tensor | None] = []
+    for spec in specs:
+        if spec.index_dim:
+            out.append(torch.zeros((num_blocks, block_size, spec.index_dim), dtype=spec.index_dtype, device=device))
+        else:
+            out.append(None)
+    return out
+
+
 @dataclass(slots=True)
 class ProfileShape:
     """What the activation profile runs: a prefill of ``num_tokens`` tokens on this pipeline stage."""
@@ -70,7 +83,8 @@ def profile_peak_activation(model: CausalLM, model_config: ModelConfig, specs: C
     n, bs = shape.num_tokens, shape.block_size
     pool = StatePool(specs.recurrent, 1, device)
     kv = allocate_kv(list(specs.attention), cdiv(n, bs) + 1, bs, device)
-    model.bind_caches(kv, pool.layers)
+    index = allocate_index_caches(list(specs.attention), cdiv(n, bs) + 1, bs, device)
+    model.bind_caches(kv, pool.layers, index)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -97,7 +111,7 @@ def profile_peak_activation(model: CausalLM, model_config: ModelConfig, specs: C
         tower(pixels.to(device, dtype), grid)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del pool, kv, meta, hidden
+    del pool, kv, index, meta, hidden
     torch.cuda.empty_cache()
     if tower is not None:  # the encoder cache when full
         peak += shape.encoder_cache_tokens * tower.cfg.out_hidden_size * dtype.itemsize

@@ -59,6 +59,7 @@ from hyserve.worker.memory import (
     Parallelism,
     ProfileShape,
     WeightBytes,
+    allocate_index_caches,
     allocate_kv,
     cache_budget,
     check_weights_fit,
@@ -208,12 +209,18 @@ class ModelRunner:
                                     num_snapshots=layout.num_snapshots)
         self.kv_caches = allocate_kv(list(self.cache_specs.attention), layout.num_kv_blocks, self.block_size,
                                      self.device)
-        self.model.bind_caches(self.kv_caches, self.state_pool.layers)
+        # Indexed attention's per-token index keys: the same blocks and slots as the KV (None for other layers).
+        self.index_caches = allocate_index_caches(list(self.cache_specs.attention), layout.num_kv_blocks,
+                                                  self.block_size, self.device)
+        self.model.bind_caches(self.kv_caches, self.state_pool.layers, self.index_caches)
         self.kv_caches_all = list(self.kv_caches)
         if self.mtp is not None:
             mtp_kv = allocate_kv(self.mtp_kv_specs, layout.num_kv_blocks, self.block_size, self.device)
-            for layer, (k_cache, v_cache) in zip(self.mtp_kv_layers, mtp_kv, strict=True):
+            mtp_index = allocate_index_caches(self.mtp_kv_specs, layout.num_kv_blocks, self.block_size, self.device)
+            for layer, (k_cache, v_cache), index in zip(self.mtp_kv_layers, mtp_kv, mtp_index, strict=True):
                 layer.bind_kv(k_cache, v_cache)
+                if index is not None:
+                    layer.bind_index_cache(index)
             self.kv_caches_all += mtp_kv
         graphs = StepGraphs()
         pad = self.state_pool.pad_slot
@@ -310,7 +317,7 @@ class ModelRunner:
         return weight_bytes(model, head)
 
     def _kv_bytes_per_block(self) -> int:
-        """K and V of one block in every KV-caching layer, the MTP head's included."""
+        """K and V (and index keys, where kept) of one block in every KV-caching layer, the MTP head's included."""
         return self.cache_specs.kv_bytes_per_block(self.block_size) + sum(
             s.bytes_per_block(self.block_size) for s in self.mtp_kv_specs)
 

@@ -1,0 +1,257 @@
+"""Qwen4-Exp's indexed (QSA sparse) attention over the paged KV cache, in plain torch (the CPU path and the
+reference for CUDA kernels to come). docs/qwen4_exp_facts.md §3.6 gives the formulas this follows.
+
+The layer is Qwen3.5's gated attention (:class:`hyserve.layers.attention.Attention`: [q | gate] per head, q/k
+RMSNorm, partial RoPE, GQA, output gate) whose queries each see only a selection of their causal context, chosen by
+a small indexer:
+
+* ``index_qk_proj(x)`` gives ``indexer_n_heads`` query heads and one raw key per token, ``indexer_head_dim`` wide.
+  The query is ``q_layernorm``-ed (zero-centred RMSNorm) and rotated at its position; the raw key is stored as is
+  (no norm, no RoPE) in the layer's **paged index cache** ``(num_blocks, block_size, index_dim)``, through the
+  step's ``slot_mapping`` like K and V. The index keys live in the KV's blocks and slots, so prefix caching,
+  preemption and speculative rollback treat them exactly as they treat the KV.
+* A query at position ``p`` sees the ``nb = (p + 1) // c`` complete blocks ``[j*c, (j+1)*c)`` of its row
+  (``c = indexer_compress_ratio``). Each block's key is ``RoPE(k_layernorm(mean_fp32(raw keys).to(dtype)),
+  position j*c)`` (the first ``rotary_dim`` channels, the attention's rotary frequencies). Its score is
+  ``sum_heads relu(q_h . K_j) / sqrt(indexer_head_dim)`` in float32.
+* The query attends (ordinary softmax, float32) to the tokens of the ``budget // c`` best-scoring complete blocks
+  (equal scores go to the earlier block, whatever else the step holds; transformers' ``torch.topk`` leaves their
+  order to its algorithm, so a test against it keeps exact ties rare: several indexer heads) and to the incomplete tail
+  ``[nb*c, p]``, which is always kept. With ``nb <= budget // c`` it attends to everything (dense). A query that
+  completes a block is not guaranteed to see itself: its block is scored like the others.
+
+Blocks are re-pooled from the raw keys every step (as transformers does); nothing but the raw keys is cached.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hyserve.cache.specs import AttentionSpec
+from hyserve.kernels import store_kv
+from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
+from hyserve.kernels.rope import apply_rope
+from hyserve.layers.attention import Attention, AttentionConfig
+from hyserve.layers.linear import Linear
+from hyserve.layers.norm import RMSNorm
+from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.model.metadata import StepMetadata
+
+__all__ = [
+    "IndexedAttention",
+    "IndexedAttentionConfig",
+    "QSAIndexer",
+    "indexed_attention_ref",
+    "pool_block_keys",
+    "rope_at",
+    "select_tokens",
+    "store_index_keys_ref",
+]
+
+
+class IndexedAttentionConfig(AttentionConfig, Protocol):
+    """What the layer reads of a family's config: the attention's fields and the indexer's."""
+
+    indexer_n_heads: int
+    indexer_head_dim: int
+    indexer_budget: int
+    indexer_compress_ratio: int
+
+
+class QSAIndexer(nn.Module):
+    """``self_attn.indexer``: ``index_qk_proj`` ((n_heads + 1) * head_dim rows: the query heads, then the one key
+    head), ``q_layernorm`` and ``k_layernorm`` (zero-centred RMSNorm over ``head_dim``). Replicated on every
+    tensor-parallel rank (each rank selects the same tokens)."""
+
+    def __init__(self, cfg: IndexedAttentionConfig, prefix: str) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.index_qk_proj = Linear(cfg.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False,
+                                    quant=cfg.quantization, prefix=f"{prefix}.index_qk_proj")
+        self.q_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> (the normed, not yet rotated queries (T, n_heads, head_dim), raw keys (T, head_dim))."""
+        qk = self.index_qk_proj(x).view(x.shape[0], self.n_heads + 1, self.head_dim)
+        return self.q_layernorm(qk[:, :self.n_heads]), qk[:, self.n_heads]
+
+
+class IndexedAttention(Attention):
+    """Gated attention whose queries attend to the indexer's selection (see the module docstring). ``prefix``: the
+    module's name (``model.layers.3.self_attn``); the indexer is ``{prefix}.indexer``."""
+
+    def __init__(self, cfg: IndexedAttentionConfig, rotary: RotaryEmbedding, prefix: str) -> None:
+        super().__init__(cfg, rotary, prefix)
+        c, budget, idd = cfg.indexer_compress_ratio, cfg.indexer_budget, cfg.indexer_head_dim
+        if c <= 0 or budget <= 0 or budget % c:
+            raise ValueError(f"indexer_budget={budget} must be a positive multiple of indexer_compress_ratio={c}")
+        if idd < rotary.rotary_dim:
+            raise ValueError(f"indexer_head_dim={idd} is below the rotary dim {rotary.rotary_dim}")
+        if cfg.indexer_n_heads <= 0:
+            raise ValueError(f"indexer_n_heads={cfg.indexer_n_heads} must be positive")
+        self.indexer = QSAIndexer(cfg, f"{prefix}.indexer")
+        self.index_dim = idd
+        self.compress_ratio = c
+        self.budget = budget
+
+    def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
+        # The raw index keys stay in the model dtype when the runner puts the KV in FP8 (it replaces only dtype).
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype, index_dim=self.index_dim, index_dtype=dtype)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        if meta.mrope_positions is not None:
+            raise NotImplementedError("indexed (QSA) attention supports text positions only: a step with M-RoPE "
+                                      "(image) positions needs the pooled block keys rotated at each block's "
+                                      "first 3-D position, which is not implemented")
+        assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
+        assert self.index_cache is not None, "index cache not bound (bind_caches' index_caches)"
+        t = x.shape[0]
+        q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary[0](meta.positions, q, k)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        iq, kraw = self.indexer(x)
+        inv_freq = self.rotary[0].inv_freq(x.device)
+        iq = rope_at(iq, meta.positions, inv_freq)
+        store_index_keys_ref(kraw, self.index_cache, meta.slot_mapping)
+        out = indexed_attention_ref(
+            q, iq, self.k_cache, self.v_cache, self.index_cache, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, self.scale, self.indexer.k_layernorm, inv_freq, self.budget, self.compress_ratio,
+            self.k_scale, self.v_scale, meta.query_start_loc_cpu)
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+
+
+def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``x`` (N, H, D) rotated at ``positions`` (N,) on its first ``2 * len(inv_freq)`` channels (NeoX halves):
+    float32 angles, cos/sin cast to ``x.dtype`` (``apply_rope``), as the model's rotary does."""
+    freqs = positions.to(inv_freq.device).float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    return apply_rope(x.contiguous(), freqs.cos(), freqs.sin())
+
+
+def store_index_keys_ref(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write raw index keys ``keys`` (T, index_dim) into ``index_cache`` (num_blocks, block_size, index_dim) at
+    ``slot_mapping`` (T,) (``-1``: skip the token), cast to the cache's dtype."""
+    nb, bs, d = index_cache.shape
+    keep = slot_mapping >= 0
+    index_cache.view(nb * bs, d)[slot_mapping[keep].to(torch.int64)] = keys[keep].to(index_cache.dtype)
+
+
+def pool_block_keys(raw: torch.Tensor, c: int, k_norm: Callable[[torch.Tensor], torch.Tensor],
+                    inv_freq: torch.Tensor) -> torch.Tensor:
+    """The block keys of the complete blocks of one row's raw keys ``raw`` (L, D), in ``raw.dtype``: block ``j``
+    (positions ``[j*c, (j+1)*c)``) is ``RoPE(k_norm(mean_fp32(raw[blk]).to(raw.dtype)), j*c)``. (L // c, D)."""
+    nb = raw.shape[0] // c
+    pooled = raw[:nb * c].view(nb, c, raw.shape[-1]).float().mean(dim=1).to(raw.dtype)
+    pooled = k_norm(pooled)
+    starts = torch.arange(nb, device=raw.device, dtype=torch.int64) * c
+    return rope_at(pooled.unsqueeze(1), starts, inv_freq).squeeze(1)
+
+
+def select_tokens(iq: torch.Tensor, block_keys: torch.Tensor, qpos: torch.Tensor, ctx_len: int, budget: int,
+                  c: int) -> torch.Tensor:
+    """Which context positions each query attends to: (N, ctx_len) bool.
+
+    ``iq`` (N, Hi, D) rotated indexer queries at positions ``qpos`` (N,) of one row; ``block_keys`` (nbk, D) that
+    row's block keys (at least the complete blocks of ``qpos.max() + 1`` tokens). Query ``i`` sees ``nb = (qpos[i]
+    + 1) // c`` complete blocks; with ``nb <= budget // c`` every position ``<= qpos[i]``, else the tokens of the
+    ``budget // c`` best-scoring of its blocks and the tail ``[nb*c, qpos[i]]``.
+    """
+    dev = iq.device
+    pos = torch.arange(ctx_len, device=dev, dtype=torch.int64)
+    qpos = qpos.to(torch.int64)
+    causal = pos[None, :] <= qpos[:, None]
+    top = budget // c
+    visible = (qpos + 1) // c  # (N,) complete blocks each query sees
+    sparse_rows = visible > top
+    if not bool(sparse_rows.any()):
+        return causal
+    nbk = int(visible.max())
+    keys = block_keys[:nbk].float()
+    scores = torch.relu(torch.einsum("nhd,jd->nhj", iq.float(), keys)).sum(dim=1) / math.sqrt(iq.shape[-1])
+    blocks = torch.arange(nbk, device=dev, dtype=torch.int64)
+    scores = scores.masked_fill(blocks[None, :] >= visible[:, None], float("-inf"))
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=dev)
+    # Equal scores (relu makes every block whose head dot products are all negative score exactly 0) go to the
+    # earlier block: a stable sort, so a query's choice never depends on the other queries of its step (torch.topk
+    # orders ties as its algorithm happens to, and differently for another vector length).
+    best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top]
+    chosen.scatter_(1, best, True)  # sparse rows: > top finite scores each
+    complete_end = visible * c  # (N,) first position of each query's tail
+    in_blocks = pos[None, :] < complete_end[:, None]
+    token_chosen = chosen[:, (pos // c).clamp(max=nbk - 1)] & in_blocks
+    tail = ~in_blocks & causal
+    return torch.where(sparse_rows[:, None], token_chosen | tail, causal)
+
+
+def indexed_attention_ref(
+    q: torch.Tensor,
+    iq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_norm: Callable[[torch.Tensor], torch.Tensor],
+    inv_freq: torch.Tensor,
+    budget: int,
+    c: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    query_start_loc_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """QSA attention of varlen queries over the paged caches (already holding this step's K, V and index keys).
+
+    ``q`` (T, Hq, D) rotated attention queries; ``iq`` (T, Hi, Di) rotated indexer queries; caches
+    (num_blocks, block_size, Hkv, D) and (num_blocks, block_size, Di); ``block_tables``, ``query_start_loc``,
+    ``seq_lens`` as in ``paged_attention_ref`` (the ``i``-th of row ``r``'s ``n_r`` tokens sits at ``seq_lens[r] -
+    n_r + i``). Per row: gather its raw index keys and K/V through its block table, pool its complete blocks
+    (``pool_block_keys``), select per query (``select_tokens``), and attend with a float32 softmax over the
+    selection (query head ``h`` reads kv head ``h // (Hq // Hkv)``). Tokens outside every row come back as zeros.
+    Returns (T, Hq, D) in ``q.dtype``.
+    """
+    _, Hq, D = q.shape
+    nblocks, bs, Hkv, _ = k_cache.shape
+    grp = Hq // Hkv
+    out = torch.zeros_like(q)
+    qsl = (query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc).tolist()
+    lens = seq_lens.tolist()
+    dev = q.device
+    flat_k = k_cache.view(nblocks * bs, Hkv, D)
+    flat_v = v_cache.view(nblocks * bs, Hkv, D)
+    flat_i = index_cache.view(nblocks * bs, index_cache.shape[-1])
+    for r in range(len(lens)):
+        s0, s1, ctx = int(qsl[r]), int(qsl[r + 1]), int(lens[r])
+        n = s1 - s0
+        if n <= 0 or ctx <= 0:
+            continue
+        pos = torch.arange(ctx, device=dev, dtype=torch.int64)
+        slots = block_tables[r, pos // bs].to(torch.int64) * bs + pos % bs
+        kctx = dequantize_kv(flat_k[slots], k_scale)  # (L, Hkv, D) float32
+        vctx = dequantize_kv(flat_v[slots], v_scale)
+        block_keys = pool_block_keys(flat_i[slots], c, k_norm, inv_freq)
+        tile = max(1, ATTENTION_SCORE_ELEMENTS // max(Hq * ctx, 1))
+        for a in range(0, n, tile):
+            b = min(n, a + tile)
+            qpos = torch.arange(ctx - n + a, ctx - n + b, device=dev, dtype=torch.int64)
+            allowed = select_tokens(iq[s0 + a:s0 + b], block_keys, qpos, ctx, budget, c)  # (m, L)
+            qt = q[s0 + a:s0 + b].float().view(b - a, Hkv, grp, D)
+            scores = torch.einsum("mhgd,lhd->mhgl", qt, kctx) * scale
+            scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.einsum("mhgl,lhd->mhgd", probs, vctx).reshape(b - a, Hq, D)
+            out[s0 + a:s0 + b] = o.to(q.dtype)
+    return out

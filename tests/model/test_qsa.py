@@ -1,0 +1,483 @@
+"""Qwen4-Exp's indexed (QSA) attention layer (``hyserve.layers.qsa``) against an independent dense reference.
+
+The reference below is docs/qwen4_exp_facts.md §3.6 written straightforwardly on the unpaged whole sequence, one
+query at a time (Python lists of visible positions, blocks cut from them, pooled, normed, rotated at their first
+position, scored, ``topk``, plus the tail), sharing no code with the layer: its own RMSNorm, RoPE and softmax. The
+layer runs over paged caches with shuffled block ids, several rows, staggered chunks, decode steps and verify rows.
+
+Random weights make a block's relu-summed score exactly 0 only when every indexer head's dot product is negative;
+such ties (and near ties) would make the selection depend on rounding, so each comparison first checks that the
+reference's selection has a clear margin (``MARGIN``) at every sparse query: a failure there is a bad seed, not a
+bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hyserve.cache.specs import AttentionSpec
+from hyserve.layers.attention import Attention
+from hyserve.layers.qsa import IndexedAttention, store_index_keys_ref
+from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.rotary import RotaryEmbedding
+from hyserve.model.base import CausalLM
+from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.worker.memory import allocate_index_caches, allocate_kv
+
+THETA = 10000.0
+MARGIN = 1e-4
+
+
+@dataclass
+class Cfg:
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    quantization: QuantizationConfig | None = None
+    indexer_n_heads: int = 3
+    indexer_head_dim: int = 16
+    indexer_budget: int = 8
+    indexer_compress_ratio: int = 4
+    partial_rotary_factor: float = 0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def make_layer(cfg: Cfg, seed: int = 0, dtype: torch.dtype = torch.float32) -> IndexedAttention:
+    layer = IndexedAttention(cfg, RotaryEmbedding(cfg.rotary_dim, THETA), "model.layers.3.self_attn")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("norm.weight"):  # zero-centred norms: a scale of 1 + w
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return layer.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ the reference
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, pos: int, rotary_dim: int) -> torch.Tensor:
+    """x (..., D) rotated at one position on its first rotary_dim channels (NeoX halves, cos/sin in x's dtype)."""
+    inv = 1.0 / (THETA ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    ang = float(pos) * inv
+    cos = torch.cat([ang.cos(), ang.cos()]).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()]).to(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+@dataclass
+class RefOut:
+    y: torch.Tensor  # (L, hidden)
+    selected: list[list[int]]  # per query: the positions it attends to
+    sparse: list[bool]  # per query: whether the selection was sparse (more complete blocks than budget // c)
+    margin: float  # smallest gap between the last chosen and the first left-out block score, over sparse queries
+
+
+def reference(layer: IndexedAttention, cfg: Cfg, x: torch.Tensor, dense: bool = False) -> RefOut:
+    """The whole sequence x (L, hidden) through the QSA layer's formulas, per query; ``dense``: every query sees
+    its whole causal prefix (the selection left out)."""
+    sd = {k: v.detach() for k, v in layer.state_dict().items()}
+    L = x.shape[0]
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    ih, idd, c = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
+    top, eps, rd = cfg.indexer_budget // c, cfg.rms_norm_eps, cfg.rotary_dim
+    qg = (x @ sd["q_proj.weight"].T).view(L, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    q = _rms(q, sd["q_norm.weight"], eps)
+    k = _rms((x @ sd["k_proj.weight"].T).view(L, nkv, hd), sd["k_norm.weight"], eps)
+    v = (x @ sd["v_proj.weight"].T).view(L, nkv, hd)
+    q = torch.stack([_rope(q[i], i, rd) for i in range(L)])
+    k = torch.stack([_rope(k[i], i, rd) for i in range(L)])
+    iqk = (x @ sd["indexer.index_qk_proj.weight"].T).view(L, ih + 1, idd)
+    iq = _rms(iqk[:, :ih], sd["indexer.q_layernorm.weight"], eps)
+    iq = torch.stack([_rope(iq[i], i, rd) for i in range(L)])
+    kraw = iqk[:, ih]
+    outs, selected, sparse, margin = [], [], [], math.inf
+    for i in range(L):
+        vis = list(range(i + 1))
+        nb = len(vis) // c
+        toks = vis
+        sparse.append(nb > top and not dense)
+        if nb > top and not dense:
+            blocks = [vis[j * c:(j + 1) * c] for j in range(nb)]
+            scores = []
+            for blk in blocks:
+                pooled = kraw[blk].float().mean(dim=0).to(kraw.dtype)
+                kb = _rope(_rms(pooled, sd["indexer.k_layernorm.weight"], eps), blk[0], rd)
+                s = sum(max(0.0, float(iq[i, h].float() @ kb.float())) for h in range(ih)) / math.sqrt(idd)
+                scores.append(s)
+            order = sorted(range(nb), key=lambda j: -scores[j])
+            chosen = sorted(order[:top])
+            margin = min(margin, scores[order[top - 1]] - scores[order[top]])
+            toks = [p for j in chosen for p in blocks[j]] + vis[nb * c:]
+        selected.append(toks)
+        o = torch.empty(nh, hd, dtype=torch.float32)
+        for h in range(nh):
+            kvh = h // (nh // nkv)
+            att = (k[toks, kvh].float() @ q[i, h].float()) * hd**-0.5
+            o[h] = torch.softmax(att, dim=0) @ v[toks, kvh].float()
+        outs.append(o.to(x.dtype))
+    attn = torch.stack(outs).reshape(L, nh * hd) * torch.sigmoid(gate.reshape(L, nh * hd))
+    return RefOut(attn @ sd["o_proj.weight"].T, selected, sparse, margin)
+
+
+# ------------------------------------------------------------------------------------------------ the paged harness
+
+
+class Paged:
+    """A layer over its own paged caches: each request owns shuffled block ids; steps are lists of (request, start,
+    end) chunks."""
+
+    def __init__(self, layer: IndexedAttention, dtype: torch.dtype, block_size: int, num_blocks: int = 64,
+                 kv_dtype: torch.dtype | None = None, seed: int = 0) -> None:
+        self.layer, self.bs, self.dtype = layer, block_size, dtype
+        spec = dataclasses.replace(layer.cache_spec(dtype), dtype=kv_dtype or dtype)
+        (k, v), = allocate_kv([spec], num_blocks, block_size, torch.device("cpu"))
+        index, = allocate_index_caches([spec], num_blocks, block_size, torch.device("cpu"))
+        assert index is not None
+        layer.bind_kv(k, v)
+        layer.bind_index_cache(index)
+        self.free = list(range(1, num_blocks))  # block 0 unused, as the runner's null block
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+
+    def blocks_for(self, req: int, length: int) -> list[int]:
+        table = self.tables.setdefault(req, [])
+        while len(table) * self.bs < length:
+            table.append(self.free.pop())
+        return table
+
+    def step(self, chunks: list[tuple[int, torch.Tensor, int]], verify_rows: int = 0) -> list[torch.Tensor]:
+        """chunks: (request, x of the chunk's tokens (n, hidden), start position); the first ``verify_rows`` rows
+        are verify rows. Returns each chunk's output (n, hidden)."""
+        positions, qsl, seq_lens, slots, rows = [], [0], [], [], []
+        for req, xc, start in chunks:
+            n = xc.shape[0]
+            table = self.blocks_for(req, start + n)
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(table[p // self.bs] * self.bs + p % self.bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            rows.append(table)
+        width = max(len(t) for t in rows) + 2
+        bt = torch.zeros(len(rows), width, dtype=torch.int32)
+        for r, t in enumerate(rows):
+            bt[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        R = len(chunks)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        verify = None
+        if verify_rows:
+            nv = qsl[verify_rows]
+            verify = VerifyMetadata(
+                num_rows=verify_rows, num_tokens=nv, max_query_len=max(c[1].shape[0] for c in chunks[:verify_rows]),
+                query_start_loc=qsl_t[:verify_rows + 1], state_slots=torch.arange(verify_rows),
+                rest_query_start_loc=qsl_t[verify_rows:] - nv, rest_state_slots=torch.arange(verify_rows, R),
+                rest_max_query_len=max([c[1].shape[0] for c in chunks[verify_rows:]], default=0))
+        meta = StepMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64), query_start_loc=qsl_t,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), state_slots=torch.arange(R),
+            block_tables=bt, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(c[1].shape[0] for c in chunks), max_seq_len=max(seq_lens), verify=verify)
+        x = torch.cat([c[1] for c in chunks]).to(self.dtype)
+        self.layer.rotary[0].prepare(meta.positions)
+        with torch.no_grad():
+            y = self.layer(x, meta)
+        return list(torch.split(y, [c[1].shape[0] for c in chunks]))
+
+
+def _x(L: int, cfg: Cfg, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(L, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _check_ref(ref: RefOut) -> None:
+    assert any(ref.sparse), "no query had more complete blocks than the budget: the selection is not exercised"
+    assert ref.margin > MARGIN, f"the reference's selection has a near tie ({ref.margin}): pick another seed"
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> None:
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def test_one_prompt_longer_than_budget_matches_the_reference_and_the_selection_matters() -> None:
+    cfg = Cfg()
+    layer = make_layer(cfg)
+    x = _x(48, cfg, seed=1)
+    ref = reference(layer, cfg, x)
+    _check_ref(ref)
+    (y,) = Paged(layer, torch.float32, block_size=8).step([(0, x, 0)])
+    _close(y, ref.y)
+    # The selection changes the output: dense attention differs at sparse queries (and only there).
+    dense = reference(layer, cfg, x, dense=True).y
+    sparse_rows = torch.tensor(ref.sparse)
+    assert (y[sparse_rows] - dense[sparse_rows]).abs().max() > 1e-3
+    _close(y[~sparse_rows], dense[~sparse_rows])
+
+
+def test_staggered_chunks_of_several_rows_over_shuffled_blocks() -> None:
+    cfg = Cfg()
+    layer = make_layer(cfg, seed=2)
+    lengths = {0: 45, 1: 37, 2: 52}
+    xs = {r: _x(n, cfg, seed=10 + r) for r, n in lengths.items()}
+    refs = {r: reference(layer, cfg, xs[r]) for r in lengths}
+    for ref in refs.values():
+        _check_ref(ref)
+    paged = Paged(layer, torch.float32, block_size=8, seed=3)
+    chunk = {0: 7, 1: 11, 2: 5}
+    begin = {0: 0, 1: 1, 2: 3}  # the step each request starts at
+    done = dict.fromkeys(lengths, 0)
+    got: dict[int, list[torch.Tensor]] = {r: [] for r in lengths}
+    for step in range(40):
+        chunks = []
+        for r in (2, 0, 1):  # rows not in request order
+            if step >= begin[r] and done[r] < lengths[r]:
+                n = min(chunk[r], lengths[r] - done[r])
+                chunks.append((r, xs[r][done[r]:done[r] + n], done[r]))
+                done[r] += n
+        if not chunks:
+            break
+        for (r, _, _), y in zip(chunks, paged.step(chunks), strict=True):
+            got[r].append(y)
+    assert all(done[r] == lengths[r] for r in lengths)
+    # The block tables are not the identity and the rows' blocks interleave.
+    assert any(t != sorted(t) or t != list(range(t[0], t[0] + len(t))) for t in paged.tables.values())
+    for r in lengths:
+        _close(torch.cat(got[r]), refs[r].y)
+
+
+def test_decode_one_token_at_a_time() -> None:
+    cfg = Cfg()
+    layer = make_layer(cfg, seed=4)
+    lengths = {0: 41, 1: 34}
+    xs = {r: _x(n, cfg, seed=20 + r) for r, n in lengths.items()}
+    refs = {r: reference(layer, cfg, xs[r]) for r in lengths}
+    for ref in refs.values():
+        _check_ref(ref)
+    paged = Paged(layer, torch.float32, block_size=4, seed=5)
+    prefill = {0: 10, 1: 3}
+    got = {r: paged.step([(r, xs[r][:prefill[r]], 0)])[0] for r in lengths}
+    outs = {r: [got[r]] for r in lengths}
+    for p in range(max(lengths.values())):
+        chunks = [(r, xs[r][p:p + 1], p) for r in (1, 0) if prefill[r] <= p < lengths[r]]
+        if not chunks:
+            continue
+        for (r, _, _), y in zip(chunks, paged.step(chunks), strict=True):
+            outs[r].append(y)
+    for r in lengths:
+        _close(torch.cat(outs[r]), refs[r].y)
+
+
+def test_a_query_completing_a_block_may_leave_itself_out() -> None:
+    cfg = Cfg()
+    c = cfg.indexer_compress_ratio
+    layer = make_layer(cfg, seed=6)
+    x = _x(64, cfg, seed=7)
+    ref = reference(layer, cfg, x)
+    _check_ref(ref)
+    completing = [p for p in range(len(ref.selected)) if (p + 1) % c == 0 and ref.sparse[p]]
+    left_out = [p for p in completing if p not in ref.selected[p]]
+    kept = [p for p in completing if p in ref.selected[p]]
+    assert left_out and kept, "the seed must give both a query whose own (just completed) block is left out and one"
+    paged = Paged(layer, torch.float32, block_size=8, seed=8)
+    # Prefill up to a block boundary, then decode: each query completing a block is its step's only token.
+    first = completing[0]
+    outs = [paged.step([(0, x[:first], 0)])[0]]
+    for p in range(first, x.shape[0]):
+        outs.append(paged.step([(0, x[p:p + 1], p)])[0])
+    y = torch.cat(outs)
+    _close(y, ref.y)
+    # The query that leaves itself out differs from one that attends to its whole selection plus itself.
+    assert (y[left_out] - reference(layer, cfg, x, dense=True).y[left_out]).abs().max() > 1e-3
+
+
+def test_dense_when_the_blocks_fit_the_budget_equals_plain_attention() -> None:
+    cfg = Cfg(indexer_budget=16)
+    c, top = cfg.indexer_compress_ratio, cfg.indexer_budget // cfg.indexer_compress_ratio
+    L = (top + 1) * c - 1  # the last query sees exactly budget // c complete blocks
+    layer = make_layer(cfg, seed=9)
+    x = _x(L, cfg, seed=10)
+    ref = reference(layer, cfg, x)
+    assert not any(ref.sparse)
+    (y,) = Paged(layer, torch.float32, block_size=8).step([(0, x, 0)])
+    _close(y, ref.y)
+    # The existing paged attention with the same weights gives the same output.
+    plain = Attention(cfg, layer.rotary[0], "model.layers.3.self_attn")
+    plain.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("indexer.")})
+    spec = plain.cache_spec(torch.float32)
+    (kc, vc), = allocate_kv([spec], 8, 8, torch.device("cpu"))
+    plain.bind_kv(kc, vc)
+    meta = StepMetadata(positions=torch.arange(L), query_start_loc=torch.tensor([0, L], dtype=torch.int32),
+                        seq_lens=torch.tensor([L], dtype=torch.int32), state_slots=torch.zeros(1, dtype=torch.long),
+                        block_tables=torch.arange(1, 5, dtype=torch.int32)[None], slot_mapping=torch.arange(8, 8 + L),
+                        max_query_len=L, max_seq_len=L)
+    plain.rotary[0].prepare(meta.positions)
+    with torch.no_grad():
+        _close(plain(x, meta), y)
+
+
+def test_verify_rows_see_their_causal_prefix_and_rejected_drafts_are_overwritten() -> None:
+    cfg = Cfg()
+    layer = make_layer(cfg, seed=11)
+    L, k = 40, 3
+    x = _x(L, cfg, seed=12)
+    other = _x(30, cfg, seed=13)
+    drafts = _x(k, cfg, seed=14)
+    paged = Paged(layer, torch.float32, block_size=8, seed=15)
+    p0 = 27  # the verify row's last accepted token is at p0; drafts at p0+1..p0+k
+    paged.step([(0, x[:p0], 0), (1, other[:9], 0)])
+    # Verify row: [x[p0], drafts] (wrong tokens), beside a prefill chunk of another request.
+    seq_spec = torch.cat([x[:p0 + 1], drafts])
+    ref_spec = reference(layer, cfg, seq_spec)
+    ref_other = reference(layer, cfg, other)
+    _check_ref(ref_spec)
+    yv, yo = paged.step([(0, seq_spec[p0:], p0), (1, other[9:30], 9)], verify_rows=1)
+    _close(yv, ref_spec.y[p0:])
+    _close(yo, ref_other.y[9:30])
+    # One draft rejected at once: the next step feeds the true tokens from p0 + 1 over the drafts' slots.
+    ref = reference(layer, cfg, x)
+    _check_ref(ref)
+    (y,) = paged.step([(0, x[p0 + 1:], p0 + 1)])
+    _close(y, ref.y[p0 + 1:])
+
+
+def test_bfloat16_follows_the_reference() -> None:
+    cfg = Cfg()
+    dtype = torch.bfloat16
+    layer = make_layer(cfg, seed=21, dtype=dtype)
+    x = _x(44, cfg, seed=22, dtype=dtype)
+    ref = reference(layer, cfg, x)
+    _check_ref(ref)
+    paged = Paged(layer, dtype, block_size=8, seed=18)
+    y = torch.cat([paged.step([(0, x[:20], 0)])[0], paged.step([(0, x[20:], 20)])[0]])
+    assert paged.layer.index_cache is not None and paged.layer.index_cache.dtype == dtype
+    _close(y, ref.y, tol=2e-2)
+
+
+def test_the_layer_has_the_checkpoint_names_and_shapes() -> None:
+    cfg = Cfg()
+    layer = make_layer(cfg)
+    ih, idd, h = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.hidden_size
+    shapes = {k: tuple(v.shape) for k, v in layer.state_dict().items()}
+    assert shapes == {
+        "q_proj.weight": (cfg.num_attention_heads * cfg.head_dim * 2, h),
+        "k_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, h),
+        "v_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, h),
+        "o_proj.weight": (h, cfg.num_attention_heads * cfg.head_dim),
+        "q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,),
+        "indexer.index_qk_proj.weight": ((ih + 1) * idd, h),
+        "indexer.q_layernorm.weight": (idd,), "indexer.k_layernorm.weight": (idd,),
+    }
+
+
+def test_mrope_positions_are_refused() -> None:
+    cfg = Cfg()
+    layer = make_layer(cfg)
+    paged = Paged(layer, torch.float32, block_size=8)
+    assert paged.layer.index_cache is not None
+    meta = StepMetadata(positions=torch.arange(3), query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+                        seq_lens=torch.tensor([3], dtype=torch.int32), state_slots=torch.zeros(1, dtype=torch.long),
+                        block_tables=torch.tensor([[1]], dtype=torch.int32), slot_mapping=torch.arange(8, 11),
+                        max_query_len=3, max_seq_len=3, mrope_positions=torch.zeros(3, 3, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="text positions only"):
+        layer(_x(3, cfg, seed=0), meta)
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+
+
+def test_an_fp8_kv_spec_keeps_the_index_keys_in_the_model_dtype() -> None:
+    layer = make_layer(Cfg(), dtype=torch.bfloat16)
+    spec = layer.cache_spec(torch.bfloat16)
+    assert (spec.index_dim, spec.index_dtype) == (16, torch.bfloat16)
+    fp8 = dataclasses.replace(spec, dtype=torch.float8_e4m3fn)  # what the model runner does for kv_cache_dtype=fp8
+    assert fp8.index_dtype == torch.bfloat16
+    (k, v), = allocate_kv([fp8], 5, 8, torch.device("cpu"))
+    index, = allocate_index_caches([fp8], 5, 8, torch.device("cpu"))
+    assert k.dtype == v.dtype == torch.float8_e4m3fn
+    assert index is not None and index.dtype == torch.bfloat16 and index.shape == (5, 8, 16)
+
+
+def test_bytes_per_block_counts_the_index_keys() -> None:
+    plain = AttentionSpec(2, 16, torch.bfloat16)
+    assert plain.bytes_per_block(8) == 2 * 8 * 2 * 16 * 2
+    fp8 = AttentionSpec(2, 16, torch.float8_e4m3fn, index_dim=24, index_dtype=torch.bfloat16)
+    assert fp8.bytes_per_block(8) == 2 * 8 * 2 * 16 * 1 + 8 * 24 * 2
+    with pytest.raises(ValueError, match="index_dtype"):
+        AttentionSpec(2, 16, torch.bfloat16, index_dim=8)
+    assert allocate_index_caches([plain], 3, 8, torch.device("cpu")) == [None]
+
+
+class _TwoLayers(CausalLM):
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = Cfg()
+        self.a = Attention(cfg, RotaryEmbedding(cfg.rotary_dim, THETA), "model.layers.0.self_attn")
+        self.b = make_layer(cfg)
+
+
+def test_bind_caches_binds_the_index_caches_of_the_layers_that_have_them() -> None:
+    model = _TwoLayers()
+    specs = list(model.cache_specs(torch.float32).attention)
+    assert [s.index_dim for s in specs] == [0, 16]
+    kv = allocate_kv(specs, 4, 8, torch.device("cpu"))
+    index = allocate_index_caches(specs, 4, 8, torch.device("cpu"))
+    assert index[0] is None and index[1] is not None
+    model.bind_caches(kv, [], index)
+    assert model.a.index_cache is None and model.b.index_cache is index[1]
+    assert model.b.k_cache is kv[1][0]
+    fresh = _TwoLayers()
+    fresh.bind_caches(kv, [])  # the old two-argument call still binds the KV
+    assert fresh.b.k_cache is kv[1][0] and fresh.b.index_cache is None
+    with pytest.raises(ValueError, match="index cache count"):
+        fresh.bind_caches(kv, [], index[:1])
+
+
+def test_index_keys_are_stored_through_the_slot_mapping_skipping_minus_one() -> None:
+    cache = torch.zeros(3, 4, 2)
+    keys = torch.arange(1.0, 9.0).view(4, 2)
+    store_index_keys_ref(keys, cache, torch.tensor([9, -1, 0, 6]))
+    flat = cache.view(12, 2)
+    assert flat[9].tolist() == [1.0, 2.0] and flat[0].tolist() == [5.0, 6.0] and flat[6].tolist() == [7.0, 8.0]
+    assert int((flat != 0).any(dim=1).sum()) == 3
+
+
+def test_equal_scores_go_to_the_earlier_block_whatever_the_step_holds() -> None:
+    """Blocks 1-3 score exactly 0 (relu of negative dot products) behind block 0: the second pick is block 1, also
+    when a later query of the same step sees more (tied) blocks."""
+    from hyserve.layers.qsa import select_tokens
+
+    c, budget = 4, 8
+    keys = torch.tensor([[1.0, 0.0]] + [[-1.0, 0.0]] * 5)
+    q = torch.tensor([[[1.0, 0.0]]])
+    alone = select_tokens(q, keys, torch.tensor([15]), 24, budget, c)
+    both = select_tokens(torch.cat([q, q]), keys, torch.tensor([15, 23]), 24, budget, c)
+    want = torch.zeros(24, dtype=torch.bool)
+    want[:8] = True  # blocks 0 and 1; no tail at position 15
+    assert torch.equal(alone[0], want) and torch.equal(both[0], want)
+    want_late = torch.zeros(24, dtype=torch.bool)
+    want_late[:8] = True  # six complete blocks at position 23, blocks 0 and 1 again
+    assert torch.equal(both[1], want_late)
