@@ -65,6 +65,13 @@ class ModelConfig:
     ssm_state_dtype: str = "float32"
 
     @property
+    def residual_width(self) -> int:
+        """Elements per token of what the model's forward returns and pipeline stages hand over (the hidden
+        states the LM head and the draft head read): ``hidden_size``, or wider for a family with several residual
+        streams (Qwen4-Exp's hyper-connections)."""
+        return self.hidden_size
+
+    @property
     def attention_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
 

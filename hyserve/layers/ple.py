@@ -1,6 +1,8 @@
 """Qwen4-Exp's Per-Layer Embedding (PLE): hashed n-gram embeddings gated by the residual streams, then a causal
-dilated depthwise conv (docs/qwen4_exp_facts.md §3.4, §4.1, §5). Plain torch: the CPU path, and the yardstick of
-fused kernels to come.
+dilated depthwise conv (docs/qwen4_exp_facts.md §3.4, §4.1, §5). Plain torch, one code path for the CPU and CUDA:
+vectorized over the step's tokens and rows with no host synchronization (no ``nonzero``, ``.item()``, ``.tolist()``,
+every shape from the step's host ints), so it runs inside CUDA graph capture (decode and verify graphs); the
+yardstick of fused kernels to come.
 
 Per token p of a request (``hist`` = the request's tokens; before its first token, ``ngram_size - 1`` copies of
 ``eos``)::
@@ -314,22 +316,28 @@ class PerLayerEmbedding(RecurrentLayer):
         conv = (taps_c.float() * weight[None]).sum(dim=1).to(x.dtype)
         out = gv + F.silu(conv)
 
-        # The state after a position: the last n1 tokens and the last `win` values of C up to it.
+        # The state after a position: the last n1 tokens and the last `win` values of C up to it. Sync-free (no
+        # `nonzero`, every shape from the step's host ints): every row writes, an empty row's write goes to the
+        # slot of the step's first non-empty row with that row's values (an empty row may name a busy slot; equal
+        # duplicates keep the scatter deterministic); with no non-empty row each row rewrites its own old state.
         if scratch is None:
-            keep = torch.nonzero(lens > 0).squeeze(1)
-            r_idx = torch.arange(r, device=x.device)[keep]
-            ends = lens[keep, None] - 1
-            new_ctx = tok_buf[_src(r_idx[:, None].expand(-1, n1), ends + _tail(n1, x.device), qsl, r, n1)]
-            new_conv = c_buf[_src(r_idx[:, None].expand(-1, win), ends + _tail(win, x.device), qsl, r, win)]
-            ctx_pool[slots[keep]] = torch.bitwise_xor(new_ctx, self.eos)
-            conv_pool[slots[keep]] = new_conv.transpose(1, 2).to(conv_pool.dtype)
+            nonempty = lens > 0
+            first = torch.argmax(nonempty.to(torch.int32))  # 0 when every row is empty
+            src_row = torch.where(nonempty, torch.arange(r, device=x.device), first)  # (R,)
+            ends = lens[src_row, None] - 1  # -1 for an empty row: its old window
+            new_ctx = tok_buf[_src(src_row[:, None].expand(-1, n1), ends + _tail(n1, x.device), qsl, r, n1)]
+            new_conv = c_buf[_src(src_row[:, None].expand(-1, win), ends + _tail(win, x.device), qsl, r, win)]
+            dst = slots[src_row]
+            ctx_pool[dst] = torch.bitwise_xor(new_ctx, self.eos)
+            conv_pool[dst] = new_conv.transpose(1, 2).to(conv_pool.dtype)
         else:
-            rec = torch.nonzero(pos < scratch["token_context"].shape[1]).squeeze(1)
-            rr, pp = rows[rec], pos[rec]
-            cand_ctx = tok_buf[_src(rr[:, None].expand(-1, n1), pp[:, None] + _tail(n1, x.device), qsl, r, n1)]
-            cand_conv = c_buf[_src(rr[:, None].expand(-1, win), pp[:, None] + _tail(win, x.device), qsl, r, win)]
-            scratch["token_context"][rr, pp] = torch.bitwise_xor(cand_ctx, self.eos)
-            scratch["conv_state"][rr, pp] = cand_conv.transpose(1, 2).to(scratch["conv_state"].dtype)
+            # Every token writes its position's candidate; a position past the scratch's k + 1 (none in a verify
+            # row) rewrites the last one with its own values.
+            pp = pos.clamp(max=scratch["token_context"].shape[1] - 1)
+            cand_ctx = tok_buf[_src(rows[:, None].expand(-1, n1), pp[:, None] + _tail(n1, x.device), qsl, r, n1)]
+            cand_conv = c_buf[_src(rows[:, None].expand(-1, win), pp[:, None] + _tail(win, x.device), qsl, r, win)]
+            scratch["token_context"][rows, pp] = torch.bitwise_xor(cand_ctx, self.eos)
+            scratch["conv_state"][rows, pp] = cand_conv.transpose(1, 2).to(scratch["conv_state"].dtype)
         return out
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,10 @@
-"""Qwen4-Exp's indexed (QSA sparse) attention over the paged KV cache, in plain torch (the CPU path and the
-reference for CUDA kernels to come). docs/qwen4_exp_facts.md §3.6 gives the formulas this follows.
+"""Qwen4-Exp's indexed (QSA sparse) attention over the paged KV cache, in plain torch. docs/qwen4_exp_facts.md §3.6
+gives the formulas this follows. Two formulations of the same result:
+
+* ``indexed_attention_ref``: per row, host lengths (``.tolist()``), the whole context per query: the reference.
+* ``indexed_attention`` (what the layer runs, CPU and CUDA): batched over the step's tokens with no host
+  synchronization and static shapes from host ints (``max_seq_len``, the token and row counts), so it runs inside
+  CUDA graph capture; each query gathers only the at most ``budget + c - 1`` positions it attends to.
 
 The layer is Qwen3.5's gated attention (:class:`hyserve.layers.attention.Attention`: [q | gate] per head, q/k
 RMSNorm, partial RoPE, GQA, output gate) whose queries each see only a selection of their causal context, chosen by
@@ -36,6 +41,7 @@ from hyserve.cache.specs import AttentionSpec
 from hyserve.kernels import store_kv
 from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
 from hyserve.kernels.rope import apply_rope
+from hyserve.kernels.varlen import row_index
 from hyserve.layers.attention import Attention, AttentionConfig
 from hyserve.layers.linear import Linear
 from hyserve.layers.norm import RMSNorm
@@ -46,6 +52,7 @@ __all__ = [
     "IndexedAttention",
     "IndexedAttentionConfig",
     "QSAIndexer",
+    "indexed_attention",
     "indexed_attention_ref",
     "pool_block_keys",
     "rope_at",
@@ -122,10 +129,10 @@ class IndexedAttention(Attention):
         inv_freq = self.rotary[0].inv_freq(x.device)
         iq = rope_at(iq, meta.positions, inv_freq)
         store_index_keys_ref(kraw, self.index_cache, meta.slot_mapping)
-        out = indexed_attention_ref(
+        out = indexed_attention(
             q, iq, self.k_cache, self.v_cache, self.index_cache, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, self.scale, self.indexer.k_layernorm, inv_freq, self.budget, self.compress_ratio,
-            self.k_scale, self.v_scale, meta.query_start_loc_cpu)
+            meta.max_seq_len, self.k_scale, self.v_scale)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
@@ -142,10 +149,22 @@ def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) ->
 
 def store_index_keys_ref(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write raw index keys ``keys`` (T, index_dim) into ``index_cache`` (num_blocks, block_size, index_dim) at
-    ``slot_mapping`` (T,) (``-1``: skip the token), cast to the cache's dtype."""
+    ``slot_mapping`` (T,) (``-1``: skip the token), cast to the cache's dtype.
+
+    No host sync (CUDA-graph safe): a skipped token writes the same slot and value as the step's first written token
+    (equal duplicates keep the scatter deterministic); with no written token every token rewrites slot 0's value."""
+    t = keys.shape[0]
+    if t == 0:
+        return
     nb, bs, d = index_cache.shape
-    keep = slot_mapping >= 0
-    index_cache.view(nb * bs, d)[slot_mapping[keep].to(torch.int64)] = keys[keep].to(index_cache.dtype)
+    flat = index_cache.view(nb * bs, d)
+    sm = slot_mapping.to(torch.int64)
+    keep = sm >= 0
+    first = torch.argmax(keep.to(torch.int32))
+    src = torch.where(keep, torch.arange(t, device=sm.device), first)
+    dst = sm[src].clamp(min=0)
+    vals = torch.where(keep.any(), keys[src].to(index_cache.dtype), flat[0].expand(t, d))
+    flat[dst] = vals
 
 
 def pool_block_keys(raw: torch.Tensor, c: int, k_norm: Callable[[torch.Tensor], torch.Tensor],
@@ -255,3 +274,144 @@ def indexed_attention_ref(
             o = torch.einsum("mhgl,lhd->mhgd", probs, vctx).reshape(b - a, Hq, D)
             out[s0 + a:s0 + b] = o.to(q.dtype)
     return out
+
+
+# ------------------------------------------------------------------------------------------ the batched device path
+
+# Per tile, at most about this many elements in the largest per-token temporary (the gathered K and V of the
+# selection, the gathered block keys, the raw keys pooled per row): the number of tiles follows from host ints only.
+QSA_TILE_ELEMENTS = 1 << 25
+
+
+def _tile(per_item: int, count: int) -> int:
+    """Items per tile so that a tile holds at most ``QSA_TILE_ELEMENTS`` elements (at least one item)."""
+    return max(1, min(count, QSA_TILE_ELEMENTS // max(per_item, 1)))
+
+
+def pool_block_keys_batched(index_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, c: int,
+                            k_norm: Callable[[torch.Tensor], torch.Tensor], inv_freq: torch.Tensor) -> torch.Tensor:
+    """The first ``num_blocks`` block keys of every row (``pool_block_keys`` of its raw keys, read through its block
+    table): (R, num_blocks, index_dim) in the cache's dtype. Blocks past a row's context hold whatever the cache has
+    there (the caller masks them)."""
+    nblocks, bs, di = index_cache.shape
+    r = block_tables.shape[0]
+    dev = index_cache.device
+    flat = index_cache.view(nblocks * bs, di)
+    span = num_blocks * c
+    slots = _paged_slots(block_tables, torch.arange(span, device=dev)[None, :].expand(r, span), bs, nblocks)
+    starts = torch.arange(num_blocks, device=dev, dtype=torch.int64) * c
+    parts = []
+    step = _tile(span * di, r)
+    for a in range(0, r, step):
+        b = min(r, a + step)
+        raw = flat[slots[a:b]].view(b - a, num_blocks, c, di)
+        pooled = k_norm(raw.float().mean(dim=2).to(raw.dtype))  # (m, nb, di)
+        rot = rope_at(pooled.reshape((b - a) * num_blocks, 1, di), starts.repeat(b - a), inv_freq)
+        parts.append(rot.view(b - a, num_blocks, di))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _paged_slots(block_tables: torch.Tensor, pos: torch.Tensor, bs: int, nblocks: int,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat cache slots of positions ``pos`` (N, S) of block-table rows ``rows`` (N,) (None: table row i for line
+    i). Columns and block ids are clamped into range, so that a position past a row's blocks reads some slot of the
+    cache (masked by the caller) instead of faulting."""
+    col = (pos // bs).clamp(max=block_tables.shape[1] - 1)
+    table = block_tables.to(torch.int64)
+    blocks = torch.gather(table, 1, col) if rows is None else table[rows[:, None], col]
+    return blocks.clamp(0, nblocks - 1) * bs + pos % bs
+
+
+def indexed_attention(
+    q: torch.Tensor,
+    iq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_norm: Callable[[torch.Tensor], torch.Tensor],
+    inv_freq: torch.Tensor,
+    budget: int,
+    c: int,
+    max_seq_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``indexed_attention_ref``'s result without a host synchronization: every shape and loop bound comes from host
+    ints (the token count, the row count, ``max_seq_len`` >= every row's context), so the same code runs on the CPU,
+    eagerly on CUDA and inside CUDA graph capture.
+
+    * Each token's row and position come from ``query_start_loc`` on the device (``row_index``).
+    * Every row's first ``max_seq_len // c`` blocks are pooled at once (``pool_block_keys_batched``); a query scores
+      them all (float32, as the reference), blocks it does not see completely masked to ``-inf``, and a stable
+      descending sort picks its ``budget // c`` best (equal scores: the earlier block, whatever else the step holds).
+    * A query attends to at most ``budget + c - 1`` positions (its chosen blocks and its tail, or its whole causal
+      prefix when it sees at most ``budget // c`` complete blocks), so the attention gathers exactly those positions'
+      K and V, ``S = min(budget + c - 1, max_seq_len)`` per token, and runs a masked float32 softmax over them.
+
+    Tokens are processed in tiles of a static size (``QSA_TILE_ELEMENTS``), so a step materializes
+    O(tokens x (max_seq_len / c + budget)) elements per tile row, never tokens x max_seq_len x heads at once.
+    """
+    t, hq, d = q.shape
+    nblocks, bs, hkv, _ = k_cache.shape
+    grp = hq // hkv
+    r = seq_lens.shape[0]
+    if t == 0 or r == 0 or max_seq_len <= 0:
+        return torch.zeros_like(q)
+    dev = q.device
+    di = iq.shape[-1]
+    top = budget // c
+    nbk = max_seq_len // c  # the most complete blocks any query of the step sees
+    sparse_possible = nbk > top
+    span = min(budget + c - 1, max_seq_len)
+    flat_k = k_cache.view(nblocks * bs, hkv, d)
+    flat_v = v_cache.view(nblocks * bs, hkv, d)
+
+    qsl = query_start_loc.to(torch.int64)
+    rows, ipos = row_index(qsl, t)
+    n_new = qsl[1:] - qsl[:-1]
+    qpos = seq_lens.to(torch.int64)[rows] - n_new[rows] + ipos  # (T,) each query's position
+    visible = (qpos + 1) // c
+    block_keys = (pool_block_keys_batched(index_cache, block_tables, nbk, c, k_norm, inv_freq)
+                  if sparse_possible else None)
+    lanes = torch.arange(span, device=dev, dtype=torch.int64)
+    blocks = torch.arange(nbk, device=dev, dtype=torch.int64)
+    in_block = torch.arange(c, device=dev, dtype=torch.int64)
+    per_token = max(2 * span * hkv * d, hq * span, nbk * max(di, iq.shape[1]))
+    step = _tile(per_token, t)
+    parts = []
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        m = b - a
+        qp, rt, vis = qpos[a:b], rows[a:b], visible[a:b]
+        # Dense: the causal prefix (at most `span` positions when the query sees <= top complete blocks).
+        pos = lanes[None, :].expand(m, span)
+        valid = pos <= qp[:, None]
+        if block_keys is not None:
+            keys = block_keys[rt].float()  # (m, nbk, di)
+            scores = torch.relu(torch.einsum("mhd,mjd->mhj", iq[a:b].float(), keys)).sum(dim=1) / math.sqrt(di)
+            scores = scores.masked_fill(blocks[None, :] >= vis[:, None], float("-inf"))
+            best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top]
+            best = torch.sort(best, dim=1).values  # ascending: the positions in order
+            chosen = (best[:, :, None] * c + in_block[None, None, :]).reshape(m, top * c)
+            tail = vis[:, None] * c + in_block[None, :c - 1]  # [nb*c, qpos]: at most c - 1 positions
+            sp_pos = torch.cat([chosen, tail], dim=1)
+            sp_valid = torch.cat([torch.ones_like(chosen, dtype=torch.bool), tail <= qp[:, None]], dim=1)
+            sparse = (vis > top)[:, None]
+            pos = torch.where(sparse, sp_pos, pos)
+            valid = torch.where(sparse, sp_valid, valid)
+        # Masked lanes read the query's own (just written) slot: finite values with zero weight.
+        pos = torch.where(valid, pos, qp[:, None])
+        slots = _paged_slots(block_tables, pos, bs, nblocks, rt)
+        kk = dequantize_kv(flat_k[slots], k_scale)  # (m, S, Hkv, D) float32
+        vv = dequantize_kv(flat_v[slots], v_scale)
+        qt = q[a:b].float().view(m, hkv, grp, d)
+        att = torch.einsum("mhgd,mshd->mhgs", qt, kk) * scale
+        att = att.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(att, dim=-1)
+        o = torch.einsum("mhgs,mshd->mhgd", probs, vv).reshape(m, hq, d)
+        parts.append(o.to(q.dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -133,8 +133,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self._recurrent_layers: list[RecurrentLayer] | None = None
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads of the forward's output rows: the rows themselves, or for a family whose forward
+        returns several residual streams (``ModelConfig.residual_width``) their mix."""
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(self.head_input(hidden)).float()
 
     def drop_unused_embedding(self, draft_head: bool) -> None:
         """Release the input embedding where this pipeline stage does not read it (``draft_head``: the MTP head

@@ -165,7 +165,7 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
-        logits = head(hidden)
+        logits = head(self.head_input(hidden))
         return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
 
     def input_embeddings(self) -> nn.Embedding:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hyserve.config import FULL_ATTENTION
-from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers, tp_size
+from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
 from hyserve.layers.attention import Attention
 from hyserve.layers.gdn import GatedDeltaNet
 from hyserve.layers.hyper_connection import GatedResidual
@@ -37,7 +37,7 @@ from hyserve.layers.qsa import IndexedAttention
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.mrope import text_rotary, with_image_rows
-from hyserve.model.qwen3_5 import DecoderLayer, Intermediate, Qwen3_5ForCausalLM, TextModel
+from hyserve.model.qwen3_5 import DecoderLayer, Intermediate, MissingLayer, Qwen3_5ForCausalLM, TextModel
 from hyserve.model.qwen3_5_config import Qwen3_5Config
 from hyserve.model.qwen4_exp_config import Qwen4ExpConfig, qwen4_exp_config
 
@@ -79,33 +79,48 @@ def _gated_residual(cfg: Qwen4ExpConfig, use_combine: bool = True) -> GatedResid
 
 
 class Qwen4ExpTextModel(TextModel):
-    """The decoder of one process (pipeline parallelism and tensor parallelism: not yet, refused)."""
+    """The decoder, or with pipeline parallelism the layers of this process's stage (``TextModel``'s split): the
+    first stage embeds and repeats the embedding into the streams, the last holds ``hyper_connection_mixer`` (the LM
+    head's input; and the embedding when the LM head is tied to it). Between stages the handover is the wide
+    residual, the (T, S * H) streams: ``Intermediate``'s second tensor, Qwen3.5's pending MLP output, is zeros here
+    (each layer adds its outputs itself) and is not read. With tensor parallelism the GDN, attention and MoE layers
+    shard themselves; the hyper-connection linears, the PLE layers and the QSA indexer are whole on every rank."""
 
     def __init__(self, config: Qwen3_5Config, decoder_layer: type[DecoderLayer]) -> None:
         nn.Module.__init__(self)
         cfg = qwen4_exp_config(config)
         self.start, self.end = stage_layers(cfg.num_hidden_layers)
         self.is_first, self.is_last = is_first_stage(), is_last_stage()
-        if not (self.is_first and self.is_last) or tp_size() > 1:
-            raise NotImplementedError("Qwen4-Exp runs on one process for now: pipeline and tensor parallelism "
-                                      "(--pipeline-parallel-size, --tensor-parallel-size > 1) are not supported yet")
         self.hc_count = cfg.hc_count
         self.rotary = text_rotary(cfg.rotary_dim, cfg.rope_theta, cfg.multimodal)
-        self.embed_tokens: VocabParallelEmbedding | None = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.is_first or (self.is_last and (cfg.tie_word_embeddings or cfg.mtp_num_hidden_layers > 0)):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([decoder_layer(cfg, i, self.rotary, f"model.layers.{i}")
+                                     if self.start <= i < self.end else MissingLayer()
                                      for i in range(cfg.num_hidden_layers)])
-        self._own_layers = list(self.layers)
+        self._own_layers = list(self.layers)[self.start : self.end]
         self.norm = None
-        self.hyper_connection_mixer = _gated_residual(cfg, use_combine=False)
+        self.hyper_connection_mixer = _gated_residual(cfg, use_combine=False) if self.is_last else None
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        assert intermediate is None and self.embed_tokens is not None
-        x = with_image_rows(self.embed_tokens(input_ids), meta).repeat(1, self.hc_count)
+        if intermediate is None:
+            assert self.embed_tokens is not None and self.is_first, "a later stage needs the previous one's output"
+            x = with_image_rows(self.embed_tokens(input_ids), meta).repeat(1, self.hc_count)
+        else:
+            x = intermediate[0]  # the previous stage's streams; nothing is pending
         self.rotary.prepare(meta.rotary_positions)
         for layer in self._own_layers:
             x = layer(x, input_ids, meta)
-        return self.hyper_connection_mixer.mix(x)[0]
+        if not self.is_last:
+            return x, torch.zeros_like(x)
+        return x  # the streams: the draft head reads them; compute_logits mixes them for the LM head
+
+    def holds(self, name: str) -> bool:
+        if name.startswith("model.hyper_connection_mixer."):
+            return self.is_last
+        return super().holds(name)
 
 
 class Qwen4ExpForCausalLM(Qwen3_5ForCausalLM):
@@ -113,6 +128,12 @@ class Qwen4ExpForCausalLM(Qwen3_5ForCausalLM):
 
     decoder_layer: ClassVar[type[DecoderLayer]] = Qwen4ExpDecoderLayer  # type: ignore[assignment]
     text_model: ClassVar[type[TextModel]] = Qwen4ExpTextModel
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden``: rows of the (T, S * H) streams, mixed into the LM head's input (there is no final norm)."""
+        mixer = self.model.hyper_connection_mixer
+        assert isinstance(mixer, GatedResidual), "only the last pipeline stage mixes the streams for the LM head"
+        return mixer.mix(hidden)[0]
 
     def activation_width(self) -> int:
         cfg = qwen4_exp_config(self.config)

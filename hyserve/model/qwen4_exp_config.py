@@ -63,6 +63,11 @@ class Qwen4ExpConfig(Qwen3_5MoeConfig):
         return self.hc_count * self.hidden_size
 
     @property
+    def residual_width(self) -> int:
+        """The model's forward returns the streams; the LM head's input is their mix (``compute_logits``)."""
+        return self.hc_width
+
+    @property
     def qsa(self) -> bool:
         return self.indexer_compress_ratio > 0
 

@@ -89,6 +89,7 @@ _QWEN3_NEXT_PARSER = ("hyserve.model.qwen3_next_config", "parse_qwen3_next_confi
 _QWEN3_NEXT_MTP = ("hyserve.model.qwen3_next", "Qwen3NextMTPHead", "load_mtp_weights")
 _QWEN4_EXP = ("hyserve.model.qwen4_exp", "Qwen4ExpForCausalLM")
 _QWEN4_EXP_PARSER = ("hyserve.model.qwen4_exp_config", "parse_qwen4_exp_config")
+_QWEN4_EXP_MTP = ("hyserve.model.qwen4_exp_mtp", "Qwen4ExpMTPHead", "load_qwen4_exp_mtp_weights")
 # Both checkpoint forms of each family parse from either model_type (text fields at top level or under text_config).
 _FAMILIES = (
     ModelEntry("Qwen3_5ForConditionalGeneration", _QWEN3_5, _QWEN3_5_PARSER, ("qwen3_5", "qwen3_5_text"), _QWEN3_5_MTP),
@@ -98,9 +99,10 @@ _FAMILIES = (
     ModelEntry("Qwen3_5MoeForCausalLM", _QWEN3_5_MOE, _QWEN3_5_MOE_PARSER, ("qwen3_5_moe_text", "qwen3_5_moe"),
                _QWEN3_5_MOE_MTP),
     ModelEntry("Qwen3NextForCausalLM", _QWEN3_NEXT, _QWEN3_NEXT_PARSER, ("qwen3_next",), _QWEN3_NEXT_MTP),
-    # Qwen4-Exp's MTP head (31 mtp.* tensors on the wide residual) is not built yet: no draft head.
-    ModelEntry("Qwen4ExpForConditionalGeneration", _QWEN4_EXP, _QWEN4_EXP_PARSER, ("qwen4_exp", "qwen4_exp_text")),
-    ModelEntry("Qwen4ExpForCausalLM", _QWEN4_EXP, _QWEN4_EXP_PARSER, ("qwen4_exp_text", "qwen4_exp")),
+    # Qwen4-Exp's MTP head reads the wide residual (hyserve.model.qwen4_exp_mtp).
+    ModelEntry("Qwen4ExpForConditionalGeneration", _QWEN4_EXP, _QWEN4_EXP_PARSER, ("qwen4_exp", "qwen4_exp_text"),
+               _QWEN4_EXP_MTP),
+    ModelEntry("Qwen4ExpForCausalLM", _QWEN4_EXP, _QWEN4_EXP_PARSER, ("qwen4_exp_text", "qwen4_exp"), _QWEN4_EXP_MTP),
 )
 _REGISTRY: dict[str, ModelEntry] = {e.architecture: e for e in _FAMILIES}
 

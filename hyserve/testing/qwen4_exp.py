@@ -13,7 +13,10 @@ The main venv pins transformers 5.17, which has no ``qwen4_exp``; transformers 5
   ``ple.ple_embedding.ngram_embedding.shard_{i}.weight``, no ``model.norm``, no ``mtp.*``) and config.json with the
   attention layers named ``full_attention`` as the release names them. Tokenizer and generation_config.json as
   Qwen3.5's writers (the VLM form: the VLM tokenizer, chat template and preprocessor_config.json of
-  ``hyserve.testing.qwen3_5_vlm``).
+  ``hyserve.testing.qwen3_5_vlm``). ``with_mtp=True`` then adds random ``mtp.*`` tensors to the checkpoint's own
+  model.safetensors (``add_mtp_tensors``: the head of ``hyserve.model.qwen4_exp_mtp``, its decoder layer named and
+  shaped as the checkpoint's attention layer, one tensor per expert) and ``mtp_num_hidden_layers: 1`` to its
+  config.json; transformers ignores ``mtp.*`` (``_keys_to_ignore_on_load_unexpected``), so the reference is the same.
 * ``load_qwen4_exp_reference``: a ``Qwen4ExpReference`` holding one persistent process with the checkpoint loaded
   (float32, CPU, eval, eager attention, transformers' PyTorch GDN); ``ref(input_ids=..., use_cache=False).logits``
   as a transformers model answers, so ``hyserve.testing.qwen3_5.reference_logits`` works with it. It takes over the
@@ -200,7 +203,7 @@ def _jsonable(value: Any) -> Any:
 
 def write_tiny_qwen4_exp_checkpoint(
     path: str | os.PathLike[str], *, form: str = "causal", layer_types: list[str] | None = None, seed: int = 0,
-    attention_name: str = "full_attention", **overrides: Any,
+    attention_name: str = "full_attention", with_mtp: bool = False, **overrides: Any,
 ) -> str:
     """Write a tiny random Qwen4-Exp checkpoint (float32) into ``path`` and return it.
 
@@ -208,7 +211,8 @@ def write_tiny_qwen4_exp_checkpoint(
     (``Qwen4ExpForConditionalGeneration``, ``qwen4_exp``: ``model.language_model.*``, ``model.visual.*``).
     ``overrides`` replace fields of ``hyserve.testing.qwen4_exp_reference.tiny_text_kwargs`` (``ple_layer_ids``,
     ``hidden_size``, ``indexer_budget``, ...); ``attention_name`` is what config.json calls the attention layers
-    (``full_attention`` as the release, or ``indexed_attention`` as transformers writes).
+    (``full_attention`` as the release, or ``indexed_attention`` as transformers writes). ``with_mtp``: an MTP head
+    too (``add_mtp_tensors``).
     """
     if form not in ("causal", "vlm", "conditional"):
         raise ValueError(f"form must be 'causal' or 'vlm' (got {form!r})")
@@ -246,7 +250,63 @@ def write_tiny_qwen4_exp_checkpoint(
         _write_vlm_tokenizer(path)
     else:
         write_generation_config_and_tokenizer(path)
+    if with_mtp:
+        add_mtp_tensors(path, seed=seed)
     return path
+
+
+def mtp_tensor_shapes(path: str | os.PathLike[str], num_layers: int = 1) -> dict[str, tuple[int, ...]]:
+    """The ``mtp.*`` tensors (names and shapes) of a head of ``num_layers`` layers for the checkpoint in ``path``:
+    ``fc_embedding`` / ``fc_hidden`` (H, H), ``pre_fc_norm_embedding`` (H), ``pre_fc_norm_hidden`` (S * H), each
+    layer the checkpoint's first attention layer's tensors as the checkpoint stores them (PLE never: attention
+    layers have none), and the model's ``hyper_connection_mixer`` tensors as ``mtp.hyper_connection_mixer.*``."""
+    from safetensors import safe_open
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    text = raw.get("text_config", raw)
+    h, s = int(text["hidden_size"]), int(text.get("hc_count", 4))
+    attn = next(i for i, t in enumerate(text["layer_types"]) if t != "linear_attention")
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118 (not a mapping)
+    base = "model.language_model." if "text_config" in raw else "model."
+    layer = f"{base}layers.{attn}."
+    out: dict[str, tuple[int, ...]] = {"mtp.fc_embedding.weight": (h, h), "mtp.fc_hidden.weight": (h, h),
+                                       "mtp.pre_fc_norm_embedding.weight": (h,),
+                                       "mtp.pre_fc_norm_hidden.weight": (s * h,)}
+    for i in range(num_layers):
+        out.update({f"mtp.layers.{i}.{n.removeprefix(layer)}": shape for n, shape in shapes.items()
+                    if n.startswith(layer) and ".ple." not in n})
+    mixer = f"{base}hyper_connection_mixer."
+    out.update({f"mtp.hyper_connection_mixer.{n.removeprefix(mixer)}": shape for n, shape in shapes.items()
+                if n.startswith(mixer)})
+    return out
+
+
+def add_mtp_tensors(path: str | os.PathLike[str], *, seed: int = 0, num_layers: int = 1) -> None:
+    """Add random ``mtp.*`` tensors (``mtp_tensor_shapes``; values as the writer draws the model's) to the
+    checkpoint's own model.safetensors, and ``mtp_num_hidden_layers`` to its config.json (under ``text_config`` in
+    the conditional form)."""
+    from safetensors.torch import load_file, save_file
+
+    from hyserve.testing.qwen4_exp_reference import init_tensor
+
+    path = os.fspath(path)
+    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        raise ValueError(f"{path}: a sharded checkpoint; add_mtp_tensors writes into the one model.safetensors")
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    mtp = {n: init_tensor(n, shape, gen).contiguous() for n, shape in mtp_tensor_shapes(path, num_layers).items()}
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    clash = sorted(set(tensors) & set(mtp))
+    if clash:
+        raise ValueError(f"{path} already holds {clash[0]}")
+    save_file({**tensors, **mtp}, weights, metadata={"format": "pt"})
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    raw.get("text_config", raw)["mtp_num_hidden_layers"] = num_layers
+    write_json(cfg_path, raw)
 
 
 def _write_vlm_tokenizer(path: str) -> None:

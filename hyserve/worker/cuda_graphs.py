@@ -225,6 +225,7 @@ class GraphLogits:
         n = hidden.shape[0]
         lowp = self.lowp[:n]
         head = self.model.lm_head
+        hidden = self.model.head_input(hidden)
         if isinstance(head, ParallelLMHead) and head.sharded:  # TP: this rank's vocabulary, then all ranks'
             lowp.copy_(head.gather(torch.mm(hidden, head.weight.t())))
         else:

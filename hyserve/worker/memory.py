@@ -100,7 +100,7 @@ def profile_peak_activation(model: CausalLM, model_config: ModelConfig, specs: C
     ids = torch.randint(0, model_config.vocab_size, (n,), device=device)
     inter = None
     if not shape.is_first_stage:
-        h = model_config.hidden_size
+        h = model_config.residual_width
         inter = (torch.randn(n, h, dtype=dtype, device=device), torch.randn(n, h, dtype=dtype, device=device))
     hidden = model(ids, meta, inter) if inter is not None else model(ids, meta)
     if shape.is_last_stage:

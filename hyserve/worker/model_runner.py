@@ -226,13 +226,13 @@ class ModelRunner:
         pad = self.state_pool.pad_slot
         self.input_batch = InputBatch(self.device, self.max_num_batched_tokens, self.max_num_seqs, max_model_len,
                                       self.block_size, k, pad)
-        self.stage.allocate(self.max_num_batched_tokens, self.model_config.hidden_size, self.dtype, self.device)
+        self.stage.allocate(self.max_num_batched_tokens, self.model_config.residual_width, self.dtype, self.device)
         self.state_ops = StateOps(self.model, self.state_pool, self.input_batch, graphs, self.cache_specs, k,
                                   self.num_scratch_sets, self.max_num_seqs)
         self.stage_commits = StageCommits(self.state_ops, self.num_scratch_sets)
         if self.mtp is not None:
             self.drafter = MTPDrafter(self.mtp, self.model, self.input_batch, self.mm, graphs, k,
-                                      self.model_config.hidden_size, self.dtype, self.max_num_batched_tokens,
+                                      self.model_config.residual_width, self.dtype, self.max_num_batched_tokens,
                                       self.max_num_seqs, pad)
             self.mtp_proposer = MTPProposer(k, self.drafter)
         if k:
@@ -352,7 +352,7 @@ class ModelRunner:
         bodies.update(self.state_ops.graph_bodies())
         if self.drafter is not None:
             bodies.update(self.drafter.graph_bodies(self.graph_logits, self.max_num_seqs,
-                                                    self.model_config.hidden_size, self.dtype))
+                                                    self.model_config.residual_width, self.dtype))
         if self.verifier is not None:
             bodies.update(self.verifier.graph_bodies(self.graph_logits))
         emulate = self.device.type != "cuda"

@@ -438,3 +438,58 @@ def test_checkpoint_names_parts_and_derived() -> None:
         layer.check_checkpoint_buffer("ple_embedding.layer_multipliers", good + 2)
     with pytest.raises(ValueError, match="differs"):
         layer.check_checkpoint_buffer("ple_embedding.ngram_heads_offsets", torch.zeros(5, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# No host synchronization (what CUDA graph capture needs).
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Raises on every op that needs the data on the host: ``.item()``/``int()``/``bool()`` (``_local_scalar_dense``),
+    ``nonzero`` and the ops with data-dependent output shapes (boolean-mask indexing included)."""
+
+    BANNED = ("nonzero", "_local_scalar_dense", "masked_select", "unique", "repeat_interleave", "bincount")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.__name__.split(".")[0]
+        if name in self.BANNED:
+            raise AssertionError(f"host sync: {func}")
+        if name.startswith("index"):
+            for a in args:
+                items = a if isinstance(a, (list, tuple)) else [a]
+                if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+                    raise AssertionError(f"boolean mask index (a nonzero): {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with an empty row naming a busy slot, then a verify step, with the host copies absent: no
+    ``.item()``, ``.tolist()``, ``nonzero`` or boolean mask; the results still equal the reference."""
+    layer = make_layer(CFG)
+    pool = Pool(layer, 8, verify_rows=1, k=2)
+    gen = torch.Generator().manual_seed(9)
+    seq_a, seq_b = _seq(9, gen, (3,)), _seq(6, gen)
+    xa, xb = torch.randn(9, W, generator=gen), torch.randn(6, W, generator=gen)
+    meta = _meta([6, 0, 3], [4, 4, 2])
+    meta.query_start_loc_cpu = None
+    vmeta = _verify_meta([3], [4], [3], [2])
+    vmeta.query_start_loc_cpu = None
+    assert vmeta.verify is not None
+    vmeta.verify.rest_query_start_loc_cpu = None
+
+    def banned(*_: object, **__: object) -> None:
+        raise AssertionError("host sync: tolist")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", banned)
+        with torch.no_grad(), _NoHostSync():
+            out1 = layer(torch.cat([xa[:6], xb[:3]]), torch.tensor(seq_a[:6] + seq_b[:3]), meta)
+            out2 = layer(torch.cat([xa[6:], xb[3:]]), torch.tensor(seq_a[6:] + seq_b[3:]), vmeta)
+    ref_a, ref_b = reference(layer, CFG, 1, seq_a, xa), reference(layer, CFG, 1, seq_b, xb)
+    torch.testing.assert_close(out1, torch.cat([ref_a[0][:6], ref_b[0][:3]]), atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(out2, torch.cat([ref_a[0][6:], ref_b[0][3:]]), atol=3e-5, rtol=3e-5)
+    assert _decode_ctx(pool.state["token_context"][2]) == ref_b[1]
+    assert layer.verify_scratch is not None
+    assert _decode_ctx(layer.verify_scratch["token_context"][0, 2]) == ref_a[1]
+    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+        torch.tensor([1, 0]).nonzero()

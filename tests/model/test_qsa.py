@@ -481,3 +481,138 @@ def test_equal_scores_go_to_the_earlier_block_whatever_the_step_holds() -> None:
     want_late = torch.zeros(24, dtype=torch.bool)
     want_late[:8] = True  # six complete blocks at position 23, blocks 0 and 1 again
     assert torch.equal(both[1], want_late)
+
+
+# ------------------------------------------------------------------------------------------------ the batched path
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Raises on every op that needs the device's data on the host: ``.item()``/``int()``/``bool()`` (their
+    ``_local_scalar_dense``), ``nonzero`` and the ops with data-dependent output shapes (boolean masks)."""
+
+    BANNED = ("nonzero", "_local_scalar_dense", "masked_select", "unique", "repeat_interleave", "bincount")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.__name__.split(".")[0]
+        if name in self.BANNED:
+            raise AssertionError(f"host sync: {func}")
+        if name.startswith("index"):
+            for a in args:
+                items = a if isinstance(a, (list, tuple)) else [a]
+                if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+                    raise AssertionError(f"boolean mask index (a nonzero): {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> _NoHostSync:
+    """The dispatch guard, plus ``tolist`` (which reads the data without an op) made to raise."""
+
+    def banned(*_: object, **__: object) -> None:
+        raise AssertionError("host sync: tolist")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", banned)
+    return _NoHostSync()
+
+
+def random_paged_problem(lens: list[tuple[int, int]], seed: int, dtype: torch.dtype = torch.float32,
+                         kv_dtype: torch.dtype | None = None, bs: int = 8, hq: int = 4, hkv: int = 2, d: int = 16,
+                         hi: int = 3, di: int = 16, tie_blocks: int = 0) -> dict:
+    """Caches filled with random values (garbage past each row's context included) and a step of rows (context
+    length, new tokens) over shuffled blocks; ``tie_blocks`` > 0 makes every query's score of that many blocks per
+    row exactly 0 (keys opposite to every indexer query), so that ties decide."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-ctx // bs) for ctx, _ in lens) + 2
+    nblocks = sum(-(-ctx // bs) for ctx, _ in lens) + 3
+    perm = torch.randperm(nblocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for r, (ctx, _) in enumerate(lens):
+        nb = -(-ctx // bs)
+        tables[r, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+    k = torch.randn(nblocks, bs, hkv, d, generator=gen)
+    v = torch.randn(nblocks, bs, hkv, d, generator=gen)
+    index = torch.randn(nblocks, bs, di, generator=gen)
+    t = sum(n for _, n in lens)
+    iq = torch.randn(t, hi, di, generator=gen).abs()  # non-negative queries: a non-positive key scores 0
+    inv_freq = 1.0 / (THETA ** (torch.arange(0, 8, 2).float() / 8))
+    if tie_blocks:
+        # Blocks 1 .. tie_blocks of every row: non-positive unrotated keys (no rotary), so they all score 0.
+        inv_freq = torch.zeros(4)
+        flat = index.view(-1, di)
+        for r, (ctx, _) in enumerate(lens):
+            for p in range(4, min(4 * (tie_blocks + 1), ctx)):
+                flat[int(tables[r, p // bs]) * bs + p % bs] = -torch.rand(di, generator=gen) - 0.1
+    qsl = torch.tensor([0, *torch.tensor([n for _, n in lens]).cumsum(0).tolist()], dtype=torch.int32)
+    kv = kv_dtype or dtype
+    return dict(q=torch.randn(t, hq, d, generator=gen).to(dtype), iq=iq.to(dtype), k_cache=k.to(kv),
+                v_cache=v.to(kv), index_cache=index.to(dtype), block_tables=tables, query_start_loc=qsl,
+                seq_lens=torch.tensor([ctx for ctx, _ in lens], dtype=torch.int32), scale=d ** -0.5,
+                k_norm=torch.nn.Identity(), inv_freq=inv_freq, budget=8, c=4)
+
+
+STEP_ROWS = [(41, 1), (9, 1), (0, 0), (60, 5), (30, 12), (3, 3), (17, 4), (33, 1)]
+
+
+@pytest.mark.parametrize("tile", [None, 1, 700])
+@pytest.mark.parametrize("ties", [0, 20])
+def test_the_batched_path_equals_the_per_row_reference(tile: int | None, ties: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``indexed_attention`` (sync-free, static tiles) against ``indexed_attention_ref`` (per row, host lengths): rows
+    of decode, chunks, an empty row, dense and sparse queries, with exact ties; one tile, one token per tile, and
+    tiles that cut rows apart."""
+    import hyserve.layers.qsa as qsa
+
+    if tile is not None:
+        monkeypatch.setattr(qsa, "QSA_TILE_ELEMENTS", tile)
+    prob = random_paged_problem(STEP_ROWS, seed=31 + ties, tie_blocks=ties)
+    want = qsa.indexed_attention_ref(**prob)
+    got = qsa.indexed_attention(**prob, max_seq_len=64)  # an upper bound above every row's context
+    _close(got, want, tol=1e-5)
+    # Another step holding only two of the rows (other bounds): the same outputs for them.
+    idx = [0, 5]
+    qsl = prob["query_start_loc"].tolist()
+    toks = [t for r in idx for t in range(qsl[r], qsl[r + 1])]
+    prob2 = dict(prob, block_tables=prob["block_tables"][idx], seq_lens=prob["seq_lens"][idx],
+                 query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32), q=prob["q"][toks], iq=prob["iq"][toks])
+    alone = qsa.indexed_attention(**prob2, max_seq_len=41)
+    _close(alone, want[toks], tol=1e-5)
+
+
+def test_the_batched_path_with_fp8_kv_and_bf16() -> None:
+    import hyserve.layers.qsa as qsa
+
+    prob = random_paged_problem(STEP_ROWS, seed=5, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    prob["k_scale"] = torch.tensor([0.5, 2.0])
+    prob["v_scale"] = torch.tensor([1.5, 0.25])
+    want = qsa.indexed_attention_ref(**prob)
+    got = qsa.indexed_attention(**prob, max_seq_len=60)
+    _close(got, want, tol=2e-2)
+
+
+def test_the_layer_forward_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole forward (projections, stores, pooling, selection, attention) with the host copies absent does no
+    ``.item()``, ``.tolist()``, ``nonzero`` or boolean-mask index: what CUDA graph capture needs."""
+    cfg = Cfg()
+    layer = make_layer(cfg, seed=2)
+    xs = {r: _x(n, cfg, seed=40 + r) for r, n in ((0, 45), (1, 30))}
+    refs = {r: reference(layer, cfg, x) for r, x in xs.items()}
+    paged = Paged(layer, torch.float32, block_size=8, seed=3)
+    paged.step([(0, xs[0][:40], 0), (1, xs[1][:26], 0)])
+    import hyserve.layers.qsa as qsa
+
+    store_kv = qsa.store_kv
+
+    def store_kv_outside_guard(*args: object) -> None:  # on CUDA a Triton kernel; the CPU reference uses masks
+        with torch.utils._python_dispatch._disable_current_modes():
+            store_kv(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(qsa, "store_kv", store_kv_outside_guard)
+    guard = no_host_sync(monkeypatch)
+    with guard:
+        a, b = paged.step([(0, xs[0][40:45], 40), (1, xs[1][26:27], 26)])  # a chunk and a decode row
+    monkeypatch.undo()
+    _close(a, refs[0].y[40:45])
+    _close(b, refs[1].y[26:27])
+    with pytest.raises(AssertionError, match="host sync"), no_host_sync(monkeypatch):
+        torch.tensor([1, 0]).nonzero()  # the guard does catch one

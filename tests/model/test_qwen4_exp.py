@@ -137,18 +137,6 @@ def test_features_compose(ckpts: CheckpointCache, plain_run: dict, monkeypatch: 
     assert metrics["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
 
 
-def test_parallelism_is_refused_for_now(ckpts: CheckpointCache) -> None:
-    path = _get(ckpts, "causal", "attn_mid")
-    with pytest.raises(Exception, match="not supported yet"):
-        make_llm(path, tensor_parallel_size=2)
-
-
-def test_mtp_is_refused_clearly(ckpts: CheckpointCache) -> None:
-    path = _get(ckpts, "causal", "attn_mid")
-    with pytest.raises(ValueError, match="mtp"):
-        make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-
-
 def test_the_sum_of_streams_is_not_the_mix(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: the final mixer reads one stream instead of the gated mean over streams; the check catches it."""
     from hyserve.layers import hyper_connection

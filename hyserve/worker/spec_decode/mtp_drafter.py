@@ -10,13 +10,17 @@ buffers are their own, so drafting never clobbers the step's metadata.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from hyserve.cache.block_pool import BlockPool, cdiv
+from hyserve.layers.linear import ParallelLMHead
 from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata
 from hyserve.scheduler.output import PREVIOUS_DRAFT, ScheduledRow
@@ -55,6 +59,22 @@ class ChainRow:
     shift: int = 0  # what the rotary position adds to the index (a prompt's rope_delta past its last image)
 
 
+class HeadOwnInput:
+    """The target's LM head over what a draft head's own ``head_input`` makes of the head's output rows, in place of
+    the target's ``head_input``: for a head whose output is residual streams mixed by a mixer of its own
+    (Qwen4-Exp's, ``hyserve.model.qwen4_exp_mtp``). Duck-types the two attributes ``GraphLogits`` reads."""
+
+    def __init__(self, model: CausalLM, mtp: nn.Module) -> None:
+        self.lm_head = model.lm_head
+        self.head_input = cast(Callable[[torch.Tensor], torch.Tensor], mtp.head_input)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As the target's ``compute_logits`` (float32, every rank the whole vocabulary)."""
+        head = self.lm_head
+        logits = head(self.head_input(hidden))
+        return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
+
+
 class MTPDrafter:
     """The MTP head (``mtp``) over the target ``model``'s embedding and LM head, and its pass buffers: ``mtp_*`` for
     one pass, ``draft_*`` for the ``draft`` graph (and its ``draft_fill`` inputs)."""
@@ -64,6 +84,9 @@ class MTPDrafter:
                  max_num_seqs: int, pad_slot: int) -> None:
         self.mtp = mtp
         self.model = model
+        # The draft logits: the target's LM head over its own head_input of the draft head's output, or, for a head
+        # with a head_input of its own, over that one's.
+        self.own_head_input = HeadOwnInput(model, mtp) if callable(getattr(mtp, "head_input", None)) else None
         self.batch = batch
         self.mm = mm
         self.graphs = graphs
@@ -129,6 +152,9 @@ class MTPDrafter:
     def graph_bodies(self, logits: GraphLogits, max_num_seqs: int, hidden_size: int,
                      dtype: torch.dtype) -> dict[str, GraphBody]:
         """The ``mtp``, ``draft`` and ``draft_fill`` graphs, writing their logits into ``logits``."""
+        if self.own_head_input is not None:  # the same buffers, the draft head's head_input
+            logits = copy.copy(logits)
+            logits.model = cast(CausalLM, self.own_head_input)
         self._logits = logits
         self.mtp_hidden_in = self.batch.dev((max_num_seqs, hidden_size), dtype)
         return {"mtp": GraphBody(weak_forward(self._graph_mtp), lambda n: self.fill_mtp([], pad_to=n)),
@@ -203,7 +229,13 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def mtp_greedy_tokens(self, mtp_hidden: torch.Tensor) -> list[int]:
-        return self.model.compute_logits(mtp_hidden).argmax(dim=-1).tolist()
+        return self.draft_logits(mtp_hidden).argmax(dim=-1).tolist()
+
+    def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """The float32 logits of rows of the head's output (eagerly)."""
+        if self.own_head_input is not None:
+            return self.own_head_input.compute_logits(mtp_hidden)
+        return self.model.compute_logits(mtp_hidden)
 
     @torch.inference_mode()
     def mtp_draft(self, rows: list[MTPRow], hidden_src: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
