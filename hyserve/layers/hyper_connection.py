@@ -11,6 +11,10 @@
 
 The model's last mixer (``use_combine=False``) feeds the LM head with ``mixed``: the model has no final norm. The
 gates run in the activation dtype, as the reference does.
+
+The three projections are hyserve ``Linear`` layers (replicated) that take their method from ``quant`` by name
+(``{prefix}.input_mix_weight_down``, ...): an FP8 checkpoint whose quantization_config quantizes them loads them in
+FP8; without ``quant`` (or a config that leaves them out) they stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -19,18 +23,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyserve.layers.linear import Linear
 from hyserve.layers.norm import GroupedRMSNorm
+from hyserve.layers.quantization.base import QuantizationConfig
 
 
 class GatedResidual(nn.Module):
-    def __init__(self, hidden_size: int, hc_count: int, lowrank: int, eps: float, use_combine: bool = True) -> None:
+    def __init__(self, hidden_size: int, hc_count: int, lowrank: int, eps: float, use_combine: bool = True, *,
+                 quant: QuantizationConfig | None = None, prefix: str = "") -> None:
+        """``quant``, ``prefix``: the model's quantization config and this module's name (its projections take
+        their linear method by ``{prefix}.{projection}``)."""
         super().__init__()
         self.hidden_size, self.hc_count = hidden_size, hc_count
         width = hc_count * hidden_size
+
+        def name(projection: str) -> str:
+            return f"{prefix}.{projection}" if prefix else projection
+
         self.hc_norm = GroupedRMSNorm(width, hidden_size, eps)
-        self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
-        self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
-        self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if use_combine else None
+        self.input_mix_weight_down = Linear(width, lowrank, quant=quant, prefix=name("input_mix_weight_down"))
+        self.input_mix_weight_up = Linear(lowrank, width, quant=quant, prefix=name("input_mix_weight_up"))
+        self.block_inject_weight = Linear(width, hc_count, quant=quant, prefix=name("block_inject_weight")) \
+            if use_combine else None
 
     def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` (T, S * H) -> (the block's input (T, H), the injection weights (T, S), None without combine)."""

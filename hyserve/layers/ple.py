@@ -52,6 +52,7 @@ from torch.nn import functional as F
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.kernels.varlen import row_index
+from hyserve.layers.linear import Linear
 from hyserve.layers.norm import GroupedRMSNorm
 from hyserve.model.base import RecurrentLayer
 from hyserve.model.metadata import StepMetadata
@@ -224,8 +225,11 @@ class PerLayerEmbedding(RecurrentLayer):
         offsets = ngram_head_offsets(sizes)
         self.table_rows = ngram_table_rows(sizes, cfg.make_ngram_vocab_size_divisible_by)
         self.ple_embedding = NGramEmbedding(self.table_rows, d, mult, sizes, offsets)
-        self.key_proj = nn.Linear(de, w, bias=False)
-        self.value_proj = nn.Linear(de, h, bias=False)
+        # hyserve Linear layers taking their method from the model's quantization config by name (FP8 where an FP8
+        # checkpoint's quantization_config quantizes them); replicated on every rank.
+        quant = getattr(cfg, "quantization", None)
+        self.key_proj = Linear(de, w, quant=quant, prefix=f"{prefix}.key_proj")
+        self.value_proj = Linear(de, h, quant=quant, prefix=f"{prefix}.value_proj")
         self.norm_key = GroupedRMSNorm(w, h, cfg.rms_norm_eps)
         self.norm_query = GroupedRMSNorm(w, h, cfg.rms_norm_eps)
         self.norm_conv = GroupedRMSNorm(w, h, cfg.rms_norm_eps)

@@ -67,7 +67,7 @@ class Qwen4ExpMTPHead(nn.Module):
         self.pre_fc_norm_hidden = GroupedRMSNorm(s * h, h, eps)  # per stream: see the module docstring
         self.layers = nn.ModuleList([Qwen4ExpDecoderLayer(layer_cfg, i, self.rotary, f"mtp.layers.{i}")
                                      for i in range(n)])
-        self.hyper_connection_mixer = _gated_residual(cfg, use_combine=False)
+        self.hyper_connection_mixer = _gated_residual(cfg, "mtp.hyper_connection_mixer", use_combine=False)
 
     @property
     def attention(self) -> Attention:
