@@ -65,6 +65,11 @@ class ModelConfig:
     ssm_state_dtype: str = "float32"
 
     @property
+    def image_refusal(self) -> str | None:
+        """Why this checkpoint refuses image input although it has a vision tower (None: it takes images)."""
+        return None
+
+    @property
     def residual_width(self) -> int:
         """Elements per token of what the model's forward returns and pipeline stages hand over (the hidden
         states the LM head and the draft head read): ``hidden_size``, or wider for a family with several residual

@@ -175,6 +175,7 @@ class LLM:
             # Every conversation's images are counted before any is read (hyserve.multimodal.chat).
             template_messages, images = chat_inputs(
                 conv, limit=config.image_limit, accepts_images=engine.model_config.multimodal is not None,
+                refusal=engine.model_config.image_refusal,
                 allowed_domains=config.allowed_media_domains, allowed_local_path=config.allowed_local_media_path,
                 where="messages" if len(conversations) == 1 else f"messages[{c}]")
             text = tok.apply_chat_template(template_messages if images else conv,

@@ -361,6 +361,8 @@ class LLMEngine:
         Reads the engine's configuration only, so a server runs it off the engine's thread and passes the result
         as ``{"prompt_token_ids": ids, "multi_modal_inputs": inputs}``."""
         mm_config = self.model_config.multimodal
+        if self.model_config.image_refusal is not None:
+            raise ValueError(self.model_config.image_refusal)
         if mm_config is None:
             raise ValueError("image input is off (--limit-mm-per-prompt image=0)" if self.config.image_limit == 0
                              else "this checkpoint has no vision tower (its config.json has no vision_config): "
@@ -376,6 +378,8 @@ class LLMEngine:
     def _check_prepared(self, ids: list[int], prepared: Any) -> MultimodalPrompt:
         """``multi_modal_inputs`` from ``prepare_images``: its spans must be runs of image tokens of these ids."""
         mm_config = self.model_config.multimodal
+        if self.model_config.image_refusal is not None:
+            raise ValueError(self.model_config.image_refusal)
         if not isinstance(prepared, MultimodalPrompt) or mm_config is None:
             raise ValueError("multi_modal_inputs must come from prepare_images on an engine with image input")
         token = mm_config.image_token_id

@@ -185,10 +185,14 @@ def parse_messages(messages: Sequence[Mapping[str, Any]], *, part_types: Collect
 # ---------------------------------------------------------------------------------------------- checks and loading
 
 
-def check_images(refs: Sequence[ImageRef], *, limit: int, accepts_images: bool = True) -> None:
-    """Refuse images for a model that takes none and more than ``limit`` per prompt, before any is read."""
+def check_images(refs: Sequence[ImageRef], *, limit: int, accepts_images: bool = True,
+                 refusal: str | None = None) -> None:
+    """Refuse images for a model that takes none (``refusal``: why one with a vision tower takes none) and more
+    than ``limit`` per prompt, before any is read."""
     if not refs:
         return
+    if refusal is not None:
+        raise ContentPartError(f"{refs[0].where}: {refusal}", refs[0].where)
     if not accepts_images:
         why = ("image input is off (--limit-mm-per-prompt image=0)" if limit == 0 else
                "this model takes text only (its checkpoint has no vision tower): image parts need a "
@@ -215,13 +219,14 @@ def load_images(refs: Sequence[ImageRef], *, allowed_domains: Sequence[str] | No
 
 
 def chat_inputs(messages: Sequence[Mapping[str, Any]], *, limit: int, accepts_images: bool = True,
-                allowed_domains: Sequence[str] | None = None, allowed_local_path: str | None = None,
+                refusal: str | None = None, allowed_domains: Sequence[str] | None = None,
+                allowed_local_path: str | None = None,
                 part_types: Collection[str] = OFFLINE_PART_TYPES, where: str = "messages"
                 ) -> tuple[list[dict[str, Any]], list[Image.Image]]:
     """``parse_messages``, ``check_images`` and ``load_images`` in that order: the template messages and the loaded
     images of one conversation (``LLM.chat``)."""
     parsed = parse_messages(messages, part_types=part_types, where=where)
-    check_images(parsed.images, limit=limit, accepts_images=accepts_images)
+    check_images(parsed.images, limit=limit, accepts_images=accepts_images, refusal=refusal)
     images = load_images(parsed.images, allowed_domains=allowed_domains, allowed_local_path=allowed_local_path)
     return parsed.messages, images
 

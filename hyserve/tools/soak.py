@@ -550,7 +550,12 @@ def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int
     run_s = time.perf_counter() - t_start
 
     replays: list[Completion | None] | None = None
-    finished = [r for r in records if r.abort is None]  # aborted requests are not replayed: not checked
+    # Aborted requests are not replayed (not checked), nor are those that errored (counted as errors, not compared):
+    # a prompt the server refused (a 400) would stop the replay engine with the same error.
+    def replayable(r: TurnRecord) -> bool:
+        return r.abort is None and r.completion.error is None and r.completion.token_ids is not None
+
+    finished = [r for r in records if replayable(r)]
     if args.replay:
         done: list[Completion] | None = None
         if args.replay_url is not None:
@@ -570,7 +575,7 @@ def _run(args: argparse.Namespace, spec: WorkloadSpec, model: str | None) -> int
                            "counts as corruption")
         if done is not None:
             it = iter(done)
-            replays = [None if r.abort is not None else next(it) for r in records]
+            replays = [next(it) if replayable(r) else None for r in records]
     tol = args.tol if args.tol is not None else (TOL_FLOAT32 if engine_dtype == "float32" else TOL_LOW_PRECISION)
 
     reference: ReferenceFn | None = None

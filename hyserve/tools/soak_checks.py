@@ -147,13 +147,31 @@ def _near_tie(tokens: list[int], replay: Completion, pos: int, tol: float) -> bo
     return lps[theirs] - lps[mine] <= tol
 
 
+def load_family_reference(model_dir: str) -> Any:
+    """The checkpoint's family's transformers reference: Qwen4-Exp's (transformers 5.24 in its own process, its
+    ``model_type`` ``qwen4_exp`` or ``qwen4_exp_text``), else Qwen3.5's (transformers 5.17 in this one), which would
+    load a Qwen4-Exp checkpoint with its missing tensors freshly initialized and fail every request."""
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model_type = str(json.load(f).get("model_type", ""))
+    if model_type.startswith("qwen4_exp"):
+        from hyserve.testing.qwen4_exp import load_qwen4_exp_reference
+
+        return load_qwen4_exp_reference(model_dir)
+    from hyserve.testing import load_reference_model
+
+    return load_reference_model(model_dir)
+
+
 def make_reference_check(model_dir: str, tol: float) -> ReferenceFn:
     """A teacher-forced check against transformers' float32 forward (``hyserve.testing``)."""
     import torch
 
-    from hyserve.testing import load_reference_model, reference_logits
+    from hyserve.testing import reference_logits
 
-    ref = load_reference_model(model_dir)
+    ref = load_family_reference(model_dir)
 
     def check(prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any]:
         logits = reference_logits(ref, list(prompt_ids) + list(output_ids)[:-1])[len(prompt_ids) - 1:]

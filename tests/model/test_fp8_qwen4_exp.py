@@ -19,7 +19,6 @@ import torch
 from hyserve import SamplingParams
 from hyserve.layers.hyper_connection import GatedResidual
 from hyserve.layers.quantization.fp8 import Fp8LinearMethod
-from hyserve.model.qwen4_exp import Qwen4ExpForCausalLM
 from hyserve.model.registry import load_model_config
 from hyserve.testing.engine import make_llm, random_prompts
 from hyserve.testing.fp8 import FP8, assert_close_to_fp8_reference

@@ -292,7 +292,8 @@ async def render_chat(ctx: ServerContext, body: ChatCompletionRequest, messages:
 def check_chat_images(ctx: ServerContext, parsed: ParsedChat) -> None:
     """Refuse images for a text-only model and over ``--limit-mm-per-prompt``, before any is read."""
     try:
-        check_images(parsed.images, limit=ctx.engine.config.image_limit, accepts_images=ctx.mm_config is not None)
+        check_images(parsed.images, limit=ctx.engine.config.image_limit, accepts_images=ctx.mm_config is not None,
+                     refusal=ctx.engine.model_config.image_refusal)
     except ContentPartError as e:
         raise APIError(str(e), param=e.param) from e
 

@@ -1,0 +1,126 @@
+"""Issue report 1's serve line (``VLLM_PP_LAYER_PARTITION=13,13,13,9 vllm serve MODEL --pipeline-parallel-size 4
+--max-num-seqs 8 --enable-prefix-caching --mamba-cache-mode align --speculative-config '{"method": "mtp",
+"num_speculative_tokens": 4}' --compilation-config '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'``, async scheduling
+being vLLM's default) with ``hyserve`` in vllm's place, on a tiny Qwen4-Exp VLM checkpoint with an MTP head (nine
+layers split 3,3,2,1), on the CPU (the stages' graphs emulated), asked with the official ``openai`` client: chat
+and completions (text), the prefix cache hit by a repeated prompt. Every flag of the line is accepted (the
+startup log names the partition, the graph mode and align). Images: Qwen4-Exp's QSA attention takes text positions
+only, so an image is refused at admission with a clear error while the server goes on serving."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import httpx
+import openai
+import pytest
+
+from hyserve.testing import png_data_url, tiny_png
+from hyserve.testing.qwen4_exp import write_tiny_qwen4_exp_checkpoint
+from hyserve.testing.server import child_pids, free_port, process_gone, wait_up
+
+GDN, ATTN = "linear_attention", "full_attention"
+NINE = [GDN, GDN, ATTN, GDN, GDN, ATTN, GDN, ATTN, GDN]
+SEED_1_FLAGS = ["--pipeline-parallel-size", "4", "--max-num-seqs", "8", "--enable-prefix-caching",
+                "--mamba-cache-mode", "align", "--speculative-config",
+                '{"method": "mtp", "num_speculative_tokens": 4}',
+                "--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}', "--async-scheduling"]
+
+
+class Served:
+    def __init__(self, url: str, log: IO[str], proc: subprocess.Popen[str]) -> None:
+        self.url, self.log, self.proc = url, log, proc
+
+    def client(self, timeout: float = 60) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    path = write_tiny_qwen4_exp_checkpoint(tmp_path_factory.mktemp("qwen4_serve") / "ckpt", form="vlm",
+                                           layer_types=NINE, ple_layer_ids=[2, 5, 9], indexer_n_heads=8,
+                                           with_mtp=True)
+    assert Path(path, "preprocessor_config.json").exists()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(VLLM_PP_LAYER_PARTITION="3,3,2,1", OMP_NUM_THREADS="1", HYSERVE_EMULATE_CUDA_GRAPHS="1")
+    with tempfile.TemporaryFile("w+") as log:  # a file: nobody has to drain it while the tests run
+        proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
+                                 str(port), "--served-model-name", "flash-next", *SEED_1_FLAGS,
+                                 "--shutdown-timeout", "5"],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            wait_up(proc, url)
+            workers = child_pids(proc.pid)
+            yield Served(url, log, proc)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)  # a wedged engine (the image test) does not stop on SIGTERM
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        assert all(process_gone(pid) for pid in workers)
+
+
+def test_every_flag_of_the_line_is_taken(served: Served) -> None:
+    log = served.log_text()
+    assert "VLLM_PP_LAYER_PARTITION=3,3,2,1: the 4 pipeline stages hold 3, 3, 2, 1 decoder layers" in log
+    assert "cudagraph_mode=FULL_AND_PIECEWISE" in log and "--mamba-cache-mode align" in log
+    assert "speculative decoding: mtp, 4 tokens per step" in log and "async scheduling is on" in log
+    assert "max_num_seqs 8" in log and "prefix cache:" in log
+    assert "WARNING" not in log and "refused" not in log, log
+
+
+def test_chat_and_completions_with_the_openai_client(served: Served) -> None:
+    client = served.client()
+    assert [m.id for m in client.models.list().data] == ["flash-next"]
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 4},
+                {"role": "user", "content": "Name three rivers."}]
+    first = client.chat.completions.create(model="flash-next", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=16, temperature=0)
+    again = client.chat.completions.create(model="flash-next", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=16, temperature=0)
+    assert first.choices[0].finish_reason in ("length", "stop")
+    assert first.usage is not None and first.usage.completion_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 16  # the prefix cache hit
+    done = client.completions.create(model="flash-next", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length" and done.usage is not None
+    assert done.usage.completion_tokens == 24
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="flash-next", prompt="Once upon a time", max_tokens=24, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == done.choices[0].text
+    assert served.metric("hyserve:spec_decode_num_draft_tokens") > 0  # MTP 4 drafted on the last stage
+
+
+def test_an_image_is_refused_clearly_and_the_server_goes_on(served: Served) -> None:
+    client = served.client(timeout=30)
+    image = {"type": "image_url", "image_url": {"url": png_data_url(tiny_png(32, 32, 0))}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="flash-next", max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is in it?"}, image]}])  # type: ignore[list-item,misc]
+    assert "image" in str(err.value) and ("QSA" in str(err.value) or "Qwen4" in str(err.value))
+    after = client.chat.completions.create(model="flash-next", max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "still there?"}])
+    assert after.choices[0].message.content is not None
