@@ -152,6 +152,7 @@ class _Proc:
         self.process = process
         self.conn = conn
         self.pending: deque[str] = deque()  # kinds of the messages sent and not answered yet, in order
+        self.early: deque[tuple[str, Any]] = deque()  # answers read while waiting for another worker, in order
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
@@ -189,17 +190,35 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------------ messages
 
     def _recv(self, p: _Proc) -> tuple[str, Any]:
-        """The next answer of worker ``p``; WorkerError if it or any other worker dies (the others would wait for
-        it in a collective), or if it says nothing for ``timeout_s``."""
+        """The next answer of worker ``p``; WorkerError if it or any other worker dies or reports an error (the
+        others would wait for it in a collective or a pipeline handover: a failed first stage leaves the last one
+        waiting for its activations), or if ``p`` says nothing for ``timeout_s``. Other workers' answers read
+        meanwhile are kept, in order, for their own turn."""
+        if p.early:
+            return p.early.popleft()
         deadline = time.monotonic() + self.timeout_s
-        while not p.conn.poll(self.poll_interval_s):
-            for q in [p, *self._procs]:
-                if not q.is_alive():
-                    raise WorkerError(q.rank, f"the process died (exit code {q.process.returncode})")
-            if time.monotonic() > deadline:
-                raise WorkerError(p.rank, f"no answer within {self.timeout_s:.0f} s")
+        while True:
+            ready = multiprocessing.connection.wait([q.conn for q in self._procs], self.poll_interval_s)
+            if p.conn in ready:
+                return self._read(p)
+            for q in self._procs:
+                if q.conn in ready:
+                    kind, payload = self._read(q)
+                    if kind == "error":
+                        q.pending.popleft()
+                        raise WorkerError(q.rank, payload)
+                    q.early.append((kind, payload))
+            if not ready:
+                for q in [p, *self._procs]:
+                    if not q.is_alive():
+                        raise WorkerError(q.rank, f"the process died (exit code {q.process.returncode})")
+                if time.monotonic() > deadline:
+                    raise WorkerError(p.rank, f"no answer within {self.timeout_s:.0f} s")
+
+    @staticmethod
+    def _read(p: _Proc) -> tuple[str, Any]:
         try:
-            return p.conn.recv()
+            return p.conn.recv()  # type: ignore[no-any-return]
         except (EOFError, OSError) as e:
             raise WorkerError(p.rank, f"the process died (exit code {p.process.poll()}): {e}") from e
 

@@ -149,3 +149,30 @@ def test_a_group_port_taken_before_rank_0_binds_it_is_chosen_again(ckpts: Checkp
     with pytest.raises(WorkerError, match="bad checkpoint"):
         make_llm(ckpts.get(), tensor_parallel_size=2, distributed_executor_backend="mp")
     assert len(addresses) == 3  # not retried
+
+
+def test_a_failing_first_stage_is_an_error_not_a_hang(ckpts: CheckpointCache, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Pipeline stages: the first stage fails in its step (its handover raises, in the worker processes through
+    ``sitecustomize``) while the last one waits for its activations; the engine reports the first stage's error
+    within seconds instead of waiting on the last stage."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        from hyserve.distributed.parallel_state import StageLink
+
+        def broken(self, residual, pending):
+            raise RuntimeError("planted handover failure")
+
+        StageLink.send = broken
+    """))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    llm = make_llm(ckpts.get(), pipeline_parallel_size=2, pp_layer_partition=[2, 2])
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0.0, max_tokens=2))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match=r"worker rank 0: RuntimeError: planted handover failure"):
+            for _ in range(4):
+                engine.step()
+        assert type(engine.executor).__name__ == "MultiprocExecutor"
+        assert time.monotonic() - t0 < 30
+    finally:
+        llm.shutdown()
