@@ -59,8 +59,8 @@ class Qwen4ExpDecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg, f"{prefix}.mlp")
         ple_index = cfg.ple_index(layer_idx)
         self.ple = PerLayerEmbedding(cfg, ple_index, f"{prefix}.ple") if ple_index is not None else None
-        self.attn_hyper_connection = _gated_residual(cfg, f"{prefix}.attn_hyper_connection")
-        self.mlp_hyper_connection = _gated_residual(cfg, f"{prefix}.mlp_hyper_connection")
+        self.attn_hyper_connection = gated_residual(cfg, f"{prefix}.attn_hyper_connection")
+        self.mlp_hyper_connection = gated_residual(cfg, f"{prefix}.mlp_hyper_connection")
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """``x``: the (T, S * H) streams; ``input_ids``: the step's tokens (the PLE n-grams read them)."""
@@ -74,7 +74,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
         return GatedResidual.inject_into(x, self.mlp(h), w)
 
 
-def _gated_residual(cfg: Qwen4ExpConfig, prefix: str, use_combine: bool = True) -> GatedResidual:
+def gated_residual(cfg: Qwen4ExpConfig, prefix: str, use_combine: bool = True) -> GatedResidual:
     """``prefix``: the module's checkpoint name (its projections take their linear method by name)."""
     return GatedResidual(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps, use_combine,
                          quant=cfg.quantization, prefix=prefix)
@@ -103,7 +103,7 @@ class Qwen4ExpTextModel(TextModel):
                                      for i in range(cfg.num_hidden_layers)])
         self._own_layers = list(self.layers)[self.start : self.end]
         self.norm = None
-        self.hyper_connection_mixer = (_gated_residual(cfg, "model.hyper_connection_mixer", use_combine=False)
+        self.hyper_connection_mixer = (gated_residual(cfg, "model.hyper_connection_mixer", use_combine=False)
                                        if self.is_last else None)
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata,

@@ -43,7 +43,7 @@ from hyserve.layers.norm import GroupedRMSNorm, RMSNorm
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.mrope import text_rotary, with_image_rows
 from hyserve.model.mtp import load_mtp_weights
-from hyserve.model.qwen4_exp import Qwen4ExpDecoderLayer, _gated_residual
+from hyserve.model.qwen4_exp import Qwen4ExpDecoderLayer, gated_residual
 from hyserve.model.qwen4_exp_config import qwen4_exp_config
 
 __all__ = ["Qwen4ExpMTPHead", "load_qwen4_exp_mtp_weights"]
@@ -67,7 +67,7 @@ class Qwen4ExpMTPHead(nn.Module):
         self.pre_fc_norm_hidden = GroupedRMSNorm(s * h, h, eps)  # per stream: see the module docstring
         self.layers = nn.ModuleList([Qwen4ExpDecoderLayer(layer_cfg, i, self.rotary, f"mtp.layers.{i}")
                                      for i in range(n)])
-        self.hyper_connection_mixer = _gated_residual(cfg, "mtp.hyper_connection_mixer", use_combine=False)
+        self.hyper_connection_mixer = gated_residual(cfg, "mtp.hyper_connection_mixer", use_combine=False)
 
     @property
     def attention(self) -> Attention:

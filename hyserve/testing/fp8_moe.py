@@ -243,7 +243,7 @@ def _dequantized_moe_model(tensors: dict[str, torch.Tensor], raw: dict[str, Any]
     return model
 
 
-def _experts_forward(mode: str, down_mode: str, down_group: int, group: int) -> Any:
+def experts_forward(mode: str, down_mode: str, down_group: int, group: int) -> Any:
     """transformers' ``Qwen3_5MoeExperts.forward`` with each expert's inputs quantized to FP8 and back."""
 
     def forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -300,6 +300,6 @@ def load_fp8_moe_reference(path: str | os.PathLike[str], tensor_parallel_size: i
             down_mode, group = mode, block[1]
             if not blocked and tensor_parallel_size > 1 and not expert_parallel:
                 down_mode, group = "group", m.intermediate_dim // tensor_parallel_size
-            forward = _experts_forward(mode, down_mode, group, block[1])
+            forward = experts_forward(mode, down_mode, group, block[1])
             m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
     return emulate(model, modes, tensor_parallel_size, block[1])  # type: ignore[arg-type,return-value]

@@ -192,7 +192,7 @@ def load_fp8_qwen4_exp_reference(path: str | os.PathLike[str], dequantized: str 
 def _emulate(model: Any, path: str) -> dict[str, str]:
     """Install the activation quantization of ``path``'s ``fp8_activations.json`` on transformers' ``model``."""
     from hyserve.testing.fp8 import fake_quantize
-    from hyserve.testing.fp8_moe import _experts_forward
+    from hyserve.testing.fp8_moe import experts_forward
 
     file = os.path.join(path, ACTIVATIONS_FILE)
     if not os.path.exists(file):
@@ -213,7 +213,7 @@ def _emulate(model: Any, path: str) -> dict[str, str]:
         if isinstance(m, torch.nn.Linear):
             m.register_forward_pre_hook(hook_for(mode, group))
         elif hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"):
-            m.forward = types.MethodType(_experts_forward(mode, mode, group, group), m)
+            m.forward = types.MethodType(experts_forward(mode, mode, group, group), m)
         else:
             raise ValueError(f"{ckpt}: FP8 in the checkpoint, but transformers' module is a {type(m).__name__}")
         done[ckpt] = mode
