@@ -419,12 +419,13 @@ def step_bytes(tensors: list[tuple[str, int]], tied: bool, share: float) -> int:
     """Bytes one batch-1 decode step reads of ``tensors`` (name, bytes): every text-model tensor and the LM head, the
     input embedding only as the tied LM head, not the vision tower or the MTP layer, and of the routed experts the
     ``share`` a token routes to (``moe_active_share``: a layer's experts are equal in size, so top-k of E reads k / E
-    of their bytes; the router, the shared expert and its gate are read whole)."""
+    of their bytes; the router, the shared expert and its gate are read whole). Qwen4-Exp's n-gram tables
+    (``ngram_embedding``) are embeddings: a token reads one row of each, not counted, like the input embedding."""
     total = 0.0
     for name, nbytes in tensors:
         if "visual" in name or name.startswith("mtp."):
             continue
-        if name.endswith("embed_tokens.weight") and not tied:
+        if name.endswith(("embed_tokens.weight", "ngram_embedding.weight")) and not (tied and "embed_tokens" in name):
             continue
         total += nbytes * share if EXPERTS in name else nbytes
     return round(total)
@@ -967,7 +968,7 @@ def measure(args: argparse.Namespace) -> int:
         _release()
 
     def main_group() -> None:
-        eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=False,
+        eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=args.prefix_caching,
                      max_num_seqs=max([*batches, args.prefill_prompts]), **common)
         res["version"] = eng.version
         fig["first_start_s"] = eng.start_s
@@ -1368,6 +1369,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the agent trace's KV cache (both engines take the same name)")
     m.add_argument("--max-model-len", type=int, default=8192)
+    m.add_argument("--prefix-caching", action="store_true",
+                   help="decode, bound and prefill with prefix caching on (its bookkeeping and the states it "
+                        "snapshots; random prompts, so nothing is found in the cache)")
     m.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                    help="dummy: random weights from config.json alone (a `write --no-weights` model; the "
                         "weights-bandwidth bound still holds, outputs are not meaningful)")

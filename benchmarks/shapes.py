@@ -58,7 +58,30 @@ SHAPE_NEXT_80B: dict[str, Any] = dict(
     partial_rotary_factor=0.25, hidden_act="silu", attention_bias=False, num_nextn_predict_layers=1,
     bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
 )
-MOE_SHAPES = {"35b-a3b": SHAPE_35B_A3B, "next-80b": SHAPE_NEXT_80B}
+# Qwen4-Exp (issue 32) at the size of the first report's model as its PP split says (48 layers: 13, 13, 13, 9), with
+# transformers 5.24's defaults for the rest (Qwen4ExpTextConfig: hidden 2048, 16/2 heads of 256, GDN 16x128 keys
+# and 32x128 values, 512 experts of 512 top 10, a shared expert of 512, 4 residual streams of rank 128 (hc_lowrank's
+# default), n-grams of 3 tokens with 4 hash heads per order, a PLE width of 2048). Not published, so chosen here and
+# stated: PLE on four GDN layers (1-indexed 2, 14, 26, 38), each PLE layer's n-gram tables started at 1M rows
+# instead of 20M (8 tables of 1M x 256 per layer: 2.1G parameters a layer instead of 41G, the card's memory; the
+# gather reads one row per table and token either way), QSA on the 12 attention layers with an indexer of 16 heads
+# of 128, blocks of 4 tokens and a budget of 2,048 tokens, one MTP layer. Text only (``Qwen4ExpForCausalLM``).
+_QWEN4_LAYERS = 48
+SHAPE_QWEN4_EXP: dict[str, Any] = dict(
+    architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text",
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=_QWEN4_LAYERS,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(_QWEN4_LAYERS)],
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, norm_topk_prob=True, hc_count=4, hc_lowrank=128,
+    ple_layer_ids=[2, 14, 26, 38], ple_embed_dim=2048, ple_conv_kernel_size=4, ngram_size=3, heads_per_ngram=4,
+    ngram_vocab_size_base=1_000_000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=4, seed=1234,
+    indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+    rms_norm_eps=1e-6, max_position_embeddings=262144, rope_parameters=_QWEN35_ROPE, tie_word_embeddings=False,
+    mtp_num_hidden_layers=1, eos_token_id=248044, bos_token_id=None, pad_token_id=None, dtype="bfloat16",
+)
+MOE_SHAPES = {"35b-a3b": SHAPE_35B_A3B, "next-80b": SHAPE_NEXT_80B, "qwen4-exp": SHAPE_QWEN4_EXP}
 # The one-block vision tower the VLM form carries for text-only runs (peer_bench.py's ``toy``).
 TOY_VISION: dict[str, Any] = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2)
 # Block FP8 as Qwen's -FP8 releases write it (docs/fp8_facts.md sections 6-7): 128 x 128 weight blocks, dynamic
@@ -119,6 +142,26 @@ def _write_next_config(path: str, shape: dict[str, Any], fp8: bool) -> dict[str,
     return raw
 
 
+def _write_qwen4_exp_config(path: str, shape: dict[str, Any], fp8: bool) -> dict[str, Any]:
+    """Qwen4-Exp's text-only config.json, with Qwen's block FP8 when ``fp8``: kept in bf16 what Qwen3.5's FP8
+    releases keep, and the hyper-connection linears (as ``hyserve.testing.fp8_qwen4_exp`` writes its checkpoints)."""
+    raw = dict(shape)
+    if fp8:
+        n = int(shape["num_hidden_layers"])
+        kept = fp8_modules_to_not_convert({**shape, "full_attention_interval": 4}, 0,
+                                          mtp=int(shape["mtp_num_hidden_layers"]) > 0, prefix="model")
+        hc = ("input_mix_weight_down", "input_mix_weight_up", "block_inject_weight")
+        blocks = [f"model.layers.{i}.{b}" for i in range(n) for b in ("attn_hyper_connection", "mlp_hyper_connection")]
+        blocks += ["model.hyper_connection_mixer", "mtp.layers.0.attn_hyper_connection",
+                   "mtp.layers.0.mlp_hyper_connection", "mtp.hyper_connection_mixer"]
+        kept += [f"{b}.{m}" for b in blocks for m in hc]
+        raw["quantization_config"] = _fp8_config(kept)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=2)
+    return raw
+
+
 def write_moe_config(path: str, name: str, fp8: bool = False) -> dict[str, Any]:
     """config.json of MoE shape ``name``: Qwen3.5-MoE's in the VLM form (``Qwen3_5MoeForConditionalGeneration``:
     ``text_config``, a one-block ``vision_config``, the vision token ids) with the processor files vLLM's front end
@@ -128,6 +171,8 @@ def write_moe_config(path: str, name: str, fp8: bool = False) -> dict[str, Any]:
     shape = dict(MOE_SHAPES[name])
     if shape.get("model_type") == "qwen3_next":
         return _write_next_config(path, shape, fp8)
+    if shape.get("model_type") == "qwen4_exp_text":
+        return _write_qwen4_exp_config(path, shape, fp8)
     from transformers import Qwen2VLImageProcessor, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
     mtp = int(shape.pop("mtp_num_hidden_layers"))

@@ -365,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draw each draft token's verdict (accepted w.p. the rate) instead of planting drafts: for "
                          "random weights, where the speculative run's greedy output parts from the plain one and "
                          "planted drafts stop matching (the outputs are then not compared)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="both engines with prefix caching on (its bookkeeping and state snapshots; random prompts)")
     ap.add_argument("--no-diagnosis", action="store_true",
                     help="where outputs differ, skip the batch-1 diagnosis (two more engine starts)")
     return ap
@@ -377,7 +379,8 @@ def main() -> int:
     method = args.method if args.method != "auto" else ("mtp" if has_mtp(model) else "ngram")
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
     sync = args.device == "cuda" and args.sync_steps
-    common: dict[str, Any] = dict(model=model, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
+    common: dict[str, Any] = dict(model=model, device=args.device, dtype=args.dtype,
+                                  enable_prefix_caching=args.prefix_caching,
                                   max_num_seqs=64, max_model_len=args.prompt_len + args.max_tokens + 64)
     if args.async_scheduling:
         common["async_scheduling"] = True
