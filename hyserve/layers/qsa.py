@@ -39,6 +39,8 @@ from torch import nn
 
 from hyserve.cache.specs import AttentionSpec
 from hyserve.kernels import store_kv
+from hyserve.kernels.attention import paged_attention
+from hyserve.kernels.attention.qsa import qsa_attention, qsa_block_scores, uses_triton
 from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
 from hyserve.kernels.rope import apply_rope
 from hyserve.kernels.varlen import row_index
@@ -132,7 +134,7 @@ class IndexedAttention(Attention):
         out = indexed_attention(
             q, iq, self.k_cache, self.v_cache, self.index_cache, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, self.scale, self.indexer.k_layernorm, inv_freq, self.budget, self.compress_ratio,
-            meta.max_seq_len, self.k_scale, self.v_scale)
+            meta.max_seq_len, self.k_scale, self.v_scale, max_query_len=meta.max_query_len)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
@@ -339,6 +341,8 @@ def indexed_attention(
     max_seq_len: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    kernels: bool | None = None,
 ) -> torch.Tensor:
     """``indexed_attention_ref``'s result without a host synchronization: every shape and loop bound comes from host
     ints (the token count, the row count, ``max_seq_len`` >= every row's context), so the same code runs on the CPU,
@@ -349,11 +353,16 @@ def indexed_attention(
       them all (float32, as the reference), blocks it does not see completely masked to ``-inf``, and a stable
       descending sort picks its ``budget // c`` best (equal scores: the earlier block, whatever else the step holds).
     * A query attends to at most ``budget + c - 1`` positions (its chosen blocks and its tail, or its whole causal
-      prefix when it sees at most ``budget // c`` complete blocks), so the attention gathers exactly those positions'
-      K and V, ``S = min(budget + c - 1, max_seq_len)`` per token, and runs a masked float32 softmax over them.
+      prefix when it sees at most ``budget // c`` complete blocks), ``S = min(budget + c - 1, max_seq_len)`` lanes
+      per token, with a float32 softmax over them.
+    * When no query of the step can see more than ``budget // c`` complete blocks (``max_seq_len // c <= budget //
+      c``) every query attends to its whole causal prefix: ordinary paged attention
+      (:func:`hyserve.kernels.attention.paged_attention`, given ``max_query_len``).
 
-    Tokens are processed in tiles of a static size (``QSA_TILE_ELEMENTS``), so a step materializes
-    O(tokens x (max_seq_len / c + budget)) elements per tile row, never tokens x max_seq_len x heads at once.
+    ``kernels`` (default: :func:`hyserve.kernels.attention.qsa.uses_triton`, CUDA or the Triton interpreter): the
+    scores and the attention in Triton kernels (``qsa_block_scores``, ``qsa_attention``), which read the block keys,
+    K and V in place; otherwise in torch, gathering each token's block keys, K and V. Tokens are processed in tiles of
+    a static size (``QSA_TILE_ELEMENTS``), so a step never materializes tokens x max_seq_len x heads at once.
     """
     t, hq, d = q.shape
     nblocks, bs, hkv, _ = k_cache.shape
@@ -366,6 +375,10 @@ def indexed_attention(
     top = budget // c
     nbk = max_seq_len // c  # the most complete blocks any query of the step sees
     sparse_possible = nbk > top
+    if not sparse_possible and max_query_len is not None:
+        return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+                               max_seq_len, k_scale=k_scale, v_scale=v_scale)
+    use_kernels = uses_triton(q) if kernels is None else kernels
     span = min(budget + c - 1, max_seq_len)
     flat_k = k_cache.view(nblocks * bs, hkv, d)
     flat_v = v_cache.view(nblocks * bs, hkv, d)
@@ -378,11 +391,14 @@ def indexed_attention(
     block_keys = (pool_block_keys_batched(index_cache, block_tables, nbk, c, k_norm, inv_freq)
                   if sparse_possible else None)
     lanes = torch.arange(span, device=dev, dtype=torch.int64)
-    blocks = torch.arange(nbk, device=dev, dtype=torch.int64)
     in_block = torch.arange(c, device=dev, dtype=torch.int64)
-    per_token = max(2 * span * hkv * d, hq * span, nbk * max(di, iq.shape[1]))
+    if use_kernels:  # per token: the scores, the sort's values and indices, the lanes
+        per_token = 4 * max(nbk, span)
+    else:  # per token: the gathered K and V, the logits, the gathered block keys
+        per_token = max(2 * span * hkv * d, hq * span, nbk * max(di, iq.shape[1]))
     step = _tile(per_token, t)
     parts = []
+    positions = torch.empty((t, span), dtype=torch.int32, device=dev) if use_kernels else None
     for a in range(0, t, step):
         b = min(t, a + step)
         m = b - a
@@ -391,9 +407,13 @@ def indexed_attention(
         pos = lanes[None, :].expand(m, span)
         valid = pos <= qp[:, None]
         if block_keys is not None:
-            keys = block_keys[rt].float()  # (m, nbk, di)
-            scores = torch.relu(torch.einsum("mhd,mjd->mhj", iq[a:b].float(), keys)).sum(dim=1) / math.sqrt(di)
-            scores = scores.masked_fill(blocks[None, :] >= vis[:, None], float("-inf"))
+            if use_kernels:
+                scores = qsa_block_scores(iq[a:b], block_keys, rt, vis)
+            else:
+                keys = block_keys[rt].float()  # (m, nbk, di)
+                scores = torch.relu(torch.einsum("mhd,mjd->mhj", iq[a:b].float(), keys)).sum(dim=1) / math.sqrt(di)
+                blocks = torch.arange(nbk, device=dev, dtype=torch.int64)
+                scores = scores.masked_fill(blocks[None, :] >= vis[:, None], float("-inf"))
             best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top]
             best = torch.sort(best, dim=1).values  # ascending: the positions in order
             chosen = (best[:, :, None] * c + in_block[None, None, :]).reshape(m, top * c)
@@ -403,6 +423,9 @@ def indexed_attention(
             sparse = (vis > top)[:, None]
             pos = torch.where(sparse, sp_pos, pos)
             valid = torch.where(sparse, sp_valid, valid)
+        if positions is not None:
+            positions[a:b] = torch.where(valid, pos, -1)
+            continue
         # Masked lanes read the query's own (just written) slot: finite values with zero weight.
         pos = torch.where(valid, pos, qp[:, None])
         slots = _paged_slots(block_tables, pos, bs, nblocks, rt)
@@ -414,4 +437,6 @@ def indexed_attention(
         probs = torch.softmax(att, dim=-1)
         o = torch.einsum("mhgs,mshd->mhgd", probs, vv).reshape(m, hq, d)
         parts.append(o.to(q.dtype))
+    if positions is not None:
+        return qsa_attention(q, k_cache, v_cache, block_tables, rows, positions, scale, k_scale, v_scale)
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -616,3 +616,138 @@ def test_the_layer_forward_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> 
     _close(b, refs[1].y[26:27])
     with pytest.raises(AssertionError, match="host sync"), no_host_sync(monkeypatch):
         torch.tensor([1, 0]).nonzero()  # the guard does catch one
+
+
+# ------------------------------------------------------------------------------------- the kernels (interpreter)
+
+def test_dense_steps_take_plain_paged_attention_and_agree() -> None:
+    """When no query of the step can see more complete blocks than the budget takes, the layer's function hands the
+    step to ``paged_attention`` (given ``max_query_len``): the same result as the per-row reference."""
+    import hyserve.layers.qsa as qsa
+
+    prob = dict(random_paged_problem(STEP_ROWS, seed=8), budget=64)  # 64 // 4 = 16 blocks >= 64 // 4 seen
+    want = qsa.indexed_attention_ref(**prob)
+    called = []
+    paged = qsa.paged_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        called.append(True)
+        return paged(*args, **kwargs)  # type: ignore[arg-type]
+
+    qsa.paged_attention = spy  # type: ignore[assignment]
+    try:
+        got = qsa.indexed_attention(**prob, max_seq_len=64, max_query_len=12, kernels=False)
+    finally:
+        qsa.paged_attention = paged  # type: ignore[assignment]
+    assert called == [True]
+    _close(got, want, tol=1e-5)
+    sparse = qsa.indexed_attention(**dict(prob, budget=8), max_seq_len=64, max_query_len=12, kernels=False)
+    assert not torch.allclose(sparse, got, atol=1e-3)  # with a budget the selection matters: not the dense result
+
+
+def run_kernel_checks() -> dict[str, list]:
+    """Under ``TRITON_INTERPRET=1``: the QSA kernels (``hyserve.kernels.attention.qsa``) inside ``indexed_attention``
+    against the per-row reference, and sabotaged calls that must differ. {name: [ok, message]}."""
+    import os
+
+    import hyserve.kernels.attention.qsa as kq
+    import hyserve.layers.qsa as qsa
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    out: dict[str, list] = {}
+
+    def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, differ: bool = False) -> None:
+        err = float((got.float() - want.float()).abs().max())
+        out[name] = [(err > 10 * tol) if differ else (err <= tol), f"max err {err:.3g}"]
+
+    for ties in (0, 20):
+        prob = random_paged_problem(STEP_ROWS, seed=31 + ties, tie_blocks=ties)
+        want = qsa.indexed_attention_ref(**prob)
+        check(f"fp32_ties{ties}", qsa.indexed_attention(**prob, max_seq_len=64, kernels=True), want, 1e-5)
+        below = kq._SPLIT_BELOW
+        kq._SPLIT_BELOW = 0  # one program per (token, kv head): the prefill form
+        try:
+            check(f"fp32_single_ties{ties}", qsa.indexed_attention(**prob, max_seq_len=64, kernels=True), want, 1e-5)
+        finally:
+            kq._SPLIT_BELOW = below
+    prob = random_paged_problem(STEP_ROWS, seed=5, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    prob["k_scale"] = torch.tensor([0.5, 2.0])
+    prob["v_scale"] = torch.tensor([1.5, 0.25])
+    check("bf16_fp8kv", qsa.indexed_attention(**prob, max_seq_len=60, kernels=True), qsa.indexed_attention_ref(**prob),
+          2e-2)
+    prob = random_paged_problem(STEP_ROWS, seed=6, dtype=torch.bfloat16)
+    check("bf16", qsa.indexed_attention(**prob, max_seq_len=64, kernels=True), qsa.indexed_attention_ref(**prob), 2e-2)
+    # The scores kernel alone, blocks past each token's view at -inf.
+    gen = torch.Generator().manual_seed(3)
+    iq, keys = torch.randn(7, 3, 16, generator=gen), torch.randn(2, 9, 16, generator=gen)
+    rows, vis = torch.tensor([0, 1, 1, 0, 1, 0, 0]), torch.tensor([9, 0, 4, 2, 9, 1, 5])
+    want = torch.relu(torch.einsum("thd,tjd->thj", iq, keys[rows])).sum(dim=1) / 4.0
+    want = want.masked_fill(torch.arange(9)[None, :] >= vis[:, None], float("-inf"))
+    got = kq.qsa_block_scores(iq, keys, rows, vis)
+    fin = torch.isfinite(want)
+    out["scores"] = [bool(torch.equal(fin, torch.isfinite(got)) and torch.allclose(got[fin], want[fin], atol=1e-5)),
+                     "finite where the reference is, equal there"]
+    # The attention kernel on each token's whole causal prefix (the dense reference), then sabotaged: every token
+    # reading row 0's block table, and the lanes one position early (a token missing itself) must differ.
+    from hyserve.kernels.varlen import row_index
+
+    prob = random_paged_problem(STEP_ROWS, seed=31)
+    want = qsa.indexed_attention_ref(**dict(prob, budget=64))
+    t = prob["q"].shape[0]
+    qsl = prob["query_start_loc"].to(torch.int64)
+    rows, ipos = row_index(qsl, t)
+    qpos = prob["seq_lens"].to(torch.int64)[rows] - (qsl[1:] - qsl[:-1])[rows] + ipos
+    lanes = torch.arange(200)[None, :].expand(t, 200)  # 4 splits of 64 lanes, the last ones empty
+    causal = torch.where(lanes <= qpos[:, None], lanes, -1).to(torch.int32)
+    early = torch.where((lanes >= 1) & (lanes <= qpos[:, None]), lanes - 1, -1).to(torch.int32)
+    for name, use_rows, pos, part in (("dense_splits", rows, causal, None), ("dense_single", rows, causal, 256),
+                                      ("row0_caught", torch.zeros_like(rows), causal, None),
+                                      ("early_caught", rows, early, None)):
+        got = kq.qsa_attention(prob["q"], prob["k_cache"], prob["v_cache"], prob["block_tables"], use_rows, pos,
+                               prob["scale"], part=part)
+        check(name, got, want, 1e-5, differ=name.endswith("caught"))
+    return out
+
+
+QSA_KERNEL_CHECKS = ["fp32_ties0", "fp32_single_ties0", "fp32_ties20", "fp32_single_ties20", "bf16_fp8kv",
+                     "bf16", "scores", "dense_splits", "dense_single", "row0_caught",
+                     "early_caught"]
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict[str, list]:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--kernel-checks"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", QSA_KERNEL_CHECKS)
+def test_qsa_kernels_under_the_interpreter(kernel_results: dict[str, list], name: str) -> None:
+    """The Triton scores and attention kernels (CUDA's path) on CPU tensors under the interpreter: equal to the
+    reference in float32 (split and single-program forms, with exact score ties), bf16 with an FP8 KV cache; a
+    token reading another row's table, or lanes one position off, differ."""
+    ok, msg = kernel_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if "--kernel-checks" in sys.argv:
+        print("RESULTS " + json.dumps(run_kernel_checks()))

@@ -92,7 +92,7 @@ def store_kv_triton(
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches must be contiguous in the head dim"
     fp8 = k_cache.dtype in FP8_KV_DTYPES
-    ks, vs = _kv_scales(k_cache, k_scale, v_scale, Hkv)
+    ks, vs = kv_scales(k_cache, k_scale, v_scale, Hkv)
     _store_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -104,7 +104,7 @@ def store_kv_triton(
     )  # fmt: skip
 
 
-def _kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+def kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' per-kv-head scale vectors: the given ones, or ones (an unscaled FP8 cache); the cache itself as
     a never-read placeholder for a cache in the model's dtype."""
@@ -195,7 +195,7 @@ def paged_attention_triton(
         return out
     group = Hq // Hkv
     fp8 = k_cache.dtype in FP8_KV_DTYPES
-    ks, vs = _kv_scales(k_cache, k_scale, v_scale, Hkv)
+    ks, vs = kv_scales(k_cache, k_scale, v_scale, Hkv)
     block_d = max(16, next_pow2(D))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * _LOG2E

@@ -16,6 +16,9 @@ contribute exactly zero instead of NaN. Products ``q k^T`` and ``p v`` use ``tl.
   otherwise it writes unnormalised partial sums plus (max, sum) and ``_paged_decode_reduce_kernel`` combines them.
 * ``_paged_prefill_kernel``: any row lengths. One program per (block of ``BLOCK_M`` query tokens, row, query head);
   keys beyond the block's last query position are never visited.
+* ``_qsa_scores_kernel`` and ``_qsa_attend_kernel``: Qwen4-Exp's indexed (QSA) attention (``hyserve.layers.qsa``):
+  each token's block scores against its row's pooled block keys, then attention over a per-token list of positions
+  (its selection), with the decode kernel's splits and reduction.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_paged_decode_kernel", "_paged_decode_reduce_kernel", "_paged_prefill_kernel", "_store_kv_kernel"]
+__all__ = ["_paged_decode_kernel", "_paged_decode_reduce_kernel", "_paged_prefill_kernel", "_qsa_attend_kernel",
+           "_qsa_scores_kernel", "_store_kv_kernel"]
 
 _NEG = tl.constexpr(-1.0e30)  # finite floor of the running max (a global must be a constexpr in @jit code)
 
@@ -224,3 +228,84 @@ def _paged_prefill_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (start + om)[:, None] * so_t + hq * so_h + od[None, :], o.to(out_ptr.dtype.element_ty),
              mask=qmask)  # fmt: skip
+
+
+@triton.jit
+def _qsa_scores_kernel(
+    iq_ptr, bk_ptr, rows_ptr, vis_ptr, out_ptr,
+    siq_t, siq_h, sbk_r, sbk_j, so_t, sqrt_d,
+    NBK, HI: tl.constexpr, HI_PAD: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_J: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, cdiv(NBK, BLOCK_J)). Token t's score of its row's block j: ``sum_h relu(iq[t, h] . bk[row, j]) /
+    sqrt_d`` (float32 products and sums), ``-inf`` for the blocks it does not see completely (``j >= vis[t]``)."""
+    t = tl.program_id(0)
+    jb = tl.program_id(1)
+    r = tl.load(rows_ptr + t).to(tl.int64)
+    vis = tl.load(vis_ptr + t)
+    oh = tl.arange(0, HI_PAD)
+    od = tl.arange(0, BLOCK_DI)
+    oj = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+    dmask = od < DI
+    q = tl.load(iq_ptr + t * siq_t + oh[:, None] * siq_h + od[None, :], mask=(oh < HI)[:, None] & dmask[None, :],
+                other=0.0)  # fmt: skip
+    k = tl.load(bk_ptr + r * sbk_r + oj[:, None].to(tl.int64) * sbk_j + od[None, :],
+                mask=(oj < NBK)[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (HI_PAD, BLOCK_J), padded heads give 0
+    tot = tl.sum(tl.maximum(s, 0.0), axis=0) / sqrt_d
+    tot = tl.where(oj < vis, tot, float("-inf"))
+    tl.store(out_ptr + t * so_t + oj, tot, mask=oj < NBK)
+
+
+@triton.jit
+def _qsa_attend_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, rows_ptr, pos_ptr, out_ptr, po_ptr, pml_ptr, ks_ptr, vs_ptr,
+    sq_t, sq_h, so_t, so_h, sp_t, sbt_r,
+    skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
+    spo_r, spo_h, spo_s, spml_r, spml_h, spml_s,
+    qk_scale, S,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, PART: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, Hkv, splits). Token t (of block-table row ``rows[t]``) attends to the positions ``pos[t, :S]``
+    (``-1``: an unused lane); split ``s`` covers lanes ``[s * PART, (s + 1) * PART)``. One split: the normalised
+    output; several: partial sums and (max, sum) per split, combined by ``_paged_decode_reduce_kernel`` (its rows
+    are the tokens)."""
+    t = tl.program_id(0)
+    hkv = tl.program_id(1)
+    sp = tl.program_id(2)
+    r = tl.load(rows_ptr + t).to(tl.int64)
+    lo = sp * PART
+    hi = tl.minimum(lo + PART, S)
+    og = tl.arange(0, G_PAD)
+    od = tl.arange(0, BLOCK_D)
+    gmask = og < GROUP
+    dmask = od < D
+    hq = hkv * GROUP + og
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + t * sq_t + hq[:, None] * sq_h + od[None, :], mask=qmask, other=0.0)
+    if FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr + hkv)
+    m_i = tl.full((G_PAD,), _NEG, dtype=tl.float32)
+    l_i = tl.zeros((G_PAD,), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, BLOCK_D), dtype=tl.float32)
+    for s in range(lo, hi, BLOCK_N):
+        lane = s + tl.arange(0, BLOCK_N)
+        pos = tl.load(pos_ptr + t * sp_t + lane, mask=lane < hi, other=-1)
+        pmask = pos >= 0
+        allowed = gmask[:, None] & pmask[None, :]
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tl.maximum(pos, 0), pmask, allowed, r, hkv, od, dmask,
+            kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
+            BS, PRECISION, FP8,
+        )  # fmt: skip
+    if FP8:
+        acc = acc * tl.load(vs_ptr + hkv)
+    if SINGLE:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t * so_t + hq[:, None] * so_h + od[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        tl.store(po_ptr + t * spo_r + hq[:, None] * spo_h + sp * spo_s + od[None, :], acc, mask=qmask)
+        ml = pml_ptr + t * spml_r + hq * spml_h + sp * spml_s
+        tl.store(ml, m_i, mask=gmask)
+        tl.store(ml + 1, l_i, mask=gmask)

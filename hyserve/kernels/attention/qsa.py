@@ -1,0 +1,143 @@
+"""Triton launchers for Qwen4-Exp's indexed (QSA) attention: the two steps of
+:func:`hyserve.layers.qsa.indexed_attention` that dominate its cost in torch (each token's block scores, and the
+attention over each token's selection).
+
+* :func:`qsa_block_scores`: ``(T, nbk)`` float32, token ``t``'s score of block ``j`` of its row, ``sum_h relu(iq[t, h]
+  . block_keys[rows[t], j]) / sqrt(Di)``, ``-inf`` where ``j >= visible[t]``. The torch formulation gathers each
+  token's row of block keys (``T x nbk x Di`` floats); the kernel reads them in place.
+* :func:`qsa_attention`: token ``t`` attends to the cache positions ``positions[t]`` of block-table row ``rows[t]``
+  (``-1``: an unused lane), float32 online softmax, GQA, FP8 caches as :func:`hyserve.kernels.attention.paged_attention`
+  reads them. Few tokens (decode, verify): each token's lanes split across programs and reduced, as the paged decode
+  kernel does. The torch formulation gathers each token's K and V (``T x S x Hkv x D`` floats).
+
+No host synchronization and shapes from host ints only, so both run inside CUDA graph capture. On the CPU they run
+under the Triton interpreter (tests); the layer calls them when :func:`uses_triton`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from hyserve.kernels.attention import FP8_KV_DTYPES, fit_tiles, kv_scales
+from hyserve.utils import next_pow2
+
+__all__ = ["qsa_attention", "qsa_block_scores", "uses_triton"]
+
+_LOG2E = 1.4426950408889634
+# Below this many (token, kv head) programs a token's lanes are split across programs (decode and verify steps).
+_SPLIT_BELOW = 256
+_MAX_SPLITS = 16
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether the QSA kernels run for ``t``: on CUDA, and anywhere under the Triton interpreter (tests)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def qsa_block_scores(iq: torch.Tensor, block_keys: torch.Tensor, rows: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """``iq`` (T, Hi, Di) rotated indexer queries; ``block_keys`` (R, nbk, Di) each row's pooled block keys; ``rows``
+    (T,) each token's row; ``visible`` (T,) the complete blocks each token sees. Returns (T, nbk) float32."""
+    from hyserve.kernels.attention._triton import _qsa_scores_kernel
+
+    t, hi, di = iq.shape
+    nbk = block_keys.shape[1]
+    out = torch.empty((t, nbk), dtype=torch.float32, device=iq.device)
+    if t == 0 or nbk == 0:
+        return out
+    if iq.stride(-1) != 1:
+        iq = iq.contiguous()
+    if block_keys.stride(-1) != 1:
+        block_keys = block_keys.contiguous()
+    if block_keys.dtype != iq.dtype:
+        block_keys = block_keys.to(iq.dtype)
+    block_j = 64
+    _qsa_scores_kernel[(t, _cdiv(nbk, block_j))](
+        iq, block_keys, rows, visible, out,
+        iq.stride(0), iq.stride(1), block_keys.stride(0), block_keys.stride(1), out.stride(0), math.sqrt(di),
+        nbk, HI=hi, HI_PAD=max(16, next_pow2(hi)), DI=di, BLOCK_DI=max(16, next_pow2(di)), BLOCK_J=block_j,
+        PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def qsa_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    part: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q`` (T, Hq, D) rotated queries; caches (num_blocks, block_size, Hkv, D); ``block_tables`` (R, max_blocks);
+    ``rows`` (T,) each token's table row; ``positions`` (T, S) int32 the positions each token attends to (``-1``:
+    unused; a token with none gives zeros). ``part`` (tests) forces the lanes per split. Returns (T, Hq, D) in
+    ``q.dtype``."""
+    from hyserve.kernels.attention._triton import _paged_decode_reduce_kernel, _qsa_attend_kernel
+
+    t, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    assert hq % hkv == 0, "Hq must be a multiple of Hkv"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "caches must be contiguous in the head dim"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if positions.stride(-1) != 1:
+        positions = positions.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    s = positions.shape[1]
+    if t == 0 or s == 0:
+        return out.zero_()
+    group = hq // hkv
+    fp8 = k_cache.dtype in FP8_KV_DTYPES
+    ks, vs = kv_scales(k_cache, k_scale, v_scale, hkv)
+    block_d = max(16, next_pow2(d))
+    block_n = 64 if block_d <= 128 else 32
+    _, block_n, stages = fit_tiles(16, block_n, 3, block_d, q.element_size())
+    if part is None:
+        part = s if t * hkv >= _SPLIT_BELOW else max(block_n, _cdiv(s, _MAX_SPLITS))
+    part = block_n * _cdiv(part, block_n)
+    splits = _cdiv(s, part)
+    single = splits == 1
+    if single:
+        po = pml = out  # unused
+        po_strides = pml_strides = (0, 0, 0)
+    else:
+        po = torch.empty((t, hq, splits, d), dtype=torch.float32, device=q.device)
+        pml = torch.empty((t, hq, splits, 2), dtype=torch.float32, device=q.device)
+        po_strides = (po.stride(0), po.stride(1), po.stride(2))
+        pml_strides = (pml.stride(0), pml.stride(1), pml.stride(2))
+    _qsa_attend_kernel[(t, hkv, splits)](
+        q, k_cache, v_cache, block_tables, rows, positions, out, po, pml, ks, vs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), positions.stride(0), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *po_strides, *pml_strides,
+        float(scale) * _LOG2E, s,
+        GROUP=group, G_PAD=max(16, next_pow2(group)), D=d, BLOCK_D=block_d, BS=bs, BLOCK_N=block_n, PART=part,
+        SINGLE=single, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
+        num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    if not single:
+        tokens = torch.arange(t + 1, dtype=torch.int32, device=q.device)  # the reduction's rows are the tokens
+        _paged_decode_reduce_kernel[(t, hq)](
+            po, pml, tokens, out,
+            out.stride(0), out.stride(1), *po_strides, *pml_strides,
+            NUM_SPLITS=splits, S_PAD=next_pow2(splits), D=d, BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out
