@@ -493,7 +493,7 @@ case "${1:?phase}" in
     ;;
   moe-profile)  # where a 35B-A3B decode step goes (bf16, then block FP8): kernels by name, launches; at batch 1,
     # or at the batches of PROFILE_BATCHES (PROFILE_BATCHES=1,32: where vLLM leads at 32 too); PROFILE_SHAPES picks
-    # (35b_a3b, 35b_a3b_fp8), PROFILE_EXTRA adds engine arguments ('"mamba_ssm_cache_dtype": "bfloat16"'),
+    # (35b_a3b, 35b_a3b_fp8; qwen4_exp_fp8: issue 32's shape, named only), PROFILE_EXTRA adds engine arguments ('"mamba_ssm_cache_dtype": "bfloat16"'),
     # PROFILE_PROMPT_LEN the prompts (128; the decode figures' 512)
     # PROFILE_PREFILL=32 (with PROFILE_PROMPT_LEN=2048): a prefill of that many prompts instead of decode steps
     moe_shapes
@@ -501,7 +501,10 @@ case "${1:?phase}" in
     tag=bs${pb//,/_}
     pre=()
     if [ -n "${PROFILE_PREFILL:-}" ]; then tag=prefill${PROFILE_PREFILL}x${PROFILE_PROMPT_LEN:-128}; pre=(--prefill-prompts "$PROFILE_PREFILL"); fi
-    for spec in 35b_a3b:/tmp/m35 35b_a3b_fp8:/tmp/m35_fp8; do
+    if [[ " ${PROFILE_SHAPES:-} " == *" qwen4_exp_fp8 "* ]] && [ ! -f /tmp/q4_fp8/config.json ]; then
+        python3 benchmarks/shapes.py --shape qwen4-exp --config-only --fp8 --out /tmp/q4_fp8 >> "$OUT/write_moe.log" 2>&1
+    fi
+    for spec in 35b_a3b:/tmp/m35 35b_a3b_fp8:/tmp/m35_fp8 qwen4_exp_fp8:/tmp/q4_fp8; do
         IFS=: read -r name dir <<< "$spec"
         [[ " ${PROFILE_SHAPES:-35b_a3b 35b_a3b_fp8} " == *" $name "* ]] || continue
         timeout "$(within 250 5)" python3 benchmarks/profile_step.py --model "$dir" --device cuda --dtype bfloat16 \

@@ -12,6 +12,10 @@
 The model's last mixer (``use_combine=False``) feeds the LM head with ``mixed``: the model has no final norm. The
 gates run in the activation dtype, as the reference does.
 
+On CUDA (``hyserve.kernels.moe.uses_triton``) the element-wise work runs in three fused kernels around the three
+projections (``hyserve.kernels.hyper_connection``), and :meth:`GatedResidual.inject_and_mix` fuses one block's
+injection with the next block's norm; elsewhere the torch formulation below, which defines the semantics.
+
 The three projections are hyserve ``Linear`` layers (replicated) that take their method from ``quant`` by name
 (``{prefix}.input_mix_weight_down``, ...): an FP8 checkpoint whose quantization_config quantizes them loads them in
 FP8; without ``quant`` (or a config that leaves them out) they stay in the model dtype.
@@ -23,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyserve.kernels.hyper_connection import hc_gates, hc_inject, hc_inject_norm, hc_mix
+from hyserve.kernels.moe import uses_triton
 from hyserve.layers.linear import Linear
 from hyserve.layers.norm import GroupedRMSNorm
 from hyserve.layers.quantization.base import QuantizationConfig
@@ -48,6 +54,10 @@ class GatedResidual(nn.Module):
 
     def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` (T, S * H) -> (the block's input (T, H), the injection weights (T, S), None without combine)."""
+        if uses_triton(x):
+            normed = hc_inject_norm(x, None, None, self.hc_norm.weight, self.hc_count, self.hc_norm.eps)[1]
+            assert normed is not None
+            return self._mix_normed(normed)
         normed = self.hc_norm(x)
         gate = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc_count)))
         streams = (gate.unflatten(-1, (self.hc_count, self.hidden_size))
@@ -57,7 +67,28 @@ class GatedResidual(nn.Module):
             return mixed, None
         return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
 
+    def inject_and_mix(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The previous block's injection (``inject_into(x, out, weights)``), then this block's ``mix`` of the
+        result: ``(x', the block's input, its injection weights)``; one fused kernel for the injection and the norm
+        on CUDA."""
+        if uses_triton(x):
+            x, normed = hc_inject_norm(x, out, weights, self.hc_norm.weight, self.hc_count, self.hc_norm.eps)
+            assert normed is not None
+            return (x, *self._mix_normed(normed))
+        x = self.inject_into(x, out, weights)
+        return (x, *self.mix(x))
+
+    def _mix_normed(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernel path of ``mix`` after the norm: the projections, then the fused gates and mix."""
+        down = self.input_mix_weight_down(normed)
+        inject = self.block_inject_weight(normed) if self.block_inject_weight is not None else None
+        gate_in, weights = hc_gates(down, inject, self.hc_count)
+        return hc_mix(self.input_mix_weight_up(gate_in), normed, self.hc_count), weights
+
     @staticmethod
     def inject_into(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` (T, S * H) plus the block's output ``out`` (T, H) into each stream, weighted by ``weights`` (T, S)."""
+        if uses_triton(x):
+            return hc_inject(x, out, weights)
         return x + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)

@@ -40,8 +40,9 @@ from torch import nn
 from hyserve.cache.specs import AttentionSpec
 from hyserve.kernels import store_kv
 from hyserve.kernels.attention import paged_attention
-from hyserve.kernels.attention.qsa import qsa_attention, qsa_block_scores, uses_triton
+from hyserve.kernels.attention.qsa import qsa_attention, qsa_block_scores
 from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
+from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.rope import apply_rope
 from hyserve.kernels.varlen import row_index
 from hyserve.layers.attention import Attention, AttentionConfig
@@ -359,7 +360,7 @@ def indexed_attention(
       c``) every query attends to its whole causal prefix: ordinary paged attention
       (:func:`hyserve.kernels.attention.paged_attention`, given ``max_query_len``).
 
-    ``kernels`` (default: :func:`hyserve.kernels.attention.qsa.uses_triton`, CUDA or the Triton interpreter): the
+    ``kernels`` (default: :func:`hyserve.kernels.moe.uses_triton`, CUDA or the Triton interpreter): the
     scores and the attention in Triton kernels (``qsa_block_scores``, ``qsa_attention``), which read the block keys,
     K and V in place; otherwise in torch, gathering each token's block keys, K and V. Tokens are processed in tiles of
     a static size (``QSA_TILE_ELEMENTS``), so a step never materializes tokens x max_seq_len x heads at once.

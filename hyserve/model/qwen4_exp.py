@@ -68,8 +68,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
             x = x + self.ple(x, input_ids, meta)
         h, w = self.attn_hyper_connection.mix(x)
         assert w is not None
-        x = GatedResidual.inject_into(x, self.mixer(h, meta), w)
-        h, w = self.mlp_hyper_connection.mix(x)
+        x, h, w = self.mlp_hyper_connection.inject_and_mix(x, self.mixer(h, meta), w)
         assert w is not None
         return GatedResidual.inject_into(x, self.mlp(h), w)
 

@@ -5,6 +5,11 @@ before any kernel runs."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,3 +67,20 @@ def patch_triton_interpreter() -> None:
         return orig_fp_to_fp(self, src, dst_type, rounding_mode)
 
     interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def interpreter_subprocess_results(test_file: str, flag: str, timeout: int = 300) -> dict[str, list[Any]]:
+    """Run ``python test_file flag`` with ``TRITON_INTERPRET=1`` (from the repository root, on ``PYTHONPATH``) and
+    return the ``{name: [ok, message]}`` it prints on its last ``RESULTS <json>`` line. The variable must be set
+    before any kernel is decorated: a subprocess keeps it away from the test process's other kernels."""
+    path = Path(test_file).resolve()
+    root = next(p for p in path.parents if (p / "pyproject.toml").exists())
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(path), flag], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    results: dict[str, list[Any]] = json.loads(lines[-1][len("RESULTS "):])
+    return results

@@ -47,8 +47,8 @@ def no_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm ``fn`` up on a side stream, then capture it; the graph and its (persistent) output."""
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up on a side stream, then capture it; the graph and its (persistent) output(s)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -361,3 +361,54 @@ def test_ple_eager_without_sync_then_decode_and_verify_graphs(dtype: torch.dtype
     assert torch.equal(gpu_layer.state["token_context"].cpu(), cpu_layer.state["token_context"])
     close(gpu_layer.state["conv_state"], cpu_layer.state["conv_state"], tol)
     assert math.isfinite(float(gpu_layer.state["conv_state"].float().abs().sum()))
+
+
+# ------------------------------------------------------------------------------------------ hyper-connections
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_hyper_connection_kernels_eager_and_in_a_graph(dtype: torch.dtype, tol: float) -> None:
+    """``GatedResidual`` on CUDA (the fused kernels) equals the CPU's torch formulation: ``mix``, ``inject_and_mix``
+    and ``inject_into``, eagerly without a host sync and captured in a CUDA graph replayed with new inputs."""
+    from hyserve.layers.hyper_connection import GatedResidual
+
+    h, s, rank, rows = 256, 4, 32, 5
+    torch.manual_seed(0)
+    cpu = GatedResidual(h, s, rank, 1e-6)
+    with torch.no_grad():
+        for p in cpu.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.1))
+    cpu = cpu.to(dtype)
+    gpu = copy.deepcopy(cpu).cuda()
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+
+    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.randn(rows, s * h, generator=gen).to(dtype), torch.randn(rows, h, generator=gen).to(dtype),
+                torch.rand(rows, s, generator=gen).to(dtype) * 2)
+
+    def run(block: GatedResidual, x: torch.Tensor, o: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+        mixed, weights = block.mix(x)
+        x2, h2, w2 = block.inject_and_mix(x, o, w)
+        assert weights is not None and w2 is not None
+        return [mixed, weights, x2, h2, w2, GatedResidual.inject_into(x2, h2, w2)]
+
+    with torch.no_grad():
+        x, o, w = inputs()
+        want = run(cpu, x, o, w)
+        xd, od_, wd = x.to(dev), o.to(dev), w.to(dev)
+        with no_sync():
+            got = run(gpu, xd, od_, wd)
+        for g, t in zip(got, want, strict=True):
+            close(g, t, tol)
+        bufs = [torch.zeros_like(xd), torch.zeros_like(od_), torch.zeros_like(wd)]
+        graph, outs = capture(lambda: run(gpu, *bufs))
+        for _ in range(3):
+            x, o, w = inputs()
+            want = run(cpu, x, o, w)
+            for b, v in zip(bufs, (x, o, w), strict=True):
+                b.copy_(v)
+            graph.replay()
+            for g, t in zip(outs, want, strict=True):
+                close(g, t, tol)
+

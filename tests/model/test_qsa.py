@@ -28,6 +28,7 @@ from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results
 from hyserve.worker.memory import allocate_index_caches, allocate_kv
 
 THETA = 10000.0
@@ -718,22 +719,8 @@ QSA_KERNEL_CHECKS = ["fp32_ties0", "fp32_single_ties0", "fp32_ties20", "fp32_sin
 
 @pytest.fixture(scope="module")
 def kernel_results() -> dict[str, list]:
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--kernel-checks"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return interpreter_subprocess_results(__file__, "--kernel-checks")
 
 
 @pytest.mark.parametrize("name", QSA_KERNEL_CHECKS)

@@ -11,30 +11,25 @@ attention over each token's selection).
   kernel does. The torch formulation gathers each token's K and V (``T x S x Hkv x D`` floats).
 
 No host synchronization and shapes from host ints only, so both run inside CUDA graph capture. On the CPU they run
-under the Triton interpreter (tests); the layer calls them when :func:`uses_triton`.
+under the Triton interpreter (tests); the layer calls them when :func:`hyserve.kernels.moe.uses_triton` (CUDA, or
+the interpreter).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, fit_tiles, kv_scales
 from hyserve.utils import next_pow2
 
-__all__ = ["qsa_attention", "qsa_block_scores", "uses_triton"]
+__all__ = ["qsa_attention", "qsa_block_scores"]
 
 _LOG2E = 1.4426950408889634
 # Below this many (token, kv head) programs a token's lanes are split across programs (decode and verify steps).
 _SPLIT_BELOW = 256
 _MAX_SPLITS = 16
-
-
-def uses_triton(t: torch.Tensor) -> bool:
-    """Whether the QSA kernels run for ``t``: on CUDA, and anywhere under the Triton interpreter (tests)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cdiv(a: int, b: int) -> int:
