@@ -1,8 +1,9 @@
 """Qwen4-Exp's Per-Layer Embedding (PLE): hashed n-gram embeddings gated by the residual streams, then a causal
 dilated depthwise conv (docs/qwen4_exp_facts.md §3.4, §4.1, §5). Plain torch, one code path for the CPU and CUDA:
 vectorized over the step's tokens and rows with no host synchronization (no ``nonzero``, ``.item()``, ``.tolist()``,
-every shape from the step's host ints), so it runs inside CUDA graph capture (decode and verify graphs); the
-yardstick of fused kernels to come.
+every shape from the step's host ints), so it runs inside CUDA graph capture (decode and verify graphs). On CUDA
+the n-gram hash and gather are one Triton kernel (``hyserve.kernels.ple.ngram_embed``); this formulation is its
+reference.
 
 Per token p of a request (``hist`` = the request's tokens; before its first token, ``ngram_size - 1`` copies of
 ``eos``)::
@@ -51,6 +52,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
+from hyserve.kernels.moe import uses_triton
+from hyserve.kernels.ple import ngram_embed
 from hyserve.kernels.varlen import row_index
 from hyserve.layers.linear import Linear
 from hyserve.layers.norm import GroupedRMSNorm
@@ -348,6 +351,11 @@ class PerLayerEmbedding(RecurrentLayer):
         """``tokens`` (T, n): each position's t_0 .. t_{n-1} before the segment rule; the (T, De) n-gram
         embedding."""
         eos = self.eos
+        emb = self.ple_embedding
+        table = emb.ngram_embedding.weight
+        if uses_triton(tokens) and table.device == tokens.device:
+            return ngram_embed(tokens, emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets,
+                               table, eos, self.heads_per_ngram)
         # An eos among t_1 .. t_{k-1} ends the segment before t_k: t_k reads eos (an eos t_k is eos anyway).
         t = tokens
         if self.ngram_size > 2:
@@ -361,9 +369,7 @@ class PerLayerEmbedding(RecurrentLayer):
             acc = torch.bitwise_xor(acc, prods[:, i])
             orders.append(acc)
         hashes = torch.stack(orders, dim=1).repeat_interleave(self.heads_per_ngram, dim=1)  # (T, G)
-        emb = self.ple_embedding
         index = torch.remainder(hashes, emb.ngram_heads_vocab_sizes) + emb.ngram_heads_offsets
-        table = emb.ngram_embedding.weight
         out = F.embedding(index.to(table.device), table)  # (T, G, d), on the table's device
         return out.reshape(tokens.shape[0], self.embed_dim).to(tokens.device)
 

@@ -21,6 +21,7 @@ from hyserve.layers.ple import (
 )
 from hyserve.model import loader
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results
 
 M64 = (1 << 64) - 1
 EOS = 1
@@ -493,3 +494,75 @@ def test_forward_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _decode_ctx(layer.verify_scratch["token_context"][0, 2]) == ref_a[1]
     with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
         torch.tensor([1, 0]).nonzero()
+
+
+# ------------------------------------------------------------------------------------- the kernel (interpreter)
+
+
+def run_kernel_checks() -> dict[str, list]:
+    """Under ``TRITON_INTERPRET=1``: the n-gram hash + gather kernel (``hyserve.kernels.ple``, CUDA's path) against
+    the layer's torch formulation at the real vocabulary's multipliers (int64 products up to 8.8e18),
+    orders 2 to 4, eos inside the histories; the layer tests above on the kernel path against the independent
+    reference; a sabotaged call (multipliers reversed) that must differ. {name: [ok, message]}."""
+    import os
+
+    import hyserve.layers.ple as ple_mod
+    from hyserve.kernels.ple import ngram_embed
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    out: dict[str, list] = {}
+    gen = torch.Generator().manual_seed(7)
+    for n, hpn in ((2, 1), (3, 2), (4, 3)):
+        cfg = Cfg(ngram_size=n, heads_per_ngram=hpn, ple_embed_dim=4 * (n - 1) * hpn, vocab_size=248320)
+        layer = make_layer(cfg, j=2)
+        tokens = torch.randint(0, 248320, (40, n), generator=gen)
+        tokens[torch.rand(40, n, generator=gen) < 0.2] = EOS
+        with torch.no_grad():
+            got = layer._embed(tokens)
+            real = ple_mod.uses_triton
+            ple_mod.uses_triton = lambda t: False  # type: ignore[assignment]
+            try:
+                want = layer._embed(tokens)
+            finally:
+                ple_mod.uses_triton = real  # type: ignore[assignment]
+        out[f"embed_n{n}"] = [bool(torch.equal(got, want)), f"max diff {float((got - want).abs().max()):.3g}"]
+        if n == 4:
+            e = layer.ple_embedding
+            bad = ngram_embed(tokens, e.layer_multipliers.flip(0), e.ngram_heads_vocab_sizes, e.ngram_heads_offsets,
+                              e.ngram_embedding.weight, EOS, hpn)
+            out["reversed_multipliers_caught"] = [not torch.equal(bad, want), "differs"]
+    for test in (test_whole_prompt_matches_reference, test_chunked_equals_one_shot_bf16,
+                 test_verify_candidates_commit_and_continue):
+        try:
+            test()
+            out[test.__name__] = [True, "passed on the kernel path"]
+        except AssertionError as exc:
+            out[test.__name__] = [False, str(exc)[:500]]
+    return out
+
+
+PLE_KERNEL_CHECKS = ["embed_n2", "embed_n3", "embed_n4", "reversed_multipliers_caught",
+                     "test_whole_prompt_matches_reference", "test_chunked_equals_one_shot_bf16",
+                     "test_verify_candidates_commit_and_continue"]
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict[str, list]:
+    pytest.importorskip("triton")
+    return interpreter_subprocess_results(__file__, "--kernel-checks")
+
+
+@pytest.mark.parametrize("name", PLE_KERNEL_CHECKS)
+def test_ngram_kernel_under_the_interpreter(kernel_results: dict[str, list], name: str) -> None:
+    ok, msg = kernel_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if "--kernel-checks" in sys.argv:
+        print("RESULTS " + json.dumps(run_kernel_checks()))

@@ -1,0 +1,37 @@
+"""Qwen4-Exp's Per-Layer Embedding n-grams on CUDA (:class:`hyserve.layers.ple.PerLayerEmbedding`'s ``_embed``):
+the segment rule, the XOR hash of every order, and the gather of every head's table row, in one launch instead of
+about twenty. The layer's torch formulation is the reference; the layer calls :func:`ngram_embed` where
+:func:`hyserve.kernels.moe.uses_triton` (CUDA, or the Triton interpreter in tests) and the table is on the tokens'
+device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyserve.utils import next_pow2
+
+__all__ = ["ngram_embed"]
+
+
+def ngram_embed(tokens: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
+                table: torch.Tensor, eos: int, heads_per_ngram: int) -> torch.Tensor:
+    """``tokens`` (T, n) each position's ``t_0 .. t_{n-1}`` (before the segment rule); ``multipliers`` (n,),
+    ``sizes`` / ``offsets`` ((n - 1) * heads_per_ngram,) int64; ``table`` (rows, d). Returns (T, G * d) in the
+    table's dtype, head ``g = (order - 2) * heads_per_ngram + i`` in columns ``[g * d, (g + 1) * d)``."""
+    from hyserve.kernels.ple._triton import _ngram_embed_kernel
+
+    t, n = tokens.shape
+    g = (n - 1) * heads_per_ngram
+    d = table.shape[1]
+    out = torch.empty((t, g * d), dtype=table.dtype, device=table.device)
+    if t == 0:
+        return out
+    tokens = tokens.contiguous()
+    assert table.stride(1) == 1, "the table's rows must be contiguous"
+    _ngram_embed_kernel[(t,)](
+        tokens, multipliers.contiguous(), sizes.contiguous(), offsets.contiguous(), table, out,
+        tokens.stride(0), table.stride(0), out.stride(0), eos,
+        N=n, HPN=heads_per_ngram, D=d, BLOCK_D=max(16, next_pow2(d)), num_warps=4,
+    )  # fmt: skip
+    return out
