@@ -40,7 +40,7 @@ from torch import nn
 from hyserve.cache.specs import AttentionSpec
 from hyserve.kernels import store_kv
 from hyserve.kernels.attention import paged_attention
-from hyserve.kernels.attention.qsa import qsa_attention, qsa_block_scores
+from hyserve.kernels.attention.qsa import qsa_attention, qsa_block_scores, qsa_pool_scores
 from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
 from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.rope import apply_rope
@@ -284,6 +284,8 @@ def indexed_attention_ref(
 # Per tile, at most about this many elements in the largest per-token temporary (the gathered K and V of the
 # selection, the gathered block keys, the raw keys pooled per row): the number of tiles follows from host ints only.
 QSA_TILE_ELEMENTS = 1 << 25
+# Steps whose rows have at most this many tokens (decode, verify) pool the block keys inside the scores kernel.
+POOL_IN_KERNEL_MAX_QUERY = 8
 
 
 def _tile(per_item: int, count: int) -> int:
@@ -362,7 +364,9 @@ def indexed_attention(
 
     ``kernels`` (default: :func:`hyserve.kernels.moe.uses_triton`, CUDA or the Triton interpreter): the
     scores and the attention in Triton kernels (``qsa_block_scores``, ``qsa_attention``), which read the block keys,
-    K and V in place; otherwise in torch, gathering each token's block keys, K and V. Tokens are processed in tiles of
+    K and V in place; in steps of at most ``POOL_IN_KERNEL_MAX_QUERY`` tokens a row with an ``RMSNorm`` key norm
+    the scores kernel pools the blocks each token sees itself (``qsa_pool_scores``: no pass over every row's
+    ``max_seq_len // c`` blocks, which a decode graph sizes for the model's length); otherwise in torch, gathering each token's block keys, K and V. Tokens are processed in tiles of
     a static size (``QSA_TILE_ELEMENTS``), so a step never materializes tokens x max_seq_len x heads at once.
     """
     t, hq, d = q.shape
@@ -380,6 +384,10 @@ def indexed_attention(
         return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
                                max_seq_len, k_scale=k_scale, v_scale=v_scale)
     use_kernels = uses_triton(q) if kernels is None else kernels
+    # Decode and verify steps (few tokens a row; their graphs sized for the model's length): each token pools the
+    # blocks it sees inside the scores kernel, instead of every row's max_seq_len // c blocks pooled first.
+    pool_in_kernel = (use_kernels and sparse_possible and isinstance(k_norm, RMSNorm) and max_query_len is not None
+                      and max_query_len <= POOL_IN_KERNEL_MAX_QUERY)
     span = min(budget + c - 1, max_seq_len)
     flat_k = k_cache.view(nblocks * bs, hkv, d)
     flat_v = v_cache.view(nblocks * bs, hkv, d)
@@ -390,7 +398,7 @@ def indexed_attention(
     qpos = seq_lens.to(torch.int64)[rows] - n_new[rows] + ipos  # (T,) each query's position
     visible = (qpos + 1) // c
     block_keys = (pool_block_keys_batched(index_cache, block_tables, nbk, c, k_norm, inv_freq)
-                  if sparse_possible else None)
+                  if sparse_possible and not pool_in_kernel else None)
     lanes = torch.arange(span, device=dev, dtype=torch.int64)
     in_block = torch.arange(c, device=dev, dtype=torch.int64)
     if use_kernels:  # per token: the scores, the sort's values and indices, the lanes
@@ -407,10 +415,16 @@ def indexed_attention(
         # Dense: the causal prefix (at most `span` positions when the query sees <= top complete blocks).
         pos = lanes[None, :].expand(m, span)
         valid = pos <= qp[:, None]
-        if block_keys is not None:
-            if use_kernels:
+        if sparse_possible:
+            if pool_in_kernel:
+                assert isinstance(k_norm, RMSNorm)
+                scores = qsa_pool_scores(iq[a:b], index_cache, block_tables, rt, vis, k_norm.weight, k_norm.eps,
+                                         inv_freq, c, nbk)
+            elif use_kernels:
+                assert block_keys is not None
                 scores = qsa_block_scores(iq[a:b], block_keys, rt, vis)
             else:
+                assert block_keys is not None
                 keys = block_keys[rt].float()  # (m, nbk, di)
                 scores = torch.relu(torch.einsum("mhd,mjd->mhj", iq[a:b].float(), keys)).sum(dim=1) / math.sqrt(di)
                 blocks = torch.arange(nbk, device=dev, dtype=torch.int64)

@@ -553,6 +553,7 @@ def random_paged_problem(lens: list[tuple[int, int]], seed: int, dtype: torch.dt
 
 
 STEP_ROWS = [(41, 1), (9, 1), (0, 0), (60, 5), (30, 12), (3, 3), (17, 4), (33, 1)]
+DECODE_ROWS = [(41, 1), (9, 1), (0, 0), (60, 4), (33, 1), (17, 4), (52, 1)]
 
 
 @pytest.mark.parametrize("tile", [None, 1, 700])
@@ -680,6 +681,29 @@ def run_kernel_checks() -> dict[str, list]:
           2e-2)
     prob = random_paged_problem(STEP_ROWS, seed=6, dtype=torch.bfloat16)
     check("bf16", qsa.indexed_attention(**prob, max_seq_len=64, kernels=True), qsa.indexed_attention_ref(**prob), 2e-2)
+    # Decode and verify rows (at most 4 tokens a row, given max_query_len): the blocks pooled inside the scores
+    # kernel, with a real key norm and rotation; float32 with exact ties, bf16; the block keys' norm weight of
+    # another layer must change the selection.
+    from hyserve.layers.norm import RMSNorm
+
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=torch.Generator().manual_seed(9)) * 0.3)
+    for ties in (0, 20):
+        prob = dict(random_paged_problem(DECODE_ROWS, seed=12 + ties, tie_blocks=ties), k_norm=norm)
+        want = qsa.indexed_attention_ref(**prob)
+        check(f"pooled_in_kernel_fp32_ties{ties}",
+              qsa.indexed_attention(**prob, max_seq_len=64, max_query_len=4, kernels=True), want, 1e-5)
+    prob = dict(random_paged_problem(DECODE_ROWS, seed=14, dtype=torch.bfloat16), k_norm=norm.to(torch.bfloat16))
+    check("pooled_in_kernel_bf16", qsa.indexed_attention(**prob, max_seq_len=64, max_query_len=4, kernels=True),
+          qsa.indexed_attention_ref(**prob), 2e-2)
+    prob = dict(random_paged_problem(DECODE_ROWS, seed=12), k_norm=norm)
+    other = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        other.weight.copy_(norm.weight.flip(0) * 3)
+    check("pooled_in_kernel_other_norm_caught",
+          qsa.indexed_attention(**dict(prob, k_norm=other), max_seq_len=64, max_query_len=4, kernels=True),
+          qsa.indexed_attention_ref(**prob), 1e-5, differ=True)
     # The scores kernel alone, blocks past each token's view at -inf.
     gen = torch.Generator().manual_seed(3)
     iq, keys = torch.randn(7, 3, 16, generator=gen), torch.randn(2, 9, 16, generator=gen)
@@ -714,7 +738,8 @@ def run_kernel_checks() -> dict[str, list]:
 
 QSA_KERNEL_CHECKS = ["fp32_ties0", "fp32_single_ties0", "fp32_ties20", "fp32_single_ties20", "bf16_fp8kv",
                      "bf16", "scores", "dense_splits", "dense_single", "row0_caught",
-                     "early_caught"]
+                     "early_caught", "pooled_in_kernel_fp32_ties0", "pooled_in_kernel_fp32_ties20",
+                     "pooled_in_kernel_bf16", "pooled_in_kernel_other_norm_caught"]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["_paged_decode_kernel", "_paged_decode_reduce_kernel", "_paged_prefill_kernel", "_qsa_attend_kernel",
-           "_qsa_scores_kernel", "_store_kv_kernel"]
+           "_qsa_pool_scores_kernel", "_qsa_scores_kernel", "_store_kv_kernel"]
 
 _NEG = tl.constexpr(-1.0e30)  # finite floor of the running max (a global must be a constexpr in @jit code)
 
@@ -309,3 +309,59 @@ def _qsa_attend_kernel(
         ml = pml_ptr + t * spml_r + hq * spml_h + sp * spml_s
         tl.store(ml, m_i, mask=gmask)
         tl.store(ml + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _qsa_pool_scores_kernel(
+    iq_ptr, ic_ptr, bt_ptr, rows_ptr, vis_ptr, kw_ptr, invf_ptr, out_ptr,
+    siq_t, siq_h, sic_b, sic_o, sbt_r, so_t, sqrt_d, eps,
+    NBK, HI: tl.constexpr, HI_PAD: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, R2: tl.constexpr,
+    C: tl.constexpr, BS: tl.constexpr, BLOCK_J: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_qsa_scores_kernel`` with the block keys made on the fly from the raw index keys in the paged cache (for
+    steps of few tokens a row: decode and verify): block ``j`` of token t's row is ``RoPE(k_norm(mean_fp32(raw keys
+    j*C .. j*C + C - 1).to(dtype)), j*C)`` (zero-centred RMSNorm with ``kw``, NeoX halves over the first ``2 * R2``
+    channels with ``invf``), rounded where the torch formulation rounds. Only the blocks the token sees completely
+    are read, so the work follows the row's context, not the bound the launch was sized for."""
+    t = tl.program_id(0)
+    jb = tl.program_id(1)
+    r = tl.load(rows_ptr + t).to(tl.int64)
+    vis = tl.load(vis_ptr + t)
+    oj = jb * BLOCK_J + tl.arange(0, BLOCK_J)
+    od = tl.arange(0, BLOCK_DI)
+    dmask = od < DI
+    rot = od < 2 * R2
+    part = tl.where(od < R2, od + R2, od - R2)
+    jm = (oj < vis) & (oj < NBK)
+    lmask = jm[:, None] & dmask[None, :]
+    pmask = jm[:, None] & (rot & dmask)[None, :]
+    acc = tl.zeros((BLOCK_J, BLOCK_DI), dtype=tl.float32)
+    accp = tl.zeros((BLOCK_J, BLOCK_DI), dtype=tl.float32)
+    for i in tl.static_range(C):
+        p = oj.to(tl.int64) * C + i
+        blk = tl.load(bt_ptr + r * sbt_r + p // BS, mask=jm, other=0).to(tl.int64)
+        base = blk * sic_b + (p % BS) * sic_o
+        acc += tl.load(ic_ptr + base[:, None] + od[None, :], mask=lmask, other=0.0).to(tl.float32)
+        accp += tl.load(ic_ptr + base[:, None] + part[None, :], mask=pmask, other=0.0).to(tl.float32)
+    dt = ic_ptr.dtype.element_ty
+    pooled = (acc / C).to(dt).to(tl.float32)
+    pooledp = (accp / C).to(dt).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=1) / DI + eps)
+    w = tl.load(kw_ptr + od, mask=dmask, other=0.0).to(tl.float32)
+    wp = tl.load(kw_ptr + part, mask=rot & dmask, other=0.0).to(tl.float32)
+    kn = (pooled * inv[:, None] * (1.0 + w[None, :])).to(dt).to(tl.float32)
+    knp = (pooledp * inv[:, None] * (1.0 + wp[None, :])).to(dt).to(tl.float32)
+    f = tl.load(invf_ptr + tl.where(od < R2, od, od - R2), mask=rot & dmask, other=0.0)
+    ang = (oj * C).to(tl.float32)[:, None] * f[None, :]
+    cs = tl.cos(ang).to(dt).to(tl.float32)
+    sn = tl.sin(ang).to(dt).to(tl.float32)
+    partner = tl.where((od < R2)[None, :], -knp, knp)
+    rotated = ((kn * cs).to(dt).to(tl.float32) + (partner * sn).to(dt).to(tl.float32)).to(dt)
+    key = tl.where(rot[None, :], rotated, kn.to(dt))
+    oh = tl.arange(0, HI_PAD)
+    q = tl.load(iq_ptr + t * siq_t + oh[:, None] * siq_h + od[None, :], mask=(oh < HI)[:, None] & dmask[None, :],
+                other=0.0)  # fmt: skip
+    s = tl.dot(q.to(dt), tl.trans(key), input_precision=PRECISION)
+    tot = tl.sum(tl.maximum(s, 0.0), axis=0) / sqrt_d
+    tot = tl.where(oj < vis, tot, float("-inf"))
+    tl.store(out_ptr + t * so_t + oj, tot, mask=oj < NBK)

@@ -5,6 +5,10 @@ attention over each token's selection).
 * :func:`qsa_block_scores`: ``(T, nbk)`` float32, token ``t``'s score of block ``j`` of its row, ``sum_h relu(iq[t, h]
   . block_keys[rows[t], j]) / sqrt(Di)``, ``-inf`` where ``j >= visible[t]``. The torch formulation gathers each
   token's row of block keys (``T x nbk x Di`` floats); the kernel reads them in place.
+* :func:`qsa_pool_scores`: the same scores with each block key made on the fly from the raw index keys in the paged
+  cache (pooled, normed, rotated), reading only the blocks each token sees: for steps of few tokens a row (decode,
+  verify), whose graphs are sized for the model's length; ``qsa_block_scores`` over once-pooled keys is cheaper
+  for long prefill chunks (each token would pool its whole context again).
 * :func:`qsa_attention`: token ``t`` attends to the cache positions ``positions[t]`` of block-table row ``rows[t]``
   (``-1``: an unused lane), float32 online softmax, GQA, FP8 caches as :func:`hyserve.kernels.attention.paged_attention`
   reads them. Few tokens (decode, verify): each token's lanes split across programs and reduced, as the paged decode
@@ -24,7 +28,7 @@ import torch
 from hyserve.kernels.attention import FP8_KV_DTYPES, fit_tiles, kv_scales
 from hyserve.utils import next_pow2
 
-__all__ = ["qsa_attention", "qsa_block_scores"]
+__all__ = ["qsa_attention", "qsa_block_scores", "qsa_pool_scores"]
 
 _LOG2E = 1.4426950408889634
 # Below this many (token, kv head) programs a token's lanes are split across programs (decode and verify steps).
@@ -59,6 +63,35 @@ def qsa_block_scores(iq: torch.Tensor, block_keys: torch.Tensor, rows: torch.Ten
         iq.stride(0), iq.stride(1), block_keys.stride(0), block_keys.stride(1), out.stride(0), math.sqrt(di),
         nbk, HI=hi, HI_PAD=max(16, next_pow2(hi)), DI=di, BLOCK_DI=max(16, next_pow2(di)), BLOCK_J=block_j,
         PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def qsa_pool_scores(iq: torch.Tensor, index_cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
+                    visible: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, c: int,
+                    num_blocks: int) -> torch.Tensor:
+    """``iq`` (T, Hi, Di); ``index_cache`` (num_cache_blocks, block_size, Di) the raw index keys; ``block_tables``
+    (R, max_blocks); ``rows``, ``visible`` (T,); ``k_norm_weight`` (Di,) the zero-centred key norm's weight;
+    ``inv_freq`` (R2,) the rotary frequencies (the first ``2 * R2`` channels rotate); ``c`` tokens a block;
+    ``num_blocks`` the score columns (``max_seq_len // c``). Returns (T, num_blocks) float32."""
+    from hyserve.kernels.attention._triton import _qsa_pool_scores_kernel
+
+    t, hi, di = iq.shape
+    out = torch.empty((t, num_blocks), dtype=torch.float32, device=iq.device)
+    if t == 0 or num_blocks == 0:
+        return out
+    assert index_cache.stride(-1) == 1, "the index cache must be contiguous in its last dim"
+    if iq.stride(-1) != 1:
+        iq = iq.contiguous()
+    block_j = 32
+    _qsa_pool_scores_kernel[(t, _cdiv(num_blocks, block_j))](
+        iq, index_cache, block_tables, rows, visible, k_norm_weight, inv_freq.float().contiguous(), out,
+        iq.stride(0), iq.stride(1), index_cache.stride(0), index_cache.stride(1), block_tables.stride(0),
+        out.stride(0), math.sqrt(di), eps,
+        num_blocks, HI=hi, HI_PAD=max(16, next_pow2(hi)), DI=di, BLOCK_DI=max(16, next_pow2(di)),
+        R2=inv_freq.shape[0], C=c, BS=index_cache.shape[1], BLOCK_J=block_j,
+        PRECISION="ieee" if index_cache.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
     return out
