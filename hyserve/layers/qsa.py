@@ -366,8 +366,9 @@ def indexed_attention(
     scores and the attention in Triton kernels (``qsa_block_scores``, ``qsa_attention``), which read the block keys,
     K and V in place; in steps of at most ``POOL_IN_KERNEL_MAX_QUERY`` tokens a row with an ``RMSNorm`` key norm
     the scores kernel pools the blocks each token sees itself (``qsa_pool_scores``: no pass over every row's
-    ``max_seq_len // c`` blocks, which a decode graph sizes for the model's length); otherwise in torch, gathering each token's block keys, K and V. Tokens are processed in tiles of
-    a static size (``QSA_TILE_ELEMENTS``), so a step never materializes tokens x max_seq_len x heads at once.
+    ``max_seq_len // c`` blocks, which a decode graph sizes for the model's length); otherwise in torch, gathering
+    each token's block keys, K and V. Tokens are processed in tiles of a static size (``QSA_TILE_ELEMENTS``), so a
+    step never materializes tokens x max_seq_len x heads at once.
     """
     t, hq, d = q.shape
     nblocks, bs, hkv, _ = k_cache.shape

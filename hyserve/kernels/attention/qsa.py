@@ -84,12 +84,13 @@ def qsa_pool_scores(iq: torch.Tensor, index_cache: torch.Tensor, block_tables: t
     assert index_cache.stride(-1) == 1, "the index cache must be contiguous in its last dim"
     if iq.stride(-1) != 1:
         iq = iq.contiguous()
-    block_j = 32
+    block_di = max(16, next_pow2(di))
+    block_j = 16 if block_di >= 128 else 32  # about eight (BLOCK_J, BLOCK_DI) float32 tiles live at once
     _qsa_pool_scores_kernel[(t, _cdiv(num_blocks, block_j))](
         iq, index_cache, block_tables, rows, visible, k_norm_weight, inv_freq.float().contiguous(), out,
         iq.stride(0), iq.stride(1), index_cache.stride(0), index_cache.stride(1), block_tables.stride(0),
         out.stride(0), math.sqrt(di), eps,
-        num_blocks, HI=hi, HI_PAD=max(16, next_pow2(hi)), DI=di, BLOCK_DI=max(16, next_pow2(di)),
+        num_blocks, HI=hi, HI_PAD=max(16, next_pow2(hi)), DI=di, BLOCK_DI=block_di,
         R2=inv_freq.shape[0], C=c, BS=index_cache.shape[1], BLOCK_J=block_j,
         PRECISION="ieee" if index_cache.dtype == torch.float32 else "tf32",
         num_warps=4,
