@@ -210,6 +210,24 @@ def first_failure(logits: torch.Tensor, toks: list[int], lps: list[float], rule:
     return None
 
 
+def failure_details(logits: torch.Tensor, tok: int, lp: float, gaps: torch.Tensor, n: int = 5) -> dict[str, Any]:
+    """What one first failure looks like: the engine's token and logprob against the reference's (``logprob_err``),
+    the reference's argmax and its top-1 over top-2 margin, whether the argmax parts from the engine's token, and
+    the ``n`` smallest router gaps ``(token, layer, gap)`` up to that row (``gaps`` (layers, rows up to it)): a
+    parting just after a gap a little above the tie threshold reads differently from one with no small gap."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    top2 = torch.topk(logp, 2)
+    flat = gaps.flatten()
+    k = min(n, int(torch.isfinite(flat).sum()))
+    small = torch.topk(flat, k, largest=False)
+    width = gaps.shape[1]
+    return {"token": int(tok), "engine_logprob": float(lp), "reference_logprob": float(logp[tok]),
+            "logprob_err": abs(float(lp) - float(logp[tok])), "reference_argmax": int(top2.indices[0]),
+            "reference_margin": float(top2.values[0] - top2.values[1]), "parted": int(top2.indices[0]) != tok,
+            "smallest_gaps": [(int(i) % width, int(i) // width, float(v))
+                              for v, i in zip(small.values, small.indices, strict=True)]}
+
+
 def explain_by_router_flips(ref: Any, prompt: list[int], toks: list[int], lps: list[float], device: str,
                             rule: ClearMarginRule = FP32_RULE, *, tie_gap: float = TIE_GAP,
                             max_tries: int = MAX_FLIP_TRIES, max_flips: int = MAX_FLIPS,
@@ -229,6 +247,8 @@ def explain_by_router_flips(ref: Any, prompt: list[int], toks: list[int], lps: l
     logits, gaps = unflipped if unflipped is not None else router_gaps(ref, ids, device)
     fail = first_failure(logits[row0:], list(toks), lps, rule)
     out: dict[str, Any] = {"explained": fail is None, "first_failure": fail, "flips": [], "tries": 0}
+    if fail is not None:
+        out["failure"] = failure_details(logits[row0 + fail], toks[fail], lps[fail], gaps[:, : row0 + fail + 1])
     kept: list[Flip] = []
     while fail is not None:
         upto = gaps[:, : row0 + fail + 1].clone()
@@ -263,7 +283,8 @@ def score_with_router_flips(ref: Any, prompts: list[list[int]], rows: list[Any],
     searched for an explanation by router flips (``explain_by_router_flips``). The totals (``tokens_checked``,
     ``tokens_mismatched``, logprob errors) are the unflipped reference's and ``pass_unflipped`` is ``rule`` on
     them; ``pass``: every failing prompt explained. ``router_flips``: per explained prompt (its index) the flips,
-    ``(token, layer, gap)``; ``flip_passes``: the reference passes the search took. ``router_ties`` (where a
+    ``(token, layer, gap)``; ``unexplained``: per other failing prompt its first failure (``failure_details``);
+    ``flip_passes``: the reference passes the search took. ``router_ties`` (where a
     prompt fails): the smallest router gap over every layer and token up to each prompt's first clear parting
     (a flipped choice anywhere before reaches it through attention and the GDN state), beside the quantiles of the
     same figure at the clear positions that agree."""
@@ -271,6 +292,7 @@ def score_with_router_flips(ref: Any, prompts: list[list[int]], rows: list[Any],
                            "max_logprob_abs_err": 0.0, "sum_logprob_abs_err": 0.0}
     failing, explained, flip_passes = 0, 0, 0
     flips: list[dict[str, Any]] = []
+    unexplained: list[dict[str, Any]] = []
     parted: list[float] = []
     agreed: list[float] = []
     for n, (prompt, (toks, lps)) in enumerate(zip(prompts, rows, strict=True)):
@@ -290,13 +312,15 @@ def score_with_router_flips(ref: Any, prompts: list[list[int]], rows: list[Any],
         if e["explained"]:
             explained += 1
             flips.append({"prompt": n, "flips": [f._asdict() for f in e["flips"]]})
+        else:
+            unexplained.append({"prompt": n, "first_failure": e["first_failure"], **e.get("failure", {})})
         print(f"{label}: prompt {n} ({len(prompt)} + {len(toks)} tokens) fails at output {e['first_failure']}; "
               + (f"explained by router flips {[tuple(f) for f in e['flips']]}" if e["explained"] else "not explained")
               + f" ({e['tries']} flipped passes, {time.strftime('%T')})", flush=True)
     tot["mean_logprob_abs_err"] = tot["sum_logprob_abs_err"] / max(tot["tokens_scored"], 1)
     tot["pass_unflipped"] = rule.passes(tot)
     tot.update(prompts_failing=failing, prompts_explained_by_router_flips=explained, router_flips=flips,
-               flip_passes=flip_passes)
+               flip_passes=flip_passes, unexplained=unexplained)
     if failing:
         q = torch.tensor(agreed or [float("nan")], dtype=torch.float64)
         tot["router_ties"] = {"parted_min_router_gap_so_far": parted, "agreed_min_router_gap_so_far_quantiles":

@@ -541,6 +541,11 @@ def test_a_flip_above_the_tie_gap_is_not_tried(tiny_moe_ref: Any, planted: Any,
     r = moe_check.score_with_router_flips(tiny_moe_ref, [prompt], [row], "cpu", tie_gap=flip.gap * 0.99,
                                           max_tries=40)
     assert (r["prompts_failing"], r["prompts_explained_by_router_flips"], r["pass"]) == (1, 0, False), r
+    # The unexplained prompt's first failure is described, the planted flip among its smallest router gaps.
+    (u,) = r["unexplained"]
+    assert u["prompt"] == 0 and u["first_failure"] is not None and u["token"] == row[0][u["first_failure"]], u
+    assert (flip.token, flip.layer) in {(t, layer) for t, layer, _ in u["smallest_gaps"]}, (flip, u)
+    assert u["parted"] or u["logprob_err"] >= moe_check.FP32_RULE.logprob_tol, u
     tried = {(f.token, f.layer, f.gap) for p in passes for f in p}
     assert len(passes) == r["flip_passes"] and all(g < flip.gap * 0.99 for _, _, g in tried), tried
     assert (flip.token, flip.layer) not in {(t, layer) for t, layer, _ in tried}, tried
