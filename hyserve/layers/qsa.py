@@ -40,7 +40,13 @@ from torch import nn
 from hyserve.cache.specs import AttentionSpec
 from hyserve.kernels import store_kv
 from hyserve.kernels.attention import paged_attention
-from hyserve.kernels.attention.qsa import qsa_attention, qsa_block_scores, qsa_pool_scores
+from hyserve.kernels.attention.qsa import (
+    qsa_attention,
+    qsa_block_scores,
+    qsa_pool_scores,
+    qsa_positions,
+    store_index_keys,
+)
 from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
 from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.rope import apply_rope
@@ -131,7 +137,10 @@ class IndexedAttention(Attention):
         iq, kraw = self.indexer(x)
         inv_freq = self.rotary[0].inv_freq(x.device)
         iq = rope_at(iq, meta.positions, inv_freq)
-        store_index_keys_ref(kraw, self.index_cache, meta.slot_mapping)
+        if uses_triton(kraw):
+            store_index_keys(kraw, self.index_cache, meta.slot_mapping)
+        else:
+            store_index_keys_ref(kraw, self.index_cache, meta.slot_mapping)
         out = indexed_attention(
             q, iq, self.k_cache, self.v_cache, self.index_cache, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, self.scale, self.indexer.k_layernorm, inv_freq, self.budget, self.compress_ratio,
@@ -413,23 +422,28 @@ def indexed_attention(
         b = min(t, a + step)
         m = b - a
         qp, rt, vis = qpos[a:b], rows[a:b], visible[a:b]
+        if positions is not None:  # the kernels: scores, the sort, then one launch for the lanes
+            best = None
+            if sparse_possible:
+                if pool_in_kernel:
+                    assert isinstance(k_norm, RMSNorm)
+                    scores = qsa_pool_scores(iq[a:b], index_cache, block_tables, rt, vis, k_norm.weight, k_norm.eps,
+                                             inv_freq, c, nbk)
+                else:
+                    assert block_keys is not None
+                    scores = qsa_block_scores(iq[a:b], block_keys, rt, vis)
+                best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top]
+            positions[a:b] = qsa_positions(best, qp, vis, span, top, c)
+            continue
         # Dense: the causal prefix (at most `span` positions when the query sees <= top complete blocks).
         pos = lanes[None, :].expand(m, span)
         valid = pos <= qp[:, None]
         if sparse_possible:
-            if pool_in_kernel:
-                assert isinstance(k_norm, RMSNorm)
-                scores = qsa_pool_scores(iq[a:b], index_cache, block_tables, rt, vis, k_norm.weight, k_norm.eps,
-                                         inv_freq, c, nbk)
-            elif use_kernels:
-                assert block_keys is not None
-                scores = qsa_block_scores(iq[a:b], block_keys, rt, vis)
-            else:
-                assert block_keys is not None
-                keys = block_keys[rt].float()  # (m, nbk, di)
-                scores = torch.relu(torch.einsum("mhd,mjd->mhj", iq[a:b].float(), keys)).sum(dim=1) / math.sqrt(di)
-                blocks = torch.arange(nbk, device=dev, dtype=torch.int64)
-                scores = scores.masked_fill(blocks[None, :] >= vis[:, None], float("-inf"))
+            assert block_keys is not None
+            keys = block_keys[rt].float()  # (m, nbk, di)
+            scores = torch.relu(torch.einsum("mhd,mjd->mhj", iq[a:b].float(), keys)).sum(dim=1) / math.sqrt(di)
+            blocks = torch.arange(nbk, device=dev, dtype=torch.int64)
+            scores = scores.masked_fill(blocks[None, :] >= vis[:, None], float("-inf"))
             best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top]
             best = torch.sort(best, dim=1).values  # ascending: the positions in order
             chosen = (best[:, :, None] * c + in_block[None, None, :]).reshape(m, top * c)
@@ -439,9 +453,6 @@ def indexed_attention(
             sparse = (vis > top)[:, None]
             pos = torch.where(sparse, sp_pos, pos)
             valid = torch.where(sparse, sp_valid, valid)
-        if positions is not None:
-            positions[a:b] = torch.where(valid, pos, -1)
-            continue
         # Masked lanes read the query's own (just written) slot: finite values with zero weight.
         pos = torch.where(valid, pos, qp[:, None])
         slots = _paged_slots(block_tables, pos, bs, nblocks, rt)

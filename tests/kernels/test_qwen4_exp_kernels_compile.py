@@ -1,4 +1,5 @@
-"""Qwen4-Exp's Triton kernels (QSA scores, pooled scores and attention; the hyper-connections; the PLE n-grams)
+"""Qwen4-Exp's Triton kernels (QSA scores, pooled scores, lanes, index-key store and attention; the
+hyper-connections; the PLE n-grams)
 compiled for the H200 (sm_90) on the CPU, with no GPU: Triton's front end and its bundled ptxas see type and
 constexpr errors the interpreter (which runs the kernels' Python, ``tests/model/test_qsa.py`` and the others) does
 not. One compile per variant the launchers make for bf16 models (an FP8 KV cache too, and a split and a single
@@ -43,6 +44,12 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                      invf_ptr="*fp32", out_ptr="*fp32", siq_t=i32, siq_h=i32, sic_b=i32, sic_o=i32, sbt_r=i32,
                      so_t=i32, sqrt_d="fp32", eps="fp32", NBK=i32),
                 dict(HI=16, HI_PAD=16, DI=128, BLOCK_DI=128, R2=32, C=4, BS=16, BLOCK_J=16, PRECISION="tf32")))
+    out.append(("qsa_positions", at._qsa_positions_kernel,
+                dict(best_ptr="*i64", qpos_ptr="*i64", vis_ptr="*i64", pos_ptr="*i32", sb_t=i32, sp_t=i32, S=i32),
+                dict(TOP=512, C=4, SPARSE=True, BLOCK_S=1024)))
+    out.append(("store_index_keys", at._store_index_keys_kernel,
+                dict(k_ptr=bf, c_ptr=bf, slot_ptr="*i64", sk_t=i32, sc_b=i32, sc_o=i32),
+                dict(D=128, BLOCK_D=128, BS=16)))
     attend = dict(bt_ptr="*i32", rows_ptr="*i64", pos_ptr="*i32", po_ptr="*fp32", pml_ptr="*fp32", ks_ptr="*fp32",
                   vs_ptr="*fp32", qk_scale="fp32", S=i32,
                   **{k: i32 for k in ("sq_t", "sq_h", "so_t", "so_h", "sp_t", "sbt_r", "skc_b", "skc_o", "skc_h",

@@ -704,6 +704,16 @@ def run_kernel_checks() -> dict[str, list]:
     check("pooled_in_kernel_other_norm_caught",
           qsa.indexed_attention(**dict(prob, k_norm=other), max_seq_len=64, max_query_len=4, kernels=True),
           qsa.indexed_attention_ref(**prob), 1e-5, differ=True)
+    # The index-key store: each token's raw key at its slot, -1 skipped, other slots untouched.
+    gen_s = torch.Generator().manual_seed(11)
+    cache = torch.randn(5, 8, 16, generator=gen_s)
+    keys = torch.randn(6, 16, generator=gen_s)
+    slots = torch.tensor([3, -1, 17, 39, -1, 8])
+    want_cache = cache.clone()
+    qsa.store_index_keys_ref(keys, want_cache, slots)
+    got_cache = cache.clone()
+    kq.store_index_keys(keys, got_cache, slots)
+    out["store_index_keys"] = [bool(torch.equal(got_cache, want_cache)), "equal to the reference store"]
     # The scores kernel alone, blocks past each token's view at -inf.
     gen = torch.Generator().manual_seed(3)
     iq, keys = torch.randn(7, 3, 16, generator=gen), torch.randn(2, 9, 16, generator=gen)
@@ -739,7 +749,7 @@ def run_kernel_checks() -> dict[str, list]:
 QSA_KERNEL_CHECKS = ["fp32_ties0", "fp32_single_ties0", "fp32_ties20", "fp32_single_ties20", "bf16_fp8kv",
                      "bf16", "scores", "dense_splits", "dense_single", "row0_caught",
                      "early_caught", "pooled_in_kernel_fp32_ties0", "pooled_in_kernel_fp32_ties20",
-                     "pooled_in_kernel_bf16", "pooled_in_kernel_other_norm_caught"]
+                     "pooled_in_kernel_bf16", "pooled_in_kernel_other_norm_caught", "store_index_keys"]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["_paged_decode_kernel", "_paged_decode_reduce_kernel", "_paged_prefill_kernel", "_qsa_attend_kernel",
-           "_qsa_pool_scores_kernel", "_qsa_scores_kernel", "_store_kv_kernel"]
+           "_qsa_pool_scores_kernel", "_qsa_positions_kernel", "_qsa_scores_kernel", "_store_index_keys_kernel",
+           "_store_kv_kernel"]
 
 _NEG = tl.constexpr(-1.0e30)  # finite floor of the running max (a global must be a constexpr in @jit code)
 
@@ -365,3 +366,41 @@ def _qsa_pool_scores_kernel(
     tot = tl.sum(tl.maximum(s, 0.0), axis=0) / sqrt_d
     tot = tl.where(oj < vis, tot, float("-inf"))
     tl.store(out_ptr + t * so_t + oj, tot, mask=oj < NBK)
+
+
+@triton.jit
+def _qsa_positions_kernel(
+    best_ptr, qpos_ptr, vis_ptr, pos_ptr,
+    sb_t, sp_t, S,
+    TOP: tl.constexpr, C: tl.constexpr, SPARSE: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, cdiv(S, BLOCK_S)). Token t's attention lanes: where it sees more than ``TOP`` complete blocks
+    (``vis > TOP``, only when ``SPARSE``), lane ``l < TOP * C`` is position ``best[t, l // C] * C + l % C`` (its
+    chosen blocks, in the order given) and lane ``TOP * C + i`` the tail position ``vis * C + i`` if ``<= qpos``;
+    otherwise lane ``l`` is position ``l`` if ``<= qpos``. ``-1`` marks an unused lane."""
+    t = tl.program_id(0).to(tl.int64)
+    lane = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    qp = tl.load(qpos_ptr + t)
+    dense = tl.where(lane <= qp, lane, -1)
+    if SPARSE:
+        vis = tl.load(vis_ptr + t)
+        in_chosen = lane < TOP * C
+        blk = tl.load(best_ptr + t * sb_t + lane // C, mask=in_chosen & (lane < S), other=0)
+        tail = vis * C + (lane - TOP * C)
+        sparse = tl.where(in_chosen, blk * C + lane % C, tl.where(tail <= qp, tail, -1))
+        dense = tl.where(vis > TOP, sparse, dense)
+    tl.store(pos_ptr + t * sp_t + lane, dense.to(tl.int32), mask=lane < S)
+
+
+@triton.jit
+def _store_index_keys_kernel(
+    k_ptr, c_ptr, slot_ptr, sk_t, sc_b, sc_o,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    """One program per token: its raw index key into the paged index cache at its slot (a negative slot: skipped)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    od = tl.arange(0, BLOCK_D)
+    m = (od < D) & (slot >= 0)
+    v = tl.load(k_ptr + t * sk_t + od, mask=m)
+    tl.store(c_ptr + (slot // BS) * sc_b + (slot % BS) * sc_o + od, v.to(c_ptr.dtype.element_ty), mask=m)

@@ -9,6 +9,8 @@ attention over each token's selection).
   cache (pooled, normed, rotated), reading only the blocks each token sees: for steps of few tokens a row (decode,
   verify), whose graphs are sized for the model's length; ``qsa_block_scores`` over once-pooled keys is cheaper
   for long prefill chunks (each token would pool its whole context again).
+* :func:`qsa_positions`: each token's attention lanes from its chosen blocks (or its causal prefix), one launch.
+* :func:`store_index_keys`: the step's raw index keys into the paged index cache, one launch.
 * :func:`qsa_attention`: token ``t`` attends to the cache positions ``positions[t]`` of block-table row ``rows[t]``
   (``-1``: an unused lane), float32 online softmax, GQA, FP8 caches as :func:`hyserve.kernels.attention.paged_attention`
   reads them. Few tokens (decode, verify): each token's lanes split across programs and reduced, as the paged decode
@@ -28,7 +30,7 @@ import torch
 from hyserve.kernels.attention import FP8_KV_DTYPES, fit_tiles, kv_scales
 from hyserve.utils import next_pow2
 
-__all__ = ["qsa_attention", "qsa_block_scores", "qsa_pool_scores"]
+__all__ = ["qsa_attention", "qsa_block_scores", "qsa_pool_scores", "qsa_positions", "store_index_keys"]
 
 _LOG2E = 1.4426950408889634
 # Below this many (token, kv head) programs a token's lanes are split across programs (decode and verify steps).
@@ -96,6 +98,43 @@ def qsa_pool_scores(iq: torch.Tensor, index_cache: torch.Tensor, block_tables: t
         num_warps=4,
     )  # fmt: skip
     return out
+
+
+def qsa_positions(best: torch.Tensor | None, qpos: torch.Tensor, visible: torch.Tensor, span: int, top: int,
+                  c: int) -> torch.Tensor:
+    """``best`` (T, top) each token's chosen block indices (None: no token can be sparse); ``qpos``, ``visible``
+    (T,). Returns (T, span) int32 positions, ``-1`` unused: a token seeing more than ``top`` complete blocks attends
+    to its chosen blocks' tokens and its tail ``[visible * c, qpos]``, any other to ``[0, qpos]``."""
+    from hyserve.kernels.attention._triton import _qsa_positions_kernel
+
+    t = qpos.shape[0]
+    out = torch.empty((t, span), dtype=torch.int32, device=qpos.device)
+    if t == 0 or span == 0:
+        return out
+    block_s = min(1024, next_pow2(span))
+    b = best if best is not None else qpos
+    _qsa_positions_kernel[(t, _cdiv(span, block_s))](
+        b, qpos, visible, out, b.stride(0), out.stride(0), span,
+        TOP=top, C=c, SPARSE=best is not None, BLOCK_S=block_s, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def store_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``keys`` (T, Di) into ``index_cache`` (num_blocks, block_size, Di) at ``slot_mapping`` (T,), ``-1`` skipped
+    (``hyserve.layers.qsa.store_index_keys_ref``'s result)."""
+    from hyserve.kernels.attention._triton import _store_index_keys_kernel
+
+    t, d = keys.shape
+    if t == 0:
+        return
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    assert index_cache.stride(-1) == 1
+    _store_index_keys_kernel[(t,)](
+        keys, index_cache, slot_mapping, keys.stride(0), index_cache.stride(0), index_cache.stride(1),
+        D=d, BLOCK_D=max(16, next_pow2(d)), BS=index_cache.shape[1], num_warps=1,
+    )  # fmt: skip
 
 
 def qsa_attention(
