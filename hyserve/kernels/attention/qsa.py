@@ -24,13 +24,15 @@ the interpreter).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from hyserve.kernels.attention import FP8_KV_DTYPES, fit_tiles, kv_scales
 from hyserve.utils import next_pow2
 
-__all__ = ["qsa_attention", "qsa_block_scores", "qsa_pool_scores", "qsa_positions", "store_index_keys"]
+__all__ = ["compile_variants", "qsa_attention", "qsa_block_scores", "qsa_pool_scores", "qsa_positions",
+           "store_index_keys"]
 
 _LOG2E = 1.4426950408889634
 # Below this many (token, kv head) programs a token's lanes are split across programs (decode and verify steps).
@@ -208,4 +210,48 @@ def qsa_attention(
             NUM_SPLITS=splits, S_PAD=next_pow2(splits), D=d, BLOCK_D=block_d,
             num_warps=4,
         )  # fmt: skip
+    return out
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The variants of this package's Triton kernels that the QSA launchers make for a bf16 Qwen4-Exp model, as
+    ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
+    (``tests/kernels/test_qwen4_exp_kernels_compile.py``)."""
+    from hyserve.kernels.attention._triton import (
+        _qsa_attend_kernel,
+        _qsa_pool_scores_kernel,
+        _qsa_positions_kernel,
+        _qsa_scores_kernel,
+        _store_index_keys_kernel,
+    )
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    bf = "*bf16"
+    i32 = "i32"
+    out.append(("qsa_scores", _qsa_scores_kernel,
+                dict(iq_ptr=bf, bk_ptr=bf, rows_ptr="*i64", vis_ptr="*i64", out_ptr="*fp32", siq_t=i32, siq_h=i32,
+                     sbk_r=i32, sbk_j=i32, so_t=i32, sqrt_d="fp32", NBK=i32),
+                dict(HI=16, HI_PAD=16, DI=128, BLOCK_DI=128, BLOCK_J=64, PRECISION="tf32")))
+    out.append(("qsa_pool_scores", _qsa_pool_scores_kernel,
+                dict(iq_ptr=bf, ic_ptr=bf, bt_ptr="*i32", rows_ptr="*i64", vis_ptr="*i64", kw_ptr=bf,
+                     invf_ptr="*fp32", out_ptr="*fp32", siq_t=i32, siq_h=i32, sic_b=i32, sic_o=i32, sbt_r=i32,
+                     so_t=i32, sqrt_d="fp32", eps="fp32", NBK=i32),
+                dict(HI=16, HI_PAD=16, DI=128, BLOCK_DI=128, R2=32, C=4, BS=16, BLOCK_J=16, PRECISION="tf32")))
+    out.append(("qsa_positions", _qsa_positions_kernel,
+                dict(best_ptr="*i64", qpos_ptr="*i64", vis_ptr="*i64", pos_ptr="*i32", sb_t=i32, sp_t=i32, S=i32),
+                dict(TOP=512, C=4, SPARSE=True, BLOCK_S=1024)))
+    out.append(("store_index_keys", _store_index_keys_kernel,
+                dict(k_ptr=bf, c_ptr=bf, slot_ptr="*i64", sk_t=i32, sc_b=i32, sc_o=i32),
+                dict(D=128, BLOCK_D=128, BS=16)))
+    attend = dict(bt_ptr="*i32", rows_ptr="*i64", pos_ptr="*i32", po_ptr="*fp32", pml_ptr="*fp32", ks_ptr="*fp32",
+                  vs_ptr="*fp32", qk_scale="fp32", S=i32,
+                  **{k: i32 for k in ("sq_t", "sq_h", "so_t", "so_h", "sp_t", "sbt_r", "skc_b", "skc_o", "skc_h",
+                                      "svc_b", "svc_o", "svc_h", "spo_r", "spo_h", "spo_s", "spml_r", "spml_h",
+                                      "spml_s")})
+    for q, kv, single in (("bf16", "bf16", True), ("bf16", "bf16", False), ("bf16", "fp8e4nv", False),
+                          ("fp32", "fp32", True)):
+        out.append((f"qsa_attend_{q}_{kv}_{'single' if single else 'splits'}", _qsa_attend_kernel,
+                    dict(attend, q_ptr=f"*{q}", kc_ptr=f"*{kv}", vc_ptr=f"*{kv}", out_ptr=f"*{q}"),
+                    dict(GROUP=8, G_PAD=16, D=256, BLOCK_D=256, BS=16, BLOCK_N=32, PART=160, SINGLE=single,
+                         PRECISION="ieee" if q == "fp32" else "tf32", FP8=kv == "fp8e4nv")))
     return out

@@ -15,11 +15,13 @@ elsewhere it runs its torch formulation, which defines the semantics.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hyserve.utils import next_pow2
 
-__all__ = ["hc_gates", "hc_inject", "hc_inject_norm", "hc_mix"]
+__all__ = ["compile_variants", "hc_gates", "hc_inject", "hc_inject_norm", "hc_mix"]
 
 
 def hc_inject_norm(x: torch.Tensor, out: torch.Tensor | None, w: torch.Tensor | None, weight: torch.Tensor | None,
@@ -91,3 +93,25 @@ def hc_mix(up: torch.Tensor, normed: torch.Tensor, streams: int) -> torch.Tensor
             NS=streams, H=h, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return mixed
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The variants of this package's Triton kernels that its launchers make for a bf16 Qwen4-Exp model, as
+    ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
+    (``tests/kernels/test_qwen4_exp_kernels_compile.py``)."""
+    from hyserve.kernels.hyper_connection._triton import _hc_gates_kernel, _hc_inject_norm_kernel, _hc_mix_kernel
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    bf, i32 = "*bf16", "i32"
+    for inject, norm in ((True, True), (False, True), (True, False)):
+        out.append((f"hc_inject_norm_{inject}_{norm}", _hc_inject_norm_kernel,
+                    dict(x_ptr=bf, o_ptr=bf, w_ptr=bf, xo_ptr=bf, y_ptr=bf, nw_ptr=bf, sx_t=i32, so_t=i32, sw_t=i32,
+                         sxo_t=i32, sy_t=i32, eps="fp32"),
+                    dict(H=2048, BLOCK_H=2048, INJECT=inject, NORM=norm)))
+    for has in (True, False):
+        out.append((f"hc_gates_{has}", _hc_gates_kernel,
+                    dict(d_ptr=bf, i_ptr=bf, g_ptr=bf, iw_ptr=bf, sd_t=i32, si_t=i32, sg_t=i32, siw_t=i32, S="fp32"),
+                    dict(R=128, BLOCK_R=128, NS=4, BLOCK_S=4, HAS_INJECT=has)))
+    out.append(("hc_mix", _hc_mix_kernel, dict(u_ptr=bf, n_ptr=bf, m_ptr=bf, su_t=i32, sn_t=i32, sm_t=i32),
+                dict(NS=4, H=2048, BLOCK=1024)))
+    return out

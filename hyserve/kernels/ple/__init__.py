@@ -7,11 +7,13 @@ device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hyserve.utils import next_pow2
 
-__all__ = ["ngram_embed"]
+__all__ = ["compile_variants", "ngram_embed"]
 
 
 def ngram_embed(tokens: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, offsets: torch.Tensor,
@@ -34,4 +36,19 @@ def ngram_embed(tokens: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Te
         tokens.stride(0), table.stride(0), out.stride(0), eos,
         N=n, HPN=heads_per_ngram, D=d, BLOCK_D=max(16, next_pow2(d)), num_warps=4,
     )  # fmt: skip
+    return out
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The variants of this package's Triton kernels that the PLE launcher makes for a bf16 Qwen4-Exp model, as
+    ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
+    (``tests/kernels/test_qwen4_exp_kernels_compile.py``)."""
+    from hyserve.kernels.ple._triton import _ngram_embed_kernel
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    bf, i32 = "*bf16", "i32"
+    out.append(("ngram_embed", _ngram_embed_kernel,
+                dict(tok_ptr="*i64", mult_ptr="*i64", size_ptr="*i64", off_ptr="*i64", table_ptr=bf, out_ptr=bf,
+                     stok_t=i32, stab_r=i32, sout_t=i32, eos=i32),
+                dict(N=3, HPN=4, D=256, BLOCK_D=256)))
     return out
