@@ -240,7 +240,7 @@ def _qsa_scores_kernel(
 ):  # fmt: skip
     """Grid (T, cdiv(NBK, BLOCK_J)). Token t's score of its row's block j: ``sum_h relu(iq[t, h] . bk[row, j]) /
     sqrt_d`` (float32 products and sums), ``-inf`` for the blocks it does not see completely (``j >= vis[t]``)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x a row stride passes 2**31 at long contexts
     jb = tl.program_id(1)
     r = tl.load(rows_ptr + t).to(tl.int64)
     vis = tl.load(vis_ptr + t)
@@ -272,7 +272,7 @@ def _qsa_attend_kernel(
     (``-1``: an unused lane); split ``s`` covers lanes ``[s * PART, (s + 1) * PART)``. One split: the normalised
     output; several: partial sums and (max, sum) per split, combined by ``_paged_decode_reduce_kernel`` (its rows
     are the tokens)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x a row stride passes 2**31 at long contexts
     hkv = tl.program_id(1)
     sp = tl.program_id(2)
     r = tl.load(rows_ptr + t).to(tl.int64)
@@ -324,7 +324,7 @@ def _qsa_pool_scores_kernel(
     j*C .. j*C + C - 1).to(dtype)), j*C)`` (zero-centred RMSNorm with ``kw``, NeoX halves over the first ``2 * R2``
     channels with ``invf``), rounded where the torch formulation rounds. Only the blocks the token sees completely
     are read, so the work follows the row's context, not the bound the launch was sized for."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x a row stride passes 2**31 at long contexts
     jb = tl.program_id(1)
     r = tl.load(rows_ptr + t).to(tl.int64)
     vis = tl.load(vis_ptr + t)
