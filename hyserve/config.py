@@ -77,6 +77,13 @@ class ModelConfig:
         return self.hidden_size
 
     @property
+    def stage_handover_parts(self) -> int:
+        """Tensors of ``residual_width`` per token that a pipeline stage hands the next one: the residual stream
+        and the last layer's pending MLP output (whose add the next stage fuses into its first norm), or one for a
+        family whose layers leave nothing pending (Qwen4-Exp's streams)."""
+        return 2
+
+    @property
     def attention_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
 

@@ -160,7 +160,8 @@ def shard_range(total: int, rank: int | None = None, size: int | None = None) ->
 class StageLink:
     """A stage's point-to-point link to its neighbours: the previous stage's output in, this stage's out.
 
-    One tensor per step each way, (tokens, 2, hidden) = [residual stream, pending MLP output]; steps are sent and
+    One tensor per step each way, (tokens, parts, width): the model's handover (``ModelConfig.stage_handover_parts``:
+    Qwen3.5's [residual stream, pending MLP output], Qwen4-Exp's streams alone) stacked; steps are sent and
     received in the order every stage runs them, so message n is step n's. Sends are asynchronous (the stage goes
     on with its next step); a send's tensor is kept until the send completes.
     """
@@ -171,15 +172,15 @@ class StageLink:
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def recv_into(self, buf: torch.Tensor) -> None:
-        """The previous stage's output of this step into ``buf`` (tokens, 2, hidden), contiguous."""
+        """The previous stage's output of this step into ``buf`` (tokens, parts, width), contiguous."""
         assert self.prev is not None, "the first stage receives nothing"
         assert buf.is_contiguous()
         dist.recv(buf, src=self.prev)
 
-    def send(self, residual: torch.Tensor, pending: torch.Tensor) -> None:
+    def send(self, *parts: torch.Tensor) -> None:
         assert self.next is not None, "the last stage sends nothing"
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
-        buf = torch.stack([residual, pending], dim=1)
+        buf = torch.stack(parts, dim=1)
         work = dist.isend(buf, dst=self.next)
         assert work is not None
         self._sends.append((work, buf))

@@ -72,8 +72,9 @@ class MissingLayer(nn.Module):
     """A decoder layer that another pipeline stage holds (keeps the indices of the checkpoint's names)."""
 
 
-# Between pipeline stages: (residual stream, the last layer's MLP output whose add is fused into the next norm).
-Intermediate = tuple[torch.Tensor, torch.Tensor]
+# Between pipeline stages (``ModelConfig.stage_handover_parts`` tensors): Qwen3.5's (residual stream, the last
+# layer's MLP output whose add is fused into the next norm); a family with nothing pending hands its residual alone.
+Intermediate = tuple[torch.Tensor, ...]
 
 
 class TextModel(nn.Module):

@@ -83,8 +83,8 @@ class Qwen4ExpTextModel(TextModel):
     """The decoder, or with pipeline parallelism the layers of this process's stage (``TextModel``'s split): the
     first stage embeds and repeats the embedding into the streams, the last holds ``hyper_connection_mixer`` (the LM
     head's input; and the embedding when the LM head is tied to it). Between stages the handover is the wide
-    residual, the (T, S * H) streams: ``Intermediate``'s second tensor, Qwen3.5's pending MLP output, is zeros here
-    (each layer adds its outputs itself) and is not read. With tensor parallelism the GDN, attention and MoE layers
+    residual alone, the (T, S * H) streams (``stage_handover_parts`` 1: each layer adds its outputs itself, nothing is
+    pending as in Qwen3.5's handover). With tensor parallelism the GDN, attention and MoE layers
     shard themselves; the hyper-connection linears, the PLE layers and the QSA indexer are whole on every rank."""
 
     def __init__(self, config: Qwen3_5Config, decoder_layer: type[DecoderLayer]) -> None:
@@ -116,7 +116,7 @@ class Qwen4ExpTextModel(TextModel):
         for layer in self._own_layers:
             x = layer(x, input_ids, meta)
         if not self.is_last:
-            return x, torch.zeros_like(x)
+            return (x,)
         return x  # the streams: the draft head reads them; compute_logits mixes them for the LM head
 
     def holds(self, name: str) -> bool:

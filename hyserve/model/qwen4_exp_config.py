@@ -68,6 +68,11 @@ class Qwen4ExpConfig(Qwen3_5MoeConfig):
         return self.hc_width
 
     @property
+    def stage_handover_parts(self) -> int:
+        """The streams alone: each layer injects its own outputs, nothing is pending."""
+        return 1
+
+    @property
     def image_refusal(self) -> str | None:
         if self.multimodal is not None and self.qsa:
             return ("image input is not supported yet for Qwen4-Exp with QSA attention: its indexer's block keys "

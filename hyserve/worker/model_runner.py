@@ -226,7 +226,8 @@ class ModelRunner:
         pad = self.state_pool.pad_slot
         self.input_batch = InputBatch(self.device, self.max_num_batched_tokens, self.max_num_seqs, max_model_len,
                                       self.block_size, k, pad)
-        self.stage.allocate(self.max_num_batched_tokens, self.model_config.residual_width, self.dtype, self.device)
+        self.stage.allocate(self.max_num_batched_tokens, self.model_config.residual_width, self.dtype, self.device,
+                            self.model_config.stage_handover_parts)
         self.state_ops = StateOps(self.model, self.state_pool, self.input_batch, graphs, self.cache_specs, k,
                                   self.num_scratch_sets, self.max_num_seqs)
         self.stage_commits = StageCommits(self.state_ops, self.num_scratch_sets)
@@ -537,8 +538,8 @@ class ModelRunner:
             graphs, size = graph
             meta, _, real = self.prepare(rows, pad_to=size, pad_len=q, row_len=q)
             self.stage.recv_stage_input(len(rows) * q)
-            x, pending = graphs.run(size)
-            self.stage.send(x[real], pending[real])  # the real tokens only, as an eager step sends them
+            parts = graphs.run(size)
+            self.stage.send(*(p[real] for p in parts))  # the real tokens only, as an eager step sends them
         else:
             meta, input_ids, _ = self.prepare(rows)
             self.stage.run_model(self.model, input_ids, meta)
@@ -606,7 +607,7 @@ class ModelRunner:
             self.stage.recv_stage_input(len(rows))
             outs = decode.run(size)
             if not self.is_last_stage:
-                self.stage.send(outs[0][: len(rows)], outs[1][: len(rows)])
+                self.stage.send(*(o[: len(rows)] for o in outs))
                 return outs[0][:0]
             logits, = outs
             # One token per row: row i's logits are row i of the graph's output.

@@ -23,7 +23,8 @@ from hyserve.worker.state_ops import StateOps
 
 class StageIO:
     """The stage's link to its neighbours (None with one stage) and ``pp_in``, where a later stage receives the
-    previous stage's (residual, pending) per token: graphs read it there."""
+    previous stage's handover per token (``ModelConfig.stage_handover_parts`` tensors: Qwen3.5's residual and
+    pending MLP output, Qwen4-Exp's streams alone): graphs read it there."""
 
     def __init__(self, link: StageLink | None, is_first: bool, is_last: bool) -> None:
         self.link = link
@@ -31,9 +32,13 @@ class StageIO:
         self.pp_in: torch.Tensor | None = None
 
     def allocate(self, max_num_batched_tokens: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, parts: int = 2) -> None:
         if self.link is not None and not self.is_first_stage:
-            self.pp_in = torch.zeros((max_num_batched_tokens, 2, hidden_size), dtype=dtype, device=device)
+            self.pp_in = torch.zeros((max_num_batched_tokens, parts, hidden_size), dtype=dtype, device=device)
+
+    def _received(self, t: int) -> tuple[torch.Tensor, ...]:
+        assert self.pp_in is not None
+        return tuple(self.pp_in[:t, i] for i in range(self.pp_in.shape[1]))
 
     def recv_stage_input(self, num_tokens: int) -> None:
         """The previous stage's output of this step's ``num_tokens`` tokens, into ``pp_in``."""
@@ -41,19 +46,17 @@ class StageIO:
             assert self.pp_in is not None
             self.link.recv_into(self.pp_in[:num_tokens])
 
-    def send(self, x: torch.Tensor, pending: torch.Tensor) -> None:
+    def send(self, *parts: torch.Tensor) -> None:
         assert self.link is not None
-        self.link.send(x, pending)
+        self.link.send(*parts)
 
     def forward(self, model: CausalLM, input_ids: torch.Tensor, meta: StepMetadata
                 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The model over input already received: a later stage's input is the previous stage's output (in
-        ``pp_in``); a stage before the last returns its (residual, pending)."""
+        ``pp_in``); a stage before the last returns its handover."""
         if self.is_first_stage:
             return model(input_ids, meta)  # type: ignore[no-any-return]
-        assert self.pp_in is not None
-        t = input_ids.shape[0]
-        return model(input_ids, meta, (self.pp_in[:t, 0], self.pp_in[:t, 1]))  # type: ignore[no-any-return]
+        return model(input_ids, meta, self._received(input_ids.shape[0]))  # type: ignore[no-any-return]
 
     def run_model(self, model: CausalLM, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """This stage's eager forward of a prepared step: after the previous stage's output arrives, and sent on to
@@ -64,8 +67,7 @@ class StageIO:
         if not self.is_first_stage:
             t = input_ids.shape[0]
             self.recv_stage_input(t)
-            assert self.pp_in is not None
-            inter = (self.pp_in[:t, 0], self.pp_in[:t, 1])
+            inter = self._received(t)
         out = model(input_ids, meta, inter)
         if self.is_last_stage:
             return out  # type: ignore[no-any-return]

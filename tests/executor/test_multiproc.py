@@ -158,7 +158,7 @@ def test_a_failing_first_stage_is_an_error_not_a_hang(ckpts: CheckpointCache, tm
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
         from hyserve.distributed.parallel_state import StageLink
 
-        def broken(self, residual, pending):
+        def broken(self, *parts):
             raise RuntimeError("planted handover failure")
 
         StageLink.send = broken
