@@ -44,6 +44,7 @@ def _torch_path(fn):  # type: ignore[no-untyped-def]
 
 def run_kernel_checks() -> dict[str, list]:
     """Under ``TRITON_INTERPRET=1``: {name: [ok, message]}."""
+    import hyserve.layers.norm as hc_norm_module
     from hyserve.kernels.hyper_connection import hc_inject_norm
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
@@ -76,6 +77,15 @@ def run_kernel_checks() -> dict[str, list]:
             check(f"inject_and_mix_x_{n}", xf, xr, tol)
             check(f"inject_and_mix_h_{n}", hf, hr, tol)
             check(f"inject_and_mix_w_{n}", wf, wr, tol)
+            norm = block.hc_norm
+            got_norm = norm(x)
+            real = hc_norm_module.uses_triton
+            hc_norm_module.uses_triton = lambda t: False  # type: ignore[assignment]
+            try:
+                want_norm = norm(x)
+            finally:
+                hc_norm_module.uses_triton = real  # type: ignore[assignment]
+            check(f"grouped_norm_{n}", got_norm, want_norm, tol)
             last = make_block(dtype, use_combine=False, seed=3)
             got, none = last.mix(x)
             check(f"mix_no_combine_{n}", got, _torch_path(lambda: last.mix(x))[0], tol)
@@ -90,7 +100,7 @@ def run_kernel_checks() -> dict[str, list]:
 
 CHECKS = [f"{c}_{dt}" for dt in ("float32", "bfloat16")
           for c in ("mix", "mix_weights", "inject", "inject_and_mix_x", "inject_and_mix_h", "inject_and_mix_w",
-                    "mix_no_combine", "mix_no_combine_weights")]
+                    "grouped_norm", "mix_no_combine", "mix_no_combine_weights")]
 CHECKS += ["reversed_weights_caught", "rolled_norm_weight_caught"]
 
 
