@@ -53,7 +53,7 @@ from torch.nn import functional as F
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.kernels.moe import uses_triton
-from hyserve.kernels.ple import ngram_embed
+from hyserve.kernels.ple import ngram_embed, ple_gate
 from hyserve.kernels.varlen import row_index
 from hyserve.layers.linear import Linear
 from hyserve.layers.norm import GroupedRMSNorm
@@ -377,6 +377,9 @@ class PerLayerEmbedding(RecurrentLayer):
         """The gated value Gv (T, W) from the streams ``x`` and the n-gram embedding ``e``, in the activation dtype."""
         t = x.shape[0]
         e = e.to(x.dtype)
+        if uses_triton(x):
+            return ple_gate(self.norm_key(self.key_proj(e)), self.norm_query(x), self.value_proj(e), self.streams,
+                            GATE_CLAMP)
         kn = self.norm_key(self.key_proj(e)).view(t, self.streams, self.hidden)
         qn = self.norm_query(x).view(t, self.streams, self.hidden)
         v = self.value_proj(e)

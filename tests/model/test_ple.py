@@ -533,6 +533,28 @@ def run_kernel_checks() -> dict[str, list]:
             bad = ngram_embed(tokens, e.layer_multipliers.flip(0), e.ngram_heads_vocab_sizes, e.ngram_heads_offsets,
                               e.ngram_embedding.weight, EOS, hpn)
             out["reversed_multipliers_caught"] = [not torch.equal(bad, want), "differs"]
+    # The gate kernel against the torch formulation (float32 to rounding, bf16 to its spacing), and a sabotage: the
+    # value of another token must differ.
+    from hyserve.kernels.ple import ple_gate
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        layer = make_layer(CFG, dtype=dtype)
+        x = torch.randn(9, W, generator=gen).to(dtype)
+        e = torch.randn(9, CFG.ple_embed_dim, generator=gen).to(dtype)
+        with torch.no_grad():
+            got = layer._gate(x, e)
+            real = ple_mod.uses_triton
+            ple_mod.uses_triton = lambda t: False  # type: ignore[assignment]
+            try:
+                want = layer._gate(x, e)
+            finally:
+                ple_mod.uses_triton = real  # type: ignore[assignment]
+            err = float((got.float() - want.float()).abs().max())
+            out[f"gate_{str(dtype).split('.')[-1]}"] = [err <= tol, f"max err {err:.3g}"]
+            if dtype == torch.float32:
+                bad = ple_gate(layer.norm_key(layer.key_proj(e)), layer.norm_query(x), layer.value_proj(e).roll(1, 0),
+                               CFG.hc_count, 1e-6)
+                out["gate_rolled_value_caught"] = [float((bad - want).abs().max()) > 100 * tol, "differs"]
     for test in (test_whole_prompt_matches_reference, test_chunked_equals_one_shot_bf16,
                  test_verify_candidates_commit_and_continue):
         try:
@@ -543,7 +565,8 @@ def run_kernel_checks() -> dict[str, list]:
     return out
 
 
-PLE_KERNEL_CHECKS = ["embed_n2", "embed_n3", "embed_n4", "reversed_multipliers_caught",
+PLE_KERNEL_CHECKS = ["embed_n2", "embed_n3", "embed_n4", "reversed_multipliers_caught", "gate_float32",
+                     "gate_bfloat16", "gate_rolled_value_caught",
                      "test_whole_prompt_matches_reference", "test_chunked_equals_one_shot_bf16",
                      "test_verify_candidates_commit_and_continue"]
 
