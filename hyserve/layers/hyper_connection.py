@@ -55,9 +55,7 @@ class GatedResidual(nn.Module):
     def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` (T, S * H) -> (the block's input (T, H), the injection weights (T, S), None without combine)."""
         if uses_triton(x):
-            normed = hc_inject_norm(x, None, None, self.hc_norm.weight, self.hc_count, self.hc_norm.eps)[1]
-            assert normed is not None
-            return self._mix_normed(normed)
+            return self._mix_normed(self.hc_norm(x))  # GroupedRMSNorm: the norm kernel
         normed = self.hc_norm(x)
         gate = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc_count)))
         streams = (gate.unflatten(-1, (self.hc_count, self.hidden_size))

@@ -409,8 +409,6 @@ def indexed_attention(
     visible = (qpos + 1) // c
     block_keys = (pool_block_keys_batched(index_cache, block_tables, nbk, c, k_norm, inv_freq)
                   if sparse_possible and not pool_in_kernel else None)
-    lanes = torch.arange(span, device=dev, dtype=torch.int64)
-    in_block = torch.arange(c, device=dev, dtype=torch.int64)
     if use_kernels:  # per token: the scores, the sort's values and indices, the lanes
         per_token = 4 * max(nbk, span)
     else:  # per token: the gathered K and V, the logits, the gathered block keys
@@ -436,6 +434,8 @@ def indexed_attention(
             positions[a:b] = qsa_positions(best, qp, vis, span, top, c)
             continue
         # Dense: the causal prefix (at most `span` positions when the query sees <= top complete blocks).
+        lanes = torch.arange(span, device=dev, dtype=torch.int64)
+        in_block = torch.arange(c, device=dev, dtype=torch.int64)
         pos = lanes[None, :].expand(m, span)
         valid = pos <= qp[:, None]
         if sparse_possible:

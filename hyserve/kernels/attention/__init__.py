@@ -22,7 +22,8 @@ import torch
 from hyserve.kernels.attention.reference import FP8_KV_DTYPES, paged_attention_ref, store_kv_ref
 from hyserve.utils import next_pow2
 
-__all__ = ["paged_attention", "paged_attention_triton", "store_kv", "store_kv_triton"]
+__all__ = ["paged_attention", "paged_attention_triton", "reduce_splits", "split_partials", "store_kv",
+           "store_kv_triton"]
 
 # Decode: context positions per split (a multiple of the key tile) and the most splits per row.
 _DECODE_PARTITION = 512
@@ -119,6 +120,34 @@ def kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torc
     return ks, vs
 
 
+def split_partials(out: torch.Tensor, rows: int, splits: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], tuple[int, int, int]]:
+    """A split-context launch's float32 partial buffers for ``rows`` partial rows of ``out``'s (T, Hq, D): sums
+    (rows, Hq, splits, D) and (max, sum) (rows, Hq, splits, 2), with their strides; with one split, ``out`` as a
+    placeholder (the kernel writes the output itself)."""
+    if splits == 1:
+        return out, out, (0, 0, 0), (0, 0, 0)
+    _, hq, d = out.shape
+    po = torch.empty((rows, hq, splits, d), dtype=torch.float32, device=out.device)
+    pml = torch.empty((rows, hq, splits, 2), dtype=torch.float32, device=out.device)
+    return po, pml, (po.stride(0), po.stride(1), po.stride(2)), (pml.stride(0), pml.stride(1), pml.stride(2))
+
+
+def reduce_splits(po: torch.Tensor, pml: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor) -> None:
+    """Combine ``split_partials``' buffers into ``out``: partial row ``r`` is the output token ``qsl[r]`` (rows with
+    no token skipped)."""
+    from hyserve.kernels.attention._triton import _paged_decode_reduce_kernel
+
+    rows, hq, splits, d = po.shape
+    _paged_decode_reduce_kernel[(rows, hq)](
+        po, pml, query_start_loc, out,
+        out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
+        pml.stride(0), pml.stride(1), pml.stride(2),
+        NUM_SPLITS=splits, S_PAD=next_pow2(splits), D=d, BLOCK_D=max(16, next_pow2(d)),
+        num_warps=4,
+    )  # fmt: skip
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -175,11 +204,7 @@ def paged_attention_triton(
     prefill kernel otherwise. ``decode_partition`` (tests) overrides the context positions per decode split;
     ``prefill_config`` (tuning) overrides the prefill kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
     ``out`` optionally supplies the ``(T, Hq, D)`` output buffer."""
-    from hyserve.kernels.attention._triton import (
-        _paged_decode_kernel,
-        _paged_decode_reduce_kernel,
-        _paged_prefill_kernel,
-    )
+    from hyserve.kernels.attention._triton import _paged_decode_kernel, _paged_prefill_kernel
 
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
@@ -218,14 +243,7 @@ def paged_attention_triton(
             part = block_n * _cdiv(part, block_n)
         splits = _cdiv(max_seq, part)
         single = splits == 1
-        if single:
-            po = pml = out  # unused
-            po_strides = pml_strides = (0, 0, 0)
-        else:
-            po = torch.empty((R, Hq, splits, D), dtype=torch.float32, device=q.device)
-            pml = torch.empty((R, Hq, splits, 2), dtype=torch.float32, device=q.device)
-            po_strides = (po.stride(0), po.stride(1), po.stride(2))
-            pml_strides = (pml.stride(0), pml.stride(1), pml.stride(2))
+        po, pml, po_strides, pml_strides = split_partials(out, R, splits)
         _paged_decode_kernel[(R, Hkv, splits)](
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, po, pml, ks, vs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -236,12 +254,7 @@ def paged_attention_triton(
             num_warps=4, num_stages=decode_stages,
         )  # fmt: skip
         if not single:
-            _paged_decode_reduce_kernel[(R, Hq)](
-                po, pml, query_start_loc, out,
-                out.stride(0), out.stride(1), *po_strides, *pml_strides,
-                NUM_SPLITS=splits, S_PAD=next_pow2(splits), D=D, BLOCK_D=block_d,
-                num_warps=4,
-            )  # fmt: skip
+            reduce_splits(po, pml, query_start_loc, out)
         return out
 
     if prefill_config is not None:

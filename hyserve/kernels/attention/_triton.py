@@ -95,6 +95,25 @@ def _attend_tile(
 
 
 @triton.jit
+def _write_split(
+    acc, m_i, l_i, out_ptr, po_ptr, pml_ptr, tok, row, sp, hq, od, qmask, gmask,
+    so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s, SINGLE: tl.constexpr,
+):  # fmt: skip
+    """A split-context program's result: with one split the normalised output at token ``tok``; otherwise the
+    unnormalised partial sums and (max, sum) of split ``sp`` at partial row ``row``, for
+    ``_paged_decode_reduce_kernel``."""
+    if SINGLE:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok * so_t + hq[:, None] * so_h + od[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=qmask)  # fmt: skip
+    else:
+        tl.store(po_ptr + row * spo_r + hq[:, None] * spo_h + sp * spo_s + od[None, :], acc, mask=qmask)
+        ml = pml_ptr + row * spml_r + hq * spml_h + sp * spml_s
+        tl.store(ml, m_i, mask=gmask)
+        tl.store(ml + 1, l_i, mask=gmask)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qsl_ptr, seqlen_ptr, out_ptr, po_ptr, pml_ptr, ks_ptr, vs_ptr,
     sq_t, sq_h, so_t, so_h, sbt_r,
@@ -140,17 +159,10 @@ def _paged_decode_kernel(
         )  # fmt: skip
     if FP8:  # the partial sums combine linearly, so scaling each split's is scaling the result
         acc = acc * tl.load(vs_ptr + hkv)
-
-    if SINGLE:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + start * so_t + hq[:, None] * so_h + od[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=qmask)  # fmt: skip
-    else:
-        pmask = gmask[:, None] & dmask[None, :]
-        tl.store(po_ptr + r * spo_r + hq[:, None] * spo_h + sp * spo_s + od[None, :], acc, mask=pmask)
-        ml = pml_ptr + r * spml_r + hq * spml_h + sp * spml_s
-        tl.store(ml, m_i, mask=gmask)
-        tl.store(ml + 1, l_i, mask=gmask)
+    # A partial row's slots are written even for an empty row (the reduction skips its output).
+    _write_split(acc, m_i, l_i, out_ptr, po_ptr, pml_ptr, start, r, sp, hq, od,
+                 qmask if SINGLE else gmask[:, None] & dmask[None, :], gmask,
+                 so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s, SINGLE)  # fmt: skip
 
 
 @triton.jit
@@ -302,14 +314,8 @@ def _qsa_attend_kernel(
         )  # fmt: skip
     if FP8:
         acc = acc * tl.load(vs_ptr + hkv)
-    if SINGLE:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + t * so_t + hq[:, None] * so_h + od[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
-    else:
-        tl.store(po_ptr + t * spo_r + hq[:, None] * spo_h + sp * spo_s + od[None, :], acc, mask=qmask)
-        ml = pml_ptr + t * spml_r + hq * spml_h + sp * spml_s
-        tl.store(ml, m_i, mask=gmask)
-        tl.store(ml + 1, l_i, mask=gmask)
+    _write_split(acc, m_i, l_i, out_ptr, po_ptr, pml_ptr, t, t, sp, hq, od, qmask, gmask,
+                 so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s, SINGLE)  # fmt: skip
 
 
 @triton.jit

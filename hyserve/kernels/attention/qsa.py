@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hyserve.kernels.attention import FP8_KV_DTYPES, fit_tiles, kv_scales
+from hyserve.kernels.attention import FP8_KV_DTYPES, fit_tiles, kv_scales, reduce_splits, split_partials
 from hyserve.utils import next_pow2
 
 __all__ = ["compile_variants", "qsa_attention", "qsa_block_scores", "qsa_pool_scores", "qsa_positions",
@@ -157,7 +157,7 @@ def qsa_attention(
     ``rows`` (T,) each token's table row; ``positions`` (T, S) int32 the positions each token attends to (``-1``:
     unused; a token with none gives zeros). ``part`` (tests) forces the lanes per split. Returns (T, Hq, D) in
     ``q.dtype``."""
-    from hyserve.kernels.attention._triton import _paged_decode_reduce_kernel, _qsa_attend_kernel
+    from hyserve.kernels.attention._triton import _qsa_attend_kernel
 
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -183,14 +183,7 @@ def qsa_attention(
     part = block_n * _cdiv(part, block_n)
     splits = _cdiv(s, part)
     single = splits == 1
-    if single:
-        po = pml = out  # unused
-        po_strides = pml_strides = (0, 0, 0)
-    else:
-        po = torch.empty((t, hq, splits, d), dtype=torch.float32, device=q.device)
-        pml = torch.empty((t, hq, splits, 2), dtype=torch.float32, device=q.device)
-        po_strides = (po.stride(0), po.stride(1), po.stride(2))
-        pml_strides = (pml.stride(0), pml.stride(1), pml.stride(2))
+    po, pml, po_strides, pml_strides = split_partials(out, t, splits)
     _qsa_attend_kernel[(t, hkv, splits)](
         q, k_cache, v_cache, block_tables, rows, positions, out, po, pml, ks, vs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), positions.stride(0), block_tables.stride(0),
@@ -202,14 +195,8 @@ def qsa_attention(
         SINGLE=single, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=4, num_stages=stages,
     )  # fmt: skip
-    if not single:
-        tokens = torch.arange(t + 1, dtype=torch.int32, device=q.device)  # the reduction's rows are the tokens
-        _paged_decode_reduce_kernel[(t, hq)](
-            po, pml, tokens, out,
-            out.stride(0), out.stride(1), *po_strides, *pml_strides,
-            NUM_SPLITS=splits, S_PAD=next_pow2(splits), D=d, BLOCK_D=block_d,
-            num_warps=4,
-        )  # fmt: skip
+    if not single:  # the reduction's rows are the tokens
+        reduce_splits(po, pml, torch.arange(t + 1, dtype=torch.int32, device=q.device), out)
     return out
 
 
