@@ -20,6 +20,7 @@ import io
 import json
 import os
 import pstats
+import subprocess
 import sys
 import tempfile
 import time
@@ -142,6 +143,26 @@ def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: i
             "top_kernels": top_kernels}
 
 
+def _run_apart(batch: int, model: str) -> dict[str, Any]:
+    """This script run again for one batch (``--batch``, ``--model`` and ``--out`` replaced, the other arguments
+    kept) in a process of its own; its result, its output passed through."""
+    argv = list(sys.argv[1:])
+    for flag in ("--batch", "--out", "--model"):
+        while flag in argv:
+            i = argv.index(flag)
+            del argv[i : i + 2]
+    out = tempfile.mkdtemp()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--batch", str(batch), "--out", out,
+                           "--model", model],
+                          capture_output=True, text=True)
+    sys.stdout.write(proc.stdout)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"batch {batch}: the profile's process exited with {proc.returncode}")
+    with open(os.path.join(out, "profile_step.json")) as f:
+        return json.load(f)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a tiny random one)")
@@ -167,7 +188,11 @@ def main() -> None:
               f"({r['tok_s']:.0f} tok/s), kernels {r['kernel_ms']} ms, {r['kernels']} launches", flush=True)
         print(r["top_kernels"])
         results.append(r)
-    for b in [] if args.prefill_prompts else (int(x) for x in args.batch.split(",")):
+    batches = [] if args.prefill_prompts else [int(x) for x in args.batch.split(",")]
+    for b in batches:
+        if len(batches) > 1:  # each batch's engine in a process of its own: one process holding two does not fit
+            results.append(_run_apart(b, model))  # its output passed through
+            continue
         r = run(model, args.device, args.dtype, b, args.steps, args.prompt_len, json.loads(args.extra))
         print(f"batch {b}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']} ms/step, "
               f"{r['kernels_per_step']} kernels/step", flush=True)

@@ -1,5 +1,5 @@
 """Qwen4-Exp's Triton kernels (QSA scores, pooled scores, lanes, index-key store and attention; the
-hyper-connections; the PLE n-grams)
+hyper-connections; the PLE n-grams; the FP8 activation quantization all FP8 models launch)
 compiled for the H200 (sm_90) on the CPU, with no GPU: Triton's front end and its bundled ptxas see type and
 constexpr errors the interpreter (which runs the kernels' Python, ``tests/model/test_qsa.py`` and the others) does
 not. One compile per variant the launchers make for bf16 models (an FP8 KV cache too, and a split and a single
@@ -28,10 +28,11 @@ def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any]) -> Any:
 
 
 def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    from hyserve.kernels import hyper_connection, ple
+    from hyserve.kernels import fp8, hyper_connection, ple
     from hyserve.kernels.attention import qsa
 
-    return [*qsa.compile_variants(), *hyper_connection.compile_variants(), *ple.compile_variants()]
+    return [*qsa.compile_variants(), *hyper_connection.compile_variants(), *ple.compile_variants(),
+            *fp8.compile_variants()]
 
 
 def test_qwen4_exp_kernels_compile_for_sm90() -> None:

@@ -25,7 +25,7 @@ activation quantization emulated exactly, one float32 matmul.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -78,6 +78,7 @@ GEMM_BACKENDS = ("auto", "scaled_mm", "triton", "triton-fused")
 # measure.
 AUTO_TRITON_MAX_ROWS = 64
 _QUANT_BLOCK = 1024  # columns a per-token quantization program reads at a time
+_QUANT_GROUP_ROWS = 16  # rows a per-group quantization program takes (one 128-wide group each: a 16 x 128 tile)
 
 
 def gemm_backend() -> str:
@@ -101,23 +102,36 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     if static_scale is not None:
         scale = static_scale.float().reshape(1)
-        grid, g, block = (m, 1), 0, _QUANT_BLOCK
+        grid, g, block, rows = (m, 1), 0, _QUANT_BLOCK, 1
     elif group is not None:
         groups = -(-k // group)
         if token_major_scales:
             scale = torch.empty(groups, -(-m // 4) * 4, dtype=torch.float32, device=x.device)[:, :m].t()
         else:
             scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-        grid, g, block = (m, groups), group, next_pow2(group)
+        grid, g, block, rows = (-(-m // _QUANT_GROUP_ROWS), groups), group, next_pow2(group), _QUANT_GROUP_ROWS
     else:
         scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-        grid, g, block = (m, 1), 0, min(_QUANT_BLOCK, next_pow2(k))
+        grid, g, block, rows = (m, 1), 0, min(_QUANT_BLOCK, next_pow2(k)), 1
     if m:
         two_d = scale.dim() > 1
-        _quant_rows_kernel[grid](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0) if two_d else 0,
+        _quant_rows_kernel[grid](x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0) if two_d else 0,
                                  scale.stride(1) if two_d else 0, FP8_MAX, AMAX_EPS, GROUP=g,
-                                 STATIC=static_scale is not None, BLOCK=block)
+                                 STATIC=static_scale is not None, BLOCK=block, ROWS=rows)
     return q, (static_scale.float().reshape(1, 1) if static_scale is not None else scale)
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The variants of :func:`quantize_rows`' kernel that block and channel FP8 models launch from bf16 activations,
+    as ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
+    (``tests/kernels/test_qwen4_exp_kernels_compile.py``)."""
+    from hyserve.kernels.fp8._triton import _quant_rows_kernel
+
+    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", M="i32", K="i32", sx="i32", sq="i32", ss="i32",
+               ssg="i32", fp8_max="fp32", eps="fp32")
+    return [("quant_rows_group", _quant_rows_kernel, sig,
+             dict(GROUP=128, STATIC=False, BLOCK=128, ROWS=_QUANT_GROUP_ROWS)),
+            ("quant_rows_token", _quant_rows_kernel, sig, dict(GROUP=0, STATIC=False, BLOCK=_QUANT_BLOCK, ROWS=1))]
 
 
 # Output tiles a split-K launch can have (one int32 lock each); a launch with more tiles fills the card unsplit.

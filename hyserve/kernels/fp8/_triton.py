@@ -27,25 +27,29 @@ __all__ = ["A_DYNAMIC_GROUP", "A_DYNAMIC_TOKEN", "A_PRECOMPUTED", "A_STATIC", "_
 
 @triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, K, sx, sq, ss, ssg, fp8_max, eps,
-    GROUP: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, M, K, sx, sq, ss, ssg, fp8_max, eps,
+    GROUP: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(row, j)`` quantizes group ``j`` of ``row`` (``GROUP > 0``), or the whole row (``GROUP == 0``:
-    ``j`` is 0 and the row is read twice, for its amax and then for the values). ``STATIC``: ``s_ptr`` holds the one
-    scale and nothing is written to it. Group ``j``'s scale of ``row`` goes to ``s_ptr + row * ss + j * ssg``."""
-    row = tl.program_id(0)
-    x_row = x_ptr + row.to(tl.int64) * sx
-    q_row = q_ptr + row.to(tl.int64) * sq
+    """Program ``(i, j)`` quantizes group ``j`` of rows ``i * ROWS ..`` (``GROUP > 0``: a ``(ROWS, GROUP)`` tile, one
+    scale a row), or the whole of row ``i`` (``GROUP == 0``, ``ROWS`` 1: ``j`` is 0 and the row is read twice, for its
+    amax and then for the values). ``STATIC``: ``s_ptr`` holds the one scale and nothing is written to it. Group
+    ``j``'s scale of ``row`` goes to ``s_ptr + row * ss + j * ssg``."""
     if GROUP > 0:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         lo = tl.program_id(1) * GROUP
         offs = lo + tl.arange(0, BLOCK)
-        mask = (offs < K) & (offs < lo + GROUP)
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), eps), fp8_max)
-        q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * ss + tl.program_id(1) * ssg, scale)
+        row_ok = rows < M
+        mask = row_ok[:, None] & ((offs < K) & (offs < lo + GROUP))[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * sx + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), fp8_max)
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+        tl.store(q_ptr + rows64[:, None] * sq + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rows64 * ss + tl.program_id(1) * ssg, scale, mask=row_ok)
     else:
+        row = tl.program_id(0)
+        x_row = x_ptr + row.to(tl.int64) * sx
+        q_row = q_ptr + row.to(tl.int64) * sq
         if STATIC:
             scale = tl.load(s_ptr)
         else:
