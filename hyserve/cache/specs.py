@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+INDEX_POSITION_AXES = 3  # an M-RoPE position: time, height, width
+
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -29,13 +31,15 @@ class AttentionSpec:
     """Paged K and V of ``(num_blocks, block_size, num_kv_heads, head_dim)`` in ``dtype`` (the KV cache dtype: FP8
     where ``kv_cache_dtype`` says so). ``index_dim > 0``: the layer also keeps one ``index_dim``-wide key per token
     in ``index_dtype`` (an indexed-attention layer's raw indexer keys, in the model dtype whatever the KV dtype), in a
-    ``(num_blocks, block_size, index_dim)`` cache of the same blocks and slots as the KV."""
+    ``(num_blocks, block_size, index_dim)`` cache of the same blocks and slots as the KV. ``index_positions``: and
+    each token's three M-RoPE positions (int32, ``(num_blocks, block_size, 3)``), where the model has images."""
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     index_dim: int = 0
     index_dtype: torch.dtype | None = None
+    index_positions: bool = False
 
     def __post_init__(self) -> None:
         if self.index_dim < 0:
@@ -48,6 +52,8 @@ class AttentionSpec:
         kv = 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
         if self.index_dim and self.index_dtype is not None:
             kv += block_size * self.index_dim * dtype_bytes(self.index_dtype)
+            if self.index_positions:
+                kv += block_size * INDEX_POSITION_AXES * dtype_bytes(torch.int32)
         return kv
 
 

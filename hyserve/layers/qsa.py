@@ -26,6 +26,14 @@ a small indexer:
   completes a block is not guaranteed to see itself: its block is scored like the others.
 
 Blocks are re-pooled from the raw keys every step (as transformers does); nothing but the raw keys is cached.
+
+With images (M-RoPE, the VLM form) a token's rotary position is three positions (time, height, width), and a block
+key turns at its first token's three (transformers keeps the whole position history for this). Only the step that
+computed a token knows them, so a layer whose rotary is M-RoPE also keeps each token's three positions (int32) in
+a **positions' store** ``(num_blocks, block_size, 3)`` of the same blocks and slots as the index keys, written with
+them; pooling (in torch and in the scores kernel) reads each block's first token's from there. Prefix caching,
+preemption and speculative rollback treat it as they treat the KV. Queries turn at the step's own positions (the
+rotary's cos/sin of the step).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from hyserve.cache.specs import AttentionSpec
+from hyserve.cache.specs import INDEX_POSITION_AXES, AttentionSpec
 from hyserve.kernels import store_kv
 from hyserve.kernels.attention import paged_attention
 from hyserve.kernels.attention.qsa import (
@@ -115,16 +123,26 @@ class IndexedAttention(Attention):
         self.index_dim = idd
         self.compress_ratio = c
         self.budget = budget
+        # M-RoPE (a model with images): a block key turns at its first token's three positions, which only that
+        # token's step knows, so each token's positions are kept in the KV's blocks and slots beside its index key.
+        self.keeps_positions = rotary.multi_axis
+        self.position_cache: torch.Tensor | None = None
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
         # The raw index keys stay in the model dtype when the runner puts the KV in FP8 (it replaces only dtype).
-        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype, index_dim=self.index_dim, index_dtype=dtype)
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype, index_dim=self.index_dim, index_dtype=dtype,
+                             index_positions=self.keeps_positions)
+
+    def bind_index_cache(self, index_cache: torch.Tensor) -> None:
+        """The index keys' cache, and (M-RoPE) the positions' store of the same blocks and slots, made here: its
+        bytes are in ``cache_spec``'s, so the planner counted them."""
+        super().bind_index_cache(index_cache)
+        if self.keeps_positions:
+            nb, bs, _ = index_cache.shape
+            self.position_cache = torch.zeros((nb, bs, INDEX_POSITION_AXES), dtype=torch.int32,
+                                              device=index_cache.device)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        if meta.mrope_positions is not None:
-            raise NotImplementedError("indexed (QSA) attention supports text positions only: a step with M-RoPE "
-                                      "(image) positions needs the pooled block keys rotated at each block's "
-                                      "first 3-D position, which is not implemented")
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         assert self.index_cache is not None, "index cache not bound (bind_caches' index_caches)"
         t = x.shape[0]
@@ -135,16 +153,20 @@ class IndexedAttention(Attention):
         q, k = self.rotary[0](meta.positions, q, k)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         iq, kraw = self.indexer(x)
-        inv_freq = self.rotary[0].inv_freq(x.device)
-        iq = rope_at(iq, meta.positions, inv_freq)
-        if uses_triton(kraw):
-            store_index_keys(kraw, self.index_cache, meta.slot_mapping)
-        else:
-            store_index_keys_ref(kraw, self.index_cache, meta.slot_mapping)
+        rotary = self.rotary[0]
+        inv_freq = rotary.inv_freq(x.device)
+        iq = rotary.rotate(iq)  # at the step's positions: M-RoPE's three where the step has them
+        store = store_index_keys if uses_triton(kraw) else store_index_keys_ref
+        store(kraw, self.index_cache, meta.slot_mapping)
+        axes = None
+        if self.position_cache is not None:
+            store(token_positions(meta.rotary_positions), self.position_cache, meta.slot_mapping)
+            axes = rotary.axes(x.device)
         out = indexed_attention(
             q, iq, self.k_cache, self.v_cache, self.index_cache, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, self.scale, self.indexer.k_layernorm, inv_freq, self.budget, self.compress_ratio,
-            meta.max_seq_len, self.k_scale, self.v_scale, max_query_len=meta.max_query_len)
+            meta.max_seq_len, self.k_scale, self.v_scale, max_query_len=meta.max_query_len,
+            position_cache=self.position_cache, axes=axes)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
@@ -156,6 +178,23 @@ def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) ->
     """``x`` (N, H, D) rotated at ``positions`` (N,) on its first ``2 * len(inv_freq)`` channels (NeoX halves):
     float32 angles, cos/sin cast to ``x.dtype`` (``apply_rope``), as the model's rotary does."""
     freqs = positions.to(inv_freq.device).float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    return apply_rope(x.contiguous(), freqs.cos(), freqs.sin())
+
+
+def token_positions(positions: torch.Tensor) -> torch.Tensor:
+    """A step's (T, 3) int32 M-RoPE positions, for the positions' store: from its (3, T) ones, or text positions
+    (T,) on every axis."""
+    if positions.dim() == 1:
+        return positions.to(torch.int32)[:, None].expand(-1, INDEX_POSITION_AXES).contiguous()
+    return positions.t().to(torch.int32).contiguous()
+
+
+def rope_at_axes(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor
+                 ) -> torch.Tensor:
+    """``rope_at`` with three positions a row: ``x`` (N, H, D) rotated at ``positions`` (N, 3), frequency ``i``
+    turning with axis ``axes[i]`` (M-RoPE, ``hyserve.model.mrope``), in float32 as the model's rotary does."""
+    per_freq = positions.to(inv_freq.device).index_select(1, axes.to(inv_freq.device)).float()
+    freqs = per_freq * inv_freq.unsqueeze(0)
     return apply_rope(x.contiguous(), freqs.cos(), freqs.sin())
 
 
@@ -180,12 +219,18 @@ def store_index_keys_ref(keys: torch.Tensor, index_cache: torch.Tensor, slot_map
 
 
 def pool_block_keys(raw: torch.Tensor, c: int, k_norm: Callable[[torch.Tensor], torch.Tensor],
-                    inv_freq: torch.Tensor) -> torch.Tensor:
+                    inv_freq: torch.Tensor, positions: torch.Tensor | None = None,
+                    axes: torch.Tensor | None = None) -> torch.Tensor:
     """The block keys of the complete blocks of one row's raw keys ``raw`` (L, D), in ``raw.dtype``: block ``j``
-    (positions ``[j*c, (j+1)*c)``) is ``RoPE(k_norm(mean_fp32(raw[blk]).to(raw.dtype)), j*c)``. (L // c, D)."""
+    (positions ``[j*c, (j+1)*c)``) is ``RoPE(k_norm(mean_fp32(raw[blk]).to(raw.dtype)), j*c)``. (L // c, D).
+    M-RoPE: ``positions`` (L, 3) the row's tokens' positions and ``axes`` the frequencies' axes; block ``j`` turns
+    at its first token's ``positions[j*c]``."""
     nb = raw.shape[0] // c
     pooled = raw[:nb * c].view(nb, c, raw.shape[-1]).float().mean(dim=1).to(raw.dtype)
     pooled = k_norm(pooled)
+    if positions is not None:
+        assert axes is not None
+        return rope_at_axes(pooled.unsqueeze(1), positions[: nb * c : c], inv_freq, axes).squeeze(1)
     starts = torch.arange(nb, device=raw.device, dtype=torch.int64) * c
     return rope_at(pooled.unsqueeze(1), starts, inv_freq).squeeze(1)
 
@@ -243,6 +288,8 @@ def indexed_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     query_start_loc_cpu: torch.Tensor | None = None,
+    position_cache: torch.Tensor | None = None,
+    axes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """QSA attention of varlen queries over the paged caches (already holding this step's K, V and index keys).
 
@@ -252,7 +299,8 @@ def indexed_attention_ref(
     n_r + i``). Per row: gather its raw index keys and K/V through its block table, pool its complete blocks
     (``pool_block_keys``), select per query (``select_tokens``), and attend with a float32 softmax over the
     selection (query head ``h`` reads kv head ``h // (Hq // Hkv)``). Tokens outside every row come back as zeros.
-    Returns (T, Hq, D) in ``q.dtype``.
+    M-RoPE: ``position_cache`` (num_blocks, block_size, 3) each token's positions, ``axes`` the frequencies' axes
+    (``pool_block_keys``). Returns (T, Hq, D) in ``q.dtype``.
     """
     _, Hq, D = q.shape
     nblocks, bs, Hkv, _ = k_cache.shape
@@ -273,7 +321,8 @@ def indexed_attention_ref(
         slots = block_tables[r, pos // bs].to(torch.int64) * bs + pos % bs
         kctx = dequantize_kv(flat_k[slots], k_scale)  # (L, Hkv, D) float32
         vctx = dequantize_kv(flat_v[slots], v_scale)
-        block_keys = pool_block_keys(flat_i[slots], c, k_norm, inv_freq)
+        row_positions = None if position_cache is None else position_cache.view(nblocks * bs, -1)[slots]
+        block_keys = pool_block_keys(flat_i[slots], c, k_norm, inv_freq, row_positions, axes)
         tile = max(1, ATTENTION_SCORE_ELEMENTS // max(Hq * ctx, 1))
         for a in range(0, n, tile):
             b = min(n, a + tile)
@@ -303,10 +352,12 @@ def _tile(per_item: int, count: int) -> int:
 
 
 def pool_block_keys_batched(index_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, c: int,
-                            k_norm: Callable[[torch.Tensor], torch.Tensor], inv_freq: torch.Tensor) -> torch.Tensor:
+                            k_norm: Callable[[torch.Tensor], torch.Tensor], inv_freq: torch.Tensor,
+                            position_cache: torch.Tensor | None = None, axes: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """The first ``num_blocks`` block keys of every row (``pool_block_keys`` of its raw keys, read through its block
     table): (R, num_blocks, index_dim) in the cache's dtype. Blocks past a row's context hold whatever the cache has
-    there (the caller masks them)."""
+    there (the caller masks them). M-RoPE: each block turns at its first token's positions in ``position_cache``."""
     nblocks, bs, di = index_cache.shape
     r = block_tables.shape[0]
     dev = index_cache.device
@@ -320,7 +371,13 @@ def pool_block_keys_batched(index_cache: torch.Tensor, block_tables: torch.Tenso
         b = min(r, a + step)
         raw = flat[slots[a:b]].view(b - a, num_blocks, c, di)
         pooled = k_norm(raw.float().mean(dim=2).to(raw.dtype))  # (m, nb, di)
-        rot = rope_at(pooled.reshape((b - a) * num_blocks, 1, di), starts.repeat(b - a), inv_freq)
+        flat_pooled = pooled.reshape((b - a) * num_blocks, 1, di)
+        if position_cache is not None:
+            assert axes is not None
+            first = position_cache.view(nblocks * bs, -1)[slots[a:b, ::c]]  # (m, nb, 3): each block's first token
+            rot = rope_at_axes(flat_pooled, first.reshape(-1, first.shape[-1]), inv_freq, axes)
+        else:
+            rot = rope_at(flat_pooled, starts.repeat(b - a), inv_freq)
         parts.append(rot.view(b - a, num_blocks, di))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -355,6 +412,8 @@ def indexed_attention(
     v_scale: torch.Tensor | None = None,
     max_query_len: int | None = None,
     kernels: bool | None = None,
+    position_cache: torch.Tensor | None = None,
+    axes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``indexed_attention_ref``'s result without a host synchronization: every shape and loop bound comes from host
     ints (the token count, the row count, ``max_seq_len`` >= every row's context), so the same code runs on the CPU,
@@ -407,7 +466,7 @@ def indexed_attention(
     n_new = qsl[1:] - qsl[:-1]
     qpos = seq_lens.to(torch.int64)[rows] - n_new[rows] + ipos  # (T,) each query's position
     visible = (qpos + 1) // c
-    block_keys = (pool_block_keys_batched(index_cache, block_tables, nbk, c, k_norm, inv_freq)
+    block_keys = (pool_block_keys_batched(index_cache, block_tables, nbk, c, k_norm, inv_freq, position_cache, axes)
                   if sparse_possible and not pool_in_kernel else None)
     if use_kernels:  # per token: the scores, the sort's values and indices, the lanes
         per_token = 4 * max(nbk, span)
@@ -426,7 +485,7 @@ def indexed_attention(
                 if pool_in_kernel:
                     assert isinstance(k_norm, RMSNorm)
                     scores = qsa_pool_scores(iq[a:b], index_cache, block_tables, rt, vis, k_norm.weight, k_norm.eps,
-                                             inv_freq, c, nbk)
+                                             inv_freq, c, nbk, position_cache, axes)
                 else:
                     assert block_keys is not None
                     scores = qsa_block_scores(iq[a:b], block_keys, rt, vis)

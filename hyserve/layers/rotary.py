@@ -28,6 +28,20 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq = 1.0 / (self.base ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
         return self._inv_freq
 
+    # Whether positions may come in three axes (M-RoPE: ``hyserve.model.mrope.MRotaryEmbedding``).
+    multi_axis = False
+
+    def axes(self, device: torch.device) -> torch.Tensor | None:
+        """The axis (0 time, 1 height, 2 width) each frequency turns with under M-RoPE; None: one axis (text)."""
+        return None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (T, H, D) rotated at this forward's positions (those given to ``prepare``) on its first
+        ``rotary_dim`` channels, with the same cos/sin as ``forward``: a copy."""
+        cos_sin = self._cos_sin
+        assert cos_sin is not None and cos_sin[0].shape[0] == x.shape[0], "prepare() not called this step"
+        return apply_rope(x.contiguous(), *cos_sin)
+
     def prepare(self, positions: torch.Tensor) -> None:
         """Compute this forward's ``cos``/``sin`` (float32, ``(T, rotary_dim / 2)``) once for every layer."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq(positions.device).unsqueeze(0)

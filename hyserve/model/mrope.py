@@ -143,6 +143,8 @@ class MRotaryEmbedding(RotaryEmbedding):
     (equal axes) and gives exactly ``RotaryEmbedding``'s cos/sin.
     """
 
+    multi_axis = True
+
     def __init__(self, rotary_dim: int, base: float, mrope_section: Sequence[int] = DEFAULT_MROPE_SECTION) -> None:
         super().__init__(rotary_dim, base)
         if len(mrope_section) != 3 or min(mrope_section) < 0:

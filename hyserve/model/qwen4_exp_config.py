@@ -73,13 +73,6 @@ class Qwen4ExpConfig(Qwen3_5MoeConfig):
         return 1
 
     @property
-    def image_refusal(self) -> str | None:
-        if self.multimodal is not None and self.qsa:
-            return ("image input is not supported yet for Qwen4-Exp with QSA attention: its indexer's block keys "
-                    "need M-RoPE image positions, which are not kept; send text only")
-        return None
-
-    @property
     def qsa(self) -> bool:
         return self.indexer_compress_ratio > 0
 

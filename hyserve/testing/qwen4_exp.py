@@ -357,15 +357,28 @@ class Qwen4ExpReference:
         self.config = SimpleNamespace(**info["text_config"])
 
     def __call__(self, input_ids: torch.Tensor | list[list[int]], *, use_cache: bool = False,
-                 attention_mask: torch.Tensor | None = None) -> SimpleNamespace:
+                 attention_mask: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                 image_grid_thw: torch.Tensor | None = None) -> SimpleNamespace:
+        """``pixel_values`` and ``image_grid_thw`` (the VLM form): the images of the placeholders in ``input_ids``
+        (each widened to its grid), as transformers' image processor gives them."""
         if use_cache:
             raise ValueError("the Qwen4-Exp reference runs uncached forwards; cached_logits runs a cached decode")
         ids = torch.as_tensor(input_ids, dtype=torch.long).cpu()
         if ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(ids.shape)}")
         mask = None if attention_mask is None else torch.as_tensor(attention_mask).long().cpu().tolist()
+        images = None
+        if pixel_values is not None:
+            if image_grid_thw is None:
+                raise ValueError("pixel_values need their image_grid_thw")
+            images = self._process.out_path("images")
+            torch.save({"pixel_values": pixel_values.float().cpu(), "image_grid_thw": image_grid_thw.cpu()}, images)
         out = self._process.out_path("logits")
-        self._process.request("logits", ids=ids.tolist(), attention_mask=mask, out=out)
+        try:
+            self._process.request("logits", ids=ids.tolist(), attention_mask=mask, images=images, out=out)
+        finally:
+            if images is not None:
+                os.unlink(images)
         return SimpleNamespace(logits=self._process.load_tensor(out))
 
     def eval(self) -> Qwen4ExpReference:

@@ -18,8 +18,9 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout (
 * ``load`` ``{path, attn_implementation}``: ``from_pretrained`` (the class of config.json's ``architectures``),
   float32, CPU, eval, transformers' PyTorch GDN and conv paths (never fla's). Replies with the loading info and the
   text config.
-* ``logits`` ``{ids: [[...]], out, attention_mask?}``: one uncached forward; float32 logits ``(B, T, V)`` saved to
-  ``out``.
+* ``logits`` ``{ids: [[...]], out, attention_mask?, images?}``: one uncached forward; float32 logits ``(B, T, V)``
+  saved to ``out``. ``images`` (the VLM): a ``.pt`` of ``{pixel_values, image_grid_thw}`` for the placeholders of
+  ``ids`` (already widened to each image's grid).
 * ``generate_cached`` ``{ids: [...], prefill, out}``: the first ``prefill`` tokens in one cached forward, the rest one
   token at a time with the cache; the float32 logits of every position ``(T, V)`` saved to ``out``.
 * ``ngram_rows`` ``{ids: [...], out, prefill?}``: the n-gram table rows each PLE layer looks up per token, ``{layer
@@ -219,6 +220,11 @@ class Reference:
         kw: dict[str, Any] = {"use_cache": False}
         if req.get("attention_mask") is not None:
             kw["attention_mask"] = torch.tensor(req["attention_mask"], dtype=torch.long)
+        if req.get("images") is not None:  # the VLM: pixel values and grids; transformers makes the M-RoPE positions
+            images = torch.load(req["images"], weights_only=True)
+            kw.update(pixel_values=images["pixel_values"].float(), image_grid_thw=images["image_grid_thw"],
+                      mm_token_type_ids=(ids == self.model.config.image_token_id).int())
+            self.model.model.rope_deltas = None  # an earlier forward's must not shift these positions
         out = self._forward(ids, **kw).logits.float()
         torch.save(out.contiguous(), req["out"])
         return {"out": req["out"], "shape": list(out.shape)}

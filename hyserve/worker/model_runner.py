@@ -202,6 +202,8 @@ class ModelRunner:
         """Allocate what ``layout`` says (KV blocks, state pool, verify scratch), the step buffers and the graphs."""
         self.layout = layout
         self.max_num_seqs = layout.max_num_seqs
+        if self.device.type == "cuda":  # the budget counts memory torch has cached but not handed out as free: give
+            torch.cuda.empty_cache()  # it back first, or the caches' large tensors may not find it (a batch-64 OOM)
         self.max_model_len = max_model_len
         self.sampling_state = SamplingState(self.device, self.model_config.vocab_size, max_model_len)
         k = self.num_speculative_tokens

@@ -27,6 +27,7 @@ from hyserve.layers.qsa import IndexedAttention, indexed_attention, indexed_atte
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.model.mrope import MRotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -84,10 +85,14 @@ class QCfg:
     partial_rotary_factor: float = 0.5
 
 
-def make_qsa(dtype: torch.dtype) -> IndexedAttention:
+def make_qsa(dtype: torch.dtype, mrope: bool = False) -> IndexedAttention:
+    """The QSA layer; ``mrope``: with M-RoPE (a model with images: the positions' store and the kernels' M-RoPE
+    path)."""
     cfg = QCfg()
-    layer = IndexedAttention(cfg, RotaryEmbedding(int(cfg.head_dim * cfg.partial_rotary_factor), 10000.0),
-                             "model.layers.3.self_attn")
+    rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    rotary = (MRotaryEmbedding(rotary_dim, 10000.0, (rotary_dim // 4, rotary_dim // 8, rotary_dim // 8)) if mrope
+              else RotaryEmbedding(rotary_dim, 10000.0))
+    layer = IndexedAttention(cfg, rotary, "model.layers.3.self_attn")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
@@ -137,8 +142,21 @@ def qsa_meta(chunks: list[tuple[int, int, int]], tables: torch.Tensor, device: t
         query_start_loc_cpu=None if max_seq_len else qsl_t.cpu())
 
 
+def with_image(meta: StepMetadata) -> StepMetadata:
+    """``meta`` with (3, T) M-RoPE positions: tokens at positions 10 .. 39 an image of rows of 6 (height and width
+    advancing inside it), the others text."""
+    p = meta.positions
+    inside = (p >= 10) & (p < 40)
+    three = p.expand(3, -1).clone()
+    three[1] = torch.where(inside, 10 + (p - 10) // 6, p)
+    three[2] = torch.where(inside, 10 + (p - 10) % 6, p)
+    three[0] = torch.where(inside, torch.full_like(p, 10), p)
+    meta.mrope_positions = three
+    return meta
+
+
 def qsa_run(layer: IndexedAttention, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-    layer.rotary[0].prepare(meta.positions)
+    layer.rotary[0].prepare(meta.rotary_positions)
     return layer(x, meta)
 
 
@@ -148,10 +166,13 @@ def copy_meta(dst: StepMetadata, src: StepMetadata) -> None:
         getattr(dst, name).copy_(getattr(src, name))
 
 
+@pytest.mark.parametrize("mrope", [False, True], ids=["text", "mrope"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_qsa_eager_without_sync_then_decode_and_verify_graphs(dtype: torch.dtype, tol: float) -> None:
+def test_qsa_eager_without_sync_then_decode_and_verify_graphs(dtype: torch.dtype, tol: float, mrope: bool) -> None:
+    """Eager prefill chunks (with ``mrope``: an image's three-axis positions inside row 2's), then decode and
+    verify steps in CUDA graphs (text positions), against the CPU; the caches (and the positions' store) equal."""
     torch.manual_seed(0)
-    cpu_layer = make_qsa(dtype)
+    cpu_layer = make_qsa(dtype, mrope)
     dev = torch.device("cuda")
     gpu_layer = copy.deepcopy(cpu_layer).to(dev)
     reqs, num_blocks = 4, 4 * (MAX_MODEL_LEN // BS) + 1
@@ -163,9 +184,11 @@ def test_qsa_eager_without_sync_then_decode_and_verify_graphs(dtype: torch.dtype
     def x_of(n: int) -> torch.Tensor:
         return torch.randn(n, QCfg.hidden_size, generator=gen).to(dtype)
 
+    image = with_image if mrope else (lambda m: m)
+
     def both(chunks: list[tuple[int, int, int]], x: torch.Tensor, verify_rows: int = 0) -> torch.Tensor:
-        want = qsa_run(cpu_layer, x, qsa_meta(chunks, tables, CPU, verify_rows=verify_rows))
-        meta, xd = qsa_meta(chunks, tables, dev, verify_rows=verify_rows), x.to(dev)  # copies in: before the guard
+        want = qsa_run(cpu_layer, x, image(qsa_meta(chunks, tables, CPU, verify_rows=verify_rows)))
+        meta, xd = image(qsa_meta(chunks, tables, dev, verify_rows=verify_rows)), x.to(dev)  # before the guard
         with no_sync():
             got = qsa_run(gpu_layer, xd, meta)
         close(got, want, tol)
@@ -206,6 +229,10 @@ def test_qsa_eager_without_sync_then_decode_and_verify_graphs(dtype: torch.dtype
     torch.cuda.synchronize()
     for name in ("k_cache", "v_cache", "index_cache"):
         close(getattr(gpu_layer, name), getattr(cpu_layer, name), tol)
+    if mrope:
+        assert gpu_layer.position_cache is not None and cpu_layer.position_cache is not None
+        assert torch.equal(gpu_layer.position_cache.cpu(), cpu_layer.position_cache)
+        assert int(cpu_layer.position_cache[..., 1].ne(cpu_layer.position_cache[..., 0]).sum()) > 0
 
 
 def test_qsa_device_path_equals_the_cpu_reference_with_ties() -> None:

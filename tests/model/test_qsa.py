@@ -28,6 +28,7 @@ from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.model.mrope import MRotaryEmbedding
 from hyserve.testing.triton_interpreter import interpreter_subprocess_results
 from hyserve.worker.memory import allocate_index_caches, allocate_kv
 
@@ -75,10 +76,26 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, pos: int, rotary_dim: int) -> torch.Tensor:
-    """x (..., D) rotated at one position on its first rotary_dim channels (NeoX halves, cos/sin in x's dtype)."""
+# The M-RoPE layout the image tests use: of rotary_dim / 2 = 4 frequencies, 1 turns with height, 2 with width.
+SECTION = (2, 1, 1)
+
+
+def _freq_positions(pos: int | tuple[int, int, int], n: int) -> torch.Tensor:
+    """The position each of ``n`` frequencies turns at: ``pos`` for all (text), or transformers' interleaved M-RoPE
+    of ``SECTION`` for a (time, height, width) ``pos``: frequency i takes height where i % 3 == 1 and i < 3 *
+    SECTION[1], width where i % 3 == 2 and i < 3 * SECTION[2], time otherwise."""
+    if isinstance(pos, int):
+        return torch.full((n,), float(pos))
+    axis = [1 if i % 3 == 1 and i < 3 * SECTION[1] else 2 if i % 3 == 2 and i < 3 * SECTION[2] else 0
+            for i in range(n)]
+    return torch.tensor([float(pos[a]) for a in axis])
+
+
+def _rope(x: torch.Tensor, pos: int | tuple[int, int, int], rotary_dim: int) -> torch.Tensor:
+    """x (..., D) rotated at one position (or M-RoPE's three) on its first rotary_dim channels (NeoX halves,
+    cos/sin in x's dtype)."""
     inv = 1.0 / (THETA ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-    ang = float(pos) * inv
+    ang = _freq_positions(pos, inv.shape[0]) * inv
     cos = torch.cat([ang.cos(), ang.cos()]).to(x.dtype)
     sin = torch.cat([ang.sin(), ang.sin()]).to(x.dtype)
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
@@ -95,11 +112,14 @@ class RefOut:
     margin: float  # smallest gap between the last chosen and the first left-out block score, over sparse queries
 
 
-def reference(layer: IndexedAttention, cfg: Cfg, x: torch.Tensor, dense: bool = False) -> RefOut:
+def reference(layer: IndexedAttention, cfg: Cfg, x: torch.Tensor, dense: bool = False,
+              positions: list[tuple[int, int, int]] | None = None) -> RefOut:
     """The whole sequence x (L, hidden) through the QSA layer's formulas, per query; ``dense``: every query sees
-    its whole causal prefix (the selection left out)."""
+    its whole causal prefix (the selection left out); ``positions``: each token's M-RoPE (time, height, width)
+    positions (default: its index on every axis)."""
     sd = {k: v.detach() for k, v in layer.state_dict().items()}
     L = x.shape[0]
+    at: list[int | tuple[int, int, int]] = list(positions) if positions is not None else list(range(L))
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     ih, idd, c = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.indexer_compress_ratio
     top, eps, rd = cfg.indexer_budget // c, cfg.rms_norm_eps, cfg.rotary_dim
@@ -108,11 +128,11 @@ def reference(layer: IndexedAttention, cfg: Cfg, x: torch.Tensor, dense: bool = 
     q = _rms(q, sd["q_norm.weight"], eps)
     k = _rms((x @ sd["k_proj.weight"].T).view(L, nkv, hd), sd["k_norm.weight"], eps)
     v = (x @ sd["v_proj.weight"].T).view(L, nkv, hd)
-    q = torch.stack([_rope(q[i], i, rd) for i in range(L)])
-    k = torch.stack([_rope(k[i], i, rd) for i in range(L)])
+    q = torch.stack([_rope(q[i], at[i], rd) for i in range(L)])
+    k = torch.stack([_rope(k[i], at[i], rd) for i in range(L)])
     iqk = (x @ sd["indexer.index_qk_proj.weight"].T).view(L, ih + 1, idd)
     iq = _rms(iqk[:, :ih], sd["indexer.q_layernorm.weight"], eps)
-    iq = torch.stack([_rope(iq[i], i, rd) for i in range(L)])
+    iq = torch.stack([_rope(iq[i], at[i], rd) for i in range(L)])
     kraw = iqk[:, ih]
     outs, selected, sparse, margin = [], [], [], math.inf
     for i in range(L):
@@ -125,7 +145,7 @@ def reference(layer: IndexedAttention, cfg: Cfg, x: torch.Tensor, dense: bool = 
             scores = []
             for blk in blocks:
                 pooled = kraw[blk].float().mean(dim=0).to(kraw.dtype)
-                kb = _rope(_rms(pooled, sd["indexer.k_layernorm.weight"], eps), blk[0], rd)
+                kb = _rope(_rms(pooled, sd["indexer.k_layernorm.weight"], eps), at[blk[0]], rd)
                 s = sum(max(0.0, float(iq[i, h].float() @ kb.float())) for h in range(ih)) / math.sqrt(idd)
                 scores.append(s)
             order = sorted(range(nb), key=lambda j: -scores[j])
@@ -169,15 +189,20 @@ class Paged:
             table.append(self.free.pop())
         return table
 
-    def step(self, chunks: list[tuple[int, torch.Tensor, int]], verify_rows: int = 0) -> list[torch.Tensor]:
+    def step(self, chunks: list[tuple[int, torch.Tensor, int]], verify_rows: int = 0,
+             mrope: dict[int, list[tuple[int, int, int]]] | None = None,
+             shift: dict[int, int] | None = None) -> list[torch.Tensor]:
         """chunks: (request, x of the chunk's tokens (n, hidden), start position); the first ``verify_rows`` rows
-        are verify rows. Returns each chunk's output (n, hidden)."""
+        are verify rows; ``mrope``: a request's M-RoPE positions by sequence index, where the step's rows reach
+        them (the step then carries (3, T) positions, as the runner's image steps do); ``shift``: a request's text
+        positions past its last image, its sequence index plus this (the runner's decode steps). Returns each
+        chunk's output (n, hidden)."""
         positions, qsl, seq_lens, slots, rows = [], [0], [], [], []
         for req, xc, start in chunks:
             n = xc.shape[0]
             table = self.blocks_for(req, start + n)
             for p in range(start, start + n):
-                positions.append(p)
+                positions.append(p + (shift or {}).get(req, 0))
                 slots.append(table[p // self.bs] * self.bs + p % self.bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
@@ -201,8 +226,12 @@ class Paged:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), state_slots=torch.arange(R),
             block_tables=bt, slot_mapping=torch.tensor(slots, dtype=torch.int64),
             max_query_len=max(c[1].shape[0] for c in chunks), max_seq_len=max(seq_lens), verify=verify)
+        if mrope is not None:
+            three = [mrope[req][p] if req in mrope else (p, p, p)
+                     for req, xc, start in chunks for p in range(start, start + xc.shape[0])]
+            meta.mrope_positions = torch.tensor(three, dtype=torch.int64).t().contiguous()
         x = torch.cat([c[1] for c in chunks]).to(self.dtype)
-        self.layer.rotary[0].prepare(meta.positions)
+        self.layer.rotary[0].prepare(meta.rotary_positions)
         with torch.no_grad():
             y = self.layer(x, meta)
         return list(torch.split(y, [c[1].shape[0] for c in chunks]))
@@ -394,17 +423,73 @@ def test_the_layer_has_the_checkpoint_names_and_shapes() -> None:
     }
 
 
-def test_mrope_positions_are_refused() -> None:
+def image_positions(text_before: int, grid: tuple[int, int], text_after: int) -> list[tuple[int, int, int]]:
+    """M-RoPE positions of text, one image of ``grid`` (height, width) merged patches, then text, laid out as
+    transformers' get_rope_index lays them: the image's tokens at (start, start + row, start + col), the text after
+    it from start + max(grid)."""
+    out = [(p, p, p) for p in range(text_before)]
+    s = text_before
+    out += [(s, s + i // grid[1], s + i % grid[1]) for i in range(grid[0] * grid[1])]
+    nxt = s + max(grid)
+    return out + [(p, p, p) for p in range(nxt, nxt + text_after)]
+
+
+def mrope_layer(cfg: Cfg, seed: int) -> IndexedAttention:
+    layer = IndexedAttention(cfg, MRotaryEmbedding(cfg.rotary_dim, THETA, SECTION), "model.layers.3.self_attn")
+    ref = make_layer(cfg, seed=seed)
+    layer.load_state_dict(ref.state_dict())
+    return layer
+
+
+def test_mrope_block_keys_turn_at_their_first_tokens_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With images (M-RoPE), a block key turns at its first token's three positions, kept in the positions' store
+    by the step that wrote the token: a prompt of text, an image whose blocks start inside and across its rows,
+    and text, in chunks and then decode steps (the blocks of earlier steps read back from the store) beside a
+    text-only row, against the per-query reference. Sabotaged: the store given each token's index in its step, or
+    its time position on all three axes, the sparse queries' outputs move."""
     cfg = Cfg()
-    layer = make_layer(cfg)
-    paged = Paged(layer, torch.float32, block_size=8)
-    assert paged.layer.index_cache is not None
-    meta = StepMetadata(positions=torch.arange(3), query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
-                        seq_lens=torch.tensor([3], dtype=torch.int32), state_slots=torch.zeros(1, dtype=torch.long),
-                        block_tables=torch.tensor([[1]], dtype=torch.int32), slot_mapping=torch.arange(8, 11),
-                        max_query_len=3, max_seq_len=3, mrope_positions=torch.zeros(3, 3, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="text positions only"):
-        layer(_x(3, cfg, seed=0), meta)
+    pos = image_positions(6, (5, 6), 16)  # 52 tokens; blocks of 4 start at 0, 4, 8, ... across the image rows
+    x, x_text = _x(len(pos), cfg, seed=7), _x(40, cfg, seed=8)
+    layer = mrope_layer(cfg, seed=4)
+    assert layer.cache_spec(torch.float32).index_positions
+    ref = reference(layer, cfg, x, positions=pos)
+    ref_text = reference(layer, cfg, x_text)
+    _check_ref(ref)
+    _check_ref(ref_text)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        paged = Paged(layer, torch.float32, block_size=8, seed=5)
+        assert layer.position_cache is not None and layer.position_cache.shape[:2] == layer.index_cache.shape[:2]
+        outs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+        for (a, b), (ta, tb) in (((0, 13), (0, 20)), ((13, 30), (20, 33)), ((30, 48), (33, 37))):
+            y0, y1 = paged.step([(0, x[a:b], a), (1, x_text[ta:tb], ta)], mrope={0: pos})
+            outs[0].append(y0)
+            outs[1].append(y1)
+        for p in range(48, len(pos)):  # decode: text positions only (after the image), as the runner's graphs
+            t = 37 + (p - 48) % 3
+            y0, y1 = paged.step([(0, x[p:p + 1], p), (1, x_text[t:t + 1], t)],
+                                mrope={0: pos} if p < 50 else None, shift={0: pos[p][0] - p})
+            outs[0].append(y0)
+            if p - 48 < 3:
+                outs[1].append(y1)
+        return torch.cat(outs[0]), torch.cat(outs[1])
+
+    y, y_text = run()
+    _close(y, ref.y)
+    _close(y_text, ref_text.y)
+    import hyserve.layers.qsa as qsa
+
+    monkeypatch.setattr(qsa, "token_positions", lambda p: torch.arange(p.shape[-1], dtype=torch.int32)[:, None]
+                        .expand(-1, 3).contiguous())
+    bad, _ = run()
+    sparse_rows = torch.tensor(ref.sparse)
+    assert (bad[sparse_rows] - ref.y[sparse_rows]).abs().max() > 1e-3
+    # Sabotaged again, subtler: the time position kept on all three axes (height and width lost).
+    monkeypatch.undo()
+    real = qsa.token_positions
+    monkeypatch.setattr(qsa, "token_positions", lambda p: real(p[0] if p.dim() == 2 else p))
+    bad, _ = run()
+    assert (bad[sparse_rows] - ref.y[sparse_rows]).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------ the cache
@@ -704,6 +789,34 @@ def run_kernel_checks() -> dict[str, list]:
     check("pooled_in_kernel_other_norm_caught",
           qsa.indexed_attention(**dict(prob, k_norm=other), max_seq_len=64, max_query_len=4, kernels=True),
           qsa.indexed_attention_ref(**prob), 1e-5, differ=True)
+    # M-RoPE (images): each block turns at its first token's three positions from the paged positions' store, in
+    # the kernel as in the per-row reference; the kernel must not fall back to j*c.
+    from hyserve.model.mrope import frequency_axes
+
+    axes = frequency_axes(4, SECTION)
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        prob = dict(random_paged_problem(DECODE_ROWS, seed=16, dtype=dt), k_norm=norm.to(dt))
+        gen_p = torch.Generator().manual_seed(17)
+        nb, bs = prob["index_cache"].shape[:2]
+        prob.update(position_cache=torch.randint(0, 90, (nb, bs, 3), generator=gen_p, dtype=torch.int32), axes=axes)
+        want = qsa.indexed_attention_ref(**prob)
+        name = "pooled_in_kernel_mrope_" + ("fp32" if dt == torch.float32 else "bf16")
+        check(name, qsa.indexed_attention(**prob, max_seq_len=64, max_query_len=4, kernels=True), want, tol)
+        if dt == torch.float32:
+            text = {k: v for k, v in prob.items() if k not in ("position_cache", "axes")}
+            check("pooled_in_kernel_mrope_ignored_caught",
+                  qsa.indexed_attention(**text, max_seq_len=64, max_query_len=4, kernels=True), want, tol, differ=True)
+    # The positions' store: each token's three positions at its slot (int32), -1 skipped.
+    gen_s = torch.Generator().manual_seed(12)
+    pcache = torch.randint(0, 50, (5, 8, 3), generator=gen_s, dtype=torch.int32)
+    three = torch.randint(0, 50, (6, 3), generator=gen_s, dtype=torch.int32)
+    slots = torch.tensor([3, -1, 17, 39, -1, 8])
+    want_p = pcache.clone()
+    qsa.store_index_keys_ref(three, want_p, slots)
+    got_p = pcache.clone()
+    kq.store_index_keys(three, got_p, slots)
+    out["store_index_positions"] = [bool(torch.equal(got_p, want_p)) and not torch.equal(want_p, pcache),
+                                    "equal to the reference store"]
     # The index-key store: each token's raw key at its slot, -1 skipped, other slots untouched.
     gen_s = torch.Generator().manual_seed(11)
     cache = torch.randn(5, 8, 16, generator=gen_s)
@@ -749,7 +862,9 @@ def run_kernel_checks() -> dict[str, list]:
 QSA_KERNEL_CHECKS = ["fp32_ties0", "fp32_single_ties0", "fp32_ties20", "fp32_single_ties20", "bf16_fp8kv",
                      "bf16", "scores", "dense_splits", "dense_single", "row0_caught",
                      "early_caught", "pooled_in_kernel_fp32_ties0", "pooled_in_kernel_fp32_ties20",
-                     "pooled_in_kernel_bf16", "pooled_in_kernel_other_norm_caught", "store_index_keys"]
+                     "pooled_in_kernel_bf16", "pooled_in_kernel_other_norm_caught", "store_index_keys",
+                     "pooled_in_kernel_mrope_fp32", "pooled_in_kernel_mrope_bf16",
+                     "pooled_in_kernel_mrope_ignored_caught", "store_index_positions"]
 
 
 @pytest.fixture(scope="module")

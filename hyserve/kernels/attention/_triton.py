@@ -320,16 +320,18 @@ def _qsa_attend_kernel(
 
 @triton.jit
 def _qsa_pool_scores_kernel(
-    iq_ptr, ic_ptr, bt_ptr, rows_ptr, vis_ptr, kw_ptr, invf_ptr, out_ptr,
-    siq_t, siq_h, sic_b, sic_o, sbt_r, so_t, sqrt_d, eps,
+    iq_ptr, ic_ptr, bt_ptr, rows_ptr, vis_ptr, kw_ptr, invf_ptr, out_ptr, pc_ptr, ax_ptr,
+    siq_t, siq_h, sic_b, sic_o, sbt_r, so_t, spc_b, spc_o, sqrt_d, eps,
     NBK, HI: tl.constexpr, HI_PAD: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, R2: tl.constexpr,
-    C: tl.constexpr, BS: tl.constexpr, BLOCK_J: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, BS: tl.constexpr, BLOCK_J: tl.constexpr, MROPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``_qsa_scores_kernel`` with the block keys made on the fly from the raw index keys in the paged cache (for
     steps of few tokens a row: decode and verify): block ``j`` of token t's row is ``RoPE(k_norm(mean_fp32(raw keys
     j*C .. j*C + C - 1).to(dtype)), j*C)`` (zero-centred RMSNorm with ``kw``, NeoX halves over the first ``2 * R2``
     channels with ``invf``), rounded where the torch formulation rounds. Only the blocks the token sees completely
-    are read, so the work follows the row's context, not the bound the launch was sized for."""
+    are read, so the work follows the row's context, not the bound the launch was sized for. ``MROPE``: block ``j``
+    turns at its first token's three positions in the paged ``pc`` (frequency ``i`` with axis ``ax[i]``), not at
+    ``j*C``."""
     t = tl.program_id(0).to(tl.int64)  # t x a row stride passes 2**31 at long contexts
     jb = tl.program_id(1)
     r = tl.load(rows_ptr + t).to(tl.int64)
@@ -358,8 +360,16 @@ def _qsa_pool_scores_kernel(
     wp = tl.load(kw_ptr + part, mask=rot & dmask, other=0.0).to(tl.float32)
     kn = (pooled * inv[:, None] * (1.0 + w[None, :])).to(dt).to(tl.float32)
     knp = (pooledp * inv[:, None] * (1.0 + wp[None, :])).to(dt).to(tl.float32)
-    f = tl.load(invf_ptr + tl.where(od < R2, od, od - R2), mask=rot & dmask, other=0.0)
-    ang = (oj * C).to(tl.float32)[:, None] * f[None, :]
+    fi = tl.where(od < R2, od, od - R2)  # the frequency of each rotated channel
+    f = tl.load(invf_ptr + fi, mask=rot & dmask, other=0.0)
+    if MROPE:
+        p0 = oj.to(tl.int64) * C
+        blk0 = tl.load(bt_ptr + r * sbt_r + p0 // BS, mask=jm, other=0).to(tl.int64)
+        axis = tl.load(ax_ptr + fi, mask=rot & dmask, other=0)
+        start = tl.load(pc_ptr + (blk0 * spc_b + (p0 % BS) * spc_o)[:, None] + axis[None, :], mask=pmask, other=0)
+        ang = start.to(tl.float32) * f[None, :]
+    else:
+        ang = (oj * C).to(tl.float32)[:, None] * f[None, :]
     cs = tl.cos(ang).to(dt).to(tl.float32)
     sn = tl.sin(ang).to(dt).to(tl.float32)
     partner = tl.where((od < R2)[None, :], -knp, knp)

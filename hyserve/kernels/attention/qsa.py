@@ -74,11 +74,14 @@ def qsa_block_scores(iq: torch.Tensor, block_keys: torch.Tensor, rows: torch.Ten
 
 def qsa_pool_scores(iq: torch.Tensor, index_cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
                     visible: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, c: int,
-                    num_blocks: int) -> torch.Tensor:
+                    num_blocks: int, position_cache: torch.Tensor | None = None,
+                    axes: torch.Tensor | None = None) -> torch.Tensor:
     """``iq`` (T, Hi, Di); ``index_cache`` (num_cache_blocks, block_size, Di) the raw index keys; ``block_tables``
     (R, max_blocks); ``rows``, ``visible`` (T,); ``k_norm_weight`` (Di,) the zero-centred key norm's weight;
     ``inv_freq`` (R2,) the rotary frequencies (the first ``2 * R2`` channels rotate); ``c`` tokens a block;
-    ``num_blocks`` the score columns (``max_seq_len // c``). Returns (T, num_blocks) float32."""
+    ``num_blocks`` the score columns (``max_seq_len // c``). M-RoPE: ``position_cache`` (num_cache_blocks,
+    block_size, 3) each token's positions and ``axes`` (R2,) each frequency's axis; a block turns at its first
+    token's. Returns (T, num_blocks) float32."""
     from hyserve.kernels.attention._triton import _qsa_pool_scores_kernel
 
     t, hi, di = iq.shape
@@ -90,12 +93,18 @@ def qsa_pool_scores(iq: torch.Tensor, index_cache: torch.Tensor, block_tables: t
         iq = iq.contiguous()
     block_di = max(16, next_pow2(di))
     block_j = 16 if block_di >= 128 else 32  # about eight (BLOCK_J, BLOCK_DI) float32 tiles live at once
+    mrope = position_cache is not None
+    if mrope:
+        assert axes is not None and position_cache is not None and position_cache.stride(-1) == 1
+        pc, ax = position_cache, axes.to(torch.int32).contiguous()
+    else:
+        pc, ax = index_cache, rows  # not read
     _qsa_pool_scores_kernel[(t, _cdiv(num_blocks, block_j))](
-        iq, index_cache, block_tables, rows, visible, k_norm_weight, inv_freq.float().contiguous(), out,
+        iq, index_cache, block_tables, rows, visible, k_norm_weight, inv_freq.float().contiguous(), out, pc, ax,
         iq.stride(0), iq.stride(1), index_cache.stride(0), index_cache.stride(1), block_tables.stride(0),
-        out.stride(0), math.sqrt(di), eps,
+        out.stride(0), pc.stride(0), pc.stride(1), math.sqrt(di), eps,
         num_blocks, HI=hi, HI_PAD=max(16, next_pow2(hi)), DI=di, BLOCK_DI=block_di,
-        R2=inv_freq.shape[0], C=c, BS=index_cache.shape[1], BLOCK_J=block_j,
+        R2=inv_freq.shape[0], C=c, BS=index_cache.shape[1], BLOCK_J=block_j, MROPE=mrope,
         PRECISION="ieee" if index_cache.dtype == torch.float32 else "tf32",
         num_warps=4,
     )  # fmt: skip
@@ -219,17 +228,23 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                 dict(iq_ptr=bf, bk_ptr=bf, rows_ptr="*i64", vis_ptr="*i64", out_ptr="*fp32", siq_t=i32, siq_h=i32,
                      sbk_r=i32, sbk_j=i32, so_t=i32, sqrt_d="fp32", NBK=i32),
                 dict(HI=16, HI_PAD=16, DI=128, BLOCK_DI=128, BLOCK_J=64, PRECISION="tf32")))
-    out.append(("qsa_pool_scores", _qsa_pool_scores_kernel,
-                dict(iq_ptr=bf, ic_ptr=bf, bt_ptr="*i32", rows_ptr="*i64", vis_ptr="*i64", kw_ptr=bf,
-                     invf_ptr="*fp32", out_ptr="*fp32", siq_t=i32, siq_h=i32, sic_b=i32, sic_o=i32, sbt_r=i32,
-                     so_t=i32, sqrt_d="fp32", eps="fp32", NBK=i32),
-                dict(HI=16, HI_PAD=16, DI=128, BLOCK_DI=128, R2=32, C=4, BS=16, BLOCK_J=16, PRECISION="tf32")))
+    for mrope in (False, True):
+        out.append((f"qsa_pool_scores{'_mrope' if mrope else ''}", _qsa_pool_scores_kernel,
+                    dict(iq_ptr=bf, ic_ptr=bf, bt_ptr="*i32", rows_ptr="*i64", vis_ptr="*i64", kw_ptr=bf,
+                         invf_ptr="*fp32", out_ptr="*fp32", pc_ptr="*i32" if mrope else bf,
+                         ax_ptr="*i32" if mrope else "*i64", siq_t=i32, siq_h=i32, sic_b=i32, sic_o=i32, sbt_r=i32,
+                         so_t=i32, spc_b=i32, spc_o=i32, sqrt_d="fp32", eps="fp32", NBK=i32),
+                    dict(HI=16, HI_PAD=16, DI=128, BLOCK_DI=128, R2=32, C=4, BS=16, BLOCK_J=16, MROPE=mrope,
+                         PRECISION="tf32")))
     out.append(("qsa_positions", _qsa_positions_kernel,
                 dict(best_ptr="*i64", qpos_ptr="*i64", vis_ptr="*i64", pos_ptr="*i32", sb_t=i32, sp_t=i32, S=i32),
                 dict(TOP=512, C=4, SPARSE=True, BLOCK_S=1024)))
     out.append(("store_index_keys", _store_index_keys_kernel,
                 dict(k_ptr=bf, c_ptr=bf, slot_ptr="*i64", sk_t=i32, sc_b=i32, sc_o=i32),
                 dict(D=128, BLOCK_D=128, BS=16)))
+    out.append(("store_index_positions", _store_index_keys_kernel,  # M-RoPE: each token's three positions
+                dict(k_ptr="*i32", c_ptr="*i32", slot_ptr="*i64", sk_t=i32, sc_b=i32, sc_o=i32),
+                dict(D=3, BLOCK_D=16, BS=16)))
     attend = dict(bt_ptr="*i32", rows_ptr="*i64", pos_ptr="*i32", po_ptr="*fp32", pml_ptr="*fp32", ks_ptr="*fp32",
                   vs_ptr="*fp32", qk_scale="fp32", S=i32,
                   **{k: i32 for k in ("sq_t", "sq_h", "so_t", "so_h", "sp_t", "sbt_r", "skc_b", "skc_o", "skc_h",
