@@ -223,6 +223,8 @@ class SparseMoeBlock(nn.Module):
         self.router_weight = torch.zeros(rows, h, dtype=w.dtype, device=w.device)
         self.gate.weight.data = self.router_weight[: cfg.num_experts]
         self.shared_expert_gate.weight.data = self.router_weight[cfg.num_experts : cfg.num_experts + 1]
+        # The padding rows as a buffer (not in the checkpoint): the planner counts the bytes the model holds.
+        self.register_buffer("router_padding", self.router_weight[cfg.num_experts + 1 :], persistent=False)
         # The shared expert stacked after the experts where it can be (the fused kernels' path: CUDA, and the
         # Triton interpreter in tests); elsewhere it runs apart, as the reference computes it.
         if self.experts.can_stack(self.shared_expert):

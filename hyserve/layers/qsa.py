@@ -127,6 +127,7 @@ class IndexedAttention(Attention):
         # token's step knows, so each token's positions are kept in the KV's blocks and slots beside its index key.
         self.keeps_positions = rotary.multi_axis
         self.position_cache: torch.Tensor | None = None
+        self.position_axes: torch.Tensor | None = None  # each frequency's axis, on the caches' device
 
     def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
         # The raw index keys stay in the model dtype when the runner puts the KV in FP8 (it replaces only dtype).
@@ -141,6 +142,9 @@ class IndexedAttention(Attention):
             nb, bs, _ = index_cache.shape
             self.position_cache = torch.zeros((nb, bs, INDEX_POSITION_AXES), dtype=torch.int32,
                                               device=index_cache.device)
+            # Made on the device now, not in a step: a copy from the host there would synchronize (and break a
+            # graph capture); the shared rotary keeps them too, for its M-RoPE steps.
+            self.position_axes = self.rotary[0].axes(index_cache.device)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
@@ -158,15 +162,13 @@ class IndexedAttention(Attention):
         iq = rotary.rotate(iq)  # at the step's positions: M-RoPE's three where the step has them
         store = store_index_keys if uses_triton(kraw) else store_index_keys_ref
         store(kraw, self.index_cache, meta.slot_mapping)
-        axes = None
         if self.position_cache is not None:
             store(token_positions(meta.rotary_positions), self.position_cache, meta.slot_mapping)
-            axes = rotary.axes(x.device)
         out = indexed_attention(
             q, iq, self.k_cache, self.v_cache, self.index_cache, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, self.scale, self.indexer.k_layernorm, inv_freq, self.budget, self.compress_ratio,
             meta.max_seq_len, self.k_scale, self.v_scale, max_query_len=meta.max_query_len,
-            position_cache=self.position_cache, axes=axes)
+            position_cache=self.position_cache, axes=self.position_axes)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 

@@ -127,18 +127,24 @@ def cache_budget(device: torch.device, util: float, base: DeviceMemory, peak: in
     graphs' estimate ``graphs``. Other processes and other instances in this process are not subtracted; instead the
     share asked for must be free, so two instances at 0.45 each fit on one card and a second one at 0.9 is refused
     with a message that says what holds the memory.
+
+    Torch's allocator may hold memory it has not handed out in segments that also hold live tensors (the profile
+    emptied its cache first, so what is left is such slack, from loading): neither free to the device nor usable by
+    the caches' large tensors, it is subtracted too (16.8 GiB after a dummy load of the 35B-A3B bf16 shape, where a
+    batch-64 cache that counted it as room ran out of memory).
     """
     now = device_memory(device)
     assert now is not None
     total = now.total
     weights = max(0, now.allocated - base.allocated)
     non_torch = max(0, now.non_torch - base.non_torch)
+    slack = max(0, (now.reserved - now.allocated) - (base.reserved - base.allocated))
     requested = check_requested_is_free(util, base)
-    budget = requested - weights - non_torch - peak - graphs
+    budget = requested - weights - non_torch - slack - peak - graphs
     logger.info("memory: total %.1f GiB, this instance may use %.1f GiB (gpu_memory_utilization %.2f): weights "
-                "%.2f GiB, non-torch %.2f GiB, activation peak %.2f GiB, CUDA graphs (estimate) %.2f GiB, cache "
-                "budget %.2f GiB", total / 2**30, requested / 2**30, util, weights / 2**30, non_torch / 2**30,
-                peak / 2**30, graphs / 2**30, budget / 2**30)
+                "%.2f GiB, non-torch %.2f GiB, allocator slack %.2f GiB, activation peak %.2f GiB, CUDA graphs "
+                "(estimate) %.2f GiB, cache budget %.2f GiB", total / 2**30, requested / 2**30, util,
+                weights / 2**30, non_torch / 2**30, slack / 2**30, peak / 2**30, graphs / 2**30, budget / 2**30)
     if budget <= 0:
         raise ValueError("no GPU memory left for the KV cache and state pool; raise --gpu-memory-utilization "
                          "or lower --max-num-batched-tokens")

@@ -193,6 +193,24 @@ def test_a_share_that_is_not_free_is_refused_before_loading() -> None:
         check_weights_fit(need, _fake_device(100 * GIB, free=50 * GIB), 0.9, Parallelism())
 
 
+def test_the_cache_budget_subtracts_the_allocators_slack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory torch reserved but did not hand out, left after the profile emptied its cache (slack in segments
+    holding live tensors), is not room for the caches: the budget is that much smaller; slack that was there at the
+    baseline is not subtracted twice."""
+    from hyserve.worker import memory
+
+    base = DeviceMemory(total=100 * GIB, free=100 * GIB, reserved=0, allocated=0, non_torch=0)
+    tight = DeviceMemory(total=100 * GIB, free=40 * GIB, reserved=60 * GIB, allocated=60 * GIB, non_torch=0)
+    slack = DeviceMemory(total=100 * GIB, free=40 * GIB, reserved=60 * GIB, allocated=50 * GIB, non_torch=0)
+    dev = torch.device("cuda")
+    monkeypatch.setattr(memory, "device_memory", lambda device: tight)
+    assert memory.cache_budget(dev, 0.9, base, GIB, 0) == 90 * GIB - 60 * GIB - GIB
+    monkeypatch.setattr(memory, "device_memory", lambda device: slack)
+    assert memory.cache_budget(dev, 0.9, base, GIB, 0) == 90 * GIB - 50 * GIB - 10 * GIB - GIB
+    slack_at_base = DeviceMemory(total=100 * GIB, free=96 * GIB, reserved=4 * GIB, allocated=0, non_torch=0)
+    assert memory.cache_budget(dev, 0.9, slack_at_base, GIB, 0) == 90 * GIB - 50 * GIB - 6 * GIB - GIB
+
+
 def test_the_cache_budget_keeps_room_for_the_moe_block(ckpts: CheckpointCache) -> None:
     """After loading, the budget subtracts the MoE block's activations: the CUDA-graph estimate takes the block's
     width (k expert rows per token), and the profiled peak holds whatever the routing, since the fused experts'
