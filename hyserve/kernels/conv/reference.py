@@ -22,14 +22,21 @@ def _nonempty_rows(query_start_loc: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(lens > 0).squeeze(1)
 
 
+def _biased(acc: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The float32 accumulation plus the conv's bias, where it has one."""
+    return acc if bias is None else acc + bias.float()
+
+
 def causal_conv1d_varlen_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
     conv_state: torch.Tensor,
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv1d (no bias) + SiLU over varlen rows, with the rolling window kept in ``conv_state``.
+    """Depthwise causal conv1d (``bias``: ``(D,)`` added before the SiLU, as Mamba2's conv has) + SiLU over varlen
+    rows, with the rolling window kept in ``conv_state``.
 
     Args:
         x: ``(T, D)`` inputs in the model dtype.
@@ -52,7 +59,7 @@ def causal_conv1d_varlen_ref(
     qsl = query_start_loc.to(torch.int64)
     if km1 == 0:
         out = x.float() * weight[:, 0].float()
-        return F.silu(out).to(x.dtype)
+        return F.silu(_biased(out, bias)).to(x.dtype)
 
     # One buffer holding every row's old window (row r at [r*km1, (r+1)*km1)) followed by all the new tokens.
     old = conv_state[slots]  # (R, D, km1)
@@ -68,7 +75,7 @@ def causal_conv1d_varlen_ref(
         rel = pos[:, None] - km1 + taps[None, :]  # (T, K)
         win = buf[_src(rows[:, None].expand(T, K), rel)]  # (T, K, D)
         acc = (win.float() * weight.t().float()[None]).sum(dim=1)
-        out = F.silu(acc).to(x.dtype)
+        out = F.silu(_biased(acc, bias)).to(x.dtype)
     else:
         out = x.new_empty((0, D))
 
@@ -89,6 +96,7 @@ def causal_conv1d_verify_ref(
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
     conv_scratch: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference :func:`~hyserve.kernels.conv.verify.causal_conv1d_verify`, vectorised over all tokens at once (no
     loop).
@@ -104,7 +112,7 @@ def causal_conv1d_verify_ref(
     qsl = query_start_loc.to(torch.int64)
     if km1 == 0:  # no window: nothing to record
         out = x.float() * weight[:, 0].float()
-        return F.silu(out).to(x.dtype)
+        return F.silu(_biased(out, bias)).to(x.dtype)
     if T == 0 or R == 0:
         return x.new_empty((T, D))
 
@@ -117,7 +125,7 @@ def causal_conv1d_verify_ref(
     src = torch.where(rel >= 0, R * km1 + qsl[rows_k] + rel, rows_k * km1 + km1 + rel)
     win = buf[src]  # (T, K, D)
     acc = (win.float() * weight.t().float()[None]).sum(dim=1)
-    out = F.silu(acc).to(x.dtype)
+    out = F.silu(_biased(acc, bias)).to(x.dtype)
 
     rec = pos < conv_scratch.shape[1]
     conv_scratch[rows[rec], pos[rec]] = win[rec, 1:].transpose(1, 2).to(conv_scratch.dtype)

@@ -1,0 +1,138 @@
+"""The Mamba2 mixer (NemotronH, Granite-4.0-H, Falcon-H1): an input projection to [z | x B C | dt], a causal
+depthwise conv with bias and SiLU over [x | B | C], the selective state space scan over each request's SSM state
+(``hyserve.kernels.mamba2``), a gated RMSNorm per group (``x * silu(z)`` first, then the norm), the output
+projection. Per request it keeps, in the slot the runner binds (``bind_state``), the conv window (the last K - 1
+inputs of [x | B | C], model dtype) and the SSM state (heads x head_dim x state size, float32 unless
+``--mamba-ssm-cache-dtype``). docs/mamba2_facts.md gives transformers' formulas this follows.
+
+A verify step (speculative decoding) reads the live states and writes the candidate after every position to the
+verify scratch; the base class's ``commit_verified`` and ``snapshot_candidates`` copy them, so a rejected draft never
+reaches the live state or a snapshot.
+
+On every device this is the plain-torch formulation for now (the Triton kernels are to come).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
+from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
+from hyserve.kernels.mamba2 import mamba2_scan_ref
+from hyserve.layers.linear import Linear
+from hyserve.layers.quantization import QuantizationConfig
+from hyserve.model.base import RecurrentLayer
+from hyserve.model.metadata import StepMetadata
+
+
+class Mamba2Config(Protocol):
+    """What the layer reads of a family's config (transformers' ``NemotronHConfig`` names)."""
+
+    hidden_size: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    n_groups: int
+    ssm_state_size: int
+    conv_kernel: int
+    use_conv_bias: bool
+    use_bias: bool
+    layer_norm_epsilon: float
+    time_step_limit: tuple[float, float]
+    quantization: QuantizationConfig | None
+    ssm_state_dtype: str
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """``w * rmsnorm_per_group(x * silu(z))`` over groups of ``group_size`` channels, in float32, the result cast to
+    the input's dtype before the weight multiplies it (transformers' ``Zamba2RMSNormGated``, gate before norm)."""
+
+    def __init__(self, width: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * nn.functional.silu(z.float())
+        grouped = h.view(*h.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(h.shape).to(dtype)
+
+
+class Mamba2Mixer(RecurrentLayer):
+    """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization."""
+
+    def __init__(self, cfg: Mamba2Config, prefix: str) -> None:
+        super().__init__()
+        self.num_heads = h = cfg.mamba_num_heads
+        self.head_dim = p = cfg.mamba_head_dim
+        self.n_groups = g = cfg.n_groups
+        self.state_size = n = cfg.ssm_state_size
+        if h % g:
+            raise ValueError(f"mamba_num_heads={h} is not a multiple of n_groups={g}")
+        self.intermediate = i = h * p
+        self.conv_dim = i + 2 * g * n
+        k = cfg.conv_kernel
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, k, bias=cfg.use_conv_bias, groups=self.conv_dim,
+                                padding=k - 1)
+        self.in_proj = Linear(cfg.hidden_size, i + self.conv_dim + h, bias=cfg.use_bias, quant=cfg.quantization,
+                              prefix=f"{prefix}.in_proj")
+        self.dt_bias = nn.Parameter(torch.ones(h))
+        self.A_log = nn.Parameter(torch.zeros(h))
+        self.D = nn.Parameter(torch.ones(h))
+        self.norm = GroupedGatedRMSNorm(i, i // g, cfg.layer_norm_epsilon)
+        self.out_proj = Linear(i, cfg.hidden_size, bias=cfg.use_bias, quant=cfg.quantization,
+                               prefix=f"{prefix}.out_proj")
+        self.dt_limit = (float(cfg.time_step_limit[0]), float(cfg.time_step_limit[1]))
+        self.ssm_dtype: torch.dtype = getattr(torch, cfg.ssm_state_dtype)
+
+    def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        k = self.conv1d.kernel_size[0]
+        return RecurrentStateSpec((
+            StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
+            StateTensorSpec("ssm_state", (self.num_heads, self.head_dim, self.state_size), self.ssm_dtype),
+        ))
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        conv_state, ssm_state = self.state["conv_state"], self.state["ssm_state"]
+        t = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)
+        bias = self.conv1d.bias
+        a = -torch.exp(self.A_log.float())
+        vm = meta.verify
+        # (rows' slots, offsets, longest row, verify scratch or None) of the step's parts: a verify step's verify
+        # rows, then its other rows.
+        parts: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]] = []
+        if vm is None:
+            assert meta.max_query_len is not None
+            parts.append((0, t, meta.state_slots, meta.query_start_loc, meta.max_query_len, False))
+        else:
+            parts.append((0, vm.num_tokens, vm.state_slots, vm.query_start_loc, vm.max_query_len, True))
+            if vm.num_tokens < t:
+                parts.append((vm.num_tokens, t, vm.rest_state_slots, vm.rest_query_start_loc,
+                              vm.rest_max_query_len, False))
+        outs = []
+        for lo, hi, slots, qsl, longest, verify in parts:
+            if verify:
+                assert self.verify_scratch is not None, "verify scratch not bound"
+                mixed = causal_conv1d_verify_ref(xbc[lo:hi], weight, conv_state, slots, qsl,
+                                                 self.verify_scratch["conv_state"], bias)
+            else:
+                mixed = causal_conv1d_varlen_ref(xbc[lo:hi], weight, conv_state, slots, qsl, bias)
+            m = hi - lo
+            xs, bs, cs = mixed.split([self.intermediate, self.n_groups * self.state_size,
+                                      self.n_groups * self.state_size], dim=-1)
+            y = mamba2_scan_ref(xs.reshape(m, self.num_heads, self.head_dim), dt[lo:hi], a,
+                                bs.reshape(m, self.n_groups, self.state_size),
+                                cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
+                                ssm_state, slots, qsl, longest,
+                                self.verify_scratch["ssm_state"] if verify and self.verify_scratch else None)
+            outs.append(y.reshape(m, self.intermediate))
+        y = torch.cat(outs) if len(outs) > 1 else outs[0]
+        out = self.norm(y, z)  # float32, as transformers' scan output reaches its norm
+        return self.out_proj(out.to(x.dtype))
