@@ -31,22 +31,42 @@ class AttentionConfig(Protocol):
     quantization: QuantizationConfig | None
 
 
+def kv_heads_of_rank(hkv: int) -> tuple[int, int]:
+    """This tensor-parallel rank's kv heads ``[first, last)``: its share, or where there are more ranks than kv
+    heads the one its query heads read."""
+    tp, rank = tp_size(), tp_rank()
+    if hkv % tp == 0:
+        return shard_range(hkv)
+    if tp % hkv == 0:
+        kv0 = rank // (tp // hkv)
+        return kv0, kv0 + 1
+    raise ValueError(f"num_key_value_heads={hkv} and tensor_parallel_size={tp}: neither divides the other")
+
+
+def kv_and_output_projections(cfg: AttentionConfig, prefix: str, kv_heads: tuple[int, int],
+                              heads: tuple[int, int]) -> tuple[Linear, Linear, RowParallelLinear]:
+    """``k_proj``, ``v_proj`` (this rank's ``kv_heads``) and ``o_proj`` (the input columns of its query ``heads``)."""
+    tp, d, hidden, hkv = tp_size(), cfg.head_dim, cfg.hidden_size, cfg.num_key_value_heads
+    (kv0, kv1), (h0, h1) = kv_heads, heads
+    kv_shard = Shard((hkv * d, hidden), 0, ((kv0 * d, kv1 * d),)) if tp > 1 else None
+    bias, quant = cfg.attention_bias, cfg.quantization
+    k = Linear(hidden, (kv1 - kv0) * d, bias=bias, quant=quant, prefix=f"{prefix}.k_proj", shard=kv_shard)
+    v = Linear(hidden, (kv1 - kv0) * d, bias=bias, quant=quant, prefix=f"{prefix}.v_proj", shard=kv_shard)
+    o = RowParallelLinear(cfg.num_attention_heads * d, hidden, (h0 * d, h1 * d), bias=bias, sharded=tp > 1,
+                          quant=quant, prefix=f"{prefix}.o_proj")
+    return k, v, o
+
+
 class Attention(KVCacheLayer):
     """Gated full attention: q_proj yields [q | gate] per head, q/k RMSNorm per head, partial RoPE. ``prefix``: the
     module's name (``model.layers.3.self_attn``)."""
 
     def __init__(self, cfg: AttentionConfig, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
-        tp, rank = tp_size(), tp_rank()
+        tp = tp_size()
         h0, h1 = shard_range(cfg.num_attention_heads)
         hkv = cfg.num_key_value_heads
-        if hkv % tp == 0:
-            kv0, kv1 = shard_range(hkv)
-        elif tp % hkv == 0:  # more ranks than KV heads: each rank keeps the one its query heads read
-            kv0 = rank // (tp // hkv)
-            kv1 = kv0 + 1
-        else:
-            raise ValueError(f"num_key_value_heads={hkv} and tensor_parallel_size={tp}: neither divides the other")
+        kv0, kv1 = kv_heads_of_rank(hkv)
         self.num_heads = h1 - h0
         self.num_kv_heads = kv1 - kv0
         self.kv_head_range, self.num_kv_heads_total = (kv0, kv1), hkv
@@ -54,17 +74,11 @@ class Attention(KVCacheLayer):
         self.scale = self.head_dim**-0.5
         bias, quant, hidden = cfg.attention_bias, cfg.quantization, cfg.hidden_size
         # Tensor parallel: rows per query head are [q | gate], so a rank's heads are one run of rows.
-        q_rows, kv_rows = (h0 * 2 * d, h1 * 2 * d), (kv0 * d, kv1 * d)
+        q_rows = (h0 * 2 * d, h1 * 2 * d)
         q_shard = Shard((cfg.num_attention_heads * 2 * d, hidden), 0, (q_rows,)) if tp > 1 else None
-        kv_shard = Shard((hkv * d, hidden), 0, (kv_rows,)) if tp > 1 else None
         self.q_proj = Linear(hidden, self.num_heads * d * 2, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
                              shard=q_shard)
-        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.k_proj",
-                             shard=kv_shard)
-        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.v_proj",
-                             shard=kv_shard)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, hidden, (h0 * d, h1 * d), bias=bias,
-                                        sharded=tp > 1, quant=quant, prefix=f"{prefix}.o_proj")
+        self.k_proj, self.v_proj, self.o_proj = kv_and_output_projections(cfg, prefix, (kv0, kv1), (h0, h1))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
@@ -88,3 +102,42 @@ class Attention(KVCacheLayer):
                               self.v_scale)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
+
+
+class PlainAttention(KVCacheLayer):
+    """Multi-head attention with no gate, no q/k norm and no position embedding (Nemotron-H's: the Mamba2 layers
+    carry the order): q, k, v projections, softmax over the paged KV at ``head_dim ** -0.5``, the output
+    projection. ``prefix``: the module's name (``backbone.layers.3.mixer``)."""
+
+    def __init__(self, cfg: AttentionConfig, prefix: str) -> None:
+        super().__init__()
+        tp = tp_size()
+        h0, h1 = shard_range(cfg.num_attention_heads)
+        hkv = cfg.num_key_value_heads
+        kv0, kv1 = kv_heads_of_rank(hkv)
+        self.num_heads, self.num_kv_heads = h1 - h0, kv1 - kv0
+        self.kv_head_range, self.num_kv_heads_total = (kv0, kv1), hkv
+        self.head_dim = d = cfg.head_dim
+        self.scale = d**-0.5
+        bias, quant, hidden = cfg.attention_bias, cfg.quantization, cfg.hidden_size
+        q_shard = Shard((cfg.num_attention_heads * d, hidden), 0, ((h0 * d, h1 * d),)) if tp > 1 else None
+        self.q_proj = Linear(hidden, self.num_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
+                             shard=q_shard)
+        self.k_proj, self.v_proj, self.o_proj = kv_and_output_projections(cfg, prefix, (kv0, kv1), (h0, h1))
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = paged_attention(q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
+                              meta.seq_lens, self.scale, meta.max_query_len, meta.max_seq_len, self.k_scale,
+                              self.v_scale)
+        return self.o_proj(out.reshape(t, -1))

@@ -9,7 +9,7 @@ A verify step (speculative decoding) reads the live states and writes the candid
 verify scratch; the base class's ``commit_verified`` and ``snapshot_candidates`` copy them, so a rejected draft never
 reaches the live state or a snapshot.
 
-On every device this is the plain-torch formulation for now (the Triton kernels are to come).
+This is the plain-torch formulation, the CPU path; on CUDA the layer refuses to run until its kernels exist.
 """
 
 from __future__ import annotations
@@ -98,6 +98,9 @@ class Mamba2Mixer(RecurrentLayer):
         ))
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        if x.is_cuda:
+            raise NotImplementedError("the Mamba2 mixer runs on the CPU only for now (its CUDA kernels are not "
+                                      "written yet): serve Nemotron-H with --device cpu")
         conv_state, ssm_state = self.state["conv_state"], self.state["ssm_state"]
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)

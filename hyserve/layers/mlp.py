@@ -44,3 +44,10 @@ class GeluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class ReluSquaredMLP(GeluMLP):
+    """``GeluMLP``'s layout with ``relu(x) ** 2`` (Nemotron-H's ``relu2``): ``down(relu(up(x)) ** 2)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))

@@ -2,6 +2,7 @@
 
 Every RMSNorm in the model is zero-centred (scale ``1 + w``) except the Gated DeltaNet output norm, which scales by
 ``w`` and gates with ``silu(z)``. Both normalise in float32 (:mod:`hyserve.kernels.norm`: one Triton launch on CUDA).
+``ScaledRMSNorm`` (scale ``w``) is Nemotron-H's, in plain torch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add fused in: ``(x + delta, norm(x + delta))``."""
         return add_rms_norm(x, delta, self.weight, self.eps)
+
+
+class ScaledRMSNorm(nn.Module):
+    """RMSNorm scaled by ``w`` itself (not zero-centred): ``w * norm(x)``, normalised in float32 and cast back to the
+    input dtype before the weight multiplies it (transformers' ``NemotronHRMSNorm``, T5's layer norm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -13,8 +13,9 @@ sums the same terms in another order. The clamp applies at every token, prefill 
 single-token update leaves it out; its default lower limit, 1e-3, is below softplus of any realistic input).
 
 Layout as :mod:`hyserve.kernels.varlen`: ``query_start_loc`` (R + 1) row offsets, ``state_slots`` (R) each row's slot
-in ``ssm_state`` (``(S, H, P, N)``, stored in its own dtype, float32 by default). No host synchronization: the loop
-bound is ``max_query_len``, a host int, so the same code runs inside CUDA graph capture.
+in ``ssm_state`` (``(S, H, P, N)``, stored in its own dtype, float32 by default). The loop bound is
+``max_query_len``, a host int; storing the final states picks the rows with tokens on the host, as the conv's
+reference does: this is the CPU path (CUDA takes kernels, to come).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def mamba2_scan_ref(
     ``B`` and ``C`` (T, G, N), ``D`` and ``dt_bias`` (H,).
 
     Without ``scratch`` each non-empty row's slot ends holding its state after its last token. With ``scratch``
-    (``(R, k + 1, H, P, N)``: a verify step) the slots are only read, and ``scratch[r, j]`` takes row ``r``'s state
+    (``(>= R, k + 1, H, P, N)``: a verify step) the slots are only read, and ``scratch[r, j]`` takes row ``r``'s state
     after its ``j``-th token (``j <= k``), the candidates a commit or a snapshot copies."""
     t, h, p = x.shape
     r = state_slots.shape[0]
@@ -73,11 +74,10 @@ def mamba2_scan_ref(
         state = torch.where(here[:, None, None, None], new, state)
         out = (state * cs[src][:, :, None, :]).sum(-1) + D.float()[None, :, None] * xt
         y.index_copy_(0, tok, torch.where(here[:, None, None], out, y.index_select(0, tok)))
-        if scratch is not None and j < scratch.shape[1]:
-            col = scratch[:, j]
-            scratch[:, j] = torch.where(here[:, None, None, None], state.to(scratch.dtype), col)
-    if scratch is None:
-        keep = lens > 0
-        old = ssm_state.index_select(0, slots)
-        ssm_state.index_copy_(0, slots, torch.where(keep[:, None, None, None], state.to(ssm_state.dtype), old))
+        if scratch is not None and j < scratch.shape[1]:  # the scratch may hold more rows than the step's
+            col = scratch[:r, j]
+            scratch[:r, j] = torch.where(here[:, None, None, None], state.to(scratch.dtype), col)
+    if scratch is None:  # only rows with tokens write (an empty row's slot may be another row's)
+        keep = torch.nonzero(lens > 0).squeeze(1)  # a host sync: this is the CPU path
+        ssm_state.index_copy_(0, slots[keep], state[keep].to(ssm_state.dtype))
     return y[:t]

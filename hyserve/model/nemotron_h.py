@@ -1,0 +1,115 @@
+"""The Nemotron-H text model (transformers' ``NemotronHForCausalLM``): a stack of blocks, each
+``x + mixer(norm(x))`` with its one mixer by ``layer_types[i]``: the Mamba2 mixer (``hyserve.layers.mamba2``),
+attention with no position embedding (``hyserve.layers.attention.PlainAttention``) or the squared-ReLU MLP
+(``hyserve.layers.mlp.ReluSquaredMLP``); then the final norm and the LM head. Norms scale by ``w``
+(``ScaledRMSNorm``).
+
+Parameter names are the released checkpoints' (``backbone.embeddings``, ``backbone.layers.{i}.norm`` and
+``.mixer.*``, ``backbone.norm_f``, ``lm_head``), which is also how transformers 5 saves the model. With pipeline
+parallelism each stage holds its layers (``stage_layers``), the first the embedding, the last the final norm and
+the head (never tied to the embedding); a stage hands the next its residual stream alone. There is no draft head.
+The Mamba2 mixer runs on the CPU only for now (docs/mamba2_facts.md has transformers' formulas).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
+from hyserve.layers.attention import PlainAttention
+from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from hyserve.layers.mamba2 import Mamba2Mixer
+from hyserve.layers.mlp import ReluSquaredMLP
+from hyserve.layers.norm import ScaledRMSNorm
+from hyserve.model.base import CausalLM
+from hyserve.model.metadata import StepMetadata
+from hyserve.model.nemotron_h_config import NemotronHConfig, nemotron_h_config
+from hyserve.model.qwen3_5 import Intermediate, MissingLayer
+
+
+class NemotronHBlock(nn.Module):
+    """``x + mixer(norm(x))``; ``prefix``: the block's name (``backbone.layers.3``)."""
+
+    def __init__(self, cfg: NemotronHConfig, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.norm = ScaledRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer: nn.Module
+        if self.layer_type == LINEAR_ATTENTION:
+            self.mixer = Mamba2Mixer(cfg, f"{prefix}.mixer")
+        elif self.layer_type == FULL_ATTENTION:
+            self.mixer = PlainAttention(cfg, f"{prefix}.mixer")
+        else:
+            self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization, f"{prefix}.mixer")
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        h = self.norm(x)
+        return x + (self.mixer(h) if self.layer_type not in (LINEAR_ATTENTION, FULL_ATTENTION)
+                    else self.mixer(h, meta))
+
+
+class NemotronHBackbone(nn.Module):
+    def __init__(self, cfg: NemotronHConfig) -> None:
+        super().__init__()
+        self.start, self.end = stage_layers(cfg.num_hidden_layers)
+        self.is_first, self.is_last = is_first_stage(), is_last_stage()
+        # The LM head is never tied to the embedding (transformers' Nemotron-H; the parser refuses a config saying
+        # otherwise), so only the first stage holds it.
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList([NemotronHBlock(cfg, i, f"backbone.layers.{i}") if self.start <= i < self.end
+                                     else MissingLayer() for i in range(cfg.num_hidden_layers)])
+        self._own_layers = list(self.layers)[self.start : self.end]
+        self.norm_f = ScaledRMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon) if self.is_last else None
+
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        if intermediate is None:
+            assert self.embeddings is not None and self.is_first, "a later stage needs the previous one's output"
+            x = self.embeddings(input_ids)
+        else:
+            (x,) = intermediate
+        for layer in self._own_layers:
+            x = layer(x, meta)
+        if self.norm_f is None:
+            return (x,)
+        return self.norm_f(x)
+
+
+class NemotronHForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg = nemotron_h_config(config)
+        self.backbone = NemotronHBackbone(cfg)
+        if self.backbone.is_last:
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.backbone(input_ids, meta, intermediate)
+
+    def holds(self, name: str) -> bool:
+        b = self.backbone
+        if name.startswith("backbone.layers."):
+            return b.start <= int(name.split(".")[2]) < b.end
+        if name.startswith("backbone.embeddings."):
+            return b.embeddings is not None
+        if name.startswith(("backbone.norm_f.", "lm_head.")):
+            return b.is_last
+        return True
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head
+        logits = head(self.head_input(hidden))
+        return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
+
+    def input_embeddings(self) -> nn.Embedding:
+        assert self.backbone.embeddings is not None, "this pipeline stage holds no embedding"
+        return self.backbone.embeddings
+
+    def activation_width(self) -> int:
+        cfg = self.config
+        inner = cfg.mamba_num_heads * cfg.mamba_head_dim
+        return max(cfg.hidden_size, cfg.intermediate_size, 2 * inner + 2 * cfg.n_groups * cfg.ssm_state_size
+                   + cfg.mamba_num_heads, 2 * cfg.num_attention_heads * cfg.head_dim)

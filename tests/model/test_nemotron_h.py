@@ -1,0 +1,126 @@
+"""Nemotron-H (``NemotronHForCausalLM``: Mamba2, attention with no position embedding and squared-ReLU MLP blocks)
+against transformers' own class on tiny random checkpoints written by transformers' ``save_pretrained`` with the
+releases' ``hybrid_override_pattern`` (float32, CPU, teacher-forced): three block patterns; the scheduling
+scenario (staggered arrivals sharing prefixes, so the Mamba2 snapshots hit; chunked prefill; an abort;
+preemption) with n-gram drafts accepted and rejected, and async scheduling or emulated CUDA graphs, rows on slots
+other than their own; two uneven pipeline stages; the config's refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hyserve import SamplingParams
+from hyserve.layers.mamba2 import Mamba2Mixer
+from hyserve.model.nemotron_h import NemotronHForCausalLM
+from hyserve.model.registry import load_model_config
+from hyserve.testing.engine import SlotRecorder, assert_matches_reference, drive, make_llm, random_prompts
+from hyserve.testing.families import CheckpointCache
+from hyserve.testing.nemotron_h import NEMOTRON_H, NEMOTRON_H_PATTERNS
+from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
+from hyserve.testing.speculative import OracleProposer
+from hyserve.worker import cuda_graphs
+
+FAMILY = NEMOTRON_H.name
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+def _check(llm, ref, prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_reference(ref, prompt, out)
+
+
+@pytest.mark.parametrize("pattern", list(NEMOTRON_H_PATTERNS))
+def test_matches_transformers(ckpts: CheckpointCache, pattern: str) -> None:
+    path = ckpts.get("causal", pattern, family=FAMILY)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        assert "hybrid_override_pattern" in json.load(f)  # the releases' form
+    llm = make_llm(path, max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    assert type(model) is NemotronHForCausalLM
+    assert [b.layer_type for b in model.backbone.layers] == NEMOTRON_H_PATTERNS[pattern]
+    assert sum(isinstance(b.mixer, Mamba2Mixer) for b in model.backbone.layers) == \
+        NEMOTRON_H_PATTERNS[pattern].count("linear_attention")
+    _check(llm, ckpts.reference(path), random_prompts(4, [1, 7, 23, 40], seed=3))
+
+
+def _scenario_path(ckpts: CheckpointCache) -> str:
+    return ckpts.get("causal", "mamba_run", family=FAMILY, seed=2)
+
+
+@pytest.fixture(scope="module")
+def plain_run(ckpts: CheckpointCache) -> dict:
+    """The scenario run synchronously without speculation: it preempts and hits, and matches the reference."""
+    return plain_scenario_run(ckpts, _scenario_path(ckpts))
+
+
+@pytest.mark.parametrize("async_scheduling,graphs", [(True, False), (False, True)], ids=["async", "graphs"])
+def test_features_compose(ckpts: CheckpointCache, plain_run: dict, monkeypatch: pytest.MonkeyPatch,
+                          async_scheduling: bool, graphs: bool) -> None:
+    """Prefix caching (Mamba2 conv and SSM snapshots), chunked prefill, n-gram drafts (verify rows whose rejected
+    positions never reach the live state) and async scheduling or the emulated CUDA graphs together give the plain
+    run's outputs, rows mapped to slots other than their own."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
+    path = _scenario_path(ckpts)
+    arrivals, aborts, _ = scenario(path)
+    engine = scenario_engine(path, "ngram", async_scheduling=async_scheduling)
+    assert (engine.runner.graphs is not None) == graphs
+    slots = SlotRecorder(engine)
+    # Drafts of full length from the known continuations, with errors planted (random prompts rarely repeat, so
+    # prompt lookup alone would propose little): verify rows accept 0 to 3 of 3.
+    conts = {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"}
+    plan = {rid: [0, 3, 1, 2] for rid in conts}
+    engine.proposer = OracleProposer({"c": [], "d": [], **conts}, plan, vocab=440)  # c aborted, d sampled: none
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert slots.saw_non_identity()
+    assert set(got) == set(plain_run)
+    assert_same_outputs({r: o for r, o in got.items() if r != "d"}, {r: o for r, o in plain_run.items() if r != "d"})
+    metrics = engine.get_metrics()
+    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
+    drafted = metrics["hyserve:spec_decode_num_draft_tokens"]
+    accepted = metrics["hyserve:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted  # type: ignore[operator]  # drafts accepted and rejected
+
+
+def test_two_uneven_pipeline_stages_match_transformers(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("causal", "mamba_run", family=FAMILY, seed=4)
+    llm = make_llm(path, max_num_batched_tokens=16, pipeline_parallel_size=2, pp_layer_partition=[4, 2],
+                   async_scheduling=True)
+    _check(llm, ckpts.reference(path), random_prompts(3, [9, 30, 17], seed=5))
+    llm.llm_engine.shutdown()
+
+
+def _edited(ckpts: CheckpointCache, tmp_path: Path, **fields: object) -> str:
+    src = ckpts.get("causal", "m_attn_m_mlp", family=FAMILY)
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    raw.update(fields)
+    dst = tmp_path / "cfg"
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(raw))
+    return str(dst)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"hybrid_override_pattern": "M*ME"}, r"MoE \('E'\) blocks .* layers \[3\]"),
+    ({"hybrid_override_pattern": "M*X-"}, "unknown block letters"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=true is not supported"),
+    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act 'gelu'"),
+])
+def test_unsupported_configs_are_refused_by_name(ckpts: CheckpointCache, tmp_path: Path, fields: dict,
+                                                 message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_model_config(_edited(ckpts, tmp_path, **fields))
+
+
+def test_tensor_parallel_is_refused_clearly(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("causal", "m_attn_m_mlp", family=FAMILY)
+    with pytest.raises(ValueError, match="Nemotron-H with tensor_parallel_size > 1 is not supported yet"):
+        make_llm(path, tensor_parallel_size=2)
