@@ -1,0 +1,70 @@
+"""``hyserve serve`` on a tiny Nemotron-H checkpoint (Mamba2, attention and MLP blocks) with prefix caching and
+n-gram speculation on, on the CPU, asked with the official ``openai`` client: chat and completions, the prefix
+cache hit by a repeated conversation (the Mamba2 states restored from a snapshot), n-gram drafts proposed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from hyserve.testing.nemotron_h import NEMOTRON_H_PATTERNS, write_tiny_nemotron_h_checkpoint
+from hyserve.testing.server import free_port, wait_up
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    path = write_tiny_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h_serve") / "ckpt",
+                                            layer_types=NEMOTRON_H_PATTERNS["mamba_run"], seed=3)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
+                                 str(port), "--served-model-name", "nemotron", "--enable-prefix-caching",
+                                 "--speculative-config", NGRAM, "--shutdown-timeout", "5"],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            wait_up(proc, f"http://127.0.0.1:{port}")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def test_chat_and_completions_with_prefix_caching_and_ngram(url: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["nemotron"]
+    messages = [{"role": "system", "content": "You answer in one line. " * 4},
+                {"role": "user", "content": "Name three rivers, then name them again."}]
+    first = client.chat.completions.create(model="nemotron", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=16, temperature=0)
+    again = client.chat.completions.create(model="nemotron", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=16, temperature=0)
+    assert first.usage is not None and first.usage.completion_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 16  # the prefix cache hit
+    done = client.completions.create(model="nemotron", prompt="one two three one two three one two", max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length" and done.usage is not None
+    assert done.usage.completion_tokens == 24
+    assert _metric(url, "hyserve:spec_decode_num_draft_tokens") > 0  # n-gram drafts were proposed
