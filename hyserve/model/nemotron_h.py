@@ -1,7 +1,8 @@
 """The Nemotron-H text model (transformers' ``NemotronHForCausalLM``): a stack of blocks, each
 ``x + mixer(norm(x))`` with its one mixer by ``layer_types[i]``: the Mamba2 mixer (``hyserve.layers.mamba2``),
-attention with no position embedding (``hyserve.layers.attention.PlainAttention``) or the squared-ReLU MLP
-(``hyserve.layers.mlp.ReluSquaredMLP``); then the final norm and the LM head. Norms scale by ``w``
+attention with no position embedding (``hyserve.layers.attention.PlainAttention``), the squared-ReLU MLP
+(``hyserve.layers.mlp.ReluSquaredMLP``) or the MoE block (``hyserve.layers.sigmoid_moe``); then the final norm and
+the LM head. Norms scale by ``w``
 (``ScaledRMSNorm``).
 
 Parameter names are the released checkpoints' (``backbone.embeddings``, ``backbone.layers.{i}.norm`` and
@@ -23,9 +24,10 @@ from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.norm import ScaledRMSNorm
+from hyserve.layers.sigmoid_moe import SigmoidMoE
 from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata
-from hyserve.model.nemotron_h_config import NemotronHConfig, nemotron_h_config
+from hyserve.model.nemotron_h_config import MOE, NemotronHConfig, nemotron_h_config
 from hyserve.model.qwen3_5 import Intermediate, MissingLayer
 
 
@@ -41,6 +43,8 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(cfg, f"{prefix}.mixer")
         elif self.layer_type == FULL_ATTENTION:
             self.mixer = PlainAttention(cfg, f"{prefix}.mixer")
+        elif self.layer_type == MOE:
+            self.mixer = SigmoidMoE(cfg, f"{prefix}.mixer")
         else:
             self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization, f"{prefix}.mixer")
 
@@ -112,4 +116,5 @@ class NemotronHForCausalLM(CausalLM):
         cfg = self.config
         inner = cfg.mamba_num_heads * cfg.mamba_head_dim
         return max(cfg.hidden_size, cfg.intermediate_size, 2 * inner + 2 * cfg.n_groups * cfg.ssm_state_size
-                   + cfg.mamba_num_heads, 2 * cfg.num_attention_heads * cfg.head_dim)
+                   + cfg.mamba_num_heads, 2 * cfg.num_attention_heads * cfg.head_dim,
+                   cfg.num_experts_per_tok * cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size)

@@ -4,8 +4,7 @@
 Every layer is one block: ``M`` a Mamba2 mixer, ``*`` attention (no position embedding), ``-`` the squared-ReLU MLP,
 ``E`` the MoE block; the pattern is config.json's ``hybrid_override_pattern`` (the released checkpoints) or the list
 ``layers_block_type`` / ``layer_types`` that transformers 5 writes. ``ModelConfig.layer_types`` holds the list in
-transformers' names (``linear_attention``, ``full_attention``, ``mlp``, ``moe``). MoE blocks are not served yet:
-a checkpoint with an ``E`` layer is refused, naming it.
+transformers' names (``linear_attention``, ``full_attention``, ``mlp``, ``moe``).
 """
 
 from __future__ import annotations
@@ -41,6 +40,16 @@ class NemotronHConfig(ModelConfig):
     use_bias: bool = False
     # (lower, upper) clamp of each Mamba2 step's dt: transformers' mixer takes (time_step_min, inf).
     time_step_limit: tuple[float, float] = (0.001, math.inf)
+    # The MoE blocks (``E``; hyserve.layers.sigmoid_moe).
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
 
     rms_norm_eps: float = 1e-5  # the attention layer's config protocol; Nemotron-H's attention has no norm
 
@@ -71,6 +80,11 @@ class NemotronHConfig(ModelConfig):
             elif t == FULL_ATTENTION:
                 qd, kvd = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
                 n += 2 * h * qd + 2 * h * kvd
+            elif t == MOE:
+                width = self.moe_latent_size or h
+                n += self.n_routed_experts * (h + 1 + 2 * width * self.moe_intermediate_size)
+                n += 2 * h * self.moe_shared_expert_intermediate_size
+                n += 2 * h * self.moe_latent_size if self.moe_latent_size else 0
             else:
                 n += 2 * h * self.intermediate_size
         if include_embeddings:
@@ -113,9 +127,6 @@ def parse_nemotron_h_config(raw: dict[str, Any]) -> NemotronHConfig:
     unknown = sorted(set(types) - {LINEAR_ATTENTION, FULL_ATTENTION, MLP, MOE})
     if unknown:
         raise ValueError(f"config.json: unknown Nemotron-H block types {unknown}")
-    if MOE in types:
-        raise ValueError("Nemotron-H checkpoints with MoE ('E') blocks (Nemotron 3) are not supported yet: layers "
-                         f"{[i for i, t in enumerate(types) if t == MOE]} are MoE blocks")
     act = str(raw.get("mlp_hidden_act", "relu2"))
     if act != "relu2":
         raise ValueError(f"config.json: mlp_hidden_act {act!r} is not supported (Nemotron-H's is relu2)")
@@ -154,9 +165,18 @@ def parse_nemotron_h_config(raw: dict[str, Any]) -> NemotronHConfig:
         mamba_num_heads=int(_pick(raw, "mamba_num_heads")),
         mamba_head_dim=int(_pick(raw, "mamba_head_dim")),
         n_groups=int(_pick(raw, "n_groups", "mamba_n_groups", default=1)),
-        ssm_state_size=int(_pick(raw, "ssm_state_size", "mamba_d_state", default=128)),
+        ssm_state_size=int(_pick(raw, "ssm_state_size", default=128)),
         conv_kernel=int(_pick(raw, "conv_kernel", "mamba_d_conv", default=4)),
         use_conv_bias=bool(_pick(raw, "use_conv_bias", "mamba_conv_bias", default=True)),
-        use_bias=bool(_pick(raw, "use_bias", "mamba_proj_bias", default=False)),
+        use_bias=bool(raw.get("use_bias", False)),  # not mamba_proj_bias: transformers' mixer reads use_bias
         time_step_limit=(float(_pick(raw, "time_step_min", "mamba_dt_min", default=0.001)), math.inf),
+        n_routed_experts=int(_pick(raw, "n_routed_experts", "num_local_experts", default=8)),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 7688)),
+        moe_shared_expert_intermediate_size=int(raw.get("moe_shared_expert_intermediate_size", 7688)),
+        moe_latent_size=None if raw.get("moe_latent_size") is None else int(raw["moe_latent_size"]),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        n_group=int(raw.get("n_group", 1)),
+        topk_group=int(raw.get("topk_group", 1)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
     )

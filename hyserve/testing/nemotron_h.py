@@ -24,24 +24,28 @@ from hyserve.testing.files import write_json
 from hyserve.testing.qwen3_5 import write_generation_config_and_tokenizer
 from hyserve.testing.tokenizer import ENDOFTEXT, special_token_ids
 
-M, ATTN, MLP = "linear_attention", "full_attention", "mlp"
-_LETTER = {M: "M", ATTN: "*", MLP: "-", "moe": "E"}
+M, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
+_LETTER = {M: "M", ATTN: "*", MLP: "-", MOE: "E"}
 NEMOTRON_H_PATTERNS = {
     "m_attn_m_mlp": [M, ATTN, M, MLP],
     "attn_first": [ATTN, M, MLP, M, MLP],
     "mamba_run": [M, M, MLP, ATTN, M, MLP],
+    "moe": [M, MOE, ATTN, M, MOE],  # Nemotron 3's pattern: MoE blocks in place of MLPs
 }
 
 
 def tiny_nemotron_h_config(layer_types: list[str], **overrides: Any) -> NemotronHConfig:
     """Hidden 64; Mamba2 with 4 heads of 16 in 2 groups, state 16, conv 4; attention 4 / 2 heads of 16; MLP 96;
-    the tiny tokenizer's vocabulary and end token."""
+    MoE 8 experts of 48 top 3 in 4 groups (2 kept), scaled 2.5, a shared expert of 40; the tiny tokenizer's
+    vocabulary and end token."""
     eos = special_token_ids()[ENDOFTEXT]
     kwargs: dict[str, Any] = dict(
         vocab_size=512, hidden_size=64, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
         conv_kernel=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
         chunk_size=8, layer_norm_epsilon=1e-5, eos_token_id=eos, pad_token_id=eos, bos_token_id=eos,
-        hybrid_override_pattern="".join(_LETTER[t] for t in layer_types), tie_word_embeddings=False)
+        hybrid_override_pattern="".join(_LETTER[t] for t in layer_types), tie_word_embeddings=False,
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, moe_shared_expert_intermediate_size=40,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
     kwargs.update(overrides)
     return NemotronHConfig(**kwargs)
 
@@ -72,6 +76,9 @@ def write_tiny_nemotron_h_checkpoint(path: str | os.PathLike[str], *, form: str 
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(_init(name, tuple(p.shape), gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # choices that the bias moves
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(path)
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path, encoding="utf-8") as f:

@@ -1,9 +1,10 @@
-"""Nemotron-H (``NemotronHForCausalLM``: Mamba2, attention with no position embedding and squared-ReLU MLP blocks)
-against transformers' own class on tiny random checkpoints written by transformers' ``save_pretrained`` with the
-releases' ``hybrid_override_pattern`` (float32, CPU, teacher-forced): three block patterns; the scheduling
-scenario (staggered arrivals sharing prefixes, so the Mamba2 snapshots hit; chunked prefill; an abort;
-preemption) with n-gram drafts accepted and rejected, and async scheduling or emulated CUDA graphs, rows on slots
-other than their own; two uneven pipeline stages; the config's refusals.
+"""Nemotron-H (``NemotronHForCausalLM``: Mamba2, attention with no position embedding, squared-ReLU MLP and MoE
+blocks) against transformers' own class on tiny random checkpoints written by transformers' ``save_pretrained``
+with the releases' ``hybrid_override_pattern`` (float32, CPU, teacher-forced): four block patterns, the MoE with
+latent projections, a sabotaged routing weight; the scheduling scenario on Mamba2, MoE and attention blocks
+(staggered arrivals sharing prefixes, so the Mamba2 snapshots hit; chunked prefill; an abort; preemption) with
+n-gram drafts accepted and rejected, and async scheduling or emulated CUDA graphs, rows on slots other than their
+own; two uneven pipeline stages; the config's refusals.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from hyserve import SamplingParams
 from hyserve.layers.mamba2 import Mamba2Mixer
+from hyserve.layers.sigmoid_moe import SigmoidMoE
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.registry import load_model_config
 from hyserve.testing.engine import SlotRecorder, assert_matches_reference, drive, make_llm, random_prompts
@@ -50,7 +53,7 @@ def test_matches_transformers(ckpts: CheckpointCache, pattern: str) -> None:
 
 
 def _scenario_path(ckpts: CheckpointCache) -> str:
-    return ckpts.get("causal", "mamba_run", family=FAMILY, seed=2)
+    return ckpts.get("causal", "moe", family=FAMILY, seed=2)  # Mamba2, MoE and attention blocks
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,34 @@ def test_features_compose(ckpts: CheckpointCache, plain_run: dict, monkeypatch: 
     assert 0 < accepted < drafted  # type: ignore[operator]  # drafts accepted and rejected
 
 
+def test_moe_with_latent_projections_matches_transformers(ckpts: CheckpointCache) -> None:
+    """Nemotron 3's latent MoE: the experts run in a ``moe_latent_size`` space between two projections; the
+    checkpoint stores one 2-D tensor per expert (loaded into the stacked experts' views)."""
+    path = ckpts.get("causal", "moe", family=FAMILY, moe_latent_size=24)
+    llm = make_llm(path, max_num_batched_tokens=16)
+    moe = llm.llm_engine.runner.model.backbone.layers[1].mixer
+    assert isinstance(moe, SigmoidMoE) and moe.fc1_latent_proj is not None
+    assert moe.experts.up_proj.shape == (8, 48, 24)
+    _check(llm, ckpts.reference(path), random_prompts(3, [6, 19, 31], seed=7))
+
+
+def test_routing_weights_from_the_biased_scores_are_caught(ckpts: CheckpointCache,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotaged: the routing weights taken from the scores plus the correction bias (which only chooses); the
+    reference check fails."""
+    path = ckpts.get("causal", "moe", family=FAMILY)
+    real = SigmoidMoE.route
+
+    def biased(self: SigmoidMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, idx = real(self, x)
+        return w + self.scaling * self.gate.e_score_correction_bias[idx], idx
+
+    monkeypatch.setattr(SigmoidMoE, "route", biased)
+    llm = make_llm(path, max_num_batched_tokens=16)
+    with pytest.raises(AssertionError):
+        _check(llm, ckpts.reference(path), random_prompts(3, [6, 19, 31], seed=7))
+
+
 def test_two_uneven_pipeline_stages_match_transformers(ckpts: CheckpointCache) -> None:
     path = ckpts.get("causal", "mamba_run", family=FAMILY, seed=4)
     llm = make_llm(path, max_num_batched_tokens=16, pipeline_parallel_size=2, pp_layer_partition=[4, 2],
@@ -108,7 +139,7 @@ def _edited(ckpts: CheckpointCache, tmp_path: Path, **fields: object) -> str:
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"hybrid_override_pattern": "M*ME"}, r"MoE \('E'\) blocks .* layers \[3\]"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
     ({"hybrid_override_pattern": "M*X-"}, "unknown block letters"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=true is not supported"),

@@ -1,0 +1,132 @@
+"""Nemotron-H's mixture-of-experts block (the ``E`` blocks of Nemotron 3), in plain torch (the CPU path):
+
+    s      = sigmoid(x W_router^T)                     float32
+    choose = s + e_score_correction_bias               used to choose only
+    groups = the topk_group groups (of n_group contiguous ones) with the largest sum of their top-2 ``choose``
+    idx    = the top-k ``choose`` within those groups
+    w      = s[idx] (/ their sum + 1e-20 when norm_topk_prob) * routed_scaling_factor
+    y      = fc2_latent(sum_k w_k down_e(relu(up_e(fc1_latent(x)))^2)) + shared(x)
+
+The experts are ungated (``up`` then ``down``, no gate projection) and stacked ``experts.up_proj`` [E, I, L],
+``experts.down_proj`` [E, L, I] (transformers' in-memory layout; the checkpoints store one 2-D tensor per expert,
+``experts.{e}.up_proj.weight``, loaded into views: ``checkpoint_parts``). ``L`` is ``moe_latent_size`` when the
+config sets it (the latent projections ``fc1_latent_proj`` / ``fc2_latent_proj`` around the experts), else the
+hidden size. docs/mamba2_facts.md §5.1 gives transformers' code this follows.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hyserve.layers.linear import Linear
+from hyserve.layers.mlp import ReluSquaredMLP
+from hyserve.layers.quantization import QuantizationConfig
+
+
+class SigmoidMoEConfig(Protocol):
+    hidden_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None
+    routed_scaling_factor: float
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    quantization: QuantizationConfig | None
+
+
+class UngatedExperts(nn.Module):
+    """``E`` experts ``down(relu(up(x)) ** 2)``, stacked."""
+
+    def __init__(self, num_experts: int, width: int, intermediate: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate))
+
+    def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """The checkpoints' per-expert tensors, as views of the stacked ones."""
+        out: dict[str, tuple[str, torch.Tensor]] = {}
+        for e in range(self.up_proj.shape[0]):
+            out[f"{e}.up_proj.weight"] = ("up_proj", self.up_proj.data[e])
+            out[f"{e}.down_proj.weight"] = ("down_proj", self.down_proj.data[e])
+        return out
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, L]; ``weights`` (float32) and ``experts`` [T, k]: the weighted sum over each token's k experts,
+        accumulated in float32 (transformers' order: expert by expert), in ``x.dtype``."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(self.up_proj.shape[0]):
+            tok, slot = torch.where(experts == e)
+            if tok.numel() == 0:
+                continue
+            h = torch.square(F.relu(F.linear(x[tok], self.up_proj[e])))
+            y = F.linear(h, self.down_proj[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.float())
+        return out.to(x.dtype)
+
+
+class Router(nn.Module):
+    """The router's weight [E, H] and its float32 choice bias ``e_score_correction_bias`` [E] (a checkpoint buffer)."""
+
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+
+class SigmoidMoE(nn.Module):
+    """``prefix``: the block's mixer name (``backbone.layers.3.mixer``)."""
+
+    def __init__(self, cfg: SigmoidMoEConfig, prefix: str) -> None:
+        super().__init__()
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        if cfg.n_group < 1 or e % cfg.n_group or (cfg.n_group > 1 and e // cfg.n_group < 2):
+            raise ValueError(f"n_routed_experts={e} must split into n_group={cfg.n_group} groups of at least 2")
+        if not 1 <= cfg.topk_group <= cfg.n_group:
+            raise ValueError(f"topk_group={cfg.topk_group} must be in [1, n_group={cfg.n_group}]")
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, float(cfg.routed_scaling_factor)
+        self.gate = Router(e, h)
+        latent = cfg.moe_latent_size
+        width = latent if latent is not None else h
+        self.experts = UngatedExperts(e, width, cfg.moe_intermediate_size)
+        self.shared_experts = ReluSquaredMLP(h, cfg.moe_shared_expert_intermediate_size, cfg.quantization,
+                                             f"{prefix}.shared_experts")
+        self.fc1_latent_proj: Linear | None = None
+        self.fc2_latent_proj: Linear | None = None
+        if latent is not None:
+            self.fc1_latent_proj = Linear(h, latent, quant=cfg.quantization, prefix=f"{prefix}.fc1_latent_proj")
+            self.fc2_latent_proj = Linear(latent, h, quant=cfg.quantization, prefix=f"{prefix}.fc2_latent_proj")
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, k], expert ids [T, k]) of each token."""
+        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        choose = scores + self.gate.e_score_correction_bias.float()
+        t, e = choose.shape
+        if self.n_group > 1:
+            grouped = choose.view(t, self.n_group, e // self.n_group)
+            best = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1).indices, 1.0)
+            mask = keep.bool()[:, :, None].expand(t, self.n_group, e // self.n_group).reshape(t, e)
+            choose = choose.masked_fill(~mask, float("-inf"))
+        idx = choose.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scaling, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.route(x)
+        inner = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        routed = self.experts(inner, weights, idx)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(x)
