@@ -43,6 +43,17 @@ def kv_heads_of_rank(hkv: int) -> tuple[int, int]:
     raise ValueError(f"num_key_value_heads={hkv} and tensor_parallel_size={tp}: neither divides the other")
 
 
+def attend_paged(layer: Attention | PlainAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: StepMetadata) -> torch.Tensor:
+    """The step's K and V written into ``layer``'s paged cache through ``slot_mapping``, then its queries' softmax
+    attention over each row's cached context at ``layer.scale`` (``(T, Hq, D)``)."""
+    assert layer.k_cache is not None and layer.v_cache is not None, "caches not bound"
+    store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+    return paged_attention(q.contiguous(), layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
+                           meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len, layer.k_scale,
+                           layer.v_scale)
+
+
 def kv_and_output_projections(cfg: AttentionConfig, prefix: str, kv_heads: tuple[int, int],
                               heads: tuple[int, int]) -> tuple[Linear, Linear, RowParallelLinear]:
     """``k_proj``, ``v_proj`` (this rank's ``kv_heads``) and ``o_proj`` (the input columns of its query ``heads``)."""
@@ -96,10 +107,7 @@ class Attention(KVCacheLayer):
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary[0](meta.positions, q, k)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = paged_attention(q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, self.scale, meta.max_query_len, meta.max_seq_len, self.k_scale,
-                              self.v_scale)
+        out = attend_paged(self, q, k, v, meta)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
@@ -136,8 +144,4 @@ class PlainAttention(KVCacheLayer):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = paged_attention(q.contiguous(), self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, self.scale, meta.max_query_len, meta.max_seq_len, self.k_scale,
-                              self.v_scale)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(attend_paged(self, q, k, v, meta).reshape(t, -1))

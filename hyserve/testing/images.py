@@ -1,9 +1,13 @@
-"""Test images: random RGB PNGs from a seed, and their data URLs."""
+"""Test images: random RGB PNGs from a seed, as PIL images, and their data URLs."""
 
 from __future__ import annotations
 
 import base64
 import io
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 def tiny_png(width: int, height: int, seed: int) -> bytes:
@@ -15,6 +19,13 @@ def tiny_png(width: int, height: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels, "RGB").save(buf, format="PNG")
     return buf.getvalue()
+
+
+def tiny_image(width: int, height: int, seed: int) -> Image.Image:
+    """``tiny_png``'s image as an RGB PIL image."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(tiny_png(width, height, seed))).convert("RGB")
 
 
 def png_data_url(data: bytes) -> str:

@@ -1,15 +1,20 @@
 """Servers and processes in tests: uvicorn over the app in a daemon thread of this process (``ServerThread``), a
-free port, waiting for a spawned ``hyserve serve`` to answer /health, and checks that processes are gone."""
+free port, ``hyserve serve`` in a process of its own (``serve_subprocess``) and waiting for one to answer /health,
+and checks that processes are gone."""
 
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import openai
@@ -93,6 +98,31 @@ def wait_up(proc: subprocess.Popen[str], url: str) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError("hyserve serve did not come up")
+
+
+@contextmanager
+def serve_subprocess(model: str, *flags: str, env: dict[str, str] | None = None
+                     ) -> Iterator[tuple[str, subprocess.Popen[str], IO[str]]]:
+    """``hyserve serve MODEL --device cpu --port P FLAGS`` in a process of its own, its output in a temporary file
+    (nobody has to drain it while the tests run), with ``env`` over the environment less any ``VLLM_*`` variable:
+    ``(url, process, log)`` once it answers /health; terminated (killed if it will not stop) on exit."""
+    port = free_port()
+    full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    full.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", model, "--device", "cpu", "--port",
+                                 str(port), *flags], stdout=log, stderr=subprocess.STDOUT, text=True, env=full)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_up(proc, url)
+            yield url, proc, log
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
 
 
 def process_gone(pid: int, within_s: float = 10.0) -> bool:

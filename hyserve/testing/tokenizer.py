@@ -126,3 +126,8 @@ def write_tokenizer(path: str) -> None:
     with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tokenizer_json())
     write_json(os.path.join(path, "tokenizer_config.json"), tokenizer_config(special_token_ids(), 4096))
+
+
+def user_turn(text: str) -> str:
+    """A ChatML user turn with ``text``, then the assistant's turn opened (what the chat template renders)."""
+    return f"{IM_START}user\n{text}{IM_END}\n{IM_START}assistant\n"

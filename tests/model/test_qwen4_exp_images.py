@@ -14,15 +14,15 @@ outputs part from the reference.
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from PIL import Image
 
 from hyserve import LLM, SamplingParams
-from hyserve.testing import IM_END, IM_START, reference_vlm_inputs, tiny_png
+from hyserve.testing import IM_END, IM_START, reference_vlm_inputs
+from hyserve.testing.images import tiny_image as image
 from hyserve.testing.qwen4_exp import Qwen4ExpReference, load_qwen4_exp_reference, write_tiny_qwen4_exp_checkpoint
+from hyserve.testing.tokenizer import user_turn
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 SYSTEM = f"{IM_START}system\nYou operate a computer from its screenshots. Answer with one action.{IM_END}\n"
@@ -41,14 +41,6 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Qwen4ExpReferenc
     ref = load_qwen4_exp_reference(path)
     yield path, ref
     ref.close()
-
-
-def image(w: int, h: int, seed: int) -> Image.Image:
-    return Image.open(io.BytesIO(tiny_png(w, h, seed))).convert("RGB")
-
-
-def user_turn(text: str) -> str:
-    return f"{IM_START}user\n{text}{IM_END}\n{IM_START}assistant\n"
 
 
 def episode_prompt(turn: int, label: str) -> str:

@@ -13,7 +13,6 @@ are caught.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +29,10 @@ from hyserve.testing import (
     reference_vlm_inputs,
     reference_vlm_logits,
     reference_vlm_model,
-    tiny_png,
     write_tiny_vlm_checkpoint,
 )
+from hyserve.testing.images import tiny_image as image
+from hyserve.testing.tokenizer import user_turn
 from hyserve.worker.mm_inputs import MMInputs
 from hyserve.worker.model_runner import ModelRunner
 
@@ -44,14 +44,6 @@ MAX_TOKENS = 6
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
     path = write_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), seed=3)
     return path, reference_vlm_model(path)
-
-
-def image(w: int, h: int, seed: int) -> Image.Image:
-    return Image.open(io.BytesIO(tiny_png(w, h, seed))).convert("RGB")
-
-
-def user_turn(text: str) -> str:
-    return f"{IM_START}user\n{text}{IM_END}\n{IM_START}assistant\n"
 
 
 def reference_inputs(path: str, text: str, images: list[Image.Image]

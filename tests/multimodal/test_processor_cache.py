@@ -9,7 +9,6 @@ once and the hits counted in the metrics; a cache keyed by size alone (a sabotag
 
 from __future__ import annotations
 
-import io
 import math
 import threading
 from pathlib import Path
@@ -31,9 +30,9 @@ from hyserve.testing import (
     reference_vlm_greedy,
     reference_vlm_inputs,
     reference_vlm_model,
-    tiny_png,
     write_tiny_vlm_checkpoint,
 )
+from hyserve.testing.images import tiny_image as image
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_TOKENS = 5
@@ -43,10 +42,6 @@ MAX_TOKENS = 5
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
     path = write_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), seed=5)
     return path, reference_vlm_model(path)
-
-
-def image(w: int, h: int, seed: int) -> Image.Image:
-    return Image.open(io.BytesIO(tiny_png(w, h, seed))).convert("RGB")
 
 
 def transformers_pixels(path: str, img: Image.Image) -> tuple[np.ndarray, tuple[int, ...]]:

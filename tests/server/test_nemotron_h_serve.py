@@ -4,10 +4,6 @@ cache hit by a repeated conversation (the Mamba2 states restored from a snapshot
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 
 import httpx
@@ -15,7 +11,7 @@ import openai
 import pytest
 
 from hyserve.testing.nemotron_h import NEMOTRON_H_PATTERNS, write_tiny_nemotron_h_checkpoint
-from hyserve.testing.server import free_port, wait_up
+from hyserve.testing.server import serve_subprocess
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 
@@ -24,24 +20,9 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = write_tiny_nemotron_h_checkpoint(tmp_path_factory.mktemp("nemotron_h_serve") / "ckpt",
                                             layer_types=NEMOTRON_H_PATTERNS["mamba_run"], seed=3)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
-                                 str(port), "--served-model-name", "nemotron", "--enable-prefix-caching",
-                                 "--speculative-config", NGRAM, "--shutdown-timeout", "5"],
-                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        try:
-            wait_up(proc, f"http://127.0.0.1:{port}")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    with serve_subprocess(path, "--served-model-name", "nemotron", "--enable-prefix-caching",
+                          "--speculative-config", NGRAM, "--shutdown-timeout", "5") as (url, _, _):
+        yield url
 
 
 def _metric(url: str, name: str) -> float:

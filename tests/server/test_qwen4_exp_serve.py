@@ -9,10 +9,7 @@ same line, and again from the prefix cache."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -23,7 +20,7 @@ import pytest
 
 from hyserve.testing import png_data_url, tiny_png
 from hyserve.testing.qwen4_exp import write_tiny_qwen4_exp_checkpoint
-from hyserve.testing.server import child_pids, free_port, process_gone, wait_up
+from hyserve.testing.server import child_pids, process_gone, serve_subprocess
 
 GDN, ATTN = "linear_attention", "full_attention"
 NINE = [GDN, GDN, ATTN, GDN, GDN, ATTN, GDN, ATTN, GDN]
@@ -57,27 +54,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                                            layer_types=NINE, ple_layer_ids=[2, 5, 9], indexer_n_heads=8,
                                            with_mtp=True)
     assert Path(path, "preprocessor_config.json").exists()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env.update(VLLM_PP_LAYER_PARTITION="3,3,2,1", OMP_NUM_THREADS="1", HYSERVE_EMULATE_CUDA_GRAPHS="1")
-    with tempfile.TemporaryFile("w+") as log:  # a file: nobody has to drain it while the tests run
-        proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
-                                 str(port), "--served-model-name", "flash-next", *SEED_1_FLAGS,
-                                 "--shutdown-timeout", "5"],
-                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        try:
-            wait_up(proc, url)
-            workers = child_pids(proc.pid)
-            yield Served(url, log, proc)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        assert all(process_gone(pid) for pid in workers)
+    env = {"VLLM_PP_LAYER_PARTITION": "3,3,2,1", "HYSERVE_EMULATE_CUDA_GRAPHS": "1"}
+    with serve_subprocess(path, "--served-model-name", "flash-next", *SEED_1_FLAGS, "--shutdown-timeout", "5",
+                          env=env) as (url, proc, log):
+        workers = child_pids(proc.pid)
+        yield Served(url, log, proc)
+    assert all(process_gone(pid) for pid in workers)
 
 
 def test_every_flag_of_the_line_is_taken(served: Served) -> None:
