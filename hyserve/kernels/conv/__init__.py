@@ -1,4 +1,5 @@
-"""Depthwise causal conv1d + SiLU over varlen rows with a slot-indexed rolling state (GDN's short convolution).
+"""Depthwise causal conv1d (optional bias) + SiLU over varlen rows with a slot-indexed rolling state (GDN's short
+convolution, Mamba2's conv).
 
 Entry points: :func:`causal_conv1d_varlen`, and its speculative-decoding variant
 :func:`~hyserve.kernels.conv.verify.causal_conv1d_verify` (reads the live windows, records the window after every
@@ -36,8 +37,10 @@ def causal_conv1d_varlen(
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
     max_query_len: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv1d (no bias) + SiLU, rolling ``conv_state`` in place; returns ``(T, D)`` in ``x.dtype``.
+    """Depthwise causal conv1d (with an optional bias) + SiLU, rolling ``conv_state`` in place; returns ``(T, D)`` in
+    ``x.dtype``.
 
     Args:
         x: ``(T, D)``; may be a strided view (the last dim need not be contiguous).
@@ -46,10 +49,12 @@ def causal_conv1d_varlen(
         state_slots: ``(R,)`` int32/int64 slot per row.
         query_start_loc: ``(R + 1,)`` int32 cumulative token offsets.
         max_query_len: optional host int ``>=`` the longest row; on CUDA it sizes the launch grid (``T`` if None).
+        bias: optional ``(D,)``, added to the float32 sum before the SiLU (Mamba2's conv has one, GDN's none).
     """
     if x.is_cuda:
-        return causal_conv1d_varlen_triton(x, weight, conv_state, state_slots, query_start_loc, max_query_len)
-    return causal_conv1d_varlen_ref(x, weight, conv_state, state_slots, query_start_loc)
+        return causal_conv1d_varlen_triton(x, weight, conv_state, state_slots, query_start_loc, max_query_len,
+                                           bias=bias)
+    return causal_conv1d_varlen_ref(x, weight, conv_state, state_slots, query_start_loc, bias)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -64,6 +69,7 @@ def causal_conv1d_varlen_triton(
     query_start_loc: torch.Tensor,
     max_query_len: int | None = None,
     *,
+    bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`causal_conv1d_varlen` (also runs under ``TRITON_INTERPRET=1`` on CPU).
@@ -91,14 +97,15 @@ def causal_conv1d_varlen_triton(
     w = weight
     qsl = query_start_loc
     grid = (n_tblocks, R, _cdiv(D, block_d))
+    assert bias is None or bias.shape == (D,), "bias must be (D,)"
     _conv1d_fwd_kernel[grid](
-        x, w, conv_state, state_slots, qsl, out,
+        x, w, w if bias is None else bias, conv_state, state_slots, qsl, out,
         D,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         out.stride(0),
-        K=K, KM1_PAD=km1_pad, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse,
+        K=K, KM1_PAD=km1_pad, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=bias is not None,
         num_warps=4,
     )  # fmt: skip
     if not fuse:

@@ -44,13 +44,14 @@ def _roll_state(
 
 @triton.jit
 def _conv1d_fwd_kernel(
-    x_ptr, w_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
+    x_ptr, w_ptr, b_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
     D,
     sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t,
     K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FUSE_STATE: tl.constexpr,
+    FUSE_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (token blocks, R, channel blocks). out = silu(sum_k w[:, k] * window[k]) in fp32."""
+    """Grid (token blocks, R, channel blocks). out = silu(bias + sum_k w[:, k] * window[k]) in fp32 (``b_ptr`` is
+    read only when ``HAS_BIAS``)."""
     tb = tl.program_id(0)
     r = tl.program_id(1)
     db = tl.program_id(2)
@@ -72,6 +73,8 @@ def _conv1d_fwd_kernel(
         sv = tl.load(srow + (K - 1 + rel)[:, None] * ss_k, mask=m & (~from_x), other=0.0)
         wk = tl.load(w_ptr + offs_d * sw_d + k * sw_k, mask=d_mask, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wk[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -99,14 +102,14 @@ def _conv1d_state_kernel(
 
 @triton.jit
 def _conv1d_verify_kernel(
-    x_ptr, w_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
+    x_ptr, w_ptr, b_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
     D, P,
     sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t,
     sc_r, sc_p, sc_d, sc_k,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (token blocks, R, channel blocks). out = silu(sum_k w[:, k] * window[k]) in fp32; scratch[r, t] = window
-    after token t (taps 1..K-1), for t < min(n, P)."""
+    """Grid (token blocks, R, channel blocks). out = silu(bias + sum_k w[:, k] * window[k]) in fp32; scratch[r, t] =
+    window after token t (taps 1..K-1), for t < min(n, P)."""
     tb = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     db = tl.program_id(2)
@@ -133,5 +136,7 @@ def _conv1d_verify_kernel(
         if k > 0:
             win = tl.where(from_x, xv.to(sv.dtype), sv)
             tl.store(crow + (k - 1) * sc_k, win.to(scr_ptr.dtype.element_ty), mask=cm)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)

@@ -1,8 +1,8 @@
 """Plain-torch references of :mod:`hyserve.kernels.conv` (the CPU path and the yardstick for the Triton kernels).
 
-:func:`causal_conv1d_varlen_ref` defines the op: depthwise causal conv1d (no bias) + SiLU over the rows of the flat
-varlen layout (:mod:`hyserve.kernels.varlen`), each row's rolling window of the last ``K - 1`` inputs kept in its
-slot of ``conv_state``. :func:`causal_conv1d_verify_ref` is its verify variant (:mod:`hyserve.kernels.conv.verify`),
+:func:`causal_conv1d_varlen_ref` defines the op: depthwise causal conv1d (optional bias) + SiLU over the rows of the
+flat varlen layout (:mod:`hyserve.kernels.varlen`), each row's rolling window of the last ``K - 1`` inputs kept in
+its slot of ``conv_state``. :func:`causal_conv1d_verify_ref` is its verify variant (:mod:`hyserve.kernels.conv.verify`),
 with the same arithmetic, op for op: it leaves the pool alone and records the window after every token in scratch.
 """
 

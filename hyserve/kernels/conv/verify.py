@@ -48,6 +48,7 @@ def causal_conv1d_verify(
     query_start_loc: torch.Tensor,
     conv_scratch: torch.Tensor,
     max_query_len: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~hyserve.kernels.conv.causal_conv1d_varlen` that leaves ``conv_state`` alone and records every window.
 
@@ -58,15 +59,16 @@ def causal_conv1d_verify(
         conv_scratch: ``(R_max, P_max, D, K - 1)``, ``conv_state``'s dtype; ``conv_scratch[r, j]`` receives the window
             after row ``r``'s token ``j`` (``j < n_r``).
         max_query_len: optional host int ``>=`` the longest row; on CUDA it sizes the launch grid (``T`` if None).
+        bias: optional ``(D,)`` conv bias, as :func:`~hyserve.kernels.conv.causal_conv1d_varlen` takes it.
 
     Returns ``(T, D)`` in ``x.dtype``, equal to what ``causal_conv1d_varlen`` returns.
     """
     _check_conv_scratch(x, conv_state, state_slots.shape[0], conv_scratch)
     if x.is_cuda:
         return causal_conv1d_verify_triton(
-            x, weight, conv_state, state_slots, query_start_loc, conv_scratch, max_query_len
+            x, weight, conv_state, state_slots, query_start_loc, conv_scratch, max_query_len, bias=bias
         )
-    return causal_conv1d_verify_ref(x, weight, conv_state, state_slots, query_start_loc, conv_scratch)
+    return causal_conv1d_verify_ref(x, weight, conv_state, state_slots, query_start_loc, conv_scratch, bias)
 
 
 def causal_conv1d_verify_triton(
@@ -78,6 +80,7 @@ def causal_conv1d_verify_triton(
     conv_scratch: torch.Tensor,
     max_query_len: int | None = None,
     *,
+    bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton :func:`causal_conv1d_verify`: one launch, no host sync. ``out`` optionally supplies the ``(T, D)``
@@ -100,15 +103,16 @@ def causal_conv1d_verify_triton(
     block_d = min(256 if block_t <= 4 else 128, next_pow2(D))
     w, cs = weight, conv_scratch
     grid = (n_tblocks, R, _cdiv(D, block_d))
+    assert bias is None or bias.shape == (D,), "bias must be (D,)"
     _conv1d_verify_kernel[grid](
-        x, w, conv_state, state_slots, query_start_loc, out, cs,
+        x, w, w if bias is None else bias, conv_state, state_slots, query_start_loc, out, cs,
         D, cs.shape[1],
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         out.stride(0),
         cs.stride(0), cs.stride(1), cs.stride(2), cs.stride(3),
-        K=K, BLOCK_T=block_t, BLOCK_D=block_d,
+        K=K, BLOCK_T=block_t, BLOCK_D=block_d, HAS_BIAS=bias is not None,
         num_warps=4,
     )  # fmt: skip
     return out

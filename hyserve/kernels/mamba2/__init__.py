@@ -1,32 +1,51 @@
-"""Mamba2's selective state space scan over varlen rows with slot-indexed states, in plain torch (the CPU path and
-the yardstick of kernels to come).
+"""Mamba2's selective state space scan (SSD) over varlen rows with a slot-indexed state pool (float32, or bf16 /
+fp16 stored).
 
-Per head ``h`` (``H`` heads of ``P`` channels, their ``B`` / ``C`` from group ``h // (H / G)``) and token ``t`` of a
-row, with the row's state ``S`` (``(H, P, N)``, float32 arithmetic)::
+Entry point: :func:`mamba2_scan`, with the signature and semantics of
+:func:`~hyserve.kernels.mamba2.reference.mamba2_scan_ref` (the CPU path and the yardstick; its docstring gives the
+recurrence), plus ``query_start_loc_cpu``. Given ``scratch`` it is a verify step
+(:func:`~hyserve.kernels.mamba2.verify.mamba2_verify`: reads the live state, records the state after every token).
 
-    dt_t = clamp(softplus(dt[t, h] + dt_bias[h]), *dt_limit)
-    S    = exp(dt_t * A[h]) * S + dt_t * x[t, h] (outer) B[t, g]      A = -exp(A_log), one scalar a head
-    y[t, h] = S @ C[t, g] + D[h] * x[t, h]
+The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent and verify kernels, which share
+one step), ``verify.py`` (the verify variant) and ``reference.py`` (the plain-torch reference).
 
-This is transformers' ``mamba2_chunk_scan`` (NemotronH, Granite-4.0-H, Falcon-H1) token by token; its chunked form
-sums the same terms in another order. The clamp applies at every token, prefill and decode alike (transformers' own
-single-token update leaves it out; its default lower limit, 1e-3, is below softplus of any realistic input).
+Dispatch:
 
-Layout as :mod:`hyserve.kernels.varlen`: ``query_start_loc`` (R + 1) row offsets, ``state_slots`` (R) each row's slot
-in ``ssm_state`` (``(S, H, P, N)``, stored in its own dtype, float32 by default). The loop bound is
-``max_query_len``, a host int; storing the final states picks the rows with tokens on the host, as the conv's
-reference does: this is the CPU path (CUDA takes kernels, to come).
+* CPU (or any non-CUDA device): the torch reference.
+* CUDA, a verify step: the Triton verify kernel (token by token, whatever the row lengths).
+* CUDA, ``max_query_len <= MAMBA2_RECURRENT_MAX_QUERY_LEN`` (pure decode), or a float32 model (``x`` float32):
+  hyserve's Triton recurrent kernel (:func:`mamba2_recurrent_triton`), which reads and writes
+  ``ssm_state[state_slots[r]]`` in place, no gather/scatter, no host sync (safe inside a captured CUDA graph).
+* CUDA, longer rows in bf16 / fp16: fla-core's chunked simple GLA (:func:`mamba2_scan_fla`), which is Mamba2's SSD
+  with ``q = C``, ``k = B`` (groups expanded to heads), ``v = x * dt``, per-token log-decay ``g = dt * A``,
+  ``scale = 1``; the non-empty rows' states gathered from their slots and scattered back, then ``y += D * x``.
+  fla-core 0.6.0's ``chunk_fwd_h`` reads its chunk count with one ``.item()``: a prefill step through fla waits for
+  the device once, whatever ``query_start_loc_cpu`` (which spares the other syncs). Prefill steps are not captured.
+
+Invariants: ``ssm_state`` is ``(S, H, P, N)``, float32 or a 16-bit float (every path computes in float32 and rounds
+the state where it stores it); slots of non-empty rows are distinct; empty rows and slots that no row names are left
+untouched; head ``h`` reads B / C group ``h // (H / G)``. The output is float32 on every path.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.nn import functional as F
 
-__all__ = ["mamba2_scan_ref"]
+from hyserve.kernels.mamba2.reference import mamba2_scan_ref
+from hyserve.kernels.mamba2.verify import mamba2_verify, mamba2_verify_triton, state_tile
+
+__all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "compile_variants", "mamba2_recurrent_triton",
+           "mamba2_scan", "mamba2_scan_fla", "mamba2_scan_ref", "mamba2_verify"]
+
+SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches (bf16 / fp16) to fla's chunked scan.
+MAMBA2_RECURRENT_MAX_QUERY_LEN = 1
 
 
-def mamba2_scan_ref(
+def mamba2_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -40,44 +59,172 @@ def mamba2_scan_ref(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scratch: torch.Tensor | None = None,
+    query_start_loc_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y`` (T, H, P) in float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A`` (H,),
-    ``B`` and ``C`` (T, G, N), ``D`` and ``dt_bias`` (H,).
+    """``y`` (T, H, P) float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A`` (H,) float32
+    (``-exp(A_log)``), ``B`` and ``C`` (T, G, N), ``D`` and ``dt_bias`` (H,); x / B / C's last dims contiguous.
 
-    Without ``scratch`` each non-empty row's slot ends holding its state after its last token. With ``scratch``
-    (``(>= R, k + 1, H, P, N)``: a verify step) the slots are only read, and ``scratch[r, j]`` takes row ``r``'s state
-    after its ``j``-th token (``j <= k``), the candidates a commit or a snapshot copies."""
+    Without ``scratch`` each non-empty row's slot of ``ssm_state`` (``(S, H, P, N)``) ends holding its state after its
+    last token. With ``scratch`` (``(>= R, k + 1, H, P, N)``, the pool's dtype: a verify step) the slots are only
+    read and ``scratch[r, j]`` takes row ``r``'s state after its ``j``-th token. ``max_query_len``: a host int
+    ``>=`` the longest row (it picks the path without a device->host sync); ``query_start_loc_cpu``: the host's copy
+    of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs)."""
+    assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
+    if not x.is_cuda:
+        return mamba2_scan_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                               max_query_len, scratch)
+    if scratch is not None:
+        return mamba2_verify_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                                    scratch)
+    # float32 means float32: fla's chunked kernels round their float32 dots to TF32 (GDN's lesson on an H200), so
+    # float32 models take the exact recurrent kernel for every row.
+    if max_query_len <= MAMBA2_RECURRENT_MAX_QUERY_LEN or x.dtype == torch.float32:
+        return mamba2_recurrent_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
+                                       query_start_loc)
+    return mamba2_scan_fla(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                           query_start_loc_cpu)
+
+
+def mamba2_recurrent_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton Mamba2 scan, token by token within each row (any row lengths; built for decode).
+
+    Each ``(row, head, BP block)`` program reads its ``(BP, N)`` state tile once and writes it once. Runs under
+    ``TRITON_INTERPRET=1`` on CPU tensors too. ``out`` optionally supplies the ``(T, H, P)`` float32 output buffer.
+    """
+    from hyserve.kernels.mamba2._triton import _mamba2_recurrent_kernel
+
     t, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
     r = state_slots.shape[0]
+    assert h % g == 0, "the head count must be a multiple of the group count"
+    assert ssm_state.shape[1:] == (h, p, n), "ssm_state must be (S, H, P, N)"
+    x, B, C = (v if v.stride(-1) == 1 else v.contiguous() for v in (x, B, C))
+    if out is None:
+        out = torch.empty((t, h, p), dtype=torch.float32, device=x.device)
+    assert out.shape == (t, h, p) and out.stride(2) == 1
+    if r == 0 or t == 0:
+        return out
+    bp, bn = state_tile(p, n)
+    ss = ssm_state
+    _mamba2_recurrent_kernel[(r, h, -(-p // bp))](
+        x, dt, A, B, C, D, dt_bias, ss, state_slots, query_start_loc, out,
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        ss.stride(0), ss.stride(1), ss.stride(2), ss.stride(3), out.stride(0), out.stride(1),
+        float(dt_limit[0]), float(dt_limit[1]),
+        P=p, N=n, HEADS_PER_GROUP=h // g, BP=bp, BN=bn,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _import_fla_simple_gla() -> Any:
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as e:  # pragma: no cover - depends on the GPU machine's packages
+        raise ImportError(
+            "hyserve needs fla-core (pip install fla-core==0.6.0) for Mamba2 prefill of bf16 / fp16 models on CUDA "
+            "(rows longer than one token). Decode, verify and float32 models run without it."
+        ) from e
+    return chunk_simple_gla
+
+
+def mamba2_scan_fla(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    query_start_loc_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunked Mamba2 scan through fla-core's ``chunk_simple_gla`` (CUDA only; ``x`` in bf16 / fp16).
+
+    fla's state layout with ``state_v_first=True`` is ``(N_seqs, H, V, K)`` = ``(.., P, N)``, the pool's own. Empty
+    rows are dropped first (fla gets only rows with tokens); their slots are not touched. Without
+    ``query_start_loc_cpu`` picking the non-empty rows waits for the device too."""
+    chunk_simple_gla = _import_fla_simple_gla()
+    t, h, p = x.shape
     g = B.shape[1]
-    dev = x.device
-    y = torch.zeros((t + 1, h, p), dtype=torch.float32, device=dev)  # row t: where absent tokens write
-    if t == 0 or r == 0:
-        return y[:t]
-    rep = h // g
+    if t == 0 or state_slots.shape[0] == 0:
+        return torch.zeros((t, h, p), dtype=torch.float32, device=x.device)
     slots = state_slots.to(torch.int64)
-    qsl = query_start_loc.to(torch.int64)
-    lens = qsl[1:] - qsl[:-1]
-    state = ssm_state.index_select(0, slots).float()  # (R, H, P, N)
-    a = A.float()
-    xs, dts = x.float(), dt.float()
-    bs = B.float().repeat_interleave(rep, dim=1)  # (T, H, N)
-    cs = C.float().repeat_interleave(rep, dim=1)
-    for j in range(max_query_len):
-        here = j < lens  # (R,)
-        tok = torch.where(here, qsl[:-1] + j, torch.full_like(lens, t))
-        src = tok.clamp(max=t - 1)
-        step = F.softplus(dts[src] + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # (R, H)
-        xt = xs[src]  # (R, H, P)
-        new = (torch.exp(step * a)[:, :, None, None] * state
-               + (step[:, :, None] * xt)[:, :, :, None] * bs[src][:, :, None, :])
-        state = torch.where(here[:, None, None, None], new, state)
-        out = (state * cs[src][:, :, None, :]).sum(-1) + D.float()[None, :, None] * xt
-        y.index_copy_(0, tok, torch.where(here[:, None, None], out, y.index_select(0, tok)))
-        if scratch is not None and j < scratch.shape[1]:  # the scratch may hold more rows than the step's
-            col = scratch[:r, j]
-            scratch[:r, j] = torch.where(here[:, None, None, None], state.to(scratch.dtype), col)
-    if scratch is None:  # only rows with tokens write (an empty row's slot may be another row's)
-        keep = torch.nonzero(lens > 0).squeeze(1)  # a host sync: this is the CPU path
-        ssm_state.index_copy_(0, slots[keep], state[keep].to(ssm_state.dtype))
-    return y[:t]
+    qsl_cpu: torch.Tensor | None
+    if query_start_loc_cpu is not None:
+        qsl_cpu = query_start_loc_cpu.to(torch.int64)
+        nonempty = qsl_cpu[1:] > qsl_cpu[:-1]
+        if bool(nonempty.all()):
+            cu_seqlens = query_start_loc.to(torch.int64)
+        else:
+            keep_cpu = torch.nonzero(nonempty).squeeze(1)
+            qsl_cpu = torch.cat([qsl_cpu[:1], qsl_cpu[1:][keep_cpu]])
+            cu_seqlens = qsl_cpu.to(x.device, non_blocking=True)
+            slots = slots[keep_cpu.to(x.device, non_blocking=True)]
+    else:
+        qsl = query_start_loc.to(torch.int64)
+        keep = torch.nonzero(qsl[1:] > qsl[:-1]).squeeze(1)  # host sync
+        cu_seqlens = torch.cat([qsl[:1], qsl[1:][keep]])
+        slots = slots[keep]
+        qsl_cpu = None
+    dtype = x.dtype
+    step = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # (T, H) float32
+    rep = h // g
+    q = C.to(dtype).repeat_interleave(rep, dim=1)  # (T, H, N): head h reads group h // rep
+    k = B.to(dtype).repeat_interleave(rep, dim=1)
+    v = (x.float() * step[:, :, None]).to(dtype)
+    o, final = chunk_simple_gla(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g=(step * A.float()[None, :]).unsqueeze(0).contiguous(),
+        scale=1.0,
+        initial_state=ssm_state[slots].float(),
+        output_final_state=True,
+        state_v_first=True,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=qsl_cpu,
+    )
+    ssm_state[slots] = final.to(ssm_state.dtype)
+    return o[0].float() + D.float()[None, :, None] * x.float()
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The variants of this package's Triton kernels that its launchers make for Nemotron-H's shapes (head dim 64,
+    state size 128, 8 heads a group), float32 and bf16 models with float32 or bf16 states, decode and verify, as
+    ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
+    (``tests/kernels/test_mamba2_kernels_compile.py``)."""
+    from hyserve.kernels.mamba2._triton import _mamba2_recurrent_kernel, _mamba2_verify_kernel
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    i32, f32 = "i32", "fp32"
+    bp, bn = state_tile(64, 128)
+    consts = dict(P=64, N=128, HEADS_PER_GROUP=8, BP=bp, BN=bn)
+    strides = dict(sx_t=i32, sx_h=i32, sdt_t=i32, sdt_h=i32, sb_t=i32, sb_g=i32, sc_t=i32, sc_g=i32,
+                   ss_s=i32, ss_h=i32, ss_p=i32, ss_n=i32, so_t=i32, so_h=i32, dt_lo=f32, dt_hi=f32)
+    for act, state in (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")):
+        ptrs = dict(x_ptr=f"*{act}", dt_ptr=f"*{act}", a_ptr="*fp32", b_ptr=f"*{act}", c_ptr=f"*{act}",
+                    d_ptr=f"*{act}", dtb_ptr=f"*{act}", state_ptr=f"*{state}", slots_ptr="*i64", qsl_ptr="*i32",
+                    out_ptr="*fp32")
+        out.append((f"mamba2_recurrent_{act}_{state}_state", _mamba2_recurrent_kernel, {**ptrs, **strides}, consts))
+        scratch = dict(scr_ptr=f"*{state}", sk_r=i32, sk_j=i32, sk_h=i32, sk_p=i32, sk_n=i32, NPOS=i32)
+        out.append((f"mamba2_verify_{act}_{state}_state", _mamba2_verify_kernel, {**ptrs, **strides, **scratch},
+                    consts))
+    return out

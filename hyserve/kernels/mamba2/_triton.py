@@ -1,0 +1,125 @@
+"""Triton kernels for :mod:`hyserve.kernels.mamba2`: Mamba2's scan token by token, the state tile read once.
+
+Both kernels run one program per (row, head, block of ``BP`` head channels). A program loads the ``(BP, N)`` float32
+tile of the slot's state into registers and advances it over the row's tokens with ``_ssd_step``, the one definition
+of the recurrence both kernels share. An empty row loads and stores nothing. Distinct non-empty rows have distinct
+slots, so no two programs touch the same tile; the tile is loaded and stored with one layout, so each element is read
+and written by the same thread.
+
+* ``_mamba2_recurrent_kernel`` (:func:`hyserve.kernels.mamba2.mamba2_recurrent_triton`) writes the tile back in place
+  after the row's last token.
+* ``_mamba2_verify_kernel`` (:mod:`hyserve.kernels.mamba2.verify`) never writes the live state: it stores the tile
+  after each token ``i`` of row ``r`` in the row-indexed scratch (``scratch[r, i]``, for ``i < NPOS``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["_mamba2_recurrent_kernel", "_mamba2_verify_kernel"]
+
+
+@triton.jit
+def _ssd_step(
+    S, t, h, g, op, on, pmask, nmask,
+    x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr,
+    sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g, so_t, so_h,
+    a, dt_bias, d_skip, dt_lo, dt_hi,
+):  # fmt: skip
+    """Token ``t``, head ``h`` (group ``g``): dt = clamp(softplus(dt + dt_bias), lo, hi); S = exp(dt a) S +
+    (dt x) B^T; y = S C + D x, stored to ``out[t, h]``. Returns the advanced state tile."""
+    xv = tl.load(x_ptr + t * sx_t + h * sx_h + op, mask=pmask, other=0.0).to(tl.float32)
+    bv = tl.load(b_ptr + t * sb_t + g * sb_g + on, mask=nmask, other=0.0).to(tl.float32)
+    cv = tl.load(c_ptr + t * sc_t + g * sc_g + on, mask=nmask, other=0.0).to(tl.float32)
+    v = tl.load(dt_ptr + t * sdt_t + h * sdt_h).to(tl.float32) + dt_bias
+    # softplus = log1p(exp(v)) (torch: v itself above 20). log1p(y) as log(u) * y / (u - 1), u = 1 + y: exact to a
+    # few ulps where 1 + y rounds (large negative v), as hyserve.kernels.gating computes it.
+    y = tl.exp(tl.minimum(v, 20.0))
+    u = 1.0 + y
+    sp = tl.where(v > 20.0, v, tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0))))
+    step = tl.minimum(tl.maximum(sp, dt_lo), dt_hi)
+    S = tl.exp(step * a) * S + (step * xv)[:, None] * bv[None, :]
+    o = tl.sum(S * cv[None, :], axis=1) + d_skip * xv
+    tl.store(out_ptr + t * so_t + h * so_h + op, o.to(out_ptr.dtype.element_ty), mask=pmask)
+    return S
+
+
+@triton.jit
+def _mamba2_recurrent_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
+    sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g,
+    ss_s, ss_h, ss_p, ss_n, so_t, so_h,
+    dt_lo, dt_hi,
+    P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """The row's tokens through ``_ssd_step``; the slot's state tile read once and written back once."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    g = h // HEADS_PER_GROUP
+    a = tl.load(a_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    d_skip = tl.load(d_ptr + h).to(tl.float32)
+
+    op = pb * BP + tl.arange(0, BP)
+    on = tl.arange(0, BN)
+    pmask = op < P
+    nmask = on < N
+    smask = pmask[:, None] & nmask[None, :] & (n > 0)
+    s_ptrs = state_ptr + slot * ss_s + h * ss_h + op[:, None] * ss_p + on[None, :] * ss_n
+    S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
+
+    for i in range(0, n):
+        S = _ssd_step(
+            S, start + i, h, g, op, on, pmask, nmask,
+            x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr,
+            sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g, so_t, so_h,
+            a, dt_bias, d_skip, dt_lo, dt_hi,
+        )  # fmt: skip
+
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def _mamba2_verify_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
+    sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g,
+    ss_s, ss_h, ss_p, ss_n, so_t, so_h,
+    sk_r, sk_j, sk_h, sk_p, sk_n,
+    NPOS, dt_lo, dt_hi,
+    P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """The row's tokens through ``_ssd_step``; scratch[r, i] = S after token i (for i < NPOS). The live state is
+    only loaded."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    g = h // HEADS_PER_GROUP
+    a = tl.load(a_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    d_skip = tl.load(d_ptr + h).to(tl.float32)
+
+    op = pb * BP + tl.arange(0, BP)
+    on = tl.arange(0, BN)
+    pmask = op < P
+    nmask = on < N
+    tile = pmask[:, None] & nmask[None, :]
+    s_ptrs = state_ptr + slot * ss_s + h * ss_h + op[:, None] * ss_p + on[None, :] * ss_n
+    S = tl.load(s_ptrs, mask=tile & (n > 0), other=0.0).to(tl.float32)
+    k_ptrs = scr_ptr + r * sk_r + h * sk_h + op[:, None] * sk_p + on[None, :] * sk_n
+
+    for i in range(0, n):
+        S = _ssd_step(
+            S, start + i, h, g, op, on, pmask, nmask,
+            x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr,
+            sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g, so_t, so_h,
+            a, dt_bias, d_skip, dt_lo, dt_hi,
+        )  # fmt: skip
+        tl.store(k_ptrs + i * sk_j, S.to(scr_ptr.dtype.element_ty), mask=tile & (i < NPOS))

@@ -1,0 +1,83 @@
+"""Mamba2's selective state space scan over varlen rows with slot-indexed states, in plain torch (the CPU path of
+:func:`hyserve.kernels.mamba2.mamba2_scan` and the yardstick of its kernels).
+
+Per head ``h`` (``H`` heads of ``P`` channels, their ``B`` / ``C`` from group ``h // (H / G)``) and token ``t`` of a
+row, with the row's state ``S`` (``(H, P, N)``, float32 arithmetic)::
+
+    dt_t = clamp(softplus(dt[t, h] + dt_bias[h]), *dt_limit)
+    S    = exp(dt_t * A[h]) * S + dt_t * x[t, h] (outer) B[t, g]      A = -exp(A_log), one scalar a head
+    y[t, h] = S @ C[t, g] + D[h] * x[t, h]
+
+This is transformers' ``mamba2_chunk_scan`` (NemotronH, Granite-4.0-H, Falcon-H1) token by token; its chunked form
+sums the same terms in another order. The clamp applies at every token, prefill and decode alike (transformers' own
+single-token update leaves it out; its default lower limit, 1e-3, is below softplus of any realistic input).
+
+Layout as :mod:`hyserve.kernels.varlen`: ``query_start_loc`` (R + 1) row offsets, ``state_slots`` (R) each row's slot
+in ``ssm_state`` (``(S, H, P, N)``, stored in its own dtype, float32 by default). The loop bound is
+``max_query_len``, a host int; storing the final states picks the rows with tokens on the host, as the conv's
+reference does: this is the CPU path (CUDA takes the kernels of ``_triton.py`` and fla-core's chunked scan).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["mamba2_scan_ref"]
+
+
+def mamba2_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y`` (T, H, P) in float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A`` (H,),
+    ``B`` and ``C`` (T, G, N), ``D`` and ``dt_bias`` (H,).
+
+    Without ``scratch`` each non-empty row's slot ends holding its state after its last token. With ``scratch``
+    (``(>= R, k + 1, H, P, N)``: a verify step) the slots are only read, and ``scratch[r, j]`` takes row ``r``'s state
+    after its ``j``-th token (``j <= k``), the candidates a commit or a snapshot copies."""
+    t, h, p = x.shape
+    r = state_slots.shape[0]
+    g = B.shape[1]
+    dev = x.device
+    y = torch.zeros((t + 1, h, p), dtype=torch.float32, device=dev)  # row t: where absent tokens write
+    if t == 0 or r == 0:
+        return y[:t]
+    rep = h // g
+    slots = state_slots.to(torch.int64)
+    qsl = query_start_loc.to(torch.int64)
+    lens = qsl[1:] - qsl[:-1]
+    state = ssm_state.index_select(0, slots).float()  # (R, H, P, N)
+    a = A.float()
+    xs, dts = x.float(), dt.float()
+    bs = B.float().repeat_interleave(rep, dim=1)  # (T, H, N)
+    cs = C.float().repeat_interleave(rep, dim=1)
+    for j in range(max_query_len):
+        here = j < lens  # (R,)
+        tok = torch.where(here, qsl[:-1] + j, torch.full_like(lens, t))
+        src = tok.clamp(max=t - 1)
+        step = F.softplus(dts[src] + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # (R, H)
+        xt = xs[src]  # (R, H, P)
+        new = (torch.exp(step * a)[:, :, None, None] * state
+               + (step[:, :, None] * xt)[:, :, :, None] * bs[src][:, :, None, :])
+        state = torch.where(here[:, None, None, None], new, state)
+        out = (state * cs[src][:, :, None, :]).sum(-1) + D.float()[None, :, None] * xt
+        y.index_copy_(0, tok, torch.where(here[:, None, None], out, y.index_select(0, tok)))
+        if scratch is not None and j < scratch.shape[1]:  # the scratch may hold more rows than the step's
+            col = scratch[:r, j]
+            scratch[:r, j] = torch.where(here[:, None, None, None], state.to(scratch.dtype), col)
+    if scratch is None:  # only rows with tokens write (an empty row's slot may be another row's)
+        keep = torch.nonzero(lens > 0).squeeze(1)  # a host sync: this is the CPU path
+        ssm_state.index_copy_(0, slots[keep], state[keep].to(ssm_state.dtype))
+    return y[:t]

@@ -1,0 +1,253 @@
+"""Mamba2's Triton kernels (hyserve.kernels.mamba2: the recurrent scan and its verify variant) and the conv kernels
+with a bias (hyserve.kernels.conv, Mamba2's conv), under the Triton interpreter (``TRITON_INTERPRET=1``, one
+subprocess: the variable must be set before any kernel is decorated), against the plain-torch references.
+
+Problems: staggered row lengths with an empty row, rows on permuted slots drawn from a larger pool (slots no row
+names must stay bit-identical), grouped B / C (G < H), a dt clamp that bites, float32 and bf16-stored states;
+outputs and scratch NaN-poisoned before the kernels write them (every written element is checked, every other one
+must still be NaN). Sabotaged (each must disagree with the reference): head ``h`` reading B / C group ``h % G``
+instead of ``h // (H / G)``, the verify scratch written one position late, the conv bias read one channel off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
+from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_ref
+from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+H, P, G, N = 4, 8, 2, 16
+POOL = 9
+MIXED_LENS = [3, 0, 1, 6, 2]
+DECODE_LENS = [1, 1, 0, 1]
+VERIFY_LENS = [3, 0, 4, 1]
+
+
+def _qsl(lens: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float = 0.0) -> tuple[bool, float]:
+    """Within tolerance, NaNs (unwritten entries) in the same places."""
+    a, b = a.float(), b.float()
+    if a.shape != b.shape:
+        return False, float("inf")
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return False, float("nan")
+    a, b = torch.nan_to_num(a), torch.nan_to_num(b)
+    err = (a - b).abs()
+    return bool((err <= atol + rtol * b.abs()).all()), float(err.max()) if err.numel() else 0.0
+
+
+def _untouched(before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor, lens: list[int]) -> bool:
+    touched = {int(s) for s, n in zip(slots.tolist(), lens, strict=True) if n > 0}
+    return all(torch.equal(before[s], after[s]) for s in range(before.shape[0]) if s not in touched)
+
+
+def scan_problem(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, seed: int,
+                 dt_limit: tuple[float, float] = (1e-3, float("inf"))) -> dict[str, Any]:
+    """x, B, C as strided views of one conv output and dt of one projection output, as the mixer splits them."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    mixed = torch.randn(t, H * P + 2 * G * N, generator=gen).to(dtype)
+    xs, bs, cs = mixed.split([H * P, G * N, G * N], dim=-1)
+    proj = (torch.randn(t, H + 3, generator=gen) * 1.5).to(dtype)
+    return {
+        "x": xs.reshape(t, H, P), "dt": proj[:, 1 : 1 + H], "A": -torch.rand(H, generator=gen) * 2 - 0.1,
+        "B": bs.reshape(t, G, N), "C": cs.reshape(t, G, N),
+        "D": torch.randn(H, generator=gen).to(dtype), "dt_bias": (torch.randn(H, generator=gen) - 1).to(dtype),
+        "dt_limit": dt_limit,
+        "ssm_state": (torch.randn(POOL, H, P, N, generator=gen) * 0.5).to(state_dtype),
+        "state_slots": torch.randperm(POOL, generator=gen)[: len(lens)],
+        "query_start_loc": _qsl(lens),
+    }
+
+
+def _clone(p: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+
+
+def _tols(dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[float, float]:
+    out = 1e-5 if dtype == torch.float32 and state_dtype == torch.float32 else 2e-2
+    return out, 1e-5 if state_dtype == torch.float32 else 1.6e-2  # one ulp of a 16-bit state
+
+
+def _interp_scan(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, sabotage: str = "",
+                 dt_limit: tuple[float, float] = (1e-3, float("inf"))) -> tuple[bool, str]:
+    """The recurrent kernel against the reference. ``sabotage="group_mod"``: head h fed group h % G (B / C expanded
+    to heads in that order), which must disagree."""
+    from hyserve.kernels.mamba2 import mamba2_recurrent_triton
+
+    p = scan_problem(lens, dtype, state_dtype, seed=21, dt_limit=dt_limit)
+    ref = _clone(p)
+    want = mamba2_scan_ref(**ref, max_query_len=max(lens))
+    before = p["ssm_state"].clone()
+    out = torch.full(p["x"].shape, float("nan"))
+    if sabotage == "group_mod":
+        heads = torch.arange(H) % G
+        p["B"], p["C"] = p["B"][:, heads], p["C"][:, heads]
+    mamba2_recurrent_triton(**p, out=out)
+    tol, stol = _tols(dtype, state_dtype)
+    ok1, e1 = _close(out, want, tol, tol)
+    ok2, e2 = _close(p["ssm_state"], ref["ssm_state"], stol, stol)
+    ok3 = _untouched(before, p["ssm_state"], p["state_slots"], lens) and p["ssm_state"].dtype == state_dtype
+    ok = ok1 and ok2 and ok3
+    return ok != bool(sabotage), f"out err {e1:.3g}, state err {e2:.3g}, untouched {ok3}"
+
+
+def _interp_verify(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype,
+                   sabotage: str = "") -> tuple[bool, str]:
+    """The verify kernel against the reference given scratch; the live pool bit-identical. ``sabotage="late"``:
+    the kernel handed scratch[:, 1:], so it writes the state after token j at position j + 1."""
+    from hyserve.kernels.mamba2.verify import mamba2_verify_triton
+
+    p = scan_problem(lens, dtype, state_dtype, seed=22)
+    npos = max(lens)
+    scratch = torch.full((len(lens) + 2, npos + 1, H, P, N), float("nan"), dtype=state_dtype)
+    ref_scratch = scratch.clone()
+    want = mamba2_scan_ref(**_clone(p), max_query_len=npos, scratch=ref_scratch)
+    before = p["ssm_state"].clone()
+    out = torch.full(p["x"].shape, float("nan"))
+    mamba2_verify_triton(**p, scratch=scratch[:, 1:] if sabotage == "late" else scratch, out=out)
+    tol, stol = _tols(dtype, state_dtype)
+    ok1, e1 = _close(out, want, tol, tol)
+    ok2, e2 = _close(scratch, ref_scratch, stol, stol)
+    ok3 = torch.equal(before, p["ssm_state"])
+    ok = ok1 and ok2 and ok3
+    return ok != bool(sabotage), f"out err {e1:.3g}, scratch err {e2:.3g}, pool unchanged {ok3}"
+
+
+def conv_problem(lens: list[int], dtype: torch.dtype, seed: int, d: int = 40, k: int = 4) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(sum(lens), d + 7, generator=gen).to(dtype)
+    return {
+        "x": wide[:, 3 : 3 + d], "weight": torch.randn(d, k, generator=gen) * 0.5,
+        "conv_state": torch.randn(POOL, d, k - 1, generator=gen).to(dtype),
+        "state_slots": torch.randperm(POOL, generator=gen)[: len(lens)], "query_start_loc": _qsl(lens),
+        "bias": torch.randn(d, generator=gen).to(dtype),
+    }
+
+
+def _interp_conv(lens: list[int], dtype: torch.dtype, verify: bool, sabotage: bool = False) -> tuple[bool, str]:
+    """The varlen conv (``verify``: its verify variant) with a bias against the reference. ``sabotage``: the kernel
+    reads channel d's bias at d - 1, which must disagree."""
+    from hyserve.kernels.conv import causal_conv1d_varlen_triton
+    from hyserve.kernels.conv.verify import causal_conv1d_verify_triton
+
+    p = conv_problem(lens, dtype, seed=23)
+    ref = _clone(p)
+    before = p["conv_state"].clone()
+    out = torch.full(p["x"].shape, float("nan"), dtype=dtype)
+    bias = p.pop("bias")
+    kbias = bias.roll(1) if sabotage else bias
+    tol = 1e-5 if dtype == torch.float32 else 3.2e-2  # bf16: one ulp at |y| ~ 4
+    if verify:
+        scratch = torch.full((len(lens) + 1, max(lens), *p["conv_state"].shape[1:]), float("nan"), dtype=dtype)
+        ref_scratch = scratch.clone()
+        want = causal_conv1d_verify_ref(**ref, conv_scratch=ref_scratch)
+        causal_conv1d_verify_triton(**p, conv_scratch=scratch, max_query_len=max(lens), bias=kbias, out=out)
+        ok2, e2 = _close(scratch, ref_scratch, 0.0)
+        ok2 = ok2 and torch.equal(before, p["conv_state"])
+    else:
+        want = causal_conv1d_varlen_ref(**ref)
+        causal_conv1d_varlen_triton(**p, max_query_len=max(lens), bias=kbias, out=out)
+        ok2, e2 = _close(p["conv_state"], ref["conv_state"], 0.0)
+        ok2 = ok2 and _untouched(before, p["conv_state"], p["state_slots"], lens)
+    ok1, e1 = _close(out, want, tol, tol)
+    return (ok1 and ok2) != sabotage, f"out err {e1:.3g}, state err {e2:.3g}"
+
+
+def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+    try:
+        ok, msg = fn()
+    except Exception as e:  # report, don't abort the other checks
+        ok, msg = False, f"{type(e).__name__}: {e}"
+    results[name] = [bool(ok), msg]
+
+
+def run_interpreter_checks() -> dict[str, list[Any]]:
+    """Every check under the interpreter; {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    f32, bf16 = torch.float32, torch.bfloat16
+    _check(res, "scan_mixed_float32", lambda: _interp_scan(MIXED_LENS, f32, f32))
+    _check(res, "scan_decode_float32", lambda: _interp_scan(DECODE_LENS, f32, f32))
+    _check(res, "scan_mixed_clamped_float32", lambda: _interp_scan(MIXED_LENS, f32, f32, dt_limit=(0.05, 0.4)))
+    _check(res, "scan_mixed_bf16_bf16_state", lambda: _interp_scan(MIXED_LENS, bf16, bf16))
+    _check(res, "scan_decode_bf16_fp32_state", lambda: _interp_scan(DECODE_LENS, bf16, f32))
+    _check(res, "verify_float32", lambda: _interp_verify(VERIFY_LENS, f32, f32))
+    _check(res, "verify_bf16_bf16_state", lambda: _interp_verify(VERIFY_LENS, bf16, bf16))
+    _check(res, "scan_group_mod_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="group_mod"))
+    _check(res, "verify_scratch_late_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="late"))
+    for dt in (f32, bf16):
+        n = str(dt).split(".")[-1]
+        _check(res, f"conv_bias_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, False))
+        _check(res, f"conv_bias_split_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 19, 2], dt, False))
+        _check(res, f"conv_bias_verify_{n}", lambda dt=dt: _interp_conv(VERIFY_LENS, dt, True))
+    _check(res, "conv_bias_shifted_caught", lambda: _interp_conv([3, 0, 1, 5, 2], f32, False, sabotage=True))
+    _check(res, "conv_bias_verify_shifted_caught", lambda: _interp_conv(VERIFY_LENS, f32, True, sabotage=True))
+    return res
+
+
+INTERP_CHECKS = ["scan_mixed_float32", "scan_decode_float32", "scan_mixed_clamped_float32",
+                 "scan_mixed_bf16_bf16_state", "scan_decode_bf16_fp32_state", "verify_float32",
+                 "verify_bf16_bf16_state", "scan_group_mod_caught", "verify_scratch_late_caught",
+                 *[f"conv_bias_{k}_{dt}" for k in ("fused", "split", "verify") for dt in ("float32", "bfloat16")],
+                 "conv_bias_shifted_caught", "conv_bias_verify_shifted_caught"]
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:
+    assert sorted(interpreter_results) == sorted(INTERP_CHECKS)
+
+
+@pytest.mark.parametrize("name", INTERP_CHECKS)
+def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+def test_cpu_dispatch_is_the_reference() -> None:
+    """On the CPU ``mamba2_scan`` is the reference, bit for bit, with or without the host's offsets."""
+    p = scan_problem(MIXED_LENS, torch.float32, torch.float32, seed=24)
+    ref = _clone(p)
+    got = mamba2_scan(**p, max_query_len=6, query_start_loc_cpu=p["query_start_loc"])
+    want = mamba2_scan_ref(**ref, max_query_len=6)
+    assert torch.equal(got, want) and torch.equal(p["ssm_state"], ref["ssm_state"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--interpreter-checks"]:
+        results = run_interpreter_checks()
+        for name, (ok, msg) in results.items():
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
+        print("RESULTS " + json.dumps(results))
