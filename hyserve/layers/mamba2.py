@@ -9,7 +9,9 @@ A verify step (speculative decoding) reads the live states and writes the candid
 verify scratch; the base class's ``commit_verified`` and ``snapshot_candidates`` copy them, so a rejected draft never
 reaches the live state or a snapshot.
 
-This is the plain-torch formulation, the CPU path; on CUDA the layer refuses to run until its kernels exist.
+The conv and the scan dispatch on the device (``hyserve.kernels.conv``, ``hyserve.kernels.mamba2``): the plain-torch
+references on the CPU, Triton kernels (and fla-core's chunked scan for bf16 / fp16 prefill) on CUDA, where a decode
+or verify step makes no host sync and can be captured in a CUDA graph. The gated norm is torch on both.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import torch
 from torch import nn
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
-from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
-from hyserve.kernels.mamba2 import mamba2_scan_ref
+from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify
+from hyserve.kernels.mamba2 import mamba2_scan
 from hyserve.layers.linear import Linear
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.model.base import RecurrentLayer
@@ -98,9 +100,6 @@ class Mamba2Mixer(RecurrentLayer):
         ))
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        if x.is_cuda:
-            raise NotImplementedError("the Mamba2 mixer runs on the CPU only for now (its CUDA kernels are not "
-                                      "written yet): serve Nemotron-H with --device cpu")
         conv_state, ssm_state = self.state["conv_state"], self.state["ssm_state"]
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
@@ -108,33 +107,35 @@ class Mamba2Mixer(RecurrentLayer):
         bias = self.conv1d.bias
         a = -torch.exp(self.A_log.float())
         vm = meta.verify
-        # (rows' slots, offsets, longest row, verify scratch or None) of the step's parts: a verify step's verify
-        # rows, then its other rows.
-        parts: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool]] = []
+        # (token range, rows' slots, offsets, longest row, verify?, the host's offsets or None) of the step's parts: a
+        # verify step's verify rows, then its other rows.
+        parts: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool, torch.Tensor | None]] = []
         if vm is None:
             assert meta.max_query_len is not None
-            parts.append((0, t, meta.state_slots, meta.query_start_loc, meta.max_query_len, False))
+            parts.append((0, t, meta.state_slots, meta.query_start_loc, meta.max_query_len, False,
+                          meta.query_start_loc_cpu))
         else:
-            parts.append((0, vm.num_tokens, vm.state_slots, vm.query_start_loc, vm.max_query_len, True))
+            parts.append((0, vm.num_tokens, vm.state_slots, vm.query_start_loc, vm.max_query_len, True, None))
             if vm.num_tokens < t:
                 parts.append((vm.num_tokens, t, vm.rest_state_slots, vm.rest_query_start_loc,
-                              vm.rest_max_query_len, False))
+                              vm.rest_max_query_len, False, vm.rest_query_start_loc_cpu))
         outs = []
-        for lo, hi, slots, qsl, longest, verify in parts:
+        for lo, hi, slots, qsl, longest, verify, qsl_cpu in parts:
             if verify:
                 assert self.verify_scratch is not None, "verify scratch not bound"
-                mixed = causal_conv1d_verify_ref(xbc[lo:hi], weight, conv_state, slots, qsl,
-                                                 self.verify_scratch["conv_state"], bias)
+                mixed = causal_conv1d_verify(xbc[lo:hi], weight, conv_state, slots, qsl,
+                                             self.verify_scratch["conv_state"], longest, bias)
             else:
-                mixed = causal_conv1d_varlen_ref(xbc[lo:hi], weight, conv_state, slots, qsl, bias)
+                mixed = causal_conv1d_varlen(xbc[lo:hi], weight, conv_state, slots, qsl, longest, bias)
             m = hi - lo
             xs, bs, cs = mixed.split([self.intermediate, self.n_groups * self.state_size,
                                       self.n_groups * self.state_size], dim=-1)
-            y = mamba2_scan_ref(xs.reshape(m, self.num_heads, self.head_dim), dt[lo:hi], a,
-                                bs.reshape(m, self.n_groups, self.state_size),
-                                cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
-                                ssm_state, slots, qsl, longest,
-                                self.verify_scratch["ssm_state"] if verify and self.verify_scratch else None)
+            y = mamba2_scan(xs.reshape(m, self.num_heads, self.head_dim), dt[lo:hi], a,
+                            bs.reshape(m, self.n_groups, self.state_size),
+                            cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
+                            ssm_state, slots, qsl, longest,
+                            self.verify_scratch["ssm_state"] if verify and self.verify_scratch else None,
+                            query_start_loc_cpu=qsl_cpu)
             outs.append(y.reshape(m, self.intermediate))
         y = torch.cat(outs) if len(outs) > 1 else outs[0]
         out = self.norm(y, z)  # float32, as transformers' scan output reaches its norm

@@ -9,7 +9,8 @@ Parameter names are the released checkpoints' (``backbone.embeddings``, ``backbo
 ``.mixer.*``, ``backbone.norm_f``, ``lm_head``), which is also how transformers 5 saves the model. With pipeline
 parallelism each stage holds its layers (``stage_layers``), the first the embedding, the last the final norm and
 the head (never tied to the embedding); a stage hands the next its residual stream alone. There is no draft head.
-The Mamba2 mixer runs on the CPU only for now (docs/mamba2_facts.md has transformers' formulas).
+The Mamba2 mixer runs on the CPU (plain torch) and on CUDA (Triton kernels and fla-core; ``hyserve.kernels.mamba2``);
+docs/mamba2_facts.md has transformers' formulas.
 """
 
 from __future__ import annotations

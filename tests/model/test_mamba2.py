@@ -152,12 +152,12 @@ def test_sabotages_are_caught(sabotage: str, monkeypatch: pytest.MonkeyPatch) ->
         return
     import hyserve.layers.mamba2 as m2
 
-    real = m2.mamba2_scan_ref
+    real = m2.mamba2_scan
 
-    def one_short(*args: object) -> torch.Tensor:  # the slot keeps the state before the row's last token
+    def one_short(*args: object, **kwargs: object) -> torch.Tensor:  # the slot keeps the state before the last token
         state, slots, qsl, longest = args[8], args[9], args[10], args[11]
         saved = state.clone()  # type: ignore[union-attr]
-        y = real(*args)  # type: ignore[arg-type]
+        y = real(*args, **kwargs)  # type: ignore[arg-type]
         state.copy_(saved)  # type: ignore[union-attr]
         qs = qsl.clone()  # type: ignore[union-attr]
         qs[1:] -= torch.arange(1, qs.shape[0])
@@ -165,7 +165,7 @@ def test_sabotages_are_caught(sabotage: str, monkeypatch: pytest.MonkeyPatch) ->
         return y
 
     step(ours, [(0, a[:12])])
-    monkeypatch.setattr(m2, "mamba2_scan_ref", one_short)
+    monkeypatch.setattr(m2, "mamba2_scan", one_short)
     ours.state["ssm_state"].zero_()
     ours.state["conv_state"].zero_()
     step(ours, [(0, a[:12])])

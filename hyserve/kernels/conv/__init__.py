@@ -21,13 +21,15 @@ Otherwise ``_conv1d_state_kernel`` rolls the windows in a second launch, after e
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.utils import next_pow2
 
-__all__ = ["causal_conv1d_varlen", "causal_conv1d_varlen_triton", "causal_conv1d_verify"]
+__all__ = ["causal_conv1d_varlen", "causal_conv1d_varlen_triton", "causal_conv1d_verify", "compile_variants"]
 
 
 def causal_conv1d_varlen(
@@ -117,4 +119,30 @@ def causal_conv1d_varlen_triton(
             K=K, KM1_PAD=km1_pad, BLOCK_D=block_d,
             num_warps=4,
         )  # fmt: skip
+    return out
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The conv kernels' variants a bf16 or float32 Nemotron-H makes (conv width 4, a bias; decode, a long prefill,
+    verify), as ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
+    (``tests/kernels/test_mamba2_kernels_compile.py``)."""
+    from hyserve.kernels.conv._triton import _conv1d_fwd_kernel, _conv1d_state_kernel, _conv1d_verify_kernel
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    i32 = "i32"
+    for act in ("bf16", "fp32"):
+        ptrs = dict(x_ptr=f"*{act}", w_ptr=f"*{act}", b_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64",
+                    qsl_ptr="*i32", out_ptr=f"*{act}")
+        strides = dict(D=i32, sx_t=i32, sx_d=i32, sw_d=i32, sw_k=i32, ss_s=i32, ss_d=i32, ss_k=i32, so_t=i32)
+        for name, block_t, block_d, fuse in (("decode", 1, 256, True), ("prefill", 16, 128, False)):
+            out.append((f"conv_fwd_bias_{name}_{act}", _conv1d_fwd_kernel, {**ptrs, **strides},
+                        dict(K=4, KM1_PAD=4, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=True)))
+        out.append((f"conv_state_{act}", _conv1d_state_kernel,
+                     dict(x_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64", qsl_ptr="*i32", D=i32, sx_t=i32,
+                          sx_d=i32, ss_s=i32, ss_d=i32, ss_k=i32),
+                     dict(K=4, KM1_PAD=4, BLOCK_D=128)))
+        out.append((f"conv_verify_bias_{act}", _conv1d_verify_kernel,
+                    {**ptrs, "scr_ptr": f"*{act}", **strides, "P": i32, "sc_r": i32, "sc_p": i32, "sc_d": i32,
+                     "sc_k": i32},
+                    dict(K=4, BLOCK_T=4, BLOCK_D=256, HAS_BIAS=True)))
     return out
