@@ -1,0 +1,383 @@
+"""The Mamba2 mixer's kernels and the mixer itself on CUDA against the CPU (skipped without a GPU).
+
+* ``mamba2_scan`` on CUDA against ``mamba2_scan_ref`` on the CPU, Nemotron-H's head shapes (P = 64, N = 128, 4
+  heads a group): float32 (the recurrent kernel for every row) and bf16 (prefill rows through fla-core's chunked
+  scan, with and without the host's offsets), decode (the recurrent kernel) and verify (the verify kernel, scratch
+  NaN-poisoned), float32 and bf16 stored states; rows on permuted slots with an empty row, unnamed slots unchanged.
+* The conv with its bias (varlen and verify) on CUDA against its CPU reference.
+* The whole ``Mamba2Mixer``: prefill chunks, then one decode and one verify step eager under
+  ``torch.cuda.set_sync_debug_mode("error")``, then a decode step and a verify step captured in CUDA graphs and
+  replayed with new inputs, against the same layer on the CPU (same weights, same states): outputs, live states and
+  verify candidates.
+
+Every comparison prints its largest error, where it is, and the reference's scale when it fails.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from hyserve.kernels.conv import causal_conv1d_varlen
+from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
+from hyserve.kernels.conv.verify import causal_conv1d_verify
+from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_fla, mamba2_scan_ref
+from hyserve.layers.mamba2 import Mamba2Mixer
+from hyserve.model.metadata import StepMetadata, VerifyMetadata
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CPU = torch.device("cpu")
+F32, BF16 = torch.float32, torch.bfloat16
+POOL = 10
+PREFILL_LENS = [37, 0, 5, 130, 1, 64]
+DECODE_LENS = [1, 1, 0, 1]
+VERIFY_LENS = [4, 0, 3, 1]
+
+
+@contextmanager
+def no_sync() -> Iterator[None]:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up on a side stream, then capture it; the graph and its (persistent) output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    """``|got - want| <= rel * (max|want| + 1e-6)`` elementwise, NaNs (unwritten entries) in the same places."""
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_g, nan_w), (f"{name}: NaN pattern differs ({int(nan_g.sum())} NaNs got, "
+                                       f"{int(nan_w.sum())} want; first mismatch at "
+                                       f"{(nan_g != nan_w).nonzero()[:4].tolist()})")
+    got, want = torch.nan_to_num(got), torch.nan_to_num(want)
+    if got.numel() == 0:
+        return
+    err = (got - want).abs()
+    scale = float(want.abs().max()) + 1e-6
+    worst = int(err.argmax())
+    idx = list(torch.unravel_index(torch.tensor(worst), err.shape))
+    msg = (f"{name}: max err {float(err.max()):.4g} at {[int(i) for i in idx]} (got {float(got.flatten()[worst]):.5g},"
+           f" want {float(want.flatten()[worst]):.5g}), mean err {float(err.mean()):.3g}, scale {scale:.4g}, "
+           f"allowed {rel * scale:.4g}")
+    assert float(err.max()) <= rel * scale, msg
+
+
+def _qsl(lens: list[int], device: torch.device) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def scan_problem(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, seed: int,
+                 h: int = 8, p: int = 64, g: int = 2, n: int = 128) -> dict[str, Any]:
+    """CPU tensors; x, B, C strided views of one conv output, dt of one projection output, as the mixer has them."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    mixed = torch.randn(t, h * p + 2 * g * n, generator=gen).to(dtype)
+    xs, bs, cs = mixed.split([h * p, g * n, g * n], dim=-1)
+    proj = (torch.randn(t, h + 3, generator=gen) * 1.5).to(dtype)
+    return {
+        "x": xs.reshape(t, h, p), "dt": proj[:, 1 : 1 + h], "A": -torch.rand(h, generator=gen) * 2 - 0.1,
+        "B": (bs * 0.3).reshape(t, g, n), "C": (cs * 0.3).reshape(t, g, n),
+        "D": torch.randn(h, generator=gen).to(dtype), "dt_bias": (torch.randn(h, generator=gen) - 2).to(dtype),
+        "dt_limit": (1e-3, float("inf")),
+        "ssm_state": (torch.randn(POOL, h, p, n, generator=gen) * 0.5).to(state_dtype),
+        "state_slots": torch.randperm(POOL, generator=gen)[: len(lens)], "query_start_loc": _qsl(lens, CPU),
+        "max_query_len": max(lens),
+    }
+
+
+def to(p: dict[str, Any], device: str | torch.device) -> dict[str, Any]:
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+
+
+def _untouched(name: str, before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor, lens: list[int]) -> None:
+    touched = {int(s) for s, n in zip(slots.tolist(), lens, strict=True) if n > 0}
+    for s in range(before.shape[0]):
+        if s not in touched:
+            assert torch.equal(before[s], after[s].cpu()), f"{name}: slot {s}, named by no non-empty row, changed"
+
+
+# (lens, model dtype, state dtype, relative tolerance of y, of the state). bf16 prefill goes through fla (v = x * dt
+# and its output rounded to bf16); float32 and decode through the exact recurrent kernel.
+SCAN_CASES = [
+    ("prefill_f32", PREFILL_LENS, F32, F32, 1e-4, 1e-4),
+    ("prefill_bf16_fla", PREFILL_LENS, BF16, F32, 2e-2, 1e-2),
+    ("prefill_bf16_fla_bf16_state", PREFILL_LENS, BF16, BF16, 2e-2, 1.6e-2),
+    ("decode_f32", DECODE_LENS, F32, F32, 1e-5, 1e-5),
+    ("decode_bf16", DECODE_LENS, BF16, F32, 1e-4, 1e-5),
+    ("decode_bf16_bf16_state", DECODE_LENS, BF16, BF16, 1e-4, 8e-3),
+]
+
+
+@pytest.mark.parametrize("name,lens,dtype,state_dtype,rel,srel", SCAN_CASES, ids=[c[0] for c in SCAN_CASES])
+@pytest.mark.parametrize("host_offsets", [True, False], ids=["qsl_cpu", "no_qsl_cpu"])
+def test_scan_matches_the_cpu_reference(name: str, lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype,
+                                        rel: float, srel: float, host_offsets: bool) -> None:
+    p = scan_problem(lens, dtype, state_dtype, seed=31)
+    want_state = p["ssm_state"].clone()
+    want = mamba2_scan_ref(**{**p, "ssm_state": want_state})
+    dev = to(p, "cuda")
+    qsl_cpu = p["query_start_loc"] if host_offsets else None
+    if max(lens) == 1:  # decode: the recurrent kernel makes no host sync
+        with no_sync():
+            got = mamba2_scan(**dev, query_start_loc_cpu=qsl_cpu)
+    else:
+        got = mamba2_scan(**dev, query_start_loc_cpu=qsl_cpu)
+    torch.cuda.synchronize()
+    assert got.dtype == F32 and dev["ssm_state"].dtype == state_dtype
+    close(f"{name} y", got, want, rel)
+    close(f"{name} state", dev["ssm_state"], want_state, srel)
+    _untouched(name, p["ssm_state"], dev["ssm_state"], p["state_slots"], lens)
+
+
+def test_fla_path_alone_matches_the_reference() -> None:
+    """``mamba2_scan_fla`` called directly (bf16, rows of 1 to 130 tokens, an empty row), so a dispatch change
+    cannot hide it."""
+    lens = [1, 130, 0, 17]
+    p = scan_problem(lens, BF16, F32, seed=32)
+    want_state = p["ssm_state"].clone()
+    want = mamba2_scan_ref(**{**p, "ssm_state": want_state})
+    dev = to(p, "cuda")
+    dev.pop("max_query_len")
+    got = mamba2_scan_fla(**dev, query_start_loc_cpu=p["query_start_loc"])
+    close("fla y", got, want, 2e-2)
+    close("fla state", dev["ssm_state"], want_state, 1e-2)
+    _untouched("fla", p["ssm_state"], dev["ssm_state"], p["state_slots"], lens)
+
+
+@pytest.mark.parametrize("dtype,state_dtype", [(F32, F32), (BF16, F32), (BF16, BF16)], ids=["f32", "bf16", "bf16_st"])
+def test_verify_matches_the_cpu_reference_without_sync(dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+    p = scan_problem(VERIFY_LENS, dtype, state_dtype, seed=33)
+    scratch = torch.full((len(VERIFY_LENS) + 2, max(VERIFY_LENS), *p["ssm_state"].shape[1:]), float("nan"),
+                         dtype=state_dtype)
+    want_scratch = scratch.clone()
+    want = mamba2_scan_ref(**p, scratch=want_scratch)
+    dev = to(p, "cuda")
+    dscratch = scratch.cuda()
+    with no_sync():
+        got = mamba2_scan(**dev, scratch=dscratch)
+    torch.cuda.synchronize()
+    srel = 1e-5 if state_dtype == F32 else 8e-3
+    close("verify y", got, want, 1e-4 if dtype == BF16 else 1e-5)
+    close("verify scratch", dscratch, want_scratch, srel)
+    assert torch.equal(dev["ssm_state"].cpu(), p["ssm_state"]), "verify wrote the live state"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("lens", [[1, 0, 1, 1], [3, 0, 40, 2]], ids=["decode", "prefill"])
+def test_conv_with_bias_matches_the_cpu_reference(dtype: torch.dtype, lens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(34)
+    d, k = 96, 4
+    wide = torch.randn(sum(lens), d + 7, generator=gen).to(dtype)
+    x, w = wide[:, 3 : 3 + d], (torch.randn(d, k, generator=gen) * 0.5).to(dtype)
+    bias = torch.randn(d, generator=gen).to(dtype)
+    state = torch.randn(POOL, d, k - 1, generator=gen).to(dtype)
+    slots = torch.randperm(POOL, generator=gen)[: len(lens)]
+    qsl = _qsl(lens, CPU)
+    rel = 1e-5 if dtype == F32 else 8e-3
+    want_state = state.clone()
+    want = causal_conv1d_varlen_ref(x, w, want_state, slots, qsl, bias)
+    xd, wd, bd, sd, qd = x.cuda(), w.cuda(), bias.cuda(), slots.cuda(), qsl.cuda()
+    dstate = state.cuda()
+    with no_sync():
+        got = causal_conv1d_varlen(xd, wd, dstate, sd, qd, max(lens), bd)
+    torch.cuda.synchronize()
+    close("conv y", got, want, rel)
+    close("conv state", dstate, want_state, 0.0)
+    scratch = torch.full((len(lens) + 1, max(lens), d, k - 1), float("nan"), dtype=dtype)
+    want_scratch = scratch.clone()
+    want_v = causal_conv1d_verify_ref(x, w, state, slots, qsl, want_scratch, bias)
+    dscratch, dstate = scratch.cuda(), state.cuda()
+    with no_sync():
+        got_v = causal_conv1d_verify(xd, wd, dstate, sd, qd, dscratch, max(lens), bd)
+    torch.cuda.synchronize()
+    close("conv verify y", got_v, want_v, rel)
+    close("conv verify scratch", dscratch, want_scratch, 0.0)
+    assert torch.equal(dstate.cpu(), state), "conv verify wrote the live windows"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The mixer: eager without a sync, then graphs
+# --------------------------------------------------------------------------------------------------------------------
+
+HIDDEN, H, P, G, N, K = 128, 8, 32, 2, 64, 4
+SLOTS = 8
+DRAFTS = 3
+
+
+class Cfg:
+    hidden_size = HIDDEN
+    mamba_num_heads = H
+    mamba_head_dim = P
+    n_groups = G
+    ssm_state_size = N
+    conv_kernel = K
+    use_conv_bias = True
+    use_bias = False
+    layer_norm_epsilon = 1e-5
+    time_step_limit = (1e-3, float("inf"))
+    quantization = None
+
+    def __init__(self, ssm_state_dtype: str) -> None:
+        self.ssm_state_dtype = ssm_state_dtype
+
+
+def make_mixers(dtype: torch.dtype, state_dtype: str) -> tuple[Mamba2Mixer, Mamba2Mixer]:
+    """The same mixer on the CPU and on CUDA (model dtype ``dtype``), zeroed states and scratch bound to both."""
+    torch.manual_seed(35)
+    cpu = Mamba2Mixer(Cfg(state_dtype), "backbone.layers.0.mixer")
+    gen = torch.Generator().manual_seed(36)
+    with torch.no_grad():
+        for name, prm in cpu.named_parameters():
+            if name == "A_log":
+                prm.copy_(torch.rand(prm.shape, generator=gen) * 1.5 - 0.5)
+            elif name in ("dt_bias", "D"):
+                prm.copy_(torch.randn(prm.shape, generator=gen) * 0.5)
+            elif name == "norm.weight":
+                prm.copy_(1 + 0.2 * torch.randn(prm.shape, generator=gen))
+            else:
+                prm.copy_(torch.randn(prm.shape, generator=gen) / prm.shape[-1] ** 0.5)
+    cpu = cpu.to(dtype).eval()
+    gpu = copy.deepcopy(cpu).cuda()
+    for layer, dev in ((cpu, CPU), (gpu, torch.device("cuda"))):
+        spec = layer.cache_spec(dtype)
+        layer.bind_state({s.name: torch.zeros((SLOTS, *s.shape), dtype=s.dtype, device=dev) for s in spec.tensors})
+        layer.bind_verify_scratch({s.name: torch.full((4, DRAFTS + 1, *s.shape), float("nan"), dtype=s.dtype,
+                                                      device=dev) for s in spec.tensors})
+    return cpu, gpu
+
+
+def meta_of(lens: list[int], slots: list[int], device: torch.device, verify_rows: int = 0,
+            graph: bool = False) -> StepMetadata:
+    qsl = _qsl(lens, CPU)
+    sl = torch.tensor(slots, dtype=torch.int64)
+    verify = None
+    if verify_rows:
+        nv = int(qsl[verify_rows])
+        rest = qsl[verify_rows:] - nv
+        verify = VerifyMetadata(num_rows=verify_rows, num_tokens=nv, max_query_len=max(lens[:verify_rows]),
+                                query_start_loc=qsl[: verify_rows + 1].to(device),
+                                state_slots=sl[:verify_rows].to(device), rest_query_start_loc=rest.to(device),
+                                rest_state_slots=sl[verify_rows:].to(device),
+                                rest_max_query_len=max(lens[verify_rows:], default=0),
+                                rest_query_start_loc_cpu=None if graph else rest)
+    t = int(qsl[-1])
+    return StepMetadata(positions=torch.zeros(t, dtype=torch.int64, device=device), query_start_loc=qsl.to(device),
+                        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), state_slots=sl.to(device),
+                        block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=device),
+                        slot_mapping=torch.zeros(t, dtype=torch.int64, device=device), max_query_len=max(lens),
+                        max_seq_len=max(lens), verify=verify, query_start_loc_cpu=None if graph else qsl)
+
+
+def compare_states(tag: str, cpu: Mamba2Mixer, gpu: Mamba2Mixer, srel: float) -> None:
+    close(f"{tag} conv_state", gpu.state["conv_state"], cpu.state["conv_state"], 1e-2 if srel > 1e-4 else 1e-5)
+    close(f"{tag} ssm_state", gpu.state["ssm_state"], cpu.state["ssm_state"], srel)
+
+
+MIXER_CASES = [("f32", F32, "float32", 2e-4, 2e-4), ("bf16", BF16, "float32", 4e-2, 2e-2),
+               ("bf16_bf16_state", BF16, "bfloat16", 4e-2, 3e-2)]
+
+
+@pytest.mark.parametrize("name,dtype,state_dtype,rel,srel", MIXER_CASES, ids=[c[0] for c in MIXER_CASES])
+def test_mixer_eager_without_sync_then_decode_and_verify_graphs(name: str, dtype: torch.dtype, state_dtype: str,
+                                                                rel: float, srel: float) -> None:
+    cpu, gpu = make_mixers(dtype, state_dtype)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(37)
+
+    def x_of(n: int) -> torch.Tensor:
+        return torch.randn(n, HIDDEN, generator=gen).to(dtype)
+
+    def both(tag: str, lens: list[int], slots: list[int], verify_rows: int = 0, sync_free: bool = True) -> None:
+        x = x_of(sum(lens))
+        # The inputs and metadata reach the device first (a copy from pageable host memory waits for it).
+        xd, meta = x.to(dev), meta_of(lens, slots, dev, verify_rows)
+        with torch.no_grad():
+            want = cpu(x, meta_of(lens, slots, CPU, verify_rows))
+            if sync_free:
+                with no_sync():
+                    got = gpu(xd, meta)
+            else:
+                got = gpu(xd, meta)
+        torch.cuda.synchronize()
+        close(f"{name} {tag} y", got, want, rel)
+        compare_states(f"{name} {tag}", cpu, gpu, srel)
+
+    # Prefill chunks (bf16: fla's chunked scan, which reads its chunk count on the host; float32: the recurrent
+    # kernel, no sync), an empty row on slot 7, then a second chunk of one row with a decode row beside it.
+    both("prefill", [40, 0, 23, 9], [5, 7, 1, 3], sync_free=dtype == F32)
+    both("chunk2", [17, 1, 1], [5, 1, 3], sync_free=dtype == F32)
+    both("decode", [1, 1, 1, 0], [5, 1, 3, 7])
+    both("verify", [DRAFTS + 1, 0, 2, 1], [5, 7, 1, 3], verify_rows=4)
+    close(f"{name} verify ssm scratch", gpu.verify_scratch["ssm_state"], cpu.verify_scratch["ssm_state"], srel)
+    close(f"{name} verify conv scratch", gpu.verify_scratch["conv_state"], cpu.verify_scratch["conv_state"],
+          1e-2 if srel > 1e-4 else 1e-5)
+    both("verify+prefill", [2, 1, 12], [5, 3, 1], verify_rows=2, sync_free=dtype == F32)
+
+    # The decode graph: 3 rows of one token, replayed over 3 steps with new inputs.
+    rows, slots = 3, [5, 1, 3]
+    x_buf = torch.zeros(rows, HIDDEN, dtype=dtype, device=dev)
+    dec = meta_of([1] * rows, slots, dev, graph=True)
+    with torch.no_grad():
+        graph, out = capture(lambda: gpu(x_buf, dec))
+    # Warm-up and capture ran the step twice on the device: restore the states from the CPU's.
+    for key in gpu.state:
+        gpu.state[key].copy_(cpu.state[key])
+    for i in range(3):
+        x = x_of(rows)
+        x_buf.copy_(x)
+        graph.replay()
+        with torch.no_grad():
+            want = cpu(x, meta_of([1] * rows, slots, CPU))
+        torch.cuda.synchronize()
+        close(f"{name} decode graph {i} y", out, want, rel)
+        compare_states(f"{name} decode graph {i}", cpu, gpu, srel)
+
+    # The verify graph: 2 rows of k + 1 tokens, replayed twice; the live states must not move.
+    vlens, vslots = [DRAFTS + 1, DRAFTS + 1], [1, 5]
+    xv_buf = torch.zeros(sum(vlens), HIDDEN, dtype=dtype, device=dev)
+    ver = meta_of(vlens, vslots, dev, verify_rows=2, graph=True)
+    with torch.no_grad():
+        vgraph, vout = capture(lambda: gpu(xv_buf, ver))
+    for i in range(2):
+        x = x_of(sum(vlens))
+        xv_buf.copy_(x)
+        vgraph.replay()
+        with torch.no_grad():
+            want = cpu(x, meta_of(vlens, vslots, CPU, verify_rows=2))
+        torch.cuda.synchronize()
+        close(f"{name} verify graph {i} y", vout, want, rel)
+        compare_states(f"{name} verify graph {i}", cpu, gpu, srel)
+        for key in ("ssm_state", "conv_state"):
+            close(f"{name} verify graph {i} {key} scratch", gpu.verify_scratch[key][:2], cpu.verify_scratch[key][:2],
+                  srel if key == "ssm_state" else (1e-2 if srel > 1e-4 else 1e-5))
