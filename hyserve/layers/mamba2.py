@@ -64,9 +64,11 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(RecurrentLayer):
-    """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization."""
+    """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization;
+    ``norm_group_size``: the gated norm's group width, by default one group per B/C group (Nemotron-H's
+    ``inner / n_groups``; Granite-4.0-H normalises the whole width at once)."""
 
-    def __init__(self, cfg: Mamba2Config, prefix: str) -> None:
+    def __init__(self, cfg: Mamba2Config, prefix: str, norm_group_size: int | None = None) -> None:
         super().__init__()
         self.num_heads = h = cfg.mamba_num_heads
         self.head_dim = p = cfg.mamba_head_dim
@@ -84,7 +86,10 @@ class Mamba2Mixer(RecurrentLayer):
         self.dt_bias = nn.Parameter(torch.ones(h))
         self.A_log = nn.Parameter(torch.zeros(h))
         self.D = nn.Parameter(torch.ones(h))
-        self.norm = GroupedGatedRMSNorm(i, i // g, cfg.layer_norm_epsilon)
+        group = i // g if norm_group_size is None else norm_group_size
+        if i % group:
+            raise ValueError(f"the gated norm's group width {group} does not divide the Mamba2 width {i}")
+        self.norm = GroupedGatedRMSNorm(i, group, cfg.layer_norm_epsilon)
         self.out_proj = Linear(i, cfg.hidden_size, bias=cfg.use_bias, quant=cfg.quantization,
                                prefix=f"{prefix}.out_proj")
         self.dt_limit = (float(cfg.time_step_limit[0]), float(cfg.time_step_limit[1]))
@@ -100,7 +105,7 @@ class Mamba2Mixer(RecurrentLayer):
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         if x.is_cuda:
             raise NotImplementedError("the Mamba2 mixer runs on the CPU only for now (its CUDA kernels are not "
-                                      "written yet): serve Nemotron-H with --device cpu")
+                                      "written yet): serve the Mamba2 families with --device cpu")
         conv_state, ssm_state = self.state["conv_state"], self.state["ssm_state"]
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
