@@ -34,6 +34,7 @@ GRANITE_H_PATTERNS = {
     "mamba_first": [M, ATTN, M, M],
     "attn_first": [ATTN, M, M, ATTN],
     "mamba_run": [M, M, M, ATTN, M],
+    "attention_only": [ATTN, ATTN, ATTN],  # Granite-4.0-Micro's kind: no Mamba2 layer
 }
 # Multipliers of the tiny checkpoints (the releases' are of this kind: 12, 0.22, 0.0078125, 8).
 MULTIPLIERS = {"embedding_multiplier": 0.6, "residual_multiplier": 1.6, "attention_multiplier": 0.09,

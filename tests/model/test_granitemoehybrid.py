@@ -1,7 +1,8 @@
 """Granite-4.0-H (``GraniteMoeHybridForCausalLM``: Mamba2 or attention, then the top-k softmax MoE and the shared
 MLP, four multipliers) against transformers' own class on tiny random checkpoints written by transformers'
 ``save_pretrained`` with the releases' config.json form (float32, CPU, teacher-forced): Mamba2 first with a tied
-head and no RoPE, attention first with RoPE, a dense (no experts) untied model with projection biases; sabotages
+head and no RoPE, attention first with RoPE, a dense (no experts) untied model with projection biases, attention
+layers alone (Granite-4.0-Micro's kind: dense, RoPE, no recurrent state); sabotages
 (a multiplier dropped, the experts' gate and up halves swapped, the Mamba2 norm grouped) caught; the scheduling
 scenario on Mamba2, MoE and attention (staggered arrivals sharing prefixes, so the Mamba2 snapshots hit; chunked
 prefill; an abort; preemption) with n-gram drafts accepted and rejected, async scheduling, rows on slots other
@@ -35,6 +36,7 @@ CASES = {
     "attn_first_rope": ("attn_first", {"position_embedding_type": "rope"}),
     "dense_untied_biases": ("mamba_run", {"num_local_experts": 0, "tie_word_embeddings": False,
                                           "attention_bias": True, "mamba_proj_bias": True}),
+    "attention_only_dense_rope": ("attention_only", {"num_local_experts": 0, "position_embedding_type": "rope"}),
 }
 
 
@@ -54,7 +56,7 @@ def test_matches_transformers(ckpts: CheckpointCache, case: str) -> None:
     path = _path(ckpts, case)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
-    assert set(raw["layer_types"]) == {"mamba", "attention"}  # the releases' form
+    assert set(raw["layer_types"]) <= {"mamba", "attention"}  # the releases' form
     llm = make_llm(path, max_num_batched_tokens=16)
     model = llm.llm_engine.runner.model
     assert type(model) is GraniteMoeHybridForCausalLM
