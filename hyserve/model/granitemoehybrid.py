@@ -5,7 +5,8 @@
     n = post_attention_layernorm(x)
     x = x + residual_multiplier * (moe(n) + shared_mlp(n))          or shared_mlp(n) alone without experts
 
-then the final norm, the LM head and the logits divided by ``logits_scaling``. The Mamba2 mixer is
+then the final norm, the LM head and the logits divided by ``logits_scaling`` (the head's input divided:
+``head_input``). The Mamba2 mixer is
 ``hyserve.layers.mamba2`` with its gated norm over the whole width (Granite ignores ``mamba_n_groups`` there);
 attention is ``hyserve.layers.attention.PlainAttention`` at the softmax scale ``attention_multiplier``, with RoPE
 only for ``position_embedding_type: rope``; the feed-forward blocks are ``hyserve.layers.granite_moe``. Norms scale
@@ -131,11 +132,16 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             return m.is_last
         return True
 
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm's rows divided by ``logits_scaling``: the head has no bias, so its logits are
+        transformers' ``lm_head(x) / logits_scaling``, on every path that reads the head (the CUDA graphs' logits
+        call the head on ``head_input`` themselves, not ``compute_logits``)."""
+        return hidden / self.logits_scaling
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         logits = head(self.head_input(hidden))
-        logits = head.gather(logits) if isinstance(head, ParallelLMHead) else logits
-        return (logits / self.logits_scaling).float()  # divided in the model dtype, as transformers does
+        return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
 
     def input_embeddings(self) -> nn.Embedding:
         assert self.model.embed_tokens is not None, "this pipeline stage holds no embedding"

@@ -2,21 +2,24 @@
 MLP, four multipliers) against transformers' own class on tiny random checkpoints written by transformers'
 ``save_pretrained`` with the releases' config.json form (float32, CPU, teacher-forced): Mamba2 first with a tied
 head and no RoPE, attention first with RoPE, a dense (no experts) untied model with projection biases, attention
-layers alone (Granite-4.0-Micro's kind: dense, RoPE, no recurrent state); sabotages
-(a multiplier dropped, the experts' gate and up halves swapped, the Mamba2 norm grouped) caught; the scheduling
-scenario on Mamba2, MoE and attention (staggered arrivals sharing prefixes, so the Mamba2 snapshots hit; chunked
-prefill; an abort; preemption) with n-gram drafts accepted and rejected, async scheduling, rows on slots other
-than their own; two uneven pipeline stages with the tied head; the config's refusals.
+layers alone (Granite-4.0-Micro's kind: dense, RoPE, no recurrent state); sabotages (a multiplier dropped, the
+experts' gate and up halves swapped, the Mamba2 norm grouped) caught; the scheduling scenario on Mamba2, MoE and
+attention (staggered arrivals sharing prefixes, so the Mamba2 snapshots hit; chunked prefill; an abort;
+preemption) with n-gram drafts accepted and rejected, async scheduling or the emulated CUDA graphs, rows on slots
+other than their own; two uneven pipeline stages with the tied head; the config's refusals and a missing tensor
+named as the releases name it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from hyserve import SamplingParams
 from hyserve.layers.granite_moe import SoftmaxTopKMoE
@@ -28,6 +31,7 @@ from hyserve.testing.families import CheckpointCache
 from hyserve.testing.granitemoehybrid import GRANITE_H, GRANITE_H_PATTERNS
 from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
 from hyserve.testing.speculative import OracleProposer
+from hyserve.worker import cuda_graphs
 
 FAMILY = GRANITE_H.name
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -108,13 +112,17 @@ def plain_run(ckpts: CheckpointCache) -> dict:
     return plain_scenario_run(ckpts, _scenario_path(ckpts))
 
 
-def test_features_compose(ckpts: CheckpointCache, plain_run: dict) -> None:
+@pytest.mark.parametrize("async_scheduling,graphs", [(True, False), (False, True)], ids=["async", "graphs"])
+def test_features_compose(ckpts: CheckpointCache, plain_run: dict, monkeypatch: pytest.MonkeyPatch,
+                          async_scheduling: bool, graphs: bool) -> None:
     """Prefix caching (Mamba2 conv and SSM snapshots), chunked prefill, preemption, an abort, n-gram drafts
-    (verify rows whose rejected positions never reach the live state) and async scheduling together give the
-    plain run's outputs, rows mapped to slots other than their own."""
+    (verify rows whose rejected positions never reach the live state) and async scheduling or the emulated CUDA
+    graphs together give the plain run's outputs, rows mapped to slots other than their own."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
     path = _scenario_path(ckpts)
     arrivals, aborts, _ = scenario(path)
-    engine = scenario_engine(path, "ngram", async_scheduling=True)
+    engine = scenario_engine(path, "ngram", async_scheduling=async_scheduling)
+    assert (engine.runner.graphs is not None) == graphs
     slots = SlotRecorder(engine)
     # Drafts of full length from the known continuations, with errors planted: verify rows accept 0 to 3 of 3.
     conts = {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"}
@@ -183,3 +191,16 @@ def test_tensor_parallel_and_quantization_are_refused_clearly(ckpts: CheckpointC
         make_llm(path, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"Granite-4\.0-H with quantization .* is not supported yet"):
         make_llm(path, quantization="fp8")
+
+
+def test_a_missing_tensor_is_named_as_the_release_names_it(ckpts: CheckpointCache, tmp_path: Path) -> None:
+    """The loader maps the releases' MoE names to the model's, and names a missing one as it is named on disk."""
+    src = _path(ckpts, "mamba_first")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors["model.layers.2.block_sparse_moe.router.layer.weight"]
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) in checkpoint: 'model\.layers\.2\.block_sparse_moe"
+                                         r"\.router\.layer\.weight'"):
+        make_llm(str(dst))
