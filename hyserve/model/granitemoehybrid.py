@@ -62,7 +62,11 @@ class GraniteMoeHybridLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         h = self.input_layernorm(x)
-        mixed = self.mamba(h, meta) if self.mamba is not None else self.self_attn(h, meta)  # type: ignore[misc]
+        if self.mamba is not None:
+            mixed = self.mamba(h, meta)
+        else:
+            assert self.self_attn is not None
+            mixed = self.self_attn(h, meta)
         x = x + mixed * self.residual_multiplier
         h = self.post_attention_layernorm(x)
         ff = self.shared_mlp(h)

@@ -60,6 +60,8 @@ class GraniteMoeHybridConfig(ModelConfig):
     use_conv_bias: bool = True
     use_bias: bool = False
     layer_norm_epsilon: float = 1e-6
+    # Each Mamba2 step's dt clamp, at every token (transformers clamps its chunked prefill only; the default
+    # (0, inf) clamps nothing either way).
     time_step_limit: tuple[float, float] = (0.0, math.inf)
 
     @property
