@@ -113,11 +113,14 @@ class Attention(KVCacheLayer):
 
 
 class PlainAttention(KVCacheLayer):
-    """Multi-head attention with no gate, no q/k norm and no position embedding (Nemotron-H's: the Mamba2 layers
-    carry the order): q, k, v projections, softmax over the paged KV at ``head_dim ** -0.5``, the output
-    projection. ``prefix``: the module's name (``backbone.layers.3.mixer``)."""
+    """Multi-head attention with no gate and no q/k norm: q, k, v projections, softmax over the paged KV at
+    ``scale`` (default ``head_dim ** -0.5``), the output projection. No position embedding (Nemotron-H's, Granite's
+    by default: the Mamba2 layers carry the order) unless given ``rotary`` (Granite's ``position_embedding_type:
+    rope``: NeoX RoPE over the whole head, its cos/sin prepared once a step by the model). ``prefix``: the
+    module's name (``backbone.layers.3.mixer``)."""
 
-    def __init__(self, cfg: AttentionConfig, prefix: str) -> None:
+    def __init__(self, cfg: AttentionConfig, prefix: str, scale: float | None = None,
+                 rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         tp = tp_size()
         h0, h1 = shard_range(cfg.num_attention_heads)
@@ -126,7 +129,8 @@ class PlainAttention(KVCacheLayer):
         self.num_heads, self.num_kv_heads = h1 - h0, kv1 - kv0
         self.kv_head_range, self.num_kv_heads_total = (kv0, kv1), hkv
         self.head_dim = d = cfg.head_dim
-        self.scale = d**-0.5
+        self.scale = d**-0.5 if scale is None else scale
+        self.rotary = [rotary] if rotary is not None else []  # a list: the shared module is not registered here
         bias, quant, hidden = cfg.attention_bias, cfg.quantization, cfg.hidden_size
         q_shard = Shard((cfg.num_attention_heads * d, hidden), 0, ((h0 * d, h1 * d),)) if tp > 1 else None
         self.q_proj = Linear(hidden, self.num_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
@@ -144,4 +148,6 @@ class PlainAttention(KVCacheLayer):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.rotary:
+            q, k = self.rotary[0](meta.positions, q, k)
         return self.o_proj(attend_paged(self, q, k, v, meta).reshape(t, -1))

@@ -66,9 +66,11 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(RecurrentLayer):
-    """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization."""
+    """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization;
+    ``norm_group_size``: the gated norm's group width, by default one group per B/C group (Nemotron-H's
+    ``inner / n_groups``; Granite-4.0-H normalises the whole width at once)."""
 
-    def __init__(self, cfg: Mamba2Config, prefix: str) -> None:
+    def __init__(self, cfg: Mamba2Config, prefix: str, norm_group_size: int | None = None) -> None:
         super().__init__()
         self.num_heads = h = cfg.mamba_num_heads
         self.head_dim = p = cfg.mamba_head_dim
@@ -86,7 +88,10 @@ class Mamba2Mixer(RecurrentLayer):
         self.dt_bias = nn.Parameter(torch.ones(h))
         self.A_log = nn.Parameter(torch.zeros(h))
         self.D = nn.Parameter(torch.ones(h))
-        self.norm = GroupedGatedRMSNorm(i, i // g, cfg.layer_norm_epsilon)
+        group = i // g if norm_group_size is None else norm_group_size
+        if i % group:
+            raise ValueError(f"the gated norm's group width {group} does not divide the Mamba2 width {i}")
+        self.norm = GroupedGatedRMSNorm(i, group, cfg.layer_norm_epsilon)
         self.out_proj = Linear(i, cfg.hidden_size, bias=cfg.use_bias, quant=cfg.quantization,
                                prefix=f"{prefix}.out_proj")
         self.dt_limit = (float(cfg.time_step_limit[0]), float(cfg.time_step_limit[1]))

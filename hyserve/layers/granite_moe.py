@@ -1,0 +1,63 @@
+"""Granite-4.0-H's feed-forward blocks (transformers' ``GraniteMoeHybridMoE`` and ``GraniteMoeHybridMLP``):
+
+    w, idx = softmax over the top-k router logits         = the full softmax's top k, renormalised
+    moe(x) = sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))  the experts: hyserve.layers.moe.Experts
+    mlp(x) = output_linear(silu(gate) * up), [gate | up] = input_linear(x)
+
+Both fuse gate and up, gate rows first: the experts as ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]
+(the releases' ``block_sparse_moe.input_linear`` / ``output_linear``, renamed by the config's ``checkpoint_name``),
+the shared MLP as ``input_linear`` [2I, H] / ``output_linear`` [H, I]. The router (``block_sparse_moe.router.layer``
+on disk) has no bias, no scaling and no groups. docs/mamba2_facts.md section 5.2 has transformers' code.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hyserve.kernels.norm import silu_mul
+from hyserve.layers.linear import Linear
+from hyserve.layers.moe import Experts, route
+from hyserve.layers.quantization import QuantizationConfig
+
+
+class GraniteMoEConfig(Protocol):
+    hidden_size: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    quantization: QuantizationConfig | None
+
+
+class SharedMLP(nn.Module):
+    """``output_linear(silu(gate) * up)`` with ``[gate | up] = input_linear(x)``. ``prefix``: its name
+    (``model.layers.0.shared_mlp``)."""
+
+    def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.input_linear = Linear(hidden, 2 * intermediate, quant=quant, prefix=f"{prefix}.input_linear")
+        self.output_linear = Linear(intermediate, hidden, quant=quant, prefix=f"{prefix}.output_linear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(x).split(self.intermediate, dim=-1)
+        return self.output_linear(silu_mul(gate, up))
+
+
+class SoftmaxTopKMoE(nn.Module):
+    """The routed experts with a top-k softmax router. ``prefix``: its name (``model.layers.0.block_sparse_moe``)."""
+
+    def __init__(self, cfg: GraniteMoEConfig, prefix: str) -> None:
+        super().__init__()
+        e, h = cfg.num_local_experts, cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.router = Linear(h, e, prefix=f"{prefix}.router")
+        self.experts = Experts(e, h, cfg.intermediate_size, cfg.quantization, f"{prefix}.experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # logits in the model dtype, the softmax in float32 (transformers' router)
+        weights, experts = route(self.router(x), self.top_k, renormalize=True)
+        return self.experts(x, weights, experts)
