@@ -113,11 +113,13 @@ class Attention(KVCacheLayer):
 
 
 class PlainAttention(KVCacheLayer):
-    """Multi-head attention with no gate, no q/k norm and no position embedding (Nemotron-H's: the Mamba2 layers
-    carry the order): q, k, v projections, softmax over the paged KV at ``head_dim ** -0.5``, the output
-    projection. ``prefix``: the module's name (``backbone.layers.3.mixer``)."""
+    """Multi-head attention with no gate and no q/k norm: q, k, v projections, softmax over the paged KV at
+    ``head_dim ** -0.5``, the output projection. By default no position embedding (Nemotron-H's: the Mamba2 layers
+    carry the order); Falcon-H1's passes ``rotary`` (full-width NeoX RoPE on q and k) and ``key_multiplier`` (k
+    scaled before the rotation). ``prefix``: the module's name (``backbone.layers.3.mixer``)."""
 
-    def __init__(self, cfg: AttentionConfig, prefix: str) -> None:
+    def __init__(self, cfg: AttentionConfig, prefix: str, *, rotary: RotaryEmbedding | None = None,
+                 key_multiplier: float = 1.0) -> None:
         super().__init__()
         tp = tp_size()
         h0, h1 = shard_range(cfg.num_attention_heads)
@@ -132,6 +134,8 @@ class PlainAttention(KVCacheLayer):
         self.q_proj = Linear(hidden, self.num_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
                              shard=q_shard)
         self.k_proj, self.v_proj, self.o_proj = kv_and_output_projections(cfg, prefix, (kv0, kv1), (h0, h1))
+        self.rotary = [rotary] if rotary is not None else []  # a list: the shared module is not registered per layer
+        self.key_multiplier = float(key_multiplier)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -144,4 +148,8 @@ class PlainAttention(KVCacheLayer):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
+        if self.rotary:
+            q, k = self.rotary[0](meta.positions, q, k)
         return self.o_proj(attend_paged(self, q, k, v, meta).reshape(t, -1))
