@@ -4,8 +4,10 @@ depthwise conv with bias and SiLU over [x | B | C], the selective state space sc
 projection. Falcon-H1's options (constructor arguments; the defaults are Nemotron-H's): its muP multipliers, one on
 the input and one per segment [z | x | B | C | dt] of the input projection's output (before the conv, so the conv
 window holds multiplied values), the gated norm absent (``y * silu(z)``) or normalising before the gate, and a bias
-on the output projection of its own (``projectors_bias``). Per request it keeps, in the slot the runner binds (``bind_state``), the conv window (the last K - 1
-inputs of [x | B | C], model dtype) and the SSM state (heads x head_dim x state size, float32 unless
+on the output projection of its own (``projectors_bias``).
+
+Per request it keeps, in the slot the runner binds (``bind_state``), the conv window (the last K - 1 inputs of
+[x | B | C], model dtype) and the SSM state (heads x head_dim x state size, float32 unless
 ``--mamba-ssm-cache-dtype``). docs/mamba2_facts.md gives transformers' formulas this follows.
 
 A verify step (speculative decoding) reads the live states and writes the candidate after every position to the
