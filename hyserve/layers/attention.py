@@ -116,11 +116,12 @@ class PlainAttention(KVCacheLayer):
     """Multi-head attention with no gate and no q/k norm: q, k, v projections, softmax over the paged KV at
     ``scale`` (default ``head_dim ** -0.5``), the output projection. No position embedding (Nemotron-H's, Granite's
     by default: the Mamba2 layers carry the order) unless given ``rotary`` (Granite's ``position_embedding_type:
-    rope``: NeoX RoPE over the whole head, its cos/sin prepared once a step by the model). ``prefix``: the
-    module's name (``backbone.layers.3.mixer``)."""
+    rope``, Falcon-H1's: NeoX RoPE over the whole head, its cos/sin prepared once a step by the model);
+    ``key_multiplier`` (Falcon-H1's) scales k before the rotation. ``prefix``: the module's name
+    (``backbone.layers.3.mixer``)."""
 
     def __init__(self, cfg: AttentionConfig, prefix: str, scale: float | None = None,
-                 rotary: RotaryEmbedding | None = None) -> None:
+                 rotary: RotaryEmbedding | None = None, key_multiplier: float = 1.0) -> None:
         super().__init__()
         tp = tp_size()
         h0, h1 = shard_range(cfg.num_attention_heads)
@@ -136,6 +137,8 @@ class PlainAttention(KVCacheLayer):
         self.q_proj = Linear(hidden, self.num_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
                              shard=q_shard)
         self.k_proj, self.v_proj, self.o_proj = kv_and_output_projections(cfg, prefix, (kv0, kv1), (h0, h1))
+        self.rotary = [rotary] if rotary is not None else []  # a list: the shared module is not registered per layer
+        self.key_multiplier = float(key_multiplier)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -148,6 +151,8 @@ class PlainAttention(KVCacheLayer):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         if self.rotary:
             q, k = self.rotary[0](meta.positions, q, k)
         return self.o_proj(attend_paged(self, q, k, v, meta).reshape(t, -1))

@@ -1,8 +1,13 @@
 """The Mamba2 mixer (NemotronH, Granite-4.0-H, Falcon-H1): an input projection to [z | x B C | dt], a causal
 depthwise conv with bias and SiLU over [x | B | C], the selective state space scan over each request's SSM state
 (``hyserve.kernels.mamba2``), a gated RMSNorm per group (``x * silu(z)`` first, then the norm), the output
-projection. Per request it keeps, in the slot the runner binds (``bind_state``), the conv window (the last K - 1
-inputs of [x | B | C], model dtype) and the SSM state (heads x head_dim x state size, float32 unless
+projection. Falcon-H1's options (constructor arguments; the defaults are Nemotron-H's): its muP multipliers, one on
+the input and one per segment [z | x | B | C | dt] of the input projection's output (before the conv, so the conv
+window holds multiplied values), the gated norm absent (``y * silu(z)``) or normalising before the gate, and a bias
+on the output projection of its own (``projectors_bias``).
+
+Per request it keeps, in the slot the runner binds (``bind_state``), the conv window (the last K - 1 inputs of
+[x | B | C], model dtype) and the SSM state (heads x head_dim x state size, float32 unless
 ``--mamba-ssm-cache-dtype``). docs/mamba2_facts.md gives transformers' formulas this follows.
 
 A verify step (speculative decoding) reads the live states and writes the candidate after every position to the
@@ -49,28 +54,40 @@ class Mamba2Config(Protocol):
 
 class GroupedGatedRMSNorm(nn.Module):
     """``w * rmsnorm_per_group(x * silu(z))`` over groups of ``group_size`` channels, in float32, the result cast to
-    the input's dtype before the weight multiplies it (transformers' ``Zamba2RMSNormGated``, gate before norm)."""
+    the input's dtype before the weight multiplies it (transformers' ``Zamba2RMSNormGated``, gate before norm). With
+    ``norm_before_gate`` (Falcon-H1's default): ``(w * rmsnorm_per_group(x)) * silu(z)``. The mixer hands it the
+    scan's float32 output, so the weight multiplies in float32 either way, as both of transformers' norms do then."""
 
-    def __init__(self, width: int, group_size: int, eps: float) -> None:
+    def __init__(self, width: int, group_size: int, eps: float, norm_before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float() * nn.functional.silu(z.float())
+        gate = nn.functional.silu(z.float())
+        h = x.float() if self.norm_before_gate else x.float() * gate
         grouped = h.view(*h.shape[:-1], -1, self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(h.shape).to(dtype)
+        out = self.weight * grouped.view(h.shape).to(dtype)
+        return (out * gate).to(dtype) if self.norm_before_gate else out
 
 
 class Mamba2Mixer(RecurrentLayer):
-    """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization;
+    """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization.
+
+    Falcon-H1's options: ``in_multiplier`` scales the input; ``segment_multipliers`` (five: z, x, B, C, dt) scale
+    the input projection's output segments; ``gated_norm=False`` gates without a norm (no ``norm`` weight);
+    ``norm_before_gate`` orders the gated norm; ``out_proj_bias`` (default: ``cfg.use_bias``) the output bias.
     ``norm_group_size``: the gated norm's group width, by default one group per B/C group (Nemotron-H's
     ``inner / n_groups``; Granite-4.0-H normalises the whole width at once)."""
 
-    def __init__(self, cfg: Mamba2Config, prefix: str, norm_group_size: int | None = None) -> None:
+    def __init__(self, cfg: Mamba2Config, prefix: str, *, in_multiplier: float = 1.0,
+                 segment_multipliers: tuple[float, ...] | None = None, gated_norm: bool = True,
+                 norm_before_gate: bool = False, out_proj_bias: bool | None = None,
+                 norm_group_size: int | None = None) -> None:
         super().__init__()
         self.num_heads = h = cfg.mamba_num_heads
         self.head_dim = p = cfg.mamba_head_dim
@@ -91,9 +108,16 @@ class Mamba2Mixer(RecurrentLayer):
         group = i // g if norm_group_size is None else norm_group_size
         if i % group:
             raise ValueError(f"the gated norm's group width {group} does not divide the Mamba2 width {i}")
-        self.norm = GroupedGatedRMSNorm(i, group, cfg.layer_norm_epsilon)
-        self.out_proj = Linear(i, cfg.hidden_size, bias=cfg.use_bias, quant=cfg.quantization,
-                               prefix=f"{prefix}.out_proj")
+        self.norm = GroupedGatedRMSNorm(i, group, cfg.layer_norm_epsilon, norm_before_gate) if gated_norm else None
+        self.out_proj = Linear(i, cfg.hidden_size, bias=cfg.use_bias if out_proj_bias is None else out_proj_bias,
+                               quant=cfg.quantization, prefix=f"{prefix}.out_proj")
+        self.in_multiplier = float(in_multiplier)
+        if segment_multipliers is not None and len(segment_multipliers) != 5:
+            raise ValueError(f"segment_multipliers needs 5 values (z, x, B, C, dt), got {len(segment_multipliers)}")
+        self.segment_multipliers = None if segment_multipliers is None else tuple(map(float, segment_multipliers))
+        # The per-channel vector of segment_multipliers, made on first use: a plain attribute, not a buffer (no
+        # checkpoint holds it, and a model built on the meta device must not keep a meta copy).
+        self._segment_scale: torch.Tensor | None = None
         self.dt_limit = (float(cfg.time_step_limit[0]), float(cfg.time_step_limit[1]))
         self.ssm_dtype: torch.dtype = getattr(torch, cfg.ssm_state_dtype)
 
@@ -104,10 +128,34 @@ class Mamba2Mixer(RecurrentLayer):
             StateTensorSpec("ssm_state", (self.num_heads, self.head_dim, self.state_size), self.ssm_dtype),
         ))
 
+    def segment_scale(self, like: torch.Tensor) -> torch.Tensor:
+        """``segment_multipliers`` per channel of the input projection's output [z | x | B | C | dt], computed in
+        float32 and kept in ``like``'s dtype (transformers' ``mup_vector`` follows the model's dtype)."""
+        assert self.segment_multipliers is not None
+        held = self._segment_scale
+        if held is None or held.device != like.device or held.dtype != like.dtype:
+            gn = self.n_groups * self.state_size
+            widths = (self.intermediate, self.intermediate, gn, gn, self.num_heads)
+            held = torch.cat([torch.full((w,), m, dtype=torch.float32, device=like.device)
+                              for w, m in zip(widths, self.segment_multipliers, strict=True)]).to(like.dtype)
+            self._segment_scale = held
+        return held
+
+    def project_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The input projection's output [z | x B C | dt], with Falcon-H1's multipliers where it has them."""
+        if self.in_multiplier != 1.0:
+            x = x * self.in_multiplier
+        zxbcdt = self.in_proj(x)
+        return zxbcdt if self.segment_multipliers is None else zxbcdt * self.segment_scale(zxbcdt)
+
+    def gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The scan's float32 output gated by ``z``: the gated norm, or ``y * silu(z)`` without one."""
+        return self.norm(y, z) if self.norm is not None else y * nn.functional.silu(z)
+
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         conv_state, ssm_state = self.state["conv_state"], self.state["ssm_state"]
         t = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = self.project_in(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)
         bias = self.conv1d.bias
         a = -torch.exp(self.A_log.float())
@@ -143,5 +191,5 @@ class Mamba2Mixer(RecurrentLayer):
                             query_start_loc_cpu=qsl_cpu)
             outs.append(y.reshape(m, self.intermediate))
         y = torch.cat(outs) if len(outs) > 1 else outs[0]
-        out = self.norm(y, z)  # float32, as transformers' scan output reaches its norm
+        out = self.gate(y, z)  # float32, as transformers' scan output reaches its norm
         return self.out_proj(out.to(x.dtype))

@@ -14,10 +14,13 @@ from hyserve.layers.sharding import Shard
 
 
 class MLP(nn.Module):
-    """The gated SiLU MLP: ``down(silu(gate(x)) * up(x))``, gate and up in one GEMM."""
+    """The gated SiLU MLP: ``down(silu(gate(x)) * up(x))``, gate and up in one GEMM. Falcon-H1's muP multipliers:
+    ``gate_multiplier`` scales the gate's output before the SiLU, ``down_multiplier`` the block's output."""
 
-    def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str, *,
+                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0) -> None:
         super().__init__()
+        self.gate_multiplier, self.down_multiplier = float(gate_multiplier), float(down_multiplier)
         i0, i1 = shard_range(intermediate)
         shards: dict[str, Shard] = {}
         if tp_size() > 1:
@@ -28,7 +31,11 @@ class MLP(nn.Module):
                                            prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(*self.gate_up_proj.split(self.gate_up_proj(x))))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
+        out = self.down_proj(silu_mul(gate, up))
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
 
 class GeluMLP(nn.Module):

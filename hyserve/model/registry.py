@@ -94,6 +94,8 @@ _NEMOTRON_H = ("hyserve.model.nemotron_h", "NemotronHForCausalLM")
 _NEMOTRON_H_PARSER = ("hyserve.model.nemotron_h_config", "parse_nemotron_h_config")
 _GRANITE_H = ("hyserve.model.granitemoehybrid", "GraniteMoeHybridForCausalLM")
 _GRANITE_H_PARSER = ("hyserve.model.granitemoehybrid_config", "parse_granitemoehybrid_config")
+_FALCON_H1 = ("hyserve.model.falcon_h1", "FalconH1ForCausalLM")
+_FALCON_H1_PARSER = ("hyserve.model.falcon_h1_config", "parse_falcon_h1_config")
 # Both checkpoint forms of each family parse from either model_type (text fields at top level or under text_config).
 _FAMILIES = (
     ModelEntry("Qwen3_5ForConditionalGeneration", _QWEN3_5, _QWEN3_5_PARSER, ("qwen3_5", "qwen3_5_text"), _QWEN3_5_MTP),
@@ -109,6 +111,7 @@ _FAMILIES = (
     ModelEntry("Qwen4ExpForCausalLM", _QWEN4_EXP, _QWEN4_EXP_PARSER, ("qwen4_exp_text", "qwen4_exp"), _QWEN4_EXP_MTP),
     ModelEntry("NemotronHForCausalLM", _NEMOTRON_H, _NEMOTRON_H_PARSER, ("nemotron_h",)),
     ModelEntry("GraniteMoeHybridForCausalLM", _GRANITE_H, _GRANITE_H_PARSER, ("granitemoehybrid",)),
+    ModelEntry("FalconH1ForCausalLM", _FALCON_H1, _FALCON_H1_PARSER, ("falcon_h1",)),
 )
 _REGISTRY: dict[str, ModelEntry] = {e.architecture: e for e in _FAMILIES}
 
