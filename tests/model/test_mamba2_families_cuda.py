@@ -16,15 +16,18 @@ import torch
 
 from hyserve import SamplingParams
 from hyserve.testing.engine import assert_matches_reference, make_llm, random_prompts
+from hyserve.testing.falcon_h1 import FALCON_H1
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.granitemoehybrid import GRANITE_H
+from hyserve.testing.nemotron_h import NEMOTRON_H
 from hyserve.testing.qwen3_5 import reference_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CASES = {  # (family, pattern, overrides of ckpts.get)
-    "nemotron_h_moe": ("nemotron_h", "moe", {}),
-    "granite_mamba_first": ("granitemoehybrid", "mamba_first", {}),
-    "falcon_h1_release": ("falcon_h1", "hybrid3", {"variant": "release"}),
+    "nemotron_h_moe": (NEMOTRON_H.name, "moe", {}),
+    "granite_mamba_first": (GRANITE_H.name, "mamba_first", {}),
+    "falcon_h1_release": (FALCON_H1.name, "hybrid3", {"variant": "release"}),
 }
 # Prompts repeat their own tails so that n-gram lookup proposes drafts; a shared prefix so that the cache hits.
 SHARED = random_prompts(1, [40], seed=11)[0]
