@@ -110,3 +110,31 @@ def plain_scenario_run(ckpts: CheckpointCache, path: str) -> dict[str, RequestOu
         if rid != "d":  # sampled
             assert_matches_reference(ref, prompts[rid], out)
     return want
+
+
+def assert_ngram_scenario_matches(path: str, plain_run: dict[str, RequestOutput], async_scheduling: bool,
+                                  graphs: bool) -> None:
+    """The scenario on ``path`` with n-gram speculation, async scheduling or CUDA graphs (emulated on the CPU when the
+    caller set ``cuda_graphs.EMULATE``) gives ``plain_run``'s outputs, rows mapped to slots other than their own.
+    Drafts of full length come from the known continuations with errors planted (random prompts rarely repeat, so
+    prompt lookup alone would propose little): verify rows accept 0 to 3 of 3, and the test asks for both."""
+    from hyserve.testing.engine import SlotRecorder
+    from hyserve.testing.speculative import OracleProposer
+
+    arrivals, aborts, _ = scenario(path)
+    engine = scenario_engine(path, "ngram", async_scheduling=async_scheduling)
+    assert (engine.runner.graphs is not None) == graphs
+    slots = SlotRecorder(engine)
+    conts = {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"}
+    plan = {rid: [0, 3, 1, 2] for rid in conts}
+    engine.proposer = OracleProposer({"c": [], "d": [], **conts}, plan, vocab=440)  # c aborted, d sampled: none
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert slots.saw_non_identity()
+    assert set(got) == set(plain_run)
+    assert_same_outputs({r: o for r, o in got.items() if r != "d"}, {r: o for r, o in plain_run.items() if r != "d"})
+    metrics = engine.get_metrics()
+    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
+    drafted = metrics["hyserve:spec_decode_num_draft_tokens"]
+    accepted = metrics["hyserve:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted  # type: ignore[operator]  # drafts accepted and rejected

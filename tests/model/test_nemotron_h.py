@@ -21,11 +21,13 @@ from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.layers.sigmoid_moe import SigmoidMoE
 from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.registry import load_model_config
-from hyserve.testing.engine import SlotRecorder, assert_matches_reference, drive, make_llm, random_prompts
+from hyserve.testing.engine import assert_matches_reference, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.nemotron_h import NEMOTRON_H, NEMOTRON_H_PATTERNS
-from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
-from hyserve.testing.speculative import OracleProposer
+from hyserve.testing.scenarios import (
+    assert_ngram_scenario_matches,
+    plain_scenario_run,
+)
 from hyserve.worker import cuda_graphs
 
 FAMILY = NEMOTRON_H.name
@@ -69,26 +71,7 @@ def test_features_compose(ckpts: CheckpointCache, plain_run: dict, monkeypatch: 
     positions never reach the live state) and async scheduling or the emulated CUDA graphs together give the plain
     run's outputs, rows mapped to slots other than their own."""
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
-    path = _scenario_path(ckpts)
-    arrivals, aborts, _ = scenario(path)
-    engine = scenario_engine(path, "ngram", async_scheduling=async_scheduling)
-    assert (engine.runner.graphs is not None) == graphs
-    slots = SlotRecorder(engine)
-    # Drafts of full length from the known continuations, with errors planted (random prompts rarely repeat, so
-    # prompt lookup alone would propose little): verify rows accept 0 to 3 of 3.
-    conts = {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"}
-    plan = {rid: [0, 3, 1, 2] for rid in conts}
-    engine.proposer = OracleProposer({"c": [], "d": [], **conts}, plan, vocab=440)  # c aborted, d sampled: none
-    got = drive(engine, arrivals, aborts)
-    engine.assert_no_leaks()
-    assert slots.saw_non_identity()
-    assert set(got) == set(plain_run)
-    assert_same_outputs({r: o for r, o in got.items() if r != "d"}, {r: o for r, o in plain_run.items() if r != "d"})
-    metrics = engine.get_metrics()
-    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
-    drafted = metrics["hyserve:spec_decode_num_draft_tokens"]
-    accepted = metrics["hyserve:spec_decode_num_accepted_tokens"]
-    assert 0 < accepted < drafted  # type: ignore[operator]  # drafts accepted and rejected
+    assert_ngram_scenario_matches(_scenario_path(ckpts), plain_run, async_scheduling, graphs)
 
 
 def test_moe_with_latent_projections_matches_transformers(ckpts: CheckpointCache) -> None:
