@@ -23,6 +23,7 @@ from hyserve.model.nemotron_h import NemotronHForCausalLM
 from hyserve.model.registry import load_model_config
 from hyserve.testing.engine import assert_matches_reference, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.fp8 import assert_close_to_fp8_reference
 from hyserve.testing.nemotron_h import NEMOTRON_H, NEMOTRON_H_PATTERNS
 from hyserve.testing.scenarios import (
     assert_ngram_scenario_matches,
@@ -138,3 +139,24 @@ def test_tensor_parallel_is_refused_clearly(ckpts: CheckpointCache) -> None:
     path = ckpts.get("causal", "m_attn_m_mlp", family=FAMILY)
     with pytest.raises(ValueError, match="Nemotron-H with tensor_parallel_size > 1 is not supported yet"):
         make_llm(path, tensor_parallel_size=2)
+
+
+def test_a_bf16_mamba2_state_is_stored_and_stays_close(ckpts: CheckpointCache) -> None:
+    """``--mamba-ssm-cache-dtype bfloat16``: the Mamba2 layers' SSM state stored in bf16 at half the bytes (the conv
+    windows as they were), the outputs close to the float32 reference (every clear position its argmax) but not
+    within the float32 check: the rounding is seen."""
+    path = ckpts.get("causal", "mamba_run", family=FAMILY)
+    ref = ckpts.reference(path)
+    half, full = (make_llm(path, max_num_batched_tokens=32, **kw) for kw in ({"mamba_ssm_cache_dtype": "bfloat16"}, {}))
+    for llm, want in ((half, torch.bfloat16), (full, torch.float32)):
+        mixers = [b.mixer for b in llm.llm_engine.runner.model.backbone.layers if isinstance(b.mixer, Mamba2Mixer)]
+        assert mixers and all(m.state["ssm_state"].dtype == want for m in mixers)
+    specs = [e.llm_engine.runner.cache_specs for e in (half, full)]
+    ssm = sum(t.nbytes for spec in specs[1].recurrent for t in spec.tensors if t.name == "ssm_state")
+    assert specs[1].state_bytes_per_slot - specs[0].state_bytes_per_slot == ssm // 2
+    prompts = random_prompts(4, [5, 23, 41, 70], seed=3)
+    outs = half.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_close_to_fp8_reference(ref, list(zip(prompts, outs, strict=True)), 3e-2, 0.5, 0.5, min_clear=8)
+    with pytest.raises(AssertionError, match="logprob"):
+        for p, o in zip(prompts, outs, strict=True):
+            assert_matches_reference(ref, p, o)
