@@ -8,6 +8,10 @@ Both fuse gate and up, gate rows first: the experts as ``gate_up_proj`` [E, 2I, 
 (the releases' ``block_sparse_moe.input_linear`` / ``output_linear``, renamed by the config's ``checkpoint_name``),
 the shared MLP as ``input_linear`` [2I, H] / ``output_linear`` [H, I]. The router (``block_sparse_moe.router.layer``
 on disk) has no bias, no scaling and no groups. docs/mamba2_facts.md section 5.2 has transformers' code.
+
+Tensor parallel: the experts (``Experts``) and the shared MLP hold their share of the intermediate channels (the
+gate rows and the up rows of it), the router is whole on every rank; both blocks' outputs are partial sums, which
+the layer adds and sums over the group in one all-reduce (``GraniteMoeHybridLayer``).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels.norm import silu_mul
-from hyserve.layers.linear import Linear
+from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.moe import Experts, route
 from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.sharding import Shard
 
 
 class GraniteMoEConfig(Protocol):
@@ -34,13 +40,20 @@ class GraniteMoEConfig(Protocol):
 
 class SharedMLP(nn.Module):
     """``output_linear(silu(gate) * up)`` with ``[gate | up] = input_linear(x)``. ``prefix``: its name
-    (``model.layers.0.shared_mlp``)."""
+    (``model.layers.0.shared_mlp``). Tensor parallel: this rank's channels of gate and of up, ``output_linear``
+    row-parallel (``output_linear.reduce_results = False``: the caller sums the partial output)."""
 
     def __init__(self, hidden: int, intermediate: int, quant: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.input_linear = Linear(hidden, 2 * intermediate, quant=quant, prefix=f"{prefix}.input_linear")
-        self.output_linear = Linear(intermediate, hidden, quant=quant, prefix=f"{prefix}.output_linear")
+        tp = tp_size()
+        i0, i1 = shard_range(intermediate)
+        self.intermediate = i1 - i0
+        shard = Shard((2 * intermediate, hidden), 0, ((i0, i1), (intermediate + i0, intermediate + i1))) \
+            if tp > 1 else None
+        self.input_linear = Linear(hidden, 2 * self.intermediate, quant=quant, prefix=f"{prefix}.input_linear",
+                                   shard=shard)
+        self.output_linear = RowParallelLinear(intermediate, hidden, (i0, i1), sharded=tp > 1, quant=quant,
+                                               prefix=f"{prefix}.output_linear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).split(self.intermediate, dim=-1)
@@ -48,7 +61,8 @@ class SharedMLP(nn.Module):
 
 
 class SoftmaxTopKMoE(nn.Module):
-    """The routed experts with a top-k softmax router. ``prefix``: its name (``model.layers.0.block_sparse_moe``)."""
+    """The routed experts with a top-k softmax router. ``prefix``: its name (``model.layers.0.block_sparse_moe``).
+    Tensor parallel: its output is this rank's partial sum (the caller reduces it)."""
 
     def __init__(self, cfg: GraniteMoEConfig, prefix: str) -> None:
         super().__init__()

@@ -14,6 +14,15 @@ A verify step (speculative decoding) reads the live states and writes the candid
 verify scratch; the base class's ``commit_verified`` and ``snapshot_candidates`` copy them, so a rejected draft never
 reaches the live state or a snapshot.
 
+Tensor parallel (``mamba2_group_range``): each rank holds ``mamba_num_heads / tp`` heads, with their rows of z, x
+and dt, their ``dt_bias`` / ``A_log`` / ``D``, their channels of the conv and of the gated norm, and their input
+columns of ``out_proj`` (row-parallel, summed over the group). B and C are sharded by group when
+``tp`` divides ``n_groups`` (the rank's heads read exactly its groups), and otherwise, when ``n_groups`` divides
+``tp``, every rank keeps the one group its heads read (a group shared by ``tp / n_groups`` ranks, as attention's
+KV heads); other pairs are refused (``check_mamba2_tensor_parallel``). A gated-norm group that spans ranks (one
+group over the whole width: Granite-4.0-H, or ``n_groups`` = 1) sums its squares over the group with one
+all-reduce; a group that spans some ranks but not all is refused.
+
 The conv and the scan dispatch on the device (``hyserve.kernels.conv``, ``hyserve.kernels.mamba2``): the plain-torch
 references on the CPU, Triton kernels (and fla-core's chunked scan for bf16 / fp16 prefill) on CUDA, where a decode
 or verify step makes no host sync and can be captured in a CUDA graph. The gated norm is torch on both.
@@ -27,10 +36,12 @@ import torch
 from torch import nn
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
+from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
 from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify
 from hyserve.kernels.mamba2 import mamba2_scan
-from hyserve.layers.linear import Linear
+from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.base import RecurrentLayer
 from hyserve.model.metadata import StepMetadata
 
@@ -52,26 +63,72 @@ class Mamba2Config(Protocol):
     ssm_state_dtype: str
 
 
+def check_mamba2_tensor_parallel(num_heads: int, head_dim: int, n_groups: int, tp: int,
+                                 norm_group_size: int | None) -> None:
+    """Refuse, naming the fields, a tensor-parallel size that does not split the Mamba2 heads, whose groups are
+    neither split nor shared whole (``tp`` must divide ``n_groups`` or ``n_groups`` divide ``tp``), or whose gated
+    norm has a group spanning some ranks but not all (``norm_group_size``: its width in channels; ``None``: no
+    gated norm)."""
+    if tp == 1:
+        return
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the Mamba2 heads (mamba_num_heads={num_heads}) "
+                         "of this checkpoint; use a --tensor-parallel-size that divides it")
+    if n_groups % tp and tp % n_groups:
+        raise ValueError(f"tensor_parallel_size={tp} and the Mamba2 groups (n_groups={n_groups}): one must divide "
+                         "the other (groups sharded, or each group's heads on ranks of their own); use a "
+                         "--tensor-parallel-size that does")
+    width, local, group = num_heads * head_dim, num_heads * head_dim // tp, norm_group_size
+    if group is not None and local % group and group != width:
+        raise ValueError(f"tensor_parallel_size={tp}: the Mamba2 gated norm's groups of {group} channels would span "
+                         f"some of the ranks' {local} channels but not all (mamba_num_heads={num_heads}, "
+                         f"mamba_head_dim={head_dim}, n_groups={n_groups})")
+
+
+def mamba2_group_range(num_heads: int, n_groups: int, rank: int | None = None,
+                       size: int | None = None) -> tuple[int, int]:
+    """[start, end) of the B/C groups rank's heads read: its share of the groups when ``size`` divides
+    ``n_groups``, else (``n_groups`` divides ``size``) the one group holding all of its heads."""
+    rank = tp_rank() if rank is None else rank
+    size = tp_size() if size is None else size
+    if n_groups % size == 0:
+        return shard_range(n_groups, rank, size)
+    if size % n_groups:
+        raise ValueError(f"n_groups={n_groups} and tensor_parallel_size={size}: one must divide the other")
+    h0, _ = shard_range(num_heads, rank, size)
+    g = h0 // (num_heads // n_groups)
+    return g, g + 1
+
+
 class GroupedGatedRMSNorm(nn.Module):
     """``w * rmsnorm_per_group(x * silu(z))`` over groups of ``group_size`` channels, in float32, the result cast to
     the input's dtype before the weight multiplies it (transformers' ``Zamba2RMSNormGated``, gate before norm). With
     ``norm_before_gate`` (Falcon-H1's default): ``(w * rmsnorm_per_group(x)) * silu(z)``. The mixer hands it the
-    scan's float32 output, so the weight multiplies in float32 either way, as both of transformers' norms do then."""
+    scan's float32 output, so the weight multiplies in float32 either way, as both of transformers' norms do then.
 
-    def __init__(self, width: int, group_size: int, eps: float, norm_before_gate: bool = False) -> None:
+    ``width`` is this rank's channels; ``spans_ranks``: one group over the whole width of every rank (tensor
+    parallel), whose mean square sums the ranks' squares with an all-reduce (``group_size`` the full width)."""
+
+    def __init__(self, width: int, group_size: int, eps: float, norm_before_gate: bool = False,
+                 spans_ranks: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.group_size = group_size
         self.eps = eps
         self.norm_before_gate = norm_before_gate
+        self.spans_ranks = spans_ranks
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         gate = nn.functional.silu(z.float())
         h = x.float() if self.norm_before_gate else x.float() * gate
-        grouped = h.view(*h.shape[:-1], -1, self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * grouped.view(h.shape).to(dtype)
+        if self.spans_ranks:
+            mean_square = all_reduce(h.pow(2).sum(-1, keepdim=True)) / self.group_size
+            normed = h * torch.rsqrt(mean_square + self.eps)
+        else:
+            grouped = h.view(*h.shape[:-1], -1, self.group_size)
+            normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+        out = self.weight * normed.to(dtype)
         return (out * gate).to(dtype) if self.norm_before_gate else out
 
 
@@ -89,28 +146,55 @@ class Mamba2Mixer(RecurrentLayer):
                  norm_before_gate: bool = False, out_proj_bias: bool | None = None,
                  norm_group_size: int | None = None) -> None:
         super().__init__()
-        self.num_heads = h = cfg.mamba_num_heads
-        self.head_dim = p = cfg.mamba_head_dim
-        self.n_groups = g = cfg.n_groups
+        full_h, p, full_g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups
         self.state_size = n = cfg.ssm_state_size
-        if h % g:
-            raise ValueError(f"mamba_num_heads={h} is not a multiple of n_groups={g}")
+        if full_h % full_g:
+            raise ValueError(f"mamba_num_heads={full_h} is not a multiple of n_groups={full_g}")
+        full_i = full_h * p
+        full_group = full_i // full_g if norm_group_size is None else norm_group_size
+        if full_i % full_group:
+            raise ValueError(f"the gated norm's group width {full_group} does not divide the Mamba2 width {full_i}")
+        tp = tp_size()
+        check_mamba2_tensor_parallel(full_h, p, full_g, tp, full_group if gated_norm else None)
+        # This rank's heads and the B/C groups they read (all of them with one rank).
+        (h0, h1), (g0, g1) = shard_range(full_h), mamba2_group_range(full_h, full_g)
+        self.num_heads = h = h1 - h0
+        self.head_dim = p
+        self.n_groups = g = g1 - g0
         self.intermediate = i = h * p
         self.conv_dim = i + 2 * g * n
         k = cfg.conv_kernel
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, k, bias=cfg.use_conv_bias, groups=self.conv_dim,
                                 padding=k - 1)
+        # Rows of the checkpoint's [x | B | C] (the conv's channels) and [z | x | B | C | dt] (in_proj's output).
+        gn = full_g * n
+        xbc = ((h0 * p, h1 * p), (full_i + g0 * n, full_i + g1 * n), (full_i + gn + g0 * n, full_i + gn + g1 * n))
+        self.conv_rows = xbc
+        self.in_proj_rows = ((h0 * p, h1 * p), *((full_i + a, full_i + b) for a, b in xbc),
+                             (2 * full_i + 2 * gn + h0, 2 * full_i + 2 * gn + h1))
+        sharded = tp > 1
+        full_conv, full_proj = full_i + 2 * gn, 2 * full_i + 2 * gn + full_h
+        in_shard = Shard((full_proj, cfg.hidden_size), 0, self.in_proj_rows) if sharded else None
         self.in_proj = Linear(cfg.hidden_size, i + self.conv_dim + h, bias=cfg.use_bias, quant=cfg.quantization,
-                              prefix=f"{prefix}.in_proj")
+                              prefix=f"{prefix}.in_proj", shard=in_shard)
         self.dt_bias = nn.Parameter(torch.ones(h))
         self.A_log = nn.Parameter(torch.zeros(h))
         self.D = nn.Parameter(torch.ones(h))
-        group = i // g if norm_group_size is None else norm_group_size
-        if i % group:
-            raise ValueError(f"the gated norm's group width {group} does not divide the Mamba2 width {i}")
-        self.norm = GroupedGatedRMSNorm(i, group, cfg.layer_norm_epsilon, norm_before_gate) if gated_norm else None
-        self.out_proj = Linear(i, cfg.hidden_size, bias=cfg.use_bias if out_proj_bias is None else out_proj_bias,
-                               quant=cfg.quantization, prefix=f"{prefix}.out_proj")
+        # A norm group spanning ranks is the whole width (check_mamba2_tensor_parallel refuses the rest).
+        spans = sharded and full_group > i
+        self.norm = GroupedGatedRMSNorm(i, full_group, cfg.layer_norm_epsilon, norm_before_gate, spans) \
+            if gated_norm else None
+        self.out_proj = RowParallelLinear(full_i, cfg.hidden_size, (h0 * p, h1 * p),
+                                          bias=cfg.use_bias if out_proj_bias is None else out_proj_bias,
+                                          sharded=sharded, quant=cfg.quantization, prefix=f"{prefix}.out_proj")
+        if sharded:
+            set_shard(self.conv1d.weight, Shard((full_conv, 1, k), 0, xbc))
+            if self.conv1d.bias is not None:
+                set_shard(self.conv1d.bias, Shard((full_conv,), 0, xbc))
+            for param in (self.dt_bias, self.A_log, self.D):
+                set_shard(param, Shard((full_h,), 0, ((h0, h1),)))
+            if self.norm is not None:
+                set_shard(self.norm.weight, Shard((full_i,), 0, ((h0 * p, h1 * p),)))
         self.in_multiplier = float(in_multiplier)
         if segment_multipliers is not None and len(segment_multipliers) != 5:
             raise ValueError(f"segment_multipliers needs 5 values (z, x, B, C, dt), got {len(segment_multipliers)}")

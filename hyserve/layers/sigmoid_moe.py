@@ -12,6 +12,11 @@ The experts are ungated (``up`` then ``down``, no gate projection) and stacked `
 ``experts.{e}.up_proj.weight``, loaded into views: ``checkpoint_parts``). ``L`` is ``moe_latent_size`` when the
 config sets it (the latent projections ``fc1_latent_proj`` / ``fc2_latent_proj`` around the experts), else the
 hidden size. docs/mamba2_facts.md §5.1 gives transformers' code this follows.
+
+Tensor parallel: each rank holds every expert's share of its intermediate channels (``moe_intermediate_size``)
+and its share of the shared expert's; the router and the latent projections are whole on every rank. The routed
+sum (through ``fc2_latent_proj``, which is linear) and the shared expert's output are then partial sums, added and
+summed over the group in one all-reduce.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_size
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.sharding import Shard, set_shard
 
 
 class SigmoidMoEConfig(Protocol):
@@ -42,19 +49,31 @@ class SigmoidMoEConfig(Protocol):
 
 
 class UngatedExperts(nn.Module):
-    """``E`` experts ``down(relu(up(x)) ** 2)``, stacked."""
+    """``E`` experts ``down(relu(up(x)) ** 2)``, stacked: this rank's rows of each ``up`` and columns of each
+    ``down`` when tensor-parallel (its output is then a partial sum)."""
 
     def __init__(self, num_experts: int, width: int, intermediate: int) -> None:
         super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, width))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate))
+        self.i_range = i0, i1 = shard_range(intermediate)
+        self.intermediate_full = intermediate
+        self.sharded = tp_size() > 1
+        self.up_proj = nn.Parameter(torch.empty(num_experts, i1 - i0, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, i1 - i0))
+        if self.sharded:
+            set_shard(self.up_proj, Shard((num_experts, intermediate, width), 1, (self.i_range,)))
+            set_shard(self.down_proj, Shard((num_experts, width, intermediate), 2, (self.i_range,)))
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """The checkpoints' per-expert tensors, as views of the stacked ones."""
+        """The checkpoints' per-expert tensors, as views of the stacked ones (with this rank's shard of each)."""
         out: dict[str, tuple[str, torch.Tensor]] = {}
+        full, width = self.intermediate_full, self.up_proj.shape[2]
         for e in range(self.up_proj.shape[0]):
-            out[f"{e}.up_proj.weight"] = ("up_proj", self.up_proj.data[e])
-            out[f"{e}.down_proj.weight"] = ("down_proj", self.down_proj.data[e])
+            up, down = self.up_proj.data[e], self.down_proj.data[e]
+            if self.sharded:
+                set_shard(up, Shard((full, width), 0, (self.i_range,)))
+                set_shard(down, Shard((width, full), 1, (self.i_range,)))
+            out[f"{e}.up_proj.weight"] = ("up_proj", up)
+            out[f"{e}.down_proj.weight"] = ("down_proj", down)
         return out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -100,6 +119,7 @@ class SigmoidMoE(nn.Module):
         self.experts = UngatedExperts(e, width, cfg.moe_intermediate_size)
         self.shared_experts = ReluSquaredMLP(h, cfg.moe_shared_expert_intermediate_size, cfg.quantization,
                                              f"{prefix}.shared_experts")
+        self.shared_experts.down_proj.reduce_results = False  # summed with the routed experts' partial sum
         self.fc1_latent_proj: Linear | None = None
         self.fc2_latent_proj: Linear | None = None
         if latent is not None:
@@ -129,4 +149,4 @@ class SigmoidMoE(nn.Module):
         routed = self.experts(inner, weights, idx)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(x)
+        return all_reduce(routed + self.shared_experts(x))

@@ -20,7 +20,9 @@ kinds in every layer with no change to the layer abstraction.
 Parameter names are the released checkpoints' (``model.embed_tokens``, ``model.layers.{i}.{input_layernorm,
 mamba, self_attn, pre_ff_layernorm, feed_forward}``, ``model.final_layernorm``, ``lm_head``), which transformers
 saves unchanged. The LM head is tied to the embedding when ``tie_word_embeddings`` says so. With pipeline
-parallelism each stage holds its layers; a stage hands the next its residual stream alone. There is no draft head.
+parallelism each stage holds its layers; a stage hands the next its residual stream alone. With tensor parallelism
+each rank holds its Mamba2 heads and groups (the segment multipliers scale its own segments), attention heads and
+MLP channels. There is no draft head.
 The Mamba2 mixer runs on the CPU only for now.
 """
 

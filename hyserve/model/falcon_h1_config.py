@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyserve.config import ModelConfig
+from hyserve.layers.mamba2 import check_mamba2_tensor_parallel
 
 MODEL_TYPE = "falcon_h1"
 ARCHITECTURE = "FalconH1ForCausalLM"
@@ -73,12 +74,12 @@ class FalconH1Config(ModelConfig):
 
     def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
         return {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size,
-                "intermediate_size": self.intermediate_size}
+                "intermediate_size": self.intermediate_size, "mamba_num_heads": self.mamba_num_heads}
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
-        if tp > 1:
-            raise ValueError("Falcon-H1 with tensor_parallel_size > 1 is not supported yet (the Mamba2 heads and "
-                             "groups are not sharded); use --tensor-parallel-size 1, or pipeline parallelism")
+        ModelConfig.check_tensor_parallel(self, tp, expert_parallel)  # a slots class: no bare super()
+        check_mamba2_tensor_parallel(self.mamba_num_heads, self.mamba_head_dim, self.n_groups, tp,
+                                     self.mamba_intermediate // self.n_groups if self.mamba_rms_norm else None)
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         h, inner = self.hidden_size, self.mamba_intermediate

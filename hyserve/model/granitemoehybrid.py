@@ -17,8 +17,9 @@ Parameter names are transformers' in-memory ones (``model.embed_tokens``, ``mode
 on-disk MoE names map to them in the config (``checkpoint_name``). The LM head is tied to the embedding when
 ``tie_word_embeddings`` (the releases'), and a tied checkpoint has no ``lm_head.weight``. With pipeline parallelism
 each stage holds its layers, the first the embedding, the last the final norm, the head (and the embedding too when
-tied); a stage hands the next its residual stream alone. There is no draft head; the Mamba2 mixer runs on the CPU
-only for now.
+tied); a stage hands the next its residual stream alone. With tensor parallelism each rank holds its Mamba2 heads
+(the gated norm's squares summed over the ranks), attention heads, experts' and shared MLP's channels. There is
+no draft head; the Mamba2 mixer runs on the CPU only for now.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from hyserve.config import LINEAR_ATTENTION, ModelConfig
-from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
+from hyserve.distributed.parallel_state import all_reduce, is_first_stage, is_last_stage, stage_layers
 from hyserve.layers.attention import PlainAttention
 from hyserve.layers.granite_moe import SharedMLP, SoftmaxTopKMoE
 from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
@@ -59,6 +60,8 @@ class GraniteMoeHybridLayer(nn.Module):
         self.block_sparse_moe = SoftmaxTopKMoE(cfg, f"{prefix}.block_sparse_moe") if cfg.num_local_experts else None
         self.shared_mlp = SharedMLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.quantization,
                                     f"{prefix}.shared_mlp")
+        if self.block_sparse_moe is not None:  # both partial sums when tensor-parallel: one all-reduce
+            self.shared_mlp.output_linear.reduce_results = False
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -71,7 +74,7 @@ class GraniteMoeHybridLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         ff = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
-            ff = self.block_sparse_moe(h) + ff
+            ff = all_reduce(self.block_sparse_moe(h) + ff)
         return x + ff * self.residual_multiplier
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from hyserve.layers.mamba2 import check_mamba2_tensor_parallel
 
 MODEL_TYPE = "granitemoehybrid"
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
@@ -88,13 +89,24 @@ class GraniteMoeHybridConfig(ModelConfig):
         return name
 
     def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
-        return {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}
+        """Attention heads, vocabulary, the Mamba2 heads, the shared MLP's channels and each expert's."""
+        counts = {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size,
+                  "shared_intermediate_size": self.shared_intermediate_size}
+        if LINEAR_ATTENTION in self.layer_types:
+            counts["mamba_num_heads"] = self.mamba_num_heads
+        if self.num_local_experts:
+            counts["intermediate_size"] = self.intermediate_size
+        return counts
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
-        if tp > 1:
-            raise ValueError("Granite-4.0-H (GraniteMoeHybridForCausalLM) with tensor_parallel_size > 1 is not "
-                             "supported yet (the Mamba2 heads and the experts are not sharded); use "
-                             "--tensor-parallel-size 1, or pipeline parallelism")
+        if tp > 1 and expert_parallel and self.num_local_experts:
+            raise ValueError("Granite-4.0-H with --enable-expert-parallel is not supported yet (its experts split "
+                             "each one's channels over the ranks); leave expert parallelism off")
+        ModelConfig.check_tensor_parallel(self, tp, expert_parallel)  # a slots class: no bare super()
+        if LINEAR_ATTENTION in self.layer_types:
+            # The gated norm is one group over the whole width: its squares are summed over the ranks.
+            check_mamba2_tensor_parallel(self.mamba_num_heads, self.mamba_head_dim, self.n_groups, tp,
+                                         self.mamba_intermediate)
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         h, inner = self.hidden_size, self.mamba_intermediate

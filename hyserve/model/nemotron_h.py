@@ -8,7 +8,9 @@ the LM head. Norms scale by ``w``
 Parameter names are the released checkpoints' (``backbone.embeddings``, ``backbone.layers.{i}.norm`` and
 ``.mixer.*``, ``backbone.norm_f``, ``lm_head``), which is also how transformers 5 saves the model. With pipeline
 parallelism each stage holds its layers (``stage_layers``), the first the embedding, the last the final norm and
-the head (never tied to the embedding); a stage hands the next its residual stream alone. There is no draft head.
+the head (never tied to the embedding); a stage hands the next its residual stream alone. With tensor parallelism
+each rank holds its Mamba2 heads and the groups they read, attention heads, MLP channels and each expert's channels
+(``hyserve.layers.mamba2``, ``hyserve.layers.sigmoid_moe``). There is no draft head.
 The Mamba2 mixer runs on the CPU (plain torch) and on CUDA (Triton kernels and fla-core; ``hyserve.kernels.mamba2``);
 docs/mamba2_facts.md has transformers' formulas.
 """

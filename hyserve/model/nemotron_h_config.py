@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from hyserve.layers.mamba2 import check_mamba2_tensor_parallel
 
 MODEL_TYPE = "nemotron_h"
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -59,13 +60,27 @@ class NemotronHConfig(ModelConfig):
         return 1
 
     def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
-        return {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size,
-                "intermediate_size": self.intermediate_size}
+        """Attention heads, vocabulary, the Mamba2 heads, and the channels of the blocks it has: the MLP's, the
+        MoE experts' and shared expert's (each expert's intermediate split over the ranks)."""
+        counts = {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}
+        if LINEAR_ATTENTION in self.layer_types:
+            counts["mamba_num_heads"] = self.mamba_num_heads
+        if MLP in self.layer_types:
+            counts["intermediate_size"] = self.intermediate_size
+        if MOE in self.layer_types:
+            counts["moe_intermediate_size"] = self.moe_intermediate_size
+            counts["moe_shared_expert_intermediate_size"] = self.moe_shared_expert_intermediate_size
+        return counts
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
-        if tp > 1:
-            raise ValueError("Nemotron-H with tensor_parallel_size > 1 is not supported yet (the Mamba2 heads and "
-                             "groups are not sharded); use --tensor-parallel-size 1, or pipeline parallelism")
+        if tp > 1 and expert_parallel and MOE in self.layer_types:
+            raise ValueError("Nemotron-H's MoE blocks with --enable-expert-parallel are not supported yet (their "
+                             "experts split each one's channels over the ranks); leave expert parallelism off")
+        ModelConfig.check_tensor_parallel(self, tp, expert_parallel)  # a slots class: no bare super()
+        if LINEAR_ATTENTION in self.layer_types:
+            inner = self.mamba_num_heads * self.mamba_head_dim
+            check_mamba2_tensor_parallel(self.mamba_num_heads, self.mamba_head_dim, self.n_groups, tp,
+                                         inner // self.n_groups)
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         h = self.hidden_size

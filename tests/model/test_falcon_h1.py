@@ -147,7 +147,10 @@ def test_unsupported_configs_are_refused_by_name(ckpts: CheckpointCache, tmp_pat
         load_model_config(_edited(ckpts, tmp_path, **fields))
 
 
-def test_tensor_parallel_is_refused_clearly(ckpts: CheckpointCache) -> None:
-    path = ckpts.get("causal", "hybrid3", family=FAMILY, variant="release")
-    with pytest.raises(ValueError, match="Falcon-H1 with tensor_parallel_size > 1 is not supported yet"):
-        make_llm(path, tensor_parallel_size=2)
+def test_tensor_parallel_sizes_that_do_not_split_are_refused_by_name(ckpts: CheckpointCache,
+                                                                     tmp_path: Path) -> None:
+    """Tensor parallelism runs in tests/distributed/test_mamba2_tensor_parallel.py; here the config's refusals."""
+    cfg = load_model_config(_edited(ckpts, tmp_path, mamba_n_heads=6, mamba_n_groups=3, mamba_d_ssm=72))
+    cfg.check_tensor_parallel(1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 and the Mamba2 groups \(n_groups=3\)"):
+        cfg.check_tensor_parallel(2)

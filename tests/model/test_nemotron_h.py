@@ -135,10 +135,15 @@ def test_unsupported_configs_are_refused_by_name(ckpts: CheckpointCache, tmp_pat
         load_model_config(_edited(ckpts, tmp_path, **fields))
 
 
-def test_tensor_parallel_is_refused_clearly(ckpts: CheckpointCache) -> None:
-    path = ckpts.get("causal", "m_attn_m_mlp", family=FAMILY)
-    with pytest.raises(ValueError, match="Nemotron-H with tensor_parallel_size > 1 is not supported yet"):
-        make_llm(path, tensor_parallel_size=2)
+def test_tensor_parallel_sizes_that_do_not_split_are_refused_by_name(ckpts: CheckpointCache,
+                                                                     tmp_path: Path) -> None:
+    """Tensor parallelism runs in tests/distributed/test_mamba2_tensor_parallel.py; here the config's refusals."""
+    cfg = load_model_config(_edited(ckpts, tmp_path, mamba_num_heads=6, n_groups=3))
+    cfg.check_tensor_parallel(1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 and the Mamba2 groups \(n_groups=3\)"):
+        cfg.check_tensor_parallel(2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide mamba_num_heads=6"):
+        cfg.check_tensor_parallel(4)
 
 
 def test_a_bf16_mamba2_state_is_stored_and_stays_close(ckpts: CheckpointCache) -> None:
