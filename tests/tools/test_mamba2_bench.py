@@ -30,7 +30,8 @@ import shapes
 from test_moe_bench import SESSION, run_phase
 
 # (shape, its directory in the session, blocks M / * / - / E, parameters in billions (with both embeddings))
-PUBLISHED = {"nemotron-h-8b": ("/tmp/n8b", (24, 4, 24, 0), 8.10), "nemotron3-nano-30b-a3b": ("/tmp/n30", (23, 6, 0, 23), 31.58)}
+PUBLISHED = {"nemotron-h-8b": ("/tmp/n8b", (24, 4, 24, 0), 8.10),
+             "nemotron3-nano-30b-a3b": ("/tmp/n30", (23, 6, 0, 23), 31.58)}
 SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=16,
              max_position_embeddings=2048, num_hidden_layers=6)
