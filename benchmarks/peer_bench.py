@@ -431,8 +431,9 @@ def measure_decode(eng: Engine, prompts: Prompts, batches: list[int], n: int, pr
 
 
 # A mixture-of-experts layer's routed experts (fused ``mlp.experts.gate_up_proj``, or ``mlp.experts.{e}.*``;
-# Nemotron-H's ``E`` blocks: ``mixer.experts.{e}.up_proj`` / ``down_proj``, beside ``mixer.shared_experts.*`` and the router
-# ``mixer.gate``, which are read whole): a token reads num_experts_per_tok of num_experts (n_routed_experts) of them.
+# Nemotron-H's ``E`` blocks: ``mixer.experts.{e}.up_proj`` / ``down_proj``, beside ``mixer.shared_experts.*`` and
+# the router ``mixer.gate``, which are read whole): a token reads num_experts_per_tok of num_experts
+# (n_routed_experts) of them.
 EXPERTS = (".mlp.experts.", ".mixer.experts.")
 # The input embedding, not read whole by a step (one row a token): Qwen's ``embed_tokens``, Nemotron-H's
 # ``backbone.embeddings``; Qwen4-Exp's n-gram tables (``ngram_embedding``) likewise.
