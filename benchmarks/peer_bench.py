@@ -279,6 +279,7 @@ class Engine:
 
     def __init__(self, name: str, model: str, device: str, dtype: str, **kw: Any) -> None:
         self.name = name
+        self.cache: dict[str, Any] = {}
         t0 = time.perf_counter()
         # ``limit_mm_per_prompt``: images per prompt, for a measure that sends images (vLLM's is 0 otherwise);
         # ``disable_log_stats`` is vLLM's (False keeps RequestOutput.metrics; hyserve always fills it).
@@ -289,14 +290,22 @@ class Engine:
 
             if images is not None:
                 kw["limit_mm_per_prompt"] = images
+            kw.pop("vllm_mamba_cache_mode", None)
             self.llm = LLM(model=model, device=device, dtype=dtype, **kw)
             self.version = _git_commit()
         else:
             import vllm
             from vllm import LLM, SamplingParams  # type: ignore[no-redef]
 
+            mode = kw.pop("vllm_mamba_cache_mode", None)
             if kw.get("enable_prefix_caching"):
-                kw.setdefault("mamba_cache_mode", "align")  # vLLM's prefix caching on hybrids
+                # vLLM's prefix caching on hybrids: "align" for the GDN models (what vLLM takes for a model without
+                # "all" support); Nemotron-H supports "all", vLLM's own choice for it when prefix caching is on, so
+                # its users get that: left to vLLM unless asked (--vllm-mamba-cache-mode)
+                if mode:
+                    kw["mamba_cache_mode"] = mode
+                elif not is_nemotron_h(model):
+                    kw["mamba_cache_mode"] = "align"
             kw.pop("cpu_cache_memory_bytes", None)
             if log_stats_off is not None:
                 kw["disable_log_stats"] = log_stats_off
@@ -306,6 +315,7 @@ class Engine:
                 kw["limit_mm_per_prompt"] = {"image": 0, "video": 0, **(images or {})}
             self.llm = LLM(model=model, dtype=dtype, **kw)
             self.version = vllm.__version__
+            self.cache = vllm_cache_settings(self.llm)
         self.start_s = time.perf_counter() - t0
         self.SamplingParams = SamplingParams
 
@@ -331,6 +341,25 @@ class Engine:
         if self.name == "hyserve":
             self.llm.shutdown()
         del self.llm
+
+
+def is_nemotron_h(model: str) -> bool:
+    """Whether ``model``'s config.json is Nemotron-H's (``model_type: nemotron_h``: Mamba2, no GDN layers)."""
+    cfg = _read_json(os.path.join(model, "config.json"))
+    return (cfg.get("text_config") or cfg).get("model_type") == "nemotron_h"
+
+
+def vllm_cache_settings(llm: Any) -> dict[str, Any]:
+    """What vLLM's front end settled of its cache config (its mamba cache mode and SSM state dtype after the model's
+    own rules): best effort. The attention block size it forces up to a Mamba state's page is set later, in the
+    engine core's process (its log: "Setting attention block size to N tokens")."""
+    try:
+        cache = llm.llm_engine.vllm_config.cache_config
+    except AttributeError:
+        return {}
+    keys = ("block_size", "enable_prefix_caching", "mamba_cache_mode", "mamba_block_size", "mamba_ssm_cache_dtype",
+            "mamba_cache_dtype", "cache_dtype")
+    return {k: str(getattr(cache, k)) for k in keys if hasattr(cache, k)}
 
 
 def _git_commit() -> str:
@@ -401,18 +430,33 @@ def measure_decode(eng: Engine, prompts: Prompts, batches: list[int], n: int, pr
     return out
 
 
-# A mixture-of-experts layer's routed experts (fused ``mlp.experts.gate_up_proj``, or ``mlp.experts.{e}.*``): a token
-# reads num_experts_per_tok of num_experts of them.
-EXPERTS = ".mlp.experts."
+# A mixture-of-experts layer's routed experts (fused ``mlp.experts.gate_up_proj``, or ``mlp.experts.{e}.*``;
+# Nemotron-H's ``E`` blocks: ``mixer.experts.{e}.up_proj`` / ``down_proj``, beside ``mixer.shared_experts.*`` and
+# the router ``mixer.gate``, which are read whole): a token reads num_experts_per_tok of num_experts
+# (n_routed_experts) of them.
+EXPERTS = (".mlp.experts.", ".mixer.experts.")
+# The input embedding, not read whole by a step (one row a token): Qwen's ``embed_tokens``, Nemotron-H's
+# ``backbone.embeddings``; Qwen4-Exp's n-gram tables (``ngram_embedding``) likewise.
+INPUT_EMBEDDINGS = ("embed_tokens.weight", "backbone.embeddings.weight")
+
+
+def _has_moe_layers(text: dict[str, Any]) -> bool:
+    """Whether a config's model has MoE layers: Nemotron-H's only where its pattern has ``E`` blocks (transformers
+    writes n_routed_experts / num_experts_per_tok defaults into every NemotronH config, the dense ones too)."""
+    if text.get("model_type") != "nemotron_h":
+        return True
+    listed = text.get("layers_block_type") or text.get("layer_types")
+    return "E" in str(text.get("hybrid_override_pattern", "")) or bool(listed and "moe" in listed)
 
 
 def moe_active_share(model: str) -> float:
-    """``num_experts_per_tok / num_experts`` of a MoE checkpoint's config.json (the share of each layer's routed
-    experts one token reads), 1.0 for a dense one."""
+    """``num_experts_per_tok / num_experts`` (Nemotron-H: ``n_routed_experts``) of a MoE checkpoint's config.json (the
+    share of each layer's routed experts one token reads), 1.0 for a dense one."""
     cfg = _read_json(os.path.join(model, "config.json"))
     text = cfg.get("text_config") or cfg
-    experts, top_k = text.get("num_experts"), text.get("num_experts_per_tok")
-    return int(top_k) / int(experts) if experts and top_k else 1.0
+    experts = text.get("num_experts") or text.get("n_routed_experts")
+    top_k = text.get("num_experts_per_tok")
+    return int(top_k) / int(experts) if experts and top_k and _has_moe_layers(text) else 1.0
 
 
 def step_bytes(tensors: list[tuple[str, int]], tied: bool, share: float) -> int:
@@ -420,14 +464,18 @@ def step_bytes(tensors: list[tuple[str, int]], tied: bool, share: float) -> int:
     input embedding only as the tied LM head, not the vision tower or the MTP layer, and of the routed experts the
     ``share`` a token routes to (``moe_active_share``: a layer's experts are equal in size, so top-k of E reads k / E
     of their bytes; the router, the shared expert and its gate are read whole). Qwen4-Exp's n-gram tables
-    (``ngram_embedding``) are embeddings: a token reads one row of each, not counted, like the input embedding."""
+    (``ngram_embedding``) are embeddings: a token reads one row of each, not counted, like the input embedding.
+    Nemotron-H: every Mamba2 mixer (in_proj, conv1d, A_log, D, dt_bias, the gated norm, out_proj), attention, MLP,
+    each MoE block's router and shared expert whole and its routed experts by ``share``; ``backbone.embeddings`` is
+    the input embedding (its LM head is never tied)."""
     total = 0.0
     for name, nbytes in tensors:
         if "visual" in name or name.startswith("mtp."):
             continue
-        if name.endswith(("embed_tokens.weight", "ngram_embedding.weight")) and not (tied and "embed_tokens" in name):
+        embedding = name.endswith(INPUT_EMBEDDINGS)
+        if (embedding or name.endswith("ngram_embedding.weight")) and not (tied and embedding):
             continue
-        total += nbytes * share if EXPERTS in name else nbytes
+        total += nbytes * share if any(e in name for e in EXPERTS) else nbytes
     return round(total)
 
 
@@ -499,7 +547,7 @@ def _quantized_bytes(text: Any, quant: Any) -> list[tuple[str, int]]:
     out = []
     for name, t in checkpoint_tensors(text).items():
         module = name.rsplit(".", 1)[0]
-        is_weight = (name.endswith(".weight") and module in linear) or EXPERTS in name
+        is_weight = (name.endswith(".weight") and module in linear) or any(e in name for e in EXPERTS)
         if not (is_weight and quant.linear_method(module).quantized):
             out.append((name, t.numel() * t.element_size()))
             continue
@@ -936,6 +984,8 @@ def measure(args: argparse.Namespace) -> int:
         common["load_format"] = args.load_format
     if cuda:
         common["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.engine == "vllm" and args.vllm_mamba_cache_mode:
+        common["vllm_mamba_cache_mode"] = args.vllm_mamba_cache_mode
     if args.engine == "vllm" and args.vllm_gdn_prefill_backend:
         # vLLM's GDN prefill kernel: FlashInfer's (its default on Hopper, JIT-built for 8-10 minutes on a fresh
         # machine) or its Triton/FLA one (no JIT); a decode step takes neither
@@ -946,12 +996,16 @@ def measure(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {"engine": args.engine, "model": args.model, "command": " ".join(sys.argv),
                            "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                            "date": time.strftime("%Y-%m-%d"), "hyserve_commit": _git_commit(), "figures": {}}
+    nemotron = is_nemotron_h(args.model)
     if args.engine == "vllm":
-        res["vllm_gdn_prefill_backend"] = args.vllm_gdn_prefill_backend or "auto (FlashInfer on Hopper)"
+        res["vllm_gdn_prefill_backend"] = "n/a (no GDN layers)" if nemotron else (
+            args.vllm_gdn_prefill_backend or "auto (FlashInfer on Hopper)")
         res["vllm_mode"] = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" \
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
     res["ssm_state_dtype"] = args.mamba_ssm_cache_dtype or (
-        "float32 (hyserve's default)" if args.engine == "hyserve" else "auto: the model's dtype (vLLM's default)")
+        "float32 (hyserve's default)" if args.engine == "hyserve" else
+        "auto: config.json's mamba_ssm_cache_dtype, else float32 (vLLM's NemotronH rule)" if nemotron else
+        "auto: the model's dtype (vLLM's default)")
     fig = res["figures"]
     batches = [int(b) for b in args.batches.split(",")]
     errors = res["errors"] = {}
@@ -971,6 +1025,8 @@ def measure(args: argparse.Namespace) -> int:
         eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=args.prefix_caching,
                      max_num_seqs=max([*batches, args.prefill_prompts]), **common)
         res["version"] = eng.version
+        if eng.cache:
+            res["vllm_cache"] = eng.cache
         fig["first_start_s"] = eng.start_s
         prompts = Prompts(_vocab(args.model))
         if "decode" in measures:
@@ -1004,6 +1060,8 @@ def measure(args: argparse.Namespace) -> int:
             tag += "_kvfp8"
         eng = Engine(args.engine, args.model, args.device, args.dtype, **kw)
         res.setdefault("version", eng.version)
+        if eng.cache:  # vLLM: its mamba cache mode with prefix caching on, the SSM state's dtype
+            res[f"vllm_cache_{tag}"] = eng.cache
         fig.update({k.replace("agent", tag, 1): v
                     for k, v in measure_agent(eng, _vocab(args.model), args.agent_scale).items()})
         fig.update({k.replace("spec", tag, 1): v for k, v in eng.spec_stats().items()})
@@ -1234,7 +1292,10 @@ def report(files: list[str], out: str) -> None:
 # is better, label, ratio). The MTP rows: hyserve's from spec_decode_bench.py (drafts planted from the plain run at
 # the rate, the acceptance reached measured), vLLM's from ``measure --measures spec`` with its synthetic rejection
 # sampling at the same per-position rates (``synthetic_mtp_config``; the acceptance asked, not measured).
-MOE_MODELS = {"m35": "35B-A3B bf16", "m35_fp8": "35B-A3B FP8", "m80_fp8": "Next-80B FP8"}
+MOE_MODELS = {"m35": "35B-A3B bf16", "m35_fp8": "35B-A3B FP8", "m80_fp8": "Next-80B FP8",
+              # issue 33's Mamba2 shapes (peer_session.sh mamba2 / mamba2-vllm)
+              "n8b": "Nemotron-H-8B bf16", "n30": "Nemotron 3 Nano 30B-A3B bf16"}
+MOE_TITLE = "Issue 31: hyserve against vLLM on the MoE shapes (dummy weights, one H200)"
 MOE_FIGURES: list[tuple[str, bool, str, bool]] = [
     *((f"decode_bs{b}_tok_s", True, f"decode batch {b}, tok/s", True) for b in (1, 8, 32, 64)),
     ("bound_bs1_tok_s", True, "batch-1 weights-bandwidth bound, tok/s", False),
@@ -1267,7 +1328,7 @@ def spec_decode_figures(run: dict[str, Any], rate: float) -> dict[str, Any]:
     return fig
 
 
-def moe_report(files: list[str], out: str, rate: float = 0.8) -> list[dict[str, Any]]:
+def moe_report(files: list[str], out: str, rate: float = 0.8, title: str = MOE_TITLE) -> list[dict[str, Any]]:
     """One table of the MoE shapes' figures of both engines (``MOE_FIGURES``) with hyserve's ratio over vLLM (> 1:
     hyserve better), from ``measure`` files and ``spec_decode.json`` files (hyserve's planted MTP runs); a later
     file's figure replaces an earlier one's. Writes ``moe_peer.md`` and ``moe_peer.json`` under ``out``."""
@@ -1282,7 +1343,7 @@ def moe_report(files: list[str], out: str, rate: float = 0.8) -> list[dict[str, 
         else:
             engine, model, fig = r["engine"], r["model"], dict(r.get("figures", {}))
             meta = {k: r.get(k) for k in ("version", "device", "date", "vllm_mode", "vllm_gdn_prefill_backend",
-                                             "ssm_state_dtype")}
+                                             "ssm_state_dtype", "vllm_cache_agent")}
             if "spec_planted_acceptance_length" in fig:  # vLLM's synthetic acceptance: the same at every batch
                 for key in list(fig):
                     if key.startswith("spec_speedup_bs"):
@@ -1312,7 +1373,7 @@ def moe_report(files: list[str], out: str, rate: float = 0.8) -> list[dict[str, 
     def fmt(x: Any) -> str:
         return "-" if x is None else (f"{x:,.3f}" if abs(x) < 10 else f"{x:,.0f}")
 
-    lines = ["# Issue 31: hyserve against vLLM on the MoE shapes (dummy weights, one H200)", "",
+    lines = [f"# {title}", "",
              *(f"- {k}: " + ", ".join(f"{a} {v}" for a, v in e.items()) for k, e in engines.items()), "",
              "The MTP rows: hyserve's verdicts drawn per draft token (spec_decode_bench.py --synthetic, step times of "
              "the steps where every row decodes), vLLM's synthetic rejection sampling at the same per-position rates "
@@ -1376,6 +1437,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dummy: random weights from config.json alone (a `write --no-weights` model; the "
                         "weights-bandwidth bound still holds, outputs are not meaningful)")
     m.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    m.add_argument("--vllm-mamba-cache-mode", choices=["align", "all"], default=None,
+                   help="vLLM's mamba_cache_mode with prefix caching on (default: align for the GDN models, vLLM's "
+                        "own choice for Nemotron-H, 'all')")
     m.add_argument("--vllm-gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
                    help="vLLM's --gdn-prefill-backend (default: its own choice, FlashInfer on Hopper)")
     q = sub.add_parser("quantize", help="copy a written checkpoint and quantize its linear layers to FP8")
@@ -1396,6 +1460,7 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("files", nargs="+")
     mr.add_argument("--out", required=True)
     mr.add_argument("--rate", type=float, default=0.8, help="the planted rate of the MTP rows taken")
+    mr.add_argument("--title", default=MOE_TITLE, help="the table's heading")
     s = sub.add_parser("synthetic-mtp", help="print vLLM's synthetic MTP speculative config (synthetic_mtp_config)")
     s.add_argument("--k", type=int, default=3)
     s.add_argument("--rate", type=float, default=0.8)
@@ -1413,7 +1478,7 @@ def main() -> int:
     elif args.cmd == "cache-bound":
         cache_bound(args.model, args.agent_scale, args.agent_concurrency, args.out)
     elif args.cmd == "moe-report":
-        moe_report(args.files, args.out, args.rate)
+        moe_report(args.files, args.out, args.rate, args.title)
     elif args.cmd == "synthetic-mtp":
         print(json.dumps(synthetic_mtp_config(args.k, args.rate)))
     else:

@@ -34,6 +34,10 @@
 #   bash benchmarks/peer_session.sh moe-agent   # both engines: the agent trace with prefix caching on 35B-A3B bf16
 #   bash benchmarks/peer_session.sh moe-spec    # both engines: MTP k = 3 planted at 80 %, batch 1 and 32, 35B-A3B bf16
 #   bash benchmarks/peer_session.sh moe-spec vllm   # one engine's run alone (moe-agent too); call again to go on
+#   bash benchmarks/peer_session.sh mamba2      # issue 33, hyserve: Nemotron-H-8B and Nemotron 3 Nano 30B-A3B (dummy
+#                                               # weights): decode 1/8/32/64, bound, prefill 32 x 2048, agent trace
+#   bash benchmarks/peer_session.sh mamba2-vllm # vLLM (default mode): the same; call again to go on where it stopped
+#   bash benchmarks/peer_session.sh mamba2 n8b n8b_agent   # those runs alone (mamba2-vllm too)
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>; for the
@@ -562,6 +566,55 @@ case "${1:?phase}" in
             --speculative-config "$MTP3_SYNTH" $(moe_vllm_extra)
         moe_done vllm 35b_a3b_spec "$OUT/vllm_35b_a3b_spec.json" spec_speedup_bs32
     fi
+    ;;
+  mamba2|mamba2-vllm)
+    # Issue 33: Nemotron-H-8B (dense: 24 Mamba2, 24 MLP, 4 attention blocks) and Nemotron 3 Nano 30B-A3B (23 Mamba2,
+    # 23 MoE blocks of 128 experts top 6, 6 attention) in bf16, config.json alone (shapes.py MAMBA2_SHAPES, the
+    # releases' fields), weights made at load by both engines (--load-format dummy). Per shape two runs, each a process
+    # of its own: NAME (decode at batch 1/8/32/64 after prompts of 512, the batch-1 bound, prefill 32 x 2048) and
+    # NAME_agent (the agent trace, 8 conversations x 4 turns sharing a 1.7k prefix, prefix caching on). Runs done on
+    # this warm machine are marked in $MOE_DONE; names after the phase run those alone (n8b n8b_agent n30 n30_agent).
+    #
+    # vLLM as its users run these models (vLLM 0.24's sources, read from the bundle): NemotronHForCausalLM is native
+    # (no --trust-remote-code: the config has no auto_map; model_type nemotron_h is transformers' NemotronHConfig);
+    # default mode (engine core in its own process); --enable-prefix-caching alone for the agent trace: NemotronH
+    # implements SupportsMambaPrefixCaching, so vLLM picks mamba_cache_mode "all" (Mamba states kept at every block
+    # boundary; "align", what the Qwen GDN runs use, is its fallback for models without it) and forces the attention
+    # block up to hold one Mamba state's page, rounded to the chunk size (128): SSM state float32 + conv state bf16 =
+    # 4,255,744 B on the 8B (128 x 64 x 128 x 4 + 10,240 x 3 x 2) over 4,096 B of K and V a token and layer (8 heads
+    # of 128) -> 1,152-token blocks; 2,134,016 B on the Nano over 1,024 B (2 KV heads) -> 2,176-token blocks, longer
+    # than the trace's 1.7k shared prefix (its log says "Setting attention block size to N tokens"; the results
+    # file records the front end's cache settings, vllm_cache*). The SSM state: vLLM's NemotronH rule takes
+    # config.json's mamba_ssm_cache_dtype (the Nano release: float32), else float32: --mamba-ssm-cache-dtype float32
+    # (the name NVIDIA's model cards pass to vLLM) is passed to both engines so that both files say so. No GDN layers:
+    # --vllm-gdn-prefill-backend does not apply.
+    for spec in nemotron-h-8b:/tmp/n8b nemotron3-nano-30b-a3b:/tmp/n30; do
+        IFS=: read -r name dir <<< "$spec"
+        [ -f "$dir/config.json" ] || python3 benchmarks/shapes.py --shape "$name" --config-only --out "$dir" \
+            >> "$OUT/write_mamba2.log" 2>&1 || { echo "writing $dir failed"; tail -3 "$OUT/write_mamba2.log"; }
+    done
+    engine=hyserve
+    if [ "$1" = mamba2-vllm ]; then engine=vllm; VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}"); fi
+    M2_ARGS=(--load-format dummy --mamba-ssm-cache-dtype float32)
+    M2_MAIN=(--measures decode,bound,prefill --batches 1,8,32,64 --prefill-prompts 32 --prefill-len 2048)
+    caps=(240 150 300 200)  # hyserve: n8b, n8b_agent, n30, n30_agent (dummy load and graph capture, then the runs)
+    [ "$engine" = vllm ] && caps=(550 400 550 400)  # vLLM's first process compiles and captures for minutes
+    i=0
+    for spec in n8b:/tmp/n8b n30:/tmp/n30; do
+        IFS=: read -r name dir <<< "$spec"
+        for run in "$name" "${name}_agent"; do
+            cap=${caps[$i]}; i=$((i + 1))
+            if [[ "$run" == *_agent ]]; then args=(--measures agent); key=agent_wall_s; else args=("${M2_MAIN[@]}"); key=decode_bs1_tok_s; fi
+            limit=$(moe_todo "$engine" "$run" "$cap")
+            [ -n "$limit" ] || continue
+            measure "$engine" "$dir" "$run" "$limit" "${M2_ARGS[@]}" "${args[@]}"
+            moe_done "$engine" "$run" "$OUT/${engine}_$run.json" "$key"
+            if [ "$engine" = vllm ]; then  # the block size vLLM forced, its mamba cache mode
+                grep -h "Setting attention block size\|Mamba cache mode is set" "$OUT/${engine}_$run.log" 2>/dev/null | tail -2
+            fi
+        done
+    done
+    true
     ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -1,14 +1,14 @@
 """Plot issue 31's H200 figures: the fused MoE kernels' expert-weight bandwidth by token count, and the 35B-A3B
-shape's decode throughput beside its batch-1 bound.
+shape's decode throughput beside its batch-1 bound; issue 33's Nemotron shapes (n8b, n30) likewise.
 
     python benchmarks/plot_moe.py benchmarks/results/h200/moe_2026-12-03
+    python benchmarks/plot_moe.py benchmarks/results/h200/mamba2_DATE --title "Nemotron shapes" --out mamba2.png
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -16,13 +16,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+# The measure files' run names plotted (peer_session.sh's moe and mamba2 phases)
+RUNS = ("35b_a3b", "35b_a3b_fp8", "next80b_fp8", "n8b", "n30")
 
-def main(folder: Path, others: list[Path] | None = None) -> None:
+
+def main(folder: Path, others: list[Path] | None = None, title: str = "MoE shapes", out: str = "moe.png") -> None:
     """Left: the kernels' bandwidth where ``moe_kernels.json`` is there, else prefill and the agent trace beside
     vLLM's; right: decode by batch for every engine and shape with a JSON in the folder, and for ``others`` (runs of
     another session, labelled so). A figure a run lacks (a failed measure) is left out of its bars."""
     runs = {f"{engine} {name}": json.loads(path.read_text())["figures"]
-            for engine in ("hyserve", "vllm") for name in ("35b_a3b", "35b_a3b_fp8", "next80b_fp8")
+            for engine in ("hyserve", "vllm") for name in RUNS
             if (path := folder / f"{engine}_{name}.json").exists()}
     for path in others or []:
         res = json.loads(path.read_text())
@@ -39,13 +42,14 @@ def main(folder: Path, others: list[Path] | None = None) -> None:
     for i, (name, f) in enumerate(runs.items()):
         xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(batches))]
         ax2.bar(xs, [f.get(f"decode_bs{b}_tok_s", float("nan")) for b in batches], width, label=name)
-        ax2.hlines(f["bound_bs1_tok_s"], xs[0] - width / 2, xs[0] + width / 2, colors="k", linestyles="--")
+        if "bound_bs1_tok_s" in f:
+            ax2.hlines(f["bound_bs1_tok_s"], xs[0] - width / 2, xs[0] + width / 2, colors="k", linestyles="--")
     ax2.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax2.set_ylabel("decode tok/s (prompt 512)")
-    ax2.set_title("MoE shapes, dummy weights (dashes: batch-1 bound)")
+    ax2.set_title(f"{title}, dummy weights (dashes: batch-1 bound)")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(folder / "moe.png", dpi=110)
+    fig.savefig(folder / out, dpi=110)
 
 
 def _kernels(ax: plt.Axes, kernels: list[dict]) -> None:
@@ -100,5 +104,13 @@ def _prefill_and_agent(ax: plt.Axes, folder: Path, runs: dict[str, dict]) -> Non
     ax.set_title("35B-A3B bf16: prefill 32 x 2048, agent trace (1 / wall)")
 
 
-if __name__ == "__main__":  # plot_moe.py FOLDER [JSON of another session ...]
-    main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
+if __name__ == "__main__":  # plot_moe.py FOLDER [JSON of another session ...] [--title T] [--out NAME.png]
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("others", nargs="*", type=Path)
+    ap.add_argument("--title", default="MoE shapes")
+    ap.add_argument("--out", default="moe.png")
+    a = ap.parse_args()
+    main(a.folder, a.others, a.title, a.out)

@@ -3,6 +3,7 @@
     python benchmarks/shapes.py --shape 2b --out /tmp/qwen35-2b-shape [--device cuda] [--mtp] [--init spread|stable]
 
     python benchmarks/shapes.py --shape 35b-a3b --config-only [--fp8] --out /tmp/m35   # MoE: config only, VLM form
+    python benchmarks/shapes.py --shape nemotron-h-8b --config-only --out /tmp/n8b      # Mamba2 (issue 33): config only
 
 ``--mtp`` adds one random multi-token-prediction layer (``mtp.*`` in a shard of its own, listed in the index;
 ``mtp_num_hidden_layers`` in config.json), as Qwen3.5 checkpoints carry it. ``--config-only`` writes config.json
@@ -82,6 +83,73 @@ SHAPE_QWEN4_EXP: dict[str, Any] = dict(
     mtp_num_hidden_layers=1, eos_token_id=248044, bos_token_id=None, pad_token_id=None, dtype="bfloat16",
 )
 MOE_SHAPES = {"35b-a3b": SHAPE_35B_A3B, "next-80b": SHAPE_NEXT_80B, "qwen4-exp": SHAPE_QWEN4_EXP}
+# Issue 33's Mamba2 shapes (NemotronHForCausalLM, ``model_type: nemotron_h``), written config-only in the releases'
+# form (``hybrid_override_pattern`` and the releases' field names, which transformers 5's NemotronHConfig, vLLM 0.24's
+# nemotron_h model and hyserve's parser all read) and served with ``--load-format dummy``; bf16 only (hyserve's
+# Nemotron MoE experts take no FP8 yet, so an FP8 pair would not be like for like).
+#
+# nvidia/Nemotron-H-8B-Base-8K. Sources: the dimensions of Megatron-Bridge's NemotronHModelProvider8B
+# (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/nemotronh/nemotron_h_provider.py: the pattern, hidden 4096,
+# FFN 21504, 32 heads, 8 query groups, 128 Mamba heads of 64, state 128, 8 groups, seq_length 8192), the same pattern
+# and sizes as the defaults of vLLM 0.24's own NemotronHConfig ("NemotronH-v0.1": vocab 131072, head_dim 128,
+# layer_norm_epsilon 1e-5, conv 4, conv bias, no projection biases, bos 1 / eos 2 / pad 0) and transformers'; a
+# write-up quoting the release's config.json (52 layers, 24 M, 24 -, 4 *, hidden 4096, expand 2, 128 Mamba heads of
+# 64, state 128, 8 groups, conv 4, 8 KV heads, head dim 128, bfloat16). Assumed, not found quoted: chunk_size 128
+# (transformers' default and Nemotron 3's; vLLM's "all" prefix-cache mode aligns its blocks to it), the time-step
+# fields (time_step_min 0.001, max 0.1, floor 1e-4: every NemotronH config's), mamba_ssm_cache_dtype left out (vLLM
+# then keeps the SSM state in float32, its NemotronH default); the release may name the attention head size
+# ``attention_head_dim``: written as ``head_dim`` (128 = 4096 / 32 either way).
+SHAPE_NEMOTRON_H_8B: dict[str, Any] = dict(
+    architectures=["NemotronHForCausalLM"], model_type="nemotron_h",
+    vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_hidden_layers=52,
+    hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, expand=2, chunk_size=128,
+    mamba_hidden_act="silu", mlp_hidden_act="relu2", use_conv_bias=True, use_bias=False, mamba_proj_bias=False,
+    mlp_bias=False, attention_bias=False, residual_in_fp32=False, rescale_prenorm_residual=True,
+    layer_norm_epsilon=1e-5, time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4,
+    max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    torch_dtype="bfloat16",
+)
+# nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: its config.json as a public test quotes it whole (transformers_version
+# 4.55.4; every field below is that file's), agreeing with Megatron-Bridge's Nemotron3NanoProvider (hidden 2688,
+# 52 layers "MEMEM*EMEMEM*...", 23 M, 23 E, 6 *, 32 heads, 2 query groups of 128, 64 Mamba heads of 64, state 128, 128
+# experts of 1856 top 6, a shared expert of 3712, scaling 2.5, one group, seq_length 262144) and with a planning note
+# quoting the Omni model's inner LM config (same fields). No latent projections (moe_latent_size null: Nano has
+# none, Super has 1024), no MTP layers. ``mamba_ssm_cache_dtype: float32`` is the release's: vLLM 0.24 reads it
+# (NemotronHForCausalLMConfig), so both engines keep the SSM state in float32.
+SHAPE_NEMOTRON3_NANO: dict[str, Any] = dict(
+    architectures=["NemotronHForCausalLM"], model_type="nemotron_h",
+    vocab_size=131072, hidden_size=2688, intermediate_size=1856, num_hidden_layers=52,
+    hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+    mamba_num_heads=64, mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, expand=2, chunk_size=128,
+    mamba_hidden_act="silu", mlp_hidden_act="relu2", use_conv_bias=True, use_bias=False, mamba_proj_bias=False,
+    mlp_bias=False, attention_bias=False, residual_in_fp32=False, rescale_prenorm_residual=True,
+    layer_norm_epsilon=1e-5, norm_eps=1e-5, time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4,
+    n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=6, moe_intermediate_size=1856,
+    moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    mamba_ssm_cache_dtype="float32", max_position_embeddings=262144, rope_theta=10000, partial_rotary_factor=1.0,
+    sliding_window=None, num_logits_to_keep=1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, torch_dtype="bfloat16",
+)
+MAMBA2_SHAPES = {"nemotron-h-8b": SHAPE_NEMOTRON_H_8B, "nemotron3-nano-30b-a3b": SHAPE_NEMOTRON3_NANO}
+
+
+def write_mamba2_config(path: str, name: str, **overrides: Any) -> dict[str, Any]:
+    """config.json of Mamba2 shape ``name`` as the release has it (``overrides`` replace fields: a shrunken copy for
+    the CPU); no weights (``--load-format dummy``). Returns the config written."""
+    raw = {**MAMBA2_SHAPES[name], **overrides}
+    pattern = raw["hybrid_override_pattern"]
+    if len(pattern) != raw["num_hidden_layers"]:
+        raise ValueError(f"{name}: hybrid_override_pattern has {len(pattern)} blocks, num_hidden_layers "
+                         f"{raw['num_hidden_layers']}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=2)
+    return raw
+
+
 # The one-block vision tower the VLM form carries for text-only runs (peer_bench.py's ``toy``).
 TOY_VISION: dict[str, Any] = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2)
 # Block FP8 as Qwen's -FP8 releases write it (docs/fp8_facts.md sections 6-7): 128 x 128 weight blocks, dynamic
@@ -315,8 +383,9 @@ def write_config_only(path: str, shape: dict[str, Any], mtp: bool = False) -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES]), default="2b",
-                    help="MoE shapes (35b-a3b in the VLM form, next-80b: Qwen3-Next) are written --config-only")
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *MOE_SHAPES, *MAMBA2_SHAPES]), default="2b",
+                    help="MoE shapes (35b-a3b in the VLM form, next-80b: Qwen3-Next) and the Mamba2 shapes "
+                         "(nemotron-h-8b, nemotron3-nano-30b-a3b) are written --config-only")
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mtp", action="store_true", help="add one random MTP layer (mtp.* tensors)")
@@ -330,6 +399,13 @@ def main() -> None:
                     help="MoE shapes: Qwen's block FP8 quantization_config (weights made FP8 at a dummy load)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.shape in MAMBA2_SHAPES:
+        if not args.config_only or args.fp8:
+            ap.error(f"--shape {args.shape} is written --config-only, in bf16 (serve it with --load-format dummy)")
+        raw = write_mamba2_config(args.out, args.shape)
+        print(f"wrote the {args.shape} shape's config.json ({raw['architectures'][0]}, "
+              f"{raw['hybrid_override_pattern']}) to {args.out} (load it with --load-format dummy)")
+        return
     if args.shape in MOE_SHAPES:
         if not args.config_only:
             ap.error(f"--shape {args.shape} is written --config-only (serve it with --load-format dummy)")
