@@ -5,6 +5,10 @@ tensor-parallel and multiprocess runs) and checks that it does preempt and hit."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.outputs import RequestOutput
@@ -113,17 +117,20 @@ def plain_scenario_run(ckpts: CheckpointCache, path: str) -> dict[str, RequestOu
 
 
 def assert_ngram_scenario_matches(path: str, plain_run: dict[str, RequestOutput], async_scheduling: bool,
-                                  graphs: bool) -> None:
+                                  graphs: bool, sabotage: Callable[[LLMEngine], None] | None = None) -> None:
     """The scenario on ``path`` with n-gram speculation, async scheduling or CUDA graphs (emulated on the CPU when the
     caller set ``cuda_graphs.EMULATE``) gives ``plain_run``'s outputs, rows mapped to slots other than their own.
     Drafts of full length come from the known continuations with errors planted (random prompts rarely repeat, so
-    prompt lookup alone would propose little): verify rows accept 0 to 3 of 3, and the test asks for both."""
+    prompt lookup alone would propose little): verify rows accept 0 to 3 of 3, and the test asks for both.
+    ``sabotage`` (one of ``MAMBA2_SABOTAGES``) breaks the engine before it runs: the outputs must then differ."""
     from hyserve.testing.engine import SlotRecorder
     from hyserve.testing.speculative import OracleProposer
 
     arrivals, aborts, _ = scenario(path)
     engine = scenario_engine(path, "ngram", async_scheduling=async_scheduling)
     assert (engine.runner.graphs is not None) == graphs
+    if sabotage is not None:
+        sabotage(engine)
     slots = SlotRecorder(engine)
     conts = {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"}
     plan = {rid: [0, 3, 1, 2] for rid in conts}
@@ -138,3 +145,47 @@ def assert_ngram_scenario_matches(path: str, plain_run: dict[str, RequestOutput]
     drafted = metrics["hyserve:spec_decode_num_draft_tokens"]
     accepted = metrics["hyserve:spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted  # type: ignore[operator]  # drafts accepted and rejected
+
+
+def late_snapshots(engine: LLMEngine) -> None:
+    """Sabotage: every snapshot copy-out runs one step late, so the snapshot holds the state over the tokens of one
+    more step (the seeds' bug: a state taken one position late reaching later requests through the prefix cache)."""
+    runner = engine.runner
+    pool = runner.state_pool
+    original_copy = pool.copy
+    pending: list[tuple[list[int], list[int]]] = []
+    original_save: Callable = runner.state_ops.save_snapshots
+
+    def save(rows, num_accepted):  # type: ignore[no-untyped-def]
+        for src, dst in pending:
+            original_copy(src, dst)
+        pending.clear()
+        pool.copy = lambda src, dst: pending.append((list(src), list(dst)))  # type: ignore[method-assign]
+        try:
+            original_save(rows, num_accepted)
+        finally:
+            pool.copy = original_copy  # type: ignore[method-assign]
+
+    runner.state_ops.save_snapshots = save  # type: ignore[method-assign]
+
+
+def mamba2_rollback_one_late(engine: LLMEngine) -> None:
+    """Sabotage: each Mamba2 layer's commit after a verify step takes the candidate one position past the accepted
+    one (the state over the first rejected draft) where there is one."""
+    from hyserve.layers.mamba2 import Mamba2Mixer
+
+    for layer in engine.runner.model.recurrent_layers():
+        if isinstance(layer, Mamba2Mixer):
+            commit = layer.commit_verified
+
+            def late(slots, acc, commit=commit, layer=layer):  # type: ignore[no-untyped-def]
+                k = layer.verify_scratch["ssm_state"].shape[1] - 1
+                commit(slots, torch.where(acc >= 0, (acc + 1).clamp(max=k), acc))
+
+            layer.commit_verified = late  # type: ignore[method-assign]
+
+
+MAMBA2_SABOTAGES: dict[str, Callable[[LLMEngine], None]] = {
+    "snapshots_one_step_late": late_snapshots,
+    "mamba2_rollback_one_late": mamba2_rollback_one_late,
+}

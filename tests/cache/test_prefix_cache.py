@@ -23,6 +23,7 @@ from hyserve.testing.engine import (
     toks,
 )
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.scenarios import late_snapshots
 
 BS = 16
 INTERVAL = 32
@@ -173,28 +174,7 @@ def _corrupt_snapshots(engine: LLMEngine) -> None:
     engine.scheduler.update_from_output = update  # type: ignore[method-assign]
 
 
-def _late_snapshots(engine: LLMEngine) -> None:
-    """Test-only sabotage: snapshots are copied one step late, i.e. over one token too many (the seeds' bug)."""
-    runner = engine.runner
-    pool = runner.state_pool
-    original_copy = pool.copy
-    pending: list[tuple[list[int], list[int]]] = []
-    original_save: Callable = runner.state_ops.save_snapshots
-
-    def save(rows, num_accepted):  # type: ignore[no-untyped-def]
-        for src, dst in pending:
-            original_copy(src, dst)
-        pending.clear()
-        pool.copy = lambda src, dst: pending.append((list(src), list(dst)))  # type: ignore[method-assign]
-        try:
-            original_save(rows, num_accepted)
-        finally:
-            pool.copy = original_copy  # type: ignore[method-assign]
-
-    runner.state_ops.save_snapshots = save  # type: ignore[method-assign]
-
-
-@pytest.mark.parametrize("sabotage", [_corrupt_snapshots, _late_snapshots])
+@pytest.mark.parametrize("sabotage", [_corrupt_snapshots, late_snapshots])
 def test_suite_catches_a_bad_snapshot(ckpts: CheckpointCache, sabotage: Callable[[LLMEngine], None]) -> None:
     """The equivalence check above must fail when a published snapshot is wrong."""
     path = ckpts.get()

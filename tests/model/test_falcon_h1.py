@@ -26,6 +26,7 @@ from hyserve.testing.engine import assert_matches_reference, make_llm, random_pr
 from hyserve.testing.falcon_h1 import FALCON_H1, FALCON_H1_VARIANTS
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.scenarios import (
+    MAMBA2_SABOTAGES,
     assert_ngram_scenario_matches,
     plain_scenario_run,
 )
@@ -109,6 +110,13 @@ def test_features_compose(ckpts: CheckpointCache, plain_run: dict, monkeypatch: 
     outputs, rows mapped to slots other than their own."""
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
     assert_ngram_scenario_matches(_scenario_path(ckpts), plain_run, async_scheduling, graphs)
+
+
+@pytest.mark.parametrize("sabotage", list(MAMBA2_SABOTAGES))
+def test_sabotaged_mamba2_states_are_caught(ckpts: CheckpointCache, plain_run: dict, sabotage: str) -> None:
+    """The scenario above fails when snapshots are taken one step late or a Mamba2 commit keeps a rejected draft."""
+    with pytest.raises(AssertionError, match=r"tokens differ|logprob \d+ differs"):
+        assert_ngram_scenario_matches(_scenario_path(ckpts), plain_run, False, False, MAMBA2_SABOTAGES[sabotage])
 
 
 def test_two_uneven_pipeline_stages_with_a_tied_head_match_transformers(ckpts: CheckpointCache) -> None:
