@@ -37,13 +37,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def make_problem(t: int, k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int,
                  expert_start: int = 0, num_local: int | None = None, fp8: str | None = None,
-                 device: str = "cpu") -> tuple[Any, ...]:
+                 device: str = "cpu", activation: str = "silu") -> tuple[Any, ...]:
     """``(x, w13, w2, weights, ids, scales)``: a routing over all ``num_experts`` and the weights of
-    ``[expert_start, expert_start + num_local)``."""
+    ``[expert_start, expert_start + num_local)``; ``w13`` the up weight alone for ``relu2`` experts."""
     g = torch.Generator().manual_seed(seed)
     nl = num_local or num_experts
     x = torch.randn(t, hidden, generator=g).to(dtype)
-    w13 = torch.randn(nl, 2 * inter, hidden, generator=g) / hidden**0.5
+    rows = inter if activation == "relu2" else 2 * inter
+    w13 = torch.randn(nl, rows, hidden, generator=g) / hidden**0.5
     w2 = torch.randn(nl, hidden, inter, generator=g) / inter**0.5
     scales = None
     if fp8 == "channel":
@@ -51,7 +52,7 @@ def make_problem(t: int, k: int, num_experts: int, hidden: int, inter: int, dtyp
         w13, w2 = (w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE)
         scales = ExpertScales(s13, s2, None)
     elif fp8 == "block":
-        s13 = torch.rand(nl, -(-2 * inter // 128), -(-hidden // 128), generator=g).add(0.5) / 100 / hidden**0.5
+        s13 = torch.rand(nl, -(-rows // 128), -(-hidden // 128), generator=g).add(0.5) / 100 / hidden**0.5
         s2 = torch.rand(nl, -(-hidden // 128), -(-inter // 128), generator=g).add(0.5) / 100 / inter**0.5
         w13 = (torch.randn(w13.shape, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
         w2 = (torch.randn(w2.shape, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
@@ -82,7 +83,7 @@ def _as_gemm_sees(v: torch.Tensor, block: tuple[int, int] | None) -> torch.Tenso
 
 
 def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               expert_start: int, scales: ExpertScales | None) -> torch.Tensor:
+               expert_start: int, scales: ExpertScales | None, activation: str = "silu") -> torch.Tensor:
     """The routed sum one token and one choice at a time."""
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32)
@@ -98,7 +99,10 @@ def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
                 up_w = _dequant(w13[e], scales.w13[e], scales.block)
                 down_w = _dequant(w2[e], scales.w2[e], scales.block)
             h = up_w @ xt
-            a = (F.silu(h[:inter]) * h[inter:]).to(x.dtype).float()
+            if activation == "relu2":
+                a = (F.relu(h) ** 2).to(x.dtype).float()
+            else:
+                a = (F.silu(h[:inter]) * h[inter:]).to(x.dtype).float()
             if scales is not None:
                 a = _as_gemm_sees(a, scales.block)
             out[t] += ((down_w @ a) * weights[t, j]).to(x.dtype).float()
@@ -111,11 +115,15 @@ def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     dict(t=7, k=2, num_experts=8, hidden=32, inter=16, dtype=torch.float32, expert_start=3, num_local=3),
     dict(t=5, k=2, num_experts=4, hidden=64, inter=48, dtype=torch.bfloat16, fp8="channel"),
     dict(t=5, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
+    dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.float32, activation="relu2"),
+    dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.bfloat16, activation="relu2"),
+    dict(t=5, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block", activation="relu2"),
 ])  # fmt: skip
 def test_reference_equals_a_token_by_token_loop(case: dict) -> None:
     x, w13, w2, weights, ids, scales = make_problem(seed=1, **case)
-    got = fused_experts_ref(x, w13, w2, weights, ids, case.get("expert_start", 0), scales)
-    want = token_loop(x, w13, w2, weights, ids, case.get("expert_start", 0), scales)
+    act = case.get("activation", "silu")
+    got = fused_experts_ref(x, w13, w2, weights, ids, case.get("expert_start", 0), scales, activation=act)
+    want = token_loop(x, w13, w2, weights, ids, case.get("expert_start", 0), scales, act)
     tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert got.abs().max() > 0.05
