@@ -302,7 +302,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     # Sabotage: the ungated experts' activation without its square, or SiLU in its place, must be caught on both
     # orders (the kernel's ``_relu2`` helper replaced: the interpreter looks it up at each call; the replacements
     # are defined at the end of this file, where ``tl`` is a global as the interpreter wants).
-    from hyserve.kernels.moe import _triton as kt
+    import hyserve.kernels.moe._triton as kt
 
     real_act = kt._relu2
     for sab_name, sabotage in (("square_dropped", _relu_only), ("silu", _silu)):
