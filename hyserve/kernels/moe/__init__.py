@@ -17,10 +17,10 @@ from the routing.
 
 bf16/fp16 experts and FP8 W8A8 experts (``ExpertScales``: channel scales with per-token activations, or block scales
 with per-token groups as wide as a block; the activations quantized by :func:`hyserve.kernels.fp8.quantize_rows`).
-Both activations take either. Tile sizes come from a tuned table per (experts, widths, dtype, card, and the
-activation when it is not ``silu``) stored beside this file (``configs/``, written by ``benchmarks/moe_tune.py``),
-else from :func:`default_config`; no ``relu2`` table is tuned yet, so the ungated experts take the defaults.
-Elsewhere the reference runs.
+Both activations take either (``relu2`` FP8: the up weight's scales alone, ``[E, I]`` or its blocks). Tile sizes
+come from a tuned table per (experts, widths, dtype, card, and the activation when it is not ``silu``) stored beside
+this file (``configs/``, written by ``benchmarks/moe_tune.py``), else from :func:`default_config`; no ``relu2``
+table is tuned yet, so the ungated experts take the defaults. Elsewhere the reference runs.
 """
 
 from __future__ import annotations
