@@ -1,4 +1,4 @@
-"""Nemotron-H's mixture-of-experts block (the ``E`` blocks of Nemotron 3), in plain torch (the CPU path):
+"""Nemotron-H's mixture-of-experts block (the ``E`` blocks of Nemotron 3):
 
     s      = sigmoid(x W_router^T)                     float32
     choose = s + e_score_correction_bias               used to choose only
@@ -17,6 +17,16 @@ Tensor parallel: each rank holds every expert's share of its intermediate channe
 and its share of the shared expert's; the router and the latent projections are whole on every rank. The routed
 sum (through ``fc2_latent_proj``, which is linear) and the shared expert's output are then partial sums, added and
 summed over the group in one all-reduce.
+
+The router is plain torch everywhere (no value goes to the host: a CUDA graph captures it). The experts' sum: on the
+CPU a loop over the experts in transformers' order (each expert's terms accumulated in float32, in expert order); on
+CUDA (and under the Triton interpreter: :func:`hyserve.kernels.moe.uses_triton`) the fused MoE kernels
+(:func:`hyserve.kernels.moe.fused_experts` with ``activation="relu2"``: the stacked ``up_proj`` is the kernels'
+``w13``), fed the router's float32 weights (routed scaling applied) and its expert ids; no host sync. Where the two
+round differently (bf16 / fp16; in float32 only the order of the sums differs): the kernels square the float32
+``x W_up^T`` before rounding it to ``x.dtype`` (the loop rounds the GEMM's output, then squares in ``x.dtype``),
+and round each weighted term ``w * down(...)`` to ``x.dtype`` before the float32 sum over the token's k choices (the
+loop rounds ``down(...)`` and multiplies by ``w`` in float32); that sum runs in choice order, not expert order.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_size
+from hyserve.kernels.moe import fused_experts, uses_triton
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.quantization import QuantizationConfig
@@ -78,7 +89,10 @@ class UngatedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, L]; ``weights`` (float32) and ``experts`` [T, k]: the weighted sum over each token's k experts,
-        accumulated in float32 (transformers' order: expert by expert), in ``x.dtype``."""
+        accumulated in float32, in ``x.dtype``: on CUDA the fused kernels (no host sync; the module docstring says
+        where they round differently), else transformers' order (expert by expert)."""
+        if uses_triton(x):
+            return fused_experts(x, self.up_proj, self.down_proj, weights, experts, activation="relu2")
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(self.up_proj.shape[0]):
             tok, slot = torch.where(experts == e)

@@ -8,6 +8,9 @@ What runs: one prefill step of 192 tokens (the sorted order, the shared expert a
 10 rows (the sorted order with the shared expert stacked as expert E), then fewer than 8 as rows finish (one pair per
 program, stacked). The check's control (the reference without its shared experts) must fail, and a sabotaged engine
 (the stacked shared expert added ungated: weight 1, not its gate's sigmoid) must fail the check itself.
+
+Nemotron-H's MoE blocks (Nemotron 3: the kernels' ungated ``relu2`` experts) the same way: the family's MoE tests
+run with ``TRITON_INTERPRET=1``, against transformers.
 """
 
 from __future__ import annotations
@@ -112,6 +115,34 @@ def test_the_familys_tests_pass_on_the_moe_kernels() -> None:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAMILY_TESTS], env=env,
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and f"{len(FAMILY_TESTS)} passed" in proc.stdout, proc.stdout[-3000:]
+
+
+# Nemotron 3's MoE blocks (sigmoid router, ungated squared-ReLU experts: the kernels' ``relu2`` variant) on the
+# kernels against transformers: the four-block MoE pattern, the latent MoE (which also checks that the kernels ran),
+# and the sabotaged routing weights, which must still be caught (about 25 s under the interpreter).
+NEMOTRON_TESTS = ["tests/model/test_nemotron_h.py::test_matches_transformers[moe]",
+                  "tests/model/test_nemotron_h.py::test_moe_with_latent_projections_matches_transformers",
+                  "tests/model/test_nemotron_h.py::test_routing_weights_from_the_biased_scores_are_caught"]
+# The scheduling scenario with emulated CUDA graphs (decode batches padded to the graphs' sizes) on the kernels.
+NEMOTRON_SLOW_TESTS = ["tests/model/test_nemotron_h.py::test_features_compose[graphs]"]
+
+
+def _run_on_the_kernels(tests: list[str]) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and f"{len(tests)} passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_nemotron_h_moe_on_the_kernels_matches_transformers() -> None:
+    _run_on_the_kernels(NEMOTRON_TESTS)
+
+
+@pytest.mark.slow  # about 45 s on one worker
+def test_nemotron_h_scenario_with_emulated_graphs_on_the_kernels() -> None:
+    _run_on_the_kernels(NEMOTRON_SLOW_TESTS)
 
 
 if __name__ == "__main__" and "--run" in sys.argv:

@@ -37,13 +37,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def make_problem(t: int, k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int,
                  expert_start: int = 0, num_local: int | None = None, fp8: str | None = None,
-                 device: str = "cpu") -> tuple[Any, ...]:
+                 device: str = "cpu", activation: str = "silu") -> tuple[Any, ...]:
     """``(x, w13, w2, weights, ids, scales)``: a routing over all ``num_experts`` and the weights of
-    ``[expert_start, expert_start + num_local)``."""
+    ``[expert_start, expert_start + num_local)``; ``w13`` the up weight alone for ``relu2`` experts."""
     g = torch.Generator().manual_seed(seed)
     nl = num_local or num_experts
     x = torch.randn(t, hidden, generator=g).to(dtype)
-    w13 = torch.randn(nl, 2 * inter, hidden, generator=g) / hidden**0.5
+    rows = inter if activation == "relu2" else 2 * inter
+    w13 = torch.randn(nl, rows, hidden, generator=g) / hidden**0.5
     w2 = torch.randn(nl, hidden, inter, generator=g) / inter**0.5
     scales = None
     if fp8 == "channel":
@@ -51,7 +52,7 @@ def make_problem(t: int, k: int, num_experts: int, hidden: int, inter: int, dtyp
         w13, w2 = (w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE)
         scales = ExpertScales(s13, s2, None)
     elif fp8 == "block":
-        s13 = torch.rand(nl, -(-2 * inter // 128), -(-hidden // 128), generator=g).add(0.5) / 100 / hidden**0.5
+        s13 = torch.rand(nl, -(-rows // 128), -(-hidden // 128), generator=g).add(0.5) / 100 / hidden**0.5
         s2 = torch.rand(nl, -(-hidden // 128), -(-inter // 128), generator=g).add(0.5) / 100 / inter**0.5
         w13 = (torch.randn(w13.shape, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
         w2 = (torch.randn(w2.shape, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
@@ -82,7 +83,7 @@ def _as_gemm_sees(v: torch.Tensor, block: tuple[int, int] | None) -> torch.Tenso
 
 
 def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               expert_start: int, scales: ExpertScales | None) -> torch.Tensor:
+               expert_start: int, scales: ExpertScales | None, activation: str = "silu") -> torch.Tensor:
     """The routed sum one token and one choice at a time."""
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32)
@@ -98,7 +99,10 @@ def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
                 up_w = _dequant(w13[e], scales.w13[e], scales.block)
                 down_w = _dequant(w2[e], scales.w2[e], scales.block)
             h = up_w @ xt
-            a = (F.silu(h[:inter]) * h[inter:]).to(x.dtype).float()
+            if activation == "relu2":
+                a = (F.relu(h) ** 2).to(x.dtype).float()
+            else:
+                a = (F.silu(h[:inter]) * h[inter:]).to(x.dtype).float()
             if scales is not None:
                 a = _as_gemm_sees(a, scales.block)
             out[t] += ((down_w @ a) * weights[t, j]).to(x.dtype).float()
@@ -111,11 +115,15 @@ def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     dict(t=7, k=2, num_experts=8, hidden=32, inter=16, dtype=torch.float32, expert_start=3, num_local=3),
     dict(t=5, k=2, num_experts=4, hidden=64, inter=48, dtype=torch.bfloat16, fp8="channel"),
     dict(t=5, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
+    dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.float32, activation="relu2"),
+    dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.bfloat16, activation="relu2"),
+    dict(t=5, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block", activation="relu2"),
 ])  # fmt: skip
 def test_reference_equals_a_token_by_token_loop(case: dict) -> None:
     x, w13, w2, weights, ids, scales = make_problem(seed=1, **case)
-    got = fused_experts_ref(x, w13, w2, weights, ids, case.get("expert_start", 0), scales)
-    want = token_loop(x, w13, w2, weights, ids, case.get("expert_start", 0), scales)
+    act = case.get("activation", "silu")
+    got = fused_experts_ref(x, w13, w2, weights, ids, case.get("expert_start", 0), scales, activation=act)
+    want = token_loop(x, w13, w2, weights, ids, case.get("expert_start", 0), scales, act)
     tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert got.abs().max() > 0.05
@@ -208,8 +216,19 @@ INTERP_CASES: dict[str, dict[str, Any]] = {
     "fp8_block_direct": dict(t=3, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
     "fp8_channel": dict(t=5, k=2, num_experts=4, hidden=256, inter=128, dtype=torch.bfloat16, fp8="channel"),
     "fp8_block": dict(t=70, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
+    # Ungated squared-ReLU experts (Nemotron 3's): w13 the up weight alone
+    "relu2_direct_f32": dict(t=3, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32, activation="relu2",
+                             shared=True),
+    "relu2_prefill_f32": dict(t=37, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32,
+                              activation="relu2"),
+    "relu2_prefill_bf16": dict(t=20, k=2, num_experts=8, hidden=200, inter=48, dtype=torch.bfloat16,
+                               activation="relu2"),
+    "relu2_fp8_block_direct": dict(t=2, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16,
+                                   fp8="block", activation="relu2"),
+    "relu2_fp8_channel": dict(t=12, k=2, num_experts=4, hidden=256, inter=128, dtype=torch.bfloat16, fp8="channel",
+                              activation="relu2"),
 }
-SWEPT = ("prefill_odd_widths_f32", "fp8_block", "expert_parallel_f32")  # the cases run at every plan
+SWEPT = ("prefill_odd_widths_f32", "fp8_block", "expert_parallel_f32", "relu2_prefill_f32")  # run at every plan
 PLANS = {"decode": MoePlan(MoeConfig(16, 32, 32, 4, 2), MoeConfig(16, 32, 32, 4, 2)),
          "prefill": MoePlan(MoeConfig(32, 64, 64, 4, 2), MoeConfig(32, 64, 32, 4, 2))}
 
@@ -223,9 +242,10 @@ def _interp_case(case: dict[str, Any], plan: MoePlan | None) -> tuple[bool, str]
     if with_shared:  # a shared expert's output and gate, added in the same sum
         g = torch.Generator().manual_seed(9)
         shared, gate = torch.randn(x.shape, generator=g).to(x.dtype), torch.rand(x.shape[0], generator=g)
+    act = case.get("activation", "silu")
     got = fused_experts(x, w13, w2, weights, ids, start, scales, plan, num_experts=case["num_experts"],
-                        shared=shared, shared_gate=gate)
-    want = fused_experts_ref(x, w13, w2, weights, ids, start, scales, shared, gate)
+                        shared=shared, shared_gate=gate, activation=act)
+    want = fused_experts_ref(x, w13, w2, weights, ids, start, scales, shared, gate, act)
     tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
     err = float((got.float() - want.float()).abs().max())
     return bool(err <= tol * max(1.0, float(want.float().abs().max()))), f"err {err:.3g}"
@@ -279,6 +299,18 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     ok, msg = _interp_case(INTERP_CASES["prefill_odd_widths_f32"], PLANS["prefill"])
     moe.align_pairs = real
     res["unpadded_runs_caught"] = [not ok, msg]
+    # Sabotage: the ungated experts' activation without its square, or SiLU in its place, must be caught on both
+    # orders (the kernel's ``_relu2`` helper replaced: the interpreter looks it up at each call; the replacements
+    # are defined at the end of this file, where ``tl`` is a global as the interpreter wants).
+    import hyserve.kernels.moe._triton as kt
+
+    real_act = kt._relu2
+    for sab_name, sabotage in (("square_dropped", _relu_only), ("silu", _silu)):
+        kt._relu2 = sabotage
+        for case_name in ("relu2_direct_f32", "relu2_prefill_f32"):
+            ok, msg = _interp_case(INTERP_CASES[case_name], None)
+            res[f"relu2_{sab_name}_caught/{case_name}"] = [not ok, msg]
+    kt._relu2 = real_act
     return res
 
 
@@ -413,6 +445,8 @@ def interpreter_results() -> dict[str, list[Any]]:
 
 INTERP_NAMES = [f"{c}/{p}" for c in INTERP_CASES for p in ("default", *PLANS) if p == "default" or c in SWEPT]
 INTERP_NAMES += ["unpadded_runs_caught", "ungated_shared_caught"]
+INTERP_NAMES += [f"relu2_{s}_caught/{c}" for s in ("square_dropped", "silu")
+                 for c in ("relu2_direct_f32", "relu2_prefill_f32")]
 INTERP_NAMES += [f"stacked_shared{f}/{t}" for t in STACKED_TOKENS for f in ("", *(f"_{x}" for x in STACKED_FP8))]
 INTERP_NAMES += ["route/shared_slot"]
 INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES] + [f"route/{name}" for name in ROUTE_CASES]
@@ -430,11 +464,13 @@ def test_triton_kernels_under_the_interpreter(interpreter_results: dict[str, lis
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "sorted"])
 @pytest.mark.parametrize("quant", [0, 1, 2], ids=["bf16", "fp8_channel", "fp8_block"])
-def test_the_kernels_compile_for_hopper(direct: bool, quant: int) -> None:
+def test_the_kernels_compile_for_hopper(direct: bool, quant: int, activation: str) -> None:
     pytest.importorskip("triton.backends.nvidia")
-    assert moe.compile_variants((9, 0), direct=direct, quant=quant, with_small=direct and not quant) >= 2
+    small = direct and not quant and activation == "silu"
+    assert moe.compile_variants((9, 0), direct=direct, quant=quant, with_small=small, activation=activation) >= 2
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -445,15 +481,16 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
 @pytest.mark.parametrize("fp8", [None, "channel", "block"])
 @pytest.mark.parametrize("t", [1, 8, 64, 300])
-def test_cuda_kernels_match_the_reference(fp8: str | None, t: int) -> None:
-    case = dict(t=t, k=8, num_experts=64, hidden=512, inter=256, dtype=torch.bfloat16, fp8=fp8)
+def test_cuda_kernels_match_the_reference(fp8: str | None, t: int, activation: str) -> None:
+    case = dict(t=t, k=8, num_experts=64, hidden=512, inter=256, dtype=torch.bfloat16, fp8=fp8, activation=activation)
     x, w13, w2, weights, ids, scales = make_problem(seed=3, device="cuda", **case)
-    got = fused_experts(x, w13, w2, weights, ids, 0, scales)
+    got = fused_experts(x, w13, w2, weights, ids, 0, scales, activation=activation)
     cpu = [v.cpu() if isinstance(v, torch.Tensor) else v for v in (x, w13, w2, weights, ids)]
     cs = None if scales is None else ExpertScales(scales.w13.cpu(), scales.w2.cpu(), scales.block)
-    want = fused_experts_ref(*cpu, 0, cs)
+    want = fused_experts_ref(*cpu, 0, cs, activation=activation)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
@@ -516,4 +553,15 @@ def test_cuda_graph_replays_new_routings() -> None:
 
 
 if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _relu_only(x):  # type: ignore[no-untyped-def]
+        return tl.maximum(x, 0.0)
+
+    @triton.jit
+    def _silu(x):  # type: ignore[no-untyped-def]
+        return x / (1.0 + tl.exp(-x))
+
     print("RESULTS " + json.dumps(run_interpreter_checks()))

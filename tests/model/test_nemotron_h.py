@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hyserve import SamplingParams
+from hyserve.layers import sigmoid_moe
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.layers.sigmoid_moe import SigmoidMoE
 from hyserve.model.nemotron_h import NemotronHForCausalLM
@@ -83,15 +84,30 @@ def test_sabotaged_mamba2_states_are_caught(ckpts: CheckpointCache, plain_run: d
         assert_ngram_scenario_matches(_scenario_path(ckpts), plain_run, False, False, MAMBA2_SABOTAGES[sabotage])
 
 
-def test_moe_with_latent_projections_matches_transformers(ckpts: CheckpointCache) -> None:
+def test_moe_with_latent_projections_matches_transformers(ckpts: CheckpointCache,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Nemotron 3's latent MoE: the experts run in a ``moe_latent_size`` space between two projections; the
-    checkpoint stores one 2-D tensor per expert (loaded into the stacked experts' views)."""
+    checkpoint stores one 2-D tensor per expert (loaded into the stacked experts' views). The experts take the
+    fused kernels (``relu2``) exactly where they should: under ``TRITON_INTERPRET=1`` (as on CUDA;
+    ``tests/kernels/test_moe_engine.py`` runs this so), not on the CPU path."""
     path = ckpts.get("causal", "moe", family=FAMILY, moe_latent_size=24)
+    calls: list[str] = []
+    real = sigmoid_moe.fused_experts
+
+    def counting(*args, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw["activation"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sigmoid_moe, "fused_experts", counting)
     llm = make_llm(path, max_num_batched_tokens=16)
     moe = llm.llm_engine.runner.model.backbone.layers[1].mixer
     assert isinstance(moe, SigmoidMoE) and moe.fc1_latent_proj is not None
     assert moe.experts.up_proj.shape == (8, 48, 24)
     _check(llm, ckpts.reference(path), random_prompts(3, [6, 19, 31], seed=7))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert calls and set(calls) == {"relu2"}
+    else:
+        assert not calls
 
 
 def test_routing_weights_from_the_biased_scores_are_caught(ckpts: CheckpointCache,

@@ -1,11 +1,14 @@
 """The routed experts' sum of a mixture-of-experts block: ``y = sum_j w_j expert_{e_j}(x)`` over each token's ``k``
-choices, ``expert(x) = down(silu(gate(x)) * up(x))`` (semantics: :mod:`hyserve.kernels.moe.reference`).
+choices, ``expert(x) = down(silu(gate(x)) * up(x))`` (``activation="silu"``, gated experts: ``w13`` [E, 2I, H], gate
+rows then up rows), or ``expert(x) = down(relu(up(x))^2)`` (``activation="relu2"``, Nemotron 3's ungated experts:
+``w13`` the up weight alone, [E, I, H]) (semantics: :mod:`hyserve.kernels.moe.reference`).
 
 On CUDA, three steps and no host synchronization (so a CUDA graph can capture them):
 
 1. :func:`align_pairs` sorts the ``T k`` (token, choice) pairs by expert and pads each expert's run to a multiple of
    ``BLOCK_M``, so that every block of rows belongs to one expert (two launches, shapes fixed by ``T``);
-2. ``_moe_gate_up_kernel`` computes ``silu(x W_gate^T) * (x W_up^T)`` for each block's rows (one launch);
+2. ``_moe_gate_up_kernel`` computes ``silu(x W_gate^T) * (x W_up^T)`` (or ``relu(x W_up^T)^2``: its constexpr
+   ``ACT``, one weight tile and one accumulator) for each block's rows (one launch);
 3. ``_moe_down_kernel`` multiplies by ``W2``, scales each pair by its routing weight and writes it to the pair's row;
    the ``k`` rows of a token are then summed (float32).
 
@@ -14,8 +17,10 @@ from the routing.
 
 bf16/fp16 experts and FP8 W8A8 experts (``ExpertScales``: channel scales with per-token activations, or block scales
 with per-token groups as wide as a block; the activations quantized by :func:`hyserve.kernels.fp8.quantize_rows`).
-Tile sizes come from a tuned table per (experts, widths, dtype, card) stored beside this file (``configs/``,
-written by ``benchmarks/moe_tune.py``), else from :func:`default_config`. Elsewhere the reference runs.
+Both activations take either (``relu2`` FP8: the up weight's scales alone, ``[E, I]`` or its blocks). Tile sizes
+come from a tuned table per (experts, widths, dtype, card, and the activation when it is not ``silu``) stored beside
+this file (``configs/``, written by ``benchmarks/moe_tune.py``), else from :func:`default_config`; no ``relu2``
+table is tuned yet, so the ungated experts take the defaults. Elsewhere the reference runs.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from hyserve.kernels.moe.reference import (
 )
 from hyserve.utils import next_pow2
 
-__all__ = ["ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "compile_variants", "config_path",
-           "default_config", "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs",
+__all__ = ["ACTIVATIONS", "ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "compile_variants",
+           "config_path", "default_config", "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs",
            "quantize_dequantize", "route_experts", "route_ref", "select_config", "uses_triton"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -72,10 +77,16 @@ def default_config(num_tokens: int, block_k: int | None = None) -> MoePlan:
     return MoePlan(MoeConfig(64, 64, min(bk, 64), 4, 3), MoeConfig(64, 128, min(bk, 64), 8, 3))
 
 
-def config_path(num_experts: int, hidden: int, intermediate: int, dtype: str, device_name: str) -> Path:
-    """The tuned table's file for one expert shape (this rank's experts and intermediate width) on one card."""
+ACTIVATIONS = {"silu": "silu_glu", "relu2": "relu2"}  # fused_experts' names -> the gate/up kernel's ``ACT``
+
+
+def config_path(num_experts: int, hidden: int, intermediate: int, dtype: str, device_name: str,
+                activation: str = "silu") -> Path:
+    """The tuned table's file for one expert shape (this rank's experts and intermediate width) on one card; a
+    table of ungated experts (``relu2``: one weight tile, not two) is a file of its own (``,act=relu2``)."""
     card = device_name.replace(" ", "_")
-    return CONFIG_DIR / f"E={num_experts},H={hidden},I={intermediate},dtype={dtype},device={card}.json"
+    act = "" if activation == "silu" else f",act={activation}"
+    return CONFIG_DIR / f"E={num_experts},H={hidden},I={intermediate},dtype={dtype},device={card}{act}.json"
 
 
 @functools.cache
@@ -101,13 +112,14 @@ def _card_name(index: int | None) -> str:
 
 
 def select_config(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
-                  routed_experts: int | None = None) -> MoePlan:
+                  routed_experts: int | None = None, activation: str = "silu") -> MoePlan:
     """The tuned plan of the nearest tuned token count at or above ``num_tokens``, else the default; the table of
-    ``routed_experts`` experts when ``w13`` holds a shared expert after them (default: all of ``w13``'s)."""
+    ``routed_experts`` experts when ``w13`` holds a shared expert after them (default: all of ``w13``'s), of the
+    ``activation``'s experts (``config_path``)."""
     block_k = scales.block[1] if scales is not None and scales.block is not None else None
     if w13.is_cuda:
         path = config_path(routed_experts or w13.shape[0], w13.shape[2], w2.shape[2], _dtype_name(w13, scales),
-                           _card_name(w13.device.index))
+                           _card_name(w13.device.index), activation)
         table = load_configs(path)
         above = [m for m in table if m >= num_tokens]
         if above:  # a count past the table's largest takes the defaults, not a decode tile
@@ -237,26 +249,39 @@ def _gemm_input(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Ten
     return quantize_rows(x, group=None if scales.block is None else scales.block[1])
 
 
+def _check_activation(activation: str, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """The activation is known and ``w13``'s rows are what it reads (shapes only: nothing goes to the host)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown expert activation {activation!r} (known: {sorted(ACTIVATIONS)})")
+    rows = (2 if activation == "silu" else 1) * w2.shape[2]
+    if w13.shape[1] != rows:
+        raise ValueError(f"{activation} experts of width {w2.shape[2]} read {rows} rows of w13, not {w13.shape[1]}")
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_start: int = 0, scales: ExpertScales | None = None,
                   plan: MoePlan | None = None, num_experts: int | None = None, shared: torch.Tensor | None = None,
-                  shared_gate: torch.Tensor | None = None, routed_experts: int | None = None) -> torch.Tensor:
+                  shared_gate: torch.Tensor | None = None, routed_experts: int | None = None,
+                  activation: str = "silu") -> torch.Tensor:
     """The routed sum [T, H] in ``x.dtype`` (see the module docstring and :func:`fused_experts_ref`): ``x`` [T, H];
-    ``w13`` [E_local, 2I, H]; ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids`` [T, k] with global
-    expert ids; ``scales`` for FP8 experts; ``num_experts`` the global count when the weights hold a part of them
+    ``w13`` [E_local, 2I, H] (``activation="silu"``: gate rows then up rows) or [E_local, I, H] (``"relu2"``: the
+    up weight of ungated experts); ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids`` [T, k] with
+    global expert ids; ``scales`` for FP8 experts; ``num_experts`` the global count when the weights hold a part of them
     (expert parallel); ``shared`` [T, H] and ``shared_gate`` [T] (float32) a shared expert's output and gate, added
     to the sum. ``w13``/``w2`` may also hold the shared expert as their last expert, chosen by every token as one
     more column of the routing (``route_experts(..., shared_slot=)``): ``routed_experts`` then names the routed
     count, for the tile table. CPU tensors take the reference unless the Triton interpreter is on."""
+    _check_activation(activation, w13, w2)
     if not uses_triton(x):
-        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, scales, shared, shared_gate)
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, scales, shared, shared_gate,
+                                 activation)
     from hyserve.kernels.moe._triton import _moe_down_kernel, _moe_gate_up_kernel
 
     t, k = topk_ids.shape
     num_local, hidden, inter = w13.shape[0], w13.shape[2], w2.shape[2]
     if t == 0:
         return torch.zeros_like(x) if shared is None else shared.clone()
-    plan = plan or select_config(t, w13, w2, scales, routed_experts)
+    plan = plan or select_config(t, w13, w2, scales, routed_experts, activation)
     block = scales.block if scales is not None else None
     quant = 0 if scales is None else (1 if block is None else 2)
     gn, gk = block if block is not None else (1, 1)
@@ -289,7 +314,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         xs_.stride(0), xs_.stride(1) if xs is not None and xs.dim() > 1 else 0,
         s13.stride(0), s13.stride(1), s13.stride(2) if quant == 2 else 0,
         QUANT=quant, GROUP_N=gn, GROUP_K=gk, UPCAST=upcast, PRECISION=precision, DIRECT=direct,
-        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, ACT=ACTIVATIONS[activation],
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     aa, as_ = _gemm_input(act, scales)
@@ -313,11 +338,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 def compile_variants(capability: tuple[int, int] = (9, 0), direct: bool = True, quant: int = 0,
-                     with_small: bool = True) -> int:
+                     with_small: bool = True, activation: str = "silu") -> int:
     """Compile the GEMM kernels of one variant (``direct`` order or sorted; ``quant`` 0 bf16, 1 FP8 channel, 2 FP8
-    block) and, ``with_small``, the routing, alignment and combine kernels, for a CUDA ``capability``, with no GPU
-    (Triton's own ptxas): what the interpreter cannot show (types, constexpr branches, helpers' returns). Returns
-    how many kernels compiled; a kernel that does not compile raises."""
+    block; the gate/up kernel's ``activation``, ``silu`` or ``relu2``) and, ``with_small``, the routing, alignment
+    and combine kernels, for a CUDA ``capability``, with no GPU (Triton's own ptxas): what the interpreter cannot
+    show (types, constexpr branches, helpers' returns). Returns how many kernels compiled; a kernel that does not
+    compile raises."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -345,7 +371,7 @@ def compile_variants(capability: tuple[int, int] = (9, 0), direct: bool = True, 
     data = "*fp8e4nv" if quant else "*bf16"
     common = {"ws_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i64"}
     build(_moe_gate_up_kernel, {**common, "x_ptr": data, "w_ptr": data, "act_ptr": "*bf16", "xs_ptr": "*fp32"},
-          gemm)
+          {**gemm, "ACT": ACTIVATIONS[activation]})
     build(_moe_down_kernel, {**common, "a_ptr": data, "w_ptr": data, "out_ptr": "*bf16", "as_ptr": "*fp32",
                                "topk_w_ptr": "*fp32"}, gemm)
     if not with_small:

@@ -6,8 +6,10 @@ A program computes one ``BLOCK_M x BLOCK_N`` output tile of one expert, so a blo
 its rows. ``DIRECT`` (a few tokens, decode): no sorted order; program ``m`` computes pair ``m`` alone, its expert read
 from ``topk_ids``: at batch-1 decode each chosen expert's weights are read once, and nothing is launched to sort.
 
-* ``_moe_gate_up_kernel``: ``act = silu(x W_gate^T) * (x W_up^T)``: the gate and up tiles of the same columns in two
-  accumulators, the activation applied in float32, one [P, I] store; row ``p`` of ``act`` is padded position ``p``.
+* ``_moe_gate_up_kernel``: ``act = silu(x W_gate^T) * (x W_up^T)`` (``ACT="silu_glu"``): the gate and up tiles of
+  the same columns in two accumulators, the activation applied in float32, one [P, I] store; row ``p`` of ``act`` is
+  padded position ``p``. ``ACT="relu2"`` (ungated experts, Nemotron 3): ``act = relu(x W_up^T)^2``, the weight the
+  up projection alone ``[E, I, H]`` (one tile, one accumulator; FP8 scales ``[E, I]`` or its blocks).
 * ``_moe_down_kernel``: ``out[pair] = w_pair * (act W2^T)`` for each padded position's pair.
 
 FP8 (``QUANT``): 1, channel-scaled weights and per-token activation scales, applied to the accumulator once;
@@ -49,6 +51,13 @@ def _block_rows(ids_ptr, sorted_ptr, block_expert_ptr, pid_m, num_pairs, expert_
     return e, offs_m, pair, row_ok
 
 
+@triton.jit
+def _relu2(x):
+    """``relu(x)^2`` (the ungated experts' activation), in the accumulator's float32."""
+    r = tl.maximum(x, 0.0)
+    return r * r
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, xs_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr,
@@ -57,6 +66,7 @@ def _moe_gate_up_kernel(
     QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -64,6 +74,10 @@ def _moe_gate_up_kernel(
                                           num_local, DIRECT, BLOCK_M)
     if e < 0:
         return
+    # The up rows' offset in the expert's weight: after the gate's ``INTER`` rows (``silu_glu``), or the whole
+    # weight (``relu2``: ``[I, H]``, no gate tile read, one accumulator).
+    GATED: tl.constexpr = ACT == "silu_glu"
+    up_rows = INTER if GATED else 0
     tok = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
@@ -71,36 +85,46 @@ def _moe_gate_up_kernel(
     a_ptrs = x_ptr + tok[:, None] * sxm + offs_k[None, :]
     w_e = w_ptr + e * swe
     g_ptrs = w_e + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] * swk
-    u_ptrs = g_ptrs + INTER * swn
+    u_ptrs = g_ptrs + up_rows * swn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
-            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+            a, bu = a.to(tl.float32), bu.to(tl.float32)
         if QUANT == 2:
             kb = k0 // GROUP_K
             a_s = tl.load(xs_ptr + tok * sxsm + kb * sxsk, mask=row_ok, other=0.0)
-            g_s = tl.load(ws_ptr + e * swse + (offs_n // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
-            u_s = tl.load(ws_ptr + e * swse + ((offs_n + INTER) // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
-            acc_g += tl.dot(a, bg) * a_s[:, None] * g_s[None, :]
+            u_s = tl.load(ws_ptr + e * swse + ((offs_n + up_rows) // GROUP_N) * swsn + kb * swsk, mask=n_ok,
+                          other=0.0)
             acc_u += tl.dot(a, bu) * a_s[:, None] * u_s[None, :]
         else:
-            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        if GATED:
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                bg = bg.to(tl.float32)
+            if QUANT == 2:
+                g_s = tl.load(ws_ptr + e * swse + (offs_n // GROUP_N) * swsn + kb * swsk, mask=n_ok, other=0.0)
+                acc_g += tl.dot(a, bg) * a_s[:, None] * g_s[None, :]
+            else:
+                acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * swk
         u_ptrs += BLOCK_K * swk
     if QUANT == 1:
         a_s = tl.load(xs_ptr + tok * sxsm, mask=row_ok, other=0.0)
-        g_s = tl.load(ws_ptr + e * swse + offs_n * swsn, mask=n_ok, other=0.0)
-        u_s = tl.load(ws_ptr + e * swse + (offs_n + INTER) * swsn, mask=n_ok, other=0.0)
-        acc_g = acc_g * a_s[:, None] * g_s[None, :]
+        u_s = tl.load(ws_ptr + e * swse + (offs_n + up_rows) * swsn, mask=n_ok, other=0.0)
         acc_u = acc_u * a_s[:, None] * u_s[None, :]
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if GATED:
+            g_s = tl.load(ws_ptr + e * swse + offs_n * swsn, mask=n_ok, other=0.0)
+            acc_g = acc_g * a_s[:, None] * g_s[None, :]
+    if GATED:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        act = _relu2(acc_u)
     out_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * sam + offs_n[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 

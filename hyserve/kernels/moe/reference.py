@@ -3,6 +3,7 @@
 They define the semantics of the routed experts' sum for one token ``x`` and its ``k`` choices ``(w_j, e_j)``::
 
     a_j = silu(x W13_gate[e_j]^T) * (x W13_up[e_j]^T)      float32 accumulation, stored in x.dtype
+        (activation "relu2", ungated experts: a_j = relu(x W13[e_j]^T)^2, W13 the up weight alone [E, I, H])
     y   = sum_j w_j * (a_j W2[e_j]^T)                       each term rounded to x.dtype, the sum in float32
         (+ g * shared, a shared expert's output and its gate, in the same float32 sum)
 
@@ -68,10 +69,13 @@ def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, expert_start: int = 0, scales: ExpertScales | None = None,
-                      shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [T, H]; ``w13`` [E_local, 2I, H]; ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids``
-    (global expert ids) [T, k]. Returns the routed sum [T, H] in ``x.dtype``, plus ``shared_gate * shared`` (the
-    shared expert's output [T, H] and its float32 gate [T]) when given, added in float32."""
+                      shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                      activation: str = "silu") -> torch.Tensor:
+    """``x`` [T, H]; ``w13`` [E_local, 2I, H] (``activation="silu"``) or the up weight [E_local, I, H]
+    (``"relu2"``: ``relu(x W13^T)^2``, the square in float32 before the rounding to ``x.dtype``); ``w2``
+    [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids`` (global expert ids) [T, k]. Returns the routed
+    sum [T, H] in ``x.dtype``, plus ``shared_gate * shared`` (the shared expert's output [T, H] and its float32 gate
+    [T]) when given, added in float32."""
     t, k = topk_ids.shape
     num_local, inter = w13.shape[0], w2.shape[2]
     local = topk_ids.reshape(-1).long() - expert_start
@@ -92,8 +96,11 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
         up_w, down_w = (w13[e].float(), w2[e].float()) if scales is None else (
             dequantize_experts(w13[e : e + 1], scales.w13[e : e + 1], scales.block)[0],
             dequantize_experts(w2[e : e + 1], scales.w2[e : e + 1], scales.block)[0])
-        gate, up = F.linear(xs[seg], up_w).split(inter, dim=-1)
-        act = (F.silu(gate) * up).to(x.dtype).float()
+        if activation == "relu2":
+            act = torch.square(F.relu(F.linear(xs[seg], up_w))).to(x.dtype).float()
+        else:
+            gate, up = F.linear(xs[seg], up_w).split(inter, dim=-1)
+            act = (F.silu(gate) * up).to(x.dtype).float()
         if scales is not None:
             act = quantize_dequantize(act, scales.block)
         pairs = order[seg]
