@@ -16,15 +16,31 @@ hidden size. docs/mamba2_facts.md §5.1 gives transformers' code this follows.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hyserve.kernels.fp8 import FP8_DTYPE, fp8_block_linear, fp8_linear
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.quantization.experts import (
+    UNQUANTIZED_EXPERTS,
+    ExpertsMethod,
+    Fp8ExpertsMethod,
+    uniform_experts_method,
+)
+from hyserve.layers.quantization.fp8 import (
+    SCALAR_SHAPES,
+    SCALE_DTYPES,
+    UNQUANTIZED_DTYPES,
+    Fp8Scheme,
+    fill_rows,
+    quantize_rows_into,
+)
+from hyserve.layers.sharding import LoadSpec, set_load_spec
 
 
 class SigmoidMoEConfig(Protocol):
@@ -42,20 +58,69 @@ class SigmoidMoEConfig(Protocol):
 
 
 class UngatedExperts(nn.Module):
-    """``E`` experts ``down(relu(up(x)) ** 2)``, stacked."""
+    """``E`` experts ``down(relu(up(x)) ** 2)``, stacked. Quantized (the config's method for the per-expert
+    projections ``{prefix}.{e}.up_proj`` / ``down_proj``, alike for every expert, as the checkpoints name them): FP8
+    ``up_proj`` / ``down_proj`` with float32 scales ``up_proj_scale`` [E, I] / ``down_proj_scale`` [E, L] (per
+    channel; a per-tensor scale expanded to its rows) or block scales [E, ceil(I / bn), ceil(L / bk)] (named
+    ``*_scale_inv`` for Qwen-style block FP8), each expert's input quantized per token (or per token and group)
+    before ``up`` and its squared ReLU before ``down``, as the dense FP8 layers do."""
 
-    def __init__(self, num_experts: int, width: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, width: int, intermediate: int, quant: QuantizationConfig | None = None,
+                 prefix: str = "experts") -> None:
         super().__init__()
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, width))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate))
+        self.method = _experts_method(quant, prefix, num_experts)
+        fp8 = isinstance(self.method, Fp8ExpertsMethod)
+        dtype = FP8_DTYPE if fp8 else None
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, width, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate, dtype=dtype),
+                                      requires_grad=False)
+        self.scheme: Fp8Scheme | None = None
+        if isinstance(self.method, Fp8ExpertsMethod):
+            s = self.scheme = self.method.scheme
+            suffix = "scale_inv" if s.scale_name == "weight_scale_inv" else "scale"
+            self.scale_names = (f"up_proj_{suffix}", f"down_proj_{suffix}")
+            for name, (n, k) in zip(self.scale_names, ((intermediate, width), (width, intermediate)), strict=True):
+                shape = (num_experts, n) if s.block is None else (num_experts, _cdiv(n, s.block[0]),
+                                                                   _cdiv(k, s.block[1]))
+                scale = torch.empty(shape, dtype=torch.float32)
+                if s.online:  # computed at load, not a checkpoint tensor
+                    self.register_buffer(name, scale, persistent=False)
+                else:
+                    self.register_parameter(name, nn.Parameter(scale, requires_grad=False))
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """The checkpoints' per-expert tensors, as views of the stacked ones."""
+        """The checkpoints' per-expert tensors (and their scales when quantized), as views of the stacked ones."""
         out: dict[str, tuple[str, torch.Tensor]] = {}
+        s = self.scheme
         for e in range(self.up_proj.shape[0]):
-            out[f"{e}.up_proj.weight"] = ("up_proj", self.up_proj.data[e])
-            out[f"{e}.down_proj.weight"] = ("down_proj", self.down_proj.data[e])
+            for i, proj in enumerate(("up_proj", "down_proj")):
+                weight = cast(torch.Tensor, getattr(self, proj)).data[e]
+                out[f"{e}.{proj}.weight"] = (proj, weight)
+                if s is None:
+                    continue
+                name = self.scale_names[i]
+                scale = cast(torch.Tensor, getattr(self, name)).data[e]
+                if s.online:
+                    set_load_spec(weight, LoadSpec(UNQUANTIZED_DTYPES, load=quantize_rows_into(scale, None)))
+                    continue
+                if s.block is None:
+                    scale = scale.unsqueeze(-1)
+                    set_load_spec(scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=fill_rows)
+                                  if s.weight == "tensor" else LoadSpec(SCALE_DTYPES))
+                else:
+                    set_load_spec(scale, LoadSpec(SCALE_DTYPES))
+                out[f"{e}.{proj}.{s.scale_name}"] = (name, scale)
         return out
+
+    def _linear(self, x: torch.Tensor, proj: str, e: int) -> torch.Tensor:
+        weight = cast(torch.Tensor, getattr(self, proj))[e]
+        s = self.scheme
+        if s is None:
+            return F.linear(x, weight)
+        scale = cast(torch.Tensor, getattr(self, self.scale_names[int(proj == "down_proj")]))[e]
+        if s.block is not None:
+            return fp8_block_linear(x, weight, scale, s.block, s.block[1] if s.activation == "group" else None)
+        return fp8_linear(x, weight, scale.unsqueeze(-1))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, L]; ``weights`` (float32) and ``experts`` [T, k]: the weighted sum over each token's k experts,
@@ -65,10 +130,22 @@ class UngatedExperts(nn.Module):
             tok, slot = torch.where(experts == e)
             if tok.numel() == 0:
                 continue
-            h = torch.square(F.relu(F.linear(x[tok], self.up_proj[e])))
-            y = F.linear(h, self.down_proj[e]) * weights[tok, slot, None]
+            h = torch.square(F.relu(self._linear(x[tok], "up_proj", e)))
+            y = self._linear(h, "down_proj", e) * weights[tok, slot, None]
             out.index_add_(0, tok, y.float())
         return out.to(x.dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _experts_method(quant: QuantizationConfig | None, prefix: str, num_experts: int) -> ExpertsMethod:
+    """The method of the per-expert projections ``{prefix}.{e}.up_proj`` / ``down_proj``: the same for all."""
+    if quant is None:
+        return UNQUANTIZED_EXPERTS
+    names = [f"{prefix}.{e}.{p}" for e in range(num_experts) for p in ("up_proj", "down_proj")]
+    return uniform_experts_method({n: quant.linear_method(n) for n in names}, prefix)
 
 
 class Router(nn.Module):
@@ -97,7 +174,7 @@ class SigmoidMoE(nn.Module):
         self.gate = Router(e, h)
         latent = cfg.moe_latent_size
         width = latent if latent is not None else h
-        self.experts = UngatedExperts(e, width, cfg.moe_intermediate_size)
+        self.experts = UngatedExperts(e, width, cfg.moe_intermediate_size, cfg.quantization, f"{prefix}.experts")
         self.shared_experts = ReluSquaredMLP(h, cfg.moe_shared_expert_intermediate_size, cfg.quantization,
                                              f"{prefix}.shared_experts")
         self.fc1_latent_proj: Linear | None = None
