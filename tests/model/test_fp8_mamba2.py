@@ -201,6 +201,20 @@ def test_granite_experts_left_unquantized_but_targeted_are_refused(tmp_path: Pat
         make_llm(path)
 
 
+def test_online_fp8_quantizes_granite_experts_as_they_load(tmp_path: Path) -> None:
+    """``quantization="fp8"`` on a float Granite-4.0-H checkpoint (once refused): every linear layer but the router
+    and the fused experts per channel, at load (the online experts' numbers: tests/model/test_fp8_moe.py)."""
+    from hyserve.testing.granitemoehybrid import write_tiny_granitemoehybrid_checkpoint
+
+    path = write_tiny_granitemoehybrid_checkpoint(tmp_path / "ckpt", seed=3)
+    llm = make_llm(path, quantization="fp8", max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    assert all(q for n, q in _methods(model).items() if "router" not in n)
+    assert all(p.dtype == FP8_DTYPE for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj"))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1]], GREEDY, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
 def test_modelopt_fp8_is_refused_by_name(tmp_path: Path) -> None:
     """NVIDIA's own FP8 releases of Nemotron-H are ModelOpt checkpoints (``quant_method: modelopt``): refused,
     naming the format and what is supported."""
