@@ -26,6 +26,7 @@ from hyserve.kernels.norm import silu_mul
 from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.moe import Experts, route
 from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMethod, uniform_experts_method
 from hyserve.layers.sharding import Shard
 
 
@@ -60,6 +61,16 @@ class SharedMLP(nn.Module):
         return self.output_linear(silu_mul(gate, up))
 
 
+def granite_experts_method(quant: QuantizationConfig | None, prefix: str) -> ExpertsMethod:
+    """The experts' method by the checkpoint's names of their two fused projections (``{prefix}.input_linear``,
+    ``{prefix}.output_linear``: llm-compressor's Granite-4 recipe quantizes them as linear layers, the ``Linear``
+    target matching them; an ignore entry for either keeps the experts in the model dtype), alike for both."""
+    if quant is None:
+        return UNQUANTIZED_EXPERTS
+    names = (f"{prefix}.input_linear", f"{prefix}.output_linear")
+    return uniform_experts_method({n: quant.linear_method(n) for n in names}, f"{prefix}.experts")
+
+
 class SoftmaxTopKMoE(nn.Module):
     """The routed experts with a top-k softmax router. ``prefix``: its name (``model.layers.0.block_sparse_moe``).
     Tensor parallel: its output is this rank's partial sum (the caller reduces it)."""
@@ -69,7 +80,8 @@ class SoftmaxTopKMoE(nn.Module):
         e, h = cfg.num_local_experts, cfg.hidden_size
         self.top_k = cfg.num_experts_per_tok
         self.router = Linear(h, e, prefix=f"{prefix}.router")
-        self.experts = Experts(e, h, cfg.intermediate_size, cfg.quantization, f"{prefix}.experts")
+        self.experts = Experts(e, h, cfg.intermediate_size, cfg.quantization, f"{prefix}.experts",
+                               method=granite_experts_method(cfg.quantization, prefix))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # logits in the model dtype, the softmax in float32 (transformers' router)

@@ -39,6 +39,7 @@ from hyserve.layers.quantization.base import UNQUANTIZED
 from hyserve.layers.quantization.experts import (
     PROJECTIONS,
     UNQUANTIZED_EXPERTS,
+    ExpertsMethod,
     Fp8ExpertsMethod,
     experts_method_for,
 )
@@ -85,7 +86,7 @@ class Experts(nn.Module):
     FP8 with scales) is the quantization config's (``hyserve.layers.quantization.experts.experts_method_for``)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, quant: QuantizationConfig | None = None,
-                 prefix: str = "experts") -> None:
+                 prefix: str = "experts", method: ExpertsMethod | None = None) -> None:
         super().__init__()
         self.prefix = prefix
         self.num_experts, self.hidden = num_experts, hidden
@@ -96,7 +97,8 @@ class Experts(nn.Module):
         self.num_local = e1 - e0
         self.i_range = (0, intermediate) if self.ep else shard_range(intermediate)
         self.intermediate = self.i_range[1] - self.i_range[0]
-        self.method = experts_method_for(quant, prefix, num_experts)
+        # ``method``: given by a family whose checkpoints name the experts' projections otherwise
+        self.method = experts_method_for(quant, prefix, num_experts) if method is None else method
         self.gate_up_proj: torch.Tensor
         self.down_proj: torch.Tensor
         self.method.create_weights(self)

@@ -31,18 +31,33 @@ loop rounds ``down(...)`` and multiplies by ``w`` in float32); that sum runs in 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_size
-from hyserve.kernels.moe import fused_experts, uses_triton
+from hyserve.kernels.moe import ExpertScales, fused_experts, uses_triton
+from hyserve.kernels.fp8 import FP8_DTYPE, fp8_block_linear, fp8_linear
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.quantization import QuantizationConfig
-from hyserve.layers.sharding import Shard, set_shard
+from hyserve.layers.quantization.experts import (
+    UNQUANTIZED_EXPERTS,
+    ExpertsMethod,
+    Fp8ExpertsMethod,
+    uniform_experts_method,
+)
+from hyserve.layers.quantization.fp8 import (
+    SCALAR_SHAPES,
+    SCALE_DTYPES,
+    UNQUANTIZED_DTYPES,
+    Fp8Scheme,
+    fill_rows,
+    quantize_rows_into,
+)
+from hyserve.layers.sharding import LoadSpec, Shard, set_load_spec, set_shard
 
 
 class SigmoidMoEConfig(Protocol):
@@ -61,47 +76,116 @@ class SigmoidMoEConfig(Protocol):
 
 class UngatedExperts(nn.Module):
     """``E`` experts ``down(relu(up(x)) ** 2)``, stacked: this rank's rows of each ``up`` and columns of each
-    ``down`` when tensor-parallel (its output is then a partial sum)."""
+    ``down`` when tensor-parallel (its output is then a partial sum). Quantized (the config's method for the per-expert
+    projections ``{prefix}.{e}.up_proj`` / ``down_proj``, alike for every expert, as the checkpoints name them): FP8
+    ``up_proj`` / ``down_proj`` with float32 scales ``up_proj_scale`` [E, I] / ``down_proj_scale`` [E, L] (per
+    channel; a per-tensor scale expanded to its rows) or block scales [E, ceil(I / bn), ceil(L / bk)] (named
+    ``*_scale_inv`` for Qwen-style block FP8), each expert's input quantized per token (or per token and group)
+    before ``up`` and its squared ReLU before ``down``, as the dense FP8 layers do."""
 
-    def __init__(self, num_experts: int, width: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, width: int, intermediate: int, quant: QuantizationConfig | None = None,
+                 prefix: str = "experts") -> None:
         super().__init__()
+        self.method = _experts_method(quant, prefix, num_experts)
+        fp8 = isinstance(self.method, Fp8ExpertsMethod)
         self.i_range = i0, i1 = shard_range(intermediate)
         self.intermediate_full = intermediate
         self.sharded = tp_size() > 1
-        self.up_proj = nn.Parameter(torch.empty(num_experts, i1 - i0, width))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, width, i1 - i0))
+        if self.sharded and fp8:
+            raise ValueError(f"{prefix}: FP8 experts of Nemotron 3's MoE with tensor_parallel_size > 1 are not "
+                             "supported yet (their scales are not sharded); serve with tensor_parallel_size 1")
+        mine = i1 - i0
+        dtype = FP8_DTYPE if fp8 else None
+        self.up_proj = nn.Parameter(torch.empty(num_experts, mine, width, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, mine, dtype=dtype), requires_grad=False)
         if self.sharded:
             set_shard(self.up_proj, Shard((num_experts, intermediate, width), 1, (self.i_range,)))
             set_shard(self.down_proj, Shard((num_experts, width, intermediate), 2, (self.i_range,)))
+        self.scheme: Fp8Scheme | None = None
+        if isinstance(self.method, Fp8ExpertsMethod):
+            s = self.scheme = self.method.scheme
+            suffix = "scale_inv" if s.scale_name == "weight_scale_inv" else "scale"
+            self.scale_names = (f"up_proj_{suffix}", f"down_proj_{suffix}")
+            for name, (n, k) in zip(self.scale_names, ((intermediate, width), (width, intermediate)), strict=True):
+                shape = (num_experts, n) if s.block is None else (num_experts, _cdiv(n, s.block[0]),
+                                                                   _cdiv(k, s.block[1]))
+                scale = torch.empty(shape, dtype=torch.float32)
+                if s.online:  # computed at load, not a checkpoint tensor
+                    self.register_buffer(name, scale, persistent=False)
+                else:
+                    self.register_parameter(name, nn.Parameter(scale, requires_grad=False))
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """The checkpoints' per-expert tensors, as views of the stacked ones (with this rank's shard of each)."""
+        """The checkpoints' per-expert tensors (and their scales when quantized), as views of the stacked ones (with
+        this rank's shard of each)."""
         out: dict[str, tuple[str, torch.Tensor]] = {}
+        s = self.scheme
         full, width = self.intermediate_full, self.up_proj.shape[2]
         for e in range(self.up_proj.shape[0]):
-            up, down = self.up_proj.data[e], self.down_proj.data[e]
-            if self.sharded:
-                set_shard(up, Shard((full, width), 0, (self.i_range,)))
-                set_shard(down, Shard((width, full), 1, (self.i_range,)))
-            out[f"{e}.up_proj.weight"] = ("up_proj", up)
-            out[f"{e}.down_proj.weight"] = ("down_proj", down)
+            for i, proj in enumerate(("up_proj", "down_proj")):
+                weight = cast(torch.Tensor, getattr(self, proj)).data[e]
+                if self.sharded:
+                    set_shard(weight, Shard((full, width), 0, (self.i_range,)) if proj == "up_proj"
+                              else Shard((width, full), 1, (self.i_range,)))
+                out[f"{e}.{proj}.weight"] = (proj, weight)
+                if s is None:
+                    continue
+                name = self.scale_names[i]
+                scale = cast(torch.Tensor, getattr(self, name)).data[e]
+                if s.online:
+                    set_load_spec(weight, LoadSpec(UNQUANTIZED_DTYPES, load=quantize_rows_into(scale, None)))
+                    continue
+                if s.block is None:
+                    scale = scale.unsqueeze(-1)
+                    set_load_spec(scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=fill_rows)
+                                  if s.weight == "tensor" else LoadSpec(SCALE_DTYPES))
+                else:
+                    set_load_spec(scale, LoadSpec(SCALE_DTYPES))
+                out[f"{e}.{proj}.{s.scale_name}"] = (name, scale)
         return out
+
+    def _linear(self, x: torch.Tensor, proj: str, e: int) -> torch.Tensor:
+        weight = cast(torch.Tensor, getattr(self, proj))[e]
+        s = self.scheme
+        if s is None:
+            return F.linear(x, weight)
+        scale = cast(torch.Tensor, getattr(self, self.scale_names[int(proj == "down_proj")]))[e]
+        if s.block is not None:
+            return fp8_block_linear(x, weight, scale, s.block, s.block[1] if s.activation == "group" else None)
+        return fp8_linear(x, weight, scale.unsqueeze(-1))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, L]; ``weights`` (float32) and ``experts`` [T, k]: the weighted sum over each token's k experts,
         accumulated in float32, in ``x.dtype``: on CUDA the fused kernels (no host sync; the module docstring says
         where they round differently), else transformers' order (expert by expert)."""
         if uses_triton(x):
-            return fused_experts(x, self.up_proj, self.down_proj, weights, experts, activation="relu2")
+            scales = None
+            if self.scheme is not None:
+                s13, s2 = (cast(torch.Tensor, getattr(self, n)) for n in self.scale_names)
+                scales = ExpertScales(s13, s2, self.scheme.block)
+            return fused_experts(x, self.up_proj, self.down_proj, weights, experts, scales=scales,
+                                 activation="relu2")
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(self.up_proj.shape[0]):
             tok, slot = torch.where(experts == e)
             if tok.numel() == 0:
                 continue
-            h = torch.square(F.relu(F.linear(x[tok], self.up_proj[e])))
-            y = F.linear(h, self.down_proj[e]) * weights[tok, slot, None]
+            h = torch.square(F.relu(self._linear(x[tok], "up_proj", e)))
+            y = self._linear(h, "down_proj", e) * weights[tok, slot, None]
             out.index_add_(0, tok, y.float())
         return out.to(x.dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _experts_method(quant: QuantizationConfig | None, prefix: str, num_experts: int) -> ExpertsMethod:
+    """The method of the per-expert projections ``{prefix}.{e}.up_proj`` / ``down_proj``: the same for all."""
+    if quant is None:
+        return UNQUANTIZED_EXPERTS
+    names = [f"{prefix}.{e}.{p}" for e in range(num_experts) for p in ("up_proj", "down_proj")]
+    return uniform_experts_method({n: quant.linear_method(n) for n in names}, prefix)
 
 
 class Router(nn.Module):
@@ -130,7 +214,7 @@ class SigmoidMoE(nn.Module):
         self.gate = Router(e, h)
         latent = cfg.moe_latent_size
         width = latent if latent is not None else h
-        self.experts = UngatedExperts(e, width, cfg.moe_intermediate_size)
+        self.experts = UngatedExperts(e, width, cfg.moe_intermediate_size, cfg.quantization, f"{prefix}.experts")
         self.shared_experts = ReluSquaredMLP(h, cfg.moe_shared_expert_intermediate_size, cfg.quantization,
                                              f"{prefix}.shared_experts")
         self.shared_experts.down_proj.reduce_results = False  # summed with the routed experts' partial sum

@@ -114,9 +114,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = granitemoehybrid_config(config)
-        if cfg.quantization is not None:
-            raise ValueError(f"Granite-4.0-H with quantization ({cfg.quantization.describe()}) is not supported yet; "
-                             "serve an unquantized checkpoint without --quantization")
         self.model = GraniteMoeHybridModel(cfg)
         self.logits_scaling = cfg.logits_scaling
         if self.model.is_last:

@@ -27,8 +27,12 @@ ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 # The releases' names of the layer types (transformers' remap_legacy_layer_types).
 _LEGACY = {"mamba": LINEAR_ATTENTION, "attention": FULL_ATTENTION}
 # The releases' on-disk names of the MoE tensors -> the model's (transformers' in-memory names).
+# FP8 (compressed-tensors) releases add each fused projection's ``weight_scale`` ([E, N, 1] per channel, as
+# llm-compressor's Granite-4 recipe saves it; blocks [E, N / bn, K / bk]).
 _ON_DISK = {".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.gate_up_proj",
             ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.down_proj",
+            ".block_sparse_moe.input_linear.weight_scale": ".block_sparse_moe.experts.gate_up_proj_scale",
+            ".block_sparse_moe.output_linear.weight_scale": ".block_sparse_moe.experts.down_proj_scale",
             ".block_sparse_moe.router.layer.weight": ".block_sparse_moe.router.weight"}
 _IN_MODEL = {v: k for k, v in _ON_DISK.items()}
 

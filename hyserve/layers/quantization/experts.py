@@ -236,7 +236,10 @@ class Fp8ExpertsMethod(ExpertsMethod):
                 continue
             if shard is not None:
                 set_shard(param, shard)
-            set_load_spec(param, LoadSpec(SCALE_DTYPES))
+            full_shape = shard.full_shape if shard is not None else tuple(shape)
+            # per channel also [E, N, 1]: llm-compressor's fused (Granite-4) experts keep the Linear's (N, 1) form
+            accepted = None if s.block is not None else (full_shape, (*full_shape, 1))
+            set_load_spec(param, LoadSpec(SCALE_DTYPES, accepted))
 
     def _check_block_shards(self, layer: ExpertsLayer) -> None:
         """Each expert's gate and up rows own their blocks, and a tensor-parallel slice is whole blocks."""
