@@ -38,8 +38,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_size
-from hyserve.kernels.moe import ExpertScales, fused_experts, uses_triton
 from hyserve.kernels.fp8 import FP8_DTYPE, fp8_block_linear, fp8_linear
+from hyserve.kernels.moe import ExpertScales, fused_experts, uses_triton
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.quantization import QuantizationConfig
