@@ -119,10 +119,13 @@ def test_the_familys_tests_pass_on_the_moe_kernels() -> None:
 
 # Nemotron 3's MoE blocks (sigmoid router, ungated squared-ReLU experts: the kernels' ``relu2`` variant) on the
 # kernels against transformers: the four-block MoE pattern, the latent MoE (which also checks that the kernels ran),
-# and the sabotaged routing weights, which must still be caught (about 25 s under the interpreter).
+# the sabotaged routing weights, which must still be caught, and FP8 experts (about 45 s under the interpreter).
 NEMOTRON_TESTS = ["tests/model/test_nemotron_h.py::test_matches_transformers[moe]",
                   "tests/model/test_nemotron_h.py::test_moe_with_latent_projections_matches_transformers",
-                  "tests/model/test_nemotron_h.py::test_routing_weights_from_the_biased_scores_are_caught"]
+                  "tests/model/test_nemotron_h.py::test_routing_weights_from_the_biased_scores_are_caught",
+                  # FP8 experts (per channel, and blocks) with their scales in the kernels
+                  "tests/model/test_fp8_mamba2.py::test_greedy_matches_the_fp8_reference[nemotron_h]",
+                  "tests/model/test_fp8_mamba2.py::test_greedy_matches_the_fp8_reference[nemotron_h_block]"]
 # The scheduling scenario with emulated CUDA graphs (decode batches padded to the graphs' sizes) on the kernels.
 NEMOTRON_SLOW_TESTS = ["tests/model/test_nemotron_h.py::test_features_compose[graphs]"]
 
