@@ -23,7 +23,6 @@ saves unchanged. The LM head is tied to the embedding when ``tie_word_embeddings
 parallelism each stage holds its layers; a stage hands the next its residual stream alone. With tensor parallelism
 each rank holds its Mamba2 heads and groups (the segment multipliers scale its own segments), attention heads and
 MLP channels. There is no draft head.
-The Mamba2 mixer runs on the CPU only for now.
 """
 
 from __future__ import annotations

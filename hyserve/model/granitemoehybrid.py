@@ -19,7 +19,7 @@ on-disk MoE names map to them in the config (``checkpoint_name``). The LM head i
 each stage holds its layers, the first the embedding, the last the final norm, the head (and the embedding too when
 tied); a stage hands the next its residual stream alone. With tensor parallelism each rank holds its Mamba2 heads
 (the gated norm's squares summed over the ranks), attention heads, experts' and shared MLP's channels. There is
-no draft head; the Mamba2 mixer runs on the CPU only for now.
+no draft head.
 """
 
 from __future__ import annotations
