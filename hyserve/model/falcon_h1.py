@@ -33,15 +33,15 @@ from torch import nn
 from hyserve.config import ModelConfig
 from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
 from hyserve.layers.attention import PlainAttention
-from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from hyserve.layers.linear import VocabParallelEmbedding
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.layers.mlp import MLP
 from hyserve.layers.norm import ScaledRMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
-from hyserve.model.base import CausalLM
 from hyserve.model.falcon_h1_config import FalconH1Config, falcon_h1_config
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Intermediate, MissingLayer
+from hyserve.model.staged import StagedCausalLM
 
 
 class FalconH1DecoderLayer(nn.Module):
@@ -103,30 +103,14 @@ class FalconH1Model(nn.Module):
         return self.final_layernorm(x)
 
 
-class FalconH1ForCausalLM(CausalLM):
+class FalconH1ForCausalLM(StagedCausalLM):
+    NORM = "final_layernorm"
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = falcon_h1_config(config)
         self.model = FalconH1Model(cfg)
-        if self.model.is_last:
-            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
-            if cfg.tie_word_embeddings:
-                assert self.model.embed_tokens is not None
-                self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        return self.model(input_ids, meta, intermediate)
-
-    def holds(self, name: str) -> bool:
-        m = self.model
-        if name.startswith("model.layers."):
-            return m.start <= int(name.split(".")[2]) < m.end
-        if name.startswith("model.embed_tokens."):
-            return m.embed_tokens is not None
-        if name.startswith(("model.final_layernorm.", "lm_head.")):
-            return m.is_last
-        return True
+        self.make_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     def drop_unused_embedding(self, draft_head: bool) -> None:
         """A last pipeline stage keeps the input embedding only for a tied LM head."""
@@ -138,15 +122,6 @@ class FalconH1ForCausalLM(CausalLM):
         the same product), so every path to the logits, the CUDA graphs' own included, applies it."""
         m = self.config.lm_head_multiplier
         return hidden if m == 1.0 else hidden * m
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        logits = head(self.head_input(hidden))
-        return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
-
-    def input_embeddings(self) -> nn.Embedding:
-        assert self.model.embed_tokens is not None, "this pipeline stage holds no embedding"
-        return self.model.embed_tokens
 
     def activation_width(self) -> int:
         cfg = self.config

@@ -31,14 +31,14 @@ from hyserve.config import LINEAR_ATTENTION, ModelConfig
 from hyserve.distributed.parallel_state import all_reduce, is_first_stage, is_last_stage, stage_layers
 from hyserve.layers.attention import PlainAttention
 from hyserve.layers.granite_moe import SharedMLP, SoftmaxTopKMoE
-from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from hyserve.layers.linear import VocabParallelEmbedding
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.layers.norm import ScaledRMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
-from hyserve.model.base import CausalLM
 from hyserve.model.granitemoehybrid_config import GraniteMoeHybridConfig, granitemoehybrid_config
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Intermediate, MissingLayer
+from hyserve.model.staged import StagedCausalLM
 
 
 class GraniteMoeHybridLayer(nn.Module):
@@ -110,46 +110,19 @@ class GraniteMoeHybridModel(nn.Module):
         return self.norm(x)
 
 
-class GraniteMoeHybridForCausalLM(CausalLM):
+class GraniteMoeHybridForCausalLM(StagedCausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = granitemoehybrid_config(config)
         self.model = GraniteMoeHybridModel(cfg)
         self.logits_scaling = cfg.logits_scaling
-        if self.model.is_last:
-            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
-            if cfg.tie_word_embeddings:
-                assert self.model.embed_tokens is not None
-                self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        return self.model(input_ids, meta, intermediate)
-
-    def holds(self, name: str) -> bool:
-        m = self.model
-        if name.startswith("model.layers."):
-            return m.start <= int(name.split(".")[2]) < m.end
-        if name.startswith("model.embed_tokens."):
-            return m.embed_tokens is not None
-        if name.startswith(("model.norm.", "lm_head.")):
-            return m.is_last
-        return True
+        self.make_head(cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings)
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm's rows divided by ``logits_scaling``: the head has no bias, so its logits are
         transformers' ``lm_head(x) / logits_scaling``, on every path that reads the head (the CUDA graphs' logits
         call the head on ``head_input`` themselves, not ``compute_logits``)."""
         return hidden / self.logits_scaling
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        logits = head(self.head_input(hidden))
-        return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
-
-    def input_embeddings(self) -> nn.Embedding:
-        assert self.model.embed_tokens is not None, "this pipeline stage holds no embedding"
-        return self.model.embed_tokens
 
     def activation_width(self) -> int:
         cfg = self.config

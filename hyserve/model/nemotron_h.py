@@ -23,15 +23,15 @@ from torch import nn
 from hyserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
 from hyserve.layers.attention import PlainAttention
-from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from hyserve.layers.linear import VocabParallelEmbedding
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.norm import ScaledRMSNorm
 from hyserve.layers.sigmoid_moe import SigmoidMoE
-from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.nemotron_h_config import MOE, NemotronHConfig, nemotron_h_config
 from hyserve.model.qwen3_5 import Intermediate, MissingLayer
+from hyserve.model.staged import StagedCausalLM
 
 
 class NemotronHBlock(nn.Module):
@@ -84,36 +84,14 @@ class NemotronHBackbone(nn.Module):
         return self.norm_f(x)
 
 
-class NemotronHForCausalLM(CausalLM):
+class NemotronHForCausalLM(StagedCausalLM):
+    STACK, EMBED, NORM = "backbone", "embeddings", "norm_f"
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = cfg = nemotron_h_config(config)
         self.backbone = NemotronHBackbone(cfg)
-        if self.backbone.is_last:
-            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
-
-    def forward(self, input_ids: torch.Tensor, meta: StepMetadata,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        return self.backbone(input_ids, meta, intermediate)
-
-    def holds(self, name: str) -> bool:
-        b = self.backbone
-        if name.startswith("backbone.layers."):
-            return b.start <= int(name.split(".")[2]) < b.end
-        if name.startswith("backbone.embeddings."):
-            return b.embeddings is not None
-        if name.startswith(("backbone.norm_f.", "lm_head.")):
-            return b.is_last
-        return True
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        logits = head(self.head_input(hidden))
-        return (head.gather(logits) if isinstance(head, ParallelLMHead) else logits).float()
-
-    def input_embeddings(self) -> nn.Embedding:
-        assert self.backbone.embeddings is not None, "this pipeline stage holds no embedding"
-        return self.backbone.embeddings
+        self.make_head(cfg.hidden_size, cfg.vocab_size, tie=False)
 
     def activation_width(self) -> int:
         cfg = self.config

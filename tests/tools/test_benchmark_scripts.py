@@ -85,6 +85,7 @@ def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: py
     assert (out / "spec_decode.md").exists()
 
 
+@pytest.mark.slow  # 14 s: benchmark tooling, the suite's budget
 def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import plot_decode
     import profile_step
@@ -122,6 +123,7 @@ def test_host_overhead_measures_each_kind(monkeypatch: pytest.MonkeyPatch, capsy
     assert len(rows) == 3 and all(float(r.split("|")[3]) > 0 for r in rows)  # decode, MTP, MTP with rows behind
 
 
+@pytest.mark.slow  # 20 s: benchmark tooling, the suite's budget
 def test_multi_gpu_check_runs_tp2_and_pp2_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The 2-GPU script on the CPU (gloo) with a tiny checkpoint: T=2 and P=2 agree with one rank, and every number
     is there."""
@@ -198,6 +200,7 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
     assert "| m | prefill 32 x 2048, tok/s |" in (tmp_path / "rep" / "peer.md").read_text()
 
 
+@pytest.mark.slow  # 30 s: benchmark tooling, the suite's budget
 def test_peer_bench_quantizes_and_measures_fp8_on_the_cpu(tmp_path: Path) -> None:
     """The FP8 half of the side-by-side script: a written checkpoint quantized (compressed-tensors FP8_DYNAMIC), the
     quantized copy measured with the FP8 KV cache on the agent trace; the report labels the FP8 KV rows."""

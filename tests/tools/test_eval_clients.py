@@ -91,6 +91,7 @@ def _post(url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # 21 s: the suite's budget (the lm-eval clients stay)
 def test_guidellm_streaming_benchmark_counts_every_token(server: str, tmp_path: Path) -> None:
     """guidellm's default run: streamed chat completions with ``stream_options: {include_usage,
     continuous_usage_stats}``, ``max_completion_tokens`` and ``ignore_eos`` for fixed output lengths, token counts
@@ -171,6 +172,7 @@ def _results(output_path: Path) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # 21 s: the suite's budget (loglikelihoods stay)
 def test_lm_eval_chat_generate_until_gives_the_servers_greedy_answers(server: str, tmp_path: Path) -> None:
     """lm-eval ``local-chat-completions`` with ``--apply_chat_template`` on a local ``generate_until`` task, at
     lm-eval's default batch size.

@@ -97,6 +97,7 @@ def test_the_bound_counts_what_a_nemotron_step_reads(tmp_path: Path, name: str) 
     assert got == (6_455_515_520 if moe else 15_127_963_648)
 
 
+@pytest.mark.slow  # 25 s: benchmark tooling, the suite's budget
 @pytest.mark.parametrize("name", list(shapes.MAMBA2_SHAPES))
 def test_a_shrunken_copy_runs_the_sessions_hyserve_commands_on_the_cpu(tmp_path: Path, name: str) -> None:
     """The mamba2 phase's two hyserve runs (decode / bound / prefill, then the agent trace with prefix caching) on

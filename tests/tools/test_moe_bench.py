@@ -254,6 +254,7 @@ def test_the_moe_spec_phase_plants_the_same_acceptance_in_both_engines(tmp_path:
     assert [a[0] for _, a in run_phase(tmp_path, "moe-spec", "vllm")] == ["benchmarks/peer_bench.py"]
 
 
+@pytest.mark.slow  # 13 s: benchmark tooling, the suite's budget
 def test_spec_decode_bench_plants_on_a_dummy_moe_shape_with_shared_engines(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The moe-spec phase's hyserve command on a tiny config-only MoE shape (dummy weights and MTP head, the same in
