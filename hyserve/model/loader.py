@@ -72,9 +72,10 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 
 
 # An FP8 KV cache's scales as checkpoints name them, under the attention module: the current compressed-tensors
-# names, the older output scales of k_proj / v_proj, and the deprecated kv_scale shared by K and V
-# (docs/fp8_facts.md section 8). Convention: value = stored FP8 x scale.
-_KV_SCALE_SUFFIXES = {"k_scale": ("k",), "v_scale": ("v",), "kv_scale": ("k", "v"), "k_proj.output_scale": ("k",),
+# names, ModelOpt's k_proj.k_scale / v_proj.v_scale (matched first), the older output scales of k_proj / v_proj, and
+# the deprecated kv_scale shared by K and V (docs/fp8_facts.md section 8). Convention: value = stored FP8 x scale.
+_KV_SCALE_SUFFIXES = {"k_proj.k_scale": ("k",), "v_proj.v_scale": ("v",),
+                      "k_scale": ("k",), "v_scale": ("v",), "kv_scale": ("k", "v"), "k_proj.output_scale": ("k",),
                       "v_proj.output_scale": ("v",)}
 
 

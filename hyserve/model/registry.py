@@ -23,6 +23,7 @@ from torch import nn
 from hyserve.cache.specs import CacheSpecs
 from hyserve.config import ModelConfig
 from hyserve.layers.quantization import parse_quantization_config
+from hyserve.layers.quantization.modelopt import HF_QUANT_CONFIG, from_hf_quant_config
 from hyserve.model.base import CausalLM
 
 
@@ -167,7 +168,8 @@ def parse_model_config(raw: dict[str, Any], quantization: str | None = None) -> 
 
 
 def load_model_config(model_dir: str, quantization: str | None = None) -> ModelConfig:
-    """The ``ModelConfig`` of the checkpoint in ``model_dir`` (its config.json, ``parse_model_config``)."""
+    """The ``ModelConfig`` of the checkpoint in ``model_dir`` (its config.json, ``parse_model_config``; an older
+    ModelOpt checkpoint's ``hf_quant_config.json`` stands for a missing ``quantization_config``)."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(missing_model_dir_message(model_dir))
     path = os.path.join(model_dir, "config.json")
@@ -178,6 +180,16 @@ def load_model_config(model_dir: str, quantization: str | None = None) -> ModelC
             raw = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: invalid JSON ({e})") from e
+    hf_path = os.path.join(model_dir, HF_QUANT_CONFIG)
+    if os.path.isfile(hf_path) and raw.get("quantization_config") is None \
+            and (raw.get("text_config") or {}).get("quantization_config") is None:
+        # an older ModelOpt checkpoint: its quantization in hf_quant_config.json beside config.json
+        with open(hf_path, encoding="utf-8") as f:
+            try:
+                hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{hf_path}: invalid JSON ({e})") from e
+        raw = {**raw, "quantization_config": from_hf_quant_config(hf)}
     return parse_model_config(raw, quantization)
 
 

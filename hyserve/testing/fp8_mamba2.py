@@ -12,9 +12,15 @@ modules the ``ignore`` list names (exact names and ``re:`` patterns, matched as 
 quantized, as in transformers they are not ``nn.Linear``: the embedding, norms, the Mamba2 conv, Nemotron-H's router
 (``mixer.gate``). The unquantized tensors stay float32.
 
-Formats: ``ct_dynamic`` (FP8_DYNAMIC: ``weight_scale`` per output channel, activations per token) and
+Formats: ``ct_dynamic`` (FP8_DYNAMIC: ``weight_scale`` per output channel, activations per token),
 ``ct_block`` (FP8_BLOCK: ``weight_scale`` per ``block`` tile, activations per token and ``block[1]``-group; the tiny
-models take 16 x 16 blocks, so each expert's rows are whole blocks).
+models take 16 x 16 blocks, so each expert's rows are whole blocks) and ``modelopt`` (NVIDIA ModelOpt FP8:
+``quant_method: "modelopt"``, ``quant_algo: "FP8"``, a scalar ``weight_scale`` per tensor and a static scalar
+``input_scale`` per layer, calibrated as ModelOpt does on the float model: the amax of the layer's input over a
+calibration batch / 448; ``ignore`` is then the ``exclude_modules`` list, ``fnmatch`` wildcards, default
+``MODELOPT_EXCLUDE``; ``kv_scales`` adds the attention layers' ``k_proj.k_scale`` / ``v_proj.v_scale`` and
+``kv_cache_quant_algo: "FP8"``; ``hf_quant_config`` writes the config as older ModelOpt checkpoints do, in
+``hf_quant_config.json``).
 
 ``RELEASE_IGNORE``: each family's ``ignore`` list as the published recipes write them (docs/fp8_facts.md section
 11). ``load_fp8_mamba2_reference``: the family's transformers model of a dequantized copy of the checkpoint
@@ -24,6 +30,7 @@ a forward that quantizes each expert's input and its activation before ``down``)
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -38,7 +45,9 @@ from torch.nn import functional as F
 
 from hyserve.testing.files import read_checkpoint_tensors
 from hyserve.testing.fp8 import (
+    EPS,
     FP8,
+    FP8_MAX,
     block_scale,
     emulate,
     expand_block,
@@ -50,7 +59,7 @@ from hyserve.testing.fp8 import (
 
 NEMOTRON_H, GRANITE_H, FALCON_H1 = "nemotron_h", "granitemoehybrid", "falcon_h1"
 FAMILIES = (NEMOTRON_H, GRANITE_H, FALCON_H1)
-FORMATS = ("ct_dynamic", "ct_block")
+FORMATS = ("ct_dynamic", "ct_block", "modelopt")
 TINY_BLOCK = (16, 16)
 
 RELEASE_IGNORE: dict[str, list[str]] = {
@@ -63,6 +72,9 @@ RELEASE_IGNORE: dict[str, list[str]] = {
     # No published recipe found: the LM head, as llm-compressor's default examples.
     FALCON_H1: ["lm_head"],
 }
+# ModelOpt's kind of list for Nemotron-H: the head, the conv (not linear anyway) and the MoE experts, which hyserve
+# runs FP8 only with dynamic activations (ModelOpt FP8 experts are refused).
+MODELOPT_EXCLUDE = ["lm_head", "*mixer.conv1d*", "*mixer.experts.*"]
 _FUSED_EXPERTS = re.compile(r".*\.block_sparse_moe\.(input|output)_linear\.weight$")
 
 
@@ -104,8 +116,16 @@ def ignored(module: str, entries: list[str]) -> bool:
     return any(re.match(e[3:], module) if e.startswith("re:") else e == module for e in entries)
 
 
+def excluded(module: str, entries: list[str]) -> bool:
+    """ModelOpt's match of ``exclude_modules``: ``fnmatch`` wildcards over the whole name (or a parent module's)."""
+    return any(fnmatch.fnmatchcase(module, e) or module.startswith(e + ".") for e in entries)
+
+
 def _quantize(w: torch.Tensor, fmt: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 2-D weight -> (FP8 weight, scale: [N, 1] per channel, or block scales)."""
+    """A 2-D weight -> (FP8 weight, scale: [N, 1] per channel, a scalar per tensor, or block scales)."""
+    if fmt == "modelopt":
+        scale = (w.float().abs().amax().clamp(min=EPS) / FP8_MAX).reshape(())
+        return quantize_weight(w, scale), scale
     if fmt == "ct_dynamic":
         scale = per_row_scale(w, torch.float32)
         return quantize_weight(w, scale), scale
@@ -115,20 +135,29 @@ def _quantize(w: torch.Tensor, fmt: str, block: tuple[int, int]) -> tuple[torch.
 
 def write_fp8_mamba2_checkpoint(path: str | os.PathLike[str], family: str, fmt: str = "ct_dynamic", *,
                                 ignore: list[str] | None = None, block: tuple[int, int] = TINY_BLOCK,
-                                seed: int = 0, **writer_kwargs: Any) -> str:
+                                seed: int = 0, kv_scales: bool = False, hf_quant_config: bool = False,
+                                **writer_kwargs: Any) -> str:
     """Write ``family``'s tiny checkpoint (``writer_kwargs``: its writer's, e.g. ``layer_types``) quantized in
-    ``fmt`` with ``ignore`` (``None``: ``RELEASE_IGNORE``) and return its path."""
+    ``fmt`` with ``ignore`` (``None``: ``RELEASE_IGNORE``, or ``MODELOPT_EXCLUDE`` for ``modelopt``) and return its
+    path (``kv_scales``, ``hf_quant_config``: ``modelopt`` only, see the module docstring)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS} (got {fmt!r})")
+    modelopt = fmt == "modelopt"
+    if (kv_scales or hf_quant_config) and not modelopt:
+        raise ValueError("kv_scales and hf_quant_config are for fmt='modelopt'")
     path = _writer(family)(path, seed=seed, **writer_kwargs)
-    entries = list(RELEASE_IGNORE[family] if ignore is None else ignore)
+    entries = list((MODELOPT_EXCLUDE if modelopt else RELEASE_IGNORE[family]) if ignore is None else ignore)
+    skip = excluded if modelopt else ignored
     tensors = read_checkpoint_tensors(path)
-    for name in [n for n, t in tensors.items() if is_quantizable(n, t)]:
+    quantized = [n for n, t in tensors.items() if is_quantizable(n, t) and not skip(n.removesuffix(".weight"), entries)]
+    if modelopt:
+        tensors.update(_calibrate(path, family, [n.removesuffix(".weight") for n in quantized], kv_scales))
+    for name in quantized:
         module = name.removesuffix(".weight")
-        if ignored(module, entries):
-            continue
         w = tensors[name]
         if w.dim() == 3:  # fused experts, one expert at a time; scales [E, N, 1] (or [E, N / bn, K / bk])
+            if modelopt:
+                raise ValueError(f"{module}: fused experts are not written in the modelopt format; exclude them")
             pieces = [_quantize(we, fmt, block) for we in w]
             tensors[name] = torch.stack([q for q, _ in pieces])
             tensors[f"{module}.weight_scale"] = torch.stack([s for _, s in pieces])
@@ -142,6 +171,19 @@ def write_fp8_mamba2_checkpoint(path: str | os.PathLike[str], family: str, fmt: 
     config_path = os.path.join(path, "config.json")
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
+    if modelopt:
+        fields = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if kv_scales else None,
+                  "exclude_modules": entries}
+        producer = {"name": "modelopt", "version": "0.37.0"}
+        if hf_quant_config:
+            with open(os.path.join(path, "hf_quant_config.json"), "w", encoding="utf-8") as f:
+                json.dump({"producer": producer, "quantization": fields}, f, indent=2)
+            return path
+        config["quantization_config"] = {"quant_method": "modelopt", **fields, "producer": producer}
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        return path
     qc = quantization_config("ct_dynamic", entries)
     if fmt == "ct_block":
         group = qc["config_groups"]["group_0"]
@@ -152,6 +194,54 @@ def write_fp8_mamba2_checkpoint(path: str | os.PathLike[str], family: str, fmt: 
         json.dump(config, f, indent=2)
         f.write("\n")
     return path
+
+
+def _checkpoint_namer(tensors: dict[str, torch.Tensor]) -> Callable[[str], str]:
+    """transformers' module name -> the checkpoint's (Nemotron-H's ``backbone.`` for transformers' ``model.``)."""
+    backbone = any(n.startswith("backbone.") for n in tensors)
+
+    def ckpt(name: str) -> str:
+        return "backbone." + name[len("model."):] if backbone and name.startswith("model.") else name
+
+    return ckpt
+
+
+def _calibrate(path: str, family: str, modules: list[str], kv_scales: bool) -> dict[str, torch.Tensor]:
+    """Static scales as ModelOpt's calibration gives them, from a batch through transformers' float model of
+    ``path``: each of ``modules``' ``input_scale`` (the amax of its input / 448; layers reading one input get one
+    scale), and with ``kv_scales`` every attention layer's ``k_proj.k_scale`` / ``v_proj.v_scale`` (the amax of
+    its output / 448)."""
+    model = _reference_loader(family)(path)
+    ckpt = _checkpoint_namer(read_checkpoint_tensors(path))
+    amax: dict[str, float] = {}
+
+    def record(name: str, output: bool) -> Callable[..., None]:
+        def hook(_m: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            x = out if output else args[0]
+            amax[name] = max(amax.get(name, 0.0), float(x.detach().abs().max()))
+        return hook
+
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            handles.append(m.register_forward_hook(record(ckpt(name), False)))
+            if kv_scales and name.endswith(("k_proj", "v_proj")):
+                handles.append(m.register_forward_hook(record(ckpt(name) + ":out", True)))
+    gen = torch.Generator().manual_seed(1234)
+    vocab = int(model.config.vocab_size)  # type: ignore[union-attr, arg-type]
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, vocab, (2, 40), generator=gen), use_cache=False)
+    for h in handles:
+        h.remove()
+    out = {f"{m}.input_scale": torch.tensor(amax[m] / FP8_MAX) for m in modules if m in amax}
+    missing = [m for m in modules if m not in amax and ".experts." not in m]
+    assert not missing, missing
+    if kv_scales:
+        for key, value in amax.items():
+            if key.endswith(":out"):
+                module = key.removesuffix(":out")
+                out[f"{module}.{module.rsplit('.', 1)[1][0]}_scale"] = torch.tensor(max(value, EPS) / FP8_MAX)
+    return out
 
 
 def dequantize_weight(tensors: dict[str, torch.Tensor], module: str, block: tuple[int, int] | None = None
@@ -167,6 +257,8 @@ def dequantize_weight(tensors: dict[str, torch.Tensor], module: str, block: tupl
 
 
 def _block_of(config: dict[str, Any]) -> tuple[int, int] | None:
+    if "config_groups" not in config.get("quantization_config", {}):  # modelopt
+        return None
     weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
     block = weights.get("block_structure")
     return None if block is None else (int(block[0]), int(block[1]))
@@ -198,7 +290,8 @@ def _experts_forward(gated: bool, mode: str, group: int) -> Callable[..., torch.
 
 def load_fp8_mamba2_reference(path: str | os.PathLike[str], family: str) -> torch.nn.Module:
     """transformers' model of FP8 checkpoint ``path`` (``family``) holding the dequantized weights, with the
-    activations of every FP8 layer quantized as its scheme says (per token, or per token and block-column group)."""
+    activations of every FP8 layer quantized as its scheme says (per token, per token and block-column group, or
+    with its static ``input_scale``)."""
     path = os.fspath(path)
     tensors = read_checkpoint_tensors(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -206,31 +299,30 @@ def load_fp8_mamba2_reference(path: str | os.PathLike[str], family: str) -> torc
     block = _block_of(config)
     mode, group = ("token", 0) if block is None else ("group", block[1])
     plain = {n: (dequantize_weight(tensors, n.removesuffix(".weight"), block) if t.dtype == FP8 else t.float())
-             for n, t in tensors.items() if not n.endswith(".weight_scale")}
+             for n, t in tensors.items() if not n.endswith((".weight_scale", ".input_scale", ".k_scale", ".v_scale"))}
     ref_dir = path.rstrip("/") + ".dequantized"
     shutil.rmtree(ref_dir, ignore_errors=True)
-    shutil.copytree(path, ref_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(path, ref_dir, ignore=shutil.ignore_patterns("*.safetensors", "hf_quant_config.json"))
     save_file({k: v.contiguous() for k, v in plain.items()}, os.path.join(ref_dir, "model.safetensors"),
               metadata={"format": "pt"})
-    config.pop("quantization_config")
+    config.pop("quantization_config", None)
     with open(os.path.join(ref_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     model = _reference_loader(family)(ref_dir)
-    backbone = any(n.startswith("backbone.") for n in tensors)
-
-    def ckpt(name: str) -> str:
-        return "backbone." + name[len("model."):] if backbone and name.startswith("model.") else name
-
+    ckpt = _checkpoint_namer(tensors)
     modes: dict[str, tuple[str, float | None]] = {}
     for name, m in model.named_modules():
         module = ckpt(name)
         if isinstance(m, torch.nn.Linear):
-            if tensors.get(f"{module}.weight", torch.empty(0)).dtype == FP8:
+            if f"{module}.input_scale" in tensors:  # static (modelopt)
+                modes[name] = ("static", float(tensors[f"{module}.input_scale"]))
+            elif tensors.get(f"{module}.weight", torch.empty(0)).dtype == FP8:
                 modes[name] = (mode, None)
         elif hasattr(m, "down_proj") and isinstance(m.down_proj, torch.nn.Parameter):  # stacked experts
             gated = hasattr(m, "gate_up_proj")
             first = f"{module.rsplit('.', 1)[0]}.input_linear.weight" if gated else f"{module}.0.up_proj.weight"
             if tensors[first].dtype == FP8:
+                assert f"{first.removesuffix('.weight')}.input_scale" not in tensors, "static experts: not emulated"
                 m.forward = types.MethodType(_experts_forward(gated, mode, group), m)  # type: ignore[method-assign]
     emulate(model, modes, 1, group or TINY_BLOCK[1])  # type: ignore[arg-type]
     return model

@@ -10,13 +10,17 @@ e4m3 steps wherever a value straddles a rounding boundary, so these use tests/mo
 (mean |log-prob difference| <= 0.15, max <= 1.5, the reference's argmax where its top two logits are more than 0.5
 apart). Also: modules in ``ignore`` stay in the model dtype (NVIDIA's attention and adjacent Mamba layers;
 Granite's experts), block FP8, sabotages caught (an expert's scale given to another; a module quantized that the
-config's ``ignore`` names), and the refusals (modelopt's format; Granite experts left bf16 that the config targets).
+config's ``ignore`` names), and the refusals (Granite experts left bf16 that the config targets). NVIDIA ModelOpt FP8
+(static per-tensor input scales, ``exclude_modules`` wildcards, ``hf_quant_config.json``): against the reference with
+each layer's input quantized with its ``input_scale``; input scales given to other layers are caught; other
+``quant_algo`` values and FP8 experts are refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,9 @@ import torch
 from hyserve import SamplingParams
 from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.layers.linear import LinearBase
+from hyserve.model.base import KVCacheLayer
 from hyserve.testing.engine import SlotRecorder, drive, make_llm, random_prompts
+from hyserve.testing.files import read_checkpoint_tensors
 from hyserve.testing.fp8 import assert_close_to_fp8_reference
 from hyserve.testing.fp8_mamba2 import (
     FALCON_H1,
@@ -36,6 +42,7 @@ from hyserve.testing.fp8_mamba2 import (
     load_fp8_mamba2_reference,
     write_fp8_mamba2_checkpoint,
 )
+from hyserve.testing.fp8_mamba2 import MODELOPT_EXCLUDE as MODELOPT_DEFAULT
 from hyserve.testing.nemotron_h import NEMOTRON_H_PATTERNS
 from hyserve.testing.scenarios import assert_same_outputs, scenario, scenario_engine
 from hyserve.testing.speculative import OracleProposer
@@ -215,10 +222,95 @@ def test_online_fp8_quantizes_granite_experts_as_they_load(tmp_path: Path) -> No
     assert len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
-def test_modelopt_fp8_is_refused_by_name(tmp_path: Path) -> None:
-    """NVIDIA's own FP8 releases of Nemotron-H are ModelOpt checkpoints (``quant_method: modelopt``): refused,
-    naming the format and what is supported."""
-    path = write_fp8_mamba2_checkpoint(tmp_path / "ckpt", NEMOTRON_H, layer_types=NEMOTRON_H_PATTERNS["m_attn_m_mlp"])
-    _set_config(path, lambda raw: raw.update(quantization_config={"quant_method": "modelopt", "quant_algo": "FP8"}))
-    with pytest.raises(ValueError, match=r"unsupported quant_method 'modelopt'.*compressed-tensors"):
-        make_llm(path)
+# NVIDIA ModelOpt FP8 (NVIDIA's own Nemotron-H / Nemotron 3 FP8 releases): per-tensor weight scales and static
+# input scales; exclude_modules as fnmatch wildcards: the head, the conv, the experts (refused in FP8 by hyserve),
+# and, by wildcard, the Mamba2 layer 3 (``backbone.layers.3.mixer.*``: its in_proj and out_proj stay in the model
+# dtype).
+MODELOPT_EXCLUDE = [*MODELOPT_DEFAULT, "backbone.layers.3.mixer.*"]
+
+
+@pytest.fixture(scope="module")
+def modelopt(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    path = write_fp8_mamba2_checkpoint(tmp_path_factory.mktemp("modelopt") / "ckpt", NEMOTRON_H, "modelopt",
+                                       ignore=MODELOPT_EXCLUDE, layer_types=NEMOTRON_MOE, seed=3, kv_scales=True)
+    return path, load_fp8_mamba2_reference(path, NEMOTRON_H)
+
+
+def test_modelopt_fp8_matches_the_static_fp8_reference(modelopt: tuple[str, Any]) -> None:
+    """A ModelOpt FP8 Nemotron-H checkpoint: every linear layer that exclude_modules does not name is FP8 with its
+    static input scale (against transformers with the weights dequantized and each FP8 layer's input quantized with
+    the checkpoint's ``input_scale``); the wildcard-excluded Mamba2 layer and the experts stay in the model dtype;
+    the attention's ``k_proj.k_scale`` / ``v_proj.v_scale`` are read (and not used with the default cache dtype)."""
+    path, ref = modelopt
+    llm = make_llm(path, max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    quantized = _methods(model)
+    kept = {n for n, q in quantized.items() if not q}
+    assert kept == {"backbone.layers.3.mixer.in_proj", "backbone.layers.3.mixer.out_proj"}, kept
+    assert quantized["backbone.layers.0.mixer.in_proj"] and quantized["backbone.layers.2.mixer.k_proj"]
+    statics = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase) and hasattr(m, "input_scale")}
+    assert statics and set(statics) == {n for n, q in quantized.items() if q}
+    experts = [p for n, p in model.named_parameters() if n.endswith("experts.up_proj")]
+    assert experts and all(p.dtype == torch.float32 for p in experts)
+    tensors = read_checkpoint_tensors(path)
+    attn = {n: m for n, m in model.named_modules() if isinstance(m, KVCacheLayer)}
+    assert list(attn) == ["backbone.layers.2.mixer"] and attn["backbone.layers.2.mixer"].k_scale is None
+    _check(llm, ref)
+
+    fp8_cache = make_llm(path, max_num_batched_tokens=16, kv_cache_dtype="fp8").llm_engine.runner.model
+    layer = fp8_cache.get_submodule("backbone.layers.2.mixer")
+    for which in "kv":
+        got = getattr(layer, f"{which}_scale").float().cpu().reshape(-1)
+        want = tensors[f"backbone.layers.2.mixer.{which}_proj.{which}_scale"].float().reshape(-1)
+        assert torch.equal(got, want.expand_as(got)), (which, got, want)
+
+    with torch.no_grad():  # sabotage: every static layer takes another layer's input scale
+        maxes = [m.input_scale_max for m in statics.values()]
+        values = [t.clone() for t in maxes]
+        for t, v in zip(maxes, values[1:] + values[:1], strict=True):
+            t.copy_(v)
+    with pytest.raises(AssertionError, match=r"log-prob differences|reference argmax"):
+        _check(llm, ref)
+
+
+def test_modelopt_config_forms_and_refusals(modelopt: tuple[str, Any], tmp_path: Path) -> None:
+    """hf_quant_config.json (older ModelOpt checkpoints) parses as config.json's quantization_config does; another
+    quant_algo or kv_cache_quant_algo, unknown fields and FP8 experts (not excluded) are refused by name."""
+    from hyserve.layers.quantization.modelopt import ModelOptFp8Config
+    from hyserve.model.registry import load_model_config
+
+    path, _ = modelopt
+    expected = load_model_config(path).quantization
+    assert isinstance(expected, ModelOptFp8Config) and expected.kv_cache_quant_algo == "FP8"
+    older = tmp_path / "older"
+    shutil.copytree(path, older)
+    qc = _pop_config(str(older))
+    with open(older / "hf_quant_config.json", "w", encoding="utf-8") as f:
+        json.dump({"producer": qc.pop("producer"), "quantization": {k: v for k, v in qc.items()
+                                                                    if k != "quant_method"}}, f)
+    assert load_model_config(str(older)).quantization == expected
+
+    for edit, match in [
+        (dict(quant_algo="NVFP4"), r"ModelOpt quant_algo 'NVFP4' is not supported; supported: 'FP8'"),
+        (dict(quant_algo="FP8_PB_WO"), r"ModelOpt quant_algo 'FP8_PB_WO' is not supported"),
+        (dict(kv_cache_quant_algo="NVFP4"), r"kv_cache_quant_algo 'NVFP4' is not supported"),
+        (dict(group_size=16), r"unsupported field\(s\) 'group_size'"),
+    ]:
+        bad = tmp_path / f"bad_{len(os.listdir(tmp_path))}"
+        shutil.copytree(path, bad)
+        _set_config(str(bad), lambda raw, edit=edit: raw["quantization_config"].update(edit))
+        with pytest.raises(ValueError, match=match):
+            load_model_config(str(bad))
+
+    experts = tmp_path / "experts"
+    shutil.copytree(path, experts)
+    _set_config(str(experts), lambda raw: raw["quantization_config"].update(exclude_modules=["lm_head"]))
+    with pytest.raises(ValueError, match=r"backbone\.layers\.1\.mixer\.experts: FP8 experts with static per-tensor "
+                                         r"input scales .*ModelOpt FP8\) are not supported.*exclude_modules"):
+        make_llm(str(experts))
+
+
+def _pop_config(path: str) -> dict[str, Any]:
+    popped: dict[str, Any] = {}
+    _set_config(path, lambda raw: popped.update(raw.pop("quantization_config")))
+    return popped

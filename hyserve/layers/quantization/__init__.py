@@ -3,6 +3,8 @@
 * compressed-tensors FP8 (``quant_method: "compressed-tensors"``, ``format: "float-quantized"``):
   :mod:`.compressed_tensors`;
 * block FP8 as Qwen publishes it (``quant_method: "fp8"``, ``weight_block_size``): :mod:`.fine_grained_fp8`;
+* NVIDIA ModelOpt FP8 (``quant_method: "modelopt"``, ``quant_algo: "FP8"``; per-tensor weight and static input
+  scales, ``exclude_modules`` wildcards): :mod:`.modelopt`;
 * online FP8 (``quantization="fp8"`` on an unquantized checkpoint): :mod:`.online_fp8`.
 
 A checkpoint's ``quantization_config`` is read at config time (:func:`parse_quantization_config`, refusing what is
@@ -33,6 +35,8 @@ from hyserve.layers.quantization.experts import UNQUANTIZED_EXPERTS, ExpertsMeth
 from hyserve.layers.quantization.fine_grained_fp8 import QUANT_METHOD as FINE_GRAINED_FP8
 from hyserve.layers.quantization.fine_grained_fp8 import parse_fine_grained_fp8
 from hyserve.layers.quantization.matching import TEXT_PREFIX, VLM_TEXT_PREFIX, CheckpointNames
+from hyserve.layers.quantization.modelopt import QUANT_METHOD as MODELOPT
+from hyserve.layers.quantization.modelopt import parse_modelopt
 from hyserve.layers.quantization.online_fp8 import FLAG as ONLINE_FP8
 from hyserve.layers.quantization.online_fp8 import OnlineFp8Config
 
@@ -41,7 +45,8 @@ __all__ = ["QUANTIZATION_CHOICES", "ExpertsMethod", "LinearMethod", "Quantizatio
 
 # Values of the ``quantization`` engine argument (``--quantization``).
 QUANTIZATION_CHOICES = (ONLINE_FP8,)
-_SUPPORTED_TEXT = "compressed-tensors (FP8, format float-quantized), fp8 (block FP8 with weight_block_size)"
+_SUPPORTED_TEXT = ("compressed-tensors (FP8, format float-quantized), fp8 (block FP8 with weight_block_size), "
+                   "modelopt (quant_algo FP8)")
 
 
 def parse_quantization_config(raw: dict[str, Any], architecture: str,
@@ -68,6 +73,11 @@ def parse_quantization_config(raw: dict[str, Any], architecture: str,
         return parse_compressed_tensors(qc, names)
     if method == FINE_GRAINED_FP8:
         return parse_fine_grained_fp8(qc, names)
+    if method == MODELOPT:
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint, which is quantized with "
+                             f"{MODELOPT}; leave --quantization unset (FP8 checkpoints load without it)")
+        return parse_modelopt(qc, names)
     raise ValueError(f"unsupported quant_method {method!r} in config.json's quantization_config; supported: "
                      f"{_SUPPORTED_TEXT}")
 

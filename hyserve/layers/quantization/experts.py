@@ -178,8 +178,10 @@ class Fp8ExpertsMethod(ExpertsMethod):
 
     def __post_init__(self) -> None:
         if self.scheme.activation == "tensor":
-            raise ValueError("FP8 experts with static per-tensor input scales (input_activations strategy 'tensor') "
-                             "are not supported; supported: dynamic activations (per token, or per token and group)")
+            raise ValueError("FP8 experts with static per-tensor input scales (compressed-tensors input_activations "
+                             "strategy 'tensor', ModelOpt FP8) are not supported; supported: dynamic activations (per "
+                             "token, or per token and group), or the experts kept in the model dtype (named in the "
+                             "config's ignore / exclude_modules)")
 
     @property
     def weight_dtype(self) -> torch.dtype | None:

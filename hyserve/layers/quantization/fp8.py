@@ -173,7 +173,8 @@ class Fp8LinearMethod(LinearMethod):
                     set_load_spec(scale, LoadSpec(SCALE_DTYPES))
                 out["weight_scale"] = scale
         if s.activation == "tensor":
-            input_scale = _tensor(layer, "input_scale")[index : index + 1]
+            every = _tensor(layer, "input_scale")  # a single part loads into the parameter itself (``whole``)
+            input_scale = every if whole else every[index : index + 1]
             set_load_spec(input_scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES))
             out["input_scale"] = input_scale
         return out
