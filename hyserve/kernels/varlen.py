@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["group_tokens", "length_groups", "row_index"]
+__all__ = ["group_tokens", "length_groups", "nonempty_rows", "row_index"]
 
 
 def row_index(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,3 +64,23 @@ def group_tokens(qsl: list[int], rows: list[int], device: torch.device) -> tuple
         sub.append(len(idx))
     return (torch.tensor(idx, dtype=torch.int64, device=device),
             torch.tensor(sub, dtype=torch.int64, device=device))
+
+
+def nonempty_rows(state_slots: torch.Tensor, query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The rows with tokens, as a chunked kernel over ``cu_seqlens`` takes them (fla's): their slots (int64, on the
+    device), their offsets ``cu_seqlens`` (int64, on the device) and the host's copy of those offsets (None without
+    ``query_start_loc_cpu``). Given the host's copy nothing waits for the device; without it, picking the rows does."""
+    slots = state_slots.to(torch.int64)
+    if query_start_loc_cpu is None:
+        qsl = query_start_loc.to(torch.int64)
+        keep = torch.nonzero(qsl[1:] > qsl[:-1]).squeeze(1)  # host sync
+        return slots[keep], torch.cat([qsl[:1], qsl[1:][keep]]), None
+    qsl_cpu = query_start_loc_cpu.to(torch.int64)
+    nonempty = qsl_cpu[1:] > qsl_cpu[:-1]
+    if bool(nonempty.all()):
+        return slots, query_start_loc.to(torch.int64), qsl_cpu
+    keep_cpu = torch.nonzero(nonempty).squeeze(1)
+    qsl_cpu = torch.cat([qsl_cpu[:1], qsl_cpu[1:][keep_cpu]])
+    device = query_start_loc.device
+    return slots[keep_cpu.to(device, non_blocking=True)], qsl_cpu.to(device, non_blocking=True), qsl_cpu

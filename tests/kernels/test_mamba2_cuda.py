@@ -16,8 +16,6 @@ Every comparison prints its largest error, where it is, and the reference's scal
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -29,6 +27,7 @@ from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_fla, mamba2_scan_ref
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.testing.cuda import capture, no_sync
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,30 +37,6 @@ POOL = 10
 PREFILL_LENS = [37, 0, 5, 130, 1, 64]
 DECODE_LENS = [1, 1, 0, 1]
 VERIFY_LENS = [4, 0, 3, 1]
-
-
-@contextmanager
-def no_sync() -> Iterator[None]:
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Warm ``fn`` up on a side stream, then capture it; the graph and its (persistent) output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -> None:

@@ -251,3 +251,20 @@ if __name__ == "__main__":
         for name, (ok, msg) in results.items():
             print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
         print("RESULTS " + json.dumps(results))
+
+
+def test_nonempty_rows_picks_the_rows_with_tokens_with_or_without_the_hosts_offsets() -> None:
+    """What the chunked (fla) paths of the Mamba2 scan and the gated delta rule hand fla: the rows with tokens, their
+    slots (not their row indices) and their offsets; the host's copy where one was given."""
+    import torch
+
+    from hyserve.kernels.varlen import nonempty_rows
+
+    slots, qsl = torch.tensor([5, 2, 7, 1]), torch.tensor([0, 3, 3, 8, 9])
+    for host in (None, qsl.clone()):
+        got_slots, cu, cu_cpu = nonempty_rows(slots, qsl, host)
+        assert got_slots.tolist() == [5, 7, 1] and cu.tolist() == [0, 3, 8, 9]
+        assert (cu_cpu is None) == (host is None) and (cu_cpu is None or cu_cpu.tolist() == [0, 3, 8, 9])
+    full = torch.tensor([0, 1, 2, 3, 4])
+    got_slots, cu, _ = nonempty_rows(slots, full, full.clone())
+    assert got_slots.tolist() == [5, 2, 7, 1] and cu.tolist() == [0, 1, 2, 3, 4]

@@ -14,8 +14,6 @@ from __future__ import annotations
 import copy
 import math
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +26,7 @@ from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.model.mrope import MRotaryEmbedding
+from hyserve.testing.cuda import capture, no_sync
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,30 +35,6 @@ EOS = 1
 MAX_MODEL_LEN = 160
 BS = 16
 K = 3  # drafts per verify row
-
-
-@contextmanager
-def no_sync() -> Iterator[None]:
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Warm ``fn`` up on a side stream, then capture it; the graph and its (persistent) output(s)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:

@@ -32,6 +32,7 @@ import torch
 from hyserve.kernels.gdn.reference import gdn_forward_ref
 from hyserve.kernels.gdn.verify import gdn_verify
 from hyserve.kernels.norm import l2_norm_heads
+from hyserve.kernels.varlen import nonempty_rows
 from hyserve.utils import next_pow2
 
 __all__ = ["GDN_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton",
@@ -155,23 +156,7 @@ def gdn_forward_fla(
     Hv, Dv = v.shape[1], v.shape[2]
     if T == 0 or state_slots.shape[0] == 0:
         return torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    slots = state_slots.to(torch.int64)
-    if query_start_loc_cpu is not None:
-        qsl_cpu = query_start_loc_cpu.to(torch.int64)
-        nonempty = qsl_cpu[1:] > qsl_cpu[:-1]
-        if bool(nonempty.all()):
-            cu_seqlens = query_start_loc.to(torch.int64)
-        else:
-            keep_cpu = torch.nonzero(nonempty).squeeze(1)
-            qsl_cpu = torch.cat([qsl_cpu[:1], qsl_cpu[1:][keep_cpu]])
-            cu_seqlens = qsl_cpu.to(q.device, non_blocking=True)
-            slots = slots[keep_cpu.to(q.device, non_blocking=True)]
-    else:
-        qsl = query_start_loc.to(torch.int64)
-        keep = torch.nonzero(qsl[1:] > qsl[:-1]).squeeze(1)  # host sync
-        cu_seqlens = torch.cat([qsl[:1], qsl[1:][keep]])
-        slots = slots[keep]
-        qsl_cpu = None
+    slots, cu_seqlens, qsl_cpu = nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu)
     dt = v.dtype
     # q and k are l2-normed here rather than inside fla: its l2norm kernel autotunes per bucket of token counts, so
     # each new bucket met while serving stalled a step on a benchmark of 25 configurations (measured on an H200).

@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 from hyserve.kernels.mamba2.reference import mamba2_scan_ref
 from hyserve.kernels.mamba2.verify import mamba2_verify, mamba2_verify_triton, state_tile
+from hyserve.kernels.varlen import nonempty_rows
 
 __all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "compile_variants", "mamba2_recurrent_triton",
            "mamba2_scan", "mamba2_scan_fla", "mamba2_scan_ref", "mamba2_verify"]
@@ -166,24 +167,7 @@ def mamba2_scan_fla(
     g = B.shape[1]
     if t == 0 or state_slots.shape[0] == 0:
         return torch.zeros((t, h, p), dtype=torch.float32, device=x.device)
-    slots = state_slots.to(torch.int64)
-    qsl_cpu: torch.Tensor | None
-    if query_start_loc_cpu is not None:
-        qsl_cpu = query_start_loc_cpu.to(torch.int64)
-        nonempty = qsl_cpu[1:] > qsl_cpu[:-1]
-        if bool(nonempty.all()):
-            cu_seqlens = query_start_loc.to(torch.int64)
-        else:
-            keep_cpu = torch.nonzero(nonempty).squeeze(1)
-            qsl_cpu = torch.cat([qsl_cpu[:1], qsl_cpu[1:][keep_cpu]])
-            cu_seqlens = qsl_cpu.to(x.device, non_blocking=True)
-            slots = slots[keep_cpu.to(x.device, non_blocking=True)]
-    else:
-        qsl = query_start_loc.to(torch.int64)
-        keep = torch.nonzero(qsl[1:] > qsl[:-1]).squeeze(1)  # host sync
-        cu_seqlens = torch.cat([qsl[:1], qsl[1:][keep]])
-        slots = slots[keep]
-        qsl_cpu = None
+    slots, cu_seqlens, qsl_cpu = nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu)
     dtype = x.dtype
     step = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # (T, H) float32
     rep = h // g
