@@ -147,6 +147,11 @@ def write_mamba2_config(path: str, name: str, **overrides: Any) -> dict[str, Any
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=2)
+    # No tokenizer files: both engines take token-id prompts. vLLM's front end still builds a tokenizer, and
+    # transformers' class for nemotron_h needs a vocabulary file (sentencepiece); Qwen2Tokenizer builds an empty one,
+    # the tokenizer vLLM gets for the Qwen shapes' config-only directories. hyserve reads tokenizer.json alone.
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "Qwen2Tokenizer"}, f, indent=2)
     return raw
 
 
