@@ -81,39 +81,59 @@ class UngatedExperts(nn.Module):
     ``up_proj`` / ``down_proj`` with float32 scales ``up_proj_scale`` [E, I] / ``down_proj_scale`` [E, L] (per
     channel; a per-tensor scale expanded to its rows) or block scales [E, ceil(I / bn), ceil(L / bk)] (named
     ``*_scale_inv`` for Qwen-style block FP8), each expert's input quantized per token (or per token and group)
-    before ``up`` and its squared ReLU before ``down``, as the dense FP8 layers do."""
+    before ``up`` and its squared ReLU before ``down``, as the dense FP8 layers do.
+
+    Static input scales (ModelOpt FP8, NVIDIA's Nemotron 3 FP8 releases): each expert's ``{e}.up_proj.input_scale``
+    and ``{e}.down_proj.input_scale`` (one value each) load into ``up_proj_input_scale`` / ``down_proj_input_scale``
+    [E], and the layer quantizes every token's input to ``up`` with the maximum over its experts of the first and
+    every activation before ``down`` with that of the second (``*_input_scale_max``, taken once loaded), whichever
+    expert it goes to, as vLLM's ModelOpt FP8 MoE does; each expert keeps its own weight scales. A checkpoint
+    lacking some expert's input scale is refused by the loader, naming it.
+
+    Tensor parallel with FP8: per-channel ``up`` scales shard with their rows; per-tensor weight scales (one per
+    expert, expanded to its rows) and input scales are whole on every rank, so a static activation scale is the
+    same on all ranks; block scales are refused (serve them with tensor_parallel_size 1)."""
 
     def __init__(self, num_experts: int, width: int, intermediate: int, quant: QuantizationConfig | None = None,
                  prefix: str = "experts") -> None:
         super().__init__()
         self.method = _experts_method(quant, prefix, num_experts)
-        fp8 = isinstance(self.method, Fp8ExpertsMethod)
         self.i_range = i0, i1 = shard_range(intermediate)
         self.intermediate_full = intermediate
         self.sharded = tp_size() > 1
-        if self.sharded and fp8:
-            raise ValueError(f"{prefix}: FP8 experts of Nemotron 3's MoE with tensor_parallel_size > 1 are not "
-                             "supported yet (their scales are not sharded); serve with tensor_parallel_size 1")
+        self.scheme: Fp8Scheme | None = self.method.scheme if isinstance(self.method, Fp8ExpertsMethod) else None
+        s = self.scheme
+        if self.sharded and s is not None and s.block is not None:
+            raise ValueError(f"{prefix}: block FP8 experts of Nemotron 3's MoE with tensor_parallel_size > 1 are not "
+                             "supported yet (their block scales are not sharded); serve with tensor_parallel_size 1")
         mine = i1 - i0
-        dtype = FP8_DTYPE if fp8 else None
+        dtype = FP8_DTYPE if s is not None else None
         self.up_proj = nn.Parameter(torch.empty(num_experts, mine, width, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, mine, dtype=dtype), requires_grad=False)
         if self.sharded:
             set_shard(self.up_proj, Shard((num_experts, intermediate, width), 1, (self.i_range,)))
             set_shard(self.down_proj, Shard((num_experts, width, intermediate), 2, (self.i_range,)))
-        self.scheme: Fp8Scheme | None = None
-        if isinstance(self.method, Fp8ExpertsMethod):
-            s = self.scheme = self.method.scheme
-            suffix = "scale_inv" if s.scale_name == "weight_scale_inv" else "scale"
-            self.scale_names = (f"up_proj_{suffix}", f"down_proj_{suffix}")
-            for name, (n, k) in zip(self.scale_names, ((intermediate, width), (width, intermediate)), strict=True):
-                shape = (num_experts, n) if s.block is None else (num_experts, _cdiv(n, s.block[0]),
-                                                                   _cdiv(k, s.block[1]))
-                scale = torch.empty(shape, dtype=torch.float32)
-                if s.online:  # computed at load, not a checkpoint tensor
-                    self.register_buffer(name, scale, persistent=False)
-                else:
-                    self.register_parameter(name, nn.Parameter(scale, requires_grad=False))
+        self.input_scale_names: tuple[str, str] | None = None
+        if s is None:
+            return
+        suffix = "scale_inv" if s.scale_name == "weight_scale_inv" else "scale"
+        self.scale_names = (f"up_proj_{suffix}", f"down_proj_{suffix}")
+        for name, (n, k) in zip(self.scale_names, ((mine, width), (width, mine)), strict=True):
+            shape = (num_experts, n) if s.block is None else (num_experts, _cdiv(n, s.block[0]), _cdiv(k, s.block[1]))
+            scale = torch.empty(shape, dtype=torch.float32)
+            if s.online:  # computed at load, not a checkpoint tensor
+                self.register_buffer(name, scale, persistent=False)
+                continue
+            param = nn.Parameter(scale, requires_grad=False)
+            self.register_parameter(name, param)
+            if self.sharded and name == self.scale_names[0] and s.weight == "channel":
+                set_shard(param, Shard((num_experts, intermediate), 1, (self.i_range,)))
+        if s.activation == "tensor":  # every expert's input scale, on every rank; their maximum once loaded
+            self.input_scale_names = ("up_proj_input_scale", "down_proj_input_scale")
+            for name in self.input_scale_names:
+                self.register_parameter(name, nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                           requires_grad=False))
+                self.register_buffer(f"{name}_max", torch.empty(1, dtype=torch.float32), persistent=False)
 
     def checkpoint_parts(self) -> dict[str, tuple[str, torch.Tensor]]:
         """The checkpoints' per-expert tensors (and their scales when quantized), as views of the stacked ones (with
@@ -124,35 +144,57 @@ class UngatedExperts(nn.Module):
         for e in range(self.up_proj.shape[0]):
             for i, proj in enumerate(("up_proj", "down_proj")):
                 weight = cast(torch.Tensor, getattr(self, proj)).data[e]
-                if self.sharded:
-                    set_shard(weight, Shard((full, width), 0, (self.i_range,)) if proj == "up_proj"
-                              else Shard((width, full), 1, (self.i_range,)))
+                shard = (Shard((full, width), 0, (self.i_range,)) if proj == "up_proj"
+                         else Shard((width, full), 1, (self.i_range,))) if self.sharded else None
+                if shard is not None:
+                    set_shard(weight, shard)
                 out[f"{e}.{proj}.weight"] = (proj, weight)
                 if s is None:
                     continue
+                if self.input_scale_names is not None:
+                    name = self.input_scale_names[i]
+                    view = cast(torch.Tensor, getattr(self, name)).data[e : e + 1]
+                    set_load_spec(view, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES))
+                    out[f"{e}.{proj}.input_scale"] = (name, view)
                 name = self.scale_names[i]
                 scale = cast(torch.Tensor, getattr(self, name)).data[e]
                 if s.online:
-                    set_load_spec(weight, LoadSpec(UNQUANTIZED_DTYPES, load=quantize_rows_into(scale, None)))
+                    set_load_spec(weight, LoadSpec(UNQUANTIZED_DTYPES, load=quantize_rows_into(scale, shard)))
                     continue
                 if s.block is None:
                     scale = scale.unsqueeze(-1)
-                    set_load_spec(scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=fill_rows)
-                                  if s.weight == "tensor" else LoadSpec(SCALE_DTYPES))
+                    if s.weight == "tensor":
+                        set_load_spec(scale, LoadSpec(SCALE_DTYPES, SCALAR_SHAPES, load=fill_rows))
+                    else:
+                        if shard is not None and proj == "up_proj":
+                            set_shard(scale, Shard((full, 1), 0, (self.i_range,)))
+                        set_load_spec(scale, LoadSpec(SCALE_DTYPES))
                 else:
                     set_load_spec(scale, LoadSpec(SCALE_DTYPES))
                 out[f"{e}.{proj}.{s.scale_name}"] = (name, scale)
         return out
+
+    def process_weights_after_loading(self) -> None:
+        """The static activation scales: the maximum over the experts of each projection's input scales."""
+        for name in self.input_scale_names or ():
+            cast(torch.Tensor, getattr(self, f"{name}_max")).copy_(cast(torch.Tensor, getattr(self, name)).max())
+
+    def _input_scale(self, i: int) -> torch.Tensor | None:
+        """The static activation scale of ``up`` (0) or ``down`` (1); None: dynamic."""
+        if self.input_scale_names is None:
+            return None
+        return cast(torch.Tensor, getattr(self, f"{self.input_scale_names[i]}_max"))
 
     def _linear(self, x: torch.Tensor, proj: str, e: int) -> torch.Tensor:
         weight = cast(torch.Tensor, getattr(self, proj))[e]
         s = self.scheme
         if s is None:
             return F.linear(x, weight)
-        scale = cast(torch.Tensor, getattr(self, self.scale_names[int(proj == "down_proj")]))[e]
+        i = int(proj == "down_proj")
+        scale = cast(torch.Tensor, getattr(self, self.scale_names[i]))[e]
         if s.block is not None:
             return fp8_block_linear(x, weight, scale, s.block, s.block[1] if s.activation == "group" else None)
-        return fp8_linear(x, weight, scale.unsqueeze(-1))
+        return fp8_linear(x, weight, scale.unsqueeze(-1), self._input_scale(i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x`` [T, L]; ``weights`` (float32) and ``experts`` [T, k]: the weighted sum over each token's k experts,
@@ -162,7 +204,7 @@ class UngatedExperts(nn.Module):
             scales = None
             if self.scheme is not None:
                 s13, s2 = (cast(torch.Tensor, getattr(self, n)) for n in self.scale_names)
-                scales = ExpertScales(s13, s2, self.scheme.block)
+                scales = ExpertScales(s13, s2, self.scheme.block, self._input_scale(0), self._input_scale(1))
             return fused_experts(x, self.up_proj, self.down_proj, weights, experts, scales=scales,
                                  activation="relu2")
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -185,7 +227,7 @@ def _experts_method(quant: QuantizationConfig | None, prefix: str, num_experts: 
     if quant is None:
         return UNQUANTIZED_EXPERTS
     names = [f"{prefix}.{e}.{p}" for e in range(num_experts) for p in ("up_proj", "down_proj")]
-    return uniform_experts_method({n: quant.linear_method(n) for n in names}, prefix)
+    return uniform_experts_method({n: quant.linear_method(n) for n in names}, prefix, static_inputs=True)
 
 
 class Router(nn.Module):

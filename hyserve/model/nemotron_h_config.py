@@ -54,6 +54,15 @@ class NemotronHConfig(ModelConfig):
 
     rms_norm_eps: float = 1e-5  # the attention layer's config protocol; Nemotron-H's attention has no norm
 
+    def disk_name(self, name: str, names_on_disk: list[str]) -> str:
+        """The MoE experts' static input scales (``experts.up_proj_input_scale`` [E], ModelOpt FP8) as checkpoints
+        store them, one per expert (``experts.{e}.up_proj.input_scale``): named by the first expert's."""
+        for proj in ("up_proj", "down_proj"):
+            stacked = f".experts.{proj}_input_scale"
+            if name.endswith(stacked):
+                return f"{name.removesuffix(stacked)}.experts.0.{proj}.input_scale"
+        return name
+
     @property
     def stage_handover_parts(self) -> int:
         """A pipeline stage hands over its residual stream alone: each block adds its own output."""

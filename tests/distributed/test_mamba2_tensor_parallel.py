@@ -6,7 +6,8 @@ per rank) or shared (one group, both ranks); Granite-4.0-H's whole-width gated n
 ranks. The other blocks shard as elsewhere: attention heads, MLP channels, each expert's channels and the shared
 expert's. Checked against transformers (teacher-forced greedy tokens and logprobs): Nemotron-H with MoE, MLP and
 attention blocks in both group layouts, Granite-4.0-H with experts, Falcon-H1 with its segment multipliers, the
-gated norm and biases. Sabotaged ranks (the wrong B/C groups; the conv weight sliced without the groups' offset)
+gated norm and biases; ModelOpt FP8 Nemotron-H with FP8 experts (static input scales) against the static-FP8
+reference. Sabotaged ranks (the wrong B/C groups; the conv weight sliced without the groups' offset)
 are caught, and sizes that do not split are refused by name before any worker starts.
 """
 
@@ -23,10 +24,13 @@ from hyserve.layers.mamba2 import check_mamba2_tensor_parallel, mamba2_group_ran
 from hyserve.testing.engine import assert_matches_reference, make_llm, random_prompts
 from hyserve.testing.falcon_h1 import FALCON_H1
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.fp8 import assert_close_to_fp8_reference
+from hyserve.testing.fp8_mamba2 import load_fp8_mamba2_reference, write_fp8_mamba2_checkpoint
 from hyserve.testing.granitemoehybrid import GRANITE_H
-from hyserve.testing.nemotron_h import NEMOTRON_H
+from hyserve.testing.nemotron_h import NEMOTRON_H, NEMOTRON_H_PATTERNS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+NEMOTRON_MOE = NEMOTRON_H_PATTERNS["moe"]
 PROMPTS = random_prompts(3, [5, 19, 11], seed=8)
 
 # (family, pattern, overrides): what each case covers
@@ -47,10 +51,10 @@ def _path(ckpts: CheckpointCache, case: str) -> str:
     return ckpts.get("causal", pattern, family=family, **kw)
 
 
-def _generate(path: str, **kw: object) -> list:
+def _generate(path: str, params: SamplingParams = GREEDY, **kw: object) -> list:
     llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16, **kw)
     try:
-        return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.shutdown()
 
@@ -135,3 +139,15 @@ def test_sizes_that_do_not_split_are_refused(ckpts: CheckpointCache) -> None:
         make_llm(path, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"expert-parallel|--enable-expert-parallel"):
         make_llm(_path(ckpts, "nemotron_h_sharded_groups"), tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_tp2_modelopt_fp8_experts_match_the_static_fp8_reference(tmp_path: Path) -> None:
+    """ModelOpt FP8 Nemotron-H (FP8 experts with static input scales, every linear layer FP8) at TP 2: each rank
+    holds its rows of every expert's ``up`` and columns of its ``down``, with the expert's per-tensor weight scale
+    and the layer's static activation scales whole; against the static-FP8 reference (one process: the same
+    numbers, a static scale not depending on the rank's slice)."""
+    path = write_fp8_mamba2_checkpoint(tmp_path / "ckpt", NEMOTRON_H.name, "modelopt", layer_types=NEMOTRON_MOE,
+                                       seed=3)
+    got = _generate(path, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5))
+    assert_close_to_fp8_reference(load_fp8_mamba2_reference(path, NEMOTRON_H.name),
+                                  list(zip(PROMPTS, got, strict=True)), 0.15, 1.5, 0.5, min_clear=4)
