@@ -243,6 +243,12 @@ INTERP_CASES: dict[str, dict[str, Any]] = {
                                     fp8="static", activation="relu2"),
     "relu2_fp8_static": dict(t=12, k=2, num_experts=4, hidden=96, inter=64, dtype=torch.bfloat16, fp8="static",
                              activation="relu2"),
+    # expert parallel (Nemotron-H's MoE with --enable-expert-parallel): a rank's experts, with static scales too
+    "relu2_expert_parallel_f32": dict(t=20, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32,
+                                      activation="relu2", expert_start=4, num_local=4),
+    "relu2_fp8_static_expert_parallel_direct": dict(t=4, k=2, num_experts=4, hidden=96, inter=64,
+                                                    dtype=torch.bfloat16, fp8="static", activation="relu2",
+                                                    expert_start=2, num_local=2),
 }
 SWEPT = ("prefill_odd_widths_f32", "fp8_block", "expert_parallel_f32", "relu2_prefill_f32")  # run at every plan
 PLANS = {"decode": MoePlan(MoeConfig(16, 32, 32, 4, 2), MoeConfig(16, 32, 32, 4, 2)),
