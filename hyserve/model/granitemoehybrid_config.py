@@ -92,20 +92,26 @@ class GraniteMoeHybridConfig(ModelConfig):
                 return name[: -len(model)] + disk
         return name
 
+    @property
+    def num_experts(self) -> int:
+        """The routed experts of each MoE block (0: dense MLP layers)."""
+        return self.num_local_experts
+
     def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
-        """Attention heads, vocabulary, the Mamba2 heads, the shared MLP's channels and each expert's."""
+        """Attention heads, vocabulary, the Mamba2 heads, the shared MLP's channels and each expert's (with
+        ``expert_parallel`` the experts themselves, whole)."""
         counts = {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size,
                   "shared_intermediate_size": self.shared_intermediate_size}
         if LINEAR_ATTENTION in self.layer_types:
             counts["mamba_num_heads"] = self.mamba_num_heads
         if self.num_local_experts:
-            counts["intermediate_size"] = self.intermediate_size
+            if expert_parallel:
+                counts["num_local_experts"] = self.num_local_experts
+            else:
+                counts["intermediate_size"] = self.intermediate_size
         return counts
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
-        if tp > 1 and expert_parallel and self.num_local_experts:
-            raise ValueError("Granite-4.0-H with --enable-expert-parallel is not supported yet (its experts split "
-                             "each one's channels over the ranks); leave expert parallelism off")
         ModelConfig.check_tensor_parallel(self, tp, expert_parallel)  # a slots class: no bare super()
         if LINEAR_ATTENTION in self.layer_types:
             # The gated norm is one group over the whole width: its squares are summed over the ranks.

@@ -185,10 +185,16 @@ def copy_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
 
 
 def finish_loading(module: torch.nn.Module) -> None:
-    """Once every tensor is in: what quantized layers derive from theirs (``process_weights_after_loading``)."""
+    """Once every tensor is in: what quantized layers derive from theirs (their method's
+    ``process_weights_after_loading``; a module that is no linear layer, such as stacked experts, may have its own
+    ``process_weights_after_loading()``)."""
     for m in module.modules():
         if isinstance(m, LinearBase):
             m.method.process_weights_after_loading(m)
+            continue
+        own = getattr(m, "process_weights_after_loading", None)
+        if callable(own):
+            own()
 
 
 def draft_tensor_dtypes(model_dir: str, config: ModelConfig) -> dict[str, torch.dtype]:

@@ -54,28 +54,43 @@ class NemotronHConfig(ModelConfig):
 
     rms_norm_eps: float = 1e-5  # the attention layer's config protocol; Nemotron-H's attention has no norm
 
+    def disk_name(self, name: str, names_on_disk: list[str]) -> str:
+        """The MoE experts' static input scales (``experts.up_proj_input_scale`` [E], ModelOpt FP8) as checkpoints
+        store them, one per expert (``experts.{e}.up_proj.input_scale``): named by the first expert's."""
+        for proj in ("up_proj", "down_proj"):
+            stacked = f".experts.{proj}_input_scale"
+            if name.endswith(stacked):
+                return f"{name.removesuffix(stacked)}.experts.0.{proj}.input_scale"
+        return name
+
     @property
     def stage_handover_parts(self) -> int:
         """A pipeline stage hands over its residual stream alone: each block adds its own output."""
         return 1
 
+    @property
+    def num_experts(self) -> int:
+        """The routed experts of each MoE block (0 without MoE blocks)."""
+        return self.n_routed_experts if MOE in self.layer_types else 0
+
     def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:
         """Attention heads, vocabulary, the Mamba2 heads, and the channels of the blocks it has: the MLP's, the
-        MoE experts' and shared expert's (each expert's intermediate split over the ranks)."""
+        MoE experts' and shared expert's (each expert's intermediate split over the ranks; with ``expert_parallel``
+        the experts themselves, whole)."""
         counts = {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}
         if LINEAR_ATTENTION in self.layer_types:
             counts["mamba_num_heads"] = self.mamba_num_heads
         if MLP in self.layer_types:
             counts["intermediate_size"] = self.intermediate_size
         if MOE in self.layer_types:
-            counts["moe_intermediate_size"] = self.moe_intermediate_size
+            if expert_parallel:
+                counts["n_routed_experts"] = self.n_routed_experts
+            else:
+                counts["moe_intermediate_size"] = self.moe_intermediate_size
             counts["moe_shared_expert_intermediate_size"] = self.moe_shared_expert_intermediate_size
         return counts
 
     def check_tensor_parallel(self, tp: int, expert_parallel: bool = False) -> None:
-        if tp > 1 and expert_parallel and MOE in self.layer_types:
-            raise ValueError("Nemotron-H's MoE blocks with --enable-expert-parallel are not supported yet (their "
-                             "experts split each one's channels over the ranks); leave expert parallelism off")
         ModelConfig.check_tensor_parallel(self, tp, expert_parallel)  # a slots class: no bare super()
         if LINEAR_ATTENTION in self.layer_types:
             inner = self.mamba_num_heads * self.mamba_head_dim

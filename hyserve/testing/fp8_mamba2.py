@@ -17,15 +17,19 @@ Formats: ``ct_dynamic`` (FP8_DYNAMIC: ``weight_scale`` per output channel, activ
 models take 16 x 16 blocks, so each expert's rows are whole blocks) and ``modelopt`` (NVIDIA ModelOpt FP8:
 ``quant_method: "modelopt"``, ``quant_algo: "FP8"``, a scalar ``weight_scale`` per tensor and a static scalar
 ``input_scale`` per layer, calibrated as ModelOpt does on the float model: the amax of the layer's input over a
-calibration batch / 448; ``ignore`` is then the ``exclude_modules`` list, ``fnmatch`` wildcards, default
-``MODELOPT_EXCLUDE``; ``kv_scales`` adds the attention layers' ``k_proj.k_scale`` / ``v_proj.v_scale`` and
-``kv_cache_quant_algo: "FP8"``; ``hf_quant_config`` writes the config as older ModelOpt checkpoints do, in
+calibration batch / 448; Nemotron-H's per-expert ``experts.{e}.up_proj`` / ``down_proj`` each get their own, from
+the tokens routed to that expert (an expert no calibration token chose takes the amax of all the layer's tokens);
+``ignore`` is then the ``exclude_modules`` list, ``fnmatch`` wildcards, default ``MODELOPT_EXCLUDE``;
+``kv_scales`` adds the attention layers' ``k_proj.k_scale`` / ``v_proj.v_scale`` and ``kv_cache_quant_algo:
+"FP8"``; ``hf_quant_config`` writes the config as older ModelOpt checkpoints do, in
 ``hf_quant_config.json``).
 
 ``RELEASE_IGNORE``: each family's ``ignore`` list as the published recipes write them (docs/fp8_facts.md section
 11). ``load_fp8_mamba2_reference``: the family's transformers model of a dequantized copy of the checkpoint
 (float32, CPU), each quantized layer's input quantized to FP8 and back (forward pre-hooks; for the stacked experts
-a forward that quantizes each expert's input and its activation before ``down``).
+a forward that quantizes each expert's input and its activation before ``down``: per token, or, with static input
+scales, Nemotron-H's experts with the maximum over the layer's experts of the ``up_proj`` / ``down_proj`` input
+scales, as vLLM's ModelOpt FP8 MoE does).
 """
 
 from __future__ import annotations
@@ -72,9 +76,9 @@ RELEASE_IGNORE: dict[str, list[str]] = {
     # No published recipe found: the LM head, as llm-compressor's default examples.
     FALCON_H1: ["lm_head"],
 }
-# ModelOpt's kind of list for Nemotron-H: the head, the conv (not linear anyway) and the MoE experts, which hyserve
-# runs FP8 only with dynamic activations (ModelOpt FP8 experts are refused).
-MODELOPT_EXCLUDE = ["lm_head", "*mixer.conv1d*", "*mixer.experts.*"]
+# ModelOpt's kind of list for Nemotron-H: the head and the conv (not linear anyway); the MoE experts are FP8 with
+# static input scales, as in NVIDIA's Nemotron 3 FP8 releases.
+MODELOPT_EXCLUDE = ["lm_head", "*mixer.conv1d*"]
 _FUSED_EXPERTS = re.compile(r".*\.block_sparse_moe\.(input|output)_linear\.weight$")
 
 
@@ -221,8 +225,22 @@ def _calibrate(path: str, family: str, modules: list[str], kv_scales: bool) -> d
             amax[name] = max(amax.get(name, 0.0), float(x.detach().abs().max()))
         return hook
 
+    def record_experts(prefix: str) -> Callable[..., None]:
+        def hook(m: Any, args: tuple[torch.Tensor, ...], _out: torch.Tensor) -> None:
+            x, top_k_index = args[0].detach(), args[1]
+            for e in range(m.up_proj.shape[0]):
+                tok = (top_k_index == e).any(-1)
+                xe = x[tok] if bool(tok.any()) else x
+                act = m.act_fn(F.linear(xe, m.up_proj[e].detach()))
+                for proj, v in (("up_proj", xe), ("down_proj", act)):
+                    key = f"{prefix}.{e}.{proj}"
+                    amax[key] = max(amax.get(key, 0.0), float(v.abs().max()))
+        return hook
+
     handles = []
     for name, m in model.named_modules():
+        if isinstance(getattr(m, "up_proj", None), torch.nn.Parameter) and not hasattr(m, "gate_up_proj"):
+            handles.append(m.register_forward_hook(record_experts(ckpt(name))))  # Nemotron-H's stacked experts
         if isinstance(m, torch.nn.Linear):
             handles.append(m.register_forward_hook(record(ckpt(name), False)))
             if kv_scales and name.endswith(("k_proj", "v_proj")):
@@ -234,7 +252,7 @@ def _calibrate(path: str, family: str, modules: list[str], kv_scales: bool) -> d
     for h in handles:
         h.remove()
     out = {f"{m}.input_scale": torch.tensor(amax[m] / FP8_MAX) for m in modules if m in amax}
-    missing = [m for m in modules if m not in amax and ".experts." not in m]
+    missing = [m for m in modules if m not in amax]
     assert not missing, missing
     if kv_scales:
         for key, value in amax.items():
@@ -264,9 +282,13 @@ def _block_of(config: dict[str, Any]) -> tuple[int, int] | None:
     return None if block is None else (int(block[0]), int(block[1]))
 
 
-def _experts_forward(gated: bool, mode: str, group: int) -> Callable[..., torch.Tensor]:
+def _experts_forward(gated: bool, mode: str, group: int,
+                     statics: tuple[float, float] | None = None) -> Callable[..., torch.Tensor]:
     """transformers' experts' forward (Nemotron-H's ungated ``up`` / ``down``, Granite's ``gate_up`` / ``down``)
-    with each expert's input and its activation before ``down`` quantized to FP8 and back."""
+    with each expert's input and its activation before ``down`` quantized to FP8 and back: as ``mode`` says, or
+    with ``statics`` (the static scales of the input and of the activation, the same for every expert)."""
+    s_in, s_act = statics if statics is not None else (None, None)
+    mode = "static" if statics is not None else mode
 
     def forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -275,13 +297,13 @@ def _experts_forward(gated: bool, mode: str, group: int) -> Callable[..., torch.
             token_idx, pos = torch.where(top_k_index == e)
             if token_idx.numel() == 0:
                 continue
-            x = fake_quantize(hidden_states[token_idx], mode, group=group)
+            x = fake_quantize(hidden_states[token_idx], mode, s_in, group=group)
             if gated:
                 gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
                 act = self.act_fn(gate) * up
             else:
                 act = self.act_fn(F.linear(x, self.up_proj[e]))
-            y = F.linear(fake_quantize(act, mode, group=group), self.down_proj[e])
+            y = F.linear(fake_quantize(act, mode, s_act, group=group), self.down_proj[e])
             out.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None]).float())
         return out.to(hidden_states.dtype)
 
@@ -322,8 +344,13 @@ def load_fp8_mamba2_reference(path: str | os.PathLike[str], family: str) -> torc
             gated = hasattr(m, "gate_up_proj")
             first = f"{module.rsplit('.', 1)[0]}.input_linear.weight" if gated else f"{module}.0.up_proj.weight"
             if tensors[first].dtype == FP8:
-                assert f"{first.removesuffix('.weight')}.input_scale" not in tensors, "static experts: not emulated"
-                m.forward = types.MethodType(_experts_forward(gated, mode, group), m)  # type: ignore[method-assign]
+                statics = None
+                if f"{first.removesuffix('.weight')}.input_scale" in tensors:  # ModelOpt: the max over the experts
+                    assert not gated, "static Granite experts: not written"
+                    statics = tuple(max(float(tensors[f"{module}.{e}.{proj}.input_scale"])
+                                        for e in range(m.up_proj.shape[0])) for proj in ("up_proj", "down_proj"))
+                m.forward = types.MethodType(_experts_forward(gated, mode, group, statics),  # type: ignore[arg-type]
+                                             m)  # type: ignore[method-assign]
     emulate(model, modes, 1, group or TINY_BLOCK[1])  # type: ignore[arg-type]
     return model
 

@@ -6,8 +6,12 @@ per rank) or shared (one group, both ranks); Granite-4.0-H's whole-width gated n
 ranks. The other blocks shard as elsewhere: attention heads, MLP channels, each expert's channels and the shared
 expert's. Checked against transformers (teacher-forced greedy tokens and logprobs): Nemotron-H with MoE, MLP and
 attention blocks in both group layouts, Granite-4.0-H with experts, Falcon-H1 with its segment multipliers, the
-gated norm and biases. Sabotaged ranks (the wrong B/C groups; the conv weight sliced without the groups' offset)
-are caught, and sizes that do not split are refused by name before any worker starts.
+gated norm and biases. Expert parallel 2 (``--enable-expert-parallel``: each rank 4 of the 8 experts whole, the
+shared expert / MLP sliced) for Nemotron-H's MoE (grouped top-k routing with the correction bias) and Granite-4.0-H's
+against transformers, a rank holding the wrong experts caught, experts that do not split refused. ModelOpt FP8
+Nemotron-H with FP8 experts (static input scales) at TP 2 and EP 2 against the static-FP8 reference (slow).
+Sabotaged ranks (the wrong B/C groups; the conv weight sliced without the groups' offset) are caught, and sizes that
+do not split are refused by name before any worker starts.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from hyserve.layers.mamba2 import check_mamba2_tensor_parallel, mamba2_group_ran
 from hyserve.testing.engine import assert_matches_reference, make_llm, random_prompts
 from hyserve.testing.falcon_h1 import FALCON_H1
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.fp8 import assert_close_to_fp8_reference
+from hyserve.testing.fp8_mamba2 import load_fp8_mamba2_reference, write_fp8_mamba2_checkpoint
 from hyserve.testing.granitemoehybrid import GRANITE_H
-from hyserve.testing.nemotron_h import NEMOTRON_H
+from hyserve.testing.nemotron_h import NEMOTRON_H, NEMOTRON_H_PATTERNS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+NEMOTRON_MOE = NEMOTRON_H_PATTERNS["moe"]
 PROMPTS = random_prompts(3, [5, 19, 11], seed=8)
 
 # (family, pattern, overrides): what each case covers
@@ -47,10 +54,10 @@ def _path(ckpts: CheckpointCache, case: str) -> str:
     return ckpts.get("causal", pattern, family=family, **kw)
 
 
-def _generate(path: str, **kw: object) -> list:
+def _generate(path: str, params: SamplingParams = GREEDY, **kw: object) -> list:
     llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16, **kw)
     try:
-        return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     finally:
         llm.shutdown()
 
@@ -133,5 +140,71 @@ def test_sizes_that_do_not_split_are_refused(ckpts: CheckpointCache) -> None:
     path = ckpts.get("causal", "m_attn_m_mlp", family=NEMOTRON_H.name, mamba_num_heads=6, n_groups=3)
     with pytest.raises(ValueError, match=r"n_groups=3"):
         make_llm(path, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"expert-parallel|--enable-expert-parallel"):
-        make_llm(_path(ckpts, "nemotron_h_sharded_groups"), tensor_parallel_size=2, enable_expert_parallel=True)
+    # expert parallel: whole experts per rank, 9 (in 3 groups) do not split over 2 ranks
+    path = ckpts.get("causal", "moe", family=NEMOTRON_H.name, n_routed_experts=9, n_group=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide n_routed_experts=9"):
+        make_llm(path, tensor_parallel_size=2, enable_expert_parallel=True)
+    path = ckpts.get("causal", "mamba_first", family=GRANITE_H.name, num_local_experts=5)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_local_experts=5"):
+        make_llm(path, tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+@pytest.mark.slow  # about 13 s each (the two gloo ranks)
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
+def test_modelopt_fp8_experts_over_two_ranks_match_the_static_fp8_reference(tmp_path: Path, ep: bool) -> None:
+    """ModelOpt FP8 Nemotron-H (FP8 experts with static input scales, every linear layer FP8) over two ranks: TP,
+    each rank its rows of every expert's ``up`` and columns of its ``down`` with the expert's per-tensor weight
+    scale; EP, 4 whole experts each. The layer's static activation scales are the maxima over all 8 experts on
+    both ranks (every expert's input scale is loaded everywhere); against the static-FP8 reference (one process:
+    the same numbers, a static scale not depending on the rank's part)."""
+    path = write_fp8_mamba2_checkpoint(tmp_path / "ckpt", NEMOTRON_H.name, "modelopt", layer_types=NEMOTRON_MOE,
+                                       seed=3)
+    got = _generate(path, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5),
+                    enable_expert_parallel=ep)
+    assert_close_to_fp8_reference(load_fp8_mamba2_reference(path, NEMOTRON_H.name),
+                                  list(zip(PROMPTS, got, strict=True)), 0.15, 1.5, 0.5, min_clear=4)
+
+
+@pytest.mark.parametrize("case", ["nemotron_h_sharded_groups", "granite"])
+def test_ep2_matches_transformers(ckpts: CheckpointCache, caplog: pytest.LogCaptureFixture, case: str) -> None:
+    """Expert parallel 2: each rank holds 4 of the 8 experts whole (Nemotron-H: 4 groups of 2, the top 2 groups by
+    their best two biased scores, then the top 3 of those; Granite: a top-k softmax), computes the pairs routed to
+    them and one all-reduce adds the ranks' sums and the shared expert's (MLP's) slices."""
+    import logging
+
+    path = _path(ckpts, case)
+    with caplog.at_level(logging.INFO, logger="hyserve"):
+        got = _generate(path, enable_expert_parallel=True)
+    assert any("each of the 2 tensor-parallel ranks holds 4 whole experts of 8" in r.message for r in caplog.records)
+    ref = ckpts.reference(path)
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        assert_matches_reference(ref, prompt, out)
+
+
+# Loaded first by the worker processes (PYTHONPATH): every rank's expert ids offset by one (rank r builds and loads
+# experts [r E/T + 1, (r+1) E/T + 1) mod E, and computes the pairs of those ids).
+_WRONG_EXPERTS = """
+from hyserve.layers import sigmoid_moe
+
+right = sigmoid_moe.expert_range
+
+
+def offset(num_experts):
+    start, end = right(num_experts)
+    return (start + 1, end + 1) if end < num_experts else (start - 1, end - 1)
+
+
+sigmoid_moe.expert_range = offset
+"""
+
+
+def test_ep2_with_a_rank_on_the_wrong_experts_is_caught(ckpts: CheckpointCache, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "sitecustomize.py").write_text(_WRONG_EXPERTS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    path = _path(ckpts, "nemotron_h_sharded_groups")
+    got = _generate(path, enable_expert_parallel=True)
+    ref = ckpts.reference(path)
+    with pytest.raises(AssertionError):
+        for prompt, out in zip(PROMPTS, got, strict=True):
+            assert_matches_reference(ref, prompt, out)

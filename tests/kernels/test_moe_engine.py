@@ -118,16 +118,20 @@ def test_the_familys_tests_pass_on_the_moe_kernels() -> None:
 
 
 # Nemotron 3's MoE blocks (sigmoid router, ungated squared-ReLU experts: the kernels' ``relu2`` variant) on the
-# kernels against transformers: the latent MoE (which also checks that the kernels ran) and FP8 experts with their
-# channel scales in the kernels (about 20 s under the interpreter).
+# kernels against transformers: the latent MoE (which also checks that the kernels ran), FP8 experts with their
+# channel scales in the kernels, and ModelOpt FP8 experts (static activation scales: the experts' maxima) (about
+# 30 s under the interpreter).
 NEMOTRON_TESTS = ["tests/model/test_nemotron_h.py::test_moe_with_latent_projections_matches_transformers",
-                  "tests/model/test_fp8_mamba2.py::test_greedy_matches_the_fp8_reference[nemotron_h]"]
+                  "tests/model/test_fp8_mamba2.py::test_greedy_matches_the_fp8_reference[nemotron_h]",
+                  "tests/model/test_fp8_mamba2.py::test_modelopt_fp8_experts_match_the_static_fp8_reference"]
 # Slow (about 80 s): the four-block MoE pattern, the sabotaged routing weights (which must still be caught), block-FP8
-# experts, and the scheduling scenario with emulated CUDA graphs (decode batches padded to the graphs' sizes).
+# experts, the scheduling scenario with emulated CUDA graphs (decode batches padded to the graphs' sizes), and the
+# ModelOpt FP8 experts' wrong static scales (which must still be caught).
 NEMOTRON_SLOW_TESTS = ["tests/model/test_nemotron_h.py::test_matches_transformers[moe]",
                        "tests/model/test_nemotron_h.py::test_routing_weights_from_the_biased_scores_are_caught",
                        "tests/model/test_fp8_mamba2.py::test_greedy_matches_the_fp8_reference[nemotron_h_block]",
-                       "tests/model/test_nemotron_h.py::test_features_compose[graphs]"]
+                       "tests/model/test_nemotron_h.py::test_features_compose[graphs]",
+                       "tests/model/test_fp8_mamba2.py::test_modelopt_fp8_experts_with_the_wrong_static_scale_are_caught"]
 
 
 def _run_on_the_kernels(tests: list[str]) -> None:

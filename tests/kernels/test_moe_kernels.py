@@ -1,7 +1,8 @@
 """Tests for hyserve.kernels.moe (the routed experts' sum).
 
 * The reference (the CPU path) against a token-by-token loop written here: bf16, float32, expert parallel (a slice
-  of the experts), FP8 channel- and block-scaled experts.
+  of the experts), FP8 channel- and block-scaled experts, channel-scaled experts with static activation scales
+  (ModelOpt FP8: one scale per GEMM for every token and expert).
 * ``align_pairs`` (the torch formulation; the Triton one under the interpreter) as properties over random
   routings: each block holds one expert's pairs, every local pair appears once, foreign pairs (expert parallel)
   none; at decode each chosen expert gets exactly one block (its weights are read once).
@@ -47,10 +48,15 @@ def make_problem(t: int, k: int, num_experts: int, hidden: int, inter: int, dtyp
     w13 = torch.randn(nl, rows, hidden, generator=g) / hidden**0.5
     w2 = torch.randn(nl, hidden, inter, generator=g) / inter**0.5
     scales = None
-    if fp8 == "channel":
+    if fp8 in ("channel", "static"):
         s13, s2 = w13.abs().amax(-1) / FP8_MAX, w2.abs().amax(-1) / FP8_MAX
+        statics: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if fp8 == "static":  # calibrated on the float experts: the amax of the inputs and of the activations / 448
+            h = torch.einsum("th,enh->etn", x.float(), w13)
+            act = F.relu(h) ** 2 if activation == "relu2" else F.silu(h[..., :inter]) * h[..., inter:]
+            statics = (x.float().abs().amax().reshape(1) / FP8_MAX, act.abs().amax().reshape(1) / FP8_MAX)
         w13, w2 = (w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE)
-        scales = ExpertScales(s13, s2, None)
+        scales = ExpertScales(s13, s2, None, *statics)
     elif fp8 == "block":
         s13 = torch.rand(nl, -(-rows // 128), -(-hidden // 128), generator=g).add(0.5) / 100 / hidden**0.5
         s2 = torch.rand(nl, -(-hidden // 128), -(-inter // 128), generator=g).add(0.5) / 100 / inter**0.5
@@ -61,7 +67,8 @@ def make_problem(t: int, k: int, num_experts: int, hidden: int, inter: int, dtyp
         w13, w2 = w13.to(dtype), w2.to(dtype)
     weights, ids = torch.softmax(torch.randn(t, num_experts, generator=g), -1).topk(k, -1)
     if device != "cpu":
-        scales = None if scales is None else ExpertScales(scales.w13.to(device), scales.w2.to(device), scales.block)
+        scales = None if scales is None else ExpertScales(*(v.to(device) if isinstance(v, torch.Tensor) else v
+                                                           for v in scales))
     return (x.to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device), scales)
 
 
@@ -74,7 +81,9 @@ def _dequant(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None) ->
     return w.float() * s.float()[rows[:, None], cols[None, :]]
 
 
-def _as_gemm_sees(v: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+def _as_gemm_sees(v: torch.Tensor, block: tuple[int, int] | None, static: torch.Tensor | None = None) -> torch.Tensor:
+    if static is not None:
+        return (v / static).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * static
     if block is None:
         q, s = quantize_per_token(v[None])
         return (q.float() * s)[0]
@@ -95,7 +104,7 @@ def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
             xt = x[t].float()
             up_w, down_w = w13[e].float(), w2[e].float()
             if scales is not None:
-                xt = _as_gemm_sees(xt, scales.block)
+                xt = _as_gemm_sees(xt, scales.block, scales.input13)
                 up_w = _dequant(w13[e], scales.w13[e], scales.block)
                 down_w = _dequant(w2[e], scales.w2[e], scales.block)
             h = up_w @ xt
@@ -104,7 +113,7 @@ def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
             else:
                 a = (F.silu(h[:inter]) * h[inter:]).to(x.dtype).float()
             if scales is not None:
-                a = _as_gemm_sees(a, scales.block)
+                a = _as_gemm_sees(a, scales.block, scales.input2)
             out[t] += ((down_w @ a) * weights[t, j]).to(x.dtype).float()
     return out.to(x.dtype)
 
@@ -118,6 +127,8 @@ def token_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.float32, activation="relu2"),
     dict(t=9, k=3, num_experts=6, hidden=40, inter=24, dtype=torch.bfloat16, activation="relu2"),
     dict(t=5, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block", activation="relu2"),
+    dict(t=9, k=3, num_experts=6, hidden=64, inter=48, dtype=torch.bfloat16, fp8="static", activation="relu2"),
+    dict(t=9, k=3, num_experts=6, hidden=64, inter=48, dtype=torch.bfloat16, fp8="static"),
 ])  # fmt: skip
 def test_reference_equals_a_token_by_token_loop(case: dict) -> None:
     x, w13, w2, weights, ids, scales = make_problem(seed=1, **case)
@@ -227,6 +238,17 @@ INTERP_CASES: dict[str, dict[str, Any]] = {
                                    fp8="block", activation="relu2"),
     "relu2_fp8_channel": dict(t=12, k=2, num_experts=4, hidden=256, inter=128, dtype=torch.bfloat16, fp8="channel",
                               activation="relu2"),
+    # ModelOpt FP8: static activation scales (one per GEMM), both orders
+    "relu2_fp8_static_direct": dict(t=3, k=2, num_experts=4, hidden=96, inter=64, dtype=torch.bfloat16,
+                                    fp8="static", activation="relu2"),
+    "relu2_fp8_static": dict(t=12, k=2, num_experts=4, hidden=96, inter=64, dtype=torch.bfloat16, fp8="static",
+                             activation="relu2"),
+    # expert parallel (Nemotron-H's MoE with --enable-expert-parallel): a rank's experts, with static scales too
+    "relu2_expert_parallel_f32": dict(t=20, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32,
+                                      activation="relu2", expert_start=4, num_local=4),
+    "relu2_fp8_static_expert_parallel_direct": dict(t=4, k=2, num_experts=4, hidden=96, inter=64,
+                                                    dtype=torch.bfloat16, fp8="static", activation="relu2",
+                                                    expert_start=2, num_local=2),
 }
 SWEPT = ("prefill_odd_widths_f32", "fp8_block", "expert_parallel_f32", "relu2_prefill_f32")  # run at every plan
 PLANS = {"decode": MoePlan(MoeConfig(16, 32, 32, 4, 2), MoeConfig(16, 32, 32, 4, 2)),
@@ -482,14 +504,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
-@pytest.mark.parametrize("fp8", [None, "channel", "block"])
+@pytest.mark.parametrize("fp8", [None, "channel", "block", "static"])
 @pytest.mark.parametrize("t", [1, 8, 64, 300])
 def test_cuda_kernels_match_the_reference(fp8: str | None, t: int, activation: str) -> None:
     case = dict(t=t, k=8, num_experts=64, hidden=512, inter=256, dtype=torch.bfloat16, fp8=fp8, activation=activation)
     x, w13, w2, weights, ids, scales = make_problem(seed=3, device="cuda", **case)
     got = fused_experts(x, w13, w2, weights, ids, 0, scales, activation=activation)
     cpu = [v.cpu() if isinstance(v, torch.Tensor) else v for v in (x, w13, w2, weights, ids)]
-    cs = None if scales is None else ExpertScales(scales.w13.cpu(), scales.w2.cpu(), scales.block)
+    cs = None if scales is None else ExpertScales(*(v.cpu() if isinstance(v, torch.Tensor) else v for v in scales))
     want = fused_experts_ref(*cpu, 0, cs, activation=activation)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
 

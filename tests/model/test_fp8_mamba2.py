@@ -13,7 +13,11 @@ Granite's experts), block FP8, sabotages caught (an expert's scale given to anot
 config's ``ignore`` names), and the refusals (Granite experts left bf16 that the config targets). NVIDIA ModelOpt FP8
 (static per-tensor input scales, ``exclude_modules`` wildcards, ``hf_quant_config.json``): against the reference with
 each layer's input quantized with its ``input_scale``; input scales given to other layers are caught; other
-``quant_algo`` values and FP8 experts are refused by name.
+``quant_algo`` values are refused by name. ModelOpt FP8 experts (Nemotron 3's releases): every expert's own weight
+scale, the activations quantized with the maximum over the layer's experts of their ``up_proj`` / ``down_proj``
+input scales (as vLLM does), on the CPU path (and on the fused kernels under the interpreter:
+tests/kernels/test_moe_engine.py); an expert's own scale in place of the maximum and the ``down`` scale used for
+``up`` are caught, and a checkpoint lacking experts' input scales is refused naming them.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from hyserve import SamplingParams
 from hyserve.kernels.fp8 import FP8_DTYPE
 from hyserve.layers.linear import LinearBase
 from hyserve.model.base import KVCacheLayer
+from hyserve.model.loader import finish_loading
 from hyserve.testing.engine import SlotRecorder, drive, make_llm, random_prompts
 from hyserve.testing.files import read_checkpoint_tensors
 from hyserve.testing.fp8 import assert_close_to_fp8_reference
@@ -223,10 +229,10 @@ def test_online_fp8_quantizes_granite_experts_as_they_load(tmp_path: Path) -> No
 
 
 # NVIDIA ModelOpt FP8 (NVIDIA's own Nemotron-H / Nemotron 3 FP8 releases): per-tensor weight scales and static
-# input scales; exclude_modules as fnmatch wildcards: the head, the conv, the experts (refused in FP8 by hyserve),
-# and, by wildcard, the Mamba2 layer 3 (``backbone.layers.3.mixer.*``: its in_proj and out_proj stay in the model
-# dtype).
-MODELOPT_EXCLUDE = [*MODELOPT_DEFAULT, "backbone.layers.3.mixer.*"]
+# input scales; exclude_modules as fnmatch wildcards: the head, the conv, the experts (as some lists do; FP8 experts:
+# the ``modelopt_experts`` checkpoint below), and, by wildcard, the Mamba2 layer 3 (``backbone.layers.3.mixer.*``:
+# its in_proj and out_proj stay in the model dtype).
+MODELOPT_EXCLUDE = [*MODELOPT_DEFAULT, "*mixer.experts.*", "backbone.layers.3.mixer.*"]
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +281,7 @@ def test_modelopt_fp8_matches_the_static_fp8_reference(modelopt: tuple[str, Any]
 
 def test_modelopt_config_forms_and_refusals(modelopt: tuple[str, Any], tmp_path: Path) -> None:
     """hf_quant_config.json (older ModelOpt checkpoints) parses as config.json's quantization_config does; another
-    quant_algo or kv_cache_quant_algo, unknown fields and FP8 experts (not excluded) are refused by name."""
+    quant_algo or kv_cache_quant_algo and unknown fields are refused by name."""
     from hyserve.layers.quantization.modelopt import ModelOptFp8Config
     from hyserve.model.registry import load_model_config
 
@@ -302,15 +308,109 @@ def test_modelopt_config_forms_and_refusals(modelopt: tuple[str, Any], tmp_path:
         with pytest.raises(ValueError, match=match):
             load_model_config(str(bad))
 
-    experts = tmp_path / "experts"
-    shutil.copytree(path, experts)
-    _set_config(str(experts), lambda raw: raw["quantization_config"].update(exclude_modules=["lm_head"]))
-    with pytest.raises(ValueError, match=r"backbone\.layers\.1\.mixer\.experts: FP8 experts with static per-tensor "
-                                         r"input scales .*ModelOpt FP8\) are not supported.*exclude_modules"):
-        make_llm(str(experts))
 
 
 def _pop_config(path: str) -> dict[str, Any]:
     popped: dict[str, Any] = {}
     _set_config(path, lambda raw: popped.update(raw.pop("quantization_config")))
     return popped
+
+
+@pytest.fixture(scope="module")
+def modelopt_experts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    """The MoE pattern with FP8 experts (exclude_modules: the head and the conv alone, as NVIDIA's releases)."""
+    path = write_fp8_mamba2_checkpoint(tmp_path_factory.mktemp("modelopt_experts") / "ckpt", NEMOTRON_H, "modelopt",
+                                       layer_types=NEMOTRON_MOE, seed=3)
+    return path, load_fp8_mamba2_reference(path, NEMOTRON_H)
+
+
+def _expert_modules(model: torch.nn.Module) -> dict[str, Any]:
+    return {n: m for n, m in model.named_modules() if n.endswith("mixer.experts")}
+
+
+def _moe_block_error(model: torch.nn.Module, ref: Any, layer: int) -> float:
+    """The MoE block ``layer``'s output against the reference's block on the same input (the reference's own input
+    to it over two prompts), max |difference| / max |output|: one block, no requantization downstream, so a static
+    scale's error is not lost in the end-to-end tolerances (the two compute the same FP8 numbers: 0 on the CPU path,
+    the order of float32 sums on the kernels)."""
+    captured: dict[str, torch.Tensor] = {}
+    mixer = ref.model.layers[layer].mixer
+    hook = mixer.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0].detach().clone()))
+    with torch.no_grad():
+        ref(input_ids=torch.tensor([PROMPTS[1] + PROMPTS[3]]), use_cache=False)
+    hook.remove()
+    x = captured["x"]
+    with torch.no_grad():
+        want = mixer(x)[0]
+        got = model.get_submodule(f"backbone.layers.{layer}.mixer")(x[0])
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def test_modelopt_fp8_experts_match_the_static_fp8_reference(modelopt_experts: tuple[str, Any]) -> None:
+    """ModelOpt FP8 experts: FP8 weights with each expert's own scale, the input to ``up`` quantized with the maximum
+    over the layer's experts of their ``up_proj.input_scale`` and the activation before ``down`` with that of their
+    ``down_proj.input_scale`` (the reference: transformers' dequantized experts quantizing with the same maxima),
+    end to end and block by block; under ``TRITON_INTERPRET=1`` on the fused kernels
+    (tests/kernels/test_moe_engine.py)."""
+    path, ref = modelopt_experts
+    llm = make_llm(path, max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    assert all(_methods(model).values())
+    experts = _expert_modules(model)
+    assert list(experts) == ["backbone.layers.1.mixer.experts", "backbone.layers.4.mixer.experts"]
+    tensors = read_checkpoint_tensors(path)
+    for name, m in experts.items():
+        assert m.up_proj.dtype == FP8_DTYPE and m.down_proj.dtype == FP8_DTYPE
+        for proj in ("up_proj", "down_proj"):
+            each = torch.stack([tensors[f"{name}.{e}.{proj}.input_scale"].float() for e in range(8)])
+            assert len(set(each.tolist())) > 1  # the experts' scales differ: their maximum is a choice
+            assert torch.equal(getattr(m, f"{proj}_input_scale").cpu(), each)
+            assert torch.equal(getattr(m, f"{proj}_input_scale_max").cpu(), each.max().reshape(1))
+            weight_scales = torch.stack([tensors[f"{name}.{e}.{proj}.weight_scale"].float() for e in range(8)])
+            assert torch.equal(getattr(m, f"{proj}_scale")[:, 0].cpu(), weight_scales)  # each expert's own
+    for layer in (1, 4):
+        assert _moe_block_error(model, ref, layer) <= 1e-4
+    _check(llm, ref)
+
+
+def test_modelopt_fp8_experts_with_the_wrong_static_scale_are_caught(modelopt_experts: tuple[str, Any]) -> None:
+    """Every MoE block quantizing with one expert's own scales (the first's, or the smallest) instead of the
+    maxima, or ``up``'s input with ``down``'s scale: the block's output moves by percents (the test above allows
+    1e-4)."""
+    path, ref = modelopt_experts
+    llm = make_llm(path, max_num_batched_tokens=16)
+    model = llm.llm_engine.runner.model
+    experts = _expert_modules(model)
+    sabotages = {
+        "the first expert's own": lambda m, proj: getattr(m, f"{proj}_input_scale")[0],
+        "the smallest expert's own": lambda m, proj: getattr(m, f"{proj}_input_scale").min(),
+        "down's for up": lambda m, proj: getattr(m, "down_proj_input_scale_max")[0],
+    }
+    for what, wrong in sabotages.items():
+        with torch.no_grad():
+            for m in experts.values():
+                for proj in ("up_proj", "down_proj") if what != "down's for up" else ("up_proj",):
+                    getattr(m, f"{proj}_input_scale_max").copy_(wrong(m, proj))
+        for layer in (1, 4):
+            assert _moe_block_error(model, ref, layer) > 1e-2, (what, layer)
+        finish_loading(model)  # the maxima again
+        assert _moe_block_error(model, ref, 1) <= 1e-4
+
+
+def test_modelopt_experts_lacking_input_scales_are_refused(modelopt_experts: tuple[str, Any], tmp_path: Path) -> None:
+    """One expert's ``input_scale`` missing, or every expert's: refused at load, naming the tensor."""
+    path, _ = modelopt_experts
+    tensors = read_checkpoint_tensors(path)
+    cases = {
+        "one": ({"backbone.layers.4.mixer.experts.5.down_proj.input_scale"},
+                r"backbone\.layers\.4\.mixer\.experts\.5\.down_proj\.input_scale"),
+        "all": ({n for n in tensors if ".experts." in n and n.endswith(".input_scale")},
+                r"backbone\.layers\.1\.mixer\.experts\.0\.up_proj\.input_scale is missing.*ModelOpt FP8"),
+    }
+    for case, (dropped, match) in cases.items():
+        bad = tmp_path / case
+        shutil.copytree(path, bad)
+        save_file({n: t for n, t in tensors.items() if n not in dropped}, str(bad / "model.safetensors"),
+                  metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=match):
+            make_llm(str(bad))

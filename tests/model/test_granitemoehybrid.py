@@ -177,12 +177,14 @@ def test_config_reads_the_release_fields(ckpts: CheckpointCache) -> None:
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
 
 
-def test_expert_parallel_is_refused_clearly(ckpts: CheckpointCache) -> None:
-    """Tensor parallelism runs in tests/distributed/test_mamba2_tensor_parallel.py; expert parallelism does not."""
-    path = _path(ckpts, "mamba_first")
-    with pytest.raises(ValueError, match=r"Granite-4\.0-H with --enable-expert-parallel is not supported yet"):
-        make_llm(path, tensor_parallel_size=2, enable_expert_parallel=True)
-    # quantization: FP8 loads (tests/model/test_fp8_mamba2.py)
+def test_expert_parallel_splits_the_experts_not_their_channels(ckpts: CheckpointCache) -> None:
+    """With expert parallelism the ranks must split the experts (whole), not each expert's channels (EP 2 against
+    transformers and the refusals: tests/distributed/test_mamba2_tensor_parallel.py)."""
+    cfg = load_model_config(_path(ckpts, "mamba_first"))
+    assert cfg.num_experts == 8  # type: ignore[attr-defined]
+    ep, tp = cfg.tensor_parallel_counts(expert_parallel=True), cfg.tensor_parallel_counts()
+    assert ep["num_local_experts"] == 8 and "intermediate_size" not in ep
+    assert tp["intermediate_size"] and "num_local_experts" not in tp
 
 
 def test_a_missing_tensor_is_named_as_the_release_names_it(ckpts: CheckpointCache, tmp_path: Path) -> None:

@@ -16,7 +16,9 @@ Up to ``DIRECT_MAX_TOKENS`` tokens (decode) step 1 is skipped: each pair gets it
 from the routing.
 
 bf16/fp16 experts and FP8 W8A8 experts (``ExpertScales``: channel scales with per-token activations, or block scales
-with per-token groups as wide as a block; the activations quantized by :func:`hyserve.kernels.fp8.quantize_rows`).
+with per-token groups as wide as a block, or channel scales with one static activation scale per GEMM, ModelOpt
+FP8's; the activations quantized by :func:`hyserve.kernels.fp8.quantize_rows`; a static scale reaches the kernels
+as every token's per-token scale, a stride-0 column, so their channel path is unchanged).
 Both activations take either (``relu2`` FP8: the up weight's scales alone, ``[E, I]`` or its blocks). Tile sizes
 come from a tuned table per (experts, widths, dtype, card, and the activation when it is not ``silu``) stored beside
 this file (``configs/``, written by ``benchmarks/moe_tune.py``), else from :func:`default_config`; no ``relu2``
@@ -240,12 +242,17 @@ def _combine(pair_out: torch.Tensor, t: int, k: int, shared: torch.Tensor | None
     return out
 
 
-def _gemm_input(x: torch.Tensor, scales: ExpertScales | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The activation a GEMM reads: as is, or FP8 with its per-token (group) scales."""
+def _gemm_input(x: torch.Tensor, scales: ExpertScales | None,
+                static_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The activation a GEMM reads: as is, or FP8 with its per-token (group) scales; with a ``static_scale`` that
+    one value as every token's scale ([T, 1] of stride 0: the kernels read row ``t``'s scale at ``t * 0``)."""
     if scales is None:
         return x, None
     from hyserve.kernels.fp8 import quantize_rows
 
+    if static_scale is not None:
+        q, s = quantize_rows(x, static_scale=static_scale)
+        return q, s.expand(x.shape[0], 1)
     return quantize_rows(x, group=None if scales.block is None else scales.block[1])
 
 
@@ -303,7 +310,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         grid_m = rows // bm
     upcast = not x.is_cuda
     precision = "ieee" if x.dtype == torch.float32 and quant == 0 else "tf32"
-    xa, xs = _gemm_input(x.contiguous(), scales)
+    if scales is not None and scales.block is not None and (scales.input13 is not None or scales.input2 is not None):
+        raise ValueError("block FP8 experts quantize their activations per token and group, not with static scales")
+    xa, xs = _gemm_input(x.contiguous(), scales, scales.input13 if scales is not None else None)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     s13 = scales.w13 if scales is not None else w13  # unread without FP8
     xs_ = xs if xs is not None else x
@@ -317,7 +326,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, ACT=ACTIVATIONS[activation],
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
-    aa, as_ = _gemm_input(act, scales)
+    aa, as_ = _gemm_input(act, scales, scales.input2 if scales is not None else None)
     as_ = as_ if as_ is not None else act
     # Pairs routed to another rank's experts are never written (expert parallel): zeros for them.
     alloc = torch.empty if num_experts in (None, num_local) else torch.zeros

@@ -13,8 +13,10 @@ when renormalizing.
 With FP8 experts (``ExpertScales``) the weights are dequantized (``w = w_fp8 * scale``, per output channel or per
 block) and the activations quantized the way :mod:`hyserve.kernels.fp8` does it: per token for channel-scaled
 weights, per token and ``bk``-wide group of K for block-scaled ones; ``x`` before the first GEMM, ``a_j`` before the
-second. Expert parallelism: only the choices of experts ``[expert_start, expert_start + E_local)`` count (the
-others are another rank's), and the weights hold those experts alone.
+second; or, with static input scales (``ExpertScales.input13`` / ``input2``, ModelOpt FP8), every token with the
+one scale of its GEMM (``x`` with ``input13``, ``a_j`` with ``input2``). Expert parallelism: only the choices of
+experts ``[expert_start, expert_start + E_local)`` count (the others are another rank's), and the weights hold those
+experts alone.
 
 The computation is batched by expert: the (token, choice) pairs are sorted by expert and each expert that received
 pairs runs one GEMM over all of them.
@@ -27,18 +29,29 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from hyserve.kernels.fp8.reference import dequantize_block_weight, quantize_per_token, quantize_per_token_group
+from hyserve.kernels.fp8.reference import (
+    dequantize_block_weight,
+    quantize_fp8,
+    quantize_per_token,
+    quantize_per_token_group,
+)
 
 __all__ = ["ExpertScales", "dequantize_experts", "fused_experts_ref", "quantize_dequantize", "route_ref"]
 
 
 class ExpertScales(NamedTuple):
     """FP8 experts' scales: ``w13`` [E, 2I] and ``w2`` [E, H] per output channel (``block`` None), or per
-    ``block = (bn, bk)`` block, [E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]."""
+    ``block = (bn, bk)`` block, [E, ceil(2I / bn), ceil(H / bk)] and [E, ceil(H / bn), ceil(I / bk)]. Activations
+    are quantized per token (or per token and ``bk``-group), unless ``input13`` / ``input2`` hold static scales (one
+    float32 element each, channel scales only): then every token's input to ``w13`` takes ``input13`` and every
+    activation before ``w2`` takes ``input2`` (ModelOpt FP8: the maximum over the layer's experts of each one's
+    ``input_scale``, as vLLM does), whichever expert it goes to."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     block: tuple[int, int] | None = None
+    input13: torch.Tensor | None = None
+    input2: torch.Tensor | None = None
 
 
 def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -48,8 +61,13 @@ def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[i
     return torch.stack([dequantize_block_weight(w, s, block) for w, s in zip(weight, scale, strict=True)])
 
 
-def quantize_dequantize(x: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """The float32 activations as the FP8 GEMM sees them: per token, or per token and ``bk``-wide group."""
+def quantize_dequantize(x: torch.Tensor, block: tuple[int, int] | None,
+                        static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 activations as the FP8 GEMM sees them: per token, per token and ``bk``-wide group, or with the
+    one ``static_scale``."""
+    if static_scale is not None:
+        s = static_scale.float().reshape(1, 1)
+        return quantize_fp8(x, s).float() * s
     if block is None:
         q, s = quantize_per_token(x)
         return q.float() * s
@@ -85,7 +103,7 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     token = order // k
     xs = x[token].float()
     if scales is not None:
-        xs = quantize_dequantize(xs, scales.block)
+        xs = quantize_dequantize(xs, scales.block, scales.input13)
     pair_out = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, c in enumerate(counts):
@@ -102,7 +120,7 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
             gate, up = F.linear(xs[seg], up_w).split(inter, dim=-1)
             act = (F.silu(gate) * up).to(x.dtype).float()
         if scales is not None:
-            act = quantize_dequantize(act, scales.block)
+            act = quantize_dequantize(act, scales.block, scales.input2)
         pairs = order[seg]
         pair_out[pairs] = (F.linear(act, down_w) * topk_weights.reshape(-1)[pairs].float().unsqueeze(-1)).to(x.dtype)
     out = pair_out.view(t, k, x.shape[1]).sum(dim=1, dtype=torch.float32)

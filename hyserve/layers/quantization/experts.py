@@ -20,8 +20,9 @@ their block scales ``gate_up_proj_scale_inv``; a compressed-tensors fused layer 
 Tensor parallelism: each rank holds its slice [i0, i1) of every expert's intermediate dimension; block scales shard
 with their blocks, so the slice must be whole blocks: ``n`` a multiple of ``bn`` (each expert's gate and up rows
 then own their blocks) and ``i0`` of ``bk`` (refused when the layer is built otherwise, as vLLM does). Expert
-parallelism: whole experts, scales with them. Static (per-tensor) input scales are refused for experts. Online FP8
-quantizes each expert's rows per output channel as it loads (over the whole checkpoint row).
+parallelism: whole experts, scales with them. Static (per-tensor) input scales are refused for these gated experts
+(Nemotron 3's ungated experts take them: ``hyserve.layers.sigmoid_moe``, ``experts_method_of(static_inputs=True)``).
+Online FP8 quantizes each expert's rows per output channel as it loads (over the whole checkpoint row).
 """
 
 from __future__ import annotations
@@ -176,13 +177,6 @@ class Fp8ExpertsMethod(ExpertsMethod):
 
     quantized = True
 
-    def __post_init__(self) -> None:
-        if self.scheme.activation == "tensor":
-            raise ValueError("FP8 experts with static per-tensor input scales (compressed-tensors input_activations "
-                             "strategy 'tensor', ModelOpt FP8) are not supported; supported: dynamic activations (per "
-                             "token, or per token and group), or the experts kept in the model dtype (named in the "
-                             "config's ignore / exclude_modules)")
-
     @property
     def weight_dtype(self) -> torch.dtype | None:
         return FP8_DTYPE
@@ -305,21 +299,26 @@ def _expert_scalars(e_range: tuple[int, int]) -> Callable[[torch.Tensor, torch.T
     return load
 
 
-def experts_method_of(linear: LinearMethod, prefix: str) -> ExpertsMethod:
-    """The experts' method from the linear method their projections get."""
+def experts_method_of(linear: LinearMethod, prefix: str, static_inputs: bool = False) -> ExpertsMethod:
+    """The experts' method from the linear method their projections get; FP8 with static per-tensor input scales
+    only for experts that take them (``static_inputs``)."""
     if linear == UNQUANTIZED:
         return UNQUANTIZED_EXPERTS
     if isinstance(linear, Fp8LinearMethod):
-        try:
-            return Fp8ExpertsMethod(linear.scheme)
-        except ValueError as e:
-            raise ValueError(f"{prefix}: {e}") from None
+        if linear.scheme.activation == "tensor" and not static_inputs:
+            raise ValueError(f"{prefix}: FP8 experts with static per-tensor input scales (compressed-tensors "
+                             "input_activations strategy 'tensor', ModelOpt FP8) are not supported for these "
+                             "experts (only Nemotron 3's take them); supported: dynamic activations (per token, or "
+                             "per token and group), or the experts kept in the model dtype (named in the config's "
+                             "ignore / exclude_modules)")
+        return Fp8ExpertsMethod(linear.scheme)
     raise ValueError(f"{prefix}: the experts cannot take the linear method {linear.describe()}")
 
 
-def uniform_experts_method(methods: dict[str, LinearMethod], prefix: str) -> ExpertsMethod:
+def uniform_experts_method(methods: dict[str, LinearMethod], prefix: str,
+                           static_inputs: bool = False) -> ExpertsMethod:
     """The one experts method of projections ``methods`` (name -> linear method): they must agree (the stacked
-    experts run one scheme)."""
+    experts run one scheme); ``static_inputs``: as ``experts_method_of``."""
     distinct = set(methods.values())
     if len(distinct) > 1:
         by_method: dict[LinearMethod, str] = {}
@@ -329,7 +328,7 @@ def uniform_experts_method(methods: dict[str, LinearMethod], prefix: str) -> Exp
         raise ValueError(f"{prefix}: the experts' projections are quantized differently ({a}: {ma.describe()}; "
                          f"{b}: {mb.describe()}); supported: every expert and projection of a layer alike (list the "
                          "whole layer's experts in the ignore list, or none)")
-    return experts_method_of(next(iter(distinct)), prefix)
+    return experts_method_of(next(iter(distinct)), prefix, static_inputs)
 
 
 def experts_method_for(quant: QuantizationConfig | None, prefix: str, num_experts: int) -> ExpertsMethod:

@@ -23,10 +23,14 @@ hyserve does not (``layers.1`` would then exclude ``layers.11``).
 (or ``k_scale`` / ``v_scale``); the loader reads them as it reads compressed-tensors' and an FP8 cache
 (``--kv-cache-dtype fp8``) uses them; the default cache dtype stays what it is.
 
+Nemotron 3's routed experts in FP8 (NVIDIA's releases): each expert's ``up_proj`` / ``down_proj`` with its own
+``weight_scale`` and ``input_scale``; the layer quantizes activations with the maximum over its experts of each
+projection's input scales, as vLLM's ModelOpt FP8 MoE does (``hyserve.layers.sigmoid_moe.UngatedExperts``).
+
 Refused, naming them: every other ``quant_algo`` (``NVFP4``, ``FP8_PB_WO``, ``FP8_PER_CHANNEL_PER_TOKEN``,
-``W4A8_AWQ``, ``MIXED_PRECISION``, ...), another ``kv_cache_quant_algo``, unknown fields, and MoE experts left in
-FP8 (hyserve's FP8 experts quantize activations dynamically; static per-tensor input scales are refused for them,
-``hyserve.layers.quantization.experts``): a checkpoint loads when ``exclude_modules`` names its experts.
+``W4A8_AWQ``, ``MIXED_PRECISION``, ...), another ``kv_cache_quant_algo``, unknown fields, and the gated experts of
+other families left in FP8 (static per-tensor input scales are refused for them,
+``hyserve.layers.quantization.experts``): such a checkpoint loads when ``exclude_modules`` names its experts.
 """
 
 from __future__ import annotations
