@@ -81,7 +81,7 @@ def scan_problem(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, 
     xs, bs, cs = mixed.split([h * p, g * n, g * n], dim=-1)
     proj = (torch.randn(t, h + 3, generator=gen) * 1.5).to(dtype)
     return {
-        "x": xs.reshape(t, h, p), "dt": proj[:, 1 : 1 + h], "A": -torch.rand(h, generator=gen) * 2 - 0.1,
+        "x": xs.reshape(t, h, p), "dt": proj[:, 1 : 1 + h], "A_log": torch.log(torch.rand(h, generator=gen) * 2 + 0.1),
         "B": (bs * 0.3).reshape(t, g, n), "C": (cs * 0.3).reshape(t, g, n),
         "D": torch.randn(h, generator=gen).to(dtype), "dt_bias": (torch.randn(h, generator=gen) - 2).to(dtype),
         "dt_limit": (1e-3, float("inf")),
