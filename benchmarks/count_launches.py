@@ -91,7 +91,7 @@ def _count_graph_replays(counter: _Counter) -> None:
 
 def nemotron_h_checkpoint(path: str) -> str:
     """A tiny random Nemotron-H checkpoint in ``path`` with the 8B's block counts (4 x (6 x Mamba2, MLP), attention)."""
-    from hyserve.testing.nemotron_h import ATTN, M, MLP, write_tiny_nemotron_h_checkpoint
+    from hyserve.testing.nemotron_h import ATTN, MLP, M, write_tiny_nemotron_h_checkpoint
 
     return write_tiny_nemotron_h_checkpoint(path, layer_types=([M, MLP] * 6 + [ATTN]) * 4)
 

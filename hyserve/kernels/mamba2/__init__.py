@@ -65,6 +65,7 @@ def mamba2_scan(
     max_query_len: int,
     scratch: torch.Tensor | None = None,
     query_start_loc_cpu: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y`` (T, H, P) float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A_log`` (H,) (the
     weight itself: every path computes ``A = -exp(A_log)`` in float32 as it reads it), ``B`` and ``C`` (T, G, N),
@@ -74,21 +75,23 @@ def mamba2_scan(
     last token. With ``scratch`` (``(>= R, k + 1, H, P, N)``, the pool's dtype: a verify step) the slots are only
     read and ``scratch[r, j]`` takes row ``r``'s state after its ``j``-th token. ``max_query_len``: a host int
     ``>=`` the longest row (it picks the path without a device->host sync); ``query_start_loc_cpu``: the host's copy
-    of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs)."""
+    of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs). ``out``: a ``(T, H, P)``
+    float32 buffer (last dim contiguous) that takes ``y`` and is returned (a verify step's parts write one buffer)."""
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
     if not x.is_cuda:
-        return mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                               max_query_len, scratch)
+        y = mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                            max_query_len, scratch)
+        return y if out is None else out.copy_(y)
     if scratch is not None:
         return mamba2_verify_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                                    scratch)
+                                    scratch, out=out)
     # float32 means float32: fla's chunked kernels round their float32 dots to TF32 (GDN's lesson on an H200), so
     # float32 models take the exact recurrent kernel for every row.
     if max_query_len <= MAMBA2_RECURRENT_MAX_QUERY_LEN or x.dtype == torch.float32:
         return mamba2_recurrent_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
-                                       query_start_loc)
+                                       query_start_loc, out=out)
     return mamba2_scan_fla(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                           query_start_loc_cpu)
+                           query_start_loc_cpu, out=out)
 
 
 def mamba2_recurrent_triton(

@@ -87,10 +87,12 @@ def mamba2_chunked_inputs(
 
 
 def mamba2_chunked_output(o: torch.Tensor, x: torch.Tensor, D: torch.Tensor, final: torch.Tensor,
-                          ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                          ssm_state: torch.Tensor, slots: torch.Tensor, *,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = o + D * x`` (float32, (T, H, P)) and ``ssm_state[slots] = final`` (rounded to the pool's dtype), as
     ``mamba2_chunked_output_ref`` defines them, in one Triton launch. ``o`` contiguous (T, H, P) (fla's output),
-    ``final`` contiguous float32 (R, H, P, N) (fla's final states), ``x`` as :func:`mamba2_chunked_inputs` takes it."""
+    ``final`` contiguous float32 (R, H, P, N) (fla's final states), ``x`` as :func:`mamba2_chunked_inputs` takes it;
+    ``out`` optionally the contiguous float32 (T, H, P) buffer for ``y``."""
     from hyserve.kernels.mamba2._triton import _mamba2_chunked_output_kernel
 
     t, h, p = x.shape
@@ -100,7 +102,8 @@ def mamba2_chunked_output(o: torch.Tensor, x: torch.Tensor, D: torch.Tensor, fin
     assert final.shape == (r, h, p, n) and final.is_contiguous(), "final must be contiguous (R, H, P, N)"
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty((t, h, p), dtype=torch.float32, device=x.device)
+    y = torch.empty((t, h, p), dtype=torch.float32, device=x.device) if out is None else out
+    assert y.shape == (t, h, p) and y.dtype == torch.float32 and y.is_contiguous(), "out: contiguous float32"
     bt, bp, bn, sp = chunked_tiles(p, n)
     programs = -(-t // bt) + r
     if programs and h:
@@ -138,6 +141,8 @@ def mamba2_scan_fla(
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
     query_start_loc_cpu: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked Mamba2 scan through fla-core's ``chunk_simple_gla`` (CUDA only; ``x`` in bf16 / fp16), arguments as
     :func:`hyserve.kernels.mamba2.mamba2_scan`'s.
@@ -147,11 +152,11 @@ def mamba2_scan_fla(
     chunk_simple_gla = _import_fla_simple_gla()
     t, h, p = x.shape
     if t == 0 or state_slots.shape[0] == 0:
-        return torch.zeros((t, h, p), dtype=torch.float32, device=x.device)
+        return torch.zeros((t, h, p), dtype=torch.float32, device=x.device) if out is None else out.zero_()
     slots, cu_seqlens, qsl_cpu = nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu)
     q, k, v, g, h0 = mamba2_chunked_inputs(x, dt, A_log, B, C, dt_bias, dt_limit, ssm_state, slots)
     o, final = chunk_simple_gla(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), scale=1.0, initial_state=h0,
         output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=qsl_cpu,
     )  # fmt: skip
-    return mamba2_chunked_output(o[0], x, D, final, ssm_state, slots)
+    return mamba2_chunked_output(o[0], x, D, final, ssm_state, slots, out=out)
