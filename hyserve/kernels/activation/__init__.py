@@ -29,8 +29,9 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
 
 
 def relu_squared_triton(x: torch.Tensor) -> torch.Tensor:
-    """One launch over ``x`` viewed as rows of its last dimension (the last dim contiguous, rows at any stride); the
-    output is a new contiguous tensor of ``x``'s shape and dtype."""
+    """One launch over ``x`` viewed as rows of its last dimension (the last dim contiguous, rows at any stride), in
+    tiles of up to ``MAX_BLOCK`` columns (and of several rows where rows are narrower); the output is a new
+    contiguous tensor of ``x``'s shape and dtype."""
     from hyserve.kernels.activation._triton import _relu_squared_kernel
 
     width = x.shape[-1]
@@ -40,16 +41,19 @@ def relu_squared_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if out.numel():
         block = min(next_pow2(width), MAX_BLOCK)
-        _relu_squared_kernel[(rows.shape[0], -(-width // block))](rows, out, width, rows.stride(0), BLOCK=block,
-                                                                  num_warps=4)
+        tile_rows = max(1, min(16, MAX_BLOCK // block))  # narrow rows: several a program
+        n = rows.shape[0]
+        _relu_squared_kernel[(-(-n // tile_rows), -(-width // block))](rows, out, n, width, rows.stride(0),
+                                                                       ROWS=tile_rows, BLOCK=block, num_warps=4)
     return out.view(x.shape)
 
 
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    """The kernel's variants for float32, bf16 and fp16 models at the launcher's widest block, as ``(name, jit
-    function, argument types, constexprs)``, for a compile check without a GPU."""
+    """The kernel's variants for float32, bf16 and fp16 models, one row of the widest block and a tile of narrow
+    rows, as ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU."""
     from hyserve.kernels.activation._triton import _relu_squared_kernel
 
-    return [(f"relu_squared_{dt}", _relu_squared_kernel,
-             dict(x_ptr=f"*{dt}", out_ptr=f"*{dt}", n_cols="i32", sx_row="i32"), dict(BLOCK=MAX_BLOCK))
-            for dt in ("fp32", "bf16", "fp16")]
+    return [(f"relu_squared_{dt}_{rows}x{block}", _relu_squared_kernel,
+             dict(x_ptr=f"*{dt}", out_ptr=f"*{dt}", n_rows="i32", n_cols="i32", sx_row="i32"),
+             dict(ROWS=rows, BLOCK=block))
+            for dt in ("fp32", "bf16", "fp16") for rows, block in ((1, MAX_BLOCK), (16, 64))]
