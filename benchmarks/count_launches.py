@@ -6,7 +6,11 @@ suppressed. The model is a tiny random checkpoint with the 2B shape's layer patt
 in bf16; the count does not depend on the widths. While decode is host-bound (no CUDA graphs yet) the step time
 follows this count.
 
+``--nemotron-h`` counts a tiny Nemotron-H checkpoint with the 8B's blocks instead (52: 24 Mamba2, 24 squared-ReLU
+MLP, 4 attention; :func:`nemotron_h_checkpoint`).
+
     python benchmarks/count_launches.py
+    python benchmarks/count_launches.py --nemotron-h --by-op
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsque
 ENTRY_POINTS = {
     "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify"],
     "hyserve.layers.attention": ["paged_attention", "store_kv"],
-    "hyserve.layers.mlp": ["silu_mul"],
+    "hyserve.layers.mlp": ["silu_mul", "relu_squared"],
+    "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope"],
     "hyserve.worker.model_runner": ["_commit_verified"],
@@ -84,6 +89,13 @@ def _count_graph_replays(counter: _Counter) -> None:
     GraphSet.run = _one_launch(counter, GraphSet.run)  # type: ignore[method-assign]
 
 
+def nemotron_h_checkpoint(path: str) -> str:
+    """A tiny random Nemotron-H checkpoint in ``path`` with the 8B's block counts (4 x (6 x Mamba2, MLP), attention)."""
+    from hyserve.testing.nemotron_h import ATTN, MLP, M, write_tiny_nemotron_h_checkpoint
+
+    return write_tiny_nemotron_h_checkpoint(path, layer_types=([M, MLP] * 6 + [ATTN]) * 4)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -94,6 +106,8 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="async scheduling (with MTP: verify rows behind rows in flight)")
     ap.add_argument("--by-op", action="store_true", help="also list the launches per step by op")
+    ap.add_argument("--nemotron-h", action="store_true",
+                    help="a tiny Nemotron-H with the 8B's 52 blocks in place of the Qwen 2B shape")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="prefix caching on (speculative steps then copy candidate snapshots at block boundaries)")
     args = ap.parse_args()
@@ -106,8 +120,11 @@ def main() -> None:
         cuda_graphs.EMULATE = True
         _count_graph_replays(counter)
     pattern = (["linear_attention"] * 3 + ["full_attention"]) * 6
-    path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
-                                 tie_word_embeddings=True, with_mtp=args.spec == "mtp")
+    if args.nemotron_h:
+        path = nemotron_h_checkpoint(tempfile.mkdtemp())
+    else:
+        path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
+                                     tie_word_embeddings=True, with_mtp=args.spec == "mtp")
     spec = {"method": "mtp", "num_speculative_tokens": 3} if args.spec else None
     llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=args.prefix_caching,
               speculative_config=spec,
@@ -124,7 +141,8 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
     what = "speculative (MTP, k = 3)" if args.spec else "decode"
-    print(f"launches per {what} step at batch {args.batch} (24 layers, bf16, sampling included"
+    layers = "Nemotron-H, 52 blocks" if args.nemotron_h else "24 layers"
+    print(f"launches per {what} step at batch {args.batch} ({layers}, bf16, sampling included"
           f"{', CUDA graphs' if args.graphs else ''}{', async' if args.async_scheduling else ''}): "
           f"{counter.count / args.steps:.1f}")
     if args.by_op:

@@ -25,7 +25,8 @@ all-reduce; a group that spans some ranks but not all is refused.
 
 The conv and the scan dispatch on the device (``hyserve.kernels.conv``, ``hyserve.kernels.mamba2``): the plain-torch
 references on the CPU, Triton kernels (and fla-core's chunked scan for bf16 / fp16 prefill) on CUDA, where a decode
-or verify step makes no host sync and can be captured in a CUDA graph. The gated norm is torch on both.
+or verify step makes no host sync and can be captured in a CUDA graph. The scan reads the ``A_log`` weight itself
+(``A = -exp(A_log)`` costs no launch of its own). The gated norm is torch on both.
 """
 
 from __future__ import annotations
@@ -242,7 +243,6 @@ class Mamba2Mixer(RecurrentLayer):
         z, xbc, dt = self.project_in(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)
         bias = self.conv1d.bias
-        a = -torch.exp(self.A_log.float())
         vm = meta.verify
         # (token range, rows' slots, offsets, longest row, verify?, the host's offsets or None) of the step's parts: a
         # verify step's verify rows, then its other rows.
@@ -256,7 +256,9 @@ class Mamba2Mixer(RecurrentLayer):
             if vm.num_tokens < t:
                 parts.append((vm.num_tokens, t, vm.rest_state_slots, vm.rest_query_start_loc,
                               vm.rest_max_query_len, False, vm.rest_query_start_loc_cpu))
-        outs = []
+        # A step of two parts has them write one output (no concatenation after).
+        y = None if len(parts) == 1 else torch.empty((t, self.num_heads, self.head_dim), dtype=torch.float32,
+                                                      device=x.device)
         for lo, hi, slots, qsl, longest, verify, qsl_cpu in parts:
             if verify:
                 assert self.verify_scratch is not None, "verify scratch not bound"
@@ -267,13 +269,13 @@ class Mamba2Mixer(RecurrentLayer):
             m = hi - lo
             xs, bs, cs = mixed.split([self.intermediate, self.n_groups * self.state_size,
                                       self.n_groups * self.state_size], dim=-1)
-            y = mamba2_scan(xs.reshape(m, self.num_heads, self.head_dim), dt[lo:hi], a,
-                            bs.reshape(m, self.n_groups, self.state_size),
-                            cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
-                            ssm_state, slots, qsl, longest,
-                            self.verify_scratch["ssm_state"] if verify and self.verify_scratch else None,
-                            query_start_loc_cpu=qsl_cpu)
-            outs.append(y.reshape(m, self.intermediate))
-        y = torch.cat(outs) if len(outs) > 1 else outs[0]
-        out = self.gate(y, z)  # float32, as transformers' scan output reaches its norm
+            part = mamba2_scan(xs.reshape(m, self.num_heads, self.head_dim), dt[lo:hi], self.A_log,
+                               bs.reshape(m, self.n_groups, self.state_size),
+                               cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
+                               ssm_state, slots, qsl, longest,
+                               self.verify_scratch["ssm_state"] if verify and self.verify_scratch else None,
+                               query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi])
+            y = part if y is None else y
+        assert y is not None
+        out = self.gate(y.reshape(t, self.intermediate), z)  # float32, as transformers' scan output reaches its norm
         return self.out_proj(out.to(x.dtype))

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import shard_range, tp_size
+from hyserve.kernels.activation import relu_squared
 from hyserve.kernels.norm import silu_mul
 from hyserve.layers.linear import Linear, MergedLinear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
@@ -54,7 +55,9 @@ class GeluMLP(nn.Module):
 
 
 class ReluSquaredMLP(GeluMLP):
-    """``GeluMLP``'s layout with ``relu(x) ** 2`` (Nemotron-H's ``relu2``): ``down(relu(up(x)) ** 2)``."""
+    """``GeluMLP``'s layout with ``relu(x) ** 2`` (Nemotron-H's ``relu2``): ``down(relu(up(x)) ** 2)``, the
+    activation one launch where the Triton kernels run (``hyserve.kernels.activation``: transformers' rounding
+    exactly; an FP8 ``down_proj`` quantizes its output as it would torch's)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        return self.down_proj(relu_squared(self.up_proj(x)))

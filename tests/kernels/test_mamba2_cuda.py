@@ -4,6 +4,10 @@
   heads a group): float32 (the recurrent kernel for every row) and bf16 (prefill rows through fla-core's chunked
   scan, with and without the host's offsets), decode (the recurrent kernel) and verify (the verify kernel, scratch
   NaN-poisoned), float32 and bf16 stored states; rows on permuted slots with an empty row, unnamed slots unchanged.
+* The fla path's passes before and after fla (``hyserve.kernels.mamba2.chunked``) against their torch formulation on
+  CUDA, without a host sync: B / C expanded and the states gathered exactly, ``g`` and ``v`` within float32 ulps
+  (``v`` rounded), the skip within an FMA's rounding, the states stored exactly; the fla path writing into a slice of
+  a NaN-poisoned buffer (a verify step's rest rows).
 * The conv with its bias (varlen and verify) on CUDA against its CPU reference.
 * The whole ``Mamba2Mixer``: prefill chunks, then one decode and one verify step eager under
   ``torch.cuda.set_sync_debug_mode("error")``, then a decode step and a verify step captured in CUDA graphs and
@@ -25,6 +29,8 @@ from hyserve.kernels.conv import causal_conv1d_varlen
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_fla, mamba2_scan_ref
+from hyserve.kernels.mamba2.chunked import mamba2_chunked_inputs, mamba2_chunked_output
+from hyserve.kernels.mamba2.reference import mamba2_chunked_inputs_ref, mamba2_chunked_output_ref
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.testing.cuda import capture, no_sync
@@ -81,7 +87,7 @@ def scan_problem(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, 
     xs, bs, cs = mixed.split([h * p, g * n, g * n], dim=-1)
     proj = (torch.randn(t, h + 3, generator=gen) * 1.5).to(dtype)
     return {
-        "x": xs.reshape(t, h, p), "dt": proj[:, 1 : 1 + h], "A": -torch.rand(h, generator=gen) * 2 - 0.1,
+        "x": xs.reshape(t, h, p), "dt": proj[:, 1 : 1 + h], "A_log": torch.log(torch.rand(h, generator=gen) * 2 + 0.1),
         "B": (bs * 0.3).reshape(t, g, n), "C": (cs * 0.3).reshape(t, g, n),
         "D": torch.randn(h, generator=gen).to(dtype), "dt_bias": (torch.randn(h, generator=gen) - 2).to(dtype),
         "dt_limit": (1e-3, float("inf")),
@@ -148,6 +154,51 @@ def test_fla_path_alone_matches_the_reference() -> None:
     close("fla y", got, want, 2e-2)
     close("fla state", dev["ssm_state"], want_state, 1e-2)
     _untouched("fla", p["ssm_state"], dev["ssm_state"], p["state_slots"], lens)
+
+
+@pytest.mark.parametrize("dtype,state_dtype", [(BF16, F32), (BF16, BF16), (torch.float16, torch.float16)],
+                         ids=["bf16", "bf16_st", "fp16_st"])
+def test_chunked_passes_match_the_torch_formulation_without_sync(dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+    p = to(scan_problem(PREFILL_LENS, dtype, state_dtype, seed=38), "cuda")
+    args = {k: p[k] for k in ("x", "dt", "A_log", "B", "C", "dt_bias", "dt_limit", "ssm_state")}
+    args["slots"] = p["state_slots"]
+    want = mamba2_chunked_inputs_ref(**args)
+    with no_sync():
+        got = mamba2_chunked_inputs(**args)
+    torch.cuda.synchronize()
+    for name, g, w in zip(("q", "k", "h0"), (got[0], got[1], got[4]), (want[0], want[1], want[4]), strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{name} differs from the torch formulation"
+    close("g", got[3], want[3], 1e-5)
+    close("v", got[2], want[2], 1e-2)  # one ulp of the largest at most
+    gen = torch.Generator().manual_seed(39)
+    t, h, hp = p["x"].shape
+    r, n = len(PREFILL_LENS), p["ssm_state"].shape[3]
+    o = torch.randn(t, h, hp, generator=gen).to(dtype).cuda()
+    final = torch.randn(r, h, hp, n, generator=gen).cuda()
+    want_state = p["ssm_state"].clone()
+    want_y = mamba2_chunked_output_ref(o, p["x"], p["D"], final, want_state, p["state_slots"])
+    with no_sync():
+        got_y = mamba2_chunked_output(o, p["x"], p["D"], final, p["ssm_state"], p["state_slots"])
+    torch.cuda.synchronize()
+    close("y", got_y, want_y, 1e-6)
+    assert torch.equal(p["ssm_state"], want_state), "the stored states differ from the torch formulation's"
+
+
+def test_fla_path_into_a_buffer() -> None:
+    """``mamba2_scan_fla`` with ``out`` a slice of a NaN-poisoned buffer (a verify step's rest rows): the slice holds
+    the reference's y, the rest of the buffer stays NaN."""
+    lens = [5, 0, 33]
+    p = scan_problem(lens, BF16, F32, seed=40)
+    want_state = p["ssm_state"].clone()
+    want = mamba2_scan_ref(**{**p, "ssm_state": want_state})
+    dev = to(p, "cuda")
+    dev.pop("max_query_len")
+    buf = torch.full((sum(lens) + 3, *p["x"].shape[1:]), float("nan"), device="cuda")
+    got = mamba2_scan_fla(**dev, query_start_loc_cpu=p["query_start_loc"], out=buf[2:-1])
+    assert got.data_ptr() == buf[2:-1].data_ptr()
+    close("fla y in a buffer", got, want, 2e-2)
+    assert bool(buf[[0, 1, -1]].isnan().all()), "fla path wrote outside its slice"
+    close("fla state", dev["ssm_state"], want_state, 1e-2)
 
 
 @pytest.mark.parametrize("dtype,state_dtype", [(F32, F32), (BF16, F32), (BF16, BF16)], ids=["f32", "bf16", "bf16_st"])

@@ -6,11 +6,22 @@ Problems: staggered row lengths with an empty row, rows on permuted slots drawn 
 names must stay bit-identical), grouped B / C (G < H), a dt clamp that bites, float32 and bf16-stored states;
 outputs and scratch NaN-poisoned before the kernels write them (every written element is checked, every other one
 must still be NaN). Sabotaged (each must disagree with the reference): head ``h`` reading B / C group ``h % G``
-instead of ``h // (H / G)``, the verify scratch written one position late, the conv bias read one channel off.
+instead of ``h // (H / G)``, the kernel handed ``A`` where it reads ``A_log``, the verify scratch written one
+position late, the conv bias read one channel off.
+
+The chunked (fla) path's passes before and after fla (``hyserve.kernels.mamba2.chunked``) against their torch
+formulation: odd head dims and state sizes, 1 to 4 heads a group, T = 0 and 1, bf16 / fp16 / float32 models with
+float32 or 16-bit states; the expanded B / C and the gathered states bit-identical, the time step's products within
+float32 ulps of torch's softplus (the rounded ``v`` within one ulp of its dtype), the skip and the stored states exact.
+Sabotaged: B / C of group ``h % G``, ``A`` read as ``A_log``, the states gathered from (or stored to) the slots of
+the previous row, D of the previous head. And the whole fla path, ``mamba2_scan_fla``, with a plain-torch stand-in
+for fla's ``chunk_simple_gla`` against the reference, an empty row among the rows, with and without the host's
+offsets.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -24,6 +35,7 @@ import torch
 
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
 from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_ref
+from hyserve.kernels.mamba2.reference import mamba2_chunked_inputs_ref, mamba2_chunked_output_ref
 from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +79,7 @@ def scan_problem(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, 
     xs, bs, cs = mixed.split([H * P, G * N, G * N], dim=-1)
     proj = (torch.randn(t, H + 3, generator=gen) * 1.5).to(dtype)
     return {
-        "x": xs.reshape(t, H, P), "dt": proj[:, 1 : 1 + H], "A": -torch.rand(H, generator=gen) * 2 - 0.1,
+        "x": xs.reshape(t, H, P), "dt": proj[:, 1 : 1 + H], "A_log": torch.log(torch.rand(H, generator=gen) * 2 + 0.1),
         "B": bs.reshape(t, G, N), "C": cs.reshape(t, G, N),
         "D": torch.randn(H, generator=gen).to(dtype), "dt_bias": (torch.randn(H, generator=gen) - 1).to(dtype),
         "dt_limit": dt_limit,
@@ -89,7 +101,8 @@ def _tols(dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[float, float]:
 def _interp_scan(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, sabotage: str = "",
                  dt_limit: tuple[float, float] = (1e-3, float("inf"))) -> tuple[bool, str]:
     """The recurrent kernel against the reference. ``sabotage="group_mod"``: head h fed group h % G (B / C expanded
-    to heads in that order), which must disagree."""
+    to heads in that order); ``"a_not_a_log"``: the kernel handed ``A = -exp(A_log)`` in place of ``A_log``. Each
+    must disagree."""
     from hyserve.kernels.mamba2 import mamba2_recurrent_triton
 
     p = scan_problem(lens, dtype, state_dtype, seed=21, dt_limit=dt_limit)
@@ -100,6 +113,8 @@ def _interp_scan(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, 
     if sabotage == "group_mod":
         heads = torch.arange(H) % G
         p["B"], p["C"] = p["B"][:, heads], p["C"][:, heads]
+    if sabotage == "a_not_a_log":
+        p["A_log"] = -torch.exp(p["A_log"])
     mamba2_recurrent_triton(**p, out=out)
     tol, stol = _tols(dtype, state_dtype)
     ok1, e1 = _close(out, want, tol, tol)
@@ -171,6 +186,135 @@ def _interp_conv(lens: list[int], dtype: torch.dtype, verify: bool, sabotage: bo
     return (ok1 and ok2) != sabotage, f"out err {e1:.3g}, state err {e2:.3g}"
 
 
+def chunked_problem(lens: list[int], h: int, g: int, p: int, n: int, dtype: torch.dtype, state_dtype: torch.dtype,
+                    seed: int) -> dict[str, Any]:
+    """The chunked passes' inputs: x, B, C strided views of one conv output, dt of one projection output, the
+    per-head weights in the model's dtype, one slot a row drawn from a larger pool."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    mixed = torch.randn(t, 3 + h * p + 2 * g * n, generator=gen).to(dtype)
+    xs, bs, cs = mixed[:, 3:].split([h * p, g * n, g * n], dim=-1)
+    proj = (torch.randn(t, h + 3, generator=gen) * 1.5).to(dtype)
+    return {
+        "x": xs.reshape(t, h, p), "dt": proj[:, 1 : 1 + h],
+        "A_log": torch.log(torch.rand(h, generator=gen) * 2 + 0.1).to(dtype),
+        "B": bs.reshape(t, g, n), "C": cs.reshape(t, g, n), "dt_bias": (torch.randn(h, generator=gen) - 1).to(dtype),
+        "dt_limit": (1e-3, 5.0), "ssm_state": (torch.randn(POOL, h, p, n, generator=gen) * 0.5).to(state_dtype),
+        "slots": torch.randperm(POOL, generator=gen)[: len(lens)],
+    }
+
+
+def _ulps_close(got: torch.Tensor, want: torch.Tensor, rel: float) -> tuple[bool, float]:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False, float("inf")
+    err = (got.float() - want.float()).abs()
+    worst = float((err / want.float().abs().clamp(min=1e-30)).max()) if err.numel() else 0.0
+    return bool((err <= rel * want.float().abs()).all()), worst
+
+
+def _interp_chunked_inputs(lens: list[int], h: int, g: int, p: int, n: int, dtype: torch.dtype,
+                           state_dtype: torch.dtype, sabotage: str = "") -> tuple[bool, str]:
+    """The pass before fla against its torch formulation. Sabotages: ``"group_mod"`` (head h fed group h % G),
+    ``"a_not_a_log"`` (``A`` handed in place of ``A_log``), ``"slots_rolled"`` (each row's state gathered from the
+    previous row's slot)."""
+    from hyserve.kernels.mamba2.chunked import mamba2_chunked_inputs
+
+    prob = chunked_problem(lens, h, g, p, n, dtype, state_dtype, seed=25)
+    want = mamba2_chunked_inputs_ref(**_clone(prob))
+    before = prob["ssm_state"].clone()
+    if sabotage == "group_mod":
+        heads = torch.arange(h) % g
+        prob["B"], prob["C"] = prob["B"][:, heads], prob["C"][:, heads]
+    elif sabotage == "a_not_a_log":
+        prob["A_log"] = -torch.exp(prob["A_log"].float())
+    elif sabotage == "slots_rolled":
+        prob["slots"] = prob["slots"].roll(1)
+    got = mamba2_chunked_inputs(**prob)
+    names = ("q", "k", "v", "g", "h0")
+    exact = {nm: got[i].dtype == want[i].dtype and torch.equal(got[i], want[i]) for i, nm in enumerate(names)
+             if nm in ("q", "k", "h0")}
+    g_ok, g_err = _ulps_close(got[3], want[3], 4e-6)  # float32: softplus as log(u) y / (u - 1) against torch's
+    v_ok, v_err = _ulps_close(got[2], want[2], max(torch.finfo(dtype).eps, 4e-6))  # rounded: one ulp at most
+    contiguous = all(x.is_contiguous() for x in got)
+    ok = all(exact.values()) and g_ok and v_ok and contiguous and torch.equal(before, prob["ssm_state"])
+    return ok != bool(sabotage), f"exact {exact}, g rel err {g_err:.3g}, v rel err {v_err:.3g}"
+
+
+def _interp_chunked_output(lens: list[int], h: int, p: int, n: int, dtype: torch.dtype, state_dtype: torch.dtype,
+                           sabotage: str = "") -> tuple[bool, str]:
+    """The pass after fla against its torch formulation: y and the whole pool (slots no row names unchanged).
+    Sabotages: ``"d_rolled"`` (head h given D of head h - 1), ``"slots_rolled"`` (states stored to the previous
+    row's slot)."""
+    from hyserve.kernels.mamba2.chunked import mamba2_chunked_output
+
+    prob = chunked_problem(lens, h, 1, p, n, dtype, state_dtype, seed=26)
+    gen = torch.Generator().manual_seed(27)
+    t, r = sum(lens), len(lens)
+    o = torch.randn(t, h, p, generator=gen).to(dtype)
+    d = torch.randn(h, generator=gen).to(dtype)
+    final = torch.randn(r, h, p, n, generator=gen)
+    want_state = prob["ssm_state"].clone()
+    want = mamba2_chunked_output_ref(o, prob["x"], d, final, want_state, prob["slots"])
+    slots = prob["slots"].roll(1) if sabotage == "slots_rolled" else prob["slots"]
+    got = mamba2_chunked_output(o, prob["x"], d.roll(1) if sabotage == "d_rolled" else d, final,
+                                prob["ssm_state"], slots)
+    ok1 = got.dtype == torch.float32 and torch.equal(got, want)
+    ok2 = prob["ssm_state"].dtype == state_dtype and torch.equal(prob["ssm_state"], want_state)
+    err = float((got - want).abs().max()) if got.shape == want.shape and got.numel() else 0.0
+    return (ok1 and ok2) != bool(sabotage), f"y exact {ok1} (err {err:.3g}), pool exact {ok2}"
+
+
+def naive_chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+                           initial_state: torch.Tensor, output_final_state: bool, state_v_first: bool,
+                           cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None) -> tuple[Any, Any]:
+    """fla's ``chunk_simple_gla`` as the fla path calls it, token by token in float32: per sequence ``S = exp(g_t)
+    S + v_t k_t^T``, ``o_t = scale S q_t`` (``S`` (H, V, K)), ``o`` in ``v``'s dtype, the final states float32."""
+    assert state_v_first and output_final_state and q.shape[0] == 1
+    assert all(x.is_contiguous() for x in (q, k, v, g, initial_state)), "fla copies what is not contiguous"
+    assert cu_seqlens_cpu is None or torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+    cu = cu_seqlens.tolist()
+    assert initial_state.shape[0] == len(cu) - 1 and all(b > a for a, b in itertools.pairwise(cu))
+    o = torch.zeros(v.shape, dtype=torch.float32)
+    finals = []
+    for i in range(len(cu) - 1):
+        state = initial_state[i].float()
+        for t in range(cu[i], cu[i + 1]):
+            state = (torch.exp(g[0, t])[:, None, None] * state
+                     + v[0, t].float()[:, :, None] * k[0, t].float()[:, None, :])
+            o[0, t] = scale * (state * q[0, t].float()[:, None, :]).sum(-1)
+        finals.append(state)
+    return o.to(v.dtype), torch.stack(finals)
+
+
+def _interp_fla_path(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, host_offsets: bool,
+                     into_buffer: bool = False) -> tuple[bool, str]:
+    """``mamba2_scan_fla`` (the passes around fla, the rows with tokens, their states' slots) with
+    :func:`naive_chunk_simple_gla` in fla's place, against the reference. ``into_buffer``: ``y`` written into a slice
+    of a NaN-poisoned buffer (``out``, as a step of two parts hands it), the rest of the buffer left NaN."""
+    from hyserve.kernels.mamba2 import chunked
+
+    real = chunked._import_fla_simple_gla
+    chunked._import_fla_simple_gla = lambda: naive_chunk_simple_gla  # type: ignore[attr-defined]
+    try:
+        prob = scan_problem(lens, dtype, state_dtype, seed=28)
+        ref = _clone(prob)
+        want = mamba2_scan_ref(**ref, max_query_len=max(lens))
+        before = prob["ssm_state"].clone()
+        buf = torch.full((sum(lens) + 2, *prob["x"].shape[1:]), float("nan"))
+        got = chunked.mamba2_scan_fla(**prob, query_start_loc_cpu=prob["query_start_loc"] if host_offsets else None,
+                                      out=buf[1:-1] if into_buffer else None)
+        if into_buffer:
+            assert got.data_ptr() == buf[1:-1].data_ptr() and bool(buf[[0, -1]].isnan().all()), "out not used alone"
+    finally:
+        chunked._import_fla_simple_gla = real  # type: ignore[attr-defined]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: v = x * dt rounded, fla's output rounded
+    stol = tol if state_dtype == torch.float32 else 2e-2
+    ok1, e1 = _close(got, want, tol, tol)
+    ok2, e2 = _close(prob["ssm_state"], ref["ssm_state"], stol, stol)
+    ok3 = _untouched(before, prob["ssm_state"], prob["state_slots"], lens)
+    return ok1 and ok2 and ok3, f"out err {e1:.3g}, state err {e2:.3g}, untouched {ok3}"
+
+
 def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
     try:
         ok, msg = fn()
@@ -193,6 +337,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     _check(res, "verify_float32", lambda: _interp_verify(VERIFY_LENS, f32, f32))
     _check(res, "verify_bf16_bf16_state", lambda: _interp_verify(VERIFY_LENS, bf16, bf16))
     _check(res, "scan_group_mod_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="group_mod"))
+    _check(res, "scan_a_not_a_log_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="a_not_a_log"))
     _check(res, "verify_scratch_late_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="late"))
     for dt in (f32, bf16):
         n = str(dt).split(".")[-1]
@@ -201,14 +346,57 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         _check(res, f"conv_bias_verify_{n}", lambda dt=dt: _interp_conv(VERIFY_LENS, dt, True))
     _check(res, "conv_bias_shifted_caught", lambda: _interp_conv([3, 0, 1, 5, 2], f32, False, sabotage=True))
     _check(res, "conv_bias_verify_shifted_caught", lambda: _interp_conv(VERIFY_LENS, f32, True, sabotage=True))
+    for name, args in CHUNKED_INPUT_CASES.items():
+        _check(res, f"chunked_inputs_{name}", lambda args=args: _interp_chunked_inputs(*args))
+    for sab in ("group_mod", "a_not_a_log", "slots_rolled"):
+        _check(res, f"chunked_inputs_{sab}_caught",
+               lambda sab=sab: _interp_chunked_inputs(MIXED_LENS, 4, 2, 8, 16, bf16, f32, sabotage=sab))
+    for name, args in CHUNKED_OUTPUT_CASES.items():
+        _check(res, f"chunked_output_{name}", lambda args=args: _interp_chunked_output(*args))
+    for sab in ("d_rolled", "slots_rolled"):
+        _check(res, f"chunked_output_{sab}_caught",
+               lambda sab=sab: _interp_chunked_output(MIXED_LENS, 4, 8, 16, bf16, f32, sabotage=sab))
+    for name, args in FLA_PATH_CASES.items():
+        _check(res, f"fla_path_{name}", lambda args=args: _interp_fla_path(*args))
     return res
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (lens, heads, groups, head dim, state size, model dtype, state dtype)
+CHUNKED_INPUT_CASES: dict[str, tuple[Any, ...]] = {
+    "bf16_2_groups": (MIXED_LENS, 4, 2, 8, 16, BF16, F32),
+    "fp16_odd_sizes_3_groups_fp16_state": ([2, 5, 0, 3], 6, 3, 6, 10, F16, F16),
+    "bf16_one_group_bf16_state": ([7, 1], 5, 1, 8, 16, BF16, BF16),
+    "float32_a_group_a_head": ([4, 0, 2], 4, 4, 8, 16, F32, F32),
+    "bf16_one_token": ([1], 4, 2, 8, 16, BF16, F32),
+    "bf16_no_tokens": ([0, 0], 4, 2, 8, 16, BF16, BF16),
+}
+# (lens, heads, head dim, state size, model dtype, state dtype)
+CHUNKED_OUTPUT_CASES: dict[str, tuple[Any, ...]] = {
+    "bf16": (MIXED_LENS, 4, 8, 16, BF16, F32),
+    "fp16_odd_sizes_fp16_state": ([2, 5, 3], 6, 6, 10, F16, F16),
+    "float32_bf16_state": ([4, 2], 3, 8, 16, F32, BF16),
+    "bf16_one_token": ([1], 4, 8, 16, BF16, F32),
+    "bf16_no_tokens": ([0, 0], 4, 8, 16, BF16, BF16),
+}
+FLA_PATH_CASES: dict[str, tuple[Any, ...]] = {
+    "float32_qsl_cpu": (MIXED_LENS, F32, F32, True),
+    "float32_no_qsl_cpu": (MIXED_LENS, F32, F32, False),
+    "bf16_bf16_state": (MIXED_LENS, BF16, BF16, True),
+    "bf16_into_a_buffer": (MIXED_LENS, BF16, F32, True, True),
+}
 
 
 INTERP_CHECKS = ["scan_mixed_float32", "scan_decode_float32", "scan_mixed_clamped_float32",
                  "scan_mixed_bf16_bf16_state", "scan_decode_bf16_fp32_state", "verify_float32",
                  "verify_bf16_bf16_state", "scan_group_mod_caught", "verify_scratch_late_caught",
                  *[f"conv_bias_{k}_{dt}" for k in ("fused", "split", "verify") for dt in ("float32", "bfloat16")],
-                 "conv_bias_shifted_caught", "conv_bias_verify_shifted_caught"]
+                 "conv_bias_shifted_caught", "conv_bias_verify_shifted_caught", "scan_a_not_a_log_caught",
+                 *[f"chunked_inputs_{k}" for k in CHUNKED_INPUT_CASES],
+                 *[f"chunked_inputs_{k}_caught" for k in ("group_mod", "a_not_a_log", "slots_rolled")],
+                 *[f"chunked_output_{k}" for k in CHUNKED_OUTPUT_CASES],
+                 *[f"chunked_output_{k}_caught" for k in ("d_rolled", "slots_rolled")],
+                 *[f"fla_path_{k}" for k in FLA_PATH_CASES]]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ recurrence), plus ``query_start_loc_cpu``. Given ``scratch`` it is a verify step
 (:func:`~hyserve.kernels.mamba2.verify.mamba2_verify`: reads the live state, records the state after every token).
 
 The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent and verify kernels, which share
-one step), ``verify.py`` (the verify variant) and ``reference.py`` (the plain-torch reference).
+one step, and the chunked path's passes before and after fla), ``verify.py`` (the verify variant), ``chunked.py``
+(the fla path) and ``reference.py`` (the plain-torch references).
 
 Dispatch:
 
@@ -16,11 +17,15 @@ Dispatch:
 * CUDA, ``max_query_len <= MAMBA2_RECURRENT_MAX_QUERY_LEN`` (pure decode), or a float32 model (``x`` float32):
   hyserve's Triton recurrent kernel (:func:`mamba2_recurrent_triton`), which reads and writes
   ``ssm_state[state_slots[r]]`` in place, no gather/scatter, no host sync (safe inside a captured CUDA graph).
-* CUDA, longer rows in bf16 / fp16: fla-core's chunked simple GLA (:func:`mamba2_scan_fla`), which is Mamba2's SSD
-  with ``q = C``, ``k = B`` (groups expanded to heads), ``v = x * dt``, per-token log-decay ``g = dt * A``,
-  ``scale = 1``; the non-empty rows' states gathered from their slots and scattered back, then ``y += D * x``.
-  fla-core 0.6.0's ``chunk_fwd_h`` reads its chunk count with one ``.item()``: a prefill step through fla waits for
-  the device once, whatever ``query_start_loc_cpu`` (which spares the other syncs). Prefill steps are not captured.
+* CUDA, longer rows in bf16 / fp16: fla-core's chunked simple GLA (:func:`mamba2_scan_fla`, ``chunked.py``), which
+  is Mamba2's SSD with ``q = C``, ``k = B`` (groups expanded to heads), ``v = x * dt``, per-token log-decay
+  ``g = dt * A``, ``scale = 1``; one Triton launch prepares fla's inputs and gathers the non-empty rows' states from
+  their slots, one after it adds ``D * x`` and stores the final states back. fla-core 0.6.0's ``chunk_fwd_h`` reads
+  its chunk count with one ``.item()``: a prefill step through fla waits for the device once, whatever
+  ``query_start_loc_cpu`` (which spares the other syncs). Prefill steps are not captured.
+
+No path launches anything for ``A = -exp(A_log)``: the kernels read the ``A_log`` weight (a reload is seen at the
+next launch) and the reference computes it.
 
 Invariants: ``ssm_state`` is ``(S, H, P, N)``, float32 or a 16-bit float (every path computes in float32 and rounds
 the state where it stores it); slots of non-empty rows are distinct; empty rows and slots that no row names are left
@@ -32,11 +37,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
+from hyserve.kernels.mamba2.chunked import chunked_tiles, mamba2_scan_fla
 from hyserve.kernels.mamba2.reference import mamba2_scan_ref
 from hyserve.kernels.mamba2.verify import mamba2_verify, mamba2_verify_triton, state_tile
-from hyserve.kernels.varlen import nonempty_rows
 
 __all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "compile_variants", "mamba2_recurrent_triton",
            "mamba2_scan", "mamba2_scan_fla", "mamba2_scan_ref", "mamba2_verify"]
@@ -49,7 +53,7 @@ MAMBA2_RECURRENT_MAX_QUERY_LEN = 1
 def mamba2_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
+    A_log: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
@@ -61,35 +65,39 @@ def mamba2_scan(
     max_query_len: int,
     scratch: torch.Tensor | None = None,
     query_start_loc_cpu: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y`` (T, H, P) float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A`` (H,) float32
-    (``-exp(A_log)``), ``B`` and ``C`` (T, G, N), ``D`` and ``dt_bias`` (H,); x / B / C's last dims contiguous.
+    """``y`` (T, H, P) float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A_log`` (H,) (the
+    weight itself: every path computes ``A = -exp(A_log)`` in float32 as it reads it), ``B`` and ``C`` (T, G, N),
+    ``D`` and ``dt_bias`` (H,); x / B / C's last dims contiguous.
 
     Without ``scratch`` each non-empty row's slot of ``ssm_state`` (``(S, H, P, N)``) ends holding its state after its
     last token. With ``scratch`` (``(>= R, k + 1, H, P, N)``, the pool's dtype: a verify step) the slots are only
     read and ``scratch[r, j]`` takes row ``r``'s state after its ``j``-th token. ``max_query_len``: a host int
     ``>=`` the longest row (it picks the path without a device->host sync); ``query_start_loc_cpu``: the host's copy
-    of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs)."""
+    of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs). ``out``: a ``(T, H, P)``
+    float32 buffer (last dim contiguous) that takes ``y`` and is returned (a verify step's parts write one buffer)."""
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
     if not x.is_cuda:
-        return mamba2_scan_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                               max_query_len, scratch)
+        y = mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                            max_query_len, scratch)
+        return y if out is None else out.copy_(y)
     if scratch is not None:
-        return mamba2_verify_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                                    scratch)
+        return mamba2_verify_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                                    scratch, out=out)
     # float32 means float32: fla's chunked kernels round their float32 dots to TF32 (GDN's lesson on an H200), so
     # float32 models take the exact recurrent kernel for every row.
     if max_query_len <= MAMBA2_RECURRENT_MAX_QUERY_LEN or x.dtype == torch.float32:
-        return mamba2_recurrent_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
-                                       query_start_loc)
-    return mamba2_scan_fla(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                           query_start_loc_cpu)
+        return mamba2_recurrent_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
+                                       query_start_loc, out=out)
+    return mamba2_scan_fla(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                           query_start_loc_cpu, out=out)
 
 
 def mamba2_recurrent_triton(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
+    A_log: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
@@ -122,7 +130,7 @@ def mamba2_recurrent_triton(
     bp, bn = state_tile(p, n)
     ss = ssm_state
     _mamba2_recurrent_kernel[(r, h, -(-p // bp))](
-        x, dt, A, B, C, D, dt_bias, ss, state_slots, query_start_loc, out,
+        x, dt, A_log, B, C, D, dt_bias, ss, state_slots, query_start_loc, out,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         ss.stride(0), ss.stride(1), ss.stride(2), ss.stride(3), out.stride(0), out.stride(1),
         float(dt_limit[0]), float(dt_limit[1]),
@@ -132,83 +140,45 @@ def mamba2_recurrent_triton(
     return out
 
 
-def _import_fla_simple_gla() -> Any:
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla
-    except ImportError as e:  # pragma: no cover - depends on the GPU machine's packages
-        raise ImportError(
-            "hyserve needs fla-core (pip install fla-core==0.6.0) for Mamba2 prefill of bf16 / fp16 models on CUDA "
-            "(rows longer than one token). Decode, verify and float32 models run without it."
-        ) from e
-    return chunk_simple_gla
-
-
-def mamba2_scan_fla(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_limit: tuple[float, float],
-    ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    query_start_loc_cpu: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Chunked Mamba2 scan through fla-core's ``chunk_simple_gla`` (CUDA only; ``x`` in bf16 / fp16).
-
-    fla's state layout with ``state_v_first=True`` is ``(N_seqs, H, V, K)`` = ``(.., P, N)``, the pool's own. Empty
-    rows are dropped first (fla gets only rows with tokens); their slots are not touched. Without
-    ``query_start_loc_cpu`` picking the non-empty rows waits for the device too."""
-    chunk_simple_gla = _import_fla_simple_gla()
-    t, h, p = x.shape
-    g = B.shape[1]
-    if t == 0 or state_slots.shape[0] == 0:
-        return torch.zeros((t, h, p), dtype=torch.float32, device=x.device)
-    slots, cu_seqlens, qsl_cpu = nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu)
-    dtype = x.dtype
-    step = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # (T, H) float32
-    rep = h // g
-    q = C.to(dtype).repeat_interleave(rep, dim=1)  # (T, H, N): head h reads group h // rep
-    k = B.to(dtype).repeat_interleave(rep, dim=1)
-    v = (x.float() * step[:, :, None]).to(dtype)
-    o, final = chunk_simple_gla(
-        q.unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        g=(step * A.float()[None, :]).unsqueeze(0).contiguous(),
-        scale=1.0,
-        initial_state=ssm_state[slots].float(),
-        output_final_state=True,
-        state_v_first=True,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=qsl_cpu,
-    )
-    ssm_state[slots] = final.to(ssm_state.dtype)
-    return o[0].float() + D.float()[None, :, None] * x.float()
-
-
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The variants of this package's Triton kernels that its launchers make for Nemotron-H's shapes (head dim 64,
-    state size 128, 8 heads a group), float32 and bf16 models with float32 or bf16 states, decode and verify, as
-    ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
-    (``tests/kernels/test_mamba2_kernels_compile.py``)."""
-    from hyserve.kernels.mamba2._triton import _mamba2_recurrent_kernel, _mamba2_verify_kernel
+    state size 128, 8 heads a group), float32 and bf16 models with float32 or bf16 states, decode and verify, and the
+    chunked path's passes for bf16 / fp16 models, as ``(name, jit function, argument types, constexprs)``, for a
+    compile check without a GPU (``tests/kernels/test_mamba2_kernels_compile.py``)."""
+    from hyserve.kernels.mamba2._triton import (
+        _mamba2_chunked_inputs_kernel,
+        _mamba2_chunked_output_kernel,
+        _mamba2_recurrent_kernel,
+        _mamba2_verify_kernel,
+    )
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     i32, f32 = "i32", "fp32"
-    bp, bn = state_tile(64, 128)
-    consts = dict(P=64, N=128, HEADS_PER_GROUP=8, BP=bp, BN=bn)
+    h, p, n, rep = 128, 64, 128, 8
+    bp, bn = state_tile(p, n)
+    consts = dict(P=p, N=n, HEADS_PER_GROUP=rep, BP=bp, BN=bn)
     strides = dict(sx_t=i32, sx_h=i32, sdt_t=i32, sdt_h=i32, sb_t=i32, sb_g=i32, sc_t=i32, sc_g=i32,
                    ss_s=i32, ss_h=i32, ss_p=i32, ss_n=i32, so_t=i32, so_h=i32, dt_lo=f32, dt_hi=f32)
     for act, state in (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp16")):
-        ptrs = dict(x_ptr=f"*{act}", dt_ptr=f"*{act}", a_ptr="*fp32", b_ptr=f"*{act}", c_ptr=f"*{act}",
+        ptrs = dict(x_ptr=f"*{act}", dt_ptr=f"*{act}", alog_ptr=f"*{act}", b_ptr=f"*{act}", c_ptr=f"*{act}",
                     d_ptr=f"*{act}", dtb_ptr=f"*{act}", state_ptr=f"*{state}", slots_ptr="*i64", qsl_ptr="*i32",
                     out_ptr="*fp32")
         out.append((f"mamba2_recurrent_{act}_{state}_state", _mamba2_recurrent_kernel, {**ptrs, **strides}, consts))
         scratch = dict(scr_ptr=f"*{state}", sk_r=i32, sk_j=i32, sk_h=i32, sk_p=i32, sk_n=i32, NPOS=i32)
         out.append((f"mamba2_verify_{act}_{state}_state", _mamba2_verify_kernel, {**ptrs, **strides, **scratch},
                     consts))
+        if act == "fp32":  # float32 models take the recurrent kernel for every row
+            continue
+        bt, cbp, cbn, sp = chunked_tiles(p, n)
+        tiles = dict(H=h, P=p, N=n, BT=bt, BP=cbp, BN=cbn, SP=sp)
+        state_strides = dict(T=i32, ss_s=i32, ss_h=i32, ss_p=i32, ss_n=i32)
+        inputs = dict(x_ptr=f"*{act}", dt_ptr=f"*{act}", alog_ptr=f"*{act}", dtb_ptr=f"*{act}", b_ptr=f"*{act}",
+                      c_ptr=f"*{act}", state_ptr=f"*{state}", slots_ptr="*i64", q_ptr=f"*{act}", k_ptr=f"*{act}",
+                      v_ptr=f"*{act}", g_ptr="*fp32", h0_ptr=f"*{state}", sx_t=i32, sx_h=i32, sdt_t=i32, sdt_h=i32,
+                      sb_t=i32, sb_g=i32, sc_t=i32, sc_g=i32, dt_lo=f32, dt_hi=f32, **state_strides)
+        out.append((f"mamba2_chunked_inputs_{act}_{state}_state", _mamba2_chunked_inputs_kernel, inputs,
+                    {**tiles, "HEADS_PER_GROUP": rep}))
+        outputs = dict(o_ptr=f"*{act}", x_ptr=f"*{act}", d_ptr=f"*{act}", ht_ptr="*fp32", state_ptr=f"*{state}",
+                       slots_ptr="*i64", y_ptr="*fp32", sx_t=i32, sx_h=i32, **state_strides)
+        out.append((f"mamba2_chunked_output_{act}_{state}_state", _mamba2_chunked_output_kernel, outputs, tiles))
     return out

@@ -1,15 +1,22 @@
-"""Triton kernels for :mod:`hyserve.kernels.mamba2`: Mamba2's scan token by token, the state tile read once.
+"""Triton kernels for :mod:`hyserve.kernels.mamba2`: Mamba2's scan token by token, the state tile read once, and the
+chunked (fla) path's input and output passes.
 
-Both kernels run one program per (row, head, block of ``BP`` head channels). A program loads the ``(BP, N)`` float32
-tile of the slot's state into registers and advances it over the row's tokens with ``_ssd_step``, the one definition
-of the recurrence both kernels share. An empty row loads and stores nothing. Distinct non-empty rows have distinct
-slots, so no two programs touch the same tile; the tile is loaded and stored with one layout, so each element is read
-and written by the same thread.
+Every kernel reads ``A_log`` and computes ``A = -exp(A_log)`` itself (no per-step launch, and a reloaded weight is
+read at the next launch), and the time step with ``_dt_step``, one definition for all of them.
+
+The scan kernels run one program per (row, head, block of ``BP`` head channels). A program loads the ``(BP, N)``
+float32 tile of the slot's state into registers and advances it over the row's tokens with ``_ssd_step``, the one
+definition of the recurrence both kernels share. An empty row loads and stores nothing. Distinct non-empty rows have
+distinct slots, so no two programs touch the same tile; the tile is loaded and stored with one layout, so each element
+is read and written by the same thread.
 
 * ``_mamba2_recurrent_kernel`` (:func:`hyserve.kernels.mamba2.mamba2_recurrent_triton`) writes the tile back in place
   after the row's last token.
 * ``_mamba2_verify_kernel`` (:mod:`hyserve.kernels.mamba2.verify`) never writes the live state: it stores the tile
   after each token ``i`` of row ``r`` in the row-indexed scratch (``scratch[r, i]``, for ``i < NPOS``).
+* ``_mamba2_chunked_inputs_kernel`` and ``_mamba2_chunked_output_kernel`` (:mod:`hyserve.kernels.mamba2.chunked`):
+  the elementwise work before and after fla's chunked scan, each one launch whose programs past the token blocks
+  gather (before) or scatter (after) the rows' states.
 """
 
 from __future__ import annotations
@@ -17,7 +24,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_mamba2_recurrent_kernel", "_mamba2_verify_kernel"]
+__all__ = ["_mamba2_chunked_inputs_kernel", "_mamba2_chunked_output_kernel", "_mamba2_recurrent_kernel",
+           "_mamba2_verify_kernel"]
+
+
+@triton.jit
+def _dt_step(v, dt_lo, dt_hi):
+    """``clamp(softplus(v), dt_lo, dt_hi)`` for ``v = dt + dt_bias`` (float32, any shape): the time step of every
+    path, token by token and the chunked path's inputs alike."""
+    # softplus = log1p(exp(v)) (torch: v itself above 20). log1p(y) as log(u) * y / (u - 1), u = 1 + y: exact to a
+    # few ulps where 1 + y rounds (large negative v), as hyserve.kernels.gating computes it.
+    y = tl.exp(tl.minimum(v, 20.0))
+    u = 1.0 + y
+    sp = tl.where(v > 20.0, v, tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0))))
+    return tl.minimum(tl.maximum(sp, dt_lo), dt_hi)
 
 
 @triton.jit
@@ -32,13 +52,7 @@ def _ssd_step(
     xv = tl.load(x_ptr + t * sx_t + h * sx_h + op, mask=pmask, other=0.0).to(tl.float32)
     bv = tl.load(b_ptr + t * sb_t + g * sb_g + on, mask=nmask, other=0.0).to(tl.float32)
     cv = tl.load(c_ptr + t * sc_t + g * sc_g + on, mask=nmask, other=0.0).to(tl.float32)
-    v = tl.load(dt_ptr + t * sdt_t + h * sdt_h).to(tl.float32) + dt_bias
-    # softplus = log1p(exp(v)) (torch: v itself above 20). log1p(y) as log(u) * y / (u - 1), u = 1 + y: exact to a
-    # few ulps where 1 + y rounds (large negative v), as hyserve.kernels.gating computes it.
-    y = tl.exp(tl.minimum(v, 20.0))
-    u = 1.0 + y
-    sp = tl.where(v > 20.0, v, tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0))))
-    step = tl.minimum(tl.maximum(sp, dt_lo), dt_hi)
+    step = _dt_step(tl.load(dt_ptr + t * sdt_t + h * sdt_h).to(tl.float32) + dt_bias, dt_lo, dt_hi)
     S = tl.exp(step * a) * S + (step * xv)[:, None] * bv[None, :]
     o = tl.sum(S * cv[None, :], axis=1) + d_skip * xv
     tl.store(out_ptr + t * so_t + h * so_h + op, o.to(out_ptr.dtype.element_ty), mask=pmask)
@@ -47,7 +61,7 @@ def _ssd_step(
 
 @triton.jit
 def _mamba2_recurrent_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
+    x_ptr, dt_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
     sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g,
     ss_s, ss_h, ss_p, ss_n, so_t, so_h,
     dt_lo, dt_hi,
@@ -61,7 +75,7 @@ def _mamba2_recurrent_kernel(
     n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
     slot = tl.load(slots_ptr + r).to(tl.int64)
     g = h // HEADS_PER_GROUP
-    a = tl.load(a_ptr + h).to(tl.float32)
+    a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))  # A = -exp(A_log), read from the weight at every launch
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     d_skip = tl.load(d_ptr + h).to(tl.float32)
 
@@ -86,7 +100,7 @@ def _mamba2_recurrent_kernel(
 
 @triton.jit
 def _mamba2_verify_kernel(
-    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
+    x_ptr, dt_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
     sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g,
     ss_s, ss_h, ss_p, ss_n, so_t, so_h,
     sk_r, sk_j, sk_h, sk_p, sk_n,
@@ -102,7 +116,7 @@ def _mamba2_verify_kernel(
     n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
     slot = tl.load(slots_ptr + r).to(tl.int64)
     g = h // HEADS_PER_GROUP
-    a = tl.load(a_ptr + h).to(tl.float32)
+    a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))  # A = -exp(A_log), read from the weight at every launch
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     d_skip = tl.load(d_ptr + h).to(tl.float32)
 
@@ -123,3 +137,88 @@ def _mamba2_verify_kernel(
             a, dt_bias, d_skip, dt_lo, dt_hi,
         )  # fmt: skip
         tl.store(k_ptrs + i * sk_j, S.to(scr_ptr.dtype.element_ty), mask=tile & (i < NPOS))
+
+
+@triton.jit
+def _mamba2_chunked_inputs_kernel(
+    x_ptr, dt_ptr, alog_ptr, dtb_ptr, b_ptr, c_ptr, state_ptr, slots_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, h0_ptr,
+    T, sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g,
+    ss_s, ss_h, ss_p, ss_n,
+    dt_lo, dt_hi,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
+    BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    """fla's inputs for head ``h`` (program axis 1). Programs ``i < cdiv(T, BT)`` of axis 0 take tokens
+    ``[i BT, i BT + BT)``: ``step = clamp(softplus(dt + dt_bias))``, ``g = step * A`` (float32),
+    ``v = x * step``, ``k = B``, ``q = C`` of the head's group (rounded to ``v`` / ``k`` / ``q``'s dtype); the
+    programs after them take row ``r = i - cdiv(T, BT)``: ``h0[r, h] = ssm_state[slots[r], h]`` (a copy, ``SP``
+    head channels at a time). Outputs contiguous: q / k ``(T, H, N)``, v ``(T, H, P)``, g ``(T, H)``, h0
+    ``(R, H, P, N)``."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    token_blocks = tl.cdiv(T, BT)
+    on = tl.arange(0, BN)
+    nmask = on < N
+    if i < token_blocks:
+        ot = i.to(tl.int64) * BT + tl.arange(0, BT)
+        tmask = ot < T
+        op = tl.arange(0, BP)
+        pmask = op < P
+        a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        v = tl.load(dt_ptr + ot * sdt_t + h * sdt_h, mask=tmask, other=0.0).to(tl.float32)
+        step = _dt_step(v + tl.load(dtb_ptr + h).to(tl.float32), dt_lo, dt_hi)
+        tl.store(g_ptr + ot * H + h, step * a, mask=tmask)
+        xmask = tmask[:, None] & pmask[None, :]
+        xv = tl.load(x_ptr + ot[:, None] * sx_t + h * sx_h + op[None, :], mask=xmask, other=0.0).to(tl.float32)
+        tl.store(v_ptr + (ot[:, None] * H + h) * P + op[None, :], (xv * step[:, None]).to(v_ptr.dtype.element_ty),
+                 mask=xmask)
+        g = h // HEADS_PER_GROUP
+        bmask = tmask[:, None] & nmask[None, :]
+        out = (ot[:, None] * H + h) * N + on[None, :]
+        bv = tl.load(b_ptr + ot[:, None] * sb_t + g * sb_g + on[None, :], mask=bmask, other=0.0)
+        tl.store(k_ptr + out, bv.to(k_ptr.dtype.element_ty), mask=bmask)
+        cv = tl.load(c_ptr + ot[:, None] * sc_t + g * sc_g + on[None, :], mask=bmask, other=0.0)
+        tl.store(q_ptr + out, cv.to(q_ptr.dtype.element_ty), mask=bmask)
+    else:
+        r = (i - token_blocks).to(tl.int64)
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        for p0 in range(0, P, SP):
+            op = p0 + tl.arange(0, SP)
+            tile = (op < P)[:, None] & nmask[None, :]
+            s = tl.load(state_ptr + slot * ss_s + h * ss_h + op[:, None] * ss_p + on[None, :] * ss_n, mask=tile)
+            tl.store(h0_ptr + ((r * H + h) * P + op[:, None]) * N + on[None, :], s, mask=tile)
+
+
+@triton.jit
+def _mamba2_chunked_output_kernel(
+    o_ptr, x_ptr, d_ptr, ht_ptr, state_ptr, slots_ptr, y_ptr,
+    T, sx_t, sx_h, ss_s, ss_h, ss_p, ss_n,
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+    BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, SP: tl.constexpr,
+):  # fmt: skip
+    """After fla, head ``h`` (program axis 1). Programs ``i < cdiv(T, BT)``: ``y = o + D x`` over tokens
+    ``[i BT, i BT + BT)`` (float32; ``o`` and ``y`` contiguous ``(T, H, P)``); the programs after them, row
+    ``r = i - cdiv(T, BT)``: ``ssm_state[slots[r], h] = ht[r, h]`` rounded to the pool's dtype (``ht`` contiguous
+    float32 ``(R, H, P, N)``)."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    token_blocks = tl.cdiv(T, BT)
+    if i < token_blocks:
+        ot = i.to(tl.int64) * BT + tl.arange(0, BT)
+        op = tl.arange(0, BP)
+        mask = (ot < T)[:, None] & (op < P)[None, :]
+        xv = tl.load(x_ptr + ot[:, None] * sx_t + h * sx_h + op[None, :], mask=mask, other=0.0).to(tl.float32)
+        at = (ot[:, None] * H + h) * P + op[None, :]
+        ov = tl.load(o_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + at, ov + tl.load(d_ptr + h).to(tl.float32) * xv, mask=mask)
+    else:
+        r = (i - token_blocks).to(tl.int64)
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        on = tl.arange(0, BN)
+        for p0 in range(0, P, SP):
+            op = p0 + tl.arange(0, SP)
+            tile = (op < P)[:, None] & (on < N)[None, :]
+            s = tl.load(ht_ptr + ((r * H + h) * P + op[:, None]) * N + on[None, :], mask=tile)
+            tl.store(state_ptr + slot * ss_s + h * ss_h + op[:, None] * ss_p + on[None, :] * ss_n,
+                     s.to(state_ptr.dtype.element_ty), mask=tile)

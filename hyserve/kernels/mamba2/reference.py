@@ -5,7 +5,7 @@ Per head ``h`` (``H`` heads of ``P`` channels, their ``B`` / ``C`` from group ``
 row, with the row's state ``S`` (``(H, P, N)``, float32 arithmetic)::
 
     dt_t = clamp(softplus(dt[t, h] + dt_bias[h]), *dt_limit)
-    S    = exp(dt_t * A[h]) * S + dt_t * x[t, h] (outer) B[t, g]      A = -exp(A_log), one scalar a head
+    S    = exp(dt_t * A[h]) * S + dt_t * x[t, h] (outer) B[t, g]      A = -exp(A_log) (float32), one scalar a head
     y[t, h] = S @ C[t, g] + D[h] * x[t, h]
 
 This is transformers' ``mamba2_chunk_scan`` (NemotronH, Granite-4.0-H, Falcon-H1) token by token; its chunked form
@@ -16,6 +16,9 @@ Layout as :mod:`hyserve.kernels.varlen`: ``query_start_loc`` (R + 1) row offsets
 in ``ssm_state`` (``(S, H, P, N)``, stored in its own dtype, float32 by default). The loop bound is
 ``max_query_len``, a host int; storing the final states picks the rows with tokens on the host, as the conv's
 reference does: this is the CPU path (CUDA takes the kernels of ``_triton.py`` and fla-core's chunked scan).
+
+``mamba2_chunked_inputs_ref`` and ``mamba2_chunked_output_ref``: the torch formulation of what the chunked (fla) path
+hands fla and makes of its result, the yardstick of ``_triton.py``'s passes before and after fla.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-__all__ = ["mamba2_scan_ref"]
+__all__ = ["mamba2_chunked_inputs_ref", "mamba2_chunked_output_ref", "mamba2_scan_ref"]
 
 
 def mamba2_scan_ref(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
+    A_log: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
@@ -41,7 +44,7 @@ def mamba2_scan_ref(
     max_query_len: int,
     scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y`` (T, H, P) in float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A`` (H,),
+    """``y`` (T, H, P) in float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A_log`` (H,),
     ``B`` and ``C`` (T, G, N), ``D`` and ``dt_bias`` (H,).
 
     Without ``scratch`` each non-empty row's slot ends holding its state after its last token. With ``scratch``
@@ -59,7 +62,7 @@ def mamba2_scan_ref(
     qsl = query_start_loc.to(torch.int64)
     lens = qsl[1:] - qsl[:-1]
     state = ssm_state.index_select(0, slots).float()  # (R, H, P, N)
-    a = A.float()
+    a = -torch.exp(A_log.float())
     xs, dts = x.float(), dt.float()
     bs = B.float().repeat_interleave(rep, dim=1)  # (T, H, N)
     cs = C.float().repeat_interleave(rep, dim=1)
@@ -81,3 +84,36 @@ def mamba2_scan_ref(
         keep = torch.nonzero(lens > 0).squeeze(1)  # a host sync: this is the CPU path
         ssm_state.index_copy_(0, slots[keep], state[keep].to(ssm_state.dtype))
     return y[:t]
+
+
+def mamba2_chunked_inputs_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v, g, h0)``, what fla's ``chunk_simple_gla`` takes for Mamba2's SSD: ``q = C``, ``k = B`` (groups
+    expanded to heads, head ``h`` reading group ``h // (H / G)``, ``(T, H, N)`` in ``x``'s dtype), ``v = x * step``
+    (``(T, H, P)``, rounded to ``x``'s dtype), ``g = step * A`` (``(T, H)`` float32), ``step = clamp(softplus(dt +
+    dt_bias), *dt_limit)``, and the rows' states ``h0 = ssm_state[slots]`` (the pool's dtype)."""
+    dtype = x.dtype
+    step = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # (T, H) float32
+    rep = x.shape[1] // B.shape[1]
+    q = C.to(dtype).repeat_interleave(rep, dim=1)
+    k = B.to(dtype).repeat_interleave(rep, dim=1)
+    v = (x.float() * step[:, :, None]).to(dtype)
+    g = step * -torch.exp(A_log.float())[None, :]
+    return q, k, v, g, ssm_state[slots]
+
+
+def mamba2_chunked_output_ref(o: torch.Tensor, x: torch.Tensor, D: torch.Tensor, final: torch.Tensor,
+                              ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``y = o + D * x`` float32 ``(T, H, P)`` from fla's output ``o`` ``(T, H, P)``; the rows' final states
+    ``final`` (float32 ``(R, H, P, N)``) stored into their slots of ``ssm_state``, rounded to its dtype."""
+    ssm_state[slots] = final.to(ssm_state.dtype)
+    return o.float() + D.float()[None, :, None] * x.float()

@@ -35,7 +35,7 @@ def state_tile(p: int, n: int) -> tuple[int, int]:
 def mamba2_verify(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
+    A_log: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
@@ -50,16 +50,16 @@ def mamba2_verify(
     """:func:`~hyserve.kernels.mamba2.mamba2_scan` with ``scratch``: ``ssm_state`` only read, ``scratch[r, j]`` the
     state after row ``r``'s token ``j``. Returns ``(T, H, P)`` float32."""
     if x.is_cuda:
-        return mamba2_verify_triton(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+        return mamba2_verify_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
                                     scratch)
-    return mamba2_scan_ref(x, dt, A, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+    return mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
                            max_query_len, scratch)
 
 
 def mamba2_verify_triton(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
+    A_log: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
@@ -93,7 +93,7 @@ def mamba2_verify_triton(
     bp, bn = state_tile(p, n)
     ss, sk = ssm_state, scratch
     _mamba2_verify_kernel[(r, h, -(-p // bp))](
-        x, dt, A, B, C, D, dt_bias, ss, state_slots, query_start_loc, out, sk,
+        x, dt, A_log, B, C, D, dt_bias, ss, state_slots, query_start_loc, out, sk,
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         ss.stride(0), ss.stride(1), ss.stride(2), ss.stride(3), out.stride(0), out.stride(1),
         sk.stride(0), sk.stride(1), sk.stride(2), sk.stride(3), sk.stride(4),
