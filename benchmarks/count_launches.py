@@ -4,9 +4,10 @@ Every aten op that does work (views and allocations excluded) is one launch, and
 points (conv, GDN, attention, KV store, norms, gates, SwiGLU, RoPE) counts as one launch, its CPU reference's ops
 suppressed. The model is a tiny random checkpoint with the 2B shape's layer pattern (24 layers, GDN:attention 3:1)
 in bf16; the count does not depend on the widths. While decode is host-bound (no CUDA graphs yet) the step time
-follows this count.
+follows this count. ``--family nemotron_h``: a tiny Nemotron-H checkpoint with Nemotron-H-8B's 52 blocks (24 Mamba2,
+24 squared-ReLU MLP, 4 attention) instead.
 
-    python benchmarks/count_launches.py
+    python benchmarks/count_launches.py [--family nemotron_h]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyserve import LLM, SamplingParams
 from hyserve.testing import write_tiny_checkpoint
+from hyserve.testing.nemotron_h import write_tiny_nemotron_h_checkpoint
 
 NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "t", "transpose",
                 "expand", "permute", "split", "split_with_sizes", "chunk", "alias", "detach", "unbind", "reshape",
@@ -32,10 +34,20 @@ ENTRY_POINTS = {
     "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify"],
     "hyserve.layers.attention": ["paged_attention", "store_kv"],
     "hyserve.layers.mlp": ["silu_mul"],
-    "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm"],
+    "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm", "scaled_rms_norm", "add_scaled_rms_norm"],
+    "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan",
+                              "grouped_gated_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope"],
     "hyserve.worker.model_runner": ["_commit_verified"],
 }
+
+
+def nemotron_h_8b_pattern() -> list[str]:
+    """52 blocks as Nemotron-H-8B's: 24 Mamba2 (M), 24 squared-ReLU MLP (-), 4 attention (*); the count depends on
+    these numbers, not on their order."""
+    letters = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    kinds = {"M": "linear_attention", "-": "mlp", "*": "full_attention"}
+    return [kinds[c] for c in letters]
 
 
 class _Counter(TorchDispatchMode):
@@ -96,6 +108,8 @@ def main() -> None:
     ap.add_argument("--by-op", action="store_true", help="also list the launches per step by op")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="prefix caching on (speculative steps then copy candidate snapshots at block boundaries)")
+    ap.add_argument("--family", choices=("qwen3_5", "nemotron_h"), default="qwen3_5",
+                    help="nemotron_h: Nemotron-H-8B's 52-block pattern (no MTP head)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     counter = _Counter()
@@ -105,9 +119,16 @@ def main() -> None:
 
         cuda_graphs.EMULATE = True
         _count_graph_replays(counter)
-    pattern = (["linear_attention"] * 3 + ["full_attention"]) * 6
-    path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
-                                 tie_word_embeddings=True, with_mtp=args.spec == "mtp")
+    if args.family == "nemotron_h":
+        if args.spec:
+            ap.error("Nemotron-H has no MTP head")
+        path = write_tiny_nemotron_h_checkpoint(tempfile.mkdtemp(), layer_types=nemotron_h_8b_pattern())
+        layers = "52 blocks"
+    else:
+        pattern = (["linear_attention"] * 3 + ["full_attention"]) * 6
+        path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
+                                     tie_word_embeddings=True, with_mtp=args.spec == "mtp")
+        layers = "24 layers"
     spec = {"method": "mtp", "num_speculative_tokens": 3} if args.spec else None
     llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=args.prefix_caching,
               speculative_config=spec,
@@ -124,7 +145,7 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
     what = "speculative (MTP, k = 3)" if args.spec else "decode"
-    print(f"launches per {what} step at batch {args.batch} (24 layers, bf16, sampling included"
+    print(f"launches per {what} step at batch {args.batch} ({layers}, bf16, sampling included"
           f"{', CUDA graphs' if args.graphs else ''}{', async' if args.async_scheduling else ''}): "
           f"{counter.count / args.steps:.1f}")
     if args.by_op:
