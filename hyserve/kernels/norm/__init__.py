@@ -17,6 +17,8 @@ the references elsewhere or past the kernels' widest row (:data:`MAX_WIDTH`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hyserve.kernels.moe import uses_triton
@@ -312,4 +314,57 @@ def silu_gate_triton(y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -
         _grouped_gated_rms_norm_kernel[(-(-t // rows),)](
             y, z, y, y, out, t, 1, width, y.stride(0), z.stride(0), out.stride(0), 1.0, 0.0,
             NORM_BEFORE_GATE=True, NORM=False, GIVEN_SUM=False, ROWS=rows, BLOCK_W=block_w, num_warps=warps)
+    return out
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The variants of the RMSNorm kernels the Mamba2 families' launchers make at Nemotron-H-8B's shapes (hidden
+    4096, gated-norm groups of 1024; a group spanning two ranks' 4096 channels as Granite's under TP 2), bf16, fp16
+    and float32 models, and the zero-centred forms of the same two kernels, as ``(name, jit function, argument
+    types, constexprs)``, for a compile check without a GPU (``tests/kernels/test_norm_kernels_compile.py``)."""
+    from hyserve.kernels.norm._triton import (
+        _add_rms_norm_kernel,
+        _gated_sum_squares_kernel,
+        _grouped_gated_rms_norm_kernel,
+        _rms_norm_kernel,
+    )
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    i32, f32 = "i32", "fp32"
+    block_d, rows, _ = _launch(4096)
+    norm = dict(N=i32, D=i32, sx=i32, so=i32, eps=f32)
+    for act, forms in (("bf16", (True, False)), ("fp16", (True,)), ("fp32", (True,))):
+        for scaled in forms:
+            kind = "scaled" if scaled else "zero_centred"
+            consts: dict[str, Any] = dict(ROWS=rows, BLOCK_D=block_d, SCALED=scaled)
+            out.append((f"rms_norm_{kind}_{act}", _rms_norm_kernel,
+                        dict(norm, x_ptr=f"*{act}", w_ptr=f"*{act}", out_ptr=f"*{act}"), consts))
+            for has_scale in ((True, False) if scaled else (False,)):
+                sig = dict(norm, x_ptr=f"*{act}", d_ptr=f"*{act}", w_ptr=f"*{act}", res_ptr=f"*{act}",
+                           out_ptr=f"*{act}", sd=i32, sr=i32, scale=f32)
+                out.append((f"add_rms_norm_{kind}{'_multiplied' if has_scale else ''}_{act}", _add_rms_norm_kernel,
+                            sig, dict(consts, HAS_SCALE=has_scale)))
+    out.append(("rms_norm_scaled_fp32_weight_bf16", _rms_norm_kernel,
+                dict(norm, x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32"),
+                dict(ROWS=rows, BLOCK_D=block_d, SCALED=True)))
+    gate = dict(N=i32, W=i32, sy=i32, sz=i32)
+    # bf16: every form; fp16 and float32 models: the two orders of the norm and the gate alone.
+    spans = ((False, False, 1024), (True, False, 1024), (False, True, 4096), (True, True, 4096))
+    for act, forms, sums in (("bf16", spans, (False, True)), ("fp16", spans[:2], ()), ("fp32", spans[:1], ())):
+        sig = dict(gate, y_ptr="*fp32", z_ptr=f"*{act}", w_ptr=f"*{act}", ss_ptr="*fp32", out_ptr=f"*{act}", G=i32,
+                   so=i32, divisor=f32, eps=f32)
+        for nbg, given, width in forms:
+            block_w, rows_g, _ = _launch(width)
+            order = "norm_first" if nbg else "gate_first"
+            out.append((f"grouped_gated_rms_norm_{order}{'_given_sum' if given else ''}_{act}",
+                        _grouped_gated_rms_norm_kernel, sig,
+                        dict(NORM_BEFORE_GATE=nbg, NORM=True, GIVEN_SUM=given, ROWS=rows_g, BLOCK_W=block_w)))
+        block_w, rows_g, _ = _launch(8192)
+        out.append((f"silu_gate_{act}", _grouped_gated_rms_norm_kernel, sig,
+                    dict(NORM_BEFORE_GATE=True, NORM=False, GIVEN_SUM=False, ROWS=rows_g, BLOCK_W=block_w)))
+        block_w, rows_g, _ = _launch(4096)
+        for nbg in sums:
+            out.append((f"gated_sum_squares_{'norm_first' if nbg else 'gate_first'}_{act}",
+                        _gated_sum_squares_kernel, dict(gate, y_ptr="*fp32", z_ptr=f"*{act}", ss_ptr="*fp32"),
+                        dict(NORM_BEFORE_GATE=nbg, ROWS=rows_g, BLOCK_W=block_w)))
     return out

@@ -110,7 +110,7 @@ def _gated_rows(
     mask = (pairs < N * G)[:, None] & (offs < W)[None, :]
     y = tl.load(y_ptr + (tok * sy + col)[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + (tok * sz + col)[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    gate = z * tl.sigmoid(z)
+    gate = z / (1.0 + tl.exp(-z))  # torch's silu
     if NORM_BEFORE_GATE:
         h = y
     else:

@@ -78,7 +78,7 @@ def grouped_gated_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.T
     if sum_squares is not None:
         normed = h * torch.rsqrt(sum_squares.unsqueeze(-1) / group_size + eps)
     else:
-        grouped = h.view(*h.shape[:-1], -1, group_size)
+        grouped = h.view(*h.shape[:-1], h.shape[-1] // group_size, group_size)  # -1 is ambiguous at T = 0
         normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).view(h.shape)
     out = weight * normed.to(dtype)
     return ((out * gate).to(dtype) if norm_before_gate else out).to(out_dtype)
