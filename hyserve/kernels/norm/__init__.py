@@ -333,8 +333,8 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     i32, f32 = "i32", "fp32"
     block_d, rows, _ = _launch(4096)
     norm = dict(N=i32, D=i32, sx=i32, so=i32, eps=f32)
-    for act, forms in (("bf16", (True, False)), ("fp16", (True,)), ("fp32", (True,))):
-        for scaled in forms:
+    for act, scaled_forms in (("bf16", (True, False)), ("fp16", (True,)), ("fp32", (True,))):
+        for scaled in scaled_forms:
             kind = "scaled" if scaled else "zero_centred"
             consts: dict[str, Any] = dict(ROWS=rows, BLOCK_D=block_d, SCALED=scaled)
             out.append((f"rms_norm_{kind}_{act}", _rms_norm_kernel,
@@ -349,7 +349,8 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                 dict(ROWS=rows, BLOCK_D=block_d, SCALED=True)))
     gate = dict(N=i32, W=i32, sy=i32, sz=i32)
     # bf16: every form; fp16 and float32 models: the two orders of the norm and the gate alone.
-    spans = ((False, False, 1024), (True, False, 1024), (False, True, 4096), (True, True, 4096))
+    spans: tuple[tuple[bool, bool, int], ...] = ((False, False, 1024), (True, False, 1024), (False, True, 4096),
+                                                 (True, True, 4096))
     for act, forms, sums in (("bf16", spans, (False, True)), ("fp16", spans[:2], ()), ("fp32", spans[:1], ())):
         sig = dict(gate, y_ptr="*fp32", z_ptr=f"*{act}", w_ptr=f"*{act}", ss_ptr="*fp32", out_ptr=f"*{act}", G=i32,
                    so=i32, divisor=f32, eps=f32)
