@@ -10,7 +10,10 @@ unit in the last place and bit for bit in all but a few elements (the reduction 
 streams bit for bit. Sabotaged (each must disagree with the reference): the weight multiplied before the norm's
 rounding, Granite's multiplier dropped, the multiplied delta left unrounded before the add, groups starting one
 channel late, the gate on the wrong side of the norm, a group spanning ranks normalised by this rank's squares
-alone, the gate alone without rounding ``silu(z)`` to ``z``'s dtype.
+alone, the gate alone without rounding ``silu(z)`` to ``z``'s dtype. The layers take the kernels under the
+interpreter. Whole models: Nemotron-H's run on these kernels against transformers in the default suite
+(``tests/kernels/test_moe_engine.py`` runs its tests under the interpreter, where every norm takes them); Granite-4.0-H
+and Falcon-H1 (both gate orders, the gate alone, two pipeline stages, the dropped multiplier caught) in a slow test.
 """
 
 from __future__ import annotations
@@ -176,6 +179,51 @@ def _interp_silu_gate(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool,
     return all(goods) != sabotage, "; ".join(msgs)
 
 
+def _interp_layers() -> tuple[bool, str]:
+    """Under the interpreter the layers take the kernels (each ``*_triton`` launcher called) and agree with the
+    references; a ``spans_ranks`` norm (its all-reduce the identity with one rank) equals one group over the width."""
+    from hyserve.kernels import norm as kernels
+
+    calls: list[str] = []
+    names = ("scaled_rms_norm_triton", "add_scaled_rms_norm_triton", "grouped_gated_rms_norm_triton",
+             "gated_sum_squares_triton")
+    real = {name: getattr(kernels, name) for name in names}
+    for name in names:
+        setattr(kernels, name, lambda *a, _n=name, **k: (calls.append(_n), real[_n](*a, **k))[1])
+    try:
+        return _layers_agree(calls)
+    finally:
+        for name in names:
+            setattr(kernels, name, real[name])
+
+
+def _layers_agree(calls: list[str]) -> tuple[bool, str]:
+    from hyserve.layers.mamba2 import GroupedGatedRMSNorm
+    from hyserve.layers.norm import ScaledRMSNorm
+
+    gen = torch.Generator().manual_seed(91)
+    norm = ScaledRMSNorm(40, EPS).to(BF16)
+    with torch.no_grad():
+        norm.weight.copy_(_weight(40, BF16, gen))
+    x, delta = _rows(3, 40, BF16, gen), _rows(3, 40, BF16, gen)
+    ok1 = _agree(norm(x), scaled_rms_norm_ref(x, norm.weight, EPS))[0]
+    res, out = norm.add(x, delta, 1.6)
+    want_res, want_out = add_scaled_rms_norm_ref(x, delta, norm.weight, EPS, 1.6)
+    ok2 = torch.equal(res, want_res) and _agree(out, want_out)[0]
+    y, z, w = _gate_problem(3, 48, BF16, BF16, seed=92)
+    grouped, spanning = GroupedGatedRMSNorm(48, 16, EPS), GroupedGatedRMSNorm(48, 48, EPS, spans_ranks=True)
+    whole = GroupedGatedRMSNorm(48, 48, EPS)
+    with torch.no_grad():
+        for m in (grouped, spanning, whole):
+            m.weight.copy_(w)
+    ok3 = _agree(grouped(y, z, BF16), grouped_gated_rms_norm_ref(y, z, w, 16, EPS, False, BF16))[0]
+    ok4 = _agree(spanning(y, z, BF16), whole(y, z, BF16))[0]
+    ran = sorted(set(calls))
+    ok5 = ran == ["add_scaled_rms_norm_triton", "gated_sum_squares_triton", "grouped_gated_rms_norm_triton",
+                  "scaled_rms_norm_triton"]
+    return ok1 and ok2 and ok3 and ok4 and ok5, f"agree {[ok1, ok2, ok3, ok4]}, kernels run {ran}"
+
+
 def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
     try:
         ok, msg = fn()
@@ -203,6 +251,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
                        lambda dt=dt, w=width, g=group, nbg=nbg: _interp_gated(dt, w, g, nbg))
         _check(res, f"spanning_{n}", lambda dt=dt: _interp_spanning(dt, False))
         _check(res, f"silu_gate_{n}", lambda dt=dt: _interp_silu_gate(dt))
+    _check(res, "layers_take_the_kernels", _interp_layers)
     _check(res, "scaled_f32_weight_bf16_rows", lambda: _interp_scaled(BF16, 64, w_dtype=F32))
     _check(res, "add_scaled_wide_bf16", lambda: _interp_add(BF16, 2100, 0.37))
     _check(res, "spanning_norm_first_bf16", lambda: _interp_spanning(BF16, True))
@@ -223,7 +272,7 @@ INTERP_CHECKS = [
     *[f"gated_{w}_{g}_{o}_{n}" for n in DTYPES for w, g in ((48, 8), (48, 48), (39, 13), (1100, 550))
       for o in ("gate_first", "norm_first")],
     *[f"{k}_{n}" for n in DTYPES for k in ("spanning", "silu_gate")],
-    "scaled_f32_weight_bf16_rows", "add_scaled_wide_bf16", "spanning_norm_first_bf16",
+    "layers_take_the_kernels", "scaled_f32_weight_bf16_rows", "add_scaled_wide_bf16", "spanning_norm_first_bf16",
     "scaled_weight_before_rounding_caught", "add_multiplier_dropped_caught", "add_product_unrounded_caught",
     "gated_boundary_off_by_one_caught", "gated_gate_side_caught", "gated_norm_first_gate_side_caught",
     "spanning_local_squares_caught", "silu_gate_unrounded_caught",
@@ -253,6 +302,25 @@ def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:
 def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
     ok, msg = interpreter_results[name]
     assert ok, f"{name}: {msg}"
+
+
+# Granite-4.0-H (dense, residual multiplier 1.6) and Falcon-H1 (the gate alone, the norm before and after the gate,
+# two pipeline stages handing over the residual with the last layer's output added) against transformers with every
+# norm on the kernels, and Granite's dropped multiplier still caught there (about 40 s under the interpreter).
+FAMILY_TESTS = ["tests/model/test_granitemoehybrid.py::test_matches_transformers[dense_untied_biases]",
+                "tests/model/test_granitemoehybrid.py::test_sabotage_is_caught[_drop_residual_multiplier]",
+                "tests/model/test_falcon_h1.py::test_matches_transformers",
+                "tests/model/test_falcon_h1.py::test_two_uneven_pipeline_stages_with_a_tied_head_match_transformers"]
+
+
+@pytest.mark.slow  # about 40 s on one worker
+def test_the_mamba2_families_match_transformers_on_the_norm_kernels() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAMILY_TESTS], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "6 passed" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_cpu_dispatch_is_the_reference() -> None:
