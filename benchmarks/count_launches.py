@@ -36,8 +36,9 @@ ENTRY_POINTS = {
     "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify"],
     "hyserve.layers.attention": ["paged_attention", "store_kv"],
     "hyserve.layers.mlp": ["silu_mul", "relu_squared"],
-    "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan"],
-    "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm"],
+    "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan",
+                              "grouped_gated_rms_norm", "gated_sum_squares", "silu_gate"],
+    "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm", "scaled_rms_norm", "add_scaled_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope"],
     "hyserve.worker.model_runner": ["_commit_verified"],
 }

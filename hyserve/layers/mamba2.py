@@ -26,7 +26,10 @@ all-reduce; a group that spans some ranks but not all is refused.
 The conv and the scan dispatch on the device (``hyserve.kernels.conv``, ``hyserve.kernels.mamba2``): the plain-torch
 references on the CPU, Triton kernels (and fla-core's chunked scan for bf16 / fp16 prefill) on CUDA, where a decode
 or verify step makes no host sync and can be captured in a CUDA graph. The scan reads the ``A_log`` weight itself
-(``A = -exp(A_log)`` costs no launch of its own). The gated norm is torch on both.
+(``A = -exp(A_log)`` costs no launch of its own). The gated norm (or the gate alone) is one
+Triton launch where ``hyserve.kernels.moe.uses_triton`` (``hyserve.kernels.norm.grouped_gated_rms_norm``: float32
+inside, written in the output projection's input dtype; a group spanning ranks takes a sum-of-squares launch, the
+all-reduce and the norm's launch), the plain-torch reference elsewhere.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
 from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify
 from hyserve.kernels.mamba2 import mamba2_scan
+from hyserve.kernels.norm import gated_sum_squares, grouped_gated_rms_norm, silu_gate
 from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.sharding import Shard, set_shard
@@ -108,7 +112,9 @@ class GroupedGatedRMSNorm(nn.Module):
     scan's float32 output, so the weight multiplies in float32 either way, as both of transformers' norms do then.
 
     ``width`` is this rank's channels; ``spans_ranks``: one group over the whole width of every rank (tensor
-    parallel), whose mean square sums the ranks' squares with an all-reduce (``group_size`` the full width)."""
+    parallel), whose mean square sums the ranks' squares with an all-reduce (``group_size`` the full width).
+    ``hyserve.kernels.norm.grouped_gated_rms_norm`` computes it (one launch where ``uses_triton``) and writes it in
+    ``out_dtype`` (default ``x``'s), as the output projection reads it."""
 
     def __init__(self, width: int, group_size: int, eps: float, norm_before_gate: bool = False,
                  spans_ranks: bool = False) -> None:
@@ -119,18 +125,10 @@ class GroupedGatedRMSNorm(nn.Module):
         self.norm_before_gate = norm_before_gate
         self.spans_ranks = spans_ranks
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        gate = nn.functional.silu(z.float())
-        h = x.float() if self.norm_before_gate else x.float() * gate
-        if self.spans_ranks:
-            mean_square = all_reduce(h.pow(2).sum(-1, keepdim=True)) / self.group_size
-            normed = h * torch.rsqrt(mean_square + self.eps)
-        else:
-            grouped = h.view(*h.shape[:-1], -1, self.group_size)
-            normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
-        out = self.weight * normed.to(dtype)
-        return (out * gate).to(dtype) if self.norm_before_gate else out
+    def forward(self, x: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        sum_squares = all_reduce(gated_sum_squares(x, z, self.norm_before_gate)) if self.spans_ranks else None
+        return grouped_gated_rms_norm(x, z, self.weight, self.group_size, self.eps, self.norm_before_gate,
+                                      x.dtype if out_dtype is None else out_dtype, sum_squares)
 
 
 class Mamba2Mixer(RecurrentLayer):
@@ -233,9 +231,10 @@ class Mamba2Mixer(RecurrentLayer):
         zxbcdt = self.in_proj(x)
         return zxbcdt if self.segment_multipliers is None else zxbcdt * self.segment_scale(zxbcdt)
 
-    def gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The scan's float32 output gated by ``z``: the gated norm, or ``y * silu(z)`` without one."""
-        return self.norm(y, z) if self.norm is not None else y * nn.functional.silu(z)
+    def gate(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The scan's float32 output gated by ``z`` (float32 inside, as transformers' scan output reaches its norm),
+        returned in ``out_dtype``: the gated norm, or ``y * silu(z)`` without one."""
+        return self.norm(y, z, out_dtype) if self.norm is not None else silu_gate(y, z, out_dtype)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         conv_state, ssm_state = self.state["conv_state"], self.state["ssm_state"]
@@ -277,5 +276,4 @@ class Mamba2Mixer(RecurrentLayer):
                                query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi])
             y = part if y is None else y
         assert y is not None
-        out = self.gate(y.reshape(t, self.intermediate), z)  # float32, as transformers' scan output reaches its norm
-        return self.out_proj(out.to(x.dtype))
+        return self.out_proj(self.gate(y.reshape(t, self.intermediate), z, x.dtype))

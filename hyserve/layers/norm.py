@@ -2,7 +2,8 @@
 
 Every RMSNorm in the model is zero-centred (scale ``1 + w``) except the Gated DeltaNet output norm, which scales by
 ``w`` and gates with ``silu(z)``. Both normalise in float32 (:mod:`hyserve.kernels.norm`: one Triton launch on CUDA).
-``ScaledRMSNorm`` (scale ``w``) is Nemotron-H's, in plain torch.
+``ScaledRMSNorm`` (scale ``w``) is the Mamba2 families' (Nemotron-H, Granite-4.0-H, Falcon-H1), with the residual add
+(optionally scaled) fused in as ``RMSNorm.add``: one Triton launch on CUDA and under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 from hyserve.kernels.hyper_connection import hc_inject_norm
 from hyserve.kernels.moe import uses_triton
-from hyserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from hyserve.kernels.norm import add_rms_norm, add_scaled_rms_norm, gated_rms_norm, rms_norm, scaled_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +34,8 @@ class RMSNorm(nn.Module):
 
 class ScaledRMSNorm(nn.Module):
     """RMSNorm scaled by ``w`` itself (not zero-centred): ``w * norm(x)``, normalised in float32 and cast back to the
-    input dtype before the weight multiplies it (transformers' ``NemotronHRMSNorm``, T5's layer norm)."""
+    input dtype before the weight multiplies it (transformers' ``NemotronHRMSNorm``, T5's layer norm;
+    ``hyserve.kernels.norm.scaled_rms_norm``: one launch where ``uses_triton``, the reference elsewhere)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,9 +43,12 @@ class ScaledRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return scaled_rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add fused in: ``(r, norm(r))`` for ``r = x + delta * scale`` (Granite's
+        ``residual_multiplier``; each product and sum rounded as torch rounds ``x + delta * scale``)."""
+        return add_scaled_rms_norm(x, delta, self.weight, self.eps, scale)
 
 
 class GatedRMSNorm(nn.Module):

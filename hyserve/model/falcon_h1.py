@@ -20,7 +20,10 @@ kinds in every layer with no change to the layer abstraction.
 Parameter names are the released checkpoints' (``model.embed_tokens``, ``model.layers.{i}.{input_layernorm,
 mamba, self_attn, pre_ff_layernorm, feed_forward}``, ``model.final_layernorm``, ``lm_head``), which transformers
 saves unchanged. The LM head is tied to the embedding when ``tie_word_embeddings`` says so. With pipeline
-parallelism each stage holds its layers; a stage hands the next its residual stream alone. With tensor parallelism
+parallelism each stage holds its layers; a stage hands the next its residual stream alone (the last layer's output
+added). Each residual add is fused into the norm after it (``ScaledRMSNorm.add``: ``x + (m + a)`` into
+``pre_ff_layernorm``, the MLP's output into the next layer's ``input_layernorm`` or the final norm,
+``hyserve.model.staged.stage_output``). With tensor parallelism
 each rank holds its Mamba2 heads and groups (the segment multipliers scale its own segments), attention heads and
 MLP channels. There is no draft head.
 """
@@ -41,7 +44,7 @@ from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.falcon_h1_config import FalconH1Config, falcon_h1_config
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Intermediate, MissingLayer
-from hyserve.model.staged import StagedCausalLM
+from hyserve.model.staged import StagedCausalLM, stage_output
 
 
 class FalconH1DecoderLayer(nn.Module):
@@ -63,12 +66,18 @@ class FalconH1DecoderLayer(nn.Module):
         self.attention_in_multiplier = cfg.attention_in_multiplier
         self.attention_out_multiplier = cfg.attention_out_multiplier
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        n = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, meta: StepMetadata,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the residual stream; ``pending``: the previous layer's MLP output, not yet added (its add is fused
+        into this layer's first norm). Returns ``(residual, this layer's MLP output)``, the output pending."""
+        if pending is None:
+            n = self.input_layernorm(x)
+        else:
+            x, n = self.input_layernorm.add(x, pending)
         m = self.mamba(n, meta) * self.ssm_out_multiplier
         a = self.self_attn(n * self.attention_in_multiplier, meta) * self.attention_out_multiplier
-        x = x + (m + a)
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+        x, f = self.pre_ff_layernorm.add(x, m + a)  # x + (m + a), as transformers sums them
+        return x, self.feed_forward(f)
 
 
 class FalconH1Model(nn.Module):
@@ -96,11 +105,10 @@ class FalconH1Model(nn.Module):
         else:
             (x,) = intermediate
         self.rotary.prepare(meta.positions)
+        pending: torch.Tensor | None = None
         for layer in self._own_layers:
-            x = layer(x, meta)
-        if self.final_layernorm is None:
-            return (x,)
-        return self.final_layernorm(x)
+            x, pending = layer(x, meta, pending)
+        return stage_output(x, pending, self.final_layernorm)
 
 
 class FalconH1ForCausalLM(StagedCausalLM):

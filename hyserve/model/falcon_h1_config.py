@@ -69,7 +69,7 @@ class FalconH1Config(ModelConfig):
 
     @property
     def stage_handover_parts(self) -> int:
-        """A pipeline stage hands over its residual stream alone: each layer adds its own outputs."""
+        """A pipeline stage hands over its residual stream alone, its last layer's output added."""
         return 1
 
     def tensor_parallel_counts(self, expert_parallel: bool = False) -> dict[str, int]:

@@ -17,9 +17,11 @@ Parameter names are transformers' in-memory ones (``model.embed_tokens``, ``mode
 on-disk MoE names map to them in the config (``checkpoint_name``). The LM head is tied to the embedding when
 ``tie_word_embeddings`` (the releases'), and a tied checkpoint has no ``lm_head.weight``. With pipeline parallelism
 each stage holds its layers, the first the embedding, the last the final norm, the head (and the embedding too when
-tied); a stage hands the next its residual stream alone. With tensor parallelism each rank holds its Mamba2 heads
-(the gated norm's squares summed over the ranks), attention heads, experts' and shared MLP's channels. There is
-no draft head.
+tied); a stage hands the next its residual stream alone (the last layer's output added). Each residual add is fused
+into the norm after it (``ScaledRMSNorm.add`` with ``residual_multiplier``: ``x + d * m``, rounded as transformers
+rounds it), the last one into the final norm (``hyserve.model.staged.stage_output``). With tensor parallelism each
+rank holds its Mamba2 heads (the gated norm's squares summed over the ranks), attention heads, experts' and shared
+MLP's channels. There is no draft head.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.granitemoehybrid_config import GraniteMoeHybridConfig, granitemoehybrid_config
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Intermediate, MissingLayer
-from hyserve.model.staged import StagedCausalLM
+from hyserve.model.staged import StagedCausalLM, stage_output
 
 
 class GraniteMoeHybridLayer(nn.Module):
@@ -63,19 +65,26 @@ class GraniteMoeHybridLayer(nn.Module):
         if self.block_sparse_moe is not None:  # both partial sums when tensor-parallel: one all-reduce
             self.shared_mlp.output_linear.reduce_results = False
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, meta: StepMetadata,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the residual stream; ``pending``: the previous layer's feed-forward output, not yet added (its
+        ``x + pending * residual_multiplier`` is fused into this layer's first norm). Returns ``(residual, this
+        layer's feed-forward output)``, the output pending."""
+        m = self.residual_multiplier
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add(x, pending, m)
         if self.mamba is not None:
             mixed = self.mamba(h, meta)
         else:
             assert self.self_attn is not None
             mixed = self.self_attn(h, meta)
-        x = x + mixed * self.residual_multiplier
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add(x, mixed, m)
         ff = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
             ff = all_reduce(self.block_sparse_moe(h) + ff)
-        return x + ff * self.residual_multiplier
+        return x, ff
 
 
 class GraniteMoeHybridModel(nn.Module):
@@ -84,6 +93,7 @@ class GraniteMoeHybridModel(nn.Module):
         self.start, self.end = stage_layers(cfg.num_hidden_layers)
         self.is_first, self.is_last = is_first_stage(), is_last_stage()
         self.embedding_multiplier = cfg.embedding_multiplier
+        self.residual_multiplier = cfg.residual_multiplier  # the last layer's pending output's, at the stage's end
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta) if cfg.use_rope else None
         self.embed_tokens: VocabParallelEmbedding | None = None
         if self.is_first or (self.is_last and cfg.tie_word_embeddings):
@@ -103,11 +113,10 @@ class GraniteMoeHybridModel(nn.Module):
             (x,) = intermediate
         if self.rotary is not None:
             self.rotary.prepare(meta.positions)
+        pending: torch.Tensor | None = None
         for layer in self._own_layers:
-            x = layer(x, meta)
-        if self.norm is None:
-            return (x,)
-        return self.norm(x)
+            x, pending = layer(x, meta, pending)
+        return stage_output(x, pending, self.norm, self.residual_multiplier)
 
 
 class GraniteMoeHybridForCausalLM(StagedCausalLM):

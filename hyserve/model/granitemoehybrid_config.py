@@ -71,7 +71,7 @@ class GraniteMoeHybridConfig(ModelConfig):
 
     @property
     def stage_handover_parts(self) -> int:
-        """A pipeline stage hands over its residual stream alone: each layer adds its own outputs."""
+        """A pipeline stage hands over its residual stream alone, its last layer's output added."""
         return 1
 
     @property

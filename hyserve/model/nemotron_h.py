@@ -8,7 +8,9 @@ the LM head. Norms scale by ``w``
 Parameter names are the released checkpoints' (``backbone.embeddings``, ``backbone.layers.{i}.norm`` and
 ``.mixer.*``, ``backbone.norm_f``, ``lm_head``), which is also how transformers 5 saves the model. With pipeline
 parallelism each stage holds its layers (``stage_layers``), the first the embedding, the last the final norm and
-the head (never tied to the embedding); a stage hands the next its residual stream alone. With tensor parallelism
+the head (never tied to the embedding); a stage hands the next its residual stream alone (the last block's output
+added). Each block's output is added to the residual stream by the next block's norm, fused into its launch
+(``ScaledRMSNorm.add``), the last one by the final norm (``hyserve.model.staged.stage_output``). With tensor parallelism
 each rank holds its Mamba2 heads and the groups they read, attention heads, MLP channels and each expert's channels
 (``hyserve.layers.mamba2``, ``hyserve.layers.sigmoid_moe``). There is no draft head.
 The Mamba2 mixer runs on the CPU (plain torch) and on CUDA (Triton kernels and fla-core; ``hyserve.kernels.mamba2``);
@@ -31,11 +33,11 @@ from hyserve.layers.sigmoid_moe import SigmoidMoE
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.nemotron_h_config import MOE, NemotronHConfig, nemotron_h_config
 from hyserve.model.qwen3_5 import Intermediate, MissingLayer
-from hyserve.model.staged import StagedCausalLM
+from hyserve.model.staged import StagedCausalLM, stage_output
 
 
 class NemotronHBlock(nn.Module):
-    """``x + mixer(norm(x))``; ``prefix``: the block's name (``backbone.layers.3``)."""
+    """``x + mixer(norm(x))``, the add left to the next norm; ``prefix``: the block's name (``backbone.layers.3``)."""
 
     def __init__(self, cfg: NemotronHConfig, layer_idx: int, prefix: str) -> None:
         super().__init__()
@@ -51,10 +53,16 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.quantization, f"{prefix}.mixer")
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        h = self.norm(x)
-        return x + (self.mixer(h) if self.layer_type not in (LINEAR_ATTENTION, FULL_ATTENTION)
-                    else self.mixer(h, meta))
+    def forward(self, x: torch.Tensor, meta: StepMetadata,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the residual stream; ``pending``: the previous block's output, not yet added (its add is fused into
+        this block's norm). Returns ``(residual, this block's output)``, the output pending."""
+        if pending is None:
+            h = self.norm(x)
+        else:
+            x, h = self.norm.add(x, pending)
+        return x, (self.mixer(h) if self.layer_type not in (LINEAR_ATTENTION, FULL_ATTENTION)
+                   else self.mixer(h, meta))
 
 
 class NemotronHBackbone(nn.Module):
@@ -77,11 +85,10 @@ class NemotronHBackbone(nn.Module):
             x = self.embeddings(input_ids)
         else:
             (x,) = intermediate
+        pending: torch.Tensor | None = None
         for layer in self._own_layers:
-            x = layer(x, meta)
-        if self.norm_f is None:
-            return (x,)
-        return self.norm_f(x)
+            x, pending = layer(x, meta, pending)
+        return stage_output(x, pending, self.norm_f)
 
 
 class NemotronHForCausalLM(StagedCausalLM):

@@ -65,7 +65,7 @@ class NemotronHConfig(ModelConfig):
 
     @property
     def stage_handover_parts(self) -> int:
-        """A pipeline stage hands over its residual stream alone: each block adds its own output."""
+        """A pipeline stage hands over its residual stream alone, its last block's output added."""
         return 1
 
     @property

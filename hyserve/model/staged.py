@@ -1,6 +1,10 @@
 """The causal LM around a decoder stack split into pipeline stages, as the Mamba2 families (Nemotron-H, Granite-4.0-H,
 Falcon-H1) lay it out: what the loader asks of a stage (``holds``), the tied or untied vocabulary-parallel LM head,
-its logits and the input embedding. Each family names its stack, embedding and final norm as its checkpoints do."""
+its logits and the input embedding. Each family names its stack, embedding and final norm as its checkpoints do.
+
+Each block of these stacks returns its output as a delta still to be added to the residual stream, and the next
+block's first norm adds it (``ScaledRMSNorm.add``: the add fused into the norm's launch); ``stage_output`` adds the
+last one into the final norm, or, on a stage before the last, into the residual stream it hands over."""
 
 from __future__ import annotations
 
@@ -10,9 +14,23 @@ import torch
 from torch import nn
 
 from hyserve.layers.linear import ParallelLMHead
+from hyserve.layers.norm import ScaledRMSNorm
 from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata
 from hyserve.model.qwen3_5 import Intermediate
+
+
+def stage_output(x: torch.Tensor, pending: torch.Tensor | None, norm: ScaledRMSNorm | None,
+                 scale: float = 1.0) -> torch.Tensor | Intermediate:
+    """The end of a stage whose last block left ``pending`` (its output, or None) to add to the residual stream
+    ``x`` as ``x + pending * scale``: the last stage's final ``norm`` of the sum, the add fused in; a stage before
+    the last (``norm`` None) hands the next the whole residual stream, the add made as the next block's norm would
+    make it (the same roundings)."""
+    if norm is not None:
+        return norm(x) if pending is None else norm.add(x, pending, scale)[1]
+    if pending is not None:
+        x = x + pending if scale == 1.0 else x + pending * scale
+    return (x,)
 
 
 class StagedCausalLM(CausalLM):

@@ -407,3 +407,105 @@ def test_mixer_eager_without_sync_then_decode_and_verify_graphs(name: str, dtype
         for key in ("ssm_state", "conv_state"):
             close(f"{name} verify graph {i} {key} scratch", gpu.verify_scratch[key][:2], cpu.verify_scratch[key][:2],
                   srel if key == "ssm_state" else (1e-2 if srel > 1e-4 else 1e-5))
+
+
+# The Mamba2 families' norm kernels (hyserve.kernels.norm) on CUDA against their CPU references, at Nemotron-H-8B's
+# widths (hidden 4096, gated-norm groups of 1024 in 8192 channels; Granite's one group over the width) and odd ones;
+# each eager without a sync, then captured in a CUDA graph and replayed with new inputs.
+NORM_TOLS = {F32: 1e-5, BF16: 8e-3, torch.float16: 1e-3}  # about one unit in the last place of the largest value
+
+
+def _norm_rows(t: int, d: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(t, d + 3, generator=gen) * 2).to(dtype)[:, 1 : 1 + d]
+
+
+@pytest.mark.parametrize("dtype", list(NORM_TOLS), ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("t", [0, 1, 33])
+def test_scaled_norms_match_the_cpu_reference_without_sync(dtype: torch.dtype, t: int) -> None:
+    from hyserve.kernels.norm import add_scaled_rms_norm, add_scaled_rms_norm_ref, scaled_rms_norm, scaled_rms_norm_ref
+
+    gen = torch.Generator().manual_seed(101 + t)
+    for d in (37, 4096):
+        x, delta = _norm_rows(t, d, dtype, gen), _norm_rows(t, d, dtype, gen)
+        w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
+        xc, dc, wc = x.cuda(), delta.cuda(), w.cuda()
+        with no_sync():
+            got = scaled_rms_norm(xc, wc, 1e-5)
+            res, out = add_scaled_rms_norm(xc, dc, wc, 1e-5, 1.6)
+            res1, out1 = add_scaled_rms_norm(xc, dc, wc, 1e-5)
+        close(f"scaled {d}", got, scaled_rms_norm_ref(x, w, 1e-5), NORM_TOLS[dtype])
+        for tag, (r, o), s in (("multiplied", (res, out), 1.6), ("plain", (res1, out1), 1.0)):
+            want_res, want_out = add_scaled_rms_norm_ref(x, delta, w, 1e-5, s)
+            assert r.dtype == want_res.dtype and torch.equal(r.cpu(), want_res), f"add {tag} {d}: residual differs"
+            close(f"add {tag} {d} norm", o, want_out, NORM_TOLS[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(NORM_TOLS), ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("norm_before_gate", [False, True], ids=["gate_first", "norm_first"])
+def test_grouped_gated_norm_matches_the_cpu_reference_without_sync(dtype: torch.dtype, norm_before_gate: bool) -> None:
+    from hyserve.kernels.norm import (
+        gated_sum_squares,
+        gated_sum_squares_ref,
+        grouped_gated_rms_norm,
+        grouped_gated_rms_norm_ref,
+        silu_gate,
+        silu_gate_ref,
+    )
+
+    gen = torch.Generator().manual_seed(111)
+    for t in (0, 1, 33):
+        for width, group in ((8192, 1024), (8192, 8192), (39, 13)):
+            y = torch.randn(t, width, generator=gen) * 1.5
+            z = (torch.randn(t, width + 11, generator=gen) * 2).to(dtype)[:, 4 : 4 + width]
+            w = (1 + 0.3 * torch.randn(width, generator=gen)).to(dtype)
+            yc, zc, wc = y.cuda(), z.cuda(), w.cuda()
+            with no_sync():
+                got = grouped_gated_rms_norm(yc, zc, wc, group, 1e-5, norm_before_gate, dtype)
+                sums = gated_sum_squares(yc, zc, norm_before_gate)
+                spanning = grouped_gated_rms_norm(yc, zc, wc, 2 * width, 1e-5, norm_before_gate, dtype, sums * 2)
+                gate = silu_gate(yc, zc, dtype)
+            tag = f"T={t} {width}/{group}"
+            close(f"gated {tag}", got, grouped_gated_rms_norm_ref(y, z, w, group, 1e-5, norm_before_gate, dtype),
+                  NORM_TOLS[dtype])
+            want_sums = gated_sum_squares_ref(y, z, norm_before_gate)
+            close(f"sum of squares {tag}", sums, want_sums, 1e-5)
+            close(f"spanning {tag}", spanning, grouped_gated_rms_norm_ref(y, z, w, 2 * width, 1e-5, norm_before_gate,
+                                                                          dtype, want_sums * 2), NORM_TOLS[dtype])
+            close(f"gate alone {tag}", gate, silu_gate_ref(y, z, dtype), 2 * NORM_TOLS[dtype])
+
+
+def test_norm_kernels_replay_in_a_cuda_graph() -> None:
+    """A block's norms as a decode step captures them: the residual add fused into the scaled norm (Granite's
+    multiplier), then the grouped gated norm, replayed with new inputs against the CPU references."""
+    from hyserve.kernels.norm import (
+        add_scaled_rms_norm,
+        add_scaled_rms_norm_ref,
+        grouped_gated_rms_norm,
+        grouped_gated_rms_norm_ref,
+    )
+
+    gen = torch.Generator().manual_seed(121)
+    t, d, width, group = 4, 4096, 8192, 1024
+    w = (1 + 0.3 * torch.randn(d, generator=gen)).to(BF16)
+    wg = (1 + 0.3 * torch.randn(width, generator=gen)).to(BF16)
+    bufs = [torch.zeros(t, d, dtype=BF16, device="cuda"), torch.zeros(t, d, dtype=BF16, device="cuda"),
+            torch.zeros(t, width, device="cuda"), torch.zeros(t, width, dtype=BF16, device="cuda")]
+    wc, wgc = w.cuda(), wg.cuda()
+
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        res, out = add_scaled_rms_norm(bufs[0], bufs[1], wc, 1e-5, 1.6)
+        return res, out, grouped_gated_rms_norm(bufs[2], bufs[3], wgc, group, 1e-5, False, BF16)
+
+    graph, outs = capture(step)
+    for i in range(2):
+        x, delta = (torch.randn(t, d, generator=gen) * 2).to(BF16), torch.randn(t, d, generator=gen).to(BF16)
+        y, z = torch.randn(t, width, generator=gen), torch.randn(t, width, generator=gen).to(BF16)
+        for buf, v in zip(bufs, (x, delta, y, z), strict=True):
+            buf.copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_res, want_out = add_scaled_rms_norm_ref(x, delta, w, 1e-5, 1.6)
+        assert torch.equal(outs[0].cpu(), want_res), f"graph replay {i}: residual differs"
+        close(f"graph replay {i} norm", outs[1], want_out, NORM_TOLS[BF16])
+        close(f"graph replay {i} gated norm", outs[2], grouped_gated_rms_norm_ref(y, z, wg, group, 1e-5, False, BF16),
+              NORM_TOLS[BF16])

@@ -1,7 +1,10 @@
 """Triton kernels for :mod:`hyserve.kernels.norm` (imported lazily: only the CUDA path and interpreter tests need them).
 
 One program normalises ``ROWS`` rows of ``D`` elements in float32 and stores them in the output's dtype, repeating
-the roundings of the torch reference so that bf16 results agree with it to within the reduction order.
+the roundings of the torch reference so that bf16 results agree with it to within the reduction order. ``SCALED``
+(a constexpr) picks the weight's form: ``1 + w`` in float32 (Qwen's), or ``w`` times the norm already rounded to the
+input's dtype (Nemotron-H's, Granite's and Falcon-H1's ``ScaledRMSNorm``), the product rounded to the output's dtype
+(``w``'s and ``x``'s promoted dtype, as torch multiplies them).
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_add_rms_norm_kernel", "_gated_rms_norm_kernel", "_l2_norm_heads_kernel", "_rms_norm_kernel",
-           "_silu_mul_kernel"]
+__all__ = ["_add_rms_norm_kernel", "_gated_rms_norm_kernel", "_gated_sum_squares_kernel",
+           "_grouped_gated_rms_norm_kernel", "_l2_norm_heads_kernel", "_rms_norm_kernel", "_silu_mul_kernel"]
 
 
 @triton.jit
@@ -26,14 +29,27 @@ def _rows_rstd(x_ptr, N, D, sx, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _weighted(x, rstd, w, dt, SCALED: tl.constexpr):
+    """The normalised rows ``x * rstd`` under the weight ``w`` (float32): ``* (1 + w)``, or with ``SCALED`` rounded to
+    the input's dtype ``dt`` first, then ``* w`` (a product of two 16-bit values is exact in float32, so rounding it
+    once to the output's dtype is torch's product)."""
+    if SCALED:
+        y = w[None, :] * (x * rstd[:, None]).to(dt).to(tl.float32)
+    else:
+        y = (x * rstd[:, None]) * (1.0 + w)[None, :]
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, N, D, sx, so, eps,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
-    """``out = x * rsqrt(mean(x^2) + eps) * (1 + w)`` (zero-centred weight), float32 inside."""
+    """``out = x * rsqrt(mean(x^2) + eps) * (1 + w)`` (zero-centred weight), float32 inside; ``SCALED``:
+    ``out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``."""
     rows, offs, dmask, mask, x, rstd = _rows_rstd(x_ptr, N, D, sx, eps, ROWS, BLOCK_D)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
-    y = (x * rstd[:, None]) * (1.0 + w)[None, :]
+    y = _weighted(x, rstd, w, x_ptr.dtype.element_ty, SCALED)
     tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -55,24 +71,91 @@ def _gated_rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, D, sx, sd, sr, so, eps,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, D, sx, sd, sr, so, eps, scale,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """``res = x + d`` (rounded to the dtype, as a torch add is) and ``out = rms_norm(res) * (1 + w)``."""
+    """``res = x + d`` (rounded to the dtype, as a torch add is) and ``out = rms_norm(res)`` under the weight
+    (``SCALED`` as :func:`_rms_norm_kernel`). ``HAS_SCALE``: ``res = x + d * scale``, the product rounded to
+    ``d``'s dtype first (torch's ``x + d * scale`` with a Python float ``scale``)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < D
     mask = (rows < N)[:, None] & dmask[None, :]
-    dt = out_ptr.dtype.element_ty
+    dt = res_ptr.dtype.element_ty
     x = tl.load(x_ptr + rows[:, None] * sx + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    d = tl.load(d_ptr + rows[:, None] * sd + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    r = (x + d).to(dt)
+    d = tl.load(d_ptr + rows[:, None] * sd + offs[None, :], mask=mask, other=0.0)
+    if HAS_SCALE:
+        d = (d.to(tl.float32) * scale).to(d_ptr.dtype.element_ty)
+    r = (x + d.to(tl.float32)).to(dt)
     tl.store(res_ptr + rows[:, None] * sr + offs[None, :], r, mask=mask)
     rf = r.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=1) / D + eps)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
-    y = (rf * rstd[:, None]) * (1.0 + w)[None, :]
-    tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(dt), mask=mask)
+    y = _weighted(rf, rstd, w, dt, SCALED)
+    tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rows(
+    y_ptr, z_ptr, N, G, W, sy, sz,
+    NORM_BEFORE_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """This program's ``ROWS`` (token, group) pairs of ``N * G`` (the group of ``W`` channels at ``g * W`` of token
+    ``t``'s row): ``h`` (``y`` float32, times ``silu(z)`` unless ``NORM_BEFORE_GATE``), ``silu(z)``, the token of
+    each pair, its first channel and the masks."""
+    pairs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK_W)
+    tok = (pairs // G).to(tl.int64)
+    col = (pairs % G) * W
+    mask = (pairs < N * G)[:, None] & (offs < W)[None, :]
+    y = tl.load(y_ptr + (tok * sy + col)[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + (tok * sz + col)[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = z / (1.0 + tl.exp(-z))  # torch's silu
+    if NORM_BEFORE_GATE:
+        h = y
+    else:
+        h = y * gate
+    return pairs, offs, tok, col, mask, h, gate
+
+
+@triton.jit
+def _grouped_gated_rms_norm_kernel(
+    y_ptr, z_ptr, w_ptr, ss_ptr, out_ptr, N, G, W, sy, sz, so, divisor, eps,
+    NORM_BEFORE_GATE: tl.constexpr, NORM: tl.constexpr, GIVEN_SUM: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Mamba2's gated norm over a float32 ``y`` (the scan's output) in groups of ``W`` channels, float32 throughout,
+    one rounding to the output's dtype: ``w * norm(y * silu(z))``, or with ``NORM_BEFORE_GATE``
+    ``(w * norm(y)) * silu(z)``, where ``norm(h) = h * rsqrt(sum(h^2) / divisor + eps)`` over the group (``divisor``
+    is ``W``, or with ``GIVEN_SUM`` the width of a group spanning ranks whose sums of squares ``ss`` (one per token)
+    were all-reduced). Without ``NORM``: ``y * silu(z)``, ``silu(z)`` rounded to ``z``'s dtype (torch's
+    ``y * silu(z)``)."""
+    pairs, offs, tok, col, mask, h, gate = _gated_rows(y_ptr, z_ptr, N, G, W, sy, sz, NORM_BEFORE_GATE, ROWS,
+                                                       BLOCK_W)
+    if NORM:
+        if GIVEN_SUM:
+            ss = tl.load(ss_ptr + tok, mask=pairs < N * G, other=0.0)
+        else:
+            ss = tl.sum(h * h, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / divisor + eps)
+        w = tl.load(w_ptr + col[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        o = w * (h * rstd[:, None])
+        if NORM_BEFORE_GATE:
+            o = o * gate
+    else:
+        o = h * gate.to(z_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + (tok * so + col)[:, None] + offs[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_sum_squares_kernel(
+    y_ptr, z_ptr, ss_ptr, N, W, sy, sz,
+    NORM_BEFORE_GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """``ss[t] = sum(h^2)`` over token ``t``'s ``W`` channels (``h`` as :func:`_gated_rows`, one group a row): this
+    rank's part of a gated-norm group that spans ranks, all-reduced before :func:`_grouped_gated_rms_norm_kernel`."""
+    pairs, _, tok, _, _, h, _ = _gated_rows(y_ptr, z_ptr, N, 1, W, sy, sz, NORM_BEFORE_GATE, ROWS, BLOCK_W)
+    tl.store(ss_ptr + tok, tl.sum(h * h, axis=1), mask=pairs < N)
 
 
 @triton.jit
