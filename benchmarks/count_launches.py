@@ -7,10 +7,14 @@ in bf16; the count does not depend on the widths. While decode is host-bound (no
 follows this count.
 
 ``--nemotron-h`` counts a tiny Nemotron-H checkpoint with the 8B's blocks instead (52: 24 Mamba2, 24 squared-ReLU
-MLP, 4 attention; :func:`nemotron_h_checkpoint`).
+MLP, 4 attention; :func:`nemotron_h_checkpoint`). ``--nemotron-h-moe`` counts one with Nemotron 3 Nano's 52 blocks
+(23 Mamba2, 23 MoE, 6 attention: ``hybrid_override_pattern`` of ``benchmarks/shapes.py``'s nemotron3-nano-30b-a3b)
+and its routing (128 experts, top 6, one group); the experts' sum counts as the launches the fused MoE kernels make at
+decode (:data:`FUSED_EXPERTS_LAUNCHES`: gate/up, down, combine), not as the CPU loop over the experts.
 
     python benchmarks/count_launches.py
     python benchmarks/count_launches.py --nemotron-h --by-op
+    python benchmarks/count_launches.py --nemotron-h-moe --by-op
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ ENTRY_POINTS = {
 }
 
 
+# The fused MoE kernels' launches for a decode step of up to DIRECT_MAX_TOKENS tokens in bf16 (hyserve.kernels.moe:
+# gate/up, down, combine; no alignment launches in the direct order).
+FUSED_EXPERTS_LAUNCHES = 3
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -75,6 +84,38 @@ def _one_launch(counter: _Counter, fn: Any) -> Any:
     return wrapped
 
 
+def _launches(counter: _Counter, fn: Any, n: int) -> Any:
+    """``fn`` counted as ``n`` launches; the ops it runs inside are not counted."""
+
+    @functools.wraps(fn)
+    def wrapped(*a: Any, **k: Any) -> Any:
+        if counter.depth == 0:
+            counter.count += n
+            counter.by_op[fn.__name__] += n
+        counter.depth += 1
+        try:
+            return fn(*a, **k)
+        finally:
+            counter.depth -= 1
+
+    return wrapped
+
+
+def _count_sigmoid_moe_as_on_cuda(counter: _Counter) -> None:
+    """Nemotron 3's experts' sum as on CUDA: the fused kernels' launches (their CPU reference computes it)."""
+    from hyserve.kernels.moe import fused_experts_ref
+    from hyserve.layers import sigmoid_moe
+
+    def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, expert_start: int = 0, **kw: Any) -> torch.Tensor:
+        return fused_experts_ref(x, w13, w2, weights, ids, expert_start, kw.get("scales"),
+                                 activation=kw.get("activation", "silu"))
+
+    fused_experts.__name__ = "fused_experts"
+    sigmoid_moe.fused_experts = _launches(counter, fused_experts, FUSED_EXPERTS_LAUNCHES)  # type: ignore[assignment]
+    sigmoid_moe.uses_triton = lambda t: True  # type: ignore[assignment]
+
+
 def _count_entry_points(counter: _Counter) -> None:
     for modname, names in ENTRY_POINTS.items():
         mod = importlib.import_module(modname)
@@ -97,6 +138,21 @@ def nemotron_h_checkpoint(path: str) -> str:
     return write_tiny_nemotron_h_checkpoint(path, layer_types=([M, MLP] * 6 + [ATTN]) * 4)
 
 
+def nemotron_h_moe_checkpoint(path: str) -> str:
+    """A tiny random Nemotron-H checkpoint in ``path`` with Nemotron 3 Nano's blocks and routing (128 experts, top 6,
+    one group)."""
+    from shapes import MAMBA2_SHAPES
+
+    from hyserve.testing.nemotron_h import ATTN, MLP, MOE, M, write_tiny_nemotron_h_checkpoint
+
+    nano = MAMBA2_SHAPES["nemotron3-nano-30b-a3b"]
+    blocks = {"M": M, "*": ATTN, "-": MLP, "E": MOE}
+    layer_types = [blocks[c] for c in nano["hybrid_override_pattern"]]
+    return write_tiny_nemotron_h_checkpoint(path, layer_types=layer_types, n_routed_experts=nano["n_routed_experts"],
+                                            num_experts_per_tok=nano["num_experts_per_tok"], n_group=nano["n_group"],
+                                            topk_group=nano["topk_group"], moe_intermediate_size=16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -109,6 +165,8 @@ def main() -> None:
     ap.add_argument("--by-op", action="store_true", help="also list the launches per step by op")
     ap.add_argument("--nemotron-h", action="store_true",
                     help="a tiny Nemotron-H with the 8B's 52 blocks in place of the Qwen 2B shape")
+    ap.add_argument("--nemotron-h-moe", action="store_true",
+                    help="a tiny Nemotron-H with Nemotron 3 Nano's 52 blocks (23 MoE) and routing")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="prefix caching on (speculative steps then copy candidate snapshots at block boundaries)")
     args = ap.parse_args()
@@ -123,6 +181,9 @@ def main() -> None:
     pattern = (["linear_attention"] * 3 + ["full_attention"]) * 6
     if args.nemotron_h:
         path = nemotron_h_checkpoint(tempfile.mkdtemp())
+    elif args.nemotron_h_moe:
+        _count_sigmoid_moe_as_on_cuda(counter)
+        path = nemotron_h_moe_checkpoint(tempfile.mkdtemp())
     else:
         path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=pattern, dtype=torch.bfloat16,
                                      tie_word_embeddings=True, with_mtp=args.spec == "mtp")
@@ -142,7 +203,8 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
     what = "speculative (MTP, k = 3)" if args.spec else "decode"
-    layers = "Nemotron-H, 52 blocks" if args.nemotron_h else "24 layers"
+    layers = ("Nemotron-H, 52 blocks" if args.nemotron_h else
+              "Nemotron 3 Nano's 52 blocks" if args.nemotron_h_moe else "24 layers")
     print(f"launches per {what} step at batch {args.batch} ({layers}, bf16, sampling included"
           f"{', CUDA graphs' if args.graphs else ''}{', async' if args.async_scheduling else ''}): "
           f"{counter.count / args.steps:.1f}")
