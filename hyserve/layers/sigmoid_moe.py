@@ -21,7 +21,10 @@ experts [r E/T, (r+1) E/T) whole (``hyserve.layers.moe.expert_range``, the Qwen 
 (token, choice) pairs routed to them (the routing, on every rank alike, gives global expert ids), and the same
 all-reduce adds the ranks' sums; the shared expert stays sliced over the ranks, as in the Qwen MoE blocks.
 
-The router is plain torch everywhere (no value goes to the host: a CUDA graph captures it). The experts' sum: on the
+The router's GEMM is torch's (float32); the choice (sigmoid, bias, groups, top-k, weights) one Triton launch on CUDA
+and under the interpreter (:func:`hyserve.kernels.moe.route_sigmoid_experts`), its torch formulation
+(:func:`hyserve.kernels.moe.route_sigmoid_ref`) on the CPU; no value goes to the host (a CUDA graph captures it).
+A routing with fewer experts in its kept groups than ``num_experts_per_tok`` is refused. The experts' sum: on the
 CPU a loop over the experts in transformers' order (each expert's terms accumulated in float32, in expert order); on
 CUDA (and under the Triton interpreter: :func:`hyserve.kernels.moe.uses_triton`) the fused MoE kernels
 (:func:`hyserve.kernels.moe.fused_experts` with ``activation="relu2"``: the stacked ``up_proj`` is the kernels'
@@ -42,7 +45,13 @@ from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_reduce, expert_parallel, shard_range, tp_size
 from hyserve.kernels.fp8 import FP8_DTYPE, fp8_block_linear, fp8_linear
-from hyserve.kernels.moe import ExpertScales, fused_experts, uses_triton
+from hyserve.kernels.moe import (
+    ExpertScales,
+    check_sigmoid_routing,
+    fused_experts,
+    route_sigmoid_experts,
+    uses_triton,
+)
 from hyserve.layers.linear import Linear
 from hyserve.layers.mlp import ReluSquaredMLP
 from hyserve.layers.moe import expert_range
@@ -277,10 +286,7 @@ class SigmoidMoE(nn.Module):
     def __init__(self, cfg: SigmoidMoEConfig, prefix: str) -> None:
         super().__init__()
         e, h = cfg.n_routed_experts, cfg.hidden_size
-        if cfg.n_group < 1 or e % cfg.n_group or (cfg.n_group > 1 and e // cfg.n_group < 2):
-            raise ValueError(f"n_routed_experts={e} must split into n_group={cfg.n_group} groups of at least 2")
-        if not 1 <= cfg.topk_group <= cfg.n_group:
-            raise ValueError(f"topk_group={cfg.topk_group} must be in [1, n_group={cfg.n_group}]")
+        check_sigmoid_routing(e, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group)
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, float(cfg.routed_scaling_factor)
         self.gate = Router(e, h)
@@ -297,21 +303,12 @@ class SigmoidMoE(nn.Module):
             self.fc2_latent_proj = Linear(latent, h, quant=cfg.quantization, prefix=f"{prefix}.fc2_latent_proj")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights float32 [T, k], expert ids [T, k]) of each token."""
-        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
-        choose = scores + self.gate.e_score_correction_bias.float()
-        t, e = choose.shape
-        if self.n_group > 1:
-            grouped = choose.view(t, self.n_group, e // self.n_group)
-            best = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
-            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1).indices, 1.0)
-            mask = keep.bool()[:, :, None].expand(t, self.n_group, e // self.n_group).reshape(t, e)
-            choose = choose.masked_fill(~mask, float("-inf"))
-        idx = choose.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.scaling, idx
+        """(weights float32 [T, k], global expert ids [T, k]) of each token: the router GEMM in float32, then
+        :func:`hyserve.kernels.moe.route_sigmoid_experts` (one Triton launch where :func:`uses_triton`, int32 ids;
+        its torch formulation on the CPU, int64 ids)."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        return route_sigmoid_experts(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
+                                     self.topk_group, self.norm_topk_prob, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.route(x)

@@ -11,6 +11,12 @@
   (runs not padded to whole blocks) that the comparison must catch.
 * The fused routing (softmax, top k, renormalization, the shared expert's gate) against the reference, under the
   interpreter and on CUDA; the shared expert's gated output added in the kernels' final sum.
+* Nemotron 3's sigmoid routing (sigmoid, correction bias for the choice alone, grouped top-k by the groups' top-2
+  sums, renormalization, scaling) under the interpreter against its torch formulation over several configs (one
+  group with 128 experts top 6, 8 groups keep 4, three groups, no renormalization) and T = 0, 1, odd; the group
+  score taken as the maximum (a sabotaged kernel helper), the bias leaking into the weights and a dropped
+  renormalization (sabotaged references) all caught; planted exact ties resolved as documented (lower group, then
+  lower expert id first); on CUDA against the CPU and replayed from a CUDA graph.
 * On CUDA: the kernels against the reference in bf16 and FP8, and replayed from a CUDA graph with new routings.
 """
 
@@ -296,6 +302,22 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     for name, (t, e, k, renorm, gate) in ROUTE_CASES.items():
         res[f"route/{name}"] = list(_route_case(t, e, k, renorm, gate))
     res["route/shared_slot"] = list(_route_slot_case())
+    for name in SIGMOID_ROUTE_CASES:
+        res[f"sigmoid_route/{name}"] = list(_sigmoid_route_case(name))
+    for name in SIGMOID_TIES:
+        res[f"sigmoid_route_ties/{name}"] = list(_sigmoid_ties_case(name))
+    # Sabotage: the groups scored by their maximum, not their top-2 sum (the kernel's helper replaced), must be
+    # caught on some grouped case; the bias in the weights and a dropped renormalization likewise (by the comparison).
+    import hyserve.kernels.moe._triton as kt_route
+
+    real_top2 = kt_route._group_top2_sum
+    kt_route._group_top2_sum = _group_max
+    caught = [name for name in SIGMOID_ROUTE_GROUPED if not _sigmoid_route_case(name)[0]]
+    kt_route._group_top2_sum = real_top2
+    res["sigmoid_route_group_max_caught"] = [bool(caught), f"caught on {caught}"]
+    for sab_name, ref in (("bias_in_weights", _bias_in_weights_ref), ("unnormalized", _unnormalized_ref)):
+        missed = [n for n, c in SIGMOID_ROUTE_CASES.items() if c[0] and c[5] and _sigmoid_route_case(n, ref=ref)[0]]
+        res[f"sigmoid_route_{sab_name}_caught"] = [not missed, f"missed on {missed}"]
     for t in STACKED_TOKENS:
         res[f"stacked_shared/{t}"] = list(_stacked_shared_case(t))
         for fmt in STACKED_FP8:
@@ -432,6 +454,79 @@ def _route_slot_case(device: str = "cpu") -> tuple[bool, str]:
     return bool(ok), f"ids {ids.tolist()} weights {w.tolist()}"
 
 
+# (tokens, experts, top k, n_group, topk_group, renormalize, routed scaling)
+SIGMOID_ROUTE_CASES = {
+    "nano_decode": (1, 128, 6, 1, 1, True, 2.5), "nano_odd": (7, 128, 6, 1, 1, True, 2.5),
+    "nano_empty": (0, 128, 6, 1, 1, True, 2.5), "groups8_keep4": (9, 64, 8, 8, 4, True, 1.0),
+    "groups4_keep2_plain": (5, 16, 3, 4, 2, False, 2.5), "groups3_keep2": (3, 96, 5, 3, 2, True, 1.5),
+}
+SIGMOID_ROUTE_GROUPED = ("groups8_keep4", "groups4_keep2_plain", "groups3_keep2")
+
+
+def _sigmoid_route_inputs(t: int, e: int, k: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] and a correction bias wide enough to move choices (no exact ties: continuous values)."""
+    g = torch.Generator().manual_seed(1000 + t * e + k)
+    return (2 * torch.randn(t, e, generator=g)).to(device), (0.3 * torch.randn(e, generator=g)).to(device)
+
+
+def _sigmoid_route_case(name: str, device: str = "cpu", ref: Any = None) -> tuple[bool, str]:
+    """The fused sigmoid routing against its torch formulation (``ref``: a sabotaged one): the same ids in the same
+    order, float32 weights within float32 rounding, int32 ids."""
+    t, e, k, groups, keep, renorm, scaling = SIGMOID_ROUTE_CASES[name]
+    logits, bias = _sigmoid_route_inputs(t, e, k, device)
+    w, ids = moe.route_sigmoid_experts(logits, bias, k, groups, keep, renorm, scaling)
+    w_ref, ids_ref = (ref or moe.route_sigmoid_ref)(logits.cpu(), bias.cpu(), k, groups, keep, renorm, scaling)
+    ok = (w.dtype == torch.float32 and ids.dtype == torch.int32 and tuple(w.shape) == tuple(ids.shape) == (t, k)
+          and torch.equal(ids.long().cpu(), ids_ref) and torch.allclose(w.cpu(), w_ref, rtol=1e-6, atol=1e-7))
+    return bool(ok), f"ids {ids.tolist()} vs {ids_ref.tolist()}; weights {w.tolist()} vs {w_ref.tolist()}"
+
+
+def _bias_in_weights_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, groups: int, keep: int, renorm: bool,
+                         scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sabotage: the weights taken from the biased scores."""
+    _, ids = moe.route_sigmoid_ref(logits, bias, k, groups, keep, renorm, scaling)
+    w = (torch.sigmoid(logits) + bias).gather(1, ids)
+    return (w / (w.sum(-1, keepdim=True) + 1e-20) if renorm else w) * scaling, ids
+
+
+def _unnormalized_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, groups: int, keep: int, renorm: bool,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sabotage: no renormalization."""
+    return moe.route_sigmoid_ref(logits, bias, k, groups, keep, False, scaling)
+
+
+def _tie_rule(logits: torch.Tensor, bias: torch.Tensor, k: int, groups: int, keep: int) -> list[list[int]]:
+    """The kernel's documented tie rule, one token at a time in Python: groups by descending top-2 sum, the lower
+    group first on a tie; then experts of the kept groups by descending biased score, the lower id first."""
+    out = []
+    for row in (torch.sigmoid(logits) + bias).tolist():
+        size = len(row) // groups
+        tops = [sum(sorted(row[g * size : (g + 1) * size])[-2:]) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: (-tops[g], g))[:keep] if groups > 1 else [0]
+        cand = [i for i in range(len(row)) if i // size in kept]
+        out.append(sorted(cand, key=lambda i: (-row[i], i))[:k])
+    return out
+
+
+# Planted exact ties (logits 0: every sigmoid exactly 0.5; biases exact in float32): (n_group, topk_group, top k,
+# bias) and the ids the rule gives: groups 0 and 1 tie and experts 0-3 tie (experts 0, 1); groups 1 and 2 tie with one
+# kept (group 1: experts 2, 3); one group, all tied (experts 0-2).
+SIGMOID_TIES = {"experts": (4, 2, 2, [0.25] * 4 + [0.0] * 4, [0, 1]),
+                "groups": (4, 1, 2, [0.0, 0.0] + [0.25] * 4 + [0.0, 0.0], [2, 3]),
+                "one_group": (1, 1, 3, [0.0] * 8, [0, 1, 2])}
+
+
+def _sigmoid_ties_case(name: str, device: str = "cpu") -> tuple[bool, str]:
+    groups, keep, k, bias_list, want = SIGMOID_TIES[name]
+    logits = torch.zeros(2, 8, device=device)
+    bias = torch.tensor(bias_list, device=device)
+    w, ids = moe.route_sigmoid_experts(logits, bias, k, groups, keep, True, 2.5)
+    rule = _tie_rule(logits.cpu(), bias.cpu(), k, groups, keep)
+    w_ref, _ = moe.route_sigmoid_ref(logits.cpu(), bias.cpu(), k, groups, keep, True, 2.5)
+    ok = ids.tolist() == rule == [want, want] and torch.allclose(w.cpu(), w_ref, rtol=1e-6)
+    return bool(ok), f"ids {ids.tolist()} (rule {rule}); weights {w.tolist()}"
+
+
 def test_the_shared_expert_is_stacked_where_the_kernels_can_run_it() -> None:
     """The stacked layout shares storage with the shared expert's and the experts' parameters (what the loader
     fills), and is kept apart where it cannot be stacked (another width); the routing's CPU formulation of the
@@ -471,6 +566,8 @@ INTERP_NAMES += [f"relu2_{s}_caught/{c}" for s in ("square_dropped", "silu")
                  for c in ("relu2_direct_f32", "relu2_prefill_f32")]
 INTERP_NAMES += [f"stacked_shared{f}/{t}" for t in STACKED_TOKENS for f in ("", *(f"_{x}" for x in STACKED_FP8))]
 INTERP_NAMES += ["route/shared_slot"]
+INTERP_NAMES += [f"sigmoid_route/{n}" for n in SIGMOID_ROUTE_CASES] + [f"sigmoid_route_ties/{n}" for n in SIGMOID_TIES]
+INTERP_NAMES += [f"sigmoid_route_{s}_caught" for s in ("group_max", "bias_in_weights", "unnormalized")]
 INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES] + [f"route/{name}" for name in ROUTE_CASES]
 
 
@@ -521,6 +618,39 @@ def test_cuda_kernels_match_the_reference(fp8: str | None, t: int, activation: s
 def test_cuda_routing_matches_the_reference(name: str) -> None:
     ok, msg = _route_case(*ROUTE_CASES[name], device="cuda")
     assert ok, msg
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(SIGMOID_ROUTE_CASES))
+def test_cuda_sigmoid_routing_matches_the_reference(name: str) -> None:
+    ok, msg = _sigmoid_route_case(name, device="cuda")
+    assert ok, msg
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(SIGMOID_TIES))
+def test_cuda_sigmoid_routing_ties(name: str) -> None:
+    ok, msg = _sigmoid_ties_case(name, device="cuda")
+    assert ok, msg
+
+
+@cuda
+def test_cuda_graph_replays_the_sigmoid_routing() -> None:
+    """Captured once, replayed with new logits: no host sync in the launch, the routing of the new values."""
+    logits, bias = _sigmoid_route_inputs(4, 128, 6, "cuda")
+    moe.route_sigmoid_experts(logits, bias, 6, 1, 1, True, 2.5)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        w, ids = moe.route_sigmoid_experts(logits, bias, 6, 1, 1, True, 2.5)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(3):
+        logits.copy_(torch.randn(4, 128, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        w_ref, ids_ref = moe.route_sigmoid_ref(logits.cpu(), bias.cpu(), 6, 1, 1, True, 2.5)
+        assert torch.equal(ids.long().cpu(), ids_ref)
+        torch.testing.assert_close(w.cpu(), w_ref, rtol=1e-6, atol=1e-7)
 
 
 @cuda
@@ -585,5 +715,9 @@ if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
     @triton.jit
     def _silu(x):  # type: ignore[no-untyped-def]
         return x / (1.0 + tl.exp(-x))
+
+    @triton.jit
+    def _group_max(c, S_PAD: tl.constexpr):  # type: ignore[no-untyped-def]
+        return tl.max(c, axis=1)
 
     print("RESULTS " + json.dumps(run_interpreter_checks()))

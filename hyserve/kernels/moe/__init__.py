@@ -41,12 +41,14 @@ from hyserve.kernels.moe.reference import (
     fused_experts_ref,
     quantize_dequantize,
     route_ref,
+    route_sigmoid_ref,
 )
 from hyserve.utils import next_pow2
 
-__all__ = ["ACTIVATIONS", "ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "compile_variants",
-           "config_path", "default_config", "dequantize_experts", "fused_experts", "fused_experts_ref", "load_configs",
-           "quantize_dequantize", "route_experts", "route_ref", "select_config", "uses_triton"]
+__all__ = ["ACTIVATIONS", "ExpertScales", "MoeConfig", "align_pairs", "align_pairs_ref", "check_sigmoid_routing",
+           "compile_variants", "config_path", "default_config", "dequantize_experts", "fused_experts",
+           "fused_experts_ref", "load_configs", "quantize_dequantize", "route_experts", "route_ref",
+           "route_sigmoid_experts", "route_sigmoid_ref", "select_config", "uses_triton"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
@@ -229,6 +231,56 @@ def route_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, nu
     return weights, experts, gate if has_gate and not fold else None
 
 
+# The sigmoid routing's kernel holds a token's experts in one block of [groups, experts a group] (each padded to a
+# power of two); above this many lanes the routing takes its torch formulation (no config served today comes near:
+# Nemotron 3 Nano has 128 experts, DeepSeek-V3's shape 256).
+SIGMOID_ROUTE_MAX_LANES = 4096
+
+
+def check_sigmoid_routing(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Refuse a grouped sigmoid routing that transformers' rule leaves ill-defined: groups that do not split the
+    experts evenly, groups of one expert (their top-2 sum), ``topk_group`` outside ``[1, n_group]``, or fewer kept
+    experts than ``top_k`` (torch would then choose masked experts, the kernel an arbitrary one)."""
+    if n_group < 1 or num_experts % n_group or (n_group > 1 and num_experts // n_group < 2):
+        raise ValueError(f"n_routed_experts={num_experts} must split into n_group={n_group} groups of at least 2")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if not 1 <= top_k <= topk_group * (num_experts // n_group):
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {topk_group * (num_experts // n_group)}] (the "
+                         f"experts of topk_group={topk_group} groups of {num_experts // n_group})")
+
+
+def route_sigmoid_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                          renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32, experts)`` [T, top_k]: :func:`route_sigmoid_ref` (Nemotron 3's sigmoid routing with the
+    correction ``bias`` [E] and grouped top-k) of the router logits [T, E] (float32: the router GEMM's output). On CUDA
+    (and under the interpreter) one launch, int32 ids, no host sync (a CUDA graph captures it); else the torch
+    formulation, int64 ids. The same choices in the same order (descending biased score) and the same weights up to
+    float32 rounding of the sigmoid and the sum; on exact ties (of biased scores, or of groups' top-2 sums) the kernel
+    takes the lower expert (group) id first, where torch.topk promises no order. Above
+    ``SIGMOID_ROUTE_MAX_LANES`` padded experts the torch formulation runs everywhere."""
+    t, e = router_logits.shape
+    check_sigmoid_routing(e, top_k, n_group, topk_group)
+    if tuple(bias.shape) != (e,):
+        raise ValueError(f"the correction bias has shape {tuple(bias.shape)}, not ({e},)")
+    s = e // n_group
+    g_pad, s_pad = next_pow2(n_group), next_pow2(s)
+    if not uses_triton(router_logits) or g_pad * s_pad > SIGMOID_ROUTE_MAX_LANES:
+        return route_sigmoid_ref(router_logits, bias, top_k, n_group, topk_group, renormalize, scaling)
+    from hyserve.kernels.moe._triton import _moe_sigmoid_route_kernel
+
+    dev = router_logits.device
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    experts = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    if t:
+        _moe_sigmoid_route_kernel[(t,)](logits, bias.contiguous(), weights, experts, s, logits.stride(0),
+                                        float(scaling), TOP_K=top_k, K_PAD=next_pow2(top_k), N_GROUP=n_group,
+                                        TOPK_GROUP=topk_group, G_PAD=g_pad, S_PAD=s_pad, RENORM=renormalize,
+                                        num_warps=1 if g_pad * s_pad <= 512 else 4)
+    return weights, experts
+
+
 def _combine(pair_out: torch.Tensor, t: int, k: int, shared: torch.Tensor | None,
              shared_gate: torch.Tensor | None) -> torch.Tensor:
     """Each token's k rows summed, plus its gated shared-expert output: one launch."""
@@ -364,6 +416,7 @@ def compile_variants(capability: tuple[int, int] = (9, 0), direct: bool = True, 
         _moe_gate_up_kernel,
         _moe_route_kernel,
         _moe_scatter_kernel,
+        _moe_sigmoid_route_kernel,
     )
 
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
@@ -388,10 +441,15 @@ def compile_variants(capability: tuple[int, int] = (9, 0), direct: bool = True, 
     for slot in (False, True):
         build(_moe_route_kernel, {"logits_ptr": "*bf16", "w_ptr": "*fp32", "ids_ptr": "*i32", "gate_ptr": "*fp32"},
               dict(TOP_K=8, K_PAD=8, RENORM=True, SHARED_GATE=True, E_PAD=256, SHARED_SLOT=slot), warps=1)
+    for groups, keep, width in ((1, 1, 128), (8, 4, 8)):  # Nemotron 3 Nano's routing; DeepSeek-V3's grouping
+        build(_moe_sigmoid_route_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32",
+                                          "ids_ptr": "*i32", "scaling": "fp32"},
+              dict(TOP_K=6, K_PAD=8, N_GROUP=groups, TOPK_GROUP=keep, G_PAD=groups, S_PAD=width, RENORM=True),
+              warps=1)
     build(_moe_align_kernel, {"ids_ptr": "*i64", "cursor_ptr": "*i32", "sorted_ptr": "*i32",
                                 "block_expert_ptr": "*i32"}, dict(BLOCK_M=16, E_PAD=256, BLOCK=1024, BLOCK_B=64))
     build(_moe_scatter_kernel, {"ids_ptr": "*i64", "cursor_ptr": "*i32", "sorted_ptr": "*i32"}, dict(BLOCK=1024))
     build(_moe_combine_kernel, {"pair_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*fp32",
                                   "out_ptr": "*bf16"}, dict(TOP_K=8, SHARED=True, BLOCK=1024))
-    return 7
+    return 9
 

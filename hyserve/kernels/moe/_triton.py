@@ -261,6 +261,62 @@ def _moe_route_kernel(
 
 
 @triton.jit
+def _group_top2_sum(c, S_PAD: tl.constexpr):
+    """Each group's (row's) two largest values summed, [G_PAD, S_PAD] -> [G_PAD] (a group's top two, as
+    ``topk(2).values.sum()``: a tied maximum counts twice)."""
+    cols = tl.arange(0, S_PAD)[None, :]
+    first = tl.max(c, axis=1)
+    at = tl.min(tl.where(c == first[:, None], cols, S_PAD), axis=1)
+    rest = tl.where(cols == at[:, None], float("-inf"), c)
+    return first + tl.max(rest, axis=1)
+
+
+@triton.jit
+def _moe_sigmoid_route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, S, sl, scaling,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, RENORM: tl.constexpr,
+):  # fmt: skip
+    """One program per token, its ``N_GROUP * S`` experts held as [groups, experts of a group] (expert ``g S + j``):
+    ``s = sigmoid(logit)`` and the choice scores ``c = s + bias`` in float32; with ``N_GROUP > 1`` the ``TOPK_GROUP``
+    groups of the largest ``_group_top2_sum(c)`` kept (the others' ``c`` to -inf); then the ``TOP_K`` largest ``c``
+    in descending order, each weighted by its ``s`` (divided by their sum + 1e-20 when ``RENORM``) times
+    ``scaling``. Exact ties go to the lower group, then the lower expert id."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_PAD)[:, None]
+    e = g * S + tl.arange(0, S_PAD)[None, :]
+    ok = (g < N_GROUP) & (tl.arange(0, S_PAD)[None, :] < S)
+    s = tl.sigmoid(tl.load(logits_ptr + t * sl + e, mask=ok, other=0.0).to(tl.float32))
+    c = tl.where(ok, s + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+    if N_GROUP > 1:
+        gid = tl.arange(0, G_PAD)
+        score = tl.where(gid < N_GROUP, _group_top2_sum(c, S_PAD), float("-inf"))
+        keep = gid < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(score, axis=0)
+            at = tl.min(tl.where(score == best, gid, G_PAD), axis=0)
+            keep = keep | (gid == at)
+            score = tl.where(gid == at, float("-inf"), score)
+        c = tl.where(keep[:, None], c, float("-inf"))
+    ks = tl.arange(0, K_PAD)
+    vals = tl.zeros((K_PAD,), dtype=tl.float32)
+    idx = tl.zeros((K_PAD,), dtype=tl.int32)
+    big = G_PAD * S_PAD + S  # above every expert id
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.max(c, axis=1), axis=0)
+        at = tl.min(tl.min(tl.where(ok & (c == best), e, big), axis=1), axis=0)
+        picked = ok & (e == at)
+        vals = tl.where(ks == j, tl.sum(tl.sum(tl.where(picked, s, 0.0), axis=1), axis=0), vals)
+        idx = tl.where(ks == j, at.to(tl.int32), idx)
+        c = tl.where(picked, float("-inf"), c)
+    if RENORM:
+        vals = vals / (tl.sum(vals, axis=0) + 1e-20)
+    vals = vals * scaling
+    tl.store(w_ptr + t * TOP_K + ks, vals, mask=ks < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + ks, idx, mask=ks < TOP_K)
+
+
+@triton.jit
 def _moe_combine_kernel(pair_ptr, shared_ptr, gate_ptr, out_ptr, H, TOP_K: tl.constexpr, SHARED: tl.constexpr,
                         BLOCK: tl.constexpr):
     """``out[t] = sum_j pair_out[t k + j] + gate[t] * shared[t]`` in float32, one store in the output dtype."""

@@ -8,7 +8,8 @@ They define the semantics of the routed experts' sum for one token ``x`` and its
         (+ g * shared, a shared expert's output and its gate, in the same float32 sum)
 
 The routing (``route_ref``): softmax over the router logits in float32, the top k (descending), divided by their sum
-when renormalizing.
+when renormalizing. Nemotron 3's sigmoid routing (``route_sigmoid_ref``): transformers' ``NemotronHTopkRouter``
+(DeepSeek-V3's rule), the choice biased, the weights not.
 
 With FP8 experts (``ExpertScales``) the weights are dequantized (``w = w_fp8 * scale``, per output channel or per
 block) and the activations quantized the way :mod:`hyserve.kernels.fp8` does it: per token for channel-scaled
@@ -36,7 +37,8 @@ from hyserve.kernels.fp8.reference import (
     quantize_per_token_group,
 )
 
-__all__ = ["ExpertScales", "dequantize_experts", "fused_experts_ref", "quantize_dequantize", "route_ref"]
+__all__ = ["ExpertScales", "dequantize_experts", "fused_experts_ref", "quantize_dequantize", "route_ref",
+           "route_sigmoid_ref"]
 
 
 class ExpertScales(NamedTuple):
@@ -83,6 +85,33 @@ def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def route_sigmoid_ref(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                      renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32, experts)``, each [tokens, top_k] (transformers' ``NemotronHTopkRouter``)::
+
+        s      = sigmoid(logits)                             float32
+        choose = s + bias                                    used to choose only
+        groups = the topk_group groups (of n_group contiguous ones) with the largest sum of their top-2 ``choose``
+        idx    = the top-k ``choose`` within those groups, descending (torch.topk's order)
+        w      = s[idx] (/ their sum + 1e-20 when ``renormalize``) * scaling
+
+    With one group nothing is masked. torch.topk promises no order among exact ties."""
+    scores = torch.sigmoid(router_logits.float())
+    choose = scores + bias.float()
+    t, e = choose.shape
+    if n_group > 1:
+        grouped = choose.view(t, n_group, e // n_group)
+        best = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(topk_group, dim=-1).indices, 1.0)
+        mask = keep.bool()[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
+        choose = choose.masked_fill(~mask, float("-inf"))
+    idx = choose.topk(top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling, idx
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
