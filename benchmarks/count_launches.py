@@ -1,10 +1,10 @@
 """Count the kernel launches one decode step makes on CUDA, measured on the CPU.
 
 Every aten op that does work (views and allocations excluded) is one launch, and each of hyserve's kernel entry
-points (conv, GDN, attention, KV store, norms, gates, SwiGLU, RoPE) counts as one launch, its CPU reference's ops
-suppressed. The model is a tiny random checkpoint with the 2B shape's layer pattern (24 layers, GDN:attention 3:1)
-in bf16; the count does not depend on the widths. While decode is host-bound (no CUDA graphs yet) the step time
-follows this count.
+points (conv, GDN, attention, KV store, norms, gates, SwiGLU, RoPE, Nemotron 3's routing) counts as one launch, its
+CPU reference's ops suppressed. The model is a tiny random checkpoint with the 2B shape's layer pattern (24 layers,
+GDN:attention 3:1) in bf16; the count does not depend on the widths. While decode is host-bound (no CUDA graphs yet)
+the step time follows this count.
 
 ``--nemotron-h`` counts a tiny Nemotron-H checkpoint with the 8B's blocks instead (52: 24 Mamba2, 24 squared-ReLU
 MLP, 4 attention; :func:`nemotron_h_checkpoint`). ``--nemotron-h-moe`` counts one with Nemotron 3 Nano's 52 blocks
@@ -44,6 +44,7 @@ ENTRY_POINTS = {
                               "grouped_gated_rms_norm", "gated_sum_squares", "silu_gate"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm", "scaled_rms_norm", "add_scaled_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope"],
+    "hyserve.layers.sigmoid_moe": ["route_sigmoid_experts"],
     "hyserve.worker.model_runner": ["_commit_verified"],
 }
 
