@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hyserve.testing.triton_interpreter import patch_triton_interpreter
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,14 +76,7 @@ INTERP_CHECKS = [*[f"{s}_{d}" for d in DTYPES for s in SHAPES], "negatives_squar
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"], env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
 def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:

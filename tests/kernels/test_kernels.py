@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, 
 from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.gdn.reference import gdn_forward_ref
-from hyserve.testing.triton_interpreter import patch_triton_interpreter
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -690,16 +689,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
 _PER_DTYPE = "conv_mixed conv_fused conv_decode gdn_decode gdn_mixed attn_decode_1split attn_decode_splits attn_prefill"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
 from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_ref
 from hyserve.kernels.mamba2.reference import mamba2_chunked_inputs_ref, mamba2_chunked_output_ref
-from hyserve.testing.triton_interpreter import patch_triton_interpreter
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 H, P, G, N = 4, 8, 2, 16
@@ -402,16 +401,7 @@ INTERP_CHECKS = ["scan_mixed_float32", "scan_decode_float32", "scan_mixed_clampe
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
 def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:

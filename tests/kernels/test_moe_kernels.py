@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from torch.nn import functional as F
 from hyserve.kernels import moe
 from hyserve.kernels.fp8.reference import FP8_DTYPE, FP8_MAX, quantize_per_token, quantize_per_token_group
 from hyserve.kernels.moe import ExpertScales, MoeConfig, MoePlan, fused_experts, fused_experts_ref
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -550,14 +550,7 @@ def test_the_shared_expert_is_stacked_where_the_kernels_can_run_it() -> None:
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"], env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
 INTERP_NAMES = [f"{c}/{p}" for c in INTERP_CASES for p in ("default", *PLANS) if p == "default" or c in SWEPT]

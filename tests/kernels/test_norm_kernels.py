@@ -38,6 +38,7 @@ from hyserve.kernels.norm import (
     scaled_rms_norm,
     scaled_rms_norm_ref,
 )
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -283,16 +284,7 @@ INTERP_CHECKS = [
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
 def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -34,6 +33,7 @@ from hyserve.kernels.conv.reference import causal_conv1d_verify_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.kernels.gdn.reference import gdn_verify_ref
 from hyserve.kernels.gdn.verify import gdn_verify
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -402,16 +402,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpreter-checks"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
 _PER_DTYPE = ["conv_verify", "conv_verify_decode", "gdn_verify", "gdn_verify_decode", "commit"]
