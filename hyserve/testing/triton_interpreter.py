@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,13 @@ def interpreter_subprocess_results(test_file: str, flag: str, timeout: int = 300
     assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
     results: dict[str, list[Any]] = json.loads(lines[-1][len("RESULTS "):])
     return results
+
+
+def record_check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+    """Run one interpreter check ``fn`` (``(ok, message)``) into ``results[name]``; an exception is its failure, so
+    the other checks still run and report."""
+    try:
+        ok, msg = fn()
+    except Exception as e:  # report, don't abort the other checks
+        ok, msg = False, f"{type(e).__name__}: {e}"
+    results[name] = [bool(ok), msg]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, 
 from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.gdn.reference import gdn_forward_ref
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter, record_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -334,14 +333,6 @@ def test_paged_attention_reference_loose_host_bounds() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
-    try:
-        ok, msg = fn()
-    except Exception as e:  # report, don't abort the other checks
-        ok, msg = False, f"{type(e).__name__}: {e}"
-    results[name] = [bool(ok), msg]
-
-
 def _interp_conv(lens: list[int], dtype: torch.dtype, max_query_len: int | None) -> tuple[bool, str]:
     from hyserve.kernels.conv import causal_conv1d_varlen_triton
 
@@ -636,53 +627,57 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     long_lens = [3, 0, 1, 37, 2, 1]  # 37 > the 16-token block: separate state kernel
     for dt in (f32, bf16):
         n = str(dt).split(".")[-1]
-        _check(res, f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
-        _check(res, f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
-        _check(res, f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
-        _check(res, f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
-        _check(res, f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
-        _check(res, f"attn_decode_1split_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 40], dt, 4, None))
-        _check(res, f"attn_decode_splits_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 60], dt, 4, 16))
-        _check(res, f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
-        _check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
-        _check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
-        _check(res, f"token_bitmask_{n}", lambda dt=dt: _interp_bitmask(dt))
-        _check(res, f"add_norm_silu_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 40))
-        _check(res, f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
-        _check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
-        _check(res, f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
-        _check(res, f"l2_norm_heads_{n}", lambda dt=dt: _interp_l2norm(dt))
+        record_check(res, f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
+        record_check(res, f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
+        record_check(res, f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
+        record_check(res, f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
+        record_check(res, f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
+        record_check(res, f"attn_decode_1split_{n}",
+                     lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 40], dt, 4, None))
+        record_check(res, f"attn_decode_splits_{n}",
+                     lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 60], dt, 4, 16))
+        record_check(res, f"attn_prefill_{n}",
+                     lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
+        record_check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
+        record_check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
+        record_check(res, f"token_bitmask_{n}", lambda dt=dt: _interp_bitmask(dt))
+        record_check(res, f"add_norm_silu_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 40))
+        record_check(res, f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
+        record_check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
+        record_check(res, f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
+        record_check(res, f"l2_norm_heads_{n}", lambda dt=dt: _interp_l2norm(dt))
         for gated in (False, True):
             g = "gated_" if gated else ""
-            _check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
-            _check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
-    _check(res, "gdn_mixed_bf16_state", lambda: _interp_gdn(MIXED_LENS, bf16, bf16))
+            record_check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
+            record_check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
+    record_check(res, "gdn_mixed_bf16_state", lambda: _interp_gdn(MIXED_LENS, bf16, bf16))
     for dt in (f32, bf16):
         for mode in ("token", "group", "group_token_major", "static"):
             name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"
-            _check(res, name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
+            record_check(res, name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
     # M = 1 / 5 (decode tiles, split K) and 70 (prefill tiles); K and N not multiples of the tiles.
-    _check(res, "fp8_gemm_channel_decode", lambda: _interp_fp8_gemm(5, 200, 300, False, False, None))
-    _check(res, "fp8_gemm_channel_split3", lambda: _interp_fp8_gemm(1, 72, 520, False, False, 3))
-    _check(res, "fp8_gemm_channel_prefill", lambda: _interp_fp8_gemm(70, 136, 264, False, False, None))
-    _check(res, "fp8_gemm_block_groups", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None))
-    _check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
-    _check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
-    _check(res, "fp8_gemm_block_sabotaged_groups_caught", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
-    _check(res, "token_bitmask_shifted_caught", lambda: _interp_bitmask(f32, sabotage=True))
-    _check(res, "fp8_split_locks", lambda: _interp_fp8_split_locks(False))
-    _check(res, "fp8_split_stale_locks_caught", lambda: _interp_fp8_split_locks(True))
+    record_check(res, "fp8_gemm_channel_decode", lambda: _interp_fp8_gemm(5, 200, 300, False, False, None))
+    record_check(res, "fp8_gemm_channel_split3", lambda: _interp_fp8_gemm(1, 72, 520, False, False, 3))
+    record_check(res, "fp8_gemm_channel_prefill", lambda: _interp_fp8_gemm(70, 136, 264, False, False, None))
+    record_check(res, "fp8_gemm_block_groups", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None))
+    record_check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
+    record_check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
+    record_check(res, "fp8_gemm_block_sabotaged_groups_caught",
+                 lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
+    record_check(res, "token_bitmask_shifted_caught", lambda: _interp_bitmask(f32, sabotage=True))
+    record_check(res, "fp8_split_locks", lambda: _interp_fp8_split_locks(False))
+    record_check(res, "fp8_split_stale_locks_caught", lambda: _interp_fp8_split_locks(True))
     # The GEMM quantizing its activation: per token over several K tiles (split too), static, per group.
-    _check(res, "fp8_fused_token", lambda: _interp_fp8_gemm_fused(5, 200, 300, False, "token", None))
-    _check(res, "fp8_fused_token_split3", lambda: _interp_fp8_gemm_fused(3, 72, 520, False, "token", 3))
-    _check(res, "fp8_fused_static", lambda: _interp_fp8_gemm_fused(4, 136, 264, False, "static", None))
-    _check(res, "fp8_fused_block_group", lambda: _interp_fp8_gemm_fused(5, 300, 400, True, "group", 2))
-    _check(res, "fp8_fused_block_token", lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "token", None))
-    _check(res, "fp8_fused_group_for_token_caught",
+    record_check(res, "fp8_fused_token", lambda: _interp_fp8_gemm_fused(5, 200, 300, False, "token", None))
+    record_check(res, "fp8_fused_token_split3", lambda: _interp_fp8_gemm_fused(3, 72, 520, False, "token", 3))
+    record_check(res, "fp8_fused_static", lambda: _interp_fp8_gemm_fused(4, 136, 264, False, "static", None))
+    record_check(res, "fp8_fused_block_group", lambda: _interp_fp8_gemm_fused(5, 300, 400, True, "group", 2))
+    record_check(res, "fp8_fused_block_token", lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "token", None))
+    record_check(res, "fp8_fused_group_for_token_caught",
            lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "group", None, reference_mode="token"))
     # Odd shapes: head dim not a power of two, block size 16, a prefill row spanning several query blocks.
-    _check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
-    _check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
+    record_check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
+    record_check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
     return res
 
 

@@ -25,7 +25,6 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
 from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_ref
 from hyserve.kernels.mamba2.reference import mamba2_chunked_inputs_ref, mamba2_chunked_output_ref
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter, record_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 H, P, G, N = 4, 8, 2, 16
@@ -314,49 +313,41 @@ def _interp_fla_path(lens: list[int], dtype: torch.dtype, state_dtype: torch.dty
     return ok1 and ok2 and ok3, f"out err {e1:.3g}, state err {e2:.3g}, untouched {ok3}"
 
 
-def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
-    try:
-        ok, msg = fn()
-    except Exception as e:  # report, don't abort the other checks
-        ok, msg = False, f"{type(e).__name__}: {e}"
-    results[name] = [bool(ok), msg]
-
-
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Every check under the interpreter; {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_triton_interpreter()
     res: dict[str, list[Any]] = {}
     f32, bf16 = torch.float32, torch.bfloat16
-    _check(res, "scan_mixed_float32", lambda: _interp_scan(MIXED_LENS, f32, f32))
-    _check(res, "scan_decode_float32", lambda: _interp_scan(DECODE_LENS, f32, f32))
-    _check(res, "scan_mixed_clamped_float32", lambda: _interp_scan(MIXED_LENS, f32, f32, dt_limit=(0.05, 0.4)))
-    _check(res, "scan_mixed_bf16_bf16_state", lambda: _interp_scan(MIXED_LENS, bf16, bf16))
-    _check(res, "scan_decode_bf16_fp32_state", lambda: _interp_scan(DECODE_LENS, bf16, f32))
-    _check(res, "verify_float32", lambda: _interp_verify(VERIFY_LENS, f32, f32))
-    _check(res, "verify_bf16_bf16_state", lambda: _interp_verify(VERIFY_LENS, bf16, bf16))
-    _check(res, "scan_group_mod_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="group_mod"))
-    _check(res, "scan_a_not_a_log_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="a_not_a_log"))
-    _check(res, "verify_scratch_late_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="late"))
+    record_check(res, "scan_mixed_float32", lambda: _interp_scan(MIXED_LENS, f32, f32))
+    record_check(res, "scan_decode_float32", lambda: _interp_scan(DECODE_LENS, f32, f32))
+    record_check(res, "scan_mixed_clamped_float32", lambda: _interp_scan(MIXED_LENS, f32, f32, dt_limit=(0.05, 0.4)))
+    record_check(res, "scan_mixed_bf16_bf16_state", lambda: _interp_scan(MIXED_LENS, bf16, bf16))
+    record_check(res, "scan_decode_bf16_fp32_state", lambda: _interp_scan(DECODE_LENS, bf16, f32))
+    record_check(res, "verify_float32", lambda: _interp_verify(VERIFY_LENS, f32, f32))
+    record_check(res, "verify_bf16_bf16_state", lambda: _interp_verify(VERIFY_LENS, bf16, bf16))
+    record_check(res, "scan_group_mod_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="group_mod"))
+    record_check(res, "scan_a_not_a_log_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="a_not_a_log"))
+    record_check(res, "verify_scratch_late_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="late"))
     for dt in (f32, bf16):
         n = str(dt).split(".")[-1]
-        _check(res, f"conv_bias_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, False))
-        _check(res, f"conv_bias_split_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 19, 2], dt, False))
-        _check(res, f"conv_bias_verify_{n}", lambda dt=dt: _interp_conv(VERIFY_LENS, dt, True))
-    _check(res, "conv_bias_shifted_caught", lambda: _interp_conv([3, 0, 1, 5, 2], f32, False, sabotage=True))
-    _check(res, "conv_bias_verify_shifted_caught", lambda: _interp_conv(VERIFY_LENS, f32, True, sabotage=True))
+        record_check(res, f"conv_bias_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, False))
+        record_check(res, f"conv_bias_split_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 19, 2], dt, False))
+        record_check(res, f"conv_bias_verify_{n}", lambda dt=dt: _interp_conv(VERIFY_LENS, dt, True))
+    record_check(res, "conv_bias_shifted_caught", lambda: _interp_conv([3, 0, 1, 5, 2], f32, False, sabotage=True))
+    record_check(res, "conv_bias_verify_shifted_caught", lambda: _interp_conv(VERIFY_LENS, f32, True, sabotage=True))
     for name, args in CHUNKED_INPUT_CASES.items():
-        _check(res, f"chunked_inputs_{name}", lambda args=args: _interp_chunked_inputs(*args))
+        record_check(res, f"chunked_inputs_{name}", lambda args=args: _interp_chunked_inputs(*args))
     for sab in ("group_mod", "a_not_a_log", "slots_rolled"):
-        _check(res, f"chunked_inputs_{sab}_caught",
+        record_check(res, f"chunked_inputs_{sab}_caught",
                lambda sab=sab: _interp_chunked_inputs(MIXED_LENS, 4, 2, 8, 16, bf16, f32, sabotage=sab))
     for name, args in CHUNKED_OUTPUT_CASES.items():
-        _check(res, f"chunked_output_{name}", lambda args=args: _interp_chunked_output(*args))
+        record_check(res, f"chunked_output_{name}", lambda args=args: _interp_chunked_output(*args))
     for sab in ("d_rolled", "slots_rolled"):
-        _check(res, f"chunked_output_{sab}_caught",
+        record_check(res, f"chunked_output_{sab}_caught",
                lambda sab=sab: _interp_chunked_output(MIXED_LENS, 4, 8, 16, bf16, f32, sabotage=sab))
     for name, args in FLA_PATH_CASES.items():
-        _check(res, f"fla_path_{name}", lambda args=args: _interp_fla_path(*args))
+        record_check(res, f"fla_path_{name}", lambda args=args: _interp_fla_path(*args))
     return res
 
 

@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from hyserve.kernels.norm import (
     scaled_rms_norm,
     scaled_rms_norm_ref,
 )
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, record_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -226,14 +225,6 @@ def _layers_agree(calls: list[str]) -> tuple[bool, str]:
     return ok1 and ok2 and ok3 and ok4 and ok5, f"agree {[ok1, ok2, ok3, ok4]}, kernels run {ran}"
 
 
-def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
-    try:
-        ok, msg = fn()
-    except Exception as e:  # report, don't abort the other checks
-        ok, msg = False, f"{type(e).__name__}: {e}"
-    results[name] = [bool(ok), msg]
-
-
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Every check under the interpreter; {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
@@ -243,28 +234,30 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     res: dict[str, list[Any]] = {}
     for n, dt in DTYPES.items():
         for d in (37, 64, 2100):
-            _check(res, f"scaled_{d}_{n}", lambda dt=dt, d=d: _interp_scaled(dt, d))
+            record_check(res, f"scaled_{d}_{n}", lambda dt=dt, d=d: _interp_scaled(dt, d))
         for scale in (1.0, 0.37):
-            _check(res, f"add_scaled_{scale}_{n}", lambda dt=dt, s=scale: _interp_add(dt, 37, s))
+            record_check(res, f"add_scaled_{scale}_{n}", lambda dt=dt, s=scale: _interp_add(dt, 37, s))
         for width, group in ((48, 8), (48, 48), (39, 13), (1100, 550)):
             for nbg in (False, True):
                 order = "norm_first" if nbg else "gate_first"
-                _check(res, f"gated_{width}_{group}_{order}_{n}",
+                record_check(res, f"gated_{width}_{group}_{order}_{n}",
                        lambda dt=dt, w=width, g=group, nbg=nbg: _interp_gated(dt, w, g, nbg))
-        _check(res, f"spanning_{n}", lambda dt=dt: _interp_spanning(dt, False))
-        _check(res, f"silu_gate_{n}", lambda dt=dt: _interp_silu_gate(dt))
-    _check(res, "layers_take_the_kernels", _interp_layers)
-    _check(res, "scaled_f32_weight_bf16_rows", lambda: _interp_scaled(BF16, 64, w_dtype=F32))
-    _check(res, "add_scaled_wide_bf16", lambda: _interp_add(BF16, 2100, 0.37))
-    _check(res, "spanning_norm_first_bf16", lambda: _interp_spanning(BF16, True))
-    _check(res, "scaled_weight_before_rounding_caught", lambda: _interp_scaled(BF16, 64, sabotage=True))
-    _check(res, "add_multiplier_dropped_caught", lambda: _interp_add(BF16, 64, 0.37, sabotage="dropped"))
-    _check(res, "add_product_unrounded_caught", lambda: _interp_add(BF16, 64, 0.37, sabotage="unrounded"))
-    _check(res, "gated_boundary_off_by_one_caught", lambda: _interp_gated(BF16, 48, 8, False, sabotage="boundary"))
-    _check(res, "gated_gate_side_caught", lambda: _interp_gated(BF16, 48, 8, False, sabotage="gate_side"))
-    _check(res, "gated_norm_first_gate_side_caught", lambda: _interp_gated(F32, 48, 16, True, sabotage="gate_side"))
-    _check(res, "spanning_local_squares_caught", lambda: _interp_spanning(BF16, False, sabotage=True))
-    _check(res, "silu_gate_unrounded_caught", lambda: _interp_silu_gate(BF16, sabotage=True))
+        record_check(res, f"spanning_{n}", lambda dt=dt: _interp_spanning(dt, False))
+        record_check(res, f"silu_gate_{n}", lambda dt=dt: _interp_silu_gate(dt))
+    record_check(res, "layers_take_the_kernels", _interp_layers)
+    record_check(res, "scaled_f32_weight_bf16_rows", lambda: _interp_scaled(BF16, 64, w_dtype=F32))
+    record_check(res, "add_scaled_wide_bf16", lambda: _interp_add(BF16, 2100, 0.37))
+    record_check(res, "spanning_norm_first_bf16", lambda: _interp_spanning(BF16, True))
+    record_check(res, "scaled_weight_before_rounding_caught", lambda: _interp_scaled(BF16, 64, sabotage=True))
+    record_check(res, "add_multiplier_dropped_caught", lambda: _interp_add(BF16, 64, 0.37, sabotage="dropped"))
+    record_check(res, "add_product_unrounded_caught", lambda: _interp_add(BF16, 64, 0.37, sabotage="unrounded"))
+    record_check(res, "gated_boundary_off_by_one_caught",
+                 lambda: _interp_gated(BF16, 48, 8, False, sabotage="boundary"))
+    record_check(res, "gated_gate_side_caught", lambda: _interp_gated(BF16, 48, 8, False, sabotage="gate_side"))
+    record_check(res, "gated_norm_first_gate_side_caught",
+                 lambda: _interp_gated(F32, 48, 16, True, sabotage="gate_side"))
+    record_check(res, "spanning_local_squares_caught", lambda: _interp_spanning(BF16, False, sabotage=True))
+    record_check(res, "silu_gate_unrounded_caught", lambda: _interp_silu_gate(BF16, sabotage=True))
     return res
 
 

@@ -8,23 +8,13 @@ program); the same in float32 for QSA's attention, whose tiles are the largest.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import pytest
 
+from hyserve.testing.triton_compile import compile_failures, compile_for_sm90
+
 triton = pytest.importorskip("triton")
-
-
-def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any]) -> Any:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    params = list(inspect.signature(fn.fn).parameters)
-    missing = [p for p in params if p not in sig and p not in consts]
-    assert not missing, f"no type given for {missing}"
-    signature = {p: "constexpr" if p in consts else sig[p] for p in params}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
 
 def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
@@ -36,13 +26,7 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
 
 
 def test_qwen4_exp_kernels_compile_for_sm90() -> None:
-    failures = {}
-    for name, fn, sig, consts in _variants():
-        try:
-            kernel = _compile(fn, sig, consts)
-            assert kernel.asm.get("cubin"), "no cubin"
-        except Exception as e:  # report every variant, not the first
-            failures[name] = f"{type(e).__name__}: {str(e)[:400]}"
+    failures = compile_failures(_variants())
     assert not failures, failures
 
 
@@ -55,4 +39,4 @@ def test_a_broken_kernel_does_not_compile() -> None:
         tl.store(x_ptr + y, 1.0)
 
     with pytest.raises(Exception):  # Triton's compile error types vary by version
-        _compile(broken, dict(x_ptr="*fp32", y="fp32"), {})
+        compile_for_sm90(broken, dict(x_ptr="*fp32", y="fp32"), {})

@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from hyserve.kernels.conv.reference import causal_conv1d_verify_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.kernels.gdn.reference import gdn_verify_ref
 from hyserve.kernels.gdn.verify import gdn_verify
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, record_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -296,14 +295,6 @@ def test_commit_verified_reference(dtype: torch.dtype) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check(results: dict[str, list[Any]], name: str, fn: Callable[[], tuple[bool, str]]) -> None:
-    try:
-        ok, msg = fn()
-    except Exception as e:  # report, don't abort the other checks
-        ok, msg = False, f"{type(e).__name__}: {e}"
-    results[name] = [bool(ok), msg]
-
-
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
@@ -385,17 +376,18 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     res: dict[str, list[Any]] = {}
     for dt in (torch.float32, torch.bfloat16):
         n = str(dt).split(".")[-1]
-        _check(res, f"conv_verify_{n}", partial(_interp_conv, VERIFY_LENS, dt, P_MAX))
-        _check(res, f"conv_verify_decode_{n}", partial(_interp_conv, DECODE_LENS, dt, 1))
-        _check(res, f"gdn_verify_{n}", partial(_interp_gdn, VERIFY_LENS, dt))
-        _check(res, f"gdn_verify_decode_{n}", partial(_interp_gdn, DECODE_LENS, dt))
-        _check(res, f"commit_{n}", partial(_interp_commit, dt))
+        record_check(res, f"conv_verify_{n}", partial(_interp_conv, VERIFY_LENS, dt, P_MAX))
+        record_check(res, f"conv_verify_decode_{n}", partial(_interp_conv, DECODE_LENS, dt, 1))
+        record_check(res, f"gdn_verify_{n}", partial(_interp_gdn, VERIFY_LENS, dt))
+        record_check(res, f"gdn_verify_decode_{n}", partial(_interp_gdn, DECODE_LENS, dt))
+        record_check(res, f"commit_{n}", partial(_interp_commit, dt))
     # token blocks of 2 (loose host bound -> several programs per row along t)
-    _check(res, "conv_verify_tblocks", lambda: _interp_conv([2, 0, 1, 2], torch.float32, 2))
+    record_check(res, "conv_verify_tblocks", lambda: _interp_conv([2, 0, 1, 2], torch.float32, 2))
     # rows longer than P_max: full outputs, only the first P_max positions recorded
-    _check(res, "conv_verify_long_rows", lambda: _interp_conv([7, 2, 0, 3], torch.float32, None, p_cap=3))
-    _check(res, "gdn_verify_long_rows", lambda: _interp_gdn([7, 2, 0, 3], torch.float32, p_cap=3))
-    _check(res, "gdn_verify_bf16_state", lambda: _interp_gdn(VERIFY_LENS, torch.bfloat16, state_dtype=torch.bfloat16))
+    record_check(res, "conv_verify_long_rows", lambda: _interp_conv([7, 2, 0, 3], torch.float32, None, p_cap=3))
+    record_check(res, "gdn_verify_long_rows", lambda: _interp_gdn([7, 2, 0, 3], torch.float32, p_cap=3))
+    record_check(res, "gdn_verify_bf16_state",
+                 lambda: _interp_gdn(VERIFY_LENS, torch.bfloat16, state_dtype=torch.bfloat16))
     return res
 
 
