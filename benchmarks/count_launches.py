@@ -117,6 +117,34 @@ def _count_sigmoid_moe_as_on_cuda(counter: _Counter) -> None:
     sigmoid_moe.uses_triton = lambda t: True  # type: ignore[assignment]
 
 
+def _count_fp8_gemms_as_on_cuda(counter: _Counter) -> None:
+    """An FP8 GEMM as on CUDA: its activation's quantization launch and the GEMM's (two launches), or the GEMM's
+    alone where the producer handed the activation quantized (``Fp8Activation``); the CPU reference's ops (the
+    weight dequantized, the float32 matmul) not counted."""
+    from hyserve.kernels.fp8 import Fp8Activation
+    from hyserve.layers.quantization import fp8 as fp8_method
+
+    linear = fp8_method.fp8_linear
+
+    @functools.wraps(linear)
+    def fp8_linear(x: Any, *a: Any, **k: Any) -> Any:
+        if counter.depth == 0:
+            if isinstance(x, Fp8Activation):
+                counter.count += 1
+                counter.by_op["fp8_gemm"] += 1
+            else:
+                counter.count += 2
+                counter.by_op["fp8_gemm"] += 1
+                counter.by_op["quantize_rows"] += 1
+        counter.depth += 1
+        try:
+            return linear(x, *a, **k)
+        finally:
+            counter.depth -= 1
+
+    fp8_method.fp8_linear = fp8_linear  # type: ignore[assignment]
+
+
 def _count_entry_points(counter: _Counter) -> None:
     for modname, names in ENTRY_POINTS.items():
         mod = importlib.import_module(modname)
@@ -168,12 +196,17 @@ def main() -> None:
                     help="a tiny Nemotron-H with the 8B's 52 blocks in place of the Qwen 2B shape")
     ap.add_argument("--nemotron-h-moe", action="store_true",
                     help="a tiny Nemotron-H with Nemotron 3 Nano's 52 blocks (23 MoE) and routing")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 weights (online, per channel, activations per token): each GEMM's quantization launch "
+                         "counted, or none where its producer quantizes (HYSERVE_FP8_FUSED_QUANT=0 to compare)")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="prefix caching on (speculative steps then copy candidate snapshots at block boundaries)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     counter = _Counter()
     _count_entry_points(counter)
+    if args.fp8:
+        _count_fp8_gemms_as_on_cuda(counter)
     if args.graphs:
         from hyserve.worker import cuda_graphs
 
@@ -190,7 +223,7 @@ def main() -> None:
                                      tie_word_embeddings=True, with_mtp=args.spec == "mtp")
     spec = {"method": "mtp", "num_speculative_tokens": 3} if args.spec else None
     llm = LLM(model=path, device="cpu", dtype="bfloat16", enable_prefix_caching=args.prefix_caching,
-              speculative_config=spec,
+              speculative_config=spec, quantization="fp8" if args.fp8 else None,
               async_scheduling=args.async_scheduling)
     eng = llm.llm_engine
     for i in range(args.batch):

@@ -10,7 +10,8 @@ import torch
 from hyserve.cache.specs import AttentionSpec
 from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import paged_attention, store_kv
-from hyserve.layers.linear import Linear, RowParallelLinear
+from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.layers.linear import Linear, RowParallelLinear, fp8_input_of
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
@@ -99,7 +100,12 @@ class Attention(KVCacheLayer):
     def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, dtype)
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    def fp8_input(self) -> str | None:
+        """The form the layer's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per
+        token where the q, k and v projections take it so."""
+        return fp8_input_of([self.q_proj, self.k_proj, self.v_proj])
+
+    def forward(self, x: torch.Tensor | Fp8Activation, meta: StepMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         t = x.shape[0]
         q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)

@@ -15,6 +15,7 @@ from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward
 from hyserve.kernels.commit import commit_verified
 from hyserve.kernels.conv import causal_conv1d_verify
+from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_verify
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
@@ -133,7 +134,12 @@ class GatedDeltaNet(RecurrentLayer):
         commit_verified(self.conv_state, self.ssm_state, state_slots, self.conv_scratch, self.ssm_scratch,
                         num_accepted)
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    def fp8_input(self) -> str | None:
+        """The form the layer's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per
+        token where ``in_proj`` takes it so."""
+        return self.in_proj.fp8_input()
+
+    def forward(self, x: torch.Tensor | Fp8Activation, meta: StepMetadata) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         t = x.shape[0]
         weight = self.conv1d.weight.squeeze(1)

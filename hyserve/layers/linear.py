@@ -14,6 +14,7 @@ in bf16 beside FP8 ``in_proj_qkv``/``in_proj_z``) runs one GEMM per run of conse
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -21,8 +22,35 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_gather_last, all_reduce, shard_range, tp_size
+from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, LinearPart, QuantizationConfig
 from hyserve.layers.sharding import Shard, set_shard
+
+
+def fused_quant_enabled() -> bool:
+    """Whether producers quantize FP8 GEMMs' activations in their own launch (``HYSERVE_FP8_FUSED_QUANT``, default
+    1; 0 gives each GEMM its own quantization launch, to measure against). Another value is refused."""
+    value = os.environ.get("HYSERVE_FP8_FUSED_QUANT", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"HYSERVE_FP8_FUSED_QUANT={value!r}: 1 (the default) or 0")
+    return value == "1"
+
+
+def fp8_input_of(gemms: Sequence[LinearBase]) -> str | None:
+    """What the producer of the one input of ``gemms`` writes: ``"fp8"`` when every GEMM takes an activation
+    quantized per token (``LinearMethod.takes_fp8_activation``), ``"fp8+plain"`` when only some do, None when none
+    does (or ``fused_quant_enabled`` is off)."""
+    takes = [g.method.takes_fp8_activation() for g in gemms]
+    if not any(takes) or not fused_quant_enabled():
+        return None
+    return "fp8" if all(takes) else "fp8+plain"
+
+
+def fp8_input_for(module: nn.Module) -> str | None:
+    """The form ``module``'s input is produced in: its ``fp8_input()`` (a block whose first GEMMs may take an
+    activation quantized by its producer: ``MLP``, ``GatedDeltaNet``, ``Attention``), else None (plain)."""
+    form = getattr(module, "fp8_input", None)
+    return form() if callable(form) else None
 
 
 def linear_method(quant: QuantizationConfig | None, name: str) -> LinearMethod:
@@ -59,8 +87,17 @@ class LinearBase(nn.Module):
             return self.prefix
         return f"{self.prefix}.{part.name}" if self.prefix else part.name
 
-    def gemm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+    def gemm(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation) and not self.method.takes_fp8_activation():
+            if x.plain is None:
+                raise TypeError(f"{self.prefix}: an FP8 activation reached a GEMM that reads the plain one "
+                                f"({self.method.describe()}); its producer was asked for the wrong form")
+            x = x.plain
+        return self.method.apply(self, x)  # type: ignore[arg-type]
+
+    def fp8_input(self) -> str | None:
+        """The form this GEMM's producer writes its input in (``hyserve.kernels.norm.QUANT_MODES``)."""
+        return fp8_input_of([self])
 
     def part_tensors(self) -> dict[str, torch.Tensor]:
         """``{part.param: view}``: each named part's checkpoint tensors (``in_proj_z.weight``, ...), views of this
@@ -87,7 +124,7 @@ class Linear(LinearBase):
         super().__init__(in_features, [LinearPart(None, out_features, shard)], linear_method(quant, prefix),
                          prefix=prefix, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         y = self.gemm(x)
         return y if self.bias is None else y + self.bias
 
@@ -118,10 +155,14 @@ class MergedLinear(nn.Module):
                        methods[g[0]], prefix=prefix) for g in groups])
         self._gemms: list[LinearBase] = list(self.gemms)  # type: ignore[arg-type]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if len(self._gemms) == 1:
             return self._gemms[0].gemm(x)
         return torch.cat([g.gemm(x) for g in self._gemms], dim=-1)
+
+    def fp8_input(self) -> str | None:
+        """The form this projection's producer writes its input in (``hyserve.kernels.norm.QUANT_MODES``)."""
+        return fp8_input_of(self._gemms)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(self.sizes, dim=-1))
@@ -148,7 +189,7 @@ class RowParallelLinear(LinearBase):
         # False: the caller sums this partial output over the group itself (with others, in one all-reduce).
         self.reduce_results = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         y = self.gemm(x)
         if self.sharded and self.reduce_results:
             y = all_reduce(y)

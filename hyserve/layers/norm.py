@@ -8,9 +8,12 @@ Every RMSNorm in the model is zero-centred (scale ``1 + w``) except the Gated De
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
+from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.hyper_connection import hc_inject_norm
 from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.norm import add_rms_norm, add_scaled_rms_norm, gated_rms_norm, rms_norm, scaled_rms_norm
@@ -24,12 +27,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    @overload
+    def forward(self, x: torch.Tensor, quant: None = None) -> torch.Tensor: ...
 
-    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add fused in: ``(x + delta, norm(x + delta))``."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
+    @overload
+    def forward(self, x: torch.Tensor, quant: str | None) -> torch.Tensor | Fp8Activation: ...
+
+    def forward(self, x: torch.Tensor, quant: str | None = None) -> torch.Tensor | Fp8Activation:
+        """``quant``: the output quantized per token for the FP8 GEMMs that read it, in the same launch
+        (``hyserve.kernels.norm.QUANT_MODES``)."""
+        return rms_norm(x, self.weight, self.eps, quant)
+
+    @overload
+    def add(self, x: torch.Tensor, delta: torch.Tensor, quant: None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def add(self, x: torch.Tensor, delta: torch.Tensor,
+            quant: str | None) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]: ...
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor,
+            quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
+        """The residual add fused in: ``(x + delta, norm(x + delta))``, the norm in the form ``quant`` asks for."""
+        return add_rms_norm(x, delta, self.weight, self.eps, quant)
 
 
 class ScaledRMSNorm(nn.Module):

@@ -56,6 +56,7 @@ from hyserve.kernels.attention.qsa import (
     store_index_keys,
 )
 from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
+from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.rope import apply_rope
 from hyserve.kernels.varlen import row_index
@@ -146,7 +147,12 @@ class IndexedAttention(Attention):
             # graph capture); the shared rotary keeps them too, for its M-RoPE steps.
             self.position_axes = self.rotary[0].axes(index_cache.device)
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    def fp8_input(self) -> str | None:
+        """Plain: the indexer reads the layer's input too."""
+        return None
+
+    def forward(self, x: torch.Tensor | Fp8Activation, meta: StepMetadata) -> torch.Tensor:
+        assert isinstance(x, torch.Tensor), "QSA's input is plain (fp8_input)"
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         assert self.index_cache is not None, "index cache not bound (bind_caches' index_caches)"
         t = x.shape[0]

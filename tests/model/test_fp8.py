@@ -173,7 +173,52 @@ def test_skipping_activation_quantization_is_caught(fp8_ckpts: Checkpoints, case
 
     monkeypatch.setattr(fp8_method, "fp8_linear", no_act_quant)
     monkeypatch.setattr(fp8_method, "fp8_block_linear", no_act_quant_block)
+    monkeypatch.setenv("HYSERVE_FP8_FUSED_QUANT", "0")  # every GEMM quantizes its own input (the sabotaged step)
     path = fp8_ckpts.get(case)
+    _, runs = run_shared_prefix(path)
+    with pytest.raises(AssertionError, match=r"log-prob differences|reference argmax"):
+        assert_matches_fp8_reference(load_fp8_reference(path), runs)
+
+
+def test_producers_quantize_for_the_fp8_gemms(fp8_ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FP8_DYNAMIC weights the norms and the SwiGLU hand their FP8 GEMMs the activation quantized per token
+    (``Fp8Activation``; the plain one beside it for the merged in_proj's bf16 parts), and the outputs are those of
+    every GEMM quantizing its own input, token for token and log-prob for log-prob (both against the reference)."""
+    seen: dict[str, int] = {"fp8": 0, "plain": 0}
+    linear = fp8_method.fp8_linear
+
+    def counting(x: Any, *args: Any) -> torch.Tensor:
+        seen["fp8" if isinstance(x, fp8_kernels.Fp8Activation) else "plain"] += 1
+        return linear(x, *args)
+
+    monkeypatch.setattr(fp8_method, "fp8_linear", counting)
+    path = fp8_ckpts.get("ct_dynamic")
+    _, fused = run_shared_prefix(path)
+    # Every FP8 GEMM whose producer is a norm or the SwiGLU took the quantized form; o_proj and out_proj did not.
+    assert seen["fp8"] > 0 and seen["plain"] > 0, seen
+    assert_matches_fp8_reference(load_fp8_reference(path), fused)
+    monkeypatch.setenv("HYSERVE_FP8_FUSED_QUANT", "0")
+    seen.update(fp8=0, plain=0)
+    _, own = run_shared_prefix(path)
+    assert seen["fp8"] == 0, seen
+    for (_, a), (_, b) in zip(fused, own, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_plain_parts_fed_the_quantized_activation_are_caught(fp8_ckpts: Checkpoints,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: a merged projection's bf16 parts (``in_proj_a`` / ``in_proj_b`` here) read the FP8 activation
+    dequantized instead of the plain one its producer kept beside it."""
+    gemm = LinearBase.gemm
+
+    def dequantized_plain(self: LinearBase, x: Any) -> torch.Tensor:
+        if isinstance(x, fp8_kernels.Fp8Activation) and not self.method.takes_fp8_activation():
+            return self.method.apply(self, (x.q.float() * x.scale).to(x.dtype))
+        return gemm(self, x)
+
+    monkeypatch.setattr(LinearBase, "gemm", dequantized_plain)
+    path = fp8_ckpts.get("ct_dynamic")
     _, runs = run_shared_prefix(path)
     with pytest.raises(AssertionError, match=r"log-prob differences|reference argmax"):
         assert_matches_fp8_reference(load_fp8_reference(path), runs)

@@ -33,21 +33,23 @@ from hyserve.kernels.fp8.reference import (
     AMAX_EPS,
     FP8_DTYPE,
     FP8_MAX,
+    Fp8Activation,
     dequantize_block_weight,
     fp8_block_linear_dequant,
     fp8_block_linear_ref,
     fp8_linear_ref,
+    quantize_activation_ref,
     quantize_fp8,
     quantize_per_token,
     quantize_per_token_group,
 )
 from hyserve.utils import next_pow2
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "GemmConfig", "blockwise_scaled_mm", "blockwise_scaled_mm_fits",
-           "check_fp8_device", "dequantize_block_weight",
-           "fp8_block_linear", "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref",
-           "gemm_backend", "gemm_config", "prepare_device", "quantize_fp8", "quantize_per_token",
-           "quantize_per_token_group", "quantize_rows", "split_locks", "triton_fp8_gemm"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "Fp8Activation", "GemmConfig", "blockwise_scaled_mm",
+           "blockwise_scaled_mm_fits", "check_fp8_device", "dequantize_block_weight", "fp8_block_linear",
+           "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref", "gemm_backend",
+           "gemm_config", "prepare_device", "quantize_activation", "quantize_activation_ref", "quantize_fp8",
+           "quantize_per_token", "quantize_per_token_group", "quantize_rows", "split_locks", "triton_fp8_gemm"]
 
 # The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0), which ``torch._scaled_mm`` needs.
 MIN_FP8_CAPABILITY = (8, 9)
@@ -241,27 +243,51 @@ def _gemm_out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def quantize_activation(x: torch.Tensor, keep_plain: bool = False) -> Fp8Activation:
+    """``x`` ``(..., K)`` quantized per token as an :class:`Fp8Activation` (one launch on CUDA; the reference
+    elsewhere). The producers' fused forms (``hyserve.kernels.norm``) give the same bits without this launch."""
+    if not x.is_cuda:
+        return quantize_activation_ref(x, keep_plain)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    q, s = quantize_rows(x2)
+    return Fp8Activation(q, s, x.dtype, x2 if keep_plain else None)
+
+
+def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T`` over the last dimension of ``x`` (any leading shape) for a per-channel FP8 weight (see
-    :func:`fp8_linear_ref`); output in ``x.dtype``."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    :func:`fp8_linear_ref`); output in ``x.dtype``. ``x`` may come quantized per token already
+    (:class:`Fp8Activation`, ``(M, K)`` rows): then no quantization launch."""
     n, k = weight.shape
-    if not x.is_cuda or x2.shape[0] == 0:
-        return fp8_linear_ref(x2, weight, weight_scale, input_scale).view(*lead, n)
-    out_dtype = _gemm_out_dtype(x)
+    if isinstance(x, Fp8Activation):
+        assert input_scale is None, "an activation quantized per token meets a static input scale"
+        if not x.q.is_cuda or x.q.shape[0] == 0:
+            return fp8_linear_ref(x, weight, weight_scale)
+        m = x.q.shape[0]
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        q, s = x.q, x.scale
+        lead: tuple[int, ...] = (m,)
+    else:
+        lead = tuple(x.shape[:-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        m = x2.shape[0]
+        if not x.is_cuda or m == 0:
+            return fp8_linear_ref(x2, weight, weight_scale, input_scale).view(*lead, n)
+        out_dtype = _gemm_out_dtype(x)
     backend = gemm_backend()
     if backend == "auto":
-        backend = "triton" if x2.shape[0] <= AUTO_TRITON_MAX_ROWS else "scaled_mm"
-    if backend == "triton-fused":  # the activation quantized inside the GEMM: one launch per projection
+        backend = "triton" if m <= AUTO_TRITON_MAX_ROWS else "scaled_mm"
+    if backend == "triton-fused" and not isinstance(x, Fp8Activation):
+        # the activation quantized inside the GEMM: one launch per projection
         y = triton_fp8_gemm(x2.contiguous(), input_scale, weight, weight_scale.view(n, 1), None, out_dtype,
                             quantize="token" if input_scale is None else "static")
-    elif backend == "triton" or k % 16 or n % 16:
-        q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
+    elif backend in ("triton", "triton-fused") or k % 16 or n % 16:
+        if not isinstance(x, Fp8Activation):
+            q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
         y = triton_fp8_gemm(q, s, weight, weight_scale.view(n, 1), None, out_dtype)
     else:
-        q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
+        if not isinstance(x, Fp8Activation):
+            q, s = quantize_rows(x2.contiguous(), static_scale=input_scale)
         # cuBLASLt takes the second operand column-major: the contiguous (N, K) weight's transpose is; rowwise
         # scaling is a (M, 1) scale for the tokens and a (1, N) one for the channels.
         if s.shape[0] != q.shape[0]:

@@ -7,16 +7,43 @@ token, per token and ``bk``-wide group of K, or with one static scale (``s = max
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
-__all__ = ["AMAX_EPS", "FP8_DTYPE", "FP8_MAX", "dequantize_block_weight", "fp8_block_linear_dequant",
-           "fp8_block_linear_ref", "fp8_linear_ref", "quantize_fp8", "quantize_per_token", "quantize_per_token_group"]
+__all__ = ["AMAX_EPS", "FP8_DTYPE", "FP8_MAX", "Fp8Activation", "dequantize_block_weight", "fp8_block_linear_dequant",
+           "fp8_block_linear_ref", "fp8_linear_ref", "quantize_activation_ref", "quantize_fp8", "quantize_per_token",
+           "quantize_per_token_group"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # The smallest amax a scale is taken from: an all-zero token quantizes to zeros instead of dividing by zero.
 AMAX_EPS = 1e-10
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Activation:
+    """An activation handed to FP8 GEMMs already quantized per token by the kernel that produced it (a norm, the
+    SwiGLU): ``q`` ``(M, K)`` float8_e4m3fn and ``scale`` ``(M, 1)`` float32, exactly :func:`quantize_per_token` of
+    the ``(M, K)`` activation ``dtype`` would have held; ``plain``, that activation itself where an unquantized GEMM
+    reads the same input too (a merged projection with bf16 parts), else None. The GEMM's output is in ``dtype``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    plain: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def quantize_activation_ref(x: torch.Tensor, keep_plain: bool = False) -> Fp8Activation:
+    """``x`` ``(..., K)`` as an :class:`Fp8Activation` of its ``(M, K)`` rows (quantized per token)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = quantize_per_token(x2)
+    return Fp8Activation(q, s, x.dtype, x2 if keep_plain else None)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,10 +76,15 @@ def dequantize_block_weight(weight: torch.Tensor, scale: torch.Tensor, block: tu
     return weight.float() * full
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_ref(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T`` for ``(M, K)`` activations and a ``(N, K)`` FP8 weight with ``(N, 1)`` scales; activations per
-    token, or with the static ``input_scale`` (one element). Float32 math, output in ``x.dtype``."""
+    token, or with the static ``input_scale`` (one element), or quantized already (an :class:`Fp8Activation`).
+    Float32 math, output in ``x.dtype``."""
+    if isinstance(x, Fp8Activation):
+        assert input_scale is None, "an activation quantized per token meets a static input scale"
+        w = weight.float() * weight_scale.float()
+        return torch.matmul(x.q.float() * x.scale, w.t()).to(x.dtype)
     if input_scale is None:
         q, s = quantize_per_token(x)
     else:

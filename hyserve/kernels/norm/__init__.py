@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hyserve.kernels.fp8.reference import AMAX_EPS, FP8_DTYPE, FP8_MAX, Fp8Activation, quantize_activation_ref
 from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.norm.reference import (
     add_rms_norm_ref,
@@ -34,36 +35,54 @@ from hyserve.kernels.norm.reference import (
     silu_gate_ref,
     silu_mul_ref,
 )
+from hyserve.utils import next_pow2
 
-__all__ = ["MAX_WIDTH", "add_rms_norm", "add_rms_norm_ref", "add_scaled_rms_norm", "add_scaled_rms_norm_ref",
-           "gated_rms_norm", "gated_rms_norm_ref", "gated_sum_squares", "gated_sum_squares_ref",
-           "grouped_gated_rms_norm", "grouped_gated_rms_norm_ref", "rms_norm", "rms_norm_ref", "scaled_rms_norm",
-           "scaled_rms_norm_ref", "silu_gate", "silu_gate_ref", "silu_mul", "silu_mul_ref"]
+__all__ = ["MAX_WIDTH", "QUANT_MODES", "add_rms_norm", "add_rms_norm_ref", "add_scaled_rms_norm",
+           "add_scaled_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "gated_sum_squares",
+           "gated_sum_squares_ref", "grouped_gated_rms_norm", "grouped_gated_rms_norm_ref", "rms_norm", "rms_norm_ref",
+           "scaled_rms_norm", "scaled_rms_norm_ref", "silu_gate", "silu_gate_ref", "silu_mul", "silu_mul_ref"]
 
 _MAX_BLOCK_D = 16384
 MAX_WIDTH = _MAX_BLOCK_D  # the widest row (or gated-norm group) one program normalises
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, rms_norm(x + delta))``: the residual stream and its norm, the add rounded to ``x.dtype``."""
+# What a producer hands an FP8 GEMM (``quant``): None, the plain activation; ``"fp8"``, the activation quantized per
+# token as an :class:`Fp8Activation` (the GEMM skips its quantization launch); ``"fp8+plain"``, both (a merged
+# projection with unquantized parts reads the plain one).
+QUANT_MODES = (None, "fp8", "fp8+plain")
+
+
+def _as_activation(y: torch.Tensor, quant: str | None) -> torch.Tensor | Fp8Activation:
+    """The reference path's output in the form ``quant`` asks for."""
+    assert quant in QUANT_MODES, quant
+    return y if quant is None else quantize_activation_ref(y, keep_plain=quant == "fp8+plain")
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
+    """``(x + delta, rms_norm(x + delta))``: the residual stream and its norm, the add rounded to ``x.dtype``; the
+    norm quantized per token for the next FP8 GEMM as ``quant`` says (:data:`QUANT_MODES`), in the same launch."""
     if not x.is_cuda:
-        return add_rms_norm_ref(x, delta, weight, eps)
-    return add_rms_norm_triton(x, delta, weight, eps)
+        res, y = add_rms_norm_ref(x, delta, weight, eps)
+        return res, _as_activation(y, quant)
+    return add_rms_norm_triton(x, delta, weight, eps, quant)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (SwiGLU), in ``gate.dtype``."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None) -> torch.Tensor | Fp8Activation:
+    """``silu(gate) * up`` (SwiGLU), in ``gate.dtype``; quantized per token for the next FP8 GEMM as ``quant``
+    says (:data:`QUANT_MODES`), in the same launch."""
     if not gate.is_cuda:
-        return silu_mul_ref(gate, up)
-    return silu_mul_triton(gate, up)
+        return _as_activation(silu_mul_ref(gate, up), quant)
+    return silu_mul_triton(gate, up, quant)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32, returned in ``x.dtype``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             quant: str | None = None) -> torch.Tensor | Fp8Activation:
+    """``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim, in float32, returned in ``x.dtype``; quantized
+    per token for the next FP8 GEMM as ``quant`` says (:data:`QUANT_MODES`), in the same launch."""
     if not x.is_cuda:
-        return rms_norm_ref(x, weight, eps)
-    return rms_norm_triton(x, weight, eps)
+        return _as_activation(rms_norm_ref(x, weight, eps), quant)
+    return rms_norm_triton(x, weight, eps, quant)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,7 +131,24 @@ def _launch(d: int) -> tuple[int, int, int]:
     return block_d, rows, warps
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _quant_buffers(n: int, d: int, like: torch.Tensor, quant: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 values and per-token scales a producer writes (``quant``), or stand-ins it never touches."""
+    assert quant in QUANT_MODES, quant
+    if quant is None:
+        return like, like
+    return (torch.empty((n, d), dtype=FP8_DTYPE, device=like.device),
+            torch.empty((n, 1), dtype=torch.float32, device=like.device))
+
+
+def _produced(out: torch.Tensor, q: torch.Tensor, s: torch.Tensor, shape: torch.Size,
+              quant: str | None) -> torch.Tensor | Fp8Activation:
+    if quant is None:
+        return out.view(shape)
+    return Fp8Activation(q, s, out.dtype, out if quant == "fp8+plain" else None)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    quant: str | None = None) -> torch.Tensor | Fp8Activation:
     from hyserve.kernels.norm._triton import _rms_norm_kernel
 
     d = x.shape[-1]
@@ -120,11 +156,14 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     x2 = _rows(x)
     n = x2.shape[0]
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    q, s = _quant_buffers(n, d, out, quant)
     if n:
         block_d, rows, warps = _launch(d)
         _rms_norm_kernel[(-(-n // rows),)](x2, weight, out, n, d, x2.stride(0), out.stride(0), float(eps),
-                                            ROWS=rows, BLOCK_D=block_d, SCALED=False, num_warps=warps)
-    return out.view(x.shape)
+                                            q, q.stride(0), s, FP8_MAX, AMAX_EPS,
+                                            ROWS=rows, BLOCK_D=block_d, SCALED=False, QUANT=quant is not None,
+                                            KEEP=quant == "fp8+plain", num_warps=warps)
+    return _produced(out, q, s, x.shape, quant)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,8 +182,8 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     return out.view(x.shape)
 
 
-def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                        quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
     from hyserve.kernels.norm._triton import _add_rms_norm_kernel
 
     d = x.shape[-1]
@@ -153,22 +192,37 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     n = x2.shape[0]
     res = torch.empty((n, d), dtype=x.dtype, device=x.device)
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    q, s = _quant_buffers(n, d, out, quant)
     if n:
         block_d, rows, warps = _launch(d)
         _add_rms_norm_kernel[(-(-n // rows),)](x2, d2, weight, res, out, n, d, x2.stride(0), d2.stride(0),
                                                 res.stride(0), out.stride(0), float(eps), 1.0,
+                                                q, q.stride(0), s, FP8_MAX, AMAX_EPS,
                                                 ROWS=rows, BLOCK_D=block_d, SCALED=False, HAS_SCALE=False,
+                                                QUANT=quant is not None, KEEP=quant == "fp8+plain",
                                                 num_warps=warps)
-    return res.view(x.shape), out.view(x.shape)
+    return res.view(x.shape), _produced(out, q, s, x.shape, quant)
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from hyserve.kernels.norm._triton import _silu_mul_kernel
+# Columns a program of the quantizing SwiGLU takes at a time (one program a row, two passes over it).
+_SILU_QUANT_BLOCK = 2048
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor,
+                    quant: str | None = None) -> torch.Tensor | Fp8Activation:
+    from hyserve.kernels.norm._triton import _silu_mul_kernel, _silu_mul_quant_kernel
 
     assert gate.shape == up.shape, "gate and up must have one shape"
     g2, u2 = _rows(gate), _rows(up)
     n, f = g2.shape
     out = torch.empty((n, f), dtype=gate.dtype, device=gate.device)
+    if quant is not None:
+        q, s = _quant_buffers(n, f, out, quant)
+        if n and f:
+            _silu_mul_quant_kernel[(n,)](g2, u2, out, q, s, f, g2.stride(0), u2.stride(0), out.stride(0),
+                                         q.stride(0), FP8_MAX, AMAX_EPS, BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(f)),
+                                         KEEP=quant == "fp8+plain", num_warps=4)
+        return _produced(out, q, s, gate.shape, quant)
     if n and f:
         block_t, block_f = 4, 1024
         _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g2, u2, out, n, f, g2.stride(0), u2.stride(0),
@@ -234,6 +288,7 @@ def scaled_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     if n:
         block_d, rows, warps = _launch(d)
         _rms_norm_kernel[(-(-n // rows),)](x2, weight, out, n, d, x2.stride(0), out.stride(0), float(eps),
+                                            out, 0, out, FP8_MAX, AMAX_EPS,
                                             ROWS=rows, BLOCK_D=block_d, SCALED=True, num_warps=warps)
     return out.view(x.shape)
 
@@ -253,6 +308,7 @@ def add_scaled_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: tor
         block_d, rows, warps = _launch(d)
         _add_rms_norm_kernel[(-(-n // rows),)](x2, d2, weight, res, out, n, d, x2.stride(0), d2.stride(0),
                                                 res.stride(0), out.stride(0), float(eps), float(scale),
+                                                out, 0, out, FP8_MAX, AMAX_EPS,
                                                 ROWS=rows, BLOCK_D=block_d, SCALED=True, HAS_SCALE=scale != 1.0,
                                                 num_warps=warps)
     return res.view(x.shape), out.view(x.shape)
@@ -327,26 +383,45 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         _gated_sum_squares_kernel,
         _grouped_gated_rms_norm_kernel,
         _rms_norm_kernel,
+        _silu_mul_quant_kernel,
     )
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     i32, f32 = "i32", "fp32"
     block_d, rows, _ = _launch(4096)
-    norm = dict(N=i32, D=i32, sx=i32, so=i32, eps=f32)
+    norm = dict(N=i32, D=i32, sx=i32, so=i32, eps=f32, sq=i32, fp8_max=f32, amax_eps=f32)
     for act, scaled_forms in (("bf16", (True, False)), ("fp16", (True,)), ("fp32", (True,))):
         for scaled in scaled_forms:
             kind = "scaled" if scaled else "zero_centred"
-            consts: dict[str, Any] = dict(ROWS=rows, BLOCK_D=block_d, SCALED=scaled)
+            consts: dict[str, Any] = dict(ROWS=rows, BLOCK_D=block_d, SCALED=scaled, QUANT=False, KEEP=False)
+            plain = dict(q_ptr=f"*{act}", s_ptr=f"*{act}")
             out.append((f"rms_norm_{kind}_{act}", _rms_norm_kernel,
-                        dict(norm, x_ptr=f"*{act}", w_ptr=f"*{act}", out_ptr=f"*{act}"), consts))
+                        dict(norm, x_ptr=f"*{act}", w_ptr=f"*{act}", out_ptr=f"*{act}", **plain), consts))
             for has_scale in ((True, False) if scaled else (False,)):
                 sig = dict(norm, x_ptr=f"*{act}", d_ptr=f"*{act}", w_ptr=f"*{act}", res_ptr=f"*{act}",
-                           out_ptr=f"*{act}", sd=i32, sr=i32, scale=f32)
+                           out_ptr=f"*{act}", sd=i32, sr=i32, scale=f32, **plain)
                 out.append((f"add_rms_norm_{kind}{'_multiplied' if has_scale else ''}_{act}", _add_rms_norm_kernel,
                             sig, dict(consts, HAS_SCALE=has_scale)))
     out.append(("rms_norm_scaled_fp32_weight_bf16", _rms_norm_kernel,
-                dict(norm, x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32"),
-                dict(ROWS=rows, BLOCK_D=block_d, SCALED=True)))
+                dict(norm, x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", q_ptr="*fp32", s_ptr="*fp32"),
+                dict(ROWS=rows, BLOCK_D=block_d, SCALED=True, QUANT=False, KEEP=False)))
+    # The zero-centred norms quantizing for an FP8 GEMM (Qwen3.5's hidden 5120 at 27B: one row a program), with the
+    # plain output kept or not, and the quantizing SwiGLU (intermediate 17408).
+    block_q, rows_q, _ = _launch(5120)
+    fp8 = dict(q_ptr="*fp8e4nv", s_ptr="*fp32")
+    for act in ("bf16", "fp16", "fp32"):
+        for keep in (False, True):
+            tag = "_keep" if keep else ""
+            consts = dict(ROWS=rows_q, BLOCK_D=block_q, SCALED=False, QUANT=True, KEEP=keep)
+            out.append((f"rms_norm_fp8{tag}_{act}", _rms_norm_kernel,
+                        dict(norm, x_ptr=f"*{act}", w_ptr=f"*{act}", out_ptr=f"*{act}", **fp8), consts))
+            out.append((f"add_rms_norm_fp8{tag}_{act}", _add_rms_norm_kernel,
+                        dict(norm, x_ptr=f"*{act}", d_ptr=f"*{act}", w_ptr=f"*{act}", res_ptr=f"*{act}",
+                             out_ptr=f"*{act}", sd=i32, sr=i32, scale=f32, **fp8), dict(consts, HAS_SCALE=False)))
+            out.append((f"silu_mul_fp8{tag}_{act}", _silu_mul_quant_kernel,
+                        dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", F=i32, sg=i32, su=i32, so=i32,
+                             sq=i32, fp8_max=f32, amax_eps=f32, **fp8),
+                        dict(BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(17408)), KEEP=keep)))
     gate = dict(N=i32, W=i32, sy=i32, sz=i32)
     # bf16: every form; fp16 and float32 models: the two orders of the norm and the gate alone.
     spans: tuple[tuple[bool, bool, int], ...] = ((False, False, 1024), (True, False, 1024), (False, True, 4096),

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["_add_rms_norm_kernel", "_gated_rms_norm_kernel", "_gated_sum_squares_kernel",
-           "_grouped_gated_rms_norm_kernel", "_l2_norm_heads_kernel", "_rms_norm_kernel", "_silu_mul_kernel"]
+           "_grouped_gated_rms_norm_kernel", "_l2_norm_heads_kernel", "_rms_norm_kernel", "_silu_mul_kernel",
+           "_silu_mul_quant_kernel"]
 
 
 @triton.jit
@@ -41,16 +42,36 @@ def _weighted(x, rstd, w, dt, SCALED: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(y, rows, offs, mask, N, out_ptr, so, q_ptr, sq, s_ptr, fp8_max, amax_eps,
+                QUANT: tl.constexpr, KEEP: tl.constexpr, dt: tl.constexpr):
+    """Store the rows ``y`` (float32) rounded to ``dt`` in ``out``, or (``QUANT``) quantized per token: the rounded
+    rows' ``scale = max(amax, amax_eps) / fp8_max`` to ``s_ptr`` (one a row) and ``fp8(clamp(y / scale))`` to ``q``,
+    the arithmetic of ``hyserve.kernels.fp8.quantize_per_token`` on the rounded output (``KEEP``: ``out`` too)."""
+    yr = y.to(dt)
+    if (not QUANT) or KEEP:
+        tl.store(out_ptr + rows[:, None] * so + offs[None, :], yr, mask=mask)
+    if QUANT:
+        yf = yr.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.where(mask, tl.abs(yf), 0.0), axis=1), amax_eps), fp8_max)
+        q = tl.clamp(tl.math.div_rn(yf, scale[:, None]), -fp8_max, fp8_max)
+        tl.store(q_ptr + rows[:, None] * sq + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rows, scale, mask=rows < N)
+
+
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, N, D, sx, so, eps,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, N, D, sx, so, eps, q_ptr, sq, s_ptr, fp8_max, amax_eps,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr, QUANT: tl.constexpr = False,
+    KEEP: tl.constexpr = False,
 ):  # fmt: skip
     """``out = x * rsqrt(mean(x^2) + eps) * (1 + w)`` (zero-centred weight), float32 inside; ``SCALED``:
-    ``out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``."""
+    ``out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``. ``QUANT``: the rows quantized per token for an FP8 GEMM
+    (:func:`_store_rows`)."""
     rows, offs, dmask, mask, x, rstd = _rows_rstd(x_ptr, N, D, sx, eps, ROWS, BLOCK_D)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
     y = _weighted(x, rstd, w, x_ptr.dtype.element_ty, SCALED)
-    tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_rows(y, rows, offs, mask, N, out_ptr, so, q_ptr, sq, s_ptr, fp8_max, amax_eps, QUANT, KEEP,
+                out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -71,8 +92,9 @@ def _gated_rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, D, sx, sd, sr, so, eps, scale,
+    x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, D, sx, sd, sr, so, eps, scale, q_ptr, sq, s_ptr, fp8_max, amax_eps,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr, HAS_SCALE: tl.constexpr,
+    QUANT: tl.constexpr = False, KEEP: tl.constexpr = False,
 ):  # fmt: skip
     """``res = x + d`` (rounded to the dtype, as a torch add is) and ``out = rms_norm(res)`` under the weight
     (``SCALED`` as :func:`_rms_norm_kernel`). ``HAS_SCALE``: ``res = x + d * scale``, the product rounded to
@@ -92,7 +114,8 @@ def _add_rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=1) / D + eps)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
     y = _weighted(rf, rstd, w, dt, SCALED)
-    tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_rows(y, rows, offs, mask, N, out_ptr, so, q_ptr, sq, s_ptr, fp8_max, amax_eps, QUANT, KEEP,
+                out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -169,6 +192,38 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, F, sg, su, so, BLOCK_T: tl.conste
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * so + cols[None, :], (s * u).to(dt), mask=mask)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, F, sg, su, so, sq, fp8_max, amax_eps,
+    BLOCK_F: tl.constexpr, KEEP: tl.constexpr,
+):  # fmt: skip
+    """Row ``program_id(0)`` of ``silu(g) * u`` (rounded as :func:`_silu_mul_kernel` rounds it) quantized per token
+    for an FP8 GEMM: a first pass over the row for its amax, a second for the values (``KEEP``: the rounded row to
+    ``out`` too). The arithmetic of ``hyserve.kernels.fp8.quantize_per_token`` on :func:`_silu_mul_kernel`'s output."""
+    row = tl.program_id(0).to(tl.int64)
+    dt = g_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for lo in range(0, F, BLOCK_F):
+        cols = lo + tl.arange(0, BLOCK_F)
+        m = cols < F
+        g = tl.load(g_ptr + row * sg + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + cols, mask=m, other=0.0).to(tl.float32)
+        y = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        amax = tl.maximum(amax, tl.where(m, tl.abs(y), 0.0))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), amax_eps), fp8_max)
+    tl.store(s_ptr + row, scale)
+    for lo in range(0, F, BLOCK_F):
+        cols = lo + tl.arange(0, BLOCK_F)
+        m = cols < F
+        g = tl.load(g_ptr + row * sg + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + cols, mask=m, other=0.0).to(tl.float32)
+        yr = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
+        if KEEP:
+            tl.store(out_ptr + row * so + cols, yr, mask=m)
+        q = tl.clamp(tl.math.div_rn(yr.to(tl.float32), scale), -fp8_max, fp8_max)
+        tl.store(q_ptr + row * sq + cols, q.to(q_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -61,6 +61,12 @@ class LinearMethod(ABC):
     row_alignment: int = 1
     quantized: bool = False
 
+    def takes_fp8_activation(self) -> bool:
+        """Whether :meth:`apply` takes an activation its producer quantized per token already
+        (``hyserve.kernels.fp8.Fp8Activation``): the producer's launch then writes the FP8 values and scales, and
+        the GEMM has no quantization launch of its own."""
+        return False
+
     @abstractmethod
     def create_weights(self, layer: GemmLayer) -> None:
         """Register the layer's parameters (``weight`` and what else the method keeps), on the current default

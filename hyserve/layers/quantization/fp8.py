@@ -105,6 +105,12 @@ class Fp8LinearMethod(LinearMethod):
     def describe(self) -> str:
         return f"FP8 ({self.scheme.describe()})"
 
+    def takes_fp8_activation(self) -> bool:
+        """Channel or tensor weights with activations quantized per token on the fly (compressed-tensors'
+        FP8_DYNAMIC, online FP8): the producer may quantize them. Block weights (128-wide activation groups, laid
+        out per GEMM backend) and static input scales quantize in the GEMM's own launch."""
+        return self.scheme.block is None and self.scheme.activation == "token"
+
     # ------------------------------------------------------------------ weights
 
     def create_weights(self, layer: GemmLayer) -> None:
