@@ -15,6 +15,7 @@ decode (:data:`FUSED_EXPERTS_LAUNCHES`: gate/up, down, combine), not as the CPU 
     python benchmarks/count_launches.py
     python benchmarks/count_launches.py --nemotron-h --by-op
     python benchmarks/count_launches.py --nemotron-h-moe --by-op
+    HYSERVE_DECODE_GEMM=on python benchmarks/count_launches.py --by-op   # norms and SwiGLU in the GEMMs' prologue
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyserve import LLM, SamplingParams
+from hyserve.kernels.gemv import decode_gemm_enabled as gemv_enabled
 from hyserve.testing import write_tiny_checkpoint
 
 NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "t", "transpose",
@@ -145,6 +147,16 @@ def _count_fp8_gemms_as_on_cuda(counter: _Counter) -> None:
     fp8_method.fp8_linear = fp8_linear  # type: ignore[assignment]
 
 
+def _count_decode_gemms_as_on_cuda(counter: _Counter) -> None:
+    """``HYSERVE_DECODE_GEMM=on`` as on CUDA: a decode step's norm and SwiGLU deferred into the next GEMM's
+    prologue, that GEMM one launch (its CPU reference computes the deferred input, uncounted)."""
+    from hyserve.kernels import gemv
+    from hyserve.layers import linear
+
+    gemv.uses_triton = lambda t: True  # type: ignore[assignment]
+    linear.decode_linear = _one_launch(counter, gemv.decode_linear_ref)  # type: ignore[assignment]
+
+
 def _count_entry_points(counter: _Counter) -> None:
     for modname, names in ENTRY_POINTS.items():
         mod = importlib.import_module(modname)
@@ -207,6 +219,8 @@ def main() -> None:
     _count_entry_points(counter)
     if args.fp8:
         _count_fp8_gemms_as_on_cuda(counter)
+    if gemv_enabled():
+        _count_decode_gemms_as_on_cuda(counter)
     if args.graphs:
         from hyserve.worker import cuda_graphs
 

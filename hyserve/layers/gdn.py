@@ -18,6 +18,7 @@ from hyserve.kernels.conv import causal_conv1d_verify
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_verify
+from hyserve.kernels.gemv import DeferredInput
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm
 from hyserve.layers.quantization import QuantizationConfig
@@ -139,7 +140,11 @@ class GatedDeltaNet(RecurrentLayer):
         token where ``in_proj`` takes it so."""
         return self.in_proj.fp8_input()
 
-    def forward(self, x: torch.Tensor | Fp8Activation, meta: StepMetadata) -> torch.Tensor:
+    def takes_deferred(self) -> bool:
+        """Whether the layer's input may come as its norm deferred into ``in_proj``'s prologue."""
+        return self.in_proj.takes_deferred()
+
+    def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput, meta: StepMetadata) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         t = x.shape[0]
         weight = self.conv1d.weight.squeeze(1)

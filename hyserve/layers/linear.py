@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from hyserve.distributed.parallel_state import all_gather_last, all_reduce, shard_range, tp_size
 from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.kernels.gemv import DeferredInput, NormedInput, SwigluInput, decode_gemm_enabled, decode_linear
 from hyserve.layers.quantization.base import UNQUANTIZED, LinearMethod, LinearPart, QuantizationConfig
 from hyserve.layers.sharding import Shard, set_shard
 
@@ -51,6 +52,13 @@ def fp8_input_for(module: nn.Module) -> str | None:
     activation quantized by its producer: ``MLP``, ``GatedDeltaNet``, ``Attention``), else None (plain)."""
     form = getattr(module, "fp8_input", None)
     return form() if callable(form) else None
+
+
+def takes_deferred_input(module: nn.Module) -> bool:
+    """Whether ``module``'s input may come as its norm deferred into its first GEMM's prologue (its
+    ``takes_deferred()``: ``MLP``, ``GatedDeltaNet``); False for any other block."""
+    takes = getattr(module, "takes_deferred", None)
+    return bool(takes()) if callable(takes) else False
 
 
 def linear_method(quant: QuantizationConfig | None, name: str) -> LinearMethod:
@@ -87,7 +95,12 @@ class LinearBase(nn.Module):
             return self.prefix
         return f"{self.prefix}.{part.name}" if self.prefix else part.name
 
-    def gemm(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor | Fp8Activation | DeferredInput) -> torch.Tensor:
+        if isinstance(x, (NormedInput, SwigluInput)):
+            # A decode step's norm or SwiGLU in this GEMM's prologue (hyserve.kernels.gemv); otherwise computed here.
+            if self.method is UNQUANTIZED and self.weight.dtype == x.dtype:
+                return decode_linear(x, self.weight)
+            x = x.materialize()
         if isinstance(x, Fp8Activation) and not self.method.takes_fp8_activation():
             if x.plain is None:
                 raise TypeError(f"{self.prefix}: an FP8 activation reached a GEMM that reads the plain one "
@@ -98,6 +111,11 @@ class LinearBase(nn.Module):
     def fp8_input(self) -> str | None:
         """The form this GEMM's producer writes its input in (``hyserve.kernels.norm.QUANT_MODES``)."""
         return fp8_input_of([self])
+
+    def takes_deferred(self) -> bool:
+        """Whether this GEMM computes a deferred input (``hyserve.kernels.gemv``: the norm or SwiGLU before it) in
+        its own prologue: an unquantized weight with ``HYSERVE_DECODE_GEMM=on``."""
+        return self.method is UNQUANTIZED and decode_gemm_enabled()
 
     def part_tensors(self) -> dict[str, torch.Tensor]:
         """``{part.param: view}``: each named part's checkpoint tensors (``in_proj_z.weight``, ...), views of this
@@ -124,7 +142,7 @@ class Linear(LinearBase):
         super().__init__(in_features, [LinearPart(None, out_features, shard)], linear_method(quant, prefix),
                          prefix=prefix, bias=bias)
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput) -> torch.Tensor:
         y = self.gemm(x)
         return y if self.bias is None else y + self.bias
 
@@ -155,7 +173,7 @@ class MergedLinear(nn.Module):
                        methods[g[0]], prefix=prefix) for g in groups])
         self._gemms: list[LinearBase] = list(self.gemms)  # type: ignore[arg-type]
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput) -> torch.Tensor:
         if len(self._gemms) == 1:
             return self._gemms[0].gemm(x)
         return torch.cat([g.gemm(x) for g in self._gemms], dim=-1)
@@ -163,6 +181,10 @@ class MergedLinear(nn.Module):
     def fp8_input(self) -> str | None:
         """The form this projection's producer writes its input in (``hyserve.kernels.norm.QUANT_MODES``)."""
         return fp8_input_of(self._gemms)
+
+    def takes_deferred(self) -> bool:
+        """One GEMM that computes a deferred input in its prologue (``LinearBase.takes_deferred``)."""
+        return len(self._gemms) == 1 and self._gemms[0].takes_deferred()
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(self.sizes, dim=-1))
@@ -189,7 +211,7 @@ class RowParallelLinear(LinearBase):
         # False: the caller sums this partial output over the group itself (with others, in one all-reduce).
         self.reduce_results = True
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput) -> torch.Tensor:
         y = self.gemm(x)
         if self.sharded and self.reduce_results:
             y = all_reduce(y)

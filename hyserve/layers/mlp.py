@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels.activation import relu_squared
 from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.kernels.gemv import DeferredInput, SwigluInput, takes_deferred
 from hyserve.kernels.norm import silu_mul
 from hyserve.layers.linear import Linear, MergedLinear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
@@ -32,18 +33,29 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, (i0, i1), sharded=tp_size() > 1, quant=quant,
                                            prefix=f"{prefix}.down_proj")
         self.down_quant = self.down_proj.fp8_input()
+        self.down_deferred = self.down_proj.takes_deferred() and self.gate_multiplier == 1.0
+
+    def takes_deferred(self) -> bool:
+        """Whether the block's input may come as its norm deferred into ``gate_up_proj``'s prologue."""
+        return self.gate_up_proj.takes_deferred()
 
     def fp8_input(self) -> str | None:
         """The form the block's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per
         token where ``gate_up_proj`` takes it so."""
         return self.gate_up_proj.fp8_input()
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         if self.gate_multiplier != 1.0:
             gate = gate * self.gate_multiplier
-        # The SwiGLU writes down_proj's input quantized when down_proj is FP8 per token (one launch, not two).
-        out = self.down_proj(silu_mul(gate, up, self.down_quant))
+        # The SwiGLU writes down_proj's input quantized when down_proj is FP8 per token (one launch, not two), or
+        # goes into its prologue at a decode step (hyserve.kernels.gemv).
+        act: torch.Tensor | Fp8Activation | SwigluInput
+        if self.down_deferred and takes_deferred(gate):
+            act = SwigluInput(gate, up)
+        else:
+            act = silu_mul(gate, up, self.down_quant)
+        out = self.down_proj(act)
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
 

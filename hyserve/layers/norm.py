@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.kernels.gemv import NormedInput
 from hyserve.kernels.hyper_connection import hc_inject_norm
 from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.norm import add_rms_norm, add_scaled_rms_norm, gated_rms_norm, rms_norm, scaled_rms_norm
@@ -49,6 +50,16 @@ class RMSNorm(nn.Module):
             quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
         """The residual add fused in: ``(x + delta, norm(x + delta))``, the norm in the form ``quant`` asks for."""
         return add_rms_norm(x, delta, self.weight, self.eps, quant)
+
+
+    def deferred(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, NormedInput]:
+        """The norm (with the residual add when ``delta``) left to the GEMM that reads it, in its prologue
+        (``hyserve.kernels.gemv``): ``(residual, input)``, the residual written by that GEMM (``x`` itself when
+        there is no add)."""
+        if delta is None:
+            return x, NormedInput(x, self.weight, self.eps)
+        residual = torch.empty_like(x)
+        return residual, NormedInput(x, self.weight, self.eps, delta, residual)
 
 
 class ScaledRMSNorm(nn.Module):

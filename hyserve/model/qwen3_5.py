@@ -18,9 +18,10 @@ from torch import nn
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
 from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.kernels.gemv import DeferredInput, takes_deferred
 from hyserve.layers.attention import Attention
 from hyserve.layers.gdn import GatedDeltaNet
-from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, fp8_input_for
+from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, fp8_input_for, takes_deferred_input
 from hyserve.layers.mlp import MLP
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.rotary import RotaryEmbedding
@@ -51,8 +52,10 @@ class DecoderLayer(nn.Module):
         self.mlp = self.make_mlp(cfg, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # FP8 projections that take their input quantized per token get it from the norm's own launch.
+        # FP8 projections that take their input quantized per token get it from the norm's own launch; bf16 ones
+        # may compute the norm in their prologue at a decode step (hyserve.kernels.gemv).
         self.mixer_input, self.mlp_input = fp8_input_for(self.mixer), fp8_input_for(self.mlp)
+        self.mixer_deferred, self.mlp_deferred = takes_deferred_input(self.mixer), takes_deferred_input(self.mlp)
 
     def make_mlp(self, cfg: Qwen3_5Config, prefix: str) -> nn.Module:
         """The feed-forward block after the mixer (a variant family overrides this one method; ``self.layer_idx``
@@ -63,12 +66,18 @@ class DecoderLayer(nn.Module):
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: the residual stream; ``pending``: the previous layer's MLP output, not yet added (its add is fused
         into this layer's first norm). Returns ``(residual, this layer's MLP output)``, the MLP output pending."""
-        h: torch.Tensor | Fp8Activation
-        if pending is None:
+        h: torch.Tensor | Fp8Activation | DeferredInput
+        if self.mixer_deferred and takes_deferred(x):
+            x, h = self.input_layernorm.deferred(x, pending)
+        elif pending is None:
             h = self.input_layernorm(x, self.mixer_input)
         else:
             x, h = self.input_layernorm.add(x, pending, self.mixer_input)
-        x, h = self.post_attention_layernorm.add(x, self.mixer(h, meta), self.mlp_input)
+        out = self.mixer(h, meta)
+        if self.mlp_deferred and takes_deferred(x):
+            x, h = self.post_attention_layernorm.deferred(x, out)
+        else:
+            x, h = self.post_attention_layernorm.add(x, out, self.mlp_input)
         return x, self.mlp(h)
 
 
