@@ -73,6 +73,8 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from shapes import VISION_27B  # benchmarks/ is on the path (above)
+
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
@@ -87,6 +89,10 @@ def _shape(name: str) -> dict[str, Any]:
         from shapes import SHAPE_2B
 
         return dict(SHAPE_2B)
+    if name == "27b":  # Qwen3.5-27B's text shape (shapes.py SHAPE_27B: its sources)
+        from shapes import SHAPE_27B
+
+        return dict(SHAPE_27B)
     if name == "9b":  # Qwen3.5-9B's text shape: 32 layers (8 gated attention), untied LM head
         return dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                     num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
@@ -114,6 +120,9 @@ VISIONS: dict[str, dict[str, Any]] = {
     "real": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16, temporal_patch_size=2,
                  spatial_merge_size=2, num_position_embeddings=2304, in_channels=3, hidden_act="gelu_pytorch_tanh"),
 }
+# The 27B class's tower (shapes.py VISION_27B: depth 27, hidden 1152, intermediate 4304, 16 heads; the Qwen3.6-27B
+# release's vision_config): what the seed's 27B model carries.
+VISIONS["27b"] = dict(VISION_27B)
 # Pixel-area bounds of the real tower's preprocessor_config.json: Qwen/Qwen3.5-2B-Base's, verbatim in
 # docs/vlm_facts.md section 4 (``size``: shortest_edge 65536 = 256^2, longest_edge 16777216 = 4096^2; areas, not
 # edges), and those of its video_preprocessor_config.json (the Qwen3.6-27B report there).
@@ -137,10 +146,43 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
     return {t: first + i for i, t in enumerate(QWEN35_SPECIALS)}
 
 
-def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "toy", weights: bool = True) -> None:
+# The seed's checkpoint is compressed-tensors FP8_DYNAMIC (W8A8: FP8 weights with one scale per output channel,
+# activations quantized per token at run time). What it keeps out of FP8 (docs/fp8_facts.md sections 5 and 7; the
+# release's own ignore list is not known): the LM head; the GDN's small projections in_proj_a / in_proj_b (Qwen's
+# FP8 releases keep them in bf16; vLLM registers Qwen3.5's in_proj_b as ``in_proj_ba``, hence the three names); the
+# vision tower (``re:.*visual.*``, as the llm-compressor recipes and the published Qwen3.5 FP8-dynamic checkpoints
+# write it); the MTP layer (``re:.*mtp\..*``: a quantizer that loads transformers' model never sees it, so a head
+# added to a quantized checkpoint stays bf16; hyserve's dummy load makes it bf16, and this entry makes vLLM's
+# ``mtp.*`` layers bf16 too). Not known: whether the release keeps the whole GDN block (``re:.*linear_attn.*``, the
+# llm-compressor FP8_DYNAMIC recipes for Qwen3.5-MoE and Qwen3-Next) in bf16 instead of the two small projections.
+SEED_FP8_IGNORE = ["lm_head", r"re:.*linear_attn\.in_proj_(a|b|ba)$", "re:.*visual.*", r"re:.*mtp\..*"]
+
+
+def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "toy", weights: bool = True,
+          fp8: str | None = None) -> None:
     """The checkpoint of ``shape_name`` with ``vision``'s tower and an MTP layer; ``weights=False``: its files
     without weights (config.json, and the processor files and tokenizer of a non-toy tower), enough for
-    ``cache-bound``."""
+    ``cache-bound`` and ``--load-format dummy``. ``fp8="ct_dynamic"``: in the seed's compressed-tensors
+    FP8_DYNAMIC form (``SEED_FP8_IGNORE`` kept in bf16): the weights written are quantized, and config.json carries
+    the ``quantization_config`` either way (a dummy load then makes FP8 weights)."""
+    if fp8 not in (None, "ct_dynamic"):
+        raise ValueError(f"fp8 must be None or 'ct_dynamic' (got {fp8!r})")
+    _write_bf16(shape_name, out, device, seed, vision, weights)
+    if fp8 is None:
+        return
+    from hyserve.testing.fp8 import quantization_config, quantize_checkpoint
+
+    if weights:
+        quantize_checkpoint(out, fp8, ignore=list(SEED_FP8_IGNORE))
+    else:
+        path = os.path.join(out, "config.json")
+        cfg = _read_json(path)
+        cfg["quantization_config"] = quantization_config(fp8, list(SEED_FP8_IGNORE))
+        _write_json(path, cfg)
+    print(f"  in compressed-tensors FP8_DYNAMIC, kept in bf16: {SEED_FP8_IGNORE}")
+
+
+def _write_bf16(shape_name: str, out: str, device: str, seed: int, vision: str, weights: bool) -> None:
     import torch
     from shapes import add_random_mtp
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
@@ -1395,14 +1437,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
-    w.add_argument("--shape", choices=["tiny", "2b", "9b"], default="2b")
+    w.add_argument("--shape", choices=["tiny", "2b", "9b", "27b"], default="2b")
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cuda")
     w.add_argument("--no-weights", action="store_true",
                    help="config, tokenizer and processor files only (measure it with --load-format dummy)")
     w.add_argument("--vision", choices=sorted(VISIONS), default="toy",
                    help="toy: a one-block tower (text-only runs); real: a real-size Qwen3.5 tower, its processor "
-                        "files and a tokenizer with the vision tokens (image runs)")
+                        "files and a tokenizer with the vision tokens (image runs); 27b: the 27B class's tower "
+                        "(depth 27, hidden 1152) with the same files")
+    w.add_argument("--fp8", choices=["ct_dynamic"], default=None,
+                   help="the seed's compressed-tensors FP8_DYNAMIC form (SEED_FP8_IGNORE kept in bf16); with "
+                        "--no-weights only config.json's quantization_config (a dummy load makes FP8 weights)")
     m = sub.add_parser("measure")
     m.add_argument("--engine", choices=["hyserve", "vllm"], required=True)
     m.add_argument("--model", required=True)
@@ -1470,7 +1516,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = build_parser().parse_args()
     if args.cmd == "write":
-        write(args.shape, args.out, args.device, vision=args.vision, weights=not args.no_weights)
+        write(args.shape, args.out, args.device, vision=args.vision, weights=not args.no_weights, fp8=args.fp8)
     elif args.cmd == "quantize":
         quantize(args.src, args.out, args.format)
     elif args.cmd == "measure":
