@@ -73,6 +73,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import peer_bench as pb  # benchmarks/ is on the path (above)
+from shapes import SHAPE_27B, VISION_27B
 
 # The report's `vllm serve` line (../shared/seeds/004_ad245c2ab18366d1.txt), less the model, name and port.
 SEED_FLAGS = ["--max-model-len", "62768", "--max-num-seqs", "32", "--gpu-memory-utilization", "0.95",
@@ -557,6 +558,11 @@ def report(files: list[str], out: str) -> list[dict[str, Any]]:
     lines = ["# Issue 34: the seed's deployment, hyserve against vLLM", "",
              "Qwen3.5-27B shape, compressed-tensors FP8_DYNAMIC (dummy weights), 27B-class vision tower, MTP k = 2 "
              "with drafts accepted at a planted rate, the report's flags; the GUI-agent trace (seed_bench.py).", "",
+             f"- text shape (shapes.py SHAPE_27B; no verbatim config.json of the release was found, sources there): "
+             f"{json.dumps(SHAPE_27B)}",
+             f"- vision tower (shapes.py VISION_27B, the Qwen3.6-27B release's vision_config): "
+             f"{json.dumps(VISION_27B)}",
+             f"- kept in bf16 (peer_bench.py SEED_FP8_IGNORE): {json.dumps(pb.SEED_FP8_IGNORE)}",
              *(f"- {e}: {m.get('version')} on {m.get('device')} ({m.get('date')}), "
                f"{m.get('vllm_mode') or 'AsyncEngine'}; flags `{' '.join(m.get('engine_flags') or [])}`"
                for e, m in meta.items()),
