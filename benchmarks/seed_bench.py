@@ -474,11 +474,17 @@ def measure(args: argparse.Namespace) -> int:
     try:
         prompts = SeedPrompts(args.model, trace, args.seed)
         warm = SeedPrompts(args.model, trace, args.seed + 1)  # another system prompt: no hit for the timed run
-        if args.warmup:
-            t0 = time.perf_counter()
-            asyncio.run(run_closed_loop(eng, warm, warm.episodes(), concurrency, args.warmup, tag="warm"))
-            res["warmup_s"] = time.perf_counter() - t0
-        records = asyncio.run(run_closed_loop(eng, prompts, prompts.episodes(), concurrency, requests))
+
+
+        async def session() -> list[RequestRecord]:
+            # One event loop for both: vLLM's AsyncLLM binds its output handler to the loop of its first request.
+            if args.warmup:
+                t0 = time.perf_counter()
+                await run_closed_loop(eng, warm, warm.episodes(), concurrency, args.warmup, tag="warm")
+                res["warmup_s"] = time.perf_counter() - t0
+            return await run_closed_loop(eng, prompts, prompts.episodes(), concurrency, requests)
+
+        records = asyncio.run(session())
         check_records(records, concurrency)
         res["figures"] = {**figures(records), **eng.stats()}
         if planted:
