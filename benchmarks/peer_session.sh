@@ -629,31 +629,33 @@ case "${1:?phase}" in
     # 1-3 screenshots of 1280x720 and answers of 20-100 tokens, after a warm-up of 32 first steps. One process per
     # engine, marked done in $MOE_DONE (a call after a cut run starts it again). vLLM's GDN prefill: FlashInfer's
     # where its JIT cache is here, else its Triton kernel (the flags in the results file say which).
-    # SEED_ARGS: more seed_bench.py measure arguments (e.g. --requests 128); SEED_CAP: the run's cap in seconds.
+    # SEED_ARGS: more seed_bench.py measure arguments (e.g. --requests 128, or --k 0: MTP off); SEED_NAME: the run's
+    # name (default seed; another name for another variant, e.g. SEED_NAME=seed_nomtp SEED_ARGS="--k 0");
+    # SEED_CAP: the run's cap in seconds.
     if [ ! -f /tmp/s27/tokenizer.json ]; then
         rm -rf /tmp/s27
         python3 $PB write --shape 27b --vision 27b --fp8 ct_dynamic --no-weights --device cpu --out /tmp/s27 \
             > "$OUT/write_s27.log" 2>&1 || { echo "writing /tmp/s27 failed"; tail -3 "$OUT/write_s27.log"; }
     fi
-    engine=hyserve
+    engine=hyserve name=${SEED_NAME:-seed}
     pre=()
     if [ "$1" = seed-vllm ]; then engine=vllm; pre=("${VLLM_DEFAULT_ENV[@]}"); fi
-    limit=$(moe_todo "$engine" seed "${SEED_CAP:-560}")
+    limit=$(moe_todo "$engine" "$name" "${SEED_CAP:-560}")
     if [ -n "$limit" ]; then
         extra=()
         [ "$engine" = vllm ] && ! vllm_warm && extra=(--gdn-prefill-backend triton)
-        echo "== $engine seed ($(date +%T), cap $limit s)"
+        echo "== $engine $name ($(date +%T), cap $limit s)"
         # shellcheck disable=SC2086
         "${pre[@]}" timeout "$limit" python3 benchmarks/seed_bench.py measure --engine "$engine" --model /tmp/s27 \
-            --out "$OUT/${engine}_seed.json" "${extra[@]}" ${SEED_ARGS:-} > "$OUT/${engine}_seed.log" 2>&1
+            --out "$OUT/${engine}_$name.json" "${extra[@]}" ${SEED_ARGS:-} > "$OUT/${engine}_$name.log" 2>&1
         echo "   rc $? ($(date +%T))"
-        tail -3 "$OUT/${engine}_seed.log"
+        tail -3 "$OUT/${engine}_$name.log"
         if [ "$engine" = vllm ]; then
             grep -h "Setting attention block size\|Mamba cache mode is set\|GPU KV cache size" \
-                "$OUT/${engine}_seed.log" 2>/dev/null | tail -3
+                "$OUT/${engine}_$name.log" 2>/dev/null | tail -3
             save_vllm_caches
         fi
-        moe_done "$engine" seed "$OUT/${engine}_seed.json" requests_per_s
+        moe_done "$engine" "$name" "$OUT/${engine}_$name.json" requests_per_s
     fi
     true
     ;;
