@@ -176,9 +176,9 @@ def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "
         quantize_checkpoint(out, fp8, ignore=list(SEED_FP8_IGNORE))
     else:
         path = os.path.join(out, "config.json")
-        cfg = _read_json(path)
+        cfg = read_json(path)
         cfg["quantization_config"] = quantization_config(fp8, list(SEED_FP8_IGNORE))
-        _write_json(path, cfg)
+        write_json(path, cfg)
     print(f"  in compressed-tensors FP8_DYNAMIC, kept in bf16: {SEED_FP8_IGNORE}")
 
 
@@ -220,7 +220,7 @@ def _write_bf16(shape_name: str, out: str, device: str, seed: int, vision: str, 
 
         Qwen2VLImageProcessor().save_pretrained(out)  # vLLM's VLM front end reads the processor files
         with open(os.path.join(out, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
-            json.dump(_read_json(os.path.join(out, "preprocessor_config.json")), f, indent=2)
+            json.dump(read_json(os.path.join(out, "preprocessor_config.json")), f, indent=2)
     else:
         write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))
     print(f"wrote {shape_name} shape (VLM form, {vision} vision tower, MTP layer) to {out}")
@@ -257,10 +257,10 @@ def write_image_files(out: str, tower: dict[str, Any], vocab_size: int, model_ma
              "do_convert_rgb": True, "resample": 3, "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5],
              "image_std": [0.5, 0.5, 0.5], "patch_size": int(tower["patch_size"]),
              "temporal_patch_size": int(tower["temporal_patch_size"]), "merge_size": int(tower["spatial_merge_size"])}
-    _write_json(os.path.join(out, "preprocessor_config.json"), {
+    write_json(os.path.join(out, "preprocessor_config.json"), {
         "image_processor_type": "Qwen2VLImageProcessorFast", **image,  # Qwen3.5-2B-Base's file names this class
         "size": {"shortest_edge": QWEN35_IMAGE_PIXELS[0], "longest_edge": QWEN35_IMAGE_PIXELS[1]}})
-    _write_json(os.path.join(out, "video_preprocessor_config.json"), {
+    write_json(os.path.join(out, "video_preprocessor_config.json"), {
         "video_processor_type": "Qwen3VLVideoProcessor", **image, "fps": 2, "min_frames": 4, "max_frames": 768,
         "do_sample_frames": True,
         "size": {"shortest_edge": QWEN35_VIDEO_PIXELS[0], "longest_edge": QWEN35_VIDEO_PIXELS[1]}})
@@ -287,14 +287,14 @@ def write_image_files(out: str, tower: dict[str, Any], vocab_size: int, model_ma
         config["added_tokens_decoder"][str(i)] = {"content": t, "lstrip": False, "normalized": False,
                                                   "rstrip": False, "single_word": False, "special": True}
     config["chat_template"] = VLM_CHAT_TEMPLATE
-    _write_json(os.path.join(out, "tokenizer_config.json"), config)
-    model_cfg = _read_json(os.path.join(out, "config.json"))
+    write_json(os.path.join(out, "tokenizer_config.json"), config)
+    model_cfg = read_json(os.path.join(out, "config.json"))
     for key, token in VISION_TOKEN_KEYS.items():
         if model_cfg.get(key) != ids[token]:
             raise AssertionError(f"config.json {key} is {model_cfg.get(key)}, the tokenizer's {token} is {ids[token]}")
 
 
-def _write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
@@ -334,7 +334,7 @@ class Engine:
                 kw["limit_mm_per_prompt"] = images
             kw.pop("vllm_mamba_cache_mode", None)
             self.llm = LLM(model=model, device=device, dtype=dtype, **kw)
-            self.version = _git_commit()
+            self.version = git_commit()
         else:
             import vllm
             from vllm import LLM, SamplingParams  # type: ignore[no-redef]
@@ -353,7 +353,7 @@ class Engine:
                 kw["disable_log_stats"] = log_stats_off
             # Images per prompt (none unless a measure sends some): a VLM-form checkpoint's; vLLM refuses the field
             # for a text-only model (Qwen3-Next)
-            if "vision_config" in _read_json(os.path.join(model, "config.json")):
+            if "vision_config" in read_json(os.path.join(model, "config.json")):
                 kw["limit_mm_per_prompt"] = {"image": 0, "video": 0, **(images or {})}
             self.llm = LLM(model=model, dtype=dtype, **kw)
             self.version = vllm.__version__
@@ -387,7 +387,7 @@ class Engine:
 
 def is_nemotron_h(model: str) -> bool:
     """Whether ``model``'s config.json is Nemotron-H's (``model_type: nemotron_h``: Mamba2, no GDN layers)."""
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     return (cfg.get("text_config") or cfg).get("model_type") == "nemotron_h"
 
 
@@ -404,7 +404,7 @@ def vllm_cache_settings(llm: Any) -> dict[str, Any]:
     return {k: str(getattr(cache, k)) for k in keys if hasattr(cache, k)}
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     """The checkout's commit, with ``+changes`` when tracked files differ from it (the device machine's copy of a
     working tree can carry an older HEAD than the files it runs)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -494,7 +494,7 @@ def _has_moe_layers(text: dict[str, Any]) -> bool:
 def moe_active_share(model: str) -> float:
     """``num_experts_per_tok / num_experts`` (Nemotron-H: ``n_routed_experts``) of a MoE checkpoint's config.json (the
     share of each layer's routed experts one token reads), 1.0 for a dense one."""
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     text = cfg.get("text_config") or cfg
     experts = text.get("num_experts") or text.get("n_routed_experts")
     top_k = text.get("num_experts_per_tok")
@@ -531,7 +531,7 @@ def weight_bytes_per_step(model: str, load_format: str = "auto") -> int:
     if load_format == "dummy":
         return _config_weight_bytes(model)
     sizes = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
     tensors: list[tuple[str, int]] = []
     for path in checkpoint_files(model):
@@ -757,7 +757,7 @@ class PromptBuilder:
     a tokenizer to find the placeholders)."""
 
     def __init__(self, model: str) -> None:
-        cfg = _read_json(os.path.join(model, "config.json"))
+        cfg = read_json(os.path.join(model, "config.json"))
         self.vision = {token: int(cfg[key]) for key, token in VISION_TOKEN_KEYS.items()}
         self.image_token_id = self.vision["<|image_pad|>"]
         self.tokenizer: Any = None
@@ -804,13 +804,13 @@ class PromptBuilder:
         return out
 
 
-def _text_vocab(model: str) -> int:
+def text_vocab(model: str) -> int:
     """Random text ids for the image trace are drawn below this: ``_vocab`` (below the vision tokens), and below
     the tokenizer's first added token if it has one (no chat markers or eos in the random text)."""
     limit = _vocab(model)
     path = os.path.join(model, "tokenizer.json")
     if os.path.isfile(path):
-        added = [int(t["id"]) for t in _read_json(path).get("added_tokens", [])]
+        added = [int(t["id"]) for t in read_json(path).get("added_tokens", [])]
         limit = min([limit, *added])
     return limit
 
@@ -829,7 +829,7 @@ def _first_token_wall(out: Any) -> tuple[float | None, str]:
     return None, f"none: {type(m).__name__} has no first-token time"
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     xs = sorted(values)
     pos = (len(xs) - 1) * q
     lo = int(pos)
@@ -922,10 +922,10 @@ def cache_bound(model: str, scale: str, concurrency: int | None, out: str | None
     fig, notes = measure_agent_images(PromptsOnly(model), model, scale, concurrency)  # type: ignore[arg-type]
     keep = ("agent_images_cacheable_share", "agent_images_prompt_tokens_mean", "agent_images_requests",
             "agent_images_image_tokens_per_request")
-    res = {"model": model, "command": " ".join(sys.argv), "hyserve_commit": _git_commit(),
+    res = {"model": model, "command": " ".join(sys.argv), "hyserve_commit": git_commit(),
            "figures": {k: fig[k] for k in keep}, "notes": {"trace": notes["trace"], "layout": notes["prompt_layout"]}}
     if out:
-        _write_json(out, res)
+        write_json(out, res)
     print(json.dumps(res, indent=2))
     return res
 
@@ -935,7 +935,7 @@ def screenshot_conversations(model: str, scale: str, concurrency: int | None = N
     """The screenshot trace ``SCREENSHOT_TRACES[scale]`` for ``model``: its ``concurrency`` conversations (the
     scale's by default), sharing one random prefix, and every screenshot by (conversation, index)."""
     trace = SCREENSHOT_TRACES[scale]
-    vocab = _text_vocab(model)
+    vocab = text_vocab(model)
     prefix_rng = random.Random(f"peer-screenshots/{seed}/prefix")
     prefix = [prefix_rng.randrange(vocab) for _ in range(trace.prefix_len)]
     convs = [ScreenshotConversation(trace, c, prefix, vocab, seed) for c in range(concurrency or trace.concurrency)]
@@ -953,7 +953,7 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
     it includes waiting behind the turn's other requests, as a client sending them together sees it)."""
     trace, convs, shots = screenshot_conversations(model, scale, concurrency, seed)
     n = len(convs)
-    vocab = _text_vocab(model)
+    vocab = text_vocab(model)
     image_uid = {key: i for i, key in enumerate(shots)}
     bound = CacheBound()
     builder = PromptBuilder(model)
@@ -1007,8 +1007,8 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
     for t, (c_t, p_t) in enumerate(per_turn):
         fig[f"agent_images_cached_share_turn{t}"] = c_t / max(p_t, 1)
     if len(ttft) == requests:
-        fig.update(agent_images_ttft_mean_s=sum(ttft) / len(ttft), agent_images_ttft_p50_s=_percentile(ttft, 0.5),
-                   agent_images_ttft_p90_s=_percentile(ttft, 0.9))
+        fig.update(agent_images_ttft_mean_s=sum(ttft) / len(ttft), agent_images_ttft_p50_s=percentile(ttft, 0.5),
+                   agent_images_ttft_p90_s=percentile(ttft, 0.9))
     notes = {"trace": {**asdict(trace), "conversations": n, "scale": scale}, "prompt_layout": builder.layout,
              "text_ids_below": vocab, "ttft_source": sorted(sources),
              "ttft": "first token time - the turn's submission (time.time()), every request of a turn submitted "
@@ -1037,7 +1037,7 @@ def measure(args: argparse.Namespace) -> int:
     measures = args.measures.split(",")
     res: dict[str, Any] = {"engine": args.engine, "model": args.model, "command": " ".join(sys.argv),
                            "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                           "date": time.strftime("%Y-%m-%d"), "hyserve_commit": _git_commit(), "figures": {}}
+                           "date": time.strftime("%Y-%m-%d"), "hyserve_commit": git_commit(), "figures": {}}
     nemotron = is_nemotron_h(args.model)
     if args.engine == "vllm":
         res["vllm_gdn_prefill_backend"] = "n/a (no GDN layers)" if nemotron else (
@@ -1184,7 +1184,7 @@ def planted_acceptance(spec: dict[str, Any]) -> dict[str, float]:
     return {"spec_planted_acceptance_length": 1 + sum(float(r) for r in spec.get("synthetic_acceptance_rates") or [])}
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -1192,7 +1192,7 @@ def _read_json(path: str) -> Any:
 def _vocab(model: str) -> int:
     """Random prompt ids are drawn below this: the vocabulary, cut below the vision tokens' ids (both engines
     refuse image placeholders that come without images)."""
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     vision = [int(cfg[k]) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
                                      "video_token_id") if k in cfg]
     return min([int(cfg.get("text_config", cfg).get("vocab_size")), *vision])
@@ -1250,7 +1250,7 @@ _NO_RATIO |= {k for k in _FIGURES if k.endswith(("_image_tokens_per_request", "_
 
 
 def report(files: list[str], out: str) -> None:
-    runs = [_read_json(p) for p in files]
+    runs = [read_json(p) for p in files]
     by_model: dict[str, dict[str, dict[str, Any]]] = {}
     # Where each figure comes from: the file and engine version of the run that measured it (a later file's figure
     # replaces an earlier one's; files from several device sessions can be merged, and each row says which).
@@ -1288,7 +1288,7 @@ def report(files: list[str], out: str) -> None:
             for name, why in r.get("errors", {}).items():
                 entries.append({"model": model, "measure": name, "label": f"{engine} failed: {why}"[:300],
                                 "hyserve": None, "vllm": None, "ratio": None})
-    meta = {"files": files, "hyserve_commit": _git_commit(),
+    meta = {"files": files, "hyserve_commit": git_commit(),
             "engines": {f"{m}/{e}": {k: r.get(k) for k in ("version", "device", "torch", "date", "command")}
                         for m, es in by_model.items() for e, r in es.items()},
             "notes": {f"{os.path.basename(r['model'].rstrip('/'))}/{r['engine']}/{tag}": note
@@ -1378,7 +1378,7 @@ def moe_report(files: list[str], out: str, rate: float = 0.8, title: str = MOE_T
     info: dict[tuple[str, str], dict[str, Any]] = {}
     errors: list[str] = []
     for path in files:
-        r = _read_json(path)
+        r = read_json(path)
         if "rows" in r and "meta" in r:  # spec_decode_bench.py's
             engine, model, fig = "hyserve", r["meta"]["model"], spec_decode_figures(r, rate)
             meta = {"source": "spec_decode_bench.py", **{k: r["meta"].get(k) for k in ("device", "date", "torch")}}
@@ -1409,7 +1409,7 @@ def moe_report(files: list[str], out: str, rate: float = 0.8, title: str = MOE_T
                             "hyserve": a, "vllm": b, "ratio": ratio})
     engines = {f"{m}/{e}": v for (m, e), v in sorted(info.items())}
     os.makedirs(out, exist_ok=True)
-    _write_json(os.path.join(out, "moe_peer.json"), {"files": files, "hyserve_commit": _git_commit(),
+    write_json(os.path.join(out, "moe_peer.json"), {"files": files, "hyserve_commit": git_commit(),
                                                        "engines": engines, "entries": entries, "errors": errors})
 
     def fmt(x: Any) -> str:

@@ -162,7 +162,7 @@ class SeedPrompts:
 
         self.model, self.trace, self.seed = model, trace, seed
         self.builder = pb.PromptBuilder(model)
-        self.vocab = pb._text_vocab(model)
+        self.vocab = pb.text_vocab(model)
         self.image_tokens = image_token_count(trace.screen, ImageProcessorSettings.from_checkpoint(model))
         rng = random.Random(f"seed-trace/{seed}/prefix")
         self.prefix = [rng.randrange(self.vocab) for _ in range(trace.prefix_len)]
@@ -235,7 +235,7 @@ class HyserveAsync:
         self.args = parser.parse_args(expand_dotted(flags))
         self.llm = make_llm(self.args, model)
         self.engine = AsyncEngine(self.llm.llm_engine)
-        self.version = pb._git_commit()
+        self.version = pb.git_commit()
         from hyserve import SamplingParams
 
         self.SamplingParams = SamplingParams
@@ -401,9 +401,9 @@ def figures(records: list[RequestRecord]) -> dict[str, float]:
     fig = {
         "requests": float(len(done)), "duration_s": duration, "requests_per_s": len(done) / duration,
         "output_tok_s": out / duration, "prompt_tok_s": prompt / duration,
-        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": pb._percentile(ttft, 0.5),
-        "ttft_p99_s": pb._percentile(ttft, 0.99),
-        "e2e_p50_s": pb._percentile(e2e, 0.5), "e2e_p99_s": pb._percentile(e2e, 0.99),
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": pb.percentile(ttft, 0.5),
+        "ttft_p99_s": pb.percentile(ttft, 0.99),
+        "e2e_p50_s": pb.percentile(e2e, 0.5), "e2e_p99_s": pb.percentile(e2e, 0.99),
         "prefix_hit_rate": cached / max(prompt, 1), "prefix_hit_rate_first_steps": share(first),
         "prefix_hit_rate_later_steps": share(later),
         "prompt_tokens_mean": prompt / len(done), "prompt_tokens_min": float(min(r.prompt_tokens for r in done)),
@@ -412,8 +412,8 @@ def figures(records: list[RequestRecord]) -> dict[str, float]:
         "episodes": float(len({r.episode for r in done})),
     }
     if tpot:
-        fig.update(tpot_mean_s=sum(tpot) / len(tpot), tpot_p50_s=pb._percentile(tpot, 0.5),
-                   tpot_p99_s=pb._percentile(tpot, 0.99))
+        fig.update(tpot_mean_s=sum(tpot) / len(tpot), tpot_p50_s=pb.percentile(tpot, 0.5),
+                   tpot_p99_s=pb.percentile(tpot, 0.99))
     return fig
 
 
@@ -456,7 +456,7 @@ def measure(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {
         "engine": args.engine, "model": args.model, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device == "cuda" else args.device,
-        "torch": torch.__version__, "hyserve_commit": pb._git_commit(), "engine_flags": flags,
+        "torch": torch.__version__, "hyserve_commit": pb.git_commit(), "engine_flags": flags,
         "trace": {**asdict(trace), "scale": args.scale, "concurrency": concurrency, "requests": requests,
                   "seed": args.seed},
         "acceptance": {"rate_per_draft_token": args.acceptance, "k": args.k, "planted_acceptance_length": planted,
@@ -499,7 +499,7 @@ def measure(args: argparse.Namespace) -> int:
             synthetic_acceptance(None)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        pb._write_json(args.out, res)
+        pb.write_json(args.out, res)
     print(json.dumps({k: v for k, v in res.items() if k != "records"}, indent=2))
     return 0
 
@@ -541,7 +541,7 @@ def ratio(ours: float | None, theirs: float | None, higher: bool) -> float | Non
 def report(files: list[str], out: str) -> list[dict[str, Any]]:
     """``seed.md``, ``seed.json`` and ``seed.png`` under ``out`` from hyserve's and vLLM's result files (a later file
     of an engine replaces an earlier one's)."""
-    runs = {pb._read_json(p)["engine"]: (p, pb._read_json(p)) for p in files}
+    runs = {pb.read_json(p)["engine"]: (p, pb.read_json(p)) for p in files}
     ours = runs.get("hyserve", ("", {}))[1].get("figures", {})
     theirs = runs.get("vllm", ("", {}))[1].get("figures", {})
     entries = []
@@ -556,7 +556,7 @@ def report(files: list[str], out: str) -> list[dict[str, Any]]:
             for e, (p, r) in runs.items()}
     trace: dict[str, Any] = next((r["trace"] for _, r in runs.values() if "trace" in r), {})
     os.makedirs(out, exist_ok=True)
-    pb._write_json(os.path.join(out, "seed.json"), {"meta": meta, "trace": trace, "entries": entries})
+    pb.write_json(os.path.join(out, "seed.json"), {"meta": meta, "trace": trace, "entries": entries})
 
     def fmt(x: Any) -> str:
         return "-" if x is None else (f"{x:,.3f}" if abs(x) < 10 else f"{x:,.0f}")
