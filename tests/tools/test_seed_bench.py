@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -327,3 +327,107 @@ def test_the_written_fp8_checkpoint_loads_dummy_and_real(tmp_path: Path, monkeyp
     fig = json.loads(result.read_text())["figures"]
     assert rc == 0 and fig["requests"] == 8 and fig["prefix_hit_rate_later_steps"] > 0
     assert "--load-format" in json.loads(result.read_text())["engine_flags"]
+
+
+# ------------------------------------------------------------------------------------------------ vLLM's side
+
+
+class _StubArgs:
+    """vLLM's ``AsyncEngineArgs`` as far as ``VllmAsync`` uses it: its flags on a parser, the engine args back."""
+
+    @staticmethod
+    def add_cli_args(parser: Any) -> Any:
+        parser.add_argument("--model")
+        parser.add_argument("--engine-flags-seen", nargs="*", default=None)
+        return parser
+
+    @staticmethod
+    def from_cli_args(args: Any) -> Any:
+        return args
+
+
+class _StubLLM:
+    """vLLM's ``AsyncLLM`` as far as the client uses it: ``generate(prompt, params, request_id)`` streaming cumulative
+    outputs (the first token alone, then all), every prompt token after the first 10 counted as cached."""
+
+    made: ClassVar[list[Any]] = []
+
+    def __init__(self, args: Any) -> None:
+        self.args, self.requests, self.closed = args, [], False
+
+    @classmethod
+    def from_engine_args(cls, args: Any) -> _StubLLM:
+        cls.made.append(cls(args))
+        return cls.made[-1]
+
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> Any:
+        import asyncio
+        from types import SimpleNamespace
+
+        self.requests.append((request_id, params))
+        ids = list(prompt["prompt_token_ids"])
+        for n in (1, params.max_tokens):
+            await asyncio.sleep(0.001)
+            yield SimpleNamespace(prompt_token_ids=ids, num_cached_tokens=len(ids) - 10,
+                                  outputs=[SimpleNamespace(token_ids=[500 + i for i in range(n)])])
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+def test_the_vllm_client_takes_the_seed_flags_and_runs_the_loop(vlm: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``measure --engine vllm`` against stand-ins for vLLM's parser and ``AsyncLLM``: the report's flags with the
+    synthetic speculative config (the rates of 0.8 per draft token) reach vLLM's parser, every request goes through
+    ``generate(prompt, params, request_id)`` with greedy ``ignore_eos`` params, answers outside the text range are
+    folded back into it for the next step, and the engine is shut down."""
+    import argparse
+    import types
+
+    parsed: list[list[str]] = []
+
+    class Parser(argparse.ArgumentParser):
+        def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+            parsed.append(list(args))
+            return argparse.Namespace(argv=list(args))
+
+    class Params:
+        def __init__(self, **kw: Any) -> None:
+            self.__dict__.update(kw)
+
+    mods = {"vllm": types.ModuleType("vllm"), "vllm.engine": types.ModuleType("vllm.engine"),
+            "vllm.engine.arg_utils": types.ModuleType("vllm.engine.arg_utils"),
+            "vllm.v1": types.ModuleType("vllm.v1"), "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
+            "vllm.v1.engine.async_llm": types.ModuleType("vllm.v1.engine.async_llm"),
+            "vllm.utils": types.ModuleType("vllm.utils"),
+            "vllm.utils.argparse_utils": types.ModuleType("vllm.utils.argparse_utils")}
+    mods["vllm"].__version__ = "0.24.0-stub"  # type: ignore[attr-defined]
+    mods["vllm"].SamplingParams = Params  # type: ignore[attr-defined]
+    mods["vllm.engine.arg_utils"].AsyncEngineArgs = _StubArgs  # type: ignore[attr-defined]
+    mods["vllm.v1.engine.async_llm"].AsyncLLM = _StubLLM  # type: ignore[attr-defined]
+    mods["vllm.utils.argparse_utils"].FlexibleArgumentParser = Parser  # type: ignore[attr-defined]
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    _StubLLM.made = []
+    out = tmp_path / "vllm_seed.json"
+    assert sb.main(["measure", "--engine", "vllm", "--model", vlm, "--scale", "tiny", "--device", "cpu",
+                    "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    argv = parsed[0]
+    assert argv[:2] == ["--model", vlm] and argv[2 : 2 + len(sb.SEED_FLAGS)] == sb.SEED_FLAGS
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_rates": [0.8, 0.64]}
+    assert argv[argv.index("--load-format") + 1] == "dummy" and "--device" not in argv
+    llm = _StubLLM.made[0]
+    assert llm.closed and len(llm.requests) == TINY.requests + TINY.concurrency  # the warm-up's first steps too
+    assert all(p.temperature == 0.0 and p.ignore_eos and TINY.output_len[0] <= p.max_tokens <= TINY.output_len[1]
+               for _, p in llm.requests)
+    fig = res["figures"]
+    assert fig["requests"] == TINY.requests and res["version"] == "0.24.0-stub"
+    assert res["vllm_mode"].startswith("default") and "spec_mean_acceptance_length" not in fig
+    assert fig["output_tokens_mean"] == pytest.approx(np.mean([r["max_tokens"] for r in res["records"]]))
+    assert res["acceptance"]["planted_acceptance_length"] == pytest.approx(2.44)
+    # The stub's answers (ids 500 and up) lie above the tiny VLM's text range (448): folded into it for the history.
+    prompts = sb.SeedPrompts(vlm, TINY)
+    assert prompts.history_ids([500, 3, 447, 448]) == [52, 3, 447, 0]
