@@ -167,6 +167,7 @@ class SeedPrompts:
         rng = random.Random(f"seed-trace/{seed}/prefix")
         self.prefix = [rng.randrange(self.vocab) for _ in range(trace.prefix_len)]
         self._shots: dict[tuple[int, int], Any] = {}
+        self._noise: Any = None
 
     def episode(self, index: int) -> Episode:
         """Episode ``index``, its steps cut before the first whose prompt would pass ``prompt_len[1]``."""
@@ -193,16 +194,22 @@ class SeedPrompts:
         return len(self.ids(ep, step, outputs)) + len(ep.visible(step)) * (self.image_tokens - 1)
 
     def screenshot(self, ep: Episode, index: int) -> Any:
-        """Screenshot ``index`` of ``ep``: ``trace.screen`` uniform RGB noise drawn from ``(seed, episode,
-        index)`` (a PIL image; kept while its episode may still show it)."""
+        """Screenshot ``index`` of ``ep``: ``trace.screen`` of uniform RGB noise, a PIL image kept while its episode
+        may still show it. The noise is a window of one buffer drawn once from the seed, starting at a pixel unique
+        to (episode, index): every screenshot differs from every other (no image repeats across episodes, so no
+        cache of either engine serves one screenshot for another), and one costs a copy, not a draw (the client
+        builds it between two steps of an episode)."""
         key = (ep.index, index)
         if key not in self._shots:
             import numpy as np
             from PIL import Image
 
             w, h = self.trace.screen
-            pixels = np.random.default_rng([self.seed, ep.index, index]).integers(0, 256, (h, w, 3), dtype=np.uint8)
-            self._shots[key] = Image.fromarray(pixels, "RGB")
+            size = w * h * 3
+            if self._noise is None:
+                self._noise = np.random.default_rng([self.seed, 34]).integers(0, 256, 2 * size, dtype=np.uint8)
+            start = 3 * ((ep.index * (self.trace.steps[1] + 1) + index) % (size // 3))
+            self._shots[key] = Image.fromarray(self._noise[start : start + size].reshape(h, w, 3), "RGB")
             self._shots.pop((ep.index, index - self.trace.history - 1), None)
         return self._shots[key]
 
