@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -238,6 +239,8 @@ def test_report_pairs_the_engines_with_ratios(run: dict[str, Any], tmp_path: Pat
     md = (tmp_path / "out" / "seed.md").read_text()
     assert "| TTFT p50, s | 0.500 | 1.000 | 2.00x |" in md and "0.24.0" in md
     assert sb.ratio(2.0, 0.0, True) is None and sb.ratio(1.0, 4.0, False) == 4.0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "out" / "seed.png").stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------------------------ the checkpoint
