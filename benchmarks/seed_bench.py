@@ -317,12 +317,13 @@ class RequestRecord:
 
 
 async def run_closed_loop(engine: Any, prompts: SeedPrompts, episodes: Iterator[Episode], concurrency: int,
-                          requests: int, tag: str = "r", clock: Callable[[], float] = time.perf_counter
-                          ) -> list[RequestRecord]:
+                          requests: int, tag: str = "r", clock: Callable[[], float] = time.perf_counter,
+                          deadline: float | None = None) -> list[RequestRecord]:
     """``concurrency`` agents, each taking the next episode of ``episodes`` and submitting its steps one at a time
-    (a step when the previous one's last output has arrived), until ``requests`` requests have been submitted.
-    Each step's prompt is built off the event loop (its screenshot drawn, its chat rendered) before its submission
-    time is taken."""
+    (a step when the previous one's last output has arrived), until ``requests`` requests have been submitted, or
+    until ``clock()`` passes ``deadline`` (no request is submitted after it; those in flight finish). Each step's
+    prompt is built off the event loop (its screenshot drawn, its chat rendered) before its submission time is
+    taken."""
     records: list[RequestRecord] = []
     left = [requests]
 
@@ -338,7 +339,11 @@ async def run_closed_loop(engine: Any, prompts: SeedPrompts, episodes: Iterator[
                     return
                 left[0] -= 1
                 prompt, expected = await asyncio.to_thread(build, ep, step, outputs)
-                rec = RequestRecord(ep.index, step, clock(), max_tokens=ep.output_lens[step],
+                now = clock()
+                if deadline is not None and now > deadline:
+                    left[0] = 0
+                    return
+                rec = RequestRecord(ep.index, step, now, max_tokens=ep.output_lens[step],
                                     images=len(prompt["multi_modal_data"]["image"]), expected_prompt_tokens=expected)
                 records.append(rec)
                 last = None
@@ -449,6 +454,7 @@ def measure(args: argparse.Namespace) -> int:
     """Build the engine, warm it up, run the trace; write the result file (figures, records, flags, notes)."""
     import torch
 
+    started = time.perf_counter()
     trace = SEED_TRACES[args.scale]
     concurrency = args.concurrency or trace.concurrency
     requests = args.requests or trace.requests
@@ -489,9 +495,13 @@ def measure(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 await run_closed_loop(eng, warm, warm.episodes(), concurrency, args.warmup, tag="warm")
                 res["warmup_s"] = time.perf_counter() - t0
-            return await run_closed_loop(eng, prompts, prompts.episodes(), concurrency, requests)
+            deadline = None if args.time_limit is None else started + args.time_limit
+            return await run_closed_loop(eng, prompts, prompts.episodes(), concurrency, requests, deadline=deadline)
 
         records = asyncio.run(session())
+        res["cut_by_time_limit"] = len(records) < requests
+        if not records:
+            raise RuntimeError(f"no request was submitted before --time-limit {args.time_limit} s")
         check_records(records, concurrency)
         res["figures"] = {**figures(records), **eng.stats()}
         if planted:
@@ -637,6 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
                    help="vLLM's GDN prefill kernel (default: its own choice, FlashInfer on Hopper)")
     m.add_argument("--engine-flags", default="", help="more engine flags, after the seed's (they override them)")
+    m.add_argument("--time-limit", type=float, default=None,
+                   help="seconds from the process's start after which no request is submitted (those in flight "
+                        "finish; the figures are over the requests run, cut_by_time_limit says so)")
     r = sub.add_parser("report", help="hyserve against vLLM: seed.md, seed.json, seed.png")
     r.add_argument("files", nargs="+")
     r.add_argument("--out", required=True)

@@ -434,3 +434,31 @@ def test_the_vllm_client_takes_the_seed_flags_and_runs_the_loop(vlm: str, tmp_pa
     # The stub's answers (ids 500 and up) lie above the tiny VLM's text range (448): folded into it for the history.
     prompts = sb.SeedPrompts(vlm, TINY)
     assert prompts.history_ids([500, 3, 447, 448]) == [52, 3, 447, 0]
+
+
+def test_no_request_is_submitted_after_the_deadline(vlm: str) -> None:
+    """``deadline``: agents stop submitting once the clock passes it; those in flight finish and are recorded."""
+    import asyncio
+
+    ticks = [0.0]
+
+    def clock() -> float:
+        ticks[0] += 1.0
+        return ticks[0]
+
+    class Engine:
+        async def stream(self, request_id: str, prompt: dict[str, Any], max_tokens: int) -> Any:
+            from types import SimpleNamespace
+
+            await asyncio.sleep(0)
+            yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], num_cached_tokens=0,
+                                  outputs=[SimpleNamespace(token_ids=[1] * max_tokens)])
+
+    prompts = sb.SeedPrompts(vlm, TINY)
+    full = asyncio.run(sb.run_closed_loop(Engine(), prompts, prompts.episodes(), 4, 20, clock=clock))
+    assert len(full) == 20
+    ticks[0] = 0.0
+    cut = asyncio.run(sb.run_closed_loop(Engine(), prompts, prompts.episodes(), 4, 20, clock=clock, deadline=30.0))
+    assert 0 < len(cut) < 20 and all(r.submitted <= 30.0 for r in cut)
+    assert all(r.finished is not None for r in cut)
+    sb.check_records(cut, 4)
