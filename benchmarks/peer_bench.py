@@ -73,6 +73,8 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from shapes import VISION_27B  # benchmarks/ is on the path (above)
+
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
@@ -87,6 +89,10 @@ def _shape(name: str) -> dict[str, Any]:
         from shapes import SHAPE_2B
 
         return dict(SHAPE_2B)
+    if name == "27b":  # Qwen3.5-27B's text shape (shapes.py SHAPE_27B: its sources)
+        from shapes import SHAPE_27B
+
+        return dict(SHAPE_27B)
     if name == "9b":  # Qwen3.5-9B's text shape: 32 layers (8 gated attention), untied LM head
         return dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                     num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
@@ -114,6 +120,9 @@ VISIONS: dict[str, dict[str, Any]] = {
     "real": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16, temporal_patch_size=2,
                  spatial_merge_size=2, num_position_embeddings=2304, in_channels=3, hidden_act="gelu_pytorch_tanh"),
 }
+# The 27B class's tower (shapes.py VISION_27B: depth 27, hidden 1152, intermediate 4304, 16 heads; the Qwen3.6-27B
+# release's vision_config): what the seed's 27B model carries.
+VISIONS["27b"] = dict(VISION_27B)
 # Pixel-area bounds of the real tower's preprocessor_config.json: Qwen/Qwen3.5-2B-Base's, verbatim in
 # docs/vlm_facts.md section 4 (``size``: shortest_edge 65536 = 256^2, longest_edge 16777216 = 4096^2; areas, not
 # edges), and those of its video_preprocessor_config.json (the Qwen3.6-27B report there).
@@ -137,10 +146,43 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
     return {t: first + i for i, t in enumerate(QWEN35_SPECIALS)}
 
 
-def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "toy", weights: bool = True) -> None:
+# The seed's checkpoint is compressed-tensors FP8_DYNAMIC (W8A8: FP8 weights with one scale per output channel,
+# activations quantized per token at run time). What it keeps out of FP8 (docs/fp8_facts.md sections 5 and 7; the
+# release's own ignore list is not known): the LM head; the GDN's small projections in_proj_a / in_proj_b (Qwen's
+# FP8 releases keep them in bf16; vLLM registers Qwen3.5's in_proj_b as ``in_proj_ba``, hence the three names); the
+# vision tower (``re:.*visual.*``, as the llm-compressor recipes and the published Qwen3.5 FP8-dynamic checkpoints
+# write it); the MTP layer (``re:.*mtp\..*``: a quantizer that loads transformers' model never sees it, so a head
+# added to a quantized checkpoint stays bf16; hyserve's dummy load makes it bf16, and this entry makes vLLM's
+# ``mtp.*`` layers bf16 too). Not known: whether the release keeps the whole GDN block (``re:.*linear_attn.*``, the
+# llm-compressor FP8_DYNAMIC recipes for Qwen3.5-MoE and Qwen3-Next) in bf16 instead of the two small projections.
+SEED_FP8_IGNORE = ["lm_head", r"re:.*linear_attn\.in_proj_(a|b|ba)$", "re:.*visual.*", r"re:.*mtp\..*"]
+
+
+def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "toy", weights: bool = True,
+          fp8: str | None = None) -> None:
     """The checkpoint of ``shape_name`` with ``vision``'s tower and an MTP layer; ``weights=False``: its files
     without weights (config.json, and the processor files and tokenizer of a non-toy tower), enough for
-    ``cache-bound``."""
+    ``cache-bound`` and ``--load-format dummy``. ``fp8="ct_dynamic"``: in the seed's compressed-tensors
+    FP8_DYNAMIC form (``SEED_FP8_IGNORE`` kept in bf16): the weights written are quantized, and config.json carries
+    the ``quantization_config`` either way (a dummy load then makes FP8 weights)."""
+    if fp8 not in (None, "ct_dynamic"):
+        raise ValueError(f"fp8 must be None or 'ct_dynamic' (got {fp8!r})")
+    _write_bf16(shape_name, out, device, seed, vision, weights)
+    if fp8 is None:
+        return
+    from hyserve.testing.fp8 import quantization_config, quantize_checkpoint
+
+    if weights:
+        quantize_checkpoint(out, fp8, ignore=list(SEED_FP8_IGNORE))
+    else:
+        path = os.path.join(out, "config.json")
+        cfg = read_json(path)
+        cfg["quantization_config"] = quantization_config(fp8, list(SEED_FP8_IGNORE))
+        write_json(path, cfg)
+    print(f"  in compressed-tensors FP8_DYNAMIC, kept in bf16: {SEED_FP8_IGNORE}")
+
+
+def _write_bf16(shape_name: str, out: str, device: str, seed: int, vision: str, weights: bool) -> None:
     import torch
     from shapes import add_random_mtp
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
@@ -178,7 +220,7 @@ def write(shape_name: str, out: str, device: str, seed: int = 0, vision: str = "
 
         Qwen2VLImageProcessor().save_pretrained(out)  # vLLM's VLM front end reads the processor files
         with open(os.path.join(out, "video_preprocessor_config.json"), "w", encoding="utf-8") as f:
-            json.dump(_read_json(os.path.join(out, "preprocessor_config.json")), f, indent=2)
+            json.dump(read_json(os.path.join(out, "preprocessor_config.json")), f, indent=2)
     else:
         write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))
     print(f"wrote {shape_name} shape (VLM form, {vision} vision tower, MTP layer) to {out}")
@@ -215,10 +257,10 @@ def write_image_files(out: str, tower: dict[str, Any], vocab_size: int, model_ma
              "do_convert_rgb": True, "resample": 3, "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5],
              "image_std": [0.5, 0.5, 0.5], "patch_size": int(tower["patch_size"]),
              "temporal_patch_size": int(tower["temporal_patch_size"]), "merge_size": int(tower["spatial_merge_size"])}
-    _write_json(os.path.join(out, "preprocessor_config.json"), {
+    write_json(os.path.join(out, "preprocessor_config.json"), {
         "image_processor_type": "Qwen2VLImageProcessorFast", **image,  # Qwen3.5-2B-Base's file names this class
         "size": {"shortest_edge": QWEN35_IMAGE_PIXELS[0], "longest_edge": QWEN35_IMAGE_PIXELS[1]}})
-    _write_json(os.path.join(out, "video_preprocessor_config.json"), {
+    write_json(os.path.join(out, "video_preprocessor_config.json"), {
         "video_processor_type": "Qwen3VLVideoProcessor", **image, "fps": 2, "min_frames": 4, "max_frames": 768,
         "do_sample_frames": True,
         "size": {"shortest_edge": QWEN35_VIDEO_PIXELS[0], "longest_edge": QWEN35_VIDEO_PIXELS[1]}})
@@ -245,14 +287,14 @@ def write_image_files(out: str, tower: dict[str, Any], vocab_size: int, model_ma
         config["added_tokens_decoder"][str(i)] = {"content": t, "lstrip": False, "normalized": False,
                                                   "rstrip": False, "single_word": False, "special": True}
     config["chat_template"] = VLM_CHAT_TEMPLATE
-    _write_json(os.path.join(out, "tokenizer_config.json"), config)
-    model_cfg = _read_json(os.path.join(out, "config.json"))
+    write_json(os.path.join(out, "tokenizer_config.json"), config)
+    model_cfg = read_json(os.path.join(out, "config.json"))
     for key, token in VISION_TOKEN_KEYS.items():
         if model_cfg.get(key) != ids[token]:
             raise AssertionError(f"config.json {key} is {model_cfg.get(key)}, the tokenizer's {token} is {ids[token]}")
 
 
-def _write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
@@ -292,7 +334,7 @@ class Engine:
                 kw["limit_mm_per_prompt"] = images
             kw.pop("vllm_mamba_cache_mode", None)
             self.llm = LLM(model=model, device=device, dtype=dtype, **kw)
-            self.version = _git_commit()
+            self.version = git_commit()
         else:
             import vllm
             from vllm import LLM, SamplingParams  # type: ignore[no-redef]
@@ -311,7 +353,7 @@ class Engine:
                 kw["disable_log_stats"] = log_stats_off
             # Images per prompt (none unless a measure sends some): a VLM-form checkpoint's; vLLM refuses the field
             # for a text-only model (Qwen3-Next)
-            if "vision_config" in _read_json(os.path.join(model, "config.json")):
+            if "vision_config" in read_json(os.path.join(model, "config.json")):
                 kw["limit_mm_per_prompt"] = {"image": 0, "video": 0, **(images or {})}
             self.llm = LLM(model=model, dtype=dtype, **kw)
             self.version = vllm.__version__
@@ -345,7 +387,7 @@ class Engine:
 
 def is_nemotron_h(model: str) -> bool:
     """Whether ``model``'s config.json is Nemotron-H's (``model_type: nemotron_h``: Mamba2, no GDN layers)."""
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     return (cfg.get("text_config") or cfg).get("model_type") == "nemotron_h"
 
 
@@ -362,7 +404,7 @@ def vllm_cache_settings(llm: Any) -> dict[str, Any]:
     return {k: str(getattr(cache, k)) for k in keys if hasattr(cache, k)}
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     """The checkout's commit, with ``+changes`` when tracked files differ from it (the device machine's copy of a
     working tree can carry an older HEAD than the files it runs)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -452,7 +494,7 @@ def _has_moe_layers(text: dict[str, Any]) -> bool:
 def moe_active_share(model: str) -> float:
     """``num_experts_per_tok / num_experts`` (Nemotron-H: ``n_routed_experts``) of a MoE checkpoint's config.json (the
     share of each layer's routed experts one token reads), 1.0 for a dense one."""
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     text = cfg.get("text_config") or cfg
     experts = text.get("num_experts") or text.get("n_routed_experts")
     top_k = text.get("num_experts_per_tok")
@@ -489,7 +531,7 @@ def weight_bytes_per_step(model: str, load_format: str = "auto") -> int:
     if load_format == "dummy":
         return _config_weight_bytes(model)
     sizes = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
     tensors: list[tuple[str, int]] = []
     for path in checkpoint_files(model):
@@ -715,7 +757,7 @@ class PromptBuilder:
     a tokenizer to find the placeholders)."""
 
     def __init__(self, model: str) -> None:
-        cfg = _read_json(os.path.join(model, "config.json"))
+        cfg = read_json(os.path.join(model, "config.json"))
         self.vision = {token: int(cfg[key]) for key, token in VISION_TOKEN_KEYS.items()}
         self.image_token_id = self.vision["<|image_pad|>"]
         self.tokenizer: Any = None
@@ -762,13 +804,13 @@ class PromptBuilder:
         return out
 
 
-def _text_vocab(model: str) -> int:
+def text_vocab(model: str) -> int:
     """Random text ids for the image trace are drawn below this: ``_vocab`` (below the vision tokens), and below
     the tokenizer's first added token if it has one (no chat markers or eos in the random text)."""
     limit = _vocab(model)
     path = os.path.join(model, "tokenizer.json")
     if os.path.isfile(path):
-        added = [int(t["id"]) for t in _read_json(path).get("added_tokens", [])]
+        added = [int(t["id"]) for t in read_json(path).get("added_tokens", [])]
         limit = min([limit, *added])
     return limit
 
@@ -787,7 +829,7 @@ def _first_token_wall(out: Any) -> tuple[float | None, str]:
     return None, f"none: {type(m).__name__} has no first-token time"
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     xs = sorted(values)
     pos = (len(xs) - 1) * q
     lo = int(pos)
@@ -880,10 +922,10 @@ def cache_bound(model: str, scale: str, concurrency: int | None, out: str | None
     fig, notes = measure_agent_images(PromptsOnly(model), model, scale, concurrency)  # type: ignore[arg-type]
     keep = ("agent_images_cacheable_share", "agent_images_prompt_tokens_mean", "agent_images_requests",
             "agent_images_image_tokens_per_request")
-    res = {"model": model, "command": " ".join(sys.argv), "hyserve_commit": _git_commit(),
+    res = {"model": model, "command": " ".join(sys.argv), "hyserve_commit": git_commit(),
            "figures": {k: fig[k] for k in keep}, "notes": {"trace": notes["trace"], "layout": notes["prompt_layout"]}}
     if out:
-        _write_json(out, res)
+        write_json(out, res)
     print(json.dumps(res, indent=2))
     return res
 
@@ -893,7 +935,7 @@ def screenshot_conversations(model: str, scale: str, concurrency: int | None = N
     """The screenshot trace ``SCREENSHOT_TRACES[scale]`` for ``model``: its ``concurrency`` conversations (the
     scale's by default), sharing one random prefix, and every screenshot by (conversation, index)."""
     trace = SCREENSHOT_TRACES[scale]
-    vocab = _text_vocab(model)
+    vocab = text_vocab(model)
     prefix_rng = random.Random(f"peer-screenshots/{seed}/prefix")
     prefix = [prefix_rng.randrange(vocab) for _ in range(trace.prefix_len)]
     convs = [ScreenshotConversation(trace, c, prefix, vocab, seed) for c in range(concurrency or trace.concurrency)]
@@ -911,7 +953,7 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
     it includes waiting behind the turn's other requests, as a client sending them together sees it)."""
     trace, convs, shots = screenshot_conversations(model, scale, concurrency, seed)
     n = len(convs)
-    vocab = _text_vocab(model)
+    vocab = text_vocab(model)
     image_uid = {key: i for i, key in enumerate(shots)}
     bound = CacheBound()
     builder = PromptBuilder(model)
@@ -965,8 +1007,8 @@ def measure_agent_images(eng: Engine, model: str, scale: str, concurrency: int |
     for t, (c_t, p_t) in enumerate(per_turn):
         fig[f"agent_images_cached_share_turn{t}"] = c_t / max(p_t, 1)
     if len(ttft) == requests:
-        fig.update(agent_images_ttft_mean_s=sum(ttft) / len(ttft), agent_images_ttft_p50_s=_percentile(ttft, 0.5),
-                   agent_images_ttft_p90_s=_percentile(ttft, 0.9))
+        fig.update(agent_images_ttft_mean_s=sum(ttft) / len(ttft), agent_images_ttft_p50_s=percentile(ttft, 0.5),
+                   agent_images_ttft_p90_s=percentile(ttft, 0.9))
     notes = {"trace": {**asdict(trace), "conversations": n, "scale": scale}, "prompt_layout": builder.layout,
              "text_ids_below": vocab, "ttft_source": sorted(sources),
              "ttft": "first token time - the turn's submission (time.time()), every request of a turn submitted "
@@ -995,7 +1037,7 @@ def measure(args: argparse.Namespace) -> int:
     measures = args.measures.split(",")
     res: dict[str, Any] = {"engine": args.engine, "model": args.model, "command": " ".join(sys.argv),
                            "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                           "date": time.strftime("%Y-%m-%d"), "hyserve_commit": _git_commit(), "figures": {}}
+                           "date": time.strftime("%Y-%m-%d"), "hyserve_commit": git_commit(), "figures": {}}
     nemotron = is_nemotron_h(args.model)
     if args.engine == "vllm":
         res["vllm_gdn_prefill_backend"] = "n/a (no GDN layers)" if nemotron else (
@@ -1142,7 +1184,7 @@ def planted_acceptance(spec: dict[str, Any]) -> dict[str, float]:
     return {"spec_planted_acceptance_length": 1 + sum(float(r) for r in spec.get("synthetic_acceptance_rates") or [])}
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -1150,7 +1192,7 @@ def _read_json(path: str) -> Any:
 def _vocab(model: str) -> int:
     """Random prompt ids are drawn below this: the vocabulary, cut below the vision tokens' ids (both engines
     refuse image placeholders that come without images)."""
-    cfg = _read_json(os.path.join(model, "config.json"))
+    cfg = read_json(os.path.join(model, "config.json"))
     vision = [int(cfg[k]) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
                                      "video_token_id") if k in cfg]
     return min([int(cfg.get("text_config", cfg).get("vocab_size")), *vision])
@@ -1208,7 +1250,7 @@ _NO_RATIO |= {k for k in _FIGURES if k.endswith(("_image_tokens_per_request", "_
 
 
 def report(files: list[str], out: str) -> None:
-    runs = [_read_json(p) for p in files]
+    runs = [read_json(p) for p in files]
     by_model: dict[str, dict[str, dict[str, Any]]] = {}
     # Where each figure comes from: the file and engine version of the run that measured it (a later file's figure
     # replaces an earlier one's; files from several device sessions can be merged, and each row says which).
@@ -1246,7 +1288,7 @@ def report(files: list[str], out: str) -> None:
             for name, why in r.get("errors", {}).items():
                 entries.append({"model": model, "measure": name, "label": f"{engine} failed: {why}"[:300],
                                 "hyserve": None, "vllm": None, "ratio": None})
-    meta = {"files": files, "hyserve_commit": _git_commit(),
+    meta = {"files": files, "hyserve_commit": git_commit(),
             "engines": {f"{m}/{e}": {k: r.get(k) for k in ("version", "device", "torch", "date", "command")}
                         for m, es in by_model.items() for e, r in es.items()},
             "notes": {f"{os.path.basename(r['model'].rstrip('/'))}/{r['engine']}/{tag}": note
@@ -1336,7 +1378,7 @@ def moe_report(files: list[str], out: str, rate: float = 0.8, title: str = MOE_T
     info: dict[tuple[str, str], dict[str, Any]] = {}
     errors: list[str] = []
     for path in files:
-        r = _read_json(path)
+        r = read_json(path)
         if "rows" in r and "meta" in r:  # spec_decode_bench.py's
             engine, model, fig = "hyserve", r["meta"]["model"], spec_decode_figures(r, rate)
             meta = {"source": "spec_decode_bench.py", **{k: r["meta"].get(k) for k in ("device", "date", "torch")}}
@@ -1367,7 +1409,7 @@ def moe_report(files: list[str], out: str, rate: float = 0.8, title: str = MOE_T
                             "hyserve": a, "vllm": b, "ratio": ratio})
     engines = {f"{m}/{e}": v for (m, e), v in sorted(info.items())}
     os.makedirs(out, exist_ok=True)
-    _write_json(os.path.join(out, "moe_peer.json"), {"files": files, "hyserve_commit": _git_commit(),
+    write_json(os.path.join(out, "moe_peer.json"), {"files": files, "hyserve_commit": git_commit(),
                                                        "engines": engines, "entries": entries, "errors": errors})
 
     def fmt(x: Any) -> str:
@@ -1395,14 +1437,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
-    w.add_argument("--shape", choices=["tiny", "2b", "9b"], default="2b")
+    w.add_argument("--shape", choices=["tiny", "2b", "9b", "27b"], default="2b")
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cuda")
     w.add_argument("--no-weights", action="store_true",
                    help="config, tokenizer and processor files only (measure it with --load-format dummy)")
     w.add_argument("--vision", choices=sorted(VISIONS), default="toy",
                    help="toy: a one-block tower (text-only runs); real: a real-size Qwen3.5 tower, its processor "
-                        "files and a tokenizer with the vision tokens (image runs)")
+                        "files and a tokenizer with the vision tokens (image runs); 27b: the 27B class's tower "
+                        "(depth 27, hidden 1152) with the same files")
+    w.add_argument("--fp8", choices=["ct_dynamic"], default=None,
+                   help="the seed's compressed-tensors FP8_DYNAMIC form (SEED_FP8_IGNORE kept in bf16); with "
+                        "--no-weights only config.json's quantization_config (a dummy load makes FP8 weights)")
     m = sub.add_parser("measure")
     m.add_argument("--engine", choices=["hyserve", "vllm"], required=True)
     m.add_argument("--model", required=True)
@@ -1461,6 +1507,10 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--out", required=True)
     mr.add_argument("--rate", type=float, default=0.8, help="the planted rate of the MTP rows taken")
     mr.add_argument("--title", default=MOE_TITLE, help="the table's heading")
+    sr = sub.add_parser("seed-report", help="issue 34: the seed's deployment, hyserve against vLLM (seed_bench.py "
+                                           "report: seed.md, seed.json, seed.png)")
+    sr.add_argument("files", nargs="+")
+    sr.add_argument("--out", required=True)
     s = sub.add_parser("synthetic-mtp", help="print vLLM's synthetic MTP speculative config (synthetic_mtp_config)")
     s.add_argument("--k", type=int, default=3)
     s.add_argument("--rate", type=float, default=0.8)
@@ -1470,13 +1520,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = build_parser().parse_args()
     if args.cmd == "write":
-        write(args.shape, args.out, args.device, vision=args.vision, weights=not args.no_weights)
+        write(args.shape, args.out, args.device, vision=args.vision, weights=not args.no_weights, fp8=args.fp8)
     elif args.cmd == "quantize":
         quantize(args.src, args.out, args.format)
     elif args.cmd == "measure":
         return measure(args)
     elif args.cmd == "cache-bound":
         cache_bound(args.model, args.agent_scale, args.agent_concurrency, args.out)
+    elif args.cmd == "seed-report":
+        from seed_bench import report as seed_report
+
+        seed_report(args.files, args.out)
     elif args.cmd == "moe-report":
         moe_report(args.files, args.out, args.rate, args.title)
     elif args.cmd == "synthetic-mtp":

@@ -38,6 +38,10 @@
 #                                               # weights): decode 1/8/32/64, bound, prefill 32 x 2048, agent trace
 #   bash benchmarks/peer_session.sh mamba2-vllm # vLLM (default mode): the same; call again to go on where it stopped
 #   bash benchmarks/peer_session.sh mamba2 n8b n8b_agent   # those runs alone (mamba2-vllm too)
+#   bash benchmarks/peer_session.sh seed        # issue 34: hyserve on the seed's deployment (27B FP8 dummy, images,
+#                                               # MTP 2 planted at 80 %, 32 agents; seed_bench.py)
+#   bash benchmarks/peer_session.sh seed-vllm   # vLLM (default mode): the same; then here: python
+#                                               # benchmarks/peer_bench.py seed-report <both JSON files> --out DIR
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>; for the
@@ -614,6 +618,49 @@ case "${1:?phase}" in
             fi
         done
     done
+    true
+    ;;
+  seed|seed-vllm)
+    # Issue 34, item 1: the seed's own deployment (benchmarks/seed_bench.py): Qwen3.5-27B's shape with the 27B
+    # class's vision tower and an MTP layer, compressed-tensors FP8_DYNAMIC, config.json alone (both engines make
+    # the weights at load: --load-format dummy), the report's `vllm serve` flags parsed by each engine's own parser,
+    # MTP k = 2 with each draft token accepted w.p. 0.8 (hyserve's verify draws, vLLM's synthetic rejection
+    # sampling at 0.8 / 0.64), the GUI-agent trace: 32 agents in a closed loop, 256 requests of 4k-11k tokens with
+    # 1-3 screenshots of 1280x720 and answers of 20-100 tokens, after a warm-up of 32 first steps. One process per
+    # engine, marked done in $MOE_DONE (a call after a cut run starts it again). vLLM's GDN prefill: FlashInfer's
+    # where its JIT cache is here, else its Triton kernel (the flags in the results file say which).
+    # SEED_ARGS: more seed_bench.py measure arguments (e.g. --requests 128, or --k 0: MTP off); SEED_NAME: the run's
+    # name (default seed; another name for another variant, e.g. SEED_NAME=seed_nomtp SEED_ARGS="--k 0");
+    # SEED_CAP: the run's cap in seconds (no request is submitted after the cap less 40 s: a slow run ends with
+    # fewer requests, cut_by_time_limit true in its file, instead of being killed with nothing written; it is not
+    # marked done, so the next call runs it again, with warm compile caches).
+    if [ ! -f /tmp/s27/tokenizer.json ]; then
+        rm -rf /tmp/s27
+        python3 $PB write --shape 27b --vision 27b --fp8 ct_dynamic --no-weights --device cpu --out /tmp/s27 \
+            > "$OUT/write_s27.log" 2>&1 || { echo "writing /tmp/s27 failed"; tail -3 "$OUT/write_s27.log"; }
+    fi
+    engine=hyserve name=${SEED_NAME:-seed}
+    pre=()
+    if [ "$1" = seed-vllm ]; then engine=vllm; pre=("${VLLM_DEFAULT_ENV[@]}"); fi
+    limit=$(moe_todo "$engine" "$name" "${SEED_CAP:-560}")
+    if [ -n "$limit" ]; then
+        extra=()
+        [ "$engine" = vllm ] && ! vllm_warm && extra=(--gdn-prefill-backend triton)
+        echo "== $engine $name ($(date +%T), cap $limit s)"
+        # shellcheck disable=SC2086
+        "${pre[@]}" timeout "$limit" python3 benchmarks/seed_bench.py measure --engine "$engine" --model /tmp/s27 \
+            --out "$OUT/${engine}_$name.json" --time-limit $((limit - 40)) "${extra[@]}" ${SEED_ARGS:-} \
+            > "$OUT/${engine}_$name.log" 2>&1
+        echo "   rc $? ($(date +%T))"
+        tail -3 "$OUT/${engine}_$name.log"
+        if [ "$engine" = vllm ]; then
+            grep -h "Setting attention block size\|Mamba cache mode is set\|GPU KV cache size" \
+                "$OUT/${engine}_$name.log" 2>/dev/null | tail -3
+            save_vllm_caches
+        fi
+        # done when the whole trace ran (a run cut by its time limit has its file, and runs again at the next call)
+        grep -q '"cut_by_time_limit": false' "$OUT/${engine}_$name.json" 2>/dev/null && touch "$MOE_DONE/${engine}_$name"
+    fi
     true
     ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;

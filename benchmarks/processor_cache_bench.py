@@ -103,7 +103,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    res: dict[str, Any] = {"command": " ".join(sys.argv), "commit": pb._git_commit(),
+    res: dict[str, Any] = {"command": " ".join(sys.argv), "commit": pb.git_commit(),
                            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                                       f"torch {torch.__version__}, {torch.get_num_threads()} threads",
                            "date": time.strftime("%Y-%m-%d"), "runs": {}}

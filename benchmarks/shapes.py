@@ -28,7 +28,32 @@ SHAPE_2B: dict[str, Any] = dict(
     linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
     linear_conv_kernel_dim=4, partial_rotary_factor=0.25, tie_word_embeddings=True, max_position_embeddings=32768,
 )
-SHAPES = {"2b": SHAPE_2B}
+# Qwen3.5-27B's text model (Qwen3_5ForConditionalGeneration, model_type qwen3_5; Qwen3.6-27B has the same text
+# config): 64 layers (16 x (3 Gated DeltaNet + 1 gated attention)), hidden 5120, MLP 17408, 24 query heads and 4 KV
+# heads of 256, GDN 16 key heads and 48 value heads of 128, conv 4, untied LM head, vocab 248320, partial rotary 0.25,
+# rope theta 1e7, M-RoPE sections [11, 11, 10] interleaved, one MTP layer. No verbatim copy of the release's
+# config.json was found. Sources: THUDM/slime scripts/models/qwen3.5-27B.sh (64 layers, hidden 5120, FFN 17408,
+# 24 heads, 4 query groups, kv channels 256, rotary 0.25 of base 1e7, untied embeddings, vocab 248320, eps 1e-6);
+# the GDN sizes and the rest from two further copies of the full text_config in the code index, which agree with
+# each other and with those numbers: a Qwen3_5Config built for a Qwen3.5 27B VLM (every text_config field: GDN
+# 16 / 48 heads of 128, conv 4, max_position_embeddings 262144, mtp_num_hidden_layers 1, tie_word_embeddings false)
+# and InternLM/xtuner's test of its Qwen3.5-class 27B export (the same fields, "matches official shape").
+# max_position_embeddings is the release's 262144 (the engines' max_model_len is set per run).
+SHAPE_27B: dict[str, Any] = dict(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, partial_rotary_factor=0.25, tie_word_embeddings=False, max_position_embeddings=262144,
+)
+# The 27B class's vision tower, as the Qwen3.6-27B release's config.json has it (docs/vlm_facts.md section 4: the
+# same sizes in two independent reports; transformers' Qwen3_5VisionConfig defaults agree): 27 blocks of 1152 with
+# 16 heads and an MLP of 4304, patch 16, temporal patch 2, spatial merge 2, 2304 position embeddings, no deepstack.
+# ``out_hidden_size`` is the text hidden size (5120), set where the tower is written.
+VISION_27B: dict[str, Any] = dict(
+    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, temporal_patch_size=2,
+    spatial_merge_size=2, num_position_embeddings=2304, in_channels=3, hidden_act="gelu_pytorch_tanh",
+)
+SHAPES = {"2b": SHAPE_2B, "27b": SHAPE_27B}
 
 # The mixture-of-experts shapes of issue 31, written config-only (``write_moe_config``) and served with
 # ``--load-format dummy``: Qwen3.5-35B-A3B as a Qwen3.5-MoE text config (``Qwen3_5MoeTextConfig``'s fields) in the VLM

@@ -47,7 +47,7 @@ def test_sliding_window_keeps_exactly_the_last_two_screenshots(vlm: str) -> None
     """Turn t shows screenshots t and t + 1 (message 0 carries 0 and 1, message j the screenshot j + 1); the older
     ones are text; each turn's prompt extends the previous one's up to where its first screenshot was."""
     trace = pb.SCREENSHOT_TRACES["tiny"]
-    conv = pb.ScreenshotConversation(trace, 0, [1, 2, 3], pb._text_vocab(vlm))
+    conv = pb.ScreenshotConversation(trace, 0, [1, 2, 3], pb.text_vocab(vlm))
     builder = pb.PromptBuilder(vlm)
     ids = vlm_special_token_ids()
     outputs = [[5, 6, 7][: t + 1] for t in range(trace.turns)]

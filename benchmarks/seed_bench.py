@@ -1,0 +1,677 @@
+"""The seed's own deployment as a benchmark (issue 34, item 1): the second report's 27B Qwen3.5 VLM in FP8 W8A8 with
+MTP 2 and prefix caching, serving 32 GUI agents, through hyserve and through vLLM with the report's own flags.
+
+    python benchmarks/peer_bench.py write --shape 27b --vision 27b --fp8 ct_dynamic --no-weights --out /tmp/s27
+    python benchmarks/seed_bench.py measure --engine hyserve --model /tmp/s27 --out $OUT/hyserve_seed.json
+    PYTHONPATH=/tmp/vsite python benchmarks/seed_bench.py measure --engine vllm --model /tmp/s27 \\
+        --out $OUT/vllm_seed.json
+    python benchmarks/seed_bench.py report $OUT/hyserve_seed.json $OUT/vllm_seed.json --out DIR   # seed.md, seed.png
+
+**The checkpoint** (``peer_bench.py write``): Qwen3.5-27B's text shape (``shapes.py`` ``SHAPE_27B``, its sources
+there), the 27B class's vision tower (``VISION_27B``), one MTP layer, in the seed's compressed-tensors FP8_DYNAMIC
+form (``peer_bench.SEED_FP8_IGNORE`` kept in bf16), config.json alone: both engines make the weights at load
+(``--load-format dummy``; hyserve's dummy format makes FP8 weights and scales for the layers the
+``quantization_config`` quantizes, vLLM's too), which saves writing 27 GB of random FP8 on the device's 64 GiB disk.
+
+**The flags** (``SEED_FLAGS``): the report's ``vllm serve`` line, parsed by each engine's own command-line parser
+(hyserve's ``engine_args``, vLLM's ``AsyncEngineArgs.add_cli_args``), as ``hyserve serve`` / ``vllm serve`` would:
+``--max-model-len 62768 --max-num-seqs 32 --gpu-memory-utilization 0.95 --enable-chunked-prefill
+--limit-mm-per-prompt.image 10 --enable-prefix-caching --mamba-cache-mode align --speculative-config
+'{"method": "mtp", "num_speculative_tokens": 2}'``, plus ``--load-format dummy --dtype bfloat16``. hyserve takes
+``--enable-chunked-prefill`` and ``--mamba-cache-mode align`` as vLLM's flags whose purpose it serves by
+construction (an INFO line each). The MTP head of random weights accepts nothing, so each engine's acceptance is
+drawn at ``--acceptance`` (0.8 per draft token, acceptance ending at the first rejection; 1 + 0.8 + 0.64 = 2.44
+tokens a verify step): hyserve's verify draws each draft token's verdict (``spec_decode_bench.synthetic_acceptance``,
+inside its verify graphs), vLLM's synthetic rejection sampling at the same per-position rates
+(``peer_bench.synthetic_mtp_config``). The head still drafts every step: its cost is in the timing.
+
+**The trace** (``SEED_TRACES["seed"]``, the report's workload): episodes of a GUI agent's steps. Every request is
+the episode's conversation so far, rendered with the checkpoint's chat template: a system prompt shared by every
+episode (1,700 random ids), then per step a user message (step 0: the task and first observation, 1,450-1,850 ids;
+later steps: an observation, 250-550 ids) followed by that step's screenshot, and the assistant's actual output of
+each earlier step (ids at or above the random text's range, which random weights emit, folded into it). A request
+shows the current screenshot and the two before it as images (1, 2, then 3 images: the sliding two-screenshot
+history); an older screenshot's place holds 8 ids of text instead. Screenshots are 1280x720 random-noise RGB images
+(880 placeholder tokens each at patch 16, merge 2), one per episode and step. Each episode draws 3-10 steps and ends
+before a step whose prompt would pass 12,000 tokens. On the 27B checkpoint (880 placeholder tokens a screenshot) the
+default run of 256 requests spans 53 episodes (steps 0 / 1 / ... / 8 sent 53 / 50 / 45 / 34 / 26 / 20 / 16 / 9 / 3
+times); its prompts (placeholders expanded) run from 4,060 to 10,299 tokens, mean 6,642, deciles 4,175 / 4,448 /
+5,555 / 5,888 / 6,961 / 7,324 / 7,660 / 8,135 / 8,821 (1.70M prompt tokens in all), with 2.39 images a request
+(with instant answers: the agents' interleaving moves these a little). Answers: ``max_tokens`` drawn in 20-100
+per step, ``ignore_eos`` (random weights never stop), temperature 0. Consecutive steps of an episode share the
+prefix up to the screenshot that left the window; every request shares the system prompt. All of it is a pure
+function of ``--seed`` (the outputs alone come from the engine).
+
+**The client** (``run_closed_loop``): a closed loop of ``--concurrency`` (32) agents on the engine's async API
+(hyserve's ``AsyncEngine``, the one its server runs; vLLM's ``AsyncLLM``, the one ``vllm serve`` runs, engine core
+in its own process): each agent takes the next episode and submits its steps one at a time, each when the previous
+one's last output arrives, until ``--requests`` (256) requests have been submitted. Before it, a warm-up of
+``concurrency`` first steps of other episodes (another system prompt: no cache hit for the timed run). Per request
+the client records its submission, the arrival of its first output token and of its last (``time.perf_counter``),
+its prompt tokens (``RequestOutput.prompt_token_ids``, placeholders expanded), prompt tokens served from the prefix
+cache (``RequestOutput.num_cached_tokens``) and output tokens.
+
+**Figures** (``figures``): requests/s and output tokens/s over the run (first submission to last answer); TTFT
+(first token - submission) mean, p50, p99; time per output token ``(e2e - TTFT) / (n_out - 1)`` mean, p50, p99;
+end-to-end latency p50 / p99; the prefix-cache hit rate (cached prompt tokens / prompt tokens), overall and for first
+and later steps; prompt and output lengths; images per request. ``report`` pairs hyserve's and vLLM's files: one
+table (both figures, hyserve better by: the ratio, higher- or lower-is-better per figure) and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import peer_bench as pb  # benchmarks/ is on the path (above)
+from shapes import SHAPE_27B, VISION_27B
+
+# The report's `vllm serve` line (../shared/seeds/004_ad245c2ab18366d1.txt), less the model, name and port.
+SEED_FLAGS = ["--max-model-len", "62768", "--max-num-seqs", "32", "--gpu-memory-utilization", "0.95",
+              "--enable-chunked-prefill", "--limit-mm-per-prompt.image", "10", "--enable-prefix-caching",
+              "--mamba-cache-mode", "align"]
+SEED_SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+@dataclass(frozen=True)
+class SeedTrace:
+    """Sizes of the seed's GUI-agent trace; ranges inclusive, drawn uniformly; lengths in token ids."""
+
+    prefix_len: int  # the system prompt every episode shares
+    first_message_len: tuple[int, int]  # step 0's user message (the task, the first observation)
+    message_len: tuple[int, int]  # a later step's user message (an observation)
+    output_len: tuple[int, int]  # each step's max_tokens (ignore_eos: the answer's length)
+    steps: tuple[int, int]  # steps an episode draws (fewer where a prompt would pass prompt_len[1])
+    screen: tuple[int, int]  # width, height of every screenshot
+    prompt_len: tuple[int, int]  # every prompt's length, placeholders expanded, lies in this range
+    history: int = 2  # earlier screenshots shown as images beside the current one
+    earlier_len: int = 8  # the text that stands in for an older screenshot
+    concurrency: int = 32
+    requests: int = 256
+
+
+SEED_TRACES = {
+    "seed": SeedTrace(prefix_len=1700, first_message_len=(1450, 1850), message_len=(250, 550), output_len=(20, 100),
+                      steps=(3, 10), screen=(1280, 720), prompt_len=(4000, 12000)),
+    # The same structure on the tiny test VLM (hyserve.testing: 48x32 screenshots are 24 placeholder tokens).
+    "tiny": SeedTrace(prefix_len=60, first_message_len=(30, 40), message_len=(8, 16), output_len=(2, 6),
+                      steps=(2, 5), screen=(48, 32), prompt_len=(120, 300), earlier_len=4, concurrency=4,
+                      requests=20),
+}
+
+
+class Episode:
+    """One episode of a ``SeedTrace``: its messages, answer lengths and stand-in texts, drawn from ``(seed, index)``
+    alone; ``num_steps`` is set by ``SeedPrompts.episode`` (the steps whose prompts fit)."""
+
+    def __init__(self, trace: SeedTrace, index: int, prefix: list[int], vocab: int, seed: int) -> None:
+        rng = random.Random(f"seed-trace/{seed}/{index}")
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(n)]
+
+        self.trace, self.index, self.prefix, self.seed = trace, index, prefix, seed
+        self.drawn_steps = rng.randint(*trace.steps)
+        self.messages = [ids(rng.randint(*trace.first_message_len))]
+        self.messages += [ids(rng.randint(*trace.message_len)) for _ in range(self.drawn_steps - 1)]
+        self.output_lens = [rng.randint(*trace.output_len) for _ in range(self.drawn_steps)]
+        self.earlier = [ids(trace.earlier_len) for _ in range(self.drawn_steps)]
+        self.num_steps = self.drawn_steps
+
+    def visible(self, step: int) -> list[int]:
+        """The screenshots step ``step`` shows as images, oldest first: its own and the ``history`` before it."""
+        return list(range(max(0, step - self.trace.history), step + 1))
+
+    def chat(self, step: int, outputs: list[list[int]]) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
+        """Step ``step``'s messages for a chat template (random text as sentinel strings) and the sentinels' ids:
+        system, then per step ``j <= step`` a user message (its text, then screenshot ``j``: an image part if
+        visible, else its stand-in text) and, before ``step``, the assistant's output ``outputs[j]``."""
+        pieces: dict[str, list[int]] = {}
+
+        def text(ids: list[int]) -> str:
+            key = f"\x00{len(pieces)}\x00"
+            pieces[key] = list(ids)
+            return key
+
+        shown = set(self.visible(step))
+        messages: list[dict[str, Any]] = [{"role": "system", "content": text(self.prefix)}]
+        for j in range(step + 1):
+            shot: dict[str, Any] = {"type": "image"} if j in shown else {"type": "text", "text": text(self.earlier[j])}
+            messages.append({"role": "user", "content": [{"type": "text", "text": text(self.messages[j])}, shot]})
+            if j < step:
+                messages.append({"role": "assistant", "content": text(outputs[j])})
+        return messages, pieces
+
+
+class SeedPrompts:
+    """A ``SeedTrace`` on a checkpoint: its episodes, each step's prompt (token ids with one placeholder per image,
+    and the images) and its length with the placeholders expanded as the checkpoint's processor files say."""
+
+    def __init__(self, model: str, trace: SeedTrace, seed: int = 0) -> None:
+        from hyserve.multimodal.chat import image_token_count
+        from hyserve.multimodal.image import ImageProcessorSettings
+
+        self.model, self.trace, self.seed = model, trace, seed
+        self.builder = pb.PromptBuilder(model)
+        self.vocab = pb.text_vocab(model)
+        self.image_tokens = image_token_count(trace.screen, ImageProcessorSettings.from_checkpoint(model))
+        rng = random.Random(f"seed-trace/{seed}/prefix")
+        self.prefix = [rng.randrange(self.vocab) for _ in range(trace.prefix_len)]
+        self._shots: dict[tuple[int, int], Any] = {}
+        self._noise: Any = None
+
+    def episode(self, index: int) -> Episode:
+        """Episode ``index``, its steps cut before the first whose prompt would pass ``prompt_len[1]``."""
+        ep = Episode(self.trace, index, self.prefix, self.vocab, self.seed)
+        outputs = [[0] * n for n in ep.output_lens]
+        lens = [self.expanded_len(ep, s, outputs) for s in range(ep.drawn_steps)]
+        if lens[0] < self.trace.prompt_len[0] or lens[0] > self.trace.prompt_len[1]:
+            raise ValueError(f"episode {index}'s first prompt has {lens[0]} tokens, outside {self.trace.prompt_len}: "
+                             "the trace's sizes do not fit this checkpoint")
+        ep.num_steps = next((s for s, n in enumerate(lens) if n > self.trace.prompt_len[1]), ep.drawn_steps)
+        return ep
+
+    def episodes(self, start: int = 0) -> Iterator[Episode]:
+        index = start
+        while True:
+            yield self.episode(index)
+            index += 1
+
+    def ids(self, ep: Episode, step: int, outputs: list[list[int]]) -> list[int]:
+        messages, pieces = ep.chat(step, outputs)
+        return self.builder.ids(messages, pieces)
+
+    def expanded_len(self, ep: Episode, step: int, outputs: list[list[int]]) -> int:
+        return len(self.ids(ep, step, outputs)) + len(ep.visible(step)) * (self.image_tokens - 1)
+
+    def screenshot(self, ep: Episode, index: int) -> Any:
+        """Screenshot ``index`` of ``ep``: ``trace.screen`` of uniform RGB noise, a PIL image kept while its episode
+        may still show it. The noise is a window of one buffer drawn once from the seed, starting at a pixel unique
+        to (episode, index): every screenshot differs from every other (no image repeats across episodes, so no
+        cache of either engine serves one screenshot for another), and one costs a copy, not a draw (the client
+        builds it between two steps of an episode)."""
+        key = (ep.index, index)
+        if key not in self._shots:
+            import numpy as np
+            from PIL import Image
+
+            w, h = self.trace.screen
+            size = w * h * 3
+            if self._noise is None:
+                self._noise = np.random.default_rng([self.seed, 34]).integers(0, 256, 2 * size, dtype=np.uint8)
+            start = 3 * ((ep.index * (self.trace.steps[1] + 1) + index) % (size // 3))
+            self._shots[key] = Image.fromarray(self._noise[start : start + size].reshape(h, w, 3), "RGB")
+            self._shots.pop((ep.index, index - self.trace.history - 1), None)
+        return self._shots[key]
+
+    def request(self, ep: Episode, step: int, outputs: list[list[int]]) -> dict[str, Any]:
+        """Step ``step``'s prompt for either engine: ``prompt_token_ids`` and ``multi_modal_data``."""
+        return {"prompt_token_ids": self.ids(ep, step, outputs),
+                "multi_modal_data": {"image": [self.screenshot(ep, k) for k in ep.visible(step)]}}
+
+    def history_ids(self, output: list[int]) -> list[int]:
+        """An answer as the next step's history holds it: ids at or above the random text's range (special tokens,
+        the vision tokens among them, which random weights can emit) folded into it."""
+        return [t if t < self.vocab else t % self.vocab for t in output]
+
+
+# ------------------------------------------------------------------------------------------------------ engines
+
+
+class HyserveAsync:
+    """hyserve's ``AsyncEngine`` (what ``hyserve serve`` runs) on an engine built from ``flags`` by hyserve's own
+    parser (``engine_args``)."""
+
+    name = "hyserve"
+
+    def __init__(self, model: str, flags: list[str]) -> None:
+        from hyserve.engine_args import engine_args, expand_dotted, make_llm
+        from hyserve.server.async_engine import AsyncEngine
+
+        parser = argparse.ArgumentParser()
+        engine_args(parser, serving=True)
+        self.args = parser.parse_args(expand_dotted(flags))
+        self.llm = make_llm(self.args, model)
+        self.engine = AsyncEngine(self.llm.llm_engine)
+        self.version = pb.git_commit()
+        from hyserve import SamplingParams
+
+        self.SamplingParams = SamplingParams
+
+    def stream(self, request_id: str, prompt: dict[str, Any], max_tokens: int) -> AsyncIterator[Any]:
+        params = self.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self.engine.generate(request_id, prompt, params)
+
+    def stats(self) -> dict[str, float]:
+        m = self.engine.get_metrics()
+        drafts = float(m.get("hyserve:spec_decode_num_drafts", 0) or 0)  # type: ignore[arg-type]
+        accepted = float(m.get("hyserve:spec_decode_num_accepted_tokens", 0) or 0)  # type: ignore[arg-type]
+        return {"spec_mean_acceptance_length": 1 + accepted / drafts} if drafts else {}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.llm.shutdown()
+
+
+class VllmAsync:
+    """vLLM's ``AsyncLLM`` (what ``vllm serve`` runs; engine core in its own process unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on engine args parsed from ``flags`` by vLLM's own parser."""
+
+    name = "vllm"
+
+    def __init__(self, model: str, flags: list[str]) -> None:
+        import vllm
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        except ImportError:  # older releases
+            from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
+        parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+        self.args = parser.parse_args(["--model", model, *flags])
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(self.args))
+        self.version = vllm.__version__
+        self.SamplingParams = SamplingParams
+
+    def stream(self, request_id: str, prompt: dict[str, Any], max_tokens: int) -> AsyncIterator[Any]:
+        params = self.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self.engine.generate(prompt, params, request_id)  # type: ignore[no-any-return]
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------------- client
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it: times in ``time.perf_counter`` seconds."""
+
+    episode: int
+    step: int
+    submitted: float
+    first: float | None = None
+    finished: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    max_tokens: int = 0
+    images: int = 0
+    expected_prompt_tokens: int = 0
+    output: list[int] = field(default_factory=list)
+
+
+async def run_closed_loop(engine: Any, prompts: SeedPrompts, episodes: Iterator[Episode], concurrency: int,
+                          requests: int, tag: str = "r", clock: Callable[[], float] = time.perf_counter,
+                          deadline: float | None = None) -> list[RequestRecord]:
+    """``concurrency`` agents, each taking the next episode of ``episodes`` and submitting its steps one at a time
+    (a step when the previous one's last output has arrived), until ``requests`` requests have been submitted, or
+    until ``clock()`` passes ``deadline`` (no request is submitted after it; those in flight finish). Each step's
+    prompt is built off the event loop (its screenshot drawn, its chat rendered) before its submission time is
+    taken."""
+    records: list[RequestRecord] = []
+    left = [requests]
+
+    def build(ep: Episode, step: int, outputs: list[list[int]]) -> tuple[dict[str, Any], int]:
+        return prompts.request(ep, step, outputs), prompts.expanded_len(ep, step, outputs)
+
+    async def agent() -> None:
+        while left[0] > 0:
+            ep = next(episodes)
+            outputs: list[list[int]] = []
+            for step in range(ep.num_steps):
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+                prompt, expected = await asyncio.to_thread(build, ep, step, outputs)
+                now = clock()
+                if deadline is not None and now > deadline:
+                    left[0] = 0
+                    return
+                rec = RequestRecord(ep.index, step, now, max_tokens=ep.output_lens[step],
+                                    images=len(prompt["multi_modal_data"]["image"]), expected_prompt_tokens=expected)
+                records.append(rec)
+                last = None
+                async for out in engine.stream(f"{tag}-{ep.index}-{step}", prompt, ep.output_lens[step]):
+                    if rec.first is None and out.outputs and len(out.outputs[0].token_ids) > 0:
+                        rec.first = clock()
+                    last = out
+                rec.finished = clock()
+                assert last is not None
+                rec.output = list(last.outputs[0].token_ids)
+                rec.output_tokens = len(rec.output)
+                rec.prompt_tokens = len(last.prompt_token_ids)
+                rec.cached_tokens = int(getattr(last, "num_cached_tokens", 0) or 0)
+                outputs.append(prompts.history_ids(rec.output))
+
+    await asyncio.gather(*(agent() for _ in range(concurrency)))
+    return records
+
+
+def check_records(records: list[RequestRecord], concurrency: int) -> None:
+    """What a closed loop's records must satisfy (AssertionError naming the first request that does not): each
+    request answered, submitted before its first token and that before its last; an episode's steps in order, each
+    submitted after the previous one's last output; never more than ``concurrency`` requests in flight."""
+    by_episode: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        if r.first is None or r.finished is None:
+            raise AssertionError(f"episode {r.episode} step {r.step}: no answer")
+        if not r.submitted <= r.first <= r.finished:
+            raise AssertionError(f"episode {r.episode} step {r.step}: submitted {r.submitted}, first token "
+                                 f"{r.first}, last {r.finished}")
+        by_episode.setdefault(r.episode, []).append(r)
+    for ep, rs in by_episode.items():
+        rs.sort(key=lambda r: r.step)
+        if [r.step for r in rs] != list(range(len(rs))):
+            raise AssertionError(f"episode {ep}: steps {[r.step for r in rs]}")
+        for a, b in itertools.pairwise(rs):
+            assert a.finished is not None
+            if b.submitted < a.finished:
+                raise AssertionError(f"episode {ep} step {b.step} submitted at {b.submitted}, before step {a.step}'s "
+                                     f"answer ended at {a.finished}")
+    events = sorted([(r.submitted, 1) for r in records] + [(r.finished, -1) for r in records  # type: ignore[misc]
+                                                           if r.finished is not None], key=lambda e: (e[0], e[1]))
+    live = 0
+    for _, d in events:
+        live += d
+        if live > concurrency:
+            raise AssertionError(f"{live} requests in flight, more than {concurrency}")
+
+
+def figures(records: list[RequestRecord]) -> dict[str, float]:
+    """The run's figures (module docstring) from its records."""
+    done = [r for r in records if r.first is not None and r.finished is not None]
+    start = min(r.submitted for r in done)
+    duration = max(r.finished for r in done) - start  # type: ignore[type-var,operator]
+    ttft = [r.first - r.submitted for r in done]  # type: ignore[operator]
+    e2e = [r.finished - r.submitted for r in done]  # type: ignore[operator]
+    tpot = [(r.finished - r.first) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]  # type: ignore[operator]
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    first = [r for r in done if r.step == 0]
+    later = [r for r in done if r.step > 0]
+    out = sum(r.output_tokens for r in done)
+
+    def share(rs: list[RequestRecord]) -> float:
+        return sum(r.cached_tokens for r in rs) / max(sum(r.prompt_tokens for r in rs), 1)
+
+    fig = {
+        "requests": float(len(done)), "duration_s": duration, "requests_per_s": len(done) / duration,
+        "output_tok_s": out / duration, "prompt_tok_s": prompt / duration,
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p50_s": pb.percentile(ttft, 0.5),
+        "ttft_p99_s": pb.percentile(ttft, 0.99),
+        "e2e_p50_s": pb.percentile(e2e, 0.5), "e2e_p99_s": pb.percentile(e2e, 0.99),
+        "prefix_hit_rate": cached / max(prompt, 1), "prefix_hit_rate_first_steps": share(first),
+        "prefix_hit_rate_later_steps": share(later),
+        "prompt_tokens_mean": prompt / len(done), "prompt_tokens_min": float(min(r.prompt_tokens for r in done)),
+        "prompt_tokens_max": float(max(r.prompt_tokens for r in done)),
+        "output_tokens_mean": out / len(done), "images_per_request": sum(r.images for r in done) / len(done),
+        "episodes": float(len({r.episode for r in done})),
+    }
+    if tpot:
+        fig.update(tpot_mean_s=sum(tpot) / len(tpot), tpot_p50_s=pb.percentile(tpot, 0.5),
+                   tpot_p99_s=pb.percentile(tpot, 0.99))
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------------ measure
+
+
+def engine_flags(args: argparse.Namespace, engine: str) -> list[str]:
+    """The seed's flags for ``engine``, with the run's: load format, dtype, speculative config (planted acceptance),
+    and any ``--engine-flags`` (later flags override earlier ones)."""
+    flags = [*SEED_FLAGS, "--dtype", args.dtype]
+    if args.load_format != "auto":
+        flags += ["--load-format", args.load_format]
+    if engine == "hyserve" and args.device != "cuda":
+        flags += ["--device", args.device]
+    if args.k:
+        spec = dict(SEED_SPEC, num_speculative_tokens=args.k)
+        if engine == "vllm" and args.acceptance is not None:
+            spec = pb.synthetic_mtp_config(args.k, args.acceptance)
+        flags += ["--speculative-config", json.dumps(spec)]
+    if args.gdn_prefill_backend and engine == "vllm":
+        flags += ["--gdn-prefill-backend", args.gdn_prefill_backend]
+    return [*flags, *(args.engine_flags.split() if args.engine_flags else [])]
+
+
+def measure(args: argparse.Namespace) -> int:
+    """Build the engine, warm it up, run the trace; write the result file (figures, records, flags, notes)."""
+    import torch
+
+    started = time.perf_counter()
+    trace = SEED_TRACES[args.scale]
+    concurrency = args.concurrency or trace.concurrency
+    requests = args.requests or trace.requests
+    flags = engine_flags(args, args.engine)
+    planted = None
+    if args.k and args.acceptance is not None:
+        planted = 1 + sum(args.acceptance ** (i + 1) for i in range(args.k))
+        if args.engine == "hyserve":  # before the engine is built: its verify graphs capture the rule
+            from spec_decode_bench import synthetic_acceptance
+
+            synthetic_acceptance(args.acceptance)
+    res: dict[str, Any] = {
+        "engine": args.engine, "model": args.model, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device == "cuda" else args.device,
+        "torch": torch.__version__, "hyserve_commit": pb.git_commit(), "engine_flags": flags,
+        "trace": {**asdict(trace), "scale": args.scale, "concurrency": concurrency, "requests": requests,
+                  "seed": args.seed},
+        "acceptance": {"rate_per_draft_token": args.acceptance, "k": args.k, "planted_acceptance_length": planted,
+                       "how": ("hyserve: the verify draws each draft token's verdict (spec_decode_bench."
+                               "synthetic_acceptance); vLLM: rejection_sample_method synthetic at rates "
+                               f"{pb.synthetic_mtp_config(args.k, args.acceptance)['synthetic_acceptance_rates']}")
+                       if planted else "the MTP head's own drafts, accepted by the tokens"},
+    }
+    if args.engine == "vllm":
+        res["vllm_mode"] = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" \
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
+    t0 = time.perf_counter()
+    eng = HyserveAsync(args.model, flags) if args.engine == "hyserve" else VllmAsync(args.model, flags)
+    res["version"], res["start_s"] = eng.version, time.perf_counter() - t0
+    try:
+        prompts = SeedPrompts(args.model, trace, args.seed)
+        warm = SeedPrompts(args.model, trace, args.seed + 1)  # another system prompt: no hit for the timed run
+
+
+        async def session() -> list[RequestRecord]:
+            # One event loop for both: vLLM's AsyncLLM binds its output handler to the loop of its first request.
+            if args.warmup:
+                t0 = time.perf_counter()
+                await run_closed_loop(eng, warm, warm.episodes(), concurrency, args.warmup, tag="warm")
+                res["warmup_s"] = time.perf_counter() - t0
+            deadline = None if args.time_limit is None else started + args.time_limit
+            return await run_closed_loop(eng, prompts, prompts.episodes(), concurrency, requests, deadline=deadline)
+
+        records = asyncio.run(session())
+        res["cut_by_time_limit"] = len(records) < requests
+        if not records:
+            raise RuntimeError(f"no request was submitted before --time-limit {args.time_limit} s")
+        check_records(records, concurrency)
+        res["figures"] = {**figures(records), **eng.stats()}
+        if planted:
+            res["figures"]["spec_planted_acceptance_length"] = planted
+        res["records"] = [{k: v for k, v in asdict(r).items() if k != "output"} for r in records]
+        res["notes"] = {"prompt_layout": prompts.builder.layout, "image_tokens_per_screenshot": prompts.image_tokens,
+                        "text_ids_below": prompts.vocab,
+                        "prompt_tokens_as_expected": all(r.prompt_tokens == r.expected_prompt_tokens for r in records)}
+    finally:
+        eng.close()
+        if planted and args.engine == "hyserve":
+            synthetic_acceptance(None)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        pb.write_json(args.out, res)
+    print(json.dumps({k: v for k, v in res.items() if k != "records"}, indent=2))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------- report
+
+# figure -> (higher is better, label, with a ratio)
+REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
+    "requests_per_s": (True, "requests/s", True),
+    "output_tok_s": (True, "output tokens/s", True),
+    "ttft_p50_s": (False, "TTFT p50, s", True),
+    "ttft_p99_s": (False, "TTFT p99, s", True),
+    "ttft_mean_s": (False, "TTFT mean, s", True),
+    "tpot_mean_s": (False, "time per output token, mean, s", True),
+    "tpot_p50_s": (False, "time per output token, p50, s", True),
+    "tpot_p99_s": (False, "time per output token, p99, s", True),
+    "e2e_p50_s": (False, "request latency p50, s", True),
+    "e2e_p99_s": (False, "request latency p99, s", True),
+    "prefix_hit_rate": (True, "prefix-cache hit rate (cached / prompt tokens)", True),
+    "prefix_hit_rate_first_steps": (True, "hit rate, first steps", False),
+    "prefix_hit_rate_later_steps": (True, "hit rate, later steps", False),
+    "spec_mean_acceptance_length": (True, "MTP mean acceptance length (reached)", False),
+    "spec_planted_acceptance_length": (True, "MTP acceptance length asked (planted)", False),
+    "prompt_tokens_mean": (True, "prompt tokens per request (trace check)", False),
+    "output_tokens_mean": (True, "output tokens per request (trace check)", False),
+    "images_per_request": (True, "images per request (trace check)", False),
+    "requests": (True, "requests", False),
+    "duration_s": (False, "run, s", False),
+}
+
+
+def ratio(ours: float | None, theirs: float | None, higher: bool) -> float | None:
+    """hyserve better by: ours / theirs where higher is better, theirs / ours where lower is; None without both."""
+    if ours is None or theirs is None or ours <= 0 or theirs <= 0:
+        return None
+    return ours / theirs if higher else theirs / ours
+
+
+def report(files: list[str], out: str) -> list[dict[str, Any]]:
+    """``seed.md``, ``seed.json`` and ``seed.png`` under ``out`` from hyserve's and vLLM's result files (a later file
+    of an engine replaces an earlier one's)."""
+    runs = {pb.read_json(p)["engine"]: (p, pb.read_json(p)) for p in files}
+    ours = runs.get("hyserve", ("", {}))[1].get("figures", {})
+    theirs = runs.get("vllm", ("", {}))[1].get("figures", {})
+    entries = []
+    for key, (higher, label, rated) in REPORT_FIGURES.items():
+        a, b = ours.get(key), theirs.get(key)
+        if a is None and b is None:
+            continue
+        entries.append({"measure": key, "label": label, "hyserve": a, "vllm": b,
+                        "ratio": ratio(a, b, higher) if rated else None})
+    meta = {e: {k: r.get(k) for k in ("version", "device", "date", "torch", "vllm_mode", "engine_flags", "command",
+                                      "acceptance", "start_s", "warmup_s")} | {"file": p}
+            for e, (p, r) in runs.items()}
+    trace: dict[str, Any] = next((r["trace"] for _, r in runs.values() if "trace" in r), {})
+    os.makedirs(out, exist_ok=True)
+    pb.write_json(os.path.join(out, "seed.json"), {"meta": meta, "trace": trace, "entries": entries})
+
+    def fmt(x: Any) -> str:
+        return "-" if x is None else (f"{x:,.3f}" if abs(x) < 10 else f"{x:,.0f}")
+
+    lines = ["# Issue 34: the seed's deployment, hyserve against vLLM", "",
+             "Qwen3.5-27B shape, compressed-tensors FP8_DYNAMIC (dummy weights), 27B-class vision tower, MTP k = 2 "
+             "with drafts accepted at a planted rate, the report's flags; the GUI-agent trace (seed_bench.py).", "",
+             f"- text shape (shapes.py SHAPE_27B; no verbatim config.json of the release was found, sources there): "
+             f"{json.dumps(SHAPE_27B)}",
+             f"- vision tower (shapes.py VISION_27B, the Qwen3.6-27B release's vision_config): "
+             f"{json.dumps(VISION_27B)}",
+             f"- kept in bf16 (peer_bench.py SEED_FP8_IGNORE): {json.dumps(pb.SEED_FP8_IGNORE)}",
+             *(f"- {e}: {m.get('version')} on {m.get('device')} ({m.get('date')}), "
+               f"{m.get('vllm_mode') or 'AsyncEngine'}; flags `{' '.join(m.get('engine_flags') or [])}`"
+               for e, m in meta.items()),
+             f"- trace: {json.dumps(trace)}", "",
+             "| measure | hyserve | vLLM | hyserve better by |", "| --- | ---: | ---: | ---: |"]
+    for e in entries:
+        r = "-" if e["ratio"] is None else f"{e['ratio']:.2f}x"
+        lines.append(f"| {e['label']} | {fmt(e['hyserve'])} | {fmt(e['vllm'])} | {r} |")
+    with open(os.path.join(out, "seed.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(entries, os.path.join(out, "seed.png"))
+    return entries
+
+
+def plot(entries: list[dict[str, Any]], path: str) -> bool:
+    """A bar of hyserve's ratio over vLLM for each rated figure (> 1: hyserve better)."""
+    rated = [e for e in entries if e["ratio"] is not None]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    if not rated:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(rated) + 1.4))
+    ax.barh([e["label"] for e in rated], [e["ratio"] for e in rated],
+            color=["tab:green" if e["ratio"] >= 1 else "tab:red" for e in rated])
+    ax.axvline(1.0, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("hyserve better by (x)")
+    ax.set_title("The seed's deployment: 27B FP8, screenshots, MTP 2, 32 agents", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="one engine on the trace (a process of its own)")
+    m.add_argument("--engine", choices=["hyserve", "vllm"], required=True)
+    m.add_argument("--model", required=True, help="peer_bench.py write --shape 27b --vision 27b --fp8 ct_dynamic")
+    m.add_argument("--out", default=None)
+    m.add_argument("--scale", choices=sorted(SEED_TRACES), default="seed")
+    m.add_argument("--requests", type=int, default=None, help="requests in the timed run (the scale's: 256)")
+    m.add_argument("--concurrency", type=int, default=None, help="agents in flight (the scale's: 32)")
+    m.add_argument("--warmup", type=int, default=None, help="warm-up requests (first steps of other episodes; "
+                                                             "default: the concurrency; 0: none)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--k", type=int, default=2, help="MTP draft tokens (the seed's 2; 0: no speculation)")
+    m.add_argument("--acceptance", type=float, default=0.8,
+                   help="planted acceptance per draft token (drawn); a negative value: the head's own drafts")
+    m.add_argument("--load-format", choices=["auto", "dummy"], default="dummy")
+    m.add_argument("--dtype", default="bfloat16")
+    m.add_argument("--device", default="cuda", help="hyserve's (cpu for the tests)")
+    m.add_argument("--gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
+                   help="vLLM's GDN prefill kernel (default: its own choice, FlashInfer on Hopper)")
+    m.add_argument("--engine-flags", default="", help="more engine flags, after the seed's (they override them)")
+    m.add_argument("--time-limit", type=float, default=None,
+                   help="seconds from the process's start after which no request is submitted (those in flight "
+                        "finish; the figures are over the requests run, cut_by_time_limit says so)")
+    r = sub.add_parser("report", help="hyserve against vLLM: seed.md, seed.json, seed.png")
+    r.add_argument("files", nargs="+")
+    r.add_argument("--out", required=True)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "report":
+        report(args.files, args.out)
+        return 0
+    if args.acceptance is not None and args.acceptance < 0:
+        args.acceptance = None
+    if args.warmup is None:
+        args.warmup = args.concurrency or SEED_TRACES[args.scale].concurrency
+    if args.acceptance is not None and not 0 <= args.acceptance <= 1:
+        raise SystemExit("--acceptance must lie in [0, 1]")
+    return measure(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
