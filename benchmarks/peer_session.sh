@@ -663,5 +663,40 @@ case "${1:?phase}" in
     fi
     true
     ;;
+  decode34|decode34-vllm)
+    # Issue 34, item 3: decode at batch 1 / 8 / 32 / 64 and prefill 32 x 2048 on the 9B shape (bf16) and on the
+    # seed's 27B shape in compressed-tensors FP8_DYNAMIC (config only, --load-format dummy, /tmp/s27 as the seed
+    # phases write it), hyserve at its defaults beside two switches measured against them in the same call:
+    # HYSERVE_DECODE_GEMM=on (bf16: the norm and SwiGLU in the decode GEMM's prologue) and HYSERVE_FP8_FUSED_QUANT=0
+    # (FP8: every GEMM quantizing its own input again). decode34-vllm: vLLM's default mode on the same directories.
+    # Each run marked done in $MOE_DONE (a later call goes on where this one stopped).
+    p9b
+    if [ ! -f /tmp/s27/tokenizer.json ]; then
+        rm -rf /tmp/s27
+        python3 $PB write --shape 27b --vision 27b --fp8 ct_dynamic --no-weights --device cpu --out /tmp/s27 \
+            > "$OUT/write_s27.log" 2>&1 || { echo "writing /tmp/s27 failed"; tail -3 "$OUT/write_s27.log"; }
+    fi
+    D34_MAIN=(--measures decode,bound,prefill --batches 1,8,32,64 --prefill-prompts 32 --prefill-len 2048)
+    D34_DECODE=(--measures decode,bound --batches 1,8,32,64)
+    if [ "$1" = decode34-vllm ]; then
+        runs=("9b:/tmp/p9b:550::main" "27b_fp8:/tmp/s27:550::main")
+        engine=vllm; VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
+    else
+        runs=("9b:/tmp/p9b:200::main" "9b_gemv:/tmp/p9b:150:HYSERVE_DECODE_GEMM=on:decode"
+              "27b_fp8:/tmp/s27:300::main" "27b_fp8_unfused:/tmp/s27:200:HYSERVE_FP8_FUSED_QUANT=0:decode")
+        engine=hyserve
+    fi
+    for spec in "${runs[@]}"; do
+        IFS=: read -r run dir cap envs kind <<< "$spec"
+        limit=$(moe_todo "$engine" "$run" "$cap")
+        [ -n "$limit" ] || continue
+        args=("${D34_MAIN[@]}"); [ "$kind" = decode ] && args=("${D34_DECODE[@]}")
+        [ "$dir" = /tmp/s27 ] && args+=(--load-format dummy)
+        # shellcheck disable=SC2086
+        ( [ -n "$envs" ] && export $envs; measure "$engine" "$dir" "$run" "$limit" "${args[@]}" )
+        moe_done "$engine" "$run" "$OUT/${engine}_$run.json" decode_bs1_tok_s
+    done
+    true
+    ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

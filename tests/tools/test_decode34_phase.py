@@ -1,0 +1,67 @@
+"""``benchmarks/peer_session.sh decode34`` / ``decode34-vllm`` (issue 34's decode and prefill pairs) with ``python3`` a
+recorder: which runs each phase makes, on which directory, with which switch in the environment, each command parsed
+by peer_bench.py's own parser; a run marked done is not made again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import peer_bench
+
+SESSION = Path(__file__).parents[2] / "benchmarks" / "peer_session.sh"
+RECORDER = """#!/usr/bin/env bash
+# one call a line: the switches, then the arguments, NUL-separated
+printf '%s' "${HYSERVE_DECODE_GEMM-unset},${HYSERVE_FP8_FUSED_QUANT-unset},${VLLM_ENABLE_V1_MULTIPROCESSING-unset}" \\
+    >> "$CALLS"
+for a in "$@"; do printf '\\0%s' "$a" >> "$CALLS"; done
+printf '\\n' >> "$CALLS"
+"""
+
+
+def _run(tmp_path: Path, phase: str) -> list[tuple[str, list[str]]]:
+    bin_dir, out, calls = tmp_path / "bin", tmp_path / "out", tmp_path / "calls"
+    bin_dir.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    (bin_dir / "python3").write_text(RECORDER)
+    (bin_dir / "python3").chmod(0o755)
+    calls.write_bytes(b"")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "CALLS": str(calls),
+           "HOME": str(tmp_path), "MOE_DONE": str(tmp_path / "done")}
+    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "HYSERVE_DECODE_GEMM", "HYSERVE_FP8_FUSED_QUANT"):
+        env.pop(var, None)
+    subprocess.run(["bash", str(SESSION), phase], check=True, env=env, cwd=SESSION.parents[1], capture_output=True)
+    recorded = []
+    for line in calls.read_bytes().decode().splitlines():
+        switches, *argv = line.split("\0")
+        if argv and argv[0] == "benchmarks/peer_bench.py" and argv[1] == "measure":
+            recorded.append((switches, argv))
+    return recorded
+
+
+def test_decode34_runs_the_defaults_and_each_switch(tmp_path: Path) -> None:
+    calls = _run(tmp_path, "decode34")
+    parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
+    runs = [(s, Path(p.out).name, p.model, p.measures, p.load_format) for s, p in parsed]
+    assert runs == [
+        ("unset,unset,unset", "hyserve_9b.json", "/tmp/p9b", "decode,bound,prefill", "auto"),
+        ("on,unset,unset", "hyserve_9b_gemv.json", "/tmp/p9b", "decode,bound", "auto"),
+        ("unset,unset,unset", "hyserve_27b_fp8.json", "/tmp/s27", "decode,bound,prefill", "dummy"),
+        ("unset,0,unset", "hyserve_27b_fp8_unfused.json", "/tmp/s27", "decode,bound", "dummy"),
+    ]
+    assert all(p.batches == "1,8,32,64" and p.engine == "hyserve" for _, p in parsed)
+    (tmp_path / "done").mkdir(exist_ok=True)
+    (tmp_path / "done" / "hyserve_9b").touch()  # done in an earlier call on this machine
+    assert [Path(a[a.index("--out") + 1]).name for _, a in _run(tmp_path, "decode34")] == [
+        "hyserve_9b_gemv.json", "hyserve_27b_fp8.json", "hyserve_27b_fp8_unfused.json"]
+
+
+def test_decode34_vllm_runs_its_default_mode_on_the_same_directories(tmp_path: Path) -> None:
+    calls = _run(tmp_path, "decode34-vllm")
+    parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
+    assert [(s, p.engine, p.model, p.load_format) for s, p in parsed] == [
+        ("unset,unset,unset", "vllm", "/tmp/p9b", "auto"), ("unset,unset,unset", "vllm", "/tmp/s27", "dummy")]
