@@ -11,6 +11,7 @@ from hyserve.cache.specs import AttentionSpec
 from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import paged_attention, store_kv
 from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.kernels.norm import sigmoid_mul
 from hyserve.layers.linear import Linear, RowParallelLinear, fp8_input_of
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.quantization import QuantizationConfig
@@ -91,6 +92,7 @@ class Attention(KVCacheLayer):
         self.q_proj = Linear(hidden, self.num_heads * d * 2, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
                              shard=q_shard)
         self.k_proj, self.v_proj, self.o_proj = kv_and_output_projections(cfg, prefix, (kv0, kv1), (h0, h1))
+        self.o_quant = self.o_proj.fp8_input()  # the output gate's form (FP8 per token where o_proj takes it)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
@@ -114,8 +116,8 @@ class Attention(KVCacheLayer):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary[0](meta.positions, q, k)
         out = attend_paged(self, q, k, v, meta)
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+        # The output gate in one launch (reading the gate where q_proj wrote it), quantized there for an FP8 o_proj.
+        return self.o_proj(sigmoid_mul(out.reshape(t, -1), gate, self.o_quant))
 
 
 class PlainAttention(KVCacheLayer):

@@ -1,5 +1,6 @@
 """The producers that quantize for an FP8 GEMM in their own launch (``hyserve.kernels.norm``: the zero-centred RMSNorm,
-its residual add, the SwiGLU, each with ``quant="fp8"`` or ``"fp8+plain"``), under the Triton interpreter
+its residual add, the SwiGLU, the attention output's sigmoid gate read per head where q_proj wrote it, each with
+``quant="fp8"`` or ``"fp8+plain"``), under the Triton interpreter
 (``TRITON_INTERPRET=1``, one subprocess: the variable must be set before any kernel is decorated).
 
 The claim checked: the fused launch writes the bits the unfused path writes on the card, that is the producer's own
@@ -143,6 +144,40 @@ def _interp_silu(dtype: torch.dtype, f: int, keep: bool, sabotage: str = "") -> 
     return all(goods) != bool(sabotage), "; ".join(msgs)
 
 
+def _interp_sigmoid(dtype: torch.dtype, quant: str | None, sabotage: bool = False) -> tuple[bool, str]:
+    """The attention output's gate, ``x * sigmoid(gate)`` with the gate read per head from q_proj's (T, H, 2D)
+    output, against torch's formula (within one unit in the last place, in at most 2 % of the elements) and, with
+    ``quant``, its FP8 form against the plain kernel + quantize_per_token bit for bit. ``sabotage``: the expected
+    values from the gate read as if its heads were contiguous."""
+    from hyserve.kernels.norm import sigmoid_mul_triton
+
+    gen = torch.Generator().manual_seed(21)
+    goods, msgs = [], []
+    heads, d = 3, 40
+    for t in (0, 1, 7):
+        qg = _rows(t, heads * 2 * d, dtype, gen).view(t, heads, 2 * d)
+        gate = qg[:, :, d:]
+        x = _rows(t, heads * d, dtype, gen)
+        g_seen = qg[:, :, :d] if sabotage else gate
+        want = x * torch.sigmoid(g_seen.reshape(t, heads * d))
+        plain = sigmoid_mul_triton(x, gate)
+        assert isinstance(plain, torch.Tensor)
+        n = int((plain != want).sum())
+        err = float(((plain.float() - want.float()).abs() / want.float().abs().clamp(min=1e-30)).max()) if t else 0.0
+        if dtype == F32:  # exp's float32 implementations differ in the last bits: a relative bound
+            ok = err <= 1e-6
+        else:
+            ulp = 2.0 ** (-7 if dtype == BF16 else -10)
+            ok = err <= ulp * 1.01 and n <= max(1, plain.numel() // 50)
+        msg = f"T={t}: {n} differ from torch (max rel {err:.3g})"
+        if quant is not None:
+            ok2, msg2 = _same(sigmoid_mul_triton(x, gate, quant), *quantize_per_token(plain))
+            ok, msg = ok and ok2, f"{msg}, quantized: {msg2}"
+        goods.append(ok)
+        msgs.append(msg)
+    return all(goods) != sabotage, "; ".join(msgs)
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Every check under the interpreter; {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
@@ -159,12 +194,15 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         for f in (37, 3000):
             record_check(res, f"silu_{f}_{n}", lambda dt=dt, f=f: _interp_silu(dt, f, keep=False))
         record_check(res, f"silu_keep_{n}", lambda dt=dt: _interp_silu(dt, 3000, keep=True))
+        record_check(res, f"sigmoid_gate_{n}", lambda dt=dt: _interp_sigmoid(dt, None))
+        record_check(res, f"sigmoid_gate_fp8_{n}", lambda dt=dt: _interp_sigmoid(dt, "fp8"))
     record_check(res, "scale_before_rounding_caught",
                  lambda: _interp_norm(BF16, 64, add=False, keep=False, sabotage="unrounded"))
     record_check(res, "one_scale_for_the_batch_caught",
                  lambda: _interp_norm(BF16, 1100, add=True, keep=False, sabotage="tensor"))
     record_check(res, "norm_without_the_add_caught",
                  lambda: _interp_norm(BF16, 64, add=True, keep=False, sabotage="no_add"))
+    record_check(res, "sigmoid_gate_heads_contiguous_caught", lambda: _interp_sigmoid(BF16, None, sabotage=True))
     record_check(res, "silu_first_pass_amax_caught", lambda: _interp_silu(BF16, 3000, keep=False,
                                                                           sabotage="first_pass"))
     return res
@@ -172,9 +210,10 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 
 INTERP_CHECKS = [
     *[f"{k}_{d}_{n}" for n in DTYPES for d in WIDTHS for k in ("norm", "add_norm")],
-    *[f"{k}_{n}" for n in DTYPES for k in ("norm_keep", "add_norm_keep", "silu_37", "silu_3000", "silu_keep")],
-    "scale_before_rounding_caught", "one_scale_for_the_batch_caught", "norm_without_the_add_caught",
-    "silu_first_pass_amax_caught",
+    *[f"{k}_{n}" for n in DTYPES for k in ("norm_keep", "add_norm_keep", "silu_37", "silu_3000", "silu_keep",
+                                          "sigmoid_gate", "sigmoid_gate_fp8")],
+    "sigmoid_gate_heads_contiguous_caught", "scale_before_rounding_caught", "one_scale_for_the_batch_caught",
+    "norm_without_the_add_caught", "silu_first_pass_amax_caught",
 ]
 
 

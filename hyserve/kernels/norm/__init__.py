@@ -40,7 +40,8 @@ from hyserve.utils import next_pow2
 __all__ = ["MAX_WIDTH", "QUANT_MODES", "add_rms_norm", "add_rms_norm_ref", "add_scaled_rms_norm",
            "add_scaled_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "gated_sum_squares",
            "gated_sum_squares_ref", "grouped_gated_rms_norm", "grouped_gated_rms_norm_ref", "rms_norm", "rms_norm_ref",
-           "scaled_rms_norm", "scaled_rms_norm_ref", "silu_gate", "silu_gate_ref", "silu_mul", "silu_mul_ref"]
+           "scaled_rms_norm", "scaled_rms_norm_ref", "sigmoid_mul", "sigmoid_mul_triton", "silu_gate", "silu_gate_ref",
+           "silu_mul", "silu_mul_ref"]
 
 _MAX_BLOCK_D = 16384
 MAX_WIDTH = _MAX_BLOCK_D  # the widest row (or gated-norm group) one program normalises
@@ -210,25 +211,54 @@ _SILU_QUANT_BLOCK = 2048
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor,
                     quant: str | None = None) -> torch.Tensor | Fp8Activation:
-    from hyserve.kernels.norm._triton import _silu_mul_kernel, _silu_mul_quant_kernel
-
     assert gate.shape == up.shape, "gate and up must have one shape"
     g2, u2 = _rows(gate), _rows(up)
-    n, f = g2.shape
-    out = torch.empty((n, f), dtype=gate.dtype, device=gate.device)
+    out = _gated_product(g2, g2.stride(0), 0, g2.shape[1], u2, quant, sigmoid=False)
+    return out if isinstance(out, Fp8Activation) else out.view(gate.shape)
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, quant: str | None = None) -> torch.Tensor | Fp8Activation:
+    """``x * sigmoid(gate)`` (the gated attention's output, ``(T, W)`` rows), in ``x.dtype``, each op rounded as
+    torch rounds it; ``gate`` ``(T, W)`` or per head ``(T, H, D)`` with ``H * D = W`` at any head and row strides
+    (the chunk of ``q_proj``'s output: no copy). Quantized per token for the next FP8 GEMM as ``quant`` says
+    (:data:`QUANT_MODES`), in the same launch."""
+    if not x.is_cuda:
+        return _as_activation(x * torch.sigmoid(gate.reshape(x.shape)), quant)
+    return sigmoid_mul_triton(x, gate, quant)
+
+
+def sigmoid_mul_triton(x: torch.Tensor, gate: torch.Tensor,
+                       quant: str | None = None) -> torch.Tensor | Fp8Activation:
+    w = x.shape[1]
+    assert x.stride(1) == 1 and gate.stride(-1) == 1 and gate.numel() == x.numel(), (x.shape, gate.shape)
+    if gate.dim() == 3:
+        g, sgh, hd = gate, gate.stride(1), gate.shape[2]
+    else:
+        g, sgh, hd = gate, 0, w
+    return _gated_product(g, g.stride(0), sgh, hd, x, quant, sigmoid=True)
+
+
+def _gated_product(g: torch.Tensor, sg: int, sgh: int, hd: int, u: torch.Tensor, quant: str | None,
+                   sigmoid: bool) -> torch.Tensor | Fp8Activation:
+    """``act(g) * u`` over ``u``'s ``(N, F)`` rows (``g``'s column ``c`` at ``(c // hd) * sgh + c % hd``)."""
+    from hyserve.kernels.norm._triton import _silu_mul_kernel, _silu_mul_quant_kernel
+
+    n, f = u.shape
+    out = torch.empty((n, f), dtype=u.dtype, device=u.device)
     if quant is not None:
         q, s = _quant_buffers(n, f, out, quant)
         if n and f:
-            _silu_mul_quant_kernel[(n,)](g2, u2, out, q, s, f, g2.stride(0), u2.stride(0), out.stride(0),
-                                         q.stride(0), FP8_MAX, AMAX_EPS, BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(f)),
-                                         KEEP=quant == "fp8+plain", num_warps=4)
-        return _produced(out, q, s, gate.shape, quant)
+            _silu_mul_quant_kernel[(n,)](g, u, out, q, s, f, sg, u.stride(0), out.stride(0),
+                                         q.stride(0), FP8_MAX, AMAX_EPS, sgh, hd,
+                                         BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(f)),
+                                         KEEP=quant == "fp8+plain", SIGMOID=sigmoid, num_warps=4)
+        return _produced(out, q, s, out.shape, quant)
     if n and f:
         block_t, block_f = 4, 1024
-        _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g2, u2, out, n, f, g2.stride(0), u2.stride(0),
-                                                                 out.stride(0), BLOCK_T=block_t, BLOCK_F=block_f,
-                                                                 num_warps=4)
-    return out.view(gate.shape)
+        _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g, u, out, n, f, sg, u.stride(0), out.stride(0),
+                                                                 sgh, hd, BLOCK_T=block_t, BLOCK_F=block_f,
+                                                                 SIGMOID=sigmoid, num_warps=4)
+    return out
 
 
 def scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -383,6 +413,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         _gated_sum_squares_kernel,
         _grouped_gated_rms_norm_kernel,
         _rms_norm_kernel,
+        _silu_mul_kernel,
         _silu_mul_quant_kernel,
     )
 
@@ -418,10 +449,17 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
             out.append((f"add_rms_norm_fp8{tag}_{act}", _add_rms_norm_kernel,
                         dict(norm, x_ptr=f"*{act}", d_ptr=f"*{act}", w_ptr=f"*{act}", res_ptr=f"*{act}",
                              out_ptr=f"*{act}", sd=i32, sr=i32, scale=f32, **fp8), dict(consts, HAS_SCALE=False)))
-            out.append((f"silu_mul_fp8{tag}_{act}", _silu_mul_quant_kernel,
-                        dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", F=i32, sg=i32, su=i32, so=i32,
-                             sq=i32, fp8_max=f32, amax_eps=f32, **fp8),
-                        dict(BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(17408)), KEEP=keep)))
+            for gate_act, width in (("silu", 17408), ("sigmoid", 6144)):
+                out.append((f"{gate_act}_mul_fp8{tag}_{act}", _silu_mul_quant_kernel,
+                            dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", F=i32, sg=i32, su=i32, so=i32,
+                                 sq=i32, fp8_max=f32, amax_eps=f32, sgh=i32, HD=i32, **fp8),
+                            dict(BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(width)), KEEP=keep,
+                                 SIGMOID=gate_act == "sigmoid")))
+        for gate_act in ("silu", "sigmoid"):
+            out.append((f"{gate_act}_mul_{act}", _silu_mul_kernel,
+                        dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", N=i32, F=i32, sg=i32, su=i32,
+                             so=i32, sgh=i32, HD=i32),
+                        dict(BLOCK_T=4, BLOCK_F=1024, SIGMOID=gate_act == "sigmoid")))
     gate = dict(N=i32, W=i32, sy=i32, sz=i32)
     # bf16: every form; fp16 and float32 models: the two orders of the norm and the gate alone.
     spans: tuple[tuple[bool, bool, int], ...] = ((False, False, 1024), (True, False, 1024), (False, True, 4096),

@@ -182,22 +182,36 @@ def _gated_sum_squares_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, F, sg, su, so, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    """``out = silu(g) * u``, each op rounded to the dtype as in torch (``F.silu(g) * u``)."""
+def _gate_act(g, SIGMOID: tl.constexpr):
+    """``silu(g)`` or (``SIGMOID``) ``sigmoid(g)`` in float32."""
+    if SIGMOID:
+        return 1.0 / (1.0 + tl.exp(-g))
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _silu_mul_kernel(
+    g_ptr, u_ptr, out_ptr, N, F, sg, su, so, sgh, HD,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, SIGMOID: tl.constexpr = False,
+):  # fmt: skip
+    """``out = silu(g) * u`` (``SIGMOID``: ``sigmoid(g) * u``, the attention output's gate), each op rounded to the
+    dtype as in torch (``F.silu(g) * u``). Column ``c`` of ``g`` is at ``(c // HD) * sgh + c % HD`` in its row (a
+    per-head slice of a wider projection output; ``HD = F``, ``sgh = 0`` for plain rows)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < N)[:, None] & (cols < F)[None, :]
     dt = out_ptr.dtype.element_ty
-    g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gcols = (cols // HD) * sgh + cols % HD
+    g = tl.load(g_ptr + rows[:, None] * sg + gcols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    s = _gate_act(g, SIGMOID).to(dt).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * so + cols[None, :], (s * u).to(dt), mask=mask)
 
 
 @triton.jit
 def _silu_mul_quant_kernel(
-    g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, F, sg, su, so, sq, fp8_max, amax_eps,
-    BLOCK_F: tl.constexpr, KEEP: tl.constexpr,
+    g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, F, sg, su, so, sq, fp8_max, amax_eps, sgh, HD,
+    BLOCK_F: tl.constexpr, KEEP: tl.constexpr, SIGMOID: tl.constexpr = False,
 ):  # fmt: skip
     """Row ``program_id(0)`` of ``silu(g) * u`` (rounded as :func:`_silu_mul_kernel` rounds it) quantized per token
     for an FP8 GEMM: a first pass over the row for its amax, a second for the values (``KEEP``: the rounded row to
@@ -208,18 +222,18 @@ def _silu_mul_quant_kernel(
     for lo in range(0, F, BLOCK_F):
         cols = lo + tl.arange(0, BLOCK_F)
         m = cols < F
-        g = tl.load(g_ptr + row * sg + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * sg + (cols // HD) * sgh + cols % HD, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * su + cols, mask=m, other=0.0).to(tl.float32)
-        y = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        y = (_gate_act(g, SIGMOID).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
         amax = tl.maximum(amax, tl.where(m, tl.abs(y), 0.0))
     scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), amax_eps), fp8_max)
     tl.store(s_ptr + row, scale)
     for lo in range(0, F, BLOCK_F):
         cols = lo + tl.arange(0, BLOCK_F)
         m = cols < F
-        g = tl.load(g_ptr + row * sg + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * sg + (cols // HD) * sgh + cols % HD, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * su + cols, mask=m, other=0.0).to(tl.float32)
-        yr = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
+        yr = (_gate_act(g, SIGMOID).to(dt).to(tl.float32) * u).to(dt)
         if KEEP:
             tl.store(out_ptr + row * so + cols, yr, mask=m)
         q = tl.clamp(tl.math.div_rn(yr.to(tl.float32), scale), -fp8_max, fp8_max)
