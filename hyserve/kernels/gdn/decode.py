@@ -143,9 +143,11 @@ def gdn_decode_fused_triton(
     arrivals: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    block_v: int | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
-    optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests)."""
+    optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
+    value block ``BV`` (a power of two; tests take several blocks of a small head)."""
     from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
 
     t = x.shape[0]
@@ -167,6 +169,10 @@ def gdn_decode_fused_triton(
     if r == 0 or t == 0:
         return out
     arr = conv_state if arrivals is None else arrivals  # never read when Hv == Hk
+    cfg = launch_config(dk, dv, kw)
+    if block_v is not None:
+        assert block_v == next_pow2(block_v), "block_v must be a power of two"
+        cfg["BV"] = block_v
     _gdn_decode_fused_kernel[(r, hv)](
         x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
         conv_state, ssm_state, state_slots, query_start_loc, arr, out,
@@ -175,7 +181,7 @@ def gdn_decode_fused_triton(
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         arr.stride(0), out.stride(0),
         dk**-0.5, float(eps),
-        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **launch_config(dk, dv, kw),
+        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg,
         num_warps=4,
     )  # fmt: skip
     return out
@@ -183,21 +189,22 @@ def gdn_decode_fused_triton(
 
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The fused decode kernel's variants for the Qwen3.5 shapes (Dk = Dv = 128, conv width 4; Hv / Hk = 1 as the 2B,
-    2 as the 9B, 3 as the 27B), bf16 and float32 models, float32 and bf16 states, as ``(name, jit function, argument
-    types, constexprs)`` for a compile check without a GPU (``tests/kernels/test_gdn_decode_fused.py``)."""
+    2 as the 9B, 3 as the 27B) in a bf16 model with a float32 state, and with a bf16 state, a float32 and an fp16
+    model, as ``(name, jit function, argument types, constexprs)`` for a compile check without a GPU
+    (``tests/kernels/test_gdn_decode_fused.py``)."""
     from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     i32 = "i32"
-    for act, state in (("bf16", "fp32"), ("bf16", "bf16"), ("fp32", "fp32"), ("fp16", "fp16")):
+    combos = [("bf16", "fp32", g) for g in (1, 2, 3)]
+    combos += [("bf16", "bf16", 2), ("fp32", "fp32", 2), ("fp16", "fp16", 1)]
+    for act, state, group in combos:
         sig = dict(x_ptr=f"*{act}", z_ptr=f"*{act}", b_ptr=f"*{act}", a_ptr=f"*{act}", cw_ptr=f"*{act}",
                    alog_ptr="*fp32", dtb_ptr="*fp32", nw_ptr=f"*{act}", conv_ptr=f"*{act}", state_ptr=f"*{state}",
                    slots_ptr="*i64", qsl_ptr="*i32", arr_ptr="*i32", out_ptr=f"*{act}",
                    **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
                                        "ss_s", "ss_h", "ss_k", "ss_v", "sarr_s", "so_t")},
                    scale="fp32", eps="fp32")
-        for group in (1, 2, 3):
-            out.append((f"gdn_decode_fused_g{group}_{act}_{state}_state", _gdn_decode_fused_kernel, sig,
-                        dict(HK=16, DK=128, DV=128, GROUP=group, K=4,
-                             **launch_config(128, 128, 4))))
+        out.append((f"gdn_decode_fused_g{group}_{act}_{state}_state", _gdn_decode_fused_kernel, sig,
+                     dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4))))
     return out
