@@ -41,7 +41,7 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsque
 ENTRY_POINTS = {
     "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify",
                            "gdn_decode_fused"],
-    "hyserve.layers.attention": ["paged_attention", "store_kv"],
+    "hyserve.layers.attention": ["paged_attention", "store_kv", "sigmoid_mul"],
     "hyserve.layers.mlp": ["silu_mul", "relu_squared"],
     "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan",
                               "grouped_gated_rms_norm", "gated_sum_squares", "silu_gate"],

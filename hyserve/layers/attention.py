@@ -10,6 +10,7 @@ import torch
 from hyserve.cache.specs import AttentionSpec
 from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import paged_attention, store_kv
+from hyserve.kernels.norm import sigmoid_mul
 from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.quantization import QuantizationConfig
@@ -108,8 +109,9 @@ class Attention(KVCacheLayer):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary[0](meta.positions, q, k)
         out = attend_paged(self, q, k, v, meta)
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+        # The output gate per head, one launch on CUDA (the gate is a strided view of q_proj's output: no copy).
+        out = sigmoid_mul(gate, out.reshape(t, self.num_heads, self.head_dim))
+        return self.o_proj(out.reshape(t, -1))
 
 
 class PlainAttention(KVCacheLayer):

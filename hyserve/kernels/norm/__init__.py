@@ -1,9 +1,10 @@
 """RMSNorm over the last dimension: the zero-centred form (scale ``1 + w``), the GDN output's gated form, the scaled
 form of the Mamba2 families (scale ``w``) and Mamba2's grouped gated norm.
 
-Entry points :func:`rms_norm`, :func:`add_rms_norm` (the residual add fused in) and :func:`gated_rms_norm`, and the
-MLP's :func:`silu_mul`: on CUDA one Triton launch each (the torch formulation
-takes six to twelve launches per call, which a host-bound decode step pays dozens of times per layer); elsewhere
+Entry points :func:`rms_norm`, :func:`add_rms_norm` (the residual add fused in) and :func:`gated_rms_norm`, the
+MLP's :func:`silu_mul` and the gated attention's output gate :func:`sigmoid_mul` (the same kernel): on CUDA one
+Triton launch each (the torch formulation takes two to twelve launches per call, which a host-bound decode step pays
+dozens of times per layer); elsewhere
 the plain-torch references of ``reference.py``, which define the semantics: normalise in float32 and cast back to the
 input dtype; the gated form rounds to the input dtype before its weight and after it, as transformers does. The Triton
 kernels are in ``_triton.py``.
@@ -31,6 +32,7 @@ from hyserve.kernels.norm.reference import (
     l2_norm_heads_ref,
     rms_norm_ref,
     scaled_rms_norm_ref,
+    sigmoid_mul_ref,
     silu_gate_ref,
     silu_mul_ref,
 )
@@ -38,7 +40,8 @@ from hyserve.kernels.norm.reference import (
 __all__ = ["MAX_WIDTH", "add_rms_norm", "add_rms_norm_ref", "add_scaled_rms_norm", "add_scaled_rms_norm_ref",
            "gated_rms_norm", "gated_rms_norm_ref", "gated_sum_squares", "gated_sum_squares_ref",
            "grouped_gated_rms_norm", "grouped_gated_rms_norm_ref", "rms_norm", "rms_norm_ref", "scaled_rms_norm",
-           "scaled_rms_norm_ref", "silu_gate", "silu_gate_ref", "silu_mul", "silu_mul_ref"]
+           "scaled_rms_norm_ref", "sigmoid_mul", "sigmoid_mul_ref", "silu_gate", "silu_gate_ref", "silu_mul",
+           "silu_mul_ref"]
 
 _MAX_BLOCK_D = 16384
 MAX_WIDTH = _MAX_BLOCK_D  # the widest row (or gated-norm group) one program normalises
@@ -162,7 +165,17 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     return res.view(x.shape), out.view(x.shape)
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` in ``gate.dtype`` (the sigmoid rounded first, as torch computes it): the gated
+    attention's output gate, one launch on CUDA instead of two. Either operand may be a strided view of rows with a
+    unit last stride (``(T, H, D)`` heads as well as ``(T, W)``)."""
+    if not gate.is_cuda:
+        return sigmoid_mul_ref(gate, x)
+    return silu_mul_triton(gate, x, sigmoid=True)
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, sigmoid: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``; with ``sigmoid``, ``sigmoid(gate) * up``."""
     from hyserve.kernels.norm._triton import _silu_mul_kernel
 
     assert gate.shape == up.shape, "gate and up must have one shape"
@@ -173,7 +186,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block_t, block_f = 4, 1024
         _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g2, u2, out, n, f, g2.stride(0), u2.stride(0),
                                                                  out.stride(0), BLOCK_T=block_t, BLOCK_F=block_f,
-                                                                 num_warps=4)
+                                                                 SIGMOID=sigmoid, num_warps=4)
     return out.view(gate.shape)
 
 
@@ -327,6 +340,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         _gated_sum_squares_kernel,
         _grouped_gated_rms_norm_kernel,
         _rms_norm_kernel,
+        _silu_mul_kernel,
     )
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
@@ -368,4 +382,9 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
             out.append((f"gated_sum_squares_{'norm_first' if nbg else 'gate_first'}_{act}",
                         _gated_sum_squares_kernel, dict(gate, y_ptr="*fp32", z_ptr=f"*{act}", ss_ptr="*fp32"),
                         dict(NORM_BEFORE_GATE=nbg, ROWS=rows_g, BLOCK_W=block_w)))
+    for act in ("bf16", "fp32"):  # SwiGLU and the gated attention's output gate
+        for sig_gate in (False, True):
+            out.append((f"{'sigmoid' if sig_gate else 'silu'}_mul_{act}", _silu_mul_kernel,
+                        dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", N=i32, F=i32, sg=i32, su=i32,
+                             so=i32), dict(BLOCK_T=4, BLOCK_F=1024, SIGMOID=sig_gate)))
     return out

@@ -159,15 +159,22 @@ def _gated_sum_squares_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, F, sg, su, so, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    """``out = silu(g) * u``, each op rounded to the dtype as in torch (``F.silu(g) * u``)."""
+def _silu_mul_kernel(
+    g_ptr, u_ptr, out_ptr, N, F, sg, su, so,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, SIGMOID: tl.constexpr,
+):  # fmt: skip
+    """``out = silu(g) * u``, each op rounded to the dtype as in torch (``F.silu(g) * u``); ``SIGMOID``:
+    ``out = sigmoid(g) * u`` (the gated attention's output gate, ``u * torch.sigmoid(g)``)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < N)[:, None] & (cols < F)[None, :]
     dt = out_ptr.dtype.element_ty
     g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    if SIGMOID:
+        s = tl.sigmoid(g).to(dt).to(tl.float32)
+    else:
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * so + cols[None, :], (s * u).to(dt), mask=mask)
 
 
