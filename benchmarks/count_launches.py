@@ -46,7 +46,7 @@ ENTRY_POINTS = {
     "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan",
                               "grouped_gated_rms_norm", "gated_sum_squares", "silu_gate"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm", "scaled_rms_norm", "add_scaled_rms_norm"],
-    "hyserve.layers.rotary": ["apply_rope"],
+    "hyserve.layers.rotary": ["apply_rope", "rms_norm_rope"],
     "hyserve.layers.sigmoid_moe": ["route_sigmoid_experts"],
     "hyserve.worker.model_runner": ["_commit_verified"],
 }

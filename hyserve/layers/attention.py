@@ -104,10 +104,10 @@ class Attention(KVCacheLayer):
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         t = x.shape[0]
         q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](meta.positions, q, k)
+        # q / k head norms and the rotation of both: one launch on CUDA.
+        q, k = self.rotary[0].norm_rotate(q, self.q_norm.weight, k, self.k_norm.weight, self.q_norm.eps)
         out = attend_paged(self, q, k, v, meta)
         # The output gate per head, one launch on CUDA (the gate is a strided view of q_proj's output: no copy).
         out = sigmoid_mul(gate, out.reshape(t, self.num_heads, self.head_dim))

@@ -355,6 +355,35 @@ def _interp_layer(dtype: torch.dtype) -> tuple[bool, str]:
     return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}, on prefill {prefill_calls}"
 
 
+def _norm_rope_problem(t: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """The gated attention's q (a strided view of [q | gate] heads, 4 of them), k (2 heads), head 32 with 16 rotated
+    channels (R2 = 8), zero-centred weights, float32 cos / sin."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(t, 4, 64, generator=gen) * 2).to(dtype)[..., :32]
+    k = (torch.randn(t, 2, 32, generator=gen) * 2).to(dtype)
+    qw, kw = (0.3 * torch.randn(32, generator=gen)).to(dtype), (0.3 * torch.randn(32, generator=gen)).to(dtype)
+    freqs = torch.arange(t, dtype=torch.float32)[:, None] * torch.rand(8, generator=gen)[None]
+    return q, qw, k, kw, freqs.cos(), freqs.sin()
+
+
+def _interp_norm_rope(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool, str]:
+    """q / k head norms and their rotation in one launch against the references in sequence (``rms_norm`` then
+    ``apply_rope``), T = 0, 1, 5: within one unit in the last place (the norm's squares added in three pieces).
+    ``sabotage``: q normed with k's weight, which must disagree."""
+    from hyserve.kernels.rope import rms_norm_rope_ref, rms_norm_rope_triton
+
+    goods, msgs = [], []
+    for t in (0, 1, 5):
+        q, qw, k, kw, cos, sin = _norm_rope_problem(t, dtype, 60 + t)
+        want = rms_norm_rope_ref(q, qw, k, kw, EPS, cos, sin)
+        got = rms_norm_rope_triton(q, kw if sabotage else qw, k, kw, EPS, cos, sin)
+        for name, g, w in zip("qk", got, want, strict=True):
+            ok, msg = _agree(g, w) if t else (g.shape == w.shape, "empty")
+            goods.append(ok)
+            msgs.append(f"T={t} {name}: {msg}")
+    return all(goods) != sabotage, "; ".join(msgs)
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Every check under the interpreter; {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
@@ -371,6 +400,9 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "layer_takes_the_kernel_bf16", lambda: _interp_layer(BF16))
     for what in SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
+    for dname, dt in (("f32", F32), ("bf16", BF16)):
+        record_check(res, f"norm_rope_{dname}", lambda dt=dt: _interp_norm_rope(dt))
+    record_check(res, "norm_rope_wrong_weight_caught", lambda: _interp_norm_rope(BF16, sabotage=True))
     return res
 
 
@@ -378,6 +410,7 @@ INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
     *[f"{what}_caught" for what in SABOTAGES],
+    "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
 
 
@@ -399,11 +432,12 @@ def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], na
 
 def test_fused_kernel_compiles_for_sm90() -> None:
     pytest.importorskip("triton")
+    from hyserve.kernels import rope
     from hyserve.kernels.gdn import decode
 
-    variants = decode.compile_variants()
+    variants = [*decode.compile_variants(), *rope.compile_variants()]
     names = [name for name, *_ in variants]
-    assert len(set(names)) == len(names) and len(names) >= 6
+    assert len(set(names)) == len(names) and len(names) >= 8
     failures = compile_failures(variants)
     assert not failures, failures
 
@@ -441,6 +475,27 @@ def test_cuda_fused_matches_the_unfused_kernels(ratio: int, dtype: torch.dtype, 
     p = fused_problem(lens, 8, 8 * ratio, 128, 128, dtype, state_dtype, 31, pad_rows=3, device="cuda")
     ok, msg = check_fused(p, unfused_triton, exact=False)
     assert ok, msg
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_cuda_norm_rope_matches_the_unfused_kernels(dtype: torch.dtype) -> None:
+    """The Qwen3.5 attention's heads (256, 64 rotated) on the card: one launch against ``rms_norm`` then
+    ``apply_rope`` on each of q (a strided view) and k, within one unit in the last place."""
+    from hyserve.kernels.norm import rms_norm
+    from hyserve.kernels.rope import apply_rope, rms_norm_rope
+
+    gen = torch.Generator().manual_seed(3)
+    q = (torch.randn(9, 8, 512, generator=gen) * 2).to(dtype).cuda()[..., :256]
+    k = (torch.randn(9, 2, 256, generator=gen) * 2).to(dtype).cuda()
+    qw, kw = ((0.3 * torch.randn(256, generator=gen)).to(dtype).cuda() for _ in range(2))
+    freqs = torch.arange(9, dtype=torch.float32)[:, None] * torch.rand(32, generator=gen)[None]
+    cos, sin = freqs.cos().cuda(), freqs.sin().cuda()
+    got = rms_norm_rope(q, qw, k, kw, EPS, cos, sin)
+    want = (apply_rope(rms_norm(q, qw, EPS), cos, sin), apply_rope(rms_norm(k, kw, EPS), cos, sin))
+    for g, w in zip(got, want, strict=True):
+        ok, msg = _agree(g, w, 2e-6)
+        assert ok, msg
 
 
 @cuda
