@@ -10,6 +10,9 @@ stored with one layout, so each element is read and written by the same thread.
   the row's last token.
 * ``_gdn_verify_kernel`` (:mod:`hyserve.kernels.gdn.verify`) never writes the live state: it stores the tile after
   each token ``i`` of row ``r`` in the row-indexed scratch (``scratch[r, i]``, for ``i < P``).
+* ``_gdn_decode_fused_kernel`` (:mod:`hyserve.kernels.gdn.decode`) runs one program per (row, value head) over the
+  head's ``Dv / BV`` tiles in turn, with the conv, gates and gated norm around the step (the same arithmetic as
+  ``_delta_rule_step``, inlined: its q, k, v come from registers, not memory).
 """
 
 from __future__ import annotations
