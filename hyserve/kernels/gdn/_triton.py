@@ -171,7 +171,7 @@ def _gdn_decode_fused_kernel(
     sarr_s, so_t,
     scale, eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
-    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
 ):  # fmt: skip
     """One decode token of row ``r`` (grid axis 0), value head ``h`` (axis 1), key head ``hk = h // GROUP``: the
     conv of its q / k / v channels (q, k recomputed by each of the key head's ``GROUP`` value heads), the gates,
@@ -179,12 +179,13 @@ def _gdn_decode_fused_kernel(
     RMSNorm of the head's output; the same rounding points as the unfused kernels (conv output, delta-rule output
     and the norm's two roundings in the model dtype, the state in its own).
 
-    Conv windows: the value channels' are rolled by their head's program alone. The key head's q / k channels are
-    read by ``GROUP`` programs, so the last of them to arrive rolls them: each program counts itself in
-    ``arrivals[slot, hk]`` (an atomic add, after its reads) and the one that sees ``GROUP - 1`` modulo ``GROUP``
-    writes and takes ``GROUP`` off again (the counter is back to 0 after every launch; pad rows, which share one
-    slot, keep it a multiple of ``GROUP``). ``GROUP == 1`` needs no counter. The output ``out[t, h]`` holds the
-    delta rule's output (model dtype) between the two passes; the norm pass reads it back after a barrier."""
+    Conv windows: the value channels' are rolled by their head's program alone (after a barrier: other threads of
+    the program may still read the old window). The key head's q / k channels are read by ``GROUP`` programs, so
+    the last of them to arrive rolls them: each program counts itself in ``arrivals[slot, hk]`` (an atomic add,
+    after its reads) and the one that sees ``GROUP - 1`` modulo ``GROUP`` writes and takes ``GROUP`` off again (the
+    counter is back to 0 after every launch; pad rows, which share one slot, keep it a multiple of ``GROUP``).
+    ``GROUP == 1`` needs no counter. The output ``out[t, h]`` holds the delta rule's output (model dtype) between
+    the two passes; the norm pass reads it back after a barrier."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(qsl_ptr + r).to(tl.int64)
@@ -218,7 +219,12 @@ def _gdn_decode_fused_kernel(
     bt = tl.sigmoid(bv)
     decay = tl.exp(gt)
 
-    # The delta rule over the head's value channels, BV at a time; each block's conv window rolled after its reads.
+    # The value channels' next windows, all ``DV`` at once (stored after the barrier below, after every read).
+    oall = tl.arange(0, DVP)
+    nv, pv, mv = _conv_new_window(x_ptr, conv_ptr, xt, slot, 2 * HK * DK + h * DV + oall, (oall < DV) & live,
+                                  sc_s, sc_d, sc_k, K, KM1_PAD)
+
+    # The delta rule over the head's value channels, BV at a time (no barrier inside: the tiles' loads may overlap).
     o_row = out_ptr + start * so_t + h * DV
     s_head = state_ptr + slot * ss_s + h * ss_h
     ssq = tl.zeros((BV,), dtype=tl.float32)
@@ -227,7 +233,6 @@ def _gdn_decode_fused_kernel(
         vmask = (ov < DV) & live
         cv = 2 * HK * DK + h * DV + ov
         vv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cv, vmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
-        nv, pv, mv = _conv_new_window(x_ptr, conv_ptr, xt, slot, cv, vmask, sc_s, sc_d, sc_k, K, KM1_PAD)
         smask = kmask[:, None] & vmask[None, :]
         s_ptrs = s_head + ok[:, None] * ss_k + ov[None, :] * ss_v
         S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
@@ -240,10 +245,9 @@ def _gdn_decode_fused_kernel(
         tl.store(o_row + ov, o, mask=vmask)
         of = o.to(tl.float32)
         ssq += tl.where(vmask, of * of, 0.0)
-        tl.debug_barrier()  # this block's window reads happen before its write
-        tl.store(pv, nv, mask=mv)
 
-    tl.debug_barrier()  # every q / k window read, and every store of the head's output, before what follows
+    tl.debug_barrier()  # every conv window read, and every store of the head's output, before what follows
+    tl.store(pv, nv, mask=mv)
     if GROUP == 1:
         tl.store(pq, nq, mask=mq)
         tl.store(pk, nk, mask=mk)

@@ -120,9 +120,11 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def launch_config(dk: int, dv: int, k: int) -> dict[str, int]:
     """The kernel's tiling: the head's key dim in one tile (``BK``), its value dim in blocks of ``BV`` (the float32
-    state tile at most 4096 elements, as ``gdn_recurrent_triton``), the conv window padded to a power of two."""
+    state tile at most 4096 elements, as ``gdn_recurrent_triton``) and whole for the conv windows (``DVP``), the conv
+    window padded to a power of two."""
     bk = next_pow2(dk)
-    return {"KM1_PAD": next_pow2(k - 1), "BK": bk, "BV": min(next_pow2(dv), max(16, 4096 // bk))}
+    return {"KM1_PAD": next_pow2(k - 1), "BK": bk, "BV": min(next_pow2(dv), max(16, 4096 // bk)),
+            "DVP": next_pow2(dv)}
 
 
 def gdn_decode_fused_triton(
