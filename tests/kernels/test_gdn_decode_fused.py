@@ -9,7 +9,8 @@ within float32 / one-unit-in-the-last-place rules) and transformers' ``causal_co
 float32, bf16 and fp16 states; Hv / Hk = 1, 2 and 3; head widths that are not powers of two and several value blocks
 per head; non-identity slots; empty rows (their slots and output rows left untouched); a captured graph's pad rows,
 several on one pad slot (the arrival counters back to zero after every launch). The mixer takes the kernel on a pure
-decode step and keeps the unfused path otherwise.
+decode step and keeps the unfused path otherwise; the engine with emulated CUDA graphs on the three fused decode
+kernels (this one, the attention's norm + rotation and gate) gives the references' greedy tokens.
 
 Sabotaged kernels (each mutated in its source, each must disagree): the conv window shifted twice, the key head
 ``h % Hk`` instead of ``h // (Hv / Hk)``, the gate applied before the norm, the state stored before the delta
@@ -355,6 +356,58 @@ def _interp_layer(dtype: torch.dtype) -> tuple[bool, str]:
     return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}, on prefill {prefill_calls}"
 
 
+def _interp_engine() -> tuple[bool, str]:
+    """The engine (tiny Qwen3.5, 3 GDN layers with Hv = 2 Hk, 1 attention layer, float32) with emulated CUDA graphs
+    (pad rows on the pad slot as requests finish at different lengths, non-identity slots): every decode step's GDN
+    mixers on the fused kernel, its attention on the fused norm + rotation and gate kernels, against the same engine
+    on the references: the same greedy tokens, log-probabilities within 1e-4, each kernel run."""
+    import collections
+
+    from hyserve import SamplingParams
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+    from hyserve.kernels.norm import silu_mul_triton
+    from hyserve.kernels.rope import rms_norm_rope_triton
+    from hyserve.layers import attention, rotary
+    from hyserve.testing import write_tiny_checkpoint
+    from hyserve.testing.engine import make_llm, random_prompts
+    from hyserve.worker import cuda_graphs
+
+    path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=["linear_attention"] * 3 + ["full_attention"])
+    prompts = random_prompts(5, [7, 19, 4, 12, 9], seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True, logprobs=1) for i in range(5)]
+    cuda_graphs.EMULATE = True
+    calls: collections.Counter[str] = collections.Counter()
+
+    def run() -> list[Any]:
+        llm = make_llm(path, max_num_seqs=5, num_state_slots=7)
+        assert llm.llm_engine.runner.graphs is not None
+        return llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    want = run()
+    saved = (gdn_layer.uses_fused_decode, gdn_layer.gdn_decode_fused, rotary.rms_norm_rope, attention.sigmoid_mul)
+    gdn_layer.uses_fused_decode = lambda x: True  # type: ignore[assignment]
+    gdn_layer.gdn_decode_fused = counting("gdn", gdn_decode_fused_triton)  # type: ignore[assignment]
+    rotary.rms_norm_rope = counting("rope", rms_norm_rope_triton)  # type: ignore[assignment]
+    attention.sigmoid_mul = counting("gate", lambda g, x: silu_mul_triton(g, x, sigmoid=True))  # type: ignore
+    try:
+        got = run()
+    finally:
+        (gdn_layer.uses_fused_decode, gdn_layer.gdn_decode_fused, rotary.rms_norm_rope,  # type: ignore[assignment]
+         attention.sigmoid_mul) = saved
+        cuda_graphs.EMULATE = False
+    same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(got, want, strict=True))
+    diff = max(abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
+               for a, b in zip(got, want, strict=True) for i, t in enumerate(b.outputs[0].token_ids))
+    ok = same and diff <= 1e-4 and min(calls[n] for n in ("gdn", "rope", "gate")) > 0
+    return ok, f"tokens same {same}, logprob diff {diff:.3g}, calls {dict(calls)}"
+
+
 def _norm_rope_problem(t: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     """The gated attention's q (a strided view of [q | gate] heads, 4 of them), k (2 heads), head 32 with 16 rotated
     channels (R2 = 8), zero-centred weights, float32 cos / sin."""
@@ -398,6 +451,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "vs_transformers_g2", lambda: _interp_vs_transformers(2, 4))
     record_check(res, "layer_takes_the_kernel_f32", lambda: _interp_layer(F32))
     record_check(res, "layer_takes_the_kernel_bf16", lambda: _interp_layer(BF16))
+    record_check(res, "engine_with_graphs_on_the_kernels", _interp_engine)
     for what in SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
     for dname, dt in (("f32", F32), ("bf16", BF16)):
@@ -409,6 +463,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
+    "engine_with_graphs_on_the_kernels",
     *[f"{what}_caught" for what in SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
