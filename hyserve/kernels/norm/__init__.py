@@ -183,7 +183,8 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, sigmoid: bool = Fal
     n, f = g2.shape
     out = torch.empty((n, f), dtype=gate.dtype, device=gate.device)
     if n and f:
-        block_t, block_f = 4, 1024
+        block_f = min(1024, max(16, 1 << (f - 1).bit_length()))
+        block_t = 4096 // block_f  # 4096 elements a program: 4 rows of 1024 (SwiGLU), 16 heads of 256 (the gate)
         _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g2, u2, out, n, f, g2.stride(0), u2.stride(0),
                                                                  out.stride(0), BLOCK_T=block_t, BLOCK_F=block_f,
                                                                  SIGMOID=sigmoid, num_warps=4)
@@ -382,9 +383,9 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
             out.append((f"gated_sum_squares_{'norm_first' if nbg else 'gate_first'}_{act}",
                         _gated_sum_squares_kernel, dict(gate, y_ptr="*fp32", z_ptr=f"*{act}", ss_ptr="*fp32"),
                         dict(NORM_BEFORE_GATE=nbg, ROWS=rows_g, BLOCK_W=block_w)))
-    for act in ("bf16", "fp32"):  # SwiGLU and the gated attention's output gate
-        for sig_gate in (False, True):
+    for act in ("bf16", "fp32"):  # SwiGLU (wide rows) and the gated attention's output gate (heads of 256)
+        for sig_gate, block_t, block_f in ((False, 4, 1024), (True, 16, 256)):
             out.append((f"{'sigmoid' if sig_gate else 'silu'}_mul_{act}", _silu_mul_kernel,
                         dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", N=i32, F=i32, sg=i32, su=i32,
-                             so=i32), dict(BLOCK_T=4, BLOCK_F=1024, SIGMOID=sig_gate)))
+                             so=i32), dict(BLOCK_T=block_t, BLOCK_F=block_f, SIGMOID=sig_gate)))
     return out
