@@ -4,7 +4,9 @@ Every aten op that does work (views and allocations excluded) is one launch, and
 points (conv, GDN, attention, KV store, norms, gates, SwiGLU, RoPE, Nemotron 3's routing) counts as one launch, its
 CPU reference's ops suppressed. The model is a tiny random checkpoint with the 2B shape's layer pattern (24 layers,
 GDN:attention 3:1) in bf16; the count does not depend on the widths. While decode is host-bound (no CUDA graphs yet)
-the step time follows this count.
+the step time follows this count. A pure decode step's GDN mixers take their fused kernel, as on CUDA (one launch
+each: ``hyserve.kernels.gdn.decode``); ``--unfused-gdn`` counts the four-launch sequence (conv, gates, delta rule,
+gated norm) instead.
 
 ``--nemotron-h`` counts a tiny Nemotron-H checkpoint with the 8B's blocks instead (52: 24 Mamba2, 24 squared-ReLU
 MLP, 4 attention; :func:`nemotron_h_checkpoint`). ``--nemotron-h-moe`` counts one with Nemotron 3 Nano's 52 blocks
@@ -39,13 +41,14 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsque
                 "_reshape_alias", "lift_fresh", "empty", "empty_strided", "empty_like", "resolve_conj",
                 "resolve_neg"}
 ENTRY_POINTS = {
-    "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify"],
+    "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify",
+                           "gdn_decode_fused"],
     "hyserve.layers.attention": ["paged_attention", "store_kv", "sigmoid_mul"],
     "hyserve.layers.mlp": ["silu_mul", "relu_squared"],
     "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan",
                               "grouped_gated_rms_norm", "gated_sum_squares", "silu_gate"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm", "scaled_rms_norm", "add_scaled_rms_norm"],
-    "hyserve.layers.rotary": ["apply_rope"],
+    "hyserve.layers.rotary": ["apply_rope", "rms_norm_rope"],
     "hyserve.layers.sigmoid_moe": ["route_sigmoid_experts"],
     "hyserve.worker.model_runner": ["_commit_verified"],
 }
@@ -165,6 +168,14 @@ def _count_entry_points(counter: _Counter) -> None:
                 setattr(mod, name, _one_launch(counter, getattr(mod, name)))
 
 
+def _gdn_decode_as_on_cuda() -> None:
+    """The Gated DeltaNet mixer takes its fused decode kernel where CUDA would (a pure decode step): one launch for
+    conv, gates, delta rule and gated norm, its CPU reference sequence suppressed."""
+    from hyserve.layers import gdn
+
+    gdn.uses_fused_decode = lambda x: True  # type: ignore[assignment]
+
+
 def _count_graph_replays(counter: _Counter) -> None:
     """A graph replay is one launch; what runs inside it (emulated on the CPU) is not counted."""
     from hyserve.worker.cuda_graphs import GraphSet
@@ -211,6 +222,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="FP8 weights (online, per channel, activations per token): each GEMM's quantization launch "
                          "counted, or none where its producer quantizes (HYSERVE_FP8_FUSED_QUANT=0 to compare)")
+    ap.add_argument("--unfused-gdn", action="store_true",
+                    help="count the Gated DeltaNet's decode as the unfused sequence (conv, gates, delta rule, norm)")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="prefix caching on (speculative steps then copy candidate snapshots at block boundaries)")
     args = ap.parse_args()
@@ -221,6 +234,8 @@ def main() -> None:
         _count_fp8_gemms_as_on_cuda(counter)
     if gemv_enabled():
         _count_decode_gemms_as_on_cuda(counter)
+    if not args.unfused_gdn:
+        _gdn_decode_as_on_cuda()
     if args.graphs:
         from hyserve.worker import cuda_graphs
 

@@ -111,10 +111,10 @@ class Attention(KVCacheLayer):
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         t = x.shape[0]
         q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](meta.positions, q, k)
+        # q / k head norms and the rotation of both: one launch on CUDA.
+        q, k = self.rotary[0].norm_rotate(q, self.q_norm.weight, k, self.k_norm.weight, self.q_norm.eps)
         out = attend_paged(self, q, k, v, meta)
         # The output gate in one launch (reading the gate where q_proj wrote it), quantized there for an FP8 o_proj.
         return self.o_proj(sigmoid_mul(out.reshape(t, -1), gate, self.o_quant))

@@ -1,7 +1,11 @@
 """The Gated DeltaNet mixer: a causal conv over [q | k | v], then the gated delta rule over the SSM state of the
 request's slot (stored in float32 unless --mamba-ssm-cache-dtype), then a gated RMSNorm. It keeps no per-request
 state of its own: ``state_slots[r]`` names row r's conv window and SSM state in the tensors the model runner binds
-(``bind_state``)."""
+(``bind_state``).
+
+A pure decode step (every row one token, no verify rows) takes one fused launch on CUDA for everything between the
+two projections (:func:`hyserve.kernels.gdn.decode.gdn_decode_fused`); other steps, and every step off CUDA, the
+sequence of conv, gates, delta rule and gated norm."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from hyserve.kernels.conv import causal_conv1d_verify
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_verify
+from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm
@@ -25,6 +30,11 @@ from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.base import RecurrentLayer
 from hyserve.model.metadata import StepMetadata
+
+
+def uses_fused_decode(x: torch.Tensor) -> bool:
+    """Whether a pure decode step takes the fused kernel: on CUDA (the CPU keeps the unfused references)."""
+    return x.is_cuda
 
 
 class GDNConfig(Protocol):
@@ -83,6 +93,8 @@ class GatedDeltaNet(RecurrentLayer):
         self.ssm_dtype: torch.dtype = getattr(torch, cfg.ssm_state_dtype)
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), ssm_dtype
+        # The fused decode kernel's per-(slot, key head) counters when Hv > Hk (zeros between launches).
+        self.arrivals: torch.Tensor | None = None  # (S, Hk) int32
         # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
         self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), ssm_dtype
@@ -123,6 +135,8 @@ class GatedDeltaNet(RecurrentLayer):
     def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
         super().bind_state(tensors)
         self.conv_state, self.ssm_state = tensors["conv_state"], tensors["ssm_state"]
+        self.arrivals = arrivals_for(self.ssm_state.shape[0], self.num_k_heads, self.num_v_heads,
+                                     self.ssm_state.device)
 
     def bind_verify_scratch(self, tensors: dict[str, torch.Tensor]) -> None:
         super().bind_verify_scratch(tensors)
@@ -150,6 +164,11 @@ class GatedDeltaNet(RecurrentLayer):
         weight = self.conv1d.weight.squeeze(1)
         mixed_in, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # strided views of one output
         vm = meta.verify
+        if vm is None and meta.max_query_len == 1 and uses_fused_decode(mixed_in):
+            out = gdn_decode_fused(mixed_in, z, b, a, weight, self.A_log, self.dt_bias, self.norm.weight,
+                                   self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
+                                   meta.query_start_loc, self.num_k_heads, self.arrivals)
+            return self.out_proj(out)
         if vm is None:
             mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
                                          meta.max_query_len)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyserve.kernels.rope import apply_rope
+from hyserve.kernels.rope import apply_rope, rms_norm_rope
 
 
 class RotaryEmbedding(nn.Module):
@@ -57,3 +57,11 @@ class RotaryEmbedding(nn.Module):
         assert cos_sin is not None and cos_sin[0].shape[0] == positions.shape[0], "prepare() not called this step"
         cos, sin = cos_sin
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def norm_rotate(self, q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, k_weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of q and k first put through their zero-centred per-head RMSNorms (``q_weight``, ``k_weight``):
+        one launch on CUDA for all four (``hyserve.kernels.rope.rms_norm_rope``). Rotated copies."""
+        cos_sin = self._cos_sin
+        assert cos_sin is not None and cos_sin[0].shape[0] == q.shape[0], "prepare() not called this step"
+        return rms_norm_rope(q, q_weight, k, k_weight, eps, *cos_sin)

@@ -1,7 +1,8 @@
 """The Mamba2 families' norm kernels (hyserve.kernels.norm: the scaled-weight RMSNorm, its residual add with and
 without Granite's multiplier, Mamba2's grouped gated norm in both gate orders, its sum-of-squares form for a group
-spanning ranks, the gate without a norm) under the Triton interpreter (``TRITON_INTERPRET=1``, one subprocess: the
-variable must be set before any kernel is decorated), against the plain-torch references.
+spanning ranks, the gate without a norm; and the gated attention's output gate ``sigmoid_mul``) under the Triton
+interpreter (``TRITON_INTERPRET=1``, one subprocess: the variable must be set before any kernel is decorated),
+against the plain-torch references.
 
 Problems: float32, bf16 and fp16; odd widths, a row wider than 2048 (one row a program), inputs as strided views
 (rows wider than the norm, as the mixer's split of its projection), T = 0 and T = 1; group sizes from 1 group to
@@ -10,8 +11,9 @@ unit in the last place and bit for bit in all but a few elements (the reduction 
 streams bit for bit. Sabotaged (each must disagree with the reference): the weight multiplied before the norm's
 rounding, Granite's multiplier dropped, the multiplied delta left unrounded before the add, groups starting one
 channel late, the gate on the wrong side of the norm, a group spanning ranks normalised by this rank's squares
-alone, the gate alone without rounding ``silu(z)`` to ``z``'s dtype. The layers take the kernels under the
-interpreter. Whole models: Nemotron-H's run on these kernels against transformers in the default suite
+alone, the gate alone without rounding ``silu(z)`` to ``z``'s dtype, the attention gate without rounding its
+sigmoid. The layers take the kernels under the interpreter. Whole models: Nemotron-H's run on these kernels against
+transformers in the default suite
 (``tests/kernels/test_moe_engine.py`` runs its tests under the interpreter, where every norm takes them); Granite-4.0-H
 and Falcon-H1 (both gate orders, the gate alone, two pipeline stages, the dropped multiplier caught) and Nemotron-H
 at TP 2 with a gated-norm group spanning the ranks in a slow test.
@@ -180,6 +182,24 @@ def _interp_silu_gate(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool,
     return all(goods) != sabotage, "; ".join(msgs)
 
 
+def _interp_sigmoid_mul(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool, str]:
+    """The gated attention's output gate ``x * sigmoid(gate)``: the gate a strided ``(T, H, D)`` view of the query
+    projection's [q | gate] heads, T = 0, 1, 5; within one unit in the last place of torch's (the sigmoid rounded to
+    the dtype first). ``sabotage``: the check run against the sigmoid kept in float32, which must disagree (16-bit)."""
+    from hyserve.kernels.norm import sigmoid_mul_ref, sigmoid_mul_triton
+
+    goods, msgs = [], []
+    for t in (0, 1, 5):
+        gen = torch.Generator().manual_seed(91 + t)
+        qg = (torch.randn(t, 3, 2 * 24, generator=gen) * 3).to(dtype)
+        gate, x = qg[..., 24:], (torch.randn(t, 3, 24, generator=gen) * 2).to(dtype)
+        want = (x.float() * torch.sigmoid(gate.float())).to(dtype) if sabotage else sigmoid_mul_ref(gate, x)
+        good, msg = _agree(sigmoid_mul_triton(x.reshape(t, 72), gate), want.reshape(t, 72))
+        goods.append(good)
+        msgs.append(f"T={t}: {msg}")
+    return all(goods) != sabotage, "; ".join(msgs)
+
+
 def _interp_layers() -> tuple[bool, str]:
     """Under the interpreter the layers take the kernels (each ``*_triton`` launcher called) and agree with the
     references; a ``spans_ranks`` norm (its all-reduce the identity with one rank) equals one group over the width."""
@@ -244,6 +264,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
                        lambda dt=dt, w=width, g=group, nbg=nbg: _interp_gated(dt, w, g, nbg))
         record_check(res, f"spanning_{n}", lambda dt=dt: _interp_spanning(dt, False))
         record_check(res, f"silu_gate_{n}", lambda dt=dt: _interp_silu_gate(dt))
+        record_check(res, f"sigmoid_mul_{n}", lambda dt=dt: _interp_sigmoid_mul(dt))
     record_check(res, "layers_take_the_kernels", _interp_layers)
     record_check(res, "scaled_f32_weight_bf16_rows", lambda: _interp_scaled(BF16, 64, w_dtype=F32))
     record_check(res, "add_scaled_wide_bf16", lambda: _interp_add(BF16, 2100, 0.37))
@@ -258,6 +279,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
                  lambda: _interp_gated(F32, 48, 16, True, sabotage="gate_side"))
     record_check(res, "spanning_local_squares_caught", lambda: _interp_spanning(BF16, False, sabotage=True))
     record_check(res, "silu_gate_unrounded_caught", lambda: _interp_silu_gate(BF16, sabotage=True))
+    record_check(res, "sigmoid_mul_unrounded_caught", lambda: _interp_sigmoid_mul(BF16, sabotage=True))
     return res
 
 
@@ -266,11 +288,11 @@ INTERP_CHECKS = [
     *[f"add_scaled_{s}_{n}" for n in DTYPES for s in (1.0, 0.37)],
     *[f"gated_{w}_{g}_{o}_{n}" for n in DTYPES for w, g in ((48, 8), (48, 48), (39, 13), (1100, 550))
       for o in ("gate_first", "norm_first")],
-    *[f"{k}_{n}" for n in DTYPES for k in ("spanning", "silu_gate")],
+    *[f"{k}_{n}" for n in DTYPES for k in ("spanning", "silu_gate", "sigmoid_mul")],
     "layers_take_the_kernels", "scaled_f32_weight_bf16_rows", "add_scaled_wide_bf16", "spanning_norm_first_bf16",
     "scaled_weight_before_rounding_caught", "add_multiplier_dropped_caught", "add_product_unrounded_caught",
     "gated_boundary_off_by_one_caught", "gated_gate_side_caught", "gated_norm_first_gate_side_caught",
-    "spanning_local_squares_caught", "silu_gate_unrounded_caught",
+    "spanning_local_squares_caught", "silu_gate_unrounded_caught", "sigmoid_mul_unrounded_caught",
 ]
 
 
@@ -311,6 +333,18 @@ def test_the_mamba2_families_match_transformers_on_the_norm_kernels() -> None:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAMILY_TESTS], env=env,
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "7 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_cuda_sigmoid_mul_matches_torch(dtype: torch.dtype) -> None:
+    """The gated attention's output gate on the card against torch's two launches, the gate a strided view."""
+    from hyserve.kernels.norm import sigmoid_mul
+
+    qg = (torch.randn(7, 4, 256, device="cuda") * 3).to(dtype)
+    gate, x = qg[..., 128:], torch.randn(7, 4, 128, device="cuda").to(dtype)
+    ok, msg = _agree(sigmoid_mul(x.reshape(7, -1), gate), (x * torch.sigmoid(gate)).reshape(7, -1))
+    assert ok, msg
 
 
 def test_cpu_dispatch_is_the_reference() -> None:

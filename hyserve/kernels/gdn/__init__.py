@@ -6,7 +6,9 @@ Entry points: :func:`gdn_forward`, and its speculative-decoding variant :func:`~
 :func:`hyserve.kernels.gdn.reference.gdn_forward_ref`, the CPU path and the yardstick).
 
 The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent and verify kernels, which share
-one delta-rule step), ``verify.py`` (the verify variant) and ``reference.py`` (the plain-torch references).
+one delta-rule step, and the fused decode kernel), ``verify.py`` (the verify variant), ``decode.py`` (the mixer's
+whole decode step in one launch: conv, gates, delta rule and gated norm, :func:`~hyserve.kernels.gdn.decode.
+gdn_decode_fused`) and ``reference.py`` (the plain-torch references).
 
 Dispatch:
 

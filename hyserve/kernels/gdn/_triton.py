@@ -10,6 +10,9 @@ stored with one layout, so each element is read and written by the same thread.
   the row's last token.
 * ``_gdn_verify_kernel`` (:mod:`hyserve.kernels.gdn.verify`) never writes the live state: it stores the tile after
   each token ``i`` of row ``r`` in the row-indexed scratch (``scratch[r, i]``, for ``i < P``).
+* ``_gdn_decode_fused_kernel`` (:mod:`hyserve.kernels.gdn.decode`) runs one program per (row, value head) over the
+  head's ``Dv / BV`` tiles in turn, with the conv, gates and gated norm around the step (the same arithmetic as
+  ``_delta_rule_step``, inlined: its q, k, v come from registers, not memory).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_gdn_recurrent_kernel", "_gdn_verify_kernel"]
+__all__ = ["_gdn_decode_fused_kernel", "_gdn_recurrent_kernel", "_gdn_verify_kernel"]
 
 
 @triton.jit
@@ -117,3 +120,154 @@ def _gdn_verify_kernel(
             scale,
         )  # fmt: skip
         tl.store(c_ptrs + i * sc_p, S.to(scr_ptr.dtype.element_ty), mask=tile & (i < P))
+
+
+@triton.jit
+def _conv_tap_sum(
+    x_ptr, conv_ptr, cw_ptr, t, slot, ch, cmask,
+    sc_s, sc_d, sc_k, scw_d, scw_k,
+    K: tl.constexpr,
+):  # fmt: skip
+    """The depthwise conv + SiLU of channels ``ch`` for token ``t`` (one token a row), as ``_conv1d_fwd_kernel``
+    adds it up: taps ``0 .. K-2`` from the slot's window (oldest first), tap ``K-1`` the new input, accumulated in
+    float32 in tap order, ``y = acc / (1 + exp(-acc))``, rounded to the input's dtype."""
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for k in tl.static_range(K):
+        if k < K - 1:
+            xv = tl.load(conv_ptr + slot * sc_s + ch * sc_d + k * sc_k, mask=cmask, other=0.0)
+        else:
+            xv = tl.load(x_ptr + t + ch, mask=cmask, other=0.0)
+        wk = tl.load(cw_ptr + ch * scw_d + k * scw_k, mask=cmask, other=0.0).to(tl.float32)
+        acc += xv.to(tl.float32) * wk
+    y = acc / (1.0 + tl.exp(-acc))
+    return y.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_new_window(
+    x_ptr, conv_ptr, t, slot, ch, cmask,
+    sc_s, sc_d, sc_k,
+    K: tl.constexpr, KM1_PAD: tl.constexpr,
+):  # fmt: skip
+    """The channels' next window ``(C, KM1_PAD)``: entries ``1 .. K-2`` of the old one, then the new input; and the
+    pointers and mask to store it (after a barrier: other threads may still read the old window)."""
+    p = tl.arange(0, KM1_PAD)
+    from_x = (p == K - 2)[None, :]
+    m = cmask[:, None] & (p < K - 1)[None, :]
+    srow = conv_ptr + slot * sc_s + ch[:, None] * sc_d
+    sv = tl.load(srow + (p + 1)[None, :] * sc_k, mask=m & ~from_x, other=0.0)
+    xv = tl.load(x_ptr + t + ch[:, None] + p[None, :] * 0, mask=m & from_x, other=0.0)
+    new = tl.where(from_x, xv.to(sv.dtype), sv)
+    return new, srow + p[None, :] * sc_k, m
+
+
+@triton.jit
+def _gdn_decode_fused_kernel(
+    x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
+    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr,
+    sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
+    sc_s, sc_d, sc_k,
+    ss_s, ss_h, ss_k, ss_v,
+    sarr_s, so_t,
+    scale, eps,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
+):  # fmt: skip
+    """One decode token of row ``r`` (grid axis 0), value head ``h`` (axis 1), key head ``hk = h // GROUP``: the
+    conv of its q / k / v channels (q, k recomputed by each of the key head's ``GROUP`` value heads), the gates,
+    the l2-normed delta rule on ``state[slot, h]`` (``(BK, BV)`` tiles, ``DV / BV`` of them in turn), and the gated
+    RMSNorm of the head's output; the same rounding points as the unfused kernels (conv output, delta-rule output
+    and the norm's two roundings in the model dtype, the state in its own).
+
+    Conv windows: the value channels' are rolled by their head's program alone (after a barrier: other threads of
+    the program may still read the old window). The key head's q / k channels are read by ``GROUP`` programs, so
+    the last of them to arrive rolls them: each program counts itself in ``arrivals[slot, hk]`` (an atomic add,
+    after its reads) and the one that sees ``GROUP - 1`` modulo ``GROUP`` writes and takes ``GROUP`` off again (the
+    counter is back to 0 after every launch; pad rows, which share one slot, keep it a multiple of ``GROUP``).
+    ``GROUP == 1`` needs no counter. The output ``out[t, h]`` holds the delta rule's output (model dtype) between
+    the two passes; the norm pass reads it back after a barrier."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    live = (tl.load(qsl_ptr + r + 1).to(tl.int64) - start) > 0
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    hk = h // GROUP
+    xt = start * sx_t  # the token's offset in x (unit channel stride)
+    dt = out_ptr.dtype.element_ty
+
+    # q and k: conv + SiLU (rounded to the model dtype), l2-normed in float32, q scaled.
+    ok = tl.arange(0, BK)
+    kmask = (ok < DK) & live
+    cq = hk * DK + ok
+    ck = HK * DK + hk * DK + ok
+    qv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+    kv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+    qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6)) * scale
+    kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
+    nq, pq, mq = _conv_new_window(x_ptr, conv_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    nk, pk, mk = _conv_new_window(x_ptr, conv_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+
+    # The gates (as _gdn_gating_kernel): g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+    av = tl.load(a_ptr + start * sa_t + h).to(tl.float32)
+    bv = tl.load(b_ptr + start * sb_t + h).to(tl.float32)
+    xg = av + tl.load(dtb_ptr + h).to(tl.float32)
+    y = tl.exp(tl.minimum(xg, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    sp = tl.where(xg > 20.0, xg, log1p)
+    gt = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
+    bt = tl.sigmoid(bv)
+    decay = tl.exp(gt)
+
+    # The value channels' next windows, all ``DV`` at once (stored after the barrier below, after every read).
+    oall = tl.arange(0, DVP)
+    nv, pv, mv = _conv_new_window(x_ptr, conv_ptr, xt, slot, 2 * HK * DK + h * DV + oall, (oall < DV) & live,
+                                  sc_s, sc_d, sc_k, K, KM1_PAD)
+
+    # The delta rule over the head's value channels, BV at a time (no barrier inside: the tiles' loads may overlap).
+    o_row = out_ptr + start * so_t + h * DV
+    s_head = state_ptr + slot * ss_s + h * ss_h
+    ssq = tl.zeros((BV,), dtype=tl.float32)
+    for vb in tl.static_range(0, DV, BV):
+        ov = vb + tl.arange(0, BV)
+        vmask = (ov < DV) & live
+        cv = 2 * HK * DK + h * DV + ov
+        vv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cv, vmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+        smask = kmask[:, None] & vmask[None, :]
+        s_ptrs = s_head + ok[:, None] * ss_k + ov[None, :] * ss_v
+        S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
+        S = S * decay
+        mem = tl.sum(S * kv[:, None], axis=0)  # (BV,) = S^T k
+        delta = (vv - mem) * bt
+        S = S + kv[:, None] * delta[None, :]
+        o = tl.sum(S * qv[:, None], axis=0).to(dt)
+        tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
+        tl.store(o_row + ov, o, mask=vmask)
+        of = o.to(tl.float32)
+        ssq += tl.where(vmask, of * of, 0.0)
+
+    tl.debug_barrier()  # every conv window read, and every store of the head's output, before what follows
+    tl.store(pv, nv, mask=mv)
+    if GROUP == 1:
+        tl.store(pq, nq, mask=mq)
+        tl.store(pk, nk, mask=mk)
+    else:
+        arr = arr_ptr + slot * sarr_s + hk
+        seen = tl.atomic_add(arr, 1, mask=live)
+        last = live & (seen % GROUP == GROUP - 1)
+        tl.store(pq, nq, mask=mq & last)
+        tl.store(pk, nk, mask=mk & last)
+        tl.atomic_add(arr, -GROUP, mask=last)
+
+    # The gated RMSNorm (as _gated_rms_norm_kernel): n = norm(o) in the model dtype, (w * n) rounded, times silu(z).
+    rstd = 1.0 / tl.sqrt(tl.sum(ssq, axis=0) / DV + eps)
+    z_row = z_ptr + start * sz_t + h * DV
+    for vb in tl.static_range(0, DV, BV):
+        ov = vb + tl.arange(0, BV)
+        vmask = (ov < DV) & live
+        of = tl.load(o_row + ov, mask=vmask, other=0.0).to(tl.float32)
+        nrm = (of * rstd).to(dt).to(tl.float32)
+        w = tl.load(nw_ptr + ov, mask=vmask, other=0.0).to(tl.float32)
+        on = (w * nrm).to(dt).to(tl.float32)
+        zz = tl.load(z_row + ov, mask=vmask, other=0.0).to(tl.float32)
+        tl.store(o_row + ov, (on * (zz * tl.sigmoid(zz))).to(dt), mask=vmask)

@@ -1,9 +1,10 @@
 """RMSNorm over the last dimension: the zero-centred form (scale ``1 + w``), the GDN output's gated form, the scaled
 form of the Mamba2 families (scale ``w``) and Mamba2's grouped gated norm.
 
-Entry points :func:`rms_norm`, :func:`add_rms_norm` (the residual add fused in) and :func:`gated_rms_norm`, and the
-MLP's :func:`silu_mul`: on CUDA one Triton launch each (the torch formulation
-takes six to twelve launches per call, which a host-bound decode step pays dozens of times per layer); elsewhere
+Entry points :func:`rms_norm`, :func:`add_rms_norm` (the residual add fused in) and :func:`gated_rms_norm`, the
+MLP's :func:`silu_mul` and the gated attention's output gate :func:`sigmoid_mul` (the same kernel): on CUDA one
+Triton launch each (the torch formulation takes two to twelve launches per call, which a host-bound decode step pays
+dozens of times per layer); elsewhere
 the plain-torch references of ``reference.py``, which define the semantics: normalise in float32 and cast back to the
 input dtype; the gated form rounds to the input dtype before its weight and after it, as transformers does. The Triton
 kernels are in ``_triton.py``.
@@ -32,6 +33,7 @@ from hyserve.kernels.norm.reference import (
     l2_norm_heads_ref,
     rms_norm_ref,
     scaled_rms_norm_ref,
+    sigmoid_mul_ref,
     silu_gate_ref,
     silu_mul_ref,
 )
@@ -40,8 +42,8 @@ from hyserve.utils import next_pow2
 __all__ = ["MAX_WIDTH", "QUANT_MODES", "add_rms_norm", "add_rms_norm_ref", "add_scaled_rms_norm",
            "add_scaled_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "gated_sum_squares",
            "gated_sum_squares_ref", "grouped_gated_rms_norm", "grouped_gated_rms_norm_ref", "rms_norm", "rms_norm_ref",
-           "scaled_rms_norm", "scaled_rms_norm_ref", "sigmoid_mul", "sigmoid_mul_triton", "silu_gate", "silu_gate_ref",
-           "silu_mul", "silu_mul_ref"]
+           "scaled_rms_norm", "scaled_rms_norm_ref", "sigmoid_mul", "sigmoid_mul_ref", "sigmoid_mul_triton",
+           "silu_gate", "silu_gate_ref", "silu_mul", "silu_mul_ref"]
 
 _MAX_BLOCK_D = 16384
 MAX_WIDTH = _MAX_BLOCK_D  # the widest row (or gated-norm group) one program normalises
@@ -223,7 +225,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, quant: str | None = None) -
     (the chunk of ``q_proj``'s output: no copy). Quantized per token for the next FP8 GEMM as ``quant`` says
     (:data:`QUANT_MODES`), in the same launch."""
     if not x.is_cuda:
-        return _as_activation(x * torch.sigmoid(gate.reshape(x.shape)), quant)
+        return _as_activation(sigmoid_mul_ref(gate.reshape(x.shape), x), quant)
     return sigmoid_mul_triton(x, gate, quant)
 
 
@@ -254,7 +256,8 @@ def _gated_product(g: torch.Tensor, sg: int, sgh: int, hd: int, u: torch.Tensor,
                                          KEEP=quant == "fp8+plain", SIGMOID=sigmoid, num_warps=4)
         return _produced(out, q, s, out.shape, quant)
     if n and f:
-        block_t, block_f = 4, 1024
+        block_f = min(1024, max(16, 1 << (f - 1).bit_length()))
+        block_t = 4096 // block_f  # 4096 elements a program: 4 rows of 1024 (SwiGLU), 16 heads of 256 (the gate)
         _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g, u, out, n, f, sg, u.stride(0), out.stride(0),
                                                                  sgh, hd, BLOCK_T=block_t, BLOCK_F=block_f,
                                                                  SIGMOID=sigmoid, num_warps=4)

@@ -14,8 +14,8 @@ import torch
 from torch.nn import functional as F
 
 __all__ = ["add_rms_norm_ref", "add_scaled_rms_norm_ref", "gated_rms_norm_ref", "gated_sum_squares_ref",
-           "grouped_gated_rms_norm_ref", "l2_norm_heads_ref", "rms_norm_ref", "scaled_rms_norm_ref", "silu_gate_ref",
-           "silu_mul_ref"]
+           "grouped_gated_rms_norm_ref", "l2_norm_heads_ref", "rms_norm_ref", "scaled_rms_norm_ref", "sigmoid_mul_ref",
+           "silu_gate_ref", "silu_mul_ref"]
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,6 +40,10 @@ def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def sigmoid_mul_ref(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
 
 
 def l2_norm_heads_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""The Gated DeltaNet mixer's decode step on one GPU: the fused kernel (``hyserve.kernels.gdn.decode``, one launch)
+against today's four launches (conv, gates, recurrent delta rule, gated norm), per layer, at the Qwen3.5 shapes.
+
+    python benchmarks/gdn_decode_bench.py --out $OUT                 # 2B, 9B, 27B heads; batch 1, 8, 32, 64
+    python benchmarks/gdn_decode_bench.py --shapes 9b --block-v 16 32 64 --state-dtype bfloat16
+
+Each variant is captured in a CUDA graph of 20 calls (as the decode graph runs them: no host launch cost) and
+replayed; the median time per call of 10 replays is reported with the bandwidth it reaches on the SSM state it reads
+and writes (``2 * B * Hv * Dk * Dv`` elements of the state dtype), and the fused output is compared with the unfused
+one (max abs difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hyserve.kernels.conv import causal_conv1d_varlen_triton
+from hyserve.kernels.gating import gdn_gating_triton
+from hyserve.kernels.gdn import gdn_recurrent_triton
+from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused_triton
+from hyserve.kernels.norm import gated_rms_norm_triton
+
+# (key heads, value heads) of this rank, Dk = Dv = 128, conv width 4 (benchmarks/shapes.py; 27B: Qwen3.5-27B's config).
+HEADS = {"2b": (16, 16), "9b": (16, 32), "27b": (16, 48)}
+D = 128
+K = 4
+
+
+def problem(batch: int, hk: int, hv: int, dtype: torch.dtype, state_dtype: torch.dtype) -> dict[str, Any]:
+    """One decode token per row, rows on shuffled slots of a pool with room for 8 more."""
+    g = torch.Generator(device="cuda").manual_seed(batch * 131 + hv)
+    conv_dim = 2 * hk * D + hv * D
+    wide = torch.randn(batch, conv_dim + hv * D + 2 * hv, device="cuda", generator=g).to(dtype)
+    c = conv_dim + hv * D
+    pool = batch + 8
+    return dict(x=wide[:, :conv_dim], z=wide[:, conv_dim:c], b=wide[:, c : c + hv], a=wide[:, c + hv :],
+                conv_weight=(torch.randn(conv_dim, K, device="cuda", generator=g) * 0.5).to(dtype),
+                a_log=torch.rand(hv, device="cuda", generator=g).log1p(),
+                dt_bias=torch.rand(hv, device="cuda", generator=g) + 0.5,
+                norm_weight=torch.ones(D, device="cuda", dtype=dtype), eps=1e-6,
+                conv_state=torch.randn(pool, conv_dim, K - 1, device="cuda", generator=g).to(dtype),
+                ssm_state=(torch.randn(pool, hv, D, D, device="cuda", generator=g) * 0.3).to(state_dtype),
+                state_slots=torch.randperm(pool, device="cuda", generator=g)[:batch],
+                query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32), num_k_heads=hk)
+
+
+def unfused(p: dict[str, Any]) -> torch.Tensor:
+    x, hk = p["x"], p["num_k_heads"]
+    t, hv = x.shape[0], p["ssm_state"].shape[1]
+    mixed = causal_conv1d_varlen_triton(x, p["conv_weight"], p["conv_state"], p["state_slots"],
+                                        p["query_start_loc"], 1)
+    q, k, v = torch.split(mixed, [hk * D, hk * D, hv * D], dim=-1)
+    g, beta = gdn_gating_triton(p["a"], p["b"], p["a_log"], p["dt_bias"])
+    o = gdn_recurrent_triton(q.reshape(t, hk, D), k.reshape(t, hk, D), v.reshape(t, hv, D), g, beta,
+                             p["ssm_state"], p["state_slots"], p["query_start_loc"])
+    return gated_rms_norm_triton(o.reshape(-1, D), p["z"].reshape(-1, D), p["norm_weight"], p["eps"]).reshape(t, -1)
+
+
+def graph_time(fn: Callable[[], torch.Tensor], calls: int = 20) -> float:
+    """Median microseconds per call over 10 replays of a graph of ``calls`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(HEADS), choices=list(HEADS))
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32, 64])
+    ap.add_argument("--block-v", nargs="+", type=int, default=[32], help="the fused kernel's value blocks to time")
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=None, help="a directory for gdn_decode_bench.json")
+    args = ap.parse_args()
+    dtype, state_dtype = torch.bfloat16, getattr(torch, args.state_dtype)
+    rows = []
+    for shape in args.shapes:
+        hk, hv = HEADS[shape]
+        for batch in args.batch:
+            p = problem(batch, hk, hv, dtype, state_dtype)
+            arrivals = arrivals_for(p["ssm_state"].shape[0], hk, hv, p["x"].device)
+            state_bytes = 2 * batch * hv * D * D * p["ssm_state"].element_size()
+            pools = {"conv_state": p["conv_state"].clone(), "ssm_state": p["ssm_state"].clone()}  # before any run
+            ref = unfused({**p, **{n: t.clone() for n, t in pools.items()}})
+            row: dict[str, Any] = {"shape": shape, "batch": batch}
+            for bv in args.block_v:
+                got = gdn_decode_fused_triton(**{**p, **{n: t.clone() for n, t in pools.items()}}, arrivals=arrivals,
+                                              block_v=bv)
+                row[f"max_diff_bv{bv}"] = float((got.float() - ref.float()).abs().max())
+            row["unfused_us"] = graph_time(lambda p=p: unfused(p))
+            for bv in args.block_v:
+                row[f"fused_bv{bv}_us"] = graph_time(lambda p=p, bv=bv, arr=arrivals: gdn_decode_fused_triton(
+                    **p, arrivals=arr, block_v=bv))
+            best = min(row[f"fused_bv{bv}_us"] for bv in args.block_v)
+            row["state_GBps_unfused"] = state_bytes / row["unfused_us"] / 1e3
+            row["state_GBps_fused"] = state_bytes / best / 1e3
+            assert not arrivals.any(), "the arrival counters must be back at zero"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'shape':>6} {'batch':>5} {'unfused us':>10} " + " ".join(f"{'bv' + str(b) + ' us':>9}"
+                                                                   for b in args.block_v))
+    for row in rows:
+        print(f"{row['shape']:>6} {row['batch']:>5} {row['unfused_us']:>10.2f} "
+              + " ".join(f"{row[f'fused_bv{b}_us']:>9.2f}" for b in args.block_v))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gdn_decode_bench.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype, "rows": rows}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

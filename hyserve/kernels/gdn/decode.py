@@ -1,0 +1,212 @@
+"""The Gated DeltaNet mixer's whole decode step in one launch: conv window update, gates, l2-normed delta rule and
+gated RMSNorm, from the input projection's output to the output projection's input.
+
+:func:`gdn_decode_fused` is the entry point for a pure decode step (every row one token, no verify rows). It computes
+what the unfused sequence computes (:func:`gdn_decode_fused_ref`, the CPU path and the yardstick)::
+
+    mixed = causal_conv1d_varlen(x, conv_weight, conv_state, ...)   # [q | k | v], SiLU, rolls the window
+    g, beta = gdn_gating(a, b, A_log, dt_bias)
+    o = gdn_forward(q, k, v, g, beta, ssm_state, ...)                # l2-normed q / k, state in place
+    out = gated_rms_norm(o, z, norm_weight, eps)                      # per value head
+
+with the same rounding points (conv output, delta-rule output and the norm's two roundings in the model dtype; the
+state rounded to its dtype where it is stored), so outputs agree with the unfused kernels to within the reduction
+order of the norm's sum of squares (summed per block of ``BV`` channels here, in one row there: one unit in the last
+place at most, usually bit for bit) and states bit for bit (``tests/kernels/test_gdn_decode_fused.py``).
+
+Dispatch: CUDA runs ``_gdn_decode_fused_kernel`` (``_triton.py``: one program per (row, value head), no host sync,
+fixed-shape launch: safe to capture in a CUDA graph); everything else runs the reference sequence.
+
+Contract (that of the unfused kernels): ``state_slots[r]`` names row ``r``'s conv window and SSM state; rows are one
+token (``query_start_loc`` steps by 1) or empty (an empty row reads and writes nothing); slots of rows with a token
+are distinct, except the pad rows of a captured graph, which all share the pool's pad slot (nothing reads it back).
+When ``Hv > Hk`` the kernel needs ``arrivals`` (:func:`arrivals_for`): an int32 ``(S, Hk)`` counter per slot and key
+head, zero at allocation, which every launch leaves at zero, so that the key head's q / k window is rolled once, by
+the last of its value heads' programs to read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
+from hyserve.kernels.gating.reference import gdn_gating_ref
+from hyserve.kernels.gdn.reference import gdn_forward_ref
+from hyserve.kernels.norm.reference import gated_rms_norm_ref
+from hyserve.utils import next_pow2
+
+__all__ = ["arrivals_for", "compile_variants", "gdn_decode_fused", "gdn_decode_fused_ref",
+           "gdn_decode_fused_triton"]
+
+
+def arrivals_for(num_slots: int, num_k_heads: int, num_v_heads: int, device: torch.device) -> torch.Tensor | None:
+    """The fused kernel's arrival counters for a state pool of ``num_slots`` entries: int32 zeros ``(S, Hk)``, or
+    None when each key head has one value head (no counter needed)."""
+    if num_v_heads == num_k_heads:
+        return None
+    return torch.zeros((num_slots, num_k_heads), dtype=torch.int32, device=device)
+
+
+def gdn_decode_fused(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_k_heads: int,
+    arrivals: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mixer's decode step from ``in_proj``'s output to ``out_proj``'s input; returns ``(T, Hv * Dv)`` in the
+    model dtype. Updates ``conv_state`` and ``ssm_state`` in place.
+
+    Args:
+        x: ``(T, 2 * Hk * Dk + Hv * Dv)`` the conv's input [q | k | v]; z: ``(T, Hv * Dv)`` the norm's gate;
+            b, a: ``(T, Hv)``. Views of one projection output are fine (unit last strides).
+        conv_weight: ``(conv_dim, K)``; a_log, dt_bias: ``(Hv,)``; norm_weight: ``(Dv,)``.
+        conv_state: ``(S, conv_dim, K - 1)`` model dtype; ssm_state: ``(S, Hv, Dk, Dv)`` float32 / bf16 / fp16.
+        state_slots: ``(R,)``; query_start_loc: ``(R + 1,)`` int32, every row one token or none.
+        num_k_heads: ``Hk`` (this rank's); ``Hv`` and ``Dv`` come from ``ssm_state``, ``Dk`` from both.
+        arrivals: :func:`arrivals_for`'s counters (needed on CUDA when ``Hv > Hk``).
+    """
+    if not x.is_cuda:
+        return gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
+                                    ssm_state, state_slots, query_start_loc, num_k_heads)
+    return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
+                                   state_slots, query_start_loc, num_k_heads, arrivals)
+
+
+def gdn_decode_fused_ref(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_k_heads: int,
+) -> torch.Tensor:
+    """The unfused references in sequence (conv, gates, delta rule, gated norm): the op's definition."""
+    t = x.shape[0]
+    hv, dk, dv = ssm_state.shape[1:]
+    key_dim = num_k_heads * dk
+    mixed = causal_conv1d_varlen_ref(x, conv_weight, conv_state, state_slots, query_start_loc)
+    q, k, v = torch.split(mixed, [key_dim, key_dim, hv * dv], dim=-1)
+    g, beta = gdn_gating_ref(a, b, a_log, dt_bias)
+    o = gdn_forward_ref(q.reshape(t, num_k_heads, dk), k.reshape(t, num_k_heads, dk), v.reshape(t, hv, dv), g, beta,
+                        ssm_state, state_slots, query_start_loc, 1)
+    out = gated_rms_norm_ref(o.reshape(-1, dv), z.reshape(-1, dv), norm_weight, eps)
+    return out.reshape(t, hv * dv)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def launch_config(dk: int, dv: int, k: int) -> dict[str, int]:
+    """The kernel's tiling: the head's key dim in one tile (``BK``), its value dim in blocks of ``BV`` (the float32
+    state tile at most 4096 elements, as ``gdn_recurrent_triton``) and whole for the conv windows (``DVP``), the conv
+    window padded to a power of two."""
+    bk = next_pow2(dk)
+    return {"KM1_PAD": next_pow2(k - 1), "BK": bk, "BV": min(next_pow2(dv), max(16, 4096 // bk)),
+            "DVP": next_pow2(dv)}
+
+
+def gdn_decode_fused_triton(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_k_heads: int,
+    arrivals: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
+    optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
+    value block ``BV`` (a power of two; tests take several blocks of a small head)."""
+    from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
+
+    t = x.shape[0]
+    hk = num_k_heads
+    _, hv, dk, dv = ssm_state.shape
+    conv_dim, kw = conv_weight.shape
+    r = state_slots.shape[0]
+    assert hv % hk == 0, "Hv must be a multiple of Hk"
+    assert x.shape[1] == conv_dim == 2 * hk * dk + hv * dv, "x must be (T, 2 * Hk * Dk + Hv * Dv)"
+    assert conv_state.shape[1:] == (conv_dim, kw - 1) and kw >= 2, "conv_state must be (S, conv_dim, K - 1)"
+    assert z.shape == (t, hv * dv) and a.shape == (t, hv) and b.shape == (t, hv), "z (T, Hv * Dv), a and b (T, Hv)"
+    assert norm_weight.shape == (dv,) and a_log.shape == (hv,) and dt_bias.shape == (hv,)
+    assert arrivals is not None or hv == hk, "Hv > Hk needs the arrival counters (arrivals_for)"
+    assert arrivals is None or (arrivals.dtype == torch.int32 and arrivals.shape == (ssm_state.shape[0], hk))
+    x, z, a, b = (_unit_last(u) for u in (x, z, a, b))
+    if out is None:
+        out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
+    assert out.shape == (t, hv * dv) and out.stride(1) == 1
+    if r == 0 or t == 0:
+        return out
+    arr = conv_state if arrivals is None else arrivals  # never read when Hv == Hk
+    cfg = launch_config(dk, dv, kw)
+    if block_v is not None:
+        assert block_v == next_pow2(block_v), "block_v must be a power of two"
+        cfg["BV"] = block_v
+    _gdn_decode_fused_kernel[(r, hv)](
+        x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
+        conv_state, ssm_state, state_slots, query_start_loc, arr, out,
+        x.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
+        arr.stride(0), out.stride(0),
+        dk**-0.5, float(eps),
+        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The fused decode kernel's variants for the Qwen3.5 shapes (Dk = Dv = 128, conv width 4; Hv / Hk = 1 as the 2B,
+    2 as the 9B, 3 as the 27B) in a bf16 model with a float32 state, and with a bf16 state, a float32 and an fp16
+    model, as ``(name, jit function, argument types, constexprs)`` for a compile check without a GPU
+    (``tests/kernels/test_gdn_decode_fused.py``)."""
+    from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    i32 = "i32"
+    combos = [("bf16", "fp32", g) for g in (1, 2, 3)]
+    combos += [("bf16", "bf16", 2), ("fp32", "fp32", 2), ("fp16", "fp16", 1)]
+    for act, state, group in combos:
+        sig = dict(x_ptr=f"*{act}", z_ptr=f"*{act}", b_ptr=f"*{act}", a_ptr=f"*{act}", cw_ptr=f"*{act}",
+                   alog_ptr="*fp32", dtb_ptr="*fp32", nw_ptr=f"*{act}", conv_ptr=f"*{act}", state_ptr=f"*{state}",
+                   slots_ptr="*i64", qsl_ptr="*i32", arr_ptr="*i32", out_ptr=f"*{act}",
+                   **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
+                                       "ss_s", "ss_h", "ss_k", "ss_v", "sarr_s", "so_t")},
+                   scale="fp32", eps="fp32")
+        out.append((f"gdn_decode_fused_g{group}_{act}_{state}_state", _gdn_decode_fused_kernel, sig,
+                     dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4))))
+    return out
