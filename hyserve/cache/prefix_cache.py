@@ -202,13 +202,17 @@ class PrefixCache:
 
     def next_snapshot_point(self, req: Request, start: int, end: int) -> int | None:
         """The first snapshot position in (start, end] for a chunk of ``req``, or None (only keyable positions)."""
+        points = self.snapshot_points(req, start, end)
+        return points[0] if points else None
+
+    def snapshot_points(self, req: Request, start: int, end: int) -> list[int]:
+        """Every snapshot position in (start, end] for a chunk of ``req``, ascending (only keyable positions): the
+        interval points, the end of the prompt, its share points and the points before its images."""
         bs = self.block_size
         limit = min(end, self.keyable_tokens(req))
-        points = [(self.keyable_tokens(req) // bs) * bs, (start // self.interval + 1) * self.interval]
-        points.extend(req.share_points)
-        points.extend(image_points(req, bs))
-        inside = [p for p in points if start < p <= limit]
-        return min(inside) if inside else None
+        points = {(self.keyable_tokens(req) // bs) * bs, *req.share_points, *image_points(req, bs)}
+        points.update(range((start // self.interval + 1) * self.interval, limit + 1, self.interval))
+        return sorted(p for p in points if start < p <= limit)
 
     # ------------------------------------------------------------------ publish
 
