@@ -72,7 +72,8 @@ def _hf(name: str) -> Any:
     return inspect.unwrap(getattr(modeling_qwen3_5, name))
 
 
-def scratch_states(p: dict[str, Any], state0: torch.Tensor, chunked: bool = False) -> dict[tuple[int, int], torch.Tensor]:
+def scratch_states(p: dict[str, Any], state0: torch.Tensor, chunked: bool = False
+                   ) -> dict[tuple[int, int], torch.Tensor]:
     """Each snapshot's state from scratch: transformers' rule on the row's first ``offset`` tokens from the row's
     starting state (``state0``: the pool before the call), float32."""
     fn = _hf("torch_chunk_gated_delta_rule" if chunked else "torch_recurrent_gated_delta_rule")
