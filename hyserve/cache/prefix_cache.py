@@ -30,7 +30,9 @@ boundary share one block less.
 
 Correctness rests on three rules, each enforced in one place here:
 * A snapshot is copied out of a request's slot (or verified candidate) only right after the forward of the step that
-  brought the state to the snapshot's position, into an entry reserved when that step was scheduled; it is
+  brought the state to the snapshot's position, or written by the recurrent layers during that forward at a point
+  inside a prefill row (``snapshot_points``: a chunk need not end there where the layers can), into an entry
+  reserved when that step was scheduled; it is
   published only when that step's result is in (``commit_snapshot``), so any step that copies it in runs after the
   copy out; nothing reads a snapshot in the step that writes it.
 * Only computed, verified tokens are published (invariant 3): a block when all its tokens are computed, a snapshot

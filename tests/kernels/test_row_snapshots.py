@@ -34,7 +34,7 @@ from hyserve.testing.triton_interpreter import interpreter_subprocess_results, p
 LENS = [70, 5, 0, 130, 33]  # prefill rows (one empty: no chunk, no tokens)
 # (row, offset): on a chunk boundary (64), off it, short of the conv window (1, 2), several in one row.
 SNAPS = [(0, 1), (0, 64), (0, 69), (1, 2), (3, 64), (3, 100), (3, 128), (3, 129), (4, 17)]
-HK, HV, DK, DV, K = 2, 4, 16, 32, 4
+HK, HV, DK, DV, K = 1, 2, 16, 16, 4
 POOL = 24
 
 
@@ -108,9 +108,9 @@ def _state_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float().cpu() - want).abs().max() / want.abs().max().clamp(min=1e-6))
 
 
-def check_states(pool: torch.Tensor, p: dict[str, Any], want: dict[tuple[int, int], torch.Tensor], tol: float
-                 ) -> tuple[bool, str]:
-    errs = [_state_err(pool[e], want[s]) for s, e in zip(SNAPS, p["entries"], strict=False)]
+def check_states(pool: torch.Tensor, p: dict[str, Any], want: dict[tuple[int, int], torch.Tensor], tol: float,
+                 snaps: list[tuple[int, int]] = SNAPS) -> tuple[bool, str]:
+    errs = [_state_err(pool[e], want[s]) for s, e in zip(snaps, p["entries"], strict=False)]
     return max(errs) <= tol, f"max relative state error {max(errs):.3g} (tol {tol})"
 
 
@@ -208,11 +208,12 @@ def emulated_fla_h(p: dict[str, Any], state0: torch.Tensor, dtype: torch.dtype) 
 
 def _interp_advance(dtype: torch.dtype, state_dtype: torch.dtype, chunk: int, shift: int = 0) -> tuple[bool, str]:
     """The CUDA path's snapshot step on the CPU: the starting states (fla's ``h`` at ``chunk_index`` + ``shift``, or
-    the rows' starting states for chunk 0) advanced by the recurrent Triton kernel over the tails."""
+    the rows' starting states for chunk 0) advanced by the recurrent Triton kernel over the tails (from the row's
+    start, only the points up to 69 tokens in: the interpreter runs a tail token by token)."""
     p = _problem(dtype, state_dtype)
     state0 = p["ssm_state"].clone()
     want = scratch_states(p, state0)
-    snaps = _snapshots(p)
+    snaps = _snapshots(p, SNAPS if chunk else [s for s in SNAPS if s[1] < 70])
     if chunk:
         h = emulated_fla_h(p, state0, dtype)
         index = (snaps.tails(chunk).chunk_index + shift).clamp(max=h.shape[1] - 1)
@@ -222,19 +223,18 @@ def _interp_advance(dtype: torch.dtype, state_dtype: torch.dtype, chunk: int, sh
     advance_snapshots(p["q"], p["k"], p["v"], p["g"], p["beta"], base, snaps, chunk, p["ssm_state"])
     # A bf16 h (fla's) or bf16 inputs / state: one or two roundings of the state.
     tol = 1e-4 if dtype == torch.float32 and state_dtype == torch.float32 else 2e-2
-    return check_states(p["ssm_state"], p, want, tol)
+    return check_states(p["ssm_state"], p, want, tol, list(zip(snaps.rows, snaps.offsets, strict=True)))
 
 
 def run_interpreter_checks() -> dict[str, list[Any]]:
     patch_triton_interpreter()
     f32, bf16 = torch.float32, torch.bfloat16
     res: dict[str, list[Any]] = {}
-    record_check(res, "fla_h_f32", lambda: _interp_advance(f32, f32, FLA_CHUNK))
+    # The chunked path runs bf16 models (fla), the row-start path float32 ones (the recurrent kernel for whole rows).
     record_check(res, "fla_h_bf16", lambda: _interp_advance(bf16, f32, FLA_CHUNK))
     record_check(res, "fla_h_bf16_state", lambda: _interp_advance(bf16, bf16, FLA_CHUNK))
     record_check(res, "row_start_f32", lambda: _interp_advance(f32, f32, 0))
-    record_check(res, "row_start_bf16_state", lambda: _interp_advance(f32, bf16, 0))
-    ok, msg = _interp_advance(f32, f32, FLA_CHUNK, shift=1)  # one chunk late: must fail
+    ok, msg = _interp_advance(bf16, f32, FLA_CHUNK, shift=1)  # one chunk late: must fail
     res["fla_h_one_chunk_late_caught"] = [not ok, msg]
     return res
 
@@ -245,8 +245,7 @@ def interpreter_results() -> dict[str, list[Any]]:
     return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
-@pytest.mark.parametrize("name", ["fla_h_f32", "fla_h_bf16", "fla_h_bf16_state", "row_start_f32",
-                                  "row_start_bf16_state", "fla_h_one_chunk_late_caught"])
+@pytest.mark.parametrize("name", ["fla_h_bf16", "fla_h_bf16_state", "row_start_f32", "fla_h_one_chunk_late_caught"])
 def test_cuda_path_snapshot_step_under_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
     ok, msg = interpreter_results[name]
     assert ok, msg
