@@ -288,6 +288,9 @@ class LLMEngine:
         every rank's recurrent layers can, unless ``snapshots_inside_rows`` says otherwise."""
         wanted = self.config.snapshots_inside_rows
         able = all(i.row_snapshots or not i.has_recurrent_state for i in infos)
+        if wanted and self.prefix_cache is None:
+            raise ValueError("snapshots_inside_rows=True (--snapshots-inside-rows) places prefix-cache snapshots, "
+                             "but prefix caching is off: drop it or enable prefix caching")
         if wanted and not able:
             raise ValueError(f"snapshots_inside_rows=True (--snapshots-inside-rows): {self.model_config.architecture} "
                              "has recurrent layers that cannot take a snapshot inside a prefill chunk (Mamba2, PLE); "

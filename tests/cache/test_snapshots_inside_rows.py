@@ -253,3 +253,25 @@ def test_checks_catch_a_wrong_snapshot_inside_a_row(ckpts: CheckpointCache, monk
         except AssertionError:
             failures += 1
     assert (failures > 0) == (sabotage is not None), failures
+
+
+def test_where_a_layer_cannot_chunks_end_at_the_points(ckpts: CheckpointCache) -> None:
+    """A Mamba2 model (Nemotron-H) takes no snapshot inside a row: by default its chunks end at snapshot points,
+    asking for snapshots inside rows is refused with the flag to change, and GDN models take them by default unless
+    turned off."""
+    from hyserve.testing.nemotron_h import NEMOTRON_H
+
+    path = ckpts.get("causal", "mamba_run", family=NEMOTRON_H.name, seed=4)
+    eng = cached(path).llm_engine
+    assert not eng.scheduler.snapshots_inside_rows
+    log = RowLog(eng)
+    drive(eng, {0: [("a", toks(100, 51), greedy(2))]})
+    assert [(a, b) for a, b, _ in log.of("a")][:3] == [(0, 32), (32, 64), (64, 96)]
+    with pytest.raises(ValueError, match="--snapshots-inside-rows"):
+        cached(path, snapshots_inside_rows=True)
+    gdn = ckpts.get()
+    assert cached(gdn).llm_engine.scheduler.snapshots_inside_rows
+    assert not cached(gdn, snapshots_inside_rows=False).llm_engine.scheduler.snapshots_inside_rows
+    assert not cached(gdn, enable_prefix_caching=False).llm_engine.scheduler.snapshots_inside_rows
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        cached(gdn, enable_prefix_caching=False, snapshots_inside_rows=True)
