@@ -292,8 +292,9 @@ class Scheduler:
         sharer is computing too (the first turns of conversations that start with one system prompt, arriving
         together). If that is at least ``SHARE_MIN_TOKENS`` and the sharer can leave a snapshot at ``p`` (nothing it
         has in flight crosses ``p``), the sharer gets ``p`` as a snapshot point, its chunk in this step is cut there
-        if it crosses it, and ``req`` waits: the lookup of a later step hits at ``p``. Returns the budget tokens the
-        cut gave back (0 without a cut), or None when ``req`` should not wait.
+        if it crosses it (with snapshots inside rows: takes it inside instead), and ``req`` waits: the lookup of a
+        later step hits at ``p``. Returns the budget tokens the cut gave back (0 without a cut), or None when ``req``
+        should not wait.
         """
         found = sharers.deepest(req, cached)
         if found is None:
@@ -330,7 +331,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, start: int, budget: int) -> tuple[ScheduledRow, int | None]:
         """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point
-        (returned too: the chunk's end, or None).
+        (returned too: the chunk's end, or None); with snapshots inside rows not cut, the point returned only where
+        the chunk ends on one (the points inside get their entries in ``_on_scheduled``).
 
         A decoding request under speculative decoding is one verify row: its last token and the drafts that fit the
         budget; it is never cut (its snapshot comes from the verified candidate, see ``update_from_output``).
@@ -392,9 +394,10 @@ class Scheduler:
             out.new_requests.append(NewRequestData(req.request_id, req.sampling_params, req.mm, prompt))
         pc = self.prefix_cache
         if pc is not None:
-            # Snapshot entries are reserved now and filled by the worker right after this step's forward. A chunk
-            # of known tokens is cut at its snapshot point, so that point is its end; a verify row or a row of a
-            # token still on the device may cross a block boundary whose prefix is known only from the result.
+            # Snapshot entries are reserved now and filled by the worker during (points inside a chunk) or right
+            # after this step's forward. A chunk of known tokens ends at its snapshot point or takes the points it
+            # crosses inside; a verify row or a row of a token still on the device may cross a block boundary whose
+            # prefix is known only from the result.
             if row.is_verify and row.start_on_device:
                 # The point is known with the start: an entry if the latest start's row reaches a boundary.
                 reach = row.latest_start + row.num_new_tokens
