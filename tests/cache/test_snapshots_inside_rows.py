@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
@@ -275,3 +276,36 @@ def test_where_a_layer_cannot_chunks_end_at_the_points(ckpts: CheckpointCache) -
     assert not cached(gdn, enable_prefix_caching=False).llm_engine.scheduler.snapshots_inside_rows
     with pytest.raises(ValueError, match="prefix caching is off"):
         cached(gdn, enable_prefix_caching=False, snapshots_inside_rows=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_snapshots_inside_rows_match_chunks_ending_there(ckpts: CheckpointCache, dtype: str) -> None:
+    """On the card (bf16: fla's chunked prefill, its per-chunk states through fla-core 0.6.0's stages; float32: the
+    recurrent kernel from each row's start): a 300-token prompt as one row with its points inside, then siblings
+    hitting them (rows of different starts in one step), against the same engine whose chunks end at the points.
+    Log-probs compared up to where the two runs part: within the bf16 rule (one rounding of the state to the model
+    dtype at a 64-token chunk start) or float32's."""
+    path = ckpts.get("conditional", "gdn3_attn1")
+    a = toks(300, 61)
+    prompts = {"a": a, "b": a[:200] + toks(40, 62), "c": a[:130] + toks(70, 63), "d": a[:260] + toks(20, 64)}
+    arrivals = {0: [("a", a, greedy(8))], 12: [(r, prompts[r], greedy(8)) for r in ("b", "c", "d")]}
+    kw: dict[str, object] = dict(device="cuda", dtype=dtype, recurrent_snapshot_interval=64,
+                                 max_num_batched_tokens=512)
+    runs = {}
+    for inside in (True, False):
+        llm = cached(path, snapshots_inside_rows=inside, **kw)
+        log = RowLog(llm.llm_engine)
+        runs[inside] = drive(llm.llm_engine, arrivals)
+        assert prompt_in_one_row(log, "a", 300, [64, 128, 192, 256, 288]) == inside
+        assert [runs[inside][r].num_cached_tokens for r in ("b", "c", "d")] == [192, 128, 256]
+        llm.llm_engine.assert_no_leaks()
+    mean_tol, max_tol = (3e-2, 0.5) if dtype == "bfloat16" else (1e-3, 1e-2)
+    diffs = []
+    for rid in prompts:
+        x, y = runs[True][rid].outputs[0], runs[False][rid].outputs[0]
+        for i, (t, u) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
+            diffs.append(abs(x.logprobs[i][t].logprob - y.logprobs[i][t].logprob) if t == u else max_tol)
+            if t != u:
+                break
+    assert diffs and sum(diffs) / len(diffs) <= mean_tol and max(diffs) <= max_tol, diffs
