@@ -278,6 +278,15 @@ def test_where_a_layer_cannot_chunks_end_at_the_points(ckpts: CheckpointCache) -
         cached(gdn, enable_prefix_caching=False, snapshots_inside_rows=True)
 
 
+def test_the_flag() -> None:
+    from hyserve import cli
+    from hyserve.engine_args import llm_kwargs
+
+    for flags, want in (([], None), (["--snapshots-inside-rows"], True), (["--no-snapshots-inside-rows"], False)):
+        args = cli.build_parser().parse_args(["serve", "m", *flags])
+        assert llm_kwargs(args, "m")["snapshots_inside_rows"] is want
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_snapshots_inside_rows_match_chunks_ending_there(ckpts: CheckpointCache, dtype: str) -> None:
