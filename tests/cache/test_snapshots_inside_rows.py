@@ -1,6 +1,6 @@
-"""Prefix-cache snapshots taken inside prefill rows (GDN models, ``snapshots_inside_rows``): a chunk runs past the
-snapshot points it crosses and every GDN layer writes its state there during the forward; later requests that hit
-those snapshots give transformers' greedy tokens.
+"""Prefix-cache snapshots taken inside prefill rows (GDN and Mamba2 models, ``snapshots_inside_rows``): a chunk runs
+past the snapshot points it crosses and every recurrent layer writes its state there during the forward; later
+requests that hit those snapshots give transformers' greedy tokens.
 
 Checked: one row spans a prompt's interior points (the old behaviour, rows ending at each point, fails the check);
 siblings and multi-turn resumes hit interior snapshots, several rows with different starts in one step; MTP with
@@ -25,7 +25,9 @@ from hyserve.request import Request
 from hyserve.scheduler.output import ScheduledRow, SchedulerOutput
 from hyserve.scheduler.scheduler import Scheduler
 from hyserve.testing.engine import SlotRecorder, assert_matches_reference, drive, make_llm, toks
+from hyserve.testing.falcon_h1 import FALCON_H1
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.nemotron_h import NEMOTRON_H
 from hyserve.testing.speculative import solo_outputs
 
 INTERVAL = 32
@@ -105,6 +107,31 @@ def test_one_row_spans_the_snapshot_points_and_later_requests_hit_them(ckpts: Ch
     assert rec.saw_non_identity()
     m = llm.get_metrics()
     assert m["hyserve:prefix_cache_snapshot_hits"] >= 3
+    eng.assert_no_leaks()
+
+
+@pytest.mark.parametrize("family", [NEMOTRON_H.name, FALCON_H1.name])
+def test_mamba2_families_take_them_too(ckpts: CheckpointCache, family: str) -> None:
+    """Nemotron-H (Mamba2 and attention blocks) and Falcon-H1 (Mamba2 beside attention in every layer): a 150-token
+    prompt as one row with its points inside, then siblings hitting them, against transformers and an uncached
+    run."""
+    falcon = family == FALCON_H1.name
+    kw: dict[str, object] = {"variant": "release"} if falcon else {}
+    path = ckpts.get("causal", "hybrid3" if falcon else "mamba_run", family=family, seed=4, **kw)
+    ref = ckpts.reference(path)
+    a = toks(150, 71)
+    prompts = {"a": a, "b": a[:100] + toks(30, 72), "c": a[:70] + toks(40, 73)}
+    llm = cached(path)
+    eng = llm.llm_engine
+    assert eng.scheduler.snapshots_inside_rows
+    log = RowLog(eng)
+    final = drive(eng, {0: [("a", a, greedy(5))], 8: [("b", prompts["b"], greedy(5)), ("c", prompts["c"], greedy(5))]})
+    assert prompt_in_one_row(log, "a", 150, [32, 64, 96, 128, 144])
+    assert [final[r].num_cached_tokens for r in ("b", "c")] == [96, 64]
+    want = solo_outputs(path, prompts, 5)
+    for rid, p in prompts.items():
+        assert final[rid].outputs[0].token_ids == want[rid], rid
+        assert_matches_reference(ref, p, final[rid])
     eng.assert_no_leaks()
 
 
@@ -257,13 +284,13 @@ def test_checks_catch_a_wrong_snapshot_inside_a_row(ckpts: CheckpointCache, monk
 
 
 def test_where_a_layer_cannot_chunks_end_at_the_points(ckpts: CheckpointCache) -> None:
-    """A Mamba2 model (Nemotron-H) takes no snapshot inside a row: by default its chunks end at snapshot points,
-    asking for snapshots inside rows is refused with the flag to change, and GDN models take them by default unless
-    turned off."""
-    from hyserve.testing.nemotron_h import NEMOTRON_H
+    """Qwen4-Exp's PLE layers take no snapshot inside a row: by default its chunks end at snapshot points, asking for
+    snapshots inside rows is refused with the flag to change, and GDN models take them by default unless turned
+    off (or without prefix caching, where asking is refused)."""
+    from hyserve.testing.qwen4_exp import QWEN4_EXP
 
-    path = ckpts.get("causal", "mamba_run", family=NEMOTRON_H.name, seed=4)
-    eng = cached(path).llm_engine
+    path = ckpts.get("causal", "gdn3_attn1", family=QWEN4_EXP.name)
+    eng = cached(path, max_num_batched_tokens=64).llm_engine
     assert not eng.scheduler.snapshots_inside_rows
     log = RowLog(eng)
     drive(eng, {0: [("a", toks(100, 51), greedy(2))]})

@@ -28,6 +28,8 @@ import torch
 
 from hyserve.kernels.conv import snapshot_conv_windows
 from hyserve.kernels.gdn import FLA_CHUNK, advance_snapshots, gdn_forward
+from hyserve.kernels.mamba2 import advance_snapshots as mamba2_advance_snapshots
+from hyserve.kernels.mamba2 import mamba2_scan
 from hyserve.model.metadata import RowSnapshots
 from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter, record_check
 
@@ -62,7 +64,7 @@ def _problem(dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 3, device
 def _snapshots(p: dict[str, Any], snaps: list[tuple[int, int]] = SNAPS) -> RowSnapshots:
     slots = p["slots"].tolist()
     return RowSnapshots.build([r for r, _ in snaps], [o for _, o in snaps], p["entries"][: len(snaps)],
-                              [slots[r] for r, _ in snaps], LENS, p["q"].device)
+                              [slots[r] for r, _ in snaps], LENS, p["slots"].device)
 
 
 def _hf(name: str) -> Any:
@@ -181,6 +183,94 @@ def test_tails_follow_fla_chunk_layout() -> None:
     assert t0.tokens[:1].tolist() == [0] and snaps.ends.tolist()[4] == 75 + 64
 
 
+# ---------------------------------------------------------------------------------------------- Mamba2
+
+MH, MP, MN, MG = 4, 8, 16, 2
+DT_LIMIT = (0.0, float("inf"))
+
+
+def _m_problem(dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 5, device: str = "cpu") -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(LENS)
+    p = {
+        "x": torch.randn(t, MH, MP, generator=gen).to(dtype), "dt": (torch.randn(t, MH, generator=gen) * 0.5).to(dtype),
+        "A_log": (torch.rand(MH, generator=gen) * 0.5).to(dtype), "B": torch.randn(t, MG, MN, generator=gen).to(dtype),
+        "C": torch.randn(t, MG, MN, generator=gen).to(dtype), "D": torch.randn(MH, generator=gen).to(dtype),
+        "dt_bias": (torch.randn(MH, generator=gen) * 0.1).to(dtype),
+        "ssm_state": (torch.randn(POOL, MH, MP, MN, generator=gen) * 0.2).to(state_dtype),
+        "qsl": torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32),
+        "slots": torch.tensor([11, 3, 20, 7, 15]), "entries": [22, 0, 19, 5, 9, 2, 17, 13, 23],
+    }
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+
+
+def mamba2_scratch_states(p: dict[str, Any], state0: torch.Tensor, snaps: list[tuple[int, int]] = SNAPS
+                          ) -> dict[tuple[int, int], torch.Tensor]:
+    """Each snapshot's state from scratch, token by token from Mamba2's rule (float32): S = exp(dt A) S + dt x B^T
+    with dt = softplus(dt + dt_bias), head h reading group h // (H / G)."""
+    qsl = p["qsl"].tolist()
+    a = -torch.exp(p["A_log"].float().cpu())
+    out = {}
+    for r, off in snaps:
+        s = state0[int(p["slots"][r])].float().cpu().clone()
+        for t in range(qsl[r], qsl[r] + off):
+            step = torch.nn.functional.softplus(p["dt"][t].float().cpu() + p["dt_bias"].float().cpu())
+            for h in range(MH):
+                b = p["B"][t, h // (MH // MG)].float().cpu()
+                s[h] = torch.exp(step[h] * a[h]) * s[h] + step[h] * torch.outer(p["x"][t, h].float().cpu(), b)
+        out[(r, off)] = s
+    return out
+
+
+def _mamba2_call(p: dict[str, Any], snaps: RowSnapshots | None, pool: torch.Tensor | None = None,
+                 qsl_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    return mamba2_scan(p["x"], p["dt"], p["A_log"], p["B"], p["C"], p["D"], p["dt_bias"], DT_LIMIT,
+                       p["ssm_state"] if pool is None else pool, p["slots"], p["qsl"], max(LENS),
+                       query_start_loc_cpu=qsl_cpu, snapshots=snaps)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("late", [False, True], ids=["intact", "one_token_late"])
+def test_mamba2_reference_writes_the_state_at_each_interior_position(state_dtype: torch.dtype, late: bool) -> None:
+    p = _m_problem(torch.float32, state_dtype)
+    want = mamba2_scratch_states(p, p["ssm_state"].clone())
+    plain = p["ssm_state"].clone()
+    snaps = [(r, min(o + 1, LENS[r] - 1)) for r, o in SNAPS] if late else SNAPS
+    out = _mamba2_call(p, _snapshots(p, snaps))
+    out_plain = _mamba2_call(p, None, plain)
+    tol = 1e-5 if state_dtype == torch.float32 else 8e-3
+    ok, msg = check_states(p["ssm_state"], p, want, tol)
+    assert ok != late, msg
+    assert torch.equal(out, out_plain)
+    others = [i for i in range(POOL) if i not in p["entries"][: len(SNAPS)]]
+    assert torch.equal(p["ssm_state"][others], plain[others])
+
+
+def _interp_mamba2_advance(dtype: torch.dtype, state_dtype: torch.dtype, chunk: int, shift: int = 0
+                           ) -> tuple[bool, str]:
+    """Mamba2's CUDA snapshot step on the CPU: fla's ``h`` (state before every 64-token chunk of each row, rows back
+    to back, the pool's (P, N) layout, in the model dtype) from the independent rule, or the rows' starting states,
+    advanced by the recurrent Triton kernel over the tails."""
+    p = _m_problem(dtype, state_dtype)
+    state0 = p["ssm_state"].clone()
+    snap_list = SNAPS if chunk else [s for s in SNAPS if s[1] < 70]
+    want = mamba2_scratch_states(p, state0, snap_list)
+    snaps = _snapshots(p, snap_list)
+    if chunk:
+        starts = [(r, c) for r, n in enumerate(LENS) for c in range(0, n, chunk)]
+        at = mamba2_scratch_states(p, state0, [(r, c) for r, c in starts if c]) if len(starts) else {}
+        h = torch.stack([(state0[int(p["slots"][r])].float() if c == 0 else at[(r, c)]).to(dtype)
+                         for r, c in starts])
+        index = (snaps.tails(chunk).chunk_index + shift).clamp(max=h.shape[0] - 1)
+        base = h.index_select(0, index).float()
+    else:
+        base = state0.index_select(0, snaps.slots).float()
+    mamba2_advance_snapshots(p["x"], p["dt"], p["A_log"], p["B"], p["C"], p["D"], p["dt_bias"], DT_LIMIT, base,
+                             snaps, chunk, p["ssm_state"])
+    tol = 1e-4 if dtype == torch.float32 and state_dtype == torch.float32 else 2e-2
+    return check_states(p["ssm_state"], p, want, tol, snap_list)
+
+
 # ---------------------------------------------------------------------------------------------- CUDA path, emulated
 
 
@@ -236,6 +326,10 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "row_start_f32", lambda: _interp_advance(f32, f32, 0))
     ok, msg = _interp_advance(bf16, f32, FLA_CHUNK, shift=1)  # one chunk late: must fail
     res["fla_h_one_chunk_late_caught"] = [not ok, msg]
+    record_check(res, "mamba2_fla_h_bf16", lambda: _interp_mamba2_advance(bf16, f32, FLA_CHUNK))
+    record_check(res, "mamba2_row_start_f32", lambda: _interp_mamba2_advance(f32, f32, 0))
+    ok, msg = _interp_mamba2_advance(bf16, f32, FLA_CHUNK, shift=1)
+    res["mamba2_fla_h_one_chunk_late_caught"] = [not ok, msg]
     return res
 
 
@@ -245,7 +339,8 @@ def interpreter_results() -> dict[str, list[Any]]:
     return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
-@pytest.mark.parametrize("name", ["fla_h_bf16", "fla_h_bf16_state", "row_start_f32", "fla_h_one_chunk_late_caught"])
+@pytest.mark.parametrize("name", ["fla_h_bf16", "fla_h_bf16_state", "row_start_f32", "fla_h_one_chunk_late_caught",
+                                  "mamba2_fla_h_bf16", "mamba2_row_start_f32", "mamba2_fla_h_one_chunk_late_caught"])
 def test_cuda_path_snapshot_step_under_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
     ok, msg = interpreter_results[name]
     assert ok, msg
@@ -277,6 +372,29 @@ def test_cuda_snapshots_inside_rows_match_from_scratch(dtype: torch.dtype, state
     ok, msg = check_states(p["ssm_state"], p, want, tol)
     assert ok, msg
     assert torch.allclose(out.float(), out_plain.float(), atol=1e-2, rtol=1e-2)
+    rows = p["slots"].tolist()
+    assert torch.allclose(p["ssm_state"][rows].float(), plain[rows].float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("dtype", "state_dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
+def test_cuda_mamba2_snapshots_inside_rows_match_from_scratch(dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+    """Mamba2 on the card: bf16 rows through fla's ``chunk_simple_gla`` stages (fla-core 0.6.0), float32 rows the
+    recurrent kernel; every snapshot against the rule from scratch, outputs and final states against the path
+    without snapshots."""
+    if dtype == torch.bfloat16:
+        pytest.importorskip("fla")
+    p = _m_problem(dtype, state_dtype, device="cuda")
+    want = mamba2_scratch_states(p, p["ssm_state"].clone())
+    plain = p["ssm_state"].clone()
+    qsl_cpu = p["qsl"].cpu()
+    out = _mamba2_call(p, _snapshots(p), qsl_cpu=qsl_cpu)
+    out_plain = _mamba2_call(p, None, plain, qsl_cpu)
+    torch.cuda.synchronize()
+    tol = 1e-4 if dtype == torch.float32 else 2.5e-2
+    ok, msg = check_states(p["ssm_state"], p, want, tol)
+    assert ok, msg
+    assert torch.allclose(out, out_plain, atol=1e-2, rtol=1e-2)
     rows = p["slots"].tolist()
     assert torch.allclose(p["ssm_state"][rows].float(), plain[rows].float(), atol=1e-3, rtol=1e-3)
 
