@@ -145,7 +145,7 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
     p.add_argument("--snapshots-inside-rows", action=argparse.BooleanOptionalAction, default=None,
                    help="prefix caching: take recurrent snapshots inside prefill chunks instead of ending chunks at "
-                        "snapshot points (default: where every recurrent layer can: GDN models)")
+                        "snapshot points (default: where every recurrent layer can: GDN and Mamba2 models)")
     p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help="speculative decoding, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}', or "
                         "dotted: --speculative-config.method mtp (default: none)")

@@ -293,7 +293,7 @@ class LLMEngine:
                              "but prefix caching is off: drop it or enable prefix caching")
         if wanted and not able:
             raise ValueError(f"snapshots_inside_rows=True (--snapshots-inside-rows): {self.model_config.architecture} "
-                             "has recurrent layers that cannot take a snapshot inside a prefill chunk (Mamba2, PLE); "
+                             "has recurrent layers that cannot take a snapshot inside a prefill chunk (PLE); "
                              "unset it (chunks then end at snapshot points)")
         return self.prefix_cache is not None and able and wanted is not False
 

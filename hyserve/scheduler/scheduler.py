@@ -15,11 +15,11 @@ of blocks that only held rejected drafts), nowhere else.
 
 With prefix caching, admission first looks the request up (``PrefixCache.lookup``): a hit of L tokens gives it the
 cached KV blocks of [0, L) and a snapshot to copy into its slot, and it starts computing at L. Where every recurrent
-layer can take a snapshot inside a prefill row (``snapshots_inside_rows``: the GDN families), a chunk runs past the
-snapshot points it crosses and each gets an entry that the layers fill from the state their prefill computes there
-(``ScheduledRow.interior_snapshots``); otherwise chunks are split so that every snapshot point of a request falls on
-the end of a chunk. Either way the snapshot's entry is reserved when the step is scheduled and published when its
-result is in.
+layer can take a snapshot inside a prefill row (``snapshots_inside_rows``: the GDN and Mamba2 families), a chunk runs
+past the snapshot points it crosses and each gets an entry that the layers fill from the state their prefill computes
+there (``ScheduledRow.interior_snapshots``); otherwise chunks are split so that every snapshot point of a request
+falls on the end of a chunk. Either way the snapshot's entry is reserved when the step is scheduled and published
+when its result is in.
 
 Prefix sharing among requests that arrive together. A waiting request whose prefix a running request is still
 computing (the first turns of conversations that share one system prompt) is not admitted alongside it to compute

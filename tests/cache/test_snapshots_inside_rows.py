@@ -20,6 +20,7 @@ import torch
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.layers import gdn as gdn_layer
+from hyserve.layers import mamba2 as mamba2_layer
 from hyserve.model.metadata import RowSnapshots
 from hyserve.request import Request
 from hyserve.scheduler.output import ScheduledRow, SchedulerOutput
@@ -229,19 +230,28 @@ def test_an_aborted_requests_late_result_publishes_nothing(ckpts: CheckpointCach
 # ---------------------------------------------------------------------------------------------- sabotages
 
 
+def _one_token_late(snaps: RowSnapshots) -> RowSnapshots:
+    shifted = [min(o + 1, snaps.row_lens[r] - 1) for r, o in zip(snaps.rows, snaps.offsets, strict=True)]
+    return RowSnapshots.build(snaps.rows, shifted, snaps.entries.tolist(), snaps.slots.tolist(), snaps.row_lens,
+                              snaps.entries.device)
+
+
 def _late_ssm_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sabotage: every GDN layer takes the SSM state of a snapshot inside a row one token late."""
-    original = gdn_layer.gdn_forward
+    """Sabotage: every GDN and Mamba2 layer takes the SSM state of a snapshot inside a row one token late."""
+    gdn_forward, mamba2_scan = gdn_layer.gdn_forward, mamba2_layer.mamba2_scan
 
-    def late(*args: Any) -> Any:
-        snaps = args[10] if len(args) > 10 else None
-        if isinstance(snaps, RowSnapshots):
-            shifted = [min(o + 1, snaps.row_lens[r] - 1) for r, o in zip(snaps.rows, snaps.offsets, strict=True)]
-            args = (*args[:10], RowSnapshots.build(snaps.rows, shifted, snaps.entries.tolist(), snaps.slots.tolist(),
-                                                   snaps.row_lens, snaps.entries.device))
-        return original(*args)
+    def gdn_late(*args: Any) -> Any:
+        if len(args) > 10 and isinstance(args[10], RowSnapshots):
+            args = (*args[:10], _one_token_late(args[10]))
+        return gdn_forward(*args)
 
-    monkeypatch.setattr(gdn_layer, "gdn_forward", late)
+    def mamba2_late(*args: Any, **kw: Any) -> Any:
+        if isinstance(kw.get("snapshots"), RowSnapshots):
+            kw["snapshots"] = _one_token_late(kw["snapshots"])
+        return mamba2_scan(*args, **kw)
+
+    monkeypatch.setattr(gdn_layer, "gdn_forward", gdn_late)
+    monkeypatch.setattr(mamba2_layer, "mamba2_scan", mamba2_late)
 
 
 def _shifted_conv_windows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,18 +262,22 @@ def _shifted_conv_windows(monkeypatch: pytest.MonkeyPatch) -> None:
         original(x, conv_state, slots, ends + 1, offsets + 1, entries)
 
     monkeypatch.setattr(gdn_layer, "snapshot_conv_windows", shifted)
+    monkeypatch.setattr(mamba2_layer, "snapshot_conv_windows", shifted)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", NEMOTRON_H.name])
 @pytest.mark.parametrize("sabotage", [None, _late_ssm_snapshots, _shifted_conv_windows],
                          ids=["intact", "ssm_one_token_late", "conv_window_shifted"])
 def test_checks_catch_a_wrong_snapshot_inside_a_row(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
-                                                    sabotage: Callable[[pytest.MonkeyPatch], None] | None) -> None:
+                                                    sabotage: Callable[[pytest.MonkeyPatch], None] | None,
+                                                    family: str) -> None:
     """Siblings hit snapshots their first computed inside its row (prompt 120: points 32 .. 112 inside, not at the
     row's end); each sibling's logprobs are checked against transformers. Intact every check passes; with either
-    sabotage some hitting sibling's check fails."""
+    sabotage some hitting sibling's check fails (GDN and Mamba2 layers alike)."""
     if sabotage is not None:
         sabotage(monkeypatch)
-    path = ckpts.get("conditional", "gdn3_attn1")
+    path = ckpts.get("conditional", "gdn3_attn1") if family == "qwen3_5" else \
+        ckpts.get("causal", "mamba_run", family=family, seed=4)
     ref = ckpts.reference(path)
     base = toks(120, 41)
     prompts = {"s1": base[:40] + toks(9, 42), "s2": base[:70] + toks(7, 43), "s3": base[:100] + toks(11, 44)}
