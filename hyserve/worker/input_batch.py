@@ -61,9 +61,8 @@ class FilledStep:
     drafts_fed: list[tuple[int, int]] = field(default_factory=list)  # (token index, flat draft_slots index)
     mm_rows: list[ImageRow] = field(default_factory=list)
     behind: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first token, slot): start on device
-    # Snapshots inside prefill rows: (prefill row, offset, entry, slot), and every prefill row's length.
+    # Snapshots inside prefill rows: (prefill row, i.e. row index after the verify rows, offset, entry, slot).
     row_snaps: list[tuple[int, int, int, int]] = field(default_factory=list)
-    prefill_lens: list[int] = field(default_factory=list)
 
 
 class InputBatch:
@@ -184,10 +183,10 @@ class InputBatch:
                     step.prev.append((t, self.prev_rows[row.req_id]))
             else:
                 nb["input_ids"][t : t + n] = ids
-            if not row.is_verify:
-                j = len(step.prefill_lens)
-                step.prefill_lens.append(n)
-                step.row_snaps.extend((j, p - start, entry, row.state_slot) for p, entry in row.interior_snapshots)
+            if row.interior_snapshots:
+                assert not row.is_verify, "a verify row takes its snapshot from a candidate"
+                step.row_snaps.extend((i - step.num_verify, p - start, entry, row.state_slot)
+                                      for p, entry in row.interior_snapshots)
             table = row.block_table
             if row.start_on_device:
                 pass  # positions, KV slots and context length: set from the start on the device
@@ -249,8 +248,9 @@ class InputBatch:
         if step.row_snaps:
             assert not step.padded, "a step with snapshots inside its rows runs eagerly"
             snaps = step.row_snaps
+            prefill_lens = np.diff(self.np_bufs["query_start_loc"][num_verify : r + 1]).tolist()
             meta.row_snapshots = RowSnapshots.build([x[0] for x in snaps], [x[1] for x in snaps],
-                                                    [x[2] for x in snaps], [x[3] for x in snaps], step.prefill_lens,
+                                                    [x[2] for x in snaps], [x[3] for x in snaps], prefill_lens,
                                                     self.device)
         return meta
 
