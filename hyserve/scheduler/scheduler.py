@@ -415,7 +415,7 @@ class Scheduler:
                 if row.end % pc.block_size == 0:
                     row.snapshot_entry = pc.reserve_entry()
             else:
-                if self.snapshots_inside_rows:
+                if self.snapshots_inside_rows and row.num_new_tokens > 1:  # (a decode row has no inside)
                     for p in pc.snapshot_points(req, row.start, row.end - 1):
                         entry = pc.reserve_snapshot(req, p)
                         if entry is not None:
