@@ -81,14 +81,15 @@ def scratch_states(p: dict[str, Any], state0: torch.Tensor, chunked: bool = Fals
     fn = _hf("torch_chunk_gated_delta_rule" if chunked else "torch_recurrent_gated_delta_rule")
     qsl = p["qsl"].tolist()
     grp = HV // HK
+    cpu = {name: p[name].float().cpu() for name in ("q", "k", "v", "g", "beta")}
     out = {}
     for r, off in SNAPS:
         a = qsl[r]
-        q = p["q"][a : a + off].float().repeat_interleave(grp, dim=1)
-        k = p["k"][a : a + off].float().repeat_interleave(grp, dim=1)
+        q = cpu["q"][a : a + off].repeat_interleave(grp, dim=1)
+        k = cpu["k"][a : a + off].repeat_interleave(grp, dim=1)
         slot = int(p["slots"][r])
-        _, final = fn(q[None], k[None], p["v"][None, a : a + off].float(), g=p["g"][None, a : a + off].float(),
-                      beta=p["beta"][None, a : a + off].float(), initial_state=state0[slot : slot + 1].float().cpu(),
+        _, final = fn(q[None], k[None], cpu["v"][None, a : a + off], g=cpu["g"][None, a : a + off],
+                      beta=cpu["beta"][None, a : a + off], initial_state=state0[slot : slot + 1].float().cpu(),
                       output_final_state=True, use_qk_l2norm_in_kernel=True)
         out[(r, off)] = final[0]
     return out
