@@ -251,6 +251,11 @@ class EngineConfig:
     recurrent_snapshot_interval: int = 2048
     snapshot_memory_fraction: float = 0.2
     num_snapshot_slots: int | None = None
+    # Snapshots at points inside a prefill chunk are written from the state the prefill computes there, so chunks
+    # need not end at snapshot points. None: where every recurrent layer can (GDN and Mamba2 models; Qwen4-Exp's
+    # PLE layers cannot yet), else chunks end at snapshot points; True: required (refused at startup where a layer
+    # cannot); False: chunks end at snapshot points.
+    snapshots_inside_rows: bool | None = None
     # CUDA graphs for decode steps (CUDA only): off with enforce_eager; the padded batch sizes to capture
     # (default: hyserve.worker.cuda_graphs.DEFAULT_CAPTURE_SIZES up to max_num_seqs).
     enforce_eager: bool = False

@@ -143,6 +143,9 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="prefix caching: also snapshot recurrent state every N tokens (default: 2048)")
     p.add_argument("--snapshot-memory-fraction", type=float, default=0.2,
                    help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
+    p.add_argument("--snapshots-inside-rows", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefix caching: take recurrent snapshots inside prefill chunks instead of ending chunks at "
+                        "snapshot points (default: where every recurrent layer can: GDN and Mamba2 models)")
     p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help="speculative decoding, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}', or "
                         "dotted: --speculative-config.method mtp (default: none)")
@@ -464,6 +467,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
         pp_layer_partition=pp_partition(args.pp_layer_partition, args.pipeline_parallel_size, model),
         recurrent_snapshot_interval=args.recurrent_snapshot_interval,
         snapshot_memory_fraction=args.snapshot_memory_fraction,
+        snapshots_inside_rows=args.snapshots_inside_rows,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,
         cuda_graph_sizes=args.cuda_graph_sizes, cpu_cache_memory_bytes=args.cpu_cache_memory,

@@ -40,6 +40,8 @@ class CacheInfo:
     # Sets of verify scratch (k + 1 candidate states per sequence) the worker keeps: more than one on a pipeline
     # stage that commits a verify step only when its accepted counts come back (hyserve.worker.pipeline_stage).
     verify_scratch_sets: int = 1
+    # Every recurrent layer takes prefix-cache snapshots inside prefill rows (RecurrentLayer.supports_row_snapshots).
+    row_snapshots: bool = False
 
 
 def cache_memory_flag(device_type: str) -> str:

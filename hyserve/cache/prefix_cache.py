@@ -30,7 +30,9 @@ boundary share one block less.
 
 Correctness rests on three rules, each enforced in one place here:
 * A snapshot is copied out of a request's slot (or verified candidate) only right after the forward of the step that
-  brought the state to the snapshot's position, into an entry reserved when that step was scheduled; it is
+  brought the state to the snapshot's position, or written by the recurrent layers during that forward at a point
+  inside a prefill row (``snapshot_points``: a chunk need not end there where the layers can), into an entry
+  reserved when that step was scheduled; it is
   published only when that step's result is in (``commit_snapshot``), so any step that copies it in runs after the
   copy out; nothing reads a snapshot in the step that writes it.
 * Only computed, verified tokens are published (invariant 3): a block when all its tokens are computed, a snapshot
@@ -202,13 +204,17 @@ class PrefixCache:
 
     def next_snapshot_point(self, req: Request, start: int, end: int) -> int | None:
         """The first snapshot position in (start, end] for a chunk of ``req``, or None (only keyable positions)."""
+        points = self.snapshot_points(req, start, end)
+        return points[0] if points else None
+
+    def snapshot_points(self, req: Request, start: int, end: int) -> list[int]:
+        """Every snapshot position in (start, end] for a chunk of ``req``, ascending (only keyable positions): the
+        interval points, the end of the prompt, its share points and the points before its images."""
         bs = self.block_size
         limit = min(end, self.keyable_tokens(req))
-        points = [(self.keyable_tokens(req) // bs) * bs, (start // self.interval + 1) * self.interval]
-        points.extend(req.share_points)
-        points.extend(image_points(req, bs))
-        inside = [p for p in points if start < p <= limit]
-        return min(inside) if inside else None
+        points = {(self.keyable_tokens(req) // bs) * bs, *req.share_points, *image_points(req, bs)}
+        points.update(range((start // self.interval + 1) * self.interval, limit + 1, self.interval))
+        return sorted(p for p in points if start < p <= limit)
 
     # ------------------------------------------------------------------ publish
 

@@ -14,7 +14,9 @@ This module is where four of the state-ownership invariants of docs/design.md li
     nothing ever reads it back.
 12. Entries after it are prefix-cache snapshots (``snapshot_entry(i)``), owned by ``prefix_cache.PrefixCache``. A
     snapshot is only ever written by one copy from a request slot, right after the step that brought that slot to
-    the snapshot's position, and only read by copies into request slots; no kernel addresses it.
+    the snapshot's position, or (a point inside a prefill row) by the recurrent layers during that step's forward
+    from the state they compute there (``StepMetadata.row_snapshots``); it is only read by copies into request
+    slots; no kernel reads it.
 
 Layout: per recurrent layer ``i``, one tensor per ``StateTensorSpec`` the layer declared (``hyserve.cache.specs``),
 (num_slots + 1 + num_snapshots, *spec.shape) in the spec's dtype; ``layers[i][name]``. The pool never interprets a

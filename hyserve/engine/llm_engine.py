@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hyserve.cache.block_pool import BlockPool
-from hyserve.cache.planner import cache_memory_flag, plan_caches_for_ranks
+from hyserve.cache.planner import CacheInfo, cache_memory_flag, plan_caches_for_ranks
 from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.cache.state_slots import StateSlots
 from hyserve.config import (
@@ -143,6 +143,7 @@ class LLMEngine:
                                             config.recurrent_snapshot_interval,
                                             has_recurrent_state=has_state,
                                             lookahead=1 if self.use_mtp else 0)
+        self.snapshots_inside_rows = self._resolve_snapshots_inside_rows(infos)
         self.drafts: DraftManager | None = None
         if self.spec_config is not None:
             self.drafts = DraftManager(self.spec_config)
@@ -150,7 +151,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.max_num_seqs, self.max_num_batched_tokens, self.block_pool,
                                    self.state_slots, self.max_model_len, self.prefix_cache, self.drafts,
                                    banned_token_ids=functools.partial(banned_token_ids, self.output_processor),
-                                   pipeline_parallel_size=pp,
+                                   pipeline_parallel_size=pp, snapshots_inside_rows=self.snapshots_inside_rows,
                                    # One rank keeps each request's last token and drafts on the device, where a
                                    # verify row scheduled behind another reads them.
                                    async_verify=self.async_scheduling and self.use_mtp
@@ -281,6 +282,20 @@ class LLMEngine:
             logger.warning("no tokenizer.json in %s: only token-id prompts are accepted and no text is returned",
                            model_dir)
             return None
+
+    def _resolve_snapshots_inside_rows(self, infos: list[CacheInfo]) -> bool:
+        """Whether chunks run past snapshot points (the recurrent layers write the snapshots inside them): where
+        every rank's recurrent layers can, unless ``snapshots_inside_rows`` says otherwise."""
+        wanted = self.config.snapshots_inside_rows
+        able = all(i.row_snapshots or not i.has_recurrent_state for i in infos)
+        if wanted and self.prefix_cache is None:
+            raise ValueError("snapshots_inside_rows=True (--snapshots-inside-rows) places prefix-cache snapshots, "
+                             "but prefix caching is off: drop it or enable prefix caching")
+        if wanted and not able:
+            raise ValueError(f"snapshots_inside_rows=True (--snapshots-inside-rows): {self.model_config.architecture} "
+                             "has recurrent layers that cannot take a snapshot inside a prefill chunk (PLE); "
+                             "unset it (chunks then end at snapshot points)")
+        return self.prefix_cache is not None and able and wanted is not False
 
     def _resolve_max_model_len(self) -> int:
         capacity = self.block_pool.num_usable_blocks * self.config.block_size

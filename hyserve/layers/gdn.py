@@ -18,7 +18,7 @@ from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward
 from hyserve.kernels.commit import commit_verified
-from hyserve.kernels.conv import causal_conv1d_verify
+from hyserve.kernels.conv import causal_conv1d_verify, snapshot_conv_windows
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_verify
@@ -53,7 +53,11 @@ class GDNConfig(Protocol):
 
 class GatedDeltaNet(RecurrentLayer):
     """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm.
-    ``prefix``: the module's name (``model.layers.0.linear_attn``), which names its projections for quantization."""
+    ``prefix``: the module's name (``model.layers.0.linear_attn``), which names its projections for quantization.
+    Takes prefix-cache snapshots inside prefill rows (``StepMetadata.row_snapshots``): the conv window from the
+    step's pre-conv inputs, the SSM state from the delta rule's own pass (``hyserve.kernels.gdn``)."""
+
+    supports_row_snapshots = True
 
     def __init__(self, cfg: GDNConfig, prefix: str) -> None:
         super().__init__()
@@ -169,6 +173,10 @@ class GatedDeltaNet(RecurrentLayer):
                                    self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
                                    meta.query_start_loc, self.num_k_heads, self.arrivals)
             return self.out_proj(out)
+        snaps = meta.row_snapshots
+        if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
+            rest = mixed_in if vm is None else mixed_in[vm.num_tokens :]
+            snapshot_conv_windows(rest, self.conv_state, snaps.slots, snaps.ends, snaps.offsets_t, snaps.entries)
         if vm is None:
             mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
                                          meta.max_query_len)
@@ -188,7 +196,7 @@ class GatedDeltaNet(RecurrentLayer):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         if vm is None:
             out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
-                              meta.max_query_len, meta.query_start_loc_cpu)
+                              meta.max_query_len, meta.query_start_loc_cpu, snaps)
         else:
             assert self.ssm_scratch is not None, "verify scratch not bound"
             tv = vm.num_tokens
@@ -197,7 +205,7 @@ class GatedDeltaNet(RecurrentLayer):
             if tv < t:
                 outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
                                         vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
-                                        vm.rest_query_start_loc_cpu))
+                                        vm.rest_query_start_loc_cpu, snaps))
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(t, self.value_dim))

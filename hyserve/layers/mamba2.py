@@ -41,7 +41,7 @@ from torch import nn
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
-from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify
+from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify, snapshot_conv_windows
 from hyserve.kernels.mamba2 import mamba2_scan
 from hyserve.kernels.norm import gated_sum_squares, grouped_gated_rms_norm, silu_gate
 from hyserve.layers.linear import Linear, RowParallelLinear
@@ -138,7 +138,11 @@ class Mamba2Mixer(RecurrentLayer):
     the input projection's output segments; ``gated_norm=False`` gates without a norm (no ``norm`` weight);
     ``norm_before_gate`` orders the gated norm; ``out_proj_bias`` (default: ``cfg.use_bias``) the output bias.
     ``norm_group_size``: the gated norm's group width, by default one group per B/C group (Nemotron-H's
-    ``inner / n_groups``; Granite-4.0-H normalises the whole width at once)."""
+    ``inner / n_groups``; Granite-4.0-H normalises the whole width at once). Takes prefix-cache snapshots inside
+    prefill rows (``StepMetadata.row_snapshots``): the conv window from the step's pre-conv inputs, the SSM state
+    from the scan's own pass (``hyserve.kernels.mamba2``)."""
+
+    supports_row_snapshots = True
 
     def __init__(self, cfg: Mamba2Config, prefix: str, *, in_multiplier: float = 1.0,
                  segment_multipliers: tuple[float, ...] | None = None, gated_norm: bool = True,
@@ -259,11 +263,15 @@ class Mamba2Mixer(RecurrentLayer):
         y = None if len(parts) == 1 else torch.empty((t, self.num_heads, self.head_dim), dtype=torch.float32,
                                                       device=x.device)
         for lo, hi, slots, qsl, longest, verify, qsl_cpu in parts:
+            snaps = None if verify else meta.row_snapshots  # (the prefill rows' part)
             if verify:
                 assert self.verify_scratch is not None, "verify scratch not bound"
                 mixed = causal_conv1d_verify(xbc[lo:hi], weight, conv_state, slots, qsl,
                                              self.verify_scratch["conv_state"], longest, bias)
             else:
+                if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
+                    snapshot_conv_windows(xbc[lo:hi], conv_state, snaps.slots, snaps.ends, snaps.offsets_t,
+                                          snaps.entries)
                 mixed = causal_conv1d_varlen(xbc[lo:hi], weight, conv_state, slots, qsl, longest, bias)
             m = hi - lo
             xs, bs, cs = mixed.split([self.intermediate, self.n_groups * self.state_size,
@@ -273,7 +281,7 @@ class Mamba2Mixer(RecurrentLayer):
                                cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
                                ssm_state, slots, qsl, longest,
                                self.verify_scratch["ssm_state"] if verify and self.verify_scratch else None,
-                               query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi])
+                               query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi], snapshots=snaps)
             y = part if y is None else y
         assert y is not None
         return self.out_proj(self.gate(y.reshape(t, self.intermediate), z, x.dtype))

@@ -89,7 +89,12 @@ class RecurrentLayer(nn.Module):
 
     ``state[name]``: (pool entries, *shape) for each tensor of ``cache_spec``; ``verify_scratch[name]``:
     (verify rows, k + 1, *shape), the candidate state after each verified position (speculative decoding only).
+    ``supports_row_snapshots``: the layer writes every tensor of its state at the positions of
+    ``StepMetadata.row_snapshots`` during its forward (prefix-cache snapshots inside prefill rows); where a layer of
+    the model does not, the scheduler ends rows at snapshot points instead.
     """
+
+    supports_row_snapshots = False
 
     def __init__(self) -> None:
         super().__init__()

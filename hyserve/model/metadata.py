@@ -13,9 +13,12 @@ a row's position (invariant 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
+
+from hyserve.utils import device_tensor
 
 
 @dataclass(slots=True)
@@ -38,6 +41,78 @@ class VerifyMetadata:
 
 
 @dataclass(slots=True)
+class SnapshotTails:
+    """The tokens a snapshot inside a row is advanced over from the nearest state a chunked kernel kept (see
+    ``RowSnapshots.tails``): snapshot i's tokens are ``tokens[query_start_loc[i] : query_start_loc[i + 1]]``."""
+
+    tokens: torch.Tensor  # (m,) int64 indices into the prefill rows' tokens
+    query_start_loc: torch.Tensor  # (n + 1,) int32
+    max_len: int
+    # Per snapshot, the index of its starting state among a chunked kernel's per-chunk states (fla's ``h``: the
+    # rows' chunks back to back, chunk j of a row holding the state before its token j * chunk).
+    chunk_index: torch.Tensor  # (n,) int64
+
+
+@dataclass(slots=True)
+class RowSnapshots:
+    """Prefix-cache snapshots taken inside prefill rows (docs/design.md invariant 12): snapshot i is the state of
+    prefill row ``rows[i]`` after its first ``offsets[i]`` tokens (0 < offset < the row's length), written by every
+    recurrent layer into pool entry ``entries[i]`` during its forward: the conv window of the ``K - 1`` inputs
+    before that position (part from the slot's window before the row where the offset is short) and the SSM state
+    there. Rows and token indices count the step's prefill rows only (the rows after its verify rows, those whose
+    state is advanced in place). The row's own slot still ends at the row's end."""
+
+    rows: list[int]
+    offsets: list[int]
+    row_lens: list[int]  # every prefill row's token count (the chunk layout of a chunked kernel)
+    entries: torch.Tensor  # (n,) int64 pool entries
+    slots: torch.Tensor  # (n,) int64 the row's state slot
+    ends: torch.Tensor  # (n,) int64 index of the row's token at ``offset`` (one past the snapshot's last token)
+    offsets_t: torch.Tensor  # (n,) int64 ``offsets`` on the device
+    _tails: dict[int, SnapshotTails] = field(default_factory=dict)
+
+    @staticmethod
+    def build(rows: list[int], offsets: list[int], entries: list[int], slots: list[int], row_lens: list[int],
+              device: torch.device) -> RowSnapshots:
+        starts = [0]
+        for n in row_lens:
+            starts.append(starts[-1] + n)
+        assert all(0 < o < row_lens[r] for r, o in zip(rows, offsets, strict=True)), "a snapshot not inside its row"
+        packed = device_tensor([*entries, *slots, *[starts[r] + o for r, o in zip(rows, offsets, strict=True)],
+                                *offsets], device, torch.long).view(4, -1)
+        return RowSnapshots(rows, offsets, row_lens, packed[0], packed[1], packed[2], packed[3])
+
+    @property
+    def num(self) -> int:
+        return len(self.rows)
+
+    def tails(self, chunk: int) -> SnapshotTails:
+        """Where each snapshot's state is advanced from when a kernel kept the states at every ``chunk`` tokens of
+        each row (chunk 0: only the row's starting state): the tokens from the last such boundary up to the
+        snapshot's position (none when the position is on a boundary). Built once per step and chunk size."""
+        got = self._tails.get(chunk)
+        if got is not None:
+            return got
+        starts, chunk_base = [0], [0]
+        for n in self.row_lens:
+            starts.append(starts[-1] + n)
+            chunk_base.append(chunk_base[-1] + ((-(-n // chunk)) if chunk and n else 0))
+        tokens: list[int] = []
+        qsl, index = [0], []
+        for r, o in zip(self.rows, self.offsets, strict=True):
+            base = (o // chunk) * chunk if chunk else 0
+            tokens.extend(range(starts[r] + base, starts[r] + o))
+            qsl.append(len(tokens))
+            index.append(chunk_base[r] + (o // chunk if chunk else 0))
+        device = self.entries.device
+        got = SnapshotTails(device_tensor(tokens, device, torch.long), device_tensor(qsl, device, torch.int32),
+                            max((b - a for a, b in itertools.pairwise(qsl)), default=0),
+                            device_tensor(index, device, torch.long))
+        self._tails[chunk] = got
+        return got
+
+
+@dataclass(slots=True)
 class StepMetadata:
     positions: torch.Tensor  # (T,) int64 absolute position of each token
     query_start_loc: torch.Tensor  # (R+1,) int32 row offsets into the T tokens
@@ -56,6 +131,8 @@ class StepMetadata:
     # placeholder tokens this step feeds (they replace the placeholders' token embeddings).
     mrope_positions: torch.Tensor | None = None
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Prefix-cache snapshots inside this step's prefill rows (eager steps only; None: none).
+    row_snapshots: RowSnapshots | None = None
 
     @property
     def rotary_positions(self) -> torch.Tensor:

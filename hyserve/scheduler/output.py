@@ -60,8 +60,11 @@ class ScheduledRow:
     - ``reset_state``: zero the slot before the forward (the request's first chunk); ``load_snapshot``: copy that
       snapshot entry into the slot before the forward (a prefix hit).
     - ``snapshot_entry``: copy the slot into this entry right after the forward (the chunk ends on a snapshot
-      point); ``candidate_snapshot`` (verify rows) = (p, entry): if the accepted length reaches position p, copy
-      the verified candidate state after p tokens into entry.
+      point); ``interior_snapshots``: (p, entry) of each snapshot point p strictly inside the row (a chunk of known
+      tokens, where every recurrent layer can take its state inside a row): the layers write their state after
+      position p into entry during the forward (``hyserve.model.metadata.RowSnapshots``).
+    - ``candidate_snapshot`` (verify rows) = (p, entry): if the accepted length reaches position p, copy the
+      verified candidate state after p tokens into entry.
     - ``output_index``: the index in the output of the first token this row samples (seeds, min_tokens bans);
       ``banned_token_ids``: the ids banned while the output is shorter than ``min_tokens``.
     - ``grammar_bitmask``: structured output: the allowed tokens of each position the row samples (one, or a
@@ -88,6 +91,7 @@ class ScheduledRow:
     reset_state: bool = False
     load_snapshot: int | None = None
     snapshot_entry: int | None = None
+    interior_snapshots: list[tuple[int, int]] = field(default_factory=list)
     is_verify: bool = False
     candidate_snapshot: tuple[int, int] | None = None
     output_index: int = 0

@@ -14,9 +14,12 @@ and the output it had produced. KV blocks are allocated here and freed here (fin
 of blocks that only held rejected drafts), nowhere else.
 
 With prefix caching, admission first looks the request up (``PrefixCache.lookup``): a hit of L tokens gives it the
-cached KV blocks of [0, L) and a snapshot to copy into its slot, and it starts computing at L. Chunks are split so
-that every snapshot point of a request falls on the end of a chunk; the snapshot's entry is reserved when the step
-is scheduled and published when its result is in.
+cached KV blocks of [0, L) and a snapshot to copy into its slot, and it starts computing at L. Where every recurrent
+layer can take a snapshot inside a prefill row (``snapshots_inside_rows``: the GDN and Mamba2 families), a chunk runs
+past the snapshot points it crosses and each gets an entry that the layers fill from the state their prefill computes
+there (``ScheduledRow.interior_snapshots``); otherwise chunks are split so that every snapshot point of a request
+falls on the end of a chunk. Either way the snapshot's entry is reserved when the step is scheduled and published
+when its result is in.
 
 Prefix sharing among requests that arrive together. A waiting request whose prefix a running request is still
 computing (the first turns of conversations that share one system prompt) is not admitted alongside it to compute
@@ -84,7 +87,8 @@ class Scheduler:
                  state_slots: StateSlots, max_model_len: int, prefix_cache: PrefixCache | None = None,
                  drafts: DraftManager | None = None,
                  banned_token_ids: Callable[[Request], list[int]] | None = None,
-                 pipeline_parallel_size: int = 1, async_verify: bool = False) -> None:
+                 pipeline_parallel_size: int = 1, async_verify: bool = False,
+                 snapshots_inside_rows: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_pool = block_pool
@@ -93,6 +97,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.drafts = drafts
         self.banned_token_ids = banned_token_ids or (lambda req: [])
+        # Chunks of known tokens run past snapshot points (the worker writes those snapshots inside the row).
+        self.snapshots_inside_rows = snapshots_inside_rows and prefix_cache is not None
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.waiting: deque[Request] = deque()
@@ -226,7 +232,9 @@ class Scheduler:
         pc = self.prefix_cache
         sharers = _Sharers(pc) if pc is not None else None
         if sharers is not None:
-            for req, _, _ in chunks:
+            # Every running request still computing its prompt, scheduled in this step or not: one whose chunk
+            # through the shared part is in flight (a chunk need not end at a snapshot point) shares it too.
+            for req in self.running:
                 sharers.add(req)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -284,8 +292,9 @@ class Scheduler:
         sharer is computing too (the first turns of conversations that start with one system prompt, arriving
         together). If that is at least ``SHARE_MIN_TOKENS`` and the sharer can leave a snapshot at ``p`` (nothing it
         has in flight crosses ``p``), the sharer gets ``p`` as a snapshot point, its chunk in this step is cut there
-        if it crosses it, and ``req`` waits: the lookup of a later step hits at ``p``. Returns the budget tokens the
-        cut gave back (0 without a cut), or None when ``req`` should not wait.
+        if it crosses it (with snapshots inside rows: takes it inside instead), and ``req`` waits: the lookup of a
+        later step hits at ``p``. Returns the budget tokens the cut gave back (0 without a cut), or None when ``req``
+        should not wait.
         """
         found = sharers.deepest(req, cached)
         if found is None:
@@ -300,9 +309,12 @@ class Scheduler:
         back = 0
         for k, (r, row, point) in enumerate(chunks):
             if r is sharer:
-                if row.end > p:
+                if row.end == p:
+                    point = p
+                elif row.end > p and not self.snapshots_inside_rows:
                     back = self._cut_chunk(row, p)
                     point = p
+                # (Inside rows, p is taken where the row crosses it: _on_scheduled reads the share points.)
                 chunks[k] = (r, row, point)
                 break
         sharer.share_points.append(p)
@@ -319,7 +331,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, start: int, budget: int) -> tuple[ScheduledRow, int | None]:
         """The next chunk of ``req`` from ``start``: as much as the budget allows, cut at its next snapshot point
-        (returned too: the chunk's end, or None).
+        (returned too: the chunk's end, or None); with snapshots inside rows not cut, the point returned only where
+        the chunk ends on one (the points inside get their entries in ``_on_scheduled``).
 
         A decoding request under speculative decoding is one verify row: its last token and the drafts that fit the
         budget; it is never cut (its snapshot comes from the verified candidate, see ``update_from_output``).
@@ -341,9 +354,12 @@ class Scheduler:
             return ScheduledRow(req.request_id, start, [req.output_token_ids[-1], *drafts], req.block_table, slot,
                                 samples=True, is_verify=True), None
         end = start + min(req.num_tokens - start, budget)
-        point = self.prefix_cache.next_snapshot_point(req, start, end) if self.prefix_cache else None
-        if point is not None:
-            end = point
+        points = self.prefix_cache.snapshot_points(req, start, end) if self.prefix_cache else []
+        point = None
+        if points and self.snapshots_inside_rows:
+            point = end if points[-1] == end else None  # the points before it are taken inside (_on_scheduled)
+        elif points:
+            point = end = points[0]
         return ScheduledRow(req.request_id, start, req.token_ids(start, end), req.block_table, slot,
                             samples=end == req.num_tokens), point
 
@@ -378,9 +394,10 @@ class Scheduler:
             out.new_requests.append(NewRequestData(req.request_id, req.sampling_params, req.mm, prompt))
         pc = self.prefix_cache
         if pc is not None:
-            # Snapshot entries are reserved now and filled by the worker right after this step's forward. A chunk
-            # of known tokens is cut at its snapshot point, so that point is its end; a verify row or a row of a
-            # token still on the device may cross a block boundary whose prefix is known only from the result.
+            # Snapshot entries are reserved now and filled by the worker during (points inside a chunk) or right
+            # after this step's forward. A chunk of known tokens ends at its snapshot point or takes the points it
+            # crosses inside; a verify row or a row of a token still on the device may cross a block boundary whose
+            # prefix is known only from the result.
             if row.is_verify and row.start_on_device:
                 # The point is known with the start: an entry if the latest start's row reaches a boundary.
                 reach = row.latest_start + row.num_new_tokens
@@ -397,8 +414,14 @@ class Scheduler:
             elif row.token_ids[0] == PREVIOUS_SAMPLED:
                 if row.end % pc.block_size == 0:
                     row.snapshot_entry = pc.reserve_entry()
-            elif point is not None:
-                row.snapshot_entry = pc.reserve_snapshot(req, point)
+            else:
+                if self.snapshots_inside_rows and row.num_new_tokens > 1:  # (a decode row has no inside)
+                    for p in pc.snapshot_points(req, row.start, row.end - 1):
+                        entry = pc.reserve_snapshot(req, p)
+                        if entry is not None:
+                            row.interior_snapshots.append((p, entry))
+                if point is not None:
+                    row.snapshot_entry = pc.reserve_snapshot(req, point)
         if row.samples:
             row.output_index = req.num_output_tokens + req.num_inflight_samples
             if row.output_index < req.sampling_params.min_tokens:
@@ -599,6 +622,11 @@ class Scheduler:
         assert pc is not None
         computed = min(req.num_computed_tokens, pc.keyable_tokens(req))
         pc.publish_blocks(req, computed)
+        for point, entry in row.interior_snapshots:  # ascending, before the row's end
+            if point <= computed:
+                pc.commit_snapshot(req, point, entry)
+            else:
+                pc.release_entry(entry)
         if row.snapshot_entry is not None:
             pc.commit_snapshot(req, row.end, row.snapshot_entry)
         if row.candidate_snapshot is not None:
@@ -614,6 +642,8 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         self.prefix_cache.release_entry(row.snapshot_entry)
+        for _, entry in row.interior_snapshots:
+            self.prefix_cache.release_entry(entry)
         if row.candidate_snapshot is not None:
             self.prefix_cache.release_entry(row.candidate_snapshot[1])
         self.prefix_cache.unpin(row.load_snapshot)

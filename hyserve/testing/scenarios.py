@@ -149,23 +149,35 @@ def assert_ngram_scenario_matches(path: str, plain_run: dict[str, RequestOutput]
 
 def late_snapshots(engine: LLMEngine) -> None:
     """Sabotage: every snapshot copy-out runs one step late, so the snapshot holds the state over the tokens of one
-    more step (the seeds' bug: a state taken one position late reaching later requests through the prefix cache)."""
+    more step (the seeds' bug: a state taken one position late reaching later requests through the prefix cache).
+    A snapshot inside a prefill row is not written by the forward but copied from its row's slot one step late
+    too."""
     runner = engine.runner
     pool = runner.state_pool
     original_copy = pool.copy
     pending: list[tuple[list[int], list[int]]] = []
     original_save: Callable = runner.state_ops.save_snapshots
+    original_metadata: Callable = runner.input_batch.metadata
+
+    def metadata(step):  # type: ignore[no-untyped-def]
+        meta = original_metadata(step)
+        meta.row_snapshots = None
+        return meta
 
     def save(rows, num_accepted):  # type: ignore[no-untyped-def]
         for src, dst in pending:
             original_copy(src, dst)
         pending.clear()
+        inside = [(row.state_slot, entry) for row in rows for _, entry in row.interior_snapshots]
+        if inside:
+            pending.append(([s for s, _ in inside], [e for _, e in inside]))
         pool.copy = lambda src, dst: pending.append((list(src), list(dst)))  # type: ignore[method-assign]
         try:
             original_save(rows, num_accepted)
         finally:
             pool.copy = original_copy  # type: ignore[method-assign]
 
+    runner.input_batch.metadata = metadata  # type: ignore[method-assign]
     runner.state_ops.save_snapshots = save  # type: ignore[method-assign]
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hyserve.cache.block_pool import BlockPool, cdiv
-from hyserve.model.metadata import StepMetadata, VerifyMetadata
+from hyserve.model.metadata import RowSnapshots, StepMetadata, VerifyMetadata
 from hyserve.scheduler.output import PREVIOUS_DRAFT, PREVIOUS_SAMPLED, ScheduledRow
 from hyserve.worker.mm_inputs import ImageRow, MMInputs
 
@@ -61,6 +61,8 @@ class FilledStep:
     drafts_fed: list[tuple[int, int]] = field(default_factory=list)  # (token index, flat draft_slots index)
     mm_rows: list[ImageRow] = field(default_factory=list)
     behind: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first token, slot): start on device
+    # Snapshots inside prefill rows: (prefill row, i.e. row index after the verify rows, offset, entry, slot).
+    row_snaps: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -181,6 +183,10 @@ class InputBatch:
                     step.prev.append((t, self.prev_rows[row.req_id]))
             else:
                 nb["input_ids"][t : t + n] = ids
+            if row.interior_snapshots:
+                assert not row.is_verify, "a verify row takes its snapshot from a candidate"
+                step.row_snaps.extend((i - step.num_verify, p - start, entry, row.state_slot)
+                                      for p, entry in row.interior_snapshots)
             table = row.block_table
             if row.start_on_device:
                 pass  # positions, KV slots and context length: set from the start on the device
@@ -239,6 +245,13 @@ class InputBatch:
                 rest_query_start_loc_cpu=self.host_bufs["rest_query_start_loc"][: r - num_verify + 1]
                 if not step.padded else None,
             )
+        if step.row_snaps:
+            assert not step.padded, "a step with snapshots inside its rows runs eagerly"
+            snaps = step.row_snaps
+            prefill_lens = np.diff(self.np_bufs["query_start_loc"][num_verify : r + 1]).tolist()
+            meta.row_snapshots = RowSnapshots.build([x[0] for x in snaps], [x[1] for x in snaps],
+                                                    [x[2] for x in snaps], [x[3] for x in snaps], prefill_lens,
+                                                    self.device)
         return meta
 
     def static_meta(self, bufs: dict[str, torch.Tensor], rows: int, tokens: int, query_len: int) -> StepMetadata:

@@ -182,7 +182,8 @@ class ModelRunner:
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._kv_bytes_per_block(), self.cache_specs.state_bytes_per_slot,
-                         bool(self.cache_specs.recurrent), self.num_scratch_sets)
+                         bool(self.cache_specs.recurrent), self.num_scratch_sets,
+                         all(layer.supports_row_snapshots for layer in self.model.recurrent_layers()))
 
     def determine_available_memory(self) -> int:
         """Bytes this worker can give the caches (``hyserve.worker.memory.cache_budget``)."""

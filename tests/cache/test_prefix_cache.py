@@ -82,7 +82,7 @@ def test_shared_system_prompt_siblings_same_step_and_later(ckpts: CheckpointCach
     b_tail = toks(30, 4)
     prompts = {"a": system + toks(20, 5), "b": system + b_tail, "c": system + b_tail[:20] + toks(9, 6),
                "d": system + b_tail[:20] + toks(11, 7)}
-    llm = cached_llm(path)
+    llm = cached_llm(path, max_num_batched_tokens=256)  # a and b run their prompts in one step
     final = drive(llm.llm_engine, {0: [("a", prompts["a"], greedy(6)), ("b", prompts["b"], greedy(6))],
                                    8: [("c", prompts["c"], greedy(6))], 14: [("d", prompts["d"], greedy(6))]})
     off = make_llm(path, enable_prefix_caching=False)
@@ -101,7 +101,7 @@ def test_shared_system_prompt_siblings_same_step_and_later(ckpts: CheckpointCach
 def test_eviction_under_tiny_budgets(ckpts: CheckpointCache) -> None:
     path = ckpts.get()
     convs = make_convs(5, 3, toks(40, 8), seed=9)
-    tight = cached_llm(path, num_kv_blocks=40, num_snapshot_slots=3, max_model_len=320)
+    tight = cached_llm(path, num_kv_blocks=32, num_snapshot_slots=3, max_model_len=320)
     got = run_conversations(tight.llm_engine, convs, out_len=6)
     off = make_llm(path, enable_prefix_caching=False)
     want = run_conversations(off.llm_engine, convs, out_len=6)
@@ -129,15 +129,17 @@ def test_preemption_resumes_from_own_snapshots(ckpts: CheckpointCache) -> None:
     tight.llm_engine.assert_no_leaks()
 
 
-def test_abort_keeps_completed_snapshots_and_publishes_no_partial(ckpts: CheckpointCache) -> None:
+@pytest.mark.parametrize("inside", [True, False])
+def test_abort_keeps_completed_snapshots_and_publishes_no_partial(ckpts: CheckpointCache, inside: bool) -> None:
     path = ckpts.get()
     shared = toks(100, 30)
-    llm = cached_llm(path, max_num_batched_tokens=40)
+    llm = cached_llm(path, max_num_batched_tokens=40, snapshots_inside_rows=inside)
     eng = llm.llm_engine
     eng.add_request("victim", {"prompt_token_ids": shared + toks(20, 31)}, greedy(5))
-    eng.step()  # 32 tokens (chunk cut at the interval point)
-    eng.step()  # 64
-    assert eng.requests["victim"].num_computed_tokens == 64
+    # Inside rows: 40 and 80 tokens, the interval points 32 and 64 taken inside the chunks; else chunks cut there.
+    eng.step()
+    eng.step()
+    assert eng.requests["victim"].num_computed_tokens == (80 if inside else 64)
     eng.abort_request("victim")
     later = shared + toks(15, 32)
     out = llm.generate({"prompt_token_ids": later}, greedy(5), use_tqdm=False)[0]
@@ -258,10 +260,11 @@ def test_hit_rate_reaches_ninety_percent_of_the_ideal(ckpts: CheckpointCache) ->
 
 
 def test_snapshot_policy_points_land_on_chunk_ends(ckpts: CheckpointCache) -> None:
-    """Every snapshot taken is at a block-aligned position equal to a chunk end (checked through the scheduler's
-    reserved entries: the worker copies a row's slot into its entry right after that row's forward)."""
+    """Chunks ending at snapshot points (``snapshots_inside_rows=False``, the Mamba2 families' way): every snapshot
+    taken is at a block-aligned position equal to a chunk end (checked through the scheduler's reserved entries: the
+    worker copies a row's slot into its entry right after that row's forward)."""
     path = ckpts.get()
-    llm = cached_llm(path, max_num_batched_tokens=50)
+    llm = cached_llm(path, max_num_batched_tokens=50, snapshots_inside_rows=False)
     eng = llm.llm_engine
     seen: list[tuple[int, int | None]] = []
     original = eng.scheduler.schedule
@@ -339,7 +342,8 @@ def test_sharing_check_catches_a_sharer_chunk_left_uncut(ckpts: CheckpointCache,
             for r, p in prompts.items()}
     if sabotage:
         monkeypatch.setattr(Scheduler, "_cut_chunk", staticmethod(_cut_nothing))
-    llm = cached_llm(path, max_num_batched_tokens=512, recurrent_snapshot_interval=1024)
+    # Chunks cut at snapshot points (with snapshots inside rows the sharing point is taken inside the chunk).
+    llm = cached_llm(path, max_num_batched_tokens=512, recurrent_snapshot_interval=1024, snapshots_inside_rows=False)
     final = drive(llm.llm_engine, {0: [(r, p, greedy(8)) for r, p in prompts.items()]})
     assert all(final[r].outputs[0].token_ids == want[r] for r in prompts)
     hits = [final[r].num_cached_tokens for r in ("s1", "s2")]

@@ -161,14 +161,16 @@ def test_preempted_request_with_a_verify_step_in_flight(mtp_path: str, monkeypat
     for i, (max_tokens, step) in enumerate([(9, 2), (19, 4), (11, 0), (32, 3), (21, 0), (33, 0)]):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         arrivals.setdefault(step, []).append((f"r{i}", p[i], params))
-    ref = _engine(mtp_path, "mtp", num_kv_blocks=10)
+    # The seeded schedule was found with chunks ending at snapshot points (r4's 20-token prompt: a chunk to 16).
+    ref = _engine(mtp_path, "mtp", num_kv_blocks=10, snapshots_inside_rows=False)
     want = _tokens(drive(ref, arrivals))
     assert ref.get_metrics()["hyserve:num_preemptions"] > 0
     results = []
     for sabotage in (False, True):
         if sabotage:
             monkeypatch.setattr(Scheduler, "_queue_verify_commits", _old_verify_commits)
-        engine = _engine(mtp_path, "mtp", num_kv_blocks=10, pipeline_parallel_size=2, async_scheduling=True)
+        engine = _engine(mtp_path, "mtp", num_kv_blocks=10, pipeline_parallel_size=2, async_scheduling=True,
+                         snapshots_inside_rows=False)
         results.append(_tokens(drive(engine, arrivals)))
         assert engine.get_metrics()["hyserve:num_preemptions"] > 0
         if not sabotage:

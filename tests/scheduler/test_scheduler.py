@@ -46,7 +46,9 @@ def fake_result(so: SchedulerOutput) -> RunnerOutput:
                         num_accepted=[-1] * len(so.rows))
 
 
-def _check_invariants(s: Scheduler, out: SchedulerOutput, budget: int, max_seqs: int, block_size: int) -> None:
+def _check_invariants(s: Scheduler, out: SchedulerOutput, budget: int, max_seqs: int, block_size: int,
+                      shared_blocks: bool = False) -> None:
+    """``shared_blocks``: prefix caching, where requests share the cached blocks of their hits."""
     assert out.num_tokens <= budget
     assert len(s.running) <= max_seqs
     owned_blocks: list[int] = []
@@ -55,7 +57,7 @@ def _check_invariants(s: Scheduler, out: SchedulerOutput, budget: int, max_seqs:
         owned_blocks += r.block_table
         assert r.state_slot is not None
         owned_slots.append(r.state_slot)
-    assert len(owned_blocks) == len(set(owned_blocks)), "a KV block is owned twice"
+    assert shared_blocks or len(owned_blocks) == len(set(owned_blocks)), "a KV block is owned twice"
     assert len(owned_slots) == len(set(owned_slots)), "a state slot is owned twice"
     assert 0 not in owned_blocks, "the null block was handed out"
     for row in out.rows:
@@ -194,3 +196,81 @@ def test_a_late_token_from_before_a_preemption_is_not_appended_twice() -> None:
         s.update_from_output(so, fake_result(so), sink)
     assert req.output_token_ids == [4, 5, 6] and sink.finished == {"a": "length"}
     assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 90), st.integers(1, 6), st.integers(0, 8)),
+                     min_size=1, max_size=8),
+    budget=st.integers(8, 96),
+    interval=st.sampled_from([16, 32, 48]),
+    in_flight=st.integers(0, 1),
+    abort_every=st.integers(0, 5),
+    num_snapshots=st.integers(1, 12),
+)
+def test_snapshots_inside_rows_invariants(prompts: list[tuple[int, int, int, int]], budget: int, interval: int,
+                                          in_flight: int, abort_every: int, num_snapshots: int) -> None:
+    """Snapshots inside rows (``snapshots_inside_rows``), prompts sharing prefixes (three bases), aborts, async:
+    every snapshot a row takes inside is at a keyable block boundary strictly inside it, entries are never handed
+    out twice, a row never ends at a snapshot point only because of one (it ends at the budget or the prompt), a
+    snapshot is published only from a row whose request still holds it, at a position it has computed, and at the
+    end every entry is free or published (none leaked)."""
+    from hyserve.cache.prefix_cache import PrefixCache
+
+    bs = 16
+    bases = [list(range(100 + 97 * b, 197 + 97 * b)) for b in range(3)]
+    max_len = 100 + 7
+    pool = BlockPool(64, bs)
+    slots = StateSlots(4, num_snapshots)
+    pc = PrefixCache(pool, slots, bs, interval)
+    s = Scheduler(4, budget, pool, slots, max_model_len=max_len + 1, prefix_cache=pc, snapshots_inside_rows=True)
+    sink = CountingSink()
+    arrivals: dict[int, list[Request]] = {}
+    for i, (base, n, out_len, at) in enumerate(prompts):
+        tokens = [*bases[base][:n], i]  # the last token parts each prompt from the others
+        arrivals.setdefault(at, []).append(Request(f"r{i}", None, tokens, SamplingParams(max_tokens=out_len), i))
+    owner: dict[int, tuple[Request, int]] = {}  # reserved entry -> (its row's request, that request's epoch)
+    commit = pc.commit_snapshot
+
+    def checked_commit(req: Request, position: int, entry: int) -> bool:
+        who, epoch = owner[entry]
+        # Its request still holds the row (not aborted, not preempted since) and has computed the position.
+        assert who is req and s.requests.get(req.request_id) is req and req.num_preemptions == epoch
+        assert position <= req.num_computed_tokens, (req.request_id, position)
+        return commit(req, position, entry)
+
+    pc.commit_snapshot = checked_commit  # type: ignore[method-assign]
+    queue: deque[SchedulerOutput] = deque()
+    reserved: set[int] = set()
+    step = 0
+    while step <= max(arrivals) or s.has_unfinished_requests() or queue:
+        for r in arrivals.get(step, []):
+            s.add_request(r)
+        if abort_every and step % abort_every == abort_every - 1 and s.running:
+            s.finish(s.running[len(s.running) // 2])
+        out = s.schedule()
+        _check_invariants(s, out, budget, 4, bs, shared_blocks=True)
+        for row in out.rows:
+            req = s.requests[row.req_id]
+            entries = [e for _, e in row.interior_snapshots] + ([row.snapshot_entry] if row.snapshot_entry else [])
+            assert not set(entries) & reserved, "an entry handed out twice"
+            reserved |= set(entries)
+            owner.update({e: (req, req.num_preemptions) for e in entries})
+            for p, _ in row.interior_snapshots:
+                assert row.start < p < row.end and p % bs == 0 and p <= pc.keyable_tokens(req)
+            if not row.is_verify and row.token_ids[0] != PREVIOUS_SAMPLED and row.end < req.num_tokens:
+                assert row.num_new_tokens == min(budget, req.num_tokens - row.start) or out.num_tokens == budget, \
+                    "a chunk ended early"
+        if out.rows:
+            queue.append(out)
+        while len(queue) > in_flight or (queue and not out.rows):
+            so = queue.popleft()
+            s.update_from_output(so, fake_result(so), sink)
+            for row in so.rows:
+                reserved -= {e for _, e in row.interior_snapshots} | {row.snapshot_entry}
+        step += 1
+        assert step < 5000, "scheduler made no progress"
+    # Nothing leaked: every entry is free or published, so all of them can be reserved again.
+    got = [pc.reserve_entry() for _ in range(num_snapshots + 1)]
+    assert sorted(e for e in got if e is not None) == [slots.snapshot_entry(i) for i in range(num_snapshots)]
+    assert pool.num_free_blocks == pool.num_usable_blocks and s.num_steps_in_flight == 0

@@ -20,6 +20,15 @@ Dispatch:
   states scattered back). Given the host's copy of the row offsets it does not synchronise with the host; without
   it, it does.
 
+Snapshots inside rows (``snapshots``, prefix caching; :class:`hyserve.model.metadata.RowSnapshots`): the state after
+a given number of a row's tokens is written into a pool entry. The reference records it during its scan. On CUDA a
+snapshot starts from the nearest state the path kept, rounded to no precision below the path's own: fla's chunked
+kernel keeps the state before every 64-token chunk of a row (its ``h``, in the model dtype, which the row's own
+outputs read too), the recurrent kernel only the row's starting state (float32); the tokens from there to the
+snapshot's position are run through the recurrent kernel on a float32 copy (:func:`advance_snapshots`), and the
+result is rounded into the entry. fla-core's public entry does not return ``h``: with snapshots the chunked path
+calls the four stages of its forward itself (:func:`fla_chunk_forward_with_states`, pinned to fla-core 0.6.0).
+
 Invariants: ``ssm_state`` is ``(S, Hv, Dk, Dv)``, float32 or a 16-bit float (every path computes in float32 and
 rounds the state where it stores it); slots of non-empty rows are distinct; empty rows and slots
 that no row names are left untouched; value head ``h`` uses key head ``h // (Hv // Hk)``.
@@ -27,7 +36,7 @@ that no row names are left untouched; value head ``h`` uses key head ``h // (Hv 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,12 +46,19 @@ from hyserve.kernels.norm import l2_norm_heads
 from hyserve.kernels.varlen import nonempty_rows
 from hyserve.utils import next_pow2
 
-__all__ = ["GDN_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton",
-           "gdn_verify"]
+if TYPE_CHECKING:
+    from hyserve.model.metadata import RowSnapshots
+
+__all__ = ["FLA_CHUNK", "FLA_PINNED_VERSION", "GDN_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "advance_snapshots",
+           "fla_chunk_forward_with_states", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton", "gdn_verify"]
 
 SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches go to fla's chunked kernel.
 GDN_RECURRENT_MAX_QUERY_LEN = 1
+# fla's chunk length (its per-chunk states ``h`` are those before every FLA_CHUNK tokens of a row), and the fla-core
+# version whose internal forward stages fla_chunk_forward_with_states calls.
+FLA_CHUNK = 64
+FLA_PINNED_VERSION = "0.6.0"
 
 
 def gdn_forward(
@@ -56,6 +72,7 @@ def gdn_forward(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     query_start_loc_cpu: torch.Tensor | None = None,
+    snapshots: RowSnapshots | None = None,
 ) -> torch.Tensor:
     """Gated delta rule from each row's slot state; writes final states back in place. Returns ``(T, Hv, Dv)``.
 
@@ -68,15 +85,39 @@ def gdn_forward(
         max_query_len: host int ``>=`` the longest row (chooses the path without a device->host sync).
         query_start_loc_cpu: the host's copy of ``query_start_loc`` if it has one (the chunked path then needs no
             device->host sync).
+        snapshots: states inside rows to write into pool entries of ``ssm_state`` (see the module docstring).
     """
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
+    if snapshots is not None and not snapshots.num:
+        snapshots = None
     if not q.is_cuda:
-        return gdn_forward_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, max_query_len)
+        return gdn_forward_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, max_query_len, snapshots)
     # float32 means float32: fla's chunked kernel rounds its float32 dots to TF32 (on an H200 that moved tiny-model
     # logprobs by up to 0.16), so float32 models take the exact recurrent kernel for every row.
     if max_query_len <= GDN_RECURRENT_MAX_QUERY_LEN or q.dtype == torch.float32:
-        return gdn_recurrent_triton(q, k, v, g, beta, ssm_state, state_slots, query_start_loc)
-    return gdn_forward_fla(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, query_start_loc_cpu)
+        # A snapshot starts from its row's starting state, read before the kernel advances the slot.
+        base = ssm_state.index_select(0, snapshots.slots).float() if snapshots is not None else None
+        out = gdn_recurrent_triton(q, k, v, g, beta, ssm_state, state_slots, query_start_loc)
+        if snapshots is not None and base is not None:
+            advance_snapshots(q, k, v, g, beta, base, snapshots, 0, ssm_state)
+        return out
+    return gdn_forward_fla(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, query_start_loc_cpu,
+                           snapshots)
+
+
+def advance_snapshots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      base: torch.Tensor, snapshots: RowSnapshots, chunk: int, ssm_state: torch.Tensor) -> None:
+    """Write each snapshot's state into its entry of ``ssm_state``: ``base[i]`` (float32, ``(n, Hv, Dk, Dv)``,
+    advanced in place) is snapshot i's row state at its last ``chunk`` boundary (``chunk`` 0: the row's start); the
+    recurrent kernel runs the tokens from there to the snapshot's position over it (``RowSnapshots.tails``), and
+    the result is rounded into the entry. ``q`` .. ``beta`` are the call's inputs (prefill rows' tokens)."""
+    tails = snapshots.tails(chunk)
+    if tails.max_len:
+        idx = tails.tokens
+        rows = torch.arange(snapshots.num, device=base.device)
+        gdn_recurrent_triton(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
+                             g.index_select(0, idx), beta.index_select(0, idx), base, rows, tails.query_start_loc)
+    ssm_state.index_copy_(0, snapshots.entries, base.to(ssm_state.dtype))
 
 
 def gdn_recurrent_triton(
@@ -146,14 +187,16 @@ def gdn_forward_fla(
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
     query_start_loc_cpu: torch.Tensor | None = None,
+    snapshots: RowSnapshots | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule through fla-core (CUDA only).
 
     Empty rows are dropped first (fla gets only rows with tokens); their slots are not touched. With
     ``query_start_loc_cpu`` (the host's copy of the row offsets) neither this nor fla waits for the device;
-    without it, both do.
+    without it, both do. With ``snapshots`` the per-chunk states are kept (``fla_chunk_forward_with_states``) and
+    each snapshot is advanced from the one before its position (``advance_snapshots``).
     """
-    chunk_gated_delta_rule = _import_fla_chunk()
+    chunk_gated_delta_rule = _import_fla_chunk() if snapshots is None else fla_chunk_forward_with_states
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     if T == 0 or state_slots.shape[0] == 0:
@@ -162,14 +205,14 @@ def gdn_forward_fla(
     dt = v.dtype
     # q and k are l2-normed here rather than inside fla: its l2norm kernel autotunes per bucket of token counts, so
     # each new bucket met while serving stalled a step on a benchmark of 25 configurations (measured on an H200).
-    q, k = l2_norm_heads(q.to(dt)), l2_norm_heads(k.to(dt))
+    qn, kn = l2_norm_heads(q.to(dt)), l2_norm_heads(k.to(dt))
     grp = Hv // Hk
     if grp > 1:  # fla-core 0.6.0 supports Hv > Hk natively; expanding is the conservative choice
-        q = q.repeat_interleave(grp, dim=1)
-        k = k.repeat_interleave(grp, dim=1)
-    o, final = chunk_gated_delta_rule(
-        q.unsqueeze(0),
-        k.unsqueeze(0),
+        qn = qn.repeat_interleave(grp, dim=1)
+        kn = kn.repeat_interleave(grp, dim=1)
+    res = chunk_gated_delta_rule(
+        qn.unsqueeze(0),
+        kn.unsqueeze(0),
         v.unsqueeze(0).contiguous(),
         g.float().unsqueeze(0).contiguous(),
         beta.unsqueeze(0).contiguous(),
@@ -180,5 +223,55 @@ def gdn_forward_fla(
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=qsl_cpu,
     )
+    o, final = res[0], res[1]
+    if snapshots is not None:
+        # fla's chunks of a row are those of the non-empty rows back to back: a snapshot row is not empty, and an
+        # empty row has no chunk, so RowSnapshots.tails' chunk layout is fla's.
+        h = res[2]
+        base = h[0].index_select(0, snapshots.tails(FLA_CHUNK).chunk_index).float()
+        advance_snapshots(q, k, v, g, beta, base, snapshots, FLA_CHUNK, ssm_state)
     ssm_state[slots] = final.to(ssm_state.dtype)
     return o[0].to(dt)
+
+
+def fla_chunk_forward_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, *, scale: float, initial_state: torch.Tensor,
+                                  output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+                                  cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla-core 0.6.0's ``chunk_gated_delta_rule`` forward (``ChunkGatedDeltaRuleFunction.forward`` ->
+    ``chunk_gated_delta_rule_fwd`` without the gate, l2norm or beta-sigmoid options, state ``[K, V]``), stage by
+    stage, returning the per-chunk states ``h`` too: ``(o, final_state, h)``, ``h`` of shape ``(1, NT, Hv, Dk, Dv)``
+    in ``k``'s dtype, chunk ``chunk_offsets[n] + j`` holding sequence n's state before its token ``j * 64``.
+    Refuses any other fla-core version: these are internal functions whose signatures change between releases."""
+    import fla
+
+    if getattr(fla, "__version__", None) != FLA_PINNED_VERSION:
+        raise RuntimeError(
+            f"prefix-cache snapshots inside prefill rows call fla-core {FLA_PINNED_VERSION}'s internal chunk stages; "
+            f"fla-core {getattr(fla, '__version__', '?')} is installed. Install fla-core=={FLA_PINNED_VERSION}, or "
+            "set --no-snapshots-inside-rows (rows then end at every snapshot point)")
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
+    from fla.ops.utils.constant import RCP_LN2
+
+    assert not use_qk_l2norm_in_kernel and output_final_state
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    initial_state = initial_state.contiguous()
+    bt = FLA_CHUNK
+    chunk_indices = prepare_chunk_indices(cu_seqlens, bt, cu_seqlens_cpu=cu_seqlens_cpu)
+    # Given explicitly: fla's alternative fwd_h backends (intra-card context parallel) then decline the call, and
+    # h keeps the layout above.
+    chunk_offsets = prepare_chunk_offsets(cu_seqlens, bt)
+    g = chunk_local_cumsum(g, chunk_size=bt, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                                               chunk_indices=chunk_indices, chunk_size=bt)
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=initial_state,
+                                                   output_final_state=True, chunk_size=bt, state_v_first=False,
+                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                                   chunk_offsets=chunk_offsets)
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, state_v_first=False, cu_seqlens=cu_seqlens,
+                    chunk_size=bt, chunk_indices=chunk_indices)
+    return o.to(q.dtype), final, h

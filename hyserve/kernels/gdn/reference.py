@@ -10,10 +10,14 @@ records the state after every token in scratch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyserve.kernels.varlen import group_tokens, length_groups
+
+if TYPE_CHECKING:
+    from hyserve.model.metadata import RowSnapshots
 
 __all__ = ["gdn_forward_ref", "gdn_scan", "gdn_verify_ref", "l2norm"]
 
@@ -79,6 +83,7 @@ def gdn_forward_ref(
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
     max_query_len: int,
+    snapshots: RowSnapshots | None = None,
 ) -> torch.Tensor:
     """Gated delta rule, token by token (rows advanced in lockstep), float32 throughout.
 
@@ -88,6 +93,8 @@ def gdn_forward_ref(
         g: ``(T, Hv)`` log-decay (``<= 0``); beta: ``(T, Hv)``.
         ssm_state: ``(S, Hv, Dk, Dv)`` float32 pool, updated in place through ``state_slots``.
         max_query_len: host int ``>=`` the longest row.
+        snapshots: states inside rows to write into pool entries (``RowSnapshots``: row ``rows[i]``'s state after
+            ``offsets[i]`` of its tokens into ``ssm_state[entries[i]]``, rounded to the pool's dtype).
 
     Per token (q, k l2-normalised with eps 1e-6, q scaled by ``Dk ** -0.5``)::
 
@@ -103,14 +110,29 @@ def gdn_forward_ref(
     if R == 0 or T == 0:
         return out
     qsl_host = query_start_loc.tolist()
+    snaps: list[tuple[int, int, int]] = []  # (row, offset, entry)
+    if snapshots is not None:
+        snaps = list(zip(snapshots.rows, snapshots.offsets, snapshots.entries.tolist(), strict=True))
     # Rows advance in lockstep, so each length group runs only as many steps as its own longest row (see
     # hyserve.kernels.varlen); empty rows are in no group and keep their state.
     for rows in length_groups(query_start_loc):
         tok, sub_qsl = group_tokens(qsl_host, rows, q.device)
         n_max = max(qsl_host[r + 1] - qsl_host[r] for r in rows)
         group_slots = slots[torch.tensor(rows, dtype=torch.int64, device=slots.device)]
+        at: dict[int, list[tuple[int, int]]] = {}  # group position -> [(scan step, entry)]
+        for r, off, entry in snaps:
+            if r in rows:
+                at.setdefault(rows.index(r), []).append((off - 1, entry))
+
+        def record(i: int, active: torch.Tensor, s: torch.Tensor, at: dict[int, list[tuple[int, int]]] = at
+                   ) -> None:
+            for gi, points in at.items():
+                for step, entry in points:
+                    if step == i:
+                        ssm_state[entry] = s[gi].to(ssm_state.dtype)
+
         obuf, state = gdn_scan(q[tok], k[tok], v[tok], g[tok], beta[tok], ssm_state[group_slots].float(), sub_qsl,
-                               n_max)
+                               n_max, record if at else None)
         out[tok] = obuf[: tok.shape[0]].to(out.dtype)
         ssm_state[group_slots] = state.to(ssm_state.dtype)
     return out

@@ -24,6 +24,13 @@ Dispatch:
   its chunk count with one ``.item()``: a prefill step through fla waits for the device once, whatever
   ``query_start_loc_cpu`` (which spares the other syncs). Prefill steps are not captured.
 
+Snapshots inside rows (``snapshots``, prefix caching; :class:`hyserve.model.metadata.RowSnapshots`), as in
+:mod:`hyserve.kernels.gdn`: the reference records the state during its scan; on CUDA a snapshot starts from the
+nearest state the path kept (fla's state before every 64-token chunk of a row, its ``h`` in the model dtype, which
+the row's outputs read too; the row's starting state on the recurrent path), and the recurrent kernel runs the
+tokens from there to the snapshot's position on a float32 copy (:func:`advance_snapshots`). With snapshots the fla
+path calls the two stages of ``chunk_simple_gla``'s forward itself (``chunked.py``, pinned to fla-core 0.6.0).
+
 No path launches anything for ``A = -exp(A_log)``: the kernels read the ``A_log`` weight (a reload is seen at the
 next launch) and the reference computes it.
 
@@ -34,16 +41,19 @@ untouched; head ``h`` reads B / C group ``h // (H / G)``. The output is float32 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyserve.kernels.mamba2.chunked import chunked_tiles, mamba2_scan_fla
+from hyserve.kernels.mamba2.chunked import FLA_CHUNK, chunked_tiles, mamba2_scan_fla
 from hyserve.kernels.mamba2.reference import mamba2_scan_ref
 from hyserve.kernels.mamba2.verify import mamba2_verify, mamba2_verify_triton, state_tile
 
-__all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "compile_variants", "mamba2_recurrent_triton",
-           "mamba2_scan", "mamba2_scan_fla", "mamba2_scan_ref", "mamba2_verify"]
+if TYPE_CHECKING:
+    from hyserve.model.metadata import RowSnapshots
+
+__all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "advance_snapshots", "compile_variants",
+           "mamba2_recurrent_triton", "mamba2_scan", "mamba2_scan_fla", "mamba2_scan_ref", "mamba2_verify"]
 
 SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches (bf16 / fp16) to fla's chunked scan.
@@ -66,6 +76,7 @@ def mamba2_scan(
     scratch: torch.Tensor | None = None,
     query_start_loc_cpu: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    snapshots: RowSnapshots | None = None,
 ) -> torch.Tensor:
     """``y`` (T, H, P) float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A_log`` (H,) (the
     weight itself: every path computes ``A = -exp(A_log)`` in float32 as it reads it), ``B`` and ``C`` (T, G, N),
@@ -76,11 +87,15 @@ def mamba2_scan(
     read and ``scratch[r, j]`` takes row ``r``'s state after its ``j``-th token. ``max_query_len``: a host int
     ``>=`` the longest row (it picks the path without a device->host sync); ``query_start_loc_cpu``: the host's copy
     of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs). ``out``: a ``(T, H, P)``
-    float32 buffer (last dim contiguous) that takes ``y`` and is returned (a verify step's parts write one buffer)."""
+    float32 buffer (last dim contiguous) that takes ``y`` and is returned (a verify step's parts write one buffer).
+    ``snapshots``: states inside rows to write into pool entries (see the module docstring; not with ``scratch``)."""
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
+    if snapshots is not None and not snapshots.num:
+        snapshots = None
+    assert snapshots is None or scratch is None, "snapshots inside rows are prefill's"
     if not x.is_cuda:
         y = mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                            max_query_len, scratch)
+                            max_query_len, scratch, snapshots)
         return y if out is None else out.copy_(y)
     if scratch is not None:
         return mamba2_verify_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
@@ -88,10 +103,39 @@ def mamba2_scan(
     # float32 means float32: fla's chunked kernels round their float32 dots to TF32 (GDN's lesson on an H200), so
     # float32 models take the exact recurrent kernel for every row.
     if max_query_len <= MAMBA2_RECURRENT_MAX_QUERY_LEN or x.dtype == torch.float32:
-        return mamba2_recurrent_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
-                                       query_start_loc, out=out)
-    return mamba2_scan_fla(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                           query_start_loc_cpu, out=out)
+        # A snapshot starts from its row's starting state, read before the kernel advances the slot.
+        base = ssm_state.index_select(0, snapshots.slots).float() if snapshots is not None else None
+        y = mamba2_recurrent_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots,
+                                    query_start_loc, out=out)
+        if snapshots is not None and base is not None:
+            advance_snapshots(x, dt, A_log, B, C, D, dt_bias, dt_limit, base, snapshots, 0, ssm_state)
+        return y
+    if snapshots is None:
+        return mamba2_scan_fla(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                               query_start_loc_cpu, out=out)
+    y, h = mamba2_scan_fla(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                           query_start_loc_cpu, out=out, keep_chunk_states=True)
+    # fla's chunks are the non-empty rows' back to back: RowSnapshots.tails' chunk layout (see hyserve.kernels.gdn).
+    assert h is not None
+    base = h[0].index_select(0, snapshots.tails(FLA_CHUNK).chunk_index).float()
+    advance_snapshots(x, dt, A_log, B, C, D, dt_bias, dt_limit, base, snapshots, FLA_CHUNK, ssm_state)
+    return y
+
+
+def advance_snapshots(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], base: torch.Tensor,
+                      snapshots: RowSnapshots, chunk: int, ssm_state: torch.Tensor) -> None:
+    """Write each snapshot's state into its entry of ``ssm_state``: ``base[i]`` (float32 ``(n, H, P, N)``, advanced
+    in place) is snapshot i's row state at its last ``chunk`` boundary (``chunk`` 0: the row's start); the recurrent
+    kernel runs the tokens from there to the snapshot's position over it (``RowSnapshots.tails``) and the result is
+    rounded into the entry. ``x`` .. ``C`` are the call's inputs (prefill rows' tokens)."""
+    tails = snapshots.tails(chunk)
+    if tails.max_len:
+        idx = tails.tokens
+        rows = torch.arange(snapshots.num, device=base.device)
+        mamba2_recurrent_triton(x.index_select(0, idx), dt.index_select(0, idx), A_log, B.index_select(0, idx),
+                                C.index_select(0, idx), D, dt_bias, dt_limit, base, rows, tails.query_start_loc)
+    ssm_state.index_copy_(0, snapshots.entries, base.to(ssm_state.dtype))
 
 
 def mamba2_recurrent_triton(

@@ -33,7 +33,12 @@ from hyserve.kernels.mamba2.verify import state_tile
 from hyserve.kernels.varlen import nonempty_rows
 from hyserve.utils import next_pow2
 
-__all__ = ["chunked_tiles", "mamba2_chunked_inputs", "mamba2_chunked_output", "mamba2_scan_fla"]
+__all__ = ["FLA_CHUNK", "FLA_PINNED_VERSION", "chunked_tiles", "fla_simple_gla_with_states", "mamba2_chunked_inputs",
+           "mamba2_chunked_output", "mamba2_scan_fla"]
+
+# fla's chunk length, and the fla-core version whose internal stages fla_simple_gla_with_states calls.
+FLA_CHUNK = 64
+FLA_PINNED_VERSION = "0.6.0"
 
 
 def chunked_tiles(p: int, n: int) -> tuple[int, int, int, int]:
@@ -143,20 +148,58 @@ def mamba2_scan_fla(
     query_start_loc_cpu: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    keep_chunk_states: bool = False,
+) -> Any:
     """Chunked Mamba2 scan through fla-core's ``chunk_simple_gla`` (CUDA only; ``x`` in bf16 / fp16), arguments as
     :func:`hyserve.kernels.mamba2.mamba2_scan`'s.
 
     Empty rows are dropped first (fla gets only rows with tokens); their slots are not touched. Without
-    ``query_start_loc_cpu`` picking the non-empty rows waits for the device too."""
-    chunk_simple_gla = _import_fla_simple_gla()
+    ``query_start_loc_cpu`` picking the non-empty rows waits for the device too. ``keep_chunk_states``: returns
+    ``(y, h)``, ``h`` fla's per-chunk states (``fla_simple_gla_with_states``; None for an empty step)."""
+    chunk_simple_gla = _import_fla_simple_gla() if not keep_chunk_states else fla_simple_gla_with_states
     t, h, p = x.shape
     if t == 0 or state_slots.shape[0] == 0:
-        return torch.zeros((t, h, p), dtype=torch.float32, device=x.device) if out is None else out.zero_()
+        y = torch.zeros((t, h, p), dtype=torch.float32, device=x.device) if out is None else out.zero_()
+        return (y, None) if keep_chunk_states else y
     slots, cu_seqlens, qsl_cpu = nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu)
     q, k, v, g, h0 = mamba2_chunked_inputs(x, dt, A_log, B, C, dt_bias, dt_limit, ssm_state, slots)
-    o, final = chunk_simple_gla(
+    res = chunk_simple_gla(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), scale=1.0, initial_state=h0,
         output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=qsl_cpu,
     )  # fmt: skip
-    return mamba2_chunked_output(o[0], x, D, final, ssm_state, slots, out=out)
+    y = mamba2_chunked_output(res[0][0], x, D, res[1], ssm_state, slots, out=out)
+    return (y, res[2]) if keep_chunk_states else y
+
+
+def fla_simple_gla_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, scale: float,
+                               initial_state: torch.Tensor, output_final_state: bool, state_v_first: bool,
+                               cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fla-core 0.6.0's ``chunk_simple_gla`` forward (``ChunkSimpleGLAFunction.forward``: chunk indices, the gate's
+    chunk-local cumsum in log2, ``chunk_simple_gla_fwd``'s ``chunk_fwd_h`` and ``chunk_fwd_o``) stage by stage,
+    returning the per-chunk states too: ``(o, final_state, h)``, ``h`` ``(1, NT, H, P, N)`` (``state_v_first``) in
+    ``k``'s dtype, chunk ``chunk_offsets[n] + j`` holding sequence n's state before its token ``j * 64``. Refuses any
+    other fla-core version: these are internal functions whose signatures change between releases."""
+    import fla
+
+    if getattr(fla, "__version__", None) != FLA_PINNED_VERSION:
+        raise RuntimeError(
+            f"prefix-cache snapshots inside prefill rows call fla-core {FLA_PINNED_VERSION}'s internal chunk stages; "
+            f"fla-core {getattr(fla, '__version__', '?')} is installed. Install fla-core=={FLA_PINNED_VERSION}, or "
+            "set --no-snapshots-inside-rows (rows then end at every snapshot point)")
+    from fla.ops.common.chunk_h import chunk_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+    from fla.ops.utils.constant import RCP_LN2
+
+    assert output_final_state and state_v_first
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    bt = FLA_CHUNK
+    chunk_indices = prepare_chunk_indices(cu_seqlens, bt, cu_seqlens_cpu=cu_seqlens_cpu)
+    g = chunk_local_cumsum(g, chunk_size=bt, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    h, final = chunk_fwd_h(k=k, v=v, g=g, g_gamma=None, gk=None, gv=None, h0=initial_state.contiguous(),
+                           output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=bt, states_in_fp32=False,
+                           state_v_first=True)
+    o = chunk_fwd_o(q=q, k=k, v=v, g=g, g_gamma=None, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=bt,
+                    chunk_indices=chunk_indices, state_v_first=True)
+    return o, final, h

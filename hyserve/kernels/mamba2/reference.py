@@ -23,8 +23,13 @@ hands fla and makes of its result, the yardstick of ``_triton.py``'s passes befo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from hyserve.model.metadata import RowSnapshots
 
 __all__ = ["mamba2_chunked_inputs_ref", "mamba2_chunked_output_ref", "mamba2_scan_ref"]
 
@@ -43,13 +48,16 @@ def mamba2_scan_ref(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scratch: torch.Tensor | None = None,
+    snapshots: RowSnapshots | None = None,
 ) -> torch.Tensor:
     """``y`` (T, H, P) in float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A_log`` (H,),
     ``B`` and ``C`` (T, G, N), ``D`` and ``dt_bias`` (H,).
 
     Without ``scratch`` each non-empty row's slot ends holding its state after its last token. With ``scratch``
     (``(>= R, k + 1, H, P, N)``: a verify step) the slots are only read, and ``scratch[r, j]`` takes row ``r``'s state
-    after its ``j``-th token (``j <= k``), the candidates a commit or a snapshot copies."""
+    after its ``j``-th token (``j <= k``), the candidates a commit or a snapshot copies. ``snapshots`` (not with
+    ``scratch``): row ``rows[i]``'s state after ``offsets[i]`` of its tokens into ``ssm_state[entries[i]]``, rounded
+    to the pool's dtype (prefix-cache snapshots inside rows)."""
     t, h, p = x.shape
     r = state_slots.shape[0]
     g = B.shape[1]
@@ -66,6 +74,11 @@ def mamba2_scan_ref(
     xs, dts = x.float(), dt.float()
     bs = B.float().repeat_interleave(rep, dim=1)  # (T, H, N)
     cs = C.float().repeat_interleave(rep, dim=1)
+    at: dict[int, list[tuple[int, int]]] = {}  # scan step -> [(row, entry)]
+    if snapshots is not None:
+        assert scratch is None, "snapshots inside rows are prefill's"
+        for row, off, entry in zip(snapshots.rows, snapshots.offsets, snapshots.entries.tolist(), strict=True):
+            at.setdefault(off - 1, []).append((row, entry))
     for j in range(max_query_len):
         here = j < lens  # (R,)
         tok = torch.where(here, qsl[:-1] + j, torch.full_like(lens, t))
@@ -75,6 +88,8 @@ def mamba2_scan_ref(
         new = (torch.exp(step * a)[:, :, None, None] * state
                + (step[:, :, None] * xt)[:, :, :, None] * bs[src][:, :, None, :])
         state = torch.where(here[:, None, None, None], new, state)
+        for row, entry in at.get(j, ()):
+            ssm_state[entry] = state[row].to(ssm_state.dtype)
         out = (state * cs[src][:, :, None, :]).sum(-1) + D.float()[None, :, None] * xt
         y.index_copy_(0, tok, torch.where(here[:, None, None], out, y.index_select(0, tok)))
         if scratch is not None and j < scratch.shape[1]:  # the scratch may hold more rows than the step's
