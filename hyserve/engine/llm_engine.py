@@ -145,8 +145,14 @@ class LLMEngine:
                                             lookahead=1 if self.use_mtp else 0)
         self.drafts: DraftManager | None = None
         if self.spec_config is not None:
-            self.drafts = DraftManager(self.spec_config)
-            logger.info("speculative decoding: %s, %d tokens per step", self.spec_config.method, k)
+            adaptive = self.spec_config.adaptive
+            self.drafts = DraftManager(self.spec_config,
+                                       adaptive=adaptive if adaptive is not None else self.device.type == "cuda")
+            logger.info("speculative decoding: %s, %s tokens per step%s", self.spec_config.method,
+                        f"0 to {k} (chosen per step by the batch size and the acceptance measured)"
+                        if self.drafts.policy.adaptive else k,
+                        "" if adaptive is not None else " (the default on this device; speculative_config's "
+                        "\"adaptive\" sets it)")
         self.scheduler = Scheduler(self.max_num_seqs, self.max_num_batched_tokens, self.block_pool,
                                    self.state_slots, self.max_model_len, self.prefix_cache, self.drafts,
                                    banned_token_ids=functools.partial(banned_token_ids, self.output_processor),
@@ -165,6 +171,7 @@ class LLMEngine:
         self._arrivals = 0
         # Steps launched whose results are not applied yet (at most max_steps_in_flight between two step() calls).
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
+        self._last_result_time = 0.0  # when the last step's result was applied (the step durations' start)
         logger.info("async scheduling is %s%s", "on" if self.async_scheduling else "off",
                     "" if config.async_scheduling is not None else " (the default on this device; "
                     "--async-scheduling / --no-async-scheduling sets it)")
@@ -552,6 +559,8 @@ class LLMEngine:
         self._take_prompt_logprobs(so, ro)
         ran = self.scheduler.update_from_output(so, ro, self)
         verify = [i for i, row in enumerate(so.rows) if row.is_verify and i not in ro.errors]
+        if self.drafts is not None:
+            self._observe_spec(so, ro, verify, t0)
         if verify:
             self.metrics.on_verify([so.rows[i].num_drafts for i in verify], [ro.num_accepted[i] for i in verify])
             if self.metrics.num_steps % 200 == 0 and self.metrics.spec_num_drafts:
@@ -565,6 +574,19 @@ class LLMEngine:
         if so.rows:  # not a step that only carried verify commits to the pipeline stages
             self.metrics.on_step(so.num_tokens, sum(len(t) for t in ro.token_ids), time.perf_counter() - t0)
         return outputs
+
+    def _observe_spec(self, so: SchedulerOutput, ro: RunnerOutput, verify: list[int], t0: float) -> None:
+        """What the speculation-length policy learns from a step (``hyserve.speculative.adaptive``): the accepted
+        counts of its verify rows, and, for a step whose rows all decode, its duration at its k_step: from its launch
+        or the previous result, whichever is later (with steps in flight the device runs them back to back)."""
+        assert self.drafts is not None
+        policy = self.drafts.policy
+        now = time.perf_counter()
+        if verify:
+            policy.observe_verify([so.rows[i].num_drafts for i in verify], [ro.num_accepted[i] for i in verify])
+        if so.rows and len(verify) == len(so.rows):
+            policy.observe_step(len(so.rows), so.num_spec_tokens, now - max(t0, self._last_result_time))
+        self._last_result_time = now
 
     def _take_prompt_logprobs(self, so: SchedulerOutput, ro: RunnerOutput) -> None:
         """Each row's prompt logprobs into its request, by position (a chunk computed again after a preemption

@@ -13,14 +13,18 @@ step).
 from __future__ import annotations
 
 from hyserve.request import Request
+from hyserve.speculative.adaptive import SpecLengthPolicy
 from hyserve.speculative.config import SpeculativeConfig
 from hyserve.speculative.proposer import NgramProposer, Proposer
 
 
 class DraftManager:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, adaptive: bool = False) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        # How many drafts each step verifies (hyserve.speculative.adaptive); ``adaptive``: the resolved default.
+        self.policy = SpecLengthPolicy(self.k, adaptive=adaptive,
+                                       disable_by_batch_size=config.disable_by_batch_size)
         self.proposer: Proposer | None = None
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -60,7 +60,8 @@ class FilledStep:
     draft_at: list[int] = field(default_factory=list)  # token index of every verify row's drafts, in row order
     drafts_fed: list[tuple[int, int]] = field(default_factory=list)  # (token index, flat draft_slots index)
     mm_rows: list[ImageRow] = field(default_factory=list)
-    behind: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first token, slot): start on device
+    # (row, first token, slot, tokens): rows whose start is on the device
+    behind: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -162,8 +163,8 @@ class InputBatch:
                 nb["behind"][i] = row.start_on_device
                 nb["draft_count"][i] = n - 1
                 if row.start_on_device:  # its start-dependent inputs are set on the device (``Verifier``)
-                    assert mm is None and n == self.num_speculative_tokens + 1, "a row behind one has all k drafts"
-                    step.behind.append((i, t, row.state_slot))
+                    assert mm is None and n <= self.num_speculative_tokens + 1, "a row behind one has k_step drafts"
+                    step.behind.append((i, t, row.state_slot, n))
                 nb["input_ids"][t : t + n] = ids
                 step.draft_at.extend(range(t + 1, t + n))
                 if PREVIOUS_DRAFT in ids:

@@ -223,30 +223,34 @@ class Verifier:
         src = device_tensor([j for _, j in fed], self.device, torch.long)
         self.batch.dev_bufs["input_ids"].index_copy_(0, at, self.draft_slots.view(-1).index_select(0, src))
 
-    def start_behind(self, behind: list[tuple[int, int, int]]) -> None:
+    def start_behind(self, behind: list[tuple[int, int, int, int]]) -> None:
         """Verify rows scheduled behind their request's verify row in flight (``behind``: row, first token index,
-        state slot): their start and first token are what that row's acceptance left in the slot's entries; their
-        positions, KV slots and context lengths follow from the start, through their block tables on the device."""
+        state slot, tokens: the step's k_step + 1): their start and first token are what that row's acceptance left
+        in the slot's entries; their positions, KV slots and context lengths follow from the start, through their
+        block tables on the device."""
         assert self.verify_next_start is not None and self.verify_next_token is not None
-        q = self.num_speculative_tokens + 1
         bs = self.block_size
         d = self.batch.dev_bufs
-        row, at, slot = device_tensor([x for b in behind for x in b], self.device, torch.long).view(-1, 3).unbind(1)
+        head = [x for b in behind for x in b[:3]]
+        row, at, slot = device_tensor(head, self.device, torch.long).view(-1, 3).unbind(1)
         start = self.verify_next_start.index_select(0, slot)
         d["verify_starts"].index_copy_(0, row, start)  # verify rows come first: row i is verify row i
         d["input_ids"].index_copy_(0, at, self.verify_next_token.index_select(0, slot))
-        o = torch.arange(q, device=self.device)
-        pos = start.unsqueeze(1) + o  # (rows, q)
-        tok = (at.unsqueeze(1) + o).view(-1)
-        d["positions"].index_copy_(0, tok, pos.view(-1))
-        tables = d["block_tables"].index_select(0, row).long()
-        d["slot_mapping"].index_copy_(0, tok, (tables.gather(1, pos // bs) * bs + pos % bs).view(-1))
-        d["seq_lens"].index_copy_(0, row, (start + q).to(d["seq_lens"].dtype))
+        # Every token of every such row: (its row among them, its offset in the row, its index in the step).
+        flat = [(m, j, t + j) for m, (_, t, _, n) in enumerate(behind) for j in range(n)]
+        which, off, tok = device_tensor([x for f in flat for x in f], self.device, torch.long).view(-1, 3).unbind(1)
+        pos = start.index_select(0, which) + off
+        d["positions"].index_copy_(0, tok, pos)
+        tables = d["block_tables"].index_select(0, row.index_select(0, which)).long()
+        kv = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+        d["slot_mapping"].index_copy_(0, tok, kv)
+        lens = device_tensor([n for *_, n in behind], self.device, torch.long)
+        d["seq_lens"].index_copy_(0, row, (start + lens).to(d["seq_lens"].dtype))
 
     def _graph_behind(self, size: int) -> tuple[torch.Tensor, ...]:
-        """``behind`` graph: ``start_behind`` for a verify graph's ``size`` rows (row i's tokens at i * (k + 1)),
-        the rows behind flagged in the persistent ``behind`` buffer; the others, pads included, are left as the
-        host laid them out."""
+        """``behind`` graph: ``start_behind`` for a verify graph's ``size`` rows (row i's tokens at i * (k + 1), the
+        tail past its ``draft_count`` drafts masked), the rows behind flagged in the persistent ``behind`` buffer;
+        the others, pads included, are left as the host laid them out."""
         assert self.verify_next_start is not None and self.verify_next_token is not None
         q, bs = self.num_speculative_tokens + 1, self.block_size
         d = self.batch.dev_bufs
@@ -260,8 +264,10 @@ class Verifier:
         positions.copy_(torch.where(moved, pos, positions))
         tables = d["block_tables"][:size].long()
         slots_kv = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)) * bs + pos % bs
+        # A row with fewer than k drafts (the step's k_step) keeps its masked tail: no KV write there.
+        real = torch.arange(q, device=self.device).unsqueeze(0) <= d["draft_count"][:size].unsqueeze(1)
         mapping = d["slot_mapping"][: size * q].view(size, q)
-        mapping.copy_(torch.where(moved, slots_kv, mapping))
+        mapping.copy_(torch.where(moved, torch.where(real, slots_kv, -1), mapping))
         seq_lens = d["seq_lens"][:size]
         seq_lens.copy_(torch.where(flag, start + q, seq_lens.long()).to(seq_lens.dtype))
         first = d["input_ids"][: size * q].view(size, q)[:, 0]
