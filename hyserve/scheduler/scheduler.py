@@ -335,7 +335,8 @@ class Scheduler:
         (returned too: the chunk's end, or None).
 
         A decoding request under speculative decoding is one verify row: its last token and the drafts that fit the
-        budget and the step's speculation length (``_k_step``; 0: its last token alone); it is never cut (its snapshot comes from the verified candidate, see ``update_from_output``).
+        budget and the step's speculation length (``_k_step``; 0: its last token alone); it is never cut (its
+        snapshot comes from the verified candidate, see ``update_from_output``).
         """
         slot = req.state_slot if req.state_slot is not None else -1
         if req.num_inflight_samples and self.speculative:  # behind the verify row in flight (_can_verify_behind)

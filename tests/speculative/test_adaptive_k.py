@@ -23,8 +23,7 @@ import pytest
 
 from hyserve.config import ModelConfig
 from hyserve.engine.llm_engine import LLMEngine
-from hyserve.scheduler.output import PREVIOUS_DRAFT, PREVIOUS_SAMPLED, ScheduledRow
-from hyserve.scheduler.scheduler import Scheduler
+from hyserve.scheduler.output import ScheduledRow
 from hyserve.speculative import adaptive
 from hyserve.speculative.adaptive import SpecLengthPolicy, bucket, expected_tokens
 from hyserve.speculative.config import SpeculativeConfig
