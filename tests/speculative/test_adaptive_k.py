@@ -29,7 +29,7 @@ from hyserve.speculative.adaptive import SpecLengthPolicy, bucket, expected_toke
 from hyserve.speculative.config import SpeculativeConfig
 from hyserve.testing.engine import make_llm
 from hyserve.testing.families import CheckpointCache
-from hyserve.testing.scenarios import assert_k_schedule_matches, plain_scenario_run, run_k_schedule
+from hyserve.testing.scenarios import assert_k_schedule_matches, assert_same_outputs, plain_scenario_run, run_k_schedule
 from hyserve.worker import cuda_graphs
 
 # ---------------------------------------------------------------------------------------------------------- policy
@@ -250,3 +250,66 @@ def test_rows_that_ignore_the_steps_k_are_caught(ckpts: CheckpointCache, plain_r
         return
     with pytest.raises(AssertionError):
         assert_k_schedule_matches(got, recorder, engine, plain_run)
+
+
+def test_ngram_speculation_follows_the_scripted_k(ckpts: CheckpointCache, plain_run: dict,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The n-gram proposer under the same per-step length: its drafts (known continuations with errors planted)
+    trimmed to each step's k, the plain run's outputs, async scheduling and emulated graphs."""
+    from hyserve.testing.engine import drive
+    from hyserve.testing.scenarios import KStepRecorder, scenario, scenario_engine
+    from hyserve.testing.speculative import OracleProposer
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    arrivals, aborts, _ = scenario(path)
+    engine = scenario_engine(path, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": True},
+                             async_scheduling=True)
+    assert engine.drafts is not None
+    engine.drafts.policy.script([3, 0, 2, 1, 0])
+    recorder = KStepRecorder(engine)
+    conts = {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"}
+    engine.proposer = OracleProposer({"c": [], "d": [], **conts}, {rid: [3, 1, 2] for rid in conts}, vocab=440)
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert_same_outputs({r: o for r, o in got.items() if r != "d"}, {r: o for r, o in plain_run.items() if r != "d"})
+    assert not recorder.errors and recorder.chosen == [[3, 0, 2, 1, 0][i % 5] for i in range(len(recorder.chosen))]
+    assert {k for k, drafts in recorder.steps if any(drafts)} == {1, 2, 3}
+
+
+# Fake step times by bucket and k: at one row verifying is nearly free, at four rows it costs nearly k + 1 steps.
+FAKE_TIMES = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 4: {0: 1.0, 1: 2.5, 2: 4.0, 3: 5.5}}
+
+
+def test_the_engine_turns_speculation_off_where_it_cannot_pay(ckpts: CheckpointCache, plant_drafts: Callable) -> None:
+    """The live loop: the engine feeds the policy its verify results and step times (the times replaced by
+    ``FAKE_TIMES``, the acceptance measured: planted drafts, the first two of three right). Alone, a request
+    speculates with two drafts (E = 3 tokens for 1.2 against 1.0 plain); four at once decode plainly, with a probe
+    now and then; the outputs are plain decoding's all along."""
+    from hyserve import SamplingParams
+    from hyserve.testing.engine import drive
+
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    prompts = {rid: [(7 * i + j) % 400 + 3 for j in range(12 + 3 * i)] for i, rid in enumerate("abcde")}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = make_llm(path, enable_prefix_caching=False)
+    want = {rid: list(plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+            for rid, p in prompts.items()}
+    eng = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
+                   max_num_seqs=4, async_scheduling=False).llm_engine
+    assert eng.drafts is not None
+    policy = eng.drafts.policy
+    policy.probe_interval = 8
+    observe = policy.observe_step
+    policy.observe_step = lambda b, k, seconds: observe(b, k, FAKE_TIMES[bucket(b)][k])  # type: ignore[method-assign]
+    plant_drafts(eng, want)
+    alone = drive(eng, {0: [("a", prompts["a"], params)]})
+    at_one = dict(policy.histogram)
+    policy.histogram.clear()
+    together = drive(eng, {0: [(rid, prompts[rid], params) for rid in "bcde"]})
+    eng.assert_no_leaks()
+    assert {rid: list(o.outputs[0].token_ids) for rid, o in {**alone, **together}.items()} == want
+    assert policy.acceptance[0] > 0.9 and policy.acceptance[1] > 0.9
+    assert max(at_one, key=at_one.__getitem__) == 2, at_one
+    at_four = dict(policy.histogram)
+    assert at_four[0] > 0.6 * sum(at_four.values()) and set(at_four) == {0, 1, 2, 3}, at_four  # probes included
