@@ -561,6 +561,8 @@ class LLMEngine:
         verify = [i for i, row in enumerate(so.rows) if row.is_verify and i not in ro.errors]
         if self.drafts is not None:
             self._observe_spec(so, ro, verify, t0)
+            if any(row.is_verify for row in so.rows):
+                self.metrics.on_spec_step(so.num_spec_tokens)
         if verify:
             self.metrics.on_verify([so.rows[i].num_drafts for i in verify], [ro.num_accepted[i] for i in verify])
             if self.metrics.num_steps % 200 == 0 and self.metrics.spec_num_drafts:

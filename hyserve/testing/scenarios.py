@@ -282,3 +282,5 @@ def assert_k_schedule_matches(got: dict[str, RequestOutput], recorder: KStepReco
     accepted = metrics["hyserve:spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted  # type: ignore[operator]  # drafts accepted and rejected
     assert drafted == sum(sum(d) for _, d in recorder.steps)  # type: ignore[operator]  # drafts actually verified
+    per_k = [sum(1 for k, _ in recorder.steps if k == j) for j in range(max(k for k, _ in recorder.steps) + 1)]
+    assert metrics["hyserve:spec_decode_steps_per_k"] == per_k
