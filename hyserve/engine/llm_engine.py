@@ -120,6 +120,10 @@ class LLMEngine:
         # Steps launched whose results are not applied yet, between two step() calls: with P pipeline stages, P - 1
         # micro-batches keep the stages busy; async scheduling adds one (its host work overlaps the device's).
         self.max_steps_in_flight = pp - 1 + int(self.async_scheduling)
+        # The speculation length per step (hyserve.speculative.adaptive): unset, on for CUDA.
+        spec = self.spec_config
+        self.spec_adaptive = spec is not None and (spec.adaptive if spec.adaptive is not None
+                                                   else self.device.type == "cuda")
         # The worker side: device, model, cache tensors, step buffers, graphs. The engine keeps ids and ints.
         self.executor: Executor = self._make_executor(k)
         infos = self.executor.cache_infos()
@@ -146,8 +150,7 @@ class LLMEngine:
         self.drafts: DraftManager | None = None
         if self.spec_config is not None:
             adaptive = self.spec_config.adaptive
-            self.drafts = DraftManager(self.spec_config,
-                                       adaptive=adaptive if adaptive is not None else self.device.type == "cuda")
+            self.drafts = DraftManager(self.spec_config, adaptive=self.spec_adaptive)
             logger.info("speculative decoding: %s, %s tokens per step%s", self.spec_config.method,
                         f"0 to {k} (chosen per step by the batch size and the acceptance measured)"
                         if self.drafts.policy.adaptive else k,
@@ -193,8 +196,12 @@ class LLMEngine:
             logger.info("prefix caching is off")
 
     def _make_executor(self, num_speculative_tokens: int) -> Executor:
+        # The shorter speculation lengths a step may take: the worker captures verify graphs for each.
+        spec = self.spec_config
+        lengths = tuple(range(num_speculative_tokens)) if self.spec_adaptive else \
+            (0,) if spec is not None and spec.disable_by_batch_size is not None else ()
         kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp,
-                              "max_steps_in_flight": self.max_steps_in_flight}
+                              "max_steps_in_flight": self.max_steps_in_flight, "spec_lengths": lengths}
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         self.model_config.check_tensor_parallel(tp, self.config.enable_expert_parallel)
         if self.config.enable_expert_parallel:

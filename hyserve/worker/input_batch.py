@@ -94,6 +94,7 @@ class InputBatch:
         self._h2d_fence: torch.cuda.Event | None = None  # recorded after a step's copies out of host_bufs
         self.last_meta: StepMetadata | None = None
         self.verify_graph_size: int | None = None  # the padded size of the last step's verify graph, if it ran
+        self.verify_graph_q = num_speculative_tokens + 1  # and its tokens per row (k_step + 1)
         # The last step's sampled ids on the device, and each sampling request's row among them.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
@@ -251,9 +252,10 @@ class InputBatch:
             slot_mapping=bufs["slot_mapping"][:tokens], max_query_len=query_len, max_seq_len=self.max_model_len,
         )
 
-    def verify_static_meta(self, size: int) -> StepMetadata:
-        """A verify graph's metadata: ``size`` rows of k + 1 tokens."""
-        q = self.num_speculative_tokens + 1
+    def verify_static_meta(self, size: int, q: int | None = None) -> StepMetadata:
+        """A verify graph's metadata: ``size`` rows of ``q`` tokens (k + 1 by default; a graph of a shorter
+        speculation length k_step + 1)."""
+        q = q or self.num_speculative_tokens + 1
         d = self.dev_bufs
         meta = self.static_meta(d, size, size * q, q)
         meta.verify = VerifyMetadata(

@@ -8,9 +8,11 @@ graph's layout.
 The outputs against plain decoding (itself checked against transformers elsewhere), with drafts planted on the
 worker (most accepted: rows behind start past their earliest start), staggered arrivals, an abort, preemption, and a
 prefix hit into a's decode region whose snapshot came from a verified candidate (f's logprobs against a plain
-prefill); emulated CUDA graphs and eager drafting. Sabotaged: a row behind taking the configured k's placeholders
-(caught by the step checks), the eager layout of rows behind spreading every row over k + 1 tokens (the next row's
-tokens moved: the outputs).
+prefill); emulated CUDA graphs (each speculation length its own verify, accept and behind graphs, or all steps the
+graphs of k drafts per row) and eager drafting. Sabotaged: a row behind taking the configured k's placeholders
+(caught by the step checks), the behind graph giving a short row's masked tail KV slots, the accept graph of a
+shorter length reading the layout of k (the outputs), the eager layout of rows behind spreading every row over
+k + 1 tokens (the next row's tokens moved).
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ def placeholders_of_k(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def run(path: str, want: dict[str, list[int]], follow: list[int], graphs: bool, monkeypatch: pytest.MonkeyPatch,
-        schedule: list[int] | None = None) -> dict[str, Any]:
+        own_graphs: bool = True) -> dict[str, Any]:
+    """``own_graphs``: each speculation length has its verify graphs ("adaptive": true); off ("adaptive": false,
+    the schedule scripted all the same) every step runs the graphs of k drafts per row, shorter rows masked."""
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
-    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K, "adaptive": True},
+    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K, "adaptive": own_graphs},
                    block_size=16, num_kv_blocks=12, max_model_len=160, max_num_batched_tokens=48, max_num_seqs=4,
                    enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=64,
                    async_scheduling=True, enforce_eager=not graphs)
@@ -57,20 +61,23 @@ def run(path: str, want: dict[str, list[int]], follow: list[int], graphs: bool, 
     runner = eng.runner
     assert eng.scheduler.async_verify and (runner.graphs is not None) == graphs
     assert eng.drafts is not None
-    eng.drafts.policy.script(schedule or K_SCHEDULE)
+    eng.drafts.policy.script(K_SCHEDULE)
     recorder = KStepRecorder(eng)
     execute = runner.execute_model_async
     prompts = {**PROMPTS, "f": follow}
 
     tails: list[int] = []  # KV slots the verify graph's masked tails were given (must be none: -1)
+    replays: dict[int, int] = {}  # verify graph steps by their tokens per row
 
     def plant(so: Any) -> Any:  # on the CPU the step has run when this returns: its device values are there
         handle = execute(so)
         verifier = runner.verifier
         if so.rows and all(r.is_verify for r in so.rows) and runner.input_batch.verify_graph_size is not None:
             mapping = runner.input_batch.dev_bufs["slot_mapping"]
+            q = runner.input_batch.verify_graph_q  # k_step + 1 where the step's own graph ran, else k + 1
+            replays[q] = replays.get(q, 0) + 1
             for i, row in enumerate(so.rows):
-                tails.extend(int(x) for x in mapping[i * (K + 1) + row.num_new_tokens : (i + 1) * (K + 1)] if x >= 0)
+                tails.extend(int(x) for x in mapping[i * q + row.num_new_tokens : (i + 1) * q] if x >= 0)
         assert verifier.draft_slots is not None and verifier.verify_next_start is not None
         for row in so.rows:
             if row.req_id not in want:
@@ -98,7 +105,7 @@ def run(path: str, want: dict[str, list[int]], follow: list[int], graphs: bool, 
             "accepted": m["hyserve:spec_decode_num_accepted_tokens"], "drafted":
             m["hyserve:spec_decode_num_draft_tokens"], "preemptions": m["hyserve:num_preemptions"],
             "hit": final["f"].num_cached_tokens, "f_logprobs": chosen_logprobs(final["f"]), "recorder": recorder,
-            "tails": tails}
+            "tails": tails, "replays": replays}
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +118,12 @@ def targets(ckpts: CheckpointCache) -> tuple[str, dict[str, list[int]], list[int
     return path, want, follow, ref_f
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager-drafting"])
-def test_rows_behind_follow_the_steps_k(targets: tuple, monkeypatch: pytest.MonkeyPatch, graphs: bool) -> None:
+@pytest.mark.parametrize("graphs,own_graphs", [(True, True), (True, False), (False, True)],
+                         ids=["graphs-per-k", "graphs-of-k", "eager-drafting"])
+def test_rows_behind_follow_the_steps_k(targets: tuple, monkeypatch: pytest.MonkeyPatch, graphs: bool,
+                                        own_graphs: bool) -> None:
     path, want, follow, ref_f = targets
-    got = run(path, want, follow, graphs, monkeypatch)
+    got = run(path, want, follow, graphs, monkeypatch, own_graphs)
     rec = got["recorder"]
     assert got["outputs"] == want
     drift = max(abs(x - y) for x, y in zip(got["f_logprobs"], chosen_logprobs(ref_f), strict=True))
@@ -126,32 +135,48 @@ def test_rows_behind_follow_the_steps_k(targets: tuple, monkeypatch: pytest.Monk
     if graphs:  # with the draft graph a row goes behind one in flight at every k, none included
         assert all(rec.rows_behind.get(k, 0) > 0 for k in range(K + 1)), rec.rows_behind
         assert not got["tails"]  # a short row's masked tail writes no KV, behind one in flight too
+        # each speculation length ran its own verify graph (rows of k_step + 1 tokens), or every step k + 1's
+        want_q = range(1, K + 2) if own_graphs else [K + 1]
+        assert sorted(q for q, n in got["replays"].items() if n) == list(want_q), got["replays"]
 
 
 def unmasked_tails(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: the behind graph gives every token of a row behind a KV slot, its masked tail's too."""
     behind = Verifier._graph_behind
 
-    def every_slot(self: Verifier, size: int) -> tuple[torch.Tensor, ...]:
+    def every_slot(self: Verifier, q: int, size: int) -> tuple[torch.Tensor, ...]:
         count = self.batch.dev_bufs["draft_count"][:size].clone()
         self.batch.dev_bufs["draft_count"][:size].fill_(K)
-        out = behind(self, size)
+        out = behind(self, q, size)
         self.batch.dev_bufs["draft_count"][:size].copy_(count)
         return out
 
     monkeypatch.setattr(Verifier, "_graph_behind", every_slot)
 
 
-@pytest.mark.parametrize("sabotage", ["placeholders", "tails"])
+def accept_of_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the accept graph of a shorter speculation length reads the logits and drafts in the layout of k
+    drafts per row."""
+    accept = Verifier._graph_accept
+    monkeypatch.setattr(Verifier, "_graph_accept", lambda self, q, size: accept(self, K + 1, size))
+
+
+@pytest.mark.parametrize("sabotage", ["placeholders", "tails", "accept"])
 def test_rows_behind_that_ignore_the_steps_k_are_caught(targets: tuple, monkeypatch: pytest.MonkeyPatch,
                                                         sabotage: str) -> None:
     path, want, follow, _ = targets
-    (placeholders_of_k if sabotage == "placeholders" else unmasked_tails)(monkeypatch)
-    got = run(path, want, follow, True, monkeypatch)
+    {"placeholders": placeholders_of_k, "tails": unmasked_tails, "accept": accept_of_k}[sabotage](monkeypatch)
+    try:
+        got = run(path, want, follow, True, monkeypatch, own_graphs=sabotage != "tails")
+    except (AssertionError, RuntimeError, IndexError):  # the engine's own checks stopped it
+        assert sabotage == "accept"
+        return
     if sabotage == "placeholders":
         assert "a row behind with 3 drafts" in " ".join(got["recorder"].errors)
-    else:
+    elif sabotage == "tails":
         assert got["tails"]
+    else:
+        assert got["outputs"] != want
 
 
 def test_start_behind_lays_each_row_out_in_its_own_tokens(ckpts: CheckpointCache,

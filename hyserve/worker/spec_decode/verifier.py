@@ -17,7 +17,7 @@ import torch
 
 from hyserve.scheduler.output import PREVIOUS_DRAFT, RunnerOutput, ScheduledRow, candidate_point
 from hyserve.utils import device_tensor
-from hyserve.worker.cuda_graphs import GraphBody, GraphLogits, GraphSet, StepGraphs, weak_forward
+from hyserve.worker.cuda_graphs import GraphBody, GraphLogits, GraphSet, StepGraphs, spec_kind, weak_forward
 from hyserve.worker.input_batch import FilledStep, InputBatch
 from hyserve.worker.spec_decode.mtp_drafter import MTPDrafter
 from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
@@ -83,18 +83,24 @@ class Verifier:
         if drafter is not None:  # the accept graph's (count, emitted) per row
             self.accept_summary = batch.dev((max_num_seqs, num_speculative_tokens + 2), torch.long)
 
-    def graph_bodies(self, logits: GraphLogits) -> dict[str, GraphBody]:
-        """The ``behind`` and ``accept`` graphs (over the verify graph's buffers: their pads are the step's)."""
+    def graph_bodies(self, logits: GraphLogits, spec_lengths: tuple[int, ...] = ()) -> dict[str, GraphBody]:
+        """The ``behind`` and ``accept`` graphs (over the verify graph's buffers: their pads are the step's), for k
+        drafts per row and for each shorter speculation length in ``spec_lengths`` (``spec_kind``)."""
         self.logits = logits
-        return {"behind": GraphBody(weak_forward(self._graph_behind)),
-                "accept": GraphBody(weak_forward(self._graph_accept))}
+        k = self.num_speculative_tokens
+        bodies = {}
+        for j in (k, *spec_lengths):
+            bodies[spec_kind("behind", j, k)] = GraphBody(weak_forward(self._graph_behind, j + 1))
+            bodies[spec_kind("accept", j, k)] = GraphBody(weak_forward(self._graph_accept, j + 1))
+        return bodies
 
     def complete_inputs(self, step: FilledStep, pad_to: int | None, row_len: int | None) -> None:
         """The verify rows' inputs that only the device knows, after the host's copies: the starts of rows behind
         rows in flight (the ``behind`` graph when the verify graph's layout is used), and drafts fed from
         ``draft_slots``."""
         if step.behind:
-            graphs = self.graphs.get("behind") if row_len is not None else None
+            k = self.num_speculative_tokens
+            graphs = self.graphs.get(spec_kind("behind", row_len - 1, k)) if row_len is not None else None
             if graphs is not None and pad_to in graphs.sizes:  # the verify graph's layout: row i at i * row_len
                 graphs.run(pad_to)  # type: ignore[arg-type]
             else:
@@ -186,7 +192,7 @@ class Verifier:
         graph (``_graph_accept``), with one copy of the counts and tokens to the host; None where it does not
         apply (a row that samples or has banned tokens, or the verify graph did not run at ``size``): then the
         rejection sampler decides, as it does everywhere else."""
-        graphs = self.graphs.get("accept")
+        graphs = self.graphs.get(spec_kind("accept", self.batch.verify_graph_q - 1, self.num_speculative_tokens))
         if graphs is None or self.batch.verify_graph_size != size or size not in graphs.sizes:
             return None
         if not all(r.params.is_greedy and r.banned_token_ids is None and r.grammar_masks is None
@@ -202,16 +208,17 @@ class Verifier:
             event.record()
         return PendingSpec(summary[:, 0], summary[:, 1:], host, event, None)
 
-    def _graph_accept(self, size: int) -> tuple[torch.Tensor, ...]:
+    def _graph_accept(self, q: int, size: int) -> tuple[torch.Tensor, ...]:
         """``accept`` graph: the rejection sampler's greedy acceptance (``RejectionSampler.accept_greedy``) of
-        ``size`` verify rows of k + 1 positions from the verify graph's logits and fed tokens into
-        ``accept_summary`` (per row: the count, then the emitted tokens, the last one at column count); then each
-        row's next start and last token into its slot's entries (``advance_verified``)."""
+        ``size`` verify rows of ``q`` positions (k + 1, or k_step + 1 for ``accept@k_step``) from the verify graph's
+        logits and fed tokens into ``accept_summary`` (per row: the count, then the emitted tokens, the last one at
+        column count; the columns past q + 1 left as they were); then each row's next start and last token into its
+        slot's entries (``advance_verified``)."""
         assert self.logits is not None
-        q = self.num_speculative_tokens + 1
         drafts = self.batch.dev_bufs["input_ids"][: size * q].view(size, q)[:, 1:]
         accepted, emitted = self.rejection_sampler.accept_greedy(
-            self.logits.f32[: size * q], drafts, self.batch.dev_bufs["draft_count"][:size], self.accept_summary[:size])
+            self.logits.f32[: size * q], drafts, self.batch.dev_bufs["draft_count"][:size],
+            self.accept_summary[:size, : q + 1])
         self.advance_verified(accepted, emitted)
         return ()
 
@@ -247,12 +254,13 @@ class Verifier:
         lens = device_tensor([n for *_, n in behind], self.device, torch.long)
         d["seq_lens"].index_copy_(0, row, (start + lens).to(d["seq_lens"].dtype))
 
-    def _graph_behind(self, size: int) -> tuple[torch.Tensor, ...]:
-        """``behind`` graph: ``start_behind`` for a verify graph's ``size`` rows (row i's tokens at i * (k + 1), the
-        tail past its ``draft_count`` drafts masked), the rows behind flagged in the persistent ``behind`` buffer;
-        the others, pads included, are left as the host laid them out."""
+    def _graph_behind(self, q: int, size: int) -> tuple[torch.Tensor, ...]:
+        """``behind`` graph: ``start_behind`` for a verify graph's ``size`` rows (row i's tokens at i * q, q = k + 1
+        or k_step + 1 for ``behind@k_step``, the tail past its ``draft_count`` drafts masked), the rows behind
+        flagged in the persistent ``behind`` buffer; the others, pads included, are left as the host laid them
+        out."""
         assert self.verify_next_start is not None and self.verify_next_token is not None
-        q, bs = self.num_speculative_tokens + 1, self.block_size
+        bs = self.block_size
         d = self.batch.dev_bufs
         flag = d["behind"][:size] > 0
         slots = d["state_slots"][:size]
