@@ -117,6 +117,9 @@ class Scheduler:
         # The speculation length of the step being scheduled (hyserve.speculative.adaptive): its verify rows take at
         # most this many drafts.
         self._k_step = drafts.k if drafts is not None else 0
+        # Per request with a verify row in flight: the drafts its step's drafting leaves (DraftManager.
+        # drafting_length), the most a row behind it can take.
+        self._drafts_after: dict[str, int] = {}
 
     @property
     def speculative(self) -> bool:
@@ -217,7 +220,7 @@ class Scheduler:
         if prev is None:
             return False
         assert self.drafts is not None
-        k = self._k_step  # the drafts it takes: the step's (the row in flight's drafting leaves up to the config's k)
+        k = self._behind_drafts(req)
         p = req.sampling_params
         if budget < k + 1 or p.seed is not None or p.logprobs is not None or req.mm is not None:
             return False
@@ -226,6 +229,11 @@ class Scheduler:
         latest = prev.start + prev.num_new_tokens  # the start if every draft in flight is accepted
         # (The draft limit is at most max_model_len, so this row fits the model's length too.)
         return latest + 1 + k <= self.drafts.draft_limit(req, self.max_model_len)
+
+    def _behind_drafts(self, req: Request) -> int:
+        """The drafts a row behind ``req``'s verify row in flight takes: the step's k_step, at most what the row in
+        flight's drafting leaves."""
+        return min(self._k_step, self._drafts_after.get(req.request_id, self._k_step))
 
     def _admit(self, out: SchedulerOutput, budget: int,
                chunks: list[tuple[Request, ScheduledRow, int | None]]) -> None:
@@ -342,7 +350,8 @@ class Scheduler:
         if req.num_inflight_samples and self.speculative:  # behind the verify row in flight (_can_verify_behind)
             assert self.drafts is not None
             prev = self._verify_in_flight[req.request_id]
-            return ScheduledRow(req.request_id, prev.start + 1, [PREVIOUS_SAMPLED] + [PREVIOUS_DRAFT] * self._k_step,
+            return ScheduledRow(req.request_id, prev.start + 1,
+                                [PREVIOUS_SAMPLED] + [PREVIOUS_DRAFT] * self._behind_drafts(req),
                                 req.block_table, slot, samples=True, is_verify=True, start_on_device=True,
                                 max_start=prev.start + prev.num_new_tokens), None
         if req.num_inflight_samples:  # async: the token this row feeds is still on the device
@@ -424,6 +433,8 @@ class Scheduler:
             req.num_inflight_samples += 1
             if row.is_verify:
                 self._verify_in_flight[req.request_id] = row
+                assert self.drafts is not None
+                self._drafts_after[req.request_id] = self.drafts.drafting_length(self._k_step)
                 if row.start_on_device:
                     self._behind[req.request_id] = row
                     self.num_rows_behind += 1
@@ -453,6 +464,7 @@ class Scheduler:
         """Its rows in flight are no longer its (their results are discarded by the epochs)."""
         self._verify_in_flight.pop(req.request_id, None)
         self._behind.pop(req.request_id, None)
+        self._drafts_after.pop(req.request_id, None)
 
     def _release(self, req: Request) -> None:
         if req.block_table:

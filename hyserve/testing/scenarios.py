@@ -199,14 +199,17 @@ ADAPTIVE_MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}
 
 class KStepRecorder:
     """Wraps the scheduler's ``schedule`` to check every step against its speculation length k_step: each verify
-    row holds at most k_step drafts, a row behind one in flight exactly k_step, and the request's KV blocks cover
-    the row's latest end plus the MTP head's drafting positions (``DraftManager.lookahead_tokens``)."""
+    row holds at most k_step drafts, a row behind one in flight exactly k_step or, where the step of the row in
+    flight drafted fewer (``DraftManager.drafting_length``), that many; the request's KV blocks cover the row's
+    latest end plus the MTP head's drafting positions (``DraftManager.lookahead_tokens``); and after a step the MTP
+    head left each request far from its end ``drafting_length(k_step)`` drafts."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[int, list[int]]] = []  # (k_step, each verify row's drafts) of steps with verify rows
         self.chosen: list[int] = []  # the k_step of every step the policy chose for
         self.rows_behind: dict[int, int] = {}  # k_step -> rows behind one in flight at that k
         self.errors: list[str] = []
+        last_k: dict[str, int] = {}  # each request's last verify row's k_step
         sched = engine.scheduler
         drafts = engine.drafts
         assert drafts is not None
@@ -226,9 +229,11 @@ class KStepRecorder:
                     self.errors.append(f"step {so.step_id}: {r.num_drafts} drafts at k_step {so.num_spec_tokens}")
                 if r.start_on_device:
                     self.rows_behind[so.num_spec_tokens] = self.rows_behind.get(so.num_spec_tokens, 0) + 1
-                    if r.num_drafts != so.num_spec_tokens:
+                    want = min(so.num_spec_tokens, drafts.drafting_length(last_k[r.req_id]))
+                    if r.num_drafts != want:
                         self.errors.append(f"step {so.step_id}: a row behind with {r.num_drafts} drafts at k_step "
-                                           f"{so.num_spec_tokens}")
+                                           f"{so.num_spec_tokens} (want {want})")
+                last_k[r.req_id] = so.num_spec_tokens
                 end = min(r.latest_start + r.num_new_tokens + drafts.lookahead_tokens, engine.max_model_len)
                 if len(r.block_table) * bs < end:
                     self.errors.append(f"step {so.step_id}: blocks for {len(r.block_table) * bs} tokens, the row "
@@ -236,31 +241,51 @@ class KStepRecorder:
             return so
 
         sched.schedule = schedule  # type: ignore[method-assign]
+        update = sched.update_from_output
+
+        def drafted(so, ro, sink):  # type: ignore[no-untyped-def]
+            ran = update(so, ro, sink)
+            if drafts.config.method != "mtp" or not so.rows:
+                return ran
+            want = drafts.drafting_length(so.num_spec_tokens)
+            for row in so.rows:
+                req = sched.requests.get(row.req_id)
+                if req is None or req.is_finished or req.num_inflight_tokens or not req.is_decoding:
+                    continue
+                if drafts.num_drafts(req, engine.max_model_len) >= drafts.k and len(req.draft_token_ids) != want:
+                    self.errors.append(f"step {so.step_id}: {len(req.draft_token_ids)} drafts after a step at "
+                                       f"k_step {so.num_spec_tokens} (want {want})")
+            return ran
+
+        sched.update_from_output = drafted  # type: ignore[method-assign]
 
 
 def run_k_schedule(path: str, plain_run: dict[str, RequestOutput], plant: Callable[[LLMEngine, dict], None],
                    async_scheduling: bool, graphs: bool, schedule: list[int] | None = None,
-                   sabotage: Callable[[LLMEngine], None] | None = None) -> tuple[dict[str, RequestOutput],
-                                                                                 KStepRecorder, LLMEngine]:
+                   sabotage: Callable[[LLMEngine], None] | None = None,
+                   **engine_kw: object) -> tuple[dict[str, RequestOutput], KStepRecorder, LLMEngine]:
     """The scenario with MTP (k = 3) whose speculation length follows ``schedule`` step after step (the policy's
     test hook), drafts planted by ``plant`` (tests' ``plant_drafts``: accepted and rejected), async scheduling or
-    not, CUDA graphs emulated (the caller sets ``cuda_graphs.EMULATE``) or not. Returns the outputs, the recorder
-    and the engine; ``assert_k_schedule_matches`` checks them."""
+    not, CUDA graphs emulated (the caller sets ``cuda_graphs.EMULATE``) or not; ``engine_kw`` to the engine (worker
+    processes: graphs as the environment says, rows and slots not recorded). Returns the outputs, the recorder and
+    the engine; ``assert_k_schedule_matches`` checks them."""
     from hyserve.testing.engine import SlotRecorder
 
     arrivals, aborts, _ = scenario(path)
-    engine = scenario_engine(path, ADAPTIVE_MTP, async_scheduling=async_scheduling)
-    assert (engine.runner.graphs is not None) == graphs
+    engine = scenario_engine(path, ADAPTIVE_MTP, async_scheduling=async_scheduling, **engine_kw)
+    in_process = not engine_kw
+    if in_process:
+        assert (engine.runner.graphs is not None) == graphs
     assert engine.drafts is not None
     engine.drafts.policy.script(schedule or K_SCHEDULE)
     recorder = KStepRecorder(engine)
     if sabotage is not None:
         sabotage(engine)
-    slots = SlotRecorder(engine)
+    slots = SlotRecorder(engine) if in_process else None
     plant(engine, {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"})
     got = drive(engine, arrivals, aborts)
     engine.assert_no_leaks()
-    assert slots.saw_non_identity()
+    assert slots is None or slots.saw_non_identity()
     return got, recorder, engine
 
 

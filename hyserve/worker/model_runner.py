@@ -142,6 +142,10 @@ class ModelRunner:
         # The shorter speculation lengths k_step < k a step may take (hyserve.speculative.adaptive): each has verify,
         # accept and behind graphs of its own (``cuda_graphs.spec_kind``), so a shorter step costs less.
         self.spec_lengths = tuple(sorted({j for j in spec_lengths if 0 <= j < num_speculative_tokens}))
+        # The MTP head drafts max(k_step, 1) tokens after a step at k_step (the first pass writes the MTP KV entries
+        # whatever k_step is; the next step's length is not known yet and takes what there is): draft graphs of
+        # each such length. k where no step is shorter.
+        self.draft_lengths = tuple(sorted({max(j, 1) for j in self.spec_lengths} - {num_speculative_tokens}))
         # A stage before the last commits a verify step when its accepted counts arrive, up to a few steps later:
         # each uncommitted step keeps its candidates in a scratch set of its own.
         self.num_scratch_sets = max_steps_in_flight + 1 if num_speculative_tokens and not self.is_last_stage else 1
@@ -279,6 +283,8 @@ class ModelRunner:
             # The whole drafting of a verify step: the first pass over each row's k + 1 positions, then k - 1
             # one-token passes fed on the device.
             sizes["draft"] = capture_sizes(limit, user)
+            for j in self.draft_lengths:  # the drafting after a shorter step: j passes
+                sizes[spec_kind("draft", j, k)] = list(sizes["draft"])
             # The draft graph's inputs from the accepted counts on the device (the whole verify step enqueued).
             sizes["draft_fill"] = list(sizes["draft"])
             if self.pp_size == 1 and tp_size() == 1:  # rows behind rows in flight: their starts from the device
@@ -365,7 +371,7 @@ class ModelRunner:
         bodies.update(self.state_ops.graph_bodies())
         if self.drafter is not None:
             bodies.update(self.drafter.graph_bodies(self.graph_logits, self.max_num_seqs,
-                                                    self.model_config.residual_width, self.dtype))
+                                                    self.model_config.residual_width, self.dtype, self.draft_lengths))
         if self.verifier is not None:
             bodies.update(self.verifier.graph_bodies(self.graph_logits, self.spec_lengths))
         emulate = self.device.type != "cuda"
@@ -474,9 +480,11 @@ class ModelRunner:
         sampling_rows = [self._sampling_row(rows[i], i, out.errors) for i in plain]
         spec_rows = [self._spec_row(rows[i], i, out.errors) for i in verify]
         verifier = self.verifier
+        # The drafts the MTP head proposes for the next step: max(k_step, 1), or k where no step is shorter.
+        num_drafts = max(so.num_spec_tokens, 1) if self.spec_lengths else self.num_speculative_tokens
         # Whether the whole verify step is enqueued at once; a row behind another otherwise needs its start first
         # (resolving it changes nothing the check reads: the scheduler sends a row behind only where it fits).
-        chain = verifier.device_chain(rows, spec_rows) if verifier is not None else None
+        chain = verifier.device_chain(rows, spec_rows, num_drafts) if verifier is not None else None
         if verifier is not None and chain is None and any(r.start_on_device for r in rows):
             rows = verifier.resolve_starts(rows)
         self.state_ops.load_states(rows)
@@ -496,7 +504,7 @@ class ModelRunner:
         if chain is not None:
             assert self.last_hidden is not None
             return verifier.verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], self.last_hidden, out,
-                                                       *chain, adjusted=adjusted_v)
+                                                       *chain, adjusted=adjusted_v, num_drafts=num_drafts)
         if verify:
             pending = verifier.accept(logits[:n_verify], spec_rows, adjusted=adjusted_v)
             take_verified(out, verify, pending.result())
@@ -508,7 +516,8 @@ class ModelRunner:
             # brings its drafts to the host (they are kept on the device too).
             on_host = any(r.grammar_bitmask is not None for r in rows)
             out.next_draft_token_ids = self.mtp_proposer.propose(rows, out, self.last_hidden,
-                                                                 None if on_host else verifier.draft_slots)
+                                                                 None if on_host else verifier.draft_slots,
+                                                                 num_drafts)
             verifier.keep_drafts(rows, out.next_draft_token_ids)
         return StepResult(out)
 

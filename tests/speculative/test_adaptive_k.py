@@ -225,6 +225,11 @@ def test_a_scripted_k_schedule_gives_plain_decodings_outputs(ckpts: CheckpointCa
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     got, recorder, engine = run_k_schedule(path, plain_run, plant_drafts, async_scheduling, graphs)
     assert_k_schedule_matches(got, recorder, engine, plain_run)
+    if graphs:  # the steps of every speculation length ran verify graphs of their own length, and drafted
+        sets = engine.runner.graphs.sets  # type: ignore[union-attr]  # max(k_step, 1) tokens in graphs of that many
+        kinds = ("verify", "verify@0", "verify@1", "verify@2", "draft", "draft@1", "draft@2")
+        assert all(sets[kind].num_replays > 0 for kind in kinds), {n: s.num_replays for n, s in sets.items()}
+        assert "draft@0" not in sets
 
 
 def lookahead_of_k_step(engine: LLMEngine) -> None:
@@ -283,9 +288,9 @@ FAKE_TIMES = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 4: {0: 1.0, 1: 2.5, 2: 4.0, 3
 
 def test_the_engine_turns_speculation_off_where_it_cannot_pay(ckpts: CheckpointCache, plant_drafts: Callable) -> None:
     """The live loop: the engine feeds the policy its verify results and step times (the times replaced by
-    ``FAKE_TIMES``, the acceptance measured: planted drafts, the first two of three right). Alone, a request
-    speculates with two drafts (E = 3 tokens for 1.2 against 1.0 plain); four at once decode plainly, with a probe
-    now and then; the outputs are plain decoding's all along."""
+    ``FAKE_TIMES``, the acceptance measured: planted drafts, the last of each step's drafts wrong where it has
+    more than one). Alone, a request speculates (one right draft alone gives E = 2 tokens for 1.1 against 1.0
+    plain); four at once decode plainly, with a probe now and then; the outputs are plain decoding's all along."""
     from hyserve import SamplingParams
     from hyserve.testing.engine import drive
 
@@ -309,7 +314,7 @@ def test_the_engine_turns_speculation_off_where_it_cannot_pay(ckpts: CheckpointC
     together = drive(eng, {0: [(rid, prompts[rid], params) for rid in "bcde"]})
     eng.assert_no_leaks()
     assert {rid: list(o.outputs[0].token_ids) for rid, o in {**alone, **together}.items()} == want
-    assert policy.acceptance[0] > 0.9 and policy.acceptance[1] > 0.9
-    assert max(at_one, key=at_one.__getitem__) == 2, at_one
+    assert policy.acceptance[0] > 0.9  # the first draft is always right; later ones end planted wrong
+    assert sum(n for k, n in at_one.items() if k) > 0.6 * sum(at_one.values()), at_one  # E(1) = 2 in 1.1: speculate
     at_four = dict(policy.histogram)
     assert at_four[0] > 0.6 * sum(at_four.values()) and set(at_four) == {0, 1, 2, 3}, at_four  # probes included

@@ -161,11 +161,23 @@ def accept_of_k(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Verifier, "_graph_accept", lambda self, q, size: accept(self, K + 1, size))
 
 
-@pytest.mark.parametrize("sabotage", ["placeholders", "tails", "accept"])
+def drafting_of_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the MTP head drafts k tokens after every step, whatever the step's k_step."""
+    from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
+
+    chain, on_device, propose = Verifier.device_chain, Verifier.verify_and_draft_on_device, MTPProposer.propose
+    monkeypatch.setattr(Verifier, "device_chain", lambda self, rows, spec_rows, n=None: chain(self, rows, spec_rows))
+    monkeypatch.setattr(Verifier, "verify_and_draft_on_device",
+                        lambda self, *a, num_drafts=None, **kw: on_device(self, *a, **kw))
+    monkeypatch.setattr(MTPProposer, "propose", lambda self, *a: propose(self, *a[:4]))
+
+
+@pytest.mark.parametrize("sabotage", ["placeholders", "tails", "accept", "drafting"])
 def test_rows_behind_that_ignore_the_steps_k_are_caught(targets: tuple, monkeypatch: pytest.MonkeyPatch,
                                                         sabotage: str) -> None:
     path, want, follow, _ = targets
-    {"placeholders": placeholders_of_k, "tails": unmasked_tails, "accept": accept_of_k}[sabotage](monkeypatch)
+    {"placeholders": placeholders_of_k, "tails": unmasked_tails, "accept": accept_of_k,
+     "drafting": drafting_of_k}[sabotage](monkeypatch)
     try:
         got = run(path, want, follow, True, monkeypatch, own_graphs=sabotage != "tails")
     except (AssertionError, RuntimeError, IndexError):  # the engine's own checks stopped it
@@ -173,6 +185,8 @@ def test_rows_behind_that_ignore_the_steps_k_are_caught(targets: tuple, monkeypa
         return
     if sabotage == "placeholders":
         assert "a row behind with 3 drafts" in " ".join(got["recorder"].errors)
+    elif sabotage == "drafting":
+        assert "3 drafts after a step at k_step 0 (want 1)" in " ".join(got["recorder"].errors)
     elif sabotage == "tails":
         assert got["tails"]
     else:

@@ -121,7 +121,8 @@ class Verifier:
         self.advance_verified(pending.accepted, pending.emitted)
         return pending
 
-    def device_chain(self, rows: list[ScheduledRow], spec_rows: list[SpecRow]) -> tuple[GraphSet, int] | None:
+    def device_chain(self, rows: list[ScheduledRow], spec_rows: list[SpecRow],
+                     num_drafts: int | None = None) -> tuple[GraphSet, int] | None:
         """The ``draft`` graphs and size if this step's acceptance, commit, snapshots and drafting can all be
         enqueued before its result comes to the host: one rank (drafts kept in ``draft_slots``), every row a verify
         row the draft graph takes, no row asking for logprobs (those read logits the draft graph overwrites), no row
@@ -135,11 +136,12 @@ class Verifier:
             return None
         if any(r.grammar_bitmask is not None for r in rows):  # its next masks need its drafts on the host
             return None
-        return self.drafter.draft_chain_graph(len(rows))
+        return self.drafter.draft_chain_graph(len(rows), num_drafts)
 
     def verify_and_draft_on_device(self, rows: list[ScheduledRow], spec_rows: list[SpecRow], logits: torch.Tensor,
                                    last_hidden: torch.Tensor, out: RunnerOutput, graphs: GraphSet,
-                                   size: int, adjusted: torch.Tensor | None = None) -> StepResult:
+                                   size: int, adjusted: torch.Tensor | None = None,
+                                   num_drafts: int | None = None) -> StepResult:
         """Acceptance, commit of the accepted candidates, candidate snapshots and the whole drafting, enqueued on
         the device in that order, each reading the accepted counts there. The result waits for the acceptance's
         copy to the host: the commit and drafting run on, and the next step can be enqueued behind them, while
@@ -163,7 +165,7 @@ class Verifier:
         self.draft_slots.index_copy_(0, slots, tokens[:n])
         first = first[:n].clone()  # the next replay overwrites the graph's output; tests read it after
         proposer = self.proposer
-        k = self.num_speculative_tokens
+        k = min(num_drafts or self.num_speculative_tokens, self.num_speculative_tokens)  # the graph's passes
         # What the host learns, once the acceptance's copy is in (StepResult.result). A row behind another has
         # its start on the device: it is reported with k drafts, which the scheduler trims as the device did
         # (DraftManager.num_drafts is the device's count).
