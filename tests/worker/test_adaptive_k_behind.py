@@ -34,6 +34,28 @@ from hyserve.worker.spec_decode.verifier import Verifier
 K = 3
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@CUDA
+def test_rows_behind_follow_the_steps_k_on_cuda(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with the graphs of every length captured and replayed on the card (float32), against plain
+    decoding on the card."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    plain = make_llm(path, enable_prefix_caching=False, device="cuda")
+
+    def solo(prompt: list[int], params: Any) -> Any:
+        return plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+
+    want = {rid: list(solo(PROMPTS[rid], greedy(n)).outputs[0].token_ids) for rid, n in (("a", 40), ("b", 40),
+                                                                                        ("d", 29))}
+    follow = PROMPTS["a"] + want["a"][:33] + [7, 8, 9, 10, 11, 12, 13]
+    want["f"] = list(solo(follow, FOLLOW).outputs[0].token_ids)
+    got = run(path, want, follow, True, monkeypatch, device="cuda")
+    assert got["outputs"] == want and not got["recorder"].errors and not got["tails"]
+    assert sorted(q for q, n in got["replays"].items() if n) == list(range(1, K + 2)), got["replays"]
+
+
 def placeholders_of_k(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: a row behind one in flight takes the configured k's placeholders, not the step's k."""
     chunk = Scheduler._chunk
@@ -49,14 +71,15 @@ def placeholders_of_k(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def run(path: str, want: dict[str, list[int]], follow: list[int], graphs: bool, monkeypatch: pytest.MonkeyPatch,
-        own_graphs: bool = True) -> dict[str, Any]:
+        own_graphs: bool = True, device: str = "cpu") -> dict[str, Any]:
     """``own_graphs``: each speculation length has its verify graphs ("adaptive": true); off ("adaptive": false,
-    the schedule scripted all the same) every step runs the graphs of k drafts per row, shorter rows masked."""
-    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
+    the schedule scripted all the same) every step runs the graphs of k drafts per row, shorter rows masked. On
+    CUDA the graphs are captured and replayed."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs and device == "cpu")
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K, "adaptive": own_graphs},
                    block_size=16, num_kv_blocks=12, max_model_len=160, max_num_batched_tokens=48, max_num_seqs=4,
                    enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=64,
-                   async_scheduling=True, enforce_eager=not graphs)
+                   async_scheduling=True, enforce_eager=not graphs, device=device)
     eng = llm.llm_engine
     runner = eng.runner
     assert eng.scheduler.async_verify and (runner.graphs is not None) == graphs
