@@ -209,11 +209,12 @@ class Scheduler:
 
     def _can_verify_behind(self, req: Request, budget: int) -> bool:
         """Whether ``req``'s next verify row can go behind its verify row in flight: only where nothing in it but
-        its start depends on that row's accepted count. Both rows take all k drafts whatever the count (the request
-        is far enough from max_tokens and max_model_len; the row behind takes the step's k_step of them), no token
-        position has a seed or a min_tokens ban, no
-        logprobs are asked (they are read from logits the drafting overwrites), the prompt has no images (their
-        positions are the host's), and the row in flight is not behind one itself with its start unknown."""
+        its start depends on that row's accepted count. The row behind takes ``_behind_drafts`` drafts (the step's
+        k_step, at most what the row in flight's step drafts), and the request is far enough from max_tokens and
+        max_model_len for the row in flight to leave that many whatever its count; no token position has a seed or
+        a min_tokens ban, no logprobs are asked (they are read from logits the drafting overwrites), the prompt has
+        no images (their positions are the host's), and the row in flight is not behind one itself with its start
+        unknown."""
         if not self.async_verify or req.num_inflight_samples != 1 or req.request_id in self._behind:
             return False
         prev = self._verify_in_flight.get(req.request_id)
