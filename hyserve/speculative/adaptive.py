@@ -14,8 +14,9 @@ token per row). Both are measured online:
   accepted reached positions 1 .. min(acc + 1, d) and had positions 1 .. acc accepted. ``a_j`` = accepted_j /
   reached_j over the decayed counts, starting from a prior (``PRIOR_ACCEPTANCE`` weighted as ``PRIOR_WEIGHT`` rows).
 - ``T(b, k)``: an EWMA of measured step durations (``observe_step``: steps whose rows all decode) per
-  (bucket, k). A pair not measured yet is chosen before any other (exploration): the first steps of each bucket
-  try every k once.
+  (bucket, k), which drops at once to a step under half of it (the estimate held a one-off: a compile, a pause).
+  A pair not measured yet is chosen before any other (exploration): the first steps of each bucket try every k
+  once.
 
 Starvation: while k = 0 wins, no draft is verified and the ``T`` of the other k stop updating. Every
 ``probe_interval`` decisions at a bucket, a probe step takes the k whose ``T`` entry at that bucket is the oldest
@@ -166,5 +167,7 @@ class SpecLengthPolicy:
         if t is None:
             self.times[(bk, k)] = _Timing(seconds, now)
         else:
-            t.seconds += TIME_ALPHA * (seconds - t.seconds)
+            # Down at once when a step takes under half the estimate (the estimate held a one-off: a kernel compiled
+            # in the step, a host pause), else the EWMA.
+            t.seconds = seconds if seconds < 0.5 * t.seconds else t.seconds + TIME_ALPHA * (seconds - t.seconds)
             t.last = now

@@ -164,6 +164,19 @@ def test_exploration_then_probes_keep_every_k_measured() -> None:
     assert policy.choose(1) == 3
 
 
+def test_step_times_average_and_drop_from_a_one_off() -> None:
+    """The EWMA (weight ``TIME_ALPHA``) of a (bucket, k)'s step times; a first time 100 times too long (a kernel
+    compiled in that step) is replaced by the next normal one, not averaged for hundreds of steps."""
+    policy = SpecLengthPolicy(1)
+    policy.observe_step(8, 1, 100.0)
+    policy.observe_step(8, 1, 1.0)
+    assert policy.times[(8, 1)].seconds == 1.0
+    policy.observe_step(8, 1, 1.5)
+    assert policy.times[(8, 1)].seconds == pytest.approx(1.0 + adaptive.TIME_ALPHA * 0.5)
+    policy.observe_step(7, 1, 2.0)  # bucket 8 too
+    assert policy.times[(8, 1)].seconds == pytest.approx(1.1 + adaptive.TIME_ALPHA * 0.9)
+
+
 def test_fixed_rules_and_the_script() -> None:
     fixed = SpecLengthPolicy(3, adaptive=False)
     assert [fixed.choose(b) for b in (1, 8, 64)] == [3, 3, 3]
