@@ -488,8 +488,7 @@ class ModelRunner:
         if verifier is not None and chain is None and any(r.start_on_device for r in rows):
             rows = verifier.resolve_starts(rows)
         self.state_ops.load_states(rows)
-        logits = self._forward_spec(rows, so.num_spec_tokens) if self.num_speculative_tokens \
-            else self._forward(rows, len(plain))
+        logits = self._forward_spec(rows) if self.num_speculative_tokens else self._forward(rows, len(plain))
         n_verify = sum(rows[i].num_new_tokens for i in verify)
         out.prompt_logprobs, self.step_prompt_logprobs = self.step_prompt_logprobs, {}
         adjusted_v, adjusted = self._adjust_logits(rows, verify, plain, logits, n_verify)
@@ -642,18 +641,19 @@ class ModelRunner:
             return hidden[:0]
         return self.model.compute_logits(hidden[logits_indices])
 
-    def _forward_spec(self, rows: list[ScheduledRow], k_step: int | None = None) -> torch.Tensor:
+    def _forward_spec(self, rows: list[ScheduledRow]) -> torch.Tensor:
         """The forward of a step with verify rows first; logits for every verify position, then for sampling rows.
 
-        The step's hidden states stay in ``last_hidden`` for the MTP pass. ``k_step``: the step's speculation
-        length (no row has more drafts): its own verify graph where one was captured (``verify@k_step``), else the
-        graph of k drafts per row.
+        The step's hidden states stay in ``last_hidden`` for the MTP pass. The verify graph of the step's longest
+        row where one was captured for that length (``verify@j``: the step's k_step, or fewer where no row has as
+        many drafts, as after a step that drafted fewer), else the graph of k drafts per row.
         """
         k = self.num_speculative_tokens
         graph, q = None, k + 1
-        if k_step is not None and k_step in self.spec_lengths:
-            q = k_step + 1
-            graph = self._verify_graph(rows, spec_kind("verify", k_step, k), q)
+        j = max((r.num_drafts for r in rows), default=k)
+        if j in self.spec_lengths:
+            q = j + 1
+            graph = self._verify_graph(rows, spec_kind("verify", j, k), q)
         if graph is None:
             q = k + 1
             graph = self._verify_graph(rows, "verify", q)

@@ -127,8 +127,9 @@ def test_pp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec
 def test_pp2_follows_a_scripted_speculation_length(ckpts: CheckpointCache, plant_drafts: Callable,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Two stages, async scheduling, graphs emulated in the workers, the speculation length scripted step after step
-    (``hyserve.testing.scenarios.K_SCHEDULE``): every stage runs the step's rows of k_step + 1 tokens (the last one
-    its verify graph of that length, the first eagerly where rows are short), and the outputs are the plain run's."""
+    (``hyserve.testing.scenarios.K_SCHEDULE``): every stage runs the step's rows (the last one its verify graph of
+    their length where they all have it, the first eagerly where rows are short of k + 1), and the outputs are the
+    plain run's."""
     monkeypatch.setenv("HYSERVE_EMULATE_CUDA_GRAPHS", "1")
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     plain_run = plain_scenario_run(ckpts, path)
@@ -138,7 +139,8 @@ def test_pp2_follows_a_scripted_speculation_length(ckpts: CheckpointCache, plant
         replays = engine.executor.collective_rpc("graph_replays")
     finally:
         engine.shutdown()
-    assert all(replays[1].get(f"verify@{j}", 0) > 0 for j in (0, 1, 2)) and replays[1].get("verify", 0) > 0, replays
+    # the last stage's verify graphs of several lengths (a row of j drafts runs verify@j where every row has j)
+    assert sum(1 for kind, n in replays[1].items() if kind.startswith("verify") and n) >= 2, replays
 
 
 def _compare_with_one_process(path: str, spec: str, **kw: object) -> tuple[dict, dict, LLMEngine]:
