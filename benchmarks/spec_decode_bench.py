@@ -136,9 +136,14 @@ def run_all(llm: LLM, prompts: dict[str, list[int]], params: SamplingParams) -> 
 
 
 def warm_up(llm: LLM, prompts: dict[str, list[int]]) -> None:
-    """Compile every kernel the timed run uses (Triton JIT) outside the timing: the same batch, a few tokens."""
+    """Compile every kernel the timed run uses (Triton JIT) outside the timing: the same batch, a few tokens. The
+    warm-up's drafts are not the controlled ones: the speculation-length policy forgets the acceptance they showed
+    (its step times stay, measured past the compiles)."""
     run_all(llm, {f"warm-{rid}": p for rid, p in prompts.items()},
             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    drafts = llm.llm_engine.drafts
+    if drafts is not None:
+        drafts.policy.reset_acceptance()
 
 
 def first_divergence(want: list[int], got: list[int]) -> int | None:

@@ -83,6 +83,10 @@ class SpecLengthPolicy:
     _script_at: int = 0
 
     def __post_init__(self) -> None:
+        self.reset_acceptance()
+
+    def reset_acceptance(self) -> None:
+        """The acceptance back to the prior (benchmarks: after a warm-up whose drafts say nothing of the run's)."""
         self.accepted = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT] * self.k
         self.reached = [PRIOR_WEIGHT] * self.k
 
