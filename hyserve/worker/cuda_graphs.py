@@ -94,14 +94,10 @@ def capture_sizes(limit: int, sizes: list[int] | None) -> list[int]:
 
 Forward = Callable[[int], tuple[torch.Tensor, ...]]
 
-# The graph kinds captured once more for each shorter speculation length k_step < k the engine may choose
-# (hyserve.speculative.adaptive): ``verify@1`` lays every row out in 2 tokens, ``verify@0`` in one; ``draft@j``
-# drafts j tokens.
-PER_SPEC_LENGTH_KINDS = ("verify", "accept", "behind", "draft")
-
-
 def spec_kind(kind: str, k_step: int, k: int) -> str:
-    """The name of graph kind ``kind`` (one of ``PER_SPEC_LENGTH_KINDS``) laid out for ``k_step`` drafts per row."""
+    """The name of graph kind ``kind`` (``verify``, ``accept``, ``behind``: rows of k_step + 1 tokens; ``draft``:
+    k_step drafts) captured once more for a speculation length shorter than k (hyserve.speculative.adaptive):
+    ``verify@1`` lays every row out in 2 tokens, ``verify@0`` in one; the kind itself for k."""
     return kind if k_step == k else f"{kind}@{k_step}"
 
 
