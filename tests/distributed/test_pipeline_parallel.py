@@ -123,7 +123,6 @@ def test_pp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec
             assert_matches_reference(ref, prompts[rid], out)
 
 
-@pytest.mark.slow  # about 25 s (two worker processes and the plain reference run): the suite's budget
 def test_pp2_follows_a_scripted_speculation_length(ckpts: CheckpointCache, plant_drafts: Callable,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Two stages, async scheduling, graphs emulated in the workers, the speculation length scripted step after step

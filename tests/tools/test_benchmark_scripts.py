@@ -87,7 +87,6 @@ def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: py
     assert all(set(r["k_steps"]) == {str(k)} for r in rows)  # --adaptive off by default: every step at k
 
 
-@pytest.mark.slow  # 18 s: benchmark tooling, the suite's budget
 def test_spec_decode_bench_reports_the_k_chosen_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--adaptive on``: the engine chooses each step's speculation length; each row reports its timed steps by
     k_step (its first steps at a batch size explore every k), and the outputs are still plain decoding's."""
