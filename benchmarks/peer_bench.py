@@ -371,13 +371,18 @@ class Engine:
 
     def spec_stats(self) -> dict[str, float]:
         """Mean acceptance length (1 + accepted drafts per verify row) over the engine's life, where it reports
-        one offline (hyserve's counters; vLLM's read 0 in offline runs)."""
+        one offline (hyserve's counters; vLLM's read 0 in offline runs), and hyserve's steps by the speculation
+        length each verified (``spec_steps_at_k<j>``: the k chosen per step, docs/async_spec.md)."""
         if self.name != "hyserve":
             return {}
         m = self.llm.get_metrics()
         drafts = float(m.get("hyserve:spec_decode_num_drafts", 0) or 0)  # type: ignore[arg-type]
         accepted = float(m.get("hyserve:spec_decode_num_accepted_tokens", 0) or 0)  # type: ignore[arg-type]
-        return {"spec_mean_acceptance_length": 1 + accepted / drafts} if drafts else {}
+        out = {"spec_mean_acceptance_length": 1 + accepted / drafts} if drafts else {}
+        per_k = m.get("hyserve:spec_decode_steps_per_k", [])
+        for j, n in enumerate(per_k if isinstance(per_k, list) else []):
+            out[f"spec_steps_at_k{j}"] = float(n)
+        return out
 
     def shutdown(self) -> None:
         if self.name == "hyserve":

@@ -8,6 +8,9 @@
 #   bash benchmarks/peer_session.sh 9b-vllm # vLLM: the same
 #   bash benchmarks/peer_session.sh 9b-profile   # hyserve: a batch-1 decode step of the 9B shape, profiled
 #   bash benchmarks/peer_session.sh spec    # hyserve: MTP k = 2 on the packaged model, planted MTP k = 3 on 2B
+#   bash benchmarks/peer_session.sh adaptive-off ; adaptive-on   # issue 34: 2B planted MTP k = 3 at 80 % and 0 %,
+#                                               # batch 1/8/32/64, fixed k then k chosen per step (steps by k reported)
+#   bash benchmarks/peer_session.sh adaptive-packaged   # issue 34: the packaged model's head, k = 3, fixed and adaptive
 #   bash benchmarks/peer_session.sh check   # the GPU tests and gpu_check (2B bf16 against transformers)
 #   bash benchmarks/peer_session.sh stash-caches   # carrying .peer/vllm_caches.tgz.NN: vLLM's compile caches
 #   bash benchmarks/peer_session.sh vllm-first | vllm-agent | vllm-start | vllm-rest   # vLLM alone (see below)
@@ -367,9 +370,9 @@ case "${1:?phase}" in
   vlm-2b-check) vlm_2b_check ;;
   image-checks) images_check; vlm_2b_check ;;  # both image checks, one call
   check) check ;;
-  spec)
+  spec)  # fixed k ("adaptive": false; the adaptive phase below measures the per-step choice)
     measure hyserve hyserve/default_model packaged_spec 150 --measures spec --spec-batches 1,8 --max-model-len 4096 \
-        --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}'
     [ -d /tmp/mtp2b ] || python3 benchmarks/shapes.py --shape 2b --mtp --init stable --out /tmp/mtp2b > /dev/null 2>&1
     # rows behind rows in flight, and verify rows that wait for their counts (whole steps enqueued), same call
     for variant in "" --no-rows-behind; do
@@ -377,6 +380,21 @@ case "${1:?phase}" in
         timeout 200 python3 benchmarks/spec_decode_bench.py --model /tmp/mtp2b --device cuda --dtype bfloat16 \
             --out "$OUT/$name" --max-tokens 64 --rates 0.8 --batches 1,32 $variant > "$OUT/$name.log" 2>&1
         echo "$name rc $?"; tail -4 "$OUT/$name.log"
+    done
+    ;;
+  adaptive-off|adaptive-on)  # issue 34: the 2B shape's planted head at k = 3, fixed or chosen per step
+    [ -d /tmp/mtp2b ] || python3 benchmarks/shapes.py --shape 2b --mtp --init stable --out /tmp/mtp2b > /dev/null 2>&1
+    name=adaptive_mtp2b_${1#adaptive-}
+    timeout 500 python3 benchmarks/spec_decode_bench.py --model /tmp/mtp2b --device cuda --dtype bfloat16 \
+        --out "$OUT/$name" --max-tokens 128 --rates 0.8,0 --batches 1,8,32,64 --shared-engines \
+        --adaptive "${1#adaptive-}" > "$OUT/$name.log" 2>&1
+    echo "$name rc $?"; tail -10 "$OUT/$name.log"
+    ;;
+  adaptive-packaged)  # issue 34: the packaged model's trained head at k = 3, fixed then per step, each against plain
+    for mode in false true; do
+        measure hyserve hyserve/default_model packaged_adaptive_$mode 200 --measures spec --spec-batches 1,8,32,64 \
+            --max-model-len 4096 \
+            --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": 3, \"adaptive\": $mode}"
     done
     ;;
   # Issue 15's last H200 figures in three calls after the bring-up, vLLM with its Triton/FLA GDN prefill kernel

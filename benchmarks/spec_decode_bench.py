@@ -136,9 +136,14 @@ def run_all(llm: LLM, prompts: dict[str, list[int]], params: SamplingParams) -> 
 
 
 def warm_up(llm: LLM, prompts: dict[str, list[int]]) -> None:
-    """Compile every kernel the timed run uses (Triton JIT) outside the timing: the same batch, a few tokens."""
+    """Compile every kernel the timed run uses (Triton JIT) outside the timing: the same batch, a few tokens. The
+    warm-up's drafts are not the controlled ones: the speculation-length policy forgets the acceptance they showed
+    (its step times stay, measured past the compiles)."""
     run_all(llm, {f"warm-{rid}": p for rid, p in prompts.items()},
             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    drafts = llm.llm_engine.drafts
+    if drafts is not None:
+        drafts.policy.reset_acceptance()
 
 
 def first_divergence(want: list[int], got: list[int]) -> int | None:
@@ -206,6 +211,18 @@ def timed_decode(llm: LLM, prompts: dict[str, list[int]], n: int, sync: bool) ->
             tokens += new
             seconds += dt
     return tokens / max(seconds, 1e-9), outs
+
+
+def steps_per_k(llm: LLM) -> list[int]:
+    """Steps with verify rows so far, by their speculation length (``hyserve:spec_decode_steps_per_k``)."""
+    per_k = llm.get_metrics().get("hyserve:spec_decode_steps_per_k", [])
+    return [int(x) for x in per_k] if isinstance(per_k, list) else []
+
+
+def k_histogram(before: list[int], after: list[int]) -> dict[str, int]:
+    """The steps at each k_step between two ``steps_per_k`` readings (k as a string: a JSON key)."""
+    return {str(k): n - (before[k] if k < len(before) else 0) for k, n in enumerate(after)
+            if n - (before[k] if k < len(before) else 0)}
 
 
 def spec_counts(llm: LLM) -> tuple[int, int, int]:
@@ -282,12 +299,13 @@ def synthetic_acceptance(rate: float | None) -> None:
 
 
 def row(batch: int, rate: float, k: int, counts: tuple[int, int, int], tps: float, base_tps: float,
-        identical: bool | None) -> dict[str, Any]:
-    """One table row; ``identical`` None where outputs are not comparable (``--synthetic``)."""
+        identical: bool | None, k_steps: dict[str, int] | None = None) -> dict[str, Any]:
+    """One table row; ``identical`` None where outputs are not comparable (``--synthetic``); ``k_steps``: the timed
+    run's steps by their speculation length k_step."""
     drafts, draft_tokens, accepted = counts
     return {"batch": batch, "acceptance_target": rate, "k": k, "draft_acceptance": accepted / max(draft_tokens, 1),
             "mean_tokens_per_step": 1 + accepted / max(drafts, 1), "decode_tok_s": tps, "no_spec_tok_s": base_tps,
-            "speedup": tps / base_tps, "outputs_identical": identical}
+            "speedup": tps / base_tps, "outputs_identical": identical, "k_steps": k_steps or {}}
 
 
 def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: dict[str, Any], sync: bool,
@@ -316,11 +334,12 @@ def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: d
         llm = controlled_engine(args, common, spec, want, rate, vocab, lens)
         for batch in batches:
             warm_up(llm, prompts[batch])
-            m0 = spec_counts(llm)
+            m0, h0 = spec_counts(llm), steps_per_k(llm)
             tps, got = timed_decode(llm, prompts[batch], args.max_tokens, sync)
             counts = tuple(b - a for a, b in zip(m0, spec_counts(llm), strict=True))
             same = None if args.synthetic else got == {rid: want[rid] for rid in prompts[batch]}
-            rows.append(row(batch, rate, args.k, counts, tps, base_tps[batch], same))  # type: ignore[arg-type]
+            rows.append(row(batch, rate, args.k, counts, tps, base_tps[batch], same,  # type: ignore[arg-type]
+                            k_histogram(h0, steps_per_k(llm))))
             print(json.dumps(rows[-1]), flush=True)
         synthetic_acceptance(None)
         llm.shutdown()
@@ -367,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "planted drafts stop matching (the outputs are then not compared)")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="both engines with prefix caching on (its bookkeeping and state snapshots; random prompts)")
+    ap.add_argument("--adaptive", choices=("off", "on", "default"), default="off",
+                    help="the speculation length per step (speculative_config's \"adaptive\"): off = every step "
+                         "verifies k (the fixed-k measurements), on = chosen per step by the batch size and the "
+                         "acceptance, default = the engine's default on the device (on for CUDA); each row reports "
+                         "the timed steps by k (k_steps)")
     ap.add_argument("--no-diagnosis", action="store_true",
                     help="where outputs differ, skip the batch-1 diagnosis (two more engine starts)")
     return ap
@@ -378,6 +402,8 @@ def main() -> int:
     model = args.model or write_tiny_checkpoint(tempfile.mkdtemp(), max_position_embeddings=8192, with_mtp=True)
     method = args.method if args.method != "auto" else ("mtp" if has_mtp(model) else "ngram")
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
+    if args.adaptive != "default":
+        spec["adaptive"] = args.adaptive == "on"
     sync = args.device == "cuda" and args.sync_steps
     common: dict[str, Any] = dict(model=model, device=args.device, dtype=args.dtype,
                                   enable_prefix_caching=args.prefix_caching,
@@ -409,14 +435,11 @@ def main() -> int:
             llm = controlled_engine(args, common, spec, want, rate, vocab,
                                   {rid: len(p) for rid, p in prompts.items()})
             warm_up(llm, prompts)
-            m0 = spec_counts(llm)
+            m0, h0 = spec_counts(llm), steps_per_k(llm)
             tps, got = timed_decode(llm, prompts, args.max_tokens, sync)
-            drafts, draft_tokens, accepted = (b - a for a, b in zip(m0, spec_counts(llm), strict=True))
-            rows.append({"batch": batch, "acceptance_target": rate, "k": args.k,
-                         "draft_acceptance": accepted / max(draft_tokens, 1),
-                         "mean_tokens_per_step": 1 + accepted / max(drafts, 1),
-                         "decode_tok_s": tps, "no_spec_tok_s": base_tps, "speedup": tps / base_tps,
-                         "outputs_identical": None if args.synthetic else got == want})
+            counts = tuple(b - a for a, b in zip(m0, spec_counts(llm), strict=True))
+            rows.append(row(batch, rate, args.k, counts, tps, base_tps,  # type: ignore[arg-type]
+                            None if args.synthetic else got == want, k_histogram(h0, steps_per_k(llm))))
             print(json.dumps(rows[-1]), flush=True)
             synthetic_acceptance(None)
             del llm
@@ -436,21 +459,24 @@ def main() -> int:
             "synchronized_steps": sync, "device_chain": not args.no_device_chain,
             "rows_behind": not args.no_rows_behind, "torch": torch.__version__,
             "acceptance": "synthetic (drawn verdicts)" if args.synthetic else "planted drafts",
-            "model": model, "method": method, "dtype": args.dtype, "prompt_len": args.prompt_len,
+            "model": model, "method": method, "adaptive": args.adaptive, "dtype": args.dtype,
+            "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "load_format": args.load_format, "shared_engines": args.shared_engines,
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
     with open(os.path.join(args.out, "spec_decode.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "diagnosis": diagnosis}, f, indent=2)
     lines = ["| batch | draft token correct w.p. | drafts accepted | tokens/step | decode tok/s | no spec tok/s "
-             "| speedup | outputs identical |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| speedup | outputs identical | steps by k |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     lines += [f"| {r['batch']} | {r['acceptance_target']:.0%} | {r['draft_acceptance']:.0%} | "
               f"{r['mean_tokens_per_step']:.2f} | {r['decode_tok_s']:.1f} | {r['no_spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['outputs_identical']} |" for r in rows]
+              f"{r['speedup']:.2f}x | {r['outputs_identical']} | "
+              f"{', '.join(f'{k}: {n}' for k, n in sorted(r['k_steps'].items())) or '-'} |" for r in rows]
     with open(os.path.join(args.out, "spec_decode.md"), "w") as f:
         f.write(f"# Speculative decoding at controlled acceptance\n\nMachine: {meta['device']}, torch "
                 f"{meta['torch']}; drafts: {method} ("
                 f"{'verdicts drawn at the rate' if args.synthetic else 'tokens replaced by the controlled ones'}); "
-                f"k = {args.k}, "
+                f"k = {args.k} (speculation length per step: {args.adaptive}), "
                 f"prompt {args.prompt_len}, {args.max_tokens} greedy tokens.\n\n")
         f.write("\n".join(lines) + "\n\n![speedup against accepted drafts](spec_decode.png)\n")
     print("\n".join(lines))

@@ -39,7 +39,10 @@ def _plant_drafts(engine: LLMEngine, want: dict[str, list[int]]) -> None:
     are seen by the verify positions after them. Drafts kept on the device (``PREVIOUS_DRAFT``, async scheduling)
     are planted in the verifier's ``draft_slots``. Requests not in ``want`` keep their drafts."""
     update = engine.scheduler.update_from_output
-    verifier = engine.runner.verifier
+    try:
+        verifier = engine.runner.verifier
+    except RuntimeError:  # worker processes: every rank's drafts come to the host (no PREVIOUS_DRAFT)
+        verifier = None
 
     def plant(so, ro, sink):  # type: ignore[no-untyped-def]
         ran = update(so, ro, sink)

@@ -120,6 +120,10 @@ class LLMEngine:
         # Steps launched whose results are not applied yet, between two step() calls: with P pipeline stages, P - 1
         # micro-batches keep the stages busy; async scheduling adds one (its host work overlaps the device's).
         self.max_steps_in_flight = pp - 1 + int(self.async_scheduling)
+        # The speculation length per step (hyserve.speculative.adaptive): unset, on for CUDA.
+        spec = self.spec_config
+        self.spec_adaptive = spec is not None and (spec.adaptive if spec.adaptive is not None
+                                                   else self.device.type == "cuda")
         # The worker side: device, model, cache tensors, step buffers, graphs. The engine keeps ids and ints.
         self.executor: Executor = self._make_executor(k)
         infos = self.executor.cache_infos()
@@ -146,8 +150,13 @@ class LLMEngine:
         self.snapshots_inside_rows = self._resolve_snapshots_inside_rows(infos)
         self.drafts: DraftManager | None = None
         if self.spec_config is not None:
-            self.drafts = DraftManager(self.spec_config)
-            logger.info("speculative decoding: %s, %d tokens per step", self.spec_config.method, k)
+            adaptive = self.spec_config.adaptive
+            self.drafts = DraftManager(self.spec_config, adaptive=self.spec_adaptive)
+            logger.info("speculative decoding: %s, %s tokens per step%s", self.spec_config.method,
+                        f"0 to {k} (chosen per step by the batch size and the acceptance measured)"
+                        if self.drafts.policy.adaptive else k,
+                        "" if adaptive is not None else " (the default on this device; speculative_config's "
+                        "\"adaptive\" sets it)")
         self.scheduler = Scheduler(self.max_num_seqs, self.max_num_batched_tokens, self.block_pool,
                                    self.state_slots, self.max_model_len, self.prefix_cache, self.drafts,
                                    banned_token_ids=functools.partial(banned_token_ids, self.output_processor),
@@ -166,6 +175,7 @@ class LLMEngine:
         self._arrivals = 0
         # Steps launched whose results are not applied yet (at most max_steps_in_flight between two step() calls).
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
+        self._last_result_time = 0.0  # when the last step's result was applied (the step durations' start)
         logger.info("async scheduling is %s%s", "on" if self.async_scheduling else "off",
                     "" if config.async_scheduling is not None else " (the default on this device; "
                     "--async-scheduling / --no-async-scheduling sets it)")
@@ -187,8 +197,12 @@ class LLMEngine:
             logger.info("prefix caching is off")
 
     def _make_executor(self, num_speculative_tokens: int) -> Executor:
+        # The shorter speculation lengths a step may take: the worker captures verify graphs for each.
+        spec = self.spec_config
+        lengths = tuple(range(num_speculative_tokens)) if self.spec_adaptive else \
+            (0,) if spec is not None and spec.disable_by_batch_size is not None else ()
         kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp,
-                              "max_steps_in_flight": self.max_steps_in_flight}
+                              "max_steps_in_flight": self.max_steps_in_flight, "spec_lengths": lengths}
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         self.model_config.check_tensor_parallel(tp, self.config.enable_expert_parallel)
         if self.config.enable_expert_parallel:
@@ -567,6 +581,10 @@ class LLMEngine:
         self._take_prompt_logprobs(so, ro)
         ran = self.scheduler.update_from_output(so, ro, self)
         verify = [i for i, row in enumerate(so.rows) if row.is_verify and i not in ro.errors]
+        if self.drafts is not None:
+            self._observe_spec(so, ro, verify, t0)
+            if any(row.is_verify for row in so.rows):
+                self.metrics.on_spec_step(so.num_spec_tokens)
         if verify:
             self.metrics.on_verify([so.rows[i].num_drafts for i in verify], [ro.num_accepted[i] for i in verify])
             if self.metrics.num_steps % 200 == 0 and self.metrics.spec_num_drafts:
@@ -580,6 +598,19 @@ class LLMEngine:
         if so.rows:  # not a step that only carried verify commits to the pipeline stages
             self.metrics.on_step(so.num_tokens, sum(len(t) for t in ro.token_ids), time.perf_counter() - t0)
         return outputs
+
+    def _observe_spec(self, so: SchedulerOutput, ro: RunnerOutput, verify: list[int], t0: float) -> None:
+        """What the speculation-length policy learns from a step (``hyserve.speculative.adaptive``): the accepted
+        counts of its verify rows, and, for a step whose rows all decode, its duration at its k_step: from its launch
+        or the previous result, whichever is later (with steps in flight the device runs them back to back)."""
+        assert self.drafts is not None
+        policy = self.drafts.policy
+        now = time.perf_counter()
+        if verify:
+            policy.observe_verify([so.rows[i].num_drafts for i in verify], [ro.num_accepted[i] for i in verify])
+        if so.rows and len(verify) == len(so.rows):
+            policy.observe_step(len(so.rows), so.num_spec_tokens, now - max(t0, self._last_result_time))
+        self._last_result_time = now
 
     def _take_prompt_logprobs(self, so: SchedulerOutput, ro: RunnerOutput) -> None:
         """Each row's prompt logprobs into its request, by position (a chunk computed again after a preemption

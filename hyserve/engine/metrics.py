@@ -102,6 +102,7 @@ class EngineMetrics:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_steps_per_k: list[int] = field(default_factory=list)  # steps with verify rows, by their k_step
     # Per-request latencies and lengths (histograms) and finish reasons: hyserve.engine.request_metrics.
     requests: RequestMetrics = field(default_factory=RequestMetrics)
 
@@ -117,6 +118,12 @@ class EngineMetrics:
                 self.spec_accepted_per_pos.extend([0] * (k - len(self.spec_accepted_per_pos)))
             for j in range(a):
                 self.spec_accepted_per_pos[j] += 1
+
+    def on_spec_step(self, k_step: int) -> None:
+        """A step with verify rows at speculation length ``k_step`` (hyserve.speculative.adaptive)."""
+        if len(self.spec_steps_per_k) <= k_step:
+            self.spec_steps_per_k.extend([0] * (k_step + 1 - len(self.spec_steps_per_k)))
+        self.spec_steps_per_k[k_step] += 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -183,6 +190,7 @@ class EngineMetrics:
             "hyserve:spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
             "hyserve:spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
             "hyserve:spec_decode_num_accepted_tokens_per_pos": [float(x) for x in self.spec_accepted_per_pos],
+            "hyserve:spec_decode_steps_per_k": [float(x) for x in self.spec_steps_per_k],
         }
 
 

@@ -133,6 +133,9 @@ class SchedulerOutput:
     # Pipeline parallelism: (step id, accepted count of each of that step's verify rows) of earlier steps whose
     # results are in. A stage before the last applies them, through that step's own rows, before this step.
     verify_commits: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Speculative decoding: the step's speculation length k_step (hyserve.speculative.adaptive): every verify row
+    # holds at most this many drafts (a row behind one in flight exactly this many); 0 when not speculating.
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

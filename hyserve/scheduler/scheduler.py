@@ -120,6 +120,12 @@ class Scheduler:
         self._verify_in_flight: dict[str, ScheduledRow] = {}
         self._behind: dict[str, ScheduledRow] = {}
         self.num_rows_behind = 0  # verify rows scheduled behind one in flight, in all
+        # The speculation length of the step being scheduled (hyserve.speculative.adaptive): its verify rows take at
+        # most this many drafts.
+        self._k_step = drafts.k if drafts is not None else 0
+        # Per request with a verify row in flight: the drafts its step's drafting leaves (DraftManager.
+        # drafting_length), the most a row behind it can take.
+        self._drafts_after: dict[str, int] = {}
 
     @property
     def speculative(self) -> bool:
@@ -153,6 +159,8 @@ class Scheduler:
         out = SchedulerOutput(step_id=self._next_step_id)
         self._next_step_id += 1
         budget = self.max_num_batched_tokens
+        if self.drafts is not None:
+            out.num_spec_tokens = self._k_step = self._choose_k_step()
         preempted: list[Request] = []
         chunks: list[tuple[Request, ScheduledRow, int | None]] = []  # (request, row, the snapshot point it ends on)
         i = 0
@@ -182,6 +190,13 @@ class Scheduler:
             out.verify_commits, self._verify_commits = self._verify_commits, []
         return out
 
+    def _choose_k_step(self) -> int:
+        """The step's speculation length (``hyserve.speculative.adaptive``), from the number of requests past their
+        prompt; the configured k when none is (no row verifies)."""
+        assert self.drafts is not None
+        b = sum(1 for r in self.running if r.num_output_tokens or r.num_inflight_samples)
+        return self.drafts.policy.choose(b) if b else self.drafts.k
+
     def _can_schedule(self, req: Request, budget: int) -> bool:
         """Whether ``req`` can take part in the next step while its earlier steps are in flight."""
         if not req.num_inflight_samples:
@@ -200,17 +215,19 @@ class Scheduler:
 
     def _can_verify_behind(self, req: Request, budget: int) -> bool:
         """Whether ``req``'s next verify row can go behind its verify row in flight: only where nothing in it but
-        its start depends on that row's accepted count. Both rows take all k drafts whatever the count (the request
-        is far enough from max_tokens and max_model_len), no token position has a seed or a min_tokens ban, no
-        logprobs are asked (they are read from logits the drafting overwrites), the prompt has no images (their
-        positions are the host's), and the row in flight is not behind one itself with its start unknown."""
+        its start depends on that row's accepted count. The row behind takes ``_behind_drafts`` drafts (the step's
+        k_step, at most what the row in flight's step drafts), and the request is far enough from max_tokens and
+        max_model_len for the row in flight to leave that many whatever its count; no token position has a seed or
+        a min_tokens ban, no logprobs are asked (they are read from logits the drafting overwrites), the prompt has
+        no images (their positions are the host's), and the row in flight is not behind one itself with its start
+        unknown."""
         if not self.async_verify or req.num_inflight_samples != 1 or req.request_id in self._behind:
             return False
         prev = self._verify_in_flight.get(req.request_id)
         if prev is None:
             return False
         assert self.drafts is not None
-        k = self.drafts.k
+        k = self._behind_drafts(req)
         p = req.sampling_params
         if budget < k + 1 or p.seed is not None or p.logprobs is not None or req.mm is not None:
             return False
@@ -219,6 +236,11 @@ class Scheduler:
         latest = prev.start + prev.num_new_tokens  # the start if every draft in flight is accepted
         # (The draft limit is at most max_model_len, so this row fits the model's length too.)
         return latest + 1 + k <= self.drafts.draft_limit(req, self.max_model_len)
+
+    def _behind_drafts(self, req: Request) -> int:
+        """The drafts a row behind ``req``'s verify row in flight takes: the step's k_step, at most what the row in
+        flight's drafting leaves."""
+        return min(self._k_step, self._drafts_after.get(req.request_id, self._k_step))
 
     def _admit(self, out: SchedulerOutput, budget: int,
                chunks: list[tuple[Request, ScheduledRow, int | None]]) -> None:
@@ -335,20 +357,22 @@ class Scheduler:
         the chunk ends on one (the points inside get their entries in ``_on_scheduled``).
 
         A decoding request under speculative decoding is one verify row: its last token and the drafts that fit the
-        budget; it is never cut (its snapshot comes from the verified candidate, see ``update_from_output``).
+        budget and the step's speculation length (``_k_step``; 0: its last token alone); it is never cut (its
+        snapshot comes from the verified candidate, see ``update_from_output``).
         """
         slot = req.state_slot if req.state_slot is not None else -1
         if req.num_inflight_samples and self.speculative:  # behind the verify row in flight (_can_verify_behind)
             assert self.drafts is not None
             prev = self._verify_in_flight[req.request_id]
-            return ScheduledRow(req.request_id, prev.start + 1, [PREVIOUS_SAMPLED] + [PREVIOUS_DRAFT] * self.drafts.k,
+            return ScheduledRow(req.request_id, prev.start + 1,
+                                [PREVIOUS_SAMPLED] + [PREVIOUS_DRAFT] * self._behind_drafts(req),
                                 req.block_table, slot, samples=True, is_verify=True, start_on_device=True,
                                 max_start=prev.start + prev.num_new_tokens), None
         if req.num_inflight_samples:  # async: the token this row feeds is still on the device
             assert start == req.num_tokens + req.num_inflight_samples - 1
             return ScheduledRow(req.request_id, start, [PREVIOUS_SAMPLED], req.block_table, slot, samples=True), None
         if self.speculative and start == req.num_tokens - 1 and req.num_output_tokens > 0:
-            drafts = req.draft_token_ids[: budget - 1]
+            drafts = req.draft_token_ids[: min(budget - 1, self._k_step)]
             if req.grammar is not None and PREVIOUS_DRAFT in drafts:
                 drafts = []  # the masks of a verify row's positions need its drafts on the host
             return ScheduledRow(req.request_id, start, [req.output_token_ids[-1], *drafts], req.block_table, slot,
@@ -433,6 +457,8 @@ class Scheduler:
             req.num_inflight_samples += 1
             if row.is_verify:
                 self._verify_in_flight[req.request_id] = row
+                assert self.drafts is not None
+                self._drafts_after[req.request_id] = self.drafts.drafting_length(self._k_step)
                 if row.start_on_device:
                     self._behind[req.request_id] = row
                     self.num_rows_behind += 1
@@ -462,6 +488,7 @@ class Scheduler:
         """Its rows in flight are no longer its (their results are discarded by the epochs)."""
         self._verify_in_flight.pop(req.request_id, None)
         self._behind.pop(req.request_id, None)
+        self._drafts_after.pop(req.request_id, None)
 
     def _release(self, req: Request) -> None:
         if req.block_table:

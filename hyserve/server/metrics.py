@@ -39,6 +39,7 @@ COUNTERS = frozenset({
     "hyserve:prefix_cache_kv_evictions", "hyserve:mm_cache_queries", "hyserve:mm_cache_hits",
     "hyserve:spec_decode_num_drafts", "hyserve:spec_decode_num_draft_tokens",
     "hyserve:spec_decode_num_accepted_tokens", "hyserve:spec_decode_num_accepted_tokens_per_pos",
+    "hyserve:spec_decode_steps_per_k",
 })
 
 HELP = {
@@ -72,6 +73,8 @@ HELP = {
     "hyserve:spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
     "hyserve:spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
     "hyserve:spec_decode_num_accepted_tokens_per_pos": "Speculative decoding: drafts accepted at each position.",
+    "hyserve:spec_decode_steps_per_k": "Speculative decoding: steps with verify rows at each speculation length "
+                                       "(the position label is k_step).",
 }
 
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})

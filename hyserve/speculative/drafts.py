@@ -13,17 +13,29 @@ step).
 from __future__ import annotations
 
 from hyserve.request import Request
+from hyserve.speculative.adaptive import SpecLengthPolicy
 from hyserve.speculative.config import SpeculativeConfig
 from hyserve.speculative.proposer import NgramProposer, Proposer
 
 
 class DraftManager:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, adaptive: bool = False) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        # How many drafts each step verifies (hyserve.speculative.adaptive); ``adaptive``: the resolved default.
+        self.policy = SpecLengthPolicy(self.k, adaptive=adaptive,
+                                       disable_by_batch_size=config.disable_by_batch_size)
+        # Whether the MTP head drafts max(k_step, 1) tokens after a step at k_step (the worker has draft graphs of
+        # those lengths where a step may be shorter than k), rather than k.
+        self.short_drafting = config.method == "mtp" and (adaptive or config.disable_by_batch_size is not None)
         self.proposer: Proposer | None = None
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def drafting_length(self, k_step: int) -> int:
+        """The drafts the MTP head leaves after a step at speculation length ``k_step`` (before a request's end
+        trims them): what a row behind that step's row can take."""
+        return max(k_step, 1) if self.short_drafting else self.k
 
     @property
     def lookahead_tokens(self) -> int:

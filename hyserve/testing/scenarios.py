@@ -54,10 +54,10 @@ def with_stops(engine: LLMEngine, arrivals: dict[int, list], want: dict[str, Req
     return out
 
 
-def scenario_engine(path: str, spec: str, **kw: object) -> LLMEngine:
+def scenario_engine(path: str, spec: str | dict, **kw: object) -> LLMEngine:
     llm = make_llm(path, max_num_batched_tokens=24, max_num_seqs=4, num_kv_blocks=10, block_size=16,
                    enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=32,
-                   speculative_config=SPECS[spec], **kw)
+                   speculative_config=SPECS[spec] if isinstance(spec, str) else spec, **kw)
     return llm.llm_engine
 
 
@@ -201,3 +201,123 @@ MAMBA2_SABOTAGES: dict[str, Callable[[LLMEngine], None]] = {
     "snapshots_one_step_late": late_snapshots,
     "mamba2_rollback_one_late": mamba2_rollback_one_late,
 }
+
+
+# Speculation lengths scripted step after step (hyserve.speculative.adaptive): full, none, partial, runs of none,
+# and back up, so a row goes behind one in flight with another k (and with none) in every direction.
+K_SCHEDULE = [3, 0, 1, 0, 0, 2, 3, 1, 2, 0, 3, 3]
+ADAPTIVE_MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}
+
+
+class KStepRecorder:
+    """Wraps the scheduler's ``schedule`` to check every step against its speculation length k_step: each verify
+    row holds at most k_step drafts, a row behind one in flight exactly k_step or, where the step of the row in
+    flight drafted fewer (``DraftManager.drafting_length``), that many; the request's KV blocks cover the row's
+    latest end plus the MTP head's drafting positions (``DraftManager.lookahead_tokens``); and after a step the MTP
+    head left each request far from its end ``drafting_length(k_step)`` drafts."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[tuple[int, list[int]]] = []  # (k_step, each verify row's drafts) of steps with verify rows
+        self.chosen: list[int] = []  # the k_step of every step the policy chose for
+        self.rows_behind: dict[int, int] = {}  # k_step -> rows behind one in flight at that k
+        self.errors: list[str] = []
+        last_k: dict[str, int] = {}  # each request's last verify row's k_step
+        sched = engine.scheduler
+        drafts = engine.drafts
+        assert drafts is not None
+        original = sched.schedule
+        bs = sched.block_pool.block_size
+
+        def schedule():  # type: ignore[no-untyped-def]
+            before = drafts.policy.histogram.total()
+            so = original()
+            if drafts.policy.histogram.total() > before:
+                self.chosen.append(so.num_spec_tokens)
+            verify = [r for r in so.rows if r.is_verify]
+            if verify:
+                self.steps.append((so.num_spec_tokens, [r.num_drafts for r in verify]))
+            for r in verify:
+                if r.num_drafts > so.num_spec_tokens:
+                    self.errors.append(f"step {so.step_id}: {r.num_drafts} drafts at k_step {so.num_spec_tokens}")
+                if r.start_on_device:
+                    self.rows_behind[so.num_spec_tokens] = self.rows_behind.get(so.num_spec_tokens, 0) + 1
+                    want = min(so.num_spec_tokens, drafts.drafting_length(last_k[r.req_id]))
+                    if r.num_drafts != want:
+                        self.errors.append(f"step {so.step_id}: a row behind with {r.num_drafts} drafts at k_step "
+                                           f"{so.num_spec_tokens} (want {want})")
+                last_k[r.req_id] = so.num_spec_tokens
+                end = min(r.latest_start + r.num_new_tokens + drafts.lookahead_tokens, engine.max_model_len)
+                if len(r.block_table) * bs < end:
+                    self.errors.append(f"step {so.step_id}: blocks for {len(r.block_table) * bs} tokens, the row "
+                                       f"and its drafting reach {end}")
+            return so
+
+        sched.schedule = schedule  # type: ignore[method-assign]
+        update = sched.update_from_output
+
+        def drafted(so, ro, sink):  # type: ignore[no-untyped-def]
+            ran = update(so, ro, sink)
+            if drafts.config.method != "mtp" or not so.rows:
+                return ran
+            want = drafts.drafting_length(so.num_spec_tokens)
+            for row in so.rows:
+                req = sched.requests.get(row.req_id)
+                if req is None or req.is_finished or req.num_inflight_tokens or not req.is_decoding:
+                    continue
+                if drafts.num_drafts(req, engine.max_model_len) >= drafts.k and len(req.draft_token_ids) != want:
+                    self.errors.append(f"step {so.step_id}: {len(req.draft_token_ids)} drafts after a step at "
+                                       f"k_step {so.num_spec_tokens} (want {want})")
+            return ran
+
+        sched.update_from_output = drafted  # type: ignore[method-assign]
+
+
+def run_k_schedule(path: str, plain_run: dict[str, RequestOutput], plant: Callable[[LLMEngine, dict], None],
+                   async_scheduling: bool, graphs: bool, schedule: list[int] | None = None,
+                   sabotage: Callable[[LLMEngine], None] | None = None,
+                   **engine_kw: object) -> tuple[dict[str, RequestOutput], KStepRecorder, LLMEngine]:
+    """The scenario with MTP (k = 3) whose speculation length follows ``schedule`` step after step (the policy's
+    test hook), drafts planted by ``plant`` (tests' ``plant_drafts``: accepted and rejected), async scheduling or
+    not, CUDA graphs emulated (the caller sets ``cuda_graphs.EMULATE``) or not; ``engine_kw`` to the engine (worker
+    processes: graphs as the environment says, rows and slots not recorded). Returns the outputs, the recorder and
+    the engine; ``assert_k_schedule_matches`` checks them."""
+    from hyserve.testing.engine import SlotRecorder
+
+    arrivals, aborts, _ = scenario(path)
+    engine = scenario_engine(path, ADAPTIVE_MTP, async_scheduling=async_scheduling, **engine_kw)
+    in_process = not engine_kw
+    if in_process:
+        assert (engine.runner.graphs is not None) == graphs
+    assert engine.drafts is not None
+    engine.drafts.policy.script(schedule or K_SCHEDULE)
+    recorder = KStepRecorder(engine)
+    if sabotage is not None:
+        sabotage(engine)
+    slots = SlotRecorder(engine) if in_process else None
+    plant(engine, {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"})
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert slots is None or slots.saw_non_identity()
+    return got, recorder, engine
+
+
+def assert_k_schedule_matches(got: dict[str, RequestOutput], recorder: KStepRecorder, engine: LLMEngine,
+                              plain_run: dict[str, RequestOutput], schedule: list[int] | None = None) -> None:
+    """``run_k_schedule``'s run gave the plain run's outputs (the sampled "d" aside) with the scenario's preemption,
+    hits and abort, its steps took the scripted speculation lengths in turn, every row kept to its step's k_step
+    (``KStepRecorder``), and drafts were accepted and rejected."""
+    schedule = schedule or K_SCHEDULE
+    assert set(got) == set(plain_run) and len(got["d"].outputs[0].token_ids) == 12  # "d" samples: draws differ
+    assert_same_outputs({r: o for r, o in got.items() if r != "d"}, {r: o for r, o in plain_run.items() if r != "d"})
+    assert not recorder.errors, recorder.errors[:5]
+    chosen = recorder.chosen
+    assert len(chosen) > len(schedule) and chosen == [schedule[i % len(schedule)] for i in range(len(chosen))]
+    assert {k for k, drafts in recorder.steps if any(drafts)} >= {k for k in schedule if k}
+    metrics = engine.get_metrics()
+    assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
+    drafted = metrics["hyserve:spec_decode_num_draft_tokens"]
+    accepted = metrics["hyserve:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted  # type: ignore[operator]  # drafts accepted and rejected
+    assert drafted == sum(sum(d) for _, d in recorder.steps)  # type: ignore[operator]  # drafts actually verified
+    per_k = [sum(1 for k, _ in recorder.steps if k == j) for j in range(max(k for k, _ in recorder.steps) + 1)]
+    assert metrics["hyserve:spec_decode_steps_per_k"] == per_k

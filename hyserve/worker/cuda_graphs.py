@@ -17,6 +17,9 @@ Each kind is captured once per padded row count B (largest first, in one memory 
 - ``verify<i>`` (a pipeline stage before the last): the stage's verify forward writing scratch set ``i``.
 - ``snapshot``, ``draft_fill``, ``behind``, ``accept``: a verify step's candidate snapshots, the draft graph's inputs
   from the accepted counts on the device, the starts of rows behind rows in flight, greedy acceptance.
+- ``verify@j``, ``accept@j``, ``behind@j`` (a speculation length chosen per step, ``spec_kind``): the same laid out in
+  j + 1 tokens per row, for each j < k the engine may choose; a step at k_step = j replays these. ``draft@j``: the
+  drafting of j tokens (the first pass and j - 1 chained), after a step at k_step = j (j >= 1; 1 after k_step 0).
 
 This module captures and replays; it knows no kind's body. The room that owns a kind registers its body
 (``GraphBody``: the forward, and how to lay out pad rows for capture): the runner ``decode`` and ``verify``,
@@ -90,6 +93,12 @@ def capture_sizes(limit: int, sizes: list[int] | None) -> list[int]:
 
 
 Forward = Callable[[int], tuple[torch.Tensor, ...]]
+
+def spec_kind(kind: str, k_step: int, k: int) -> str:
+    """The name of graph kind ``kind`` (``verify``, ``accept``, ``behind``: rows of k_step + 1 tokens; ``draft``:
+    k_step drafts) captured once more for a speculation length shorter than k (hyserve.speculative.adaptive):
+    ``verify@1`` lays every row out in 2 tokens, ``verify@0`` in one; the kind itself for k."""
+    return kind if k_step == k else f"{kind}@{k_step}"
 
 
 def weak_forward(method: Callable[..., tuple[torch.Tensor, ...]], *args: int) -> Forward:

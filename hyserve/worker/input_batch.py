@@ -60,7 +60,8 @@ class FilledStep:
     draft_at: list[int] = field(default_factory=list)  # token index of every verify row's drafts, in row order
     drafts_fed: list[tuple[int, int]] = field(default_factory=list)  # (token index, flat draft_slots index)
     mm_rows: list[ImageRow] = field(default_factory=list)
-    behind: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first token, slot): start on device
+    # (row, first token, slot, tokens): rows whose start is on the device
+    behind: list[tuple[int, int, int, int]] = field(default_factory=list)
     # Snapshots inside prefill rows: (prefill row, i.e. row index after the verify rows, offset, entry, slot).
     row_snaps: list[tuple[int, int, int, int]] = field(default_factory=list)
 
@@ -95,6 +96,7 @@ class InputBatch:
         self._h2d_fence: torch.cuda.Event | None = None  # recorded after a step's copies out of host_bufs
         self.last_meta: StepMetadata | None = None
         self.verify_graph_size: int | None = None  # the padded size of the last step's verify graph, if it ran
+        self.verify_graph_q = num_speculative_tokens + 1  # and its tokens per row (k_step + 1)
         # The last step's sampled ids on the device, and each sampling request's row among them.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
@@ -164,8 +166,8 @@ class InputBatch:
                 nb["behind"][i] = row.start_on_device
                 nb["draft_count"][i] = n - 1
                 if row.start_on_device:  # its start-dependent inputs are set on the device (``Verifier``)
-                    assert mm is None and n == self.num_speculative_tokens + 1, "a row behind one has all k drafts"
-                    step.behind.append((i, t, row.state_slot))
+                    assert mm is None and n <= self.num_speculative_tokens + 1, "a row behind one has k_step drafts"
+                    step.behind.append((i, t, row.state_slot, n))
                 nb["input_ids"][t : t + n] = ids
                 step.draft_at.extend(range(t + 1, t + n))
                 if PREVIOUS_DRAFT in ids:
@@ -263,9 +265,10 @@ class InputBatch:
             slot_mapping=bufs["slot_mapping"][:tokens], max_query_len=query_len, max_seq_len=self.max_model_len,
         )
 
-    def verify_static_meta(self, size: int) -> StepMetadata:
-        """A verify graph's metadata: ``size`` rows of k + 1 tokens."""
-        q = self.num_speculative_tokens + 1
+    def verify_static_meta(self, size: int, q: int | None = None) -> StepMetadata:
+        """A verify graph's metadata: ``size`` rows of ``q`` tokens (k + 1 by default; a graph of a shorter
+        speculation length k_step + 1)."""
+        q = q or self.num_speculative_tokens + 1
         d = self.dev_bufs
         meta = self.static_meta(d, size, size * q, q)
         meta.verify = VerifyMetadata(

@@ -287,4 +287,8 @@ def graph_memory_estimate(sizes: dict[str, list[int]], logit_rows: int, num_spec
         return 0
     elem = torch.finfo(dtype).bits // 8
     tokens = max(s[-1] * (num_speculative_tokens + 1) for s in sizes.values() if s)
-    return logit_rows * vocab_size * (4 + elem) + tokens * 16 * activation_width * elem + 64 * 2**20
+    # The verify graphs of shorter speculation lengths (``verify@j``) keep their hidden-state outputs in the pool,
+    # one per captured size.
+    kept = sum(sum(s) * (int(name.split("@")[1]) + 1) for name, s in sizes.items() if name.startswith("verify@"))
+    return (logit_rows * vocab_size * (4 + elem) + tokens * 16 * activation_width * elem
+            + kept * activation_width * elem + 64 * 2**20)

@@ -52,6 +52,7 @@ from hyserve.worker.cuda_graphs import (
     GraphSet,
     StepGraphs,
     capture_sizes,
+    spec_kind,
     weak_forward,
 )
 from hyserve.worker.input_batch import InputBatch
@@ -89,7 +90,7 @@ _STAND_IN = SamplingParams(temperature=0.0)
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, num_speculative_tokens: int = 0, use_mtp: bool = False,
-                 max_steps_in_flight: int = 1) -> None:
+                 max_steps_in_flight: int = 1, spec_lengths: tuple[int, ...] = ()) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
@@ -138,6 +139,13 @@ class ModelRunner:
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or default_max_num_batched_tokens(device.type))
         self.max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.num_speculative_tokens = num_speculative_tokens
+        # The shorter speculation lengths k_step < k a step may take (hyserve.speculative.adaptive): each has verify,
+        # accept and behind graphs of its own (``cuda_graphs.spec_kind``), so a shorter step costs less.
+        self.spec_lengths = tuple(sorted({j for j in spec_lengths if 0 <= j < num_speculative_tokens}))
+        # The MTP head drafts max(k_step, 1) tokens after a step at k_step (the first pass writes the MTP KV entries
+        # whatever k_step is; the next step's length is not known yet and takes what there is): draft graphs of
+        # each such length. k where no step is shorter.
+        self.draft_lengths = tuple(sorted({max(j, 1) for j in self.spec_lengths} - {num_speculative_tokens}))
         # A stage before the last commits a verify step when its accepted counts arrive, up to a few steps later:
         # each uncommitted step keeps its candidates in a scratch set of its own.
         self.num_scratch_sets = max_steps_in_flight + 1 if num_speculative_tokens and not self.is_last_stage else 1
@@ -265,6 +273,8 @@ class ModelRunner:
             # (StageCommits): one verify graph per set, each writing its set.
             return {f"verify{i}": capture_sizes(limit, user) for i in range(self.num_scratch_sets)}
         sizes = {"verify": capture_sizes(limit, user)}
+        for j in self.spec_lengths:  # rows of j + 1 tokens: the same batch sizes as the verify graphs of k + 1
+            sizes[spec_kind("verify", j, k)] = list(sizes["verify"])
         if self.model.recurrent_layers():  # the commit of a verify graph's rows: every recurrent layer in one replay
             sizes["commit"] = list(sizes["verify"])
             # A step's candidate snapshots (prefix caching): every recurrent layer's copies in one replay.
@@ -274,12 +284,16 @@ class ModelRunner:
             # The whole drafting of a verify step: the first pass over each row's k + 1 positions, then k - 1
             # one-token passes fed on the device.
             sizes["draft"] = capture_sizes(limit, user)
+            for j in self.draft_lengths:  # the drafting after a shorter step: j passes
+                sizes[spec_kind("draft", j, k)] = list(sizes["draft"])
             # The draft graph's inputs from the accepted counts on the device (the whole verify step enqueued).
             sizes["draft_fill"] = list(sizes["draft"])
             if self.pp_size == 1 and tp_size() == 1:  # rows behind rows in flight: their starts from the device
                 sizes["behind"] = list(sizes["verify"])
                 # The greedy acceptance of a whole verify step enqueued at once, with the next starts.
                 sizes["accept"] = list(sizes["verify"])
+                for j in self.spec_lengths:
+                    sizes[spec_kind("behind", j, k)] = sizes[spec_kind("accept", j, k)] = list(sizes["verify"])
         return sizes
 
     def _graph_logit_rows(self, sizes: dict[str, list[int]]) -> int:
@@ -349,25 +363,27 @@ class ModelRunner:
         # Every graph writes its logits into (a prefix of) these two buffers (the last stage's).
         self.graph_logits = GraphLogits(self.model, self._graph_logit_rows(sizes), self.model_config.vocab_size,
                                         self.dtype, self.device)
-        bodies = {"decode": GraphBody(weak_forward(self._graph_decode), lambda n: self.prepare([], pad_to=n)),
-                  "verify": GraphBody(weak_forward(self._graph_verify))}
+        k = self.num_speculative_tokens
+        bodies = {"decode": GraphBody(weak_forward(self._graph_decode), lambda n: self.prepare([], pad_to=n))}
+        for j in (k, *self.spec_lengths):  # the verify graphs of k drafts per row and of each shorter length
+            bodies[spec_kind("verify", j, k)] = GraphBody(weak_forward(self._graph_verify, j + 1))
         for i in range(self.num_scratch_sets if not self.is_last_stage else 0):
             bodies[f"verify{i}"] = GraphBody(weak_forward(self._graph_verify_stage, i))
         bodies.update(self.state_ops.graph_bodies())
         if self.drafter is not None:
             bodies.update(self.drafter.graph_bodies(self.graph_logits, self.max_num_seqs,
-                                                    self.model_config.residual_width, self.dtype))
+                                                    self.model_config.residual_width, self.dtype, self.draft_lengths))
         if self.verifier is not None:
-            bodies.update(self.verifier.graph_bodies(self.graph_logits))
+            bodies.update(self.verifier.graph_bodies(self.graph_logits, self.spec_lengths))
         emulate = self.device.type != "cuda"
         for name, s in sizes.items():
             graphs.add(GraphSet(name, s, bodies[name].forward, emulate))
-        q = self.num_speculative_tokens + 1
 
-        def step_pads(n: int) -> object:  # pad rows of the verify layout in the step's own buffers
-            return self.prepare([], pad_to=n, pad_len=q)
+        def step_pads(name: str) -> Callable[[int], object]:  # pad rows of the kind's verify layout, step buffers
+            q = int(name.split("@")[1]) + 1 if "@" in name else k + 1
+            return lambda n: self.prepare([], pad_to=n, pad_len=q)
 
-        graphs.capture(self.device, {name: bodies[name].fill_pads or step_pads for name in sizes})
+        graphs.capture(self.device, {name: bodies[name].fill_pads or step_pads(name) for name in sizes})
         self.graphs = graphs
 
     # ------------------------------------------------------------------ graph forwards (read persistent buffers only)
@@ -389,10 +405,11 @@ class ModelRunner:
         assert isinstance(out, tuple)
         return out
 
-    def _graph_verify(self, size: int) -> tuple[torch.Tensor, ...]:
-        q = self.num_speculative_tokens + 1
+    def _graph_verify(self, q: int, size: int) -> tuple[torch.Tensor, ...]:
+        """``verify`` graph (``q`` = k + 1) or ``verify@j`` (q = j + 1): ``size`` rows of q tokens."""
         batch = self.input_batch
-        hidden = self.stage.forward(self.model, batch.dev_bufs["input_ids"][: size * q], batch.verify_static_meta(size))
+        hidden = self.stage.forward(self.model, batch.dev_bufs["input_ids"][: size * q],
+                                    batch.verify_static_meta(size, q))
         assert isinstance(hidden, torch.Tensor), "verify graphs run on the last stage only"
         return hidden, self.graph_logits(hidden)
 
@@ -464,9 +481,11 @@ class ModelRunner:
         sampling_rows = [self._sampling_row(rows[i], i, out.errors) for i in plain]
         spec_rows = [self._spec_row(rows[i], i, out.errors) for i in verify]
         verifier = self.verifier
+        # The drafts the MTP head proposes for the next step: max(k_step, 1), or k where no step is shorter.
+        num_drafts = max(so.num_spec_tokens, 1) if self.spec_lengths else self.num_speculative_tokens
         # Whether the whole verify step is enqueued at once; a row behind another otherwise needs its start first
         # (resolving it changes nothing the check reads: the scheduler sends a row behind only where it fits).
-        chain = verifier.device_chain(rows, spec_rows) if verifier is not None else None
+        chain = verifier.device_chain(rows, spec_rows, num_drafts) if verifier is not None else None
         if verifier is not None and chain is None and any(r.start_on_device for r in rows):
             rows = verifier.resolve_starts(rows)
         self.state_ops.load_states(rows)
@@ -485,7 +504,7 @@ class ModelRunner:
         if chain is not None:
             assert self.last_hidden is not None
             return verifier.verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], self.last_hidden, out,
-                                                       *chain, adjusted=adjusted_v)
+                                                       *chain, adjusted=adjusted_v, num_drafts=num_drafts)
         if verify:
             pending = verifier.accept(logits[:n_verify], spec_rows, adjusted=adjusted_v)
             take_verified(out, verify, pending.result())
@@ -497,7 +516,8 @@ class ModelRunner:
             # brings its drafts to the host (they are kept on the device too).
             on_host = any(r.grammar_bitmask is not None for r in rows)
             out.next_draft_token_ids = self.mtp_proposer.propose(rows, out, self.last_hidden,
-                                                                 None if on_host else verifier.draft_slots)
+                                                                 None if on_host else verifier.draft_slots,
+                                                                 num_drafts)
             verifier.keep_drafts(rows, out.next_draft_token_ids)
         return StepResult(out)
 
@@ -625,16 +645,21 @@ class ModelRunner:
     def _forward_spec(self, rows: list[ScheduledRow]) -> torch.Tensor:
         """The forward of a step with verify rows first; logits for every verify position, then for sampling rows.
 
-        The step's hidden states stay in ``last_hidden`` for the MTP pass.
+        The step's hidden states stay in ``last_hidden`` for the MTP pass. The verify graph of the step's longest
+        row where one was captured for that length (``verify@j``: the step's k_step, or fewer where no row has as
+        many drafts, as after a step that drafted fewer), else the graph of k drafts per row.
         """
-        q = self.num_speculative_tokens + 1
-        # Every row verifies (rows with fewer drafts are laid out in k + 1 tokens, the rest masked; see prepare).
-        # A later pipeline stage receives the previous stage's tokens as they are: the graph's layout (every row
-        # k + 1 tokens) is theirs only when no row is short.
-        graph = self._graph("verify", len(rows),
-                            lambda: all(r.is_verify and r.latest_start + q <= self.max_model_len
-                                        and (self.is_first_stage or r.num_new_tokens == q) for r in rows))
+        k = self.num_speculative_tokens
+        graph, q = None, k + 1
+        j = max((r.num_drafts for r in rows), default=k)
+        if j in self.spec_lengths:
+            q = j + 1
+            graph = self._verify_graph(rows, spec_kind("verify", j, k), q)
+        if graph is None:
+            q = k + 1
+            graph = self._verify_graph(rows, "verify", q)
         self.input_batch.verify_graph_size = graph[1] if graph is not None else None
+        self.input_batch.verify_graph_q = q
         if graph is not None:
             verify, size = graph
             _, _, logits_indices = self.prepare(rows, pad_to=size, pad_len=q, row_len=q)
@@ -651,6 +676,16 @@ class ModelRunner:
         self._take_prompt_logprobs(rows, hidden)
         self.last_hidden = hidden
         return self.model.compute_logits(hidden[logits_indices])
+
+    def _verify_graph(self, rows: list[ScheduledRow], kind: str, q: int) -> tuple[GraphSet, int] | None:
+        """The verify graphs of ``kind`` (rows of ``q`` tokens) and the padded size, if the step fits them: every
+        row verifies with at most q tokens (rows with fewer drafts are laid out in q tokens, the rest masked; see
+        prepare). A later pipeline stage receives the previous stage's tokens as they are: the graph's layout is
+        theirs only when no row is short."""
+        return self._graph(kind, len(rows),
+                           lambda: all(r.is_verify and r.num_new_tokens <= q
+                                       and r.latest_start + q <= self.max_model_len
+                                       and (self.is_first_stage or r.num_new_tokens == q) for r in rows))
 
     def _take_prompt_logprobs(self, rows: list[ScheduledRow], hidden: torch.Tensor) -> None:
         """The prompt logprobs of the rows that ask (an eager forward: ``hidden`` holds every position)."""

@@ -21,7 +21,7 @@ class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  num_speculative_tokens: int = 0, use_mtp: bool = False, rank: int = 0, world_size: int = 1,
                  dist_init_method: str | None = None, local_rank: int | None = None,
-                 max_steps_in_flight: int = 1) -> None:
+                 max_steps_in_flight: int = 1, spec_lengths: tuple[int, ...] = ()) -> None:
         if device.type == "cuda" and world_size > 1:  # one GPU per rank: its index on this node
             device = torch.device("cuda", rank if local_rank is None else local_rank)
         if device.type == "cuda" and device.index is not None:
@@ -40,7 +40,8 @@ class Worker:
         init_distributed(rank, tp, pp, dist_init_method or "", device, partition,
                          expert_parallel=config.enable_expert_parallel)
         self.runner = ModelRunner(config, model_config, device, dtype, num_speculative_tokens=num_speculative_tokens,
-                                  use_mtp=use_mtp, max_steps_in_flight=max_steps_in_flight)
+                                  use_mtp=use_mtp, max_steps_in_flight=max_steps_in_flight,
+                                  spec_lengths=spec_lengths)
 
     def cache_info(self) -> CacheInfo:
         return self.runner.cache_info()

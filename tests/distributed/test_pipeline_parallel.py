@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,16 @@ from hyserve.executor.multiproc import MultiprocExecutor
 from hyserve.outputs import RequestOutput
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm
 from hyserve.testing.families import CheckpointCache
-from hyserve.testing.scenarios import SPECS, reference_run, scenario, scenario_engine, with_stops
+from hyserve.testing.scenarios import (
+    SPECS,
+    assert_k_schedule_matches,
+    plain_scenario_run,
+    reference_run,
+    run_k_schedule,
+    scenario,
+    scenario_engine,
+    with_stops,
+)
 
 
 def _tokens(final: dict[str, RequestOutput]) -> dict[str, list[int]]:
@@ -111,6 +121,25 @@ def test_pp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec
     for rid, out in got.items():
         if rid != "d":  # sampled
             assert_matches_reference(ref, prompts[rid], out)
+
+
+def test_pp2_follows_a_scripted_speculation_length(ckpts: CheckpointCache, plant_drafts: Callable,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stages, async scheduling, graphs emulated in the workers, the speculation length scripted step after step
+    (``hyserve.testing.scenarios.K_SCHEDULE``): every stage runs the step's rows (the last one its verify graph of
+    their length where they all have it, the first eagerly where rows are short of k + 1), and the outputs are the
+    plain run's."""
+    monkeypatch.setenv("HYSERVE_EMULATE_CUDA_GRAPHS", "1")
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    plain_run = plain_scenario_run(ckpts, path)
+    got, recorder, engine = run_k_schedule(path, plain_run, plant_drafts, True, True, pipeline_parallel_size=2)
+    try:
+        assert_k_schedule_matches(got, recorder, engine, plain_run)
+        replays = engine.executor.collective_rpc("graph_replays")
+    finally:
+        engine.shutdown()
+    # the last stage's verify graphs of several lengths (a row of j drafts runs verify@j where every row has j)
+    assert sum(1 for kind, n in replays[1].items() if kind.startswith("verify") and n) >= 2, replays
 
 
 def _compare_with_one_process(path: str, spec: str, **kw: object) -> tuple[dict, dict, LLMEngine]:

@@ -50,7 +50,14 @@ from hyserve.testing.engine import SlotRecorder, assert_matches_reference, drive
 from hyserve.testing.families import LAYER_PATTERNS, CheckpointCache
 from hyserve.testing.qwen3_5_moe import check_mtp_drafts
 from hyserve.testing.qwen3_next import QWEN3_NEXT, tiny_next_config
-from hyserve.testing.scenarios import assert_same_outputs, plain_scenario_run, scenario, scenario_engine
+from hyserve.testing.scenarios import (
+    assert_k_schedule_matches,
+    assert_same_outputs,
+    plain_scenario_run,
+    run_k_schedule,
+    scenario,
+    scenario_engine,
+)
 from hyserve.worker import cuda_graphs
 
 FAMILY = QWEN3_NEXT.name
@@ -158,6 +165,19 @@ def test_features_compose(ckpts: CheckpointCache, plain_run: dict, plant_drafts:
     metrics = engine.get_metrics()
     assert metrics["hyserve:num_preemptions"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0  # type: ignore[operator]
     assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("async_scheduling,graphs", [(True, True), (False, False)], ids=["async-graphs", "sync-eager"])
+def test_a_scripted_speculation_length_gives_the_plain_outputs(ckpts: CheckpointCache, plain_run: dict,
+                                                               plant_drafts: Callable,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               async_scheduling: bool, graphs: bool) -> None:
+    """The speculation length changing step after step (``hyserve.testing.scenarios.K_SCHEDULE``: 3, 0, 1, 0, 0,
+    2, ...) through the scenario with the family's MTP head: the plain run's outputs, every row kept to its step's
+    k (``assert_k_schedule_matches``)."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
+    got, recorder, engine = run_k_schedule(_scenario_path(ckpts), plain_run, plant_drafts, async_scheduling, graphs)
+    assert_k_schedule_matches(got, recorder, engine, plain_run)
 
 
 @pytest.mark.parametrize("kw", [

@@ -159,6 +159,10 @@ def test_partition_variable_and_flag(model: str, monkeypatch: pytest.MonkeyPatch
      "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'"),
     ("--speculative-config '{\"method\": \"mtp\"}' --speculative-config.num_speculative_tokens=2",
      "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'"),
+    ("--speculative-config.method mtp --speculative-config.num_speculative_tokens 2 "
+     "--speculative-config.adaptive false --speculative-config.disable_by_batch_size 16",
+     "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 2, \"adaptive\": false, "
+     "\"disable_by_batch_size\": 16}'"),
     ("--compilation-config.cudagraph_mode NONE", "--compilation-config '{\"cudagraph_mode\": \"NONE\"}'"),
     ("--compilation-config.cudagraph_capture_sizes [1,2,4]",
      "--compilation-config '{\"cudagraph_capture_sizes\": [1, 2, 4]}'"),

@@ -83,6 +83,25 @@ def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: py
     assert 0.6 < by_rate[0.9]["draft_acceptance"] < 0.98
     assert all(r["outputs_identical"] for r in rows)
     assert (out / "spec_decode.md").exists()
+    k = spec_decode_bench.build_parser().get_default("k")
+    assert all(set(r["k_steps"]) == {str(k)} for r in rows)  # --adaptive off by default: every step at k
+
+
+def test_spec_decode_bench_reports_the_k_chosen_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--adaptive on``: the engine chooses each step's speculation length; each row reports its timed steps by
+    k_step (its first steps at a batch size explore every k), and the outputs are still plain decoding's."""
+    model = str(tmp_path / "m")
+    shapes.write_spread_checkpoint(model, SMALL, mtp=True, embed_std=1.0)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["spec_decode_bench.py", "--model", model, "--device", "cpu", "--batches", "2",
+                                      "--max-tokens", "24", "--prompt-len", "32", "--rates", "0,0.9",
+                                      "--adaptive", "on", "--out", str(out)])
+    assert spec_decode_bench.main() == 0
+    data = json.loads((out / "spec_decode.json").read_text())
+    assert data["meta"]["adaptive"] == "on"
+    for r in data["rows"]:
+        assert r["outputs_identical"] and r["k_steps"] and set(r["k_steps"]) <= {"0", "1", "2", "3"}
+    assert "steps by k" in (out / "spec_decode.md").read_text()
 
 
 @pytest.mark.slow  # 14 s: benchmark tooling, the suite's budget

@@ -72,9 +72,9 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
     elif kind == "behind-graph":  # the behind graph leaves the KV slots at the earliest start (seen once accepted)
         behind = Verifier._graph_behind
 
-        def kv_stays(self: Verifier, size: int) -> tuple[torch.Tensor, ...]:
+        def kv_stays(self: Verifier, q: int, size: int) -> tuple[torch.Tensor, ...]:
             mapping = self.batch.dev_bufs["slot_mapping"].clone()
-            out = behind(self, size)
+            out = behind(self, q, size)
             self.batch.dev_bufs["slot_mapping"].copy_(mapping)
             return out
         monkeypatch.setattr(Verifier, "_graph_behind", kv_stays)

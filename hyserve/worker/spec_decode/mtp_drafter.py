@@ -25,7 +25,7 @@ from hyserve.model.base import CausalLM
 from hyserve.model.metadata import StepMetadata
 from hyserve.scheduler.output import PREVIOUS_DRAFT, ScheduledRow
 from hyserve.utils import device_tensor
-from hyserve.worker.cuda_graphs import GraphBody, GraphLogits, GraphSet, StepGraphs, weak_forward
+from hyserve.worker.cuda_graphs import GraphBody, GraphLogits, GraphSet, StepGraphs, spec_kind, weak_forward
 from hyserve.worker.input_batch import InputBatch, fill_pad_rows
 from hyserve.worker.mm_inputs import ImageRow, MMInputs
 
@@ -150,16 +150,21 @@ class MTPDrafter:
         return self._logits(hidden)
 
     def graph_bodies(self, logits: GraphLogits, max_num_seqs: int, hidden_size: int,
-                     dtype: torch.dtype) -> dict[str, GraphBody]:
-        """The ``mtp``, ``draft`` and ``draft_fill`` graphs, writing their logits into ``logits``."""
+                     dtype: torch.dtype, draft_lengths: tuple[int, ...] = ()) -> dict[str, GraphBody]:
+        """The ``mtp``, ``draft`` and ``draft_fill`` graphs, writing their logits into ``logits``; ``draft@j`` for
+        each shorter drafting length j in ``draft_lengths`` (j passes: the first and j - 1 chained)."""
         if self.own_head_input is not None:  # the same buffers, the draft head's head_input
             logits = copy.copy(logits)
             logits.model = cast(CausalLM, self.own_head_input)
         self._logits = logits
         self.mtp_hidden_in = self.batch.dev((max_num_seqs, hidden_size), dtype)
-        return {"mtp": GraphBody(weak_forward(self._graph_mtp), lambda n: self.fill_mtp([], pad_to=n)),
-                "draft": GraphBody(weak_forward(self._graph_draft), lambda n: self._fill_draft([], pad_to=n)),
-                "draft_fill": GraphBody(weak_forward(self._graph_draft_fill), self.draft_fill_pads)}
+        k = self.num_speculative_tokens
+        bodies = {"mtp": GraphBody(weak_forward(self._graph_mtp), lambda n: self.fill_mtp([], pad_to=n)),
+                  "draft_fill": GraphBody(weak_forward(self._graph_draft_fill), self.draft_fill_pads)}
+        for j in (k, *draft_lengths):
+            bodies[spec_kind("draft", j, k)] = GraphBody(weak_forward(self._graph_draft, j),
+                                                         lambda n: self._fill_draft([], pad_to=n))
+        return bodies
 
     def fill_mtp(self, rows: list[MTPRow], pad_to: int | None = None) -> tuple[StepMetadata, dict[str, torch.Tensor]]:
         """Fill the MTP pass's persistent buffers for ``rows`` (plus pad rows up to ``pad_to``); metadata and views."""
@@ -252,9 +257,11 @@ class MTPDrafter:
         # A copy: the next replay overwrites the graph's output, and callers keep rows of it across passes.
         return out[: len(rows)].clone(), tokens[: len(rows)].tolist()
 
-    def draft_chain_graph(self, num_rows: int) -> tuple[GraphSet, int] | None:
-        """The ``draft`` graphs and padded size for a verify step of ``num_rows`` rows, if captured for it."""
-        return self.graphs.fitting("draft", num_rows, lambda: True)
+    def draft_chain_graph(self, num_rows: int, passes: int | None = None) -> tuple[GraphSet, int] | None:
+        """The ``draft`` graphs (``passes`` drafts per row, k by default: ``draft@passes``) and padded size for a
+        verify step of ``num_rows`` rows, if captured for it."""
+        k = self.num_speculative_tokens
+        return self.graphs.fitting(spec_kind("draft", passes or k, k), num_rows, lambda: True)
 
     def _fill_draft(self, rows: list[ChainRow], pad_to: int) -> torch.Tensor:
         """Fill the draft graph's buffers for ``rows`` plus pad rows up to ``pad_to``; the hidden-state indices.
@@ -450,12 +457,12 @@ class MTPDrafter:
                        self.model.input_embeddings())
         return out, self.logits(out).argmax(dim=-1)
 
-    def _graph_draft(self, size: int) -> tuple[torch.Tensor, ...]:
-        """``draft`` graph: the MTP layer over ``size`` rows of k + 1 positions (masked tails), each row's output at
-        its last real position, then k - 1 one-token passes, each fed the previous pass's greedy token and output;
-        the k tokens of every row and the first pass's outputs land in persistent buffers."""
-        k = self.num_speculative_tokens
-        q = k + 1
+    def _graph_draft(self, passes: int, size: int) -> tuple[torch.Tensor, ...]:
+        """``draft`` graph (``passes`` = k; ``draft@j``: j): the MTP layer over ``size`` rows of k + 1 positions
+        (masked tails), each row's output at its last real position, then ``passes`` - 1 one-token passes, each fed
+        the previous pass's greedy token and output; the tokens of every row (the first ``passes`` columns) and the
+        first pass's outputs land in persistent buffers."""
+        q = self.num_speculative_tokens + 1
         d = self.draft_dev
         embed = self.model.input_embeddings()
         meta = StepMetadata(positions=d["positions"][: size * q], query_start_loc=d["query_start_loc"][: size + 1],
@@ -467,7 +474,7 @@ class MTPDrafter:
         self.draft_first_hidden[:size].copy_(h)
         tok = self.logits(h).argmax(dim=-1)
         self.draft_tokens[:size, 0].copy_(tok)
-        for j in range(1, k):
+        for j in range(1, passes):
             meta = StepMetadata(positions=d["chain_positions"][j - 1, :size],
                                 query_start_loc=d["chain_query_start_loc"][: size + 1],
                                 seq_lens=d["chain_seq_lens"][j - 1, :size], state_slots=d["seq_lens"][:size],

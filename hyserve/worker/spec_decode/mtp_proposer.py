@@ -26,11 +26,13 @@ class MTPProposer:
         self.first_hidden: dict[str, torch.Tensor] = {}
 
     def propose(self, rows: list[ScheduledRow], out: RunnerOutput, last_hidden: torch.Tensor,
-                draft_slots: torch.Tensor | None) -> list[list[int]]:
+                draft_slots: torch.Tensor | None, num_drafts: int | None = None) -> list[list[int]]:
         """Consume the step's positions (see the module docstring; ``last_hidden``: the target's hidden states of
-        the step); drafts for every row that sampled (placeholders for those left in ``draft_slots``)."""
+        the step); up to ``num_drafts`` (k by default) drafts for every row that sampled (placeholders for those
+        left in ``draft_slots``)."""
         self.first_hidden = {}
-        chained = self._propose_in_one_graph(rows, out, last_hidden, draft_slots)
+        k_max = min(num_drafts or self.k, self.k)
+        chained = self._propose_in_one_graph(rows, out, last_hidden, draft_slots, k_max)
         if chained is not None:
             return chained
         drafts: list[list[int]] = [[] for _ in rows]
@@ -63,7 +65,7 @@ class MTPProposer:
             if not row.samples:
                 continue
             num_tokens = mrow.start + len(mrow.input_ids) + 1  # known tokens after the step
-            k = min(self.k, row.draft_limit - num_tokens)
+            k = min(k_max, row.draft_limit - num_tokens)
             if k > 0:
                 drafts[i] = [first[n]]
                 self.first_hidden[row.req_id] = hidden[n]
@@ -88,14 +90,14 @@ class MTPProposer:
         return drafts
 
     def _propose_in_one_graph(self, rows: list[ScheduledRow], out: RunnerOutput, last_hidden: torch.Tensor,
-                              draft_slots: torch.Tensor | None) -> list[list[int]] | None:
+                              draft_slots: torch.Tensor | None, k_max: int) -> list[list[int]] | None:
         """A step of verify rows only: the whole drafting in one replay of the ``draft`` graph (first pass over
         each row's accepted positions, then the chained passes on the device) and one copy of the tokens to the
         host; None where no graph fits (then the passes run one by one)."""
         q = self.k + 1
         if not all(r.is_verify and r.start + q <= self.drafter.max_model_len for r in rows):
             return None
-        graph = self.drafter.draft_chain_graph(len(rows))
+        graph = self.drafter.draft_chain_graph(len(rows), k_max)
         if graph is None:
             return None
         chain: list[ChainRow] = []
@@ -109,7 +111,7 @@ class MTPProposer:
             inputs = out.token_ids[i]  # the accepted drafts and the correction: tokens start+1 .. start+a+1
             num_tokens = row.start + len(inputs) + 1  # known tokens after the step
             chain.append(ChainRow(row.start, inputs, list(range(t0, t0 + len(inputs))), row.block_table,
-                                  max(0, min(self.k, row.draft_limit - num_tokens)), row.state_slot,
+                                  max(0, min(k_max, row.draft_limit - num_tokens)), row.state_slot,
                                   self.drafter.mm.position_shift(row.req_id, row.start)))
             owners.append(i)
         drafts: list[list[int]] = [[] for _ in rows]

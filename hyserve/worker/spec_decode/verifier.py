@@ -17,7 +17,7 @@ import torch
 
 from hyserve.scheduler.output import PREVIOUS_DRAFT, RunnerOutput, ScheduledRow, candidate_point
 from hyserve.utils import device_tensor
-from hyserve.worker.cuda_graphs import GraphBody, GraphLogits, GraphSet, StepGraphs, weak_forward
+from hyserve.worker.cuda_graphs import GraphBody, GraphLogits, GraphSet, StepGraphs, spec_kind, weak_forward
 from hyserve.worker.input_batch import FilledStep, InputBatch
 from hyserve.worker.spec_decode.mtp_drafter import MTPDrafter
 from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
@@ -83,18 +83,24 @@ class Verifier:
         if drafter is not None:  # the accept graph's (count, emitted) per row
             self.accept_summary = batch.dev((max_num_seqs, num_speculative_tokens + 2), torch.long)
 
-    def graph_bodies(self, logits: GraphLogits) -> dict[str, GraphBody]:
-        """The ``behind`` and ``accept`` graphs (over the verify graph's buffers: their pads are the step's)."""
+    def graph_bodies(self, logits: GraphLogits, spec_lengths: tuple[int, ...] = ()) -> dict[str, GraphBody]:
+        """The ``behind`` and ``accept`` graphs (over the verify graph's buffers: their pads are the step's), for k
+        drafts per row and for each shorter speculation length in ``spec_lengths`` (``spec_kind``)."""
         self.logits = logits
-        return {"behind": GraphBody(weak_forward(self._graph_behind)),
-                "accept": GraphBody(weak_forward(self._graph_accept))}
+        k = self.num_speculative_tokens
+        bodies = {}
+        for j in (k, *spec_lengths):
+            bodies[spec_kind("behind", j, k)] = GraphBody(weak_forward(self._graph_behind, j + 1))
+            bodies[spec_kind("accept", j, k)] = GraphBody(weak_forward(self._graph_accept, j + 1))
+        return bodies
 
     def complete_inputs(self, step: FilledStep, pad_to: int | None, row_len: int | None) -> None:
         """The verify rows' inputs that only the device knows, after the host's copies: the starts of rows behind
         rows in flight (the ``behind`` graph when the verify graph's layout is used), and drafts fed from
         ``draft_slots``."""
         if step.behind:
-            graphs = self.graphs.get("behind") if row_len is not None else None
+            k = self.num_speculative_tokens
+            graphs = self.graphs.get(spec_kind("behind", row_len - 1, k)) if row_len is not None else None
             if graphs is not None and pad_to in graphs.sizes:  # the verify graph's layout: row i at i * row_len
                 graphs.run(pad_to)  # type: ignore[arg-type]
             else:
@@ -115,7 +121,8 @@ class Verifier:
         self.advance_verified(pending.accepted, pending.emitted)
         return pending
 
-    def device_chain(self, rows: list[ScheduledRow], spec_rows: list[SpecRow]) -> tuple[GraphSet, int] | None:
+    def device_chain(self, rows: list[ScheduledRow], spec_rows: list[SpecRow],
+                     num_drafts: int | None = None) -> tuple[GraphSet, int] | None:
         """The ``draft`` graphs and size if this step's acceptance, commit, snapshots and drafting can all be
         enqueued before its result comes to the host: one rank (drafts kept in ``draft_slots``), every row a verify
         row the draft graph takes, no row asking for logprobs (those read logits the draft graph overwrites), no row
@@ -129,11 +136,12 @@ class Verifier:
             return None
         if any(r.grammar_bitmask is not None for r in rows):  # its next masks need its drafts on the host
             return None
-        return self.drafter.draft_chain_graph(len(rows))
+        return self.drafter.draft_chain_graph(len(rows), num_drafts)
 
     def verify_and_draft_on_device(self, rows: list[ScheduledRow], spec_rows: list[SpecRow], logits: torch.Tensor,
                                    last_hidden: torch.Tensor, out: RunnerOutput, graphs: GraphSet,
-                                   size: int, adjusted: torch.Tensor | None = None) -> StepResult:
+                                   size: int, adjusted: torch.Tensor | None = None,
+                                   num_drafts: int | None = None) -> StepResult:
         """Acceptance, commit of the accepted candidates, candidate snapshots and the whole drafting, enqueued on
         the device in that order, each reading the accepted counts there. The result waits for the acceptance's
         copy to the host: the commit and drafting run on, and the next step can be enqueued behind them, while
@@ -157,7 +165,7 @@ class Verifier:
         self.draft_slots.index_copy_(0, slots, tokens[:n])
         first = first[:n].clone()  # the next replay overwrites the graph's output; tests read it after
         proposer = self.proposer
-        k = self.num_speculative_tokens
+        k = min(num_drafts or self.num_speculative_tokens, self.num_speculative_tokens)  # the graph's passes
         # What the host learns, once the acceptance's copy is in (StepResult.result). A row behind another has
         # its start on the device: it is reported with k drafts, which the scheduler trims as the device did
         # (DraftManager.num_drafts is the device's count).
@@ -186,7 +194,7 @@ class Verifier:
         graph (``_graph_accept``), with one copy of the counts and tokens to the host; None where it does not
         apply (a row that samples or has banned tokens, or the verify graph did not run at ``size``): then the
         rejection sampler decides, as it does everywhere else."""
-        graphs = self.graphs.get("accept")
+        graphs = self.graphs.get(spec_kind("accept", self.batch.verify_graph_q - 1, self.num_speculative_tokens))
         if graphs is None or self.batch.verify_graph_size != size or size not in graphs.sizes:
             return None
         if not all(r.params.is_greedy and r.banned_token_ids is None and r.grammar_masks is None
@@ -202,16 +210,17 @@ class Verifier:
             event.record()
         return PendingSpec(summary[:, 0], summary[:, 1:], host, event, None)
 
-    def _graph_accept(self, size: int) -> tuple[torch.Tensor, ...]:
+    def _graph_accept(self, q: int, size: int) -> tuple[torch.Tensor, ...]:
         """``accept`` graph: the rejection sampler's greedy acceptance (``RejectionSampler.accept_greedy``) of
-        ``size`` verify rows of k + 1 positions from the verify graph's logits and fed tokens into
-        ``accept_summary`` (per row: the count, then the emitted tokens, the last one at column count); then each
-        row's next start and last token into its slot's entries (``advance_verified``)."""
+        ``size`` verify rows of ``q`` positions (k + 1, or k_step + 1 for ``accept@k_step``) from the verify graph's
+        logits and fed tokens into ``accept_summary`` (per row: the count, then the emitted tokens, the last one at
+        column count; the columns past q + 1 left as they were); then each row's next start and last token into its
+        slot's entries (``advance_verified``)."""
         assert self.logits is not None
-        q = self.num_speculative_tokens + 1
         drafts = self.batch.dev_bufs["input_ids"][: size * q].view(size, q)[:, 1:]
         accepted, emitted = self.rejection_sampler.accept_greedy(
-            self.logits.f32[: size * q], drafts, self.batch.dev_bufs["draft_count"][:size], self.accept_summary[:size])
+            self.logits.f32[: size * q], drafts, self.batch.dev_bufs["draft_count"][:size],
+            self.accept_summary[:size, : q + 1])
         self.advance_verified(accepted, emitted)
         return ()
 
@@ -223,32 +232,37 @@ class Verifier:
         src = device_tensor([j for _, j in fed], self.device, torch.long)
         self.batch.dev_bufs["input_ids"].index_copy_(0, at, self.draft_slots.view(-1).index_select(0, src))
 
-    def start_behind(self, behind: list[tuple[int, int, int]]) -> None:
+    def start_behind(self, behind: list[tuple[int, int, int, int]]) -> None:
         """Verify rows scheduled behind their request's verify row in flight (``behind``: row, first token index,
-        state slot): their start and first token are what that row's acceptance left in the slot's entries; their
-        positions, KV slots and context lengths follow from the start, through their block tables on the device."""
+        state slot, tokens: the step's k_step + 1): their start and first token are what that row's acceptance left
+        in the slot's entries; their positions, KV slots and context lengths follow from the start, through their
+        block tables on the device."""
         assert self.verify_next_start is not None and self.verify_next_token is not None
-        q = self.num_speculative_tokens + 1
         bs = self.block_size
         d = self.batch.dev_bufs
-        row, at, slot = device_tensor([x for b in behind for x in b], self.device, torch.long).view(-1, 3).unbind(1)
+        head = [x for b in behind for x in b[:3]]
+        row, at, slot = device_tensor(head, self.device, torch.long).view(-1, 3).unbind(1)
         start = self.verify_next_start.index_select(0, slot)
         d["verify_starts"].index_copy_(0, row, start)  # verify rows come first: row i is verify row i
         d["input_ids"].index_copy_(0, at, self.verify_next_token.index_select(0, slot))
-        o = torch.arange(q, device=self.device)
-        pos = start.unsqueeze(1) + o  # (rows, q)
-        tok = (at.unsqueeze(1) + o).view(-1)
-        d["positions"].index_copy_(0, tok, pos.view(-1))
-        tables = d["block_tables"].index_select(0, row).long()
-        d["slot_mapping"].index_copy_(0, tok, (tables.gather(1, pos // bs) * bs + pos % bs).view(-1))
-        d["seq_lens"].index_copy_(0, row, (start + q).to(d["seq_lens"].dtype))
+        # Every token of every such row: (its row among them, its offset in the row, its index in the step).
+        flat = [(m, j, t + j) for m, (_, t, _, n) in enumerate(behind) for j in range(n)]
+        which, off, tok = device_tensor([x for f in flat for x in f], self.device, torch.long).view(-1, 3).unbind(1)
+        pos = start.index_select(0, which) + off
+        d["positions"].index_copy_(0, tok, pos)
+        tables = d["block_tables"].index_select(0, row.index_select(0, which)).long()
+        kv = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+        d["slot_mapping"].index_copy_(0, tok, kv)
+        lens = device_tensor([n for *_, n in behind], self.device, torch.long)
+        d["seq_lens"].index_copy_(0, row, (start + lens).to(d["seq_lens"].dtype))
 
-    def _graph_behind(self, size: int) -> tuple[torch.Tensor, ...]:
-        """``behind`` graph: ``start_behind`` for a verify graph's ``size`` rows (row i's tokens at i * (k + 1)),
-        the rows behind flagged in the persistent ``behind`` buffer; the others, pads included, are left as the
-        host laid them out."""
+    def _graph_behind(self, q: int, size: int) -> tuple[torch.Tensor, ...]:
+        """``behind`` graph: ``start_behind`` for a verify graph's ``size`` rows (row i's tokens at i * q, q = k + 1
+        or k_step + 1 for ``behind@k_step``, the tail past its ``draft_count`` drafts masked), the rows behind
+        flagged in the persistent ``behind`` buffer; the others, pads included, are left as the host laid them
+        out."""
         assert self.verify_next_start is not None and self.verify_next_token is not None
-        q, bs = self.num_speculative_tokens + 1, self.block_size
+        bs = self.block_size
         d = self.batch.dev_bufs
         flag = d["behind"][:size] > 0
         slots = d["state_slots"][:size]
@@ -260,8 +274,10 @@ class Verifier:
         positions.copy_(torch.where(moved, pos, positions))
         tables = d["block_tables"][:size].long()
         slots_kv = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)) * bs + pos % bs
+        # A row with fewer than k drafts (the step's k_step) keeps its masked tail: no KV write there.
+        real = torch.arange(q, device=self.device).unsqueeze(0) <= d["draft_count"][:size].unsqueeze(1)
         mapping = d["slot_mapping"][: size * q].view(size, q)
-        mapping.copy_(torch.where(moved, slots_kv, mapping))
+        mapping.copy_(torch.where(moved, torch.where(real, slots_kv, -1), mapping))
         seq_lens = d["seq_lens"][:size]
         seq_lens.copy_(torch.where(flag, start + q, seq_lens.long()).to(seq_lens.dtype))
         first = d["input_ids"][: size * q].view(size, q)[:, 0]

@@ -1,0 +1,333 @@
+"""The speculation length chosen per step (``hyserve.speculative.adaptive``; docs/async_spec.md "How many drafts a
+step verifies").
+
+The policy as a unit: expected tokens per verify row from the acceptance per position (hand-computed), the choice
+from a table of step times at two batch sizes, the acceptance counts' update position by position, exploration and
+the probe that keeps every k measured while another wins; sabotaged variants (the acceptance counted one position
+off, the batch size ignored) are caught. The configuration: fields checked, unknown ones refused, the default by
+device.
+
+The engine: the speculation length follows a scripted schedule (3, 0, 1, 0, 0, 2, ...) step after step while the
+shared scenario runs (staggered arrivals, prefix hits, chunked prefill, an abort, preemption, rows mapped to other
+slots, planted MTP drafts accepted and rejected), with async scheduling (rows behind rows in flight, across every
+change of k) and without, eager and with emulated CUDA graphs: the outputs are the plain run's (which matches
+transformers), every row keeps to its step's k, and its KV blocks cover its drafting. Sabotaged engines (a row behind
+taking the configured k's placeholders; blocks reserved for the step's k in place of the drafting's) are caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from hyserve.config import ModelConfig
+from hyserve.engine.llm_engine import LLMEngine
+from hyserve.scheduler.output import ScheduledRow
+from hyserve.speculative import adaptive
+from hyserve.speculative.adaptive import SpecLengthPolicy, bucket, expected_tokens
+from hyserve.speculative.config import SpeculativeConfig
+from hyserve.testing.engine import make_llm
+from hyserve.testing.families import CheckpointCache
+from hyserve.testing.scenarios import assert_k_schedule_matches, assert_same_outputs, plain_scenario_run, run_k_schedule
+from hyserve.worker import cuda_graphs
+
+# ---------------------------------------------------------------------------------------------------------- policy
+
+
+def test_expected_tokens_by_hand() -> None:
+    a = [0.8, 0.5, 0.5]
+    assert expected_tokens(a, 0) == 1.0
+    assert expected_tokens(a, 1) == pytest.approx(1.8)
+    assert expected_tokens(a, 2) == pytest.approx(1.8 + 0.4)
+    assert expected_tokens(a, 3) == pytest.approx(1.8 + 0.4 + 0.2)
+
+
+def measured(policy: SpecLengthPolicy, table: dict[int, dict[int, float]]) -> None:
+    """Step times ``table[b][k]`` observed once each."""
+    for b, row in table.items():
+        for k, t in row.items():
+            policy.observe_step(b, k, t)
+
+
+def set_acceptance(policy: SpecLengthPolicy, a: list[float]) -> None:
+    policy.accepted = [x * 1000.0 for x in a]
+    policy.reached = [1000.0] * len(a)
+
+
+# At one row a verify step costs little more than a plain one; at 32 rows almost (k + 1) times as much.
+TABLE = {1: {0: 1.0, 1: 1.2, 2: 1.5, 3: 1.9}, 32: {0: 1.0, 1: 1.9, 2: 2.5, 3: 3.0}}
+
+
+def test_the_choice_maximises_expected_tokens_per_second_at_the_steps_batch() -> None:
+    policy = SpecLengthPolicy(3, probe_interval=0)
+    measured(policy, TABLE)
+    set_acceptance(policy, [0.8, 0.5, 0.5])
+    # batch 1: 1/1.0, 1.8/1.2 = 1.5, 2.2/1.5 = 1.467, 2.4/1.9 = 1.263 -> k = 1
+    assert policy.choose(1) == 1
+    # batch 30 (bucket 32 for 25..32 rows): 1.0, 0.947, 0.88, 0.8 -> k = 0
+    assert policy.choose(30) == 0 and bucket(30) == 32
+    # every draft accepted: batch 1: 4/1.9 = 2.1 -> 3; batch 32: 4/3.0 = 1.33 against 3/2.5 = 1.2 -> 3
+    set_acceptance(policy, [1.0, 1.0, 1.0])
+    assert policy.choose(1) == 3 and policy.choose(32) == 3
+    # nothing accepted: plain steps at any batch
+    set_acceptance(policy, [0.0, 0.0, 0.0])
+    assert policy.choose(1) == 0 and policy.choose(32) == 0
+    assert policy.histogram == {1: 1, 0: 3, 3: 2}
+
+
+_CHOOSE = SpecLengthPolicy._choose
+
+
+def ignores_batch(self: SpecLengthPolicy, b: int) -> int:  # sabotage: every decision made at batch 1
+    return _CHOOSE(self, 1)
+
+
+@pytest.mark.parametrize("sabotaged", [False, True])
+def test_a_policy_that_ignores_the_batch_size_is_caught(monkeypatch: pytest.MonkeyPatch, sabotaged: bool) -> None:
+    if sabotaged:
+        monkeypatch.setattr(SpecLengthPolicy, "_choose", ignores_batch)
+    policy = SpecLengthPolicy(3, probe_interval=0)
+    measured(policy, TABLE)
+    set_acceptance(policy, [0.8, 0.5, 0.5])
+    assert (policy.choose(1), policy.choose(32)) == ((1, 1) if sabotaged else (1, 0))
+
+
+def reference_acceptance(rows_per_step: list[list[tuple[int, int]]], k: int) -> list[float]:
+    """a_j computed by hand from the definition: decayed counts of rows reaching position j and accepting it."""
+    acc = [adaptive.PRIOR_ACCEPTANCE * adaptive.PRIOR_WEIGHT] * k
+    reach = [adaptive.PRIOR_WEIGHT] * k
+    for rows in rows_per_step:
+        acc = [x * adaptive.ACCEPT_DECAY for x in acc]
+        reach = [x * adaptive.ACCEPT_DECAY for x in reach]
+        for d, a in rows:
+            for j in range(1, k + 1):
+                if j <= d and a >= j - 1:  # position j verified: every draft before it accepted
+                    reach[j - 1] += 1
+                    acc[j - 1] += a >= j
+    return [x / y for x, y in zip(acc, reach, strict=True)]
+
+
+def shifted_update(self: SpecLengthPolicy, num_drafts: list[int], num_accepted: list[int]) -> None:
+    """Sabotage: the accepted count credited one position late (position j + 1 for j)."""
+    for j in range(self.k):
+        self.accepted[j] *= adaptive.ACCEPT_DECAY
+        self.reached[j] *= adaptive.ACCEPT_DECAY
+    for d, a in zip(num_drafts, num_accepted, strict=True):
+        if d <= 0 or a < 0:
+            continue
+        for j in range(min(a + 1, d, self.k)):
+            self.reached[j] += 1.0
+            if 0 < j <= a:
+                self.accepted[j] += 1.0
+
+
+STEPS = [[(3, 1), (3, 3), (2, 0)], [(3, 0), (1, 1), (3, 2), (0, -1)], [(2, 2), (3, -1), (3, 3)]]
+
+
+@pytest.mark.parametrize("sabotaged", [False, True])
+def test_acceptance_counts_position_by_position(monkeypatch: pytest.MonkeyPatch, sabotaged: bool) -> None:
+    """Rows with 3, 2, 1 and no drafts, errors (-1) skipped; a_j against the hand computation."""
+    if sabotaged:
+        monkeypatch.setattr(SpecLengthPolicy, "observe_verify", shifted_update)
+    policy = SpecLengthPolicy(3)
+    assert policy.acceptance == [0.5, 0.5, 0.5]  # the prior
+    for rows in STEPS:
+        policy.observe_verify([d for d, _ in rows], [a for _, a in rows])
+    want = reference_acceptance([[(d, a) for d, a in rows if a >= 0 and d > 0] for rows in STEPS], 3)
+    # position 1 by hand after the first step: (0.98 * 2 + 2) / (0.98 * 4 + 3)
+    assert reference_acceptance(STEPS[:1], 3)[0] == pytest.approx((0.98 * 2 + 2) / (0.98 * 4 + 3))
+    close = all(g == pytest.approx(w) for g, w in zip(policy.acceptance, want, strict=True))
+    assert close != sabotaged
+
+
+def test_exploration_then_probes_keep_every_k_measured() -> None:
+    """Each bucket first tries every k (the largest first); afterwards, while k = 0 wins, every ``probe_interval``-th
+    decision takes the k measured longest ago, so the times of the other k and the acceptance keep updating."""
+    policy = SpecLengthPolicy(3, probe_interval=4)
+    set_acceptance(policy, [0.3, 0.3, 0.3])
+    times = TABLE[32]
+    first = []
+    for _ in range(4):
+        k = policy.choose(32)
+        first.append(k)
+        policy.observe_step(32, k, times[k])
+    assert first == [3, 2, 1, 0]
+    later = []
+    for _ in range(12):
+        k = policy.choose(32)
+        later.append(k)
+        policy.observe_step(32, k, times[k])
+    # decisions 4..15: the 4th, 8th, 12th and 16th decisions are probes (n % 4 == 3): the oldest entry each time
+    assert later == [0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 1]
+    # another bucket explores on its own
+    assert policy.choose(1) == 3
+
+
+def test_step_times_average_and_drop_from_a_one_off() -> None:
+    """The EWMA (weight ``TIME_ALPHA``) of a (bucket, k)'s step times; a first time 100 times too long (a kernel
+    compiled in that step) is replaced by the next normal one, not averaged for hundreds of steps."""
+    policy = SpecLengthPolicy(1)
+    policy.observe_step(8, 1, 100.0)
+    policy.observe_step(8, 1, 1.0)
+    assert policy.times[(8, 1)].seconds == 1.0
+    policy.observe_step(8, 1, 1.5)
+    assert policy.times[(8, 1)].seconds == pytest.approx(1.0 + adaptive.TIME_ALPHA * 0.5)
+    policy.observe_step(7, 1, 2.0)  # bucket 8 too
+    assert policy.times[(8, 1)].seconds == pytest.approx(1.1 + adaptive.TIME_ALPHA * 0.9)
+
+
+def test_fixed_rules_and_the_script() -> None:
+    fixed = SpecLengthPolicy(3, adaptive=False)
+    assert [fixed.choose(b) for b in (1, 8, 64)] == [3, 3, 3]
+    capped = SpecLengthPolicy(3, adaptive=False, disable_by_batch_size=8)
+    assert [capped.choose(b) for b in (1, 7, 8, 64)] == [3, 3, 0, 0]
+    fixed.script([2, 0])
+    assert [fixed.choose(64) for _ in range(5)] == [2, 0, 2, 0, 2]
+    fixed.script(None)
+    assert fixed.choose(64) == 3
+    with pytest.raises(ValueError, match=r"in \[0, 3\]"):
+        fixed.script([4])
+
+
+# ---------------------------------------------------------------------------------------------------------- config
+
+
+def model_config(ckpts: CheckpointCache) -> ModelConfig:
+    from hyserve.model.registry import load_model_config
+
+    return load_model_config(ckpts.get("conditional", "gdn3_attn1", with_mtp=True))
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"adaptive": "yes"}, "adaptive must be true or false"),
+    ({"disable_by_batch_size": 0}, "disable_by_batch_size must be a positive int"),
+    ({"disable_by_batch_size": True}, "disable_by_batch_size must be a positive int"),
+    ({"adaptive_k": True}, "unknown keys"),
+])
+def test_bad_fields_are_refused(ckpts: CheckpointCache, raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 2, **raw}, model_config(ckpts))
+
+
+def test_the_default_by_device_and_the_fields_reach_the_policy(ckpts: CheckpointCache) -> None:
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    for raw, adaptive_on in (({}, False), ({"adaptive": True}, True), ({"adaptive": False}, False)):
+        eng = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2, **raw},
+                       disable_log_stats=True).llm_engine
+        assert eng.drafts is not None and eng.drafts.policy.adaptive == adaptive_on  # the CPU's default: off
+    eng = make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                             "disable_by_batch_size": 3}).llm_engine
+    assert eng.drafts is not None and eng.drafts.policy.disable_by_batch_size == 3
+
+
+# ---------------------------------------------------------------------------------------------------------- engine
+
+
+@pytest.fixture(scope="module")
+def plain_run(ckpts: CheckpointCache) -> dict:
+    return plain_scenario_run(ckpts, ckpts.get("conditional", "gdn3_attn1", with_mtp=True))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_a_scripted_k_schedule_gives_plain_decodings_outputs(ckpts: CheckpointCache, plain_run: dict,
+                                                             plant_drafts: Callable, monkeypatch: pytest.MonkeyPatch,
+                                                             async_scheduling: bool, graphs: bool) -> None:
+    monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    got, recorder, engine = run_k_schedule(path, plain_run, plant_drafts, async_scheduling, graphs)
+    assert_k_schedule_matches(got, recorder, engine, plain_run)
+    if graphs:  # the steps of every speculation length ran verify graphs of their own length, and drafted
+        sets = engine.runner.graphs.sets  # type: ignore[union-attr]  # max(k_step, 1) tokens in graphs of that many
+        kinds = ("verify", "verify@0", "verify@1", "verify@2", "draft", "draft@1", "draft@2")
+        assert all(sets[kind].num_replays > 0 for kind in kinds), {n: s.num_replays for n, s in sets.items()}
+        assert "draft@0" not in sets
+
+
+def lookahead_of_k_step(engine: LLMEngine) -> None:
+    """Sabotage: a row's blocks cover only its own tokens plus the step's k, not the drafting's k positions."""
+    sched = engine.scheduler
+
+    def blocks_end(req, row: ScheduledRow) -> int:  # type: ignore[no-untyped-def]
+        return min(row.latest_start + row.num_new_tokens + (sched._k_step if row.samples else 0),
+                   sched.max_model_len)
+
+    sched._blocks_end = blocks_end  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("sabotage", [lookahead_of_k_step])
+def test_rows_that_ignore_the_steps_k_are_caught(ckpts: CheckpointCache, plain_run: dict, plant_drafts: Callable,
+                                                 monkeypatch: pytest.MonkeyPatch, sabotage: Callable) -> None:
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    try:
+        got, recorder, engine = run_k_schedule(path, plain_run, plant_drafts, True, True, sabotage=sabotage)
+    except IndexError:  # the drafting's KV writes ran past the request's blocks (the eager MTP pass)
+        assert sabotage is lookahead_of_k_step
+        return
+    with pytest.raises(AssertionError):
+        assert_k_schedule_matches(got, recorder, engine, plain_run)
+
+
+def test_ngram_speculation_follows_the_scripted_k(ckpts: CheckpointCache, plain_run: dict,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The n-gram proposer under the same per-step length: its drafts (known continuations with errors planted)
+    trimmed to each step's k, the plain run's outputs, async scheduling and emulated graphs."""
+    from hyserve.testing.engine import drive
+    from hyserve.testing.scenarios import KStepRecorder, scenario, scenario_engine
+    from hyserve.testing.speculative import OracleProposer
+
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    arrivals, aborts, _ = scenario(path)
+    engine = scenario_engine(path, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": True},
+                             async_scheduling=True)
+    assert engine.drafts is not None
+    engine.drafts.policy.script([3, 0, 2, 1, 0])
+    recorder = KStepRecorder(engine)
+    conts = {rid: out.outputs[0].token_ids for rid, out in plain_run.items() if rid != "d"}
+    engine.proposer = OracleProposer({"c": [], "d": [], **conts}, {rid: [3, 1, 2] for rid in conts}, vocab=440)
+    got = drive(engine, arrivals, aborts)
+    engine.assert_no_leaks()
+    assert_same_outputs({r: o for r, o in got.items() if r != "d"}, {r: o for r, o in plain_run.items() if r != "d"})
+    assert not recorder.errors and recorder.chosen == [[3, 0, 2, 1, 0][i % 5] for i in range(len(recorder.chosen))]
+    assert {k for k, drafts in recorder.steps if any(drafts)} == {1, 2, 3}
+
+
+# Fake step times by bucket and k: at one row verifying is nearly free, at four rows it costs nearly k + 1 steps.
+FAKE_TIMES = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 4: {0: 1.0, 1: 2.5, 2: 4.0, 3: 5.5}}
+
+
+def test_the_engine_turns_speculation_off_where_it_cannot_pay(ckpts: CheckpointCache, plant_drafts: Callable) -> None:
+    """The live loop: the engine feeds the policy its verify results and step times (the times replaced by
+    ``FAKE_TIMES``, the acceptance measured: planted drafts, the last of each step's drafts wrong where it has
+    more than one). Alone, a request speculates (one right draft alone gives E = 2 tokens for 1.1 against 1.0
+    plain); four at once decode plainly, with a probe now and then; the outputs are plain decoding's all along."""
+    from hyserve import SamplingParams
+    from hyserve.testing.engine import drive
+
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    prompts = {rid: [(7 * i + j) % 400 + 3 for j in range(12 + 3 * i)] for i, rid in enumerate("abcde")}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = make_llm(path, enable_prefix_caching=False)
+    want = {rid: list(plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+            for rid, p in prompts.items()}
+    eng = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
+                   max_num_seqs=4, async_scheduling=False).llm_engine
+    assert eng.drafts is not None
+    policy = eng.drafts.policy
+    policy.probe_interval = 8
+    observe = policy.observe_step
+    policy.observe_step = lambda b, k, seconds: observe(b, k, FAKE_TIMES[bucket(b)][k])  # type: ignore[method-assign]
+    plant_drafts(eng, want)
+    alone = drive(eng, {0: [("a", prompts["a"], params)]})
+    at_one = dict(policy.histogram)
+    policy.histogram.clear()
+    together = drive(eng, {0: [(rid, prompts[rid], params) for rid in "bcde"]})
+    eng.assert_no_leaks()
+    assert {rid: list(o.outputs[0].token_ids) for rid, o in {**alone, **together}.items()} == want
+    assert policy.acceptance[0] > 0.9  # the first draft is always right; later ones end planted wrong
+    assert sum(n for k, n in at_one.items() if k) > 0.6 * sum(at_one.values()), at_one  # E(1) = 2 in 1.1: speculate
+    at_four = dict(policy.histogram)
+    assert at_four[0] > 0.6 * sum(at_four.values()) and set(at_four) == {0, 1, 2, 3}, at_four  # probes included
