@@ -1512,10 +1512,6 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--out", required=True)
     mr.add_argument("--rate", type=float, default=0.8, help="the planted rate of the MTP rows taken")
     mr.add_argument("--title", default=MOE_TITLE, help="the table's heading")
-    sr = sub.add_parser("seed-report", help="issue 34: the seed's deployment, hyserve against vLLM (seed_bench.py "
-                                           "report: seed.md, seed.json, seed.png)")
-    sr.add_argument("files", nargs="+")
-    sr.add_argument("--out", required=True)
     s = sub.add_parser("synthetic-mtp", help="print vLLM's synthetic MTP speculative config (synthetic_mtp_config)")
     s.add_argument("--k", type=int, default=3)
     s.add_argument("--rate", type=float, default=0.8)
@@ -1532,10 +1528,6 @@ def main() -> int:
         return measure(args)
     elif args.cmd == "cache-bound":
         cache_bound(args.model, args.agent_scale, args.agent_concurrency, args.out)
-    elif args.cmd == "seed-report":
-        from seed_bench import report as seed_report
-
-        seed_report(args.files, args.out)
     elif args.cmd == "moe-report":
         moe_report(args.files, args.out, args.rate, args.title)
     elif args.cmd == "synthetic-mtp":

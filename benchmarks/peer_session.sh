@@ -44,7 +44,7 @@
 #   bash benchmarks/peer_session.sh seed        # issue 34: hyserve on the seed's deployment (27B FP8 dummy, images,
 #                                               # MTP 2 planted at 80 %, 32 agents; seed_bench.py)
 #   bash benchmarks/peer_session.sh seed-vllm   # vLLM (default mode): the same; then here: python
-#                                               # benchmarks/peer_bench.py seed-report <both JSON files> --out DIR
+#                                               # benchmarks/seed_bench.py report <both JSON files> --out DIR
 #
 # Each engine runs in processes of its own (vLLM does not free the GPU within one), each under a timeout; every
 # process writes its JSON and log under $OUT. Then, here: python benchmarks/peer_bench.py report <files>; for the

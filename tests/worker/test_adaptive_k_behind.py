@@ -77,7 +77,7 @@ def run(path: str, want: dict[str, list[int]], follow: list[int], graphs: bool, 
     CUDA the graphs are captured and replayed."""
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs and device == "cpu")
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K, "adaptive": own_graphs},
-                   block_size=16, num_kv_blocks=12, max_model_len=160, max_num_batched_tokens=48, max_num_seqs=4,
+                   block_size=16, num_kv_blocks=15, max_model_len=160, max_num_batched_tokens=48, max_num_seqs=4,
                    enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=64,
                    async_scheduling=True, enforce_eager=not graphs, device=device)
     eng = llm.llm_engine
