@@ -194,14 +194,12 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "residual_without_add_caught", lambda: _interp_prologue("add_norm", BF16, sabotage="no_add"))
     record_check(res, "swiglu_unrounded_caught", lambda: _interp_prologue("swiglu", BF16, sabotage="unrounded"))
     record_check(res, "dropped_k_tile_caught", lambda: _interp_gemm("plain", BF16, sabotage=True))
-    record_check(res, "engine_on_matches_off", _interp_engine)
     return res
 
 
 INTERP_CHECKS = [
     *[f"{kind}_{p}_{n}" for n in DTYPES for p in PROLOGUES for kind in ("prologue", "gemm")],
     "norm_weight_w_caught", "residual_without_add_caught", "swiglu_unrounded_caught", "dropped_k_tile_caught",
-    "engine_on_matches_off",
 ]
 
 
@@ -267,7 +265,30 @@ def test_cuda_decode_gemm_against_the_unfused_path(prologue: str) -> None:
         assert torch.equal(static, got)
 
 
+def run_engine_check() -> dict[str, list[Any]]:
+    """The engine check alone (the slow test's subprocess). Needs TRITON_INTERPRET=1."""
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    record_check(res, "engine_on_matches_off", _interp_engine)
+    return res
+
+
+@pytest.mark.slow  # the whole engine under the interpreter: about half a minute
+def test_engine_on_matches_off_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    ok, msg = interpreter_subprocess_results(__file__, "--engine-check", timeout=600)["engine_on_matches_off"]
+    assert ok, msg
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--engine-check"]:
+        results = run_engine_check()
+        for name, (ok, msg) in results.items():
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
+        print("RESULTS " + json.dumps(results))
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
         for name, (ok, msg) in results.items():

@@ -453,7 +453,6 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "vs_transformers_g2", lambda: _interp_vs_transformers(2, 4))
     record_check(res, "layer_takes_the_kernel_f32", lambda: _interp_layer(F32))
     record_check(res, "layer_takes_the_kernel_bf16", lambda: _interp_layer(BF16))
-    record_check(res, "engine_with_graphs_on_the_kernels", _interp_engine)
     for what in SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
     for dname, dt in (("f32", F32), ("bf16", BF16)):
@@ -465,7 +464,6 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
-    "engine_with_graphs_on_the_kernels",
     *[f"{what}_caught" for what in SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
@@ -628,7 +626,31 @@ def test_cuda_engine_decode_with_graphs_matches_the_unfused_path(dtype: str, tmp
     assert parted <= (1 if dtype == "bfloat16" else 0), f"{parted} requests parted"
 
 
+def run_engine_check() -> dict[str, list[Any]]:
+    """The engine check alone (the slow test's subprocess). Needs TRITON_INTERPRET=1."""
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    record_check(res, "engine_with_graphs_on_the_kernels", _interp_engine)
+    return res
+
+
+@pytest.mark.slow  # the whole engine under the interpreter: about half a minute
+def test_engine_with_graphs_on_the_kernels_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    results = interpreter_subprocess_results(__file__, "--engine-check", timeout=600)
+    ok, msg = results["engine_with_graphs_on_the_kernels"]
+    assert ok, msg
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--engine-check"]:
+        results = run_engine_check()
+        for name, (ok, msg) in results.items():
+            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
+        print("RESULTS " + json.dumps(results))
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
         for name, (ok, msg) in results.items():
