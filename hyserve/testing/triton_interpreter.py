@@ -95,3 +95,11 @@ def record_check(results: dict[str, list[Any]], name: str, fn: Callable[[], tupl
     except Exception as e:  # report, don't abort the other checks
         ok, msg = False, f"{type(e).__name__}: {e}"
     results[name] = [bool(ok), msg]
+
+
+def print_results(results: dict[str, list[Any]]) -> None:
+    """The interpreter subprocess's report (its ``__main__``): each check on stderr, then the ``RESULTS <json>`` line
+    :func:`interpreter_subprocess_results` reads."""
+    for name, (ok, msg) in results.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
+    print("RESULTS " + json.dumps(results))

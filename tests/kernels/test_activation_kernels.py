@@ -8,7 +8,6 @@ compiled for sm_90 on the CPU for each dtype.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter, print_results
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,6 +109,4 @@ def test_relu_squared_compiles_for_sm90() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)

@@ -22,7 +22,6 @@ a matmul missing its last K tile (a split's partial dropped).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, record_check
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, print_results, record_check
 
 BF16, F16 = torch.bfloat16, torch.float16
 DTYPES = {"bfloat16": BF16, "float16": F16}
@@ -286,11 +285,7 @@ def test_engine_on_matches_off_under_the_interpreter() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--engine-check"]:
         results = run_engine_check()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)

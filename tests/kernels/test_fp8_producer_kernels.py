@@ -19,7 +19,6 @@ one a token, the SwiGLU's amax over its first pass only, and the norm of the res
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 
 from hyserve.kernels.fp8 import FP8_MAX, Fp8Activation, quantize_fp8, quantize_per_token
 from hyserve.kernels.norm import add_rms_norm_ref, rms_norm_ref, silu_mul_ref
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, record_check
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, print_results, record_check
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16}
@@ -273,6 +272,4 @@ def test_cuda_producers_write_the_unfused_bits() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, gdn_decod
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import StepMetadata
 from hyserve.testing.triton_compile import compile_failures
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, record_check
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, print_results, record_check
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -648,11 +647,7 @@ def test_engine_with_graphs_on_the_kernels_under_the_interpreter() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--engine-check"]:
         results = run_engine_check()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)

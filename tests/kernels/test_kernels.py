@@ -14,7 +14,6 @@ non-empty row names stay bit-identical.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,12 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, 
 from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.gdn.reference import gdn_forward_ref
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter, record_check
+from hyserve.testing.triton_interpreter import (
+    interpreter_subprocess_results,
+    patch_triton_interpreter,
+    print_results,
+    record_check,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -827,9 +831,7 @@ def test_cuda_dispatch_matches_reference_bf16() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)
 
 
 @pytest.mark.parametrize("block_d", [64, 128, 256])

@@ -22,7 +22,6 @@ offsets.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -34,7 +33,12 @@ import torch
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
 from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_ref
 from hyserve.kernels.mamba2.reference import mamba2_chunked_inputs_ref, mamba2_chunked_output_ref
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter, record_check
+from hyserve.testing.triton_interpreter import (
+    interpreter_subprocess_results,
+    patch_triton_interpreter,
+    print_results,
+    record_check,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 H, P, G, N = 4, 8, 2, 16
@@ -417,9 +421,7 @@ def test_cpu_dispatch_is_the_reference() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)
 
 
 def test_nonempty_rows_picks_the_rows_with_tokens_with_or_without_the_hosts_offsets() -> None:

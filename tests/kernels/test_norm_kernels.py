@@ -21,7 +21,6 @@ at TP 2 with a gated-norm group spanning the ranks in a slow test.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from hyserve.kernels.norm import (
     scaled_rms_norm,
     scaled_rms_norm_ref,
 )
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, record_check
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, print_results, record_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -371,6 +370,4 @@ def test_cpu_dispatch_is_the_reference() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)

@@ -15,7 +15,6 @@ Problems use mixed row lengths (0, 1, 3, k + 1), permuted slots with gaps, and s
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 from functools import partial
@@ -32,7 +31,7 @@ from hyserve.kernels.conv.reference import causal_conv1d_verify_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.kernels.gdn.reference import gdn_verify_ref
 from hyserve.kernels.gdn.verify import gdn_verify
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, record_check
+from hyserve.testing.triton_interpreter import interpreter_subprocess_results, print_results, record_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -457,6 +456,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         torch.set_num_threads(1)
         results = run_interpreter_checks()
-        for name, (ok, msg) in results.items():
-            print(f"{'ok  ' if ok else 'FAIL'} {name}: {msg}", file=sys.stderr)
-        print("RESULTS " + json.dumps(results))
+        print_results(results)
