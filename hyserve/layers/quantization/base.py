@@ -108,6 +108,15 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer: GemmLayer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight)
 
+    def process_weights_after_loading(self, layer: GemmLayer) -> None:
+        """With the decode GEMM on (``hyserve.kernels.gemv``), its split-K locks exist before any graph capture."""
+        from hyserve.kernels.gemv import decode_gemm_enabled
+
+        if layer.weight.is_cuda and decode_gemm_enabled():
+            from hyserve.kernels.fp8 import prepare_device
+
+            prepare_device(layer.weight.device)
+
 
 UNQUANTIZED = UnquantizedLinearMethod()
 
