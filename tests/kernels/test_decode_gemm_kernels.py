@@ -264,6 +264,30 @@ def test_cuda_decode_gemm_against_the_unfused_path(prologue: str) -> None:
         assert torch.equal(static, got)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_with_the_decode_gemm_matches_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the card with CUDA graphs: a tiny bf16 Qwen3.5 (GDN and attention layers, MTP, async, prefix caching)
+    decodes with ``HYSERVE_DECODE_GEMM=on`` to the greedy tokens of ``off``, log-probs within bf16 noise."""
+    from hyserve import LLM, SamplingParams
+    from hyserve.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tempfile.mkdtemp(), with_mtp=True, seed=3, dtype=torch.bfloat16,
+                                 layer_types=["linear_attention"] * 3 + ["full_attention"])
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    runs = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("HYSERVE_DECODE_GEMM", mode)
+        llm = LLM(model=path, device="cuda", dtype="bfloat16", enable_prefix_caching=True,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        runs[mode] = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+    for a, b in zip(runs["off"], runs["on"], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(la[t].logprob - lb[t].logprob) < 0.05 for t in la if t in lb)
+
+
 def run_engine_check() -> dict[str, list[Any]]:
     """The engine check alone (the slow test's subprocess). Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter

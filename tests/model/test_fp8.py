@@ -666,3 +666,18 @@ def test_cuda_layers_match_the_cpu_reference(fp8_ckpts: Checkpoints, case: str) 
             want = c.gemm(x.float())
             got = g.gemm(x.cuda()).float().cpu()
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_producers_quantizing_change_no_bit(fp8_ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the card with CUDA graphs, bf16: the norms, the SwiGLU and the attention gate quantizing for the FP8_DYNAMIC
+    GEMMs give the tokens and log-probs of every GEMM quantizing its own input, bit for bit (the same FP8 values and
+    scales reach the same GEMMs), through prefix caching, MTP and chunked prefill."""
+    path = fp8_ckpts.get("ct_dynamic")
+    runs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("HYSERVE_FP8_FUSED_QUANT", mode)
+        _, runs[mode] = run_shared_prefix(path, device="cuda", dtype="bfloat16")
+    for (_, a), (_, b) in zip(runs["1"], runs["0"], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
