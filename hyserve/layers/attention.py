@@ -11,6 +11,7 @@ from hyserve.cache.specs import AttentionSpec
 from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import paged_attention, store_kv
 from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.kernels.gemv import DeferredInput
 from hyserve.kernels.norm import sigmoid_mul
 from hyserve.layers.linear import Linear, RowParallelLinear, fp8_input_of
 from hyserve.layers.norm import RMSNorm
@@ -107,7 +108,12 @@ class Attention(KVCacheLayer):
         token where the q, k and v projections take it so."""
         return fp8_input_of([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor | Fp8Activation, meta: StepMetadata) -> torch.Tensor:
+    def takes_deferred(self) -> bool:
+        """Whether the layer's input may come as its norm deferred into the q, k and v GEMMs' prologues (each
+        computes it; the residual add's result is written by each, the same values)."""
+        return all(p.takes_deferred() for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput, meta: StepMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         t = x.shape[0]
         q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)

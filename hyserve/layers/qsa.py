@@ -57,6 +57,7 @@ from hyserve.kernels.attention.qsa import (
 )
 from hyserve.kernels.attention.reference import ATTENTION_SCORE_ELEMENTS, dequantize_kv
 from hyserve.kernels.fp8 import Fp8Activation
+from hyserve.kernels.gemv import DeferredInput
 from hyserve.kernels.moe import uses_triton
 from hyserve.kernels.rope import apply_rope
 from hyserve.kernels.varlen import row_index
@@ -151,8 +152,12 @@ class IndexedAttention(Attention):
         """Plain: the indexer reads the layer's input too."""
         return None
 
-    def forward(self, x: torch.Tensor | Fp8Activation, meta: StepMetadata) -> torch.Tensor:
-        assert isinstance(x, torch.Tensor), "QSA's input is plain (fp8_input)"
+    def takes_deferred(self) -> bool:
+        """No: the indexer reads the layer's input too."""
+        return False
+
+    def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput, meta: StepMetadata) -> torch.Tensor:
+        assert isinstance(x, torch.Tensor), "QSA's input is plain (fp8_input, takes_deferred)"
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         assert self.index_cache is not None, "index cache not bound (bind_caches' index_caches)"
         t = x.shape[0]
