@@ -307,8 +307,9 @@ class LLMEngine:
                              "but prefix caching is off: drop it or enable prefix caching")
         if wanted and not able:
             raise ValueError(f"snapshots_inside_rows=True (--snapshots-inside-rows): {self.model_config.architecture} "
-                             "has recurrent layers that cannot take a snapshot inside a prefill chunk (PLE); "
-                             "unset it (chunks then end at snapshot points)")
+                             "has recurrent layers that cannot take a snapshot inside a prefill chunk here (PLE "
+                             "layers; or, on CUDA in 16 bits, an fla-core other than the pinned one: the log says "
+                             "which); unset it (chunks then end at snapshot points)")
         return self.prefix_cache is not None and able and wanted is not False
 
     def _resolve_max_model_len(self) -> int:

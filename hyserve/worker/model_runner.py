@@ -190,8 +190,23 @@ class ModelRunner:
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._kv_bytes_per_block(), self.cache_specs.state_bytes_per_slot,
-                         bool(self.cache_specs.recurrent), self.num_scratch_sets,
-                         all(layer.supports_row_snapshots for layer in self.model.recurrent_layers()))
+                         bool(self.cache_specs.recurrent), self.num_scratch_sets, self._row_snapshots())
+
+    def _row_snapshots(self) -> bool:
+        """Whether this rank's recurrent layers can write prefix-cache snapshots inside prefill rows: each layer
+        supports it, and on CUDA in 16 bits (fla's chunked path) the pinned fla-core is installed (else the log says
+        why, and chunks end at snapshot points)."""
+        layers = list(self.model.recurrent_layers())
+        if not all(layer.supports_row_snapshots for layer in layers):
+            return False
+        if layers and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
+            from hyserve.kernels.gdn import fla_row_snapshots_unavailable
+
+            reason = fla_row_snapshots_unavailable()
+            if reason is not None:
+                logger.warning("prefix-cache snapshots end prefill chunks (not taken inside rows): %s", reason)
+                return False
+        return True
 
     def determine_available_memory(self) -> int:
         """Bytes this worker can give the caches (``hyserve.worker.memory.cache_budget``)."""

@@ -359,3 +359,33 @@ def test_cuda_snapshots_inside_rows_match_chunks_ending_there(ckpts: CheckpointC
             if t != u:
                 break
     assert diffs and sum(diffs) / len(diffs) <= mean_tol and max(diffs) <= max_tol, diffs
+
+
+def test_cuda_16_bit_ranks_take_them_only_with_the_pinned_fla(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """On CUDA in 16 bits the snapshots inside rows call fla-core 0.6.0's internal stages: with another fla-core (or
+    none) a rank reports it cannot, says why in the log, and chunks end at snapshot points again (an explicit
+    ``snapshots_inside_rows=True`` is then refused at startup); float32 and the CPU do not need fla."""
+    import sys
+    import types
+
+    from hyserve.kernels.gdn import FLA_PINNED_VERSION, fla_row_snapshots_unavailable
+    from hyserve.worker.model_runner import ModelRunner
+
+    class Layer:
+        supports_row_snapshots = True
+
+    def runner(device: str, dtype: torch.dtype) -> Any:
+        model = types.SimpleNamespace(recurrent_layers=lambda: [Layer(), Layer()])
+        return types.SimpleNamespace(model=model, device=torch.device(device), dtype=dtype)
+
+    for version, ok in ((FLA_PINNED_VERSION, True), ("0.6.1", False)):
+        monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__=version))
+        assert (fla_row_snapshots_unavailable() is None) == ok
+        with caplog.at_level("WARNING", logger="hyserve"):
+            assert ModelRunner._row_snapshots(runner("cuda", torch.bfloat16)) == ok  # type: ignore[arg-type]
+        assert ("fla-core 0.6.1" in caplog.text) == (not ok)
+        assert ModelRunner._row_snapshots(runner("cuda", torch.float32)) is True  # type: ignore[arg-type]
+        assert ModelRunner._row_snapshots(runner("cpu", torch.bfloat16)) is True  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "fla", None)  # not installed: the import fails
+    assert fla_row_snapshots_unavailable() == "fla-core is not installed"

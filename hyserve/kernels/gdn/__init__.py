@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from hyserve.model.metadata import RowSnapshots
 
 __all__ = ["FLA_CHUNK", "FLA_PINNED_VERSION", "GDN_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "advance_snapshots",
-           "fla_chunk_forward_with_states", "gdn_forward", "gdn_forward_fla", "gdn_recurrent_triton", "gdn_verify"]
+           "fla_chunk_forward_with_states", "fla_row_snapshots_unavailable", "gdn_forward", "gdn_forward_fla",
+           "gdn_recurrent_triton", "gdn_verify"]
 
 SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches go to fla's chunked kernel.
@@ -59,6 +60,19 @@ GDN_RECURRENT_MAX_QUERY_LEN = 1
 # version whose internal forward stages fla_chunk_forward_with_states calls.
 FLA_CHUNK = 64
 FLA_PINNED_VERSION = "0.6.0"
+
+
+def fla_row_snapshots_unavailable() -> str | None:
+    """Why snapshots inside prefill rows cannot run on CUDA's fla path (16-bit models), or None: they call fla-core
+    ``FLA_PINNED_VERSION``'s internal chunk stages, so fla-core must be installed at exactly that version."""
+    try:
+        import fla
+    except ImportError:
+        return "fla-core is not installed"
+    version = getattr(fla, "__version__", None)
+    if version != FLA_PINNED_VERSION:
+        return f"fla-core {version} is installed; they call fla-core {FLA_PINNED_VERSION}'s internal chunk stages"
+    return None
 
 
 def gdn_forward(
