@@ -143,6 +143,7 @@ def _run_on_the_kernels(tests: list[str]) -> None:
     assert proc.returncode == 0 and f"{len(tests)} passed" in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.slow  # about 45 s: Nemotron-H's MoE tests under the interpreter (the suite's budget)
 def test_nemotron_h_moe_on_the_kernels_matches_transformers() -> None:
     _run_on_the_kernels(NEMOTRON_TESTS)
 

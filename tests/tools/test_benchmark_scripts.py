@@ -171,6 +171,7 @@ def test_multi_gpu_check_fails_a_parting_that_is_not_a_near_tie() -> None:
     assert multi_gpu_check.compare(one, [{"token_ids": [1, 7, 9]}, {"token_ids": [4, 5]}], 0.25)["pass"] is True
 
 
+@pytest.mark.slow  # about 20 s of benchmark tooling (the suite's budget)
 def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> None:
     """The side-by-side script's hyserve half on a tiny VLM-form checkpoint it writes (vision tower, MTP layer,
     processor files), then its report against a stand-in peer file: both figures and the ratio per measure, with
