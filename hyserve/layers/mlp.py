@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels.activation import relu_squared
 from hyserve.kernels.fp8 import Fp8Activation
-from hyserve.kernels.gemv import DeferredInput, SwigluInput, takes_deferred
+from hyserve.kernels.gemv import DeferredInput, SwigluInput, deferrable
 from hyserve.kernels.norm import silu_mul
 from hyserve.layers.linear import Linear, MergedLinear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
@@ -51,7 +51,7 @@ class MLP(nn.Module):
         # The SwiGLU writes down_proj's input quantized when down_proj is FP8 per token (one launch, not two), or
         # goes into its prologue at a decode step (hyserve.kernels.gemv).
         act: torch.Tensor | Fp8Activation | SwigluInput
-        if self.down_deferred and takes_deferred(gate):
+        if self.down_deferred and deferrable(gate):
             act = SwigluInput(gate, up)
         else:
             act = silu_mul(gate, up, self.down_quant)

@@ -18,7 +18,7 @@ from torch import nn
 from hyserve.config import FULL_ATTENTION, ModelConfig
 from hyserve.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
 from hyserve.kernels.fp8 import Fp8Activation
-from hyserve.kernels.gemv import DeferredInput, takes_deferred
+from hyserve.kernels.gemv import DeferredInput, deferrable
 from hyserve.layers.attention import Attention
 from hyserve.layers.gdn import GatedDeltaNet
 from hyserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, fp8_input_for, takes_deferred_input
@@ -67,14 +67,14 @@ class DecoderLayer(nn.Module):
         """``x``: the residual stream; ``pending``: the previous layer's MLP output, not yet added (its add is fused
         into this layer's first norm). Returns ``(residual, this layer's MLP output)``, the MLP output pending."""
         h: torch.Tensor | Fp8Activation | DeferredInput
-        if self.mixer_deferred and takes_deferred(x):
+        if self.mixer_deferred and deferrable(x):
             x, h = self.input_layernorm.deferred(x, pending)
         elif pending is None:
             h = self.input_layernorm(x, self.mixer_input)
         else:
             x, h = self.input_layernorm.add(x, pending, self.mixer_input)
         out = self.mixer(h, meta)
-        if self.mlp_deferred and takes_deferred(x):
+        if self.mlp_deferred and deferrable(x):
             x, h = self.post_attention_layernorm.deferred(x, out)
         else:
             x, h = self.post_attention_layernorm.add(x, out, self.mlp_input)

@@ -200,7 +200,7 @@ class ModelRunner:
         if not all(layer.supports_row_snapshots for layer in layers):
             return False
         if layers and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
-            from hyserve.kernels.gdn import fla_row_snapshots_unavailable
+            from hyserve.kernels.fla_stages import fla_row_snapshots_unavailable
 
             reason = fla_row_snapshots_unavailable()
             if reason is not None:

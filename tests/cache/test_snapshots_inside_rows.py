@@ -369,7 +369,7 @@ def test_cuda_16_bit_ranks_take_them_only_with_the_pinned_fla(monkeypatch: pytes
     import sys
     import types
 
-    from hyserve.kernels.gdn import FLA_PINNED_VERSION, fla_row_snapshots_unavailable
+    from hyserve.kernels.fla_stages import FLA_PINNED_VERSION, fla_row_snapshots_unavailable
     from hyserve.worker.model_runner import ModelRunner
 
     class Layer:

@@ -48,7 +48,7 @@ from hyserve.utils import next_pow2
 __all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "Fp8Activation", "GemmConfig", "blockwise_scaled_mm",
            "blockwise_scaled_mm_fits", "check_fp8_device", "dequantize_block_weight", "fp8_block_linear",
            "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref", "gemm_backend",
-           "gemm_config", "prepare_device", "quantize_activation", "quantize_activation_ref", "quantize_fp8",
+           "gemm_config", "prepare_device", "quantize_activation_ref", "quantize_fp8",
            "quantize_per_token", "quantize_per_token_group", "quantize_rows", "split_locks", "triton_fp8_gemm"]
 
 # The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0), which ``torch._scaled_mm`` needs.
@@ -241,16 +241,6 @@ def triton_fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor | None, weight: torch
 def _gemm_out_dtype(x: torch.Tensor) -> torch.dtype:
     """The GEMMs write bf16 or fp16 (a float32 model's output is cast back after)."""
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-def quantize_activation(x: torch.Tensor, keep_plain: bool = False) -> Fp8Activation:
-    """``x`` ``(..., K)`` quantized per token as an :class:`Fp8Activation` (one launch on CUDA; the reference
-    elsewhere). The producers' fused forms (``hyserve.kernels.norm``) give the same bits without this launch."""
-    if not x.is_cuda:
-        return quantize_activation_ref(x, keep_plain)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    q, s = quantize_rows(x2)
-    return Fp8Activation(q, s, x.dtype, x2 if keep_plain else None)
 
 
 def fp8_linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hyserve.kernels.fla_stages import FLA_CHUNK, FLA_PINNED_VERSION, require_pinned_fla
 from hyserve.kernels.gdn.reference import gdn_forward_ref
 from hyserve.kernels.gdn.verify import gdn_verify
 from hyserve.kernels.norm import l2_norm_heads
@@ -50,29 +51,13 @@ if TYPE_CHECKING:
     from hyserve.model.metadata import RowSnapshots
 
 __all__ = ["FLA_CHUNK", "FLA_PINNED_VERSION", "GDN_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "advance_snapshots",
-           "fla_chunk_forward_with_states", "fla_row_snapshots_unavailable", "gdn_forward", "gdn_forward_fla",
+           "fla_chunk_forward_with_states", "gdn_forward", "gdn_forward_fla",
            "gdn_recurrent_triton", "gdn_verify"]
 
 SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches go to fla's chunked kernel.
 GDN_RECURRENT_MAX_QUERY_LEN = 1
-# fla's chunk length (its per-chunk states ``h`` are those before every FLA_CHUNK tokens of a row), and the fla-core
-# version whose internal forward stages fla_chunk_forward_with_states calls.
-FLA_CHUNK = 64
-FLA_PINNED_VERSION = "0.6.0"
 
-
-def fla_row_snapshots_unavailable() -> str | None:
-    """Why snapshots inside prefill rows cannot run on CUDA's fla path (16-bit models), or None: they call fla-core
-    ``FLA_PINNED_VERSION``'s internal chunk stages, so fla-core must be installed at exactly that version."""
-    try:
-        import fla
-    except ImportError:
-        return "fla-core is not installed"
-    version = getattr(fla, "__version__", None)
-    if version != FLA_PINNED_VERSION:
-        return f"fla-core {version} is installed; they call fla-core {FLA_PINNED_VERSION}'s internal chunk stages"
-    return None
 
 
 def gdn_forward(
@@ -258,13 +243,7 @@ def fla_chunk_forward_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     stage, returning the per-chunk states ``h`` too: ``(o, final_state, h)``, ``h`` of shape ``(1, NT, Hv, Dk, Dv)``
     in ``k``'s dtype, chunk ``chunk_offsets[n] + j`` holding sequence n's state before its token ``j * 64``.
     Refuses any other fla-core version: these are internal functions whose signatures change between releases."""
-    import fla
-
-    if getattr(fla, "__version__", None) != FLA_PINNED_VERSION:
-        raise RuntimeError(
-            f"prefix-cache snapshots inside prefill rows call fla-core {FLA_PINNED_VERSION}'s internal chunk stages; "
-            f"fla-core {getattr(fla, '__version__', '?')} is installed. Install fla-core=={FLA_PINNED_VERSION}, or "
-            "set --no-snapshots-inside-rows (rows then end at every snapshot point)")
+    require_pinned_fla()
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra

@@ -25,17 +25,18 @@ from hyserve.kernels.moe import uses_triton
 
 __all__ = ["DECODE_GEMM_MAX_ROWS", "DeferredInput", "NormedInput", "SwigluInput", "compile_variants",
            "decode_gemm_config", "decode_gemm_enabled", "decode_linear", "decode_linear_ref", "decode_linear_triton",
-           "takes_deferred"]
+           "deferrable"]
 
 DECODE_GEMM_MAX_ROWS = 16  # one BLOCK_M: a decode step's rows (a verify step's k + 1 a row count too)
 PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_ADD_NORM, PROLOGUE_SWIGLU = 0, 1, 2, 3
 
 
-def takes_deferred(x: torch.Tensor) -> bool:
-    """Whether a step's activation ``x`` (``(T, K)``) goes to the decode GEMM with its producer deferred into the
-    prologue: enabled, few enough rows, a 16-bit dtype, and where the Triton kernels run."""
+def deferrable(x: torch.Tensor) -> bool:
+    """Whether a step's activation ``x`` (``(T, K)``) can go to the decode GEMM with its producer deferred into the
+    prologue: few enough rows, a 16-bit dtype, and where the Triton kernels run. (Whether the switch is on the layers
+    read once, when they are built: ``LinearBase.takes_deferred``.)"""
     return (x.dim() == 2 and x.shape[0] <= DECODE_GEMM_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and uses_triton(x) and decode_gemm_enabled())
+            and uses_triton(x))
 
 
 def decode_gemm_enabled() -> bool:

@@ -29,16 +29,13 @@ from typing import Any
 
 import torch
 
+from hyserve.kernels.fla_stages import FLA_CHUNK, FLA_PINNED_VERSION, require_pinned_fla
 from hyserve.kernels.mamba2.verify import state_tile
 from hyserve.kernels.varlen import nonempty_rows
 from hyserve.utils import next_pow2
 
 __all__ = ["FLA_CHUNK", "FLA_PINNED_VERSION", "chunked_tiles", "fla_simple_gla_with_states", "mamba2_chunked_inputs",
            "mamba2_chunked_output", "mamba2_scan_fla"]
-
-# fla's chunk length, and the fla-core version whose internal stages fla_simple_gla_with_states calls.
-FLA_CHUNK = 64
-FLA_PINNED_VERSION = "0.6.0"
 
 
 def chunked_tiles(p: int, n: int) -> tuple[int, int, int, int]:
@@ -180,13 +177,7 @@ def fla_simple_gla_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     returning the per-chunk states too: ``(o, final_state, h)``, ``h`` ``(1, NT, H, P, N)`` (``state_v_first``) in
     ``k``'s dtype, chunk ``chunk_offsets[n] + j`` holding sequence n's state before its token ``j * 64``. Refuses any
     other fla-core version: these are internal functions whose signatures change between releases."""
-    import fla
-
-    if getattr(fla, "__version__", None) != FLA_PINNED_VERSION:
-        raise RuntimeError(
-            f"prefix-cache snapshots inside prefill rows call fla-core {FLA_PINNED_VERSION}'s internal chunk stages; "
-            f"fla-core {getattr(fla, '__version__', '?')} is installed. Install fla-core=={FLA_PINNED_VERSION}, or "
-            "set --no-snapshots-inside-rows (rows then end at every snapshot point)")
+    require_pinned_fla()
     from fla.ops.common.chunk_h import chunk_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
