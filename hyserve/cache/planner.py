@@ -42,6 +42,9 @@ class CacheInfo:
     verify_scratch_sets: int = 1
     # Every recurrent layer takes prefix-cache snapshots inside prefill rows (RecurrentLayer.supports_row_snapshots).
     row_snapshots: bool = False
+    # Bytes of one verify position of one sequence in a scratch set (CacheSpecs.scratch_bytes_per_position); None:
+    # a candidate state (state_bytes_per_slot).
+    scratch_bytes_per_position: int | None = None
 
 
 def cache_memory_flag(device_type: str) -> str:
@@ -64,10 +67,11 @@ def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_sp
         snaps = config.num_snapshot_slots if config.num_snapshot_slots is not None else \
             int(budget * config.snapshot_memory_fraction) // max(per_slot, 1)
         budget -= snaps * per_slot
-    # A sequence's recurrent state costs one slot, plus k + 1 candidate states of verify scratch when
-    # speculating; the pad slot is one more. Together they may take MAX_STATE_SHARE of the budget.
+    # A sequence's recurrent state costs one slot, plus k + 1 positions of verify scratch when speculating; the pad
+    # slot is one more. Together they may take MAX_STATE_SHARE of the budget.
     k = num_speculative_tokens
-    scratch_per_seq = (k + 1) * per_slot * info.verify_scratch_sets if k else 0
+    per_position = per_slot if info.scratch_bytes_per_position is None else info.scratch_bytes_per_position
+    scratch_per_seq = (k + 1) * per_position * info.verify_scratch_sets if k else 0
 
     def state_bytes(n: int) -> int:
         return (n + 1) * per_slot + min(n, max_num_seqs) * scratch_per_seq
@@ -75,7 +79,7 @@ def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_sp
     slots = config.num_state_slots or max_num_seqs
     if per_slot and state_bytes(slots) > MAX_STATE_SHARE * budget:
         fit = (int(MAX_STATE_SHARE * budget) - per_slot) // (per_slot + scratch_per_seq)
-        what = f"recurrent state and verify scratch ({k + 1} candidate states)" if k else "recurrent state"
+        what = f"recurrent state and verify scratch ({k + 1} positions)" if k else "recurrent state"
         if fit < 1:
             raise ValueError(f"the cache budget cannot hold one request's {what}; raise "
                              f"{cache_memory_flag(device_type)}" + (", or lower num_speculative_tokens" if k else ""))

@@ -8,8 +8,9 @@ without any change here.
 * ``AttentionSpec``: one paged K and one paged V cache of (num_blocks, block_size, num_kv_heads, head_dim), and
   for an indexed-attention layer a paged index-key cache of (num_blocks, block_size, index_dim) beside them.
 * ``RecurrentStateSpec``: the fixed-size tensors one request's state consists of, each (name, shape, dtype) without
-  the leading entry axis. The pool stores tensor ``t`` of layer ``i`` as (entries, *t.shape); the verify scratch as
-  (rows, positions, *t.shape). Names are unique within a spec and mean something only to the layer that declared it.
+  the leading entry axis. The pool stores tensor ``t`` of layer ``i`` as (entries, *t.shape). The verify scratch
+  stores the tensors of the layer's scratch spec (its state's by default) as (rows, positions, *t.shape). Names are
+  unique within a spec and mean something only to the layer that declared it.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class CacheSpecs:
 
     attention: tuple[AttentionSpec, ...]
     recurrent: tuple[RecurrentStateSpec, ...]
+    # Per recurrent layer, what a verify row keeps per position (RecurrentLayer.verify_scratch_spec); empty: a
+    # candidate state each (the ``recurrent`` specs).
+    verify_scratch: tuple[RecurrentStateSpec, ...] = ()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return sum(s.bytes_per_block(block_size) for s in self.attention)
@@ -103,6 +107,15 @@ class CacheSpecs:
     @property
     def state_bytes_per_slot(self) -> int:
         return recurrent_bytes(self.recurrent)
+
+    @property
+    def scratch_specs(self) -> tuple[RecurrentStateSpec, ...]:
+        return self.verify_scratch or self.recurrent
+
+    @property
+    def scratch_bytes_per_position(self) -> int:
+        """Bytes of one verify position of one row in the verify scratch, every recurrent layer's."""
+        return recurrent_bytes(self.scratch_specs)
 
 
 def recurrent_bytes(specs: Sequence[RecurrentStateSpec]) -> int:

@@ -23,6 +23,7 @@ from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_verify
 from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused
+from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_replay, gdn_stash_shapes
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm
@@ -99,9 +100,10 @@ class GatedDeltaNet(RecurrentLayer):
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), ssm_dtype
         # The fused decode kernel's per-(slot, key head) counters when Hv > Hk (zeros between launches).
         self.arrivals: torch.Tensor | None = None  # (S, Hk) int32
-        # Speculative decoding: per verify row and position, the candidate conv window / SSM state.
+        # Speculative decoding: per verify row and position, the candidate conv window, and the delta rule's inputs
+        # from which the commit rebuilds the SSM state (hyserve.kernels.gdn.verify: the stash).
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
-        self.ssm_scratch: torch.Tensor | None = None  # (R, k+1, Hv, Dk, Dv), ssm_dtype
+        self.stash: dict[str, torch.Tensor] | None = None  # STASH_NAMES -> (R, k+1, *gdn_stash_shapes), float32
 
     def conv_rows(self, cfg: GDNConfig) -> tuple[tuple[int, int], ...]:
         """This rank's rows of [q | k | v] (the conv channels, ``in_proj_qkv``): its key heads' of q and of k,
@@ -142,16 +144,35 @@ class GatedDeltaNet(RecurrentLayer):
         self.arrivals = arrivals_for(self.ssm_state.shape[0], self.num_k_heads, self.num_v_heads,
                                      self.ssm_state.device)
 
+    def verify_scratch_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        """Per verify position: the candidate conv window (small), and the delta rule's inputs in place of the
+        candidate SSM state (``hyserve.kernels.gdn.verify``: a few kilobytes against the state's megabytes)."""
+        k = self.conv1d.kernel_size[0]
+        shapes = gdn_stash_shapes(self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+        return RecurrentStateSpec((StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
+                                   *(StateTensorSpec(n, shapes[n], torch.float32) for n in STASH_NAMES)))
+
     def bind_verify_scratch(self, tensors: dict[str, torch.Tensor]) -> None:
         super().bind_verify_scratch(tensors)
-        self.conv_scratch, self.ssm_scratch = tensors["conv_state"], tensors["ssm_state"]
+        self.conv_scratch = tensors["conv_state"]
+        self.stash = {n: tensors[n] for n in STASH_NAMES}
 
     def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """Both tensors in one fused kernel (``hyserve.kernels.commit.commit_verified``)."""
+        """The conv window's candidate copied (``hyserve.kernels.commit``); the SSM state advanced in its slot over
+        the accepted positions (``gdn_replay``)."""
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
-        assert self.conv_scratch is not None and self.ssm_scratch is not None, "verify scratch not bound"
-        commit_verified(self.conv_state, self.ssm_state, state_slots, self.conv_scratch, self.ssm_scratch,
-                        num_accepted)
+        assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
+        commit_verified([self.conv_state], [self.conv_scratch], state_slots, num_accepted)
+        gdn_replay(self.ssm_state, self.stash, None, state_slots, state_slots, num_accepted)
+
+    def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
+                            state_slots: torch.Tensor) -> None:
+        """The conv window's candidate copied; the SSM state of the row's slot advanced into the entry over the
+        positions up to ``positions[i]`` (before the commit, which advances the slot itself)."""
+        assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
+        assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
+        self.conv_state.index_copy_(0, entries, self.conv_scratch[rows, positions])
+        gdn_replay(self.ssm_state, self.stash, rows, state_slots.index_select(0, rows), entries, positions)
 
     def fp8_input(self) -> str | None:
         """The form the layer's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per
@@ -198,10 +219,10 @@ class GatedDeltaNet(RecurrentLayer):
             out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
                               meta.max_query_len, meta.query_start_loc_cpu, snaps)
         else:
-            assert self.ssm_scratch is not None, "verify scratch not bound"
+            assert self.stash is not None, "verify scratch not bound"
             tv = vm.num_tokens
             outs = [gdn_verify(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
-                               vm.query_start_loc, self.ssm_scratch, vm.max_query_len)]
+                               vm.query_start_loc, self.stash, vm.max_query_len)]
             if tv < t:
                 outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
                                         vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,

@@ -88,7 +88,9 @@ class RecurrentLayer(nn.Module):
     """A layer with fixed-size per-request state, read and written through each row's state slot.
 
     ``state[name]``: (pool entries, *shape) for each tensor of ``cache_spec``; ``verify_scratch[name]``:
-    (verify rows, k + 1, *shape), the candidate state after each verified position (speculative decoding only).
+    (verify rows, k + 1, *shape) for each tensor of ``verify_scratch_spec`` (speculative decoding only): by default
+    the candidate state after each verified position; a layer may keep less there and rebuild a candidate from the
+    slot's state (Gated DeltaNet keeps each position's inputs: ``hyserve.kernels.gdn.verify``).
     ``supports_row_snapshots``: the layer writes every tensor of its state at the positions of
     ``StepMetadata.row_snapshots`` during its forward (prefix-cache snapshots inside prefill rows); where a layer of
     the model does not, the scheduler ends rows at snapshot points instead.
@@ -103,6 +105,10 @@ class RecurrentLayer(nn.Module):
 
     def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         raise NotImplementedError
+
+    def verify_scratch_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        """What the layer keeps per verify row and position: by default a candidate state (``cache_spec``)."""
+        return self.cache_spec(dtype)
 
     def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.state = tensors
@@ -122,8 +128,11 @@ class RecurrentLayer(nn.Module):
             keep = (num_accepted >= 0).view(-1, *([1] * (cand.dim() - 1)))
             live.index_copy_(0, state_slots, torch.where(keep, cand, live.index_select(0, state_slots)))
 
-    def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor) -> None:
-        """Pool ``entries[i]`` takes verify row ``rows[i]``'s candidate after position ``positions[i]``."""
+    def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
+                            state_slots: torch.Tensor) -> None:
+        """Pool ``entries[i]`` takes verify row ``rows[i]``'s candidate after position ``positions[i]``
+        (``state_slots``: the verify rows' slots, indexed by row). Runs before the step's commit: a layer that
+        rebuilds candidates reads the slots' states from before the step."""
         assert self.verify_scratch is not None, "verify scratch not bound"
         for name, live in self.state.items():
             live.index_copy_(0, entries, self.verify_scratch[name][rows, positions])
@@ -174,7 +183,8 @@ class CausalLM(nn.Module):
     def cache_specs(self, dtype: torch.dtype) -> CacheSpecs:
         """Each caching layer's spec, in module order (the order of ``bind_caches``' lists)."""
         return CacheSpecs(attention=tuple(layer.cache_spec(dtype) for layer in self.attention_layers()),
-                          recurrent=tuple(layer.cache_spec(dtype) for layer in self.recurrent_layers()))
+                          recurrent=tuple(layer.cache_spec(dtype) for layer in self.recurrent_layers()),
+                          verify_scratch=tuple(layer.verify_scratch_spec(dtype) for layer in self.recurrent_layers()))
 
     def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                     states: list[dict[str, torch.Tensor]],

@@ -24,8 +24,8 @@ from hyserve.utils import device_tensor
 @dataclass(slots=True)
 class VerifyMetadata:
     """Speculative decoding: the first ``num_rows`` rows (``num_tokens`` tokens) are verify rows, [last token +
-    drafts]. Their recurrent layers only read the live state and write per-position candidates into scratch (invariant
-    2); the remaining rows ("rest": prefill chunks) update their slots as usual."""
+    drafts]. Their recurrent layers only read the live state and write per position, into scratch, the candidate or
+    what it is rebuilt from (invariant 2); the remaining rows ("rest": prefill chunks) update their slots as usual."""
 
     num_rows: int
     num_tokens: int

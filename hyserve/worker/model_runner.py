@@ -190,7 +190,8 @@ class ModelRunner:
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(self._kv_bytes_per_block(), self.cache_specs.state_bytes_per_slot,
-                         bool(self.cache_specs.recurrent), self.num_scratch_sets, self._row_snapshots())
+                         bool(self.cache_specs.recurrent), self.num_scratch_sets, self._row_snapshots(),
+                         self.cache_specs.scratch_bytes_per_position)
 
     def _row_snapshots(self) -> bool:
         """Whether this rank's recurrent layers can write prefix-cache snapshots inside prefill rows: each layer
@@ -523,8 +524,11 @@ class ModelRunner:
         if verify:
             pending = verifier.accept(logits[:n_verify], spec_rows, adjusted=adjusted_v)
             take_verified(out, verify, pending.result())
-            self.state_ops.commit_verified([out.num_accepted[i] for i in verify])
+        # The snapshots first: a candidate may be rebuilt from its slot's state before the step (RecurrentLayer.
+        # snapshot_candidates).
         self.state_ops.save_snapshots(rows, out.num_accepted)
+        if verify:
+            self.state_ops.commit_verified([out.num_accepted[i] for i in verify])
         if self.mtp_proposer is not None:
             assert self.last_hidden is not None
             # Structured output computes a request's masks from its drafts on the host: a step with such a row

@@ -2,7 +2,7 @@
 output sent on, and (a stage before the last) the verify steps whose accepted counts come later.
 
 Only the last stage knows a verify step's accepted counts when it runs it. A stage before it keeps that step's own
-verify-row slots, snapshot reservations and candidate states (a scratch set per uncommitted step) and applies the
+verify-row slots, snapshot reservations and verify scratch (a scratch set per uncommitted step) and applies the
 counts when a later step brings them (``SchedulerOutput.verify_commits``, by step id), before that later step's state
 operations and forward (docs/design.md invariants 6 and 14).
 """
@@ -128,9 +128,9 @@ class StageCommits:
         return pending
 
     def apply_commit(self, pending: PendingCommit, num_accepted: list[int]) -> None:
-        """Live slots of ``pending``'s verify rows take candidate ``num_accepted[r]`` (-1: untouched), and its
-        candidate snapshots whose position the accepted length reached are copied out; then its scratch set is
-        free."""
+        """``pending``'s candidate snapshots whose position the accepted length reached are copied out, and the
+        live slots of its verify rows take candidate ``num_accepted[r]`` (-1: untouched), in that order
+        (``RecurrentLayer.snapshot_candidates``); then its scratch set is free."""
         n = len(num_accepted)
         if n != pending.state_slots.shape[0]:
             raise RuntimeError(f"step {pending.step_id}: {n} accepted counts for {pending.state_slots.shape[0]} "
@@ -138,8 +138,9 @@ class StageCommits:
         ops = self.state_ops
         ops.bind_scratch(pending.scratch_set)
         acc = device_tensor(num_accepted, ops.batch.device, torch.long)
+        cands = [(r, p, e) for r, p, e in pending.candidates if num_accepted[r] >= p]
+        ops.snapshot_candidates([r for r, _, _ in cands], [p for _, p, _ in cands], [e for _, _, e in cands],
+                                state_slots=pending.state_slots)
         for layer in ops.model.recurrent_layers():
             layer.commit_verified(pending.state_slots, acc)
-        cands = [(r, p, e) for r, p, e in pending.candidates if num_accepted[r] >= p]
-        ops.snapshot_candidates([r for r, _, _ in cands], [p for _, p, _ in cands], [e for _, _, e in cands])
         self._free_scratch_sets.append(pending.scratch_set)

@@ -32,9 +32,9 @@ class StateOps:
         self.block_size = batch.block_size
         self.scratch: list[list[dict[str, torch.Tensor]]] = []
         if num_speculative_tokens:
-            # Per recurrent layer and declared tensor: (max_num_seqs, k + 1, *shape), a candidate per position.
+            # Per recurrent layer and tensor of its scratch spec: (max_num_seqs, k + 1, *shape), one per position.
             self.scratch = [[spec.allocate((max_num_seqs, num_speculative_tokens + 1), batch.device)
-                             for spec in specs.recurrent] for _ in range(num_scratch_sets)]
+                             for spec in specs.scratch_specs] for _ in range(num_scratch_sets)]
             self.bind_scratch(0)
 
     def bind_scratch(self, index: int) -> None:
@@ -131,11 +131,13 @@ class StateOps:
 
     def snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int],
                             accepted: torch.Tensor | None = None, behind_rows: list[int] | None = None,
-                            behind_entries: list[int] | None = None) -> None:
+                            behind_entries: list[int] | None = None, state_slots: torch.Tensor | None = None) -> None:
         """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``;
         with ``accepted`` (counts on the device), only where it reached that position, the others into the pad
         slot. ``behind_rows`` (rows whose start is on the device) take the last block boundary they reach as their
-        point, as the scheduler will (``Scheduler._place``); one that reaches none copies into the pad slot."""
+        point, as the scheduler will (``Scheduler._place``); one that reaches none copies into the pad slot.
+        ``state_slots``: the verify rows' slots (by default the step's, which lead the ``state_slots`` buffer). Runs
+        before the step's commit (``RecurrentLayer.snapshot_candidates``)."""
         behind_rows, behind_entries = behind_rows or [], behind_entries or []
         n = len(rows) + len(behind_rows)
         if not n:
@@ -164,11 +166,12 @@ class StateOps:
             e[len(rows) :].copy_(torch.where(j >= 0, e[len(rows) :], pad))
         if accepted is not None:
             e.copy_(torch.where(accepted.index_select(0, r) >= p, e, pad))
-        if graphs is not None and size is not None:
+        if graphs is not None and size is not None and state_slots is None:
             graphs.run(size)  # every recurrent layer's copies in one replay
             return
+        slots = self.batch.dev_bufs["state_slots"] if state_slots is None else state_slots
         for layer in self.model.recurrent_layers():
-            layer.snapshot_candidates(r, p, e)
+            layer.snapshot_candidates(r, p, e, slots)
 
     def _snapshot_pads(self, size: int) -> None:
         """The snapshot graph's inputs as pads only (capture): row 0's candidate 0 into the pad slot."""
@@ -178,6 +181,7 @@ class StateOps:
         """``snapshot`` graph: every recurrent layer's candidate snapshots of ``size`` (row, position, entry)
         triples from the persistent ``snap`` buffer (pads: into the pad slot)."""
         r, p, e = self.batch.dev_bufs["snap"][:size].unbind(1)
+        slots = self.batch.dev_bufs["state_slots"]
         for layer in self.model.recurrent_layers():
-            layer.snapshot_candidates(r, p, e)
+            layer.snapshot_candidates(r, p, e, slots)
         return ()

@@ -339,7 +339,7 @@ def test_verify_candidates_commit_and_continue() -> None:
         for name in live:
             assert torch.equal(pool.state[name][slot], live[name][slot])
     # snapshot_candidates: a pool entry takes one candidate
-    layer.snapshot_candidates(torch.tensor([0]), torch.tensor([2]), torch.tensor([7]))
+    layer.snapshot_candidates(torch.tensor([0]), torch.tensor([2]), torch.tensor([7]), torch.tensor([sa, sb]))
     assert torch.equal(pool.state["token_context"][7], scratch["token_context"][0, 2])
     assert torch.equal(pool.state["conv_state"][7], scratch["conv_state"][0, 2])
 

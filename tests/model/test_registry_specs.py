@@ -57,7 +57,7 @@ def _expected(path: str, dtype: torch.dtype, extra_attention: int = 0) -> dict[s
     elem = torch.empty((), dtype=dtype).element_size()
     per_slot = n_gdn * (conv[0] * conv[1] * elem + ssm[0] * ssm[1] * ssm[2] * 4)
     return {"conv": conv, "ssm": ssm, "n_gdn": n_gdn, "n_attn": n_attn, "kv_heads": t["num_key_value_heads"],
-            "head_dim": head_dim, "per_slot": per_slot, "elem": elem}
+            "head_dim": head_dim, "per_slot": per_slot, "elem": elem, "nk": nk, "dk": dk, "nv": nv, "dv": dv}
 
 
 # ------------------------------------------------------------------------------------------------------ registry
@@ -110,8 +110,9 @@ def test_specs_from_the_model_match_config_json(ckpts: CheckpointCache, pattern:
 
 
 def test_planner_pool_and_scratch_follow_the_specs(ckpts: CheckpointCache) -> None:
-    """MTP speculation: the MTP head's attention counts in the KV block; the verify scratch is k + 1 candidates of
-    every declared tensor; pool entries are slots + the pad slot + snapshots."""
+    """MTP speculation: the MTP head's attention counts in the KV block; the verify scratch holds k + 1 positions of
+    a GDN layer's scratch spec (the conv window, and the delta rule's inputs in float32 in place of the SSM state);
+    pool entries are slots + the pad slot + snapshots."""
     path = ckpts.get(with_mtp=True)
     want = _expected(path, torch.float32, extra_attention=1)
     k = 2
@@ -132,9 +133,11 @@ def test_planner_pool_and_scratch_follow_the_specs(ckpts: CheckpointCache) -> No
     for layer, layer_state in zip(runner.model.recurrent_layers(), pool.layers, strict=True):
         assert layer.state is layer_state
         assert layer.verify_scratch is not None
+        rows = (runner.max_num_seqs, k + 1)
         assert {n: tuple(t.shape) for n, t in layer.verify_scratch.items()} == {
-            "conv_state": (runner.max_num_seqs, k + 1, *want["conv"]),
-            "ssm_state": (runner.max_num_seqs, k + 1, *want["ssm"])}
+            "conv_state": (*rows, *want["conv"]), "k": (*rows, want["nk"], want["dk"]),
+            "v": (*rows, want["nv"], want["dv"]), "g": (*rows, want["nv"]), "beta": (*rows, want["nv"])}
+        assert all(t.dtype == torch.float32 for n, t in layer.verify_scratch.items() if n != "conv_state")
     assert len(runner.kv_caches_all) == want["n_attn"]
 
 

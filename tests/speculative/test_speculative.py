@@ -207,24 +207,35 @@ def test_refused_at_startup_with_the_flag(ckpts: CheckpointCache) -> None:
 
 def test_verify_scratch_is_counted_in_the_cache_budget(ckpts: CheckpointCache,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    """Each sequence's k + 1 candidate states come out of the cache budget with its slot: a budget too small for
-    the requested max_num_seqs lowers it (with a warning), one too small for a single sequence is refused."""
+    """Each sequence's k + 1 verify positions come out of the cache budget with its slot: a budget too small for
+    the requested max_num_seqs lowers it (with a warning), one too small for a single sequence is refused. A GDN
+    layer keeps per position its conv window and the delta rule's inputs (k, v, g, beta in float32), not a
+    candidate SSM state: the bytes are counted here from the config by hand."""
     from hyserve.cache.state_pool import state_bytes_per_slot
     from hyserve.model.registry import load_model_config
 
     path = ckpts.get()
-    per_slot = state_bytes_per_slot(load_model_config(path), torch.float32)
+    cfg = load_model_config(path)
+    per_slot = state_bytes_per_slot(cfg, torch.float32)
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    per_position = cfg.layer_types.count("linear_attention") * 4 * (
+        cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) + hk * cfg.linear_key_head_dim
+        + hv * cfg.linear_value_head_dim + 2 * hv)
+    assert per_position < per_slot  # a position costs less than a candidate state did
+    per_seq = per_slot + 4 * per_position
     sized = dict(num_kv_blocks=None, num_state_slots=None, enable_prefix_caching=False,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    with pytest.raises(ValueError, match=r"verify scratch \(4 candidate states\).*num_speculative_tokens"):
-        make_llm(path, max_num_seqs=8, cpu_cache_memory_bytes=8 * per_slot, **sized)
+    with pytest.raises(ValueError, match=r"verify scratch \(4 positions\).*num_speculative_tokens"):
+        make_llm(path, max_num_seqs=8, cpu_cache_memory_bytes=2 * per_slot, **sized)
     with caplog.at_level(logging.WARNING, logger="hyserve"):
-        llm = make_llm(path, max_num_seqs=64, cpu_cache_memory_bytes=200 * per_slot, **sized)
+        llm = make_llm(path, max_num_seqs=64, cpu_cache_memory_bytes=40 * per_seq, **sized)
     runner = llm.llm_engine.runner
-    # Half the budget (100 states) holds the pad slot and 99 // 5 = 19 sequences of one slot + 4 candidates.
-    assert runner.max_num_seqs == 19 and "max_num_seqs lowered to 19" in caplog.text
-    scratch = next(iter(runner.model.gdn_layers())).ssm_scratch
-    assert scratch is not None and tuple(scratch.shape[:2]) == (19, 4)
+    # Half the budget (20 sequences' worth) holds the pad slot and what is left of sequences of one slot + 4
+    # positions.
+    want = (20 * per_seq - per_slot) // per_seq
+    assert runner.max_num_seqs == want and f"max_num_seqs lowered to {want}" in caplog.text
+    stash = next(iter(runner.model.gdn_layers())).stash
+    assert stash is not None and tuple(stash["v"].shape[:2]) == (want, 4)
     outs = llm.generate([{"prompt_token_ids": toks(20, i)} for i in range(24)],
                         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 24

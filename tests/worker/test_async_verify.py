@@ -87,7 +87,7 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
         def early(self: StateOps, size: int) -> tuple[torch.Tensor, ...]:
             r, p, e = self.batch.dev_bufs["snap"][:size].unbind(1)
             for layer in self.model.recurrent_layers():
-                layer.snapshot_candidates(r, (p - 1).clamp(min=0), e)
+                layer.snapshot_candidates(r, (p - 1).clamp(min=0), e, self.batch.dev_bufs["state_slots"])
             return ()
         monkeypatch.setattr(StateOps, "_graph_snapshot", early)
     else:

@@ -170,7 +170,7 @@ def snapshots_one_early(monkeypatch: pytest.MonkeyPatch) -> None:
         originals = [layer.snapshot_candidates for layer in layers]
         for layer, orig in zip(layers, originals, strict=True):
             layer.snapshot_candidates = (  # type: ignore[method-assign]
-                lambda r, p, e, orig=orig: orig(r, (p - 1).clamp(min=0), e))
+                lambda r, p, e, slots, orig=orig: orig(r, (p - 1).clamp(min=0), e, slots))
         try:
             snaps(self, rows, acc)
         finally:
@@ -178,6 +178,27 @@ def snapshots_one_early(monkeypatch: pytest.MonkeyPatch) -> None:
                 layer.snapshot_candidates = orig  # type: ignore[method-assign]
 
     monkeypatch.setattr(StateOps, "save_snapshots", early)
+
+
+def commit_before_candidate_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: a step's candidate snapshots taken after its commit (the order of a scratch of whole candidate
+    states): a GDN layer then rebuilds them from the committed state, not the state before the step."""
+    snaps, commit = StateOps.save_snapshots, StateOps.commit_verified
+    deferred: list[tuple[Any, Any]] = []
+
+    def later(self: StateOps, rows: list[Any], acc: Any) -> None:
+        if any(r.candidate_snapshot is not None for r in rows):
+            deferred.append((rows, acc))
+        else:
+            snaps(self, rows, acc)
+
+    def commit_then_snapshots(self: StateOps, acc: Any) -> None:
+        commit(self, acc)
+        while deferred:
+            snaps(self, *deferred.pop(0))
+
+    monkeypatch.setattr(StateOps, "save_snapshots", later)
+    monkeypatch.setattr(StateOps, "commit_verified", commit_then_snapshots)
 
 
 def planted_targets(path: str, n: int, cut: int, seed: int) -> tuple[dict[str, list[int]], list[int], Any]:
@@ -210,6 +231,8 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
         monkeypatch.setattr(StateOps, "commit_verified", candidate_zero)
     elif sabotage == "snapshots":
         snapshots_one_early(monkeypatch)
+    elif sabotage == "commit_first":
+        commit_before_candidate_snapshots(monkeypatch)
     llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
                    max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=True,
                    recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True)
@@ -247,7 +270,7 @@ def chosen_logprobs(out: Any) -> list[float]:
     return [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)]
 
 
-@pytest.mark.parametrize("sabotage", [None, "commit", "snapshots"])
+@pytest.mark.parametrize("sabotage", [None, "commit", "snapshots", "commit_first"])
 def test_device_chain_commits_and_snapshots_what_was_accepted(ckpts: CheckpointCache, emulated_graphs: None,
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               sabotage: str | None) -> None:

@@ -1,9 +1,10 @@
 """Commit of verified speculative-decoding state: each accepted row's chosen candidate copied into its live slot.
 
 docs/design.md invariant 2: drafts never touch live state. The verify variants (:mod:`hyserve.kernels.conv.verify`,
-:mod:`hyserve.kernels.gdn.verify`) only read the live pools and write the candidate state after each position ``j``
-of row ``r`` into row-indexed scratch (``scratch[r, j]``). After acceptance, :func:`commit_verified` copies one
-candidate per row into the row's slot, for the conv window pool and the SSM state pool together. Scratch entries
+Mamba2's) only read the live pools and write the candidate state after each position ``j`` of row ``r`` into
+row-indexed scratch (``scratch[r, j]``). After acceptance, :func:`commit_verified` copies one
+candidate per row into the row's slot, for each pool it is given (Gated DeltaNet's conv window; its SSM state is
+rebuilt from the stashed inputs instead, :func:`hyserve.kernels.gdn.verify.gdn_replay`). Scratch entries
 not chosen, rows with nothing accepted and every other slot are left bit-identical.
 
 Dispatch: CUDA tensors run the Triton kernel of ``_triton.py`` (one masked copy launch per pool, no host sync:
@@ -11,6 +12,8 @@ safe to capture in a CUDA graph); everything else runs :func:`~hyserve.kernels.c
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -24,27 +27,26 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def commit_verified(
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
+    pools: Sequence[torch.Tensor],
+    scratches: Sequence[torch.Tensor],
     state_slots: torch.Tensor,
-    conv_scratch: torch.Tensor,
-    ssm_scratch: torch.Tensor,
     num_accepted: torch.Tensor,
 ) -> None:
     """Row ``r`` with ``a = num_accepted[r] >= 0`` commits candidate ``a`` to its slot; rows with ``a < 0`` do nothing.
 
-    ``conv_state[state_slots[r]] = conv_scratch[r, a]`` and ``ssm_state[state_slots[r]] = ssm_scratch[r, a]``.
-    ``a`` counts the accepted tokens of the row minus one (the live slot takes the state after position ``a``), so
-    it must name a written candidate: ``a < min(n_r, P_max)``. Slots of committing rows must be distinct.
-    ``num_accepted`` is an int tensor ``(R,)`` on the pools' device; nothing here syncs with the host on CUDA.
+    ``pool[state_slots[r]] = scratch[r, a]`` for each (pool, scratch) pair. ``a`` counts the accepted tokens of the
+    row minus one (the live slot takes the state after position ``a``), so it must name a written candidate:
+    ``a < min(n_r, P_max)``. Slots of committing rows must be distinct. ``num_accepted`` is an int tensor ``(R,)``
+    on the pools' device; nothing here syncs with the host on CUDA.
     """
     assert num_accepted.shape == state_slots.shape, "num_accepted must be (R,) like state_slots"
-    assert conv_scratch.dtype == conv_state.dtype and conv_scratch.shape[2:] == conv_state.shape[1:]
-    assert ssm_scratch.dtype == ssm_state.dtype and ssm_scratch.shape[2:] == ssm_state.shape[1:]
-    if conv_state.is_cuda:
-        commit_verified_triton(conv_state, ssm_state, state_slots, conv_scratch, ssm_scratch, num_accepted)
+    assert len(pools) == len(scratches)
+    for pool, scratch in zip(pools, scratches, strict=True):
+        assert scratch.dtype == pool.dtype and scratch.shape[2:] == pool.shape[1:]
+    if state_slots.is_cuda:
+        commit_verified_triton(pools, scratches, state_slots, num_accepted)
     else:
-        commit_verified_ref(conv_state, ssm_state, state_slots, conv_scratch, ssm_scratch, num_accepted)
+        commit_verified_ref(pools, scratches, state_slots, num_accepted)
 
 
 def _entries_contiguous(t: torch.Tensor, lead: int) -> bool:
@@ -61,11 +63,9 @@ _COMMIT_BLOCK = 1024
 
 
 def commit_verified_triton(
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
+    pools: Sequence[torch.Tensor],
+    scratches: Sequence[torch.Tensor],
     state_slots: torch.Tensor,
-    conv_scratch: torch.Tensor,
-    ssm_scratch: torch.Tensor,
     num_accepted: torch.Tensor,
 ) -> None:
     """Triton :func:`commit_verified`: one masked copy launch per pool, no host sync (graph-capturable).
@@ -76,7 +76,7 @@ def commit_verified_triton(
     R = state_slots.shape[0]
     if R == 0:
         return
-    for pool, scratch in ((conv_state, conv_scratch), (ssm_state, ssm_scratch)):
+    for pool, scratch in zip(pools, scratches, strict=True):
         assert _entries_contiguous(pool, 1) and _entries_contiguous(scratch, 2), "entries must be contiguous"
         n = pool[0].numel() if pool.shape[0] > 0 else 0
         if n == 0:

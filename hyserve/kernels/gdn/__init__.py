@@ -1,14 +1,15 @@
 """Gated DeltaNet (gated delta rule) over varlen rows with a slot-indexed state pool (float32, or bf16 / fp16 stored).
 
 Entry points: :func:`gdn_forward`, and its speculative-decoding variant :func:`~hyserve.kernels.gdn.verify.gdn_verify`
-(reads the live state, records the state after every token in scratch). Semantics are those of transformers'
-``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule`` with ``use_qk_l2norm_in_kernel=True`` (see
-:func:`hyserve.kernels.gdn.reference.gdn_forward_ref`, the CPU path and the yardstick).
+(reads the live state, stashes every token's inputs; ``gdn_replay`` rebuilds the accepted state from them). Semantics
+are those of transformers' ``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule`` with
+``use_qk_l2norm_in_kernel=True`` (see :func:`hyserve.kernels.gdn.reference.gdn_forward_ref`, the CPU path and the
+yardstick).
 
-The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent and verify kernels, which share
-one delta-rule step, and the fused decode kernel), ``verify.py`` (the verify variant), ``decode.py`` (the mixer's
-whole decode step in one launch: conv, gates, delta rule and gated norm, :func:`~hyserve.kernels.gdn.decode.
-gdn_decode_fused`) and ``reference.py`` (the plain-torch references).
+The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent, verify and replay kernels, which
+share one delta-rule update, and the fused decode kernel), ``verify.py`` (the verify variant and the replay),
+``decode.py`` (the mixer's whole decode step in one launch: conv, gates, delta rule and gated norm,
+:func:`~hyserve.kernels.gdn.decode.gdn_decode_fused`) and ``reference.py`` (the plain-torch references).
 
 Dispatch:
 

@@ -1,15 +1,20 @@
 """Triton kernels for :mod:`hyserve.kernels.gdn`: the gated delta rule, token by token, state read once.
 
-Both kernels run one program per (row, value head, block of ``BV`` value channels). A program loads the ``(Dk, BV)``
+The kernels run one program per (row, value head, block of ``BV`` value channels). A program loads the ``(Dk, BV)``
 float32 tile of the slot's state into registers and advances it over the row's tokens (one for decode) with
-``_delta_rule_step``, the one definition of the recurrence that both kernels share. An empty row loads and stores
-nothing. Distinct non-empty rows have distinct slots, so no two programs touch the same tile; the tile is loaded and
-stored with one layout, so each element is read and written by the same thread.
+``_delta_rule_step`` (its state update: ``_delta_rule_update``), the one definition of the recurrence they share. An
+empty row loads and stores nothing. Distinct non-empty rows have distinct slots, so no two programs touch the same
+tile; the tile is loaded and stored with one layout, so each element is read and written by the same thread.
 
 * ``_gdn_recurrent_kernel`` (:func:`hyserve.kernels.gdn.gdn_recurrent_triton`) writes the tile back in place after
   the row's last token.
-* ``_gdn_verify_kernel`` (:mod:`hyserve.kernels.gdn.verify`) never writes the live state: it stores the tile after
-  each token ``i`` of row ``r`` in the row-indexed scratch (``scratch[r, i]``, for ``i < P``).
+* ``_gdn_verify_kernel`` (:mod:`hyserve.kernels.gdn.verify`) never writes the live state: it stores each token
+  ``i``'s inputs to the recurrence (raw k, v, g, beta, in float32) in the row-indexed stash (``stash[r, i]``, for
+  ``i < P``), a few kilobytes a token against the state's megabytes.
+* ``_gdn_replay_kernel`` (:func:`hyserve.kernels.gdn.verify.gdn_replay`) advances a slot's tile over the first
+  ``count + 1`` stashed tokens of a row with ``_delta_rule_update`` (the step's state update, the same code) and
+  stores it to a slot: the commit of ``count`` accepted drafts (back into the row's slot), or a candidate snapshot
+  (into a pool entry).
 * ``_gdn_decode_fused_kernel`` (:mod:`hyserve.kernels.gdn.decode`) runs one program per (row, value head) over the
   head's ``Dv / BV`` tiles in turn, with the conv, gates and gated norm around the step (the same arithmetic as
   ``_delta_rule_step``, inlined: its q, k, v come from registers, not memory).
@@ -20,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_gdn_decode_fused_kernel", "_gdn_recurrent_kernel", "_gdn_verify_kernel"]
+__all__ = ["_gdn_decode_fused_kernel", "_gdn_recurrent_kernel", "_gdn_replay_kernel", "_gdn_verify_kernel"]
 
 
 @triton.jit
@@ -38,14 +43,22 @@ def _delta_rule_step(
     gt = tl.load(g_ptr + t * sg_t + h * sg_h).to(tl.float32)
     bt = tl.load(beta_ptr + t * sb_t + h * sb_h).to(tl.float32)
     qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6)) * scale
+    S = _delta_rule_update(S, kv, vv, gt, bt)
+    o = tl.sum(S * qv[:, None], axis=0)
+    tl.store(out_ptr + t * so_t + h * so_h + ov, o.to(out_ptr.dtype.element_ty), mask=vmask)
+    return S
+
+
+@triton.jit
+def _delta_rule_update(S, kv, vv, gt, bt):
+    """The state update of one token from its raw float32 k (l2-normalised here, eps 1e-6), v, g and beta: S *=
+    exp(g); S += k (beta (v - S^T k))^T. ``_delta_rule_step`` and ``_gdn_replay_kernel`` share it, so a replayed
+    state is the verify kernel's own."""
     kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
     S = S * tl.exp(gt)
     mem = tl.sum(S * kv[:, None], axis=0)  # (BV,) = S^T k
     delta = (vv - mem) * bt
-    S = S + kv[:, None] * delta[None, :]
-    o = tl.sum(S * qv[:, None], axis=0)
-    tl.store(out_ptr + t * so_t + h * so_h + ov, o.to(out_ptr.dtype.element_ty), mask=vmask)
-    return S
+    return S + kv[:, None] * delta[None, :]
 
 
 @triton.jit
@@ -86,15 +99,17 @@ def _gdn_recurrent_kernel(
 
 @triton.jit
 def _gdn_verify_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
+    stk_ptr, stv_ptr, stg_ptr, stb_ptr,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
     ss_s, ss_h, ss_k, ss_v, so_t, so_h,
-    sc_r, sc_p, sc_h, sc_k, sc_v,
+    stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p,
     P, scale,
     DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """The row's tokens through ``_delta_rule_step``; scratch[r, i] = S after token i (for i < P). The live state is
-    only loaded."""
+    """The row's tokens through ``_delta_rule_step``; stash[r, i] = token i's raw k, v, g, beta in float32 (for
+    i < P): v by every program for its block, k by the first program of its key head, g and beta by the first of
+    the value head. The live state is only loaded."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -110,16 +125,64 @@ def _gdn_verify_kernel(
     tile = kmask[:, None] & vmask[None, :]
     s_ptrs = state_ptr + slot * ss_s + h * ss_h + ok[:, None] * ss_k + ov[None, :] * ss_v
     S = tl.load(s_ptrs, mask=tile & (n > 0), other=0.0).to(tl.float32)
-    c_ptrs = scr_ptr + r * sc_r + h * sc_h + ok[:, None] * sc_k + ov[None, :] * sc_v
+    writes_k = (h % GROUP == 0) & (vb == 0)
 
     for i in range(0, n):
+        t = start + i
+        kept = i < P
+        kv = tl.load(k_ptr + t * sk_t + hk * sk_h + ok, mask=kmask, other=0.0).to(tl.float32)
+        vv = tl.load(v_ptr + t * sv_t + h * sv_h + ov, mask=vmask, other=0.0).to(tl.float32)
+        tl.store(stk_ptr + r * stk_r + i * stk_p + hk * stk_h + ok, kv, mask=kmask & kept & writes_k)
+        tl.store(stv_ptr + r * stv_r + i * stv_p + h * stv_h + ov, vv, mask=vmask & kept)
+        gt = tl.load(g_ptr + t * sg_t + h * sg_h).to(tl.float32)
+        bt = tl.load(beta_ptr + t * sb_t + h * sb_h).to(tl.float32)
+        tl.store(stg_ptr + r * stg_r + i * stg_p + h, gt, mask=kept & (vb == 0))
+        tl.store(stb_ptr + r * stg_r + i * stg_p + h, bt, mask=kept & (vb == 0))
         S = _delta_rule_step(
-            S, start + i, h, hk, ok, ov, kmask, vmask,
+            S, t, h, hk, ok, ov, kmask, vmask,
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h,
             scale,
         )  # fmt: skip
-        tl.store(c_ptrs + i * sc_p, S.to(scr_ptr.dtype.element_ty), mask=tile & (i < P))
+
+
+@triton.jit
+def _gdn_replay_kernel(
+    state_ptr, stk_ptr, stv_ptr, stg_ptr, stb_ptr, rows_ptr, src_ptr, dst_ptr, count_ptr,
+    ss_s, ss_h, ss_k, ss_v,
+    stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p,
+    P,
+    DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """Grid (N, Hv, Dv / BV). Entry i: count c = count[i] (< 0: nothing); the state tile of slot src[i] advanced
+    over stash row r's tokens 0 .. min(c, P - 1) (r = rows[i], or i without ``ROWS``), stored to slot dst[i]."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    c = tl.load(count_ptr + i).to(tl.int64)
+    if c < 0:
+        return
+    r = i
+    if ROWS:
+        r = tl.load(rows_ptr + i).to(tl.int64)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    hk = h // GROUP
+    ok = tl.arange(0, BK)
+    ov = vb * BV + tl.arange(0, BV)
+    kmask = ok < DK
+    vmask = ov < DV
+    tile = kmask[:, None] & vmask[None, :]
+    head = h * ss_h + ok[:, None] * ss_k + ov[None, :] * ss_v
+    S = tl.load(state_ptr + src * ss_s + head, mask=tile, other=0.0).to(tl.float32)
+    for j in range(0, tl.minimum(c + 1, P)):
+        kv = tl.load(stk_ptr + r * stk_r + j * stk_p + hk * stk_h + ok, mask=kmask, other=0.0)
+        vv = tl.load(stv_ptr + r * stv_r + j * stv_p + h * stv_h + ov, mask=vmask, other=0.0)
+        gt = tl.load(stg_ptr + r * stg_r + j * stg_p + h)
+        bt = tl.load(stb_ptr + r * stg_r + j * stg_p + h)
+        S = _delta_rule_update(S, kv, vv, gt, bt)
+    tl.store(state_ptr + dst * ss_s + head, S.to(state_ptr.dtype.element_ty), mask=tile)
 
 
 @triton.jit

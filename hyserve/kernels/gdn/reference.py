@@ -4,7 +4,8 @@
 (:mod:`hyserve.kernels.varlen`), token by token, float32 throughout, each row's ``(Hv, Dk, Dv)`` state kept in its
 slot of ``ssm_state``; rows are grouped by length (see :mod:`hyserve.kernels.varlen`). :func:`gdn_verify_ref` is its
 verify variant (:mod:`hyserve.kernels.gdn.verify`), the same scan (:func:`gdn_scan`): it leaves the pool alone and
-records the state after every token in scratch.
+stashes every position's inputs; :func:`gdn_replay_ref` advances a slot's state over stashed positions with the
+scan's own step (:func:`gdn_step`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,25 @@ from hyserve.kernels.varlen import group_tokens, length_groups
 if TYPE_CHECKING:
     from hyserve.model.metadata import RowSnapshots
 
-__all__ = ["gdn_forward_ref", "gdn_scan", "gdn_verify_ref", "l2norm"]
+__all__ = ["STASH_NAMES", "gdn_forward_ref", "gdn_replay_ref", "gdn_scan", "gdn_step", "gdn_verify_ref", "l2norm"]
+
+# The verify stash's tensors (hyserve.kernels.gdn.verify), in the kernels' argument order.
+STASH_NAMES = ("k", "v", "g", "beta")
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x*x) + eps)`` (the FLA / transformers convention)."""
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def gdn_step(state: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
+             b_t: torch.Tensor) -> torch.Tensor:
+    """One token's state update, float32: ``state`` (R, Hv, Dk, Dv), ``k_t`` l2-normalised (R, Hv, Dk), ``v_t``
+    (R, Hv, Dv), ``g_t`` / ``b_t`` (R, Hv). S *= exp(g); S += k (beta (v - S^T k))^T."""
+    s = state * g_t.exp()[..., None, None]
+    kv_mem = (s * k_t[..., None]).sum(dim=-2)  # (R, Hv, Dv)
+    delta = (v_t - kv_mem) * b_t[..., None]
+    return s + k_t[..., None] * delta[..., None, :]
 
 
 def gdn_scan(
@@ -41,7 +55,7 @@ def gdn_scan(
     """The gated delta rule over varlen rows, advanced in lockstep one position per step, float32 throughout.
 
     ``state`` is the rows' starting states (R, Hv, Dk, Dv) (a gathered copy: no pool is touched here).
-    ``on_step(i, active, s)`` sees each step's candidate states (the verify reference records them).
+    ``on_step(i, active, s)`` sees each step's states (the forward reference takes snapshots inside rows there).
     Returns the outputs (T + 1, Hv, Dv) float32 (row T is a sink) and the final states.
     """
     T, Hk, Dk = q.shape
@@ -62,10 +76,7 @@ def gdn_scan(
         tok_c = tok.clamp(max=T - 1)
         q_t, k_t, v_t = qf[tok_c], kf[tok_c], vf[tok_c]  # (R, Hv, D*)
         g_t, b_t = gf[tok_c], bf[tok_c]  # (R, Hv)
-        s = state * g_t.exp()[..., None, None]
-        kv_mem = (s * k_t[..., None]).sum(dim=-2)  # (R, Hv, Dv)
-        delta = (v_t - kv_mem) * b_t[..., None]
-        s = s + k_t[..., None] * delta[..., None, :]
+        s = gdn_step(state, k_t, v_t, g_t, b_t)
         obuf[tok] = (s * q_t[..., None]).sum(dim=-2)
         state = torch.where(active[:, None, None, None], s, state)
         if on_step is not None:
@@ -147,27 +158,57 @@ def gdn_verify_ref(
     ssm_state: torch.Tensor,
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
-    ssm_scratch: torch.Tensor,
+    stash: dict[str, torch.Tensor],
     max_query_len: int,
 ) -> torch.Tensor:
-    """Reference :func:`~hyserve.kernels.gdn.verify.gdn_verify`: rows advanced in lockstep, one position per step,
-    float32 throughout."""
+    """Reference :func:`~hyserve.kernels.gdn.verify.gdn_verify`: the scan over a gathered copy of the live states
+    (the pool is never written), and each row's first ``P_max`` tokens' inputs into the stash."""
     T = q.shape[0]
     Hv, Dv = v.shape[1], v.shape[2]
     R = state_slots.shape[0]
-    P = ssm_scratch.shape[1]
     out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     slots = state_slots.to(torch.int64)
     qsl = query_start_loc.to(torch.int64)
     if R == 0 or T == 0:
         return out
-
-    def record(i: int, active: torch.Tensor, s: torch.Tensor) -> None:
-        if i < P:
-            act = torch.nonzero(active).squeeze(1)
-            ssm_scratch[act, i] = s[act].to(ssm_scratch.dtype)
-
-    # A gathered copy of the live states: the pool is never written.
-    obuf, _ = gdn_scan(q, k, v, g, beta, ssm_state[slots].float(), qsl, max_query_len, record)
+    P = stash["k"].shape[1]
+    j = torch.arange(P, device=q.device)
+    tok = qsl[:-1, None] + j  # (R, P)
+    rr, jj = torch.nonzero(j < (qsl[1:] - qsl[:-1])[:, None], as_tuple=True)
+    t = tok[rr, jj]
+    for name, x in zip(STASH_NAMES, (k, v, g, beta), strict=True):
+        stash[name][rr, jj] = x[t].float()
+    obuf, _ = gdn_scan(q, k, v, g, beta, ssm_state[slots].float(), qsl, max_query_len)
     out.copy_(obuf[:T])
     return out
+
+
+def gdn_replay_ref(
+    ssm_state: torch.Tensor,
+    stash: dict[str, torch.Tensor],
+    rows: torch.Tensor | None,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Reference :func:`~hyserve.kernels.gdn.verify.gdn_replay`: the entries advanced in lockstep over the stash's
+    positions with :func:`gdn_step` (the scan's update), each entry's past its count left as it was."""
+    n = counts.shape[0]
+    if n == 0:
+        return
+    counts = counts.to(torch.int64)
+    idx = torch.arange(n, device=counts.device) if rows is None else rows.to(torch.int64)
+    state = ssm_state[src_slots.to(torch.int64)].float()
+    sk, sv, sg, sb = (stash[name] for name in STASH_NAMES)
+    grp = sv.shape[2] // sk.shape[2]
+    for j in range(sk.shape[1]):
+        active = counts >= j
+        if not bool(active.any()):
+            break
+        k_t = l2norm(sk[idx, j], eps=1e-6)
+        if grp > 1:
+            k_t = k_t.repeat_interleave(grp, dim=1)
+        s = gdn_step(state, k_t, sv[idx, j], sg[idx, j], sb[idx, j])
+        state = torch.where(active[:, None, None, None], s, state)
+    live = torch.nonzero(counts >= 0).squeeze(1)
+    ssm_state[dst_slots.to(torch.int64)[live]] = state[live].to(ssm_state.dtype)

@@ -2,41 +2,68 @@
 
 docs/design.md invariant 2: drafts never touch live state. Verifying ``k`` draft tokens of a request is a row of
 ``n_r <= k + 1`` tokens; :func:`gdn_verify` computes the same outputs as :func:`~hyserve.kernels.gdn.gdn_forward` but
-only READS ``ssm_state``, and writes the candidate state after each position into scratch. After acceptance,
-:func:`~hyserve.kernels.commit.commit_verified` copies one candidate per row into the row's slot.
+only READS ``ssm_state``. It does not keep the state after each position (a candidate is the size of the state: 3 MB
+a layer for the 27B shape's 48 float32 heads of 128 x 128); it keeps each position's inputs to the recurrence in a
+row-indexed **stash**, and :func:`gdn_replay` rebuilds the one state that is wanted from the slot's state and those
+inputs: after acceptance, the commit advances each row's slot over its ``a + 1`` kept tokens in place; a prefix-cache
+candidate snapshot at position ``p`` advances the slot over ``p + 1`` tokens into its entry (before the commit: it
+reads the slot's state before the step). A verify step then reads each state twice and writes it once, where keeping
+every candidate wrote ``k + 1`` states and copied one back (read and write): for k = 2 a third of the traffic.
 
-Scratch (indexed by ROW ``r``, not by slot; allocate once for the largest verify batch): ``ssm_scratch`` ``(R_max,
-P_max, Hv, Dk, Dv)`` in the pool's dtype; ``ssm_scratch[r, j]`` is the state after row ``r``'s token ``j``. Only entries
-``(r, j)`` with ``j < n_r`` (and ``j < P_max``) are written; every other scratch entry, the live pool and all slots are
-left bit-identical. An empty row writes nothing. Rows must satisfy ``R <= R_max`` and should have ``n_r <= P_max``: a
-longer row still gets correct outputs, but its positions ``>= P_max`` are not recorded.
+Stash (``gdn_stash_shapes``; allocate once for the largest verify batch ``R_max`` and ``P_max = k + 1`` positions),
+float32, the values the kernels load before any arithmetic: ``k`` ``(R_max, P_max, Hk, Dk)`` (not l2-normalised),
+``v`` ``(R_max, P_max, Hv, Dv)``, ``g`` and ``beta`` ``(R_max, P_max, Hv)``. Only entries ``(r, j)`` with ``j < n_r``
+(and ``j < P_max``) are written; an empty row writes nothing.
 
-Dispatch: CUDA tensors run ``_gdn_verify_kernel`` (``_triton.py``: the recurrent kernel's delta-rule step, no host
-sync, fixed-shape launches: safe to capture in a CUDA graph); everything else runs
-:func:`~hyserve.kernels.gdn.reference.gdn_verify_ref` (the CPU path and the yardstick), the scan of
-:func:`~hyserve.kernels.gdn.reference.gdn_forward_ref`.
+Replay and verify share one state update (``_delta_rule_update`` on CUDA; the reference's ops on the CPU), so a
+replayed state is the state the verify computed its outputs from.
+
+Dispatch: CUDA tensors run ``_gdn_verify_kernel`` / ``_gdn_replay_kernel`` (``_triton.py``: no host sync,
+fixed-shape launches: safe to capture in a CUDA graph); everything else runs the references
+(:func:`~hyserve.kernels.gdn.reference.gdn_verify_ref`, :func:`~hyserve.kernels.gdn.reference.gdn_replay_ref`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from hyserve.kernels.gdn.reference import gdn_verify_ref
+from hyserve.kernels.gdn.reference import STASH_NAMES, gdn_replay_ref, gdn_verify_ref
 from hyserve.utils import next_pow2
 
-__all__ = ["gdn_verify", "gdn_verify_ref", "gdn_verify_triton"]
+__all__ = [
+    "STASH_NAMES",
+    "compile_variants",
+    "gdn_replay",
+    "gdn_replay_ref",
+    "gdn_replay_triton",
+    "gdn_stash_shapes",
+    "gdn_verify",
+    "gdn_verify_ref",
+    "gdn_verify_triton",
+]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_ssm_scratch(v: torch.Tensor, ssm_state: torch.Tensor, rows: int, ssm_scratch: torch.Tensor) -> None:
-    assert ssm_state.dtype == ssm_scratch.dtype, "the verify scratch holds states in the pool's dtype"
-    assert ssm_scratch.dim() == 5, "ssm_scratch must be (R_max, P_max, Hv, Dk, Dv)"
-    assert ssm_scratch.shape[2:] == ssm_state.shape[1:], "ssm_scratch must be (R_max, P_max, Hv, Dk, Dv)"
-    assert ssm_scratch.shape[0] >= rows, "ssm_scratch has fewer rows than the batch"
-    assert ssm_state.shape[1] == v.shape[1] and ssm_state.shape[3] == v.shape[2], "ssm_state must be (S, Hv, Dk, Dv)"
+def gdn_stash_shapes(num_k_heads: int, head_k_dim: int, num_v_heads: int,
+                     head_v_dim: int) -> dict[str, tuple[int, ...]]:
+    """Each stash tensor's shape per (row, position); every one is float32."""
+    return {"k": (num_k_heads, head_k_dim), "v": (num_v_heads, head_v_dim), "g": (num_v_heads,),
+            "beta": (num_v_heads,)}
+
+
+def _check_stash(k: torch.Tensor, v: torch.Tensor, rows: int, stash: dict[str, torch.Tensor]) -> None:
+    assert set(stash) >= set(STASH_NAMES), f"the stash needs {STASH_NAMES}"
+    sk, sv, sg, sb = (stash[n] for n in STASH_NAMES)
+    assert all(t.dtype == torch.float32 for t in (sk, sv, sg, sb)), "the stash is float32"
+    assert sk.shape[2:] == k.shape[1:] and sv.shape[2:] == v.shape[1:], "stash k / v must be (R_max, P_max, H, D)"
+    assert sg.shape == sb.shape == sv.shape[:3], "stash g / beta must be (R_max, P_max, Hv)"
+    assert sk.shape[:2] == sv.shape[:2] and sk.shape[0] >= rows, "the stash has fewer rows than the batch"
+    assert all(t.stride(-1) == 1 for t in (sk, sv, sg, sb)) and sg.stride() == sb.stride()
 
 
 def gdn_verify(
@@ -48,25 +75,30 @@ def gdn_verify(
     ssm_state: torch.Tensor,
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
-    ssm_scratch: torch.Tensor,
+    stash: dict[str, torch.Tensor],
     max_query_len: int,
 ) -> torch.Tensor:
-    """:func:`~hyserve.kernels.gdn_forward` that leaves ``ssm_state`` alone and records the state after every token.
+    """:func:`~hyserve.kernels.gdn_forward` that leaves ``ssm_state`` alone and stashes every position's inputs.
 
     Args:
         q, k: ``(T, Hk, Dk)``; v: ``(T, Hv, Dv)`` in the model dtype; g: ``(T, Hv)`` log-decay; beta: ``(T, Hv)``.
         ssm_state: ``(S, Hv, Dk, Dv)`` live pool (read only; float32 or a 16-bit float).
-        ssm_scratch: ``(R_max, P_max, Hv, Dk, Dv)`` in the pool's dtype; ``ssm_scratch[r, j]`` receives the state
-            after row ``r``'s token ``j`` (``j < n_r``).
+        stash: the module docstring's tensors; ``stash[name][r, j]`` receives row ``r``'s token ``j`` (``j < n_r``).
         max_query_len: host int ``>=`` the longest row.
 
     Returns ``(T, Hv, Dv)`` in ``v.dtype``. On CUDA this is always the exact token-by-token recurrence (the recurrent
     kernel's math), whatever the row lengths.
     """
-    _check_ssm_scratch(v, ssm_state, state_slots.shape[0], ssm_scratch)
+    _check_stash(k, v, state_slots.shape[0], stash)
     if q.is_cuda:
-        return gdn_verify_triton(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, ssm_scratch)
-    return gdn_verify_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, ssm_scratch, max_query_len)
+        return gdn_verify_triton(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, stash)
+    return gdn_verify_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, stash, max_query_len)
+
+
+def _tiles(dk: int, dv: int) -> tuple[int, int]:
+    """(BK, BV): the state tile gdn_recurrent_triton takes."""
+    bk = next_pow2(dk)
+    return bk, min(next_pow2(dv), max(16, 4096 // bk))
 
 
 def gdn_verify_triton(
@@ -78,7 +110,7 @@ def gdn_verify_triton(
     ssm_state: torch.Tensor,
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
-    ssm_scratch: torch.Tensor,
+    stash: dict[str, torch.Tensor],
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -92,26 +124,109 @@ def gdn_verify_triton(
     R = state_slots.shape[0]
     assert Hv % Hk == 0, "Hv must be a multiple of Hk"
     assert ssm_state.shape[1:] == (Hv, Dk, Dv), "ssm_state must be (S, Hv, Dk, Dv)"
-    _check_ssm_scratch(v, ssm_state, R, ssm_scratch)
+    _check_stash(k, v, R, stash)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if out is None:
         out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
     assert out.shape == (T, Hv, Dv) and out.stride(2) == 1
     if R == 0 or T == 0:
         return out
-    bk = next_pow2(Dk)
-    bv = min(next_pow2(Dv), max(16, 4096 // bk))  # the state tile gdn_recurrent_triton takes
-    ss, sc = ssm_state, ssm_scratch
+    bk, bv = _tiles(Dk, Dv)
+    ss = ssm_state
+    sk, sv, sg, sb = (stash[n] for n in STASH_NAMES)
     grid = (R, Hv, _cdiv(Dv, bv))
     _gdn_verify_kernel[grid](
-        q, k, v, g, beta, ss, state_slots, query_start_loc, out, sc,
+        q, k, v, g, beta, ss, state_slots, query_start_loc, out,
+        sk, sv, sg, sb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         ss.stride(0), ss.stride(1), ss.stride(2), ss.stride(3),
         out.stride(0), out.stride(1),
-        sc.stride(0), sc.stride(1), sc.stride(2), sc.stride(3), sc.stride(4),
-        sc.shape[1], Dk**-0.5,
+        sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sg.stride(0), sg.stride(1),
+        sk.shape[1], Dk**-0.5,
         DK=Dk, DV=Dv, GROUP=Hv // Hk, BK=bk, BV=bv,
         num_warps=4,
     )  # fmt: skip
+    return out
+
+
+def gdn_replay(
+    ssm_state: torch.Tensor,
+    stash: dict[str, torch.Tensor],
+    rows: torch.Tensor | None,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Entry ``i`` with ``c = counts[i] >= 0``: ``ssm_state[dst_slots[i]]`` = the state of ``src_slots[i]`` advanced
+    over stash row ``rows[i]``'s tokens ``0 .. c`` (``rows`` None: row ``i``); entries with ``c < 0`` do nothing.
+
+    The commit of a verify step is ``gdn_replay(pool, stash, None, slots, slots, num_accepted)``; a candidate
+    snapshot ``gdn_replay(pool, stash, rows, slots[rows], entries, positions)``, before the commit. ``c`` must name a
+    stashed token (``c < min(n_r, P_max)``); destinations must be distinct and no entry's destination another's
+    source. All index tensors are ``(N,)`` int on the pool's device; nothing here syncs with the host on CUDA.
+    """
+    assert src_slots.shape == dst_slots.shape == counts.shape and counts.dim() == 1
+    assert rows is None or rows.shape == counts.shape
+    if ssm_state.is_cuda:
+        gdn_replay_triton(ssm_state, stash, rows, src_slots, dst_slots, counts)
+    else:
+        gdn_replay_ref(ssm_state, stash, rows, src_slots, dst_slots, counts)
+
+
+def gdn_replay_triton(
+    ssm_state: torch.Tensor,
+    stash: dict[str, torch.Tensor],
+    rows: torch.Tensor | None,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Triton :func:`gdn_replay`: one program per (entry, value head, ``BV`` block), the tile read once and written
+    once (graph-capturable)."""
+    from hyserve.kernels.gdn._triton import _gdn_replay_kernel
+
+    N = counts.shape[0]
+    _, Hv, Dk, Dv = ssm_state.shape
+    sk, sv, sg, sb = (stash[n] for n in STASH_NAMES)
+    assert sk.shape[3] == Dk and sv.shape[2:] == (Hv, Dv) and Hv % sk.shape[2] == 0
+    if N == 0:
+        return
+    bk, bv = _tiles(Dk, Dv)
+    ss = ssm_state
+    _gdn_replay_kernel[(N, Hv, _cdiv(Dv, bv))](
+        ss, sk, sv, sg, sb, counts if rows is None else rows, src_slots, dst_slots, counts,
+        ss.stride(0), ss.stride(1), ss.stride(2), ss.stride(3),
+        sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sg.stride(0), sg.stride(1),
+        sk.shape[1],
+        DK=Dk, DV=Dv, GROUP=Hv // sk.shape[2], BK=bk, BV=bv, ROWS=rows is not None,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The verify and replay kernels' variants for the Qwen3.5 shapes (Dk = Dv = 128; Hv / Hk = 1, 2, 3) in a bf16
+    model with a float32 state, and with a bf16 state, as ``(name, jit function, argument types, constexprs)`` for a
+    compile check without a GPU (``tests/kernels/test_verify_kernels.py``)."""
+    from hyserve.kernels.gdn._triton import _gdn_replay_kernel, _gdn_verify_kernel
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    i32 = "i32"
+    bk, bv = _tiles(128, 128)
+    stash = dict(stk_ptr="*fp32", stv_ptr="*fp32", stg_ptr="*fp32", stb_ptr="*fp32")
+    stash_strides = {s: i32 for s in ("stk_r", "stk_p", "stk_h", "stv_r", "stv_p", "stv_h", "stg_r", "stg_p")}
+    for state, group in (("fp32", 1), ("fp32", 2), ("fp32", 3), ("bf16", 2)):
+        consts = dict(DK=128, DV=128, GROUP=group, BK=bk, BV=bv)
+        verify = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*bf16",
+                      state_ptr=f"*{state}", slots_ptr="*i64", qsl_ptr="*i32", out_ptr="*bf16", **stash,
+                      **{s: i32 for s in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sg_h", "sb_t",
+                                          "sb_h", "ss_s", "ss_h", "ss_k", "ss_v", "so_t", "so_h")},
+                      **stash_strides, P=i32, scale="fp32")
+        out.append((f"gdn_verify_g{group}_{state}_state", _gdn_verify_kernel, verify, consts))
+        for rows in (False, True):
+            replay = dict(state_ptr=f"*{state}", **stash, rows_ptr="*i64", src_ptr="*i64", dst_ptr="*i64",
+                          count_ptr="*i64", **{s: i32 for s in ("ss_s", "ss_h", "ss_k", "ss_v")}, **stash_strides,
+                          P=i32)
+            out.append((f"gdn_replay_g{group}_{state}_state{'_rows' if rows else ''}", _gdn_replay_kernel, replay,
+                        dict(consts, ROWS=rows)))
     return out

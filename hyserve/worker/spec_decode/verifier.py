@@ -142,7 +142,7 @@ class Verifier:
                                    last_hidden: torch.Tensor, out: RunnerOutput, graphs: GraphSet,
                                    size: int, adjusted: torch.Tensor | None = None,
                                    num_drafts: int | None = None) -> StepResult:
-        """Acceptance, commit of the accepted candidates, candidate snapshots and the whole drafting, enqueued on
+        """Acceptance, candidate snapshots, commit of the accepted candidates and the whole drafting, enqueued on
         the device in that order, each reading the accepted counts there. The result waits for the acceptance's
         copy to the host: the commit and drafting run on, and the next step can be enqueued behind them, while
         the host applies this one."""
@@ -155,8 +155,8 @@ class Verifier:
             failed = device_tensor([i in out.errors for i in range(len(rows))], self.device, torch.bool)
         else:
             failed = None
+        self.state_ops.save_snapshots(rows, accepted)  # before the commit (RecurrentLayer.snapshot_candidates)
         self.state_ops.commit_verified(accepted)
-        self.state_ops.save_snapshots(rows, accepted)
         self.drafter.fill_draft_on_device(rows, accepted, pending.emitted, failed, size, last_hidden)
         tokens, first = graphs.run(size)
         n = len(rows)

@@ -1,0 +1,99 @@
+"""A Gated DeltaNet layer's verify step on one GPU: the verify kernel over k + 1 tokens a row and the commit that
+rebuilds the accepted state (``gdn_replay``, every draft accepted: the longest replay), against a plain decode step's
+recurrent kernel over one token a row, at the Qwen3.5 shapes.
+
+    python benchmarks/gdn_verify_bench.py --out $OUT                 # 2B, 9B, 27B heads; batch 1, 8, 32, 64; k 0-3
+
+What it shows: the SSM state traffic of a verify step. A plain decode step reads and writes each row's state once
+(2 passes); the verify and its commit read it twice and write it once (3 passes), whatever k (the stash of a
+position's inputs is kilobytes). Keeping every candidate state instead, as hyserve did until 2026-12-05, wrote k + 1
+states and copied one back: 4 + k passes. The table gives the measured time of each, the bandwidth on those passes,
+and the ratio verify / plain beside the passes' ratio 3 / 2.
+
+Each variant is captured in a CUDA graph of 20 calls and replayed; the median time per call of 10 replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gdn_decode_bench import HEADS, D, graph_time  # benchmarks/ is on the path (above)
+
+from hyserve.kernels.gdn import gdn_recurrent_triton
+from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_stash_shapes, gdn_verify_triton
+
+
+def problem(batch: int, q: int, hk: int, hv: int, state_dtype: torch.dtype) -> dict[str, Any]:
+    """Rows of ``q`` tokens on shuffled slots of a pool with room for 8 more; a stash of ``q`` positions."""
+    g = torch.Generator(device="cuda").manual_seed(batch * 131 + hv + q)
+    t = batch * q
+    qkv = torch.randn(t, 2 * hk * D + hv * D, device="cuda", generator=g).to(torch.bfloat16)
+    pool = batch + 8
+    return dict(q=qkv[:, : hk * D].reshape(t, hk, D), k=qkv[:, hk * D : 2 * hk * D].reshape(t, hk, D),
+                v=qkv[:, 2 * hk * D :].reshape(t, hv, D),
+                g=-torch.nn.functional.softplus(torch.randn(t, hv, device="cuda", generator=g)) * 0.1,
+                beta=torch.rand(t, hv, device="cuda", generator=g).to(torch.bfloat16),
+                ssm_state=(torch.randn(pool, hv, D, D, device="cuda", generator=g) * 0.3).to(state_dtype),
+                state_slots=torch.randperm(pool, device="cuda", generator=g)[:batch],
+                query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(HEADS), choices=list(HEADS))
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32, 64])
+    ap.add_argument("--k", nargs="+", type=int, default=[0, 1, 2, 3])
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=None, help="a directory for gdn_verify_bench.json")
+    args = ap.parse_args()
+    state_dtype = getattr(torch, args.state_dtype)
+    rows = []
+    for shape in args.shapes:
+        hk, hv = HEADS[shape]
+        for batch in args.batch:
+            plain = problem(batch, 1, hk, hv, state_dtype)
+            plain_us = graph_time(lambda p=plain: gdn_recurrent_triton(**p))
+            state_pass = batch * hv * D * D * plain["ssm_state"].element_size()
+            for k in args.k:
+                p = problem(batch, k + 1, hk, hv, state_dtype)
+                stash = {n: torch.empty((batch, k + 1, *s), device="cuda", dtype=torch.float32)
+                         for n, s in gdn_stash_shapes(hk, D, hv, D).items()}
+                counts = torch.full((batch,), k, device="cuda", dtype=torch.long)
+                slots = p["state_slots"]
+
+                def step(p: dict[str, Any] = p, stash: dict[str, torch.Tensor] = stash,
+                         counts: torch.Tensor = counts, slots: torch.Tensor = slots) -> torch.Tensor:
+                    out = gdn_verify_triton(**p, stash=stash)
+                    gdn_replay_triton(p["ssm_state"], stash, None, slots, slots, counts)
+                    return out
+
+                verify_us = graph_time(step)
+                row = {"shape": shape, "batch": batch, "k": k, "plain_us": plain_us, "verify_commit_us": verify_us,
+                       "ratio": verify_us / plain_us, "passes_ratio": 1.5, "passes_ratio_candidates": (4 + k) / 2,
+                       "plain_GBps": 2 * state_pass / plain_us / 1e3, "verify_GBps": 3 * state_pass / verify_us / 1e3}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{'shape':>6} {'batch':>5} {'k':>2} {'plain us':>9} {'verify+commit us':>16} {'ratio':>6} "
+          f"{'(passes 1.5; candidates)':>24}")
+    for r in rows:
+        print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['plain_us']:>9.2f} {r['verify_commit_us']:>16.2f} "
+              f"{r['ratio']:>6.2f} {r['passes_ratio_candidates']:>24.1f}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gdn_verify_bench.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype, "rows": rows}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
