@@ -144,6 +144,8 @@ class GatedDeltaNet(RecurrentLayer):
         self.arrivals = arrivals_for(self.ssm_state.shape[0], self.num_k_heads, self.num_v_heads,
                                      self.ssm_state.device)
 
+    verifies_one_token_rows_in_place = True  # (RecurrentLayer): a step at speculation length 0 is a decode step here
+
     def verify_scratch_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         """Per verify position: the candidate conv window (small), and the delta rule's inputs in place of the
         candidate SSM state (``hyserve.kernels.gdn.verify``: a few kilobytes against the state's megabytes)."""
@@ -189,6 +191,11 @@ class GatedDeltaNet(RecurrentLayer):
         weight = self.conv1d.weight.squeeze(1)
         mixed_in, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # strided views of one output
         vm = meta.verify
+        # Verify rows of one token each (no drafts) advance their slots in place (verifies_one_token_rows_in_place);
+        # with no other rows the step is a decode step.
+        in_place = vm is not None and vm.max_query_len == 1
+        if in_place and vm is not None and vm.num_tokens == t:
+            vm = None
         if vm is None and meta.max_query_len == 1 and uses_fused_decode(mixed_in):
             out = gdn_decode_fused(mixed_in, z, b, a, weight, self.A_log, self.dt_bias, self.norm.weight,
                                    self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
@@ -203,8 +210,12 @@ class GatedDeltaNet(RecurrentLayer):
                                          meta.max_query_len)
         else:
             assert self.conv_scratch is not None, "verify scratch not bound"
-            parts = [causal_conv1d_verify(mixed_in[: vm.num_tokens], weight, self.conv_state, vm.state_slots,
-                                          vm.query_start_loc, self.conv_scratch, vm.max_query_len)]
+            if in_place:
+                parts = [causal_conv1d_varlen(mixed_in[: vm.num_tokens], weight, self.conv_state, vm.state_slots,
+                                              vm.query_start_loc, 1)]
+            else:
+                parts = [causal_conv1d_verify(mixed_in[: vm.num_tokens], weight, self.conv_state, vm.state_slots,
+                                              vm.query_start_loc, self.conv_scratch, vm.max_query_len)]
             if vm.num_tokens < t:
                 parts.append(causal_conv1d_varlen(mixed_in[vm.num_tokens :], weight, self.conv_state,
                                                   vm.rest_state_slots, vm.rest_query_start_loc,
@@ -221,8 +232,12 @@ class GatedDeltaNet(RecurrentLayer):
         else:
             assert self.stash is not None, "verify scratch not bound"
             tv = vm.num_tokens
-            outs = [gdn_verify(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
-                               vm.query_start_loc, self.stash, vm.max_query_len)]
+            if in_place:
+                outs = [gdn_forward(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
+                                    vm.query_start_loc, 1)]
+            else:
+                outs = [gdn_verify(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
+                                   vm.query_start_loc, self.stash, vm.max_query_len)]
             if tv < t:
                 outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
                                         vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,

@@ -97,6 +97,10 @@ class RecurrentLayer(nn.Module):
     """
 
     supports_row_snapshots = False
+    # A verify step whose rows all hold one token (no drafts: speculation length 0) advances this layer's slots in
+    # place, as a decode step does: nothing is left to reject, so there is no candidate to keep and no commit. The
+    # runner then skips the layer's commit and takes its candidate snapshots from the slots (``copy_slots``).
+    verifies_one_token_rows_in_place = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,6 +131,13 @@ class RecurrentLayer(nn.Module):
             cand = self.verify_scratch[name][rows, take]
             keep = (num_accepted >= 0).view(-1, *([1] * (cand.dim() - 1)))
             live.index_copy_(0, state_slots, torch.where(keep, cand, live.index_select(0, state_slots)))
+
+    def copy_slots(self, rows: torch.Tensor, entries: torch.Tensor, state_slots: torch.Tensor) -> None:
+        """Pool ``entries[i]`` takes the state of verify row ``rows[i]``'s slot as it is (a one-token verify step's
+        candidate snapshot, for a layer that ``verifies_one_token_rows_in_place``)."""
+        slots = state_slots.index_select(0, rows)
+        for live in self.state.values():
+            live.index_copy_(0, entries, live.index_select(0, slots))
 
     def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
                             state_slots: torch.Tensor) -> None:

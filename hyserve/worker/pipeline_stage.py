@@ -85,6 +85,7 @@ class PendingCommit:
     scratch_set: int
     state_slots: torch.Tensor  # (verify rows,) this step's, not the buffer the next step overwrites
     candidates: list[tuple[int, int, int]]  # (verify row, position, snapshot entry) of candidate_snapshot
+    one_token: bool = False  # every verify row held one token (RecurrentLayer.verifies_one_token_rows_in_place)
 
 
 class StageCommits:
@@ -117,7 +118,8 @@ class StageCommits:
             if rows[i].candidate_snapshot is not None:
                 point, entry = rows[i].candidate_snapshot  # type: ignore[misc]
                 cands.append((i, point - rows[i].start - 1, entry))
-        self._uncommitted[step_id] = PendingCommit(step_id, scratch_set, meta.verify.state_slots.clone(), cands)
+        self._uncommitted[step_id] = PendingCommit(step_id, scratch_set, meta.verify.state_slots.clone(), cands,
+                                                   meta.verify.max_query_len == 1)
 
     def pending_commit(self, step_id: int) -> PendingCommit:
         """The uncommitted verify step ``step_id`` (its own slots and scratch set, not the latest step's)."""
@@ -140,7 +142,7 @@ class StageCommits:
         acc = device_tensor(num_accepted, ops.batch.device, torch.long)
         cands = [(r, p, e) for r, p, e in pending.candidates if num_accepted[r] >= p]
         ops.snapshot_candidates([r for r, _, _ in cands], [p for _, p, _ in cands], [e for _, _, e in cands],
-                                state_slots=pending.state_slots)
-        for layer in ops.model.recurrent_layers():
+                                state_slots=pending.state_slots, one_token=pending.one_token)
+        for layer in ops.committing_layers(pending.one_token):
             layer.commit_verified(pending.state_slots, acc)
         self._free_scratch_sets.append(pending.scratch_set)

@@ -11,7 +11,7 @@ import torch
 
 from hyserve.cache.specs import CacheSpecs
 from hyserve.cache.state_pool import StatePool
-from hyserve.model.base import CausalLM
+from hyserve.model.base import CausalLM, RecurrentLayer
 from hyserve.scheduler.output import ScheduledRow
 from hyserve.utils import device_tensor
 from hyserve.worker.cuda_graphs import GraphBody, StepGraphs, weak_forward
@@ -67,16 +67,21 @@ class StateOps:
     def commit_verified(self, num_accepted: list[int] | torch.Tensor) -> None:
         """Live slots of the last step's verify rows take candidate ``num_accepted[r]`` (-1: leave untouched): one
         replay of the ``commit`` graph when the verify graph ran the step (its pad rows are on the pad slot). The
-        counts come from the host, or are already on the device (the device chain)."""
+        counts come from the host, or are already on the device (the device chain). After a step of one-token verify
+        rows the layers that advanced their slots in place are left out (``committing_layers``)."""
         last = self.batch.last_meta
         vm = last.verify if last is not None else None
         if vm is None:
             return
         n = len(num_accepted)
         assert n == vm.num_rows
+        layers = self.committing_layers(vm.max_query_len == 1)
+        if not layers:
+            return
         size = self.batch.verify_graph_size
         graphs = self.graphs.get("commit") if size is not None else None
-        use_graph = graphs is not None and size in graphs.sizes
+        # The graph commits every recurrent layer: only where every one still has candidates to commit.
+        use_graph = graphs is not None and size in graphs.sizes and len(layers) == len(self.model.recurrent_layers())
         buf = self.batch.dev_bufs["num_accepted"]
         if isinstance(num_accepted, torch.Tensor):
             buf[:n].copy_(num_accepted)
@@ -90,8 +95,14 @@ class StateOps:
         if use_graph:
             graphs.run(size)  # type: ignore[union-attr,arg-type]
             return
-        for layer in self.model.recurrent_layers():
+        for layer in layers:
             layer.commit_verified(vm.state_slots, buf[:n])
+
+    def committing_layers(self, one_token: bool) -> list[RecurrentLayer]:
+        """The recurrent layers a verify step leaves candidates to commit in: all, or after a step whose verify rows
+        all hold one token, those that do not advance such rows in place (``verifies_one_token_rows_in_place``)."""
+        layers = self.model.recurrent_layers()
+        return [layer for layer in layers if not layer.verifies_one_token_rows_in_place] if one_token else layers
 
     def _graph_commit(self, size: int) -> tuple[torch.Tensor, ...]:
         """``commit`` graph: every recurrent layer's commit of ``size`` verify rows (slots and accepted counts from
@@ -131,13 +142,16 @@ class StateOps:
 
     def snapshot_candidates(self, rows: list[int], positions: list[int], entries: list[int],
                             accepted: torch.Tensor | None = None, behind_rows: list[int] | None = None,
-                            behind_entries: list[int] | None = None, state_slots: torch.Tensor | None = None) -> None:
+                            behind_entries: list[int] | None = None, state_slots: torch.Tensor | None = None,
+                            one_token: bool | None = None) -> None:
         """Fill snapshot ``entries`` from verify row ``rows[i]``'s candidate state after position ``positions[i]``;
         with ``accepted`` (counts on the device), only where it reached that position, the others into the pad
         slot. ``behind_rows`` (rows whose start is on the device) take the last block boundary they reach as their
         point, as the scheduler will (``Scheduler._place``); one that reaches none copies into the pad slot.
         ``state_slots``: the verify rows' slots (by default the step's, which lead the ``state_slots`` buffer). Runs
-        before the step's commit (``RecurrentLayer.snapshot_candidates``)."""
+        before the step's commit (``RecurrentLayer.snapshot_candidates``). ``one_token``: the verify rows all held
+        one token (by default read from the last step's metadata); a layer that advanced them in place gives its
+        slots' states (``RecurrentLayer.copy_slots``)."""
         behind_rows, behind_entries = behind_rows or [], behind_entries or []
         n = len(rows) + len(behind_rows)
         if not n:
@@ -166,12 +180,19 @@ class StateOps:
             e[len(rows) :].copy_(torch.where(j >= 0, e[len(rows) :], pad))
         if accepted is not None:
             e.copy_(torch.where(accepted.index_select(0, r) >= p, e, pad))
-        if graphs is not None and size is not None and state_slots is None:
+        if one_token is None:
+            last = self.batch.last_meta
+            one_token = last is not None and last.verify is not None and last.verify.max_query_len == 1
+        in_place = set(map(id, self.model.recurrent_layers())) - set(map(id, self.committing_layers(one_token)))
+        if graphs is not None and size is not None and state_slots is None and not in_place:
             graphs.run(size)  # every recurrent layer's copies in one replay
             return
         slots = self.batch.dev_bufs["state_slots"] if state_slots is None else state_slots
         for layer in self.model.recurrent_layers():
-            layer.snapshot_candidates(r, p, e, slots)
+            if id(layer) in in_place:
+                layer.copy_slots(r, e, slots)
+            else:
+                layer.snapshot_candidates(r, p, e, slots)
 
     def _snapshot_pads(self, size: int) -> None:
         """The snapshot graph's inputs as pads only (capture): row 0's candidate 0 into the pad slot."""

@@ -118,6 +118,20 @@ def test_mtp_greedy_is_plain_decoding(ckpts: CheckpointCache, plain: list[Any], 
     assert llm.get_metrics()["hyserve:spec_decode_num_draft_tokens"] > 0  # type: ignore[operator]
 
 
+def test_steps_at_k0_commit_the_ple_state_and_leave_the_gdn_state_in_place(ckpts: CheckpointCache,
+                                                                          plain: list[Any]) -> None:
+    """A speculation length scripted through 0 (hyserve.speculative.adaptive): at k = 0 the GDN layers advance
+    their slots in place and only the PLE layers commit their candidates; the tokens stay plain decoding's."""
+    path = _path(ckpts)
+    llm = make_llm(path, max_num_batched_tokens=16, speculative_config={**_mtp(2), "adaptive": True})
+    drafts = llm.llm_engine.drafts
+    assert drafts is not None
+    drafts.policy.script([0, 2, 0, 0, 1])
+    got = llm.generate([{"prompt_token_ids": p} for p in _prompts(path)], GREEDY, use_tqdm=False)
+    assert_same_outputs({str(n): o for n, o in enumerate(got)}, {str(n): o for n, o in enumerate(plain)})
+    assert drafts.policy.histogram[0] > 0 and drafts.policy.histogram[2] > 0
+
+
 # ------------------------------------------------------------------ the formula, on a bigram trunk, and a planted head
 
 _BLOCK_OUTPUTS = ("o_proj.weight", "out_proj.weight", "experts.down_proj", "shared_expert.down_proj.weight",

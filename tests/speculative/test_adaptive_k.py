@@ -12,7 +12,9 @@ shared scenario runs (staggered arrivals, prefix hits, chunked prefill, an abort
 slots, planted MTP drafts accepted and rejected), with async scheduling (rows behind rows in flight, across every
 change of k) and without, eager and with emulated CUDA graphs: the outputs are the plain run's (which matches
 transformers), every row keeps to its step's k, and its KV blocks cover its drafting. Sabotaged engines (a row behind
-taking the configured k's placeholders; blocks reserved for the step's k in place of the drafting's) are caught.
+taking the configured k's placeholders; blocks reserved for the step's k in place of the drafting's; a step at k = 0,
+whose GDN layers advance the slots in place, committed again) are caught (a k = 0 step's candidate snapshots:
+tests/worker/test_device_drafts.py).
 """
 
 from __future__ import annotations
@@ -256,7 +258,13 @@ def lookahead_of_k_step(engine: LLMEngine) -> None:
     sched._blocks_end = blocks_end  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("sabotage", [lookahead_of_k_step])
+def one_token_rows_committed_again(engine: LLMEngine) -> None:
+    """Sabotage: a step at k = 0 advances the GDN slots in place and its commit still replays the row's token."""
+    for layer in engine.runner.model.recurrent_layers():
+        layer.verifies_one_token_rows_in_place = False  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("sabotage", [lookahead_of_k_step, one_token_rows_committed_again])
 def test_rows_that_ignore_the_steps_k_are_caught(ckpts: CheckpointCache, plain_run: dict, plant_drafts: Callable,
                                                  monkeypatch: pytest.MonkeyPatch, sabotage: Callable) -> None:
     monkeypatch.setattr(cuda_graphs, "EMULATE", True)

@@ -217,7 +217,7 @@ def planted_targets(path: str, n: int, cut: int, seed: int) -> tuple[dict[str, l
 
 
 def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabotage: str | None,
-                monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+                monkeypatch: pytest.MonkeyPatch, schedule: list[int] | None = None) -> dict[str, Any]:
     """Requests a and b, then f = a's prompt + a's output + more (a prefix hit through a's decode region, whose
     snapshots come from verified candidates). After every step the drafts rows of running requests are overwritten
     with their true greedy continuation, so most drafts are accepted: the commit and the candidate snapshots of the
@@ -233,11 +233,19 @@ def planted_run(path: str, want: dict[str, list[int]], follow: list[int], sabota
         snapshots_one_early(monkeypatch)
     elif sabotage == "commit_first":
         commit_before_candidate_snapshots(monkeypatch)
-    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
+    spec = {"method": "mtp", "num_speculative_tokens": K, "adaptive": schedule is not None}
+    llm = make_llm(path, speculative_config=spec, block_size=16,
                    max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=True,
                    recurrent_snapshot_interval=16, num_snapshot_slots=64, async_scheduling=True)
     eng = llm.llm_engine
     runner = eng.runner
+    if schedule is not None:  # the speculation length of each step, in turn (hyserve.speculative.adaptive)
+        assert eng.drafts is not None
+        eng.drafts.policy.script(schedule)
+    if sabotage == "one_token_snapshots":  # a k = 0 step's candidate snapshots replayed over the advanced slots
+        for layer in runner.model.recurrent_layers():
+            layer.copy_slots = (  # type: ignore[method-assign]
+                lambda r, e, slots, layer=layer: layer.snapshot_candidates(r, torch.zeros_like(r), e, slots))
     # Planted after each result: a row behind one in flight would be enqueued before (tests/worker/test_async_verify.py
     # plants on the worker instead).
     eng.scheduler.async_verify = False
@@ -284,6 +292,24 @@ def test_device_chain_commits_and_snapshots_what_was_accepted(ckpts: CheckpointC
         # The hit reaches past a's prompt, into its decode region: that snapshot is a verified candidate's.
         assert got["accepted"] > 0.5 and got["hit"] > len(PROMPTS["a"])
         assert got["snapshot_replays"] > 0  # the candidates were copied by the snapshot graph
+        assert right, (got["outputs"] == want, drift)
+    else:
+        assert not right, drift
+
+
+@pytest.mark.parametrize("sabotage", [None, "one_token_snapshots"])
+def test_steps_at_k0_snapshot_the_slots_they_advanced(ckpts: CheckpointCache, emulated_graphs: None,
+                                                      monkeypatch: pytest.MonkeyPatch, sabotage: str | None) -> None:
+    """Every step at speculation length 0 (verify rows of one token: the GDN layers advance the slots in place and
+    commit nothing): f's hit reaches into a's decode region, whose snapshots are those steps' slots, copied; a
+    snapshot rebuilt as a verify candidate is (the token replayed over the advanced slot) is caught."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    want, follow, ref_f = planted_targets(path, 24, 24, 320)
+    got = planted_run(path, want, follow, sabotage, monkeypatch, schedule=[0])
+    drift = max(abs(x - y) for x, y in zip(got["f_logprobs"], chosen_logprobs(ref_f), strict=False))
+    right = got["outputs"] == want and drift < 1e-4
+    if sabotage is None:
+        assert got["hit"] > len(PROMPTS["a"]), got["hit"]  # a snapshot of a step at k = 0
         assert right, (got["outputs"] == want, drift)
     else:
         assert not right, drift
