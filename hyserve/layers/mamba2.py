@@ -12,7 +12,8 @@ Per request it keeps, in the slot the runner binds (``bind_state``), the conv wi
 
 A verify step (speculative decoding) reads the live states and writes the candidate after every position to the
 verify scratch; the base class's ``commit_verified`` and ``snapshot_candidates`` copy them, so a rejected draft never
-reaches the live state or a snapshot.
+reaches the live state or a snapshot. Verify rows of one token each (a step at speculation length 0) have no draft:
+they advance their slots in place, as decode rows do (``verifies_one_token_rows_in_place``).
 
 Tensor parallel (``mamba2_group_range``): each rank holds ``mamba_num_heads / tp`` heads, with their rows of z, x
 and dt, their ``dt_bias`` / ``A_log`` / ``D``, their channels of the conv and of the gated norm, and their input
@@ -143,6 +144,7 @@ class Mamba2Mixer(RecurrentLayer):
     from the scan's own pass (``hyserve.kernels.mamba2``)."""
 
     supports_row_snapshots = True
+    verifies_one_token_rows_in_place = True  # (RecurrentLayer): a step at speculation length 0 is a decode step here
 
     def __init__(self, cfg: Mamba2Config, prefix: str, *, in_multiplier: float = 1.0,
                  segment_multipliers: tuple[float, ...] | None = None, gated_norm: bool = True,
@@ -255,7 +257,9 @@ class Mamba2Mixer(RecurrentLayer):
             parts.append((0, t, meta.state_slots, meta.query_start_loc, meta.max_query_len, False,
                           meta.query_start_loc_cpu))
         else:
-            parts.append((0, vm.num_tokens, vm.state_slots, vm.query_start_loc, vm.max_query_len, True, None))
+            # Verify rows of one token each (no drafts) advance their slots in place (verifies_one_token_rows_in_place).
+            in_place = vm.max_query_len == 1
+            parts.append((0, vm.num_tokens, vm.state_slots, vm.query_start_loc, vm.max_query_len, not in_place, None))
             if vm.num_tokens < t:
                 parts.append((vm.num_tokens, t, vm.rest_state_slots, vm.rest_query_start_loc,
                               vm.rest_max_query_len, False, vm.rest_query_start_loc_cpu))
@@ -263,7 +267,7 @@ class Mamba2Mixer(RecurrentLayer):
         y = None if len(parts) == 1 else torch.empty((t, self.num_heads, self.head_dim), dtype=torch.float32,
                                                       device=x.device)
         for lo, hi, slots, qsl, longest, verify, qsl_cpu in parts:
-            snaps = None if verify else meta.row_snapshots  # (the prefill rows' part)
+            snaps = meta.row_snapshots if vm is None or lo > 0 else None  # (the prefill rows' part)
             if verify:
                 assert self.verify_scratch is not None, "verify scratch not bound"
                 mixed = causal_conv1d_verify(xbc[lo:hi], weight, conv_state, slots, qsl,

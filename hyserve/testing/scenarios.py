@@ -117,18 +117,25 @@ def plain_scenario_run(ckpts: CheckpointCache, path: str) -> dict[str, RequestOu
 
 
 def assert_ngram_scenario_matches(path: str, plain_run: dict[str, RequestOutput], async_scheduling: bool,
-                                  graphs: bool, sabotage: Callable[[LLMEngine], None] | None = None) -> None:
+                                  graphs: bool, sabotage: Callable[[LLMEngine], None] | None = None,
+                                  schedule: list[int] | None = None) -> None:
     """The scenario on ``path`` with n-gram speculation, async scheduling or CUDA graphs (emulated on the CPU when the
     caller set ``cuda_graphs.EMULATE``) gives ``plain_run``'s outputs, rows mapped to slots other than their own.
     Drafts of full length come from the known continuations with errors planted (random prompts rarely repeat, so
     prompt lookup alone would propose little): verify rows accept 0 to 3 of 3, and the test asks for both.
-    ``sabotage`` (one of ``MAMBA2_SABOTAGES``) breaks the engine before it runs: the outputs must then differ."""
+    ``sabotage`` (one of ``MAMBA2_SABOTAGES``) breaks the engine before it runs: the outputs must then differ.
+    ``schedule``: the speculation length of each step in turn (``hyserve.speculative.adaptive``; 0: verify rows of
+    one token, which the recurrent layers may advance in place)."""
     from hyserve.testing.engine import SlotRecorder
     from hyserve.testing.speculative import OracleProposer
 
     arrivals, aborts, _ = scenario(path)
-    engine = scenario_engine(path, "ngram", async_scheduling=async_scheduling)
+    spec: str | dict = "ngram" if schedule is None else {**SPECS["ngram"], "adaptive": True}
+    engine = scenario_engine(path, spec, async_scheduling=async_scheduling)
     assert (engine.runner.graphs is not None) == graphs
+    if schedule is not None:
+        assert engine.drafts is not None
+        engine.drafts.policy.script(schedule)
     if sabotage is not None:
         sabotage(engine)
     slots = SlotRecorder(engine)
@@ -195,6 +202,13 @@ def mamba2_rollback_one_late(engine: LLMEngine) -> None:
                 commit(slots, torch.where(acc >= 0, (acc + 1).clamp(max=k), acc))
 
             layer.commit_verified = late  # type: ignore[method-assign]
+
+
+def one_token_rows_committed_again(engine: LLMEngine) -> None:
+    """Sabotage: a step of one-token verify rows (speculation length 0) advances the recurrent slots in place and
+    is committed as well (the candidate, or the replayed token, applied a second time)."""
+    for layer in engine.runner.model.recurrent_layers():
+        layer.verifies_one_token_rows_in_place = False  # type: ignore[misc]
 
 
 MAMBA2_SABOTAGES: dict[str, Callable[[LLMEngine], None]] = {

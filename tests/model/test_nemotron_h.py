@@ -29,6 +29,7 @@ from hyserve.testing.nemotron_h import NEMOTRON_H, NEMOTRON_H_PATTERNS
 from hyserve.testing.scenarios import (
     MAMBA2_SABOTAGES,
     assert_ngram_scenario_matches,
+    one_token_rows_committed_again,
     plain_scenario_run,
 )
 from hyserve.worker import cuda_graphs
@@ -75,6 +76,20 @@ def test_features_compose(ckpts: CheckpointCache, plain_run: dict, monkeypatch: 
     run's outputs, rows mapped to slots other than their own."""
     monkeypatch.setattr(cuda_graphs, "EMULATE", graphs)
     assert_ngram_scenario_matches(_scenario_path(ckpts), plain_run, async_scheduling, graphs)
+
+
+@pytest.mark.parametrize("sabotaged", [False, True])
+def test_steps_at_k0_advance_the_mamba2_slots_in_place(ckpts: CheckpointCache, plain_run: dict,
+                                                        sabotaged: bool) -> None:
+    """n-gram speculation whose length per step is scripted through 0 (hyserve.speculative.adaptive): at k = 0 the
+    Mamba2 layers advance their slots in place and commit nothing; committing those steps again is caught."""
+    sabotage = one_token_rows_committed_again if sabotaged else None
+    schedule = [0, 3, 0, 0, 1, 2]
+    if sabotaged:
+        with pytest.raises(AssertionError, match="differ"):  # the outputs (assert_same_outputs)
+            assert_ngram_scenario_matches(_scenario_path(ckpts), plain_run, True, False, sabotage, schedule)
+    else:
+        assert_ngram_scenario_matches(_scenario_path(ckpts), plain_run, True, False, None, schedule)
 
 
 @pytest.mark.parametrize("sabotage", list(MAMBA2_SABOTAGES))

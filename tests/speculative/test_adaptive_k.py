@@ -31,7 +31,13 @@ from hyserve.speculative.adaptive import SpecLengthPolicy, bucket, expected_toke
 from hyserve.speculative.config import SpeculativeConfig
 from hyserve.testing.engine import make_llm
 from hyserve.testing.families import CheckpointCache
-from hyserve.testing.scenarios import assert_k_schedule_matches, assert_same_outputs, plain_scenario_run, run_k_schedule
+from hyserve.testing.scenarios import (
+    assert_k_schedule_matches,
+    assert_same_outputs,
+    one_token_rows_committed_again,
+    plain_scenario_run,
+    run_k_schedule,
+)
 from hyserve.worker import cuda_graphs
 
 # ---------------------------------------------------------------------------------------------------------- policy
@@ -256,12 +262,6 @@ def lookahead_of_k_step(engine: LLMEngine) -> None:
                    sched.max_model_len)
 
     sched._blocks_end = blocks_end  # type: ignore[method-assign]
-
-
-def one_token_rows_committed_again(engine: LLMEngine) -> None:
-    """Sabotage: a step at k = 0 advances the GDN slots in place and its commit still replays the row's token."""
-    for layer in engine.runner.model.recurrent_layers():
-        layer.verifies_one_token_rows_in_place = False  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("sabotage", [lookahead_of_k_step, one_token_rows_committed_again])
