@@ -603,15 +603,19 @@ class LLMEngine:
 
     def _observe_spec(self, so: SchedulerOutput, ro: RunnerOutput, verify: list[int], t0: float) -> None:
         """What the speculation-length policy learns from a step (``hyserve.speculative.adaptive``): the accepted
-        counts of its verify rows, and, for a step whose rows all decode, its duration at its k_step: from its launch
-        or the previous result, whichever is later (with steps in flight the device runs them back to back)."""
+        counts of its verify rows, and, for a step whose rows all decode, that verified k_step drafts (in one row at
+        least) and drafted as many, its duration at its k_step: from its launch or the previous result, whichever is
+        later (with steps in flight the device runs them back to back)."""
         assert self.drafts is not None
         policy = self.drafts.policy
         now = time.perf_counter()
         if verify:
             policy.observe_verify([so.rows[i].num_drafts for i in verify], [ro.num_accepted[i] for i in verify])
-        if so.rows and len(verify) == len(so.rows):
-            policy.observe_step(len(so.rows), so.num_spec_tokens, now - max(t0, self._last_result_time))
+        # Timed only where the step verified and drafted its k_step (a step between two lengths is neither's).
+        k = so.num_spec_tokens
+        steady = so.num_drafting is None or so.num_drafting == k
+        if so.rows and len(verify) == len(so.rows) and steady and max(so.rows[i].num_drafts for i in verify) == k:
+            policy.observe_step(len(so.rows), k, now - max(t0, self._last_result_time))
         self._last_result_time = now
 
     def _take_prompt_logprobs(self, so: SchedulerOutput, ro: RunnerOutput) -> None:

@@ -136,6 +136,9 @@ class SchedulerOutput:
     # Speculative decoding: the step's speculation length k_step (hyserve.speculative.adaptive): every verify row
     # holds at most this many drafts (a row behind one in flight exactly this many); 0 when not speculating.
     num_spec_tokens: int = 0
+    # The drafts the MTP head proposes in this step for the next (DraftManager.drafting_length; 0: its first pass
+    # writes its KV entries only); None: max(num_spec_tokens, 1).
+    num_drafting: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -123,6 +123,7 @@ class Scheduler:
         # The speculation length of the step being scheduled (hyserve.speculative.adaptive): its verify rows take at
         # most this many drafts.
         self._k_step = drafts.k if drafts is not None else 0
+        self._drafting = self._k_step  # the drafts this step's MTP head proposes (DraftManager.drafting_length)
         # Per request with a verify row in flight: the drafts its step's drafting leaves (DraftManager.
         # drafting_length), the most a row behind it can take.
         self._drafts_after: dict[str, int] = {}
@@ -160,7 +161,9 @@ class Scheduler:
         self._next_step_id += 1
         budget = self.max_num_batched_tokens
         if self.drafts is not None:
-            out.num_spec_tokens = self._k_step = self._choose_k_step()
+            b = self._num_decoding()
+            out.num_spec_tokens = self._k_step = self.drafts.policy.choose(b) if b else self.drafts.k
+            out.num_drafting = self._drafting = self.drafts.drafting_length(b, self._k_step)
         preempted: list[Request] = []
         chunks: list[tuple[Request, ScheduledRow, int | None]] = []  # (request, row, the snapshot point it ends on)
         i = 0
@@ -190,12 +193,10 @@ class Scheduler:
             out.verify_commits, self._verify_commits = self._verify_commits, []
         return out
 
-    def _choose_k_step(self) -> int:
-        """The step's speculation length (``hyserve.speculative.adaptive``), from the number of requests past their
-        prompt; the configured k when none is (no row verifies)."""
-        assert self.drafts is not None
-        b = sum(1 for r in self.running if r.num_output_tokens or r.num_inflight_samples)
-        return self.drafts.policy.choose(b) if b else self.drafts.k
+    def _num_decoding(self) -> int:
+        """The requests past their prompt: the batch size the step's speculation length is chosen for
+        (``hyserve.speculative.adaptive``; the configured k when there are none: no row verifies)."""
+        return sum(1 for r in self.running if r.num_output_tokens or r.num_inflight_samples)
 
     def _can_schedule(self, req: Request, budget: int) -> bool:
         """Whether ``req`` can take part in the next step while its earlier steps are in flight."""
@@ -458,7 +459,7 @@ class Scheduler:
             if row.is_verify:
                 self._verify_in_flight[req.request_id] = row
                 assert self.drafts is not None
-                self._drafts_after[req.request_id] = self.drafts.drafting_length(self._k_step)
+                self._drafts_after[req.request_id] = self._drafting
                 if row.start_on_device:
                     self._behind[req.request_id] = row
                     self.num_rows_behind += 1

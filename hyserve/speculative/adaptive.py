@@ -24,6 +24,11 @@ Starvation: while k = 0 wins, no draft is verified and the ``T`` of the other k 
 positions a probe does not reach keeps its last value). The cost is one step in ``probe_interval`` at a k the
 policy would not have chosen.
 
+Drafting (``drafting``): the MTP head proposes the next step's drafts in this step, before the next choice. It drafts
+``max(k_step, 1)``, or none where the next choice is expected to be 0 (``next_choice``: the same rules, one decision
+ahead), so that a run of steps at k = 0 pays no draft LM head. A step is timed as ``T(b, k)`` only where it verified
+and drafted k (the engine's ``_observe_spec``): a step between two lengths times neither.
+
 Fixed rules: ``adaptive=False`` always chooses k (what benchmarks and tests that want a fixed k use);
 ``disable_by_batch_size`` (vLLM's field) chooses 0 from that many decoding requests on, whatever else says.
 Tests script the choices (``script``): a list of k values taken in turn, cycled.
@@ -125,6 +130,31 @@ class SpecLengthPolicy:
             oldest = min(range(self.k, -1, -1), key=lambda k: entries[k].last)  # type: ignore[union-attr]
             return oldest
         return best
+
+    def next_choice(self, b: int) -> int:
+        """The choice ``choose(b)`` would make next, from what is known now (it does not count as a decision)."""
+        if self._script is not None:
+            return self._script[self._script_at % len(self._script)]
+        if self.disable_by_batch_size is not None and b >= self.disable_by_batch_size:
+            return 0
+        if not self.adaptive or b == 0:
+            return self.k
+        bk = bucket(b)
+        n = self.decisions[bk]
+        entries = {k: self.times.get((bk, k)) for k in range(self.k + 1)}
+        missing = [k for k, t in entries.items() if t is None]
+        if missing:
+            return max(missing)
+        if self.probe_interval and n % self.probe_interval == self.probe_interval - 1:
+            return min(range(self.k, -1, -1), key=lambda k: entries[k].last)  # type: ignore[union-attr]
+        return self.best(bk)
+
+    def drafting(self, b: int, k_step: int) -> int:
+        """The drafts the MTP head proposes in a step at ``k_step`` (of ``b`` decoding requests) for the next step:
+        0 where the next step is expected at k = 0 too (no draft would be verified: the head's first pass then
+        only writes its KV entries, without its LM head), else ``max(k_step, 1)`` (a rise from 0 takes one step
+        at one draft). A next step that chooses otherwise takes what there is."""
+        return 0 if self.next_choice(b) == 0 else max(k_step, 1)
 
     def best(self, bk: int) -> int:
         """The k of the highest expected tokens per second at bucket ``bk`` among the measured ones (the smallest on

@@ -32,10 +32,11 @@ class DraftManager:
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def drafting_length(self, k_step: int) -> int:
-        """The drafts the MTP head leaves after a step at speculation length ``k_step`` (before a request's end
-        trims them): what a row behind that step's row can take."""
-        return max(k_step, 1) if self.short_drafting else self.k
+    def drafting_length(self, b: int, k_step: int) -> int:
+        """The drafts the MTP head proposes in a step of ``b`` decoding requests at speculation length ``k_step``
+        (before a request's end trims them): what a row behind that step's row can take. k where every step
+        verifies k; else the policy's (``SpecLengthPolicy.drafting``: 0 in a run of steps at k = 0)."""
+        return self.policy.drafting(b, k_step) if self.short_drafting else self.k
 
     @property
     def lookahead_tokens(self) -> int:

@@ -12,6 +12,7 @@ import torch
 from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.outputs import RequestOutput
+from hyserve.scheduler.output import SchedulerOutput
 from hyserve.testing.engine import drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
 
@@ -130,7 +131,9 @@ def assert_ngram_scenario_matches(path: str, plain_run: dict[str, RequestOutput]
     from hyserve.testing.speculative import OracleProposer
 
     arrivals, aborts, _ = scenario(path)
-    spec: str | dict = "ngram" if schedule is None else {**SPECS["ngram"], "adaptive": True}
+    ngram = SPECS["ngram"]
+    assert ngram is not None
+    spec: str | dict = "ngram" if schedule is None else {**ngram, "adaptive": True}
     engine = scenario_engine(path, spec, async_scheduling=async_scheduling)
     assert (engine.runner.graphs is not None) == graphs
     if schedule is not None:
@@ -226,16 +229,18 @@ ADAPTIVE_MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}
 class KStepRecorder:
     """Wraps the scheduler's ``schedule`` to check every step against its speculation length k_step: each verify
     row holds at most k_step drafts, a row behind one in flight exactly k_step or, where the step of the row in
-    flight drafted fewer (``DraftManager.drafting_length``), that many; the request's KV blocks cover the row's
-    latest end plus the MTP head's drafting positions (``DraftManager.lookahead_tokens``); and after a step the MTP
-    head left each request far from its end ``drafting_length(k_step)`` drafts."""
+    flight drafted fewer (``SchedulerOutput.num_drafting``), that many; the request's KV blocks cover the row's
+    latest end plus the MTP head's drafting positions (``DraftManager.lookahead_tokens``); after a step the MTP
+    head left each request far from its end that step's drafting; and each step drafted what the next step's choice
+    asks (none where it is 0, else ``max(k_step, 1)``, ``SpecLengthPolicy.drafting``)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[int, list[int]]] = []  # (k_step, each verify row's drafts) of steps with verify rows
         self.chosen: list[int] = []  # the k_step of every step the policy chose for
         self.rows_behind: dict[int, int] = {}  # k_step -> rows behind one in flight at that k
         self.errors: list[str] = []
-        last_k: dict[str, int] = {}  # each request's last verify row's k_step
+        last_drafting: dict[str, int] = {}  # the drafting of each request's last verify row's step
+        previous: list[SchedulerOutput] = []  # the last step the policy chose for
         sched = engine.scheduler
         drafts = engine.drafts
         assert drafts is not None
@@ -247,6 +252,13 @@ class KStepRecorder:
             so = original()
             if drafts.policy.histogram.total() > before:
                 self.chosen.append(so.num_spec_tokens)
+                if previous and drafts.short_drafting:
+                    p = previous[0]
+                    want = 0 if so.num_spec_tokens == 0 else max(p.num_spec_tokens, 1)
+                    if p.num_drafting != want:
+                        self.errors.append(f"step {p.step_id} at k_step {p.num_spec_tokens} drafted "
+                                           f"{p.num_drafting} before a step at {so.num_spec_tokens} (want {want})")
+                previous[:] = [so]
             verify = [r for r in so.rows if r.is_verify]
             if verify:
                 self.steps.append((so.num_spec_tokens, [r.num_drafts for r in verify]))
@@ -255,11 +267,12 @@ class KStepRecorder:
                     self.errors.append(f"step {so.step_id}: {r.num_drafts} drafts at k_step {so.num_spec_tokens}")
                 if r.start_on_device:
                     self.rows_behind[so.num_spec_tokens] = self.rows_behind.get(so.num_spec_tokens, 0) + 1
-                    want = min(so.num_spec_tokens, drafts.drafting_length(last_k[r.req_id]))
+                    want = min(so.num_spec_tokens, last_drafting[r.req_id])
                     if r.num_drafts != want:
                         self.errors.append(f"step {so.step_id}: a row behind with {r.num_drafts} drafts at k_step "
                                            f"{so.num_spec_tokens} (want {want})")
-                last_k[r.req_id] = so.num_spec_tokens
+                assert so.num_drafting is not None
+                last_drafting[r.req_id] = so.num_drafting
                 end = min(r.latest_start + r.num_new_tokens + drafts.lookahead_tokens, engine.max_model_len)
                 if len(r.block_table) * bs < end:
                     self.errors.append(f"step {so.step_id}: blocks for {len(r.block_table) * bs} tokens, the row "
@@ -273,7 +286,7 @@ class KStepRecorder:
             ran = update(so, ro, sink)
             if drafts.config.method != "mtp" or not so.rows:
                 return ran
-            want = drafts.drafting_length(so.num_spec_tokens)
+            want = so.num_drafting
             for row in so.rows:
                 req = sched.requests.get(row.req_id)
                 if req is None or req.is_finished or req.num_inflight_tokens or not req.is_decoding:

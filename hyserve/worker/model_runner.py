@@ -142,10 +142,11 @@ class ModelRunner:
         # The shorter speculation lengths k_step < k a step may take (hyserve.speculative.adaptive): each has verify,
         # accept and behind graphs of its own (``cuda_graphs.spec_kind``), so a shorter step costs less.
         self.spec_lengths = tuple(sorted({j for j in spec_lengths if 0 <= j < num_speculative_tokens}))
-        # The MTP head drafts max(k_step, 1) tokens after a step at k_step (the first pass writes the MTP KV entries
-        # whatever k_step is; the next step's length is not known yet and takes what there is): draft graphs of
-        # each such length. k where no step is shorter.
-        self.draft_lengths = tuple(sorted({max(j, 1) for j in self.spec_lengths} - {num_speculative_tokens}))
+        # The MTP head drafts max(k_step, 1) tokens after a step at k_step, or none in a run of steps at 0 (the
+        # first pass writes the MTP KV entries whatever it drafts; SpecLengthPolicy.drafting): draft graphs of each
+        # such length. k where no step is shorter.
+        lengths = {max(j, 1) for j in self.spec_lengths} | ({0} if 0 in self.spec_lengths else set())
+        self.draft_lengths = tuple(sorted(lengths - {num_speculative_tokens}))
         # A stage before the last commits a verify step when its accepted counts arrive, up to a few steps later:
         # each uncommitted step keeps its candidates in a scratch set of its own.
         self.num_scratch_sets = max_steps_in_flight + 1 if num_speculative_tokens and not self.is_last_stage else 1
@@ -498,7 +499,10 @@ class ModelRunner:
         spec_rows = [self._spec_row(rows[i], i, out.errors) for i in verify]
         verifier = self.verifier
         # The drafts the MTP head proposes for the next step: max(k_step, 1), or k where no step is shorter.
-        num_drafts = max(so.num_spec_tokens, 1) if self.spec_lengths else self.num_speculative_tokens
+        if not self.spec_lengths:
+            num_drafts = self.num_speculative_tokens
+        else:
+            num_drafts = max(so.num_spec_tokens, 1) if so.num_drafting is None else so.num_drafting
         # Whether the whole verify step is enqueued at once; a row behind another otherwise needs its start first
         # (resolving it changes nothing the check reads: the scheduler sends a row behind only where it fits).
         chain = verifier.device_chain(rows, spec_rows, num_drafts) if verifier is not None else None

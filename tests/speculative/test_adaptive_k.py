@@ -247,10 +247,13 @@ def test_a_scripted_k_schedule_gives_plain_decodings_outputs(ckpts: CheckpointCa
     got, recorder, engine = run_k_schedule(path, plain_run, plant_drafts, async_scheduling, graphs)
     assert_k_schedule_matches(got, recorder, engine, plain_run)
     if graphs:  # the steps of every speculation length ran verify graphs of their own length, and drafted
-        sets = engine.runner.graphs.sets  # type: ignore[union-attr]  # max(k_step, 1) tokens in graphs of that many
-        kinds = ("verify", "verify@0", "verify@1", "verify@2", "draft", "draft@1", "draft@2")
+        sets = engine.runner.graphs.sets  # type: ignore[union-attr]  # max(k_step, 1) tokens in graphs of that many,
+        # or none before a step at 0 (draft@0: the first pass's KV entries alone)
+        kinds = ["verify@0", "verify@1", "verify@2", "draft", "draft@0", "draft@1", "draft@2"]
+        # (Rows of all k = 3 drafts need two steps at 3 in a row and requests far from their ends: the synchronous
+        # run has them; with rows behind rows in flight the scenario's requests end first.)
+        kinds += [] if async_scheduling else ["verify"]
         assert all(sets[kind].num_replays > 0 for kind in kinds), {n: s.num_replays for n, s in sets.items()}
-        assert "draft@0" not in sets
 
 
 def lookahead_of_k_step(engine: LLMEngine) -> None:

@@ -342,6 +342,58 @@ def _mtp_kv_after_prefill(engine: LLMEngine, prompts: list[list[int]]) -> tuple[
     return req.num_cached_tokens, k, v
 
 
+def _mtp_kv_while_decoding(path: str, prompt: list[int], spec: dict, decoded: int,
+                           schedule: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One request decoded (greedy, synchronously) until ``decoded`` tokens are out; the MTP KV of its positions
+    whose next token is known, and how many there are."""
+    llm = make_llm(path, speculative_config=spec)
+    eng = llm.llm_engine
+    if schedule is not None:
+        assert eng.drafts is not None
+        eng.drafts.policy.script(schedule)
+    eng.add_request("a", {"prompt_token_ids": prompt}, greedy(decoded + 8))
+    while eng.requests["a"].num_output_tokens < decoded:
+        eng.step()
+    req = eng.requests["a"]
+    n = req.num_tokens - 1  # position p's entry pairs it with token p + 1
+    return (*_mtp_kv(eng, req, n), n)
+
+
+@pytest.mark.parametrize("sabotaged", [False, True])
+def test_steps_at_k0_write_the_mtp_kv_without_drafting(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
+                                                       sabotaged: bool) -> None:
+    """Steps at speculation length 0 draft nothing (``SpecLengthPolicy.drafting``: the MTP head's first pass
+    without its LM head): the MTP KV entries of the positions they decode are still written, equal to those a run
+    at k = 3 writes (invariant 5). A first pass skipped along with the drafts is caught."""
+    from hyserve.worker.spec_decode.mtp_drafter import MTPDrafter
+    from hyserve.worker.spec_decode.mtp_proposer import MTPProposer
+
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    prompt = toks(21, 195)
+    k_ref, v_ref, n_ref = _mtp_kv_while_decoding(path, prompt, {"method": "mtp", "num_speculative_tokens": 3}, 10)
+    if sabotaged:
+        graph_draft, propose = MTPDrafter._graph_draft, MTPProposer.propose
+
+        def no_first_pass(self: MTPDrafter, passes: int, size: int) -> tuple[torch.Tensor, ...]:
+            if passes:
+                return graph_draft(self, passes, size)
+            return self.draft_tokens[:size], self.draft_first_hidden[:size]
+
+        def nothing_at_zero(self: MTPProposer, rows, out, last_hidden, draft_slots, num_drafts=None):  # type: ignore[no-untyped-def]
+            return [[] for _ in rows] if num_drafts == 0 else propose(self, rows, out, last_hidden, draft_slots,
+                                                                      num_drafts)
+
+        monkeypatch.setattr(MTPDrafter, "_graph_draft", no_first_pass)
+        monkeypatch.setattr(MTPProposer, "propose", nothing_at_zero)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}
+    k0, v0, n0 = _mtp_kv_while_decoding(path, prompt, spec, 10, schedule=[0])
+    n = min(n0, n_ref)
+    assert n > len(prompt) + 5  # decoded positions among them
+    # (float32 paths of other row layouts: within 1e-4; a missing entry is off by the entry itself)
+    same = torch.allclose(k0[:n], k_ref[:n], atol=1e-4) and torch.allclose(v0[:n], v_ref[:n], atol=1e-4)
+    assert same != sabotaged
+
+
 def test_mtp_kv_through_a_hit_chain_from_two_branches_matches_from_scratch(ckpts: CheckpointCache) -> None:
     """Invariant 5 for every entry of a hit chain, not only the last: x and y split right after a block boundary
     (position 32), so the MTP entry at 31 differs between them; z follows y for 49 tokens and hits 48 through blocks

@@ -261,7 +261,7 @@ class MTPDrafter:
         """The ``draft`` graphs (``passes`` drafts per row, k by default: ``draft@passes``) and padded size for a
         verify step of ``num_rows`` rows, if captured for it."""
         k = self.num_speculative_tokens
-        return self.graphs.fitting(spec_kind("draft", passes or k, k), num_rows, lambda: True)
+        return self.graphs.fitting(spec_kind("draft", k if passes is None else passes, k), num_rows, lambda: True)
 
     def _fill_draft(self, rows: list[ChainRow], pad_to: int) -> torch.Tensor:
         """Fill the draft graph's buffers for ``rows`` plus pad rows up to ``pad_to``; the hidden-state indices.
@@ -459,7 +459,8 @@ class MTPDrafter:
 
     def _graph_draft(self, passes: int, size: int) -> tuple[torch.Tensor, ...]:
         """``draft`` graph (``passes`` = k; ``draft@j``: j): the MTP layer over ``size`` rows of k + 1 positions
-        (masked tails), each row's output at its last real position, then ``passes`` - 1 one-token passes, each fed
+        (masked tails), each row's output at its last real position (``draft@0``: nothing more), then its greedy
+        token and ``passes`` - 1 one-token passes, each fed
         the previous pass's greedy token and output; the tokens of every row (the first ``passes`` columns) and the
         first pass's outputs land in persistent buffers."""
         q = self.num_speculative_tokens + 1
@@ -472,6 +473,8 @@ class MTPDrafter:
         out = self.mtp(d["input_ids"][: size * q], self.draft_hidden_in[: size * q], meta, embed)
         h = out.index_select(0, d["last_index"][:size])
         self.draft_first_hidden[:size].copy_(h)
+        if not passes:  # ``draft@0``: the first pass's KV entries only, no draft (no LM head)
+            return self.draft_tokens[:size], self.draft_first_hidden[:size]
         tok = self.logits(h).argmax(dim=-1)
         self.draft_tokens[:size, 0].copy_(tok)
         for j in range(1, passes):

@@ -31,7 +31,7 @@ class MTPProposer:
         the step); up to ``num_drafts`` (k by default) drafts for every row that sampled (placeholders for those
         left in ``draft_slots``)."""
         self.first_hidden = {}
-        k_max = min(num_drafts or self.k, self.k)
+        k_max = self.k if num_drafts is None else min(num_drafts, self.k)
         chained = self._propose_in_one_graph(rows, out, last_hidden, draft_slots, k_max)
         if chained is not None:
             return chained
@@ -57,6 +57,9 @@ class MTPProposer:
             mrows.append(MTPRow(start, inputs, list(range(t0, t0 + len(inputs))), row.block_table, row.req_id))
             owners.append(i)
         if not mrows:
+            return drafts
+        if k_max == 0:  # no drafts wanted: the MTP KV entries of the step's positions only, no LM head
+            self.drafter.mtp_forward(mrows, last_hidden)
             return drafts
         hidden, first = self.drafter.mtp_draft(mrows, last_hidden)
         live: list[tuple[int, int, int, int]] = []  # (row, drafts wanted, index into hidden, last consumed position)
