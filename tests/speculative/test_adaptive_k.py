@@ -172,6 +172,33 @@ def test_exploration_then_probes_keep_every_k_measured() -> None:
     assert policy.choose(1) == 3
 
 
+def test_drafting_foresees_the_next_choice() -> None:
+    """The drafting of a step is none exactly where the next decision is foreseen at 0, else max(k_step, 1): through
+    the exploration (the largest k first, then 0; each step's time arrives after its drafting is decided, as in the
+    engine), a run at k = 0 with its probes (drafting one before each), the script and disable_by_batch_size.
+    Hand-computed from the same table as above."""
+    policy = SpecLengthPolicy(3, probe_interval=4)
+    set_acceptance(policy, [0.3, 0.3, 0.3])
+    times = TABLE[32]
+    got = []
+    for _ in range(16):
+        k = policy.choose(32)
+        got.append((k, policy.drafting(32, k)))
+        policy.observe_step(32, k, times[k])
+    # choices: 3, 2, 1, 0 (exploring), then 0, 0, 0, 3 (probe), 0, 0, 0, 2, 0, 0, 0, 1
+    assert [k for k, _ in got] == [3, 2, 1, 0, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 1]
+    assert [d for _, d in got] == [3, 2, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0]
+    scripted = SpecLengthPolicy(3)
+    scripted.script([2, 0, 0, 1])
+    pairs = []
+    for _ in range(5):
+        k = scripted.choose(8)
+        pairs.append((k, scripted.drafting(8, k)))
+    assert pairs == [(2, 0), (0, 0), (0, 1), (1, 1), (2, 0)]
+    capped = SpecLengthPolicy(3, adaptive=False, disable_by_batch_size=8)
+    assert [(capped.choose(b), capped.drafting(b, capped.choose(b))) for b in (4, 8)] == [(3, 3), (0, 0)]
+
+
 def test_step_times_average_and_drop_from_a_one_off() -> None:
     """The EWMA (weight ``TIME_ALPHA``) of a (bucket, k)'s step times; a first time 100 times too long (a kernel
     compiled in that step) is replaced by the next normal one, not averaged for hundreds of steps."""
