@@ -75,7 +75,7 @@ class StateOps:
             return
         n = len(num_accepted)
         assert n == vm.num_rows
-        layers = self.committing_layers(vm.max_query_len == 1)
+        layers = self.committing_layers(self._one_token_step())
         if not layers:
             return
         size = self.batch.verify_graph_size
@@ -101,8 +101,12 @@ class StateOps:
     def committing_layers(self, one_token: bool) -> list[RecurrentLayer]:
         """The recurrent layers a verify step leaves candidates to commit in: all, or after a step whose verify rows
         all hold one token, those that do not advance such rows in place (``verifies_one_token_rows_in_place``)."""
-        layers = self.model.recurrent_layers()
-        return [layer for layer in layers if not layer.verifies_one_token_rows_in_place] if one_token else layers
+        return [layer for layer in self.model.recurrent_layers() if not _in_place(layer, one_token)]
+
+    def _one_token_step(self) -> bool:
+        """Whether the last step's verify rows all held one token (its metadata's layout, graph or eager)."""
+        last = self.batch.last_meta
+        return last is not None and last.verify is not None and last.verify.max_query_len == 1
 
     def _graph_commit(self, size: int) -> tuple[torch.Tensor, ...]:
         """``commit`` graph: every recurrent layer's commit of ``size`` verify rows (slots and accepted counts from
@@ -181,15 +185,16 @@ class StateOps:
         if accepted is not None:
             e.copy_(torch.where(accepted.index_select(0, r) >= p, e, pad))
         if one_token is None:
-            last = self.batch.last_meta
-            one_token = last is not None and last.verify is not None and last.verify.max_query_len == 1
-        in_place = set(map(id, self.model.recurrent_layers())) - set(map(id, self.committing_layers(one_token)))
-        if graphs is not None and size is not None and state_slots is None and not in_place:
+            one_token = self._one_token_step()
+        layers = self.model.recurrent_layers()
+        # The graph replays every layer's candidate snapshots: not where a layer's are its slots.
+        if graphs is not None and size is not None and state_slots is None \
+                and not any(_in_place(layer, one_token) for layer in layers):
             graphs.run(size)  # every recurrent layer's copies in one replay
             return
         slots = self.batch.dev_bufs["state_slots"] if state_slots is None else state_slots
-        for layer in self.model.recurrent_layers():
-            if id(layer) in in_place:
+        for layer in layers:
+            if _in_place(layer, one_token):
                 layer.copy_slots(r, e, slots)
             else:
                 layer.snapshot_candidates(r, p, e, slots)
@@ -206,3 +211,8 @@ class StateOps:
         for layer in self.model.recurrent_layers():
             layer.snapshot_candidates(r, p, e, slots)
         return ()
+
+
+def _in_place(layer: RecurrentLayer, one_token: bool) -> bool:
+    """Whether ``layer`` advanced a step's verify rows in place: rows of one token, a layer that does so."""
+    return one_token and layer.verifies_one_token_rows_in_place
