@@ -54,7 +54,7 @@ ENTRY_POINTS = {
 }
 
 
-# The fused MoE kernels' launches for a decode step of up to DIRECT_MAX_TOKENS tokens in bf16 (hyserve.kernels.moe:
+# The fused MoE kernels' launches for a decode step of DIRECT_MAX_TOKENS tokens (one) in bf16 (hyserve.kernels.moe:
 # gate/up, down, combine; no alignment launches in the direct order).
 FUSED_EXPERTS_LAUNCHES = 3
 

@@ -228,31 +228,32 @@ INTERP_CASES: dict[str, dict[str, Any]] = {
     "prefill_bf16": dict(t=37, k=3, num_experts=8, hidden=200, inter=48, dtype=torch.bfloat16, shared=True),
     "expert_parallel_f32": dict(t=20, k=2, num_experts=8, hidden=64, inter=32, dtype=torch.float32, expert_start=2,
                                 num_local=3),
-    "expert_parallel_direct_f32": dict(t=4, k=3, num_experts=8, hidden=64, inter=32, dtype=torch.float32,
-                                       expert_start=2, num_local=3),
-    "fp8_block_direct": dict(t=3, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
+    "expert_parallel_direct_f32": dict(direct=True, t=4, k=3, num_experts=8, hidden=64, inter=32,
+                                       dtype=torch.float32, expert_start=2, num_local=3),
+    "fp8_block_direct": dict(direct=True, t=3, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16,
+                             fp8="block"),
     "fp8_channel": dict(t=5, k=2, num_experts=4, hidden=256, inter=128, dtype=torch.bfloat16, fp8="channel"),
     "fp8_block": dict(t=70, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16, fp8="block"),
     # Ungated squared-ReLU experts (Nemotron 3's): w13 the up weight alone
-    "relu2_direct_f32": dict(t=3, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32, activation="relu2",
-                             shared=True),
+    "relu2_direct_f32": dict(direct=True, t=3, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32,
+                             activation="relu2", shared=True),
     "relu2_prefill_f32": dict(t=37, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32,
                               activation="relu2"),
     "relu2_prefill_bf16": dict(t=20, k=2, num_experts=8, hidden=200, inter=48, dtype=torch.bfloat16,
                                activation="relu2"),
-    "relu2_fp8_block_direct": dict(t=2, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16,
+    "relu2_fp8_block_direct": dict(direct=True, t=2, k=2, num_experts=4, hidden=200, inter=136, dtype=torch.bfloat16,
                                    fp8="block", activation="relu2"),
     "relu2_fp8_channel": dict(t=12, k=2, num_experts=4, hidden=256, inter=128, dtype=torch.bfloat16, fp8="channel",
                               activation="relu2"),
     # ModelOpt FP8: static activation scales (one per GEMM), both orders
-    "relu2_fp8_static_direct": dict(t=3, k=2, num_experts=4, hidden=96, inter=64, dtype=torch.bfloat16,
+    "relu2_fp8_static_direct": dict(direct=True, t=3, k=2, num_experts=4, hidden=96, inter=64, dtype=torch.bfloat16,
                                     fp8="static", activation="relu2"),
     "relu2_fp8_static": dict(t=12, k=2, num_experts=4, hidden=96, inter=64, dtype=torch.bfloat16, fp8="static",
                              activation="relu2"),
     # expert parallel (Nemotron-H's MoE with --enable-expert-parallel): a rank's experts, with static scales too
     "relu2_expert_parallel_f32": dict(t=20, k=3, num_experts=8, hidden=72, inter=48, dtype=torch.float32,
                                       activation="relu2", expert_start=4, num_local=4),
-    "relu2_fp8_static_expert_parallel_direct": dict(t=4, k=2, num_experts=4, hidden=96, inter=64,
+    "relu2_fp8_static_expert_parallel_direct": dict(direct=True, t=4, k=2, num_experts=4, hidden=96, inter=64,
                                                     dtype=torch.bfloat16, fp8="static", activation="relu2",
                                                     expert_start=2, num_local=2),
 }
@@ -264,6 +265,7 @@ PLANS = {"decode": MoePlan(MoeConfig(16, 32, 32, 4, 2), MoeConfig(16, 32, 32, 4,
 def _interp_case(case: dict[str, Any], plan: MoePlan | None) -> tuple[bool, str]:
     case = dict(case)
     with_shared = case.pop("shared", False)
+    direct = case.pop("direct", None)  # the cases named *_direct: one pair per program at several tokens
     x, w13, w2, weights, ids, scales = make_problem(seed=2, **case)
     start = case.get("expert_start", 0)
     shared = gate = None
@@ -272,7 +274,7 @@ def _interp_case(case: dict[str, Any], plan: MoePlan | None) -> tuple[bool, str]
         shared, gate = torch.randn(x.shape, generator=g).to(x.dtype), torch.rand(x.shape[0], generator=g)
     act = case.get("activation", "silu")
     got = fused_experts(x, w13, w2, weights, ids, start, scales, plan, num_experts=case["num_experts"],
-                        shared=shared, shared_gate=gate, activation=act)
+                        shared=shared, shared_gate=gate, activation=act, direct=direct)
     want = fused_experts_ref(x, w13, w2, weights, ids, start, scales, shared, gate, act)
     tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
     err = float((got.float() - want.float()).abs().max())
@@ -595,11 +597,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @cuda
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
 @pytest.mark.parametrize("fp8", [None, "channel", "block", "static"])
-@pytest.mark.parametrize("t", [1, 8, 64, 300])
-def test_cuda_kernels_match_the_reference(fp8: str | None, t: int, activation: str) -> None:
+@pytest.mark.parametrize("t", [1, 8, "8_direct", 64, 300])
+def test_cuda_kernels_match_the_reference(fp8: str | None, t: int | str, activation: str) -> None:
+    direct = True if t == "8_direct" else None  # several tokens in the direct order (forced; sorted by default)
+    t = 8 if t == "8_direct" else int(t)
     case = dict(t=t, k=8, num_experts=64, hidden=512, inter=256, dtype=torch.bfloat16, fp8=fp8, activation=activation)
     x, w13, w2, weights, ids, scales = make_problem(seed=3, device="cuda", **case)
-    got = fused_experts(x, w13, w2, weights, ids, 0, scales, activation=activation)
+    got = fused_experts(x, w13, w2, weights, ids, 0, scales, activation=activation, direct=direct)
     cpu = [v.cpu() if isinstance(v, torch.Tensor) else v for v in (x, w13, w2, weights, ids)]
     cs = None if scales is None else ExpertScales(*(v.cpu() if isinstance(v, torch.Tensor) else v for v in scales))
     want = fused_experts_ref(*cpu, 0, cs, activation=activation)

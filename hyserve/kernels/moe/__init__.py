@@ -12,8 +12,8 @@ On CUDA, three steps and no host synchronization (so a CUDA graph can capture th
 3. ``_moe_down_kernel`` multiplies by ``W2``, scales each pair by its routing weight and writes it to the pair's row;
    the ``k`` rows of a token are then summed (float32).
 
-Up to ``DIRECT_MAX_TOKENS`` tokens (decode) step 1 is skipped: each pair gets its own programs, which read its expert
-from the routing.
+At one token (``DIRECT_MAX_TOKENS``) step 1 is skipped: each pair gets its own programs, which read its expert from
+the routing (a token's experts are distinct: each is read once; tokens that share an expert would read it once each).
 
 bf16/fp16 experts and FP8 W8A8 experts (``ExpertScales``: channel scales with per-token activations, or block scales
 with per-token groups as wide as a block, or channel scales with one static activation scale per GEMM, ModelOpt
@@ -52,8 +52,11 @@ __all__ = ["ACTIVATIONS", "ExpertScales", "MoeConfig", "align_pairs", "align_pai
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # Up to this many tokens each (token, choice) pair is computed by its own programs, its expert read from the routing
-# (no sorting launches; a token's k experts are distinct, so at one token each is read once); above, the sorted order.
-DIRECT_MAX_TOKENS = 8
+# (no sorting launches); above, the sorted order. One token only: its k experts are distinct, so each is read once.
+# Two tokens or more may share experts, which the direct order reads once per pair: at batch 8 on the Nemotron 3 Nano
+# shape (6 of 128 experts of 20 MB) a step took 5.8 ms in the direct order against 5.1 ms for batch 32 sorted
+# (results/h200/mamba2_2026-12-05).
+DIRECT_MAX_TOKENS = 1
 
 
 class MoeConfig(NamedTuple):
@@ -321,7 +324,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor, expert_start: int = 0, scales: ExpertScales | None = None,
                   plan: MoePlan | None = None, num_experts: int | None = None, shared: torch.Tensor | None = None,
                   shared_gate: torch.Tensor | None = None, routed_experts: int | None = None,
-                  activation: str = "silu") -> torch.Tensor:
+                  activation: str = "silu", direct: bool | None = None) -> torch.Tensor:
     """The routed sum [T, H] in ``x.dtype`` (see the module docstring and :func:`fused_experts_ref`): ``x`` [T, H];
     ``w13`` [E_local, 2I, H] (``activation="silu"``: gate rows then up rows) or [E_local, I, H] (``"relu2"``: the
     up weight of ungated experts); ``w2`` [E_local, H, I]; ``topk_weights`` (float32) and ``topk_ids`` [T, k] with
@@ -329,7 +332,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     (expert parallel); ``shared`` [T, H] and ``shared_gate`` [T] (float32) a shared expert's output and gate, added
     to the sum. ``w13``/``w2`` may also hold the shared expert as their last expert, chosen by every token as one
     more column of the routing (``route_experts(..., shared_slot=)``): ``routed_experts`` then names the routed
-    count, for the tile table. CPU tensors take the reference unless the Triton interpreter is on."""
+    count, for the tile table. ``direct`` forces the order (one pair per program, or sorted by expert); by default
+    the direct order up to ``DIRECT_MAX_TOKENS`` tokens. CPU tensors take the reference unless the Triton interpreter
+    is on."""
     _check_activation(activation, w13, w2)
     if not uses_triton(x):
         return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, expert_start, scales, shared, shared_gate,
@@ -352,7 +357,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                          f"{plan.down.block_m}")
     bm = plan.gate_up.block_m
     ids = topk_ids.contiguous()
-    direct = t <= DIRECT_MAX_TOKENS
+    direct = t <= DIRECT_MAX_TOKENS if direct is None else direct
     if direct:  # one pair per program: nothing to sort
         sorted_pairs = block_expert = ids
         rows, grid_m = t * k, t * k
