@@ -25,6 +25,9 @@ from hyserve.testing.families import CheckpointCache
 from hyserve.testing.scenarios import reference_run, scenario_engine
 from hyserve.testing.server import child_pids
 
+# The PP variant of the two-process tests is in the slow suite (the TP one covers the launch and the shutdown).
+PARALLEL_FLAGS = ["--tensor-parallel-size", pytest.param("--pipeline-parallel-size", marks=pytest.mark.slow)]
+
 
 def _tokens(final: dict) -> dict[str, list[int]]:
     return {rid: out.outputs[0].token_ids for rid, out in final.items()}
@@ -112,7 +115,7 @@ def test_sizes_that_do_not_split_the_heads_are_refused(ckpts: CheckpointCache) -
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the worker processes")
-@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("parallel", PARALLEL_FLAGS, ids=["tp2", "pp2"])
 def test_serve_with_two_ranks_answers_and_stops_cleanly_on_sigterm(ckpts: CheckpointCache, parallel: str) -> None:
     import signal
     import subprocess
@@ -168,7 +171,7 @@ def test_a_dead_rank_is_reported_by_rank_within_seconds(ckpts: CheckpointCache) 
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the rank processes")
-@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("parallel", PARALLEL_FLAGS, ids=["tp2", "pp2"])
 def test_two_nodes_through_torchrun_on_loopback(ckpts: CheckpointCache, tmp_path: Path, parallel: str) -> None:
     """Two torchrun "nodes" of one process each on loopback, ``--distributed-executor-backend torchrun``: rank 0
     serves the API with rank 1 holding the other half of every layer (TP) or the second stage (PP: rank 1 samples

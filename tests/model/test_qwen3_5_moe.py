@@ -183,7 +183,7 @@ moe.expert_range = wrong
 """
 
 
-@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+@pytest.mark.parametrize("layout", ["fused", pytest.param("per_expert", marks=pytest.mark.slow)])
 def test_expert_parallel_on_tensor_parallel_2(ckpts: CheckpointCache, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                                               layout: str) -> None:

@@ -126,7 +126,8 @@ def test_tensor_parallel_matches_transformers(seven: tuple[str, Qwen4ExpReferenc
     llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("partition,async_scheduling", [([3, 4], False), ([2, 2, 2, 1], False), ([3, 4], True)],
+@pytest.mark.parametrize("partition,async_scheduling",
+                         [([3, 4], False), pytest.param([2, 2, 2, 1], False, marks=pytest.mark.slow), ([3, 4], True)],
                          ids=["pp2_graphs", "pp4", "pp2_async"])
 def test_uneven_pipeline_stages_match_transformers(seven: tuple[str, Qwen4ExpReference], partition: list[int],
                                                    async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:

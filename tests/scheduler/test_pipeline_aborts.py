@@ -118,7 +118,8 @@ def mtp_path(ckpts: CheckpointCache) -> str:
     return ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
 
 
-@pytest.mark.parametrize("pp,sabotage", [(2, False), (3, False), (2, True)], ids=["pp2", "pp3", "pp2-sabotaged"])
+@pytest.mark.parametrize("pp,sabotage", [(2, False), pytest.param(3, False, marks=pytest.mark.slow), (2, True)],
+                         ids=["pp2", "pp3", "pp2-sabotaged"])
 def test_aborts_at_every_point_of_a_pipelined_verify_step(mtp_path: str, pp: int, sabotage: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """PP 2 and 3, async scheduling, MTP k = 2, prefix caching: the requests that are not aborted get one rank's

@@ -78,7 +78,7 @@ def test_planned_bytes_are_what_the_loaded_model_holds(ckpts: CheckpointCache, f
         assert text >= cfg.num_parameters() * 4 > got["parts"]["experts"] > 0
 
 
-@pytest.mark.parametrize("layout,ep", [("fused", False), ("per_expert", True)])
+@pytest.mark.parametrize("layout,ep", [("fused", False), pytest.param("per_expert", True, marks=pytest.mark.slow)])
 def test_each_tensor_parallel_rank_counts_its_own_share(ckpts: CheckpointCache, layout: str, ep: bool) -> None:
     """Two gloo ranks: each rank's plan is what its loaded model holds; expert parallel halves the experts' bytes
     (whole experts), plain tensor parallel each expert's intermediate dimension: both half of one process's."""
