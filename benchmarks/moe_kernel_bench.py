@@ -1,7 +1,8 @@
 """The fused MoE kernels (hyserve/kernels/moe) at the MoE shapes of issue 31: time, the expert weights' bandwidth,
 and the tile tables stored in the repository.
 
-``bench``: for each shape (``35b-a3b``: 256 experts top-8, hidden 2048, expert width 512; ``next-80b``: 512 top-10),
+``bench``: for each shape (``35b-a3b``: 256 experts top-8, hidden 2048, expert width 512; ``next-80b``: 512 top-10;
+``nano-30b``: Nemotron 3 Nano's 128 ungated squared-ReLU experts top-6, hidden 2688, width 1856),
 dtype (bf16, FP8 channel, FP8 128x128 block) and token count, the time of one layer's routed experts
 (``fused_experts``, alignment included), replayed from a CUDA graph that runs the layer over ``COPIES`` routings
 that together touch every expert (so the weights come from HBM, not the L2 cache, as in a decode step). Bandwidth:
@@ -15,6 +16,7 @@ repository after a run. Run on the GPU machine:
 
     python benchmarks/moe_kernel_bench.py bench --out $OUT/moe_kernels.json
     python benchmarks/moe_kernel_bench.py tune --out $OUT/moe_configs
+    python benchmarks/moe_kernel_bench.py tune --shapes nano-30b --dtypes bf16 --out $OUT/moe_configs
     python benchmarks/moe_kernel_bench.py shared --tokens 1 8 32 64 --out $OUT/moe_shared.json
 
 ``shared``: one whole MoE block at decode sizes with its shared expert stacked in the experts' kernels, against the
@@ -40,28 +42,37 @@ from hyserve.kernels import moe
 from hyserve.kernels.fp8.reference import FP8_DTYPE
 from hyserve.kernels.moe import ExpertScales, MoeConfig, MoePlan, fused_experts
 
-SHAPES = {"35b-a3b": dict(num_experts=256, top_k=8, hidden=2048, inter=512),
-          "next-80b": dict(num_experts=512, top_k=10, hidden=2048, inter=512)}
+SHAPES: dict[str, dict[str, Any]] = {
+    "35b-a3b": dict(num_experts=256, top_k=8, hidden=2048, inter=512),
+    "next-80b": dict(num_experts=512, top_k=10, hidden=2048, inter=512),
+    # Nemotron 3 Nano 30B-A3B: ungated squared-ReLU experts (w13 the up weight alone), its table a file of its own
+    "nano-30b": dict(num_experts=128, top_k=6, hidden=2688, inter=1856, activation="relu2"),
+}
 TOKENS = (1, 8, 32, 64, 256, 1024, 4096)
 DTYPES = ("bf16", "fp8_channel", "fp8_block")
 BLOCKS = 8  # ``shared``: distinct blocks a replay walks (8 x 0.8 GB of 35B-A3B experts: no L2 reuse)
 
 
-def make_experts(shape: dict[str, int], dtype: str) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
+def activation(shape: dict[str, Any]) -> str:
+    return str(shape.get("activation", "silu"))
+
+
+def make_experts(shape: dict[str, Any], dtype: str) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
     e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
-    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h**0.5
+    rows = i if activation(shape) == "relu2" else 2 * i  # relu2: the up weight alone
+    w13 = torch.randn(e, rows, h, device="cuda", dtype=torch.bfloat16) / h**0.5
     w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i**0.5
     if dtype == "bf16":
         return w13, w2, None
     if dtype == "fp8_channel":
         s13, s2 = w13.float().abs().amax(-1) / 448, w2.float().abs().amax(-1) / 448
         return ((w13 / s13[..., None]).to(FP8_DTYPE), (w2 / s2[..., None]).to(FP8_DTYPE), ExpertScales(s13, s2))
-    s13 = torch.full((e, 2 * i // 128, h // 128), 1 / 448 / h**0.5 * 4, device="cuda")
-    s2 = torch.full((e, h // 128, i // 128), 1 / 448 / i**0.5 * 4, device="cuda")
+    s13 = torch.full((e, -(-rows // 128), -(-h // 128)), 1 / 448 / h**0.5 * 4, device="cuda")
+    s2 = torch.full((e, -(-h // 128), -(-i // 128)), 1 / 448 / i**0.5 * 4, device="cuda")
     return (w13.clamp(-448, 448).to(FP8_DTYPE), w2.clamp(-448, 448).to(FP8_DTYPE), ExpertScales(s13, s2, (128, 128)))
 
 
-def routings(shape: dict[str, int], tokens: int, copies: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def routings(shape: dict[str, Any], tokens: int, copies: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``copies`` routings; at one token they walk disjoint experts, so that the replay touches all of them."""
     g = torch.Generator().manual_seed(seed)
     e, k = shape["num_experts"], shape["top_k"]
@@ -78,21 +89,22 @@ def routings(shape: dict[str, int], tokens: int, copies: int, seed: int = 0) -> 
 
 
 def time_layer(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None,
-               routes: list[tuple[torch.Tensor, torch.Tensor]], plan: MoePlan | None) -> float:
+               routes: list[tuple[torch.Tensor, torch.Tensor]], plan: MoePlan | None, act: str = "silu") -> float:
     """Microseconds per call, from a CUDA graph replaying the calls over every routing."""
     import triton
 
     def all_calls() -> None:
         for w, ids in routes:
-            fused_experts(x, w13, w2, w, ids, 0, scales, plan)
+            fused_experts(x, w13, w2, w, ids, 0, scales, plan, activation=act)
 
     all_calls()
     ms = triton.testing.do_bench_cudagraph(all_calls, rep=40)
     return ms * 1e3 / len(routes)
 
 
-def expert_bytes(shape: dict[str, int], dtype: str, ids: torch.Tensor) -> int:
-    per = 3 * shape["inter"] * shape["hidden"] * (2 if dtype == "bf16" else 1)
+def expert_bytes(shape: dict[str, Any], dtype: str, ids: torch.Tensor) -> int:
+    mats = 2 if activation(shape) == "relu2" else 3
+    per = mats * shape["inter"] * shape["hidden"] * (2 if dtype == "bf16" else 1)
     return int(ids.unique().numel()) * per
 
 
@@ -123,12 +135,13 @@ def bench(args: argparse.Namespace) -> None:
                 copies = max(1, min(32, shape["num_experts"] // shape["top_k"])) if t == 1 else (8 if t <= 64 else 2)
                 routes = routings(shape, t, copies)
                 x = torch.randn(t, shape["hidden"], device="cuda", dtype=torch.bfloat16)
-                us = time_layer(x, w13, w2, scales, routes, None)
+                us = time_layer(x, w13, w2, scales, routes, None, activation(shape))
                 nbytes = sum(expert_bytes(shape, dtype, ids) for _, ids in routes) / len(routes)
                 row = dict(shape=name, dtype=dtype, tokens=t, us=round(us, 2), expert_bytes=int(nbytes),
                            bandwidth_gb_s=round(nbytes / us / 1e3, 1),
                            share_of_copy=round(nbytes / (us * 1e-6) / bw, 3),
-                           plan=[list(c) for c in moe.select_config(t, w13, w2, scales)])
+                           plan=[list(c) for c in moe.select_config(t, w13, w2, scales,
+                                                                   activation=activation(shape))])
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             del w13, w2, scales
@@ -168,6 +181,8 @@ def shared(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     for name in args.shapes:
         shape = SHAPES[name]
+        if activation(shape) != "silu":
+            raise SystemExit(f"shared: {name}'s experts are not the gated SparseMoeBlock's")
         blocks = moe_blocks(shape, BLOCKS)
         for t in [t for t in args.tokens if t <= 64]:
             pairs = [(b, torch.randn(t, shape["hidden"], device="cuda", dtype=torch.bfloat16)) for b in blocks]
@@ -211,8 +226,9 @@ def tune(args: argparse.Namespace) -> None:
             bk_max = 128 if dtype == "fp8_block" else 256
             table: dict[str, dict[str, list[int]]] = {}
             dt = {"bf16": "bfloat16", "fp8_channel": "fp8_channel", "fp8_block": "fp8_block128x128"}[dtype]
+            act = activation(shape)
             path = os.path.join(args.out, moe.config_path(shape["num_experts"], shape["hidden"], shape["inter"], dt,
-                                                          torch.cuda.get_device_name()).name)
+                                                          torch.cuda.get_device_name(), act).name)
             for t in sorted(args.tokens):
                 routes = routings(shape, t, 8 if t <= 64 else 2)
                 x = torch.randn(t, shape["hidden"], device="cuda", dtype=torch.bfloat16)
@@ -224,7 +240,7 @@ def tune(args: argparse.Namespace) -> None:
                     for bn, bk, w, s in rest:
                         plan = MoePlan(MoeConfig(bm, bn, bk, w, s), base)
                         try:
-                            scored.append((time_layer(x, w13, w2, scales, routes, plan), plan))
+                            scored.append((time_layer(x, w13, w2, scales, routes, plan, act), plan))
                         except Exception as exc:  # a tile the card cannot hold (shared memory): skipped
                             print(f"skip {plan}: {type(exc).__name__}", flush=True)
                     gate_up = min(scored)[1].gate_up
@@ -232,14 +248,14 @@ def tune(args: argparse.Namespace) -> None:
                     for bn, bk, w, s in rest:
                         plan = MoePlan(gate_up, MoeConfig(bm, bn, bk, w, s))
                         try:
-                            scored.append((time_layer(x, w13, w2, scales, routes, plan), plan))
+                            scored.append((time_layer(x, w13, w2, scales, routes, plan, act), plan))
                         except Exception as exc:
                             print(f"skip {plan}: {type(exc).__name__}", flush=True)
                     cand = min(scored)
                     if best is None or cand[0] < best[0]:
                         best = cand
                 assert best is not None
-                default_us = time_layer(x, w13, w2, scales, routes, None)
+                default_us = time_layer(x, w13, w2, scales, routes, None, act)
                 print(json.dumps(dict(shape=name, dtype=dtype, tokens=t, best_us=round(best[0], 2),
                                       default_us=round(default_us, 2), plan=[list(c) for c in best[1]])), flush=True)
                 table[str(t)] = {"gate_up": list(best[1].gate_up), "down": list(best[1].down)}

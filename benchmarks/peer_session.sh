@@ -28,6 +28,7 @@
 #   bash benchmarks/peer_session.sh moe-check [tune]   # issue 31: the MoE kernel tests and moe_kernel_bench.py bench
 #                                                      # (and tune, with the time left)
 #   bash benchmarks/peer_session.sh moe-tune [fp8_block bf16]   # the MoE tile tables alone
+#                                               # (MOE_TUNE_SHAPES=nano-30b ... moe-tune bf16: Nemotron 3 Nano's)
 #   bash benchmarks/peer_session.sh moe         # hyserve: 35B-A3B bf16 and FP8, Next-80B FP8 (dummy weights)
 #   bash benchmarks/peer_session.sh moe-vllm    # vLLM (default mode): the same; call again to go on where it stopped
 #   bash benchmarks/peer_session.sh moe-profile # hyserve: a 35B-A3B batch-1 decode step profiled, bf16 and FP8
@@ -473,8 +474,9 @@ case "${1:?phase}" in
     ;;
   moe-tune)  # the tile tables alone (`moe-tune fp8_block bf16`: those dtypes, in that order; each table is written
     # after every token count, so a cut run leaves the counts done); copy moe_configs/*.json into the repository
-    timeout "$(within 600 10)" python3 benchmarks/moe_kernel_bench.py tune --dtypes ${MOE_ONLY:-fp8_block bf16} \
-        --out "$OUT/moe_configs" > "$OUT/moe_kernel_tune.log" 2>&1
+    # MOE_TUNE_SHAPES: moe_kernel_bench.py's shapes (default 35b-a3b; nano-30b: Nemotron 3 Nano's relu2 experts)
+    timeout "$(within 600 10)" python3 benchmarks/moe_kernel_bench.py tune --shapes ${MOE_TUNE_SHAPES:-35b-a3b} \
+        --dtypes ${MOE_ONLY:-fp8_block bf16} --out "$OUT/moe_configs" > "$OUT/moe_kernel_tune.log" 2>&1
     echo "moe_kernel_bench tune rc $? ($(date +%T))"; grep -c best_us "$OUT/moe_kernel_tune.log"; tail -2 "$OUT/moe_kernel_tune.log"
     ;;
   moe)  # hyserve on the MoE shapes: 35B-A3B in bf16 (64.6 GiB of weights) and block FP8, Next-80B's shape in FP8
