@@ -10,10 +10,13 @@ Per request it keeps, in the slot the runner binds (``bind_state``), the conv wi
 [x | B | C], model dtype) and the SSM state (heads x head_dim x state size, float32 unless
 ``--mamba-ssm-cache-dtype``). docs/mamba2_facts.md gives transformers' formulas this follows.
 
-A verify step (speculative decoding) reads the live states and writes the candidate after every position to the
-verify scratch; the base class's ``commit_verified`` and ``snapshot_candidates`` copy them, so a rejected draft never
-reaches the live state or a snapshot. Verify rows of one token each (a step at speculation length 0) have no draft:
-they advance their slots in place, as decode rows do (``verifies_one_token_rows_in_place``).
+A verify step (speculative decoding) reads the live states; it keeps the candidate conv window after every position
+and, in place of the candidate SSM state, each position's inputs to the update (``hyserve.kernels.mamba2.verify``:
+the stash, 37 KB a position on the 8B shape against a 4.2 MB state). The commit copies the accepted window and
+advances the SSM state in its slot over the accepted positions (``mamba2_replay``); a candidate snapshot advances the
+slot's state into its entry, before the commit. A rejected draft never reaches the live state or a snapshot. Verify
+rows of one token each (a step at speculation length 0) have no draft: they advance their slots in place, as decode
+rows do (``verifies_one_token_rows_in_place``).
 
 Tensor parallel (``mamba2_group_range``): each rank holds ``mamba_num_heads / tp`` heads, with their rows of z, x
 and dt, their ``dt_bias`` / ``A_log`` / ``D``, their channels of the conv and of the gated norm, and their input
@@ -42,8 +45,9 @@ from torch import nn
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
+from hyserve.kernels.commit import commit_verified
 from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify, snapshot_conv_windows
-from hyserve.kernels.mamba2 import mamba2_scan
+from hyserve.kernels.mamba2 import MAMBA2_STASH_NAMES, mamba2_replay, mamba2_scan, mamba2_stash_shapes
 from hyserve.kernels.norm import gated_sum_squares, grouped_gated_rms_norm, silu_gate
 from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
@@ -217,6 +221,35 @@ class Mamba2Mixer(RecurrentLayer):
             StateTensorSpec("ssm_state", (self.num_heads, self.head_dim, self.state_size), self.ssm_dtype),
         ))
 
+    def verify_scratch_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
+        """Per verify position: the candidate conv window (small), and the update's inputs in place of the candidate
+        SSM state (``hyserve.kernels.mamba2.verify``)."""
+        k = self.conv1d.kernel_size[0]
+        shapes = mamba2_stash_shapes(self.num_heads, self.head_dim, self.n_groups, self.state_size)
+        return RecurrentStateSpec((StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
+                                   *(StateTensorSpec(n, shapes[n], torch.float32) for n in MAMBA2_STASH_NAMES)))
+
+    def stash(self) -> dict[str, torch.Tensor]:
+        assert self.verify_scratch is not None, "verify scratch not bound"
+        return {n: self.verify_scratch[n] for n in MAMBA2_STASH_NAMES}
+
+    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """The conv window's candidate copied (``hyserve.kernels.commit``); the SSM state advanced in its slot over
+        the accepted positions (``mamba2_replay``)."""
+        assert self.verify_scratch is not None, "verify scratch not bound"
+        commit_verified([self.state["conv_state"]], [self.verify_scratch["conv_state"]], state_slots, num_accepted)
+        mamba2_replay(self.state["ssm_state"], self.A_log, self.stash(), None, state_slots, state_slots,
+                      num_accepted)
+
+    def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
+                            state_slots: torch.Tensor) -> None:
+        """The conv window's candidate copied; the SSM state of the row's slot advanced into the entry over the
+        positions up to ``positions[i]`` (before the commit, which advances the slot itself)."""
+        assert self.verify_scratch is not None, "verify scratch not bound"
+        self.state["conv_state"].index_copy_(0, entries, self.verify_scratch["conv_state"][rows, positions])
+        mamba2_replay(self.state["ssm_state"], self.A_log, self.stash(), rows, state_slots.index_select(0, rows),
+                      entries, positions)
+
     def segment_scale(self, like: torch.Tensor) -> torch.Tensor:
         """``segment_multipliers`` per channel of the input projection's output [z | x | B | C | dt], computed in
         float32 and kept in ``like``'s dtype (transformers' ``mup_vector`` follows the model's dtype)."""
@@ -284,7 +317,7 @@ class Mamba2Mixer(RecurrentLayer):
                                bs.reshape(m, self.n_groups, self.state_size),
                                cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
                                ssm_state, slots, qsl, longest,
-                               self.verify_scratch["ssm_state"] if verify and self.verify_scratch else None,
+                               self.stash() if verify else None,
                                query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi], snapshots=snaps)
             y = part if y is None else y
         assert y is not None

@@ -201,7 +201,7 @@ def mamba2_rollback_one_late(engine: LLMEngine) -> None:
             commit = layer.commit_verified
 
             def late(slots, acc, commit=commit, layer=layer):  # type: ignore[no-untyped-def]
-                k = layer.verify_scratch["ssm_state"].shape[1] - 1
+                k = layer.verify_scratch["x"].shape[1] - 1  # the stash's positions
                 commit(slots, torch.where(acc >= 0, (acc + 1).clamp(max=k), acc))
 
             layer.commit_verified = late  # type: ignore[method-assign]

@@ -28,9 +28,20 @@ import torch
 from hyserve.kernels.conv import causal_conv1d_varlen
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
-from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_fla, mamba2_scan_ref
+from hyserve.kernels.mamba2 import (
+    MAMBA2_STASH_NAMES,
+    mamba2_replay,
+    mamba2_scan,
+    mamba2_scan_fla,
+    mamba2_scan_ref,
+    mamba2_stash_shapes,
+)
 from hyserve.kernels.mamba2.chunked import mamba2_chunked_inputs, mamba2_chunked_output
-from hyserve.kernels.mamba2.reference import mamba2_chunked_inputs_ref, mamba2_chunked_output_ref
+from hyserve.kernels.mamba2.reference import (
+    mamba2_chunked_inputs_ref,
+    mamba2_chunked_output_ref,
+    mamba2_verify_ref,
+)
 from hyserve.layers.mamba2 import Mamba2Mixer
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.testing.cuda import capture, no_sync
@@ -204,19 +215,40 @@ def test_fla_path_into_a_buffer() -> None:
 @pytest.mark.parametrize("dtype,state_dtype", [(F32, F32), (BF16, F32), (BF16, BF16)], ids=["f32", "bf16", "bf16_st"])
 def test_verify_matches_the_cpu_reference_without_sync(dtype: torch.dtype, state_dtype: torch.dtype) -> None:
     p = scan_problem(VERIFY_LENS, dtype, state_dtype, seed=33)
-    scratch = torch.full((len(VERIFY_LENS) + 2, max(VERIFY_LENS), *p["ssm_state"].shape[1:]), float("nan"),
-                         dtype=state_dtype)
-    want_scratch = scratch.clone()
-    want = mamba2_scan_ref(**p, scratch=want_scratch)
+    r, npos = len(VERIFY_LENS), max(VERIFY_LENS)
+    shapes = mamba2_stash_shapes(*p["x"].shape[1:], *p["B"].shape[1:])
+    stash = {n: torch.full((r + 2, npos, *shapes[n]), float("nan")) for n in MAMBA2_STASH_NAMES}
+    want_stash = {n: v.clone() for n, v in stash.items()}
+    cands = torch.full((r + 2, npos, *p["ssm_state"].shape[1:]), float("nan"), dtype=state_dtype)
+    want = mamba2_scan_ref(**p, scratch=cands)  # the candidate states, the replay's yardstick
+    mamba2_verify_ref(**p, stash=want_stash)
     dev = to(p, "cuda")
-    dscratch = scratch.cuda()
+    dstash = {n: v.cuda() for n, v in stash.items()}
     with no_sync():
-        got = mamba2_scan(**dev, scratch=dscratch)
+        got = mamba2_scan(**dev, stash=dstash)
     torch.cuda.synchronize()
     srel = 1e-5 if state_dtype == F32 else 8e-3
     close("verify y", got, want, 1e-4 if dtype == BF16 else 1e-5)
-    close("verify scratch", dscratch, want_scratch, srel)
+    for n in MAMBA2_STASH_NAMES:
+        close(f"verify stash {n}", dstash[n], want_stash[n], 1e-5)
     assert torch.equal(dev["ssm_state"].cpu(), p["ssm_state"]), "verify wrote the live state"
+    # every candidate replayed into a spare entry, then the commit, with no host sync
+    pairs = [(row, j) for row in reversed(range(r)) for j in range(VERIFY_LENS[row])]
+    slots = dev["state_slots"]
+    pool = torch.cat([dev["ssm_state"], torch.zeros((len(pairs), *dev["ssm_state"].shape[1:]), dtype=state_dtype,
+                                                    device="cuda")])
+    rows = torch.tensor([row for row, _ in pairs], device="cuda")
+    counts = torch.tensor([j for _, j in pairs], device="cuda")
+    entries = torch.arange(pool.shape[0] - len(pairs), pool.shape[0], device="cuda")
+    acc = torch.tensor([n - 1 for n in VERIFY_LENS], device="cuda")
+    with no_sync():
+        mamba2_replay(pool, dev["A_log"], dstash, rows, slots.index_select(0, rows), entries, counts)
+        mamba2_replay(pool, dev["A_log"], dstash, None, slots, slots, acc)
+    torch.cuda.synchronize()
+    close("replayed candidates", pool[entries], torch.stack([cands[row, j] for row, j in pairs]), srel)
+    for row, n in enumerate(VERIFY_LENS):
+        slot = int(p["state_slots"][row])
+        close(f"committed row {row}", pool[slot], cands[row, n - 1] if n else p["ssm_state"][slot], srel)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
@@ -298,8 +330,9 @@ def make_mixers(dtype: torch.dtype, state_dtype: str) -> tuple[Mamba2Mixer, Mamb
     for layer, dev in ((cpu, CPU), (gpu, torch.device("cuda"))):
         spec = layer.cache_spec(dtype)
         layer.bind_state({s.name: torch.zeros((SLOTS, *s.shape), dtype=s.dtype, device=dev) for s in spec.tensors})
+        scratch = layer.verify_scratch_spec(dtype)  # the candidate conv window and the SSM update's inputs (stash)
         layer.bind_verify_scratch({s.name: torch.full((4, DRAFTS + 1, *s.shape), float("nan"), dtype=s.dtype,
-                                                      device=dev) for s in spec.tensors})
+                                                      device=dev) for s in scratch.tensors})
     return cpu, gpu
 
 
@@ -328,6 +361,15 @@ def meta_of(lens: list[int], slots: list[int], device: torch.device, verify_rows
 def compare_states(tag: str, cpu: Mamba2Mixer, gpu: Mamba2Mixer, srel: float) -> None:
     close(f"{tag} conv_state", gpu.state["conv_state"], cpu.state["conv_state"], 1e-2 if srel > 1e-4 else 1e-5)
     close(f"{tag} ssm_state", gpu.state["ssm_state"], cpu.state["ssm_state"], srel)
+
+
+def compare_scratch(tag: str, cpu: Mamba2Mixer, gpu: Mamba2Mixer, rows: slice, srel: float) -> None:
+    """The verify scratch's rows: the candidate conv windows and the stash of the SSM update's inputs (the conv's
+    outputs and the projection's dt: one unit in the last place of a bf16 model apart)."""
+    assert cpu.verify_scratch is not None and gpu.verify_scratch is not None
+    for key, want in cpu.verify_scratch.items():
+        tol = 1e-2 if srel > 1e-4 else 1e-4
+        close(f"{tag} {key} scratch", gpu.verify_scratch[key][rows], want[rows], tol)
 
 
 MIXER_CASES = [("f32", F32, "float32", 2e-4, 2e-4), ("bf16", BF16, "float32", 4e-2, 2e-2),
@@ -365,9 +407,16 @@ def test_mixer_eager_without_sync_then_decode_and_verify_graphs(name: str, dtype
     both("chunk2", [17, 1, 1], [5, 1, 3], sync_free=dtype == F32)
     both("decode", [1, 1, 1, 0], [5, 1, 3, 7])
     both("verify", [DRAFTS + 1, 0, 2, 1], [5, 7, 1, 3], verify_rows=4)
-    close(f"{name} verify ssm scratch", gpu.verify_scratch["ssm_state"], cpu.verify_scratch["ssm_state"], srel)
-    close(f"{name} verify conv scratch", gpu.verify_scratch["conv_state"], cpu.verify_scratch["conv_state"],
-          1e-2 if srel > 1e-4 else 1e-5)
+    compare_scratch(f"{name} verify", cpu, gpu, slice(None), srel)
+    # A candidate snapshot (row 0 after its second token into pool entry 6), then the commit: row 0 keeps two
+    # tokens, the empty row nothing, the others their first (both replay the stash into the slots).
+    for layer, d in ((cpu, CPU), (gpu, dev)):
+        slots_t = torch.tensor([5, 7, 1, 3], device=d)
+        one = torch.tensor([0], device=d)
+        layer.snapshot_candidates(one, one + 1, torch.tensor([6], device=d), slots_t)
+        layer.commit_verified(slots_t, torch.tensor([1, -1, 0, 0], device=d))
+    torch.cuda.synchronize()
+    compare_states(f"{name} snapshot and commit", cpu, gpu, srel)
     both("verify+prefill", [2, 1, 12], [5, 3, 1], verify_rows=2, sync_free=dtype == F32)
 
     # The decode graph: 3 rows of one token, replayed over 3 steps with new inputs.
@@ -404,9 +453,7 @@ def test_mixer_eager_without_sync_then_decode_and_verify_graphs(name: str, dtype
         torch.cuda.synchronize()
         close(f"{name} verify graph {i} y", vout, want, rel)
         compare_states(f"{name} verify graph {i}", cpu, gpu, srel)
-        for key in ("ssm_state", "conv_state"):
-            close(f"{name} verify graph {i} {key} scratch", gpu.verify_scratch[key][:2], cpu.verify_scratch[key][:2],
-                  srel if key == "ssm_state" else (1e-2 if srel > 1e-4 else 1e-5))
+        compare_scratch(f"{name} verify graph {i}", cpu, gpu, slice(0, 2), srel)
 
 
 # The Mamba2 families' norm kernels (hyserve.kernels.norm) on CUDA against their CPU references, at Nemotron-H-8B's

@@ -31,8 +31,12 @@ import pytest
 import torch
 
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref, causal_conv1d_verify_ref
-from hyserve.kernels.mamba2 import mamba2_scan, mamba2_scan_ref
-from hyserve.kernels.mamba2.reference import mamba2_chunked_inputs_ref, mamba2_chunked_output_ref
+from hyserve.kernels.mamba2 import MAMBA2_STASH_NAMES, mamba2_scan, mamba2_scan_ref, mamba2_stash_shapes
+from hyserve.kernels.mamba2.reference import (
+    mamba2_chunked_inputs_ref,
+    mamba2_chunked_output_ref,
+    mamba2_verify_ref,
+)
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
     patch_triton_interpreter,
@@ -126,26 +130,84 @@ def _interp_scan(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, 
     return ok != bool(sabotage), f"out err {e1:.3g}, state err {e2:.3g}, untouched {ok3}"
 
 
+def _stash(rows: int, npos: int) -> dict[str, torch.Tensor]:
+    """A NaN-poisoned stash (``mamba2_stash_shapes``) of ``rows`` rows and ``npos`` positions."""
+    shapes = mamba2_stash_shapes(H, P, G, N)
+    return {n: torch.full((rows, npos, *shapes[n]), float("nan")) for n in MAMBA2_STASH_NAMES}
+
+
 def _interp_verify(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype,
                    sabotage: str = "") -> tuple[bool, str]:
-    """The verify kernel against the reference given scratch; the live pool bit-identical. ``sabotage="late"``:
-    the kernel handed scratch[:, 1:], so it writes the state after token j at position j + 1."""
-    from hyserve.kernels.mamba2.verify import mamba2_verify_triton
+    """The verify kernel against the reference: outputs, the stash (every written entry, the rest still NaN), the
+    live pool bit-identical. Then the replay kernel rebuilds every candidate (rows taken out of order, into spare
+    entries) and commits (a row that keeps its state, the others their own counts) against the reference scan's
+    candidate states. ``sabotage="late"``: the verify kernel handed the stash one position on (token j stashed at
+    j + 1); ``"replay_long"``: the replay runs one token past its count. Each must disagree."""
+    from hyserve.kernels.mamba2.verify import mamba2_replay_triton, mamba2_verify_triton
 
     p = scan_problem(lens, dtype, state_dtype, seed=22)
-    npos = max(lens)
-    scratch = torch.full((len(lens) + 2, npos + 1, H, P, N), float("nan"), dtype=state_dtype)
-    ref_scratch = scratch.clone()
-    want = mamba2_scan_ref(**_clone(p), max_query_len=npos, scratch=ref_scratch)
+    npos, r = max(lens), len(lens)
+    stash, ref_stash = _stash(r + 2, npos + 1), _stash(r + 2, npos + 1)
+    cands = torch.full((r + 2, npos + 1, H, P, N), float("nan"), dtype=state_dtype)
+    want = mamba2_scan_ref(**_clone(p), max_query_len=npos, scratch=cands)  # the candidate states, as a yardstick
+    mamba2_verify_ref(**_clone(p), max_query_len=npos, stash=ref_stash)
     before = p["ssm_state"].clone()
     out = torch.full(p["x"].shape, float("nan"))
-    mamba2_verify_triton(**p, scratch=scratch[:, 1:] if sabotage == "late" else scratch, out=out)
+    given = {n: v[:, 1:] for n, v in stash.items()} if sabotage == "late" else stash
+    mamba2_verify_triton(**p, stash=given, out=out)
     tol, stol = _tols(dtype, state_dtype)
     ok1, e1 = _close(out, want, tol, tol)
-    ok2, e2 = _close(scratch, ref_scratch, stol, stol)
+    oks = [_close(stash[n], ref_stash[n], 1e-6, 1e-6) for n in MAMBA2_STASH_NAMES]
+    ok2, e2 = all(o for o, _ in oks), max(e for _, e in oks)
     ok3 = torch.equal(before, p["ssm_state"])
-    ok = ok1 and ok2 and ok3
-    return ok != bool(sabotage), f"out err {e1:.3g}, scratch err {e2:.3g}, pool unchanged {ok3}"
+    # every candidate into a spare entry, rows in reverse order
+    slots = p["state_slots"].to(torch.int64)
+    pairs = [(row, j) for row in reversed(range(r)) for j in range(lens[row])]
+    pool = torch.full((POOL + len(pairs), H, P, N), float("nan"), dtype=state_dtype)
+    pool[:POOL] = p["ssm_state"]
+    rows = torch.tensor([row for row, _ in pairs])
+    counts = torch.tensor([j for _, j in pairs]) + (1 if sabotage == "replay_long" else 0)
+    entries = torch.arange(POOL, POOL + len(pairs))
+    mamba2_replay_triton(pool, p["A_log"], stash, rows, slots[rows], entries, counts)
+    ok4, e4 = _close(pool[POOL:], torch.stack([cands[row, j] for row, j in pairs]), stol, stol)
+    ok4 = ok4 and torch.equal(pool[:POOL], p["ssm_state"])  # the slots untouched
+    # the commit: row 0 keeps its state (-1), the others their last token
+    acc = torch.tensor([-1] + [n - 1 for n in lens[1:]])
+    live = p["ssm_state"].clone()
+    mamba2_replay_triton(live, p["A_log"], stash, None, slots, slots, acc)
+    want_live = p["ssm_state"].clone()
+    for row in range(1, r):
+        if lens[row]:
+            want_live[slots[row]] = cands[row, lens[row] - 1]
+    ok5, e5 = _close(live, want_live, stol, stol)
+    ok5 = ok5 and torch.equal(live[slots[0]], p["ssm_state"][slots[0]])
+    ok = ok1 and ok2 and ok3 and ok4 and ok5
+    return ok != bool(sabotage), (f"out err {e1:.3g}, stash err {e2:.3g}, pool unchanged {ok3}, candidates err "
+                                  f"{e4:.3g} ({ok4}), commit err {e5:.3g} ({ok5})")
+
+
+def _interp_replay_bitwise(lens: list[int]) -> tuple[bool, str]:
+    """float32: the replayed commit of each row's first ``c + 1`` tokens equals, bit for bit, the recurrent kernel's
+    state after those tokens fed as a row of their own (one update function, one time step)."""
+    from hyserve.kernels.mamba2 import mamba2_recurrent_triton
+    from hyserve.kernels.mamba2.verify import mamba2_replay_triton, mamba2_verify_triton
+
+    p = scan_problem(lens, torch.float32, torch.float32, seed=24)
+    npos, r = max(lens), len(lens)
+    stash = _stash(r, npos)
+    mamba2_verify_triton(**_clone(p), stash=stash)
+    acc = torch.tensor([max(n - 2, n - 1 if n < 2 else 0) if n else -1 for n in lens])  # some rows keep fewer
+    live = p["ssm_state"].clone()
+    mamba2_replay_triton(live, p["A_log"], stash, None, p["state_slots"], p["state_slots"], acc)
+    sub = [int(a) + 1 if a >= 0 else 0 for a in acc.tolist()]  # each row's accepted prefix
+    qsl = _qsl(lens)
+    keep = torch.cat([torch.arange(int(qsl[i]), int(qsl[i]) + sub[i]) for i in range(r)]).to(torch.int64)
+    q = _clone(p)
+    for name in ("x", "dt", "B", "C"):
+        q[name] = q[name][keep]
+    q["query_start_loc"] = _qsl(sub)
+    mamba2_recurrent_triton(**q)
+    return torch.equal(live, q["ssm_state"]), f"max diff {float((live - q['ssm_state']).abs().max()):.3g}"
 
 
 def conv_problem(lens: list[int], dtype: torch.dtype, seed: int, d: int = 40, k: int = 4) -> dict[str, Any]:
@@ -332,7 +394,9 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "verify_bf16_bf16_state", lambda: _interp_verify(VERIFY_LENS, bf16, bf16))
     record_check(res, "scan_group_mod_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="group_mod"))
     record_check(res, "scan_a_not_a_log_caught", lambda: _interp_scan(MIXED_LENS, f32, f32, sabotage="a_not_a_log"))
-    record_check(res, "verify_scratch_late_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="late"))
+    record_check(res, "verify_stash_late_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="late"))
+    record_check(res, "replay_long_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="replay_long"))
+    record_check(res, "replay_bitwise_float32", lambda: _interp_replay_bitwise(VERIFY_LENS))
     for dt in (f32, bf16):
         n = str(dt).split(".")[-1]
         record_check(res, f"conv_bias_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, False))
@@ -383,7 +447,8 @@ FLA_PATH_CASES: dict[str, tuple[Any, ...]] = {
 
 INTERP_CHECKS = ["scan_mixed_float32", "scan_decode_float32", "scan_mixed_clamped_float32",
                  "scan_mixed_bf16_bf16_state", "scan_decode_bf16_fp32_state", "verify_float32",
-                 "verify_bf16_bf16_state", "scan_group_mod_caught", "verify_scratch_late_caught",
+                 "verify_bf16_bf16_state", "scan_group_mod_caught", "verify_stash_late_caught", "replay_long_caught",
+                 "replay_bitwise_float32",
                  *[f"conv_bias_{k}_{dt}" for k in ("fused", "split", "verify") for dt in ("float32", "bfloat16")],
                  "conv_bias_shifted_caught", "conv_bias_verify_shifted_caught", "scan_a_not_a_log_caught",
                  *[f"chunked_inputs_{k}" for k in CHUNKED_INPUT_CASES],

@@ -126,7 +126,7 @@ def test_a_verify_step_keeps_the_live_state_until_the_commit() -> None:
     ref, ours = pair(seed=2)
     a, _ = seqs(3)
     k = 3
-    spec = ours.cache_spec(torch.float32)
+    spec = ours.verify_scratch_spec(torch.float32)
     # Scratch for three verify rows (the runner's is sized for the most a step may have); this step has one.
     ours.bind_verify_scratch({s.name: torch.zeros((3, k + 1, *s.shape), dtype=s.dtype) for s in spec.tensors})
     step(ours, [(2, a[:20])])

@@ -3,11 +3,13 @@ fp16 stored).
 
 Entry point: :func:`mamba2_scan`, with the signature and semantics of
 :func:`~hyserve.kernels.mamba2.reference.mamba2_scan_ref` (the CPU path and the yardstick; its docstring gives the
-recurrence), plus ``query_start_loc_cpu``. Given ``scratch`` it is a verify step
-(:func:`~hyserve.kernels.mamba2.verify.mamba2_verify`: reads the live state, records the state after every token).
+recurrence), plus ``query_start_loc_cpu``. Given ``stash`` it is a verify step
+(:func:`~hyserve.kernels.mamba2.verify.mamba2_verify`: reads the live state, stashes every token's inputs to the
+update; :func:`~hyserve.kernels.mamba2.verify.mamba2_replay` rebuilds the accepted state from them).
 
-The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent and verify kernels, which share
-one step, and the chunked path's passes before and after fla), ``verify.py`` (the verify variant), ``chunked.py``
+The package: this module (entry point and dispatch), ``_triton.py`` (the recurrent, verify and replay kernels,
+which share one update, and the chunked path's passes before and after fla), ``verify.py`` (the verify variant and
+the replay), ``chunked.py
 (the fla path) and ``reference.py`` (the plain-torch references).
 
 Dispatch:
@@ -47,13 +49,21 @@ import torch
 
 from hyserve.kernels.mamba2.chunked import FLA_CHUNK, chunked_tiles, mamba2_scan_fla
 from hyserve.kernels.mamba2.reference import mamba2_scan_ref
-from hyserve.kernels.mamba2.verify import mamba2_verify, mamba2_verify_triton, state_tile
+from hyserve.kernels.mamba2.verify import (
+    MAMBA2_STASH_NAMES,
+    mamba2_replay,
+    mamba2_stash_shapes,
+    mamba2_verify,
+    mamba2_verify_triton,
+    state_tile,
+)
 
 if TYPE_CHECKING:
     from hyserve.model.metadata import RowSnapshots
 
-__all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "advance_snapshots", "compile_variants",
-           "mamba2_recurrent_triton", "mamba2_scan", "mamba2_scan_fla", "mamba2_scan_ref", "mamba2_verify"]
+__all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "MAMBA2_STASH_NAMES", "SSM_STATE_DTYPES", "advance_snapshots",
+           "compile_variants", "mamba2_recurrent_triton", "mamba2_replay", "mamba2_scan", "mamba2_scan_fla",
+           "mamba2_scan_ref", "mamba2_stash_shapes", "mamba2_verify"]
 
 SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches (bf16 / fp16) to fla's chunked scan.
@@ -73,7 +83,7 @@ def mamba2_scan(
     state_slots: torch.Tensor,
     query_start_loc: torch.Tensor,
     max_query_len: int,
-    scratch: torch.Tensor | None = None,
+    stash: dict[str, torch.Tensor] | None = None,
     query_start_loc_cpu: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     snapshots: RowSnapshots | None = None,
@@ -82,24 +92,29 @@ def mamba2_scan(
     weight itself: every path computes ``A = -exp(A_log)`` in float32 as it reads it), ``B`` and ``C`` (T, G, N),
     ``D`` and ``dt_bias`` (H,); x / B / C's last dims contiguous.
 
-    Without ``scratch`` each non-empty row's slot of ``ssm_state`` (``(S, H, P, N)``) ends holding its state after its
-    last token. With ``scratch`` (``(>= R, k + 1, H, P, N)``, the pool's dtype: a verify step) the slots are only
-    read and ``scratch[r, j]`` takes row ``r``'s state after its ``j``-th token. ``max_query_len``: a host int
+    Without ``stash`` each non-empty row's slot of ``ssm_state`` (``(S, H, P, N)``) ends holding its state after its
+    last token. With ``stash`` (a verify step: ``MAMBA2_STASH_NAMES`` -> ``(>= R, k + 1, ...)`` float32) the slots
+    are only read and ``stash[name][r, j]`` takes row ``r``'s token ``j``'s inputs to the update, from which
+    ``mamba2_replay`` rebuilds a candidate. ``max_query_len``: a host int
     ``>=`` the longest row (it picks the path without a device->host sync); ``query_start_loc_cpu``: the host's copy
     of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs). ``out``: a ``(T, H, P)``
     float32 buffer (last dim contiguous) that takes ``y`` and is returned (a verify step's parts write one buffer).
-    ``snapshots``: states inside rows to write into pool entries (see the module docstring; not with ``scratch``)."""
+    ``snapshots``: states inside rows to write into pool entries (see the module docstring; not with ``stash``)."""
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
     if snapshots is not None and not snapshots.num:
         snapshots = None
-    assert snapshots is None or scratch is None, "snapshots inside rows are prefill's"
+    assert snapshots is None or stash is None, "snapshots inside rows are prefill's"
+    if stash is not None:
+        if not x.is_cuda:
+            y = mamba2_verify(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                              max_query_len, stash)
+            return y if out is None else out.copy_(y)
+        return mamba2_verify_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
+                                    stash, out=out)
     if not x.is_cuda:
         y = mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                            max_query_len, scratch, snapshots)
+                            max_query_len, None, snapshots)
         return y if out is None else out.copy_(y)
-    if scratch is not None:
-        return mamba2_verify_triton(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                                    scratch, out=out)
     # float32 means float32: fla's chunked kernels round their float32 dots to TF32 (GDN's lesson on an H200), so
     # float32 models take the exact recurrent kernel for every row.
     if max_query_len <= MAMBA2_RECURRENT_MAX_QUERY_LEN or x.dtype == torch.float32:
@@ -193,6 +208,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         _mamba2_chunked_inputs_kernel,
         _mamba2_chunked_output_kernel,
         _mamba2_recurrent_kernel,
+        _mamba2_replay_kernel,
         _mamba2_verify_kernel,
     )
 
@@ -208,9 +224,16 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     d_ptr=f"*{act}", dtb_ptr=f"*{act}", state_ptr=f"*{state}", slots_ptr="*i64", qsl_ptr="*i32",
                     out_ptr="*fp32")
         out.append((f"mamba2_recurrent_{act}_{state}_state", _mamba2_recurrent_kernel, {**ptrs, **strides}, consts))
-        scratch = dict(scr_ptr=f"*{state}", sk_r=i32, sk_j=i32, sk_h=i32, sk_p=i32, sk_n=i32, NPOS=i32)
-        out.append((f"mamba2_verify_{act}_{state}_state", _mamba2_verify_kernel, {**ptrs, **strides, **scratch},
+        stash_strides = {s: i32 for s in ("stx_r", "stx_j", "stx_h", "stb_r", "stb_j", "stb_g", "std_r", "std_j")}
+        stash = dict(stx_ptr="*fp32", stb_ptr="*fp32", std_ptr="*fp32", **stash_strides, NPOS=i32)
+        out.append((f"mamba2_verify_{act}_{state}_state", _mamba2_verify_kernel, {**ptrs, **strides, **stash},
                     consts))
+        for rows in (False, True):
+            replay = dict(state_ptr=f"*{state}", alog_ptr=f"*{act}", stx_ptr="*fp32", stb_ptr="*fp32",
+                          std_ptr="*fp32", rows_ptr="*i64", src_ptr="*i64", dst_ptr="*i64", count_ptr="*i64",
+                          ss_s=i32, ss_h=i32, ss_p=i32, ss_n=i32, **stash_strides, NPOS=i32)
+            out.append((f"mamba2_replay_{act}_{state}_state{'_rows' if rows else ''}", _mamba2_replay_kernel, replay,
+                        dict(consts, ROWS=rows)))
         if act == "fp32":  # float32 models take the recurrent kernel for every row
             continue
         bt, cbp, cbn, sp = chunked_tiles(p, n)

@@ -12,8 +12,10 @@ is read and written by the same thread.
 
 * ``_mamba2_recurrent_kernel`` (:func:`hyserve.kernels.mamba2.mamba2_recurrent_triton`) writes the tile back in place
   after the row's last token.
-* ``_mamba2_verify_kernel`` (:mod:`hyserve.kernels.mamba2.verify`) never writes the live state: it stores the tile
-  after each token ``i`` of row ``r`` in the row-indexed scratch (``scratch[r, i]``, for ``i < NPOS``).
+* ``_mamba2_verify_kernel`` (:mod:`hyserve.kernels.mamba2.verify`) never writes the live state: it stores each
+  token's float32 inputs to the update (x, B, dt) in the row-indexed stash (``[r, i]``, for ``i < NPOS``).
+* ``_mamba2_replay_kernel`` rebuilds a state from a slot's and the stash (a verify step's commit, or a candidate
+  snapshot into a pool entry), with the same ``_ssd_update``.
 * ``_mamba2_chunked_inputs_kernel`` and ``_mamba2_chunked_output_kernel`` (:mod:`hyserve.kernels.mamba2.chunked`):
   the elementwise work before and after fla's chunked scan, each one launch whose programs past the token blocks
   gather (before) or scatter (after) the rows' states.
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["_mamba2_chunked_inputs_kernel", "_mamba2_chunked_output_kernel", "_mamba2_recurrent_kernel",
-           "_mamba2_verify_kernel"]
+           "_mamba2_replay_kernel", "_mamba2_verify_kernel"]
 
 
 @triton.jit
@@ -41,6 +43,13 @@ def _dt_step(v, dt_lo, dt_hi):
 
 
 @triton.jit
+def _ssd_update(S, step, a, xv, bv):
+    """One token of the recurrence on a ``(BP, N)`` float32 tile: ``exp(step a) S + (step x) B^T``. The scan, the
+    verify and the replay share it, so a replayed state is the verify's bit for bit."""
+    return tl.exp(step * a) * S + (step * xv)[:, None] * bv[None, :]
+
+
+@triton.jit
 def _ssd_step(
     S, t, h, g, op, on, pmask, nmask,
     x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr,
@@ -48,15 +57,16 @@ def _ssd_step(
     a, dt_bias, d_skip, dt_lo, dt_hi,
 ):  # fmt: skip
     """Token ``t``, head ``h`` (group ``g``): dt = clamp(softplus(dt + dt_bias), lo, hi); S = exp(dt a) S +
-    (dt x) B^T; y = S C + D x, stored to ``out[t, h]``. Returns the advanced state tile."""
+    (dt x) B^T; y = S C + D x, stored to ``out[t, h]``. Returns the advanced state tile and the token's float32
+    inputs to the update (x, B, dt: what a verify step stashes)."""
     xv = tl.load(x_ptr + t * sx_t + h * sx_h + op, mask=pmask, other=0.0).to(tl.float32)
     bv = tl.load(b_ptr + t * sb_t + g * sb_g + on, mask=nmask, other=0.0).to(tl.float32)
     cv = tl.load(c_ptr + t * sc_t + g * sc_g + on, mask=nmask, other=0.0).to(tl.float32)
     step = _dt_step(tl.load(dt_ptr + t * sdt_t + h * sdt_h).to(tl.float32) + dt_bias, dt_lo, dt_hi)
-    S = tl.exp(step * a) * S + (step * xv)[:, None] * bv[None, :]
+    S = _ssd_update(S, step, a, xv, bv)
     o = tl.sum(S * cv[None, :], axis=1) + d_skip * xv
     tl.store(out_ptr + t * so_t + h * so_h + op, o.to(out_ptr.dtype.element_ty), mask=pmask)
-    return S
+    return S, xv, bv, step
 
 
 @triton.jit
@@ -88,7 +98,7 @@ def _mamba2_recurrent_kernel(
     S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
 
     for i in range(0, n):
-        S = _ssd_step(
+        S, _x, _b, _dt = _ssd_step(
             S, start + i, h, g, op, on, pmask, nmask,
             x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr,
             sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g, so_t, so_h,
@@ -100,15 +110,17 @@ def _mamba2_recurrent_kernel(
 
 @triton.jit
 def _mamba2_verify_kernel(
-    x_ptr, dt_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
+    x_ptr, dt_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
+    stx_ptr, stb_ptr, std_ptr,
     sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g,
     ss_s, ss_h, ss_p, ss_n, so_t, so_h,
-    sk_r, sk_j, sk_h, sk_p, sk_n,
+    stx_r, stx_j, stx_h, stb_r, stb_j, stb_g, std_r, std_j,
     NPOS, dt_lo, dt_hi,
     P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    """The row's tokens through ``_ssd_step``; scratch[r, i] = S after token i (for i < NPOS). The live state is
-    only loaded."""
+    """The row's tokens through ``_ssd_step``; for token i < NPOS the stash takes its float32 inputs to the update:
+    x[r, i, h] (each program its channels), B[r, i, g] (the group's first head's first program), dt[r, i, h] (the
+    head's first program). The live state is only loaded."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -127,16 +139,59 @@ def _mamba2_verify_kernel(
     tile = pmask[:, None] & nmask[None, :]
     s_ptrs = state_ptr + slot * ss_s + h * ss_h + op[:, None] * ss_p + on[None, :] * ss_n
     S = tl.load(s_ptrs, mask=tile & (n > 0), other=0.0).to(tl.float32)
-    k_ptrs = scr_ptr + r * sk_r + h * sk_h + op[:, None] * sk_p + on[None, :] * sk_n
+    writes_b = (h % HEADS_PER_GROUP == 0) & (pb == 0)
 
     for i in range(0, n):
-        S = _ssd_step(
+        S, xv, bv, step = _ssd_step(
             S, start + i, h, g, op, on, pmask, nmask,
             x_ptr, dt_ptr, b_ptr, c_ptr, out_ptr,
             sx_t, sx_h, sdt_t, sdt_h, sb_t, sb_g, sc_t, sc_g, so_t, so_h,
             a, dt_bias, d_skip, dt_lo, dt_hi,
         )  # fmt: skip
-        tl.store(k_ptrs + i * sk_j, S.to(scr_ptr.dtype.element_ty), mask=tile & (i < NPOS))
+        kept = i < NPOS
+        tl.store(stx_ptr + r * stx_r + i * stx_j + h * stx_h + op, xv, mask=pmask & kept)
+        tl.store(stb_ptr + r * stb_r + i * stb_j + g * stb_g + on, bv, mask=nmask & kept & writes_b)
+        tl.store(std_ptr + r * std_r + i * std_j + h, step, mask=kept & (pb == 0))
+
+
+@triton.jit
+def _mamba2_replay_kernel(
+    state_ptr, alog_ptr, stx_ptr, stb_ptr, std_ptr, rows_ptr, src_ptr, dst_ptr, count_ptr,
+    ss_s, ss_h, ss_p, ss_n,
+    stx_r, stx_j, stx_h, stb_r, stb_j, stb_g, std_r, std_j,
+    NPOS,
+    P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """Grid (entries, H, P / BP). Entry i: count c = count[i] (< 0: nothing); the state tile of slot src[i] advanced
+    with ``_ssd_update`` over stash row r's tokens 0 .. min(c, NPOS - 1) (r = rows[i], or i without ``ROWS``),
+    stored to slot dst[i]: read once, written once."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    c = tl.load(count_ptr + i).to(tl.int64)
+    if c < 0:
+        return
+    r = i
+    if ROWS:
+        r = tl.load(rows_ptr + i).to(tl.int64)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    g = h // HEADS_PER_GROUP
+    a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    op = pb * BP + tl.arange(0, BP)
+    on = tl.arange(0, BN)
+    pmask = op < P
+    nmask = on < N
+    tile = pmask[:, None] & nmask[None, :]
+    head = h * ss_h + op[:, None] * ss_p + on[None, :] * ss_n
+    S = tl.load(state_ptr + src * ss_s + head, mask=tile, other=0.0).to(tl.float32)
+    for j in range(0, tl.minimum(c + 1, NPOS)):
+        xv = tl.load(stx_ptr + r * stx_r + j * stx_j + h * stx_h + op, mask=pmask, other=0.0)
+        bv = tl.load(stb_ptr + r * stb_r + j * stb_j + g * stb_g + on, mask=nmask, other=0.0)
+        step = tl.load(std_ptr + r * std_r + j * std_j + h)
+        S = _ssd_update(S, step, a, xv, bv)
+    tl.store(state_ptr + dst * ss_s + head, S.to(state_ptr.dtype.element_ty), mask=tile)
 
 
 @triton.jit

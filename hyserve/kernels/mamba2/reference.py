@@ -31,7 +31,21 @@ from torch.nn import functional as F
 if TYPE_CHECKING:
     from hyserve.model.metadata import RowSnapshots
 
-__all__ = ["mamba2_chunked_inputs_ref", "mamba2_chunked_output_ref", "mamba2_scan_ref"]
+__all__ = ["MAMBA2_STASH_NAMES", "mamba2_chunked_inputs_ref", "mamba2_chunked_output_ref", "mamba2_replay_ref",
+           "mamba2_scan_ref", "mamba2_verify_ref", "ssd_update"]
+
+# What a verify step keeps per (row, position) to rebuild a state (hyserve.kernels.mamba2.verify), float32: the
+# head's input x (H, P), the group's B (G, N) and the time step dt after its bias, softplus and clamp (H,).
+MAMBA2_STASH_NAMES = ("x", "B", "dt")
+
+
+def ssd_update(state: torch.Tensor, step: torch.Tensor, a: torch.Tensor, x: torch.Tensor,
+               b: torch.Tensor) -> torch.Tensor:
+    """One token of the recurrence for a batch of states ``(n, H, P, N)`` float32: ``exp(step a) S + (step x) B^T``
+    with ``step`` ``(n, H)``, ``a`` ``(H,)``, ``x`` ``(n, H, P)``, ``b`` ``(n, H, N)`` (groups expanded to heads).
+    The scan and the replay share it, so a replayed state is the scan's bit for bit."""
+    return (torch.exp(step * a)[:, :, None, None] * state
+            + (step[:, :, None] * x)[:, :, :, None] * b[:, :, None, :])
 
 
 def mamba2_scan_ref(
@@ -85,8 +99,7 @@ def mamba2_scan_ref(
         src = tok.clamp(max=t - 1)
         step = F.softplus(dts[src] + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # (R, H)
         xt = xs[src]  # (R, H, P)
-        new = (torch.exp(step * a)[:, :, None, None] * state
-               + (step[:, :, None] * xt)[:, :, :, None] * bs[src][:, :, None, :])
+        new = ssd_update(state, step, a, xt, bs[src])
         state = torch.where(here[:, None, None, None], new, state)
         for row, entry in at.get(j, ()):
             ssm_state[entry] = state[row].to(ssm_state.dtype)
@@ -132,3 +145,65 @@ def mamba2_chunked_output_ref(o: torch.Tensor, x: torch.Tensor, D: torch.Tensor,
     ``final`` (float32 ``(R, H, P, N)``) stored into their slots of ``ssm_state``, rounded to its dtype."""
     ssm_state[slots] = final.to(ssm_state.dtype)
     return o.float() + D.float()[None, :, None] * x.float()
+
+
+def mamba2_verify_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    stash: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """Reference :func:`~hyserve.kernels.mamba2.verify.mamba2_verify`: the outputs of :func:`mamba2_scan_ref` over
+    the rows' states without writing them; ``stash[name][r, j]`` takes row ``r``'s token ``j``'s inputs
+    (``MAMBA2_STASH_NAMES``, ``j < min(n_r, P_max)``), every other stash entry left as it was."""
+    r = state_slots.shape[0]
+    qsl = query_start_loc.to(torch.int64)
+    npos = stash["x"].shape[1]
+    j = torch.arange(npos, device=x.device)
+    rr, jj = torch.nonzero(j < (qsl[1:] - qsl[:-1])[:, None], as_tuple=True)
+    tok = (qsl[:-1, None] + j)[rr, jj]
+    step = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])
+    for name, v in zip(MAMBA2_STASH_NAMES, (x.float(), B.float(), step), strict=True):
+        stash[name][rr, jj] = v[tok]
+    own = ssm_state.index_select(0, state_slots.to(torch.int64))  # the rows' states, copied: the pool is only read
+    return mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, dt_limit, own, torch.arange(r, device=x.device),
+                           query_start_loc, max_query_len)
+
+
+def mamba2_replay_ref(
+    ssm_state: torch.Tensor,
+    A_log: torch.Tensor,
+    stash: dict[str, torch.Tensor],
+    rows: torch.Tensor | None,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Reference :func:`~hyserve.kernels.mamba2.verify.mamba2_replay`: the entries advanced in lockstep over the
+    stash's positions with :func:`ssd_update` (the scan's), each entry's past its count left as it was."""
+    n = counts.shape[0]
+    if n == 0:
+        return
+    counts = counts.to(torch.int64)
+    steps = min(int(counts.max()) + 1, stash["x"].shape[1])  # (the CPU path: a host read costs nothing here)
+    if steps <= 0:
+        return
+    idx = torch.arange(n, device=counts.device) if rows is None else rows.to(torch.int64)
+    state = ssm_state[src_slots.to(torch.int64)].float()
+    sx, sb, sdt = (stash[name][idx, :steps] for name in MAMBA2_STASH_NAMES)  # (n, steps, ...) gathered once
+    sb = sb.repeat_interleave(sx.shape[2] // sb.shape[2], dim=2)  # groups expanded to heads
+    a = -torch.exp(A_log.float())
+    for j in range(steps):
+        s = ssd_update(state, sdt[:, j], a, sx[:, j], sb[:, j])
+        state = torch.where((counts >= j)[:, None, None, None], s, state)
+    live = torch.nonzero(counts >= 0).squeeze(1)
+    ssm_state[dst_slots.to(torch.int64)[live]] = state[live].to(ssm_state.dtype)
