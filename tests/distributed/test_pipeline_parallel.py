@@ -189,7 +189,8 @@ def test_tp2_x_pp2_with_ngram_and_an_attention_only_first_stage(ckpts: Checkpoin
     _assert_same_logprobs(got, want)
 
 
-@pytest.mark.parametrize("spec,sabotage", [("plain", False), ("mtp", False), ("plain", True)])
+@pytest.mark.parametrize("spec,sabotage",
+                         [pytest.param("plain", False, marks=pytest.mark.slow), ("mtp", False), ("plain", True)])
 def test_pp2_with_graphs_on_every_stage(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                         spec: str, sabotage: bool) -> None:
     """The stages' CUDA graphs (emulated in the worker processes): decode graphs on both stages, the second

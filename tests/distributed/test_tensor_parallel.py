@@ -33,7 +33,8 @@ def _tokens(final: dict) -> dict[str, list[int]]:
     return {rid: out.outputs[0].token_ids for rid, out in final.items()}
 
 
-@pytest.mark.parametrize("spec,async_scheduling", [("plain", False), ("ngram", True), ("mtp", True)])
+@pytest.mark.parametrize("spec,async_scheduling",
+                         [pytest.param("plain", False, marks=pytest.mark.slow), ("ngram", True), ("mtp", True)])
 def test_tp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec: str,
                                                     async_scheduling: bool) -> None:
     path, arrivals, aborts, prompts, want = reference_run(ckpts, spec)

@@ -235,7 +235,9 @@ def test_online_fp8_matches_per_channel_reference(tmp_path: Path) -> None:
     assert runner.model.model.embed_tokens.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("case,dims", [("ct_dynamic", {}), ("block", TP_BLOCK_DIMS)], ids=["ct_dynamic", "block"])
+@pytest.mark.parametrize("case,dims",
+                         [("ct_dynamic", {}), pytest.param("block", TP_BLOCK_DIMS, marks=pytest.mark.slow)],
+                         ids=["ct_dynamic", "block"])
 def test_tensor_parallel_fp8_matches_the_reference(fp8_ckpts: Checkpoints, case: str, dims: dict[str, Any]) -> None:
     """Two ranks: weights and per-channel scales split by rows (column-parallel) or columns (row-parallel), block
     scales with their blocks. A row-parallel layer's rank quantizes its input slice per token on its own (as vLLM
