@@ -47,6 +47,21 @@ def problem(batch: int, q: int, hk: int, hv: int, state_dtype: torch.dtype) -> d
                 query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q)
 
 
+def report(rows: list[dict[str, Any]], out: str | None, filename: str, state_dtype: str) -> None:
+    """The rows' table on stdout, and ``{device, state_dtype, rows}`` as ``out/filename`` when ``out`` is given
+    (this script's and ``mamba2_verify_bench.py``'s)."""
+    print(f"\n{'shape':>6} {'batch':>5} {'k':>2} {'plain us':>9} {'verify+commit us':>16} {'ratio':>6} "
+          f"{'(passes 1.5; candidates)':>24}")
+    for r in rows:
+        print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['plain_us']:>9.2f} {r['verify_commit_us']:>16.2f} "
+              f"{r['ratio']:>6.2f} {r['passes_ratio_candidates']:>24.1f}")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, filename), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "state_dtype": state_dtype, "rows": rows}, f,
+                      indent=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(HEADS), choices=list(HEADS))
@@ -82,16 +97,7 @@ def main() -> int:
                        "plain_GBps": 2 * state_pass / plain_us / 1e3, "verify_GBps": 3 * state_pass / verify_us / 1e3}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'shape':>6} {'batch':>5} {'k':>2} {'plain us':>9} {'verify+commit us':>16} {'ratio':>6} "
-          f"{'(passes 1.5; candidates)':>24}")
-    for r in rows:
-        print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['plain_us']:>9.2f} {r['verify_commit_us']:>16.2f} "
-              f"{r['ratio']:>6.2f} {r['passes_ratio_candidates']:>24.1f}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gdn_verify_bench.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype, "rows": rows}, f,
-                      indent=1)
+    report(rows, args.out, "gdn_verify_bench.json", args.state_dtype)
     return 0
 
 

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gdn_decode_bench import graph_time  # benchmarks/ is on the path (above)
+from gdn_verify_bench import report
 
 from hyserve.kernels.mamba2 import mamba2_recurrent_triton, mamba2_stash_shapes
 from hyserve.kernels.mamba2.verify import mamba2_replay_triton, mamba2_verify_triton
@@ -87,16 +88,7 @@ def main() -> int:
                        "plain_GBps": 2 * state_pass / plain_us / 1e3, "verify_GBps": 3 * state_pass / verify_us / 1e3}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{'shape':>6} {'batch':>5} {'k':>2} {'plain us':>9} {'verify+commit us':>16} {'ratio':>6} "
-          f"{'(passes 1.5; candidates)':>24}")
-    for r in rows:
-        print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['plain_us']:>9.2f} {r['verify_commit_us']:>16.2f} "
-              f"{r['ratio']:>6.2f} {r['passes_ratio_candidates']:>24.1f}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "mamba2_verify_bench.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype, "rows": rows}, f,
-                      indent=1)
+    report(rows, args.out, "mamba2_verify_bench.json", args.state_dtype)
     return 0
 
 

@@ -17,7 +17,6 @@ from torch import nn
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward
-from hyserve.kernels.commit import commit_verified
 from hyserve.kernels.conv import causal_conv1d_verify, snapshot_conv_windows
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
@@ -28,8 +27,8 @@ from hyserve.kernels.gemv import DeferredInput
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm
 from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.replayed_state import ReplayedStateLayer
 from hyserve.layers.sharding import Shard, set_shard
-from hyserve.model.base import RecurrentLayer
 from hyserve.model.metadata import StepMetadata
 
 
@@ -52,7 +51,7 @@ class GDNConfig(Protocol):
     ssm_state_dtype: str  # the SSM state's stored element type (ModelConfig; float32 by default)
 
 
-class GatedDeltaNet(RecurrentLayer):
+class GatedDeltaNet(ReplayedStateLayer):
     """Causal conv over [q | k | v], then the gated delta rule with l2-normed q/k, then a gated RMSNorm.
     ``prefix``: the module's name (``model.layers.0.linear_attn``), which names its projections for quantization.
     Takes prefix-cache snapshots inside prefill rows (``StepMetadata.row_snapshots``): the conv window from the
@@ -159,22 +158,11 @@ class GatedDeltaNet(RecurrentLayer):
         self.conv_scratch = tensors["conv_state"]
         self.stash = {n: tensors[n] for n in STASH_NAMES}
 
-    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """The conv window's candidate copied (``hyserve.kernels.commit``); the SSM state advanced in its slot over
-        the accepted positions (``gdn_replay``)."""
-        assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
-        assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
-        commit_verified([self.conv_state], [self.conv_scratch], state_slots, num_accepted)
-        gdn_replay(self.ssm_state, self.stash, None, state_slots, state_slots, num_accepted)
-
-    def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
-                            state_slots: torch.Tensor) -> None:
-        """The conv window's candidate copied; the SSM state of the row's slot advanced into the entry over the
-        positions up to ``positions[i]`` (before the commit, which advances the slot itself)."""
-        assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
-        assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
-        self.conv_state.index_copy_(0, entries, self.conv_scratch[rows, positions])
-        gdn_replay(self.ssm_state, self.stash, rows, state_slots.index_select(0, rows), entries, positions)
+    def replay_ssm(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                   counts: torch.Tensor) -> None:
+        """(ReplayedStateLayer) ``gdn_replay`` over the stash of the delta rule's inputs."""
+        assert self.ssm_state is not None and self.stash is not None, "caches or verify scratch not bound"
+        gdn_replay(self.ssm_state, self.stash, rows, src_slots, dst_slots, counts)
 
     def fp8_input(self) -> str | None:
         """The form the layer's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per

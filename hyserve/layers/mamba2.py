@@ -45,14 +45,13 @@ from torch import nn
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_rank, tp_size
-from hyserve.kernels.commit import commit_verified
 from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify, snapshot_conv_windows
 from hyserve.kernels.mamba2 import MAMBA2_STASH_NAMES, mamba2_replay, mamba2_scan, mamba2_stash_shapes
 from hyserve.kernels.norm import gated_sum_squares, grouped_gated_rms_norm, silu_gate
 from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
+from hyserve.layers.replayed_state import ReplayedStateLayer
 from hyserve.layers.sharding import Shard, set_shard
-from hyserve.model.base import RecurrentLayer
 from hyserve.model.metadata import StepMetadata
 
 
@@ -136,7 +135,7 @@ class GroupedGatedRMSNorm(nn.Module):
                                       x.dtype if out_dtype is None else out_dtype, sum_squares)
 
 
-class Mamba2Mixer(RecurrentLayer):
+class Mamba2Mixer(ReplayedStateLayer):
     """``prefix``: the module's name (``backbone.layers.0.mixer``), naming its projections for quantization.
 
     Falcon-H1's options: ``in_multiplier`` scales the input; ``segment_multipliers`` (five: z, x, B, C, dt) scale
@@ -213,6 +212,8 @@ class Mamba2Mixer(RecurrentLayer):
         self._segment_scale: torch.Tensor | None = None
         self.dt_limit = (float(cfg.time_step_limit[0]), float(cfg.time_step_limit[1]))
         self.ssm_dtype: torch.dtype = getattr(torch, cfg.ssm_state_dtype)
+        # Speculative decoding: the update's inputs per verify row and position (MAMBA2_STASH_NAMES, float32).
+        self.stash: dict[str, torch.Tensor] | None = None
 
     def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         k = self.conv1d.kernel_size[0]
@@ -229,26 +230,15 @@ class Mamba2Mixer(RecurrentLayer):
         return RecurrentStateSpec((StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
                                    *(StateTensorSpec(n, shapes[n], torch.float32) for n in MAMBA2_STASH_NAMES)))
 
-    def stash(self) -> dict[str, torch.Tensor]:
-        assert self.verify_scratch is not None, "verify scratch not bound"
-        return {n: self.verify_scratch[n] for n in MAMBA2_STASH_NAMES}
+    def bind_verify_scratch(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().bind_verify_scratch(tensors)
+        self.stash = {n: tensors[n] for n in MAMBA2_STASH_NAMES}
 
-    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """The conv window's candidate copied (``hyserve.kernels.commit``); the SSM state advanced in its slot over
-        the accepted positions (``mamba2_replay``)."""
-        assert self.verify_scratch is not None, "verify scratch not bound"
-        commit_verified([self.state["conv_state"]], [self.verify_scratch["conv_state"]], state_slots, num_accepted)
-        mamba2_replay(self.state["ssm_state"], self.A_log, self.stash(), None, state_slots, state_slots,
-                      num_accepted)
-
-    def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
-                            state_slots: torch.Tensor) -> None:
-        """The conv window's candidate copied; the SSM state of the row's slot advanced into the entry over the
-        positions up to ``positions[i]`` (before the commit, which advances the slot itself)."""
-        assert self.verify_scratch is not None, "verify scratch not bound"
-        self.state["conv_state"].index_copy_(0, entries, self.verify_scratch["conv_state"][rows, positions])
-        mamba2_replay(self.state["ssm_state"], self.A_log, self.stash(), rows, state_slots.index_select(0, rows),
-                      entries, positions)
+    def replay_ssm(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                   counts: torch.Tensor) -> None:
+        """(ReplayedStateLayer) ``mamba2_replay`` over the stash of the update's inputs."""
+        assert self.stash is not None, "verify scratch not bound"
+        mamba2_replay(self.state["ssm_state"], self.A_log, self.stash, rows, src_slots, dst_slots, counts)
 
     def segment_scale(self, like: torch.Tensor) -> torch.Tensor:
         """``segment_multipliers`` per channel of the input projection's output [z | x | B | C | dt], computed in
@@ -317,7 +307,7 @@ class Mamba2Mixer(RecurrentLayer):
                                bs.reshape(m, self.n_groups, self.state_size),
                                cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
                                ssm_state, slots, qsl, longest,
-                               self.stash() if verify else None,
+                               self.stash if verify else None,
                                query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi], snapshots=snaps)
             y = part if y is None else y
         assert y is not None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyserve.kernels.commit.reference import replay_ref
 from hyserve.kernels.varlen import group_tokens, length_groups
 
 if TYPE_CHECKING:
@@ -192,23 +193,14 @@ def gdn_replay_ref(
     counts: torch.Tensor,
 ) -> None:
     """Reference :func:`~hyserve.kernels.gdn.verify.gdn_replay`: the entries advanced in lockstep over the stash's
-    positions with :func:`gdn_step` (the scan's update), each entry's past its count left as it was."""
-    n = counts.shape[0]
-    if n == 0:
-        return
-    counts = counts.to(torch.int64)
-    steps = min(int(counts.max()) + 1, stash["k"].shape[1])  # (the CPU path: a host read costs nothing here)
-    if steps <= 0:
-        return
-    idx = torch.arange(n, device=counts.device) if rows is None else rows.to(torch.int64)
-    state = ssm_state[src_slots.to(torch.int64)].float()
-    sk, sv, sg, sb = (stash[name][idx, :steps] for name in STASH_NAMES)  # (n, steps, ...) gathered once
-    grp = sv.shape[2] // sk.shape[2]
-    kn = l2norm(sk, eps=1e-6)
-    if grp > 1:
-        kn = kn.repeat_interleave(grp, dim=2)
-    for j in range(steps):
-        s = gdn_step(state, kn[:, j], sv[:, j], sg[:, j], sb[:, j])
-        state = torch.where((counts >= j)[:, None, None, None], s, state)
-    live = torch.nonzero(counts >= 0).squeeze(1)
-    ssm_state[dst_slots.to(torch.int64)[live]] = state[live].to(ssm_state.dtype)
+    positions with :func:`gdn_step` (the scan's update; :func:`~hyserve.kernels.commit.reference.replay_ref`)."""
+
+    def make_update(idx: torch.Tensor, steps: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        sk, sv, sg, sb = (stash[name][idx, :steps] for name in STASH_NAMES)  # (n, steps, ...) gathered once
+        grp = sv.shape[2] // sk.shape[2]
+        kn = l2norm(sk, eps=1e-6)
+        if grp > 1:
+            kn = kn.repeat_interleave(grp, dim=2)
+        return lambda state, j: gdn_step(state, kn[:, j], sv[:, j], sg[:, j], sb[:, j])
+
+    replay_ref(ssm_state, rows, src_slots, dst_slots, counts, stash["k"].shape[1], make_update)

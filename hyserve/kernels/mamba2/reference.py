@@ -23,10 +23,13 @@ hands fla and makes of its result, the yardstick of ``_triton.py``'s passes befo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
+
+from hyserve.kernels.commit.reference import replay_ref
 
 if TYPE_CHECKING:
     from hyserve.model.metadata import RowSnapshots
@@ -189,21 +192,12 @@ def mamba2_replay_ref(
     counts: torch.Tensor,
 ) -> None:
     """Reference :func:`~hyserve.kernels.mamba2.verify.mamba2_replay`: the entries advanced in lockstep over the
-    stash's positions with :func:`ssd_update` (the scan's), each entry's past its count left as it was."""
-    n = counts.shape[0]
-    if n == 0:
-        return
-    counts = counts.to(torch.int64)
-    steps = min(int(counts.max()) + 1, stash["x"].shape[1])  # (the CPU path: a host read costs nothing here)
-    if steps <= 0:
-        return
-    idx = torch.arange(n, device=counts.device) if rows is None else rows.to(torch.int64)
-    state = ssm_state[src_slots.to(torch.int64)].float()
-    sx, sb, sdt = (stash[name][idx, :steps] for name in MAMBA2_STASH_NAMES)  # (n, steps, ...) gathered once
-    sb = sb.repeat_interleave(sx.shape[2] // sb.shape[2], dim=2)  # groups expanded to heads
+    stash's positions with :func:`ssd_update` (the scan's; :func:`~hyserve.kernels.commit.reference.replay_ref`)."""
     a = -torch.exp(A_log.float())
-    for j in range(steps):
-        s = ssd_update(state, sdt[:, j], a, sx[:, j], sb[:, j])
-        state = torch.where((counts >= j)[:, None, None, None], s, state)
-    live = torch.nonzero(counts >= 0).squeeze(1)
-    ssm_state[dst_slots.to(torch.int64)[live]] = state[live].to(ssm_state.dtype)
+
+    def make_update(idx: torch.Tensor, steps: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        sx, sb, sdt = (stash[name][idx, :steps] for name in MAMBA2_STASH_NAMES)  # (n, steps, ...) gathered once
+        sb = sb.repeat_interleave(sx.shape[2] // sb.shape[2], dim=2)  # groups expanded to heads
+        return lambda state, j: ssd_update(state, sdt[:, j], a, sx[:, j], sb[:, j])
+
+    replay_ref(ssm_state, rows, src_slots, dst_slots, counts, stash["x"].shape[1], make_update)
