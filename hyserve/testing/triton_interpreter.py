@@ -5,12 +5,16 @@ before any kernel runs."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -68,6 +72,25 @@ def patch_triton_interpreter() -> None:
         return orig_fp_to_fp(self, src, dst_type, rounding_mode)
 
     interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def mutated_module(module_name: str, edits: list[tuple[str, str]]) -> ModuleType:
+    """A fresh copy of module ``module_name`` made from its source with ``edits`` (``(text, replacement)``, each text
+    found exactly once): the sabotaged kernels a test must see fail. The original module is left as it is; a test
+    swaps the copy's kernel in for the launcher and puts the original back."""
+    src = Path(str(importlib.import_module(module_name).__file__)).read_text()
+    for replaced, replacement in edits:
+        assert src.count(replaced) == 1, f"mutation target not found once: {replaced!r}"
+        src = src.replace(replaced, replacement)
+    name = "mutated_" + module_name.replace(".", "_")
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # Triton's jit reads the function's module by name
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def interpreter_subprocess_results(test_file: str, flag: str, timeout: int = 300) -> dict[str, list[Any]]:

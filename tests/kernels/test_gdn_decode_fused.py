@@ -37,7 +37,12 @@ from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, gdn_decod
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import StepMetadata
 from hyserve.testing.triton_compile import compile_failures
-from hyserve.testing.triton_interpreter import interpreter_subprocess_results, print_results, record_check
+from hyserve.testing.triton_interpreter import (
+    interpreter_subprocess_results,
+    mutated_module,
+    print_results,
+    record_check,
+)
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -255,19 +260,7 @@ SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 def _mutated_kernel(edits: list[tuple[str, str]]) -> Any:
     """``_gdn_decode_fused_kernel`` compiled from its module's source with ``edits`` made (a fresh module)."""
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    src = Path(str(module.__file__)).read_text()
-    for replaced, replacement in edits:
-        assert src.count(replaced) == 1, f"mutation target not found once: {replaced!r}"
-        src = src.replace(replaced, replacement)
-    path = Path(tempfile.mkdtemp()) / "mutated_gdn_decode.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("mutated_gdn_decode", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["mutated_gdn_decode"] = mod
-    spec.loader.exec_module(mod)
-    return mod._gdn_decode_fused_kernel
+    return mutated_module("hyserve.kernels.gdn._triton", edits)._gdn_decode_fused_kernel
 
 
 def _interp_sabotage(what: str) -> tuple[bool, str]:

@@ -28,6 +28,7 @@ from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.gdn.reference import gdn_forward_ref
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
+    mutated_module,
     patch_triton_interpreter,
     print_results,
     record_check,
@@ -353,6 +354,42 @@ def _interp_conv(lens: list[int], dtype: torch.dtype, max_query_len: int | None)
     return ok1 and ok2, f"out err {e1:.3g}, state err {e2:.3g}"
 
 
+# Sabotaged prefill conv kernels (``hyserve/kernels/conv/_triton.py`` mutated in its source), each must disagree: the
+# taps of a block inside a row read one token late; a row's first block reading its older taps from ``x`` (before the
+# row) instead of the slot's window; a row's last, partial block skipped.
+CONV_SABOTAGES = {
+    "conv_inside_taps_late": [("base = x_ptr + (start + tb * BLOCK_T - (K - 1)) * sx_t",
+                               "base = x_ptr + (start + tb * BLOCK_T - (K - 2)) * sx_t")],
+    "conv_row_start_from_x": [("if tb * BLOCK_T >= K - 1:", "if tb * BLOCK_T >= 0:")],
+    "conv_partial_block_skipped": [("if tb * BLOCK_T >= n:", "if tb * BLOCK_T + BLOCK_T > n:")],
+}
+
+
+def _interp_conv_long(dtype: torch.dtype, max_query_len: int | None, sabotage: str | None = None) -> tuple[bool, str]:
+    """Prefill rows of several 32-token blocks (most of them read no window) and 3 channel blocks, the last partial,
+    beside empty and one-token rows, against the reference; ``sabotage``: a mutated kernel, which must disagree."""
+    from hyserve.kernels.conv import _triton, causal_conv1d_varlen_triton
+
+    original = _triton._conv1d_fwd_kernel
+    if sabotage is not None:
+        _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, CONV_SABOTAGES[sabotage])._conv1d_fwd_kernel
+    try:
+        lens = [70, 0, 33, 1, 64, 95, 2]
+        p = conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=12)
+        ref = _clone(p)
+        want = causal_conv1d_varlen_ref(**ref)
+        before = p["conv_state"].clone()
+        out = torch.full(p["x"].shape, float("nan"), dtype=dtype)
+        causal_conv1d_varlen_triton(**p, max_query_len=max_query_len, out=out)
+    finally:
+        _triton._conv1d_fwd_kernel = original
+    tol = 1e-5 if dtype == torch.float32 else 3.2e-2
+    ok1, e1 = _close(out, want, tol, tol)
+    ok2, e2 = _close(p["conv_state"], ref["conv_state"], 0.0)
+    _assert_untouched(before, p["conv_state"], _touched(p["state_slots"], lens))
+    return (ok1 and ok2) != (sabotage is not None), f"out err {e1:.3g}, state err {e2:.3g}"
+
+
 def _interp_gdn(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     """The recurrent kernel against the reference; ``state_dtype``: the pool stored in a 16-bit float
     (``--mamba-ssm-cache-dtype``; both sides compute in float32 and round the final state once)."""
@@ -634,6 +671,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         record_check(res, f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
         record_check(res, f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
         record_check(res, f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
+        record_check(res, f"conv_long_{n}", lambda dt=dt: _interp_conv_long(dt, 95))
         record_check(res, f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
         record_check(res, f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
         record_check(res, f"attn_decode_1split_{n}",
@@ -655,6 +693,9 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
             record_check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
             record_check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
     record_check(res, "gdn_mixed_bf16_state", lambda: _interp_gdn(MIXED_LENS, bf16, bf16))
+    record_check(res, "conv_long_grid_of_all_tokens", lambda: _interp_conv_long(f32, None))
+    for what in CONV_SABOTAGES:
+        record_check(res, f"{what}_caught", lambda w=what: _interp_conv_long(f32, 95, w))
     for dt in (f32, bf16):
         for mode in ("token", "group", "group_token_major", "static"):
             name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"
@@ -691,9 +732,11 @@ def interpreter_results() -> dict[str, list[Any]]:
     return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
-_PER_DTYPE = "conv_mixed conv_fused conv_decode gdn_decode gdn_mixed attn_decode_1split attn_decode_splits attn_prefill"
+_PER_DTYPE = ("conv_mixed conv_fused conv_decode conv_long gdn_decode gdn_mixed attn_decode_1split attn_decode_splits "
+              "attn_prefill")
 INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in (*_PER_DTYPE.split(), "store_kv")]
 INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16", "gdn_mixed_bf16_state"]
+INTERP_CHECKS += ["conv_long_grid_of_all_tokens", *(f"{what}_caught" for what in CONV_SABOTAGES)]
 INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
                   for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]

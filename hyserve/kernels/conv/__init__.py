@@ -92,10 +92,13 @@ def causal_conv1d_varlen_triton(
     *,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    block_t: int | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`causal_conv1d_varlen` (also runs under ``TRITON_INTERPRET=1`` on CPU).
 
-    ``out`` optionally supplies the contiguous ``(T, D)`` output buffer (e.g. NaN-poisoned in tests)."""
+    ``out`` optionally supplies the contiguous ``(T, D)`` output buffer (e.g. NaN-poisoned in tests); ``block_t``
+    the tokens a program computes (a power of two; default: 32 for rows longer than 16 tokens, else the longest
+    row's length rounded up), for benchmarks."""
     from hyserve.kernels.conv._triton import _conv1d_fwd_kernel, _conv1d_state_kernel
 
     T, D = x.shape
@@ -109,7 +112,10 @@ def causal_conv1d_varlen_triton(
     if R == 0:
         return out
     mql = T if max_query_len is None else min(int(max_query_len), T)
-    block_t = min(16, next_pow2(max(mql, 1)))
+    # Prefill blocks of 32 tokens (most of them read no window: ``_taps_inside_row``); shorter rows keep their own.
+    if block_t is None:
+        block_t = 32 if mql > 16 else next_pow2(max(mql, 1))
+    assert block_t == next_pow2(block_t), "block_t must be a power of two"
     n_tblocks = max(1, -(-mql // block_t))
     block_d = 256 if block_t <= 4 else 128
     block_d = min(block_d, next_pow2(D))
@@ -117,7 +123,7 @@ def causal_conv1d_varlen_triton(
     fuse = n_tblocks == 1
     w = weight
     qsl = query_start_loc
-    grid = (n_tblocks, R, _cdiv(D, block_d))
+    grid = (n_tblocks * _cdiv(D, block_d), R)
     assert bias is None or bias.shape == (D,), "bias must be (D,)"
     _conv1d_fwd_kernel[grid](
         x, w, w if bias is None else bias, conv_state, state_slots, qsl, out,
@@ -153,7 +159,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         ptrs = dict(x_ptr=f"*{act}", w_ptr=f"*{act}", b_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64",
                     qsl_ptr="*i32", out_ptr=f"*{act}")
         strides = dict(D=i32, sx_t=i32, sx_d=i32, sw_d=i32, sw_k=i32, ss_s=i32, ss_d=i32, ss_k=i32, so_t=i32)
-        for name, block_t, block_d, fuse in (("decode", 1, 256, True), ("prefill", 16, 128, False)):
+        for name, block_t, block_d, fuse in (("decode", 1, 256, True), ("prefill", 32, 128, False)):
             out.append((f"conv_fwd_bias_{name}_{act}", _conv1d_fwd_kernel, {**ptrs, **strides},
                         dict(K=4, KM1_PAD=4, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=True)))
         out.append((f"conv_state_{act}", _conv1d_state_kernel,

@@ -43,28 +43,32 @@ def _roll_state(
 
 
 @triton.jit
-def _conv1d_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
-    D,
-    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t,
-    K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FUSE_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _taps_inside_row(
+    x_ptr, w_ptr, start, tb, offs_d, d_mask, t_mask,
+    sx_t, sx_d, sw_d, sw_k,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Grid (token blocks, R, channel blocks). out = silu(bias + sum_k w[:, k] * window[k]) in fp32 (``b_ptr`` is
-    read only when ``HAS_BIAS``)."""
-    tb = tl.program_id(0)
-    r = tl.program_id(1)
-    db = tl.program_id(2)
-    start = tl.load(qsl_ptr + r).to(tl.int64)
-    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
-    slot = tl.load(slots_ptr + r).to(tl.int64)
-    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < n
+    """The float32 sum ``sum_k w[:, k] * x[t - K + 1 + k]`` of a token block whose every tap lies inside its row (no
+    window read): one pointer per block (64-bit), 32-bit offsets inside it, one mask."""
+    base = x_ptr + (start + tb * BLOCK_T - (K - 1)) * sx_t
+    rows = tl.arange(0, BLOCK_T)
     m = t_mask[:, None] & d_mask[None, :]
-    srow = state_ptr + slot * ss_s + offs_d[None, :] * ss_d
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):
+        xv = tl.load(base + (rows + k)[:, None] * sx_t + offs_d[None, :] * sx_d, mask=m, other=0.0)
+        wk = tl.load(w_ptr + offs_d * sw_d + k * sw_k, mask=d_mask, other=0.0).to(tl.float32)
+        acc += xv.to(tl.float32) * wk[None, :]
+    return acc
 
+
+@triton.jit
+def _taps_at_row_start(
+    x_ptr, w_ptr, srow, start, offs_t, offs_d, d_mask, t_mask,
+    sx_t, sx_d, sw_d, sw_k, ss_k,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The same sum for the row's first token block, whose older taps come from the slot's window ``srow``."""
+    m = t_mask[:, None] & d_mask[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(K):
         rel = offs_t - (K - 1) + k
@@ -73,9 +77,45 @@ def _conv1d_fwd_kernel(
         sv = tl.load(srow + (K - 1 + rel)[:, None] * ss_k, mask=m & (~from_x), other=0.0)
         wk = tl.load(w_ptr + offs_d * sw_d + k * sw_k, mask=d_mask, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wk[None, :]
+    return acc
+
+
+@triton.jit
+def _conv1d_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
+    D,
+    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t,
+    K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FUSE_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Grid (token blocks x channel blocks, R), channel blocks fastest (programs running together read whole rows
+    of ``x``). out = silu(bias + sum_k w[:, k] * window[k]) in fp32 (``b_ptr`` is read only when ``HAS_BIAS``). A
+    token block past its row's end returns at once; one whose taps all lie inside the row (every block but the
+    first of a row, in a long prefill) reads no window (``_taps_inside_row``)."""
+    n_db = tl.cdiv(D, BLOCK_D)
+    db = tl.program_id(0) % n_db
+    tb = tl.program_id(0) // n_db
+    r = tl.program_id(1)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    if tb * BLOCK_T >= n:  # nothing of this row here (an empty row's window, fused or not, is left alone)
+        return
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < n
+    if tb * BLOCK_T >= K - 1:
+        acc = _taps_inside_row(x_ptr, w_ptr, start, tb, offs_d, d_mask, t_mask, sx_t, sx_d, sw_d, sw_k,
+                               K, BLOCK_T, BLOCK_D)
+    else:
+        srow = state_ptr + slot * ss_s + offs_d[None, :] * ss_d
+        acc = _taps_at_row_start(x_ptr, w_ptr, srow, start, offs_t, offs_d, d_mask, t_mask, sx_t, sx_d, sw_d, sw_k,
+                                 ss_k, K, BLOCK_T, BLOCK_D)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
+    m = t_mask[:, None] & d_mask[None, :]
     tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
     if FUSE_STATE:
