@@ -231,5 +231,7 @@ class GatedDeltaNet(ReplayedStateLayer):
                                         vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
                                         vm.rest_query_start_loc_cpu, snaps))
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        # z as (T, Hv, Dv) heads of its strided view: the norm reads it where in_proj wrote it (no copy).
+        out = self.norm(out.reshape(t, self.num_v_heads, self.head_v_dim), z.view(t, self.num_v_heads,
+                                                                                    self.head_v_dim))
         return self.out_proj(out.reshape(t, self.value_dim))

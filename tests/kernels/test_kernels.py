@@ -441,13 +441,19 @@ def _interp_store_kv(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def _interp_norm(dtype: torch.dtype, lead: tuple[int, ...], d: int, gated: bool) -> tuple[bool, str]:
-    """Both norms against their torch references; the input is a strided view (rows wider than D)."""
+    """Both norms against their torch references; the input is a strided view (rows wider than D). With heads
+    (``lead`` of two), the gate is a strided ``(T, H, D)`` view of wider rows, as GDN's z is of the input projection's
+    output, and is read in place (no copy)."""
     from hyserve.kernels.norm import gated_rms_norm_ref, gated_rms_norm_triton, rms_norm_ref, rms_norm_triton
 
     gen = torch.Generator().manual_seed(15 + d)
     wide = (torch.randn(*lead, d + 8, generator=gen) * 3).to(dtype)
     x = wide[..., 4 : 4 + d]  # last stride 1, row stride d + 8
     gate = (torch.randn(*lead, d, generator=gen) * 2).to(dtype)
+    if len(lead) == 2:
+        t, h = lead
+        gate = (torch.randn(t, h * d + 5, generator=gen) * 2).to(dtype)[:, 2 : 2 + h * d].view(t, h, d)
+        assert gate.stride() == (h * d + 5, d, 1)
     w = (torch.randn(d, generator=gen) * 0.5).to(dtype)
     if gated:
         got, want = gated_rms_norm_triton(x, gate, w, 1e-6), gated_rms_norm_ref(x, gate, w, 1e-6)

@@ -174,15 +174,26 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
     d = x.shape[-1]
     assert weight.shape == (d,) and gate.shape == x.shape, "weight must be (D,) and gate shaped like x"
-    x2, g2 = _rows(x), _rows(gate)
+    x2 = _rows(x)
+    g2, heads, s_head = _head_rows(gate)
     n = x2.shape[0]
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n:
         block_d, rows, warps = _launch(d)
         _gated_rms_norm_kernel[(-(-n // rows),)](x2, g2, weight, out, n, d, x2.stride(0), g2.stride(0),
-                                                  out.stride(0), float(eps),
+                                                  out.stride(0), float(eps), heads, s_head,
                                                   ROWS=rows, BLOCK_D=block_d, num_warps=warps)
     return out.view(x.shape)
+
+
+def _head_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``t``'s rows for a kernel that reads row ``n`` at ``(n // heads) * t2.stride(0) + (n % heads) * s_head``:
+    ``(t2, heads, s_head)``. Rows that are one stride apart come as ``(N, D)`` rows (``heads`` 1); a ``(T, H, D)``
+    whose heads are not (a strided view, as GDN's z is of the input projection's output) as its tokens, with the
+    heads' stride, so that nothing is copied."""
+    if t.dim() == 3 and t.stride(-1) == 1 and t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        return t, t.shape[1], t.stride(1)
+    return _rows(t), 1, 0
 
 
 def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,

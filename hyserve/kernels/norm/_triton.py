@@ -76,16 +76,19 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    x_ptr, g_ptr, w_ptr, out_ptr, N, D, sx, sg, so, eps,
+    x_ptr, g_ptr, w_ptr, out_ptr, N, D, sx, sg, so, eps, GH, sg_h,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """``out = (w * norm(x).to(dtype)).to(dtype) * silu(gate)``, as the reference (and transformers) round."""
+    """``out = (w * norm(x).to(dtype)).to(dtype) * silu(gate)``, as the reference (and transformers) round. The gate's
+    row ``n`` is head ``n % GH`` of token ``n // GH`` (strides ``sg``, ``sg_h``): a gate that is a strided view of
+    ``(T, GH, D)`` heads (GDN's z, a slice of the input projection's output) is read where it lies."""
     rows, offs, dmask, mask, x, rstd = _rows_rstd(x_ptr, N, D, sx, eps, ROWS, BLOCK_D)
     dt = out_ptr.dtype.element_ty
     n = (x * rstd[:, None]).to(dt).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=dmask, other=0.0).to(tl.float32)
     o = (w[None, :] * n).to(dt).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None] * sg + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    g_row = (rows // GH).to(tl.int64) * sg + (rows % GH).to(tl.int64) * sg_h
+    g = tl.load(g_ptr + g_row[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     y = o * (g * tl.sigmoid(g))
     tl.store(out_ptr + rows[:, None] * so + offs[None, :], y.to(dt), mask=mask)
 
