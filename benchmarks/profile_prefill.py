@@ -2,7 +2,8 @@
 
 Measures prefill tokens/s over ``--num-prompts`` prompts (one output token each), then profiles the same once with
 the torch profiler and prints the kernels by their share of device time, grouped into families (GEMM, attention,
-GDN, conv, norms, elementwise), as JSON under ``--out``.
+GDN, conv, norms, elementwise), and the device's idle gaps by cause (``trace_gaps.py``: host, sync, device), as
+JSON under ``--out``.
 
     python benchmarks/shapes.py --shape 2b --out /tmp/m2b
     python benchmarks/profile_prefill.py --model /tmp/m2b --out $OUT
@@ -14,12 +15,16 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from trace_gaps import format_gaps, gaps_of_profile  # benchmarks/ is on the path (above)
 
 from hyserve import LLM, SamplingParams
 
@@ -71,9 +76,10 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     prompts = fresh()
-    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         llm.generate(prompts, one, use_tqdm=False)
         torch.cuda.synchronize()
+    gaps = gaps_of_profile(prof, os.path.join(tempfile.mkdtemp(), "trace.json"))
     kernels: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
@@ -89,8 +95,10 @@ def main() -> int:
         "wall_s": wall, "kernel_ms": total,
         "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25]),
+        "gaps": gaps,
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "top_kernels_ms"}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("top_kernels_ms", "gaps")}, indent=1))
+    print(format_gaps(gaps))
     for name, ms in list(result["top_kernels_ms"].items()):
         print(f"{ms:9.2f} ms  {100 * ms / total:5.1f} %  {family(name):11s} {name[:110]}")
     os.makedirs(args.out, exist_ok=True)

@@ -4,7 +4,9 @@ summed, after the same prefill once untimed: compiles, autotuning).
 
 Runs a model to steady decode, then times ``--steps`` engine steps three ways: wall time per step, the GPU kernel
 time per step (torch profiler, sum of device kernel durations), and the host functions that take the most time
-(cProfile, by own time and by cumulative time). A step whose wall time is far above its kernel time is host-bound.
+(cProfile, by own time and by cumulative time). A step whose wall time is far above its kernel time is host-bound;
+the profiled steps' device gaps are put down to the host, a sync or the device (``trace_gaps.py``: ``gaps`` in the
+JSON).
 
     python benchmarks/shapes.py --shape 2b --out /tmp/m2b
     python benchmarks/profile_step.py --model /tmp/m2b --device cuda --dtype bfloat16 --batch 1 --out $OUT
@@ -29,6 +31,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from trace_gaps import format_gaps, gaps_of_profile  # benchmarks/ is on the path (above)
 
 from hyserve import LLM, SamplingParams
 from hyserve.testing import write_tiny_checkpoint
@@ -87,8 +92,9 @@ def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len:
             _sync(device)
         total_ms, total_launches, top_kernels = _kernels(prof)
         kernel_ms, launches = total_ms / steps, total_launches / steps
+        gaps = gaps_of_profile(prof, os.path.join(tempfile.mkdtemp(), "trace.json"))
     else:
-        launches, top_kernels = None, ""
+        launches, top_kernels, gaps = None, "", None
 
     pr = cProfile.Profile()
     pr.enable()
@@ -102,7 +108,7 @@ def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len:
     st.sort_stats("cumulative").print_stats(45)
     eng.abort_request([f"p{i}" for i in range(batch)])
     return {"batch": batch, "wall_ms_per_step": wall * 1e3, "kernel_ms_per_step": kernel_ms,
-            "kernels_per_step": launches, "top_kernels": top_kernels, "cprofile": s.getvalue()}
+            "kernels_per_step": launches, "top_kernels": top_kernels, "gaps": gaps, "cprofile": s.getvalue()}
 
 
 def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: int,
@@ -132,15 +138,17 @@ def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: i
     kernel_ms: float | None = None
     launches: int | None = None
     top_kernels = ""
+    gaps = None
     if device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             prefill("prof")
         kernel_ms, launches, top_kernels = _kernels(prof)
+        gaps = gaps_of_profile(prof, os.path.join(tempfile.mkdtemp(), "trace.json"))
     return {"prefill_prompts": prompts, "prompt_len": prompt_len, "steps": steps, "wall_ms": wall * 1e3,
             "tok_s": prompts * prompt_len / wall, "kernel_ms": kernel_ms, "kernels": launches,
-            "top_kernels": top_kernels}
+            "top_kernels": top_kernels, "gaps": gaps}
 
 
 def _run_apart(batch: int, model: str) -> dict[str, Any]:
@@ -187,6 +195,8 @@ def main() -> None:
         print(f"prefill {args.prefill_prompts} x {args.prompt_len}: {r['steps']} steps, wall {r['wall_ms']:.1f} ms "
               f"({r['tok_s']:.0f} tok/s), kernels {r['kernel_ms']} ms, {r['kernels']} launches", flush=True)
         print(r["top_kernels"])
+        if r["gaps"]:
+            print(format_gaps(r["gaps"]))
         results.append(r)
     batches = [] if args.prefill_prompts else [int(x) for x in args.batch.split(",")]
     for b in batches:
@@ -197,6 +207,8 @@ def main() -> None:
         print(f"batch {b}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']} ms/step, "
               f"{r['kernels_per_step']} kernels/step", flush=True)
         print(r["top_kernels"])
+        if r["gaps"]:
+            print(format_gaps(r["gaps"]))
         print(r["cprofile"][:12000])
         results.append(r)
     if args.out:

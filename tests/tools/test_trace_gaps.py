@@ -1,0 +1,92 @@
+"""``benchmarks/trace_gaps.py``: the device's idle gaps in a profiler trace, each put down to its cause. Synthetic
+traces in the chrome format torch's profiler writes (kernels with their launch's correlation id, the runtime and
+driver calls, the host ops), with one gap of each kind planted at a known place and length, and a real trace of the
+CPU profiler (no device events) read without error."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import trace_gaps
+
+TID = 11
+
+
+def op(name: str, ts: float, dur: float) -> dict[str, Any]:
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": TID, "ts": ts, "dur": dur}
+
+
+def launch(corr: int, ts: float, name: str = "cudaLaunchKernel", cat: str = "cuda_runtime") -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": TID, "ts": ts, "dur": 2.0,
+            "args": {"correlation": corr}}
+
+
+def kernel(corr: int, ts: float, dur: float, cat: str = "kernel") -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": f"k{corr}", "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+            "args": {"correlation": corr, "stream": 7}}
+
+
+def planted() -> list[dict[str, Any]]:
+    """Kernels 1-6 on one stream. Gaps: 1 -> 2 none (back to back); 2 -> 3: 40 us, the host in ``aten::item`` in a
+    stream sync that returned inside the gap, then launching from ``aten::index_select`` (a sync); 3 -> 4: 100 us, the
+    host busy in ``hyserve::prepare`` when the device ran dry, launching from ``aten::mm`` after it (the host);
+    4 -> 5: 30 us, launched long before, started late (the device); 5 -> 6 a 3 us gap, under the threshold; 6 a copy
+    launched by a Triton kernel's driver call after the device ran dry."""
+    ev: list[dict[str, Any]] = []
+    ev += [op("aten::mm", 0, 5), launch(1, 1), kernel(1, 10, 50)]
+    ev += [op("aten::mm", 6, 5), launch(2, 7), kernel(2, 60, 40)]                # busy 10 .. 100
+    ev += [op("aten::item", 20, 125), {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "pid": 1,
+                                       "tid": TID, "ts": 22, "dur": 110}]         # returns at 132, in the gap
+    ev += [op("aten::index_select", 136, 6), launch(3, 138), kernel(3, 140, 20)]  # gap 100 .. 140 (40 us): sync
+    ev += [op("hyserve::prepare", 150, 105), op("aten::mm", 258, 5), launch(4, 259)]
+    ev += [kernel(4, 260, 30)]                                                   # gap 160 .. 260 (100 us): host
+    ev += [op("aten::add", 265, 4), launch(5, 266), kernel(5, 320, 10)]         # gap 290 .. 320 (30 us): device
+    ev += [op("triton_launch", 330, 4), launch(6, 331, "cuLaunchKernelEx", "cuda_driver")]
+    ev += [kernel(6, 333, 5, "gpu_memcpy")]                                      # gap 330 .. 333 (3 us): ignored
+    return ev
+
+
+def test_each_planted_gap_is_found_and_put_down_to_its_cause() -> None:
+    rep = trace_gaps.device_gaps(planted(), min_gap_us=5.0)
+    assert rep["gaps"] == 3
+    assert rep["window_us"] == pytest.approx(328.0)
+    assert rep["busy_us"] == pytest.approx(50 + 40 + 20 + 30 + 10 + 5)
+    assert rep["idle_us"] == pytest.approx(328.0 - 155.0)
+    assert rep["by_kind_us"] == pytest.approx({"host": 100.0, "sync": 40.0, "device": 30.0})
+    rows = {r["kind"]: r for r in rep["top"]}
+    assert [r["kind"] for r in rep["top"]] == ["host", "sync", "device"]  # the largest first
+    assert rows["host"]["launched_by"] == "aten::mm" and rows["host"]["host_at_idle"] == "hyserve::prepare"
+    assert rows["sync"]["launched_by"] == "aten::index_select"
+    assert rows["sync"]["host_at_idle"] == "aten::item (cudaStreamSynchronize)"
+    assert rows["device"]["launched_by"] == "aten::add" and rows["device"]["count"] == 1
+    text = trace_gaps.format_gaps(rep)
+    assert "hyserve::prepare" in text and "sync" in text
+
+
+def test_a_lower_threshold_counts_the_short_gap() -> None:
+    rep = trace_gaps.device_gaps(planted(), min_gap_us=1.0)
+    assert rep["gaps"] == 4
+    assert rep["by_kind_us"]["host"] == pytest.approx(103.0)  # the copy's launch came after the device ran dry
+
+
+def test_overlapping_streams_are_busy_time_not_gaps() -> None:
+    """A kernel on a second stream that runs inside another's span leaves no gap and adds no busy time twice."""
+    ev = [launch(1, 0), kernel(1, 10, 100), launch(2, 1), kernel(2, 20, 30), launch(3, 2), kernel(3, 110, 10)]
+    rep = trace_gaps.device_gaps(ev)
+    assert rep["gaps"] == 0 and rep["busy_us"] == pytest.approx(110.0) and rep["idle_us"] == pytest.approx(0.0)
+
+
+def test_a_cpu_only_profile_reads_as_no_device_time(tmp_path: Any) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8).add_(1).sum()
+    rep = trace_gaps.gaps_of_profile(prof, str(tmp_path / "t.json"))
+    assert rep["gaps"] == 0 and rep["window_us"] == 0.0 and rep["top"] == []
