@@ -17,6 +17,14 @@ def device_tensor(values: Sequence[int] | Sequence[float] | Sequence[bool], devi
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without stalling the host, as :func:`device_tensor` (pinned, non-blocking)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n <= 1``): Triton block sizes."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -25,10 +25,13 @@ production; a sync on CUDA, where they are yardsticks).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["group_tokens", "length_groups", "nonempty_rows", "row_index"]
+from hyserve.utils import host_to_device
+
+__all__ = ["ChunkedRows", "group_tokens", "length_groups", "nonempty_rows", "row_index"]
 
 
 def row_index(query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,4 +86,52 @@ def nonempty_rows(state_slots: torch.Tensor, query_start_loc: torch.Tensor, quer
     keep_cpu = torch.nonzero(nonempty).squeeze(1)
     qsl_cpu = torch.cat([qsl_cpu[:1], qsl_cpu[1:][keep_cpu]])
     device = query_start_loc.device
-    return slots[keep_cpu.to(device, non_blocking=True)], qsl_cpu.to(device, non_blocking=True), qsl_cpu
+    # Through pinned memory: a copy from pageable memory waits for the stream to drain.
+    return slots[host_to_device(keep_cpu, device)], host_to_device(qsl_cpu, device), qsl_cpu
+
+
+@dataclass(slots=True)
+class ChunkedRows:
+    """A step's rows as its chunked (prefill) kernels take them, worked out once a step and shared by every
+    recurrent layer: the non-empty rows' slots and their offsets ``cu_seqlens`` on the device and on the host (see
+    :func:`nonempty_rows`). The same tensor objects reach every layer, so fla-core's memo of what it derives from
+    them (its chunk indices and offsets, kept by the arguments' identity) serves every layer after the first, where
+    fresh offsets a layer made its work (host work, small launches and a copy to the device) again. Built per step
+    (``StepMetadata``), never reused across steps, whose rows differ."""
+
+    slots: torch.Tensor  # (N,) int64, device
+    cu_seqlens: torch.Tensor  # (N + 1,) int64, device
+    cu_seqlens_cpu: torch.Tensor | None  # (N + 1,) int64, host
+    _chunk_indices: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+           query_start_loc_cpu: torch.Tensor | None) -> ChunkedRows:
+        return cls(*nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu))
+
+    def chunk_indices(self, chunk: int) -> torch.Tensor | None:
+        """The rows' chunks of ``chunk`` tokens as fla-core's ``prepare_chunk_indices`` lays them out (``(NT, 2)``
+        int64 on the device: row ``n``'s chunk ``j`` as ``[n, j]``, rows in order), made once from the host's offsets
+        and copied through pinned memory, so no layer waits for the device (fla's own, given the host's offsets,
+        copies them from pageable memory: a wait for the stream to drain, per call); None without the host's
+        offsets."""
+        if self.cu_seqlens_cpu is None:
+            return None
+        got = self._chunk_indices.get(chunk)
+        if got is None:
+            lens = self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]
+            counts = (lens + chunk - 1) // chunk
+            seg = torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.int64), counts)
+            first = torch.cumsum(counts, 0) - counts  # each row's first chunk among all
+            intra = torch.arange(seg.numel(), dtype=torch.int64) - first[seg]
+            got = host_to_device(torch.stack([seg, intra], 1), self.cu_seqlens.device)
+            self._chunk_indices[chunk] = got
+        return got
+
+    def num_chunks(self, chunk: int) -> int | None:
+        """The rows' chunks of ``chunk`` tokens in all (``sum(ceil(len / chunk))``), from the host's offsets (None
+        without them)."""
+        if self.cu_seqlens_cpu is None:
+            return None
+        lens = self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]
+        return int(((lens + chunk - 1) // chunk).sum())

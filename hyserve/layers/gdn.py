@@ -216,7 +216,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         if vm is None:
             out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
-                              meta.max_query_len, meta.query_start_loc_cpu, snaps)
+                              meta.max_query_len, meta.query_start_loc_cpu, snaps, meta.chunked_rows)
         else:
             assert self.stash is not None, "verify scratch not bound"
             tv = vm.num_tokens
@@ -229,7 +229,7 @@ class GatedDeltaNet(ReplayedStateLayer):
             if tv < t:
                 outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
                                         vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
-                                        vm.rest_query_start_loc_cpu, snaps))
+                                        vm.rest_query_start_loc_cpu, snaps, vm.rest_chunked_rows))
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
         # z as (T, Hv, Dv) heads of its strided view: the norm reads it where in_proj wrote it (no copy).
         out = self.norm(out.reshape(t, self.num_v_heads, self.head_v_dim), z.view(t, self.num_v_heads,

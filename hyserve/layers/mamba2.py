@@ -48,6 +48,7 @@ from hyserve.distributed.parallel_state import all_reduce, shard_range, tp_rank,
 from hyserve.kernels.conv import causal_conv1d_varlen, causal_conv1d_verify, snapshot_conv_windows
 from hyserve.kernels.mamba2 import MAMBA2_STASH_NAMES, mamba2_replay, mamba2_scan, mamba2_stash_shapes
 from hyserve.kernels.norm import gated_sum_squares, grouped_gated_rms_norm, silu_gate
+from hyserve.kernels.varlen import ChunkedRows
 from hyserve.layers.linear import Linear, RowParallelLinear
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.replayed_state import ReplayedStateLayer
@@ -272,24 +273,26 @@ class Mamba2Mixer(ReplayedStateLayer):
         weight = self.conv1d.weight.squeeze(1)
         bias = self.conv1d.bias
         vm = meta.verify
-        # (token range, rows' slots, offsets, longest row, verify?, the host's offsets or None) of the step's parts: a
-        # verify step's verify rows, then its other rows.
-        parts: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool, torch.Tensor | None]] = []
+        # (token range, rows' slots, offsets, longest row, verify?, the host's offsets or None, the rows as the
+        # chunked path takes them or None) of the step's parts: a verify step's verify rows, then its other rows.
+        parts: list[tuple[int, int, torch.Tensor, torch.Tensor, int, bool, torch.Tensor | None,
+                          ChunkedRows | None]] = []
         if vm is None:
             assert meta.max_query_len is not None
             parts.append((0, t, meta.state_slots, meta.query_start_loc, meta.max_query_len, False,
-                          meta.query_start_loc_cpu))
+                          meta.query_start_loc_cpu, meta.chunked_rows))
         else:
             # Verify rows of one token each (no drafts) advance their slots in place (verifies_one_token_rows_in_place).
             in_place = vm.max_query_len == 1
-            parts.append((0, vm.num_tokens, vm.state_slots, vm.query_start_loc, vm.max_query_len, not in_place, None))
+            parts.append((0, vm.num_tokens, vm.state_slots, vm.query_start_loc, vm.max_query_len, not in_place, None,
+                          None))
             if vm.num_tokens < t:
                 parts.append((vm.num_tokens, t, vm.rest_state_slots, vm.rest_query_start_loc,
-                              vm.rest_max_query_len, False, vm.rest_query_start_loc_cpu))
+                              vm.rest_max_query_len, False, vm.rest_query_start_loc_cpu, vm.rest_chunked_rows))
         # A step of two parts has them write one output (no concatenation after).
         y = None if len(parts) == 1 else torch.empty((t, self.num_heads, self.head_dim), dtype=torch.float32,
                                                       device=x.device)
-        for lo, hi, slots, qsl, longest, verify, qsl_cpu in parts:
+        for lo, hi, slots, qsl, longest, verify, qsl_cpu, rows in parts:
             snaps = meta.row_snapshots if vm is None or lo > 0 else None  # (the prefill rows' part)
             if verify:
                 assert self.verify_scratch is not None, "verify scratch not bound"
@@ -308,7 +311,8 @@ class Mamba2Mixer(ReplayedStateLayer):
                                cs.reshape(m, self.n_groups, self.state_size), self.D, self.dt_bias, self.dt_limit,
                                ssm_state, slots, qsl, longest,
                                self.stash if verify else None,
-                               query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi], snapshots=snaps)
+                               query_start_loc_cpu=qsl_cpu, out=None if y is None else y[lo:hi], snapshots=snaps,
+                               rows=rows)
             y = part if y is None else y
         assert y is not None
         return self.out_proj(self.gate(y.reshape(t, self.intermediate), z, x.dtype))

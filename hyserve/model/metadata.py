@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyserve.kernels.varlen import ChunkedRows
 from hyserve.utils import device_tensor
 
 
@@ -38,6 +39,9 @@ class VerifyMetadata:
     # The host's copy of rest_query_start_loc (prefill kernels read it instead of waiting for the device); None in
     # captured graphs.
     rest_query_start_loc_cpu: torch.Tensor | None = None
+    # The rest rows as the chunked kernels take them, once for every layer (steps whose rest rows hold a prefill
+    # chunk; None: each layer works them out).
+    rest_chunked_rows: ChunkedRows | None = None
 
 
 @dataclass(slots=True)
@@ -133,6 +137,9 @@ class StepMetadata:
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # Prefix-cache snapshots inside this step's prefill rows (eager steps only; None: none).
     row_snapshots: RowSnapshots | None = None
+    # The rows as the chunked (prefill) kernels take them, worked out once for every recurrent layer (eager steps
+    # with a prefill chunk and no verify rows; None: each layer works them out).
+    chunked_rows: ChunkedRows | None = None
 
     @property
     def rotary_positions(self) -> torch.Tensor:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hyserve.cache.block_pool import BlockPool, cdiv
+from hyserve.kernels.varlen import ChunkedRows
 from hyserve.model.metadata import RowSnapshots, StepMetadata, VerifyMetadata
 from hyserve.scheduler.output import PREVIOUS_DRAFT, PREVIOUS_SAMPLED, ScheduledRow
 from hyserve.worker.mm_inputs import ImageRow, MMInputs
@@ -230,23 +231,28 @@ class InputBatch:
     def metadata(self, step: FilledStep) -> StepMetadata:
         """The metadata of a filled step (of its real rows only, when padded)."""
         views, r, num_verify = step.views, step.num_rows, step.num_verify
+        qsl_cpu = self.host_bufs["query_start_loc"][: r + 1] if not step.padded else None
         meta = StepMetadata(
             positions=views["positions"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
             state_slots=views["state_slots"],
             block_tables=views["block_tables"][:, : cdiv(step.max_seq_len, self.block_size)],
             slot_mapping=views["slot_mapping"], max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
-            query_start_loc_cpu=self.host_bufs["query_start_loc"][: r + 1] if not step.padded else None,
+            query_start_loc_cpu=qsl_cpu,
         )
+        if not num_verify and qsl_cpu is not None and step.max_query_len > 1:
+            meta.chunked_rows = ChunkedRows.of(views["state_slots"], views["query_start_loc"], qsl_cpu)
         if num_verify:
             slots = views["state_slots"]
+            rest_cpu = self.host_bufs["rest_query_start_loc"][: r - num_verify + 1] if not step.padded else None
             meta.verify = VerifyMetadata(
                 num_rows=num_verify, num_tokens=step.num_verify_tokens, max_query_len=step.max_query_len_verify,
                 query_start_loc=views["query_start_loc"][: num_verify + 1], state_slots=slots[:num_verify],
                 rest_query_start_loc=views["rest_query_start_loc"], rest_state_slots=slots[num_verify:],
-                rest_max_query_len=step.rest_max_query_len,
-                rest_query_start_loc_cpu=self.host_bufs["rest_query_start_loc"][: r - num_verify + 1]
-                if not step.padded else None,
+                rest_max_query_len=step.rest_max_query_len, rest_query_start_loc_cpu=rest_cpu,
             )
+            if rest_cpu is not None and step.rest_max_query_len > 1:
+                meta.verify.rest_chunked_rows = ChunkedRows.of(slots[num_verify:], views["rest_query_start_loc"],
+                                                               rest_cpu)
         if step.row_snaps:
             assert not step.padded, "a step with snapshots inside its rows runs eagerly"
             snaps = step.row_snaps

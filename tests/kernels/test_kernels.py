@@ -883,6 +883,40 @@ if __name__ == "__main__":
         print_results(results)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gdn_prefill_with_the_steps_rows_takes_no_sync() -> None:
+    """GDN's chunked prefill (fla-core) given the step's rows (``ChunkedRows``: the host's offsets, fla's chunk
+    indices made on the host and copied through pinned memory) waits for nothing, and gives bit for bit what it gives
+    working its rows out itself; the chunk indices are fla's own."""
+    pytest.importorskip("fla")
+    from fla.ops.utils import prepare_chunk_indices
+
+    from hyserve.kernels.varlen import ChunkedRows
+    from hyserve.testing.cuda import no_sync
+
+    bf16 = torch.bfloat16
+    lens = [1, 0, 300, 1, 70, 5, 64]
+    p = gdn_problem(lens, Hk=16, Hv=32, Dk=128, Dv=128, pool=64, dtype=bf16, seed=26)
+    qsl_cpu = p["query_start_loc"].clone()
+    runs = []
+    for with_rows in (False, True):
+        for attempt in range(2):  # the first compiles and autotunes
+            g = to_device(p, "cuda")
+            rows = ChunkedRows.of(g["state_slots"], g["query_start_loc"], qsl_cpu) if with_rows else None
+            torch.cuda.synchronize()
+            if with_rows and attempt == 1:
+                assert rows is not None
+                want_idx = prepare_chunk_indices(rows.cu_seqlens, 64, cu_seqlens_cpu=rows.cu_seqlens_cpu)
+                assert torch.equal(rows.chunk_indices(64), want_idx), "the chunk indices are not fla's"
+                with no_sync():
+                    out = gdn_forward(**g, query_start_loc_cpu=qsl_cpu, rows=rows)
+            else:
+                out = gdn_forward(**g, query_start_loc_cpu=qsl_cpu, rows=rows)
+            torch.cuda.synchronize()
+        runs.append((out.cpu(), g["ssm_state"].cpu()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
 @pytest.mark.parametrize("block_d", [64, 128, 256])
 def test_attention_tiles_fit_shared_memory(block_d: int) -> None:
     """float32 tiles at D=256 overflowed Hopper's 227 KiB of shared memory (seen on an H200 with the 2B shape):

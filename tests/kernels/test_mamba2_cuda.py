@@ -7,7 +7,8 @@
 * The fla path's passes before and after fla (``hyserve.kernels.mamba2.chunked``) against their torch formulation on
   CUDA, without a host sync: B / C expanded and the states gathered exactly, ``g`` and ``v`` within float32 ulps
   (``v`` rounded), the skip within an FMA's rounding, the states stored exactly; the fla path writing into a slice of
-  a NaN-poisoned buffer (a verify step's rest rows).
+  a NaN-poisoned buffer (a verify step's rest rows); with the step's rows worked out once and the pinned fla-core,
+  fla's stages run without a host sync and equal fla's public entry bit for bit.
 * The conv with its bias (varlen and verify) on CUDA against its CPU reference.
 * The whole ``Mamba2Mixer``: prefill chunks, then one decode and one verify step eager under
   ``torch.cuda.set_sync_debug_mode("error")``, then a decode step and a verify step captured in CUDA graphs and
@@ -193,6 +194,53 @@ def test_chunked_passes_match_the_torch_formulation_without_sync(dtype: torch.dt
     torch.cuda.synchronize()
     close("y", got_y, want_y, 1e-6)
     assert torch.equal(p["ssm_state"], want_state), "the stored states differ from the torch formulation's"
+
+
+def test_fla_stages_with_the_steps_rows_take_no_sync_and_equal_the_public_entry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the step's rows worked out once (``ChunkedRows``, host offsets) and the pinned fla-core, the fla path runs
+    fla's stages itself, ``chunk_fwd_h``'s kernel launched with the host's chunk count: no host sync (the public
+    entry's ``.item()`` gone), and outputs and states bit for bit those of fla's public entry."""
+    from hyserve.kernels.fla_stages import fla_row_snapshots_unavailable
+    from hyserve.kernels.mamba2 import chunked
+    from hyserve.kernels.varlen import ChunkedRows
+
+    reason = fla_row_snapshots_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    lens = [1, 130, 0, 17, 64, 65]
+    p = scan_problem(lens, BF16, F32, seed=33)
+    want_state = p["ssm_state"].clone()
+    want = mamba2_scan_ref(**{**p, "ssm_state": want_state})
+    runs = {}
+    for way in ("stages", "public"):
+        dev = to(p, "cuda")
+        dev.pop("max_query_len")
+        rows = ChunkedRows.of(dev["state_slots"], dev["query_start_loc"], p["query_start_loc"])
+        assert rows.num_chunks(64) == 1 + 3 + 1 + 1 + 2
+        from fla.ops.utils import prepare_chunk_indices
+
+        want_idx = prepare_chunk_indices(rows.cu_seqlens, 64, cu_seqlens_cpu=rows.cu_seqlens_cpu)
+        assert torch.equal(rows.chunk_indices(64), want_idx), "the chunk indices are not fla's"
+        if way == "public":
+            monkeypatch.setattr(chunked, "fla_row_snapshots_unavailable", lambda: "the public entry, for the test")
+        chunked.mamba2_scan_fla(**dev, query_start_loc_cpu=p["query_start_loc"], rows=rows)  # compiles, autotunes
+        dev = to(p, "cuda")
+        dev.pop("max_query_len")
+        rows = ChunkedRows.of(dev["state_slots"], dev["query_start_loc"], p["query_start_loc"])
+        torch.cuda.synchronize()
+        if way == "stages":
+            with no_sync():
+                got = chunked.mamba2_scan_fla(**dev, query_start_loc_cpu=p["query_start_loc"], rows=rows)
+        else:
+            got = chunked.mamba2_scan_fla(**dev, query_start_loc_cpu=p["query_start_loc"], rows=rows)
+        torch.cuda.synchronize()
+        runs[way] = (got, dev["ssm_state"])
+    monkeypatch.undo()
+    close("fla stages y", runs["stages"][0], want, 2e-2)
+    close("fla stages state", runs["stages"][1], want_state, 1e-2)
+    assert torch.equal(runs["stages"][0], runs["public"][0]), "the stages' y differs from fla's public entry's"
+    assert torch.equal(runs["stages"][1], runs["public"][1]), "the stages' states differ from fla's public entry's"
 
 
 def test_fla_path_into_a_buffer() -> None:

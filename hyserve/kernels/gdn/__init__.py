@@ -45,7 +45,7 @@ from hyserve.kernels.fla_stages import FLA_CHUNK, FLA_PINNED_VERSION, require_pi
 from hyserve.kernels.gdn.reference import gdn_forward_ref
 from hyserve.kernels.gdn.verify import gdn_verify
 from hyserve.kernels.norm import l2_norm_heads
-from hyserve.kernels.varlen import nonempty_rows
+from hyserve.kernels.varlen import ChunkedRows
 from hyserve.utils import next_pow2
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ def gdn_forward(
     max_query_len: int,
     query_start_loc_cpu: torch.Tensor | None = None,
     snapshots: RowSnapshots | None = None,
+    rows: ChunkedRows | None = None,
 ) -> torch.Tensor:
     """Gated delta rule from each row's slot state; writes final states back in place. Returns ``(T, Hv, Dv)``.
 
@@ -86,6 +87,8 @@ def gdn_forward(
         query_start_loc_cpu: the host's copy of ``query_start_loc`` if it has one (the chunked path then needs no
             device->host sync).
         snapshots: states inside rows to write into pool entries of ``ssm_state`` (see the module docstring).
+        rows: the same rows as the chunked path takes them, worked out once a step for every layer (the step's
+            ``ChunkedRows``); None: worked out here.
     """
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
     if snapshots is not None and not snapshots.num:
@@ -102,7 +105,7 @@ def gdn_forward(
             advance_snapshots(q, k, v, g, beta, base, snapshots, 0, ssm_state)
         return out
     return gdn_forward_fla(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, query_start_loc_cpu,
-                           snapshots)
+                           snapshots, rows)
 
 
 def advance_snapshots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -188,20 +191,25 @@ def gdn_forward_fla(
     query_start_loc: torch.Tensor,
     query_start_loc_cpu: torch.Tensor | None = None,
     snapshots: RowSnapshots | None = None,
+    rows: ChunkedRows | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule through fla-core (CUDA only).
 
     Empty rows are dropped first (fla gets only rows with tokens); their slots are not touched. With
     ``query_start_loc_cpu`` (the host's copy of the row offsets) neither this nor fla waits for the device;
     without it, both do. With ``snapshots`` the per-chunk states are kept (``fla_chunk_forward_with_states``) and
-    each snapshot is advanced from the one before its position (``advance_snapshots``).
+    each snapshot is advanced from the one before its position (``advance_snapshots``). ``rows``: the non-empty
+    rows worked out once a step (the same objects for every layer, so that fla-core's memo of its chunk indices
+    serves them all); None: worked out here.
     """
     chunk_gated_delta_rule = _import_fla_chunk() if snapshots is None else fla_chunk_forward_with_states
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
     if T == 0 or state_slots.shape[0] == 0:
         return torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    slots, cu_seqlens, qsl_cpu = nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu)
+    if rows is None:
+        rows = ChunkedRows.of(state_slots, query_start_loc, query_start_loc_cpu)
+    slots, cu_seqlens, qsl_cpu = rows.slots, rows.cu_seqlens, rows.cu_seqlens_cpu
     dt = v.dtype
     # q and k are l2-normed here rather than inside fla: its l2norm kernel autotunes per bucket of token counts, so
     # each new bucket met while serving stalled a step on a benchmark of 25 configurations (measured on an H200).
@@ -222,6 +230,7 @@ def gdn_forward_fla(
         use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=qsl_cpu,
+        chunk_indices=rows.chunk_indices(FLA_CHUNK),
     )
     o, final = res[0], res[1]
     if snapshots is not None:
@@ -237,13 +246,15 @@ def gdn_forward_fla(
 def fla_chunk_forward_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, *, scale: float, initial_state: torch.Tensor,
                                   output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-                                  cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None
+                                  cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None,
+                                  chunk_indices: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fla-core 0.6.0's ``chunk_gated_delta_rule`` forward (``ChunkGatedDeltaRuleFunction.forward`` ->
     ``chunk_gated_delta_rule_fwd`` without the gate, l2norm or beta-sigmoid options, state ``[K, V]``), stage by
     stage, returning the per-chunk states ``h`` too: ``(o, final_state, h)``, ``h`` of shape ``(1, NT, Hv, Dk, Dv)``
     in ``k``'s dtype, chunk ``chunk_offsets[n] + j`` holding sequence n's state before its token ``j * 64``.
-    Refuses any other fla-core version: these are internal functions whose signatures change between releases."""
+    Refuses any other fla-core version: these are internal functions whose signatures change between releases.
+    ``chunk_indices``: fla's chunk indices made by the caller (``ChunkedRows.chunk_indices``); None: fla's own."""
     require_pinned_fla()
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
@@ -255,7 +266,8 @@ def fla_chunk_forward_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     initial_state = initial_state.contiguous()
     bt = FLA_CHUNK
-    chunk_indices = prepare_chunk_indices(cu_seqlens, bt, cu_seqlens_cpu=cu_seqlens_cpu)
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, bt, cu_seqlens_cpu=cu_seqlens_cpu)
     # Given explicitly: fla's alternative fwd_h backends (intra-card context parallel) then decline the call, and
     # h keeps the layout above.
     chunk_offsets = prepare_chunk_offsets(cu_seqlens, bt)

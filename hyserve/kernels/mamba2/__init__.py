@@ -59,6 +59,7 @@ from hyserve.kernels.mamba2.verify import (
 )
 
 if TYPE_CHECKING:
+    from hyserve.kernels.varlen import ChunkedRows
     from hyserve.model.metadata import RowSnapshots
 
 __all__ = ["MAMBA2_RECURRENT_MAX_QUERY_LEN", "MAMBA2_STASH_NAMES", "SSM_STATE_DTYPES", "advance_snapshots",
@@ -87,6 +88,7 @@ def mamba2_scan(
     query_start_loc_cpu: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     snapshots: RowSnapshots | None = None,
+    rows: ChunkedRows | None = None,
 ) -> torch.Tensor:
     """``y`` (T, H, P) float32 for ``x`` (T, H, P), ``dt`` (T, H) before its bias and softplus, ``A_log`` (H,) (the
     weight itself: every path computes ``A = -exp(A_log)`` in float32 as it reads it), ``B`` and ``C`` (T, G, N),
@@ -99,7 +101,9 @@ def mamba2_scan(
     ``>=`` the longest row (it picks the path without a device->host sync); ``query_start_loc_cpu``: the host's copy
     of ``query_start_loc`` if it has one (fla's chunked path then needs fewer syncs). ``out``: a ``(T, H, P)``
     float32 buffer (last dim contiguous) that takes ``y`` and is returned (a verify step's parts write one buffer).
-    ``snapshots``: states inside rows to write into pool entries (see the module docstring; not with ``stash``)."""
+    ``snapshots``: states inside rows to write into pool entries (see the module docstring; not with ``stash``).
+    ``rows``: the rows as fla's chunked path takes them, worked out once a step for every layer (the step's
+    ``ChunkedRows``; None: worked out here)."""
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
     if snapshots is not None and not snapshots.num:
         snapshots = None
@@ -127,9 +131,9 @@ def mamba2_scan(
         return y
     if snapshots is None:
         return mamba2_scan_fla(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                               query_start_loc_cpu, out=out)
+                               query_start_loc_cpu, out=out, rows=rows)
     y, h = mamba2_scan_fla(x, dt, A_log, B, C, D, dt_bias, dt_limit, ssm_state, state_slots, query_start_loc,
-                           query_start_loc_cpu, out=out, keep_chunk_states=True)
+                           query_start_loc_cpu, out=out, keep_chunk_states=True, rows=rows)
     # fla's chunks are the non-empty rows' back to back: RowSnapshots.tails' chunk layout (see hyserve.kernels.gdn).
     assert h is not None
     base = h[0].index_select(0, snapshots.tails(FLA_CHUNK).chunk_index).float()

@@ -19,8 +19,11 @@ Why ``k`` and ``q`` are expanded to heads: fla-core 0.6.0's ``chunk_fwd_h`` take
 ``v`` with it (one key head a value head), and ``chunk_fwd_o`` reads ``q`` and ``k`` with one head count, so neither
 can read B / C per group; the expansion is written once, by the input pass.
 
-fla-core 0.6.0's ``chunk_fwd_h`` reads its chunk count with one ``.item()``: a prefill step through fla waits for the
-device once, whatever ``query_start_loc_cpu`` (which spares the other syncs). Prefill steps are not captured.
+fla-core 0.6.0's ``chunk_fwd_h`` reads its chunk count with one ``.item()``: through fla's public entry each Mamba2
+layer of a prefill step waits for the device there, whatever ``query_start_loc_cpu``. With the pinned fla-core and
+the host's offsets, the path runs fla's stages itself (:func:`fla_simple_gla_with_states`) and launches
+``chunk_fwd_h``'s kernel with the count worked out on the host (``ChunkedRows.num_chunks``): no sync. Prefill steps
+are not captured.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from typing import Any
 
 import torch
 
-from hyserve.kernels.fla_stages import FLA_CHUNK, FLA_PINNED_VERSION, require_pinned_fla
+from hyserve.kernels.fla_stages import FLA_CHUNK, FLA_PINNED_VERSION, fla_row_snapshots_unavailable, require_pinned_fla
 from hyserve.kernels.mamba2.verify import state_tile
-from hyserve.kernels.varlen import nonempty_rows
+from hyserve.kernels.varlen import ChunkedRows
 from hyserve.utils import next_pow2
 
 __all__ = ["FLA_CHUNK", "FLA_PINNED_VERSION", "chunked_tiles", "fla_simple_gla_with_states", "mamba2_chunked_inputs",
@@ -146,37 +149,54 @@ def mamba2_scan_fla(
     *,
     out: torch.Tensor | None = None,
     keep_chunk_states: bool = False,
+    rows: ChunkedRows | None = None,
 ) -> Any:
     """Chunked Mamba2 scan through fla-core's ``chunk_simple_gla`` (CUDA only; ``x`` in bf16 / fp16), arguments as
     :func:`hyserve.kernels.mamba2.mamba2_scan`'s.
 
     Empty rows are dropped first (fla gets only rows with tokens); their slots are not touched. Without
     ``query_start_loc_cpu`` picking the non-empty rows waits for the device too. ``keep_chunk_states``: returns
-    ``(y, h)``, ``h`` fla's per-chunk states (``fla_simple_gla_with_states``; None for an empty step)."""
-    chunk_simple_gla = _import_fla_simple_gla() if not keep_chunk_states else fla_simple_gla_with_states
+    ``(y, h)``, ``h`` fla's per-chunk states (``fla_simple_gla_with_states``; None for an empty step). ``rows``: the
+    non-empty rows worked out once a step (the same objects for every layer: fla-core's memo of its chunk indices
+    serves them all); None: worked out here. With the host's offsets and the pinned fla-core, fla's stages run
+    here without a sync (the module docstring); otherwise through fla's public entry."""
     t, h, p = x.shape
     if t == 0 or state_slots.shape[0] == 0:
         y = torch.zeros((t, h, p), dtype=torch.float32, device=x.device) if out is None else out.zero_()
         return (y, None) if keep_chunk_states else y
-    slots, cu_seqlens, qsl_cpu = nonempty_rows(state_slots, query_start_loc, query_start_loc_cpu)
+    if rows is None:
+        rows = ChunkedRows.of(state_slots, query_start_loc, query_start_loc_cpu)
+    slots, cu_seqlens, qsl_cpu = rows.slots, rows.cu_seqlens, rows.cu_seqlens_cpu
     q, k, v, g, h0 = mamba2_chunked_inputs(x, dt, A_log, B, C, dt_bias, dt_limit, ssm_state, slots)
-    res = chunk_simple_gla(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), scale=1.0, initial_state=h0,
-        output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=qsl_cpu,
-    )  # fmt: skip
+    num_chunks = rows.num_chunks(FLA_CHUNK)
+    if keep_chunk_states or (num_chunks is not None and fla_row_snapshots_unavailable() is None):
+        res = fla_simple_gla_with_states(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), scale=1.0, initial_state=h0,
+            output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=qsl_cpu,
+            num_chunks=num_chunks, chunk_indices=rows.chunk_indices(FLA_CHUNK),
+        )  # fmt: skip
+    else:
+        res = _import_fla_simple_gla()(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g=g.unsqueeze(0), scale=1.0, initial_state=h0,
+            output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=qsl_cpu,
+        )  # fmt: skip
     y = mamba2_chunked_output(res[0][0], x, D, res[1], ssm_state, slots, out=out)
     return (y, res[2]) if keep_chunk_states else y
 
 
 def fla_simple_gla_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor, scale: float,
                                initial_state: torch.Tensor, output_final_state: bool, state_v_first: bool,
-                               cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None
+                               cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None,
+                               num_chunks: int | None = None, chunk_indices: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fla-core 0.6.0's ``chunk_simple_gla`` forward (``ChunkSimpleGLAFunction.forward``: chunk indices, the gate's
     chunk-local cumsum in log2, ``chunk_simple_gla_fwd``'s ``chunk_fwd_h`` and ``chunk_fwd_o``) stage by stage,
     returning the per-chunk states too: ``(o, final_state, h)``, ``h`` ``(1, NT, H, P, N)`` (``state_v_first``) in
     ``k``'s dtype, chunk ``chunk_offsets[n] + j`` holding sequence n's state before its token ``j * 64``. Refuses any
-    other fla-core version: these are internal functions whose signatures change between releases."""
+    other fla-core version: these are internal functions whose signatures change between releases. ``num_chunks``:
+    the rows' chunk count ``NT`` from the host, with which ``chunk_fwd_h``'s kernel is launched here without the
+    ``.item()`` its wrapper reads it with (:func:`_fla_chunk_fwd_h`); None: through the wrapper. ``chunk_indices``:
+    fla's chunk indices made by the caller (``ChunkedRows.chunk_indices``, no sync); None: fla's own."""
     require_pinned_fla()
     from fla.ops.common.chunk_h import chunk_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
@@ -186,11 +206,43 @@ def fla_simple_gla_with_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     assert output_final_state and state_v_first
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
     bt = FLA_CHUNK
-    chunk_indices = prepare_chunk_indices(cu_seqlens, bt, cu_seqlens_cpu=cu_seqlens_cpu)
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, bt, cu_seqlens_cpu=cu_seqlens_cpu)
     g = chunk_local_cumsum(g, chunk_size=bt, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    h, final = chunk_fwd_h(k=k, v=v, g=g, g_gamma=None, gk=None, gv=None, h0=initial_state.contiguous(),
-                           output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=bt, states_in_fp32=False,
-                           state_v_first=True)
+    if num_chunks is not None:
+        h, final = _fla_chunk_fwd_h(k, v, g, initial_state.contiguous(), cu_seqlens, num_chunks, bt)
+    else:
+        h, final = chunk_fwd_h(k=k, v=v, g=g, g_gamma=None, gk=None, gv=None, h0=initial_state.contiguous(),
+                               output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=bt, states_in_fp32=False,
+                               state_v_first=True)
     o = chunk_fwd_o(q=q, k=k, v=v, g=g, g_gamma=None, h=h, scale=scale, cu_seqlens=cu_seqlens, chunk_size=bt,
                     chunk_indices=chunk_indices, state_v_first=True)
     return o, final, h
+
+
+def _fla_chunk_fwd_h(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, h0: torch.Tensor, cu_seqlens: torch.Tensor,
+                     num_chunks: int, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla-core 0.6.0's ``chunk_fwd_h`` as :func:`fla_simple_gla_with_states` calls it (varlen rows, the gate ``g``
+    alone, states ``(V, K)`` in ``k``'s dtype, the final states float32), its kernel launched with the chunk count
+    ``num_chunks`` from the host instead of the wrapper's ``split_offsets[-1].item()`` (a device sync a layer). The
+    rest is the wrapper's, line for line (``fla/ops/common/chunk_h.py``; on NVIDIA its dispatch has no other
+    backend for it)."""
+    import triton
+    from fla.ops.common.chunk_h import chunk_fwd_kernel_h
+    from fla.ops.utils import prepare_chunk_offsets
+
+    b, t, h, kd, vd = *k.shape, v.shape[-1]
+    split_offsets = prepare_chunk_offsets(cu_seqlens, bt)
+    n = len(cu_seqlens) - 1
+    states = k.new_empty(b, num_chunks, h, vd, kd, dtype=k.dtype)
+    final = k.new_empty(n, h, vd, kd, dtype=torch.float)
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(kd, meta["BK"]) * triton.cdiv(vd, meta["BV"]) * n * h,)
+
+    chunk_fwd_kernel_h[grid](
+        k=k, v=v, h=states, g=g, g_gamma=None, gk=None, gv=None, h0=h0, ht=final, cu_seqlens=cu_seqlens,
+        split_offsets=split_offsets, T=t, H=h, K=kd, V=vd, BT=bt, BS=bt, USE_G=True, USE_G_GAMMA=False,
+        USE_GK=False, USE_GV=False, STATE_V_FIRST=True,
+    )  # fmt: skip
+    return states, final
