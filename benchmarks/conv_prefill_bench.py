@@ -22,6 +22,7 @@ The outputs of ``now`` and ``before`` are compared (max abs difference; 0 expect
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -32,9 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hyserve.kernels.conv import _triton as conv_triton
 from hyserve.kernels.conv import causal_conv1d_varlen_triton
 from hyserve.testing.triton_interpreter import mutated_module
+
+conv_triton = importlib.import_module("hyserve.kernels.conv._triton")  # the kernel the launcher reads at each call
 
 # (conv width D, the input projection's row width the conv's x is a view of, bias): Qwen3.5's GDN (key heads 16,
 # value heads 16 / 32 / 48, 128 dims: D = 2 * 16 * 128 + Hv * 128; in_proj adds z (Hv * 128), b and a (Hv each));

@@ -718,5 +718,18 @@ case "${1:?phase}" in
     done
     true
     ;;
+  prefill34)
+    # Issue 34, item 2: where a 32 x 2048 prefill's time goes at HEAD on the 2B and 9B shapes (kernels by family,
+    # the device's idle gaps put down to the host, a sync or the device: profile_prefill.py with trace_gaps.py), and
+    # the conv's prefill launch against the card's copy rate and against its form before 2026-12-05.
+    p2b; p9b
+    timeout 120 python3 benchmarks/conv_prefill_bench.py --out "$OUT" > "$OUT/conv_prefill.log" 2>&1
+    echo "conv_prefill_bench rc $?"; tail -5 "$OUT/conv_prefill.log"
+    for m in 2b 9b; do
+        timeout "$(left 60)" python3 benchmarks/profile_prefill.py --model /tmp/p$m --out "$OUT/prefill_$m" \
+            > "$OUT/profile_prefill_$m.log" 2>&1
+        echo "profile_prefill $m rc $?"; grep -A14 '"prefill_tok_s"\|device window' "$OUT/profile_prefill_$m.log" | head -40
+    done
+    ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -13,7 +13,7 @@ from hyserve.kernels import paged_attention, store_kv
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.kernels.norm import sigmoid_mul
-from hyserve.layers.linear import Linear, RowParallelLinear, fp8_input_of
+from hyserve.layers.linear import Linear, MergedLinear, RowParallelLinear, fp8_input_of
 from hyserve.layers.norm import RMSNorm
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
@@ -57,21 +57,68 @@ def attend_paged(layer: Attention | PlainAttention, q: torch.Tensor, k: torch.Te
                            layer.v_scale)
 
 
-def kv_and_output_projections(cfg: AttentionConfig, prefix: str, kv_heads: tuple[int, int],
-                              heads: tuple[int, int]) -> tuple[Linear, Linear, RowParallelLinear]:
-    """``k_proj``, ``v_proj`` (this rank's ``kv_heads``) and ``o_proj`` (the input columns of its query ``heads``)."""
-    tp, d, hidden, hkv = tp_size(), cfg.head_dim, cfg.hidden_size, cfg.num_key_value_heads
-    (kv0, kv1), (h0, h1) = kv_heads, heads
-    kv_shard = Shard((hkv * d, hidden), 0, ((kv0 * d, kv1 * d),)) if tp > 1 else None
-    bias, quant = cfg.attention_bias, cfg.quantization
-    k = Linear(hidden, (kv1 - kv0) * d, bias=bias, quant=quant, prefix=f"{prefix}.k_proj", shard=kv_shard)
-    v = Linear(hidden, (kv1 - kv0) * d, bias=bias, quant=quant, prefix=f"{prefix}.v_proj", shard=kv_shard)
-    o = RowParallelLinear(cfg.num_attention_heads * d, hidden, (h0 * d, h1 * d), bias=bias, sharded=tp > 1,
-                          quant=quant, prefix=f"{prefix}.o_proj")
-    return k, v, o
+def output_projection(cfg: AttentionConfig, prefix: str, heads: tuple[int, int]) -> RowParallelLinear:
+    """``o_proj``: the input columns of this rank's query ``heads``."""
+    h0, h1 = heads
+    return RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, (h0 * cfg.head_dim,
+                             h1 * cfg.head_dim), bias=cfg.attention_bias, sharded=tp_size() > 1,
+                             quant=cfg.quantization, prefix=f"{prefix}.o_proj")
 
 
-class Attention(KVCacheLayer):
+class QKVAttention(KVCacheLayer):
+    """An attention layer's q, k and v projections: one GEMM (``qkv_proj``, a ``MergedLinear`` of the checkpoint's
+    ``q_proj``, ``k_proj`` and ``v_proj``: one launch a step instead of three, the small k and v rows riding on
+    q's), or three (``q_proj``, ``k_proj``, ``v_proj``) where they carry biases, which a merged projection has
+    not."""
+
+    qkv_proj: MergedLinear | None
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+
+    def make_qkv(self, cfg: AttentionConfig, prefix: str, q_size: int, q_shard: Shard | None,
+                 kv_heads: tuple[int, int]) -> None:
+        """``q_size`` rows of ``q_proj`` on this rank (``q_shard``: which, tensor-parallel), ``kv_heads``' of k and
+        v."""
+        d, hidden, hkv = cfg.head_dim, cfg.hidden_size, cfg.num_key_value_heads
+        kv0, kv1 = kv_heads
+        kv_shard = Shard((hkv * d, hidden), 0, ((kv0 * d, kv1 * d),)) if tp_size() > 1 else None
+        kv_size, quant = (kv1 - kv0) * d, cfg.quantization
+        if cfg.attention_bias:
+            self.qkv_proj = None
+            self.q_proj = Linear(hidden, q_size, bias=True, quant=quant, prefix=f"{prefix}.q_proj", shard=q_shard)
+            self.k_proj = Linear(hidden, kv_size, bias=True, quant=quant, prefix=f"{prefix}.k_proj", shard=kv_shard)
+            self.v_proj = Linear(hidden, kv_size, bias=True, quant=quant, prefix=f"{prefix}.v_proj", shard=kv_shard)
+            return
+        shards = {name: sh for name, sh in (("q_proj", q_shard), ("k_proj", kv_shard), ("v_proj", kv_shard))
+                  if sh is not None}
+        self.qkv_proj = MergedLinear(hidden, [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)],
+                                     shards, quant=quant, prefix=prefix)
+
+    def project_qkv(self, x: torch.Tensor | Fp8Activation | DeferredInput
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k and v projections' outputs (views of one output where merged)."""
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def fp8_input(self) -> str | None:
+        """The form the layer's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per
+        token where the q, k and v projections take it so."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj.fp8_input()
+        return fp8_input_of([self.q_proj, self.k_proj, self.v_proj])
+
+    def takes_deferred(self) -> bool:
+        """Whether the layer's input may come as its norm deferred into the projections' GEMM prologue (merged: one
+        GEMM computes it; three: each does, the residual add's result written by each, the same values)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj.takes_deferred()
+        return all(p.takes_deferred() for p in (self.q_proj, self.k_proj, self.v_proj))
+
+
+class Attention(QKVAttention):
     """Gated full attention: q_proj yields [q | gate] per head, q/k RMSNorm per head, partial RoPE. ``prefix``: the
     module's name (``model.layers.3.self_attn``)."""
 
@@ -86,13 +133,12 @@ class Attention(KVCacheLayer):
         self.kv_head_range, self.num_kv_heads_total = (kv0, kv1), hkv
         self.head_dim = d = cfg.head_dim
         self.scale = self.head_dim**-0.5
-        bias, quant, hidden = cfg.attention_bias, cfg.quantization, cfg.hidden_size
+        hidden = cfg.hidden_size
         # Tensor parallel: rows per query head are [q | gate], so a rank's heads are one run of rows.
         q_rows = (h0 * 2 * d, h1 * 2 * d)
         q_shard = Shard((cfg.num_attention_heads * 2 * d, hidden), 0, (q_rows,)) if tp > 1 else None
-        self.q_proj = Linear(hidden, self.num_heads * d * 2, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
-                             shard=q_shard)
-        self.k_proj, self.v_proj, self.o_proj = kv_and_output_projections(cfg, prefix, (kv0, kv1), (h0, h1))
+        self.make_qkv(cfg, prefix, self.num_heads * d * 2, q_shard, (kv0, kv1))
+        self.o_proj = output_projection(cfg, prefix, (h0, h1))
         self.o_quant = self.o_proj.fp8_input()  # the output gate's form (FP8 per token where o_proj takes it)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -103,22 +149,13 @@ class Attention(KVCacheLayer):
     def cache_spec(self, dtype: torch.dtype) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, dtype)
 
-    def fp8_input(self) -> str | None:
-        """The form the layer's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per
-        token where the q, k and v projections take it so."""
-        return fp8_input_of([self.q_proj, self.k_proj, self.v_proj])
-
-    def takes_deferred(self) -> bool:
-        """Whether the layer's input may come as its norm deferred into the q, k and v GEMMs' prologues (each
-        computes it; the residual add's result is written by each, the same values)."""
-        return all(p.takes_deferred() for p in (self.q_proj, self.k_proj, self.v_proj))
-
     def forward(self, x: torch.Tensor | Fp8Activation | DeferredInput, meta: StepMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         t = x.shape[0]
-        q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qg, k, v = self.project_qkv(x)
+        q, gate = torch.chunk(qg.view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         # q / k head norms and the rotation of both: one launch on CUDA.
         q, k = self.rotary[0].norm_rotate(q, self.q_norm.weight, k, self.k_norm.weight, self.q_norm.eps)
         out = attend_paged(self, q, k, v, meta)
@@ -126,7 +163,7 @@ class Attention(KVCacheLayer):
         return self.o_proj(sigmoid_mul(out.reshape(t, -1), gate, self.o_quant))
 
 
-class PlainAttention(KVCacheLayer):
+class PlainAttention(QKVAttention):
     """Multi-head attention with no gate and no q/k norm: q, k, v projections, softmax over the paged KV at
     ``scale`` (default ``head_dim ** -0.5``), the output projection. No position embedding (Nemotron-H's, Granite's
     by default: the Mamba2 layers carry the order) unless given ``rotary`` (Granite's ``position_embedding_type:
@@ -145,12 +182,9 @@ class PlainAttention(KVCacheLayer):
         self.kv_head_range, self.num_kv_heads_total = (kv0, kv1), hkv
         self.head_dim = d = cfg.head_dim
         self.scale = d**-0.5 if scale is None else scale
-        self.rotary = [rotary] if rotary is not None else []  # a list: the shared module is not registered here
-        bias, quant, hidden = cfg.attention_bias, cfg.quantization, cfg.hidden_size
-        q_shard = Shard((cfg.num_attention_heads * d, hidden), 0, ((h0 * d, h1 * d),)) if tp > 1 else None
-        self.q_proj = Linear(hidden, self.num_heads * d, bias=bias, quant=quant, prefix=f"{prefix}.q_proj",
-                             shard=q_shard)
-        self.k_proj, self.v_proj, self.o_proj = kv_and_output_projections(cfg, prefix, (kv0, kv1), (h0, h1))
+        q_shard = Shard((cfg.num_attention_heads * d, cfg.hidden_size), 0, ((h0 * d, h1 * d),)) if tp > 1 else None
+        self.make_qkv(cfg, prefix, self.num_heads * d, q_shard, (kv0, kv1))
+        self.o_proj = output_projection(cfg, prefix, (h0, h1))
         self.rotary = [rotary] if rotary is not None else []  # a list: the shared module is not registered per layer
         self.key_multiplier = float(key_multiplier)
         self.k_cache: torch.Tensor | None = None
@@ -162,9 +196,10 @@ class PlainAttention(KVCacheLayer):
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         if self.rotary:

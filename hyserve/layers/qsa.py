@@ -161,10 +161,11 @@ class IndexedAttention(Attention):
         assert self.k_cache is not None and self.v_cache is not None, "caches not bound"
         assert self.index_cache is not None, "index cache not bound (bind_caches' index_caches)"
         t = x.shape[0]
-        q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
+        qg, k, v = self.project_qkv(x)
+        q, gate = torch.chunk(qg.view(t, self.num_heads, 2 * self.head_dim), 2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary[0](meta.positions, q, k)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         iq, kraw = self.indexer(x)

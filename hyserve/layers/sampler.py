@@ -49,7 +49,7 @@ import torch
 from hyserve.kernels.bitmask import apply_token_bitmask
 from hyserve.sampling_params import SamplingParams
 from hyserve.structured_output import bitmask
-from hyserve.utils import device_tensor
+from hyserve.utils import device_tensor, host_to_device
 
 ERROR_TOKEN_ID = -1
 _SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch generators take seeds in [0, 2**64)
@@ -174,7 +174,7 @@ class Sampler:
             return logits
         masked = logits.clone()
         if row_ids:
-            masked[device_tensor(row_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+            masked[device_tensor(row_ids, self.device), device_tensor(token_ids, self.device)] = -math.inf
         if constrained:
             apply_grammar_masks(masked, constrained, [rows[i].grammar_mask for i in constrained], self.device)
         return masked
@@ -322,4 +322,4 @@ def apply_grammar_masks(logits: torch.Tensor, positions: list[int], packed: list
         words.append(rows)
     if not index:
         return
-    apply_token_bitmask(logits, device_tensor(index, device), torch.cat(words).to(device))
+    apply_token_bitmask(logits, device_tensor(index, device), host_to_device(torch.cat(words), device))

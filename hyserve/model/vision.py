@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyserve.utils import host_to_device
+
 VISION_PREFIXES = ("model.visual.", "visual.")
 
 # transformers' ACT2FN names for the activations a Qwen3.5 vision config can name.
@@ -325,7 +327,7 @@ class VisionModel(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x + self._position_embeddings(grid_thw).to(x.dtype)
         # the grid may sit on the host (the helpers read it there); what they compute goes to the tower's device
-        cos_sin = self.rotary.cos_sin(rotary_position_ids(grid_thw, cfg.spatial_merge_size).to(x.device))
+        cos_sin = self.rotary.cos_sin(host_to_device(rotary_position_ids(grid_thw, cfg.spatial_merge_size), x.device))
         segments = attention_segments(grid_thw)
         for block in self.blocks:
             x = block(x, cos_sin, segments)
@@ -334,7 +336,8 @@ class VisionModel(nn.Module):
     def _position_embeddings(self, grid_thw: torch.Tensor) -> torch.Tensor:
         indices, weights = position_interpolation(grid_thw, self.cfg.num_grid_per_side, self.cfg.spatial_merge_size)
         device = self.pos_embed.weight.device
-        return (self.pos_embed(indices.to(device)) * weights.to(device)[:, :, None]).sum(1)
+        indices, weights = host_to_device(indices, device), host_to_device(weights, device)
+        return (self.pos_embed(indices) * weights[:, :, None]).sum(1)
 
     def _check_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
         # A wrong row count would otherwise surface as an opaque reshape error deep in a block.

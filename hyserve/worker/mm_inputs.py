@@ -17,6 +17,7 @@ from hyserve.model.vision import VisionConfig
 from hyserve.multimodal.image import ImageProcessorSettings
 from hyserve.multimodal.inputs import ImageInput, MultimodalPrompt
 from hyserve.scheduler.output import ScheduledRow
+from hyserve.utils import host_to_device
 
 # The encoder cache holds this many steps' token budget of image embeddings, and at least ENCODER_CACHE_MIN_TOKENS
 # (8192 rows of a 27B model's 5120-wide bf16 embeddings: 84 MB; not counted in the memory plan yet).
@@ -91,10 +92,10 @@ class MMInputs:
                 a, b = max(lo, im.span.offset), min(hi, im.end)
                 embeds.append(self.span_rows(im, a, b))
                 index.append(torch.arange(t0 + a - lo, t0 + b - lo))
-        mrope = positions.to(self.device, non_blocking=True)
+        mrope = host_to_device(positions, self.device)
         if not embeds:
             return mrope, None
-        return mrope, (torch.cat(index).to(self.device), torch.cat(embeds))
+        return mrope, (host_to_device(torch.cat(index), self.device), torch.cat(embeds))
 
     def span_rows(self, im: ImageInput, a: int, b: int) -> torch.Tensor:
         """The encoder rows of ``im``'s placeholder tokens [a, b) (sequence indices inside its span)."""
@@ -110,7 +111,8 @@ class MMInputs:
         tower = self.tower
         assert isinstance(tower, nn.Module), "a stage without the vision tower needs no image rows"
         grid = torch.tensor([im.grid_thw], dtype=torch.long)
-        rows = tower(torch.from_numpy(im.pixel_values).to(self.device, self.dtype), grid)
+        # Through pinned memory: a copy from pageable memory would wait for the stream to drain.
+        rows = tower(host_to_device(torch.from_numpy(im.pixel_values), self.device).to(self.dtype), grid)
         if rows.shape[0] != im.span.length:
             raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {im.span.length} "
                                "placeholder tokens")

@@ -14,6 +14,7 @@ non-empty row names stay bit-identical.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -368,8 +369,9 @@ CONV_SABOTAGES = {
 def _interp_conv_long(dtype: torch.dtype, max_query_len: int | None, sabotage: str | None = None) -> tuple[bool, str]:
     """Prefill rows of several 32-token blocks (most of them read no window) and 3 channel blocks, the last partial,
     beside empty and one-token rows, against the reference; ``sabotage``: a mutated kernel, which must disagree."""
-    from hyserve.kernels.conv import _triton, causal_conv1d_varlen_triton
+    from hyserve.kernels.conv import causal_conv1d_varlen_triton
 
+    _triton = importlib.import_module("hyserve.kernels.conv._triton")
     original = _triton._conv1d_fwd_kernel
     if sabotage is not None:
         _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, CONV_SABOTAGES[sabotage])._conv1d_fwd_kernel

@@ -102,8 +102,8 @@ def _check(llm: Any, ref: Any) -> None:
 
 
 def _methods(model: torch.nn.Module) -> dict[str, bool]:
-    """Linear layer name -> quantized."""
-    return {n: m.method.quantized for n, m in model.named_modules() if isinstance(m, LinearBase)}
+    """Linear layer name (the checkpoint's: each part of a merged GEMM by its own) -> quantized."""
+    return {m.part_name(p): m.method.quantized for m in model.modules() if isinstance(m, LinearBase) for p in m.parts}
 
 
 @pytest.mark.parametrize("case", ["nemotron_h", "granite", "falcon_h1", "nemotron_h_block"])
@@ -254,8 +254,8 @@ def test_modelopt_fp8_matches_the_static_fp8_reference(modelopt: tuple[str, Any]
     kept = {n for n, q in quantized.items() if not q}
     assert kept == {"backbone.layers.3.mixer.in_proj", "backbone.layers.3.mixer.out_proj"}, kept
     assert quantized["backbone.layers.0.mixer.in_proj"] and quantized["backbone.layers.2.mixer.k_proj"]
-    statics = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase) and hasattr(m, "input_scale")}
-    assert statics and set(statics) == {n for n, q in quantized.items() if q}
+    statics = [m for m in model.modules() if isinstance(m, LinearBase) and hasattr(m, "input_scale")]
+    assert statics and {m.part_name(p) for m in statics for p in m.parts} == {n for n, q in quantized.items() if q}
     experts = [p for n, p in model.named_parameters() if n.endswith("experts.up_proj")]
     assert experts and all(p.dtype == torch.float32 for p in experts)
     tensors = read_checkpoint_tensors(path)
@@ -271,7 +271,7 @@ def test_modelopt_fp8_matches_the_static_fp8_reference(modelopt: tuple[str, Any]
         assert torch.equal(got, want.expand_as(got)), (which, got, want)
 
     with torch.no_grad():  # sabotage: every static layer takes another layer's input scale
-        maxes = [m.input_scale_max for m in statics.values()]
+        maxes = [m.input_scale_max for m in statics]
         values = [t.clone() for t in maxes]
         for t, v in zip(maxes, values[1:] + values[:1], strict=True):
             t.copy_(v)

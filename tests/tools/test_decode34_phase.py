@@ -65,3 +65,15 @@ def test_decode34_vllm_runs_its_default_mode_on_the_same_directories(tmp_path: P
     parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
     assert [(s, p.engine, p.model, p.load_format) for s, p in parsed] == [
         ("unset,unset,unset", "vllm", "/tmp/p9b", "auto"), ("unset,unset,unset", "vllm", "/tmp/s27", "dummy")]
+
+
+def test_prefill34_profiles_both_shapes_and_times_the_conv(tmp_path: Path) -> None:
+    """``prefill34``: the conv's prefill bench, then the prefill profile (with its device gaps) on the 2B and the 9B
+    directory, each into its own folder of ``$OUT``."""
+    _run(tmp_path, "prefill34")
+    argvs = [line.split("\0")[1:] for line in (tmp_path / "calls").read_bytes().decode().splitlines()]
+    conv = [a for a in argvs if a and a[0] == "benchmarks/conv_prefill_bench.py"]
+    assert [a[a.index("--out") + 1] for a in conv] == [str(tmp_path / "out")]
+    profiles = [a for a in argvs if a and a[0] == "benchmarks/profile_prefill.py"]
+    assert [(a[a.index("--model") + 1], Path(a[a.index("--out") + 1]).name) for a in profiles] == [
+        ("/tmp/p2b", "prefill_2b"), ("/tmp/p9b", "prefill_9b")]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hyserve.scheduler.output import RunnerOutput, ScheduledRow
+from hyserve.utils import device_tensor
 from hyserve.worker.spec_decode.mtp_drafter import ChainRow, MTPDrafter, MTPRow
 
 
@@ -75,7 +76,7 @@ class MTPProposer:
                 live.append((i, k, n, num_tokens - 2))
         if not live:
             return drafts
-        h = hidden[torch.tensor([n for _, _, n, _ in live], dtype=torch.long, device=hidden.device)]
+        h = hidden[device_tensor([n for _, _, n, _ in live], hidden.device, torch.long)]
         j = 1
         while True:
             keep = [m for m, (i, k, _, _) in enumerate(live) if len(drafts[i]) < k]

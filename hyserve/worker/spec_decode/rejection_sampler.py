@@ -319,7 +319,7 @@ class RejectionSampler:
             return logits
         masked = logits.clone()
         if pos_ids:
-            masked[device_tensor(pos_ids, self.device), torch.tensor(token_ids, device=self.device)] = -math.inf
+            masked[device_tensor(pos_ids, self.device), device_tensor(token_ids, self.device)] = -math.inf
         if constrained:
             apply_grammar_masks(masked, [starts[r] for r in constrained], [rows[r].grammar_masks for r in constrained],
                                 self.device)
