@@ -27,6 +27,7 @@ from hyserve.layers.qsa import IndexedAttention, store_index_keys_ref
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.rotary import RotaryEmbedding
 from hyserve.model.base import CausalLM
+from hyserve.model.loader import checkpoint_tensors
 from hyserve.model.metadata import StepMetadata, VerifyMetadata
 from hyserve.model.mrope import MRotaryEmbedding
 from hyserve.testing.triton_interpreter import interpreter_subprocess_results
@@ -117,7 +118,7 @@ def reference(layer: IndexedAttention, cfg: Cfg, x: torch.Tensor, dense: bool = 
     """The whole sequence x (L, hidden) through the QSA layer's formulas, per query; ``dense``: every query sees
     its whole causal prefix (the selection left out); ``positions``: each token's M-RoPE (time, height, width)
     positions (default: its index on every axis)."""
-    sd = {k: v.detach() for k, v in layer.state_dict().items()}
+    sd = {k: v.detach() for k, v in checkpoint_tensors(layer).items()}  # checkpoint names (q, k, v merged in one GEMM)
     L = x.shape[0]
     at: list[int | tuple[int, int, int]] = list(positions) if positions is not None else list(range(L))
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -411,7 +412,7 @@ def test_the_layer_has_the_checkpoint_names_and_shapes() -> None:
     cfg = Cfg()
     layer = make_layer(cfg)
     ih, idd, h = cfg.indexer_n_heads, cfg.indexer_head_dim, cfg.hidden_size
-    shapes = {k: tuple(v.shape) for k, v in layer.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in checkpoint_tensors(layer).items()}
     assert shapes == {
         "q_proj.weight": (cfg.num_attention_heads * cfg.head_dim * 2, h),
         "k_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, h),

@@ -203,7 +203,7 @@ def gdn_forward_fla(
     serves them all); None: worked out here.
     """
     chunk_gated_delta_rule = _import_fla_chunk() if snapshots is None else fla_chunk_forward_with_states
-    T, Hk, Dk = q.shape
+    T, Dk = q.shape[0], q.shape[2]
     Hv, Dv = v.shape[1], v.shape[2]
     if T == 0 or state_slots.shape[0] == 0:
         return torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
@@ -214,10 +214,8 @@ def gdn_forward_fla(
     # q and k are l2-normed here rather than inside fla: its l2norm kernel autotunes per bucket of token counts, so
     # each new bucket met while serving stalled a step on a benchmark of 25 configurations (measured on an H200).
     qn, kn = l2_norm_heads(q.to(dt)), l2_norm_heads(k.to(dt))
-    grp = Hv // Hk
-    if grp > 1:  # fla-core 0.6.0 supports Hv > Hk natively; expanding is the conservative choice
-        qn = qn.repeat_interleave(grp, dim=1)
-        kn = kn.repeat_interleave(grp, dim=1)
+    # Hv > Hk: fla-core (0.6.0 on) reads key head h // (Hv // Hk) for value head h, the convention here, so q and k
+    # go in unexpanded (expanded, they were written Hv / Hk times over and read back apart).
     res = chunk_gated_delta_rule(
         qn.unsqueeze(0),
         kn.unsqueeze(0),
