@@ -42,15 +42,16 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsque
                 "resolve_neg"}
 ENTRY_POINTS = {
     "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify",
-                           "gdn_decode_fused"],
+                           "gdn_decode_fused", "gdn_replay"],
     "hyserve.layers.attention": ["paged_attention", "store_kv", "sigmoid_mul"],
     "hyserve.layers.mlp": ["silu_mul", "relu_squared"],
-    "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan",
+    "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan", "mamba2_replay",
                               "grouped_gated_rms_norm", "gated_sum_squares", "silu_gate"],
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm", "scaled_rms_norm", "add_scaled_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope", "rms_norm_rope"],
     "hyserve.layers.sigmoid_moe": ["route_sigmoid_experts"],
-    "hyserve.worker.model_runner": ["_commit_verified"],
+    # The commit of a verify step: the candidate conv window's copy, the SSM state's replay (one launch each).
+    "hyserve.layers.replayed_state": ["commit_verified"],
 }
 
 

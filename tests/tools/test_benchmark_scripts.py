@@ -293,3 +293,15 @@ def test_spec_decode_bench_draws_the_acceptance_with_synthetic(tmp_path: Path, m
     assert 0.3 < rows[0.7]["draft_acceptance"] < 0.75
     assert all(r["outputs_identical"] is None for r in rows.values())
     assert rejection_sampler.greedy_accepts is rule
+
+
+def test_ptx_count_reads_the_conv_paths_instructions() -> None:
+    """``ptx_count.py`` compiles the conv's two prefill paths for sm_90 as a launch specializes them: the block
+    inside a row takes vectorized loads only and fewer instructions an output than the row's first block, which
+    reads the window element by element."""
+    pytest.importorskip("triton")
+    import ptx_count
+
+    inside, first = ptx_count.conv_report([(32, 128, 4)])
+    assert inside["path"] == "inside a row" and inside["warp_instr_per_output"] < first["warp_instr_per_output"]
+    assert inside["memory"].get("ld.global.v4.b32", 0) >= 4 and first["memory"].get("ld.global.b16", 0) > 64

@@ -1,0 +1,133 @@
+"""Instructions a Triton kernel issues per output element, read from the PTX it compiles to for the H200 (sm_90) on a
+machine without a GPU: a first look at a kernel's cost before a card times it (``conv_prefill_bench.py`` does).
+
+The kernel is compiled as a launch with the given argument values would specialize it (Triton's launcher treats an
+integer equal to 1 as a constant and marks pointers, and integers divisible by 16, as such, which is what lets it
+vectorize loads), so the count is the launch's. Reported: PTX instructions per thread, warp instructions per output
+element, and the global / shared memory instructions by width.
+
+    python benchmarks/ptx_count.py            # the conv's prefill program: a block inside a row, a row's first block
+
+The conv case compiles ``_conv1d_fwd_kernel``'s two paths apart (its ``_taps_inside_row`` and
+``_taps_at_row_start``) at the 2B shape's widths (D = 6144, the input projection's rows 8224 wide), bf16, for the
+block sizes given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import re
+import sys
+from collections import Counter
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_conv = importlib.import_module("hyserve.kernels.conv._triton")
+taps_inside_row, taps_at_row_start = _conv._taps_inside_row, _conv._taps_at_row_start
+
+_MEM = re.compile(r"(ld\.global[.a-z0-9]*|st\.global[.a-z0-9]*|ld\.shared[.a-z0-9]*|st\.shared[.a-z0-9]*)")
+
+
+def compile_as_launched(fn: Any, types: dict[str, str], values: dict[str, int], consts: dict[str, Any],
+                        num_warps: int) -> Any:
+    """``fn`` compiled for sm_90 as a launch with ``values`` (the integer arguments) specializes it."""
+    params = list(inspect.signature(fn.fn).parameters)
+    consts = dict(consts)
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int], list[list[Any]]] = {}
+    for i, p in enumerate(params):
+        if p in consts:
+            sig[p] = "constexpr"
+        elif types[p].startswith("*"):
+            sig[p] = types[p]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif values[p] == 1:
+            consts[p] = 1
+            sig[p] = "constexpr"
+        else:
+            sig[p] = types[p]
+            if values[p] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def ptx_counts(kernel: Any, outputs_per_program: int, num_warps: int) -> dict[str, Any]:
+    ptx = kernel.asm["ptx"]
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    instrs = [ln for ln in lines if ln and not ln.startswith(("//", ".", "{", "}", "$"))]
+    return {"ptx_per_thread": len(instrs),
+            "warp_instr_per_output": round(len(instrs) * num_warps / outputs_per_program, 3),
+            "memory": dict(sorted(Counter(_MEM.findall(ptx)).items()))}
+
+
+@triton.jit
+def _conv_path(x_ptr, w_ptr, state_ptr, out_ptr, qsl_ptr, D, sx_t, sx_d, sw_d, sw_k, ss_d, ss_k, so_t,
+               K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INSIDE: tl.constexpr):
+    """One prefill program of ``_conv1d_fwd_kernel`` with one of its two paths (as its grid, bias-free, GDN's)."""
+    n_db = tl.cdiv(D, BLOCK_D)
+    db = tl.program_id(0) % n_db
+    tb = tl.program_id(0) // n_db
+    r = tl.program_id(1)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    if tb * BLOCK_T >= n:
+        return
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < n
+    if INSIDE:
+        acc = taps_inside_row(x_ptr, w_ptr, start, tb, offs_d, d_mask, t_mask, sx_t, sx_d, sw_d, sw_k, K, BLOCK_T,
+                               BLOCK_D)
+    else:
+        srow = state_ptr + r * 3 * D + offs_d[None, :] * ss_d
+        acc = taps_at_row_start(x_ptr, w_ptr, srow, start, offs_t, offs_d, d_mask, t_mask, sx_t, sx_d, sw_d, sw_k,
+                                 ss_k, K, BLOCK_T, BLOCK_D)
+    y = acc / (1.0 + tl.exp(-acc))
+    m = t_mask[:, None] & d_mask[None, :]
+    tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def conv_report(blocks: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", state_ptr="*bf16", out_ptr="*bf16", qsl_ptr="*i32", D="i32",
+                 sx_t="i32", sx_d="i32", sw_d="i32", sw_k="i32", ss_d="i32", ss_k="i32", so_t="i32")
+    values = dict(D=6144, sx_t=8224, sx_d=1, sw_d=4, sw_k=1, ss_d=3, ss_k=1, so_t=6144)
+    out = []
+    for block_t, block_d, warps in blocks:
+        for inside in (True, False):
+            k = compile_as_launched(_conv_path, types, values,
+                                    dict(K=4, BLOCK_T=block_t, BLOCK_D=block_d, INSIDE=inside), warps)
+            row = {"path": "inside a row" if inside else "a row's first block (the window read)",
+                   "block": [block_t, block_d], "num_warps": warps,
+                   **ptx_counts(k, block_t * block_d, warps)}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", default="16x128x4,32x128x4", help="BLOCK_T x BLOCK_D x num_warps, comma-separated")
+    ap.add_argument("--out", default=None, help="directory for ptx_count.json")
+    args = ap.parse_args()
+    blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
+    result = conv_report(blocks)  # type: ignore[arg-type]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ptx_count.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
