@@ -17,7 +17,7 @@ from torch import nn
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.distributed.parallel_state import shard_range, tp_size
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward
-from hyserve.kernels.conv import causal_conv1d_verify, snapshot_conv_windows
+from hyserve.kernels.conv import causal_conv1d_split, causal_conv1d_verify, snapshot_conv_windows
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_verify
@@ -194,8 +194,10 @@ class GatedDeltaNet(ReplayedStateLayer):
             rest = mixed_in if vm is None else mixed_in[vm.num_tokens :]
             snapshot_conv_windows(rest, self.conv_state, snaps.slots, snaps.ends, snaps.offsets_t, snaps.entries)
         if vm is None:
-            mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
-                                         meta.max_query_len)
+            # [q | k] and v apart, v contiguous as fla's chunked kernel reads it (a view of one output, it copied v).
+            qk, v = causal_conv1d_split(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
+                                        2 * self.key_dim, meta.max_query_len)
+            q, k = torch.split(qk, [self.key_dim, self.key_dim], dim=-1)
         else:
             assert self.conv_scratch is not None, "verify scratch not bound"
             if in_place:
@@ -209,7 +211,7 @@ class GatedDeltaNet(ReplayedStateLayer):
                                                   vm.rest_state_slots, vm.rest_query_start_loc,
                                                   vm.rest_max_query_len))
             mixed = torch.cat(parts) if len(parts) > 1 else parts[0]
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)

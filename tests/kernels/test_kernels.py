@@ -25,6 +25,7 @@ import torch
 
 from hyserve.kernels import causal_conv1d_varlen, gdn_forward, paged_attention, store_kv
 from hyserve.kernels.attention.reference import paged_attention_ref, store_kv_ref
+from hyserve.kernels.conv import causal_conv1d_split
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.gdn.reference import gdn_forward_ref
 from hyserve.testing.triton_interpreter import (
@@ -392,6 +393,32 @@ def _interp_conv_long(dtype: torch.dtype, max_query_len: int | None, sabotage: s
     return (ok1 and ok2) != (sabotage is not None), f"out err {e1:.3g}, state err {e2:.3g}"
 
 
+def _interp_conv_split(dtype: torch.dtype, split: int, sabotage: bool = False) -> tuple[bool, str]:
+    """The output split in two at channel ``split`` (GDN's [q | k] and v): each part bit for bit the unsplit launch's
+    channels, the second contiguous, the windows rolled alike, nothing written outside the parts (NaN-poisoned
+    buffers); ``sabotage``: the second part's columns shifted by one, which must disagree."""
+    from hyserve.kernels.conv import causal_conv1d_split_triton, causal_conv1d_varlen_triton
+
+    _triton = importlib.import_module("hyserve.kernels.conv._triton")
+    lens = [70, 0, 33, 1, 5]
+    p = conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=13)
+    whole = _clone(p)
+    want = causal_conv1d_varlen_triton(**whole, max_query_len=70)
+    t = p["x"].shape[0]
+    outs = (torch.full((t, split), float("nan"), dtype=dtype), torch.full((t, 300 - split), float("nan"), dtype=dtype))
+    original = _triton._conv1d_fwd_kernel
+    if sabotage:
+        edits = [("(offs_d - SPLIT)[None, :]", "(offs_d - SPLIT + 1)[None, :]")]
+        _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, edits)._conv1d_fwd_kernel
+    try:
+        a, b = causal_conv1d_split_triton(**p, split=split, max_query_len=70, outs=outs)
+    finally:
+        _triton._conv1d_fwd_kernel = original
+    ok = (a is outs[0] and b.is_contiguous() and torch.equal(a, want[:, :split]) and torch.equal(b, want[:, split:])
+          and torch.equal(p["conv_state"], whole["conv_state"]))
+    return ok != sabotage, f"split {split}: parts equal {ok}"
+
+
 def _interp_gdn(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
     """The recurrent kernel against the reference; ``state_dtype``: the pool stored in a 16-bit float
     (``--mamba-ssm-cache-dtype``; both sides compute in float32 and round the final state once)."""
@@ -702,6 +729,9 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
             record_check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
     record_check(res, "gdn_mixed_bf16_state", lambda: _interp_gdn(MIXED_LENS, bf16, bf16))
     record_check(res, "conv_long_grid_of_all_tokens", lambda: _interp_conv_long(f32, None))
+    record_check(res, "conv_split_128_bfloat16", lambda: _interp_conv_split(bf16, 128))
+    record_check(res, "conv_split_64_float32", lambda: _interp_conv_split(f32, 64))
+    record_check(res, "conv_split_shifted_caught", lambda: _interp_conv_split(f32, 128, sabotage=True))
     for what in CONV_SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_conv_long(f32, 95, w))
     for dt in (f32, bf16):
@@ -745,6 +775,7 @@ _PER_DTYPE = ("conv_mixed conv_fused conv_decode conv_long gdn_decode gdn_mixed 
 INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in (*_PER_DTYPE.split(), "store_kv")]
 INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16", "gdn_mixed_bf16_state"]
 INTERP_CHECKS += ["conv_long_grid_of_all_tokens", *(f"{what}_caught" for what in CONV_SABOTAGES)]
+INTERP_CHECKS += ["conv_split_128_bfloat16", "conv_split_64_float32", "conv_split_shifted_caught"]
 INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
                   for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
@@ -845,6 +876,11 @@ def test_cuda_dispatch_matches_reference_bf16() -> None:
         out = causal_conv1d_varlen(**g, max_query_len=mql)
         torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(g["conv_state"].cpu(), ref["conv_state"], atol=0, rtol=0)
+        # The same split at [q | k] and v (GDN's prefill): each part the whole's channels, bit for bit.
+        g2 = to_device(p, "cuda")
+        qk, v = causal_conv1d_split(**g2, split=2 * 16 * 128, max_query_len=mql)
+        assert v.is_contiguous() and torch.equal(torch.cat([qk, v], dim=1), out)
+        assert torch.equal(g2["conv_state"], g["conv_state"])
 
     # GDN: decode (own kernel) and mixed (fla), Qwen3.5 shapes (16 key heads, 32 value heads, 128 dims)
     for lens in (lens_decode, lens_mixed):

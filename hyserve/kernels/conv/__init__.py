@@ -29,8 +29,8 @@ from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.utils import next_pow2
 
-__all__ = ["causal_conv1d_varlen", "causal_conv1d_varlen_triton", "causal_conv1d_verify", "compile_variants",
-           "snapshot_conv_windows"]
+__all__ = ["causal_conv1d_split", "causal_conv1d_split_triton", "causal_conv1d_varlen", "causal_conv1d_varlen_triton",
+           "causal_conv1d_verify", "compile_variants", "snapshot_conv_windows"]
 
 
 def snapshot_conv_windows(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor,
@@ -99,6 +99,66 @@ def causal_conv1d_varlen_triton(
     ``out`` optionally supplies the contiguous ``(T, D)`` output buffer (e.g. NaN-poisoned in tests); ``block_t``
     the tokens a program computes (a power of two; default: 32 for rows longer than 16 tokens, else the longest
     row's length rounded up), for benchmarks."""
+    T, D = x.shape
+    if out is None:
+        out = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    assert out.shape == (T, D) and out.stride(1) == 1
+    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, out, None, block_t)
+    return out
+
+
+def causal_conv1d_split(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    split: int,
+    max_query_len: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d_varlen` with its output as two tensors: channels ``[0, split)`` and ``[split, D)``, the
+    second contiguous (GDN: ``[q | k]`` and ``v``, ``v`` as fla's chunked kernel reads it, which would copy a view).
+    On CUDA the launch writes each part where it goes (:func:`causal_conv1d_split_triton`); on the CPU the
+    reference's output, its second part copied."""
+    assert 0 < split < x.shape[1], "split must cut the channels in two"
+    if x.is_cuda:
+        return causal_conv1d_split_triton(x, weight, conv_state, state_slots, query_start_loc, split, max_query_len,
+                                          bias)
+    y = causal_conv1d_varlen_ref(x, weight, conv_state, state_slots, query_start_loc, bias)
+    return y[:, :split], y[:, split:].contiguous()
+
+
+def causal_conv1d_split_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    split: int,
+    max_query_len: int | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    outs: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`causal_conv1d_split` (also under ``TRITON_INTERPRET=1``): one launch writing channels below
+    ``split`` into the first buffer and the rest into the second (``outs``: the two, e.g. NaN-poisoned in tests)."""
+    T, D = x.shape
+    assert 0 < split < D, "split must cut the channels in two"
+    if outs is None:
+        outs = (torch.empty((T, split), dtype=x.dtype, device=x.device),
+                torch.empty((T, D - split), dtype=x.dtype, device=x.device))
+    assert outs[0].shape == (T, split) and outs[1].shape == (T, D - split)
+    assert outs[0].stride(1) == 1 and outs[1].stride(1) == 1
+    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, outs[0], (outs[1], split), None)
+    return outs
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
+            query_start_loc: torch.Tensor, max_query_len: int | None, bias: torch.Tensor | None, out: torch.Tensor,
+            second: tuple[torch.Tensor, int] | None, block_t: int | None) -> None:
+    """The forward launch (and the window roll where it is a second one); ``second``: ``(out2, split)``, channels
+    from ``split`` on written to ``out2``."""
     from hyserve.kernels.conv._triton import _conv1d_fwd_kernel, _conv1d_state_kernel
 
     T, D = x.shape
@@ -106,11 +166,9 @@ def causal_conv1d_varlen_triton(
     R = state_slots.shape[0]
     assert conv_state.shape[1] == D and conv_state.shape[2] == K - 1, "conv_state must be (S, D, K-1)"
     assert K >= 2, "kernel size must be at least 2"
-    if out is None:
-        out = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    assert out.shape == (T, D) and out.stride(1) == 1
+    assert bias is None or bias.shape == (D,), "bias must be (D,)"
     if R == 0:
-        return out
+        return
     mql = T if max_query_len is None else min(int(max_query_len), T)
     # Prefill blocks of 32 tokens (most of them read no window: ``_taps_inside_row``); shorter rows keep their own.
     if block_t is None:
@@ -119,20 +177,23 @@ def causal_conv1d_varlen_triton(
     n_tblocks = max(1, -(-mql // block_t))
     block_d = 256 if block_t <= 4 else 128
     block_d = min(block_d, next_pow2(D))
+    out2, split = second if second is not None else (out, 0)
+    if second is not None:
+        block_d = min(block_d, split & -split)  # a power of two dividing split: a block lies on one side of it
     km1_pad = next_pow2(K - 1)
     fuse = n_tblocks == 1
     w = weight
     qsl = query_start_loc
     grid = (n_tblocks * _cdiv(D, block_d), R)
-    assert bias is None or bias.shape == (D,), "bias must be (D,)"
     _conv1d_fwd_kernel[grid](
-        x, w, w if bias is None else bias, conv_state, state_slots, qsl, out,
-        D,
+        x, w, w if bias is None else bias, conv_state, state_slots, qsl, out, out2,
+        D, split,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        out.stride(0),
+        out.stride(0), out2.stride(0),
         K=K, KM1_PAD=km1_pad, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=bias is not None,
+        SPLIT_OUT=second is not None,
         num_warps=4,
     )  # fmt: skip
     if not fuse:
@@ -144,13 +205,12 @@ def causal_conv1d_varlen_triton(
             K=K, KM1_PAD=km1_pad, BLOCK_D=block_d,
             num_warps=4,
         )  # fmt: skip
-    return out
 
 
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The conv kernels' variants a bf16 or float32 Nemotron-H makes (conv width 4, a bias; decode, a long prefill,
-    verify), as ``(name, jit function, argument types, constexprs)``, for a compile check without a GPU
-    (``tests/kernels/test_mamba2_kernels_compile.py``)."""
+    verify) and GDN's prefill with its output split (no bias), as ``(name, jit function, argument types,
+    constexprs)``, for a compile check without a GPU (``tests/kernels/test_mamba2_kernels_compile.py``)."""
     from hyserve.kernels.conv._triton import _conv1d_fwd_kernel, _conv1d_state_kernel, _conv1d_verify_kernel
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
@@ -159,9 +219,13 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         ptrs = dict(x_ptr=f"*{act}", w_ptr=f"*{act}", b_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64",
                     qsl_ptr="*i32", out_ptr=f"*{act}")
         strides = dict(D=i32, sx_t=i32, sx_d=i32, sw_d=i32, sw_k=i32, ss_s=i32, ss_d=i32, ss_k=i32, so_t=i32)
-        for name, block_t, block_d, fuse in (("decode", 1, 256, True), ("prefill", 32, 128, False)):
-            out.append((f"conv_fwd_bias_{name}_{act}", _conv1d_fwd_kernel, {**ptrs, **strides},
-                        dict(K=4, KM1_PAD=4, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=True)))
+        fwd = {**ptrs, "out2_ptr": f"*{act}", **strides, "SPLIT": i32, "so2_t": i32}
+        for name, block_t, block_d, fuse, bias, split in (("bias_decode", 1, 256, True, True, False),
+                                                          ("bias_prefill", 32, 128, False, True, False),
+                                                          ("split_prefill", 32, 128, False, False, True)):
+            out.append((f"conv_fwd_{name}_{act}", _conv1d_fwd_kernel, fwd,
+                        dict(K=4, KM1_PAD=4, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=bias,
+                             SPLIT_OUT=split)))
         out.append((f"conv_state_{act}", _conv1d_state_kernel,
                      dict(x_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64", qsl_ptr="*i32", D=i32, sx_t=i32,
                           sx_d=i32, ss_s=i32, ss_d=i32, ss_k=i32),

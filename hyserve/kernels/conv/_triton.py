@@ -82,16 +82,18 @@ def _taps_at_row_start(
 
 @triton.jit
 def _conv1d_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr,
-    D,
-    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t,
+    x_ptr, w_ptr, b_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, out2_ptr,
+    D, SPLIT,
+    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t, so2_t,
     K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FUSE_STATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FUSE_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (token blocks x channel blocks, R), channel blocks fastest (programs running together read whole rows
     of ``x``). out = silu(bias + sum_k w[:, k] * window[k]) in fp32 (``b_ptr`` is read only when ``HAS_BIAS``). A
     token block past its row's end returns at once; one whose taps all lie inside the row (every block but the
-    first of a row, in a long prefill) reads no window (``_taps_inside_row``)."""
+    first of a row, in a long prefill) reads no window (``_taps_inside_row``). ``SPLIT_OUT``: channels from ``SPLIT``
+    on go to ``out2`` (row stride ``so2_t``, column ``c - SPLIT``), the others to ``out``; ``BLOCK_D`` divides
+    ``SPLIT``, so a channel block lies on one side."""
     n_db = tl.cdiv(D, BLOCK_D)
     db = tl.program_id(0) % n_db
     tb = tl.program_id(0) // n_db
@@ -116,7 +118,12 @@ def _conv1d_fwd_kernel(
         acc += tl.load(b_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
     m = t_mask[:, None] & d_mask[None, :]
-    tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    if SPLIT_OUT and db * BLOCK_D >= SPLIT:
+        tl.store(out2_ptr + (start + offs_t)[:, None] * so2_t + (offs_d - SPLIT)[None, :],
+                 y.to(out2_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=m)
 
     if FUSE_STATE:
         _roll_state(x_ptr, state_ptr, slot, start, n, offs_d, d_mask, sx_t, sx_d, ss_s, ss_d, ss_k, K, KM1_PAD)
