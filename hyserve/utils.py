@@ -18,9 +18,10 @@ def device_tensor(values: Sequence[int] | Sequence[float] | Sequence[bool], devi
 
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on ``device`` without stalling the host, as :func:`device_tensor` (pinned, non-blocking)."""
+    """A host tensor on ``device`` without stalling the host, as :func:`device_tensor` (pinned, non-blocking); a
+    tensor already on a device goes as ``Tensor.to`` takes it."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
