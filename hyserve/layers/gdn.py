@@ -20,7 +20,7 @@ from hyserve.kernels import causal_conv1d_varlen, gdn_forward
 from hyserve.kernels.conv import causal_conv1d_split, causal_conv1d_verify, snapshot_conv_windows
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
-from hyserve.kernels.gdn import gdn_verify
+from hyserve.kernels.gdn import gdn_takes_chunked, gdn_verify
 from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_replay, gdn_stash_shapes
 from hyserve.kernels.gemv import DeferredInput
@@ -193,10 +193,14 @@ class GatedDeltaNet(ReplayedStateLayer):
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
             rest = mixed_in if vm is None else mixed_in[vm.num_tokens :]
             snapshot_conv_windows(rest, self.conv_state, snaps.slots, snaps.ends, snaps.offsets_t, snaps.entries)
+        qk_normed = False
         if vm is None:
-            # [q | k] and v apart, v contiguous as fla's chunked kernel reads it (a view of one output, it copied v).
+            # [q | k] and v apart, v contiguous as fla's chunked kernel reads it (a view of one output, it copied v);
+            # on the chunked path q and k come l2-normed from the same launch (an l2-norm pass less).
+            qk_normed = gdn_takes_chunked(mixed_in, meta.max_query_len)
             qk, v = causal_conv1d_split(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
-                                        2 * self.key_dim, meta.max_query_len)
+                                        2 * self.key_dim, meta.max_query_len,
+                                        norm_dim=self.head_k_dim if qk_normed else None)
             q, k = torch.split(qk, [self.key_dim, self.key_dim], dim=-1)
         else:
             assert self.conv_scratch is not None, "verify scratch not bound"
@@ -218,7 +222,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
         if vm is None:
             out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
-                              meta.max_query_len, meta.query_start_loc_cpu, snaps, meta.chunked_rows)
+                              meta.max_query_len, meta.query_start_loc_cpu, snaps, meta.chunked_rows, qk_normed)
         else:
             assert self.stash is not None, "verify scratch not bound"
             tv = vm.num_tokens

@@ -393,6 +393,54 @@ def _interp_conv_long(dtype: torch.dtype, max_query_len: int | None, sabotage: s
     return (ok1 and ok2) != (sabotage is not None), f"out err {e1:.3g}, state err {e2:.3g}"
 
 
+def _interp_conv_split_normed(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool, str]:
+    """The split launch with the first part l2-normed per head of 16 channels (GDN's q and k for fla): that part
+    within a rounding of ``l2_norm_heads_ref`` over the unsplit output's channels, the second bit for bit; the CPU
+    path (``causal_conv1d_split``) alike; ``sabotage``: the norm summed over tokens, not channels, caught."""
+    from hyserve.kernels.conv import causal_conv1d_split, causal_conv1d_split_triton, causal_conv1d_varlen_triton
+    from hyserve.kernels.norm.reference import l2_norm_heads_ref
+
+    _triton = importlib.import_module("hyserve.kernels.conv._triton")
+    lens = [70, 0, 33, 1, 5]
+    p = conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=14)
+    whole, cpu = _clone(p), _clone(p)
+    want = causal_conv1d_varlen_triton(**whole, max_query_len=70)
+    t = p["x"].shape[0]
+    want_qk = l2_norm_heads_ref(want[:, :128].reshape(t, 8, 16)).reshape(t, 128)
+    original = _triton._conv1d_fwd_kernel
+    if sabotage:
+        edits = [("tl.sum(yr * yr, axis=1) + 1e-6))[:, None]", "tl.sum(yr * yr, axis=0) + 1e-6))[None, :]")]
+        _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, edits)._conv1d_fwd_kernel
+    try:
+        a, b = causal_conv1d_split_triton(**p, split=128, max_query_len=70, norm_dim=16)
+    finally:
+        _triton._conv1d_fwd_kernel = original
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one unit in the last place of a unit vector's entries
+    ok1, e1 = _close(a, want_qk, tol, tol)
+    ok2 = torch.equal(b, want[:, 128:]) and torch.equal(p["conv_state"], whole["conv_state"])
+    ca, cb = causal_conv1d_split(**cpu, split=128, max_query_len=70, norm_dim=16)
+    ok3 = _close(ca, want_qk, tol, tol)[0] and _close(cb, want[:, 128:], 3.2e-2, 3.2e-2)[0]
+    return (ok1 and ok2 and ok3) != sabotage, f"normed part err {e1:.3g}, second part equal {ok2}, cpu {ok3}"
+
+
+def _interp_gdn_qk_normed(sabotage: bool = False) -> tuple[bool, str]:
+    """The recurrent kernel given q and k l2-normed already (``qk_normed``, the chunked path's snapshots): as the
+    kernel norming raw ones, float32; ``sabotage``: raw q and k passed as normed, which must disagree."""
+    from hyserve.kernels.gdn import gdn_recurrent_triton
+    from hyserve.kernels.norm.reference import l2_norm_heads_ref
+
+    p = gdn_problem(MIXED_LENS, Hk=2, Hv=4, Dk=16, Dv=32, pool=9, dtype=torch.float32, seed=15)
+    normed = _clone(p)
+    if not sabotage:
+        normed["q"], normed["k"] = l2_norm_heads_ref(p["q"]), l2_norm_heads_ref(p["k"])
+    args = {k: v for k, v in p.items() if k != "max_query_len"}
+    want = gdn_recurrent_triton(**args)
+    got = gdn_recurrent_triton(**{k: v for k, v in normed.items() if k != "max_query_len"}, qk_normed=True)
+    ok1, e1 = _close(got, want, 1e-5, 1e-5)
+    ok2, e2 = _close(normed["ssm_state"], p["ssm_state"], 1e-5, 1e-5)
+    return (ok1 and ok2) != sabotage, f"out err {e1:.3g}, state err {e2:.3g}"
+
+
 def _interp_conv_split(dtype: torch.dtype, split: int, sabotage: bool = False) -> tuple[bool, str]:
     """The output split in two at channel ``split`` (GDN's [q | k] and v): each part bit for bit the unsplit launch's
     channels, the second contiguous, the windows rolled alike, nothing written outside the parts (NaN-poisoned
@@ -732,6 +780,11 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "conv_split_128_bfloat16", lambda: _interp_conv_split(bf16, 128))
     record_check(res, "conv_split_64_float32", lambda: _interp_conv_split(f32, 64))
     record_check(res, "conv_split_shifted_caught", lambda: _interp_conv_split(f32, 128, sabotage=True))
+    record_check(res, "conv_split_normed_float32", lambda: _interp_conv_split_normed(f32))
+    record_check(res, "conv_split_normed_bfloat16", lambda: _interp_conv_split_normed(bf16))
+    record_check(res, "conv_split_normed_over_tokens_caught", lambda: _interp_conv_split_normed(f32, sabotage=True))
+    record_check(res, "gdn_qk_normed", lambda: _interp_gdn_qk_normed())
+    record_check(res, "gdn_raw_qk_as_normed_caught", lambda: _interp_gdn_qk_normed(sabotage=True))
     for what in CONV_SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_conv_long(f32, 95, w))
     for dt in (f32, bf16):
@@ -776,6 +829,8 @@ INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in (*
 INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16", "gdn_mixed_bf16_state"]
 INTERP_CHECKS += ["conv_long_grid_of_all_tokens", *(f"{what}_caught" for what in CONV_SABOTAGES)]
 INTERP_CHECKS += ["conv_split_128_bfloat16", "conv_split_64_float32", "conv_split_shifted_caught"]
+INTERP_CHECKS += ["conv_split_normed_float32", "conv_split_normed_bfloat16", "conv_split_normed_over_tokens_caught",
+                  "gdn_qk_normed", "gdn_raw_qk_as_normed_caught"]
 INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
                   for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += ["gdn_gating_float32", "gdn_gating_bfloat16"]
@@ -925,7 +980,8 @@ if __name__ == "__main__":
 def test_cuda_gdn_prefill_with_the_steps_rows_takes_no_sync() -> None:
     """GDN's chunked prefill (fla-core) given the step's rows (``ChunkedRows``: the host's offsets, fla's chunk
     indices made on the host and copied through pinned memory) waits for nothing, and gives bit for bit what it gives
-    working its rows out itself; the chunk indices are fla's own."""
+    working its rows out itself, and what it gives with q and k normed before (``qk_normed``); the chunk indices
+    are fla's own."""
     pytest.importorskip("fla")
     from fla.ops.utils import prepare_chunk_indices
 
@@ -953,6 +1009,13 @@ def test_cuda_gdn_prefill_with_the_steps_rows_takes_no_sync() -> None:
             torch.cuda.synchronize()
         runs.append((out.cpu(), g["ssm_state"].cpu()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    # q and k normed before (as the conv's split launch norms them for this path): the same bits again.
+    from hyserve.kernels.norm import l2_norm_heads
+
+    g = to_device(p, "cuda")
+    g["q"], g["k"] = l2_norm_heads(g["q"]), l2_norm_heads(g["k"])
+    out = gdn_forward(**g, query_start_loc_cpu=qsl_cpu, qk_normed=True)
+    assert torch.equal(out.cpu(), runs[0][0]) and torch.equal(g["ssm_state"].cpu(), runs[0][1])
 
 
 @pytest.mark.parametrize("block_d", [64, 128, 256])

@@ -27,6 +27,7 @@ import torch
 
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
 from hyserve.kernels.conv.verify import causal_conv1d_verify
+from hyserve.kernels.norm.reference import l2_norm_heads_ref
 from hyserve.utils import next_pow2
 
 __all__ = ["causal_conv1d_split", "causal_conv1d_split_triton", "causal_conv1d_varlen", "causal_conv1d_varlen_triton",
@@ -116,17 +117,23 @@ def causal_conv1d_split(
     split: int,
     max_query_len: int | None = None,
     bias: torch.Tensor | None = None,
+    norm_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_conv1d_varlen` with its output as two tensors: channels ``[0, split)`` and ``[split, D)``, the
     second contiguous (GDN: ``[q | k]`` and ``v``, ``v`` as fla's chunked kernel reads it, which would copy a view).
-    On CUDA the launch writes each part where it goes (:func:`causal_conv1d_split_triton`); on the CPU the
-    reference's output, its second part copied."""
+    ``norm_dim``: the first part comes l2-normalised over each ``norm_dim`` channels of a token (GDN's q and k
+    heads, as fla's chunked path takes them; ``l2_norm_heads`` over the rounded output). On CUDA the launch writes
+    each part where it goes (:func:`causal_conv1d_split_triton`); on the CPU the reference's output, its second part
+    copied."""
     assert 0 < split < x.shape[1], "split must cut the channels in two"
     if x.is_cuda:
         return causal_conv1d_split_triton(x, weight, conv_state, state_slots, query_start_loc, split, max_query_len,
-                                          bias)
+                                          bias, norm_dim=norm_dim)
     y = causal_conv1d_varlen_ref(x, weight, conv_state, state_slots, query_start_loc, bias)
-    return y[:, :split], y[:, split:].contiguous()
+    first = y[:, :split]
+    if norm_dim is not None:
+        first = l2_norm_heads_ref(first.reshape(y.shape[0], split // norm_dim, norm_dim)).reshape(-1, split)
+    return first, y[:, split:].contiguous()
 
 
 def causal_conv1d_split_triton(
@@ -139,26 +146,32 @@ def causal_conv1d_split_triton(
     max_query_len: int | None = None,
     bias: torch.Tensor | None = None,
     *,
+    norm_dim: int | None = None,
     outs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`causal_conv1d_split` (also under ``TRITON_INTERPRET=1``): one launch writing channels below
-    ``split`` into the first buffer and the rest into the second (``outs``: the two, e.g. NaN-poisoned in tests)."""
+    ``split`` into the first buffer (l2-normalised per ``norm_dim`` channels where given) and the rest into the
+    second (``outs``: the two, e.g. NaN-poisoned in tests)."""
     T, D = x.shape
     assert 0 < split < D, "split must cut the channels in two"
+    assert norm_dim is None or (split % norm_dim == 0 and norm_dim == next_pow2(norm_dim)), \
+        "norm_dim must be a power of two dividing split"
     if outs is None:
         outs = (torch.empty((T, split), dtype=x.dtype, device=x.device),
                 torch.empty((T, D - split), dtype=x.dtype, device=x.device))
     assert outs[0].shape == (T, split) and outs[1].shape == (T, D - split)
     assert outs[0].stride(1) == 1 and outs[1].stride(1) == 1
-    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, outs[0], (outs[1], split), None)
+    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, outs[0], (outs[1], split), None,
+            norm_dim)
     return outs
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
             query_start_loc: torch.Tensor, max_query_len: int | None, bias: torch.Tensor | None, out: torch.Tensor,
-            second: tuple[torch.Tensor, int] | None, block_t: int | None) -> None:
+            second: tuple[torch.Tensor, int] | None, block_t: int | None, norm_dim: int | None = None) -> None:
     """The forward launch (and the window roll where it is a second one); ``second``: ``(out2, split)``, channels
-    from ``split`` on written to ``out2``."""
+    from ``split`` on written to ``out2``; ``norm_dim``: the channels below ``split`` l2-normed per that many (a
+    channel block is then one such group)."""
     from hyserve.kernels.conv._triton import _conv1d_fwd_kernel, _conv1d_state_kernel
 
     T, D = x.shape
@@ -180,6 +193,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, sta
     out2, split = second if second is not None else (out, 0)
     if second is not None:
         block_d = min(block_d, split & -split)  # a power of two dividing split: a block lies on one side of it
+    if norm_dim is not None:
+        block_d = norm_dim  # one head a block: its norm is the block's, per token
     km1_pad = next_pow2(K - 1)
     fuse = n_tblocks == 1
     w = weight
@@ -193,7 +208,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, sta
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         out.stride(0), out2.stride(0),
         K=K, KM1_PAD=km1_pad, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=bias is not None,
-        SPLIT_OUT=second is not None,
+        SPLIT_OUT=second is not None, NORM_FIRST=norm_dim is not None,
         num_warps=4,
     )  # fmt: skip
     if not fuse:
@@ -220,12 +235,13 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     qsl_ptr="*i32", out_ptr=f"*{act}")
         strides = dict(D=i32, sx_t=i32, sx_d=i32, sw_d=i32, sw_k=i32, ss_s=i32, ss_d=i32, ss_k=i32, so_t=i32)
         fwd = {**ptrs, "out2_ptr": f"*{act}", **strides, "SPLIT": i32, "so2_t": i32}
-        for name, block_t, block_d, fuse, bias, split in (("bias_decode", 1, 256, True, True, False),
-                                                          ("bias_prefill", 32, 128, False, True, False),
-                                                          ("split_prefill", 32, 128, False, False, True)):
+        for name, block_t, block_d, fuse, bias, split, norm in (
+                ("bias_decode", 1, 256, True, True, False, False), ("bias_prefill", 32, 128, False, True, False, False),
+                ("split_prefill", 32, 128, False, False, True, False),
+                ("split_normed_prefill", 32, 128, False, False, True, True)):
             out.append((f"conv_fwd_{name}_{act}", _conv1d_fwd_kernel, fwd,
                         dict(K=4, KM1_PAD=4, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=bias,
-                             SPLIT_OUT=split)))
+                             SPLIT_OUT=split, NORM_FIRST=norm)))
         out.append((f"conv_state_{act}", _conv1d_state_kernel,
                      dict(x_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64", qsl_ptr="*i32", D=i32, sx_t=i32,
                           sx_d=i32, ss_s=i32, ss_d=i32, ss_k=i32),

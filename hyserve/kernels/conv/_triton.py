@@ -87,13 +87,16 @@ def _conv1d_fwd_kernel(
     sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t, so2_t,
     K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FUSE_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr = False,
+    NORM_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (token blocks x channel blocks, R), channel blocks fastest (programs running together read whole rows
     of ``x``). out = silu(bias + sum_k w[:, k] * window[k]) in fp32 (``b_ptr`` is read only when ``HAS_BIAS``). A
     token block past its row's end returns at once; one whose taps all lie inside the row (every block but the
     first of a row, in a long prefill) reads no window (``_taps_inside_row``). ``SPLIT_OUT``: channels from ``SPLIT``
     on go to ``out2`` (row stride ``so2_t``, column ``c - SPLIT``), the others to ``out``; ``BLOCK_D`` divides
-    ``SPLIT``, so a channel block lies on one side."""
+    ``SPLIT``, so a channel block lies on one side. ``NORM_FIRST`` (with ``SPLIT_OUT``; ``BLOCK_D`` one head):
+    each token's head below ``SPLIT`` (GDN's q and k) is stored l2-normalised, as ``_l2_norm_heads_kernel`` norms
+    the rounded output (float32, eps 1e-6)."""
     n_db = tl.cdiv(D, BLOCK_D)
     db = tl.program_id(0) % n_db
     tb = tl.program_id(0) // n_db
@@ -122,6 +125,9 @@ def _conv1d_fwd_kernel(
         tl.store(out2_ptr + (start + offs_t)[:, None] * so2_t + (offs_d - SPLIT)[None, :],
                  y.to(out2_ptr.dtype.element_ty), mask=m)
     else:
+        if NORM_FIRST:
+            yr = tl.where(m, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)  # the output as rounded
+            y = yr * (1.0 / tl.sqrt(tl.sum(yr * yr, axis=1) + 1e-6))[:, None]
         tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=m)
 

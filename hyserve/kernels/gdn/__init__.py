@@ -51,9 +51,19 @@ from hyserve.utils import next_pow2
 if TYPE_CHECKING:
     from hyserve.model.metadata import RowSnapshots
 
-__all__ = ["FLA_CHUNK", "FLA_PINNED_VERSION", "GDN_RECURRENT_MAX_QUERY_LEN", "SSM_STATE_DTYPES", "advance_snapshots",
-           "fla_chunk_forward_with_states", "gdn_forward", "gdn_forward_fla",
-           "gdn_recurrent_triton", "gdn_verify"]
+__all__ = [
+    "FLA_CHUNK",
+    "FLA_PINNED_VERSION",
+    "GDN_RECURRENT_MAX_QUERY_LEN",
+    "SSM_STATE_DTYPES",
+    "advance_snapshots",
+    "fla_chunk_forward_with_states",
+    "gdn_forward",
+    "gdn_forward_fla",
+    "gdn_recurrent_triton",
+    "gdn_takes_chunked",
+    "gdn_verify",
+]
 
 SSM_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this length go to the recurrent Triton kernel on CUDA; longer batches go to fla's chunked kernel.
@@ -74,6 +84,7 @@ def gdn_forward(
     query_start_loc_cpu: torch.Tensor | None = None,
     snapshots: RowSnapshots | None = None,
     rows: ChunkedRows | None = None,
+    qk_normed: bool = False,
 ) -> torch.Tensor:
     """Gated delta rule from each row's slot state; writes final states back in place. Returns ``(T, Hv, Dv)``.
 
@@ -89,15 +100,17 @@ def gdn_forward(
         snapshots: states inside rows to write into pool entries of ``ssm_state`` (see the module docstring).
         rows: the same rows as the chunked path takes them, worked out once a step for every layer (the step's
             ``ChunkedRows``); None: worked out here.
+        qk_normed: q and k come l2-normalised per head in the model dtype (the conv's launch normed them, as the
+            chunked path would: ``causal_conv1d_split``'s ``qk_norm_dim``); only where the chunked path runs
+            (:func:`gdn_takes_chunked`).
     """
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
     if snapshots is not None and not snapshots.num:
         snapshots = None
+    assert not qk_normed or gdn_takes_chunked(q, max_query_len), "normed q and k are the chunked path's"
     if not q.is_cuda:
         return gdn_forward_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, max_query_len, snapshots)
-    # float32 means float32: fla's chunked kernel rounds its float32 dots to TF32 (on an H200 that moved tiny-model
-    # logprobs by up to 0.16), so float32 models take the exact recurrent kernel for every row.
-    if max_query_len <= GDN_RECURRENT_MAX_QUERY_LEN or q.dtype == torch.float32:
+    if not gdn_takes_chunked(q, max_query_len):
         # A snapshot starts from its row's starting state, read before the kernel advances the slot.
         base = ssm_state.index_select(0, snapshots.slots).float() if snapshots is not None else None
         out = gdn_recurrent_triton(q, k, v, g, beta, ssm_state, state_slots, query_start_loc)
@@ -105,21 +118,31 @@ def gdn_forward(
             advance_snapshots(q, k, v, g, beta, base, snapshots, 0, ssm_state)
         return out
     return gdn_forward_fla(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, query_start_loc_cpu,
-                           snapshots, rows)
+                           snapshots, rows, qk_normed)
+
+
+def gdn_takes_chunked(q: torch.Tensor, max_query_len: int) -> bool:
+    """Whether :func:`gdn_forward` runs fla's chunked path for these rows: CUDA, 16-bit, a row longer than a token.
+    float32 means float32: fla's chunked kernel rounds its float32 dots to TF32 (on an H200 that moved tiny-model
+    logprobs by up to 0.16), so float32 models take the exact recurrent kernel for every row."""
+    return q.is_cuda and max_query_len > GDN_RECURRENT_MAX_QUERY_LEN and q.dtype != torch.float32
 
 
 def advance_snapshots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      base: torch.Tensor, snapshots: RowSnapshots, chunk: int, ssm_state: torch.Tensor) -> None:
+                      base: torch.Tensor, snapshots: RowSnapshots, chunk: int, ssm_state: torch.Tensor,
+                      qk_normed: bool = False) -> None:
     """Write each snapshot's state into its entry of ``ssm_state``: ``base[i]`` (float32, ``(n, Hv, Dk, Dv)``,
     advanced in place) is snapshot i's row state at its last ``chunk`` boundary (``chunk`` 0: the row's start); the
     recurrent kernel runs the tokens from there to the snapshot's position over it (``RowSnapshots.tails``), and
-    the result is rounded into the entry. ``q`` .. ``beta`` are the call's inputs (prefill rows' tokens)."""
+    the result is rounded into the entry. ``q`` .. ``beta`` are the call's inputs (prefill rows' tokens);
+    ``qk_normed``: q and k come l2-normalised (the chunked path's own keys, not normalised again)."""
     tails = snapshots.tails(chunk)
     if tails.max_len:
         idx = tails.tokens
         rows = torch.arange(snapshots.num, device=base.device)
         gdn_recurrent_triton(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
-                             g.index_select(0, idx), beta.index_select(0, idx), base, rows, tails.query_start_loc)
+                             g.index_select(0, idx), beta.index_select(0, idx), base, rows, tails.query_start_loc,
+                             qk_normed=qk_normed)
     ssm_state.index_copy_(0, snapshots.entries, base.to(ssm_state.dtype))
 
 
@@ -134,11 +157,13 @@ def gdn_recurrent_triton(
     query_start_loc: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    qk_normed: bool = False,
 ) -> torch.Tensor:
     """Triton gated delta rule, token by token within each row (any row lengths; built for decode).
 
     Each ``(row, value head, BV block)`` program reads its state tile once and writes it once. Runs under
-    ``TRITON_INTERPRET=1`` on CPU tensors too. ``out`` optionally supplies the ``(T, Hv, Dv)`` output buffer.
+    ``TRITON_INTERPRET=1`` on CPU tensors too. ``out`` optionally supplies the ``(T, Hv, Dv)`` output buffer;
+    ``qk_normed``: q and k come l2-normalised per head (not normalised again).
     """
     from hyserve.kernels.gdn._triton import _gdn_recurrent_kernel
 
@@ -163,7 +188,7 @@ def gdn_recurrent_triton(
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         out.stride(0), out.stride(1),
         Dk**-0.5,
-        DK=Dk, DV=Dv, GROUP=Hv // Hk, BK=bk, BV=bv,
+        DK=Dk, DV=Dv, GROUP=Hv // Hk, BK=bk, BV=bv, QK_NORMED=qk_normed,
         num_warps=4,
     )  # fmt: skip
     return out
@@ -192,6 +217,7 @@ def gdn_forward_fla(
     query_start_loc_cpu: torch.Tensor | None = None,
     snapshots: RowSnapshots | None = None,
     rows: ChunkedRows | None = None,
+    qk_normed: bool = False,
 ) -> torch.Tensor:
     """Chunked gated delta rule through fla-core (CUDA only).
 
@@ -200,7 +226,8 @@ def gdn_forward_fla(
     without it, both do. With ``snapshots`` the per-chunk states are kept (``fla_chunk_forward_with_states``) and
     each snapshot is advanced from the one before its position (``advance_snapshots``). ``rows``: the non-empty
     rows worked out once a step (the same objects for every layer, so that fla-core's memo of its chunk indices
-    serves them all); None: worked out here.
+    serves them all); None: worked out here. ``qk_normed``: q and k come l2-normalised (the conv's launch normed
+    them); else they are normed here.
     """
     chunk_gated_delta_rule = _import_fla_chunk() if snapshots is None else fla_chunk_forward_with_states
     T, Dk = q.shape[0], q.shape[2]
@@ -213,7 +240,7 @@ def gdn_forward_fla(
     dt = v.dtype
     # q and k are l2-normed here rather than inside fla: its l2norm kernel autotunes per bucket of token counts, so
     # each new bucket met while serving stalled a step on a benchmark of 25 configurations (measured on an H200).
-    qn, kn = l2_norm_heads(q.to(dt)), l2_norm_heads(k.to(dt))
+    qn, kn = (q, k) if qk_normed else (l2_norm_heads(q.to(dt)), l2_norm_heads(k.to(dt)))
     # Hv > Hk: fla-core (0.6.0 on) reads key head h // (Hv // Hk) for value head h, the convention here, so q and k
     # go in unexpanded (expanded, they were written Hv / Hk times over and read back apart).
     res = chunk_gated_delta_rule(
@@ -236,7 +263,7 @@ def gdn_forward_fla(
         # empty row has no chunk, so RowSnapshots.tails' chunk layout is fla's.
         h = res[2]
         base = h[0].index_select(0, snapshots.tails(FLA_CHUNK).chunk_index).float()
-        advance_snapshots(q, k, v, g, beta, base, snapshots, FLA_CHUNK, ssm_state)
+        advance_snapshots(q, k, v, g, beta, base, snapshots, FLA_CHUNK, ssm_state, qk_normed)
     ssm_state[slots] = final.to(ssm_state.dtype)
     return o[0].to(dt)
 

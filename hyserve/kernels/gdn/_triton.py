@@ -33,28 +33,32 @@ def _delta_rule_step(
     S, t, h, hk, ok, ov, kmask, vmask,
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h,
-    scale,
+    scale, QK_NORMED: tl.constexpr = False,
 ):  # fmt: skip
-    """Token ``t``, value head ``h`` (key head ``hk``): q, k l2-normalised (eps 1e-6), q *= scale; S *= exp(g);
-    S += k (beta (v - S^T k))^T; o = S^T q, stored to ``out[t, h]``. Returns the advanced state tile."""
+    """Token ``t``, value head ``h`` (key head ``hk``): q, k l2-normalised (eps 1e-6; ``QK_NORMED``: they come
+    normalised, as fla's chunked path reads them), q *= scale; S *= exp(g); S += k (beta (v - S^T k))^T;
+    o = S^T q, stored to ``out[t, h]``. Returns the advanced state tile."""
     qv = tl.load(q_ptr + t * sq_t + hk * sq_h + ok, mask=kmask, other=0.0).to(tl.float32)
     kv = tl.load(k_ptr + t * sk_t + hk * sk_h + ok, mask=kmask, other=0.0).to(tl.float32)
     vv = tl.load(v_ptr + t * sv_t + h * sv_h + ov, mask=vmask, other=0.0).to(tl.float32)
     gt = tl.load(g_ptr + t * sg_t + h * sg_h).to(tl.float32)
     bt = tl.load(beta_ptr + t * sb_t + h * sb_h).to(tl.float32)
-    qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6)) * scale
-    S = _delta_rule_update(S, kv, vv, gt, bt)
+    if not QK_NORMED:
+        qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6))
+    qv = qv * scale
+    S = _delta_rule_update(S, kv, vv, gt, bt, not QK_NORMED)
     o = tl.sum(S * qv[:, None], axis=0)
     tl.store(out_ptr + t * so_t + h * so_h + ov, o.to(out_ptr.dtype.element_ty), mask=vmask)
     return S
 
 
 @triton.jit
-def _delta_rule_update(S, kv, vv, gt, bt):
-    """The state update of one token from its raw float32 k (l2-normalised here, eps 1e-6), v, g and beta: S *=
-    exp(g); S += k (beta (v - S^T k))^T. ``_delta_rule_step`` and ``_gdn_replay_kernel`` share it, so a replayed
-    state is the verify kernel's own."""
-    kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
+def _delta_rule_update(S, kv, vv, gt, bt, NORM_K: tl.constexpr = True):
+    """The state update of one token from its raw float32 k (l2-normalised here, eps 1e-6; not with ``NORM_K``
+    false: it comes normalised), v, g and beta: S *= exp(g); S += k (beta (v - S^T k))^T. ``_delta_rule_step`` and
+    ``_gdn_replay_kernel`` share it, so a replayed state is the verify kernel's own."""
+    if NORM_K:
+        kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
     S = S * tl.exp(gt)
     mem = tl.sum(S * kv[:, None], axis=0)  # (BV,) = S^T k
     delta = (vv - mem) * bt
@@ -68,8 +72,10 @@ def _gdn_recurrent_kernel(
     ss_s, ss_h, ss_k, ss_v, so_t, so_h,
     scale,
     DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    QK_NORMED: tl.constexpr = False,
 ):  # fmt: skip
-    """The row's tokens through ``_delta_rule_step``; the slot's state tile read once and written back once."""
+    """The row's tokens through ``_delta_rule_step``; the slot's state tile read once and written back once.
+    ``QK_NORMED``: q and k come l2-normalised (not normalised again)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -91,7 +97,7 @@ def _gdn_recurrent_kernel(
             S, start + i, h, hk, ok, ov, kmask, vmask,
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h,
-            scale,
+            scale, QK_NORMED,
         )  # fmt: skip
 
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
