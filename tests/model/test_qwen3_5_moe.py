@@ -407,6 +407,7 @@ def test_served_with_images_mtp_and_prefix_caching(tmp_path: Path) -> None:
     assert [a.choices[0].message.content for a in answers] == [want, want]
 
 
+@pytest.mark.slow  # 13 s: the suite's budget (dummy weights over two ranks stay: test_load_format.py)
 def test_dummy_weights_from_config_json_alone_with_tp_and_mtp(ckpts: CheckpointCache, tmp_path: Path) -> None:
     """``load_format="dummy"`` on a directory holding only the MoE config.json: every expert tensor drawn (none
     left as allocated), and two tensor-parallel ranks serve the single-process model (each takes its shard of one
