@@ -8,15 +8,14 @@ element, and the global / shared memory instructions by width.
 
     python benchmarks/ptx_count.py            # the conv's prefill program: a block inside a row, a row's first block
 
-The conv case compiles ``_conv1d_fwd_kernel``'s two paths apart (its ``_taps_inside_row`` and
-``_taps_at_row_start``) at the 2B shape's widths (D = 6144, the input projection's rows 8224 wide), bf16, for the
+The conv case compiles ``_conv1d_fwd_kernel`` twice, every block taking one of its two paths (``_taps_inside_row``,
+``_taps_at_row_start``), at the 2B shape's widths (D = 6144, the input projection's rows 8224 wide), bf16, for the
 block sizes given.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import json
 import os
@@ -28,12 +27,12 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_conv = importlib.import_module("hyserve.kernels.conv._triton")
-taps_inside_row, taps_at_row_start = _conv._taps_inside_row, _conv._taps_at_row_start
+from hyserve.testing.triton_interpreter import mutated_module
+
+_CONV = "hyserve.kernels.conv._triton"
 
 _MEM = re.compile(r"(ld\.global[.a-z0-9]*|st\.global[.a-z0-9]*|ld\.shared[.a-z0-9]*|st\.shared[.a-z0-9]*)")
 
@@ -71,43 +70,24 @@ def ptx_counts(kernel: Any, outputs_per_program: int, num_warps: int) -> dict[st
             "memory": dict(sorted(Counter(_MEM.findall(ptx)).items()))}
 
 
-@triton.jit
-def _conv_path(x_ptr, w_ptr, state_ptr, out_ptr, qsl_ptr, D, sx_t, sx_d, sw_d, sw_k, ss_d, ss_k, so_t,
-               K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INSIDE: tl.constexpr):
-    """One prefill program of ``_conv1d_fwd_kernel`` with one of its two paths (as its grid, bias-free, GDN's)."""
-    n_db = tl.cdiv(D, BLOCK_D)
-    db = tl.program_id(0) % n_db
-    tb = tl.program_id(0) // n_db
-    r = tl.program_id(1)
-    start = tl.load(qsl_ptr + r).to(tl.int64)
-    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
-    if tb * BLOCK_T >= n:
-        return
-    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < n
-    if INSIDE:
-        acc = taps_inside_row(x_ptr, w_ptr, start, tb, offs_d, d_mask, t_mask, sx_t, sx_d, sw_d, sw_k, K, BLOCK_T,
-                               BLOCK_D)
-    else:
-        srow = state_ptr + r * 3 * D + offs_d[None, :] * ss_d
-        acc = taps_at_row_start(x_ptr, w_ptr, srow, start, offs_t, offs_d, d_mask, t_mask, sx_t, sx_d, sw_d, sw_k,
-                                 ss_k, K, BLOCK_T, BLOCK_D)
-    y = acc / (1.0 + tl.exp(-acc))
-    m = t_mask[:, None] & d_mask[None, :]
-    tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
-
-
 def conv_report(blocks: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
-    types = dict(x_ptr="*bf16", w_ptr="*bf16", state_ptr="*bf16", out_ptr="*bf16", qsl_ptr="*i32", D="i32",
-                 sx_t="i32", sx_d="i32", sw_d="i32", sw_k="i32", ss_d="i32", ss_k="i32", so_t="i32")
-    values = dict(D=6144, sx_t=8224, sx_d=1, sw_d=4, sw_k=1, ss_d=3, ss_k=1, so_t=6144)
+    """``_conv1d_fwd_kernel`` (GDN's: no bias, the window rolled by its own launch) compiled with one of its two paths
+    taken by every block: its source with the branch's condition made constant
+    (:func:`hyserve.testing.triton_interpreter.mutated_module`)."""
+    act = "bf16"
+    types = dict(x_ptr=f"*{act}", w_ptr=f"*{act}", b_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64",
+                 qsl_ptr="*i32", out_ptr=f"*{act}", out2_ptr=f"*{act}", D="i32", SPLIT="i32", sx_t="i32", sx_d="i32",
+                 sw_d="i32", sw_k="i32", ss_s="i32", ss_d="i32", ss_k="i32", so_t="i32", so2_t="i32")
+    values = dict(D=6144, SPLIT=0, sx_t=8224, sx_d=1, sw_d=4, sw_k=1, ss_s=6144 * 3, ss_d=3, ss_k=1, so_t=6144,
+                  so2_t=6144)
+    kernels = {inside: mutated_module(_CONV, [("if tb * BLOCK_T >= K - 1:", f"if {inside}:")])._conv1d_fwd_kernel
+               for inside in (True, False)}
     out = []
     for block_t, block_d, warps in blocks:
         for inside in (True, False):
-            k = compile_as_launched(_conv_path, types, values,
-                                    dict(K=4, BLOCK_T=block_t, BLOCK_D=block_d, INSIDE=inside), warps)
+            k = compile_as_launched(kernels[inside], types, values,
+                                    dict(K=4, KM1_PAD=4, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=False,
+                                         HAS_BIAS=False, SPLIT_OUT=False, NORM_FIRST=False), warps)
             row = {"path": "inside a row" if inside else "a row's first block (the window read)",
                    "block": [block_t, block_d], "num_warps": warps,
                    **ptx_counts(k, block_t * block_d, warps)}

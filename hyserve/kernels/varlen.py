@@ -129,9 +129,7 @@ class ChunkedRows:
         return got
 
     def num_chunks(self, chunk: int) -> int | None:
-        """The rows' chunks of ``chunk`` tokens in all (``sum(ceil(len / chunk))``), from the host's offsets (None
-        without them)."""
-        if self.cu_seqlens_cpu is None:
-            return None
-        lens = self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]
-        return int(((lens + chunk - 1) // chunk).sum())
+        """The rows' chunks of ``chunk`` tokens in all (``sum(ceil(len / chunk))``): the chunk indices' length, known
+        on the host (None without the host's offsets)."""
+        indices = self.chunk_indices(chunk)
+        return None if indices is None else int(indices.shape[0])

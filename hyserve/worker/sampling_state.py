@@ -35,7 +35,7 @@ from hyserve.layers.logits_processors import (
 )
 from hyserve.sampling_params import SamplingParams
 from hyserve.scheduler.output import ScheduledRow
-from hyserve.utils import device_tensor
+from hyserve.utils import device_tensor, host_to_device
 
 
 class SamplingState:
@@ -92,10 +92,7 @@ class SamplingState:
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the device without stalling the host (through pinned memory on CUDA)."""
-        t = torch.from_numpy(a)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return host_to_device(torch.from_numpy(a), self.device)
 
     def _take_slot(self) -> int:
         if not self.free:

@@ -340,10 +340,12 @@ def test_paged_attention_reference_loose_host_bounds() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _interp_conv(lens: list[int], dtype: torch.dtype, max_query_len: int | None) -> tuple[bool, str]:
+def _conv_against_reference(p: dict[str, Any], lens: list[int], max_query_len: int | None) -> tuple[bool, str]:
+    """The Triton conv on problem ``p`` (into a NaN-poisoned buffer) against the reference: outputs within a rounding,
+    windows exact, slots no row names untouched."""
     from hyserve.kernels.conv import causal_conv1d_varlen_triton
 
-    p = conv_problem(lens, D=40, K=4, pool=9, dtype=dtype, seed=11)
+    dtype = p["x"].dtype
     ref = _clone(p)
     want = causal_conv1d_varlen_ref(**ref)
     before = p["conv_state"].clone()
@@ -354,6 +356,10 @@ def _interp_conv(lens: list[int], dtype: torch.dtype, max_query_len: int | None)
     ok2, e2 = _close(p["conv_state"], ref["conv_state"], 0.0)
     _assert_untouched(before, p["conv_state"], _touched(p["state_slots"], lens))
     return ok1 and ok2, f"out err {e1:.3g}, state err {e2:.3g}"
+
+
+def _interp_conv(lens: list[int], dtype: torch.dtype, max_query_len: int | None) -> tuple[bool, str]:
+    return _conv_against_reference(conv_problem(lens, D=40, K=4, pool=9, dtype=dtype, seed=11), lens, max_query_len)
 
 
 # Sabotaged prefill conv kernels (``hyserve/kernels/conv/_triton.py`` mutated in its source), each must disagree: the
@@ -370,27 +376,17 @@ CONV_SABOTAGES = {
 def _interp_conv_long(dtype: torch.dtype, max_query_len: int | None, sabotage: str | None = None) -> tuple[bool, str]:
     """Prefill rows of several 32-token blocks (most of them read no window) and 3 channel blocks, the last partial,
     beside empty and one-token rows, against the reference; ``sabotage``: a mutated kernel, which must disagree."""
-    from hyserve.kernels.conv import causal_conv1d_varlen_triton
-
     _triton = importlib.import_module("hyserve.kernels.conv._triton")
     original = _triton._conv1d_fwd_kernel
     if sabotage is not None:
         _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, CONV_SABOTAGES[sabotage])._conv1d_fwd_kernel
     try:
         lens = [70, 0, 33, 1, 64, 95, 2]
-        p = conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=12)
-        ref = _clone(p)
-        want = causal_conv1d_varlen_ref(**ref)
-        before = p["conv_state"].clone()
-        out = torch.full(p["x"].shape, float("nan"), dtype=dtype)
-        causal_conv1d_varlen_triton(**p, max_query_len=max_query_len, out=out)
+        ok, msg = _conv_against_reference(conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=12), lens,
+                                          max_query_len)
     finally:
         _triton._conv1d_fwd_kernel = original
-    tol = 1e-5 if dtype == torch.float32 else 3.2e-2
-    ok1, e1 = _close(out, want, tol, tol)
-    ok2, e2 = _close(p["conv_state"], ref["conv_state"], 0.0)
-    _assert_untouched(before, p["conv_state"], _touched(p["state_slots"], lens))
-    return (ok1 and ok2) != (sabotage is not None), f"out err {e1:.3g}, state err {e2:.3g}"
+    return ok != (sabotage is not None), msg
 
 
 def _interp_conv_split_normed(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool, str]:
