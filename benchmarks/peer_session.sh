@@ -688,7 +688,8 @@ case "${1:?phase}" in
     # seed's 27B shape in compressed-tensors FP8_DYNAMIC (config only, --load-format dummy, /tmp/s27 as the seed
     # phases write it), hyserve at its defaults beside two switches measured against them in the same call:
     # HYSERVE_DECODE_GEMM=on (bf16: the norm and SwiGLU in the decode GEMM's prologue) and HYSERVE_FP8_FUSED_QUANT=0
-    # (FP8: every GEMM quantizing its own input again). decode34-vllm: vLLM's default mode on the same directories.
+    # (FP8: every GEMM quantizing its own input again), and the 9B with its GDN state in bf16 as vLLM's default
+    # stores it (--mamba-ssm-cache-dtype auto; hyserve keeps float32 unless told). decode34-vllm: vLLM's default mode on the same directories.
     # Each run marked done in $MOE_DONE (a later call goes on where this one stopped).
     p9b
     if [ ! -f /tmp/s27/tokenizer.json ]; then
@@ -703,6 +704,7 @@ case "${1:?phase}" in
         engine=vllm; VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
     else
         runs=("9b:/tmp/p9b:200::main" "9b_gemv:/tmp/p9b:150:HYSERVE_DECODE_GEMM=on:decode"
+              "9b_bf16state:/tmp/p9b:150::decode_bf16state"
               "27b_fp8:/tmp/s27:300::main" "27b_fp8_unfused:/tmp/s27:200:HYSERVE_FP8_FUSED_QUANT=0:decode")
         engine=hyserve
     fi
@@ -711,6 +713,8 @@ case "${1:?phase}" in
         limit=$(moe_todo "$engine" "$run" "$cap")
         [ -n "$limit" ] || continue
         args=("${D34_MAIN[@]}"); [ "$kind" = decode ] && args=("${D34_DECODE[@]}")
+        # the GDN state stored in the model's dtype, as vLLM's default keeps it (hyserve's default: float32)
+        [ "$kind" = decode_bf16state ] && args=("${D34_DECODE[@]}" --mamba-ssm-cache-dtype auto)
         [ "$dir" = /tmp/s27 ] && args+=(--load-format dummy)
         # shellcheck disable=SC2086
         ( [ -n "$envs" ] && export $envs; measure "$engine" "$dir" "$run" "$limit" "${args[@]}" )
