@@ -42,7 +42,7 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsque
                 "resolve_neg"}
 ENTRY_POINTS = {
     "hyserve.layers.gdn": ["causal_conv1d_varlen", "gdn_forward", "gdn_gating", "causal_conv1d_verify", "gdn_verify",
-                           "gdn_decode_fused", "gdn_replay"],
+                           "gdn_decode_fused", "gdn_verify_fused", "gdn_replay"],
     "hyserve.layers.attention": ["paged_attention", "store_kv", "sigmoid_mul"],
     "hyserve.layers.mlp": ["silu_mul", "relu_squared"],
     "hyserve.layers.mamba2": ["causal_conv1d_varlen", "causal_conv1d_verify", "mamba2_scan", "mamba2_replay",
@@ -170,11 +170,12 @@ def _count_entry_points(counter: _Counter) -> None:
 
 
 def _gdn_decode_as_on_cuda() -> None:
-    """The Gated DeltaNet mixer takes its fused decode kernel where CUDA would (a pure decode step): one launch for
-    conv, gates, delta rule and gated norm, its CPU reference sequence suppressed."""
+    """The Gated DeltaNet mixer takes its fused decode and verify kernels where CUDA would (a pure decode step; verify
+    rows of drafts): one launch for conv, gates, delta rule and gated norm, its CPU reference sequence suppressed."""
     from hyserve.layers import gdn
 
     gdn.uses_fused_decode = lambda x: True  # type: ignore[assignment]
+    gdn.uses_fused_verify = lambda x: True  # type: ignore[assignment]
 
 
 def _count_graph_replays(counter: _Counter) -> None:

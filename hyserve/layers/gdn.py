@@ -22,7 +22,7 @@ from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_takes_chunked, gdn_verify
 from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused
-from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_replay, gdn_stash_shapes
+from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_replay, gdn_stash_shapes, gdn_verify_fused
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm
@@ -34,6 +34,12 @@ from hyserve.model.metadata import StepMetadata
 
 def uses_fused_decode(x: torch.Tensor) -> bool:
     """Whether a pure decode step takes the fused kernel: on CUDA (the CPU keeps the unfused references)."""
+    return x.is_cuda
+
+
+def uses_fused_verify(x: torch.Tensor) -> bool:
+    """Whether a step's verify rows of drafts take the fused kernel: on CUDA (the CPU keeps the unfused
+    references)."""
     return x.is_cuda
 
 
@@ -193,6 +199,8 @@ class GatedDeltaNet(ReplayedStateLayer):
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
             rest = mixed_in if vm is None else mixed_in[vm.num_tokens :]
             snapshot_conv_windows(rest, self.conv_state, snaps.slots, snaps.ends, snaps.offsets_t, snaps.entries)
+        if vm is not None and not in_place and uses_fused_verify(mixed_in):
+            return self.out_proj(self.fused_verify(mixed_in, z, b, a, meta))
         qk_normed = False
         if vm is None:
             # [q | k] and v apart, v contiguous as fla's chunked kernel reads it (a view of one output, it copied v);
@@ -237,7 +245,42 @@ class GatedDeltaNet(ReplayedStateLayer):
                                         vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
                                         vm.rest_query_start_loc_cpu, snaps, vm.rest_chunked_rows))
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        # z as (T, Hv, Dv) heads of its strided view: the norm reads it where in_proj wrote it (no copy).
-        out = self.norm(out.reshape(t, self.num_v_heads, self.head_v_dim), z.view(t, self.num_v_heads,
-                                                                                    self.head_v_dim))
-        return self.out_proj(out.reshape(t, self.value_dim))
+        return self.out_proj(self.gated_norm(out, z))
+
+    def gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The output norm of the delta rule's ``(T, Hv, Dv)`` output under z, as ``(T, Hv * Dv)``; z is read as
+        ``(T, Hv, Dv)`` heads of its strided view, where in_proj wrote it (no copy)."""
+        t = out.shape[0]
+        normed = self.norm(out.reshape(t, self.num_v_heads, self.head_v_dim),
+                           z.view(t, self.num_v_heads, self.head_v_dim))
+        return normed.reshape(t, self.value_dim)
+
+    def fused_verify(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     meta: StepMetadata) -> torch.Tensor:
+        """A step with verify rows of drafts on CUDA: the verify rows in one launch (``gdn_verify_fused``: the
+        candidate windows and the stash written, the live state only read), the rows after them (chunked prefill)
+        as a step of their own; returns out_proj's input."""
+        vm = meta.verify
+        assert vm is not None and self.conv_state is not None and self.ssm_state is not None
+        assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
+        tv, t = vm.num_tokens, mixed_in.shape[0]
+        head = gdn_verify_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], self.conv1d.weight.squeeze(1), self.A_log,
+                                self.dt_bias, self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
+                                vm.state_slots, vm.query_start_loc, self.num_k_heads, self.conv_scratch, self.stash,
+                                vm.max_query_len)
+        if tv == t:
+            return head
+        rest = slice(tv, t)
+        qk_normed = gdn_takes_chunked(mixed_in, vm.rest_max_query_len)
+        qk, v = causal_conv1d_split(mixed_in[rest], self.conv1d.weight.squeeze(1), self.conv_state,
+                                    vm.rest_state_slots, vm.rest_query_start_loc, 2 * self.key_dim,
+                                    vm.rest_max_query_len, norm_dim=self.head_k_dim if qk_normed else None)
+        q, k = torch.split(qk, [self.key_dim, self.key_dim], dim=-1)
+        g, beta = gdn_gating(a[rest], b[rest], self.A_log, self.dt_bias)
+        n = t - tv
+        out = gdn_forward(q.reshape(n, self.num_k_heads, self.head_k_dim),
+                          k.reshape(n, self.num_k_heads, self.head_k_dim),
+                          v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state,
+                          vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
+                          vm.rest_query_start_loc_cpu, meta.row_snapshots, vm.rest_chunked_rows, qk_normed)
+        return torch.cat([head, self.gated_norm(out, z[rest])])

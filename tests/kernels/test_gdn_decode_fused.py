@@ -251,7 +251,7 @@ SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
                                                "        tl.store(o_row",
                                                "tl.store(s_ptrs, (S - kv[:, None] * delta[None, :]).to("
                                                "state_ptr.dtype.element_ty), mask=smask)\n        tl.store(o_row")]),
-    "beta_from_a": ("bf16_g2", [("bt = tl.sigmoid(bv)", "bt = tl.sigmoid(av)")]),
+    "beta_from_a": ("bf16_g2", [("return gt, tl.sigmoid(bv)", "return gt, tl.sigmoid(av)")]),
     "qk_window_rolled_by_first": ("bf16_g2", [("last = live & (seen % GROUP == GROUP - 1)",
                                                "last = live & (seen % GROUP == 0)")]),
     "counter_not_restored": ("bf16_g2", [("tl.atomic_add(arr, -GROUP, mask=last)", "pass")]),

@@ -525,7 +525,8 @@ def test_gdn_verify_and_replay_kernels_compile_for_sm90() -> None:
     from hyserve.kernels.gdn import verify
     from hyserve.testing.triton_compile import compile_failures
 
-    variants = verify.compile_variants()
+    # the fused verify's variants compile in tests/kernels/test_gdn_verify_fused.py
+    variants = [v for v in verify.compile_variants() if not v[0].startswith("gdn_verify_fused")]
     assert len({name for name, *_ in variants}) == len(variants) == 12
     failures = compile_failures(variants)
     assert not failures, failures

@@ -25,7 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_gdn_decode_fused_kernel", "_gdn_recurrent_kernel", "_gdn_replay_kernel", "_gdn_verify_kernel"]
+__all__ = ["_gdn_decode_fused_kernel", "_gdn_recurrent_kernel", "_gdn_replay_kernel", "_gdn_verify_fused_kernel",
+           "_gdn_verify_kernel"]
 
 
 @triton.jit
@@ -192,6 +193,60 @@ def _gdn_replay_kernel(
 
 
 @triton.jit
+def _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, t, h, sa_t, sb_t):
+    """Token ``t``'s gates of value head ``h`` (as ``_gdn_gating_kernel``): g = -exp(A_log) * softplus(a + dt_bias),
+    beta = sigmoid(b), both float32."""
+    av = tl.load(a_ptr + t * sa_t + h).to(tl.float32)
+    bv = tl.load(b_ptr + t * sb_t + h).to(tl.float32)
+    xg = av + tl.load(dtb_ptr + h).to(tl.float32)
+    y = tl.exp(tl.minimum(xg, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    sp = tl.where(xg > 20.0, xg, log1p)
+    gt = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
+    return gt, tl.sigmoid(bv)
+
+
+@triton.jit
+def _conv_row_taps(
+    x_ptr, conv_ptr, cw_ptr, start, i, slot, ch, cmask,
+    sx_t, sc_s, sc_d, sc_k, scw_d, scw_k,
+    K: tl.constexpr,
+):  # fmt: skip
+    """The depthwise conv + SiLU of channels ``ch`` for the row's token ``i`` (``start + i``), as
+    ``_conv1d_verify_kernel`` adds it up: tap ``k`` is the row's input ``i - K + 1 + k`` where that lies in the row,
+    else the slot's window entry before it; float32 in tap order, SiLU, rounded to the input's dtype."""
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for k in tl.static_range(K):
+        rel = i - (K - 1) + k
+        in_row = rel >= 0
+        xv = tl.load(x_ptr + (start + rel) * sx_t + ch, mask=cmask & in_row, other=0.0)
+        sv = tl.load(conv_ptr + slot * sc_s + ch * sc_d + (K - 1 + rel) * sc_k, mask=cmask & (rel < 0), other=0.0)
+        wk = tl.load(cw_ptr + ch * scw_d + k * scw_k, mask=cmask, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wk
+    y = acc / (1.0 + tl.exp(-acc))
+    return y.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _store_row_window(
+    x_ptr, conv_ptr, scr_ptr, start, i, slot, ch, cmask,
+    sx_t, sc_s, sc_d, sc_k, scr_base, scr_d, scr_k,
+    K: tl.constexpr, KM1_PAD: tl.constexpr,
+):  # fmt: skip
+    """The channels' window after the row's token ``i`` (inputs ``i - K + 2 .. i``, oldest first; those before the
+    row from the slot's window), stored at ``scr_ptr + scr_base`` (a candidate: the live window is only read)."""
+    p = tl.arange(0, KM1_PAD)
+    rel = i - (K - 2) + p
+    m = cmask[:, None] & (p < K - 1)[None, :]
+    xv = tl.load(x_ptr + (start + rel)[None, :] * sx_t + ch[:, None], mask=m & (rel >= 0)[None, :], other=0.0)
+    sv = tl.load(conv_ptr + slot * sc_s + ch[:, None] * sc_d + (K - 1 + rel)[None, :] * sc_k,
+                 mask=m & (rel < 0)[None, :], other=0.0)
+    win = tl.where((rel >= 0)[None, :], xv.to(sv.dtype), sv)
+    tl.store(scr_ptr + scr_base + ch[:, None] * scr_d + p[None, :] * scr_k, win, mask=m)
+
+
+@triton.jit
 def _conv_tap_sum(
     x_ptr, conv_ptr, cw_ptr, t, slot, ch, cmask,
     sc_s, sc_d, sc_k, scw_d, scw_k,
@@ -276,16 +331,7 @@ def _gdn_decode_fused_kernel(
     nq, pq, mq = _conv_new_window(x_ptr, conv_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
     nk, pk, mk = _conv_new_window(x_ptr, conv_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
 
-    # The gates (as _gdn_gating_kernel): g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
-    av = tl.load(a_ptr + start * sa_t + h).to(tl.float32)
-    bv = tl.load(b_ptr + start * sb_t + h).to(tl.float32)
-    xg = av + tl.load(dtb_ptr + h).to(tl.float32)
-    y = tl.exp(tl.minimum(xg, 20.0))
-    u = 1.0 + y
-    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
-    sp = tl.where(xg > 20.0, xg, log1p)
-    gt = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
-    bt = tl.sigmoid(bv)
+    gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
     decay = tl.exp(gt)
 
     # The value channels' next windows, all ``DV`` at once (stored after the barrier below, after every read).
@@ -340,3 +386,95 @@ def _gdn_decode_fused_kernel(
         on = (w * nrm).to(dt).to(tl.float32)
         zz = tl.load(z_row + ov, mask=vmask, other=0.0).to(tl.float32)
         tl.store(o_row + ov, (on * (zz * tl.sigmoid(zz))).to(dt), mask=vmask)
+
+
+@triton.jit
+def _gdn_verify_fused_kernel(
+    x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
+    conv_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
+    stk_ptr, stv_ptr, stg_ptr, stb_ptr,
+    sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
+    sc_s, sc_d, sc_k,
+    ss_s, ss_h, ss_k, ss_v,
+    so_t, scr_r, scr_p, scr_d, scr_k,
+    stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p,
+    P, scale, eps,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
+):  # fmt: skip
+    """A verify row ``r`` (grid axis 0) of ``n`` tokens, value head ``h`` (axis 1), key head ``hk = h // GROUP``:
+    what ``_conv1d_verify_kernel``, ``_gdn_gating_kernel``, ``_gdn_verify_kernel`` and ``_gated_rms_norm_kernel``
+    compute in turn, with their rounding points. The live conv window and SSM state are only read.
+
+    1. For each token ``i < P``: the candidate conv windows after it (q / k channels by the key head's first value
+       head, v channels by their own head) into the scratch, and the stash (raw k by the key head's first value
+       head; v, g and beta by the head).
+    2. The delta rule over the head's value channels, ``BV`` at a time: the tile loaded once from the live state and
+       advanced over the row's tokens (the conv of q / k recomputed per tile), each token's output stored.
+    3. After a barrier, the gated RMSNorm of each token's head output, read back whole."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    hk = h // GROUP
+    first = h % GROUP == 0
+    dt = out_ptr.dtype.element_ty
+
+    ok = tl.arange(0, BK)
+    kmask = ok < DK
+    cq = hk * DK + ok
+    ck = HK * DK + hk * DK + ok
+    oall = tl.arange(0, DVP)
+    amask = oall < DV
+    cva = 2 * HK * DK + h * DV + oall
+
+    for i in range(0, tl.minimum(n, P)):
+        base = r * scr_r + i * scr_p
+        _store_row_window(x_ptr, conv_ptr, scr_ptr, start, i, slot, cq, kmask & first,
+                          sx_t, sc_s, sc_d, sc_k, base, scr_d, scr_k, K, KM1_PAD)
+        _store_row_window(x_ptr, conv_ptr, scr_ptr, start, i, slot, ck, kmask & first,
+                          sx_t, sc_s, sc_d, sc_k, base, scr_d, scr_k, K, KM1_PAD)
+        _store_row_window(x_ptr, conv_ptr, scr_ptr, start, i, slot, cva, amask,
+                          sx_t, sc_s, sc_d, sc_k, base, scr_d, scr_k, K, KM1_PAD)
+        kv = _conv_row_taps(x_ptr, conv_ptr, cw_ptr, start, i, slot, ck, kmask, sx_t, sc_s, sc_d, sc_k, scw_d,
+                            scw_k, K)
+        tl.store(stk_ptr + r * stk_r + i * stk_p + hk * stk_h + ok, kv, mask=kmask & first)
+        vv = _conv_row_taps(x_ptr, conv_ptr, cw_ptr, start, i, slot, cva, amask, sx_t, sc_s, sc_d, sc_k, scw_d,
+                            scw_k, K)
+        tl.store(stv_ptr + r * stv_r + i * stv_p + h * stv_h + oall, vv, mask=amask)
+        gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start + i, h, sa_t, sb_t)
+        tl.store(stg_ptr + r * stg_r + i * stg_p + h, gt)
+        tl.store(stb_ptr + r * stg_r + i * stg_p + h, bt)
+
+    s_head = state_ptr + slot * ss_s + h * ss_h
+    for vb in tl.static_range(0, DV, BV):
+        ov = vb + tl.arange(0, BV)
+        vmask = ov < DV
+        cv = 2 * HK * DK + h * DV + ov
+        tile = kmask[:, None] & vmask[None, :]
+        S = tl.load(s_head + ok[:, None] * ss_k + ov[None, :] * ss_v, mask=tile & (n > 0), other=0.0).to(tl.float32)
+        for i in range(0, n):
+            qv = _conv_row_taps(x_ptr, conv_ptr, cw_ptr, start, i, slot, cq, kmask, sx_t, sc_s, sc_d, sc_k, scw_d,
+                                scw_k, K)
+            kv = _conv_row_taps(x_ptr, conv_ptr, cw_ptr, start, i, slot, ck, kmask, sx_t, sc_s, sc_d, sc_k, scw_d,
+                                scw_k, K)
+            vv = _conv_row_taps(x_ptr, conv_ptr, cw_ptr, start, i, slot, cv, vmask, sx_t, sc_s, sc_d, sc_k, scw_d,
+                                scw_k, K)
+            gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start + i, h, sa_t, sb_t)
+            qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6))
+            qv = qv * scale
+            S = _delta_rule_update(S, kv, vv, gt, bt)
+            o = tl.sum(S * qv[:, None], axis=0)
+            tl.store(out_ptr + (start + i) * so_t + h * DV + ov, o.to(dt), mask=vmask)
+
+    tl.debug_barrier()  # every store of the head's outputs before they are read back
+    w = tl.load(nw_ptr + oall, mask=amask, other=0.0).to(tl.float32)
+    for i in range(0, n):
+        o_row = out_ptr + (start + i) * so_t + h * DV
+        of = tl.load(o_row + oall, mask=amask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / DV + eps)
+        nrm = (of * rstd).to(dt).to(tl.float32)
+        on = (w * nrm).to(dt).to(tl.float32)
+        zz = tl.load(z_ptr + (start + i) * sz_t + h * DV + oall, mask=amask, other=0.0).to(tl.float32)
+        tl.store(o_row + oall, (on * (zz * tl.sigmoid(zz))).to(dt), mask=amask)

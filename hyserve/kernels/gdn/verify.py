@@ -40,6 +40,9 @@ __all__ = [
     "gdn_replay_triton",
     "gdn_stash_shapes",
     "gdn_verify",
+    "gdn_verify_fused",
+    "gdn_verify_fused_ref",
+    "gdn_verify_fused_triton",
     "gdn_verify_ref",
     "gdn_verify_triton",
 ]
@@ -204,11 +207,154 @@ def gdn_replay_triton(
     )  # fmt: skip
 
 
+def gdn_verify_fused(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_k_heads: int,
+    conv_scratch: torch.Tensor,
+    stash: dict[str, torch.Tensor],
+    max_query_len: int,
+) -> torch.Tensor:
+    """The mixer's verify rows from ``in_proj``'s output to ``out_proj``'s input in one launch on CUDA; returns
+    ``(T, Hv * Dv)`` in the model dtype. The live ``conv_state`` and ``ssm_state`` are only read; the candidate
+    windows go to ``conv_scratch`` and the delta rule's inputs to ``stash``, as :func:`gdn_verify_fused_ref` (the
+    unfused sequence, the op's definition and the CPU path) writes them.
+
+    Arguments as :func:`hyserve.kernels.gdn.decode.gdn_decode_fused`'s, with rows of any length, and
+    :func:`~hyserve.kernels.conv.causal_conv1d_verify`'s ``conv_scratch`` and :func:`gdn_verify`'s ``stash``."""
+    if not x.is_cuda:
+        return gdn_verify_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
+                                    state_slots, query_start_loc, num_k_heads, conv_scratch, stash, max_query_len)
+    return gdn_verify_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
+                                   state_slots, query_start_loc, num_k_heads, conv_scratch, stash)
+
+
+def gdn_verify_fused_ref(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_k_heads: int,
+    conv_scratch: torch.Tensor,
+    stash: dict[str, torch.Tensor],
+    max_query_len: int,
+) -> torch.Tensor:
+    """The unfused references in sequence (conv verify, gates, delta-rule verify, gated norm): the op's definition."""
+    from hyserve.kernels.conv.reference import causal_conv1d_verify_ref
+    from hyserve.kernels.gating.reference import gdn_gating_ref
+    from hyserve.kernels.norm.reference import gated_rms_norm_ref
+
+    t = x.shape[0]
+    hv, dk, dv = ssm_state.shape[1:]
+    key_dim = num_k_heads * dk
+    mixed = causal_conv1d_verify_ref(x, conv_weight, conv_state, state_slots, query_start_loc, conv_scratch)
+    q, k, v = torch.split(mixed, [key_dim, key_dim, hv * dv], dim=-1)
+    g, beta = gdn_gating_ref(a, b, a_log, dt_bias)
+    o = gdn_verify_ref(q.reshape(t, num_k_heads, dk), k.reshape(t, num_k_heads, dk), v.reshape(t, hv, dv), g, beta,
+                       ssm_state, state_slots, query_start_loc, stash, max_query_len)
+    return gated_rms_norm_ref(o.reshape(-1, dv), z.reshape(-1, dv), norm_weight, eps).reshape(t, hv * dv)
+
+
+def gdn_verify_fused_triton(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_k_heads: int,
+    conv_scratch: torch.Tensor,
+    stash: dict[str, torch.Tensor],
+    *,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Triton :func:`gdn_verify_fused`: one program per (row, value head), no host sync, a fixed-shape launch (also
+    runs under ``TRITON_INTERPRET=1``). ``out`` optionally supplies the contiguous ``(T, Hv * Dv)`` output;
+    ``block_v`` overrides the value block ``BV`` (a power of two)."""
+    from hyserve.kernels.gdn._triton import _gdn_verify_fused_kernel
+    from hyserve.kernels.gdn.decode import launch_config
+
+    t = x.shape[0]
+    hk = num_k_heads
+    _, hv, dk, dv = ssm_state.shape
+    conv_dim, kw = conv_weight.shape
+    r = state_slots.shape[0]
+    assert hv % hk == 0, "Hv must be a multiple of Hk"
+    assert x.shape[1] == conv_dim == 2 * hk * dk + hv * dv, "x must be (T, 2 * Hk * Dk + Hv * Dv)"
+    assert conv_state.shape[1:] == (conv_dim, kw - 1) and kw >= 2, "conv_state must be (S, conv_dim, K - 1)"
+    assert z.shape == (t, hv * dv) and a.shape == (t, hv) and b.shape == (t, hv), "z (T, Hv * Dv), a and b (T, Hv)"
+    assert norm_weight.shape == (dv,) and a_log.shape == (hv,) and dt_bias.shape == (hv,)
+    cs = conv_scratch
+    assert cs.dim() == 4 and cs.shape[2:] == conv_state.shape[1:] and cs.shape[0] >= r, \
+        "conv_scratch must be (R_max, P_max, conv_dim, K - 1)"
+    assert cs.dtype == conv_state.dtype, "conv_scratch must have conv_state's dtype"
+    _check_stash(torch.empty((0, hk, dk), device="meta"), torch.empty((0, hv, dv), device="meta"), r, stash)
+    x, z, a, b = (_unit_last(u) for u in (x, z, a, b))
+    if out is None:
+        out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
+    assert out.shape == (t, hv * dv) and out.stride(1) == 1
+    if r == 0 or t == 0:
+        return out
+    cfg = launch_config(dk, dv, kw)
+    if block_v is not None:
+        assert block_v == next_pow2(block_v), "block_v must be a power of two"
+        cfg["BV"] = block_v
+    sk, sv, sg, sb = (stash[n] for n in STASH_NAMES)
+    _gdn_verify_fused_kernel[(r, hv)](
+        x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
+        conv_state, ssm_state, state_slots, query_start_loc, out, cs,
+        sk, sv, sg, sb,
+        x.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
+        out.stride(0), cs.stride(0), cs.stride(1), cs.stride(2), cs.stride(3),
+        sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sg.stride(0), sg.stride(1),
+        sk.shape[1], dk**-0.5, float(eps),
+        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    """The verify and replay kernels' variants for the Qwen3.5 shapes (Dk = Dv = 128; Hv / Hk = 1, 2, 3) in a bf16
-    model with a float32 state, and with a bf16 state, as ``(name, jit function, argument types, constexprs)`` for a
-    compile check without a GPU (``tests/kernels/test_verify_kernels.py``)."""
-    from hyserve.kernels.gdn._triton import _gdn_replay_kernel, _gdn_verify_kernel
+    """The verify and replay kernels' variants and the fused verify's for the Qwen3.5 shapes (Dk = Dv = 128, conv
+    width 4; Hv / Hk = 1, 2, 3) in a bf16 model with a float32 state, and with a bf16 state, as ``(name, jit
+    function, argument types, constexprs)`` for a compile check without a GPU (``tests/kernels/test_verify_kernels.py``,
+    ``tests/kernels/test_gdn_verify_fused.py``)."""
+    from hyserve.kernels.gdn._triton import _gdn_replay_kernel, _gdn_verify_fused_kernel, _gdn_verify_kernel
+    from hyserve.kernels.gdn.decode import launch_config
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     i32 = "i32"
@@ -229,4 +375,12 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                           P=i32)
             out.append((f"gdn_replay_g{group}_{state}_state{'_rows' if rows else ''}", _gdn_replay_kernel, replay,
                         dict(consts, ROWS=rows)))
+        fused = dict(x_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32",
+                     dtb_ptr="*fp32", nw_ptr="*bf16", conv_ptr="*bf16", state_ptr=f"*{state}", slots_ptr="*i64",
+                     qsl_ptr="*i32", out_ptr="*bf16", scr_ptr="*bf16", **stash,
+                     **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
+                                         "ss_s", "ss_h", "ss_k", "ss_v", "so_t", "scr_r", "scr_p", "scr_d", "scr_k")},
+                     **stash_strides, P=i32, scale="fp32", eps="fp32")
+        out.append((f"gdn_verify_fused_g{group}_{state}_state", _gdn_verify_fused_kernel, fused,
+                    dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4))))
     return out

@@ -1,0 +1,460 @@
+"""The fused Gated DeltaNet verify kernel (``hyserve.kernels.gdn.verify.gdn_verify_fused``: the conv's candidate
+windows, gates, the delta rule's verify with its stash and the gated RMSNorm in one launch) under the Triton
+interpreter (one subprocess: ``TRITON_INTERPRET=1`` must be set before any kernel is decorated), compiled for sm_90,
+and on CUDA where there is a card.
+
+Against: the unfused Triton kernels in sequence (``causal_conv1d_verify``, ``gdn_gating``, ``gdn_verify``,
+``gated_rms_norm``: outputs, candidate windows and stash bit for bit under the interpreter) and the unfused plain-torch
+references in sequence (the op's definition, within float32 / one-unit-in-the-last-place rules). Problems: verify rows
+of 1 to P tokens and empty ones, on non-identity slots, with more scratch rows than rows; float32 and bf16 models,
+float32 and bf16 states; Hv / Hk = 1, 2 and 3; head widths that are not powers of two and several value blocks per
+head. The live conv windows and SSM states are never written, nor any scratch or stash entry past a row's tokens.
+The replayed commit over the fused kernel's stash gives the state the recurrent kernel reaches. The mixer takes the
+kernel on a step with verify rows of drafts (alone, and followed by prefill rows) and gives its unfused path's
+output.
+
+Sabotaged kernels (each mutated in its source, each must disagree): a candidate window one token late, the stash's k
+stored l2-normed, the live state written back, the key head ``h % Hk`` instead of ``h // (Hv / Hk)``, the norm read
+before the barrier's stores are all in (the norm pass's token index off by one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_stash_shapes, gdn_verify_fused, gdn_verify_fused_ref
+from hyserve.layers import gdn as gdn_layer
+from hyserve.model.metadata import VerifyMetadata
+from hyserve.testing.triton_compile import compile_failures
+from hyserve.testing.triton_interpreter import (
+    interpreter_subprocess_results,
+    mutated_module,
+    print_results,
+    record_check,
+)
+
+F32, BF16 = torch.float32, torch.bfloat16
+EPS = 1e-6
+POOLS = ("conv_state", "ssm_state")
+
+
+def verify_problem(lens: list[int], p_max: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype,
+                   state_dtype: torch.dtype, seed: int, k: int = 4, device: str = "cpu") -> dict[str, Any]:
+    """Verify rows of ``lens`` tokens (each <= ``p_max``) on distinct shuffled slots; ``x``, ``z``, ``b``, ``a``
+    views of one wide projection output; scratch and stash for two rows more than there are, NaN-poisoned."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = len(lens) + 4
+    conv_dim = 2 * hk * dk + hv * dv
+    t = sum(lens)
+    wide = torch.randn(t, conv_dim + hv * dv + 2 * hv + 3, generator=gen).to(dtype)
+    c = conv_dim + hv * dv
+    slots = torch.randperm(pool, generator=gen)[: len(lens)].tolist()
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    r_max = len(lens) + 2
+    shapes = gdn_stash_shapes(hk, dk, hv, dv)
+    p = dict(x=wide[:, :conv_dim], z=wide[:, conv_dim:c], b=wide[:, c : c + hv], a=wide[:, c + hv : c + 2 * hv],
+             conv_weight=(torch.randn(conv_dim, k, generator=gen) * 0.5).to(dtype),
+             a_log=torch.rand(hv, generator=gen).mul(2.0).log1p(), dt_bias=torch.rand(hv, generator=gen) + 0.5,
+             norm_weight=(1.0 + 0.3 * torch.randn(dv, generator=gen)).to(dtype), eps=EPS,
+             conv_state=torch.randn(pool, conv_dim, k - 1, generator=gen).to(dtype),
+             ssm_state=(torch.randn(pool, hv, dk, dv, generator=gen) * 0.3).to(state_dtype),
+             state_slots=torch.tensor(slots, dtype=torch.int64), query_start_loc=qsl, num_k_heads=hk,
+             conv_scratch=torch.full((r_max, p_max, conv_dim, k - 1), float("nan"), dtype=dtype),
+             stash={n: torch.full((r_max, p_max, *shapes[n]), float("nan")) for n in STASH_NAMES},
+             max_query_len=max(lens))
+    return {n: (v.to(device) if isinstance(v, torch.Tensor) else
+                {m: u.to(device) for m, u in v.items()} if isinstance(v, dict) else v) for n, v in p.items()}
+
+
+def fresh(p: dict[str, Any]) -> dict[str, Any]:
+    """A copy whose pools, scratch and stash are the problem's, cloned."""
+    q = dict(p)
+    for n in (*POOLS, "conv_scratch"):
+        q[n] = p[n].clone()
+    q["stash"] = {n: t.clone() for n, t in p["stash"].items()}
+    return q
+
+
+def unfused_triton(p: dict[str, Any]) -> torch.Tensor:
+    """Today's verify sequence of Triton kernels (conv verify, gating, delta-rule verify, gated norm)."""
+    from hyserve.kernels.conv.verify import causal_conv1d_verify_triton
+    from hyserve.kernels.gating import gdn_gating_triton
+    from hyserve.kernels.gdn.verify import gdn_verify_triton
+    from hyserve.kernels.norm import gated_rms_norm_triton
+
+    x, hk = p["x"], p["num_k_heads"]
+    t = x.shape[0]
+    _, hv, dk, dv = p["ssm_state"].shape
+    mixed = causal_conv1d_verify_triton(x, p["conv_weight"], p["conv_state"], p["state_slots"],
+                                        p["query_start_loc"], p["conv_scratch"], p["max_query_len"])
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    g, beta = gdn_gating_triton(p["a"], p["b"], p["a_log"], p["dt_bias"])
+    o = gdn_verify_triton(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta,
+                          p["ssm_state"], p["state_slots"], p["query_start_loc"], p["stash"])
+    return gated_rms_norm_triton(o.reshape(-1, dv), p["z"].reshape(-1, dv), p["norm_weight"], EPS).reshape(t, -1)
+
+
+def fused_triton(p: dict[str, Any], block_v: int | None = None) -> torch.Tensor:
+    from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+    args = {n: v for n, v in p.items() if n != "max_query_len"}
+    out = torch.full((p["x"].shape[0], p["z"].shape[1]), float("nan"), dtype=p["x"].dtype, device=p["x"].device)
+    return gdn_verify_fused_triton(**args, out=out, block_v=block_v)
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor, f32_tol: float = 2e-6, ulps: int = 1) -> tuple[bool, str]:
+    """float32 within ``f32_tol`` relative (plus as much absolute); 16-bit within ``ulps`` units in the last place;
+    NaN where the other has NaN."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False, f"{got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    g, w = got.float(), want.float()
+    if not torch.equal(g.isnan(), w.isnan()):
+        return False, "NaN in different places"
+    g, w = g.nan_to_num(), w.nan_to_num()
+    err = (g - w).abs()
+    if want.dtype == F32:
+        return bool((err <= f32_tol * (w.abs() + 1)).all()), f"max err {float(err.max()):.3g}"
+    ulp = ulps * 2.0 ** (-7 if want.dtype == BF16 else -10)
+    ok = bool((err <= ulp * w.abs().clamp(min=2.0**-10) * 1.01 + 1e-6).all())
+    return ok, f"max err {float(err.max()):.3g}"
+
+
+def check_fused(p: dict[str, Any], want_fn: Any, exact: bool, block_v: int | None = None) -> tuple[bool, str]:
+    """The fused kernel against ``want_fn`` on copies: outputs, every scratch and stash entry (written ones equal,
+    the rest still NaN), the pools untouched. ``exact``: all bit for bit but the outputs, within one unit in the
+    last place; else within ``_agree``'s tolerances."""
+    want_p, got_p = fresh(p), fresh(p)
+    want = want_fn(want_p)
+    got = fused_triton(got_p, block_v)
+    goods, msgs = [], []
+
+    def cmp(name: str, g: torch.Tensor, w: torch.Tensor) -> None:
+        if exact and name != "out":
+            ok = bool(torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0))) and torch.equal(g.isnan(), w.isnan())
+            msg = "equal" if ok else "differ"
+        else:
+            ok, msg = _agree(g, w, 2.4e-7 if exact else 2e-6)
+        goods.append(ok)
+        msgs.append(f"{name} {msg}")
+
+    cmp("out", got, want)
+    cmp("conv_scratch", got_p["conv_scratch"], want_p["conv_scratch"])
+    for n in STASH_NAMES:
+        cmp(f"stash_{n}", got_p["stash"][n], want_p["stash"][n])
+    for n in POOLS:
+        goods.append(bool(torch.equal(got_p[n], p[n])))
+    return all(goods), f"{'; '.join(msgs)}; all {goods}"
+
+
+# (name, lens, P, Hk, Hv, Dk, Dv, model dtype, state dtype, block_v)
+CASES = [
+    ("f32_g1", [3, 0, 1, 2], 3, 2, 2, 16, 32, F32, F32, 16),
+    ("f32_g2", [2, 3, 1], 3, 2, 4, 16, 32, F32, F32, 16),
+    ("bf16_g1", [4, 1], 4, 2, 2, 16, 32, BF16, F32, None),
+    ("bf16_g2", [0, 3, 2, 3], 3, 2, 4, 16, 48, BF16, F32, 16),
+    ("bf16_g2_bf16_state", [3, 1, 2], 3, 2, 4, 16, 32, BF16, BF16, 16),
+    ("bf16_g3_odd_widths", [2, 0, 3], 3, 1, 3, 12, 40, BF16, F32, 16),
+]
+
+
+def _case(name: str, seed: int) -> tuple[dict[str, Any], int | None]:
+    _, lens, p_max, hk, hv, dk, dv, dt, sdt, bv = next(c for c in CASES if c[0] == name)
+    return verify_problem(lens, p_max, hk, hv, dk, dv, dt, sdt, seed), bv
+
+
+def _interp_vs_unfused(name: str) -> tuple[bool, str]:
+    p, bv = _case(name, 21)
+    return check_fused(p, unfused_triton, exact=True, block_v=bv)
+
+
+def _interp_vs_reference(name: str) -> tuple[bool, str]:
+    p, bv = _case(name, 22)
+    return check_fused(p, lambda q: gdn_verify_fused_ref(**q), exact=False, block_v=bv)
+
+
+def _interp_replay_reaches_the_recurrent_state() -> tuple[bool, str]:
+    """The commit's replay over the fused kernel's stash (each row's first ``a + 1`` tokens) against the recurrent
+    kernel run over the same tokens in place: the same states (bit for bit in float32)."""
+    from hyserve.kernels.conv import causal_conv1d_varlen_triton
+    from hyserve.kernels.gating import gdn_gating_triton
+    from hyserve.kernels.gdn import gdn_recurrent_triton
+    from hyserve.kernels.gdn.verify import gdn_replay_triton
+
+    p, _ = _case("f32_g2", 23)
+    got_p = fresh(p)
+    fused_triton(got_p, 16)
+    lens = (p["query_start_loc"][1:] - p["query_start_loc"][:-1]).tolist()
+    accepted = [max(n - 2, 0) if n else -1 for n in lens]  # candidate a: tokens 0 .. a kept
+    gdn_replay_triton(got_p["ssm_state"], got_p["stash"], None, p["state_slots"], p["state_slots"],
+                      torch.tensor(accepted, dtype=torch.int64))
+    # The recurrent kernel over the kept tokens of each row, in place on a copy.
+    want_p = fresh(p)
+    keep = [i for r, n in enumerate(lens) for i in range(int(p["query_start_loc"][r]), int(p["query_start_loc"][r])
+                                                          + accepted[r] + 1)]
+    kept_lens = [a + 1 if a >= 0 else 0 for a in accepted]
+    qsl = torch.tensor([0, *torch.tensor(kept_lens).cumsum(0).tolist()], dtype=torch.int32)
+    hk = p["num_k_heads"]
+    _, hv, dk, dv = p["ssm_state"].shape
+    x = p["x"][keep]
+    mixed = causal_conv1d_varlen_triton(x, p["conv_weight"], want_p["conv_state"], p["state_slots"], qsl,
+                                        max(kept_lens))
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    g, beta = gdn_gating_triton(p["a"][keep], p["b"][keep], p["a_log"], p["dt_bias"])
+    t = len(keep)
+    gdn_recurrent_triton(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta,
+                         want_p["ssm_state"], p["state_slots"], qsl)
+    same = torch.equal(got_p["ssm_state"], want_p["ssm_state"])
+    return same, f"replayed states {'equal' if same else 'differ'} (accepted {accepted})"
+
+
+# Mutations of the kernel source: (problem, [(replaced, replacement)]). Each must be caught.
+SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    "window_one_token_late": ("bf16_g2", [("rel = i - (K - 2) + p", "rel = i - (K - 3) + p")]),
+    "stash_k_normed": ("f32_g2", [("hk * stk_h + ok, kv, mask=kmask & first)",
+                                   "hk * stk_h + ok, kv / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6), "
+                                   "mask=kmask & first)")]),
+    "live_state_written": ("f32_g1", [("            tl.store(out_ptr + (start + i) * so_t + h * DV + ov, o.to(dt), "
+                                       "mask=vmask)\n",
+                                       "            tl.store(out_ptr + (start + i) * so_t + h * DV + ov, o.to(dt), "
+                                       "mask=vmask)\n            tl.store(s_head + ok[:, None] * ss_k + ov[None, :] * "
+                                       "ss_v, S.to(state_ptr.dtype.element_ty), mask=tile)\n")]),
+    "key_head_h_mod_hk": ("bf16_g2", [("    hk = h // GROUP\n    first = h % GROUP == 0",
+                                       "    hk = h % HK\n    first = h % GROUP == 0")]),
+    "norm_of_the_next_token": ("bf16_g1", [("        o_row = out_ptr + (start + i) * so_t + h * DV\n        of = "
+                                            "tl.load(o_row + oall",
+                                            "        o_row = out_ptr + (start + i) * so_t + h * DV\n        of = "
+                                            "tl.load(o_row + so_t * (i + 1 < n) + oall")]),
+}
+
+
+def _interp_sabotage(what: str) -> tuple[bool, str]:
+    name, edits = SABOTAGES[what]
+    module = importlib.import_module("hyserve.kernels.gdn._triton")
+    kernel = "_gdn_verify_fused_kernel"
+    original = getattr(module, kernel)
+    setattr(module, kernel, getattr(mutated_module("hyserve.kernels.gdn._triton", edits), kernel))
+    try:
+        ok, msg = _interp_vs_unfused(name)
+    finally:
+        setattr(module, kernel, original)
+    return not ok, msg
+
+
+def tiny_gdn(dtype: torch.dtype, hk: int = 2, hv: int = 4, p_max: int = 3, seed: int = 5) -> Any:
+    """A GatedDeltaNet of random weights, its pools (9 slots) and verify scratch (4 rows of ``p_max``) bound."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=32, linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=EPS, quantization=None,
+                          ssm_state_dtype="float32")
+    torch.manual_seed(seed)
+    layer = gdn_layer.GatedDeltaNet(cfg, "model.layers.0.linear_attn")  # type: ignore[arg-type]
+    with torch.no_grad():
+        for prm in layer.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.4)
+        layer.A_log.copy_(torch.rand(hv).mul(2.0).log1p())
+        layer.norm.weight.add_(1.0)
+    layer = layer.to(dtype)
+    layer.bind_state({s.name: (torch.randn(9, *s.shape) * 0.5).to(s.dtype) for s in layer.cache_spec(dtype).tensors})
+    layer.bind_verify_scratch({s.name: torch.zeros(4, p_max, *s.shape, dtype=s.dtype)
+                               for s in layer.verify_scratch_spec(dtype).tensors})
+    return layer
+
+
+def verify_meta(lens: list[int], slots: list[int], rest_lens: list[int], rest_slots: list[int]) -> Any:
+    """A step's metadata: verify rows ``lens`` on ``slots``, then plain rows ``rest_lens`` on ``rest_slots``."""
+    from hyserve.model.metadata import StepMetadata
+
+    def cum(ls: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(ls, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+    tv, t = sum(lens), sum(lens) + sum(rest_lens)
+    all_lens = lens + rest_lens
+    vm = VerifyMetadata(num_rows=len(lens), num_tokens=tv, state_slots=torch.tensor(slots, dtype=torch.int64),
+                        query_start_loc=cum(lens), max_query_len=max(lens),
+                        rest_state_slots=torch.tensor(rest_slots, dtype=torch.int64),
+                        rest_query_start_loc=cum(rest_lens),
+                        rest_max_query_len=max(rest_lens, default=0), rest_query_start_loc_cpu=cum(rest_lens))
+    qsl = cum(all_lens)
+    return StepMetadata(positions=torch.zeros(t, dtype=torch.int64), query_start_loc=qsl,
+                        seq_lens=torch.tensor(all_lens, dtype=torch.int32),
+                        state_slots=torch.tensor(slots + rest_slots, dtype=torch.int64),
+                        block_tables=torch.zeros(len(all_lens), 1, dtype=torch.int32),
+                        slot_mapping=torch.full((t,), -1, dtype=torch.int64), max_query_len=max(all_lens),
+                        max_seq_len=max(all_lens), query_start_loc_cpu=qsl, verify=vm)
+
+
+def run_layer(layer: Any, x: torch.Tensor, meta: Any, fused: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """The layer's forward on copies of its pools and scratch, with ``fused`` as the verify kernel wherever the
+    layer would take it on CUDA (None: the layer as it is off CUDA); (output, pools and scratch after, calls)."""
+    saved = {"conv_state": layer.conv_state, "ssm_state": layer.ssm_state}
+    saved_scratch = dict(layer.verify_scratch)
+    layer.bind_state({n: t.clone() for n, t in saved.items()})
+    layer.bind_verify_scratch({n: t.clone() for n, t in saved_scratch.items()})
+    calls = [0]
+    orig = gdn_layer.uses_fused_verify, gdn_layer.gdn_verify_fused
+
+    def counted(*a: Any, **k: Any) -> torch.Tensor:
+        calls[0] += 1
+        return fused(*a, **k)
+
+    if fused is not None:
+        gdn_layer.uses_fused_verify = lambda t: True  # type: ignore[assignment]
+        gdn_layer.gdn_verify_fused = counted  # type: ignore[assignment]
+    try:
+        with torch.no_grad():
+            out = layer(x, meta)
+        after = {"conv_state": layer.conv_state, "ssm_state": layer.ssm_state, **layer.verify_scratch}
+    finally:
+        gdn_layer.uses_fused_verify, gdn_layer.gdn_verify_fused = orig  # type: ignore[assignment]
+        layer.bind_state(saved)
+        layer.bind_verify_scratch(saved_scratch)
+    return out, after, calls[0]
+
+
+def _interp_layer(dtype: torch.dtype, rest: bool) -> tuple[bool, str]:
+    """The mixer's verify step on the fused kernel against its unfused CPU path: outputs, pools, scratch."""
+    from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+    layer = tiny_gdn(dtype)
+    rest_lens, rest_slots = ([5, 2], [1, 8]) if rest else ([], [])
+    meta = verify_meta([3, 1, 2], [6, 2, 4], rest_lens, rest_slots)
+    x = torch.randn(6 + sum(rest_lens), 32).to(dtype)
+    want, want_after, _ = run_layer(layer, x, meta, None)
+    got, got_after, calls = run_layer(layer, x, meta, lambda *a: gdn_verify_fused_triton(*a[:-1]))
+    checks = [_agree(got, want, 2e-5, 2), *(_agree(got_after[n], want_after[n], 2e-5) for n in want_after)]
+    ok = all(c for c, _ in checks) and calls == 1
+    return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}"
+
+
+def run_interpreter_checks() -> dict[str, list[Any]]:
+    """Every check under the interpreter; {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    for name, *_ in CASES:
+        record_check(res, f"vs_unfused_{name}", lambda n=name: _interp_vs_unfused(n))
+        record_check(res, f"vs_reference_{name}", lambda n=name: _interp_vs_reference(n))
+    record_check(res, "replay_reaches_the_recurrent_state", _interp_replay_reaches_the_recurrent_state)
+    record_check(res, "layer_f32", lambda: _interp_layer(F32, rest=False))
+    record_check(res, "layer_f32_with_prefill_rows", lambda: _interp_layer(F32, rest=True))
+    record_check(res, "layer_bf16_with_prefill_rows", lambda: _interp_layer(BF16, rest=True))
+    for what in SABOTAGES:
+        record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
+    return res
+
+
+INTERP_CHECKS = [
+    *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
+    "replay_reaches_the_recurrent_state", "layer_f32", "layer_f32_with_prefill_rows", "layer_bf16_with_prefill_rows",
+    *[f"{what}_caught" for what in SABOTAGES],
+]
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
+
+
+def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:
+    assert sorted(interpreter_results) == sorted(INTERP_CHECKS)
+
+
+@pytest.mark.parametrize("name", INTERP_CHECKS)
+def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+def test_fused_verify_compiles_for_sm90() -> None:
+    pytest.importorskip("triton")
+    from hyserve.kernels.gdn import verify
+
+    variants = [v for v in verify.compile_variants() if v[0].startswith("gdn_verify_fused")]
+    assert len(variants) >= 4
+    failures = compile_failures(variants)
+    assert not failures, failures
+
+
+def test_layer_on_cpu_takes_the_fused_entry_point_only_with_drafts() -> None:
+    """Off CUDA the entry point is the reference sequence: the mixer's fused path (forced) gives its unfused path's
+    output, pools and scratch bit for bit; a step whose verify rows hold one token each (no drafts) does not take
+    it."""
+    layer = tiny_gdn(BF16, hk=1, hv=2)
+    meta = verify_meta([2, 3], [7, 3], [], [])
+    x = torch.randn(5, 32).to(BF16)
+    want, want_after, _ = run_layer(layer, x, meta, None)
+    got, got_after, calls = run_layer(layer, x, meta, gdn_verify_fused)
+    assert calls == 1 and torch.equal(got, want)
+    assert all(torch.equal(got_after[n], want_after[n]) for n in want_after)
+    one_token = verify_meta([1, 1], [7, 3], [4], [5])
+    assert run_layer(layer, torch.randn(6, 32).to(BF16), one_token, gdn_verify_fused)[2] == 0
+    assert not gdn_layer.uses_fused_verify(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# On the card (skipped without CUDA)
+# ---------------------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("ratio", [1, 2, 3])
+@pytest.mark.parametrize("dtype,state_dtype", [(BF16, F32), (BF16, BF16), (F32, F32)],
+                         ids=["bf16", "bf16_state", "f32"])
+def test_cuda_fused_verify_matches_the_unfused_kernels(ratio: int, dtype: torch.dtype,
+                                                       state_dtype: torch.dtype) -> None:
+    """The Qwen3.5 head shape (Dk = Dv = 128, conv 4) on the card, 8 key heads, rows of 0-4 tokens at P = 4:
+    outputs within two units in the last place of the four unfused kernels, scratch and stash bit for bit, pools
+    untouched."""
+    lens = [4, 0, 1, 3, 4, 2, 4, 4, 1, 4]
+    p = verify_problem(lens, 4, 8, 8 * ratio, 128, 128, dtype, state_dtype, 31, device="cuda")
+    want_p, got_p = fresh(p), fresh(p)
+    want = unfused_triton(want_p)
+    got = fused_triton(got_p)
+    ok, msg = _agree(got, want, 2e-6, 2)
+    assert ok, msg
+    assert torch.equal(got_p["conv_scratch"].nan_to_num(7.0), want_p["conv_scratch"].nan_to_num(7.0))
+    for n in STASH_NAMES:
+        assert torch.equal(got_p["stash"][n].nan_to_num(7.0), want_p["stash"][n].nan_to_num(7.0)), n
+    for n in POOLS:
+        assert torch.equal(got_p[n], p[n]), n
+
+
+@cuda
+def test_cuda_fused_verify_replays_in_a_graph() -> None:
+    """Captured once, replayed over new inputs: the same as an eager launch on the same inputs."""
+    from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+    p = verify_problem([3, 1, 0, 3, 2], 3, 4, 8, 128, 128, BF16, F32, 41, device="cuda")
+    args = {n: v for n, v in p.items() if n != "max_query_len"}
+    out = torch.empty((p["x"].shape[0], p["z"].shape[1]), dtype=BF16, device="cuda")
+    gdn_verify_fused_triton(**args, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gdn_verify_fused_triton(**args, out=out)
+    for step in range(3):
+        for n in ("x", "z", "a", "b"):
+            p[n].copy_(torch.randn_like(p[n]))
+        eager = fresh(p)
+        want = gdn_verify_fused_triton(**{n: v for n, v in eager.items() if n != "max_query_len"})
+        graph.replay()
+        assert torch.equal(out, want), step
+        for n in STASH_NAMES:
+            assert torch.equal(p["stash"][n].nan_to_num(7.0), eager["stash"][n].nan_to_num(7.0)), (step, n)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--interpreter-checks"]:
+        print_results(run_interpreter_checks())
