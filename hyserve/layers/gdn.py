@@ -164,11 +164,14 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.conv_scratch = tensors["conv_state"]
         self.stash = {n: tensors[n] for n in STASH_NAMES}
 
-    def replay_ssm(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                   counts: torch.Tensor) -> None:
-        """(ReplayedStateLayer) ``gdn_replay`` over the stash of the delta rule's inputs."""
+    def replay_state(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                     counts: torch.Tensor) -> None:
+        """(ReplayedStateLayer) The candidate window's copy and ``gdn_replay`` over the stash of the delta rule's
+        inputs, one launch on CUDA."""
         assert self.ssm_state is not None and self.stash is not None, "caches or verify scratch not bound"
-        gdn_replay(self.ssm_state, self.stash, rows, src_slots, dst_slots, counts)
+        assert self.conv_state is not None and self.conv_scratch is not None
+        gdn_replay(self.ssm_state, self.stash, rows, src_slots, dst_slots, counts,
+                   conv=(self.conv_state, self.conv_scratch))
 
     def fp8_input(self) -> str | None:
         """The form the layer's input comes in from its norm (``hyserve.kernels.norm.QUANT_MODES``): quantized per

@@ -3,7 +3,8 @@
 (``hyserve.kernels.mamba2.verify``). Its verify scratch holds the candidate conv window (``conv_state``, small) and
 the stash; the commit copies the accepted window and replays the accepted positions into the slot, a candidate
 snapshot copies the window and replays into the entry, before the commit (it reads the slot's state from before the
-step). The layer supplies ``replay_ssm``.
+step). The layer supplies ``replay_ssm``, or ``replay_state`` whole (Gated DeltaNet: the window's copy and the replay in
+one launch).
 """
 
 from __future__ import annotations
@@ -24,17 +25,23 @@ class ReplayedStateLayer(RecurrentLayer):
         positions ``0 .. counts[i]`` (``rows`` None: row ``i``; ``counts[i] < 0``: nothing)."""
         raise NotImplementedError
 
-    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        """The conv window's candidate copied (``hyserve.kernels.commit``); the SSM state advanced in its slot over
-        the accepted positions (``replay_ssm``)."""
+    def replay_state(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                     counts: torch.Tensor) -> None:
+        """Entry ``i`` with ``c = counts[i] >= 0``: ``conv_state[dst_slots[i]]`` = the candidate window after stash
+        row ``rows[i]``'s (None: row ``i``'s) position ``c`` (``hyserve.kernels.commit``), and the SSM state
+        ``replay_ssm`` rebuilds. A layer that does both in one launch overrides this."""
         assert self.verify_scratch is not None, "verify scratch not bound"
-        commit_verified([self.state["conv_state"]], [self.verify_scratch["conv_state"]], state_slots, num_accepted)
-        self.replay_ssm(None, state_slots, state_slots, num_accepted)
+        scratch = self.verify_scratch["conv_state"]
+        commit_verified([self.state["conv_state"]], [scratch if rows is None else scratch.index_select(0, rows)],
+                        dst_slots, counts)
+        self.replay_ssm(rows, src_slots, dst_slots, counts)
+
+    def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """The conv window's candidate copied; the SSM state advanced in its slot over the accepted positions."""
+        self.replay_state(None, state_slots, state_slots, num_accepted)
 
     def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
                             state_slots: torch.Tensor) -> None:
         """The conv window's candidate copied; the SSM state of the row's slot advanced into the entry over the
         positions up to ``positions[i]`` (before the commit, which advances the slot itself)."""
-        assert self.verify_scratch is not None, "verify scratch not bound"
-        self.state["conv_state"].index_copy_(0, entries, self.verify_scratch["conv_state"][rows, positions])
-        self.replay_ssm(rows, state_slots.index_select(0, rows), entries, positions)
+        self.replay_state(rows, state_slots.index_select(0, rows), entries, positions)

@@ -9,13 +9,16 @@ references in sequence (the op's definition, within float32 / one-unit-in-the-la
 of 1 to P tokens and empty ones, on non-identity slots, with more scratch rows than rows; float32 and bf16 models,
 float32 and bf16 states; Hv / Hk = 1, 2 and 3; head widths that are not powers of two and several value blocks per
 head. The live conv windows and SSM states are never written, nor any scratch or stash entry past a row's tokens.
-The replayed commit over the fused kernel's stash gives the state the recurrent kernel reaches. The mixer takes the
+The commit (one ``gdn_replay`` launch with the window's copy) over the fused kernel's scratch and stash gives the
+conv window and state that the plain kernels reach over the accepted tokens; so do candidate snapshots into free
+entries. The mixer takes the
 kernel on a step with verify rows of drafts (alone, and followed by prefill rows) and gives its unfused path's
 output.
 
 Sabotaged kernels (each mutated in its source, each must disagree): a candidate window one token late, the stash's k
 stored l2-normed, the live state written back, the key head ``h % Hk`` instead of ``h // (Hv / Hk)``, the norm read
-before the barrier's stores are all in (the norm pass's token index off by one).
+before the barrier's stores are all in (the norm pass's token index off by one); the commit's window copy one
+element short of each program's piece.
 """
 
 from __future__ import annotations
@@ -182,9 +185,11 @@ def _interp_vs_reference(name: str) -> tuple[bool, str]:
     return check_fused(p, lambda q: gdn_verify_fused_ref(**q), exact=False, block_v=bv)
 
 
-def _interp_replay_reaches_the_recurrent_state() -> tuple[bool, str]:
-    """The commit's replay over the fused kernel's stash (each row's first ``a + 1`` tokens) against the recurrent
-    kernel run over the same tokens in place: the same states (bit for bit in float32)."""
+def _interp_commit_reaches_the_plain_state(snapshot: bool) -> tuple[bool, str]:
+    """The commit over the fused kernel's scratch and stash, one ``gdn_replay`` launch with the window's copy (each
+    row's first ``a + 1`` tokens), against the plain kernels (conv, gates, recurrent delta rule) run over the same
+    tokens in place: the same conv windows and states (bit for bit in float32). ``snapshot``: candidate snapshots
+    of two of the rows (out of order) into free pool entries instead; the live slots left alone."""
     from hyserve.kernels.conv import causal_conv1d_varlen_triton
     from hyserve.kernels.gating import gdn_gating_triton
     from hyserve.kernels.gdn import gdn_recurrent_triton
@@ -193,28 +198,42 @@ def _interp_replay_reaches_the_recurrent_state() -> tuple[bool, str]:
     p, _ = _case("f32_g2", 23)
     got_p = fresh(p)
     fused_triton(got_p, 16)
+    slots = p["state_slots"]
     lens = (p["query_start_loc"][1:] - p["query_start_loc"][:-1]).tolist()
-    accepted = [max(n - 2, 0) if n else -1 for n in lens]  # candidate a: tokens 0 .. a kept
-    gdn_replay_triton(got_p["ssm_state"], got_p["stash"], None, p["state_slots"], p["state_slots"],
-                      torch.tensor(accepted, dtype=torch.int64))
-    # The recurrent kernel over the kept tokens of each row, in place on a copy.
+    accepted = [n - 2 if n >= 2 else n - 1 for n in lens]  # candidate a: tokens 0 .. a kept (-1: none)
+    counts = torch.tensor(accepted, dtype=torch.int64)
+    if snapshot:
+        rows = torch.tensor([2, 0], dtype=torch.int64)
+        free = [e for e in range(p["ssm_state"].shape[0]) if e not in slots.tolist()][:2]
+        dst = torch.tensor(free, dtype=torch.int64)
+        gdn_replay_triton(got_p["ssm_state"], got_p["stash"], rows, slots[rows], dst, counts[rows],
+                          conv=(got_p["conv_state"], got_p["conv_scratch"]))
+    else:
+        gdn_replay_triton(got_p["ssm_state"], got_p["stash"], None, slots, slots, counts,
+                          conv=(got_p["conv_state"], got_p["conv_scratch"]))
+    # The plain kernels over the kept tokens of each row, in place on a copy.
     want_p = fresh(p)
-    keep = [i for r, n in enumerate(lens) for i in range(int(p["query_start_loc"][r]), int(p["query_start_loc"][r])
-                                                          + accepted[r] + 1)]
-    kept_lens = [a + 1 if a >= 0 else 0 for a in accepted]
+    starts = p["query_start_loc"].tolist()
+    keep = [i for r, a in enumerate(accepted) for i in range(starts[r], starts[r] + a + 1)]
+    kept_lens = [a + 1 for a in accepted]
     qsl = torch.tensor([0, *torch.tensor(kept_lens).cumsum(0).tolist()], dtype=torch.int32)
     hk = p["num_k_heads"]
     _, hv, dk, dv = p["ssm_state"].shape
-    x = p["x"][keep]
-    mixed = causal_conv1d_varlen_triton(x, p["conv_weight"], want_p["conv_state"], p["state_slots"], qsl,
+    mixed = causal_conv1d_varlen_triton(p["x"][keep], p["conv_weight"], want_p["conv_state"], slots, qsl,
                                         max(kept_lens))
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     g, beta = gdn_gating_triton(p["a"][keep], p["b"][keep], p["a_log"], p["dt_bias"])
     t = len(keep)
     gdn_recurrent_triton(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta,
-                         want_p["ssm_state"], p["state_slots"], qsl)
-    same = torch.equal(got_p["ssm_state"], want_p["ssm_state"])
-    return same, f"replayed states {'equal' if same else 'differ'} (accepted {accepted})"
+                         want_p["ssm_state"], slots, qsl)
+    goods = []
+    for n in POOLS:
+        want = want_p[n]
+        if snapshot:  # the snapshot entries hold the plain states of the rows' slots; every other entry untouched
+            want = p[n].clone()
+            want[dst] = want_p[n][slots[rows]]
+        goods.append(bool(torch.equal(got_p[n], want)))
+    return all(goods), f"conv windows, states equal: {goods} (accepted {accepted})"
 
 
 # Mutations of the kernel source: (problem, [(replaced, replacement)]). Each must be caught.
@@ -247,6 +266,19 @@ def _interp_sabotage(what: str) -> tuple[bool, str]:
         ok, msg = _interp_vs_unfused(name)
     finally:
         setattr(module, kernel, original)
+    return not ok, msg
+
+
+def _interp_window_sabotage() -> tuple[bool, str]:
+    """The replay's window copy one element short of each program's piece must be caught by the commit check."""
+    module = importlib.import_module("hyserve.kernels.gdn._triton")
+    original = module._gdn_replay_kernel
+    edits = [("m = o < tl.minimum(h * piece + piece, E)", "m = o < tl.minimum(h * piece + piece - 1, E)")]
+    module._gdn_replay_kernel = mutated_module("hyserve.kernels.gdn._triton", edits)._gdn_replay_kernel
+    try:
+        ok, msg = _interp_commit_reaches_the_plain_state(False)
+    finally:
+        module._gdn_replay_kernel = original
     return not ok, msg
 
 
@@ -348,7 +380,9 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         record_check(res, f"vs_unfused_{name}", lambda n=name: _interp_vs_unfused(n))
     for name in REFERENCE_CASES:
         record_check(res, f"vs_reference_{name}", lambda n=name: _interp_vs_reference(n))
-    record_check(res, "replay_reaches_the_recurrent_state", _interp_replay_reaches_the_recurrent_state)
+    record_check(res, "commit_reaches_the_plain_state", lambda: _interp_commit_reaches_the_plain_state(False))
+    record_check(res, "snapshots_reach_the_plain_state", lambda: _interp_commit_reaches_the_plain_state(True))
+    record_check(res, "window_piece_short_caught", _interp_window_sabotage)
     record_check(res, "layer_f32", lambda: _interp_layer(F32, rest=False))
     record_check(res, "layer_f32_with_prefill_rows", lambda: _interp_layer(F32, rest=True))
     record_check(res, "layer_bf16_with_prefill_rows", lambda: _interp_layer(BF16, rest=True))
@@ -359,7 +393,8 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 
 INTERP_CHECKS = [
     *[f"vs_unfused_{name}" for name, *_ in CASES], *[f"vs_reference_{name}" for name in REFERENCE_CASES],
-    "replay_reaches_the_recurrent_state", "layer_f32", "layer_f32_with_prefill_rows", "layer_bf16_with_prefill_rows",
+    "commit_reaches_the_plain_state", "snapshots_reach_the_plain_state", "window_piece_short_caught",
+    "layer_f32", "layer_f32_with_prefill_rows", "layer_bf16_with_prefill_rows",
     *[f"{what}_caught" for what in SABOTAGES],
 ]
 

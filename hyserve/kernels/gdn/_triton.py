@@ -156,14 +156,18 @@ def _gdn_verify_kernel(
 @triton.jit
 def _gdn_replay_kernel(
     state_ptr, stk_ptr, stv_ptr, stg_ptr, stb_ptr, rows_ptr, src_ptr, dst_ptr, count_ptr,
+    conv_ptr, cscr_ptr,
     ss_s, ss_h, ss_k, ss_v,
     stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p,
+    sc_s, scr_r, scr_p, E,
     P,
     DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, CONV: tl.constexpr = False, CBLOCK: tl.constexpr = 256,
 ):  # fmt: skip
     """Grid (N, Hv, Dv / BV). Entry i: count c = count[i] (< 0: nothing); the state tile of slot src[i] advanced
-    over stash row r's tokens 0 .. min(c, P - 1) (r = rows[i], or i without ``ROWS``), stored to slot dst[i]."""
+    over stash row r's tokens 0 .. min(c, P - 1) (r = rows[i], or i without ``ROWS``), stored to slot dst[i].
+    ``CONV``: the candidate conv window ``conv_scratch[r, c]`` (``E`` contiguous elements) copied to
+    ``conv_state[dst[i]]`` too, in ``Hv`` pieces by the programs of the first value block."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -175,6 +179,14 @@ def _gdn_replay_kernel(
         r = tl.load(rows_ptr + i).to(tl.int64)
     src = tl.load(src_ptr + i).to(tl.int64)
     dst = tl.load(dst_ptr + i).to(tl.int64)
+    if CONV:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if vb == 0:
+            piece = tl.cdiv(E, tl.num_programs(1))
+            for off in range(h * piece, tl.minimum(h * piece + piece, E), CBLOCK):
+                o = off + tl.arange(0, CBLOCK)
+                m = o < tl.minimum(h * piece + piece, E)
+                w = tl.load(cscr_ptr + r * scr_r + c * scr_p + o, mask=m)
+                tl.store(conv_ptr + dst * sc_s + o, w, mask=m)
     hk = h // GROUP
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)

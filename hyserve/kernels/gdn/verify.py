@@ -160,9 +160,12 @@ def gdn_replay(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     counts: torch.Tensor,
+    conv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Entry ``i`` with ``c = counts[i] >= 0``: ``ssm_state[dst_slots[i]]`` = the state of ``src_slots[i]`` advanced
     over stash row ``rows[i]``'s tokens ``0 .. c`` (``rows`` None: row ``i``); entries with ``c < 0`` do nothing.
+    ``conv`` = ``(conv_state, conv_scratch)``: the candidate window ``conv_scratch[row, c]`` copied to
+    ``conv_state[dst_slots[i]]`` in the same launch (the whole commit, or candidate snapshot, of a layer).
 
     The commit of a verify step is ``gdn_replay(pool, stash, None, slots, slots, num_accepted)``; a candidate
     snapshot ``gdn_replay(pool, stash, rows, slots[rows], entries, positions)``, before the commit. ``c`` must name a
@@ -171,10 +174,19 @@ def gdn_replay(
     """
     assert src_slots.shape == dst_slots.shape == counts.shape and counts.dim() == 1
     assert rows is None or rows.shape == counts.shape
+    if conv is not None:
+        assert conv[1].shape[2:] == conv[0].shape[1:] and conv[1].dtype == conv[0].dtype, \
+            "conv_scratch must be (R_max, P_max, *conv_state's entry)"
     if ssm_state.is_cuda:
-        gdn_replay_triton(ssm_state, stash, rows, src_slots, dst_slots, counts)
-    else:
-        gdn_replay_ref(ssm_state, stash, rows, src_slots, dst_slots, counts)
+        gdn_replay_triton(ssm_state, stash, rows, src_slots, dst_slots, counts, conv)
+        return
+    if conv is not None:
+        from hyserve.kernels.commit.reference import commit_verified_ref
+
+        # the commit's copy of each entry's window (rows given: the scratch rows taken first)
+        scratch = conv[1] if rows is None else conv[1].index_select(0, rows)
+        commit_verified_ref([conv[0]], [scratch], dst_slots, counts)
+    gdn_replay_ref(ssm_state, stash, rows, src_slots, dst_slots, counts)
 
 
 def gdn_replay_triton(
@@ -184,9 +196,11 @@ def gdn_replay_triton(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     counts: torch.Tensor,
+    conv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Triton :func:`gdn_replay`: one program per (entry, value head, ``BV`` block), the tile read once and written
-    once (graph-capturable)."""
+    once, the window copied in ``Hv`` pieces by the first block's programs (graph-capturable). The conv pool's and
+    scratch's entries must each be contiguous."""
     from hyserve.kernels.gdn._triton import _gdn_replay_kernel
 
     N = counts.shape[0]
@@ -197,12 +211,18 @@ def gdn_replay_triton(
         return
     bk, bv = _tiles(Dk, Dv)
     ss = ssm_state
+    pool, scratch = conv if conv is not None else (ss, ss[None])
+    entry = pool[0].numel() if conv is not None else 0
+    if conv is not None:
+        assert pool[0].is_contiguous() and scratch[0, 0].is_contiguous(), "conv entries must be contiguous"
     _gdn_replay_kernel[(N, Hv, _cdiv(Dv, bv))](
         ss, sk, sv, sg, sb, counts if rows is None else rows, src_slots, dst_slots, counts,
+        pool, scratch,
         ss.stride(0), ss.stride(1), ss.stride(2), ss.stride(3),
         sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sg.stride(0), sg.stride(1),
+        pool.stride(0), scratch.stride(0), scratch.stride(1), entry,
         sk.shape[1],
-        DK=Dk, DV=Dv, GROUP=Hv // sk.shape[2], BK=bk, BV=bv, ROWS=rows is not None,
+        DK=Dk, DV=Dv, GROUP=Hv // sk.shape[2], BK=bk, BV=bv, ROWS=rows is not None, CONV=conv is not None,
         num_warps=4,
     )  # fmt: skip
 
@@ -371,10 +391,11 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         out.append((f"gdn_verify_g{group}_{state}_state", _gdn_verify_kernel, verify, consts))
         for rows in (False, True):
             replay = dict(state_ptr=f"*{state}", **stash, rows_ptr="*i64", src_ptr="*i64", dst_ptr="*i64",
-                          count_ptr="*i64", **{s: i32 for s in ("ss_s", "ss_h", "ss_k", "ss_v")}, **stash_strides,
-                          P=i32)
+                          count_ptr="*i64", conv_ptr="*bf16", cscr_ptr="*bf16",
+                          **{s: i32 for s in ("ss_s", "ss_h", "ss_k", "ss_v")}, **stash_strides,
+                          **{s: i32 for s in ("sc_s", "scr_r", "scr_p", "E")}, P=i32)
             out.append((f"gdn_replay_g{group}_{state}_state{'_rows' if rows else ''}", _gdn_replay_kernel, replay,
-                        dict(consts, ROWS=rows)))
+                        dict(consts, ROWS=rows, CONV=rows)))
         fused = dict(x_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32",
                      dtb_ptr="*fp32", nw_ptr="*bf16", conv_ptr="*bf16", state_ptr=f"*{state}", slots_ptr="*i64",
                      qsl_ptr="*i32", out_ptr="*bf16", scr_ptr="*bf16", **stash,
