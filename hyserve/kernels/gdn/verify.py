@@ -395,7 +395,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                           **{s: i32 for s in ("ss_s", "ss_h", "ss_k", "ss_v")}, **stash_strides,
                           **{s: i32 for s in ("sc_s", "scr_r", "scr_p", "E")}, P=i32)
             out.append((f"gdn_replay_g{group}_{state}_state{'_rows' if rows else ''}", _gdn_replay_kernel, replay,
-                        dict(consts, ROWS=rows, CONV=rows)))
+                        dict(consts, ROWS=rows, CONV=rows, CBLOCK=256)))
         fused = dict(x_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32",
                      dtb_ptr="*fp32", nw_ptr="*bf16", conv_ptr="*bf16", state_ptr=f"*{state}", slots_ptr="*i64",
                      qsl_ptr="*i32", out_ptr="*bf16", scr_ptr="*bf16", **stash,
