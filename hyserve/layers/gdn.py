@@ -204,6 +204,13 @@ class GatedDeltaNet(ReplayedStateLayer):
             snapshot_conv_windows(rest, self.conv_state, snaps.slots, snaps.ends, snaps.offsets_t, snaps.entries)
         if vm is not None and not in_place and uses_fused_verify(mixed_in):
             return self.out_proj(self.fused_verify(mixed_in, z, b, a, meta))
+        if vm is not None and in_place and uses_fused_decode(mixed_in):
+            # one-token verify rows (a step at speculation length 0) before prefill rows: a decode launch for them
+            tv = vm.num_tokens
+            head = gdn_decode_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], weight, self.A_log, self.dt_bias,
+                                    self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
+                                    vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals)
+            return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
         qk_normed = False
         if vm is None:
             # [q | k] and v apart, v contiguous as fla's chunked kernel reads it (a view of one output, it copied v);
@@ -273,6 +280,15 @@ class GatedDeltaNet(ReplayedStateLayer):
                                 vm.max_query_len)
         if tv == t:
             return head
+        return torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)])
+
+    def rest_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                  meta: StepMetadata) -> torch.Tensor:
+        """The rows after a step's verify rows (prefill chunks) as a step of their own, on the path a prefill step
+        takes; out_proj's input for them."""
+        vm = meta.verify
+        assert vm is not None and self.ssm_state is not None
+        tv, t = vm.num_tokens, mixed_in.shape[0]
         rest = slice(tv, t)
         qk_normed = gdn_takes_chunked(mixed_in, vm.rest_max_query_len)
         qk, v = causal_conv1d_split(mixed_in[rest], self.conv1d.weight.squeeze(1), self.conv_state,
@@ -286,4 +302,4 @@ class GatedDeltaNet(ReplayedStateLayer):
                           v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state,
                           vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
                           vm.rest_query_start_loc_cpu, meta.row_snapshots, vm.rest_chunked_rows, qk_normed)
-        return torch.cat([head, self.gated_norm(out, z[rest])])
+        return self.gated_norm(out, z[rest])

@@ -13,7 +13,8 @@ The commit (one ``gdn_replay`` launch with the window's copy) over the fused ker
 conv window and state that the plain kernels reach over the accepted tokens; so do candidate snapshots into free
 entries. The mixer takes the
 kernel on a step with verify rows of drafts (alone, and followed by prefill rows) and gives its unfused path's
-output.
+output; a step of one-token verify rows (speculation length 0) followed by prefill rows takes the fused decode
+kernel for them instead.
 
 Sabotaged kernels (each mutated in its source, each must disagree): a candidate window one token late, the stash's k
 stored l2-normed, the live state written back, the key head ``h % Hk`` instead of ``h // (Hv / Hk)``, the norm read
@@ -369,6 +370,33 @@ def _interp_layer(dtype: torch.dtype, rest: bool) -> tuple[bool, str]:
     return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}"
 
 
+def _interp_layer_one_token_rows(dtype: torch.dtype) -> tuple[bool, str]:
+    """A step at speculation length 0 (verify rows of one token) followed by prefill rows: the verify rows on the
+    fused decode kernel (in place), against the mixer's unfused CPU path: outputs and pools."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+
+    layer = tiny_gdn(dtype)
+    meta = verify_meta([1, 1, 1], [6, 2, 4], [5, 2], [1, 8])
+    x = torch.randn(10, 32).to(dtype)
+    want, want_after, _ = run_layer(layer, x, meta, None)
+    calls = [0]
+
+    def counted(*a: Any) -> torch.Tensor:
+        calls[0] += 1
+        return gdn_decode_fused_triton(*a)
+
+    saved = gdn_layer.uses_fused_decode, gdn_layer.gdn_decode_fused
+    gdn_layer.uses_fused_decode = lambda t: True  # type: ignore[assignment]
+    gdn_layer.gdn_decode_fused = counted  # type: ignore[assignment]
+    try:
+        got, got_after, verify_calls = run_layer(layer, x, meta, lambda *a: gdn_verify_fused(*a))
+    finally:
+        gdn_layer.uses_fused_decode, gdn_layer.gdn_decode_fused = saved  # type: ignore[assignment]
+    checks = [_agree(got, want, 2e-5, 2), *(_agree(got_after[n], want_after[n], 2e-5) for n in POOLS)]
+    ok = all(c for c, _ in checks) and calls[0] == 1 and verify_calls == 0
+    return ok, f"{'; '.join(m for _, m in checks)}; decode calls {calls[0]}, verify calls {verify_calls}"
+
+
 def run_interpreter_checks() -> dict[str, list[Any]]:
     """Every check under the interpreter; {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
@@ -386,6 +414,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "layer_f32", lambda: _interp_layer(F32, rest=False))
     record_check(res, "layer_f32_with_prefill_rows", lambda: _interp_layer(F32, rest=True))
     record_check(res, "layer_bf16_with_prefill_rows", lambda: _interp_layer(BF16, rest=True))
+    record_check(res, "layer_one_token_rows_with_prefill_rows", lambda: _interp_layer_one_token_rows(BF16))
     for what in SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
     return res
@@ -395,6 +424,7 @@ INTERP_CHECKS = [
     *[f"vs_unfused_{name}" for name, *_ in CASES], *[f"vs_reference_{name}" for name in REFERENCE_CASES],
     "commit_reaches_the_plain_state", "snapshots_reach_the_plain_state", "window_piece_short_caught",
     "layer_f32", "layer_f32_with_prefill_rows", "layer_bf16_with_prefill_rows",
+    "layer_one_token_rows_with_prefill_rows",
     *[f"{what}_caught" for what in SABOTAGES],
 ]
 
