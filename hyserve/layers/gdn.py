@@ -287,7 +287,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         """The rows after a step's verify rows (prefill chunks) as a step of their own, on the path a prefill step
         takes; out_proj's input for them."""
         vm = meta.verify
-        assert vm is not None and self.ssm_state is not None
+        assert vm is not None and self.conv_state is not None and self.ssm_state is not None
         tv, t = vm.num_tokens, mixed_in.shape[0]
         rest = slice(tv, t)
         qk_normed = gdn_takes_chunked(mixed_in, vm.rest_max_query_len)
