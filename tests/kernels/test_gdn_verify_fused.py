@@ -525,6 +525,82 @@ def test_cuda_fused_verify_replays_in_a_graph() -> None:
             assert torch.equal(p["stash"][n].nan_to_num(7.0), eager["stash"][n].nan_to_num(7.0)), (step, n)
 
 
+def _interp_engine() -> tuple[bool, str]:
+    """The engine (tiny Qwen3.5 with its MTP head, 3 GDN layers with Hv = 2 Hk and 1 attention layer, float32) with
+    MTP k = 2, emulated CUDA graphs, chunked prefill beside verify rows, prefix caching with snapshots every 16
+    tokens, staggered lengths: every GDN verify, decode, commit and candidate snapshot on the Triton kernels, against
+    the same engine on the references: the same greedy tokens, log-probabilities within 1e-4, each kernel run."""
+    import collections
+    import tempfile
+
+    from hyserve import SamplingParams
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+    from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_verify_fused_triton
+    from hyserve.testing import write_tiny_checkpoint
+    from hyserve.testing.engine import make_llm, random_prompts
+    from hyserve.worker import cuda_graphs
+
+    path = write_tiny_checkpoint(tempfile.mkdtemp(), layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                 with_mtp=True)
+    prompts = random_prompts(5, [7, 40, 4, 23, 9], seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=1) for i in range(5)]
+    cuda_graphs.EMULATE = True
+    calls: collections.Counter[str] = collections.Counter()
+
+    def run() -> list[Any]:
+        llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, block_size=16,
+                       max_num_seqs=4, max_num_batched_tokens=24, enable_prefix_caching=True,
+                       recurrent_snapshot_interval=16, num_snapshot_slots=32)
+        assert llm.llm_engine.runner.graphs is not None
+        return llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+
+    def counting(name: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    want = run()
+    saved = (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,
+             gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay)
+    gdn_layer.uses_fused_decode = gdn_layer.uses_fused_verify = lambda x: True  # type: ignore[assignment]
+    gdn_layer.gdn_decode_fused = counting("decode", gdn_decode_fused_triton)  # type: ignore[assignment]
+    gdn_layer.gdn_verify_fused = counting("verify", lambda *a: gdn_verify_fused_triton(*a[:-1]))  # type: ignore
+    gdn_layer.gdn_replay = counting("replay", gdn_replay_triton)  # type: ignore[assignment]
+    try:
+        got = run()
+    finally:
+        (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,  # type: ignore
+         gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay) = saved
+        cuda_graphs.EMULATE = False
+    same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(got, want, strict=True))
+    diff = max(abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
+               for a, b in zip(got, want, strict=True) for i, t in enumerate(b.outputs[0].token_ids))
+    ok = same and diff <= 1e-4 and min(calls[n] for n in ("verify", "replay")) > 0
+    return ok, f"tokens same {same}, logprob diff {diff:.3g}, calls {dict(calls)}"
+
+
+def run_engine_check() -> dict[str, list[Any]]:
+    """The engine check alone (the slow test's subprocess). Needs TRITON_INTERPRET=1."""
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    record_check(res, "engine_mtp_on_the_kernels", _interp_engine)
+    return res
+
+
+@pytest.mark.slow  # the whole engine with MTP under the interpreter
+def test_engine_with_mtp_on_the_kernels_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    results = interpreter_subprocess_results(__file__, "--engine-check", timeout=900)
+    ok, msg = results["engine_mtp_on_the_kernels"]
+    assert ok, msg
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         print_results(run_interpreter_checks())
+    if sys.argv[1:] == ["--engine-check"]:
+        print_results(run_engine_check())
