@@ -50,8 +50,7 @@ ENTRY_POINTS = {
     "hyserve.layers.norm": ["rms_norm", "gated_rms_norm", "add_rms_norm", "scaled_rms_norm", "add_scaled_rms_norm"],
     "hyserve.layers.rotary": ["apply_rope", "rms_norm_rope"],
     "hyserve.layers.sigmoid_moe": ["route_sigmoid_experts"],
-    # The commit of a verify step: the candidate conv window's copy, the SSM state's replay (one launch each).
-    "hyserve.layers.replayed_state": ["commit_verified"],
+    # (a verify step's commit is gdn_replay / mamba2_replay above: the window's copy and the replay in one launch)
 }
 
 

@@ -235,11 +235,13 @@ class Mamba2Mixer(ReplayedStateLayer):
         super().bind_verify_scratch(tensors)
         self.stash = {n: tensors[n] for n in MAMBA2_STASH_NAMES}
 
-    def replay_ssm(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                   counts: torch.Tensor) -> None:
-        """(ReplayedStateLayer) ``mamba2_replay`` over the stash of the update's inputs."""
-        assert self.stash is not None, "verify scratch not bound"
-        mamba2_replay(self.state["ssm_state"], self.A_log, self.stash, rows, src_slots, dst_slots, counts)
+    def replay_state(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                     counts: torch.Tensor) -> None:
+        """(ReplayedStateLayer) The candidate window's copy and ``mamba2_replay`` over the stash of the update's
+        inputs, one launch on CUDA."""
+        assert self.stash is not None and self.verify_scratch is not None, "verify scratch not bound"
+        mamba2_replay(self.state["ssm_state"], self.A_log, self.stash, rows, src_slots, dst_slots, counts,
+                      conv=(self.state["conv_state"], self.verify_scratch["conv_state"]))
 
     def segment_scale(self, like: torch.Tensor) -> torch.Tensor:
         """``segment_multipliers`` per channel of the input projection's output [z | x | B | C | dt], computed in

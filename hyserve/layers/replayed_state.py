@@ -3,38 +3,27 @@
 (``hyserve.kernels.mamba2.verify``). Its verify scratch holds the candidate conv window (``conv_state``, small) and
 the stash; the commit copies the accepted window and replays the accepted positions into the slot, a candidate
 snapshot copies the window and replays into the entry, before the commit (it reads the slot's state from before the
-step). The layer supplies ``replay_ssm``, or ``replay_state`` whole (Gated DeltaNet: the window's copy and the replay in
-one launch).
+step). The layer supplies ``replay_state``: the window's copy and the replay, one launch on CUDA
+(``gdn_replay`` / ``mamba2_replay`` with ``conv=``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hyserve.kernels.commit import commit_verified
 from hyserve.model.base import RecurrentLayer
 
 
 class ReplayedStateLayer(RecurrentLayer):
     """``commit_verified`` and ``snapshot_candidates`` of a layer with a ``conv_state`` kept as candidates and an
-    ``ssm_state`` rebuilt by ``replay_ssm``."""
-
-    def replay_ssm(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                   counts: torch.Tensor) -> None:
-        """``ssm_state[dst_slots[i]]`` = the state of ``src_slots[i]`` advanced over stash row ``rows[i]``'s
-        positions ``0 .. counts[i]`` (``rows`` None: row ``i``; ``counts[i] < 0``: nothing)."""
-        raise NotImplementedError
+    ``ssm_state`` rebuilt by ``replay_state``."""
 
     def replay_state(self, rows: torch.Tensor | None, src_slots: torch.Tensor, dst_slots: torch.Tensor,
                      counts: torch.Tensor) -> None:
         """Entry ``i`` with ``c = counts[i] >= 0``: ``conv_state[dst_slots[i]]`` = the candidate window after stash
-        row ``rows[i]``'s (None: row ``i``'s) position ``c`` (``hyserve.kernels.commit``), and the SSM state
-        ``replay_ssm`` rebuilds. A layer that does both in one launch overrides this."""
-        assert self.verify_scratch is not None, "verify scratch not bound"
-        scratch = self.verify_scratch["conv_state"]
-        commit_verified([self.state["conv_state"]], [scratch if rows is None else scratch.index_select(0, rows)],
-                        dst_slots, counts)
-        self.replay_ssm(rows, src_slots, dst_slots, counts)
+        row ``rows[i]``'s (None: row ``i``'s) position ``c``, and ``ssm_state[dst_slots[i]]`` = the state of
+        ``src_slots[i]`` advanced over that row's positions ``0 .. c``; entries with ``c < 0`` do nothing."""
+        raise NotImplementedError
 
     def commit_verified(self, state_slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """The conv window's candidate copied; the SSM state advanced in its slot over the accepted positions."""

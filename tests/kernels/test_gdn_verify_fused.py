@@ -271,10 +271,11 @@ def _interp_sabotage(what: str) -> tuple[bool, str]:
 
 
 def _interp_window_sabotage() -> tuple[bool, str]:
-    """The replay's window copy one element short of each program's piece must be caught by the commit check."""
+    """The replay's window copy in pieces for one program more than there are (its last piece never copied) must
+    be caught by the commit check."""
     module = importlib.import_module("hyserve.kernels.gdn._triton")
     original = module._gdn_replay_kernel
-    edits = [("m = o < tl.minimum(h * piece + piece, E)", "m = o < tl.minimum(h * piece + piece - 1, E)")]
+    edits = [("E, h, tl.num_programs(1), CBLOCK)", "E, h, tl.num_programs(1) + 1, CBLOCK)")]
     module._gdn_replay_kernel = mutated_module("hyserve.kernels.gdn._triton", edits)._gdn_replay_kernel
     try:
         ok, msg = _interp_commit_reaches_the_plain_state(False)

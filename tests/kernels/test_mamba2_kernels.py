@@ -21,6 +21,7 @@ offsets.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import sys
@@ -39,6 +40,7 @@ from hyserve.kernels.mamba2.reference import (
 )
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
+    mutated_module,
     patch_triton_interpreter,
     print_results,
     record_check,
@@ -208,6 +210,48 @@ def _interp_replay_bitwise(lens: list[int]) -> tuple[bool, str]:
     q["query_start_loc"] = _qsl(sub)
     mamba2_recurrent_triton(**q)
     return torch.equal(live, q["ssm_state"]), f"max diff {float((live - q['ssm_state']).abs().max()):.3g}"
+
+
+def _interp_replay_window(rows_given: bool, sabotage: bool = False) -> tuple[bool, str]:
+    """The replay with the conv window's copy in its launch (``conv=``) against the replay without it followed by
+    the plain-torch copy: the pools bit for bit, rows taken out of order into spare entries (``rows_given``) or the
+    commit (a row keeping its state, -1). ``sabotage``: the copy cut in one piece more than there are programs (the
+    last piece never copied), which must disagree."""
+    from hyserve.kernels.commit import copy_candidate_windows
+    from hyserve.kernels.mamba2.verify import mamba2_replay_triton, mamba2_verify_triton
+
+    lens = VERIFY_LENS
+    p = scan_problem(lens, torch.float32, torch.float32, seed=25)
+    npos, r = max(lens), len(lens)
+    stash = _stash(r, npos)
+    mamba2_verify_triton(**_clone(p), stash=stash)
+    gen = torch.Generator().manual_seed(26)
+    d, k = 40, 4
+    conv = torch.randn(POOL + 4, d, k - 1, generator=gen)
+    scratch = torch.randn(r, npos, d, k - 1, generator=gen)
+    slots = p["state_slots"].to(torch.int64)
+    if rows_given:
+        rows = torch.tensor([2, 0, 3])
+        src, dst, counts = slots[rows], torch.tensor([POOL, POOL + 2, POOL + 1]), torch.tensor([3, 2, 0])
+    else:
+        rows, src, dst, counts = None, slots, slots, torch.tensor([1, -1, 3, 0])
+    pool = torch.cat([p["ssm_state"], torch.zeros(4, *p["ssm_state"].shape[1:])])
+    got_pool, got_conv = pool.clone(), conv.clone()
+    module = importlib.import_module("hyserve.kernels.mamba2._triton")
+    original = module._mamba2_replay_kernel
+    if sabotage:
+        edits = [("E, h, tl.num_programs(1), CBLOCK)", "E, h, tl.num_programs(1) + 1, CBLOCK)")]
+        module._mamba2_replay_kernel = mutated_module("hyserve.kernels.mamba2._triton", edits)._mamba2_replay_kernel
+    try:
+        mamba2_replay_triton(got_pool, p["A_log"], stash, rows, src, dst, counts, conv=(got_conv, scratch))
+    finally:
+        module._mamba2_replay_kernel = original
+    want_pool, want_conv = pool.clone(), conv.clone()
+    mamba2_replay_triton(want_pool, p["A_log"], stash, rows, src, dst, counts)
+    copy_candidate_windows((want_conv, scratch), rows, dst, counts)
+    ok = torch.equal(got_pool, want_pool) and torch.equal(got_conv, want_conv)
+    same = (torch.equal(got_pool, want_pool), torch.equal(got_conv, want_conv))
+    return ok != sabotage, f"pools, windows equal: {same}"
 
 
 def conv_problem(lens: list[int], dtype: torch.dtype, seed: int, d: int = 40, k: int = 4) -> dict[str, Any]:
@@ -397,6 +441,9 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "verify_stash_late_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="late"))
     record_check(res, "replay_long_caught", lambda: _interp_verify(VERIFY_LENS, f32, f32, sabotage="replay_long"))
     record_check(res, "replay_bitwise_float32", lambda: _interp_replay_bitwise(VERIFY_LENS))
+    record_check(res, "replay_window_commit", lambda: _interp_replay_window(False))
+    record_check(res, "replay_window_rows", lambda: _interp_replay_window(True))
+    record_check(res, "replay_window_piece_caught", lambda: _interp_replay_window(False, sabotage=True))
     for dt in (f32, bf16):
         n = str(dt).split(".")[-1]
         record_check(res, f"conv_bias_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, False))
@@ -448,7 +495,7 @@ FLA_PATH_CASES: dict[str, tuple[Any, ...]] = {
 INTERP_CHECKS = ["scan_mixed_float32", "scan_decode_float32", "scan_mixed_clamped_float32",
                  "scan_mixed_bf16_bf16_state", "scan_decode_bf16_fp32_state", "verify_float32",
                  "verify_bf16_bf16_state", "scan_group_mod_caught", "verify_stash_late_caught", "replay_long_caught",
-                 "replay_bitwise_float32",
+                 "replay_bitwise_float32", "replay_window_commit", "replay_window_rows", "replay_window_piece_caught",
                  *[f"conv_bias_{k}_{dt}" for k in ("fused", "split", "verify") for dt in ("float32", "bfloat16")],
                  "conv_bias_shifted_caught", "conv_bias_verify_shifted_caught", "scan_a_not_a_log_caught",
                  *[f"chunked_inputs_{k}" for k in CHUNKED_INPUT_CASES],

@@ -19,7 +19,8 @@ import torch
 
 from hyserve.kernels.commit.reference import commit_verified_ref
 
-__all__ = ["commit_verified", "commit_verified_ref", "commit_verified_triton"]
+__all__ = ["commit_verified", "commit_verified_ref", "commit_verified_triton", "copy_candidate_windows",
+           "window_args"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -87,3 +88,25 @@ def commit_verified_triton(
             BLOCK=_COMMIT_BLOCK,
             num_warps=4,
         )  # fmt: skip
+
+
+def copy_candidate_windows(conv: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None,
+                           dst_slots: torch.Tensor, counts: torch.Tensor) -> None:
+    """The plain-torch window copy of a replay with ``conv = (conv_state, conv_scratch)``: entry ``i`` with
+    ``c = counts[i] >= 0`` takes ``conv_scratch[rows[i], c]`` (``rows`` None: row ``i``) into
+    ``conv_state[dst_slots[i]]``."""
+    pool, scratch = conv
+    commit_verified_ref([pool], [scratch if rows is None else scratch.index_select(0, rows)], dst_slots, counts)
+
+
+def window_args(conv: tuple[torch.Tensor, torch.Tensor] | None,
+                like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A replay kernel's window arguments: the conv pool, its scratch and an entry's element count (``like`` and
+    0 when there is no window to copy). Each entry must be contiguous."""
+    if conv is None:
+        return like, like[None], 0
+    pool, scratch = conv
+    assert scratch.shape[2:] == pool.shape[1:] and scratch.dtype == pool.dtype, \
+        "conv_scratch must be (R_max, P_max, *conv_state's entry)"
+    assert _entries_contiguous(pool, 1) and _entries_contiguous(scratch, 2), "conv entries must be contiguous"
+    return pool, scratch, pool[0].numel()

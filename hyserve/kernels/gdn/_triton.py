@@ -25,6 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hyserve.kernels.commit._triton import copy_window_piece
+
 __all__ = ["_gdn_decode_fused_kernel", "_gdn_recurrent_kernel", "_gdn_replay_kernel", "_gdn_verify_fused_kernel",
            "_gdn_verify_kernel"]
 
@@ -181,12 +183,7 @@ def _gdn_replay_kernel(
     dst = tl.load(dst_ptr + i).to(tl.int64)
     if CONV:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if vb == 0:
-            piece = tl.cdiv(E, tl.num_programs(1))
-            for off in range(h * piece, tl.minimum(h * piece + piece, E), CBLOCK):
-                o = off + tl.arange(0, CBLOCK)
-                m = o < tl.minimum(h * piece + piece, E)
-                w = tl.load(cscr_ptr + r * scr_r + c * scr_p + o, mask=m)
-                tl.store(conv_ptr + dst * sc_s + o, w, mask=m)
+            copy_window_piece(conv_ptr, cscr_ptr, r, c, dst, sc_s, scr_r, scr_p, E, h, tl.num_programs(1), CBLOCK)
     hk = h // GROUP
     ok = tl.arange(0, BK)
     ov = vb * BV + tl.arange(0, BV)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hyserve.kernels.commit import copy_candidate_windows, window_args
 from hyserve.kernels.gdn.reference import STASH_NAMES, gdn_replay_ref, gdn_verify_ref
 from hyserve.utils import next_pow2
 
@@ -174,18 +175,11 @@ def gdn_replay(
     """
     assert src_slots.shape == dst_slots.shape == counts.shape and counts.dim() == 1
     assert rows is None or rows.shape == counts.shape
-    if conv is not None:
-        assert conv[1].shape[2:] == conv[0].shape[1:] and conv[1].dtype == conv[0].dtype, \
-            "conv_scratch must be (R_max, P_max, *conv_state's entry)"
     if ssm_state.is_cuda:
         gdn_replay_triton(ssm_state, stash, rows, src_slots, dst_slots, counts, conv)
         return
     if conv is not None:
-        from hyserve.kernels.commit.reference import commit_verified_ref
-
-        # the commit's copy of each entry's window (rows given: the scratch rows taken first)
-        scratch = conv[1] if rows is None else conv[1].index_select(0, rows)
-        commit_verified_ref([conv[0]], [scratch], dst_slots, counts)
+        copy_candidate_windows(conv, rows, dst_slots, counts)
     gdn_replay_ref(ssm_state, stash, rows, src_slots, dst_slots, counts)
 
 
@@ -211,10 +205,7 @@ def gdn_replay_triton(
         return
     bk, bv = _tiles(Dk, Dv)
     ss = ssm_state
-    pool, scratch = conv if conv is not None else (ss, ss[None])
-    entry = pool[0].numel() if conv is not None else 0
-    if conv is not None:
-        assert pool[0].is_contiguous() and scratch[0, 0].is_contiguous(), "conv entries must be contiguous"
+    pool, scratch, entry = window_args(conv, ss)
     _gdn_replay_kernel[(N, Hv, _cdiv(Dv, bv))](
         ss, sk, sv, sg, sb, counts if rows is None else rows, src_slots, dst_slots, counts,
         pool, scratch,

@@ -235,9 +235,10 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         for rows in (False, True):
             replay = dict(state_ptr=f"*{state}", alog_ptr=f"*{act}", stx_ptr="*fp32", stb_ptr="*fp32",
                           std_ptr="*fp32", rows_ptr="*i64", src_ptr="*i64", dst_ptr="*i64", count_ptr="*i64",
-                          ss_s=i32, ss_h=i32, ss_p=i32, ss_n=i32, **stash_strides, NPOS=i32)
+                          conv_ptr=f"*{act}", cscr_ptr=f"*{act}", ss_s=i32, ss_h=i32, ss_p=i32, ss_n=i32,
+                          **stash_strides, sc_s=i32, scr_r=i32, scr_p=i32, E=i32, NPOS=i32)
             out.append((f"mamba2_replay_{act}_{state}_state{'_rows' if rows else ''}", _mamba2_replay_kernel, replay,
-                        dict(consts, ROWS=rows)))
+                        dict(consts, ROWS=rows, CONV=rows, CBLOCK=256)))
         if act == "fp32":  # float32 models take the recurrent kernel for every row
             continue
         bt, cbp, cbn, sp = chunked_tiles(p, n)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hyserve.kernels.commit._triton import copy_window_piece
+
 __all__ = ["_mamba2_chunked_inputs_kernel", "_mamba2_chunked_output_kernel", "_mamba2_recurrent_kernel",
            "_mamba2_replay_kernel", "_mamba2_verify_kernel"]
 
@@ -157,15 +159,18 @@ def _mamba2_verify_kernel(
 @triton.jit
 def _mamba2_replay_kernel(
     state_ptr, alog_ptr, stx_ptr, stb_ptr, std_ptr, rows_ptr, src_ptr, dst_ptr, count_ptr,
+    conv_ptr, cscr_ptr,
     ss_s, ss_h, ss_p, ss_n,
     stx_r, stx_j, stx_h, stb_r, stb_j, stb_g, std_r, std_j,
+    sc_s, scr_r, scr_p, E,
     NPOS,
     P: tl.constexpr, N: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, CONV: tl.constexpr = False, CBLOCK: tl.constexpr = 256,
 ):  # fmt: skip
     """Grid (entries, H, P / BP). Entry i: count c = count[i] (< 0: nothing); the state tile of slot src[i] advanced
     with ``_ssd_update`` over stash row r's tokens 0 .. min(c, NPOS - 1) (r = rows[i], or i without ``ROWS``),
-    stored to slot dst[i]: read once, written once."""
+    stored to slot dst[i]: read once, written once. ``CONV``: the candidate conv window ``conv_scratch[r, c]`` (``E``
+    contiguous elements) copied to ``conv_state[dst[i]]`` too, in ``H`` pieces by the first block's programs."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -177,6 +182,9 @@ def _mamba2_replay_kernel(
         r = tl.load(rows_ptr + i).to(tl.int64)
     src = tl.load(src_ptr + i).to(tl.int64)
     dst = tl.load(dst_ptr + i).to(tl.int64)
+    if CONV:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if pb == 0:
+            copy_window_piece(conv_ptr, cscr_ptr, r, c, dst, sc_s, scr_r, scr_p, E, h, tl.num_programs(1), CBLOCK)
     g = h // HEADS_PER_GROUP
     a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     op = pb * BP + tl.arange(0, BP)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from hyserve.kernels.commit import copy_candidate_windows, window_args
 from hyserve.kernels.mamba2.reference import MAMBA2_STASH_NAMES, mamba2_replay_ref, mamba2_verify_ref
 from hyserve.utils import next_pow2
 
@@ -139,9 +140,12 @@ def mamba2_replay(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     counts: torch.Tensor,
+    conv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Entry ``i`` with ``c = counts[i] >= 0``: ``ssm_state[dst_slots[i]]`` = the state of ``src_slots[i]`` advanced
     over stash row ``rows[i]``'s tokens ``0 .. c`` (``rows`` None: row ``i``); entries with ``c < 0`` do nothing.
+    ``conv`` = ``(conv_state, conv_scratch)``: the candidate window ``conv_scratch[row, c]`` copied to
+    ``conv_state[dst_slots[i]]`` in the same launch (the whole commit, or candidate snapshot, of a layer).
 
     The commit of a verify step is ``mamba2_replay(pool, A_log, stash, None, slots, slots, num_accepted)``; a
     candidate snapshot ``mamba2_replay(pool, A_log, stash, rows, slots[rows], entries, positions)``, before the
@@ -151,9 +155,11 @@ def mamba2_replay(
     assert src_slots.shape == dst_slots.shape == counts.shape and counts.dim() == 1
     assert rows is None or rows.shape == counts.shape
     if ssm_state.is_cuda:
-        mamba2_replay_triton(ssm_state, A_log, stash, rows, src_slots, dst_slots, counts)
-    else:
-        mamba2_replay_ref(ssm_state, A_log, stash, rows, src_slots, dst_slots, counts)
+        mamba2_replay_triton(ssm_state, A_log, stash, rows, src_slots, dst_slots, counts, conv)
+        return
+    if conv is not None:
+        copy_candidate_windows(conv, rows, dst_slots, counts)
+    mamba2_replay_ref(ssm_state, A_log, stash, rows, src_slots, dst_slots, counts)
 
 
 def mamba2_replay_triton(
@@ -164,9 +170,10 @@ def mamba2_replay_triton(
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     counts: torch.Tensor,
+    conv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Triton :func:`mamba2_replay`: one program per (entry, head, ``BP`` block), the tile read once and written
-    once (graph-capturable)."""
+    once, the window copied in ``H`` pieces by the first block's programs (graph-capturable)."""
     from hyserve.kernels.mamba2._triton import _mamba2_replay_kernel
 
     num = counts.shape[0]
@@ -177,12 +184,15 @@ def mamba2_replay_triton(
         return
     bp, bn = state_tile(p, n)
     ss = ssm_state
+    pool, scratch, entry = window_args(conv, ss)
     _mamba2_replay_kernel[(num, h, -(-p // bp))](
         ss, A_log, sx, sb, sdt, counts if rows is None else rows, src_slots, dst_slots, counts,
+        pool, scratch,
         ss.stride(0), ss.stride(1), ss.stride(2), ss.stride(3),
         sx.stride(0), sx.stride(1), sx.stride(2), sb.stride(0), sb.stride(1), sb.stride(2), sdt.stride(0),
         sdt.stride(1),
+        pool.stride(0), scratch.stride(0), scratch.stride(1), entry,
         sx.shape[1],
-        P=p, N=n, HEADS_PER_GROUP=h // sb.shape[2], BP=bp, BN=bn, ROWS=rows is not None,
+        P=p, N=n, HEADS_PER_GROUP=h // sb.shape[2], BP=bp, BN=bn, ROWS=rows is not None, CONV=conv is not None,
         num_warps=4,
     )  # fmt: skip
