@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_gdn_decode_fused import tiny_gdn as decode_tiny_gdn
 
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_stash_shapes, gdn_verify_fused, gdn_verify_fused_ref
 from hyserve.layers import gdn as gdn_layer
@@ -285,21 +286,9 @@ def _interp_window_sabotage() -> tuple[bool, str]:
 
 
 def tiny_gdn(dtype: torch.dtype, hk: int = 2, hv: int = 4, p_max: int = 3, seed: int = 5) -> Any:
-    """A GatedDeltaNet of random weights, its pools (9 slots) and verify scratch (4 rows of ``p_max``) bound."""
-    from types import SimpleNamespace
-
-    cfg = SimpleNamespace(hidden_size=32, linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=16,
-                          linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=EPS, quantization=None,
-                          ssm_state_dtype="float32")
-    torch.manual_seed(seed)
-    layer = gdn_layer.GatedDeltaNet(cfg, "model.layers.0.linear_attn")  # type: ignore[arg-type]
-    with torch.no_grad():
-        for prm in layer.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.4)
-        layer.A_log.copy_(torch.rand(hv).mul(2.0).log1p())
-        layer.norm.weight.add_(1.0)
-    layer = layer.to(dtype)
-    layer.bind_state({s.name: (torch.randn(9, *s.shape) * 0.5).to(s.dtype) for s in layer.cache_spec(dtype).tensors})
+    """``test_gdn_decode_fused``'s GatedDeltaNet (random weights, 9 slots), its verify scratch (4 rows of ``p_max``)
+    bound too."""
+    layer = decode_tiny_gdn(dtype, hk=hk, hv=hv, seed=seed)
     layer.bind_verify_scratch({s.name: torch.zeros(4, p_max, *s.shape, dtype=s.dtype)
                                for s in layer.verify_scratch_spec(dtype).tensors})
     return layer

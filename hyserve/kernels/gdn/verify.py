@@ -60,11 +60,12 @@ def gdn_stash_shapes(num_k_heads: int, head_k_dim: int, num_v_heads: int,
             "beta": (num_v_heads,)}
 
 
-def _check_stash(k: torch.Tensor, v: torch.Tensor, rows: int, stash: dict[str, torch.Tensor]) -> None:
+def _check_stash(k_head: tuple[int, ...], v_head: tuple[int, ...], rows: int, stash: dict[str, torch.Tensor]) -> None:
+    """The stash against a key head's ``(Hk, Dk)`` and a value head's ``(Hv, Dv)`` shapes."""
     assert set(stash) >= set(STASH_NAMES), f"the stash needs {STASH_NAMES}"
     sk, sv, sg, sb = (stash[n] for n in STASH_NAMES)
     assert all(t.dtype == torch.float32 for t in (sk, sv, sg, sb)), "the stash is float32"
-    assert sk.shape[2:] == k.shape[1:] and sv.shape[2:] == v.shape[1:], "stash k / v must be (R_max, P_max, H, D)"
+    assert sk.shape[2:] == k_head and sv.shape[2:] == v_head, "stash k / v must be (R_max, P_max, H, D)"
     assert sg.shape == sb.shape == sv.shape[:3], "stash g / beta must be (R_max, P_max, Hv)"
     assert sk.shape[:2] == sv.shape[:2] and sk.shape[0] >= rows, "the stash has fewer rows than the batch"
     assert all(t.stride(-1) == 1 for t in (sk, sv, sg, sb)) and sg.stride() == sb.stride()
@@ -93,7 +94,7 @@ def gdn_verify(
     Returns ``(T, Hv, Dv)`` in ``v.dtype``. On CUDA this is always the exact token-by-token recurrence (the recurrent
     kernel's math), whatever the row lengths.
     """
-    _check_stash(k, v, state_slots.shape[0], stash)
+    _check_stash(k.shape[1:], v.shape[1:], state_slots.shape[0], stash)
     if q.is_cuda:
         return gdn_verify_triton(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, stash)
     return gdn_verify_ref(q, k, v, g, beta, ssm_state, state_slots, query_start_loc, stash, max_query_len)
@@ -128,7 +129,7 @@ def gdn_verify_triton(
     R = state_slots.shape[0]
     assert Hv % Hk == 0, "Hv must be a multiple of Hk"
     assert ssm_state.shape[1:] == (Hv, Dk, Dv), "ssm_state must be (S, Hv, Dk, Dv)"
-    _check_stash(k, v, R, stash)
+    _check_stash(k.shape[1:], v.shape[1:], R, stash)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if out is None:
         out = torch.empty((T, Hv, Dv), dtype=v.dtype, device=v.device)
@@ -327,7 +328,7 @@ def gdn_verify_fused_triton(
     assert cs.dim() == 4 and cs.shape[2:] == conv_state.shape[1:] and cs.shape[0] >= r, \
         "conv_scratch must be (R_max, P_max, conv_dim, K - 1)"
     assert cs.dtype == conv_state.dtype, "conv_scratch must have conv_state's dtype"
-    _check_stash(torch.empty((0, hk, dk), device="meta"), torch.empty((0, hv, dv), device="meta"), r, stash)
+    _check_stash(torch.Size((hk, dk)), torch.Size((hv, dv)), r, stash)
     x, z, a, b = (_unit_last(u) for u in (x, z, a, b))
     if out is None:
         out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
