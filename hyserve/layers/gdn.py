@@ -21,7 +21,7 @@ from hyserve.kernels.conv import causal_conv1d_split, causal_conv1d_verify, snap
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_takes_chunked, gdn_verify
-from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused
+from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, row_counters_for
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_replay, gdn_stash_shapes, gdn_verify_fused
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
@@ -89,6 +89,10 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(full_v, cfg.hidden_size, (v0 * dv, v1 * dv),
                                           sharded=tp > 1, quant=cfg.quantization, prefix=f"{prefix}.out_proj")
+        # The fused decode and verify launches quantize out_proj's input per token where an FP8 out_proj takes it;
+        # their per-row counters (zeros between launches) say which of a row's programs finishes last.
+        self.out_quant = self.out_proj.fp8_input()
+        self.row_counts: torch.Tensor | None = None  # (S,) int32, with out_quant
         self.k_range, self.v_range = (k0, k1), (v0, v1)
         if tp > 1:
             heads = ((v0, v1),)
@@ -148,6 +152,8 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.conv_state, self.ssm_state = tensors["conv_state"], tensors["ssm_state"]
         self.arrivals = arrivals_for(self.ssm_state.shape[0], self.num_k_heads, self.num_v_heads,
                                      self.ssm_state.device)
+        if self.out_quant is not None:
+            self.row_counts = row_counters_for(self.ssm_state.shape[0], self.ssm_state.device)
 
     verifies_one_token_rows_in_place = True  # (RecurrentLayer): a step at speculation length 0 is a decode step here
 
@@ -196,7 +202,8 @@ class GatedDeltaNet(ReplayedStateLayer):
         if vm is None and meta.max_query_len == 1 and uses_fused_decode(mixed_in):
             out = gdn_decode_fused(mixed_in, z, b, a, weight, self.A_log, self.dt_bias, self.norm.weight,
                                    self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
-                                   meta.query_start_loc, self.num_k_heads, self.arrivals)
+                                   meta.query_start_loc, self.num_k_heads, self.arrivals,
+                                   quant=self.out_quant, row_counts=self.row_counts)
             return self.out_proj(out)
         snaps = meta.row_snapshots
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
@@ -210,6 +217,7 @@ class GatedDeltaNet(ReplayedStateLayer):
             head = gdn_decode_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], weight, self.A_log, self.dt_bias,
                                     self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
                                     vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals)
+            assert isinstance(head, torch.Tensor)  # (plain: prefill rows follow)
             return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
         qk_normed = False
         if vm is None:
@@ -266,7 +274,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         return normed.reshape(t, self.value_dim)
 
     def fused_verify(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                     meta: StepMetadata) -> torch.Tensor:
+                     meta: StepMetadata) -> torch.Tensor | Fp8Activation:
         """A step with verify rows of drafts on CUDA: the verify rows in one launch (``gdn_verify_fused``: the
         candidate windows and the stash written, the live state only read), the rows after them (chunked prefill)
         as a step of their own; returns out_proj's input."""
@@ -274,12 +282,15 @@ class GatedDeltaNet(ReplayedStateLayer):
         assert vm is not None and self.conv_state is not None and self.ssm_state is not None
         assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
         tv, t = vm.num_tokens, mixed_in.shape[0]
+        # Verify rows alone: their output comes quantized for an FP8 out_proj (with prefill rows after them, plain)
+        quant = self.out_quant if tv == t else None
         head = gdn_verify_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], self.conv1d.weight.squeeze(1), self.A_log,
                                 self.dt_bias, self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
                                 vm.state_slots, vm.query_start_loc, self.num_k_heads, self.conv_scratch, self.stash,
-                                vm.max_query_len)
+                                vm.max_query_len, quant=quant, row_counts=self.row_counts)
         if tv == t:
             return head
+        assert isinstance(head, torch.Tensor)
         return torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)])
 
     def rest_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,

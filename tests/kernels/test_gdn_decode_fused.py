@@ -16,6 +16,13 @@ Sabotaged kernels (each mutated in its source, each must disagree): the conv win
 ``h % Hk`` instead of ``h // (Hv / Hk)``, the gate applied before the norm, the state stored before the delta
 update, beta from ``a`` instead of ``b``, the q / k window rolled by the first value head to arrive instead of the
 last, the arrival counter left unrestored.
+
+With ``quant="fp8"`` (an FP8 ``out_proj``) the launch also quantizes each token's whole output row per token, done by
+the last of the row's programs: the FP8 values (as bytes) and scales equal to ``quantize_per_token`` of the plain
+launch's output, the plain output and the pools bit for bit the plain launch's, over two launches on the same row
+counters (back at zero after each), pad rows included. Sabotaged: the row quantized by the last program but one to
+arrive (before the last head's outputs are stored), the row counter left unreset, the amax and values of the first head
+only. The mixer hands its FP8 ``out_proj`` the launch's :class:`Fp8Activation`.
 """
 
 from __future__ import annotations
@@ -209,6 +216,10 @@ CASES = [
 ]
 
 
+# The problems also run with the output quantized for an FP8 out_proj (Hv / Hk = 1, 2 and 3, odd widths).
+FP8_CASES = ["f32_g1", "bf16_g2", "bf16_g3_odd_widths", "bf16_g2_bf16_state"]
+
+
 def _case(name: str, seed: int, pad_rows: int = 0) -> tuple[dict[str, Any], int | None]:
     _, lens, hk, hv, dk, dv, dt, sdt, bv = next(c for c in CASES if c[0] == name)
     return fused_problem(lens, hk, hv, dk, dv, dt, sdt, seed, pad_rows=pad_rows), bv
@@ -256,6 +267,70 @@ SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
                                                "last = live & (seen % GROUP == 0)")]),
     "counter_not_restored": ("bf16_g2", [("tl.atomic_add(arr, -GROUP, mask=last)", "pass")]),
 }
+
+
+def check_quantized(act: Any, plain: torch.Tensor) -> tuple[bool, str]:
+    """``act`` the :class:`Fp8Activation` of ``plain``'s rows quantized per token (FP8 bytes and scales exactly):
+    ``quantize_per_token``'s, or on the card the quantization launch an FP8 GEMM makes (``quantize_rows``)."""
+    from hyserve.kernels.fp8 import Fp8Activation, quantize_per_token, quantize_rows
+
+    if not isinstance(act, Fp8Activation):
+        return False, f"not an Fp8Activation: {type(act).__name__}"
+    q, s = quantize_rows(plain) if plain.is_cuda else quantize_per_token(plain)
+    if act.q.shape != q.shape or act.scale.shape != s.shape or act.dtype != plain.dtype:
+        return False, f"shapes {tuple(act.q.shape)} {tuple(act.scale.shape)} {act.dtype}"
+    nq = int((act.q.view(torch.uint8) != q.view(torch.uint8)).sum())
+    ns = int((act.scale != s).sum())
+    return nq == 0 and ns == 0, f"{nq} fp8 values and {ns} scales differ"
+
+
+def check_fused_fp8(p: dict[str, Any], block_v: int | None, launches: int = 2) -> tuple[bool, str]:
+    """``quant="fp8"`` against the plain launch, ``launches`` times in turn on the same row counters (the pools
+    advancing): the plain output (NaN-poisoned buffer) and the pools bit for bit the plain launch's, the FP8 values
+    and scales exactly ``quantize_per_token`` of that output (every row: pad rows too), the counters back at 0."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton, row_counters_for
+
+    hk, hv = p["num_k_heads"], p["ssm_state"].shape[1]
+    plain_p, fp8_p = clone_states(p), clone_states(p)
+    arr_plain, arr_fp8 = (arrivals_for(p["ssm_state"].shape[0], hk, hv, p["x"].device) for _ in range(2))
+    counts = row_counters_for(p["ssm_state"].shape[0], p["x"].device)
+    goods, msgs = [], []
+    for launch in range(launches):
+        want = gdn_decode_fused_triton(**plain_p, arrivals=arr_plain, block_v=block_v)
+        assert isinstance(want, torch.Tensor)
+        out = torch.full(want.shape, float("nan"), dtype=want.dtype, device=want.device)
+        act = gdn_decode_fused_triton(**fp8_p, arrivals=arr_fp8, quant="fp8", row_counts=counts, out=out,
+                                      block_v=block_v)
+        ok, msg = check_quantized(act, want)
+        goods += [ok, bool(torch.equal(out, want)), not bool(counts.any())]
+        goods += [bool(torch.equal(fp8_p[n], plain_p[n])) for n in STATE_KEYS]
+        msgs.append(f"launch {launch}: {msg}")
+    return all(goods), f"{'; '.join(msgs)}; all {goods}"
+
+
+def _interp_fp8(name: str) -> tuple[bool, str]:
+    p, bv = _case(name, 14, pad_rows=2)
+    return check_fused_fp8(p, bv)
+
+
+# Mutations of the quantizing tail (``_quantize_when_last``, shared with the fused verify), each caught by bf16_g2.
+FP8_SABOTAGES: dict[str, list[tuple[str, str]]] = {
+    "quantized_before_the_last_arrives": [("if arrived == HV - 1:", "if arrived == HV - 2:")],
+    "row_counter_not_reset": [('tl.atomic_xchg(cnt, 0, sem="relaxed")', "pass")],
+    "first_head_only": [("HV * DV, fp8_max, amax_eps, QBLOCK)", "DV, fp8_max, amax_eps, QBLOCK)")],
+}
+
+
+def _interp_fp8_sabotage(what: str) -> tuple[bool, str]:
+    module = importlib.import_module("hyserve.kernels.gdn._triton")
+    kernel = "_gdn_decode_fused_kernel"
+    original = getattr(module, kernel)
+    setattr(module, kernel, _mutated_kernel(FP8_SABOTAGES[what]))
+    try:
+        ok, msg = _interp_fp8("bf16_g2")
+    finally:
+        setattr(module, kernel, original)
+    return not ok, msg
 
 
 def _mutated_kernel(edits: list[tuple[str, str]]) -> Any:
@@ -348,6 +423,33 @@ def _interp_layer(dtype: torch.dtype) -> tuple[bool, str]:
                                     gdn_decode_fused_triton)
     ok = all(c for c, _ in checks) and calls == 1 and prefill_calls == 0
     return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}, on prefill {prefill_calls}"
+
+
+def _interp_layer_fp8() -> tuple[bool, str]:
+    """A mixer whose ``out_proj`` takes FP8 activations (``out_quant``; the GEMM replaced by a recorder): on a pure
+    decode step the fused kernel hands it the :class:`Fp8Activation` of the plain path's output, quantized per token
+    in the launch, with the same pools."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton, row_counters_for
+
+    layer = tiny_gdn(BF16)
+    meta = step_meta([1, 1, 1], [6, 2, 4])
+    x = torch.randn(3, 32).to(BF16)
+    seen: list[Any] = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, a: Any) -> torch.Tensor:
+            seen.append(a)
+            return torch.zeros(1)
+
+    layer.out_proj = Recorder()  # type: ignore[assignment]
+    layer.out_quant = "fp8"
+    layer.row_counts = row_counters_for(9, x.device)
+    _, got_pools, calls = run_layer(layer, x, meta, gdn_decode_fused_triton)
+    layer.out_quant = None
+    _, want_pools, _ = run_layer(layer, x, meta, gdn_decode_fused_triton)
+    ok, msg = check_quantized(seen[0], seen[1])
+    same = all(torch.equal(got_pools[n], want_pools[n]) for n in STATE_KEYS)
+    return ok and same and calls == 1 and not bool(layer.row_counts.any()), f"{msg}; pools {same}; calls {calls}"
 
 
 def _interp_engine() -> tuple[bool, str]:
@@ -447,6 +549,11 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "layer_takes_the_kernel_bf16", lambda: _interp_layer(BF16))
     for what in SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
+    for name in FP8_CASES:
+        record_check(res, f"fp8_{name}", lambda n=name: _interp_fp8(n))
+    for what in FP8_SABOTAGES:
+        record_check(res, f"fp8_{what}_caught", lambda w=what: _interp_fp8_sabotage(w))
+    record_check(res, "layer_hands_out_proj_fp8", _interp_layer_fp8)
     for dname, dt in (("f32", F32), ("bf16", BF16)):
         record_check(res, f"norm_rope_{dname}", lambda dt=dt: _interp_norm_rope(dt))
     record_check(res, "norm_rope_wrong_weight_caught", lambda: _interp_norm_rope(BF16, sabotage=True))
@@ -457,6 +564,8 @@ INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
     *[f"{what}_caught" for what in SABOTAGES],
+    *[f"fp8_{name}" for name in FP8_CASES], *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
+    "layer_hands_out_proj_fp8",
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
 
@@ -523,6 +632,44 @@ def test_cuda_fused_matches_the_unfused_kernels(ratio: int, dtype: torch.dtype, 
     p = fused_problem(lens, 8, 8 * ratio, 128, 128, dtype, state_dtype, 31, pad_rows=3, device="cuda")
     ok, msg = check_fused(p, unfused_triton, exact=False, out_ulps=2)
     assert ok, msg
+
+
+@cuda
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_cuda_fused_quantizes_for_an_fp8_out_proj(ratio: int) -> None:
+    """The seed's 27B heads (16 key heads, 48 value heads) and the 2B's ratio on the card, with ``quant="fp8"``:
+    three launches on the same row counters, each one's FP8 bytes and scales those of ``quantize_rows`` over the
+    plain launch's output, pad rows included; output and pools bit for bit the plain launch's; counters at zero."""
+    lens = [1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
+    p = fused_problem(lens, 16, 16 * ratio, 128, 128, BF16, F32, 51, pad_rows=3, device="cuda")
+    ok, msg = check_fused_fp8(p, None, launches=3)
+    assert ok, msg
+
+
+@cuda
+def test_cuda_fused_fp8_replays_in_a_graph() -> None:
+    """Captured once with ``quant="fp8"``, replayed over new inputs: FP8 values and scales the eager launch's."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton, row_counters_for
+
+    p = fused_problem([1, 1, 1, 0, 1], 4, 12, 128, 128, BF16, F32, 43, pad_rows=2, device="cuda")
+    s = p["ssm_state"].shape[0]
+    arrivals, counts = arrivals_for(s, 4, 12, p["x"].device), row_counters_for(s, p["x"].device)
+    graph_p = clone_states(p)
+    gdn_decode_fused_triton(**clone_states(p), arrivals=arrivals, quant="fp8", row_counts=counts)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        act = gdn_decode_fused_triton(**graph_p, arrivals=arrivals, quant="fp8", row_counts=counts)
+    eager_p = clone_states(graph_p)
+    for step in range(3):
+        for n in ("x", "z", "a", "b"):
+            p[n].copy_(torch.randn_like(p[n]))
+        want = gdn_decode_fused_triton(**eager_p, arrivals=arrivals, quant="fp8", row_counts=counts)
+        graph.replay()
+        assert torch.equal(act.q.view(torch.uint8), want.q.view(torch.uint8)), step  # type: ignore[union-attr]
+        assert torch.equal(act.scale, want.scale), step  # type: ignore[union-attr]
+    torch.cuda.synchronize()
+    assert not counts.any() and not arrivals.any()
 
 
 @cuda

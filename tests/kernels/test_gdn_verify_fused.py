@@ -20,6 +20,12 @@ Sabotaged kernels (each mutated in its source, each must disagree): a candidate 
 stored l2-normed, the live state written back, the key head ``h % Hk`` instead of ``h // (Hv / Hk)``, the norm read
 before the barrier's stores are all in (the norm pass's token index off by one); the commit's window copy one
 element short of each program's piece.
+
+With ``quant="fp8"`` (an FP8 ``out_proj``) the last of a row's programs quantizes each of the row's tokens per token:
+FP8 bytes and scales equal to ``quantize_per_token`` of the plain launch's output, the plain output, scratch and stash
+bit for bit the plain launch's, over two launches on the same row counters (back at zero after each); the decode
+kernel's three sabotages of the quantizing tail are caught here too. The mixer hands its FP8 ``out_proj`` that
+activation for a step of verify rows alone, and the plain output when prefill rows follow them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_gdn_decode_fused import FP8_SABOTAGES, check_quantized
 from test_gdn_decode_fused import tiny_gdn as decode_tiny_gdn
 
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_stash_shapes, gdn_verify_fused, gdn_verify_fused_ref
@@ -168,6 +175,10 @@ CASES = [
 ]
 
 
+# The problems also run with the output quantized for an FP8 out_proj (Hv / Hk = 1, 2, 3, odd widths, a bf16 state).
+FP8_CASES = ["f32_g1", "bf16_g2", "bf16_g3_odd_widths", "bf16_g2_bf16_state"]
+
+
 # The problems also checked against the plain-torch references (the others differ from these in one dimension).
 REFERENCE_CASES = ["f32_g2", "bf16_g2_bf16_state", "bf16_g3_odd_widths"]
 
@@ -271,6 +282,47 @@ def _interp_sabotage(what: str) -> tuple[bool, str]:
     return not ok, msg
 
 
+def _interp_fp8(name: str) -> tuple[bool, str]:
+    p, bv = _case(name, 23)
+    return check_fused_fp8(p, bv)
+
+
+def check_fused_fp8(p: dict[str, Any], bv: int | None) -> tuple[bool, str]:
+    """``quant="fp8"`` against the plain launch, twice on the same row counters: the quantized rows exactly
+    ``quantize_per_token`` of the plain output; output, scratch and stash the plain launch's; counters back at 0."""
+    from hyserve.kernels.gdn.decode import row_counters_for
+    from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+    plain_p = fresh(p)
+    want = fused_triton(plain_p, bv)
+    counts = row_counters_for(p["ssm_state"].shape[0], p["x"].device)
+    goods, msgs = [], []
+    for launch in range(2):
+        got_p = fresh(p)
+        args = {n: v for n, v in got_p.items() if n != "max_query_len"}
+        out = torch.full(want.shape, float("nan"), dtype=want.dtype, device=want.device)
+        act = gdn_verify_fused_triton(**args, quant="fp8", row_counts=counts, out=out, block_v=bv)
+        ok, msg = check_quantized(act, want)
+        same = [torch.equal(got_p["conv_scratch"].nan_to_num(7.0), plain_p["conv_scratch"].nan_to_num(7.0)),
+                *(torch.equal(got_p["stash"][n].nan_to_num(7.0), plain_p["stash"][n].nan_to_num(7.0))
+                  for n in STASH_NAMES), *(torch.equal(got_p[n], p[n]) for n in POOLS)]
+        goods += [ok, bool(torch.equal(out, want)), all(same), not bool(counts.any())]
+        msgs.append(f"launch {launch}: {msg}")
+    return all(goods), f"{'; '.join(msgs)}; all {goods}"
+
+
+def _interp_fp8_sabotage(what: str) -> tuple[bool, str]:
+    module = importlib.import_module("hyserve.kernels.gdn._triton")
+    kernel = "_gdn_verify_fused_kernel"
+    original = getattr(module, kernel)
+    setattr(module, kernel, getattr(mutated_module("hyserve.kernels.gdn._triton", FP8_SABOTAGES[what]), kernel))
+    try:
+        ok, msg = _interp_fp8("bf16_g2")
+    finally:
+        setattr(module, kernel, original)
+    return not ok, msg
+
+
 def _interp_window_sabotage() -> tuple[bool, str]:
     """The replay's window copy in pieces for one program more than there are (its last piece never copied) must
     be caught by the commit check."""
@@ -354,10 +406,48 @@ def _interp_layer(dtype: torch.dtype, rest: bool) -> tuple[bool, str]:
     meta = verify_meta([3, 1, 2], [6, 2, 4], rest_lens, rest_slots)
     x = torch.randn(6 + sum(rest_lens), 32).to(dtype)
     want, want_after, _ = run_layer(layer, x, meta, None)
-    got, got_after, calls = run_layer(layer, x, meta, lambda *a: gdn_verify_fused_triton(*a[:-1]))
+    got, got_after, calls = run_layer(layer, x, meta, lambda *a, **k: gdn_verify_fused_triton(*a[:-1], **k))
     checks = [_agree(got, want, 2e-5, 2), *(_agree(got_after[n], want_after[n], 2e-5) for n in want_after)]
     ok = all(c for c, _ in checks) and calls == 1
     return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}"
+
+
+def _interp_layer_fp8() -> tuple[bool, str]:
+    """A mixer whose ``out_proj`` takes FP8 activations (``out_quant``; the GEMM replaced by a recorder): a step of
+    verify rows alone hands it the :class:`Fp8Activation` of the plain launch's output; with prefill rows after the
+    verify rows it gets the plain output (the verify launch unquantized)."""
+    from hyserve.kernels.fp8 import Fp8Activation
+    from hyserve.kernels.gdn.decode import row_counters_for
+    from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+    layer = tiny_gdn(BF16)
+    seen: list[Any] = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, a: Any) -> torch.Tensor:
+            seen.append(a)
+            return torch.zeros(1)
+
+    layer.out_proj = Recorder()
+    layer.row_counts = row_counters_for(9, torch.device("cpu"))
+    fused = lambda *a, **k: gdn_verify_fused_triton(*a[:-1], **k)
+    msgs, goods = [], []
+    for rest_lens, rest_slots in (([], []), ([5, 2], [1, 8])):
+        meta = verify_meta([3, 1, 2], [6, 2, 4], rest_lens, rest_slots)
+        x = torch.randn(6 + sum(rest_lens), 32).to(BF16)
+        for quant in ("fp8", None):
+            layer.out_quant = quant
+            calls = run_layer(layer, x, meta, fused)[2]
+            goods.append(calls == 1)
+        fp8_act, plain = seen[-2], seen[-1]
+        if rest_lens:
+            ok, msg = isinstance(fp8_act, torch.Tensor) and torch.equal(fp8_act, plain), "plain with prefill rows"
+        else:
+            ok, msg = check_quantized(fp8_act, plain)
+            ok = ok and isinstance(plain, torch.Tensor) and not isinstance(plain, Fp8Activation)
+        goods += [ok, not bool(layer.row_counts.any())]
+        msgs.append(msg)
+    return all(goods), f"{'; '.join(msgs)}; all {goods}"
 
 
 def _interp_layer_one_token_rows(dtype: torch.dtype) -> tuple[bool, str]:
@@ -379,7 +469,7 @@ def _interp_layer_one_token_rows(dtype: torch.dtype) -> tuple[bool, str]:
     gdn_layer.uses_fused_decode = lambda t: True  # type: ignore[assignment]
     gdn_layer.gdn_decode_fused = counted  # type: ignore[assignment]
     try:
-        got, got_after, verify_calls = run_layer(layer, x, meta, lambda *a: gdn_verify_fused(*a))
+        got, got_after, verify_calls = run_layer(layer, x, meta, lambda *a, **k: gdn_verify_fused(*a, **k))
     finally:
         gdn_layer.uses_fused_decode, gdn_layer.gdn_decode_fused = saved  # type: ignore[assignment]
     checks = [_agree(got, want, 2e-5, 2), *(_agree(got_after[n], want_after[n], 2e-5) for n in POOLS)]
@@ -407,6 +497,11 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "layer_one_token_rows_with_prefill_rows", lambda: _interp_layer_one_token_rows(BF16))
     for what in SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
+    for name in FP8_CASES:
+        record_check(res, f"fp8_{name}", lambda n=name: _interp_fp8(n))
+    for what in FP8_SABOTAGES:
+        record_check(res, f"fp8_{what}_caught", lambda w=what: _interp_fp8_sabotage(w))
+    record_check(res, "layer_hands_out_proj_fp8", _interp_layer_fp8)
     return res
 
 
@@ -416,6 +511,8 @@ INTERP_CHECKS = [
     "layer_f32", "layer_f32_with_prefill_rows", "layer_bf16_with_prefill_rows",
     "layer_one_token_rows_with_prefill_rows",
     *[f"{what}_caught" for what in SABOTAGES],
+    *[f"fp8_{name}" for name in FP8_CASES], *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
+    "layer_hands_out_proj_fp8",
 ]
 
 
@@ -492,6 +589,16 @@ def test_cuda_fused_verify_matches_the_unfused_kernels(ratio: int, dtype: torch.
 
 
 @cuda
+def test_cuda_fused_verify_quantizes_for_an_fp8_out_proj() -> None:
+    """The seed's 27B heads (16 key heads, 48 value heads) on the card, rows of 0-3 tokens (MTP 2), with
+    ``quant="fp8"``: two launches on the same row counters, FP8 bytes and scales those of ``quantize_rows`` over the
+    plain launch's output; output, scratch and stash the plain launch's; counters at zero."""
+    p = verify_problem([3, 0, 1, 3, 2, 3, 3], 3, 16, 48, 128, 128, BF16, F32, 33, device="cuda")
+    ok, msg = check_fused_fp8(p, None)
+    assert ok, msg
+
+
+@cuda
 def test_cuda_fused_verify_replays_in_a_graph() -> None:
     """Captured once, replayed over new inputs: the same as an eager launch on the same inputs."""
     from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
@@ -555,7 +662,7 @@ def _interp_engine() -> tuple[bool, str]:
              gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay)
     gdn_layer.uses_fused_decode = gdn_layer.uses_fused_verify = lambda x: True  # type: ignore[assignment]
     gdn_layer.gdn_decode_fused = counting("decode", gdn_decode_fused_triton)  # type: ignore[assignment]
-    gdn_layer.gdn_verify_fused = counting("verify", lambda *a: gdn_verify_fused_triton(*a[:-1]))  # type: ignore
+    gdn_layer.gdn_verify_fused = counting("verify", lambda *a, **k: gdn_verify_fused_triton(*a[:-1], **k))  # type: ignore
     gdn_layer.gdn_replay = counting("replay", gdn_replay_triton)  # type: ignore[assignment]
     try:
         got = run()

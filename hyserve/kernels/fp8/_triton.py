@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["A_DYNAMIC_GROUP", "A_DYNAMIC_TOKEN", "A_PRECOMPUTED", "A_STATIC", "_fp8_gemm_kernel",
-           "_quant_rows_kernel"]
+           "_quant_rows_kernel", "quantize_token_row"]
 
 
 @triton.jit
@@ -47,24 +47,31 @@ def _quant_rows_kernel(
         tl.store(q_ptr + rows64[:, None] * sq + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + rows64 * ss + tl.program_id(1) * ssg, scale, mask=row_ok)
     else:
-        row = tl.program_id(0)
-        x_row = x_ptr + row.to(tl.int64) * sx
-        q_row = q_ptr + row.to(tl.int64) * sq
-        if STATIC:
-            scale = tl.load(s_ptr)
-        else:
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
-            for lo in range(0, K, BLOCK):
-                offs = lo + tl.arange(0, BLOCK)
-                x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), fp8_max)
-            tl.store(s_ptr + row * ss, scale)
+        row = tl.program_id(0).to(tl.int64)
+        quantize_token_row(x_ptr + row * sx, q_ptr + row * sq, s_ptr + row * ss, K, fp8_max, eps, BLOCK, STATIC)
+
+
+@triton.jit
+def quantize_token_row(x_row, q_row, s_ptr, K, fp8_max, eps, BLOCK: tl.constexpr, STATIC: tl.constexpr = False):
+    """The ``K`` values at ``x_row`` quantized per token into ``q_row``: their scale ``max(amax, eps) / fp8_max`` to
+    ``s_ptr`` (a first pass over the row for its amax), then the values (a second pass); ``STATIC``: the scale is
+    read from ``s_ptr`` instead. The arithmetic of :func:`hyserve.kernels.fp8.quantize_per_token`. Producers whose
+    row is written by several programs call it from the last of them (``hyserve.kernels.gdn``)."""
+    if STATIC:
+        scale = tl.load(s_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
         for lo in range(0, K, BLOCK):
             offs = lo + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
-            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), fp8_max)
+        tl.store(s_ptr, scale)
+    for lo in range(0, K, BLOCK):
+        offs = lo + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -fp8_max, fp8_max)
+        tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=offs < K)
 
 
 # How the GEMM gets A's FP8 values and scales (``A_MODE``): A is FP8 with its scales in ``as`` (precomputed), or A is

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from hyserve.kernels.commit._triton import copy_window_piece
+from hyserve.kernels.fp8._triton import quantize_token_row
 
 __all__ = ["_gdn_decode_fused_kernel", "_gdn_recurrent_kernel", "_gdn_replay_kernel", "_gdn_verify_fused_kernel",
            "_gdn_verify_kernel"]
@@ -297,14 +298,15 @@ def _conv_new_window(
 @triton.jit
 def _gdn_decode_fused_kernel(
     x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
-    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr,
+    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr, q_ptr, qs_ptr, cnt_ptr,
     sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
     sc_s, sc_d, sc_k,
     ss_s, ss_h, ss_k, ss_v,
-    sarr_s, so_t,
-    scale, eps,
+    sarr_s, so_t, sq_t,
+    scale, eps, fp8_max, amax_eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
 ):  # fmt: skip
     """One decode token of row ``r`` (grid axis 0), value head ``h`` (axis 1), key head ``hk = h // GROUP``: the
     conv of its q / k / v channels (q, k recomputed by each of the key head's ``GROUP`` value heads), the gates,
@@ -318,7 +320,10 @@ def _gdn_decode_fused_kernel(
     after its reads) and the one that sees ``GROUP - 1`` modulo ``GROUP`` writes and takes ``GROUP`` off again (the
     counter is back to 0 after every launch; pad rows, which share one slot, keep it a multiple of ``GROUP``).
     ``GROUP == 1`` needs no counter. The output ``out[t, h]`` holds the delta rule's output (model dtype) between
-    the two passes; the norm pass reads it back after a barrier."""
+    the two passes; the norm pass reads it back after a barrier.
+
+    ``QUANT``: the token's whole output row (its ``Hv`` heads) is also quantized per token for an FP8 ``out_proj``
+    (``q``, ``qs``) by the last of the row's programs to finish (:func:`_quantize_when_last`)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(qsl_ptr + r).to(tl.int64)
@@ -395,21 +400,44 @@ def _gdn_decode_fused_kernel(
         on = (w * nrm).to(dt).to(tl.float32)
         zz = tl.load(z_row + ov, mask=vmask, other=0.0).to(tl.float32)
         tl.store(o_row + ov, (on * (zz * tl.sigmoid(zz))).to(dt), mask=vmask)
+    if QUANT:
+        _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, live, start, 1, so_t, sq_t, HK * GROUP, DV,
+                            fp8_max, amax_eps, QBLOCK)
+
+
+@triton.jit
+def _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt, live, start, n, so_t, sq_t, HV: tl.constexpr, DV: tl.constexpr,
+                        fp8_max, amax_eps, QBLOCK: tl.constexpr):
+    """Called by each of a row's ``HV`` programs (one a value head) once its head's outputs of the row's ``n``
+    tokens (from ``start``) are stored in ``out``: the program counts itself in on the row's counter ``cnt``
+    (after a barrier, with release semantics: its threads' stores come first) and the last to arrive (acquire: it
+    sees every head's stores) quantizes each token's ``HV * DV`` outputs per token into ``q`` and its scale into
+    ``qs`` (:func:`quantize_token_row`), then sets the counter back to 0 for the next launch. No program waits for
+    another. The counters are per row of the launch (pad rows included), so no two rows share one."""
+    tl.debug_barrier()  # every thread's stores of the head's outputs before the count says so (release below)
+    if live:
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == HV - 1:
+            for i in range(0, n):
+                quantize_token_row(out_ptr + (start + i) * so_t, q_ptr + (start + i) * sq_t, qs_ptr + start + i,
+                                   HV * DV, fp8_max, amax_eps, QBLOCK)
+            tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
 @triton.jit
 def _gdn_verify_fused_kernel(
     x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
     conv_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
-    stk_ptr, stv_ptr, stg_ptr, stb_ptr,
+    stk_ptr, stv_ptr, stg_ptr, stb_ptr, q_ptr, qs_ptr, cnt_ptr,
     sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
     sc_s, sc_d, sc_k,
     ss_s, ss_h, ss_k, ss_v,
     so_t, scr_r, scr_p, scr_d, scr_k,
-    stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p,
-    P, scale, eps,
+    stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p, sq_t,
+    P, scale, eps, fp8_max, amax_eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
 ):  # fmt: skip
     """A verify row ``r`` (grid axis 0) of ``n`` tokens, value head ``h`` (axis 1), key head ``hk = h // GROUP``:
     what ``_conv1d_verify_kernel``, ``_gdn_gating_kernel``, ``_gdn_verify_kernel`` and ``_gated_rms_norm_kernel``
@@ -420,7 +448,9 @@ def _gdn_verify_fused_kernel(
        head; v, g and beta by the head).
     2. The delta rule over the head's value channels, ``BV`` at a time: the tile loaded once from the live state and
        advanced over the row's tokens (the conv of q / k recomputed per tile), each token's output stored.
-    3. After a barrier, the gated RMSNorm of each token's head output, read back whole."""
+    3. After a barrier, the gated RMSNorm of each token's head output, read back whole.
+    4. ``QUANT``: the last of the row's programs to finish quantizes each token's output row per token for an FP8
+       ``out_proj`` (:func:`_quantize_when_last`)."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     start = tl.load(qsl_ptr + r).to(tl.int64)
@@ -487,3 +517,6 @@ def _gdn_verify_fused_kernel(
         on = (w * nrm).to(dt).to(tl.float32)
         zz = tl.load(z_ptr + (start + i) * sz_t + h * DV + oall, mask=amask, other=0.0).to(tl.float32)
         tl.store(o_row + oall, (on * (zz * tl.sigmoid(zz))).to(dt), mask=amask)
+    if QUANT:
+        _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, n > 0, start, n, so_t, sq_t, HK * GROUP, DV,
+                            fp8_max, amax_eps, QBLOCK)

@@ -32,13 +32,14 @@ from typing import Any
 import torch
 
 from hyserve.kernels.conv.reference import causal_conv1d_varlen_ref
+from hyserve.kernels.fp8.reference import AMAX_EPS, FP8_DTYPE, FP8_MAX, Fp8Activation, quantize_activation_ref
 from hyserve.kernels.gating.reference import gdn_gating_ref
 from hyserve.kernels.gdn.reference import gdn_forward_ref
 from hyserve.kernels.norm.reference import gated_rms_norm_ref
 from hyserve.utils import next_pow2
 
-__all__ = ["arrivals_for", "compile_variants", "gdn_decode_fused", "gdn_decode_fused_ref",
-           "gdn_decode_fused_triton"]
+__all__ = ["arrivals_for", "as_output", "compile_variants", "fp8_output", "gdn_decode_fused", "gdn_decode_fused_ref",
+           "gdn_decode_fused_triton", "quant_block", "row_counters_for"]
 
 
 def arrivals_for(num_slots: int, num_k_heads: int, num_v_heads: int, device: torch.device) -> torch.Tensor | None:
@@ -47,6 +48,30 @@ def arrivals_for(num_slots: int, num_k_heads: int, num_v_heads: int, device: tor
     if num_v_heads == num_k_heads:
         return None
     return torch.zeros((num_slots, num_k_heads), dtype=torch.int32, device=device)
+
+
+def row_counters_for(num_slots: int, device: torch.device) -> torch.Tensor:
+    """The per-row counters of a launch that quantizes its output for an FP8 ``out_proj`` (``quant="fp8"``): int32
+    zeros, one a row of the launch (a step has at most one row a slot, so ``num_slots`` of them suffice), which
+    every launch leaves at zero."""
+    return torch.zeros((num_slots,), dtype=torch.int32, device=device)
+
+
+def fp8_output(out: torch.Tensor, rows: int, quant: str | None, row_counts: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 values ``(T, W)``, per-token scales ``(T, 1)`` and row counters a fused GDN launch writes when
+    ``quant == "fp8"``; stand-ins it never touches (``out`` itself) when ``quant`` is None."""
+    assert quant in (None, "fp8"), "the GDN output feeds out_proj alone: quantized (fp8) or plain"
+    if quant is None:
+        return out, out, out
+    assert row_counts is not None and row_counts.dtype == torch.int32 and row_counts.shape[0] >= rows, \
+        "quant='fp8' needs int32 row counters, one a row (row_counters_for)"
+    return (torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device),
+            torch.empty((out.shape[0], 1), dtype=torch.float32, device=out.device), row_counts)
+
+
+def as_output(out: torch.Tensor, q: torch.Tensor, qs: torch.Tensor, quant: str | None) -> torch.Tensor | Fp8Activation:
+    return out if quant is None else Fp8Activation(q, qs, out.dtype)
 
 
 def gdn_decode_fused(
@@ -65,9 +90,13 @@ def gdn_decode_fused(
     query_start_loc: torch.Tensor,
     num_k_heads: int,
     arrivals: torch.Tensor | None = None,
-) -> torch.Tensor:
+    quant: str | None = None,
+    row_counts: torch.Tensor | None = None,
+) -> torch.Tensor | Fp8Activation:
     """The mixer's decode step from ``in_proj``'s output to ``out_proj``'s input; returns ``(T, Hv * Dv)`` in the
-    model dtype. Updates ``conv_state`` and ``ssm_state`` in place.
+    model dtype, or (``quant="fp8"``) that output quantized per token for an FP8 ``out_proj`` in the same launch, as
+    an :class:`Fp8Activation` (exactly ``quantize_activation_ref`` of the plain output). Updates ``conv_state`` and
+    ``ssm_state`` in place.
 
     Args:
         x: ``(T, 2 * Hk * Dk + Hv * Dv)`` the conv's input [q | k | v]; z: ``(T, Hv * Dv)`` the norm's gate;
@@ -77,12 +106,14 @@ def gdn_decode_fused(
         state_slots: ``(R,)``; query_start_loc: ``(R + 1,)`` int32, every row one token or none.
         num_k_heads: ``Hk`` (this rank's); ``Hv`` and ``Dv`` come from ``ssm_state``, ``Dk`` from both.
         arrivals: :func:`arrivals_for`'s counters (needed on CUDA when ``Hv > Hk``).
+        quant: None or ``"fp8"``; row_counts: :func:`row_counters_for`'s counters (needed on CUDA with ``"fp8"``).
     """
     if not x.is_cuda:
-        return gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
-                                    ssm_state, state_slots, query_start_loc, num_k_heads)
+        out = gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
+                                   ssm_state, state_slots, query_start_loc, num_k_heads)
+        return out if quant is None else quantize_activation_ref(out)
     return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
-                                   state_slots, query_start_loc, num_k_heads, arrivals)
+                                   state_slots, query_start_loc, num_k_heads, arrivals, quant, row_counts)
 
 
 def gdn_decode_fused_ref(
@@ -143,10 +174,12 @@ def gdn_decode_fused_triton(
     query_start_loc: torch.Tensor,
     num_k_heads: int,
     arrivals: torch.Tensor | None = None,
+    quant: str | None = None,
+    row_counts: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     block_v: int | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
     value block ``BV`` (a power of two; tests take several blocks of a small head)."""
@@ -168,8 +201,9 @@ def gdn_decode_fused_triton(
     if out is None:
         out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
     assert out.shape == (t, hv * dv) and out.stride(1) == 1
+    q, qs, cnt = fp8_output(out, r, quant, row_counts)
     if r == 0 or t == 0:
-        return out
+        return as_output(out, q, qs, quant)
     arr = conv_state if arrivals is None else arrivals  # never read when Hv == Hk
     cfg = launch_config(dk, dv, kw)
     if block_v is not None:
@@ -177,16 +211,21 @@ def gdn_decode_fused_triton(
         cfg["BV"] = block_v
     _gdn_decode_fused_kernel[(r, hv)](
         x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
-        conv_state, ssm_state, state_slots, query_start_loc, arr, out,
+        conv_state, ssm_state, state_slots, query_start_loc, arr, out, q, qs, cnt,
         x.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
-        arr.stride(0), out.stride(0),
-        dk**-0.5, float(eps),
-        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg,
+        arr.stride(0), out.stride(0), q.stride(0),
+        dk**-0.5, float(eps), FP8_MAX, AMAX_EPS,
+        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=quant_block(hv * dv),
         num_warps=4,
     )  # fmt: skip
-    return out
+    return as_output(out, q, qs, quant)
+
+
+def quant_block(width: int) -> int:
+    """The block of the FP8 quantization pass over a ``width``-wide output row."""
+    return min(1024, next_pow2(width))
 
 
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
@@ -203,10 +242,15 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     for act, state, group in combos:
         sig = dict(x_ptr=f"*{act}", z_ptr=f"*{act}", b_ptr=f"*{act}", a_ptr=f"*{act}", cw_ptr=f"*{act}",
                    alog_ptr="*fp32", dtb_ptr="*fp32", nw_ptr=f"*{act}", conv_ptr=f"*{act}", state_ptr=f"*{state}",
-                   slots_ptr="*i64", qsl_ptr="*i32", arr_ptr="*i32", out_ptr=f"*{act}",
+                   slots_ptr="*i64", qsl_ptr="*i32", arr_ptr="*i32", out_ptr=f"*{act}", q_ptr="*fp8e4nv",
+                   qs_ptr="*fp32", cnt_ptr="*i32",
                    **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
-                                       "ss_s", "ss_h", "ss_k", "ss_v", "sarr_s", "so_t")},
-                   scale="fp32", eps="fp32")
-        out.append((f"gdn_decode_fused_g{group}_{act}_{state}_state", _gdn_decode_fused_kernel, sig,
-                     dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4))))
+                                       "ss_s", "ss_h", "ss_k", "ss_v", "sarr_s", "so_t", "sq_t")},
+                   scale="fp32", eps="fp32", fp8_max="fp32", amax_eps="fp32")
+        # FP8 out_proj (the seed's 27B shape: 48 value heads, Hv / Hk = 3): the output quantized in the launch
+        for quant in (False, True) if (act, state, group) == ("bf16", "fp32", 3) else (False,):
+            out.append((f"gdn_decode_fused_g{group}_{act}_{state}_state{'_fp8' if quant else ''}",
+                        _gdn_decode_fused_kernel, sig,
+                        dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4), QUANT=quant,
+                             QBLOCK=quant_block(16 * group * 128))))
     return out

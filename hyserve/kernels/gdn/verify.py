@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hyserve.kernels.commit import copy_candidate_windows, window_args
+from hyserve.kernels.fp8.reference import AMAX_EPS, FP8_MAX, Fp8Activation, quantize_activation_ref
 from hyserve.kernels.gdn.reference import STASH_NAMES, gdn_replay_ref, gdn_verify_ref
 from hyserve.utils import next_pow2
 
@@ -237,19 +238,23 @@ def gdn_verify_fused(
     conv_scratch: torch.Tensor,
     stash: dict[str, torch.Tensor],
     max_query_len: int,
-) -> torch.Tensor:
+    quant: str | None = None,
+    row_counts: torch.Tensor | None = None,
+) -> torch.Tensor | Fp8Activation:
     """The mixer's verify rows from ``in_proj``'s output to ``out_proj``'s input in one launch on CUDA; returns
-    ``(T, Hv * Dv)`` in the model dtype. The live ``conv_state`` and ``ssm_state`` are only read; the candidate
+    ``(T, Hv * Dv)`` in the model dtype (``quant="fp8"``: quantized per token for an FP8 ``out_proj`` in the same
+    launch, an :class:`Fp8Activation`). The live ``conv_state`` and ``ssm_state`` are only read; the candidate
     windows go to ``conv_scratch`` and the delta rule's inputs to ``stash``, as :func:`gdn_verify_fused_ref` (the
     unfused sequence, the op's definition and the CPU path) writes them.
 
     Arguments as :func:`hyserve.kernels.gdn.decode.gdn_decode_fused`'s, with rows of any length, and
     :func:`~hyserve.kernels.conv.causal_conv1d_verify`'s ``conv_scratch`` and :func:`gdn_verify`'s ``stash``."""
     if not x.is_cuda:
-        return gdn_verify_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
-                                    state_slots, query_start_loc, num_k_heads, conv_scratch, stash, max_query_len)
+        out = gdn_verify_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
+                                   state_slots, query_start_loc, num_k_heads, conv_scratch, stash, max_query_len)
+        return out if quant is None else quantize_activation_ref(out)
     return gdn_verify_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
-                                   state_slots, query_start_loc, num_k_heads, conv_scratch, stash)
+                                   state_slots, query_start_loc, num_k_heads, conv_scratch, stash, quant, row_counts)
 
 
 def gdn_verify_fused_ref(
@@ -304,15 +309,17 @@ def gdn_verify_fused_triton(
     num_k_heads: int,
     conv_scratch: torch.Tensor,
     stash: dict[str, torch.Tensor],
+    quant: str | None = None,
+    row_counts: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     block_v: int | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | Fp8Activation:
     """Triton :func:`gdn_verify_fused`: one program per (row, value head), no host sync, a fixed-shape launch (also
     runs under ``TRITON_INTERPRET=1``). ``out`` optionally supplies the contiguous ``(T, Hv * Dv)`` output;
     ``block_v`` overrides the value block ``BV`` (a power of two)."""
     from hyserve.kernels.gdn._triton import _gdn_verify_fused_kernel
-    from hyserve.kernels.gdn.decode import launch_config
+    from hyserve.kernels.gdn.decode import as_output, fp8_output, launch_config, quant_block
 
     t = x.shape[0]
     hk = num_k_heads
@@ -333,8 +340,9 @@ def gdn_verify_fused_triton(
     if out is None:
         out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
     assert out.shape == (t, hv * dv) and out.stride(1) == 1
+    q, qs, cnt = fp8_output(out, r, quant, row_counts)
     if r == 0 or t == 0:
-        return out
+        return as_output(out, q, qs, quant)
     cfg = launch_config(dk, dv, kw)
     if block_v is not None:
         assert block_v == next_pow2(block_v), "block_v must be a power of two"
@@ -343,17 +351,17 @@ def gdn_verify_fused_triton(
     _gdn_verify_fused_kernel[(r, hv)](
         x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
         conv_state, ssm_state, state_slots, query_start_loc, out, cs,
-        sk, sv, sg, sb,
+        sk, sv, sg, sb, q, qs, cnt,
         x.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         out.stride(0), cs.stride(0), cs.stride(1), cs.stride(2), cs.stride(3),
         sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sg.stride(0), sg.stride(1),
-        sk.shape[1], dk**-0.5, float(eps),
-        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg,
+        q.stride(0), sk.shape[1], dk**-0.5, float(eps), FP8_MAX, AMAX_EPS,
+        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=quant_block(hv * dv),
         num_warps=4,
     )  # fmt: skip
-    return out
+    return as_output(out, q, qs, quant)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -366,7 +374,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     function, argument types, constexprs)`` for a compile check without a GPU (``tests/kernels/test_verify_kernels.py``,
     ``tests/kernels/test_gdn_verify_fused.py``)."""
     from hyserve.kernels.gdn._triton import _gdn_replay_kernel, _gdn_verify_fused_kernel, _gdn_verify_kernel
-    from hyserve.kernels.gdn.decode import launch_config
+    from hyserve.kernels.gdn.decode import launch_config, quant_block
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     i32 = "i32"
@@ -390,10 +398,14 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                         dict(consts, ROWS=rows, CONV=rows, CBLOCK=256)))
         fused = dict(x_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32",
                      dtb_ptr="*fp32", nw_ptr="*bf16", conv_ptr="*bf16", state_ptr=f"*{state}", slots_ptr="*i64",
-                     qsl_ptr="*i32", out_ptr="*bf16", scr_ptr="*bf16", **stash,
+                     qsl_ptr="*i32", out_ptr="*bf16", scr_ptr="*bf16", **stash, q_ptr="*fp8e4nv", qs_ptr="*fp32",
+                     cnt_ptr="*i32",
                      **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
                                          "ss_s", "ss_h", "ss_k", "ss_v", "so_t", "scr_r", "scr_p", "scr_d", "scr_k")},
-                     **stash_strides, P=i32, scale="fp32", eps="fp32")
-        out.append((f"gdn_verify_fused_g{group}_{state}_state", _gdn_verify_fused_kernel, fused,
-                    dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4))))
+                     **stash_strides, sq_t=i32, P=i32, scale="fp32", eps="fp32", fp8_max="fp32", amax_eps="fp32")
+        # FP8 out_proj (the seed's 27B shape, Hv / Hk = 3): the output quantized in the launch
+        for quant in (False, True) if (state, group) == ("fp32", 3) else (False,):
+            out.append((f"gdn_verify_fused_g{group}_{state}_state{'_fp8' if quant else ''}", _gdn_verify_fused_kernel,
+                        fused, dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4),
+                                    QUANT=quant, QBLOCK=quant_block(16 * group * 128))))
     return out
