@@ -24,12 +24,13 @@ from hyserve.kernels.gdn import gdn_takes_chunked, gdn_verify
 from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, row_counters_for
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_replay, gdn_stash_shapes, gdn_verify_fused
 from hyserve.kernels.gemv import DeferredInput
+from hyserve.kernels.varlen import ChunkedRows
 from hyserve.layers.linear import MergedLinear, RowParallelLinear
 from hyserve.layers.norm import GatedRMSNorm
 from hyserve.layers.quantization import QuantizationConfig
 from hyserve.layers.replayed_state import ReplayedStateLayer
 from hyserve.layers.sharding import Shard, set_shard
-from hyserve.model.metadata import StepMetadata
+from hyserve.model.metadata import RowSnapshots, StepMetadata, VerifyMetadata
 
 
 def uses_fused_decode(x: torch.Tensor) -> bool:
@@ -219,51 +220,64 @@ class GatedDeltaNet(ReplayedStateLayer):
                                     vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals)
             assert isinstance(head, torch.Tensor)  # (plain: prefill rows follow)
             return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
-        qk_normed = False
         if vm is None:
-            # [q | k] and v apart, v contiguous as fla's chunked kernel reads it (a view of one output, it copied v);
-            # on the chunked path q and k come l2-normed from the same launch (an l2-norm pass less).
-            qk_normed = gdn_takes_chunked(mixed_in, meta.max_query_len)
-            qk, v = causal_conv1d_split(mixed_in, weight, self.conv_state, meta.state_slots, meta.query_start_loc,
-                                        2 * self.key_dim, meta.max_query_len,
-                                        norm_dim=self.head_k_dim if qk_normed else None)
-            q, k = torch.split(qk, [self.key_dim, self.key_dim], dim=-1)
-        else:
-            assert self.conv_scratch is not None, "verify scratch not bound"
-            if in_place:
-                parts = [causal_conv1d_varlen(mixed_in[: vm.num_tokens], weight, self.conv_state, vm.state_slots,
-                                              vm.query_start_loc, 1)]
-            else:
-                parts = [causal_conv1d_verify(mixed_in[: vm.num_tokens], weight, self.conv_state, vm.state_slots,
-                                              vm.query_start_loc, self.conv_scratch, vm.max_query_len)]
-            if vm.num_tokens < t:
-                parts.append(causal_conv1d_varlen(mixed_in[vm.num_tokens :], weight, self.conv_state,
-                                                  vm.rest_state_slots, vm.rest_query_start_loc,
-                                                  vm.rest_max_query_len))
-            mixed = torch.cat(parts) if len(parts) > 1 else parts[0]
-            q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            return self.out_proj(self.prefill_rows(mixed_in, z, b, a, meta.state_slots, meta.query_start_loc,
+                                                   meta.max_query_len, meta.query_start_loc_cpu, snaps,
+                                                   meta.chunked_rows))
+        # Off CUDA: the verify rows on the unfused kernels, then the rows after them (chunked prefill).
+        tv = vm.num_tokens
+        head = self.verify_rows(mixed_in[:tv], z[:tv], b[:tv], a[:tv], vm, in_place)
+        if tv == t:
+            return self.out_proj(head)
+        return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
+
+    def prefill_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     slots: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                     query_start_loc_cpu: torch.Tensor | None, snaps: RowSnapshots | None,
+                     chunked_rows: ChunkedRows | None) -> torch.Tensor:
+        """Rows of any length advancing their slots in place (prefill, chunks, decode off the fused path): the conv
+        with [q | k] and v apart (v contiguous, as fla's chunked kernel reads it; on the chunked path q and k come
+        l2-normed from the same launch), the gates, the delta rule (with the snapshots inside rows), the gated norm;
+        out_proj's input."""
+        assert self.conv_state is not None and self.ssm_state is not None
+        n = mixed_in.shape[0]
+        qk_normed = gdn_takes_chunked(mixed_in, max_query_len)
+        qk, v = causal_conv1d_split(mixed_in, self.conv1d.weight.squeeze(1), self.conv_state, slots,
+                                    query_start_loc, 2 * self.key_dim, max_query_len,
+                                    norm_dim=self.head_k_dim if qk_normed else None)
+        q, k = torch.split(qk, [self.key_dim, self.key_dim], dim=-1)
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        out = gdn_forward(q.reshape(n, self.num_k_heads, self.head_k_dim),
+                          k.reshape(n, self.num_k_heads, self.head_k_dim),
+                          v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state, slots,
+                          query_start_loc, max_query_len, query_start_loc_cpu, snaps, chunked_rows, qk_normed)
+        return self.gated_norm(out, z)
+
+    def verify_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    vm: VerifyMetadata, in_place: bool) -> torch.Tensor:
+        """A step's verify rows on the unfused kernels (the CPU path): one-token rows (speculation length 0)
+        advance their slots in place; rows of drafts write their candidate conv windows to the scratch and the
+        delta rule's inputs to the stash, the live state only read. out_proj's input for them."""
+        assert self.conv_state is not None and self.ssm_state is not None
+        assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
+        t = mixed_in.shape[0]
+        weight = self.conv1d.weight.squeeze(1)
+        if in_place:
+            mixed = causal_conv1d_varlen(mixed_in, weight, self.conv_state, vm.state_slots, vm.query_start_loc, 1)
+        else:
+            mixed = causal_conv1d_verify(mixed_in, weight, self.conv_state, vm.state_slots, vm.query_start_loc,
+                                         self.conv_scratch, vm.max_query_len)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        if vm is None:
-            out = gdn_forward(q, k, v, g, beta, self.ssm_state, meta.state_slots, meta.query_start_loc,
-                              meta.max_query_len, meta.query_start_loc_cpu, snaps, meta.chunked_rows, qk_normed)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        if in_place:
+            out = gdn_forward(q, k, v, g, beta, self.ssm_state, vm.state_slots, vm.query_start_loc, 1)
         else:
-            assert self.stash is not None, "verify scratch not bound"
-            tv = vm.num_tokens
-            if in_place:
-                outs = [gdn_forward(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
-                                    vm.query_start_loc, 1)]
-            else:
-                outs = [gdn_verify(q[:tv], k[:tv], v[:tv], g[:tv], beta[:tv], self.ssm_state, vm.state_slots,
-                                   vm.query_start_loc, self.stash, vm.max_query_len)]
-            if tv < t:
-                outs.append(gdn_forward(q[tv:], k[tv:], v[tv:], g[tv:], beta[tv:], self.ssm_state,
-                                        vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
-                                        vm.rest_query_start_loc_cpu, snaps, vm.rest_chunked_rows))
-            out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self.out_proj(self.gated_norm(out, z))
+            out = gdn_verify(q, k, v, g, beta, self.ssm_state, vm.state_slots, vm.query_start_loc, self.stash,
+                             vm.max_query_len)
+        return self.gated_norm(out, z)
 
     def gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The output norm of the delta rule's ``(T, Hv, Dv)`` output under z, as ``(T, Hv * Dv)``; z is read as
@@ -295,22 +309,11 @@ class GatedDeltaNet(ReplayedStateLayer):
 
     def rest_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                   meta: StepMetadata) -> torch.Tensor:
-        """The rows after a step's verify rows (prefill chunks) as a step of their own, on the path a prefill step
-        takes; out_proj's input for them."""
+        """The rows after a step's verify rows (prefill chunks) as a step of their own (``prefill_rows``);
+        out_proj's input for them."""
         vm = meta.verify
-        assert vm is not None and self.conv_state is not None and self.ssm_state is not None
-        tv, t = vm.num_tokens, mixed_in.shape[0]
-        rest = slice(tv, t)
-        qk_normed = gdn_takes_chunked(mixed_in, vm.rest_max_query_len)
-        qk, v = causal_conv1d_split(mixed_in[rest], self.conv1d.weight.squeeze(1), self.conv_state,
-                                    vm.rest_state_slots, vm.rest_query_start_loc, 2 * self.key_dim,
-                                    vm.rest_max_query_len, norm_dim=self.head_k_dim if qk_normed else None)
-        q, k = torch.split(qk, [self.key_dim, self.key_dim], dim=-1)
-        g, beta = gdn_gating(a[rest], b[rest], self.A_log, self.dt_bias)
-        n = t - tv
-        out = gdn_forward(q.reshape(n, self.num_k_heads, self.head_k_dim),
-                          k.reshape(n, self.num_k_heads, self.head_k_dim),
-                          v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state,
-                          vm.rest_state_slots, vm.rest_query_start_loc, vm.rest_max_query_len,
-                          vm.rest_query_start_loc_cpu, meta.row_snapshots, vm.rest_chunked_rows, qk_normed)
-        return self.gated_norm(out, z[rest])
+        assert vm is not None
+        rest = slice(vm.num_tokens, mixed_in.shape[0])
+        return self.prefill_rows(mixed_in[rest], z[rest], b[rest], a[rest], vm.rest_state_slots,
+                                 vm.rest_query_start_loc, vm.rest_max_query_len, vm.rest_query_start_loc_cpu,
+                                 meta.row_snapshots, vm.rest_chunked_rows)
