@@ -9,6 +9,7 @@ sequence of conv, gates, delta rule and gated norm."""
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -32,16 +33,19 @@ from hyserve.layers.replayed_state import ReplayedStateLayer
 from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.metadata import RowSnapshots, StepMetadata, VerifyMetadata
 
+# HYSERVE_GDN_FUSED=0: the unfused kernels on CUDA too (to measure, or to tell a fused kernel's fault apart).
+FUSED = os.environ.get("HYSERVE_GDN_FUSED", "1") != "0"
+
 
 def uses_fused_decode(x: torch.Tensor) -> bool:
     """Whether a pure decode step takes the fused kernel: on CUDA (the CPU keeps the unfused references)."""
-    return x.is_cuda
+    return x.is_cuda and FUSED
 
 
 def uses_fused_verify(x: torch.Tensor) -> bool:
     """Whether a step's verify rows of drafts take the fused kernel: on CUDA (the CPU keeps the unfused
     references)."""
-    return x.is_cuda
+    return x.is_cuda and FUSED
 
 
 class GDNConfig(Protocol):

@@ -288,8 +288,9 @@ def _interp_fp8(name: str) -> tuple[bool, str]:
 
 
 def check_fused_fp8(p: dict[str, Any], bv: int | None) -> tuple[bool, str]:
-    """``quant="fp8"`` against the plain launch, twice on the same row counters: the quantized rows exactly
-    ``quantize_per_token`` of the plain output; output, scratch and stash the plain launch's; counters back at 0."""
+    """``quant="fp8"`` against the plain launch, twice on the same row counters: the quantized rows exactly the
+    quantization of the launch's own plain output, that output, scratch and stash the plain launch's; counters back
+    at 0."""
     from hyserve.kernels.gdn.decode import row_counters_for
     from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
 
@@ -302,7 +303,7 @@ def check_fused_fp8(p: dict[str, Any], bv: int | None) -> tuple[bool, str]:
         args = {n: v for n, v in got_p.items() if n != "max_query_len"}
         out = torch.full(want.shape, float("nan"), dtype=want.dtype, device=want.device)
         act = gdn_verify_fused_triton(**args, quant="fp8", row_counts=counts, out=out, block_v=bv)
-        ok, msg = check_quantized(act, want)
+        ok, msg = check_quantized(act, out)
         same = [torch.equal(got_p["conv_scratch"].nan_to_num(7.0), plain_p["conv_scratch"].nan_to_num(7.0)),
                 *(torch.equal(got_p["stash"][n].nan_to_num(7.0), plain_p["stash"][n].nan_to_num(7.0))
                   for n in STASH_NAMES), *(torch.equal(got_p[n], p[n]) for n in POOLS)]

@@ -641,10 +641,10 @@ def _interp_fp8_quant(dtype: torch.dtype, mode: str) -> tuple[bool, str]:
         (q, s), (qr, sr) = fp8.quantize_rows(x), fp8.quantize_per_token(x)
     elif mode == "group":
         (q, s), (qr, sr) = fp8.quantize_rows(x, group=128), fp8.quantize_per_token_group(x, 128)
-    elif mode == "group_token_major":  # cuBLASLt's layout: tokens fastest, each group's column padded to 8 rows
+    elif mode == "group_token_major":  # torch._scaled_mm's 1x128 layout: tokens fastest, columns M apart
         (q, s) = fp8.quantize_rows(x, group=128, token_major_scales=True)
         qr, sr = fp8.quantize_per_token_group(x, 128)
-        if s.stride() != (1, 8) or s.shape != sr.shape:
+        if s.stride() != (1, 6) or s.shape != sr.shape:
             return False, f"scales {tuple(s.shape)} strides {s.stride()}"
     else:
         static = torch.tensor([0.5])

@@ -531,7 +531,11 @@ def test_scaled_norms_match_the_cpu_reference_without_sync(dtype: torch.dtype, t
         close(f"scaled {d}", got, scaled_rms_norm_ref(x, w, 1e-5), NORM_TOLS[dtype])
         for tag, (r, o), s in (("multiplied", (res, out), 1.6), ("plain", (res1, out1), 1.0)):
             want_res, want_out = add_scaled_rms_norm_ref(x, delta, w, 1e-5, s)
-            assert r.dtype == want_res.dtype and torch.equal(r.cpu(), want_res), f"add {tag} {d}: residual differs"
+            assert r.dtype == want_res.dtype, f"add {tag} {d}: residual dtype"
+            if dtype == F32 and s != 1.0:  # the compiler fuses x + d * s into one rounding (torch rounds twice)
+                torch.testing.assert_close(r.cpu(), want_res, rtol=2.4e-7, atol=0.0)
+            else:
+                assert torch.equal(r.cpu(), want_res), f"add {tag} {d}: residual differs"
             close(f"add {tag} {d} norm", o, want_out, NORM_TOLS[dtype])
 
 

@@ -582,7 +582,7 @@ def test_cuda_scaled_mm_matches_the_reference(monkeypatch: pytest.MonkeyPatch, b
 @pytest.mark.parametrize("m", [1, 33, 300, 2049])
 def test_cuda_blockwise_scaled_mm_matches_the_reference(m: int) -> None:
     """cuBLASLt's block-scaled GEMM (``HYSERVE_FP8_GEMM=scaled_mm`` with 128x128 weights), called directly so that
-    no shape falls back to the Triton kernel: token counts not multiples of 4 (the scales' padded columns), K of
+    no shape falls back to the Triton kernel: token counts not multiples of 4 (the scales' columns M apart), K of
     several groups of four blocks, N not a multiple of 128 (a partial last weight block); and one shape it refuses."""
     gen = torch.Generator().manual_seed(m)
     k, n = 1024, 704
@@ -659,9 +659,13 @@ def test_cuda_layers_match_the_cpu_reference(fp8_ckpts: Checkpoints, case: str) 
     gpu = load_engine_model(HyModel, path, "cuda", torch.bfloat16)
     cpu = _load(path)
     gen = torch.Generator().manual_seed(2)
-    pairs = [(c, g) for c, g in zip(cpu.modules(), gpu.modules(), strict=True)
+    named = [(n, c, g) for (n, c), g in zip(cpu.named_modules(), gpu.modules(), strict=True)
              if isinstance(c, LinearBase) and c.method.quantized]
-    assert len(pairs) >= 16  # the tiny model's quantized projections (those the quantizer did not leave in bf16)
+    pairs = [(c, g) for _, c, g in named]
+    # The tiny model's quantized projections (those the quantizer did not leave in bf16): every kind, merged or not
+    # (the merged projections' GEMMs are named by their index), 15 to 21 of them with the four schemes.
+    kinds = {n.rsplit(".", 1)[-1] for n, _, _ in named}
+    assert {"o_proj", "out_proj", "down_proj", "0"} <= kinds and len(pairs) >= 15, (kinds, len(pairs))
     with torch.no_grad():
         for c, g in pairs:
             x = torch.randn(9, c.in_features, generator=gen).bfloat16()

@@ -39,7 +39,9 @@ from hyserve.worker.spec_decode.verifier import Verifier
 from hyserve.worker.state_ops import StateOps
 
 LOGPROBS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1)  # never behind
-SPEC = {"method": "mtp", "num_speculative_tokens": K}
+# A fixed speculation length (CUDA's default, adaptive k, would choose lengths from measured times, and the
+# drafts of two runs would differ); the lengths changing from step to step: test_adaptive_k_behind.py.
+SPEC = {"method": "mtp", "num_speculative_tokens": K, "adaptive": False}
 
 
 def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, SamplingParams],

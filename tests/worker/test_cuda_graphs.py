@@ -14,6 +14,7 @@ from hyserve import SamplingParams
 from hyserve.cli import build_parser
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.scenarios import K_SCHEDULE
 from hyserve.worker import cuda_graphs
 from hyserve.worker.cuda_graphs import DEFAULT_CAPTURE_SIZES, capture_sizes
 
@@ -314,20 +315,29 @@ def test_cli_graph_flags() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("spec", [None, "ngram", "mtp"])
+@pytest.mark.parametrize("spec", [None, "ngram", "mtp", "mtp-k-schedule"])
 def test_cuda_graphs_match_eager_on_gpu(ckpts: CheckpointCache, spec: str | None) -> None:
+    """Graphs against eager on the card (float32). The speculation length is fixed (CUDA's default, adaptive k,
+    chooses from measured step times, so two engines would verify different lengths), or, ``mtp-k-schedule``, both
+    engines follow one scripted schedule of lengths (every shorter length's graphs replayed)."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    schedule = spec == "mtp-k-schedule"
+    spec = "mtp" if schedule else spec
     ref = ckpts.reference(path)
     prompts = random_prompts(7, [9, 30, 3, 17, 25, 5, 12], seed=81)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     kw: dict[str, object] = dict(device="cuda", max_num_batched_tokens=32, max_num_seqs=6, num_state_slots=6,
                                  num_kv_blocks=128)
     if spec is not None:
-        kw["speculative_config"] = {"method": spec, "num_speculative_tokens": 3, "prompt_lookup_max": 2} \
-            if spec == "ngram" else {"method": spec, "num_speculative_tokens": 3}
+        kw["speculative_config"] = {"method": spec, "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                    "adaptive": False} \
+            if spec == "ngram" else {"method": spec, "num_speculative_tokens": 3, "adaptive": schedule}
     eager = make_llm(path, enforce_eager=True, **kw)
     # MTP under async scheduling: verify rows behind rows in flight replay the draft_fill, behind and accept graphs.
     graphed = make_llm(path, async_scheduling=spec == "mtp", **kw)
+    if schedule:
+        for llm in (eager, graphed):
+            llm.llm_engine.drafts.policy.script(K_SCHEDULE)
     graphs = graphed.llm_engine.runner.graphs
     assert graphs is not None and all(s.graphs for s in graphs.sets.values()), "nothing was captured"
     arrivals = {3 * i: [(f"r{i}", p, params)] for i, p in enumerate(prompts)}
@@ -343,7 +353,11 @@ def test_cuda_graphs_match_eager_on_gpu(ckpts: CheckpointCache, spec: str | None
         behind = drive(graphed.llm_engine, {3 * i: [(f"b{i}", p, plain)] for i, p in enumerate(prompts)})
         for i in range(len(prompts)):
             assert behind[f"b{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
-    assert all(s.num_replays > 0 for s in graphs.sets.values()), {n: s.num_replays for n, s in graphs.sets.items()}
+    replays = {n: s.num_replays for n, s in graphs.sets.items()}
+    if schedule:  # the lengths the schedule takes: the verify graphs of each
+        assert all(n for name, n in replays.items() if name.startswith("verify")), replays
+    else:
+        assert all(replays.values()), replays
     for i, p in enumerate(prompts):
         assert got[f"r{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
         assert_matches_reference(ref, p, got[f"r{i}"])

@@ -49,8 +49,8 @@ def run(path: str, device_drafts: bool, async_scheduling: bool, device: str = "c
         behind: bool = False) -> dict[str, Any]:
     """``behind``: verify rows may go behind their request's row in flight (async scheduling); off, both transports
     schedule the same steps, which the step-for-step comparison needs (test_async_verify.py has them on)."""
-    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K}, block_size=16,
-                   num_kv_blocks=14, max_model_len=192, max_num_batched_tokens=32, max_num_seqs=4,
+    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K, "adaptive": False},
+                   block_size=16, num_kv_blocks=14, max_model_len=192, max_num_batched_tokens=32, max_num_seqs=4,
                    enable_prefix_caching=True, recurrent_snapshot_interval=16, num_snapshot_slots=64,
                    async_scheduling=async_scheduling, device=device)
     eng = llm.llm_engine

@@ -96,8 +96,9 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch
     """``(q, scale)`` of a contiguous ``(M, K)`` CUDA activation in one Triton launch: per token (``(M, 1)``
     scales), per token and ``group`` (``(M, ceil(K / group))``), or with the one ``static_scale`` (returned as
     given). The arithmetic of :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8`.
-    ``token_major_scales`` (groups): the ``(M, G)`` scales laid out token-fastest, each group's column of M padded
-    to a multiple of 4 (strides ``(1, M_pad)``), as cuBLASLt's 1x128 block scaling reads them."""
+    ``token_major_scales`` (groups): the ``(M, G)`` scales laid out token-fastest (strides ``(1, M)``), as
+    ``torch._scaled_mm``'s 1x128 block scaling takes them (its check wants the stride M exactly: a column padded
+    to a multiple of 4 was refused on the card for M = 1, 33, 2049)."""
     from hyserve.kernels.fp8._triton import _quant_rows_kernel
 
     m, k = x.shape
@@ -108,7 +109,7 @@ def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch
     elif group is not None:
         groups = -(-k // group)
         if token_major_scales:
-            scale = torch.empty(groups, -(-m // 4) * 4, dtype=torch.float32, device=x.device)[:, :m].t()
+            scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
         else:
             scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
         grid, g, block, rows = (-(-m // _QUANT_GROUP_ROWS), groups), group, next_pow2(group), _QUANT_GROUP_ROWS
