@@ -261,12 +261,16 @@ def test_cuda_producers_write_the_unfused_bits() -> None:
         w = (torch.randn(5120, generator=gen) * 0.2).to(BF16).cuda()
         y = _rows(t, 2 * 17408, BF16, gen).cuda()
         gate, up = y.split(17408, dim=-1)
-        for act, plain in ((rms_norm(x, w, EPS, "fp8"), rms_norm(x, w, EPS)),
-                           (add_rms_norm(x, delta, w, EPS, "fp8")[1], add_rms_norm(x, delta, w, EPS)[1]),
-                           (silu_mul(gate, up, "fp8"), silu_mul(gate, up))):
+        for name, act, kept, plain in (
+                ("rms_norm", rms_norm(x, w, EPS, "fp8"), rms_norm(x, w, EPS, "fp8+plain"), rms_norm(x, w, EPS)),
+                ("add_rms_norm", add_rms_norm(x, delta, w, EPS, "fp8")[1],
+                 add_rms_norm(x, delta, w, EPS, "fp8+plain")[1], add_rms_norm(x, delta, w, EPS)[1]),
+                ("silu_mul", silu_mul(gate, up, "fp8"), silu_mul(gate, up, "fp8+plain"), silu_mul(gate, up))):
             ok, msg = _same(act.__class__(act.q.cpu(), act.scale.cpu(), act.dtype),
                             *(v.cpu() for v in quantize_rows(plain.contiguous())))
-            assert ok, f"T={t}: {msg}"
+            # (where they differ: does the producer's own rounding of its output differ from its plain kernel's?)
+            n_plain = int((kept.plain.reshape(plain.shape) != plain).sum())
+            assert ok, f"T={t} {name}: {msg}; its kept plain output differs from the plain kernel's in {n_plain}"
 
 
 if __name__ == "__main__":
