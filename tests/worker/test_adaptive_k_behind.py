@@ -254,3 +254,65 @@ def _check_start_behind(ckpts: CheckpointCache, sabotaged: bool) -> None:
         assert int(d["seq_lens"][r]) == start + n
         assert int(d["verify_starts"][r]) == start
     assert d["positions"][8:12].tolist() == [-7] * 4  # past the last row: untouched
+
+
+def random_schedule_run(path: str, seed: int, device: str) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Seven staggered requests (prompts of 3 to 30 tokens, chunks of 32 tokens, six at most at once), real MTP
+    drafts with async scheduling and graphs, the speculation length scripted from a random schedule of 37 steps;
+    then the same prompts again (hits on the prefix cache, its snapshots taken inside prefill rows or from
+    verified candidates). Returns the two passes' outputs against plain decoding's."""
+    import random
+
+    from hyserve import SamplingParams
+    from hyserve.testing.engine import random_prompts
+
+    prompts = random_prompts(7, [9, 30, 3, 17, 25, 5, 12], seed=81)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw: dict[str, Any] = dict(device=device, max_num_batched_tokens=32, max_num_seqs=6, num_state_slots=6,
+                              num_kv_blocks=128)
+    plain = drive(make_llm(path, **kw).llm_engine, {3 * i: [(f"r{i}", p, params)] for i, p in enumerate(prompts)})
+    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": K, "adaptive": True},
+                   async_scheduling=True, **kw)
+    assert llm.llm_engine.drafts is not None and llm.llm_engine.runner.graphs is not None
+    rng = random.Random(seed)
+    llm.llm_engine.drafts.policy.script([rng.randrange(K + 1) for _ in range(37)])
+    got = {}
+    for tag in ("r", "b"):
+        out = drive(llm.llm_engine, {3 * i: [(f"{tag}{i}", p, params)] for i, p in enumerate(prompts)})
+        got.update({rid: list(o.outputs[0].token_ids) for rid, o in out.items()})
+    llm.llm_engine.assert_no_leaks()
+    want = {f"{tag}{i}": list(plain[f"r{i}"].outputs[0].token_ids) for tag in ("r", "b") for i in range(7)}
+    return got, want
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_schedules_emit_plain_decoding_through_the_prefix_cache(ckpts: CheckpointCache,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      seed: int) -> None:
+    """The speculation length changing at random from step to step (as adaptive k changes it on the card, from
+    measured step times) with the real MTP head's drafts, emulated graphs, async scheduling, chunked prefill and a
+    second pass on the prefix cache: every request emits what plain decoding does."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    got, want = random_schedule_run(ckpts.get("conditional", "gdn3_attn1", with_mtp=True), seed, "cpu")
+    assert got == want
+
+
+@CUDA
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_schedules_emit_plain_decoding_on_cuda(ckpts: CheckpointCache, seed: int) -> None:
+    """The same on the card (float32, the graphs of every length captured and replayed)."""
+    got, want = random_schedule_run(ckpts.get("conditional", "gdn3_attn1", with_mtp=True), seed, "cuda")
+    assert got == want
+
+
+def test_random_schedules_catch_an_accept_graph_reading_the_layout_of_k(ckpts: CheckpointCache,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the accept graph of a shorter length reads the layout of k; the random schedules' outputs (or the
+    engine's own checks) catch it."""
+    monkeypatch.setattr(cuda_graphs, "EMULATE", True)
+    accept_of_k(monkeypatch)
+    try:
+        got, want = random_schedule_run(ckpts.get("conditional", "gdn3_attn1", with_mtp=True), 0, "cpu")
+    except (AssertionError, RuntimeError, IndexError):
+        return
+    assert got != want
