@@ -270,7 +270,15 @@ def test_cuda_producers_write_the_unfused_bits() -> None:
                             *(v.cpu() for v in quantize_rows(plain.contiguous())))
             # (where they differ: does the producer's own rounding of its output differ from its plain kernel's?)
             n_plain = int((kept.plain.reshape(plain.shape) != plain).sum())
-            assert ok, f"T={t} {name}: {msg}; its kept plain output differs from the plain kernel's in {n_plain}"
+            where = ""
+            if not ok:
+                qr = quantize_rows(plain.contiguous())[0]
+                bad = (act.q.view(torch.uint8) != qr.view(torch.uint8)).nonzero()[:2].tolist()
+                where = "; at " + ", ".join(f"{tuple(i)}: {float(act.q[i[0], i[1]])} vs {float(qr[i[0], i[1]])} "
+                                            f"(plain {float(plain.reshape(act.q.shape)[i[0], i[1]])}, scale "
+                                            f"{float(act.scale[i[0]])})" for i in bad)
+            assert ok, (f"T={t} {name}: {msg}; its kept plain output differs from the plain kernel's in {n_plain}"
+                        f"{where}")
 
 
 if __name__ == "__main__":
