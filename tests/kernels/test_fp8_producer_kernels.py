@@ -274,9 +274,9 @@ def test_cuda_producers_write_the_unfused_bits() -> None:
             if not ok:
                 qr = quantize_rows(plain.contiguous())[0]
                 bad = (act.q.view(torch.uint8) != qr.view(torch.uint8)).nonzero()[:2].tolist()
-                where = "; at " + ", ".join(f"{tuple(i)}: {float(act.q[i[0], i[1]].float())} vs {float(qr[i[0], i[1]].float())} "
-                                            f"(plain {float(plain.reshape(act.q.shape)[i[0], i[1]])}, scale "
-                                            f"{float(act.scale[i[0]])})" for i in bad)
+                where = "; at " + ", ".join(
+                    f"{tuple(i)}: {float(act.q[i[0], i[1]].float())} vs {float(qr[i[0], i[1]].float())} (plain "
+                    f"{float(plain.reshape(act.q.shape)[i[0], i[1]])}, scale {float(act.scale[i[0]])})" for i in bad)
             assert ok, (f"T={t} {name}: {msg}; its kept plain output differs from the plain kernel's in {n_plain}"
                         f"{where}")
 
