@@ -87,7 +87,8 @@ class InputBatch:
             "logits_indices": ((t,), torch.long), "rest_query_start_loc": ((r + 1,), torch.int32),
             "num_accepted": ((r,), torch.long), "prev_at": ((r,), torch.long), "prev_src": ((r,), torch.long),
             "verify_starts": ((r,), torch.long),  # each verify row's start (behind rows': set on the device)
-            "snap": ((r, 3), torch.long),  # the snapshot graph's (verify row, candidate position, entry) triples
+            # the snapshot graph's inputs: verify rows, candidate positions, entries (one row each: contiguous)
+            "snap": ((3, r), torch.long),
             "behind": ((r,), torch.long),  # 1: the verify row's start is on the device (the behind graph's input)
             "draft_count": ((r,), torch.long),  # the accept graph's input: each verify row's number of drafts
         }

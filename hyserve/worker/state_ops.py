@@ -164,16 +164,18 @@ class StateOps:
         size = graphs.padded_size(n) if graphs is not None else None
         pad = self.state_pool.pad_slot
         device = self.batch.device
-        # (row, position, entry) per candidate, one copy; pads (with a graph) copy row 0's candidate into the pad
+        # Rows, positions and entries of the candidates, one copy, each a contiguous row of ``snap`` (the replay
+        # kernels read their index vectors at unit stride); pads (with a graph) copy row 0's candidate into the pad
         # slot. A row behind's position is set on the device below.
-        flat = [x for c in zip(rows, positions, entries, strict=True) for x in c]
-        flat += [x for c in zip(behind_rows, [0] * len(behind_rows), behind_entries, strict=True) for x in c]
-        flat += [0, 0, pad] * ((size or n) - n)
-        snap = device_tensor(flat, device, torch.long).view(-1, 3)
+        m = size or n
+        pads = m - n
+        flat = [*rows, *behind_rows, *[0] * pads, *positions, *[0] * len(behind_rows), *[0] * pads,
+                *entries, *behind_entries, *[pad] * pads]
+        snap = device_tensor(flat, device, torch.long).view(3, m)
         if size is not None:
-            self.batch.dev_bufs["snap"][:size].copy_(snap)
-            snap = self.batch.dev_bufs["snap"][:size]
-        r, p, e = snap[:n].unbind(1)
+            self.batch.dev_bufs["snap"][:, :size].copy_(snap)
+            snap = self.batch.dev_bufs["snap"][:, :size]
+        r, p, e = snap[:, :n].unbind(0)
         if behind_rows:
             assert accepted is not None
             b = r[len(rows) :]
@@ -201,12 +203,12 @@ class StateOps:
 
     def _snapshot_pads(self, size: int) -> None:
         """The snapshot graph's inputs as pads only (capture): row 0's candidate 0 into the pad slot."""
-        self.batch.dev_bufs["snap"][:size].copy_(torch.tensor([0, 0, self.state_pool.pad_slot]))
+        self.batch.dev_bufs["snap"][:, :size].copy_(torch.tensor([[0], [0], [self.state_pool.pad_slot]]))
 
     def _graph_snapshot(self, size: int) -> tuple[torch.Tensor, ...]:
         """``snapshot`` graph: every recurrent layer's candidate snapshots of ``size`` (row, position, entry)
         triples from the persistent ``snap`` buffer (pads: into the pad slot)."""
-        r, p, e = self.batch.dev_bufs["snap"][:size].unbind(1)
+        r, p, e = self.batch.dev_bufs["snap"][:, :size].unbind(0)
         slots = self.batch.dev_bufs["state_slots"]
         for layer in self.model.recurrent_layers():
             layer.snapshot_candidates(r, p, e, slots)

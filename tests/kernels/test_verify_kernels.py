@@ -595,3 +595,24 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
         results = run_interpreter_checks()
         print_results(results)
+
+
+def test_replays_refuse_strided_index_vectors() -> None:
+    """The replay kernels read entry i's row, slots and count at ``ptr + i``: a column of an ``(N, 3)`` buffer (as
+    the snapshot graph's triples were laid out) names other slots on the card. Both replays refuse such views on
+    every device (the CPU path holds callers to the CUDA path's contract) and take the same indices contiguous."""
+    from hyserve.kernels.gdn.verify import gdn_replay
+    from hyserve.kernels.mamba2.verify import mamba2_replay, mamba2_stash_shapes
+
+    triples = torch.tensor([[0, 1, 5], [1, 0, 6]])  # (row, count, entry) per candidate
+    rows, counts, dst = triples.unbind(1)  # stride 3
+    src = torch.tensor([2, 3])
+    gdn_stash = {n: torch.zeros(2, 2, *shape) for n, shape in gdn_stash_shapes(1, 4, 2, 4).items()}
+    gdn_pool = torch.zeros(8, 2, 4, 4)
+    m_pool = torch.zeros(8, 2, 4, 3)
+    m_stash = {n: torch.zeros(2, 2, *shape) for n, shape in mamba2_stash_shapes(2, 4, 1, 3).items()}
+    for call in (lambda r, c, d: gdn_replay(gdn_pool, gdn_stash, r, src, d, c),
+                 lambda r, c, d: mamba2_replay(m_pool, torch.zeros(2), m_stash, r, src, d, c)):
+        with pytest.raises(AssertionError, match="contiguous"):
+            call(rows, counts, dst)
+        call(rows.contiguous(), counts.contiguous(), dst.contiguous())

@@ -87,7 +87,7 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
         snapshots_one_early(monkeypatch)
     elif kind == "snapshot-graph":  # the snapshot graph reads each candidate's position one early
         def early(self: StateOps, size: int) -> tuple[torch.Tensor, ...]:
-            r, p, e = self.batch.dev_bufs["snap"][:size].unbind(1)
+            r, p, e = self.batch.dev_bufs["snap"][:, :size].unbind(0)
             for layer in self.model.recurrent_layers():
                 layer.snapshot_candidates(r, (p - 1).clamp(min=0), e, self.batch.dev_bufs["state_slots"])
             return ()

@@ -19,8 +19,8 @@ import torch
 
 from hyserve.kernels.commit.reference import commit_verified_ref
 
-__all__ = ["commit_verified", "commit_verified_ref", "commit_verified_triton", "copy_candidate_windows",
-           "window_args"]
+__all__ = ["check_index_vectors", "commit_verified", "commit_verified_ref", "commit_verified_triton",
+           "copy_candidate_windows", "window_args"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,6 +97,16 @@ def copy_candidate_windows(conv: tuple[torch.Tensor, torch.Tensor], rows: torch.
     ``conv_state[dst_slots[i]]``."""
     pool, scratch = conv
     commit_verified_ref([pool], [scratch if rows is None else scratch.index_select(0, rows)], dst_slots, counts)
+
+
+def check_index_vectors(*vectors: torch.Tensor | None) -> None:
+    """A replay's index vectors (rows, source and destination slots, counts) must be 1-D at unit stride: its kernels
+    read entry ``i`` at ``ptr + i``, so a strided view (a column of a ``(N, 3)`` buffer) would name other slots.
+    Checked on every device, so that the CPU path holds callers to what the CUDA path needs."""
+    for v in vectors:
+        if v is not None:
+            assert v.dim() == 1 and (v.shape[0] <= 1 or v.stride(0) == 1), \
+                f"index vectors must be 1-D and contiguous (shape {tuple(v.shape)}, stride {v.stride()})"
 
 
 def window_args(conv: tuple[torch.Tensor, torch.Tensor] | None,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hyserve.kernels.commit import copy_candidate_windows, window_args
+from hyserve.kernels.commit import check_index_vectors, copy_candidate_windows, window_args
 from hyserve.kernels.fp8.reference import AMAX_EPS, FP8_MAX, Fp8Activation, quantize_activation_ref
 from hyserve.kernels.gdn.reference import STASH_NAMES, gdn_replay_ref, gdn_verify_ref
 from hyserve.utils import next_pow2
@@ -177,6 +177,7 @@ def gdn_replay(
     """
     assert src_slots.shape == dst_slots.shape == counts.shape and counts.dim() == 1
     assert rows is None or rows.shape == counts.shape
+    check_index_vectors(rows, src_slots, dst_slots, counts)
     if ssm_state.is_cuda:
         gdn_replay_triton(ssm_state, stash, rows, src_slots, dst_slots, counts, conv)
         return
@@ -199,6 +200,7 @@ def gdn_replay_triton(
     scratch's entries must each be contiguous."""
     from hyserve.kernels.gdn._triton import _gdn_replay_kernel
 
+    check_index_vectors(rows, src_slots, dst_slots, counts)
     N = counts.shape[0]
     _, Hv, Dk, Dv = ssm_state.shape
     sk, sv, sg, sb = (stash[n] for n in STASH_NAMES)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from hyserve.kernels.commit import copy_candidate_windows, window_args
+from hyserve.kernels.commit import check_index_vectors, copy_candidate_windows, window_args
 from hyserve.kernels.mamba2.reference import MAMBA2_STASH_NAMES, mamba2_replay_ref, mamba2_verify_ref
 from hyserve.utils import next_pow2
 
@@ -154,6 +154,7 @@ def mamba2_replay(
     host on CUDA."""
     assert src_slots.shape == dst_slots.shape == counts.shape and counts.dim() == 1
     assert rows is None or rows.shape == counts.shape
+    check_index_vectors(rows, src_slots, dst_slots, counts)
     if ssm_state.is_cuda:
         mamba2_replay_triton(ssm_state, A_log, stash, rows, src_slots, dst_slots, counts, conv)
         return
@@ -176,6 +177,7 @@ def mamba2_replay_triton(
     once, the window copied in ``H`` pieces by the first block's programs (graph-capturable)."""
     from hyserve.kernels.mamba2._triton import _mamba2_replay_kernel
 
+    check_index_vectors(rows, src_slots, dst_slots, counts)
     num = counts.shape[0]
     _, h, p, n = ssm_state.shape
     sx, sb, sdt = (stash[name] for name in MAMBA2_STASH_NAMES)
