@@ -678,6 +678,62 @@ def _interp_engine() -> tuple[bool, str]:
     return ok, f"tokens same {same}, logprob diff {diff:.3g}, calls {dict(calls)}"
 
 
+def _interp_random_schedule() -> tuple[bool, str]:
+    """The scenario of ``test_adaptive_k_behind.py``'s random schedules (seven staggered requests, real MTP drafts,
+    async scheduling, emulated graphs, chunks of 32 tokens, the speculation length at random, then the same prompts
+    on the prefix cache) with every GDN decode, verify, commit and candidate snapshot on the Triton kernels: the
+    tokens of plain decoding. It caught the candidate snapshots' index vectors read at the wrong stride (the replay
+    kernel then wrote other slots); the CPU references had hidden it."""
+    import collections
+    import random
+    import tempfile
+
+    from hyserve import SamplingParams
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+    from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_verify_fused_triton
+    from hyserve.testing.engine import drive, make_llm, random_prompts
+    from hyserve.testing.families import CheckpointCache
+    from hyserve.worker import cuda_graphs
+
+    path = CheckpointCache(tempfile.mkdtemp()).get("conditional", "gdn3_attn1", with_mtp=True)
+    prompts = random_prompts(7, [9, 30, 3, 17, 25, 5, 12], seed=81)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kw: dict[str, Any] = dict(max_num_batched_tokens=32, max_num_seqs=6, num_state_slots=6, num_kv_blocks=128)
+    cuda_graphs.EMULATE = True
+    plain = drive(make_llm(path, **kw).llm_engine, {3 * i: [(f"r{i}", q, params)] for i, q in enumerate(prompts)})
+    calls: collections.Counter[str] = collections.Counter()
+
+    def counting(name: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    saved = (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,
+             gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay)
+    gdn_layer.uses_fused_decode = gdn_layer.uses_fused_verify = lambda x: True  # type: ignore[assignment]
+    gdn_layer.gdn_decode_fused = counting("decode", gdn_decode_fused_triton)  # type: ignore[assignment]
+    gdn_layer.gdn_verify_fused = counting("verify", lambda *a, **k: gdn_verify_fused_triton(*a[:-1], **k))  # type: ignore
+    gdn_layer.gdn_replay = counting("replay", gdn_replay_triton)  # type: ignore[assignment]
+    try:
+        llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
+                       async_scheduling=True, **kw)
+        assert llm.llm_engine.drafts is not None
+        rng = random.Random(0)
+        llm.llm_engine.drafts.policy.script([rng.randrange(4) for _ in range(37)])
+        parted = []
+        for tag in ("r", "b"):
+            out = drive(llm.llm_engine, {3 * i: [(f"{tag}{i}", q, params)] for i, q in enumerate(prompts)})
+            parted += [f"{tag}{i}" for i in range(7)
+                       if out[f"{tag}{i}"].outputs[0].token_ids != plain[f"r{i}"].outputs[0].token_ids]
+    finally:
+        (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,  # type: ignore
+         gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay) = saved
+        cuda_graphs.EMULATE = False
+    ok = not parted and min(calls[n] for n in ("decode", "verify", "replay")) > 0
+    return ok, f"requests parting from plain decoding {parted}, calls {dict(calls)}"
+
+
 def run_engine_check() -> dict[str, list[Any]]:
     """The engine check alone (the slow test's subprocess). Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
@@ -687,6 +743,25 @@ def run_engine_check() -> dict[str, list[Any]]:
     res: dict[str, list[Any]] = {}
     record_check(res, "engine_mtp_on_the_kernels", _interp_engine)
     return res
+
+
+def run_random_schedule_check() -> dict[str, list[Any]]:
+    """The random-schedule engine check alone (a slow test's subprocess). Needs TRITON_INTERPRET=1."""
+    from hyserve.testing.triton_interpreter import patch_triton_interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_triton_interpreter()
+    res: dict[str, list[Any]] = {}
+    record_check(res, "random_schedule_on_the_kernels", _interp_random_schedule)
+    return res
+
+
+@pytest.mark.slow  # seven requests twice with MTP under the interpreter: about four minutes
+def test_random_schedules_on_the_kernels_emit_plain_decoding_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    results = interpreter_subprocess_results(__file__, "--random-schedule-check", timeout=1200)
+    ok, msg = results["random_schedule_on_the_kernels"]
+    assert ok, msg
 
 
 @pytest.mark.slow  # the whole engine with MTP under the interpreter
@@ -702,3 +777,5 @@ if __name__ == "__main__":
         print_results(run_interpreter_checks())
     if sys.argv[1:] == ["--engine-check"]:
         print_results(run_engine_check())
+    if sys.argv[1:] == ["--random-schedule-check"]:
+        print_results(run_random_schedule_check())
