@@ -734,25 +734,14 @@ def _interp_random_schedule() -> tuple[bool, str]:
     return ok, f"requests parting from plain decoding {parted}, calls {dict(calls)}"
 
 
-def run_engine_check() -> dict[str, list[Any]]:
-    """The engine check alone (the slow test's subprocess). Needs TRITON_INTERPRET=1."""
+def run_one_check(name: str, check: Any) -> dict[str, list[Any]]:
+    """One engine check alone (a slow test's subprocess). Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_triton_interpreter()
     res: dict[str, list[Any]] = {}
-    record_check(res, "engine_mtp_on_the_kernels", _interp_engine)
-    return res
-
-
-def run_random_schedule_check() -> dict[str, list[Any]]:
-    """The random-schedule engine check alone (a slow test's subprocess). Needs TRITON_INTERPRET=1."""
-    from hyserve.testing.triton_interpreter import patch_triton_interpreter
-
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_triton_interpreter()
-    res: dict[str, list[Any]] = {}
-    record_check(res, "random_schedule_on_the_kernels", _interp_random_schedule)
+    record_check(res, name, check)
     return res
 
 
@@ -776,6 +765,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         print_results(run_interpreter_checks())
     if sys.argv[1:] == ["--engine-check"]:
-        print_results(run_engine_check())
+        print_results(run_one_check("engine_mtp_on_the_kernels", _interp_engine))
     if sys.argv[1:] == ["--random-schedule-check"]:
-        print_results(run_random_schedule_check())
+        print_results(run_one_check("random_schedule_on_the_kernels", _interp_random_schedule))
