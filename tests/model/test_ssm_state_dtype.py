@@ -20,6 +20,7 @@ from hyserve.testing.fp8 import assert_close_to_fp8_reference
 from hyserve.testing.fp8_moe import prefix_sharing_arrivals
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+TOP2 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)  # the top two: how close a call
 PROMPTS = random_prompts(4, [5, 23, 41, 70], seed=3)
 # A fixed speculation length: with CUDA's default (adaptive k, lengths chosen from measured step times) two engines
 # compared token for token would verify different lengths, and a bf16 model's roundings differ between them.
@@ -104,18 +105,33 @@ def test_cuda_a_bf16_state_under_graphs_stays_close(tiny: tuple[str, Any], model
     kw: dict[str, Any] = dict(device="cuda", dtype=model_dtype, speculative_config=MTP, max_num_batched_tokens=64)
     llm = make_llm(path, mamba_ssm_cache_dtype="bfloat16", **kw)
     assert all(s[0] == torch.bfloat16 for s in _gdn_states(llm))
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY if model_dtype == "float32" else TOP2,
+                        use_tqdm=False)
     mean_tol, max_tol, margin = TOLS["bfloat16"]
     if model_dtype == "float32":
         assert_close_to_fp8_reference(ref, list(zip(PROMPTS, outs, strict=True)), mean_tol, max_tol, margin,
                                       min_clear=8)
         return
-    base = make_llm(path, **kw).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    diffs = []
-    for a, b in zip(outs, base, strict=True):  # each request up to where the two part (same prefix before it)
+    # A bf16 model's own rounding parts tokens between any two runs that round differently (on the card, plain
+    # decoding with a float32 state parts from one with a bf16 state in 2 of these 4 prompts, graphs or eager; this
+    # tiny checkpoint in bf16 is 4 nats off the float32 reference at places, whatever the state). So the same engine
+    # with a float32 state is the yardstick: the chosen tokens' log-probs close along each common prefix, and a
+    # parting only where the float32-state run's top two were a close call.
+    base = make_llm(path, **kw).generate([{"prompt_token_ids": p} for p in PROMPTS], TOP2, use_tqdm=False)
+    assert_parts_only_at_close_calls(outs, base)
+
+
+def assert_parts_only_at_close_calls(outs: list[Any], base: list[Any], close: float = 1.5) -> None:
+    """``outs`` against ``base`` (both with ``TOP2``'s log-probs): along each request's common prefix the chosen
+    tokens' log-probs within 1.0 and on average 0.15 (the card's bf16-state runs: 0.063, 0.72 at most), at least 20
+    positions compared, and where the two part, ``base``'s top two log-probs within ``close``."""
+    diffs: list[float] = []
+    for a, b in zip(outs, base, strict=True):
+        lp_a, lp_b = a.outputs[0].logprobs, b.outputs[0].logprobs
         for i, (t, u) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids, strict=True)):
-            diffs.append(abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)  # type: ignore[index]
-                         if t == u else max_tol)
             if t != u:
+                first, second = sorted((lp.logprob for lp in lp_b[i].values()), reverse=True)[:2]
+                assert first - second <= close, f"parted at token {i} where the top two were {first - second:.2f} apart"
                 break
-    assert diffs and sum(diffs) / len(diffs) <= mean_tol and max(diffs) <= max_tol
+            diffs.append(abs(lp_a[i][t].logprob - lp_b[i][t].logprob))
+    assert len(diffs) >= 20 and sum(diffs) / len(diffs) <= 0.15 and max(diffs) <= 1.0, diffs
