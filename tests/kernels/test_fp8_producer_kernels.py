@@ -113,9 +113,11 @@ def _interp_norm(dtype: torch.dtype, d: int, add: bool, keep: bool, sabotage: st
     return all(goods) != bool(sabotage), "; ".join(msgs)
 
 
-def _interp_silu(dtype: torch.dtype, f: int, keep: bool, sabotage: str = "") -> tuple[bool, str]:
+def _interp_silu(dtype: torch.dtype, f: int, keep: bool, sabotage: str = "",
+                 launch: tuple[int, int] | None = None) -> tuple[bool, str]:
     """The SwiGLU quantizing, on gate/up views of one (T, 2F) projection output, against the unfused kernel +
-    quantize_per_token. ``sabotage="first_pass"``: the expected amax over the first 2048 columns only."""
+    quantize_per_token. ``sabotage="first_pass"``: the expected amax over the first 2048 columns only. ``launch``:
+    the quantizing pass's ``(BLOCK_F, num_warps)`` (the benchmark's sweep) instead of the default."""
     from hyserve.kernels.norm import silu_mul_triton
 
     gen = torch.Generator().manual_seed(f)
@@ -126,7 +128,7 @@ def _interp_silu(dtype: torch.dtype, f: int, keep: bool, sabotage: str = "") -> 
             y[:, f - 5] = 9.0  # each token's largest product sits in the second pass (the gate's column f - 5)
             y[:, 2 * f - 5] = 9.0
         gate, up = y.split(f, dim=-1)
-        act = silu_mul_triton(gate, up, "fp8+plain" if keep else "fp8")
+        act = silu_mul_triton(gate, up, "fp8+plain" if keep else "fp8", launch=launch)
         plain = silu_mul_triton(gate, up)
         assert isinstance(plain, torch.Tensor)
         if sabotage == "first_pass" and t:
@@ -193,6 +195,8 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         for f in (37, 3000):
             record_check(res, f"silu_{f}_{n}", lambda dt=dt, f=f: _interp_silu(dt, f, keep=False))
         record_check(res, f"silu_keep_{n}", lambda dt=dt: _interp_silu(dt, 3000, keep=True))
+        record_check(res, f"silu_3000_block256_{n}", lambda dt=dt: _interp_silu(dt, 3000, keep=False,
+                                                                                 launch=(256, 2)))
         record_check(res, f"sigmoid_gate_{n}", lambda dt=dt: _interp_sigmoid(dt, None))
         record_check(res, f"sigmoid_gate_fp8_{n}", lambda dt=dt: _interp_sigmoid(dt, "fp8"))
     record_check(res, "scale_before_rounding_caught",
@@ -210,6 +214,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 INTERP_CHECKS = [
     *[f"{k}_{d}_{n}" for n in DTYPES for d in WIDTHS for k in ("norm", "add_norm")],
     *[f"{k}_{n}" for n in DTYPES for k in ("norm_keep", "add_norm_keep", "silu_37", "silu_3000", "silu_keep",
+                                        "silu_3000_block256",
                                           "sigmoid_gate", "sigmoid_gate_fp8")],
     "sigmoid_gate_heads_contiguous_caught", "scale_before_rounding_caught", "one_scale_for_the_batch_caught",
     "norm_without_the_add_caught", "silu_first_pass_amax_caught",

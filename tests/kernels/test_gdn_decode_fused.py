@@ -284,12 +284,13 @@ def check_quantized(act: Any, plain: torch.Tensor) -> tuple[bool, str]:
     return nq == 0 and ns == 0, f"{nq} fp8 values and {ns} scales differ"
 
 
-def check_fused_fp8(p: dict[str, Any], block_v: int | None, launches: int = 2) -> tuple[bool, str]:
+def check_fused_fp8(p: dict[str, Any], block_v: int | None, launches: int = 2,
+                    qblock: int | None = None) -> tuple[bool, str]:
     """``quant="fp8"`` against the plain launch, ``launches`` times in turn on the same row counters (the pools
     advancing): the FP8 values and scales exactly the quantization of the launch's own plain output (every row, pad
     rows too: on the card the pad rows race on their shared slot, so their outputs differ from launch to launch),
     that output (NaN-poisoned buffer) and the pools at the rows' slots bit for bit the plain launch's, the counters
-    back at 0."""
+    back at 0. ``qblock``: the quantization pass's block (the benchmark's sweep) instead of the default."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton, row_counters_for
 
     hk, hv = p["num_k_heads"], p["ssm_state"].shape[1]
@@ -303,7 +304,7 @@ def check_fused_fp8(p: dict[str, Any], block_v: int | None, launches: int = 2) -
         assert isinstance(want, torch.Tensor)
         out = torch.full(want.shape, float("nan"), dtype=want.dtype, device=want.device)
         act = gdn_decode_fused_triton(**fp8_p, arrivals=arr_fp8, quant="fp8", row_counts=counts, out=out,
-                                      block_v=block_v)
+                                      block_v=block_v, qblock=qblock)
         ok, msg = check_quantized(act, out)
         goods += [ok, bool(out.isfinite().all()), bool(torch.equal(out[toks], want[toks])), not bool(counts.any())]
         goods += [bool(torch.equal(fp8_p[n][slots], plain_p[n][slots])) for n in STATE_KEYS]
@@ -311,9 +312,9 @@ def check_fused_fp8(p: dict[str, Any], block_v: int | None, launches: int = 2) -
     return all(goods), f"{'; '.join(msgs)}; all {goods}"
 
 
-def _interp_fp8(name: str) -> tuple[bool, str]:
+def _interp_fp8(name: str, qblock: int | None = None) -> tuple[bool, str]:
     p, bv = _case(name, 14, pad_rows=2)
-    return check_fused_fp8(p, bv)
+    return check_fused_fp8(p, bv, qblock=qblock)
 
 
 # Mutations of the quantizing tail (``_quantize_when_last``, shared with the fused verify), each caught by bf16_g2.
@@ -554,6 +555,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         record_check(res, f"{what}_caught", lambda w=what: _interp_sabotage(w))
     for name in FP8_CASES:
         record_check(res, f"fp8_{name}", lambda n=name: _interp_fp8(n))
+    record_check(res, "fp8_bf16_g2_qblock32", lambda: _interp_fp8("bf16_g2", qblock=32))  # several passes a row
     for what in FP8_SABOTAGES:
         record_check(res, f"fp8_{what}_caught", lambda w=what: _interp_fp8_sabotage(w))
     record_check(res, "layer_hands_out_proj_fp8", _interp_layer_fp8)
@@ -567,7 +569,8 @@ INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
     *[f"{what}_caught" for what in SABOTAGES],
-    *[f"fp8_{name}" for name in FP8_CASES], *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
+    *[f"fp8_{name}" for name in FP8_CASES], "fp8_bf16_g2_qblock32",
+    *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
     "layer_hands_out_proj_fp8",
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]

@@ -639,6 +639,8 @@ def _interp_fp8_quant(dtype: torch.dtype, mode: str) -> tuple[bool, str]:
     x[3, 7] = 900.0  # beyond e4m3's range once scaled by a static scale
     if mode == "token":
         (q, s), (qr, sr) = fp8.quantize_rows(x), fp8.quantize_per_token(x)
+    elif mode == "token_block256":  # nine 256-column passes a row, two warps (a choice the benchmark sweeps)
+        (q, s), (qr, sr) = fp8.quantize_rows(x, launch=(256, 2)), fp8.quantize_per_token(x)
     elif mode == "group":
         (q, s), (qr, sr) = fp8.quantize_rows(x, group=128), fp8.quantize_per_token_group(x, 128)
     elif mode == "group_token_major":  # torch._scaled_mm's 1x128 layout: tokens fastest, columns M apart
@@ -784,7 +786,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     for what in CONV_SABOTAGES:
         record_check(res, f"{what}_caught", lambda w=what: _interp_conv_long(f32, 95, w))
     for dt in (f32, bf16):
-        for mode in ("token", "group", "group_token_major", "static"):
+        for mode in ("token", "token_block256", "group", "group_token_major", "static"):
             name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"
             record_check(res, name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
     # M = 1 / 5 (decode tiles, split K) and 70 (prefill tiles); K and N not multiples of the tiles.
@@ -834,7 +836,8 @@ INTERP_CHECKS += ["token_bitmask_float32", "token_bitmask_bfloat16", "token_bitm
 INTERP_CHECKS += [f"add_norm_silu{w}_{dt}" for w in ("", "_wide") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"rope_{k}_{dt}" for k in ("partial", "full") for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"l2_norm_heads_{dt}" for dt in ("float32", "bfloat16")]
-INTERP_CHECKS += [f"fp8_quant_{m}_{dt}" for m in ("token", "group", "group_token_major", "static")
+INTERP_CHECKS += [f"fp8_quant_{m}_{dt}"
+                  for m in ("token", "token_block256", "group", "group_token_major", "static")
                   for dt in ("float32", "bfloat16")]
 INTERP_CHECKS += [f"fp8_gemm_{c}" for c in ("channel_decode", "channel_split3", "channel_prefill", "block_groups",
                                             "block_groups_split2", "block_tokens", "block_sabotaged_groups_caught")]

@@ -43,24 +43,25 @@ def _run(tmp_path: Path, phase: str) -> list[tuple[str, list[str]]]:
     return recorded
 
 
-def test_decode34_runs_the_defaults_and_each_switch(tmp_path: Path) -> None:
+def test_decode34_runs_the_defaults_the_bf16_states_and_the_switch(tmp_path: Path) -> None:
     calls = _run(tmp_path, "decode34")
     parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
     runs = [(s, Path(p.out).name, p.model, p.measures, p.load_format) for s, p in parsed]
     assert runs == [
         ("unset,unset,unset", "hyserve_9b.json", "/tmp/p9b", "decode,bound,prefill", "auto"),
-        ("on,unset,unset", "hyserve_9b_gemv.json", "/tmp/p9b", "decode,bound", "auto"),
         ("unset,unset,unset", "hyserve_9b_bf16state.json", "/tmp/p9b", "decode,bound", "auto"),
         ("unset,unset,unset", "hyserve_27b_fp8.json", "/tmp/s27", "decode,bound,prefill", "dummy"),
+        ("unset,unset,unset", "hyserve_27b_fp8_bf16state.json", "/tmp/s27", "decode,bound", "dummy"),
         ("unset,0,unset", "hyserve_27b_fp8_unfused.json", "/tmp/s27", "decode,bound", "dummy"),
     ]
     assert all(p.batches == "1,8,32,64" and p.engine == "hyserve" for _, p in parsed)
-    # the GDN state in the model's dtype, as vLLM's default stores it, in that run alone
-    assert [p.mamba_ssm_cache_dtype for _, p in parsed] == [None, None, "auto", None, None]
+    # the GDN state in the model's dtype, as vLLM's default stores it, in those runs alone
+    assert [p.mamba_ssm_cache_dtype for _, p in parsed] == [None, "auto", None, "auto", None]
     (tmp_path / "done").mkdir(exist_ok=True)
     (tmp_path / "done" / "hyserve_9b").touch()  # done in an earlier call on this machine
     assert [Path(a[a.index("--out") + 1]).name for _, a in _run(tmp_path, "decode34")] == [
-        "hyserve_9b_gemv.json", "hyserve_9b_bf16state.json", "hyserve_27b_fp8.json", "hyserve_27b_fp8_unfused.json"]
+        "hyserve_9b_bf16state.json", "hyserve_27b_fp8.json", "hyserve_27b_fp8_bf16state.json",
+        "hyserve_27b_fp8_unfused.json"]
 
 
 def test_decode34_vllm_runs_its_default_mode_on_the_same_directories(tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ __all__ = ["FP8_DTYPE", "FP8_MAX", "GEMM_BACKENDS", "Fp8Activation", "GemmConfig
            "blockwise_scaled_mm_fits", "check_fp8_device", "dequantize_block_weight", "fp8_block_linear",
            "fp8_block_linear_dequant", "fp8_block_linear_ref", "fp8_linear", "fp8_linear_ref", "gemm_backend",
            "gemm_config", "prepare_device", "quantize_activation_ref", "quantize_fp8",
-           "quantize_per_token", "quantize_per_token_group", "quantize_rows", "split_locks", "triton_fp8_gemm"]
+           "quantize_per_token", "quantize_per_token_group", "quantize_rows", "split_locks", "token_quant_launch",
+           "triton_fp8_gemm"]
 
 # The first CUDA compute capability with FP8 tensor cores (Ada; Hopper is 9.0), which ``torch._scaled_mm`` needs.
 MIN_FP8_CAPABILITY = (8, 9)
@@ -91,36 +92,49 @@ def gemm_backend() -> str:
     return name
 
 
+def token_quant_launch(k: int) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` of the per-token quantization over ``k``-wide rows (one program a row, two passes of
+    ``BLOCK`` columns at a time; ``benchmarks/fp8_quant_bench.py`` sweeps other choices)."""
+    return min(_QUANT_BLOCK, next_pow2(k)), 4
+
+
 def quantize_rows(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
-                  token_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  token_major_scales: bool = False,
+                  launch: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of a contiguous ``(M, K)`` CUDA activation in one Triton launch: per token (``(M, 1)``
     scales), per token and ``group`` (``(M, ceil(K / group))``), or with the one ``static_scale`` (returned as
     given). The arithmetic of :func:`quantize_per_token` / :func:`quantize_per_token_group` / :func:`quantize_fp8`.
     ``token_major_scales`` (groups): the ``(M, G)`` scales laid out token-fastest (strides ``(1, M)``), as
     ``torch._scaled_mm``'s 1x128 block scaling takes them (its check wants the stride M exactly: a column padded
-    to a multiple of 4 was refused on the card for M = 1, 33, 2049)."""
+    to a multiple of 4 was refused on the card for M = 1, 33, 2049). ``launch``: per token (or static), the
+    ``(BLOCK, num_warps)`` instead of :func:`token_quant_launch`'s."""
     from hyserve.kernels.fp8._triton import _quant_rows_kernel
 
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     if static_scale is not None:
         scale = static_scale.float().reshape(1)
-        grid, g, block, rows = (m, 1), 0, _QUANT_BLOCK, 1
+        block, warps = launch or (_QUANT_BLOCK, 4)
+        grid, g, rows = (m, 1), 0, 1
     elif group is not None:
         groups = -(-k // group)
         if token_major_scales:
             scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
         else:
             scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        assert launch is None, "the per-group quantization's tiles are the groups'"
         grid, g, block, rows = (-(-m // _QUANT_GROUP_ROWS), groups), group, next_pow2(group), _QUANT_GROUP_ROWS
+        warps = 4
     else:
         scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-        grid, g, block, rows = (m, 1), 0, min(_QUANT_BLOCK, next_pow2(k)), 1
+        block, warps = launch or token_quant_launch(k)
+        grid, g, rows = (m, 1), 0, 1
+    assert block == next_pow2(block), "BLOCK must be a power of two"
     if m:
         two_d = scale.dim() > 1
         _quant_rows_kernel[grid](x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0) if two_d else 0,
                                  scale.stride(1) if two_d else 0, FP8_MAX, AMAX_EPS, GROUP=g,
-                                 STATIC=static_scale is not None, BLOCK=block, ROWS=rows)
+                                 STATIC=static_scale is not None, BLOCK=block, ROWS=rows, num_warps=warps)
     return q, (static_scale.float().reshape(1, 1) if static_scale is not None else scale)
 
 

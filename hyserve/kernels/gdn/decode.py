@@ -179,10 +179,12 @@ def gdn_decode_fused_triton(
     *,
     out: torch.Tensor | None = None,
     block_v: int | None = None,
+    qblock: int | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
-    value block ``BV`` (a power of two; tests take several blocks of a small head)."""
+    value block ``BV`` (a power of two; tests take several blocks of a small head), ``qblock`` the quantization
+    pass's block (:func:`quant_block`; ``benchmarks/fp8_quant_bench.py`` sweeps it)."""
     from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
 
     t = x.shape[0]
@@ -209,6 +211,8 @@ def gdn_decode_fused_triton(
     if block_v is not None:
         assert block_v == next_pow2(block_v), "block_v must be a power of two"
         cfg["BV"] = block_v
+    qb = quant_block(hv * dv) if qblock is None else qblock
+    assert qb == next_pow2(qb), "qblock must be a power of two"
     _gdn_decode_fused_kernel[(r, hv)](
         x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
         conv_state, ssm_state, state_slots, query_start_loc, arr, out, q, qs, cnt,
@@ -217,7 +221,7 @@ def gdn_decode_fused_triton(
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         arr.stride(0), out.stride(0), q.stride(0),
         dk**-0.5, float(eps), FP8_MAX, AMAX_EPS,
-        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=quant_block(hv * dv),
+        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=qb,
         num_warps=4,
     )  # fmt: skip
     return as_output(out, q, qs, quant)

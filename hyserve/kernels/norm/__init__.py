@@ -40,7 +40,7 @@ from hyserve.kernels.norm.reference import (
 from hyserve.utils import next_pow2
 
 __all__ = ["MAX_WIDTH", "QUANT_MODES", "add_rms_norm", "add_rms_norm_ref", "add_scaled_rms_norm",
-           "add_scaled_rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "gated_sum_squares",
+           "add_scaled_rms_norm_ref", "gated_quant_launch", "gated_rms_norm", "gated_rms_norm_ref", "gated_sum_squares",
            "gated_sum_squares_ref", "grouped_gated_rms_norm", "grouped_gated_rms_norm_ref", "rms_norm", "rms_norm_ref",
            "scaled_rms_norm", "scaled_rms_norm_ref", "sigmoid_mul", "sigmoid_mul_ref", "sigmoid_mul_triton",
            "silu_gate", "silu_gate_ref", "silu_mul", "silu_mul_ref"]
@@ -222,11 +222,18 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 _SILU_QUANT_BLOCK = 2048
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor,
-                    quant: str | None = None) -> torch.Tensor | Fp8Activation:
+def gated_quant_launch(width: int) -> tuple[int, int]:
+    """``(BLOCK_F, num_warps)`` of the quantizing SwiGLU / sigmoid gate over ``width``-wide rows (one program a row,
+    two passes of ``BLOCK_F`` columns at a time; ``benchmarks/fp8_quant_bench.py`` sweeps other choices)."""
+    return min(_SILU_QUANT_BLOCK, next_pow2(width)), 4
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, quant: str | None = None,
+                    launch: tuple[int, int] | None = None) -> torch.Tensor | Fp8Activation:
+    """``launch``: the quantizing pass's ``(BLOCK_F, num_warps)`` instead of :func:`gated_quant_launch`'s."""
     assert gate.shape == up.shape, "gate and up must have one shape"
     g2, u2 = _rows(gate), _rows(up)
-    out = _gated_product(g2, g2.stride(0), 0, g2.shape[1], u2, quant, sigmoid=False)
+    out = _gated_product(g2, g2.stride(0), 0, g2.shape[1], u2, quant, sigmoid=False, launch=launch)
     return out if isinstance(out, Fp8Activation) else out.view(gate.shape)
 
 
@@ -252,7 +259,7 @@ def sigmoid_mul_triton(x: torch.Tensor, gate: torch.Tensor,
 
 
 def _gated_product(g: torch.Tensor, sg: int, sgh: int, hd: int, u: torch.Tensor, quant: str | None,
-                   sigmoid: bool) -> torch.Tensor | Fp8Activation:
+                   sigmoid: bool, launch: tuple[int, int] | None = None) -> torch.Tensor | Fp8Activation:
     """``act(g) * u`` over ``u``'s ``(N, F)`` rows (``g``'s column ``c`` at ``(c // hd) * sgh + c % hd``)."""
     from hyserve.kernels.norm._triton import _silu_mul_kernel, _silu_mul_quant_kernel
 
@@ -261,10 +268,11 @@ def _gated_product(g: torch.Tensor, sg: int, sgh: int, hd: int, u: torch.Tensor,
     if quant is not None:
         q, s = _quant_buffers(n, f, out, quant)
         if n and f:
+            block_f, warps = launch or gated_quant_launch(f)
+            assert block_f == next_pow2(block_f), "BLOCK_F must be a power of two"
             _silu_mul_quant_kernel[(n,)](g, u, out, q, s, f, sg, u.stride(0), out.stride(0),
-                                         q.stride(0), FP8_MAX, AMAX_EPS, sgh, hd,
-                                         BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(f)),
-                                         KEEP=quant == "fp8+plain", SIGMOID=sigmoid, num_warps=4)
+                                         q.stride(0), FP8_MAX, AMAX_EPS, sgh, hd, BLOCK_F=block_f,
+                                         KEEP=quant == "fp8+plain", SIGMOID=sigmoid, num_warps=warps)
         return _produced(out, q, s, out.shape, quant)
     if n and f:
         block_f = min(1024, max(16, 1 << (f - 1).bit_length()))
@@ -467,7 +475,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                 out.append((f"{gate_act}_mul_fp8{tag}_{act}", _silu_mul_quant_kernel,
                             dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", F=i32, sg=i32, su=i32, so=i32,
                                  sq=i32, fp8_max=f32, amax_eps=f32, sgh=i32, HD=i32, **fp8),
-                            dict(BLOCK_F=min(_SILU_QUANT_BLOCK, next_pow2(width)), KEEP=keep,
+                            dict(BLOCK_F=gated_quant_launch(width)[0], KEEP=keep,
                                  SIGMOID=gate_act == "sigmoid")))
         for gate_act in ("silu", "sigmoid"):
             out.append((f"{gate_act}_mul_{act}", _silu_mul_kernel,
