@@ -17,6 +17,11 @@ What is timed, per shape (median of 20 launches after 3 warm-ups, CUDA events):
   reach, measured on the card.
 
 The outputs of ``now`` and ``before`` are compared (max abs difference; 0 expected: the same float32 sums).
+
+``--sweep`` also times the launch as the layers make it (GDN: ``causal_conv1d_split_triton``, q and k apart from v
+and l2-normed per 128-channel head; Mamba2: the plain launch with its bias) at the shipped token block and warps and
+at each ``(block_t, num_warps)`` of :data:`SWEEP` (``sweep`` in the JSON: microseconds, TB/s, the best), each
+output compared with the shipped launch's (0 expected).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hyserve.kernels.conv import causal_conv1d_varlen_triton
+from hyserve.kernels.conv import causal_conv1d_split_triton, causal_conv1d_varlen_triton
 from hyserve.testing.triton_interpreter import mutated_module
 
 conv_triton = importlib.import_module("hyserve.kernels.conv._triton")  # the kernel the launcher reads at each call
@@ -44,6 +49,8 @@ conv_triton = importlib.import_module("hyserve.kernels.conv._triton")  # the ker
 SHAPES = {"2b": (6144, 6144 + 2048 + 32, False), "9b": (8192, 8192 + 4096 + 64, False),
           "27b": (10240, 10240 + 6144 + 96, False), "n8b": (10240, 10240 + 8192 + 128, True)}
 K = 4
+SWEEP = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
+QK = {"2b": 2 * 16 * 128, "9b": 2 * 16 * 128, "27b": 2 * 16 * 128}  # GDN's q and k channels (16 key heads of 128)
 
 
 def problem(d: int, width: int, bias: bool, rows: int, row_len: int) -> dict[str, Any]:
@@ -115,11 +122,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["copy_tb_s"] = gb / row["copy_us"] * 1e6 / 1000
         row["now_vs_before"] = row["before_us"] / row["now_us"]
         row["now_vs_copy"] = row["copy_us"] / row["now_us"]
+        if args.sweep:
+            row["sweep"] = sweep(name, p, state0)
         out["results"].append(row)
         print(f"{name}: D={d} T={t} now {row['now_us']:.1f} us ({row['now_tb_s']:.2f} TB/s), before "
               f"{row['before_us']:.1f} us ({row['now_vs_before']:.2f}x), copy {row['copy_us']:.1f} us "
               f"({row['now_vs_copy']:.2f} of the copy's rate), max diff {row['max_abs_diff']:.3g}", flush=True)
     return out
+
+
+def sweep(name: str, p: dict[str, Any], state0: torch.Tensor) -> list[dict[str, Any]]:
+    """The layers' own launch (GDN's split and normed form; Mamba2's plain one) per ``(block_t, num_warps)``."""
+    def launch(block_t: int | None = None, num_warps: int = 4) -> Any:
+        p["conv_state"].copy_(state0)
+        if name in QK:
+            return causal_conv1d_split_triton(p["x"], p["weight"], p["conv_state"], p["state_slots"],
+                                              p["query_start_loc"], QK[name], p["max_query_len"], norm_dim=128,
+                                              block_t=block_t, num_warps=num_warps)
+        return causal_conv1d_varlen_triton(**p, block_t=block_t, num_warps=num_warps)
+
+    def flat(y: Any) -> torch.Tensor:
+        return torch.cat([t.float().flatten() for t in y]) if isinstance(y, tuple) else y.float().flatten()
+
+    want = flat(launch())
+    gb = 2 * p["x"].shape[0] * p["x"].shape[1] * 2 / 1e9
+    rows: list[dict[str, Any]] = [{"block_t": None, "num_warps": 4, "us": event_time(launch)}]
+    for block_t, warps in SWEEP:
+        got = flat(launch(block_t, warps))
+        rows.append({"block_t": block_t, "num_warps": warps, "max_abs_diff": float((got - want).abs().max()),
+                     "us": event_time(lambda b=block_t, w=warps: launch(b, w))})
+    for r in rows:
+        r["tb_s"] = gb / r["us"] * 1e3
+    best = min(rows, key=lambda r: r["us"])
+    print(f"  {name} as the layers launch it: shipped {rows[0]['us']:.1f} us ({rows[0]['tb_s']:.2f} TB/s), best "
+          f"block_t={best['block_t']} warps={best['num_warps']} {best['us']:.1f} us ({best['tb_s']:.2f} TB/s); "
+          f"largest diff {max(r.get('max_abs_diff', 0.0) for r in rows):.3g}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -128,6 +166,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--row-len", type=int, default=2048)
     ap.add_argument("--out", default=None, help="directory for conv_prefill_bench.json")
+    ap.add_argument("--sweep", action="store_true", help="the layers' own launch per token block and warps")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     result = run(args)

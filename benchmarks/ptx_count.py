@@ -76,10 +76,11 @@ def conv_report(blocks: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     (:func:`hyserve.testing.triton_interpreter.mutated_module`)."""
     act = "bf16"
     types = dict(x_ptr=f"*{act}", w_ptr=f"*{act}", b_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64",
-                 qsl_ptr="*i32", out_ptr=f"*{act}", out2_ptr=f"*{act}", D="i32", SPLIT="i32", sx_t="i32", sx_d="i32",
-                 sw_d="i32", sw_k="i32", ss_s="i32", ss_d="i32", ss_k="i32", so_t="i32", so2_t="i32")
-    values = dict(D=6144, SPLIT=0, sx_t=8224, sx_d=1, sw_d=4, sw_k=1, ss_s=6144 * 3, ss_d=3, ss_k=1, so_t=6144,
-                  so2_t=6144)
+                 qsl_ptr="*i32", out_ptr=f"*{act}", out2_ptr=f"*{act}", D="i32", SPLIT="i32", PART="i32", sx_t="i32",
+                 sx_d="i32", sw_d="i32", sw_k="i32", ss_s="i32", ss_d="i32", ss_k="i32", so_t="i32", so2_t="i32",
+                 so_p="i32")
+    values = dict(D=6144, SPLIT=0, PART=6144, sx_t=8224, sx_d=1, sw_d=4, sw_k=1, ss_s=6144 * 3, ss_d=3, ss_k=1,
+                  so_t=6144, so2_t=6144, so_p=0)
     kernels = {inside: mutated_module(_CONV, [("if tb * BLOCK_T >= K - 1:", f"if {inside}:")])._conv1d_fwd_kernel
                for inside in (True, False)}
     out = []

@@ -240,16 +240,17 @@ class GatedDeltaNet(ReplayedStateLayer):
                      query_start_loc_cpu: torch.Tensor | None, snaps: RowSnapshots | None,
                      chunked_rows: ChunkedRows | None) -> torch.Tensor:
         """Rows of any length advancing their slots in place (prefill, chunks, decode off the fused path): the conv
-        with [q | k] and v apart (v contiguous, as fla's chunked kernel reads it; on the chunked path q and k come
+        with q, k and v apart, each contiguous (as fla's chunked kernel reads them; on the chunked path q and k come
         l2-normed from the same launch), the gates, the delta rule (with the snapshots inside rows), the gated norm;
         out_proj's input."""
         assert self.conv_state is not None and self.ssm_state is not None
         n = mixed_in.shape[0]
         qk_normed = gdn_takes_chunked(mixed_in, max_query_len)
+        # q and k in two contiguous parts: fla's chunked kernel copies a strided view (its input guard)
         qk, v = causal_conv1d_split(mixed_in, self.conv1d.weight.squeeze(1), self.conv_state, slots,
                                     query_start_loc, 2 * self.key_dim, max_query_len,
-                                    norm_dim=self.head_k_dim if qk_normed else None)
-        q, k = torch.split(qk, [self.key_dim, self.key_dim], dim=-1)
+                                    norm_dim=self.head_k_dim if qk_normed else None, parts=2)
+        q, k = qk[0], qk[1]
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         out = gdn_forward(q.reshape(n, self.num_k_heads, self.head_k_dim),
                           k.reshape(n, self.num_k_heads, self.head_k_dim),

@@ -419,6 +419,59 @@ def _interp_conv_split_normed(dtype: torch.dtype, sabotage: bool = False) -> tup
     return (ok1 and ok2 and ok3) != sabotage, f"normed part err {e1:.3g}, second part equal {ok2}, cpu {ok3}"
 
 
+def _interp_conv_split_blocks(dtype: torch.dtype) -> tuple[bool, str]:
+    """The split and normed launch at another token block and warp count (``conv_prefill_bench.py --sweep``'s
+    choices): 8-token blocks (rows of 70 and 33 take several, the window rolled by the second launch) and 64-token
+    ones, 2 and 8 warps: outputs and windows bit for bit the default launch's."""
+    from hyserve.kernels.conv import causal_conv1d_split_triton
+
+    p = conv_problem([70, 0, 33, 1, 5], D=300, K=4, pool=11, dtype=dtype, seed=16)
+    base = _clone(p)
+    want = causal_conv1d_split_triton(**base, split=128, max_query_len=70, norm_dim=16)
+    msgs, goods = [], []
+    for block_t, warps in ((8, 2), (64, 8)):
+        q = _clone(p)
+        got = causal_conv1d_split_triton(**q, split=128, max_query_len=70, norm_dim=16, block_t=block_t,
+                                         num_warps=warps)
+        same = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        goods.append(same and torch.equal(q["conv_state"], base["conv_state"]))
+        msgs.append(f"block_t={block_t} warps={warps}: {goods[-1]}")
+    return all(goods), ", ".join(msgs)
+
+
+def _interp_conv_split_parts(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool, str]:
+    """The split launch writing its first part as two contiguous halves (``parts=2``: GDN's q and k apart, as fla
+    reads them), normed per 16-channel head and not: each half bit for bit its channels of the one-part launch,
+    nothing written outside them (NaN-poisoned), the windows alike; the CPU path's layout the same.
+    ``sabotage``: the part stride ignored (both halves written over the first), which must disagree."""
+    from hyserve.kernels.conv import causal_conv1d_split, causal_conv1d_split_triton
+
+    _triton = importlib.import_module("hyserve.kernels.conv._triton")
+    p = conv_problem([70, 0, 33, 1, 5], D=300, K=4, pool=11, dtype=dtype, seed=17)
+    t = p["x"].shape[0]
+    goods, msgs = [], []
+    original = _triton._conv1d_fwd_kernel
+    if sabotage:
+        edits = [("base = out_ptr + part.to(tl.int64) * so_p", "base = out_ptr + part.to(tl.int64) * 0")]
+        _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, edits)._conv1d_fwd_kernel
+    try:
+        for norm_dim in (None, 16):
+            one, two = _clone(p), _clone(p)
+            a1, b1 = causal_conv1d_split_triton(**one, split=128, max_query_len=70, norm_dim=norm_dim)
+            outs = (torch.full((2, t, 64), float("nan"), dtype=dtype), torch.full((t, 172), float("nan"), dtype=dtype))
+            a2, b2 = causal_conv1d_split_triton(**two, split=128, max_query_len=70, norm_dim=norm_dim, outs=outs,
+                                                parts=2)
+            cpu = causal_conv1d_split(**_clone(p), split=128, max_query_len=70, norm_dim=norm_dim, parts=2)[0]
+            same = (torch.equal(a2[0], a1[:, :64]) and torch.equal(a2[1], a1[:, 64:]) and torch.equal(b2, b1)
+                    and torch.equal(one["conv_state"], two["conv_state"]))
+            layout = cpu.shape == a2.shape and cpu.is_contiguous() and a2[0].is_contiguous()
+            goods.append(same and layout)
+            msgs.append(f"norm {norm_dim}: same {same}, layout {layout}")
+    finally:
+        _triton._conv1d_fwd_kernel = original
+    return all(goods) != sabotage, ", ".join(msgs)
+
+
 def _interp_gdn_qk_normed(sabotage: bool = False) -> tuple[bool, str]:
     """The recurrent kernel given q and k l2-normed already (``qk_normed``, the chunked path's snapshots): as the
     kernel norming raw ones, float32; ``sabotage``: raw q and k passed as normed, which must disagree."""
@@ -780,6 +833,10 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "conv_split_shifted_caught", lambda: _interp_conv_split(f32, 128, sabotage=True))
     record_check(res, "conv_split_normed_float32", lambda: _interp_conv_split_normed(f32))
     record_check(res, "conv_split_normed_bfloat16", lambda: _interp_conv_split_normed(bf16))
+    record_check(res, "conv_split_other_blocks_bfloat16", lambda: _interp_conv_split_blocks(bf16))
+    record_check(res, "conv_split_parts_float32", lambda: _interp_conv_split_parts(f32))
+    record_check(res, "conv_split_parts_bfloat16", lambda: _interp_conv_split_parts(bf16))
+    record_check(res, "conv_split_parts_stride_ignored_caught", lambda: _interp_conv_split_parts(bf16, sabotage=True))
     record_check(res, "conv_split_normed_over_tokens_caught", lambda: _interp_conv_split_normed(f32, sabotage=True))
     record_check(res, "gdn_qk_normed", lambda: _interp_gdn_qk_normed())
     record_check(res, "gdn_raw_qk_as_normed_caught", lambda: _interp_gdn_qk_normed(sabotage=True))
@@ -827,7 +884,9 @@ INTERP_CHECKS = [f"{name}_{dt}" for dt in ("float32", "bfloat16") for name in (*
 INTERP_CHECKS += ["attn_prefill_d12_bs16", "attn_decode_d12_bs16", "gdn_mixed_bf16_state"]
 INTERP_CHECKS += ["conv_long_grid_of_all_tokens", *(f"{what}_caught" for what in CONV_SABOTAGES)]
 INTERP_CHECKS += ["conv_split_128_bfloat16", "conv_split_64_float32", "conv_split_shifted_caught"]
-INTERP_CHECKS += ["conv_split_normed_float32", "conv_split_normed_bfloat16", "conv_split_normed_over_tokens_caught",
+INTERP_CHECKS += ["conv_split_normed_float32", "conv_split_normed_bfloat16", "conv_split_other_blocks_bfloat16",
+                  "conv_split_parts_float32", "conv_split_parts_bfloat16", "conv_split_parts_stride_ignored_caught",
+                  "conv_split_normed_over_tokens_caught",
                   "gdn_qk_normed", "gdn_raw_qk_as_normed_caught"]
 INTERP_CHECKS += [f"{g}rms_norm_{s}_{dt}" for g in ("", "gated_") for s in ("heads", "hidden")
                   for dt in ("float32", "bfloat16")]

@@ -94,17 +94,19 @@ def causal_conv1d_varlen_triton(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_t: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Triton implementation of :func:`causal_conv1d_varlen` (also runs under ``TRITON_INTERPRET=1`` on CPU).
 
     ``out`` optionally supplies the contiguous ``(T, D)`` output buffer (e.g. NaN-poisoned in tests); ``block_t``
     the tokens a program computes (a power of two; default: 32 for rows longer than 16 tokens, else the longest
-    row's length rounded up), for benchmarks."""
+    row's length rounded up) and ``num_warps`` its warps, for benchmarks (``conv_prefill_bench.py --sweep``)."""
     T, D = x.shape
     if out is None:
         out = torch.empty((T, D), dtype=x.dtype, device=x.device)
     assert out.shape == (T, D) and out.stride(1) == 1
-    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, out, None, block_t)
+    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, out, None, block_t,
+            num_warps=num_warps)
     return out
 
 
@@ -118,21 +120,28 @@ def causal_conv1d_split(
     max_query_len: int | None = None,
     bias: torch.Tensor | None = None,
     norm_dim: int | None = None,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_conv1d_varlen` with its output as two tensors: channels ``[0, split)`` and ``[split, D)``, the
     second contiguous (GDN: ``[q | k]`` and ``v``, ``v`` as fla's chunked kernel reads it, which would copy a view).
     ``norm_dim``: the first part comes l2-normalised over each ``norm_dim`` channels of a token (GDN's q and k
-    heads, as fla's chunked path takes them; ``l2_norm_heads`` over the rounded output). On CUDA the launch writes
-    each part where it goes (:func:`causal_conv1d_split_triton`); on the CPU the reference's output, its second part
-    copied."""
+    heads, as fla's chunked path takes them; ``l2_norm_heads`` over the rounded output). ``parts``: the first
+    tensor as ``(parts, T, split // parts)``, each part contiguous (GDN's q and k apart: fla copies a strided
+    view). On CUDA the launch writes each part where it goes (:func:`causal_conv1d_split_triton`); on the CPU the
+    reference's output, copied into that layout."""
     assert 0 < split < x.shape[1], "split must cut the channels in two"
+    assert split % parts == 0 and (norm_dim is None or (split // parts) % norm_dim == 0), \
+        "the parts must be whole heads of norm_dim channels"
     if x.is_cuda:
         return causal_conv1d_split_triton(x, weight, conv_state, state_slots, query_start_loc, split, max_query_len,
-                                          bias, norm_dim=norm_dim)
+                                          bias, norm_dim=norm_dim, parts=parts)
     y = causal_conv1d_varlen_ref(x, weight, conv_state, state_slots, query_start_loc, bias)
+    t = y.shape[0]
     first = y[:, :split]
     if norm_dim is not None:
-        first = l2_norm_heads_ref(first.reshape(y.shape[0], split // norm_dim, norm_dim)).reshape(-1, split)
+        first = l2_norm_heads_ref(first.reshape(t, split // norm_dim, norm_dim)).reshape(-1, split)
+    if parts > 1:
+        first = first.reshape(t, parts, split // parts).transpose(0, 1).contiguous()
     return first, y[:, split:].contiguous()
 
 
@@ -148,30 +157,40 @@ def causal_conv1d_split_triton(
     *,
     norm_dim: int | None = None,
     outs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_t: int | None = None,
+    num_warps: int = 4,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton :func:`causal_conv1d_split` (also under ``TRITON_INTERPRET=1``): one launch writing channels below
-    ``split`` into the first buffer (l2-normalised per ``norm_dim`` channels where given) and the rest into the
-    second (``outs``: the two, e.g. NaN-poisoned in tests)."""
+    ``split`` into the first buffer (l2-normalised per ``norm_dim`` channels where given; ``(parts, T, split //
+    parts)`` when ``parts`` > 1) and the rest into the second (``outs``: the two, e.g. NaN-poisoned in tests);
+    ``block_t`` and ``num_warps`` as :func:`causal_conv1d_varlen_triton` takes them."""
     T, D = x.shape
     assert 0 < split < D, "split must cut the channels in two"
     assert norm_dim is None or (split % norm_dim == 0 and norm_dim == next_pow2(norm_dim)), \
         "norm_dim must be a power of two dividing split"
+    assert split % parts == 0, "parts must divide split"
+    width = split // parts
+    first = (T, split) if parts == 1 else (parts, T, width)
     if outs is None:
-        outs = (torch.empty((T, split), dtype=x.dtype, device=x.device),
+        outs = (torch.empty(first, dtype=x.dtype, device=x.device),
                 torch.empty((T, D - split), dtype=x.dtype, device=x.device))
-    assert outs[0].shape == (T, split) and outs[1].shape == (T, D - split)
-    assert outs[0].stride(1) == 1 and outs[1].stride(1) == 1
-    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, outs[0], (outs[1], split), None,
-            norm_dim)
+    assert outs[0].shape == first and outs[1].shape == (T, D - split)
+    assert outs[0].stride(-1) == 1 and outs[1].stride(1) == 1
+    part = (split, 0) if parts == 1 else (width, outs[0].stride(0))
+    _launch(x, weight, conv_state, state_slots, query_start_loc, max_query_len, bias, outs[0], (outs[1], split),
+            block_t, norm_dim, num_warps, part)
     return outs
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
             query_start_loc: torch.Tensor, max_query_len: int | None, bias: torch.Tensor | None, out: torch.Tensor,
-            second: tuple[torch.Tensor, int] | None, block_t: int | None, norm_dim: int | None = None) -> None:
+            second: tuple[torch.Tensor, int] | None, block_t: int | None, norm_dim: int | None = None,
+            num_warps: int = 4, part: tuple[int, int] | None = None) -> None:
     """The forward launch (and the window roll where it is a second one); ``second``: ``(out2, split)``, channels
     from ``split`` on written to ``out2``; ``norm_dim``: the channels below ``split`` l2-normed per that many (a
-    channel block is then one such group)."""
+    channel block is then one such group); ``part``: ``out`` in parts of that many channels, that many elements
+    apart (None: one part, plain rows)."""
     from hyserve.kernels.conv._triton import _conv1d_fwd_kernel, _conv1d_state_kernel
 
     T, D = x.shape
@@ -195,6 +214,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, sta
         block_d = min(block_d, split & -split)  # a power of two dividing split: a block lies on one side of it
     if norm_dim is not None:
         block_d = norm_dim  # one head a block: its norm is the block's, per token
+    part_width, part_stride = part if part is not None else (D, 0)
+    if part is not None:
+        block_d = min(block_d, part_width & -part_width)  # a block lies in one part
     km1_pad = next_pow2(K - 1)
     fuse = n_tblocks == 1
     w = weight
@@ -202,14 +224,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, sta
     grid = (n_tblocks * _cdiv(D, block_d), R)
     _conv1d_fwd_kernel[grid](
         x, w, w if bias is None else bias, conv_state, state_slots, qsl, out, out2,
-        D, split,
+        D, split, part_width,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        out.stride(0), out2.stride(0),
+        out.stride(-2), out2.stride(0), part_stride,
         K=K, KM1_PAD=km1_pad, BLOCK_T=block_t, BLOCK_D=block_d, FUSE_STATE=fuse, HAS_BIAS=bias is not None,
         SPLIT_OUT=second is not None, NORM_FIRST=norm_dim is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
     if not fuse:
         _conv1d_state_kernel[(R, _cdiv(D, block_d))](
@@ -234,7 +256,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         ptrs = dict(x_ptr=f"*{act}", w_ptr=f"*{act}", b_ptr=f"*{act}", state_ptr=f"*{act}", slots_ptr="*i64",
                     qsl_ptr="*i32", out_ptr=f"*{act}")
         strides = dict(D=i32, sx_t=i32, sx_d=i32, sw_d=i32, sw_k=i32, ss_s=i32, ss_d=i32, ss_k=i32, so_t=i32)
-        fwd = {**ptrs, "out2_ptr": f"*{act}", **strides, "SPLIT": i32, "so2_t": i32}
+        fwd = {**ptrs, "out2_ptr": f"*{act}", **strides, "SPLIT": i32, "PART": i32, "so2_t": i32, "so_p": i32}
         for name, block_t, block_d, fuse, bias, split, norm in (
                 ("bias_decode", 1, 256, True, True, False, False), ("bias_prefill", 32, 128, False, True, False, False),
                 ("split_prefill", 32, 128, False, False, True, False),

@@ -83,8 +83,8 @@ def _taps_at_row_start(
 @triton.jit
 def _conv1d_fwd_kernel(
     x_ptr, w_ptr, b_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, out2_ptr,
-    D, SPLIT,
-    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t, so2_t,
+    D, SPLIT, PART,
+    sx_t, sx_d, sw_d, sw_k, ss_s, ss_d, ss_k, so_t, so2_t, so_p,
     K: tl.constexpr, KM1_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FUSE_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr = False,
     NORM_FIRST: tl.constexpr = False,
@@ -96,7 +96,9 @@ def _conv1d_fwd_kernel(
     on go to ``out2`` (row stride ``so2_t``, column ``c - SPLIT``), the others to ``out``; ``BLOCK_D`` divides
     ``SPLIT``, so a channel block lies on one side. ``NORM_FIRST`` (with ``SPLIT_OUT``; ``BLOCK_D`` one head):
     each token's head below ``SPLIT`` (GDN's q and k) is stored l2-normalised, as ``_l2_norm_heads_kernel`` norms
-    the rounded output (float32, eps 1e-6)."""
+    the rounded output (float32, eps 1e-6). ``out`` is in parts of ``PART`` channels, ``so_p`` apart (channel ``c``
+    of token ``t`` at ``(c // PART) * so_p + t * so_t + c % PART``; ``BLOCK_D`` divides ``PART``): GDN's q and k
+    each contiguous, as fla's chunked kernel reads them; one part (``PART`` >= the channels) is a plain row."""
     n_db = tl.cdiv(D, BLOCK_D)
     db = tl.program_id(0) % n_db
     tb = tl.program_id(0) // n_db
@@ -128,8 +130,10 @@ def _conv1d_fwd_kernel(
         if NORM_FIRST:
             yr = tl.where(m, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)  # the output as rounded
             y = yr * (1.0 / tl.sqrt(tl.sum(yr * yr, axis=1) + 1e-6))[:, None]
-        tl.store(out_ptr + (start + offs_t)[:, None] * so_t + offs_d[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=m)
+        part = (db * BLOCK_D) // PART
+        base = out_ptr + part.to(tl.int64) * so_p
+        tl.store(base + (start + offs_t)[:, None] * so_t + (offs_d - part * PART)[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=m)
 
     if FUSE_STATE:
         _roll_state(x_ptr, state_ptr, slot, start, n, offs_d, d_mask, sx_t, sx_d, ss_s, ss_d, ss_k, K, KM1_PAD)

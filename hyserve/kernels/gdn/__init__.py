@@ -101,7 +101,7 @@ def gdn_forward(
         rows: the same rows as the chunked path takes them, worked out once a step for every layer (the step's
             ``ChunkedRows``); None: worked out here.
         qk_normed: q and k come l2-normalised per head in the model dtype (the conv's launch normed them, as the
-            chunked path would: ``causal_conv1d_split``'s ``qk_norm_dim``); only where the chunked path runs
+            chunked path would: ``causal_conv1d_split``'s ``norm_dim``); only where the chunked path runs
             (:func:`gdn_takes_chunked`).
     """
     assert ssm_state.dtype in SSM_STATE_DTYPES, f"ssm_state must be one of {SSM_STATE_DTYPES}"
