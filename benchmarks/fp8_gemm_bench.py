@@ -1,5 +1,5 @@
 # ruff: noqa: B023 (every closure over the loop variables is benchmarked before the loop moves on)
-"""FP8 GEMMs at the linear layers' shapes of the 2B and 9B models: which kernel is faster where (issue 15).
+"""FP8 GEMMs at the linear layers' shapes of the 2B, 9B and 27B models: which kernel is faster where (issue 15).
 
 For every projection of a layer (its (N, K) as hyserve builds it: merged GDN in_proj, merged q/k/v with the output
 gate, merged gate/up, the two output projections) and every row count M of decode (1, 8, 32, 64) and prefill
@@ -74,6 +74,10 @@ SHAPES = {
     "9b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                linear_key_head_dim=128, linear_value_head_dim=128),
+    # Qwen3.5-27B (benchmarks/shapes.py SHAPE_27B): the seed deployment's FP8_DYNAMIC GEMMs
+    "27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+                linear_key_head_dim=128, linear_value_head_dim=128),
 }
 
 
