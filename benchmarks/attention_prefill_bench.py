@@ -1,5 +1,7 @@
 """Prefill attention kernels on one GPU: hyserve's Triton paged kernel against torch's varlen FlashAttention
-(``torch.nn.attention.varlen.varlen_attn``, contiguous and paged when this torch has ``block_table``) and SDPA.
+(``torch.nn.attention.varlen.varlen_attn``, contiguous and paged when this torch has ``block_table``) and SDPA, and
+hyserve's split of a step's rows (``paged_attention_rows``: each long row one SDPA call; ``rows_*``: the fresh
+prompts as given, and ``rows_ctx_*`` with the first half of each prompt a cached context read back from the pages).
 
     python benchmarks/attention_prefill_bench.py --out $OUT      # 2B shape: 8 query heads, 2 KV heads, D = 256
 
@@ -22,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hyserve.kernels.attention import paged_attention_triton, store_kv_triton
+from hyserve.kernels.attention.sdpa import paged_attention_rows
 
 
 def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -101,6 +104,24 @@ def main() -> int:
             res["varlen_paged_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     except Exception as e:
         res["varlen_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    qsl_cpu, lens_cpu = cu.tolist(), lens.tolist()
+    ms, out = timed(lambda: paged_attention_rows(q, k, v, k_cache, v_cache, tables, lens, scale, qsl_cpu, lens_cpu))
+    res["rows_ms"], res["rows_tflops"] = ms, flops / ms / 1e9
+    res["rows_max_abs_diff"] = float((out.float() - ref.float()).abs().max())
+    # the second half of each prompt as this step's queries after the first half cached (lower-right mask)
+    half = L // 2
+    qh = q.view(n, L, args.hq, args.d)[:, half:].reshape(-1, args.hq, args.d)
+    kh = k.view(n, L, args.hkv, args.d)[:, half:].reshape(-1, args.hkv, args.d)
+    vh = v.view(n, L, args.hkv, args.d)[:, half:].reshape(-1, args.hkv, args.d)
+    cuh = torch.arange(0, n * (L - half) + 1, L - half, device=dev, dtype=torch.int32)
+    want_h = ref.view(n, L, args.hq, args.d)[:, half:].reshape(-1, args.hq, args.d)
+    ms, out = timed(lambda: paged_attention_rows(qh, kh, vh, k_cache, v_cache, tables, lens, scale, cuh.tolist(),
+                                                 lens_cpu))
+    flops_h = 4 * n * ((L - half) * half + (L - half) ** 2 / 2) * args.hq * args.d
+    res["rows_ctx_ms"], res["rows_ctx_tflops"] = ms, flops_h / ms / 1e9
+    res["rows_ctx_max_abs_diff"] = float((out.float() - want_h.float()).abs().max())
+    ms, _ = timed(lambda: paged_attention_triton(qh, k_cache, v_cache, tables, cuh, lens, scale, L - half, L))
+    res["triton_ctx_ms"], res["triton_ctx_tflops"] = ms, flops_h / ms / 1e9
     qs = q.view(n, L, args.hq, args.d).transpose(1, 2)
     ks = k.view(n, L, args.hkv, args.d).transpose(1, 2)
     vs = v.view(n, L, args.hkv, args.d).transpose(1, 2)

@@ -10,6 +10,8 @@ import torch
 from hyserve.cache.specs import AttentionSpec
 from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import paged_attention, store_kv
+from hyserve.kernels.attention.reference import FP8_KV_DTYPES
+from hyserve.kernels.attention.sdpa import SDPA_MIN_QUERIES, paged_attention_rows, prefill_attention_mode, sdpa_takes
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.kernels.norm import sigmoid_mul
@@ -52,6 +54,13 @@ def attend_paged(layer: Attention | PlainAttention, q: torch.Tensor, k: torch.Te
     attention over each row's cached context at ``layer.scale`` (``(T, Hq, D)``)."""
     assert layer.k_cache is not None and layer.v_cache is not None, "caches not bound"
     store_kv(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
+    qsl_cpu, seq_cpu = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    if (qsl_cpu is not None and seq_cpu is not None and meta.max_query_len >= SDPA_MIN_QUERIES
+            and sdpa_takes(prefill_attention_mode(), q, layer.k_cache,
+                           layer.k_scale is not None or layer.k_cache.dtype in FP8_KV_DTYPES)):
+        # long prefill rows through SDPA (FlashAttention on CUDA), the others through the paged kernel
+        return paged_attention_rows(q, k, v, layer.k_cache, layer.v_cache, meta.block_tables, meta.seq_lens,
+                                    layer.scale, qsl_cpu.tolist(), seq_cpu.tolist(), SDPA_MIN_QUERIES)
     return paged_attention(q.contiguous(), layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
                            meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len, layer.k_scale,
                            layer.v_scale)

@@ -33,8 +33,17 @@ from hyserve.layers.replayed_state import ReplayedStateLayer
 from hyserve.layers.sharding import Shard, set_shard
 from hyserve.model.metadata import RowSnapshots, StepMetadata, VerifyMetadata
 
-# HYSERVE_GDN_FUSED=0: the unfused kernels on CUDA too (to measure, or to tell a fused kernel's fault apart).
-FUSED = os.environ.get("HYSERVE_GDN_FUSED", "1") != "0"
+
+def fused_switch() -> bool:
+    """``HYSERVE_GDN_FUSED``: 1 (the default) or 0, the unfused kernels on CUDA too (to measure, or to tell a fused
+    kernel's fault apart); any other value is refused."""
+    value = os.environ.get("HYSERVE_GDN_FUSED", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"HYSERVE_GDN_FUSED={value!r}: 1 (the default) or 0")
+    return value == "1"
+
+
+FUSED = fused_switch()
 
 
 def uses_fused_decode(x: torch.Tensor) -> bool:

@@ -130,6 +130,8 @@ class StepMetadata:
     # The host's copy of query_start_loc (prefill kernels read it instead of waiting for the device; valid while the
     # step is being enqueued); None in captured graphs.
     query_start_loc_cpu: torch.Tensor | None = None
+    # The host's copy of seq_lens, alike (the attention layers split a step's rows by length with both).
+    seq_lens_cpu: torch.Tensor | None = None
     # Image input (eager steps only): the (3, T) M-RoPE positions of a step with a chunk before a prompt's last
     # image ends (the rotary reads them instead of ``positions``), and (token indices, embeddings) of the image
     # placeholder tokens this step feeds (they replace the placeholders' token embeddings).

@@ -233,12 +233,13 @@ class InputBatch:
         """The metadata of a filled step (of its real rows only, when padded)."""
         views, r, num_verify = step.views, step.num_rows, step.num_verify
         qsl_cpu = self.host_bufs["query_start_loc"][: r + 1] if not step.padded else None
+        seq_cpu = self.host_bufs["seq_lens"][:r] if not step.padded else None
         meta = StepMetadata(
             positions=views["positions"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
             state_slots=views["state_slots"],
             block_tables=views["block_tables"][:, : cdiv(step.max_seq_len, self.block_size)],
             slot_mapping=views["slot_mapping"], max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
-            query_start_loc_cpu=qsl_cpu,
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu,
         )
         if not num_verify and qsl_cpu is not None and step.max_query_len > 1:
             meta.chunked_rows = ChunkedRows.of(views["state_slots"], views["query_start_loc"], qsl_cpu)

@@ -799,3 +799,17 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
         results = run_interpreter_checks()
         print_results(results)
+
+
+def test_the_fused_switch_takes_one_or_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HYSERVE_GDN_FUSED``: 1 (or unset) fused, 0 unfused, anything else refused rather than read as on."""
+    from hyserve.layers.gdn import fused_switch
+
+    monkeypatch.delenv("HYSERVE_GDN_FUSED", raising=False)
+    assert fused_switch()
+    monkeypatch.setenv("HYSERVE_GDN_FUSED", "0")
+    assert not fused_switch()
+    for bad in ("false", "off", ""):
+        monkeypatch.setenv("HYSERVE_GDN_FUSED", bad)
+        with pytest.raises(ValueError, match="HYSERVE_GDN_FUSED"):
+            fused_switch()

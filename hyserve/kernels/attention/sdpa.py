@@ -1,0 +1,126 @@
+"""Long prefill rows through torch's scaled-dot-product attention (FlashAttention on CUDA), the other rows through
+the paged kernel: :func:`paged_attention_rows`.
+
+Why: the Triton paged prefill kernel reaches about 210 TFLOP/s at head dim 256 on an H200, torch's SDPA 490 on the
+same problem (``benchmarks/results/h200/attention_prefill.json``). A row of many queries is one SDPA call: its keys
+and values are this step's own (a fresh prompt: ``is_causal``, the upper-left causal mask is the row's) or, where
+the row continues a context (a prefix-cache hit, a later chunk), read back from the paged cache for the row's
+blocks and attended with the lower-right causal mask (query ``i`` sees keys ``[0, ctx + i]``). GQA is SDPA's own
+(``enable_gqa``), no key or value repeated. Rows below the threshold (decode, verify, short chunks) take the paged
+kernel as one sub-batch, their outputs put back in place.
+
+The semantics are :func:`hyserve.kernels.attention.paged_attention`'s (the module's invariants); the softmax is
+SDPA's (float32 inside FlashAttention), so outputs agree to the dtype's rounding, not bit for bit. On CUDA the
+choice is made only where FlashAttention takes the shapes (``torch.backends.cuda.can_use_flash_attention``): SDPA
+never falls back to its math path here. The host's copies of the row offsets and lengths drive the split (an eager
+step's; a captured graph has none and runs the paged kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch.nn import functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from hyserve.utils import host_to_device
+
+__all__ = ["PREFILL_ATTENTION_MODES", "SDPA_MIN_QUERIES", "paged_attention_rows", "prefill_attention_mode",
+           "sdpa_takes"]
+
+# Rows of at least this many queries go to SDPA (below it the paged kernel's launch is as good, and a step's decode
+# and verify rows stay in one launch).
+SDPA_MIN_QUERIES = 128
+PREFILL_ATTENTION_MODES = ("auto", "triton", "sdpa")
+
+
+def prefill_attention_mode() -> str:
+    """``HYSERVE_PREFILL_ATTENTION``: ``auto`` (default: long rows through SDPA where FlashAttention runs them, on
+    CUDA in bf16 / fp16 with a cache of the model's dtype), ``triton`` (every row through the paged kernel) or
+    ``sdpa`` (long rows through SDPA on any device and dtype, whatever backend it picks, the cache in q's dtype: for
+    tests)."""
+    value = os.environ.get("HYSERVE_PREFILL_ATTENTION", "auto")
+    if value not in PREFILL_ATTENTION_MODES:
+        raise ValueError(f"HYSERVE_PREFILL_ATTENTION={value!r}: one of {', '.join(PREFILL_ATTENTION_MODES)}")
+    return value
+
+
+def sdpa_takes(mode: str, q: torch.Tensor, k_cache: torch.Tensor, fp8_cache: bool) -> bool:
+    """Whether a step's long rows go to SDPA under ``mode``: never with an FP8 cache (its scales are the paged
+    kernel's) or a cache in another dtype than q's (the keys read back are attended as they are); ``auto``: on
+    CUDA, q in bf16 / fp16, FlashAttention taking the head size and heads (checked once per shape on a one-token
+    problem)."""
+    if fp8_cache or mode == "triton" or k_cache.dtype != q.dtype:
+        return False
+    if mode == "sdpa":
+        return True
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return _flash_takes(q.device, q.dtype, q.shape[1], k_cache.shape[2], q.shape[2])
+
+
+@functools.lru_cache(maxsize=64)
+def _flash_takes(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
+    probe_q = torch.empty((1, hq, 1, d), dtype=dtype, device=device)
+    probe_kv = torch.empty((1, hkv, 1, d), dtype=dtype, device=device)
+    params = torch.backends.cuda.SDPAParams(probe_q, probe_kv, probe_kv, None, 0.0, True, hkv != hq)
+    return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+
+
+def paged_attention_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    query_start_loc_cpu: list[int],
+    seq_lens_cpu: list[int],
+    min_queries: int = SDPA_MIN_QUERIES,
+) -> torch.Tensor:
+    """Causal attention of the varlen queries ``q`` ``(T, Hq, D)`` as ``paged_attention`` computes it (the caches
+    already hold this step's ``k`` / ``v``, ``(T, Hkv, D)``): rows of at least ``min_queries`` queries one SDPA call
+    each, the others one paged launch. ``query_start_loc_cpu`` / ``seq_lens_cpu``: the host's row offsets
+    ``(R + 1)`` and context lengths ``(R)`` (``seq_lens`` on the device, for the paged launch)."""
+    from hyserve.kernels.attention import paged_attention
+
+    t, hq, d = q.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    rows = len(seq_lens_cpu)
+    starts, lens = query_start_loc_cpu[:rows], [query_start_loc_cpu[i + 1] - query_start_loc_cpu[i]
+                                                  for i in range(rows)]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    rest: list[int] = []
+    for i in range(rows):
+        s, n, ctx_len = starts[i], lens[i], seq_lens_cpu[i]
+        if n < min_queries:
+            if n > 0:
+                rest.append(i)
+            continue
+        if ctx_len == n:  # a fresh row: its own keys, the upper-left causal mask is the row's
+            ki, vi, mask = k[s : s + n], v[s : s + n], None
+        else:  # after a context: the row's whole context read back from its blocks, lower-right causal
+            blocks = block_tables[i, : -(-ctx_len // bs)]
+            ki = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:ctx_len]
+            vi = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:ctx_len]
+            mask = causal_lower_right(n, ctx_len)
+        o = F.scaled_dot_product_attention(
+            q[s : s + n].transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0),
+            vi.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=hkv != hq)
+        out[s : s + n] = o[0].transpose(0, 1)
+    if rest:
+        # The short rows as one sub-batch of the paged kernel: their tokens gathered, their offsets renumbered.
+        tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in rest])
+        sub_qsl = torch.tensor([0, *torch.tensor([lens[i] for i in rest]).cumsum(0).tolist()], dtype=torch.int32)
+        idx, rows_t = host_to_device(tokens, q.device), host_to_device(torch.tensor(rest), q.device)
+        sub = paged_attention(q.index_select(0, idx).contiguous(), k_cache, v_cache,
+                              block_tables.index_select(0, rows_t), host_to_device(sub_qsl, q.device),
+                              seq_lens.index_select(0, rows_t), scale, max(lens[i] for i in rest),
+                              max(seq_lens_cpu[i] for i in rest))
+        out.index_copy_(0, idx, sub)
+    return out

@@ -1,0 +1,89 @@
+"""The attention layers' long prefill rows through SDPA (``HYSERVE_PREFILL_ATTENTION=sdpa``; on CUDA ``auto`` takes
+it where FlashAttention runs) in the engine, against transformers' reference (float32, CPU, teacher-forced): the
+threshold lowered to 8 queries so that the tiny model's chunks cross it, with prefix caching (a row after a cached
+context: the lower-right mask over keys read back from the paged cache), chunked prefill (later chunks after the
+first), MTP with planted drafts (verify rows beside prefill rows: the short rows' paged sub-batch), async
+scheduling, staggered arrivals and an abort. A sabotaged mask (upper-left after a context) must be seen."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hyserve import SamplingParams
+from hyserve.kernels.attention import sdpa
+from hyserve.layers import attention as attention_layer
+from hyserve.testing import load_reference_model, write_tiny_checkpoint
+from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+MTP = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+THRESHOLD = 8
+
+_A, _B, _C, _E, _F = random_prompts(5, [53, 23, 41, 5, 30], seed=11)
+PROMPTS = {"a": _A, "b": _B, "c": _C, "d": _A + random_prompts(1, [12], seed=12)[0], "e": _E, "f": _F}
+ARRIVALS = {0: [("a", PROMPTS["a"], GREEDY), ("b", PROMPTS["b"], GREEDY)], 2: [("c", PROMPTS["c"], GREEDY)],
+            4: [("d", PROMPTS["d"], GREEDY), ("f", PROMPTS["f"], GREEDY)], 5: [("e", PROMPTS["e"], GREEDY)]}
+ABORTS = {6: ["f"]}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("prefill_attention") / "m", with_mtp=True)
+    return path, load_reference_model(path)
+
+
+@pytest.fixture
+def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The SDPA path forced with the lowered threshold; records each row it takes as (queries, context before)."""
+    monkeypatch.setenv("HYSERVE_PREFILL_ATTENTION", "sdpa")
+    monkeypatch.setattr(attention_layer, "SDPA_MIN_QUERIES", THRESHOLD)
+    taken: list[tuple[int, int]] = []
+    real = attention_layer.paged_attention_rows
+
+    def recorded(*args: Any) -> Any:
+        qsl, seq, threshold = args[-3], args[-2], args[-1]
+        taken.extend((qsl[i + 1] - qsl[i], seq[i] - (qsl[i + 1] - qsl[i])) for i in range(len(seq))
+                     if qsl[i + 1] - qsl[i] >= threshold)
+        return real(*args)
+
+    monkeypatch.setattr(attention_layer, "paged_attention_rows", recorded)
+    return taken
+
+
+def engine_kw(**kw: Any) -> dict[str, Any]:
+    return dict(max_num_batched_tokens=32, enable_prefix_caching=True, recurrent_snapshot_interval=16,
+                num_snapshot_slots=32, **kw)
+
+
+def test_features_compose_with_sdpa_prefill_rows(tiny: tuple[str, Any], sdpa_rows: list[tuple[int, int]],
+                                                 plant_drafts: Any) -> None:
+    path, ref = tiny
+    plain = drive(make_llm(path, **engine_kw()).llm_engine, ARRIVALS, ABORTS)
+    sdpa_rows.clear()
+    llm = make_llm(path, **engine_kw(speculative_config=MTP, async_scheduling=True))
+    plant_drafts(llm.llm_engine, {rid: list(out.outputs[0].token_ids) for rid, out in plain.items()})
+    got = drive(llm.llm_engine, ARRIVALS, ABORTS)
+    for rid, out in got.items():
+        if rid != "f":  # aborted mid-flight
+            assert_matches_reference(ref, PROMPTS[rid], out)
+    assert any(ctx == 0 for _, ctx in sdpa_rows) and any(ctx > 0 for _, ctx in sdpa_rows), sdpa_rows
+    metrics = llm.get_metrics()
+    assert metrics["hyserve:spec_decode_num_accepted_tokens"] > 0 and metrics["hyserve:prefix_cache_hits"] > 0
+    llm.llm_engine.assert_no_leaks()
+
+
+def test_an_upper_left_mask_after_a_context_is_seen(tiny: tuple[str, Any], sdpa_rows: list[tuple[int, int]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path, ref = tiny
+    monkeypatch.setattr(sdpa, "causal_lower_right", lambda n, ctx_len: None)  # is_causal: top-left aligned
+    got = drive(make_llm(path, **engine_kw()).llm_engine, ARRIVALS)
+    assert any(ctx > 0 for _, ctx in sdpa_rows)
+    wrong = 0
+    for rid, out in got.items():
+        try:
+            assert_matches_reference(ref, PROMPTS[rid], out)
+        except AssertionError:
+            wrong += 1
+    assert wrong > 0, "the sabotaged mask went unseen"
