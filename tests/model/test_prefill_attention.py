@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from hyserve import SamplingParams
 from hyserve.kernels.attention import sdpa
@@ -87,3 +88,35 @@ def test_an_upper_left_mask_after_a_context_is_seen(tiny: tuple[str, Any], sdpa_
         except AssertionError:
             wrong += 1
     assert wrong > 0, "the sabotaged mask went unseen"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sdpa_rows_in_the_engine(tiny: tuple[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the card, at the shipped threshold (128 queries) with prompts of 150-440 tokens, prefix caching and
+    256-token chunks: a float32 model with SDPA forced (its own CUDA backend) token-exact against transformers, and
+    a bf16 model on ``auto`` (FlashAttention) beside the paged kernel alone (``triton``) within bf16's rule."""
+    from test_ssm_state_dtype import TOP2, assert_parts_only_at_close_calls
+
+    path, ref = tiny
+    long_a, long_b, long_c = random_prompts(3, [300, 150, 200], seed=13)
+    prompts = [long_a, long_b, long_c, long_a + random_prompts(1, [140], seed=14)[0]]  # the last after a cached context
+    kw: dict[str, Any] = dict(device="cuda", max_num_batched_tokens=256, enable_prefix_caching=True,
+                              max_model_len=1024)
+    taken: list[int] = []
+    real = attention_layer.paged_attention_rows
+    monkeypatch.setattr(attention_layer, "paged_attention_rows",
+                        lambda *a: (taken.append(len(a[-2])), real(*a))[1])
+    monkeypatch.setenv("HYSERVE_PREFILL_ATTENTION", "sdpa")
+    outs = make_llm(path, dtype="float32", **kw).generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                                          use_tqdm=False)
+    for p, out in zip(prompts, outs, strict=True):
+        assert_matches_reference(ref, p, out)
+    assert taken
+    runs = {}
+    for mode in ("auto", "triton"):
+        monkeypatch.setenv("HYSERVE_PREFILL_ATTENTION", mode)
+        taken.clear()
+        runs[mode] = make_llm(path, dtype="bfloat16", **kw).generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      TOP2, use_tqdm=False)
+        assert bool(taken) == (mode == "auto"), (mode, taken)
+    assert_parts_only_at_close_calls(runs["auto"], runs["triton"])
