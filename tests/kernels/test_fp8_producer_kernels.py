@@ -145,6 +145,25 @@ def _interp_silu(dtype: torch.dtype, f: int, keep: bool, sabotage: str = "",
     return all(goods) != bool(sabotage), "; ".join(msgs)
 
 
+def _interp_sigmoid_read_plain() -> tuple[bool, str]:
+    """The gate kernels told the per-head gate is a plain row (``PER_HEAD`` off: the launch's flag mutated, plain
+    and quantizing), which must read the wrong columns: the check passes when both disagree with torch's formula."""
+    from hyserve.testing.triton_interpreter import mutated_module
+
+    norm = mutated_module("hyserve.kernels.norm", [("PER_HEAD=sgh != 0, num_warps=4)", "PER_HEAD=False, num_warps=4)"),
+                                                   ("PER_HEAD=sgh != 0,\n", "PER_HEAD=False,\n")])
+    gen = torch.Generator().manual_seed(22)
+    qg = _rows(5, 3 * 2 * 40, BF16, gen).view(5, 3, 80)
+    gate, x = qg[:, :, 40:], _rows(5, 120, BF16, gen)
+    want = x * torch.sigmoid(gate.reshape(5, 120))
+    plain = norm.sigmoid_mul_triton(x, gate)
+    act = norm.sigmoid_mul_triton(x, gate, "fp8")
+    deq = act.q.float() * act.scale
+    wrong_plain = float((plain.float() - want.float()).abs().max()) > 0.05
+    wrong_fp8 = float((deq - want.float()).abs().max()) > 0.1
+    return wrong_plain and wrong_fp8, f"plain wrong {wrong_plain}, fp8 wrong {wrong_fp8}"
+
+
 def _interp_sigmoid(dtype: torch.dtype, quant: str | None, sabotage: bool = False) -> tuple[bool, str]:
     """The attention output's gate, ``x * sigmoid(gate)`` with the gate read per head from q_proj's (T, H, 2D)
     output, against torch's formula (within one unit in the last place, in at most 2 % of the elements) and, with
@@ -206,6 +225,7 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     record_check(res, "norm_without_the_add_caught",
                  lambda: _interp_norm(BF16, 64, add=True, keep=False, sabotage="no_add"))
     record_check(res, "sigmoid_gate_heads_contiguous_caught", lambda: _interp_sigmoid(BF16, None, sabotage=True))
+    record_check(res, "sigmoid_gate_read_as_plain_rows_caught", _interp_sigmoid_read_plain)
     record_check(res, "silu_first_pass_amax_caught", lambda: _interp_silu(BF16, 3000, keep=False,
                                                                           sabotage="first_pass"))
     return res
@@ -214,9 +234,9 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
 INTERP_CHECKS = [
     *[f"{k}_{d}_{n}" for n in DTYPES for d in WIDTHS for k in ("norm", "add_norm")],
     *[f"{k}_{n}" for n in DTYPES for k in ("norm_keep", "add_norm_keep", "silu_37", "silu_3000", "silu_keep",
-                                        "silu_3000_block256",
-                                          "sigmoid_gate", "sigmoid_gate_fp8")],
-    "sigmoid_gate_heads_contiguous_caught", "scale_before_rounding_caught", "one_scale_for_the_batch_caught",
+                                          "silu_3000_block256", "sigmoid_gate", "sigmoid_gate_fp8")],
+    "sigmoid_gate_heads_contiguous_caught", "sigmoid_gate_read_as_plain_rows_caught", "scale_before_rounding_caught",
+    "one_scale_for_the_batch_caught",
     "norm_without_the_add_caught", "silu_first_pass_amax_caught",
 ]
 

@@ -260,7 +260,8 @@ def sigmoid_mul_triton(x: torch.Tensor, gate: torch.Tensor,
 
 def _gated_product(g: torch.Tensor, sg: int, sgh: int, hd: int, u: torch.Tensor, quant: str | None,
                    sigmoid: bool, launch: tuple[int, int] | None = None) -> torch.Tensor | Fp8Activation:
-    """``act(g) * u`` over ``u``'s ``(N, F)`` rows (``g``'s column ``c`` at ``(c // hd) * sgh + c % hd``)."""
+    """``act(g) * u`` over ``u``'s ``(N, F)`` rows (``g``'s column ``c`` at ``(c // hd) * sgh + c % hd`` where
+    ``sgh`` is not 0, a gate read per head; at ``c`` otherwise, with no integer division a column)."""
     from hyserve.kernels.norm._triton import _silu_mul_kernel, _silu_mul_quant_kernel
 
     n, f = u.shape
@@ -272,14 +273,15 @@ def _gated_product(g: torch.Tensor, sg: int, sgh: int, hd: int, u: torch.Tensor,
             assert block_f == next_pow2(block_f), "BLOCK_F must be a power of two"
             _silu_mul_quant_kernel[(n,)](g, u, out, q, s, f, sg, u.stride(0), out.stride(0),
                                          q.stride(0), FP8_MAX, AMAX_EPS, sgh, hd, BLOCK_F=block_f,
-                                         KEEP=quant == "fp8+plain", SIGMOID=sigmoid, num_warps=warps)
+                                         KEEP=quant == "fp8+plain", SIGMOID=sigmoid, PER_HEAD=sgh != 0,
+                                         num_warps=warps)
         return _produced(out, q, s, out.shape, quant)
     if n and f:
         block_f = min(1024, max(16, 1 << (f - 1).bit_length()))
         block_t = 4096 // block_f  # 4096 elements a program: 4 rows of 1024 (SwiGLU), 16 heads of 256 (the gate)
         _silu_mul_kernel[(-(-n // block_t), -(-f // block_f))](g, u, out, n, f, sg, u.stride(0), out.stride(0),
                                                                  sgh, hd, BLOCK_T=block_t, BLOCK_F=block_f,
-                                                                 SIGMOID=sigmoid, num_warps=4)
+                                                                 SIGMOID=sigmoid, PER_HEAD=sgh != 0, num_warps=4)
     return out
 
 
@@ -476,12 +478,13 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                             dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", F=i32, sg=i32, su=i32, so=i32,
                                  sq=i32, fp8_max=f32, amax_eps=f32, sgh=i32, HD=i32, **fp8),
                             dict(BLOCK_F=gated_quant_launch(width)[0], KEEP=keep,
-                                 SIGMOID=gate_act == "sigmoid")))
+                                 SIGMOID=gate_act == "sigmoid", PER_HEAD=gate_act == "sigmoid")))
         for gate_act in ("silu", "sigmoid"):
             out.append((f"{gate_act}_mul_{act}", _silu_mul_kernel,
                         dict(g_ptr=f"*{act}", u_ptr=f"*{act}", out_ptr=f"*{act}", N=i32, F=i32, sg=i32, su=i32,
                              so=i32, sgh=i32, HD=i32),
-                        dict(BLOCK_T=4, BLOCK_F=1024, SIGMOID=gate_act == "sigmoid")))
+                        dict(BLOCK_T=4, BLOCK_F=1024, SIGMOID=gate_act == "sigmoid",
+                             PER_HEAD=gate_act == "sigmoid")))
     gate = dict(N=i32, W=i32, sy=i32, sz=i32)
     # bf16: every form; fp16 and float32 models: the two orders of the norm and the gate alone.
     spans: tuple[tuple[bool, bool, int], ...] = ((False, False, 1024), (True, False, 1024), (False, True, 4096),

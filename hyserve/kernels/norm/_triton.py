@@ -193,18 +193,27 @@ def _gate_act(g, SIGMOID: tl.constexpr):
 
 
 @triton.jit
+def _gate_cols(cols, sgh, HD, PER_HEAD: tl.constexpr):
+    """Where column ``cols`` of the gate lies in its row: ``(c // HD) * sgh + c % HD`` for a per-head slice of a
+    wider projection output (``PER_HEAD``), ``c`` for plain rows (no integer division a column)."""
+    if PER_HEAD:
+        return (cols // HD) * sgh + cols % HD
+    return cols
+
+
+@triton.jit
 def _silu_mul_kernel(
     g_ptr, u_ptr, out_ptr, N, F, sg, su, so, sgh, HD,
-    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, SIGMOID: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, SIGMOID: tl.constexpr = False, PER_HEAD: tl.constexpr = False,
 ):  # fmt: skip
     """``out = silu(g) * u`` (``SIGMOID``: ``sigmoid(g) * u``, the attention output's gate), each op rounded to the
-    dtype as in torch (``F.silu(g) * u``). Column ``c`` of ``g`` is at ``(c // HD) * sgh + c % HD`` in its row (a
-    per-head slice of a wider projection output; ``HD = F``, ``sgh = 0`` for plain rows)."""
+    dtype as in torch (``F.silu(g) * u``). With ``PER_HEAD`` column ``c`` of ``g`` is at ``(c // HD) * sgh + c % HD``
+    in its row (a per-head slice of a wider projection output); else at ``c`` (plain rows)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows < N)[:, None] & (cols < F)[None, :]
     dt = out_ptr.dtype.element_ty
-    gcols = (cols // HD) * sgh + cols % HD
+    gcols = _gate_cols(cols, sgh, HD, PER_HEAD)
     g = tl.load(g_ptr + rows[:, None] * sg + gcols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _gate_act(g, SIGMOID).to(dt).to(tl.float32)
@@ -214,7 +223,7 @@ def _silu_mul_kernel(
 @triton.jit
 def _silu_mul_quant_kernel(
     g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, F, sg, su, so, sq, fp8_max, amax_eps, sgh, HD,
-    BLOCK_F: tl.constexpr, KEEP: tl.constexpr, SIGMOID: tl.constexpr = False,
+    BLOCK_F: tl.constexpr, KEEP: tl.constexpr, SIGMOID: tl.constexpr = False, PER_HEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Row ``program_id(0)`` of ``silu(g) * u`` (rounded as :func:`_silu_mul_kernel` rounds it) quantized per token
     for an FP8 GEMM: a first pass over the row for its amax, a second for the values (``KEEP``: the rounded row to
@@ -225,7 +234,7 @@ def _silu_mul_quant_kernel(
     for lo in range(0, F, BLOCK_F):
         cols = lo + tl.arange(0, BLOCK_F)
         m = cols < F
-        g = tl.load(g_ptr + row * sg + (cols // HD) * sgh + cols % HD, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * sg + _gate_cols(cols, sgh, HD, PER_HEAD), mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * su + cols, mask=m, other=0.0).to(tl.float32)
         y = (_gate_act(g, SIGMOID).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
         amax = tl.maximum(amax, tl.where(m, tl.abs(y), 0.0))
@@ -234,7 +243,7 @@ def _silu_mul_quant_kernel(
     for lo in range(0, F, BLOCK_F):
         cols = lo + tl.arange(0, BLOCK_F)
         m = cols < F
-        g = tl.load(g_ptr + row * sg + (cols // HD) * sgh + cols % HD, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * sg + _gate_cols(cols, sgh, HD, PER_HEAD), mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * su + cols, mask=m, other=0.0).to(tl.float32)
         yr = (_gate_act(g, SIGMOID).to(dt).to(tl.float32) * u).to(dt)
         if KEEP:
