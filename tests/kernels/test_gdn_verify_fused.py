@@ -30,9 +30,12 @@ activation for a step of verify rows alone, and the plain output when prefill ro
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -623,17 +626,40 @@ def test_cuda_fused_verify_replays_in_a_graph() -> None:
             assert torch.equal(p["stash"][n].nan_to_num(7.0), eager["stash"][n].nan_to_num(7.0)), (step, n)
 
 
+@contextlib.contextmanager
+def gdn_on_triton_kernels(calls: collections.Counter[str]) -> Iterator[None]:
+    """Within: the GDN layers take the fused decode and verify on every device, and their decode, verify and replay
+    run the Triton kernels (under the interpreter here), each call counted in ``calls``."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+    from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_verify_fused_triton
+
+    def counting(name: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    saved = (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,
+             gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay)
+    gdn_layer.uses_fused_decode = gdn_layer.uses_fused_verify = lambda x: True  # type: ignore[assignment]
+    gdn_layer.gdn_decode_fused = counting("decode", gdn_decode_fused_triton)  # type: ignore[assignment]
+    gdn_layer.gdn_verify_fused = counting("verify", lambda *a, **k: gdn_verify_fused_triton(*a[:-1], **k))  # type: ignore
+    gdn_layer.gdn_replay = counting("replay", gdn_replay_triton)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,  # type: ignore
+         gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay) = saved
+
+
 def _interp_engine() -> tuple[bool, str]:
     """The engine (tiny Qwen3.5 with its MTP head, 3 GDN layers with Hv = 2 Hk and 1 attention layer, float32) with
     MTP k = 2, emulated CUDA graphs, chunked prefill beside verify rows, prefix caching with snapshots every 16
     tokens, staggered lengths: every GDN verify, decode, commit and candidate snapshot on the Triton kernels, against
     the same engine on the references: the same greedy tokens, log-probabilities within 1e-4, each kernel run."""
-    import collections
     import tempfile
 
     from hyserve import SamplingParams
-    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
-    from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_verify_fused_triton
     from hyserve.testing import write_tiny_checkpoint
     from hyserve.testing.engine import make_llm, random_prompts
     from hyserve.worker import cuda_graphs
@@ -652,24 +678,11 @@ def _interp_engine() -> tuple[bool, str]:
         assert llm.llm_engine.runner.graphs is not None
         return llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
 
-    def counting(name: str, fn: Any) -> Any:
-        def wrapped(*a: Any, **k: Any) -> Any:
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapped
-
     want = run()
-    saved = (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,
-             gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay)
-    gdn_layer.uses_fused_decode = gdn_layer.uses_fused_verify = lambda x: True  # type: ignore[assignment]
-    gdn_layer.gdn_decode_fused = counting("decode", gdn_decode_fused_triton)  # type: ignore[assignment]
-    gdn_layer.gdn_verify_fused = counting("verify", lambda *a, **k: gdn_verify_fused_triton(*a[:-1], **k))  # type: ignore
-    gdn_layer.gdn_replay = counting("replay", gdn_replay_triton)  # type: ignore[assignment]
     try:
-        got = run()
+        with gdn_on_triton_kernels(calls):
+            got = run()
     finally:
-        (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,  # type: ignore
-         gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay) = saved
         cuda_graphs.EMULATE = False
     same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(got, want, strict=True))
     diff = max(abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
@@ -684,13 +697,10 @@ def _interp_random_schedule() -> tuple[bool, str]:
     on the prefix cache) with every GDN decode, verify, commit and candidate snapshot on the Triton kernels: the
     tokens of plain decoding. It caught the candidate snapshots' index vectors read at the wrong stride (the replay
     kernel then wrote other slots); the CPU references had hidden it."""
-    import collections
     import random
     import tempfile
 
     from hyserve import SamplingParams
-    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
-    from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_verify_fused_triton
     from hyserve.testing.engine import drive, make_llm, random_prompts
     from hyserve.testing.families import CheckpointCache
     from hyserve.worker import cuda_graphs
@@ -703,32 +713,19 @@ def _interp_random_schedule() -> tuple[bool, str]:
     plain = drive(make_llm(path, **kw).llm_engine, {3 * i: [(f"r{i}", q, params)] for i, q in enumerate(prompts)})
     calls: collections.Counter[str] = collections.Counter()
 
-    def counting(name: str, fn: Any) -> Any:
-        def wrapped(*a: Any, **k: Any) -> Any:
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapped
-
-    saved = (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,
-             gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay)
-    gdn_layer.uses_fused_decode = gdn_layer.uses_fused_verify = lambda x: True  # type: ignore[assignment]
-    gdn_layer.gdn_decode_fused = counting("decode", gdn_decode_fused_triton)  # type: ignore[assignment]
-    gdn_layer.gdn_verify_fused = counting("verify", lambda *a, **k: gdn_verify_fused_triton(*a[:-1], **k))  # type: ignore
-    gdn_layer.gdn_replay = counting("replay", gdn_replay_triton)  # type: ignore[assignment]
     try:
-        llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
-                       async_scheduling=True, **kw)
-        assert llm.llm_engine.drafts is not None
-        rng = random.Random(0)
-        llm.llm_engine.drafts.policy.script([rng.randrange(4) for _ in range(37)])
-        parted = []
-        for tag in ("r", "b"):
-            out = drive(llm.llm_engine, {3 * i: [(f"{tag}{i}", q, params)] for i, q in enumerate(prompts)})
-            parted += [f"{tag}{i}" for i in range(7)
-                       if out[f"{tag}{i}"].outputs[0].token_ids != plain[f"r{i}"].outputs[0].token_ids]
+        with gdn_on_triton_kernels(calls):
+            llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
+                           async_scheduling=True, **kw)
+            assert llm.llm_engine.drafts is not None
+            rng = random.Random(0)
+            llm.llm_engine.drafts.policy.script([rng.randrange(4) for _ in range(37)])
+            parted = []
+            for tag in ("r", "b"):
+                out = drive(llm.llm_engine, {3 * i: [(f"{tag}{i}", q, params)] for i, q in enumerate(prompts)})
+                parted += [f"{tag}{i}" for i in range(7)
+                           if out[f"{tag}{i}"].outputs[0].token_ids != plain[f"r{i}"].outputs[0].token_ids]
     finally:
-        (gdn_layer.uses_fused_decode, gdn_layer.uses_fused_verify, gdn_layer.gdn_decode_fused,  # type: ignore
-         gdn_layer.gdn_verify_fused, gdn_layer.gdn_replay) = saved
         cuda_graphs.EMULATE = False
     ok = not parted and min(calls[n] for n in ("decode", "verify", "replay")) > 0
     return ok, f"requests parting from plain decoding {parted}, calls {dict(calls)}"

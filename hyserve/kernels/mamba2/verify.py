@@ -154,10 +154,10 @@ def mamba2_replay(
     host on CUDA."""
     assert src_slots.shape == dst_slots.shape == counts.shape and counts.dim() == 1
     assert rows is None or rows.shape == counts.shape
-    check_index_vectors(rows, src_slots, dst_slots, counts)
-    if ssm_state.is_cuda:
+    if ssm_state.is_cuda:  # the Triton form checks the index vectors itself
         mamba2_replay_triton(ssm_state, A_log, stash, rows, src_slots, dst_slots, counts, conv)
         return
+    check_index_vectors(rows, src_slots, dst_slots, counts)
     if conv is not None:
         copy_candidate_windows(conv, rows, dst_slots, counts)
     mamba2_replay_ref(ssm_state, A_log, stash, rows, src_slots, dst_slots, counts)
