@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gdn_decode_bench import graph_time
 
 from hyserve.kernels.fp8 import Fp8Activation, quantize_rows, token_quant_launch
-from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused_triton, quant_block, row_counters_for
+from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused_triton, row_counters_for
 from hyserve.kernels.norm import (
     add_rms_norm_triton as add_rms_norm,
 )
@@ -63,9 +63,13 @@ GATED_SWEEP = [(2048, 4), (1024, 4), (4096, 8), (8192, 16)]
 QBLOCK_SWEEP = [1024, 2048, 4096]
 
 
-def same(a: Any, b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+def same(a: Any, b: tuple[torch.Tensor, torch.Tensor]) -> bool | tuple[int, int, int]:
+    """True where the FP8 bytes and scales equal the unfused path's; else ``(bytes differing, scales differing,
+    elements)`` for the record."""
     q, s = (a.q, a.scale) if isinstance(a, Fp8Activation) else a
-    return bool(torch.equal(q.view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(s, b[1]))
+    if torch.equal(q.view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(s, b[1]):
+        return True
+    return (int((q.view(torch.uint8) != b[0].view(torch.uint8)).sum()), int((s != b[1]).sum()), q.numel())
 
 
 DEVICE = "cuda"
@@ -101,9 +105,11 @@ def rows_for(m: int) -> list[dict[str, Any]]:
     g = torch.Generator(device=DEVICE).manual_seed(m)
     out: list[dict[str, Any]] = []
 
-    def add(what: str, us: float, exact: bool | None = None, **extra: Any) -> None:
+    def add(what: str, us: float, exact: bool | tuple[int, int, int] | None = None, **extra: Any) -> None:
+        if isinstance(exact, tuple):  # how far apart: bytes and scales differing, of the elements
+            extra["differing"] = dict(zip(("bytes", "scales", "of"), exact, strict=True))
         out.append({"rows": m, "what": what, "us": round(us, 3), **extra,
-                    **({} if exact is None else {"same_bytes": exact})})
+                    **({} if exact is None else {"same_bytes": exact is True})})
         print(json.dumps(out[-1]), flush=True)
 
     for k in (HIDDEN, GDN_OUT, INTER):
@@ -156,10 +162,11 @@ def rows_for(m: int) -> list[dict[str, Any]]:
                                       quant="fp8", row_counts=counts, qblock=qb)
         add(f"gdn_decode fused quant qblock={qb}", timed(lambda qb=qb: gdn_decode_fused_triton(
             **p, arrivals=arr, quant="fp8", row_counts=counts, qblock=qb)), same(got, want),
-            shipped=qb == quant_block(HV * D))
+            shipped=False)
     add("gdn_decode plain", timed(lambda: gdn_decode_fused_triton(**p, arrivals=arr)))
+    # what the layer runs unless HYSERVE_GDN_FUSED_QUANT=1 (the fused quantization lost at every row count here)
     add("gdn_decode plain + quant_rows", timed(lambda: quantize_rows(
-        gdn_decode_fused_triton(**p, arrivals=arr))))  # type: ignore[arg-type]
+        gdn_decode_fused_triton(**p, arrivals=arr))), shipped=True)  # type: ignore[arg-type]
     return out
 
 

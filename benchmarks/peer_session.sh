@@ -701,7 +701,8 @@ case "${1:?phase}" in
     D34_MAIN=(--measures decode,bound,prefill --batches 1,8,32,64 --prefill-prompts 32 --prefill-len 2048)
     D34_DECODE=(--measures decode,bound --batches 1,8,32,64)
     if [ "$1" = decode34-vllm ]; then
-        runs=("9b:/tmp/p9b:550::main" "27b_fp8:/tmp/s27:550::main")
+        # a cold start took 250 s with the Triton prefill (55 s torch.compile, 108 s of warm-up compiling)
+        runs=("9b:/tmp/p9b:500::main" "27b_fp8:/tmp/s27:550::main")
         engine=vllm; VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
     else
         runs=("9b:/tmp/p9b:200::main" "9b_bf16state:/tmp/p9b:150::decode_bf16state"
@@ -717,6 +718,9 @@ case "${1:?phase}" in
         # the GDN state stored in the model's dtype, as vLLM's default keeps it (hyserve's default: float32)
         [ "$kind" = decode_bf16state ] && args=("${D34_DECODE[@]}" --mamba-ssm-cache-dtype auto)
         [ "$dir" = /tmp/s27 ] && args+=(--load-format dummy)
+        # FlashInfer's GDN prefill JIT took over 7 minutes on a fresh H100 (2026-12-05, the call timed out in it):
+        # unless its module is here, vLLM's prefill runs on its Triton kernel, as the JSON records
+        [ "$engine" = vllm ] && ! vllm_warm && args+=(--vllm-gdn-prefill-backend triton)
         # shellcheck disable=SC2086
         ( [ -n "$envs" ] && export $envs; measure "$engine" "$dir" "$run" "$limit" "${args[@]}" )
         moe_done "$engine" "$run" "$OUT/${engine}_$run.json" decode_bs1_tok_s

@@ -46,6 +46,18 @@ def fused_switch() -> bool:
 FUSED = fused_switch()
 
 
+def output_quant_switch() -> bool:
+    """``HYSERVE_GDN_FUSED_QUANT``: 0 (the default) or 1, the fused decode and verify launches quantizing an FP8
+    ``out_proj``'s input per token themselves (the last of a row's programs quantizes it, counted per row). On an
+    H100 at the 27B's heads that took 13.9 / 20.5 / 110 / 211 us at batch 1 / 8 / 32 / 64 where the plain launch and
+    the GEMM's own quantization took 13.2 / 19.7 / 103 / 196 (``benchmarks/fp8_quant_bench.py``, 2026-12-05), so
+    it is off unless asked for; any other value is refused."""
+    value = os.environ.get("HYSERVE_GDN_FUSED_QUANT", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"HYSERVE_GDN_FUSED_QUANT={value!r}: 0 (the default) or 1")
+    return value == "1"
+
+
 def uses_fused_decode(x: torch.Tensor) -> bool:
     """Whether a pure decode step takes the fused kernel: on CUDA (the CPU keeps the unfused references)."""
     return x.is_cuda and FUSED
@@ -103,9 +115,10 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(full_v, cfg.hidden_size, (v0 * dv, v1 * dv),
                                           sharded=tp > 1, quant=cfg.quantization, prefix=f"{prefix}.out_proj")
-        # The fused decode and verify launches quantize out_proj's input per token where an FP8 out_proj takes it;
+        # The fused decode and verify launches quantize out_proj's input per token where an FP8 out_proj takes it
+        # and HYSERVE_GDN_FUSED_QUANT=1 asks for it (off by default: slower than the GEMM's own quantization);
         # their per-row counters (zeros between launches) say which of a row's programs finishes last.
-        self.out_quant = self.out_proj.fp8_input()
+        self.out_quant = self.out_proj.fp8_input() if output_quant_switch() else None
         self.row_counts: torch.Tensor | None = None  # (S,) int32, with out_quant
         self.k_range, self.v_range = (k0, k1), (v0, v1)
         if tp > 1:

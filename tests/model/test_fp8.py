@@ -681,9 +681,36 @@ def test_cuda_producers_quantizing_change_no_bit(fp8_ckpts: Checkpoints, monkeyp
     scales reach the same GEMMs), through prefix caching, MTP and chunked prefill."""
     path = fp8_ckpts.get("ct_dynamic")
     runs = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("HYSERVE_FP8_FUSED_QUANT", mode)
+    # (HYSERVE_FP8_FUSED_QUANT, HYSERVE_GDN_FUSED_QUANT): the default, every GEMM on its own, and the GDN decode and
+    # verify launches quantizing out_proj's input too (off by default, kept to measure)
+    for mode in (("1", "0"), ("0", "0"), ("1", "1")):
+        monkeypatch.setenv("HYSERVE_FP8_FUSED_QUANT", mode[0])
+        monkeypatch.setenv("HYSERVE_GDN_FUSED_QUANT", mode[1])
         _, runs[mode] = run_shared_prefix(path, device="cuda", dtype="bfloat16")
-    for (_, a), (_, b) in zip(runs["1"], runs["0"], strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    for mode in (("1", "0"), ("1", "1")):
+        for (_, a), (_, b) in zip(runs[mode], runs[("0", "0")], strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, mode
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs, mode
+
+
+def test_the_gdn_output_quantization_is_asked_for(fp8_ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HYSERVE_GDN_FUSED_QUANT``: off unless 1 (the GDN decode launch quantizing its output measured slower than
+    the GEMM's own quantization), then every FP8 out_proj's GDN layer asks its fused launches for it; any other
+    value refused rather than read as off."""
+    from hyserve.layers.gdn import GatedDeltaNet, output_quant_switch
+
+    path = fp8_ckpts.get("ct_dynamic")
+    for value, want in ((None, None), ("0", None), ("1", "fp8")):
+        if value is None:
+            monkeypatch.delenv("HYSERVE_GDN_FUSED_QUANT", raising=False)
+        else:
+            monkeypatch.setenv("HYSERVE_GDN_FUSED_QUANT", value)
+        assert output_quant_switch() == (want is not None)
+        model = load_engine_model(HyModel, path, "cpu", torch.float32)
+        layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        assert layers and all(m.out_proj.method.takes_fp8_activation() for m in layers)
+        assert {m.out_quant for m in layers} == {want}, value
+    for bad in ("2", "on", ""):
+        monkeypatch.setenv("HYSERVE_GDN_FUSED_QUANT", bad)
+        with pytest.raises(ValueError, match="HYSERVE_GDN_FUSED_QUANT"):
+            output_quant_switch()

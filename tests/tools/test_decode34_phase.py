@@ -69,6 +69,13 @@ def test_decode34_vllm_runs_its_default_mode_on_the_same_directories(tmp_path: P
     parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
     assert [(s, p.engine, p.model, p.load_format) for s, p in parsed] == [
         ("unset,unset,unset", "vllm", "/tmp/p9b", "auto"), ("unset,unset,unset", "vllm", "/tmp/s27", "dummy")]
+    # no FlashInfer GDN prefill module on this machine: vLLM's Triton prefill (its JIT outlasted a call)
+    assert [p.vllm_gdn_prefill_backend for _, p in parsed] == ["triton", "triton"]
+    built = tmp_path / ".cache" / "flashinfer" / "90" / "gdn_prefill_sm90.so"
+    built.parent.mkdir(parents=True)
+    built.touch()
+    again = [peer_bench.build_parser().parse_args(a[1:]) for _, a in _run(tmp_path, "decode34-vllm")]
+    assert [p.vllm_gdn_prefill_backend for p in again] == [None, None]  # its default, FlashInfer
 
 
 def test_prefill34_profiles_both_shapes_and_times_the_conv(tmp_path: Path) -> None:
