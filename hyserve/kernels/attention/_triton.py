@@ -14,6 +14,7 @@ contribute exactly zero instead of NaN. Products ``q k^T`` and ``p v`` use ``tl.
 * ``_paged_decode_kernel``: rows of at most one token. One program per (row, kv head, context split) handles the whole
   GQA group (query heads padded to >= 16 for ``tl.dot``). With one split it writes the normalised output directly;
   otherwise it writes unnormalised partial sums plus (max, sum) and ``_paged_decode_reduce_kernel`` combines them.
+  A split past its row's context (a graph sizes the splits for the model's length) writes its (max, sum) alone.
 * ``_paged_prefill_kernel``: any row lengths. One program per (block of ``BLOCK_M`` query tokens, row, query head);
   keys beyond the block's last query position are never visited.
 * ``_qsa_scores_kernel`` and ``_qsa_attend_kernel``: Qwen4-Exp's indexed (QSA) attention (``hyserve.layers.qsa``):
@@ -100,7 +101,7 @@ def _write_split(
     so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s, SINGLE: tl.constexpr,
 ):  # fmt: skip
     """A split-context program's result: with one split the normalised output at token ``tok``; otherwise the
-    unnormalised partial sums and (max, sum) of split ``sp`` at partial row ``row``, for
+    unnormalised partial sums (where ``qmask``) and (max, sum) (always) of split ``sp`` at partial row ``row``, for
     ``_paged_decode_reduce_kernel``."""
     if SINGLE:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -140,7 +141,10 @@ def _paged_decode_kernel(
     gmask = og < GROUP
     dmask = od < D
     hq = hkv * GROUP + og
-    qmask = gmask[:, None] & dmask[None, :] & (n > 0)
+    # A split past the row's context (most of them in a graph sized for the model's length) or of an empty row reads
+    # nothing and writes only its (max, sum) = (floor, 0): the reduction reads no partial sums of a split whose sum
+    # is 0.
+    qmask = gmask[:, None] & dmask[None, :] & (lo < kv_len)
     q = tl.load(q_ptr + start * sq_t + hq[:, None] * sq_h + od[None, :], mask=qmask, other=0.0)
 
     if FP8:
@@ -159,9 +163,7 @@ def _paged_decode_kernel(
         )  # fmt: skip
     if FP8:  # the partial sums combine linearly, so scaling each split's is scaling the result
         acc = acc * tl.load(vs_ptr + hkv)
-    # A partial row's slots are written even for an empty row (the reduction skips its output).
-    _write_split(acc, m_i, l_i, out_ptr, po_ptr, pml_ptr, start, r, sp, hq, od,
-                 qmask if SINGLE else gmask[:, None] & dmask[None, :], gmask,
+    _write_split(acc, m_i, l_i, out_ptr, po_ptr, pml_ptr, start, r, sp, hq, od, qmask, gmask,
                  so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s, SINGLE)  # fmt: skip
 
 
@@ -171,7 +173,8 @@ def _paged_decode_reduce_kernel(
     so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s,
     NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Grid (R, Hq): combine the splits' partial (unnormalised) outputs of a decode row."""
+    """Grid (R, Hq): combine the splits' partial (unnormalised) outputs of a decode row. A split whose sum is 0 saw
+    no position (past the row's context): its partial sums are neither read nor, by the decode kernel, written."""
     r = tl.program_id(0)
     hq = tl.program_id(1)
     start = tl.load(qsl_ptr + r).to(tl.int64)
@@ -187,7 +190,7 @@ def _paged_decode_reduce_kernel(
     w = tl.exp2(m_s - m)
     denom = tl.sum(l_s * w, axis=0)
     po = tl.load(po_ptr + r * spo_r + hq * spo_h + osp[:, None] * spo_s + od[None, :],
-                 mask=smask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+                 mask=(smask & (l_s > 0))[:, None] & dmask[None, :], other=0.0)  # fmt: skip
     o = tl.sum(po * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + start * so_t + hq * so_h + od, o.to(out_ptr.dtype.element_ty), mask=dmask & (n > 0))
 
