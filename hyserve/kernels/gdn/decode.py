@@ -180,11 +180,13 @@ def gdn_decode_fused_triton(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     qblock: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
     value block ``BV`` (a power of two; tests take several blocks of a small head), ``qblock`` the quantization
-    pass's block (:func:`quant_block`; ``benchmarks/fp8_quant_bench.py`` sweeps it)."""
+    pass's block (:func:`quant_block`; ``benchmarks/fp8_quant_bench.py`` sweeps it); ``num_warps`` the program's
+    warps (``benchmarks/gdn_decode_bench.py --launch`` sweeps both)."""
     from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
 
     t = x.shape[0]
@@ -222,7 +224,7 @@ def gdn_decode_fused_triton(
         arr.stride(0), out.stride(0), q.stride(0),
         dk**-0.5, float(eps), FP8_MAX, AMAX_EPS,
         HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=qb,
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
     return as_output(out, q, qs, quant)
 

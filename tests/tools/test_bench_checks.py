@@ -1,0 +1,36 @@
+"""The CPU checks of the kernel benches a device session runs: ``attention_decode_bench.py --check`` (the paged
+decode kernel against the reference with every split live and with splits past the rows' context, under the
+interpreter) and ``gdn_decode_bench.py``'s launch argument."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import gdn_decode_bench
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_attention_decode_bench_check_agrees_with_the_reference() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/attention_decode_bench.py", "--check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # both forms ran: the rows' own length (two splits) and a graph's model length (four, two of them empty)
+    assert "max_seq_len 601:" in proc.stdout and "max_seq_len 2000:" in proc.stdout, proc.stdout
+
+
+def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
+    assert gdn_decode_bench.parse_launch("64x8") == (64, 8)
+    assert gdn_decode_bench.parse_launch("32") == (32, 4)  # the shipped warps
+    assert gdn_decode_bench.name(32, 4) == "bv32" and gdn_decode_bench.name(128, 16) == "bv128w16"
+    for bad in ("48x4", "64x6", "0x4"):
+        with pytest.raises(SystemExit, match="powers of two"):
+            gdn_decode_bench.parse_launch(bad)
