@@ -34,3 +34,20 @@ def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
     for bad in ("48x4", "64x6", "0x4"):
         with pytest.raises(SystemExit, match="powers of two"):
             gdn_decode_bench.parse_launch(bad)
+
+
+def test_plot_decode_pair_reads_both_files_by_batch(tmp_path: Path) -> None:
+    import json
+
+    import plot_decode_pair
+
+    a = {"engine": "hyserve", "figures": {"decode_bs1_tok_s": 150.0, "decode_bs64_tok_s": 7000.0, "bound_bs1_tok_s": 1}}
+    b = {"engine": "vllm", "figures": {"decode_bs1_tok_s": 100.0, "decode_bs8_tok_s": 900.0, "decode_bs64_tok_s": 7e3}}
+    for name, run in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(run))
+    assert plot_decode_pair.decode_figures(str(tmp_path / "a.json")) == ("hyserve", {1: 150.0, 64: 7000.0})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/plot_decode_pair.py", str(tmp_path / "a.json"),
+                           str(tmp_path / "b.json"), "--out", str(tmp_path / "p.png")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "p.png").stat().st_size > 0, proc.stderr
