@@ -6,6 +6,7 @@ partial sums still NaN afterwards (the traffic saved), and three sabotaged kerne
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -21,6 +22,7 @@ from hyserve.testing.triton_interpreter import (
     record_check,
 )
 
+KERNELS = "hyserve.kernels.attention._triton"  # the decode and reduce kernels, swapped for sabotaged copies
 PART = 16  # context positions per split (decode_partition)
 LENS, CTXS = [1, 1, 0, 1, 1], [0, 17, 4, 60, 31]  # seq_lens 1, 18, (an empty row), 61, 32
 MAX_SEQ = 200  # as a graph sized for a longer model: 13 splits, 2 to 4 live ones per row
@@ -42,7 +44,8 @@ def _run(kernels: Any, dtype: torch.dtype) -> tuple[bool, str]:
     reduce kernels): ``(ok, message)``, ok when the output matches the reference, the partial (max, sum) pairs
     are all written, and exactly the live splits' partial sums are."""
     import hyserve.kernels.attention as attention
-    from hyserve.kernels.attention import _triton
+
+    _triton = importlib.import_module(KERNELS)
 
     p = attn_problem(LENS, CTXS, Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, seed=21)
     p["max_seq_len"] = MAX_SEQ
@@ -84,13 +87,12 @@ def _run(kernels: Any, dtype: torch.dtype) -> tuple[bool, str]:
 
 
 def interpreter_checks() -> dict[str, list[Any]]:
-    from hyserve.kernels.attention import _triton
-
+    _triton = importlib.import_module(KERNELS)
     results: dict[str, list[Any]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         record_check(results, f"empty_splits_{str(dtype)[6:]}", lambda dt=dtype: _run(_triton, dt))
     for name, edits in SABOTAGES.items():
-        mutated = mutated_module(_triton.__name__, edits)
+        mutated = mutated_module(KERNELS, edits)
         record_check(results, f"sabotage_{name}", lambda m=mutated: _run(m, torch.float32))
     return results
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -179,20 +180,26 @@ def _interp_engine() -> tuple[bool, str]:
     return same and diff < 0.05 and ran, f"tokens same {same}, max logprob diff {diff:.3g}, deferred GEMMs {seen}"
 
 
-def run_interpreter_checks() -> dict[str, list[Any]]:
+def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
+    """The checks ``names`` (one of the two groups) under the interpreter. Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_triton_interpreter()
     res: dict[str, list[Any]] = {}
+
+    def check(name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+        if name in names:
+            record_check(res, name, fn)
+
     for n, dt in DTYPES.items():
         for p in PROLOGUES:
-            record_check(res, f"prologue_{p}_{n}", lambda p=p, dt=dt: _interp_prologue(p, dt))
-            record_check(res, f"gemm_{p}_{n}", lambda p=p, dt=dt: _interp_gemm(p, dt))
-    record_check(res, "norm_weight_w_caught", lambda: _interp_prologue("norm", BF16, sabotage="weight"))
-    record_check(res, "residual_without_add_caught", lambda: _interp_prologue("add_norm", BF16, sabotage="no_add"))
-    record_check(res, "swiglu_unrounded_caught", lambda: _interp_prologue("swiglu", BF16, sabotage="unrounded"))
-    record_check(res, "dropped_k_tile_caught", lambda: _interp_gemm("plain", BF16, sabotage=True))
+            check(f"prologue_{p}_{n}", lambda p=p, dt=dt: _interp_prologue(p, dt))
+            check(f"gemm_{p}_{n}", lambda p=p, dt=dt: _interp_gemm(p, dt))
+    check("norm_weight_w_caught", lambda: _interp_prologue("norm", BF16, sabotage="weight"))
+    check("residual_without_add_caught", lambda: _interp_prologue("add_norm", BF16, sabotage="no_add"))
+    check("swiglu_unrounded_caught", lambda: _interp_prologue("swiglu", BF16, sabotage="unrounded"))
+    check("dropped_k_tile_caught", lambda: _interp_gemm("plain", BF16, sabotage=True))
     return res
 
 
@@ -200,6 +207,10 @@ INTERP_CHECKS = [
     *[f"{kind}_{p}_{n}" for n in DTYPES for p in PROLOGUES for kind in ("prologue", "gemm")],
     "norm_weight_w_caught", "residual_without_add_caught", "swiglu_unrounded_caught", "dropped_k_tile_caught",
 ]
+# The slow group (scripts/test.sh -m slow; the default suite's budget): the float16 twins of the bf16 checks (about 7 s
+# in all; bf16 and the four sabotages stay).
+SLOW_INTERP_CHECKS = [f"{kind}_{p}_float16" for p in PROLOGUES for kind in ("prologue", "gemm")]
+DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +219,36 @@ def interpreter_results() -> dict[str, list[Any]]:
     return interpreter_subprocess_results(__file__, "--interpreter-checks", timeout=600)
 
 
+@pytest.fixture(scope="module")
+def slow_interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    return interpreter_subprocess_results(__file__, "--interpreter-checks-slow", timeout=600)
+
+
+def test_the_two_groups_hold_every_check_once() -> None:
+    assert sorted(DEFAULT_INTERP_CHECKS + SLOW_INTERP_CHECKS) == sorted(INTERP_CHECKS)
+    assert not set(DEFAULT_INTERP_CHECKS) & set(SLOW_INTERP_CHECKS)
+
+
 def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:
-    assert sorted(interpreter_results) == sorted(INTERP_CHECKS)
+    assert sorted(interpreter_results) == sorted(DEFAULT_INTERP_CHECKS)
 
 
-@pytest.mark.parametrize("name", INTERP_CHECKS)
+@pytest.mark.parametrize("name", DEFAULT_INTERP_CHECKS)
 def test_decode_gemm_under_the_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
     ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+@pytest.mark.slow  # about 10 s under the interpreter
+def test_every_slow_check_ran(slow_interpreter_results: dict[str, list[Any]]) -> None:
+    assert sorted(slow_interpreter_results) == sorted(SLOW_INTERP_CHECKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_INTERP_CHECKS)
+def test_decode_gemm_under_the_interpreter_slow(slow_interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = slow_interpreter_results[name]
     assert ok, f"{name}: {msg}"
 
 
@@ -311,5 +345,8 @@ if __name__ == "__main__":
         results = run_engine_check()
         print_results(results)
     if sys.argv[1:] == ["--interpreter-checks"]:
-        results = run_interpreter_checks()
+        results = run_interpreter_checks(DEFAULT_INTERP_CHECKS)
+        print_results(results)
+    if sys.argv[1:] == ["--interpreter-checks-slow"]:
+        results = run_interpreter_checks(SLOW_INTERP_CHECKS)
         print_results(results)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -793,89 +794,85 @@ def _interp_fp8_gemm_fused(m: int, n: int, k: int, block: bool, mode: str, split
     return ok == (ref_mode == mode), f"err {err:.3g}"
 
 
-def run_interpreter_checks() -> dict[str, list[Any]]:
-    """Run every Triton kernel under the interpreter; returns {name: [ok, message]}. Needs TRITON_INTERPRET=1."""
+def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
+    """Run the checks ``names`` (one of the two groups) under the interpreter; returns {name: [ok, message]}. Needs
+    TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_triton_interpreter()
     res: dict[str, list[Any]] = {}
+
+    def check(name: str, fn: Callable[[], tuple[bool, str]]) -> None:
+        if name in names:
+            record_check(res, name, fn)
+
     f32, bf16 = torch.float32, torch.bfloat16
     long_lens = [3, 0, 1, 37, 2, 1]  # 37 > the 16-token block: separate state kernel
     for dt in (f32, bf16):
         n = str(dt).split(".")[-1]
-        record_check(res, f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
-        record_check(res, f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
-        record_check(res, f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
-        record_check(res, f"conv_long_{n}", lambda dt=dt: _interp_conv_long(dt, 95))
-        record_check(res, f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
-        record_check(res, f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
-        record_check(res, f"attn_decode_1split_{n}",
-                     lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 40], dt, 4, None))
-        record_check(res, f"attn_decode_splits_{n}",
-                     lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 60], dt, 4, 16))
-        record_check(res, f"attn_prefill_{n}",
-                     lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
-        record_check(res, f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
-        record_check(res, f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
-        record_check(res, f"token_bitmask_{n}", lambda dt=dt: _interp_bitmask(dt))
-        record_check(res, f"add_norm_silu_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 40))
-        record_check(res, f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
-        record_check(res, f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
-        record_check(res, f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
-        record_check(res, f"l2_norm_heads_{n}", lambda dt=dt: _interp_l2norm(dt))
+        check(f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
+        check(f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
+        check(f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
+        check(f"conv_long_{n}", lambda dt=dt: _interp_conv_long(dt, 95))
+        check(f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
+        check(f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
+        check(f"attn_decode_1split_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 40], dt, 4, None))
+        check(f"attn_decode_splits_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 60], dt, 4, 16))
+        check(f"attn_prefill_{n}", lambda dt=dt: _interp_attn([3, 0, 1, 20, 2], [5, 0, 10, 3, 0], dt, 4, None))
+        check(f"store_kv_{n}", lambda dt=dt: _interp_store_kv(dt))
+        check(f"gdn_gating_{n}", lambda dt=dt: _interp_gating(dt))
+        check(f"token_bitmask_{n}", lambda dt=dt: _interp_bitmask(dt))
+        check(f"add_norm_silu_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 40))
+        check(f"add_norm_silu_wide_{n}", lambda dt=dt: _interp_add_norm_silu(dt, 2100))
+        check(f"rope_partial_{n}", lambda dt=dt: _interp_rope(dt, 24, 6))
+        check(f"rope_full_{n}", lambda dt=dt: _interp_rope(dt, 16, 8))
+        check(f"l2_norm_heads_{n}", lambda dt=dt: _interp_l2norm(dt))
         for gated in (False, True):
             g = "gated_" if gated else ""
-            record_check(res, f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
-            record_check(res, f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
-    record_check(res, "gdn_mixed_bf16_state", lambda: _interp_gdn(MIXED_LENS, bf16, bf16))
-    record_check(res, "conv_long_grid_of_all_tokens", lambda: _interp_conv_long(f32, None))
-    record_check(res, "conv_split_128_bfloat16", lambda: _interp_conv_split(bf16, 128))
-    record_check(res, "conv_split_64_float32", lambda: _interp_conv_split(f32, 64))
-    record_check(res, "conv_split_shifted_caught", lambda: _interp_conv_split(f32, 128, sabotage=True))
-    record_check(res, "conv_split_normed_float32", lambda: _interp_conv_split_normed(f32))
-    record_check(res, "conv_split_normed_bfloat16", lambda: _interp_conv_split_normed(bf16))
-    record_check(res, "conv_split_other_blocks_bfloat16", lambda: _interp_conv_split_blocks(bf16))
-    record_check(res, "conv_split_parts_float32", lambda: _interp_conv_split_parts(f32))
-    record_check(res, "conv_split_parts_bfloat16", lambda: _interp_conv_split_parts(bf16))
-    record_check(res, "conv_split_parts_stride_ignored_caught", lambda: _interp_conv_split_parts(bf16, sabotage=True))
-    record_check(res, "conv_split_normed_over_tokens_caught", lambda: _interp_conv_split_normed(f32, sabotage=True))
-    record_check(res, "gdn_qk_normed", lambda: _interp_gdn_qk_normed())
-    record_check(res, "gdn_raw_qk_as_normed_caught", lambda: _interp_gdn_qk_normed(sabotage=True))
+            check(f"{g}rms_norm_heads_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (37, 3), 40, gated))
+            check(f"{g}rms_norm_hidden_{n}", lambda dt=dt, gated=gated: _interp_norm(dt, (3,), 2048, gated))
+    check("gdn_mixed_bf16_state", lambda: _interp_gdn(MIXED_LENS, bf16, bf16))
+    check("conv_long_grid_of_all_tokens", lambda: _interp_conv_long(f32, None))
+    check("conv_split_128_bfloat16", lambda: _interp_conv_split(bf16, 128))
+    check("conv_split_64_float32", lambda: _interp_conv_split(f32, 64))
+    check("conv_split_shifted_caught", lambda: _interp_conv_split(f32, 128, sabotage=True))
+    check("conv_split_normed_float32", lambda: _interp_conv_split_normed(f32))
+    check("conv_split_normed_bfloat16", lambda: _interp_conv_split_normed(bf16))
+    check("conv_split_other_blocks_bfloat16", lambda: _interp_conv_split_blocks(bf16))
+    check("conv_split_parts_float32", lambda: _interp_conv_split_parts(f32))
+    check("conv_split_parts_bfloat16", lambda: _interp_conv_split_parts(bf16))
+    check("conv_split_parts_stride_ignored_caught", lambda: _interp_conv_split_parts(bf16, sabotage=True))
+    check("conv_split_normed_over_tokens_caught", lambda: _interp_conv_split_normed(f32, sabotage=True))
+    check("gdn_qk_normed", lambda: _interp_gdn_qk_normed())
+    check("gdn_raw_qk_as_normed_caught", lambda: _interp_gdn_qk_normed(sabotage=True))
     for what in CONV_SABOTAGES:
-        record_check(res, f"{what}_caught", lambda w=what: _interp_conv_long(f32, 95, w))
+        check(f"{what}_caught", lambda w=what: _interp_conv_long(f32, 95, w))
     for dt in (f32, bf16):
         for mode in ("token", "token_block256", "group", "group_token_major", "static"):
             name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"
-            record_check(res, name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
+            check(name, lambda dt=dt, mode=mode: _interp_fp8_quant(dt, mode))
     # M = 1 / 5 (decode tiles, split K) and 70 (prefill tiles); K and N not multiples of the tiles.
-    record_check(res, "fp8_gemm_channel_decode", lambda: _interp_fp8_gemm(5, 200, 300, False, False, None))
-    record_check(res, "fp8_gemm_channel_split3", lambda: _interp_fp8_gemm(1, 72, 520, False, False, 3))
-    record_check(res, "fp8_gemm_channel_prefill", lambda: _interp_fp8_gemm(70, 136, 264, False, False, None))
-    record_check(res, "fp8_gemm_block_groups", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None))
-    record_check(res, "fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
-    record_check(res, "fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
-    record_check(res, "fp8_gemm_block_sabotaged_groups_caught",
-                 lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
-    record_check(res, "token_bitmask_shifted_caught", lambda: _interp_bitmask(f32, sabotage=True))
-    record_check(res, "fp8_split_locks", lambda: _interp_fp8_split_locks(False))
-    record_check(res, "fp8_split_stale_locks_caught", lambda: _interp_fp8_split_locks(True))
+    check("fp8_gemm_channel_decode", lambda: _interp_fp8_gemm(5, 200, 300, False, False, None))
+    check("fp8_gemm_channel_split3", lambda: _interp_fp8_gemm(1, 72, 520, False, False, 3))
+    check("fp8_gemm_channel_prefill", lambda: _interp_fp8_gemm(70, 136, 264, False, False, None))
+    check("fp8_gemm_block_groups", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None))
+    check("fp8_gemm_block_groups_split2", lambda: _interp_fp8_gemm(3, 260, 520, True, True, 2))
+    check("fp8_gemm_block_tokens", lambda: _interp_fp8_gemm(70, 136, 264, True, False, None))
+    check("fp8_gemm_block_sabotaged_groups_caught", lambda: _interp_fp8_gemm(5, 300, 400, True, True, None, True))
+    check("token_bitmask_shifted_caught", lambda: _interp_bitmask(f32, sabotage=True))
+    check("fp8_split_locks", lambda: _interp_fp8_split_locks(False))
+    check("fp8_split_stale_locks_caught", lambda: _interp_fp8_split_locks(True))
     # The GEMM quantizing its activation: per token over several K tiles (split too), static, per group.
-    record_check(res, "fp8_fused_token", lambda: _interp_fp8_gemm_fused(5, 200, 300, False, "token", None))
-    record_check(res, "fp8_fused_token_split3", lambda: _interp_fp8_gemm_fused(3, 72, 520, False, "token", 3))
-    record_check(res, "fp8_fused_static", lambda: _interp_fp8_gemm_fused(4, 136, 264, False, "static", None))
-    record_check(res, "fp8_fused_block_group", lambda: _interp_fp8_gemm_fused(5, 300, 400, True, "group", 2))
-    record_check(res, "fp8_fused_block_token", lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "token", None))
-    record_check(res, "fp8_fused_group_for_token_caught",
-           lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "group", None, reference_mode="token"))
+    check("fp8_fused_token", lambda: _interp_fp8_gemm_fused(5, 200, 300, False, "token", None))
+    check("fp8_fused_token_split3", lambda: _interp_fp8_gemm_fused(3, 72, 520, False, "token", 3))
+    check("fp8_fused_static", lambda: _interp_fp8_gemm_fused(4, 136, 264, False, "static", None))
+    check("fp8_fused_block_group", lambda: _interp_fp8_gemm_fused(5, 300, 400, True, "group", 2))
+    check("fp8_fused_block_token", lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "token", None))
+    check("fp8_fused_group_for_token_caught",
+          lambda: _interp_fp8_gemm_fused(6, 260, 520, True, "group", None, reference_mode="token"))
     # Odd shapes: head dim not a power of two, block size 16, a prefill row spanning several query blocks.
-    record_check(res, "attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
-    record_check(res, "attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
+    check("attn_prefill_d12_bs16", lambda: _interp_attn([40, 1, 0], [0, 30, 2], f32, 16, None, D=12))
+    check("attn_decode_d12_bs16", lambda: _interp_attn([1, 1], [33, 0], f32, 16, 16, D=12))
     return res
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, list[Any]]:
-    pytest.importorskip("triton")
-    return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
 _PER_DTYPE = ("conv_mixed conv_fused conv_decode conv_long gdn_decode gdn_mixed attn_decode_1split attn_decode_splits "
@@ -903,11 +900,52 @@ INTERP_CHECKS += [f"fp8_gemm_{c}" for c in ("channel_decode", "channel_split3", 
 INTERP_CHECKS += [f"fp8_fused_{c}" for c in ("token", "token_split3", "static", "block_group", "block_token",
                                              "group_for_token_caught")]
 INTERP_CHECKS += ["fp8_split_locks", "fp8_split_stale_locks_caught"]
+# The slow group (scripts/test.sh -m slow; the default suite's budget): the split conv's other token blocks and warps
+# (10 s), its two-part output in bf16 and the part stride ignored (6-7 s each; parts in float32 stays), its normed
+# first part in bf16 and the norm summed over tokens (about 3 s each; normed in float32 stays), the long prefill rows
+# in bf16 (float32 and its three sabotages stay).
+SLOW_INTERP_CHECKS = ["conv_split_other_blocks_bfloat16", "conv_split_parts_bfloat16",
+                      "conv_split_parts_stride_ignored_caught", "conv_split_normed_bfloat16",
+                      "conv_split_normed_over_tokens_caught", "conv_long_bfloat16"]
+DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
 
-@pytest.mark.parametrize("name", INTERP_CHECKS)
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
+
+
+@pytest.fixture(scope="module")
+def slow_interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    return interpreter_subprocess_results(__file__, "--interpreter-checks-slow")
+
+
+def test_the_two_groups_hold_every_check_once() -> None:
+    assert sorted(DEFAULT_INTERP_CHECKS + SLOW_INTERP_CHECKS) == sorted(INTERP_CHECKS)
+    assert not set(DEFAULT_INTERP_CHECKS) & set(SLOW_INTERP_CHECKS)
+
+
+def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:
+    assert sorted(interpreter_results) == sorted(DEFAULT_INTERP_CHECKS)
+
+
+@pytest.mark.parametrize("name", DEFAULT_INTERP_CHECKS)
 def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
     ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+@pytest.mark.slow  # about 30 s under the interpreter
+def test_every_slow_check_ran(slow_interpreter_results: dict[str, list[Any]]) -> None:
+    assert sorted(slow_interpreter_results) == sorted(SLOW_INTERP_CHECKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_INTERP_CHECKS)
+def test_triton_kernel_interpreter_slow(slow_interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = slow_interpreter_results[name]
     assert ok, f"{name}: {msg}"
 
 
@@ -1030,7 +1068,10 @@ def test_cuda_dispatch_matches_reference_bf16() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--interpreter-checks"]:
-        results = run_interpreter_checks()
+        results = run_interpreter_checks(DEFAULT_INTERP_CHECKS)
+        print_results(results)
+    if sys.argv[1:] == ["--interpreter-checks-slow"]:
+        results = run_interpreter_checks(SLOW_INTERP_CHECKS)
         print_results(results)
 
 

@@ -281,7 +281,9 @@ def _interp_case(case: dict[str, Any], plan: MoePlan | None) -> tuple[bool, str]
     return bool(err <= tol * max(1.0, float(want.float().abs().max()))), f"err {err:.3g}"
 
 
-def run_interpreter_checks() -> dict[str, list[Any]]:
+def run_interpreter_checks(slow: bool = False) -> dict[str, list[Any]]:
+    """The default group of checks under the interpreter; ``slow``: the slow group (``SLOW_INTERP_NAMES``) alone.
+    Needs TRITON_INTERPRET=1."""
     from hyserve.testing.triton_interpreter import patch_triton_interpreter
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -291,12 +293,21 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         for pname, plan in [("default", None), *PLANS.items()]:
             if pname != "default" and name not in SWEPT:
                 continue
+            if (f"{name}/{pname}" in SLOW_INTERP_NAMES) != slow:
+                continue
             if case.get("fp8") == "block" and pname == "prefill":
                 plan = PLANS["decode"]  # BLOCK_K divides the scale block
             try:
                 res[f"{name}/{pname}"] = list(_interp_case(case, plan))
             except Exception as exc:  # reported, not raised
                 res[f"{name}/{pname}"] = [False, repr(exc)]
+    for t in STACKED_TOKENS:
+        for fmt in (None, *STACKED_FP8):
+            stacked = f"stacked_shared{'' if fmt is None else f'_{fmt}'}/{t}"
+            if (stacked in SLOW_INTERP_NAMES) == slow:
+                res[stacked] = list(_stacked_shared_case(t, fmt))
+    if slow:
+        return res
     for name, (t, k, ne, start, nl, bm) in ALIGN_CASES.items():
         ids = random_routing(t, k, ne, 5)
         errors = alignment_errors(ids, start, nl, bm, *moe.align_pairs(ids, nl, start, bm))
@@ -320,10 +331,6 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
     for sab_name, ref in (("bias_in_weights", _bias_in_weights_ref), ("unnormalized", _unnormalized_ref)):
         missed = [n for n, c in SIGMOID_ROUTE_CASES.items() if c[0] and c[5] and _sigmoid_route_case(n, ref=ref)[0]]
         res[f"sigmoid_route_{sab_name}_caught"] = [not missed, f"missed on {missed}"]
-    for t in STACKED_TOKENS:
-        res[f"stacked_shared/{t}"] = list(_stacked_shared_case(t))
-        for fmt in STACKED_FP8:
-            res[f"stacked_shared_{fmt}/{t}"] = list(_stacked_shared_case(t, fmt))
     # Sabotage: the stacked shared expert's output added ungated (weight 1, not its gate's sigmoid) must be caught.
     import hyserve.layers.moe as layer_moe
 
@@ -549,12 +556,6 @@ def test_the_shared_expert_is_stacked_where_the_kernels_can_run_it() -> None:
     assert ok, msg
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, list[Any]]:
-    pytest.importorskip("triton")
-    return interpreter_subprocess_results(__file__, "--interpreter-checks")
-
-
 INTERP_NAMES = [f"{c}/{p}" for c in INTERP_CASES for p in ("default", *PLANS) if p == "default" or c in SWEPT]
 INTERP_NAMES += ["unpadded_runs_caught", "ungated_shared_caught"]
 INTERP_NAMES += [f"relu2_{s}_caught/{c}" for s in ("square_dropped", "silu")
@@ -564,11 +565,51 @@ INTERP_NAMES += ["route/shared_slot"]
 INTERP_NAMES += [f"sigmoid_route/{n}" for n in SIGMOID_ROUTE_CASES] + [f"sigmoid_route_ties/{n}" for n in SIGMOID_TIES]
 INTERP_NAMES += [f"sigmoid_route_{s}_caught" for s in ("group_max", "bias_in_weights", "unnormalized")]
 INTERP_NAMES += [f"align/{name}" for name in ALIGN_CASES] + [f"route/{name}" for name in ROUTE_CASES]
+# The slow group (scripts/test.sh -m slow; the default suite's budget): the sweep's decode and prefill plans (fp8_block
+# runs both at the decode plan, about 4.5 s each; every case stays at its default plan, and prefill_odd_widths_f32 at
+# the prefill plan, where the unpadded runs are caught), and the stacked FP8 shared experts at 20 tokens (at 3 tokens,
+# and unquantized at 20, they stay).
+SLOW_INTERP_NAMES = [f"{c}/{p}" for c in SWEPT for p in PLANS if f"{c}/{p}" != "prefill_odd_widths_f32/prefill"]
+SLOW_INTERP_NAMES += [f"stacked_shared_{f}/{STACKED_TOKENS[-1]}" for f in STACKED_FP8]
+DEFAULT_INTERP_NAMES = [name for name in INTERP_NAMES if name not in SLOW_INTERP_NAMES]
 
 
-@pytest.mark.parametrize("name", INTERP_NAMES)
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    return interpreter_subprocess_results(__file__, "--interpreter-checks")
+
+
+@pytest.fixture(scope="module")
+def slow_interpreter_results() -> dict[str, list[Any]]:
+    pytest.importorskip("triton")
+    return interpreter_subprocess_results(__file__, "--interpreter-checks-slow")
+
+
+def test_the_two_groups_hold_every_check_once() -> None:
+    assert sorted(DEFAULT_INTERP_NAMES + SLOW_INTERP_NAMES) == sorted(INTERP_NAMES)
+    assert not set(DEFAULT_INTERP_NAMES) & set(SLOW_INTERP_NAMES)
+
+
+def test_every_check_ran(interpreter_results: dict[str, list[Any]]) -> None:
+    assert sorted(interpreter_results) == sorted(DEFAULT_INTERP_NAMES)
+
+
+@pytest.mark.parametrize("name", DEFAULT_INTERP_NAMES)
 def test_triton_kernels_under_the_interpreter(interpreter_results: dict[str, list[Any]], name: str) -> None:
     ok, msg = interpreter_results[name]
+    assert ok, f"{name}: {msg}"
+
+
+@pytest.mark.slow  # about 15 s under the interpreter
+def test_every_slow_check_ran(slow_interpreter_results: dict[str, list[Any]]) -> None:
+    assert sorted(slow_interpreter_results) == sorted(SLOW_INTERP_NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_INTERP_NAMES)
+def test_triton_kernels_under_the_interpreter_slow(slow_interpreter_results: dict[str, list[Any]], name: str) -> None:
+    ok, msg = slow_interpreter_results[name]
     assert ok, f"{name}: {msg}"
 
 
@@ -701,7 +742,7 @@ def test_cuda_graph_replays_new_routings() -> None:
         torch.testing.assert_close(out.cpu().float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
-if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
+if __name__ == "__main__" and sys.argv[1:] in (["--interpreter-checks"], ["--interpreter-checks-slow"]):
     import triton
     import triton.language as tl
 
@@ -717,4 +758,4 @@ if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
     def _group_max(c, S_PAD: tl.constexpr):  # type: ignore[no-untyped-def]
         return tl.max(c, axis=1)
 
-    print("RESULTS " + json.dumps(run_interpreter_checks()))
+    print("RESULTS " + json.dumps(run_interpreter_checks(slow=sys.argv[1:] == ["--interpreter-checks-slow"])))
