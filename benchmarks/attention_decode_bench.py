@@ -10,7 +10,8 @@ says whether the split-context kernel reads them near the copy rate.
 
 Every row attends to ``--context`` cached positions plus its own token (blocks of ``--block-size`` on shuffled
 pages). ``max_seq_len`` is either the rows' own length (an eager step) or ``--model-len`` (a CUDA graph sizes the
-launch for the model's length: the same number of splits whatever the rows' lengths). Each launch is captured in a
+launch for the model's length); the split count follows the rows and heads (``decode_splits``, capped by the key
+tiles of ``max_seq_len``) and each row divides its own context over it. Each launch is captured in a
 CUDA graph of 20 calls and replayed; the median time per call of 10 replays is reported with the rate it reaches
 over the key and value bytes it must read, beside a copy of as many bytes (the bound).
 """

@@ -1,8 +1,10 @@
-"""The split-context decode attention's empty splits: a decode graph sizes its splits for the model's length, so most
-of a short row's splits lie past its context. Such a split reads nothing and writes only its (max, sum) = (floor, 0);
-its partial sums are neither written by the decode kernel nor read by the reduction (``l == 0``). Checked under the
-Triton interpreter with the partial buffers poisoned with NaN: the output against the reference, the empty splits'
-partial sums still NaN afterwards (the traffic saved), and three sabotaged kernels caught."""
+"""The split-context decode attention's splits. A launch's split count is fixed when a graph captures it (by the rows,
+the KV heads and the key tiles of ``max_seq_len``), and each row divides its own context over the splits in whole key
+tiles, so a short row spreads its work over several programs while the splits past its context read nothing and
+write only their (max, sum) = (floor, 0); the reduction reads no partial sums of a split whose sum is 0. Checked
+under the Triton interpreter with the partial buffers poisoned with NaN: the output against the reference, every
+(max, sum) written, exactly the live splits' partial sums written (the traffic saved), in both split modes (each
+row's own, and ``decode_partition``'s fixed positions a split), and four sabotaged kernels caught."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 from test_kernels import attn_problem
 
+from hyserve.kernels.attention import decode_splits
 from hyserve.kernels.attention.reference import paged_attention_ref
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
@@ -23,9 +26,14 @@ from hyserve.testing.triton_interpreter import (
 )
 
 KERNELS = "hyserve.kernels.attention._triton"  # the decode and reduce kernels, swapped for sabotaged copies
-PART = 16  # context positions per split (decode_partition)
-LENS, CTXS = [1, 1, 0, 1, 1], [0, 17, 4, 60, 31]  # seq_lens 1, 18, (an empty row), 61, 32
-MAX_SEQ = 200  # as a graph sized for a longer model: 13 splits, 2 to 4 live ones per row
+TILE = 64  # the decode kernel's key tile at head dim 16
+# (lens, contexts, max_seq_len, decode_partition): rows of one token (one empty row) in a launch sized for a longer
+# model. "rows": each row's context over the splits (16 of them; the long row's 301 positions over 5);
+# "fixed": 16 positions a split, 13 splits, 2 to 4 live per row.
+CASES = {
+    "rows": ([1, 1, 0, 1, 1], [0, 130, 4, 300, 63], 1000, None),
+    "fixed": ([1, 1, 0, 1, 1], [0, 17, 4, 60, 31], 200, 16),
+}
 
 SABOTAGES = {
     # the reduction reads every split's partial sums, the empty splits' unwritten ones too
@@ -36,19 +44,30 @@ SABOTAGES = {
     # every split of a live row writes its partial sums again (correct output, the saved traffic lost)
     "empty_split_writes_sums": [("qmask = gmask[:, None] & dmask[None, :] & (lo < kv_len)",
                                  "qmask = gmask[:, None] & dmask[None, :] & (n > 0)")],
+    # a row's context divided over the splits rounding down: its last positions fall past every split
+    "row_split_drops_its_tail": [("part = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N",
+                                  "part = kv_len // tl.num_programs(2)")],
 }
+SABOTAGE_CASE = {"reduce_reads_empty_splits": "fixed", "empty_split_writes_no_max": "fixed",
+                 "empty_split_writes_sums": "fixed", "row_split_drops_its_tail": "rows"}
 
 
-def _run(kernels: Any, dtype: torch.dtype) -> tuple[bool, str]:
+def _live(seq: int, splits: int, partition: int | None) -> int:
+    """The splits a row of ``seq`` positions fills."""
+    part = partition or -(-(-(-seq // splits)) // TILE) * TILE
+    return -(-seq // part)
+
+
+def _run(kernels: Any, dtype: torch.dtype, case: str) -> tuple[bool, str]:
     """One decode launch with NaN-poisoned partial buffers through ``kernels`` (a module holding the decode and
     reduce kernels): ``(ok, message)``, ok when the output matches the reference, the partial (max, sum) pairs
     are all written, and exactly the live splits' partial sums are."""
     import hyserve.kernels.attention as attention
 
     _triton = importlib.import_module(KERNELS)
-
-    p = attn_problem(LENS, CTXS, Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, seed=21)
-    p["max_seq_len"] = MAX_SEQ
+    lens, ctxs, max_seq, partition = CASES[case]
+    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, seed=21)
+    p["max_seq_len"] = max_seq
     want = paged_attention_ref(**p)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     split_partials = attention.split_partials
@@ -66,35 +85,49 @@ def _run(kernels: Any, dtype: torch.dtype) -> tuple[bool, str]:
     _triton._paged_decode_reduce_kernel = kernels._paged_decode_reduce_kernel
     try:
         out = torch.full(p["q"].shape, float("nan"), dtype=dtype)
-        attention.paged_attention_triton(**p, decode_partition=PART, out=out)
+        attention.paged_attention_triton(**p, decode_partition=partition, out=out)
     finally:
         attention.split_partials = split_partials  # type: ignore[assignment]
         _triton._paged_decode_kernel, _triton._paged_decode_reduce_kernel = saved
     (po, pml), = seen
+    splits = po.shape[2]
+    want_splits = -(-max_seq // partition) if partition else decode_splits(len(lens), 2, -(-max_seq // TILE))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    rows = [r for r, n in enumerate(LENS) if n]
     err = float((out.float() - want.float()).abs().max())
     ok_out = bool(torch.isfinite(out).all()) and err <= tol
     ok_ml = not bool(pml.isnan().any())
-    live = torch.zeros(po.shape[0], po.shape[2], dtype=torch.bool)  # (row, split)
-    for r, (c, n) in enumerate(zip(CTXS, LENS, strict=True)):
+    live = torch.zeros(po.shape[0], splits, dtype=torch.bool)  # (row, split)
+    for r, (c, n) in enumerate(zip(ctxs, lens, strict=True)):
         if n:
-            live[r, : -(-(c + n) // PART)] = True
+            live[r, : _live(c + n, splits, partition)] = True
     written = ~po.isnan().all(dim=-1).all(dim=1)  # (row, split): any head's sums written
     ok_po = torch.equal(written, live) and bool(torch.isfinite(po[live.unsqueeze(1).expand(-1, po.shape[1], -1)]).all())
-    return ok_out and ok_ml and ok_po, (f"{po.shape[2]} splits, rows {rows}; out err {err:.3g}, (max, sum) all "
-                                        f"written {ok_ml}, partial sums of the live splits alone {ok_po}")
+    counts = live.sum(dim=1).tolist()
+    return (ok_out and ok_ml and ok_po and splits == want_splits,
+            f"{splits} splits (want {want_splits}), live per row {counts}; out err {err:.3g}, (max, sum) all written "
+            f"{ok_ml}, partial sums of the live splits alone {ok_po}")
 
 
 def interpreter_checks() -> dict[str, list[Any]]:
     _triton = importlib.import_module(KERNELS)
     results: dict[str, list[Any]] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        record_check(results, f"empty_splits_{str(dtype)[6:]}", lambda dt=dtype: _run(_triton, dt))
+    for case in CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            record_check(results, f"{case}_{str(dtype)[6:]}", lambda dt=dtype, c=case: _run(_triton, dt, c))
     for name, edits in SABOTAGES.items():
         mutated = mutated_module(KERNELS, edits)
-        record_check(results, f"sabotage_{name}", lambda m=mutated: _run(m, torch.float32))
+        record_check(results, f"sabotage_{name}",
+                     lambda m=mutated, c=SABOTAGE_CASE[name]: _run(m, torch.float32, c))
     return results
+
+
+def test_the_split_count_follows_the_rows_not_the_model_length() -> None:
+    """About 1024 programs a launch, at most one key tile a split and 64 splits: batch 1 of a 9B layer's 4 KV heads
+    takes 64 splits of a long context and 19 of 600 positions (in 32-position tiles), batch 64 four."""
+    assert decode_splits(1, 4, 8192 // 32) == 64
+    assert decode_splits(1, 4, 19) == 19
+    assert decode_splits(64, 4, 8192 // 32) == 4 and decode_splits(8, 4, 256) == 32
+    assert decode_splits(300, 4, 256) == 1 and decode_splits(0, 4, 1) == 1
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +135,18 @@ def interpreter_results() -> dict[str, list[Any]]:
     return interpreter_subprocess_results(__file__, "--interpreter-checks")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_empty_splits_are_skipped_and_the_output_kept(interpreter_results: dict[str, list[Any]], dtype: str) -> None:
-    ok, msg = interpreter_results[f"empty_splits_{dtype}"]
+@pytest.mark.parametrize("case", [f"{c}_{d}" for c in CASES for d in ("float32", "bfloat16")])
+def test_splits_match_the_reference_and_skip_past_the_context(interpreter_results: dict[str, list[Any]],
+                                                              case: str) -> None:
+    ok, msg = interpreter_results[case]
     assert ok, msg
+
+
+def test_a_long_row_spreads_over_several_splits(interpreter_results: dict[str, list[Any]]) -> None:
+    """In the rows' own split, the 301-position row fills 5 of the 16 splits (one fixed part of 512 positions,
+    as before, would have put it in one program a head)."""
+    ok, msg = interpreter_results["rows_float32"]
+    assert ok and "live per row [1, 3, 0, 5, 1]" in msg, msg
 
 
 @pytest.mark.parametrize("name", sorted(SABOTAGES))

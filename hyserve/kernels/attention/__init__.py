@@ -12,21 +12,26 @@ Invariants:
 * GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``. Softmax is float32; the output has ``q``'s dtype.
 * ``max_query_len`` / ``max_seq_len`` are host ints bounding ``n_r`` / ``seq_lens`` (no device->host sync). The decode
   path (``max_query_len <= 1``) never syncs and allocates only fixed-shape scratch, so it can be graph-captured: the
-  number of context splits is fixed by ``max_seq_len`` at capture time and must bound every later ``seq_lens``.
+  number of context splits is fixed at capture time by the rows and KV heads (about :data:`_DECODE_PROGRAMS`
+  programs) and the key tiles of ``max_seq_len``, which must bound every later ``seq_lens``; each row divides its own
+  context over them in whole key tiles, so a short row in a graph sized for a long model still spreads its work.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from hyserve.kernels.attention.reference import FP8_KV_DTYPES, paged_attention_ref, store_kv_ref
 from hyserve.utils import next_pow2
 
-__all__ = ["paged_attention", "paged_attention_triton", "reduce_splits", "split_partials", "store_kv",
+__all__ = ["decode_splits", "paged_attention", "paged_attention_triton", "reduce_splits", "split_partials", "store_kv",
            "store_kv_triton"]
 
-# Decode: context positions per split (a multiple of the key tile) and the most splits per row.
-_DECODE_PARTITION = 512
+# Decode: the programs a launch aims at (rows x KV heads x splits; about eight per SM of an H100 / H200) and the most
+# splits per row.
+_DECODE_PROGRAMS = 1024
 _DECODE_MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 _FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: FP8 cache entries are clamped to it
@@ -52,6 +57,37 @@ def fit_tiles(block_m: int, block_n: int, num_stages: int, block_d: int, elem: i
         else:
             break
     return block_m, block_n, num_stages
+
+
+def decode_splits(rows: int, kv_heads: int, tiles: int) -> int:
+    """The context splits of a decode launch over ``rows`` rows of ``kv_heads`` KV heads whose contexts span at most
+    ``tiles`` key tiles: about :data:`_DECODE_PROGRAMS` programs in all, at most one tile each and at most
+    :data:`_DECODE_MAX_SPLITS`. Each row divides its own context over them (whole tiles), so the work spreads with the
+    rows' lengths, not the model's: a batch-1 row of 600 positions takes 19 programs a head, and batch 64 four."""
+    return max(1, min(_DECODE_MAX_SPLITS, tiles, _cdiv(_DECODE_PROGRAMS, max(1, rows * kv_heads))))
+
+
+def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The split-context decode kernel's variants at the Qwen3.5 9B layer's heads (16 query, 4 KV, head dim 256),
+    bf16 and FP8 caches, one split and several, each row's own split (``PART`` 0) and a fixed one, as ``(name, jit
+    function, argument types, constexprs)`` for a compile check without a GPU
+    (``tests/kernels/test_attention_compile.py``)."""
+    from hyserve.kernels.attention._triton import _paged_decode_kernel
+
+    i32, f32 = "i32", "fp32"
+    ints = ["sq_t", "sq_h", "so_t", "so_h", "sbt_r", "skc_b", "skc_o", "skc_h", "svc_b", "svc_o", "svc_h", "spo_r",
+            "spo_h", "spo_s", "spml_r", "spml_h", "spml_s"]
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    for cache in ("bf16", "fp8e4nv"):
+        sig = {**dict.fromkeys(ints, i32), "q_ptr": "*bf16", "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}",
+               "bt_ptr": "*i32", "qsl_ptr": "*i32", "seqlen_ptr": "*i32", "out_ptr": "*bf16", "po_ptr": "*fp32",
+               "pml_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "qk_scale": f32}
+        for part, single in ((0, False), (0, True), (512, False)):
+            consts = dict(GROUP=4, G_PAD=16, D=256, BLOCK_D=256, BS=16, BLOCK_N=32, PART=part, SINGLE=single,
+                          PRECISION="tf32", FP8=cache != "bf16")
+            name = f"decode_{cache}_{'rows' if part == 0 else 'fixed'}_{'single' if single else 'splits'}"
+            out.append((name, _paged_decode_kernel, sig, consts))
+    return out
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -201,7 +237,8 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton :func:`paged_attention`: the split-context decode kernel when ``max_query_len <= 1``, the varlen
-    prefill kernel otherwise. ``decode_partition`` (tests) overrides the context positions per decode split;
+    prefill kernel otherwise. ``decode_partition`` (tests) fixes the context positions per decode split (instead of
+    each row's context divided over :func:`decode_splits`);
     ``prefill_config`` (tuning) overrides the prefill kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
     ``out`` optionally supplies the ``(T, Hq, D)`` output buffer."""
     from hyserve.kernels.attention._triton import _paged_decode_kernel, _paged_prefill_kernel
@@ -238,10 +275,10 @@ def paged_attention_triton(
         if decode_partition is not None:  # tests: force several splits on short contexts
             block_n = max(16, min(block_n, next_pow2(decode_partition)))
             part = block_n * _cdiv(decode_partition, block_n)
+            splits = _cdiv(max_seq, part)
         else:
-            part = max(_DECODE_PARTITION, _cdiv(max_seq, _DECODE_MAX_SPLITS))
-            part = block_n * _cdiv(part, block_n)
-        splits = _cdiv(max_seq, part)
+            part = 0  # each row's own context over the splits
+            splits = decode_splits(R, Hkv, _cdiv(max_seq, block_n))
         single = splits == 1
         po, pml, po_strides, pml_strides = split_partials(out, R, splits)
         _paged_decode_kernel[(R, Hkv, splits)](

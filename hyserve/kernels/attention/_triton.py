@@ -14,7 +14,7 @@ contribute exactly zero instead of NaN. Products ``q k^T`` and ``p v`` use ``tl.
 * ``_paged_decode_kernel``: rows of at most one token. One program per (row, kv head, context split) handles the whole
   GQA group (query heads padded to >= 16 for ``tl.dot``). With one split it writes the normalised output directly;
   otherwise it writes unnormalised partial sums plus (max, sum) and ``_paged_decode_reduce_kernel`` combines them.
-  A split past its row's context (a graph sizes the splits for the model's length) writes its (max, sum) alone.
+  Each row's context is divided over the splits (whole key tiles); a split past it writes its (max, sum) alone.
 * ``_paged_prefill_kernel``: any row lengths. One program per (block of ``BLOCK_M`` query tokens, row, query head);
   keys beyond the block's last query position are never visited.
 * ``_qsa_scores_kernel`` and ``_qsa_attend_kernel``: Qwen4-Exp's indexed (QSA) attention (``hyserve.layers.qsa``):
@@ -125,7 +125,8 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr, PART: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid (R, Hkv, splits). Row r's token (if any) attends to positions [0, seq_len); split s covers
-    [s * PART, (s + 1) * PART)."""
+    [s * part, (s + 1) * part): ``PART`` positions (tests), or with ``PART == 0`` the row's context divided over the
+    launch's splits in whole key tiles."""
     r = tl.program_id(0)
     hkv = tl.program_id(1)
     sp = tl.program_id(2)
@@ -133,8 +134,12 @@ def _paged_decode_kernel(
     n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
     seq_len = tl.load(seqlen_ptr + r).to(tl.int64)
     kv_len = tl.where(n > 0, seq_len, 0)
-    lo = sp.to(tl.int64) * PART
-    hi = tl.minimum(lo + PART, kv_len)
+    if PART == 0:
+        part = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    else:
+        part = kv_len * 0 + PART
+    lo = sp.to(tl.int64) * part
+    hi = tl.minimum(lo + part, kv_len)
 
     og = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
