@@ -45,9 +45,10 @@ def _sync(device: str) -> None:
 
 
 def _engine(model: str, device: str, dtype: str, rows: int, max_model_len: int, extra: dict[str, Any]) -> Any:
-    """An engine for ``rows`` sequences at once, on 0.9 of the card unless ``extra`` says otherwise."""
-    llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, rows), max_model_len=max_model_len,
-              **{"gpu_memory_utilization": 0.9, **extra})
+    """An engine for ``rows`` sequences at once, on 0.9 of the card and of ``max_model_len`` unless ``extra`` says
+    otherwise (its ``max_model_len`` sets the decode attention's graph-sized launches, as in the peer runs)."""
+    llm = LLM(model=model, device=device, dtype=dtype, max_num_seqs=max(8, rows),
+              **{"max_model_len": max_model_len, "gpu_memory_utilization": 0.9, **extra})
     return llm.llm_engine
 
 

@@ -110,8 +110,9 @@ def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.Monkey
     import profile_step
 
     out = tmp_path / "prof"
+    # --extra's max_model_len takes the engine's (the peer runs' model length sizes the decode attention's launches)
     monkeypatch.setattr(sys, "argv", ["profile_step.py", "--device", "cpu", "--batch", "1,3", "--steps", "3",
-                                      "--prompt-len", "16", "--out", str(out)])
+                                      "--prompt-len", "16", "--extra", '{"max_model_len": 512}', "--out", str(out)])
     profile_step.main()
     torch.set_num_threads(1)
     runs = json.loads((out / "profile_step.json").read_text())
