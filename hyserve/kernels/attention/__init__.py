@@ -68,9 +68,9 @@ def decode_splits(rows: int, kv_heads: int, tiles: int) -> int:
 
 
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    """The split-context decode kernel's variants at the Qwen3.5 9B layer's heads (16 query, 4 KV, head dim 256),
-    bf16 and FP8 caches, one split and several, each row's own split (``PART`` 0) and a fixed one, as ``(name, jit
-    function, argument types, constexprs)`` for a compile check without a GPU
+    """The split-context decode kernel's variants at the Qwen3.5 9B layer's heads (16 query, 4 KV, head dim 256): a
+    bf16 cache with each row's own split (``PART`` 0) over one split and several, an FP8 cache with a fixed one, as
+    ``(name, jit function, argument types, constexprs)`` for a compile check without a GPU
     (``tests/kernels/test_attention_compile.py``)."""
     from hyserve.kernels.attention._triton import _paged_decode_kernel
 
@@ -82,7 +82,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         sig = {**dict.fromkeys(ints, i32), "q_ptr": "*bf16", "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}",
                "bt_ptr": "*i32", "qsl_ptr": "*i32", "seqlen_ptr": "*i32", "out_ptr": "*bf16", "po_ptr": "*fp32",
                "pml_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "qk_scale": f32}
-        for part, single in ((0, False), (0, True), (512, False)):
+        for part, single in (((0, False), (0, True)) if cache == "bf16" else ((512, False),)):
             consts = dict(GROUP=4, G_PAD=16, D=256, BLOCK_D=256, BS=16, BLOCK_N=32, PART=part, SINGLE=single,
                           PRECISION="tf32", FP8=cache != "bf16")
             name = f"decode_{cache}_{'rows' if part == 0 else 'fixed'}_{'single' if single else 'splits'}"
