@@ -22,12 +22,13 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from gdn_decode_bench import graph_time  # benchmarks/ is the script's own folder: the same CUDA-graph timing
 
 from hyserve.kernels.attention import paged_attention_triton
 from hyserve.kernels.attention.reference import paged_attention_ref
@@ -54,25 +55,6 @@ def problem(batch: int, context: int, hq: int, hkv: int, block_size: int, device
         seq_lens=torch.full((batch,), seq, device=device, dtype=torch.int32),
         scale=D**-0.5, max_query_len=1, max_seq_len=max_seq_len or seq,
     )
-
-
-def graph_time(fn: Callable[[], Any], calls: int = 20) -> float:
-    """Median microseconds per call over 10 replays of a graph of ``calls`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def check() -> int:

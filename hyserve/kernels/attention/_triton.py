@@ -137,7 +137,7 @@ def _paged_decode_kernel(
     if PART == 0:
         part = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     else:
-        part = kv_len * 0 + PART
+        part = PART
     lo = sp.to(tl.int64) * part
     hi = tl.minimum(lo + part, kv_len)
 
