@@ -4,6 +4,7 @@ against today's four launches (conv, gates, recurrent delta rule, gated norm), p
     python benchmarks/gdn_decode_bench.py --out $OUT                 # 2B, 9B, 27B heads; batch 1, 8, 32, 64
     python benchmarks/gdn_decode_bench.py --shapes 9b --block-v 16 32 64 --state-dtype bfloat16
     python benchmarks/gdn_decode_bench.py --launch 32x4 64x4 64x8 128x8 128x16 --out $OUT   # value block x warps
+    python benchmarks/gdn_decode_bench.py --launch 32x4 32x1s 32x2s 32x4s 64x4s --out $OUT  # s: heads split
 
 Each variant is captured in a CUDA graph of 20 calls (as the decode graph runs them: no host launch cost) and
 replayed; the median time per call of 10 replays is reported with the bandwidth it reaches on the SSM state it reads
@@ -11,7 +12,9 @@ and writes (``2 * B * Hv * Dk * Dv`` elements of the state dtype), and the fused
 one (max abs difference). ``--launch BVxW`` times the fused kernel at value block ``BV`` and ``W`` warps (the shipped
 launch: ``launch_config``'s block, 4 warps): one program per (row, value head) walks the head's state in ``BV``-wide
 tiles, so the tile and the warps set how much of the state a program has in flight; at batch 32 and 64 the shipped
-launch reached about 2.5 TB/s of state traffic on an H100 (2026-12-05), short of the card's copy rate.
+launch reached about 2.5 TB/s of state traffic on an H100 (2026-12-05), short of the card's copy rate. A launch
+``BVxWs`` splits each head over its ``Dv / BV`` value blocks, one program each (``split=True``): ``Dv / BV`` times
+the programs, one tile each in flight, the head's norm done by its last program.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hyserve.kernels.conv import causal_conv1d_varlen_triton
 from hyserve.kernels.gating import gdn_gating_triton
 from hyserve.kernels.gdn import gdn_recurrent_triton
-from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused_triton
+from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused_triton, head_counters_for
 from hyserve.kernels.norm import gated_rms_norm_triton
 
 # (key heads, value heads) of this rank, Dk = Dv = 128, conv width 4 (benchmarks/shapes.py; 27B: Qwen3.5-27B's config).
@@ -88,18 +91,24 @@ def graph_time(fn: Callable[[], torch.Tensor], calls: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def parse_launch(text: str) -> tuple[int, int]:
-    """``"BVxW"`` as ``(BV, W)``: a power-of-two value block and warps."""
-    bv, _, w = text.partition("x")
-    launch = (int(bv), int(w or 4))
+def parse_launch(text: str) -> tuple[int, int, bool]:
+    """``"BVxW"`` as ``(BV, W, False)``: a power-of-two value block and warps; ``"BVxWs"`` the same launch split,
+    one program per (row, value head, value block): ``(BV, W, True)``."""
+    split = text.endswith("s")
+    bv, _, w = text.removesuffix("s").partition("x")
+    try:
+        launch = (int(bv), int(w or 4))
+    except ValueError:
+        raise SystemExit(f"--launch {text!r}: BVxW or BVxWs (e.g. 64x8, 32x1s)") from None
     if any(v <= 0 or v & (v - 1) for v in launch):
         raise SystemExit(f"--launch {text!r}: BVxW, both powers of two (e.g. 64x8)")
-    return launch
+    return (*launch, split)
 
 
-def name(bv: int, warps: int) -> str:
-    """A launch's key in the results: ``bv32`` at the shipped 4 warps (the older files' key), else ``bv64w8``."""
-    return f"bv{bv}" if warps == 4 else f"bv{bv}w{warps}"
+def name(bv: int, warps: int, split: bool = False) -> str:
+    """A launch's key in the results: ``bv32`` at the shipped 4 warps (the older files' key), else ``bv64w8``;
+    ``bv32w1s`` split."""
+    return (f"bv{bv}" if warps == 4 and not split else f"bv{bv}w{warps}") + ("s" if split else "")
 
 
 def main() -> int:
@@ -112,38 +121,39 @@ def main() -> int:
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=None, help="a directory for gdn_decode_bench.json")
     args = ap.parse_args()
-    launches = [parse_launch(x) for x in args.launch] or [(bv, 4) for bv in args.block_v]
+    launches = [parse_launch(x) for x in args.launch] or [(bv, 4, False) for bv in args.block_v]
     dtype, state_dtype = torch.bfloat16, getattr(torch, args.state_dtype)
     rows = []
     for shape in args.shapes:
         hk, hv = HEADS[shape]
         for batch in args.batch:
             p = problem(batch, hk, hv, dtype, state_dtype)
-            arrivals = arrivals_for(p["ssm_state"].shape[0], hk, hv, p["x"].device)
+            arrivals = arrivals_for(p["ssm_state"].shape[0], hk, hv, p["x"].device, split=True)
+            heads = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device)
             state_bytes = 2 * batch * hv * D * D * p["ssm_state"].element_size()
             pools = {"conv_state": p["conv_state"].clone(), "ssm_state": p["ssm_state"].clone()}  # before any run
             ref = unfused({**p, **{n: t.clone() for n, t in pools.items()}})
             row: dict[str, Any] = {"shape": shape, "batch": batch}
-            for bv, w in launches:
+            for bv, w, sp in launches:
                 got = gdn_decode_fused_triton(**{**p, **{n: t.clone() for n, t in pools.items()}}, arrivals=arrivals,
-                                              block_v=bv, num_warps=w)
-                row[f"max_diff_{name(bv, w)}"] = float((got.float() - ref.float()).abs().max())
+                                              block_v=bv, num_warps=w, split=sp, head_counts=heads)
+                row[f"max_diff_{name(bv, w, sp)}"] = float((got.float() - ref.float()).abs().max())
             row["unfused_us"] = graph_time(lambda p=p: unfused(p))
-            for bv, w in launches:
-                row[f"fused_{name(bv, w)}_us"] = graph_time(
-                    lambda p=p, bv=bv, w=w, arr=arrivals: gdn_decode_fused_triton(**p, arrivals=arr, block_v=bv,
-                                                                                 num_warps=w))
-            best = min(row[f"fused_{name(bv, w)}_us"] for bv, w in launches)
+            for bv, w, sp in launches:
+                row[f"fused_{name(bv, w, sp)}_us"] = graph_time(
+                    lambda p=p, bv=bv, w=w, sp=sp, arr=arrivals, hc=heads: gdn_decode_fused_triton(
+                        **p, arrivals=arr, block_v=bv, num_warps=w, split=sp, head_counts=hc))
+            best = min(row[f"fused_{name(*launch)}_us"] for launch in launches)
             row["state_GBps_unfused"] = state_bytes / row["unfused_us"] / 1e3
             row["state_GBps_fused"] = state_bytes / best / 1e3
-            assert arrivals is None or not arrivals.any(), "the arrival counters must be back at zero"
+            assert not arrivals.any() and not heads.any(), "the counters must be back at zero"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'shape':>6} {'batch':>5} {'unfused us':>10} " + " ".join(f"{name(b, w) + ' us':>12}"
-                                                                   for b, w in launches) + "  best TB/s")
+    print(f"\n{'shape':>6} {'batch':>5} {'unfused us':>10} " + " ".join(f"{name(*launch) + ' us':>12}"
+                                                                   for launch in launches) + "  best TB/s")
     for row in rows:
         print(f"{row['shape']:>6} {row['batch']:>5} {row['unfused_us']:>10.2f} "
-              + " ".join(f"{row[f'fused_{name(b, w)}_us']:>12.2f}" for b, w in launches)
+              + " ".join(f"{row[f'fused_{name(*launch)}_us']:>12.2f}" for launch in launches)
               + f"  {row['state_GBps_fused'] / 1e3:9.2f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -22,7 +22,7 @@ from hyserve.kernels.conv import causal_conv1d_split, causal_conv1d_verify, snap
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gating import gdn_gating
 from hyserve.kernels.gdn import gdn_takes_chunked, gdn_verify
-from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, row_counters_for
+from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, head_counters_for, row_counters_for
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_replay, gdn_stash_shapes, gdn_verify_fused
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.kernels.varlen import ChunkedRows
@@ -134,8 +134,10 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.ssm_dtype: torch.dtype = getattr(torch, cfg.ssm_state_dtype)
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), ssm_dtype
-        # The fused decode kernel's per-(slot, key head) counters when Hv > Hk (zeros between launches).
+        # The fused decode kernel's counters (zeros between launches): per (slot, key head), and per (row, value
+        # head) for a launch that splits each head over its value blocks (split_heads).
         self.arrivals: torch.Tensor | None = None  # (S, Hk) int32
+        self.head_counts: torch.Tensor | None = None  # (S, Hv) int32
         # Speculative decoding: per verify row and position, the candidate conv window, and the delta rule's inputs
         # from which the commit rebuilds the SSM state (hyserve.kernels.gdn.verify: the stash).
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
@@ -178,7 +180,8 @@ class GatedDeltaNet(ReplayedStateLayer):
         super().bind_state(tensors)
         self.conv_state, self.ssm_state = tensors["conv_state"], tensors["ssm_state"]
         self.arrivals = arrivals_for(self.ssm_state.shape[0], self.num_k_heads, self.num_v_heads,
-                                     self.ssm_state.device)
+                                     self.ssm_state.device, split=True)
+        self.head_counts = head_counters_for(self.ssm_state.shape[0], self.num_v_heads, self.ssm_state.device)
         if self.out_quant is not None:
             self.row_counts = row_counters_for(self.ssm_state.shape[0], self.ssm_state.device)
 
@@ -230,7 +233,7 @@ class GatedDeltaNet(ReplayedStateLayer):
             out = gdn_decode_fused(mixed_in, z, b, a, weight, self.A_log, self.dt_bias, self.norm.weight,
                                    self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
                                    meta.query_start_loc, self.num_k_heads, self.arrivals,
-                                   quant=self.out_quant, row_counts=self.row_counts)
+                                   quant=self.out_quant, row_counts=self.row_counts, head_counts=self.head_counts)
             return self.out_proj(out)
         snaps = meta.row_snapshots
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
@@ -243,7 +246,8 @@ class GatedDeltaNet(ReplayedStateLayer):
             tv = vm.num_tokens
             head = gdn_decode_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], weight, self.A_log, self.dt_bias,
                                     self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
-                                    vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals)
+                                    vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals,
+                                    head_counts=self.head_counts)
             assert isinstance(head, torch.Tensor)  # (plain: prefill rows follow)
             return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
         if vm is None:

@@ -17,7 +17,8 @@ tile; the tile is loaded and stored with one layout, so each element is read and
   (into a pool entry).
 * ``_gdn_decode_fused_kernel`` (:mod:`hyserve.kernels.gdn.decode`) runs one program per (row, value head) over the
   head's ``Dv / BV`` tiles in turn, with the conv, gates and gated norm around the step (the same arithmetic as
-  ``_delta_rule_step``, inlined: its q, k, v come from registers, not memory).
+  ``_delta_rule_step``, inlined: its q, k, v come from registers, not memory); ``_gdn_decode_split_kernel`` runs
+  the same step with one program per (row, value head, value block), the head's last program doing its norm.
 """
 
 from __future__ import annotations
@@ -403,6 +404,103 @@ def _gdn_decode_fused_kernel(
     if QUANT:
         _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, live, start, 1, so_t, sq_t, HK * GROUP, DV,
                             fp8_max, amax_eps, QBLOCK)
+
+
+@triton.jit
+def _gdn_decode_split_kernel(
+    x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
+    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, hcnt_ptr, out_ptr, q_ptr, qs_ptr, cnt_ptr,
+    sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
+    sc_s, sc_d, sc_k,
+    ss_s, ss_h, ss_k, ss_v,
+    sarr_s, shc_r, so_t, sq_t,
+    scale, eps, fp8_max, amax_eps,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
+):  # fmt: skip
+    """``_gdn_decode_fused_kernel`` with each value head split over ``NVB = cdiv(DV, BV)`` programs: program
+    ``(r, h * NVB + j)`` (grid axes 0 and 1) computes row ``r``'s q / k and gates of head ``h`` and the delta rule
+    of its value block ``j`` alone (one ``(BK, BV)`` tile of the state), so a launch has ``NVB`` times the programs,
+    each one tile in flight (the batch-1 launch of a 32-head model: 128 programs for 132 SMs, not 32).
+
+    Conv windows: a program rolls its own ``BV`` value channels' windows (no other program reads them), after a
+    barrier. The key head's q / k windows are read by ``GROUP * NVB`` programs: the last to arrive rolls them
+    (``arrivals[slot, hk]`` as in the unsplit kernel, counted modulo ``GROUP * NVB``).
+
+    The gated RMSNorm needs the whole head's output: each program stores its block's delta-rule output in ``out``
+    and counts itself in on ``head_counts[r, h]`` (after a barrier, release); the last of the head's ``NVB`` to
+    arrive (acquire) reads the head's ``DV`` outputs back, normalizes them in one reduction (as
+    ``_gated_rms_norm_kernel`` does), and sets the counter back to 0. ``QUANT``: those ``Hv`` head-last programs are
+    the ones that count themselves in on the row's counter (:func:`_quantize_when_last`)."""
+    r = tl.program_id(0)
+    hj = tl.program_id(1)
+    NVB: tl.constexpr = (DV + BV - 1) // BV
+    h = hj // NVB
+    vb = (hj % NVB) * BV
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    live = (tl.load(qsl_ptr + r + 1).to(tl.int64) - start) > 0
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    hk = h // GROUP
+    xt = start * sx_t
+    dt = out_ptr.dtype.element_ty
+
+    ok = tl.arange(0, BK)
+    kmask = (ok < DK) & live
+    cq = hk * DK + ok
+    ck = HK * DK + hk * DK + ok
+    qv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+    kv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+    qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6)) * scale
+    kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
+    nq, pq, mq = _conv_new_window(x_ptr, conv_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    nk, pk, mk = _conv_new_window(x_ptr, conv_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
+
+    ov = vb + tl.arange(0, BV)
+    vmask = (ov < DV) & live
+    cv = 2 * HK * DK + h * DV + ov
+    vv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cv, vmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+    nv, pv, mv = _conv_new_window(x_ptr, conv_ptr, xt, slot, cv, vmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    smask = kmask[:, None] & vmask[None, :]
+    s_ptrs = state_ptr + slot * ss_s + h * ss_h + ok[:, None] * ss_k + ov[None, :] * ss_v
+    S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
+    S = S * tl.exp(gt)
+    mem = tl.sum(S * kv[:, None], axis=0)
+    delta = (vv - mem) * bt
+    S = S + kv[:, None] * delta[None, :]
+    o = tl.sum(S * qv[:, None], axis=0).to(dt)
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
+    o_row = out_ptr + start * so_t + h * DV
+    tl.store(o_row + ov, o, mask=vmask)
+
+    tl.debug_barrier()  # every conv window read, and every store of the block's output, before what follows
+    tl.store(pv, nv, mask=mv)
+    arr = arr_ptr + slot * sarr_s + hk
+    seen = tl.atomic_add(arr, 1, mask=live)
+    last = live & (seen % (GROUP * NVB) == GROUP * NVB - 1)
+    tl.store(pq, nq, mask=mq & last)
+    tl.store(pk, nk, mask=mk & last)
+    tl.atomic_add(arr, -(GROUP * NVB), mask=last)
+
+    # The head's gated RMSNorm, by the last of its NVB programs (as _gated_rms_norm_kernel, the head in one row).
+    if live:
+        hc = hcnt_ptr + r * shc_r + h
+        arrived = tl.atomic_add(hc, 1, sem="acq_rel", scope="gpu")
+        if arrived == NVB - 1:
+            oall = tl.arange(0, DVP)
+            amask = oall < DV
+            of = tl.load(o_row + oall, mask=amask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / DV + eps)
+            nrm = (of * rstd).to(dt).to(tl.float32)
+            w = tl.load(nw_ptr + oall, mask=amask, other=0.0).to(tl.float32)
+            on = (w * nrm).to(dt).to(tl.float32)
+            zz = tl.load(z_ptr + start * sz_t + h * DV + oall, mask=amask, other=0.0).to(tl.float32)
+            tl.store(o_row + oall, (on * (zz * tl.sigmoid(zz))).to(dt), mask=amask)
+            tl.atomic_xchg(hc, 0, sem="relaxed")
+            if QUANT:
+                _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, live, start, 1, so_t, sq_t, HK * GROUP, DV,
+                                    fp8_max, amax_eps, QBLOCK)
 
 
 @triton.jit

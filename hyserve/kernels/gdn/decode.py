@@ -39,15 +39,29 @@ from hyserve.kernels.norm.reference import gated_rms_norm_ref
 from hyserve.utils import next_pow2
 
 __all__ = ["arrivals_for", "as_output", "compile_variants", "fp8_output", "gdn_decode_fused", "gdn_decode_fused_ref",
-           "gdn_decode_fused_triton", "quant_block", "row_counters_for"]
+           "gdn_decode_fused_triton", "head_counters_for", "quant_block", "row_counters_for", "split_heads"]
 
 
-def arrivals_for(num_slots: int, num_k_heads: int, num_v_heads: int, device: torch.device) -> torch.Tensor | None:
+def arrivals_for(num_slots: int, num_k_heads: int, num_v_heads: int, device: torch.device,
+                 split: bool = False) -> torch.Tensor | None:
     """The fused kernel's arrival counters for a state pool of ``num_slots`` entries: int32 zeros ``(S, Hk)``, or
-    None when each key head has one value head (no counter needed)."""
-    if num_v_heads == num_k_heads:
+    None when each key head has one value head and the launches do not split heads (no counter needed)."""
+    if num_v_heads == num_k_heads and not split:
         return None
     return torch.zeros((num_slots, num_k_heads), dtype=torch.int32, device=device)
+
+
+def head_counters_for(num_slots: int, num_v_heads: int, device: torch.device) -> torch.Tensor:
+    """The per-(row, value head) counters of a launch that splits each head over value blocks (``split=True``):
+    int32 zeros ``(S, Hv)``, one row a row of the launch (at most one a slot), which every launch leaves at zero."""
+    return torch.zeros((num_slots, num_v_heads), dtype=torch.int32, device=device)
+
+
+def split_heads(rows: int, num_v_heads: int) -> bool:
+    """Whether a decode launch of ``rows`` rows splits each value head over programs (``_gdn_decode_split_kernel``)
+    rather than walking it in one: not yet, the card's sweep decides (``benchmarks/gdn_decode_bench.py --launch
+    32x1s``)."""
+    return False
 
 
 def row_counters_for(num_slots: int, device: torch.device) -> torch.Tensor:
@@ -92,6 +106,7 @@ def gdn_decode_fused(
     arrivals: torch.Tensor | None = None,
     quant: str | None = None,
     row_counts: torch.Tensor | None = None,
+    head_counts: torch.Tensor | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """The mixer's decode step from ``in_proj``'s output to ``out_proj``'s input; returns ``(T, Hv * Dv)`` in the
     model dtype, or (``quant="fp8"``) that output quantized per token for an FP8 ``out_proj`` in the same launch, as
@@ -107,13 +122,17 @@ def gdn_decode_fused(
         num_k_heads: ``Hk`` (this rank's); ``Hv`` and ``Dv`` come from ``ssm_state``, ``Dk`` from both.
         arrivals: :func:`arrivals_for`'s counters (needed on CUDA when ``Hv > Hk``).
         quant: None or ``"fp8"``; row_counts: :func:`row_counters_for`'s counters (needed on CUDA with ``"fp8"``).
+        head_counts: :func:`head_counters_for`'s counters: on CUDA the launch splits each head over programs where
+            :func:`split_heads` says so (``arrivals`` then from :func:`arrivals_for` with ``split``); None: never.
     """
     if not x.is_cuda:
         out = gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
                                    ssm_state, state_slots, query_start_loc, num_k_heads)
         return out if quant is None else quantize_activation_ref(out)
+    split = head_counts is not None and split_heads(state_slots.shape[0], ssm_state.shape[1])
     return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
-                                   state_slots, query_start_loc, num_k_heads, arrivals, quant, row_counts)
+                                   state_slots, query_start_loc, num_k_heads, arrivals, quant, row_counts,
+                                   split=split, head_counts=head_counts)
 
 
 def gdn_decode_fused_ref(
@@ -181,13 +200,17 @@ def gdn_decode_fused_triton(
     block_v: int | None = None,
     qblock: int | None = None,
     num_warps: int = 4,
+    split: bool = False,
+    head_counts: torch.Tensor | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
     value block ``BV`` (a power of two; tests take several blocks of a small head), ``qblock`` the quantization
     pass's block (:func:`quant_block`; ``benchmarks/fp8_quant_bench.py`` sweeps it); ``num_warps`` the program's
-    warps (``benchmarks/gdn_decode_bench.py --launch`` sweeps both)."""
-    from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
+    warps (``benchmarks/gdn_decode_bench.py --launch`` sweeps both). ``split``: one program per (row, value head,
+    value block) (``_gdn_decode_split_kernel``), which needs ``arrivals`` (:func:`arrivals_for` with ``split``) and
+    ``head_counts`` (:func:`head_counters_for`)."""
+    from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel, _gdn_decode_split_kernel
 
     t = x.shape[0]
     hk = num_k_heads
@@ -199,7 +222,11 @@ def gdn_decode_fused_triton(
     assert conv_state.shape[1:] == (conv_dim, kw - 1) and kw >= 2, "conv_state must be (S, conv_dim, K - 1)"
     assert z.shape == (t, hv * dv) and a.shape == (t, hv) and b.shape == (t, hv), "z (T, Hv * Dv), a and b (T, Hv)"
     assert norm_weight.shape == (dv,) and a_log.shape == (hv,) and dt_bias.shape == (hv,)
-    assert arrivals is not None or hv == hk, "Hv > Hk needs the arrival counters (arrivals_for)"
+    assert arrivals is not None or (hv == hk and not split), \
+        "Hv > Hk, or a split launch, needs the arrival counters (arrivals_for)"
+    assert not split or (head_counts is not None and head_counts.dtype == torch.int32
+                         and head_counts.shape[0] >= r and head_counts.shape[1] == hv), \
+        "a split launch needs int32 head counters, a row per launch row (head_counters_for)"
     assert arrivals is None or (arrivals.dtype == torch.int32 and arrivals.shape == (ssm_state.shape[0], hk))
     x, z, a, b = (_unit_last(u) for u in (x, z, a, b))
     if out is None:
@@ -215,17 +242,23 @@ def gdn_decode_fused_triton(
         cfg["BV"] = block_v
     qb = quant_block(hv * dv) if qblock is None else qblock
     assert qb == next_pow2(qb), "qblock must be a power of two"
-    _gdn_decode_fused_kernel[(r, hv)](
-        x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
-        conv_state, ssm_state, state_slots, query_start_loc, arr, out, q, qs, cnt,
-        x.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
-        arr.stride(0), out.stride(0), q.stride(0),
-        dk**-0.5, float(eps), FP8_MAX, AMAX_EPS,
-        HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=qb,
-        num_warps=num_warps,
-    )  # fmt: skip
+    common = dict(HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=qb,
+                  num_warps=num_warps)
+    strides = (x.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+               conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+               ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3))
+    scalars = (dk**-0.5, float(eps), FP8_MAX, AMAX_EPS)
+    pools = (conv_state, ssm_state, state_slots, query_start_loc, arr)
+    if split:
+        assert head_counts is not None
+        nvb = -(-dv // cfg["BV"])
+        _gdn_decode_split_kernel[(r, hv * nvb)](
+            x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, head_counts, out, q, qs, cnt,
+            *strides, arr.stride(0), head_counts.stride(0), out.stride(0), q.stride(0), *scalars, **common)
+    else:
+        _gdn_decode_fused_kernel[(r, hv)](
+            x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, out, q, qs, cnt,
+            *strides, arr.stride(0), out.stride(0), q.stride(0), *scalars, **common)
     return as_output(out, q, qs, quant)
 
 
@@ -239,7 +272,7 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     2 as the 9B, 3 as the 27B) in a bf16 model with a float32 state, and with a bf16 state, a float32 and an fp16
     model, as ``(name, jit function, argument types, constexprs)`` for a compile check without a GPU
     (``tests/kernels/test_gdn_decode_fused.py``)."""
-    from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel
+    from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel, _gdn_decode_split_kernel
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     i32 = "i32"
@@ -259,4 +292,16 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                         _gdn_decode_fused_kernel, sig,
                         dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4), QUANT=quant,
                              QBLOCK=quant_block(16 * group * 128))))
+    # The split launch (one program per value block, the head counters): the 9B's and the 27B's bf16 models
+    for state, group, quant in (("fp32", 2, False), ("bf16", 2, False), ("fp32", 3, True)):
+        sig = dict(x_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32",
+                   dtb_ptr="*fp32", nw_ptr="*bf16", conv_ptr="*bf16", state_ptr=f"*{state}", slots_ptr="*i64",
+                   qsl_ptr="*i32", arr_ptr="*i32", hcnt_ptr="*i32", out_ptr="*bf16", q_ptr="*fp8e4nv",
+                   qs_ptr="*fp32", cnt_ptr="*i32",
+                   **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
+                                       "ss_s", "ss_h", "ss_k", "ss_v", "sarr_s", "shc_r", "so_t", "sq_t")},
+                   scale="fp32", eps="fp32", fp8_max="fp32", amax_eps="fp32")
+        out.append((f"gdn_decode_split_g{group}_bf16_{state}_state{'_fp8' if quant else ''}", _gdn_decode_split_kernel,
+                    sig, dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **{**launch_config(128, 128, 4), "BV": 32},
+                              QUANT=quant, QBLOCK=quant_block(16 * group * 128))))
     return out
