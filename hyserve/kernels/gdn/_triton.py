@@ -441,8 +441,8 @@ def _gdn_decode_split_kernel(
     start = tl.load(qsl_ptr + r).to(tl.int64)
     live = (tl.load(qsl_ptr + r + 1).to(tl.int64) - start) > 0
     slot = tl.load(slots_ptr + r).to(tl.int64)
-    hk = h // GROUP
     xt = start * sx_t
+    hk = h // GROUP
     dt = out_ptr.dtype.element_ty
 
     ok = tl.arange(0, BK)
@@ -469,7 +469,7 @@ def _gdn_decode_split_kernel(
     mem = tl.sum(S * kv[:, None], axis=0)
     delta = (vv - mem) * bt
     S = S + kv[:, None] * delta[None, :]
-    o = tl.sum(S * qv[:, None], axis=0).to(dt)
+    o = tl.sum(qv[:, None] * S, axis=0).to(dt)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
     o_row = out_ptr + start * so_t + h * DV
     tl.store(o_row + ov, o, mask=vmask)
