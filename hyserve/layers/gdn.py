@@ -58,6 +58,16 @@ def output_quant_switch() -> bool:
     return value == "1"
 
 
+def decode_split_switch() -> bool | None:
+    """``HYSERVE_GDN_DECODE_SPLIT``: unset (each launch as :func:`~hyserve.kernels.gdn.decode.split_heads` says), 0
+    (every fused decode launch walks each head in one program) or 1 (every launch splits each head over its value
+    blocks); any other value is refused. For benchmarks that compare the two launches in one engine."""
+    value = os.environ.get("HYSERVE_GDN_DECODE_SPLIT")
+    if value not in (None, "0", "1"):
+        raise ValueError(f"HYSERVE_GDN_DECODE_SPLIT={value!r}: unset (the launch's own choice), 0 or 1")
+    return None if value is None else value == "1"
+
+
 def uses_fused_decode(x: torch.Tensor) -> bool:
     """Whether a pure decode step takes the fused kernel: on CUDA (the CPU keeps the unfused references)."""
     return x.is_cuda and FUSED
@@ -138,6 +148,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         # head) for a launch that splits each head over its value blocks (split_heads).
         self.arrivals: torch.Tensor | None = None  # (S, Hk) int32
         self.head_counts: torch.Tensor | None = None  # (S, Hv) int32
+        self.decode_split = decode_split_switch()
         # Speculative decoding: per verify row and position, the candidate conv window, and the delta rule's inputs
         # from which the commit rebuilds the SSM state (hyserve.kernels.gdn.verify: the stash).
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
@@ -233,7 +244,8 @@ class GatedDeltaNet(ReplayedStateLayer):
             out = gdn_decode_fused(mixed_in, z, b, a, weight, self.A_log, self.dt_bias, self.norm.weight,
                                    self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
                                    meta.query_start_loc, self.num_k_heads, self.arrivals,
-                                   quant=self.out_quant, row_counts=self.row_counts, head_counts=self.head_counts)
+                                   quant=self.out_quant, row_counts=self.row_counts, head_counts=self.head_counts,
+                                   split=self.decode_split)
             return self.out_proj(out)
         snaps = meta.row_snapshots
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
@@ -247,7 +259,7 @@ class GatedDeltaNet(ReplayedStateLayer):
             head = gdn_decode_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], weight, self.A_log, self.dt_bias,
                                     self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
                                     vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals,
-                                    head_counts=self.head_counts)
+                                    head_counts=self.head_counts, split=self.decode_split)
             assert isinstance(head, torch.Tensor)  # (plain: prefill rows follow)
             return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
         if vm is None:

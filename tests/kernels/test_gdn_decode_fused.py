@@ -456,12 +456,14 @@ def run_layer(layer: gdn_layer.GatedDeltaNet, x: torch.Tensor, meta: StepMetadat
     return out, pools, calls[0]  # type: ignore[return-value]
 
 
-def _interp_layer(dtype: torch.dtype) -> tuple[bool, str]:
+def _interp_layer(dtype: torch.dtype, split: bool | None = None) -> tuple[bool, str]:
     """The mixer's decode step on the fused kernel against its unfused CPU path (the references), for a pure decode
-    step; a prefill step does not take it."""
+    step; a prefill step does not take it. ``split``: the layer's ``HYSERVE_GDN_DECODE_SPLIT`` choice (its own
+    counters bound with its pools)."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
     layer = tiny_gdn(dtype)
+    layer.decode_split = split
     meta = step_meta([1, 1, 1], [6, 2, 4])
     x = torch.randn(3, 32).to(dtype)
     want, want_pools, _ = run_layer(layer, x, meta, None)
@@ -601,6 +603,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("vs_transformers_g2", lambda: _interp_vs_transformers(2, 4))
     check("layer_takes_the_kernel_f32", lambda: _interp_layer(F32))
     check("layer_takes_the_kernel_bf16", lambda: _interp_layer(BF16))
+    check("layer_takes_the_split_kernel_bf16", lambda: _interp_layer(BF16, split=True))
     for what in SABOTAGES:
         check(f"{what}_caught", lambda w=what: _interp_sabotage(w))
     for name in FP8_CASES:
@@ -623,6 +626,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
 INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
+    "layer_takes_the_split_kernel_bf16",
     *[f"{what}_caught" for what in SABOTAGES],
     *[f"fp8_{name}" for name in FP8_CASES], "fp8_bf16_g2_qblock32",
     *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
@@ -706,6 +710,22 @@ def test_fused_kernel_compiles_for_sm90() -> None:
     assert len(set(names)) == len(names) and len(names) >= 8
     failures = compile_failures(variants)
     assert not failures, failures
+
+
+def test_the_split_launch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT", raising=False)
+    assert gdn_layer.decode_split_switch() is None and tiny_gdn(BF16).decode_split is None
+    for value, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", value)
+        assert gdn_layer.decode_split_switch() is want and tiny_gdn(BF16).decode_split is want
+    for bad in ("yes", "", "2"):
+        monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", bad)
+        with pytest.raises(ValueError, match="HYSERVE_GDN_DECODE_SPLIT"):
+            gdn_layer.decode_split_switch()
+    monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT")
+    layer = tiny_gdn(BF16)  # the counters a split launch needs come with the pools, at zero
+    assert layer.arrivals is not None and layer.head_counts is not None
+    assert layer.head_counts.shape == (9, 4) and not layer.head_counts.any() and not layer.arrivals.any()
 
 
 def test_layer_on_cpu_takes_the_fused_entry_point_only_for_pure_decode() -> None:

@@ -107,6 +107,7 @@ def gdn_decode_fused(
     quant: str | None = None,
     row_counts: torch.Tensor | None = None,
     head_counts: torch.Tensor | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """The mixer's decode step from ``in_proj``'s output to ``out_proj``'s input; returns ``(T, Hv * Dv)`` in the
     model dtype, or (``quant="fp8"``) that output quantized per token for an FP8 ``out_proj`` in the same launch, as
@@ -122,14 +123,17 @@ def gdn_decode_fused(
         num_k_heads: ``Hk`` (this rank's); ``Hv`` and ``Dv`` come from ``ssm_state``, ``Dk`` from both.
         arrivals: :func:`arrivals_for`'s counters (needed on CUDA when ``Hv > Hk``).
         quant: None or ``"fp8"``; row_counts: :func:`row_counters_for`'s counters (needed on CUDA with ``"fp8"``).
-        head_counts: :func:`head_counters_for`'s counters: on CUDA the launch splits each head over programs where
-            :func:`split_heads` says so (``arrivals`` then from :func:`arrivals_for` with ``split``); None: never.
+        head_counts: :func:`head_counters_for`'s counters, for a launch that splits each head over programs
+            (``arrivals`` then from :func:`arrivals_for` with ``split``).
+        split: on CUDA, whether the launch splits each head (then ``head_counts`` is needed); None: where
+            :func:`split_heads` says so and ``head_counts`` is given.
     """
     if not x.is_cuda:
         out = gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
                                    ssm_state, state_slots, query_start_loc, num_k_heads)
         return out if quant is None else quantize_activation_ref(out)
-    split = head_counts is not None and split_heads(state_slots.shape[0], ssm_state.shape[1])
+    if split is None:
+        split = head_counts is not None and split_heads(state_slots.shape[0], ssm_state.shape[1])
     return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, arrivals, quant, row_counts,
                                    split=split, head_counts=head_counts)
