@@ -14,8 +14,11 @@ state rounded to its dtype where it is stored), so outputs agree with the unfuse
 order of the norm's sum of squares (summed per block of ``BV`` channels here, in one row there: one unit in the last
 place at most, usually bit for bit) and states bit for bit (``tests/kernels/test_gdn_decode_fused.py``).
 
-Dispatch: CUDA runs ``_gdn_decode_fused_kernel`` (``_triton.py``: one program per (row, value head), no host sync,
-fixed-shape launch: safe to capture in a CUDA graph); everything else runs the reference sequence.
+Dispatch: CUDA runs ``_gdn_decode_fused_kernel`` (``_triton.py``: one program per (row, value head) walking the
+head's state in ``BV``-wide tiles, no host sync, fixed-shape launch: safe to capture in a CUDA graph) or, split
+(:func:`split_heads`, ``HYSERVE_GDN_DECODE_SPLIT``), ``_gdn_decode_split_kernel`` (one program per (row, value head,
+value block): ``Dv / BV`` times the programs, each one tile in flight; the head's norm by the last of its programs,
+counted in :func:`head_counters_for`'s counters); everything else runs the reference sequence.
 
 Contract (that of the unfused kernels): ``state_slots[r]`` names row ``r``'s conv window and SSM state; rows are one
 token (``query_start_loc`` steps by 1) or empty (an empty row reads and writes nothing); slots of rows with a token
