@@ -683,14 +683,16 @@ case "${1:?phase}" in
     fi
     true
     ;;
-  decode34|decode34-vllm)
+  decode34|decode34-vllm|decode34-split)
     # Issue 34, item 3: decode at batch 1 / 8 / 32 / 64 and prefill 32 x 2048 on the 9B shape (bf16) and on the
     # seed's 27B shape in compressed-tensors FP8_DYNAMIC (config only, --load-format dummy, /tmp/s27 as the seed
     # phases write it), hyserve at its defaults beside HYSERVE_FP8_FUSED_QUANT=0 (FP8: every GEMM quantizing its own
     # input again) measured in the same call, and both shapes with their GDN state in bf16 as vLLM's default
     # stores it (--mamba-ssm-cache-dtype auto; hyserve keeps float32 unless told): the like-for-like pairs.
     # (HYSERVE_DECODE_GEMM=on ran on 2026-12-05: 0.68x the default at batch 1, left off and no longer run.)
-    # decode34-vllm: vLLM's default mode on the same directories.
+    # decode34-vllm: vLLM's default mode on the same directories. decode34-split: the GDN decode's two launches in
+    # the engine, each head walked by one program (HYSERVE_GDN_DECODE_SPLIT=0) against split over its value blocks
+    # (=1), the 9B and the 27B FP8 with bf16 states (vLLM's like), decode only.
     # Each run marked done in $MOE_DONE (a later call goes on where this one stopped).
     p9b
     if [ ! -f /tmp/s27/tokenizer.json ]; then
@@ -704,6 +706,12 @@ case "${1:?phase}" in
         # a cold start took 250 s with the Triton prefill (55 s torch.compile, 108 s of warm-up compiling)
         runs=("9b:/tmp/p9b:500::main" "27b_fp8:/tmp/s27:550::main")
         engine=vllm; VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}")
+    elif [ "$1" = decode34-split ]; then
+        runs=("9b_bf16state_walk:/tmp/p9b:150:HYSERVE_GDN_DECODE_SPLIT=0:decode_bf16state"
+              "9b_bf16state_split:/tmp/p9b:150:HYSERVE_GDN_DECODE_SPLIT=1:decode_bf16state"
+              "27b_fp8_bf16state_walk:/tmp/s27:200:HYSERVE_GDN_DECODE_SPLIT=0:decode_bf16state"
+              "27b_fp8_bf16state_split:/tmp/s27:200:HYSERVE_GDN_DECODE_SPLIT=1:decode_bf16state")
+        engine=hyserve
     else
         runs=("9b:/tmp/p9b:200::main" "9b_bf16state:/tmp/p9b:150::decode_bf16state"
               "27b_fp8:/tmp/s27:300::main" "27b_fp8_bf16state:/tmp/s27:200::decode_bf16state"
