@@ -465,9 +465,9 @@ def _interp_layer_one_token_rows(dtype: torch.dtype) -> tuple[bool, str]:
     want, want_after, _ = run_layer(layer, x, meta, None)
     calls = [0]
 
-    def counted(*a: Any) -> torch.Tensor:
+    def counted(*a: Any, **k: Any) -> torch.Tensor:
         calls[0] += 1
-        return gdn_decode_fused_triton(*a)
+        return gdn_decode_fused_triton(*a, **k)
 
     saved = gdn_layer.uses_fused_decode, gdn_layer.gdn_decode_fused
     gdn_layer.uses_fused_decode = lambda t: True  # type: ignore[assignment]
