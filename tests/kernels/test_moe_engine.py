@@ -7,7 +7,8 @@ is, errors about 4e-7, none left to the check's search for router flips at near-
 What runs: one prefill step of 192 tokens (the sorted order, the shared expert apart on its dense GEMMs), decode at
 10 rows (the sorted order with the shared expert stacked as expert E), then fewer than 8 as rows finish (one pair per
 program, stacked). The check's control (the reference without its shared experts) must fail, and a sabotaged engine
-(the stacked shared expert added ungated: weight 1, not its gate's sigmoid) must fail the check itself.
+(the stacked shared expert added ungated: weight 1, not its gate's sigmoid) must fail the check itself, on four short
+prompts.
 
 Nemotron-H's MoE blocks (Nemotron 3: the kernels' ungated ``relu2`` experts) the same way: the family's MoE tests
 run with ``TRITON_INTERPRET=1``, against transformers.
@@ -28,6 +29,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT_LENS = (70, 17, 5, 9, 33, 1, 12, 3, 40, 2)
 MAX_TOKENS = (6, 3, 6, 2, 6, 4, 6, 3, 6, 2)
+# The sabotaged engine on fewer, shorter prompts (the suite's budget): it fails at its first decode steps, which take
+# the stacked shared expert as the full run's do.
+SABOTAGE_PROMPT_LENS = (17, 5, 9, 12)
+SABOTAGE_MAX_TOKENS = (6, 6, 4, 6)
 
 
 def run_checks() -> dict[str, Any]:
@@ -62,7 +67,8 @@ def run_checks() -> dict[str, Any]:
         out["check"] = moe_check.moe_check(path, "cpu", "float32", prompt_lens=PROMPT_LENS, max_tokens=MAX_TOKENS)
         out["routes"] = dict(calls)
         layer_moe.route_experts = ungated  # type: ignore[assignment]
-        out["ungated"] = moe_check.moe_check(path, "cpu", "float32", prompt_lens=PROMPT_LENS, max_tokens=MAX_TOKENS)
+        out["ungated"] = moe_check.moe_check(path, "cpu", "float32", prompt_lens=SABOTAGE_PROMPT_LENS,
+                                             max_tokens=SABOTAGE_MAX_TOKENS)
         layer_moe.route_experts = real_route
     return out
 

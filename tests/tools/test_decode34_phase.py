@@ -1,6 +1,7 @@
-"""``benchmarks/peer_session.sh decode34`` / ``decode34-vllm`` / ``decode34-split`` (issue 34's decode and prefill pairs, the GDN decode's two launches) with ``python3`` a
-recorder: which runs each phase makes, on which directory, with which switch in the environment, each command parsed
-by peer_bench.py's own parser; a run marked done is not made again."""
+"""``benchmarks/peer_session.sh decode34`` / ``decode34-vllm`` / ``decode34-split`` (issue 34's decode and prefill
+pairs, the GDN decode's two launches) with ``python3`` a recorder: which runs each phase makes, on which directory,
+with which switch in the environment, each command parsed by peer_bench.py's own parser; a run marked done is not
+made again."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def test_decode34_vllm_runs_its_default_mode_on_the_same_directories(tmp_path: P
     calls = _run(tmp_path, "decode34-vllm")
     parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
     assert [(s, p.engine, p.model, p.load_format) for s, p in parsed] == [
-        ("unset,unset,unset,unset", "vllm", "/tmp/p9b", "auto"), ("unset,unset,unset,unset", "vllm", "/tmp/s27", "dummy")]
+        ("unset,unset,unset,unset", "vllm", "/tmp/p9b", "auto"),
+        ("unset,unset,unset,unset", "vllm", "/tmp/s27", "dummy")]
     # no FlashInfer GDN prefill module on this machine: vLLM's Triton prefill (its JIT outlasted a call)
     assert [p.vllm_gdn_prefill_backend for _, p in parsed] == ["triton", "triton"]
     built = tmp_path / ".cache" / "flashinfer" / "90" / "gdn_prefill_sm90.so"
