@@ -59,7 +59,7 @@ def output_quant_switch() -> bool:
 
 
 def decode_split_switch() -> bool | None:
-    """``HYSERVE_GDN_DECODE_SPLIT``: unset (each launch as :func:`~hyserve.kernels.gdn.decode.split_heads` says), 0
+    """``HYSERVE_GDN_DECODE_SPLIT``: unset (each launch as :func:`~hyserve.kernels.gdn.decode.decode_launch` says), 0
     (every fused decode launch walks each head in one program) or 1 (every launch splits each head over its value
     blocks); any other value is refused. For benchmarks that compare the two launches in one engine."""
     value = os.environ.get("HYSERVE_GDN_DECODE_SPLIT")
@@ -145,7 +145,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.conv_state: torch.Tensor | None = None  # (S, conv_dim, K-1), model dtype
         self.ssm_state: torch.Tensor | None = None  # (S, Hv, Dk, Dv), ssm_dtype
         # The fused decode kernel's counters (zeros between launches): per (slot, key head), and per (row, value
-        # head) for a launch that splits each head over its value blocks (split_heads).
+        # head) for a launch that splits each head over its value blocks (decode_launch).
         self.arrivals: torch.Tensor | None = None  # (S, Hk) int32
         self.head_counts: torch.Tensor | None = None  # (S, Hv) int32
         self.decode_split = decode_split_switch()

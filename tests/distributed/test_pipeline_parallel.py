@@ -271,7 +271,7 @@ def test_a_stage_applying_counts_through_other_rows_is_caught(ckpts: CheckpointC
     assert _tokens(got) != _tokens(want)
 
 
-@pytest.mark.parametrize("dead", [0, 1], ids=["first_stage", "last_stage"])
+@pytest.mark.parametrize("dead", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["first_stage", "last_stage"])
 def test_a_dead_stage_is_reported_by_rank_within_seconds(ckpts: CheckpointCache, dead: int) -> None:
     """The other stage would wait for it in a send or receive; the engine reports the dead rank instead."""
     import signal

@@ -54,7 +54,8 @@ def test_tp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec
             assert_matches_reference(ref, prompts[rid], out)
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp"])
+@pytest.mark.parametrize("spec", [pytest.param(None, marks=pytest.mark.slow),  # the suite's budget: mtp covers it
+                                  {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp"])
 def test_tp2_causal_form_with_replicated_kv_heads_and_graphs(ckpts: CheckpointCache, spec: dict | None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """One KV head, two ranks: each rank keeps the KV head its query heads read. The workers run the decode,

@@ -712,6 +712,19 @@ def test_fused_kernel_compiles_for_sm90() -> None:
     assert not failures, failures
 
 
+def test_the_decode_launch_follows_the_cards_sweep() -> None:
+    """The split launch where an H100's sweep had it ahead (bf16 states, 2026-12-05): up to 128 (row, value head)
+    pairs in (32, 2 warps) blocks (batch 1-4 of the 9B's 32 heads), from 1,024 in (64, 4) (batch 32 on); the walk
+    between (batch 8, no clear winner). Forced either way by HYSERVE_GDN_DECODE_SPLIT."""
+    from hyserve.kernels.gdn.decode import decode_launch
+
+    assert decode_launch(1, 32) == decode_launch(4, 32) == decode_launch(2, 48) == (True, 32, 2)
+    assert decode_launch(8, 32) == decode_launch(8, 48) == decode_launch(5, 32) == (False, None, 4)
+    assert decode_launch(32, 32) == decode_launch(64, 48) == decode_launch(512, 32) == (True, 64, 4)
+    assert decode_launch(1, 32, split=False) == (False, None, 4)
+    assert decode_launch(8, 32, split=True) == (True, 64, 4) and decode_launch(1, 32, split=True) == (True, 32, 2)
+
+
 def test_the_split_launch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT", raising=False)
     assert gdn_layer.decode_split_switch() is None and tiny_gdn(BF16).decode_split is None
@@ -883,7 +896,7 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
     for step in range(3):
         for n in ("x", "z", "a", "b"):
             p[n].copy_(torch.randn_like(p[n]))
-        want = gdn_decode_fused_triton(**walk_p, arrivals=arrivals)
+        want = gdn_decode_fused_triton(**walk_p, arrivals=arrivals, block_v=bv, num_warps=warps)
         graph.replay()
         toks, slots = token_rows(p)
         ok, msg = _agree(out[toks], want[toks])

@@ -148,7 +148,8 @@ def test_a_scripted_speculation_length_gives_the_plain_outputs(ckpts: Checkpoint
     assert_k_schedule_matches(got, recorder, engine, plain_run)
 
 
-@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+# fused: slow (the suite's budget; test_expert_parallel_on_tensor_parallel_2[fused] runs plain tensor parallel 2 too)
+@pytest.mark.parametrize("layout", [pytest.param("fused", marks=pytest.mark.slow), "per_expert"])
 def test_tensor_parallel_2_splits_the_experts(ckpts: CheckpointCache, layout: str) -> None:
     """Each rank holds its half of every expert's (and the shared expert's) intermediate dimension, the MTP head's
     MoE block too (per-expert layout: MTP speculation on)."""

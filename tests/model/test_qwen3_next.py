@@ -181,7 +181,7 @@ def test_a_scripted_speculation_length_gives_the_plain_outputs(ckpts: Checkpoint
 
 
 @pytest.mark.parametrize("kw", [
-    {"tensor_parallel_size": 2},
+    pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),  # tp2_ep shards the rest the same way
     {"tensor_parallel_size": 2, "enable_expert_parallel": True},
     {"pipeline_parallel_size": 2, "pp_layer_partition": [4, 2], "async_scheduling": True},
 ], ids=["tp2", "tp2_ep", "pp2_uneven"])

@@ -32,7 +32,10 @@ WRITERS: dict[str, Callable[[Path], str]] = {
 }
 
 
-@pytest.fixture(scope="module", params=list(WRITERS))
+# Nemotron-H served by default; Granite and Falcon-H1 in the slow suite (the suite's budget: 8-11 s each to start;
+# their engine tests run by default)
+@pytest.fixture(scope="module", params=[n if n == "nemotron" else pytest.param(n, marks=pytest.mark.slow)
+                                        for n in WRITERS])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     name = request.param
     path = WRITERS[name](tmp_path_factory.mktemp(f"{name}_serve") / "ckpt")

@@ -16,7 +16,7 @@ place at most, usually bit for bit) and states bit for bit (``tests/kernels/test
 
 Dispatch: CUDA runs ``_gdn_decode_fused_kernel`` (``_triton.py``: one program per (row, value head) walking the
 head's state in ``BV``-wide tiles, no host sync, fixed-shape launch: safe to capture in a CUDA graph) or, split
-(:func:`split_heads`, ``HYSERVE_GDN_DECODE_SPLIT``), ``_gdn_decode_split_kernel`` (one program per (row, value head,
+(:func:`decode_launch`, ``HYSERVE_GDN_DECODE_SPLIT``), ``_gdn_decode_split_kernel`` (one program per (row, value head,
 value block): ``Dv / BV`` times the programs, each one tile in flight; the head's norm by the last of its programs,
 counted in :func:`head_counters_for`'s counters); everything else runs the reference sequence.
 
@@ -41,8 +41,8 @@ from hyserve.kernels.gdn.reference import gdn_forward_ref
 from hyserve.kernels.norm.reference import gated_rms_norm_ref
 from hyserve.utils import next_pow2
 
-__all__ = ["arrivals_for", "as_output", "compile_variants", "fp8_output", "gdn_decode_fused", "gdn_decode_fused_ref",
-           "gdn_decode_fused_triton", "head_counters_for", "quant_block", "row_counters_for", "split_heads"]
+__all__ = ["arrivals_for", "as_output", "compile_variants", "decode_launch", "fp8_output", "gdn_decode_fused",
+           "gdn_decode_fused_ref", "gdn_decode_fused_triton", "head_counters_for", "quant_block", "row_counters_for"]
 
 
 def arrivals_for(num_slots: int, num_k_heads: int, num_v_heads: int, device: torch.device,
@@ -60,11 +60,27 @@ def head_counters_for(num_slots: int, num_v_heads: int, device: torch.device) ->
     return torch.zeros((num_slots, num_v_heads), dtype=torch.int32, device=device)
 
 
-def split_heads(rows: int, num_v_heads: int) -> bool:
-    """Whether a decode launch of ``rows`` rows splits each value head over programs (``_gdn_decode_split_kernel``)
-    rather than walking it in one: not yet, the card's sweep decides (``benchmarks/gdn_decode_bench.py --launch
-    32x1s``)."""
-    return False
+# The launch by (row, value head) pairs (rows x Hv), from the walk against the split launch on an H100 with bf16
+# states (benchmarks/gdn_decode_bench.py --launch, 2026-12-05; us a layer, the 9B's 32 heads / the 27B's 48):
+#   batch 1:  walk 11.4 / 11.6, split (32, 2 warps) 7.2 / 7.6
+#   batch 8:  walk 14.0 / 16.6, split at best 12.3 (32, 1) / 19.1 (64, 4): no clear winner, the walk stays
+#   batch 32: walk 53.3 / 84.2, split (64, 4) 50.5 / 76.5
+#   batch 64: walk 112.6 / 163.2, split (64, 4) 98.4 / 146.4
+SPLIT_UP_TO = 128  # pairs: split in (32, 2 warps) blocks
+SPLIT_FROM = 1024  # pairs: split in (64, 4 warps) blocks
+
+
+def decode_launch(rows: int, num_v_heads: int, split: bool | None = None) -> tuple[bool, int | None, int]:
+    """``(split, BV, warps)`` for a decode launch of ``rows`` rows: whether each value head is split over programs
+    (``_gdn_decode_split_kernel``), its value block (None: :func:`launch_config`'s) and warps. ``split`` None: split
+    at up to :data:`SPLIT_UP_TO` and from :data:`SPLIT_FROM` (row, value head) pairs, where the card's sweep has the
+    split launch ahead, the walk between; True / False forces one launch (``HYSERVE_GDN_DECODE_SPLIT``)."""
+    pairs = rows * num_v_heads
+    if split is None:
+        split = pairs <= SPLIT_UP_TO or pairs >= SPLIT_FROM
+    if not split:
+        return False, None, 4
+    return (True, 32, 2) if pairs <= SPLIT_UP_TO else (True, 64, 4)
 
 
 def row_counters_for(num_slots: int, device: torch.device) -> torch.Tensor:
@@ -127,19 +143,18 @@ def gdn_decode_fused(
         arrivals: :func:`arrivals_for`'s counters (needed on CUDA when ``Hv > Hk``).
         quant: None or ``"fp8"``; row_counts: :func:`row_counters_for`'s counters (needed on CUDA with ``"fp8"``).
         head_counts: :func:`head_counters_for`'s counters, for a launch that splits each head over programs
-            (``arrivals`` then from :func:`arrivals_for` with ``split``).
-        split: on CUDA, whether the launch splits each head (then ``head_counts`` is needed); None: where
-            :func:`split_heads` says so and ``head_counts`` is given.
+            (``arrivals`` then from :func:`arrivals_for` with ``split``); without them no launch splits.
+        split: on CUDA, whether the launch splits each head; None: where :func:`decode_launch` says so.
     """
     if not x.is_cuda:
         out = gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
                                    ssm_state, state_slots, query_start_loc, num_k_heads)
         return out if quant is None else quantize_activation_ref(out)
-    if split is None:
-        split = head_counts is not None and split_heads(state_slots.shape[0], ssm_state.shape[1])
+    split, block_v, warps = decode_launch(state_slots.shape[0], ssm_state.shape[1],
+                                          False if head_counts is None else split)
     return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, arrivals, quant, row_counts,
-                                   split=split, head_counts=head_counts)
+                                   block_v=block_v, num_warps=warps, split=split, head_counts=head_counts)
 
 
 def gdn_decode_fused_ref(
