@@ -248,7 +248,7 @@ def drafts_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SamplingState, "record_inputs", first_tokens_only)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2_ngram"])
+@pytest.mark.parametrize("layout", [pytest.param("tp2", marks=pytest.mark.slow), "pp2_ngram"])  # tp2: the budget
 def test_parallel_ranks_give_the_plain_tokens(ckpts: CheckpointCache, layout: str) -> None:
     """Every tensor-parallel rank adjusts alike; on a pipeline only the last stage does (worker processes, gloo)."""
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)

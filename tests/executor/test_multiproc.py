@@ -23,7 +23,8 @@ from hyserve.testing.scenarios import reference_run, scenario_engine
 from hyserve.testing.server import process_gone
 
 
-@pytest.mark.parametrize("spec,async_scheduling", [("plain", False), ("mtp", True)])
+@pytest.mark.parametrize("spec,async_scheduling", [pytest.param("plain", False, marks=pytest.mark.slow),  # budget
+                                                   ("mtp", True)])
 def test_mp_backend_matches_the_in_process_engine(ckpts: CheckpointCache, spec: str, async_scheduling: bool) -> None:
     """The async-scheduling scenario (prefix hits, chunks, preemption, an abort, stops, seeded sampling) with the
     worker in another process gives the in-process engine's outputs."""

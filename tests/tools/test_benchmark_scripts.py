@@ -271,6 +271,7 @@ def test_fp8_check_fails_only_a_parting_where_bf16_was_sure() -> None:
     assert not res["pass"] and res["clear_margin_partings"] == 1
 
 
+@pytest.mark.slow  # about 7 s: the suite's budget (the planted acceptance is checked by default)
 def test_spec_decode_bench_draws_the_acceptance_with_synthetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
     """``--synthetic``: each draft token's verdict drawn at the rate, whatever the drafts (the random MTP head's own

@@ -552,6 +552,7 @@ def test_a_flip_above_the_tie_gap_is_not_tried(tiny_moe_ref: Any, planted: Any,
     assert (flip.token, flip.layer) not in {(t, layer) for t, layer, _ in tried}, tried
 
 
+@pytest.mark.slow  # about 6 s: the suite's budget (one flip's search is checked by default)
 def test_two_flips_combine_greedily(tiny_moe_ref: Any, planted: Any) -> None:
     """An engine row with two flips, the second after the first's failure: the first flip alone moves the first
     failure later and is kept, the second then explains the prompt; with one flip allowed it stays unexplained."""
