@@ -297,6 +297,28 @@ def _conv_new_window(
 
 
 @triton.jit
+def _decode_qk(
+    x_ptr, conv_ptr, cw_ptr, xt, slot, hk, live, scale,
+    sc_s, sc_d, sc_k, scw_d, scw_k,
+    HK: tl.constexpr, DK: tl.constexpr, K: tl.constexpr, KM1_PAD: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Key head ``hk``'s q and k for a decode token (offset ``xt`` in x): conv + SiLU (rounded to the model dtype),
+    l2-normed in float32, q scaled; their next windows with the pointers and mask to store them (after a barrier).
+    Returns ``(ok, kmask, q, k, nq, pq, mq, nk, pk, mk)``."""
+    ok = tl.arange(0, BK)
+    kmask = (ok < DK) & live
+    cq = hk * DK + ok
+    ck = HK * DK + hk * DK + ok
+    qv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+    kv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
+    qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6)) * scale
+    kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
+    nq, pq, mq = _conv_new_window(x_ptr, conv_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    nk, pk, mk = _conv_new_window(x_ptr, conv_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    return ok, kmask, qv, kv, nq, pq, mq, nk, pk, mk
+
+
+@triton.jit
 def _gdn_decode_fused_kernel(
     x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
     conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr, q_ptr, qs_ptr, cnt_ptr,
@@ -334,17 +356,9 @@ def _gdn_decode_fused_kernel(
     xt = start * sx_t  # the token's offset in x (unit channel stride)
     dt = out_ptr.dtype.element_ty
 
-    # q and k: conv + SiLU (rounded to the model dtype), l2-normed in float32, q scaled.
-    ok = tl.arange(0, BK)
-    kmask = (ok < DK) & live
-    cq = hk * DK + ok
-    ck = HK * DK + hk * DK + ok
-    qv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
-    kv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
-    qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6)) * scale
-    kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
-    nq, pq, mq = _conv_new_window(x_ptr, conv_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
-    nk, pk, mk = _conv_new_window(x_ptr, conv_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    # q and k: conv + SiLU (rounded to the model dtype), l2-normed in float32, q scaled; their next windows.
+    ok, kmask, qv, kv, nq, pq, mq, nk, pk, mk = _decode_qk(x_ptr, conv_ptr, cw_ptr, xt, slot, hk, live, scale,
+                                                           sc_s, sc_d, sc_k, scw_d, scw_k, HK, DK, K, KM1_PAD, BK)
 
     gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
     decay = tl.exp(gt)
@@ -445,16 +459,8 @@ def _gdn_decode_split_kernel(
     hk = h // GROUP
     dt = out_ptr.dtype.element_ty
 
-    ok = tl.arange(0, BK)
-    kmask = (ok < DK) & live
-    cq = hk * DK + ok
-    ck = HK * DK + hk * DK + ok
-    qv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
-    kv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
-    qv = qv * (1.0 / tl.sqrt(tl.sum(qv * qv, axis=0) + 1e-6)) * scale
-    kv = kv * (1.0 / tl.sqrt(tl.sum(kv * kv, axis=0) + 1e-6))
-    nq, pq, mq = _conv_new_window(x_ptr, conv_ptr, xt, slot, cq, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
-    nk, pk, mk = _conv_new_window(x_ptr, conv_ptr, xt, slot, ck, kmask, sc_s, sc_d, sc_k, K, KM1_PAD)
+    ok, kmask, qv, kv, nq, pq, mq, nk, pk, mk = _decode_qk(x_ptr, conv_ptr, cw_ptr, xt, slot, hk, live, scale,
+                                                           sc_s, sc_d, sc_k, scw_d, scw_k, HK, DK, K, KM1_PAD, BK)
     gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
 
     ov = vb + tl.arange(0, BV)
