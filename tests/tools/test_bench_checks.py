@@ -1,6 +1,7 @@
 """The CPU checks of the kernel benches a device session runs: ``attention_decode_bench.py --check`` (the paged
 decode kernel against the reference with every split live and with splits past the rows' context, under the
-interpreter) and ``gdn_decode_bench.py``'s launch argument."""
+interpreter), ``gdn_state_bench.py --check`` (the delta rule in both state layouts against its reference) and
+``gdn_decode_bench.py``'s launch argument."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def test_attention_decode_bench_check_agrees_with_the_reference() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # both forms ran: the rows' own length (two splits) and a graph's model length (four, two of them empty)
     assert "max_seq_len 601:" in proc.stdout and "max_seq_len 2000:" in proc.stdout, proc.stdout
+
+
+def test_gdn_state_bench_check_agrees_with_the_reference() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/gdn_state_bench.py", "--check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    # three head shapes, each layout: the rule within float32 rounding of the reference, the copy leaving the pool
+    assert len(lines) == 6 and sum("layout v" in line for line in lines) == 3, proc.stdout
+    assert all("copy intact True" in line for line in lines), proc.stdout
 
 
 def test_gdn_decode_bench_reads_value_block_by_warps() -> None:

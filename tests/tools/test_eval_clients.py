@@ -229,6 +229,8 @@ def _reference_loglikelihoods(docs: list[dict[str, Any]]) -> list[list[float]]:
     return out
 
 
+@pytest.mark.slow  # 22 s with the server's start and stop: the suite's budget (the echoed prompt logprobs lm-eval reads
+# stay in tests/server/test_completions_api.py)
 def test_lm_eval_completions_loglikelihoods_match_transformers(server: str, tmp_path: Path) -> None:
     """lm-eval ``local-completions`` on a local ``multiple_choice`` task: each choice is one request with the
     context + continuation token ids as the prompt, ``echo: true``, ``logprobs: 1``, ``max_tokens: 1``, and lm-eval

@@ -35,6 +35,7 @@ def _resolve(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, env=_registry_env(tmp_path), capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow  # 19 s of network: the suite's budget; .ci/run's own install resolves the same pins from the registry
 def test_setup_pins_resolve_from_the_registry_alone(tmp_path):
     """torch's registry build pins its own triton: the constraints setup.sh always applies must not contradict it."""
     if sys.platform != "linux":
