@@ -40,12 +40,14 @@ def test_gdn_state_bench_check_agrees_with_the_reference() -> None:
 
 
 def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
-    assert gdn_decode_bench.parse_launch("64x8") == (64, 8, False)
-    assert gdn_decode_bench.parse_launch("32") == (32, 4, False)  # the shipped warps
-    assert gdn_decode_bench.parse_launch("32x1s") == (32, 1, True)  # each head split over value blocks
+    assert gdn_decode_bench.parse_launch("64x8") == (64, 8, False, False)
+    assert gdn_decode_bench.parse_launch("32") == (32, 4, False, False)  # the shipped warps
+    assert gdn_decode_bench.parse_launch("32x1s") == (32, 1, True, False)  # each head split over value blocks
+    assert gdn_decode_bench.parse_launch("64x4se") == (64, 4, True, True)  # split, the state tile loaded first
     assert gdn_decode_bench.name(32, 4) == "bv32" and gdn_decode_bench.name(128, 16) == "bv128w16"
     assert gdn_decode_bench.name(32, 4, True) == "bv32w4s" and gdn_decode_bench.name(32, 1, True) == "bv32w1s"
-    for bad in ("48x4", "64x6", "0x4", "32x1ss"):
+    assert gdn_decode_bench.name(64, 4, True, True) == "bv64w4se"
+    for bad in ("48x4", "64x6", "0x4", "32x1ss", "32x1e", "32x1see"):
         with pytest.raises(SystemExit, match=r"powers of two|BVxWs"):
             gdn_decode_bench.parse_launch(bad)
 

@@ -431,7 +431,7 @@ def _gdn_decode_split_kernel(
     scale, eps, fp8_max, amax_eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
-    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024, EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """``_gdn_decode_fused_kernel`` with each value head split over ``NVB = cdiv(DV, BV)`` programs: program
     ``(r, h * NVB + j)`` (grid axes 0 and 1) computes row ``r``'s q / k and gates of head ``h`` and the delta rule
@@ -446,7 +446,10 @@ def _gdn_decode_split_kernel(
     and counts itself in on ``head_counts[r, h]`` (after a barrier, release); the last of the head's ``NVB`` to
     arrive (acquire) reads the head's ``DV`` outputs back, normalizes them in one reduction (as
     ``_gated_rms_norm_kernel`` does), and sets the counter back to 0. ``QUANT``: those ``Hv`` head-last programs are
-    the ones that count themselves in on the row's counter (:func:`_quantize_when_last`)."""
+    the ones that count themselves in on the row's counter (:func:`_quantize_when_last`).
+
+    ``EARLY``: the program's state tile is loaded right after its slot, before the q / k prologue (its latency under
+    the conv's instead of after it; the tile's registers held through the prologue). The same values either way."""
     r = tl.program_id(0)
     hj = tl.program_id(1)
     NVB: tl.constexpr = (DV + BV - 1) // BV
@@ -458,20 +461,24 @@ def _gdn_decode_split_kernel(
     xt = start * sx_t
     hk = h // GROUP
     dt = out_ptr.dtype.element_ty
-
-    ok, kmask, qv, kv, nq, pq, mq, nk, pk, mk = _decode_qk(x_ptr, conv_ptr, cw_ptr, xt, slot, hk, live, scale,
-                                                           sc_s, sc_d, sc_k, scw_d, scw_k, HK, DK, K, KM1_PAD, BK)
-    gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
-
     ov = vb + tl.arange(0, BV)
     vmask = (ov < DV) & live
+    tile_k = tl.arange(0, BK)
+    smask = ((tile_k < DK) & live)[:, None] & vmask[None, :]
+    s_ptrs = state_ptr + slot * ss_s + h * ss_h + tile_k[:, None] * ss_k + ov[None, :] * ss_v
+    if EARLY:
+        tile = tl.load(s_ptrs, smask, 0.0)
+
+    _ok, _km, qv, kv, nq, pq, mq, nk, pk, mk = _decode_qk(x_ptr, conv_ptr, cw_ptr, xt, slot, hk, live, scale,
+                                                          sc_s, sc_d, sc_k, scw_d, scw_k, HK, DK, K, KM1_PAD, BK)
+    gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
+
     cv = 2 * HK * DK + h * DV + ov
     vv = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, cv, vmask, sc_s, sc_d, sc_k, scw_d, scw_k, K)
     nv, pv, mv = _conv_new_window(x_ptr, conv_ptr, xt, slot, cv, vmask, sc_s, sc_d, sc_k, K, KM1_PAD)
-    smask = kmask[:, None] & vmask[None, :]
-    s_ptrs = state_ptr + slot * ss_s + h * ss_h + ok[:, None] * ss_k + ov[None, :] * ss_v
-    S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
-    S = S * tl.exp(gt)
+    if not EARLY:
+        tile = tl.load(s_ptrs, mask=smask, other=0.0)
+    S = tile.to(tl.float32) * tl.exp(gt)
     mem = tl.sum(S * kv[:, None], axis=0)
     delta = (vv - mem) * bt
     S = S + kv[:, None] * delta[None, :]
