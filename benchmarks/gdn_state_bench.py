@@ -15,6 +15,7 @@ Every variant is one program per (row, value head, value block of ``BV`` channel
 * layout ``k``: the state as hyserve stores it, ``[slot, head, Dk, Dv]`` (a tile row is ``BV`` contiguous values;
   both reductions run across the tile's rows). Layout ``v``: value-major, ``[slot, head, Dv, Dk]`` (as vLLM's decode
   kernel and fla's ``state_v_first`` keep it: a tile row is a whole 128-key row, the reductions run along it).
+* ``delta1``: the same rule with both reductions read from the decayed state before the update (``ONEPASS``).
 * ``fused``: the shipped fused decode (conv, gates, rule, gated norm, one launch) at its split launches, for the
   overhead of everything the rule alone leaves out.
 
@@ -44,9 +45,13 @@ D = 128
 def _state_tile_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, slots_ptr, out_ptr,
                        ss_s, ss_h, ss_a, ss_b,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                       VFIRST: tl.constexpr, COPY: tl.constexpr):  # fmt: skip
+                       VFIRST: tl.constexpr, COPY: tl.constexpr, ONEPASS: tl.constexpr = False):  # fmt: skip
     """Program ``(r, h * NVB + j)``: row ``r``'s value block ``j`` of head ``h``. The state's axes 2 and 3 are
-    (key, value) (``VFIRST`` false, strides ``ss_a``, ``ss_b``) or (value, key) (``VFIRST``)."""
+    (key, value) (``VFIRST`` false, strides ``ss_a``, ``ss_b``) or (value, key) (``VFIRST``).
+
+    ``ONEPASS``: both reductions over the decayed state read before the update, ``a = (gS)^T k`` and
+    ``b = (gS)^T q``, then ``o = b + (k . q) delta`` (equal to ``S'^T q`` in exact arithmetic, not bit for bit): two
+    independent reductions in place of reduce, update, reduce."""
     r = tl.program_id(0)
     hj = tl.program_id(1)
     NVB: tl.constexpr = DV // BV
@@ -69,7 +74,17 @@ def _state_tile_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, slots_ptr, 
         gt = tl.load(g_ptr + r * HV + h)
         bt = tl.load(b_ptr + r * HV + h)
         S = S * tl.exp(gt)
-        if VFIRST:
+        if ONEPASS:
+            kq = tl.sum(kv * qv, axis=0)
+            if VFIRST:
+                delta = (vv - tl.sum(S * kv[None, :], axis=1)) * bt
+                o = tl.sum(S * qv[None, :], axis=1) + kq * delta
+                S = S + delta[:, None] * kv[None, :]
+            else:
+                delta = (vv - tl.sum(S * kv[:, None], axis=0)) * bt
+                o = tl.sum(S * qv[:, None], axis=0) + kq * delta
+                S = S + kv[:, None] * delta[None, :]
+        elif VFIRST:
             delta = (vv - tl.sum(S * kv[None, :], axis=1)) * bt
             S = S + delta[:, None] * kv[None, :]
             o = tl.sum(S * qv[None, :], axis=1)
@@ -114,13 +129,13 @@ def reference(p: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def launch(p: dict[str, Any], state: torch.Tensor, out: torch.Tensor, bv: int, warps: int, vfirst: bool,
-           copy: bool) -> torch.Tensor:
+           copy: bool, onepass: bool = False) -> torch.Tensor:
     """One launch over ``state`` (``p["state"]``'s shape in the layout ``vfirst`` says)."""
     batch, hk, dk = p["q"].shape
     hv, dv = p["v"].shape[1:]
     _state_tile_kernel[(batch, hv * (dv // bv))](
         p["q"], p["k"], p["v"], p["g"], p["beta"], state, p["slots"], out, *state.stride(),
-        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, VFIRST=vfirst, COPY=copy, num_warps=warps)
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, VFIRST=vfirst, COPY=copy, ONEPASS=onepass, num_warps=warps)
     return out
 
 
@@ -132,16 +147,19 @@ def check() -> int:
         p = problem(3, hk, hv, 16, 16, torch.float32, torch.float32, "cpu")
         want_out, want_pool = reference(p)
         for vfirst in (False, True):
-            state = p["state"].transpose(2, 3).contiguous() if vfirst else p["state"].clone()
-            out = torch.zeros(p["v"].shape)
-            launch(p, state, out, bv, 1, vfirst, copy=False)
-            pool = state.transpose(2, 3) if vfirst else state
-            err = max(float((out - want_out).abs().max()), float((pool - want_pool).abs().max()))
+            errs = []
+            for onepass in (False, True):
+                state = p["state"].transpose(2, 3).contiguous() if vfirst else p["state"].clone()
+                out = torch.zeros(p["v"].shape)
+                launch(p, state, out, bv, 1, vfirst, copy=False, onepass=onepass)
+                pool = state.transpose(2, 3) if vfirst else state
+                errs.append(max(float((out - want_out).abs().max()), float((pool - want_pool).abs().max())))
             copied = p["state"].transpose(2, 3).contiguous() if vfirst else p["state"].clone()
             launch(p, copied, torch.zeros(p["v"].shape), bv, 1, vfirst, copy=True)
             same = torch.equal(copied.transpose(2, 3) if vfirst else copied, p["state"])
-            print(f"heads {hk}/{hv} BV {bv} layout {'v' if vfirst else 'k'}: max diff {err:.2e}, copy intact {same}")
-            bad += err > 1e-5 or not same
+            print(f"heads {hk}/{hv} BV {bv} layout {'v' if vfirst else 'k'}: max diff {errs[0]:.2e}, one pass "
+                  f"{errs[1]:.2e}, copy intact {same}")
+            bad += max(errs) > 1e-5 or not same
     return 1 if bad else 0
 
 
@@ -155,7 +173,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="CPU, TRITON_INTERPRET=1: both layouts against the reference")
     ap.add_argument("--shapes", nargs="+", default=list(HEADS), choices=list(HEADS))
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32, 64])
-    ap.add_argument("--block-v", nargs="+", type=int, default=[16, 32, 64, 128])
+    ap.add_argument("--block-v", nargs="+", type=int, default=[32, 64, 128])
     ap.add_argument("--warps", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--state-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=None, help="a directory for gdn_state_bench.json")
@@ -177,14 +195,17 @@ def main() -> int:
                 state = p["state"].transpose(2, 3).contiguous() if vfirst else p["state"].clone()
                 for bv in args.block_v:
                     for w in args.warps:
-                        for copy in (True, False):
-                            key = f"{'copy' if copy else 'delta'}_{lay}_bv{bv}w{w}_us"
-                            row[key] = graph_time(lambda p=p, s=state, o=out, bv=bv, w=w, vf=vfirst, c=copy: launch(
-                                p, s, o, bv, w, vf, c))
+                        for kind in ("copy", "delta", "delta1"):
+                            row[f"{kind}_{lay}_bv{bv}w{w}_us"] = graph_time(
+                                lambda p=p, s=state, o=out, bv=bv, w=w, vf=vfirst, c=kind == "copy",
+                                one=kind == "delta1": launch(p, s, o, bv, w, vf, c, one))
                 # once more from the untouched pool: the rule's output against the reference
                 fresh = p["state"].transpose(2, 3).contiguous() if vfirst else p["state"].clone()
                 launch(p, fresh, out, 32, 4, vfirst, copy=False)
                 row[f"max_diff_{lay}"] = float((out.float() - want_out).abs().max())
+                fresh = p["state"].transpose(2, 3).contiguous() if vfirst else p["state"].clone()
+                launch(p, fresh, out, 32, 4, vfirst, copy=False, onepass=True)
+                row[f"max_diff_{lay}_onepass"] = float((out.float() - want_out).abs().max())
             fp = fused_problem(batch, hk, hv, dtype, state_dtype)
             arrivals = arrivals_for(fp["ssm_state"].shape[0], hk, hv, fp["x"].device, split=True)
             heads = head_counters_for(fp["ssm_state"].shape[0], hv, fp["x"].device)
@@ -192,12 +213,12 @@ def main() -> int:
                 row[f"fused_bv{bv}w{w}s_us"] = graph_time(
                     lambda fp=fp, a=arrivals, hc=heads, bv=bv, w=w: gdn_decode_fused_triton(
                         **fp, arrivals=a, block_v=bv, num_warps=w, split=True, head_counts=hc))
-            for kind in ("copy_k", "copy_v", "delta_k", "delta_v", "fused"):
+            for kind in ("copy_k", "copy_v", "delta_k", "delta_v", "delta1_k", "delta1_v", "fused"):
                 best = min((v, k) for k, v in row.items() if k.startswith(kind + "_") and k.endswith("_us"))
                 row[f"best_{kind}"] = {"us": best[0], "launch": best[1], "TBps": state_bytes / best[0] / 1e6}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_us")}), flush=True)
-    kinds = ("copy_k", "copy_v", "delta_k", "delta_v", "fused")
+    kinds = ("copy_k", "copy_v", "delta_k", "delta_v", "delta1_k", "delta1_v", "fused")
     print(f"\n{'shape':>6} {'batch':>5} {'state MB':>8} " + " ".join(f"{k + ' us (TB/s)':>22}" for k in kinds))
     for row in rows:
         print(f"{row['shape']:>6} {row['batch']:>5} {row['state_MB']:>8.1f} " + " ".join(
