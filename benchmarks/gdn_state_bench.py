@@ -44,7 +44,7 @@ D = 128
 @triton.jit
 def _state_tile_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, state_ptr, slots_ptr, out_ptr,
                        ss_s, ss_h, ss_a, ss_b,
-                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                       HK, HV, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                        VFIRST: tl.constexpr, COPY: tl.constexpr, ONEPASS: tl.constexpr = False):  # fmt: skip
     """Program ``(r, h * NVB + j)``: row ``r``'s value block ``j`` of head ``h``. The state's axes 2 and 3 are
     (key, value) (``VFIRST`` false, strides ``ss_a``, ``ss_b``) or (value, key) (``VFIRST``).
