@@ -6,6 +6,7 @@ against today's four launches (conv, gates, recurrent delta rule, gated norm), p
     python benchmarks/gdn_decode_bench.py --launch 32x4 64x4 64x8 128x8 128x16 --out $OUT   # value block x warps
     python benchmarks/gdn_decode_bench.py --launch 32x4 32x1s 32x2s 32x4s 64x4s --out $OUT  # s: heads split
     python benchmarks/gdn_decode_bench.py --launch 32x2s 32x2se 64x4s 64x4se --out $OUT    # e: state tile first
+    python benchmarks/gdn_decode_bench.py --launch 64x4s 64x4s1 64x4se1 --out $OUT         # 1: output in one pass
 
 Each variant is captured in a CUDA graph of 20 calls (as the decode graph runs them: no host launch cost) and
 replayed; the median time per call of 10 replays is reported with the bandwidth it reaches on the SSM state it reads
@@ -16,7 +17,8 @@ tiles, so the tile and the warps set how much of the state a program has in flig
 launch reached about 2.5 TB/s of state traffic on an H100 (2026-12-05), short of the card's copy rate. A launch
 ``BVxWs`` splits each head over its ``Dv / BV`` value blocks, one program each (``split=True``): ``Dv / BV`` times
 the programs, one tile each in flight, the head's norm done by its last program; ``BVxWse`` the same with each
-program's state tile loaded before its q / k prologue (``early_state``).
+program's state tile loaded before its q / k prologue (``early_state``); a trailing ``1`` (``BVxWs1``,
+``BVxWse1``) takes the output from the state before its update (``one_pass``).
 """
 
 from __future__ import annotations
@@ -93,27 +95,30 @@ def graph_time(fn: Callable[[], torch.Tensor], calls: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def parse_launch(text: str) -> tuple[int, int, bool, bool]:
-    """``"BVxW"`` as ``(BV, W, False, False)``: a power-of-two value block and warps; ``"BVxWs"`` the same launch
-    split, one program per (row, value head, value block): ``(BV, W, True, False)``; ``"BVxWse"`` split with the
-    state tile loaded first: ``(BV, W, True, True)``."""
+def parse_launch(text: str) -> tuple[int, int, bool, bool, bool]:
+    """``"BVxW"`` as ``(BV, W, False, False, False)``: a power-of-two value block and warps; ``"BVxWs"`` the same
+    launch split, one program per (row, value head, value block): ``(BV, W, True, False, False)``; ``"BVxWse"``
+    split with the state tile loaded first: ``(BV, W, True, True, False)``; a trailing ``1`` on a split launch
+    (``"BVxWs1"``, ``"BVxWse1"``) the output in one pass: ``(..., True)``."""
+    one = text.endswith(("s1", "se1"))
+    text = text.removesuffix("1") if one else text
     early = text.endswith("se")
     split = early or text.endswith("s")
     bv, _, w = text.removesuffix("e" if early else "").removesuffix("s").partition("x")
     try:
         launch = (int(bv), int(w or 4))
     except ValueError:
-        raise SystemExit(f"--launch {text!r}: BVxW, BVxWs or BVxWse (e.g. 64x8, 32x1s, 64x4se)") from None
+        raise SystemExit(f"--launch {text!r}: BVxW, BVxWs, BVxWse or BVxWs(e)1 (e.g. 64x8, 32x1s, 64x4se1)") from None
     if any(v <= 0 or v & (v - 1) for v in launch):
         raise SystemExit(f"--launch {text!r}: BVxW, both powers of two (e.g. 64x8)")
-    return (*launch, split, early)
+    return (*launch, split, early, one)
 
 
-def name(bv: int, warps: int, split: bool = False, early: bool = False) -> str:
+def name(bv: int, warps: int, split: bool = False, early: bool = False, one: bool = False) -> str:
     """A launch's key in the results: ``bv32`` at the shipped 4 warps (the older files' key), else ``bv64w8``;
-    ``bv32w1s`` split, ``bv32w1se`` split with the state tile first."""
+    ``bv32w1s`` split, ``bv32w1se`` split with the state tile first, ``bv32w1s1`` with the output in one pass."""
     return (f"bv{bv}" if warps == 4 and not split else f"bv{bv}w{warps}") + ("s" if split else "") + (
-        "e" if early else "")
+        "e" if early else "") + ("1" if one else "")
 
 
 def main() -> int:
@@ -126,7 +131,7 @@ def main() -> int:
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=None, help="a directory for gdn_decode_bench.json")
     args = ap.parse_args()
-    launches = [parse_launch(x) for x in args.launch] or [(bv, 4, False, False) for bv in args.block_v]
+    launches = [parse_launch(x) for x in args.launch] or [(bv, 4, False, False, False) for bv in args.block_v]
     dtype, state_dtype = torch.bfloat16, getattr(torch, args.state_dtype)
     rows = []
     for shape in args.shapes:
@@ -139,15 +144,17 @@ def main() -> int:
             pools = {"conv_state": p["conv_state"].clone(), "ssm_state": p["ssm_state"].clone()}  # before any run
             ref = unfused({**p, **{n: t.clone() for n, t in pools.items()}})
             row: dict[str, Any] = {"shape": shape, "batch": batch}
-            for bv, w, sp, ea in launches:
+            for bv, w, sp, ea, one in launches:
                 got = gdn_decode_fused_triton(**{**p, **{n: t.clone() for n, t in pools.items()}}, arrivals=arrivals,
-                                              block_v=bv, num_warps=w, split=sp, head_counts=heads, early_state=ea)
-                row[f"max_diff_{name(bv, w, sp, ea)}"] = float((got.float() - ref.float()).abs().max())
+                                              block_v=bv, num_warps=w, split=sp, head_counts=heads, early_state=ea,
+                                              one_pass=one)
+                row[f"max_diff_{name(bv, w, sp, ea, one)}"] = float((got.float() - ref.float()).abs().max())
             row["unfused_us"] = graph_time(lambda p=p: unfused(p))
-            for bv, w, sp, ea in launches:
-                row[f"fused_{name(bv, w, sp, ea)}_us"] = graph_time(
-                    lambda p=p, bv=bv, w=w, sp=sp, ea=ea, arr=arrivals, hc=heads: gdn_decode_fused_triton(
-                        **p, arrivals=arr, block_v=bv, num_warps=w, split=sp, head_counts=hc, early_state=ea))
+            for bv, w, sp, ea, one in launches:
+                row[f"fused_{name(bv, w, sp, ea, one)}_us"] = graph_time(
+                    lambda p=p, bv=bv, w=w, sp=sp, ea=ea, one=one, arr=arrivals, hc=heads: gdn_decode_fused_triton(
+                        **p, arrivals=arr, block_v=bv, num_warps=w, split=sp, head_counts=hc, early_state=ea,
+                        one_pass=one))
             best = min(row[f"fused_{name(*launch)}_us"] for launch in launches)
             row["state_GBps_unfused"] = state_bytes / row["unfused_us"] / 1e3
             row["state_GBps_fused"] = state_bytes / best / 1e3

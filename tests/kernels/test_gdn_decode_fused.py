@@ -169,7 +169,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor, f32_tol: float = 2e-6, ulps: i
 
 def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Tensor], exact: bool,
                 block_v: int | None = None, out_ulps: int = 1, split: bool = False,
-                early: bool = False) -> tuple[bool, str]:
+                early: bool = False, one_pass: bool = False) -> tuple[bool, str]:
     """The fused kernel (NaN-poisoned output) against ``want_fn`` run on a copy of the pools: token rows' outputs
     (all but the pad rows', which must be finite), the pools at the rows' slots (every other slot, the empty rows'
     among them, untouched), the arrival counters back at zero. ``exact``: pools bit for bit and outputs within one
@@ -184,7 +184,7 @@ def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Ten
     heads = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device) if split else None
     out = torch.full((p["x"].shape[0], p["z"].shape[1]), float("nan"), dtype=p["x"].dtype, device=p["x"].device)
     gdn_decode_fused_triton(**got_p, arrivals=arrivals, out=out, block_v=block_v, split=split, head_counts=heads,
-                            early_state=early)
+                            early_state=early, one_pass=one_pass)
     toks, slots = token_rows(p)
     msgs, goods = [], []
 
@@ -353,10 +353,13 @@ def _mutated_kernel(edits: list[tuple[str, str]], kernel: str = "_gdn_decode_fus
 SPLIT_CASES = ["bf16_g2", "bf16_g3_odd_widths", "f32_g1", "f32_g2", "bf16_g2_bf16_state"]
 
 
-def _interp_split(name: str, against: str, early: bool = False) -> tuple[bool, str]:
+def _interp_split(name: str, against: str, early: bool = False, one_pass: bool = False) -> tuple[bool, str]:
     if early:  # the state tile loaded before the q / k prologue: the same values, bit for bit
         p, bv = _case(name, 11, pad_rows=2)
         return check_fused(p, unfused_triton, exact=True, block_v=bv, split=True, early=True)
+    if one_pass:  # the output from the state before its update: the pools bit for bit, the output within a unit
+        p, bv = _case(name, 11, pad_rows=2)
+        return check_fused(p, unfused_triton, exact=True, block_v=bv, split=True, one_pass=True)
     if against == "fp8":
         p, bv = _case(name, 14, pad_rows=2)
         return check_fused_fp8(p, bv, split=True)
@@ -379,6 +382,9 @@ SPLIT_SABOTAGES: dict[str, list[tuple[str, str]]] = {
     # EARLY: the tile loaded before the prologue taken from the next value head's state
     "split_early_tile_of_the_next_head": [("tile = tl.load(s_ptrs, smask, 0.0)",
                                            "tile = tl.load(s_ptrs + ((h + 1) % (HK * GROUP) - h) * ss_h, smask, 0.0)")],
+    # ONEPASS: the update's share of the output, (k . q) delta, left out
+    "split_onepass_without_the_update": [("o = (tl.sum(qv[:, None] * S, axis=0) + tl.sum(kv * qv, axis=0) * delta)",
+                                          "o = (tl.sum(qv[:, None] * S, axis=0))")],
 }
 
 
@@ -388,7 +394,8 @@ def _interp_split_sabotage(what: str) -> tuple[bool, str]:
     original = getattr(module, kernel)
     setattr(module, kernel, _mutated_kernel(SPLIT_SABOTAGES[what], kernel))
     try:
-        ok, msg = _interp_split("bf16_g2", "unfused", early=what.startswith("split_early"))
+        ok, msg = _interp_split("bf16_g2", "unfused", early=what.startswith("split_early"),
+                                one_pass=what.startswith("split_onepass"))
     finally:
         setattr(module, kernel, original)
     return not ok, msg
@@ -624,6 +631,8 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
         for against in ("unfused", "reference", "fp8"):
             check(f"split_vs_{against}_{name}", lambda n=name, a=against: _interp_split(n, a))
     check("split_early_vs_unfused_bf16_g2", lambda: _interp_split("bf16_g2", "unfused", early=True))
+    for name in ("bf16_g2", "f32_g2"):
+        check(f"split_onepass_vs_unfused_{name}", lambda n=name: _interp_split(n, "unfused", one_pass=True))
     for what in SPLIT_SABOTAGES:
         check(f"{what}_caught", lambda w=what: _interp_split_sabotage(w))
     for dname, dt in (("f32", F32), ("bf16", BF16)):
@@ -641,7 +650,7 @@ INTERP_CHECKS = [
     *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
     "layer_hands_out_proj_fp8",
     *[f"split_vs_{against}_{name}" for name in SPLIT_CASES for against in ("unfused", "reference", "fp8")],
-    "split_early_vs_unfused_bf16_g2",
+    "split_early_vs_unfused_bf16_g2", "split_onepass_vs_unfused_bf16_g2", "split_onepass_vs_unfused_f32_g2",
     *[f"{what}_caught" for what in SPLIT_SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
@@ -667,6 +676,7 @@ SLOW_INTERP_CHECKS = [
     *[f"split_vs_{against}_{name}" for name in SPLIT_CASES for against in ("unfused", "reference", "fp8")
       if (name, against) not in SPLIT_DEFAULT],
     "split_head_counter_not_reset_caught", "split_early_tile_of_the_next_head_caught",
+    "split_onepass_vs_unfused_f32_g2", "split_onepass_without_the_update_caught",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -899,15 +909,17 @@ def test_cuda_fused_replays_in_a_graph() -> None:
 
 @cuda
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
-@pytest.mark.parametrize("launch", [(32, 1, False), (32, 4, False), (64, 4, False), (32, 2, True), (64, 4, True)])
-def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tuple[int, int, bool]) -> None:
+@pytest.mark.parametrize("launch", [(32, 1, False, False), (32, 4, False, False), (64, 4, False, False),
+                                    (32, 2, True, False), (64, 4, True, False), (64, 4, False, True)])
+def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tuple[int, int, bool, bool]) -> None:
     """The split launch (one program per value block, the head's norm by its last; with the state tile loaded
     before the q / k prologue or after it) on the card, captured in a graph and replayed over new inputs: the pools
     bit for bit the unsplit launch's and the outputs within one unit in the last place (the norm's sum of squares in
-    one reduction, not per block), pad rows on one slot, every counter back at zero."""
+    one reduction, not per block; with ``one_pass`` the output from the state before its update), pad rows on one
+    slot, every counter back at zero."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
-    bv, warps, early = launch
+    bv, warps, early, one_pass = launch
     p = fused_problem([1, 1, 0, 1, 1, 1], 4, 12, 128, 128, BF16, state_dtype, 43, pad_rows=3, device="cuda")
     arrivals = arrivals_for(p["ssm_state"].shape[0], 4, 12, p["x"].device, split=True)
     heads = head_counters_for(p["ssm_state"].shape[0], 12, p["x"].device)
@@ -916,7 +928,7 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
 
     def split() -> None:
         gdn_decode_fused_triton(**split_p, arrivals=arrivals, out=out, block_v=bv, num_warps=warps, split=True,
-                                head_counts=heads, early_state=early)
+                                head_counts=heads, early_state=early, one_pass=one_pass)
 
     split()  # compiled outside the capture
     torch.cuda.synchronize()

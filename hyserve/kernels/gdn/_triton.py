@@ -432,6 +432,7 @@ def _gdn_decode_split_kernel(
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
     QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024, EARLY: tl.constexpr = False,
+    ONEPASS: tl.constexpr = False,
 ):  # fmt: skip
     """``_gdn_decode_fused_kernel`` with each value head split over ``NVB = cdiv(DV, BV)`` programs: program
     ``(r, h * NVB + j)`` (grid axes 0 and 1) computes row ``r``'s q / k and gates of head ``h`` and the delta rule
@@ -449,7 +450,10 @@ def _gdn_decode_split_kernel(
     the ones that count themselves in on the row's counter (:func:`_quantize_when_last`).
 
     ``EARLY``: the program's state tile is loaded right after its slot, before the q / k prologue (its latency under
-    the conv's instead of after it; the tile's registers held through the prologue). The same values either way."""
+    the conv's instead of after it; the tile's registers held through the prologue). The same values either way.
+    ``ONEPASS``: the output from the decayed state read before the update, ``o = (gS)^T q + (k . q) delta``, so its
+    reduction does not wait for the update (the state bit for bit the same; the output equal in exact arithmetic,
+    not bit for bit)."""
     r = tl.program_id(0)
     hj = tl.program_id(1)
     NVB: tl.constexpr = (DV + BV - 1) // BV
@@ -481,8 +485,12 @@ def _gdn_decode_split_kernel(
     S = tile.to(tl.float32) * tl.exp(gt)
     mem = tl.sum(S * kv[:, None], axis=0)
     delta = (vv - mem) * bt
-    S = S + kv[:, None] * delta[None, :]
-    o = tl.sum(qv[:, None] * S, axis=0).to(dt)
+    if ONEPASS:
+        o = (tl.sum(qv[:, None] * S, axis=0) + tl.sum(kv * qv, axis=0) * delta).to(dt)
+        S = S + kv[:, None] * delta[None, :]
+    else:
+        S = S + kv[:, None] * delta[None, :]
+        o = tl.sum(qv[:, None] * S, axis=0).to(dt)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
     o_row = out_ptr + start * so_t + h * DV
     tl.store(o_row + ov, o, mask=vmask)

@@ -225,6 +225,7 @@ def gdn_decode_fused_triton(
     split: bool = False,
     head_counts: torch.Tensor | None = None,
     early_state: bool = False,
+    one_pass: bool = False,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
@@ -233,7 +234,8 @@ def gdn_decode_fused_triton(
     warps (``benchmarks/gdn_decode_bench.py --launch`` sweeps both). ``split``: one program per (row, value head,
     value block) (``_gdn_decode_split_kernel``), which needs ``arrivals`` (:func:`arrivals_for` with ``split``) and
     ``head_counts`` (:func:`head_counters_for`); ``early_state`` (split only) loads each program's state tile before
-    its q / k prologue (``EARLY``; ``gdn_decode_bench.py --launch BVxWse`` times it)."""
+    its q / k prologue (``EARLY``; ``gdn_decode_bench.py --launch BVxWse`` times it), ``one_pass`` (split only)
+    takes the output from the decayed state before the update (``ONEPASS``; ``--launch BVxWs1``)."""
     from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel, _gdn_decode_split_kernel
 
     t = x.shape[0]
@@ -252,7 +254,7 @@ def gdn_decode_fused_triton(
                          and head_counts.shape[0] >= r and head_counts.shape[1] == hv), \
         "a split launch needs int32 head counters, a row per launch row (head_counters_for)"
     assert arrivals is None or (arrivals.dtype == torch.int32 and arrivals.shape == (ssm_state.shape[0], hk))
-    assert split or not early_state, "early_state is a form of the split launch"
+    assert split or not (early_state or one_pass), "early_state and one_pass are forms of the split launch"
     x, z, a, b = (_unit_last(u) for u in (x, z, a, b))
     if out is None:
         out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
@@ -280,7 +282,7 @@ def gdn_decode_fused_triton(
         _gdn_decode_split_kernel[(r, hv * nvb)](
             x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, head_counts, out, q, qs, cnt,
             *strides, arr.stride(0), head_counts.stride(0), out.stride(0), q.stride(0), *scalars, **common,
-            EARLY=early_state)
+            EARLY=early_state, ONEPASS=one_pass)
     else:
         _gdn_decode_fused_kernel[(r, hv)](
             x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, out, q, qs, cnt,
@@ -319,9 +321,11 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                         dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4), QUANT=quant,
                              QBLOCK=quant_block(16 * group * 128))))
     # The split launch (one program per value block, the head counters): the 9B's and the 27B's bf16 models
-    # and the state tile loaded before the q / k prologue (EARLY) on the 9B's bf16 state
-    for state, group, quant, early in (("fp32", 2, False, False), ("bf16", 2, False, False), ("fp32", 3, True, False),
-                                       ("bf16", 2, False, True)):
+    # and the state tile loaded before the q / k prologue (EARLY), the output from the state before its update
+    # (ONEPASS), on the 9B's bf16 state
+    for state, group, quant, early, one in (("fp32", 2, False, False, False), ("bf16", 2, False, False, False),
+                                            ("fp32", 3, True, False, False), ("bf16", 2, False, True, False),
+                                            ("bf16", 2, False, False, True)):
         sig = dict(x_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32",
                    dtb_ptr="*fp32", nw_ptr="*bf16", conv_ptr="*bf16", state_ptr=f"*{state}", slots_ptr="*i64",
                    qsl_ptr="*i32", arr_ptr="*i32", hcnt_ptr="*i32", out_ptr="*bf16", q_ptr="*fp8e4nv",
@@ -329,8 +333,8 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                    **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
                                        "ss_s", "ss_h", "ss_k", "ss_v", "sarr_s", "shc_r", "so_t", "sq_t")},
                    scale="fp32", eps="fp32", fp8_max="fp32", amax_eps="fp32")
-        out.append((f"gdn_decode_split_g{group}_bf16_{state}_state{'_fp8' if quant else ''}{'_early' if early else ''}",
-                    _gdn_decode_split_kernel, sig,
+        form = ("_fp8" if quant else "") + ("_early" if early else "") + ("_onepass" if one else "")
+        out.append((f"gdn_decode_split_g{group}_bf16_{state}_state{form}", _gdn_decode_split_kernel, sig,
                     dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **{**launch_config(128, 128, 4), "BV": 32},
-                         QUANT=quant, QBLOCK=quant_block(16 * group * 128), EARLY=early)))
+                         QUANT=quant, QBLOCK=quant_block(16 * group * 128), EARLY=early, ONEPASS=one)))
     return out
