@@ -33,3 +33,11 @@ def compile_failures(variants: Iterable[tuple[str, Any, dict[str, str], dict[str
         except Exception as e:  # report every variant, not the first
             failures[name] = f"{type(e).__name__}: {str(e)[:400]}"
     return failures
+
+
+def compile_group(variants: list[Any], default_names: set[str], default: bool) -> list[Any]:
+    """A compile test's share of ``variants``: those named in ``default_names`` (``default``: the default suite's,
+    each of which must be among the variants) or the rest (the slow suite's)."""
+    missing = default_names - {name for name, *_ in variants}
+    assert not missing, f"default compiles not among the variants: {sorted(missing)}"
+    return [v for v in variants if (v[0] in default_names) == default]

@@ -43,7 +43,7 @@ import torch
 from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, gdn_decode_fused_ref, head_counters_for
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import StepMetadata
-from hyserve.testing.triton_compile import compile_failures
+from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
     mutated_module,
@@ -734,8 +734,8 @@ def _decode_compile_variants(default: bool) -> list[Any]:
 
     variants = [*decode.compile_variants(), *rope.compile_variants()]
     names = [name for name, *_ in variants]
-    assert len(set(names)) == len(names) and len(names) >= 8 and COMPILE_DEFAULT <= set(names)
-    return [v for v in variants if (v[0] in COMPILE_DEFAULT) == default]
+    assert len(set(names)) == len(names) and len(names) >= 8
+    return compile_group(variants, COMPILE_DEFAULT, default)
 
 
 def test_fused_kernel_compiles_for_sm90() -> None:

@@ -46,7 +46,7 @@ from test_gdn_decode_fused import tiny_gdn as decode_tiny_gdn
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_stash_shapes, gdn_verify_fused, gdn_verify_fused_ref
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import VerifyMetadata
-from hyserve.testing.triton_compile import compile_failures
+from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
     mutated_module,
@@ -586,8 +586,8 @@ def _fused_verify_variants(default: bool) -> list[Any]:
     from hyserve.kernels.gdn import verify
 
     variants = [v for v in verify.compile_variants() if v[0].startswith("gdn_verify_fused")]
-    assert len(variants) >= 4 and COMPILE_DEFAULT <= {v[0] for v in variants}
-    return [v for v in variants if (v[0] in COMPILE_DEFAULT) == default]
+    assert len(variants) >= 4
+    return compile_group(variants, COMPILE_DEFAULT, default)
 
 
 def test_fused_verify_compiles_for_sm90() -> None:
