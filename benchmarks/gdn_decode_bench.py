@@ -7,6 +7,7 @@ against today's four launches (conv, gates, recurrent delta rule, gated norm), p
     python benchmarks/gdn_decode_bench.py --launch 32x4 32x1s 32x2s 32x4s 64x4s --out $OUT  # s: heads split
     python benchmarks/gdn_decode_bench.py --launch 32x2s 32x2se 64x4s 64x4se --out $OUT    # e: state tile first
     python benchmarks/gdn_decode_bench.py --launch 64x4s 64x4s1 64x4se1 --out $OUT         # 1: output in one pass
+    python benchmarks/gdn_decode_bench.py --launch 32x2s 64x4s --state-layout k v --out $OUT  # value-major pools
 
 Each variant is captured in a CUDA graph of 20 calls (as the decode graph runs them: no host launch cost) and
 replayed; the median time per call of 10 replays is reported with the bandwidth it reaches on the SSM state it reads
@@ -18,7 +19,10 @@ launch reached about 2.5 TB/s of state traffic on an H100 (2026-12-05), short of
 ``BVxWs`` splits each head over its ``Dv / BV`` value blocks, one program each (``split=True``): ``Dv / BV`` times
 the programs, one tile each in flight, the head's norm done by its last program; ``BVxWse`` the same with each
 program's state tile loaded before its q / k prologue (``early_state``); a trailing ``1`` (``BVxWs1``,
-``BVxWse1``) takes the output from the state before its update (``one_pass``).
+``BVxWse1``) takes the output from the state before its update (``one_pass``). ``--state-layout v`` stores the pool
+value-major (each head's ``(Dk, Dv)`` state as its transpose in memory, the layout fla's ``state_v_first`` prefill
+writes) and hands the kernels the same logical view with swapped strides: the kernels take every state stride, so
+only the access pattern changes (each launch's ``max_diff`` is against the key-major pool's unfused output).
 """
 
 from __future__ import annotations
@@ -46,22 +50,33 @@ D = 128
 K = 4
 
 
-def problem(batch: int, hk: int, hv: int, dtype: torch.dtype, state_dtype: torch.dtype) -> dict[str, Any]:
-    """One decode token per row, rows on shuffled slots of a pool with room for 8 more."""
+def value_major(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, each head's ``(Dk, Dv)`` state stored as its transpose: the same logical view, strides
+    ``(.., 1, Dk)``."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def problem(batch: int, hk: int, hv: int, dtype: torch.dtype, state_dtype: torch.dtype,
+            layout: str = "k") -> dict[str, Any]:
+    """One decode token per row, rows on shuffled slots of a pool with room for 8 more; ``layout`` ``"v"``: the pool
+    stored value-major (``value_major``)."""
     g = torch.Generator(device="cuda").manual_seed(batch * 131 + hv)
     conv_dim = 2 * hk * D + hv * D
     wide = torch.randn(batch, conv_dim + hv * D + 2 * hv, device="cuda", generator=g).to(dtype)
     c = conv_dim + hv * D
     pool = batch + 8
-    return dict(x=wide[:, :conv_dim], z=wide[:, conv_dim:c], b=wide[:, c : c + hv], a=wide[:, c + hv :],
-                conv_weight=(torch.randn(conv_dim, K, device="cuda", generator=g) * 0.5).to(dtype),
-                a_log=torch.rand(hv, device="cuda", generator=g).log1p(),
-                dt_bias=torch.rand(hv, device="cuda", generator=g) + 0.5,
-                norm_weight=torch.ones(D, device="cuda", dtype=dtype), eps=1e-6,
-                conv_state=torch.randn(pool, conv_dim, K - 1, device="cuda", generator=g).to(dtype),
-                ssm_state=(torch.randn(pool, hv, D, D, device="cuda", generator=g) * 0.3).to(state_dtype),
-                state_slots=torch.randperm(pool, device="cuda", generator=g)[:batch],
-                query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32), num_k_heads=hk)
+    p = dict(x=wide[:, :conv_dim], z=wide[:, conv_dim:c], b=wide[:, c : c + hv], a=wide[:, c + hv :],
+            conv_weight=(torch.randn(conv_dim, K, device="cuda", generator=g) * 0.5).to(dtype),
+            a_log=torch.rand(hv, device="cuda", generator=g).log1p(),
+            dt_bias=torch.rand(hv, device="cuda", generator=g) + 0.5,
+            norm_weight=torch.ones(D, device="cuda", dtype=dtype), eps=1e-6,
+            conv_state=torch.randn(pool, conv_dim, K - 1, device="cuda", generator=g).to(dtype),
+            ssm_state=(torch.randn(pool, hv, D, D, device="cuda", generator=g) * 0.3).to(state_dtype),
+            state_slots=torch.randperm(pool, device="cuda", generator=g)[:batch],
+            query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32), num_k_heads=hk)
+    if layout == "v":
+        p["ssm_state"] = value_major(p["ssm_state"])
+    return p
 
 
 def unfused(p: dict[str, Any]) -> torch.Tensor:
@@ -129,6 +144,8 @@ def main() -> int:
     ap.add_argument("--launch", nargs="+", default=[], metavar="BVxW",
                     help="the fused kernel's value block and warps to time, in place of --block-v (e.g. 128x8)")
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--state-layout", nargs="+", default=["k"], choices=["k", "v"],
+                    help="the pool's memory order: k key-major (hyserve's), v value-major (swapped strides)")
     ap.add_argument("--out", default=None, help="a directory for gdn_decode_bench.json")
     args = ap.parse_args()
     launches = [parse_launch(x) for x in args.launch] or [(bv, 4, False, False, False) for bv in args.block_v]
@@ -136,14 +153,14 @@ def main() -> int:
     rows = []
     for shape in args.shapes:
         hk, hv = HEADS[shape]
-        for batch in args.batch:
-            p = problem(batch, hk, hv, dtype, state_dtype)
+        for batch, layout in ((b, lay) for b in args.batch for lay in args.state_layout):
+            p = problem(batch, hk, hv, dtype, state_dtype, layout)
             arrivals = arrivals_for(p["ssm_state"].shape[0], hk, hv, p["x"].device, split=True)
             heads = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device)
             state_bytes = 2 * batch * hv * D * D * p["ssm_state"].element_size()
             pools = {"conv_state": p["conv_state"].clone(), "ssm_state": p["ssm_state"].clone()}  # before any run
-            ref = unfused({**p, **{n: t.clone() for n, t in pools.items()}})
-            row: dict[str, Any] = {"shape": shape, "batch": batch}
+            ref = unfused(problem(batch, hk, hv, dtype, state_dtype))  # the key-major pool's, whatever the layout
+            row: dict[str, Any] = {"shape": shape, "batch": batch, "layout": layout}
             for bv, w, sp, ea, one in launches:
                 got = gdn_decode_fused_triton(**{**p, **{n: t.clone() for n, t in pools.items()}}, arrivals=arrivals,
                                               block_v=bv, num_warps=w, split=sp, head_counts=heads, early_state=ea,
@@ -161,10 +178,10 @@ def main() -> int:
             assert not arrivals.any() and not heads.any(), "the counters must be back at zero"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'shape':>6} {'batch':>5} {'unfused us':>10} " + " ".join(f"{name(*launch) + ' us':>12}"
+    print(f"\n{'shape':>6} {'batch':>5} {'lay':>3} {'unfused us':>10} " + " ".join(f"{name(*launch) + ' us':>12}"
                                                                    for launch in launches) + "  best TB/s")
     for row in rows:
-        print(f"{row['shape']:>6} {row['batch']:>5} {row['unfused_us']:>10.2f} "
+        print(f"{row['shape']:>6} {row['batch']:>5} {row['layout']:>3} {row['unfused_us']:>10.2f} "
               + " ".join(f"{row[f'fused_{name(*launch)}_us']:>12.2f}" for launch in launches)
               + f"  {row['state_GBps_fused'] / 1e3:9.2f}")
     if args.out:

@@ -370,6 +370,25 @@ def _interp_split(name: str, against: str, early: bool = False, one_pass: bool =
     return check_fused(p, lambda q: gdn_decode_fused_ref(**q), exact=False, block_v=bv, split=True)
 
 
+def key_major_unfused(p: dict[str, Any]) -> torch.Tensor:
+    """``unfused_triton`` on a key-major (contiguous) copy of ``p``'s SSM pool, the result copied back into it."""
+    kp = {**p, "ssm_state": p["ssm_state"].contiguous()}
+    out = unfused_triton(kp)
+    p["ssm_state"].copy_(kp["ssm_state"])
+    return out
+
+
+def _interp_value_major(name: str, split: bool) -> tuple[bool, str]:
+    """The fused decode on a pool stored value-major (each head's ``(Dk, Dv)`` state as its transpose in memory, the
+    layout fla's ``state_v_first`` writes; the kernels take the same logical view with swapped strides) against the
+    unfused kernels on a key-major copy: the pools and outputs bit for bit."""
+    p, bv = _case(name, 11, pad_rows=2)
+    s = p["ssm_state"]
+    p["ssm_state"] = s.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert p["ssm_state"].stride()[2:] == (1, s.shape[2]) and torch.equal(p["ssm_state"], s)
+    return check_fused(p, key_major_unfused, exact=True, block_v=bv, split=split)
+
+
 # Mutations of the split kernel, each caught on bf16_g2 (three value blocks a head, two value heads a key head).
 SPLIT_SABOTAGES: dict[str, list[tuple[str, str]]] = {
     # the head's norm by the first of its programs to arrive: the other blocks' outputs not stored yet
@@ -385,6 +404,9 @@ SPLIT_SABOTAGES: dict[str, list[tuple[str, str]]] = {
     # ONEPASS: the update's share of the output, (k . q) delta, left out
     "split_onepass_without_the_update": [("o = (tl.sum(qv[:, None] * S, axis=0) + tl.sum(kv * qv, axis=0) * delta)",
                                           "o = (tl.sum(qv[:, None] * S, axis=0))")],
+    # the state tile addressed as a contiguous key-major head, whatever the pool's strides (run on a value-major pool)
+    "split_tile_read_key_major": [("tile_k[:, None] * ss_k + ov[None, :] * ss_v",
+                                   "tile_k[:, None] * DV + ov[None, :]")],
 }
 
 
@@ -394,8 +416,11 @@ def _interp_split_sabotage(what: str) -> tuple[bool, str]:
     original = getattr(module, kernel)
     setattr(module, kernel, _mutated_kernel(SPLIT_SABOTAGES[what], kernel))
     try:
-        ok, msg = _interp_split("bf16_g2", "unfused", early=what.startswith("split_early"),
-                                one_pass=what.startswith("split_onepass"))
+        if what == "split_tile_read_key_major":
+            ok, msg = _interp_value_major("bf16_g2", split=True)
+        else:
+            ok, msg = _interp_split("bf16_g2", "unfused", early=what.startswith("split_early"),
+                                    one_pass=what.startswith("split_onepass"))
     finally:
         setattr(module, kernel, original)
     return not ok, msg
@@ -631,6 +656,8 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
         for against in ("unfused", "reference", "fp8"):
             check(f"split_vs_{against}_{name}", lambda n=name, a=against: _interp_split(n, a))
     check("split_early_vs_unfused_bf16_g2", lambda: _interp_split("bf16_g2", "unfused", early=True))
+    check("split_value_major_pool_bf16_g2", lambda: _interp_value_major("bf16_g2", split=True))
+    check("walk_value_major_pool_bf16_g2_bf16_state", lambda: _interp_value_major("bf16_g2_bf16_state", split=False))
     for name in ("bf16_g2", "f32_g2"):
         check(f"split_onepass_vs_unfused_{name}", lambda n=name: _interp_split(n, "unfused", one_pass=True))
     for what in SPLIT_SABOTAGES:
@@ -651,6 +678,7 @@ INTERP_CHECKS = [
     "layer_hands_out_proj_fp8",
     *[f"split_vs_{against}_{name}" for name in SPLIT_CASES for against in ("unfused", "reference", "fp8")],
     "split_early_vs_unfused_bf16_g2", "split_onepass_vs_unfused_bf16_g2", "split_onepass_vs_unfused_f32_g2",
+    "split_value_major_pool_bf16_g2", "walk_value_major_pool_bf16_g2_bf16_state",
     *[f"{what}_caught" for what in SPLIT_SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
@@ -677,6 +705,7 @@ SLOW_INTERP_CHECKS = [
       if (name, against) not in SPLIT_DEFAULT],
     "split_head_counter_not_reset_caught", "split_early_tile_of_the_next_head_caught",
     "split_onepass_vs_unfused_f32_g2", "split_onepass_without_the_update_caught",
+    "walk_value_major_pool_bf16_g2_bf16_state", "split_tile_read_key_major_caught",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -948,6 +977,32 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
             assert torch.equal(split_p[n][slots], walk_p[n][slots]), (step, n)
     torch.cuda.synchronize()
     assert not arrivals.any() and not heads.any()
+
+
+@cuda
+@pytest.mark.parametrize("launch", [(32, 4, False), (32, 2, True), (64, 4, True)])
+def test_cuda_value_major_pool_matches_the_key_major_one(launch: tuple[int, int, bool]) -> None:
+    """The fused decode on a pool stored value-major (each head's state as its transpose in memory; the kernels take
+    the same logical view with swapped strides) against the same launch on a key-major pool, over three steps on the
+    card: outputs and pools bit for bit."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+
+    bv, warps, split = launch
+    p = fused_problem([1, 1, 0, 1, 1, 1], 4, 12, 128, 128, BF16, BF16, 44, pad_rows=3, device="cuda")
+    key_p, val_p = clone_states(p), clone_states(p)
+    val_p["ssm_state"] = p["ssm_state"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert val_p["ssm_state"].stride()[2:] == (1, 128)
+    toks, slots = token_rows(p)
+    for step in range(3):
+        for n in ("x", "z", "a", "b"):
+            p[n].copy_(torch.randn_like(p[n]))
+        outs = [gdn_decode_fused_triton(**q, arrivals=arrivals_for(p["ssm_state"].shape[0], 4, 12, "cuda", split=True),
+                                        head_counts=head_counters_for(p["ssm_state"].shape[0], 12, "cuda"),
+                                        block_v=bv, num_warps=warps, split=split) for q in (key_p, val_p)]
+        assert torch.equal(outs[0][toks], outs[1][toks]), step
+        for n in STATE_KEYS:
+            assert torch.equal(key_p[n][slots], val_p[n][slots]), (step, n)
+    assert val_p["ssm_state"].stride()[2:] == (1, 128)
 
 
 @cuda

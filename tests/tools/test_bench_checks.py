@@ -71,3 +71,12 @@ def test_plot_decode_pair_reads_both_files_by_batch(tmp_path: Path) -> None:
                            str(tmp_path / "b.json"), "--out", str(tmp_path / "p.png")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and (tmp_path / "p.png").stat().st_size > 0, proc.stderr
+
+
+def test_gdn_decode_bench_value_major_pool_is_the_same_view() -> None:
+    import torch
+
+    t = torch.randn(3, 2, 4, 6)
+    v = gdn_decode_bench.value_major(t)
+    assert torch.equal(v, t) and v.stride() == (48, 24, 1, 4)  # each head's (Dk, Dv) state stored transposed
+    assert v.clone().stride() == v.stride()  # the bench's pool copies keep the layout they time
