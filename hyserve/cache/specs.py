@@ -60,9 +60,27 @@ class AttentionSpec:
 
 @dataclass(frozen=True, slots=True)
 class StateTensorSpec:
+    """One tensor of a layer's recurrent state: ``shape`` is the view every kernel and copy indexes; ``order``, when
+    given, the memory order of its dims, outermost first (``(0, 2, 1)``: a ``(H, K, V)`` view stored as ``(H, V,
+    K)``, each head's matrix transposed in memory; the kernels take every stride, so only the access pattern
+    changes)."""
+
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    order: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.order is not None and sorted(self.order) != list(range(len(self.shape))):
+            raise ValueError(f"{self.name}: order {self.order} is not a permutation of the dims of {self.shape}")
+
+    def zeros(self, leading: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A zeroed ``(*leading, *shape)`` tensor stored in ``order`` (the leading dims outermost)."""
+        if self.order is None:
+            return torch.zeros(*leading, *self.shape, dtype=self.dtype, device=device)
+        stored = torch.zeros(*leading, *(self.shape[i] for i in self.order), dtype=self.dtype, device=device)
+        n = len(leading)
+        return stored.permute(*range(n), *(n + self.order.index(i) for i in range(len(self.shape))))
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +105,9 @@ class RecurrentStateSpec:
         return sum(t.nbytes for t in self.tensors)
 
     def allocate(self, leading: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
-        """Zeroed tensors of (*leading, *t.shape), one per declared tensor, contiguous each."""
-        return {t.name: torch.zeros(*leading, *t.shape, dtype=t.dtype, device=device) for t in self.tensors}
+        """Zeroed tensors of (*leading, *t.shape), one per declared tensor, each stored in its ``order`` (contiguous
+        where it has none)."""
+        return {t.name: t.zeros(leading, device) for t in self.tensors}
 
 
 @dataclass(frozen=True, slots=True)

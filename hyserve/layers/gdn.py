@@ -68,6 +68,18 @@ def decode_split_switch() -> bool | None:
     return None if value is None else value == "1"
 
 
+def state_layout_switch() -> str:
+    """``HYSERVE_GDN_STATE_LAYOUT``: ``key`` (the default: each head's ``(Dk, Dv)`` SSM state stored row by key,
+    as transformers' rule writes it) or ``value`` (stored transposed, row by value, as fla's ``state_v_first``
+    kernels keep it: a program's ``(Dk, BV)`` tile is one contiguous run of memory instead of ``Dk`` runs of ``BV``);
+    any other value is refused. Every kernel takes the pool's strides, so only the access pattern changes; for
+    benchmarks that compare the two layouts in one engine."""
+    value = os.environ.get("HYSERVE_GDN_STATE_LAYOUT", "key")
+    if value not in ("key", "value"):
+        raise ValueError(f"HYSERVE_GDN_STATE_LAYOUT={value!r}: key (the default) or value")
+    return value
+
+
 def uses_fused_decode(x: torch.Tensor) -> bool:
     """Whether a pure decode step takes the fused kernel: on CUDA (the CPU keeps the unfused references)."""
     return x.is_cuda and FUSED
@@ -180,11 +192,13 @@ class GatedDeltaNet(ReplayedStateLayer):
     def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
         """The conv window (the last K - 1 inputs of [q | k | v], oldest first) in the model dtype, and the SSM
         state (Hv, Dk, Dv) in ``ssm_dtype``: float32 by default (the delta rule accumulates over the whole
-        sequence), bf16 / fp16 with ``--mamba-ssm-cache-dtype`` (half the bytes each decode step reads and writes)."""
+        sequence), bf16 / fp16 with ``--mamba-ssm-cache-dtype`` (half the bytes each decode step reads and writes),
+        stored as ``HYSERVE_GDN_STATE_LAYOUT`` says (:func:`state_layout_switch`)."""
         k = self.conv1d.kernel_size[0]
         return RecurrentStateSpec((
             StateTensorSpec("conv_state", (self.conv_dim, k - 1), dtype),
-            StateTensorSpec("ssm_state", (self.num_v_heads, self.head_k_dim, self.head_v_dim), self.ssm_dtype),
+            StateTensorSpec("ssm_state", (self.num_v_heads, self.head_k_dim, self.head_v_dim), self.ssm_dtype,
+                            None if state_layout_switch() == "key" else (0, 2, 1)),
         ))
 
     def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:

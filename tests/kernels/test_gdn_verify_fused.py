@@ -191,9 +191,20 @@ def _case(name: str, seed: int) -> tuple[dict[str, Any], int | None]:
     return verify_problem(lens, p_max, hk, hv, dk, dv, dt, sdt, seed), bv
 
 
-def _interp_vs_unfused(name: str) -> tuple[bool, str]:
+def value_major(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, each head's ``(Dk, Dv)`` state stored as its transpose (``HYSERVE_GDN_STATE_LAYOUT=value``'s
+    pool): the same view, strides ``(.., 1, Dk)``."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _interp_vs_unfused(name: str, on_value_major: bool = False) -> tuple[bool, str]:
+    """``on_value_major``: the fused kernel reads a value-major pool, the unfused ones a key-major copy."""
     p, bv = _case(name, 21)
-    return check_fused(p, unfused_triton, exact=True, block_v=bv)
+    if not on_value_major:
+        return check_fused(p, unfused_triton, exact=True, block_v=bv)
+    p["ssm_state"] = value_major(p["ssm_state"])
+    return check_fused(p, lambda q: unfused_triton({**q, "ssm_state": q["ssm_state"].contiguous()}), exact=True,
+                       block_v=bv)
 
 
 def _interp_vs_reference(name: str) -> tuple[bool, str]:
@@ -201,17 +212,20 @@ def _interp_vs_reference(name: str) -> tuple[bool, str]:
     return check_fused(p, lambda q: gdn_verify_fused_ref(**q), exact=False, block_v=bv)
 
 
-def _interp_commit_reaches_the_plain_state(snapshot: bool) -> tuple[bool, str]:
+def _interp_commit_reaches_the_plain_state(snapshot: bool, on_value_major: bool = False) -> tuple[bool, str]:
     """The commit over the fused kernel's scratch and stash, one ``gdn_replay`` launch with the window's copy (each
     row's first ``a + 1`` tokens), against the plain kernels (conv, gates, recurrent delta rule) run over the same
     tokens in place: the same conv windows and states (bit for bit in float32). ``snapshot``: candidate snapshots
-    of two of the rows (out of order) into free pool entries instead; the live slots left alone."""
+    of two of the rows (out of order) into free pool entries instead; the live slots left alone. ``on_value_major``:
+    the fused kernel and the commit on a value-major pool, the plain kernels on a key-major copy."""
     from hyserve.kernels.conv import causal_conv1d_varlen_triton
     from hyserve.kernels.gating import gdn_gating_triton
     from hyserve.kernels.gdn import gdn_recurrent_triton
     from hyserve.kernels.gdn.verify import gdn_replay_triton
 
     p, _ = _case("f32_g2", 23)
+    if on_value_major:
+        p["ssm_state"] = value_major(p["ssm_state"])
     got_p = fresh(p)
     fused_triton(got_p, 16)
     slots = p["state_slots"]
@@ -229,6 +243,7 @@ def _interp_commit_reaches_the_plain_state(snapshot: bool) -> tuple[bool, str]:
                           conv=(got_p["conv_state"], got_p["conv_scratch"]))
     # The plain kernels over the kept tokens of each row, in place on a copy.
     want_p = fresh(p)
+    want_p["ssm_state"] = want_p["ssm_state"].contiguous()
     starts = p["query_start_loc"].tolist()
     keep = [i for r, a in enumerate(accepted) for i in range(starts[r], starts[r] + a + 1)]
     kept_lens = [a + 1 for a in accepted]
@@ -501,6 +516,8 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("commit_reaches_the_plain_state", lambda: _interp_commit_reaches_the_plain_state(False))
     check("snapshots_reach_the_plain_state", lambda: _interp_commit_reaches_the_plain_state(True))
     check("window_piece_short_caught", _interp_window_sabotage)
+    check("vs_unfused_bf16_g2_bf16_state_on_value_major", lambda: _interp_vs_unfused("bf16_g2_bf16_state", True))
+    check("snapshots_reach_the_plain_state_on_value_major", lambda: _interp_commit_reaches_the_plain_state(True, True))
     check("layer_f32", lambda: _interp_layer(F32, rest=False))
     check("layer_f32_with_prefill_rows", lambda: _interp_layer(F32, rest=True))
     check("layer_bf16_with_prefill_rows", lambda: _interp_layer(BF16, rest=True))
@@ -518,6 +535,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
 INTERP_CHECKS = [
     *[f"vs_unfused_{name}" for name, *_ in CASES], *[f"vs_reference_{name}" for name in REFERENCE_CASES],
     "commit_reaches_the_plain_state", "snapshots_reach_the_plain_state", "window_piece_short_caught",
+    "vs_unfused_bf16_g2_bf16_state_on_value_major", "snapshots_reach_the_plain_state_on_value_major",
     "layer_f32", "layer_f32_with_prefill_rows", "layer_bf16_with_prefill_rows",
     "layer_one_token_rows_with_prefill_rows",
     *[f"{what}_caught" for what in SABOTAGES],

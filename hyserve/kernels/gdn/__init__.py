@@ -250,7 +250,7 @@ def gdn_forward_fla(
         g.float().unsqueeze(0).contiguous(),
         beta.unsqueeze(0).contiguous(),
         scale=Dk**-0.5,
-        initial_state=ssm_state[slots].float(),
+        initial_state=ssm_state[slots].float().contiguous(),  # fla reads (N, Hv, Dk, Dv) in that order
         output_final_state=True,
         use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu_seqlens,
