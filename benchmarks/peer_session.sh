@@ -683,7 +683,7 @@ case "${1:?phase}" in
     fi
     true
     ;;
-  decode34|decode34-vllm|decode34-split)
+  decode34|decode34-vllm|decode34-split|decode34-layout)
     # Issue 34, item 3: decode at batch 1 / 8 / 32 / 64 and prefill 32 x 2048 on the 9B shape (bf16) and on the
     # seed's 27B shape in compressed-tensors FP8_DYNAMIC (config only, --load-format dummy, /tmp/s27 as the seed
     # phases write it), hyserve at its defaults beside HYSERVE_FP8_FUSED_QUANT=0 (FP8: every GEMM quantizing its own
@@ -692,7 +692,8 @@ case "${1:?phase}" in
     # (HYSERVE_DECODE_GEMM=on ran on 2026-12-05: 0.68x the default at batch 1, left off and no longer run.)
     # decode34-vllm: vLLM's default mode on the same directories. decode34-split: the GDN decode's two launches in
     # the engine, each head walked by one program (HYSERVE_GDN_DECODE_SPLIT=0) against split over its value blocks
-    # (=1), the 9B and the 27B FP8 with bf16 states (vLLM's like), decode only.
+    # (=1), the 9B and the 27B FP8 with bf16 states (vLLM's like), decode only. decode34-layout: the GDN state pool
+    # stored key-major (HYSERVE_GDN_STATE_LAYOUT=key, the default) against value-major (=value), the same runs.
     # Each run marked done in $MOE_DONE (a later call goes on where this one stopped).
     p9b
     if [ ! -f /tmp/s27/tokenizer.json ]; then
@@ -711,6 +712,12 @@ case "${1:?phase}" in
               "9b_bf16state_split:/tmp/p9b:150:HYSERVE_GDN_DECODE_SPLIT=1:decode_bf16state"
               "27b_fp8_bf16state_walk:/tmp/s27:200:HYSERVE_GDN_DECODE_SPLIT=0:decode_bf16state"
               "27b_fp8_bf16state_split:/tmp/s27:200:HYSERVE_GDN_DECODE_SPLIT=1:decode_bf16state")
+        engine=hyserve
+    elif [ "$1" = decode34-layout ]; then
+        runs=("9b_bf16state_key:/tmp/p9b:150:HYSERVE_GDN_STATE_LAYOUT=key:decode_bf16state"
+              "9b_bf16state_value:/tmp/p9b:150:HYSERVE_GDN_STATE_LAYOUT=value:decode_bf16state"
+              "27b_fp8_bf16state_key:/tmp/s27:200:HYSERVE_GDN_STATE_LAYOUT=key:decode_bf16state"
+              "27b_fp8_bf16state_value:/tmp/s27:200:HYSERVE_GDN_STATE_LAYOUT=value:decode_bf16state")
         engine=hyserve
     else
         runs=("9b:/tmp/p9b:200::main" "9b_bf16state:/tmp/p9b:150::decode_bf16state"

@@ -378,6 +378,27 @@ def test_cuda_snapshots_inside_rows_match_from_scratch(dtype: torch.dtype, state
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("dtype", "state_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_cuda_prefill_on_a_value_major_pool_matches_the_key_major_one(dtype: torch.dtype,
+                                                                       state_dtype: torch.dtype) -> None:
+    """``HYSERVE_GDN_STATE_LAYOUT=value``'s pool (each head's state stored transposed) through the prefill with
+    snapshots inside rows (bf16: fla's chunked path, which reads and writes key-major copies; float32: the recurrent
+    kernel on the pool's strides): outputs, states and snapshots bit for bit the key-major pool's."""
+    if dtype == torch.bfloat16:
+        pytest.importorskip("fla")
+    p = _problem(dtype, state_dtype, device="cuda")
+    key = p["ssm_state"].clone()
+    val = p["ssm_state"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    qsl_cpu = p["qsl"].cpu()
+    outs = [gdn_forward(p["q"], p["k"], p["v"], p["g"], p["beta"], pool, p["slots"], p["qsl"], max(LENS), qsl_cpu,
+                        snapshots=_snapshots(p)) for pool in (key, val)]
+    torch.cuda.synchronize()
+    assert val.stride()[2:] == (1, val.shape[2])
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(key, val)  # every entry: the rows' slots, the snapshots', the untouched ones
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("dtype", "state_dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
 def test_cuda_mamba2_snapshots_inside_rows_match_from_scratch(dtype: torch.dtype, state_dtype: torch.dtype) -> None:
     """Mamba2 on the card: bf16 rows through fla's ``chunk_simple_gla`` stages (fla-core 0.6.0), float32 rows the
