@@ -72,6 +72,13 @@ def run_scenario(path: str, spec: str, async_scheduling: bool, arrivals: dict[in
     return final, engine
 
 
+# Two float32 runs of one scenario batch their rows differently (speculation lengths, graphs' pad rows, async steps),
+# so the GEMMs add up in other orders: a logprob 13 tokens into a row moved by 1.02e-4 on a 2-core Xeon's CPU build of
+# torch (2026-12-06) where the CI machine of the day before stayed under 1e-4. The tokens are compared exactly; the
+# logprobs within three times that drift.
+LOGPROB_TOL = 3e-4
+
+
 def assert_same_outputs(got: dict[str, RequestOutput], want: dict[str, RequestOutput]) -> None:
     assert set(got) == set(want)
     for rid, w in want.items():
@@ -80,7 +87,8 @@ def assert_same_outputs(got: dict[str, RequestOutput], want: dict[str, RequestOu
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason, f"request {rid}: finish reason differs"
         for i, (lg, lw) in enumerate(zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or [], strict=True)):
             tok = g.outputs[0].token_ids[i]
-            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4, f"request {rid}: logprob {i} differs"
+            assert abs(lg[tok].logprob - lw[tok].logprob) < LOGPROB_TOL, (
+                f"request {rid}: logprob {i} differs ({lg[tok].logprob} against {lw[tok].logprob})")
 
 
 def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],
