@@ -480,7 +480,8 @@ def _flips(r: dict[str, Any]) -> list[tuple[int, int]]:
 def test_a_flip_takes_the_next_expert_at_its_row_only(tiny_moe_ref: Any) -> None:
     """What the experts receive with a flip at (token 5, layer 2): at row 5 the router's top k - 1 and its (k + 1)-th
     expert (by its float32 softmax), the k weights renormalized; the other rows of layers 0 to 2 and the rows before
-    5 of every layer as without the flip; the reported gap is the k-th minus the (k + 1)-th logit."""
+    5 of every layer as without the flip (their weights after layer 2 within float32 rounding); the reported gap is the
+    k-th minus the (k + 1)-th logit."""
     import torch
 
     layers, k = tiny_moe_ref.model.layers, moe_check.TINY_MOE["num_experts_per_tok"]
@@ -496,7 +497,10 @@ def test_a_flip_takes_the_next_expert_at_its_row_only(tiny_moe_ref: Any) -> None
     plain, flipped = seen[: len(layers)], seen[len(layers) :]
     for n, ((x, idx, w), (_, fidx, fw)) in enumerate(zip(plain, flipped, strict=True)):
         rows = [r for r in range(len(ids)) if r < 5 or n < 2 or (n == 2 and r != 5)]  # what it cannot reach
-        assert torch.equal(idx[rows], fidx[rows]) and torch.equal(w[rows], fw[rows]), n
+        assert torch.equal(idx[rows], fidx[rows]), n
+        # Bit for bit up to the flip's layer. After it an expert that gained or lost row 5 multiplies another number of
+        # rows, and a CPU BLAS may block (and round) the others' products apart by that count (an AMX Xeon did).
+        assert torch.equal(w[rows], fw[rows]) if n <= 2 else torch.allclose(w[rows], fw[rows], rtol=0, atol=1e-6), n
         if n == 2:
             weight = layers[2].mlp.gate.weight.detach()
             logits = x[5] @ weight.T
