@@ -793,6 +793,19 @@ def test_the_decode_launch_follows_the_cards_sweep() -> None:
     assert decode_launch(32, 32) == decode_launch(64, 48) == decode_launch(512, 32) == (True, 64, 4)
     assert decode_launch(1, 32, split=False) == (False, None, 4)
     assert decode_launch(8, 32, split=True) == (True, 64, 4) and decode_launch(1, 32, split=True) == (True, 32, 2)
+    # a value-major pool: the walk at every batch (the H100's sweep of 2026-12-06), 128 wide up to batch 8 of 32 heads
+    assert decode_launch(1, 32, value_major=True) == decode_launch(8, 32, value_major=True) == (False, 128, 4)
+    assert decode_launch(8, 48, value_major=True) == decode_launch(64, 32, value_major=True) == (False, 64, 4)
+    assert decode_launch(64, 32, split=True, value_major=True) == (True, 64, 4)  # still forced by the switch
+
+
+def test_a_pool_tells_its_layout() -> None:
+    from hyserve.cache.specs import StateTensorSpec
+    from hyserve.kernels.gdn.decode import is_value_major
+
+    key = StateTensorSpec("s", (4, 16, 32), torch.float32).zeros((3,), torch.device("cpu"))
+    value = StateTensorSpec("s", (4, 16, 32), torch.float32, (0, 2, 1)).zeros((3,), torch.device("cpu"))
+    assert not is_value_major(key) and is_value_major(value)
 
 
 def test_the_split_launch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -984,7 +997,9 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
 def test_cuda_value_major_pool_matches_the_key_major_one(launch: tuple[int, int, bool]) -> None:
     """The fused decode on a pool stored value-major (each head's state as its transpose in memory; the kernels take
     the same logical view with swapped strides) against the same launch on a key-major pool, over three steps on the
-    card: outputs and pools bit for bit."""
+    card: outputs and pools within a unit in the last place (the compiler lays the tile's threads along the
+    contiguous axis, so the reductions over keys add up in another order: on an H100 the two differed, 2026-12-06;
+    the interpreter's are bit for bit)."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
     bv, warps, split = launch
@@ -999,9 +1014,12 @@ def test_cuda_value_major_pool_matches_the_key_major_one(launch: tuple[int, int,
         outs = [gdn_decode_fused_triton(**q, arrivals=arrivals_for(p["ssm_state"].shape[0], 4, 12, "cuda", split=True),
                                         head_counts=head_counters_for(p["ssm_state"].shape[0], 12, "cuda"),
                                         block_v=bv, num_warps=warps, split=split) for q in (key_p, val_p)]
-        assert torch.equal(outs[0][toks], outs[1][toks]), step
-        for n in STATE_KEYS:
-            assert torch.equal(key_p[n][slots], val_p[n][slots]), (step, n)
+        ok, msg = _agree(outs[1][toks], outs[0][toks], ulps=2)  # the norm scales a state's unit in the last place
+        assert ok, (step, msg)
+        assert torch.equal(key_p["conv_state"][slots], val_p["conv_state"][slots]), step
+        ok, msg = _agree(val_p["ssm_state"][slots], key_p["ssm_state"][slots])
+        assert ok, (step, msg)
+        val_p["ssm_state"].copy_(key_p["ssm_state"])  # the next step from the same state
     assert val_p["ssm_state"].stride()[2:] == (1, 128)
 
 

@@ -383,7 +383,9 @@ def test_cuda_prefill_on_a_value_major_pool_matches_the_key_major_one(dtype: tor
                                                                        state_dtype: torch.dtype) -> None:
     """``HYSERVE_GDN_STATE_LAYOUT=value``'s pool (each head's state stored transposed) through the prefill with
     snapshots inside rows (bf16: fla's chunked path, which reads and writes key-major copies; float32: the recurrent
-    kernel on the pool's strides): outputs, states and snapshots bit for bit the key-major pool's."""
+    kernel on the pool's strides): outputs, states and snapshots bit for bit the key-major pool's on fla's path, within
+    float32 rounding on the recurrent kernel's (its reductions over keys add up in the order the tile's layout sets:
+    on an H100 the two differed, 2026-12-06)."""
     if dtype == torch.bfloat16:
         pytest.importorskip("fla")
     p = _problem(dtype, state_dtype, device="cuda")
@@ -394,8 +396,12 @@ def test_cuda_prefill_on_a_value_major_pool_matches_the_key_major_one(dtype: tor
                         snapshots=_snapshots(p)) for pool in (key, val)]
     torch.cuda.synchronize()
     assert val.stride()[2:] == (1, val.shape[2])
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(key, val)  # every entry: the rows' slots, the snapshots', the untouched ones
+    if dtype == torch.bfloat16:
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(key, val)  # every entry: the rows' slots, the snapshots', the untouched ones
+    else:
+        assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(key, val, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -68,18 +68,33 @@ def head_counters_for(num_slots: int, num_v_heads: int, device: torch.device) ->
 #   batch 64: walk 112.6 / 163.2, split (64, 4) 98.4 / 146.4
 SPLIT_UP_TO = 128  # pairs: split in (32, 2 warps) blocks
 SPLIT_FROM = 1024  # pairs: split in (64, 4 warps) blocks
+# On a value-major pool (HYSERVE_GDN_STATE_LAYOUT=value: each head's state stored as value rows of contiguous keys),
+# the walk at every batch, from the same bench on an H100 (2026-12-06, us a layer, 9B / 27B heads, best launch):
+#   batch 1:  walk (128, 4) 6.25 / 6.33, split at best 6.81 / 7.14 (32, 4)
+#   batch 8:  walk (128, 4) 8.74 / 14.33, (64, 4) 9.94 / 11.41; split at best 11.03 / 18.10
+#   batch 32: walk (128, 4) 33.71 / 58.03, (64, 4) 35.03 / 57.98; split at best 38.57 / 60.05
+#   batch 64: walk (128, 4) 76.55 / 109.32, (64, 4) 78.19 / 109.04; split at best 78.47 / 110.80
+# (key-major, the launches above: 7.14 / 7.74, 14.04 / 16.33, 50.89 / 75.38, 96.86 / 143.90).
+WALK_WIDE_UP_TO = 256  # pairs: a value-major walk in (128, 4 warps) tiles, in (64, 4) beyond
 
 
-def decode_launch(rows: int, num_v_heads: int, split: bool | None = None) -> tuple[bool, int | None, int]:
+def is_value_major(ssm_state: torch.Tensor) -> bool:
+    """Whether an ``(S, Hv, Dk, Dv)`` pool stores each head's state as value rows of contiguous keys."""
+    return ssm_state.stride(2) == 1 and ssm_state.stride(3) != 1
+
+
+def decode_launch(rows: int, num_v_heads: int, split: bool | None = None,
+                  value_major: bool = False) -> tuple[bool, int | None, int]:
     """``(split, BV, warps)`` for a decode launch of ``rows`` rows: whether each value head is split over programs
     (``_gdn_decode_split_kernel``), its value block (None: :func:`launch_config`'s) and warps. ``split`` None: split
     at up to :data:`SPLIT_UP_TO` and from :data:`SPLIT_FROM` (row, value head) pairs, where the card's sweep has the
-    split launch ahead, the walk between; True / False forces one launch (``HYSERVE_GDN_DECODE_SPLIT``)."""
+    split launch ahead, the walk between; on a ``value_major`` pool the walk, in 128-wide tiles up to
+    :data:`WALK_WIDE_UP_TO` pairs and 64-wide beyond; True / False forces one launch (``HYSERVE_GDN_DECODE_SPLIT``)."""
     pairs = rows * num_v_heads
     if split is None:
-        split = pairs <= SPLIT_UP_TO or pairs >= SPLIT_FROM
+        split = False if value_major else pairs <= SPLIT_UP_TO or pairs >= SPLIT_FROM
     if not split:
-        return False, None, 4
+        return (False, 128 if pairs <= WALK_WIDE_UP_TO else 64, 4) if value_major else (False, None, 4)
     return (True, 32, 2) if pairs <= SPLIT_UP_TO else (True, 64, 4)
 
 
@@ -151,7 +166,8 @@ def gdn_decode_fused(
                                    ssm_state, state_slots, query_start_loc, num_k_heads)
         return out if quant is None else quantize_activation_ref(out)
     split, block_v, warps = decode_launch(state_slots.shape[0], ssm_state.shape[1],
-                                          False if head_counts is None else split)
+                                          False if head_counts is None else split,
+                                          value_major=is_value_major(ssm_state))
     return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, arrivals, quant, row_counts,
                                    block_v=block_v, num_warps=warps, split=split, head_counts=head_counts)
