@@ -993,7 +993,7 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
 
 
 @cuda
-@pytest.mark.parametrize("launch", [(32, 4, False), (32, 2, True), (64, 4, True)])
+@pytest.mark.parametrize("launch", [(32, 4, False), (64, 4, False), (128, 4, False), (32, 2, True), (64, 4, True)])
 def test_cuda_value_major_pool_matches_the_key_major_one(launch: tuple[int, int, bool]) -> None:
     """The fused decode on a pool stored value-major (each head's state as its transpose in memory; the kernels take
     the same logical view with swapped strides) against the same launch on a key-major pool, over three steps on the
