@@ -80,3 +80,24 @@ def test_gdn_decode_bench_value_major_pool_is_the_same_view() -> None:
     v = gdn_decode_bench.value_major(t)
     assert torch.equal(v, t) and v.stride() == (48, 24, 1, 4)  # each head's (Dk, Dv) state stored transposed
     assert v.clone().stride() == v.stride()  # the bench's pool copies keep the layout they time
+
+
+def test_plot_gdn_layout_takes_the_launch_each_layouts_rule_picks(tmp_path: Path) -> None:
+    import json
+
+    import plot_gdn_layout
+
+    def row(batch: int, layout: str, **times: float) -> dict:
+        return {"shape": "9b", "batch": batch, "layout": layout, **{f"fused_{k}_us": v for k, v in times.items()}}
+
+    rows = [row(1, "k", bv32w2s=7.0, bv32=11.0, bv64w4s=8.0), row(8, "k", bv32w2s=16.0, bv32=14.0, bv64w4s=17.0),
+            row(64, "k", bv32w2s=130.0, bv32=113.0, bv64w4s=97.0),
+            row(1, "v", bv128=6.0, bv64=8.0), row(8, "v", bv128=9.0, bv64=10.0), row(64, "v", bv128=76.0, bv64=78.0)]
+    (tmp_path / "b.json").write_text(json.dumps({"rows": rows}))
+    assert plot_gdn_layout.chosen_times(str(tmp_path / "b.json"), "k") == {
+        ("9b", 1): 7.0, ("9b", 8): 14.0, ("9b", 64): 97.0}  # split 32 x 2, walk, split 64 x 4
+    assert plot_gdn_layout.chosen_times(str(tmp_path / "b.json"), "v") == {
+        ("9b", 1): 6.0, ("9b", 8): 9.0, ("9b", 64): 78.0}  # the walk, 128 wide up to 256 pairs, 64 beyond
+    (tmp_path / "short.json").write_text(json.dumps({"rows": [row(64, "v", bv128=76.0)]}))
+    with pytest.raises(SystemExit, match="did not time fused_bv64_us"):
+        plot_gdn_layout.chosen_times(str(tmp_path / "short.json"), "v")
