@@ -670,6 +670,35 @@ def test_cuda_fused_verify_matches_the_unfused_kernels(ratio: int, dtype: torch.
 
 
 @cuda
+def test_cuda_fused_verify_on_a_value_major_pool() -> None:
+    """The fused verify on a value-major pool (``HYSERVE_GDN_STATE_LAYOUT=value``) against the same launch on a
+    key-major copy, 9B heads, bf16 state: outputs within two units in the last place (the key reductions add up in
+    the tile layout's order), scratch bit for bit, the stash within float32 rounding, both pools untouched; then the
+    commit (``gdn_replay``) into each pool, the states within a unit in the last place."""
+    from hyserve.kernels.gdn.verify import gdn_replay_triton
+
+    lens = [4, 0, 1, 3, 4, 2, 4, 4]
+    p = verify_problem(lens, 4, 16, 32, 128, 128, BF16, BF16, 35, device="cuda")
+    key_p, val_p = fresh(p), fresh(p)
+    val_p["ssm_state"] = value_major(p["ssm_state"])
+    outs = [fused_triton(q) for q in (key_p, val_p)]
+    ok, msg = _agree(outs[1], outs[0], 2e-6, 2)
+    assert ok, msg
+    assert torch.equal(val_p["conv_scratch"].nan_to_num(7.0), key_p["conv_scratch"].nan_to_num(7.0))
+    for n in STASH_NAMES:
+        ok, msg = _agree(val_p["stash"][n].nan_to_num(7.0), key_p["stash"][n].nan_to_num(7.0))
+        assert ok, (n, msg)
+    assert torch.equal(val_p["ssm_state"], p["ssm_state"]) and torch.equal(key_p["ssm_state"], p["ssm_state"])
+    counts = torch.tensor([min(n, 3) - 1 for n in lens], dtype=torch.int64, device="cuda")
+    for q in (key_p, val_p):
+        gdn_replay_triton(q["ssm_state"], q["stash"], None, q["state_slots"], q["state_slots"], counts,
+                          conv=(q["conv_state"], q["conv_scratch"]))
+    ok, msg = _agree(val_p["ssm_state"], key_p["ssm_state"])
+    assert ok, msg
+    assert val_p["ssm_state"].stride()[2:] == (1, 128)
+
+
+@cuda
 def test_cuda_fused_verify_quantizes_for_an_fp8_out_proj() -> None:
     """The seed's 27B heads (16 key heads, 48 value heads) on the card, rows of 0-3 tokens (MTP 2), with
     ``quant="fp8"``: two launches on the same row counters, FP8 bytes and scales those of ``quantize_rows`` over the
