@@ -25,6 +25,7 @@ from hyserve import SamplingParams
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.cache.state_pool import state_bytes_per_slot
 from hyserve.config import ModelConfig
+from hyserve.layers.gdn import state_layout_switch
 from hyserve.model import registry
 from hyserve.model.base import CausalLM, RecurrentLayer
 from hyserve.model.metadata import StepMetadata
@@ -100,9 +101,10 @@ def test_specs_from_the_model_match_config_json(ckpts: CheckpointCache, pattern:
         model = registry.model_class(cfg)(cfg)
     specs = model.cache_specs(dtype)
     assert len(specs.recurrent) == want["n_gdn"] and len(specs.attention) == want["n_attn"]
+    order = None if state_layout_switch() == "key" else (0, 2, 1)  # HYSERVE_GDN_STATE_LAYOUT=value: value-major
     for spec in specs.recurrent:
         assert spec.tensors == (StateTensorSpec("conv_state", want["conv"], dtype),
-                                StateTensorSpec("ssm_state", want["ssm"], torch.float32))
+                                StateTensorSpec("ssm_state", want["ssm"], torch.float32, order))
     for a in specs.attention:
         assert (a.num_kv_heads, a.head_dim, a.dtype) == (want["kv_heads"], want["head_dim"], dtype)
     assert specs.state_bytes_per_slot == want["per_slot"] == state_bytes_per_slot(cfg, dtype)

@@ -27,7 +27,7 @@ def replay_ref(ssm_state: torch.Tensor, rows: torch.Tensor | None, src_slots: to
     if steps <= 0:
         return
     update = make_update(torch.arange(n, device=counts.device) if rows is None else rows.to(torch.int64), steps)
-    state = ssm_state[src_slots.to(torch.int64)].float()
+    state = ssm_state[src_slots.to(torch.int64)].float().contiguous()  # the same sums whatever the pool's layout
     keep = [1] * (state.dim() - 1)
     for j in range(steps):
         state = torch.where((counts >= j).view(-1, *keep), update(state, j), state)

@@ -143,8 +143,9 @@ def gdn_forward_ref(
                     if step == i:
                         ssm_state[entry] = s[gi].to(ssm_state.dtype)
 
-        obuf, state = gdn_scan(q[tok], k[tok], v[tok], g[tok], beta[tok], ssm_state[group_slots].float(), sub_qsl,
-                               n_max, record if at else None)
+        # a key-major copy: the same sums (and bits) whatever the pool's layout (HYSERVE_GDN_STATE_LAYOUT)
+        start = ssm_state[group_slots].float().contiguous()
+        obuf, state = gdn_scan(q[tok], k[tok], v[tok], g[tok], beta[tok], start, sub_qsl, n_max, record if at else None)
         out[tok] = obuf[: tok.shape[0]].to(out.dtype)
         ssm_state[group_slots] = state.to(ssm_state.dtype)
     return out
@@ -179,7 +180,7 @@ def gdn_verify_ref(
     t = tok[rr, jj]
     for name, x in zip(STASH_NAMES, (k, v, g, beta), strict=True):
         stash[name][rr, jj] = x[t].float()
-    obuf, _ = gdn_scan(q, k, v, g, beta, ssm_state[slots].float(), qsl, max_query_len)
+    obuf, _ = gdn_scan(q, k, v, g, beta, ssm_state[slots].float().contiguous(), qsl, max_query_len)
     out.copy_(obuf[:T])
     return out
 
