@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hyserve.kernels.conv import causal_conv1d_varlen_triton
 from hyserve.kernels.gating import gdn_gating_triton
 from hyserve.kernels.gdn import gdn_recurrent_triton
-from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused_triton, head_counters_for
+from hyserve.kernels.gdn.decode import arrivals_for, as_value_major, gdn_decode_fused_triton, head_counters_for
 from hyserve.kernels.norm import gated_rms_norm_triton
 
 # (key heads, value heads) of this rank, Dk = Dv = 128, conv width 4 (benchmarks/shapes.py; 27B: Qwen3.5-27B's config).
@@ -50,16 +50,10 @@ D = 128
 K = 4
 
 
-def value_major(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values, each head's ``(Dk, Dv)`` state stored as its transpose: the same logical view, strides
-    ``(.., 1, Dk)``."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
 def problem(batch: int, hk: int, hv: int, dtype: torch.dtype, state_dtype: torch.dtype,
             layout: str = "k") -> dict[str, Any]:
     """One decode token per row, rows on shuffled slots of a pool with room for 8 more; ``layout`` ``"v"``: the pool
-    stored value-major (``value_major``)."""
+    stored value-major (``as_value_major``)."""
     g = torch.Generator(device="cuda").manual_seed(batch * 131 + hv)
     conv_dim = 2 * hk * D + hv * D
     wide = torch.randn(batch, conv_dim + hv * D + 2 * hv, device="cuda", generator=g).to(dtype)
@@ -75,7 +69,7 @@ def problem(batch: int, hk: int, hv: int, dtype: torch.dtype, state_dtype: torch
             state_slots=torch.randperm(pool, device="cuda", generator=g)[:batch],
             query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32), num_k_heads=hk)
     if layout == "v":
-        p["ssm_state"] = value_major(p["ssm_state"])
+        p["ssm_state"] = as_value_major(p["ssm_state"])
     return p
 
 

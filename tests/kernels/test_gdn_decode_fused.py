@@ -40,7 +40,13 @@ from typing import Any
 import pytest
 import torch
 
-from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused, gdn_decode_fused_ref, head_counters_for
+from hyserve.kernels.gdn.decode import (
+    arrivals_for,
+    as_value_major,
+    gdn_decode_fused,
+    gdn_decode_fused_ref,
+    head_counters_for,
+)
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import StepMetadata
 from hyserve.testing.triton_compile import compile_failures, compile_group
@@ -384,7 +390,7 @@ def _interp_value_major(name: str, split: bool) -> tuple[bool, str]:
     unfused kernels on a key-major copy: the pools and outputs bit for bit."""
     p, bv = _case(name, 11, pad_rows=2)
     s = p["ssm_state"]
-    p["ssm_state"] = s.transpose(-1, -2).contiguous().transpose(-1, -2)
+    p["ssm_state"] = as_value_major(s)
     assert p["ssm_state"].stride()[2:] == (1, s.shape[2]) and torch.equal(p["ssm_state"], s)
     return check_fused(p, key_major_unfused, exact=True, block_v=bv, split=split)
 
@@ -1005,7 +1011,7 @@ def test_cuda_value_major_pool_matches_the_key_major_one(launch: tuple[int, int,
     bv, warps, split = launch
     p = fused_problem([1, 1, 0, 1, 1, 1], 4, 12, 128, 128, BF16, BF16, 44, pad_rows=3, device="cuda")
     key_p, val_p = clone_states(p), clone_states(p)
-    val_p["ssm_state"] = p["ssm_state"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    val_p["ssm_state"] = as_value_major(p["ssm_state"])
     assert val_p["ssm_state"].stride()[2:] == (1, 128)
     toks, slots = token_rows(p)
     for step in range(3):

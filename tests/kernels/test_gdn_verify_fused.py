@@ -43,6 +43,7 @@ import torch
 from test_gdn_decode_fused import FP8_SABOTAGES, check_quantized
 from test_gdn_decode_fused import tiny_gdn as decode_tiny_gdn
 
+from hyserve.kernels.gdn.decode import as_value_major
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_stash_shapes, gdn_verify_fused, gdn_verify_fused_ref
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import VerifyMetadata
@@ -191,18 +192,12 @@ def _case(name: str, seed: int) -> tuple[dict[str, Any], int | None]:
     return verify_problem(lens, p_max, hk, hv, dk, dv, dt, sdt, seed), bv
 
 
-def value_major(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values, each head's ``(Dk, Dv)`` state stored as its transpose (``HYSERVE_GDN_STATE_LAYOUT=value``'s
-    pool): the same view, strides ``(.., 1, Dk)``."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
 def _interp_vs_unfused(name: str, on_value_major: bool = False) -> tuple[bool, str]:
     """``on_value_major``: the fused kernel reads a value-major pool, the unfused ones a key-major copy."""
     p, bv = _case(name, 21)
     if not on_value_major:
         return check_fused(p, unfused_triton, exact=True, block_v=bv)
-    p["ssm_state"] = value_major(p["ssm_state"])
+    p["ssm_state"] = as_value_major(p["ssm_state"])
     return check_fused(p, lambda q: unfused_triton({**q, "ssm_state": q["ssm_state"].contiguous()}), exact=True,
                        block_v=bv)
 
@@ -225,7 +220,7 @@ def _interp_commit_reaches_the_plain_state(snapshot: bool, on_value_major: bool 
 
     p, _ = _case("f32_g2", 23)
     if on_value_major:
-        p["ssm_state"] = value_major(p["ssm_state"])
+        p["ssm_state"] = as_value_major(p["ssm_state"])
     got_p = fresh(p)
     fused_triton(got_p, 16)
     slots = p["state_slots"]
@@ -680,7 +675,7 @@ def test_cuda_fused_verify_on_a_value_major_pool() -> None:
     lens = [4, 0, 1, 3, 4, 2, 4, 4]
     p = verify_problem(lens, 4, 16, 32, 128, 128, BF16, BF16, 35, device="cuda")
     key_p, val_p = fresh(p), fresh(p)
-    val_p["ssm_state"] = value_major(p["ssm_state"])
+    val_p["ssm_state"] = as_value_major(p["ssm_state"])
     outs = [fused_triton(q) for q in (key_p, val_p)]
     ok, msg = _agree(outs[1], outs[0], 2e-6, 2)
     assert ok, msg

@@ -28,6 +28,7 @@ import torch
 
 from hyserve.kernels.conv import snapshot_conv_windows
 from hyserve.kernels.gdn import FLA_CHUNK, advance_snapshots, gdn_forward
+from hyserve.kernels.gdn.decode import as_value_major
 from hyserve.kernels.mamba2 import advance_snapshots as mamba2_advance_snapshots
 from hyserve.kernels.mamba2 import mamba2_scan
 from hyserve.model.metadata import RowSnapshots
@@ -390,7 +391,7 @@ def test_cuda_prefill_on_a_value_major_pool_matches_the_key_major_one(dtype: tor
         pytest.importorskip("fla")
     p = _problem(dtype, state_dtype, device="cuda")
     key = p["ssm_state"].clone()
-    val = p["ssm_state"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    val = as_value_major(p["ssm_state"])
     qsl_cpu = p["qsl"].cpu()
     outs = [gdn_forward(p["q"], p["k"], p["v"], p["g"], p["beta"], pool, p["slots"], p["qsl"], max(LENS), qsl_cpu,
                         snapshots=_snapshots(p)) for pool in (key, val)]

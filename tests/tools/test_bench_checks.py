@@ -76,8 +76,10 @@ def test_plot_decode_pair_reads_both_files_by_batch(tmp_path: Path) -> None:
 def test_gdn_decode_bench_value_major_pool_is_the_same_view() -> None:
     import torch
 
+    from hyserve.kernels.gdn.decode import as_value_major
+
     t = torch.randn(3, 2, 4, 6)
-    v = gdn_decode_bench.value_major(t)
+    v = as_value_major(t)
     assert torch.equal(v, t) and v.stride() == (48, 24, 1, 4)  # each head's (Dk, Dv) state stored transposed
     assert v.clone().stride() == v.stride()  # the bench's pool copies keep the layout they time
 

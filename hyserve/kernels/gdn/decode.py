@@ -78,6 +78,12 @@ SPLIT_FROM = 1024  # pairs: split in (64, 4 warps) blocks
 WALK_WIDE_UP_TO = 256  # pairs: a value-major walk in (128, 4 warps) tiles, in (64, 4) beyond
 
 
+def as_value_major(ssm_state: torch.Tensor) -> torch.Tensor:
+    """A copy of an ``(S, Hv, Dk, Dv)`` pool's values stored value-major (``HYSERVE_GDN_STATE_LAYOUT=value``'s
+    layout): the same view, strides ``(.., 1, Dk)``."""
+    return ssm_state.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def is_value_major(ssm_state: torch.Tensor) -> bool:
     """Whether an ``(S, Hv, Dk, Dv)`` pool stores each head's state as value rows of contiguous keys."""
     return ssm_state.stride(2) == 1 and ssm_state.stride(3) != 1
