@@ -693,7 +693,7 @@ case "${1:?phase}" in
     # decode34-vllm: vLLM's default mode on the same directories. decode34-split: the GDN decode's two launches in
     # the engine, each head walked by one program (HYSERVE_GDN_DECODE_SPLIT=0) against split over its value blocks
     # (=1), the 9B and the 27B FP8 with bf16 states (vLLM's like), decode only. decode34-layout: the GDN state pool
-    # stored key-major (HYSERVE_GDN_STATE_LAYOUT=key, the default) against value-major (=value), the same runs.
+    # stored key-major (HYSERVE_GDN_STATE_LAYOUT=key) against value-major (=value, the default), the same runs.
     # Each run marked done in $MOE_DONE (a later call goes on where this one stopped).
     p9b
     if [ ! -f /tmp/s27/tokenizer.json ]; then

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hyserve.cache.specs import RecurrentStateSpec, recurrent_bytes
+from hyserve.cache.specs import RecurrentStateSpec, entry_rows, recurrent_bytes
 from hyserve.utils import device_tensor
 
 if TYPE_CHECKING:
@@ -81,7 +81,8 @@ class StatePool:
         s = device_tensor(src, device, torch.long)
         d = device_tensor(dst, device, torch.long)
         for t in self._all:
-            t.index_copy_(0, d, t.index_select(0, s))
+            rows = entry_rows(t)  # unit stride in any memory order
+            rows.index_copy_(0, d, rows.index_select(0, s))
 
     def reset(self, slots: list[int]) -> None:
         """Zero the state of ``slots`` (requests about to consume their first token)."""
@@ -89,4 +90,4 @@ class StatePool:
             return
         idx = device_tensor(slots, self._all[0].device, torch.long)
         for t in self._all:
-            t.index_fill_(0, idx, 0)
+            entry_rows(t).index_fill_(0, idx, 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyserve.cache.specs import AttentionSpec, CacheSpecs, RecurrentStateSpec
+from hyserve.cache.specs import AttentionSpec, CacheSpecs, RecurrentStateSpec, entry_rows
 
 
 class KVCacheLayer(nn.Module):
@@ -137,7 +137,8 @@ class RecurrentLayer(nn.Module):
         candidate snapshot, for a layer that ``verifies_one_token_rows_in_place``)."""
         slots = state_slots.index_select(0, rows)
         for live in self.state.values():
-            live.index_copy_(0, entries, live.index_select(0, slots))
+            flat = entry_rows(live)  # unit stride in any memory order
+            flat.index_copy_(0, entries, flat.index_select(0, slots))
 
     def snapshot_candidates(self, rows: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
                             state_slots: torch.Tensor) -> None:

@@ -320,9 +320,14 @@ def blockwise_scaled_mm(x2: torch.Tensor, weight: torch.Tensor, weight_scale: to
     """``x2 W^T`` through cuBLASLt's block-scaled FP8 GEMM: ``x2`` quantized per token and 128-wide group in one
     launch, its scales laid token-fastest as cuBLASLt reads them; the weight's transpose is column-major and its
     ``(N / 128, K / 128)`` scales' transpose ``(K / 128, N / 128)``. For ``HYSERVE_FP8_GEMM=scaled_mm`` (measured
-    against the Triton kernel by ``benchmarks/fp8_gemm_bench.py``)."""
+    against the Triton kernel by ``benchmarks/fp8_gemm_bench.py``). The token count is padded with zero rows to a
+    multiple of 4: torch's check wants the scales' columns exactly M apart, and cuBLASLt refuses columns that are not
+    16-byte aligned (``CUBLAS_STATUS_NOT_SUPPORTED`` for M = 1, 33, 2049 on an H100 with CUDA 13)."""
+    m = x2.shape[0]
+    if m % 4:
+        x2 = torch.cat([x2, x2.new_zeros(4 - m % 4, x2.shape[1])])
     q, s = quantize_rows(x2, group=128, token_major_scales=True)
-    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.t(), out_dtype=out_dtype)
+    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.t(), out_dtype=out_dtype)[:m]
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
