@@ -3,6 +3,7 @@ over the second above each pair (a start-time ratio would dwarf them in ``peer_b
 
     python benchmarks/plot_decode_pair.py hyserve_9b_bf16state.json vllm_9b.json --title "9B bf16, H100" \
         --out decode_9b.png
+    python benchmarks/plot_decode_pair.py value.json key.json --labels value-major key-major --out layout.png
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ def main() -> None:
     ap.add_argument("first")
     ap.add_argument("second")
     ap.add_argument("--title", default="")
+    ap.add_argument("--labels", nargs=2, metavar=("FIRST", "SECOND"),
+                    help="the two bars' names (default: each file's engine)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     (name_a, a), (name_b, b) = decode_figures(args.first), decode_figures(args.second)
+    if args.labels:
+        name_a, name_b = args.labels
     batches = sorted(set(a) & set(b))
     if not batches:
         raise SystemExit("no batch measured by both files")

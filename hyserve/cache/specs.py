@@ -79,7 +79,19 @@ class StateTensorSpec:
         if self.order is None:
             return torch.zeros(*leading, *self.shape, dtype=self.dtype, device=device)
         stored = torch.zeros(*leading, *(self.shape[i] for i in self.order), dtype=self.dtype, device=device)
-        n = len(leading)
+        return self._as_view(stored, len(leading))
+
+    def carve(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """The ``(E, *shape)`` view, stored in ``order``, of bytes ``[offset, offset + nbytes)`` of each row of
+        ``rows`` (an ``(E, row_bytes)`` uint8 tensor; ``offset`` and ``row_bytes`` multiples of the element size):
+        entry ``e``'s tensor is one dense block inside row ``e``."""
+        typed = rows[:, offset:offset + self.nbytes].view(self.dtype)
+        stored = typed.view(rows.shape[0], *(self.shape if self.order is None else
+                                              (self.shape[i] for i in self.order)))
+        return stored if self.order is None else self._as_view(stored, 1)
+
+    def _as_view(self, stored: torch.Tensor, n: int) -> torch.Tensor:
+        assert self.order is not None
         return stored.permute(*range(n), *(n + self.order.index(i) for i in range(len(self.shape))))
 
     @property
@@ -158,5 +170,21 @@ class CacheSpecs:
 
 
 def recurrent_bytes(specs: Sequence[RecurrentStateSpec]) -> int:
-    """Bytes of one pool entry: every recurrent layer's state of one request."""
-    return sum(s.nbytes for s in specs)
+    """Bytes of one pool entry: every recurrent layer's state of one request (:func:`entry_layout`'s row)."""
+    return entry_layout(specs)[1]
+
+
+def entry_layout(specs: Sequence[RecurrentStateSpec]) -> tuple[list[dict[str, int]], int]:
+    """Where each tensor of each layer sits in one pool entry's row of bytes, and the row's length: the state pool
+    stores an entry as one row (``hyserve.cache.state_pool``), so that copying or zeroing entries is one operation
+    over all layers. Tensors of wider elements come first, so every tensor starts at a multiple of its element size;
+    the row is padded to a multiple of the widest (a few bytes at most; none for the shapes served)."""
+    placed = sorted(((i, t) for i, spec in enumerate(specs) for t in spec.tensors),
+                    key=lambda it: -dtype_bytes(it[1].dtype))
+    offsets: list[dict[str, int]] = [{} for _ in specs]
+    end = 0
+    for i, t in placed:
+        offsets[i][t.name] = end
+        end += t.nbytes
+    widest = max((dtype_bytes(t.dtype) for _, t in placed), default=1)
+    return offsets, -(-end // widest) * widest

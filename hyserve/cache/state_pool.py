@@ -18,9 +18,12 @@ This module is where four of the state-ownership invariants of docs/design.md li
     from the state they compute there (``StepMetadata.row_snapshots``); it is only read by copies into request
     slots; no kernel reads it.
 
-Layout: per recurrent layer ``i``, one tensor per ``StateTensorSpec`` the layer declared (``hyserve.cache.specs``),
-(num_slots + 1 + num_snapshots, *spec.shape) in the spec's dtype; ``layers[i][name]``. The pool never interprets a
-tensor: copy and reset act on every tensor of every layer alike.
+Layout: one ``(num_slots + 1 + num_snapshots, bytes_per_entry)`` uint8 tensor, ``rows``: row ``e`` is entry ``e``,
+every recurrent layer's state of one request (``specs.entry_layout`` places the tensors in it). Per recurrent layer
+``i``, one view per ``StateTensorSpec`` the layer declared (``hyserve.cache.specs``), ``(num_slots + 1 +
+num_snapshots, *spec.shape)`` in the spec's dtype and memory order, its entries ``bytes_per_entry`` apart;
+``layers[i][name]``. Every kernel takes the views' strides. The pool never interprets a tensor: copy and reset act
+on whole rows, one operation for every tensor of every layer (a snapshot or a prefix hit is one row copy).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hyserve.cache.specs import RecurrentStateSpec, entry_rows, recurrent_bytes
+from hyserve.cache.specs import RecurrentStateSpec, entry_layout, recurrent_bytes
 from hyserve.utils import device_tensor
 
 if TYPE_CHECKING:
@@ -53,10 +56,16 @@ class StatePool:
         self.pad_slot = num_slots
         self.num_snapshots = num_snapshots
         self.specs = tuple(specs)
-        self.bytes_per_entry = recurrent_bytes(self.specs)
+        offsets, self.bytes_per_entry = entry_layout(self.specs)
         total = num_slots + 1 + num_snapshots
-        self.layers: list[dict[str, torch.Tensor]] = [spec.allocate((total,), device) for spec in self.specs]
-        self._all = [t for layer in self.layers for t in layer.values()]
+        # One row of bytes per entry holds every layer's tensors (entry_layout); the layers' tensors are views.
+        self.rows = torch.zeros(total, self.bytes_per_entry, dtype=torch.uint8, device=device)
+        self.layers: list[dict[str, torch.Tensor]] = [
+            {t.name: t.carve(self.rows, offsets[i][t.name]) for t in spec.tensors} for i, spec in enumerate(self.specs)]
+        # Copies and fills move the rows as the widest words that divide them.
+        word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                    if self.bytes_per_entry % d.itemsize == 0)
+        self._words = self.rows.view(word)
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """Tensor ``name`` of every layer that declares one, in layer order."""
@@ -74,20 +83,17 @@ class StatePool:
         return self.num_slots + 1 + i
 
     def copy(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole states entry to entry (every tensor of every recurrent layer), in stream order."""
-        if not src or not self._all:
+        """Copy whole states entry to entry (every tensor of every recurrent layer: one row each), in stream order;
+        every source is read before any destination is written."""
+        if not src or not self.bytes_per_entry:
             return
-        device = self._all[0].device
+        device = self.rows.device
         s = device_tensor(src, device, torch.long)
         d = device_tensor(dst, device, torch.long)
-        for t in self._all:
-            rows = entry_rows(t)  # unit stride in any memory order
-            rows.index_copy_(0, d, rows.index_select(0, s))
+        self._words.index_copy_(0, d, self._words.index_select(0, s))
 
     def reset(self, slots: list[int]) -> None:
         """Zero the state of ``slots`` (requests about to consume their first token)."""
-        if not slots or not self._all:
+        if not slots or not self.bytes_per_entry:
             return
-        idx = device_tensor(slots, self._all[0].device, torch.long)
-        for t in self._all:
-            entry_rows(t).index_fill_(0, idx, 0)
+        self._words.index_fill_(0, device_tensor(slots, self.rows.device, torch.long), 0)

@@ -64,9 +64,10 @@ def test_entry_rows_are_each_entrys_memory_at_unit_stride() -> None:
 @pytest.mark.parametrize("layout", ["key", "value"])
 def test_the_pool_copies_and_resets_whole_entries_in_either_layout(monkeypatch: pytest.MonkeyPatch,
                                                                    layout: str) -> None:
-    """``StatePool.copy`` / ``reset`` on a value-major and a key-major pool: entry ``d`` takes entry ``s``'s view
-    exactly (read through the ``(H, K, V)`` view, so a copy in the wrong order shows), entries not named keep theirs;
-    non-identity and overlapping source / destination lists."""
+    """``StatePool.copy`` / ``reset`` on a value-major and a key-major pool (every layer's tensors views into one
+    row of bytes per entry): entry ``d`` takes entry ``s``'s view exactly (read through the ``(H, K, V)`` view, so a
+    copy in the wrong order shows), entries not named keep theirs; non-identity and overlapping source / destination
+    lists (every source read before a destination is written)."""
     order = None if layout == "key" else (0, 2, 1)
     spec = RecurrentStateSpec((StateTensorSpec("conv_state", (6, 3), torch.float32),
                                StateTensorSpec("ssm_state", (2, 3, 4), torch.float32, order)))
@@ -76,8 +77,10 @@ def test_the_pool_copies_and_resets_whole_entries_in_either_layout(monkeypatch: 
         for t in layer.values():
             t.copy_(torch.randn(t.shape, generator=gen))
     before = [{n: t.clone() for n, t in layer.items()} for layer in pool.layers]
-    assert pool.layers[0]["ssm_state"].is_contiguous() == (layout == "key")
-    src, dst = [4, 0, 7], [6, 8, 1]
+    ssm = pool.layers[1]["ssm_state"]  # float32 rows of the entries' bytes, in the layout's order
+    assert ssm.stride() == (pool.bytes_per_entry // 4, *((12, 4, 1) if layout == "key" else (12, 1, 3)))
+    assert pool.rows.shape == (9, pool.bytes_per_entry) and pool.bytes_per_entry == 2 * (6 * 3 + 2 * 3 * 4) * 4
+    src, dst = [4, 0, 6], [6, 8, 1]  # entry 6 read and written
     pool.copy(src, dst)
     pool.reset([3])
     for was, now in zip(before, pool.layers):

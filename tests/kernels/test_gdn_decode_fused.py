@@ -46,9 +46,11 @@ from hyserve.kernels.gdn.decode import (
     gdn_decode_fused,
     gdn_decode_fused_ref,
     head_counters_for,
+    is_value_major,
 )
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import StepMetadata
+from hyserve.testing.pools import on_pool_rows, same_strides
 from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
@@ -88,7 +90,8 @@ def fused_problem(lens: list[int], hk: int, hv: int, dk: int, dv: int, dtype: to
 
 
 def clone_states(p: dict[str, Any]) -> dict[str, Any]:
-    return {n: (v.clone() if n in STATE_KEYS else v) for n, v in p.items()}
+    """Copies of ``p``'s pools in their own strides (the engine's ``StatePool`` rows among them)."""
+    return {n: (same_strides(v) if n in STATE_KEYS else v) for n, v in p.items()}
 
 
 def token_rows(p: dict[str, Any], pads: bool = False) -> tuple[list[int], list[int]]:
@@ -395,6 +398,23 @@ def _interp_value_major(name: str, split: bool) -> tuple[bool, str]:
     return check_fused(p, key_major_unfused, exact=True, block_v=bv, split=split)
 
 
+def _interp_pool_rows(name: str, split: bool) -> tuple[bool, str]:
+    """The fused decode on the engine's own pool (``StatePool``: one row of bytes per entry holding the conv window
+    and the value-major SSM state, so neither tensor's entries are ``numel`` apart) against the unfused kernels on a
+    key-major contiguous copy: the pools and outputs bit for bit."""
+    p, bv = _case(name, 11, pad_rows=2)
+    p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
+
+    def contiguous_unfused(q: dict[str, Any]) -> torch.Tensor:
+        cq = {**q, "conv_state": q["conv_state"].contiguous(), "ssm_state": q["ssm_state"].contiguous()}
+        out = unfused_triton(cq)
+        q["conv_state"].copy_(cq["conv_state"])
+        q["ssm_state"].copy_(cq["ssm_state"])
+        return out
+
+    return check_fused(p, contiguous_unfused, exact=True, block_v=bv, split=split)
+
+
 # Mutations of the split kernel, each caught on bf16_g2 (three value blocks a head, two value heads a key head).
 SPLIT_SABOTAGES: dict[str, list[tuple[str, str]]] = {
     # the head's norm by the first of its programs to arrive: the other blocks' outputs not stored yet
@@ -413,6 +433,9 @@ SPLIT_SABOTAGES: dict[str, list[tuple[str, str]]] = {
     # the state tile addressed as a contiguous key-major head, whatever the pool's strides (run on a value-major pool)
     "split_tile_read_key_major": [("tile_k[:, None] * ss_k + ov[None, :] * ss_v",
                                    "tile_k[:, None] * DV + ov[None, :]")],
+    # the slot's state addressed as if entries were the state's size apart (run on the engine's pool rows)
+    "split_slot_at_dense_entries": [("state_ptr + slot * ss_s + h * ss_h + tile_k[:, None] * ss_k",
+                                     "state_ptr + slot * (HK * GROUP * DK * DV) + h * ss_h + tile_k[:, None] * ss_k")],
 }
 
 
@@ -424,6 +447,8 @@ def _interp_split_sabotage(what: str) -> tuple[bool, str]:
     try:
         if what == "split_tile_read_key_major":
             ok, msg = _interp_value_major("bf16_g2", split=True)
+        elif what == "split_slot_at_dense_entries":
+            ok, msg = _interp_pool_rows("bf16_g2", split=True)
         else:
             ok, msg = _interp_split("bf16_g2", "unfused", early=what.startswith("split_early"),
                                     one_pass=what.startswith("split_onepass"))
@@ -664,6 +689,8 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("split_early_vs_unfused_bf16_g2", lambda: _interp_split("bf16_g2", "unfused", early=True))
     check("split_value_major_pool_bf16_g2", lambda: _interp_value_major("bf16_g2", split=True))
     check("walk_value_major_pool_bf16_g2_bf16_state", lambda: _interp_value_major("bf16_g2_bf16_state", split=False))
+    check("split_on_the_pools_rows_bf16_g2", lambda: _interp_pool_rows("bf16_g2", split=True))
+    check("walk_on_the_pools_rows_bf16_g2_bf16_state", lambda: _interp_pool_rows("bf16_g2_bf16_state", split=False))
     for name in ("bf16_g2", "f32_g2"):
         check(f"split_onepass_vs_unfused_{name}", lambda n=name: _interp_split(n, "unfused", one_pass=True))
     for what in SPLIT_SABOTAGES:
@@ -685,6 +712,7 @@ INTERP_CHECKS = [
     *[f"split_vs_{against}_{name}" for name in SPLIT_CASES for against in ("unfused", "reference", "fp8")],
     "split_early_vs_unfused_bf16_g2", "split_onepass_vs_unfused_bf16_g2", "split_onepass_vs_unfused_f32_g2",
     "split_value_major_pool_bf16_g2", "walk_value_major_pool_bf16_g2_bf16_state",
+    "split_on_the_pools_rows_bf16_g2", "walk_on_the_pools_rows_bf16_g2_bf16_state",
     *[f"{what}_caught" for what in SPLIT_SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
@@ -712,6 +740,7 @@ SLOW_INTERP_CHECKS = [
     "split_head_counter_not_reset_caught", "split_early_tile_of_the_next_head_caught",
     "split_onepass_vs_unfused_f32_g2", "split_onepass_without_the_update_caught",
     "walk_value_major_pool_bf16_g2_bf16_state", "split_tile_read_key_major_caught",
+    "walk_on_the_pools_rows_bf16_g2_bf16_state", "split_slot_at_dense_entries_caught",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -807,7 +836,6 @@ def test_the_decode_launch_follows_the_cards_sweep() -> None:
 
 def test_a_pool_tells_its_layout() -> None:
     from hyserve.cache.specs import StateTensorSpec
-    from hyserve.kernels.gdn.decode import is_value_major
 
     key = StateTensorSpec("s", (4, 16, 32), torch.float32).zeros((3,), torch.device("cpu"))
     value = StateTensorSpec("s", (4, 16, 32), torch.float32, (0, 2, 1)).zeros((3,), torch.device("cpu"))

@@ -47,6 +47,7 @@ from hyserve.kernels.gdn.decode import as_value_major
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_stash_shapes, gdn_verify_fused, gdn_verify_fused_ref
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import VerifyMetadata
+from hyserve.testing.pools import on_pool_rows, same_strides
 from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
@@ -92,7 +93,7 @@ def fresh(p: dict[str, Any]) -> dict[str, Any]:
     """A copy whose pools, scratch and stash are the problem's, cloned."""
     q = dict(p)
     for n in (*POOLS, "conv_scratch"):
-        q[n] = p[n].clone()
+        q[n] = same_strides(p[n])
     q["stash"] = {n: t.clone() for n, t in p["stash"].items()}
     return q
 
@@ -192,14 +193,31 @@ def _case(name: str, seed: int) -> tuple[dict[str, Any], int | None]:
     return verify_problem(lens, p_max, hk, hv, dk, dv, dt, sdt, seed), bv
 
 
-def _interp_vs_unfused(name: str, on_value_major: bool = False) -> tuple[bool, str]:
-    """``on_value_major``: the fused kernel reads a value-major pool, the unfused ones a key-major copy."""
+def _on(p: dict[str, Any], pool: str) -> None:
+    """``pool``: ``value`` the SSM pool stored value-major; ``rows`` both pools as the engine's ``StatePool`` views
+    (one row of bytes per entry, the SSM state value-major); ``dense`` as made."""
+    if pool == "value":
+        p["ssm_state"] = as_value_major(p["ssm_state"])
+    elif pool == "rows":
+        p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
+
+
+def _interp_vs_unfused(name: str, pool: str = "dense") -> tuple[bool, str]:
+    """``pool`` other than dense (``_on``): the fused kernel reads such pools, the unfused ones contiguous key-major
+    copies."""
     p, bv = _case(name, 21)
-    if not on_value_major:
+    if pool == "dense":
         return check_fused(p, unfused_triton, exact=True, block_v=bv)
-    p["ssm_state"] = as_value_major(p["ssm_state"])
-    return check_fused(p, lambda q: unfused_triton({**q, "ssm_state": q["ssm_state"].contiguous()}), exact=True,
-                       block_v=bv)
+    _on(p, pool)
+
+    def contiguous_unfused(q: dict[str, Any]) -> torch.Tensor:
+        cq = {**q, **{n: q[n].contiguous() for n in POOLS}}
+        out = unfused_triton(cq)
+        for n in POOLS:
+            q[n].copy_(cq[n])
+        return out
+
+    return check_fused(p, contiguous_unfused, exact=True, block_v=bv)
 
 
 def _interp_vs_reference(name: str) -> tuple[bool, str]:
@@ -207,20 +225,19 @@ def _interp_vs_reference(name: str) -> tuple[bool, str]:
     return check_fused(p, lambda q: gdn_verify_fused_ref(**q), exact=False, block_v=bv)
 
 
-def _interp_commit_reaches_the_plain_state(snapshot: bool, on_value_major: bool = False) -> tuple[bool, str]:
+def _interp_commit_reaches_the_plain_state(snapshot: bool, pool: str = "dense") -> tuple[bool, str]:
     """The commit over the fused kernel's scratch and stash, one ``gdn_replay`` launch with the window's copy (each
     row's first ``a + 1`` tokens), against the plain kernels (conv, gates, recurrent delta rule) run over the same
     tokens in place: the same conv windows and states (bit for bit in float32). ``snapshot``: candidate snapshots
-    of two of the rows (out of order) into free pool entries instead; the live slots left alone. ``on_value_major``:
-    the fused kernel and the commit on a value-major pool, the plain kernels on a key-major copy."""
+    of two of the rows (out of order) into free pool entries instead; the live slots left alone. ``pool`` (``_on``):
+    the fused kernel and the commit on such pools, the plain kernels on contiguous key-major copies."""
     from hyserve.kernels.conv import causal_conv1d_varlen_triton
     from hyserve.kernels.gating import gdn_gating_triton
     from hyserve.kernels.gdn import gdn_recurrent_triton
     from hyserve.kernels.gdn.verify import gdn_replay_triton
 
     p, _ = _case("f32_g2", 23)
-    if on_value_major:
-        p["ssm_state"] = as_value_major(p["ssm_state"])
+    _on(p, pool)
     got_p = fresh(p)
     fused_triton(got_p, 16)
     slots = p["state_slots"]
@@ -238,7 +255,8 @@ def _interp_commit_reaches_the_plain_state(snapshot: bool, on_value_major: bool 
                           conv=(got_p["conv_state"], got_p["conv_scratch"]))
     # The plain kernels over the kept tokens of each row, in place on a copy.
     want_p = fresh(p)
-    want_p["ssm_state"] = want_p["ssm_state"].contiguous()
+    for n in POOLS:
+        want_p[n] = want_p[n].contiguous()
     starts = p["query_start_loc"].tolist()
     keep = [i for r, a in enumerate(accepted) for i in range(starts[r], starts[r] + a + 1)]
     kept_lens = [a + 1 for a in accepted]
@@ -511,8 +529,12 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("commit_reaches_the_plain_state", lambda: _interp_commit_reaches_the_plain_state(False))
     check("snapshots_reach_the_plain_state", lambda: _interp_commit_reaches_the_plain_state(True))
     check("window_piece_short_caught", _interp_window_sabotage)
-    check("vs_unfused_bf16_g2_bf16_state_on_value_major", lambda: _interp_vs_unfused("bf16_g2_bf16_state", True))
-    check("snapshots_reach_the_plain_state_on_value_major", lambda: _interp_commit_reaches_the_plain_state(True, True))
+    check("vs_unfused_bf16_g2_bf16_state_on_value_major", lambda: _interp_vs_unfused("bf16_g2_bf16_state", "value"))
+    check("snapshots_reach_the_plain_state_on_value_major",
+          lambda: _interp_commit_reaches_the_plain_state(True, "value"))
+    check("vs_unfused_bf16_g2_bf16_state_on_the_pools_rows", lambda: _interp_vs_unfused("bf16_g2_bf16_state", "rows"))
+    check("commit_reaches_the_plain_state_on_the_pools_rows",
+          lambda: _interp_commit_reaches_the_plain_state(False, "rows"))
     check("layer_f32", lambda: _interp_layer(F32, rest=False))
     check("layer_f32_with_prefill_rows", lambda: _interp_layer(F32, rest=True))
     check("layer_bf16_with_prefill_rows", lambda: _interp_layer(BF16, rest=True))
@@ -531,6 +553,7 @@ INTERP_CHECKS = [
     *[f"vs_unfused_{name}" for name, *_ in CASES], *[f"vs_reference_{name}" for name in REFERENCE_CASES],
     "commit_reaches_the_plain_state", "snapshots_reach_the_plain_state", "window_piece_short_caught",
     "vs_unfused_bf16_g2_bf16_state_on_value_major", "snapshots_reach_the_plain_state_on_value_major",
+    "vs_unfused_bf16_g2_bf16_state_on_the_pools_rows", "commit_reaches_the_plain_state_on_the_pools_rows",
     "layer_f32", "layer_f32_with_prefill_rows", "layer_bf16_with_prefill_rows",
     "layer_one_token_rows_with_prefill_rows",
     *[f"{what}_caught" for what in SABOTAGES],

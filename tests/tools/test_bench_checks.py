@@ -67,10 +67,12 @@ def test_plot_decode_pair_reads_both_files_by_batch(tmp_path: Path) -> None:
         (tmp_path / name).write_text(json.dumps(run))
     assert plot_decode_pair.decode_figures(str(tmp_path / "a.json")) == ("hyserve", {1: 150.0, 64: 7000.0})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "benchmarks/plot_decode_pair.py", str(tmp_path / "a.json"),
-                           str(tmp_path / "b.json"), "--out", str(tmp_path / "p.png")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and (tmp_path / "p.png").stat().st_size > 0, proc.stderr
+    for labels in ([], ["--labels", "value-major", "key-major"]):
+        proc = subprocess.run([sys.executable, "benchmarks/plot_decode_pair.py", str(tmp_path / "a.json"),
+                               str(tmp_path / "b.json"), "--out", str(tmp_path / "p.png"), *labels], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and (tmp_path / "p.png").stat().st_size > 0, proc.stderr
+        (tmp_path / "p.png").unlink()
 
 
 def test_gdn_decode_bench_value_major_pool_is_the_same_view() -> None:
