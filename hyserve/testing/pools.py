@@ -1,6 +1,6 @@
-"""Kernel tests' pools laid out as the engine lays them: a GDN layer's conv window and SSM state as views into
-``StatePool``'s rows of bytes (one row per entry, every tensor of the entry in it, the SSM state value-major), so a
-kernel that assumed entries ``numel`` apart or a key-major head would read another entry's bytes."""
+"""Kernel tests' pools laid out as the engine lays them: views into ``StatePool``'s rows of bytes (one row per entry,
+every tensor of the entry in it; a GDN SSM state value-major), so a kernel that assumed entries ``numel`` apart or a
+key-major head would read another entry's bytes."""
 
 from __future__ import annotations
 
@@ -10,16 +10,25 @@ from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
 from hyserve.cache.state_pool import StatePool
 
 
+def pool_views(tensors: dict[str, tuple[torch.Tensor, tuple[int, ...] | None]]) -> dict[str, torch.Tensor]:
+    """Copies of ``(S, ...)`` pools (``name: (pool, memory order of its dims after the first, or None)``) as the
+    views of one ``StatePool`` of ``S - 1`` slots (its pad entry last) that holds them all: the same values, the
+    engine's strides (no tensor's entries ``numel`` apart when there are two or more)."""
+    spec = RecurrentStateSpec(tuple(StateTensorSpec(n, tuple(t.shape[1:]), t.dtype, order)
+                                    for n, (t, order) in tensors.items()))
+    first = next(iter(tensors.values()))[0]
+    layer = StatePool([spec], num_slots=first.shape[0] - 1, device=first.device).layers[0]
+    for n, (t, _) in tensors.items():
+        layer[n].copy_(t)
+        assert len(tensors) == 1 or layer[n].stride(0) != t[0].numel()
+    return layer
+
+
 def on_pool_rows(conv_state: torch.Tensor, ssm_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of an ``(S, C, K - 1)`` conv pool and an ``(S, Hv, Dk, Dv)`` SSM pool in one ``StatePool`` of ``S - 1``
-    slots (its pad entry last): the same values, the engine's strides."""
-    spec = RecurrentStateSpec((StateTensorSpec("conv_state", tuple(conv_state.shape[1:]), conv_state.dtype),
-                               StateTensorSpec("ssm_state", tuple(ssm_state.shape[1:]), ssm_state.dtype, (0, 2, 1))))
-    layer = StatePool([spec], num_slots=conv_state.shape[0] - 1, device=conv_state.device).layers[0]
-    layer["conv_state"].copy_(conv_state)
-    layer["ssm_state"].copy_(ssm_state)
-    assert layer["conv_state"].stride(0) != conv_state[0].numel() != 0 and layer["ssm_state"].stride(2) == 1
-    return layer["conv_state"], layer["ssm_state"]
+    """A GDN layer's ``(S, C, K - 1)`` conv pool and ``(S, Hv, Dk, Dv)`` SSM pool as the engine's views, the SSM state
+    value-major."""
+    views = pool_views({"conv_state": (conv_state, None), "ssm_state": (ssm_state, (0, 2, 1))})
+    return views["conv_state"], views["ssm_state"]
 
 
 def same_strides(t: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from hyserve.kernels.mamba2.reference import (
     mamba2_chunked_output_ref,
     mamba2_verify_ref,
 )
+from hyserve.testing.pools import pool_views
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
     mutated_module,
@@ -107,13 +108,16 @@ def _tols(dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[float, float]:
 
 
 def _interp_scan(lens: list[int], dtype: torch.dtype, state_dtype: torch.dtype, sabotage: str = "",
-                 dt_limit: tuple[float, float] = (1e-3, float("inf"))) -> tuple[bool, str]:
+                 dt_limit: tuple[float, float] = (1e-3, float("inf")), pool_rows: bool = False) -> tuple[bool, str]:
     """The recurrent kernel against the reference. ``sabotage="group_mod"``: head h fed group h % G (B / C expanded
     to heads in that order); ``"a_not_a_log"``: the kernel handed ``A = -exp(A_log)`` in place of ``A_log``. Each
-    must disagree."""
+    must disagree. ``pool_rows``: the SSM pool a view of the engine's ``StatePool`` rows beside a conv window."""
     from hyserve.kernels.mamba2 import mamba2_recurrent_triton
 
     p = scan_problem(lens, dtype, state_dtype, seed=21, dt_limit=dt_limit)
+    if pool_rows:
+        conv = torch.zeros(POOL, 24, 3, dtype=dtype)
+        p["ssm_state"] = pool_views({"conv_state": (conv, None), "ssm_state": (p["ssm_state"], None)})["ssm_state"]
     ref = _clone(p)
     want = mamba2_scan_ref(**ref, max_query_len=max(lens))
     before = p["ssm_state"].clone()
@@ -265,13 +269,18 @@ def conv_problem(lens: list[int], dtype: torch.dtype, seed: int, d: int = 40, k:
     }
 
 
-def _interp_conv(lens: list[int], dtype: torch.dtype, verify: bool, sabotage: bool = False) -> tuple[bool, str]:
+def _interp_conv(lens: list[int], dtype: torch.dtype, verify: bool, sabotage: bool = False,
+                 pool_rows: bool = False) -> tuple[bool, str]:
     """The varlen conv (``verify``: its verify variant) with a bias against the reference. ``sabotage``: the kernel
-    reads channel d's bias at d - 1, which must disagree."""
+    reads channel d's bias at d - 1, which must disagree. ``pool_rows``: the conv pool a view of the engine's
+    ``StatePool`` rows beside an SSM state."""
     from hyserve.kernels.conv import causal_conv1d_varlen_triton
     from hyserve.kernels.conv.verify import causal_conv1d_verify_triton
 
     p = conv_problem(lens, dtype, seed=23)
+    if pool_rows:
+        ssm = torch.zeros(POOL, 2, 4, 8)
+        p["conv_state"] = pool_views({"conv_state": (p["conv_state"], None), "ssm_state": (ssm, None)})["conv_state"]
     ref = _clone(p)
     before = p["conv_state"].clone()
     out = torch.full(p["x"].shape, float("nan"), dtype=dtype)
@@ -450,6 +459,12 @@ def run_interpreter_checks() -> dict[str, list[Any]]:
         record_check(res, f"conv_bias_split_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 19, 2], dt, False))
         record_check(res, f"conv_bias_verify_{n}", lambda dt=dt: _interp_conv(VERIFY_LENS, dt, True))
     record_check(res, "conv_bias_shifted_caught", lambda: _interp_conv([3, 0, 1, 5, 2], f32, False, sabotage=True))
+    record_check(res, "scan_mixed_bf16_fp32_state_on_pool_rows",
+                 lambda: _interp_scan(MIXED_LENS, bf16, f32, pool_rows=True))
+    record_check(res, "conv_bias_split_bfloat16_on_pool_rows",
+                 lambda: _interp_conv([3, 0, 1, 19, 2], bf16, False, pool_rows=True))
+    record_check(res, "conv_bias_verify_float32_on_pool_rows",
+                 lambda: _interp_conv(VERIFY_LENS, f32, True, pool_rows=True))
     record_check(res, "conv_bias_verify_shifted_caught", lambda: _interp_conv(VERIFY_LENS, f32, True, sabotage=True))
     for name, args in CHUNKED_INPUT_CASES.items():
         record_check(res, f"chunked_inputs_{name}", lambda args=args: _interp_chunked_inputs(*args))
@@ -498,6 +513,8 @@ INTERP_CHECKS = ["scan_mixed_float32", "scan_decode_float32", "scan_mixed_clampe
                  "replay_bitwise_float32", "replay_window_commit", "replay_window_rows", "replay_window_piece_caught",
                  *[f"conv_bias_{k}_{dt}" for k in ("fused", "split", "verify") for dt in ("float32", "bfloat16")],
                  "conv_bias_shifted_caught", "conv_bias_verify_shifted_caught", "scan_a_not_a_log_caught",
+                 "scan_mixed_bf16_fp32_state_on_pool_rows", "conv_bias_split_bfloat16_on_pool_rows",
+                 "conv_bias_verify_float32_on_pool_rows",
                  *[f"chunked_inputs_{k}" for k in CHUNKED_INPUT_CASES],
                  *[f"chunked_inputs_{k}_caught" for k in ("group_mod", "a_not_a_log", "slots_rolled")],
                  *[f"chunked_output_{k}" for k in CHUNKED_OUTPUT_CASES],
