@@ -59,6 +59,48 @@ def _kernels(prof: Any) -> tuple[float, int, str]:
             prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
 
+# Kernel families by name, first match wins (cuBLAS's are nvjet / cutlass / gemm / splitKreduce; torch's own are
+# at::native's element-wise, index and reduce kernels, run eagerly around the graph).
+FAMILIES = (
+    ("GEMMs", ("nvjet", "cutlass", "gemm", "splitkreduce", "_fp8_gemm", "decode_linear", "xmma", "_scaled_mm")),
+    ("GDN (and fla chunk kernels)", ("gdn", "chunk_", "fused_recurrent", "_replay")),
+    ("attention", ("paged", "attn", "flash", "store_kv", "norm_rope", "qsa")),
+    ("Mamba2", ("mamba2",)),
+    ("conv", ("conv1d", "_conv_")),
+    ("MoE", ("moe", "expert", "router")),
+    ("norms, activations, FP8 quantization", ("norm", "silu", "swiglu", "gelu", "relu", "_quant")),
+    ("memcpy, memset", ("memcpy", "memset")),
+    ("torch eager (indexing, copies, sampling)", ("at::native", "aten::")),
+)
+
+
+def family_of(name: str) -> str:
+    """The family of a kernel named ``name`` (``FAMILIES``; ``other`` where none matches)."""
+    low = name.lower()
+    return next((family for family, keys in FAMILIES if any(k in low for k in keys)), "other")
+
+
+def families(kernels: list[tuple[str, float]], steps: int) -> dict[str, float]:
+    """Milliseconds per step by family of ``(kernel name, device us in all)`` pairs over ``steps`` steps, largest
+    first."""
+    out: dict[str, float] = {}
+    for name, us in kernels:
+        fam = family_of(name)
+        out[fam] = out.get(fam, 0.0) + us / 1e3 / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def format_families(by_family: dict[str, float]) -> str:
+    total = sum(by_family.values()) or 1.0
+    rows = [f"  {name:<42} {ms:8.3f} ms/step {100 * ms / total:5.1f} %" for name, ms in by_family.items()]
+    return "\n".join(["kernel time by family:", *rows])
+
+
+def _families_of(prof: Any, steps: int) -> dict[str, float]:
+    return families([(e.key, e.self_device_time_total) for e in prof.key_averages() if e.device_type.name == "CUDA"],
+                    steps)
+
+
 def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len: int,
         extra: dict[str, Any]) -> dict[str, Any]:
     eng = _engine(model, device, dtype, batch, 4096, extra)
@@ -93,9 +135,10 @@ def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len:
             _sync(device)
         total_ms, total_launches, top_kernels = _kernels(prof)
         kernel_ms, launches = total_ms / steps, total_launches / steps
+        by_family: dict[str, float] | None = _families_of(prof, steps)
         gaps = gaps_of_profile(prof, os.path.join(tempfile.mkdtemp(), "trace.json"))
     else:
-        launches, top_kernels, gaps = None, "", None
+        launches, top_kernels, gaps, by_family = None, "", None, None
 
     pr = cProfile.Profile()
     pr.enable()
@@ -109,7 +152,8 @@ def run(model: str, device: str, dtype: str, batch: int, steps: int, prompt_len:
     st.sort_stats("cumulative").print_stats(45)
     eng.abort_request([f"p{i}" for i in range(batch)])
     return {"batch": batch, "wall_ms_per_step": wall * 1e3, "kernel_ms_per_step": kernel_ms,
-            "kernels_per_step": launches, "top_kernels": top_kernels, "gaps": gaps, "cprofile": s.getvalue()}
+            "kernels_per_step": launches, "families_ms_per_step": by_family, "top_kernels": top_kernels,
+            "gaps": gaps, "cprofile": s.getvalue()}
 
 
 def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: int,
@@ -140,16 +184,18 @@ def run_prefill(model: str, device: str, dtype: str, prompts: int, prompt_len: i
     launches: int | None = None
     top_kernels = ""
     gaps = None
+    by_family: dict[str, float] | None = None
     if device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             prefill("prof")
         kernel_ms, launches, top_kernels = _kernels(prof)
+        by_family = _families_of(prof, 1)
         gaps = gaps_of_profile(prof, os.path.join(tempfile.mkdtemp(), "trace.json"))
     return {"prefill_prompts": prompts, "prompt_len": prompt_len, "steps": steps, "wall_ms": wall * 1e3,
             "tok_s": prompts * prompt_len / wall, "kernel_ms": kernel_ms, "kernels": launches,
-            "top_kernels": top_kernels, "gaps": gaps}
+            "families_ms": by_family, "top_kernels": top_kernels, "gaps": gaps}
 
 
 def _run_apart(batch: int, model: str) -> dict[str, Any]:
@@ -195,6 +241,8 @@ def main() -> None:
         r = run_prefill(model, args.device, args.dtype, args.prefill_prompts, args.prompt_len, json.loads(args.extra))
         print(f"prefill {args.prefill_prompts} x {args.prompt_len}: {r['steps']} steps, wall {r['wall_ms']:.1f} ms "
               f"({r['tok_s']:.0f} tok/s), kernels {r['kernel_ms']} ms, {r['kernels']} launches", flush=True)
+        if r["families_ms"]:
+            print(format_families(r["families_ms"]).replace("ms/step", "ms"))
         print(r["top_kernels"])
         if r["gaps"]:
             print(format_gaps(r["gaps"]))
@@ -207,6 +255,8 @@ def main() -> None:
         r = run(model, args.device, args.dtype, b, args.steps, args.prompt_len, json.loads(args.extra))
         print(f"batch {b}: wall {r['wall_ms_per_step']:.2f} ms/step, kernels {r['kernel_ms_per_step']} ms/step, "
               f"{r['kernels_per_step']} kernels/step", flush=True)
+        if r["families_ms_per_step"]:
+            print(format_families(r["families_ms_per_step"]))
         print(r["top_kernels"])
         if r["gaps"]:
             print(format_gaps(r["gaps"]))

@@ -104,6 +104,28 @@ def test_spec_decode_bench_reports_the_k_chosen_per_step(tmp_path: Path, monkeyp
     assert "steps by k" in (out / "spec_decode.md").read_text()
 
 
+def test_profile_step_sorts_kernels_into_families() -> None:
+    """Kernel names of a 9B decode step on an H100 (2026-12-06) go to their families, summed per step."""
+    import profile_step
+
+    kernels = [("nvjet_sm90_tst_192x64_64x6_2x1_v_bz_TNT", 71_125.0), ("_gdn_decode_fused_kernel", 51_949.0),
+               ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", 2_263.0),
+               ("_paged_decode_kernel", 14_304.0), ("_paged_decode_reduce_kernel", 800.0),
+               ("_norm_rope_kernel", 714.0), ("_store_kv_kernel", 387.0), ("_add_rms_norm_kernel", 6_182.0),
+               ("_silu_mul_kernel", 3_982.0), ("void at::native::index_elementwise_kernel<128, 4>", 9_380.0),
+               ("Memcpy HtoD (Pinned -> Device)", 435.0), ("_causal_conv1d_fwd_kernel", 30.0),
+               ("_mamba2_recurrent_kernel", 60.0), ("_fused_moe_kernel", 90.0), ("something_new", 3.0)]
+    got = profile_step.families(kernels, steps=30)
+    assert got == pytest.approx({
+        "GEMMs": (71_125 + 2_263) / 30e3, "GDN (and fla chunk kernels)": 51_949 / 30e3,
+        "attention": (14_304 + 800 + 714 + 387) / 30e3, "torch eager (indexing, copies, sampling)": 9_380 / 30e3,
+        "norms, activations, FP8 quantization": (6_182 + 3_982) / 30e3, "memcpy, memset": 435 / 30e3,
+        "conv": 30 / 30e3, "Mamba2": 60 / 30e3, "MoE": 90 / 30e3, "other": 3 / 30e3})
+    assert list(got)[:2] == ["GEMMs", "GDN (and fla chunk kernels)"]  # largest first
+    text = profile_step.format_families(got)
+    assert text.splitlines()[0] == "kernel time by family:" and "GEMMs" in text.splitlines()[1]
+
+
 @pytest.mark.slow  # 14 s: benchmark tooling, the suite's budget
 def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import plot_decode
