@@ -62,10 +62,11 @@ class StatePool:
         self.rows = torch.zeros(total, self.bytes_per_entry, dtype=torch.uint8, device=device)
         self.layers: list[dict[str, torch.Tensor]] = [
             {t.name: t.carve(self.rows, offsets[i][t.name]) for t in spec.tensors} for i, spec in enumerate(self.specs)]
-        # Copies and fills move the rows as the widest words that divide them.
+        # Copies and fills move the rows as the widest words that divide them (a stage without recurrent layers has
+        # empty rows: nothing to move).
         word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
                     if self.bytes_per_entry % d.itemsize == 0)
-        self._words = self.rows.view(word)
+        self._words = self.rows.view(word) if self.bytes_per_entry else self.rows
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """Tensor ``name`` of every layer that declares one, in layer order."""

@@ -91,6 +91,15 @@ def test_the_pool_copies_and_resets_whole_entries_in_either_layout(monkeypatch: 
             assert torch.equal(t, want), n
 
 
+def test_a_pool_without_recurrent_tensors_has_empty_rows() -> None:
+    """A pipeline stage or a model without recurrent layers: rows of no bytes, copies and resets do nothing."""
+    for specs in ([], [RecurrentStateSpec(())]):
+        pool = StatePool(specs, num_slots=3, device=torch.device("cpu"), num_snapshots=2)
+        assert pool.rows.shape == (6, 0) and pool.bytes_per_entry == 0
+        pool.copy([0], [4])
+        pool.reset([1])
+
+
 def test_value_major_pools_give_the_key_major_outputs(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYSERVE_GDN_STATE_LAYOUT", "key")
     path, arrivals, aborts, prompts, want = reference_run(ckpts, "mtp")  # key-major, synchronous, eager
