@@ -75,6 +75,30 @@ def test_plot_decode_pair_reads_both_files_by_batch(tmp_path: Path) -> None:
         (tmp_path / "p.png").unlink()
 
 
+def test_plot_step_families_stacks_each_runs_families(tmp_path: Path) -> None:
+    import json
+
+    import plot_step_families
+
+    runs = [{"batch": 1, "families_ms_per_step": {"GEMMs": 5.6, "attention": 0.1}},
+            {"batch": 64, "label": "b64", "families_ms_per_step": {"GEMMs": 6.1, "GDN": 1.7}},
+            {"batch": 3, "families_ms_per_step": None}]  # a CPU run: no kernels, no bar
+    (tmp_path / "a.json").write_text(json.dumps(runs))
+    assert plot_step_families.bars([str(tmp_path / "a.json")]) == [
+        ("batch 1", {"GEMMs": 5.6, "attention": 0.1}), ("b64", {"GEMMs": 6.1, "GDN": 1.7})]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "benchmarks/plot_step_families.py", str(tmp_path / "a.json"), "--out",
+           str(tmp_path / "s.png")]
+    for extra, ok in (([], True), (["--labels", "one", "two"], True), (["--labels", "one"], False)):
+        proc = subprocess.run([*cmd, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert (proc.returncode == 0) == ok, proc.stderr
+    assert (tmp_path / "s.png").stat().st_size > 0
+    (tmp_path / "b.json").write_text(json.dumps(runs[2:]))
+    proc = subprocess.run([*cmd[:2], str(tmp_path / "b.json"), *cmd[3:]], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "families_ms_per_step" in proc.stderr
+
+
 def test_gdn_decode_bench_value_major_pool_is_the_same_view() -> None:
     import torch
 
