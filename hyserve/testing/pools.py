@@ -4,6 +4,9 @@ key-major head would read another entry's bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 from hyserve.cache.specs import RecurrentStateSpec, StateTensorSpec
@@ -34,3 +37,17 @@ def on_pool_rows(conv_state: torch.Tensor, ssm_state: torch.Tensor) -> tuple[tor
 def same_strides(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in ``t``'s own strides (``clone`` makes a tensor whose entries are not dense contiguous)."""
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def on_contiguous_copies(fn: Callable[[dict[str, Any]], torch.Tensor],
+                         names: Sequence[str]) -> Callable[[dict[str, Any]], torch.Tensor]:
+    """``fn`` run on contiguous (key-major, entries ``numel`` apart) copies of a problem's pools ``names``, the
+    results copied back into the problem's own: a reference for a kernel that reads the pools in their layout."""
+    def run(p: dict[str, Any]) -> torch.Tensor:
+        cp = {**p, **{n: p[n].contiguous() for n in names}}
+        out = fn(cp)
+        for n in names:
+            p[n].copy_(cp[n])
+        return out
+
+    return run

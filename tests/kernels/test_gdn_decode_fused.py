@@ -50,7 +50,7 @@ from hyserve.kernels.gdn.decode import (
 )
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import StepMetadata
-from hyserve.testing.pools import on_pool_rows, same_strides
+from hyserve.testing.pools import on_contiguous_copies, on_pool_rows, same_strides
 from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
@@ -380,11 +380,9 @@ def _interp_split(name: str, against: str, early: bool = False, one_pass: bool =
 
 
 def key_major_unfused(p: dict[str, Any]) -> torch.Tensor:
-    """``unfused_triton`` on a key-major (contiguous) copy of ``p``'s SSM pool, the result copied back into it."""
-    kp = {**p, "ssm_state": p["ssm_state"].contiguous()}
-    out = unfused_triton(kp)
-    p["ssm_state"].copy_(kp["ssm_state"])
-    return out
+    """``unfused_triton`` on contiguous (key-major, entries ``numel`` apart) copies of ``p``'s pools, the results
+    copied back into them."""
+    return on_contiguous_copies(unfused_triton, STATE_KEYS)(p)
 
 
 def _interp_value_major(name: str, split: bool) -> tuple[bool, str]:
@@ -404,15 +402,7 @@ def _interp_pool_rows(name: str, split: bool) -> tuple[bool, str]:
     key-major contiguous copy: the pools and outputs bit for bit."""
     p, bv = _case(name, 11, pad_rows=2)
     p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
-
-    def contiguous_unfused(q: dict[str, Any]) -> torch.Tensor:
-        cq = {**q, "conv_state": q["conv_state"].contiguous(), "ssm_state": q["ssm_state"].contiguous()}
-        out = unfused_triton(cq)
-        q["conv_state"].copy_(cq["conv_state"])
-        q["ssm_state"].copy_(cq["ssm_state"])
-        return out
-
-    return check_fused(p, contiguous_unfused, exact=True, block_v=bv, split=split)
+    return check_fused(p, key_major_unfused, exact=True, block_v=bv, split=split)
 
 
 # Mutations of the split kernel, each caught on bf16_g2 (three value blocks a head, two value heads a key head).

@@ -47,7 +47,7 @@ from hyserve.kernels.gdn.decode import as_value_major
 from hyserve.kernels.gdn.verify import STASH_NAMES, gdn_stash_shapes, gdn_verify_fused, gdn_verify_fused_ref
 from hyserve.layers import gdn as gdn_layer
 from hyserve.model.metadata import VerifyMetadata
-from hyserve.testing.pools import on_pool_rows, same_strides
+from hyserve.testing.pools import on_contiguous_copies, on_pool_rows, same_strides
 from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
@@ -209,15 +209,7 @@ def _interp_vs_unfused(name: str, pool: str = "dense") -> tuple[bool, str]:
     if pool == "dense":
         return check_fused(p, unfused_triton, exact=True, block_v=bv)
     _on(p, pool)
-
-    def contiguous_unfused(q: dict[str, Any]) -> torch.Tensor:
-        cq = {**q, **{n: q[n].contiguous() for n in POOLS}}
-        out = unfused_triton(cq)
-        for n in POOLS:
-            q[n].copy_(cq[n])
-        return out
-
-    return check_fused(p, contiguous_unfused, exact=True, block_v=bv)
+    return check_fused(p, on_contiguous_copies(unfused_triton, POOLS), exact=True, block_v=bv)
 
 
 def _interp_vs_reference(name: str) -> tuple[bool, str]:
