@@ -8,6 +8,7 @@ against today's four launches (conv, gates, recurrent delta rule, gated norm), p
     python benchmarks/gdn_decode_bench.py --launch 32x2s 32x2se 64x4s 64x4se --out $OUT    # e: state tile first
     python benchmarks/gdn_decode_bench.py --launch 64x4s 64x4s1 64x4se1 --out $OUT         # 1: output in one pass
     python benchmarks/gdn_decode_bench.py --launch 32x2s 64x4s --state-layout k v --out $OUT  # value-major pools
+    python benchmarks/gdn_decode_bench.py --launch 128x4 128x4u 128x8u --state-layout v --out $OUT  # u: loads first
 
 Each variant is captured in a CUDA graph of 20 calls (as the decode graph runs them: no host launch cost) and
 replayed; the median time per call of 10 replays is reported with the bandwidth it reaches on the SSM state it reads
@@ -19,7 +20,9 @@ launch reached about 2.5 TB/s of state traffic on an H100 (2026-12-05), short of
 ``BVxWs`` splits each head over its ``Dv / BV`` value blocks, one program each (``split=True``): ``Dv / BV`` times
 the programs, one tile each in flight, the head's norm done by its last program; ``BVxWse`` the same with each
 program's state tile loaded before its q / k prologue (``early_state``); a trailing ``1`` (``BVxWs1``,
-``BVxWse1``) takes the output from the state before its update (``one_pass``). ``--state-layout v`` stores the pool
+``BVxWse1``) takes the output from the state before its update (``one_pass``); ``BVxWu`` is the walk with the head's
+whole state one tile (``BV`` at least ``Dv``), every load that waits only on the slot issued before the q / k
+prologue and the gated norm taken from registers (``upfront``). ``--state-layout v`` stores the pool
 value-major (each head's ``(Dk, Dv)`` state as its transpose in memory, the layout fla's ``state_v_first`` prefill
 writes) and hands the kernels the same logical view with swapped strides: the kernels take every state stride, so
 only the access pattern changes (each launch's ``max_diff`` is against the key-major pool's unfused output).
@@ -32,7 +35,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -104,11 +107,30 @@ def graph_time(fn: Callable[[], torch.Tensor], calls: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def parse_launch(text: str) -> tuple[int, int, bool, bool, bool]:
-    """``"BVxW"`` as ``(BV, W, False, False, False)``: a power-of-two value block and warps; ``"BVxWs"`` the same
-    launch split, one program per (row, value head, value block): ``(BV, W, True, False, False)``; ``"BVxWse"``
-    split with the state tile loaded first: ``(BV, W, True, True, False)``; a trailing ``1`` on a split launch
-    (``"BVxWs1"``, ``"BVxWse1"``) the output in one pass: ``(..., True)``."""
+class Launch(NamedTuple):
+    """One fused launch to time: value block, warps, and its form (``gdn_decode_fused_triton``'s arguments)."""
+
+    bv: int
+    warps: int
+    split: bool = False
+    early: bool = False
+    one: bool = False
+    upfront: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(block_v=self.bv, num_warps=self.warps, split=self.split, early_state=self.early,
+                    one_pass=self.one, upfront=self.upfront)
+
+
+def parse_launch(text: str) -> Launch:
+    """``"BVxW"`` as ``(BV, W, False, False, False, False)``: a power-of-two value block and warps; ``"BVxWs"`` the
+    same launch split, one program per (row, value head, value block): ``(BV, W, True, False, False, False)``;
+    ``"BVxWse"`` split with the state tile loaded first: ``(BV, W, True, True, False, False)``; a trailing ``1`` on a
+    split launch (``"BVxWs1"``, ``"BVxWse1"``) the output in one pass: ``(..., True, False)``; ``"BVxWu"`` the walk
+    with every independent load issued first and the norm from registers (``BV`` the head's whole width):
+    ``(BV, W, False, False, False, True)``."""
+    upfront = text.endswith("u")
+    text = text.removesuffix("u")
     one = text.endswith(("s1", "se1"))
     text = text.removesuffix("1") if one else text
     early = text.endswith("se")
@@ -117,17 +139,22 @@ def parse_launch(text: str) -> tuple[int, int, bool, bool, bool]:
     try:
         launch = (int(bv), int(w or 4))
     except ValueError:
-        raise SystemExit(f"--launch {text!r}: BVxW, BVxWs, BVxWse or BVxWs(e)1 (e.g. 64x8, 32x1s, 64x4se1)") from None
+        raise SystemExit(f"--launch {text!r}: BVxW, BVxWs, BVxWse, BVxWs(e)1 or BVxWu (e.g. 64x8, 32x1s, 64x4se1, "
+                         "128x4u)") from None
     if any(v <= 0 or v & (v - 1) for v in launch):
         raise SystemExit(f"--launch {text!r}: BVxW, both powers of two (e.g. 64x8)")
-    return (*launch, split, early, one)
+    if upfront and split:
+        raise SystemExit(f"--launch {text!r}u: u is a form of the walk, not of a split launch")
+    return Launch(*launch, split, early, one, upfront)
 
 
-def name(bv: int, warps: int, split: bool = False, early: bool = False, one: bool = False) -> str:
+def name(bv: int, warps: int, split: bool = False, early: bool = False, one: bool = False,
+         upfront: bool = False) -> str:
     """A launch's key in the results: ``bv32`` at the shipped 4 warps (the older files' key), else ``bv64w8``;
-    ``bv32w1s`` split, ``bv32w1se`` split with the state tile first, ``bv32w1s1`` with the output in one pass."""
+    ``bv32w1s`` split, ``bv32w1se`` split with the state tile first, ``bv32w1s1`` with the output in one pass,
+    ``bv128u`` / ``bv128w8u`` the walk with its loads up front."""
     return (f"bv{bv}" if warps == 4 and not split else f"bv{bv}w{warps}") + ("s" if split else "") + (
-        "e" if early else "") + ("1" if one else "")
+        "e" if early else "") + ("1" if one else "") + ("u" if upfront else "")
 
 
 def main() -> int:
@@ -142,7 +169,7 @@ def main() -> int:
                     help="the pool's memory order: k key-major (hyserve's), v value-major (swapped strides)")
     ap.add_argument("--out", default=None, help="a directory for gdn_decode_bench.json")
     args = ap.parse_args()
-    launches = [parse_launch(x) for x in args.launch] or [(bv, 4, False, False, False) for bv in args.block_v]
+    launches = [parse_launch(x) for x in args.launch] or [Launch(bv, 4) for bv in args.block_v]
     dtype, state_dtype = torch.bfloat16, getattr(torch, args.state_dtype)
     rows = []
     for shape in args.shapes:
@@ -155,17 +182,15 @@ def main() -> int:
             pools = {"conv_state": p["conv_state"].clone(), "ssm_state": p["ssm_state"].clone()}  # before any run
             ref = unfused(problem(batch, hk, hv, dtype, state_dtype))  # the key-major pool's, whatever the layout
             row: dict[str, Any] = {"shape": shape, "batch": batch, "layout": layout}
-            for bv, w, sp, ea, one in launches:
+            for launch in launches:
                 got = gdn_decode_fused_triton(**{**p, **{n: t.clone() for n, t in pools.items()}}, arrivals=arrivals,
-                                              block_v=bv, num_warps=w, split=sp, head_counts=heads, early_state=ea,
-                                              one_pass=one)
-                row[f"max_diff_{name(bv, w, sp, ea, one)}"] = float((got.float() - ref.float()).abs().max())
+                                              head_counts=heads, **launch.kwargs())
+                row[f"max_diff_{name(*launch)}"] = float((got.float() - ref.float()).abs().max())
             row["unfused_us"] = graph_time(lambda p=p: unfused(p))
-            for bv, w, sp, ea, one in launches:
-                row[f"fused_{name(bv, w, sp, ea, one)}_us"] = graph_time(
-                    lambda p=p, bv=bv, w=w, sp=sp, ea=ea, one=one, arr=arrivals, hc=heads: gdn_decode_fused_triton(
-                        **p, arrivals=arr, block_v=bv, num_warps=w, split=sp, head_counts=hc, early_state=ea,
-                        one_pass=one))
+            for launch in launches:
+                row[f"fused_{name(*launch)}_us"] = graph_time(
+                    lambda p=p, launch=launch, arr=arrivals, hc=heads: gdn_decode_fused_triton(
+                        **p, arrivals=arr, head_counts=hc, **launch.kwargs()))
             best = min(row[f"fused_{name(*launch)}_us"] for launch in launches)
             row["state_GBps_unfused"] = state_bytes / row["unfused_us"] / 1e3
             row["state_GBps_fused"] = state_bytes / best / 1e3

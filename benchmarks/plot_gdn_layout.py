@@ -23,10 +23,12 @@ from hyserve.kernels.gdn.decode import decode_launch
 HEADS = {"2b": 16, "9b": 32, "27b": 48}
 
 
-def launch_key(split: bool, bv: int | None, warps: int) -> str:
-    """``gdn_decode_bench.py``'s result key of a launch (its ``name``; None is the walk's 32-wide default)."""
-    bv = 32 if bv is None else bv
-    return f"fused_{f'bv{bv}' if warps == 4 and not split else f'bv{bv}w{warps}'}{'s' if split else ''}_us"
+def launch_key(split: bool, bv: int | None, warps: int, upfront: bool = False) -> str:
+    """``gdn_decode_bench.py``'s result key of a launch (its ``name``; None is the walk's 32-wide default, or the
+    head's whole width, 128, for an UPFRONT walk)."""
+    bv = (128 if upfront else 32) if bv is None else bv
+    return (f"fused_{f'bv{bv}' if warps == 4 and not split else f'bv{bv}w{warps}'}{'s' if split else ''}"
+            f"{'u' if upfront else ''}_us")
 
 
 def chosen_times(path: str, layout: str) -> dict[tuple[str, int], float]:

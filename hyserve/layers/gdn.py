@@ -68,6 +68,21 @@ def decode_split_switch() -> bool | None:
     return None if value is None else value == "1"
 
 
+def decode_upfront_switch() -> bool | None:
+    """``HYSERVE_GDN_DECODE_UPFRONT``: unset (each launch as :func:`~hyserve.kernels.gdn.decode.decode_launch` says),
+    0 (the walk as it is) or 1 (every walk in its UPFRONT form: the head's whole state one tile, every load that waits
+    only on the slot issued before the q / k prologue, the gated norm from registers); any other value is refused, and
+    1 with ``HYSERVE_GDN_DECODE_SPLIT=1`` too (a split launch has no such form). For benchmarks that compare the two
+    forms in one engine."""
+    value = os.environ.get("HYSERVE_GDN_DECODE_UPFRONT")
+    if value not in (None, "0", "1"):
+        raise ValueError(f"HYSERVE_GDN_DECODE_UPFRONT={value!r}: unset (the launch's own choice), 0 or 1")
+    if value == "1" and decode_split_switch():
+        raise ValueError("HYSERVE_GDN_DECODE_UPFRONT=1 is a form of the walk; HYSERVE_GDN_DECODE_SPLIT=1 forces the "
+                         "split launch: set one of them")
+    return None if value is None else value == "1"
+
+
 def state_layout_switch() -> str:
     """``HYSERVE_GDN_STATE_LAYOUT``: ``value`` (the default: each head's ``(Dk, Dv)`` SSM state stored transposed,
     row by value, as fla's ``state_v_first`` kernels keep it: a decode program's ``(Dk, BV)`` tile is one contiguous
@@ -162,6 +177,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.arrivals: torch.Tensor | None = None  # (S, Hk) int32
         self.head_counts: torch.Tensor | None = None  # (S, Hv) int32
         self.decode_split = decode_split_switch()
+        self.decode_upfront = decode_upfront_switch()
         # Speculative decoding: per verify row and position, the candidate conv window, and the delta rule's inputs
         # from which the commit rebuilds the SSM state (hyserve.kernels.gdn.verify: the stash).
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
@@ -260,7 +276,7 @@ class GatedDeltaNet(ReplayedStateLayer):
                                    self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
                                    meta.query_start_loc, self.num_k_heads, self.arrivals,
                                    quant=self.out_quant, row_counts=self.row_counts, head_counts=self.head_counts,
-                                   split=self.decode_split)
+                                   split=self.decode_split, upfront=self.decode_upfront)
             return self.out_proj(out)
         snaps = meta.row_snapshots
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
@@ -274,7 +290,8 @@ class GatedDeltaNet(ReplayedStateLayer):
             head = gdn_decode_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], weight, self.A_log, self.dt_bias,
                                     self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
                                     vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals,
-                                    head_counts=self.head_counts, split=self.decode_split)
+                                    head_counts=self.head_counts, split=self.decode_split,
+                                    upfront=self.decode_upfront)
             assert isinstance(head, torch.Tensor)  # (plain: prefill rows follow)
             return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
         if vm is None:

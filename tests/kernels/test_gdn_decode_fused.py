@@ -58,6 +58,7 @@ from hyserve.testing.triton_interpreter import (
     print_results,
     record_check,
 )
+from hyserve.utils import next_pow2
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -178,7 +179,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor, f32_tol: float = 2e-6, ulps: i
 
 def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Tensor], exact: bool,
                 block_v: int | None = None, out_ulps: int = 1, split: bool = False,
-                early: bool = False, one_pass: bool = False) -> tuple[bool, str]:
+                early: bool = False, one_pass: bool = False, upfront: bool = False) -> tuple[bool, str]:
     """The fused kernel (NaN-poisoned output) against ``want_fn`` run on a copy of the pools: token rows' outputs
     (all but the pad rows', which must be finite), the pools at the rows' slots (every other slot, the empty rows'
     among them, untouched), the arrival counters back at zero. ``exact``: pools bit for bit and outputs within one
@@ -193,7 +194,7 @@ def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Ten
     heads = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device) if split else None
     out = torch.full((p["x"].shape[0], p["z"].shape[1]), float("nan"), dtype=p["x"].dtype, device=p["x"].device)
     gdn_decode_fused_triton(**got_p, arrivals=arrivals, out=out, block_v=block_v, split=split, head_counts=heads,
-                            early_state=early, one_pass=one_pass)
+                            early_state=early, one_pass=one_pass, upfront=upfront)
     toks, slots = token_rows(p)
     msgs, goods = [], []
 
@@ -298,12 +299,14 @@ def check_quantized(act: Any, plain: torch.Tensor) -> tuple[bool, str]:
 
 
 def check_fused_fp8(p: dict[str, Any], block_v: int | None, launches: int = 2,
-                    qblock: int | None = None, split: bool = False) -> tuple[bool, str]:
+                    qblock: int | None = None, split: bool = False, upfront: bool = False) -> tuple[bool, str]:
     """``quant="fp8"`` against the plain launch, ``launches`` times in turn on the same row counters (the pools
     advancing): the FP8 values and scales exactly the quantization of the launch's own plain output (every row, pad
     rows too: on the card the pad rows race on their shared slot, so their outputs differ from launch to launch),
     that output (NaN-poisoned buffer) and the pools at the rows' slots bit for bit the plain launch's, the counters
-    back at 0. ``qblock``: the quantization pass's block (the benchmark's sweep) instead of the default."""
+    back at 0. ``qblock``: the quantization pass's block (the benchmark's sweep) instead of the default.
+    ``upfront``: the quantizing launch in the walk's UPFRONT form (the plain one walks): its output bit for bit the
+    walk's."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton, row_counters_for
 
     hk, hv = p["num_k_heads"], p["ssm_state"].shape[1]
@@ -319,7 +322,8 @@ def check_fused_fp8(p: dict[str, Any], block_v: int | None, launches: int = 2,
         assert isinstance(want, torch.Tensor)
         out = torch.full(want.shape, float("nan"), dtype=want.dtype, device=want.device)
         act = gdn_decode_fused_triton(**fp8_p, arrivals=arr_fp8, quant="fp8", row_counts=counts, out=out,
-                                      block_v=block_v, qblock=qblock, split=split, head_counts=heads)
+                                      block_v=block_v, qblock=qblock, split=split, head_counts=heads,
+                                      upfront=upfront)
         ok, msg = check_quantized(act, out)
         goods += [ok, bool(out.isfinite().all()), bool(torch.equal(out[toks], want[toks])), not bool(counts.any())]
         goods.append(heads is None or not bool(heads.any()))
@@ -403,6 +407,60 @@ def _interp_pool_rows(name: str, split: bool) -> tuple[bool, str]:
     p, bv = _case(name, 11, pad_rows=2)
     p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
     return check_fused(p, key_major_unfused, exact=True, block_v=bv, split=split)
+
+
+def _interp_upfront(name: str, against: str) -> tuple[bool, str]:
+    """The walk in its UPFRONT form (the head's whole state one tile, ``block_v = next_pow2(Dv)``, every independent
+    load issued first, the norm from registers): ``unfused`` against the unfused kernels (pools bit for bit),
+    ``pool_rows`` the same on the engine's pool rows (value-major), ``reference`` against the plain-torch
+    references, ``fp8`` quantizing for an FP8 ``out_proj`` with its plain output bit for bit the walk's."""
+    p, _ = _case(name, 12 if against == "reference" else 11, pad_rows=0 if against == "reference" else 2)
+    bv = next_pow2(p["ssm_state"].shape[-1])
+    if against == "fp8":
+        return check_fused_fp8(p, bv, upfront=True)
+    if against == "reference":
+        return check_fused(p, lambda q: gdn_decode_fused_ref(**q), exact=False, block_v=bv, upfront=True)
+    if against == "pool_rows":
+        p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
+        return check_fused(p, key_major_unfused, exact=True, block_v=bv, upfront=True)
+    return check_fused(p, unfused_triton, exact=True, block_v=bv, upfront=True)
+
+
+# The UPFRONT form's problems: pad rows on a shared slot, a head of 48 values in a 64-wide tile (masked lanes) and
+# two value heads a key head; three value heads a key head at odd widths; float32; the engine's pool rows.
+UPFRONT_CHECKS = [("bf16_g2", "unfused"), ("bf16_g2_bf16_state", "pool_rows"), ("bf16_g3_odd_widths", "unfused"),
+                  ("f32_g1", "unfused"), ("bf16_g2", "reference"), ("bf16_g2", "fp8"),
+                  ("f16_g2_f16_state", "unfused")]
+UPFRONT_DEFAULT = {("bf16_g2", "unfused"), ("bf16_g2_bf16_state", "pool_rows")}
+
+# Mutations of the walk's UPFRONT form, each caught on bf16_g2 (the first on its pool rows).
+UPFRONT_SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    # the state tile addressed as a contiguous key-major head, whatever the pool's strides
+    "upfront_tile_read_key_major": ("pool_rows", [("uk[:, None] * ss_k + uv[None, :] * ss_v",
+                                                   "uk[:, None] * DV + uv[None, :]")]),
+    # the norm's gate loaded for the next value head
+    "upfront_gate_of_the_next_head": ("unfused", [("u_gate = tl.load(z_ptr + start * sz_t + h * DV + uv",
+                                                   "u_gate = tl.load(z_ptr + start * sz_t + "
+                                                   "((h + 1) % (HK * GROUP)) * DV + uv")]),
+    # the gates (decay, beta) loaded before the slot's row is known: row 0's
+    "upfront_gates_of_row_zero": ("unfused", [("gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, "
+                                               "sb_t)\n\n    # q and k",
+                                               "gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, 0, h, sa_t, "
+                                               "sb_t)\n\n    # q and k")]),
+}
+
+
+def _interp_upfront_sabotage(what: str) -> tuple[bool, str]:
+    against, edits = UPFRONT_SABOTAGES[what]
+    module = importlib.import_module("hyserve.kernels.gdn._triton")
+    kernel = "_gdn_decode_fused_kernel"
+    original = getattr(module, kernel)
+    setattr(module, kernel, _mutated_kernel(edits))
+    try:
+        ok, msg = _interp_upfront("bf16_g2_bf16_state" if against == "pool_rows" else "bf16_g2", against)
+    finally:
+        setattr(module, kernel, original)
+    return not ok, msg
 
 
 # Mutations of the split kernel, each caught on bf16_g2 (three value blocks a head, two value heads a key head).
@@ -517,23 +575,29 @@ def run_layer(layer: gdn_layer.GatedDeltaNet, x: torch.Tensor, meta: StepMetadat
     return out, pools, calls[0]  # type: ignore[return-value]
 
 
-def _interp_layer(dtype: torch.dtype, split: bool | None = None) -> tuple[bool, str]:
+def _interp_layer(dtype: torch.dtype, split: bool | None = None, upfront: bool | None = None) -> tuple[bool, str]:
     """The mixer's decode step on the fused kernel against its unfused CPU path (the references), for a pure decode
     step; a prefill step does not take it. ``split``: the layer's ``HYSERVE_GDN_DECODE_SPLIT`` choice (its own
-    counters bound with its pools)."""
+    counters bound with its pools); ``upfront``: its ``HYSERVE_GDN_DECODE_UPFRONT`` choice."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
     layer = tiny_gdn(dtype)
     layer.decode_split = split
+    layer.decode_upfront = upfront
     meta = step_meta([1, 1, 1], [6, 2, 4])
     x = torch.randn(3, 32).to(dtype)
+    forms: list[Any] = []
+
+    def fused(*args: Any, **kwargs: Any) -> Any:  # the launch's form as the layer asks for it
+        forms.append((kwargs.get("split"), kwargs.get("upfront")))
+        return gdn_decode_fused_triton(*args, **kwargs)
+
     want, want_pools, _ = run_layer(layer, x, meta, None)
-    got, got_pools, calls = run_layer(layer, x, meta, gdn_decode_fused_triton)
+    got, got_pools, calls = run_layer(layer, x, meta, fused)
     checks = [_agree(got, want, 2e-5), *(_agree(got_pools[n], want_pools[n], 2e-5) for n in STATE_KEYS)]
-    _, _, prefill_calls = run_layer(layer, torch.randn(5, 32).to(dtype), step_meta([2, 3], [6, 2]),
-                                    gdn_decode_fused_triton)
-    ok = all(c for c, _ in checks) and calls == 1 and prefill_calls == 0
-    return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}, on prefill {prefill_calls}"
+    _, _, prefill_calls = run_layer(layer, torch.randn(5, 32).to(dtype), step_meta([2, 3], [6, 2]), fused)
+    ok = all(c for c, _ in checks) and calls == 1 and prefill_calls == 0 and forms == [(split, upfront)]
+    return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}, on prefill {prefill_calls}; forms {forms}"
 
 
 def _interp_layer_fp8() -> tuple[bool, str]:
@@ -665,6 +729,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("layer_takes_the_kernel_f32", lambda: _interp_layer(F32))
     check("layer_takes_the_kernel_bf16", lambda: _interp_layer(BF16))
     check("layer_takes_the_split_kernel_bf16", lambda: _interp_layer(BF16, split=True))
+    check("layer_takes_the_upfront_kernel_bf16", lambda: _interp_layer(BF16, upfront=True))
     for what in SABOTAGES:
         check(f"{what}_caught", lambda w=what: _interp_sabotage(w))
     for name in FP8_CASES:
@@ -685,6 +750,10 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
         check(f"split_onepass_vs_unfused_{name}", lambda n=name: _interp_split(n, "unfused", one_pass=True))
     for what in SPLIT_SABOTAGES:
         check(f"{what}_caught", lambda w=what: _interp_split_sabotage(w))
+    for name, against in UPFRONT_CHECKS:
+        check(f"upfront_vs_{against}_{name}", lambda n=name, a=against: _interp_upfront(n, a))
+    for what in UPFRONT_SABOTAGES:
+        check(f"{what}_caught", lambda w=what: _interp_upfront_sabotage(w))
     for dname, dt in (("f32", F32), ("bf16", BF16)):
         check(f"norm_rope_{dname}", lambda dt=dt: _interp_norm_rope(dt))
     check("norm_rope_wrong_weight_caught", lambda: _interp_norm_rope(BF16, sabotage=True))
@@ -694,7 +763,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
 INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
-    "layer_takes_the_split_kernel_bf16",
+    "layer_takes_the_split_kernel_bf16", "layer_takes_the_upfront_kernel_bf16",
     *[f"{what}_caught" for what in SABOTAGES],
     *[f"fp8_{name}" for name in FP8_CASES], "fp8_bf16_g2_qblock32",
     *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
@@ -704,6 +773,8 @@ INTERP_CHECKS = [
     "split_value_major_pool_bf16_g2", "walk_value_major_pool_bf16_g2_bf16_state",
     "split_on_the_pools_rows_bf16_g2", "walk_on_the_pools_rows_bf16_g2_bf16_state",
     *[f"{what}_caught" for what in SPLIT_SABOTAGES],
+    *[f"upfront_vs_{against}_{name}" for name, against in UPFRONT_CHECKS],
+    *[f"{what}_caught" for what in UPFRONT_SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
 # The split launch's default checks: pad rows on a shared slot with three blocks a head and two heads a key head,
@@ -731,6 +802,8 @@ SLOW_INTERP_CHECKS = [
     "split_onepass_vs_unfused_f32_g2", "split_onepass_without_the_update_caught",
     "walk_value_major_pool_bf16_g2_bf16_state", "split_tile_read_key_major_caught",
     "walk_on_the_pools_rows_bf16_g2_bf16_state", "split_slot_at_dense_entries_caught",
+    *[f"upfront_vs_{against}_{name}" for name, against in UPFRONT_CHECKS if (name, against) not in UPFRONT_DEFAULT],
+    "upfront_tile_read_key_major_caught", "upfront_gates_of_row_zero_caught",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -775,9 +848,10 @@ def test_triton_kernel_interpreter_slow(slow_interpreter_results: dict[str, list
 
 
 # The sm_90 compiles (about 3 s each with a cold Triton cache, as on CI): by default the 9B's bf16 state in both
-# launches (and the split's EARLY form), the 27B's FP8 tail in both, and the q / k norm-rope kernel; the other
-# dtypes and group sizes in the slow suite.
+# launches (and the split's EARLY form, the walk's UPFRONT form), the 27B's FP8 tail in both, and the q / k
+# norm-rope kernel; the other dtypes and group sizes in the slow suite.
 COMPILE_DEFAULT = {"gdn_decode_fused_g2_bf16_bf16_state", "gdn_decode_fused_g3_bf16_fp32_state_fp8",
+                   "gdn_decode_fused_g2_bf16_bf16_state_upfront",
                    "gdn_decode_split_g2_bf16_bf16_state", "gdn_decode_split_g3_bf16_fp32_state_fp8",
                    "gdn_decode_split_g2_bf16_bf16_state_early", "rms_norm_rope_bf16"}
 
@@ -813,15 +887,41 @@ def test_the_decode_launch_follows_the_cards_sweep() -> None:
     between (batch 8, no clear winner). Forced either way by HYSERVE_GDN_DECODE_SPLIT."""
     from hyserve.kernels.gdn.decode import decode_launch
 
-    assert decode_launch(1, 32) == decode_launch(4, 32) == decode_launch(2, 48) == (True, 32, 2)
-    assert decode_launch(8, 32) == decode_launch(8, 48) == decode_launch(5, 32) == (False, None, 4)
-    assert decode_launch(32, 32) == decode_launch(64, 48) == decode_launch(512, 32) == (True, 64, 4)
-    assert decode_launch(1, 32, split=False) == (False, None, 4)
-    assert decode_launch(8, 32, split=True) == (True, 64, 4) and decode_launch(1, 32, split=True) == (True, 32, 2)
+    assert decode_launch(1, 32) == decode_launch(4, 32) == decode_launch(2, 48) == (True, 32, 2, False)
+    assert decode_launch(8, 32) == decode_launch(8, 48) == decode_launch(5, 32) == (False, None, 4, False)
+    assert decode_launch(32, 32) == decode_launch(64, 48) == decode_launch(512, 32) == (True, 64, 4, False)
+    assert decode_launch(1, 32, split=False) == (False, None, 4, False)
+    assert decode_launch(8, 32, split=True) == (True, 64, 4, False)
+    assert decode_launch(1, 32, split=True) == (True, 32, 2, False)
     # a value-major pool: the walk at every batch (the H100's sweep of 2026-12-06), 128 wide up to batch 8 of 32 heads
-    assert decode_launch(1, 32, value_major=True) == decode_launch(8, 32, value_major=True) == (False, 128, 4)
-    assert decode_launch(8, 48, value_major=True) == decode_launch(64, 32, value_major=True) == (False, 64, 4)
-    assert decode_launch(64, 32, split=True, value_major=True) == (True, 64, 4)  # still forced by the switch
+    assert decode_launch(1, 32, value_major=True) == decode_launch(8, 32, value_major=True) == (False, 128, 4, False)
+    assert decode_launch(8, 48, value_major=True) == decode_launch(64, 32, value_major=True) == (False, 64, 4, False)
+    assert decode_launch(64, 32, split=True, value_major=True) == (True, 64, 4, False)  # still forced by the switch
+    # the walk's UPFRONT form only when asked for (HYSERVE_GDN_DECODE_UPFRONT=1), the head's whole width a tile;
+    # a split launch has no such form
+    assert decode_launch(64, 32, value_major=True, upfront=True) == (False, None, 4, True)
+    assert decode_launch(1, 32, upfront=True) == (True, 32, 2, False)  # the key-major pool's batch 1 splits
+    assert decode_launch(8, 32, upfront=True) == (False, None, 4, True)
+    assert decode_launch(64, 32, value_major=True, upfront=False) == (False, 64, 4, False)
+
+
+def test_the_upfront_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYSERVE_GDN_DECODE_UPFRONT", raising=False)
+    monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT", raising=False)
+    assert gdn_layer.decode_upfront_switch() is None
+    for value, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("HYSERVE_GDN_DECODE_UPFRONT", value)
+        assert gdn_layer.decode_upfront_switch() is want
+    for bad in ("yes", "2", ""):
+        monkeypatch.setenv("HYSERVE_GDN_DECODE_UPFRONT", bad)
+        with pytest.raises(ValueError, match="HYSERVE_GDN_DECODE_UPFRONT"):
+            gdn_layer.decode_upfront_switch()
+    monkeypatch.setenv("HYSERVE_GDN_DECODE_UPFRONT", "1")
+    monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", "1")
+    with pytest.raises(ValueError, match="set one of them"):
+        gdn_layer.decode_upfront_switch()
+    monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", "0")
+    assert gdn_layer.decode_upfront_switch() is True
 
 
 def test_a_pool_tells_its_layout() -> None:
@@ -1014,6 +1114,46 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
             assert torch.equal(split_p[n][slots], walk_p[n][slots]), (step, n)
     torch.cuda.synchronize()
     assert not arrivals.any() and not heads.any()
+
+
+@cuda
+@pytest.mark.parametrize("state_dtype", [F32, BF16])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_cuda_upfront_walk_matches_the_walk(state_dtype: torch.dtype, warps: int) -> None:
+    """The walk's UPFRONT form (every load that waits only on the slot issued first, the norm from registers) on the
+    engine's pool rows (value-major), captured in a graph and replayed over new inputs, against the walk in one
+    128-wide tile eager on a copy of the pools: the pools bit for bit and the outputs within one unit in the last
+    place, pad rows on one slot, the arrival counters back at zero. The 9B's ratio of value to key heads at 12
+    value heads of 128."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+
+    p = fused_problem([1, 1, 0, 1, 1, 1], 6, 12, 128, 128, BF16, state_dtype, 45, pad_rows=3, device="cuda")
+    p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
+    arrivals = arrivals_for(p["ssm_state"].shape[0], 6, 12, p["x"].device)
+    up_p = clone_states(p)
+    out = torch.empty((p["x"].shape[0], p["z"].shape[1]), dtype=BF16, device="cuda")
+
+    def upfront() -> None:
+        gdn_decode_fused_triton(**up_p, arrivals=arrivals, out=out, num_warps=warps, upfront=True)
+
+    upfront()  # compiled outside the capture
+    torch.cuda.synchronize()
+    walk_p = clone_states(up_p)  # from the pools after that launch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        upfront()
+    toks, slots = token_rows(p)
+    for step in range(3):
+        for n in ("x", "z", "a", "b"):
+            p[n].copy_(torch.randn_like(p[n]))
+        want = gdn_decode_fused_triton(**walk_p, arrivals=arrivals, block_v=128, num_warps=warps)
+        graph.replay()
+        ok, msg = _agree(out[toks], want[toks])
+        assert ok, (step, msg)
+        for n in STATE_KEYS:
+            assert torch.equal(up_p[n][slots], walk_p[n][slots]), (step, n)
+    torch.cuda.synchronize()
+    assert not arrivals.any()
 
 
 @cuda

@@ -329,7 +329,7 @@ def _gdn_decode_fused_kernel(
     scale, eps, fp8_max, amax_eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
-    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024, UPFRONT: tl.constexpr = False,
 ):  # fmt: skip
     """One decode token of row ``r`` (grid axis 0), value head ``h`` (axis 1), key head ``hk = h // GROUP``: the
     conv of its q / k / v channels (q, k recomputed by each of the key head's ``GROUP`` value heads), the gates,
@@ -346,7 +346,14 @@ def _gdn_decode_fused_kernel(
     the two passes; the norm pass reads it back after a barrier.
 
     ``QUANT``: the token's whole output row (its ``Hv`` heads) is also quantized per token for an FP8 ``out_proj``
-    (``q``, ``qs``) by the last of the row's programs to finish (:func:`_quantize_when_last`)."""
+    (``q``, ``qs``) by the last of the row's programs to finish (:func:`_quantize_when_last`).
+
+    ``UPFRONT`` (the head's whole state one tile: ``BV >= DV``): every load the program needs that does not depend
+    on another (the state tile, the value channels' conv taps, the gates, the norm's gate and weight) is issued
+    right after the slot, before the q / k prologue's reductions, and the gated norm is taken from the output in
+    registers, so the output is stored once and never read back. A program then waits on memory twice (the slot,
+    then everything at once) where the walk waits after the slot, after the conv, for the state and again for the
+    output it reads back. The same values, bit for bit, as the walk with one tile."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(qsl_ptr + r).to(tl.int64)
@@ -355,12 +362,26 @@ def _gdn_decode_fused_kernel(
     hk = h // GROUP
     xt = start * sx_t  # the token's offset in x (unit channel stride)
     dt = out_ptr.dtype.element_ty
+    WALK: tl.constexpr = 0 if UPFRONT else DV  # the walk's value channels (none when UPFRONT took them)
+    if UPFRONT:  # the loads that wait on nothing but the slot, issued before the prologue's first reduction
+        uv = tl.arange(0, BV)
+        umask = (uv < DV) & live
+        uk = tl.arange(0, BK)
+        u_tile = ((uk < DK) & live)[:, None] & umask[None, :]
+        u_ptrs = state_ptr + slot * ss_s + h * ss_h + uk[:, None] * ss_k + uv[None, :] * ss_v
+        u_state = tl.load(u_ptrs, mask=u_tile, other=0.0)
+        u_gate = tl.load(z_ptr + start * sz_t + h * DV + uv, mask=umask, other=0.0).to(tl.float32)
+        u_w = tl.load(nw_ptr + uv, mask=umask, other=0.0).to(tl.float32)
+        u_v = _conv_tap_sum(x_ptr, conv_ptr, cw_ptr, xt, slot, 2 * HK * DK + h * DV + uv, umask, sc_s, sc_d, sc_k,
+                            scw_d, scw_k, K)
+        gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
 
     # q and k: conv + SiLU (rounded to the model dtype), l2-normed in float32, q scaled; their next windows.
     ok, kmask, qv, kv, nq, pq, mq, nk, pk, mk = _decode_qk(x_ptr, conv_ptr, cw_ptr, xt, slot, hk, live, scale,
                                                            sc_s, sc_d, sc_k, scw_d, scw_k, HK, DK, K, KM1_PAD, BK)
 
-    gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
+    if not UPFRONT:
+        gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start, h, sa_t, sb_t)
     decay = tl.exp(gt)
 
     # The value channels' next windows, all ``DV`` at once (stored after the barrier below, after every read).
@@ -372,7 +393,16 @@ def _gdn_decode_fused_kernel(
     o_row = out_ptr + start * so_t + h * DV
     s_head = state_ptr + slot * ss_s + h * ss_h
     ssq = tl.zeros((BV,), dtype=tl.float32)
-    for vb in tl.static_range(0, DV, BV):
+    if UPFRONT:  # one tile, the norm from registers: the output stored once
+        US = u_state.to(tl.float32) * decay
+        u_delta = (u_v - tl.sum(US * kv[:, None], axis=0)) * bt
+        US = US + kv[:, None] * u_delta[None, :]
+        u_o = tl.sum(US * qv[:, None], axis=0).to(dt).to(tl.float32)
+        tl.store(u_ptrs, US.to(state_ptr.dtype.element_ty), mask=u_tile)
+        u_rstd = 1.0 / tl.sqrt(tl.sum(tl.where(umask, u_o * u_o, 0.0), axis=0) / DV + eps)
+        u_n = (u_w * (u_o * u_rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        tl.store(o_row + uv, (u_n * (u_gate * tl.sigmoid(u_gate))).to(dt), mask=umask)
+    for vb in tl.static_range(0, WALK, BV):
         ov = vb + tl.arange(0, BV)
         vmask = (ov < DV) & live
         cv = 2 * HK * DK + h * DV + ov
@@ -406,7 +436,7 @@ def _gdn_decode_fused_kernel(
     # The gated RMSNorm (as _gated_rms_norm_kernel): n = norm(o) in the model dtype, (w * n) rounded, times silu(z).
     rstd = 1.0 / tl.sqrt(tl.sum(ssq, axis=0) / DV + eps)
     z_row = z_ptr + start * sz_t + h * DV
-    for vb in tl.static_range(0, DV, BV):
+    for vb in tl.static_range(0, WALK, BV):
         ov = vb + tl.arange(0, BV)
         vmask = (ov < DV) & live
         of = tl.load(o_row + ov, mask=vmask, other=0.0).to(tl.float32)

@@ -89,19 +89,24 @@ def is_value_major(ssm_state: torch.Tensor) -> bool:
     return ssm_state.stride(2) == 1 and ssm_state.stride(3) != 1
 
 
-def decode_launch(rows: int, num_v_heads: int, split: bool | None = None,
-                  value_major: bool = False) -> tuple[bool, int | None, int]:
-    """``(split, BV, warps)`` for a decode launch of ``rows`` rows: whether each value head is split over programs
-    (``_gdn_decode_split_kernel``), its value block (None: :func:`launch_config`'s) and warps. ``split`` None: split
-    at up to :data:`SPLIT_UP_TO` and from :data:`SPLIT_FROM` (row, value head) pairs, where the card's sweep has the
-    split launch ahead, the walk between; on a ``value_major`` pool the walk, in 128-wide tiles up to
-    :data:`WALK_WIDE_UP_TO` pairs and 64-wide beyond; True / False forces one launch (``HYSERVE_GDN_DECODE_SPLIT``)."""
+def decode_launch(rows: int, num_v_heads: int, split: bool | None = None, value_major: bool = False,
+                  upfront: bool | None = None) -> tuple[bool, int | None, int, bool]:
+    """``(split, BV, warps, upfront)`` for a decode launch of ``rows`` rows: whether each value head is split over
+    programs (``_gdn_decode_split_kernel``), its value block (None: :func:`launch_config`'s, or the head's whole
+    width for an UPFRONT walk), warps, and whether the walk takes its UPFRONT form. ``split`` None: split at up to
+    :data:`SPLIT_UP_TO` and from :data:`SPLIT_FROM` (row, value head) pairs, where the card's sweep has the split
+    launch ahead, the walk between; on a ``value_major`` pool the walk, in 128-wide tiles up to
+    :data:`WALK_WIDE_UP_TO` pairs and 64-wide beyond; True / False forces one launch (``HYSERVE_GDN_DECODE_SPLIT``).
+    ``upfront`` None: the walk as it is (the UPFRONT form waits for a card's sweep); True: every walk in the UPFRONT
+    form (``HYSERVE_GDN_DECODE_UPFRONT``), which a split launch does not take."""
     pairs = rows * num_v_heads
     if split is None:
         split = False if value_major else pairs <= SPLIT_UP_TO or pairs >= SPLIT_FROM
-    if not split:
-        return (False, 128 if pairs <= WALK_WIDE_UP_TO else 64, 4) if value_major else (False, None, 4)
-    return (True, 32, 2) if pairs <= SPLIT_UP_TO else (True, 64, 4)
+    if split:
+        return (True, 32, 2, False) if pairs <= SPLIT_UP_TO else (True, 64, 4, False)
+    if upfront:
+        return (False, None, 4, True)
+    return (False, 128 if pairs <= WALK_WIDE_UP_TO else 64, 4, False) if value_major else (False, None, 4, False)
 
 
 def row_counters_for(num_slots: int, device: torch.device) -> torch.Tensor:
@@ -148,6 +153,7 @@ def gdn_decode_fused(
     row_counts: torch.Tensor | None = None,
     head_counts: torch.Tensor | None = None,
     split: bool | None = None,
+    upfront: bool | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """The mixer's decode step from ``in_proj``'s output to ``out_proj``'s input; returns ``(T, Hv * Dv)`` in the
     model dtype, or (``quant="fp8"``) that output quantized per token for an FP8 ``out_proj`` in the same launch, as
@@ -166,17 +172,19 @@ def gdn_decode_fused(
         head_counts: :func:`head_counters_for`'s counters, for a launch that splits each head over programs
             (``arrivals`` then from :func:`arrivals_for` with ``split``); without them no launch splits.
         split: on CUDA, whether the launch splits each head; None: where :func:`decode_launch` says so.
+        upfront: on CUDA, whether a walk takes its UPFRONT form; None: where :func:`decode_launch` says so.
     """
     if not x.is_cuda:
         out = gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
                                    ssm_state, state_slots, query_start_loc, num_k_heads)
         return out if quant is None else quantize_activation_ref(out)
-    split, block_v, warps = decode_launch(state_slots.shape[0], ssm_state.shape[1],
-                                          False if head_counts is None else split,
-                                          value_major=is_value_major(ssm_state))
+    split, block_v, warps, upfront = decode_launch(state_slots.shape[0], ssm_state.shape[1],
+                                                   False if head_counts is None else split,
+                                                   value_major=is_value_major(ssm_state), upfront=upfront)
     return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, arrivals, quant, row_counts,
-                                   block_v=block_v, num_warps=warps, split=split, head_counts=head_counts)
+                                   block_v=block_v, num_warps=warps, split=split, head_counts=head_counts,
+                                   upfront=upfront)
 
 
 def gdn_decode_fused_ref(
@@ -248,6 +256,7 @@ def gdn_decode_fused_triton(
     head_counts: torch.Tensor | None = None,
     early_state: bool = False,
     one_pass: bool = False,
+    upfront: bool = False,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
@@ -257,7 +266,9 @@ def gdn_decode_fused_triton(
     value block) (``_gdn_decode_split_kernel``), which needs ``arrivals`` (:func:`arrivals_for` with ``split``) and
     ``head_counts`` (:func:`head_counters_for`); ``early_state`` (split only) loads each program's state tile before
     its q / k prologue (``EARLY``; ``gdn_decode_bench.py --launch BVxWse`` times it), ``one_pass`` (split only)
-    takes the output from the decayed state before the update (``ONEPASS``; ``--launch BVxWs1``)."""
+    takes the output from the decayed state before the update (``ONEPASS``; ``--launch BVxWs1``). ``upfront`` (the
+    walk with the head's whole state one tile: ``block_v`` at least ``Dv``) issues every independent load before the
+    q / k prologue and takes the norm from registers (``UPFRONT``; ``--launch BVxWu``)."""
     from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel, _gdn_decode_split_kernel
 
     t = x.shape[0]
@@ -277,6 +288,7 @@ def gdn_decode_fused_triton(
         "a split launch needs int32 head counters, a row per launch row (head_counters_for)"
     assert arrivals is None or (arrivals.dtype == torch.int32 and arrivals.shape == (ssm_state.shape[0], hk))
     assert split or not (early_state or one_pass), "early_state and one_pass are forms of the split launch"
+    assert not (upfront and split), "upfront is a form of the walk (one program a head)"
     x, z, a, b = (_unit_last(u) for u in (x, z, a, b))
     if out is None:
         out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
@@ -289,6 +301,9 @@ def gdn_decode_fused_triton(
     if block_v is not None:
         assert block_v == next_pow2(block_v), "block_v must be a power of two"
         cfg["BV"] = block_v
+    elif upfront:
+        cfg["BV"] = cfg["DVP"]  # the head's whole state one tile
+    assert not upfront or cfg["BV"] >= dv, "upfront takes the head's whole state as one tile (block_v >= Dv)"
     qb = quant_block(hv * dv) if qblock is None else qblock
     assert qb == next_pow2(qb), "qblock must be a power of two"
     common = dict(HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=qb,
@@ -308,7 +323,7 @@ def gdn_decode_fused_triton(
     else:
         _gdn_decode_fused_kernel[(r, hv)](
             x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, out, q, qs, cnt,
-            *strides, arr.stride(0), out.stride(0), q.stride(0), *scalars, **common)
+            *strides, arr.stride(0), out.stride(0), q.stride(0), *scalars, **common, UPFRONT=upfront)
     return as_output(out, q, qs, quant)
 
 
@@ -341,7 +356,11 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
             out.append((f"gdn_decode_fused_g{group}_{act}_{state}_state{'_fp8' if quant else ''}",
                         _gdn_decode_fused_kernel, sig,
                         dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4), QUANT=quant,
-                             QBLOCK=quant_block(16 * group * 128))))
+                             QBLOCK=quant_block(16 * group * 128), UPFRONT=False)))
+    # The walk's UPFRONT form (the head's whole state one 128-wide tile) on the 9B's bf16 state
+    bf16_g2 = next(v for v in out if v[0] == "gdn_decode_fused_g2_bf16_bf16_state")
+    out.append(("gdn_decode_fused_g2_bf16_bf16_state_upfront", bf16_g2[1], bf16_g2[2],
+                {**bf16_g2[3], "BV": 128, "UPFRONT": True}))
     # The split launch (one program per value block, the head counters): the 9B's and the 27B's bf16 models
     # and the state tile loaded before the q / k prologue (EARLY), the output from the state before its update
     # (ONEPASS), on the 9B's bf16 state
