@@ -39,7 +39,8 @@ def chosen_times(path: str, layout: str) -> dict[tuple[str, int], float]:
     for row in rows:
         if row.get("layout", "k") != layout:
             continue
-        key = launch_key(*decode_launch(row["batch"], HEADS[row["shape"]], value_major=layout == "v"))
+        # the layouts' launches as the rule picked them then: the walk's UPFRONT form (2026-12-06, later) came after
+        key = launch_key(*decode_launch(row["batch"], HEADS[row["shape"]], value_major=layout == "v", upfront=False))
         if key not in row:
             raise SystemExit(f"{path}: {row['shape']} batch {row['batch']} did not time {key}")
         out[(row["shape"], row["batch"])] = float(row[key])

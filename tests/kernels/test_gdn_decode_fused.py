@@ -893,16 +893,20 @@ def test_the_decode_launch_follows_the_cards_sweep() -> None:
     assert decode_launch(1, 32, split=False) == (False, None, 4, False)
     assert decode_launch(8, 32, split=True) == (True, 64, 4, False)
     assert decode_launch(1, 32, split=True) == (True, 32, 2, False)
-    # a value-major pool: the walk at every batch (the H100's sweep of 2026-12-06), 128 wide up to batch 8 of 32 heads
+    # a value-major pool: the walk at every batch (the H100's sweep of 2026-12-06), 128 wide up to batch 8 of 32 heads,
+    # 64 wide beyond, and from 1,024 (row, head) pairs (batch 32 of 32 heads) in its UPFRONT form, the head's whole
+    # width a tile (the sweep of the eighteenth session)
     assert decode_launch(1, 32, value_major=True) == decode_launch(8, 32, value_major=True) == (False, 128, 4, False)
-    assert decode_launch(8, 48, value_major=True) == decode_launch(64, 32, value_major=True) == (False, 64, 4, False)
+    assert decode_launch(8, 48, value_major=True) == decode_launch(31, 32, value_major=True) == (False, 64, 4, False)
+    assert decode_launch(32, 32, value_major=True) == decode_launch(64, 32, value_major=True) == (False, None, 4, True)
+    assert decode_launch(22, 48, value_major=True) == (False, None, 4, True)
     assert decode_launch(64, 32, split=True, value_major=True) == (True, 64, 4, False)  # still forced by the switch
-    # the walk's UPFRONT form only when asked for (HYSERVE_GDN_DECODE_UPFRONT=1), the head's whole width a tile;
-    # a split launch has no such form
-    assert decode_launch(64, 32, value_major=True, upfront=True) == (False, None, 4, True)
+    # HYSERVE_GDN_DECODE_UPFRONT forces the form either way on a walk; a split launch has no such form
+    assert decode_launch(8, 32, value_major=True, upfront=True) == (False, None, 4, True)
     assert decode_launch(1, 32, upfront=True) == (True, 32, 2, False)  # the key-major pool's batch 1 splits
     assert decode_launch(8, 32, upfront=True) == (False, None, 4, True)
     assert decode_launch(64, 32, value_major=True, upfront=False) == (False, 64, 4, False)
+    assert decode_launch(64, 32) == (True, 64, 4, False)  # a key-major pool: as before
 
 
 def test_the_upfront_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1108,7 +1112,8 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
         want = gdn_decode_fused_triton(**walk_p, arrivals=arrivals, block_v=bv, num_warps=warps)
         graph.replay()
         toks, slots = token_rows(p)
-        ok, msg = _agree(out[toks], want[toks])
+        # one_pass sums the output in another order: on an H100 two units apart on a bf16 state (2026-12-06)
+        ok, msg = _agree(out[toks], want[toks], ulps=2 if one_pass else 1)
         assert ok, (step, msg)
         for n in STATE_KEYS:
             assert torch.equal(split_p[n][slots], walk_p[n][slots]), (step, n)

@@ -76,6 +76,15 @@ SPLIT_FROM = 1024  # pairs: split in (64, 4 warps) blocks
 #   batch 64: walk (128, 4) 76.55 / 109.32, (64, 4) 78.19 / 109.04; split at best 78.47 / 110.80
 # (key-major, the launches above: 7.14 / 7.74, 14.04 / 16.33, 50.89 / 75.38, 96.86 / 143.90).
 WALK_WIDE_UP_TO = 256  # pairs: a value-major walk in (128, 4 warps) tiles, in (64, 4) beyond
+# The walk's UPFRONT form (the head's whole state one 128-wide tile, every load that waits only on the slot issued
+# first, the norm from registers) against the walk on a value-major bf16 pool, the same bench on an H100 (2026-12-06,
+# eighteenth session, us a layer, 9B / 27B heads; walk (128, 4), walk (64, 4), UPFRONT (128, 4)):
+#   batch 1:  6.30 / 6.56, 8.16 / 8.33, 6.37 / 6.62
+#   batch 8:  9.12 / 14.77, 10.39 / 11.71, 9.46 / 15.02
+#   batch 32: 34.35 / 59.15, 35.60 / 58.57, 32.79 / 55.51
+#   batch 64: 76.90 / 110.55, 78.50 / 110.26, 71.29 / 100.41
+# (8 warps: 2x slower). In the engine (9B, bf16 state): 4,079 / 6,809 tok/s at batch 32 / 64 against 4,015 / 6,751.
+UPFRONT_FROM = 1024  # pairs: a value-major walk in its UPFRONT form (9B batch 32 on, 27B batch 22 on)
 
 
 def as_value_major(ssm_state: torch.Tensor) -> torch.Tensor:
@@ -97,13 +106,16 @@ def decode_launch(rows: int, num_v_heads: int, split: bool | None = None, value_
     :data:`SPLIT_UP_TO` and from :data:`SPLIT_FROM` (row, value head) pairs, where the card's sweep has the split
     launch ahead, the walk between; on a ``value_major`` pool the walk, in 128-wide tiles up to
     :data:`WALK_WIDE_UP_TO` pairs and 64-wide beyond; True / False forces one launch (``HYSERVE_GDN_DECODE_SPLIT``).
-    ``upfront`` None: the walk as it is (the UPFRONT form waits for a card's sweep); True: every walk in the UPFRONT
-    form (``HYSERVE_GDN_DECODE_UPFRONT``), which a split launch does not take."""
+    ``upfront`` None: a value-major walk takes the UPFRONT form from :data:`UPFRONT_FROM` pairs, where the card's
+    sweep has it ahead; True / False: every walk in that form or none (``HYSERVE_GDN_DECODE_UPFRONT``). A split
+    launch has no such form."""
     pairs = rows * num_v_heads
     if split is None:
         split = False if value_major else pairs <= SPLIT_UP_TO or pairs >= SPLIT_FROM
     if split:
         return (True, 32, 2, False) if pairs <= SPLIT_UP_TO else (True, 64, 4, False)
+    if upfront is None:
+        upfront = value_major and pairs >= UPFRONT_FROM
     if upfront:
         return (False, None, 4, True)
     return (False, 128 if pairs <= WALK_WIDE_UP_TO else 64, 4, False) if value_major else (False, None, 4, False)
