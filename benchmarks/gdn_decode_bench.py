@@ -9,6 +9,7 @@ against today's four launches (conv, gates, recurrent delta rule, gated norm), p
     python benchmarks/gdn_decode_bench.py --launch 64x4s 64x4s1 64x4se1 --out $OUT         # 1: output in one pass
     python benchmarks/gdn_decode_bench.py --launch 32x2s 64x4s --state-layout k v --out $OUT  # value-major pools
     python benchmarks/gdn_decode_bench.py --launch 128x4 128x4u 128x8u --state-layout v --out $OUT  # u: loads first
+    python benchmarks/gdn_decode_bench.py --launch 128x4u 128x4p3 128x4p2 --state-layout v --out $OUT  # p: persistent
 
 Each variant is captured in a CUDA graph of 20 calls (as the decode graph runs them: no host launch cost) and
 replayed; the median time per call of 10 replays is reported with the bandwidth it reaches on the SSM state it reads
@@ -22,7 +23,9 @@ the programs, one tile each in flight, the head's norm done by its last program;
 program's state tile loaded before its q / k prologue (``early_state``); a trailing ``1`` (``BVxWs1``,
 ``BVxWse1``) takes the output from the state before its update (``one_pass``); ``BVxWu`` is the walk with the head's
 whole state one tile (``BV`` at least ``Dv``), every load that waits only on the slot issued before the q / k
-prologue and the gated norm taken from registers (``upfront``). ``--state-layout v`` stores the pool
+prologue and the gated norm taken from registers (``upfront``); ``BVxWpN`` is that walk as the persistent launch (a
+fixed grid of two programs an SM looping over the (row, head) pairs in a loop Triton pipelines over ``N`` stages, the
+windows rolled in a second launch; ``persist``). ``--state-layout v`` stores the pool
 value-major (each head's ``(Dk, Dv)`` state as its transpose in memory, the layout fla's ``state_v_first`` prefill
 writes) and hands the kernels the same logical view with swapped strides: the kernels take every state stride, so
 only the access pattern changes (each launch's ``max_diff`` is against the key-major pool's unfused output).
@@ -116,10 +119,11 @@ class Launch(NamedTuple):
     early: bool = False
     one: bool = False
     upfront: bool = False
+    persist: int = 0  # the persistent launch's pipeline stages; 0: not persistent
 
     def kwargs(self) -> dict[str, Any]:
         return dict(block_v=self.bv, num_warps=self.warps, split=self.split, early_state=self.early,
-                    one_pass=self.one, upfront=self.upfront)
+                    one_pass=self.one, upfront=self.upfront, persist=self.persist > 0, stages=self.persist or 3)
 
 
 def parse_launch(text: str) -> Launch:
@@ -128,7 +132,14 @@ def parse_launch(text: str) -> Launch:
     ``"BVxWse"`` split with the state tile loaded first: ``(BV, W, True, True, False, False)``; a trailing ``1`` on a
     split launch (``"BVxWs1"``, ``"BVxWse1"``) the output in one pass: ``(..., True, False)``; ``"BVxWu"`` the walk
     with every independent load issued first and the norm from registers (``BV`` the head's whole width):
-    ``(BV, W, False, False, False, True)``."""
+    ``(BV, W, False, False, False, True)``; ``"BVxWpN"`` that walk as the persistent launch pipelined over ``N``
+    stages (``"BVxWp"``: 3): ``(BV, W, False, False, False, False, N)``."""
+    body, p, stages = text.rpartition("p")
+    persist = 0
+    if p and "x" in body and (stages == "" or stages.isdigit()):
+        persist, text = int(stages or 3), body
+        if persist < 1:
+            raise SystemExit(f"--launch {text!r}p{stages}: at least one stage")
     upfront = text.endswith("u")
     text = text.removesuffix("u")
     one = text.endswith(("s1", "se1"))
@@ -143,18 +154,20 @@ def parse_launch(text: str) -> Launch:
                          "128x4u)") from None
     if any(v <= 0 or v & (v - 1) for v in launch):
         raise SystemExit(f"--launch {text!r}: BVxW, both powers of two (e.g. 64x8)")
-    if upfront and split:
-        raise SystemExit(f"--launch {text!r}u: u is a form of the walk, not of a split launch")
-    return Launch(*launch, split, early, one, upfront)
+    if (upfront or persist) and (split or early or one):
+        raise SystemExit(f"--launch {text!r}: u and p are forms of the walk, not of a split launch")
+    if upfront and persist:
+        raise SystemExit(f"--launch {text!r}: p is already the UPFRONT walk (BVxWpN, not BVxWupN)")
+    return Launch(*launch, split, early, one, upfront, persist)
 
 
 def name(bv: int, warps: int, split: bool = False, early: bool = False, one: bool = False,
-         upfront: bool = False) -> str:
+         upfront: bool = False, persist: int = 0) -> str:
     """A launch's key in the results: ``bv32`` at the shipped 4 warps (the older files' key), else ``bv64w8``;
     ``bv32w1s`` split, ``bv32w1se`` split with the state tile first, ``bv32w1s1`` with the output in one pass,
-    ``bv128u`` / ``bv128w8u`` the walk with its loads up front."""
+    ``bv128u`` / ``bv128w8u`` the walk with its loads up front, ``bv128p3`` its persistent launch at 3 stages."""
     return (f"bv{bv}" if warps == 4 and not split else f"bv{bv}w{warps}") + ("s" if split else "") + (
-        "e" if early else "") + ("1" if one else "") + ("u" if upfront else "")
+        "e" if early else "") + ("1" if one else "") + ("u" if upfront else "") + (f"p{persist}" if persist else "")
 
 
 def main() -> int:

@@ -683,7 +683,7 @@ case "${1:?phase}" in
     fi
     true
     ;;
-  decode34|decode34-vllm|decode34-split|decode34-layout|decode34-upfront)
+  decode34|decode34-vllm|decode34-split|decode34-layout|decode34-upfront|decode34-persist)
     # Issue 34, item 3: decode at batch 1 / 8 / 32 / 64 and prefill 32 x 2048 on the 9B shape (bf16) and on the
     # seed's 27B shape in compressed-tensors FP8_DYNAMIC (config only, --load-format dummy, /tmp/s27 as the seed
     # phases write it), hyserve at its defaults beside HYSERVE_FP8_FUSED_QUANT=0 (FP8: every GEMM quantizing its own
@@ -696,6 +696,8 @@ case "${1:?phase}" in
     # stored key-major (HYSERVE_GDN_STATE_LAYOUT=key) against value-major (=value, the default), the same runs.
     # decode34-upfront: the GDN decode's walk as it is (HYSERVE_GDN_DECODE_UPFRONT=0) against its UPFRONT form (=1:
     # every load that waits only on the slot issued first, the norm from registers), the same runs.
+    # decode34-persist: the engine's own launches (HYSERVE_GDN_DECODE_PERSIST=0) against the persistent launch at
+    # every step (=1: the UPFRONT walk looping over pairs in a pipelined loop, the windows rolled after), the same runs.
     # Each run marked done in $MOE_DONE (a later call goes on where this one stopped).
     p9b
     if [ ! -f /tmp/s27/tokenizer.json ]; then
@@ -720,6 +722,12 @@ case "${1:?phase}" in
               "9b_bf16state_upfront:/tmp/p9b:150:HYSERVE_GDN_DECODE_UPFRONT=1:decode_bf16state"
               "27b_fp8_bf16state_asis:/tmp/s27:200:HYSERVE_GDN_DECODE_UPFRONT=0:decode_bf16state"
               "27b_fp8_bf16state_upfront:/tmp/s27:200:HYSERVE_GDN_DECODE_UPFRONT=1:decode_bf16state")
+        engine=hyserve
+    elif [ "$1" = decode34-persist ]; then
+        runs=("9b_bf16state_launches:/tmp/p9b:150:HYSERVE_GDN_DECODE_PERSIST=0:decode_bf16state"
+              "9b_bf16state_persist:/tmp/p9b:150:HYSERVE_GDN_DECODE_PERSIST=1:decode_bf16state"
+              "27b_fp8_bf16state_launches:/tmp/s27:200:HYSERVE_GDN_DECODE_PERSIST=0:decode_bf16state"
+              "27b_fp8_bf16state_persist:/tmp/s27:200:HYSERVE_GDN_DECODE_PERSIST=1:decode_bf16state")
         engine=hyserve
     elif [ "$1" = decode34-layout ]; then
         runs=("9b_bf16state_key:/tmp/p9b:150:HYSERVE_GDN_STATE_LAYOUT=key:decode_bf16state"

@@ -83,6 +83,26 @@ def decode_upfront_switch() -> bool | None:
     return None if value is None else value == "1"
 
 
+def decode_persist_switch() -> bool | None:
+    """``HYSERVE_GDN_DECODE_PERSIST``: unset or 0 (each launch as :func:`~hyserve.kernels.gdn.decode.decode_launch`
+    says) or 1 (every fused decode step as the persistent launch: the walk's UPFRONT form on a fixed grid of two
+    programs an SM, each looping over the (row, value head) pairs in a loop Triton pipelines, so the next pairs'
+    state tiles are in flight while a program computes; the conv windows rolled in a second launch). Off until a
+    card has timed it. Any other value is refused, and 1 beside ``HYSERVE_GDN_DECODE_SPLIT=1`` (a split launch),
+    ``HYSERVE_GDN_DECODE_UPFRONT=0`` (it is that form) or ``HYSERVE_GDN_FUSED_QUANT=1`` (it does not quantize)."""
+    value = os.environ.get("HYSERVE_GDN_DECODE_PERSIST")
+    if value not in (None, "0", "1"):
+        raise ValueError(f"HYSERVE_GDN_DECODE_PERSIST={value!r}: unset, 0 or 1")
+    if value == "1":
+        clash = [name for name, on in (("HYSERVE_GDN_DECODE_SPLIT=1", decode_split_switch() is True),
+                                       ("HYSERVE_GDN_DECODE_UPFRONT=0", decode_upfront_switch() is False),
+                                       ("HYSERVE_GDN_FUSED_QUANT=1", output_quant_switch())) if on]
+        if clash:
+            raise ValueError(f"HYSERVE_GDN_DECODE_PERSIST=1 (the persistent UPFRONT walk, unquantized) beside "
+                             f"{', '.join(clash)}: set one of them")
+    return None if value is None else value == "1"
+
+
 def state_layout_switch() -> str:
     """``HYSERVE_GDN_STATE_LAYOUT``: ``value`` (the default: each head's ``(Dk, Dv)`` SSM state stored transposed,
     row by value, as fla's ``state_v_first`` kernels keep it: a decode program's ``(Dk, BV)`` tile is one contiguous
@@ -178,6 +198,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.head_counts: torch.Tensor | None = None  # (S, Hv) int32
         self.decode_split = decode_split_switch()
         self.decode_upfront = decode_upfront_switch()
+        self.decode_persist = decode_persist_switch()
         # Speculative decoding: per verify row and position, the candidate conv window, and the delta rule's inputs
         # from which the commit rebuilds the SSM state (hyserve.kernels.gdn.verify: the stash).
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
@@ -276,7 +297,7 @@ class GatedDeltaNet(ReplayedStateLayer):
                                    self.norm.eps, self.conv_state, self.ssm_state, meta.state_slots,
                                    meta.query_start_loc, self.num_k_heads, self.arrivals,
                                    quant=self.out_quant, row_counts=self.row_counts, head_counts=self.head_counts,
-                                   split=self.decode_split, upfront=self.decode_upfront)
+                                   split=self.decode_split, upfront=self.decode_upfront, persist=self.decode_persist)
             return self.out_proj(out)
         snaps = meta.row_snapshots
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
@@ -291,7 +312,7 @@ class GatedDeltaNet(ReplayedStateLayer):
                                     self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
                                     vm.state_slots, vm.query_start_loc, self.num_k_heads, self.arrivals,
                                     head_counts=self.head_counts, split=self.decode_split,
-                                    upfront=self.decode_upfront)
+                                    upfront=self.decode_upfront, persist=self.decode_persist)
             assert isinstance(head, torch.Tensor)  # (plain: prefill rows follow)
             return self.out_proj(torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)]))
         if vm is None:

@@ -179,7 +179,8 @@ def _agree(got: torch.Tensor, want: torch.Tensor, f32_tol: float = 2e-6, ulps: i
 
 def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Tensor], exact: bool,
                 block_v: int | None = None, out_ulps: int = 1, split: bool = False,
-                early: bool = False, one_pass: bool = False, upfront: bool = False) -> tuple[bool, str]:
+                early: bool = False, one_pass: bool = False, upfront: bool = False, persist: bool = False,
+                programs: int | None = None) -> tuple[bool, str]:
     """The fused kernel (NaN-poisoned output) against ``want_fn`` run on a copy of the pools: token rows' outputs
     (all but the pad rows', which must be finite), the pools at the rows' slots (every other slot, the empty rows'
     among them, untouched), the arrival counters back at zero. ``exact``: pools bit for bit and outputs within one
@@ -194,7 +195,7 @@ def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Ten
     heads = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device) if split else None
     out = torch.full((p["x"].shape[0], p["z"].shape[1]), float("nan"), dtype=p["x"].dtype, device=p["x"].device)
     gdn_decode_fused_triton(**got_p, arrivals=arrivals, out=out, block_v=block_v, split=split, head_counts=heads,
-                            early_state=early, one_pass=one_pass, upfront=upfront)
+                            early_state=early, one_pass=one_pass, upfront=upfront, persist=persist, programs=programs)
     toks, slots = token_rows(p)
     msgs, goods = [], []
 
@@ -426,6 +427,64 @@ def _interp_upfront(name: str, against: str) -> tuple[bool, str]:
     return check_fused(p, unfused_triton, exact=True, block_v=bv, upfront=True)
 
 
+def _interp_persist(name: str, against: str, programs: int = 3) -> tuple[bool, str]:
+    """The persistent launch (the UPFRONT walk on a grid of ``programs`` programs looping over the (row, head)
+    pairs, then the windows' roll in a second launch): ``unfused`` against the unfused kernels (pools bit for bit),
+    ``pool_rows`` the same on the engine's pool rows (value-major), ``upfront`` against the UPFRONT launch with one
+    program a pair (outputs and pools bit for bit)."""
+    p, _ = _case(name, 11, pad_rows=2)
+    bv = next_pow2(p["ssm_state"].shape[-1])
+    if against == "pool_rows":
+        p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
+        return check_fused(p, key_major_unfused, exact=True, block_v=bv, persist=True, programs=programs)
+    if against == "upfront":
+        from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+
+        def upfront(q: dict[str, Any]) -> torch.Tensor:
+            hk, hv = q["num_k_heads"], q["ssm_state"].shape[1]
+            out = gdn_decode_fused_triton(**q, arrivals=arrivals_for(q["ssm_state"].shape[0], hk, hv, "cpu"),
+                                          block_v=bv, upfront=True)
+            assert isinstance(out, torch.Tensor)
+            return out
+
+        ok, msg = check_fused(p, upfront, exact=True, block_v=bv, persist=True, programs=programs)
+        return ok, msg
+    return check_fused(p, unfused_triton, exact=True, block_v=bv, persist=True, programs=programs)
+
+
+# The persistent launch's problems: pad rows and a 48-wide head at Hv / Hk = 2 on three programs (pairs left over on
+# some), the engine's pool rows on two, odd widths at Hv / Hk = 3 on one program (every pair in one loop), float32.
+PERSIST_CHECKS = [("bf16_g2", "unfused", 3), ("bf16_g2_bf16_state", "pool_rows", 2),
+                  ("bf16_g3_odd_widths", "unfused", 1), ("f32_g1", "upfront", 5)]
+PERSIST_DEFAULT = {("bf16_g2", "unfused", 3), ("bf16_g2_bf16_state", "pool_rows", 2)}
+
+
+# Mutations of the persistent launch (its loop and the windows' roll after it), each caught on bf16_g2 (an empty
+# row with its own slot, pad rows, two programs).
+PERSIST_SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    # the loop striding past some pairs
+    "persist_pairs_skipped": ("_gdn_decode_persist_kernel", [
+        ("for i in tl.range(pid, rows * HV, nprog, num_stages=STAGES):",
+         "for i in tl.range(pid, rows * HV, nprog + 1, num_stages=STAGES):")]),
+    # the windows left as they were
+    "persist_windows_not_rolled": ("_conv_roll_kernel", [("    tl.store(ptrs, new, mask=m)\n", "    pass\n")]),
+    # the empty rows' windows rolled too (by the pad rows' token offset)
+    "persist_roll_of_empty_rows": ("_conv_roll_kernel", [("(ch < C) & live, sc_s", "(ch < C), sc_s")]),
+}
+
+
+def _interp_persist_sabotage(what: str) -> tuple[bool, str]:
+    kernel, edits = PERSIST_SABOTAGES[what]
+    module = importlib.import_module("hyserve.kernels.gdn._triton")
+    original = getattr(module, kernel)
+    setattr(module, kernel, _mutated_kernel(edits, kernel))
+    try:
+        ok, msg = _interp_persist("bf16_g2", "unfused", programs=2)
+    finally:
+        setattr(module, kernel, original)
+    return not ok, msg
+
+
 # The UPFRONT form's problems: pad rows on a shared slot, a head of 48 values in a 64-wide tile (masked lanes) and
 # two value heads a key head; three value heads a key head at odd widths; float32; the engine's pool rows.
 UPFRONT_CHECKS = [("bf16_g2", "unfused"), ("bf16_g2_bf16_state", "pool_rows"), ("bf16_g3_odd_widths", "unfused"),
@@ -575,7 +634,8 @@ def run_layer(layer: gdn_layer.GatedDeltaNet, x: torch.Tensor, meta: StepMetadat
     return out, pools, calls[0]  # type: ignore[return-value]
 
 
-def _interp_layer(dtype: torch.dtype, split: bool | None = None, upfront: bool | None = None) -> tuple[bool, str]:
+def _interp_layer(dtype: torch.dtype, split: bool | None = None, upfront: bool | None = None,
+                  persist: bool | None = None) -> tuple[bool, str]:
     """The mixer's decode step on the fused kernel against its unfused CPU path (the references), for a pure decode
     step; a prefill step does not take it. ``split``: the layer's ``HYSERVE_GDN_DECODE_SPLIT`` choice (its own
     counters bound with its pools); ``upfront``: its ``HYSERVE_GDN_DECODE_UPFRONT`` choice."""
@@ -584,19 +644,20 @@ def _interp_layer(dtype: torch.dtype, split: bool | None = None, upfront: bool |
     layer = tiny_gdn(dtype)
     layer.decode_split = split
     layer.decode_upfront = upfront
+    layer.decode_persist = persist
     meta = step_meta([1, 1, 1], [6, 2, 4])
     x = torch.randn(3, 32).to(dtype)
     forms: list[Any] = []
 
     def fused(*args: Any, **kwargs: Any) -> Any:  # the launch's form as the layer asks for it
-        forms.append((kwargs.get("split"), kwargs.get("upfront")))
+        forms.append((kwargs.get("split"), kwargs.get("upfront"), kwargs.get("persist")))
         return gdn_decode_fused_triton(*args, **kwargs)
 
     want, want_pools, _ = run_layer(layer, x, meta, None)
     got, got_pools, calls = run_layer(layer, x, meta, fused)
     checks = [_agree(got, want, 2e-5), *(_agree(got_pools[n], want_pools[n], 2e-5) for n in STATE_KEYS)]
     _, _, prefill_calls = run_layer(layer, torch.randn(5, 32).to(dtype), step_meta([2, 3], [6, 2]), fused)
-    ok = all(c for c, _ in checks) and calls == 1 and prefill_calls == 0 and forms == [(split, upfront)]
+    ok = all(c for c, _ in checks) and calls == 1 and prefill_calls == 0 and forms == [(split, upfront, persist)]
     return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}, on prefill {prefill_calls}; forms {forms}"
 
 
@@ -730,6 +791,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("layer_takes_the_kernel_bf16", lambda: _interp_layer(BF16))
     check("layer_takes_the_split_kernel_bf16", lambda: _interp_layer(BF16, split=True))
     check("layer_takes_the_upfront_kernel_bf16", lambda: _interp_layer(BF16, upfront=True))
+    check("layer_takes_the_persistent_kernel_bf16", lambda: _interp_layer(BF16, persist=True))
     for what in SABOTAGES:
         check(f"{what}_caught", lambda w=what: _interp_sabotage(w))
     for name in FP8_CASES:
@@ -754,6 +816,11 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
         check(f"upfront_vs_{against}_{name}", lambda n=name, a=against: _interp_upfront(n, a))
     for what in UPFRONT_SABOTAGES:
         check(f"{what}_caught", lambda w=what: _interp_upfront_sabotage(w))
+    for name, against, progs in PERSIST_CHECKS:
+        check(f"persist_vs_{against}_{name}_{progs}_programs",
+              lambda n=name, a=against, g=progs: _interp_persist(n, a, g))
+    for what in PERSIST_SABOTAGES:
+        check(f"{what}_caught", lambda w=what: _interp_persist_sabotage(w))
     for dname, dt in (("f32", F32), ("bf16", BF16)):
         check(f"norm_rope_{dname}", lambda dt=dt: _interp_norm_rope(dt))
     check("norm_rope_wrong_weight_caught", lambda: _interp_norm_rope(BF16, sabotage=True))
@@ -764,6 +831,7 @@ INTERP_CHECKS = [
     *[f"{kind}_{name}" for name, *_ in CASES for kind in ("vs_unfused", "vs_reference")],
     "vs_transformers_g1", "vs_transformers_g2", "layer_takes_the_kernel_f32", "layer_takes_the_kernel_bf16",
     "layer_takes_the_split_kernel_bf16", "layer_takes_the_upfront_kernel_bf16",
+    "layer_takes_the_persistent_kernel_bf16",
     *[f"{what}_caught" for what in SABOTAGES],
     *[f"fp8_{name}" for name in FP8_CASES], "fp8_bf16_g2_qblock32",
     *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
@@ -775,6 +843,8 @@ INTERP_CHECKS = [
     *[f"{what}_caught" for what in SPLIT_SABOTAGES],
     *[f"upfront_vs_{against}_{name}" for name, against in UPFRONT_CHECKS],
     *[f"{what}_caught" for what in UPFRONT_SABOTAGES],
+    *[f"persist_vs_{against}_{name}_{progs}_programs" for name, against, progs in PERSIST_CHECKS],
+    *[f"{what}_caught" for what in PERSIST_SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
 # The split launch's default checks: pad rows on a shared slot with three blocks a head and two heads a key head,
@@ -804,6 +874,9 @@ SLOW_INTERP_CHECKS = [
     "walk_on_the_pools_rows_bf16_g2_bf16_state", "split_slot_at_dense_entries_caught",
     *[f"upfront_vs_{against}_{name}" for name, against in UPFRONT_CHECKS if (name, against) not in UPFRONT_DEFAULT],
     "upfront_tile_read_key_major_caught", "upfront_gates_of_row_zero_caught",
+    *[f"persist_vs_{against}_{name}_{progs}_programs" for name, against, progs in PERSIST_CHECKS
+      if (name, against, progs) not in PERSIST_DEFAULT],
+    "persist_windows_not_rolled_caught", "persist_roll_of_empty_rows_caught",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -848,10 +921,11 @@ def test_triton_kernel_interpreter_slow(slow_interpreter_results: dict[str, list
 
 
 # The sm_90 compiles (about 3 s each with a cold Triton cache, as on CI): by default the 9B's bf16 state in both
-# launches (and the split's EARLY form, the walk's UPFRONT form), the 27B's FP8 tail in both, and the q / k
-# norm-rope kernel; the other dtypes and group sizes in the slow suite.
+# launches (and the split's EARLY form, the walk's UPFRONT form, the persistent launch and its windows' roll), the
+# 27B's FP8 tail in both, and the q / k norm-rope kernel; the other dtypes and group sizes in the slow suite.
 COMPILE_DEFAULT = {"gdn_decode_fused_g2_bf16_bf16_state", "gdn_decode_fused_g3_bf16_fp32_state_fp8",
-                   "gdn_decode_fused_g2_bf16_bf16_state_upfront",
+                   "gdn_decode_fused_g2_bf16_bf16_state_upfront", "gdn_decode_persist_g2_bf16_bf16_state",
+                   "conv_roll_bf16",
                    "gdn_decode_split_g2_bf16_bf16_state", "gdn_decode_split_g3_bf16_fp32_state_fp8",
                    "gdn_decode_split_g2_bf16_bf16_state_early", "rms_norm_rope_bf16"}
 
@@ -926,6 +1000,30 @@ def test_the_upfront_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         gdn_layer.decode_upfront_switch()
     monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", "0")
     assert gdn_layer.decode_upfront_switch() is True
+
+
+def test_the_persist_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("HYSERVE_GDN_DECODE_PERSIST", "HYSERVE_GDN_DECODE_SPLIT", "HYSERVE_GDN_DECODE_UPFRONT",
+                "HYSERVE_GDN_FUSED_QUANT"):
+        monkeypatch.delenv(var, raising=False)
+    assert gdn_layer.decode_persist_switch() is None
+    for value, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("HYSERVE_GDN_DECODE_PERSIST", value)
+        assert gdn_layer.decode_persist_switch() is want
+    for bad in ("yes", "2", ""):
+        monkeypatch.setenv("HYSERVE_GDN_DECODE_PERSIST", bad)
+        with pytest.raises(ValueError, match="HYSERVE_GDN_DECODE_PERSIST"):
+            gdn_layer.decode_persist_switch()
+    monkeypatch.setenv("HYSERVE_GDN_DECODE_PERSIST", "1")
+    for var, value in (("HYSERVE_GDN_DECODE_SPLIT", "1"), ("HYSERVE_GDN_DECODE_UPFRONT", "0"),
+                       ("HYSERVE_GDN_FUSED_QUANT", "1")):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(ValueError, match=f"beside {var}={value}"):
+            gdn_layer.decode_persist_switch()
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HYSERVE_GDN_DECODE_UPFRONT", "1")  # the same form: no clash
+    monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", "0")
+    assert gdn_layer.decode_persist_switch() is True
 
 
 def test_a_pool_tells_its_layout() -> None:
@@ -1157,6 +1255,53 @@ def test_cuda_upfront_walk_matches_the_walk(state_dtype: torch.dtype, warps: int
         assert ok, (step, msg)
         for n in STATE_KEYS:
             assert torch.equal(up_p[n][slots], walk_p[n][slots]), (step, n)
+    torch.cuda.synchronize()
+    assert not arrivals.any()
+
+
+@cuda
+@pytest.mark.parametrize("state_dtype", [F32, BF16])
+@pytest.mark.parametrize("grid", [(None, 3), (7, 2), (None, 1)])
+def test_cuda_persistent_launch_matches_the_upfront_walk(state_dtype: torch.dtype,
+                                                         grid: tuple[int | None, int]) -> None:
+    """The persistent launch (the UPFRONT walk on a fixed grid looping over the (row, head) pairs, pipelined, then
+    the windows' roll) on the engine's pool rows, captured in a graph and replayed over new inputs, against the
+    UPFRONT launch eager on a copy of the pools: the windows bit for bit, outputs and states within a unit in the last
+    place (bit for bit under the interpreter), pad rows on one slot; on the card's
+    default grid (two programs an SM: one pair each here) and on 7 programs (several pairs each), at 3, 2 and 1
+    stages."""
+    from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
+
+    programs, stages = grid
+    p = fused_problem([1, 1, 0, 1, 1, 1], 6, 12, 128, 128, BF16, state_dtype, 46, pad_rows=3, device="cuda")
+    p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
+    arrivals = arrivals_for(p["ssm_state"].shape[0], 6, 12, p["x"].device)
+    persist_p = clone_states(p)
+    out = torch.empty((p["x"].shape[0], p["z"].shape[1]), dtype=BF16, device="cuda")
+
+    def persist() -> None:
+        gdn_decode_fused_triton(**persist_p, arrivals=arrivals, out=out, persist=True, programs=programs,
+                                stages=stages)
+
+    persist()  # compiled outside the capture
+    torch.cuda.synchronize()
+    up_p = clone_states(persist_p)  # from the pools after that launch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        persist()
+    toks, slots = token_rows(p)
+    for step in range(3):
+        for n in ("x", "z", "a", "b"):
+            p[n].copy_(torch.randn_like(p[n]))
+        want = gdn_decode_fused_triton(**up_p, arrivals=arrivals, upfront=True)
+        graph.replay()
+        # the loop's kernel may lay its tile out otherwise, so the key reductions may add up in another order
+        ok, msg = _agree(out[toks], want[toks])
+        assert ok, (step, msg)
+        assert torch.equal(persist_p["conv_state"][slots], up_p["conv_state"][slots]), step
+        ok, msg = _agree(persist_p["ssm_state"][slots], up_p["ssm_state"][slots])
+        assert ok, (step, msg)
+        persist_p["ssm_state"].copy_(up_p["ssm_state"])  # the next step from the same state
     torch.cuda.synchronize()
     assert not arrivals.any()
 

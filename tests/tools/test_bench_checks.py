@@ -40,24 +40,29 @@ def test_gdn_state_bench_check_agrees_with_the_reference() -> None:
 
 
 def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
-    assert gdn_decode_bench.parse_launch("64x8") == (64, 8, False, False, False, False)
-    assert gdn_decode_bench.parse_launch("32") == (32, 4, False, False, False, False)  # the shipped warps
-    assert gdn_decode_bench.parse_launch("32x1") == (32, 1, False, False, False, False)  # one warp, not one pass
-    assert gdn_decode_bench.parse_launch("32x1s") == (32, 1, True, False, False, False)  # heads split in value blocks
-    assert gdn_decode_bench.parse_launch("64x4se") == (64, 4, True, True, False, False)  # split, state tile first
-    assert gdn_decode_bench.parse_launch("64x4s1") == (64, 4, True, False, True, False)  # split, the output in one pass
-    assert gdn_decode_bench.parse_launch("32x1se1") == (32, 1, True, True, True, False)
-    assert gdn_decode_bench.parse_launch("128x4u") == (128, 4, False, False, False, True)  # the walk, loads first
-    assert gdn_decode_bench.parse_launch("128x8u").kwargs() == dict(block_v=128, num_warps=8, split=False,
-                                                                   early_state=False, one_pass=False, upfront=True)
+    assert gdn_decode_bench.parse_launch("64x8") == (64, 8, False, False, False, False, 0)
+    assert gdn_decode_bench.parse_launch("32") == (32, 4, False, False, False, False, 0)  # the shipped warps
+    assert gdn_decode_bench.parse_launch("32x1") == (32, 1, False, False, False, False, 0)  # one warp, not one pass
+    assert gdn_decode_bench.parse_launch("32x1s") == (32, 1, True, False, False, False, 0)  # heads split
+    assert gdn_decode_bench.parse_launch("64x4se") == (64, 4, True, True, False, False, 0)  # split, state tile first
+    assert gdn_decode_bench.parse_launch("64x4s1") == (64, 4, True, False, True, False, 0)  # one pass
+    assert gdn_decode_bench.parse_launch("32x1se1") == (32, 1, True, True, True, False, 0)
+    assert gdn_decode_bench.parse_launch("128x4u") == (128, 4, False, False, False, True, 0)  # the walk, loads first
+    assert gdn_decode_bench.parse_launch("128x8u").kwargs() == dict(
+        block_v=128, num_warps=8, split=False, early_state=False, one_pass=False, upfront=True, persist=False, stages=3)
+    assert gdn_decode_bench.parse_launch("128x4p") == (128, 4, False, False, False, False, 3)  # persistent, 3 stages
+    assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["stages"] == 2
+    assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["persist"] is True
     assert gdn_decode_bench.name(32, 4) == "bv32" and gdn_decode_bench.name(128, 16) == "bv128w16"
     assert gdn_decode_bench.name(32, 4, True) == "bv32w4s" and gdn_decode_bench.name(32, 1, True) == "bv32w1s"
     assert gdn_decode_bench.name(64, 4, True, True) == "bv64w4se"
     assert gdn_decode_bench.name(64, 4, True, False, True) == "bv64w4s1"
     assert gdn_decode_bench.name(128, 4, upfront=True) == "bv128u"
     assert gdn_decode_bench.name(128, 8, upfront=True) == "bv128w8u"
-    for bad in ("48x4", "64x6", "0x4", "32x1ss", "32x1e", "32x1see", "32x1s11", "32x1e1", "64x4su", "128x4uu"):
-        with pytest.raises(SystemExit, match=r"powers of two|BVxWs|form of the walk"):
+    assert gdn_decode_bench.name(128, 4, persist=3) == "bv128p3"
+    for bad in ("48x4", "64x6", "0x4", "32x1ss", "32x1e", "32x1see", "32x1s11", "32x1e1", "64x4su", "128x4uu",
+                "64x4sp", "128x4up", "128x4p0", "128x4pp"):
+        with pytest.raises(SystemExit, match=r"powers of two|BVxWs|forms of the walk|already the UPFRONT|one stage"):
             gdn_decode_bench.parse_launch(bad)
 
 

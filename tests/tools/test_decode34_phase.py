@@ -1,6 +1,6 @@
 """``benchmarks/peer_session.sh decode34`` / ``decode34-vllm`` / ``decode34-split`` / ``decode34-layout`` /
-``decode34-upfront`` (issue 34's decode and prefill pairs, the GDN decode's two launches, the GDN state's two layouts,
-the walk's two forms) with ``python3`` a recorder:
+``decode34-upfront`` / ``decode34-persist`` (issue 34's decode and prefill pairs, the GDN decode's two launches, the
+GDN state's two layouts, the walk's two forms, the persistent launch) with ``python3`` a recorder:
 which runs each phase makes, on which directory, with which switch in the environment, each command parsed by
 peer_bench.py's own parser; a run marked done is not made again."""
 
@@ -20,8 +20,8 @@ RECORDER = """#!/usr/bin/env bash
 # one call a line: the switches, then the arguments, NUL-separated
 printf '%s' "${HYSERVE_DECODE_GEMM-unset},${HYSERVE_FP8_FUSED_QUANT-unset},${VLLM_ENABLE_V1_MULTIPROCESSING-unset}" \\
     >> "$CALLS"
-printf ',%s,%s,%s' "${HYSERVE_GDN_DECODE_SPLIT-unset}" "${HYSERVE_GDN_STATE_LAYOUT-unset}" \\
-    "${HYSERVE_GDN_DECODE_UPFRONT-unset}" >> "$CALLS"
+printf ',%s,%s,%s,%s' "${HYSERVE_GDN_DECODE_SPLIT-unset}" "${HYSERVE_GDN_STATE_LAYOUT-unset}" \\
+    "${HYSERVE_GDN_DECODE_UPFRONT-unset}" "${HYSERVE_GDN_DECODE_PERSIST-unset}" >> "$CALLS"
 for a in "$@"; do printf '\\0%s' "$a" >> "$CALLS"; done
 printf '\\n' >> "$CALLS"
 """
@@ -37,7 +37,8 @@ def _run(tmp_path: Path, phase: str) -> list[tuple[str, list[str]]]:
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "CALLS": str(calls),
            "HOME": str(tmp_path), "MOE_DONE": str(tmp_path / "done")}
     for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "HYSERVE_DECODE_GEMM", "HYSERVE_FP8_FUSED_QUANT",
-                "HYSERVE_GDN_DECODE_SPLIT", "HYSERVE_GDN_STATE_LAYOUT", "HYSERVE_GDN_DECODE_UPFRONT"):
+                "HYSERVE_GDN_DECODE_SPLIT", "HYSERVE_GDN_STATE_LAYOUT", "HYSERVE_GDN_DECODE_UPFRONT",
+                "HYSERVE_GDN_DECODE_PERSIST"):
         env.pop(var, None)
     subprocess.run(["bash", str(SESSION), phase], check=True, env=env, cwd=SESSION.parents[1], capture_output=True)
     recorded = []
@@ -52,12 +53,13 @@ def test_decode34_runs_the_defaults_the_bf16_states_and_the_switch(tmp_path: Pat
     calls = _run(tmp_path, "decode34")
     parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
     runs = [(s, Path(p.out).name, p.model, p.measures, p.load_format) for s, p in parsed]
+    unset = ",".join(["unset"] * 7)
     assert runs == [
-        ("unset,unset,unset,unset,unset,unset", "hyserve_9b.json", "/tmp/p9b", "decode,bound,prefill", "auto"),
-        ("unset,unset,unset,unset,unset,unset", "hyserve_9b_bf16state.json", "/tmp/p9b", "decode,bound", "auto"),
-        ("unset,unset,unset,unset,unset,unset", "hyserve_27b_fp8.json", "/tmp/s27", "decode,bound,prefill", "dummy"),
-        ("unset,unset,unset,unset,unset,unset", "hyserve_27b_fp8_bf16state.json", "/tmp/s27", "decode,bound", "dummy"),
-        ("unset,0,unset,unset,unset,unset", "hyserve_27b_fp8_unfused.json", "/tmp/s27", "decode,bound", "dummy"),
+        (unset, "hyserve_9b.json", "/tmp/p9b", "decode,bound,prefill", "auto"),
+        (unset, "hyserve_9b_bf16state.json", "/tmp/p9b", "decode,bound", "auto"),
+        (unset, "hyserve_27b_fp8.json", "/tmp/s27", "decode,bound,prefill", "dummy"),
+        (unset, "hyserve_27b_fp8_bf16state.json", "/tmp/s27", "decode,bound", "dummy"),
+        ("unset,0,unset,unset,unset,unset,unset", "hyserve_27b_fp8_unfused.json", "/tmp/s27", "decode,bound", "dummy"),
     ]
     assert all(p.batches == "1,8,32,64" and p.engine == "hyserve" for _, p in parsed)
     # the GDN state in the model's dtype, as vLLM's default stores it, in those runs alone
@@ -73,8 +75,8 @@ def test_decode34_vllm_runs_its_default_mode_on_the_same_directories(tmp_path: P
     calls = _run(tmp_path, "decode34-vllm")
     parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
     assert [(s, p.engine, p.model, p.load_format) for s, p in parsed] == [
-        ("unset,unset,unset,unset,unset,unset", "vllm", "/tmp/p9b", "auto"),
-        ("unset,unset,unset,unset,unset,unset", "vllm", "/tmp/s27", "dummy")]
+        ("unset,unset,unset,unset,unset,unset,unset", "vllm", "/tmp/p9b", "auto"),
+        ("unset,unset,unset,unset,unset,unset,unset", "vllm", "/tmp/s27", "dummy")]
     # no FlashInfer GDN prefill module on this machine: vLLM's Triton prefill (its JIT outlasted a call)
     assert [p.vllm_gdn_prefill_backend for _, p in parsed] == ["triton", "triton"]
     built = tmp_path / ".cache" / "flashinfer" / "90" / "gdn_prefill_sm90.so"
@@ -134,3 +136,14 @@ def test_decode34_upfront_runs_the_walks_two_forms_on_bf16_states(tmp_path: Path
     ]
     # the launch and the layout left to the engine's rule and default
     assert {tuple(s.split(",")[3:5]) for s, _ in _run(tmp_path, "decode34-upfront")} == {("unset", "unset")}
+
+
+def test_decode34_persist_runs_the_persistent_launch_beside_the_rule_on_bf16_states(tmp_path: Path) -> None:
+    assert _switch_runs(tmp_path, "decode34-persist", 6) == [
+        ("0", "hyserve_9b_bf16state_launches.json", "/tmp/p9b", "decode,bound", "auto", "auto"),
+        ("1", "hyserve_9b_bf16state_persist.json", "/tmp/p9b", "decode,bound", "auto", "auto"),
+        ("0", "hyserve_27b_fp8_bf16state_launches.json", "/tmp/s27", "decode,bound", "dummy", "auto"),
+        ("1", "hyserve_27b_fp8_bf16state_persist.json", "/tmp/s27", "decode,bound", "dummy", "auto"),
+    ]
+    # the other switches left to the engine's rule and defaults
+    assert {tuple(s.split(",")[3:6]) for s, _ in _run(tmp_path, "decode34-persist")} == {("unset",) * 3}

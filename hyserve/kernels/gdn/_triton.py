@@ -319,43 +319,22 @@ def _decode_qk(
 
 
 @triton.jit
-def _gdn_decode_fused_kernel(
+def _gdn_decode_head(
     x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
-    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr, q_ptr, qs_ptr, cnt_ptr,
+    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr, r, h,
     sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
     sc_s, sc_d, sc_k,
     ss_s, ss_h, ss_k, ss_v,
-    sarr_s, so_t, sq_t,
-    scale, eps, fp8_max, amax_eps,
+    sarr_s, so_t,
+    scale, eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
-    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
-    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024, UPFRONT: tl.constexpr = False,
+    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr, UPFRONT: tl.constexpr,
+    ROLL: tl.constexpr = True,
 ):  # fmt: skip
-    """One decode token of row ``r`` (grid axis 0), value head ``h`` (axis 1), key head ``hk = h // GROUP``: the
-    conv of its q / k / v channels (q, k recomputed by each of the key head's ``GROUP`` value heads), the gates,
-    the l2-normed delta rule on ``state[slot, h]`` (``(BK, BV)`` tiles, ``DV / BV`` of them in turn), and the gated
-    RMSNorm of the head's output; the same rounding points as the unfused kernels (conv output, delta-rule output
-    and the norm's two roundings in the model dtype, the state in its own).
-
-    Conv windows: the value channels' are rolled by their head's program alone (after a barrier: other threads of
-    the program may still read the old window). The key head's q / k channels are read by ``GROUP`` programs, so
-    the last of them to arrive rolls them: each program counts itself in ``arrivals[slot, hk]`` (an atomic add,
-    after its reads) and the one that sees ``GROUP - 1`` modulo ``GROUP`` writes and takes ``GROUP`` off again (the
-    counter is back to 0 after every launch; pad rows, which share one slot, keep it a multiple of ``GROUP``).
-    ``GROUP == 1`` needs no counter. The output ``out[t, h]`` holds the delta rule's output (model dtype) between
-    the two passes; the norm pass reads it back after a barrier.
-
-    ``QUANT``: the token's whole output row (its ``Hv`` heads) is also quantized per token for an FP8 ``out_proj``
-    (``q``, ``qs``) by the last of the row's programs to finish (:func:`_quantize_when_last`).
-
-    ``UPFRONT`` (the head's whole state one tile: ``BV >= DV``): every load the program needs that does not depend
-    on another (the state tile, the value channels' conv taps, the gates, the norm's gate and weight) is issued
-    right after the slot, before the q / k prologue's reductions, and the gated norm is taken from the output in
-    registers, so the output is stored once and never read back. A program then waits on memory twice (the slot,
-    then everything at once) where the walk waits after the slot, after the conv, for the state and again for the
-    output it reads back. The same values, bit for bit, as the walk with one tile."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
+    """Row ``r``'s decode token through value head ``h`` (:func:`_gdn_decode_fused_kernel`'s program, and each
+    iteration of :func:`_gdn_decode_persist_kernel`'s): returns the row's ``(start, live)``. ``ROLL``: the conv
+    windows rolled here (after a barrier); without it they are only read, and :func:`_conv_roll_kernel` rolls them
+    after the launch."""
     start = tl.load(qsl_ptr + r).to(tl.int64)
     live = (tl.load(qsl_ptr + r + 1).to(tl.int64) - start) > 0
     slot = tl.load(slots_ptr + r).to(tl.int64)
@@ -420,18 +399,19 @@ def _gdn_decode_fused_kernel(
         of = o.to(tl.float32)
         ssq += tl.where(vmask, of * of, 0.0)
 
-    tl.debug_barrier()  # every conv window read, and every store of the head's output, before what follows
-    tl.store(pv, nv, mask=mv)
-    if GROUP == 1:
-        tl.store(pq, nq, mask=mq)
-        tl.store(pk, nk, mask=mk)
-    else:
-        arr = arr_ptr + slot * sarr_s + hk
-        seen = tl.atomic_add(arr, 1, mask=live)
-        last = live & (seen % GROUP == GROUP - 1)
-        tl.store(pq, nq, mask=mq & last)
-        tl.store(pk, nk, mask=mk & last)
-        tl.atomic_add(arr, -GROUP, mask=last)
+    if ROLL:
+        tl.debug_barrier()  # every conv window read, and every store of the head's output, before what follows
+        tl.store(pv, nv, mask=mv)
+        if GROUP == 1:
+            tl.store(pq, nq, mask=mq)
+            tl.store(pk, nk, mask=mk)
+        else:
+            arr = arr_ptr + slot * sarr_s + hk
+            seen = tl.atomic_add(arr, 1, mask=live)
+            last = live & (seen % GROUP == GROUP - 1)
+            tl.store(pq, nq, mask=mq & last)
+            tl.store(pk, nk, mask=mk & last)
+            tl.atomic_add(arr, -GROUP, mask=last)
 
     # The gated RMSNorm (as _gated_rms_norm_kernel): n = norm(o) in the model dtype, (w * n) rounded, times silu(z).
     rstd = 1.0 / tl.sqrt(tl.sum(ssq, axis=0) / DV + eps)
@@ -445,9 +425,106 @@ def _gdn_decode_fused_kernel(
         on = (w * nrm).to(dt).to(tl.float32)
         zz = tl.load(z_row + ov, mask=vmask, other=0.0).to(tl.float32)
         tl.store(o_row + ov, (on * (zz * tl.sigmoid(zz))).to(dt), mask=vmask)
+    return start, live
+
+
+@triton.jit
+def _gdn_decode_fused_kernel(
+    x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
+    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr, q_ptr, qs_ptr, cnt_ptr,
+    sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
+    sc_s, sc_d, sc_k,
+    ss_s, ss_h, ss_k, ss_v,
+    sarr_s, so_t, sq_t,
+    scale, eps, fp8_max, amax_eps,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024, UPFRONT: tl.constexpr = False,
+):  # fmt: skip
+    """One decode token of row ``r`` (grid axis 0), value head ``h`` (axis 1), key head ``hk = h // GROUP``: the
+    conv of its q / k / v channels (q, k recomputed by each of the key head's ``GROUP`` value heads), the gates,
+    the l2-normed delta rule on ``state[slot, h]`` (``(BK, BV)`` tiles, ``DV / BV`` of them in turn), and the gated
+    RMSNorm of the head's output; the same rounding points as the unfused kernels (conv output, delta-rule output
+    and the norm's two roundings in the model dtype, the state in its own).
+
+    Conv windows: the value channels' are rolled by their head's program alone (after a barrier: other threads of
+    the program may still read the old window). The key head's q / k channels are read by ``GROUP`` programs, so
+    the last of them to arrive rolls them: each program counts itself in ``arrivals[slot, hk]`` (an atomic add,
+    after its reads) and the one that sees ``GROUP - 1`` modulo ``GROUP`` writes and takes ``GROUP`` off again (the
+    counter is back to 0 after every launch; pad rows, which share one slot, keep it a multiple of ``GROUP``).
+    ``GROUP == 1`` needs no counter. The output ``out[t, h]`` holds the delta rule's output (model dtype) between
+    the two passes; the norm pass reads it back after a barrier.
+
+    ``QUANT``: the token's whole output row (its ``Hv`` heads) is also quantized per token for an FP8 ``out_proj``
+    (``q``, ``qs``) by the last of the row's programs to finish (:func:`_quantize_when_last`).
+
+    ``UPFRONT`` (the head's whole state one tile: ``BV >= DV``): every load the program needs that does not depend
+    on another (the state tile, the value channels' conv taps, the gates, the norm's gate and weight) is issued
+    right after the slot, before the q / k prologue's reductions, and the gated norm is taken from the output in
+    registers, so the output is stored once and never read back. A program then waits on memory twice (the slot,
+    then everything at once) where the walk waits after the slot, after the conv, for the state and again for the
+    output it reads back. The same values, bit for bit, as the walk with one tile."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    start, live = _gdn_decode_head(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, conv_ptr, state_ptr,
+                                   slots_ptr, qsl_ptr, arr_ptr, out_ptr, r, h, sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
+                                   sc_s, sc_d, sc_k, ss_s, ss_h, ss_k, ss_v, sarr_s, so_t, scale, eps,
+                                   HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, UPFRONT)
     if QUANT:
         _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, live, start, 1, so_t, sq_t, HK * GROUP, DV,
                             fp8_max, amax_eps, QBLOCK)
+
+
+@triton.jit
+def _gdn_decode_persist_kernel(
+    x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
+    conv_ptr, state_ptr, slots_ptr, qsl_ptr, arr_ptr, out_ptr, rows,
+    sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
+    sc_s, sc_d, sc_k,
+    ss_s, ss_h, ss_k, ss_v,
+    sarr_s, so_t,
+    scale, eps,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+    KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """The walk's UPFRONT form on a fixed grid: program ``p`` of ``P`` takes the (row, value head) pairs ``p, p + P,
+    ...`` of the launch's ``rows * Hv`` (pair ``i`` is row ``i // Hv``, head ``i % Hv``) in one loop, which Triton
+    pipelines over ``STAGES`` stages: the next pairs' slots and state tiles are copied into shared memory while the
+    program computes the current one, so a program has its next tile in flight instead of waiting for it. Each
+    iteration is :func:`_gdn_decode_head` without its window roll: Triton does not pipeline a loop with a barrier
+    in it, and the roll needs one (a thread may store a window entry another thread has yet to read), so the windows
+    are only read here and :func:`_conv_roll_kernel` rolls them after the launch. No two live pairs share a state
+    tile or write anything another pair reads, so prefetching a later pair's loads before an earlier pair's stores
+    reads nothing those stores write. The same values, bit for bit, as the UPFRONT launch with one program a pair."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    HV: tl.constexpr = HK * GROUP
+    for i in tl.range(pid, rows * HV, nprog, num_stages=STAGES):
+        _gdn_decode_head(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, conv_ptr, state_ptr,
+                         slots_ptr, qsl_ptr, arr_ptr, out_ptr, i // HV, i % HV, sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
+                         sc_s, sc_d, sc_k, ss_s, ss_h, ss_k, ss_v, sarr_s, so_t, scale, eps,
+                         HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, False)
+
+
+@triton.jit
+def _conv_roll_kernel(
+    x_ptr, conv_ptr, slots_ptr, qsl_ptr, C,
+    sx_t, sc_s, sc_d, sc_k,
+    K: tl.constexpr, KM1_PAD: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """The conv windows of a decode step's rows rolled by their token: channels ``BC * j ..`` (grid axis 1) of row
+    ``r``'s slot (axis 0) become entries ``1 .. K-2`` of the old window, then the token's input from ``x`` (what
+    the fused decode's roll writes). Empty rows (a graph's pad rows among them) are left alone. Every read before the
+    barrier, every store after it."""
+    r = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    start = tl.load(qsl_ptr + r).to(tl.int64)
+    live = (tl.load(qsl_ptr + r + 1).to(tl.int64) - start) > 0
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    new, ptrs, m = _conv_new_window(x_ptr, conv_ptr, start * sx_t, slot, ch, (ch < C) & live, sc_s, sc_d, sc_k, K,
+                                    KM1_PAD)
+    tl.debug_barrier()  # a thread stores entry p of a window another thread reads as entry p + 1
+    tl.store(ptrs, new, mask=m)
 
 
 @triton.jit

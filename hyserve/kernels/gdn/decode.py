@@ -30,6 +30,7 @@ the last of its value heads' programs to read it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -166,6 +167,7 @@ def gdn_decode_fused(
     head_counts: torch.Tensor | None = None,
     split: bool | None = None,
     upfront: bool | None = None,
+    persist: bool | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """The mixer's decode step from ``in_proj``'s output to ``out_proj``'s input; returns ``(T, Hv * Dv)`` in the
     model dtype, or (``quant="fp8"``) that output quantized per token for an FP8 ``out_proj`` in the same launch, as
@@ -185,11 +187,17 @@ def gdn_decode_fused(
             (``arrivals`` then from :func:`arrivals_for` with ``split``); without them no launch splits.
         split: on CUDA, whether the launch splits each head; None: where :func:`decode_launch` says so.
         upfront: on CUDA, whether a walk takes its UPFRONT form; None: where :func:`decode_launch` says so.
+        persist: on CUDA, the persistent launch (the UPFRONT walk looping over pairs, pipelined) for every step;
+            None / False: the launch :func:`decode_launch` says. Not with ``quant``.
     """
     if not x.is_cuda:
         out = gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
                                    ssm_state, state_slots, query_start_loc, num_k_heads)
         return out if quant is None else quantize_activation_ref(out)
+    if persist:
+        return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
+                                       ssm_state, state_slots, query_start_loc, num_k_heads, arrivals, quant,
+                                       row_counts, persist=True)
     split, block_v, warps, upfront = decode_launch(state_slots.shape[0], ssm_state.shape[1],
                                                    False if head_counts is None else split,
                                                    value_major=is_value_major(ssm_state), upfront=upfront)
@@ -269,6 +277,9 @@ def gdn_decode_fused_triton(
     early_state: bool = False,
     one_pass: bool = False,
     upfront: bool = False,
+    persist: bool = False,
+    programs: int | None = None,
+    stages: int = 3,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
@@ -280,8 +291,16 @@ def gdn_decode_fused_triton(
     its q / k prologue (``EARLY``; ``gdn_decode_bench.py --launch BVxWse`` times it), ``one_pass`` (split only)
     takes the output from the decayed state before the update (``ONEPASS``; ``--launch BVxWs1``). ``upfront`` (the
     walk with the head's whole state one tile: ``block_v`` at least ``Dv``) issues every independent load before the
-    q / k prologue and takes the norm from registers (``UPFRONT``; ``--launch BVxWu``)."""
-    from hyserve.kernels.gdn._triton import _gdn_decode_fused_kernel, _gdn_decode_split_kernel
+    q / k prologue and takes the norm from registers (``UPFRONT``; ``--launch BVxWu``). ``persist``: the UPFRONT
+    walk on a fixed grid of ``programs`` programs (default :func:`persist_programs`), each looping over (row, head)
+    pairs in a loop Triton pipelines over ``stages`` stages (``_gdn_decode_persist_kernel``), then the conv windows
+    rolled in a second launch (``_conv_roll_kernel``; ``--launch BVxWpN``)."""
+    from hyserve.kernels.gdn._triton import (
+        _conv_roll_kernel,
+        _gdn_decode_fused_kernel,
+        _gdn_decode_persist_kernel,
+        _gdn_decode_split_kernel,
+    )
 
     t = x.shape[0]
     hk = num_k_heads
@@ -293,7 +312,7 @@ def gdn_decode_fused_triton(
     assert conv_state.shape[1:] == (conv_dim, kw - 1) and kw >= 2, "conv_state must be (S, conv_dim, K - 1)"
     assert z.shape == (t, hv * dv) and a.shape == (t, hv) and b.shape == (t, hv), "z (T, Hv * Dv), a and b (T, Hv)"
     assert norm_weight.shape == (dv,) and a_log.shape == (hv,) and dt_bias.shape == (hv,)
-    assert arrivals is not None or (hv == hk and not split), \
+    assert arrivals is not None or (hv == hk and not split) or persist, \
         "Hv > Hk, or a split launch, needs the arrival counters (arrivals_for)"
     assert not split or (head_counts is not None and head_counts.dtype == torch.int32
                          and head_counts.shape[0] >= r and head_counts.shape[1] == hv), \
@@ -301,6 +320,8 @@ def gdn_decode_fused_triton(
     assert arrivals is None or (arrivals.dtype == torch.int32 and arrivals.shape == (ssm_state.shape[0], hk))
     assert split or not (early_state or one_pass), "early_state and one_pass are forms of the split launch"
     assert not (upfront and split), "upfront is a form of the walk (one program a head)"
+    assert not (persist and (split or quant is not None)), "persist is a form of the walk that does not quantize"
+    upfront = upfront or persist
     x, z, a, b = (_unit_last(u) for u in (x, z, a, b))
     if out is None:
         out = torch.empty((t, hv * dv), dtype=x.dtype, device=x.device)
@@ -325,6 +346,16 @@ def gdn_decode_fused_triton(
                ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3))
     scalars = (dk**-0.5, float(eps), FP8_MAX, AMAX_EPS)
     pools = (conv_state, ssm_state, state_slots, query_start_loc, arr)
+    if persist:
+        nprog = min(r * hv, persist_programs(x.device) if programs is None else programs)
+        _gdn_decode_persist_kernel[(nprog,)](
+            x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, out, r, *strides, arr.stride(0),
+            out.stride(0), dk**-0.5, float(eps), HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, KM1_PAD=cfg["KM1_PAD"],
+            BK=cfg["BK"], BV=cfg["BV"], DVP=cfg["DVP"], STAGES=stages, num_warps=num_warps)
+        _conv_roll_kernel[(r, -(-conv_dim // ROLL_BLOCK))](
+            x, conv_state, state_slots, query_start_loc, conv_dim, x.stride(0), conv_state.stride(0),
+            conv_state.stride(1), conv_state.stride(2), K=kw, KM1_PAD=cfg["KM1_PAD"], BC=ROLL_BLOCK)
+        return as_output(out, q, qs, quant)
     if split:
         assert head_counts is not None
         nvb = -(-dv // cfg["BV"])
@@ -337,6 +368,18 @@ def gdn_decode_fused_triton(
             x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, out, q, qs, cnt,
             *strides, arr.stride(0), out.stride(0), q.stride(0), *scalars, **common, UPFRONT=upfront)
     return as_output(out, q, qs, quant)
+
+
+ROLL_BLOCK = 512  # channels a program of the window roll after a persistent launch
+
+
+@functools.lru_cache(maxsize=8)
+def persist_programs(device: torch.device) -> int:
+    """A persistent launch's programs: two per SM on a card (what its registers allow resident), four under the
+    interpreter (several pairs a program in the tests' small launches)."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def quant_block(width: int) -> int:
@@ -373,6 +416,18 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     bf16_g2 = next(v for v in out if v[0] == "gdn_decode_fused_g2_bf16_bf16_state")
     out.append(("gdn_decode_fused_g2_bf16_bf16_state_upfront", bf16_g2[1], bf16_g2[2],
                 {**bf16_g2[3], "BV": 128, "UPFRONT": True}))
+    # The persistent launch (the UPFRONT walk looping over pairs in a pipelined loop) on the 9B's bf16 state, and the
+    # windows' roll after it
+    from hyserve.kernels.gdn._triton import _conv_roll_kernel, _gdn_decode_persist_kernel
+
+    persist_sig = {k: v for k, v in bf16_g2[2].items() if k not in ("q_ptr", "qs_ptr", "cnt_ptr", "sq_t", "fp8_max",
+                                                                   "amax_eps")}
+    persist_consts = {k: v for k, v in bf16_g2[3].items() if k not in ("QUANT", "QBLOCK", "UPFRONT")}
+    out.append(("gdn_decode_persist_g2_bf16_bf16_state", _gdn_decode_persist_kernel, {**persist_sig, "rows": i32},
+                {**persist_consts, "BV": 128, "STAGES": 3}))
+    out.append(("conv_roll_bf16", _conv_roll_kernel,
+                dict(x_ptr="*bf16", conv_ptr="*bf16", slots_ptr="*i64", qsl_ptr="*i32", C=i32, sx_t=i32, sc_s=i32,
+                     sc_d=i32, sc_k=i32), dict(K=4, KM1_PAD=4, BC=ROLL_BLOCK)))
     # The split launch (one program per value block, the head counters): the 9B's and the 27B's bf16 models
     # and the state tile loaded before the q / k prologue (EARLY), the output from the state before its update
     # (ONEPASS), on the 9B's bf16 state
