@@ -18,7 +18,11 @@ Dispatch: CUDA runs ``_gdn_decode_fused_kernel`` (``_triton.py``: one program pe
 head's state in ``BV``-wide tiles, no host sync, fixed-shape launch: safe to capture in a CUDA graph) or, split
 (:func:`decode_launch`, ``HYSERVE_GDN_DECODE_SPLIT``), ``_gdn_decode_split_kernel`` (one program per (row, value head,
 value block): ``Dv / BV`` times the programs, each one tile in flight; the head's norm by the last of its programs,
-counted in :func:`head_counters_for`'s counters); everything else runs the reference sequence.
+counted in :func:`head_counters_for`'s counters). On a value-major pool from :data:`UPFRONT_FROM` (row, head) pairs
+the walk takes its UPFRONT form (one 128-wide tile, every independent load first, the norm from registers;
+``HYSERVE_GDN_DECODE_UPFRONT``). ``HYSERVE_GDN_DECODE_PERSIST=1`` runs that form as ``_gdn_decode_persist_kernel``
+(two programs an SM looping over the pairs in a pipelined loop) with the windows rolled by ``_conv_roll_kernel``
+after it. Everything else runs the reference sequence.
 
 Contract (that of the unfused kernels): ``state_slots[r]`` names row ``r``'s conv window and SSM state; rows are one
 token (``query_start_loc`` steps by 1) or empty (an empty row reads and writes nothing); slots of rows with a token
