@@ -12,7 +12,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -91,6 +92,20 @@ def mutated_module(module_name: str, edits: list[tuple[str, str]]) -> ModuleType
     sys.modules[name] = mod  # Triton's jit reads the function's module by name
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextmanager
+def swapped_kernel(module_name: str, kernel: str, edits: list[tuple[str, str]]) -> Iterator[None]:
+    """Within the block, module ``module_name``'s ``kernel`` is the one compiled from its source with ``edits`` made
+    (:func:`mutated_module`; the kernel's own helpers mutated with it), so a launcher that imports it by name at call
+    time launches the sabotaged kernel; the original is put back on the way out."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, kernel)
+    setattr(module, kernel, getattr(mutated_module(module_name, edits), kernel))
+    try:
+        yield
+    finally:
+        setattr(module, kernel, original)
 
 
 def interpreter_subprocess_results(test_file: str, flag: str, timeout: int = 300) -> dict[str, list[Any]]:

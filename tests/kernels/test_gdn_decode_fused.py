@@ -27,8 +27,6 @@ only. The mixer hands its FP8 ``out_proj`` the launch's :class:`Fp8Activation`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import sys
 import tempfile
@@ -54,11 +52,13 @@ from hyserve.testing.pools import on_contiguous_copies, on_pool_rows, same_strid
 from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
-    mutated_module,
     print_results,
     record_check,
+    swapped_kernel,
 )
 from hyserve.utils import next_pow2
+
+TRITON_MODULE = "hyserve.kernels.gdn._triton"  # the kernels the sabotages mutate
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 EPS = 1e-6
@@ -347,20 +347,9 @@ FP8_SABOTAGES: dict[str, list[tuple[str, str]]] = {
 
 
 def _interp_fp8_sabotage(what: str) -> tuple[bool, str]:
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    kernel = "_gdn_decode_fused_kernel"
-    original = getattr(module, kernel)
-    setattr(module, kernel, _mutated_kernel(FP8_SABOTAGES[what]))
-    try:
+    with swapped_kernel(TRITON_MODULE, "_gdn_decode_fused_kernel", FP8_SABOTAGES[what]):
         ok, msg = _interp_fp8("bf16_g2")
-    finally:
-        setattr(module, kernel, original)
     return not ok, msg
-
-
-def _mutated_kernel(edits: list[tuple[str, str]], kernel: str = "_gdn_decode_fused_kernel") -> Any:
-    """``kernel`` compiled from its module's source with ``edits`` made (a fresh module)."""
-    return getattr(mutated_module("hyserve.kernels.gdn._triton", edits), kernel)
 
 
 # The split launch (each head over its value blocks, one program each): the problems with several blocks a head.
@@ -475,13 +464,8 @@ PERSIST_SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 def _interp_persist_sabotage(what: str) -> tuple[bool, str]:
     kernel, edits = PERSIST_SABOTAGES[what]
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    original = getattr(module, kernel)
-    setattr(module, kernel, _mutated_kernel(edits, kernel))
-    try:
+    with swapped_kernel(TRITON_MODULE, kernel, edits):
         ok, msg = _interp_persist("bf16_g2", "unfused", programs=2)
-    finally:
-        setattr(module, kernel, original)
     return not ok, msg
 
 
@@ -511,14 +495,8 @@ UPFRONT_SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 def _interp_upfront_sabotage(what: str) -> tuple[bool, str]:
     against, edits = UPFRONT_SABOTAGES[what]
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    kernel = "_gdn_decode_fused_kernel"
-    original = getattr(module, kernel)
-    setattr(module, kernel, _mutated_kernel(edits))
-    try:
+    with swapped_kernel(TRITON_MODULE, "_gdn_decode_fused_kernel", edits):
         ok, msg = _interp_upfront("bf16_g2_bf16_state" if against == "pool_rows" else "bf16_g2", against)
-    finally:
-        setattr(module, kernel, original)
     return not ok, msg
 
 
@@ -547,11 +525,7 @@ SPLIT_SABOTAGES: dict[str, list[tuple[str, str]]] = {
 
 
 def _interp_split_sabotage(what: str) -> tuple[bool, str]:
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    kernel = "_gdn_decode_split_kernel"
-    original = getattr(module, kernel)
-    setattr(module, kernel, _mutated_kernel(SPLIT_SABOTAGES[what], kernel))
-    try:
+    with swapped_kernel(TRITON_MODULE, "_gdn_decode_split_kernel", SPLIT_SABOTAGES[what]):
         if what == "split_tile_read_key_major":
             ok, msg = _interp_value_major("bf16_g2", split=True)
         elif what == "split_slot_at_dense_entries":
@@ -559,21 +533,13 @@ def _interp_split_sabotage(what: str) -> tuple[bool, str]:
         else:
             ok, msg = _interp_split("bf16_g2", "unfused", early=what.startswith("split_early"),
                                     one_pass=what.startswith("split_onepass"))
-    finally:
-        setattr(module, kernel, original)
     return not ok, msg
 
 
 def _interp_sabotage(what: str) -> tuple[bool, str]:
     name, edits = SABOTAGES[what]
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    kernel = "_gdn_decode_fused_kernel"
-    original = getattr(module, kernel)
-    setattr(module, kernel, _mutated_kernel(edits))
-    try:
+    with swapped_kernel(TRITON_MODULE, "_gdn_decode_fused_kernel", edits):
         ok, msg = _interp_vs_unfused(name)
-    finally:
-        setattr(module, kernel, original)
     return not ok, msg
 
 
@@ -1175,6 +1141,39 @@ def test_cuda_fused_replays_in_a_graph() -> None:
     assert not arrivals.any()
 
 
+def replayed_against_eager(p: dict[str, Any], launch: Callable[[dict[str, Any]], Any],
+                           reference: Callable[[dict[str, Any]], torch.Tensor], out: torch.Tensor,
+                           out_ulps: int = 1, states_exact: bool = True) -> None:
+    """``launch(pools)`` (writing ``out``) run once eagerly (compiled outside the capture), then captured in a CUDA
+    graph and replayed over three steps of new inputs, against ``reference(pools)`` run eagerly on a copy of the
+    pools taken after that first run: the token rows' outputs within ``out_ulps`` units in the last place, the conv
+    windows bit for bit, the SSM states bit for bit (``states_exact``) or within a unit (the reference's state then
+    copied over, so each step starts from the same state)."""
+    graph_p = clone_states(p)
+    launch(graph_p)
+    torch.cuda.synchronize()
+    eager_p = clone_states(graph_p)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(graph_p)
+    toks, slots = token_rows(p)
+    for step in range(3):
+        for n in ("x", "z", "a", "b"):  # the inputs both copies share
+            p[n].copy_(torch.randn_like(p[n]))
+        want = reference(eager_p)
+        graph.replay()
+        ok, msg = _agree(out[toks], want[toks], ulps=out_ulps)
+        assert ok, (step, msg)
+        assert torch.equal(graph_p["conv_state"][slots], eager_p["conv_state"][slots]), step
+        if states_exact:
+            assert torch.equal(graph_p["ssm_state"][slots], eager_p["ssm_state"][slots]), step
+        else:
+            ok, msg = _agree(graph_p["ssm_state"][slots], eager_p["ssm_state"][slots])
+            assert ok, (step, msg)
+            graph_p["ssm_state"].copy_(eager_p["ssm_state"])
+    torch.cuda.synchronize()
+
+
 @cuda
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
 @pytest.mark.parametrize("launch", [(32, 1, False, False), (32, 4, False, False), (64, 4, False, False),
@@ -1191,31 +1190,13 @@ def test_cuda_split_launch_matches_the_walk(state_dtype: torch.dtype, launch: tu
     p = fused_problem([1, 1, 0, 1, 1, 1], 4, 12, 128, 128, BF16, state_dtype, 43, pad_rows=3, device="cuda")
     arrivals = arrivals_for(p["ssm_state"].shape[0], 4, 12, p["x"].device, split=True)
     heads = head_counters_for(p["ssm_state"].shape[0], 12, p["x"].device)
-    split_p = clone_states(p)
     out = torch.empty((p["x"].shape[0], p["z"].shape[1]), dtype=BF16, device="cuda")
-
-    def split() -> None:
-        gdn_decode_fused_triton(**split_p, arrivals=arrivals, out=out, block_v=bv, num_warps=warps, split=True,
-                                head_counts=heads, early_state=early, one_pass=one_pass)
-
-    split()  # compiled outside the capture
-    torch.cuda.synchronize()
-    walk_p = clone_states(split_p)  # from the pools after that launch
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        split()
-    for step in range(3):
-        for n in ("x", "z", "a", "b"):
-            p[n].copy_(torch.randn_like(p[n]))
-        want = gdn_decode_fused_triton(**walk_p, arrivals=arrivals, block_v=bv, num_warps=warps)
-        graph.replay()
-        toks, slots = token_rows(p)
-        # one_pass sums the output in another order: on an H100 two units apart on a bf16 state (2026-12-06)
-        ok, msg = _agree(out[toks], want[toks], ulps=2 if one_pass else 1)
-        assert ok, (step, msg)
-        for n in STATE_KEYS:
-            assert torch.equal(split_p[n][slots], walk_p[n][slots]), (step, n)
-    torch.cuda.synchronize()
+    # one_pass sums the output in another order: on an H100 two units apart on a bf16 state (2026-12-06)
+    replayed_against_eager(
+        p, lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, out=out, block_v=bv, num_warps=warps, split=True,
+                                             head_counts=heads, early_state=early, one_pass=one_pass),
+        lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, block_v=bv, num_warps=warps), out,
+        out_ulps=2 if one_pass else 1)
     assert not arrivals.any() and not heads.any()
 
 
@@ -1233,29 +1214,10 @@ def test_cuda_upfront_walk_matches_the_walk(state_dtype: torch.dtype, warps: int
     p = fused_problem([1, 1, 0, 1, 1, 1], 6, 12, 128, 128, BF16, state_dtype, 45, pad_rows=3, device="cuda")
     p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
     arrivals = arrivals_for(p["ssm_state"].shape[0], 6, 12, p["x"].device)
-    up_p = clone_states(p)
     out = torch.empty((p["x"].shape[0], p["z"].shape[1]), dtype=BF16, device="cuda")
-
-    def upfront() -> None:
-        gdn_decode_fused_triton(**up_p, arrivals=arrivals, out=out, num_warps=warps, upfront=True)
-
-    upfront()  # compiled outside the capture
-    torch.cuda.synchronize()
-    walk_p = clone_states(up_p)  # from the pools after that launch
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        upfront()
-    toks, slots = token_rows(p)
-    for step in range(3):
-        for n in ("x", "z", "a", "b"):
-            p[n].copy_(torch.randn_like(p[n]))
-        want = gdn_decode_fused_triton(**walk_p, arrivals=arrivals, block_v=128, num_warps=warps)
-        graph.replay()
-        ok, msg = _agree(out[toks], want[toks])
-        assert ok, (step, msg)
-        for n in STATE_KEYS:
-            assert torch.equal(up_p[n][slots], walk_p[n][slots]), (step, n)
-    torch.cuda.synchronize()
+    replayed_against_eager(
+        p, lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, out=out, num_warps=warps, upfront=True),
+        lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, block_v=128, num_warps=warps), out)
     assert not arrivals.any()
 
 
@@ -1276,33 +1238,12 @@ def test_cuda_persistent_launch_matches_the_upfront_walk(state_dtype: torch.dtyp
     p = fused_problem([1, 1, 0, 1, 1, 1], 6, 12, 128, 128, BF16, state_dtype, 46, pad_rows=3, device="cuda")
     p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
     arrivals = arrivals_for(p["ssm_state"].shape[0], 6, 12, p["x"].device)
-    persist_p = clone_states(p)
     out = torch.empty((p["x"].shape[0], p["z"].shape[1]), dtype=BF16, device="cuda")
-
-    def persist() -> None:
-        gdn_decode_fused_triton(**persist_p, arrivals=arrivals, out=out, persist=True, programs=programs,
-                                stages=stages)
-
-    persist()  # compiled outside the capture
-    torch.cuda.synchronize()
-    up_p = clone_states(persist_p)  # from the pools after that launch
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        persist()
-    toks, slots = token_rows(p)
-    for step in range(3):
-        for n in ("x", "z", "a", "b"):
-            p[n].copy_(torch.randn_like(p[n]))
-        want = gdn_decode_fused_triton(**up_p, arrivals=arrivals, upfront=True)
-        graph.replay()
-        # the loop's kernel may lay its tile out otherwise, so the key reductions may add up in another order
-        ok, msg = _agree(out[toks], want[toks])
-        assert ok, (step, msg)
-        assert torch.equal(persist_p["conv_state"][slots], up_p["conv_state"][slots]), step
-        ok, msg = _agree(persist_p["ssm_state"][slots], up_p["ssm_state"][slots])
-        assert ok, (step, msg)
-        persist_p["ssm_state"].copy_(up_p["ssm_state"])  # the next step from the same state
-    torch.cuda.synchronize()
+    # the loop's kernel may lay its tile out otherwise, so the key reductions may add up in another order
+    replayed_against_eager(
+        p, lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, out=out, persist=True, programs=programs,
+                                             stages=stages),
+        lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, upfront=True), out, states_exact=False)
     assert not arrivals.any()
 
 

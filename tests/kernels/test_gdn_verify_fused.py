@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -51,9 +50,9 @@ from hyserve.testing.pools import on_contiguous_copies, on_pool_rows, same_strid
 from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
-    mutated_module,
     print_results,
     record_check,
+    swapped_kernel,
 )
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -294,14 +293,8 @@ SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 def _interp_sabotage(what: str) -> tuple[bool, str]:
     name, edits = SABOTAGES[what]
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    kernel = "_gdn_verify_fused_kernel"
-    original = getattr(module, kernel)
-    setattr(module, kernel, getattr(mutated_module("hyserve.kernels.gdn._triton", edits), kernel))
-    try:
+    with swapped_kernel("hyserve.kernels.gdn._triton", "_gdn_verify_fused_kernel", edits):
         ok, msg = _interp_vs_unfused(name)
-    finally:
-        setattr(module, kernel, original)
     return not ok, msg
 
 
@@ -336,28 +329,17 @@ def check_fused_fp8(p: dict[str, Any], bv: int | None) -> tuple[bool, str]:
 
 
 def _interp_fp8_sabotage(what: str) -> tuple[bool, str]:
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    kernel = "_gdn_verify_fused_kernel"
-    original = getattr(module, kernel)
-    setattr(module, kernel, getattr(mutated_module("hyserve.kernels.gdn._triton", FP8_SABOTAGES[what]), kernel))
-    try:
+    with swapped_kernel("hyserve.kernels.gdn._triton", "_gdn_verify_fused_kernel", FP8_SABOTAGES[what]):
         ok, msg = _interp_fp8("bf16_g2")
-    finally:
-        setattr(module, kernel, original)
     return not ok, msg
 
 
 def _interp_window_sabotage() -> tuple[bool, str]:
     """The replay's window copy in pieces for one program more than there are (its last piece never copied) must
     be caught by the commit check."""
-    module = importlib.import_module("hyserve.kernels.gdn._triton")
-    original = module._gdn_replay_kernel
     edits = [("E, h, tl.num_programs(1), CBLOCK)", "E, h, tl.num_programs(1) + 1, CBLOCK)")]
-    module._gdn_replay_kernel = mutated_module("hyserve.kernels.gdn._triton", edits)._gdn_replay_kernel
-    try:
+    with swapped_kernel("hyserve.kernels.gdn._triton", "_gdn_replay_kernel", edits):
         ok, msg = _interp_commit_reaches_the_plain_state(False)
-    finally:
-        module._gdn_replay_kernel = original
     return not ok, msg
 
 
