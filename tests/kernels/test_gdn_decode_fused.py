@@ -949,17 +949,26 @@ def test_the_decode_launch_follows_the_cards_sweep() -> None:
     assert decode_launch(64, 32) == (True, 64, 4, False)  # a key-major pool: as before
 
 
-def test_the_upfront_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HYSERVE_GDN_DECODE_UPFRONT", raising=False)
-    monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT", raising=False)
-    assert gdn_layer.decode_upfront_switch() is None
+def assert_three_way_switch(monkeypatch: pytest.MonkeyPatch, var: str, switch: Callable[[], bool | None],
+                            attr: str) -> None:
+    """``var`` unset: ``switch()`` None; 0 / 1: False / True, and a new mixer's ``attr`` the same; any other value
+    refused, naming the variable."""
+    monkeypatch.delenv(var, raising=False)
+    assert switch() is None and getattr(tiny_gdn(BF16), attr) is None
     for value, want in (("0", False), ("1", True)):
-        monkeypatch.setenv("HYSERVE_GDN_DECODE_UPFRONT", value)
-        assert gdn_layer.decode_upfront_switch() is want
-    for bad in ("yes", "2", ""):
-        monkeypatch.setenv("HYSERVE_GDN_DECODE_UPFRONT", bad)
-        with pytest.raises(ValueError, match="HYSERVE_GDN_DECODE_UPFRONT"):
-            gdn_layer.decode_upfront_switch()
+        monkeypatch.setenv(var, value)
+        assert switch() is want and getattr(tiny_gdn(BF16), attr) is want
+    for bad in ("yes", "", "2"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            switch()
+    monkeypatch.delenv(var)
+
+
+def test_the_upfront_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT", raising=False)
+    assert_three_way_switch(monkeypatch, "HYSERVE_GDN_DECODE_UPFRONT", gdn_layer.decode_upfront_switch,
+                            "decode_upfront")
     monkeypatch.setenv("HYSERVE_GDN_DECODE_UPFRONT", "1")
     monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", "1")
     with pytest.raises(ValueError, match="set one of them"):
@@ -969,17 +978,10 @@ def test_the_upfront_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_persist_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("HYSERVE_GDN_DECODE_PERSIST", "HYSERVE_GDN_DECODE_SPLIT", "HYSERVE_GDN_DECODE_UPFRONT",
-                "HYSERVE_GDN_FUSED_QUANT"):
+    for var in ("HYSERVE_GDN_DECODE_SPLIT", "HYSERVE_GDN_DECODE_UPFRONT", "HYSERVE_GDN_FUSED_QUANT"):
         monkeypatch.delenv(var, raising=False)
-    assert gdn_layer.decode_persist_switch() is None
-    for value, want in (("0", False), ("1", True)):
-        monkeypatch.setenv("HYSERVE_GDN_DECODE_PERSIST", value)
-        assert gdn_layer.decode_persist_switch() is want
-    for bad in ("yes", "2", ""):
-        monkeypatch.setenv("HYSERVE_GDN_DECODE_PERSIST", bad)
-        with pytest.raises(ValueError, match="HYSERVE_GDN_DECODE_PERSIST"):
-            gdn_layer.decode_persist_switch()
+    assert_three_way_switch(monkeypatch, "HYSERVE_GDN_DECODE_PERSIST", gdn_layer.decode_persist_switch,
+                            "decode_persist")
     monkeypatch.setenv("HYSERVE_GDN_DECODE_PERSIST", "1")
     for var, value in (("HYSERVE_GDN_DECODE_SPLIT", "1"), ("HYSERVE_GDN_DECODE_UPFRONT", "0"),
                        ("HYSERVE_GDN_FUSED_QUANT", "1")):
@@ -1001,16 +1003,7 @@ def test_a_pool_tells_its_layout() -> None:
 
 
 def test_the_split_launch_is_asked_for_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT", raising=False)
-    assert gdn_layer.decode_split_switch() is None and tiny_gdn(BF16).decode_split is None
-    for value, want in (("0", False), ("1", True)):
-        monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", value)
-        assert gdn_layer.decode_split_switch() is want and tiny_gdn(BF16).decode_split is want
-    for bad in ("yes", "", "2"):
-        monkeypatch.setenv("HYSERVE_GDN_DECODE_SPLIT", bad)
-        with pytest.raises(ValueError, match="HYSERVE_GDN_DECODE_SPLIT"):
-            gdn_layer.decode_split_switch()
-    monkeypatch.delenv("HYSERVE_GDN_DECODE_SPLIT")
+    assert_three_way_switch(monkeypatch, "HYSERVE_GDN_DECODE_SPLIT", gdn_layer.decode_split_switch, "decode_split")
     layer = tiny_gdn(BF16)  # the counters a split launch needs come with the pools, at zero
     assert layer.arrivals is not None and layer.head_counts is not None
     assert layer.head_counts.shape == (9, 4) and not layer.head_counts.any() and not layer.arrivals.any()
