@@ -1272,12 +1272,15 @@ def test_cuda_value_major_pool_matches_the_key_major_one(launch: tuple[int, int,
 
 
 @cuda
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cuda_engine_decode_with_graphs_matches_the_unfused_path(dtype: str, tmp_path: Path,
+@pytest.mark.parametrize(("dtype", "switch"), [("bfloat16", None), ("float32", None),
+                                               ("bfloat16", "HYSERVE_GDN_DECODE_PERSIST"),
+                                               ("float32", "HYSERVE_GDN_DECODE_UPFRONT")])
+def test_cuda_engine_decode_with_graphs_matches_the_unfused_path(dtype: str, switch: str | None, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine on the card with CUDA graphs (tiny Qwen3.5, Hv = 2 Hk): the same greedy tokens with the fused
     decode kernel as with the unfused sequence (bf16: up to where a request parts, at most one of six parting),
-    log-probabilities within the dtype's noise; the fused kernel ran."""
+    log-probabilities within the dtype's noise; the fused kernel ran. ``switch``: that launch form set to 1 for
+    every step (the persistent launch, the UPFRONT walk), seen reaching the kernel's entry point."""
     from hyserve import SamplingParams
     from hyserve.testing import write_tiny_checkpoint
     from hyserve.testing.engine import make_llm, random_prompts
@@ -1286,17 +1289,28 @@ def test_cuda_engine_decode_with_graphs_matches_the_unfused_path(dtype: str, tmp
     prompts = random_prompts(6, [5, 17, 33, 9])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     calls = [0]
+    forms: set[Any] = set()
     fused = gdn_layer.gdn_decode_fused
 
     def counted(*a: Any, **k: Any) -> torch.Tensor:
         calls[0] += 1
+        forms.add((k.get("persist"), k.get("upfront")))
         return fused(*a, **k)
 
     monkeypatch.setattr(gdn_layer, "gdn_decode_fused", counted)
+    for var in ("HYSERVE_GDN_DECODE_PERSIST", "HYSERVE_GDN_DECODE_UPFRONT", "HYSERVE_GDN_DECODE_SPLIT"):
+        monkeypatch.delenv(var, raising=False)
+    if switch is not None:
+        monkeypatch.setenv(switch, "1")
     llm = make_llm(path, device="cuda", dtype=dtype)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.llm_engine.runner.graphs is not None and calls[0] > 0
+    want_form = {None: (None, None), "HYSERVE_GDN_DECODE_PERSIST": (True, None),
+                 "HYSERVE_GDN_DECODE_UPFRONT": (None, True)}[switch]
+    assert forms == {want_form}, forms
     del llm
+    if switch is not None:
+        monkeypatch.delenv(switch)
     monkeypatch.setattr(gdn_layer, "uses_fused_decode", lambda t: False)
     base = make_llm(path, device="cuda", dtype=dtype).generate([{"prompt_token_ids": p} for p in prompts], params,
                                                                 use_tqdm=False)
