@@ -28,6 +28,7 @@ only. The mixer hands its FP8 ``out_proj`` the launch's :class:`Fp8Activation`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from hyserve.testing.pools import on_contiguous_copies, on_pool_rows, same_strid
 from hyserve.testing.triton_compile import compile_failures, compile_group
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
+    mutated_module,
     print_results,
     record_check,
     swapped_kernel,
@@ -919,6 +921,51 @@ def test_fused_kernel_compiles_for_sm90_every_dtype() -> None:
     assert len(variants) >= 5
     failures = compile_failures(variants)
     assert not failures, failures
+
+
+def _persist_ttgir_and_usage(edits: list[tuple[str, str]] | None = None) -> tuple[str, dict[str, int]]:
+    """The persistent launch compiled for sm_90 as the card's launcher specializes the 9B's decode (``card_values``),
+    from the module's source with ``edits`` made when given: its TTGIR and ptxas's register report."""
+    from hyserve.kernels.gdn import decode
+    from hyserve.testing.triton_compile import compile_for_sm90, ptxas_usage
+
+    _, fn, sig, consts = next(v for v in decode.compile_variants() if v[0] == "gdn_decode_persist_g2_bf16_bf16_state")
+    if edits is not None:
+        fn = getattr(mutated_module(TRITON_MODULE, edits), "_gdn_decode_persist_kernel")
+    kernel = compile_for_sm90(fn, sig, consts, decode.card_values())
+    return kernel.asm["ttgir"], ptxas_usage(kernel)
+
+
+STAGE_BUFFERS = re.compile(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x128x128xbf16")
+
+
+def test_the_persistent_launch_pipelines_its_state_tile_for_sm90() -> None:
+    """Compiled for sm_90 as the card specializes the 9B's decode, Triton pipelines the persistent launch's loop:
+    the next pairs' 128 x 128 bf16 state tiles are copied into shared memory buffers (STAGES - 1 of them) while the
+    current one computes, with no register spills. (A barrier in the loop stops the pipelining:
+    ``test_a_barrier_in_the_persistent_loop_stops_the_pipelining``.) The UPFRONT launch, for comparison, spills
+    nothing either."""
+    pytest.importorskip("triton")
+    from hyserve.kernels.gdn import decode
+    from hyserve.testing.triton_compile import compile_for_sm90, ptxas_usage
+
+    ttgir, usage = _persist_ttgir_and_usage()
+    assert [int(n) for n in STAGE_BUFFERS.findall(ttgir)] == [2], STAGE_BUFFERS.findall(ttgir)
+    assert "async_copy_global_to_local" in ttgir
+    assert usage["spill_stores"] == usage["spill_loads"] == 0, usage
+    _, fn, sig, consts = next(v for v in decode.compile_variants()
+                              if v[0] == "gdn_decode_fused_g2_bf16_bf16_state_upfront")
+    upfront = ptxas_usage(compile_for_sm90(fn, sig, consts, decode.card_values()))
+    assert upfront["spill_stores"] == upfront["spill_loads"] == 0, upfront
+
+
+def test_a_barrier_in_the_persistent_loop_stops_the_pipelining() -> None:
+    """The same compile with the window roll (and its barrier) put back in the loop: no state tile is copied ahead,
+    so the check above can fail."""
+    pytest.importorskip("triton")
+    ttgir, _ = _persist_ttgir_and_usage([("HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, False)",
+                                          "HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, True)")])
+    assert STAGE_BUFFERS.findall(ttgir) == [] and "async_copy_global_to_local" not in ttgir
 
 
 def test_the_decode_launch_follows_the_cards_sweep() -> None:

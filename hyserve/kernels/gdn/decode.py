@@ -391,6 +391,21 @@ def quant_block(width: int) -> int:
     return min(1024, next_pow2(width))
 
 
+def card_values(num_k_heads: int = 16, num_v_heads: int = 32, head_dim: int = 128, conv_width: int = 4,
+                rows: int = 64) -> dict[str, int]:
+    """The integer arguments of a decode launch as the engine passes them on a card, for
+    :func:`hyserve.testing.triton_compile.compile_for_sm90`'s ``values`` (the 9B's heads by default): x, z, b and
+    a views of one ``in_proj`` output, the conv weight ``(conv_dim, K)``, and the conv window and the value-major
+    bf16 SSM state carved from one pool row of bf16 elements each (``StatePool``)."""
+    conv_dim = 2 * num_k_heads * head_dim + num_v_heads * head_dim
+    width = conv_dim + num_v_heads * head_dim + 2 * num_v_heads
+    row = conv_dim * (conv_width - 1) + num_v_heads * head_dim * head_dim
+    return dict(sx_t=width, sz_t=width, sb_t=width, sa_t=width, scw_d=conv_width, scw_k=1, sc_s=row,
+                sc_d=conv_width - 1, sc_k=1, ss_s=row, ss_h=head_dim * head_dim, ss_k=1, ss_v=head_dim,
+                sarr_s=num_k_heads, so_t=num_v_heads * head_dim, sq_t=num_v_heads * head_dim, shc_r=num_v_heads,
+                rows=rows, C=conv_dim)
+
+
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The fused decode kernel's variants for the Qwen3.5 shapes (Dk = Dv = 128, conv width 4; Hv / Hk = 1 as the 2B,
     2 as the 9B, 3 as the 27B) in a bf16 model with a float32 state, and with a bf16 state, a float32 and an fp16
