@@ -7,6 +7,7 @@ vectorize loads), so the count is the launch's. Reported: PTX instructions per t
 element, and the global / shared memory instructions by width.
 
     python benchmarks/ptx_count.py            # the conv's prefill program: a block inside a row, a row's first block
+    python benchmarks/ptx_count.py --gdn-decode   # the 9B's GDN decode launches: registers, spills, buffered tiles
 
 The conv case compiles ``_conv1d_fwd_kernel`` twice, every block taking one of its two paths (``_taps_inside_row``,
 ``_taps_at_row_start``), at the 2B shape's widths (D = 6144, the input projection's rows 8224 wide), bf16, for the
@@ -16,7 +17,6 @@ block sizes given.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import re
@@ -26,10 +26,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
+from hyserve.testing.triton_compile import compile_for_sm90, ptxas_usage
 from hyserve.testing.triton_interpreter import mutated_module
 
 _CONV = "hyserve.kernels.conv._triton"
@@ -40,25 +37,7 @@ _MEM = re.compile(r"(ld\.global[.a-z0-9]*|st\.global[.a-z0-9]*|ld\.shared[.a-z0-
 def compile_as_launched(fn: Any, types: dict[str, str], values: dict[str, int], consts: dict[str, Any],
                         num_warps: int) -> Any:
     """``fn`` compiled for sm_90 as a launch with ``values`` (the integer arguments) specializes it."""
-    params = list(inspect.signature(fn.fn).parameters)
-    consts = dict(consts)
-    sig: dict[str, str] = {}
-    attrs: dict[tuple[int], list[list[Any]]] = {}
-    for i, p in enumerate(params):
-        if p in consts:
-            sig[p] = "constexpr"
-        elif types[p].startswith("*"):
-            sig[p] = types[p]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif values[p] == 1:
-            consts[p] = 1
-            sig[p] = "constexpr"
-        else:
-            sig[p] = types[p]
-            if values[p] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return compile_for_sm90(fn, types, consts, values, num_warps)
 
 
 def ptx_counts(kernel: Any, outputs_per_program: int, num_warps: int) -> dict[str, Any]:
@@ -97,13 +76,55 @@ def conv_report(blocks: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     return out
 
 
+# The GDN decode's launches, as the engine picks them or as the switches force them: (name, compile variant, the
+# value block, warps, extra constexprs)
+GDN_LAUNCHES = [
+    ("walk 64 x 4", "gdn_decode_fused_g2_bf16_bf16_state", 64, 4, {}),
+    ("walk 128 x 4", "gdn_decode_fused_g2_bf16_bf16_state", 128, 4, {}),
+    ("UPFRONT 128 x 4", "gdn_decode_fused_g2_bf16_bf16_state", 128, 4, {"UPFRONT": True}),
+    ("UPFRONT 128 x 8", "gdn_decode_fused_g2_bf16_bf16_state", 128, 8, {"UPFRONT": True}),
+    ("persistent 128 x 4, 3 stages", "gdn_decode_persist_g2_bf16_bf16_state", 128, 4, {"STAGES": 3}),
+    ("persistent 128 x 4, 2 stages", "gdn_decode_persist_g2_bf16_bf16_state", 128, 4, {"STAGES": 2}),
+    ("persistent 128 x 8, 3 stages", "gdn_decode_persist_g2_bf16_bf16_state", 128, 8, {"STAGES": 3}),
+    ("split 64 x 4", "gdn_decode_split_g2_bf16_bf16_state", 64, 4, {}),
+]
+_STAGE_BUFFERS = re.compile(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x(\d+)x(\d+)xbf16")
+
+
+def gdn_decode_report(names: list[str] | None = None) -> list[dict[str, Any]]:
+    """The 9B's GDN decode launches (bf16 model and state, value-major pool rows) compiled for sm_90 as the card's
+    launcher specializes them (``hyserve.kernels.gdn.decode.card_values``): registers a thread and spills (ptxas), the
+    programs an SM the registers allow, shared memory, and the state tiles the compiler buffers in shared memory
+    ahead of their use (a pipelined loop's stages)."""
+    from hyserve.kernels.gdn import decode
+
+    variants = {n: (fn, sig, consts) for n, fn, sig, consts in decode.compile_variants()}
+    out = []
+    for name, variant, bv, warps, extra in GDN_LAUNCHES:
+        if names is not None and name not in names:
+            continue
+        fn, sig, consts = variants[variant]
+        k = compile_as_launched(fn, sig, decode.card_values(), {**consts, "BV": bv, **extra}, warps)
+        usage = ptxas_usage(k)
+        row = {"launch": name, **usage, "num_warps": warps,
+               "programs_an_sm_by_registers": 65536 // (max(usage["registers"], 1) * 32 * warps),
+               "shared_bytes": k.metadata.shared,
+               "state_tiles_buffered": [int(m[0]) for m in _STAGE_BUFFERS.findall(k.asm["ttgir"])
+                                        if int(m[1]) >= 64 and int(m[2]) >= 64]}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="16x128x4,32x128x4", help="BLOCK_T x BLOCK_D x num_warps, comma-separated")
+    ap.add_argument("--gdn-decode", action="store_true",
+                    help="the 9B's GDN decode launches instead: registers, spills, shared memory, buffered tiles")
     ap.add_argument("--out", default=None, help="directory for ptx_count.json")
     args = ap.parse_args()
     blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
-    result = conv_report(blocks)  # type: ignore[arg-type]
+    result = gdn_decode_report() if args.gdn_decode else conv_report(blocks)  # type: ignore[arg-type]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "ptx_count.json"), "w") as f:

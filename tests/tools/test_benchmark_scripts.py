@@ -329,3 +329,17 @@ def test_ptx_count_reads_the_conv_paths_instructions() -> None:
     inside, first = ptx_count.conv_report([(32, 128, 4)])
     assert inside["path"] == "inside a row" and inside["warp_instr_per_output"] < first["warp_instr_per_output"]
     assert inside["memory"].get("ld.global.v4.b32", 0) >= 4 and first["memory"].get("ld.global.b16", 0) > 64
+
+
+def test_ptx_count_reports_the_gdn_decode_launches_registers_and_buffered_tiles() -> None:
+    """``ptx_count.py --gdn-decode``: the 9B's walk compiled as the card specializes it holds no state tile in shared
+    memory, the persistent launch at 3 stages buffers two ahead; neither spills; two programs an SM by registers."""
+    pytest.importorskip("triton")
+    import ptx_count
+
+    walk, persist = ptx_count.gdn_decode_report(["walk 128 x 4", "persistent 128 x 4, 3 stages"])
+    assert walk["launch"] == "walk 128 x 4" and walk["state_tiles_buffered"] == []
+    assert persist["state_tiles_buffered"] == [2] and persist["shared_bytes"] > 2 * 128 * 128 * 2
+    for row in (walk, persist):
+        assert row["spill_stores"] == row["spill_loads"] == 0 and 128 < row["registers"] <= 255
+        assert row["programs_an_sm_by_registers"] == 2
