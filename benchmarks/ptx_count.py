@@ -8,6 +8,7 @@ element, and the global / shared memory instructions by width.
 
     python benchmarks/ptx_count.py            # the conv's prefill program: a block inside a row, a row's first block
     python benchmarks/ptx_count.py --gdn-decode   # the 9B's GDN decode launches: registers, spills, buffered tiles
+    python benchmarks/ptx_count.py --gdn-verify   # the 9B's fused GDN verify: registers and spills
 
 The conv case compiles ``_conv1d_fwd_kernel`` twice, every block taking one of its two paths (``_taps_inside_row``,
 ``_taps_at_row_start``), at the 2B shape's widths (D = 6144, the input projection's rows 8224 wide), bf16, for the
@@ -116,15 +117,39 @@ def gdn_decode_report(names: list[str] | None = None) -> list[dict[str, Any]]:
     return out
 
 
+# The fused GDN verify (MTP's verify rows) by state dtype, value block and warps (the engine's launch: 32 x 4)
+GDN_VERIFY_LAUNCHES = [(state, bv, warps) for state in ("fp32", "bf16") for bv, warps in ((32, 4), (64, 4), (32, 2))]
+
+
+def gdn_verify_report(launches: list[tuple[str, int, int]] | None = None) -> list[dict[str, Any]]:
+    """The 9B's fused GDN verify (three positions a row) compiled as the card specializes it
+    (``hyserve.kernels.gdn.verify.card_values``): registers a thread, spills and the programs an SM they allow."""
+    from hyserve.kernels.gdn import verify
+
+    variants = {n: (fn, sig, consts) for n, fn, sig, consts in verify.compile_variants()}
+    out = []
+    for state, bv, warps in launches or GDN_VERIFY_LAUNCHES:
+        fn, sig, consts = variants[f"gdn_verify_fused_g2_{state}_state"]
+        usage = ptxas_usage(compile_as_launched(fn, sig, verify.card_values(), {**consts, "BV": bv}, warps))
+        row = {"launch": f"verify {state} state, {bv} x {warps}", **usage, "num_warps": warps,
+               "programs_an_sm_by_registers": 65536 // (max(usage["registers"], 1) * 32 * warps)}
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="16x128x4,32x128x4", help="BLOCK_T x BLOCK_D x num_warps, comma-separated")
     ap.add_argument("--gdn-decode", action="store_true",
                     help="the 9B's GDN decode launches instead: registers, spills, shared memory, buffered tiles")
+    ap.add_argument("--gdn-verify", action="store_true",
+                    help="the 9B's fused GDN verify instead: registers and spills by state dtype, block and warps")
     ap.add_argument("--out", default=None, help="directory for ptx_count.json")
     args = ap.parse_args()
     blocks = [tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
-    result = gdn_decode_report() if args.gdn_decode else conv_report(blocks)  # type: ignore[arg-type]
+    result = (gdn_decode_report() if args.gdn_decode else gdn_verify_report() if args.gdn_verify
+              else conv_report(blocks))  # type: ignore[arg-type]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "ptx_count.json"), "w") as f:

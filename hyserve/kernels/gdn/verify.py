@@ -370,6 +370,23 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def card_values(positions: int = 3, num_k_heads: int = 16, num_v_heads: int = 32, head_dim: int = 128,
+                conv_width: int = 4) -> dict[str, int]:
+    """The integer arguments of a fused verify launch as the engine passes them on a card (the 9B's heads, MTP with
+    two drafts: three positions a row by default), for ``compile_for_sm90``'s ``values``: the decode launch's
+    (:func:`hyserve.kernels.gdn.decode.card_values`), the candidate windows' scratch ``(R, P, conv_dim, K - 1)`` and
+    the float32 stash ``(R, P, H, D)`` / ``(R, P, Hv)``."""
+    from hyserve.kernels.gdn.decode import card_values as decode_values
+
+    out = decode_values(num_k_heads, num_v_heads, head_dim, conv_width)
+    window = out["C"] * (conv_width - 1)
+    out.update(P=positions, scr_k=1, scr_d=conv_width - 1, scr_p=window, scr_r=positions * window,
+               stk_h=head_dim, stk_p=num_k_heads * head_dim, stk_r=positions * num_k_heads * head_dim,
+               stv_h=head_dim, stv_p=num_v_heads * head_dim, stv_r=positions * num_v_heads * head_dim,
+               stg_p=num_v_heads, stg_r=positions * num_v_heads)
+    return out
+
+
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The verify and replay kernels' variants and the fused verify's for the Qwen3.5 shapes (Dk = Dv = 128, conv
     width 4; Hv / Hk = 1, 2, 3) in a bf16 model with a float32 state, and with a bf16 state, as ``(name, jit
