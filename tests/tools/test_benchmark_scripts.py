@@ -343,3 +343,14 @@ def test_ptx_count_reports_the_gdn_decode_launches_registers_and_buffered_tiles(
     for row in (walk, persist):
         assert row["spill_stores"] == row["spill_loads"] == 0 and 128 < row["registers"] <= 255
         assert row["programs_an_sm_by_registers"] == 2
+
+
+def test_ptx_count_reports_the_gdn_verify_launch() -> None:
+    """``ptx_count.py --gdn-verify``: the engine's verify launch (32 x 4) on a bf16 state compiled with the verify's
+    own card values (scratch and stash strides among them), without spills."""
+    pytest.importorskip("triton")
+    import ptx_count
+
+    (row,) = ptx_count.gdn_verify_report([("bf16", 32, 4)])
+    assert row["launch"] == "verify bf16 state, 32 x 4" and row["spill_stores"] == row["spill_loads"] == 0
+    assert 64 < row["registers"] <= 255 and row["programs_an_sm_by_registers"] >= 2
