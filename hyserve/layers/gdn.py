@@ -58,14 +58,20 @@ def output_quant_switch() -> bool:
     return value == "1"
 
 
+def _three_way(var: str) -> bool | None:
+    """Environment variable ``var``: unset (None: the launch's own choice), 0 (False) or 1 (True); any other value
+    refused."""
+    value = os.environ.get(var)
+    if value not in (None, "0", "1"):
+        raise ValueError(f"{var}={value!r}: unset (the launch's own choice), 0 or 1")
+    return None if value is None else value == "1"
+
+
 def decode_split_switch() -> bool | None:
     """``HYSERVE_GDN_DECODE_SPLIT``: unset (each launch as :func:`~hyserve.kernels.gdn.decode.decode_launch` says), 0
     (every fused decode launch walks each head in one program) or 1 (every launch splits each head over its value
     blocks); any other value is refused. For benchmarks that compare the two launches in one engine."""
-    value = os.environ.get("HYSERVE_GDN_DECODE_SPLIT")
-    if value not in (None, "0", "1"):
-        raise ValueError(f"HYSERVE_GDN_DECODE_SPLIT={value!r}: unset (the launch's own choice), 0 or 1")
-    return None if value is None else value == "1"
+    return _three_way("HYSERVE_GDN_DECODE_SPLIT")
 
 
 def decode_upfront_switch() -> bool | None:
@@ -74,13 +80,11 @@ def decode_upfront_switch() -> bool | None:
     only on the slot issued before the q / k prologue, the gated norm from registers); any other value is refused, and
     1 with ``HYSERVE_GDN_DECODE_SPLIT=1`` too (a split launch has no such form). For benchmarks that compare the two
     forms in one engine."""
-    value = os.environ.get("HYSERVE_GDN_DECODE_UPFRONT")
-    if value not in (None, "0", "1"):
-        raise ValueError(f"HYSERVE_GDN_DECODE_UPFRONT={value!r}: unset (the launch's own choice), 0 or 1")
-    if value == "1" and decode_split_switch():
+    value = _three_way("HYSERVE_GDN_DECODE_UPFRONT")
+    if value and decode_split_switch():
         raise ValueError("HYSERVE_GDN_DECODE_UPFRONT=1 is a form of the walk; HYSERVE_GDN_DECODE_SPLIT=1 forces the "
                          "split launch: set one of them")
-    return None if value is None else value == "1"
+    return value
 
 
 def decode_persist_switch() -> bool | None:
@@ -90,17 +94,15 @@ def decode_persist_switch() -> bool | None:
     state tiles are in flight while a program computes; the conv windows rolled in a second launch). Off until a
     card has timed it. Any other value is refused, and 1 beside ``HYSERVE_GDN_DECODE_SPLIT=1`` (a split launch),
     ``HYSERVE_GDN_DECODE_UPFRONT=0`` (it is that form) or ``HYSERVE_GDN_FUSED_QUANT=1`` (it does not quantize)."""
-    value = os.environ.get("HYSERVE_GDN_DECODE_PERSIST")
-    if value not in (None, "0", "1"):
-        raise ValueError(f"HYSERVE_GDN_DECODE_PERSIST={value!r}: unset, 0 or 1")
-    if value == "1":
+    value = _three_way("HYSERVE_GDN_DECODE_PERSIST")
+    if value:
         clash = [name for name, on in (("HYSERVE_GDN_DECODE_SPLIT=1", decode_split_switch() is True),
                                        ("HYSERVE_GDN_DECODE_UPFRONT=0", decode_upfront_switch() is False),
                                        ("HYSERVE_GDN_FUSED_QUANT=1", output_quant_switch())) if on]
         if clash:
             raise ValueError(f"HYSERVE_GDN_DECODE_PERSIST=1 (the persistent UPFRONT walk, unquantized) beside "
                              f"{', '.join(clash)}: set one of them")
-    return None if value is None else value == "1"
+    return value
 
 
 def state_layout_switch() -> str:

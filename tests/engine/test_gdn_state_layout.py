@@ -42,7 +42,7 @@ def test_a_spec_stores_its_view_in_the_order_it_names() -> None:
 
 
 def test_entry_rows_are_each_entrys_memory_at_unit_stride() -> None:
-    """The pool copies and fills whole entries through ``entry_rows``: row i is entry i's memory, unit stride in any
+    """A layer's slot copies (``copy_slots``) go through ``entry_rows``: row i is entry i's memory, unit stride in any
     memory order (the fast row kernels, not the strided element-wise ones a transposed view takes); a tensor whose
     entries are not dense blocks is refused."""
     for order in (None, (0, 2, 1), (2, 0, 1)):
