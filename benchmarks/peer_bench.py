@@ -45,6 +45,11 @@ Qwen3-VL processor finds the image placeholder through the tokenizer, so image r
   which this measure passes); ``notes`` names the source;
 - ``spec``: decode tokens/s with ``--speculative-config`` against the same run without it (a trained head:
   the packaged model), at each ``--spec-batches`` size.
+- ``profile``: where a decode step's device time goes at each ``--profile-batches`` size, by each engine's own
+  profiler (hyserve's worker runs in this process, vLLM's in its engine core's, which writes a trace per
+  ``start_profile`` / ``stop_profile``): two profiled runs on fresh prompts, one token each and ``--profile-steps``
+  more, their difference per step by kernel and by family (``kernel_families.py``), under ``profiles`` in the
+  file (``plot_step_families.py`` draws them).
 
 A measure that fails is recorded under ``errors`` (the file keeps the others; the exit status is 1).
 ``report`` merges each engine's files of one model, pairs hyserve's and vLLM's and writes one entry per measure
@@ -327,6 +332,8 @@ class Engine:
         # ``disable_log_stats`` is vLLM's (False keeps RequestOutput.metrics; hyserve always fills it).
         images = kw.pop("limit_mm_per_prompt", None)
         log_stats_off = kw.pop("disable_log_stats", None)
+        # where ``profiled`` leaves its traces (the profile measure); vLLM's profiler is set at construction
+        self.profile_dir: str | None = kw.pop("profile_dir", None)
         if name == "hyserve":
             from hyserve import LLM, SamplingParams
 
@@ -349,6 +356,11 @@ class Engine:
                 elif not is_nemotron_h(model):
                     kw["mamba_cache_mode"] = "align"
             kw.pop("cpu_cache_memory_bytes", None)
+            if self.profile_dir:
+                # the engine core's worker profiles itself (its own process); kernels only, no stacks, no front end
+                kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": self.profile_dir,
+                                         "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+                                         "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
             if log_stats_off is not None:
                 kw["disable_log_stats"] = log_stats_off
             # Images per prompt (none unless a measure sends some): a VLM-form checkpoint's; vLLM refuses the field
@@ -368,6 +380,29 @@ class Engine:
         params = [self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
         items = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
         return self.llm.generate(items, params, use_tqdm=False)
+
+    def profiled(self, fn: Callable[[], Any]) -> dict[str, float]:
+        """Device microseconds by kernel name while ``fn`` runs, read from the engine's own profiler trace: hyserve's
+        worker runs in this process (torch.profiler around ``fn``), vLLM's in its engine core's (its
+        ``start_profile`` / ``stop_profile``, which write one trace file per call under ``profile_dir``)."""
+        if not self.profile_dir:
+            raise RuntimeError("profiled() needs an Engine built with profile_dir")
+        if self.name == "hyserve":
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=acts) as prof:
+                fn()
+                _sync()
+            path = os.path.join(self.profile_dir, f"hyserve.{time.time_ns()}.pt.trace.json")
+            prof.export_chrome_trace(path)
+            return trace_kernel_us(path)
+        before = set(os.listdir(self.profile_dir))
+        self.llm.start_profile()
+        fn()
+        self.llm.stop_profile()
+        return trace_kernel_us(_new_trace(self.profile_dir, before))
 
     def spec_stats(self) -> dict[str, float]:
         """Mean acceptance length (1 + accepted drafts per verify row) over the engine's life, where it reports
@@ -615,6 +650,70 @@ def copy_bandwidth() -> float:
     for _ in range(10):
         times.append(_timed(lambda: b.copy_(a)))
     return 2 * a.numel() / sorted(times)[5]
+
+
+def trace_kernel_us(path: str) -> dict[str, float]:
+    """Device microseconds by kernel name in a Chrome trace from torch.profiler (``.json`` or ``.json.gz``): its
+    complete events of the kernel, memcpy and memset categories, kernels replayed inside CUDA graphs included."""
+    import gzip
+
+    with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as f:
+        trace = json.load(f)
+    out: dict[str, float] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            out[e["name"]] = out.get(e["name"], 0.0) + float(e.get("dur", 0.0))
+    return out
+
+
+def _new_trace(directory: str, before: set[str], wait_s: float = 180.0) -> str:
+    """The trace file that appeared in ``directory`` since ``before`` once its size stops changing (vLLM's worker
+    writes it after ``stop_profile`` answers)."""
+    deadline = time.monotonic() + wait_s
+    last = (None, -1)
+    while time.monotonic() < deadline:
+        new = sorted(f for f in set(os.listdir(directory)) - before if ".pt.trace.json" in f)
+        if new:
+            path = os.path.join(directory, new[-1])
+            size = os.path.getsize(path)
+            if (path, size) == last and size > 0:
+                return path
+            last = (path, size)
+        time.sleep(1.0)
+    raise RuntimeError(f"no profiler trace appeared in {directory} within {wait_s:.0f} s")
+
+
+PROFILE_TOP = 40
+
+
+def step_profile(prefill: dict[str, float], run: dict[str, float], steps: int) -> dict[str, Any]:
+    """A decode step's kernels from two profiled runs of fresh prompts of one shape: ``prefill`` generated one token
+    each, ``run`` ``steps`` more. Their difference over ``steps`` is a decode step's device time by kernel (the
+    prefill, its first token and the run's start and end cancel out), by family (``kernel_families``)."""
+    from kernel_families import families
+
+    per = {k: (run.get(k, 0.0) - prefill.get(k, 0.0)) / steps for k in set(run) | set(prefill)}
+    top = sorted(per.items(), key=lambda kv: -abs(kv[1]))
+    return {"kernel_ms_per_step": sum(per.values()) / 1e3,
+            "families_ms_per_step": families(list(per.items()), steps=1),
+            "top_kernels_us_per_step": [[name, round(us, 3)] for name, us in top[:PROFILE_TOP]],
+            "kernels_left_out_of_top": max(0, len(top) - PROFILE_TOP)}
+
+
+def measure_profile(eng: Engine, prompts: Prompts, batches: list[int], steps: int, prompt_len: int,
+                    engine: str) -> list[dict[str, Any]]:
+    """Where a decode step's device time goes at each batch, by the engine's own profiler: one unprofiled run of the
+    shape first (graphs, compiles), then ``step_profile`` of two profiled runs on fresh prompts. One entry per
+    batch, in ``plot_step_families.py``'s form (``label``, ``families_ms_per_step``)."""
+    out = []
+    for b in batches:
+        eng.generate(prompts.fresh(b, prompt_len), steps + 1)
+        one, more = prompts.fresh(b, prompt_len), prompts.fresh(b, prompt_len)
+        first = eng.profiled(lambda p=one: eng.generate(p, 1))  # type: ignore[misc]
+        whole = eng.profiled(lambda p=more: eng.generate(p, steps + 1))  # type: ignore[misc]
+        out.append({"batch": b, "label": f"{engine}, batch {b}", "steps": steps, "prompt_len": prompt_len,
+                    **step_profile(first, whole, steps)})
+    return out
 
 
 def measure_prefill(eng: Engine, prompts: Prompts, n: int, length: int) -> dict[str, float]:
@@ -1067,10 +1166,21 @@ def measure(args: argparse.Namespace) -> int:
             errors[name] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         _release()
+        save()  # what the measures so far found survives a later one that runs past the call's limit
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
 
     def main_group() -> None:
+        kw = dict(common)
+        if "profile" in measures:
+            import tempfile
+
+            kw["profile_dir"] = tempfile.mkdtemp(prefix=f"{args.engine}_profile_")
         eng = Engine(args.engine, args.model, args.device, args.dtype, enable_prefix_caching=args.prefix_caching,
-                     max_num_seqs=max([*batches, args.prefill_prompts]), **common)
+                     max_num_seqs=max([*batches, args.prefill_prompts]), **kw)
         res["version"] = eng.version
         if eng.cache:
             res["vllm_cache"] = eng.cache
@@ -1088,6 +1198,10 @@ def measure(args: argparse.Namespace) -> int:
                 fig["decode_bs1_share_of_bound"] = fig["decode_bs1_tok_s"] / fig["bound_bs1_tok_s"]
         if "prefill" in measures:
             fig.update(measure_prefill(eng, prompts, args.prefill_prompts, args.prefill_len))
+        if "profile" in measures:
+            profile_batches = [int(b) for b in args.profile_batches.split(",")]
+            res["profiles"] = measure_profile(eng, prompts, profile_batches, args.profile_steps,
+                                              args.decode_prompt_len, args.engine)
         eng.shutdown()
 
     def start() -> None:  # its own process, after a first one: compile caches warm
@@ -1152,8 +1266,8 @@ def measure(args: argparse.Namespace) -> int:
         for b in spec_batches:
             fig[f"spec_speedup_bs{b}"] = fig[f"spec_decode_bs{b}_tok_s"] / fig[f"plain_decode_bs{b}_tok_s"]
 
-    if {"decode", "bound", "prefill"} & set(measures):
-        attempt("decode,bound,prefill", main_group)
+    if {"decode", "bound", "prefill", "profile"} & set(measures):
+        attempt("decode,bound,prefill,profile", main_group)
     if "start" in measures:
         attempt("start", start)
     if "agent" in measures:
@@ -1162,9 +1276,7 @@ def measure(args: argparse.Namespace) -> int:
         attempt("agent_images", agent_images)
     if "spec" in measures and args.speculative_config:
         attempt("spec", spec)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(res, f, indent=2)
+    save()
     print(json.dumps(res, indent=2))
     return 1 if errors else 0
 
@@ -1468,6 +1580,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--decode-prompt-len", type=int, default=512,
                    help="the decode measure's prompt length (the figures' 512; the CPU tests take a few tokens, so "
                         "that the decode steps, not the prefill's noise, make t(N) - t(1))")
+    m.add_argument("--profile-batches", default="1,64",
+                   help="the profile measure's batches: a decode step's device time by kernel and family, by the "
+                        "engine's own profiler (vLLM's in its engine core's process)")
+    m.add_argument("--profile-steps", type=int, default=24)
     m.add_argument("--prefill-prompts", type=int, default=32)
     m.add_argument("--prefill-len", type=int, default=2048)
     m.add_argument("--agent-scale", choices=["full", "tiny"], default="full")

@@ -44,6 +44,8 @@
 #   bash benchmarks/peer_session.sh mamba2 n8b n8b_agent   # those runs alone (mamba2-vllm too)
 #   bash benchmarks/peer_session.sh seed        # issue 34: hyserve on the seed's deployment (27B FP8 dummy, images,
 #                                               # MTP 2 planted at 80 %, 32 agents; seed_bench.py)
+#   bash benchmarks/peer_session.sh profile34 [hyserve|vllm]   # issue 34: a 9B decode step by kernel family in each
+#                                               # engine's own profiler, batch 1 and 64 (vLLM's default mode)
 #   bash benchmarks/peer_session.sh seed-vllm   # vLLM (default mode): the same; then here: python
 #                                               # benchmarks/seed_bench.py report <both JSON files> --out DIR
 #
@@ -757,6 +759,31 @@ case "${1:?phase}" in
         moe_done "$engine" "$run" "$OUT/${engine}_$run.json" decode_bs1_tok_s
     done
     true
+    ;;
+  profile34)
+    # Issue 34, item 3: where a decode step's device time goes in each engine, by its own profiler (peer_bench.py's
+    # profile measure: two profiled runs, one token and 24 more, their difference per step by kernel and family),
+    # the 9B bf16 with bf16 GDN states (vLLM's like) at batch 1 and 64: which of hyserve's families is longer than
+    # vLLM's. hyserve's first (150 s), then vLLM's default mode (a cold start, about 250 s, then the runs). Each run
+    # marked done in $MOE_DONE (a later call goes on where this one stopped); profile34 vllm: vLLM's alone.
+    p9b
+    for spec in "hyserve:200" "vllm:480"; do
+        IFS=: read -r engine cap <<< "$spec"
+        [ -n "${2:-}" ] && [ "$2" != "$engine" ] && continue
+        limit=$(moe_todo "$engine" 9b_profile "$cap")
+        [ -n "$limit" ] || continue
+        args=(--measures profile --profile-batches 1,64 --profile-steps 24 --mamba-ssm-cache-dtype auto)
+        [ "$engine" = vllm ] && ! vllm_warm && args+=(--vllm-gdn-prefill-backend triton)
+        ( [ "$engine" = vllm ] && VLLM_ENV=("${VLLM_DEFAULT_ENV[@]}"); measure "$engine" /tmp/p9b 9b_profile "$limit" "${args[@]}" )
+        moe_done "$engine" 9b_profile "$OUT/${engine}_9b_profile.json" families_ms_per_step
+        python3 - "$OUT/${engine}_9b_profile.json" <<'PY' || true
+import json, sys
+res = json.load(open(sys.argv[1]))
+for p in res.get("profiles", []):
+    print(p["label"], f"{p['kernel_ms_per_step']:.3f} ms/step", {k: round(v, 3) for k, v in p["families_ms_per_step"].items()})
+print("errors", res.get("errors"))
+PY
+    done
     ;;
   prefill34)
     # Issue 34, item 2: where a 32 x 2048 prefill's time goes at HEAD on the 2B and 9B shapes (kernels by family,

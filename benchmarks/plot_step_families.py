@@ -4,6 +4,7 @@
     python benchmarks/plot_step_families.py step_b1.json step_b64.json --labels "batch 1" "batch 64" \
         --title "9B bf16, H100" --out step.png
 
+``peer_bench.py measure --measures profile`` files (hyserve's or vLLM's, their ``profiles``) are read the same way.
 A file may hold several runs (``--batch 1,64``): each is a bar, labelled by its ``label`` or ``batch N`` unless
 ``--labels`` names them all, in file order; runs without a breakdown (the CPU's) are left out.
 """
@@ -20,6 +21,8 @@ def bars(paths: list[str]) -> list[tuple[str, dict[str, float]]]:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             runs = json.load(f)
+        if isinstance(runs, dict) and "profiles" in runs:  # peer_bench.py measure --measures profile: either engine
+            runs = runs["profiles"]
         for run in runs if isinstance(runs, list) else [runs]:
             fams = run.get("families_ms_per_step")
             if fams:

@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from trace_gaps import format_gaps, gaps_of_profile  # benchmarks/ is on the path (above)
+from kernel_families import families, family_of, format_families  # noqa: F401  (benchmarks/ is on the path)
+from trace_gaps import format_gaps, gaps_of_profile
 
 from hyserve import LLM, SamplingParams
 from hyserve.testing import write_tiny_checkpoint
@@ -57,43 +58,6 @@ def _kernels(prof: Any) -> tuple[float, int, str]:
     cuda = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     return (sum(e.self_device_time_total for e in cuda) / 1e3, sum(e.count for e in cuda),
             prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
-
-
-# Kernel families by name, first match wins (cuBLAS's are nvjet / cutlass / gemm / splitKreduce; torch's own are
-# at::native's element-wise, index and reduce kernels, run eagerly around the graph).
-FAMILIES = (
-    ("GEMMs", ("nvjet", "cutlass", "gemm", "splitkreduce", "_fp8_gemm", "decode_linear", "xmma", "_scaled_mm")),
-    ("GDN (and fla chunk kernels)", ("gdn", "chunk_", "fused_recurrent", "_replay")),
-    ("attention", ("paged", "attn", "flash", "store_kv", "norm_rope", "qsa")),
-    ("Mamba2", ("mamba2",)),
-    ("conv", ("conv1d", "_conv_")),
-    ("MoE", ("moe", "expert", "router")),
-    ("norms, activations, FP8 quantization", ("norm", "silu", "swiglu", "gelu", "relu", "_quant")),
-    ("memcpy, memset", ("memcpy", "memset")),
-    ("torch eager (indexing, copies, sampling)", ("at::native", "aten::")),
-)
-
-
-def family_of(name: str) -> str:
-    """The family of a kernel named ``name`` (``FAMILIES``; ``other`` where none matches)."""
-    low = name.lower()
-    return next((family for family, keys in FAMILIES if any(k in low for k in keys)), "other")
-
-
-def families(kernels: list[tuple[str, float]], steps: int) -> dict[str, float]:
-    """Milliseconds per step by family of ``(kernel name, device us in all)`` pairs over ``steps`` steps, largest
-    first."""
-    out: dict[str, float] = {}
-    for name, us in kernels:
-        fam = family_of(name)
-        out[fam] = out.get(fam, 0.0) + us / 1e3 / steps
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
-def format_families(by_family: dict[str, float]) -> str:
-    total = sum(by_family.values()) or 1.0
-    rows = [f"  {name:<42} {ms:8.3f} ms/step {100 * ms / total:5.1f} %" for name, ms in by_family.items()]
-    return "\n".join(["kernel time by family:", *rows])
 
 
 def _families_of(prof: Any, steps: int) -> dict[str, float]:

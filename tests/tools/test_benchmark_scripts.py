@@ -126,6 +126,91 @@ def test_profile_step_sorts_kernels_into_families() -> None:
     assert text.splitlines()[0] == "kernel time by family:" and "GEMMs" in text.splitlines()[1]
 
 
+def _write_trace(path: Path, events: list[tuple[str, str, float]]) -> None:
+    """A torch.profiler Chrome trace of ``(category, name, duration us)`` events, gzipped where the name says so."""
+    import gzip
+
+    trace = {"traceEvents": [{"ph": "X", "cat": cat, "name": name, "ts": i, "dur": dur}
+                             for i, (cat, name, dur) in enumerate(events)] + [{"ph": "M", "name": "process_name"}]}
+    data = json.dumps(trace).encode()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+
+
+def test_step_profile_is_the_decode_steps_difference_of_two_traces(tmp_path: Path) -> None:
+    """The profile measure's arithmetic: kernels summed by name from each trace (CPU events left out, kernels of one
+    name added up), the prefill-only run subtracted from the run with 24 more steps, over 24, by family (vLLM's
+    kernel names among them)."""
+    import peer_bench
+
+    first, whole = tmp_path / "a.pt.trace.json", tmp_path / "b.pt.trace.json.gz"
+    _write_trace(first, [("kernel", "nvjet_sm90_tst_64x8", 600.0), ("kernel", "nvjet_sm90_tst_64x8", 400.0),
+                         ("kernel", "chunk_gated_delta_rule_fwd_kernel_h", 300.0), ("cpu_op", "aten::mm", 9e6)])
+    _write_trace(whole, [("kernel", "nvjet_sm90_tst_64x8", 1000.0 + 24 * 50), ("kernel",
+                          "chunk_gated_delta_rule_fwd_kernel_h", 300.0),
+                         ("kernel", "fused_recurrent_gated_delta_rule_packed_decode_kernel", 24 * 30.0),
+                         ("kernel", "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 24 * 5.0),
+                         ("kernel", "_causal_conv1d_update_kernel", 24 * 4.0),
+                         ("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 24 * 1.0), ("cpu_op", "aten::mm", 9e6)])
+    assert peer_bench.trace_kernel_us(str(first)) == {"nvjet_sm90_tst_64x8": 1000.0,
+                                                      "chunk_gated_delta_rule_fwd_kernel_h": 300.0}
+    got = peer_bench.step_profile(peer_bench.trace_kernel_us(str(first)), peer_bench.trace_kernel_us(str(whole)), 24)
+    assert got["kernel_ms_per_step"] == pytest.approx((50 + 30 + 5 + 4 + 1) / 1e3)
+    assert got["families_ms_per_step"] == pytest.approx({
+        "GEMMs": 0.05, "GDN (and fla chunk kernels)": 0.03, "torch.compile fused kernels": 0.005, "conv": 0.004,
+        "memcpy, memset": 0.001})
+    assert got["top_kernels_us_per_step"][0] == ["nvjet_sm90_tst_64x8", 50.0]
+
+
+def test_vllm_profiled_reads_the_trace_its_engine_core_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's side of ``Engine.profiled``: its profiler is configured at construction (the engine core's worker
+    writes one trace a start/stop), and the measure reads the trace that call wrote, not an older one."""
+    import types
+
+    import peer_bench
+
+    made: dict[str, object] = {}
+
+    class FakeLLM:
+        def __init__(self, model: str, dtype: str, **kw: object) -> None:
+            made.update(kw)
+
+        def start_profile(self) -> None:
+            made["started"] = True
+
+        def stop_profile(self) -> None:
+            _write_trace(tmp_path / "prof" / "EngineCore_0.200.pt.trace.json.gz",
+                         [("kernel", "fused_recurrent_gated_delta_rule_packed_decode_kernel", 7.0)])
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=dict,
+                                                                  __version__="stand-in"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    (tmp_path / "prof").mkdir()
+    _write_trace(tmp_path / "prof" / "EngineCore_0.100.pt.trace.json.gz", [("kernel", "older_kernel", 9.0)])
+    eng = peer_bench.Engine("vllm", str(tmp_path / "m"), "cuda", "bfloat16", profile_dir=str(tmp_path / "prof"))
+    config = made["profiler_config"]
+    assert isinstance(config, dict) and config["profiler"] == "torch"
+    assert config["torch_profiler_dir"] == str(tmp_path / "prof") and config["ignore_frontend"] is True
+    assert eng.profiled(lambda: None) == {"fused_recurrent_gated_delta_rule_packed_decode_kernel": 7.0}
+    assert made["started"] is True
+    plain = peer_bench.Engine("vllm", str(tmp_path / "m"), "cuda", "bfloat16")
+    with pytest.raises(RuntimeError, match="profile_dir"):
+        plain.profiled(lambda: None)
+
+
+def test_plot_step_families_reads_both_engines_profiles(tmp_path: Path) -> None:
+    """``plot_step_families.py`` takes the profile measure's files (their ``profiles``) beside profile_step.py's."""
+    import plot_step_families
+
+    peer = {"engine": "vllm", "profiles": [{"batch": 64, "label": "vllm, batch 64",
+                                            "families_ms_per_step": {"GEMMs": 6.0, "conv": 0.2}}]}
+    ours = [{"batch": 64, "families_ms_per_step": {"GEMMs": 6.1}}]
+    (tmp_path / "v.json").write_text(json.dumps(peer))
+    (tmp_path / "h.json").write_text(json.dumps(ours))
+    got = plot_step_families.bars([str(tmp_path / "h.json"), str(tmp_path / "v.json")])
+    assert got == [("batch 64", {"GEMMs": 6.1}), ("vllm, batch 64", {"GEMMs": 6.0, "conv": 0.2})]
+
+
 @pytest.mark.slow  # 14 s: benchmark tooling, the suite's budget
 def test_profile_step_and_decode_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import plot_decode
@@ -209,7 +294,8 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
     for name in ("preprocessor_config.json", "video_preprocessor_config.json", "mtp.safetensors"):
         assert (tmp_path / "m" / name).is_file()
     subprocess.run([sys.executable, script, "measure", "--engine", "hyserve", "--model", model, "--device", "cpu",
-                    "--dtype", "float32", "--out", str(out), "--measures", "decode,prefill,agent", "--batches", "1,2",
+                    "--dtype", "float32", "--out", str(out), "--measures", "decode,prefill,agent,profile",
+                    "--batches", "1,2", "--profile-batches", "1,2", "--profile-steps", "3",
                     "--decode-tokens", "12", "--decode-prompt-len", "16", "--prefill-prompts", "2",
                     "--prefill-len", "48", "--agent-scale", "tiny", "--max-model-len", "2048"],
                    check=True, env=env, capture_output=True)
@@ -225,6 +311,8 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
     figs = ours["figures"]
     assert figs["decode_bs1_tok_s"] > 0 and figs["prefill_tok_s"] > 0 and figs["agent_wall_s"] > 0
     assert 0 < figs["agent_cached_share"] < 1  # the shared prefix and earlier turns hit
+    # the profile measure's hyserve branch: torch.profiler in this process; the CPU runs no device kernels
+    assert [(p["batch"], p["steps"], p["kernel_ms_per_step"]) for p in ours["profiles"]] == [(1, 3, 0.0), (2, 3, 0.0)]
     peer = dict(ours, engine="vllm", version="stand-in",
                 figures={"prefill_tok_s": figs["prefill_tok_s"] / 2, "agent_wall_s": figs["agent_wall_s"] * 4})
     (tmp_path / "vllm.json").write_text(json.dumps(peer))

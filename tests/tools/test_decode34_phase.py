@@ -27,7 +27,7 @@ printf '\\n' >> "$CALLS"
 """
 
 
-def _run(tmp_path: Path, phase: str) -> list[tuple[str, list[str]]]:
+def _run(tmp_path: Path, phase: str, *args: str) -> list[tuple[str, list[str]]]:
     bin_dir, out, calls = tmp_path / "bin", tmp_path / "out", tmp_path / "calls"
     bin_dir.mkdir(exist_ok=True)
     out.mkdir(exist_ok=True)
@@ -40,7 +40,8 @@ def _run(tmp_path: Path, phase: str) -> list[tuple[str, list[str]]]:
                 "HYSERVE_GDN_DECODE_SPLIT", "HYSERVE_GDN_STATE_LAYOUT", "HYSERVE_GDN_DECODE_UPFRONT",
                 "HYSERVE_GDN_DECODE_PERSIST"):
         env.pop(var, None)
-    subprocess.run(["bash", str(SESSION), phase], check=True, env=env, cwd=SESSION.parents[1], capture_output=True)
+    subprocess.run(["bash", str(SESSION), phase, *args], check=True, env=env, cwd=SESSION.parents[1],
+                   capture_output=True)
     recorded = []
     for line in calls.read_bytes().decode().splitlines():
         switches, *argv = line.split("\0")
@@ -147,3 +148,24 @@ def test_decode34_persist_runs_the_persistent_launch_beside_the_rule_on_bf16_sta
     ]
     # the other switches left to the engine's rule and defaults
     assert {tuple(s.split(",")[3:6]) for s, _ in _run(tmp_path, "decode34-persist")} == {("unset",) * 3}
+
+
+def test_profile34_profiles_both_engines_on_the_9b_with_bf16_states(tmp_path: Path) -> None:
+    """``profile34``: hyserve's then vLLM's decode step profile on the 9B directory, batch 1 and 64, the GDN state in
+    bf16 (vLLM's like), vLLM in its default mode (no in-process switch); ``profile34 vllm`` runs vLLM's alone, and a
+    run marked done is not made again."""
+    calls = _run(tmp_path, "profile34")
+    parsed = [(s, peer_bench.build_parser().parse_args(a[1:])) for s, a in calls]
+    assert [(s, p.engine, p.model, Path(p.out).name) for s, p in parsed] == [
+        (",".join(["unset"] * 7), "hyserve", "/tmp/p9b", "hyserve_9b_profile.json"),
+        (",".join(["unset"] * 7), "vllm", "/tmp/p9b", "vllm_9b_profile.json")]
+    assert all((p.measures, p.profile_batches, p.mamba_ssm_cache_dtype) == ("profile", "1,64", "auto")
+               for _, p in parsed)
+    assert [p.engine for _, p in parsed if p.vllm_gdn_prefill_backend == "triton"] == ["vllm"]
+    assert [peer_bench.build_parser().parse_args(a[1:]).engine for _, a in _run(tmp_path, "profile34", "vllm")] == [
+        "vllm"]
+    (tmp_path / "done").mkdir(exist_ok=True)
+    (tmp_path / "done" / "vllm_9b_profile").touch()  # done in an earlier call on this machine
+    assert _run(tmp_path, "profile34", "vllm") == []
+    assert [peer_bench.build_parser().parse_args(a[1:]).engine for _, a in _run(tmp_path, "profile34")] == [
+        "hyserve"]
