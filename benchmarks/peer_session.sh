@@ -698,8 +698,9 @@ case "${1:?phase}" in
     # stored key-major (HYSERVE_GDN_STATE_LAYOUT=key) against value-major (=value, the default), the same runs.
     # decode34-upfront: the GDN decode's walk as it is (HYSERVE_GDN_DECODE_UPFRONT=0) against its UPFRONT form (=1:
     # every load that waits only on the slot issued first, the norm from registers), the same runs.
-    # decode34-persist: the engine's own launches (HYSERVE_GDN_DECODE_PERSIST=0) against the persistent launch at
-    # every step (=1: the UPFRONT walk looping over pairs in a pipelined loop, the windows rolled after), the same runs.
+    # decode34-persist: the engine without the persistent launch (HYSERVE_GDN_DECODE_PERSIST=0) against its rule
+    # (unset: the persistent launch, the UPFRONT walk looping over pairs, the windows rolled after, from 1,024 (row,
+    # value head) pairs), the same runs.
     # Each run marked done in $MOE_DONE (a later call goes on where this one stopped).
     p9b
     if [ ! -f /tmp/s27/tokenizer.json ]; then
@@ -727,9 +728,9 @@ case "${1:?phase}" in
         engine=hyserve
     elif [ "$1" = decode34-persist ]; then
         runs=("9b_bf16state_launches:/tmp/p9b:150:HYSERVE_GDN_DECODE_PERSIST=0:decode_bf16state"
-              "9b_bf16state_persist:/tmp/p9b:150:HYSERVE_GDN_DECODE_PERSIST=1:decode_bf16state"
+              "9b_bf16state_rule:/tmp/p9b:150::decode_bf16state"
               "27b_fp8_bf16state_launches:/tmp/s27:200:HYSERVE_GDN_DECODE_PERSIST=0:decode_bf16state"
-              "27b_fp8_bf16state_persist:/tmp/s27:200:HYSERVE_GDN_DECODE_PERSIST=1:decode_bf16state")
+              "27b_fp8_bf16state_rule:/tmp/s27:200::decode_bf16state")
         engine=hyserve
     elif [ "$1" = decode34-layout ]; then
         runs=("9b_bf16state_key:/tmp/p9b:150:HYSERVE_GDN_STATE_LAYOUT=key:decode_bf16state"

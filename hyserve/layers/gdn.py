@@ -88,12 +88,13 @@ def decode_upfront_switch() -> bool | None:
 
 
 def decode_persist_switch() -> bool | None:
-    """``HYSERVE_GDN_DECODE_PERSIST``: unset or 0 (each launch as :func:`~hyserve.kernels.gdn.decode.decode_launch`
-    says) or 1 (every fused decode step as the persistent launch: the walk's UPFRONT form on a fixed grid of two
-    programs an SM, each looping over the (row, value head) pairs in a loop Triton pipelines, so the next pairs'
-    state tiles are in flight while a program computes; the conv windows rolled in a second launch). Off until a
-    card has timed it. Any other value is refused, and 1 beside ``HYSERVE_GDN_DECODE_SPLIT=1`` (a split launch),
-    ``HYSERVE_GDN_DECODE_UPFRONT=0`` (it is that form) or ``HYSERVE_GDN_FUSED_QUANT=1`` (it does not quantize)."""
+    """``HYSERVE_GDN_DECODE_PERSIST``: unset (the persistent launch where :func:`~hyserve.kernels.gdn.decode.persists`
+    says: a value-major pool, unquantized, from 1,024 (row, value head) pairs), 0 (never: each launch as
+    :func:`~hyserve.kernels.gdn.decode.decode_launch` says) or 1 (every fused decode step as the persistent launch:
+    the walk's UPFRONT form on a fixed grid of two programs an SM, each looping over the (row, value head) pairs; the
+    conv windows rolled in a second launch). Any other value is refused, and 1 beside ``HYSERVE_GDN_DECODE_SPLIT=1``
+    (a split launch), ``HYSERVE_GDN_DECODE_UPFRONT=0`` (it is that form) or ``HYSERVE_GDN_FUSED_QUANT=1`` (it does
+    not quantize)."""
     value = _three_way("HYSERVE_GDN_DECODE_PERSIST")
     if value:
         clash = [name for name, on in (("HYSERVE_GDN_DECODE_SPLIT=1", decode_split_switch() is True),

@@ -996,6 +996,23 @@ def test_the_decode_launch_follows_the_cards_sweep() -> None:
     assert decode_launch(64, 32) == (True, 64, 4, False)  # a key-major pool: as before
 
 
+def test_the_persistent_launch_takes_over_from_1024_pairs() -> None:
+    """The rule of the H100's sweep of 2026-12-06 (nineteenth session): the persistent launch at one stage was
+    1.08-1.15x the UPFRONT launch from batch 32 of the 9B's 32 heads and 22 of the 27B's 48 (1,024 pairs), behind
+    below; on a value-major pool only, never where the launch quantizes its output, a split launch is forced or the
+    UPFRONT form is forced off (the persistent launch is that form)."""
+    from hyserve.kernels.gdn.decode import PERSIST_FROM, PERSIST_STAGES, persists
+
+    assert PERSIST_FROM == 1024 and PERSIST_STAGES == 1
+    assert [b for b in (1, 8, 16, 31, 32, 64) if persists(b, 32, value_major=True)] == [32, 64]
+    assert [b for b in (8, 21, 22, 64) if persists(b, 48, value_major=True)] == [22, 64]
+    assert not persists(64, 32, value_major=False)  # a key-major pool
+    assert not persists(64, 32, value_major=True, quant="fp8")
+    assert not persists(64, 32, value_major=True, split=True)
+    assert not persists(64, 32, value_major=True, upfront=False)
+    assert persists(64, 32, value_major=True, split=False, upfront=True)
+
+
 def assert_three_way_switch(monkeypatch: pytest.MonkeyPatch, var: str, switch: Callable[[], bool | None],
                             attr: str) -> None:
     """``var`` unset: ``switch()`` None; 0 / 1: False / True, and a new mixer's ``attr`` the same; any other value

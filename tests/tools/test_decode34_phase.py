@@ -139,12 +139,12 @@ def test_decode34_upfront_runs_the_walks_two_forms_on_bf16_states(tmp_path: Path
     assert {tuple(s.split(",")[3:5]) for s, _ in _run(tmp_path, "decode34-upfront")} == {("unset", "unset")}
 
 
-def test_decode34_persist_runs_the_persistent_launch_beside_the_rule_on_bf16_states(tmp_path: Path) -> None:
+def test_decode34_persist_runs_the_engine_without_the_persistent_launch_beside_its_rule(tmp_path: Path) -> None:
     assert _switch_runs(tmp_path, "decode34-persist", 6) == [
         ("0", "hyserve_9b_bf16state_launches.json", "/tmp/p9b", "decode,bound", "auto", "auto"),
-        ("1", "hyserve_9b_bf16state_persist.json", "/tmp/p9b", "decode,bound", "auto", "auto"),
+        ("unset", "hyserve_9b_bf16state_rule.json", "/tmp/p9b", "decode,bound", "auto", "auto"),
         ("0", "hyserve_27b_fp8_bf16state_launches.json", "/tmp/s27", "decode,bound", "dummy", "auto"),
-        ("1", "hyserve_27b_fp8_bf16state_persist.json", "/tmp/s27", "decode,bound", "dummy", "auto"),
+        ("unset", "hyserve_27b_fp8_bf16state_rule.json", "/tmp/s27", "decode,bound", "dummy", "auto"),
     ]
     # the other switches left to the engine's rule and defaults
     assert {tuple(s.split(",")[3:6]) for s, _ in _run(tmp_path, "decode34-persist")} == {("unset",) * 3}

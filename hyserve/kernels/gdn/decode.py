@@ -20,9 +20,10 @@ head's state in ``BV``-wide tiles, no host sync, fixed-shape launch: safe to cap
 value block): ``Dv / BV`` times the programs, each one tile in flight; the head's norm by the last of its programs,
 counted in :func:`head_counters_for`'s counters). On a value-major pool from :data:`UPFRONT_FROM` (row, head) pairs
 the walk takes its UPFRONT form (one 128-wide tile, every independent load first, the norm from registers;
-``HYSERVE_GDN_DECODE_UPFRONT``). ``HYSERVE_GDN_DECODE_PERSIST=1`` runs that form as ``_gdn_decode_persist_kernel``
-(two programs an SM looping over the pairs in a pipelined loop) with the windows rolled by ``_conv_roll_kernel``
-after it. Everything else runs the reference sequence.
+``HYSERVE_GDN_DECODE_UPFRONT``), and from :data:`PERSIST_FROM` pairs, unquantized, it runs as
+``_gdn_decode_persist_kernel`` (two programs an SM looping over the pairs; :func:`persists`,
+``HYSERVE_GDN_DECODE_PERSIST``) with the windows rolled by ``_conv_roll_kernel`` after it. Everything else runs the
+reference sequence.
 
 Contract (that of the unfused kernels): ``state_slots[r]`` names row ``r``'s conv window and SSM state; rows are one
 token (``query_start_loc`` steps by 1) or empty (an empty row reads and writes nothing); slots of rows with a token
@@ -90,6 +91,16 @@ WALK_WIDE_UP_TO = 256  # pairs: a value-major walk in (128, 4 warps) tiles, in (
 #   batch 64: 76.90 / 110.55, 78.50 / 110.26, 71.29 / 100.41
 # (8 warps: 2x slower). In the engine (9B, bf16 state): 4,079 / 6,809 tok/s at batch 32 / 64 against 4,015 / 6,751.
 UPFRONT_FROM = 1024  # pairs: a value-major walk in its UPFRONT form (9B batch 32 on, 27B batch 22 on)
+# The persistent launch (the UPFRONT walk on two programs an SM looping over the pairs, the windows rolled after) at
+# 3 / 2 / 1 stages of its loop against the UPFRONT launch, the same bench on an H100 (2026-12-06, nineteenth session,
+# us a layer, 9B / 27B heads; UPFRONT (128, 4), persistent 3 / 2 / 1 stages):
+#   batch 1:  6.17 / 6.68, 7.96 / 8.08, 7.30 / 7.50, 6.51 / 6.71
+#   batch 8:  9.04 / 14.70, 11.15 / 16.19, 10.48 / 14.76, 9.64 / 13.53
+#   batch 32: 32.50 / 54.73, 32.24 / 59.41, 31.80 / 59.79, 28.25 / 49.68
+#   batch 64: 71.20 / 99.76, 79.76 / 114.12, 80.00 / 115.11, 65.65 / 92.32
+# One stage (no buffers in shared memory) is the fastest at every batch, 1.08-1.15x the UPFRONT launch from batch 32.
+PERSIST_FROM = 1024  # pairs: on a value-major pool, unquantized, the persistent launch (9B batch 32 on, 27B 22 on)
+PERSIST_STAGES = 1  # its loop's stages
 
 
 def as_value_major(ssm_state: torch.Tensor) -> torch.Tensor:
@@ -124,6 +135,16 @@ def decode_launch(rows: int, num_v_heads: int, split: bool | None = None, value_
     if upfront:
         return (False, None, 4, True)
     return (False, 128 if pairs <= WALK_WIDE_UP_TO else 64, 4, False) if value_major else (False, None, 4, False)
+
+
+def persists(rows: int, num_v_heads: int, value_major: bool, quant: str | None = None, split: bool | None = None,
+             upfront: bool | None = None) -> bool:
+    """Whether a decode launch of ``rows`` rows takes the persistent launch by the rule: on a ``value_major`` pool,
+    from :data:`PERSIST_FROM` (row, value head) pairs, where the card's sweep has it ahead of the UPFRONT launch;
+    never when it quantizes its output (``quant``), when a split launch is forced (``split`` True) or the walk's
+    UPFRONT form is forced off (``upfront`` False: the persistent launch is that form)."""
+    return (value_major and quant is None and split is not True and upfront is not False
+            and rows * num_v_heads >= PERSIST_FROM)
 
 
 def row_counters_for(num_slots: int, device: torch.device) -> torch.Tensor:
@@ -191,13 +212,15 @@ def gdn_decode_fused(
             (``arrivals`` then from :func:`arrivals_for` with ``split``); without them no launch splits.
         split: on CUDA, whether the launch splits each head; None: where :func:`decode_launch` says so.
         upfront: on CUDA, whether a walk takes its UPFRONT form; None: where :func:`decode_launch` says so.
-        persist: on CUDA, the persistent launch (the UPFRONT walk looping over pairs, pipelined) for every step;
-            None / False: the launch :func:`decode_launch` says. Not with ``quant``.
+        persist: on CUDA, the persistent launch (the UPFRONT walk looping over pairs) for every step (True), never
+            (False), or where :func:`persists` says (None). True not with ``quant``.
     """
     if not x.is_cuda:
         out = gdn_decode_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
                                    ssm_state, state_slots, query_start_loc, num_k_heads)
         return out if quant is None else quantize_activation_ref(out)
+    if persist is None:
+        persist = persists(state_slots.shape[0], ssm_state.shape[1], is_value_major(ssm_state), quant, split, upfront)
     if persist:
         return gdn_decode_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state,
                                        ssm_state, state_slots, query_start_loc, num_k_heads, arrivals, quant,
@@ -283,7 +306,7 @@ def gdn_decode_fused_triton(
     upfront: bool = False,
     persist: bool = False,
     programs: int | None = None,
-    stages: int = 3,
+    stages: int = PERSIST_STAGES,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
