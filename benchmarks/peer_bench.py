@@ -47,9 +47,9 @@ Qwen3-VL processor finds the image placeholder through the tokenizer, so image r
   the packaged model), at each ``--spec-batches`` size.
 - ``profile``: where a decode step's device time goes at each ``--profile-batches`` size, by each engine's own
   profiler (hyserve's worker runs in this process, vLLM's in its engine core's, which writes a trace per
-  ``start_profile`` / ``stop_profile``): two profiled runs on fresh prompts, one token each and ``--profile-steps``
-  more, their difference per step by kernel and by family (``kernel_families.py``), under ``profiles`` in the
-  file (``plot_step_families.py`` draws them).
+  ``start_profile`` / ``stop_profile``): two profiled runs on fresh prompts, ``1 + --profile-skip`` tokens each and
+  ``--profile-steps`` more, their difference per step by kernel and by family (``kernel_families.py``), under
+  ``profiles`` in the file (``plot_step_families.py`` draws them).
 
 A measure that fails is recorded under ``errors`` (the file keeps the others; the exit status is 1).
 ``report`` merges each engine's files of one model, pairs hyserve's and vLLM's and writes one entry per measure
@@ -686,13 +686,13 @@ def _new_trace(directory: str, before: set[str], wait_s: float = 180.0) -> str:
 PROFILE_TOP = 40
 
 
-def step_profile(prefill: dict[str, float], run: dict[str, float], steps: int) -> dict[str, Any]:
-    """A decode step's kernels from two profiled runs of fresh prompts of one shape: ``prefill`` generated one token
-    each, ``run`` ``steps`` more. Their difference over ``steps`` is a decode step's device time by kernel (the
-    prefill, its first token and the run's start and end cancel out), by family (``kernel_families``)."""
+def step_profile(shorter: dict[str, float], longer: dict[str, float], steps: int) -> dict[str, Any]:
+    """A decode step's kernels from two profiled runs of fresh prompts of one shape, ``longer`` ``steps`` decode
+    steps past ``shorter``: their difference over ``steps`` is a decode step's device time by kernel (the prefill,
+    the steps that mix it with decoding and the runs' ends cancel out), by family (``kernel_families``)."""
     from kernel_families import families
 
-    per = {k: (run.get(k, 0.0) - prefill.get(k, 0.0)) / steps for k in set(run) | set(prefill)}
+    per = {k: (longer.get(k, 0.0) - shorter.get(k, 0.0)) / steps for k in set(longer) | set(shorter)}
     top = sorted(per.items(), key=lambda kv: -abs(kv[1]))
     return {"kernel_ms_per_step": sum(per.values()) / 1e3,
             "families_ms_per_step": families(list(per.items()), steps=1),
@@ -701,18 +701,21 @@ def step_profile(prefill: dict[str, float], run: dict[str, float], steps: int) -
 
 
 def measure_profile(eng: Engine, prompts: Prompts, batches: list[int], steps: int, prompt_len: int,
-                    engine: str) -> list[dict[str, Any]]:
+                    engine: str, skip: int = 8) -> list[dict[str, Any]]:
     """Where a decode step's device time goes at each batch, by the engine's own profiler: one unprofiled run of the
-    shape first (graphs, compiles), then ``step_profile`` of two profiled runs on fresh prompts. One entry per
-    batch, in ``plot_step_families.py``'s form (``label``, ``families_ms_per_step``)."""
+    shape first (graphs, compiles), then ``step_profile`` of two profiled runs on fresh prompts, of ``1 + skip`` and
+    ``1 + skip + steps`` tokens each. Both runs' prompts are prefilled alike, in steps that may mix prefill chunks
+    with the first rows' decoding (a 64 x 512 batch takes two steps of 16,384 tokens); ``skip`` decode steps put
+    those behind both, so the difference is ``steps`` steps of every row decoding. One entry per batch, in
+    ``plot_step_families.py``'s form (``label``, ``families_ms_per_step``)."""
     out = []
     for b in batches:
-        eng.generate(prompts.fresh(b, prompt_len), steps + 1)
+        eng.generate(prompts.fresh(b, prompt_len), 1 + skip + steps)
         one, more = prompts.fresh(b, prompt_len), prompts.fresh(b, prompt_len)
-        first = eng.profiled(lambda p=one: eng.generate(p, 1))  # type: ignore[misc]
-        whole = eng.profiled(lambda p=more: eng.generate(p, steps + 1))  # type: ignore[misc]
-        out.append({"batch": b, "label": f"{engine}, batch {b}", "steps": steps, "prompt_len": prompt_len,
-                    **step_profile(first, whole, steps)})
+        shorter = eng.profiled(lambda p=one: eng.generate(p, 1 + skip))  # type: ignore[misc]
+        longer = eng.profiled(lambda p=more: eng.generate(p, 1 + skip + steps))  # type: ignore[misc]
+        out.append({"batch": b, "label": f"{engine}, batch {b}", "steps": steps, "skipped_steps": skip,
+                    "prompt_len": prompt_len, **step_profile(shorter, longer, steps)})
     return out
 
 
@@ -1201,7 +1204,7 @@ def measure(args: argparse.Namespace) -> int:
         if "profile" in measures:
             profile_batches = [int(b) for b in args.profile_batches.split(",")]
             res["profiles"] = measure_profile(eng, prompts, profile_batches, args.profile_steps,
-                                              args.decode_prompt_len, args.engine)
+                                              args.decode_prompt_len, args.engine, args.profile_skip)
         eng.shutdown()
 
     def start() -> None:  # its own process, after a first one: compile caches warm
@@ -1584,6 +1587,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the profile measure's batches: a decode step's device time by kernel and family, by the "
                         "engine's own profiler (vLLM's in its engine core's process)")
     m.add_argument("--profile-steps", type=int, default=24)
+    m.add_argument("--profile-skip", type=int, default=8,
+                   help="decode steps in both profiled runs before the ones compared (the prefill's mixed steps)")
     m.add_argument("--prefill-prompts", type=int, default=32)
     m.add_argument("--prefill-len", type=int, default=2048)
     m.add_argument("--agent-scale", choices=["full", "tiny"], default="full")

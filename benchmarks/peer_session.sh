@@ -763,7 +763,7 @@ case "${1:?phase}" in
     ;;
   profile34)
     # Issue 34, item 3: where a decode step's device time goes in each engine, by its own profiler (peer_bench.py's
-    # profile measure: two profiled runs, one token and 24 more, their difference per step by kernel and family),
+    # profile measure: two profiled runs, 9 tokens and 24 more, their difference per step by kernel and family),
     # the 9B bf16 with bf16 GDN states (vLLM's like) at batch 1 and 64: which of hyserve's families is longer than
     # vLLM's. hyserve's first (150 s), then vLLM's default mode (a cold start, about 250 s, then the runs). Each run
     # marked done in $MOE_DONE (a later call goes on where this one stopped); profile34 vllm: vLLM's alone.

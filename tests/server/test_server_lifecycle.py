@@ -101,3 +101,29 @@ def test_a_worker_dying_while_idle_fails_the_loop(ckpts: CheckpointCache) -> Non
         async_engine.shutdown()
         engine.shutdown()
     assert process_gone(pid)
+
+
+def test_the_async_engine_imports_without_the_web_stack() -> None:
+    """``AsyncEngine`` (the engine on its thread, as ``benchmarks/seed_bench.py`` drives it in process) and the engine
+    arguments import where FastAPI, Starlette and uvicorn are not installed (a GPU machine with torch alone: the
+    seed deployment's first run failed on ``import fastapi`` through ``hyserve.server``); ``build_app`` alone needs
+    them, and says so."""
+    code = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('fastapi', 'starlette', 'uvicorn'):
+            raise ImportError('not installed: ' + name)
+sys.meta_path.insert(0, Block())
+from hyserve.server import AsyncEngine
+from hyserve.engine_args import engine_args, expand_dotted, make_llm
+assert not any(m.split('.')[0] in ('fastapi', 'starlette', 'uvicorn') for m in sys.modules)
+import hyserve.server
+try:
+    hyserve.server.build_app
+except ImportError as e:
+    print('build_app:', e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "build_app: not installed: fastapi" in out.stdout

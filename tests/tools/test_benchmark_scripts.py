@@ -312,7 +312,8 @@ def test_peer_bench_writes_measures_and_reports_on_the_cpu(tmp_path: Path) -> No
     assert figs["decode_bs1_tok_s"] > 0 and figs["prefill_tok_s"] > 0 and figs["agent_wall_s"] > 0
     assert 0 < figs["agent_cached_share"] < 1  # the shared prefix and earlier turns hit
     # the profile measure's hyserve branch: torch.profiler in this process; the CPU runs no device kernels
-    assert [(p["batch"], p["steps"], p["kernel_ms_per_step"]) for p in ours["profiles"]] == [(1, 3, 0.0), (2, 3, 0.0)]
+    assert [(p["batch"], p["steps"], p["skipped_steps"], p["kernel_ms_per_step"]) for p in ours["profiles"]] == [
+        (1, 3, 8, 0.0), (2, 3, 8, 0.0)]
     peer = dict(ours, engine="vllm", version="stand-in",
                 figures={"prefill_tok_s": figs["prefill_tok_s"] / 2, "agent_wall_s": figs["agent_wall_s"] * 4})
     (tmp_path / "vllm.json").write_text(json.dumps(peer))
