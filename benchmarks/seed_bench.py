@@ -267,7 +267,8 @@ class HyserveAsync:
 
 class VllmAsync:
     """vLLM's ``AsyncLLM`` (what ``vllm serve`` runs; engine core in its own process unless
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on engine args parsed from ``flags`` by vLLM's own parser."""
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on engine args parsed from ``flags`` by vLLM's own parser, built in
+    ``vllm serve``'s usage context (``OPENAI_API_SERVER``), whose defaults (tokens a step among them) it takes."""
 
     name = "vllm"
 
@@ -281,9 +282,14 @@ class VllmAsync:
             from vllm.utils.argparse_utils import FlexibleArgumentParser
         except ImportError:  # older releases
             from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
+        from vllm.usage.usage_lib import UsageContext
+
         parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
         self.args = parser.parse_args(["--model", model, *flags])
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(self.args))
+        # ``vllm serve``'s usage context: its defaults follow it (on an H100 or H200, 8,192 tokens a step where
+        # ``AsyncLLM.from_engine_args``'s own default context gets the scheduler's 2,048)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(self.args),
+                                                usage_context=UsageContext.OPENAI_API_SERVER)
         self.version = vllm.__version__
         self.SamplingParams = SamplingParams
 

@@ -359,8 +359,9 @@ class _StubLLM:
         self.args, self.requests, self.closed = args, [], False
 
     @classmethod
-    def from_engine_args(cls, args: Any) -> _StubLLM:
+    def from_engine_args(cls, args: Any, usage_context: Any = None) -> _StubLLM:
         cls.made.append(cls(args))
+        cls.made[-1].usage_context = usage_context
         return cls.made[-1]
 
     async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> Any:
@@ -403,7 +404,12 @@ def test_the_vllm_client_takes_the_seed_flags_and_runs_the_loop(vlm: str, tmp_pa
             "vllm.v1": types.ModuleType("vllm.v1"), "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
             "vllm.v1.engine.async_llm": types.ModuleType("vllm.v1.engine.async_llm"),
             "vllm.utils": types.ModuleType("vllm.utils"),
-            "vllm.utils.argparse_utils": types.ModuleType("vllm.utils.argparse_utils")}
+            "vllm.utils.argparse_utils": types.ModuleType("vllm.utils.argparse_utils"),
+            "vllm.usage": types.ModuleType("vllm.usage"),
+            "vllm.usage.usage_lib": types.ModuleType("vllm.usage.usage_lib")}
+    # vLLM's UsageContext as far as the client names it (vllm/usage/usage_lib.py: an enum of these names)
+    mods["vllm.usage.usage_lib"].UsageContext = types.SimpleNamespace(  # type: ignore[attr-defined]
+        ENGINE_CONTEXT="engine_context", OPENAI_API_SERVER="openai_api_server")
     mods["vllm"].__version__ = "0.24.0-stub"  # type: ignore[attr-defined]
     mods["vllm"].SamplingParams = Params  # type: ignore[attr-defined]
     mods["vllm.engine.arg_utils"].AsyncEngineArgs = _StubArgs  # type: ignore[attr-defined]
@@ -423,6 +429,8 @@ def test_the_vllm_client_takes_the_seed_flags_and_runs_the_loop(vlm: str, tmp_pa
                     "synthetic_acceptance_rates": [0.8, 0.64]}
     assert argv[argv.index("--load-format") + 1] == "dummy" and "--device" not in argv
     llm = _StubLLM.made[0]
+    # built as `vllm serve` builds it: its defaults (8,192 tokens a step on an H100) follow the usage context
+    assert llm.usage_context == "openai_api_server"
     assert llm.closed and len(llm.requests) == TINY.requests + TINY.concurrency  # the warm-up's first steps too
     assert all(p.temperature == 0.0 and p.ignore_eos and TINY.output_len[0] <= p.max_tokens <= TINY.output_len[1]
                for _, p in llm.requests)
