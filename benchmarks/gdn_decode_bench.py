@@ -25,7 +25,8 @@ program's state tile loaded before its q / k prologue (``early_state``); a trail
 whole state one tile (``BV`` at least ``Dv``), every load that waits only on the slot issued before the q / k
 prologue and the gated norm taken from registers (``upfront``); ``BVxWpN`` is that walk as the persistent launch (a
 fixed grid of two programs an SM looping over the (row, head) pairs in a loop Triton pipelines over ``N`` stages, the
-windows rolled in a second launch; ``persist``). ``--state-layout v`` stores the pool
+windows rolled in a second launch; ``persist``), ``BVxWp1r`` the same at one stage rolling the windows in its loop
+(``roll_inside``, no second launch). ``--state-layout v`` stores the pool
 value-major (each head's ``(Dk, Dv)`` state as its transpose in memory, the layout fla's ``state_v_first`` prefill
 writes) and hands the kernels the same logical view with swapped strides: the kernels take every state stride, so
 only the access pattern changes (each launch's ``max_diff`` is against the key-major pool's unfused output).
@@ -120,10 +121,12 @@ class Launch(NamedTuple):
     one: bool = False
     upfront: bool = False
     persist: int = 0  # the persistent launch's pipeline stages; 0: not persistent
+    roll: bool = False  # the persistent launch at one stage rolling the windows in its loop
 
     def kwargs(self) -> dict[str, Any]:
         return dict(block_v=self.bv, num_warps=self.warps, split=self.split, early_state=self.early,
-                    one_pass=self.one, upfront=self.upfront, persist=self.persist > 0, stages=self.persist or 3)
+                    one_pass=self.one, upfront=self.upfront, persist=self.persist > 0, stages=self.persist or 3,
+                    roll_inside=self.roll)
 
 
 def parse_launch(text: str) -> Launch:
@@ -133,7 +136,10 @@ def parse_launch(text: str) -> Launch:
     split launch (``"BVxWs1"``, ``"BVxWse1"``) the output in one pass: ``(..., True, False)``; ``"BVxWu"`` the walk
     with every independent load issued first and the norm from registers (``BV`` the head's whole width):
     ``(BV, W, False, False, False, True)``; ``"BVxWpN"`` that walk as the persistent launch pipelined over ``N``
-    stages (``"BVxWp"``: 3): ``(BV, W, False, False, False, False, N)``."""
+    stages (``"BVxWp"``: 3): ``(BV, W, False, False, False, False, N)``; ``"BVxWp1r"`` at one stage with the
+    windows rolled in its loop: ``(BV, W, False, False, False, False, 1, True)``."""
+    roll = text.endswith("r")
+    text = text.removesuffix("r")
     body, p, stages = text.rpartition("p")
     persist = 0
     if p and "x" in body and (stages == "" or stages.isdigit()):
@@ -158,16 +164,20 @@ def parse_launch(text: str) -> Launch:
         raise SystemExit(f"--launch {text!r}: u and p are forms of the walk, not of a split launch")
     if upfront and persist:
         raise SystemExit(f"--launch {text!r}: p is already the UPFRONT walk (BVxWpN, not BVxWupN)")
-    return Launch(*launch, split, early, one, upfront, persist)
+    if roll and persist != 1:
+        raise SystemExit(f"--launch {text!r}r: r rolls the windows in the persistent loop at one stage (BVxWp1r)")
+    return Launch(*launch, split, early, one, upfront, persist, roll)
 
 
 def name(bv: int, warps: int, split: bool = False, early: bool = False, one: bool = False,
-         upfront: bool = False, persist: int = 0) -> str:
+         upfront: bool = False, persist: int = 0, roll: bool = False) -> str:
     """A launch's key in the results: ``bv32`` at the shipped 4 warps (the older files' key), else ``bv64w8``;
     ``bv32w1s`` split, ``bv32w1se`` split with the state tile first, ``bv32w1s1`` with the output in one pass,
-    ``bv128u`` / ``bv128w8u`` the walk with its loads up front, ``bv128p3`` its persistent launch at 3 stages."""
+    ``bv128u`` / ``bv128w8u`` the walk with its loads up front, ``bv128p3`` its persistent launch at 3 stages,
+    ``bv128p1r`` at one stage rolling the windows in its loop."""
     return (f"bv{bv}" if warps == 4 and not split else f"bv{bv}w{warps}") + ("s" if split else "") + (
-        "e" if early else "") + ("1" if one else "") + ("u" if upfront else "") + (f"p{persist}" if persist else "")
+        "e" if early else "") + ("1" if one else "") + ("u" if upfront else "") + (
+        f"p{persist}" if persist else "") + ("r" if roll else "")
 
 
 def main() -> int:

@@ -86,6 +86,9 @@ GDN_LAUNCHES = [
     ("UPFRONT 128 x 8", "gdn_decode_fused_g2_bf16_bf16_state", 128, 8, {"UPFRONT": True}),
     ("persistent 128 x 4, 3 stages", "gdn_decode_persist_g2_bf16_bf16_state", 128, 4, {"STAGES": 3}),
     ("persistent 128 x 4, 2 stages", "gdn_decode_persist_g2_bf16_bf16_state", 128, 4, {"STAGES": 2}),
+    ("persistent 128 x 4, 1 stage (the rule)", "gdn_decode_persist_g2_bf16_bf16_state", 128, 4, {"STAGES": 1}),
+    ("persistent 128 x 4, 1 stage, windows rolled inside", "gdn_decode_persist_g2_bf16_bf16_state_roll", 128, 4,
+     {"STAGES": 1, "ROLL": True}),
     ("persistent 128 x 8, 3 stages", "gdn_decode_persist_g2_bf16_bf16_state", 128, 8, {"STAGES": 3}),
     ("split 64 x 4", "gdn_decode_split_g2_bf16_bf16_state", 64, 4, {}),
 ]

@@ -182,7 +182,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor, f32_tol: float = 2e-6, ulps: i
 def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Tensor], exact: bool,
                 block_v: int | None = None, out_ulps: int = 1, split: bool = False,
                 early: bool = False, one_pass: bool = False, upfront: bool = False, persist: bool = False,
-                programs: int | None = None) -> tuple[bool, str]:
+                programs: int | None = None, roll_inside: bool = False) -> tuple[bool, str]:
     """The fused kernel (NaN-poisoned output) against ``want_fn`` run on a copy of the pools: token rows' outputs
     (all but the pad rows', which must be finite), the pools at the rows' slots (every other slot, the empty rows'
     among them, untouched), the arrival counters back at zero. ``exact``: pools bit for bit and outputs within one
@@ -197,7 +197,8 @@ def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Ten
     heads = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device) if split else None
     out = torch.full((p["x"].shape[0], p["z"].shape[1]), float("nan"), dtype=p["x"].dtype, device=p["x"].device)
     gdn_decode_fused_triton(**got_p, arrivals=arrivals, out=out, block_v=block_v, split=split, head_counts=heads,
-                            early_state=early, one_pass=one_pass, upfront=upfront, persist=persist, programs=programs)
+                            early_state=early, one_pass=one_pass, upfront=upfront, persist=persist, programs=programs,
+                            roll_inside=roll_inside)
     toks, slots = token_rows(p)
     msgs, goods = [], []
 
@@ -418,16 +419,17 @@ def _interp_upfront(name: str, against: str) -> tuple[bool, str]:
     return check_fused(p, unfused_triton, exact=True, block_v=bv, upfront=True)
 
 
-def _interp_persist(name: str, against: str, programs: int = 3) -> tuple[bool, str]:
+def _interp_persist(name: str, against: str, programs: int = 3, roll_inside: bool = False) -> tuple[bool, str]:
     """The persistent launch (the UPFRONT walk on a grid of ``programs`` programs looping over the (row, head)
-    pairs, then the windows' roll in a second launch): ``unfused`` against the unfused kernels (pools bit for bit),
-    ``pool_rows`` the same on the engine's pool rows (value-major), ``upfront`` against the UPFRONT launch with one
-    program a pair (outputs and pools bit for bit)."""
+    pairs, then the windows' roll in a second launch, or with ``roll_inside`` in the loop): ``unfused`` against the
+    unfused kernels (pools bit for bit), ``pool_rows`` the same on the engine's pool rows (value-major), ``upfront``
+    against the UPFRONT launch with one program a pair (outputs and pools bit for bit)."""
     p, _ = _case(name, 11, pad_rows=2)
     bv = next_pow2(p["ssm_state"].shape[-1])
+    kw = dict(exact=True, block_v=bv, persist=True, programs=programs, roll_inside=roll_inside)
     if against == "pool_rows":
         p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
-        return check_fused(p, key_major_unfused, exact=True, block_v=bv, persist=True, programs=programs)
+        return check_fused(p, key_major_unfused, **kw)  # type: ignore[arg-type]
     if against == "upfront":
         from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
@@ -438,9 +440,8 @@ def _interp_persist(name: str, against: str, programs: int = 3) -> tuple[bool, s
             assert isinstance(out, torch.Tensor)
             return out
 
-        ok, msg = check_fused(p, upfront, exact=True, block_v=bv, persist=True, programs=programs)
-        return ok, msg
-    return check_fused(p, unfused_triton, exact=True, block_v=bv, persist=True, programs=programs)
+        return check_fused(p, upfront, **kw)  # type: ignore[arg-type]
+    return check_fused(p, unfused_triton, **kw)  # type: ignore[arg-type]
 
 
 # The persistent launch's problems: pad rows and a 48-wide head at Hv / Hk = 2 on three programs (pairs left over on
@@ -448,6 +449,11 @@ def _interp_persist(name: str, against: str, programs: int = 3) -> tuple[bool, s
 PERSIST_CHECKS = [("bf16_g2", "unfused", 3), ("bf16_g2_bf16_state", "pool_rows", 2),
                   ("bf16_g3_odd_widths", "unfused", 1), ("f32_g1", "upfront", 5)]
 PERSIST_DEFAULT = {("bf16_g2", "unfused", 3), ("bf16_g2_bf16_state", "pool_rows", 2)}
+# ... at one stage with the windows rolled in its loop (the q / k windows by the last of a key head's value heads to
+# arrive, over programs in any order): pad rows at Hv / Hk = 2 on three programs, Hv / Hk = 3 at odd widths on two
+# against the UPFRONT launch, the engine's pool rows on one program
+PERSIST_ROLL_CHECKS = [("bf16_g2", "unfused", 3), ("bf16_g3_odd_widths", "upfront", 2),
+                       ("bf16_g2_bf16_state", "pool_rows", 1)]
 
 
 # Mutations of the persistent launch (its loop and the windows' roll after it), each caught on bf16_g2 (an empty
@@ -461,13 +467,16 @@ PERSIST_SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "persist_windows_not_rolled": ("_conv_roll_kernel", [("    tl.store(ptrs, new, mask=m)\n", "    pass\n")]),
     # the empty rows' windows rolled too (by the pad rows' token offset)
     "persist_roll_of_empty_rows": ("_conv_roll_kernel", [("(ch < C) & live, sc_s", "(ch < C), sc_s")]),
+    # roll_inside: the loop leaving the windows as they were
+    "persist_roll_inside_skipped": ("_gdn_decode_persist_kernel", [("BK, BV, DVP, True, ROLL)",
+                                                                    "BK, BV, DVP, True, False)")]),
 }
 
 
 def _interp_persist_sabotage(what: str) -> tuple[bool, str]:
     kernel, edits = PERSIST_SABOTAGES[what]
     with swapped_kernel(TRITON_MODULE, kernel, edits):
-        ok, msg = _interp_persist("bf16_g2", "unfused", programs=2)
+        ok, msg = _interp_persist("bf16_g2", "unfused", programs=2, roll_inside=what == "persist_roll_inside_skipped")
     return not ok, msg
 
 
@@ -787,6 +796,9 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     for name, against, progs in PERSIST_CHECKS:
         check(f"persist_vs_{against}_{name}_{progs}_programs",
               lambda n=name, a=against, g=progs: _interp_persist(n, a, g))
+    for name, against, progs in PERSIST_ROLL_CHECKS:
+        check(f"persist_roll_inside_vs_{against}_{name}_{progs}_programs",
+              lambda n=name, a=against, g=progs: _interp_persist(n, a, g, roll_inside=True))
     for what in PERSIST_SABOTAGES:
         check(f"{what}_caught", lambda w=what: _interp_persist_sabotage(w))
     for dname, dt in (("f32", F32), ("bf16", BF16)):
@@ -812,6 +824,7 @@ INTERP_CHECKS = [
     *[f"upfront_vs_{against}_{name}" for name, against in UPFRONT_CHECKS],
     *[f"{what}_caught" for what in UPFRONT_SABOTAGES],
     *[f"persist_vs_{against}_{name}_{progs}_programs" for name, against, progs in PERSIST_CHECKS],
+    *[f"persist_roll_inside_vs_{against}_{name}_{progs}_programs" for name, against, progs in PERSIST_ROLL_CHECKS],
     *[f"{what}_caught" for what in PERSIST_SABOTAGES],
     "norm_rope_f32", "norm_rope_bf16", "norm_rope_wrong_weight_caught",
 ]
@@ -845,6 +858,9 @@ SLOW_INTERP_CHECKS = [
     *[f"persist_vs_{against}_{name}_{progs}_programs" for name, against, progs in PERSIST_CHECKS
       if (name, against, progs) not in PERSIST_DEFAULT],
     "persist_windows_not_rolled_caught", "persist_roll_of_empty_rows_caught",
+    # roll_inside (off until a card times it): its pool-rows and GQA-at-odd-widths checks
+    "persist_roll_inside_vs_upfront_bf16_g3_odd_widths_2_programs",
+    "persist_roll_inside_vs_pool_rows_bf16_g2_bf16_state_1_programs",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -1280,18 +1296,18 @@ def test_cuda_upfront_walk_matches_the_walk(state_dtype: torch.dtype, warps: int
 
 @cuda
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
-@pytest.mark.parametrize("grid", [(None, 3), (7, 2), (None, 1)])
+@pytest.mark.parametrize("grid", [(None, 3, False), (7, 2, False), (None, 1, False), (None, 1, True), (7, 1, True)])
 def test_cuda_persistent_launch_matches_the_upfront_walk(state_dtype: torch.dtype,
-                                                         grid: tuple[int | None, int]) -> None:
+                                                         grid: tuple[int | None, int, bool]) -> None:
     """The persistent launch (the UPFRONT walk on a fixed grid looping over the (row, head) pairs, pipelined, then
     the windows' roll) on the engine's pool rows, captured in a graph and replayed over new inputs, against the
     UPFRONT launch eager on a copy of the pools: the windows bit for bit, outputs and states within a unit in the last
     place (bit for bit under the interpreter), pad rows on one slot; on the card's
     default grid (two programs an SM: one pair each here) and on 7 programs (several pairs each), at 3, 2 and 1
-    stages."""
+    stages, and at one stage with the windows rolled in the loop (``roll_inside``)."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
-    programs, stages = grid
+    programs, stages, roll_inside = grid
     p = fused_problem([1, 1, 0, 1, 1, 1], 6, 12, 128, 128, BF16, state_dtype, 46, pad_rows=3, device="cuda")
     p["conv_state"], p["ssm_state"] = on_pool_rows(p["conv_state"], p["ssm_state"])
     arrivals = arrivals_for(p["ssm_state"].shape[0], 6, 12, p["x"].device)
@@ -1299,7 +1315,7 @@ def test_cuda_persistent_launch_matches_the_upfront_walk(state_dtype: torch.dtyp
     # the loop's kernel may lay its tile out otherwise, so the key reductions may add up in another order
     replayed_against_eager(
         p, lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, out=out, persist=True, programs=programs,
-                                             stages=stages),
+                                             stages=stages, roll_inside=roll_inside),
         lambda q: gdn_decode_fused_triton(**q, arrivals=arrivals, upfront=True), out, states_exact=False)
     assert not arrivals.any()
 

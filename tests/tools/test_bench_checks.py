@@ -49,7 +49,8 @@ def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
     assert gdn_decode_bench.parse_launch("32x1se1") == (32, 1, True, True, True, False, 0)
     assert gdn_decode_bench.parse_launch("128x4u") == (128, 4, False, False, False, True, 0)  # the walk, loads first
     assert gdn_decode_bench.parse_launch("128x8u").kwargs() == dict(
-        block_v=128, num_warps=8, split=False, early_state=False, one_pass=False, upfront=True, persist=False, stages=3)
+        block_v=128, num_warps=8, split=False, early_state=False, one_pass=False, upfront=True, persist=False, stages=3,
+        roll_inside=False)
     assert gdn_decode_bench.parse_launch("128x4p") == (128, 4, False, False, False, False, 3)  # persistent, 3 stages
     assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["stages"] == 2
     assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["persist"] is True
@@ -60,8 +61,12 @@ def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
     assert gdn_decode_bench.name(128, 4, upfront=True) == "bv128u"
     assert gdn_decode_bench.name(128, 8, upfront=True) == "bv128w8u"
     assert gdn_decode_bench.name(128, 4, persist=3) == "bv128p3"
+    # one stage, the windows rolled in the loop (no second launch)
+    assert gdn_decode_bench.parse_launch("128x4p1r") == (128, 4, False, False, False, False, 1, True)
+    assert gdn_decode_bench.parse_launch("128x4p1r").kwargs()["roll_inside"] is True
+    assert gdn_decode_bench.name(*gdn_decode_bench.parse_launch("128x4p1r")) == "bv128p1r"
     for bad in ("48x4", "64x6", "0x4", "32x1ss", "32x1e", "32x1see", "32x1s11", "32x1e1", "64x4su", "128x4uu",
-                "64x4sp", "128x4up", "128x4p0", "128x4pp"):
+                "64x4sp", "128x4up", "128x4p0", "128x4pp", "128x4p3r", "128x4r", "128x4ur"):
         with pytest.raises(SystemExit, match=r"powers of two|BVxWs|forms of the walk|already the UPFRONT|one stage"):
             gdn_decode_bench.parse_launch(bad)
 

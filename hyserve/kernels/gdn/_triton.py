@@ -486,6 +486,7 @@ def _gdn_decode_persist_kernel(
     scale, eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr, STAGES: tl.constexpr,
+    ROLL: tl.constexpr = False,
 ):  # fmt: skip
     """The walk's UPFRONT form on a fixed grid: program ``p`` of ``P`` takes the (row, value head) pairs ``p, p + P,
     ...`` of the launch's ``rows * Hv`` (pair ``i`` is row ``i // Hv``, head ``i % Hv``) in one loop, which Triton
@@ -495,7 +496,12 @@ def _gdn_decode_persist_kernel(
     in it, and the roll needs one (a thread may store a window entry another thread has yet to read), so the windows
     are only read here and :func:`_conv_roll_kernel` rolls them after the launch. No two live pairs share a state
     tile or write anything another pair reads, so prefetching a later pair's loads before an earlier pair's stores
-    reads nothing those stores write. The same values, bit for bit, as the UPFRONT launch with one program a pair."""
+    reads nothing those stores write. The same values, bit for bit, as the UPFRONT launch with one program a pair.
+
+    ``ROLL`` (one stage: nothing is pipelined for the barrier to stop): each iteration rolls its windows as the
+    UPFRONT launch's program does, the key head's q / k windows by the last of its value heads to arrive
+    (``arrivals``; a pair counts itself after its reads, so in any order of pairs over programs every reader has
+    read before the last writes), and no second launch is needed."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     HV: tl.constexpr = HK * GROUP
@@ -503,7 +509,7 @@ def _gdn_decode_persist_kernel(
         _gdn_decode_head(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, conv_ptr, state_ptr,
                          slots_ptr, qsl_ptr, arr_ptr, out_ptr, i // HV, i % HV, sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
                          sc_s, sc_d, sc_k, ss_s, ss_h, ss_k, ss_v, sarr_s, so_t, scale, eps,
-                         HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, False)
+                         HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, ROLL)
 
 
 @triton.jit

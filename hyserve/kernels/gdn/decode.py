@@ -307,6 +307,7 @@ def gdn_decode_fused_triton(
     persist: bool = False,
     programs: int | None = None,
     stages: int = PERSIST_STAGES,
+    roll_inside: bool = False,
 ) -> torch.Tensor | Fp8Activation:
     """Triton implementation of :func:`gdn_decode_fused` (also runs under ``TRITON_INTERPRET=1`` on CPU); ``out``
     optionally supplies the contiguous ``(T, Hv * Dv)`` output (NaN-poisoned in tests); ``block_v`` overrides the
@@ -321,7 +322,9 @@ def gdn_decode_fused_triton(
     q / k prologue and takes the norm from registers (``UPFRONT``; ``--launch BVxWu``). ``persist``: the UPFRONT
     walk on a fixed grid of ``programs`` programs (default :func:`persist_programs`), each looping over (row, head)
     pairs in a loop Triton pipelines over ``stages`` stages (``_gdn_decode_persist_kernel``), then the conv windows
-    rolled in a second launch (``_conv_roll_kernel``; ``--launch BVxWpN``)."""
+    rolled in a second launch (``_conv_roll_kernel``; ``--launch BVxWpN``), or with ``roll_inside`` (one stage)
+    by each pair in the loop, as the UPFRONT launch's programs roll them (``arrivals`` needed when ``Hv > Hk``;
+    ``--launch BVxWp1r``)."""
     from hyserve.kernels.gdn._triton import (
         _conv_roll_kernel,
         _gdn_decode_fused_kernel,
@@ -339,8 +342,9 @@ def gdn_decode_fused_triton(
     assert conv_state.shape[1:] == (conv_dim, kw - 1) and kw >= 2, "conv_state must be (S, conv_dim, K - 1)"
     assert z.shape == (t, hv * dv) and a.shape == (t, hv) and b.shape == (t, hv), "z (T, Hv * Dv), a and b (T, Hv)"
     assert norm_weight.shape == (dv,) and a_log.shape == (hv,) and dt_bias.shape == (hv,)
-    assert arrivals is not None or (hv == hk and not split) or persist, \
+    assert arrivals is not None or (hv == hk and not split) or (persist and not roll_inside), \
         "Hv > Hk, or a split launch, needs the arrival counters (arrivals_for)"
+    assert not roll_inside or (persist and stages == 1), "roll_inside is a form of the persistent launch at one stage"
     assert not split or (head_counts is not None and head_counts.dtype == torch.int32
                          and head_counts.shape[0] >= r and head_counts.shape[1] == hv), \
         "a split launch needs int32 head counters, a row per launch row (head_counters_for)"
@@ -378,10 +382,11 @@ def gdn_decode_fused_triton(
         _gdn_decode_persist_kernel[(nprog,)](
             x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, *pools, out, r, *strides, arr.stride(0),
             out.stride(0), dk**-0.5, float(eps), HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, KM1_PAD=cfg["KM1_PAD"],
-            BK=cfg["BK"], BV=cfg["BV"], DVP=cfg["DVP"], STAGES=stages, num_warps=num_warps)
-        _conv_roll_kernel[(r, -(-conv_dim // ROLL_BLOCK))](
-            x, conv_state, state_slots, query_start_loc, conv_dim, x.stride(0), conv_state.stride(0),
-            conv_state.stride(1), conv_state.stride(2), K=kw, KM1_PAD=cfg["KM1_PAD"], BC=ROLL_BLOCK)
+            BK=cfg["BK"], BV=cfg["BV"], DVP=cfg["DVP"], STAGES=stages, ROLL=roll_inside, num_warps=num_warps)
+        if not roll_inside:
+            _conv_roll_kernel[(r, -(-conv_dim // ROLL_BLOCK))](
+                x, conv_state, state_slots, query_start_loc, conv_dim, x.stride(0), conv_state.stride(0),
+                conv_state.stride(1), conv_state.stride(2), K=kw, KM1_PAD=cfg["KM1_PAD"], BC=ROLL_BLOCK)
         return as_output(out, q, qs, quant)
     if split:
         assert head_counts is not None
@@ -466,7 +471,10 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                                                                    "amax_eps")}
     persist_consts = {k: v for k, v in bf16_g2[3].items() if k not in ("QUANT", "QBLOCK", "UPFRONT")}
     out.append(("gdn_decode_persist_g2_bf16_bf16_state", _gdn_decode_persist_kernel, {**persist_sig, "rows": i32},
-                {**persist_consts, "BV": 128, "STAGES": 3}))
+                {**persist_consts, "BV": 128, "STAGES": 3, "ROLL": False}))
+    # ... and at one stage with the windows rolled in its loop (roll_inside)
+    out.append(("gdn_decode_persist_g2_bf16_bf16_state_roll", _gdn_decode_persist_kernel,
+                {**persist_sig, "rows": i32}, {**persist_consts, "BV": 128, "STAGES": 1, "ROLL": True}))
     out.append(("conv_roll_bf16", _conv_roll_kernel,
                 dict(x_ptr="*bf16", conv_ptr="*bf16", slots_ptr="*i64", qsl_ptr="*i32", C=i32, sx_t=i32, sc_s=i32,
                      sc_d=i32, sc_k=i32), dict(K=4, KM1_PAD=4, BC=ROLL_BLOCK)))
