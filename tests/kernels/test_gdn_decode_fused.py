@@ -979,7 +979,7 @@ def test_a_barrier_in_the_persistent_loop_stops_the_pipelining() -> None:
     """The same compile with the window roll (and its barrier) put back in the loop: no state tile is copied ahead,
     so the check above can fail."""
     pytest.importorskip("triton")
-    ttgir, _ = _persist_ttgir_and_usage([("HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, False)",
+    ttgir, _ = _persist_ttgir_and_usage([("HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, ROLL)",
                                           "HK, DK, DV, GROUP, K, KM1_PAD, BK, BV, DVP, True, True)")])
     assert STAGE_BUFFERS.findall(ttgir) == [] and "async_copy_global_to_local" not in ttgir
 

@@ -40,18 +40,18 @@ def test_gdn_state_bench_check_agrees_with_the_reference() -> None:
 
 
 def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
-    assert gdn_decode_bench.parse_launch("64x8") == (64, 8, False, False, False, False, 0)
-    assert gdn_decode_bench.parse_launch("32") == (32, 4, False, False, False, False, 0)  # the shipped warps
-    assert gdn_decode_bench.parse_launch("32x1") == (32, 1, False, False, False, False, 0)  # one warp, not one pass
-    assert gdn_decode_bench.parse_launch("32x1s") == (32, 1, True, False, False, False, 0)  # heads split
-    assert gdn_decode_bench.parse_launch("64x4se") == (64, 4, True, True, False, False, 0)  # split, state tile first
-    assert gdn_decode_bench.parse_launch("64x4s1") == (64, 4, True, False, True, False, 0)  # one pass
-    assert gdn_decode_bench.parse_launch("32x1se1") == (32, 1, True, True, True, False, 0)
-    assert gdn_decode_bench.parse_launch("128x4u") == (128, 4, False, False, False, True, 0)  # the walk, loads first
+    assert gdn_decode_bench.parse_launch("64x8") == (64, 8, False, False, False, False, 0, False)
+    assert gdn_decode_bench.parse_launch("32") == (32, 4, False, False, False, False, 0, False)  # the shipped warps
+    assert gdn_decode_bench.parse_launch("32x1") == (32, 1, False, False, False, False, 0, False)  # one warp, not one pass
+    assert gdn_decode_bench.parse_launch("32x1s") == (32, 1, True, False, False, False, 0, False)  # heads split
+    assert gdn_decode_bench.parse_launch("64x4se") == (64, 4, True, True, False, False, 0, False)  # split, state tile first
+    assert gdn_decode_bench.parse_launch("64x4s1") == (64, 4, True, False, True, False, 0, False)  # one pass
+    assert gdn_decode_bench.parse_launch("32x1se1") == (32, 1, True, True, True, False, 0, False)
+    assert gdn_decode_bench.parse_launch("128x4u") == (128, 4, False, False, False, True, 0, False)  # the walk, loads first
     assert gdn_decode_bench.parse_launch("128x8u").kwargs() == dict(
         block_v=128, num_warps=8, split=False, early_state=False, one_pass=False, upfront=True, persist=False, stages=3,
         roll_inside=False)
-    assert gdn_decode_bench.parse_launch("128x4p") == (128, 4, False, False, False, False, 3)  # persistent, 3 stages
+    assert gdn_decode_bench.parse_launch("128x4p") == (128, 4, False, False, False, False, 3, False)  # persistent, 3 stages
     assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["stages"] == 2
     assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["persist"] is True
     assert gdn_decode_bench.name(32, 4) == "bv32" and gdn_decode_bench.name(128, 16) == "bv128w16"
