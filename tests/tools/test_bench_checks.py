@@ -40,20 +40,21 @@ def test_gdn_state_bench_check_agrees_with_the_reference() -> None:
 
 
 def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
-    assert gdn_decode_bench.parse_launch("64x8") == (64, 8, False, False, False, False, 0, False)
-    assert gdn_decode_bench.parse_launch("32") == (32, 4, False, False, False, False, 0, False)  # the shipped warps
-    assert gdn_decode_bench.parse_launch("32x1") == (32, 1, False, False, False, False, 0, False)  # one warp, not one pass
-    assert gdn_decode_bench.parse_launch("32x1s") == (32, 1, True, False, False, False, 0, False)  # heads split
-    assert gdn_decode_bench.parse_launch("64x4se") == (64, 4, True, True, False, False, 0, False)  # split, state tile first
-    assert gdn_decode_bench.parse_launch("64x4s1") == (64, 4, True, False, True, False, 0, False)  # one pass
-    assert gdn_decode_bench.parse_launch("32x1se1") == (32, 1, True, True, True, False, 0, False)
-    assert gdn_decode_bench.parse_launch("128x4u") == (128, 4, False, False, False, True, 0, False)  # the walk, loads first
-    assert gdn_decode_bench.parse_launch("128x8u").kwargs() == dict(
+    parse = gdn_decode_bench.parse_launch
+    assert parse("64x8") == (64, 8, False, False, False, False, 0, False)
+    assert parse("32") == (32, 4, False, False, False, False, 0, False)  # the shipped warps
+    assert parse("32x1") == (32, 1, False, False, False, False, 0, False)  # one warp, not one pass
+    assert parse("32x1s") == (32, 1, True, False, False, False, 0, False)  # heads split
+    assert parse("64x4se") == (64, 4, True, True, False, False, 0, False)  # split, state tile first
+    assert parse("64x4s1") == (64, 4, True, False, True, False, 0, False)  # one pass
+    assert parse("32x1se1") == (32, 1, True, True, True, False, 0, False)
+    assert parse("128x4u") == (128, 4, False, False, False, True, 0, False)  # the walk, loads first
+    assert parse("128x8u").kwargs() == dict(
         block_v=128, num_warps=8, split=False, early_state=False, one_pass=False, upfront=True, persist=False, stages=3,
         roll_inside=False)
-    assert gdn_decode_bench.parse_launch("128x4p") == (128, 4, False, False, False, False, 3, False)  # persistent, 3 stages
-    assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["stages"] == 2
-    assert gdn_decode_bench.parse_launch("128x4p2").kwargs()["persist"] is True
+    assert parse("128x4p") == (128, 4, False, False, False, False, 3, False)  # persistent, 3 stages
+    assert parse("128x4p2").kwargs()["stages"] == 2
+    assert parse("128x4p2").kwargs()["persist"] is True
     assert gdn_decode_bench.name(32, 4) == "bv32" and gdn_decode_bench.name(128, 16) == "bv128w16"
     assert gdn_decode_bench.name(32, 4, True) == "bv32w4s" and gdn_decode_bench.name(32, 1, True) == "bv32w1s"
     assert gdn_decode_bench.name(64, 4, True, True) == "bv64w4se"
@@ -62,8 +63,8 @@ def test_gdn_decode_bench_reads_value_block_by_warps() -> None:
     assert gdn_decode_bench.name(128, 8, upfront=True) == "bv128w8u"
     assert gdn_decode_bench.name(128, 4, persist=3) == "bv128p3"
     # one stage, the windows rolled in the loop (no second launch)
-    assert gdn_decode_bench.parse_launch("128x4p1r") == (128, 4, False, False, False, False, 1, True)
-    assert gdn_decode_bench.parse_launch("128x4p1r").kwargs()["roll_inside"] is True
+    assert parse("128x4p1r") == (128, 4, False, False, False, False, 1, True)
+    assert parse("128x4p1r").kwargs()["roll_inside"] is True
     assert gdn_decode_bench.name(*gdn_decode_bench.parse_launch("128x4p1r")) == "bv128p1r"
     for bad in ("48x4", "64x6", "0x4", "32x1ss", "32x1e", "32x1see", "32x1s11", "32x1e1", "64x4su", "128x4uu",
                 "64x4sp", "128x4up", "128x4p0", "128x4pp", "128x4p3r", "128x4r", "128x4ur"):
