@@ -654,14 +654,13 @@ def copy_bandwidth() -> float:
 
 def trace_kernel_us(path: str) -> dict[str, float]:
     """Device microseconds by kernel name in a Chrome trace from torch.profiler (``.json`` or ``.json.gz``): its
-    complete events of the kernel, memcpy and memset categories, kernels replayed inside CUDA graphs included."""
-    import gzip
+    complete events of the device's categories (``trace_gaps.DEVICE_CATS``: kernels, memcpy, memset), kernels
+    replayed inside CUDA graphs included."""
+    from trace_gaps import DEVICE_CATS, trace_events
 
-    with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as f:
-        trace = json.load(f)
     out: dict[str, float] = {}
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+    for e in trace_events(path):
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS:
             out[e["name"]] = out.get(e["name"], 0.0) + float(e.get("dur", 0.0))
     return out
 

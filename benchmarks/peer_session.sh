@@ -770,8 +770,7 @@ case "${1:?phase}" in
     p9b
     for spec in "hyserve:200" "vllm:480"; do
         IFS=: read -r engine cap <<< "$spec"
-        [ -n "${2:-}" ] && [ "$2" != "$engine" ] && continue
-        limit=$(moe_todo "$engine" 9b_profile "$cap")
+        limit=$(moe_todo "$engine" 9b_profile "$cap")  # profile34 ENGINE: that engine's run alone ($MOE_ONLY)
         [ -n "$limit" ] || continue
         args=(--measures profile --profile-batches 1,64 --profile-steps 24 --mamba-ssm-cache-dtype auto)
         [ "$engine" = vllm ] && ! vllm_warm && args+=(--vllm-gdn-prefill-backend triton)

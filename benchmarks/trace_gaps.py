@@ -139,13 +139,19 @@ def format_gaps(report: GapReport) -> str:
     return "\n".join(lines)
 
 
+def trace_events(path: str) -> list[dict[str, Any]]:
+    """The ``traceEvents`` of a Chrome trace from torch.profiler, ``.json`` or gzipped ``.json.gz``."""
+    import gzip
+
+    with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")) as f:
+        return list(json.load(f).get("traceEvents", []))
+
+
 def gaps_of_profile(prof: Any, path: str, min_gap_us: float = 5.0) -> GapReport:
     """Export ``prof`` (a finished ``torch.profiler.profile`` with CPU and CUDA activities) to ``path`` and read
     its gaps."""
     prof.export_chrome_trace(path)
-    with open(path) as f:
-        trace = json.load(f)
-    return device_gaps(trace.get("traceEvents", []), min_gap_us)
+    return device_gaps(trace_events(path), min_gap_us)
 
 
 def main() -> None:
@@ -153,9 +159,7 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--min-gap-us", type=float, default=5.0)
     args = ap.parse_args()
-    with open(args.trace) as f:
-        trace = json.load(f)
-    print(format_gaps(device_gaps(trace.get("traceEvents", []), args.min_gap_us)))
+    print(format_gaps(device_gaps(trace_events(args.trace), args.min_gap_us)))
 
 
 if __name__ == "__main__":
