@@ -128,6 +128,9 @@ VISIONS: dict[str, dict[str, Any]] = {
 # The 27B class's tower (shapes.py VISION_27B: depth 27, hidden 1152, intermediate 4304, 16 heads; the Qwen3.6-27B
 # release's vision_config): what the seed's 27B model carries.
 VISIONS["27b"] = dict(VISION_27B)
+# A one-block tower of the real towers' patching (16 x 16 patches, 2 x 2 merge): a screenshot takes as many tokens as
+# on the 27B (880 for 1280 x 720) at a cost the CPU runs (seed_bench.py's cache replay on the tiny text shape).
+VISIONS["tiny16"] = dict(VISIONS["real"], depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
 # Pixel-area bounds of the real tower's preprocessor_config.json: Qwen/Qwen3.5-2B-Base's, verbatim in
 # docs/vlm_facts.md section 4 (``size``: shortest_edge 65536 = 256^2, longest_edge 16777216 = 4096^2; areas, not
 # edges), and those of its video_preprocessor_config.json (the Qwen3.6-27B report there).
@@ -203,6 +206,8 @@ def _write_bf16(shape_name: str, out: str, device: str, seed: int, vision: str, 
                         tie_word_embeddings=shape["tie_word_embeddings"], **extra)
     if not weights:  # the MTP layer the weighted form carries (``--load-format dummy`` makes its weights too)
         cfg.text_config.mtp_num_hidden_layers = 1
+        # the class, as a saved model writes it: without it vLLM takes the config for a pooling ``Qwen3_5Model``
+        cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
         cfg.save_pretrained(out)
         if vision != "toy":
             write_image_files(out, tower, shape["vocab_size"], int(shape["max_position_embeddings"]))

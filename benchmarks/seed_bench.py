@@ -230,20 +230,30 @@ class SeedPrompts:
 # ------------------------------------------------------------------------------------------------------ engines
 
 
+CACHE_COUNTS = ("prefix_cache_snapshots_taken", "prefix_cache_snapshot_evictions", "prefix_cache_snapshot_hits",
+                "prefix_cache_snapshot_misses", "prefix_cache_kv_evictions", "num_preemptions")
+
+
 class HyserveAsync:
     """hyserve's ``AsyncEngine`` (what ``hyserve serve`` runs) on an engine built from ``flags`` by hyserve's own
     parser (``engine_args``)."""
 
     name = "hyserve"
 
-    def __init__(self, model: str, flags: list[str]) -> None:
-        from hyserve.engine_args import engine_args, expand_dotted, make_llm
+    def __init__(self, model: str, flags: list[str], layout: dict[str, int] | None = None) -> None:
+        from hyserve.engine_args import engine_args, expand_dotted, llm_kwargs
+        from hyserve.llm import LLM
         from hyserve.server.async_engine import AsyncEngine
 
         parser = argparse.ArgumentParser()
         engine_args(parser, serving=True)
         self.args = parser.parse_args(expand_dotted(flags))
-        self.llm = make_llm(self.args, model)
+        # ``layout``: the cache's counts given (a replay of a card's layout on the CPU), not sized from memory
+        self.llm = LLM(model=model, **llm_kwargs(self.args, model), **(layout or {}))
+        lay = self.llm.llm_engine.layout
+        self.layout = {"kv_blocks": lay.num_kv_blocks - 1, "state_slots": lay.num_state_slots,
+                       "snapshots": lay.num_snapshots, "state_bytes_per_slot": lay.state_bytes_per_slot,
+                       "kv_bytes_per_block": lay.kv_bytes_per_block}
         self.engine = AsyncEngine(self.llm.llm_engine)
         self.version = pb.git_commit()
         from hyserve import SamplingParams
@@ -258,7 +268,11 @@ class HyserveAsync:
         m = self.engine.get_metrics()
         drafts = float(m.get("hyserve:spec_decode_num_drafts", 0) or 0)  # type: ignore[arg-type]
         accepted = float(m.get("hyserve:spec_decode_num_accepted_tokens", 0) or 0)  # type: ignore[arg-type]
-        return {"spec_mean_acceptance_length": 1 + accepted / drafts} if drafts else {}
+        out = {"spec_mean_acceptance_length": 1 + accepted / drafts} if drafts else {}
+        # the prefix cache's own counts (the warm-up's included): what its hit rate came from
+        for key in CACHE_COUNTS:
+            out[key] = float(m.get(f"hyserve:{key}", 0) or 0)  # type: ignore[arg-type]
+        return out
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -402,6 +416,18 @@ def check_records(records: list[RequestRecord], concurrency: int) -> None:
             raise AssertionError(f"{live} requests in flight, more than {concurrency}")
 
 
+def hit_rates_by_step(steps: list[tuple[int, int, int]]) -> dict[str, float]:
+    """The hit rate (cached / prompt tokens) of the second steps, the third, and the fourth on, from (step, prompt
+    tokens, cached tokens) per request: the second and third steps repeat their episode so far whole; from the
+    fourth on, each prompt turned its oldest screenshot into text, and the cached prefix ends there."""
+    def share(lo: int, hi: int) -> float:
+        sel = [(p, c) for s, p, c in steps if lo <= s <= hi]
+        return sum(c for _, c in sel) / max(sum(p for p, _ in sel), 1)
+
+    return {"prefix_hit_rate_step_1": share(1, 1), "prefix_hit_rate_step_2": share(2, 2),
+            "prefix_hit_rate_steps_3_on": share(3, 1 << 30)}
+
+
 def figures(records: list[RequestRecord]) -> dict[str, float]:
     """The run's figures (module docstring) from its records."""
     done = [r for r in records if r.first is not None and r.finished is not None]
@@ -427,6 +453,7 @@ def figures(records: list[RequestRecord]) -> dict[str, float]:
         "e2e_p50_s": pb.percentile(e2e, 0.5), "e2e_p99_s": pb.percentile(e2e, 0.99),
         "prefix_hit_rate": cached / max(prompt, 1), "prefix_hit_rate_first_steps": share(first),
         "prefix_hit_rate_later_steps": share(later),
+        **hit_rates_by_step([(r.step, r.prompt_tokens, r.cached_tokens) for r in done]),
         "prompt_tokens_mean": prompt / len(done), "prompt_tokens_min": float(min(r.prompt_tokens for r in done)),
         "prompt_tokens_max": float(max(r.prompt_tokens for r in done)),
         "output_tokens_mean": out / len(done), "images_per_request": sum(r.images for r in done) / len(done),
@@ -457,6 +484,20 @@ def engine_flags(args: argparse.Namespace, engine: str) -> list[str]:
     if args.gdn_prefill_backend and engine == "vllm":
         flags += ["--gdn-prefill-backend", args.gdn_prefill_backend]
     return [*flags, *(args.engine_flags.split() if args.engine_flags else [])]
+
+
+def cache_layout(text: str | None) -> dict[str, int] | None:
+    """``--cache-layout BLOCKS,SLOTS,SNAPSHOTS`` as hyserve's engine config fields (the counts a card's run logged,
+    replayed on the CPU with the tiny shape: the prefix cache's policy under the card's budget), or None."""
+    if not text:
+        return None
+    try:
+        blocks, slots, snaps = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--cache-layout takes BLOCKS,SLOTS,SNAPSHOTS (three integers), got {text!r}") from None
+    if min(blocks, slots, snaps) < 1:
+        raise SystemExit(f"--cache-layout counts must be positive, got {text!r}")
+    return {"num_kv_blocks": blocks + 1, "num_state_slots": slots, "num_snapshot_slots": snaps}
 
 
 def measure(args: argparse.Namespace) -> int:
@@ -491,7 +532,13 @@ def measure(args: argparse.Namespace) -> int:
         res["vllm_mode"] = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" \
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
     t0 = time.perf_counter()
-    eng = HyserveAsync(args.model, flags) if args.engine == "hyserve" else VllmAsync(args.model, flags)
+    if args.engine == "hyserve":
+        eng: Any = HyserveAsync(args.model, flags, cache_layout(args.cache_layout))
+        res["cache_layout"] = {**eng.layout, "given": bool(args.cache_layout)}
+    else:
+        if args.cache_layout:
+            raise SystemExit("--cache-layout is hyserve's (a replay of its card layout); vLLM sizes its own cache")
+        eng = VllmAsync(args.model, flags)
     res["version"], res["start_s"] = eng.version, time.perf_counter() - t0
     try:
         prompts = SeedPrompts(args.model, trace, args.seed)
@@ -547,6 +594,9 @@ REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
     "prefix_hit_rate": (True, "prefix-cache hit rate (cached / prompt tokens)", True),
     "prefix_hit_rate_first_steps": (True, "hit rate, first steps", False),
     "prefix_hit_rate_later_steps": (True, "hit rate, later steps", False),
+    "prefix_hit_rate_step_1": (True, "hit rate, second steps", False),
+    "prefix_hit_rate_step_2": (True, "hit rate, third steps", False),
+    "prefix_hit_rate_steps_3_on": (True, "hit rate, fourth steps on (oldest screenshot now text)", False),
     "spec_mean_acceptance_length": (True, "MTP mean acceptance length (reached)", False),
     "spec_planted_acceptance_length": (True, "MTP acceptance length asked (planted)", False),
     "prompt_tokens_mean": (True, "prompt tokens per request (trace check)", False),
@@ -568,8 +618,13 @@ def report(files: list[str], out: str) -> list[dict[str, Any]]:
     """``seed.md``, ``seed.json`` and ``seed.png`` under ``out`` from hyserve's and vLLM's result files (a later file
     of an engine replaces an earlier one's)."""
     runs = {pb.read_json(p)["engine"]: (p, pb.read_json(p)) for p in files}
-    ours = runs.get("hyserve", ("", {}))[1].get("figures", {})
-    theirs = runs.get("vllm", ("", {}))[1].get("figures", {})
+
+    def figs(engine: str) -> dict[str, Any]:  # the by-step hit rates from the records where the file predates them
+        res = runs.get(engine, ("", {}))[1]
+        recs = [(r["step"], r["prompt_tokens"], r["cached_tokens"]) for r in res.get("records", [])]
+        return {**(hit_rates_by_step(recs) if recs else {}), **res.get("figures", {})}
+
+    ours, theirs = figs("hyserve"), figs("vllm")
     entries = []
     for key, (higher, label, rated) in REPORT_FIGURES.items():
         a, b = ours.get(key), theirs.get(key)
@@ -655,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="cuda", help="hyserve's (cpu for the tests)")
     m.add_argument("--gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
                    help="vLLM's GDN prefill kernel (default: its own choice, FlashInfer on Hopper)")
+    m.add_argument("--cache-layout", default=None, metavar="BLOCKS,SLOTS,SNAPSHOTS",
+                   help="hyserve: these cache counts instead of the memory's split (the card's layout, from its "
+                        "run's cache_layout, replayed on the CPU: benchmarks/results/h100/seed_2026-12-06b)")
     m.add_argument("--engine-flags", default="", help="more engine flags, after the seed's (they override them)")
     m.add_argument("--time-limit", type=float, default=None,
                    help="seconds from the process's start after which no request is submitted (those in flight "

@@ -185,6 +185,10 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
         "prefix_hit_rate": cached / prompt,
         "prefix_hit_rate_later_steps": sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later),
         "images_per_request": np.mean([min(r.step + 1, 3) for r in recs]),
+        **{key: sum(r.cached_tokens for r in rs) / sum(r.prompt_tokens for r in rs)
+           for key, rs in (("prefix_hit_rate_step_1", [r for r in recs if r.step == 1]),
+                           ("prefix_hit_rate_step_2", [r for r in recs if r.step == 2]),
+                           ("prefix_hit_rate_steps_3_on", [r for r in recs if r.step >= 3])) if rs},
         "output_tokens_mean": np.mean([r.max_tokens for r in recs]),  # ignore_eos: every answer its max_tokens
     }
     for key, value in want.items():
@@ -236,6 +240,11 @@ def test_report_pairs_the_engines_with_ratios(run: dict[str, Any], tmp_path: Pat
     assert entries["prefix_hit_rate"]["ratio"] == pytest.approx(0.75)
     assert entries["prompt_tokens_mean"]["ratio"] is None  # a check on the trace, not a speed
     assert entries["output_tok_s"]["ratio"] is None and entries["output_tok_s"]["hyserve"] is None
+    # files without the by-step hit rates (written before them): computed from their records
+    second = [r for r in run["records"] if r["step"] == 1]
+    want = sum(r["cached_tokens"] for r in second) / sum(r["prompt_tokens"] for r in second)
+    assert want > 0 and entries["prefix_hit_rate_step_1"]["hyserve"] == pytest.approx(want)
+    assert entries["prefix_hit_rate_step_1"]["vllm"] == pytest.approx(want)
     md = (tmp_path / "out" / "seed.md").read_text()
     assert "| TTFT p50, s | 0.500 | 1.000 | 2.00x |" in md and "0.24.0" in md
     assert sb.ratio(2.0, 0.0, True) is None and sb.ratio(1.0, 4.0, False) == 4.0
@@ -324,12 +333,34 @@ def test_the_written_fp8_checkpoint_loads_dummy_and_real(tmp_path: Path, monkeyp
     trace = dataclasses.replace(TINY, screen=(64, 64), prompt_len=(150, 700), requests=8, concurrency=2)
     monkeypatch.setitem(sb.SEED_TRACES, "tiny", trace)
     result = tmp_path / "dummy.json"
+    # vLLM resolves the class from ``architectures`` (without it, a pooling model): written as a saved model would
+    assert json.loads((tmp_path / "dummy" / "config.json").read_text())["architectures"] == \
+        ["Qwen3_5ForConditionalGeneration"]
     rc = sb.main(["measure", "--engine", "hyserve", "--model", dummy, "--scale", "tiny", "--device", "cpu",
                   "--dtype", "float32", "--engine-flags", "--max-model-len 2048", "--warmup", "0", "--out",
-                  str(result)])
-    fig = json.loads(result.read_text())["figures"]
+                  str(result), "--cache-layout", "300,2,5"])
+    res = json.loads(result.read_text())
+    fig = res["figures"]
     assert rc == 0 and fig["requests"] == 8 and fig["prefix_hit_rate_later_steps"] > 0
-    assert "--load-format" in json.loads(result.read_text())["engine_flags"]
+    assert "--load-format" in res["engine_flags"]
+    # the card's counts replayed: the engine took them, and the run says what its cache did under them
+    assert {k: res["cache_layout"][k] for k in ("kv_blocks", "state_slots", "snapshots", "given")} == \
+        {"kv_blocks": 300, "state_slots": 2, "snapshots": 5, "given": True}
+    assert fig["prefix_cache_snapshots_taken"] >= fig["prefix_cache_snapshot_hits"] > 0
+    assert fig["prefix_cache_snapshot_evictions"] > 0  # five entries for two agents' snapshots: some are evicted
+
+
+@pytest.mark.parametrize("text", ["300,2", "a,b,c", "300,0,5", "1,2,3,4"])
+def test_a_bad_cache_layout_is_refused(text: str) -> None:
+    with pytest.raises(SystemExit, match="cache-layout"):
+        sb.cache_layout(text)
+    assert sb.cache_layout("300,2,5") == {"num_kv_blocks": 301, "num_state_slots": 2, "num_snapshot_slots": 5}
+    assert sb.cache_layout(None) is None
+
+
+def test_the_cache_layout_is_refused_for_vllm(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="hyserve's"):
+        sb.main(["measure", "--engine", "vllm", "--model", str(tmp_path), "--cache-layout", "300,2,5"])
 
 
 # ------------------------------------------------------------------------------------------------ vLLM's side
