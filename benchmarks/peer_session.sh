@@ -653,6 +653,7 @@ case "${1:?phase}" in
     # where its JIT cache is here, else its Triton kernel (the flags in the results file say which).
     # SEED_ARGS: more seed_bench.py measure arguments (e.g. --requests 128, or --k 0: MTP off); SEED_NAME: the run's
     # name (default seed; another name for another variant, e.g. SEED_NAME=seed_nomtp SEED_ARGS="--k 0");
+    # SEED_ENGINE_FLAGS: engine flags after the seed's, as one argument (e.g. "--mamba-ssm-cache-dtype auto");
     # SEED_CAP: the run's cap in seconds (no request is submitted after the cap less 40 s: a slow run ends with
     # fewer requests, cut_by_time_limit true in its file, instead of being killed with nothing written; it is not
     # marked done, so the next call runs it again, with warm compile caches).
@@ -670,6 +671,7 @@ case "${1:?phase}" in
         [ "$engine" = vllm ] && ! vllm_warm && extra=(--gdn-prefill-backend triton)
         echo "== $engine $name ($(date +%T), cap $limit s)"
         # shellcheck disable=SC2086
+        [ -n "${SEED_ENGINE_FLAGS:-}" ] && extra+=(--engine-flags "$SEED_ENGINE_FLAGS")
         "${pre[@]}" timeout "$limit" python3 benchmarks/seed_bench.py measure --engine "$engine" --model /tmp/s27 \
             --out "$OUT/${engine}_$name.json" --time-limit $((limit - 40)) "${extra[@]}" ${SEED_ARGS:-} \
             > "$OUT/${engine}_$name.log" 2>&1

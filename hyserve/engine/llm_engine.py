@@ -193,8 +193,25 @@ class LLMEngine:
                         "end, branch point and every %d tokens", config.block_size, lay.num_snapshots,
                         lay.num_snapshots * lay.state_bytes_per_slot / 2**20,
                         lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
+            transient = self.snapshot_demand_while_decoding()
+            if has_state and lay.num_snapshots < transient:
+                # a warning where the user asked for the concurrency (the default is sized to the memory)
+                log = logger.warning if config.max_num_seqs is not None else logger.info
+                log(
+                    "prefix cache: %d recurrent snapshots are fewer than the %d that %d decoding requests can hold "
+                    "at once (each its latest block boundary's, and one reserved per step in flight), so published "
+                    "snapshots are evicted within a few steps and later requests resume from little or nothing; "
+                    "raise --snapshot-memory-fraction (now %.2f), or store the state in the model's dtype "
+                    "(--mamba-ssm-cache-dtype auto: half the size of the float32 default)", lay.num_snapshots,
+                    transient, lay.max_num_seqs, config.snapshot_memory_fraction)
         else:
             logger.info("prefix caching is off")
+
+    def snapshot_demand_while_decoding(self) -> int:
+        """Snapshot entries the running requests can hold at once while decoding: each keeps the snapshot at its
+        latest block boundary (the request end's, once it finishes) and reserves one for the boundary a step may
+        cross, for every step scheduled and not yet applied."""
+        return self.layout.max_num_seqs * (2 + self.max_steps_in_flight)
 
     def _make_executor(self, num_speculative_tokens: int) -> Executor:
         # The shorter speculation lengths a step may take: the worker captures verify graphs for each.

@@ -113,6 +113,33 @@ def test_eviction_under_tiny_budgets(ckpts: CheckpointCache) -> None:
     tight.llm_engine.assert_no_leaks()
 
 
+@pytest.mark.parametrize("snapshots", [23, 24])
+def test_too_few_snapshots_for_the_decoding_requests_are_warned_of(ckpts: CheckpointCache, snapshots: int,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Eight decoding requests can hold 8 x (2 + steps in flight) snapshot entries at once (their latest
+    boundaries', and a reservation for each step scheduled and not applied): a budget below that is evicted within
+    a few steps, and the engine says so at start, with the flags that raise it."""
+    with caplog.at_level("WARNING", logger="hyserve"):
+        llm = cached_llm(ckpts.get(), num_snapshot_slots=snapshots, async_scheduling=True)
+    demand = llm.llm_engine.snapshot_demand_while_decoding()
+    llm.shutdown()
+    assert demand == 8 * 3
+    warned = [r.getMessage() for r in caplog.records if "recurrent snapshots are fewer" in r.getMessage()]
+    assert len(warned) == (snapshots < demand)
+    if warned:
+        assert "--snapshot-memory-fraction" in warned[0] and "--mamba-ssm-cache-dtype auto" in warned[0]
+
+
+def test_the_default_concurrency_is_told_of_too_few_snapshots_at_info(ckpts: CheckpointCache,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """max_num_seqs left to the engine (sized to the memory): the same line at INFO, not a warning."""
+    with caplog.at_level("INFO", logger="hyserve"):
+        llm = make_llm(ckpts.get(), num_snapshot_slots=3, max_num_seqs=None)
+    llm.shutdown()
+    said = [r for r in caplog.records if "recurrent snapshots are fewer" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"]
+
+
 def test_preemption_resumes_from_own_snapshots(ckpts: CheckpointCache) -> None:
     path = ckpts.get("causal", "attn_both_ends")
     prompts = [toks(n, 20 + n) for n in (40, 52, 37, 45)]

@@ -27,7 +27,8 @@ printf '\\n' >> "$CALLS"
 """
 
 
-def _run(tmp_path: Path, phase: str, *args: str) -> list[tuple[str, list[str]]]:
+def _run(tmp_path: Path, phase: str, *args: str, script: str = "benchmarks/peer_bench.py",
+         env_extra: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
     bin_dir, out, calls = tmp_path / "bin", tmp_path / "out", tmp_path / "calls"
     bin_dir.mkdir(exist_ok=True)
     out.mkdir(exist_ok=True)
@@ -35,7 +36,7 @@ def _run(tmp_path: Path, phase: str, *args: str) -> list[tuple[str, list[str]]]:
     (bin_dir / "python3").chmod(0o755)
     calls.write_bytes(b"")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "CALLS": str(calls),
-           "HOME": str(tmp_path), "MOE_DONE": str(tmp_path / "done")}
+           "HOME": str(tmp_path), "MOE_DONE": str(tmp_path / "done"), **(env_extra or {})}
     for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "HYSERVE_DECODE_GEMM", "HYSERVE_FP8_FUSED_QUANT",
                 "HYSERVE_GDN_DECODE_SPLIT", "HYSERVE_GDN_STATE_LAYOUT", "HYSERVE_GDN_DECODE_UPFRONT",
                 "HYSERVE_GDN_DECODE_PERSIST"):
@@ -45,7 +46,7 @@ def _run(tmp_path: Path, phase: str, *args: str) -> list[tuple[str, list[str]]]:
     recorded = []
     for line in calls.read_bytes().decode().splitlines():
         switches, *argv = line.split("\0")
-        if argv and argv[0] == "benchmarks/peer_bench.py" and argv[1] == "measure":
+        if argv and argv[0] == script and argv[1] == "measure":
             recorded.append((switches, argv))
     return recorded
 
@@ -169,3 +170,19 @@ def test_profile34_profiles_both_engines_on_the_9b_with_bf16_states(tmp_path: Pa
     assert _run(tmp_path, "profile34", "vllm") == []
     assert [peer_bench.build_parser().parse_args(a[1:]).engine for _, a in _run(tmp_path, "profile34")] == [
         "hyserve"]
+
+
+def test_seed_passes_its_engine_flags_as_one_argument(tmp_path: Path) -> None:
+    """``SEED_ENGINE_FLAGS`` reaches seed_bench.py as one ``--engine-flags`` value (word-split, it would be read as
+    flags of seed_bench.py itself), beside ``SEED_ARGS``' own arguments; without it, no ``--engine-flags``."""
+    import seed_bench
+
+    flags = "--mamba-ssm-cache-dtype auto --snapshot-memory-fraction 0.35"
+    calls = _run(tmp_path, "seed", script="benchmarks/seed_bench.py",
+                 env_extra={"SEED_ENGINE_FLAGS": flags, "SEED_ARGS": "--k 0", "SEED_NAME": "seed_bf16"})
+    [(_, argv)] = calls
+    args = seed_bench.build_parser().parse_args(argv[1:])
+    got = (args.engine, args.engine_flags, args.k, Path(args.out).name)
+    assert got == ("hyserve", flags, 0, "hyserve_seed_bf16.json")
+    [(_, argv)] = _run(tmp_path, "seed", script="benchmarks/seed_bench.py")
+    assert "--engine-flags" not in argv

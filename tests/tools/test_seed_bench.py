@@ -205,6 +205,15 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert run["acceptance"]["k"] == 2 and run["notes"]["prompt_tokens_as_expected"]
 
 
+def test_the_hit_rate_stays_under_the_trace_ideal_and_near_it(run: dict[str, Any]) -> None:
+    """The ideal (every snapshot kept, 16-token blocks) bounds what the engine served from its cache (a bound
+    computed too low fails here), and with the tiny run's ample cache the engine comes near it (a bound too high
+    fails here)."""
+    fig = run["figures"]
+    assert 0 < fig["prefix_hit_rate"] <= fig["prefix_hit_rate_ideal"] + 1e-12
+    assert fig["prefix_hit_rate"] >= 0.8 * fig["prefix_hit_rate_ideal"]
+
+
 def test_a_client_that_times_from_the_batch_start_is_caught(run: dict[str, Any]) -> None:
     """Sabotage: every request's submission taken as the run's start (TTFT from the batch start, as an offline
     ``generate`` call measures it): the records' check fails and the TTFT figures move."""
