@@ -128,6 +128,9 @@ class PrefixCache:
         # 1 with an MTP draft layer: a block's key also covers the token after it (see the module docstring).
         self.lookahead = lookahead
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> snapshot index, LRU first
+        # Snapshots evicted before the others (see ``_alloc_snapshot``): taken where no later request is expected to
+        # resume, until one does (a hit, or a request computing through the point again).
+        self._spare: set[bytes] = set()
         self._free_snapshots = list(range(state_slots.num_snapshots - 1, -1, -1))
         self._pinned: dict[int, int] = {}
         self.stats = SnapshotStats()
@@ -168,9 +171,16 @@ class PrefixCache:
         self.block_pool.touch(kv_blocks)
         entry = None
         if self.has_recurrent_state:
+            # The point before the first image, where this request's next step may resume (see _resume_point): kept
+            # as recently used as the hit beyond it, so an agent's resume point lives as long as its episode goes on.
+            first = self._first_image_point(req)
+            if first is not None and first < best * bs and req.block_hashes[first // bs - 1] in self._snapshots:
+                self._snapshots.move_to_end(req.block_hashes[first // bs - 1])
+                self._spare.discard(req.block_hashes[first // bs - 1])
             h = req.block_hashes[best - 1]
             idx = self._snapshots[h]
             self._snapshots.move_to_end(h)
+            self._spare.discard(h)
             self._pinned[idx] = self._pinned.get(idx, 0) + 1
             entry = self.state_slots.snapshot_entry(idx)
             self.stats.hits += 1
@@ -244,8 +254,9 @@ class PrefixCache:
             return None
         self._extend_hashes(req, position)
         h = req.block_hashes[position // self.block_size - 1]
-        if h in self._snapshots:
+        if h in self._snapshots:  # another request computes through this prefix again: it recurs
             self._snapshots.move_to_end(h)
+            self._spare.discard(h)
             return None
         return self.reserve_entry()
 
@@ -275,9 +286,12 @@ class PrefixCache:
         h = req.block_hashes[position // self.block_size - 1]
         if h in self._snapshots:
             self._snapshots.move_to_end(h)
+            self._spare.discard(h)
             self.release_entry(entry)
             return False
         self._snapshots[h] = entry - self.state_slots.snapshot_entry(0)
+        if not self._resume_point(req, position):
+            self._spare.add(h)
         self.stats.taken += 1
         self._retire_rolling(req, h, position)
         return True
@@ -297,22 +311,41 @@ class PrefixCache:
         idx = self._snapshots[old]
         if idx not in self._pinned:
             del self._snapshots[old]
+            self._spare.discard(old)
             self._free_snapshots.append(idx)
 
+    def _resume_point(self, req: Request, position: int) -> bool:
+        """Whether a later request is expected to resume at ``req``'s ``position``: a block boundary of its answer
+        (the latest one is kept: a conversation's next turn resumes there), a point where its prefix parts from
+        another's, or the point before its first image (a GUI agent's next prompt turns the oldest screenshot of its
+        window into text and resumes there; every later image moves with it, so the points before them are not
+        resumed from). The other points (every ``interval`` tokens, the prompt's end, before later images) are spare:
+        evicted first, until a request resumes or computes through one again."""
+        return position > self._prompt_end_point(req) or position in req.share_points \
+            or position == self._first_image_point(req)
+
+    def _first_image_point(self, req: Request) -> int | None:
+        images = image_points(req, self.block_size)
+        return min(images) if images else None
+
     def _alloc_snapshot(self) -> int | None:
+        """A free entry, else the least recently used unpinned snapshot's, a spare one first."""
         if self._free_snapshots:
             return self._free_snapshots.pop()
-        for h, idx in self._snapshots.items():
-            if idx not in self._pinned:
-                del self._snapshots[h]
-                self.stats.evictions += 1
-                return idx
-        return None
+        victim = next((h for h, idx in self._snapshots.items() if h in self._spare and idx not in self._pinned), None)
+        if victim is None:
+            victim = next((h for h, idx in self._snapshots.items() if idx not in self._pinned), None)
+        if victim is None:
+            return None
+        self._spare.discard(victim)
+        self.stats.evictions += 1
+        return self._snapshots.pop(victim)
 
     def _on_block_evicted(self, block_hash: bytes) -> None:
         idx = self._snapshots.get(block_hash)
         if idx is not None and idx not in self._pinned:
             del self._snapshots[block_hash]
+            self._spare.discard(block_hash)
             self._free_snapshots.append(idx)
             self.stats.evictions += 1
 

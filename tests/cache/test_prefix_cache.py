@@ -11,6 +11,8 @@ import pytest
 
 from hyserve import SamplingParams
 from hyserve.cache import prefix_cache
+from hyserve.cache.block_pool import BlockPool
+from hyserve.cache.state_slots import StateSlots
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.request import ImageSpan, Request
 from hyserve.testing.engine import (
@@ -460,3 +462,51 @@ def test_a_block_keys_the_image_of_its_lookahead_token() -> None:
 
     assert keys("a", 1)[0] != keys("b", 1)[0]
     assert keys("a", 0)[0] == keys("b", 0)[0] and keys("a", 0)[1] != keys("b", 0)[1]
+
+
+# ---------------------------------------------------------------------------------------------- eviction order
+
+def _full_cache(monkeypatch: pytest.MonkeyPatch, lru_only: bool) -> tuple[prefix_cache.PrefixCache, Request]:
+    """Three entries, filled by one request's points in this order: 32 (before its first image: a resume point),
+    64 (an interval point) and 96 (its prompt's end). ``lru_only``: every snapshot a resume point (plain LRU)."""
+    if lru_only:
+        monkeypatch.setattr(prefix_cache.PrefixCache, "_resume_point", lambda self, req, position: True)
+    cache = prefix_cache.PrefixCache(BlockPool(64, 16), StateSlots(2, 3), 16, snapshot_interval=64)
+    req = Request("a", None, toks(100, 1), SamplingParams(), 0)
+    req.image_spans = (ImageSpan(40, 8, "a"), ImageSpan(70, 8, "b"))
+    assert cache.snapshot_points(req, 0, 99) == [32, 64, 96]
+    for p in (32, 64, 96):
+        entry = cache.reserve_snapshot(req, p)
+        assert entry is not None and cache.commit_snapshot(req, p, entry)
+    return cache, req
+
+
+def _kept(cache: prefix_cache.PrefixCache, req: Request) -> list[int]:
+    return [p for p in (32, 64, 96) if cache.has_snapshot(req.block_hashes[p // 16 - 1])]
+
+
+@pytest.mark.parametrize("lru_only", [False, True])
+def test_spare_snapshots_are_evicted_before_resume_points(monkeypatch: pytest.MonkeyPatch, lru_only: bool) -> None:
+    """A full budget gives up the oldest spare snapshot (interval point, prompt end, later images), not the point
+    before the first image that is older: a GUI agent's next step resumes there. Plain LRU (the sabotage) evicts
+    the resume point first, which the first case would catch."""
+    cache, req = _full_cache(monkeypatch, lru_only)
+    other = Request("b", None, toks(40, 9), SamplingParams(), 0)
+    entry = cache.reserve_snapshot(other, 32)  # the budget is full: one snapshot goes
+    assert entry is not None and cache.stats.evictions == 1
+    assert _kept(cache, req) == ([64, 96] if lru_only else [32, 96])
+
+
+def test_a_spare_snapshot_resumed_from_or_computed_through_again_is_kept_like_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request computing through the interval point again (it recurs) makes it an ordinary snapshot: the prompt
+    end goes first, then the least recently used of the rest."""
+    cache, req = _full_cache(monkeypatch, lru_only=False)
+    again = Request("c", None, toks(100, 1), SamplingParams(), 0)
+    again.image_spans = req.image_spans  # the same prompt, images and all
+    assert cache.reserve_snapshot(again, 64) is None  # already there: touched, no longer spare
+    others = [Request(f"o{i}", None, toks(40, 10 + i), SamplingParams(), 0) for i in range(2)]
+    assert cache.reserve_snapshot(others[0], 32) is not None
+    assert _kept(cache, req) == [32, 64]
+    assert cache.reserve_snapshot(others[1], 32) is not None
+    assert _kept(cache, req) == [64]  # no spare left: the least recently used, the point before the image

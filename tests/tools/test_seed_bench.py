@@ -510,3 +510,51 @@ def test_no_request_is_submitted_after_the_deadline(vlm: str) -> None:
     assert 0 < len(cut) < 20 and all(r.submitted <= 30.0 for r in cut)
     assert all(r.finished is not None for r in cut)
     sb.check_records(cut, 4)
+
+
+# ------------------------------------------------------------------------------------- the snapshot budget
+
+
+def _agent_rounds(vlm: str, snapshots: int, agents: int = 8, steps: int = 6) -> float:
+    """``agents`` GUI agents of the tiny trace (episodes of ``steps`` steps, prompts up to 900 tokens), one step each
+    per round, a round one batch (deterministic: no client timing), MTP 2, ``snapshots`` snapshot entries: the share
+    of prompt tokens served from the cache from the fourth step on (each prompt turned its oldest screenshot into
+    text)."""
+    trace = dataclasses.replace(TINY, steps=(steps, steps), prompt_len=(120, 900))
+    prompts = sb.SeedPrompts(vlm, trace)
+    eps = [prompts.episode(i) for i in range(agents)]
+    history: list[list[list[int]]] = [[] for _ in eps]
+    llm = LLM(model=vlm, device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=agents, num_kv_blocks=600,
+              num_state_slots=agents, num_snapshot_slots=snapshots,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    cached = total = 0
+    for step in range(steps):
+        params = [SamplingParams(temperature=0.0, max_tokens=ep.output_lens[step], ignore_eos=True) for ep in eps]
+        outs = llm.generate([prompts.request(ep, step, history[i]) for i, ep in enumerate(eps)], params,
+                            use_tqdm=False)
+        for i, out in enumerate(outs):
+            history[i].append(prompts.history_ids(list(out.outputs[0].token_ids)))
+            if step >= 3:
+                cached += out.num_cached_tokens or 0
+                total += len(out.prompt_token_ids)
+    llm.shutdown()
+    return cached / total
+
+
+def test_a_tight_snapshot_budget_keeps_the_agents_resume_points(vlm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight agents against 16 snapshot entries: the prefix cache evicts the spare snapshots (interval points,
+    prompt ends, the points before later images) first and keeps each request's point before its first image as
+    recently used as the hits beyond it, so from the fourth step on each agent resumes there more often than under
+    plain LRU (every snapshot alike) or a policy blind to images (no first-image point): both sabotages lose."""
+    from hyserve.cache.prefix_cache import PrefixCache
+
+    ours = _agent_rounds(vlm, 16)
+    with monkeypatch.context() as m:
+        m.setattr(PrefixCache, "_resume_point", lambda self, req, position: True)
+        lru = _agent_rounds(vlm, 16)
+    with monkeypatch.context() as m:
+        m.setattr(PrefixCache, "_first_image_point", lambda self, req: None)
+        blind = _agent_rounds(vlm, 16)
+    assert ours > 1.2 * max(lru, blind), (ours, lru, blind)
+    assert ours > 0.15
+    assert _agent_rounds(vlm, 64) > ours  # room for every point: nearer the trace's ideal still
