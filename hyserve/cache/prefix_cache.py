@@ -41,8 +41,13 @@ Correctness rests on three rules, each enforced in one place here:
   and takes references on the shared blocks, and the request writes only blocks past the hit.
 
 Eviction: KV blocks LRU through ``BlockPool`` (deepest-first); a snapshot whose block is evicted is dropped with it
-(its prefix is gone), and snapshots have their own budget with LRU eviction. Snapshots pinned for a copy-in in the
-current step are not evicted.
+(its prefix is gone), and snapshots have their own budget with LRU eviction, spare ones first. A snapshot is spare
+where no later request is expected to resume: at an interval point, the prompt's end, or before an image other than
+the first (a GUI agent's next prompt turns its oldest screenshot into text, which moves every later image); it stops
+being spare when a request resumes there or computes through it again. The resume points (a block boundary of the
+answer, a point where prefixes part, before the first image) go by LRU, and a hit keeps the point before the
+request's first image as recently used as itself: the agent's next step resumes there. Snapshots pinned for a
+copy-in in the current step are not evicted.
 """
 
 from __future__ import annotations
@@ -174,7 +179,7 @@ class PrefixCache:
             # The point before the first image, where this request's next step may resume (see _resume_point): kept
             # as recently used as the hit beyond it, so an agent's resume point lives as long as its episode goes on.
             first = self._first_image_point(req)
-            if first is not None and first < best * bs and req.block_hashes[first // bs - 1] in self._snapshots:
+            if first is not None and bs <= first < best * bs and req.block_hashes[first // bs - 1] in self._snapshots:
                 self._snapshots.move_to_end(req.block_hashes[first // bs - 1])
                 self._spare.discard(req.block_hashes[first // bs - 1])
             h = req.block_hashes[best - 1]
