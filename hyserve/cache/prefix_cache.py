@@ -42,11 +42,12 @@ Correctness rests on three rules, each enforced in one place here:
 
 Eviction: KV blocks LRU through ``BlockPool`` (deepest-first); a snapshot whose block is evicted is dropped with it
 (its prefix is gone), and snapshots have their own budget with LRU eviction, spare ones first. A snapshot is spare
-where no later request is expected to resume: at an interval point, the prompt's end, or before an image other than
-the first (a GUI agent's next prompt turns its oldest screenshot into text, which moves every later image); it stops
-being spare when a request resumes there or computes through it again. The resume points (a block boundary of the
-answer, a point where prefixes part, before the first image) go by LRU, and a hit keeps the point before the
-request's first image as recently used as itself: the agent's next step resumes there. Snapshots pinned for a
+where no later request is expected to resume: at an interval point, before an image other than the first (a GUI
+agent's next prompt turns its oldest screenshot into text, which moves every later image), or at the prompt's end
+once the answer has reached a block boundary; it stops being spare when a request resumes there or computes through
+it again. The resume points (the answer's latest boundary, or the prompt's end before it has one; a point where
+prefixes part; before the first image) go by LRU, and a hit keeps the point before the request's first image as
+recently used as itself: the agent's next step resumes there. Snapshots pinned for a
 copy-in in the current step are not evicted.
 """
 
@@ -297,6 +298,12 @@ class PrefixCache:
         self._snapshots[h] = entry - self.state_slots.snapshot_entry(0)
         if not self._resume_point(req, position):
             self._spare.add(h)
+        end = self._prompt_end_point(req)
+        if position > end >= self.block_size and req.rolling_snapshot_hash is None \
+                and end not in req.share_points and end != self._first_image_point(req) \
+                and req.block_hashes[end // self.block_size - 1] in self._snapshots:
+            # the answer's first boundary: the next turn resumes there or later, no longer at the prompt's end
+            self._spare.add(req.block_hashes[end // self.block_size - 1])
         self.stats.taken += 1
         self._retire_rolling(req, h, position)
         return True
@@ -320,13 +327,14 @@ class PrefixCache:
             self._free_snapshots.append(idx)
 
     def _resume_point(self, req: Request, position: int) -> bool:
-        """Whether a later request is expected to resume at ``req``'s ``position``: a block boundary of its answer
-        (the latest one is kept: a conversation's next turn resumes there), a point where its prefix parts from
-        another's, or the point before its first image (a GUI agent's next prompt turns the oldest screenshot of its
-        window into text and resumes there; every later image moves with it, so the points before them are not
-        resumed from). The other points (every ``interval`` tokens, the prompt's end, before later images) are spare:
-        evicted first, until a request resumes or computes through one again."""
-        return position > self._prompt_end_point(req) or position in req.share_points \
+        """Whether a later request is expected to resume at ``req``'s ``position``: the prompt's end or a block
+        boundary of its answer (the latest one is kept: a conversation's next turn resumes there; the prompt's end
+        turns spare when the answer reaches its first boundary), a point where its prefix parts from another's, or
+        the point before its first image (a GUI agent's next prompt turns the oldest screenshot of its window into
+        text and resumes there; every later image moves with it, so the points before them are not resumed from). The
+        other points (every ``interval`` tokens, before later images) are spare: evicted first, until a request
+        resumes or computes through one again."""
+        return position >= self._prompt_end_point(req) or position in req.share_points \
             or position == self._first_image_point(req)
 
     def _first_image_point(self, req: Request) -> int | None:

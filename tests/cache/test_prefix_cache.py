@@ -466,12 +466,14 @@ def test_a_block_keys_the_image_of_its_lookahead_token() -> None:
 
 # ---------------------------------------------------------------------------------------------- eviction order
 
-def _full_cache(monkeypatch: pytest.MonkeyPatch, lru_only: bool) -> tuple[prefix_cache.PrefixCache, Request]:
-    """Three entries, filled by one request's points in this order: 32 (before its first image: a resume point),
-    64 (an interval point) and 96 (its prompt's end). ``lru_only``: every snapshot a resume point (plain LRU)."""
+def _full_cache(monkeypatch: pytest.MonkeyPatch, lru_only: bool,
+                entries: int = 3) -> tuple[prefix_cache.PrefixCache, Request]:
+    """A cache of ``entries`` entries, holding one request's points taken in this order: 32 (before its first image:
+    a resume point), 64 (an interval point, and before its second image: spare) and 96 (its prompt's end: a resume
+    point while the answer has no block boundary). ``lru_only``: every snapshot a resume point (plain LRU)."""
     if lru_only:
         monkeypatch.setattr(prefix_cache.PrefixCache, "_resume_point", lambda self, req, position: True)
-    cache = prefix_cache.PrefixCache(BlockPool(64, 16), StateSlots(2, 3), 16, snapshot_interval=64)
+    cache = prefix_cache.PrefixCache(BlockPool(64, 16), StateSlots(2, entries), 16, snapshot_interval=64)
     req = Request("a", None, toks(100, 1), SamplingParams(), 0)
     req.image_spans = (ImageSpan(40, 8, "a"), ImageSpan(70, 8, "b"))
     assert cache.snapshot_points(req, 0, 99) == [32, 64, 96]
@@ -482,14 +484,15 @@ def _full_cache(monkeypatch: pytest.MonkeyPatch, lru_only: bool) -> tuple[prefix
 
 
 def _kept(cache: prefix_cache.PrefixCache, req: Request) -> list[int]:
-    return [p for p in (32, 64, 96) if cache.has_snapshot(req.block_hashes[p // 16 - 1])]
+    return [p for p in (32, 64, 96, 112) if p <= len(req.block_hashes) * 16
+            and cache.has_snapshot(req.block_hashes[p // 16 - 1])]
 
 
 @pytest.mark.parametrize("lru_only", [False, True])
 def test_spare_snapshots_are_evicted_before_resume_points(monkeypatch: pytest.MonkeyPatch, lru_only: bool) -> None:
-    """A full budget gives up the oldest spare snapshot (interval point, prompt end, later images), not the point
-    before the first image that is older: a GUI agent's next step resumes there. Plain LRU (the sabotage) evicts
-    the resume point first, which the first case would catch."""
+    """A full budget gives up the oldest spare snapshot (interval point, later image), not the point before the
+    first image that is older: a GUI agent's next step resumes there. Plain LRU (the sabotage) evicts the resume
+    point first, which the first case would catch."""
     cache, req = _full_cache(monkeypatch, lru_only)
     other = Request("b", None, toks(40, 9), SamplingParams(), 0)
     entry = cache.reserve_snapshot(other, 32)  # the budget is full: one snapshot goes
@@ -497,16 +500,40 @@ def test_spare_snapshots_are_evicted_before_resume_points(monkeypatch: pytest.Mo
     assert _kept(cache, req) == ([64, 96] if lru_only else [32, 96])
 
 
-def test_a_spare_snapshot_resumed_from_or_computed_through_again_is_kept_like_the_others(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request computing through the interval point again (it recurs) makes it an ordinary snapshot: the prompt
-    end goes first, then the least recently used of the rest."""
-    cache, req = _full_cache(monkeypatch, lru_only=False)
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_the_prompt_end_turns_spare_at_the_answers_first_boundary(monkeypatch: pytest.MonkeyPatch,
+                                                                  sabotage: bool) -> None:
+    """A request computing through the interval point again (it recurs) makes it an ordinary snapshot; the answer
+    reaching its first block boundary (112) makes the prompt's end spare (the next turn resumes at 112 or later), so
+    it goes before the older point before the image. The sabotage (the prompt's end never turned spare) evicts that
+    point instead."""
+    if sabotage:
+        real = prefix_cache.PrefixCache._prompt_end_point
+        monkeypatch.setattr(prefix_cache.PrefixCache, "commit_snapshot", _commit_keeping_the_prompt_end(real))
+    cache, req = _full_cache(monkeypatch, lru_only=False, entries=4)
     again = Request("c", None, toks(100, 1), SamplingParams(), 0)
     again.image_spans = req.image_spans  # the same prompt, images and all
     assert cache.reserve_snapshot(again, 64) is None  # already there: touched, no longer spare
-    others = [Request(f"o{i}", None, toks(40, 10 + i), SamplingParams(), 0) for i in range(2)]
-    assert cache.reserve_snapshot(others[0], 32) is not None
-    assert _kept(cache, req) == [32, 64]
-    assert cache.reserve_snapshot(others[1], 32) is not None
-    assert _kept(cache, req) == [64]  # no spare left: the least recently used, the point before the image
+    req.output_token_ids.extend(toks(20, 5))
+    entry = cache.reserve_snapshot(req, 112)  # the fourth entry, free
+    assert entry is not None and cache.commit_snapshot(req, 112, entry)
+    assert _kept(cache, req) == [32, 64, 96, 112]
+    assert cache.reserve_snapshot(Request("o", None, toks(40, 10), SamplingParams(), 0), 32) is not None
+    assert _kept(cache, req) == ([64, 96, 112] if sabotage else [32, 64, 112])
+
+
+def _commit_keeping_the_prompt_end(real: Callable[..., int]) -> Callable[..., bool]:
+    """commit_snapshot with the prompt's end hidden while it runs (no snapshot is found there to turn spare)."""
+    commit = prefix_cache.PrefixCache.commit_snapshot
+
+    def sabotaged(self: prefix_cache.PrefixCache, req: Request, position: int, entry: int) -> bool:
+        if position <= real(self, req):
+            return commit(self, req, position, entry)
+        self_type = type(self)
+        try:
+            self_type._prompt_end_point = lambda s, r: 0  # type: ignore[method-assign]
+            return commit(self, req, position, entry)
+        finally:
+            self_type._prompt_end_point = real  # type: ignore[method-assign]
+
+    return sabotaged

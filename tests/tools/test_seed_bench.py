@@ -516,11 +516,12 @@ def test_no_request_is_submitted_after_the_deadline(vlm: str) -> None:
 
 
 def _agent_rounds(vlm: str, snapshots: int, agents: int = 8, steps: int = 6) -> float:
-    """``agents`` GUI agents of the tiny trace (episodes of ``steps`` steps, prompts up to 900 tokens), one step each
+    """``agents`` GUI agents of the tiny trace (episodes of ``steps`` steps, prompts up to 900 tokens, answers of 17-30
+    tokens: each reaches a block boundary, as the seed's 20-100 do), one step each
     per round, a round one batch (deterministic: no client timing), MTP 2, ``snapshots`` snapshot entries: the share
     of prompt tokens served from the cache from the fourth step on (each prompt turned its oldest screenshot into
     text)."""
-    trace = dataclasses.replace(TINY, steps=(steps, steps), prompt_len=(120, 900))
+    trace = dataclasses.replace(TINY, steps=(steps, steps), prompt_len=(120, 900), output_len=(17, 30))
     prompts = sb.SeedPrompts(vlm, trace)
     eps = [prompts.episode(i) for i in range(agents)]
     history: list[list[list[int]]] = [[] for _ in eps]
@@ -542,19 +543,20 @@ def _agent_rounds(vlm: str, snapshots: int, agents: int = 8, steps: int = 6) -> 
 
 
 def test_a_tight_snapshot_budget_keeps_the_agents_resume_points(vlm: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eight agents against 16 snapshot entries: the prefix cache evicts the spare snapshots (interval points,
-    prompt ends, the points before later images) first and keeps each request's point before its first image as
-    recently used as the hits beyond it, so from the fourth step on each agent resumes there more often than under
-    plain LRU (every snapshot alike) or a policy blind to images (no first-image point): both sabotages lose."""
+    """Eight agents against 24 snapshot entries: the prefix cache evicts the spare snapshots first (interval points,
+    the points before later images, prompt ends once the answer has a block boundary) and keeps each request's
+    point before its first image as recently used as the hits beyond it, so from the fourth step on each agent
+    resumes there more often than under plain LRU (every snapshot alike) or a policy blind to images (no
+    first-image point): both sabotages lose."""
     from hyserve.cache.prefix_cache import PrefixCache
 
-    ours = _agent_rounds(vlm, 16)
+    ours = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
         m.setattr(PrefixCache, "_resume_point", lambda self, req, position: True)
-        lru = _agent_rounds(vlm, 16)
+        lru = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
         m.setattr(PrefixCache, "_first_image_point", lambda self, req: None)
-        blind = _agent_rounds(vlm, 16)
-    assert ours > 1.2 * max(lru, blind), (ours, lru, blind)
+        blind = _agent_rounds(vlm, 24)
+    assert ours > 1.3 * max(lru, blind), (ours, lru, blind)
     assert ours > 0.15
     assert _agent_rounds(vlm, 64) > ours  # room for every point: nearer the trace's ideal still
