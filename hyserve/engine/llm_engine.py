@@ -195,8 +195,9 @@ class LLMEngine:
                         lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
             transient = self.snapshot_demand_while_decoding()
             if has_state and lay.num_snapshots < transient:
-                # a warning where the user asked for the concurrency (the default is sized to the memory)
-                log = logger.warning if config.max_num_seqs is not None else logger.info
+                # a warning where the user asked for the concurrency; the default one is sized to the memory, and a
+                # default that full of decoding requests is rare enough to say so only in the debug log
+                log = logger.warning if config.max_num_seqs is not None else logger.debug
                 log(
                     "prefix cache: %d recurrent snapshots are fewer than the %d that %d decoding requests can hold "
                     "at once (each its latest block boundary's, and one reserved per step in flight), so published "

@@ -132,14 +132,14 @@ def test_too_few_snapshots_for_the_decoding_requests_are_warned_of(ckpts: Checkp
         assert "--snapshot-memory-fraction" in warned[0] and "--mamba-ssm-cache-dtype auto" in warned[0]
 
 
-def test_the_default_concurrency_is_told_of_too_few_snapshots_at_info(ckpts: CheckpointCache,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    """max_num_seqs left to the engine (sized to the memory): the same line at INFO, not a warning."""
-    with caplog.at_level("INFO", logger="hyserve"):
+def test_the_default_concurrency_is_told_of_too_few_snapshots_in_the_debug_log(
+        ckpts: CheckpointCache, caplog: pytest.LogCaptureFixture) -> None:
+    """max_num_seqs left to the engine (sized to the memory): the same line in the debug log, not a warning."""
+    with caplog.at_level("DEBUG", logger="hyserve"):
         llm = make_llm(ckpts.get(), num_snapshot_slots=3, max_num_seqs=None)
     llm.shutdown()
     said = [r for r in caplog.records if "recurrent snapshots are fewer" in r.getMessage()]
-    assert [r.levelname for r in said] == ["INFO"]
+    assert [r.levelname for r in said] == ["DEBUG"]
 
 
 def test_preemption_resumes_from_own_snapshots(ckpts: CheckpointCache) -> None:
