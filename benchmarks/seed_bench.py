@@ -241,15 +241,14 @@ class HyserveAsync:
     name = "hyserve"
 
     def __init__(self, model: str, flags: list[str], layout: dict[str, int] | None = None) -> None:
-        from hyserve.engine_args import engine_args, expand_dotted, llm_kwargs
-        from hyserve.llm import LLM
+        from hyserve.engine_args import engine_args, expand_dotted, make_llm
         from hyserve.server.async_engine import AsyncEngine
 
         parser = argparse.ArgumentParser()
         engine_args(parser, serving=True)
         self.args = parser.parse_args(expand_dotted(flags))
         # ``layout``: the cache's counts given (a replay of a card's layout on the CPU), not sized from memory
-        self.llm = LLM(model=model, **llm_kwargs(self.args, model), **(layout or {}))
+        self.llm = make_llm(self.args, model, **(layout or {}))
         lay = self.llm.llm_engine.layout
         self.layout = {"kv_blocks": lay.num_kv_blocks - 1, "state_slots": lay.num_state_slots,
                        "snapshots": lay.num_snapshots, "state_bytes_per_slot": lay.state_bytes_per_slot,
@@ -427,7 +426,7 @@ def ideal_hit_rate(prompts: SeedPrompts, records: list[RequestRecord], block_siz
     for r in records:
         by_episode.setdefault(r.episode, {})[r.step] = r
     pad = prompts.builder.image_token_id
-    seen: list[Any] = []  # earlier requests' prompts and outputs, keyed
+    bound = pb.CacheBound()  # every earlier request's prompt and output, keyed, as one turn
     cached = total = 0
     for r in sorted(records, key=lambda r: r.submitted):
         ep = prompts.episode(r.episode)
@@ -435,15 +434,10 @@ def ideal_hit_rate(prompts: SeedPrompts, records: list[RequestRecord], block_siz
         expanded: list[int] = []
         for t in prompts.ids(ep, r.step, outputs):
             expanded += [t] * prompts.image_tokens if t == pad else [t]
-        a = np.asarray(pb.CacheBound.keys(expanded, pad, [r.episode * 1000 + k for k in ep.visible(r.step)]))
-        best = 0
-        for b in seen:
-            m = min(len(a), len(b))
-            eq = a[:m] == b[:m]
-            best = max(best, m if bool(eq.all()) else int(eq.argmin()))
-        cached += min(best, len(a) - 1) // block_size * block_size
-        total += len(a)
-        seen.append(np.concatenate([a, np.asarray(prompts.history_ids(r.output), dtype=a.dtype)]))
+        keyed = pb.CacheBound.keys(expanded, pad, [r.episode * 1000 + k for k in ep.visible(r.step)])
+        cached += bound.add(keyed) // block_size * block_size
+        total += len(keyed)
+        bound.turn[-1] = np.concatenate([bound.turn[-1], np.asarray(prompts.history_ids(r.output), dtype=np.int64)])
     return cached / max(total, 1)
 
 

@@ -534,13 +534,14 @@ def load_chat_template(value: str) -> str:
     return text
 
 
-def make_llm(args: argparse.Namespace, model: str | None) -> Any:
+def make_llm(args: argparse.Namespace, model: str | None, **overrides: Any) -> Any:
     """An ``LLM`` built from the flags ``engine_args`` added (``model`` None = the packaged default model), with
-    ``--chat-template``'s template (read and checked before the model loads) in place of the checkpoint's."""
+    ``--chat-template``'s template (read and checked before the model loads) in place of the checkpoint's;
+    ``overrides``: engine config fields no flag sets (a benchmark's given cache counts)."""
     from hyserve.llm import LLM
 
     template = load_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
-    llm = LLM(model=model, **llm_kwargs(args, model))
+    llm = LLM(model=model, **llm_kwargs(args, model), **overrides)
     if template is not None:
         tokenizer = llm.get_tokenizer()
         if tokenizer is None:

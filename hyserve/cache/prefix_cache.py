@@ -180,9 +180,10 @@ class PrefixCache:
             # The point before the first image, where this request's next step may resume (see _resume_point): kept
             # as recently used as the hit beyond it, so an agent's resume point lives as long as its episode goes on.
             first = self._first_image_point(req)
-            if first is not None and bs <= first < best * bs and req.block_hashes[first // bs - 1] in self._snapshots:
-                self._snapshots.move_to_end(req.block_hashes[first // bs - 1])
-                self._spare.discard(req.block_hashes[first // bs - 1])
+            resume = req.block_hashes[first // bs - 1] if first is not None and bs <= first < best * bs else None
+            if resume is not None and resume in self._snapshots:
+                self._snapshots.move_to_end(resume)
+                self._spare.discard(resume)
             h = req.block_hashes[best - 1]
             idx = self._snapshots[h]
             self._snapshots.move_to_end(h)
@@ -300,10 +301,11 @@ class PrefixCache:
             self._spare.add(h)
         end = self._prompt_end_point(req)
         if position > end >= self.block_size and req.rolling_snapshot_hash is None \
-                and end not in req.share_points and end != self._first_image_point(req) \
-                and req.block_hashes[end // self.block_size - 1] in self._snapshots:
+                and not self._resume_point(req, end, answered=True):
             # the answer's first boundary: the next turn resumes there or later, no longer at the prompt's end
-            self._spare.add(req.block_hashes[end // self.block_size - 1])
+            prompt_end = req.block_hashes[end // self.block_size - 1]
+            if prompt_end in self._snapshots:
+                self._spare.add(prompt_end)
         self.stats.taken += 1
         self._retire_rolling(req, h, position)
         return True
@@ -326,15 +328,16 @@ class PrefixCache:
             self._spare.discard(old)
             self._free_snapshots.append(idx)
 
-    def _resume_point(self, req: Request, position: int) -> bool:
+    def _resume_point(self, req: Request, position: int, answered: bool = False) -> bool:
         """Whether a later request is expected to resume at ``req``'s ``position``: the prompt's end or a block
         boundary of its answer (the latest one is kept: a conversation's next turn resumes there; the prompt's end
         turns spare when the answer reaches its first boundary), a point where its prefix parts from another's, or
         the point before its first image (a GUI agent's next prompt turns the oldest screenshot of its window into
         text and resumes there; every later image moves with it, so the points before them are not resumed from). The
         other points (every ``interval`` tokens, before later images) are spare: evicted first, until a request
-        resumes or computes through one again."""
-        return position >= self._prompt_end_point(req) or position in req.share_points \
+        resumes or computes through one again. ``answered``: the answer has reached a block boundary."""
+        end = self._prompt_end_point(req)
+        return position > end or (position == end and not answered) or position in req.share_points \
             or position == self._first_image_point(req)
 
     def _first_image_point(self, req: Request) -> int | None:

@@ -472,7 +472,7 @@ def _full_cache(monkeypatch: pytest.MonkeyPatch, lru_only: bool,
     a resume point), 64 (an interval point, and before its second image: spare) and 96 (its prompt's end: a resume
     point while the answer has no block boundary). ``lru_only``: every snapshot a resume point (plain LRU)."""
     if lru_only:
-        monkeypatch.setattr(prefix_cache.PrefixCache, "_resume_point", lambda self, req, position: True)
+        monkeypatch.setattr(prefix_cache.PrefixCache, "_resume_point", lambda self, req, position, answered=False: True)
     cache = prefix_cache.PrefixCache(BlockPool(64, 16), StateSlots(2, entries), 16, snapshot_interval=64)
     req = Request("a", None, toks(100, 1), SamplingParams(), 0)
     req.image_spans = (ImageSpan(40, 8, "a"), ImageSpan(70, 8, "b"))

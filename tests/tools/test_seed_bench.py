@@ -552,7 +552,7 @@ def test_a_tight_snapshot_budget_keeps_the_agents_resume_points(vlm: str, monkey
 
     ours = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
-        m.setattr(PrefixCache, "_resume_point", lambda self, req, position: True)
+        m.setattr(PrefixCache, "_resume_point", lambda self, req, position, answered=False: True)
         lru = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
         m.setattr(PrefixCache, "_first_image_point", lambda self, req: None)
