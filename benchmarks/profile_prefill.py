@@ -53,9 +53,11 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--load-format", default="auto", help="dummy: weights made at load (a config-only checkpoint)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    llm = LLM(model=args.model, device="cuda", dtype=args.dtype, max_model_len=4096,
+    llm = LLM(model=args.model, device="cuda", dtype=args.dtype, max_model_len=max(4096, args.prompt_len + 16),
+              load_format=args.load_format,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.8)
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size

@@ -16,9 +16,13 @@ How the loop works:
   what the server streams) all of them merged into one (``merge_delta``), so a slow consumer loses nothing.
 - A consumer that stops early (client disconnect: the handler's task is cancelled or the generator is closed) aborts
   its request from ``generate``'s ``finally``; the loop thread frees its blocks and slot before the next step.
-- A prompt with ``multi_modal_data`` (images) has its ids checked at the door and its images handed to the engine
-  as they are: the engine processes them and widens the placeholders when the loop adds the request, and a refusal
-  there (a ``ValueError``) ends that request alone. A prompt without images whose ids hold the image placeholder
+- A prompt with ``multi_modal_data`` (images) given to ``generate`` has its images processed in a worker thread
+  before it is queued (``LLMEngine.prepare_prompt``: load, resize, normalise, cut into patches, widen the
+  placeholders), as the server's chat route does with ``prepare_images``: tens of milliseconds of a core per new
+  image that the loop thread would otherwise spend between two steps, stalling every running request. A bad image
+  raises ``ValueError`` from ``generate`` then, before anything is queued. ``open`` (synchronous) hands raw images
+  to the engine, which processes them when the loop adds the request (its caller, the server, prepares them
+  first); a refusal there ends that request alone. A prompt without images whose ids hold the image placeholder
   token (text can spell it) is refused at the door, as the engine would refuse it.
 - ``add_request`` refuses at the door what the engine would fail on later: besides the prompt, token ids in the
   sampling params (``stop_token_ids``) must lie in the model's vocabulary, so one request can never take the engine
@@ -71,6 +75,12 @@ class RequestAbortedError(RuntimeError):
 
 class ShutdownAbortError(RequestAbortedError):
     """The server is shutting down: ``generate`` turns it into a last output with ``finish_reason="abort"``."""
+
+
+def _raw_images(prompt: PromptType) -> bool:
+    """``prompt`` carries images not processed yet (``multi_modal_data`` without ``multi_modal_inputs``)."""
+    return (isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
+            and prompt.get("multi_modal_inputs") is None)
 
 
 def aborted_output(last: RequestOutput | None, request_id: str, prompt: dict[str, Any], n: int = 1) -> RequestOutput:
@@ -252,9 +262,13 @@ class AsyncEngine:
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's cumulative ``RequestOutput`` as it progresses; the last one has ``finished`` set.
 
-        The request is queued at the first iteration. Closing the generator early (``aclose()``, or cancelling the
-        task consuming it) aborts the request in the engine.
+        The request is queued at the first iteration, after its images (``multi_modal_data``), if any, are
+        processed in a worker thread. Closing the generator early (``aclose()``, or cancelling the task consuming
+        it) aborts the request in the engine.
         """
+        if _raw_images(prompt):
+            self.check_params(params)  # the cheap refusals before the pixel work
+            prompt = await asyncio.to_thread(self.engine.prepare_prompt, prompt)
         queue, item = self._add_request(request_id, prompt, params)
         async for out in self._outputs(request_id, queue, item, params):
             yield out

@@ -137,3 +137,63 @@ def test_max_tokens_counts_the_image_tokens(ctx: Ctx) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["usage"] == {**r.json()["usage"], "prompt_tokens": n_prompt, "completion_tokens": room}
         srv.settle()
+
+
+def test_async_generate_processes_images_off_the_loop_thread(ctx: Ctx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AsyncEngine.generate`` with ``multi_modal_data`` processes the images in a worker thread: while one
+    request's image is held in its processing, another request runs to its end (the loop thread processing it would
+    stall every request for as long), and the held request then gives what ``LLM.generate`` gives."""
+    import asyncio
+    import threading
+
+    engine = _engine(ctx.path)
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real = engine.prepare_images
+
+    def held(ids: list[int], images: list[Any]) -> Any:
+        threads.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(60), "never released"
+        return real(ids, images)
+
+    monkeypatch.setattr(engine, "prepare_images", held)
+    tok = ctx.llm.get_tokenizer()
+    prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>" + QUESTION,
+              "multi_modal_data": {"image": tiny_png(WIDTH, HEIGHT, seed=5)}}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    async_engine = AsyncEngine(engine)
+
+    async def last(request_id: str, p: dict[str, Any]) -> Any:
+        out = None
+        async for out in async_engine.generate(request_id, p, params):
+            pass
+        return out
+
+    async def scenario() -> tuple[Any, Any, bool]:
+        held_task = asyncio.create_task(last("image", prompt))
+        assert await asyncio.to_thread(entered.wait, 30)
+        text = await asyncio.wait_for(last("text", {"prompt_token_ids": tok.encode(QUESTION)}), 30)
+        still_held = not held_task.done()
+        release.set()
+        return text, await asyncio.wait_for(held_task, 60), still_held
+
+    try:
+        text, image, still_held = asyncio.run(scenario())
+        assert text.finished and len(text.outputs[0].token_ids) == 4
+        assert still_held  # the text request ended while the image request's pixels were being processed
+        assert threads and "hyserve-engine-loop" not in threads
+        ref = ctx.llm.generate([prompt], params, use_tqdm=False)[0]
+        assert image.prompt_token_ids == ref.prompt_token_ids
+        assert image.outputs[0].token_ids == ref.outputs[0].token_ids
+
+        async def bad() -> Any:  # a refused image raises from generate, before anything is queued
+            return await last("bad", {**prompt, "multi_modal_data": {"image": b"\x89PNG but not really"}})
+
+        release.set()
+        with pytest.raises(ValueError, match="image"):
+            asyncio.run(bad())
+        assert async_engine.is_alive() and async_engine.num_open_requests() == 0
+    finally:
+        release.set()
+        async_engine.shutdown()
