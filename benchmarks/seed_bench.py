@@ -67,6 +67,7 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -234,6 +235,44 @@ CACHE_COUNTS = ("prefix_cache_snapshots_taken", "prefix_cache_snapshot_evictions
                 "prefix_cache_snapshot_misses", "prefix_cache_kv_evictions", "num_preemptions")
 
 
+class LoopClock:
+    """Where a closed loop's host time goes in hyserve: seconds (and calls) of the engine's ``add_request`` and
+    ``step`` (both on ``AsyncEngine``'s loop thread, every running request waiting meanwhile) and of
+    ``prepare_prompt`` (a request's images processed, on a worker thread: summed over threads that may overlap),
+    by wrapping those methods on the engine instance. ``reset`` after the warm-up."""
+
+    NAMES = ("add_request", "step", "prepare_prompt")
+
+    def __init__(self, engine: Any) -> None:
+        self._lock = threading.Lock()
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+        self.calls = dict.fromkeys(self.NAMES, 0)
+        for name in self.NAMES:
+            setattr(engine, name, self._timed(name, getattr(engine, name)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[name] += time.perf_counter() - t0
+                    self.calls[name] += 1
+        return timed
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds = dict.fromkeys(self.NAMES, 0.0)
+            self.calls = dict.fromkeys(self.NAMES, 0)
+
+    def figures(self) -> dict[str, float]:
+        with self._lock:
+            return {"loop_add_request_s": self.seconds["add_request"], "loop_step_s": self.seconds["step"],
+                    "loop_steps": float(self.calls["step"]), "prepare_images_s": self.seconds["prepare_prompt"],
+                    "prepare_images_calls": float(self.calls["prepare_prompt"])}
+
+
 class HyserveAsync:
     """hyserve's ``AsyncEngine`` (what ``hyserve serve`` runs) on an engine built from ``flags`` by hyserve's own
     parser (``engine_args``)."""
@@ -253,6 +292,7 @@ class HyserveAsync:
         self.layout = {"kv_blocks": lay.num_kv_blocks - 1, "state_slots": lay.num_state_slots,
                        "snapshots": lay.num_snapshots, "state_bytes_per_slot": lay.state_bytes_per_slot,
                        "kv_bytes_per_block": lay.kv_bytes_per_block}
+        self.clock = LoopClock(self.llm.llm_engine)  # before the loop thread starts calling the methods
         self.engine = AsyncEngine(self.llm.llm_engine)
         self.version = pb.git_commit()
         from hyserve import SamplingParams
@@ -271,7 +311,10 @@ class HyserveAsync:
         # the prefix cache's own counts (the warm-up's included): what its hit rate came from
         for key in CACHE_COUNTS:
             out[key] = float(m.get(f"hyserve:{key}", 0) or 0)  # type: ignore[arg-type]
-        return out
+        return {**out, **self.clock.figures()}
+
+    def after_warmup(self) -> None:
+        self.clock.reset()
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -312,6 +355,9 @@ class VllmAsync:
 
     def stats(self) -> dict[str, float]:
         return {}
+
+    def after_warmup(self) -> None:  # its engine core runs in another process: no loop clock here
+        pass
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -576,6 +622,7 @@ def measure(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 await run_closed_loop(eng, warm, warm.episodes(), concurrency, args.warmup, tag="warm")
                 res["warmup_s"] = time.perf_counter() - t0
+            eng.after_warmup()
             deadline = None if args.time_limit is None else started + args.time_limit
             return await run_closed_loop(eng, prompts, prompts.episodes(), concurrency, requests, deadline=deadline)
 
@@ -630,6 +677,9 @@ REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
     "images_per_request": (True, "images per request (trace check)", False),
     "requests": (True, "requests", False),
     "duration_s": (False, "run, s", False),
+    "loop_step_s": (False, "hyserve's loop thread stepping, s", False),
+    "loop_add_request_s": (False, "hyserve's loop thread adding requests, s", False),
+    "prepare_images_s": (False, "hyserve's image processing off the loop thread, s (threads summed)", False),
 }
 
 

@@ -203,6 +203,12 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert fig["spec_planted_acceptance_length"] == pytest.approx(2.44)
     assert 1.6 < fig["spec_mean_acceptance_length"] < 3.0
     assert run["acceptance"]["k"] == 2 and run["notes"]["prompt_tokens_as_expected"]
+    # The loop clock, from the warm-up's end: each timed request's images processed once, off the loop thread (the
+    # engine's add_request would process them on it, and prepare_prompt would not be called); the loop thread's
+    # adding and stepping fit in the run's time.
+    assert fig["prepare_images_calls"] == n and fig["prepare_images_s"] > 0
+    assert fig["loop_steps"] >= max(r.max_tokens for r in recs) / 3 and fig["loop_step_s"] > 0
+    assert 0 < fig["loop_add_request_s"] + fig["loop_step_s"] <= fig["duration_s"] + 1.0
 
 
 def test_the_hit_rate_stays_under_the_trace_ideal_and_near_it(run: dict[str, Any]) -> None:
