@@ -267,11 +267,16 @@ class PrefixCache:
             return None
         return self.reserve_entry()
 
-    def reserve_entry(self) -> int | None:
-        """Reserve a snapshot entry whose prefix is not known yet (a verify row: the accepted length decides)."""
+    def reserve_entry(self, spare_only: bool = False) -> int | None:
+        """Reserve a snapshot entry whose prefix is not known yet (a verify row: the accepted length decides).
+
+        ``spare_only``: take a free or spare entry, never a resume point's. A verify row's candidate is speculative
+        (most are released: the accepted length stops short of the boundary), so evicting a published resume point
+        for one would trade a point a later request resumes from for a likely nothing; under pressure the row goes
+        without, and its request keeps its previous boundary's snapshot."""
         if not self.has_recurrent_state:
             return None
-        idx = self._alloc_snapshot()
+        idx = self._alloc_snapshot(spare_only)
         if idx is None:
             self.stats.skipped_full += 1
             return None
@@ -344,12 +349,13 @@ class PrefixCache:
         images = image_points(req, self.block_size)
         return min(images) if images else None
 
-    def _alloc_snapshot(self) -> int | None:
-        """A free entry, else the least recently used unpinned snapshot's, a spare one first."""
+    def _alloc_snapshot(self, spare_only: bool = False) -> int | None:
+        """A free entry, else the least recently used unpinned snapshot's, a spare one first (``spare_only``: only
+        a spare one)."""
         if self._free_snapshots:
             return self._free_snapshots.pop()
         victim = next((h for h, idx in self._snapshots.items() if h in self._spare and idx not in self._pinned), None)
-        if victim is None:
+        if victim is None and not spare_only:
             victim = next((h for h, idx in self._snapshots.items() if idx not in self._pinned), None)
         if victim is None:
             return None

@@ -201,7 +201,8 @@ class LLMEngine:
                 log(
                     "prefix cache: %d recurrent snapshots are fewer than the %d that %d decoding requests can hold "
                     "at once (each its latest block boundary's, and one reserved per step in flight), so published "
-                    "snapshots are evicted within a few steps and later requests resume from little or nothing; "
+                    "snapshots are evicted within a few steps (speculative verify rows go without instead) and later "
+                    "requests resume from little or nothing; "
                     "raise --snapshot-memory-fraction (now %.2f), or store the state in the model's dtype "
                     "(--mamba-ssm-cache-dtype auto: half the size of the float32 default)", lay.num_snapshots,
                     transient, lay.max_num_seqs, config.snapshot_memory_fraction)

@@ -427,13 +427,13 @@ class Scheduler:
                 # The point is known with the start: an entry if the latest start's row reaches a boundary.
                 reach = row.latest_start + row.num_new_tokens
                 if candidate_point(row.start, reach - row.start, pc.block_size) is not None:
-                    entry = pc.reserve_entry()
+                    entry = pc.reserve_entry(spare_only=True)
                     if entry is not None:
                         row.candidate_snapshot = (-1, entry)
             elif row.is_verify:
                 boundary = candidate_point(row.start, row.num_new_tokens, pc.block_size)
                 if boundary is not None:
-                    entry = pc.reserve_entry()
+                    entry = pc.reserve_entry(spare_only=True)
                     if entry is not None:
                         row.candidate_snapshot = (boundary, entry)
             elif row.token_ids[0] == PREVIOUS_SAMPLED:

@@ -500,6 +500,19 @@ def test_spare_snapshots_are_evicted_before_resume_points(monkeypatch: pytest.Mo
     assert _kept(cache, req) == ([64, 96] if lru_only else [32, 96])
 
 
+def test_a_spare_only_reservation_takes_free_then_spare_entries_and_no_resume_point(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reserve_entry(spare_only=True)`` (a verify row's candidate) takes the spare snapshot (64), then finds
+    nothing (counted as skipped), leaving both resume points; an ordinary reservation then evicts the older one."""
+    cache, req = _full_cache(monkeypatch, lru_only=False)
+    assert cache.reserve_entry(spare_only=True) is not None
+    assert _kept(cache, req) == [32, 96] and cache.stats.evictions == 1
+    assert cache.reserve_entry(spare_only=True) is None
+    assert _kept(cache, req) == [32, 96] and cache.stats.skipped_full == 1
+    assert cache.reserve_entry() is not None
+    assert _kept(cache, req) == [96] and cache.stats.evictions == 2
+
+
 @pytest.mark.parametrize("sabotage", [False, True])
 def test_the_prompt_end_turns_spare_at_the_answers_first_boundary(monkeypatch: pytest.MonkeyPatch,
                                                                   sabotage: bool) -> None:
@@ -537,3 +550,42 @@ def _commit_keeping_the_prompt_end(real: Callable[..., int]) -> Callable[..., bo
             self_type._prompt_end_point = real  # type: ignore[method-assign]
 
     return sabotaged
+
+
+def _candidates_evict(real: Callable[..., int | None]) -> Callable[..., int | None]:
+    """Test-only sabotage: a verify row's candidate entry may evict any snapshot (plain LRU), not only spare ones."""
+    def reserve_entry(self: prefix_cache.PrefixCache, spare_only: bool = False) -> int | None:
+        return real(self, False)
+
+    return reserve_entry
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_verify_candidates_never_evict_a_resume_point(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
+                                                      sabotage: bool) -> None:
+    """MTP with async scheduling and a snapshot budget the decoding requests fill: request ``a`` ends at once,
+    leaving its prompt's end (a resume point: its answer has no block boundary); three requests then decode 60
+    tokens each, their verify rows reserving candidates for the boundaries they may cross. Those take free and
+    spare entries only, so ``a``'s next turn resumes at its prompt's end; the sabotage (candidates evict by LRU)
+    loses it. Every output equals the uncached engine's."""
+    if sabotage:
+        monkeypatch.setattr(prefix_cache.PrefixCache, "reserve_entry",
+                            _candidates_evict(prefix_cache.PrefixCache.reserve_entry))
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    llm = cached_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                     async_scheduling=True, num_snapshot_slots=6, recurrent_snapshot_interval=1024)
+    first = toks(50, 31)
+    decoders = {f"d{i}": toks(40, 40 + i) for i in range(3)}
+    final = drive(llm.llm_engine, {0: [("a", first, greedy(1))],
+                                   3: [(r, p, greedy(60)) for r, p in decoders.items()]})
+    again = first + final["a"].outputs[0].token_ids + toks(20, 39)
+    final.update(drive(llm.llm_engine, {0: [("a2", again, greedy(4))]}))
+    off = make_llm(path, enable_prefix_caching=False)
+    for rid, p in {"a": first, **decoders, "a2": again}.items():
+        want = off.generate({"prompt_token_ids": p}, greedy(len(final[rid].outputs[0].token_ids)), use_tqdm=False)
+        assert final[rid].outputs[0].token_ids == want[0].outputs[0].token_ids, rid
+    m = llm.get_metrics()
+    assert m["hyserve:prefix_cache_snapshot_evictions"] > 0 or sabotage
+    prompt_end = (len(first) - 1) // BS * BS  # the MTP lookahead: 49 keyable tokens, 48 of them in full blocks
+    assert (final["a2"].num_cached_tokens == prompt_end) is not sabotage
+    llm.llm_engine.assert_no_leaks()
