@@ -46,9 +46,14 @@ where no later request is expected to resume: at an interval point, before an im
 agent's next prompt turns its oldest screenshot into text, which moves every later image), or at the prompt's end
 once the answer has reached a block boundary; it stops being spare when a request resumes there or computes through
 it again. The resume points (the answer's latest boundary, or the prompt's end before it has one; a point where
-prefixes part; before the first image) go by LRU, and a hit keeps the point before the request's first image as
-recently used as itself: the agent's next step resumes there. Snapshots pinned for a
-copy-in in the current step are not evicted.
+prefixes part; before the first image) go by LRU, unless one kind of them is resumed from less than half as often
+as the least recently used one's kind: then that kind's least recently used goes first. How often a kind is resumed
+from is counted per snapshot of it taken, over a decayed window, and a lookup that an evicted snapshot would have
+served deeper counts for its kind too (the evicted are remembered a while), so a kind evicted too eagerly wins its
+place back. A workload teaches the cache which points pay: GUI agents resume before their first image and never at
+a prompt's end or an answer's; a chat resumes at the answer's end. A hit keeps the point before the request's first
+image as recently used as itself: the agent's next step resumes there. A verify row's candidate entry (MTP) takes a
+free or spare entry only. Snapshots pinned for a copy-in in the current step are not evicted.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ from hyserve.cache.state_slots import StateSlots
 from hyserve.request import Request
 
 ROOT_HASH = b"hyserve-prefix-root"
+# The kinds of resume point (``PrefixCache._point_kind``); a spare snapshot promoted by a hit or a recomputation is
+# "recurred".
+POINT_KINDS = ("share", "first_image", "prompt_end", "answer", "recurred")
 
 
 def hash_block(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
@@ -137,6 +145,14 @@ class PrefixCache:
         # Snapshots evicted before the others (see ``_alloc_snapshot``): taken where no later request is expected to
         # resume, until one does (a hit, or a request computing through the point again).
         self._spare: set[bytes] = set()
+        # The resume points' kinds (``_point_kind``), and per kind how often its snapshots were resumed from against
+        # how many were taken (decayed counts; a hit a snapshot evicted by the budget would have given counts too,
+        # through ``_ghosts``): the budget evicts the kind least resumed from first (``_alloc_snapshot``).
+        self._kind: dict[bytes, str] = {}
+        self._use: dict[str, list[float]] = {k: [0.0, 0.0] for k in POINT_KINDS}  # [resumed, taken], decayed
+        self._ghosts: OrderedDict[bytes, str] = OrderedDict()  # evicted resume points -> kind, oldest first
+        self._ghost_limit = 4 * max(state_slots.num_snapshots, 1)
+        self._decay = 1.0 - 1.0 / (4 * max(state_slots.num_snapshots, 1))
         self._free_snapshots = list(range(state_slots.num_snapshots - 1, -1, -1))
         self._pinned: dict[int, int] = {}
         self.stats = SnapshotStats()
@@ -167,6 +183,7 @@ class PrefixCache:
             if not self.has_recurrent_state or h in self._snapshots:
                 best = i + 1
         branch = kv_depth * bs if kv_depth > best else None
+        self._count_ghost_hit(req, best, kv_depth)
         if best == 0:
             if self.has_recurrent_state and kv_depth:
                 self.stats.misses += 1
@@ -183,11 +200,14 @@ class PrefixCache:
             resume = req.block_hashes[first // bs - 1] if first is not None and bs <= first < best * bs else None
             if resume is not None and resume in self._snapshots:
                 self._snapshots.move_to_end(resume)
-                self._spare.discard(resume)
+                self._promote(resume)
             h = req.block_hashes[best - 1]
             idx = self._snapshots[h]
             self._snapshots.move_to_end(h)
-            self._spare.discard(h)
+            kind = self._kind.get(h)
+            if kind is not None:
+                self._use[kind][0] += 1
+            self._promote(h)
             self._pinned[idx] = self._pinned.get(idx, 0) + 1
             entry = self.state_slots.snapshot_entry(idx)
             self.stats.hits += 1
@@ -263,7 +283,7 @@ class PrefixCache:
         h = req.block_hashes[position // self.block_size - 1]
         if h in self._snapshots:  # another request computes through this prefix again: it recurs
             self._snapshots.move_to_end(h)
-            self._spare.discard(h)
+            self._promote(h)
             return None
         return self.reserve_entry()
 
@@ -298,11 +318,18 @@ class PrefixCache:
         h = req.block_hashes[position // self.block_size - 1]
         if h in self._snapshots:
             self._snapshots.move_to_end(h)
-            self._spare.discard(h)
+            self._promote(h)
             self.release_entry(entry)
             return False
         self._snapshots[h] = entry - self.state_slots.snapshot_entry(0)
-        if not self._resume_point(req, position):
+        if self._resume_point(req, position):
+            kind = self._point_kind(req, position) or "recurred"
+            self._kind[h] = kind
+            for use in self._use.values():
+                use[0] *= self._decay
+                use[1] *= self._decay
+            self._use[kind][1] += 1
+        else:
             self._spare.add(h)
         end = self._prompt_end_point(req)
         if position > end >= self.block_size and req.rolling_snapshot_hash is None \
@@ -311,6 +338,7 @@ class PrefixCache:
             prompt_end = req.block_hashes[end // self.block_size - 1]
             if prompt_end in self._snapshots:
                 self._spare.add(prompt_end)
+                self._kind.pop(prompt_end, None)
         self.stats.taken += 1
         self._retire_rolling(req, h, position)
         return True
@@ -331,7 +359,19 @@ class PrefixCache:
         if idx not in self._pinned:
             del self._snapshots[old]
             self._spare.discard(old)
+            self._kind.pop(old, None)
             self._free_snapshots.append(idx)
+
+    def _point_kind(self, req: Request, position: int, answered: bool = False) -> str | None:
+        """The kind of resume point ``position`` is for ``req`` (see ``_resume_point``), or None where it is spare."""
+        end = self._prompt_end_point(req)
+        if position in req.share_points:
+            return "share"
+        if position == self._first_image_point(req):
+            return "first_image"
+        if position == end and not answered:
+            return "prompt_end"
+        return "answer" if position > end else None
 
     def _resume_point(self, req: Request, position: int, answered: bool = False) -> bool:
         """Whether a later request is expected to resume at ``req``'s ``position``: the prompt's end or a block
@@ -341,33 +381,71 @@ class PrefixCache:
         text and resumes there; every later image moves with it, so the points before them are not resumed from). The
         other points (every ``interval`` tokens, before later images) are spare: evicted first, until a request
         resumes or computes through one again. ``answered``: the answer has reached a block boundary."""
-        end = self._prompt_end_point(req)
-        return position > end or (position == end and not answered) or position in req.share_points \
-            or position == self._first_image_point(req)
+        return self._point_kind(req, position, answered) is not None
 
     def _first_image_point(self, req: Request) -> int | None:
         images = image_points(req, self.block_size)
         return min(images) if images else None
 
     def _alloc_snapshot(self, spare_only: bool = False) -> int | None:
-        """A free entry, else the least recently used unpinned snapshot's, a spare one first (``spare_only``: only
-        a spare one)."""
+        """A free entry, else an unpinned snapshot's: the least recently used spare one, else the least recently
+        used of the kind of resume point resumed from least (per snapshot taken; ``spare_only``: a spare one or
+        none). An evicted resume point is remembered (``_ghosts``): a later lookup that it would have served counts
+        for its kind, so a kind evicted too eagerly wins its place back."""
         if self._free_snapshots:
             return self._free_snapshots.pop()
         victim = next((h for h, idx in self._snapshots.items() if h in self._spare and idx not in self._pinned), None)
         if victim is None and not spare_only:
-            victim = next((h for h, idx in self._snapshots.items() if idx not in self._pinned), None)
+            oldest: dict[str, bytes] = {}  # each kind's least recently used unpinned snapshot
+            for h, idx in self._snapshots.items():
+                kind = self._kind.get(h, "recurred")
+                if kind not in oldest and idx not in self._pinned:
+                    oldest[kind] = h
+                    if len(oldest) == len(POINT_KINDS):
+                        break
+            if oldest:  # the least recently used, unless a kind is resumed from less than half as often
+                lru = next(iter(oldest.values()))
+                least = min(oldest, key=self._utility)
+                victim = oldest[least] if self._utility(least) < 0.5 * self._utility(self._kind.get(lru, "recurred")) \
+                    else lru
         if victim is None:
             return None
         self._spare.discard(victim)
+        gone = self._kind.pop(victim, None)
+        if gone is not None:
+            self._ghosts[victim] = gone
+            if len(self._ghosts) > self._ghost_limit:
+                self._ghosts.popitem(last=False)
         self.stats.evictions += 1
         return self._snapshots.pop(victim)
+
+    def _utility(self, kind: str) -> float:
+        """How often a snapshot of ``kind`` is resumed from (or would have been), per snapshot taken: a Laplace
+        estimate over the decayed counts (1/2 before any)."""
+        resumed, taken = self._use[kind]
+        return (resumed + 1.0) / (taken + 2.0)
+
+    def _promote(self, h: bytes) -> None:
+        """A spare snapshot resumed from or computed through again: a resume point from now on."""
+        if h in self._spare:
+            self._spare.discard(h)
+            self._kind[h] = "recurred"
+
+    def _count_ghost_hit(self, req: Request, best: int, kv_depth: int) -> None:
+        """A lookup whose KV reaches past its hit (``best`` blocks) to an evicted resume point's prefix: that kind
+        would have served it deeper."""
+        for j in range(kv_depth - 1, best - 1, -1):
+            h = req.block_hashes[j]
+            if h in self._ghosts:
+                self._use[self._ghosts.pop(h)][0] += 1
+                return
 
     def _on_block_evicted(self, block_hash: bytes) -> None:
         idx = self._snapshots.get(block_hash)
         if idx is not None and idx not in self._pinned:
             del self._snapshots[block_hash]
             self._spare.discard(block_hash)
+            self._kind.pop(block_hash, None)
             self._free_snapshots.append(idx)
             self.stats.evictions += 1
 

@@ -500,6 +500,61 @@ def test_spare_snapshots_are_evicted_before_resume_points(monkeypatch: pytest.Mo
     assert _kept(cache, req) == ([64, 96] if lru_only else [32, 96])
 
 
+def _computed(cache: prefix_cache.PrefixCache, rid: str, tokens: list[int], image: str) -> Request:
+    """A request that computed its 100-token prompt (an image at 40, so its first image point is 32) and ended: its
+    blocks published and left cached, its snapshots taken (32, before the image; 96, the prompt's end)."""
+    req = Request(rid, None, tokens, SamplingParams(), 0)
+    req.image_spans = (ImageSpan(40, 8, image),)
+    req.block_table = cache.block_pool.allocate(7)
+    cache.publish_blocks(req, len(tokens))
+    for p in cache.snapshot_points(req, 0, len(tokens) - 1):
+        entry = cache.reserve_snapshot(req, p)  # None where the prefix has one already (it is touched)
+        assert cache.commit_snapshot(req, p, entry) if entry is not None \
+            else cache.has_snapshot(req.block_hashes[p // 16 - 1])
+    cache.block_pool.free(req.block_table)
+    return req
+
+
+def _resumes_at(cache: prefix_cache.PrefixCache, tokens: list[int], image: str) -> int:
+    """The hit of a request of ``tokens`` with its image at 40 (undone at once)."""
+    req = Request("probe", None, tokens, SamplingParams(), 0)
+    req.image_spans = (ImageSpan(40, 8, image),)
+    hit = cache.lookup(req)
+    cache.release_hit(hit)
+    return hit.num_tokens
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_the_budget_evicts_the_kind_of_point_never_resumed_from(monkeypatch: pytest.MonkeyPatch,
+                                                                sabotage: bool) -> None:
+    """GUI agents' steps leave their points before the first image (each agent's next step, its oldest screenshot
+    now text, resumes there) and their prompts' ends (never resumed from: the next prompt differs before them). On
+    a budget of four, three agents' steps a, b, c come in turn after three whose next steps resumed: the kind never
+    resumed from goes first, so agent a's next step still resumes before its image; under plain LRU (the sabotage:
+    every kind alike) the point before a's image goes at c's step. A lookup that an evicted snapshot would have
+    served counts for its kind (a kind evicted too eagerly wins its place back)."""
+    if sabotage:
+        monkeypatch.setattr(prefix_cache.PrefixCache, "_utility", lambda self, kind: 0.5)
+    cache = prefix_cache.PrefixCache(BlockPool(128, 16), StateSlots(2, 4), 16, snapshot_interval=1024)
+    for i in range(3):  # earlier steps, each resumed from before its image by the agent's next step
+        earlier = toks(100, 11 + i)
+        _computed(cache, f"x{i}", earlier, f"x{i}")
+        assert _resumes_at(cache, earlier[:40] + toks(60, 21 + i), "next") == 32
+    steps = {name: _computed(cache, name, toks(100, seed), name) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+    kept = {(name, p) for name, r in steps.items() for p in (32, 96) if cache.has_snapshot(r.block_hashes[p // 16 - 1])}
+    a_next = toks(100, 1)[:40] + toks(60, 4)
+    if sabotage:
+        assert kept == {("b", 32), ("b", 96), ("c", 32), ("c", 96)}
+        assert _resumes_at(cache, a_next, "a2") == 0
+        return
+    assert kept == {("a", 32), ("b", 32), ("c", 32), ("c", 96)}
+    assert _resumes_at(cache, a_next, "a2") == 32
+    assert cache._utility("prompt_end") < 0.5 * cache._utility("first_image")
+    before = cache._utility("prompt_end")
+    assert _resumes_at(cache, toks(100, 2) + toks(20, 5), "b") == 32  # b's prompt again: its end was evicted
+    assert cache._utility("prompt_end") > before
+
+
 def test_a_spare_only_reservation_takes_free_then_spare_entries_and_no_resume_point(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``reserve_entry(spare_only=True)`` (a verify row's candidate) takes the spare snapshot (64), then finds

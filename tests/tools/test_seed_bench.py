@@ -553,16 +553,22 @@ def test_a_tight_snapshot_budget_keeps_the_agents_resume_points(vlm: str, monkey
     the points before later images, prompt ends once the answer has a block boundary) and keeps each request's
     point before its first image as recently used as the hits beyond it, so from the fourth step on each agent
     resumes there more often than under plain LRU (every snapshot alike) or a policy blind to images (no
-    first-image point): both sabotages lose."""
+    first-image point): both sabotages lose, and so does the rule without learning which kinds of resume point
+    pay (prompt ends and answers are never resumed from here)."""
     from hyserve.cache.prefix_cache import PrefixCache
 
     ours = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
         m.setattr(PrefixCache, "_resume_point", lambda self, req, position, answered=False: True)
+        m.setattr(PrefixCache, "_utility", lambda self, kind: 0.5)
         lru = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
         m.setattr(PrefixCache, "_first_image_point", lambda self, req: None)
         blind = _agent_rounds(vlm, 24)
+    with monkeypatch.context() as m:  # every kind of resume point alike: no learning which ones pay
+        m.setattr(PrefixCache, "_utility", lambda self, kind: 0.5)
+        unlearned = _agent_rounds(vlm, 24)
     assert ours > 1.3 * max(lru, blind), (ours, lru, blind)
+    assert ours > unlearned, (ours, unlearned)  # the rounds are deterministic (one batch a round, no timing)
     assert ours > 0.15
     assert _agent_rounds(vlm, 64) > ours  # room for every point: nearer the trace's ideal still
