@@ -311,6 +311,10 @@ class HyserveAsync:
         # the prefix cache's own counts (the warm-up's included): what its hit rate came from
         for key in CACHE_COUNTS:
             out[key] = float(m.get(f"hyserve:{key}", 0) or 0)  # type: ignore[arg-type]
+        # what the prefix cache learned of each kind of resume point (how often one is resumed from)
+        pc = self.llm.llm_engine.prefix_cache
+        if pc is not None:
+            out.update({f"prefix_cache_utility_{kind}": u for kind, u in pc.kind_utilities().items()})
         return {**out, **self.clock.figures()}
 
     def after_warmup(self) -> None:

@@ -451,6 +451,10 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ introspection
 
+    def kind_utilities(self) -> dict[str, float]:
+        """Each kind of resume point's estimate of how often a snapshot of it is resumed from (``_utility``)."""
+        return {kind: self._utility(kind) for kind in POINT_KINDS}
+
     @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)
