@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hyserve.config import EngineConfig, available_cpus, normalize_mm_limits
-from hyserve.engine.llm_engine import LLMEngine, PromptType
+from hyserve.engine.llm_engine import LLMEngine, PromptType, has_raw_images
 from hyserve.multimodal.chat import chat_inputs
 from hyserve.outputs import RequestOutput
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
@@ -126,7 +126,7 @@ class LLM:
         """The prompts with images processed on up to one thread per CPU (``LLMEngine.prepare_prompt``) before any
         is added, in order. A prompt whose preparation fails becomes ``_Refused``: ``generate`` raises its error
         where adding it would have, so the error is the one adding them one by one gives."""
-        todo = [i for i, p in enumerate(items) if isinstance(p, dict) and p.get("multi_modal_data") is not None]
+        todo = [i for i, p in enumerate(items) if has_raw_images(p)]
         out: list[PromptType | _Refused] = list(items)
         if len(todo) < 2 or available_cpus() < 2:
             return out

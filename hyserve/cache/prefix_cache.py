@@ -404,10 +404,9 @@ class PrefixCache:
                     if len(oldest) == len(POINT_KINDS):
                         break
             if oldest:  # the least recently used, unless a kind is resumed from less than half as often
-                lru = next(iter(oldest.values()))
+                lru_kind = next(iter(oldest))
                 least = min(oldest, key=self._utility)
-                victim = oldest[least] if self._utility(least) < 0.5 * self._utility(self._kind.get(lru, "recurred")) \
-                    else lru
+                victim = oldest[least if self._utility(least) < 0.5 * self._utility(lru_kind) else lru_kind]
         if victim is None:
             return None
         self._spare.discard(victim)

@@ -66,6 +66,13 @@ PORT_ATTEMPTS = 3
 PromptType = str | dict[str, Any] | list[int]
 
 
+def has_raw_images(prompt: PromptType) -> bool:
+    """``prompt`` carries images not processed yet (``multi_modal_data`` without ``multi_modal_inputs``): what
+    ``LLMEngine.prepare_prompt`` would process."""
+    return isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None \
+        and prompt.get("multi_modal_inputs") is None
+
+
 def banned_token_ids(output_processor: OutputProcessor, req: Request) -> list[int]:
     """Token ids banned while ``req``'s output is shorter than min_tokens (stop token ids, and EOS unless
     ignore_eos); the worker checks them against the vocabulary. A function of the output processor, not a method of
@@ -368,8 +375,7 @@ class LLMEngine:
         so does one ``add_request`` would refuse before its images: it refuses it then). Reads the engine's
         configuration only and is thread-safe (the processor cache locks), so callers prepare several prompts at
         once: the pixel pipeline is tens of milliseconds of one core per image."""
-        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        if not isinstance(prompt, dict) or data is None or prompt.get("multi_modal_inputs") is not None:
+        if not has_raw_images(prompt):
             return prompt
         text, ids = self.encode_prompt(prompt)
         if not ids:

@@ -55,7 +55,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from hyserve.engine.llm_engine import LLMEngine, PromptType
+from hyserve.engine.llm_engine import LLMEngine, PromptType, has_raw_images
 from hyserve.engine.request_metrics import RequestMetrics
 from hyserve.outputs import CompletionOutput, RequestOutput, merge_delta
 from hyserve.sampling_params import RequestOutputKind, SamplingParams
@@ -75,12 +75,6 @@ class RequestAbortedError(RuntimeError):
 
 class ShutdownAbortError(RequestAbortedError):
     """The server is shutting down: ``generate`` turns it into a last output with ``finish_reason="abort"``."""
-
-
-def _raw_images(prompt: PromptType) -> bool:
-    """``prompt`` carries images not processed yet (``multi_modal_data`` without ``multi_modal_inputs``)."""
-    return (isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None
-            and prompt.get("multi_modal_inputs") is None)
 
 
 def aborted_output(last: RequestOutput | None, request_id: str, prompt: dict[str, Any], n: int = 1) -> RequestOutput:
@@ -266,7 +260,7 @@ class AsyncEngine:
         processed in a worker thread. Closing the generator early (``aclose()``, or cancelling the task consuming
         it) aborts the request in the engine.
         """
-        if _raw_images(prompt):
+        if has_raw_images(prompt):
             self.check_params(params)  # the cheap refusals before the pixel work
             prompt = await asyncio.to_thread(self.engine.prepare_prompt, prompt)
         queue, item = self._add_request(request_id, prompt, params)
