@@ -210,10 +210,11 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert fig["loop_steps"] >= max(r.max_tokens for r in recs) / 3 and fig["loop_step_s"] > 0
     assert 0 < fig["loop_add_request_s"] + fig["loop_step_s"] <= fig["duration_s"] + 1.0
     # What the cache learned of each kind of resume point, reported: the kinds this trace resumes from moved away
-    # from the prior (1/2) they start at.
+    # from the prior (1/2) they start at. A rate per snapshot taken, not a probability: a share point that serves
+    # several agents' first steps counts each of them, so it may pass 1.
     utilities = {k: fig[f"prefix_cache_utility_{k}"] for k in ("share", "first_image", "prompt_end", "answer",
                                                                 "recurred")}
-    assert all(0 < u < 1 for u in utilities.values()) and max(abs(u - 0.5) for u in utilities.values()) > 0.1
+    assert all(u > 0 for u in utilities.values()) and max(abs(u - 0.5) for u in utilities.values()) > 0.1
 
 
 def test_the_hit_rate_stays_under_the_trace_ideal_and_near_it(run: dict[str, Any]) -> None:
