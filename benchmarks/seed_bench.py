@@ -247,8 +247,24 @@ class LoopClock:
         self._lock = threading.Lock()
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
         self.calls = dict.fromkeys(self.NAMES, 0)
+        self.steps: list[tuple[float, int, int]] = []
         for name in self.NAMES:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
+        # Each step's result as the loop thread gets it: its arrival, its tokens and the prompt tokens among them.
+        scheduled, apply = engine._on_scheduled, engine._on_result
+
+        prompt_tokens: dict[int, int] = {}  # step id -> its prompt tokens, until its result
+
+        def on_scheduled(so: Any) -> Any:
+            prompt_tokens[so.step_id] = sum(
+                max(0, min(row.end, req.num_prompt_tokens) - row.start) for row in so.rows
+                if (req := engine.requests.get(row.req_id)) is not None)
+            return scheduled(so)
+
+        def on_result(so: Any, ro: Any, t0: float) -> Any:
+            self.steps.append((time.perf_counter(), so.num_tokens, prompt_tokens.pop(so.step_id, 0)))
+            return apply(so, ro, t0)
+        engine._on_scheduled, engine._on_result = on_scheduled, on_result
 
     def _timed(self, name: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -265,12 +281,39 @@ class LoopClock:
         with self._lock:
             self.seconds = dict.fromkeys(self.NAMES, 0.0)
             self.calls = dict.fromkeys(self.NAMES, 0)
+            self.steps = []
+
+    def step_trace(self) -> list[tuple[float, int, int]]:
+        """Each step after the first since ``reset``: (seconds since the previous result, tokens, prompt tokens)."""
+        return [(round(b[0] - a[0], 6), b[1], b[2]) for a, b in zip(self.steps, self.steps[1:])]
 
     def figures(self) -> dict[str, float]:
         with self._lock:
             return {"loop_add_request_s": self.seconds["add_request"], "loop_step_s": self.seconds["step"],
                     "loop_steps": float(self.calls["step"]), "prepare_images_s": self.seconds["prepare_prompt"],
-                    "prepare_images_calls": float(self.calls["prepare_prompt"])}
+                    "prepare_images_calls": float(self.calls["prepare_prompt"]), **step_figures(self.steps)}
+
+
+def step_figures(steps: list[tuple[float, int, int]]) -> dict[str, float]:
+    """What the steps' results say of where the time goes, from (arrival time, tokens, prompt tokens) of each step's
+    result in order: the interval since the previous result is the step's time while the device is the bottleneck
+    (a result waits for its step; the next step is already launched). A least-squares line through (tokens,
+    interval) gives a step's fixed time and its time per token; the steps with no prompt tokens (verify and decode
+    rows only) give the decode step's time; the rest is the steps that carry prompt chunks."""
+    import numpy as np
+
+    if len(steps) < 3:
+        return {}
+    t = np.array([s[0] for s in steps])
+    dt, tokens = np.diff(t), np.array([s[1] for s in steps[1:]])
+    decode = np.array([s[2] for s in steps[1:]]) == 0
+    slope, fixed = np.polyfit(tokens, dt, 1) if len(set(tokens.tolist())) > 1 else (0.0, float(dt.mean()))
+    return {"steps_timed": float(len(dt)), "step_tokens_mean": float(tokens.mean()),
+            "step_fixed_ms": 1e3 * float(fixed), "step_us_per_token": 1e6 * float(slope),
+            "steps_decode_only": float(decode.sum()),
+            "step_decode_only_ms_p50": 1e3 * float(np.median(dt[decode])) if decode.any() else 0.0,
+            "step_decode_only_s": float(dt[decode].sum()), "step_with_prompt_s": float(dt[~decode].sum()),
+            "step_with_prompt_tokens_mean": float(tokens[~decode].mean()) if (~decode).any() else 0.0}
 
 
 class HyserveAsync:
@@ -639,6 +682,8 @@ def measure(args: argparse.Namespace) -> int:
         if planted:
             res["figures"]["spec_planted_acceptance_length"] = planted
         res["records"] = [{k: v for k, v in asdict(r).items() if k != "output"} for r in records]
+        if isinstance(eng, HyserveAsync):  # each step: (seconds since the previous result, tokens, prompt tokens)
+            res["steps"] = eng.clock.step_trace()
         res["notes"] = {"prompt_layout": prompts.builder.layout, "image_tokens_per_screenshot": prompts.image_tokens,
                         "text_ids_below": prompts.vocab,
                         "prompt_tokens_as_expected": all(r.prompt_tokens == r.expected_prompt_tokens for r in records)}
@@ -649,7 +694,7 @@ def measure(args: argparse.Namespace) -> int:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         pb.write_json(args.out, res)
-    print(json.dumps({k: v for k, v in res.items() if k != "records"}, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("records", "steps")}, indent=2))
     return 0
 
 
@@ -684,6 +729,13 @@ REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
     "loop_step_s": (False, "hyserve's loop thread stepping, s", False),
     "loop_add_request_s": (False, "hyserve's loop thread adding requests, s", False),
     "prepare_images_s": (False, "hyserve's image processing off the loop thread, s (threads summed)", False),
+    "step_with_prompt_s": (False, "hyserve's steps with prompt tokens, s (result to result)", False),
+    "step_decode_only_s": (False, "hyserve's steps without prompt tokens, s", False),
+    "steps_decode_only": (False, "hyserve's steps without prompt tokens", False),
+    "step_decode_only_ms_p50": (False, "hyserve's step without prompt tokens, p50, ms", False),
+    "step_with_prompt_tokens_mean": (True, "hyserve's tokens per step with prompt tokens, mean", False),
+    "step_fixed_ms": (False, "hyserve's step time, fit a + b x tokens: a, ms", False),
+    "step_us_per_token": (False, "the same fit: b, us per token", False),
 }
 
 

@@ -209,6 +209,20 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert fig["prepare_images_calls"] == n and fig["prepare_images_s"] > 0
     assert fig["loop_steps"] >= max(r.max_tokens for r in recs) / 3 and fig["loop_step_s"] > 0
     assert 0 < fig["loop_add_request_s"] + fig["loop_step_s"] <= fig["duration_s"] + 1.0
+    # The steps' trace: the prompt tokens of the timed requests, each computed once (the first timed step's aside),
+    # the decode-only steps among them, and the figures it gives equal to their definitions.
+    steps = np.array(run["steps"])
+    assert len(steps) == fig["steps_timed"] and (steps[:, 0] >= 0).all() and (steps[:, 2] <= steps[:, 1]).all()
+    computed = prompt - cached
+    assert computed - max(r.prompt_tokens for r in recs) <= steps[:, 2].sum() <= computed
+    decode = steps[:, 2] == 0
+    assert 0 < decode.sum() == fig["steps_decode_only"] < len(steps)
+    # (the trace's intervals are rounded to the microsecond)
+    assert fig["step_decode_only_s"] == pytest.approx(steps[decode, 0].sum(), abs=1e-6 * len(steps))
+    assert fig["step_with_prompt_s"] == pytest.approx(steps[~decode, 0].sum(), abs=1e-6 * len(steps))
+    assert fig["step_decode_only_ms_p50"] == pytest.approx(1e3 * np.median(steps[decode, 0]), abs=1e-3)
+    slope, fixed = np.polyfit(steps[:, 1], steps[:, 0], 1)
+    assert (fig["step_us_per_token"], fig["step_fixed_ms"]) == pytest.approx((1e6 * slope, 1e3 * fixed), rel=1e-2)
     # What the cache learned of each kind of resume point, reported: the kinds this trace resumes from moved away
     # from the prior (1/2) they start at. A rate per snapshot taken, not a probability: a share point that serves
     # several agents' first steps counts each of them, so it may pass 1.
