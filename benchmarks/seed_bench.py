@@ -232,7 +232,8 @@ class SeedPrompts:
 
 
 CACHE_COUNTS = ("prefix_cache_snapshots_taken", "prefix_cache_snapshot_evictions", "prefix_cache_snapshot_hits",
-                "prefix_cache_snapshot_misses", "prefix_cache_kv_evictions", "num_preemptions")
+                "prefix_cache_snapshot_misses", "prefix_cache_kv_evictions", "num_preemptions",
+                "prefix_cache_snapshot_offloads", "prefix_cache_snapshot_host_hits")
 
 
 class LoopClock:
@@ -243,8 +244,22 @@ class LoopClock:
 
     NAMES = ("add_request", "step", "prepare_prompt")
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, profile: tuple[int, int] | None = None, profile_path: str | None = None) -> None:
         self._lock = threading.Lock()
+        # ``profile`` = (a, b): a torch profiler (CPU and CUDA) on the loop thread from the a-th step result after
+        # ``reset`` to the b-th; its trace goes to ``profile_path`` and its device gaps to ``profile_report``.
+        self.profile, self.profile_path = profile, profile_path
+        self.profile_report: dict[str, Any] | None = None
+        self._profiler: Any = None
+        self._frozen: list[tuple[float, int, int]] | None = None
+        if profile is not None:  # the profiler's first use registers it with this (the main) thread
+            import torch
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as start
+
+            with start(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                                            else [])):
+                torch.zeros(1)
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
         self.calls = dict.fromkeys(self.NAMES, 0)
         self.steps: list[tuple[float, int, int]] = []
@@ -263,6 +278,7 @@ class LoopClock:
 
         def on_result(so: Any, ro: Any, t0: float) -> Any:
             self.steps.append((time.perf_counter(), so.num_tokens, prompt_tokens.pop(so.step_id, 0)))
+            self._maybe_profile()
             return apply(so, ro, t0)
         engine._on_scheduled, engine._on_result = on_scheduled, on_result
 
@@ -282,16 +298,51 @@ class LoopClock:
             self.seconds = dict.fromkeys(self.NAMES, 0.0)
             self.calls = dict.fromkeys(self.NAMES, 0)
             self.steps = []
+            self._frozen = None
+
+    def _maybe_profile(self) -> None:
+        if self.profile is None or self.profile_report is not None:
+            return
+        n = len(self.steps)
+        if n == self.profile[0] and self._profiler is None:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self._profiler.__enter__()
+            self._profile_steps = n
+        elif n == self.profile[1] and self._profiler is not None:
+            import torch
+            from trace_gaps import gaps_of_profile
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._profiler.__exit__(None, None, None)
+            path = self.profile_path or "seed_profile.json.gz"
+            report = gaps_of_profile(self._profiler, path)
+            first = self._profile_steps
+            report["steps"] = [(round(b[0] - a[0], 6), b[1], b[2]) for a, b in
+                               itertools.pairwise(self.steps[first - 1 : n])]
+            self.profile_report = report
+            self._profiler = None
 
     def step_trace(self) -> list[tuple[float, int, int]]:
-        """Each step after the first since ``reset``: (seconds since the previous result, tokens, prompt tokens)."""
-        return [(round(b[0] - a[0], 6), b[1], b[2]) for a, b in zip(self.steps, self.steps[1:])]
+        """Each step after the first since ``reset``, up to ``figures``' call if made: (seconds since the previous
+        result, tokens, prompt tokens)."""
+        steps = self._frozen if self._frozen is not None else self.steps
+        return [(round(b[0] - a[0], 6), b[1], b[2]) for a, b in itertools.pairwise(steps)]
 
     def figures(self) -> dict[str, float]:
         with self._lock:
             return {"loop_add_request_s": self.seconds["add_request"], "loop_step_s": self.seconds["step"],
                     "loop_steps": float(self.calls["step"]), "prepare_images_s": self.seconds["prepare_prompt"],
-                    "prepare_images_calls": float(self.calls["prepare_prompt"]), **step_figures(self.steps)}
+                    "prepare_images_calls": float(self.calls["prepare_prompt"]), **step_figures(self._freeze())}
+
+    def _freeze(self) -> list[tuple[float, int, int]]:
+        """The steps so far, kept for ``step_trace``: the figures and the trace read the same steps."""
+        self._frozen = list(self.steps)
+        return self._frozen
 
 
 def step_figures(steps: list[tuple[float, int, int]]) -> dict[str, float]:
@@ -322,7 +373,8 @@ class HyserveAsync:
 
     name = "hyserve"
 
-    def __init__(self, model: str, flags: list[str], layout: dict[str, int] | None = None) -> None:
+    def __init__(self, model: str, flags: list[str], layout: dict[str, int] | None = None,
+                 profile: tuple[int, int] | None = None, profile_path: str | None = None) -> None:
         from hyserve.engine_args import engine_args, expand_dotted, make_llm
         from hyserve.server.async_engine import AsyncEngine
 
@@ -333,9 +385,10 @@ class HyserveAsync:
         self.llm = make_llm(self.args, model, **(layout or {}))
         lay = self.llm.llm_engine.layout
         self.layout = {"kv_blocks": lay.num_kv_blocks - 1, "state_slots": lay.num_state_slots,
-                       "snapshots": lay.num_snapshots, "state_bytes_per_slot": lay.state_bytes_per_slot,
-                       "kv_bytes_per_block": lay.kv_bytes_per_block}
-        self.clock = LoopClock(self.llm.llm_engine)  # before the loop thread starts calling the methods
+                       "snapshots": lay.num_snapshots, "host_snapshots": lay.num_host_snapshots,
+                       "state_bytes_per_slot": lay.state_bytes_per_slot, "kv_bytes_per_block": lay.kv_bytes_per_block}
+        # before the loop thread starts calling the methods
+        self.clock = LoopClock(self.llm.llm_engine, profile, profile_path)
         self.engine = AsyncEngine(self.llm.llm_engine)
         self.version = pb.git_commit()
         from hyserve import SamplingParams
@@ -605,17 +658,24 @@ def engine_flags(args: argparse.Namespace, engine: str) -> list[str]:
 
 
 def cache_layout(text: str | None) -> dict[str, int] | None:
-    """``--cache-layout BLOCKS,SLOTS,SNAPSHOTS`` as hyserve's engine config fields (the counts a card's run logged,
-    replayed on the CPU with the tiny shape: the prefix cache's policy under the card's budget), or None."""
+    """``--cache-layout BLOCKS,SLOTS,SNAPSHOTS[,HOST]`` as hyserve's engine config fields (the counts a card's run
+    logged, replayed on the CPU with the tiny shape: the prefix cache's policy under the card's budget; HOST: the
+    host tier's entries, 0 by default), or None."""
     if not text:
         return None
     try:
-        blocks, slots, snaps = (int(x) for x in text.split(","))
+        counts = [int(x) for x in text.split(",")]
+        blocks, slots, snaps = counts[:3]
+        host = counts[3] if len(counts) == 4 else 0
+        if len(counts) not in (3, 4):
+            raise ValueError
     except ValueError:
-        raise SystemExit(f"--cache-layout takes BLOCKS,SLOTS,SNAPSHOTS (three integers), got {text!r}") from None
-    if min(blocks, slots, snaps) < 1:
-        raise SystemExit(f"--cache-layout counts must be positive, got {text!r}")
-    return {"num_kv_blocks": blocks + 1, "num_state_slots": slots, "num_snapshot_slots": snaps}
+        raise SystemExit(f"--cache-layout takes BLOCKS,SLOTS,SNAPSHOTS[,HOST] (three or four integers), got {text!r}"
+                         ) from None
+    if min(blocks, slots, snaps) < 1 or host < 0:
+        raise SystemExit(f"--cache-layout counts must be positive (HOST: >= 0), got {text!r}")
+    return {"num_kv_blocks": blocks + 1, "num_state_slots": slots, "num_snapshot_slots": snaps,
+            "num_host_snapshot_slots": host}
 
 
 def measure(args: argparse.Namespace) -> int:
@@ -651,7 +711,14 @@ def measure(args: argparse.Namespace) -> int:
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
     t0 = time.perf_counter()
     if args.engine == "hyserve":
-        eng: Any = HyserveAsync(args.model, flags, cache_layout(args.cache_layout))
+        window = None
+        if args.profile_steps:
+            a, b = (int(x) for x in args.profile_steps.split(","))
+            if not 1 <= a < b:
+                raise SystemExit(f"--profile-steps takes A,B with 1 <= A < B, got {args.profile_steps!r}")
+            window = (a, b)
+        profile_path = os.path.splitext(args.out)[0] + "_profile.json.gz" if args.out else "seed_profile.json.gz"
+        eng: Any = HyserveAsync(args.model, flags, cache_layout(args.cache_layout), window, profile_path)
         res["cache_layout"] = {**eng.layout, "given": bool(args.cache_layout)}
     else:
         if args.cache_layout:
@@ -684,6 +751,8 @@ def measure(args: argparse.Namespace) -> int:
         res["records"] = [{k: v for k, v in asdict(r).items() if k != "output"} for r in records]
         if isinstance(eng, HyserveAsync):  # each step: (seconds since the previous result, tokens, prompt tokens)
             res["steps"] = eng.clock.step_trace()
+            if eng.clock.profile_report is not None:  # the device's gaps over the profiled steps (trace_gaps.py)
+                res["profile"], res["profile_trace"] = eng.clock.profile_report, profile_path
         res["notes"] = {"prompt_layout": prompts.builder.layout, "image_tokens_per_screenshot": prompts.image_tokens,
                         "text_ids_below": prompts.vocab,
                         "prompt_tokens_as_expected": all(r.prompt_tokens == r.expected_prompt_tokens for r in records)}
@@ -842,10 +911,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="cuda", help="hyserve's (cpu for the tests)")
     m.add_argument("--gdn-prefill-backend", choices=["flashinfer", "triton"], default=None,
                    help="vLLM's GDN prefill kernel (default: its own choice, FlashInfer on Hopper)")
-    m.add_argument("--cache-layout", default=None, metavar="BLOCKS,SLOTS,SNAPSHOTS",
+    m.add_argument("--cache-layout", default=None, metavar="BLOCKS,SLOTS,SNAPSHOTS[,HOST]",
                    help="hyserve: these cache counts instead of the memory's split (the card's layout, from its "
                         "run's cache_layout, replayed on the CPU: benchmarks/results/h100/seed_2026-12-06b)")
     m.add_argument("--engine-flags", default="", help="more engine flags, after the seed's (they override them)")
+    m.add_argument("--profile-steps", default=None, metavar="A,B",
+                   help="hyserve: a torch profiler trace (CPU and CUDA) of the loop thread from the A-th step result "
+                        "of the timed run to the B-th (OUT's name + _profile.json.gz), its device gaps in the result")
     m.add_argument("--time-limit", type=float, default=None,
                    help="seconds from the process's start after which no request is submitted (those in flight "
                         "finish; the figures are over the requests run, cut_by_time_limit says so)")

@@ -195,6 +195,17 @@ def resolve_ssm_state_dtype(mamba_ssm_cache_dtype: str | None, model_dtype: torc
     return mamba_ssm_cache_dtype
 
 
+# --snapshot-host-memory-gb's default on CUDA (GiB per worker): 32 float32 snapshots of the 27B shape's GDN state.
+DEFAULT_SNAPSHOT_HOST_MEMORY_GB = 8.0
+
+
+def snapshot_host_memory_bytes(gb: float | None, device_type: str) -> int:
+    """Bytes per worker of the prefix cache's host tier for ``--snapshot-host-memory-gb`` (None: the default)."""
+    if gb is None:
+        gb = DEFAULT_SNAPSHOT_HOST_MEMORY_GB if device_type == "cuda" else 0.0
+    return int(gb * 2**30)
+
+
 # --mm-processor-cache-gb: vLLM's default (GiB).
 DEFAULT_MM_PROCESSOR_CACHE_GB = 4.0
 
@@ -251,6 +262,11 @@ class EngineConfig:
     recurrent_snapshot_interval: int = 2048
     snapshot_memory_fraction: float = 0.2
     num_snapshot_slots: int | None = None
+    # The prefix cache's host tier: GiB of host memory per worker for the resume points the snapshot budget evicts
+    # (hyserve.cache.prefix_cache). None: DEFAULT_SNAPSHOT_HOST_MEMORY_GB on CUDA, 0 on the CPU (where the cache is
+    # host memory already); 0: off. num_host_snapshot_slots: the count instead (tests, replays).
+    snapshot_host_memory_gb: float | None = None
+    num_host_snapshot_slots: int | None = None
     # Snapshots at points inside a prefill chunk are written from the state the prefill computes there, so chunks
     # need not end at snapshot points. None: where every recurrent layer can (GDN and Mamba2 models; Qwen4-Exp's
     # PLE layers cannot yet), else chunks end at snapshot points; True: required (refused at startup where a layer
@@ -316,6 +332,13 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive (got {self.max_model_len})")
+        gb = self.snapshot_host_memory_gb
+        if gb is not None and not (isinstance(gb, int | float) and not isinstance(gb, bool) and math.isfinite(gb)
+                                   and gb >= 0):
+            raise ValueError(f"snapshot_host_memory_gb must be a finite number >= 0 (got {gb!r}) "
+                             "(--snapshot-host-memory-gb)")
+        if self.num_host_snapshot_slots is not None and self.num_host_snapshot_slots < 0:
+            raise ValueError(f"num_host_snapshot_slots must be >= 0 (got {self.num_host_snapshot_slots})")
         if self.cpu_cache_memory_bytes <= 0:
             raise ValueError(f"cpu_cache_memory_bytes must be positive (got {self.cpu_cache_memory_bytes})")
         if self.cpu_threads is not None and self.cpu_threads <= 0:

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from hyserve.config import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MM_PROCESSOR_CACHE_GB,
+    DEFAULT_SNAPSHOT_HOST_MEMORY_GB,
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
     MAMBA_SSM_CACHE_DTYPES,
@@ -143,6 +144,10 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="prefix caching: also snapshot recurrent state every N tokens (default: 2048)")
     p.add_argument("--snapshot-memory-fraction", type=float, default=0.2,
                    help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
+    p.add_argument("--snapshot-host-memory-gb", type=float, default=None,
+                   help="prefix caching: GiB of pinned host memory per worker that keeps the resume points the "
+                        "snapshot budget evicts, copied back on a hit; 0 turns it off (default: "
+                        f"{DEFAULT_SNAPSHOT_HOST_MEMORY_GB:g} on CUDA, 0 on the CPU)")
     p.add_argument("--snapshots-inside-rows", action=argparse.BooleanOptionalAction, default=None,
                    help="prefix caching: take recurrent snapshots inside prefill chunks instead of ending chunks at "
                         "snapshot points (default: where every recurrent layer can: GDN and Mamba2 models)")
@@ -467,6 +472,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None) -> dict[str, Any]:
         pp_layer_partition=pp_partition(args.pp_layer_partition, args.pipeline_parallel_size, model),
         recurrent_snapshot_interval=args.recurrent_snapshot_interval,
         snapshot_memory_fraction=args.snapshot_memory_fraction,
+        snapshot_host_memory_gb=args.snapshot_host_memory_gb,
         snapshots_inside_rows=args.snapshots_inside_rows,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,

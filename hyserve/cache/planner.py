@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hyserve.cache.block_pool import cdiv
-from hyserve.config import EngineConfig
+from hyserve.config import EngineConfig, snapshot_host_memory_bytes
 
 logger = logging.getLogger("hyserve")
 
@@ -28,6 +28,7 @@ class CacheLayout:
     state_bytes_per_slot: int
     num_snapshots: int = 0
     max_num_seqs: int = 1
+    num_host_snapshots: int = 0  # the prefix cache's host tier (entries of state_bytes_per_slot)
 
 
 @dataclass(slots=True)
@@ -52,15 +53,49 @@ def cache_memory_flag(device_type: str) -> str:
     return "--gpu-memory-utilization" if device_type == "cuda" else "--cpu-cache-memory (cpu_cache_memory_bytes)"
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to new allocations (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def plan_host_snapshots(config: EngineConfig, per_slot: int, caching: bool, device_type: str,
+                        workers_here: int = 1) -> int:
+    """Entries of the prefix cache's host tier (``--snapshot-host-memory-gb``, or ``num_host_snapshot_slots``):
+    what the asked memory holds. The default is lowered to a quarter of the host's available memory shared by the
+    ``workers_here`` workers of this host; an explicit size that does not fit is an error."""
+    if not caching or not per_slot:
+        return 0
+    if config.num_host_snapshot_slots is not None:
+        return config.num_host_snapshot_slots
+    want = snapshot_host_memory_bytes(config.snapshot_host_memory_gb, device_type)
+    available = host_memory_available()
+    if want and available is not None:
+        if config.snapshot_host_memory_gb is None:
+            want = min(want, available // (4 * workers_here))
+        elif want * workers_here > available:
+            raise ValueError(f"--snapshot-host-memory-gb {config.snapshot_host_memory_gb:g} for each of {workers_here} "
+                             f"workers needs {want * workers_here / 2**30:.1f} GiB of host memory, but "
+                             f"{available / 2**30:.1f} GiB is available; lower it (0 turns the host tier off)")
+    return want // per_slot
+
+
 def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_speculative_tokens: int,
                 budget_fn: Callable[[], int], device_type: str) -> CacheLayout:
     """The layout for ``config``: its explicit sizes, or a split of ``budget_fn()`` bytes (called only if needed)."""
     per_block, per_slot = info.kv_bytes_per_block, info.state_bytes_per_slot
     caching = config.enable_prefix_caching and info.has_recurrent_state
+    host = plan_host_snapshots(config, per_slot, caching, device_type, config.world_size)
     if config.num_kv_blocks is not None and config.num_state_slots is not None:
         snaps = (config.num_snapshot_slots if config.num_snapshot_slots is not None else 64) if caching else 0
         return CacheLayout(config.num_kv_blocks, config.num_state_slots, per_block, per_slot, snaps,
-                           min(max_num_seqs, config.num_state_slots))
+                           min(max_num_seqs, config.num_state_slots), host)
     budget = budget_fn()
     snaps = 0
     if caching:
@@ -92,7 +127,7 @@ def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_sp
         blocks = max(2, (budget - state_bytes(slots)) // max(per_block, 1))
         if per_block == 0:  # a model without attention layers needs no KV; keep a token pool for bookkeeping
             blocks = max(2, cdiv(256 * 1024, config.block_size))
-    return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps), min(max_num_seqs, int(slots)))
+    return CacheLayout(int(blocks), int(slots), per_block, per_slot, int(snaps), min(max_num_seqs, int(slots)), host)
 
 
 def plan_caches_for_ranks(config: EngineConfig, infos: list[CacheInfo], max_num_seqs: int,
@@ -118,7 +153,8 @@ def plan_caches_for_ranks(config: EngineConfig, infos: list[CacheInfo], max_num_
     with_state = [p for p, info in zip(plans, infos, strict=True) if info.has_recurrent_state] or plans
     layout = CacheLayout(min(p.num_kv_blocks for p in plans), min(p.num_state_slots for p in plans),
                          max(p.kv_bytes_per_block for p in plans), max(p.state_bytes_per_slot for p in plans),
-                         min(p.num_snapshots for p in with_state), min(p.max_num_seqs for p in plans))
+                         min(p.num_snapshots for p in with_state), min(p.max_num_seqs for p in plans),
+                         min(p.num_host_snapshots for p in with_state))
     for r, (info, p) in enumerate(zip(infos, plans, strict=True)):
         logger.info("rank %d: %.1f KiB per KV block, %.1f KiB per state slot: fits %d blocks, %d slots, %d snapshots",
                     r, info.kv_bytes_per_block / 1024, info.state_bytes_per_slot / 1024, p.num_kv_blocks,

@@ -54,6 +54,14 @@ place back. A workload teaches the cache which points pay: GUI agents resume bef
 a prompt's end or an answer's; a chat resumes at the answer's end. A hit keeps the point before the request's first
 image as recently used as itself: the agent's next step resumes there. A verify row's candidate entry (MTP) takes a
 free or spare entry only. Snapshots pinned for a copy-in in the current step are not evicted.
+
+The host tier (``num_host_snapshots`` > 0, ``--snapshot-host-memory-gb``): a resume point the budget evicts is not
+dropped but moved to host memory if its kind is resumed from at least half as often as the kind resumed from most
+(``take_offloads``: the worker copies the entry out before the step that reuses it writes it), where it stays, least
+recently used first, until the host entries run out or its KV block is evicted. A lookup whose deepest snapshot is
+on the host hits it as one on the device (``PrefixHit.host_snapshot``: the worker copies it into the request's
+slot). The copy is the same bytes, so a hit through the host gives what one through the device does. Spare
+snapshots go nowhere: they are dropped as before.
 """
 
 from __future__ import annotations
@@ -117,6 +125,7 @@ class PrefixHit:
     blocks: list[int]  # KV blocks of [0, L), referenced
     snapshot_entry: int | None  # state-pool entry to copy into the request's slot (pinned for this step)
     branch_point: int | None  # aligned position past L up to which cached KV matched, but no snapshot
+    host_snapshot: int | None = None  # or: host entry to copy into the request's slot (pinned for this step)
 
 
 @dataclass(slots=True)
@@ -126,11 +135,15 @@ class SnapshotStats:
     taken: int = 0
     evictions: int = 0
     skipped_full: int = 0
+    host_hits: int = 0  # hits whose snapshot came from the host tier (counted in ``hits`` too)
+    offloads: int = 0  # resume points the budget moved to the host instead of dropping them
+    host_evictions: int = 0  # host entries dropped for others (their KV block evicted: not counted)
 
 
 class PrefixCache:
     def __init__(self, block_pool: BlockPool, state_slots: StateSlots, block_size: int,
-                 snapshot_interval: int, has_recurrent_state: bool = True, lookahead: int = 0) -> None:
+                 snapshot_interval: int, has_recurrent_state: bool = True, lookahead: int = 0,
+                 num_host_snapshots: int = 0) -> None:
         if snapshot_interval <= 0 or snapshot_interval % block_size:
             raise ValueError(f"recurrent_snapshot_interval must be a positive multiple of block_size={block_size} "
                              f"(got {snapshot_interval}); set --recurrent-snapshot-interval")
@@ -155,6 +168,13 @@ class PrefixCache:
         self._decay = 1.0 - 1.0 / (4 * max(state_slots.num_snapshots, 1))
         self._free_snapshots = list(range(state_slots.num_snapshots - 1, -1, -1))
         self._pinned: dict[int, int] = {}
+        # The host tier: prefix hash -> host entry, least recently used first; its free entries, pins, kinds, and
+        # the moves (device entry, host entry) the next step's workers make before anything else of the step.
+        self.num_host_snapshots = num_host_snapshots if has_recurrent_state else 0
+        self._host: OrderedDict[bytes, int] = OrderedDict()
+        self._free_host = list(range(self.num_host_snapshots - 1, -1, -1))
+        self._host_pinned: dict[int, int] = {}
+        self._offloads: list[tuple[int, int]] = []
         self.stats = SnapshotStats()
         # Weak: a bound method stored in the pool would close a cycle (pool -> cache -> pool) that keeps the state
         # pool's tensors alive after the engine is dropped, until a gc pass happens to run.
@@ -180,7 +200,7 @@ class PrefixCache:
             if self.block_pool.lookup(h) is None:
                 break
             kv_depth = i + 1
-            if not self.has_recurrent_state or h in self._snapshots:
+            if not self.has_recurrent_state or h in self._snapshots or h in self._host:
                 best = i + 1
         branch = kv_depth * bs if kv_depth > best else None
         self._count_ghost_hit(req, best, kv_depth)
@@ -201,16 +221,24 @@ class PrefixCache:
             if resume is not None and resume in self._snapshots:
                 self._snapshots.move_to_end(resume)
                 self._promote(resume)
+            elif resume is not None and resume in self._host:
+                self._host.move_to_end(resume)
             h = req.block_hashes[best - 1]
-            idx = self._snapshots[h]
-            self._snapshots.move_to_end(h)
             kind = self._kind.get(h)
             if kind is not None:
                 self._use[kind][0] += 1
+            self.stats.hits += 1
+            if h not in self._snapshots:  # on the host
+                host = self._host[h]
+                self._host.move_to_end(h)
+                self._host_pinned[host] = self._host_pinned.get(host, 0) + 1
+                self.stats.host_hits += 1
+                return PrefixHit(best * bs, kv_blocks, None, branch, host)
+            idx = self._snapshots[h]
+            self._snapshots.move_to_end(h)
             self._promote(h)
             self._pinned[idx] = self._pinned.get(idx, 0) + 1
             entry = self.state_slots.snapshot_entry(idx)
-            self.stats.hits += 1
         return PrefixHit(best * bs, kv_blocks, entry, branch)
 
     def release_hit(self, hit: PrefixHit) -> None:
@@ -218,6 +246,20 @@ class PrefixCache:
         if hit.blocks:
             self.block_pool.free(hit.blocks)
         self.unpin(hit.snapshot_entry)
+        self.unpin_host(hit.host_snapshot)
+
+    def unpin_host(self, host: int | None) -> None:
+        if host is None:
+            return
+        self._host_pinned[host] -= 1
+        if self._host_pinned[host] == 0:
+            del self._host_pinned[host]
+
+    def take_offloads(self) -> list[tuple[int, int]]:
+        """The (device entry, host entry) moves decided since the last call: the step being scheduled carries them,
+        and every worker makes them before anything else of that step (the step reuses those device entries)."""
+        moves, self._offloads = self._offloads, []
+        return moves
 
     def unpin(self, entry: int | None) -> None:
         if entry is None:
@@ -285,6 +327,9 @@ class PrefixCache:
             self._snapshots.move_to_end(h)
             self._promote(h)
             return None
+        if h in self._host:
+            self._host.move_to_end(h)
+            return None
         return self.reserve_entry()
 
     def reserve_entry(self, spare_only: bool = False) -> int | None:
@@ -319,6 +364,10 @@ class PrefixCache:
         if h in self._snapshots:
             self._snapshots.move_to_end(h)
             self._promote(h)
+            self.release_entry(entry)
+            return False
+        if h in self._host:
+            self._host.move_to_end(h)
             self.release_entry(entry)
             return False
         self._snapshots[h] = entry - self.state_slots.snapshot_entry(0)
@@ -410,13 +459,48 @@ class PrefixCache:
         if victim is None:
             return None
         self._spare.discard(victim)
-        gone = self._kind.pop(victim, None)
-        if gone is not None:
-            self._ghosts[victim] = gone
-            if len(self._ghosts) > self._ghost_limit:
-                self._ghosts.popitem(last=False)
+        idx = self._snapshots.pop(victim)
         self.stats.evictions += 1
-        return self._snapshots.pop(victim)
+        gone = self._kind.get(victim)
+        if gone is not None and self._worth_moving(gone) and self._offload(victim, idx):
+            return idx
+        self._kind.pop(victim, None)
+        if gone is not None:
+            self._remember(victim, gone)
+        return idx
+
+    def _remember(self, h: bytes, kind: str) -> None:
+        """An evicted resume point, for the lookups it would have served (``_count_ghost_hit``)."""
+        self._ghosts[h] = kind
+        if len(self._ghosts) > self._ghost_limit:
+            self._ghosts.popitem(last=False)
+
+    def _worth_moving(self, kind: str) -> bool:
+        """Whether an evicted resume point of ``kind`` goes to the host: its kind is resumed from at least half as
+        often as the kind resumed from most (a move is a copy over the host link; a kind never resumed from, as a
+        GUI agent's prompt ends, would only fill the host with what is never read)."""
+        return self._utility(kind) >= 0.5 * max(self._utility(k) for k in POINT_KINDS)
+
+    def _offload(self, h: bytes, idx: int) -> bool:
+        """Move resume point ``h`` (device snapshot ``idx``, just evicted) to a host entry: a free one, else the
+        least recently used unpinned one's (which is dropped). False if the host tier has none to give."""
+        if not self.num_host_snapshots:
+            return False
+        if self._free_host:
+            host = self._free_host.pop()
+        else:
+            old = next((k for k, e in self._host.items() if e not in self._host_pinned), None)
+            if old is None:
+                return False
+            host = self._host.pop(old)
+            self.stats.host_evictions += 1
+            kind = self._kind.pop(old, None)
+            if kind is not None:
+                self._remember(old, kind)
+        self._host[h] = host
+        self._offloads.append((self.state_slots.snapshot_entry(idx), host))
+        self.stats.offloads += 1
+        return True
 
     def _utility(self, kind: str) -> float:
         """How often a snapshot of ``kind`` is resumed from (or would have been), per snapshot taken: a Laplace
@@ -447,8 +531,21 @@ class PrefixCache:
             self._kind.pop(block_hash, None)
             self._free_snapshots.append(idx)
             self.stats.evictions += 1
+        host = self._host.get(block_hash)
+        if host is not None and host not in self._host_pinned:
+            del self._host[block_hash]
+            self._kind.pop(block_hash, None)
+            self._free_host.append(host)
 
     # ------------------------------------------------------------------ introspection
+
+    def leaks(self) -> str | None:
+        """What an idle cache still holds for steps that have ended: pinned entries or moves never sent (None)."""
+        held = [f"{len(pins)} {what} pinned" for what, pins in (("device snapshots", self._pinned),
+                                                                 ("host snapshots", self._host_pinned)) if pins]
+        if self._offloads:
+            held.append(f"{len(self._offloads)} moves to the host never sent")
+        return "; ".join(held) or None
 
     def kind_utilities(self) -> dict[str, float]:
         """Each kind of resume point's estimate of how often a snapshot of it is resumed from (``_utility``)."""
@@ -459,8 +556,15 @@ class PrefixCache:
         return len(self._snapshots)
 
     @property
+    def num_host_snapshots_held(self) -> int:
+        return len(self._host)
+
+    @property
     def snapshot_bytes(self) -> int:
         return len(self._snapshots) * self.state_slots.bytes_per_entry
 
     def has_snapshot(self, block_hash: bytes) -> bool:
         return block_hash in self._snapshots
+
+    def has_host_snapshot(self, block_hash: bytes) -> bool:
+        return block_hash in self._host

@@ -18,6 +18,11 @@ This module is where four of the state-ownership invariants of docs/design.md li
     from the state they compute there (``StepMetadata.row_snapshots``); it is only read by copies into request
     slots; no kernel reads it.
 
+12b. The prefix cache's host tier, ``host_rows`` (``num_host_snapshots`` rows of the same bytes, pinned host memory
+    on CUDA): a row is written only by ``offload`` from a snapshot entry the budget evicted, in the step that reuses
+    that entry, before anything of that step writes it; it is only read by ``load_host`` into request slots. Both
+    are copies in stream order, so a row is read only after the offload that filled it.
+
 Layout: one ``(num_slots + 1 + num_snapshots, bytes_per_entry)`` uint8 tensor, ``rows``: row ``e`` is entry ``e``,
 every recurrent layer's state of one request (``specs.entry_layout`` places the tensors in it). Per recurrent layer
 ``i``, one view per ``StateTensorSpec`` the layer declared (``hyserve.cache.specs``), ``(num_slots + 1 +
@@ -49,7 +54,7 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 class StatePool:
     def __init__(self, specs: Sequence[RecurrentStateSpec], num_slots: int, device: torch.device,
-                 num_snapshots: int = 0) -> None:
+                 num_snapshots: int = 0, num_host_snapshots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"the recurrent state pool needs at least 1 slot (got {num_slots})")
         self.num_slots = num_slots
@@ -67,6 +72,10 @@ class StatePool:
         word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
                     if self.bytes_per_entry % d.itemsize == 0)
         self._words = self.rows.view(word) if self.bytes_per_entry else self.rows
+        # Pinned on CUDA: copies to and from it are asynchronous, in stream order with the step's kernels.
+        self.num_host_snapshots = num_host_snapshots if self.bytes_per_entry else 0
+        self.host_rows = torch.empty(self.num_host_snapshots, self.bytes_per_entry, dtype=torch.uint8,
+                                     pin_memory=device.type == "cuda" and self.num_host_snapshots > 0)
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """Tensor ``name`` of every layer that declares one, in layer order."""
@@ -92,6 +101,20 @@ class StatePool:
         s = device_tensor(src, device, torch.long)
         d = device_tensor(dst, device, torch.long)
         self._words.index_copy_(0, d, self._words.index_select(0, s))
+
+    def offload(self, moves: list[tuple[int, int]]) -> None:
+        """Copy snapshot entries to host rows, (entry, host row) in order (a later move to the same host row wins)."""
+        if not self.num_host_snapshots:
+            return
+        for entry, host in moves:
+            self.host_rows[host].copy_(self.rows[entry], non_blocking=True)
+
+    def load_host(self, loads: list[tuple[int, int]]) -> None:
+        """Copy host rows into entries (request slots), (host row, entry) pairs."""
+        if not self.num_host_snapshots:  # a stage without recurrent layers: nothing to copy
+            return
+        for host, entry in loads:
+            self.rows[entry].copy_(self.host_rows[host], non_blocking=True)
 
     def reset(self, slots: list[int]) -> None:
         """Zero the state of ``slots`` (requests about to consume their first token)."""

@@ -153,7 +153,8 @@ class LLMEngine:
             self.prefix_cache = PrefixCache(self.block_pool, self.state_slots, config.block_size,
                                             config.recurrent_snapshot_interval,
                                             has_recurrent_state=has_state,
-                                            lookahead=1 if self.use_mtp else 0)
+                                            lookahead=1 if self.use_mtp else 0,
+                                            num_host_snapshots=self.layout.num_host_snapshots)
         self.snapshots_inside_rows = self._resolve_snapshots_inside_rows(infos)
         self.drafts: DraftManager | None = None
         if self.spec_config is not None:
@@ -200,6 +201,10 @@ class LLMEngine:
                         "end, branch point and every %d tokens", config.block_size, lay.num_snapshots,
                         lay.num_snapshots * lay.state_bytes_per_slot / 2**20,
                         lay.state_bytes_per_slot / max(per_token, 1e-9), config.recurrent_snapshot_interval)
+            if lay.num_host_snapshots:
+                logger.info("prefix cache: the resume points the snapshot budget evicts move to %d host entries "
+                            "(%.1f GiB of pinned host memory per worker; --snapshot-host-memory-gb)",
+                            lay.num_host_snapshots, lay.num_host_snapshots * lay.state_bytes_per_slot / 2**30)
             transient = self.snapshot_demand_while_decoding()
             if has_state and lay.num_snapshots < transient:
                 # a warning where the user asked for the concurrency; the default one is sized to the memory, and a
@@ -209,10 +214,12 @@ class LLMEngine:
                     "prefix cache: %d recurrent snapshots are fewer than the %d that %d decoding requests can hold "
                     "at once (each its latest block boundary's, and one reserved per step in flight), so published "
                     "snapshots are evicted within a few steps (speculative verify rows go without instead) and later "
-                    "requests resume from little or nothing; "
+                    "requests resume from little or nothing%s; "
                     "raise --snapshot-memory-fraction (now %.2f), or store the state in the model's dtype "
                     "(--mamba-ssm-cache-dtype auto: half the size of the float32 default)", lay.num_snapshots,
-                    transient, lay.max_num_seqs, config.snapshot_memory_fraction)
+                    transient, lay.max_num_seqs,
+                    f" but the {lay.num_host_snapshots} host entries (resume points only, copied back on a hit)"
+                    if lay.num_host_snapshots else "", config.snapshot_memory_fraction)
         else:
             logger.info("prefix caching is off")
 
@@ -728,6 +735,9 @@ class LLMEngine:
             raise AssertionError(f"KV blocks leaked: {pool.num_usable_blocks - pool.num_free_blocks}")
         if states.num_free_slots != states.num_slots:
             raise AssertionError(f"state slots leaked: {states.num_slots - states.num_free_slots}")
+        leaks = self.prefix_cache.leaks() if self.prefix_cache is not None else None
+        if leaks:
+            raise AssertionError(f"prefix cache: {leaks}")
         held = self.executor.collective_rpc("held_requests")
         if any(held):
             raise AssertionError(f"workers hold finished requests (per rank): {held}")

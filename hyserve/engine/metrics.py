@@ -58,6 +58,8 @@ class SnapshotCounts(Protocol):
     def num_snapshots(self) -> int: ...
     @property
     def snapshot_bytes(self) -> int: ...
+    @property
+    def num_host_snapshots_held(self) -> int: ...
 
 
 class ItemCacheCounts(Protocol):
@@ -182,6 +184,9 @@ class EngineMetrics:
             "hyserve:prefix_cache_snapshot_evictions": pc.stats.evictions if pc else 0,
             "hyserve:prefix_cache_snapshots": pc.num_snapshots if pc else 0,
             "hyserve:prefix_cache_snapshot_bytes": pc.snapshot_bytes if pc else 0,
+            "hyserve:prefix_cache_snapshot_host_hits": pc.stats.host_hits if pc else 0,
+            "hyserve:prefix_cache_snapshot_offloads": pc.stats.offloads if pc else 0,
+            "hyserve:prefix_cache_host_snapshots": pc.num_host_snapshots_held if pc else 0,
             "hyserve:prefix_cache_kv_blocks": pool.num_cached_blocks,
             "hyserve:prefix_cache_kv_evictions": pool.num_evictions,
             "hyserve:mm_cache_queries": mm.queries if mm else 0,

@@ -58,7 +58,8 @@ class ScheduledRow:
       ``PREVIOUS_DRAFT`` a draft the worker's MTP head left on the device.
     - ``block_table``, ``state_slot``: where the row's KV and recurrent state live (the request's own).
     - ``reset_state``: zero the slot before the forward (the request's first chunk); ``load_snapshot``: copy that
-      snapshot entry into the slot before the forward (a prefix hit).
+      snapshot entry into the slot before the forward (a prefix hit); ``load_host_snapshot``: copy that host entry
+      of the prefix cache's host tier into the slot instead.
     - ``snapshot_entry``: copy the slot into this entry right after the forward (the chunk ends on a snapshot
       point); ``interior_snapshots``: (p, entry) of each snapshot point p strictly inside the row (a chunk of known
       tokens, where every recurrent layer can take its state inside a row): the layers write their state after
@@ -90,6 +91,7 @@ class ScheduledRow:
     samples: bool
     reset_state: bool = False
     load_snapshot: int | None = None
+    load_host_snapshot: int | None = None
     snapshot_entry: int | None = None
     interior_snapshots: list[tuple[int, int]] = field(default_factory=list)
     is_verify: bool = False
@@ -139,6 +141,9 @@ class SchedulerOutput:
     # The drafts the MTP head proposes in this step for the next (DraftManager.drafting_length; 0: its first pass
     # writes its KV entries only); None: max(num_spec_tokens, 1).
     num_drafting: int | None = None
+    # The prefix cache's host tier: (state-pool entry, host entry) of each snapshot the budget moved to the host
+    # while scheduling this step. Every worker copies them out first: the step may write those entries.
+    snapshot_offloads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +153,8 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for the workers: no rows, no verify commits to apply, no finished requests to forget (a step that
         carries only those still goes to them, or the workers would keep those requests forever)."""
-        return not self.rows and not self.verify_commits and not self.finished_req_ids
+        return not self.rows and not self.verify_commits and not self.finished_req_ids \
+            and not self.snapshot_offloads
 
 
 @dataclass(slots=True)

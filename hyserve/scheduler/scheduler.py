@@ -183,6 +183,8 @@ class Scheduler:
             self._admit(out, budget, chunks)
         for req, row, point in chunks:  # after admission: its lookups pin snapshots before any reservation evicts
             self._on_scheduled(req, row, point, out)
+        if self.prefix_cache is not None:
+            out.snapshot_offloads = self.prefix_cache.take_offloads()
         out.rows.sort(key=lambda r: not r.is_verify)  # stable: verify rows first, as the worker lays them out
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         if out.rows:
@@ -296,7 +298,8 @@ class Scheduler:
             row.block_table = req.block_table
             row.state_slot = req.state_slot
             row.load_snapshot = hit.snapshot_entry
-            row.reset_state = hit.snapshot_entry is None
+            row.load_host_snapshot = hit.host_snapshot
+            row.reset_state = hit.snapshot_entry is None and hit.host_snapshot is None
             if self.prefix_cache:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += hit.num_tokens
@@ -664,6 +667,7 @@ class Scheduler:
             else:
                 pc.release_entry(entry)
         pc.unpin(row.load_snapshot)
+        pc.unpin_host(row.load_host_snapshot)
 
     def _release_row(self, row: ScheduledRow) -> None:
         """A row whose result is not used: give back what it reserved in the prefix cache."""
@@ -675,6 +679,7 @@ class Scheduler:
         if row.candidate_snapshot is not None:
             self.prefix_cache.release_entry(row.candidate_snapshot[1])
         self.prefix_cache.unpin(row.load_snapshot)
+        self.prefix_cache.unpin_host(row.load_host_snapshot)
 
     def _rollback(self, req: Request) -> None:
         """Free KV blocks that hold only rejected drafts or drafting positions (published blocks stay)."""

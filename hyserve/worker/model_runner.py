@@ -234,7 +234,8 @@ class ModelRunner:
         self.sampling_state = SamplingState(self.device, self.model_config.vocab_size, max_model_len)
         k = self.num_speculative_tokens
         self.state_pool = StatePool(self.cache_specs.recurrent, layout.num_state_slots, self.device,
-                                    num_snapshots=layout.num_snapshots)
+                                    num_snapshots=layout.num_snapshots,
+                                    num_host_snapshots=layout.num_host_snapshots)
         self.kv_caches = allocate_kv(list(self.cache_specs.attention), layout.num_kv_blocks, self.block_size,
                                      self.device)
         # Indexed attention's per-token index keys: the same blocks and slots as the KV (None for other layers).
@@ -470,17 +471,18 @@ class ModelRunner:
     def execute_model_async(self, so: SchedulerOutput) -> StepResult:
         """Enqueue step ``so`` on the device; ``result()`` of the returned handle is its ``RunnerOutput``.
 
-        In order: forget finished requests and learn new ones; the state operations before the forward (slot resets,
-        snapshot copy-ins); the forward; sampling of plain rows and acceptance of verify rows (the one place either
-        happens); the verified-state commit; the snapshot copy-outs; the MTP head's drafts for the next step. A
-        step without speculation returns before its sampled ids reach the host (they stay on the device, where the
-        next step's ``PREVIOUS_SAMPLED`` inputs take them); a speculative step is complete when it returns (its
-        drafts need the accepted tokens on the host).
+        In order: forget finished requests, the prefix cache's moves of evicted snapshots to the host, learn new
+        requests; the state operations before the forward (slot resets, snapshot copy-ins); the forward; sampling of
+        plain rows and acceptance of verify rows (the one place either happens); the verified-state commit; the
+        snapshot copy-outs; the MTP head's drafts for the next step. A step without speculation returns before its
+        sampled ids reach the host (they stay on the device, where the next step's ``PREVIOUS_SAMPLED`` inputs take
+        them); a speculative step is complete when it returns (its drafts need the accepted tokens on the host).
         """
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.mm.prompts.pop(rid, None)
             self.sampling_state.remove_request(rid)
+        self.state_ops.offload_snapshots(so.snapshot_offloads)  # before anything of the step writes those entries
         for new in so.new_requests:
             self.requests[new.req_id] = new.sampling_params
             if self.is_last_stage:  # the stage that samples

@@ -47,11 +47,19 @@ class StateOps:
 
     # ------------------------------------------------------------------ before the forward
 
+    def offload_snapshots(self, moves: list[tuple[int, int]]) -> None:
+        """The prefix cache's moves of evicted snapshots to its host tier (``SchedulerOutput.snapshot_offloads``):
+        first of a step, before anything of it writes those entries."""
+        self.state_pool.offload(moves)
+
     def load_states(self, rows: list[ScheduledRow]) -> None:
-        # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared).
+        # A request's slot starts from zeros, or from the snapshot of its prefix hit (copied, never shared), on the
+        # device or in the host tier.
         self.state_pool.reset([r.state_slot for r in rows if r.reset_state])
         loads = [(r.load_snapshot, r.state_slot) for r in rows if r.load_snapshot is not None]
         self.state_pool.copy([e for e, _ in loads], [s for _, s in loads])
+        self.state_pool.load_host([(r.load_host_snapshot, r.state_slot) for r in rows
+                                   if r.load_host_snapshot is not None])
 
     # ------------------------------------------------------------------ after the forward
 

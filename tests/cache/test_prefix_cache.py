@@ -644,3 +644,137 @@ def test_verify_candidates_never_evict_a_resume_point(ckpts: CheckpointCache, mo
     prompt_end = (len(first) - 1) // BS * BS  # the MTP lookahead: 49 keyable tokens, 48 of them in full blocks
     assert (final["a2"].num_cached_tokens == prompt_end) is not sabotage
     llm.llm_engine.assert_no_leaks()
+
+
+# ---------------------------------------------------------------------------------------------- the host tier
+
+
+def _agents_cache(host: int) -> prefix_cache.PrefixCache:
+    """A cache of four device entries and ``host`` host entries, in which three earlier agents' steps taught that
+    points before the first image are resumed from."""
+    cache = prefix_cache.PrefixCache(BlockPool(128, 16), StateSlots(2, 4), 16, snapshot_interval=1024,
+                                     num_host_snapshots=host)
+    for i in range(3):
+        earlier = toks(100, 11 + i)
+        _computed(cache, f"x{i}", earlier, f"x{i}")
+        assert _resumes_at(cache, earlier[:40] + toks(60, 21 + i), "next") == 32
+    return cache
+
+
+@pytest.mark.parametrize("host", [0, 16])
+def test_an_evicted_resume_point_moves_to_the_host_and_serves_the_next_step(host: int) -> None:
+    """Six agents' steps on four device entries: the resume points the budget evicts move to the host tier (each
+    move handed to the step once, from the entry it leaves), where agent a's next step finds the point before its
+    image, as a host hit (a host entry to copy, no device entry). Without the host tier (the sabotage: 0 entries)
+    the same step resumes from nothing."""
+    cache = _agents_cache(host)
+    earlier = cache.take_offloads()
+    steps = {name: _computed(cache, name, toks(100, seed), name) for name, seed in
+             (("a", 1), ("b", 2), ("c", 3), ("d", 4))}
+    a = steps["a"]
+    point = a.block_hashes[32 // 16 - 1]
+    assert not cache.has_snapshot(point)
+    moves = cache.take_offloads()
+    assert cache.take_offloads() == []
+    if not host:
+        assert moves == earlier == [] and not cache.has_host_snapshot(point) and cache.stats.offloads == 0
+        assert _resumes_at(cache, toks(100, 1)[:40] + toks(60, 4), "a2") == 0
+        return
+    assert cache.has_host_snapshot(point) and len(earlier) + len(moves) == cache.stats.offloads
+    assert cache.stats.offloads == cache.num_host_snapshots_held <= host  # a free host entry each: none dropped
+    assert len({h for _, h in earlier + moves}) == cache.stats.offloads
+    snapshot_entries = range(cache.state_slots.snapshot_entry(0), cache.state_slots.snapshot_entry(4))
+    assert all(e in snapshot_entries for e, _ in moves)
+    req = Request("a2", None, toks(100, 1)[:40] + toks(60, 4), SamplingParams(), 0)
+    req.image_spans = (ImageSpan(40, 8, "a2"),)
+    hit = cache.lookup(req)
+    assert (hit.num_tokens, hit.snapshot_entry) == (32, None)
+    assert hit.host_snapshot == cache._host[point] and cache.stats.host_hits == 1
+    # Pinned while the step that copies it is in flight: a full host tier gives up another entry.
+    assert hit.host_snapshot in cache._host_pinned
+    cache.release_hit(hit)
+    assert not cache._host_pinned
+
+
+def test_a_full_host_tier_drops_its_least_recently_used_unpinned_entry_and_remembers_it() -> None:
+    """One host entry: each move drops the previous entry's snapshot (remembered as a ghost of its kind, so a
+    lookup it would have served still counts for the kind), except one pinned by a hit in flight, which stays; a
+    spare snapshot never moves; an entry whose KV block is evicted is dropped."""
+    cache = _agents_cache(1)
+    seeds = {"a": 1, "b": 2, "c": 3, "d": 4}
+    steps = [_computed(cache, name, toks(100, seed), name) for name, seed in seeds.items()]
+    points = {(r.request_id, p): r.block_hashes[p // 16 - 1] for r in steps for p in (32, 96)}
+    on_host = [key for key, h in points.items() if cache.has_host_snapshot(h)]
+    assert len(on_host) == cache.num_host_snapshots_held == 1
+    assert cache.stats.host_evictions == cache.stats.offloads - 1 > 0
+    dropped = [h for h in points.values() if not cache.has_snapshot(h) and not cache.has_host_snapshot(h)]
+    assert dropped and all(h in cache._ghosts for h in dropped)
+    assert all(cache._kind.get(h) is not None for h in cache._host)  # resume points only: no spare one moved
+    # A hit in flight pins the host entry: later moves find none to give, and the points they evict are dropped.
+    (rid, p), = on_host
+    req = Request("probe", None, toks(100, seeds[rid])[:p] + toks(100 - p, 77), SamplingParams(), 0)
+    req.image_spans = (ImageSpan(40, 8, rid if p > 40 else "probe"),)
+    hit = cache.lookup(req)
+    assert hit.host_snapshot is not None and hit.num_tokens == p
+    before = (cache.stats.offloads, cache.stats.evictions)
+    _computed(cache, "e", toks(100, 5), "e")
+    _computed(cache, "f", toks(100, 6), "f")
+    assert cache.stats.offloads == before[0] and cache.stats.evictions > before[1]
+    assert cache.has_host_snapshot(points[(rid, p)])
+    cache.release_hit(hit)
+    # Its prefix's KV evicted, the host entry goes with it.
+    cache.block_pool.on_evict(points[(rid, p)])  # type: ignore[misc]
+    assert not cache.has_host_snapshot(points[(rid, p)]) and cache._free_host == [0]
+
+
+def _late_offloads(engine: LLMEngine) -> None:
+    """Test-only sabotage: the moves to the host run after their step instead of before it, so the step's new
+    snapshot in a reused entry reaches the host under the evicted point's key."""
+    runner = engine.runner
+    real = runner.execute_model_async
+
+    def execute(so):  # type: ignore[no-untyped-def]
+        moves, so.snapshot_offloads = so.snapshot_offloads, []
+        handle = real(so)
+        handle.result()
+        runner.state_ops.offload_snapshots(moves)
+        return handle
+
+    runner.execute_model_async = execute  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("mode", ["host", "sabotaged", "no_host"])
+def test_conversations_resume_through_the_host_tier_with_the_uncached_outputs(ckpts: CheckpointCache,
+                                                                               mode: str) -> None:
+    """Six interleaved conversations of four turns on three device snapshot entries, with MTP and async
+    scheduling: the resume points the budget evicts move to 32 host entries, and later turns resume from them with
+    exactly the outputs of the engine without caching. The host tier serves more prompt tokens than the same budget
+    without it; moves made after their step (the sabotage) give wrong outputs."""
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    convs = make_convs(6, 4, toks(40, 8), seed=13)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    off = make_llm(path, enable_prefix_caching=False, speculative_config=spec)
+    want = run_conversations(off.llm_engine, convs, out_len=9)
+    llm = cached_llm(path, num_snapshot_slots=3, num_host_snapshot_slots=0 if mode == "no_host" else 32,
+                     speculative_config=spec, async_scheduling=True)
+    if mode == "sabotaged":
+        _late_offloads(llm.llm_engine)
+    got = run_conversations(llm.llm_engine, convs, out_len=9)
+    m = llm.get_metrics()
+    if mode == "sabotaged":
+        assert m["hyserve:prefix_cache_snapshot_host_hits"] > 0
+        assert got != want, "snapshots moved to the host after their entries were reused went unnoticed"
+        return
+    assert got == want
+    pool = llm.llm_engine.runner.state_pool
+    assert pool.num_host_snapshots == (32 if mode == "host" else 0)
+    if mode == "host":
+        assert m["hyserve:prefix_cache_snapshot_offloads"] > 0 and m["hyserve:prefix_cache_snapshot_host_hits"] > 0
+        assert 0 < m["hyserve:prefix_cache_host_snapshots"] <= 32
+        no_host = cached_llm(path, num_snapshot_slots=3, num_host_snapshot_slots=0, speculative_config=spec,
+                             async_scheduling=True)
+        assert run_conversations(no_host.llm_engine, convs, out_len=9) == want
+        assert m["hyserve:prefix_cache_hits"] > no_host.get_metrics()["hyserve:prefix_cache_hits"]
+    else:
+        assert m["hyserve:prefix_cache_snapshot_offloads"] == m["hyserve:prefix_cache_snapshot_host_hits"] == 0
+    llm.llm_engine.assert_no_leaks()

@@ -289,3 +289,28 @@ def test_a_dead_stage_is_reported_by_rank_within_seconds(ckpts: CheckpointCache,
             engine.step()
     assert time.monotonic() - t0 < 5
     llm.shutdown()
+
+
+def test_pp2_conversations_resume_through_the_host_tier(ckpts: CheckpointCache) -> None:
+    """Two stages (the first only GDN layers), MTP, async scheduling, three device snapshot entries and 32 host
+    entries: each stage moves its own layers' evicted snapshots to its host rows and copies them back on a hit, as
+    the step's metadata says; the conversations' outputs are the one-process engine's without caching."""
+    from hyserve.testing.engine import make_convs, run_conversations, toks
+
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    convs = make_convs(5, 3, toks(40, 8), seed=13)
+    want = run_conversations(make_llm(path, enable_prefix_caching=False, speculative_config=spec).llm_engine, convs,
+                             out_len=7)
+    engine = make_llm(path, pipeline_parallel_size=2, speculative_config=spec, async_scheduling=True,
+                      recurrent_snapshot_interval=32, num_snapshot_slots=3, num_host_snapshot_slots=32,
+                      max_num_batched_tokens=64, num_kv_blocks=512).llm_engine
+    try:
+        got = run_conversations(engine, convs, out_len=7)
+        engine.assert_no_leaks()
+        metrics = engine.get_metrics()
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert metrics["hyserve:prefix_cache_snapshot_offloads"] > 0
+    assert metrics["hyserve:prefix_cache_snapshot_host_hits"] > 0

@@ -148,7 +148,8 @@ def run(vlm: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("run") / "hyserve_seed.json"
     rc = sb.main(["measure", "--engine", "hyserve", "--model", vlm, "--scale", "tiny", "--device", "cpu", "--dtype",
-                  "float32", "--load-format", "auto", "--engine-flags", "--max-model-len 1024", "--out", str(out)])
+                  "float32", "--load-format", "auto", "--engine-flags", "--max-model-len 1024", "--profile-steps",
+                  "5,15", "--out", str(out)])
     assert rc == 0
     return dict(json.loads(out.read_text()))
 
@@ -217,6 +218,10 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert computed - max(r.prompt_tokens for r in recs) <= steps[:, 2].sum() <= computed
     decode = steps[:, 2] == 0
     assert 0 < decode.sum() == fig["steps_decode_only"] < len(steps)
+    # The profiled window: ten steps' results, their trace written beside the result (no device on the CPU: no gaps).
+    prof = run["profile"]
+    assert [tuple(x) for x in prof["steps"]] == [tuple(x) for x in run["steps"][4:14]]
+    assert prof["window_us"] == 0.0 and os.path.getsize(run["profile_trace"]) > 0
     # (the trace's intervals are rounded to the microsecond)
     assert fig["step_decode_only_s"] == pytest.approx(steps[decode, 0].sum(), abs=1e-6 * len(steps))
     assert fig["step_with_prompt_s"] == pytest.approx(steps[~decode, 0].sum(), abs=1e-6 * len(steps))
