@@ -299,14 +299,14 @@ def test_pp2_conversations_resume_through_the_host_tier(ckpts: CheckpointCache) 
 
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    convs = make_convs(5, 3, toks(40, 8), seed=13)
+    convs = make_convs(6, 4, toks(40, 8), seed=13)
     want = run_conversations(make_llm(path, enable_prefix_caching=False, speculative_config=spec).llm_engine, convs,
-                             out_len=7)
+                             out_len=9)
     engine = make_llm(path, pipeline_parallel_size=2, speculative_config=spec, async_scheduling=True,
                       recurrent_snapshot_interval=32, num_snapshot_slots=3, num_host_snapshot_slots=32,
                       max_num_batched_tokens=64, num_kv_blocks=512).llm_engine
     try:
-        got = run_conversations(engine, convs, out_len=7)
+        got = run_conversations(engine, convs, out_len=9)
         engine.assert_no_leaks()
         metrics = engine.get_metrics()
     finally:

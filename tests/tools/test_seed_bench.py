@@ -390,11 +390,13 @@ def test_the_written_fp8_checkpoint_loads_dummy_and_real(tmp_path: Path, monkeyp
     assert fig["prefix_cache_snapshot_evictions"] > 0  # five entries for two agents' snapshots: some are evicted
 
 
-@pytest.mark.parametrize("text", ["300,2", "a,b,c", "300,0,5", "1,2,3,4"])
+@pytest.mark.parametrize("text", ["300,2", "a,b,c", "300,0,5", "1,2,3,4,5", "1,2,3,-1"])
 def test_a_bad_cache_layout_is_refused(text: str) -> None:
     with pytest.raises(SystemExit, match="cache-layout"):
         sb.cache_layout(text)
-    assert sb.cache_layout("300,2,5") == {"num_kv_blocks": 301, "num_state_slots": 2, "num_snapshot_slots": 5}
+    assert sb.cache_layout("300,2,5") == {"num_kv_blocks": 301, "num_state_slots": 2, "num_snapshot_slots": 5,
+                                          "num_host_snapshot_slots": 0}
+    assert sb.cache_layout("300,2,5,7")["num_host_snapshot_slots"] == 7  # type: ignore[index]
     assert sb.cache_layout(None) is None
 
 
