@@ -56,12 +56,12 @@ image as recently used as itself: the agent's next step resumes there. A verify 
 free or spare entry only. Snapshots pinned for a copy-in in the current step are not evicted.
 
 The host tier (``num_host_snapshots`` > 0, ``--snapshot-host-memory-gb``): a resume point the budget evicts is not
-dropped but moved to host memory if its kind is resumed from at least half as often as the kind resumed from most
-(``take_offloads``: the worker copies the entry out before the step that reuses it writes it), where it stays, least
-recently used first, until the host entries run out or its KV block is evicted. A lookup whose deepest snapshot is
-on the host hits it as one on the device (``PrefixHit.host_snapshot``: the worker copies it into the request's
-slot). The copy is the same bytes, so a hit through the host gives what one through the device does. Spare
-snapshots go nowhere: they are dropped as before.
+dropped but moved to host memory if its kind is resumed from at least once in four snapshots taken
+(``take_offloads``: the worker copies the entry out before the step that reuses it writes it), where it stays,
+least recently used first, until the host entries run out or its KV block is evicted. A lookup whose deepest
+snapshot is on the host hits it as one on the device (``PrefixHit.host_snapshot``: the worker copies it into the
+request's slot). The copy is the same bytes, so a hit through the host gives what one through the device does.
+Spare snapshots go nowhere: they are dropped as before.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ ROOT_HASH = b"hyserve-prefix-root"
 # The kinds of resume point (``PrefixCache._point_kind``); a spare snapshot promoted by a hit or a recomputation is
 # "recurred".
 POINT_KINDS = ("share", "first_image", "prompt_end", "answer", "recurred")
+# The host tier takes an evicted resume point of a kind resumed from at least this often per snapshot taken.
+MOVE_UTILITY = 0.25
 
 
 def hash_block(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
@@ -476,10 +478,11 @@ class PrefixCache:
             self._ghosts.popitem(last=False)
 
     def _worth_moving(self, kind: str) -> bool:
-        """Whether an evicted resume point of ``kind`` goes to the host: its kind is resumed from at least half as
-        often as the kind resumed from most (a move is a copy over the host link; a kind never resumed from, as a
-        GUI agent's prompt ends, would only fill the host with what is never read)."""
-        return self._utility(kind) >= 0.5 * max(self._utility(k) for k in POINT_KINDS)
+        """Whether an evicted resume point of ``kind`` goes to the host: a snapshot of its kind is resumed from at
+        least once in ``1 / MOVE_UTILITY`` taken (a move is a copy of one snapshot over the host link, a hit saves
+        the prefill since the device's last snapshot; a kind never resumed from, as a GUI agent's prompt ends, would
+        only fill the host with what is never read). Every kind qualifies until the cache has learned otherwise."""
+        return self._utility(kind) >= MOVE_UTILITY
 
     def _offload(self, h: bytes, idx: int) -> bool:
         """Move resume point ``h`` (device snapshot ``idx``, just evicted) to a host entry: a free one, else the

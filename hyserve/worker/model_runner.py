@@ -471,8 +471,9 @@ class ModelRunner:
     def execute_model_async(self, so: SchedulerOutput) -> StepResult:
         """Enqueue step ``so`` on the device; ``result()`` of the returned handle is its ``RunnerOutput``.
 
-        In order: forget finished requests, the prefix cache's moves of evicted snapshots to the host, learn new
-        requests; the state operations before the forward (slot resets, snapshot copy-ins); the forward; sampling of
+        In order: forget finished requests and learn new ones; the prefix cache's moves of evicted snapshots to the
+        host (on a stage before the last, after the earlier steps' verify commits it applies); the state operations
+        before the forward (slot resets, snapshot copy-ins); the forward; sampling of
         plain rows and acceptance of verify rows (the one place either happens); the verified-state commit; the
         snapshot copy-outs; the MTP head's drafts for the next step. A step without speculation returns before its
         sampled ids reach the host (they stay on the device, where the next step's ``PREVIOUS_SAMPLED`` inputs take
@@ -482,7 +483,6 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self.mm.prompts.pop(rid, None)
             self.sampling_state.remove_request(rid)
-        self.state_ops.offload_snapshots(so.snapshot_offloads)  # before anything of the step writes those entries
         for new in so.new_requests:
             self.requests[new.req_id] = new.sampling_params
             if self.is_last_stage:  # the stage that samples
@@ -493,6 +493,7 @@ class ModelRunner:
         out = RunnerOutput(so.step_id, token_ids=[[] for _ in rows], num_accepted=[-1] * len(rows))
         if not self.is_last_stage:
             return self._execute_stage(so, out)
+        self.state_ops.offload_snapshots(so.snapshot_offloads)  # before anything of the step writes those entries
         if not rows:
             return StepResult(out)
         plain = [i for i, r in enumerate(rows) if r.samples and not r.is_verify]
@@ -567,6 +568,9 @@ class ModelRunner:
         commits = self.stage_commits
         for step_id, num_accepted in so.verify_commits:
             commits.apply_commit(commits.pending_commit(step_id), num_accepted)
+        # After the commits: they write earlier steps' candidate snapshots, which the scheduler has published
+        # already (the last stage wrote its own in their steps), and one of those may be what moves now.
+        self.state_ops.offload_snapshots(so.snapshot_offloads)
         rows = so.rows
         if not rows:
             return StepResult(out)

@@ -291,12 +291,36 @@ def test_a_dead_stage_is_reported_by_rank_within_seconds(ckpts: CheckpointCache,
     llm.shutdown()
 
 
-def test_pp2_conversations_resume_through_the_host_tier(ckpts: CheckpointCache) -> None:
+_MOVE_BEFORE_COMMITS = """
+from hyserve.worker.model_runner import ModelRunner
+
+_stage = ModelRunner._execute_stage
+
+
+def _execute_stage(self, so, out):
+    self.state_ops.offload_snapshots(so.snapshot_offloads)  # before the earlier steps' verify commits
+    so.snapshot_offloads = []
+    return _stage(self, so, out)
+
+
+ModelRunner._execute_stage = _execute_stage
+"""
+
+
+@pytest.mark.parametrize("sabotaged", [False, True])
+def test_pp2_conversations_resume_through_the_host_tier(ckpts: CheckpointCache, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, sabotaged: bool) -> None:
     """Two stages (the first only GDN layers), MTP, async scheduling, three device snapshot entries and 32 host
     entries: each stage moves its own layers' evicted snapshots to its host rows and copies them back on a hit, as
-    the step's metadata says; the conversations' outputs are the one-process engine's without caching."""
+    the step's metadata says; the conversations' outputs are the one-process engine's without caching. The first
+    stage writes a verify step's candidate snapshots when that step's accepted counts arrive with a later step, after
+    the scheduler published them: a stage that moves them before applying those counts (the sabotage, through
+    ``sitecustomize`` in the workers) moves what the entry held before."""
     from hyserve.testing.engine import make_convs, run_conversations, toks
 
+    if sabotaged:
+        (tmp_path / "sitecustomize.py").write_text(_MOVE_BEFORE_COMMITS)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     convs = make_convs(6, 4, toks(40, 8), seed=13)
@@ -311,6 +335,6 @@ def test_pp2_conversations_resume_through_the_host_tier(ckpts: CheckpointCache) 
         metrics = engine.get_metrics()
     finally:
         engine.shutdown()
-    assert got == want
     assert metrics["hyserve:prefix_cache_snapshot_offloads"] > 0
     assert metrics["hyserve:prefix_cache_snapshot_host_hits"] > 0
+    assert (got == want) is not sabotaged
