@@ -21,8 +21,9 @@ This module is where four of the state-ownership invariants of docs/design.md li
 12b. The prefix cache's host tier, ``host_rows`` (``num_host_snapshots`` rows of the same bytes, pinned host memory
     on CUDA): a row is written only by ``offload`` from a snapshot entry the budget evicted, in the step that reuses
     that entry, before anything of that step writes it (on a stage before the last, after the earlier steps' verify
-    commits the step carries: they write candidate snapshots the scheduler published already); it is only read by ``load_host`` into request slots. Both
-    are copies in stream order, so a row is read only after the offload that filled it.
+    commits the step carries: they write candidate snapshots the scheduler published already); it is only read by
+    ``load_host`` into request slots. Both are copies in stream order, so a row is read only after the offload that
+    filled it.
 
 Layout: one ``(num_slots + 1 + num_snapshots, bytes_per_entry)`` uint8 tensor, ``rows``: row ``e`` is entry ``e``,
 every recurrent layer's state of one request (``specs.entry_layout`` places the tensors in it). Per recurrent layer
