@@ -76,8 +76,13 @@ class StatePool:
         self._words = self.rows.view(word) if self.bytes_per_entry else self.rows
         # Pinned on CUDA: copies to and from it are asynchronous, in stream order with the step's kernels.
         self.num_host_snapshots = num_host_snapshots if self.bytes_per_entry else 0
-        self.host_rows = torch.empty(self.num_host_snapshots, self.bytes_per_entry, dtype=torch.uint8,
-                                     pin_memory=device.type == "cuda" and self.num_host_snapshots > 0)
+        try:
+            self.host_rows = torch.empty(self.num_host_snapshots, self.bytes_per_entry, dtype=torch.uint8,
+                                         pin_memory=device.type == "cuda" and self.num_host_snapshots > 0)
+        except RuntimeError as e:
+            gib = self.num_host_snapshots * self.bytes_per_entry / 2**30
+            raise RuntimeError(f"the prefix cache's host tier could not take {gib:.1f} GiB of pinned host memory "
+                               f"({e}); lower --snapshot-host-memory-gb (0 turns it off)") from e
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """Tensor ``name`` of every layer that declares one, in layer order."""
