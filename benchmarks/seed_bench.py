@@ -798,6 +798,8 @@ REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
     "loop_step_s": (False, "hyserve's loop thread stepping, s", False),
     "loop_add_request_s": (False, "hyserve's loop thread adding requests, s", False),
     "prepare_images_s": (False, "hyserve's image processing off the loop thread, s (threads summed)", False),
+    "prefix_cache_snapshot_offloads": (False, "hyserve's snapshots moved to the host tier", False),
+    "prefix_cache_snapshot_host_hits": (True, "hyserve's snapshot hits from the host tier", False),
     "step_with_prompt_s": (False, "hyserve's steps with prompt tokens, s (result to result)", False),
     "step_decode_only_s": (False, "hyserve's steps without prompt tokens, s", False),
     "steps_decode_only": (False, "hyserve's steps without prompt tokens", False),
