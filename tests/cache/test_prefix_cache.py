@@ -696,6 +696,22 @@ def test_an_evicted_resume_point_moves_to_the_host_and_serves_the_next_step(host
     assert not cache._host_pinned
 
 
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_a_kind_never_resumed_from_stays_off_the_host(monkeypatch: pytest.MonkeyPatch, sabotage: bool) -> None:
+    """The agents' prompt ends are never resumed from: once the cache has learned it, an evicted prompt end is
+    dropped, not moved (a copy over the host link for nothing, and a host entry a point before an image needs),
+    while the points before the images are moved. The sabotage (every kind moved) moves the prompt ends too."""
+    cache = _agents_cache(16)
+    assert cache._utility("prompt_end") < prefix_cache.MOVE_UTILITY <= cache._utility("first_image")
+    if sabotage:
+        monkeypatch.setattr(prefix_cache, "MOVE_UTILITY", 0.0)
+    steps = [_computed(cache, name, toks(100, seed), name) for name, seed in (("a", 1), ("b", 2), ("c", 3),
+                                                                              ("d", 4), ("e", 5))]
+    on_host = {p: sum(cache.has_host_snapshot(r.block_hashes[p // 16 - 1]) for r in steps) for p in (32, 96)}
+    assert on_host[32] > 0
+    assert (on_host[96] > 0) is sabotage, on_host
+
+
 def test_a_full_host_tier_drops_its_least_recently_used_unpinned_entry_and_remembers_it() -> None:
     """One host entry: each move drops the previous entry's snapshot (remembered as a ghost of its kind, so a
     lookup it would have served still counts for the kind), except one pinned by a hit in flight, which stays; a
