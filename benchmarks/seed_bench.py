@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -679,39 +680,30 @@ def cache_layout(text: str | None) -> dict[str, int] | None:
             "num_host_snapshot_slots": host}
 
 
-class EngineLog:
+@contextlib.contextmanager
+def engine_log() -> Iterator[None]:
     """hyserve's INFO lines (its memory plan, cache layout, host tier) on stderr, as `hyserve serve` prints them,
     while a run lasts: the logger's level and handlers are put back after."""
-
-    def __init__(self) -> None:
-        self.log = logging.getLogger("hyserve")
-        self.handler = logging.StreamHandler()
-        self.handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        self.level = self.log.level
-        self.on = False
-
-    def __enter__(self) -> None:
-        self.log.addHandler(self.handler)
-        self.log.setLevel(logging.INFO)
-        self.on = True
-
-    def __exit__(self, *exc: object) -> None:
-        if self.on:
-            self.log.removeHandler(self.handler)
-            self.log.setLevel(self.level)
-            self.on = False
+    log = logging.getLogger("hyserve")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def measure(args: argparse.Namespace) -> int:
     """Build the engine, warm it up, run the trace; write the result file (figures, records, flags, notes)."""
-    engine_log = EngineLog()
-    try:
-        return _measure(args, engine_log)
-    finally:
-        engine_log.__exit__()
+    with engine_log() if args.engine == "hyserve" else contextlib.nullcontext():
+        return _measure(args)
 
 
-def _measure(args: argparse.Namespace, engine_log: EngineLog) -> int:
+def _measure(args: argparse.Namespace) -> int:
     import torch
 
     started = time.perf_counter()
@@ -743,7 +735,6 @@ def _measure(args: argparse.Namespace, engine_log: EngineLog) -> int:
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "default (engine core in its own process)"
     t0 = time.perf_counter()
     if args.engine == "hyserve":
-        engine_log.__enter__()
         window = None
         if args.profile_steps:
             a, b = (int(x) for x in args.profile_steps.split(","))

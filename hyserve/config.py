@@ -195,7 +195,7 @@ def resolve_ssm_state_dtype(mamba_ssm_cache_dtype: str | None, model_dtype: torc
     return mamba_ssm_cache_dtype
 
 
-# --snapshot-host-memory-gb's default on CUDA (GiB per worker): 32 float32 snapshots of the 27B shape's GDN state.
+# --snapshot-host-memory-gb's default on CUDA (GiB per worker): 55 float32 snapshots of the 27B shape's GDN state.
 DEFAULT_SNAPSHOT_HOST_MEMORY_GB = 8.0
 
 
@@ -204,6 +204,11 @@ def snapshot_host_memory_bytes(gb: float | None, device_type: str) -> int:
     if gb is None:
         gb = DEFAULT_SNAPSHOT_HOST_MEMORY_GB if device_type == "cuda" else 0.0
     return int(gb * 2**30)
+
+
+def _finite_gb(value: object) -> bool:
+    """A size in GiB as a flag takes it: a finite number >= 0 (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 # --mm-processor-cache-gb: vLLM's default (GiB).
@@ -315,8 +320,7 @@ class EngineConfig:
                                  f"{', '.join(MM_MODALITIES)} (--limit-mm-per-prompt)")
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer (got {limit!r})")
-        if not (isinstance(self.mm_processor_cache_gb, int | float) and not isinstance(self.mm_processor_cache_gb, bool)
-                and math.isfinite(self.mm_processor_cache_gb) and self.mm_processor_cache_gb >= 0):
+        if not _finite_gb(self.mm_processor_cache_gb):
             raise ValueError(f"mm_processor_cache_gb must be a finite number >= 0 (got {self.mm_processor_cache_gb!r}) "
                              "(--mm-processor-cache-gb)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -332,11 +336,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive (got {self.max_model_len})")
-        gb = self.snapshot_host_memory_gb
-        if gb is not None and not (isinstance(gb, int | float) and not isinstance(gb, bool) and math.isfinite(gb)
-                                   and gb >= 0):
-            raise ValueError(f"snapshot_host_memory_gb must be a finite number >= 0 (got {gb!r}) "
-                             "(--snapshot-host-memory-gb)")
+        if self.snapshot_host_memory_gb is not None and not _finite_gb(self.snapshot_host_memory_gb):
+            raise ValueError(f"snapshot_host_memory_gb must be a finite number >= 0 (got "
+                             f"{self.snapshot_host_memory_gb!r}) (--snapshot-host-memory-gb)")
         if self.num_host_snapshot_slots is not None and self.num_host_snapshot_slots < 0:
             raise ValueError(f"num_host_snapshot_slots must be >= 0 (got {self.num_host_snapshot_slots})")
         if self.cpu_cache_memory_bytes <= 0:

@@ -220,11 +220,8 @@ class PrefixCache:
             # as recently used as the hit beyond it, so an agent's resume point lives as long as its episode goes on.
             first = self._first_image_point(req)
             resume = req.block_hashes[first // bs - 1] if first is not None and bs <= first < best * bs else None
-            if resume is not None and resume in self._snapshots:
-                self._snapshots.move_to_end(resume)
-                self._promote(resume)
-            elif resume is not None and resume in self._host:
-                self._host.move_to_end(resume)
+            if resume is not None:
+                self._touch(resume)
             h = req.block_hashes[best - 1]
             kind = self._kind.get(h)
             if kind is not None:
@@ -325,12 +322,7 @@ class PrefixCache:
             return None
         self._extend_hashes(req, position)
         h = req.block_hashes[position // self.block_size - 1]
-        if h in self._snapshots:  # another request computes through this prefix again: it recurs
-            self._snapshots.move_to_end(h)
-            self._promote(h)
-            return None
-        if h in self._host:
-            self._host.move_to_end(h)
+        if self._touch(h):  # another request computes through this prefix again: it recurs
             return None
         return self.reserve_entry()
 
@@ -363,13 +355,7 @@ class PrefixCache:
             return False
         self._extend_hashes(req, position)
         h = req.block_hashes[position // self.block_size - 1]
-        if h in self._snapshots:
-            self._snapshots.move_to_end(h)
-            self._promote(h)
-            self.release_entry(entry)
-            return False
-        if h in self._host:
-            self._host.move_to_end(h)
+        if self._touch(h):
             self.release_entry(entry)
             return False
         self._snapshots[h] = entry - self.state_slots.snapshot_entry(0)
@@ -510,6 +496,18 @@ class PrefixCache:
         estimate over the decayed counts (1/2 before any)."""
         resumed, taken = self._use[kind]
         return (resumed + 1.0) / (taken + 2.0)
+
+    def _touch(self, h: bytes) -> bool:
+        """Whether prefix ``h`` has a snapshot, on the device or the host; if so it is used now (most recently used;
+        a spare one promoted)."""
+        if h in self._snapshots:
+            self._snapshots.move_to_end(h)
+            self._promote(h)
+            return True
+        if h in self._host:
+            self._host.move_to_end(h)
+            return True
+        return False
 
     def _promote(self, h: bytes) -> None:
         """A spare snapshot resumed from or computed through again: a resume point from now on."""
