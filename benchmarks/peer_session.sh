@@ -82,8 +82,12 @@ save_vllm_caches() {
     echo "   vLLM caches: $size bytes ($(du -sh ~/.cache/flashinfer 2>/dev/null | cut -f1) flashinfer)"
     [ "$size" -lt 45000000 ] || { echo "   too large to bring back"; rm -f "$OUT"/vllm_caches.tgz.*; }
 }
-# At most 8 files come back from $OUT: the JSON and logs travel as one archive, beside the cache parts.
+# At most 8 files come back from $OUT: the JSON and logs travel as one archive, beside the cache parts. A profile
+# trace over 8 MB is left out of it (it would take the archive past what comes back; its gaps and kernels are in
+# the run's JSON).
 pack_out() {
+    find "$OUT" -maxdepth 1 -name '*_profile.json.gz' -size +8M -printf '   left on the card: %f (%s bytes)\n' \
+        -delete
     (cd "$OUT" && tar -czf /tmp/results.tgz --exclude='vllm_caches.tgz.*' . && \
         find . -mindepth 1 -maxdepth 1 ! -name 'vllm_caches.tgz.*' -exec rm -rf {} + && mv /tmp/results.tgz .)
 }

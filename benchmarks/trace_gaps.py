@@ -58,13 +58,16 @@ class _Ops:
         return None
 
 
-def device_gaps(events: list[dict[str, Any]], min_gap_us: float = 5.0, top: int = 15) -> GapReport:
+def device_gaps(events: list[dict[str, Any]], min_gap_us: float = 5.0, top: int = 15,
+                top_kernels: int = 30) -> GapReport:
     """The device's idle time in ``events`` (a chrome trace's ``traceEvents``), gap by gap of at least
-    ``min_gap_us``, summed by cause and by host op. Times in microseconds."""
+    ``min_gap_us``, summed by cause and by host op; and its busy time by kernel family and kernel
+    (:func:`device_time`). Times in microseconds."""
     dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS),
                  key=lambda e: e["ts"])
     if not dev:
-        return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "by_kind_us": {}, "top": []}
+        return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "by_kind_us": {}, "top": [],
+                "device_us_by_family": {}, "top_kernels": []}
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in HOST_API_CATS and isinstance(e.get("args"), dict) and "correlation" in e["args"]}
     syncs_by_tid: dict[Any, list[dict[str, Any]]] = defaultdict(list)
@@ -101,7 +104,26 @@ def device_gaps(events: list[dict[str, Any]], min_gap_us: float = 5.0, top: int 
     return {"window_us": window, "busy_us": busy, "idle_us": window - busy, "gaps": n_gaps,
             "min_gap_us": min_gap_us, "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "top": [{"kind": k, "launched_by": lb, "host_at_idle": hi, "us": v[0], "count": v[1]}
-                    for (k, lb, hi), v in rows]}
+                    for (k, lb, hi), v in rows]} | device_time(dev, top_kernels)
+
+
+def device_time(dev: list[dict[str, Any]], top: int) -> dict[str, Any]:
+    """What the device ran in ``dev`` (its kernels, copies and sets): the summed durations by kernel family
+    (``kernel_families.py``) and the ``top`` kernels by summed duration (names cut to 120 characters), in
+    microseconds. Kernels on two streams at once both count, so the sum may exceed the busy time."""
+    from kernel_families import family_of
+
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in dev:
+        acc = by_name[str(e.get("name"))[:120]]
+        acc[0] += e.get("dur", 0.0)
+        acc[1] += 1
+    by_family: dict[str, float] = defaultdict(float)
+    for name, (us, _) in by_name.items():
+        by_family[family_of(name)] += us
+    kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"device_us_by_family": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n, "family": family_of(n), "us": v[0], "count": v[1]} for n, v in kernels]}
 
 
 def _cause(e: dict[str, Any], idle_from: float, launches: dict[Any, dict[str, Any]],

@@ -110,19 +110,26 @@ class ModelRunner:
             check_weights_fit(self.planned_weights, self._mem_baseline, config.gpu_memory_utilization,
                               Parallelism(config.tensor_parallel_size, config.pipeline_parallel_size,
                                           config.enable_expert_parallel, model_config.quantization is not None))
+        # Every tensor that stays (the model's and the draft head's) is allocated before the load makes its
+        # temporaries: one allocated after them is carved from the cached segments they freed and pins them, memory
+        # neither free to the device nor usable by the caches (5 GiB of allocator slack on the 27B FP8 shape with
+        # its MTP head, the head built after the load; cache_budget subtracts such slack).
         self.model = self._build_model()
         if self.pp_size > 1:
             self.model.drop_unused_embedding(draft_head=use_mtp)
+        # the family's draft head (registry), run over the target's hidden states; built empty, loaded below
+        self.mtp: nn.Module | None = self._build_mtp(self._draft_tensor_layout()) if use_mtp else None
         if config.load_format == "dummy":
-            self.mtp_weights = load_dummy_weights(self.model, model_config, config.seed, with_draft_head=use_mtp)
+            draft_weights = load_dummy_weights(self.model, model_config, config.seed, with_draft_head=use_mtp)
         else:
-            self.mtp_weights = load_weights(self.model, config.model, model_config, with_draft_head=use_mtp)
-        self.mtp: nn.Module | None = None  # the family's draft head (registry), run over the target's hidden states
+            draft_weights = load_weights(self.model, config.model, model_config, with_draft_head=use_mtp)
+        if self.mtp is not None:
+            registry.draft_head(self.model_config).load(self.mtp, draft_weights)
+        del draft_weights  # copied into the head: the checkpoint's tensors are not kept beside it
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the load's temporaries, back to the device
         # Pipeline parallelism: this stage's layers only; the last stage samples, verifies and drafts (MTP).
         self.stage = StageIO(StageLink() if self.pp_size > 1 else None, self.is_first_stage, self.is_last_stage)
-        if use_mtp:
-            self.mtp = self._build_mtp()
-        self.mtp_weights = {}  # copied into the head: the checkpoint's tensors are not kept beside it
         # Every cache below is sized and shaped from what the layers declare (hyserve.cache.specs).
         # The attention KV may be kept in FP8 (kv_cache_dtype); the recurrent state keeps its own dtypes.
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
@@ -343,25 +350,27 @@ class ModelRunner:
         model = self._build_model(meta)
         if self.pp_size > 1:
             model.drop_unused_embedding(draft_head=use_mtp)
-        head = None
-        if use_mtp:
-            dtypes = {} if self.config.load_format == "dummy" else \
-                draft_tensor_dtypes(self.config.model, self.model_config)
-            self.mtp_weights = {name: torch.empty(0, dtype=d, device=meta) for name, d in dtypes.items()}
-            head = self._build_mtp(meta, load=False)
-        self.mtp_weights = {}
+        head = self._build_mtp(self._draft_tensor_layout(), meta) if use_mtp else None
         return weight_bytes(model, head)
+
+    def _draft_tensor_layout(self) -> dict[str, torch.Tensor]:
+        """The draft head's checkpoint tensors as empty meta tensors of their dtypes, from the headers alone (the
+        dummy format's head is unquantized: none)."""
+        dtypes = {} if self.config.load_format == "dummy" else \
+            draft_tensor_dtypes(self.config.model, self.model_config)
+        return {name: torch.empty(0, dtype=d, device="meta") for name, d in dtypes.items()}
 
     def _kv_bytes_per_block(self) -> int:
         """K and V (and index keys, where kept) of one block in every KV-caching layer, the MTP head's included."""
         return self.cache_specs.kv_bytes_per_block(self.block_size) + sum(
             s.bytes_per_block(self.block_size) for s in self.mtp_kv_specs)
 
-    def _build_mtp(self, device: torch.device | None = None, load: bool = True) -> nn.Module:
+    def _build_mtp(self, tensors: dict[str, torch.Tensor], device: torch.device | None = None) -> nn.Module:
+        """The draft head, empty, on ``device`` (the runner's by default); its layers quantized as its checkpoint
+        ``tensors`` are (their dtypes alone count; ``hyserve.layers.quantization``)."""
         draft = registry.draft_head(self.model_config)
-        # The head's layers are quantized as its checkpoint tensors are (hyserve.layers.quantization).
         cfg = dataclasses.replace(self.model_config, quantization=draft_head_quantization(
-            self.model_config.quantization, self.mtp_weights))
+            self.model_config.quantization, tensors))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -369,8 +378,6 @@ class ModelRunner:
                 head = draft.build(cfg)
         finally:
             torch.set_default_dtype(prev)
-        if load:
-            draft.load(head, self.mtp_weights)
         return head.eval().requires_grad_(False)
 
     def _init_graphs(self, graphs: StepGraphs) -> None:

@@ -70,6 +70,24 @@ def test_each_planted_gap_is_found_and_put_down_to_its_cause() -> None:
     assert "hyserve::prepare" in text and "sync" in text
 
 
+def test_the_device_time_by_kernel_and_family() -> None:
+    """Each kernel's summed duration and count, largest first, in its family (names as ``kernel_families.py``
+    sorts them); the copy is a memcpy."""
+    ev = planted()
+    names = {1: "nvjet_sm90_tst_192x64", 2: "chunk_gated_delta_rule_fwd", 3: "nvjet_sm90_tst_192x64",
+             4: "paged_attention_prefill", 5: "rms_norm_kernel", 6: "Memcpy DtoH (Device -> Pinned)"}
+    for e in ev:
+        if e.get("cat") in ("kernel", "gpu_memcpy"):
+            e["name"] = names[e["args"]["correlation"]]
+    rep = trace_gaps.device_gaps(ev, top_kernels=3)
+    assert rep["top_kernels"] == [
+        {"name": "nvjet_sm90_tst_192x64", "family": "GEMMs", "us": 70.0, "count": 2},
+        {"name": "chunk_gated_delta_rule_fwd", "family": "GDN (and fla chunk kernels)", "us": 40.0, "count": 1},
+        {"name": "paged_attention_prefill", "family": "attention", "us": 30.0, "count": 1}]
+    assert rep["device_us_by_family"] == {"GEMMs": 70.0, "GDN (and fla chunk kernels)": 40.0, "attention": 30.0,
+                                          "norms, activations, FP8 quantization": 10.0, "memcpy, memset": 5.0}
+
+
 def test_a_lower_threshold_counts_the_short_gap() -> None:
     rep = trace_gaps.device_gaps(planted(), min_gap_us=1.0)
     assert rep["gaps"] == 4

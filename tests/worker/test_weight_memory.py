@@ -227,3 +227,37 @@ def test_the_cache_budget_keeps_room_for_the_moe_block(ckpts: CheckpointCache) -
     spread = torch.arange(tokens * k).reshape(tokens, k) % experts
     one = torch.zeros(tokens, k, dtype=torch.long) + torch.arange(k)  # every token on the same k experts
     assert align_pairs_ref(spread, experts, 0, 16)[0].shape == align_pairs_ref(one, experts, 0, 16)[0].shape
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_the_draft_head_is_allocated_before_the_loads_temporaries(ckpts: CheckpointCache, load_format: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor that stays is allocated before the load makes its temporaries: a head built after them is carved
+    from the segments they freed in torch's CUDA caching allocator and pins them (5 GiB of slack, taken from the
+    cache budget, on the 27B FP8 shape with MTP). The head is built on the runner's device before either loader
+    runs, and loaded with the checkpoint's tensors afterwards (its outputs are checked against transformers by the
+    MTP tests)."""
+    events: list[str] = []
+    build, dummy, real = model_runner.ModelRunner._build_mtp, model_runner.load_dummy_weights, \
+        model_runner.load_weights
+
+    def spy_build(self: Any, tensors: dict[str, torch.Tensor], device: torch.device | None = None) -> Any:
+        if device is None or device.type != "meta":
+            events.append("build head")
+        return build(self, tensors, device)
+
+    def spy(loader: Any) -> Any:
+        def load(*args: Any, **kw: Any) -> Any:
+            events.append("load")
+            return loader(*args, **kw)
+        return load
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_build_mtp", spy_build)
+    monkeypatch.setattr(model_runner, "load_dummy_weights", spy(dummy))
+    monkeypatch.setattr(model_runner, "load_weights", spy(real))
+    path = ckpts.get("causal", "gdn3_attn1", with_mtp=True)
+    llm = make_llm(path, load_format=load_format, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert events == ["build head", "load"]
+    head = llm.llm_engine.runner.mtp
+    assert head is not None and all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in head.parameters()
+                                    if p.is_floating_point() and p.dim() > 1)
