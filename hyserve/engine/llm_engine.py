@@ -62,6 +62,7 @@ from hyserve.worker.worker import Worker
 logger = logging.getLogger("hyserve")
 # Tries at starting the worker processes when their group's port is taken in between (another process on the host).
 PORT_ATTEMPTS = 3
+MAX_UNTIMED_STEPS = 64  # steps waiting for the workers' time of them (older ones are forgotten)
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -184,6 +185,8 @@ class LLMEngine:
         # Steps launched whose results are not applied yet (at most max_steps_in_flight between two step() calls).
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle, float]] = deque()
         self._last_result_time = 0.0  # when the last step's result was applied (the step durations' start)
+        # Steps the policy times, waiting for the workers' measure of them: step id -> (decoding rows, k_step).
+        self._untimed_steps: dict[int, tuple[int, int]] = {}
         logger.info("async scheduling is %s%s", "on" if self.async_scheduling else "off",
                     "" if config.async_scheduling is not None else " (the default on this device; "
                     "--async-scheduling / --no-async-scheduling sets it)")
@@ -636,8 +639,11 @@ class LLMEngine:
     def _observe_spec(self, so: SchedulerOutput, ro: RunnerOutput, verify: list[int], t0: float) -> None:
         """What the speculation-length policy learns from a step (``hyserve.speculative.adaptive``): the accepted
         counts of its verify rows, and, for a step whose rows all decode, that verified k_step drafts (in one row at
-        least) and drafted as many, its duration at its k_step: from its launch or the previous result, whichever is
-        later (with steps in flight the device runs them back to back)."""
+        least) and drafted as many, its duration at its k_step: the workers' own time of it
+        (``hyserve.worker.step_timer``: its device time, reported with this or a later result), or, where they do not
+        time steps (a pipeline), from its launch or the previous result, whichever is later. The host's interval is
+        polluted where the host launched the next step before it read this result (a long eager prompt step: 0.2-0.9
+        s on a 32 ms decode step on the seed's trace, which left k = 2 chosen at zero acceptance)."""
         assert self.drafts is not None
         policy = self.drafts.policy
         now = time.perf_counter()
@@ -647,7 +653,17 @@ class LLMEngine:
         k = so.num_spec_tokens
         steady = so.num_drafting is None or so.num_drafting == k
         if so.rows and len(verify) == len(so.rows) and steady and max(so.rows[i].num_drafts for i in verify) == k:
-            policy.observe_step(len(so.rows), k, now - max(t0, self._last_result_time))
+            if ro.step_seconds is None:  # the workers do not time their steps (a pipeline): the host's interval
+                policy.observe_step(len(so.rows), k, now - max(t0, self._last_result_time))
+            else:
+                self._untimed_steps[so.step_id] = (len(so.rows), k)
+                while len(self._untimed_steps) > MAX_UNTIMED_STEPS:
+                    self._untimed_steps.pop(next(iter(self._untimed_steps)))
+        # The workers' own step times (hyserve.worker.step_timer), this step's or earlier ones' as they complete.
+        for step_id, seconds in ro.step_seconds or ():
+            timed = self._untimed_steps.pop(step_id, None)
+            if timed is not None:
+                policy.observe_step(timed[0], timed[1], seconds)
         self._last_result_time = now
 
     def _take_prompt_logprobs(self, so: SchedulerOutput, ro: RunnerOutput) -> None:

@@ -170,6 +170,8 @@ class RunnerOutput:
     - ``errors``: row index -> why the row produced nothing (non-finite logits, its sampling inputs failed).
     - ``next_draft_token_ids[i]``: the MTP head's drafts for the row's next step (``[]``: none); entries
       ``PREVIOUS_DRAFT`` when they stayed on the device (their number is right, their values are the worker's).
+    - ``step_seconds``: (step id, seconds) of this or earlier steps whose own device time became known
+      (``hyserve.worker.step_timer``); ``None`` where the worker does not time its steps (a pipeline).
     """
 
     step_id: int
@@ -181,6 +183,7 @@ class RunnerOutput:
     errors: dict[int, str] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptLogprobRows] = field(default_factory=dict)
     next_draft_token_ids: list[list[int]] = field(default_factory=list)
+    step_seconds: list[tuple[int, float]] | None = None
 
     def logprob_lists(self) -> tuple[list[list[float]], list[list[int | None]], list[list[list[tuple[int, float]]]]]:
         """``logprobs``, ``ranks`` and ``top_logprobs``, made (empty for every row) the first time a row asks."""

@@ -80,6 +80,7 @@ from hyserve.worker.spec_decode.rejection_sampler import SpecRow
 from hyserve.worker.spec_decode.verifier import Verifier, take_verified
 from hyserve.worker.state_ops import StateOps
 from hyserve.worker.step_result import StepResult, take_samples
+from hyserve.worker.step_timer import StepTimer
 
 logger = logging.getLogger("hyserve")
 
@@ -164,6 +165,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed=config.seed)
         # Sampling parameters of the requests this worker has been sent (SchedulerOutput.new_requests).
         self.requests: dict[str, SamplingParams] = {}
+        self.step_timer = StepTimer(device)  # each step's own device time, for the speculation-length policy
         # Penalties, logit_bias, allowed_token_ids, bad words: histories and adjustments on the device.
         self.sampling_state = SamplingState(device, model_config.vocab_size, 0)  # sized by initialize_cache
         # Image input: each request's images and M-RoPE positions, and the encoder cache.
@@ -496,10 +498,23 @@ class ModelRunner:
                 self.sampling_state.add_request(new.req_id, new.sampling_params, new.prompt_token_ids)
             if new.mm is not None:
                 self.mm.prompts[new.req_id] = new.mm
-        rows = so.rows
-        out = RunnerOutput(so.step_id, token_ids=[[] for _ in rows], num_accepted=[-1] * len(rows))
+        out = RunnerOutput(so.step_id, token_ids=[[] for _ in so.rows], num_accepted=[-1] * len(so.rows))
         if not self.is_last_stage:
             return self._execute_stage(so, out)
+        if self.pp_size > 1:  # the last stage's time is not the step's
+            return self._execute_last(so, out)
+        timed = bool(so.rows)
+        if timed:
+            self.step_timer.begin()
+        result = self._execute_last(so, out)
+        if timed:
+            self.step_timer.end(so.step_id)
+        out.step_seconds = self.step_timer.take()
+        return result
+
+    def _execute_last(self, so: SchedulerOutput, out: RunnerOutput) -> StepResult:
+        """``execute_model_async`` on the stage that samples (the only one without pipeline parallelism)."""
+        rows = so.rows
         self.state_ops.offload_snapshots(so.snapshot_offloads)  # before anything of the step writes those entries
         if not rows:
             return StepResult(out)

@@ -20,6 +20,7 @@ tests/worker/test_device_drafts.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -369,3 +370,77 @@ def test_the_engine_turns_speculation_off_where_it_cannot_pay(ckpts: CheckpointC
     assert sum(n for k, n in at_one.items() if k) > 0.6 * sum(at_one.values()), at_one  # E(1) = 2 in 1.1: speculate
     at_four = dict(policy.histogram)
     assert at_four[0] > 0.6 * sum(at_four.values()) and set(at_four) == {0, 1, 2, 3}, at_four  # probes included
+
+
+@pytest.mark.parametrize("sabotaged", [False, True])
+def test_the_policy_learns_the_workers_step_times_not_the_hosts_intervals(
+        ckpts: CheckpointCache, plant_drafts: Callable, monkeypatch: pytest.MonkeyPatch, sabotaged: bool) -> None:
+    """With steps in flight the host may read a step's result only after launching the next step, so the interval
+    between two results holds other work (on the seed's trace a 32 ms decode step read 0.2-0.9 s after the one
+    before, behind an eager prompt step's launch, and k = 2 stayed chosen at zero acceptance). Here every draft is
+    wrong, a step that verifies drafts costs the worker 8 ms more, and the host is held 0.1 s before it reads the
+    result of a step at k = 0. The policy learns each step's time from the worker (``StepTimer``, reported with its
+    result) and decodes plainly; a worker that reports no times (the host's intervals learned) is caught."""
+    import time as _time
+
+    from hyserve import SamplingParams
+    from hyserve.testing.engine import drive
+    from hyserve.worker import model_runner
+
+    path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    prompts = {rid: [(5 * i + j) % 300 + 3 for j in range(10 + 2 * i)] for i, rid in enumerate("abcd")}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = make_llm(path, enable_prefix_caching=False)
+    want = {rid: list(plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+            for rid, p in prompts.items()}
+    wrong = {rid: [(t + 1) % 50 for t in toks] for rid, toks in want.items()}
+    execute = model_runner.ModelRunner._execute_last
+
+    def costly_verify(self: Any, so: Any, out: Any) -> Any:
+        if any(r.num_drafts for r in so.rows):
+            _time.sleep(0.008)
+        return execute(self, so, out)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_execute_last", costly_verify)
+    if sabotaged:
+        take = model_runner.StepTimer.take
+        monkeypatch.setattr(model_runner.StepTimer, "take", lambda self: take(self) and None)
+    eng = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": True},
+                   max_num_seqs=4, async_scheduling=True).llm_engine
+    assert eng.drafts is not None
+    policy = eng.drafts.policy
+    policy.probe_interval = 16
+    learned: list[tuple[int, float]] = []
+    observe = policy.observe_step
+
+    def spy(b: int, k: int, seconds: float) -> None:
+        learned.append((k, seconds))
+        observe(b, k, seconds)
+
+    policy.observe_step = spy  # type: ignore[method-assign]
+    observe_spec = eng._observe_spec
+
+    def late_reader(so: Any, ro: Any, verify: list[int], t0: float) -> None:
+        if so.rows and so.num_spec_tokens == 0:
+            _time.sleep(0.1)
+        observe_spec(so, ro, verify, t0)
+
+    eng._observe_spec = late_reader  # type: ignore[method-assign]
+    plant_drafts(eng, wrong)
+    got = drive(eng, {0: [(rid, prompts[rid], params) for rid in "abcd"]})
+    eng.assert_no_leaks()
+    assert {rid: list(o.outputs[0].token_ids) for rid, o in got.items()} == want
+    assert policy.acceptance[0] < 0.2
+
+    def plain_decoding_chosen() -> None:
+        at_zero = [s for k, s in learned if k == 0]
+        assert at_zero and any(k for k, _ in learned)
+        assert sorted(at_zero)[len(at_zero) // 2] < 0.05  # the worker's times: the host's hold is not in them
+        hist = dict(policy.histogram)
+        assert hist.get(0, 0) > 0.6 * sum(hist.values()), hist  # plain decoding, with the probes
+
+    if sabotaged:
+        with pytest.raises(AssertionError):
+            plain_decoding_chosen()
+    else:
+        plain_decoding_chosen()
