@@ -21,9 +21,10 @@ form (``peer_bench.SEED_FP8_IGNORE`` kept in bf16), config.json alone: both engi
 ``--enable-chunked-prefill`` and ``--mamba-cache-mode align`` as vLLM's flags whose purpose it serves by
 construction (an INFO line each). The MTP head of random weights accepts nothing, so each engine's acceptance is
 drawn at ``--acceptance`` (0.8 per draft token, acceptance ending at the first rejection; 1 + 0.8 + 0.64 = 2.44
-tokens a verify step): hyserve's verify draws each draft token's verdict (``spec_decode_bench.synthetic_acceptance``,
-inside its verify graphs), vLLM's synthetic rejection sampling at the same per-position rates
-(``peer_bench.synthetic_mtp_config``). The head still drafts every step: its cost is in the timing.
+tokens a verify step): both engines take vLLM's synthetic rejection sampling in their speculative config
+(``rejection_sample_method: "synthetic"`` at the same per-position rates, ``peer_bench.synthetic_mtp_config``;
+hyserve draws the verdicts inside its verify graphs, in whatever process its worker runs). The head still drafts
+every step: its cost is in the timing.
 
 **The trace** (``SEED_TRACES["seed"]``, the report's workload): episodes of a GUI agent's steps. Every request is
 the episode's conversation so far, rendered with the checkpoint's chat template: a system prompt shared by every
@@ -651,7 +652,7 @@ def engine_flags(args: argparse.Namespace, engine: str) -> list[str]:
         flags += ["--device", args.device]
     if args.k:
         spec = dict(SEED_SPEC, num_speculative_tokens=args.k)
-        if engine == "vllm" and args.acceptance is not None:
+        if args.acceptance is not None:  # both engines: vLLM's synthetic rejection sampling, same rates
             spec = pb.synthetic_mtp_config(args.k, args.acceptance)
         flags += ["--speculative-config", json.dumps(spec)]
     if args.gdn_prefill_backend and engine == "vllm":
@@ -714,10 +715,6 @@ def _measure(args: argparse.Namespace) -> int:
     planted = None
     if args.k and args.acceptance is not None:
         planted = 1 + sum(args.acceptance ** (i + 1) for i in range(args.k))
-        if args.engine == "hyserve":  # before the engine is built: its verify graphs capture the rule
-            from spec_decode_bench import synthetic_acceptance
-
-            synthetic_acceptance(args.acceptance)
     res: dict[str, Any] = {
         "engine": args.engine, "model": args.model, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device == "cuda" else args.device,
@@ -725,8 +722,7 @@ def _measure(args: argparse.Namespace) -> int:
         "trace": {**asdict(trace), "scale": args.scale, "concurrency": concurrency, "requests": requests,
                   "seed": args.seed},
         "acceptance": {"rate_per_draft_token": args.acceptance, "k": args.k, "planted_acceptance_length": planted,
-                       "how": ("hyserve: the verify draws each draft token's verdict (spec_decode_bench."
-                               "synthetic_acceptance); vLLM: rejection_sample_method synthetic at rates "
+                       "how": ("both engines: speculative_config rejection_sample_method synthetic at rates "
                                f"{pb.synthetic_mtp_config(args.k, args.acceptance)['synthetic_acceptance_rates']}")
                        if planted else "the MTP head's own drafts, accepted by the tokens"},
     }
@@ -782,8 +778,6 @@ def _measure(args: argparse.Namespace) -> int:
                         "prompt_tokens_as_expected": all(r.prompt_tokens == r.expected_prompt_tokens for r in records)}
     finally:
         eng.close()
-        if planted and args.engine == "hyserve":
-            synthetic_acceptance(None)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         pb.write_json(args.out, res)

@@ -166,6 +166,11 @@ class LLMEngine:
                         if self.drafts.policy.adaptive else k,
                         "" if adaptive is not None else " (the default on this device; speculative_config's "
                         "\"adaptive\" sets it)")
+            if self.spec_config.synthetic_acceptance_rates is not None:
+                logger.warning("speculative decoding: rejection_sample_method 'synthetic': each draft's verdict is "
+                               "drawn (drafts 1 .. i kept with probability %s), not judged by the model: the "
+                               "outputs are not the model's (a benchmarking mode)",
+                               list(self.spec_config.synthetic_acceptance_rates))
         self.scheduler = Scheduler(self.max_num_seqs, self.max_num_batched_tokens, self.block_pool,
                                    self.state_slots, self.max_model_len, self.prefix_cache, self.drafts,
                                    banned_token_ids=functools.partial(banned_token_ids, self.output_processor),
@@ -238,7 +243,8 @@ class LLMEngine:
         lengths = tuple(range(num_speculative_tokens)) if self.spec_adaptive else \
             (0,) if spec is not None and spec.disable_by_batch_size is not None else ()
         kw: dict[str, Any] = {"num_speculative_tokens": num_speculative_tokens, "use_mtp": self.use_mtp,
-                              "max_steps_in_flight": self.max_steps_in_flight, "spec_lengths": lengths}
+                              "max_steps_in_flight": self.max_steps_in_flight, "spec_lengths": lengths,
+                              "synthetic_rates": spec.synthetic_acceptance_rates if spec is not None else None}
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         self.model_config.check_tensor_parallel(tp, self.config.enable_expert_parallel)
         if self.config.enable_expert_parallel:

@@ -91,7 +91,8 @@ _STAND_IN = SamplingParams(temperature=0.0)
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device,
                  dtype: torch.dtype, num_speculative_tokens: int = 0, use_mtp: bool = False,
-                 max_steps_in_flight: int = 1, spec_lengths: tuple[int, ...] = ()) -> None:
+                 max_steps_in_flight: int = 1, spec_lengths: tuple[int, ...] = (),
+                 synthetic_rates: tuple[float, ...] | None = None) -> None:
         self.config = config
         self.model_config = model_config
         self.device = device
@@ -150,6 +151,8 @@ class ModelRunner:
         # The shorter speculation lengths k_step < k a step may take (hyserve.speculative.adaptive): each has verify,
         # accept and behind graphs of its own (``cuda_graphs.spec_kind``), so a shorter step costs less.
         self.spec_lengths = tuple(sorted({j for j in spec_lengths if 0 <= j < num_speculative_tokens}))
+        # speculative_config's synthetic acceptance (RejectionSampler.synthetic), None for the target's verdicts
+        self.synthetic_rates = synthetic_rates
         # The MTP head drafts max(k_step, 1) tokens after a step at k_step, or none in a run of steps at 0 (the
         # first pass writes the MTP KV entries whatever it drafts; SpecLengthPolicy.drafting): draft graphs of each
         # such length. k where no step is shorter.
@@ -277,7 +280,8 @@ class ModelRunner:
         if k:
             self.verifier = Verifier(self.input_batch, graphs, self.state_ops, self.drafter, self.mtp_proposer, k,
                                      self.config.seed, layout.num_state_slots, self.max_num_seqs,
-                                     single_rank=self.pp_size == 1 and tp_size() == 1)
+                                     single_rank=self.pp_size == 1 and tp_size() == 1,
+                                     synthetic_rates=self.synthetic_rates)
         self._init_graphs(graphs)
 
     # ------------------------------------------------------------------ setup

@@ -21,7 +21,8 @@ class Worker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                  num_speculative_tokens: int = 0, use_mtp: bool = False, rank: int = 0, world_size: int = 1,
                  dist_init_method: str | None = None, local_rank: int | None = None,
-                 max_steps_in_flight: int = 1, spec_lengths: tuple[int, ...] = ()) -> None:
+                 max_steps_in_flight: int = 1, spec_lengths: tuple[int, ...] = (),
+                 synthetic_rates: tuple[float, ...] | None = None) -> None:
         if device.type == "cuda" and world_size > 1:  # one GPU per rank: its index on this node
             device = torch.device("cuda", rank if local_rank is None else local_rank)
         if device.type == "cuda" and device.index is not None:
@@ -41,7 +42,7 @@ class Worker:
                          expert_parallel=config.enable_expert_parallel)
         self.runner = ModelRunner(config, model_config, device, dtype, num_speculative_tokens=num_speculative_tokens,
                                   use_mtp=use_mtp, max_steps_in_flight=max_steps_in_flight,
-                                  spec_lengths=spec_lengths)
+                                  spec_lengths=spec_lengths, synthetic_rates=synthetic_rates)
 
     def cache_info(self) -> CacheInfo:
         return self.runner.cache_info()

@@ -677,7 +677,7 @@ def both_paths(logits_rows: list[torch.Tensor], drafts: list[list[int]], k: int)
     fixed = torch.cat([torch.cat([lg, torch.zeros(k + 1 - lg.shape[0], vocab)]) for lg in logits_rows])
     padded = torch.tensor([d + [7] * (k - len(d)) for d in drafts], dtype=torch.long)
     out = torch.zeros(len(drafts), k + 2, dtype=torch.long)
-    accepted, emitted = RejectionSampler.accept_greedy(fixed, padded, torch.tensor([len(d) for d in drafts]), out)
+    accepted, emitted = sampler.accept_greedy(fixed, padded, torch.tensor([len(d) for d in drafts]), out)
     graphed = [(int(a), emitted[r, : int(a) + 1].tolist()) for r, a in enumerate(accepted.tolist())]
     return launched, graphed
 

@@ -140,12 +140,31 @@ def process_logits(x: torch.Tensor, row_max: torch.Tensor, params: Sequence[Samp
 class RejectionSampler:
     """Accepts or rejects each row's drafts against the target logits; owns the generator of unseeded rows."""
 
-    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, device: torch.device | str, seed: int = 0,
+                 synthetic_rates: Sequence[float] | None = None) -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed & _SEED_MASK)
         # Re-seeded for every seeded position: after manual_seed its stream depends on the seed alone.
         self._row_generator = torch.Generator(device=self.device)
+        # speculative_config's rejection_sample_method "synthetic" (vLLM's, for benchmarks): each draft's verdict
+        # drawn, position j kept with probability synthetic[j] given that the positions before it were (the
+        # conditional of synthetic_acceptance_rates), for every row; the token after the kept drafts is the target's
+        # greedy one. The outputs are then not the model's; the timing is the engine's at that acceptance.
+        self.synthetic: torch.Tensor | None = None
+        if synthetic_rates is not None:
+            from hyserve.speculative.config import conditional_rates
+
+            self.synthetic = torch.tensor(conditional_rates(tuple(synthetic_rates)), dtype=torch.float32,
+                                          device=self.device)
+
+    def verdicts(self, target_tokens: torch.Tensor, drafts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Whether each draft is kept if the walk gets there: the greedy rule (``greedy_accepts``), or under the
+        synthetic method a draw at its position's rate (``positions``: each draft's 0-based position in its row,
+        broadcastable to ``drafts``; inside the verify graphs the draw is part of the graph)."""
+        if self.synthetic is None:
+            return greedy_accepts(target_tokens, drafts)
+        return torch.rand(drafts.shape, device=drafts.device) < self.synthetic[positions]
 
     def __call__(
         self,
@@ -213,10 +232,11 @@ class RejectionSampler:
         draft_pos = [starts[r] + j for r in range(num_rows) for j in range(counts[r])]
         if draft_pos:
             pos_t = device_tensor(draft_pos, self.device)
-            accept[pos_t] = greedy_accepts(final_tok.index_select(0, pos_t), drafts_t)
+            j_t = device_tensor([j for r in range(num_rows) for j in range(counts[r])], self.device, torch.long)
+            accept[pos_t] = self.verdicts(final_tok.index_select(0, pos_t), drafts_t, j_t)
 
         sampled = [r for r in range(num_rows) if not rows[r].params.is_greedy]
-        if sampled:
+        if sampled and self.synthetic is None:
             self._speculate(masked, best_val, finite, rows, counts, starts, sampled, proposals, accept, final_tok,
                             drafts_t)
 
@@ -244,20 +264,19 @@ class RejectionSampler:
             event.record()
         return PendingSpec(accepted, emitted, host, event, (self, logits, rows, starts))
 
-    @staticmethod
-    def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, out: torch.Tensor
+    def accept_greedy(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, out: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``launch``'s decision for greedy rows without bans, over the fixed layout of a verify graph (the
         ``accept`` graph captures it): ``logits`` float32 ``(rows * (k + 1), V)``, ``drafts`` ``(rows, k)`` (columns
         past a row's ``num_drafts`` are never accepted), into ``out`` ``(rows, k + 2)``: the count (-1: an error
-        row), then the emitted tokens, the last one at column count. Draws nothing and reads only its arguments;
-        returns (accepted, emitted) of ``out``."""
+        row), then the emitted tokens, the last one at column count. Draws nothing (but the synthetic method's
+        verdicts) and reads only its arguments; returns (accepted, emitted) of ``out``."""
         size, k = drafts.shape
         best, tok = logits.max(dim=1)  # first maximum, as in launch
         finite = torch.isfinite(best).view(size, k + 1)
         tok = tok.view(size, k + 1)
         j = torch.arange(k, device=logits.device)
-        accept = greedy_accepts(tok[:, :k], drafts) & (j.unsqueeze(0) < num_drafts.unsqueeze(1))
+        accept = self.verdicts(tok[:, :k], drafts, j) & (j.unsqueeze(0) < num_drafts.unsqueeze(1))
         accepted, emitted = walk(accept, tok, finite, drafts, out[:, 1:])
         out[:, 0].copy_(accepted)
         return accepted, emitted

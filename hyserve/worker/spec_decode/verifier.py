@@ -49,7 +49,7 @@ class Verifier:
 
     def __init__(self, batch: InputBatch, graphs: StepGraphs, state_ops: StateOps, drafter: MTPDrafter | None,
                  proposer: MTPProposer | None, num_speculative_tokens: int, seed: int, num_state_slots: int,
-                 max_num_seqs: int, single_rank: bool) -> None:
+                 max_num_seqs: int, single_rank: bool, synthetic_rates: tuple[float, ...] | None = None) -> None:
         self.batch = batch
         self.graphs = graphs
         self.state_ops = state_ops
@@ -59,7 +59,7 @@ class Verifier:
         self.device = batch.device
         self.block_size = batch.block_size
         self.max_model_len = batch.max_model_len
-        self.rejection_sampler = RejectionSampler(self.device, seed=seed)
+        self.rejection_sampler = RejectionSampler(self.device, seed=seed, synthetic_rates=synthetic_rates)
         self.logits: GraphLogits | None = None  # the verify graph's logits (``graph_bodies``)
         # Whether verify steps are enqueued whole (``device_chain``): about 45 more launches per step, all while
         # the verify forward runs, against a host wait and a device idle gap; benchmarks compare both.
