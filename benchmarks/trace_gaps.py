@@ -67,7 +67,7 @@ def device_gaps(events: list[dict[str, Any]], min_gap_us: float = 5.0, top: int 
                  key=lambda e: e["ts"])
     if not dev:
         return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "by_kind_us": {}, "top": [],
-                "device_us_by_family": {}, "top_kernels": []}
+                "device_us_by_family": {}, "top_kernels": [], "device_us_by_annotation": {}}
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in HOST_API_CATS and isinstance(e.get("args"), dict) and "correlation" in e["args"]}
     syncs_by_tid: dict[Any, list[dict[str, Any]]] = defaultdict(list)
@@ -104,7 +104,38 @@ def device_gaps(events: list[dict[str, Any]], min_gap_us: float = 5.0, top: int 
     return {"window_us": window, "busy_us": busy, "idle_us": window - busy, "gaps": n_gaps,
             "min_gap_us": min_gap_us, "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "top": [{"kind": k, "launched_by": lb, "host_at_idle": hi, "us": v[0], "count": v[1]}
-                    for (k, lb, hi), v in rows]} | device_time(dev, top_kernels)
+                    for (k, lb, hi), v in rows]} | device_time(dev, top_kernels) | \
+        device_time_by_annotation(dev, launches, events)
+
+
+ANNOTATION_PREFIX = "hyserve::"  # the runner's record_function ranges: a step by its kind, the vision tower
+UNATTRIBUTED = "(no hyserve annotation)"
+
+
+def device_time_by_annotation(dev: list[dict[str, Any]], launches: dict[Any, dict[str, Any]],
+                              events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """The device time of ``dev`` by the innermost ``hyserve::`` annotation (``torch.profiler.record_function``) the
+    host was in when it launched each kernel (its launch found by correlation id; a CUDA graph's kernels by the
+    graph's launch): per annotation, the summed microseconds, the kernel families and the ``top`` kernels."""
+    notes_by_tid: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and \
+                str(e.get("name", "")).startswith(ANNOTATION_PREFIX):
+            notes_by_tid[e.get("tid")].append(e)
+    notes = {tid: _Ops(v) for tid, v in notes_by_tid.items()}
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in dev:
+        corr = e.get("args", {}).get("correlation") if isinstance(e.get("args"), dict) else None
+        launch = launches.get(corr)
+        ops = notes.get(launch.get("tid")) if launch is not None else None
+        name = ops.innermost(launch["ts"]) if ops is not None and launch is not None else None
+        groups[name or UNATTRIBUTED].append(e)
+    out = {}
+    for name, evs in sorted(groups.items(), key=lambda kv: -sum(e.get("dur", 0.0) for e in kv[1])):
+        t = device_time(evs, top)
+        out[name] = {"us": sum(e.get("dur", 0.0) for e in evs), "by_family": t["device_us_by_family"],
+                     "top_kernels": t["top_kernels"]}
+    return {"device_us_by_annotation": out}
 
 
 def device_time(dev: list[dict[str, Any]], top: int) -> dict[str, Any]:
@@ -158,6 +189,10 @@ def format_gaps(report: GapReport) -> str:
     for row in report["top"]:
         lines.append(f"  {row['kind']:8s} {row['us'] / ms:7.2f} {row['count']:6d}  {row['launched_by'][:50]}  |  "
                      f"{row['host_at_idle'][:60]}")
+    lines.append("device time by annotation (ms), its largest kernel families")
+    for name, part in report.get("device_us_by_annotation", {}).items():
+        fams = ", ".join(f"{f} {us / ms:.1f}" for f, us in list(part["by_family"].items())[:4])
+        lines.append(f"  {name[:40]:40s} {part['us'] / ms:9.2f}  {fams}")
     return "\n".join(lines)
 
 

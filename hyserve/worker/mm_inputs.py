@@ -112,7 +112,8 @@ class MMInputs:
         assert isinstance(tower, nn.Module), "a stage without the vision tower needs no image rows"
         grid = torch.tensor([im.grid_thw], dtype=torch.long)
         # Through pinned memory: a copy from pageable memory would wait for the stream to drain.
-        rows = tower(host_to_device(torch.from_numpy(im.pixel_values), self.device).to(self.dtype), grid)
+        with torch.profiler.record_function("hyserve::vision"):  # the profiler's name (benchmarks/trace_gaps.py)
+            rows = tower(host_to_device(torch.from_numpy(im.pixel_values), self.device).to(self.dtype), grid)
         if rows.shape[0] != im.span.length:
             raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {im.span.length} "
                                "placeholder tokens")

@@ -224,6 +224,13 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     prof = run["profile"]
     assert [tuple(x) for x in prof["steps"]] == [tuple(x) for x in run["steps"][4:14]]
     assert prof["window_us"] == 0.0 and os.path.getsize(run["profile_trace"]) > 0
+    # The runner names each step's launches by its kind (the device time is summed by these names on CUDA).
+    import trace_gaps
+
+    names = {str(e.get("name")) for e in trace_gaps.trace_events(run["profile_trace"])}
+    ours = {n for n in names if n.startswith("hyserve::")}
+    assert ours & {"hyserve::step(prompt)", "hyserve::step(decode)"}, ours
+    assert ours <= {"hyserve::step(prompt)", "hyserve::step(decode)", "hyserve::vision"}, ours
     # (the trace's intervals are rounded to the microsecond)
     assert fig["step_decode_only_s"] == pytest.approx(steps[decode, 0].sum(), abs=1e-6 * len(steps))
     assert fig["step_with_prompt_s"] == pytest.approx(steps[~decode, 0].sum(), abs=1e-6 * len(steps))

@@ -88,6 +88,25 @@ def test_the_device_time_by_kernel_and_family() -> None:
                                           "norms, activations, FP8 quantization": 10.0, "memcpy, memset": 5.0}
 
 
+def test_the_device_time_by_the_annotation_that_launched_it() -> None:
+    """Each kernel goes to the innermost ``hyserve::`` range the host was in at its launch (by correlation id): a
+    prompt step launched kernels 1 and 3, the vision tower inside it kernel 2, a decode step kernels 4 and 5; the
+    copy was launched outside any, and a range of another name does not count."""
+    ev = planted()
+    note = {"ph": "X", "cat": "user_annotation", "pid": 1, "tid": TID}
+    ev += [note | {"name": "hyserve::step(prompt)", "ts": 0, "dur": 140},
+           note | {"name": "hyserve::vision", "ts": 5, "dur": 4},
+           note | {"name": "hyserve::step(decode)", "ts": 250, "dur": 30},
+           note | {"name": "other", "ts": 328, "dur": 9}]
+    rep = trace_gaps.device_gaps(ev)
+    by = rep["device_us_by_annotation"]
+    assert {n: v["us"] for n, v in by.items()} == {"hyserve::step(prompt)": 70.0, "hyserve::vision": 40.0,
+                                                   "hyserve::step(decode)": 40.0, trace_gaps.UNATTRIBUTED: 5.0}
+    assert list(by) == ["hyserve::step(prompt)", "hyserve::vision", "hyserve::step(decode)", trace_gaps.UNATTRIBUTED]
+    assert [k["name"] for k in by["hyserve::step(decode)"]["top_kernels"]] == ["k4", "k5"]
+    assert "hyserve::vision" in trace_gaps.format_gaps(rep)
+
+
 def test_a_lower_threshold_counts_the_short_gap() -> None:
     rep = trace_gaps.device_gaps(planted(), min_gap_us=1.0)
     assert rep["gaps"] == 4
