@@ -334,6 +334,13 @@ def test_ngram_speculation_follows_the_scripted_k(ckpts: CheckpointCache, plain_
     assert {k for k, drafts in recorder.steps if any(drafts)} == {1, 2, 3}
 
 
+def _plain_outputs(path: str, prompts: dict[str, list[int]], params: Any) -> dict[str, list[int]]:
+    """Each prompt's greedy output from an engine without speculation (each request alone)."""
+    plain = make_llm(path, enable_prefix_caching=False)
+    return {rid: list(plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+            for rid, p in prompts.items()}
+
+
 # Fake step times by bucket and k: at one row verifying is nearly free, at four rows it costs nearly k + 1 steps.
 FAKE_TIMES = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 4: {0: 1.0, 1: 2.5, 2: 4.0, 3: 5.5}}
 
@@ -349,9 +356,7 @@ def test_the_engine_turns_speculation_off_where_it_cannot_pay(ckpts: CheckpointC
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     prompts = {rid: [(7 * i + j) % 400 + 3 for j in range(12 + 3 * i)] for i, rid in enumerate("abcde")}
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    plain = make_llm(path, enable_prefix_caching=False)
-    want = {rid: list(plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
-            for rid, p in prompts.items()}
+    want = _plain_outputs(path, prompts, params)
     eng = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": True},
                    max_num_seqs=4, async_scheduling=False).llm_engine
     assert eng.drafts is not None
@@ -390,9 +395,7 @@ def test_the_policy_learns_the_workers_step_times_not_the_hosts_intervals(
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     prompts = {rid: [(5 * i + j) % 300 + 3 for j in range(10 + 2 * i)] for i, rid in enumerate("abcd")}
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = make_llm(path, enable_prefix_caching=False)
-    want = {rid: list(plain.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
-            for rid, p in prompts.items()}
+    want = _plain_outputs(path, prompts, params)
     wrong = {rid: [(t + 1) % 50 for t in toks] for rid, toks in want.items()}
     execute = model_runner.ModelRunner._execute_last
 
