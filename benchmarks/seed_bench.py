@@ -266,6 +266,9 @@ class LoopClock:
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
         self.calls = dict.fromkeys(self.NAMES, 0)
         self.steps: list[tuple[float, int, int]] = []
+        # (seconds, tokens, prompt tokens) of each step as its worker timed it (on CUDA its device time): unlike the
+        # interval between results, not lengthened by the host launching the next step before it read this one
+        self.device_steps: list[tuple[float, int, int]] = []
         for name in self.NAMES:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
         # Each step's result as the loop thread gets it: its arrival, its tokens and the prompt tokens among them.
@@ -279,8 +282,16 @@ class LoopClock:
                 if (req := engine.requests.get(row.req_id)) is not None)
             return scheduled(so)
 
+        untimed: dict[int, tuple[int, int]] = {}  # step id -> (tokens, prompt tokens), until the worker's time of it
+
         def on_result(so: Any, ro: Any, t0: float) -> Any:
-            self.steps.append((time.perf_counter(), so.num_tokens, prompt_tokens.pop(so.step_id, 0)))
+            prompt = prompt_tokens.pop(so.step_id, 0)
+            self.steps.append((time.perf_counter(), so.num_tokens, prompt))
+            if so.rows:
+                untimed[so.step_id] = (so.num_tokens, prompt)
+            for step_id, seconds in ro.step_seconds or ():  # the worker's own time of a step (StepTimer)
+                if (known := untimed.pop(step_id, None)) is not None:
+                    self.device_steps.append((seconds, *known))
             self._maybe_profile()
             return apply(so, ro, t0)
         engine._on_scheduled, engine._on_result = on_scheduled, on_result
@@ -301,6 +312,7 @@ class LoopClock:
             self.seconds = dict.fromkeys(self.NAMES, 0.0)
             self.calls = dict.fromkeys(self.NAMES, 0)
             self.steps = []
+            self.device_steps = []
             self._frozen = None
 
     def _maybe_profile(self) -> None:
@@ -340,7 +352,8 @@ class LoopClock:
         with self._lock:
             return {"loop_add_request_s": self.seconds["add_request"], "loop_step_s": self.seconds["step"],
                     "loop_steps": float(self.calls["step"]), "prepare_images_s": self.seconds["prepare_prompt"],
-                    "prepare_images_calls": float(self.calls["prepare_prompt"]), **step_figures(self._freeze())}
+                    "prepare_images_calls": float(self.calls["prepare_prompt"]), **step_figures(self._freeze()),
+                    **device_step_figures(list(self.device_steps))}
 
     def _freeze(self) -> list[tuple[float, int, int]]:
         """The steps so far, kept for ``step_trace``: the figures and the trace read the same steps."""
@@ -368,6 +381,23 @@ def step_figures(steps: list[tuple[float, int, int]]) -> dict[str, float]:
             "step_decode_only_ms_p50": 1e3 * float(np.median(dt[decode])) if decode.any() else 0.0,
             "step_decode_only_s": float(dt[decode].sum()), "step_with_prompt_s": float(dt[~decode].sum()),
             "step_with_prompt_tokens_mean": float(tokens[~decode].mean()) if (~decode).any() else 0.0}
+
+
+def device_step_figures(steps: list[tuple[float, int, int]]) -> dict[str, float]:
+    """The steps as their worker timed them (``LoopClock.device_steps``: seconds, tokens, prompt tokens): how many,
+    the seconds of those with prompt tokens and the rate they computed prompt tokens at, the seconds of the rest and
+    their median."""
+    import numpy as np
+
+    if not steps:
+        return {}
+    sec = np.array([s[0] for s in steps])
+    prompt = np.array([s[2] for s in steps])
+    has = prompt > 0
+    return {"device_steps": float(len(steps)), "device_prompt_steps_s": float(sec[has].sum()),
+            "device_prompt_tok_s": float(prompt[has].sum() / sec[has].sum()) if has.any() and sec[has].sum() else 0.0,
+            "device_decode_steps_s": float(sec[~has].sum()),
+            "device_decode_step_ms_p50": 1e3 * float(np.median(sec[~has])) if (~has).any() else 0.0}
 
 
 class HyserveAsync:
@@ -825,6 +855,10 @@ REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
     "step_with_prompt_tokens_mean": (True, "hyserve's tokens per step with prompt tokens, mean", False),
     "step_fixed_ms": (False, "hyserve's step time, fit a + b x tokens: a, ms", False),
     "step_us_per_token": (False, "the same fit: b, us per token", False),
+    "device_prompt_steps_s": (False, "hyserve's steps with prompt tokens, device time, s", False),
+    "device_prompt_tok_s": (True, "the prompt tokens they computed per device second", False),
+    "device_decode_steps_s": (False, "hyserve's steps without prompt tokens, device time, s", False),
+    "device_decode_step_ms_p50": (False, "hyserve's step without prompt tokens, device time p50, ms", False),
 }
 
 

@@ -220,6 +220,11 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert computed - TINY.concurrency * max(r.prompt_tokens for r in recs) <= steps[:, 2].sum() <= computed
     decode = steps[:, 2] == 0
     assert 0 < decode.sum() == fig["steps_decode_only"] < len(steps)
+    # The workers' own times of the steps (the CPU's execution times here): one for each step with rows, inside the
+    # loop thread's stepping; the figures from them.
+    assert 0.8 * len(steps) <= fig["device_steps"] <= len(steps) + 1
+    assert 0 < fig["device_prompt_steps_s"] + fig["device_decode_steps_s"] <= fig["loop_step_s"]
+    assert fig["device_prompt_tok_s"] > 0 and 0 < fig["device_decode_step_ms_p50"] < 1e3 * fig["loop_step_s"]
     # The profiled window: ten steps' results, their trace written beside the result (no device on the CPU: no gaps).
     prof = run["profile"]
     assert [tuple(x) for x in prof["steps"]] == [tuple(x) for x in run["steps"][4:14]]
