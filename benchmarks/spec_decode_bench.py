@@ -39,7 +39,6 @@ from hyserve import LLM, SamplingParams
 from hyserve.request import Request
 from hyserve.speculative.proposer import Proposer
 from hyserve.testing import write_tiny_checkpoint
-from hyserve.worker.spec_decode.rejection_sampler import greedy_accepts as _GREEDY_ACCEPTS
 
 
 class ControlledProposer(Proposer):
@@ -267,8 +266,8 @@ def controlled_engine(args: argparse.Namespace, common: dict[str, Any], spec: di
                       prompt_lens: dict[str, int]) -> LLM:
     """A speculative engine whose drafts are the known outputs ``want``, each token wrong with probability
     ``1 - rate`` (host and device drafts alike), with the command line's verify-path switches."""
-    if args.synthetic:  # before the engine is built: its verify graphs capture the rule
-        synthetic_acceptance(rate)
+    if args.synthetic:
+        spec = synthetic_spec(spec, rate)
     llm = LLM(**common, speculative_config=spec)
     llm.llm_engine.runner.verifier.use_device_chain = not args.no_device_chain
     llm.llm_engine.scheduler.async_verify &= not args.no_rows_behind
@@ -280,22 +279,15 @@ def controlled_engine(args: argparse.Namespace, common: dict[str, Any], spec: di
     return llm
 
 
-def synthetic_acceptance(rate: float | None) -> None:
-    """``--synthetic``: the verify's verdict on each draft token drawn, true with probability ``rate`` (on the device,
-    inside the verify graphs), in place of the greedy rule (``rejection_sampler.greedy_accepts``, the one place it
-    is written); ``None`` puts the rule back. The drafts are the MTP head's own, accepted or not by the draw, so the
-    outputs are not the model's greedy ones; the timing is the engine's at that acceptance, as vLLM's
-    ``rejection_sample_method="synthetic"`` measures its own."""
-    from hyserve.worker.spec_decode import rejection_sampler as rs
-
-    if rate is None:
-        rs.greedy_accepts = _GREEDY_ACCEPTS
-        return
-
-    def accepts(target_tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        return torch.rand(drafts.shape, device=drafts.device) < rate
-
-    rs.greedy_accepts = accepts
+def synthetic_spec(spec: dict[str, Any], rate: float) -> dict[str, Any]:
+    """``--synthetic``: ``spec`` with vLLM's synthetic rejection sampling (``rejection_sample_method: "synthetic"``,
+    ``hyserve.speculative.config``): each draft token's verdict drawn, true with probability ``rate`` and the walk
+    ending at the first false, so drafts 1 .. i are all kept with probability ``rate ** i`` (drawn on the device,
+    inside the verify graphs). The drafts are the MTP head's own, so the outputs are not the model's greedy ones;
+    the timing is the engine's at that acceptance, as vLLM's synthetic method measures its own."""
+    k = spec["num_speculative_tokens"]
+    return {**spec, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [rate ** (i + 1) for i in range(k)]}
 
 
 def row(batch: int, rate: float, k: int, counts: tuple[int, int, int], tps: float, base_tps: float,
@@ -341,7 +333,6 @@ def shared_engine_rows(args: argparse.Namespace, common: dict[str, Any], spec: d
             rows.append(row(batch, rate, args.k, counts, tps, base_tps[batch], same,  # type: ignore[arg-type]
                             k_histogram(h0, steps_per_k(llm))))
             print(json.dumps(rows[-1]), flush=True)
-        synthetic_acceptance(None)
         llm.shutdown()
         del llm
         release()
@@ -441,7 +432,6 @@ def main() -> int:
             rows.append(row(batch, rate, args.k, counts, tps, base_tps,  # type: ignore[arg-type]
                             None if args.synthetic else got == want, k_histogram(h0, steps_per_k(llm))))
             print(json.dumps(rows[-1]), flush=True)
-            synthetic_acceptance(None)
             del llm
             release()
     diagnosis = None

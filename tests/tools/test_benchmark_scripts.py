@@ -385,12 +385,9 @@ def test_fp8_check_fails_only_a_parting_where_bf16_was_sure() -> None:
 @pytest.mark.slow  # about 7 s: the suite's budget (the planted acceptance is checked by default)
 def test_spec_decode_bench_draws_the_acceptance_with_synthetic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
-    """``--synthetic``: each draft token's verdict drawn at the rate, whatever the drafts (the random MTP head's own
-    here): at 1 every draft is accepted, at 0 none, in between about the rate's walk; the greedy rule is back after
-    each engine (the plain engines' rows, and a verify afterwards, are unchanged)."""
-    from hyserve.worker.spec_decode import rejection_sampler
-
-    rule = rejection_sampler.greedy_accepts
+    """``--synthetic``: each draft token's verdict drawn at the rate (the speculative config's synthetic method),
+    whatever the drafts (the random MTP head's own here): at 1 every draft is accepted, at 0 none, in between about
+    the rate's walk."""
     model = str(tmp_path / "m")
     shapes.write_random_checkpoint(model, SMALL, device="cpu", mtp=True)
     out = tmp_path / "out"
@@ -405,7 +402,9 @@ def test_spec_decode_bench_draws_the_acceptance_with_synthetic(tmp_path: Path, m
     # at 0.7 a draft is kept if it and those before it are drawn: (0.7 + 0.49 + 0.343) / 3 = 0.51 in expectation
     assert 0.3 < rows[0.7]["draft_acceptance"] < 0.75
     assert all(r["outputs_identical"] is None for r in rows.values())
-    assert rejection_sampler.greedy_accepts is rule
+    assert spec_decode_bench.synthetic_spec({"method": "mtp", "num_speculative_tokens": 2}, 0.5) == {
+        "method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [0.5, 0.25]}
 
 
 def test_ptx_count_reads_the_conv_paths_instructions() -> None:
