@@ -107,7 +107,9 @@ class ModelRunner:
         use_mtp = use_mtp and self.is_last_stage
         # This rank's weights counted from the model and draft head built on the meta device: a checkpoint that
         # cannot fit is refused before anything is allocated, saying how much it needs.
-        self.planned_weights = self._plan_weights(use_mtp)
+        # The draft head's checkpoint tensors, from the headers once (the plan and the head built below read them).
+        draft_layout = self._draft_tensor_layout() if use_mtp else {}
+        self.planned_weights = self._plan_weights(use_mtp, draft_layout)
         if self._mem_baseline is not None:
             check_weights_fit(self.planned_weights, self._mem_baseline, config.gpu_memory_utilization,
                               Parallelism(config.tensor_parallel_size, config.pipeline_parallel_size,
@@ -120,7 +122,7 @@ class ModelRunner:
         if self.pp_size > 1:
             self.model.drop_unused_embedding(draft_head=use_mtp)
         # the family's draft head (registry), run over the target's hidden states; built empty, loaded below
-        self.mtp: nn.Module | None = self._build_mtp(self._draft_tensor_layout()) if use_mtp else None
+        self.mtp: nn.Module | None = self._build_mtp(draft_layout) if use_mtp else None
         if config.load_format == "dummy":
             draft_weights = load_dummy_weights(self.model, model_config, config.seed, with_draft_head=use_mtp)
         else:
@@ -348,7 +350,7 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         return model.eval().requires_grad_(False)
 
-    def _plan_weights(self, use_mtp: bool) -> WeightBytes:
+    def _plan_weights(self, use_mtp: bool, draft_layout: dict[str, torch.Tensor]) -> WeightBytes:
         """The bytes this rank's weights will take (``hyserve.worker.memory.weight_bytes``): the model and the draft
         head as they will be built, on the meta device; the head's layers quantized as its checkpoint tensors are
         (the dummy format's are unquantized)."""
@@ -356,7 +358,7 @@ class ModelRunner:
         model = self._build_model(meta)
         if self.pp_size > 1:
             model.drop_unused_embedding(draft_head=use_mtp)
-        head = self._build_mtp(self._draft_tensor_layout(), meta) if use_mtp else None
+        head = self._build_mtp(draft_layout, meta) if use_mtp else None
         return weight_bytes(model, head)
 
     def _draft_tensor_layout(self) -> dict[str, torch.Tensor]:
