@@ -84,6 +84,15 @@ from hyserve.worker.step_timer import StepTimer
 
 logger = logging.getLogger("hyserve")
 
+# What the profiler calls the parts of a step (``benchmarks/trace_gaps.py`` gives each kernel to the innermost range
+# it was launched in): the step's kind around them, ``hyserve::vision`` inside the forward.
+STEP_PARTS = ("state", "forward", "sample", "verify", "verify+mtp", "mtp")
+
+
+def _named(part: str) -> torch.profiler.record_function:
+    assert part in STEP_PARTS, part
+    return torch.profiler.record_function(f"hyserve::{part}")
+
 # Sampled in place of a row whose own sampling inputs failed (its result is dropped).
 _STAND_IN = SamplingParams(temperature=0.0)
 
@@ -524,7 +533,8 @@ class ModelRunner:
     def _execute_last(self, so: SchedulerOutput, out: RunnerOutput) -> StepResult:
         """``execute_model_async`` on the stage that samples (the only one without pipeline parallelism)."""
         rows = so.rows
-        self.state_ops.offload_snapshots(so.snapshot_offloads)  # before anything of the step writes those entries
+        with _named("state"):
+            self.state_ops.offload_snapshots(so.snapshot_offloads)  # before anything of the step writes those entries
         if not rows:
             return StepResult(out)
         plain = [i for i, r in enumerate(rows) if r.samples and not r.is_verify]
@@ -542,39 +552,48 @@ class ModelRunner:
         chain = verifier.device_chain(rows, spec_rows, num_drafts) if verifier is not None else None
         if verifier is not None and chain is None and any(r.start_on_device for r in rows):
             rows = verifier.resolve_starts(rows)
-        self.state_ops.load_states(rows)
-        logits = self._forward_spec(rows) if self.num_speculative_tokens else self._forward(rows, len(plain))
+        with _named("state"):
+            self.state_ops.load_states(rows)
+        with _named("forward"):
+            logits = self._forward_spec(rows) if self.num_speculative_tokens else self._forward(rows, len(plain))
         n_verify = sum(rows[i].num_new_tokens for i in verify)
         out.prompt_logprobs, self.step_prompt_logprobs = self.step_prompt_logprobs, {}
-        adjusted_v, adjusted = self._adjust_logits(rows, verify, plain, logits, n_verify)
-        samp = self.sampler.sample(logits[n_verify:], sampling_rows, adjusted=adjusted) if plain else None
-        if samp is not None:
-            self.input_batch.remember_samples(rows, plain, samp.tokens)
+        with _named("sample"):
+            adjusted_v, adjusted = self._adjust_logits(rows, verify, plain, logits, n_verify)
+            samp = self.sampler.sample(logits[n_verify:], sampling_rows, adjusted=adjusted) if plain else None
+            if samp is not None:
+                self.input_batch.remember_samples(rows, plain, samp.tokens)
         if verifier is None:
-            self.state_ops.save_snapshots(rows, out.num_accepted)
+            with _named("state"):
+                self.state_ops.save_snapshots(rows, out.num_accepted)
             return StepResult(out, plain, samp)
         if samp is not None:
-            take_samples(out, plain, samp.result())
+            with _named("sample"):
+                take_samples(out, plain, samp.result())
         if chain is not None:
             assert self.last_hidden is not None
-            return verifier.verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], self.last_hidden, out,
-                                                       *chain, adjusted=adjusted_v, num_drafts=num_drafts)
+            with _named("verify+mtp"):
+                return verifier.verify_and_draft_on_device(rows, spec_rows, logits[:n_verify], self.last_hidden,
+                                                           out, *chain, adjusted=adjusted_v, num_drafts=num_drafts)
         if verify:
-            pending = verifier.accept(logits[:n_verify], spec_rows, adjusted=adjusted_v)
-            take_verified(out, verify, pending.result())
+            with _named("verify"):
+                pending = verifier.accept(logits[:n_verify], spec_rows, adjusted=adjusted_v)
+                take_verified(out, verify, pending.result())
         # The snapshots first: a candidate may be rebuilt from its slot's state before the step (RecurrentLayer.
         # snapshot_candidates).
-        self.state_ops.save_snapshots(rows, out.num_accepted)
-        if verify:
-            self.state_ops.commit_verified([out.num_accepted[i] for i in verify])
+        with _named("state"):
+            self.state_ops.save_snapshots(rows, out.num_accepted)
+            if verify:
+                self.state_ops.commit_verified([out.num_accepted[i] for i in verify])
         if self.mtp_proposer is not None:
             assert self.last_hidden is not None
             # Structured output computes a request's masks from its drafts on the host: a step with such a row
             # brings its drafts to the host (they are kept on the device too).
             on_host = any(r.grammar_bitmask is not None for r in rows)
-            out.next_draft_token_ids = self.mtp_proposer.propose(rows, out, self.last_hidden,
-                                                                 None if on_host else verifier.draft_slots,
-                                                                 num_drafts)
+            with _named("mtp"):
+                out.next_draft_token_ids = self.mtp_proposer.propose(rows, out, self.last_hidden,
+                                                                     None if on_host else verifier.draft_slots,
+                                                                     num_drafts)
             verifier.keep_drafts(rows, out.next_draft_token_ids)
         return StepResult(out)
 

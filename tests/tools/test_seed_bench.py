@@ -235,7 +235,13 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     names = {str(e.get("name")) for e in trace_gaps.trace_events(run["profile_trace"])}
     ours = {n for n in names if n.startswith("hyserve::")}
     assert ours & {"hyserve::step(prompt)", "hyserve::step(decode)"}, ours
-    assert ours <= {"hyserve::step(prompt)", "hyserve::step(decode)", "hyserve::vision"}, ours
+    from hyserve.worker.model_runner import STEP_PARTS
+
+    parts = {f"hyserve::{p}" for p in STEP_PARTS}
+    # and the parts of a step: every step loads states and runs the forward, and this trace drafts with MTP
+    assert {"hyserve::state", "hyserve::forward", "hyserve::sample"} <= ours, ours
+    assert ours & {"hyserve::mtp", "hyserve::verify+mtp"}, ours
+    assert ours <= {"hyserve::step(prompt)", "hyserve::step(decode)", "hyserve::vision", *parts}, ours
     # (the trace's intervals are rounded to the microsecond)
     assert fig["step_decode_only_s"] == pytest.approx(steps[decode, 0].sum(), abs=1e-6 * len(steps))
     assert fig["step_with_prompt_s"] == pytest.approx(steps[~decode, 0].sum(), abs=1e-6 * len(steps))
