@@ -2,7 +2,10 @@
 
 A request's images arrive once, with the step that brings the request (``NewRequest.mm``), and are kept until its
 id comes back in ``finished_req_ids``. The tower's outputs are kept by image content hash, least recently used
-first, up to ``encoder_cache_tokens`` rows: a screenshot repeated in later turns' prompts is encoded once.
+first, up to ``encoder_cache_tokens`` rows on the device; what leaves the device goes to pinned host memory (least
+recently used first, up to ``encoder_host_cache_bytes``) and comes back from there, a copy in place of the tower: a
+screenshot repeated in later turns' prompts is encoded once, also where the turns of many requests come between
+(32 agents, each showing its last screenshots again: the device holds a few steps' worth).
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from hyserve.multimodal.inputs import ImageInput, MultimodalPrompt
 from hyserve.scheduler.output import ScheduledRow
 from hyserve.utils import host_to_device
 
-# The encoder cache holds this many steps' token budget of image embeddings, and at least ENCODER_CACHE_MIN_TOKENS
-# (8192 rows of a 27B model's 5120-wide bf16 embeddings: 84 MB; not counted in the memory plan yet).
-ENCODER_CACHE_STEPS = 4
+# The encoder cache holds this many steps' token budget of image embeddings on the device, and at least
+# ENCODER_CACHE_MIN_TOKENS (8192 rows of a 27B model's 5120-wide bf16 embeddings: 84 MB); the memory plan counts it
+# (``worker.memory``). Behind it, ENCODER_HOST_CACHE_BYTES of pinned host memory (a 1280x720 screenshot's rows on
+# the 27B: 9 MB, so about 230 of them; a copy back takes about 0.4 ms where the tower takes milliseconds).
+ENCODER_CACHE_STEPS = 2
 ENCODER_CACHE_MIN_TOKENS = 8192
+ENCODER_HOST_CACHE_BYTES = 2 << 30
 
 # (first token index in the step, start, length, prompt) of each row that needs three-axis positions or image rows.
 ImageRow = tuple[int, int, int, MultimodalPrompt]
@@ -42,14 +48,24 @@ class MMInputs:
     """The images of the requests this worker holds, and the encoder cache of the vision tower's outputs."""
 
     def __init__(self, tower: nn.Module | None, device: torch.device, dtype: torch.dtype,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, encoder_host_cache_bytes: int = ENCODER_HOST_CACHE_BYTES) -> None:
         self.tower = tower  # None on a model without one, or a pipeline stage after the first
         self.device = device
         self.dtype = dtype
         self.prompts: dict[str, MultimodalPrompt] = {}
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoder_cache_tokens = max(ENCODER_CACHE_STEPS * max_num_batched_tokens, ENCODER_CACHE_MIN_TOKENS)
+        # The host tier: rows that left the device (pinned on CUDA), and the bytes they take.
+        self.host_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoder_host_cache_bytes = encoder_host_cache_bytes
+        self.host_cache_held = 0
         self.num_images_encoded = 0
+        self.num_images_from_host = 0
+
+    def encoder_cache_stats(self) -> dict[str, int]:
+        """Images encoded by the tower, images brought back from the host tier, and the entries each tier holds."""
+        return {"images_encoded": self.num_images_encoded, "images_from_host": self.num_images_from_host,
+                "device_entries": len(self.encoder_cache), "host_entries": len(self.host_cache)}
 
     def get(self, req_id: str | None) -> MultimodalPrompt | None:
         """Request ``req_id``'s images and positions, if its prompt has images."""
@@ -108,6 +124,23 @@ class MMInputs:
         if cached is not None:
             self.encoder_cache.move_to_end(key)
             return cached
+        kept = self.host_cache.pop(key, None)
+        if kept is not None:
+            self.host_cache_held -= _nbytes(kept)
+            # Pinned, so the copy is queued behind the one that brought it to the host (the same stream).
+            rows = kept.to(self.device, non_blocking=True)
+            self.num_images_from_host += 1
+        else:
+            rows = self._encode(im)
+        self.encoder_cache[key] = rows
+        held = sum(r.shape[0] for r in self.encoder_cache.values())
+        while held > self.encoder_cache_tokens and len(self.encoder_cache) > 1:
+            old_key, old = self.encoder_cache.popitem(last=False)
+            held -= old.shape[0]
+            self._keep_on_host(old_key, old)
+        return rows
+
+    def _encode(self, im: ImageInput) -> torch.Tensor:
         tower = self.tower
         assert isinstance(tower, nn.Module), "a stage without the vision tower needs no image rows"
         grid = torch.tensor([im.grid_thw], dtype=torch.long)
@@ -118,9 +151,25 @@ class MMInputs:
             raise RuntimeError(f"the vision tower gave {rows.shape[0]} rows for an image of {im.span.length} "
                                "placeholder tokens")
         self.num_images_encoded += 1
-        self.encoder_cache[key] = rows
-        held = sum(r.shape[0] for r in self.encoder_cache.values())
-        while held > self.encoder_cache_tokens and len(self.encoder_cache) > 1:
-            _, old = self.encoder_cache.popitem(last=False)
-            held -= old.shape[0]
         return rows
+
+    def _keep_on_host(self, key: str, rows: torch.Tensor) -> None:
+        """``rows``, leaving the device cache, into the host tier (its least recently used entries make room)."""
+        size = _nbytes(rows)
+        if size > self.encoder_host_cache_bytes:
+            return
+        if rows.device.type == "cuda":
+            # Queued on the stream after the rows' writers; a later use of the freed device memory queues after it.
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+        else:
+            host = rows  # the host is the device: the tier keeps the tensor itself
+        self.host_cache[key] = host
+        self.host_cache_held += size
+        while self.host_cache_held > self.encoder_host_cache_bytes:
+            _, old = self.host_cache.popitem(last=False)
+            self.host_cache_held -= _nbytes(old)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -63,6 +63,11 @@ class Worker:
         """The ids of the requests this worker keeps anything of (sampling parameters, images), sorted."""
         return self.runner.held_requests()
 
+    def encoder_cache_stats(self) -> dict[str, int]:
+        """The vision tower's outputs on this worker: images encoded, images brought back from the host tier, the
+        entries each tier holds (``MMInputs``)."""
+        return self.runner.mm.encoder_cache_stats()
+
     def num_uncommitted_steps(self) -> int:
         """Verify steps whose accepted counts this stage has not applied yet (tests: nothing left behind)."""
         return self.runner.num_uncommitted_steps

@@ -291,15 +291,86 @@ def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm_mtp: t
 
 
 def test_an_evicted_image_is_encoded_again_and_outputs_stay_right(vlm: tuple[str, object]) -> None:
-    """An encoder cache of one image's rows: two alternating screenshots are encoded again each time, and the
-    outputs are unchanged."""
+    """An encoder cache of one image's rows and no host tier: two alternating screenshots are encoded again each
+    time, and the outputs are unchanged."""
     llm = make_llm(vlm[0], max_num_batched_tokens=16, enable_prefix_caching=False)
     runner = _runner(llm)
     runner.mm.encoder_cache_tokens = 1
+    runner.mm.encoder_host_cache_bytes = 0
     a, b = image(48, 40, 70), image(48, 40, 71)
     for imgs in ([a], [b], [a]):
         check(vlm, llm, [(user_turn(f"Screen {IMAGE} now?"), imgs)])
     assert runner.mm.num_images_encoded == 3 and len(runner.mm.encoder_cache) == 1
+
+
+def _alternate_screens(vlm: tuple[str, object], host_bytes: int) -> ModelRunner:
+    """Three screenshots a, b, c, then a, b again, then c with a, one 16-token chunk at a time (the spans cut): an
+    encoder cache of one image's rows on the device and ``host_bytes`` of host tier; every output checked."""
+    llm = make_llm(vlm[0], max_num_batched_tokens=16, enable_prefix_caching=False)
+    runner = _runner(llm)
+    runner.mm.encoder_cache_tokens = 1
+    runner.mm.encoder_host_cache_bytes = host_bytes
+    a, b, c = image(48, 40, 72), image(40, 48, 73), image(48, 48, 74)
+    for imgs in ([a], [b], [c], [a], [b], [c, a]):
+        check(vlm, llm, [(user_turn(f"Screens {IMAGE * len(imgs)} now?"), imgs)])
+    return runner
+
+
+def test_images_that_left_the_device_come_back_from_the_host_tier(vlm: tuple[str, object]) -> None:
+    """With a host tier, what the one-image device cache evicts is brought back from the host, not encoded again:
+    three images encoded in six prompts, outputs unchanged; a tier too small for one image keeps none."""
+    runner = _alternate_screens(vlm, host_bytes=1 << 20)
+    stats = runner.mm.encoder_cache_stats()
+    assert stats["images_encoded"] == 3, stats
+    assert stats["images_from_host"] == 4, stats  # a, b, then c and a
+    assert stats["device_entries"] == 1 and stats["host_entries"] == 2, stats
+    assert runner.mm.host_cache_held == sum(t.numel() * t.element_size() for t in runner.mm.host_cache.values())
+    small = _alternate_screens(vlm, host_bytes=1)
+    assert small.mm.encoder_cache_stats()["images_from_host"] == 0
+    assert small.mm.num_images_encoded == 7 and not small.mm.host_cache  # each prompt's images encoded again
+
+
+def test_a_host_tier_that_returns_another_images_rows_is_caught(vlm: tuple[str, object],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the host tier files each evicted image's rows under the next image's key; the outputs' check
+    must fail."""
+    real = MMInputs._keep_on_host
+    held: list[torch.Tensor] = []
+
+    def shifted(self: MMInputs, key: str, rows: torch.Tensor) -> None:
+        held.append(rows)
+        real(self, key, held[-2] if len(held) > 1 and held[-2].shape == rows.shape else rows.flip(0))
+
+    monkeypatch.setattr(MMInputs, "_keep_on_host", shifted)
+    with pytest.raises(AssertionError):
+        _alternate_screens(vlm, host_bytes=1 << 20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the pinned copies and the stream order)")
+def test_the_host_tier_round_trips_on_cuda() -> None:
+    """On CUDA: rows evicted to pinned host memory while the stream is busy, their device memory reused at once,
+    then brought back: equal to what was encoded."""
+    class Tower(torch.nn.Module):
+        def forward(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            return pixels[:, :8] * 2 + 1
+
+    from hyserve.multimodal.inputs import ImageInput
+    from hyserve.multimodal.spans import ImageSpan
+
+    dev = torch.device("cuda")
+    mm = MMInputs(Tower(), dev, torch.float32, max_num_batched_tokens=1)
+    mm.encoder_cache_tokens = 1
+    ims = [ImageInput(ImageSpan(0, 64, f"h{i}"), np.random.default_rng(i).random((64, 16), dtype=np.float32),
+                      (1, 8, 8)) for i in range(4)]
+    want = [torch.from_numpy(im.pixel_values[:, :8] * 2 + 1) for im in ims]
+    big = torch.randn(4096, 4096, device=dev)
+    for im in ims:
+        big = big @ big  # keeps the stream busy while the evictions' copies queue behind it
+        mm.image_embeddings(im)
+        torch.full((64, 8), -1.0, device=dev)  # reuses the evicted rows' memory at once
+    for im, w in zip(ims, want):
+        assert torch.equal(mm.image_embeddings(im).cpu(), w)
+    assert mm.num_images_encoded == 4 and mm.num_images_from_host == 4
 
 
 @pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],

@@ -198,6 +198,8 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert 0 < fig["prefix_hit_rate"] < fig["prefix_hit_rate_later_steps"] < 1
     assert all(r.cached_tokens > 0 for r in later)  # every later step resumes from its episode's cache
     assert all(r.prompt_tokens == r.expected_prompt_tokens for r in recs)
+    # every request brings one new screenshot, encoded once (the tiny one's rows all stay on the device)
+    assert fig["images_encoded"] >= n and fig["images_from_host"] == 0
     assert all(TINY.prompt_len[0] <= r.prompt_tokens <= TINY.prompt_len[1] for r in recs)
     assert (ttft > 0).all() and (ttft <= e2e).all()
     # A closed loop: the agents overlap, and an episode's step waits for the previous step's answer.
