@@ -394,10 +394,14 @@ def device_step_figures(steps: list[tuple[float, int, int]]) -> dict[str, float]
     sec = np.array([s[0] for s in steps])
     prompt = np.array([s[2] for s in steps])
     has = prompt > 0
-    return {"device_steps": float(len(steps)), "device_prompt_steps_s": float(sec[has].sum()),
-            "device_prompt_tok_s": float(prompt[has].sum() / sec[has].sum()) if has.any() and sec[has].sum() else 0.0,
-            "device_decode_steps_s": float(sec[~has].sum()),
-            "device_decode_step_ms_p50": 1e3 * float(np.median(sec[~has])) if (~has).any() else 0.0}
+    out = {"device_steps": float(len(steps)), "device_prompt_steps_s": float(sec[has].sum()),
+           "device_prompt_tok_s": float(prompt[has].sum() / sec[has].sum()) if has.any() and sec[has].sum() else 0.0,
+           "device_decode_steps_s": float(sec[~has].sum()),
+           "device_decode_step_ms_p50": 1e3 * float(np.median(sec[~has])) if (~has).any() else 0.0}
+    if len(set(prompt[has].tolist())) > 1:  # a prompt step's device time as a + b x its prompt tokens
+        slope, fixed = np.polyfit(prompt[has], sec[has], 1)
+        out.update(device_prompt_step_fixed_ms=1e3 * float(fixed), device_prompt_us_per_token=1e6 * float(slope))
+    return out
 
 
 class HyserveAsync:
@@ -805,6 +809,8 @@ def _measure(args: argparse.Namespace) -> int:
         res["records"] = [{k: v for k, v in asdict(r).items() if k != "output"} for r in records]
         if isinstance(eng, HyserveAsync):  # each step: (seconds since the previous result, tokens, prompt tokens)
             res["steps"] = eng.clock.step_trace()
+            # each step as its worker timed it on the device: (seconds, tokens, prompt tokens)
+            res["device_steps"] = [(round(sec, 6), tok, prompt) for sec, tok, prompt in eng.clock.device_steps]
             if eng.clock.profile_report is not None:  # the device's gaps over the profiled steps (trace_gaps.py)
                 res["profile"], res["profile_trace"] = eng.clock.profile_report, profile_path
         res["notes"] = {"prompt_layout": prompts.builder.layout, "image_tokens_per_screenshot": prompts.image_tokens,
@@ -865,6 +871,9 @@ REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
     "device_prompt_tok_s": (True, "the prompt tokens they computed per device second", False),
     "device_decode_steps_s": (False, "hyserve's steps without prompt tokens, device time, s", False),
     "device_decode_step_ms_p50": (False, "hyserve's step without prompt tokens, device time p50, ms", False),
+    "device_prompt_step_fixed_ms": (False, "hyserve's step with prompt tokens, device time fit a + b x prompt "
+                                           "tokens: a, ms", False),
+    "device_prompt_us_per_token": (False, "the same fit: b, us per prompt token", False),
 }
 
 

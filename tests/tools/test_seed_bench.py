@@ -227,6 +227,13 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
     assert 0.8 * len(steps) <= fig["device_steps"] <= len(steps) + 1
     assert 0 < fig["device_prompt_steps_s"] + fig["device_decode_steps_s"] <= fig["loop_step_s"]
     assert fig["device_prompt_tok_s"] > 0 and 0 < fig["device_decode_step_ms_p50"] < 1e3 * fig["loop_step_s"]
+    dev = np.array(run["device_steps"])  # the same steps, listed: (seconds, tokens, prompt tokens)
+    assert len(dev) == fig["device_steps"] and (dev[:, 2] <= dev[:, 1]).all()
+    has = dev[:, 2] > 0
+    assert fig["device_prompt_steps_s"] == pytest.approx(dev[has, 0].sum(), abs=1e-6 * len(dev))
+    slope, fixed = np.polyfit(dev[has, 2], dev[has, 0], 1)
+    assert (fig["device_prompt_us_per_token"], fig["device_prompt_step_fixed_ms"]) == pytest.approx(
+        (1e6 * slope, 1e3 * fixed), rel=1e-2, abs=1e-3)
     # The profiled window: ten steps' results, their trace written beside the result (no device on the CPU: no gaps).
     prof = run["profile"]
     assert [tuple(x) for x in prof["steps"]] == [tuple(x) for x in run["steps"][4:14]]
