@@ -75,6 +75,37 @@ def test_features_compose_with_sdpa_prefill_rows(tiny: tuple[str, Any], sdpa_row
     llm.llm_engine.assert_no_leaks()
 
 
+@pytest.mark.parametrize("mtp_rows_through_sdpa", [True, False], ids=["mtp_sdpa", "mtp_paged_sabotage"])
+def test_the_mtp_heads_prompt_pass_takes_sdpa_and_matches_a_transformers_built_head(
+        tiny: tuple[str, Any], sdpa_rows: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch,
+        mtp_rows_through_sdpa: bool) -> None:
+    """MTP k = 1, one 19-token prompt: the head's pass over the prompt's positions is a long row, which takes SDPA as
+    the target's attention layers' rows do (one more such row than the target has attention layers), and every
+    draft and the head's output equal those of a head built from transformers' Qwen3.5 modules. Sabotage: the
+    pass's metadata without the host's row offsets (the paged kernel, as before) is seen by the count."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5TextModel
+
+    from hyserve.testing.qwen3_5_moe import check_mtp_drafts
+    from hyserve.worker.spec_decode import mtp_drafter
+
+    if not mtp_rows_through_sdpa:
+        real = mtp_drafter.StepMetadata
+
+        def without_host_offsets(**kw: Any) -> Any:
+            return real(**{**kw, "query_start_loc_cpu": None, "seq_lens_cpu": None})
+
+        monkeypatch.setattr(mtp_drafter, "StepMetadata", without_host_offsets)
+    path, ref = tiny
+    llm = make_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
+    check_mtp_drafts(llm, path, ref, Qwen3_5TextModel, Qwen3_5RMSNorm, sabotaged=False)
+    attention_layers = ref.config.layer_types.count("full_attention")
+    prompt_rows = [q for q, ctx in sdpa_rows if q == 19 and ctx == 0]
+    if mtp_rows_through_sdpa:
+        assert len(prompt_rows) == attention_layers + 1, (sdpa_rows, attention_layers)
+    else:
+        assert len(prompt_rows) == attention_layers, (sdpa_rows, attention_layers)
+
+
 def test_an_upper_left_mask_after_a_context_is_seen(tiny: tuple[str, Any], sdpa_rows: list[tuple[int, int]],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     path, ref = tiny

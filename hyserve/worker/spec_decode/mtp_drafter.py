@@ -211,9 +211,15 @@ class MTPDrafter:
         for name, size in sizes.items():
             self.mtp_dev[name][: copies[name]].copy_(self.mtp_host[name][: copies[name]], non_blocking=True)
             v[name] = self.mtp_dev[name][:size]
+        # An eager pass (not padded for a graph) carries the host's row offsets and lengths, as the target's eager
+        # steps do: its long rows (a prompt chunk's positions) then take SDPA (``layers.attention.attend_paged``)
+        # where the paged kernel would take about twice as long.
+        eager = pad_to is None
         meta = StepMetadata(positions=v["positions"], query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
                             state_slots=v["seq_lens"], block_tables=v["block_tables"][:, : cdiv(max_s, bs)],
-                            slot_mapping=v["slot_mapping"], max_query_len=max_q, max_seq_len=max_s)
+                            slot_mapping=v["slot_mapping"], max_query_len=max_q, max_seq_len=max_s,
+                            query_start_loc_cpu=self.mtp_host["query_start_loc"][: r + 1] if eager else None,
+                            seq_lens_cpu=self.mtp_host["seq_lens"][:r] if eager else None)
         if mm_rows:
             assert pad_to is None, "an MTP pass reaching an image runs eagerly"
             meta.mrope_positions, meta.image_embeds = self.mm.image_inputs(self.mtp_host["positions"][:t], mm_rows,
