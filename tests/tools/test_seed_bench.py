@@ -193,6 +193,12 @@ def test_closed_loop_runs_the_trace_and_computes_every_figure(run: dict[str, Any
                            ("prefix_hit_rate_steps_3_on", [r for r in recs if r.step >= 3])) if rs},
         "output_tokens_mean": np.mean([r.max_tokens for r in recs]),  # ignore_eos: every answer its max_tokens
     }
+    # the opening burst: every agent's first request (submitted before any request finished)
+    burst = [r for r in recs if r.submitted < min(r.finished for r in recs)]  # type: ignore[operator]
+    assert sorted(r.episode for r in burst) == sorted({r.episode for r in recs if r.step == 0})[: TINY.concurrency]
+    burst_s = max(r.first for r in burst) - start  # type: ignore[operator,type-var]
+    want.update(burst_requests=len(burst), burst_s=burst_s,
+                burst_prompt_tok_s=sum(r.prompt_tokens - r.cached_tokens for r in burst) / burst_s)
     for key, value in want.items():
         assert fig[key] == pytest.approx(float(value), rel=1e-9), key
     assert 0 < fig["prefix_hit_rate"] < fig["prefix_hit_rate_later_steps"] < 1
