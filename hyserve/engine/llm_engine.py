@@ -444,7 +444,10 @@ class LLMEngine:
                              "(--limit-mm-per-prompt)")
         loaded = [load_image(img, allowed_domains=self.config.allowed_media_domains or (),
                              allowed_local_path=self.config.allowed_local_media_path) for img in images]
-        return build_multimodal_prompt(ids, loaded, self.config.model, mm_config, self.processor_cache)
+        # A worker in this process on CUDA takes the pixels from pinned memory as they are (a copy made here, off
+        # the engine's loop in a server); one in another process gets them pickled, and pins its own copy.
+        pinned = self.device.type == "cuda" and isinstance(self.executor, UniProcExecutor)
+        return build_multimodal_prompt(ids, loaded, self.config.model, mm_config, self.processor_cache, pinned)
 
     def _check_prepared(self, ids: list[int], prepared: Any) -> MultimodalPrompt:
         """``multi_modal_inputs`` from ``prepare_images``: its spans must be runs of image tokens of these ids."""

@@ -456,3 +456,26 @@ def test_preempted_image_requests_recompute_right(vlm: tuple[str, object]) -> No
     check(vlm, llm, cases)
     assert llm.get_metrics()["hyserve:num_preemptions"] > 0
     llm.llm_engine.assert_no_leaks()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
+def test_pixels_prepared_for_an_in_process_cuda_worker_are_pinned(vlm: tuple[str, object]) -> None:
+    """``build_multimodal_prompt(pinned=True)``: each image's pixels in pinned host memory, equal to the processor's;
+    ``host_to_device`` takes them without a host copy of its own (the same memory), and they reach the device
+    equal."""
+    from hyserve.model.registry import load_model_config
+    from hyserve.multimodal.inputs import build_multimodal_prompt
+    from hyserve.utils import host_to_device
+
+    path = vlm[0]
+    mm_config = load_model_config(path).multimodal
+    assert mm_config is not None
+    ids = [mm_config.image_token_id, 7]
+    img = image(48, 40, 80)
+    _, plain = build_multimodal_prompt(ids, [img], path, mm_config)
+    _, pinned = build_multimodal_prompt(ids, [img], path, mm_config, pinned=True)
+    got = torch.from_numpy(pinned.images[0].pixel_values)
+    assert got.is_pinned() and not torch.from_numpy(plain.images[0].pixel_values).is_pinned()
+    assert torch.equal(got, torch.from_numpy(plain.images[0].pixel_values))
+    assert got.pin_memory().data_ptr() == got.data_ptr()
+    assert torch.equal(host_to_device(got, torch.device("cuda")).cpu(), got)
