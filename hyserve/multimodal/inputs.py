@@ -103,6 +103,4 @@ def build_multimodal_prompt(token_ids: list[int], images: Sequence[Image.Image],
 def pinned_copy(pixels: np.ndarray) -> np.ndarray:
     """``pixels`` copied into pinned host memory, as a numpy array (it keeps its tensor alive): ``torch.from_numpy``
     of it is pinned, so ``host_to_device`` takes it as it is."""
-    host = torch.empty(pixels.shape, dtype=torch.float32, pin_memory=True)
-    host.numpy()[...] = pixels
-    return host.numpy()
+    return torch.from_numpy(pixels).pin_memory().numpy()

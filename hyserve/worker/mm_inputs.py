@@ -126,7 +126,7 @@ class MMInputs:
             return cached
         kept = self.host_cache.pop(key, None)
         if kept is not None:
-            self.host_cache_held -= _nbytes(kept)
+            self.host_cache_held -= kept.nbytes
             # Pinned, so the copy is queued behind the one that brought it to the host (the same stream).
             rows = kept.to(self.device, non_blocking=True)
             self.num_images_from_host += 1
@@ -155,7 +155,7 @@ class MMInputs:
 
     def _keep_on_host(self, key: str, rows: torch.Tensor) -> None:
         """``rows``, leaving the device cache, into the host tier (its least recently used entries make room)."""
-        size = _nbytes(rows)
+        size = rows.nbytes
         if size > self.encoder_host_cache_bytes:
             return
         if rows.device.type == "cuda":
@@ -168,8 +168,4 @@ class MMInputs:
         self.host_cache_held += size
         while self.host_cache_held > self.encoder_host_cache_bytes:
             _, old = self.host_cache.popitem(last=False)
-            self.host_cache_held -= _nbytes(old)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+            self.host_cache_held -= old.nbytes

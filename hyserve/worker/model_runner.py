@@ -7,6 +7,7 @@ the rooms and the path of a step through them). The runner owns the model and it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -89,8 +90,11 @@ logger = logging.getLogger("hyserve")
 STEP_PARTS = ("state", "forward", "sample", "verify", "verify+mtp", "mtp")
 
 
-def _named(part: str) -> torch.profiler.record_function:
+def _named(part: str) -> contextlib.AbstractContextManager[object]:
+    """The profiler's range for a part of a step; nothing while no profiler records (a step enters several)."""
     assert part in STEP_PARTS, part
+    if not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
     return torch.profiler.record_function(f"hyserve::{part}")
 
 # Sampled in place of a row whose own sampling inputs failed (its result is dropped).
