@@ -39,21 +39,22 @@ D = 256
 
 
 def problem(batch: int, context: int, hq: int, hkv: int, block_size: int, device: str, dtype: torch.dtype,
-            max_seq_len: int | None) -> dict[str, Any]:
-    """One decode token a row after ``context`` cached positions, its pages shuffled over the cache."""
+            max_seq_len: int | None, query_len: int = 1) -> dict[str, Any]:
+    """``query_len`` tokens a row (1: decode; k + 1: a verify row) after ``context`` cached positions, its pages
+    shuffled over the cache."""
     g = torch.Generator(device=device).manual_seed(batch * 7 + context)
-    seq = context + 1
+    seq = context + query_len
     per_row = -(-seq // block_size)
     blocks = batch * per_row + 1
     return dict(
-        q=torch.randn(batch, hq, D, device=device, generator=g).to(dtype),
+        q=torch.randn(batch * query_len, hq, D, device=device, generator=g).to(dtype),
         k_cache=torch.randn(blocks, block_size, hkv, D, device=device, generator=g).to(dtype),
         v_cache=torch.randn(blocks, block_size, hkv, D, device=device, generator=g).to(dtype),
         block_tables=torch.randperm(blocks, device=device, generator=g)[: batch * per_row].view(batch, per_row)
         .to(torch.int32),
-        query_start_loc=torch.arange(batch + 1, device=device, dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, device=device, dtype=torch.int32) * query_len,
         seq_lens=torch.full((batch,), seq, device=device, dtype=torch.int32),
-        scale=D**-0.5, max_query_len=1, max_seq_len=max_seq_len or seq,
+        scale=D**-0.5, max_query_len=query_len, max_seq_len=max_seq_len or seq,
     )
 
 
@@ -61,13 +62,14 @@ def check() -> int:
     """The kernel's output against the reference at a small size, both ``max_seq_len`` forms (two splits, all
     live; four, two past the rows' context), under the interpreter on the CPU: 0 when they agree."""
     bad = []
-    for model_len in (None, 2000):
-        p = problem(2, 600, 4, 2, 16, "cpu", torch.float32, model_len)
-        got = paged_attention_triton(**p)
-        err = float((got - paged_attention_ref(**p)).abs().max())
-        print(f"max_seq_len {p['max_seq_len']}: max abs difference {err:.3g}")
-        if not err <= 1e-5:
-            bad.append(model_len)
+    for query_len in (1, 3):
+        for model_len in (None, 2000):
+            p = problem(2, 600, 4, 2, 16, "cpu", torch.float32, model_len, query_len)
+            got = paged_attention_triton(**p)
+            err = float((got - paged_attention_ref(**p)).abs().max())
+            print(f"{query_len} tokens a row, max_seq_len {p['max_seq_len']}: max abs difference {err:.3g}")
+            if not err <= 1e-5:
+                bad.append((query_len, model_len))
     return 1 if bad else 0
 
 
@@ -79,6 +81,8 @@ def main() -> int:
     ap.add_argument("--model-len", type=int, default=8192,
                     help="the max_seq_len a decode graph gives every launch (the engine's max_model_len)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--query-len", type=int, default=1,
+                    help="tokens a row (3: the verify rows of MTP k = 2); above 1 the prefill kernel is timed too")
     ap.add_argument("--out", default=None, help="a directory for attention_decode_bench.json")
     ap.add_argument("--check", action="store_true", help="the comparison alone, on the CPU (interpreter)")
     args = ap.parse_args()
@@ -92,28 +96,36 @@ def main() -> int:
         hq, hkv = HEADS[shape]
         for context in args.context:
             for batch in args.batch:
-                row: dict[str, Any] = {"shape": shape, "batch": batch, "context": context}
-                kv_bytes = 2 * batch * (context + 1) * hkv * D * 2
+                row: dict[str, Any] = {"shape": shape, "batch": batch, "context": context,
+                                       "query_len": args.query_len}
+                kv_bytes = 2 * batch * (context + args.query_len) * hkv * D * 2
                 src = torch.empty(kv_bytes // 2, device="cuda", dtype=torch.bfloat16)
                 dst = torch.empty_like(src)
                 row["copy_us"] = graph_time(lambda s=src, d=dst: d.copy_(s))  # reads and writes: twice the bytes
-                for label, model_len in (("eager", None), ("graph", max(args.model_len, context + 1))):
-                    p = problem(batch, context, hq, hkv, args.block_size, "cuda", torch.bfloat16, model_len)
-                    row[f"{label}_us"] = graph_time(lambda p=p: paged_attention_triton(**p))
+                runs: list[tuple[str, int | None, bool]] = [
+                    ("eager", None, True), ("graph", max(args.model_len, context + args.query_len), True)]
+                if args.query_len > 1:  # the rows through the prefill kernel (one program a row and query head)
+                    runs.append(("prefill", None, False))
+                for label, model_len, short in runs:
+                    p = problem(batch, context, hq, hkv, args.block_size, "cuda", torch.bfloat16, model_len,
+                                args.query_len)
+                    row[f"{label}_us"] = graph_time(lambda p=p, s=short: paged_attention_triton(**p, short_rows=s))
                     row[f"{label}_TBps"] = kv_bytes / row[f"{label}_us"] / 1e6
                 row["copy_TBps"] = 2 * kv_bytes / row["copy_us"] / 1e6
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"\n{'shape':>5} {'batch':>5} {'context':>7} {'eager us':>9} {'graph us':>9} {'eager TB/s':>10} "
-          f"{'graph TB/s':>10} {'copy TB/s':>9}")
+          f"{'graph TB/s':>10} {'copy TB/s':>9} {'prefill us':>10}")
     for r in rows:
         print(f"{r['shape']:>5} {r['batch']:>5} {r['context']:>7} {r['eager_us']:>9.2f} {r['graph_us']:>9.2f} "
-              f"{r['eager_TBps']:>10.2f} {r['graph_TBps']:>10.2f} {r['copy_TBps']:>9.2f}")
+              f"{r['eager_TBps']:>10.2f} {r['graph_TBps']:>10.2f} {r['copy_TBps']:>9.2f} "
+              f"{r.get('prefill_us', float('nan')):>10.2f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "attention_decode_bench.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "model_len": args.model_len, "rows": rows}, f,
-                      indent=1)
+        name = "attention_decode_bench.json" if args.query_len == 1 else f"attention_verify_q{args.query_len}.json"
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "model_len": args.model_len,
+                       "query_len": args.query_len, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -46,6 +46,7 @@
 #                                               # MTP 2 planted at 80 %, 32 agents; seed_bench.py)
 #   bash benchmarks/peer_session.sh profile34 [hyserve|vllm]   # issue 34: a 9B decode step by kernel family in each
 #                                               # engine's own profiler, batch 1 and 64 (vLLM's default mode)
+#   bash benchmarks/peer_session.sh short-rows  # issue 34: verify rows' attention (split-context kernel): tests, bench
 #   bash benchmarks/peer_session.sh seed-vllm   # vLLM (default mode): the same; then here: python
 #                                               # benchmarks/seed_bench.py report <both JSON files> --out DIR
 #
@@ -803,6 +804,18 @@ PY
             > "$OUT/profile_prefill_$m.log" 2>&1
         echo "profile_prefill $m rc $?"; grep -A14 '"prefill_tok_s"\|device window' "$OUT/profile_prefill_$m.log" | head -40
     done
+    ;;
+  short-rows)
+    # Issue 34: verify rows (k + 1 tokens) through the split-context attention kernel: its CUDA tests and the
+    # speculative paths' (device drafts, rows behind), then one layer's attention at the 27B's and the 9B's heads,
+    # 3 tokens a row, against the same rows through the prefill kernel and the card's copy rate.
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_short_rows.py tests/kernels/test_attention_sdpa.py \
+        tests/kernels/test_kernels.py tests/worker/test_async_verify.py tests/worker/test_device_drafts.py \
+        tests/model/test_prefill_attention.py -k "cuda or gpu" > "$OUT/short_rows_tests.log" 2>&1
+    echo "short-row tests rc $?"; tail -2 "$OUT/short_rows_tests.log"
+    timeout "$(left 10)" python3 benchmarks/attention_decode_bench.py --shapes 27b 9b --batch 1 8 32 64 \
+        --context 2048 6144 --query-len 3 --model-len 62768 --out "$OUT" > "$OUT/attention_verify.log" 2>&1
+    echo "attention bench rc $?"; tail -18 "$OUT/attention_verify.log"
     ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

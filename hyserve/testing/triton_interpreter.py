@@ -5,6 +5,7 @@ before any kernel runs."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -133,6 +134,23 @@ def record_check(results: dict[str, list[Any]], name: str, fn: Callable[[], tupl
     except Exception as e:  # report, don't abort the other checks
         ok, msg = False, f"{type(e).__name__}: {e}"
     results[name] = [bool(ok), msg]
+
+
+def case_and_sabotage_checks(module_name: str, cases: list[str], sabotages: dict[str, list[tuple[str, str]]],
+                             sabotage_case: dict[str, str],
+                             run: Callable[[ModuleType, torch.dtype, str], tuple[bool, str]]) -> dict[str, list[Any]]:
+    """Each of ``cases`` in float32 and bf16 through module ``module_name``'s own kernels (``{case}_{dtype}``), then
+    each sabotaged copy of the module (``sabotages``: name -> edits, :func:`mutated_module`) on its case
+    (``sabotage_case``) in float32 (``sabotage_{name}``): ``run(kernels, dtype, case)`` gives ``(ok, message)``."""
+    own = importlib.import_module(module_name)
+    results: dict[str, list[Any]] = {}
+    for case in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            record_check(results, f"{case}_{str(dtype)[6:]}", functools.partial(run, own, dtype, case))
+    for name, edits in sabotages.items():
+        mutated = mutated_module(module_name, edits)
+        record_check(results, f"sabotage_{name}", functools.partial(run, mutated, torch.float32, sabotage_case[name]))
+    return results
 
 
 def print_results(results: dict[str, list[Any]]) -> None:

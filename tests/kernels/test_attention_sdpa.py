@@ -53,7 +53,8 @@ def test_rows_split_between_sdpa_and_the_paged_kernel_match_the_yardstick(dtype:
 
 
 def test_every_row_below_the_threshold_is_the_paged_kernel_alone() -> None:
-    """No row long enough: the output is the paged kernel's over the whole step, bit for bit."""
+    """No row long enough: the output is the paged kernels' over the whole step, bit for bit (the 40-token row in
+    the prefill kernel's sub-batch, the others in the split-context kernel's)."""
     from hyserve.kernels.attention import paged_attention
 
     p = problem(torch.float32)
@@ -83,6 +84,12 @@ def test_sabotaged_splits_are_caught(what: str) -> None:
     assert not torch.allclose(got, attn_yardstick(p), atol=1e-3, rtol=1e-3), f"{what} went unseen"
 
 
+def test_flash_is_imposed_on_cuda_half_precision_alone() -> None:
+    """On the CPU (and in float32) SDPA keeps its own choice: the tests' mode ``sdpa`` runs its CPU path."""
+    assert not sdpa.flash_only(torch.zeros(1, 4, 16, dtype=torch.bfloat16), 2)
+    assert not sdpa.flash_only(torch.zeros(1, 4, 16), 2)
+
+
 def test_the_mode_is_read_and_refused_when_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
     q, cache = torch.zeros(1, 4, 16), torch.zeros(2, 4, 2, 16)
     monkeypatch.delenv("HYSERVE_PREFILL_ATTENTION", raising=False)
@@ -98,8 +105,8 @@ def test_the_mode_is_read_and_refused_when_unknown(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_rows_through_flash_match_the_paged_kernel() -> None:
-    """On the card, bf16 at head dim 256 (Qwen3.5's): FlashAttention takes the shapes, and the split step's output
-    is the paged kernel's within bf16's rounding."""
+    """On the card, bf16 at head dim 256 (Qwen3.5's): FlashAttention takes the shapes and runs every long row, and
+    the split step's output is the paged kernel's within bf16's rounding."""
     from hyserve.kernels.attention import paged_attention
 
     lens, ctxs = [300, 1, 200, 0, 5, 130], [0, 40, 150, 9, 60, 0]
@@ -111,8 +118,15 @@ def test_cuda_rows_through_flash_match_the_paged_kernel() -> None:
     blk = torch.tensor([int(bt[r, pos // bs]) for r, pos in rows], device="cuda")
     off = torch.tensor([pos % bs for _, pos in rows], device="cuda")
     k, v = p["k_cache"][blk, off], p["v_cache"][blk, off]
-    got = sdpa.paged_attention_rows(p["q"], k, v, p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
-                                    p["scale"], p["query_start_loc"].tolist(), p["seq_lens"].tolist())
+    assert sdpa.flash_only(p["q"], 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = sdpa.paged_attention_rows(p["q"], k, v, p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
+                                        p["scale"], p["query_start_loc"].tolist(), p["seq_lens"].tolist())
+        torch.cuda.synchronize()
     want = paged_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
                            p["seq_lens"], p["scale"], p["max_query_len"], p["max_seq_len"])
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # The fresh rows (0 and 5) and the row after a context (2) all in FlashAttention's kernel, none in cuDNN's
+    # (whose host-side plan for each new length left the device idle 40-60 ms a time on an H100).
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("flash" in n for n in names) >= 3 and not any("cudnn" in n for n in names), names

@@ -19,10 +19,9 @@ from test_kernels import attn_problem
 from hyserve.kernels.attention import decode_splits
 from hyserve.kernels.attention.reference import paged_attention_ref
 from hyserve.testing.triton_interpreter import (
+    case_and_sabotage_checks,
     interpreter_subprocess_results,
-    mutated_module,
     print_results,
-    record_check,
 )
 
 KERNELS = "hyserve.kernels.attention._triton"  # the decode and reduce kernels, swapped for sabotaged copies
@@ -58,17 +57,14 @@ def _live(seq: int, splits: int, partition: int | None) -> int:
     return -(-seq // part)
 
 
-def _run(kernels: Any, dtype: torch.dtype, case: str) -> tuple[bool, str]:
-    """One decode launch with NaN-poisoned partial buffers through ``kernels`` (a module holding the decode and
-    reduce kernels): ``(ok, message)``, ok when the output matches the reference, the partial (max, sum) pairs
-    are all written, and exactly the live splits' partial sums are."""
+def launch_poisoned(kernels: Any, p: dict[str, Any], partition: int | None, prefill: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``paged_attention_triton`` of problem ``p`` through ``kernels``' decode and reduce kernels (a module holding
+    them) with the output and the partial buffers poisoned with NaN (``prefill`` False: the prefill kernel taken
+    away, so a launch that reaches it fails): ``(out, partial sums, (max, sum))``."""
     import hyserve.kernels.attention as attention
 
     _triton = importlib.import_module(KERNELS)
-    lens, ctxs, max_seq, partition = CASES[case]
-    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, seed=21)
-    p["max_seq_len"] = max_seq
-    want = paged_attention_ref(**p)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     split_partials = attention.split_partials
 
@@ -79,17 +75,31 @@ def _run(kernels: Any, dtype: torch.dtype, case: str) -> tuple[bool, str]:
         seen.append((po, pml))
         return (po, pml, *strides)
 
-    saved = (_triton._paged_decode_kernel, _triton._paged_decode_reduce_kernel)
+    saved = (_triton._paged_decode_kernel, _triton._paged_decode_reduce_kernel, _triton._paged_prefill_kernel)
     attention.split_partials = poisoned  # type: ignore[assignment]
     _triton._paged_decode_kernel = kernels._paged_decode_kernel
     _triton._paged_decode_reduce_kernel = kernels._paged_decode_reduce_kernel
+    if not prefill:
+        _triton._paged_prefill_kernel = None
     try:
-        out = torch.full(p["q"].shape, float("nan"), dtype=dtype)
+        out = torch.full(p["q"].shape, float("nan"), dtype=p["q"].dtype)
         attention.paged_attention_triton(**p, decode_partition=partition, out=out)
     finally:
         attention.split_partials = split_partials  # type: ignore[assignment]
-        _triton._paged_decode_kernel, _triton._paged_decode_reduce_kernel = saved
+        _triton._paged_decode_kernel, _triton._paged_decode_reduce_kernel, _triton._paged_prefill_kernel = saved
     (po, pml), = seen
+    return out, po, pml
+
+
+def _run(kernels: Any, dtype: torch.dtype, case: str) -> tuple[bool, str]:
+    """One decode launch with NaN-poisoned partial buffers through ``kernels`` (a module holding the decode and
+    reduce kernels): ``(ok, message)``, ok when the output matches the reference, the partial (max, sum) pairs
+    are all written, and exactly the live splits' partial sums are."""
+    lens, ctxs, max_seq, partition = CASES[case]
+    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, seed=21)
+    p["max_seq_len"] = max_seq
+    want = paged_attention_ref(**p)
+    out, po, pml = launch_poisoned(kernels, p, partition)
     splits = po.shape[2]
     want_splits = -(-max_seq // partition) if partition else decode_splits(len(lens), 2, -(-max_seq // TILE))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -109,16 +119,7 @@ def _run(kernels: Any, dtype: torch.dtype, case: str) -> tuple[bool, str]:
 
 
 def interpreter_checks() -> dict[str, list[Any]]:
-    _triton = importlib.import_module(KERNELS)
-    results: dict[str, list[Any]] = {}
-    for case in CASES:
-        for dtype in (torch.float32, torch.bfloat16):
-            record_check(results, f"{case}_{str(dtype)[6:]}", lambda dt=dtype, c=case: _run(_triton, dt, c))
-    for name, edits in SABOTAGES.items():
-        mutated = mutated_module(KERNELS, edits)
-        record_check(results, f"sabotage_{name}",
-                     lambda m=mutated, c=SABOTAGE_CASE[name]: _run(m, torch.float32, c))
-    return results
+    return case_and_sabotage_checks(KERNELS, list(CASES), SABOTAGES, SABOTAGE_CASE, _run)
 
 
 def test_the_split_count_follows_the_rows_not_the_model_length() -> None:

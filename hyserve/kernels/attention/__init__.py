@@ -11,10 +11,11 @@ Invariants:
   already written. Query ``i`` of row ``r`` sits at ``seq_lens[r] - n_r + i`` and attends causally to ``[0, that]``.
 * GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``. Softmax is float32; the output has ``q``'s dtype.
 * ``max_query_len`` / ``max_seq_len`` are host ints bounding ``n_r`` / ``seq_lens`` (no device->host sync). The decode
-  path (``max_query_len <= 1``) never syncs and allocates only fixed-shape scratch, so it can be graph-captured: the
-  number of context splits is fixed at capture time by the rows and KV heads (about :data:`_DECODE_PROGRAMS`
-  programs) and the key tiles of ``max_seq_len``, which must bound every later ``seq_lens``; each row divides its own
-  context over them in whole key tiles, so a short row in a graph sized for a long model still spreads its work.
+  path (``max_query_len <= 1``, or rows short enough for its lanes: :func:`short_row_lanes`) never syncs and
+  allocates only fixed-shape scratch, so it can be graph-captured: the number of context splits is fixed at capture
+  time by the rows and KV heads (about :data:`_DECODE_PROGRAMS` programs) and the key tiles of ``max_seq_len``,
+  which must bound every later ``seq_lens``; each row divides its own context over them in whole key tiles, so a
+  short row in a graph sized for a long model still spreads its work.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 from hyserve.kernels.attention.reference import FP8_KV_DTYPES, paged_attention_ref, store_kv_ref
 from hyserve.utils import next_pow2
 
-__all__ = ["decode_splits", "paged_attention", "paged_attention_triton", "reduce_splits", "split_partials", "store_kv",
-           "store_kv_triton"]
+__all__ = ["decode_splits", "paged_attention", "paged_attention_triton", "reduce_splits", "short_row_lanes",
+           "split_partials", "store_kv", "store_kv_triton"]
 
 # Decode: the programs a launch aims at (rows x KV heads x splits; about eight per SM of an H100 / H200) and the most
 # splits per row.
@@ -35,6 +36,11 @@ _DECODE_PROGRAMS = 1024
 _DECODE_MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 _FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: FP8 cache entries are clamped to it
+# Rows of several tokens (verify rows: k + 1; the MTP head's pass over a verify row's accepted positions) take the
+# split-context kernel while their tokens times the GQA group fit this many lanes of a program: one read of each key
+# tile a kv head and the context spread over splits, where the prefill kernel reads it once a query head, in one
+# program a (row, query head).
+SHORT_ROW_MAX_LANES = 64
 # Prefill kernel (BLOCK_M, BLOCK_N, num_warps, num_stages).
 PREFILL_CONFIG = (128, 64, 8, 2)  # best of a sweep on H200 at D=256 (n=4096): ~2x SDPA time
 # Shared memory a kernel's tiles may take (Hopper allows 227 KiB per block): float32 tiles at D=256 take twice
@@ -59,6 +65,14 @@ def fit_tiles(block_m: int, block_n: int, num_stages: int, block_d: int, elem: i
     return block_m, block_n, num_stages
 
 
+def short_row_lanes(max_query_len: int, group: int) -> int | None:
+    """The lanes of the split-context kernel's program for rows of at most ``max_query_len`` tokens and ``group``
+    query heads a kv head (a power of two, at least 16 for ``tl.dot``), or None where they would pass
+    :data:`SHORT_ROW_MAX_LANES`: rows that long take the prefill kernel."""
+    lanes = max(16, next_pow2(max(1, max_query_len) * group))
+    return lanes if max_query_len <= 1 or lanes <= SHORT_ROW_MAX_LANES else None
+
+
 def decode_splits(rows: int, kv_heads: int, tiles: int) -> int:
     """The context splits of a decode launch over ``rows`` rows of ``kv_heads`` KV heads whose contexts span at most
     ``tiles`` key tiles: about :data:`_DECODE_PROGRAMS` programs in all, at most one tile each and at most
@@ -69,9 +83,10 @@ def decode_splits(rows: int, kv_heads: int, tiles: int) -> int:
 
 def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The split-context decode kernel's variants at the Qwen3.5 9B layer's heads (16 query, 4 KV, head dim 256): a
-    bf16 cache with each row's own split (``PART`` 0) over one split and several, an FP8 cache with a fixed one, as
-    ``(name, jit function, argument types, constexprs)`` for a compile check without a GPU
-    (``tests/kernels/test_attention_compile.py``)."""
+    bf16 cache with each row's own split (``PART`` 0) over one split and several, an FP8 cache with a fixed one; and
+    verify rows of 3 tokens (MTP k = 2) at the 27B layer's heads (24 query, 4 KV: 18 lanes in 32) and of 8 at the
+    9B's (32 lanes), over several splits; as ``(name, jit function, argument types, constexprs)``
+    for a compile check without a GPU (``tests/kernels/test_attention_compile.py``)."""
     from hyserve.kernels.attention._triton import _paged_decode_kernel
 
     i32, f32 = "i32", "fp32"
@@ -83,10 +98,19 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                "bt_ptr": "*i32", "qsl_ptr": "*i32", "seqlen_ptr": "*i32", "out_ptr": "*bf16", "po_ptr": "*fp32",
                "pml_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "qk_scale": f32}
         for part, single in (((0, False), (0, True)) if cache == "bf16" else ((512, False),)):
-            consts = dict(GROUP=4, G_PAD=16, D=256, BLOCK_D=256, BS=16, BLOCK_N=32, PART=part, SINGLE=single,
+            consts = dict(GROUP=4, G_PAD=16, QMAX=1, D=256, BLOCK_D=256, BS=16, BLOCK_N=32, PART=part, SINGLE=single,
                           PRECISION="tf32", FP8=cache != "bf16")
             name = f"decode_{cache}_{'rows' if part == 0 else 'fixed'}_{'single' if single else 'splits'}"
             out.append((name, _paged_decode_kernel, sig, consts))
+    sig = {**dict.fromkeys(ints, i32), "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "bt_ptr": "*i32",
+           "qsl_ptr": "*i32", "seqlen_ptr": "*i32", "out_ptr": "*bf16", "po_ptr": "*fp32", "pml_ptr": "*fp32",
+           "ks_ptr": "*fp32", "vs_ptr": "*fp32", "qk_scale": f32}
+    for name, group, qmax in (("verify_27b_q3", 6, 3), ("verify_9b_q8", 4, 8)):
+        lanes = short_row_lanes(qmax, group)
+        assert lanes is not None
+        consts = dict(GROUP=group, G_PAD=lanes, QMAX=qmax, D=256, BLOCK_D=256, BS=16, BLOCK_N=32, PART=0,
+                      SINGLE=False, PRECISION="tf32", FP8=False)
+        out.append((name, _paged_decode_kernel, sig, consts))
     return out
 
 
@@ -169,17 +193,19 @@ def split_partials(out: torch.Tensor, rows: int, splits: int
     return po, pml, (po.stride(0), po.stride(1), po.stride(2)), (pml.stride(0), pml.stride(1), pml.stride(2))
 
 
-def reduce_splits(po: torch.Tensor, pml: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor) -> None:
+def reduce_splits(po: torch.Tensor, pml: torch.Tensor, query_start_loc: torch.Tensor | None, out: torch.Tensor
+                  ) -> None:
     """Combine ``split_partials``' buffers into ``out``: partial row ``r`` is the output token ``qsl[r]`` (rows with
-    no token skipped)."""
+    no token skipped), or with ``query_start_loc`` None the output token ``r``."""
     from hyserve.kernels.attention._triton import _paged_decode_reduce_kernel
 
     rows, hq, splits, d = po.shape
     _paged_decode_reduce_kernel[(rows, hq)](
-        po, pml, query_start_loc, out,
+        po, pml, po if query_start_loc is None else query_start_loc, out,
         out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
         pml.stride(0), pml.stride(1), pml.stride(2),
         NUM_SPLITS=splits, S_PAD=next_pow2(splits), D=d, BLOCK_D=max(16, next_pow2(d)),
+        BY_TOKEN=query_start_loc is None,
         num_warps=4,
     )  # fmt: skip
 
@@ -235,10 +261,13 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    short_rows: bool = True,
 ) -> torch.Tensor:
-    """Triton :func:`paged_attention`: the split-context decode kernel when ``max_query_len <= 1``, the varlen
-    prefill kernel otherwise. ``decode_partition`` (tests) fixes the context positions per decode split (instead of
-    each row's context divided over :func:`decode_splits`);
+    """Triton :func:`paged_attention`: the split-context decode kernel when ``max_query_len <= 1`` or the rows are
+    short enough for its lanes (:func:`short_row_lanes`: verify rows; ``short_rows`` False, for benchmarks, sends
+    rows of several tokens to the prefill kernel whatever their length), the varlen prefill kernel otherwise.
+    ``decode_partition`` (tests) fixes the context positions per decode split (instead of each row's context
+    divided over :func:`decode_splits`);
     ``prefill_config`` (tuning) overrides the prefill kernel's ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``;
     ``out`` optionally supplies the ``(T, Hq, D)`` output buffer."""
     from hyserve.kernels.attention._triton import _paged_decode_kernel, _paged_prefill_kernel
@@ -268,9 +297,11 @@ def paged_attention_triton(
     )  # fmt: skip
 
     elem = q.element_size()
-    if max_query_len <= 1:
+    qmax = max(1, max_query_len)
+    lanes = short_row_lanes(qmax, group) if short_rows or qmax == 1 else None
+    if lanes is not None:
         block_n = 64 if block_d <= 128 else 32
-        _, block_n, decode_stages = fit_tiles(16, block_n, 3, block_d, elem)
+        _, block_n, decode_stages = fit_tiles(lanes, block_n, 3, block_d, elem)
         max_seq = max(int(max_seq_len), 1)
         if decode_partition is not None:  # tests: force several splits on short contexts
             block_n = max(16, min(block_n, next_pow2(decode_partition)))
@@ -280,18 +311,19 @@ def paged_attention_triton(
             part = 0  # each row's own context over the splits
             splits = decode_splits(R, Hkv, _cdiv(max_seq, block_n))
         single = splits == 1
-        po, pml, po_strides, pml_strides = split_partials(out, R, splits)
+        # Partial rows: the rows (one token each at most), or the tokens of rows of several.
+        po, pml, po_strides, pml_strides = split_partials(out, R if qmax == 1 else T, splits)
         _paged_decode_kernel[(R, Hkv, splits)](
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, po, pml, ks, vs,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *common, *po_strides, *pml_strides,
             qk_scale,
-            GROUP=group, G_PAD=max(16, next_pow2(group)), D=D, BLOCK_D=block_d, BS=bs,
+            GROUP=group, G_PAD=lanes, QMAX=qmax, D=D, BLOCK_D=block_d, BS=bs,
             BLOCK_N=block_n, PART=part, SINGLE=single, PRECISION=precision, FP8=fp8,
-            num_warps=4, num_stages=decode_stages,
+            num_warps=4 if lanes <= 32 else 8, num_stages=decode_stages,
         )  # fmt: skip
         if not single:
-            reduce_splits(po, pml, query_start_loc, out)
+            reduce_splits(po, pml, query_start_loc if qmax == 1 else None, out)
         return out
 
     if prefill_config is not None:

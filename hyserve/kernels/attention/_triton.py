@@ -11,9 +11,11 @@ contribute exactly zero instead of NaN. Products ``q k^T`` and ``p v`` use ``tl.
 * ``_store_kv_kernel``: one program per token; a negative slot skips the token.
 * FP8 caches (``FP8``): entries are value / scale (per kv head, float32), clamped to +-448; the attention kernels
   widen tiles to the query's dtype and fold K's scale into the logits' scale, V's into the accumulator.
-* ``_paged_decode_kernel``: rows of at most one token. One program per (row, kv head, context split) handles the whole
-  GQA group (query heads padded to >= 16 for ``tl.dot``). With one split it writes the normalised output directly;
-  otherwise it writes unnormalised partial sums plus (max, sum) and ``_paged_decode_reduce_kernel`` combines them.
+* ``_paged_decode_kernel``: rows of at most ``QMAX`` tokens (decode: one; verify rows: k + 1). One program per (row, kv
+  head, context split) handles every token of the row for the whole GQA group (lanes padded to >= 16 for ``tl.dot``),
+  so each key tile is read once a kv head, not once a query head and token. With one split it writes the normalised
+  output directly; otherwise it writes unnormalised partial sums plus (max, sum) and ``_paged_decode_reduce_kernel``
+  combines them.
   Each row's context is divided over the splits (whole key tiles); a split past it writes its (max, sum) alone.
 * ``_paged_prefill_kernel``: any row lengths. One program per (block of ``BLOCK_M`` query tokens, row, query head);
   keys beyond the block's last query position are never visited.
@@ -101,14 +103,15 @@ def _write_split(
     so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s, SINGLE: tl.constexpr,
 ):  # fmt: skip
     """A split-context program's result: with one split the normalised output at token ``tok``; otherwise the
-    unnormalised partial sums (where ``qmask``) and (max, sum) (always) of split ``sp`` at partial row ``row``, for
-    ``_paged_decode_reduce_kernel``."""
+    unnormalised partial sums (where ``qmask``) and (max, sum) (where ``gmask``) of split ``sp`` at partial row
+    ``row``, for ``_paged_decode_reduce_kernel``. ``tok`` and ``row``: one for the program, or one per lane (as
+    ``hq``)."""
     if SINGLE:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + tok * so_t + hq[:, None] * so_h + od[None, :], o.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + (tok * so_t + hq * so_h)[:, None] + od[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=qmask)  # fmt: skip
     else:
-        tl.store(po_ptr + row * spo_r + hq[:, None] * spo_h + sp * spo_s + od[None, :], acc, mask=qmask)
+        tl.store(po_ptr + (row * spo_r + hq * spo_h + sp * spo_s)[:, None] + od[None, :], acc, mask=qmask)
         ml = pml_ptr + row * spml_r + hq * spml_h + sp * spml_s
         tl.store(ml, m_i, mask=gmask)
         tl.store(ml + 1, l_i, mask=gmask)
@@ -121,12 +124,16 @@ def _paged_decode_kernel(
     skc_b, skc_o, skc_h, svc_b, svc_o, svc_h,
     spo_r, spo_h, spo_s, spml_r, spml_h, spml_s,
     qk_scale,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, PART: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, QMAX: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, SINGLE: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
-    """Grid (R, Hkv, splits). Row r's token (if any) attends to positions [0, seq_len); split s covers
-    [s * part, (s + 1) * part): ``PART`` positions (tests), or with ``PART == 0`` the row's context divided over the
-    launch's splits in whole key tiles."""
+    """Grid (R, Hkv, splits). Row r's tokens (at most ``QMAX``) attend to positions [0, seq_len), query i of the row
+    causally to [0, seq_len - n + i]; split s covers [s * part, (s + 1) * part): ``PART`` positions (tests), or with
+    ``PART == 0`` the row's context divided over the launch's splits in whole key tiles. The program's ``G_PAD``
+    lanes are the row's (token, query head) pairs of kv head ``hkv``: lane m is token m // GROUP, query head
+    hkv * GROUP + m % GROUP, so each key tile is read once for every token and head that needs it. Partial rows:
+    the row (``QMAX`` 1: every row writes its (max, sum)), else the token (a row writes only its own tokens')."""
     r = tl.program_id(0)
     hkv = tl.program_id(1)
     sp = tl.program_id(2)
@@ -141,16 +148,25 @@ def _paged_decode_kernel(
     lo = sp.to(tl.int64) * part
     hi = tl.minimum(lo + part, kv_len)
 
-    og = tl.arange(0, G_PAD)
+    om = tl.arange(0, G_PAD)
     od = tl.arange(0, BLOCK_D)
-    gmask = og < GROUP
+    oi = om // GROUP  # the lane's token in the row
+    hq = hkv * GROUP + om % GROUP
     dmask = od < D
-    hq = hkv * GROUP + og
+    if QMAX == 1:
+        gmask = om < GROUP
+        tok = start
+        prow = r
+    else:
+        gmask = (om < QMAX * GROUP) & (oi < n)
+        tok = start + oi
+        prow = tok
     # A split past the row's context (most of them in a graph sized for the model's length) or of an empty row reads
     # nothing and writes only its (max, sum) = (floor, 0): the reduction reads no partial sums of a split whose sum
     # is 0.
     qmask = gmask[:, None] & dmask[None, :] & (lo < kv_len)
-    q = tl.load(q_ptr + start * sq_t + hq[:, None] * sq_h + od[None, :], mask=qmask, other=0.0)
+    q = tl.load(q_ptr + (tok * sq_t + hq * sq_h)[:, None] + od[None, :], mask=qmask, other=0.0)
+    qpos = seq_len - n + oi  # the lane's query position (QMAX > 1: the causal limit inside the row)
 
     if FP8:
         qk_scale = qk_scale * tl.load(ks_ptr + hkv)
@@ -160,7 +176,10 @@ def _paged_decode_kernel(
     for s in range(lo, hi, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         pmask = pos < hi
-        allowed = gmask[:, None] & pmask[None, :]
+        if QMAX == 1:
+            allowed = gmask[:, None] & pmask[None, :]
+        else:
+            allowed = gmask[:, None] & pmask[None, :] & (pos[None, :] <= qpos[:, None])
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, pos, pmask, allowed, r, hkv, od, dmask,
             kc_ptr, vc_ptr, bt_ptr, sbt_r, skc_b, skc_o, skc_h, svc_b, svc_o, svc_h, qk_scale,
@@ -168,7 +187,7 @@ def _paged_decode_kernel(
         )  # fmt: skip
     if FP8:  # the partial sums combine linearly, so scaling each split's is scaling the result
         acc = acc * tl.load(vs_ptr + hkv)
-    _write_split(acc, m_i, l_i, out_ptr, po_ptr, pml_ptr, start, r, sp, hq, od, qmask, gmask,
+    _write_split(acc, m_i, l_i, out_ptr, po_ptr, pml_ptr, tok, prow, sp, hq, od, qmask, gmask,
                  so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s, SINGLE)  # fmt: skip
 
 
@@ -176,14 +195,19 @@ def _paged_decode_kernel(
 def _paged_decode_reduce_kernel(
     po_ptr, pml_ptr, qsl_ptr, out_ptr,
     so_t, so_h, spo_r, spo_h, spo_s, spml_r, spml_h, spml_s,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BY_TOKEN: tl.constexpr,
 ):  # fmt: skip
-    """Grid (R, Hq): combine the splits' partial (unnormalised) outputs of a decode row. A split whose sum is 0 saw
-    no position (past the row's context): its partial sums are neither read nor, by the decode kernel, written."""
+    """Grid (R, Hq): combine the splits' partial (unnormalised) outputs of a decode row (``BY_TOKEN``: of token r,
+    ``qsl_ptr`` unread). A split whose sum is 0 saw no position (past the row's context): its partial sums are
+    neither read nor, by the decode kernel, written."""
     r = tl.program_id(0)
     hq = tl.program_id(1)
-    start = tl.load(qsl_ptr + r).to(tl.int64)
-    n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
+    if BY_TOKEN:
+        start = r.to(tl.int64)
+        n = 1
+    else:
+        start = tl.load(qsl_ptr + r).to(tl.int64)
+        n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
     osp = tl.arange(0, S_PAD)
     od = tl.arange(0, BLOCK_D)
     smask = osp < NUM_SPLITS

@@ -6,29 +6,33 @@ same problem (``benchmarks/results/h200/attention_prefill.json``). A row of many
 and values are this step's own (a fresh prompt: ``is_causal``, the upper-left causal mask is the row's) or, where
 the row continues a context (a prefix-cache hit, a later chunk), read back from the paged cache for the row's
 blocks and attended with the lower-right causal mask (query ``i`` sees keys ``[0, ctx + i]``). GQA is SDPA's own
-(``enable_gqa``), no key or value repeated. Rows below the threshold (decode, verify, short chunks) take the paged
-kernel as one sub-batch, their outputs put back in place.
+(``enable_gqa``), no key or value repeated. Rows below the threshold take the paged kernels, their outputs put back
+in place: decode and verify rows (short enough for the split-context kernel's lanes) as one sub-batch, short prompt
+chunks as another (the prefill kernel's).
 
 The semantics are :func:`hyserve.kernels.attention.paged_attention`'s (the module's invariants); the softmax is
 SDPA's (float32 inside FlashAttention), so outputs agree to the dtype's rounding, not bit for bit. On CUDA the
-choice is made only where FlashAttention takes the shapes (``torch.backends.cuda.can_use_flash_attention``): SDPA
-never falls back to its math path here. The host's copies of the row offsets and lengths drive the split (an eager
-step's; a captured graph has none and runs the paged kernel).
+choice is made only where FlashAttention takes the shapes (``torch.backends.cuda.can_use_flash_attention``), and the
+calls are held to it (:func:`flash_only`): SDPA neither falls back to its math path nor picks cuDNN's attention,
+whose host-side plan for each new length left the device idle 40-60 ms a time. The host's copies of the row offsets
+and lengths drive the split (an eager step's; a captured graph has none and runs the paged kernel).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from hyserve.utils import host_to_device
 
-__all__ = ["PREFILL_ATTENTION_MODES", "SDPA_MIN_QUERIES", "paged_attention_rows", "prefill_attention_mode",
-           "sdpa_takes"]
+__all__ = ["PREFILL_ATTENTION_MODES", "SDPA_MIN_QUERIES", "flash_only", "paged_attention_rows",
+           "prefill_attention_mode", "sdpa_takes"]
 
 # Rows of at least this many queries go to SDPA (below it the paged kernel's launch is as good, and a step's decode
 # and verify rows stay in one launch).
@@ -61,6 +65,15 @@ def sdpa_takes(mode: str, q: torch.Tensor, k_cache: torch.Tensor, fp8_cache: boo
     return _flash_takes(q.device, q.dtype, q.shape[1], k_cache.shape[2], q.shape[2])
 
 
+def flash_only(q: torch.Tensor, hkv: int) -> bool:
+    """Whether the long rows' SDPA calls are held to FlashAttention: on CUDA, in bf16 / fp16, where it takes the
+    heads. Left to itself, torch may pick cuDNN's attention for a fresh row (``is_causal``), and cuDNN builds an
+    execution plan on the host for every new (query, key) length: 40-60 ms of idle device for each new prompt
+    length on an H100 (the seed's opening burst, 2026-12-07: 8 such builds in 12 prompt steps)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and _flash_takes(q.device, q.dtype, q.shape[1], hkv, q.shape[2]))
+
+
 @functools.lru_cache(maxsize=64)
 def _flash_takes(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
     probe_q = torch.empty((1, hq, 1, d), dtype=dtype, device=device)
@@ -86,7 +99,7 @@ def paged_attention_rows(
     already hold this step's ``k`` / ``v``, ``(T, Hkv, D)``): rows of at least ``min_queries`` queries one SDPA call
     each, the others one paged launch. ``query_start_loc_cpu`` / ``seq_lens_cpu``: the host's row offsets
     ``(R + 1)`` and context lengths ``(R)`` (``seq_lens`` on the device, for the paged launch)."""
-    from hyserve.kernels.attention import paged_attention
+    from hyserve.kernels.attention import paged_attention, short_row_lanes
 
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
@@ -95,32 +108,40 @@ def paged_attention_rows(
                                                   for i in range(rows)]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     rest: list[int] = []
-    for i in range(rows):
-        s, n, ctx_len = starts[i], lens[i], seq_lens_cpu[i]
-        if n < min_queries:
-            if n > 0:
-                rest.append(i)
+    backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash_only(q, hkv) else contextlib.nullcontext()
+    with backends:
+        for i in range(rows):
+            s, n, ctx_len = starts[i], lens[i], seq_lens_cpu[i]
+            if n < min_queries:
+                if n > 0:
+                    rest.append(i)
+                continue
+            if ctx_len == n:  # a fresh row: its own keys, the upper-left causal mask is the row's
+                ki, vi, mask = k[s : s + n], v[s : s + n], None
+            else:  # after a context: the row's whole context read back from its blocks, lower-right causal
+                blocks = block_tables[i, : -(-ctx_len // bs)]
+                ki = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:ctx_len]
+                vi = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:ctx_len]
+                mask = causal_lower_right(n, ctx_len)
+            o = F.scaled_dot_product_attention(
+                q[s : s + n].transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0),
+                vi.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
+                enable_gqa=hkv != hq)
+            out[s : s + n] = o[0].transpose(0, 1)
+    # The rows below the threshold as sub-batches of the paged kernels: those short enough for the split-context
+    # kernel's lanes (decode and verify rows) in one, the others (short prompt chunks) in the prefill kernel's.
+    group = hq // hkv
+    short = [i for i in rest if short_row_lanes(lens[i], group) is not None]
+    for sub_rows in (short, [i for i in rest if short_row_lanes(lens[i], group) is None]):
+        if not sub_rows:
             continue
-        if ctx_len == n:  # a fresh row: its own keys, the upper-left causal mask is the row's
-            ki, vi, mask = k[s : s + n], v[s : s + n], None
-        else:  # after a context: the row's whole context read back from its blocks, lower-right causal
-            blocks = block_tables[i, : -(-ctx_len // bs)]
-            ki = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:ctx_len]
-            vi = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:ctx_len]
-            mask = causal_lower_right(n, ctx_len)
-        o = F.scaled_dot_product_attention(
-            q[s : s + n].transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0),
-            vi.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=hkv != hq)
-        out[s : s + n] = o[0].transpose(0, 1)
-    if rest:
-        # The short rows as one sub-batch of the paged kernel: their tokens gathered, their offsets renumbered.
-        tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in rest])
-        sub_qsl = torch.tensor([0, *torch.tensor([lens[i] for i in rest]).cumsum(0).tolist()], dtype=torch.int32)
-        idx, rows_t = host_to_device(tokens, q.device), host_to_device(torch.tensor(rest), q.device)
+        # their tokens gathered, their offsets renumbered
+        tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in sub_rows])
+        sub_qsl = torch.tensor([0, *torch.tensor([lens[i] for i in sub_rows]).cumsum(0).tolist()], dtype=torch.int32)
+        idx, rows_t = host_to_device(tokens, q.device), host_to_device(torch.tensor(sub_rows), q.device)
         sub = paged_attention(q.index_select(0, idx).contiguous(), k_cache, v_cache,
                               block_tables.index_select(0, rows_t), host_to_device(sub_qsl, q.device),
-                              seq_lens.index_select(0, rows_t), scale, max(lens[i] for i in rest),
-                              max(seq_lens_cpu[i] for i in rest))
+                              seq_lens.index_select(0, rows_t), scale, max(lens[i] for i in sub_rows),
+                              max(seq_lens_cpu[i] for i in sub_rows))
         out.index_copy_(0, idx, sub)
     return out
