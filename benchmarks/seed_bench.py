@@ -450,7 +450,7 @@ class HyserveAsync:
             out.update({f"prefix_cache_utility_{kind}": u for kind, u in pc.kind_utilities().items()})
         # the vision tower's work: screenshots encoded, and those brought back from the encoder cache's host tier
         enc = self.llm.llm_engine.executor.collective_rpc("encoder_cache_stats")[0]
-        out.update({"images_encoded": float(enc["images_encoded"]),
+        out.update({"images_encoded": float(enc["images_encoded"]), "tower_calls": float(enc["tower_calls"]),
                     "images_from_host": float(enc["images_from_host"])})
         return {**out, **self.clock.figures()}
 
@@ -870,6 +870,7 @@ REPORT_FIGURES: dict[str, tuple[bool, str, bool]] = {
     "prefix_cache_snapshot_offloads": (False, "hyserve's snapshots moved to the host tier", False),
     "prefix_cache_snapshot_host_hits": (True, "hyserve's snapshot hits from the host tier", False),
     "images_encoded": (False, "hyserve's screenshots through the vision tower (the warm-up's included)", False),
+    "tower_calls": (False, "hyserve's vision tower calls (a step's new screenshots go together)", False),
     "images_from_host": (True, "hyserve's screenshots' encoder rows brought back from the host tier", False),
     "step_with_prompt_s": (False, "hyserve's steps with prompt tokens, s (result to result)", False),
     "step_decode_only_s": (False, "hyserve's steps without prompt tokens, s", False),

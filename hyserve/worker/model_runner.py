@@ -187,7 +187,8 @@ class ModelRunner:
         # Penalties, logit_bias, allowed_token_ids, bad words: histories and adjustments on the device.
         self.sampling_state = SamplingState(device, model_config.vocab_size, 0)  # sized by initialize_cache
         # Image input: each request's images and M-RoPE positions, and the encoder cache.
-        self.mm = MMInputs(getattr(self.model, "visual", None), device, dtype, self.max_num_batched_tokens)
+        self.mm = MMInputs(getattr(self.model, "visual", None), device, dtype, self.max_num_batched_tokens,
+                           model_dir=config.model)
         # The rooms over the caches and the step buffers (initialize_cache).
         self.drafter: MTPDrafter | None = None
         self.mtp_proposer: MTPProposer | None = None

@@ -7,8 +7,8 @@ processor. The engine must return those same expanded ids as ``prompt_token_ids`
 
 Cases: one image; several images of different sizes; an image in an earlier turn (a prefix-cache hit resumes after
 it); chunked prefill cutting inside the images' spans; staggered arrivals and an abort; equal text with different
-images. Sabotaged variants (the decode delta dropped; the encoder rows of a cut chunk taken from the image's start)
-are caught.
+images; a step's new images through the tower in one call. Sabotaged variants (the decode delta dropped; the
+encoder rows of a cut chunk taken from the image's start; one call's rows handed out in the wrong order) are caught.
 """
 
 from __future__ import annotations
@@ -328,6 +328,44 @@ def test_images_that_left_the_device_come_back_from_the_host_tier(vlm: tuple[str
     small = _alternate_screens(vlm, host_bytes=1)
     assert small.mm.encoder_cache_stats()["images_from_host"] == 0
     assert small.mm.num_images_encoded == 7 and not small.mm.host_cache  # each prompt's images encoded again
+
+
+def _together(vlm: tuple[str, object], cap: int | None) -> ModelRunner:
+    """Three requests in one step with four screenshots among them (one shown by two requests), the tower's cap per
+    call ``cap`` (None: the checkpoint's own, its largest image: 144 patches); every output checked."""
+    llm = make_llm(vlm[0])
+    runner = _runner(llm)
+    if cap is not None:
+        runner.mm.max_encode_patches = cap
+    a, b, c, d = image(40, 32, 80), image(24, 40, 81), image(48, 40, 82), image(16, 40, 83)  # 80, 60, 120, 40
+    check(vlm, llm, [(user_turn(f"First {IMAGE} then {IMAGE}?"), [a, b]), (user_turn(f"Now {IMAGE}?"), [c]),
+                     (user_turn(f"Here {IMAGE} and {IMAGE}."), [d, a])])
+    return runner
+
+
+def test_a_steps_new_images_go_through_the_tower_together(vlm: tuple[str, object]) -> None:
+    """The step's new images in one tower call where the cap allows (each image once, the repeated one too); at the
+    checkpoint's cap, in order: 80 + 60 patches, then 120, then 40 (three calls). The outputs match transformers
+    either way."""
+    stats = _together(vlm, cap=1000).mm.encoder_cache_stats()
+    assert stats["images_encoded"] == 4 and stats["tower_calls"] == 1, stats
+    runner = _together(vlm, cap=None)
+    assert runner.mm.max_encode_patches == 144
+    stats = runner.mm.encoder_cache_stats()
+    assert stats["images_encoded"] == 4 and stats["tower_calls"] == 3, stats
+
+
+def test_a_tower_call_split_in_the_wrong_order_is_caught(vlm: tuple[str, object],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: one call's rows handed to its images the other way round (two screenshots of one size)."""
+    import hyserve.worker.mm_inputs as mm_inputs
+
+    real = mm_inputs.split_encoded
+    monkeypatch.setattr(mm_inputs, "split_encoded", lambda rows, images: real(rows, images)[::-1])
+    llm = make_llm(vlm[0])
+    with pytest.raises(AssertionError):
+        check(vlm, llm, [(user_turn(f"Two {IMAGE} and {IMAGE}?"), [image(24, 40, 84), image(24, 40, 85)])])
+    assert _runner(llm).mm.num_tower_calls == 1
 
 
 def test_a_host_tier_that_returns_another_images_rows_is_caught(vlm: tuple[str, object],
