@@ -253,17 +253,22 @@ class VisionAttention(nn.Module):
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each segment of the packed (N, heads, head_dim) q/k/v; (N, heads, head_dim)."""
-    if len(set(segments)) == 1:
-        # Equal segments (one image, or a video's frames) batch as one call with no mask.
-        b = len(segments)
-        qb, kb, vb = (t.reshape(b, segments[0], *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        return F.scaled_dot_product_attention(qb, kb, vb).transpose(1, 2).reshape(q.shape)
-    outs = [
-        F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)).transpose(0, 1)
-        for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments))
-    ]
-    return torch.cat(outs)
+    """Bidirectional attention within each segment of the packed (N, heads, head_dim) q/k/v; (N, heads, head_dim).
+
+    One call per segment, each of one image's (frame's) shape, never several equal segments batched: on CUDA, SDPA
+    may take cuDNN's attention, which builds an execution plan on the host for every new shape (40-60 ms on an
+    H100), and a step's images go through the tower together in varying numbers (``MMInputs.encode_together``).
+    Each call is 4-D, (1, heads, n, head_dim): the fused kernels (FlashAttention, cuDNN, memory-efficient) take no
+    3-D inputs, which fall to SDPA's math path."""
+
+    def one(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))
+        return F.scaled_dot_product_attention(qb, kb, vb)[0].transpose(0, 1)
+
+    if len(segments) == 1:
+        return one(q, k, v)
+    return torch.cat([one(*parts) for parts in zip(q.split(segments), k.split(segments), v.split(segments),
+                                                      strict=True)])
 
 
 class VisionMLP(nn.Module):

@@ -448,6 +448,25 @@ def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, obje
     assert index.tolist() == [1, 2, 3, 4] and embeds.flatten().tolist() == [100.0, 101.0, 102.0, 103.0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (SDPA's fused kernels)")
+def test_cuda_tower_attention_takes_a_fused_kernel_for_every_image(vlm: tuple[str, object]) -> None:
+    """Two images of different sizes in one bf16 tower call on the card: each image's attention is one 4-D SDPA call
+    (a 3-D one falls to SDPA's math path), and the rows equal those of each image alone."""
+    from hyserve.model.vision import VisionModel
+
+    cpu = _runner(make_llm(vlm[0])).model.visual  # type: ignore[attr-defined]
+    tower = VisionModel(cpu.cfg).to("cuda", torch.bfloat16)
+    tower.load_state_dict(cpu.state_dict())
+    grids = [[1, 12, 10], [1, 4, 10]]
+    pixels = [torch.randn(t * h * w, cpu.cfg.patch_dim, device="cuda", dtype=torch.bfloat16) for t, h, w in grids]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        both = tower(torch.cat(pixels), torch.tensor(grids))
+    names = {e.name for e in prof.events()}
+    assert "aten::_scaled_dot_product_attention_math" not in names, sorted(n for n in names if "attention" in n)
+    alone = torch.cat([tower(p, torch.tensor([g])) for p, g in zip(pixels, grids, strict=True)])
+    torch.testing.assert_close(both.float(), alone.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_the_memory_profile_encodes_the_largest_image(vlm: tuple[str, object]) -> None:
     """The CUDA memory profile runs the tower on the largest square image the processor makes (max_pixels 48 x 48,
     patches of 4, merged by 2: 12 x 12 patches) and counts the full encoder cache."""
