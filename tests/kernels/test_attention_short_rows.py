@@ -30,7 +30,7 @@ TILE = 64  # the kernel's key tile at head dim 16
 # one empty) at GQA group 3 (9 lanes in 16), each row's context over the launch's splits; "fixed": 16 positions a
 # split; "group4": rows of 4 at group 4 (16 lanes), a row with no context before its tokens.
 CASES = {
-    "verify": ([3, 3, 0, 2, 3, 1], [9, 130, 4, 300, 0, 63], 6, 2, 1000, None),
+    "verify": ([3, 3, 0, 2, 3, 1], [9, 130, 4, 300, 0, 63], 6, 2, 400, None),
     "fixed": ([3, 1, 3, 2], [17, 40, 0, 29], 6, 2, 200, 16),
     "group4": ([4, 4, 2], [0, 77, 150], 8, 2, 400, None),
 }
