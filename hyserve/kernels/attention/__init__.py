@@ -320,7 +320,7 @@ def paged_attention_triton(
             qk_scale,
             GROUP=group, G_PAD=lanes, QMAX=qmax, D=D, BLOCK_D=block_d, BS=bs,
             BLOCK_N=block_n, PART=part, SINGLE=single, PRECISION=precision, FP8=fp8,
-            num_warps=4 if lanes <= 32 else 8, num_stages=decode_stages,
+            num_warps=4 if qmax == 1 or lanes <= 32 else 8, num_stages=decode_stages,  # decode rows: as measured
         )  # fmt: skip
         if not single:
             reduce_splits(po, pml, query_start_loc if qmax == 1 else None, out)
