@@ -131,8 +131,11 @@ def paged_attention_rows(
     # The rows below the threshold as sub-batches of the paged kernels: those short enough for the split-context
     # kernel's lanes (decode and verify rows) in one, the others (short prompt chunks) in the prefill kernel's.
     group = hq // hkv
-    short = [i for i in rest if short_row_lanes(lens[i], group) is not None]
-    for sub_rows in (short, [i for i in rest if short_row_lanes(lens[i], group) is None]):
+    short: list[int] = []
+    longer: list[int] = []
+    for i in rest:
+        (short if short_row_lanes(lens[i], group) is not None else longer).append(i)
+    for sub_rows in (short, longer):
         if not sub_rows:
             continue
         # their tokens gathered, their offsets renumbered
