@@ -11,7 +11,13 @@ from hyserve.cache.specs import AttentionSpec
 from hyserve.distributed.parallel_state import shard_range, tp_rank, tp_size
 from hyserve.kernels import paged_attention, store_kv
 from hyserve.kernels.attention.reference import FP8_KV_DTYPES
-from hyserve.kernels.attention.sdpa import SDPA_MIN_QUERIES, paged_attention_rows, prefill_attention_mode, sdpa_takes
+from hyserve.kernels.attention.sdpa import (
+    SDPA_MIN_QUERIES,
+    RowPlan,
+    paged_attention_rows,
+    prefill_attention_mode,
+    sdpa_takes,
+)
 from hyserve.kernels.fp8 import Fp8Activation
 from hyserve.kernels.gemv import DeferredInput
 from hyserve.kernels.norm import sigmoid_mul
@@ -58,9 +64,15 @@ def attend_paged(layer: Attention | PlainAttention, q: torch.Tensor, k: torch.Te
     if (qsl_cpu is not None and seq_cpu is not None and meta.max_query_len >= SDPA_MIN_QUERIES
             and sdpa_takes(prefill_attention_mode(), q, layer.k_cache,
                            layer.k_scale is not None or layer.k_cache.dtype in FP8_KV_DTYPES)):
-        # long prefill rows through SDPA (FlashAttention on CUDA), the others through the paged kernel
+        # long prefill rows through SDPA (FlashAttention on CUDA), the others through the paged kernel, as the
+        # step's plan says (worked out by its first attention layer, taken by the others)
+        group = q.shape[1] // layer.k_cache.shape[2]
+        plan = meta.attention_plans.get((group, SDPA_MIN_QUERIES))
+        if plan is None:
+            plan = meta.attention_plans[(group, SDPA_MIN_QUERIES)] = RowPlan.of(
+                qsl_cpu.tolist(), seq_cpu.tolist(), group, SDPA_MIN_QUERIES, q.device)
         return paged_attention_rows(q, k, v, layer.k_cache, layer.v_cache, meta.block_tables, meta.seq_lens,
-                                    layer.scale, qsl_cpu.tolist(), seq_cpu.tolist(), SDPA_MIN_QUERIES)
+                                    layer.scale, plan)
     return paged_attention(q.contiguous(), layer.k_cache, layer.v_cache, meta.block_tables, meta.query_start_loc,
                            meta.seq_lens, layer.scale, meta.max_query_len, meta.max_seq_len, layer.k_scale,
                            layer.v_scale)

@@ -288,7 +288,8 @@ class GatedDeltaNet(ReplayedStateLayer):
         assert self.conv_state is not None and self.ssm_state is not None, "caches not bound"
         t = x.shape[0]
         weight = self.conv1d.weight.squeeze(1)
-        mixed_in, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)  # strided views of one output
+        # strided views of the projection's output (of each GEMM's where the checkpoint keeps a part in bf16)
+        mixed_in, z, b, a = self.in_proj.forward_split(x, self.in_proj_sizes)
         vm = meta.verify
         # Verify rows of one token each (no drafts) advance their slots in place (verifies_one_token_rows_in_place);
         # with no other rows the step is a decode step.
@@ -305,7 +306,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         snaps = meta.row_snapshots
         if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
             rest = mixed_in if vm is None else mixed_in[vm.num_tokens :]
-            snapshot_conv_windows(rest, self.conv_state, snaps.slots, snaps.ends, snaps.offsets_t, snaps.entries)
+            snapshot_conv_windows(rest, self.conv_state, snaps)
         if vm is not None and not in_place and uses_fused_verify(mixed_in):
             return self.out_proj(self.fused_verify(mixed_in, z, b, a, meta))
         if vm is not None and in_place and uses_fused_decode(mixed_in):

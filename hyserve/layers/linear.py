@@ -178,6 +178,29 @@ class MergedLinear(nn.Module):
             return self._gemms[0].gemm(x)
         return torch.cat([g.gemm(x) for g in self._gemms], dim=-1)
 
+    def forward_split(self, x: torch.Tensor | Fp8Activation | DeferredInput, sizes: list[int]
+                      ) -> tuple[torch.Tensor, ...]:
+        """The output cut into consecutive pieces of ``sizes`` (views), as ``forward(x).split(sizes, -1)`` but
+        without joining the GEMMs' outputs first: where the parts take two GEMMs (an FP8 checkpoint keeping some in
+        bf16, as the seed's keeps GDN's ``in_proj_b`` / ``in_proj_a``), ``torch.cat`` copied the whole output once
+        more per layer. A piece may not straddle two GEMMs' outputs (refused)."""
+        if len(self._gemms) == 1:
+            return tuple(self._gemms[0].gemm(x).split(sizes, dim=-1))
+        pieces: list[torch.Tensor] = []
+        i = 0
+        for g in self._gemms:
+            y = g.gemm(x)
+            width, start = y.shape[-1], i
+            while i < len(sizes) and sum(sizes[start : i + 1]) <= width:
+                i += 1
+            if sum(sizes[start:i]) != width:
+                raise ValueError(f"pieces {sizes} straddle the GEMMs' outputs "
+                                 f"{[g.out_features for g in self._gemms]}")
+            pieces.extend(y.split(sizes[start:i], dim=-1))
+        if i != len(sizes):
+            raise ValueError(f"pieces {sizes} are wider than the output ({sum(self.sizes)})")
+        return tuple(pieces)
+
     def fp8_input(self) -> str | None:
         """The form this projection's producer writes its input in (``hyserve.kernels.norm.QUANT_MODES``)."""
         return fp8_input_of(self._gemms)

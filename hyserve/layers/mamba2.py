@@ -302,8 +302,7 @@ class Mamba2Mixer(ReplayedStateLayer):
                                              self.verify_scratch["conv_state"], longest, bias)
             else:
                 if snaps is not None:  # windows inside prefill rows, before the conv rolls the slots' windows
-                    snapshot_conv_windows(xbc[lo:hi], conv_state, snaps.slots, snaps.ends, snaps.offsets_t,
-                                          snaps.entries)
+                    snapshot_conv_windows(xbc[lo:hi], conv_state, snaps)
                 mixed = causal_conv1d_varlen(xbc[lo:hi], weight, conv_state, slots, qsl, longest, bias)
             m = hi - lo
             xs, bs, cs = mixed.split([self.intermediate, self.n_groups * self.state_size,

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hyserve.kernels.varlen import ChunkedRows
 from hyserve.utils import device_tensor
+
+if TYPE_CHECKING:
+    from hyserve.kernels.attention.sdpa import RowPlan
 
 
 @dataclass(slots=True)
@@ -58,6 +62,23 @@ class SnapshotTails:
 
 
 @dataclass(slots=True)
+class ConvWindowIndex:
+    """Where each snapshot's conv window of ``w`` inputs comes from (see ``snapshot_conv_windows``), the same for
+    every recurrent layer of a step: built once per step and window width (``RowSnapshots.conv_windows``)."""
+
+    x_rows: torch.Tensor  # (n * w,) int64 the step's token each window input would come from (clamped at 0)
+    old_cols: torch.Tensor  # (n, 1, w) int64 the column of the slot's window before the row it would come from
+    take_x: torch.Tensor  # (n, 1, w) bool: the input is the row's own (else the slot's window before the row)
+
+    @staticmethod
+    def of(ends: torch.Tensor, offsets: torch.Tensor, w: int) -> ConvWindowIndex:
+        j = torch.arange(w, device=ends.device)
+        rel = offsets[:, None] - w + j  # (n, w) each input's position relative to the row's first token
+        return ConvWindowIndex((ends[:, None] - w + j).clamp(min=0).flatten(), (rel + w).clamp(max=w - 1)[:, None, :],
+                               (rel >= 0)[:, None, :])
+
+
+@dataclass(slots=True)
 class RowSnapshots:
     """Prefix-cache snapshots taken inside prefill rows (docs/design.md invariant 12): snapshot i is the state of
     prefill row ``rows[i]`` after its first ``offsets[i]`` tokens (0 < offset < the row's length), written by every
@@ -74,6 +95,8 @@ class RowSnapshots:
     ends: torch.Tensor  # (n,) int64 index of the row's token at ``offset`` (one past the snapshot's last token)
     offsets_t: torch.Tensor  # (n,) int64 ``offsets`` on the device
     _tails: dict[int, SnapshotTails] = field(default_factory=dict)
+    _windows: dict[int, ConvWindowIndex] = field(default_factory=dict)
+    _numbered: torch.Tensor | None = None
 
     @staticmethod
     def build(rows: list[int], offsets: list[int], entries: list[int], slots: list[int], row_lens: list[int],
@@ -89,6 +112,22 @@ class RowSnapshots:
     @property
     def num(self) -> int:
         return len(self.rows)
+
+    @property
+    def numbered(self) -> torch.Tensor:
+        """``arange(num)`` on the device, built once per step (the snapshots' own rows of a kernel over their
+        states)."""
+        if self._numbered is None:
+            self._numbered = torch.arange(self.num, device=self.entries.device)
+        return self._numbered
+
+    def conv_windows(self, w: int) -> ConvWindowIndex:
+        """The gather indices of the snapshots' conv windows of ``w`` inputs, built once per step and width: every
+        recurrent layer of the step takes the same (a few small launches each, 48 times in a 27B prompt step)."""
+        got = self._windows.get(w)
+        if got is None:
+            got = self._windows[w] = ConvWindowIndex.of(self.ends, self.offsets_t, w)
+        return got
 
     def tails(self, chunk: int) -> SnapshotTails:
         """Where each snapshot's state is advanced from when a kernel kept the states at every ``chunk`` tokens of
@@ -139,6 +178,9 @@ class StepMetadata:
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # Prefix-cache snapshots inside this step's prefill rows (eager steps only; None: none).
     row_snapshots: RowSnapshots | None = None
+    # How the attention layers split this step's rows between SDPA and the paged kernels (eager steps with long
+    # rows), by (query heads to a KV head, SDPA's threshold): worked out by the step's first attention layer.
+    attention_plans: dict[tuple[int, int], RowPlan] = field(default_factory=dict)
     # The rows as the chunked (prefill) kernels take them, worked out once for every recurrent layer (eager steps
     # with a prefill chunk and no verify rows; None: each layer works them out).
     chunked_rows: ChunkedRows | None = None

@@ -12,6 +12,7 @@ an aborted request's late result publishing its snapshots.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -258,8 +259,8 @@ def _shifted_conv_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: the conv window of a snapshot inside a row is taken one position late."""
     original = gdn_layer.snapshot_conv_windows
 
-    def shifted(x: Any, conv_state: Any, slots: Any, ends: Any, offsets: Any, entries: Any) -> None:
-        original(x, conv_state, slots, ends + 1, offsets + 1, entries)
+    def shifted(x: Any, conv_state: Any, snaps: Any) -> None:
+        original(x, conv_state, replace(snaps, ends=snaps.ends + 1, offsets_t=snaps.offsets_t + 1, _windows={}))
 
     monkeypatch.setattr(gdn_layer, "snapshot_conv_windows", shifted)
     monkeypatch.setattr(mamba2_layer, "snapshot_conv_windows", shifted)

@@ -178,3 +178,47 @@ def test_a_failing_first_stage_is_an_error_not_a_hang(ckpts: CheckpointCache, tm
         assert time.monotonic() - t0 < 30
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("sabotage", [None, "unlinked_before_read", "never_unlinked"])
+def test_large_arrays_cross_through_shared_memory(sabotage: str | None) -> None:
+    """A step's arrays of a megabyte or more (a screenshot's pixels) are pickled as shared memory segments, one per
+    array, read back equal, the small ones kept in the message; a step's segments are unlinked once every worker
+    it went to (two here) has answered it. Sabotaged: a segment unlinked before the worker reads it fails the read;
+    one never unlinked is seen left behind."""
+    import io
+    import multiprocessing.reduction
+
+    import numpy as np
+
+    from hyserve.executor import multiproc
+
+    big = np.arange(3520 * 200, dtype=np.float32).reshape(3520, 200)  # 2.8 MB; every second row, 1.4 MB
+    small = np.arange(10, dtype=np.int64)
+    segments = multiproc._Segments(waiting=2)
+    buf = io.BytesIO()
+    multiproc._StepPickler(buf, segments.shms).dump(("step", {"pixels": [big, big[::2]], "positions": small}))
+    names = [shm.name for shm in segments.shms]
+    assert len(names) == 2 and len(buf.getvalue()) < 2000  # the pixels' bytes are not in the message
+
+    def alive(name: str) -> bool:
+        return os.path.exists(f"/dev/shm/{name.lstrip('/')}")
+
+    if sabotage == "unlinked_before_read":
+        segments.release()
+        with pytest.raises(FileNotFoundError):
+            multiprocessing.reduction.ForkingPickler.loads(buf.getvalue())
+        return
+    kind, payload = multiprocessing.reduction.ForkingPickler.loads(buf.getvalue())
+    assert kind == "step" and np.array_equal(payload["pixels"][0], big)
+    assert np.array_equal(payload["pixels"][1], big[::2]) and np.array_equal(payload["positions"], small)
+    segments.answered()  # the first worker
+    assert all(alive(n) for n in names), "unlinked while a worker had not answered"
+    if sabotage != "never_unlinked":
+        segments.answered()  # the second
+    left = [n for n in names if alive(n)]
+    if sabotage == "never_unlinked":
+        assert left, "a segment never unlinked went unseen"
+        segments.release()
+    else:
+        assert not left

@@ -36,10 +36,17 @@ def problem(dtype: torch.dtype) -> dict[str, Any]:
     return p
 
 
+def plan_of(p: dict[str, Any], min_queries: int = MIN_QUERIES, module: Any = sdpa) -> sdpa.RowPlan:
+    """The step's row plan, as the attention layer works it out from the host's offsets and context lengths."""
+    plan: sdpa.RowPlan = module.RowPlan.of(p["query_start_loc"].tolist(), p["seq_lens"].tolist(),
+                           p["q"].shape[1] // p["k_cache"].shape[2], min_queries, p["q"].device)
+    return plan
+
+
 def run(p: dict[str, Any], module: Any = sdpa) -> torch.Tensor:
     out: torch.Tensor = module.paged_attention_rows(
         p["q"], p["k"], p["v"], p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"], p["scale"],
-        p["query_start_loc"].tolist(), p["seq_lens"].tolist(), MIN_QUERIES)
+        plan_of(p, module=module))
     return out
 
 
@@ -59,8 +66,7 @@ def test_every_row_below_the_threshold_is_the_paged_kernel_alone() -> None:
 
     p = problem(torch.float32)
     got = sdpa.paged_attention_rows(p["q"], p["k"], p["v"], p["k_cache"], p["v_cache"], p["block_tables"],
-                                    p["seq_lens"], p["scale"], p["query_start_loc"].tolist(), p["seq_lens"].tolist(),
-                                    min_queries=100)
+                                    p["seq_lens"], p["scale"], plan_of(p, min_queries=100))
     want = paged_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
                            p["seq_lens"], p["scale"], p["max_query_len"], p["max_seq_len"])
     assert torch.equal(got, want)
@@ -72,7 +78,12 @@ SABOTAGES = {
     # a row after a context attends to its own keys alone
     "own_keys_after_a_context": [("if ctx_len == n:  # a fresh row", "if True:  # a fresh row")],
     # the short rows' outputs put back in reverse order
-    "short_rows_misplaced": [("out.index_copy_(0, idx, sub)", "out.index_copy_(0, idx.flip(0), sub)")],
+    "short_rows_misplaced": [("out.index_copy_(0, sub.tokens, got)", "out.index_copy_(0, sub.tokens.flip(0), got)")],
+    # the plan: each short row's tokens counted from the row's second token (its last token from the next row)
+    "plan_tokens_shifted": [("for t in range(query_start_loc_cpu[i], query_start_loc_cpu[i + 1])]",
+                             "for t in range(query_start_loc_cpu[i] + 1, query_start_loc_cpu[i + 1] + 1)]")],
+    # the plan: a sub-batch's longest context taken as its shortest (the launch covers too little of the others)
+    "plan_context_too_short": [("max(seq_lens_cpu[i] for i in sub_rows)", "min(seq_lens_cpu[i] for i in sub_rows)")],
 }
 
 
@@ -121,7 +132,7 @@ def test_cuda_rows_through_flash_match_the_paged_kernel() -> None:
     assert sdpa.flash_only(p["q"], 2)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         got = sdpa.paged_attention_rows(p["q"], k, v, p["k_cache"], p["v_cache"], p["block_tables"], p["seq_lens"],
-                                        p["scale"], p["query_start_loc"].tolist(), p["seq_lens"].tolist())
+                                        p["scale"], plan_of(p, sdpa.SDPA_MIN_QUERIES))
         torch.cuda.synchronize()
     want = paged_attention(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["query_start_loc"],
                            p["seq_lens"], p["scale"], p["max_query_len"], p["max_seq_len"])

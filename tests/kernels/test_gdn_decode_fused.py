@@ -858,9 +858,14 @@ SLOW_INTERP_CHECKS = [
     *[f"persist_vs_{against}_{name}_{progs}_programs" for name, against, progs in PERSIST_CHECKS
       if (name, against, progs) not in PERSIST_DEFAULT],
     "persist_windows_not_rolled_caught", "persist_roll_of_empty_rows_caught",
-    # roll_inside (off until a card times it): its pool-rows and GQA-at-odd-widths checks
+    # roll_inside (off until a card times it): all of its checks and its sabotage
     "persist_roll_inside_vs_upfront_bf16_g3_odd_widths_2_programs",
     "persist_roll_inside_vs_pool_rows_bf16_g2_bf16_state_1_programs",
+    "persist_roll_inside_vs_unfused_bf16_g2_3_programs", "persist_roll_inside_skipped_caught",
+    # 2026-12-07, the default run past its budget (21-29 minutes on two cores): the FP8 tail's last default problem
+    # (off by default; the mixer's hand-off to an FP8 out_proj stays), the split launch's opt-in ONEPASS form and
+    # its second sabotage (the q / k window rolled early stays): 29 s of the file's 111 under the interpreter
+    "fp8_bf16_g2", "split_onepass_vs_unfused_bf16_g2", "split_norm_by_first_caught",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ from hyserve.kernels.gdn import FLA_CHUNK, advance_snapshots, gdn_forward
 from hyserve.kernels.gdn.decode import as_value_major
 from hyserve.kernels.mamba2 import advance_snapshots as mamba2_advance_snapshots
 from hyserve.kernels.mamba2 import mamba2_scan
-from hyserve.model.metadata import RowSnapshots
+from hyserve.model.metadata import ConvWindowIndex, RowSnapshots
 from hyserve.testing.triton_interpreter import interpreter_subprocess_results, patch_triton_interpreter, record_check
 
 LENS = [70, 5, 0, 130, 33]  # prefill rows (one empty: no chunk, no tokens)
@@ -96,15 +97,16 @@ def scratch_states(p: dict[str, Any], state0: torch.Tensor, chunked: bool = Fals
     return out
 
 
-def scratch_windows(p: dict[str, Any], conv0: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
-    """Each snapshot's conv window from scratch: the last K - 1 of (the slot's window before the row ++ the row's
-    first ``offset`` inputs), oldest first."""
+def scratch_windows(p: dict[str, Any], conv0: torch.Tensor, width: int = K - 1
+                    ) -> dict[tuple[int, int], torch.Tensor]:
+    """Each snapshot's conv window from scratch: the last ``width`` (K - 1) of (the slot's window before the row ++
+    the row's first ``offset`` inputs), oldest first."""
     qsl = p["qsl"].tolist()
     out = {}
     for r, off in SNAPS:
         slot = int(p["slots"][r])
         seq = torch.cat([conv0[slot].t(), p["x"][qsl[r] : qsl[r] + off].cpu()])
-        out[(r, off)] = seq[-(K - 1) :].t()
+        out[(r, off)] = seq[-width:].t()
     return out
 
 
@@ -161,13 +163,50 @@ def test_conv_windows_inside_rows(sabotage: bool) -> None:
     conv0 = p["conv_state"].clone()
     want = scratch_windows(p, conv0)
     snaps = _snapshots(p)
-    ends = snaps.ends + 1 if sabotage else snaps.ends
-    offsets = snaps.offsets_t + 1 if sabotage else snaps.offsets_t
-    snapshot_conv_windows(p["x"], p["conv_state"], snaps.slots, ends, offsets, snaps.entries)
+    if sabotage:
+        snaps = replace(snaps, ends=snaps.ends + 1, offsets_t=snaps.offsets_t + 1, _windows={})
+    snapshot_conv_windows(p["x"], p["conv_state"], snaps)
     got_ok = all(torch.equal(p["conv_state"][e], want[s]) for s, e in zip(SNAPS, p["entries"], strict=False))
     assert got_ok != sabotage
     others = [i for i in range(POOL) if i not in p["entries"][: len(SNAPS)]]
     assert torch.equal(p["conv_state"][others], conv0[others])  # the rows' own windows are the conv's to roll
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_conv_window_index_built_once_a_step_and_width(monkeypatch: pytest.MonkeyPatch, sabotage: bool) -> None:
+    """A step's layers take one gather index per window width (``RowSnapshots.conv_windows``): three layers of
+    width K - 1 and one of width K - 2 (a family with another conv kernel) build it twice, and every layer's
+    windows are right. Sabotaged, the index is kept whatever the width: the narrower layer's windows come out
+    wrong (the cache is caught keyed on too little)."""
+    p = _problem(torch.bfloat16, torch.float32)
+    snaps = _snapshots(p)
+    built: list[int] = []
+    of = ConvWindowIndex.of
+
+    def counted(ends: torch.Tensor, offsets: torch.Tensor, w: int) -> ConvWindowIndex:
+        built.append(w)
+        return of(ends, offsets, w)
+
+    monkeypatch.setattr(ConvWindowIndex, "of", staticmethod(counted))
+    if sabotage:
+        def any_width(self: RowSnapshots, w: int) -> ConvWindowIndex:
+            if not self._windows:
+                self._windows[0] = ConvWindowIndex.of(self.ends, self.offsets_t, w)
+            return self._windows[0]
+        monkeypatch.setattr(RowSnapshots, "conv_windows", any_width)
+    pools = [p["conv_state"].clone() for _ in range(3)] + [p["conv_state"][..., 1:].clone()]
+    wants = [scratch_windows(p, pool, width=pool.shape[-1]) for pool in pools]
+    right = []
+    for pool, want in zip(pools, wants, strict=True):
+        try:
+            snapshot_conv_windows(p["x"], pool, snaps)
+        except RuntimeError:  # an index of another width may not even fit the layer's window
+            right.append(False)
+            continue
+        right.append(all(torch.equal(pool[e], want[s]) for s, e in zip(SNAPS, p["entries"], strict=False)))
+    assert right[:3] == [True] * 3
+    assert right[3] != sabotage
+    assert built == ([K - 1] if sabotage else [K - 1, K - 2])
 
 
 def test_tails_follow_fla_chunk_layout() -> None:

@@ -714,3 +714,31 @@ def test_the_gdn_output_quantization_is_asked_for(fp8_ckpts: Checkpoints, monkey
         monkeypatch.setenv("HYSERVE_GDN_FUSED_QUANT", bad)
         with pytest.raises(ValueError, match="HYSERVE_GDN_FUSED_QUANT"):
             output_quant_switch()
+
+
+def test_merged_parts_of_two_gemms_are_cut_without_joining() -> None:
+    """GDN's input projection in the seed's checkpoint: ``in_proj_qkv`` / ``in_proj_z`` in FP8, ``in_proj_b`` /
+    ``in_proj_a`` kept in bf16, so two GEMMs. ``forward_split`` gives the pieces ``forward(x).split`` gives, each a
+    view of its own GEMM's output (no ``torch.cat`` copy of the whole output per layer); a piece across the two
+    outputs is refused by name."""
+    from hyserve.layers.linear import MergedLinear
+
+    quant = parse_quantization_config({"quantization_config": quantization_config(
+        "ct_dynamic", ["lm_head", r"re:.*in_proj_[ab]$"])}, "Qwen3_5ForCausalLM")
+    assert quant is not None
+    sizes = [48, 16, 4, 4]
+    lin = MergedLinear(32, list(zip(["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], sizes, strict=True)),
+                       quant=quant, prefix="model.layers.0.linear_attn")
+    assert len(lin.gemms) == 2
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.copy_((torch.rand(p.shape, generator=gen) * 0.5 + 0.25).to(p.dtype))
+    x = torch.randn(5, 32, generator=gen)
+    want = lin(x).split(sizes, dim=-1)
+    got = lin.forward_split(x, sizes)
+    assert len(got) == 4 and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    storage = [t.untyped_storage().data_ptr() for t in got]
+    assert storage[0] == storage[1] != storage[2] == storage[3]
+    with pytest.raises(ValueError, match="straddle"):
+        lin.forward_split(x, [48, 18, 6])

@@ -44,13 +44,22 @@ def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     real = attention_layer.paged_attention_rows
 
     def recorded(*args: Any) -> Any:
-        qsl, seq, threshold = args[-3], args[-2], args[-1]
-        taken.extend((qsl[i + 1] - qsl[i], seq[i] - (qsl[i + 1] - qsl[i])) for i in range(len(seq))
-                     if qsl[i + 1] - qsl[i] >= threshold)
+        taken.extend((n, ctx - n) for _, _, n, ctx in args[-1].sdpa_rows)  # the step's RowPlan
         return real(*args)
 
     monkeypatch.setattr(attention_layer, "paged_attention_rows", recorded)
     return taken
+
+
+def count_wrong(ref: Any, got: dict[str, Any]) -> int:
+    """How many of the driven requests' outputs differ from transformers' (``PROMPTS``)."""
+    wrong = 0
+    for rid, out in got.items():
+        try:
+            assert_matches_reference(ref, PROMPTS[rid], out)
+        except AssertionError:
+            wrong += 1
+    return wrong
 
 
 def engine_kw(**kw: Any) -> dict[str, Any]:
@@ -112,13 +121,48 @@ def test_an_upper_left_mask_after_a_context_is_seen(tiny: tuple[str, Any], sdpa_
     monkeypatch.setattr(sdpa, "causal_lower_right", lambda n, ctx_len: None)  # is_causal: top-left aligned
     got = drive(make_llm(path, **engine_kw()).llm_engine, ARRIVALS)
     assert any(ctx > 0 for _, ctx in sdpa_rows)
-    wrong = 0
-    for rid, out in got.items():
-        try:
-            assert_matches_reference(ref, PROMPTS[rid], out)
-        except AssertionError:
-            wrong += 1
+    wrong = count_wrong(ref, got)
     assert wrong > 0, "the sabotaged mask went unseen"
+
+
+@pytest.fixture(scope="module")
+def two_attention_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("prefill_attention_2") / "m",
+                                 layer_types=["linear_attention", "full_attention"] * 2)
+    return path, load_reference_model(path)
+
+
+@pytest.mark.parametrize("kept_past_its_step", [False, True], ids=["per_step", "stale_plan_sabotage"])
+def test_each_step_plans_its_rows_once(two_attention_layers: tuple[str, Any], sdpa_rows: list[tuple[int, int]],
+                                       monkeypatch: pytest.MonkeyPatch, kept_past_its_step: bool) -> None:
+    """The split of a step's rows between SDPA and the paged kernels (``RowPlan``) is worked out by the step's first
+    attention layer and taken by the others: as many plans as steps with long rows, each taken by every attention
+    layer, and every output right against transformers. Sabotaged, the first plan is kept for every later step (a
+    memo that outlives its step): the outputs go wrong."""
+    path, ref = two_attention_layers
+    plans: list[sdpa.RowPlan] = []
+    real_of = attention_layer.RowPlan.of
+
+    def counted(*args: Any) -> sdpa.RowPlan:
+        if kept_past_its_step and plans:
+            return plans[0]
+        plans.append(real_of(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(attention_layer.RowPlan, "of", staticmethod(counted))
+    taken: list[sdpa.RowPlan] = []
+    real_rows = attention_layer.paged_attention_rows
+    monkeypatch.setattr(attention_layer, "paged_attention_rows", lambda *a: (taken.append(a[-1]), real_rows(*a))[1])
+    got = drive(make_llm(path, **engine_kw()).llm_engine, ARRIVALS)
+    wrong = count_wrong(ref, got)
+    if kept_past_its_step:
+        assert wrong > 0, "a plan kept past its step went unseen"
+        return
+    assert wrong == 0
+    layers = ref.config.layer_types.count("full_attention")
+    assert layers == 2 and len(plans) > 1
+    assert len(taken) == len(plans) * layers
+    assert all(taken[i] is plans[i // layers] for i in range(len(taken)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -136,7 +180,7 @@ def test_cuda_sdpa_rows_in_the_engine(tiny: tuple[str, Any], monkeypatch: pytest
     taken: list[int] = []
     real = attention_layer.paged_attention_rows
     monkeypatch.setattr(attention_layer, "paged_attention_rows",
-                        lambda *a: (taken.append(len(a[-2])), real(*a))[1])
+                        lambda *a: (taken.append(a[-1].num_rows), real(*a))[1])
     monkeypatch.setenv("HYSERVE_PREFILL_ATTENTION", "sdpa")
     outs = make_llm(path, dtype="float32", **kw).generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                                           use_tqdm=False)

@@ -13,6 +13,7 @@ encoder rows of a cut chunk taken from the image's start; one call's rows handed
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -413,10 +414,26 @@ def test_the_host_tier_round_trips_on_cuda() -> None:
 
 @pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)],
                          ids=["pp2", "tp2"])
-def test_images_across_pipeline_stages_and_tensor_ranks(vlm_mtp: tuple[str, object], layout: dict) -> None:  # type: ignore[type-arg]
+def test_images_across_pipeline_stages_and_tensor_ranks(vlm_mtp: tuple[str, object], layout: dict,  # type: ignore[type-arg]
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Worker processes (what the scheduler sends them pickled): with two pipeline stages the first holds the
     vision tower and embeds the images, both read the three-axis positions; with two tensor-parallel ranks each
-    holds the whole tower. MTP k = 2, prefix caching and 16-token chunks on; outputs equal transformers'."""
+    holds the whole tower. MTP k = 2, prefix caching and 16-token chunks on; outputs equal transformers'. Every
+    array of a step crosses through shared memory here (the threshold lowered from a megabyte to a byte: the tiny
+    images' pixels take the path a screenshot's do), read by both workers, and no segment outlives the steps."""
+    from hyserve.executor import multiproc
+
+    monkeypatch.setattr(multiproc, "SHARED_ARRAY_MIN_BYTES", 1)
+    shared: list[str] = []
+    real_reduce = multiproc._StepPickler.reducer_override
+
+    def recorded(self: multiproc._StepPickler, obj: object) -> object:
+        got = real_reduce(self, obj)
+        if got is not NotImplemented:
+            shared.append(self.segments[-1].name)
+        return got
+
+    monkeypatch.setattr(multiproc._StepPickler, "reducer_override", recorded)
     llm = make_llm(vlm_mtp[0], enable_prefix_caching=True, max_num_batched_tokens=16, recurrent_snapshot_interval=16,
                    num_snapshot_slots=32, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                    distributed_executor_backend="mp", **layout)
@@ -427,6 +444,8 @@ def test_images_across_pipeline_stages_and_tensor_ranks(vlm_mtp: tuple[str, obje
                                  (user_turn(f"Other {IMAGE} screen."), [image(40, 32, 90 + turn)])])
     finally:
         llm.llm_engine.shutdown()
+    assert len(shared) >= 6, shared  # every image's pixels at least, each turn's new ones
+    assert not [name for name in shared if os.path.exists(f"/dev/shm/{name.lstrip('/')}")], "segments left behind"
 
 
 def test_mtp_pass_takes_the_image_row_of_the_next_token(vlm_mtp: tuple[str, object],

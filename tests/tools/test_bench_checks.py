@@ -19,6 +19,7 @@ import gdn_decode_bench
 ROOT = Path(__file__).parents[2]
 
 
+@pytest.mark.slow  # 45 s of the default run's budget; the kernels' own interpreter tests keep every path
 def test_attention_decode_bench_check_agrees_with_the_reference() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "benchmarks/attention_decode_bench.py", "--check"], cwd=ROOT, env=env,

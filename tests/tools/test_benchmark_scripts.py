@@ -69,6 +69,7 @@ def test_transformers_init_gets_an_mtp_shard(tmp_path: Path) -> None:
     assert len(greedy(llm, list(range(3, 20)), 4)[0]) == 4
 
 
+@pytest.mark.slow  # 24 s of the default run's budget; the engine's own tests plant drafts (tests/speculative)
 def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = str(tmp_path / "m")
     shapes.write_spread_checkpoint(model, SMALL, mtp=True, embed_std=1.0)
@@ -442,3 +443,17 @@ def test_ptx_count_reports_the_gdn_verify_launch() -> None:
     (row,) = ptx_count.gdn_verify_report([("bf16", 32, 4)])
     assert row["launch"] == "verify bf16 state, 32 x 4" and row["spill_stores"] == row["spill_loads"] == 0
     assert 64 < row["registers"] <= 255 and row["programs_an_sm_by_registers"] >= 2
+
+
+def test_step_handoff_bench_times_both_ways() -> None:
+    """``step_handoff_bench.py``: a step with a screenshot's pixels sent to a worker process through the pipe and
+    through the executor's step pickler (shared memory), the worker's reading of the pixels checked both ways."""
+    import subprocess
+
+    root = Path(__file__).parents[2]
+    proc = subprocess.run([sys.executable, "benchmarks/step_handoff_bench.py", "--repeat", "1"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for how in ("pipe: send", "pipe: answered", "shared memory: send", "shared memory: answered"):
+        assert f"  {how} " in proc.stdout, proc.stdout
+    assert "leaked" not in proc.stderr, proc.stderr  # the resource tracker names segments never unlinked

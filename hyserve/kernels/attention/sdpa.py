@@ -23,15 +23,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from hyserve.utils import host_to_device
+from hyserve.utils import device_tensor
 
-__all__ = ["PREFILL_ATTENTION_MODES", "SDPA_MIN_QUERIES", "flash_only", "paged_attention_rows",
+__all__ = ["PREFILL_ATTENTION_MODES", "SDPA_MIN_QUERIES", "RowPlan", "SubBatch", "flash_only", "paged_attention_rows",
            "prefill_attention_mode", "sdpa_takes"]
 
 # Rows of at least this many queries go to SDPA (below it the paged kernel's launch is as good, and a step's decode
@@ -82,6 +83,65 @@ def _flash_takes(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d:
     return bool(torch.backends.cuda.can_use_flash_attention(params, False))
 
 
+@dataclass(slots=True)
+class SubBatch:
+    """Rows below SDPA's threshold that one paged launch takes: their tokens, their rows, their offsets renumbered
+    (on the device) and their longest query and context (host ints)."""
+
+    tokens: torch.Tensor  # (n,) int64 the rows' tokens among the step's
+    rows: torch.Tensor  # (r,) int64 the rows among the step's
+    query_start_loc: torch.Tensor  # (r + 1,) int32
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """How :func:`paged_attention_rows` takes a step's rows, worked out once a step and taken by every attention
+    layer of it (``StepMetadata.attention_plans``): before, each layer rebuilt the sub-batches' index vectors and
+    copied them to the device (a 27B prompt step: about 30 host operations and three copies in each of its 16
+    attention layers). ``sdpa_rows``: (row, first token, queries, context length) of each row SDPA takes;
+    ``sub_batches``: the others, the split-context kernel's rows first, then the prefill kernel's."""
+
+    num_rows: int
+    sdpa_rows: list[tuple[int, int, int, int]]
+    sub_batches: list[SubBatch]
+
+    @staticmethod
+    def of(query_start_loc_cpu: list[int], seq_lens_cpu: list[int], group: int, min_queries: int,
+           device: torch.device | str) -> RowPlan:
+        """The plan of rows with host offsets ``query_start_loc_cpu`` ``(R + 1)`` and context lengths
+        ``seq_lens_cpu`` ``(R)``, for query heads ``group`` to a KV head: rows of at least ``min_queries`` queries
+        to SDPA, the other non-empty rows to the paged kernels, those short enough for the split-context kernel's
+        lanes (decode and verify rows) in one sub-batch, the others (short prompt chunks) in the prefill
+        kernel's."""
+        from hyserve.kernels.attention import short_row_lanes
+
+        rows = len(seq_lens_cpu)
+        sdpa_rows: list[tuple[int, int, int, int]] = []
+        short: list[int] = []
+        longer: list[int] = []
+        for i in range(rows):
+            s, n = query_start_loc_cpu[i], query_start_loc_cpu[i + 1] - query_start_loc_cpu[i]
+            if n >= min_queries:
+                sdpa_rows.append((i, s, n, seq_lens_cpu[i]))
+            elif n > 0:
+                (short if short_row_lanes(n, group) is not None else longer).append(i)
+        subs = []
+        for sub_rows in (short, longer):
+            if not sub_rows:
+                continue
+            lens = [query_start_loc_cpu[i + 1] - query_start_loc_cpu[i] for i in sub_rows]
+            tokens = [t for i in sub_rows for t in range(query_start_loc_cpu[i], query_start_loc_cpu[i + 1])]
+            offsets = [0]
+            for n in lens:
+                offsets.append(offsets[-1] + n)
+            subs.append(SubBatch(device_tensor(tokens, device, torch.long), device_tensor(sub_rows, device, torch.long),
+                                 device_tensor(offsets, device, torch.int32), max(lens),
+                                 max(seq_lens_cpu[i] for i in sub_rows)))
+        return RowPlan(rows, sdpa_rows, subs)
+
+
 def paged_attention_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,31 +151,20 @@ def paged_attention_rows(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    query_start_loc_cpu: list[int],
-    seq_lens_cpu: list[int],
-    min_queries: int = SDPA_MIN_QUERIES,
+    plan: RowPlan,
 ) -> torch.Tensor:
     """Causal attention of the varlen queries ``q`` ``(T, Hq, D)`` as ``paged_attention`` computes it (the caches
-    already hold this step's ``k`` / ``v``, ``(T, Hkv, D)``): rows of at least ``min_queries`` queries one SDPA call
-    each, the others one paged launch. ``query_start_loc_cpu`` / ``seq_lens_cpu``: the host's row offsets
-    ``(R + 1)`` and context lengths ``(R)`` (``seq_lens`` on the device, for the paged launch)."""
-    from hyserve.kernels.attention import paged_attention, short_row_lanes
+    already hold this step's ``k`` / ``v``, ``(T, Hkv, D)``), the rows taken as the step's ``plan`` says: rows of at
+    least its threshold of queries one SDPA call each, the others in the paged kernels' sub-batches (``seq_lens``
+    on the device, for them)."""
+    from hyserve.kernels.attention import paged_attention
 
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    rows = len(seq_lens_cpu)
-    starts, lens = query_start_loc_cpu[:rows], [query_start_loc_cpu[i + 1] - query_start_loc_cpu[i]
-                                                  for i in range(rows)]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    rest: list[int] = []
     backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash_only(q, hkv) else contextlib.nullcontext()
     with backends:
-        for i in range(rows):
-            s, n, ctx_len = starts[i], lens[i], seq_lens_cpu[i]
-            if n < min_queries:
-                if n > 0:
-                    rest.append(i)
-                continue
+        for i, s, n, ctx_len in plan.sdpa_rows:
             if ctx_len == n:  # a fresh row: its own keys, the upper-left causal mask is the row's
                 ki, vi, mask = k[s : s + n], v[s : s + n], None
             else:  # after a context: the row's whole context read back from its blocks, lower-right causal
@@ -128,23 +177,9 @@ def paged_attention_rows(
                 vi.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
                 enable_gqa=hkv != hq)
             out[s : s + n] = o[0].transpose(0, 1)
-    # The rows below the threshold as sub-batches of the paged kernels: those short enough for the split-context
-    # kernel's lanes (decode and verify rows) in one, the others (short prompt chunks) in the prefill kernel's.
-    group = hq // hkv
-    short: list[int] = []
-    longer: list[int] = []
-    for i in rest:
-        (short if short_row_lanes(lens[i], group) is not None else longer).append(i)
-    for sub_rows in (short, longer):
-        if not sub_rows:
-            continue
-        # their tokens gathered, their offsets renumbered
-        tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in sub_rows])
-        sub_qsl = torch.tensor([0, *torch.tensor([lens[i] for i in sub_rows]).cumsum(0).tolist()], dtype=torch.int32)
-        idx, rows_t = host_to_device(tokens, q.device), host_to_device(torch.tensor(sub_rows), q.device)
-        sub = paged_attention(q.index_select(0, idx).contiguous(), k_cache, v_cache,
-                              block_tables.index_select(0, rows_t), host_to_device(sub_qsl, q.device),
-                              seq_lens.index_select(0, rows_t), scale, max(lens[i] for i in sub_rows),
-                              max(seq_lens_cpu[i] for i in sub_rows))
-        out.index_copy_(0, idx, sub)
+    for sub in plan.sub_batches:
+        got = paged_attention(q.index_select(0, sub.tokens).contiguous(), k_cache, v_cache,
+                              block_tables.index_select(0, sub.rows), sub.query_start_loc,
+                              seq_lens.index_select(0, sub.rows), scale, sub.max_query_len, sub.max_seq_len)
+        out.index_copy_(0, sub.tokens, got)
     return out

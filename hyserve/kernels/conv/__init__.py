@@ -21,7 +21,7 @@ Otherwise ``_conv1d_state_kernel`` rolls the windows in a second launch, after e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,26 +30,29 @@ from hyserve.kernels.conv.verify import causal_conv1d_verify
 from hyserve.kernels.norm.reference import l2_norm_heads_ref
 from hyserve.utils import next_pow2
 
+if TYPE_CHECKING:
+    from hyserve.model.metadata import RowSnapshots
+
 __all__ = ["causal_conv1d_split", "causal_conv1d_split_triton", "causal_conv1d_varlen", "causal_conv1d_varlen_triton",
            "causal_conv1d_verify", "compile_variants", "snapshot_conv_windows"]
 
 
-def snapshot_conv_windows(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor,
-                          offsets: torch.Tensor, entries: torch.Tensor) -> None:
-    """Pool ``entries[i]`` takes the conv window at a position inside a row: the ``K - 1`` inputs before token
-    ``ends[i]`` of ``x`` (oldest first), that row's ``offsets[i]``-th token; where the offset is shorter than the
-    window, its older part comes from the window of the row's slot ``slots[i]`` before the row. Must run before the
-    conv rolls the slots' windows. Plain torch gathers (no host sync); entries are not any row's slot."""
-    if entries.numel() == 0:
+def snapshot_conv_windows(x: torch.Tensor, conv_state: torch.Tensor, snaps: RowSnapshots) -> None:
+    """Pool entry ``snaps.entries[i]`` takes the conv window at a position inside a row: the ``K - 1`` inputs before
+    token ``snaps.ends[i]`` of ``x`` (oldest first), that row's ``snaps.offsets_t[i]``-th token; where the offset is
+    shorter than the window, its older part comes from the window of the row's slot ``snaps.slots[i]`` before the
+    row. Must run before the conv rolls the slots' windows. Plain torch gathers (no host sync) through the step's
+    index vectors (``RowSnapshots.conv_windows``: built by the first layer, taken by the rest); entries are not any
+    row's slot."""
+    if snaps.entries.numel() == 0:
         return
     w = conv_state.shape[-1]
-    j = torch.arange(w, device=x.device)
-    rel = offsets[:, None] - w + j  # (n, K - 1) each input's position relative to the row's first token
-    from_x = x.index_select(0, (ends[:, None] - w + j).clamp(min=0).flatten()).view(-1, w, x.shape[-1])
-    old = conv_state.index_select(0, slots)  # (n, C, K - 1)
-    from_old = old.gather(2, (rel + w).clamp(max=w - 1)[:, None, :].expand(-1, old.shape[1], -1))
-    window = torch.where((rel >= 0)[:, None, :], from_x.transpose(1, 2).to(conv_state.dtype), from_old)
-    conv_state.index_copy_(0, entries, window)
+    index = snaps.conv_windows(w)
+    from_x = x.index_select(0, index.x_rows).view(-1, w, x.shape[-1])
+    old = conv_state.index_select(0, snaps.slots)  # (n, C, K - 1)
+    from_old = old.gather(2, index.old_cols.expand(-1, old.shape[1], -1))
+    window = torch.where(index.take_x, from_x.transpose(1, 2).to(conv_state.dtype), from_old)
+    conv_state.index_copy_(0, snaps.entries, window)
 
 
 def causal_conv1d_varlen(

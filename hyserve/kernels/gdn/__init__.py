@@ -139,7 +139,7 @@ def advance_snapshots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     tails = snapshots.tails(chunk)
     if tails.max_len:
         idx = tails.tokens
-        rows = torch.arange(snapshots.num, device=base.device)
+        rows = snapshots.numbered
         gdn_recurrent_triton(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
                              g.index_select(0, idx), beta.index_select(0, idx), base, rows, tails.query_start_loc,
                              qk_normed=qk_normed)

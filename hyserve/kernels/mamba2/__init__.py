@@ -151,7 +151,7 @@ def advance_snapshots(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, B:
     tails = snapshots.tails(chunk)
     if tails.max_len:
         idx = tails.tokens
-        rows = torch.arange(snapshots.num, device=base.device)
+        rows = snapshots.numbered
         mamba2_recurrent_triton(x.index_select(0, idx), dt.index_select(0, idx), A_log, B.index_select(0, idx),
                                 C.index_select(0, idx), D, dt_bias, dt_limit, base, rows, tails.query_start_loc)
     ssm_state.index_copy_(0, snapshots.entries, base.to(ssm_state.dtype))
