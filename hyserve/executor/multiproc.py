@@ -6,11 +6,12 @@ Only plain data crosses the process boundary: ``SchedulerOutput`` to the workers
 arguments and answers of ``collective_rpc``, pickled over one pipe per worker (tensors between workers will go
 through torch.distributed collectives). A step is pickled once for every worker, and its large arrays (an image's
 pixels: a 1280 x 720 screenshot is 3,520 x 1,536 float32, 21.6 MB) go through shared memory, not the pipe: through
-the pipe each took the engine's loop thread 80-130 ms while the device waited (the seed's trace ran 27 % slower than
-in one process at the same device time). The worker copies each out as it reads the step; the engine unlinks a
-step's segments once every worker has answered the step (or at shutdown). A worker runs the messages it receives in
-order, so the engine may send step n + 1 before it reads step n's result (async scheduling): ``execute_model_async``
-returns a handle whose ``result()`` reads the answer.
+the pipe each took the engine's loop thread 80-107 ms on a two-core machine (``benchmarks/step_handoff_bench.py``),
+while the seed's trace ran 27 % slower than in one process at the same device time. The worker copies each array
+out as it reads the step; once every worker has answered the step its segments go back to a pool for later steps
+(``SegmentPool``: a fresh segment's pages fault in as the array is copied), which unlinks them at shutdown. A
+worker runs the messages it receives in order, so the engine may send step n + 1 before it reads step n's result
+(async scheduling): ``execute_model_async`` returns a handle whose ``result()`` reads the answer.
 
 Lifetime and failure:
 
@@ -99,29 +100,74 @@ def _copy_out(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         shm.close()
 
 
-class _StepPickler(multiprocessing.reduction.ForkingPickler):
-    """The pipe's pickler (its reducers kept), with arrays of at least ``SHARED_ARRAY_MIN_BYTES`` put in shared
-    memory segments (``segments``, the caller's to unlink) and pickled as their names."""
+class SegmentPool:
+    """Shared memory segments for the arrays of the steps in flight, kept for reuse once a step is answered (a
+    fresh segment's pages fault in as the array is copied: about 24 ms of the loop thread for a screenshot on a
+    two-core machine, against a few for a segment reused). Up to ``max_bytes`` are kept free; the rest, and all of
+    them at ``close()``, are unlinked."""
 
-    def __init__(self, file: io.BytesIO, segments: list[SharedMemory]) -> None:
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.free: dict[int, list[SharedMemory]] = {}  # by the array's byte count
+        self.free_bytes = 0
+        self.closed = False
+
+    def take(self, nbytes: int) -> SharedMemory:
+        kept = self.free.get(nbytes)
+        if kept:
+            self.free_bytes -= nbytes
+            return kept.pop()
+        return SharedMemory(create=True, size=nbytes)
+
+    def give(self, shm: SharedMemory, nbytes: int) -> None:
+        """Segment ``shm`` (taken for an array of ``nbytes``) no longer read by any worker."""
+        if self.closed or self.free_bytes + nbytes > self.max_bytes:
+            _unlink(shm)
+            return
+        self.free.setdefault(nbytes, []).append(shm)
+        self.free_bytes += nbytes
+
+    def close(self) -> None:
+        self.closed = True
+        for kept in self.free.values():
+            for shm in kept:
+                _unlink(shm)
+        self.free.clear()
+        self.free_bytes = 0
+
+
+def _unlink(shm: SharedMemory) -> None:
+    with contextlib.suppress(OSError):
+        shm.close()
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
+
+
+class _StepPickler(multiprocessing.reduction.ForkingPickler):
+    """The pipe's pickler (its reducers kept), with arrays of at least ``SHARED_ARRAY_MIN_BYTES`` copied into shared
+    memory segments of ``segments``' pool (``segments`` records them, for the caller to give back) and pickled as
+    their names."""
+
+    def __init__(self, file: io.BytesIO, segments: _Segments) -> None:
         super().__init__(file, 5)
         self.segments = segments
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, np.ndarray) or obj.nbytes < SHARED_ARRAY_MIN_BYTES or obj.dtype.hasobject:
             return NotImplemented
-        shm = SharedMemory(create=True, size=obj.nbytes)
-        self.segments.append(shm)
+        shm = self.segments.pool.take(obj.nbytes)
+        self.segments.shms.append((shm, obj.nbytes))
         np.ndarray(obj.shape, dtype=obj.dtype, buffer=shm.buf)[...] = obj
         return _copy_out, (shm.name, tuple(obj.shape), obj.dtype.str)
 
 
 @dataclass(slots=True, eq=False)
 class _Segments:
-    """A sent message's shared memory segments, unlinked once each of the ``waiting`` workers it went to has
-    answered it."""
+    """A sent message's shared memory segments (with their arrays' byte counts), given back to ``pool`` once each
+    of the ``waiting`` workers it went to has answered it (each copied the arrays out as it read the message)."""
 
-    shms: list[SharedMemory] = field(default_factory=list)
+    pool: SegmentPool
+    shms: list[tuple[SharedMemory, int]] = field(default_factory=list)
     waiting: int = 0
 
     def answered(self) -> None:
@@ -130,11 +176,8 @@ class _Segments:
             self.release()
 
     def release(self) -> None:
-        for shm in self.shms:
-            with contextlib.suppress(OSError):
-                shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
+        for shm, nbytes in self.shms:
+            self.pool.give(shm, nbytes)
         self.shms.clear()
 
 
@@ -235,6 +278,7 @@ class MultiprocExecutor(Executor):
         self._lock = threading.Lock()
         self._procs: list[_Proc] = []
         self._last_step: _StepAnswer | None = None
+        self._segment_pool = SegmentPool()
         for rank in range(world_size):
             parent, child = multiprocessing.Pipe(duplex=True)
             process = subprocess.Popen([sys.executable, "-m", "hyserve.executor.multiproc", str(child.fileno())],
@@ -243,7 +287,7 @@ class MultiprocExecutor(Executor):
             self._procs.append(_Proc(rank, process, parent))
             parent.send(WorkerSpec(rank, world_size, worker_args, dict(worker_kwargs or {})))
         # Stop the workers however this executor goes: shutdown(), garbage collection, interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop_all, list(self._procs))  # also runs at interpreter exit
+        self._finalizer = weakref.finalize(self, _stop_all, list(self._procs), self._segment_pool)  # also at exit
         try:
             for p in self._procs:
                 kind, payload = self._recv(p)
@@ -330,10 +374,10 @@ class MultiprocExecutor(Executor):
 
     def _pickle_step(self, scheduler_output: SchedulerOutput) -> tuple[memoryview, _Segments | None]:
         """A step pickled once for every worker, its large arrays in shared memory segments (module docstring)."""
-        segments = _Segments(waiting=len(self._procs))
+        segments = _Segments(self._segment_pool, waiting=len(self._procs))
         buf = io.BytesIO()
         try:
-            _StepPickler(buf, segments.shms).dump(("step", scheduler_output))
+            _StepPickler(buf, segments).dump(("step", scheduler_output))
         except BaseException:
             segments.release()
             raise
@@ -405,7 +449,7 @@ class _StepAnswer:
         return self._out
 
 
-def _stop_all(procs: list[_Proc], grace_s: float = 5.0) -> None:
+def _stop_all(procs: list[_Proc], pool: SegmentPool | None = None, grace_s: float = 5.0) -> None:
     if any(not p.is_alive() for p in procs):
         grace_s = 0.0  # a worker died: the group is broken and the others may never answer "stop"
     for p in procs:
@@ -428,6 +472,8 @@ def _stop_all(procs: list[_Proc], grace_s: float = 5.0) -> None:
             if sent is not None:
                 sent.release()
         p.segments.clear()
+    if pool is not None:
+        pool.close()
 
 
 if __name__ == "__main__":  # a worker process (MultiprocExecutor starts it with its end of the pipe)

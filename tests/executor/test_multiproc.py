@@ -180,12 +180,13 @@ def test_a_failing_first_stage_is_an_error_not_a_hang(ckpts: CheckpointCache, tm
         llm.shutdown()
 
 
-@pytest.mark.parametrize("sabotage", [None, "unlinked_before_read", "never_unlinked"])
+@pytest.mark.parametrize("sabotage", [None, "given_back_before_read", "pool_never_closed"])
 def test_large_arrays_cross_through_shared_memory(sabotage: str | None) -> None:
     """A step's arrays of a megabyte or more (a screenshot's pixels) are pickled as shared memory segments, one per
-    array, read back equal, the small ones kept in the message; a step's segments are unlinked once every worker
-    it went to (two here) has answered it. Sabotaged: a segment unlinked before the worker reads it fails the read;
-    one never unlinked is seen left behind."""
+    array, read back equal, the small ones kept in the message. A step's segments go back to the pool once every
+    worker it went to (two here) has answered it, and the next step's array of the same size reuses one; closing
+    the pool unlinks them. Sabotaged: a segment given back before a worker read it is overwritten by the next
+    step's array (the first step reads the second's pixels); a pool never closed leaves its segments behind."""
     import io
     import multiprocessing.reduction
 
@@ -193,32 +194,53 @@ def test_large_arrays_cross_through_shared_memory(sabotage: str | None) -> None:
 
     from hyserve.executor import multiproc
 
-    big = np.arange(3520 * 200, dtype=np.float32).reshape(3520, 200)  # 2.8 MB; every second row, 1.4 MB
-    small = np.arange(10, dtype=np.int64)
-    segments = multiproc._Segments(waiting=2)
-    buf = io.BytesIO()
-    multiproc._StepPickler(buf, segments.shms).dump(("step", {"pixels": [big, big[::2]], "positions": small}))
-    names = [shm.name for shm in segments.shms]
-    assert len(names) == 2 and len(buf.getvalue()) < 2000  # the pixels' bytes are not in the message
-
     def alive(name: str) -> bool:
         return os.path.exists(f"/dev/shm/{name.lstrip('/')}")
 
-    if sabotage == "unlinked_before_read":
-        segments.release()
-        with pytest.raises(FileNotFoundError):
-            multiprocessing.reduction.ForkingPickler.loads(buf.getvalue())
+    def pickled(payload: object, segments: multiproc._Segments) -> bytes:
+        buf = io.BytesIO()
+        multiproc._StepPickler(buf, segments).dump(("step", payload))
+        return buf.getvalue()
+
+    def read(data: bytes) -> object:
+        kind, payload = multiprocessing.reduction.ForkingPickler.loads(data)
+        assert kind == "step"
+        return payload
+
+    pool = multiproc.SegmentPool()
+    big = np.arange(3520 * 200, dtype=np.float32).reshape(3520, 200)  # 2.8 MB; every second row, 1.4 MB
+    small = np.arange(10, dtype=np.int64)
+    first = multiproc._Segments(pool, waiting=2)
+    data = pickled({"pixels": [big, big[::2]], "positions": small}, first)
+    names = [shm.name for shm, _ in first.shms]
+    assert len(names) == 2 and len(data) < 2000  # the pixels' bytes are not in the message
+    other = big + 1
+    if sabotage == "given_back_before_read":
+        first.release()
+        pickled({"pixels": [other]}, multiproc._Segments(pool, waiting=1))  # takes the segment given back
+        got = read(data)
+        assert not np.array_equal(got["pixels"][0], big)  # type: ignore[index]
+        pool.close()
         return
-    kind, payload = multiprocessing.reduction.ForkingPickler.loads(buf.getvalue())
-    assert kind == "step" and np.array_equal(payload["pixels"][0], big)
-    assert np.array_equal(payload["pixels"][1], big[::2]) and np.array_equal(payload["positions"], small)
-    segments.answered()  # the first worker
-    assert all(alive(n) for n in names), "unlinked while a worker had not answered"
-    if sabotage != "never_unlinked":
-        segments.answered()  # the second
+    got = read(data)
+    assert np.array_equal(got["pixels"][0], big) and np.array_equal(got["pixels"][1], big[::2])  # type: ignore[index]
+    assert np.array_equal(got["positions"], small)  # type: ignore[index]
+    first.answered()  # the first worker
+    second = multiproc._Segments(pool, waiting=1)
+    pickled({"pixels": [other]}, second)
+    assert second.shms[0][0].name not in names  # the first step's segments are still being read
+    first.answered()  # the second worker: back to the pool
+    third = multiproc._Segments(pool, waiting=1)
+    got = read(pickled({"pixels": [other]}, third))
+    assert third.shms[0][0].name == names[0] and np.array_equal(got["pixels"][0], other)  # type: ignore[index]
+    second.answered()
+    third.answered()
+    assert all(alive(n) for n in names)  # kept for reuse
+    if sabotage != "pool_never_closed":
+        pool.close()
     left = [n for n in names if alive(n)]
-    if sabotage == "never_unlinked":
-        assert left, "a segment never unlinked went unseen"
-        segments.release()
+    if sabotage == "pool_never_closed":
+        assert left, "a pool never closed went unseen"
+        pool.close()
     else:
         assert not left

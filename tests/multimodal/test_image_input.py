@@ -430,7 +430,7 @@ def test_images_across_pipeline_stages_and_tensor_ranks(vlm_mtp: tuple[str, obje
     def recorded(self: multiproc._StepPickler, obj: object) -> object:
         got = real_reduce(self, obj)
         if got is not NotImplemented:
-            shared.append(self.segments[-1].name)
+            shared.append(self.segments.shms[-1][0].name)
         return got
 
     monkeypatch.setattr(multiproc._StepPickler, "reducer_override", recorded)

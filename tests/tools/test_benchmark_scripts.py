@@ -454,6 +454,6 @@ def test_step_handoff_bench_times_both_ways() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/step_handoff_bench.py", "--repeat", "1"], cwd=root,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for how in ("pipe: send", "pipe: answered", "shared memory: send", "shared memory: answered"):
+    for how in ("pipe: send", "pipe: answered", "shared memory, fresh: send", "shared memory, pooled: answered"):
         assert f"  {how} " in proc.stdout, proc.stdout
     assert "leaked" not in proc.stderr, proc.stderr  # the resource tracker names segments never unlinked
