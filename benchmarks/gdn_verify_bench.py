@@ -11,6 +11,16 @@ states and copied one back: 4 + k passes. The table gives the measured time of e
 and the ratio verify / plain beside the passes' ratio 3 / 2.
 
 Each variant is captured in a CUDA graph of 20 calls and replayed; the median time per call of 10 replays.
+
+    python benchmarks/gdn_verify_bench.py --fused --shapes 27b --batch 8 16 32 --k 2 --layout v --out $OUT
+
+``--fused``: the engine's own launches instead, the mixer between its projections (conv, gates, delta rule, gated
+norm) in one launch each: the fused verify over k + 1 tokens a row against the fused decode over one
+(``gdn_verify_fused_triton`` / ``gdn_decode_fused_triton``, as the engine chooses its decode launch), on the pool
+layout of ``--layout`` (``v``: value-major, the engine's default). Each reads a row's state once; the table gives
+that read's rate. On the seed's trace (27B heads, about 18 rows of 3 tokens, value-major float32 state) the fused
+verify took 117 us a layer in the engine's decode steps where reading the rows' states takes about 23 us at
+2.5 TB/s: one program a (row, value head), 864 programs at 18 rows (``results/h100/seed_2026-12-07b``).
 """
 
 from __future__ import annotations
@@ -26,10 +36,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gdn_decode_bench import HEADS, D, graph_time  # benchmarks/ is on the path (above)
+from gdn_decode_bench import HEADS, D, K, graph_time  # benchmarks/ is on the path (above)
 
 from hyserve.kernels.gdn import gdn_recurrent_triton
-from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_stash_shapes, gdn_verify_triton
+from hyserve.kernels.gdn.decode import arrivals_for, gdn_decode_fused_triton, head_counters_for
+from hyserve.kernels.gdn.verify import gdn_replay_triton, gdn_stash_shapes, gdn_verify_fused_triton, gdn_verify_triton
 
 
 def problem(batch: int, q: int, hk: int, hv: int, state_dtype: torch.dtype) -> dict[str, Any]:
@@ -45,6 +56,44 @@ def problem(batch: int, q: int, hk: int, hv: int, state_dtype: torch.dtype) -> d
                 ssm_state=(torch.randn(pool, hv, D, D, device="cuda", generator=g) * 0.3).to(state_dtype),
                 state_slots=torch.randperm(pool, device="cuda", generator=g)[:batch],
                 query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q)
+
+
+def fused_rows(shapes: list[str], batches: list[int], ks: list[int], state_dtype: torch.dtype, layout: str
+               ) -> list[dict[str, Any]]:
+    """The fused verify (k + 1 tokens a row) against the fused decode (one), each one launch of the whole mixer."""
+    from gdn_decode_bench import problem as decode_problem
+
+    rows = []
+    for shape in shapes:
+        hk, hv = HEADS[shape]
+        for batch in batches:
+            plain = decode_problem(batch, hk, hv, torch.bfloat16, state_dtype, layout)
+            pool = plain["ssm_state"].shape[0]
+            arrivals = arrivals_for(pool, hk, hv, plain["ssm_state"].device, split=True)
+            heads = head_counters_for(pool, hv, plain["ssm_state"].device)
+            plain_us = graph_time(lambda p=plain, arr=arrivals, hc=heads: gdn_decode_fused_triton(
+                **p, arrivals=arr, head_counts=hc))
+            state_read = batch * hv * D * D * plain["ssm_state"].element_size()
+            for k in ks:
+                q = k + 1
+                p = decode_problem(batch * q, hk, hv, torch.bfloat16, state_dtype, layout)  # batch * q tokens
+                p["ssm_state"] = p["ssm_state"][: batch + 8]
+                p["conv_state"] = p["conv_state"][: batch + 8]
+                p["state_slots"] = torch.randperm(batch + 8, device="cuda")[:batch]
+                p["query_start_loc"] = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q
+                conv_dim = p["x"].shape[1]
+                scratch = torch.empty((batch, q, conv_dim, K - 1), device="cuda", dtype=torch.bfloat16)
+                stash = {n: torch.empty((batch, q, *s), device="cuda", dtype=torch.float32)
+                         for n, s in gdn_stash_shapes(hk, D, hv, D).items()}
+                verify_us = graph_time(lambda p=p, sc=scratch, st=stash: gdn_verify_fused_triton(
+                    **p, conv_scratch=sc, stash=st))
+                row = {"shape": shape, "batch": batch, "k": k, "layout": layout, "decode_us": plain_us,
+                       "verify_us": verify_us, "ratio": verify_us / plain_us,
+                       "decode_state_read_GBps": state_read / plain_us / 1e3,
+                       "verify_state_read_GBps": state_read / verify_us / 1e3}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
 
 
 def report(rows: list[dict[str, Any]], out: str | None, filename: str, state_dtype: str) -> None:
@@ -69,8 +118,23 @@ def main() -> int:
     ap.add_argument("--k", nargs="+", type=int, default=[0, 1, 2, 3])
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=None, help="a directory for gdn_verify_bench.json")
+    ap.add_argument("--fused", action="store_true", help="the engine's fused verify and decode launches")
+    ap.add_argument("--layout", default="v", choices=["k", "v"], help="--fused: the pool's layout (v: value-major)")
     args = ap.parse_args()
     state_dtype = getattr(torch, args.state_dtype)
+    if args.fused:
+        rows = fused_rows(args.shapes, args.batch, args.k, state_dtype, args.layout)
+        print(f"\n{'shape':>6} {'batch':>5} {'k':>2} {'decode us':>10} {'verify us':>10} {'ratio':>6} "
+              f"{'decode GB/s':>12} {'verify GB/s':>12}")
+        for r in rows:
+            print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['decode_us']:>10.2f} {r['verify_us']:>10.2f} "
+                  f"{r['ratio']:>6.2f} {r['decode_state_read_GBps']:>12.0f} {r['verify_state_read_GBps']:>12.0f}")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gdn_verify_fused_bench.json"), "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype, "rows": rows}, f,
+                          indent=1)
+        return 0
     rows = []
     for shape in args.shapes:
         hk, hv = HEADS[shape]

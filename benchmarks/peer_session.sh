@@ -47,6 +47,7 @@
 #   bash benchmarks/peer_session.sh profile34 [hyserve|vllm]   # issue 34: a 9B decode step by kernel family in each
 #                                               # engine's own profiler, batch 1 and 64 (vLLM's default mode)
 #   bash benchmarks/peer_session.sh short-rows  # issue 34: verify rows' attention (split-context kernel): tests, bench
+#   bash benchmarks/peer_session.sh verify-fused  # issue 34: the fused GDN verify against the fused decode; CUDA tests
 #   bash benchmarks/peer_session.sh seed-vllm   # vLLM (default mode): the same; then here: python
 #                                               # benchmarks/seed_bench.py report <both JSON files> --out DIR
 #
@@ -816,6 +817,18 @@ PY
     timeout "$(left 10)" python3 benchmarks/attention_decode_bench.py --shapes 27b 9b --batch 1 8 32 64 \
         --context 2048 6144 --query-len 3 --model-len 62768 --out "$OUT" > "$OUT/attention_verify.log" 2>&1
     echo "attention bench rc $?"; tail -18 "$OUT/attention_verify.log"
+    ;;
+  verify-fused)
+    # Issue 34: the fused GDN verify launch (the seed's decode steps: 117 us a layer at about 18 rows of 3 tokens,
+    # where the rows' state reads take about 23 us) against the fused decode, at the 27B's and 9B's heads, k = 2,
+    # value-major float32 state; then the CUDA tests of the multiprocess executor's shared arrays and the row plan.
+    timeout 200 python3 benchmarks/gdn_verify_bench.py --fused --shapes 27b 9b --batch 1 8 16 32 64 --k 1 2 \
+        --layout v --out "$OUT" > "$OUT/gdn_verify_fused.log" 2>&1
+    echo "verify bench rc $?"; tail -22 "$OUT/gdn_verify_fused.log"
+    timeout "$(left 10)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention_sdpa.py \
+        tests/model/test_prefill_attention.py tests/kernels/test_row_snapshots.py -k "cuda or gpu" \
+        > "$OUT/verify_fused_tests.log" 2>&1
+    echo "tests rc $?"; tail -2 "$OUT/verify_fused_tests.log"
     ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
