@@ -11,10 +11,11 @@ from __future__ import annotations
 # Kernel families by name, first match wins (cuBLAS's are nvjet / cutlass / gemm / splitKreduce; torch's own are
 # at::native's element-wise, index and reduce kernels, run eagerly around the graph; torch.compile's generated
 # Triton kernels, vLLM's residual adds, norms and activations among them, are triton_poi / triton_red / triton_per).
+# Attention before GEMMs: FlashAttention's kernel names carry ``cutlass::`` in their template arguments.
 FAMILIES = (
+    ("attention", ("paged", "attn", "flash", "store_kv", "norm_rope", "qsa", "reshape_and_cache")),
     ("GEMMs", ("nvjet", "cutlass", "gemm", "splitkreduce", "_fp8_gemm", "decode_linear", "xmma", "_scaled_mm")),
     ("GDN (and fla chunk kernels)", ("gdn", "chunk_", "fused_recurrent", "_replay", "delta_rule")),
-    ("attention", ("paged", "attn", "flash", "store_kv", "norm_rope", "qsa", "reshape_and_cache")),
     ("Mamba2", ("mamba2",)),
     ("conv", ("conv1d", "_conv_")),
     ("MoE", ("moe", "expert", "router")),

@@ -1,14 +1,11 @@
 """Shared test setup: one CPU thread (tiny matmuls run fastest so, and a 2-core CI machine is not oversubscribed),
-the session's tiny checkpoints, each written once (``hyserve.testing.families.CheckpointCache``), the planting
+the session's tiny checkpoints, each written once (``hyserve.testing.families.CheckpointCache``), and the planting
 of known MTP drafts (``plant_drafts``: it writes requests' drafts, which only the scheduler and tests may do, so it
-lives here rather than in ``hyserve.testing``; docs/design.md invariant 13), and the files' order, longest first
-(``tests/file_costs.json``, for the two workers of ``scripts/test.sh``)."""
+lives here rather than in ``hyserve.testing``; docs/design.md invariant 13)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,29 +26,6 @@ def pytest_configure(config: pytest.Config) -> None:
         patch_triton_interpreter()
 
 torch.set_num_threads(1)
-
-FILE_COSTS = Path(__file__).with_name("file_costs.json")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The test files longest first, by their seconds in ``tests/file_costs.json`` (``scripts/file_costs.py`` writes
-    it from a run with ``--durations=0``); files it does not list keep their order after those it lists, and each
-    file's tests theirs. ``scripts/test.sh``'s two workers take whole files in this order (``--dist loadfile
-    --no-loadscope-reorder``): by the number of tests instead, the long files with few tests (the interpreter
-    subprocesses', the servers') started last, and one worker ran them for minutes after the other had finished."""
-    if not FILE_COSTS.exists():
-        return
-    from hyserve.testing.ordering import longest_files_first
-
-    root = config.rootpath
-
-    def file_of(item: pytest.Item) -> str:
-        try:
-            return item.path.relative_to(root).as_posix()
-        except ValueError:  # a test outside the repository
-            return str(item.path)
-
-    items[:] = longest_files_first(items, file_of, json.loads(FILE_COSTS.read_text()))
 
 
 @pytest.fixture(scope="session")

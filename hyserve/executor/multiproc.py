@@ -6,7 +6,7 @@ Only plain data crosses the process boundary: ``SchedulerOutput`` to the workers
 arguments and answers of ``collective_rpc``, pickled over one pipe per worker (tensors between workers will go
 through torch.distributed collectives). A step is pickled once for every worker, and its large arrays (an image's
 pixels: a 1280 x 720 screenshot is 3,520 x 1,536 float32, 21.6 MB) go through shared memory, not the pipe: through
-the pipe each took the engine's loop thread 80-107 ms on a two-core machine (``benchmarks/step_handoff_bench.py``),
+the pipe each took the engine's loop thread 64-107 ms on a two-core machine (``benchmarks/step_handoff_bench.py``),
 while the seed's trace ran 27 % slower than in one process at the same device time. The worker copies each array
 out as it reads the step; once every worker has answered the step its segments go back to a pool for later steps
 (``SegmentPool``: a fresh segment's pages fault in as the array is copied), which unlinks them at shutdown. A

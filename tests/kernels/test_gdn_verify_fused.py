@@ -544,6 +544,12 @@ SLOW_INTERP_CHECKS = [
     "layer_f32_with_prefill_rows", "window_one_token_late_caught", "stash_k_normed_caught", "key_head_h_mod_hk_caught",
     "fp8_bf16_g2", "fp8_bf16_g3_odd_widths", "fp8_bf16_g2_bf16_state",
     *[f"fp8_{what}_caught" for what in FP8_SABOTAGES], "fp8_f32_g1", "layer_hands_out_proj_fp8",
+    # 2026-12-07, the default run past its budget: the checks on dense key-major pools whose twins on the engine's
+    # pools (value-major, one row of bytes an entry) or value-major pools stay (the unfused comparison, the commit,
+    # the snapshots), and the odd widths against the unfused kernels (against the references they stay): 29 s of
+    # the file's 82 under the interpreter
+    "vs_unfused_bf16_g2_bf16_state", "commit_reaches_the_plain_state", "snapshots_reach_the_plain_state",
+    "vs_unfused_bf16_g3_odd_widths",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 

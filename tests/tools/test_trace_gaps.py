@@ -127,3 +127,16 @@ def test_a_cpu_only_profile_reads_as_no_device_time(tmp_path: Any) -> None:
         torch.ones(8).add_(1).sum()
     rep = trace_gaps.gaps_of_profile(prof, str(tmp_path / "t.json"))
     assert rep["gaps"] == 0 and rep["window_us"] == 0.0 and rep["top"] == []
+
+
+def test_flash_attention_is_attention_though_its_name_says_cutlass() -> None:
+    """FlashAttention's prefill kernel names ``cutlass::bfloat16_t`` among its template arguments: it is attention,
+    not a GEMM (the 2026-12-07 seed profile filed 0.20 s of it under GEMMs); cutlass's GEMMs stay GEMMs."""
+    from kernel_families import family_of
+
+    flash = ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 64, 64, 4, false, false, "
+             "cutlass::bfloat16_t, Flash_kernel_traits<256, 64, 64, 4, cutlass::bfloat16_t> >, false, true>")
+    assert family_of(flash) == "attention"
+    assert family_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128") == "attention"
+    assert family_of("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8") == "GEMMs"
+    assert family_of("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT") == "GEMMs"
