@@ -104,6 +104,11 @@ def report(rows: list[dict[str, Any]], out: str | None, filename: str, state_dty
     for r in rows:
         print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['plain_us']:>9.2f} {r['verify_commit_us']:>16.2f} "
               f"{r['ratio']:>6.2f} {r['passes_ratio_candidates']:>24.1f}")
+    save(rows, out, filename, state_dtype)
+
+
+def save(rows: list[dict[str, Any]], out: str | None, filename: str, state_dtype: str) -> None:
+    """``{device, state_dtype, rows}`` as ``out/filename`` when ``out`` is given."""
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, filename), "w") as f:
@@ -129,11 +134,7 @@ def main() -> int:
         for r in rows:
             print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['decode_us']:>10.2f} {r['verify_us']:>10.2f} "
                   f"{r['ratio']:>6.2f} {r['decode_state_read_GBps']:>12.0f} {r['verify_state_read_GBps']:>12.0f}")
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "gdn_verify_fused_bench.json"), "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype, "rows": rows}, f,
-                          indent=1)
+        save(rows, args.out, "gdn_verify_fused_bench.json", args.state_dtype)
         return 0
     rows = []
     for shape in args.shapes:
