@@ -20,7 +20,11 @@ norm) in one launch each: the fused verify over k + 1 tokens a row against the f
 layout of ``--layout`` (``v``: value-major, the engine's default). Each reads a row's state once; the table gives
 that read's rate. On the seed's trace (27B heads, about 18 rows of 3 tokens, value-major float32 state) the fused
 verify took 117 us a layer in the engine's decode steps where reading the rows' states takes about 23 us at
-2.5 TB/s: one program a (row, value head), 864 programs at 18 rows (``results/h100/seed_2026-12-07b``).
+2.5 TB/s: one program a (row, value head), 864 programs at 18 rows (``results/h100/seed_2026-12-07b``); this bench
+gave it 106 us at 16 rows of 3 tokens against 55 us for the decode, which reads and writes the states
+(``results/h100/seed_2026-12-07c``). Each row also times the verify's split launch (``split=True``: one program a
+(row, value head, value block)) at the value blocks and warps of ``SPLIT_CONFIGS``: ``split_best_us``,
+``split_speedup`` (the walk's time over the best split's).
 """
 
 from __future__ import annotations
@@ -58,9 +62,14 @@ def problem(batch: int, q: int, hk: int, hv: int, state_dtype: torch.dtype) -> d
                 query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q)
 
 
+# The split verify launch's (value block, warps) tried at each point of --fused.
+SPLIT_CONFIGS = [(32, 2), (32, 4), (16, 2), (64, 4)]
+
+
 def fused_rows(shapes: list[str], batches: list[int], ks: list[int], state_dtype: torch.dtype, layout: str
                ) -> list[dict[str, Any]]:
-    """The fused verify (k + 1 tokens a row) against the fused decode (one), each one launch of the whole mixer."""
+    """The fused verify (k + 1 tokens a row) against the fused decode (one), each one launch of the whole mixer; the
+    verify's split launch (``split=True``: each value head over its value blocks) at each of ``SPLIT_CONFIGS``."""
     from gdn_decode_bench import problem as decode_problem
 
     rows = []
@@ -91,6 +100,15 @@ def fused_rows(shapes: list[str], batches: list[int], ks: list[int], state_dtype
                        "verify_us": verify_us, "ratio": verify_us / plain_us,
                        "decode_state_read_GBps": state_read / plain_us / 1e3,
                        "verify_state_read_GBps": state_read / verify_us / 1e3}
+                # the split launch (one program a (row, value head, value block)) at each value block and warps
+                for bv, warps in SPLIT_CONFIGS:
+                    split_us = graph_time(lambda p=p, sc=scratch, st=stash, hc=heads, bv=bv, w=warps:
+                                          gdn_verify_fused_triton(**p, conv_scratch=sc, stash=st, split=True,
+                                                                  head_counts=hc, block_v=bv, num_warps=w))
+                    row[f"split_{bv}x{warps}_us"] = split_us
+                best = min((row[f"split_{bv}x{w}_us"], f"{bv}x{w}") for bv, w in SPLIT_CONFIGS)
+                row["split_best_us"], row["split_best"] = best
+                row["split_speedup"] = verify_us / best[0]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -130,10 +148,11 @@ def main() -> int:
     if args.fused:
         rows = fused_rows(args.shapes, args.batch, args.k, state_dtype, args.layout)
         print(f"\n{'shape':>6} {'batch':>5} {'k':>2} {'decode us':>10} {'verify us':>10} {'ratio':>6} "
-              f"{'decode GB/s':>12} {'verify GB/s':>12}")
+              f"{'decode GB/s':>12} {'verify GB/s':>12} {'split us':>9} {'(BVxW)':>7} {'speedup':>8}")
         for r in rows:
             print(f"{r['shape']:>6} {r['batch']:>5} {r['k']:>2} {r['decode_us']:>10.2f} {r['verify_us']:>10.2f} "
-                  f"{r['ratio']:>6.2f} {r['decode_state_read_GBps']:>12.0f} {r['verify_state_read_GBps']:>12.0f}")
+                  f"{r['ratio']:>6.2f} {r['decode_state_read_GBps']:>12.0f} {r['verify_state_read_GBps']:>12.0f} "
+                  f"{r['split_best_us']:>9.2f} {r['split_best']:>7} {r['split_speedup']:>8.2f}")
         save(rows, args.out, "gdn_verify_fused_bench.json", args.state_dtype)
         return 0
     rows = []

@@ -106,6 +106,14 @@ def decode_persist_switch() -> bool | None:
     return value
 
 
+def verify_split_switch() -> bool | None:
+    """``HYSERVE_GDN_VERIFY_SPLIT``: unset (each fused verify launch as
+    :func:`~hyserve.kernels.gdn.verify.verify_launch` says), 0 (every launch walks each value head in one program) or
+    1 (every launch splits each value head over its value blocks); any other value is refused. For benchmarks that
+    compare the two launches in one engine."""
+    return _three_way("HYSERVE_GDN_VERIFY_SPLIT")
+
+
 def state_layout_switch() -> str:
     """``HYSERVE_GDN_STATE_LAYOUT``: ``value`` (the default: each head's ``(Dk, Dv)`` SSM state stored transposed,
     row by value, as fla's ``state_v_first`` kernels keep it: a decode program's ``(Dk, BV)`` tile is one contiguous
@@ -202,6 +210,7 @@ class GatedDeltaNet(ReplayedStateLayer):
         self.decode_split = decode_split_switch()
         self.decode_upfront = decode_upfront_switch()
         self.decode_persist = decode_persist_switch()
+        self.verify_split = verify_split_switch()
         # Speculative decoding: per verify row and position, the candidate conv window, and the delta rule's inputs
         # from which the commit rebuilds the SSM state (hyserve.kernels.gdn.verify: the stash).
         self.conv_scratch: torch.Tensor | None = None  # (R, k+1, conv_dim, K-1)
@@ -401,7 +410,8 @@ class GatedDeltaNet(ReplayedStateLayer):
         head = gdn_verify_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], self.conv1d.weight.squeeze(1), self.A_log,
                                 self.dt_bias, self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
                                 vm.state_slots, vm.query_start_loc, self.num_k_heads, self.conv_scratch, self.stash,
-                                vm.max_query_len, quant=quant, row_counts=self.row_counts)
+                                vm.max_query_len, quant=quant, row_counts=self.row_counts,
+                                head_counts=self.head_counts, split=self.verify_split)
         if tv == t:
             return head
         assert isinstance(head, torch.Tensor)

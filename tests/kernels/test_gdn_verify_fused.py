@@ -26,6 +26,13 @@ FP8 bytes and scales equal to ``quantize_per_token`` of the plain launch's outpu
 bit for bit the plain launch's, over two launches on the same row counters (back at zero after each); the decode
 kernel's three sabotages of the quantizing tail are caught here too. The mixer hands its FP8 ``out_proj`` that
 activation for a step of verify rows alone, and the plain output when prefill rows follow them.
+
+The split launch (``split=True``: one program a (row, value head, value block), the head's norm by the last of its
+programs to arrive on a per-(row, head) counter): outputs, scratch and stash bit for bit the unfused kernels' and the
+walk's, on two and three blocks a head (the last partial), an empty row, the engine's pools, and quantizing for an
+FP8 out_proj; the counters back at zero after each launch. Sabotages caught: the norm by the first program to arrive,
+the counter not reset, every block's v windows and stash written from block 0's channels. The mixer hands the
+fused entry point its ``HYSERVE_GDN_VERIFY_SPLIT`` choice and its counters.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_gdn_decode_fused import FP8_SABOTAGES, check_quantized
+from test_gdn_decode_fused import FP8_SABOTAGES, assert_three_way_switch, check_quantized
 from test_gdn_decode_fused import tiny_gdn as decode_tiny_gdn
 
 from hyserve.kernels.gdn.decode import as_value_major
@@ -116,12 +123,21 @@ def unfused_triton(p: dict[str, Any]) -> torch.Tensor:
     return gated_rms_norm_triton(o.reshape(-1, dv), p["z"].reshape(-1, dv), p["norm_weight"], EPS).reshape(t, -1)
 
 
-def fused_triton(p: dict[str, Any], block_v: int | None = None) -> torch.Tensor:
+def fused_triton(p: dict[str, Any], block_v: int | None = None, split: bool = False) -> torch.Tensor:
+    """The fused launch on ``p`` (an output of NaN first). ``split``: each head over its value blocks, on head
+    counters that must be back at zero after the launch."""
+    from hyserve.kernels.gdn.decode import head_counters_for
     from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
 
     args = {n: v for n, v in p.items() if n != "max_query_len"}
     out = torch.full((p["x"].shape[0], p["z"].shape[1]), float("nan"), dtype=p["x"].dtype, device=p["x"].device)
-    return gdn_verify_fused_triton(**args, out=out, block_v=block_v)
+    if not split:
+        return gdn_verify_fused_triton(**args, out=out, block_v=block_v)
+    _, hv = p["ssm_state"].shape[:2]
+    counts = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device)
+    got = gdn_verify_fused_triton(**args, out=out, block_v=block_v, split=True, head_counts=counts)
+    assert not counts.any(), f"head counters left at {counts.nonzero().tolist()}"
+    return got
 
 
 def _agree(got: torch.Tensor, want: torch.Tensor, f32_tol: float = 2e-6, ulps: int = 1) -> tuple[bool, str]:
@@ -141,13 +157,14 @@ def _agree(got: torch.Tensor, want: torch.Tensor, f32_tol: float = 2e-6, ulps: i
     return ok, f"max err {float(err.max()):.3g}"
 
 
-def check_fused(p: dict[str, Any], want_fn: Any, exact: bool, block_v: int | None = None) -> tuple[bool, str]:
-    """The fused kernel against ``want_fn`` on copies: outputs, every scratch and stash entry (written ones equal,
-    the rest still NaN), the pools untouched. ``exact``: all bit for bit but the outputs, within one unit in the
-    last place; else within ``_agree``'s tolerances."""
+def check_fused(p: dict[str, Any], want_fn: Any, exact: bool, block_v: int | None = None,
+                split: bool = False) -> tuple[bool, str]:
+    """The fused kernel (``split``: its split launch) against ``want_fn`` on copies: outputs, every scratch and stash
+    entry (written ones equal, the rest still NaN), the pools untouched. ``exact``: all bit for bit but the outputs,
+    within one unit in the last place; else within ``_agree``'s tolerances."""
     want_p, got_p = fresh(p), fresh(p)
     want = want_fn(want_p)
-    got = fused_triton(got_p, block_v)
+    got = fused_triton(got_p, block_v, split)
     goods, msgs = [], []
 
     def cmp(name: str, g: torch.Tensor, w: torch.Tensor) -> None:
@@ -343,6 +360,75 @@ def _interp_window_sabotage() -> tuple[bool, str]:
     return not ok, msg
 
 
+# The split launch (each value head over its value blocks, one program each; the last of a head's programs to
+# arrive normalizes it): problems with two and three blocks a head (the last one partial), an empty row, a bf16
+# state on the engine's pools.
+SPLIT_CASES = ["f32_g1", "bf16_g3_odd_widths"]
+
+
+def _interp_split(name: str, pool: str = "dense") -> tuple[bool, str]:
+    """The split launch against the unfused kernels, bit for bit as the walk is (outputs within a unit)."""
+    p, bv = _case(name, 24)
+    if pool == "dense":
+        return check_fused(p, unfused_triton, exact=True, block_v=bv, split=True)
+    _on(p, pool)
+    return check_fused(p, on_contiguous_copies(unfused_triton, POOLS), exact=True, block_v=bv, split=True)
+
+
+def _interp_split_vs_walk(name: str) -> tuple[bool, str]:
+    """The split launch against the walk (one program a head): every output, scratch and stash entry equal."""
+    p, bv = _case(name, 25)
+    return check_fused(p, lambda q: fused_triton(q, bv), exact=True, block_v=bv, split=True)
+
+
+def _interp_split_fp8() -> tuple[bool, str]:
+    """The split launch quantizing for an FP8 out_proj: the quantization of the walk's plain output, counters back
+    at zero (row counters and head counters), over two launches."""
+    from hyserve.kernels.gdn.decode import head_counters_for, row_counters_for
+    from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+    p, bv = _case("bf16_g2", 26)
+    want = fused_triton(fresh(p), bv)
+    rows, heads = row_counters_for(p["ssm_state"].shape[0], p["x"].device), None
+    goods, msgs = [], []
+    for launch in range(2):
+        got_p = fresh(p)
+        heads = head_counters_for(p["ssm_state"].shape[0], p["ssm_state"].shape[1], p["x"].device)
+        args = {n: v for n, v in got_p.items() if n != "max_query_len"}
+        out = torch.full(want.shape, float("nan"), dtype=want.dtype, device=want.device)
+        act = gdn_verify_fused_triton(**args, quant="fp8", row_counts=rows, out=out, block_v=bv, split=True,
+                                      head_counts=heads)
+        ok, msg = check_quantized(act, out)
+        goods += [ok, bool(torch.equal(out, want)), not bool(rows.any()), not bool(heads.any())]
+        msgs.append(f"launch {launch}: {msg}")
+    return all(goods), f"{'; '.join(msgs)}; all {goods}"
+
+
+# Mutations of the split form: each must be caught.
+SPLIT_SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    # the head's norm by the first of its programs to arrive (before the other blocks' outputs are in)
+    "split_norm_by_the_first_caught": ("f32_g1", [
+        ("            if arrived == NVB - 1:\n                _verify_gated_norm",
+         "            if arrived == 0:\n                _verify_gated_norm")]),
+    # the head counter left as the launch made it (the next launch's last program never sees NVB - 1)
+    "split_counter_not_reset_caught": ("f32_g1", [
+        ("                tl.atomic_xchg(hc, 0, sem=\"relaxed\")\n", "")]),
+    # every block's v windows and stash by block 0's channels
+    "split_v_by_block_0_caught": ("f32_g1", [
+        ("        oall = vj * BV + tl.arange(0, BV)\n", "        oall = tl.arange(0, BV)\n")]),
+}
+
+
+def _interp_split_sabotage(what: str) -> tuple[bool, str]:
+    name, edits = SPLIT_SABOTAGES[what]
+    with swapped_kernel("hyserve.kernels.gdn._triton", "_gdn_verify_fused_kernel", edits):
+        try:
+            ok, msg = _interp_split(name)
+        except AssertionError as e:  # fused_triton's check of the head counters
+            ok, msg = False, str(e)
+    return not ok, msg
+
+
 def tiny_gdn(dtype: torch.dtype, hk: int = 2, hv: int = 4, p_max: int = 3, seed: int = 5) -> Any:
     """``test_gdn_decode_fused``'s GatedDeltaNet (random weights, 9 slots), its verify scratch (4 rows of ``p_max``)
     bound too."""
@@ -416,6 +502,30 @@ def _interp_layer(dtype: torch.dtype, rest: bool) -> tuple[bool, str]:
     checks = [_agree(got, want, 2e-5, 2), *(_agree(got_after[n], want_after[n], 2e-5) for n in want_after)]
     ok = all(c for c, _ in checks) and calls == 1
     return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}"
+
+
+def _interp_layer_split() -> tuple[bool, str]:
+    """The mixer's verify step with prefill rows on the split launch (``verify_split`` on, the layer's own head
+    counters) against its unfused CPU path; the counters back at zero."""
+    layer = tiny_gdn(BF16)
+    layer.verify_split = True
+    meta = verify_meta([3, 1, 2], [6, 2, 4], [5, 2], [1, 8])
+    x = torch.randn(13, 32).to(BF16)
+    want, want_after, _ = run_layer(layer, x, meta, None)
+    splits: list[bool] = []
+
+    def split_launch(*a: Any, **k: Any) -> Any:
+        from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+        splits.append(k.get("split") is True and k.get("head_counts") is layer.head_counts)
+        args = a[:-1]  # max_query_len is the entry point's
+        return gdn_verify_fused_triton(*args, quant=k.get("quant"), row_counts=k.get("row_counts"), split=True,
+                                       head_counts=k["head_counts"], block_v=8)  # two blocks a head
+
+    got, got_after, calls = run_layer(layer, x, meta, split_launch)
+    checks = [_agree(got, want, 2e-5, 2), *(_agree(got_after[n], want_after[n], 2e-5) for n in want_after)]
+    ok = all(c for c, _ in checks) and calls == 1 and splits == [True] and not bool(layer.head_counts.any())
+    return ok, f"{'; '.join(m for _, m in checks)}; fused calls {calls}, split asked {splits}"
 
 
 def _interp_layer_fp8() -> tuple[bool, str]:
@@ -520,6 +630,14 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     for what in FP8_SABOTAGES:
         check(f"fp8_{what}_caught", lambda w=what: _interp_fp8_sabotage(w))
     check("layer_hands_out_proj_fp8", _interp_layer_fp8)
+    for name in SPLIT_CASES:
+        check(f"split_vs_unfused_{name}", lambda n=name: _interp_split(n))
+    check("split_vs_unfused_bf16_g2_bf16_state_on_the_pools_rows", lambda: _interp_split("bf16_g2_bf16_state", "rows"))
+    check("split_vs_walk_bf16_g2", lambda: _interp_split_vs_walk("bf16_g2"))
+    check("split_fp8_bf16_g2", _interp_split_fp8)
+    for what in SPLIT_SABOTAGES:
+        check(what, lambda w=what: _interp_split_sabotage(w))
+    check("layer_split_with_prefill_rows", _interp_layer_split)
     return res
 
 
@@ -533,6 +651,8 @@ INTERP_CHECKS = [
     *[f"{what}_caught" for what in SABOTAGES],
     *[f"fp8_{name}" for name in FP8_CASES], *[f"fp8_{what}_caught" for what in FP8_SABOTAGES],
     "layer_hands_out_proj_fp8",
+    *[f"split_vs_unfused_{name}" for name in SPLIT_CASES], "split_vs_unfused_bf16_g2_bf16_state_on_the_pools_rows",
+    "split_vs_walk_bf16_g2", "split_fp8_bf16_g2", *SPLIT_SABOTAGES, "layer_split_with_prefill_rows",
 ]
 # The slow group (scripts/test.sh -m slow; the default suite's budget): the FP8 quantizing tail's problems and its
 # three sabotages (3-11 s each; the tail is shared with the fused decode, whose default group keeps its bf16_g2 problem
@@ -550,6 +670,12 @@ SLOW_INTERP_CHECKS = [
     # the file's 82 under the interpreter
     "vs_unfused_bf16_g2_bf16_state", "commit_reaches_the_plain_state", "snapshots_reach_the_plain_state",
     "vs_unfused_bf16_g3_odd_widths",
+    # The split launch (opt-in, HYSERVE_GDN_VERIFY_SPLIT=1, until a card's sweep sets its pairs): the default group
+    # keeps three blocks a head (the last partial) with an empty row against the unfused kernels, the norm by the
+    # first block caught and the counters' reset caught (the mixer's hand-off is checked without the interpreter:
+    # test_the_mixer_hands_its_split_choice_and_counters_on); these 80 s or so go to the slow suite
+    "split_vs_unfused_f32_g1", "split_vs_unfused_bf16_g2_bf16_state_on_the_pools_rows", "split_vs_walk_bf16_g2",
+    "split_fp8_bf16_g2", "split_v_by_block_0_caught", "layer_split_with_prefill_rows",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -637,6 +763,33 @@ def test_layer_on_cpu_takes_the_fused_entry_point_only_with_drafts() -> None:
     assert not gdn_layer.uses_fused_verify(x)
 
 
+def test_the_verify_split_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_three_way_switch(monkeypatch, "HYSERVE_GDN_VERIFY_SPLIT", gdn_layer.verify_split_switch, "verify_split")
+
+
+def test_the_mixer_hands_its_split_choice_and_counters_on() -> None:
+    """The mixer passes its ``verify_split`` (the switch's choice) and its own head counters to the fused entry
+    point; :func:`verify_launch` splits only where asked (until a card's sweep sets its pairs), never without
+    counters."""
+    from hyserve.kernels.gdn.verify import verify_launch
+
+    layer = tiny_gdn(BF16, hk=1, hv=2)
+    meta = verify_meta([2, 3], [7, 3], [], [])
+    x = torch.randn(5, 32).to(BF16)
+    seen: list[tuple[Any, bool]] = []
+
+    def recorder(*a: Any, **k: Any) -> Any:
+        seen.append((k["split"], k["head_counts"] is layer.head_counts))
+        return gdn_verify_fused(*a, **k)
+
+    for choice in (None, True, False):
+        layer.verify_split = choice
+        run_layer(layer, x, meta, recorder)
+    assert seen == [(None, True), (True, True), (False, True)]
+    assert [verify_launch(r, 48, None) for r in (1, 18, 64)] == [False] * 3
+    assert verify_launch(18, 48, True) and not verify_launch(18, 48, False)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # On the card (skipped without CUDA)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -694,6 +847,41 @@ def test_cuda_fused_verify_on_a_value_major_pool() -> None:
     ok, msg = _agree(val_p["ssm_state"], key_p["ssm_state"])
     assert ok, msg
     assert val_p["ssm_state"].stride()[2:] == (1, 128)
+
+
+@cuda
+@pytest.mark.parametrize("bv,warps", [(32, 2), (32, 4), (16, 2), (64, 4)])
+def test_cuda_split_fused_verify_is_the_walk(bv: int, warps: int) -> None:
+    """The split launch (one program a (row, value head, value block)) on the card, the seed's 27B heads (16 key
+    heads, 48 value heads) on a value-major float32 pool, rows of 0-3 tokens: outputs, scratch and stash bit for bit
+    the walk's at the same value block, the pools untouched, the head counters back at zero; twice on the same
+    counters; and quantizing for an FP8 out_proj, the quantization of that output."""
+    from hyserve.kernels.gdn.decode import head_counters_for, row_counters_for
+    from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
+
+    lens = [3, 0, 3, 1, 3, 2, 3, 3, 3, 3]
+    p = verify_problem(lens, 3, 16, 48, 128, 128, BF16, F32, 41, device="cuda")
+    p["ssm_state"] = as_value_major(p["ssm_state"])
+    walk_p = fresh(p)
+    want = fused_triton(walk_p, bv)
+    heads = head_counters_for(p["ssm_state"].shape[0], 48, torch.device("cuda"))
+    rows = row_counters_for(p["ssm_state"].shape[0], torch.device("cuda"))
+    for quant in (None, None, "fp8"):
+        got_p = fresh(p)
+        args = {n: v for n, v in got_p.items() if n != "max_query_len"}
+        out = torch.full(want.shape, float("nan"), dtype=want.dtype, device="cuda")
+        act = gdn_verify_fused_triton(**args, out=out, block_v=bv, split=True, head_counts=heads, num_warps=warps,
+                                      quant=quant, row_counts=rows)
+        torch.cuda.synchronize()
+        assert torch.equal(out.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(out.isnan(), want.isnan())
+        assert torch.equal(got_p["conv_scratch"].nan_to_num(7.0), walk_p["conv_scratch"].nan_to_num(7.0))
+        for n in STASH_NAMES:
+            assert torch.equal(got_p["stash"][n].nan_to_num(7.0), walk_p["stash"][n].nan_to_num(7.0)), n
+        assert all(torch.equal(got_p[n], p[n]) for n in POOLS)
+        assert not heads.any() and not rows.any()
+        if quant:
+            ok, msg = check_quantized(act, out)
+            assert ok, msg
 
 
 @cuda

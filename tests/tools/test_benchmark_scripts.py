@@ -457,3 +457,21 @@ def test_step_handoff_bench_times_both_ways() -> None:
     for how in ("pipe: send", "pipe: answered", "shared memory, fresh: send", "shared memory, pooled: answered"):
         assert f"  {how} " in proc.stdout, proc.stdout
     assert "leaked" not in proc.stderr, proc.stderr  # the resource tracker names segments never unlinked
+
+
+@pytest.mark.slow  # about 80 s of the interpreter
+def test_fp8_gemm_bench_smoke_at_chosen_rows(tmp_path: Path) -> None:
+    """``fp8_gemm_bench.py --cpu-smoke --rows``: the chosen row counts alone, every layer's GEMM within FP8
+    rounding of the reference, and each row's cuBLASLt rate and time per row."""
+    import subprocess
+
+    root = Path(__file__).parents[2]
+    out = tmp_path / "fp8_gemm.json"
+    proc = subprocess.run([sys.executable, "benchmarks/fp8_gemm_bench.py", "--cpu-smoke", "--rows", "70",
+                           "--no-sweep", "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and {r["m"] for r in rows} == {70}
+    for r in rows:
+        assert r["triton_rel_err"] < 0.1 and r["scaled_mm_us_per_row"] > 0 and r["scaled_mm_tflops"] > 0, r

@@ -657,19 +657,37 @@ def _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt, live, start, n, so_t, sq_t,
 
 
 @triton.jit
+def _verify_gated_norm(out_ptr, z_ptr, nw_ptr, start, n, h, so_t, sz_t, eps, DV: tl.constexpr, DVP: tl.constexpr):
+    """The gated RMSNorm of value head ``h``'s outputs of tokens ``start .. start + n`` (each read back whole from
+    ``out``, normalized in one reduction as ``_gated_rms_norm_kernel`` does, stored in place)."""
+    dt = out_ptr.dtype.element_ty
+    oall = tl.arange(0, DVP)
+    amask = oall < DV
+    w = tl.load(nw_ptr + oall, mask=amask, other=0.0).to(tl.float32)
+    for i in range(0, n):
+        o_row = out_ptr + (start + i) * so_t + h * DV
+        of = tl.load(o_row + oall, mask=amask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / DV + eps)
+        nrm = (of * rstd).to(dt).to(tl.float32)
+        on = (w * nrm).to(dt).to(tl.float32)
+        zz = tl.load(z_ptr + (start + i) * sz_t + h * DV + oall, mask=amask, other=0.0).to(tl.float32)
+        tl.store(o_row + oall, (on * (zz * tl.sigmoid(zz))).to(dt), mask=amask)
+
+
+@triton.jit
 def _gdn_verify_fused_kernel(
     x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
     conv_ptr, state_ptr, slots_ptr, qsl_ptr, out_ptr, scr_ptr,
-    stk_ptr, stv_ptr, stg_ptr, stb_ptr, q_ptr, qs_ptr, cnt_ptr,
+    stk_ptr, stv_ptr, stg_ptr, stb_ptr, q_ptr, qs_ptr, cnt_ptr, hcnt_ptr,
     sx_t, sz_t, sb_t, sa_t, scw_d, scw_k,
     sc_s, sc_d, sc_k,
     ss_s, ss_h, ss_k, ss_v,
     so_t, scr_r, scr_p, scr_d, scr_k,
-    stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p, sq_t,
+    stk_r, stk_p, stk_h, stv_r, stv_p, stv_h, stg_r, stg_p, sq_t, shc_r,
     P, scale, eps, fp8_max, amax_eps,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
     KM1_PAD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DVP: tl.constexpr,
-    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 1024, SPLIT: tl.constexpr = False,
 ):  # fmt: skip
     """A verify row ``r`` (grid axis 0) of ``n`` tokens, value head ``h`` (axis 1), key head ``hk = h // GROUP``:
     what ``_conv1d_verify_kernel``, ``_gdn_gating_kernel``, ``_gdn_verify_kernel`` and ``_gated_rms_norm_kernel``
@@ -682,9 +700,23 @@ def _gdn_verify_fused_kernel(
        advanced over the row's tokens (the conv of q / k recomputed per tile), each token's output stored.
     3. After a barrier, the gated RMSNorm of each token's head output, read back whole.
     4. ``QUANT``: the last of the row's programs to finish quantizes each token's output row per token for an FP8
-       ``out_proj`` (:func:`_quantize_when_last`)."""
+       ``out_proj`` (:func:`_quantize_when_last`).
+
+    ``SPLIT``: each value head over ``NVB = cdiv(DV, BV)`` programs, program ``(r, h * NVB + j)`` doing steps 1 and 2
+    for its value block ``j`` alone (the q / k windows, raw k, g and beta by block 0 of the key head's first value
+    head; the v windows and stash of its own channels), so a launch has ``NVB`` times the programs and each one tile
+    of work. Step 3 needs the head's whole output: each program counts itself in on ``head_counts[r, h]`` (after a
+    barrier, release) and the last of the head's ``NVB`` to arrive (acquire) normalizes the head's outputs, sets the
+    counter back to 0 and, with ``QUANT``, counts the head in on the row's counter. The same values either way: the
+    same tiles, the same arithmetic."""
     r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    NVB: tl.constexpr = (DV + BV - 1) // BV
+    if SPLIT:
+        h = tl.program_id(1) // NVB
+        vj = tl.program_id(1) % NVB
+    else:
+        h = tl.program_id(1)
+        vj = 0
     start = tl.load(qsl_ptr + r).to(tl.int64)
     n = tl.load(qsl_ptr + r + 1).to(tl.int64) - start
     slot = tl.load(slots_ptr + r).to(tl.int64)
@@ -696,7 +728,13 @@ def _gdn_verify_fused_kernel(
     kmask = ok < DK
     cq = hk * DK + ok
     ck = HK * DK + hk * DK + ok
-    oall = tl.arange(0, DVP)
+    if SPLIT:  # step 1's value channels: the program's block; the key head's and the gates' by block 0
+        oall = vj * BV + tl.arange(0, BV)
+        first = first & (vj == 0)
+        own = vj == 0
+    else:
+        oall = tl.arange(0, DVP)
+        own = h >= 0
     amask = oall < DV
     cva = 2 * HK * DK + h * DV + oall
 
@@ -715,11 +753,12 @@ def _gdn_verify_fused_kernel(
                             scw_k, K)
         tl.store(stv_ptr + r * stv_r + i * stv_p + h * stv_h + oall, vv, mask=amask)
         gt, bt = _gdn_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, start + i, h, sa_t, sb_t)
-        tl.store(stg_ptr + r * stg_r + i * stg_p + h, gt)
-        tl.store(stb_ptr + r * stg_r + i * stg_p + h, bt)
+        tl.store(stg_ptr + r * stg_r + i * stg_p + h, gt, mask=own)
+        tl.store(stb_ptr + r * stg_r + i * stg_p + h, bt, mask=own)
 
     s_head = state_ptr + slot * ss_s + h * ss_h
-    for vb in tl.static_range(0, DV, BV):
+    for blk in tl.static_range(0, 1 if SPLIT else NVB):
+        vb = (vj + blk) * BV
         ov = vb + tl.arange(0, BV)
         vmask = ov < DV
         cv = 2 * HK * DK + h * DV + ov
@@ -739,16 +778,19 @@ def _gdn_verify_fused_kernel(
             o = tl.sum(S * qv[:, None], axis=0)
             tl.store(out_ptr + (start + i) * so_t + h * DV + ov, o.to(dt), mask=vmask)
 
-    tl.debug_barrier()  # every store of the head's outputs before they are read back
-    w = tl.load(nw_ptr + oall, mask=amask, other=0.0).to(tl.float32)
-    for i in range(0, n):
-        o_row = out_ptr + (start + i) * so_t + h * DV
-        of = tl.load(o_row + oall, mask=amask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / DV + eps)
-        nrm = (of * rstd).to(dt).to(tl.float32)
-        on = (w * nrm).to(dt).to(tl.float32)
-        zz = tl.load(z_ptr + (start + i) * sz_t + h * DV + oall, mask=amask, other=0.0).to(tl.float32)
-        tl.store(o_row + oall, (on * (zz * tl.sigmoid(zz))).to(dt), mask=amask)
-    if QUANT:
-        _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, n > 0, start, n, so_t, sq_t, HK * GROUP, DV,
-                            fp8_max, amax_eps, QBLOCK)
+    tl.debug_barrier()  # every store of the head's outputs before they are read back (or counted in, release)
+    if SPLIT:
+        if n > 0:
+            hc = hcnt_ptr + r * shc_r + h
+            arrived = tl.atomic_add(hc, 1, sem="acq_rel", scope="gpu")
+            if arrived == NVB - 1:
+                _verify_gated_norm(out_ptr, z_ptr, nw_ptr, start, n, h, so_t, sz_t, eps, DV, DVP)
+                tl.atomic_xchg(hc, 0, sem="relaxed")
+                if QUANT:
+                    _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, n > 0, start, n, so_t, sq_t,
+                                        HK * GROUP, DV, fp8_max, amax_eps, QBLOCK)
+    else:
+        _verify_gated_norm(out_ptr, z_ptr, nw_ptr, start, n, h, so_t, sz_t, eps, DV, DVP)
+        if QUANT:
+            _quantize_when_last(out_ptr, q_ptr, qs_ptr, cnt_ptr + r, n > 0, start, n, so_t, sq_t, HK * GROUP, DV,
+                                fp8_max, amax_eps, QBLOCK)

@@ -47,6 +47,7 @@ __all__ = [
     "gdn_verify_fused_triton",
     "gdn_verify_ref",
     "gdn_verify_triton",
+    "verify_launch",
 ]
 
 
@@ -242,6 +243,8 @@ def gdn_verify_fused(
     max_query_len: int,
     quant: str | None = None,
     row_counts: torch.Tensor | None = None,
+    head_counts: torch.Tensor | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """The mixer's verify rows from ``in_proj``'s output to ``out_proj``'s input in one launch on CUDA; returns
     ``(T, Hv * Dv)`` in the model dtype (``quant="fp8"``: quantized per token for an FP8 ``out_proj`` in the same
@@ -250,13 +253,29 @@ def gdn_verify_fused(
     unfused sequence, the op's definition and the CPU path) writes them.
 
     Arguments as :func:`hyserve.kernels.gdn.decode.gdn_decode_fused`'s, with rows of any length, and
-    :func:`~hyserve.kernels.conv.causal_conv1d_verify`'s ``conv_scratch`` and :func:`gdn_verify`'s ``stash``."""
+    :func:`~hyserve.kernels.conv.causal_conv1d_verify`'s ``conv_scratch`` and :func:`gdn_verify`'s ``stash``.
+    ``head_counts`` (:func:`~hyserve.kernels.gdn.decode.head_counters_for`) lets the launch split each value head over
+    its value blocks; ``split`` as :func:`verify_launch` takes it (None: its own choice)."""
     if not x.is_cuda:
         out = gdn_verify_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, conv_scratch, stash, max_query_len)
         return out if quant is None else quantize_activation_ref(out)
+    split = head_counts is not None and verify_launch(state_slots.shape[0], ssm_state.shape[1], split)
     return gdn_verify_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
-                                   state_slots, query_start_loc, num_k_heads, conv_scratch, stash, quant, row_counts)
+                                   state_slots, query_start_loc, num_k_heads, conv_scratch, stash, quant, row_counts,
+                                   split=split, head_counts=head_counts)
+
+
+def verify_launch(rows: int, num_v_heads: int, split: bool | None = None) -> bool:
+    """Whether a fused verify launch of ``rows`` rows splits each value head over programs, one a value block
+    (``_gdn_verify_fused_kernel``'s ``SPLIT``). ``split`` True / False forces it (``HYSERVE_GDN_VERIFY_SPLIT``);
+    None: not yet. The walk (one program a (row, value head), its value blocks one after another) is the form
+    measured on a card: on the seed's decode steps it reads the rows' states at about 0.45 TB/s, half the fused
+    decode's rate (``benchmarks/results/h100/seed_2026-12-07c``). The split form has four times the programs at the
+    Qwen3.5 heads; ``benchmarks/gdn_verify_bench.py --fused`` times both, and the choice by (row, value head) pairs
+    follows from that sweep, as :func:`~hyserve.kernels.gdn.decode.decode_launch`'s did."""
+    del rows, num_v_heads  # the sweep's pairs thresholds go here
+    return bool(split)
 
 
 def gdn_verify_fused_ref(
@@ -316,10 +335,15 @@ def gdn_verify_fused_triton(
     *,
     out: torch.Tensor | None = None,
     block_v: int | None = None,
+    split: bool = False,
+    head_counts: torch.Tensor | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor | Fp8Activation:
     """Triton :func:`gdn_verify_fused`: one program per (row, value head), no host sync, a fixed-shape launch (also
     runs under ``TRITON_INTERPRET=1``). ``out`` optionally supplies the contiguous ``(T, Hv * Dv)`` output;
-    ``block_v`` overrides the value block ``BV`` (a power of two)."""
+    ``block_v`` overrides the value block ``BV`` (a power of two). ``split``: one program per (row, value head,
+    value block) instead, which needs ``head_counts`` (:func:`~hyserve.kernels.gdn.decode.head_counters_for`: zeros,
+    left at zero; one row a row of the launch); the same values bit for bit."""
     from hyserve.kernels.gdn._triton import _gdn_verify_fused_kernel
     from hyserve.kernels.gdn.decode import as_output, fp8_output, launch_config, quant_block
 
@@ -350,18 +374,24 @@ def gdn_verify_fused_triton(
         assert block_v == next_pow2(block_v), "block_v must be a power of two"
         cfg["BV"] = block_v
     sk, sv, sg, sb = (stash[n] for n in STASH_NAMES)
-    _gdn_verify_fused_kernel[(r, hv)](
+    if split:
+        assert head_counts is not None and head_counts.dtype == torch.int32, "a split launch needs head_counts"
+        assert head_counts.shape[0] >= r and head_counts.shape[1] == hv and head_counts.stride(1) == 1, \
+            "head_counts must be (>= rows, Hv) int32"
+    hc = head_counts if split and head_counts is not None else cnt
+    grid = (r, hv * _cdiv(dv, cfg["BV"]) if split else hv)
+    _gdn_verify_fused_kernel[grid](
         x, z, b, a, conv_weight, a_log, dt_bias, norm_weight,
         conv_state, ssm_state, state_slots, query_start_loc, out, cs,
-        sk, sv, sg, sb, q, qs, cnt,
+        sk, sv, sg, sb, q, qs, cnt, hc,
         x.stride(0), z.stride(0), b.stride(0), a.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         out.stride(0), cs.stride(0), cs.stride(1), cs.stride(2), cs.stride(3),
         sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sg.stride(0), sg.stride(1),
-        q.stride(0), sk.shape[1], dk**-0.5, float(eps), FP8_MAX, AMAX_EPS,
+        q.stride(0), hc.stride(0), sk.shape[1], dk**-0.5, float(eps), FP8_MAX, AMAX_EPS,
         HK=hk, DK=dk, DV=dv, GROUP=hv // hk, K=kw, **cfg, QUANT=quant is not None, QBLOCK=quant_block(hv * dv),
-        num_warps=4,
+        SPLIT=split, num_warps=num_warps,
     )  # fmt: skip
     return as_output(out, q, qs, quant)
 
@@ -418,13 +448,16 @@ def compile_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         fused = dict(x_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", cw_ptr="*bf16", alog_ptr="*fp32",
                      dtb_ptr="*fp32", nw_ptr="*bf16", conv_ptr="*bf16", state_ptr=f"*{state}", slots_ptr="*i64",
                      qsl_ptr="*i32", out_ptr="*bf16", scr_ptr="*bf16", **stash, q_ptr="*fp8e4nv", qs_ptr="*fp32",
-                     cnt_ptr="*i32",
+                     cnt_ptr="*i32", hcnt_ptr="*i32", shc_r=i32,
                      **{s: i32 for s in ("sx_t", "sz_t", "sb_t", "sa_t", "scw_d", "scw_k", "sc_s", "sc_d", "sc_k",
                                          "ss_s", "ss_h", "ss_k", "ss_v", "so_t", "scr_r", "scr_p", "scr_d", "scr_k")},
                      **stash_strides, sq_t=i32, P=i32, scale="fp32", eps="fp32", fp8_max="fp32", amax_eps="fp32")
-        # FP8 out_proj (the seed's 27B shape, Hv / Hk = 3): the output quantized in the launch
-        for quant in (False, True) if (state, group) == ("fp32", 3) else (False,):
-            out.append((f"gdn_verify_fused_g{group}_{state}_state{'_fp8' if quant else ''}", _gdn_verify_fused_kernel,
-                        fused, dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4),
-                                    QUANT=quant, QBLOCK=quant_block(16 * group * 128))))
+        # FP8 out_proj (the seed's 27B shape, Hv / Hk = 3): the output quantized in the launch; the split launch
+        # (each head over its value blocks) plain and quantized
+        for quant, split in (((False, False), (True, False), (False, True), (True, True))
+                             if (state, group) == ("fp32", 3) else ((False, False),)):
+            out.append((f"gdn_verify_fused_g{group}_{state}_state{'_fp8' if quant else ''}{'_split' if split else ''}",
+                        _gdn_verify_fused_kernel, fused,
+                        dict(HK=16, DK=128, DV=128, GROUP=group, K=4, **launch_config(128, 128, 4), QUANT=quant,
+                             QBLOCK=quant_block(16 * group * 128), SPLIT=split)))
     return out
