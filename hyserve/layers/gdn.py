@@ -342,11 +342,11 @@ class GatedDeltaNet(ReplayedStateLayer):
     def prefill_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                      slots: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                      query_start_loc_cpu: torch.Tensor | None, snaps: RowSnapshots | None,
-                     chunked_rows: ChunkedRows | None) -> torch.Tensor:
+                     chunked_rows: ChunkedRows | None, dst: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of any length advancing their slots in place (prefill, chunks, decode off the fused path): the conv
         with q, k and v apart, each contiguous (as fla's chunked kernel reads them; on the chunked path q and k come
         l2-normed from the same launch), the gates, the delta rule (with the snapshots inside rows), the gated norm;
-        out_proj's input."""
+        out_proj's input (written into ``dst`` where given)."""
         assert self.conv_state is not None and self.ssm_state is not None
         n = mixed_in.shape[0]
         qk_normed = gdn_takes_chunked(mixed_in, max_query_len)
@@ -360,7 +360,7 @@ class GatedDeltaNet(ReplayedStateLayer):
                           k.reshape(n, self.num_k_heads, self.head_k_dim),
                           v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, self.ssm_state, slots,
                           query_start_loc, max_query_len, query_start_loc_cpu, snaps, chunked_rows, qk_normed)
-        return self.gated_norm(out, z)
+        return self.gated_norm(out, z, dst)
 
     def verify_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                     vm: VerifyMetadata, in_place: bool) -> torch.Tensor:
@@ -388,12 +388,13 @@ class GatedDeltaNet(ReplayedStateLayer):
                              vm.max_query_len)
         return self.gated_norm(out, z)
 
-    def gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """The output norm of the delta rule's ``(T, Hv, Dv)`` output under z, as ``(T, Hv * Dv)``; z is read as
-        ``(T, Hv, Dv)`` heads of its strided view, where in_proj wrote it (no copy)."""
+    def gated_norm(self, out: torch.Tensor, z: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
+        """The output norm of the delta rule's ``(T, Hv, Dv)`` output under z, as ``(T, Hv * Dv)`` (written into
+        ``dst`` where given); z is read as ``(T, Hv, Dv)`` heads of its strided view, where in_proj wrote it (no
+        copy)."""
         t = out.shape[0]
         normed = self.norm(out.reshape(t, self.num_v_heads, self.head_v_dim),
-                           z.view(t, self.num_v_heads, self.head_v_dim))
+                           z.view(t, self.num_v_heads, self.head_v_dim), dst)
         return normed.reshape(t, self.value_dim)
 
     def fused_verify(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -405,25 +406,28 @@ class GatedDeltaNet(ReplayedStateLayer):
         assert vm is not None and self.conv_state is not None and self.ssm_state is not None
         assert self.conv_scratch is not None and self.stash is not None, "verify scratch not bound"
         tv, t = vm.num_tokens, mixed_in.shape[0]
-        # Verify rows alone: their output comes quantized for an FP8 out_proj (with prefill rows after them, plain)
+        # Verify rows alone: their output comes quantized for an FP8 out_proj (with prefill rows after them, plain,
+        # and both parts written into one buffer: no copy to join them)
         quant = self.out_quant if tv == t else None
+        buf = None if tv == t else torch.empty((t, self.value_dim), dtype=mixed_in.dtype, device=mixed_in.device)
         head = gdn_verify_fused(mixed_in[:tv], z[:tv], b[:tv], a[:tv], self.conv1d.weight.squeeze(1), self.A_log,
                                 self.dt_bias, self.norm.weight, self.norm.eps, self.conv_state, self.ssm_state,
                                 vm.state_slots, vm.query_start_loc, self.num_k_heads, self.conv_scratch, self.stash,
                                 vm.max_query_len, quant=quant, row_counts=self.row_counts,
-                                head_counts=self.head_counts, split=self.verify_split)
-        if tv == t:
+                                head_counts=self.head_counts, split=self.verify_split,
+                                out=None if buf is None else buf[:tv])
+        if buf is None:
             return head
-        assert isinstance(head, torch.Tensor)
-        return torch.cat([head, self.rest_rows(mixed_in, z, b, a, meta)])
+        self.rest_rows(mixed_in, z, b, a, meta, buf[tv:])
+        return buf
 
     def rest_rows(self, mixed_in: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                  meta: StepMetadata) -> torch.Tensor:
+                  meta: StepMetadata, dst: torch.Tensor | None = None) -> torch.Tensor:
         """The rows after a step's verify rows (prefill chunks) as a step of their own (``prefill_rows``);
-        out_proj's input for them."""
+        out_proj's input for them (written into ``dst`` where given)."""
         vm = meta.verify
         assert vm is not None
         rest = slice(vm.num_tokens, mixed_in.shape[0])
         return self.prefill_rows(mixed_in[rest], z[rest], b[rest], a[rest], vm.rest_state_slots,
                                  vm.rest_query_start_loc, vm.rest_max_query_len, vm.rest_query_start_loc_cpu,
-                                 meta.row_snapshots, vm.rest_chunked_rows)
+                                 meta.row_snapshots, vm.rest_chunked_rows, dst)

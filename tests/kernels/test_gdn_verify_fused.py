@@ -520,7 +520,7 @@ def _interp_layer_split() -> tuple[bool, str]:
         splits.append(k.get("split") is True and k.get("head_counts") is layer.head_counts)
         args = a[:-1]  # max_query_len is the entry point's
         return gdn_verify_fused_triton(*args, quant=k.get("quant"), row_counts=k.get("row_counts"), split=True,
-                                       head_counts=k["head_counts"], block_v=8)  # two blocks a head
+                                       head_counts=k["head_counts"], out=k.get("out"), block_v=8)  # two blocks
 
     got, got_after, calls = run_layer(layer, x, meta, split_launch)
     checks = [_agree(got, want, 2e-5, 2), *(_agree(got_after[n], want_after[n], 2e-5) for n in want_after)]
@@ -761,6 +761,26 @@ def test_layer_on_cpu_takes_the_fused_entry_point_only_with_drafts() -> None:
     one_token = verify_meta([1, 1], [7, 3], [4], [5])
     assert run_layer(layer, torch.randn(6, 32).to(BF16), one_token, gdn_verify_fused)[2] == 0
     assert not gdn_layer.uses_fused_verify(x)
+
+
+def test_layer_on_cpu_writes_verify_and_prefill_rows_into_one_buffer() -> None:
+    """A step of verify rows of drafts followed by prefill rows through the fused entry point (forced, its CPU
+    reference): both parts written into one buffer that out_proj takes whole, equal to the unfused path's output,
+    pools and scratch; the fused entry point given that buffer's first rows."""
+    layer = tiny_gdn(BF16, hk=1, hv=2)
+    meta = verify_meta([2, 3], [7, 3], [4, 2], [5, 1])
+    x = torch.randn(11, 32).to(BF16)
+    want, want_after, _ = run_layer(layer, x, meta, None)
+    outs: list[Any] = []
+
+    def entry(*a: Any, **k: Any) -> Any:
+        outs.append(k.get("out"))
+        return gdn_verify_fused(*a, **k)
+
+    got, got_after, calls = run_layer(layer, x, meta, entry)
+    assert calls == 1 and torch.equal(got, want)
+    assert all(torch.equal(got_after[n], want_after[n]) for n in want_after)
+    assert outs[0] is not None and outs[0].shape == (5, layer.value_dim) and outs[0].storage_offset() == 0
 
 
 def test_the_verify_split_switch(monkeypatch: pytest.MonkeyPatch) -> None:

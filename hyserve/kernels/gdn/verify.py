@@ -245,6 +245,7 @@ def gdn_verify_fused(
     row_counts: torch.Tensor | None = None,
     head_counts: torch.Tensor | None = None,
     split: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """The mixer's verify rows from ``in_proj``'s output to ``out_proj``'s input in one launch on CUDA; returns
     ``(T, Hv * Dv)`` in the model dtype (``quant="fp8"``: quantized per token for an FP8 ``out_proj`` in the same
@@ -255,15 +256,19 @@ def gdn_verify_fused(
     Arguments as :func:`hyserve.kernels.gdn.decode.gdn_decode_fused`'s, with rows of any length, and
     :func:`~hyserve.kernels.conv.causal_conv1d_verify`'s ``conv_scratch`` and :func:`gdn_verify`'s ``stash``.
     ``head_counts`` (:func:`~hyserve.kernels.gdn.decode.head_counters_for`) lets the launch split each value head over
-    its value blocks; ``split`` as :func:`verify_launch` takes it (None: its own choice)."""
+    its value blocks; ``split`` as :func:`verify_launch` takes it (None: its own choice). ``out``: the contiguous
+    ``(T, Hv * Dv)`` buffer the plain output is written into (a mixer's step with rows after its verify rows writes
+    both parts into one)."""
     if not x.is_cuda:
-        out = gdn_verify_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
+        ref = gdn_verify_fused_ref(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, conv_scratch, stash, max_query_len)
-        return out if quant is None else quantize_activation_ref(out)
+        if out is not None:
+            ref = out.copy_(ref)
+        return ref if quant is None else quantize_activation_ref(ref)
     split = head_counts is not None and verify_launch(state_slots.shape[0], ssm_state.shape[1], split)
     return gdn_verify_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, conv_scratch, stash, quant, row_counts,
-                                   split=split, head_counts=head_counts)
+                                   split=split, head_counts=head_counts, out=out)
 
 
 def verify_launch(rows: int, num_v_heads: int, split: bool | None = None) -> bool:

@@ -88,11 +88,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return rms_norm_triton(x, weight, eps, quant)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * norm(x) * silu(gate)`` over the last dim (weight not zero-centred), returned in ``x.dtype``."""
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * norm(x) * silu(gate)`` over the last dim (weight not zero-centred), returned in ``x.dtype``;
+    written into ``out`` (contiguous, ``x``'s number of elements and dtype) where given, and that returned in ``x``'s
+    shape."""
+    if out is not None:
+        assert out.is_contiguous() and out.numel() == x.numel() and out.dtype == x.dtype, \
+            "out must be contiguous, with x's size and dtype"
     if not x.is_cuda:
-        return gated_rms_norm_ref(x, gate, weight, eps)
-    return gated_rms_norm_triton(x, gate, weight, eps)
+        ref = gated_rms_norm_ref(x, gate, weight, eps)
+        return ref if out is None else out.view(x.shape).copy_(ref)
+    return gated_rms_norm_triton(x, gate, weight, eps, out)
 
 
 def l2_norm_heads(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -169,7 +176,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return _produced(out, q, s, x.shape, quant)
 
 
-def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     from hyserve.kernels.norm._triton import _gated_rms_norm_kernel
 
     d = x.shape[-1]
@@ -177,7 +185,7 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     x2 = _rows(x)
     g2, heads, s_head = _head_rows(gate)
     n = x2.shape[0]
-    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device) if out is None else out.view(n, d)
     if n:
         block_d, rows, warps = _launch(d)
         _gated_rms_norm_kernel[(-(-n // rows),)](x2, g2, weight, out, n, d, x2.stride(0), g2.stride(0),
