@@ -16,6 +16,7 @@ worker side to requests, the scheduler, the prefix cache or the engine, and the 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,15 @@ def module_files() -> dict[str, Path]:
     return mods
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """``path``'s syntax tree, read once per session: the checks below walk the same files (about 1.5 s a full read
+    on a CI core) and none changes a tree."""
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
 def imported_modules(name: str, path: Path, known: set[str], top_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parsed(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found: set[str] = set()
@@ -52,9 +60,15 @@ def imported_modules(name: str, path: Path, known: set[str], top_level_only: boo
 
 
 def import_graph(top_level_only: bool) -> dict[str, set[str]]:
+    """A fresh copy each call (a test may change its copy)."""
+    return {name: set(deps) for name, deps in _import_graph(top_level_only).items()}
+
+
+@functools.cache
+def _import_graph(top_level_only: bool) -> dict[str, frozenset[str]]:
     mods = module_files()
     known = set(mods)
-    return {name: imported_modules(name, path, known, top_level_only) for name, path in mods.items()}
+    return {name: frozenset(imported_modules(name, path, known, top_level_only)) for name, path in mods.items()}
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -135,7 +149,7 @@ def private_imports(path: Path) -> list[str]:
     kernel module importing from its own op's Triton module (``hyserve.kernels.<op>._triton``, private to the op's
     package) is the one pattern allowed."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.module != "__future__":
             if node.module == f"hyserve.kernels.{path.parent.name}._triton":
                 continue
@@ -164,7 +178,7 @@ def cross_folder_test_imports(tests: Path) -> list[str]:
     """``from test_x import ...`` where test_x.py is not in the importing module's own folder."""
     found = []
     for path in sorted(tests.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
                     and node.module.split(".")[0].startswith(("test_", "conftest")) \
                     and not (path.parent / f"{node.module.split('.')[0]}.py").exists():
@@ -222,11 +236,11 @@ OWNED = ("num_computed_tokens", "block_table", "state_slot", "draft_token_ids", 
          "num_inflight_samples")
 
 
-def attribute_writes(source: str) -> list[tuple[int, str]]:
+def attribute_writes(source: str | ast.Module) -> list[tuple[int, str]]:
     """(line, attribute) of every store to ``x.<attr>`` (assignment, augmented assignment, deletion of an item or
     slice of it, or a mutating call such as ``x.block_table.extend``) for the attributes in OWNED."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast.parse(source) if isinstance(source, str) else source):
         targets: list[ast.expr] = []
         if isinstance(node, (ast.Assign, ast.Delete)):
             targets = list(node.targets)
@@ -251,7 +265,7 @@ def test_only_the_scheduler_writes_computed_counts_blocks_slots_and_drafts() -> 
         rel = path.relative_to(ROOT.parent).as_posix()
         if rel in ("hyserve/scheduler/scheduler.py", "hyserve/request.py"):
             continue
-        hits = attribute_writes(path.read_text())
+        hits = attribute_writes(parsed(path))
         if hits:
             writers[rel] = hits
     assert writers == {}

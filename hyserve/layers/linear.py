@@ -247,7 +247,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         v0, v1 = shard_range(num_embeddings)
-        super().__init__(v1 - v0, embedding_dim)
+        super().__init__(v1 - v0, embedding_dim, _weight=torch.empty(v1 - v0, embedding_dim))
+        if not self.weight.is_meta:  # on the meta device (the weights' plan) normal_'s Python reference imports
+            self.reset_parameters()  # torch._dynamo (2 s of CPU a worker process); a meta tensor holds no values
         self.vocab_start, self.vocab_end = v0, v1
         self.sharded = tp_size() > 1
         if self.sharded:

@@ -317,7 +317,10 @@ class VisionModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        n, dim = cfg.num_position_embeddings, cfg.hidden_size
+        self.pos_embed = nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+        if not self.pos_embed.weight.is_meta:  # (as VocabParallelEmbedding: no torch._dynamo import on meta)
+            self.pos_embed.reset_parameters()
         self.rotary = VisionRotary(cfg.head_dim, cfg.rope_theta)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)

@@ -8,6 +8,7 @@ directory. Qwen3.5 is registered here; a new family registers its own entry from
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,13 +52,23 @@ QWEN3_5 = register_family(FamilyCheckpoints("qwen3_5", write_tiny_checkpoint, lo
 
 
 class CheckpointCache:
-    """Writes each (family, form, pattern, ...) checkpoint once under ``root`` and keeps its reference model."""
+    """Writes each (family, form, pattern, ...) checkpoint once under ``root`` and keeps its reference model, and
+    the results of deterministic runs on its checkpoints that several tests compare with (``memo``)."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._paths: dict[tuple, str] = {}
         self._refs: dict[str, object] = {}
         self._family_of: dict[str, FamilyCheckpoints] = {}
+        self._memo: dict[tuple, Any] = {}
+
+    def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """A copy of ``compute()``'s result, computed once per session for ``key``: a reference run (the one-process
+        engine on a scenario) that tests of several files compare with. ``key`` must name everything the run depends
+        on besides this cache's checkpoints (``hyserve.testing.scenarios.run_key``)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return copy.deepcopy(self._memo[key])
 
     def get(self, form: str = "causal", pattern: str = "gdn3_attn1", *, family: str = "qwen3_5", **kw: object) -> str:
         fam = FAMILIES[family]

@@ -5,6 +5,7 @@ tensor-parallel and multiprocess runs) and checks that it does preempt and hit."
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -91,8 +92,27 @@ def assert_same_outputs(got: dict[str, RequestOutput], want: dict[str, RequestOu
                 f"request {rid}: logprob {i} differs ({lg[tok].logprob} against {lw[tok].logprob})")
 
 
+def run_key() -> tuple:
+    """What a one-process run depends on besides its checkpoint and its arguments: the ``HYSERVE_*`` switches the
+    engine reads as it runs and whether this process emulates CUDA graphs (``cuda_graphs.EMULATE``, read from
+    ``HYSERVE_EMULATE_CUDA_GRAPHS`` at import: a test that sets the variable changes only its worker processes)."""
+    from hyserve.worker import cuda_graphs
+
+    switches = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("HYSERVE_") and k != "HYSERVE_EMULATE_CUDA_GRAPHS")
+    return cuda_graphs.EMULATE, tuple(switches)
+
+
 def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],
                                                                 dict[str, list[int]], dict[str, RequestOutput]]:
+    """The scenario with its stops, run synchronously in this process with speculation ``spec``: (path, arrivals,
+    aborts, prompts, outputs). Computed once per session and switches (``CheckpointCache.memo``; about 1.5 s a run
+    and a dozen tests in several files take it), each caller getting its own copy."""
+    return ckpts.memo(("reference_run", spec, run_key()), lambda: _reference_run(ckpts, spec))  # type: ignore[no-any-return]
+
+
+def _reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],
+                                                                 dict[str, list[int]], dict[str, RequestOutput]]:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     arrivals, aborts, prompts = scenario(path)
     first, engine = run_scenario(path, spec, False, arrivals, aborts)
@@ -108,7 +128,13 @@ def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, lis
 
 def plain_scenario_run(ckpts: CheckpointCache, path: str) -> dict[str, RequestOutput]:
     """The scenario on ``path`` run synchronously without speculation: it must preempt, hit the prefix cache,
-    abort "c", and give the reference's greedy tokens (all but the sampled "d")."""
+    abort "c", and give the reference's greedy tokens (all but the sampled "d"). Once per session and switches
+    (``CheckpointCache.memo``), as ``reference_run``."""
+    return ckpts.memo(("plain_scenario_run", path, run_key()),  # type: ignore[no-any-return]
+                      lambda: _plain_scenario_run(ckpts, path))
+
+
+def _plain_scenario_run(ckpts: CheckpointCache, path: str) -> dict[str, RequestOutput]:
     from hyserve.testing.engine import assert_matches_reference
 
     arrivals, aborts, prompts = scenario(path)

@@ -35,6 +35,7 @@ from hyserve.distributed.parallel_state import (
     stage_layers,
     tp_size,
 )
+from hyserve.kernels.attention import sdpa
 from hyserve.kernels.fp8 import check_fp8_device
 from hyserve.layers.quantization import draft_head_quantization, quantization_summary
 from hyserve.layers.sampler import Sampler, SamplingRow, token_seed
@@ -111,6 +112,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        if device.type == "cuda":  # the long prefill rows' mask import, now rather than in a step (2 s of CPU)
+            sdpa.preload()
         # What the device held before this instance allocated anything: the cache budget counts only this
         # instance's own weights, activations and non-torch memory against gpu_memory_utilization (vLLM's meaning).
         self._mem_baseline = device_memory(device)

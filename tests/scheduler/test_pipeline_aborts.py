@@ -15,6 +15,7 @@ steps, requests the scheduler has finished.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import pytest
@@ -113,6 +114,17 @@ def _abort_scenario(t: int) -> tuple[Arrivals, dict[int, list[str]]]:
     return arrivals, aborts
 
 
+@functools.cache
+def _one_rank_aborts(path: str, t: int) -> dict[str, list[int]]:
+    """One rank's tokens for ``_abort_scenario(t)``, run once for the sweep and its sabotaged twin (before the
+    sabotage is planted: the reference is never run on the sabotaged scheduler)."""
+    arrivals, aborts = _abort_scenario(t)
+    ref = _engine(path, "mtp")
+    want = _tokens(drive(ref, arrivals, aborts))
+    ref.assert_no_leaks()
+    return want
+
+
 @pytest.fixture(scope="module")
 def mtp_path(ckpts: CheckpointCache) -> str:
     return ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
@@ -125,16 +137,14 @@ def test_aborts_at_every_point_of_a_pipelined_verify_step(mtp_path: str, pp: int
     """PP 2 and 3, async scheduling, MTP k = 2, prefix caching: the requests that are not aborted get one rank's
     tokens, and every rank is clean after. The sabotaged scheduler (the late commit applied to a slot its request no
     longer holds) must give other tokens: this test sees the bug."""
+    offsets = (5, 8)  # the victims mid-decode; two offsets so that each phase meets each stage's parity
+    want = {f"{t}/{k}": v for t in offsets for k, v in _one_rank_aborts(mtp_path, t).items()}
     if sabotage:
         monkeypatch.setattr(Scheduler, "_queue_verify_commits", _old_verify_commits)
-    want: dict[str, list[int]] = {}
     got: dict[str, list[int]] = {}
     phases = _Phases()
-    for t in (5, 8):  # the victims mid-decode; two offsets so that each phase meets each stage's parity
+    for t in offsets:
         arrivals, aborts = _abort_scenario(t)
-        ref = _engine(mtp_path, "mtp")
-        want.update({f"{t}/{k}": v for k, v in _tokens(drive(ref, arrivals, aborts)).items()})
-        ref.assert_no_leaks()
         engine = _engine(mtp_path, "mtp", pipeline_parallel_size=pp, async_scheduling=True)
         assert engine.max_steps_in_flight == pp
         phases.watch(engine)

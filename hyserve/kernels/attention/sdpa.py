@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from hyserve.utils import device_tensor
 
 __all__ = ["PREFILL_ATTENTION_MODES", "SDPA_MIN_QUERIES", "RowPlan", "SubBatch", "flash_only", "paged_attention_rows",
-           "prefill_attention_mode", "sdpa_takes"]
+           "prefill_attention_mode", "preload", "sdpa_takes"]
 
 # Rows of at least this many queries go to SDPA (below it the paged kernel's launch is as good, and a step's decode
 # and verify rows stay in one launch).
@@ -73,6 +72,22 @@ def flash_only(q: torch.Tensor, hkv: int) -> bool:
     length on an H100 (the seed's opening burst, 2026-12-07: 8 such builds in 12 prompt steps)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and _flash_takes(q.device, q.dtype, q.shape[1], hkv, q.shape[2]))
+
+
+def causal_lower_right(n: int, ctx_len: int) -> torch.Tensor:
+    """torch's lower-right causal mask of ``n`` queries over ``ctx_len`` keys. Imported here, not at the top:
+    ``torch.nn.attention.bias`` imports torch._dynamo, about 2 s of CPU on a CI core in every process that builds a
+    model (each worker process, each server, each interpreter subprocess), where only a row continuing its context
+    needs it. A CUDA worker imports it as it starts (``preload``), so no step pays it."""
+    from torch.nn.attention.bias import causal_lower_right as mask
+
+    return mask(n, ctx_len)  # type: ignore[no-any-return]
+
+
+def preload() -> None:
+    """Import what :func:`paged_attention_rows` imports on its first row after a context (a CUDA worker calls it as
+    it starts: no step waits for the import)."""
+    import torch.nn.attention.bias  # noqa: F401
 
 
 @functools.lru_cache(maxsize=64)
