@@ -265,7 +265,9 @@ class EngineConfig:
     # snapshots cost at most about as much as the KV they index; multi-turn resumes and siblings hit at prompt ends,
     # request ends and branch points, which do not depend on the interval (benchmarks/results/prefix_cache.md).
     recurrent_snapshot_interval: int = 2048
-    snapshot_memory_fraction: float = 0.2
+    # None: DEFAULT_SNAPSHOT_MEMORY_FRACTION, raised (up to MAX_SNAPSHOT_MEMORY_FRACTION) to hold the snapshots a
+    # max_num_seqs the user set can hold at once while decoding (hyserve.cache.planner.plan_caches).
+    snapshot_memory_fraction: float | None = None
     num_snapshot_slots: int | None = None
     # The prefix cache's host tier: GiB of host memory per worker for the resume points the snapshot budget evicts
     # (hyserve.cache.prefix_cache). None: DEFAULT_SNAPSHOT_HOST_MEMORY_GB on CUDA, 0 on the CPU (where the cache is
@@ -336,6 +338,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive (got {self.max_num_batched_tokens})")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive (got {self.max_model_len})")
+        if self.snapshot_memory_fraction is not None and not (
+                _finite_gb(self.snapshot_memory_fraction) and self.snapshot_memory_fraction < 1):
+            raise ValueError(f"snapshot_memory_fraction must be a number in [0, 1) (got "
+                             f"{self.snapshot_memory_fraction!r}) (--snapshot-memory-fraction)")
         if self.snapshot_host_memory_gb is not None and not _finite_gb(self.snapshot_host_memory_gb):
             raise ValueError(f"snapshot_host_memory_gb must be a finite number >= 0 (got "
                              f"{self.snapshot_host_memory_gb!r}) (--snapshot-host-memory-gb)")

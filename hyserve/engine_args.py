@@ -142,8 +142,10 @@ def engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="prefix caching of KV blocks and recurrent snapshots (default: on)")
     p.add_argument("--recurrent-snapshot-interval", type=int, default=2048,
                    help="prefix caching: also snapshot recurrent state every N tokens (default: 2048)")
-    p.add_argument("--snapshot-memory-fraction", type=float, default=0.2,
-                   help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2)")
+    p.add_argument("--snapshot-memory-fraction", type=float, default=None,
+                   help="prefix caching: share of cache memory for recurrent snapshots (default: 0.2, raised up to "
+                        "0.4 to hold the snapshots that a --max-num-seqs you set can hold at once while decoding: "
+                        "(2 + steps in flight) a request)")
     p.add_argument("--snapshot-host-memory-gb", type=float, default=None,
                    help="prefix caching: GiB of pinned host memory per worker that keeps the resume points the "
                         "snapshot budget evicts, copied back on a hit; 0 turns it off (default: "

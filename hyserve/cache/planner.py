@@ -18,6 +18,10 @@ logger = logging.getLogger("hyserve")
 
 # Share of the cache budget the recurrent state pool may take before max_num_seqs is lowered to fit.
 MAX_STATE_SHARE = 0.5
+# Share of the cache budget for prefix-cache snapshots (--snapshot-memory-fraction unset), and how far it is raised
+# to hold the snapshots that a max_num_seqs the user set can hold at once while decoding (``snapshots_wanted``).
+DEFAULT_SNAPSHOT_MEMORY_FRACTION = 0.2
+MAX_SNAPSHOT_MEMORY_FRACTION = 0.4
 
 
 @dataclass(slots=True)
@@ -86,9 +90,30 @@ def plan_host_snapshots(config: EngineConfig, per_slot: int, caching: bool, devi
     return want // per_slot
 
 
+def snapshots_held_while_decoding(max_num_seqs: int, steps_in_flight: int) -> int:
+    """Snapshot entries ``max_num_seqs`` decoding requests can hold at once: each keeps the snapshot at its latest
+    block boundary (the request end's, once it finishes) and reserves one for the boundary a step may cross, for
+    every step scheduled and not yet applied."""
+    return max_num_seqs * (2 + steps_in_flight)
+
+
+def snapshot_entries(config: EngineConfig, budget: int, per_slot: int, snapshots_wanted: int) -> int:
+    """Snapshot entries of ``per_slot`` bytes out of ``budget`` bytes: ``--snapshot-memory-fraction`` of it, or by
+    default DEFAULT_SNAPSHOT_MEMORY_FRACTION of it raised to hold ``snapshots_wanted`` entries, up to
+    MAX_SNAPSHOT_MEMORY_FRACTION. A budget below what the running requests hold at once loses each published
+    snapshot within a few steps (on the seed's agents, 32 of them: 57 entries against 96, docs/features.md)."""
+    per_slot = max(per_slot, 1)
+    if config.snapshot_memory_fraction is not None:
+        return int(budget * config.snapshot_memory_fraction) // per_slot
+    default = int(budget * DEFAULT_SNAPSHOT_MEMORY_FRACTION) // per_slot
+    return max(default, min(snapshots_wanted, int(budget * MAX_SNAPSHOT_MEMORY_FRACTION) // per_slot))
+
+
 def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_speculative_tokens: int,
-                budget_fn: Callable[[], int], device_type: str) -> CacheLayout:
-    """The layout for ``config``: its explicit sizes, or a split of ``budget_fn()`` bytes (called only if needed)."""
+                budget_fn: Callable[[], int], device_type: str, snapshots_wanted: int = 0) -> CacheLayout:
+    """The layout for ``config``: its explicit sizes, or a split of ``budget_fn()`` bytes (called only if needed).
+    ``snapshots_wanted``: the snapshot entries the running requests hold at once, where the user set their number
+    (``snapshot_entries``)."""
     per_block, per_slot = info.kv_bytes_per_block, info.state_bytes_per_slot
     caching = config.enable_prefix_caching and info.has_recurrent_state
     host = plan_host_snapshots(config, per_slot, caching, device_type, config.world_size)
@@ -100,7 +125,7 @@ def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_sp
     snaps = 0
     if caching:
         snaps = config.num_snapshot_slots if config.num_snapshot_slots is not None else \
-            int(budget * config.snapshot_memory_fraction) // max(per_slot, 1)
+            snapshot_entries(config, budget, per_slot, snapshots_wanted)
         budget -= snaps * per_slot
     # A sequence's recurrent state costs one slot, plus k + 1 positions of verify scratch when speculating; the pad
     # slot is one more. Together they may take MAX_STATE_SHARE of the budget.
@@ -132,7 +157,7 @@ def plan_caches(config: EngineConfig, info: CacheInfo, max_num_seqs: int, num_sp
 
 def plan_caches_for_ranks(config: EngineConfig, infos: list[CacheInfo], max_num_seqs: int,
                           num_speculative_tokens: int, budgets_fn: Callable[[], list[int]],
-                          device_type: str) -> CacheLayout:
+                          device_type: str, snapshots_wanted: int = 0) -> CacheLayout:
     """One layout that every rank can hold: each rank's plan from its own needs (a pipeline stage caches only its
     layers) and budget, then the smallest count of each kind (block ids, slot ids and snapshot entries are the same
     on every rank). A rank without recurrent state does not limit the snapshots; the layout's byte sizes are the
@@ -147,9 +172,9 @@ def plan_caches_for_ranks(config: EngineConfig, infos: list[CacheInfo], max_num_
 
     if all(info == infos[0] for info in infos):
         return plan_caches(config, infos[0], max_num_seqs, num_speculative_tokens, lambda: min(budgets_fn()),
-                           device_type)
+                           device_type, snapshots_wanted)
     plans = [plan_caches(config, info, max_num_seqs, num_speculative_tokens, functools.partial(budget, r),
-                         device_type) for r, info in enumerate(infos)]
+                         device_type, snapshots_wanted) for r, info in enumerate(infos)]
     with_state = [p for p, info in zip(plans, infos, strict=True) if info.has_recurrent_state] or plans
     layout = CacheLayout(min(p.num_kv_blocks for p in plans), min(p.num_state_slots for p in plans),
                          max(p.kv_bytes_per_block for p in plans), max(p.state_bytes_per_slot for p in plans),

@@ -46,29 +46,37 @@ where no later request is expected to resume: at an interval point, before an im
 agent's next prompt turns its oldest screenshot into text, which moves every later image), or at the prompt's end
 once the answer has reached a block boundary; it stops being spare when a request resumes there or computes through
 it again. The resume points (the answer's latest boundary, or the prompt's end before it has one; a point where
-prefixes part; before the first image) go by LRU, unless one kind of them is resumed from less than half as often
-as the least recently used one's kind: then that kind's least recently used goes first. How often a kind is resumed
-from is counted per snapshot of it taken, over a decayed window, and a lookup that an evicted snapshot would have
-served deeper counts for its kind too (the evicted are remembered a while), so a kind evicted too eagerly wins its
-place back. A workload teaches the cache which points pay: GUI agents resume before their first image and never at
-a prompt's end or an answer's; a chat resumes at the answer's end. A hit keeps the point before the request's first
-image as recently used as itself: the agent's next step resumes there. A verify row's candidate entry (MTP) takes a
-free or spare entry only. Snapshots pinned for a copy-in in the current step are not evicted.
+prefixes part; before the first image) go by the chance each is resumed from later, the least likely first
+(``KindModel``): per kind, the share of its snapshots resumed from before they were dropped (decayed counts), and
+how long after their last use the resumes came (the latest 64 delays, counted in snapshots taken since), so a
+fresh answer end keeps its kind's chance while an old one, past the delays its kind is resumed within, has
+almost none. A snapshot's life as a kind ends at its first resume; from then on it is learned as that kind
+resumed from ("answer+": a chat's answer end, resumed from by the next turn, is rarely resumed from again, a
+system prompt's branch point always). A decoding answer's latest boundary is learned only once its request has
+ended (the point moves on with the answer), and a lookup that an evicted snapshot would have served deeper turns
+its drop into a resume (the dropped are remembered a while), so a kind evicted too eagerly wins its place back.
+A hit keeps the point before the request's first image as recently used as itself, and counts as a use of it:
+an agent's next step resumes there. Within a kind the least recently used is the least likely, so only each
+kind's least recently used is weighed; ties go to the least recently used. A workload teaches the cache which
+points pay: GUI agents resume at their first two steps' answer ends, then before their first image; a chat at
+the answer's end. A verify row's candidate entry (MTP) takes a free or spare entry only. Snapshots pinned for a
+copy-in in the current step are not evicted.
 
 The host tier (``num_host_snapshots`` > 0, ``--snapshot-host-memory-gb``): a resume point the budget evicts is not
-dropped but moved to host memory if its kind is resumed from at least once in four snapshots taken
+dropped but moved to host memory if its chance of being resumed from later is at least ``MOVE_UTILITY``
 (``take_offloads``: the worker copies the entry out before the step that reuses it writes it), where it stays,
-least recently used first, until the host entries run out or its KV block is evicted. A lookup whose deepest
-snapshot is on the host hits it as one on the device (``PrefixHit.host_snapshot``: the worker copies it into the
-request's slot). The copy is the same bytes, so a hit through the host gives what one through the device does.
-Spare snapshots go nowhere: they are dropped as before.
+least recently used first, until the host entries run out or its KV block is evicted (a drop learned then). A
+lookup whose deepest snapshot is on the host hits it as one on the device (``PrefixHit.host_snapshot``: the worker
+copies it into the request's slot). The copy is the same bytes, so a hit through the host gives what one through the
+device does. Spare snapshots go nowhere: they are dropped as before.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,8 +89,55 @@ ROOT_HASH = b"hyserve-prefix-root"
 # The kinds of resume point (``PrefixCache._point_kind``); a spare snapshot promoted by a hit or a recomputation is
 # "recurred".
 POINT_KINDS = ("share", "first_image", "prompt_end", "answer", "recurred")
-# The host tier takes an evicted resume point of a kind resumed from at least this often per snapshot taken.
+# What the cache learns per kind of resume point, and separately per kind for a snapshot already resumed from once
+# ("answer+": whether an answer's end, resumed from, is resumed from again).
+LEARNED_KINDS = POINT_KINDS + tuple(f"{kind}+" for kind in POINT_KINDS)
+
+
+def resumed_kind(kind: str) -> str:
+    """The kind a resume point of ``kind`` is learned as once resumed from."""
+    return kind if kind.endswith("+") else f"{kind}+"
+# The host tier takes an evicted resume point whose chance of being resumed from later is at least this.
 MOVE_UTILITY = 0.25
+# The latest resume delays kept per kind (``KindModel``).
+DELAYS_KEPT = 64
+
+
+class KindModel:
+    """What the cache has learned of one kind of resume point: how many of its snapshots were resumed from and how
+    many were dropped unresumed (decayed counts; a snapshot's life ends at its first resume, after which it is
+    "recurred"), and how long after their last use (in snapshots taken since) the latest resumes came."""
+
+    __slots__ = ("_delays", "_sorted", "dropped", "resumed")
+
+    def __init__(self) -> None:
+        self.resumed = 0.0
+        self.dropped = 0.0
+        self._delays: deque[int] = deque()
+        self._sorted: list[int] = []
+
+    def chance(self) -> float:
+        """The chance a snapshot of this kind is resumed from at all: a Laplace estimate (1/2 before any)."""
+        return (self.resumed + 1.0) / (self.resumed + self.dropped + 2.0)
+
+    def add_delay(self, delay: int) -> None:
+        self._delays.append(delay)
+        bisect.insort(self._sorted, delay)
+        if len(self._delays) > DELAYS_KEPT:
+            del self._sorted[bisect.bisect_left(self._sorted, self._delays.popleft())]
+
+    def still(self, age: int) -> float:
+        """The chance a snapshot of this kind unused for ``age`` is resumed from later: of the snapshots resumed
+        from, the share resumed later than ``age`` after their last use (S, with one more counted later: 1 before
+        any delay is known), against those never resumed: ``p S / (1 - p + p S)``."""
+        later = len(self._sorted) - bisect.bisect_right(self._sorted, age)
+        survive = (later + 1.0) / (len(self._sorted) + 1.0)
+        p = self.chance()
+        return p * survive / (1.0 - p + p * survive)
+
+    def decay(self, factor: float) -> None:
+        self.resumed *= factor
+        self.dropped *= factor
 
 
 def hash_block(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
@@ -160,13 +215,21 @@ class PrefixCache:
         # Snapshots evicted before the others (see ``_alloc_snapshot``): taken where no later request is expected to
         # resume, until one does (a hit, or a request computing through the point again).
         self._spare: set[bytes] = set()
-        # The resume points' kinds (``_point_kind``), and per kind how often its snapshots were resumed from against
-        # how many were taken (decayed counts; a hit a snapshot evicted by the budget would have given counts too,
-        # through ``_ghosts``): the budget evicts the kind least resumed from first (``_alloc_snapshot``).
+        # The resume points' kinds (``_point_kind``; "recurred" once resumed from), when each was last used (the
+        # count of snapshots taken then: ``_clock``), and per kind what the cache has learned (``KindModel``; a drop
+        # that a later lookup shows too eager is turned into a resume, through ``_ghosts``): the budget evicts the
+        # resume point least likely to be resumed from later first (``_alloc_snapshot``).
         self._kind: dict[bytes, str] = {}
-        self._use: dict[str, list[float]] = {k: [0.0, 0.0] for k in POINT_KINDS}  # [resumed, taken], decayed
-        self._ghosts: OrderedDict[bytes, str] = OrderedDict()  # evicted resume points -> kind, oldest first
-        self._ghost_limit = 4 * max(state_slots.num_snapshots, 1)
+        self._used: dict[bytes, int] = {}
+        # A decoding request's latest answer boundary -> the request: until it finishes the point moves on, so its
+        # eviction is no drop to learn from, nor worth a move to the host.
+        self._moving: dict[bytes, Request] = {}
+        self._clock = 0
+        self._models = {k: KindModel() for k in LEARNED_KINDS}
+        # dropped resume points -> (kind, last use), oldest first: remembered over many budgets' worth of snapshots
+        # (a GUI agent resumes before its first image three steps after taking it)
+        self._ghosts: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        self._ghost_limit = max(64 * state_slots.num_snapshots, 1024)
         self._decay = 1.0 - 1.0 / (4 * max(state_slots.num_snapshots, 1))
         self._free_snapshots = list(range(state_slots.num_snapshots - 1, -1, -1))
         self._pinned: dict[int, int] = {}
@@ -221,11 +284,9 @@ class PrefixCache:
             first = self._first_image_point(req)
             resume = req.block_hashes[first // bs - 1] if first is not None and bs <= first < best * bs else None
             if resume is not None:
-                self._touch(resume)
+                self._passed(resume)
             h = req.block_hashes[best - 1]
-            kind = self._kind.get(h)
-            if kind is not None:
-                self._use[kind][0] += 1
+            self._resumed(h)
             self.stats.hits += 1
             if h not in self._snapshots:  # on the host
                 host = self._host[h]
@@ -359,13 +420,10 @@ class PrefixCache:
             self.release_entry(entry)
             return False
         self._snapshots[h] = entry - self.state_slots.snapshot_entry(0)
+        self._clock += 1
         if self._resume_point(req, position):
-            kind = self._point_kind(req, position) or "recurred"
-            self._kind[h] = kind
-            for use in self._use.values():
-                use[0] *= self._decay
-                use[1] *= self._decay
-            self._use[kind][1] += 1
+            self._kind[h] = self._point_kind(req, position) or "recurred"
+            self._used[h] = self._clock
         else:
             self._spare.add(h)
         end = self._prompt_end_point(req)
@@ -373,9 +431,9 @@ class PrefixCache:
                 and not self._resume_point(req, end, answered=True):
             # the answer's first boundary: the next turn resumes there or later, no longer at the prompt's end
             prompt_end = req.block_hashes[end // self.block_size - 1]
-            if prompt_end in self._snapshots:
+            if prompt_end in self._snapshots:  # the same resume point moved on: no drop learned
                 self._spare.add(prompt_end)
-                self._kind.pop(prompt_end, None)
+                self._forget(prompt_end)
         self.stats.taken += 1
         self._retire_rolling(req, h, position)
         return True
@@ -390,13 +448,15 @@ class PrefixCache:
             or position == self._prompt_end_point(req) or position in image_points(req, self.block_size)
         old = req.rolling_snapshot_hash
         req.rolling_snapshot_hash = None if is_policy_point else new_hash
-        if old is None or old not in self._snapshots:
+        if not is_policy_point and new_hash in self._kind:
+            self._moving[new_hash] = req
+        if old is None:
             return
-        idx = self._snapshots[old]
-        if idx not in self._pinned:
+        idx = self._snapshots.get(old)  # (never on the host: a decoding answer's boundary does not move there)
+        if idx is not None and idx not in self._pinned:  # the answer's resume point moved on: no drop learned
             del self._snapshots[old]
             self._spare.discard(old)
-            self._kind.pop(old, None)
+            self._forget(old)
             self._free_snapshots.append(idx)
 
     def _point_kind(self, req: Request, position: int, answered: bool = False) -> str | None:
@@ -425,50 +485,90 @@ class PrefixCache:
         return min(images) if images else None
 
     def _alloc_snapshot(self, spare_only: bool = False) -> int | None:
-        """A free entry, else an unpinned snapshot's: the least recently used spare one, else the least recently
-        used of the kind of resume point resumed from least (per snapshot taken; ``spare_only``: a spare one or
-        none). An evicted resume point is remembered (``_ghosts``): a later lookup that it would have served counts
-        for its kind, so a kind evicted too eagerly wins its place back."""
+        """A free entry, else an unpinned snapshot's: the least recently used spare one, else the resume point least
+        likely to be resumed from later (``_chance_later``; ``spare_only``: a spare one or none). Within a kind
+        that is its least recently used one, so only those are weighed; ties go to the least recently used. An
+        evicted resume point worth it moves to the host tier; one dropped is remembered (``_ghosts``)."""
         if self._free_snapshots:
             return self._free_snapshots.pop()
         victim = next((h for h, idx in self._snapshots.items() if h in self._spare and idx not in self._pinned), None)
         if victim is None and not spare_only:
-            oldest: dict[str, bytes] = {}  # each kind's least recently used unpinned snapshot
+            oldest: dict[str, bytes] = {}  # each kind's least recently used unpinned snapshot, in LRU order
             for h, idx in self._snapshots.items():
                 kind = self._kind.get(h, "recurred")
                 if kind not in oldest and idx not in self._pinned:
                     oldest[kind] = h
-                    if len(oldest) == len(POINT_KINDS):
+                    if len(oldest) == len(LEARNED_KINDS):
                         break
-            if oldest:  # the least recently used, unless a kind is resumed from less than half as often
-                lru_kind = next(iter(oldest))
-                least = min(oldest, key=self._utility)
-                victim = oldest[least if self._utility(least) < 0.5 * self._utility(lru_kind) else lru_kind]
+            if oldest:
+                victim = min(oldest.values(), key=self._chance_later)  # min keeps the first (least recent) of ties
         if victim is None:
             return None
         self._spare.discard(victim)
         idx = self._snapshots.pop(victim)
         self.stats.evictions += 1
-        gone = self._kind.get(victim)
-        if gone is not None and self._worth_moving(gone) and self._offload(victim, idx):
+        if victim in self._kind and not self._still_moving(victim) and self._chance_later(victim) >= MOVE_UTILITY \
+                and self._offload(victim, idx):
             return idx
-        self._kind.pop(victim, None)
-        if gone is not None:
-            self._remember(victim, gone)
+        self._dropped(victim)
         return idx
 
-    def _remember(self, h: bytes, kind: str) -> None:
-        """An evicted resume point, for the lookups it would have served (``_count_ghost_hit``)."""
-        self._ghosts[h] = kind
-        if len(self._ghosts) > self._ghost_limit:
-            self._ghosts.popitem(last=False)
+    def _chance_later(self, h: bytes) -> float:
+        """The chance resume point ``h`` is resumed from later, by its kind's model and how long it has been unused."""
+        kind = self._kind.get(h, "recurred")
+        return self._models[kind].still(self._clock - self._used.get(h, self._clock))
 
-    def _worth_moving(self, kind: str) -> bool:
-        """Whether an evicted resume point of ``kind`` goes to the host: a snapshot of its kind is resumed from at
-        least once in ``1 / MOVE_UTILITY`` taken (a move is a copy of one snapshot over the host link, a hit saves
-        the prefill since the device's last snapshot; a kind never resumed from, as a GUI agent's prompt ends, would
-        only fill the host with what is never read). Every kind qualifies until the cache has learned otherwise."""
-        return self._utility(kind) >= MOVE_UTILITY
+    def _resumed(self, h: bytes) -> None:
+        """A lookup resumes from ``h``: its kind learns a resume and its delay; from now on it is learned as its kind
+        resumed from (``resumed_kind``; a spare snapshot: "recurred")."""
+        kind = self._kind.get(h)
+        if kind is not None:
+            self._learn(kind, resumed=True, delay=self._clock - self._used.get(h, self._clock))
+        self._spare.discard(h)
+        self._kind[h] = resumed_kind(kind) if kind is not None else "recurred"
+        self._used[h] = self._clock
+        self._moving.pop(h, None)
+
+    def _passed(self, h: bytes) -> None:
+        """A hit deeper than resume point ``h`` keeps it (the point before the request's first image: its next step
+        resumes there): used now, and its kind learns a use as a resume (a GUI agent's first-image point is passed
+        at its next two steps and resumed from at the third)."""
+        kind = self._kind.get(h)
+        if kind is not None and not kind.endswith("+") and (h in self._snapshots or h in self._host):
+            self._learn(kind, resumed=True, delay=self._clock - self._used.get(h, self._clock))
+        self._touch(h)
+
+    def _still_moving(self, h: bytes) -> bool:
+        """Whether ``h`` is the latest answer boundary of a request still decoding."""
+        req = self._moving.get(h)
+        return req is not None and not req.is_finished
+
+    def _dropped(self, h: bytes) -> None:
+        """Resume point ``h`` (device or host) is gone unresumed: its kind learns a drop, and it is remembered a while
+        (``_ghosts``: a lookup it would have served turns the drop into a resume). Not while it is a decoding
+        answer's latest boundary (the point moves on)."""
+        kind = self._kind.get(h)
+        if kind is not None and not self._still_moving(h):
+            self._learn(kind, resumed=False)
+            self._ghosts[h] = (kind, self._used.get(h, self._clock))
+            if len(self._ghosts) > self._ghost_limit:
+                self._ghosts.popitem(last=False)
+        self._forget(h)
+
+    def _forget(self, h: bytes) -> None:
+        self._kind.pop(h, None)
+        self._used.pop(h, None)
+        self._moving.pop(h, None)
+
+    def _learn(self, kind: str, resumed: bool, delay: int = 0) -> None:
+        for model in self._models.values():
+            model.decay(self._decay)
+        model = self._models[kind]
+        if resumed:
+            model.resumed += 1
+            model.add_delay(delay)
+        else:
+            model.dropped += 1
 
     def _offload(self, h: bytes, idx: int) -> bool:
         """Move resume point ``h`` (device snapshot ``idx``, just evicted) to a host entry: a free one, else the
@@ -483,19 +583,11 @@ class PrefixCache:
                 return False
             host = self._host.pop(old)
             self.stats.host_evictions += 1
-            kind = self._kind.pop(old, None)
-            if kind is not None:
-                self._remember(old, kind)
+            self._dropped(old)
         self._host[h] = host
         self._offloads.append((self.state_slots.snapshot_entry(idx), host))
         self.stats.offloads += 1
         return True
-
-    def _utility(self, kind: str) -> float:
-        """How often a snapshot of ``kind`` is resumed from (or would have been), per snapshot taken: a Laplace
-        estimate over the decayed counts (1/2 before any)."""
-        resumed, taken = self._use[kind]
-        return (resumed + 1.0) / (taken + 2.0)
 
     def _touch(self, h: bytes) -> bool:
         """Whether prefix ``h`` has a snapshot, on the device or the host; if so it is used now (most recently used;
@@ -506,22 +598,30 @@ class PrefixCache:
             return True
         if h in self._host:
             self._host.move_to_end(h)
+            self._used[h] = self._clock
             return True
         return False
 
     def _promote(self, h: bytes) -> None:
-        """A spare snapshot resumed from or computed through again: a resume point from now on."""
+        """A snapshot used again (its age starts over); a spare one resumed from or computed through again is a
+        resume point from now on ("recurred")."""
         if h in self._spare:
             self._spare.discard(h)
             self._kind[h] = "recurred"
+        if h in self._kind:
+            self._used[h] = self._clock
 
     def _count_ghost_hit(self, req: Request, best: int, kv_depth: int) -> None:
         """A lookup whose KV reaches past its hit (``best`` blocks) to an evicted resume point's prefix: that kind
         would have served it deeper."""
         for j in range(kv_depth - 1, best - 1, -1):
             h = req.block_hashes[j]
-            if h in self._ghosts:
-                self._use[self._ghosts.pop(h)][0] += 1
+            if h in self._ghosts:  # a drop that was too eager: learned as the resume it would have been
+                kind, used = self._ghosts.pop(h)
+                model = self._models[kind]
+                model.dropped = max(model.dropped - 1.0, 0.0)
+                model.resumed += 1.0
+                model.add_delay(self._clock - used)
                 return
 
     def _on_block_evicted(self, block_hash: bytes) -> None:
@@ -529,13 +629,13 @@ class PrefixCache:
         if idx is not None and idx not in self._pinned:
             del self._snapshots[block_hash]
             self._spare.discard(block_hash)
-            self._kind.pop(block_hash, None)
+            self._dropped(block_hash)
             self._free_snapshots.append(idx)
             self.stats.evictions += 1
         host = self._host.get(block_hash)
         if host is not None and host not in self._host_pinned:
             del self._host[block_hash]
-            self._kind.pop(block_hash, None)
+            self._dropped(block_hash)
             self._free_host.append(host)
 
     # ------------------------------------------------------------------ introspection
@@ -549,8 +649,9 @@ class PrefixCache:
         return "; ".join(held) or None
 
     def kind_utilities(self) -> dict[str, float]:
-        """Each kind of resume point's estimate of how often a snapshot of it is resumed from (``_utility``)."""
-        return {kind: self._utility(kind) for kind in POINT_KINDS}
+        """Each kind of resume point's estimate of the chance a snapshot of it is resumed from at all
+        (``KindModel.chance``)."""
+        return {kind: model.chance() for kind, model in self._models.items()}
 
     @property
     def num_snapshots(self) -> int:

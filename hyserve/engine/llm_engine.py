@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hyserve.cache.block_pool import BlockPool
-from hyserve.cache.planner import CacheInfo, cache_memory_flag, plan_caches_for_ranks
+from hyserve.cache.planner import CacheInfo, cache_memory_flag, plan_caches_for_ranks, snapshots_held_while_decoding
 from hyserve.cache.prefix_cache import PrefixCache
 from hyserve.cache.state_slots import StateSlots
 from hyserve.config import (
@@ -135,9 +135,14 @@ class LLMEngine:
         # The worker side: device, model, cache tensors, step buffers, graphs. The engine keeps ids and ints.
         self.executor: Executor = self._make_executor(k)
         infos = self.executor.cache_infos()
+        # A concurrency the user set: the default snapshot budget is raised to what that many decoding requests
+        # hold at once (``snapshot_demand_while_decoding``).
+        wanted = snapshots_held_while_decoding(config.max_num_seqs, self.max_steps_in_flight) \
+            if config.max_num_seqs is not None else 0
         self.layout = plan_caches_for_ranks(config, infos, config.max_num_seqs or DEFAULT_MAX_NUM_SEQS, k,
                                             functools.partial(self.executor.collective_rpc,
-                                                              "determine_available_memory"), self.device.type)
+                                                              "determine_available_memory"), self.device.type,
+                                            wanted)
         self.max_num_seqs = self.layout.max_num_seqs
         self.max_num_batched_tokens = int(config.max_num_batched_tokens or 0)
         self.block_pool = BlockPool(self.layout.num_kv_blocks, config.block_size)
@@ -223,11 +228,13 @@ class LLMEngine:
                     "at once (each its latest block boundary's, and one reserved per step in flight), so published "
                     "snapshots are evicted within a few steps (speculative verify rows go without instead) and later "
                     "requests resume from little or nothing%s; "
-                    "raise --snapshot-memory-fraction (now %.2f), or store the state in the model's dtype "
+                    "raise --snapshot-memory-fraction (%s), or store the state in the model's dtype "
                     "(--mamba-ssm-cache-dtype auto: half the size of the float32 default)", lay.num_snapshots,
                     transient, lay.max_num_seqs,
                     f" but the {lay.num_host_snapshots} host entries (resume points only, copied back on a hit)"
-                    if lay.num_host_snapshots else "", config.snapshot_memory_fraction)
+                    if lay.num_host_snapshots else "",
+                    "now unset: the default share, raised up to its cap" if config.snapshot_memory_fraction is None
+                    else f"now {config.snapshot_memory_fraction:.2f}")
         else:
             logger.info("prefix caching is off")
 
@@ -235,7 +242,7 @@ class LLMEngine:
         """Snapshot entries the running requests can hold at once while decoding: each keeps the snapshot at its
         latest block boundary (the request end's, once it finishes) and reserves one for the boundary a step may
         cross, for every step scheduled and not yet applied."""
-        return self.layout.max_num_seqs * (2 + self.max_steps_in_flight)
+        return snapshots_held_while_decoding(self.layout.max_num_seqs, self.max_steps_in_flight)
 
     def _make_executor(self, num_speculative_tokens: int) -> Executor:
         # The shorter speculation lengths a step may take: the worker captures verify graphs for each.

@@ -534,7 +534,7 @@ def test_the_budget_evicts_the_kind_of_point_never_resumed_from(monkeypatch: pyt
     every kind alike) the point before a's image goes at c's step. A lookup that an evicted snapshot would have
     served counts for its kind (a kind evicted too eagerly wins its place back)."""
     if sabotage:
-        monkeypatch.setattr(prefix_cache.PrefixCache, "_utility", lambda self, kind: 0.5)
+        monkeypatch.setattr(prefix_cache.PrefixCache, "_chance_later", lambda self, h: 0.5)
     cache = prefix_cache.PrefixCache(BlockPool(128, 16), StateSlots(2, 4), 16, snapshot_interval=1024)
     for i in range(3):  # earlier steps, each resumed from before its image by the agent's next step
         earlier = toks(100, 11 + i)
@@ -549,10 +549,10 @@ def test_the_budget_evicts_the_kind_of_point_never_resumed_from(monkeypatch: pyt
         return
     assert kept == {("a", 32), ("b", 32), ("c", 32), ("c", 96)}
     assert _resumes_at(cache, a_next, "a2") == 32
-    assert cache._utility("prompt_end") < 0.5 * cache._utility("first_image")
-    before = cache._utility("prompt_end")
+    assert cache.kind_utilities()["prompt_end"] < 0.5 * cache.kind_utilities()["first_image"]
+    before = cache.kind_utilities()["prompt_end"]
     assert _resumes_at(cache, toks(100, 2) + toks(20, 5), "b") == 32  # b's prompt again: its end was evicted
-    assert cache._utility("prompt_end") > before
+    assert cache.kind_utilities()["prompt_end"] > before
 
 
 def test_a_spare_only_reservation_takes_free_then_spare_entries_and_no_resume_point(
@@ -649,12 +649,13 @@ def test_verify_candidates_never_evict_a_resume_point(ckpts: CheckpointCache, mo
 # ---------------------------------------------------------------------------------------------- the host tier
 
 
-def _agents_cache(host: int) -> prefix_cache.PrefixCache:
-    """A cache of four device entries and ``host`` host entries, in which three earlier agents' steps taught that
-    points before the first image are resumed from."""
-    cache = prefix_cache.PrefixCache(BlockPool(128, 16), StateSlots(2, 4), 16, snapshot_interval=1024,
+def _agents_cache(host: int, earlier: int = 3) -> prefix_cache.PrefixCache:
+    """A cache of four device entries and ``host`` host entries, in which ``earlier`` agents' steps taught that
+    points before the first image are resumed from (and, once the host tier overflows, that prompt ends are
+    dropped unresumed)."""
+    cache = prefix_cache.PrefixCache(BlockPool(512, 16), StateSlots(2, 4), 16, snapshot_interval=1024,
                                      num_host_snapshots=host)
-    for i in range(3):
+    for i in range(earlier):
         earlier = toks(100, 11 + i)
         _computed(cache, f"x{i}", earlier, f"x{i}")
         assert _resumes_at(cache, earlier[:40] + toks(60, 21 + i), "next") == 32
@@ -698,11 +699,12 @@ def test_an_evicted_resume_point_moves_to_the_host_and_serves_the_next_step(host
 
 @pytest.mark.parametrize("sabotage", [False, True])
 def test_a_kind_never_resumed_from_stays_off_the_host(monkeypatch: pytest.MonkeyPatch, sabotage: bool) -> None:
-    """The agents' prompt ends are never resumed from: once the cache has learned it, an evicted prompt end is
-    dropped, not moved (a copy over the host link for nothing, and a host entry a point before an image needs),
-    while the points before the images are moved. The sabotage (every kind moved) moves the prompt ends too."""
-    cache = _agents_cache(16)
-    assert cache._utility("prompt_end") < prefix_cache.MOVE_UTILITY <= cache._utility("first_image")
+    """The agents' prompt ends are never resumed from: once the cache has learned it (twelve earlier agents' steps
+    overflow four host entries: the prompt ends dropped from there unresumed), an evicted prompt end is dropped,
+    not moved (a copy over the host link for nothing, and a host entry a point before an image needs), while the
+    points before the images are moved. The sabotage (every kind moved) moves the prompt ends too."""
+    cache = _agents_cache(4, earlier=12)
+    assert cache.kind_utilities()["prompt_end"] < prefix_cache.MOVE_UTILITY <= cache.kind_utilities()["first_image"]
     if sabotage:
         monkeypatch.setattr(prefix_cache, "MOVE_UTILITY", 0.0)
     steps = [_computed(cache, name, toks(100, seed), name) for name, seed in (("a", 1), ("b", 2), ("c", 3),

@@ -622,13 +622,13 @@ def test_a_tight_snapshot_budget_keeps_the_agents_resume_points(vlm: str, monkey
     ours = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
         m.setattr(PrefixCache, "_resume_point", lambda self, req, position, answered=False: True)
-        m.setattr(PrefixCache, "_utility", lambda self, kind: 0.5)
+        m.setattr(PrefixCache, "_chance_later", lambda self, h: 0.5)
         lru = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:
         m.setattr(PrefixCache, "_first_image_point", lambda self, req: None)
         blind = _agent_rounds(vlm, 24)
     with monkeypatch.context() as m:  # every kind of resume point alike: no learning which ones pay
-        m.setattr(PrefixCache, "_utility", lambda self, kind: 0.5)
+        m.setattr(PrefixCache, "_chance_later", lambda self, h: 0.5)
         unlearned = _agent_rounds(vlm, 24)
     assert ours > 1.3 * max(lru, blind), (ours, lru, blind)
     assert ours > unlearned, (ours, unlearned)  # the rounds are deterministic (one batch a round, no timing)
