@@ -265,22 +265,34 @@ def gdn_verify_fused(
         if out is not None:
             ref = out.copy_(ref)
         return ref if quant is None else quantize_activation_ref(ref)
-    split = head_counts is not None and verify_launch(state_slots.shape[0], ssm_state.shape[1], split)
+    use_split, block_v, warps = verify_launch(state_slots.shape[0], ssm_state.shape[1], split) \
+        if head_counts is not None else (False, None, 4)
     return gdn_verify_fused_triton(x, z, b, a, conv_weight, a_log, dt_bias, norm_weight, eps, conv_state, ssm_state,
                                    state_slots, query_start_loc, num_k_heads, conv_scratch, stash, quant, row_counts,
-                                   split=split, head_counts=head_counts, out=out)
+                                   split=use_split, head_counts=head_counts, out=out, block_v=block_v,
+                                   num_warps=warps)
 
 
-def verify_launch(rows: int, num_v_heads: int, split: bool | None = None) -> bool:
-    """Whether a fused verify launch of ``rows`` rows splits each value head over programs, one a value block
-    (``_gdn_verify_fused_kernel``'s ``SPLIT``). ``split`` True / False forces it (``HYSERVE_GDN_VERIFY_SPLIT``);
-    None: not yet. The walk (one program a (row, value head), its value blocks one after another) is the form
-    measured on a card: on the seed's decode steps it reads the rows' states at about 0.45 TB/s, half the fused
-    decode's rate (``benchmarks/results/h100/seed_2026-12-07c``). The split form has four times the programs at the
-    Qwen3.5 heads; ``benchmarks/gdn_verify_bench.py --fused`` times both, and the choice by (row, value head) pairs
-    follows from that sweep, as :func:`~hyserve.kernels.gdn.decode.decode_launch`'s did."""
-    del rows, num_v_heads  # the sweep's pairs thresholds go here
-    return bool(split)
+# The fused verify's split launch, from the card's sweep (``gdn_verify_bench.py --fused``, one H100, value-major float32
+# state, k = 1 and 2; benchmarks/results/h100/seed_2026-12-07d): ahead of the walk at one row of the 27B's 48 value
+# heads (1.78-1.88x) and of the 9B's 32 (2.03-2.15x), level or behind from 8 rows (27B 0.99-1.02x, 9B 0.78-0.80x,
+# 16-64 rows 0.74-0.82x): split up to VERIFY_SPLIT_UP_TO (row, value head) pairs, in 32-wide value blocks on 4 warps
+# (the config ahead at both points, and bit for bit the walk's at the same block there).
+VERIFY_SPLIT_UP_TO = 48
+
+
+def verify_launch(rows: int, num_v_heads: int, split: bool | None = None) -> tuple[bool, int | None, int]:
+    """``(split, BV, warps)`` for a fused verify launch of ``rows`` rows: whether each value head is split over
+    programs, one a value block (``_gdn_verify_fused_kernel``'s ``SPLIT``), its value block (None: the walk's own)
+    and warps. ``split`` None: split up to :data:`VERIFY_SPLIT_UP_TO` (row, value head) pairs, where the card's sweep
+    has it ahead (a launch of few programs: one row of 32-48 heads), the walk beyond; True / False forces one
+    (``HYSERVE_GDN_VERIFY_SPLIT``), a forced split past the threshold in 64-wide blocks (the sweep's best there)."""
+    pairs = rows * num_v_heads
+    if split is None:
+        split = pairs <= VERIFY_SPLIT_UP_TO
+    if not split:
+        return (False, None, 4)
+    return (True, 32, 4) if pairs <= VERIFY_SPLIT_UP_TO else (True, 64, 4)
 
 
 def gdn_verify_fused_ref(
