@@ -123,19 +123,22 @@ def unfused_triton(p: dict[str, Any]) -> torch.Tensor:
     return gated_rms_norm_triton(o.reshape(-1, dv), p["z"].reshape(-1, dv), p["norm_weight"], EPS).reshape(t, -1)
 
 
-def fused_triton(p: dict[str, Any], block_v: int | None = None, split: bool = False) -> torch.Tensor:
-    """The fused launch on ``p`` (an output of NaN first). ``split``: each head over its value blocks, on head
-    counters that must be back at zero after the launch."""
+def fused_triton(p: dict[str, Any], block_v: int | None = None, split: bool = False,
+                 num_warps: int = 4) -> torch.Tensor:
+    """The fused launch on ``p`` (an output of NaN first) on ``num_warps`` warps (on a card a reduction's order
+    follows them). ``split``: each head over its value blocks, on head counters that must be back at zero after the
+    launch."""
     from hyserve.kernels.gdn.decode import head_counters_for
     from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
 
     args = {n: v for n, v in p.items() if n != "max_query_len"}
     out = torch.full((p["x"].shape[0], p["z"].shape[1]), float("nan"), dtype=p["x"].dtype, device=p["x"].device)
     if not split:
-        return gdn_verify_fused_triton(**args, out=out, block_v=block_v)
+        return gdn_verify_fused_triton(**args, out=out, block_v=block_v, num_warps=num_warps)
     _, hv = p["ssm_state"].shape[:2]
     counts = head_counters_for(p["ssm_state"].shape[0], hv, p["x"].device)
-    got = gdn_verify_fused_triton(**args, out=out, block_v=block_v, split=True, head_counts=counts)
+    got = gdn_verify_fused_triton(**args, out=out, block_v=block_v, split=True, head_counts=counts,
+                                  num_warps=num_warps)
     assert not counts.any(), f"head counters left at {counts.nonzero().tolist()}"
     return got
 
@@ -789,8 +792,9 @@ def test_the_verify_split_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_mixer_hands_its_split_choice_and_counters_on() -> None:
     """The mixer passes its ``verify_split`` (the switch's choice) and its own head counters to the fused entry
-    point; :func:`verify_launch` splits only where asked (until a card's sweep sets its pairs), never without
-    counters."""
+    point; :func:`verify_launch` splits by itself up to 48 (row, value head) pairs in (32, 4) blocks (one row of the
+    27B's 48 value heads, where the card's sweep has the split ahead), walks beyond, follows the switch where it is
+    set, and never splits without counters."""
     from hyserve.kernels.gdn.verify import verify_launch
 
     layer = tiny_gdn(BF16, hk=1, hv=2)
@@ -806,8 +810,9 @@ def test_the_mixer_hands_its_split_choice_and_counters_on() -> None:
         layer.verify_split = choice
         run_layer(layer, x, meta, recorder)
     assert seen == [(None, True), (True, True), (False, True)]
-    assert [verify_launch(r, 48, None) for r in (1, 18, 64)] == [False] * 3
-    assert verify_launch(18, 48, True) and not verify_launch(18, 48, False)
+    assert [verify_launch(r, 48, None) for r in (1, 2, 18, 64)] == [(True, 32, 4)] + [(False, None, 4)] * 3
+    assert verify_launch(1, 32, None) == (True, 32, 4) and verify_launch(2, 32, None) == (False, None, 4)
+    assert verify_launch(18, 48, True) == (True, 64, 4) and verify_launch(1, 48, False) == (False, None, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -874,8 +879,9 @@ def test_cuda_fused_verify_on_a_value_major_pool() -> None:
 def test_cuda_split_fused_verify_is_the_walk(bv: int, warps: int) -> None:
     """The split launch (one program a (row, value head, value block)) on the card, the seed's 27B heads (16 key
     heads, 48 value heads) on a value-major float32 pool, rows of 0-3 tokens: outputs, scratch and stash bit for bit
-    the walk's at the same value block, the pools untouched, the head counters back at zero; twice on the same
-    counters; and quantizing for an FP8 out_proj, the quantization of that output."""
+    the walk's at the same value block and warps (2026-12-07d: against a walk at 4 warps the splits at 2 differed, a
+    reduction's order), the pools untouched, the head counters back at zero; twice on the same counters; and
+    quantizing for an FP8 out_proj, the quantization of that output."""
     from hyserve.kernels.gdn.decode import head_counters_for, row_counters_for
     from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
 
@@ -883,7 +889,7 @@ def test_cuda_split_fused_verify_is_the_walk(bv: int, warps: int) -> None:
     p = verify_problem(lens, 3, 16, 48, 128, 128, BF16, F32, 41, device="cuda")
     p["ssm_state"] = as_value_major(p["ssm_state"])
     walk_p = fresh(p)
-    want = fused_triton(walk_p, bv)
+    want = fused_triton(walk_p, bv, num_warps=warps)
     heads = head_counters_for(p["ssm_state"].shape[0], 48, torch.device("cuda"))
     rows = row_counters_for(p["ssm_state"].shape[0], torch.device("cuda"))
     for quant in (None, None, "fp8"):
