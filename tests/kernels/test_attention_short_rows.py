@@ -27,10 +27,11 @@ from hyserve.testing.triton_interpreter import (
 KERNELS = "hyserve.kernels.attention._triton"
 TILE = 64  # the kernel's key tile at head dim 16
 # (lens, contexts, query heads, kv heads, max_seq_len, decode_partition). "verify": rows of 3 (one of 2, one of 1,
-# one empty) at GQA group 3 (9 lanes in 16), each row's context over the launch's splits; "fixed": 16 positions a
-# split; "group4": rows of 4 at group 4 (16 lanes), a row with no context before its tokens.
+# one empty) at GQA group 3 (9 lanes in 16) on one KV head, each row's context over the launch's splits; "fixed": 16
+# positions a split; "group4": rows of 4 at group 4 (16 lanes), a row with no context before its tokens; both on two
+# KV heads.
 CASES = {
-    "verify": ([3, 3, 0, 2, 3, 1], [9, 130, 4, 300, 0, 63], 6, 2, 400, None),
+    "verify": ([3, 3, 0, 2, 3, 1], [9, 130, 4, 300, 0, 63], 3, 1, 400, None),
     "fixed": ([3, 1, 3, 2], [17, 40, 0, 29], 6, 2, 200, 16),
     "group4": ([4, 4, 2], [0, 77, 150], 8, 2, 400, None),
 }

@@ -27,8 +27,10 @@ from hyserve.testing.triton_interpreter import (
 KERNELS = "hyserve.kernels.attention._triton"  # the decode and reduce kernels, swapped for sabotaged copies
 TILE = 64  # the decode kernel's key tile at head dim 16
 # (lens, contexts, max_seq_len, decode_partition): rows of one token (one empty row) in a launch sized for a longer
-# model. "rows": each row's context over the splits (16 of them; the long row's 301 positions over 5);
+# model, 2 query heads on one KV head (a program a row, KV head and split: test_kernels' split decode checks take two
+# KV heads). "rows": each row's context over the splits (16 of them; the long row's 301 positions over 5);
 # "fixed": 16 positions a split, 13 splits, 2 to 4 live per row.
+HQ, HKV = 2, 1
 CASES = {
     "rows": ([1, 1, 0, 1, 1], [0, 130, 4, 300, 63], 1000, None),
     "fixed": ([1, 1, 0, 1, 1], [0, 17, 4, 60, 31], 200, 16),
@@ -96,12 +98,12 @@ def _run(kernels: Any, dtype: torch.dtype, case: str) -> tuple[bool, str]:
     reduce kernels): ``(ok, message)``, ok when the output matches the reference, the partial (max, sum) pairs
     are all written, and exactly the live splits' partial sums are."""
     lens, ctxs, max_seq, partition = CASES[case]
-    p = attn_problem(lens, ctxs, Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, seed=21)
+    p = attn_problem(lens, ctxs, Hq=HQ, Hkv=HKV, D=16, block_size=4, dtype=dtype, seed=21)
     p["max_seq_len"] = max_seq
     want = paged_attention_ref(**p)
     out, po, pml = launch_poisoned(kernels, p, partition)
     splits = po.shape[2]
-    want_splits = -(-max_seq // partition) if partition else decode_splits(len(lens), 2, -(-max_seq // TILE))
+    want_splits = -(-max_seq // partition) if partition else decode_splits(len(lens), HKV, -(-max_seq // TILE))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = float((out.float() - want.float()).abs().max())
     ok_out = bool(torch.isfinite(out).all()) and err <= tol

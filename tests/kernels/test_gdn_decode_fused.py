@@ -224,13 +224,13 @@ def check_fused(p: dict[str, Any], want_fn: Callable[[dict[str, Any]], torch.Ten
 # (name, lens, Hk, Hv, Dk, Dv, model dtype, state dtype, block_v)
 CASES = [
     ("f32_g1", [1, 0, 1], 2, 2, 16, 32, F32, F32, 16),
-    ("f32_g2", [1, 0, 1, 1], 2, 4, 16, 32, F32, F32, 16),
+    ("f32_g2", [1, 1], 2, 4, 16, 32, F32, F32, 16),
     ("bf16_g1", [1, 1], 2, 2, 16, 32, BF16, F32, None),
-    ("bf16_g2", [0, 1, 1], 2, 4, 16, 48, BF16, F32, 16),
-    ("bf16_g2_bf16_state", [1, 0, 1], 2, 4, 16, 32, BF16, BF16, 16),
+    ("bf16_g2", [1, 0, 1], 1, 2, 16, 48, BF16, F32, 32),
+    ("bf16_g2_bf16_state", [1, 1], 2, 4, 16, 32, BF16, BF16, 16),
     ("f32_g2_bf16_state", [1, 1], 2, 4, 16, 32, F32, BF16, 16),
-    ("bf16_g3_odd_widths", [1, 0, 1], 1, 3, 12, 40, BF16, F32, 16),
-    ("f16_g2_f16_state", [1, 1], 2, 4, 16, 32, F16, F16, 16),
+    ("bf16_g3_odd_widths", [1, 1], 1, 3, 12, 40, BF16, F32, 16),
+    ("f16_g2_f16_state", [1, 1], 1, 2, 16, 32, F16, F16, 16),
 ]
 
 
@@ -269,7 +269,7 @@ def _interp_vs_transformers(hk: int, hv: int) -> tuple[bool, str]:
 SABOTAGES: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "window_shifted_twice": ("bf16_g2", [("sv = tl.load(srow + (p + 1)[None, :] * sc_k",
                                           "sv = tl.load(srow + (p + 2)[None, :] * sc_k")]),
-    "key_head_h_mod_hk": ("bf16_g2", [("hk = h // GROUP\n    xt", "hk = h % HK\n    xt")]),
+    "key_head_h_mod_hk": ("f32_g2", [("hk = h // GROUP\n    xt", "hk = h % HK\n    xt")]),
     "gate_before_norm": ("bf16_g2", [
         ("o = tl.sum(S * qv[:, None], axis=0).to(dt)",
          "zg = tl.load(z_ptr + start * sz_t + h * DV + ov, mask=vmask, other=0.0).to(tl.float32)\n"
@@ -341,7 +341,8 @@ def _interp_fp8(name: str, qblock: int | None = None) -> tuple[bool, str]:
     return check_fused_fp8(p, bv, qblock=qblock)
 
 
-# Mutations of the quantizing tail (``_quantize_when_last``, shared with the fused verify), each caught by bf16_g2.
+# Mutations of the quantizing tail (``_quantize_when_last``, shared with the fused verify), each caught on the bf16
+# state's problem (four value heads: at two, the row quantized by the first to arrive is quantized again by the last).
 FP8_SABOTAGES: dict[str, list[tuple[str, str]]] = {
     "quantized_before_the_last_arrives": [("if arrived == HV - 1:", "if arrived == HV - 2:")],
     "row_counter_not_reset": [('tl.atomic_xchg(cnt, 0, sem="relaxed")', "pass")],
@@ -351,7 +352,7 @@ FP8_SABOTAGES: dict[str, list[tuple[str, str]]] = {
 
 def _interp_fp8_sabotage(what: str) -> tuple[bool, str]:
     with swapped_kernel(TRITON_MODULE, "_gdn_decode_fused_kernel", FP8_SABOTAGES[what]):
-        ok, msg = _interp_fp8("bf16_g2")
+        ok, msg = _interp_fp8("bf16_g2_bf16_state")
     return not ok, msg
 
 
@@ -511,12 +512,15 @@ def _interp_upfront_sabotage(what: str) -> tuple[bool, str]:
     return not ok, msg
 
 
-# Mutations of the split kernel, each caught on bf16_g2 (three value blocks a head, two value heads a key head).
+# Mutations of the split kernel, each caught on bf16_g2 (two value blocks a head, the last partial; two value heads a
+# key head), the slot's addressing on the bf16 state's pool rows (two key heads).
 SPLIT_SABOTAGES: dict[str, list[tuple[str, str]]] = {
     # the head's norm by the first of its programs to arrive: the other blocks' outputs not stored yet
-    "split_norm_by_first": [("if arrived == NVB - 1:", "if arrived == 0:")],
+    "split_norm_by_first": [("if arrived == NVB - 1:\n            oall = tl.arange(0, DVP)",
+                             "if arrived == 0:\n            oall = tl.arange(0, DVP)")],
     # the head counter left at NVB: the next launch's norm never runs
-    "split_head_counter_not_reset": [('tl.atomic_xchg(hc, 0, sem="relaxed")', "pass")],
+    "split_head_counter_not_reset": [('mask=amask)\n            tl.atomic_xchg(hc, 0, sem="relaxed")',
+                                      "mask=amask)\n            pass")],
     # the q / k windows rolled once GROUP programs have read them, not GROUP * NVB
     "split_qk_window_rolled_early": [("last = live & (seen % (GROUP * NVB) == GROUP * NVB - 1)",
                                       "last = live & (seen % GROUP == GROUP - 1)")],
@@ -540,7 +544,7 @@ def _interp_split_sabotage(what: str) -> tuple[bool, str]:
         if what == "split_tile_read_key_major":
             ok, msg = _interp_value_major("bf16_g2", split=True)
         elif what == "split_slot_at_dense_entries":
-            ok, msg = _interp_pool_rows("bf16_g2", split=True)
+            ok, msg = _interp_pool_rows("bf16_g2_bf16_state", split=True)
         else:
             ok, msg = _interp_split("bf16_g2", "unfused", early=what.startswith("split_early"),
                                     one_pass=what.startswith("split_onepass"))
@@ -618,7 +622,7 @@ def _interp_layer(dtype: torch.dtype, split: bool | None = None, upfront: bool |
     counters bound with its pools); ``upfront``: its ``HYSERVE_GDN_DECODE_UPFRONT`` choice."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
-    layer = tiny_gdn(dtype)
+    layer = tiny_gdn(dtype, hk=1, hv=2)
     layer.decode_split = split
     layer.decode_upfront = upfront
     layer.decode_persist = persist
@@ -644,7 +648,7 @@ def _interp_layer_fp8() -> tuple[bool, str]:
     in the launch, with the same pools."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton, row_counters_for
 
-    layer = tiny_gdn(BF16)
+    layer = tiny_gdn(BF16, hk=1, hv=2)
     meta = step_meta([1, 1, 1], [6, 2, 4])
     x = torch.randn(3, 32).to(BF16)
     seen: list[Any] = []
@@ -783,7 +787,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("split_early_vs_unfused_bf16_g2", lambda: _interp_split("bf16_g2", "unfused", early=True))
     check("split_value_major_pool_bf16_g2", lambda: _interp_value_major("bf16_g2", split=True))
     check("walk_value_major_pool_bf16_g2_bf16_state", lambda: _interp_value_major("bf16_g2_bf16_state", split=False))
-    check("split_on_the_pools_rows_bf16_g2", lambda: _interp_pool_rows("bf16_g2", split=True))
+    check("split_on_the_pools_rows_bf16_g2_bf16_state", lambda: _interp_pool_rows("bf16_g2_bf16_state", split=True))
     check("walk_on_the_pools_rows_bf16_g2_bf16_state", lambda: _interp_pool_rows("bf16_g2_bf16_state", split=False))
     for name in ("bf16_g2", "f32_g2"):
         check(f"split_onepass_vs_unfused_{name}", lambda n=name: _interp_split(n, "unfused", one_pass=True))
@@ -819,7 +823,7 @@ INTERP_CHECKS = [
     *[f"split_vs_{against}_{name}" for name in SPLIT_CASES for against in ("unfused", "reference", "fp8")],
     "split_early_vs_unfused_bf16_g2", "split_onepass_vs_unfused_bf16_g2", "split_onepass_vs_unfused_f32_g2",
     "split_value_major_pool_bf16_g2", "walk_value_major_pool_bf16_g2_bf16_state",
-    "split_on_the_pools_rows_bf16_g2", "walk_on_the_pools_rows_bf16_g2_bf16_state",
+    "split_on_the_pools_rows_bf16_g2_bf16_state", "walk_on_the_pools_rows_bf16_g2_bf16_state",
     *[f"{what}_caught" for what in SPLIT_SABOTAGES],
     *[f"upfront_vs_{against}_{name}" for name, against in UPFRONT_CHECKS],
     *[f"{what}_caught" for what in UPFRONT_SABOTAGES],
@@ -866,6 +870,11 @@ SLOW_INTERP_CHECKS = [
     # (off by default; the mixer's hand-off to an FP8 out_proj stays), the split launch's opt-in ONEPASS form and
     # its second sabotage (the q / k window rolled early stays): 29 s of the file's 111 under the interpreter
     "fp8_bf16_g2", "split_onepass_vs_unfused_bf16_g2", "split_norm_by_first_caught",
+    # the twenty-eighth session (the default run past its budget again): transformers' sequence at Hv / Hk = 2 (8 of
+    # its 9 s import transformers' Qwen3.5 model in the subprocess; the kernel against the unfused kernels and the
+    # plain-torch references stays, and those references against transformers in the models' tests) and the split
+    # launch on a value-major pool (the engine's pool rows, value-major, stay)
+    "vs_transformers_g2", "split_value_major_pool_bf16_g2",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -879,7 +888,8 @@ def interpreter_results() -> dict[str, list[Any]]:
 @pytest.fixture(scope="module")
 def slow_interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    return interpreter_subprocess_results(__file__, "--interpreter-checks-slow")
+    # about 4.5 minutes of CPU (an idle machine): the helper's default 300 s is too short on a loaded one
+    return interpreter_subprocess_results(__file__, "--interpreter-checks-slow", timeout=900)
 
 
 def test_the_two_groups_hold_every_check_once() -> None:
@@ -897,7 +907,7 @@ def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], na
     assert ok, f"{name}: {msg}"
 
 
-@pytest.mark.slow  # about 40 s under the interpreter
+@pytest.mark.slow  # about 4.5 minutes under the interpreter
 def test_every_slow_check_ran(slow_interpreter_results: dict[str, list[Any]]) -> None:
     assert sorted(slow_interpreter_results) == sorted(SLOW_INTERP_CHECKS)
 

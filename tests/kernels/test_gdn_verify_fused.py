@@ -190,12 +190,12 @@ def check_fused(p: dict[str, Any], want_fn: Any, exact: bool, block_v: int | Non
 
 # (name, lens, P, Hk, Hv, Dk, Dv, model dtype, state dtype, block_v)
 CASES = [
-    ("f32_g1", [3, 0, 1, 2], 3, 2, 2, 16, 32, F32, F32, 16),
-    ("f32_g2", [2, 3, 1], 3, 2, 4, 16, 32, F32, F32, 16),
+    ("f32_g1", [3, 0, 1], 3, 2, 2, 16, 32, F32, F32, 16),
+    ("f32_g2", [2, 3, 1], 3, 1, 2, 16, 32, F32, F32, 16),
     ("bf16_g1", [4, 1], 4, 2, 2, 16, 32, BF16, F32, None),
     ("bf16_g2", [0, 3, 2, 3], 3, 2, 4, 16, 48, BF16, F32, 16),
-    ("bf16_g2_bf16_state", [3, 1, 2], 3, 2, 4, 16, 32, BF16, BF16, 16),
-    ("bf16_g3_odd_widths", [2, 0, 3], 3, 1, 3, 12, 40, BF16, F32, 16),
+    ("bf16_g2_bf16_state", [1, 3], 3, 2, 4, 16, 32, BF16, BF16, 16),
+    ("bf16_g3_odd_widths", [1, 0, 3], 3, 1, 3, 12, 40, BF16, F32, 16),
 ]
 
 
@@ -496,7 +496,7 @@ def _interp_layer(dtype: torch.dtype, rest: bool) -> tuple[bool, str]:
     """The mixer's verify step on the fused kernel against its unfused CPU path: outputs, pools, scratch."""
     from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
 
-    layer = tiny_gdn(dtype)
+    layer = tiny_gdn(dtype, hk=1, hv=2)
     rest_lens, rest_slots = ([5, 2], [1, 8]) if rest else ([], [])
     meta = verify_meta([3, 1, 2], [6, 2, 4], rest_lens, rest_slots)
     x = torch.randn(6 + sum(rest_lens), 32).to(dtype)
@@ -510,7 +510,7 @@ def _interp_layer(dtype: torch.dtype, rest: bool) -> tuple[bool, str]:
 def _interp_layer_split() -> tuple[bool, str]:
     """The mixer's verify step with prefill rows on the split launch (``verify_split`` on, the layer's own head
     counters) against its unfused CPU path; the counters back at zero."""
-    layer = tiny_gdn(BF16)
+    layer = tiny_gdn(BF16, hk=1, hv=2)
     layer.verify_split = True
     meta = verify_meta([3, 1, 2], [6, 2, 4], [5, 2], [1, 8])
     x = torch.randn(13, 32).to(BF16)
@@ -539,7 +539,7 @@ def _interp_layer_fp8() -> tuple[bool, str]:
     from hyserve.kernels.gdn.decode import row_counters_for
     from hyserve.kernels.gdn.verify import gdn_verify_fused_triton
 
-    layer = tiny_gdn(BF16)
+    layer = tiny_gdn(BF16, hk=1, hv=2)
     seen: list[Any] = []
 
     class Recorder(torch.nn.Module):
@@ -574,7 +574,7 @@ def _interp_layer_one_token_rows(dtype: torch.dtype) -> tuple[bool, str]:
     fused decode kernel (in place), against the mixer's unfused CPU path: outputs and pools."""
     from hyserve.kernels.gdn.decode import gdn_decode_fused_triton
 
-    layer = tiny_gdn(dtype)
+    layer = tiny_gdn(dtype, hk=1, hv=2)
     meta = verify_meta([1, 1, 1], [6, 2, 4], [5, 2], [1, 8])
     x = torch.randn(10, 32).to(dtype)
     want, want_after, _ = run_layer(layer, x, meta, None)
@@ -679,6 +679,10 @@ SLOW_INTERP_CHECKS = [
     # test_the_mixer_hands_its_split_choice_and_counters_on); these 80 s or so go to the slow suite
     "split_vs_unfused_f32_g1", "split_vs_unfused_bf16_g2_bf16_state_on_the_pools_rows", "split_vs_walk_bf16_g2",
     "split_fp8_bf16_g2", "split_v_by_block_0_caught", "layer_split_with_prefill_rows",
+    # the twenty-eighth session (the default run past its budget again): the unfused comparison on a value-major pool,
+    # whose twin on the engine's pool rows (value-major too, one row of bytes an entry) stays, as the snapshots on a
+    # value-major pool and the commit on the pool rows do
+    "vs_unfused_bf16_g2_bf16_state_on_value_major",
 ]
 DEFAULT_INTERP_CHECKS = [name for name in INTERP_CHECKS if name not in SLOW_INTERP_CHECKS]
 
@@ -692,7 +696,8 @@ def interpreter_results() -> dict[str, list[Any]]:
 @pytest.fixture(scope="module")
 def slow_interpreter_results() -> dict[str, list[Any]]:
     pytest.importorskip("triton")
-    return interpreter_subprocess_results(__file__, "--interpreter-checks-slow")
+    # about 6 minutes of CPU (an idle machine): past the helper's default 300 s
+    return interpreter_subprocess_results(__file__, "--interpreter-checks-slow", timeout=900)
 
 
 def test_the_two_groups_hold_every_check_once() -> None:
@@ -710,7 +715,7 @@ def test_triton_kernel_interpreter(interpreter_results: dict[str, list[Any]], na
     assert ok, f"{name}: {msg}"
 
 
-@pytest.mark.slow  # about 85 s under the interpreter
+@pytest.mark.slow  # about 6 minutes under the interpreter
 def test_every_slow_check_ran(slow_interpreter_results: dict[str, list[Any]]) -> None:
     assert sorted(slow_interpreter_results) == sorted(SLOW_INTERP_CHECKS)
 

@@ -375,19 +375,27 @@ CONV_SABOTAGES = {
 
 
 def _interp_conv_long(dtype: torch.dtype, max_query_len: int | None, sabotage: str | None = None) -> tuple[bool, str]:
-    """Prefill rows of several 32-token blocks (most of them read no window) and 3 channel blocks, the last partial,
-    beside empty and one-token rows, against the reference; ``sabotage``: a mutated kernel, which must disagree."""
+    """Prefill rows of several 32-token blocks (most of them read no window; the longest row's last partial) and 2
+    channel blocks, the last partial, beside empty and one-token rows, against the reference; ``sabotage``: a mutated
+    kernel, which must disagree."""
     _triton = importlib.import_module("hyserve.kernels.conv._triton")
     original = _triton._conv1d_fwd_kernel
     if sabotage is not None:
         _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, CONV_SABOTAGES[sabotage])._conv1d_fwd_kernel
     try:
-        lens = [70, 0, 33, 1, 64, 95, 2]
-        ok, msg = _conv_against_reference(conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=12), lens,
+        lens = [70, 0, 33, 1, 64, 2]
+        ok, msg = _conv_against_reference(conv_problem(lens, D=160, K=4, pool=11, dtype=dtype, seed=12), lens,
                                           max_query_len)
     finally:
         _triton._conv1d_fwd_kernel = original
     return ok != (sabotage is not None), msg
+
+
+# The split launches' rows: one of two 32-token blocks (the second partial, its taps inside the row), an empty row, a
+# one-token row and a short one. The normed and two-part launches take one 16-channel block a program (one head of
+# q or k), so their grid is D / 16 blocks a row and token block: two heads in the first part and 24 channels after it
+# (the last block half full); the plain split launch's D = 160 is a 128-channel block and a partial one.
+SPLIT_LENS, NORMED_D, NORMED_SPLIT = [40, 0, 1, 5], 56, 32
 
 
 def _interp_conv_split_normed(dtype: torch.dtype, sabotage: bool = False) -> tuple[bool, str]:
@@ -398,25 +406,25 @@ def _interp_conv_split_normed(dtype: torch.dtype, sabotage: bool = False) -> tup
     from hyserve.kernels.norm.reference import l2_norm_heads_ref
 
     _triton = importlib.import_module("hyserve.kernels.conv._triton")
-    lens = [70, 0, 33, 1, 5]
-    p = conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=14)
+    p = conv_problem(SPLIT_LENS, D=NORMED_D, K=4, pool=11, dtype=dtype, seed=14)
     whole, cpu = _clone(p), _clone(p)
-    want = causal_conv1d_varlen_triton(**whole, max_query_len=70)
+    mql, s = max(SPLIT_LENS), NORMED_SPLIT
+    want = causal_conv1d_varlen_triton(**whole, max_query_len=mql)
     t = p["x"].shape[0]
-    want_qk = l2_norm_heads_ref(want[:, :128].reshape(t, 8, 16)).reshape(t, 128)
+    want_qk = l2_norm_heads_ref(want[:, :s].reshape(t, s // 16, 16)).reshape(t, s)
     original = _triton._conv1d_fwd_kernel
     if sabotage:
         edits = [("tl.sum(yr * yr, axis=1) + 1e-6))[:, None]", "tl.sum(yr * yr, axis=0) + 1e-6))[None, :]")]
         _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, edits)._conv1d_fwd_kernel
     try:
-        a, b = causal_conv1d_split_triton(**p, split=128, max_query_len=70, norm_dim=16)
+        a, b = causal_conv1d_split_triton(**p, split=s, max_query_len=mql, norm_dim=16)
     finally:
         _triton._conv1d_fwd_kernel = original
     tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one unit in the last place of a unit vector's entries
     ok1, e1 = _close(a, want_qk, tol, tol)
-    ok2 = torch.equal(b, want[:, 128:]) and torch.equal(p["conv_state"], whole["conv_state"])
-    ca, cb = causal_conv1d_split(**cpu, split=128, max_query_len=70, norm_dim=16)
-    ok3 = _close(ca, want_qk, tol, tol)[0] and _close(cb, want[:, 128:], 3.2e-2, 3.2e-2)[0]
+    ok2 = torch.equal(b, want[:, s:]) and torch.equal(p["conv_state"], whole["conv_state"])
+    ca, cb = causal_conv1d_split(**cpu, split=s, max_query_len=mql, norm_dim=16)
+    ok3 = _close(ca, want_qk, tol, tol)[0] and _close(cb, want[:, s:], 3.2e-2, 3.2e-2)[0]
     return (ok1 and ok2 and ok3) != sabotage, f"normed part err {e1:.3g}, second part equal {ok2}, cpu {ok3}"
 
 
@@ -448,8 +456,9 @@ def _interp_conv_split_parts(dtype: torch.dtype, sabotage: bool = False) -> tupl
     from hyserve.kernels.conv import causal_conv1d_split, causal_conv1d_split_triton
 
     _triton = importlib.import_module("hyserve.kernels.conv._triton")
-    p = conv_problem([70, 0, 33, 1, 5], D=300, K=4, pool=11, dtype=dtype, seed=17)
+    p = conv_problem(SPLIT_LENS, D=NORMED_D, K=4, pool=11, dtype=dtype, seed=17)
     t = p["x"].shape[0]
+    mql, s = max(SPLIT_LENS), NORMED_SPLIT
     goods, msgs = [], []
     original = _triton._conv1d_fwd_kernel
     if sabotage:
@@ -458,12 +467,13 @@ def _interp_conv_split_parts(dtype: torch.dtype, sabotage: bool = False) -> tupl
     try:
         for norm_dim in (None, 16):
             one, two = _clone(p), _clone(p)
-            a1, b1 = causal_conv1d_split_triton(**one, split=128, max_query_len=70, norm_dim=norm_dim)
-            outs = (torch.full((2, t, 64), float("nan"), dtype=dtype), torch.full((t, 172), float("nan"), dtype=dtype))
-            a2, b2 = causal_conv1d_split_triton(**two, split=128, max_query_len=70, norm_dim=norm_dim, outs=outs,
+            a1, b1 = causal_conv1d_split_triton(**one, split=s, max_query_len=mql, norm_dim=norm_dim)
+            outs = (torch.full((2, t, s // 2), float("nan"), dtype=dtype),
+                    torch.full((t, NORMED_D - s), float("nan"), dtype=dtype))
+            a2, b2 = causal_conv1d_split_triton(**two, split=s, max_query_len=mql, norm_dim=norm_dim, outs=outs,
                                                 parts=2)
-            cpu = causal_conv1d_split(**_clone(p), split=128, max_query_len=70, norm_dim=norm_dim, parts=2)[0]
-            same = (torch.equal(a2[0], a1[:, :64]) and torch.equal(a2[1], a1[:, 64:]) and torch.equal(b2, b1)
+            cpu = causal_conv1d_split(**_clone(p), split=s, max_query_len=mql, norm_dim=norm_dim, parts=2)[0]
+            same = (torch.equal(a2[0], a1[:, : s // 2]) and torch.equal(a2[1], a1[:, s // 2 :]) and torch.equal(b2, b1)
                     and torch.equal(one["conv_state"], two["conv_state"]))
             layout = cpu.shape == a2.shape and cpu.is_contiguous() and a2[0].is_contiguous()
             goods.append(same and layout)
@@ -479,7 +489,7 @@ def _interp_gdn_qk_normed(sabotage: bool = False) -> tuple[bool, str]:
     from hyserve.kernels.gdn import gdn_recurrent_triton
     from hyserve.kernels.norm.reference import l2_norm_heads_ref
 
-    p = gdn_problem(MIXED_LENS, Hk=2, Hv=4, Dk=16, Dv=32, pool=9, dtype=torch.float32, seed=15)
+    p = gdn_problem([3, 0, 1, 2], Hk=2, Hv=4, Dk=16, Dv=32, pool=9, dtype=torch.float32, seed=15)  # 6 tokens
     normed = _clone(p)
     if not sabotage:
         normed["q"], normed["k"] = l2_norm_heads_ref(p["q"]), l2_norm_heads_ref(p["k"])
@@ -498,18 +508,17 @@ def _interp_conv_split(dtype: torch.dtype, split: int, sabotage: bool = False) -
     from hyserve.kernels.conv import causal_conv1d_split_triton, causal_conv1d_varlen_triton
 
     _triton = importlib.import_module("hyserve.kernels.conv._triton")
-    lens = [70, 0, 33, 1, 5]
-    p = conv_problem(lens, D=300, K=4, pool=11, dtype=dtype, seed=13)
+    p = conv_problem(SPLIT_LENS, D=160, K=4, pool=11, dtype=dtype, seed=13)
     whole = _clone(p)
-    want = causal_conv1d_varlen_triton(**whole, max_query_len=70)
+    want = causal_conv1d_varlen_triton(**whole, max_query_len=max(SPLIT_LENS))
     t = p["x"].shape[0]
-    outs = (torch.full((t, split), float("nan"), dtype=dtype), torch.full((t, 300 - split), float("nan"), dtype=dtype))
+    outs = (torch.full((t, split), float("nan"), dtype=dtype), torch.full((t, 160 - split), float("nan"), dtype=dtype))
     original = _triton._conv1d_fwd_kernel
     if sabotage:
         edits = [("(offs_d - SPLIT)[None, :]", "(offs_d - SPLIT + 1)[None, :]")]
         _triton._conv1d_fwd_kernel = mutated_module(_triton.__name__, edits)._conv1d_fwd_kernel
     try:
-        a, b = causal_conv1d_split_triton(**p, split=split, max_query_len=70, outs=outs)
+        a, b = causal_conv1d_split_triton(**p, split=split, max_query_len=max(SPLIT_LENS), outs=outs)
     finally:
         _triton._conv1d_fwd_kernel = original
     ok = (a is outs[0] and b.is_contiguous() and torch.equal(a, want[:, :split]) and torch.equal(b, want[:, split:])
@@ -812,7 +821,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
         check(f"conv_mixed_{n}", lambda dt=dt: _interp_conv(long_lens, dt, 37))
         check(f"conv_fused_{n}", lambda dt=dt: _interp_conv([3, 0, 1, 5, 2], dt, 5))
         check(f"conv_decode_{n}", lambda dt=dt: _interp_conv(DECODE_LENS, dt, 1))
-        check(f"conv_long_{n}", lambda dt=dt: _interp_conv_long(dt, 95))
+        check(f"conv_long_{n}", lambda dt=dt: _interp_conv_long(dt, 70))
         check(f"gdn_decode_{n}", lambda dt=dt: _interp_gdn(DECODE_LENS, dt))
         check(f"gdn_mixed_{n}", lambda dt=dt: _interp_gdn(MIXED_LENS, dt))
         check(f"attn_decode_1split_{n}", lambda dt=dt: _interp_attn([1, 1, 0, 1], [0, 17, 4, 40], dt, 4, None))
@@ -845,7 +854,7 @@ def run_interpreter_checks(names: list[str]) -> dict[str, list[Any]]:
     check("gdn_qk_normed", lambda: _interp_gdn_qk_normed())
     check("gdn_raw_qk_as_normed_caught", lambda: _interp_gdn_qk_normed(sabotage=True))
     for what in CONV_SABOTAGES:
-        check(f"{what}_caught", lambda w=what: _interp_conv_long(f32, 95, w))
+        check(f"{what}_caught", lambda w=what: _interp_conv_long(f32, 70, w))
     for dt in (f32, bf16):
         for mode in ("token", "token_block256", "group", "group_token_major", "static"):
             name = f"fp8_quant_{mode}_{str(dt).split('.')[-1]}"

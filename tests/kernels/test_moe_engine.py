@@ -4,11 +4,11 @@ checkpoint through them (float32) against transformers' ``Qwen3_5MoeForCausalLM`
 greedy tokens (``FP32_RULE``: every clear position's argmax, logprobs within 3e-3; here every prompt passes it as it
 is, errors about 4e-7, none left to the check's search for router flips at near-ties).
 
-What runs: one prefill step of 192 tokens (the sorted order, the shared expert apart on its dense GEMMs), decode at
-10 rows (the sorted order with the shared expert stacked as expert E), then fewer than 8 as rows finish (one pair per
-program, stacked). The check's control (the reference without its shared experts) must fail, and a sabotaged engine
-(the stacked shared expert added ungated: weight 1, not its gate's sigmoid) must fail the check itself, on four short
-prompts.
+What runs: one prefill step of 67 tokens (past ``STACKED_MAX_TOKENS``: the sorted order at the prefill tiles, the
+shared expert apart on its dense GEMMs), decode at 10 rows (the sorted order with the shared expert stacked as expert
+E), then 8, 6 and 5 rows as rows finish (the same order). The check's control (the reference without its shared
+experts) must fail, and a sabotaged engine (the stacked shared expert added ungated: weight 1, not its gate's
+sigmoid) must fail the check itself, on four short prompts.
 
 Nemotron-H's MoE blocks (Nemotron 3: the kernels' ungated ``relu2`` experts) the same way: the family's MoE tests
 run with ``TRITON_INTERPRET=1``, against transformers.
@@ -27,12 +27,14 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PROMPT_LENS = (70, 17, 5, 9, 33, 1, 12, 3, 40, 2)
+# 67 prompt tokens: one prefill step past the stacked shared expert's 64 tokens (the routing kernel under the
+# interpreter costs about 15 ms a token and layer: 192 tokens were 12 of the run's 27 s).
+PROMPT_LENS = (4, 17, 5, 9, 6, 1, 12, 3, 8, 2)
 MAX_TOKENS = (6, 3, 6, 2, 6, 4, 6, 3, 6, 2)
 # The sabotaged engine on fewer, shorter prompts (the suite's budget): it fails at its first decode steps, which take
 # the stacked shared expert as the full run's do.
 SABOTAGE_PROMPT_LENS = (17, 5, 9, 12)
-SABOTAGE_MAX_TOKENS = (6, 6, 4, 6)
+SABOTAGE_MAX_TOKENS = (3, 3, 2, 3)
 
 
 def run_checks() -> dict[str, Any]:

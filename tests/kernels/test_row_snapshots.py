@@ -38,6 +38,10 @@ from hyserve.testing.triton_interpreter import interpreter_subprocess_results, p
 LENS = [70, 5, 0, 130, 33]  # prefill rows (one empty: no chunk, no tokens)
 # (row, offset): on a chunk boundary (64), off it, short of the conv window (1, 2), several in one row.
 SNAPS = [(0, 1), (0, 64), (0, 69), (1, 2), (3, 64), (3, 100), (3, 128), (3, 129), (4, 17)]
+# The row-start path's points (chunk 0: each tail from the row's start): those short of the first chunk, the conv
+# window's reach and a 17-token tail in three rows (the interpreter runs a tail token by token: the points at 64 and
+# 69 tokens were 133 of its 153 tail tokens; the chunked path takes them from fla's h).
+ROW_START_SNAPS = [s for s in SNAPS if s[1] < 64]
 HK, HV, DK, DV, K = 1, 2, 16, 16, 4
 POOL = 24
 
@@ -294,7 +298,7 @@ def _interp_mamba2_advance(dtype: torch.dtype, state_dtype: torch.dtype, chunk: 
     advanced by the recurrent Triton kernel over the tails."""
     p = _m_problem(dtype, state_dtype)
     state0 = p["ssm_state"].clone()
-    snap_list = SNAPS if chunk else [s for s in SNAPS if s[1] < 70]
+    snap_list = SNAPS if chunk else ROW_START_SNAPS
     want = mamba2_scratch_states(p, state0, snap_list)
     snaps = _snapshots(p, snap_list)
     if chunk:
@@ -340,11 +344,11 @@ def emulated_fla_h(p: dict[str, Any], state0: torch.Tensor, dtype: torch.dtype) 
 def _interp_advance(dtype: torch.dtype, state_dtype: torch.dtype, chunk: int, shift: int = 0) -> tuple[bool, str]:
     """The CUDA path's snapshot step on the CPU: the starting states (fla's ``h`` at ``chunk_index`` + ``shift``, or
     the rows' starting states for chunk 0) advanced by the recurrent Triton kernel over the tails (from the row's
-    start, only the points up to 69 tokens in: the interpreter runs a tail token by token)."""
+    start, only the points short of the first chunk: ``ROW_START_SNAPS``)."""
     p = _problem(dtype, state_dtype)
     state0 = p["ssm_state"].clone()
     want = scratch_states(p, state0)
-    snaps = _snapshots(p, SNAPS if chunk else [s for s in SNAPS if s[1] < 70])
+    snaps = _snapshots(p, SNAPS if chunk else ROW_START_SNAPS)
     if chunk:
         h = emulated_fla_h(p, state0, dtype)
         index = (snaps.tails(chunk).chunk_index + shift).clamp(max=h.shape[1] - 1)

@@ -639,6 +639,10 @@ def random_paged_problem(lens: list[tuple[int, int]], seed: int, dtype: torch.dt
 
 
 STEP_ROWS = [(41, 1), (9, 1), (0, 0), (60, 5), (30, 12), (3, 3), (17, 4), (33, 1)]
+# The kernels' step under the interpreter (its cost goes with the tokens, one program or more each): the same kinds of
+# rows, decode, chunks (of 6 and 5 tokens: the rows of 12 and 4 above run on the CPU), an empty row, dense and sparse
+# queries, 18 tokens in all.
+KERNEL_STEP_ROWS = [(41, 1), (9, 1), (0, 0), (60, 5), (30, 6), (3, 3), (17, 2)]
 DECODE_ROWS = [(41, 1), (9, 1), (0, 0), (60, 4), (33, 1), (17, 4), (52, 1)]
 
 
@@ -751,7 +755,7 @@ def run_kernel_checks() -> dict[str, list]:
         out[name] = [(err > 10 * tol) if differ else (err <= tol), f"max err {err:.3g}"]
 
     for ties in (0, 20):
-        prob = random_paged_problem(STEP_ROWS, seed=31 + ties, tie_blocks=ties)
+        prob = random_paged_problem(KERNEL_STEP_ROWS, seed=31 + ties, tie_blocks=ties)
         want = qsa.indexed_attention_ref(**prob)
         check(f"fp32_ties{ties}", qsa.indexed_attention(**prob, max_seq_len=64, kernels=True), want, 1e-5)
         below = kq._SPLIT_BELOW
@@ -760,12 +764,12 @@ def run_kernel_checks() -> dict[str, list]:
             check(f"fp32_single_ties{ties}", qsa.indexed_attention(**prob, max_seq_len=64, kernels=True), want, 1e-5)
         finally:
             kq._SPLIT_BELOW = below
-    prob = random_paged_problem(STEP_ROWS, seed=5, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    prob = random_paged_problem(KERNEL_STEP_ROWS, seed=5, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
     prob["k_scale"] = torch.tensor([0.5, 2.0])
     prob["v_scale"] = torch.tensor([1.5, 0.25])
     check("bf16_fp8kv", qsa.indexed_attention(**prob, max_seq_len=60, kernels=True), qsa.indexed_attention_ref(**prob),
           2e-2)
-    prob = random_paged_problem(STEP_ROWS, seed=6, dtype=torch.bfloat16)
+    prob = random_paged_problem(KERNEL_STEP_ROWS, seed=6, dtype=torch.bfloat16)
     check("bf16", qsa.indexed_attention(**prob, max_seq_len=64, kernels=True), qsa.indexed_attention_ref(**prob), 2e-2)
     # Decode and verify rows (at most 4 tokens a row, given max_query_len): the blocks pooled inside the scores
     # kernel, with a real key norm and rotation; float32 with exact ties, bf16; the block keys' norm weight of
@@ -842,16 +846,17 @@ def run_kernel_checks() -> dict[str, list]:
     # reading row 0's block table, and the lanes one position early (a token missing itself) must differ.
     from hyserve.kernels.varlen import row_index
 
-    prob = random_paged_problem(STEP_ROWS, seed=31)
+    prob = random_paged_problem(KERNEL_STEP_ROWS, seed=31)
     want = qsa.indexed_attention_ref(**dict(prob, budget=64))
     t = prob["q"].shape[0]
     qsl = prob["query_start_loc"].to(torch.int64)
     rows, ipos = row_index(qsl, t)
     qpos = prob["seq_lens"].to(torch.int64)[rows] - (qsl[1:] - qsl[:-1])[rows] + ipos
-    lanes = torch.arange(200)[None, :].expand(t, 200)  # 4 splits of 64 lanes, the last ones empty
+    lanes = torch.arange(128)[None, :].expand(t, 128)  # 2 splits of 64 lanes (every position is below 60), the last
+    # one empty
     causal = torch.where(lanes <= qpos[:, None], lanes, -1).to(torch.int32)
     early = torch.where((lanes >= 1) & (lanes <= qpos[:, None]), lanes - 1, -1).to(torch.int32)
-    for name, use_rows, pos, part in (("dense_splits", rows, causal, None), ("dense_single", rows, causal, 256),
+    for name, use_rows, pos, part in (("dense_splits", rows, causal, None), ("dense_single", rows, causal, 128),
                                       ("row0_caught", torch.zeros_like(rows), causal, None),
                                       ("early_caught", rows, early, None)):
         got = kq.qsa_attention(prob["q"], prob["k_cache"], prob["v_cache"], prob["block_tables"], use_rows, pos,
