@@ -316,8 +316,12 @@ def test_pp2_conversations_resume_through_the_host_tier(ckpts: CheckpointCache, 
     stage writes a verify step's candidate snapshots when that step's accepted counts arrive with a later step, after
     the scheduler published them: a stage that moves them before applying those counts (the sabotage, through
     ``sitecustomize`` in the workers) moves what the entry held before."""
+    from hyserve.cache.prefix_cache import PrefixCache
     from hyserve.testing.engine import make_convs, run_conversations, toks
 
+    # The policy keeps a decoding answer's latest boundary off the host (it moves on); here every boundary is taken
+    # as final, in both runs, so the candidates a verify step published are moved the step after, the order at stake.
+    monkeypatch.setattr(PrefixCache, "_still_moving", lambda self, h: False)
     if sabotaged:
         (tmp_path / "sitecustomize.py").write_text(_MOVE_BEFORE_COMMITS)
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
