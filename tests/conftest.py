@@ -17,8 +17,17 @@ from hyserve.testing.families import CheckpointCache
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``TRITON_INTERPRET=1`` (a subprocess that runs a family's tests on the fused MoE kernels,
-    ``tests/kernels/test_moe_engine.py``) the interpreter computes as the GPU does."""
+    ``tests/kernels/test_moe_engine.py``) the interpreter computes as the GPU does.
+
+    With ``PYTHONDONTWRITEBYTECODE`` set (as on the machines the sessions and CI run on) no hyserve module ever had
+    its bytecode cached, so every process the tests start (each worker rank, server, reference or interpreter
+    process: hundreds in a run) compiled the ~120 modules it imports anew, 0.4-0.8 s of CPU each on two cores: the
+    run's processes write and read it (``__pycache__``, ignored by git), as Python does by default."""
     import os
+    import sys
+
+    if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+        sys.dont_write_bytecode = False
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         from hyserve.testing.triton_interpreter import patch_triton_interpreter

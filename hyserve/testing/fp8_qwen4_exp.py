@@ -28,12 +28,10 @@ import re
 import shutil
 import types
 from typing import Any
-from unittest import mock
 
 import torch
 from safetensors.torch import save_file
 
-from hyserve.testing import qwen4_exp as qwen4_exp_testing
 from hyserve.testing.files import read_checkpoint_tensors
 from hyserve.testing.fp8 import (
     BLOCK,
@@ -46,7 +44,7 @@ from hyserve.testing.fp8 import (
     quantization_config,
     quantize_weight,
 )
-from hyserve.testing.qwen4_exp import Qwen4ExpReference, ReferenceProcess
+from hyserve.testing.qwen4_exp import Qwen4ExpReference
 
 MODULE = "hyserve.testing.fp8_qwen4_exp"
 ACTIVATIONS_FILE = "fp8_activations.json"
@@ -160,21 +158,12 @@ def write_dequantized_copy(path: str | os.PathLike[str], out: str | os.PathLike[
 
 class Fp8Qwen4ExpReference(Qwen4ExpReference):
     """transformers 5.24's model of a dequantized copy (``write_dequantized_copy``) with the activation quantization
-    emulated, in a process running this module. ``emulated``: ``{module: mode}`` as the process installed them."""
+    emulated, in the session's process running this module (``shared_process(MODULE)``). ``emulated``:
+    ``{module: mode}`` as the process installed them."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.path.abspath(os.fspath(path))
-        with mock.patch.object(qwen4_exp_testing, "REFERENCE_MODULE", MODULE):
-            self._process = ReferenceProcess()
-        try:
-            info = self._process.request("load", path=self.path, attn_implementation="eager")
-        except BaseException:
-            self._process.close()
-            raise
-        self.architecture = info["architecture"]
-        self.loading_info = info["loading_info"]
-        self.config = types.SimpleNamespace(**info["text_config"])
-        self.emulated: dict[str, str] = info.get("fp8_emulated", {})
+        super().__init__(path, module=MODULE)
+        self.emulated: dict[str, str] = self.info.get("fp8_emulated", {})
 
 
 def load_fp8_qwen4_exp_reference(path: str | os.PathLike[str], dequantized: str | os.PathLike[str] | None = None

@@ -5,7 +5,7 @@ The main venv pins transformers 5.17, which has no ``qwen4_exp``; transformers 5
 ``hyserve.testing.qwen4_exp_reference`` (its protocol is described there) with that directory first on
 ``PYTHONPATH``:
 
-* ``write_tiny_qwen4_exp_checkpoint``: a writer process (kept between writes) builds transformers'
+* ``write_tiny_qwen4_exp_checkpoint``: the session's reference process (``shared_process``) builds transformers'
   ``Qwen4ExpForCausalLM`` (form ``causal``) or ``Qwen4ExpForConditionalGeneration`` (form ``vlm``, alias
   ``conditional``: a tiny vision tower) from a tiny config, gives its parameters spread random values and
   ``save_pretrained``s it: the release layout
@@ -17,15 +17,21 @@ The main venv pins transformers 5.17, which has no ``qwen4_exp``; transformers 5
   model.safetensors (``add_mtp_tensors``: the head of ``hyserve.model.qwen4_exp_mtp``, its decoder layer named and
   shaped as the checkpoint's attention layer, one tensor per expert) and ``mtp_num_hidden_layers: 1`` to its
   config.json; transformers ignores ``mtp.*`` (``_keys_to_ignore_on_load_unexpected``), so the reference is the same.
-* ``load_qwen4_exp_reference``: a ``Qwen4ExpReference`` holding one persistent process with the checkpoint loaded
-  (float32, CPU, eval, eager attention, transformers' PyTorch GDN); ``ref(input_ids=..., use_cache=False).logits``
-  as a transformers model answers, so ``hyserve.testing.qwen3_5.reference_logits`` works with it. It takes over the
-  writer's process where one is running (its transformers import already paid; the next write starts a new one).
-  Every process ends with ``close``, when its owner is garbage-collected, or at exit.
+* ``load_qwen4_exp_reference``: a ``Qwen4ExpReference``, the checkpoint loaded (float32, CPU, eval, eager
+  attention, transformers' PyTorch GDN) in the session's reference process beside the other references' models;
+  ``ref(input_ids=..., use_cache=False).logits`` as a transformers model answers, so
+  ``hyserve.testing.qwen3_5.reference_logits`` works with it. ``close`` unloads its model.
+
+One process per module (``shared_process``: this family's, or ``hyserve.testing.fp8_qwen4_exp``'s with the FP8
+emulation) writes and holds every checkpoint of the session, so transformers 5.24 is imported once (about 10 s of
+CPU a process on a busy two-core machine; one process per checkpoint before: 14 for the family's nine test files
+in one session, 2 now); it ends at exit, or when ``close_shared_processes`` is called. One that died is started
+again for the next write or reference (the references it held fail).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -95,10 +101,11 @@ def _close_process(proc: subprocess.Popen[str], log: IO[bytes], tmp: str) -> Non
 
 
 class ReferenceProcess:
-    """One ``python -m hyserve.testing.qwen4_exp_reference`` with transformers 5.24 first on ``PYTHONPATH``; its
-    stderr goes to a temporary file (quoted when it fails). Closed by ``close``, when garbage-collected, or at exit."""
+    """One ``python -m hyserve.testing.qwen4_exp_reference`` (or ``module``) with transformers 5.24 first on
+    ``PYTHONPATH``; its stderr goes to a temporary file (quoted when it fails). Closed by ``close``, when
+    garbage-collected, or at exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str | None = None) -> None:
         site = reference_site()
         paths = [site, str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TRANSFORMERS_VERBOSITY": "error",
@@ -108,7 +115,7 @@ class ReferenceProcess:
         env.setdefault("HYSERVE_REFERENCE_THREADS", str(torch.get_num_threads()))
         self.tmp = tempfile.mkdtemp(prefix="qwen4exp-ref-")
         self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (the process writes it until closed)
-        self._proc = subprocess.Popen([sys.executable, "-m", REFERENCE_MODULE], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", module or REFERENCE_MODULE], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
                                       cwd=str(REPO_ROOT))
         self._lock = threading.Lock()
@@ -164,27 +171,29 @@ class ReferenceProcess:
         self._finalizer()
 
 
-_writer: ReferenceProcess | None = None
-_writer_lock = threading.Lock()
+_shared: dict[str, ReferenceProcess] = {}
+_shared_lock = threading.Lock()
+_model_ids = itertools.count()
 
 
-def _writer_process() -> ReferenceProcess:
-    """The process ``write_tiny_qwen4_exp_checkpoint`` uses: kept between writes (transformers imports in seconds)
-    until a ``Qwen4ExpReference`` takes it over."""
-    global _writer
-    with _writer_lock:
-        if _writer is None or not _writer.alive():
-            _writer = ReferenceProcess()
-        return _writer
+def shared_process(module: str | None = None) -> ReferenceProcess:
+    """The session's process running ``module`` (default ``REFERENCE_MODULE``): it writes the checkpoints and holds
+    every reference's model (transformers imports once); started on first use, and again if it died."""
+    module = module or REFERENCE_MODULE
+    with _shared_lock:
+        proc = _shared.get(module)
+        if proc is None or not proc.alive():
+            proc = _shared[module] = ReferenceProcess(module)
+        return proc
 
 
-def _take_process() -> ReferenceProcess:
-    """A process for a new reference: the writer's, transformers already imported (the next write starts another),
-    or a new one."""
-    global _writer
-    with _writer_lock:
-        proc, _writer = _writer, None
-    return proc if proc is not None and proc.alive() else ReferenceProcess()
+def close_shared_processes() -> None:
+    """End the shared processes (they also end at exit)."""
+    with _shared_lock:
+        procs = list(_shared.values())
+        _shared.clear()
+    for proc in procs:
+        proc.close()
 
 
 def _default_ple_layers(layer_types: list[str]) -> list[int]:
@@ -244,7 +253,7 @@ def write_tiny_qwen4_exp_checkpoint(
     vocab = int(text.get("vocab_size", 512))
     if vocab < needed:
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer ({needed})")
-    _writer_process().request("write", path=os.path.abspath(path), form="vlm" if vlm else "causal", seed=seed,
+    shared_process().request("write", path=os.path.abspath(path), form="vlm" if vlm else "causal", seed=seed,
                               text=text, vlm=vlm_fields, attention_name=attention_name)
     if vlm:
         _write_vlm_tokenizer(path)
@@ -338,20 +347,21 @@ def _write_vlm_tokenizer(path: str) -> None:
 
 
 class Qwen4ExpReference:
-    """transformers 5.24's model of one checkpoint, in its own process; called as a transformers model is
-    (``ref(input_ids=ids, use_cache=False).logits``: float32 ``(B, T, V)`` on the CPU).
+    """transformers 5.24's model of one checkpoint, in the session's reference process (``shared_process`` of
+    ``module``); called as a transformers model is (``ref(input_ids=ids, use_cache=False).logits``: float32
+    ``(B, T, V)`` on the CPU).
 
     ``config``: the text config's fields (``vocab_size``, ``indexer_budget``, ...); ``loading_info``:
     ``from_pretrained``'s missing / unexpected / mismatched keys; ``architecture``: the class loaded."""
 
-    def __init__(self, path: str | os.PathLike[str], *, attn_implementation: str = "eager") -> None:
+    def __init__(self, path: str | os.PathLike[str], *, attn_implementation: str = "eager",
+                 module: str | None = None) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        self._process = _take_process()
-        try:
-            info = self._process.request("load", path=self.path, attn_implementation=attn_implementation)
-        except BaseException:
-            self._process.close()
-            raise
+        self._process = shared_process(module)
+        self._model = f"m{next(_model_ids)}"
+        info = self._request("load", path=self.path, attn_implementation=attn_implementation)
+        self._finalizer = weakref.finalize(self, _unload_later, self._process, self._model)
+        self.info = info
         self.architecture: str = info["architecture"]
         self.loading_info: dict[str, list[str]] = info["loading_info"]
         self.config = SimpleNamespace(**info["text_config"])
@@ -375,7 +385,7 @@ class Qwen4ExpReference:
             torch.save({"pixel_values": pixel_values.float().cpu(), "image_grid_thw": image_grid_thw.cpu()}, images)
         out = self._process.out_path("logits")
         try:
-            self._process.request("logits", ids=ids.tolist(), attention_mask=mask, images=images, out=out)
+            self._request("logits", ids=ids.tolist(), attention_mask=mask, images=images, out=out)
         finally:
             if images is not None:
                 os.unlink(images)
@@ -388,7 +398,7 @@ class Qwen4ExpReference:
         """transformers' own cached decode: ``token_ids[:prefill]`` in one forward, then one token per forward;
         the float32 logits of every position, ``(len(token_ids), vocab)``."""
         out = self._process.out_path("cached")
-        self._process.request("generate_cached", ids=[int(t) for t in token_ids], prefill=int(prefill), out=out)
+        self._request("generate_cached", ids=[int(t) for t in token_ids], prefill=int(prefill), out=out)
         result: torch.Tensor = self._process.load_tensor(out)
         return result
 
@@ -396,16 +406,40 @@ class Qwen4ExpReference:
         """The n-gram table rows each PLE layer (0-based layer index) looks up for each token, ``(T, heads)``:
         from one uncached forward, or (``prefill``) from a cached decode as ``cached_logits`` runs it."""
         out = self._process.out_path("ngram")
-        self._process.request("ngram_rows", ids=[int(t) for t in token_ids], prefill=prefill, out=out)
+        self._request("ngram_rows", ids=[int(t) for t in token_ids], prefill=prefill, out=out)
         rows: dict[int, torch.Tensor] = self._process.load_tensor(out)
         return rows
 
+    def _request(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        _send_unloads(self._process)
+        return self._process.request(cmd, model=self._model, **fields)
+
     def close(self) -> None:
-        self._process.close()
+        """Unload this reference's model (the process goes on serving the others)."""
+        if self._finalizer.detach() is not None and self._process.alive():
+            _send_unloads(self._process)
+            self._process.request("unload", model=self._model)
+
+
+# Models of references garbage-collected without ``close``, unloaded with the next request to their process (not
+# from the finalizer: it may run inside another request, under the process's lock).
+_unloads: list[tuple[ReferenceProcess, str]] = []
+
+
+def _unload_later(process: ReferenceProcess, model: str) -> None:
+    _unloads.append((process, model))
+
+
+def _send_unloads(process: ReferenceProcess) -> None:
+    for entry in [u for u in list(_unloads) if u[0] is process]:
+        _unloads.remove(entry)
+        if process.alive():
+            process.request("unload", model=entry[1])
 
 
 def load_qwen4_exp_reference(path: str | os.PathLike[str]) -> Qwen4ExpReference:
-    """transformers 5.24's model of the checkpoint in ``path`` (float32, CPU, eval), in its own process."""
+    """transformers 5.24's model of the checkpoint in ``path`` (float32, CPU, eval), in the session's reference
+    process."""
     return Qwen4ExpReference(path)
 
 

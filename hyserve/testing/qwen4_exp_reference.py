@@ -15,9 +15,14 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout (
   (one tensor per expert and projection, the n-gram table in ``split_ngram_parts`` row shards
   ``ple.ple_embedding.ngram_embedding.shard_{i}.weight``). transformers writes ``indexed_attention`` into
   config.json's ``layer_types``; ``attention_name`` (default ``full_attention``, as the release) renames it.
-* ``load`` ``{path, attn_implementation}``: ``from_pretrained`` (the class of config.json's ``architectures``),
-  float32, CPU, eval, transformers' PyTorch GDN and conv paths (never fla's). Replies with the loading info and the
-  text config.
+* ``load`` ``{path, attn_implementation, model?}``: ``from_pretrained`` (the class of config.json's
+  ``architectures``), float32, CPU, eval, transformers' PyTorch GDN and conv paths (never fla's), kept under the
+  name ``model`` (default: ``path``) beside the models loaded before (one process serves every reference of a test
+  session: transformers imports once). Replies with the loading info and the text config.
+* ``unload`` ``{model}``: forget a loaded model.
+
+``logits``, ``generate_cached`` and ``ngram_rows`` run on the model their ``model`` field names (default: the one
+loaded last).
 * ``logits`` ``{ids: [[...]], out, attention_mask?, images?}``: one uncached forward; float32 logits ``(B, T, V)``
   saved to ``out``. ``images`` (the VLM): a ``.pt`` of ``{pixel_values, image_grid_thw}`` for the placeholders of
   ``ids`` (already widened to each image's grid).
@@ -275,7 +280,8 @@ class Reference:
 
 
 def serve(inp: Any, out: Any) -> None:
-    ref: Reference | None = None
+    refs: dict[str, Reference] = {}
+    last: str | None = None
     for line in inp:
         if not line.strip():
             continue
@@ -294,12 +300,18 @@ def serve(inp: Any, out: Any) -> None:
             elif cmd == "write":
                 reply = write(req)
             elif cmd == "load":
-                ref = Reference(req["path"], req.get("attn_implementation", "eager"))
-                reply = ref.info
+                name = str(req.get("model") or req["path"])
+                refs[name] = Reference(req["path"], req.get("attn_implementation", "eager"))
+                last = name
+                reply = {**refs[name].info, "model": name}
+            elif cmd == "unload":
+                refs.pop(str(req["model"]), None)
+                reply = {}
             elif cmd in ("logits", "generate_cached", "ngram_rows"):
-                if ref is None:
-                    raise RuntimeError(f"{cmd!r} before 'load'")
-                reply = getattr(ref, cmd)(req)
+                wanted: str | None = req.get("model") or last
+                if wanted is None or wanted not in refs:
+                    raise RuntimeError(f"{cmd!r} before 'load'" if wanted is None else f"no model {wanted!r} loaded")
+                reply = getattr(refs[wanted], cmd)(req)
             else:
                 raise ValueError(f"unknown command {cmd!r}")
             msg = {"ok": True, **reply}

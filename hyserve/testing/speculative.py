@@ -3,7 +3,12 @@ outputs of each prompt run alone without speculation, and a recorder of the draf
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
+from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
+from hyserve.outputs import RequestOutput
 from hyserve.request import Request
 from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.speculative.proposer import Proposer
@@ -43,10 +48,29 @@ class OracleProposer(Proposer):
         return out
 
 
+_PLAIN: dict[tuple, Any] = {}  # (path, device, run_key()) -> a plain engine's LLM
+_SOLO: dict[tuple, RequestOutput] = {}  # (path, prompt, params, device, run_key()) -> its output
+
+
+def solo_output(path: str, prompt: list[int], params: SamplingParams, device: str = "cpu") -> RequestOutput:
+    """A plain engine's output (no speculation, no prefix caching) for ``prompt`` alone. Deterministic, so computed
+    once per session for the same checkpoint, prompt, parameters, device and switches (``run_key``: the emulated
+    graphs and the ``HYSERVE_*`` variables), each caller getting a copy. Callers ask before they plant a sabotage
+    (the engine runs in this process, on the classes as they are then)."""
+    from hyserve.testing.scenarios import run_key
+
+    key = (path, tuple(prompt), repr(params), device, run_key())
+    if key not in _SOLO:
+        llm_key = (path, device, run_key())
+        if llm_key not in _PLAIN:
+            _PLAIN[llm_key] = make_llm(path, enable_prefix_caching=False, device=device)
+        _SOLO[key] = _PLAIN[llm_key].generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    return copy.deepcopy(_SOLO[key])
+
+
 def solo_outputs(path: str, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
-    off = make_llm(path, enable_prefix_caching=False)
-    return {rid: off.generate({"prompt_token_ids": p}, greedy(n), use_tqdm=False)[0].outputs[0].token_ids
-            for rid, p in prompts.items()}
+    """Each prompt's ``n`` greedy tokens, alone without speculation (``solo_output``)."""
+    return {rid: list(solo_output(path, p, greedy(n)).outputs[0].token_ids) for rid, p in prompts.items()}
 
 
 def resolve_drafts(engine: LLMEngine, req: Request) -> list[int]:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hyserve import SamplingParams
+from hyserve.engine.llm_engine import LLMEngine
 from hyserve.executor.multiproc import MultiprocExecutor
 from hyserve.testing.engine import assert_matches_reference, drive, make_llm, random_prompts
 from hyserve.testing.families import CheckpointCache
@@ -54,9 +56,20 @@ def test_tp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec
             assert_matches_reference(ref, prompts[rid], out)
 
 
+@pytest.fixture(scope="module")
+def spare() -> Iterator[dict[str, LLMEngine]]:
+    """Engines a test is done with, left running for a later test that only needs some idle TP 2 engine to kill a
+    rank of (its worker processes then start once); shut down at the module's end if no test took them."""
+    engines: dict[str, LLMEngine] = {}
+    yield engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("spec", [pytest.param(None, marks=pytest.mark.slow),  # the suite's budget: mtp covers it
                                   {"method": "mtp", "num_speculative_tokens": 2}], ids=["plain", "mtp"])
-def test_tp2_causal_form_with_replicated_kv_heads_and_graphs(ckpts: CheckpointCache, spec: dict | None,
+def test_tp2_causal_form_with_replicated_kv_heads_and_graphs(ckpts: CheckpointCache, spare: dict[str, LLMEngine],
+                                                            spec: dict | None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """One KV head, two ranks: each rank keeps the KV head its query heads read. The workers run the decode,
     verify and MTP graphs' static forwards (emulated), whose logits are gathered over the vocabulary shards."""
@@ -67,7 +80,7 @@ def test_tp2_causal_form_with_replicated_kv_heads_and_graphs(ckpts: CheckpointCa
     llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16, speculative_config=spec)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     replays = llm.llm_engine.executor.collective_rpc("graph_replays")
-    llm.shutdown()
+    spare.setdefault("tp2", llm.llm_engine)  # for test_a_dead_rank_is_reported_by_rank_within_seconds
     kinds = ("verify", "mtp") if spec else ("decode",)
     assert len(replays) == 2 and all(r[k] > 0 for r in replays for k in kinds), replays
     ref = ckpts.reference(path)
@@ -154,22 +167,23 @@ def test_serve_with_two_ranks_answers_and_stops_cleanly_on_sigterm(ckpts: Checkp
     assert all(process_gone(w, 10) for w in workers), "a worker outlived hyserve serve"
 
 
-def test_a_dead_rank_is_reported_by_rank_within_seconds(ckpts: CheckpointCache) -> None:
-    """Rank 1 killed: rank 0 would wait for it in the next all-reduce; the engine reports rank 1 instead."""
+def test_a_dead_rank_is_reported_by_rank_within_seconds(ckpts: CheckpointCache, spare: dict[str, LLMEngine]) -> None:
+    """Rank 1 killed: rank 0 would wait for it in the next all-reduce; the engine reports rank 1 instead. On an idle
+    synchronous TP 2 engine an earlier test is done with (``spare``), else a new one."""
     import signal
     import time
 
     from hyserve.executor.multiproc import WorkerError
 
-    llm = make_llm(ckpts.get(), tensor_parallel_size=2)
-    engine = llm.llm_engine
+    engine = spare.pop("tp2", None) or make_llm(ckpts.get(), tensor_parallel_size=2).llm_engine
+    assert not engine.has_unfinished_requests() and not engine.async_scheduling
     os.kill(engine.executor.pids[1], signal.SIGKILL)  # type: ignore[attr-defined]
     engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"worker rank 1: the process died"):
         engine.step()
     assert time.monotonic() - t0 < 5
-    llm.shutdown()
+    engine.shutdown()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the rank processes")

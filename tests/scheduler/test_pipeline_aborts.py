@@ -15,7 +15,9 @@ steps, requests the scheduler has finished.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -75,6 +77,15 @@ class _Phases:
 
     seen: list[str] = field(default_factory=list)
 
+    @contextlib.contextmanager
+    def watching(self, engine: LLMEngine) -> Iterator[None]:
+        """``watch`` while the block runs (the engine is shared with other runs)."""
+        self.watch(engine)
+        try:
+            yield
+        finally:
+            del engine.abort_request  # the bound method again
+
     def watch(self, engine: LLMEngine) -> None:
         abort = engine.abort_request
 
@@ -94,12 +105,13 @@ class _Phases:
         engine.abort_request = watched  # type: ignore[method-assign]
 
 
-def _abort_scenario(t: int) -> tuple[Arrivals, dict[int, list[str]]]:
+def _abort_scenario(t: int, seed: int = 41) -> tuple[Arrivals, dict[int, list[str]]]:
     """Two requests decode throughout; four victims are aborted at four consecutive steps (so at each phase of a
     pipelined verify step's life), and a new request arrives with each abort and one step after it: the slots are
     reused last-in first-out, so the newcomers take the victims' slots while the victims' steps are in flight. Some
-    newcomers' prompts are longer than the token budget (chunks that read the state between steps)."""
-    p = random_prompts(14, [7, 11, 5, 9, 13, 6, 8, 40, 10, 3, 50, 12, 4, 9], seed=41)
+    newcomers' prompts are longer than the token budget (chunks that read the state between steps). ``seed``: the
+    prompts' (each run on a shared engine draws its own, so that none hits what an earlier run left cached)."""
+    p = random_prompts(14, [7, 11, 5, 9, 13, 6, 8, 40, 10, 3, 50, 12, 4, 9], seed=seed)
 
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -115,10 +127,9 @@ def _abort_scenario(t: int) -> tuple[Arrivals, dict[int, list[str]]]:
 
 
 @functools.cache
-def _one_rank_aborts(path: str, t: int) -> dict[str, list[int]]:
-    """One rank's tokens for ``_abort_scenario(t)``, run once for the sweep and its sabotaged twin (before the
-    sabotage is planted: the reference is never run on the sabotaged scheduler)."""
-    arrivals, aborts = _abort_scenario(t)
+def _one_rank_aborts(path: str, t: int, seed: int) -> dict[str, list[int]]:
+    """One rank's tokens for ``_abort_scenario(t, seed)`` (a fresh engine; never on the sabotaged scheduler)."""
+    arrivals, aborts = _abort_scenario(t, seed)
     ref = _engine(path, "mtp")
     want = _tokens(drive(ref, arrivals, aborts))
     ref.assert_no_leaks()
@@ -130,28 +141,61 @@ def mtp_path(ckpts: CheckpointCache) -> str:
     return ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
 
 
+class _SweepEngines:
+    """The abort sweep's pipelined engines (PP 2 or 3, async scheduling), one per stage count, kept for the module:
+    the sweep's offsets and its sabotaged twin run on the same worker processes (each run on prompts of its own, so
+    nothing an earlier run cached is hit). A sabotaged run may leave the workers' states wrong: the next run that
+    must be right gets fresh workers."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.engines: dict[int, LLMEngine] = {}
+        self.sabotaged: set[int] = set()
+
+    def get(self, pp: int, sabotage: bool) -> LLMEngine:
+        if pp in self.engines and pp in self.sabotaged and not sabotage:
+            self.engines.pop(pp).shutdown()
+        if pp not in self.engines:
+            self.engines[pp] = _engine(self.path, "mtp", pipeline_parallel_size=pp, async_scheduling=True)
+            self.sabotaged.discard(pp)
+        if sabotage:
+            self.sabotaged.add(pp)
+        return self.engines[pp]
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sweep_engines(mtp_path: str):  # type: ignore[no-untyped-def]
+    pool = _SweepEngines(mtp_path)
+    yield pool
+    pool.close()
+
+
 @pytest.mark.parametrize("pp,sabotage", [(2, False), pytest.param(3, False, marks=pytest.mark.slow), (2, True)],
                          ids=["pp2", "pp3", "pp2-sabotaged"])
-def test_aborts_at_every_point_of_a_pipelined_verify_step(mtp_path: str, pp: int, sabotage: bool,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_aborts_at_every_point_of_a_pipelined_verify_step(mtp_path: str, sweep_engines: _SweepEngines, pp: int,
+                                                          sabotage: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """PP 2 and 3, async scheduling, MTP k = 2, prefix caching: the requests that are not aborted get one rank's
     tokens, and every rank is clean after. The sabotaged scheduler (the late commit applied to a slot its request no
     longer holds) must give other tokens: this test sees the bug."""
     offsets = (5, 8)  # the victims mid-decode; two offsets so that each phase meets each stage's parity
-    want = {f"{t}/{k}": v for t in offsets for k, v in _one_rank_aborts(mtp_path, t).items()}
+    seeds = {5: 41 + 2 * sabotage, 8: 42 + 2 * sabotage}  # every run its own prompts (one engine runs them all)
+    want = {f"{t}/{k}": v for t in offsets for k, v in _one_rank_aborts(mtp_path, t, seeds[t]).items()}
     if sabotage:
         monkeypatch.setattr(Scheduler, "_queue_verify_commits", _old_verify_commits)
     got: dict[str, list[int]] = {}
     phases = _Phases()
+    engine = sweep_engines.get(pp, sabotage)
+    assert engine.max_steps_in_flight == pp
     for t in offsets:
-        arrivals, aborts = _abort_scenario(t)
-        engine = _engine(mtp_path, "mtp", pipeline_parallel_size=pp, async_scheduling=True)
-        assert engine.max_steps_in_flight == pp
-        phases.watch(engine)
-        got.update({f"{t}/{k}": v for k, v in _tokens(drive(engine, arrivals, aborts)).items()})
+        arrivals, aborts = _abort_scenario(t, seeds[t])
+        with phases.watching(engine):
+            got.update({f"{t}/{k}": v for k, v in _tokens(drive(engine, arrivals, aborts)).items()})
         if not sabotage:
             _assert_clean(engine)
-        engine.shutdown()
     assert "in flight" in phases.seen and {"commit pending", "committed"} & set(phases.seen), phases.seen
     assert set(got) == set(want) and len(want) == 2 * 10
     if sabotage:

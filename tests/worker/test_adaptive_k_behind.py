@@ -28,6 +28,7 @@ from hyserve.scheduler.scheduler import Scheduler
 from hyserve.testing.engine import drive, make_llm
 from hyserve.testing.families import CheckpointCache
 from hyserve.testing.scenarios import K_SCHEDULE, KStepRecorder
+from hyserve.testing.speculative import solo_output
 from hyserve.worker import cuda_graphs
 from hyserve.worker.spec_decode.verifier import Verifier
 
@@ -135,9 +136,7 @@ def run(path: str, want: dict[str, list[int]], follow: list[int], graphs: bool, 
 def targets(ckpts: CheckpointCache) -> tuple[str, dict[str, list[int]], list[int], Any]:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     want, follow, ref_f = planted_targets(path, 40, 33, 321)
-    plain = make_llm(path, enable_prefix_caching=False)
-    want["d"] = list(plain.generate([{"prompt_token_ids": PROMPTS["d"]}], greedy(29),
-                                    use_tqdm=False)[0].outputs[0].token_ids)
+    want["d"] = list(solo_output(path, PROMPTS["d"], greedy(29)).outputs[0].token_ids)
     return path, want, follow, ref_f
 
 

@@ -34,6 +34,7 @@ from hyserve import SamplingParams
 from hyserve.scheduler.scheduler import Scheduler
 from hyserve.testing.engine import drive, make_llm
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.speculative import solo_output
 from hyserve.worker import cuda_graphs
 from hyserve.worker.spec_decode.verifier import Verifier
 from hyserve.worker.state_ops import StateOps
@@ -46,9 +47,8 @@ SPEC = {"method": "mtp", "num_speculative_tokens": K, "adaptive": False}
 
 def plain_outputs(path: str, prompts: dict[str, list[int]], params: dict[str, SamplingParams],
                   device: str = "cpu") -> dict[str, list[int]]:
-    plain = make_llm(path, enable_prefix_caching=False, device=device)
-    return {rid: list(plain.generate([{"prompt_token_ids": p}], params[rid], use_tqdm=False)[0].outputs[0].token_ids)
-            for rid, p in prompts.items()}
+    """Each prompt's plain greedy output, alone (``solo_output``: once per session)."""
+    return {rid: list(solo_output(path, p, params[rid], device).outputs[0].token_ids) for rid, p in prompts.items()}
 
 
 def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
@@ -94,6 +94,13 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
         monkeypatch.setattr(StateOps, "_graph_snapshot", early)
     else:
         assert kind is None
+
+
+def workload_params(stop: dict[str, int] | None = None) -> dict[str, SamplingParams]:
+    """``workload``'s requests' parameters (``stop``: e's stop token)."""
+    stop = stop or {}
+    return {"a": greedy(26), "b": greedy(22), "gone": greedy(30), "c": LOGPROBS, "d": greedy(29),
+            "e": SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop["e"]] if "e" in stop else None)}
 
 
 def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPatch,
@@ -152,9 +159,7 @@ def workload(path: str, behind: bool, graphs: bool, monkeypatch: pytest.MonkeyPa
         return ran
 
     eng.scheduler.update_from_output = keyed  # type: ignore[method-assign]
-    stop = stop or {}
-    params = {"a": greedy(26), "b": greedy(22), "gone": greedy(30), "c": LOGPROBS, "d": greedy(29),
-              "e": SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop["e"]] if "e" in stop else None)}
+    params = workload_params(stop)
     arrivals = {0: [("a", PROMPTS["a"], params["a"]), ("b", PROMPTS["b"], params["b"])],
                 3: [("gone", PROMPTS["gone"], params["gone"])],
                 6: [("c", PROMPTS["c"], params["c"]), ("d", PROMPTS["d"], params["d"])],
@@ -197,14 +202,15 @@ def test_rows_behind_emit_what_plain_decoding_does(ckpts: CheckpointCache, monke
 def test_a_row_behind_in_the_wrong_place_is_caught(ckpts: CheckpointCache, monkeypatch: pytest.MonkeyPatch,
                                                    kind: str) -> None:
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
+    params = workload_params()
+    want = plain_outputs(path, {rid: PROMPTS[rid] for rid in params if rid != "gone"}, params)  # before the sabotage
     sabotage(monkeypatch, kind)
     if kind == "place":  # the scheduler's own check sees a start before the earliest one
         with pytest.raises(AssertionError, match=r"^\(\d+, \d+, \d+\)$"):  # (earliest, placed, latest)
             workload(path, True, True, monkeypatch)
         return
     got = workload(path, True, True, monkeypatch)
-    assert got["behind"] > 20
-    want = plain_outputs(path, {rid: PROMPTS[rid] for rid in got["outputs"]}, got["params"])
+    assert got["behind"] > 20 and set(got["outputs"]) == set(want)
     assert got["outputs"] != want
 
 

@@ -19,6 +19,7 @@ from hyserve import SamplingParams
 from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.testing.engine import drive, make_llm, toks
 from hyserve.testing.families import CheckpointCache
+from hyserve.testing.speculative import solo_output
 from hyserve.worker import cuda_graphs
 from hyserve.worker.model_runner import ModelRunner
 from hyserve.worker.spec_decode.verifier import Verifier
@@ -203,15 +204,10 @@ def commit_before_candidate_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def planted_targets(path: str, n: int, cut: int, seed: int) -> tuple[dict[str, list[int]], list[int], Any]:
     """a's and b's plain greedy outputs of ``n`` tokens; f = a's prompt + the first ``cut`` of a's output + 7 more
-    tokens; f's plain output (FOLLOW: with logprobs)."""
-    plain = make_llm(path, enable_prefix_caching=False)
-
-    def solo(prompt: list[int]) -> list[int]:
-        return list(plain.generate([{"prompt_token_ids": prompt}], greedy(n), use_tqdm=False)[0].outputs[0].token_ids)
-
-    want = {"a": solo(PROMPTS["a"]), "b": solo(PROMPTS["b"])}
+    tokens; f's plain output (FOLLOW: with logprobs). Each a ``solo_output`` run (once per session)."""
+    want = {rid: list(solo_output(path, PROMPTS[rid], greedy(n)).outputs[0].token_ids) for rid in ("a", "b")}
     follow = PROMPTS["a"] + want["a"][:cut] + toks(7, seed)
-    ref_f = plain.generate([{"prompt_token_ids": follow}], FOLLOW, use_tqdm=False)[0]
+    ref_f = solo_output(path, follow, FOLLOW)
     want["f"] = list(ref_f.outputs[0].token_ids)
     return want, follow, ref_f
 
