@@ -103,7 +103,8 @@ class Live:
 
 
 def run(cache: PrefixCache, trace: Trace, requests: int, seed: int, concurrency: int = 32, budget: int = 16384,
-        accept: float = 0.8, on_step: Callable[[PrefixCache], None] | None = None) -> list[dict[str, int]]:
+        accept: float = 0.8, on_step: Callable[[PrefixCache], None] | None = None,
+        episodes: dict[int, Episode] | None = None) -> list[dict[str, int]]:
     rng = random.Random(f"sim/{seed}/accept")
     system = [random.Random(f"sim/{seed}/system").randrange(100_000) for _ in range(trace.prefix_len)]
     warm_system = [random.Random(f"sim/{seed}/warm").randrange(100_000) for _ in range(trace.prefix_len)]
@@ -129,6 +130,8 @@ def run(cache: PrefixCache, trace: Trace, requests: int, seed: int, concurrency:
         nonlocal next_episode
         ep = Episode(trace, next_episode if timed else 10_000 + next_episode, system if timed else warm_system, seed)
         next_episode += 1
+        if episodes is not None:  # the caller's record of every episode made, by index
+            episodes[ep.index] = ep
         submit(ep, 0, timed)
 
     for _ in range(concurrency):  # the warm-up: first steps under another system prompt
@@ -267,17 +270,7 @@ def simulate(layout: tuple[int, int, int, int], requests: int, seed: int,
     cache = cache_factory(BlockPool(blocks + 1, BS), StateSlots(slots, snaps), BS, 2048, lookahead=1,
                           num_host_snapshots=host)
     eps: dict[int, Episode] = {}
-    orig = Episode.__init__
-
-    def remember(self: Episode, *a: object, **k: object) -> None:
-        orig(self, *a, **k)  # type: ignore[arg-type]
-        eps[self.index] = self
-
-    Episode.__init__ = remember  # type: ignore[method-assign]
-    try:
-        records = run(cache, trace, requests, seed)
-    finally:
-        Episode.__init__ = orig  # type: ignore[method-assign]
+    records = run(cache, trace, requests, seed, episodes=eps)
     best = [best_depth(trace, r, eps) for r in records]
     out = figures(records, best)
     out["ideal_hit_rate"] = sum(best) / sum(r["prompt"] for r in records)

@@ -492,6 +492,7 @@ class PrefixCache:
         if self._free_snapshots:
             return self._free_snapshots.pop()
         victim = next((h for h, idx in self._snapshots.items() if h in self._spare and idx not in self._pinned), None)
+        chance: float | None = None
         if victim is None and not spare_only:
             oldest: dict[str, bytes] = {}  # each kind's least recently used unpinned snapshot, in LRU order
             for h, idx in self._snapshots.items():
@@ -501,15 +502,19 @@ class PrefixCache:
                     if len(oldest) == len(LEARNED_KINDS):
                         break
             if oldest:
-                victim = min(oldest.values(), key=self._chance_later)  # min keeps the first (least recent) of ties
+                chances = {h: self._chance_later(h) for h in oldest.values()}  # LRU order kept
+                victim = min(chances, key=chances.__getitem__)  # min keeps the first (least recent) of ties
+                chance = chances[victim]
         if victim is None:
             return None
         self._spare.discard(victim)
         idx = self._snapshots.pop(victim)
         self.stats.evictions += 1
-        if victim in self._kind and not self._still_moving(victim) and self._chance_later(victim) >= MOVE_UTILITY \
-                and self._offload(victim, idx):
-            return idx
+        if victim in self._kind and not self._still_moving(victim):
+            if chance is None:  # a spare one
+                chance = self._chance_later(victim)
+            if chance >= MOVE_UTILITY and self._offload(victim, idx):
+                return idx
         self._dropped(victim)
         return idx
 
