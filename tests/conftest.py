@@ -22,12 +22,19 @@ def pytest_configure(config: pytest.Config) -> None:
     With ``PYTHONDONTWRITEBYTECODE`` set (as on the machines the sessions and CI run on) no hyserve module ever had
     its bytecode cached, so every process the tests start (each worker rank, server, reference or interpreter
     process: hundreds in a run) compiled the ~120 modules it imports anew, 0.4-0.8 s of CPU each on two cores: the
-    run's processes write and read it (``__pycache__``, ignored by git), as Python does by default."""
+    run's processes write and read it (``__pycache__``, ignored by git), as Python does by default.
+
+    Engine workers (``distributed_executor_backend="mp"``, every parallel engine) are forked from a server that has
+    imported torch (``HYSERVE_WORKER_MULTIPROC_METHOD=forkserver``): about 3 s of CPU less for each of the run's
+    hundreds of workers. The tests that plant code in the workers through ``sitecustomize`` take fresh interpreters
+    (``exec``, the default outside the tests), as do ``tests/executor/test_multiproc.py``'s lifetime tests, which
+    run both ways."""
     import os
     import sys
 
     if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
         sys.dont_write_bytecode = False
+    os.environ.setdefault("HYSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         from hyserve.testing.triton_interpreter import patch_triton_interpreter

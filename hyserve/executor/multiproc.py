@@ -13,6 +13,14 @@ out as it reads the step; once every worker has answered the step its segments g
 worker runs the messages it receives in order, so the engine may send step n + 1 before it reads step n's result
 (async scheduling): ``execute_model_async`` returns a handle whose ``result()`` reads the answer.
 
+How a worker starts (``HYSERVE_WORKER_MULTIPROC_METHOD``, ``worker_start_method``): ``exec`` (the default) as
+above; ``forkserver`` forks each worker from a server process that this process starts once and that has imported
+torch (multiprocessing's forkserver): about 3 s of CPU less a worker (torch's import), so an engine of eight ranks
+starts in about the time of one. The worker applies the engine's environment as it was when the worker started
+before it imports hyserve, as a fresh interpreter would see it. multiprocessing's rule applies: the server's children
+import the engine's main module (as ``__mp_main__``), so a script must guard its entry point with
+``if __name__ == "__main__"``; the console scripts and ``python -m`` / ``-c`` entries need nothing.
+
 Lifetime and failure:
 
 - ``shutdown()`` (also run when the executor is garbage-collected and at interpreter exit) asks each worker to
@@ -58,6 +66,13 @@ from hyserve.scheduler.output import RunnerOutput, SchedulerOutput
 # Seconds a worker may take to answer one message (a step, or an RPC such as loading the model).
 DEFAULT_TIMEOUT_S = 600.0
 
+WORKER_START_METHODS = ("exec", "forkserver")
+
+# (Set in a worker forked by the forkserver) the engine's resource tracker is this process's too.
+_SHARED_TRACKER = False
+# (In the engine's process) the ``PYTHON*`` variables as its worker server started.
+_SERVER_START_ENV: dict[str, str] | None = None
+
 
 def free_tcp_address() -> str:
     """A ``tcp://127.0.0.1:PORT`` address with a port free now (for the workers' torch.distributed group)."""
@@ -94,8 +109,10 @@ def _copy_out(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     shm = SharedMemory(name=name)
     try:
         # Attaching registers the segment with this process's resource tracker (before Python 3.13), which would
-        # unlink it, or warn of a leak, at exit: the engine owns it.
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        # unlink it, or warn of a leak, at exit: the engine owns it. A forked worker shares the engine's tracker,
+        # where the name is registered once (the engine's unlink unregisters it).
+        if not _SHARED_TRACKER:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         return np.ndarray(shape, dtype=np.dtype(dtype), buffer=shm.buf).copy()
     finally:
         shm.close()
@@ -255,9 +272,79 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def worker_start_method() -> str:
+    """How workers start: ``HYSERVE_WORKER_MULTIPROC_METHOD``, ``exec`` (default) or ``forkserver`` (the module's
+    docstring); any other value is an error."""
+    value = os.environ.get("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")
+    if value not in WORKER_START_METHODS:
+        raise ValueError(f"HYSERVE_WORKER_MULTIPROC_METHOD={value!r}: expected "
+                         f"{' or '.join(WORKER_START_METHODS)}")
+    return value
+
+
+# What a worker forked by the forkserver runs (through ``exec``, a builtin: unpickling the target then imports
+# nothing of hyserve, whose modules read the environment as they import).
+_FORKED_WORKER = """
+import os
+os.environ.clear()
+os.environ.update(environ)
+from hyserve.executor import multiproc
+multiproc._SHARED_TRACKER = True
+multiproc.worker_main(conn)
+"""
+
+
+class _Forked:
+    """A worker forked by the forkserver, with the part of ``subprocess.Popen``'s interface ``_Proc`` uses."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"hyserve worker {self.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def _start_worker(method: str, child: multiprocessing.connection.Connection) -> subprocess.Popen[bytes] | _Forked:
+    """Start one worker holding ``child``, its end of the pipe (``worker_start_method``)."""
+    if method == "exec":
+        return subprocess.Popen([sys.executable, "-m", "hyserve.executor.multiproc", str(child.fileno())],
+                                pass_fds=(child.fileno(),))
+    global _SERVER_START_ENV
+    started = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
+    if _SERVER_START_ENV is None:
+        _SERVER_START_ENV = started
+    elif started != _SERVER_START_ENV:  # read as an interpreter starts: a forked worker cannot apply them
+        changed = sorted(set(started.items()) ^ set(_SERVER_START_ENV.items()))
+        raise ValueError(f"HYSERVE_WORKER_MULTIPROC_METHOD=forkserver: {', '.join(k for k, _ in changed)} changed "
+                         "since this process's worker server started; a forked worker cannot take it (use exec)")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])  # read when this process's server starts, then kept
+    process = ctx.Process(target=exec, args=(_FORKED_WORKER, {"conn": child, "environ": dict(os.environ)}),
+                          name="hyserve-worker")
+    process.start()
+    return _Forked(process)
+
+
 class _Proc:
-    def __init__(self, rank: int, process: subprocess.Popen[bytes], conn: multiprocessing.connection.Connection
-                 ) -> None:
+    def __init__(self, rank: int, process: subprocess.Popen[bytes] | _Forked,
+                 conn: multiprocessing.connection.Connection) -> None:
         self.rank = rank
         self.process = process
         self.conn = conn
@@ -280,10 +367,10 @@ class MultiprocExecutor(Executor):
         self._procs: list[_Proc] = []
         self._last_step: _StepAnswer | None = None
         self._segment_pool = SegmentPool()
+        method = worker_start_method()
         for rank in range(world_size):
             parent, child = multiprocessing.Pipe(duplex=True)
-            process = subprocess.Popen([sys.executable, "-m", "hyserve.executor.multiproc", str(child.fileno())],
-                                       pass_fds=(child.fileno(),))
+            process = _start_worker(method, child)
             child.close()
             self._procs.append(_Proc(rank, process, parent))
             parent.send(WorkerSpec(rank, world_size, worker_args, dict(worker_kwargs or {})))

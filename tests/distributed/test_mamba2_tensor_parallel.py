@@ -111,6 +111,7 @@ def test_a_rank_with_the_wrong_group_slice_is_caught(ckpts: CheckpointCache, tmp
     """Sabotage in the worker processes (through ``sitecustomize``); the outputs must differ from transformers'."""
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(_SABOTAGE[sabotage]))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     path = _path(ckpts, "nemotron_h_sharded_groups")
     got = _generate(path)
     ref = ckpts.reference(path)
@@ -202,6 +203,7 @@ def test_ep2_with_a_rank_on_the_wrong_experts_is_caught(ckpts: CheckpointCache, 
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "sitecustomize.py").write_text(_WRONG_EXPERTS)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     path = _path(ckpts, "nemotron_h_sharded_groups")
     got = _generate(path, enable_expert_parallel=True)
     ref = ckpts.reference(path)

@@ -227,6 +227,7 @@ def test_pp2_with_graphs_on_every_stage(ckpts: CheckpointCache, monkeypatch: pyt
             StageIO.recv_stage_input = reversed_rows
         """))
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+        monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     path, arrivals, aborts, _, want = reference_run(ckpts, spec)
     engine = scenario_engine(path, spec, pipeline_parallel_size=2)
     got = drive(engine, arrivals, aborts) if sabotage else _run_all_ranks_clean(engine, arrivals, aborts)
@@ -278,6 +279,7 @@ def test_a_stage_applying_counts_through_other_rows_is_caught(ckpts: CheckpointC
         "from hyserve.worker.pipeline_stage import StageCommits\n" + textwrap.dedent(_SABOTAGES[sabotage])
         + "\nStageCommits.pending_commit = pending_commit\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     path, arrivals, aborts, _, want = reference_run(ckpts, "mtp")
     # The scenario's schedule with chunks ending at snapshot points: there the sabotaged stages run to the end
     # (with points taken inside rows, the newest step's verify rows differ in number and the stage fails loudly).
@@ -344,6 +346,7 @@ def test_pp2_conversations_resume_through_the_host_tier(ckpts: CheckpointCache, 
     if sabotaged:
         (tmp_path / "sitecustomize.py").write_text(_MOVE_BEFORE_COMMITS)
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+        monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     path = ckpts.get("conditional", "gdn3_attn1", with_mtp=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     convs = make_convs(6, 4, toks(40, 8), seed=13)

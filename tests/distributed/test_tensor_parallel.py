@@ -104,6 +104,7 @@ def test_a_rank_holding_the_wrong_shard_is_caught(ckpts: CheckpointCache, tmp_pa
         sharding.Shard.take = take
     """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     path = ckpts.get()
     prompts = random_prompts(2, [12, 20], seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)

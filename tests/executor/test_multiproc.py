@@ -39,7 +39,14 @@ def test_mp_backend_matches_the_in_process_engine(ckpts: CheckpointCache, spec: 
     assert process_gone(pid), "the worker outlived shutdown()"
 
 
-def test_a_failing_or_dead_worker_is_an_error_naming_its_rank(ckpts: CheckpointCache) -> None:
+@pytest.fixture(params=["exec", "forkserver"])
+def start_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a worker starts (``HYSERVE_WORKER_MULTIPROC_METHOD``; the suite forks them elsewhere)."""
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", request.param)
+    return str(request.param)
+
+
+def test_a_failing_or_dead_worker_is_an_error_naming_its_rank(ckpts: CheckpointCache, start_method: str) -> None:
     llm = make_llm(ckpts.get(), distributed_executor_backend="mp")
     engine = llm.llm_engine
     bogus = SchedulerOutput(step_id=0, rows=[ScheduledRow("nobody", 0, [1], [1], 0, samples=True)])
@@ -58,7 +65,7 @@ def test_a_failing_or_dead_worker_is_an_error_naming_its_rank(ckpts: CheckpointC
     llm.shutdown()
 
 
-def test_no_worker_outlives_its_engine(ckpts: CheckpointCache) -> None:
+def test_no_worker_outlives_its_engine(ckpts: CheckpointCache, start_method: str) -> None:
     path = ckpts.get()
     # The last reference going away.
     llm = make_llm(path, distributed_executor_backend="mp")
@@ -121,6 +128,41 @@ def test_unknown_backends_are_refused(ckpts: CheckpointCache) -> None:
 
 
 
+@pytest.mark.parametrize("sabotage", [None, "environment_not_applied"])
+def test_a_forked_worker_imports_hyserve_under_the_engines_environment(ckpts: CheckpointCache, sabotage: str | None,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked worker sees the environment as the engine had it when the worker started, as a fresh interpreter
+    would, also what hyserve reads as it imports (``HYSERVE_GDN_FUSED``, refused when bogus), though the server was
+    started earlier without it. Sabotage: the worker imports hyserve under the server's environment."""
+    from hyserve.executor import multiproc
+
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
+    make_llm(ckpts.get(), distributed_executor_backend="mp").llm_engine.shutdown()  # the server runs from here on
+    if sabotage:
+        monkeypatch.setattr(multiproc, "_FORKED_WORKER", multiproc._FORKED_WORKER.replace("os.environ.update", "len"))
+    monkeypatch.setenv("HYSERVE_GDN_FUSED", "bogus")
+    try:
+        make_llm(ckpts.get(), distributed_executor_backend="mp").llm_engine.shutdown()
+        refused = False
+    except WorkerError as e:
+        assert "failed to start: ValueError: HYSERVE_GDN_FUSED='bogus'" in str(e)
+        refused = True
+    assert refused is (sabotage is None)
+
+
+def test_start_methods_are_checked(ckpts: CheckpointCache, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """An unknown start method is refused; so is a forked worker once ``PYTHONPATH`` changed after the server
+    started (read as an interpreter starts: the worker could not apply it)."""
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "spawn")
+    with pytest.raises(ValueError, match=r"HYSERVE_WORKER_MULTIPROC_METHOD='spawn': expected exec or forkserver"):
+        make_llm(ckpts.get(), distributed_executor_backend="mp")
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
+    make_llm(ckpts.get(), distributed_executor_backend="mp").llm_engine.shutdown()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(ValueError, match=r"forkserver: PYTHONPATH changed since this process's worker server started"):
+        make_llm(ckpts.get(), distributed_executor_backend="mp")
+
+
 def test_a_group_port_taken_before_rank_0_binds_it_is_chosen_again(ckpts: CheckpointCache,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process binds the group's port between its choice and rank 0's bind (two engines, or two test
@@ -166,6 +208,7 @@ def test_a_failing_first_stage_is_an_error_not_a_hang(ckpts: CheckpointCache, tm
         StageLink.send = broken
     """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     llm = make_llm(ckpts.get(), pipeline_parallel_size=2, pp_layer_partition=[2, 2])
     engine = llm.llm_engine
     engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0.0, max_tokens=2))

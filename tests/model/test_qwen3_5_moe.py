@@ -216,6 +216,7 @@ def test_expert_parallel_on_tensor_parallel_2(ckpts: CheckpointCache, tmp_path: 
         return
     (tmp_path / "sitecustomize.py").write_text(WRONG_PLACEMENT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     llm = make_llm(path, max_num_batched_tokens=16, speculative_config=spec, tensor_parallel_size=2,
                    enable_expert_parallel=True)
     assert _tokens(llm, prompts) != runs["one"]

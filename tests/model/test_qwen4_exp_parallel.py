@@ -168,6 +168,7 @@ def test_handing_over_only_the_first_stream_is_caught(seven: tuple[str, Qwen4Exp
         StageLink.send = first_stream_only
     """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HYSERVE_WORKER_MULTIPROC_METHOD", "exec")  # sitecustomize: fresh interpreters
     path, ref = seven
     llm = make_llm(path, max_num_batched_tokens=16, pipeline_parallel_size=2, pp_layer_partition=[3, 4])
     try:
