@@ -113,7 +113,7 @@ def spare() -> Iterator[dict[str, LLMEngine]]:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("spec", ["plain", "mtp"])
+@pytest.mark.parametrize("spec", [pytest.param("plain", marks=pytest.mark.slow), "mtp"])  # budget: mtp has it all
 def test_pp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spare: dict[str, LLMEngine],
                                                     spec: str) -> None:
     """Two stages of two layers: stage 0 holds only GDN layers, stage 1 a GDN and the attention layer, the norm,

@@ -36,7 +36,8 @@ def _tokens(final: dict) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("spec,async_scheduling",
-                         [pytest.param("plain", False, marks=pytest.mark.slow), ("ngram", True), ("mtp", True)])
+                         [pytest.param("plain", False, marks=pytest.mark.slow),
+                          pytest.param("ngram", True, marks=pytest.mark.slow), ("mtp", True)])  # budget
 def test_tp2_matches_one_process_with_every_feature(ckpts: CheckpointCache, spec: str,
                                                     async_scheduling: bool) -> None:
     path, arrivals, aborts, prompts, want = reference_run(ckpts, spec)

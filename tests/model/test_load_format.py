@@ -228,7 +228,8 @@ def test_hyserve_bench_runs_a_config_only_directory(bare: str, tmp_path: Path) -
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 0, 8)
 
 
-@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow)])  # budget
 def test_ranks_and_stages_draw_one_same_model(bare: str, seed0: tuple[LLM, list], parallel: dict[str, int]) -> None:
     """Each tensor is drawn whole from its name's seed and sharded as a checkpoint's: two tensor-parallel ranks or
     two pipeline stages (worker processes, gloo) serve the single-process model's greedy outputs."""

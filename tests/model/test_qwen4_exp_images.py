@@ -116,7 +116,8 @@ def test_images_match_transformers_with_qsa_selecting(vlm: tuple[str, Qwen4ExpRe
     assert outputs_match(vlm, CASES, run(llm, CASES)) == []
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("graphs", [pytest.param(False, marks=pytest.mark.slow), True],  # budget: every feature on
+                         ids=["eager", "graphs"])
 def test_sliding_screenshots_with_mtp_prefix_caching_chunks_and_async(vlm: tuple[str, Qwen4ExpReference],
                                                                       monkeypatch: pytest.MonkeyPatch,
                                                                       graphs: bool) -> None:

@@ -322,7 +322,7 @@ _IDS = ["mtp-pp2-async", "mtp-pp3-sync", "ngram-pp2-sync", "ngram-pp3-async"]
 
 
 @pytest.mark.parametrize("spec,pp,async_scheduling", CONFIGS, ids=_IDS)
-@settings(max_examples=6, deadline=None, derandomize=True,
+@settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(workload=_workloads())
 def test_random_workloads_with_aborts_match_one_rank(engines: _Engines, workload, spec: str, pp: int,

@@ -610,6 +610,7 @@ def _agent_rounds(vlm: str, snapshots: int, agents: int = 8, steps: int = 6) -> 
     return cached / total
 
 
+@pytest.mark.slow  # 33 s; the policy's own tests (tests/cache/test_snapshot_policy.py) stay in the default suite
 def test_a_tight_snapshot_budget_keeps_the_agents_resume_points(vlm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight agents against 24 snapshot entries: the prefix cache evicts the spare snapshots first (interval points,
     the points before later images, prompt ends once the answer has a block boundary) and keeps each request's

@@ -123,7 +123,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])  # budget
 def test_device_drafts_are_the_drafts_the_host_transport_gives(ckpts: CheckpointCache, emulated_graphs: None,
                                                                async_scheduling: bool, device: str) -> None:
     """On the CPU with emulated graphs; on CUDA with captured ones (float32)."""
