@@ -331,8 +331,8 @@ def _start_worker(method: str, child: multiprocessing.connection.Connection) -> 
     if _SERVER_START_ENV is None:
         _SERVER_START_ENV = started
     elif started != _SERVER_START_ENV:  # read as an interpreter starts: a forked worker cannot apply them
-        changed = sorted(set(started.items()) ^ set(_SERVER_START_ENV.items()))
-        raise ValueError(f"HYSERVE_WORKER_MULTIPROC_METHOD=forkserver: {', '.join(k for k, _ in changed)} changed "
+        changed = sorted({k for k, _ in set(started.items()) ^ set(_SERVER_START_ENV.items())})
+        raise ValueError(f"HYSERVE_WORKER_MULTIPROC_METHOD=forkserver: {', '.join(changed)} changed "
                          "since this process's worker server started; a forked worker cannot take it (use exec)")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])  # read when this process's server starts, then kept

@@ -148,7 +148,8 @@ def test_serve_with_two_ranks_answers_and_stops_cleanly_on_sigterm(ckpts: Checkp
     proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
                              str(port), parallel, "2", "--shutdown-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            # exec: the workers are the server's children (forked ones, the forkserver's)
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HYSERVE_WORKER_MULTIPROC_METHOD": "exec"})
     try:
         wait_up(proc, url)
         workers = child_pids(proc.pid)

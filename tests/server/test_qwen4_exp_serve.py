@@ -54,7 +54,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                                            layer_types=NINE, ple_layer_ids=[2, 5, 9], indexer_n_heads=8,
                                            with_mtp=True)
     assert Path(path, "preprocessor_config.json").exists()
-    env = {"VLLM_PP_LAYER_PARTITION": "3,3,2,1", "HYSERVE_EMULATE_CUDA_GRAPHS": "1"}
+    env = {"VLLM_PP_LAYER_PARTITION": "3,3,2,1", "HYSERVE_EMULATE_CUDA_GRAPHS": "1",
+           "HYSERVE_WORKER_MULTIPROC_METHOD": "exec"}  # the workers are the server's children (checked at the end)
     with serve_subprocess(path, "--served-model-name", "flash-next", *SEED_1_FLAGS, "--shutdown-timeout", "5",
                           env=env) as (url, proc, log):
         workers = child_pids(proc.pid)

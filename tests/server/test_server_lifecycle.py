@@ -33,7 +33,8 @@ def test_a_killed_worker_fails_the_streams_then_serve_exits_nonzero(ckpts: Check
         proc = subprocess.Popen([sys.executable, "-m", "hyserve.cli", "serve", path, "--device", "cpu", "--port",
                                  str(port), "--tensor-parallel-size", "2", "--shutdown-timeout", "2"],
                                 stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                # exec: the workers are the server's children (forked ones, the forkserver's)
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "HYSERVE_WORKER_MULTIPROC_METHOD": "exec"})
         try:
             wait_up(proc, url)
             workers = sorted(child_pids(proc.pid))  # started in rank order
