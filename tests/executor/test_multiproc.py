@@ -65,6 +65,8 @@ def test_a_failing_or_dead_worker_is_an_error_naming_its_rank(ckpts: CheckpointC
     llm.shutdown()
 
 
+@pytest.mark.parametrize("start_method", ["exec", pytest.param("forkserver", marks=pytest.mark.slow)],  # budget
+                         indirect=True)
 def test_no_worker_outlives_its_engine(ckpts: CheckpointCache, start_method: str) -> None:
     path = ckpts.get()
     # The last reference going away.

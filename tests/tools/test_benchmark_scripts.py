@@ -95,7 +95,7 @@ def test_spec_decode_bench_reports_the_k_chosen_per_step(tmp_path: Path, monkeyp
     shapes.write_spread_checkpoint(model, SMALL, mtp=True, embed_std=1.0)
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", ["spec_decode_bench.py", "--model", model, "--device", "cpu", "--batches", "2",
-                                      "--max-tokens", "24", "--prompt-len", "32", "--rates", "0,0.9",
+                                      "--max-tokens", "12", "--prompt-len", "16", "--rates", "0,0.9",
                                       "--adaptive", "on", "--out", str(out)])
     assert spec_decode_bench.main() == 0
     data = json.loads((out / "spec_decode.json").read_text())
