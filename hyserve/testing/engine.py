@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 
@@ -145,3 +146,14 @@ def make_convs(n_conv: int, n_turns: int, system: list[int], seed: int) -> list[
 def greedy(n: int) -> SamplingParams:
     """``n`` greedy tokens past eos, with the chosen token's log-probability."""
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+
+
+def run_key() -> tuple:
+    """What a one-process run depends on besides its checkpoint and its arguments: the ``HYSERVE_*`` switches the
+    engine reads as it runs and whether this process emulates CUDA graphs (``cuda_graphs.EMULATE``, read from
+    ``HYSERVE_EMULATE_CUDA_GRAPHS`` at import: a test that sets the variable changes only its worker processes)."""
+    from hyserve.worker import cuda_graphs
+
+    switches = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("HYSERVE_") and k != "HYSERVE_EMULATE_CUDA_GRAPHS")
+    return cuda_graphs.EMULATE, tuple(switches)

@@ -65,7 +65,7 @@ class CheckpointCache:
     def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
         """A copy of ``compute()``'s result, computed once per session for ``key``: a reference run (the one-process
         engine on a scenario) that tests of several files compare with. ``key`` must name everything the run depends
-        on besides this cache's checkpoints (``hyserve.testing.scenarios.run_key``)."""
+        on besides this cache's checkpoints (``hyserve.testing.engine.run_key``)."""
         if key not in self._memo:
             self._memo[key] = compute()
         return copy.deepcopy(self._memo[key])

@@ -5,7 +5,6 @@ tensor-parallel and multiprocess runs) and checks that it does preempt and hit."
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -14,7 +13,7 @@ from hyserve import SamplingParams
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.outputs import RequestOutput
 from hyserve.scheduler.output import SchedulerOutput
-from hyserve.testing.engine import drive, make_llm, random_prompts
+from hyserve.testing.engine import drive, make_llm, random_prompts, run_key
 from hyserve.testing.families import CheckpointCache
 
 SPECS = {
@@ -90,17 +89,6 @@ def assert_same_outputs(got: dict[str, RequestOutput], want: dict[str, RequestOu
             tok = g.outputs[0].token_ids[i]
             assert abs(lg[tok].logprob - lw[tok].logprob) < LOGPROB_TOL, (
                 f"request {rid}: logprob {i} differs ({lg[tok].logprob} against {lw[tok].logprob})")
-
-
-def run_key() -> tuple:
-    """What a one-process run depends on besides its checkpoint and its arguments: the ``HYSERVE_*`` switches the
-    engine reads as it runs and whether this process emulates CUDA graphs (``cuda_graphs.EMULATE``, read from
-    ``HYSERVE_EMULATE_CUDA_GRAPHS`` at import: a test that sets the variable changes only its worker processes)."""
-    from hyserve.worker import cuda_graphs
-
-    switches = sorted((k, v) for k, v in os.environ.items()
-                      if k.startswith("HYSERVE_") and k != "HYSERVE_EMULATE_CUDA_GRAPHS")
-    return cuda_graphs.EMULATE, tuple(switches)
 
 
 def reference_run(ckpts: CheckpointCache, spec: str) -> tuple[str, dict[int, list], dict[int, list[str]],

@@ -12,7 +12,7 @@ from hyserve.outputs import RequestOutput
 from hyserve.request import Request
 from hyserve.scheduler.output import PREVIOUS_DRAFT
 from hyserve.speculative.proposer import Proposer
-from hyserve.testing.engine import greedy, make_llm
+from hyserve.testing.engine import greedy, make_llm, run_key
 
 
 class OracleProposer(Proposer):
@@ -57,8 +57,6 @@ def solo_output(path: str, prompt: list[int], params: SamplingParams, device: st
     once per session for the same checkpoint, prompt, parameters, device and switches (``run_key``: the emulated
     graphs and the ``HYSERVE_*`` variables), each caller getting a copy. Callers ask before they plant a sabotage
     (the engine runs in this process, on the classes as they are then)."""
-    from hyserve.testing.scenarios import run_key
-
     key = (path, tuple(prompt), repr(params), device, run_key())
     if key not in _SOLO:
         llm_key = (path, device, run_key())
