@@ -5,10 +5,12 @@ lives here rather than in ``hyserve.testing``; docs/design.md invariant 13)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
 from hyserve.engine.llm_engine import LLMEngine
 from hyserve.scheduler.output import PREVIOUS_DRAFT
@@ -42,6 +44,13 @@ def pytest_configure(config: pytest.Config) -> None:
         patch_triton_interpreter()
 
 torch.set_num_threads(1)
+
+# Hypothesis: a failing example is reported as found, not shrunk, and no example database is kept, so a run costs
+# what it costs on a fresh clone (CI): the sabotage tests expect their property to fail, and shrinking each failure
+# took 14-38 s a test there (HYPOTHESIS_PROFILE=shrink shrinks, for reading a real failure).
+settings.register_profile("suite", database=None, phases=[Phase.explicit, Phase.generate, Phase.target])
+settings.register_profile("shrink", database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 @pytest.fixture(scope="session")
