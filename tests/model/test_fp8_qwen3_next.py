@@ -240,6 +240,7 @@ def _next_fp8_config(tmp_path: Path, shrink: bool) -> Path:
     return out
 
 
+@pytest.mark.slow  # budget: the block FP8 tests on tiny shapes stay
 def test_the_release_shape_builds_in_block_fp8(tmp_path: Path) -> None:
     """The real next-80b FP8 config builds (meta device): in_proj_qkvz in 128 x 128 blocks, in_proj_ba, the router
     and the shared-expert gate in bf16."""

@@ -26,7 +26,7 @@ SPECS: dict[str, dict[str, object] | None] = {
 }
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.sampled_from(list(SPECS)), caching=st.booleans(), num_kv_blocks=st.integers(3, 9),
        slots=st.integers(1, 3), budget=st.sampled_from([7, 16, 40]), seed=st.integers(0, 2**16),
        n_requests=st.integers(1, 6), async_scheduling=st.booleans(), graphs=st.booleans())

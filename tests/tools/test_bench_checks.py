@@ -29,6 +29,7 @@ def test_attention_decode_bench_check_agrees_with_the_reference() -> None:
     assert "max_seq_len 601:" in proc.stdout and "max_seq_len 2000:" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # budget: a benchmark script's check
 def test_gdn_state_bench_check_agrees_with_the_reference() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "benchmarks/gdn_state_bench.py", "--check"], cwd=ROOT, env=env,

@@ -88,6 +88,7 @@ def test_spec_decode_bench_plants_the_acceptance(tmp_path: Path, monkeypatch: py
     assert all(set(r["k_steps"]) == {str(k)} for r in rows)  # --adaptive off by default: every step at k
 
 
+@pytest.mark.slow  # budget: a benchmark script; the adaptive k's engine tests stay
 def test_spec_decode_bench_reports_the_k_chosen_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--adaptive on``: the engine chooses each step's speculation length; each row reports its timed steps by
     k_step (its first steps at a batch size explore every k), and the outputs are still plain decoding's."""
@@ -445,6 +446,7 @@ def test_ptx_count_reports_the_gdn_verify_launch() -> None:
     assert 64 < row["registers"] <= 255 and row["programs_an_sm_by_registers"] >= 2
 
 
+@pytest.mark.slow  # budget: a benchmark script; the shared-memory handoff tests stay
 def test_step_handoff_bench_times_both_ways() -> None:
     """``step_handoff_bench.py``: a step with a screenshot's pixels sent to a worker process through the pipe and
     through the executor's step pickler (shared memory), the worker's reading of the pixels checked both ways."""

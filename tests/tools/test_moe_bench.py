@@ -161,6 +161,7 @@ def test_the_session_has_the_moe_phases() -> None:
     subprocess.run(["bash", "-n", str(SESSION)], check=True)
 
 
+@pytest.mark.slow  # budget: a benchmark script; the MoE dummy-weight tests stay
 def test_peer_bench_measures_a_config_only_moe_shape_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                  ) -> None:
     """The moe phase's command on a tiny MoE shape written as the real ones are (config only, VLM form): hyserve makes
