@@ -110,7 +110,7 @@ def test_reused_connection_is_as_fast_as_a_fresh_one(aengine: AsyncEngine) -> No
             assert socks and all(nodelay(s) for s in socks)
         fresh, reused = latencies(srv.port, "GET", "/health")
         assert reused < 0.015 and reused < fresh + 0.005, (fresh, reused)
-        fresh, reused = latencies(srv.port, "POST", "/v1/completions", COMPLETION, n=5)
+        fresh, reused = latencies(srv.port, "POST", "/v1/completions", COMPLETION, n=10)  # a loaded CI machine
         assert reused < fresh + 0.010, (fresh, reused)
     settle(aengine)
 
