@@ -74,6 +74,103 @@ def patch_triton_interpreter() -> None:
         return orig_fp_to_fp(self, src, dst_type, rounding_mode)
 
     interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+    _speed_up_interpreter()
+
+
+_LAUNCH_LANGS: list[set[int]] = []  # the language modules each running launch has patched (innermost last)
+
+
+@functools.cache
+def _lang_modules(fn: Any) -> frozenset[int]:
+    """The ids of the Triton language modules (``tl``, ``tl.core``) that ``fn``'s module holds, as the interpreter's
+    ``_patch_lang`` finds them."""
+    import triton.language as tl
+
+    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+
+def _speed_up_interpreter() -> None:
+    """Three of the interpreter's per-operation costs, which made up about a third of a kernel file's checks (a
+    profile of ``test_gdn_decode_fused.py``'s): the results are unchanged, only work that gives the same result
+    every time is skipped.
+
+    * every call of a ``@triton.jit`` helper inside a kernel patched the language modules again (``inspect``
+      over all their members) although the launch around it, or an earlier helper call in it, had patched them
+      (a helper's patch is never undone): the call skips it when those patches cover the helper's modules;
+    * the numpy dtype of a Triton type was looked up in a dict built again on every call;
+    * every tensor's shape is a Triton tuple whose type (with its printed name) was built as it was made, and is
+      almost never read: the type is built when first read.
+    """
+    import triton.language as tl
+    import triton.language.core as core
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_hyserve_sped_up", False):
+        return
+    interp._hyserve_sped_up = True
+    grid_call = interp.GridExecutor.__call__
+
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _LAUNCH_LANGS.append(set(_lang_modules(self.fn)))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            _LAUNCH_LANGS.pop()
+
+    interp.GridExecutor.__call__ = launch
+    helper_call = interp.InterpretedFunction.__call__
+
+    def call_helper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _LAUNCH_LANGS:
+            return helper_call(self, *args, **kwargs)
+        langs = _lang_modules(self.fn)
+        if not langs <= _LAUNCH_LANGS[-1]:  # e.g. ``tl.sum``, whose module holds ``tl.core``: patched (for good)
+            _LAUNCH_LANGS[-1].update(langs)
+            return helper_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interp.InterpreterError(repr(e)) from e
+
+    interp.InterpretedFunction.__call__ = call_helper
+    np_dtype = interp._get_np_dtype
+    table = {ty: np_dtype(ty) for ty in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+                                          tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16,
+                                          tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+    pointer = np_dtype(tl.pointer_type(tl.float32))
+
+    def get_np_dtype(tt_dtype: Any) -> Any:
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        return table[tt_dtype]
+
+    get_np_dtype.__wrapped__ = np_dtype  # type: ignore[attr-defined]  # the original, for the tests
+    interp._get_np_dtype = get_np_dtype
+    tuple_init = core.tuple.__init__
+
+    class LazyType:
+        def __get__(self, obj: Any, owner: Any = None) -> Any:
+            if obj is None:
+                return self
+            ty = obj.__dict__.get("_lazy_type")
+            if ty is None:
+                ty = obj.__dict__["_lazy_type"] = core._type_for_tuple_values(obj.values)
+            return ty
+
+        def __set__(self, obj: Any, value: Any) -> None:
+            obj.__dict__["_lazy_type"] = value
+
+    def init_tuple(self: Any, args: Any, type: Any = None) -> None:
+        if type is not None:
+            tuple_init(self, args, type)
+        else:
+            self.values = list(args)
+
+    core.tuple.type = LazyType()
+    core.tuple.__init__ = init_tuple
 
 
 def mutated_module(module_name: str, edits: list[tuple[str, str]]) -> ModuleType:
