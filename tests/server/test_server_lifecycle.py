@@ -96,8 +96,16 @@ def test_a_worker_dying_while_idle_fails_the_loop(ckpts: CheckpointCache) -> Non
             errors.append(e)
             failed.set()
 
-        async_engine.add_dead_callback(on_dead)  # registered after the failure: called at once
-        assert failed.is_set() and errors == [error]
+        # The loop has set its error but may still be failing the open requests: a callback added now is called
+        # on the loop thread as it ends; once it has ended, at once (both are the contract).
+        async_engine.add_dead_callback(on_dead)
+        assert failed.wait(5) and errors == [error]
+        thread = async_engine._thread
+        assert thread is not None
+        thread.join(5)
+        late: list[BaseException] = []
+        async_engine.add_dead_callback(late.append)  # registered after the loop ended: called at once
+        assert late == [error]
     finally:
         async_engine.shutdown()
         engine.shutdown()
