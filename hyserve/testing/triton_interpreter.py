@@ -1,7 +1,8 @@
 """The Triton interpreter (``TRITON_INTERPRET=1``) made to compute as the GPU does, for tests that run kernels on
 CPU tensors: kernel tests, and whole-engine runs whose MoE layers take the fused kernels under the interpreter
 (``hyserve.kernels.moe.uses_triton``). Call :func:`patch_triton_interpreter` once in the interpreter's process,
-before any kernel runs."""
+before any kernel runs. A test file's checks run in such a process through :func:`interpreter_subprocess_results`
+(a child of ``hyserve.testing.interpreter_zygote``, or a fresh interpreter)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import importlib
 import importlib.util
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -206,19 +209,88 @@ def swapped_kernel(module_name: str, kernel: str, edits: list[tuple[str, str]]) 
         setattr(module, kernel, original)
 
 
+# The flags whose checks run kernels alone (no engine, no worker processes): these go through a zygote
+# (``hyserve.testing.interpreter_zygote``); the others (``--engine-check`` and the like) get a fresh interpreter.
+ZYGOTE_FLAGS = ("--interpreter-checks", "--interpreter-checks-slow", "--kernel-checks", "--sabotage")
+_ZYGOTES: dict[tuple[str, frozenset[tuple[str, str]]], subprocess.Popen[bytes]] = {}
+_UNREAD: dict[int, bytes] = {}  # a zygote's pid -> what was read from its stdout past the last line
+
+
+def _zygote_key(root: Path, env: dict[str, str]) -> tuple[str, frozenset[tuple[str, str]]]:
+    """The environment but pytest's name of the running test (which changes with every test; no import reads it)."""
+    return str(root), frozenset((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")
+
+
+def _zygote(root: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """This process's zygote for ``env`` (one per distinct environment, as a child reads the variables the
+    zygote's imports read), started on first use; it ends when this process closes its stdin (at exit)."""
+    key = _zygote_key(root, env)
+    proc = _ZYGOTES.get(key)
+    if proc is None or proc.poll() is not None:
+        proc = subprocess.Popen([sys.executable, "-m", "hyserve.testing.interpreter_zygote"], env=env, cwd=root,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        _ZYGOTES[key] = proc
+        _UNREAD[proc.pid] = b""
+    return proc
+
+
+def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> dict[str, Any]:
+    """The zygote's next reply, waiting until ``deadline`` (``TimeoutError``) on the pipe itself (no buffer in
+    between that ``select`` would not see)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    while b"\n" not in _UNREAD[proc.pid]:
+        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            raise TimeoutError
+        chunk = os.read(fd, 65536)
+        assert chunk, f"the interpreter zygote ended (exit code {proc.wait()})"
+        _UNREAD[proc.pid] += chunk
+    line, _UNREAD[proc.pid] = _UNREAD[proc.pid].split(b"\n", 1)
+    reply: dict[str, Any] = json.loads(line)
+    return reply
+
+
+def _zygote_run(path: Path, flag: str, root: Path, env: dict[str, str], timeout: int) -> tuple[int, str]:
+    """Run ``python path flag`` in a child forked from the zygote; (exit code, its stdout and stderr)."""
+    proc = _zygote(root, env)
+    assert proc.stdin is not None
+    with tempfile.NamedTemporaryFile(prefix="interp-", suffix=".log", delete=False) as log:
+        pass
+    try:
+        proc.stdin.write((json.dumps({"file": str(path), "flag": flag, "log": log.name}) + "\n").encode())
+        deadline = time.monotonic() + timeout
+        child = _read_line(proc, deadline)["pid"]
+        try:
+            rc = int(_read_line(proc, deadline)["rc"])
+        except TimeoutError:
+            os.kill(child, 9)
+            _read_line(proc, time.monotonic() + 30)
+            raise subprocess.TimeoutExpired([str(path), flag], timeout) from None
+        return rc, Path(log.name).read_text(errors="replace")
+    finally:
+        os.unlink(log.name)
+
+
 def interpreter_subprocess_results(test_file: str, flag: str, timeout: int = 300) -> dict[str, list[Any]]:
     """Run ``python test_file flag`` with ``TRITON_INTERPRET=1`` (from the repository root, on ``PYTHONPATH``) and
     return the ``{name: [ok, message]}`` it prints on its last ``RESULTS <json>`` line. The variable must be set
-    before any kernel is decorated: a subprocess keeps it away from the test process's other kernels."""
+    before any kernel is decorated: a subprocess keeps it away from the test process's other kernels. The kernel
+    checks' flags (``ZYGOTE_FLAGS``) run in a child forked from a process that has imported torch, triton and the
+    kernels once (``hyserve.testing.interpreter_zygote``), the same code on the same environment."""
     path = Path(test_file).resolve()
     root = next(p for p in path.parents if (p / "pyproject.toml").exists())
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(path), flag], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
+    if flag in ZYGOTE_FLAGS:
+        returncode, out = _zygote_run(path, flag, root, env, timeout)
+        detail = out[-6000:]
+    else:
+        proc = subprocess.run([sys.executable, str(path), flag], env=env, cwd=root, capture_output=True, text=True,
+                              timeout=timeout)
+        returncode, out = proc.returncode, proc.stdout
+        detail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULTS ")]
+    assert returncode == 0 and lines, f"interpreter subprocess failed:\n{detail}"
     results: dict[str, list[Any]] = json.loads(lines[-1][len("RESULTS "):])
     return results
 

@@ -12,8 +12,12 @@ process).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+import hyserve.testing.triton_interpreter as ti
 from hyserve.testing.triton_interpreter import (
     interpreter_subprocess_results,
     patch_triton_interpreter,
@@ -110,8 +115,11 @@ def _lazy_tuple_type() -> tuple[bool, str]:
 
 def run_checks() -> dict[str, list[Any]]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    probe = os.environ.get(PROBE, "")
+    if probe.startswith("hang:") and not os.path.exists(probe[len("hang:"):]):  # until the file is there
+        time.sleep(120)
     patch_triton_interpreter()
-    results: dict[str, list[Any]] = {}
+    results: dict[str, list[Any]] = {"environment": [True, os.environ.get(PROBE, "")], "pid": [True, os.getpid()]}
     record_check(results, "helpers_patch_once_a_launch", _patches_once_a_launch)
     record_check(results, "second_launch", _run_rows)
     record_check(results, "np_dtype_table", _np_dtypes)
@@ -132,6 +140,7 @@ def run_sabotage() -> dict[str, list[Any]]:
 
 
 CHECKS = ["helpers_patch_once_a_launch", "second_launch", "np_dtype_table", "lazy_tuple_type"]
+PROBE = "HYSERVE_TEST_ZYGOTE_PROBE"  # read by the checks' process: what environment it got
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +149,7 @@ def results() -> dict[str, list[Any]]:
 
 
 def test_every_check_ran(results: dict[str, list[Any]]) -> None:
-    assert sorted(results) == sorted(CHECKS)
+    assert sorted(results) == sorted([*CHECKS, "environment", "pid"])
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -152,6 +161,64 @@ def test_interpreter_speedup(results: dict[str, list[Any]], name: str) -> None:
 def test_uncovered_helper_skipping_its_patch_fails() -> None:
     ok, msg = interpreter_subprocess_results(__file__, "--sabotage")["uncovered_helper_skipped"]
     assert not ok, f"the kernel ran with tl.core unpatched: {msg}"
+
+
+def _fresh_interpreter(flag: str) -> dict[str, list[Any]]:
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, __file__, flag], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    return json.loads([ln for ln in out.splitlines() if ln.startswith("RESULTS ")][-1][len("RESULTS "):])
+
+
+def test_the_zygote_gives_what_a_fresh_interpreter_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks through the zygote (a child forked for each request) against ``python file flag``, message for
+    message; two requests on one environment share one zygote and get two children."""
+    monkeypatch.setenv(PROBE, "same")
+    first = interpreter_subprocess_results(__file__, "--interpreter-checks")
+    second = interpreter_subprocess_results(__file__, "--interpreter-checks")
+    fresh = _fresh_interpreter("--interpreter-checks")
+    pids = {first.pop("pid")[1], second.pop("pid")[1], fresh.pop("pid")[1]}
+    assert first == fresh == second and len(pids) == 3
+    assert first["environment"] == [True, "same"]
+    # one zygote served both, although pytest's PYTEST_CURRENT_TEST differs from phase to phase and test to test
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
+    assert interpreter_subprocess_results(__file__, "--interpreter-checks")["environment"] == [True, "same"]
+    assert len([key for key in ti._ZYGOTES if (PROBE, "same") in key[1]]) == 1
+
+
+def _env_reaches_the_child(monkeypatch: pytest.MonkeyPatch) -> bool:
+    seen = []
+    for value in ("one", "two"):
+        monkeypatch.setenv(PROBE, value)
+        seen.append(interpreter_subprocess_results(__file__, "--interpreter-checks")["environment"][1])
+    return seen == ["one", "two"]
+
+
+def test_a_changed_environment_gets_its_own_zygote(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _env_reaches_the_child(monkeypatch)
+
+
+def test_a_zygote_shared_across_environments_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: zygotes keyed by the repository alone, so a variable set after the first request never reaches
+    the checks (a kernel module reading it at import would be the zygote's)."""
+    monkeypatch.setattr(ti, "_zygote_key", lambda root, env: (str(root), "sabotaged"))
+    monkeypatch.setattr(ti, "_ZYGOTES", {})
+    assert not _env_reaches_the_child(monkeypatch)
+
+
+def test_a_hung_check_times_out_and_the_zygote_serves_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    probe = f"hang:{tmp_path / 'go'}"
+    monkeypatch.setenv(PROBE, probe)
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        interpreter_subprocess_results(__file__, "--interpreter-checks", timeout=5)
+    assert time.monotonic() - started < 60
+    (zygote,) = [proc for key, proc in ti._ZYGOTES.items() if (PROBE, probe) in key[1]]
+    assert zygote.poll() is None, "the zygote went down with its child"
+    (tmp_path / "go").touch()
+    assert interpreter_subprocess_results(__file__, "--interpreter-checks")["environment"][1] == probe
+    assert [proc for key, proc in ti._ZYGOTES.items() if (PROBE, probe) in key[1]] == [zygote]
 
 
 if __name__ == "__main__":
