@@ -6,6 +6,7 @@ bash scripts/setup.sh
 .venv/bin/ruff check hyserve tests benchmarks training
 .venv/bin/mypy
 # Two workers (the CI machine's two cores; each test process keeps one thread), a test file's tests on one worker so
-# that its module fixtures are built once. Tests marked slow (over a minute, docs/testing.md) are left out: a later
-# -m (scripts/test.sh -m slow) replaces this one.
-.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" "$@"
+# that its module fixtures are built once, the longest files first (tests/conftest.py, tests/file_seconds.json).
+# Tests marked slow (over a minute, docs/testing.md) are left out: a later -m (scripts/test.sh -m slow) replaces
+# this one.
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" "$@"

@@ -43,6 +43,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
         patch_triton_interpreter()
 
+
+# Seconds a test file took in a measured run (``python scripts/file_seconds.py LOG``, LOG from ``--durations=0``).
+FILE_SECONDS_PATH = os.path.join(os.path.dirname(__file__), "file_seconds.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first: with ``--dist loadfile --no-loadscope-reorder`` (``scripts/test.sh``) xdist hands
+    the files out in this order, so the run ends on short files rather than one worker finishing a long file alone
+    (xdist's own order is by the number of tests, which puts a file of a few long engine tests last). A file not
+    measured weighs half a second a test. A file's tests keep their order."""
+    import json
+
+    with open(FILE_SECONDS_PATH) as f:
+        seconds: dict[str, float] = json.load(f)
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = {name: files.count(name) for name in set(files)}
+    first = {name: i for i, name in reversed(list(enumerate(files)))}
+    order = sorted(range(len(items)), key=lambda i: (-seconds.get(files[i], 0.5 * count[files[i]]), first[files[i]], i))
+    items[:] = [items[i] for i in order]
+
+
 torch.set_num_threads(1)
 
 # Hypothesis: a failing example is reported as found, not shrunk, and no example database is kept, so a run costs

@@ -169,7 +169,9 @@ def test_idle_connections_do_not_count_as_requests(aengine: AsyncEngine) -> None
                 assert request(sock, "GET", "/health")[0] == 200
                 status, body = request(sock, "POST", "/v1/completions", COMPLETION)
                 assert status == 200, body
-            assert time.monotonic() - t0 < 2
+            # Counted idle connections would answer 503 (above) or hold the request until one is closed by the
+            # 30 s read timeout; a loaded two-core run took 2.35 s for the completion itself.
+            assert time.monotonic() - t0 < 10
             assert not any(is_closed(s) for s in idle)  # under the connection limit: nobody is cut
         finally:
             for s in idle:
