@@ -54,14 +54,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (xdist's own order is by the number of tests, which puts a file of a few long engine tests last). A file not
     measured weighs half a second a test. A file's tests keep their order."""
     import json
+    from collections import Counter
 
     with open(FILE_SECONDS_PATH) as f:
         seconds: dict[str, float] = json.load(f)
-    files = [item.nodeid.split("::")[0] for item in items]
-    count = {name: files.count(name) for name in set(files)}
-    first = {name: i for i, name in reversed(list(enumerate(files)))}
-    order = sorted(range(len(items)), key=lambda i: (-seconds.get(files[i], 0.5 * count[files[i]]), first[files[i]], i))
-    items[:] = [items[i] for i in order]
+    count = Counter(item.nodeid.split("::")[0] for item in items)
+    rank = {name: i for i, name in enumerate(count)}  # collection order (a Counter keeps first insertion)
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        name = item.nodeid.split("::")[0]
+        return -seconds.get(name, 0.5 * count[name]), rank[name]
+
+    items.sort(key=key)  # stable: a file's tests keep their order
 
 
 torch.set_num_threads(1)

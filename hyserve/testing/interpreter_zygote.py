@@ -35,10 +35,12 @@ def _run_child(request: dict[str, str]) -> int:
     try:
         runpy.run_path(request["file"], run_name="__main__")
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
+    except SystemExit as e:  # sys.exit(message) prints it and exits 1, as the interpreter does
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -213,7 +213,6 @@ def swapped_kernel(module_name: str, kernel: str, edits: list[tuple[str, str]]) 
 # (``hyserve.testing.interpreter_zygote``); the others (``--engine-check`` and the like) get a fresh interpreter.
 ZYGOTE_FLAGS = ("--interpreter-checks", "--interpreter-checks-slow", "--kernel-checks", "--sabotage")
 _ZYGOTES: dict[tuple[str, frozenset[tuple[str, str]]], subprocess.Popen[bytes]] = {}
-_UNREAD: dict[int, bytes] = {}  # a zygote's pid -> what was read from its stdout past the last line
 
 
 def _zygote_key(root: Path, env: dict[str, str]) -> tuple[str, frozenset[tuple[str, str]]]:
@@ -230,22 +229,21 @@ def _zygote(root: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([sys.executable, "-m", "hyserve.testing.interpreter_zygote"], env=env, cwd=root,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         _ZYGOTES[key] = proc
-        _UNREAD[proc.pid] = b""
     return proc
 
 
 def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> dict[str, Any]:
-    """The zygote's next reply, waiting until ``deadline`` (``TimeoutError``) on the pipe itself (no buffer in
-    between that ``select`` would not see)."""
+    """The zygote's next reply, waiting until ``deadline`` (``TimeoutError``), read a byte at a time from the pipe
+    itself (a reply is a few bytes; a buffer in between would hold the next reply where ``select`` cannot see it)."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
-    while b"\n" not in _UNREAD[proc.pid]:
+    line = b""
+    while not line.endswith(b"\n"):
         if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
             raise TimeoutError
-        chunk = os.read(fd, 65536)
-        assert chunk, f"the interpreter zygote ended (exit code {proc.wait()})"
-        _UNREAD[proc.pid] += chunk
-    line, _UNREAD[proc.pid] = _UNREAD[proc.pid].split(b"\n", 1)
+        byte = os.read(fd, 1)
+        assert byte, f"the interpreter zygote ended (exit code {proc.wait()})"
+        line += byte
     reply: dict[str, Any] = json.loads(line)
     return reply
 
